@@ -1,0 +1,342 @@
+"""HTTP bootstrap: prefill endpoints register, decode endpoints look up who serves a room.
+
+The server runs aiohttp on its own thread and event loop, so it can live inside a prefill
+process or stand alone (``pdxfer bootstrap``). It answers 503 until every rank of an
+instance has registered (a decode must never pair with half an instance), 409 to a
+registration that conflicts with the instance's topology or layout, and 400/404 with a
+message to a bad query.
+
+The client is synchronous (stdlib HTTP) with timeouts and retries with backoff; endpoints call
+it from their own threads, never from the engine loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Annotated, Any
+
+import msgspec
+from aiohttp import web
+
+from .errors import BootstrapError
+from .pools import NonNeg
+
+log = logging.getLogger("pdxfer.bootstrap")
+
+Small = Annotated[int, msgspec.Meta(ge=1, le=4096)]
+Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class Registration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One prefill endpoint (rank) of an instance."""
+
+    instance: Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[\w.:\-]+$")]
+    endpoint_id: Text
+    ctrl_addr: Text
+    session: Text
+    signature: Annotated[str, msgspec.Meta(max_length=64)]
+    tp_rank: NonNeg = 0
+    tp_size: Small = 1
+    dp_rank: NonNeg = 0
+    dp_size: Small = 1
+    pp_rank: NonNeg = 0
+    pp_size: Small = 1
+
+    def __post_init__(self) -> None:
+        for r, s, what in ((self.tp_rank, self.tp_size, "tp"), (self.dp_rank, self.dp_size, "dp"),
+                           (self.pp_rank, self.pp_size, "pp")):
+            if r >= s:
+                raise ValueError(f"{what}_rank {r} must be < {what}_size {s}")
+
+    @property
+    def slot(self) -> tuple[int, int, int]:
+        return (self.dp_rank, self.pp_rank, self.tp_rank)
+
+
+class _Instance:
+    def __init__(self, first: Registration) -> None:
+        self.shape = (first.dp_size, first.pp_size, first.tp_size)
+        self.signature = first.signature
+        self.slots: dict[tuple[int, int, int], Registration] = {}
+
+    @property
+    def complete(self) -> bool:
+        dp, pp, tp = self.shape
+        return len(self.slots) == dp * pp * tp
+
+
+class BootstrapServer:
+    """The registry of prefill instances. ``start()`` returns once it listens."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port
+        self._instances: dict[str, _Instance] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.counters: dict[str, int] = {"registrations": 0, "conflicts": 0, "lookups": 0,
+                                         "not_ready": 0, "bad_requests": 0}
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self, timeout: float = 10.0) -> BootstrapServer:
+        self._thread = threading.Thread(target=self._run, name="pdxfer-bootstrap", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise BootstrapError(f"bootstrap server did not start within {timeout} s")
+        if self._error is not None:
+            raise BootstrapError(f"bootstrap server failed to start: {self._error}")
+        return self
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        loop.run_forever()
+        loop.run_until_complete(self._runner.cleanup() if self._runner else asyncio.sleep(0))
+        loop.close()
+
+    async def _serve(self) -> None:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_put("/register", self._h_register)
+        app.router.add_delete("/register", self._h_deregister)
+        app.router.add_get("/route", self._h_route)
+        app.router.add_get("/health", self._h_health)
+        app.router.add_get("/instances", self._h_instances)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __enter__(self) -> BootstrapServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- registry (plain methods, so they are testable without HTTP) -------------------------
+    def register(self, reg: Registration) -> tuple[int, str]:
+        with self._lock:
+            inst = self._instances.get(reg.instance)
+            if inst is None:
+                inst = self._instances[reg.instance] = _Instance(reg)
+            shape = (reg.dp_size, reg.pp_size, reg.tp_size)
+            if shape != inst.shape:
+                self.counters["conflicts"] += 1
+                return 409, (f"instance {reg.instance!r} has dp/pp/tp {inst.shape}, "
+                             f"registration says {shape}")
+            if reg.signature != inst.signature:
+                self.counters["conflicts"] += 1
+                return 409, (f"instance {reg.instance!r} has layout signature {inst.signature}, "
+                             f"registration says {reg.signature}")
+            for slot, other in inst.slots.items():
+                if other.endpoint_id == reg.endpoint_id and slot != reg.slot:
+                    self.counters["conflicts"] += 1
+                    return 409, f"endpoint {reg.endpoint_id} already registered at {slot}"
+            old = inst.slots.get(reg.slot)
+            if old is not None and old.endpoint_id != reg.endpoint_id:
+                log.info("instance %s slot %s: endpoint %s replaces %s (restart)",
+                         reg.instance, reg.slot, reg.endpoint_id, old.endpoint_id)
+            inst.slots[reg.slot] = reg
+            self.counters["registrations"] += 1
+            return 200, "registered"
+
+    def deregister(self, endpoint_id: str) -> bool:
+        with self._lock:
+            for name, inst in list(self._instances.items()):
+                for slot, reg in list(inst.slots.items()):
+                    if reg.endpoint_id == endpoint_id:
+                        del inst.slots[slot]
+                        if not inst.slots:
+                            del self._instances[name]
+                        return True
+        return False
+
+    def route(self, instance: str | None, room: int | None, dp: int | None) -> tuple[int, Any]:
+        with self._lock:
+            self.counters["lookups"] += 1
+            if instance is None:
+                if len(self._instances) != 1:
+                    return (404 if not self._instances else 400), (
+                        "no instance registered" if not self._instances else
+                        f"several instances registered ({sorted(self._instances)}): name one")
+                instance = next(iter(self._instances))
+            inst = self._instances.get(instance)
+            if inst is None:
+                return 404, f"unknown instance {instance!r}"
+            if not inst.complete:
+                self.counters["not_ready"] += 1
+                dp_, pp_, tp_ = inst.shape
+                return 503, (f"instance {instance!r} has {len(inst.slots)} of {dp_ * pp_ * tp_} "
+                             f"ranks registered")
+            dp_size, pp_size, tp_size = inst.shape
+            if dp is None:
+                dp = (room or 0) % dp_size
+            if not 0 <= dp < dp_size:
+                return 400, f"dp {dp} out of range [0, {dp_size})"
+            eps = sorted((r for r in inst.slots.values() if r.dp_rank == dp),
+                         key=lambda r: (r.pp_rank, r.tp_rank))
+            return 200, {
+                "instance": instance, "dp_rank": dp, "dp_size": dp_size, "pp_size": pp_size,
+                "tp_size": tp_size, "signature": inst.signature,
+                "endpoints": [msgspec.to_builtins(r) for r in eps],
+            }
+
+    # -- HTTP handlers ----------------------------------------------------------------------
+    def _bad(self, status: int, msg: str) -> web.Response:
+        if status == 400:
+            self.counters["bad_requests"] += 1
+        return web.json_response({"error": msg}, status=status)
+
+    async def _h_register(self, request: web.Request) -> web.Response:
+        try:
+            reg = msgspec.json.decode(await request.read(), type=Registration)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            return self._bad(400, f"invalid registration: {e}")
+        status, msg = self.register(reg)
+        return web.json_response({"ok": status == 200, "message": msg} if status == 200
+                                 else {"error": msg}, status=status)
+
+    async def _h_deregister(self, request: web.Request) -> web.Response:
+        eid = request.query.get("endpoint_id")
+        if not eid:
+            return self._bad(400, "missing query parameter endpoint_id")
+        if not self.deregister(eid):
+            return self._bad(404, f"unknown endpoint {eid!r}")
+        return web.json_response({"ok": True})
+
+    async def _h_route(self, request: web.Request) -> web.Response:
+        q = request.query
+        try:
+            room = _opt_int(q.get("room"), "room", 0, 1 << 63)
+            dp = _opt_int(q.get("dp"), "dp", 0, 4096)
+        except ValueError as e:
+            return self._bad(400, str(e))
+        status, body = self.route(q.get("instance") or None, room, dp)
+        if status != 200:
+            return self._bad(status, body)
+        return web.json_response(body)
+
+    async def _h_health(self, request: web.Request) -> web.Response:
+        with self._lock:
+            n = len(self._instances)
+        return web.json_response({"status": "ok", "instances": n})
+
+    async def _h_instances(self, request: web.Request) -> web.Response:
+        with self._lock:
+            body = {name: {"shape": inst.shape, "registered": len(inst.slots),
+                           "complete": inst.complete} for name, inst in self._instances.items()}
+        return web.json_response(body)
+
+
+def _opt_int(v: str | None, name: str, lo: int, hi: int) -> int | None:
+    if v is None or v == "":
+        return None
+    try:
+        x = int(v)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {v!r}") from None
+    if not lo <= x < hi:
+        raise ValueError(f"{name} {x} out of range [{lo}, {hi})")
+    return x
+
+
+class BootstrapClient:
+    """Talks to a bootstrap server with timeouts and retries with backoff."""
+
+    def __init__(self, address: str, timeout: float = 5.0, retries: int = 5,
+                 backoff: float = 0.05, max_backoff: float = 2.0) -> None:
+        if "://" not in address:
+            address = "http://" + address
+        self.base = address.rstrip("/")
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+
+    def _call(self, method: str, path: str, body: bytes | None = None,
+              deadline: float | None = None) -> Any:
+        """One request with retries on connection errors and 5xx; 4xx raise at once."""
+        delay = self.backoff
+        attempt = 0
+        while True:
+            attempt += 1
+            req = urllib.request.Request(self.base + path, data=body, method=method,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                    return json.loads(r.read() or b"null")
+            except urllib.error.HTTPError as e:
+                msg = _error_text(e)
+                if e.code < 500:
+                    raise BootstrapError(f"bootstrap {method} {path} -> {e.code}: {msg}") from None
+                last = f"{e.code}: {msg}"
+            except (urllib.error.URLError, OSError, TimeoutError) as e:
+                last = f"unreachable: {getattr(e, 'reason', e)}"
+            now = time.monotonic()
+            out_of_time = deadline is not None and now + delay > deadline
+            if out_of_time or (deadline is None and attempt > self.retries):
+                raise BootstrapError(f"bootstrap {self.base}{path}: {last} (after {attempt} tries)")
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, self.max_backoff)
+
+    def register(self, reg: Registration) -> None:
+        self._call("PUT", "/register", msgspec.json.encode(reg))
+
+    def deregister(self, endpoint_id: str) -> None:
+        q = urllib.parse.urlencode({"endpoint_id": endpoint_id})
+        self._call("DELETE", f"/register?{q}")
+
+    def route(self, room: int, instance: str | None = None, dp: int | None = None,
+              deadline: float | None = None) -> dict[str, Any]:
+        """Who serves ``room``; waits (retrying 503) until the instance is complete or
+        ``deadline`` (monotonic) passes."""
+        q: dict[str, Any] = {"room": room}
+        if instance:
+            q["instance"] = instance
+        if dp is not None:
+            q["dp"] = dp
+        return self._call("GET", "/route?" + urllib.parse.urlencode(q), deadline=deadline)
+
+    def health(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base + "/health", timeout=self.timeout) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, TimeoutError):
+            return False
+
+
+def _error_text(e: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(e.read() or b"{}")
+        return str(body.get("error") or body)
+    except (ValueError, OSError):
+        return e.reason if isinstance(e.reason, str) else str(e.reason)

@@ -1,0 +1,165 @@
+"""The control plane's plumbing: one ZMQ PULL socket per endpoint, PUSH sockets to peers, a
+control thread, and room-sharded worker threads.
+
+No pdxfer semantics live here: the endpoint hands in a message handler and a periodic tick.
+A handler that raises is logged and counted; it never kills the control thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+log = logging.getLogger("pdxfer.control")
+
+
+class Control:
+    """Receives frames on ``address`` and sends frames to peers' addresses."""
+
+    def __init__(
+        self,
+        host: str,
+        on_frame: Callable[[bytes], None],
+        on_tick: Callable[[], None],
+        tick_s: float = 0.05,
+        max_frame: int = 64 << 20,
+        name: str = "pdxfer-control",
+    ) -> None:
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame)
+        self._pull.setsockopt(zmq.RCVHWM, 100_000)
+        port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._on_frame = on_frame
+        self._on_tick = on_tick
+        self._tick_s = tick_s
+        self._push: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
+        self._push_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.handler_errors = 0
+        self.send_failures = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        next_tick = time.monotonic() + self._tick_s
+        while not self._stop.is_set():
+            timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
+            try:
+                ready = dict(poller.poll(timeout_ms))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    break
+                raise
+            if self._pull in ready:
+                for _ in range(1000):
+                    try:
+                        frame = self._pull.recv(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self._guard(self._on_frame, frame)
+            if time.monotonic() >= next_tick:
+                self._guard(self._on_tick)
+                next_tick = time.monotonic() + self._tick_s
+
+    def _guard(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - one bad message must not stop the endpoint
+            self.handler_errors += 1
+            log.exception("control handler failed")
+
+    def send(self, addr: str, frame: bytes) -> bool:
+        """Queue ``frame`` for ``addr`` without blocking; False if it could not be queued."""
+        with self._push_lock:
+            entry = self._push.get(addr)
+            if entry is None:
+                s = self._ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, 100_000)
+                try:
+                    s.connect(addr)
+                except zmq.ZMQError as e:
+                    s.close()
+                    log.warning("cannot connect to %s: %s", addr, e)
+                    self.send_failures += 1
+                    return False
+                entry = self._push[addr] = (s, threading.Lock())
+        sock, lock = entry
+        with lock:
+            try:
+                sock.send(frame, zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.ZMQError as e:
+                self.send_failures += 1
+                log.warning("send to %s failed: %s", addr, e)
+                return False
+
+    def forget(self, addr: str) -> None:
+        """Drop the socket to a peer that is gone (its queued frames are discarded)."""
+        with self._push_lock:
+            entry = self._push.pop(addr, None)
+        if entry is not None:
+            with entry[1]:
+                entry[0].close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._push_lock:
+            for s, lock in self._push.values():
+                with lock:
+                    s.close(linger=0)
+            self._push.clear()
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+
+class Workers:
+    """FIFO worker threads; every job of one key (a room) runs on the same thread, in order.
+
+    That ordering is what makes "drained" cheap to prove: a finish or ack job queued behind a
+    room's writes runs only after they have returned.
+    """
+
+    def __init__(self, n: int, name: str = "pdxfer-worker") -> None:
+        self._queues: list[queue.SimpleQueue[Callable[[], None] | None]] = [
+            queue.SimpleQueue() for _ in range(n)
+        ]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(q,), name=f"{name}-{i}", daemon=True)
+            for i, q in enumerate(self._queues)
+        ]
+        self.errors = 0
+        for t in self._threads:
+            t.start()
+
+    def submit(self, key: int, job: Callable[[], None]) -> None:
+        self._queues[key % len(self._queues)].put(job)
+
+    def _loop(self, q: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - a job's failure is reported by the job
+                self.errors += 1
+                log.exception("worker job failed")
+
+    def close(self, timeout: float = 10.0) -> None:
+        for q in self._queues:
+            q.put(None)
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(timeout=max(0.0, end - time.monotonic()))

@@ -1,0 +1,240 @@
+"""Pure address math: from pool geometry and indices to ``(src_addr, dst_addr, nbytes)`` blocks.
+
+Nothing here does I/O, so every rule is unit-tested with numbers. Functions return a plan or
+an error string (the caller decides how to fail); they never raise on bad peer input.
+
+Positional model: a request's tokens are numbered ``0..num_tokens``. A list of page indices
+covers consecutive tokens starting at a page-aligned ``first`` token: page ``i`` of the list
+holds tokens ``[first + i*page_size, first + (i+1)*page_size)``. The sender's chunk and the
+receiver's destination list each have their own ``first`` (the receiver's is its
+``prefix_len``), so a plan is made for the intersection ``[start, end)``.
+
+Coalescing: a run of tokens (or pages) contiguous on both sides becomes one block per buffer,
+because the transport's cost is per entry (about 37 us each on TCP, a descriptor on RDMA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from .pools import PoolSpec
+
+MAX_BATCH_ENTRIES = 1024
+"""Mooncake's TCP transport rejects batches over ~2048 entries per peer and can wedge that
+peer's lane for good; 1024 keeps a safe margin."""
+
+_U64 = np.uint64
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """A plan: parallel uint64 arrays of source address, destination address and length."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+
+    @staticmethod
+    def empty() -> Blocks:
+        z = np.zeros(0, dtype=_U64)
+        return Blocks(z, z, z)
+
+    @staticmethod
+    def concat(parts: list[Blocks]) -> Blocks:
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            return Blocks.empty()
+        if len(parts) == 1:
+            return parts[0]
+        return Blocks(
+            np.concatenate([p.src for p in parts]),
+            np.concatenate([p.dst for p in parts]),
+            np.concatenate([p.nbytes for p in parts]),
+        )
+
+    def __len__(self) -> int:
+        return int(self.src.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum()) if len(self) else 0
+
+    def batches(self, max_entries: int = MAX_BATCH_ENTRIES) -> Iterator[Blocks]:
+        for i in range(0, len(self), max_entries):
+            yield Blocks(
+                self.src[i : i + max_entries],
+                self.dst[i : i + max_entries],
+                self.nbytes[i : i + max_entries],
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class BufferPairing:
+    """Source and destination base addresses of the buffers that pair by (layer id, role).
+
+    Computed once per (prefill endpoint, decode endpoint, pool) and cached by the endpoint;
+    planning a chunk is then a few vectorised numpy operations.
+    """
+
+    src: PoolSpec
+    dst: PoolSpec
+    src_base: np.ndarray
+    dst_base: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.src_base.shape[0])
+
+
+def pair_buffers(src: PoolSpec, dst: PoolSpec) -> BufferPairing | str:
+    """Pair ``src`` buffers with ``dst`` buffers by (layer id, role).
+
+    Every source buffer needs a destination; destination buffers without a source here are
+    fine (another pipeline stage writes them).
+    """
+    by_key = {(b.layer_id, b.role): b for b in dst.buffers}
+    sb: list[int] = []
+    db: list[int] = []
+    for b in src.buffers:
+        d = by_key.get((b.layer_id, b.role))
+        if d is None:
+            return f"pool {src.name!r}: no destination buffer for layer {b.layer_id} {b.role}"
+        sb.append(b.addr)
+        db.append(d.addr)
+    return BufferPairing(src, dst, np.array(sb, dtype=_U64), np.array(db, dtype=_U64))
+
+
+def as_indices(x: object, what: str) -> np.ndarray | str:
+    """Normalise indices to a 1-d int64 array, or say why they are not indices."""
+    try:
+        a = np.asarray(x)
+    except Exception as e:  # noqa: BLE001 - any conversion failure is a caller error
+        return f"{what}: not an index array ({e})"
+    if a.ndim != 1:
+        a = a.reshape(-1) if a.ndim == 0 else a
+        if a.ndim != 1:
+            return f"{what}: indices must be 1-d, got shape {a.shape}"
+    if a.size and a.dtype.kind not in "iu":
+        return f"{what}: indices must be integers, got {a.dtype}"
+    return a.astype(np.int64, copy=False)
+
+
+def runs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split paired index arrays wherever either side breaks +1 continuity.
+
+    Returns the first index of each run on both sides and the run lengths.
+    """
+    if a.size == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z, z
+    brk = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), brk))
+    ends = np.concatenate((brk, np.array([a.size], dtype=np.int64)))
+    return a[starts], b[starts], ends - starts
+
+
+def _check_range(idx: np.ndarray, limit: int, what: str) -> str | None:
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= limit):
+        return f"{what}: index out of range [0, {limit}) (min {int(idx.min())}, max {int(idx.max())})"
+    return None
+
+
+def _expand(
+    pairing: BufferPairing, s0: np.ndarray, d0: np.ndarray, n: np.ndarray, unit: int
+) -> Blocks:
+    """Every run times every paired buffer, as flat arrays (buffer-major)."""
+    u = _U64(unit)
+    src = (pairing.src_base[:, None] + s0.astype(_U64)[None, :] * u).reshape(-1)
+    dst = (pairing.dst_base[:, None] + d0.astype(_U64)[None, :] * u).reshape(-1)
+    nb = np.broadcast_to(n.astype(_U64)[None, :] * u, (len(pairing), n.size)).reshape(-1)
+    return Blocks(src, dst, nb)
+
+
+def plan_paged(
+    pairing: BufferPairing,
+    src_pages: np.ndarray,
+    src_first: int,
+    dst_pages: np.ndarray,
+    dst_first: int,
+    start: int,
+    end: int,
+) -> Blocks | str:
+    """Blocks moving tokens ``[start, end)`` of a paged pool.
+
+    With equal page sizes and page-aligned starts, whole pages are copied (the tail of a
+    request's last page is its own page, so this writes nothing another request owns) and any
+    layout works. Otherwise tokens are mapped one by one, which needs a token-major layout.
+    """
+    src, dst = pairing.src, pairing.dst
+    if end <= start or src.item_bytes == 0:
+        return Blocks.empty()
+    ps_s, ps_d = src.page_size, dst.page_size
+    if start < src_first or start < dst_first:
+        return f"pool {src.name!r}: token {start} precedes the indices' first token"
+    if end - src_first > src_pages.size * ps_s:
+        return (f"pool {src.name!r}: source indices cover {src_pages.size * ps_s} tokens from "
+                f"{src_first}, need up to token {end}")
+    if end - dst_first > dst_pages.size * ps_d:
+        return (f"pool {src.name!r}: destination indices cover {dst_pages.size * ps_d} tokens "
+                f"from {dst_first}, need up to token {end}")
+    if ps_s == ps_d and (start - src_first) % ps_s == 0 and (start - dst_first) % ps_d == 0:
+        i0, j0 = (start - src_first) // ps_s, (start - dst_first) // ps_d
+        count = -(-(end - start) // ps_s)
+        s = src_pages[i0 : i0 + count]
+        d = dst_pages[j0 : j0 + count]
+        why = _check_range(s, src.num_items, f"pool {src.name!r} source page") or _check_range(
+            d, dst.num_items, f"pool {src.name!r} destination page"
+        )
+        if why:
+            return why
+        s0, d0, n = runs(s, d)
+        return _expand(pairing, s0, d0, n, src.item_bytes)
+    if not (src.token_major and dst.token_major):
+        return f"pool {src.name!r}: page-size remapping needs token-major layouts"
+    why = _check_range(src_pages, src.num_items, f"pool {src.name!r} source page") or _check_range(
+        dst_pages, dst.num_items, f"pool {src.name!r} destination page"
+    )
+    if why:
+        return why
+    pos = np.arange(start, end, dtype=np.int64)
+    ps_, pd_ = pos - src_first, pos - dst_first
+    s = src_pages[ps_ // ps_s] * ps_s + ps_ % ps_s
+    d = dst_pages[pd_ // ps_d] * ps_d + pd_ % ps_d
+    s0, d0, n = runs(s, d)
+    return _expand(pairing, s0, d0, n, src.token_bytes)
+
+
+def plan_slots(pairing: BufferPairing, src_slot: int, dst_slot: int) -> Blocks | str:
+    """Blocks copying one slot (aux row, state) of every paired buffer."""
+    src, dst = pairing.src, pairing.dst
+    if not 0 <= src_slot < src.num_items:
+        return f"pool {src.name!r}: source slot {src_slot} out of range [0, {src.num_items})"
+    if not 0 <= dst_slot < dst.num_items:
+        return f"pool {src.name!r}: destination slot {dst_slot} out of range [0, {dst.num_items})"
+    one = np.ones(1, dtype=np.int64)
+    return _expand(pairing, one * src_slot, one * dst_slot, one, src.item_bytes)
+
+
+def check_bounds(blocks: Blocks, regions: list[tuple[int, int]], side: str) -> str | None:
+    """Whether every block lies inside one of ``regions`` (``(addr, nbytes)``).
+
+    The last line of defence: a plan that would write outside a registered buffer is an
+    error, never a write.
+    """
+    if not len(blocks):
+        return None
+    addrs = blocks.src if side == "src" else blocks.dst
+    reg = sorted(regions)
+    starts = np.array([r[0] for r in reg], dtype=_U64)
+    ends = np.array([r[0] + r[1] for r in reg], dtype=_U64)
+    k = np.searchsorted(starts, addrs, side="right") - 1
+    bad = k < 0
+    kk = np.where(bad, 0, k)
+    bad |= addrs + blocks.nbytes > ends[kk]
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        return (f"{side} block {i} at {int(addrs[i]):#x}+{int(blocks.nbytes[i])} lies outside "
+                f"every registered buffer")
+    return None

@@ -1,0 +1,427 @@
+"""Decode side: ``KVReceiver`` (one per request) and the handlers for prefill messages.
+
+Page lifetime is fail-closed (DESIGN.md §7): a failed request's destination pages go back to
+the engine (the ``release`` callback) only when no write can still land in them: every sender
+answered ``TransferDone`` or ``AbortAck``, or was declared dead. Until then they stay held
+and, past ``abort_timeout_s``, are counted as quarantined.
+
+Bootstrap lookups and handshakes block, so they run on a connector thread; the engine's calls
+only record intent and return.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import plan as P
+from . import wire
+from .bootstrap import BootstrapClient
+from .errors import (
+    Aborted,
+    BootstrapError,
+    DeadlineExceeded,
+    DuplicateRoom,
+    LayoutMismatch,
+    PdxferError,
+    PeerLost,
+    PlanError,
+    RemoteFailure,
+)
+from .pools import PoolSpec, layout_signature
+from .states import KVPoll
+
+if TYPE_CHECKING:
+    from .endpoint import Endpoint
+
+log = logging.getLogger("pdxfer.receiver")
+
+Release = Callable[[Mapping[str, np.ndarray], Mapping[str, int]], None]
+
+
+@dataclass(slots=True, eq=False)
+class PrefillPeer:
+    """A prefill endpoint this decode handshook with."""
+
+    endpoint_id: str
+    ctrl_addr: str
+    tp_rank: int
+    session: str = ""
+    pools: dict[str, PoolSpec] = field(default_factory=dict)
+    ready: threading.Event = field(default_factory=threading.Event)
+    refused: str = ""
+    dead: bool = False
+    probe_failures: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class RecvRoom:
+    room: int
+    bootstrap: str
+    instance: str | None
+    dp: int | None
+    release: Release | None
+    deadline: float
+    nonce: int = 0
+    state: KVPoll = KVPoll.Bootstrapping
+    failure: PdxferError | None = None
+    requested: bool = False
+    dst: dict[str, np.ndarray] = field(default_factory=dict)
+    slots: dict[str, int] = field(default_factory=dict)
+    prefix_len: int = 0
+    num_tokens: int = 0
+    targets: list[PrefillPeer] = field(default_factory=list)
+    done: set[str] = field(default_factory=set)
+    outstanding: set[str] = field(default_factory=set)
+    abort_deadline: float = 0.0
+    quarantined: bool = False
+    released: bool = False
+    bytes: int = 0
+    blocks: int = 0
+    t_request: float = 0.0
+    t_done: float = 0.0
+
+
+class KVReceiver:
+    """The engine's handle for one request on the decode side. Every call returns at once."""
+
+    def __init__(self, side: DecodeSide, st: RecvRoom) -> None:
+        self._side = side
+        self._st = st
+
+    @property
+    def room(self) -> int:
+        return self._st.room
+
+    def request(self, dst: Mapping[str, object], slots: Mapping[str, int] | None = None,
+                prefix_len: int = 0, num_tokens: int | None = None) -> None:
+        """Ask the prefill for tokens ``[prefix_len, num_tokens)`` into ``dst`` (page indices
+        per anchor pool, covering tokens from ``prefix_len``) and slot rows ``slots``.
+        ``num_tokens`` defaults to what the first pool's pages cover."""
+        self._side.request(self._st, dst, dict(slots or {}), prefix_len, num_tokens)
+
+    def poll(self) -> KVPoll:
+        return self._st.state
+
+    @property
+    def failure(self) -> PdxferError | None:
+        return self._st.failure
+
+    @property
+    def quarantined(self) -> bool:
+        return self._st.quarantined
+
+    @property
+    def released(self) -> bool:
+        return self._st.released
+
+    def stats(self) -> dict[str, Any]:
+        st = self._st
+        return {"bytes": st.bytes, "blocks": st.blocks, "senders": len(st.targets),
+                "seconds": (st.t_done - st.t_request) if st.t_done else None}
+
+    def abort(self, reason: str = "aborted by decode engine") -> None:
+        self._side.fail(self._st, Aborted(f"room {self._st.room}: {reason}"))
+
+
+class DecodeSide:
+    """Room tables, connector and heartbeat of a decode endpoint."""
+
+    def __init__(self, ep: Endpoint) -> None:
+        self.ep = ep
+        self.cfg = ep.config
+        self.rooms: dict[int, RecvRoom] = {}
+        self.peers: dict[str, PrefillPeer] = {}
+        self._routes: dict[tuple[str, str | None, int | None], dict[str, Any]] = {}
+        self._clients: dict[str, BootstrapClient] = {}
+        self._connector = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-connect")
+        self._stop = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeat, name="pdxfer-heartbeat", daemon=True)
+        self._hb.start()
+
+    # -- engine calls -------------------------------------------------------------------------
+    def create(self, room: int, bootstrap: str, instance: str | None, dp: int | None,
+               release: Release | None) -> KVReceiver:
+        if not 0 <= room < 1 << 63:
+            raise PlanError(f"room {room} out of range [0, 2^63)")
+        with self.ep.lock:
+            if room in self.rooms:
+                raise DuplicateRoom(f"room {room} is already active on decode endpoint "
+                                    f"{self.ep.endpoint_id}")
+            st = RecvRoom(room, bootstrap, instance, dp, release,
+                          time.monotonic() + self.cfg.bootstrap_timeout_s)
+            self.rooms[room] = st
+            self.ep.count("requests")
+        return KVReceiver(self, st)
+
+    def request(self, st: RecvRoom, dst: Mapping[str, object], slots: dict[str, int],
+                prefix_len: int, num_tokens: int | None) -> None:
+        if st.requested:
+            raise PlanError(f"room {st.room}: request() called twice")
+        arrays: dict[str, np.ndarray] = {}
+        for name, idx in dst.items():
+            pool = self.ep.pool(name)
+            if pool.kind != "paged" or pool.indices_from is not None:
+                raise PlanError(f"room {st.room}: pool {name!r} takes no destination indices")
+            a = P.as_indices(idx, f"room {st.room} pool {name!r}")
+            if isinstance(a, str):
+                raise PlanError(a)
+            if a.size and (int(a.min()) < 0 or int(a.max()) >= pool.num_items):
+                raise PlanError(f"room {st.room}: destination index out of range [0, "
+                                f"{pool.num_items}) for pool {name!r}")
+            arrays[name] = a
+        for name, slot in slots.items():
+            pool = self.ep.pool(name)
+            if pool.kind != "slot" or not 0 <= int(slot) < pool.num_items:
+                raise PlanError(f"room {st.room}: bad slot {slot} for pool {name!r}")
+        if num_tokens is None:
+            first = next(iter(arrays.items()), None)
+            num_tokens = prefix_len + (first[1].size * self.ep.pool(first[0]).page_size
+                                       if first else 0)
+        if not 0 <= prefix_len <= num_tokens:
+            raise PlanError(f"room {st.room}: need 0 <= prefix_len <= num_tokens")
+        for name, a in arrays.items():
+            if a.size * self.ep.pool(name).page_size < num_tokens - prefix_len:
+                raise PlanError(f"room {st.room}: pool {name!r} pages cover fewer than "
+                                f"{num_tokens - prefix_len} tokens")
+        with self.ep.lock:
+            if st.state.terminal:
+                return
+            st.requested = True
+            st.dst, st.slots = arrays, {k: int(v) for k, v in slots.items()}
+            st.prefix_len, st.num_tokens = prefix_len, num_tokens
+        self._connector.submit(self._connect, st)
+
+    def fail(self, st: RecvRoom, err: PdxferError) -> None:
+        """Fail a room and ask every sender that may still write to drain and acknowledge."""
+        with self.ep.lock:
+            if st.state.terminal:
+                return
+            st.state = KVPoll.Failed
+            st.failure = err
+            st.abort_deadline = time.monotonic() + self.cfg.abort_timeout_s
+            self.ep.count_failure(err)
+            log.info("room %d failed: %s", st.room, err)
+            targets = [p for p in st.targets if p.endpoint_id in st.outstanding]
+        for p in targets:
+            self.ep.send(p.ctrl_addr, wire.Abort(room=st.room, nonce=st.nonce, reason=str(err),
+                                                 reply_to=self.ep.ctrl_addr))
+        self._maybe_release(st)
+
+    # -- connector (blocking, off the engine loop) ----------------------------------------------
+    def _connect(self, st: RecvRoom) -> None:
+        try:
+            route = self._route(st)
+            if route["tp_size"] != self.cfg.tp_size:
+                raise LayoutMismatch(
+                    f"prefill instance {route['instance']!r} has TP {route['tp_size']}, this "
+                    f"decode has TP {self.cfg.tp_size}: heterogeneous TP is not supported yet")
+            eps = [e for e in route["endpoints"] if e["tp_rank"] == self.cfg.tp_rank]
+            if not eps:
+                raise BootstrapError(f"no prefill endpoint for tp rank {self.cfg.tp_rank}")
+            peers = [self._handshake(e, st.deadline) for e in eps]
+        except PdxferError as e:
+            self._forget_route(st)
+            self.fail(st, e)
+            return
+        except Exception as e:  # noqa: BLE001 - anything unexpected still fails the room
+            log.exception("connect for room %d failed", st.room)
+            self.fail(st, BootstrapError(f"room {st.room}: {e}"))
+            return
+        now = time.monotonic()
+        with self.ep.lock:
+            if st.state.terminal:
+                return
+            st.nonce = random.getrandbits(63)
+            st.targets = peers
+            st.outstanding = {p.endpoint_id for p in peers}
+            st.state = KVPoll.WaitingForInput
+            st.deadline = now + self.cfg.transfer_timeout_s
+            st.t_request = now
+            req = wire.TransferRequest(
+                room=st.room, nonce=st.nonce, endpoint_id=self.ep.endpoint_id,
+                reply_to=self.ep.ctrl_addr,
+                dst={k: wire.pack_indices(v) for k, v in st.dst.items()}, slots=st.slots,
+                prefix_len=st.prefix_len, num_tokens=st.num_tokens,
+                expected_senders=len(peers), deadline_s=self.cfg.transfer_timeout_s)
+        frame = wire.encode(req)
+        for p in peers:
+            self.ep.send_frame(p.ctrl_addr, frame)
+
+    def _route(self, st: RecvRoom) -> dict[str, Any]:
+        key = (st.bootstrap, st.instance, st.dp)
+        with self.ep.lock:
+            cached = self._routes.get(key)
+            client = self._clients.get(st.bootstrap)
+            if client is None:
+                client = self._clients[st.bootstrap] = BootstrapClient(st.bootstrap)
+        if cached is not None and cached["dp_size"] == 1:
+            return cached
+        route = client.route(st.room, st.instance, st.dp, deadline=st.deadline)
+        if not isinstance(route, dict) or not isinstance(route.get("endpoints"), list):
+            raise BootstrapError(f"bootstrap {st.bootstrap} answered an invalid route")
+        with self.ep.lock:
+            self._routes[key] = route
+        return route
+
+    def _forget_route(self, st: RecvRoom) -> None:
+        with self.ep.lock:
+            self._routes.pop((st.bootstrap, st.instance, st.dp), None)
+
+    def _handshake(self, e: dict[str, Any], deadline: float) -> PrefillPeer:
+        eid = str(e["endpoint_id"])
+        with self.ep.lock:
+            peer = self.peers.get(eid)
+            fresh = peer is None or peer.dead or peer.refused
+            if fresh:
+                peer = self.peers[eid] = PrefillPeer(eid, str(e["ctrl_addr"]), int(e["tp_rank"]))
+        if fresh:
+            hello = wire.Hello(
+                endpoint_id=self.ep.endpoint_id, ctrl_addr=self.ep.ctrl_addr,
+                session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
+                tp_size=self.cfg.tp_size, signature=layout_signature(self.ep.pools),
+                pools=tuple(self.ep.pools), auth=self.ep.auth_token(),
+            )
+            self.ep.send(peer.ctrl_addr, hello)
+        if not peer.ready.wait(max(0.0, deadline - time.monotonic())):
+            with self.ep.lock:
+                self.peers.pop(eid, None)
+            raise DeadlineExceeded(f"no HelloAck from prefill endpoint {eid} at "
+                                   f"{peer.ctrl_addr} before the deadline")
+        if peer.refused:
+            raise LayoutMismatch(f"prefill endpoint {eid} refused the handshake: {peer.refused}")
+        return peer
+
+    # -- messages ----------------------------------------------------------------------------
+    def on_hello_ack(self, msg: wire.HelloAck) -> None:
+        with self.ep.lock:
+            peer = self.peers.get(msg.endpoint_id)
+            if peer is None:
+                self.ep.count("stale_messages")
+                return
+            if msg.ok:
+                peer.session = msg.session
+                peer.pools = {p.name: p for p in msg.pools}
+            else:
+                peer.refused = msg.reason or "refused"
+            peer.ready.set()
+
+    def on_done(self, msg: wire.TransferDone) -> None:
+        with self.ep.lock:
+            st = self.rooms.get(msg.room)
+            if st is None or st.nonce != msg.nonce or msg.endpoint_id not in st.outstanding:
+                self.ep.count("stale_messages")
+                return
+            st.outstanding.discard(msg.endpoint_id)
+            st.bytes += msg.bytes
+            st.blocks += msg.blocks
+            if msg.ok:
+                st.done.add(msg.endpoint_id)
+                if len(st.done) == len(st.targets) and not st.state.terminal:
+                    st.state = KVPoll.Success
+                    st.t_done = time.monotonic()
+                    self.ep.count("success")
+                    self.ep.count_transfer(st.bytes, st.blocks)
+        if not msg.ok:
+            self.fail(st, RemoteFailure(f"room {msg.room}: prefill endpoint {msg.endpoint_id} "
+                                        f"failed: {msg.reason}"))
+        self._maybe_release(st)
+
+    def on_abort_ack(self, msg: wire.AbortAck) -> None:
+        with self.ep.lock:
+            st = self.rooms.get(msg.room)
+            if st is None or st.nonce != msg.nonce or msg.endpoint_id not in st.outstanding:
+                self.ep.count("stale_messages")
+                return
+            st.outstanding.discard(msg.endpoint_id)
+        self._maybe_release(st)
+
+    def on_abort(self, msg: wire.Abort) -> None:
+        """A prefill gave up on a room (it sends TransferDone(ok=False) for that)."""
+        self.ep.count("stale_messages")
+
+    def _maybe_release(self, st: RecvRoom) -> None:
+        """Drop a finished room; hand a failed room's pages back once nothing can land."""
+        with self.ep.lock:
+            if st.outstanding or not st.state.terminal or st.released:
+                return
+            self.rooms.pop(st.room, None)
+            if st.state != KVPoll.Failed:
+                return
+            st.released = True
+            st.quarantined = False
+            cb = st.release
+        if cb is not None:
+            try:
+                cb(st.dst, st.slots)
+            except Exception:  # noqa: BLE001 - the engine's callback must not break us
+                log.exception("release callback for room %d failed", st.room)
+
+    # -- periodic ----------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        expired: list[RecvRoom] = []
+        with self.ep.lock:
+            for st in self.rooms.values():
+                if not st.state.terminal and now > st.deadline:
+                    expired.append(st)
+                elif (st.state == KVPoll.Failed and st.outstanding and not st.quarantined
+                      and now > st.abort_deadline):
+                    st.quarantined = True
+                    self.ep.count("quarantined_requests")
+                    log.warning("room %d: pages quarantined, senders %s have not confirmed "
+                                "that their writes drained", st.room, sorted(st.outstanding))
+        for st in expired:
+            what = ("bootstrap/handshake" if st.state == KVPoll.Bootstrapping else
+                    f"transfer (state {st.state.name}, waiting for {sorted(st.outstanding)})")
+            self.fail(st, DeadlineExceeded(f"room {st.room}: {what} did not finish before its "
+                                           f"deadline"))
+
+    def quarantined_pages(self) -> int:
+        with self.ep.lock:
+            return sum(int(a.size) for st in self.rooms.values() if st.quarantined
+                       for a in st.dst.values())
+
+    def _heartbeat(self) -> None:
+        """Probe the prefill endpoints that rooms wait on; two misses in a row = lost."""
+        while not self._stop.wait(self.cfg.heartbeat_s):
+            with self.ep.lock:
+                watched = {p.endpoint_id: p for st in self.rooms.values() for p in st.targets
+                           if p.endpoint_id in st.outstanding and p.session and not p.dead}
+            for eid, p in watched.items():
+                if self.ep.transport.probe(p.session):
+                    p.probe_failures = 0
+                    continue
+                p.probe_failures += 1
+                if p.probe_failures >= 2:
+                    self._peer_lost(p)
+
+    def _peer_lost(self, p: PrefillPeer) -> None:
+        log.warning("prefill endpoint %s (%s) is unreachable", p.endpoint_id, p.session)
+        self.ep.count("peers_lost")
+        with self.ep.lock:
+            p.dead = True
+            self.peers.pop(p.endpoint_id, None)
+            self._routes = {k: v for k, v in self._routes.items()
+                            if all(e.get("endpoint_id") != p.endpoint_id for e in v["endpoints"])}
+            hit = [st for st in self.rooms.values() if p.endpoint_id in st.outstanding]
+        self.ep.control.forget(p.ctrl_addr)
+        for st in hit:
+            self.fail(st, PeerLost(f"room {st.room}: prefill endpoint {p.endpoint_id} "
+                                   f"({p.session}) stopped answering"))
+            with self.ep.lock:
+                # A dead process cannot write any more: its pages are safe.
+                st.outstanding.discard(p.endpoint_id)
+            self._maybe_release(st)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._hb.join(timeout=5)
+        self._connector.shutdown(wait=False, cancel_futures=True)

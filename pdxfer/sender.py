@@ -1,0 +1,461 @@
+"""Prefill side: ``KVSender`` (one per request) and the handlers for decode messages.
+
+A room's writes, its ``TransferDone`` and its ``AbortAck`` all run on one worker thread, in
+order (``control.Workers``): a terminal message queued behind the room's writes is sent only
+after they returned, which is what lets the decode free its pages without a late write.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import plan as P
+from . import wire
+from .errors import (
+    Aborted,
+    DeadlineExceeded,
+    DuplicateRoom,
+    LayoutMismatch,
+    PdxferError,
+    PlanError,
+    TransportError,
+)
+from .pools import PoolSpec, check_pools, layout_signature
+from .states import KVPoll
+
+if TYPE_CHECKING:
+    from .endpoint import Endpoint
+
+log = logging.getLogger("pdxfer.sender")
+
+
+@dataclass(slots=True, eq=False)
+class DecodePeer:
+    """A decode endpoint that said Hello: where to write and how its pools pair with ours."""
+
+    endpoint_id: str
+    ctrl_addr: str
+    session: str
+    pools: dict[str, PoolSpec]
+    pairings: dict[str, P.BufferPairing]
+    regions: list[tuple[int, int]]
+
+
+@dataclass(slots=True, eq=False)
+class Chunk:
+    pages: dict[str, np.ndarray]
+    first: int
+    covered: int
+    slots: dict[str, int]
+    last: bool
+
+
+@dataclass(slots=True, eq=False)
+class Target:
+    """One decode endpoint's request for a room."""
+
+    req: wire.TransferRequest
+    peer: DecodePeer
+    dst: dict[str, np.ndarray]
+    scheduled: int = 0
+    finished: bool = False
+    aborted: bool = False
+    bytes: int = 0
+    blocks: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class SenderRoom:
+    room: int
+    deadline: float
+    state: KVPoll = KVPoll.Bootstrapping
+    failure: PdxferError | None = None
+    chunks: list[Chunk] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    expected: int = 1
+    cursor: int = 0
+    last_given: bool = False
+
+
+class KVSender:
+    """The engine's handle for one request on the prefill side. Every call returns at once."""
+
+    def __init__(self, side: PrefillSide, st: SenderRoom) -> None:
+        self._side = side
+        self._st = st
+
+    @property
+    def room(self) -> int:
+        return self._st.room
+
+    def send(self, pages: Mapping[str, object], slots: Mapping[str, int] | None = None,
+             last: bool = False) -> None:
+        """Hand over a finished prefill chunk: page indices per pool (anchors only), in prompt
+        order. The last chunk also names the slot of each slot pool. A chunk given before the
+        decode's request arrived waits for it."""
+        self._side.add_chunk(self._st, pages, dict(slots or {}), last)
+
+    def poll(self) -> KVPoll:
+        return self._st.state
+
+    @property
+    def failure(self) -> PdxferError | None:
+        return self._st.failure
+
+    @property
+    def prefix_len(self) -> int | None:
+        """The decode's ``prefix_len`` once its request arrived (tokens it already holds)."""
+        return min((t.req.prefix_len for t in self._st.targets), default=None)
+
+    def abort(self, reason: str = "aborted by prefill engine") -> None:
+        self._side.fail(self._st, Aborted(f"room {self._st.room}: {reason}"))
+
+
+class PrefillSide:
+    """Room tables and message handlers of a prefill endpoint."""
+
+    def __init__(self, ep: Endpoint) -> None:
+        self.ep = ep
+        self.cfg = ep.config
+        self.rooms: dict[int, SenderRoom] = {}
+        self.pending: dict[int, tuple[float, list[tuple[wire.TransferRequest, DecodePeer]]]] = {}
+        self.tombstones: dict[int, tuple[float, str]] = {}
+        self.peers: dict[str, DecodePeer] = {}
+        self.primary = next(
+            (p for p in ep.pools if p.kind == "paged" and p.indices_from is None), None
+        )
+
+    # -- engine calls -------------------------------------------------------------------------
+    def create(self, room: int) -> KVSender:
+        now = time.monotonic()
+        with self.ep.lock:
+            if room in self.rooms:
+                raise DuplicateRoom(f"room {room} is already active on prefill endpoint "
+                                    f"{self.ep.endpoint_id}")
+            self.tombstones.pop(room, None)
+            st = SenderRoom(room, now + self.cfg.bootstrap_timeout_s)
+            self.rooms[room] = st
+            self.ep.count("requests")
+            _, waiting = self.pending.pop(room, (0.0, []))
+            for req, peer in waiting:
+                self._attach(st, req, peer, now)
+        return KVSender(self, st)
+
+    def add_chunk(self, st: SenderRoom, pages: Mapping[str, object], slots: dict[str, int],
+                  last: bool) -> None:
+        if st.last_given:
+            raise PlanError(f"room {st.room}: send() after the last chunk")
+        arrays: dict[str, np.ndarray] = {}
+        for name, idx in pages.items():
+            pool = self.ep.pool(name)
+            if pool.kind != "paged" or pool.indices_from is not None:
+                raise PlanError(f"room {st.room}: pool {name!r} takes no page indices in send() "
+                                f"(slot pool, or follows {pool.indices_from!r})")
+            a = P.as_indices(idx, f"room {st.room} pool {name!r}")
+            if isinstance(a, str):
+                raise PlanError(a)
+            arrays[name] = a
+        if self.primary is not None and self.primary.name not in arrays and not last:
+            raise PlanError(f"room {st.room}: send() needs indices for pool {self.primary.name!r}")
+        ps = self.primary.page_size if self.primary else 1
+        n = arrays[self.primary.name].size if self.primary and self.primary.name in arrays else 0
+        with self.ep.lock:
+            if st.state.terminal:
+                return
+            chunk = Chunk(arrays, st.cursor, n * ps, slots, last)
+            st.chunks.append(chunk)
+            st.cursor += n * ps
+            st.last_given = last
+            if last and len(st.targets) >= st.expected:
+                st.state = KVPoll.Transferring
+            self._pump(st)
+
+    def fail(self, st: SenderRoom, err: PdxferError) -> None:
+        """Fail a room; each decode is told once its in-flight writes have drained."""
+        with self.ep.lock:
+            if st.state.terminal:
+                return
+            st.state = KVPoll.Failed
+            st.failure = err
+            self.ep.count_failure(err)
+            log.info("room %d failed: %s", st.room, err)
+            self.tombstones[st.room] = (time.monotonic() + self.cfg.bootstrap_timeout_s, str(err))
+            for t in st.targets:
+                self.ep.workers.submit(st.room, lambda t=t: self._finish(st, t, False, err))
+            if not st.targets:
+                self.rooms.pop(st.room, None)
+
+    # -- messages ----------------------------------------------------------------------------
+    def on_hello(self, msg: wire.Hello) -> None:
+        reason = self.ep.check_auth(msg)
+        mine = list(self.ep.pools)
+        if not reason and msg.signature != layout_signature(msg.pools):
+            reason = "Hello signature does not match its own pools"
+        if not reason:
+            reason = check_pools(mine, list(msg.pools)) or ""
+        peer_pools = {p.name: p for p in msg.pools}
+        pairings: dict[str, P.BufferPairing] = {}
+        if not reason:
+            for p in mine:
+                q = peer_pools.get(p.name)
+                if q is None or p.item_bytes == 0 or q.item_bytes == 0:
+                    continue
+                pr = P.pair_buffers(p, q)
+                if isinstance(pr, str):
+                    reason = pr
+                    break
+                pairings[p.name] = pr
+        ack = wire.HelloAck(
+            endpoint_id=self.ep.endpoint_id, ok=not reason, reason=reason,
+            session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
+            tp_size=self.cfg.tp_size, pools=tuple(mine),
+        )
+        if reason:
+            log.warning("refused Hello from %s: %s", msg.endpoint_id, reason)
+            self.ep.count_failure(LayoutMismatch(reason))
+        else:
+            regions = [(b.addr, b.nbytes) for q in msg.pools for b in q.buffers]
+            with self.ep.lock:
+                self.peers[msg.endpoint_id] = DecodePeer(
+                    msg.endpoint_id, msg.ctrl_addr, msg.session, peer_pools, pairings, regions
+                )
+        self.ep.send(msg.ctrl_addr, ack)
+
+    def on_request(self, req: wire.TransferRequest) -> None:
+        now = time.monotonic()
+        with self.ep.lock:
+            peer = self.peers.get(req.endpoint_id)
+            if peer is None:
+                self._refuse(req, f"no Hello from decode endpoint {req.endpoint_id}", "protocol")
+                return
+            why, dst = self._validate(req, peer)
+            if why:
+                self._refuse(req, why, "plan")
+                return
+            st = self.rooms.get(req.room)
+            if st is None:
+                tomb = self.tombstones.get(req.room)
+                if tomb is not None:
+                    self._refuse(req, f"room {req.room} already failed on prefill: {tomb[1]}",
+                                 "remote")
+                    return
+                exp, waiting = self.pending.setdefault(
+                    req.room, (now + self.cfg.bootstrap_timeout_s, []))
+                if any(r.endpoint_id == req.endpoint_id for r, _ in waiting):
+                    self._refuse(req, f"duplicate room {req.room} from the same decode endpoint",
+                                 "duplicate_room")
+                    return
+                waiting.append((req, peer))
+                return
+            self._attach(st, req, peer, now, dst)
+
+    def on_abort(self, msg: wire.Abort) -> None:
+        with self.ep.lock:
+            st = self.rooms.get(msg.room)
+            target = None if st is None else next(
+                (t for t in st.targets if t.req.nonce == msg.nonce), None)
+            if target is None:
+                exp_w = self.pending.get(msg.room)
+                known = False
+                if exp_w is not None:
+                    left = [(r, p) for r, p in exp_w[1] if r.nonce != msg.nonce]
+                    known = len(left) != len(exp_w[1])
+                    if left:
+                        self.pending[msg.room] = (exp_w[0], left)
+                    else:
+                        self.pending.pop(msg.room, None)
+                if msg.reply_to:
+                    self.ep.send(msg.reply_to, wire.AbortAck(
+                        room=msg.room, nonce=msg.nonce, endpoint_id=self.ep.endpoint_id,
+                        rank=self.cfg.tp_rank, known=known))
+                return
+            target.aborted = True
+        self.fail(st, Aborted(f"room {msg.room}: aborted by decode ({msg.reason or 'no reason'})"))
+
+    def on_release(self, msg: wire.Release) -> None:
+        """Repair is no longer possible for the room; nothing is held in the transfer core."""
+
+    def tick(self, now: float) -> None:
+        expired: list[SenderRoom] = []
+        with self.ep.lock:
+            for st in self.rooms.values():
+                if not st.state.terminal and now > st.deadline:
+                    expired.append(st)
+            for room, (exp, waiting) in list(self.pending.items()):
+                if now > exp:
+                    del self.pending[room]
+                    for req, _ in waiting:
+                        self._refuse(req, f"no prefill request for room {room} within "
+                                          f"{self.cfg.bootstrap_timeout_s} s", "deadline")
+            for room, (exp, _) in list(self.tombstones.items()):
+                if now > exp:
+                    del self.tombstones[room]
+        for st in expired:
+            what = ("no request from the decode" if st.state == KVPoll.Bootstrapping
+                    else f"not finished (state {st.state.name})")
+            self.fail(st, DeadlineExceeded(f"room {st.room}: {what} before its deadline"))
+
+    def peer_lost(self, endpoint_id: str) -> None:
+        with self.ep.lock:
+            self.peers.pop(endpoint_id, None)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _refuse(self, req: wire.TransferRequest, reason: str, kind: str) -> None:
+        log.info("refused request for room %d: %s", req.room, reason)
+        self.ep.count(f"refused_{kind}")
+        self.ep.send(req.reply_to, wire.TransferDone(
+            room=req.room, nonce=req.nonce, endpoint_id=self.ep.endpoint_id,
+            rank=self.cfg.tp_rank, ok=False, reason=reason, kind=kind))
+
+    def _validate(self, req: wire.TransferRequest, peer: DecodePeer
+                  ) -> tuple[str, dict[str, np.ndarray]]:
+        dst: dict[str, np.ndarray] = {}
+        span = req.num_tokens - req.prefix_len
+        for name, packed in req.dst.items():
+            q = peer.pools.get(name)
+            if q is None or name not in self.ep.pool_names:
+                return f"room {req.room}: pool {name!r} unknown", {}
+            if q.kind != "paged" or q.indices_from is not None:
+                return f"room {req.room}: pool {name!r} takes no destination indices", {}
+            idx = wire.unpack_indices(packed)
+            if idx.size and int(idx.max()) >= q.num_items:
+                return (f"room {req.room}: destination index {int(idx.max())} out of range "
+                        f"[0, {q.num_items}) for pool {name!r}"), {}
+            if idx.size * q.page_size < span:
+                return (f"room {req.room}: pool {name!r} has {idx.size} destination pages for "
+                        f"{span} tokens"), {}
+            dst[name] = idx
+        for name, slot in req.slots.items():
+            q = peer.pools.get(name)
+            if q is None or q.kind != "slot" or name not in self.ep.pool_names:
+                return f"room {req.room}: slot pool {name!r} unknown", {}
+            if slot >= q.num_items:
+                return (f"room {req.room}: destination slot {slot} out of range "
+                        f"[0, {q.num_items}) for pool {name!r}"), {}
+        return "", dst
+
+    def _attach(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer, now: float,
+                dst: dict[str, np.ndarray] | None = None) -> None:
+        if st.state.terminal:
+            self._refuse(req, f"room {req.room} already ended on prefill", "remote")
+            return
+        if any(t.peer.endpoint_id == req.endpoint_id for t in st.targets):
+            self._refuse(req, f"duplicate room {req.room} from the same decode endpoint",
+                         "duplicate_room")
+            return
+        if dst is None:
+            why, dst = self._validate(req, peer)
+            if why:
+                self._refuse(req, why, "plan")
+                return
+        st.targets.append(Target(req, peer, dst))
+        st.expected = req.decode_peers
+        st.deadline = now + min(req.deadline_s, self.cfg.transfer_timeout_s)
+        if len(st.targets) >= st.expected:
+            st.state = KVPoll.Transferring if st.last_given else KVPoll.WaitingForInput
+        self._pump(st)
+
+    def _pump(self, st: SenderRoom) -> None:
+        """Queue every chunk each target has not been given yet (called under the lock)."""
+        for t in st.targets:
+            while t.scheduled < len(st.chunks):
+                ci = t.scheduled
+                t.scheduled += 1
+                self.ep.workers.submit(st.room, lambda t=t, ci=ci: self._write(st, t, ci))
+
+    def _plan(self, t: Target, chunk: Chunk) -> P.Blocks | str:
+        req = t.req
+        lo = max(chunk.first, req.prefix_len)
+        hi = req.num_tokens if chunk.last else min(chunk.first + chunk.covered, req.num_tokens)
+        if chunk.last and chunk.pages and chunk.first + chunk.covered < req.num_tokens:
+            return (f"room {req.room}: prefill pages cover tokens up to "
+                    f"{chunk.first + chunk.covered}, decode expects {req.num_tokens}")
+        if chunk.last and not chunk.pages and chunk.first < req.num_tokens:
+            return (f"room {req.room}: prefill sent tokens up to {chunk.first}, decode expects "
+                    f"{req.num_tokens}")
+        parts: list[P.Blocks] = []
+        for name, pairing in t.peer.pairings.items():
+            pool = pairing.src
+            if pool.kind != "paged" or hi <= lo:
+                continue
+            anchor = pool.indices_from or name
+            dst = t.dst.get(anchor)
+            if dst is None:
+                continue
+            src = chunk.pages.get(anchor)
+            if src is None:
+                return f"room {req.room}: send() gave no indices for pool {anchor!r}"
+            b = P.plan_paged(pairing, src, chunk.first, dst, req.prefix_len, lo, hi)
+            if isinstance(b, str):
+                return f"room {req.room}: {b}"
+            parts.append(b)
+        if chunk.last:
+            for name, dslot in req.slots.items():
+                pairing = t.peer.pairings.get(name)
+                if pairing is None:
+                    continue
+                sslot = chunk.slots.get(name)
+                if sslot is None:
+                    return f"room {req.room}: last send() gave no slot for pool {name!r}"
+                b = P.plan_slots(pairing, int(sslot), dslot)
+                if isinstance(b, str):
+                    return f"room {req.room}: {b}"
+                parts.append(b)
+        blocks = P.Blocks.concat(parts)
+        return (P.check_bounds(blocks, self.ep.regions, "src")
+                or P.check_bounds(blocks, t.peer.regions, "dst") or blocks)
+
+    def _write(self, st: SenderRoom, t: Target, ci: int) -> None:
+        if st.state == KVPoll.Failed or t.finished:
+            return
+        chunk = st.chunks[ci]
+        t0 = time.perf_counter()
+        blocks = self._plan(t, chunk)
+        if isinstance(blocks, str):
+            self.fail(st, PlanError(blocks))
+            self._finish(st, t, False, st.failure)
+            return
+        try:
+            self.ep.transport.write(
+                t.peer.session, blocks.src, blocks.dst, blocks.nbytes, deadline=st.deadline,
+                should_stop=lambda: st.state == KVPoll.Failed)
+        except TransportError as e:
+            self.fail(st, TransportError(
+                f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}"))
+            self._finish(st, t, False, st.failure)
+            return
+        t.bytes += blocks.total_bytes
+        t.blocks += len(blocks)
+        t.seconds += time.perf_counter() - t0
+        if chunk.last:
+            self._finish(st, t, True, None)
+
+    def _finish(self, st: SenderRoom, t: Target, ok: bool, err: PdxferError | None) -> None:
+        """Send the target its one terminal message; runs on the room's worker thread."""
+        with self.ep.lock:
+            if t.finished:
+                return
+            t.finished = True
+            all_done = len(st.targets) >= st.expected and all(x.finished for x in st.targets)
+            if ok and all_done and st.state != KVPoll.Failed:
+                st.state = KVPoll.Success
+                self.ep.count("success")
+            if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
+                self.rooms.pop(st.room, None)
+        self.ep.count_transfer(t.bytes, t.blocks)
+        if t.aborted:
+            msg: wire.Msg = wire.AbortAck(room=st.room, nonce=t.req.nonce,
+                                          endpoint_id=self.ep.endpoint_id, rank=self.cfg.tp_rank)
+        else:
+            msg = wire.TransferDone(
+                room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
+                rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
+                kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks, seconds=t.seconds)
+        self.ep.send(t.req.reply_to, msg)

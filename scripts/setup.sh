@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Idempotent environment setup: Debian libraries Mooncake needs, a .venv, CPU torch, pdxfer with extras.
+# Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (each step is skipped when done).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+EXTRAS="${PDXFER_EXTRAS:-cpu,test}"
+
+need_apt=()
+for pkg in libibverbs1 libnuma1 libcurl4; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "[setup] installing Debian packages: ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PY" -m venv .venv
+fi
+VPY="$ROOT/.venv/bin/python"
+if ! "$VPY" -c 'import torch' 2>/dev/null; then
+  echo "[setup] installing torch==2.13.0 (CPU build)"
+  "$VPY" -m pip install -q torch==2.13.0
+fi
+stamp=".venv/.pdxfer-installed"
+hash=$(cat pyproject.toml | sha256sum | cut -c1-16)-$EXTRAS
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$hash" ]; then
+  echo "[setup] installing pdxfer[$EXTRAS]"
+  "$VPY" -m pip install -q -e ".[$EXTRAS]"
+  echo "$hash" > "$stamp"
+fi
