@@ -395,7 +395,7 @@ class DecodeSide:
             with self.ep.lock:
                 watched = {p.endpoint_id: p for st in self.rooms.values() for p in st.targets
                            if p.endpoint_id in st.outstanding and p.session and not p.dead}
-            for eid, p in watched.items():
+            for p in watched.values():
                 if self.ep.transport.probe(p.session):
                     p.probe_failures = 0
                     continue

@@ -49,9 +49,11 @@ class DecodePeer:
 
 @dataclass(slots=True, eq=False)
 class Chunk:
+    """Pages per anchor pool; each pool's pages cover tokens from that pool's own cursor
+    (``first``), so pools with different page sizes need not split chunks alike."""
+
     pages: dict[str, np.ndarray]
-    first: int
-    covered: int
+    first: dict[str, int]
     slots: dict[str, int]
     last: bool
 
@@ -80,7 +82,7 @@ class SenderRoom:
     chunks: list[Chunk] = field(default_factory=list)
     targets: list[Target] = field(default_factory=list)
     expected: int = 1
-    cursor: int = 0
+    cursor: dict[str, int] = field(default_factory=dict)
     last_given: bool = False
 
 
@@ -128,9 +130,6 @@ class PrefillSide:
         self.pending: dict[int, tuple[float, list[tuple[wire.TransferRequest, DecodePeer]]]] = {}
         self.tombstones: dict[int, tuple[float, str]] = {}
         self.peers: dict[str, DecodePeer] = {}
-        self.primary = next(
-            (p for p in ep.pools if p.kind == "paged" and p.indices_from is None), None
-        )
 
     # -- engine calls -------------------------------------------------------------------------
     def create(self, room: int) -> KVSender:
@@ -162,16 +161,13 @@ class PrefillSide:
             if isinstance(a, str):
                 raise PlanError(a)
             arrays[name] = a
-        if self.primary is not None and self.primary.name not in arrays and not last:
-            raise PlanError(f"room {st.room}: send() needs indices for pool {self.primary.name!r}")
-        ps = self.primary.page_size if self.primary else 1
-        n = arrays[self.primary.name].size if self.primary and self.primary.name in arrays else 0
         with self.ep.lock:
             if st.state.terminal:
                 return
-            chunk = Chunk(arrays, st.cursor, n * ps, slots, last)
-            st.chunks.append(chunk)
-            st.cursor += n * ps
+            first = {n: st.cursor.get(n, 0) for n in arrays}
+            for n, a in arrays.items():
+                st.cursor[n] = first[n] + a.size * self.ep.pool(n).page_size
+            st.chunks.append(Chunk(arrays, first, slots, last))
             st.last_given = last
             if last and len(st.targets) >= st.expected:
                 st.state = KVPoll.Transferring
@@ -370,29 +366,29 @@ class PrefillSide:
                 t.scheduled += 1
                 self.ep.workers.submit(st.room, lambda t=t, ci=ci: self._write(st, t, ci))
 
-    def _plan(self, t: Target, chunk: Chunk) -> P.Blocks | str:
+    def _plan(self, t: Target, chunk: Chunk, cursor: dict[str, int]) -> P.Blocks | str:
         req = t.req
-        lo = max(chunk.first, req.prefix_len)
-        hi = req.num_tokens if chunk.last else min(chunk.first + chunk.covered, req.num_tokens)
-        if chunk.last and chunk.pages and chunk.first + chunk.covered < req.num_tokens:
-            return (f"room {req.room}: prefill pages cover tokens up to "
-                    f"{chunk.first + chunk.covered}, decode expects {req.num_tokens}")
-        if chunk.last and not chunk.pages and chunk.first < req.num_tokens:
-            return (f"room {req.room}: prefill sent tokens up to {chunk.first}, decode expects "
-                    f"{req.num_tokens}")
         parts: list[P.Blocks] = []
         for name, pairing in t.peer.pairings.items():
             pool = pairing.src
-            if pool.kind != "paged" or hi <= lo:
+            if pool.kind != "paged":
                 continue
             anchor = pool.indices_from or name
             dst = t.dst.get(anchor)
             if dst is None:
                 continue
+            if chunk.last and cursor.get(anchor, 0) < req.num_tokens:
+                return (f"room {req.room}: prefill gave pool {anchor!r} pages for "
+                        f"{cursor.get(anchor, 0)} tokens, decode expects {req.num_tokens}")
             src = chunk.pages.get(anchor)
             if src is None:
-                return f"room {req.room}: send() gave no indices for pool {anchor!r}"
-            b = P.plan_paged(pairing, src, chunk.first, dst, req.prefix_len, lo, hi)
+                continue
+            first = chunk.first[anchor]
+            lo = max(first, req.prefix_len)
+            hi = min(first + src.size * self.ep.pool(anchor).page_size, req.num_tokens)
+            if hi <= lo:
+                continue
+            b = P.plan_paged(pairing, src, first, dst, req.prefix_len, lo, hi)
             if isinstance(b, str):
                 return f"room {req.room}: {b}"
             parts.append(b)
@@ -417,7 +413,7 @@ class PrefillSide:
             return
         chunk = st.chunks[ci]
         t0 = time.perf_counter()
-        blocks = self._plan(t, chunk)
+        blocks = self._plan(t, chunk, st.cursor)
         if isinstance(blocks, str):
             self.fail(st, PlanError(blocks))
             self._finish(st, t, False, st.failure)

@@ -19,9 +19,11 @@ rounded to float32, so last-ulp differences between vector math libraries cannot
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import numpy as np
 import torch
@@ -32,6 +34,13 @@ EOS_ID = 256
 """Bytes are tokens 0..255; the one extra id ends a generation."""
 
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_ATTN_GAIN = 2.0
+"""Attention outweighs the token embedding in the residual stream, so the next token depends
+on the whole context: a corrupted prefix KV then changes predictions instead of hiding."""
+_REFINE_SCALE = 0.1
+"""Residual scale of layers at or above ``draft_layers``: they refine rather than decide, so
+the bottom layers alone make a draft that usually agrees (like an early-exit model)."""
 
 
 def encode(text: str) -> list[int]:
@@ -61,15 +70,16 @@ class ToyConfig:
     attention: AttentionKind = "mha"
     kv_lora_rank: int = 32
     seed: int = 0
+    draft_layers: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-                     "max_seq_len", "page_size", "kv_lora_rank"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "d_ff", "max_seq_len", "page_size", "kv_lora_rank", "draft_layers"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.vocab_size <= EOS_ID:
-            raise ValueError(f"vocab_size must be > {EOS_ID} (256 bytes + EOS), got {self.vocab_size}")
+            raise ValueError(f"vocab_size must be > {EOS_ID} (bytes + EOS), got {self.vocab_size}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.kv_dtype not in KV_DTYPES:
@@ -120,7 +130,7 @@ def _as_index(page_table: PageTable) -> torch.Tensor:
 class ToyModel:
     """Seeded weights plus paged prefill/decode; holds no per-request state."""
 
-    def __init__(self, config: ToyConfig, *, residual_scales: Sequence[float] | None = None) -> None:
+    def __init__(self, config: ToyConfig) -> None:
         self.config = config
         c = config
         g = torch.Generator().manual_seed(c.seed)
@@ -130,17 +140,15 @@ class ToyModel:
 
         hd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         fresh = 2 * kvd if c.attention == "mha" else c.kv_lora_rank
-        scales = list(residual_scales) if residual_scales is not None else [1.0] * c.n_layers
-        if len(scales) != c.n_layers:
-            raise ValueError(f"{len(scales)} residual scales for {c.n_layers} layers")
         self.tok_emb = randn(c.vocab_size, c.d_model, std=1.0)
         self.pos_emb = randn(c.max_seq_len, c.d_model, std=1.0)
         self.layers: list[_Layer] = []
-        for scale in scales:
+        for li in range(c.n_layers):
+            scale = 1.0 if li < c.draft_layers else _REFINE_SCALE
             layer = _Layer(
                 norm1=1.0 + randn(c.d_model, std=0.1),
                 w_in=randn(c.d_model, hd + fresh, std=c.d_model**-0.5),
-                w_o=randn(hd, c.d_model, std=scale * hd**-0.5),
+                w_o=randn(hd, c.d_model, std=_ATTN_GAIN * scale * hd**-0.5),
                 norm2=1.0 + randn(c.d_model, std=0.1),
                 w1=randn(c.d_model, c.d_ff, std=c.d_model**-0.5),
                 w2=randn(c.d_ff, c.d_model, std=scale * c.d_ff**-0.5),
@@ -193,7 +201,7 @@ class ToyModel:
         page_table: PageTable,
         kv: KVPool,
         *,
-        logits_for: str = "last",
+        logits_for: Literal["last", "all", "none"] = "last",
     ) -> torch.Tensor:
         """Run ``tokens`` at positions ``[start, start+len)`` on top of the KV already in the
         pages for ``[0, start)``, write their KV, and return float32 logits for the
@@ -338,18 +346,17 @@ class ToyModel:
 
 
 def make_draft(target: ToyModel, *, n_layers: int | None = None) -> ToyModel:
-    """A cheaper model that mostly agrees with ``target``: its first layers, embeddings and head
-    (shared tensors, no copies). It attends over its own KV pool, addressed by the target's
-    page table, so a wrong draft prefix shows up as rejected drafts, never as wrong output."""
-    keep = n_layers if n_layers is not None else max(1, target.config.n_layers // 2)
-    if not 0 < keep <= target.config.n_layers:
-        raise ValueError(f"draft layers must be in [1, {target.config.n_layers}], got {keep}")
-    draft = ToyModel.__new__(ToyModel)
-    draft.config = replace(target.config, n_layers=keep)
-    draft.tok_emb, draft.pos_emb = target.tok_emb, target.pos_emb
+    """A cheaper model that mostly agrees with ``target``: its bottom layers (default
+    ``config.draft_layers``), embeddings and head, shared rather than copied. It attends over
+    its own KV pool addressed by the target's page table, so a wrong draft prefix shows up as
+    rejected drafts (a lower accept length), never as wrong output."""
+    tc = target.config
+    keep = min(tc.draft_layers, tc.n_layers) if n_layers is None else n_layers
+    if not 0 < keep <= tc.n_layers:
+        raise ValueError(f"draft layers must be in [1, {tc.n_layers}], got {keep}")
+    draft = copy.copy(target)
+    draft.config = replace(tc, n_layers=keep)
     draft.layers = target.layers[:keep]
-    draft.final_norm, draft.w_out = target.final_norm, target.w_out
-    draft._scale = target._scale
     return draft
 
 
@@ -385,6 +392,8 @@ def speculative_generate(
     ``k`` positions past the last accepted token."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    if first_token is not None and (kv is None or draft_kv is None or page_table is None):
+        raise ValueError("first_token means the pools are prefilled: pass kv, draft_kv, page_table")
     if max_new_tokens <= 0:
         return SpecResult([])
     span = len(prompt_ids) + max_new_tokens + k

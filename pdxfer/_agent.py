@@ -1,0 +1,195 @@
+"""The commands an ``harness.Agent`` process understands (runs inside the agent)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import patterns as pat
+from .endpoint import Endpoint
+from .patterns import PoolGeom
+from .pools import PoolSpec
+from .receiver import KVReceiver
+from .sender import KVSender
+from .states import EndpointConfig, KVPoll
+
+
+class _Ep:
+    def __init__(self, role: str, config: dict[str, Any], geoms: list[PoolGeom]) -> None:
+        specs, self.tensors = pat.build(geoms)
+        self.specs: dict[str, PoolSpec] = {s.name: s for s in specs}
+        self.ep = Endpoint(EndpointConfig(role=role, **config), specs)
+        self.tx: dict[int, KVSender] = {}
+        self.rx: dict[int, KVReceiver] = {}
+        self.released: dict[int, float] = {}
+
+    def anchor_pages(self, name: str, pages: dict[str, Any]) -> Any:
+        spec = self.specs[name]
+        return pages.get(spec.indices_from or name)
+
+
+class AgentState:
+    def __init__(self) -> None:
+        self.eps: dict[str, _Ep] = {}
+
+    def cmd_add_endpoint(self, name: str, role: str, config: dict[str, Any],
+                         geoms: list[PoolGeom]) -> dict[str, Any]:
+        e = self.eps[name] = _Ep(role, config, geoms)
+        return {"ctrl_addr": e.ep.ctrl_addr, "session": e.ep.transport.session_id,
+                "endpoint_id": e.ep.endpoint_id}
+
+    def cmd_close_endpoint(self, name: str) -> None:
+        self.eps.pop(name).ep.close()
+
+    def close(self) -> None:
+        for e in self.eps.values():
+            e.ep.close()
+        self.eps.clear()
+
+    # -- prefill ------------------------------------------------------------------------------
+    def cmd_prepare(self, items: list[dict[str, Any]], ep: str = "main") -> None:
+        """Write each room's pattern into its source pages and slots."""
+        e = self.eps[ep]
+        for it in items:
+            for name, spec in e.specs.items():
+                if spec.kind == "paged":
+                    pages = e.anchor_pages(name, it["pages"])
+                    if pages is not None:
+                        pat.fill_tokens(spec, e.tensors[name], it["room"], pages, 0, 0,
+                                        it["num_tokens"])
+                elif name in it.get("slots", {}):
+                    pat.fill_slot(spec, e.tensors[name], it["room"], it["slots"][name])
+
+    def cmd_send(self, items: list[dict[str, Any]], ep: str = "main") -> None:
+        """Create a sender per room and hand over its chunks (with ``delay_s`` between chunks,
+        from a thread, when asked)."""
+        e = self.eps[ep]
+        for it in items:
+            tx = e.tx[it["room"]] = e.ep.sender(it["room"])
+            chunks = it["chunks"]
+            delay = it.get("delay_s", 0.0)
+            if delay:
+                threading.Thread(target=_send_slowly, args=(tx, chunks, delay), daemon=True).start()
+            else:
+                for c in chunks:
+                    tx.send(c["pages"], c.get("slots"), c.get("last", False))
+
+    # -- decode -------------------------------------------------------------------------------
+    def cmd_sentinel(self, ep: str = "main") -> None:
+        pat.fill_sentinel(self.eps[ep].tensors)
+
+    def cmd_recv(self, items: list[dict[str, Any]], bootstrap: str, ep: str = "main",
+                 instance: str | None = None) -> None:
+        e = self.eps[ep]
+        for it in items:
+            room = it["room"]
+            rx = e.ep.receiver(room, bootstrap, instance=instance, dp=it.get("dp"),
+                               release=lambda d, s, room=room: e.released.__setitem__(
+                                   room, time.monotonic()))
+            e.rx[room] = rx
+            rx.request(it["dst"], it.get("slots"), it.get("prefix_len", 0), it.get("num_tokens"))
+
+    def cmd_verify(self, items: list[dict[str, Any]], ep: str = "main") -> dict[int, Any]:
+        """Bytes of each room that differ from its pattern (0 = every byte right)."""
+        e = self.eps[ep]
+        out: dict[int, Any] = {}
+        for it in items:
+            room, prefix = it["room"], it.get("prefix_len", 0)
+            bad, first = 0, ""
+            for name, spec in e.specs.items():
+                if spec.kind == "paged":
+                    pages = e.anchor_pages(name, it["dst"])
+                    if pages is None:
+                        continue
+                    n, f = pat.check_tokens(spec, e.tensors[name], it.get("seed", room), pages,
+                                            prefix, prefix, it["num_tokens"])
+                elif name in it.get("slots", {}):
+                    n, f = pat.check_slot(spec, e.tensors[name], it.get("seed", room),
+                                          it["slots"][name])
+                else:
+                    continue
+                bad += n
+                first = first or f
+            out[room] = (bad, first)
+        return out
+
+    def cmd_untouched(self, exclude: dict[str, list[int]], ep: str = "main") -> int:
+        """Non-sentinel bytes outside ``exclude`` (pages or slots per pool)."""
+        e = self.eps[ep]
+        total = 0
+        for name, spec in e.specs.items():
+            if spec.item_bytes == 0:
+                continue
+            ex = exclude.get(spec.indices_from or name, [])
+            total += pat.untouched(spec, e.tensors[name], ex)
+        return total
+
+    def cmd_released(self, ep: str = "main") -> list[int]:
+        return sorted(self.eps[ep].released)
+
+    def cmd_abort(self, rooms: list[int], ep: str = "main") -> None:
+        e = self.eps[ep]
+        for r in rooms:
+            h = e.rx.get(r) or e.tx.get(r)
+            if h is not None:
+                h.abort()
+
+    # -- both ---------------------------------------------------------------------------------
+    def cmd_wait(self, rooms: list[int], timeout: float = 60.0, ep: str = "main"
+                 ) -> dict[int, dict[str, Any]]:
+        """Poll until every room is terminal or ``timeout``; report each room's outcome."""
+        e = self.eps[ep]
+        handles = {r: (e.rx.get(r) or e.tx.get(r)) for r in rooms}
+        t0 = time.monotonic()
+        end = t0 + timeout
+        done_at: dict[int, float] = {}
+        while True:
+            for r, h in handles.items():
+                if r not in done_at and h is not None and h.poll().terminal:
+                    done_at[r] = time.monotonic() - t0
+            if len(done_at) == len(handles) or time.monotonic() > end:
+                break
+            time.sleep(0.002)
+        out: dict[int, dict[str, Any]] = {}
+        for r, h in handles.items():
+            if h is None:
+                out[r] = {"state": "Unknown", "failure": None, "kind": None}
+                continue
+            f = h.failure
+            out[r] = {"state": KVPoll(h.poll()).name, "failure": str(f) if f else None,
+                      "kind": f.kind if f else None, "seconds": done_at.get(r)}
+            if isinstance(h, KVReceiver):
+                out[r]["stats"] = h.stats()
+        return out
+
+    def cmd_metrics(self, ep: str = "main") -> dict[str, Any]:
+        return self.eps[ep].ep.metrics()
+
+    def cmd_tables(self, ep: str = "main") -> dict[str, int]:
+        """Sizes of the room tables (all zero when nothing leaked)."""
+        x = self.eps[ep].ep
+        with x.lock:
+            if x.prefill is not None:
+                return {"rooms": len(x.prefill.rooms), "pending": len(x.prefill.pending)}
+            assert x.decode is not None
+            return {"rooms": len(x.decode.rooms)}
+
+    def cmd_peek(self, pool: str, page: int, ep: str = "main") -> list[int]:
+        e = self.eps[ep]
+        return e.tensors[pool][0].view(torch.uint8).view(e.specs[pool].num_items, -1)[page][:16].tolist()
+
+    def cmd_random_pages(self, n: int, seed: int, pool: str = "kv", ep: str = "main") -> list[int]:
+        rng = np.random.default_rng(seed)
+        return rng.choice(self.eps[ep].specs[pool].num_items, n, replace=False).tolist()
+
+
+def _send_slowly(tx: KVSender, chunks: list[dict[str, Any]], delay: float) -> None:
+    for c in chunks:
+        if tx.poll() == KVPoll.Failed:
+            return
+        tx.send(c["pages"], c.get("slots"), c.get("last", False))
+        time.sleep(delay)

@@ -1,0 +1,127 @@
+"""The HTTP bootstrap server and client, over real HTTP on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from pdxfer import BootstrapClient, BootstrapError, BootstrapServer
+from pdxfer.bootstrap import Registration
+
+
+@pytest.fixture()
+def server() -> Iterator[BootstrapServer]:
+    s = BootstrapServer().start()
+    yield s
+    s.stop()
+
+
+def reg(tp_rank: int = 0, tp_size: int = 2, eid: str | None = None, sig: str = "abc",
+        instance: str = "p0", dp_rank: int = 0, dp_size: int = 1) -> Registration:
+    return Registration(instance=instance, endpoint_id=eid or f"ep{dp_rank}{tp_rank}",
+                        ctrl_addr=f"tcp://127.0.0.1:{1000 + tp_rank}", session="127.0.0.1:1",
+                        signature=sig, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
+                        dp_size=dp_size)
+
+
+def http(server: BootstrapServer, method: str, path: str, body: bytes | None = None
+         ) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{server.address}{path}", data=body, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_route_answers_503_until_every_rank_registered(server: BootstrapServer) -> None:
+    c = BootstrapClient(server.address)
+    c.register(reg(0))
+    code, body = http(server, "GET", "/route?room=5")
+    assert code == 503 and "1 of 2" in body["error"]
+    c.register(reg(1))
+    route = c.route(5)
+    assert [e["tp_rank"] for e in route["endpoints"]] == [0, 1]
+    assert route["tp_size"] == 2 and route["signature"] == "abc"
+
+
+def test_client_waits_through_503_until_the_instance_completes(server: BootstrapServer) -> None:
+    c = BootstrapClient(server.address)
+    c.register(reg(0))
+    threading.Timer(0.3, lambda: c.register(reg(1))).start()
+    route = c.route(1, deadline=time.monotonic() + 5)
+    assert len(route["endpoints"]) == 2
+
+
+def test_client_gives_up_at_its_deadline(server: BootstrapServer) -> None:
+    c = BootstrapClient(server.address)
+    c.register(reg(0))
+    t0 = time.monotonic()
+    with pytest.raises(BootstrapError, match="503"):
+        c.route(1, deadline=time.monotonic() + 0.5)
+    assert time.monotonic() - t0 < 3
+
+
+def test_conflicting_registration_gets_409(server: BootstrapServer) -> None:
+    c = BootstrapClient(server.address)
+    c.register(reg(0))
+    with pytest.raises(BootstrapError, match="409.*signature"):
+        c.register(reg(1, sig="other"))
+    with pytest.raises(BootstrapError, match="409.*dp/pp/tp"):
+        c.register(reg(1, tp_size=4))
+    with pytest.raises(BootstrapError, match="409.*already registered"):
+        c.register(reg(1, eid="ep00"))
+
+
+def test_restarted_rank_replaces_its_old_registration(server: BootstrapServer) -> None:
+    c = BootstrapClient(server.address)
+    c.register(reg(0, tp_size=1))
+    c.register(reg(0, tp_size=1, eid="new"))
+    assert c.route(1)["endpoints"][0]["endpoint_id"] == "new"
+
+
+@pytest.mark.parametrize("path,code,needle", [
+    ("/route?room=abc", 400, "integer"),
+    ("/route?room=-1", 400, "out of range"),
+    ("/route?room=1&instance=nope", 404, "unknown instance"),
+    ("/route?room=1&dp=7", 400, "dp 7"),
+])
+def test_bad_queries_get_4xx_with_a_message(server: BootstrapServer, path: str, code: int,
+                                            needle: str) -> None:
+    BootstrapClient(server.address).register(reg(0, tp_size=1))
+    got, body = http(server, "GET", path)
+    assert got == code and needle in body["error"]
+
+
+@pytest.mark.parametrize("body", [b"not json", b"{}", b'{"instance": "x"}',
+                                  json.dumps({**json.loads(b'{"instance":"p","endpoint_id":"e",'
+                                              b'"ctrl_addr":"a","session":"s","signature":"x"}'),
+                                              "tp_rank": 3, "tp_size": 2}).encode()])
+def test_bad_registrations_get_400(server: BootstrapServer, body: bytes) -> None:
+    code, resp = http(server, "PUT", "/register", body)
+    assert code == 400 and resp["error"]
+
+
+def test_dp_groups_route_by_room(server: BootstrapServer) -> None:
+    c = BootstrapClient(server.address)
+    for dp in range(2):
+        c.register(reg(0, tp_size=1, dp_rank=dp, dp_size=2))
+    assert c.route(4)["dp_rank"] == 0 and c.route(5)["dp_rank"] == 1
+    assert c.route(5, dp=0)["endpoints"][0]["dp_rank"] == 0
+
+
+def test_health_and_unreachable_server() -> None:
+    s = BootstrapServer().start()
+    addr = s.address
+    assert BootstrapClient(addr).health()
+    s.stop()
+    c = BootstrapClient(addr, timeout=0.5, retries=1)
+    assert not c.health()
+    with pytest.raises(BootstrapError, match="unreachable"):
+        c.route(1)

@@ -1,0 +1,136 @@
+"""Wire round trips and rejections; pool validation and layout signatures."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from pdxfer import ConfigError, PoolSpec, WireError, layout_signature, wire
+from pdxfer.pools import check_pair, check_pools
+
+# -- wire ---------------------------------------------------------------------------------
+
+
+def req(**kw: object) -> wire.TransferRequest:
+    base = dict(room=42, nonce=7, endpoint_id="d0", reply_to="tcp://127.0.0.1:5",
+                dst={"kv": wire.pack_indices([3, 1, 2])}, slots={"aux": 1}, prefix_len=0,
+                num_tokens=40)
+    base.update(kw)
+    return wire.TransferRequest(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("msg", [
+    req(),
+    wire.TransferDone(room=1, nonce=2, endpoint_id="p", rank=0, ok=False, reason="x" * 100),
+    wire.Abort(room=(1 << 63) - 1, nonce=0, reason="r", reply_to="tcp://a:1"),
+    wire.AbortAck(room=5, nonce=6, known=False),
+    wire.Release(room=5, nonce=6),
+    wire.HelloAck(endpoint_id="p", ok=False, reason="nope"),
+])
+def test_every_message_round_trips(msg: wire.Msg) -> None:
+    assert wire.decode(wire.encode(msg)) == msg
+
+
+def test_packed_indices_round_trip() -> None:
+    idx = np.array([0, 5, 2**31 - 1, 7])
+    assert (wire.unpack_indices(wire.pack_indices(idx)) == idx).all()
+    with pytest.raises(WireError):
+        wire.pack_indices([-1])
+
+
+@pytest.mark.parametrize("frame,why", [
+    (b"", "magic"),
+    (b"XYZ\x01abc", "magic"),
+    (wire.MAGIC + b"\x09" + b"\x80", "version"),
+    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + b"\xc1", "malformed"),
+    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode({"type": "Nope"}),
+     "invalid"),
+    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(
+        {"type": "Abort", "room": -1, "nonce": 0}), "invalid"),
+    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(
+        {"type": "Abort", "room": 1, "nonce": 0, "extra": 1}), "invalid"),
+    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(
+        {"type": "Abort", "room": "1", "nonce": 0}), "invalid"),
+])
+def test_malformed_frames_are_rejected_with_a_reason(frame: bytes, why: str) -> None:
+    with pytest.raises(WireError, match=why):
+        wire.decode(frame)
+
+
+def test_request_with_prefix_beyond_tokens_is_rejected() -> None:
+    frame = wire.encode(req())
+    raw = msgspec.msgpack.decode(frame[4:])
+    raw["prefix_len"] = 100
+    with pytest.raises(WireError, match="prefix_len"):
+        wire.decode(frame[:4] + msgspec.msgpack.encode(raw))
+
+
+def test_request_with_torn_packed_indices_is_rejected() -> None:
+    frame = wire.encode(req())
+    raw = msgspec.msgpack.decode(frame[4:])
+    raw["dst"] = {"kv": b"\x01\x02\x03"}
+    with pytest.raises(WireError, match="multiple of 4"):
+        wire.decode(frame[:4] + msgspec.msgpack.encode(raw))
+
+
+# -- pools --------------------------------------------------------------------------------
+
+
+def mha(heads: int = 2, dim: int = 8, dtype: torch.dtype = torch.float16, ps: int = 16,
+        layers: int = 2, **kw: object) -> PoolSpec:
+    k = [torch.zeros(8, ps, heads, dim, dtype=dtype) for _ in range(layers)]
+    v = [torch.zeros_like(k[0]) for _ in range(layers)]
+    spec = PoolSpec.mha("kv", k, v, page_size=ps, **kw)  # type: ignore[arg-type]
+    mha.keep.append((k, v))  # type: ignore[attr-defined]
+    return spec
+
+
+mha.keep = []  # type: ignore[attr-defined]
+
+
+def test_mha_spec_describes_its_tensors() -> None:
+    s = mha(heads=4, dim=16, ps=16)
+    assert s.item_bytes == 16 * 4 * 16 * 2 and s.num_items == 8 and s.token_bytes == 4 * 16 * 2
+    assert [b.role for b in s.buffers] == ["k", "k", "v", "v"]
+    assert s.sharding.head_bytes == 32 and s.dtype == "float16"
+
+
+def test_layout_signature_is_stable_and_sensitive() -> None:
+    a, b = mha(), mha()
+    assert layout_signature([a]) == layout_signature([b])
+    assert layout_signature([a]) != layout_signature([mha(dim=16)])
+    assert layout_signature([a]) != layout_signature([mha(dtype=torch.bfloat16)])
+    # TP split, page size and layer count do not change what pairs
+    assert layout_signature([a]) == layout_signature([mha(ps=1, page_remap=True)])
+
+
+@pytest.mark.parametrize("other,needle", [
+    (lambda: mha(dim=16), "head size"),
+    (lambda: mha(dtype=torch.bfloat16), "dtype"),
+    (lambda: mha(ps=32), "page_size"),
+])
+def test_mismatch_names_what_differs(other, needle: str) -> None:
+    why = check_pair(mha(), other())
+    assert why is not None and needle in why
+
+
+def test_missing_pool_is_refused_unless_optional() -> None:
+    kv = mha()
+    rows = [torch.zeros(4, 16)]
+    aux = PoolSpec.slots("aux", rows)
+    why = check_pools([kv, aux], [kv])
+    assert why is not None and "'aux'" in why
+    assert check_pools([kv, aux.with_(optional=True)], [kv]) is None
+
+
+def test_inconsistent_specs_are_refused_at_construction() -> None:
+    with pytest.raises(ConfigError):
+        PoolSpec.mha("kv", [torch.zeros(8, 16, 2, 8)], [torch.zeros(8, 32, 2, 8)], page_size=16)
+    with pytest.raises(ConfigError):
+        PoolSpec.mha("kv", [torch.zeros(8, 16, 2, 8)], [torch.zeros(8, 16, 2, 8)], page_size=8)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"name": "kv", "kind": "paged", "buffers": [
+            {"addr": 4096, "nbytes": 10, "layer_id": 0, "role": "k"}], "item_bytes": 64,
+            "num_items": 4}, PoolSpec)
