@@ -95,6 +95,8 @@ class BootstrapServer:
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, timeout: float = 10.0) -> BootstrapServer:
+        if self._thread is not None:
+            return self
         self._thread = threading.Thread(target=self._run, name="pdxfer-bootstrap", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):

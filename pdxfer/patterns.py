@@ -98,20 +98,30 @@ def _ids(spec: PoolSpec, i: int) -> tuple[int, int, int]:
     return zlib.crc32(spec.name.encode()) & 0xFFFF, b.layer_id, zlib.crc32(b.role.encode()) & 0xFF
 
 
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 64-bit avalanche hash (splitmix64's finaliser; int64 arithmetic wraps)."""
+    x = x * -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+    x = x ^ (x >> 30)
+    x = x * -4658895280553007687
+    x = x ^ (x >> 27)
+    x = x * -7723592293110705685
+    return x ^ (x >> 31)
+
+
 def pattern(room: int, pool: int, layer: int, role: int, positions: torch.Tensor, width: int,
             byte0: int = 0) -> torch.Tensor:
-    """``[len(positions), width]`` uint8: a mixing hash of every coordinate."""
-    pos = positions.to(torch.int64)[:, None]
-    byte = (torch.arange(width, dtype=torch.int64) + byte0)[None, :]
-    x = ((room & 0xFFFFFFFF) * 0x9E3779B1 + pool * 0x85EBCA77 + layer * 0xC2B2AE3D
-         + role * 0x27D4EB2F)
-    x = pos * 0x165667B1 + byte * 0xD3A2646C + x
-    x = x ^ (x >> 15)
-    x = x * 0x2C1B3C6D
-    x = x ^ (x >> 12)
-    x = x * 0x297A2D39
-    x = x ^ (x >> 15)
-    return (x & 0xFF).to(torch.uint8)
+    """``[len(positions), width]`` uint8 derived from every coordinate.
+
+    Two per-token hashes and one per-byte hash, combined with two uint8 operations (cheap on
+    hundreds of MiB): a token row matches another token's row with probability ~2^-16, a
+    byte matches a misplaced byte with probability 2^-8.
+    """
+    seed = ((((room & 0xFFFFFFFF) * 1_000_003 + pool) * 1_000_003 + layer) * 131 + role) % (1 << 40)
+    pos = positions.to(torch.int64)
+    h1 = (_mix(pos * 2 + seed) & 0xFF).to(torch.uint8)[:, None]
+    h2 = (_mix(pos * 2 + 1 + seed * 3) & 0xFF).to(torch.uint8)[:, None]
+    g = (_mix(torch.arange(width, dtype=torch.int64) + byte0 + seed * 7) & 0xFF).to(torch.uint8)
+    return (g[None, :] + h1) ^ h2
 
 
 def _token_rows(spec: PoolSpec, t: torch.Tensor) -> torch.Tensor:

@@ -228,8 +228,9 @@ class PrefillSide:
         now = time.monotonic()
         with self.ep.lock:
             peer = self.peers.get(req.endpoint_id)
-            if peer is None:
-                self._refuse(req, f"no Hello from decode endpoint {req.endpoint_id}", "protocol")
+            if peer is None or peer.ctrl_addr != req.reply_to:
+                self._refuse(req, f"no Hello from decode endpoint {req.endpoint_id} at "
+                                  f"{req.reply_to}", "protocol")
                 return
             why, dst = self._validate(req, peer)
             if why:

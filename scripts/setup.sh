@@ -25,12 +25,12 @@ fi
 VPY="$ROOT/.venv/bin/python"
 if ! "$VPY" -c 'import torch' 2>/dev/null; then
   echo "[setup] installing torch==2.13.0 (CPU build)"
-  "$VPY" -m pip install -q torch==2.13.0
+  "$VPY" -m pip install -qq torch==2.13.0
 fi
 stamp=".venv/.pdxfer-installed"
 hash=$(cat pyproject.toml | sha256sum | cut -c1-16)-$EXTRAS
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$hash" ]; then
   echo "[setup] installing pdxfer[$EXTRAS]"
-  "$VPY" -m pip install -q -e ".[$EXTRAS]"
+  "$VPY" -m pip install -qq -e ".[$EXTRAS]"
   echo "$hash" > "$stamp"
 fi

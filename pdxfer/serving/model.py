@@ -38,6 +38,9 @@ KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ATTN_GAIN = 2.0
 """Attention outweighs the token embedding in the residual stream, so the next token depends
 on the whole context: a corrupted prefix KV then changes predictions instead of hiding."""
+_SHARPNESS = 3.0
+"""Softmax temperature below the usual 1/sqrt(head_dim): each query leans on a few positions,
+so a wrong or missing page of KV changes the tokens instead of averaging out."""
 _REFINE_SCALE = 0.1
 """Residual scale of layers at or above ``draft_layers``: they refine rather than decide, so
 the bottom layers alone make a draft that usually agrees (like an early-exit model)."""
@@ -159,7 +162,7 @@ class ToyModel:
             self.layers.append(layer)
         self.final_norm = 1.0 + randn(c.d_model, std=0.1)
         self.w_out = randn(c.d_model, c.vocab_size, std=c.d_model**-0.5)
-        self._scale = c.head_dim**-0.5
+        self._scale = _SHARPNESS * c.head_dim**-0.5
 
     # -- weights ---------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,7 @@
+"""Move one request's KV between two processes (same as ``pdxfer demo``)."""
+
+import sys
+
+from pdxfer.transfer_demo import main
+
+sys.exit(main())

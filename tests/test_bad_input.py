@@ -1,0 +1,212 @@
+"""Bad input: mismatched layouts, hostile requests, duplicates, unknown rooms.
+
+The hostile decode runs in the test process with a real Mooncake engine and real registered
+buffers, so "refused before any write" is checked on actual memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from pdxfer import BootstrapServer, layout_signature, wire
+from pdxfer import patterns as pat
+from pdxfer.harness import Agent
+from pdxfer.patterns import PoolGeom
+from pdxfer.transport import MooncakeTransport
+
+from .conftest import start_pair
+
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=16),
+    PoolGeom("aux", "slots", layers=1, pages=16, dim=8, dtype="int32"),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(bootstrap: BootstrapServer) -> Iterator[tuple[Agent, Agent]]:
+    pf, dc = start_pair(bootstrap, GEOMS)
+    yield pf, dc
+    pf.close()
+    dc.close()
+
+
+class Hostile:
+    """A hand-rolled decode endpoint: real transport and buffers, raw control messages."""
+
+    def __init__(self, prefill_ctrl: str) -> None:
+        self.specs, self.tensors = pat.build(GEOMS)
+        pat.fill_sentinel(self.tensors)
+        self.t = MooncakeTransport()
+        for s in self.specs:
+            for b in s.buffers:
+                self.t.register(b.addr, b.nbytes)
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.addr = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(prefill_ctrl)
+
+    def send(self, msg: wire.Msg | bytes) -> None:
+        self.push.send(msg if isinstance(msg, bytes) else wire.encode(msg))
+
+    def recv(self, timeout: float = 5.0) -> wire.Message:
+        assert self.pull.poll(int(timeout * 1000)), "no answer from the prefill"
+        return wire.decode(self.pull.recv())
+
+    def hello(self) -> wire.Message:
+        self.send(wire.Hello(endpoint_id="hostile", ctrl_addr=self.addr,
+                             session=self.t.session_id, tp_rank=0, tp_size=1,
+                             signature=layout_signature(self.specs), pools=tuple(self.specs)))
+        return self.recv()
+
+    def request(self, room: int, pages: list[int], num_tokens: int, slot: int = 0,
+                nonce: int = 1, endpoint_id: str = "hostile") -> None:
+        self.send(wire.TransferRequest(
+            room=room, nonce=nonce, endpoint_id=endpoint_id, reply_to=self.addr,
+            dst={"kv": wire.pack_indices(pages)}, slots={"aux": slot}, prefix_len=0,
+            num_tokens=num_tokens))
+
+    def close(self) -> None:
+        self.push.close(0)
+        self.pull.close(0)
+        self.ctx.term()
+        self.t.close()
+
+
+@pytest.fixture()
+def hostile(pair: tuple[Agent, Agent]) -> Iterator[Hostile]:
+    h = Hostile(pair[0].info["ctrl_addr"])
+    ack = h.hello()
+    assert isinstance(ack, wire.HelloAck) and ack.ok, ack
+    yield h
+    h.close()
+
+
+def give_chunks(pf: Agent, room: int, pages: list[int], n: int) -> None:
+    pf.call("prepare", items=[{"room": room, "pages": {"kv": pages}, "slots": {"aux": 2},
+                               "num_tokens": n}])
+    pf.call("send", items=[{"room": room, "chunks": [
+        {"pages": {"kv": pages}, "slots": {"aux": 2}, "last": True}]}])
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"head_dim": 32}, "head size"),
+    ({"dtype": "bfloat16"}, "dtype"),
+    ({"page_size": 32, "pages": 32}, "page_size"),
+])
+def test_mismatched_layout_is_refused_at_hello_naming_the_mismatch(
+        pair, bootstrap, change: dict, needle: str) -> None:
+    pf, dc = pair
+    name = "mm_" + next(iter(change))
+    geoms = [dataclasses.replace(GEOMS[0], **change), GEOMS[1]]
+    dc.call("add_endpoint", name=name, role="decode", config={"bootstrap_timeout_s": 5.0},
+            geoms=geoms)
+    dc.call("sentinel", ep=name)
+    dc.call("recv", items=[{"room": 77, "dst": {"kv": [0, 1]}, "slots": {"aux": 0}}],
+            bootstrap=bootstrap.address, ep=name)
+    out = dc.call("wait", rooms=[77], ep=name, timeout=10)[77]
+    assert out["state"] == "Failed" and out["kind"] == "layout_mismatch"
+    assert needle in out["failure"], out["failure"]
+    assert dc.call("untouched", exclude={}, ep=name) == 0
+    dc.call("close_endpoint", name=name)
+
+
+def test_destination_index_out_of_range_is_refused_before_any_write(pair, hostile) -> None:
+    pf, _ = pair
+    give_chunks(pf, 501, [3, 4, 5], 48)
+    hostile.request(501, [1, 2, 64], 48)
+    done = hostile.recv()
+    assert isinstance(done, wire.TransferDone) and not done.ok
+    assert "out of range" in done.reason
+    assert all(int(pat.untouched(s, hostile.tensors[s.name], [])) == 0 for s in hostile.specs)
+    pf.call("abort", rooms=[501])
+    out = pf.call("wait", rooms=[501], timeout=10)[501]
+    assert out["state"] == "Failed"
+
+
+def test_garbage_frames_are_dropped_and_the_next_request_still_works(pair, hostile) -> None:
+    pf, _ = pair
+    before = pf.call("metrics").get("wire_rejected", 0)
+    for junk in [b"", b"PDX", b"PDX\x01\xff\xff", b"\x00" * 1000, wire.MAGIC + b"\x02abc",
+                 wire.MAGIC + b"\x01" + b"\x92\xa5Abort\x01"]:
+        hostile.send(junk)
+    give_chunks(pf, 502, [7, 8], 20)
+    hostile.request(502, [10, 11], 20, slot=3)
+    done = hostile.recv()
+    assert isinstance(done, wire.TransferDone) and done.ok, done
+    kv = hostile.specs[0]
+    bad, first = pat.check_tokens(kv, hostile.tensors["kv"], 502, [10, 11], 0, 0, 20)
+    assert bad == 0, first
+    assert pat.check_slot(hostile.specs[1], hostile.tensors["aux"], 502, 3)[0] == 0
+    assert pf.call("metrics")["wire_rejected"] >= before + 6
+
+
+def test_duplicate_room_from_a_peer_is_refused(pair, hostile) -> None:
+    pf, _ = pair
+    hostile.request(503, [20], 10, nonce=1)
+    hostile.request(503, [21], 10, nonce=2)
+    done = hostile.recv()
+    assert isinstance(done, wire.TransferDone) and not done.ok and done.nonce == 2
+    assert "duplicate" in done.reason
+    hostile.send(wire.Abort(room=503, nonce=1, reply_to=hostile.addr))
+    ack = hostile.recv()
+    assert isinstance(ack, wire.AbortAck) and ack.known
+
+
+def test_abort_for_an_unknown_room_is_answered(hostile) -> None:
+    hostile.send(wire.Abort(room=123456789, nonce=5, reply_to=hostile.addr))
+    ack = hostile.recv()
+    assert isinstance(ack, wire.AbortAck) and not ack.known and ack.room == 123456789
+
+
+def test_request_without_hello_is_refused_with_a_reason(pair) -> None:
+    h = Hostile(pair[0].info["ctrl_addr"])
+    try:
+        h.request(504, [1], 5, endpoint_id="stranger")
+        done = h.recv()
+        assert isinstance(done, wire.TransferDone) and not done.ok and "Hello" in done.reason
+        # a known endpoint id from another address is not that endpoint
+        h.request(504, [1], 5, endpoint_id="hostile")
+        done = h.recv()
+        assert isinstance(done, wire.TransferDone) and not done.ok and "Hello" in done.reason
+    finally:
+        h.close()
+
+
+def test_hello_whose_pools_lie_about_their_size_gets_no_pairing(pair) -> None:
+    pf, _ = pair
+    h = Hostile(pair[0].info["ctrl_addr"])
+    try:
+        hello = msgspec.to_builtins(wire.Hello(
+            endpoint_id="liar", ctrl_addr=h.addr, session="x:1", tp_rank=0, tp_size=1,
+            signature="0", pools=(h.specs[0],)))
+        hello["type"] = "Hello"
+        hello["pools"][0]["num_items"] *= 4  # buffers claim 4x more pages than they hold
+        frame = wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(hello)
+        before = pf.call("metrics").get("wire_rejected", 0)
+        h.send(frame)
+        t0 = time.monotonic()
+        while pf.call("metrics").get("wire_rejected", 0) == before and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert pf.call("metrics")["wire_rejected"] == before + 1
+        assert not h.pull.poll(300)
+    finally:
+        h.close()
+
+
+def test_index_arrays_are_validated_in_the_engine_call(pair, bootstrap) -> None:
+    _, dc = pair
+    with pytest.raises(Exception, match="out of range"):
+        dc.call("recv", items=[{"room": 505, "dst": {"kv": [64]}}], bootstrap=bootstrap.address)
+    with pytest.raises(Exception, match="unknown pool"):
+        dc.call("recv", items=[{"room": 506, "dst": {"nope": [1]}}], bootstrap=bootstrap.address)
+    with pytest.raises(Exception, match="integers"):
+        dc.call("recv", items=[{"room": 507, "dst": {"kv": np.array([1.5])}}],
+                bootstrap=bootstrap.address)

@@ -1,0 +1,59 @@
+"""The prefill process is killed in the middle of a large transfer."""
+
+from __future__ import annotations
+
+import time
+
+from pdxfer import BootstrapServer
+from pdxfer.harness import Agent
+from pdxfer.patterns import PoolGeom
+
+from .conftest import FAST, start_pair
+from .helpers import Factory, decode_items, prefill_items, run, verify
+
+# 8 layers x K,V x 16 tokens x 8 heads x 128 dims x fp16 = 512 KiB per page across buffers
+GEOMS = [PoolGeom("kv", "mha", layers=8, pages=384, page_size=16, heads=8, head_dim=128),
+         PoolGeom("aux", "slots", layers=1, pages=8, dim=16, dtype="int32")]
+
+
+def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill_serves(
+        bootstrap: BootstrapServer) -> None:
+    pf, dc = start_pair(bootstrap, GEOMS)
+    pf2 = None
+    try:
+        dc.call("sentinel")
+        f = Factory(GEOMS, GEOMS, seed=3)
+        big = f.make(16 * 300, chunks=30)  # 150 MiB in 30 chunks, sent slowly
+        big["delay_s"] = 0.1
+        prep, send = prefill_items([big])
+        pf.call("prepare", items=prep)
+        dc.call("recv", items=decode_items([big]), bootstrap=bootstrap.address)
+        pf.call("send", items=send)
+        deadline = FAST["transfer_timeout_s"]
+        time.sleep(1.0)  # some of the 30 chunks (0.1 s apart) have landed by now
+        t_kill = time.monotonic()
+        pf.kill()
+        out = dc.call("wait", rooms=[big["room"]], timeout=deadline + 5)[big["room"]]
+        waited = time.monotonic() - t_kill
+        assert out["state"] == "Failed", out
+        assert out["kind"] in ("peer_lost", "deadline"), out
+        assert "stopped answering" in out["failure"] or "deadline" in out["failure"]
+        assert waited < deadline, f"decode waited {waited:.1f} s for a dead prefill"
+        # fail-closed pages: released (the writer is dead) and never reused before that
+        t0 = time.monotonic()
+        while big["room"] not in dc.call("released") and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert big["room"] in dc.call("released")
+        assert dc.call("tables") == {"rooms": 0}
+        assert dc.call("metrics")["quarantined_pages"] == 0
+
+        # a new prefill process registers in the dead one's place and serves the next request
+        pf2 = Agent("prefill", {**FAST, "bootstrap": bootstrap.address}, GEOMS)
+        small = f.make(16 * 20, chunks=3)
+        res = run(pf2, dc, bootstrap.address, [small], timeout=20)
+        assert res[small["room"]]["state"] == "Success", res
+        assert verify(dc, [small])[small["room"]][0] == 0
+    finally:
+        for a in (pf, dc, pf2):
+            if a is not None:
+                a.close()
