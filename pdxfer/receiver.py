@@ -37,7 +37,7 @@ from .errors import (
     RemoteFailure,
 )
 from .pools import PoolSpec, layout_signature
-from .states import KVPoll
+from .states import KVPoll, RequestHandle
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -90,16 +90,11 @@ class RecvRoom:
     t_done: float = 0.0
 
 
-class KVReceiver:
+class KVReceiver(RequestHandle):
     """The engine's handle for one request on the decode side. Every call returns at once."""
 
-    def __init__(self, side: DecodeSide, st: RecvRoom) -> None:
-        self._side = side
-        self._st = st
-
-    @property
-    def room(self) -> int:
-        return self._st.room
+    _side: DecodeSide
+    _st: RecvRoom
 
     def request(self, dst: Mapping[str, object], slots: Mapping[str, int] | None = None,
                 prefix_len: int = 0, num_tokens: int | None = None) -> None:
@@ -107,13 +102,6 @@ class KVReceiver:
         per anchor pool, covering tokens from ``prefix_len``) and slot rows ``slots``.
         ``num_tokens`` defaults to what the first pool's pages cover."""
         self._side.request(self._st, dst, dict(slots or {}), prefix_len, num_tokens)
-
-    def poll(self) -> KVPoll:
-        return self._st.state
-
-    @property
-    def failure(self) -> PdxferError | None:
-        return self._st.failure
 
     @property
     def quarantined(self) -> bool:
@@ -314,13 +302,21 @@ class DecodeSide:
                 peer.refused = msg.reason or "refused"
             peer.ready.set()
 
+    def _settle(self, msg: wire.TransferDone | wire.AbortAck) -> RecvRoom | None:
+        """The room a sender's terminal message belongs to, now that sender is no longer
+        outstanding; None (counted as stale) for an unknown room, old nonce or repeat."""
+        st = self.rooms.get(msg.room)
+        if st is None or st.nonce != msg.nonce or msg.endpoint_id not in st.outstanding:
+            self.ep.count("stale_messages")
+            return None
+        st.outstanding.discard(msg.endpoint_id)
+        return st
+
     def on_done(self, msg: wire.TransferDone) -> None:
         with self.ep.lock:
-            st = self.rooms.get(msg.room)
-            if st is None or st.nonce != msg.nonce or msg.endpoint_id not in st.outstanding:
-                self.ep.count("stale_messages")
+            st = self._settle(msg)
+            if st is None:
                 return
-            st.outstanding.discard(msg.endpoint_id)
             st.bytes += msg.bytes
             st.blocks += msg.blocks
             if msg.ok:
@@ -337,12 +333,9 @@ class DecodeSide:
 
     def on_abort_ack(self, msg: wire.AbortAck) -> None:
         with self.ep.lock:
-            st = self.rooms.get(msg.room)
-            if st is None or st.nonce != msg.nonce or msg.endpoint_id not in st.outstanding:
-                self.ep.count("stale_messages")
-                return
-            st.outstanding.discard(msg.endpoint_id)
-        self._maybe_release(st)
+            st = self._settle(msg)
+        if st is not None:
+            self._maybe_release(st)
 
     def on_abort(self, msg: wire.Abort) -> None:
         """A prefill gave up on a room (it sends TransferDone(ok=False) for that)."""

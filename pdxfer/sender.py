@@ -27,7 +27,7 @@ from .errors import (
     TransportError,
 )
 from .pools import PoolSpec, check_pools, layout_signature
-from .states import KVPoll
+from .states import KVPoll, RequestHandle
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -86,16 +86,11 @@ class SenderRoom:
     last_given: bool = False
 
 
-class KVSender:
+class KVSender(RequestHandle):
     """The engine's handle for one request on the prefill side. Every call returns at once."""
 
-    def __init__(self, side: PrefillSide, st: SenderRoom) -> None:
-        self._side = side
-        self._st = st
-
-    @property
-    def room(self) -> int:
-        return self._st.room
+    _side: PrefillSide
+    _st: SenderRoom
 
     def send(self, pages: Mapping[str, object], slots: Mapping[str, int] | None = None,
              last: bool = False) -> None:
@@ -103,13 +98,6 @@ class KVSender:
         order. The last chunk also names the slot of each slot pool. A chunk given before the
         decode's request arrived waits for it."""
         self._side.add_chunk(self._st, pages, dict(slots or {}), last)
-
-    def poll(self) -> KVPoll:
-        return self._st.state
-
-    @property
-    def failure(self) -> PdxferError | None:
-        return self._st.failure
 
     @property
     def prefix_len(self) -> int | None:

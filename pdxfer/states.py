@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .errors import ConfigError
 
@@ -72,3 +72,28 @@ class EndpointConfig:
                 raise ConfigError(f"{name} must be > 0")
         if self.transport not in ("tcp", "rdma"):
             raise ConfigError(f"transport must be 'tcp' or 'rdma', got {self.transport!r}")
+
+
+class RequestHandle:
+    """What both request handles share: the room, the poll state and the failure.
+
+    ``_st`` is the side's room record (it has ``room``, ``state`` and ``failure``).
+    """
+
+    __slots__ = ("_side", "_st")
+
+    def __init__(self, side: Any, st: Any) -> None:
+        self._side = side
+        self._st = st
+
+    @property
+    def room(self) -> int:
+        return int(self._st.room)
+
+    def poll(self) -> KVPoll:
+        return KVPoll(self._st.state)
+
+    @property
+    def failure(self) -> Any:
+        """None, or the ``PdxferError`` that failed the request (its message says why)."""
+        return self._st.failure

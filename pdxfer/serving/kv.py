@@ -50,7 +50,7 @@ class PageAllocator:
         """Take ``n`` pages at once or none, so a failed request never leaks a partial set."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if True:
+        with self._lock:
             free_ids = np.flatnonzero(self._free)
             if n > free_ids.size:
                 raise OutOfPagesError(

@@ -7,8 +7,9 @@ the KV and whoever wrote those pages. Two rules give that:
 * Every computation that does not mix positions runs one token at a time through the same
   fixed-shape ops, and attention for a query at position ``p`` reads exactly the keys
   ``0..p`` in order. So no reduction's order depends on how many tokens share a call (a
-  batched matmul may pick a different kernel for 7 rows than for 64), and each reduction is
-  small enough that torch runs it single-threaded, whatever the thread count.
+  batched matmul does: its KV bytes differ between chunkings). Reductions to a single value
+  stay below torch's parallel grain size and the others split work by output, so the thread
+  count does not change any sum either (the tests check 1 against 2 threads).
 * K/V (or the MLA latent) is written to the pool in the pool dtype and attention always reads
   it back from the pool, never the fresher float32 copy, so a page filled by another process
   is indistinguishable from one filled here.
@@ -198,12 +199,7 @@ class ToyModel:
 
     # -- forward ---------------------------------------------------------------------------
     def forward(
-        self,
-        tokens: Sequence[int],
-        start: int,
-        page_table: PageTable,
-        kv: KVPool,
-        *,
+        self, tokens: Sequence[int], start: int, page_table: PageTable, kv: KVPool, *,
         logits_for: Literal["last", "all", "none"] = "last",
     ) -> torch.Tensor:
         """Run ``tokens`` at positions ``[start, start+len)`` on top of the KV already in the
@@ -239,19 +235,14 @@ class ToyModel:
         return torch.stack([_matvec(_rms(x, self.final_norm), self.w_out) for x in rows])
 
     def _write_and_gather(
-        self,
-        pool: tuple[torch.Tensor, ...],
-        fresh: torch.Tensor,
-        pages: torch.Tensor,
-        slots: torch.Tensor,
-        start: int,
+        self, pool: tuple[torch.Tensor, ...], fresh: torch.Tensor, pages: torch.Tensor,
+        slots: torch.Tensor, start: int,
     ) -> list[torch.Tensor]:
         """Store the new tokens' KV, then read positions ``0..end`` back as float32."""
         c = self.config
         new_p, new_s = pages[start:], slots[start:]
         if c.attention == "mha":
-            k, v = fresh.view(len(fresh), 2, c.n_kv_heads, c.head_dim).unbind(1)
-            parts = (k, v)
+            parts = fresh.view(len(fresh), 2, c.n_kv_heads, c.head_dim).unbind(1)  # K, V
         else:
             parts = (fresh,)
         out = []
@@ -292,14 +283,8 @@ class ToyModel:
 
     # -- serving entry points --------------------------------------------------------------
     def prefill(
-        self,
-        tokens: Sequence[int],
-        page_table: PageTable,
-        kv: KVPool,
-        *,
-        start: int = 0,
-        chunk_size: int | None = None,
-        on_chunk: Callable[[int, int], None] | None = None,
+        self, tokens: Sequence[int], page_table: PageTable, kv: KVPool, *, start: int = 0,
+        chunk_size: int | None = None, on_chunk: Callable[[int, int], None] | None = None,
     ) -> int:
         """Fill KV for positions ``[start, len(tokens))`` chunk by chunk and return the first
         generated token. ``[0, start)`` must already be in the pages (a cached or transferred
@@ -325,13 +310,8 @@ class ToyModel:
         return int(torch.argmax(self.forward([token], position, page_table, kv)[-1]))
 
     def generate(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
-        *,
-        kv: KVPool | None = None,
-        page_table: PageTable | None = None,
-        chunk_size: int | None = None,
+        self, prompt_ids: Sequence[int], max_new_tokens: int, *, kv: KVPool | None = None,
+        page_table: PageTable | None = None, chunk_size: int | None = None,
         eos_id: int | None = None,
     ) -> list[int]:
         """Colocated greedy reference: prefill then decode in one process, own pool unless
@@ -365,6 +345,9 @@ def make_draft(target: ToyModel, *, n_layers: int | None = None) -> ToyModel:
 
 @dataclass(frozen=True, slots=True)
 class SpecResult:
+    """Tokens plus how well the draft predicted them: the accept length is the signal that
+    the draft's KV (which never affects the tokens) is the right one."""
+
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
     """Draft tokens accepted at each verification step (0..k)."""
@@ -375,16 +358,9 @@ class SpecResult:
 
 
 def speculative_generate(
-    target: ToyModel,
-    draft: ToyModel,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    *,
-    k: int = 4,
-    kv: KVPool | None = None,
-    draft_kv: KVPool | None = None,
-    page_table: PageTable | None = None,
-    first_token: int | None = None,
+    target: ToyModel, draft: ToyModel, prompt_ids: Sequence[int], max_new_tokens: int, *,
+    k: int = 4, kv: KVPool | None = None, draft_kv: KVPool | None = None,
+    page_table: PageTable | None = None, first_token: int | None = None,
     chunk_size: int | None = None,
 ) -> SpecResult:
     """Greedy speculative decoding whose tokens equal ``target.generate`` exactly.
