@@ -26,6 +26,7 @@ from typing import Annotated, Any
 import msgspec
 from aiohttp import web
 
+from . import auth
 from .errors import BootstrapError
 from .pools import NonNeg
 
@@ -76,9 +77,13 @@ class _Instance:
 class BootstrapServer:
     """The registry of prefill instances. ``start()`` returns once it listens."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0,
+                 secret: str | bytes | None = None) -> None:
+        """``secret`` (or ``PDXFER_SECRET`` / ``PDXFER_SECRET_FILE``) turns on HMAC
+        authentication of every request but ``/health``."""
         self.host = host
         self.port = port
+        self._secret = auth.load_secret(secret)
         self._instances: dict[str, _Instance] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -87,7 +92,7 @@ class BootstrapServer:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.counters: dict[str, int] = {"registrations": 0, "conflicts": 0, "lookups": 0,
-                                         "not_ready": 0, "bad_requests": 0}
+                                         "not_ready": 0, "bad_requests": 0, "auth_failures": 0}
 
     @property
     def address(self) -> str:
@@ -119,8 +124,20 @@ class BootstrapServer:
         loop.run_until_complete(self._runner.cleanup() if self._runner else asyncio.sleep(0))
         loop.close()
 
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path != "/health":
+            body = await request.read()
+            why = auth.check_http(self._secret, request.method, request.raw_path, body,
+                                  request.headers.get("X-Pdxfer-Time"),
+                                  request.headers.get("X-Pdxfer-Signature"))
+            if why:
+                self.counters["auth_failures"] += 1
+                return web.json_response({"error": why}, status=401)
+        return await handler(request)
+
     async def _serve(self) -> None:
-        app = web.Application(client_max_size=1 << 20)
+        app = web.Application(client_max_size=1 << 20, middlewares=[self._auth])
         app.router.add_put("/register", self._h_register)
         app.router.add_delete("/register", self._h_deregister)
         app.router.add_get("/route", self._h_route)
@@ -275,7 +292,9 @@ class BootstrapClient:
     """Talks to a bootstrap server with timeouts and retries with backoff."""
 
     def __init__(self, address: str, timeout: float = 5.0, retries: int = 5,
-                 backoff: float = 0.05, max_backoff: float = 2.0) -> None:
+                 backoff: float = 0.05, max_backoff: float = 2.0,
+                 secret: str | bytes | None = None) -> None:
+        self._secret = auth.load_secret(secret)
         if "://" not in address:
             address = "http://" + address
         self.base = address.rstrip("/")
@@ -291,8 +310,10 @@ class BootstrapClient:
         attempt = 0
         while True:
             attempt += 1
+            headers = {"Content-Type": "application/json",
+                       **auth.http_headers(self._secret, method, path, body or b"")}
             req = urllib.request.Request(self.base + path, data=body, method=method,
-                                         headers={"Content-Type": "application/json"})
+                                         headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as r:
                     return json.loads(r.read() or b"null")

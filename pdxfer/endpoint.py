@@ -14,7 +14,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import wire
+import msgspec
+
+from . import auth, wire
 from .bootstrap import BootstrapClient, Registration
 from .control import Control, Workers
 from .errors import ConfigError, PdxferError, WireError
@@ -25,6 +27,10 @@ from .states import EndpointConfig
 from .transport import Transport, make_transport
 
 log = logging.getLogger("pdxfer.endpoint")
+
+
+def _hello_parts(h: wire.Hello) -> tuple[str, ...]:
+    return (h.endpoint_id, h.ctrl_addr, h.session, h.signature, str(h.tp_rank), str(h.tp_size))
 
 
 def validate_pools(pools: Sequence[PoolSpec]) -> str | None:
@@ -62,6 +68,7 @@ class Endpoint:
         self.pool_names = frozenset(p.name for p in pools)
         self._by_name = {p.name: p for p in pools}
         self.endpoint_id = config.endpoint_id
+        self.secret = auth.load_secret(config.secret)
         self.lock = threading.RLock()
         self._counters: collections.Counter[str] = collections.Counter()
         self._closed = False
@@ -84,7 +91,7 @@ class Endpoint:
         self.ctrl_addr = self.control.address
         self._bootstrap: BootstrapClient | None = None
         if config.role == "prefill" and config.bootstrap:
-            self._bootstrap = BootstrapClient(config.bootstrap)
+            self._bootstrap = BootstrapClient(config.bootstrap, secret=self.secret)
             try:
                 self._bootstrap.register(self.registration())
             except PdxferError:
@@ -182,11 +189,20 @@ class Endpoint:
             self._counters["blocks"] += blocks
 
     def check_auth(self, hello: wire.Hello) -> str:
-        """Why a Hello is not authorised ("" when it is). Access control hooks in here."""
+        """Why a Hello is not authorised ("" when it is)."""
+        if self.secret is None:
+            return ""
+        if not hello.auth:
+            return f"authentication required: this endpoint needs {auth.ENV} on the peer"
+        if not auth.verify(self.secret, hello.auth, *_hello_parts(hello)):
+            self.count("auth_failures")
+            return "authentication failed: wrong Hello signature (different secret?)"
         return ""
 
-    def auth_token(self) -> str:
-        return ""
+    def signed(self, hello: wire.Hello) -> wire.Hello:
+        if self.secret is None:
+            return hello
+        return msgspec.structs.replace(hello, auth=auth.sign(self.secret, *_hello_parts(hello)))
 
     # -- control thread ------------------------------------------------------------------------
     def _on_frame(self, frame: bytes) -> None:

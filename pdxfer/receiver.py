@@ -250,7 +250,8 @@ class DecodeSide:
             cached = self._routes.get(key)
             client = self._clients.get(st.bootstrap)
             if client is None:
-                client = self._clients[st.bootstrap] = BootstrapClient(st.bootstrap)
+                client = self._clients[st.bootstrap] = BootstrapClient(
+                    st.bootstrap, secret=self.ep.secret)
         if cached is not None and cached["dp_size"] == 1:
             return cached
         route = client.route(st.room, st.instance, st.dp, deadline=st.deadline)
@@ -276,9 +277,9 @@ class DecodeSide:
                 endpoint_id=self.ep.endpoint_id, ctrl_addr=self.ep.ctrl_addr,
                 session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
                 tp_size=self.cfg.tp_size, signature=layout_signature(self.ep.pools),
-                pools=tuple(self.ep.pools), auth=self.ep.auth_token(),
+                pools=tuple(self.ep.pools),
             )
-            self.ep.send(peer.ctrl_addr, hello)
+            self.ep.send(peer.ctrl_addr, self.ep.signed(hello))
         if not peer.ready.wait(max(0.0, deadline - time.monotonic())):
             with self.ep.lock:
                 self.peers.pop(eid, None)

@@ -199,7 +199,7 @@ class PrefillSide:
         ack = wire.HelloAck(
             endpoint_id=self.ep.endpoint_id, ok=not reason, reason=reason,
             session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
-            tp_size=self.cfg.tp_size, pools=tuple(mine),
+            tp_size=self.cfg.tp_size, pools=() if reason else tuple(mine),
         )
         if reason:
             log.warning("refused Hello from %s: %s", msg.endpoint_id, reason)

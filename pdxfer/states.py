@@ -57,6 +57,9 @@ class EndpointConfig:
     abort_timeout_s: float = 5.0
     heartbeat_s: float = 0.5
     endpoint_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    secret: str | None = field(default=None, repr=False)
+    """Shared secret for HMAC on bootstrap requests and Hello; None reads ``PDXFER_SECRET``
+    or ``PDXFER_SECRET_FILE`` (and leaves access control off when neither is set)."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):

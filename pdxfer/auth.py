@@ -1,0 +1,79 @@
+"""Shared-secret access control: HMAC-SHA256 on bootstrap requests and on ``Hello``.
+
+The secret comes from ``PDXFER_SECRET`` or a file named by ``PDXFER_SECRET_FILE`` (or is
+passed explicitly). With no secret configured, nothing is signed or checked (the loopback
+demo); with one, every bootstrap request but ``/health`` and every ``Hello`` must carry a
+valid signature, or it is refused with a message that says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+
+from .errors import ConfigError
+
+ENV = "PDXFER_SECRET"
+ENV_FILE = "PDXFER_SECRET_FILE"
+MAX_SKEW_S = 300.0
+"""A signed bootstrap request older (or newer) than this is refused: bounds replay."""
+
+
+def load_secret(explicit: str | bytes | None = None) -> bytes | None:
+    """The configured secret, or None when access control is off."""
+    if explicit is not None:
+        s = explicit.encode() if isinstance(explicit, str) else explicit
+    elif os.environ.get(ENV):
+        s = os.environ[ENV].encode()
+    elif os.environ.get(ENV_FILE):
+        try:
+            with open(os.environ[ENV_FILE], "rb") as f:
+                s = f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read {ENV_FILE}={os.environ[ENV_FILE]!r}: {e}") from None
+    else:
+        return None
+    if len(s) < 16:
+        raise ConfigError("the shared secret must be at least 16 bytes")
+    return s
+
+
+def sign(secret: bytes, *parts: str | bytes) -> str:
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for p in parts:
+        b = p.encode() if isinstance(p, str) else p
+        mac.update(len(b).to_bytes(8, "little"))
+        mac.update(b)
+    return mac.hexdigest()
+
+
+def verify(secret: bytes, tag: str, *parts: str | bytes) -> bool:
+    return bool(tag) and hmac.compare_digest(sign(secret, *parts), tag)
+
+
+def http_headers(secret: bytes | None, method: str, path: str, body: bytes) -> dict[str, str]:
+    """Headers that authenticate one bootstrap request (none without a secret)."""
+    if secret is None:
+        return {}
+    ts = f"{time.time():.3f}"
+    return {"X-Pdxfer-Time": ts, "X-Pdxfer-Signature": sign(secret, method, path, body, ts)}
+
+
+def check_http(secret: bytes | None, method: str, path: str, body: bytes, ts: str | None,
+               tag: str | None) -> str:
+    """Why a bootstrap request is not authorised ("" when it is)."""
+    if secret is None:
+        return ""
+    if not ts or not tag:
+        return f"authentication required: this bootstrap server needs {ENV} on the client"
+    try:
+        skew = abs(time.time() - float(ts))
+    except ValueError:
+        return "authentication failed: bad timestamp"
+    if skew > MAX_SKEW_S:
+        return f"authentication failed: timestamp {skew:.0f} s off (clock skew or replay)"
+    if not verify(secret, tag, method, path, body, ts):
+        return "authentication failed: wrong signature (different secret?)"
+    return ""

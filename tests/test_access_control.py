@@ -1,0 +1,107 @@
+"""Shared-secret access control: wrong or missing secret refused on every entry point."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from pdxfer import BootstrapClient, BootstrapError, BootstrapServer, layout_signature, wire
+from pdxfer.bootstrap import Registration
+from pdxfer.harness import Agent
+from pdxfer.patterns import PoolGeom
+
+from .conftest import FAST
+from .helpers import Factory, run, verify
+
+SECRET = "correct horse battery staple"
+GEOMS = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=16),
+         PoolGeom("aux", "slots", layers=1, pages=8, dim=8, dtype="int32")]
+
+
+@pytest.fixture(scope="module")
+def secured() -> Iterator[tuple[BootstrapServer, Agent, Agent]]:
+    srv = BootstrapServer(secret=SECRET).start()
+    pf = Agent("prefill", {**FAST, "bootstrap": srv.address}, GEOMS,
+               env={"PDXFER_SECRET": SECRET})
+    dc = Agent("decode", {**FAST, "secret": SECRET}, GEOMS)
+    yield srv, pf, dc
+    pf.close()
+    dc.close()
+    srv.stop()
+
+
+def reg(eid: str) -> Registration:
+    return Registration(instance="x", endpoint_id=eid, ctrl_addr="tcp://127.0.0.1:1",
+                        session="127.0.0.1:1", signature="s")
+
+
+@pytest.mark.parametrize("secret,needle", [(None, "authentication required"),
+                                           ("a wrong secret, 16+ bytes", "wrong signature")])
+def test_bootstrap_refuses_registration_and_lookup_without_the_secret(
+        secured, secret: str | None, needle: str) -> None:
+    srv = secured[0]
+    c = BootstrapClient(srv.address, secret=secret)
+    with pytest.raises(BootstrapError, match=f"401.*{needle}"):
+        c.register(reg("intruder"))
+    with pytest.raises(BootstrapError, match=f"401.*{needle}"):
+        c.route(1)
+    with pytest.raises(BootstrapError, match="401"):
+        c.deregister("anything")
+    req = urllib.request.Request(f"http://{srv.address}/instances")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 401 and "authentication" in json.loads(e.value.read())["error"]
+    assert c.health()  # /health stays open for liveness probes
+
+
+def test_bootstrap_accepts_the_right_secret(secured) -> None:
+    c = BootstrapClient(secured[0].address, secret=SECRET)
+    assert c.route(1)["endpoints"][0]["tp_rank"] == 0
+
+
+def test_authorised_pair_transfers_every_byte(secured) -> None:
+    srv, pf, dc = secured
+    f = Factory(GEOMS, GEOMS, seed=1)
+    reqs = [f.make(100, chunks=2), f.make(33)]
+    out = run(pf, dc, srv.address, reqs)
+    assert all(o["state"] == "Success" for o in out.values()), out
+    assert all(v[0] == 0 for v in verify(dc, reqs).values())
+
+
+def test_decode_without_the_secret_is_refused_with_a_clear_error(secured) -> None:
+    srv, _, dc = secured
+    dc.call("add_endpoint", name="nosecret", role="decode", config=dict(FAST), geoms=GEOMS)
+    dc.call("recv", items=[{"room": 5, "dst": {"kv": [1]}, "slots": {"aux": 1}}],
+            bootstrap=srv.address, ep="nosecret")
+    out = dc.call("wait", rooms=[5], ep="nosecret", timeout=10)[5]
+    assert out["state"] == "Failed" and out["kind"] == "bootstrap"
+    assert "authentication required" in out["failure"]
+    dc.call("close_endpoint", name="nosecret")
+
+
+@pytest.mark.parametrize("tag,needle", [("", "authentication required"),
+                                        ("0" * 64, "authentication failed")])
+def test_prefill_refuses_hello_without_a_valid_signature(secured, tag: str, needle: str) -> None:
+    _, pf, _ = secured
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    addr = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    push = ctx.socket(zmq.PUSH)
+    push.connect(pf.info["ctrl_addr"])
+    try:
+        push.send(wire.encode(wire.Hello(endpoint_id="intruder", ctrl_addr=addr,
+                                         session="127.0.0.1:1", tp_rank=0, tp_size=1,
+                                         signature=layout_signature([]), pools=(), auth=tag)))
+        assert pull.poll(5000)
+        ack = wire.decode(pull.recv())
+        assert isinstance(ack, wire.HelloAck) and not ack.ok and needle in ack.reason
+        assert ack.pools == ()  # nothing about the prefill's memory is disclosed
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
