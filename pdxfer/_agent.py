@@ -169,6 +169,9 @@ class AgentState:
     def cmd_metrics(self, ep: str = "main") -> dict[str, Any]:
         return self.eps[ep].ep.metrics()
 
+    def cmd_prometheus(self, ep: str = "main") -> str:
+        return self.eps[ep].ep.prometheus().decode()
+
     def cmd_tables(self, ep: str = "main") -> dict[str, int]:
         """Sizes of the room tables (all zero when nothing leaked)."""
         x = self.eps[ep].ep

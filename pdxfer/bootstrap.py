@@ -143,6 +143,7 @@ class BootstrapServer:
         app.router.add_get("/route", self._h_route)
         app.router.add_get("/health", self._h_health)
         app.router.add_get("/instances", self._h_instances)
+        app.router.add_get("/metrics", self._h_metrics)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -269,6 +270,16 @@ class BootstrapServer:
             n = len(self._instances)
         return web.json_response({"status": "ok", "instances": n})
 
+    async def _h_metrics(self, request: web.Request) -> web.Response:
+        from .metrics import CONTENT_TYPE, prometheus_text
+
+        def values() -> dict[str, float]:
+            with self._lock:
+                return {**self.counters, "instances": len(self._instances)}
+
+        body = prometheus_text("pdxfer_bootstrap", values)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
     async def _h_instances(self, request: web.Request) -> web.Response:
         with self._lock:
             body = {name: {"shape": inst.shape, "registered": len(inst.slots),
@@ -314,6 +325,7 @@ class BootstrapClient:
                        **auth.http_headers(self._secret, method, path, body or b"")}
             req = urllib.request.Request(self.base + path, data=body, method=method,
                                          headers=headers)
+            not_ready = False
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as r:
                     return json.loads(r.read() or b"null")
@@ -321,12 +333,14 @@ class BootstrapClient:
                 msg = _error_text(e)
                 if e.code < 500:
                     raise BootstrapError(f"bootstrap {method} {path} -> {e.code}: {msg}") from None
-                last = f"{e.code}: {msg}"
+                last, not_ready = f"{e.code}: {msg}", e.code == 503
             except (urllib.error.URLError, OSError, TimeoutError) as e:
                 last = f"unreachable: {getattr(e, 'reason', e)}"
-            now = time.monotonic()
-            out_of_time = deadline is not None and now + delay > deadline
-            if out_of_time or (deadline is None and attempt > self.retries):
+            # 503 means "not all ranks registered yet": worth waiting for up to the deadline.
+            # Anything else gets the retry budget, so a dead server fails fast.
+            waiting = not_ready and deadline is not None
+            out_of_time = deadline is not None and time.monotonic() + delay > deadline
+            if out_of_time or (not waiting and attempt > self.retries):
                 raise BootstrapError(f"bootstrap {self.base}{path}: {last} (after {attempt} tries)")
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, self.max_backoff)

@@ -20,6 +20,7 @@ from . import auth, wire
 from .bootstrap import BootstrapClient, Registration
 from .control import Control, Workers
 from .errors import ConfigError, PdxferError, WireError
+from .metrics import Timeline, prometheus_text
 from .pools import PoolSpec, layout_signature
 from .receiver import DecodeSide, KVReceiver, Release
 from .sender import KVSender, PrefillSide
@@ -71,6 +72,7 @@ class Endpoint:
         self.secret = auth.load_secret(config.secret)
         self.lock = threading.RLock()
         self._counters: collections.Counter[str] = collections.Counter()
+        self.timeline = Timeline()
         self._closed = False
         self.transport = transport or make_transport(
             config.transport, config.host, config.device, config.transfer_timeout_s)
@@ -143,6 +145,12 @@ class Endpoint:
                  transport_bytes=s.bytes, transport_failures=s.failures,
                  transport_retries=s.retries, control_handler_errors=self.control.handler_errors)
         return m
+
+    def prometheus(self) -> bytes:
+        """``metrics()`` and the request-phase histograms as Prometheus text."""
+        labels = {"role": self.config.role, "endpoint": self.endpoint_id,
+                  "tp_rank": str(self.config.tp_rank)}
+        return prometheus_text("pdxfer_endpoint", self.metrics, labels, self.timeline)
 
     def close(self) -> None:
         if self._closed:

@@ -86,6 +86,7 @@ class RecvRoom:
     released: bool = False
     bytes: int = 0
     blocks: int = 0
+    t_created: float = field(default_factory=time.monotonic)
     t_request: float = 0.0
     t_done: float = 0.0
 
@@ -196,6 +197,7 @@ class DecodeSide:
             st.state = KVPoll.Failed
             st.failure = err
             st.abort_deadline = time.monotonic() + self.cfg.abort_timeout_s
+            self.ep.timeline.observe("failed", time.monotonic() - st.t_created)
             self.ep.count_failure(err)
             log.info("room %d failed: %s", st.room, err)
             targets = [p for p in st.targets if p.endpoint_id in st.outstanding]
@@ -325,6 +327,8 @@ class DecodeSide:
                 if len(st.done) == len(st.targets) and not st.state.terminal:
                     st.state = KVPoll.Success
                     st.t_done = time.monotonic()
+                    self.ep.timeline.observe("bootstrap", st.t_request - st.t_created)
+                    self.ep.timeline.observe("transfer", st.t_done - st.t_request)
                     self.ep.count("success")
                     self.ep.count_transfer(st.bytes, st.blocks)
         if not msg.ok:

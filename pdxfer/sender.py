@@ -84,6 +84,8 @@ class SenderRoom:
     expected: int = 1
     cursor: dict[str, int] = field(default_factory=dict)
     last_given: bool = False
+    t_created: float = field(default_factory=time.monotonic)
+    t_request: float = 0.0
 
 
 class KVSender(RequestHandle):
@@ -341,6 +343,7 @@ class PrefillSide:
                 self._refuse(req, why, "plan")
                 return
         st.targets.append(Target(req, peer, dst))
+        st.t_request = st.t_request or now
         st.expected = req.decode_peers
         st.deadline = now + min(req.deadline_s, self.cfg.transfer_timeout_s)
         if len(st.targets) >= st.expected:
@@ -432,6 +435,8 @@ class PrefillSide:
             if ok and all_done and st.state != KVPoll.Failed:
                 st.state = KVPoll.Success
                 self.ep.count("success")
+                self.ep.timeline.observe("waiting", st.t_request - st.t_created)
+                self.ep.timeline.observe("transfer", time.monotonic() - st.t_request)
             if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
                 self.rooms.pop(st.room, None)
         self.ep.count_transfer(t.bytes, t.blocks)

@@ -105,3 +105,24 @@ def test_prefill_refuses_hello_without_a_valid_signature(secured, tag: str, need
         push.close(0)
         pull.close(0)
         ctx.term()
+
+
+def test_metrics_are_prometheus_text_with_failures_by_kind_and_phases(secured) -> None:
+    srv, pf, dc = secured
+    f = Factory(GEOMS, GEOMS, seed=9)
+    ok = f.make(20)
+    assert run(pf, dc, srv.address, [ok])[ok["room"]]["state"] == "Success"
+    dc.call("recv", items=[{"room": 6, "dst": {"kv": [9]}, "slots": {"aux": 2}}],
+            bootstrap="127.0.0.1:1")  # nothing listens there
+    assert dc.call("wait", rooms=[6], timeout=15)[6]["kind"] == "bootstrap"
+    text = dc.call("prometheus")
+    assert 'pdxfer_endpoint_success_total{' in text
+    assert 'pdxfer_endpoint_request_phase_seconds_bucket{' in text and 'phase="transfer"' in text
+    assert 'pdxfer_endpoint_failures_total{' in text and 'kind="bootstrap"' in text
+    assert "pdxfer_endpoint_quarantined_pages{" in text
+    from prometheus_client.parser import text_string_to_metric_families
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["pdxfer_endpoint_success"].samples[0].value >= 1
+    req = urllib.request.Request(f"http://{srv.address}/metrics")
+    with pytest.raises(urllib.error.HTTPError):  # metrics need the secret too
+        urllib.request.urlopen(req, timeout=5)
