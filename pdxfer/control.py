@@ -11,11 +11,16 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
 
 log = logging.getLogger("pdxfer.control")
+
+MAX_PEER_SOCKETS = 1024
+"""Peer sockets kept open; the least recently used is closed beyond this, so a peer that
+names many reply addresses cannot exhaust file descriptors."""
 
 
 class Control:
@@ -40,7 +45,7 @@ class Control:
         self._on_frame = on_frame
         self._on_tick = on_tick
         self._tick_s = tick_s
-        self._push: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
+        self._push: OrderedDict[str, tuple[zmq.Socket, threading.Lock]] = OrderedDict()
         self._push_lock = threading.Lock()
         self._stop = threading.Event()
         self.handler_errors = 0
@@ -82,7 +87,13 @@ class Control:
         """Queue ``frame`` for ``addr`` without blocking; False if it could not be queued."""
         with self._push_lock:
             entry = self._push.get(addr)
-            if entry is None:
+            if entry is not None:
+                self._push.move_to_end(addr)
+            else:
+                while len(self._push) >= MAX_PEER_SOCKETS:
+                    _, (old, old_lock) = self._push.popitem(last=False)
+                    with old_lock:
+                        old.close(linger=0)
                 s = self._ctx.socket(zmq.PUSH)
                 s.setsockopt(zmq.LINGER, 0)
                 s.setsockopt(zmq.SNDHWM, 100_000)

@@ -28,7 +28,11 @@ MAX_POOLS = 64
 Room = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Str = Annotated[str, msgspec.Meta(max_length=256)]
 Reason = Annotated[str, msgspec.Meta(max_length=4096)]
-Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=256,
+                                    pattern=r"^tcp://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")]
+"""A control address: replies only ever go to ``tcp://host:port``."""
+Session = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+"""A transport session name (``host:port`` for Mooncake)."""
 Packed = Annotated[bytes, msgspec.Meta(max_length=64 << 20)]
 
 
@@ -41,7 +45,7 @@ class Hello(Msg):
 
     endpoint_id: Str
     ctrl_addr: Addr
-    session: Addr
+    session: Session
     tp_rank: NonNeg
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)]
     signature: Str
@@ -116,7 +120,7 @@ class Abort(Msg):
     room: Room
     nonce: U64
     reason: Reason = ""
-    reply_to: Str = ""
+    reply_to: Addr | None = None
 
 
 class AbortAck(Msg):
