@@ -25,7 +25,7 @@ class _Ep:
         self.ep = Endpoint(EndpointConfig(role=role, **config), specs)
         self.tx: dict[int, KVSender] = {}
         self.rx: dict[int, KVReceiver] = {}
-        self.released: dict[int, float] = {}
+        self.released: dict[int, list[float]] = {}
 
     def anchor_pages(self, name: str, pages: dict[str, Any]) -> Any:
         spec = self.specs[name]
@@ -88,8 +88,8 @@ class AgentState:
         for it in items:
             room = it["room"]
             rx = e.ep.receiver(room, bootstrap, instance=instance, dp=it.get("dp"),
-                               release=lambda d, s, room=room: e.released.__setitem__(
-                                   room, time.monotonic()))
+                               release=lambda d, s, room=room: e.released.setdefault(
+                                   room, []).append(time.monotonic()))
             e.rx[room] = rx
             rx.request(it["dst"], it.get("slots"), it.get("prefix_len", 0), it.get("num_tokens"))
 
@@ -130,6 +130,10 @@ class AgentState:
 
     def cmd_released(self, ep: str = "main") -> list[int]:
         return sorted(self.eps[ep].released)
+
+    def cmd_release_counts(self, ep: str = "main") -> dict[int, int]:
+        """How many times each room's pages were handed back (must never exceed one)."""
+        return {r: len(v) for r, v in self.eps[ep].released.items()}
 
     def cmd_abort(self, rooms: list[int], ep: str = "main") -> None:
         e = self.eps[ep]

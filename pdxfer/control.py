@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import zmq
 
+from .faults import FAULTS
+
 log = logging.getLogger("pdxfer.control")
 
 MAX_PEER_SOCKETS = 1024
@@ -71,6 +73,8 @@ class Control:
                         frame = self._pull.recv(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
                         break
+                    if FAULTS.active and FAULTS.drop_incoming():
+                        continue
                     self._guard(self._on_frame, frame)
             if time.monotonic() >= next_tick:
                 self._guard(self._on_tick)

@@ -33,7 +33,18 @@ class Agent:
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_agent_main, args=(child, role, config, geoms, env or {}),
                                 daemon=True, name=f"pdxfer-{role}-agent")
-        self.proc.start()
+        # The child inherits os.environ at spawn, before it imports pdxfer (some settings,
+        # like PDXFER_FAULTS, are read at import): set the extra variables around start().
+        saved = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})
+        try:
+            self.proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         child.close()
         self.role = role
         if not self._conn.poll(start_timeout):

@@ -413,7 +413,7 @@ class PrefillSide:
         try:
             self.ep.transport.write(
                 t.peer.session, blocks.src, blocks.dst, blocks.nbytes, deadline=st.deadline,
-                should_stop=lambda: st.state == KVPoll.Failed)
+                should_stop=lambda: st.state == KVPoll.Failed, tag=st.room)
         except TransportError as e:
             self.fail(st, TransportError(
                 f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}"))
@@ -431,6 +431,8 @@ class PrefillSide:
             if t.finished:
                 return
             t.finished = True
+            if ok and st.state == KVPoll.Failed:  # aborted or expired while the write ran
+                ok, err = False, st.failure
             all_done = len(st.targets) >= st.expected and all(x.finished for x in st.targets)
             if ok and all_done and st.state != KVPoll.Failed:
                 st.state = KVPoll.Success

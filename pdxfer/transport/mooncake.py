@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, TransportError, TransportUnavailable
+from ..faults import FAULTS
 from .base import TransportStats
 
 log = logging.getLogger("pdxfer.transport")
@@ -130,11 +131,13 @@ class MooncakeTransport:
         *,
         deadline: float | None = None,
         should_stop: Callable[[], bool] | None = None,
+        tag: int | None = None,
     ) -> None:
         """Write all blocks in batches of at most ``max_batch`` entries.
 
         ``should_stop`` is checked between batches: an abort stops issuing new writes, and
         the batch in flight completes first (so "drained" means nothing is left in flight).
+        ``tag`` (the room) only selects injected faults.
         """
         if self._closed:
             raise TransportError("transport is closed")
@@ -147,6 +150,8 @@ class MooncakeTransport:
             s = src[i : i + self.max_batch].tolist()
             d = dst[i : i + self.max_batch].tolist()
             ln = nbytes[i : i + self.max_batch].tolist()
+            if FAULTS.active:
+                FAULTS.before_batch(tag)
             rc = self._engine.batch_transfer_sync_write(peer, s, d, ln)
             if rc != 0:
                 # A rejected write can break the lane so that the next call fails once.
