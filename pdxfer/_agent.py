@@ -173,6 +173,23 @@ class AgentState:
     def cmd_metrics(self, ep: str = "main") -> dict[str, Any]:
         return self.eps[ep].ep.metrics()
 
+    def cmd_proc_stats(self) -> dict[str, int]:
+        """Open file descriptors and resident memory of this agent process (leak checks)."""
+        import gc
+        import os
+
+        gc.collect()
+        with open("/proc/self/statm") as f:
+            rss_pages = int(f.read().split()[1])
+        return {"fds": len(os.listdir("/proc/self/fd")), "rss": rss_pages * os.sysconf("SC_PAGE_SIZE")}
+
+    def cmd_forget(self, rooms: list[int], ep: str = "main") -> None:
+        """Drop the agent's own handles (an engine forgets finished requests)."""
+        e = self.eps[ep]
+        for r in rooms:
+            e.rx.pop(r, None)
+            e.tx.pop(r, None)
+
     def cmd_prometheus(self, ep: str = "main") -> str:
         return self.eps[ep].ep.prometheus().decode()
 

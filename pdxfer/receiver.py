@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdxfer.receiver")
 
+HELLO_RETRY_S = 0.5
+
 Release = Callable[[Mapping[str, np.ndarray], Mapping[str, int]], None]
 
 
@@ -281,12 +283,18 @@ class DecodeSide:
                 tp_size=self.cfg.tp_size, signature=layout_signature(self.ep.pools),
                 pools=tuple(self.ep.pools),
             )
-            self.ep.send(peer.ctrl_addr, self.ep.signed(hello))
-        if not peer.ready.wait(max(0.0, deadline - time.monotonic())):
-            with self.ep.lock:
-                self.peers.pop(eid, None)
-            raise DeadlineExceeded(f"no HelloAck from prefill endpoint {eid} at "
-                                   f"{peer.ctrl_addr} before the deadline")
+            hello = self.ep.signed(hello)
+            self.ep.send(peer.ctrl_addr, hello)
+        # re-send the Hello now and then: a lost Hello must not cost the whole deadline
+        while not peer.ready.wait(max(0.0, min(HELLO_RETRY_S, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                with self.ep.lock:
+                    self.peers.pop(eid, None)
+                raise DeadlineExceeded(f"no HelloAck from prefill endpoint {eid} at "
+                                       f"{peer.ctrl_addr} before the deadline")
+            if fresh:
+                self.ep.count("hello_retransmits")
+                self.ep.send(peer.ctrl_addr, hello)
         if peer.refused:
             raise LayoutMismatch(f"prefill endpoint {eid} refused the handshake: {peer.refused}")
         return peer
@@ -366,16 +374,26 @@ class DecodeSide:
     # -- periodic ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:
         expired: list[RecvRoom] = []
+        resend: list[tuple[str, wire.Abort]] = []
         with self.ep.lock:
             for st in self.rooms.values():
                 if not st.state.terminal and now > st.deadline:
                     expired.append(st)
-                elif (st.state == KVPoll.Failed and st.outstanding and not st.quarantined
-                      and now > st.abort_deadline):
-                    st.quarantined = True
-                    self.ep.count("quarantined_requests")
-                    log.warning("room %d: pages quarantined, senders %s have not confirmed "
-                                "that their writes drained", st.room, sorted(st.outstanding))
+                elif st.state == KVPoll.Failed and st.outstanding and now > st.abort_deadline:
+                    if not st.quarantined:
+                        st.quarantined = True
+                        self.ep.count("quarantined_requests")
+                        log.warning("room %d: pages quarantined, senders %s have not confirmed "
+                                    "that their writes drained", st.room, sorted(st.outstanding))
+                    # the Abort (or its ack) may have been lost: ask again until answered
+                    st.abort_deadline = now + self.cfg.abort_timeout_s
+                    msg = wire.Abort(room=st.room, nonce=st.nonce, reason="retransmit",
+                                     reply_to=self.ep.ctrl_addr)
+                    resend += [(p.ctrl_addr, msg) for p in st.targets
+                               if p.endpoint_id in st.outstanding]
+        for addr, msg in resend:
+            self.ep.count("abort_retransmits")
+            self.ep.send(addr, msg)
         for st in expired:
             what = ("bootstrap/handshake" if st.state == KVPoll.Bootstrapping else
                     f"transfer (state {st.state.name}, waiting for {sorted(st.outstanding)})")
