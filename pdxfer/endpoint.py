@@ -19,7 +19,7 @@ import msgspec
 from . import auth, wire
 from .bootstrap import BootstrapClient, Registration
 from .control import Control, Workers
-from .errors import ConfigError, PdxferError, WireError
+from .errors import Aborted, ConfigError, PdxferError, WireError
 from .metrics import Timeline, prometheus_text
 from .pools import PoolSpec, layout_signature
 from .receiver import DecodeSide, KVReceiver, Release
@@ -153,6 +153,8 @@ class Endpoint:
         return prometheus_text("pdxfer_endpoint", self.metrics, labels, self.timeline)
 
     def close(self) -> None:
+        """Fail what is still active (peers hear at once), drain the workers, then close the
+        control plane and the transport. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -161,11 +163,16 @@ class Endpoint:
                 self._bootstrap.deregister(self.endpoint_id)
             except PdxferError as e:
                 log.info("deregister from bootstrap failed: %s", e)
+        side = self.prefill or self.decode
+        with self.lock:
+            active = [st for st in side.rooms.values() if not st.state.terminal] if side else []
+        for st in active:
+            side.fail(st, Aborted(f"room {st.room}: {self.config.role} endpoint closing"))
         if self.decode is not None:
             self.decode.close()
+        self.workers.close()
         if hasattr(self, "control"):
             self.control.close()
-        self.workers.close()
         self.transport.close()
 
     def __enter__(self) -> Endpoint:

@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,7 @@ class PrefillPeer:
     ready: threading.Event = field(default_factory=threading.Event)
     refused: str = ""
     dead: bool = False
+    hung: bool = False
     probe_failures: int = 0
 
 
@@ -406,36 +407,66 @@ class DecodeSide:
                        for a in st.dst.values())
 
     def _heartbeat(self) -> None:
-        """Probe the prefill endpoints that rooms wait on; two misses in a row = lost."""
-        while not self._stop.wait(self.cfg.heartbeat_s):
-            with self.ep.lock:
-                watched = {p.endpoint_id: p for st in self.rooms.values() for p in st.targets
-                           if p.endpoint_id in st.outstanding and p.session and not p.dead}
-            for p in watched.values():
-                if self.ep.transport.probe(p.session):
-                    p.probe_failures = 0
-                    continue
-                p.probe_failures += 1
-                if p.probe_failures >= 2:
-                    self._peer_lost(p)
+        """Probe the prefill endpoints that rooms wait on, without ever blocking on one.
 
-    def _peer_lost(self, p: PrefillPeer) -> None:
-        log.warning("prefill endpoint %s (%s) is unreachable", p.endpoint_id, p.session)
-        self.ep.count("peers_lost")
+        A probe refused at once means the process is gone: its writes cannot land, so its
+        rooms fail and their pages are released. A probe that hangs (a frozen or overloaded
+        process) fails the rooms too, but their pages stay quarantined until the peer
+        acknowledges the abort: a frozen writer may still wake up and write.
+        """
+        probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-probe")
+        pending: dict[str, tuple[Future[tuple[bool, float]], float, PrefillPeer]] = {}
+        hang_s = max(1.0, 2 * self.cfg.heartbeat_s)
+        try:
+            while not self._stop.wait(self.cfg.heartbeat_s):
+                now = time.monotonic()
+                with self.ep.lock:
+                    watched = {p.endpoint_id: p for st in self.rooms.values()
+                               for p in st.targets
+                               if p.endpoint_id in st.outstanding and p.session}
+                for eid, p in watched.items():
+                    if eid not in pending:
+                        pending[eid] = (probes.submit(self._probe, p.session), now, p)
+                for eid, (fut, t0, p) in list(pending.items()):
+                    if fut.done():
+                        del pending[eid]
+                        alive, took = fut.result()
+                        if alive:
+                            p.probe_failures, p.hung = 0, False
+                        else:
+                            p.probe_failures += 1
+                            if p.probe_failures >= 2:
+                                self._peer_lost(p, dead=took < hang_s)
+                    elif now - t0 > hang_s and not p.hung:
+                        p.hung = True
+                        self._peer_lost(p, dead=False)
+        finally:
+            probes.shutdown(wait=False, cancel_futures=True)
+
+    def _probe(self, session: str) -> tuple[bool, float]:
+        t0 = time.monotonic()
+        return self.ep.transport.probe(session), time.monotonic() - t0
+
+    def _peer_lost(self, p: PrefillPeer, dead: bool) -> None:
+        what = "stopped answering" if dead else "is not responding (hung?)"
+        log.warning("prefill endpoint %s (%s) %s", p.endpoint_id, p.session, what)
+        self.ep.count("peers_lost" if dead else "peers_hung")
         with self.ep.lock:
-            p.dead = True
+            p.dead = p.dead or dead
             self.peers.pop(p.endpoint_id, None)
             self._routes = {k: v for k, v in self._routes.items()
                             if all(e.get("endpoint_id") != p.endpoint_id for e in v["endpoints"])}
             hit = [st for st in self.rooms.values() if p.endpoint_id in st.outstanding]
-        self.ep.control.forget(p.ctrl_addr)
+        if dead:
+            self.ep.control.forget(p.ctrl_addr)
         for st in hit:
             self.fail(st, PeerLost(f"room {st.room}: prefill endpoint {p.endpoint_id} "
-                                   f"({p.session}) stopped answering"))
-            with self.ep.lock:
-                # A dead process cannot write any more: its pages are safe.
-                st.outstanding.discard(p.endpoint_id)
-            self._maybe_release(st)
+                                   f"({p.session}) {what}"))
+            if dead:
+                with self.ep.lock:
+                    # A dead process cannot write any more: its pages are safe.
+                    st.outstanding.discard(p.endpoint_id)
+                self._maybe_release(st)
 
     def close(self) -> None:
         self._stop.set()

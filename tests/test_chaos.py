@@ -61,7 +61,8 @@ def test_chaos_every_request_ends_right_or_failed_with_a_reason_and_nothing_leak
             bad = [r for r in reqs if out[r["room"]]["state"] != "Success"]
             assert all(out[r["room"]]["state"] == "Failed" and out[r["room"]]["failure"]
                        for r in bad), [out[r["room"]] for r in bad]
-            limit = CONF["bootstrap_timeout_s"] + CONF["transfer_timeout_s"] + 2.0
+            # both deadlines back to back, plus slack for a loaded 2-core machine
+            limit = CONF["bootstrap_timeout_s"] + CONF["transfer_timeout_s"] + 10.0
             assert all(o["seconds"] is not None and o["seconds"] < limit for o in out.values())
             checks = verify(dc, good)
             assert all(checks[r["room"]][0] == 0 for r in good), \

@@ -57,3 +57,54 @@ def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill
         for a in (pf, dc, pf2):
             if a is not None:
                 a.close()
+
+
+def test_frozen_prefill_fails_requests_but_keeps_pages_until_it_acknowledges(
+        bootstrap: BootstrapServer) -> None:
+    """SIGSTOP the prefill mid-transfer: a frozen writer may wake up and write, so its
+    requests fail but their pages stay quarantined until it acknowledges; after SIGCONT the
+    pages come back and the same prefill serves new requests without any restart."""
+    import os
+    import signal
+
+    pf, dc = start_pair(bootstrap, GEOMS, instance="frozen")
+    try:
+        dc.call("sentinel")
+        f = Factory(GEOMS, GEOMS, seed=4)
+        big = f.make(16 * 200, chunks=20)
+        big["delay_s"] = 0.1
+        prep, send = prefill_items([big])
+        pf.call("prepare", items=prep)
+        dc.call("recv", items=decode_items([big]), bootstrap=bootstrap.address,
+                instance="frozen")
+        pf.call("send", items=send)
+        time.sleep(0.6)
+        os.kill(pf.pid, signal.SIGSTOP)
+        try:
+            out = dc.call("wait", rooms=[big["room"]], timeout=FAST["transfer_timeout_s"] + 5)
+            assert out[big["room"]]["state"] == "Failed", out
+            assert out[big["room"]]["kind"] in ("peer_lost", "deadline"), out
+            t0 = time.monotonic()  # quarantine is counted once abort_timeout_s has passed
+            while dc.call("metrics")["quarantined_pages"] == 0 and time.monotonic() - t0 < 10:
+                time.sleep(0.1)
+            assert dc.call("metrics")["quarantined_pages"] > 0
+            assert big["room"] not in dc.call("released"), "released while the writer was frozen"
+        finally:
+            os.kill(pf.pid, signal.SIGCONT)
+        t0 = time.monotonic()
+        while big["room"] not in dc.call("released") and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        assert dc.call("release_counts").get(big["room"]) == 1
+        assert dc.call("metrics")["quarantined_pages"] == 0
+        small = f.make(16 * 10, chunks=2)
+        prep, send = prefill_items([small])
+        pf.call("prepare", items=prep)
+        dc.call("recv", items=decode_items([small]), bootstrap=bootstrap.address,
+                instance="frozen")
+        pf.call("send", items=send)
+        res = dc.call("wait", rooms=[small["room"]], timeout=20)
+        assert res[small["room"]]["state"] == "Success", res
+        assert verify(dc, [small])[small["room"]][0] == 0
+    finally:
+        pf.close()
+        dc.close()

@@ -137,7 +137,7 @@ def test_sender_whose_decode_never_asks_fails_at_its_deadline(pair) -> None:
     out = pf.call("wait", rooms=[999_999], timeout=15)[999_999]
     assert out["state"] == "Failed" and out["kind"] == "deadline"
     assert "no request from the decode" in out["failure"]
-    assert 4.0 <= out["seconds"] <= 8.0
+    assert out["seconds"] >= 4.0  # not before its 5 s deadline (wait() itself bounds the rest)
 
 
 def test_decode_whose_prefill_never_sends_fails_at_its_deadline_and_releases(
