@@ -113,9 +113,10 @@ def test_every_completion_mode_lands_every_byte_from_concurrent_writers(
     peak = [0]
 
     class Spy(Credits):
-        def acquire(self, n: int, deadline: float | None) -> None:
-            super().acquire(n, deadline)
+        def acquire(self, n: int, deadline: float | None, nbytes: int = 0) -> int:
+            ahead = super().acquire(n, deadline, nbytes)
             peak[0] = max(peak[0], self.used)
+            return ahead
 
     credits = Spy(a.max_batch)
     a._peers[b.session_id] = (credits, old[1])
@@ -143,7 +144,7 @@ def test_every_completion_mode_lands_every_byte_from_concurrent_writers(
         got = dst[: n * size].reshape(n, size)
         assert (got[perm] == src[: n * size].reshape(n, size)).all()
         assert 0 < peak[0] <= a.max_batch
-        assert credits.used == 0
+        assert credits.used == 0 and credits.bytes == 0
     finally:
         a._peers[b.session_id] = old
         a.completion, a.window = mode, 2 if mode == "paced" else 1

@@ -57,6 +57,7 @@ class _Batch:
     dst: list[int]
     len: list[int]
     total: int = 0
+    ahead: int = 0
     bid: int | None = None
     submitted: float = 0.0
 
@@ -207,8 +208,8 @@ class MooncakeTransport:
                     break
                 b = _Batch(src[i : i + step].tolist(), dst[i : i + step].tolist(),
                            nbytes[i : i + step].tolist())
-                credits.acquire(len(b.src), deadline)
                 b.total = int(nbytes[i : i + step].sum())
+                b.ahead = credits.acquire(len(b.src), deadline, b.total)
                 if self.completion == "paced":
                     b.submitted = time.perf_counter()
                     b.bid = self._engine.batch_transfer_async_write(peer, b.src, b.dst, b.len)
@@ -224,12 +225,12 @@ class MooncakeTransport:
         retry a failed batch once. Returns why it failed, or ""."""
         try:
             if b.bid is not None and b.bid > 0:
-                pause = rate.sleep_for(b.total, time.perf_counter() - b.submitted)
+                pause = rate.sleep_for(b.ahead, time.perf_counter() - b.submitted)
                 if pause:
                     time.sleep(pause)
                 slept = time.perf_counter()
                 rc = self._engine.get_batch_transfer_status([b.bid])
-                rate.observe(b.total, b.submitted, slept, time.perf_counter())
+                rate.observe(b.ahead, b.submitted, slept, time.perf_counter())
             elif b.bid is not None:  # the async submit itself failed (unknown or dead peer)
                 rc = -1
             else:
@@ -244,7 +245,7 @@ class MooncakeTransport:
             self.stats.add(calls=1, entries=len(b.src), nbytes=b.total)
             return ""
         finally:
-            credits.release(len(b.src))
+            credits.release(len(b.src), b.total)
 
     def probe(self, peer: str) -> bool:
         try:

@@ -6,9 +6,11 @@ with few cores that spinner takes CPU from the transport's own I/O threads (meas
 ``reference/machine_baseline.md``). So the transport first *sleeps* for most of a batch's
 expected duration and only then calls the spinning wait, which then spins briefly.
 
-``RateEstimate`` learns the expected duration per byte from batches whose wait actually spun
-(their completion time is then known precisely). A batch that was already complete when the
-wait began only gives an upper bound, so the estimate is nudged down instead: the sleep
+``RateEstimate`` learns the peer's seconds per byte from batches whose wait actually spun
+(their completion time is then known precisely). A batch's expected duration counts every byte
+in flight to the peer when it was submitted (other threads' batches share the link), so one
+estimate serves a lone request and 64 concurrent ones alike. A batch that was already complete
+when the wait began only gives an upper bound, so the estimate is cut instead: the sleep
 converges to just under the true duration and never grows on its own.
 
 ``Credits`` bounds the entries in flight to one peer across every thread of the process:
@@ -39,19 +41,20 @@ class RateEstimate:
     floor_s: float = 150e-6
     """Shorter expected sleeps are skipped: waking a thread costs about this much."""
 
-    def sleep_for(self, nbytes: int, elapsed: float) -> float:
-        """How long to sleep now, ``elapsed`` seconds after the batch was submitted."""
-        left = nbytes * self.sec_per_byte * self.sleep_fraction - elapsed
+    def sleep_for(self, ahead: int, elapsed: float) -> float:
+        """How long to sleep now, ``elapsed`` seconds after submitting a batch that had
+        ``ahead`` bytes in flight to the peer (itself included)."""
+        left = ahead * self.sec_per_byte * self.sleep_fraction - elapsed
         return left if left >= self.floor_s else 0.0
 
-    def observe(self, nbytes: int, submitted: float, slept_until: float, done: float) -> None:
-        if nbytes <= 0:
+    def observe(self, ahead: int, submitted: float, slept_until: float, done: float) -> None:
+        if ahead <= 0:
             return
         if done - slept_until > self.spin_slack_s:
-            seen = (done - submitted) / nbytes
+            seen = (done - submitted) / ahead
             self.sec_per_byte = 0.7 * self.sec_per_byte + 0.3 * seen
         else:
-            self.sec_per_byte *= 0.97
+            self.sec_per_byte *= 0.85
 
 
 @dataclass(slots=True)
@@ -60,10 +63,12 @@ class Credits:
 
     limit: int
     used: int = 0
+    bytes: int = 0
     cond: threading.Condition = field(default_factory=threading.Condition)
 
-    def acquire(self, n: int, deadline: float | None) -> None:
-        """Wait until ``n`` entries fit under ``limit``, or raise at ``deadline``."""
+    def acquire(self, n: int, deadline: float | None, nbytes: int = 0) -> int:
+        """Wait until ``n`` entries fit under ``limit``, or raise at ``deadline``; returns the
+        bytes then in flight to the peer, these ``nbytes`` included."""
         if n > self.limit:
             raise TransportError(f"a batch of {n} entries exceeds the per-peer limit {self.limit}")
         with self.cond:
@@ -74,8 +79,11 @@ class Credits:
                                          "entries to drain")
                 self.cond.wait(0.5 if left is None else min(left, 0.5))
             self.used += n
+            self.bytes += nbytes
+            return self.bytes
 
-    def release(self, n: int) -> None:
+    def release(self, n: int, nbytes: int = 0) -> None:
         with self.cond:
             self.used -= n
+            self.bytes -= nbytes
             self.cond.notify_all()
