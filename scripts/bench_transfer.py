@@ -83,6 +83,8 @@ class Bench:
 
     def mark_load(self, section: str) -> None:
         self.out[f"load.before_{section}"] = loadavg()
+        print(f"[bench] {time.strftime('%H:%M:%S')} {section} (load {loadavg()})",
+              file=sys.stderr, flush=True)
 
     # -- setup ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -93,7 +95,8 @@ class Bench:
                  ("decode", cfg, DC_PAGES), ("raw-prefill", {}, PF_PAGES),
                  ("raw-decode", {}, DC_PAGES)]
         with ThreadPoolExecutor(4) as ex:
-            futs = [ex.submit(Agent, role, c, geoms(n), state=STATE) for role, c, n in specs]
+            futs = [ex.submit(Agent, role, c, geoms(n), state=STATE, start_timeout=600)
+                    for role, c, n in specs]
             self.pf, self.dc, self.rpf, self.rdc = (f.result() for f in futs)
         item = {"room": self.seed_room, "pages": {"kv": self.src_perm},
                 "num_tokens": PF_PAGES * PS}
