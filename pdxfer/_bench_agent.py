@@ -161,7 +161,8 @@ class BenchState(AgentState):
         ws = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
         for w in ws:
             w.start()
-        end = time.monotonic() + duration
+        start = time.monotonic()
+        end = start + duration
         room = first_room
         while time.monotonic() < end:
             if not slots.acquire(timeout=0.1):
@@ -173,15 +174,13 @@ class BenchState(AgentState):
         for w in ws:
             w.join(60)
         push.close(linger=1000)
-        return {"issued": room - first_room, "done": done[0], "end": end}
+        return {"issued": room - first_room, "done": done[0], "start": start, "end": end}
 
-    def cmd_raw_collect(self, first_room: int, end: float) -> dict[str, Any]:
-        """Latencies of the push loop's rooms that arrived by ``end``."""
+    def cmd_raw_collect(self, first_room: int) -> list[tuple[float, float]]:
+        """(issued, arrived) stamps of the push loop's rooms."""
         assert self.raw is not None
         time.sleep(0.2)
-        got = [(r, t0, t1) for r, t0, t1 in self.raw.got if r >= first_room]
-        lat = [t1 - t0 for _, t0, t1 in got if t1 <= end]
-        return {"latencies": lat, "completed": len(lat)}
+        return [(t0, t1) for r, t0, t1 in self.raw.got if r >= first_room]
 
     # -- pdxfer prefill ------------------------------------------------------------------------
     def cmd_bench_wait_pending(self, rooms: list[int], timeout: float = 30.0) -> bool:
@@ -255,11 +254,12 @@ class BenchState(AgentState):
                               per: int, tokens: int, conc: int, duration: float = 0.0,
                               count: int = 0) -> dict[str, Any]:
         """Keep ``conc`` requests in flight for ``duration`` s (or ``count`` requests); each
-        latency is request() to the stamp at which Success arrived."""
+        latency is request() to the stamp at which Success arrived; returns the (request,
+        Success) stamps of every room."""
         e = self.eps["main"]
         free = [dst_free[i:i + per] for i in range(0, len(dst_free) - per + 1, per)]
         live: dict[int, tuple[KVReceiver, float, list[int]]] = {}
-        lat: list[float] = []
+        stamps: list[tuple[float, float]] = []
         failed: list[str] = []
         room = first_room
         t_start = time.monotonic()
@@ -280,8 +280,7 @@ class BenchState(AgentState):
             for r in [r for r, (rx, _, _) in live.items() if rx.poll().terminal]:
                 rx, t0, dp = live.pop(r)
                 if rx.poll() == KVPoll.Success:
-                    if rx._st.t_done <= end:
-                        lat.append(rx._st.t_done - t0)
+                    stamps.append((t0, rx._st.t_done))
                     free.append(dp)
                 else:
                     failed.append(str(rx.failure))
@@ -291,5 +290,5 @@ class BenchState(AgentState):
                 failed.append("closed loop did not drain")
                 break
             time.sleep(0.0005)
-        return {"latencies": lat, "failed": failed, "issued": issued,
-                "elapsed": min(time.monotonic(), end) - t_start}
+        return {"stamps": stamps, "failed": failed, "issued": issued, "start": t_start,
+                "end": end}

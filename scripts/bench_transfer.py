@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import multiprocessing as mp
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -47,6 +47,7 @@ LAYERS, HEADS, HEAD_DIM, PS = 32, 8, 128, 64
 PF_PAGES, DC_PAGES = 64, 160
 PAGE_BYTES = PS * HEADS * HEAD_DIM * 2  # one page of one buffer: 128 KiB
 BUFFERS = 2 * LAYERS
+BULK_MAX = 2048
 
 
 def geoms(pages: int) -> list[PoolGeom]:
@@ -98,8 +99,9 @@ class Bench:
             futs = [ex.submit(Agent, role, c, geoms(n), state=STATE, start_timeout=600)
                     for role, c, n in specs]
             self.pf, self.dc, self.rpf, self.rdc = (f.result() for f in futs)
-        item = {"room": self.seed_room, "pages": {"kv": self.src_perm},
-                "num_tokens": PF_PAGES * PS}
+        # the pattern only where transfers read: the largest request's pages
+        item = {"room": self.seed_room, "pages": {"kv": self.src_perm[:BULK_MAX // PS]},
+                "num_tokens": BULK_MAX}
         for a in (self.pf, self.rpf):
             a.call("prepare", items=[item])
         for a in (self.dc, self.rdc):
@@ -167,7 +169,8 @@ class Bench:
         res: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for rnd in range(rounds):
             for tokens in sizes:
-                check = tokens == sizes[-1] and rnd in (0, rounds - 1)
+                check = tokens == sizes[-1] and rnd in ((rounds - 1,) if self.quick
+                                                        else (0, rounds - 1))
                 for name, fn in (("raw", self.raw_once), ("pdxfer", self.pdx_once)):
                     res.setdefault((name, tokens), []).append(fn(tokens, verify=check))
         self.bulk_res = res
@@ -207,7 +210,7 @@ class Bench:
     # -- 2. small requests -------------------------------------------------------------------------
     def small(self) -> None:
         self.mark_load("small")
-        seg = 1.5 if self.quick else 5.0
+        seg = 2.0 if self.quick else 5.0
         rounds = 2
         tokens, per, conc = 128, 2, 64
         src = self.src_perm[:per]
@@ -215,6 +218,15 @@ class Bench:
         lat = {"pdxfer": [], "raw": []}
         rate = {"pdxfer": [], "raw": []}
         failed: list[str] = []
+        warm = seg * 0.3
+
+        def window(stamps: list[Any], start: float, seg: float, k: str) -> None:
+            """Steady state only: rooms issued after the warm-up that finished in the
+            segment; rate counts every finish inside [start + warm, end]."""
+            lo, hi = start + warm, start + seg
+            lat[k] += [t1 - t0 for t0, t1 in stamps if t0 >= lo and t1 <= hi]
+            rate[k].append(sum(lo <= t1 <= hi for _, t1 in stamps) / (seg - warm))
+
         for _ in range(rounds):
             first = self.next_room()
             self.room += 1 << 20
@@ -222,9 +234,7 @@ class Bench:
                           pools=self.rdc.info["pools"], pull=self.rdc.info["pull"], src=src,
                           dst_free=dst_free, tokens=tokens, conc=conc, duration=seg, threads=4,
                           first_room=first)
-            r = self.rdc.call("raw_collect", first_room=first, end=pl["end"])
-            lat["raw"] += r["latencies"]
-            rate["raw"].append(r["completed"] / seg)
+            window(self.rdc.call("raw_collect", first_room=first), pl["start"], seg, "raw")
             first = self.next_room()
             self.room += 1 << 20
             self.pf.call("bench_serve", first_room=first, src=src, ahead=conc + 32)
@@ -232,8 +242,7 @@ class Bench:
                              first_room=first, dst_free=dst_free, per=per, tokens=tokens,
                              conc=conc, duration=seg)
             self.pf.call("bench_serve_stop")
-            lat["pdxfer"] += r["latencies"]
-            rate["pdxfer"].append(len(r["latencies"]) / r["elapsed"])
+            window(r["stamps"], r["start"], seg, "pdxfer")
             failed += r["failed"]
         o = self.out
         for k in ("pdxfer", "raw"):
@@ -269,7 +278,7 @@ class Bench:
                              dst_free=self.rng.permutation(DC_PAGES).tolist(), per=per,
                              tokens=tokens, conc=1, count=k)
             self.pf.call("bench_serve_stop")
-            pdx += r["latencies"]
+            pdx += [t1 - t0 for t0, t1 in r["stamps"]]
         o = self.out
         o["small.serial_pdxfer_ms"] = statistics.median(pdx) * 1e3
         o["small.serial_raw_write_ms"] = statistics.median(raw) * 1e3
@@ -313,8 +322,9 @@ class Bench:
         self.out["entries.buffers"] = BUFFERS
         self.out["entries.equal_to_runs"] = bool(ok)
         # the source pattern of the bulk pages was overwritten: restore it
-        self.pf.call("prepare", items=[{"room": self.seed_room, "pages": {"kv": self.src_perm},
-                                        "num_tokens": PF_PAGES * PS}])
+        self.pf.call("prepare", items=[{"room": self.seed_room,
+                                        "pages": {"kv": self.src_perm[:BULK_MAX // PS]},
+                                        "num_tokens": BULK_MAX}])
 
     # -- 4. machine limits -------------------------------------------------------------------------
     def limits(self) -> None:
@@ -366,15 +376,17 @@ class Bench:
                 self.out[f"{name}.error"] = f"{type(e).__name__}: {e}"
 
 
-def _sock_sender(port: int, total: int) -> None:
-    s = socket.create_connection(("127.0.0.1", port))
-    buf = memoryview(bytearray(4 << 20))
-    left = total
-    while left > 0:
-        k = min(left, len(buf))
-        s.sendall(buf[:k])
-        left -= k
-    s.close()
+_SOCK_SENDER = """
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+buf = memoryview(bytearray(4 << 20))
+left = int(sys.argv[2])
+while left > 0:
+    k = min(left, len(buf))
+    s.sendall(buf[:k])
+    left -= k
+s.close()
+"""
 
 
 def socket_stream(total: int) -> float:
@@ -382,9 +394,8 @@ def socket_stream(total: int) -> float:
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
-    p = mp.get_context("spawn").Process(target=_sock_sender,
-                                        args=(srv.getsockname()[1], total))
-    p.start()
+    p = subprocess.Popen([sys.executable, "-c", _SOCK_SENDER, str(srv.getsockname()[1]),
+                          str(total)])
     conn, _ = srv.accept()
     buf = memoryview(bytearray(4 << 20))
     got = 0
@@ -397,7 +408,7 @@ def socket_stream(total: int) -> float:
     dt = time.perf_counter() - t
     conn.close()
     srv.close()
-    p.join(30)
+    p.wait(30)
     return got / dt / 1e9
 
 
@@ -430,10 +441,57 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def table(o: dict[str, Any]) -> str:
+    """The headline figures as a Markdown table (pasted into docs/performance.md)."""
+    def f(k: str, nd: int = 2) -> str:
+        v = o.get(k)
+        return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+    def mm(k: str) -> str:
+        v = o.get(k)
+        return f"{v[0]:.2f} - {v[1]:.2f}" if v else "-"
+
+    rows = [
+        ("bulk: raw Mooncake sync, GB/s", f("bulk.raw_gbps"), mm("bulk.raw_gbps_min_max")),
+        ("bulk: pdxfer, first send to Success, GB/s", f("bulk.pdxfer_gbps"),
+         mm("bulk.pdxfer_gbps_min_max")),
+        ("bulk: pdxfer / raw (per interleaved pair)", f("bulk.ratio_vs_raw"),
+         mm("bulk.ratio_vs_raw_min_max")),
+        ("small: raw push, rooms/s", f("small.raw_rooms_per_s", 1), ""),
+        ("small: pdxfer, rooms/s", f("small.pdxfer_rooms_per_s", 1), ""),
+        ("small: rate ratio", f("small.rate_ratio_vs_baseline"), ""),
+        ("small: p50 / p99 raw push, ms", f"{f('small.raw_p50_ms', 1)} / "
+         f"{f('small.raw_p99_ms', 1)}", ""),
+        ("small: p50 / p99 pdxfer, ms", f"{f('small.pdxfer_p50_ms', 1)} / "
+         f"{f('small.pdxfer_p99_ms', 1)}", ""),
+        ("small: p50 ratio", f("small.p50_ratio_vs_baseline"), ""),
+        ("one 128-token request: pdxfer request to Success, ms", f("small.serial_pdxfer_ms"),
+         ""),
+        ("one 128-token request: raw write, ms", f("small.serial_raw_write_ms"), ""),
+        ("fixed cost per request, ms", f("small.fixed_cost_ms"), ""),
+        ("entries equal runs x buffers (random / contiguous / half)",
+         f"{o.get('entries.equal_to_runs')}", f"{f('entries.random.entries')} / "
+         f"{f('entries.contiguous.entries')} / {f('entries.half_contiguous.entries')}"),
+        ("memcpy, GB/s", f("limits.memcpy_gbps"), ""),
+        ("TCP socket, 1 connection, GB/s", f("limits.socket_gbps"),
+         mm("limits.socket_gbps_min_max")),
+        ("raw / pdxfer as a fraction of the socket",
+         f"{f('limits.raw_fraction_of_socket')} / {f('limits.pdxfer_fraction_of_socket')}", ""),
+        ("pdxfer CPU beyond the transport's, s per GB", f("cpu.seconds_per_gb", 3), ""),
+    ]
+    out = ["| figure | median | min - max |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    for k in sorted(o):
+        if k.startswith(("hetero_tp.", "incremental.")):
+            out.append(f"| {k} | {f(k)} | |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="reduced run, under a minute")
     ap.add_argument("--json", type=Path, help="write the flat JSON here")
+    ap.add_argument("--md", type=Path, help="write the headline table as Markdown here")
     ap.add_argument("--plot", type=Path, default=None,
                     help="PNG of throughput against request size (default docs/bench.png "
                          "for a full run, none for --quick)")
@@ -456,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if a.json:
         a.json.write_text(text + "\n")
+    if a.md:
+        a.md.write_text(table(b.out) + "\n")
     png = a.plot or (None if a.quick else ROOT / "docs" / "bench.png")
     if png:
         plot(b.out, png)
