@@ -28,10 +28,14 @@ class Agent:
     """A pdxfer endpoint in its own process."""
 
     def __init__(self, role: str, config: dict[str, Any], geoms: list[PoolGeom],
-                 env: dict[str, str] | None = None, start_timeout: float = 120.0) -> None:
+                 env: dict[str, str] | None = None, start_timeout: float = 120.0,
+                 state: str = "pdxfer._agent:AgentState") -> None:
+        """``state`` names the ``module:Class`` whose ``cmd_*`` methods the agent serves (the
+        benchmarks add commands in ``pdxfer._bench_agent``)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_agent_main, args=(child, role, config, geoms, env or {}),
+        self.proc = ctx.Process(target=_agent_main,
+                                args=(child, role, config, geoms, env or {}, state),
                                 daemon=True, name=f"pdxfer-{role}-agent")
         # The child inherits os.environ at spawn, before it imports pdxfer (some settings,
         # like PDXFER_FAULTS, are read at import): set the extra variables around start().
@@ -94,14 +98,15 @@ class Agent:
 
 
 def _agent_main(conn: Any, role: str, config: dict[str, Any], geoms: list[PoolGeom],
-                env: dict[str, str]) -> None:
+                env: dict[str, str], state_cls: str = "pdxfer._agent:AgentState") -> None:
     os.environ.update(env)
     logging.basicConfig(level=os.environ.get("PDXFER_LOG", "WARNING"), stream=sys.stderr,
                         format=f"[{role} %(process)d] %(levelname)s %(name)s: %(message)s")
     try:
-        from ._agent import AgentState
+        import importlib
 
-        state = AgentState()
+        mod, _, cls = state_cls.partition(":")
+        state = getattr(importlib.import_module(mod), cls)()
         info = state.cmd_add_endpoint("main", role, config, geoms)
     except Exception as e:  # noqa: BLE001 - reported to the driver
         conn.send(("error", f"{type(e).__name__}: {e}"))

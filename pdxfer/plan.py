@@ -15,6 +15,7 @@ because the transport's cost is per entry (about 37 us each on TCP, a descriptor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -217,6 +218,18 @@ def plan_slots(pairing: BufferPairing, src_slot: int, dst_slot: int) -> Blocks |
     return _expand(pairing, one * src_slot, one * dst_slot, one, src.item_bytes)
 
 
+@functools.lru_cache(maxsize=256)
+def _region_table(regions: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted region starts and ends; cached because a peer's regions never change and the
+    check runs for every chunk."""
+    reg = sorted(regions)
+    starts = np.array([r[0] for r in reg], dtype=_U64)
+    ends = np.array([r[0] + r[1] for r in reg], dtype=_U64)
+    starts.flags.writeable = False
+    ends.flags.writeable = False
+    return starts, ends
+
+
 def check_bounds(blocks: Blocks, regions: list[tuple[int, int]], side: str) -> str | None:
     """Whether every block lies inside one of ``regions`` (``(addr, nbytes)``).
 
@@ -226,9 +239,7 @@ def check_bounds(blocks: Blocks, regions: list[tuple[int, int]], side: str) -> s
     if not len(blocks):
         return None
     addrs = blocks.src if side == "src" else blocks.dst
-    reg = sorted(regions)
-    starts = np.array([r[0] for r in reg], dtype=_U64)
-    ends = np.array([r[0] + r[1] for r in reg], dtype=_U64)
+    starts, ends = _region_table(tuple(regions))
     k = np.searchsorted(starts, addrs, side="right") - 1
     bad = k < 0
     kk = np.where(bad, 0, k)

@@ -5,7 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
-EXTRAS="${PDXFER_EXTRAS:-cpu,test}"
+EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench}"
 
 need_apt=()
 for pkg in libibverbs1 libnuma1 libcurl4; do

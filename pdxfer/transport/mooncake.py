@@ -5,6 +5,10 @@ Things this module knows about Mooncake that callers should not have to
 
 * A batch of more than ~2048 entries to one peer is rejected and can wedge that peer's lane
   for good, so writes are split into batches of at most ``max_batch`` (1024) entries.
+* Its completion wait spins, which on a small host takes CPU from its own I/O threads: by
+  default (``completion="paced"``) two batches are kept in flight per writer and each wait
+  sleeps through most of the batch's expected duration first (``pacing.py``). Entries in
+  flight to one peer never exceed ``max_batch``, across all threads.
 * After a rejected write the next call to the same peer may fail once: retry once before
   declaring the peer dead.
 * A hung peer costs ``MC_TCP_PROGRESS_TIMEOUT_SEC`` / ``MC_TRANSFER_TIMEOUT`` seconds (30 by
@@ -14,12 +18,14 @@ Things this module knows about Mooncake that callers should not have to
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import re
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +33,7 @@ import numpy as np
 from ..errors import ConfigError, TransportError, TransportUnavailable
 from ..faults import FAULTS
 from .base import TransportStats
+from .pacing import Credits, RateEstimate
 
 log = logging.getLogger("pdxfer.transport")
 
@@ -37,6 +44,23 @@ _LIB_PACKAGES = {
     "libnl-3": "libnl-3-200",
     "libnl-route": "libnl-route-3-200",
 }
+
+
+COMPLETIONS = ("paced", "sync")
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """One batch of entries: submitted asynchronously (``bid`` is Mooncake's batch id, 0 or
+    less when the submit failed) or, with ``bid`` None, to be written synchronously."""
+
+    src: list[int]
+    dst: list[int]
+    len: list[int]
+    total: int = 0
+    ahead: int = 0
+    bid: int | None = None
+    submitted: float = 0.0
 
 
 def _load_engine() -> Any:
@@ -72,6 +96,8 @@ class MooncakeTransport:
         device: str = "",
         timeout_s: float = 30.0,
         max_batch: int = 1024,
+        completion: str | None = None,
+        window: int = 2,
     ) -> None:
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"transport protocol must be 'tcp' or 'rdma', got {protocol!r}")
@@ -79,11 +105,20 @@ class MooncakeTransport:
             raise ConfigError("RDMA needs a device name (e.g. device='mlx5_0')")
         if not 1 <= max_batch <= 2048:
             raise ConfigError(f"max_batch must be in [1, 2048], got {max_batch}")
+        completion = completion or os.environ.get("PDXFER_TE_COMPLETION", "paced")
+        if completion not in COMPLETIONS:
+            raise ConfigError(f"completion must be one of {COMPLETIONS}, got {completion!r}")
+        if not 1 <= window <= max_batch:
+            raise ConfigError(f"window must be in [1, max_batch], got {window}")
         # Read by the engine at start: set before it exists, never override the user's choice.
         secs = max(5, int(timeout_s + 0.999))
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(secs))
         os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(max(1, int(timeout_s + 0.999))))
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        if protocol == "tcp":
+            # More lanes per peer let paced (non-spinning) completion overlap more entries;
+            # with blocking calls the lane count made no measurable difference.
+            os.environ.setdefault("MC_TCP_LANES_PER_PEER", "16")
         engine_cls = _load_engine()
         self._engine = engine_cls()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
@@ -94,6 +129,11 @@ class MooncakeTransport:
             )
         self.session_id = f"{host}:{self._engine.get_rpc_port()}"
         self.max_batch = max_batch
+        """Most entries in flight to one peer, summed over every writer thread."""
+        self.completion = completion
+        self.window = window if completion == "paced" else 1
+        self.batch_entries = max(1, max_batch // self.window)
+        self._peers: dict[str, tuple[Credits, RateEstimate]] = {}
         self.stats = TransportStats()
         self._regions: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -122,6 +162,13 @@ class MooncakeTransport:
             return list(self._regions.items())
 
     # -- data -----------------------------------------------------------------------------
+    def _peer_state(self, peer: str) -> tuple[Credits, RateEstimate]:
+        with self._lock:
+            st = self._peers.get(peer)
+            if st is None:
+                st = self._peers[peer] = (Credits(self.max_batch), RateEstimate())
+            return st
+
     def write(
         self,
         peer: str,
@@ -133,36 +180,77 @@ class MooncakeTransport:
         should_stop: Callable[[], bool] | None = None,
         tag: int | None = None,
     ) -> None:
-        """Write all blocks in batches of at most ``max_batch`` entries.
+        """Write all blocks, keeping at most ``max_batch`` entries in flight to ``peer``.
 
-        ``should_stop`` is checked between batches: an abort stops issuing new writes, and
-        the batch in flight completes first (so "drained" means nothing is left in flight).
-        ``tag`` (the room) only selects injected faults.
+        Blocks go out in batches of ``batch_entries``; with ``completion="paced"`` up to
+        ``window`` batches are in flight and each is awaited with a sleep first (see
+        ``pacing``). ``should_stop`` and ``deadline`` are checked before each batch is
+        submitted: they stop new submissions, and every batch already in flight is awaited
+        before this returns or raises, so "stopped" also means "drained". ``tag`` (the room)
+        only selects injected faults (``pdxfer.faults``).
         """
         if self._closed:
             raise TransportError("transport is closed")
+        credits, rate = self._peer_state(peer)
         n = int(src.shape[0])
-        for i in range(0, n, self.max_batch):
-            if should_stop is not None and should_stop():
-                raise TransportError("stopped before all blocks were written")
-            if deadline is not None and time.monotonic() > deadline:
-                raise TransportError("deadline passed before all blocks were written")
-            s = src[i : i + self.max_batch].tolist()
-            d = dst[i : i + self.max_batch].tolist()
-            ln = nbytes[i : i + self.max_batch].tolist()
-            if FAULTS.active:
-                FAULTS.before_batch(tag)
-            rc = self._engine.batch_transfer_sync_write(peer, s, d, ln)
+        step = self.batch_entries
+        window = self.window if self.completion == "paced" else 1
+        inflight: collections.deque[_Batch] = collections.deque()
+        error = ""
+        try:
+            for i in range(0, n, step):
+                while len(inflight) >= window and not error:
+                    error = self._await(peer, inflight.popleft(), credits, rate)
+                if error:
+                    break
+                if should_stop is not None and should_stop():
+                    error = "stopped before all blocks were written"
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    error = "deadline passed before all blocks were written"
+                    break
+                if FAULTS.active:  # a write already committed to, landing late
+                    FAULTS.before_batch(tag)
+                b = _Batch(src[i : i + step].tolist(), dst[i : i + step].tolist(),
+                           nbytes[i : i + step].tolist())
+                b.total = int(nbytes[i : i + step].sum())
+                b.ahead = credits.acquire(len(b.src), deadline, b.total)
+                if self.completion == "paced":
+                    b.submitted = time.perf_counter()
+                    b.bid = self._engine.batch_transfer_async_write(peer, b.src, b.dst, b.len)
+                inflight.append(b)
+        finally:
+            while inflight:
+                error = self._await(peer, inflight.popleft(), credits, rate) or error
+        if error:
+            raise TransportError(error)
+
+    def _await(self, peer: str, b: _Batch, credits: Credits, rate: RateEstimate) -> str:
+        """Complete one batch (waiting for it, or writing it now when it was not submitted);
+        retry a failed batch once. Returns why it failed, or ""."""
+        try:
+            if b.bid is not None and b.bid > 0:
+                pause = rate.sleep_for(b.ahead, time.perf_counter() - b.submitted)
+                if pause:
+                    time.sleep(pause)
+                slept = time.perf_counter()
+                rc = self._engine.get_batch_transfer_status([b.bid])
+                rate.observe(b.ahead, b.submitted, slept, time.perf_counter())
+            elif b.bid is not None:  # the async submit itself failed (unknown or dead peer)
+                rc = -1
+            else:
+                rc = self._engine.batch_transfer_sync_write(peer, b.src, b.dst, b.len)
             if rc != 0:
                 # A rejected write can break the lane so that the next call fails once.
                 self.stats.add(retries=1)
-                rc = self._engine.batch_transfer_sync_write(peer, s, d, ln)
+                rc = self._engine.batch_transfer_sync_write(peer, b.src, b.dst, b.len)
             if rc != 0:
                 self.stats.add(calls=1, failures=1)
-                raise TransportError(
-                    f"write of {len(s)} blocks to {peer} failed (rc {rc}) after one retry"
-                )
-            self.stats.add(calls=1, entries=len(s), nbytes=int(sum(ln)))
+                return f"write of {len(b.src)} blocks to {peer} failed (rc {rc}) after one retry"
+            self.stats.add(calls=1, entries=len(b.src), nbytes=b.total)
+            return ""
+        finally:
+            credits.release(len(b.src), b.total)
 
     def probe(self, peer: str) -> bool:
         try:

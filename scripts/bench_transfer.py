@@ -1,0 +1,528 @@
+#!/usr/bin/env python
+"""pdxfer against raw Mooncake on the same work, and the machine's own limits, in one run.
+
+    python scripts/bench_transfer.py [--quick] [--json out.json] [--plot docs/bench.png]
+
+Four agent processes: a pdxfer prefill and decode, and a raw-Mooncake "prefill" and "decode"
+holding the same pools. Compared variants alternate (A B A B ...) inside the run, because the
+same raw case drifts +-15-20 % between runs on a shared VM; figures are medians with min-max.
+Every timing is taken inside the agents with monotonic stamps. Bytes are checked against the
+source pattern for the first and last bulk transfer of each variant and for every entries case.
+
+Sections (keys of the flat JSON): ``bulk.*`` (one 2,048-token request, 32 layers, K+V, fp16,
+page 64, 8 heads x 128, pages scattered on both sides; plus smaller sizes for the plot),
+``small.*`` (128-token requests, 64 in flight, vs raw write + one ZMQ push), ``entries.*``,
+``limits.*`` (memcpy, loopback TCP socket), ``cpu.*``, and whatever ``scripts/bench_hetero.py``
+and ``scripts/bench_incremental.py`` measure when they exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pdxfer import plan as P  # noqa: E402
+from pdxfer.bootstrap import BootstrapServer  # noqa: E402
+from pdxfer.harness import Agent  # noqa: E402
+from pdxfer.patterns import PoolGeom  # noqa: E402
+
+STATE = "pdxfer._bench_agent:BenchState"
+LAYERS, HEADS, HEAD_DIM, PS = 32, 8, 128, 64
+PF_PAGES, DC_PAGES = 64, 160
+PAGE_BYTES = PS * HEADS * HEAD_DIM * 2  # one page of one buffer: 128 KiB
+BUFFERS = 2 * LAYERS
+BULK_MAX = 2048
+
+
+def geoms(pages: int) -> list[PoolGeom]:
+    return [PoolGeom("kv", "mha", layers=LAYERS, pages=pages, page_size=PS, heads=HEADS,
+                     head_dim=HEAD_DIM, dtype="float16")]
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+class Bench:
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.out: dict[str, Any] = {"quick": quick, "cpus": os.cpu_count()}
+        self.rng = np.random.default_rng(1)
+        self.room = 1 << 40
+        self.src_perm = self.rng.permutation(PF_PAGES).tolist()
+        self.seed_room = 77
+
+    def next_room(self) -> int:
+        self.room += 1
+        return self.room
+
+    def mark_load(self, section: str) -> None:
+        self.out[f"load.before_{section}"] = loadavg()
+        print(f"[bench] {time.strftime('%H:%M:%S')} {section} (load {loadavg()})",
+              file=sys.stderr, flush=True)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.srv = BootstrapServer("127.0.0.1", port=0).start()
+        cfg = {"bootstrap": self.srv.address, "transfer_timeout_s": 60.0,
+               "bootstrap_timeout_s": 60.0}
+        specs = [("prefill", {"bootstrap": self.srv.address, **cfg}, PF_PAGES),
+                 ("decode", cfg, DC_PAGES), ("raw-prefill", {}, PF_PAGES),
+                 ("raw-decode", {}, DC_PAGES)]
+        with ThreadPoolExecutor(4) as ex:
+            futs = [ex.submit(Agent, role, c, geoms(n), state=STATE, start_timeout=600)
+                    for role, c, n in specs]
+            self.pf, self.dc, self.rpf, self.rdc = (f.result() for f in futs)
+        # the pattern only where transfers read: the largest request's pages
+        item = {"room": self.seed_room, "pages": {"kv": self.src_perm[:BULK_MAX // PS]},
+                "num_tokens": BULK_MAX}
+        for a in (self.pf, self.rpf):
+            a.call("prepare", items=[item])
+        for a in (self.dc, self.rdc):
+            a.call("sentinel")
+        # one warm-up transfer each (handshake, lanes, route cache)
+        self.pdx_once(128)
+        self.raw_once(128)
+
+    def close(self) -> None:
+        for a in ("pf", "dc", "rpf", "rdc"):
+            if hasattr(self, a):
+                getattr(self, a).close()
+        if hasattr(self, "srv"):
+            self.srv.stop()
+
+    # -- one transfer of each kind ---------------------------------------------------------------
+    def pages_for(self, tokens: int) -> tuple[list[int], list[int]]:
+        n = -(-tokens // PS)
+        return self.src_perm[:n], self.rng.choice(DC_PAGES, n, replace=False).tolist()
+
+    def cpu(self, *agents: Agent) -> float:
+        return sum(a.call("cpu") for a in agents)
+
+    def pdx_once(self, tokens: int, verify: bool = False) -> dict[str, Any]:
+        src, dst = self.pages_for(tokens)
+        room = self.next_room()
+        item = {"room": room, "dst": {"kv": dst}, "num_tokens": tokens}
+        self.dc.call("recv", items=[item], bootstrap=self.srv.address)
+        if not self.pf.call("bench_wait_pending", rooms=[room]):
+            raise RuntimeError("the decode's request never reached the prefill")
+        c0 = self.cpu(self.pf, self.dc)
+        t0 = self.pf.call("bench_send", room=room, pages=src)
+        r = self.dc.call("bench_done", rooms=[room])[room]
+        cpu = self.cpu(self.pf, self.dc) - c0
+        if r["state"] != "Success":
+            raise RuntimeError(f"pdxfer transfer failed: {r['failure']}")
+        bad = self.verify(self.dc, room, dst, tokens) if verify else None
+        return {"seconds": r["t_done"] - t0, "bytes": r["bytes"], "entries": r["blocks"],
+                "cpu": cpu, "bad": bad}
+
+    def raw_once(self, tokens: int, verify: bool = False) -> dict[str, Any]:
+        src, dst = self.pages_for(tokens)
+        c0 = self.cpu(self.rpf, self.rdc)
+        r = self.rpf.call("raw_write", peer=self.rdc.info["session"], pools=self.rdc.info["pools"],
+                          src=src, dst=dst, tokens=tokens)
+        cpu = self.cpu(self.rpf, self.rdc) - c0
+        bad = self.verify(self.rdc, 0, dst, tokens) if verify else None
+        return {"seconds": r["seconds"][0], "bytes": r["bytes"], "entries": r["entries"],
+                "cpu": cpu, "bad": bad}
+
+    def verify(self, agent: Agent, room: int, dst: list[int], tokens: int,
+               seed: int | None = None) -> int:
+        item = {"room": room, "dst": {"kv": dst}, "num_tokens": tokens,
+                "seed": self.seed_room if seed is None else seed}
+        bad, first = agent.call("verify", items=[item])[room]
+        if bad:
+            print(f"  VERIFY FAILED: {bad} bytes wrong: {first}", file=sys.stderr)
+        return int(bad)
+
+    # -- 1. bulk ----------------------------------------------------------------------------------
+    def bulk(self) -> None:
+        self.mark_load("bulk")
+        sizes = [512, 2048] if self.quick else [128, 512, 1024, 2048]
+        rounds = 3 if self.quick else 7
+        res: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        for rnd in range(rounds):
+            for tokens in sizes:
+                check = tokens == sizes[-1] and rnd in ((rounds - 1,) if self.quick
+                                                        else (0, rounds - 1))
+                for name, fn in (("raw", self.raw_once), ("pdxfer", self.pdx_once)):
+                    res.setdefault((name, tokens), []).append(fn(tokens, verify=check))
+        self.bulk_res = res
+        curve = []
+        for tokens in sizes:
+            row: dict[str, Any] = {"tokens": tokens}
+            for name in ("raw", "pdxfer"):
+                rs = res[(name, tokens)]
+                gbps = [r["bytes"] / r["seconds"] / 1e9 for r in rs]
+                s = stats(gbps)
+                row[name] = s
+                row[f"{name}_entries"] = rs[0]["entries"]
+                row["bytes"] = rs[0]["bytes"]
+            # ratio per round (interleaved pairs), then the median of the ratios
+            ratios = [p["bytes"] / p["seconds"] / (r["bytes"] / r["seconds"])
+                      for p, r in zip(res[("pdxfer", tokens)], res[("raw", tokens)])]
+            row["ratio"] = stats(ratios)
+            curve.append(row)
+        self.out["bulk.curve"] = curve
+        big = curve[-1]
+        o = self.out
+        o["bulk.tokens"] = big["tokens"]
+        o["bulk.bytes"] = big["bytes"]
+        o["bulk.entries_pdxfer"] = big["pdxfer_entries"]
+        o["bulk.entries_raw"] = big["raw_entries"]
+        o["bulk.raw_gbps"] = big["raw"]["median"]
+        o["bulk.raw_gbps_min_max"] = [big["raw"]["min"], big["raw"]["max"]]
+        o["bulk.pdxfer_gbps"] = big["pdxfer"]["median"]
+        o["bulk.pdxfer_gbps_min_max"] = [big["pdxfer"]["min"], big["pdxfer"]["max"]]
+        o["bulk.ratio_vs_raw"] = big["ratio"]["median"]
+        o["bulk.ratio_vs_raw_min_max"] = [big["ratio"]["min"], big["ratio"]["max"]]
+        o["bulk.rounds"] = rounds
+        checked = [r["bad"] for k, v in res.items() for r in v if r["bad"] is not None]
+        o["bulk.bytes_wrong"] = int(sum(checked))
+        o["bulk.transfers_verified"] = len(checked)
+
+    # -- 2. small requests -------------------------------------------------------------------------
+    def small(self) -> None:
+        self.mark_load("small")
+        seg = 2.0 if self.quick else 5.0
+        rounds = 2
+        tokens, per, conc = 128, 2, 64
+        src = self.src_perm[:per]
+        dst_free = self.rng.permutation(DC_PAGES).tolist()
+        lat = {"pdxfer": [], "raw": []}
+        rate = {"pdxfer": [], "raw": []}
+        failed: list[str] = []
+        warm = seg * 0.3
+
+        def window(stamps: list[Any], start: float, seg: float, k: str) -> None:
+            """Steady state only: rooms issued after the warm-up that finished in the
+            segment; rate counts every finish inside [start + warm, end]."""
+            lo, hi = start + warm, start + seg
+            lat[k] += [t1 - t0 for t0, t1 in stamps if t0 >= lo and t1 <= hi]
+            rate[k].append(sum(lo <= t1 <= hi for _, t1 in stamps) / (seg - warm))
+
+        for _ in range(rounds):
+            first = self.next_room()
+            self.room += 1 << 20
+            pl = self.rpf.call("raw_push_loop", timeout=seg + 120, peer=self.rdc.info["session"],
+                          pools=self.rdc.info["pools"], pull=self.rdc.info["pull"], src=src,
+                          dst_free=dst_free, tokens=tokens, conc=conc, duration=seg, threads=4,
+                          first_room=first)
+            window(self.rdc.call("raw_collect", first_room=first), pl["start"], seg, "raw")
+            first = self.next_room()
+            self.room += 1 << 20
+            self.pf.call("bench_serve", first_room=first, src=src, ahead=conc + 32)
+            r = self.dc.call("bench_closed_loop", timeout=seg + 120, bootstrap=self.srv.address,
+                             first_room=first, dst_free=dst_free, per=per, tokens=tokens,
+                             conc=conc, duration=seg)
+            self.pf.call("bench_serve_stop")
+            window(r["stamps"], r["start"], seg, "pdxfer")
+            failed += r["failed"]
+        o = self.out
+        for k in ("pdxfer", "raw"):
+            o[f"small.{k}_rooms_per_s"] = statistics.median(rate[k])
+            o[f"small.{k}_p50_ms"] = pct(lat[k], 50) * 1e3
+            o[f"small.{k}_p99_ms"] = pct(lat[k], 99) * 1e3
+            o[f"small.{k}_completed"] = len(lat[k])
+        o["small.p50_ratio_vs_baseline"] = o["small.pdxfer_p50_ms"] / o["small.raw_p50_ms"]
+        o["small.rate_ratio_vs_baseline"] = (o["small.pdxfer_rooms_per_s"]
+                                             / o["small.raw_rooms_per_s"])
+        o["small.concurrency"] = conc
+        o["small.seconds_per_variant"] = seg * rounds
+        o["small.failed"] = len(failed)
+        self.fixed_cost(tokens, per)
+
+    def fixed_cost(self, tokens: int, per: int) -> None:
+        """One request at a time: pdxfer's request-to-Success minus a raw write of the same
+        blocks; the difference is what pdxfer adds per request."""
+        rounds, k = (2, 10) if self.quick else (4, 20)
+        src = self.src_perm[:per]
+        pdx: list[float] = []
+        raw: list[float] = []
+        for _ in range(rounds):
+            dst = self.rng.choice(DC_PAGES, per, replace=False).tolist()
+            r = self.rpf.call("raw_write", peer=self.rdc.info["session"],
+                              pools=self.rdc.info["pools"], src=src, dst=dst, tokens=tokens,
+                              reps=k)
+            raw += r["seconds"]
+            first = self.next_room()
+            self.room += 1 << 20
+            self.pf.call("bench_serve", first_room=first, src=src, ahead=4)
+            r = self.dc.call("bench_closed_loop", bootstrap=self.srv.address, first_room=first,
+                             dst_free=self.rng.permutation(DC_PAGES).tolist(), per=per,
+                             tokens=tokens, conc=1, count=k)
+            self.pf.call("bench_serve_stop")
+            pdx += [t1 - t0 for t0, t1 in r["stamps"]]
+        o = self.out
+        o["small.serial_pdxfer_ms"] = statistics.median(pdx) * 1e3
+        o["small.serial_raw_write_ms"] = statistics.median(raw) * 1e3
+        o["small.fixed_cost_ms"] = o["small.serial_pdxfer_ms"] - o["small.serial_raw_write_ms"]
+
+    # -- 3. entries ---------------------------------------------------------------------------------
+    def entries(self) -> None:
+        self.mark_load("entries")
+        n = 8
+        tokens = n * PS
+        base = self.rng.choice(np.arange(0, PF_PAGES - n, n), 1)[0]
+        dbase = self.rng.choice(np.arange(0, DC_PAGES - n, n), 1)[0]
+        rand_s = self.rng.choice(PF_PAGES, n, replace=False)
+        rand_d = self.rng.choice(DC_PAGES, n, replace=False)
+        half_s = np.concatenate([[2 * i * 3, 2 * i * 3 + 1] for i in range(n // 2)])
+        half_d = np.concatenate([[100 + 2 * i * 5, 100 + 2 * i * 5 + 1] for i in range(n // 2)])
+        cases = {"random": (rand_s, rand_d),
+                 "contiguous": (np.arange(base, base + n), np.arange(dbase, dbase + n)),
+                 "half_contiguous": (half_s, half_d)}
+        ok = True
+        for name, (s, d) in cases.items():
+            s, d = [int(x) for x in s], [int(x) for x in d]
+            room = self.next_room()
+            self.pf.call("prepare", items=[{"room": room, "pages": {"kv": s},
+                                            "num_tokens": tokens}])
+            item = {"room": room, "dst": {"kv": d}, "num_tokens": tokens}
+            self.dc.call("recv", items=[item], bootstrap=self.srv.address)
+            self.pf.call("bench_wait_pending", rooms=[room])
+            e0 = self.pf.call("metrics")["transport_entries"]
+            self.pf.call("bench_send", room=room, pages=s)
+            r = self.dc.call("bench_done", rooms=[room])[room]
+            got = self.pf.call("metrics")["transport_entries"] - e0
+            runs = len(P.runs(np.asarray(s), np.asarray(d))[2])
+            bad = self.verify(self.dc, room, d, tokens, seed=room)
+            self.out[f"entries.{name}.runs"] = runs
+            self.out[f"entries.{name}.entries"] = got
+            self.out[f"entries.{name}.entries_per_buffer"] = got / BUFFERS
+            self.out[f"entries.{name}.bytes_per_entry"] = r["bytes"] / max(1, got)
+            self.out[f"entries.{name}.bytes_wrong"] = bad
+            ok &= got == runs * BUFFERS and r["state"] == "Success" and bad == 0
+        self.out["entries.buffers"] = BUFFERS
+        self.out["entries.equal_to_runs"] = bool(ok)
+        # the source pattern of the bulk pages was overwritten: restore it
+        self.pf.call("prepare", items=[{"room": self.seed_room,
+                                        "pages": {"kv": self.src_perm[:BULK_MAX // PS]},
+                                        "num_tokens": BULK_MAX}])
+
+    # -- 4. machine limits -------------------------------------------------------------------------
+    def limits(self) -> None:
+        self.mark_load("limits")
+        n = (128 if self.quick else 256) << 20
+        a = np.ones(n, np.uint8)
+        b = np.zeros(n, np.uint8)
+        np.copyto(b, a)
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            np.copyto(b, a)
+            ts.append(time.perf_counter() - t)
+        self.out["limits.memcpy_gbps"] = n / statistics.median(ts) / 1e9
+        del a, b
+        total = (256 if self.quick else 1024) << 20
+        gb = [socket_stream(total) for _ in range(3)]
+        self.out["limits.socket_gbps"] = statistics.median(gb)
+        self.out["limits.socket_gbps_min_max"] = [min(gb), max(gb)]
+        s = self.out["limits.socket_gbps"]
+        self.out["limits.raw_fraction_of_socket"] = self.out["bulk.raw_gbps"] / s
+        self.out["limits.pdxfer_fraction_of_socket"] = self.out["bulk.pdxfer_gbps"] / s
+
+    # -- 5. cpu --------------------------------------------------------------------------------------
+    def cpu_cost(self) -> None:
+        size = max(t for _, t in self.bulk_res)
+        pdx, raw = self.bulk_res[("pdxfer", size)], self.bulk_res[("raw", size)]
+        per = [(p["cpu"] / p["bytes"] - r["cpu"] / r["bytes"]) * 1e9 for p, r in zip(pdx, raw)]
+        self.out["cpu.seconds_per_gb"] = statistics.median(per)
+        self.out["cpu.pdxfer_total_seconds_per_gb"] = statistics.median(
+            p["cpu"] / p["bytes"] * 1e9 for p in pdx)
+        self.out["cpu.raw_total_seconds_per_gb"] = statistics.median(
+            r["cpu"] / r["bytes"] * 1e9 for r in raw)
+
+    # -- 6. other helpers' figures -----------------------------------------------------------------
+    def others(self) -> None:
+        for name in ("bench_hetero", "bench_incremental"):
+            path = ROOT / "scripts" / f"{name}.py"
+            if not path.exists():
+                continue
+            self.mark_load(name)
+            try:
+                spec = importlib.util.spec_from_file_location(f"_pdxfer_{name}", path)
+                assert spec and spec.loader
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                self.out.update(mod.measure(quick=self.quick))
+            except Exception as e:  # noqa: BLE001 - their failure must not lose our figures
+                self.out[f"{name}.error"] = f"{type(e).__name__}: {e}"
+
+
+_SOCK_SENDER = """
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+buf = memoryview(bytearray(4 << 20))
+left = int(sys.argv[2])
+while left > 0:
+    k = min(left, len(buf))
+    s.sendall(buf[:k])
+    left -= k
+s.close()
+"""
+
+
+def socket_stream(total: int) -> float:
+    """GB/s of one plain TCP connection over loopback between two processes."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    p = subprocess.Popen([sys.executable, "-c", _SOCK_SENDER, str(srv.getsockname()[1]),
+                          str(total)])
+    conn, _ = srv.accept()
+    buf = memoryview(bytearray(4 << 20))
+    got = 0
+    t = time.perf_counter()
+    while got < total:
+        k = conn.recv_into(buf)
+        if not k:
+            break
+        got += k
+    dt = time.perf_counter() - t
+    conn.close()
+    srv.close()
+    p.wait(30)
+    return got / dt / 1e9
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = out["bulk.curve"]
+    mib = [r["bytes"] / 2**20 for r in curve]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, color in (("raw", "tab:gray"), ("pdxfer", "tab:blue")):
+        med = [r[name]["median"] for r in curve]
+        lo = [r[name]["median"] - r[name]["min"] for r in curve]
+        hi = [r[name]["max"] - r[name]["median"] for r in curve]
+        label = "raw Mooncake batch_transfer_sync_write" if name == "raw" else "pdxfer"
+        ax.errorbar(mib, med, yerr=[lo, hi], marker="o", capsize=3, label=label, color=color)
+    ax.axhline(out["limits.socket_gbps"], ls="--", color="tab:red",
+               label=f"plain TCP socket, 1 connection ({out['limits.socket_gbps']:.2f})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("request size (MiB; 128 KiB scattered pages, 64 buffers)")
+    ax.set_ylabel("GB/s (median, min-max)")
+    ax.set_title("KV transfer over Mooncake TCP, loopback, 2 vCPUs")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def table(o: dict[str, Any]) -> str:
+    """The headline figures as a Markdown table (pasted into docs/performance.md)."""
+    def f(k: str, nd: int = 2) -> str:
+        v = o.get(k)
+        return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+    def mm(k: str) -> str:
+        v = o.get(k)
+        return f"{v[0]:.2f} - {v[1]:.2f}" if v else "-"
+
+    rows = [
+        ("bulk: raw Mooncake sync, GB/s", f("bulk.raw_gbps"), mm("bulk.raw_gbps_min_max")),
+        ("bulk: pdxfer, first send to Success, GB/s", f("bulk.pdxfer_gbps"),
+         mm("bulk.pdxfer_gbps_min_max")),
+        ("bulk: pdxfer / raw (per interleaved pair)", f("bulk.ratio_vs_raw"),
+         mm("bulk.ratio_vs_raw_min_max")),
+        ("small: raw push, rooms/s", f("small.raw_rooms_per_s", 1), ""),
+        ("small: pdxfer, rooms/s", f("small.pdxfer_rooms_per_s", 1), ""),
+        ("small: rate ratio", f("small.rate_ratio_vs_baseline"), ""),
+        ("small: p50 / p99 raw push, ms", f"{f('small.raw_p50_ms', 1)} / "
+         f"{f('small.raw_p99_ms', 1)}", ""),
+        ("small: p50 / p99 pdxfer, ms", f"{f('small.pdxfer_p50_ms', 1)} / "
+         f"{f('small.pdxfer_p99_ms', 1)}", ""),
+        ("small: p50 ratio", f("small.p50_ratio_vs_baseline"), ""),
+        ("one 128-token request: pdxfer request to Success, ms", f("small.serial_pdxfer_ms"),
+         ""),
+        ("one 128-token request: raw write, ms", f("small.serial_raw_write_ms"), ""),
+        ("fixed cost per request, ms", f("small.fixed_cost_ms"), ""),
+        ("entries equal runs x buffers (random / contiguous / half)",
+         f"{o.get('entries.equal_to_runs')}", f"{f('entries.random.entries')} / "
+         f"{f('entries.contiguous.entries')} / {f('entries.half_contiguous.entries')}"),
+        ("memcpy, GB/s", f("limits.memcpy_gbps"), ""),
+        ("TCP socket, 1 connection, GB/s", f("limits.socket_gbps"),
+         mm("limits.socket_gbps_min_max")),
+        ("raw / pdxfer as a fraction of the socket",
+         f"{f('limits.raw_fraction_of_socket')} / {f('limits.pdxfer_fraction_of_socket')}", ""),
+        ("pdxfer CPU beyond the transport's, s per GB", f("cpu.seconds_per_gb", 3), ""),
+    ]
+    out = ["| figure | median | min - max |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    for k in sorted(o):
+        if k.startswith(("hetero_tp.", "incremental.")):
+            out.append(f"| {k} | {f(k)} | |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="reduced run, under a minute")
+    ap.add_argument("--json", type=Path, help="write the flat JSON here")
+    ap.add_argument("--md", type=Path, help="write the headline table as Markdown here")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="PNG of throughput against request size (default docs/bench.png "
+                         "for a full run, none for --quick)")
+    a = ap.parse_args(argv)
+    t0 = time.monotonic()
+    b = Bench(a.quick)
+    b.mark_load("start")
+    try:
+        b.start()
+        b.bulk()
+        b.entries()
+        b.small()
+        b.cpu_cost()
+    finally:
+        b.close()
+    b.limits()
+    b.others()
+    b.out["seconds_total"] = time.monotonic() - t0
+    text = json.dumps(b.out, indent=1, default=float)
+    print(text)
+    if a.json:
+        a.json.write_text(text + "\n")
+    if a.md:
+        a.md.write_text(table(b.out) + "\n")
+    png = a.plot or (None if a.quick else ROOT / "docs" / "bench.png")
+    if png:
+        plot(b.out, png)
+    ok = b.out["bulk.bytes_wrong"] == 0 and b.out["entries.equal_to_runs"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "bench"
+    sys.exit(main())
