@@ -84,6 +84,8 @@ class SenderRoom:
     expected: int = 1
     cursor: dict[str, int] = field(default_factory=dict)
     last_given: bool = False
+    hold_until: float = 0.0
+    """While > 0 the room succeeded but its decode may ask for a range again (repair)."""
 
 
 class KVSender(RequestHandle):
@@ -103,6 +105,12 @@ class KVSender(RequestHandle):
     def prefix_len(self) -> int | None:
         """The decode's ``prefix_len`` once its request arrived (tokens it already holds)."""
         return min((t.req.prefix_len for t in self._st.targets), default=None)
+
+    @property
+    def holding(self) -> bool:
+        """True while the decode may still ask to re-send a range (``hold_for_repair``): keep
+        the source pages until this turns False (its ``Release`` or the hold deadline)."""
+        return self._st.hold_until > 0
 
     def abort(self, reason: str = "aborted by prefill engine") -> None:
         self._side.fail(self._st, Aborted(f"room {self._st.room}: {reason}"))
@@ -225,6 +233,9 @@ class PrefillSide:
                 self._refuse(req, why, "plan")
                 return
             st = self.rooms.get(req.room)
+            if st is not None and st.hold_until:
+                self._repair(st, req, peer, dst)
+                return
             if st is None:
                 tomb = self.tombstones.get(req.room)
                 if tomb is not None:
@@ -265,7 +276,29 @@ class PrefillSide:
         self.fail(st, Aborted(f"room {msg.room}: aborted by decode ({msg.reason or 'no reason'})"))
 
     def on_release(self, msg: wire.Release) -> None:
-        """Repair is no longer possible for the room; nothing is held in the transfer core."""
+        """The decode needs no repair: a held room ends and its pages are the engine's."""
+        with self.ep.lock:
+            st = self.rooms.get(msg.room)
+            if st is None or not any(t.req.nonce == msg.nonce for t in st.targets):
+                self.ep.count("stale_messages")
+                return
+            if st.hold_until and all(t.finished for t in st.targets):
+                st.hold_until = 0.0
+                self.rooms.pop(st.room, None)
+
+    def _repair(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer,
+                dst: dict[str, np.ndarray]) -> None:
+        """A decode that held this room asks for a range again (its local restore failed):
+        write the range from the pages still held (called under the lock)."""
+        if not any(t.peer.endpoint_id == req.endpoint_id and t.req.hold_for_repair
+                   for t in st.targets):
+            self._refuse(req, f"room {req.room} is not held for decode {req.endpoint_id}",
+                         "duplicate_room")
+            return
+        self.ep.count("repairs")
+        st.targets.append(Target(req, peer, dst))
+        st.hold_until = time.monotonic() + min(req.deadline_s, self.cfg.transfer_timeout_s)
+        self._pump(st)
 
     def tick(self, now: float) -> None:
         expired: list[SenderRoom] = []
@@ -282,6 +315,11 @@ class PrefillSide:
             for room, (exp, _) in list(self.tombstones.items()):
                 if now > exp:
                     del self.tombstones[room]
+            for st in [x for x in self.rooms.values() if x.hold_until and now > x.hold_until
+                       and all(t.finished for t in x.targets)]:
+                log.info("room %d: no Release from the decode before the hold deadline", st.room)
+                st.hold_until = 0.0
+                del self.rooms[st.room]
         for st in expired:
             what = ("no request from the decode" if st.state == KVPoll.Bootstrapping
                     else f"not finished (state {st.state.name})")
@@ -432,7 +470,12 @@ class PrefillSide:
             if ok and all_done and st.state != KVPoll.Failed:
                 st.state = KVPoll.Success
                 self.ep.count("success")
-            if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
+            if (all_done and st.state == KVPoll.Success
+                    and any(x.req.hold_for_repair for x in st.targets)):
+                if not st.hold_until:
+                    st.hold_until = time.monotonic() + self.cfg.transfer_timeout_s
+            elif all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
+                st.hold_until = 0.0
                 self.rooms.pop(st.room, None)
         self.ep.count_transfer(t.bytes, t.blocks)
         if t.aborted:
