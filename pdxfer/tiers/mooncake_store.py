@@ -128,6 +128,8 @@ class MooncakeStoreStorage:
         self._registered: list[int] = []
 
     def register(self, addr: int, nbytes: int) -> None:
+        if addr in self._registered:
+            return  # a cache switched back to this store: already registered
         rc = self.store.register_buffer(addr, nbytes)
         if rc != 0:
             raise StorageError(f"Mooncake Store register_buffer failed: {rc}")
