@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer
@@ -21,7 +22,7 @@ from pdxfer.tiers.mooncake_store import MooncakeMaster
 from pdxfer.tiers.storage import FileStorage
 
 from .conftest import FAST
-from .tiers_helpers import X, Family, assert_right, finish, start, write_back
+from .tiers_helpers import Family, X, assert_right, finish, start, write_back
 
 STD = [
     PoolGeom("kv", "mha", layers=2, pages=768, page_size=16, heads=2, head_dim=16,
@@ -212,3 +213,50 @@ def test_two_decodes_share_one_mooncake_store(env: Setup) -> None:
     for r in (a, b):
         env.std.free(r)
     no_leaks(env, env.d2)
+
+
+def test_hundred_mixed_requests_leave_no_pin_no_reservation_and_a_consistent_index(
+        env: Setup) -> None:
+    fam, dc = env.std, env.d1
+    rng = np.random.default_rng(5)
+    parents: list[dict[str, Any]] = []
+    aborted: list[int] = []
+    done = 0
+    for rnd in range(10):
+        env.d1.call("ext", fn=X + "use", name="mc" if rnd % 3 == 2 else "file")
+        if rnd % 4 == 3:
+            dc.call("ext", fn=X + "clear_l2")
+        reqs = []
+        for _ in range(10):
+            n = int(rng.integers(20, 321))
+            if parents and rng.random() < 0.6:
+                p = parents[int(rng.integers(len(parents)))]
+                shared = int(rng.integers(1, p["num_tokens"] + 1))
+                r = fam.child(p, shared, max(n, shared + 1))
+            else:
+                r = fam.make(fam.tokens(n))
+            r["no_send"] = rng.random() < 0.1
+            reqs.append(r)
+        start(env.pf, dc, env.bootstrap, reqs)
+        ab = [r["room"] for r in reqs if r["no_send"]]
+        if ab:
+            dc.call("ext", fn=X + "abort", rooms=ab)
+        res = finish(dc, reqs)
+        for r in reqs:
+            o = res[r["room"]]
+            if r["no_send"]:
+                assert o["state"] == "Failed", o
+            else:
+                assert o["state"] == "Success" and not o["bad"][0], o
+        ok = [r for r in reqs if not r["no_send"]]
+        write_back(dc, ok)
+        aborted += ab
+        done += len(reqs)
+        parents = (parents + ok)[-8:]
+        for r in reqs:
+            fam.free(r)
+    assert done == 100
+    env.d1.call("ext", fn=X + "use", name="file")
+    rep = dc.call("ext", fn=X + "report")
+    assert set(aborted) <= set(rep["released"])
+    no_leaks(env, dc)

@@ -198,3 +198,9 @@ def prefill_tables(state: Any, ep: str = "main") -> dict[str, int]:
 def transport_bytes(state: Any, ep: str = "main") -> int:
     return int(state.eps[ep].ep.transport.stats.bytes)
 
+
+
+def abort(state: Any, rooms: list[int], ep: str = "main") -> None:
+    t = _t(state, ep)
+    for r in rooms:
+        t.rx[r].abort("aborted by the test")
