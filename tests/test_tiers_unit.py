@@ -25,7 +25,7 @@ def test_prefix_keys_are_a_chain_stable_across_processes() -> None:
     keys = page_keys(toks, 16)
     assert len(keys) == 4 and len(set(keys)) == 4
     code = ("from pdxfer.tiers import page_keys; "
-            f"print(','.join(page_keys(list(range(100, 164)), 16)))")
+            "print(','.join(page_keys(list(range(100, 164)), 16)))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, timeout=60).stdout.strip()

@@ -213,10 +213,14 @@ class TieredCache:
                 log.info("write-back of %d pages skipped: %s", len(idx), e)
                 self._count("writeback_skipped", len(idx))
                 new = []
-        for pool in self.data_pools if new else []:
-            hp = self.host.pools[pool]
-            l1 = arrays[self.anchor[pool]][idx]
-            self.copier.to_host(pool, l1, hp, np.array([e.pages[pool] for e in new]))
+        try:
+            for pool in self.data_pools if new else []:
+                hp = self.host.pools[pool]
+                l1 = arrays[self.anchor[pool]][idx]
+                self.copier.to_host(pool, l1, hp, np.array([e.pages[pool] for e in new]))
+        except Exception:
+            self.host.discard(new)  # bad page indices: nothing half-written stays indexed
+            raise
         self.host.pin(new)
         self.host.commit(new)
         self._count("l2_writebacks", len(new))

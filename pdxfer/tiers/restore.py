@@ -85,6 +85,7 @@ class RestoringReceiver:
         self._restore_deadline = time.monotonic() + timeout
         self.t0 = time.monotonic()
         self.t_ready: float | None = None
+        self.t_local: float | None = None
         self.rx = endpoint.receiver(room, bootstrap, instance=instance, dp=dp,
                                     release=self._on_rx_release)
         cache.executor.submit(self._run)
@@ -114,6 +115,7 @@ class RestoringReceiver:
             return
         self.cache.finish(m)
         with self._lock:
+            self.t_local = time.monotonic()
             self.restored_pages = good
             self._local_done = True
             self.restore = RestoreState.READY if good == pp else RestoreState.FAILED
@@ -267,4 +269,6 @@ class RestoringReceiver:
                 "restore": self.restore.value, "net_bytes": net["bytes"],
                 "repair_bytes": rep["bytes"],
                 "repaired_tokens": self._repair_range[1] - self._repair_range[0],
-                "seconds": (self.t_ready - self.t0) if self.t_ready else None}
+                "seconds": (self.t_ready - self.t0) if self.t_ready else None,
+                "local_seconds": (self.t_local - self.t0) if self.t_local else None,
+                "net_seconds": net["seconds"]}
