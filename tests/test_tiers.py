@@ -199,6 +199,45 @@ def test_restore_failure_after_the_promise_is_repaired_by_the_prefill(
     no_leaks(env, env.d1)
 
 
+def test_device_resident_prefix_is_neither_sent_nor_restored(env: Setup) -> None:
+    a = parent(env, env.std, env.d1)
+    b = env.std.child(a, SHARED, N)
+    k = 4  # the engine still holds A's first k pages on the device and reuses them for B
+    own = b["dst"]
+    b["dst"] = {n: a["dst"][n][:k] + p[k:] for n, p in own.items()}
+    b["recv_dst"], b["l1_len"] = {n: p[k:] for n, p in own.items()}, k * 16
+    before = pf_bytes(env)
+    promised = start(env.pf, env.d1, env.bootstrap, [b])
+    res = finish(env.d1, [b])
+    assert promised[b["room"]] == SHARED
+    assert_right(res)
+    st = res[b["room"]]["stats"]
+    assert st["l1_pages"] == k and st["l2_pages"] == SHARED // 16 - k
+    assert pf_bytes(env) - before == suffix_bytes(env.d1, SHARED, N)
+    b["dst"] = own
+    for r in (a, b):
+        env.std.free(r)
+    no_leaks(env, env.d1)
+
+
+def test_restore_deadline_passing_after_the_promise_is_repaired(env: Setup) -> None:
+    a = parent(env, env.std, env.d1)
+    env.d1.call("ext", fn=X + "clear_l2")
+    b = env.std.child(a, SHARED, N)
+    b["restore_timeout_s"] = 1e-6  # passes before the first L3 read
+    before = pf_bytes(env)
+    promised = start(env.pf, env.d1, env.bootstrap, [b])
+    res = finish(env.d1, [b])
+    assert promised[b["room"]] == SHARED
+    assert_right(res)
+    st = res[b["room"]]["stats"]
+    assert st["restored_pages"] == 0 and st["repaired_tokens"] == SHARED
+    assert pf_bytes(env) - before == suffix_bytes(env.d1, 0, N)
+    for r in (a, b):
+        env.std.free(r)
+    no_leaks(env, env.d1)
+
+
 def test_two_decodes_share_one_mooncake_store(env: Setup) -> None:
     env.d1.call("ext", fn=X + "use", name="mc")
     env.d2.call("ext", fn=X + "use", name="mc")

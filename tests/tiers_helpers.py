@@ -65,8 +65,10 @@ def start(pf: Agent, dc: Agent, bootstrap: str, reqs: list[dict[str, Any]], ep: 
          "segments": r["segments"]} for r in reqs])
     promised = dc.call("ext", fn=X + "recv", ep=ep, bootstrap=bootstrap, instance=instance or "default",
                        fault=fault, items=[
-                           {"room": r["room"], "tokens": r["tokens"], "dst": r["dst"],
-                            "slots": r["dst_slots"], "num_tokens": r["num_tokens"]}
+                           {"room": r["room"], "tokens": r["tokens"], "dst": r.get("recv_dst", r["dst"]),
+                            "slots": r["dst_slots"], "num_tokens": r["num_tokens"],
+                            "l1_len": r.get("l1_len", 0),
+                            "restore_timeout_s": r.get("restore_timeout_s")}
                            for r in reqs])
     pf.call("send", ep=ep, items=[
         {"room": r["room"], "chunks": [{"pages": r["src"], "slots": r["src_slots"],

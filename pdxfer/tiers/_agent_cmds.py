@@ -85,7 +85,8 @@ def recv(state: Any, items: list[dict[str, Any]], bootstrap: str, ep: str = "mai
         room = it["room"]
         t.rx[room] = RestoringReceiver(
             t.cache, e.ep, room, bootstrap, it["tokens"], it["dst"], it.get("slots"),
-            num_tokens=it["num_tokens"], instance=instance,
+            num_tokens=it["num_tokens"], instance=instance, l1_len=it.get("l1_len", 0),
+            restore_timeout_s=it.get("restore_timeout_s"),
             release=lambda d, s, room=room: t.released.add(room))
     for it in items:
         rx = t.rx[it["room"]]

@@ -80,9 +80,9 @@ class RestoringReceiver:
         self._repair_range = (0, 0)
         self._repair_released = False
         self._rx_released = False
-        timeout = restore_timeout_s or endpoint.config.transfer_timeout_s
-        self.deadline = time.monotonic() + endpoint.config.bootstrap_timeout_s + timeout
-        self._restore_deadline = time.monotonic() + timeout
+        cfg = endpoint.config
+        self.deadline = time.monotonic() + cfg.bootstrap_timeout_s + cfg.transfer_timeout_s
+        self._restore_deadline = time.monotonic() + (restore_timeout_s or cfg.transfer_timeout_s)
         self.t0 = time.monotonic()
         self.t_ready: float | None = None
         self.t_local: float | None = None
