@@ -467,7 +467,7 @@ class PrefillSide:
                 return
             t.finished = True
             all_done = len(st.targets) >= st.expected and all(x.finished for x in st.targets)
-            if ok and all_done and st.state != KVPoll.Failed:
+            if ok and all_done and not st.state.terminal:
                 st.state = KVPoll.Success
                 self.ep.count("success")
             if (all_done and st.state == KVPoll.Success

@@ -8,6 +8,7 @@ the bytes the prefill's transport moved are counted: a restored prefix must not 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,9 +65,12 @@ class Setup:
         self.v4 = Family(V4, seed=12)
 
     def close(self) -> None:
-        for a in (self.pf, self.d1, self.d2):
-            if a is not None:
-                a.close()
+        """Close the agents side by side: each exit waits on Mooncake's own teardown."""
+        ts = [threading.Thread(target=a.close) for a in (self.pf, self.d1, self.d2) if a]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
 
 
 @pytest.fixture(scope="module")
