@@ -79,13 +79,13 @@ class SenderRoom:
     deadline: float
     state: KVPoll = KVPoll.Bootstrapping
     failure: PdxferError | None = None
+    hold_until: float = 0.0
+    """While > 0 the room succeeded but its decode may ask for a range again (repair)."""
     chunks: list[Chunk] = field(default_factory=list)
     targets: list[Target] = field(default_factory=list)
     expected: int = 1
     cursor: dict[str, int] = field(default_factory=dict)
     last_given: bool = False
-    hold_until: float = 0.0
-    """While > 0 the room succeeded but its decode may ask for a range again (repair)."""
 
 
 class KVSender(RequestHandle):
@@ -286,6 +286,16 @@ class PrefillSide:
                 st.hold_until = 0.0
                 self.rooms.pop(st.room, None)
 
+    def _end_or_hold(self, st: SenderRoom) -> None:
+        """A room whose writes all finished leaves the table, unless it succeeded for a
+        decode that may ask for a repair: then it is held until Release or its deadline."""
+        if st.state == KVPoll.Success and any(x.req.hold_for_repair for x in st.targets):
+            if not st.hold_until:
+                st.hold_until = time.monotonic() + self.cfg.transfer_timeout_s
+            return
+        st.hold_until = 0.0
+        self.rooms.pop(st.room, None)
+
     def _repair(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer,
                 dst: dict[str, np.ndarray]) -> None:
         """A decode that held this room asks for a range again (its local restore failed):
@@ -470,13 +480,8 @@ class PrefillSide:
             if ok and all_done and not st.state.terminal:
                 st.state = KVPoll.Success
                 self.ep.count("success")
-            if (all_done and st.state == KVPoll.Success
-                    and any(x.req.hold_for_repair for x in st.targets)):
-                if not st.hold_until:
-                    st.hold_until = time.monotonic() + self.cfg.transfer_timeout_s
-            elif all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
-                st.hold_until = 0.0
-                self.rooms.pop(st.room, None)
+            if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
+                self._end_or_hold(st)
         self.ep.count_transfer(t.bytes, t.blocks)
         if t.aborted:
             msg: wire.Msg = wire.AbortAck(room=st.room, nonce=t.req.nonce,
