@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from typing import Any
@@ -169,6 +170,14 @@ class AgentState:
             if isinstance(h, KVReceiver):
                 out[r]["stats"] = h.stats()
         return out
+
+    def cmd_ext(self, fn: str, **kw: Any) -> Any:
+        """Run ``fn`` (``module:function``, inside pdxfer) with this state: lets feature
+        modules add agent commands without growing this file."""
+        mod, _, name = fn.partition(":")
+        if not mod.startswith("pdxfer."):
+            raise ValueError(f"agent extension {fn!r} is not a pdxfer module")
+        return getattr(importlib.import_module(mod), name)(self, **kw)
 
     def cmd_metrics(self, ep: str = "main") -> dict[str, Any]:
         return self.eps[ep].ep.metrics()

@@ -81,6 +81,7 @@ class RecvRoom:
     slots: dict[str, int] = field(default_factory=dict)
     prefix_len: int = 0
     num_tokens: int = 0
+    hold_for_repair: bool = False
     targets: list[PrefillPeer] = field(default_factory=list)
     done: set[str] = field(default_factory=set)
     outstanding: set[str] = field(default_factory=set)
@@ -101,11 +102,22 @@ class KVReceiver(RequestHandle):
     _st: RecvRoom
 
     def request(self, dst: Mapping[str, object], slots: Mapping[str, int] | None = None,
-                prefix_len: int = 0, num_tokens: int | None = None) -> None:
+                prefix_len: int = 0, num_tokens: int | None = None,
+                hold_for_repair: bool = False) -> None:
         """Ask the prefill for tokens ``[prefix_len, num_tokens)`` into ``dst`` (page indices
         per anchor pool, covering tokens from ``prefix_len``) and slot rows ``slots``.
-        ``num_tokens`` defaults to what the first pool's pages cover."""
+        ``num_tokens`` defaults to what the first pool's pages cover. ``hold_for_repair``
+        asks the prefill to keep its pages after Success until ``release_source()`` (or its
+        deadline), so a later request for the same room can re-send a range."""
+        if not self._st.requested:
+            self._st.hold_for_repair = hold_for_repair
         self._side.request(self._st, dst, dict(slots or {}), prefix_len, num_tokens)
+
+    def release_source(self) -> None:
+        """Tell the prefill it may free the room's pages (no repair will follow)."""
+        st = self._st
+        for p in st.targets:
+            self._side.ep.send(p.ctrl_addr, wire.Release(room=st.room, nonce=st.nonce))
 
     @property
     def quarantined(self) -> bool:
@@ -244,7 +256,8 @@ class DecodeSide:
                 reply_to=self.ep.ctrl_addr,
                 dst={k: wire.pack_indices(v) for k, v in st.dst.items()}, slots=st.slots,
                 prefix_len=st.prefix_len, num_tokens=st.num_tokens,
-                expected_senders=len(peers), deadline_s=self.cfg.transfer_timeout_s)
+                expected_senders=len(peers), deadline_s=self.cfg.transfer_timeout_s,
+                hold_for_repair=st.hold_for_repair)
         frame = wire.encode(req)
         for p in peers:
             self.ep.send_frame(p.ctrl_addr, frame)

@@ -79,6 +79,8 @@ class SenderRoom:
     deadline: float
     state: KVPoll = KVPoll.Bootstrapping
     failure: PdxferError | None = None
+    hold_until: float = 0.0
+    """While > 0 the room succeeded but its decode may ask for a range again (repair)."""
     chunks: list[Chunk] = field(default_factory=list)
     targets: list[Target] = field(default_factory=list)
     expected: int = 1
@@ -105,6 +107,12 @@ class KVSender(RequestHandle):
     def prefix_len(self) -> int | None:
         """The decode's ``prefix_len`` once its request arrived (tokens it already holds)."""
         return min((t.req.prefix_len for t in self._st.targets), default=None)
+
+    @property
+    def holding(self) -> bool:
+        """True while the decode may still ask to re-send a range (``hold_for_repair``): keep
+        the source pages until this turns False (its ``Release`` or the hold deadline)."""
+        return self._st.hold_until > 0
 
     def abort(self, reason: str = "aborted by prefill engine") -> None:
         self._side.fail(self._st, Aborted(f"room {self._st.room}: {reason}"))
@@ -227,6 +235,9 @@ class PrefillSide:
                 self._refuse(req, why, "plan")
                 return
             st = self.rooms.get(req.room)
+            if st is not None and st.hold_until:
+                self._repair(st, req, peer, dst)
+                return
             if st is None:
                 tomb = self.tombstones.get(req.room)
                 if tomb is not None:
@@ -267,7 +278,39 @@ class PrefillSide:
         self.fail(st, Aborted(f"room {msg.room}: aborted by decode ({msg.reason or 'no reason'})"))
 
     def on_release(self, msg: wire.Release) -> None:
-        """Repair is no longer possible for the room; nothing is held in the transfer core."""
+        """The decode needs no repair: a held room ends and its pages are the engine's."""
+        with self.ep.lock:
+            st = self.rooms.get(msg.room)
+            if st is None or not any(t.req.nonce == msg.nonce for t in st.targets):
+                self.ep.count("stale_messages")
+                return
+            if st.hold_until and all(t.finished for t in st.targets):
+                st.hold_until = 0.0
+                self.rooms.pop(st.room, None)
+
+    def _end_or_hold(self, st: SenderRoom) -> None:
+        """A room whose writes all finished leaves the table, unless it succeeded for a
+        decode that may ask for a repair: then it is held until Release or its deadline."""
+        if st.state == KVPoll.Success and any(x.req.hold_for_repair for x in st.targets):
+            if not st.hold_until:
+                st.hold_until = time.monotonic() + self.cfg.transfer_timeout_s
+            return
+        st.hold_until = 0.0
+        self.rooms.pop(st.room, None)
+
+    def _repair(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer,
+                dst: dict[str, np.ndarray]) -> None:
+        """A decode that held this room asks for a range again (its local restore failed):
+        write the range from the pages still held (called under the lock)."""
+        if not any(t.peer.endpoint_id == req.endpoint_id and t.req.hold_for_repair
+                   for t in st.targets):
+            self._refuse(req, f"room {req.room} is not held for decode {req.endpoint_id}",
+                         "duplicate_room")
+            return
+        self.ep.count("repairs")
+        st.targets.append(Target(req, peer, dst))
+        st.hold_until = time.monotonic() + min(req.deadline_s, self.cfg.transfer_timeout_s)
+        self._pump(st)
 
     def tick(self, now: float) -> None:
         expired: list[SenderRoom] = []
@@ -284,6 +327,11 @@ class PrefillSide:
             for room, (exp, _) in list(self.tombstones.items()):
                 if now > exp:
                     del self.tombstones[room]
+            for st in [x for x in self.rooms.values() if x.hold_until and now > x.hold_until
+                       and all(t.finished for t in x.targets)]:
+                log.info("room %d: no Release from the decode before the hold deadline", st.room)
+                st.hold_until = 0.0
+                del self.rooms[st.room]
         for st in expired:
             what = ("no request from the decode" if st.state == KVPoll.Bootstrapping
                     else f"not finished (state {st.state.name})")
@@ -434,13 +482,13 @@ class PrefillSide:
             if ok and st.state == KVPoll.Failed:  # aborted or expired while the write ran
                 ok, err = False, st.failure
             all_done = len(st.targets) >= st.expected and all(x.finished for x in st.targets)
-            if ok and all_done and st.state != KVPoll.Failed:
+            if ok and all_done and not st.state.terminal:
                 st.state = KVPoll.Success
                 self.ep.count("success")
                 self.ep.timeline.observe("waiting", st.t_request - st.t_created)
                 self.ep.timeline.observe("transfer", time.monotonic() - st.t_request)
             if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
-                self.rooms.pop(st.room, None)
+                self._end_or_hold(st)
         self.ep.count_transfer(t.bytes, t.blocks)
         if t.aborted:
             msg: wire.Msg = wire.AbortAck(room=st.room, nonce=t.req.nonce,

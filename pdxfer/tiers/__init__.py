@@ -1,0 +1,17 @@
+"""Decode-side KV tiers: L2 host cache, L3 storage, prefix restore with incremental transfer.
+
+An engine builds one ``TieredCache`` per decode rank over its pool group, then per request
+either a plain ``KVReceiver`` or a ``RestoringReceiver`` (prefix from L1/L2/L3, suffix over
+the network), and calls ``write_back`` when a request finishes.
+"""
+
+from .cache import Match, TieredCache
+from .errors import CapacityError, RestoreFailed, StorageError
+from .host import HostCache
+from .keys import page_keys, pool_key
+from .restore import RestoreState, RestoringReceiver
+from .storage import FileStorage, StorageBackend, prefix_hits
+
+__all__ = ["CapacityError", "FileStorage", "HostCache", "Match", "RestoreFailed", "RestoreState",
+           "RestoringReceiver", "StorageBackend", "StorageError", "TieredCache", "page_keys",
+           "pool_key", "prefix_hits"]

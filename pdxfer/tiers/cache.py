@@ -1,0 +1,288 @@
+"""``TieredCache``: the decode-side API an engine calls: match, load, finish, write back.
+
+L1 is the engine's own pools (it reports how many prefix tokens are device-resident), L2 the
+``HostCache``, L3 a ``StorageBackend``. ``match`` decides the promised prefix and pins it:
+the L2 part is pinned, the L3 part gets pinned, not-ready L2 pages to prefetch into. ``load``
+brings the promised pages into the engine's pages and says how many made it, so a failure
+after the promise becomes a repair of the rest, never a hole. ``finish`` drops every pin the
+match took, whatever happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..pools import PoolSpec
+from .copy import Copier, CpuCopier
+from .errors import CapacityError
+from .host import Entry, HostCache, Register
+from .keys import page_keys, pool_key
+from .storage import StorageBackend, prefix_hits
+
+log = logging.getLogger("pdxfer.tiers")
+
+L3_BATCH = 32
+"""Pages per L3 call: big enough to batch, small enough to check the deadline between."""
+
+
+@dataclass(slots=True, eq=False)
+class Match:
+    """What a request will not receive over the network, and the pins that guarantee it."""
+
+    keys: list[str]
+    page_size: int
+    l1_pages: int
+    l2: list[Entry]
+    l3: list[Entry]
+    good_l3: int = 0
+    finished: bool = False
+    l3_missing: list[str] = field(default_factory=list)
+
+    @property
+    def prefix_pages(self) -> int:
+        return self.l1_pages + len(self.l2) + len(self.l3)
+
+    @property
+    def prefix_len(self) -> int:
+        return self.prefix_pages * self.page_size
+
+    @property
+    def promised_pages(self) -> int:
+        """Pages to bring into L1 (after the device-resident ones)."""
+        return len(self.l2) + len(self.l3)
+
+
+class TieredCache:
+    """One decode rank's L2 and L3 over its pool group. Thread-safe."""
+
+    def __init__(self, pools: Sequence[PoolSpec], *, host_pages: int | Mapping[str, int],
+                 storage: StorageBackend | None = None, register: Register | None = None,
+                 copier: Copier | None = None, salt: str = "") -> None:
+        paged = [p for p in pools if p.kind == "paged"]
+        sizes = {p.page_size for p in paged}
+        if len(sizes) != 1:
+            raise ConfigError(f"tiers need one page size over the paged pools, got {sorted(sizes)}")
+        self.page_size = sizes.pop()
+        self.anchor = {p.name: p.indices_from or p.name for p in paged}
+        self.data_pools = [p.name for p in paged if p.item_bytes > 0]
+        self.salt = salt
+        self.host = HostCache(pools, host_pages, register)
+        self.copier: Copier = copier or CpuCopier(pools)
+        self.storage: StorageBackend | None = None
+        self.set_storage(storage)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdxfer-writeback")
+        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-restore")
+        self._pending: set[Future[Any]] = set()
+        self._lock = threading.Lock()
+        self.after_match: Callable[[Match], None] | None = None
+        """Test hook run at the start of ``load`` (fault injection between match and load)."""
+        self.counters: dict[str, int] = {"l3_puts": 0, "l3_put_failures": 0, "l3_gets": 0,
+                                         "l3_get_misses": 0, "l2_writebacks": 0,
+                                         "writeback_skipped": 0}
+
+    def set_storage(self, storage: StorageBackend | None) -> None:
+        """Use another L3 backend from now on (its host pages get registered with it)."""
+        if storage is not None:
+            for hp in self.host.pools.values():
+                storage.register(hp.addr, hp.data.nbytes)
+        self.storage = storage
+
+    def keys(self, tokens: Sequence[int] | np.ndarray) -> list[str]:
+        return page_keys(tokens, self.page_size, self.salt)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    # -- restore -------------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int] | np.ndarray, num_tokens: int, l1_len: int = 0
+              ) -> Match:
+        """Decide and pin the prefix this request gets locally. At least one token is left
+        to the network (the engine needs the last token's KV computed fresh)."""
+        if not 0 <= l1_len <= num_tokens <= len(tokens):
+            raise ConfigError(f"need 0 <= l1_len {l1_len} <= num_tokens {num_tokens} <= "
+                              f"{len(tokens)} tokens")
+        ps = self.page_size
+        l1p = l1_len // ps
+        keys = self.keys(np.asarray(tokens)[:num_tokens])
+        cap = max(l1p, (num_tokens - 1) // ps)
+        l2 = self.host.match_and_pin(keys[l1p:cap])
+        rest = keys[l1p + len(l2):cap]
+        l3: list[Entry] = []
+        if rest and self.storage is not None:
+            try:
+                n3 = prefix_hits(self.storage, rest, self.data_pools)
+            except Exception as e:  # noqa: BLE001 - an unreachable L3 is a miss
+                log.warning("L3 exists failed (treated as a miss): %s", e)
+                n3 = 0
+            with self.host.lock:
+                n3 = next((i for i, k in enumerate(rest[:n3]) if k in self.host.entries), n3)
+                try:
+                    l3 = self.host.alloc(rest[:n3])
+                except CapacityError as e:
+                    log.info("no L2 room to prefetch %d L3 pages (%s): transferring them", n3, e)
+        return Match(keys, ps, l1p, l2, l3)
+
+    def load(self, m: Match, dst: Mapping[str, np.ndarray], deadline: float | None = None
+             ) -> int:
+        """Bring the promised pages into ``dst`` (L1 pages per anchor, covering tokens from
+        ``l1_len``): L3 to L2, then L2 to L1. Returns how many pages are right in ``dst``;
+        the rest (an L3 object gone or corrupt, the deadline passed) must be repaired."""
+        if self.after_match is not None:
+            self.after_match(m)
+        good3 = 0
+        if m.l3 and self.storage is not None:
+            for lo in range(0, len(m.l3), L3_BATCH):
+                if deadline is not None and time.monotonic() > deadline:
+                    log.info("restore deadline passed after %d of %d L3 pages", good3, len(m.l3))
+                    break
+                batch = m.l3[lo:lo + L3_BATCH]
+                ok = self._get(batch)
+                n = next((i for i, x in enumerate(ok) if not x), len(ok))
+                good3 += n
+                if n < len(batch):
+                    m.l3_missing.append(batch[n].key)
+                    break
+        m.good_l3 = good3
+        entries = m.l2 + m.l3[:good3]
+        if entries:
+            for pool in self.data_pools:
+                hp = self.host.pools[pool]
+                l1 = np.asarray(dst[self.anchor[pool]], dtype=np.int64)[:len(entries)]
+                self.copier.to_l1(pool, hp, np.array([e.pages[pool] for e in entries]), l1)
+        return len(entries)
+
+    def _get(self, batch: list[Entry]) -> list[bool]:
+        assert self.storage is not None
+        keys, addrs, sizes = [], [], []
+        for e in batch:
+            for pool in self.data_pools:
+                hp = self.host.pools[pool]
+                keys.append(pool_key(e.key, pool))
+                addrs.append(hp.page_addr(e.pages[pool]))
+                sizes.append(hp.page_bytes)
+        try:
+            got = self.storage.get_into(keys, addrs, sizes)
+        except Exception as e:  # noqa: BLE001 - a failing L3 is a miss, repaired upstream
+            log.warning("L3 get failed: %s", e)
+            got = [False] * len(keys)
+        n = len(self.data_pools)
+        self._count("l3_gets", len(keys))
+        self._count("l3_get_misses", got.count(False))
+        return [all(got[i * n:(i + 1) * n]) for i in range(len(batch))]
+
+    def finish(self, m: Match) -> None:
+        """Drop the match's pins: L2 hits unpinned, good L3 prefetches become L2 hits, the
+        rest freed. Idempotent."""
+        with self.host.lock:
+            if m.finished:
+                return
+            m.finished = True
+            self.host.unpin(m.l2)
+            self.host.commit(m.l3[:m.good_l3])
+            self.host.discard(m.l3[m.good_l3:])
+
+    # -- write-back ----------------------------------------------------------------------------
+    def write_back(self, tokens: Sequence[int] | np.ndarray, pages: Mapping[str, Any],
+                   num_tokens: int) -> Future[int]:
+        """Store a finished request's full pages: L1 to L2 now (the engine may reuse its
+        pages when this returns), L2 to L3 in the background. The future says how many
+        pages reached L3; a full L3 is a logged miss."""
+        keys = self.keys(np.asarray(tokens)[:num_tokens])
+        arrays = {a: np.asarray(p, dtype=np.int64) for a, p in pages.items()}
+        for a in {self.anchor[p] for p in self.data_pools}:
+            if a not in arrays or arrays[a].size < len(keys):
+                raise ConfigError(f"write_back: pool {a!r} needs {len(keys)} pages")
+        with self.host.lock:
+            idx = [i for i, k in enumerate(keys) if k not in self.host.entries]
+            for k in keys:
+                if k in self.host.entries:
+                    self.host.entries.move_to_end(k)
+            try:
+                new = self.host.alloc([keys[i] for i in idx])
+            except CapacityError as e:
+                log.info("write-back of %d pages skipped: %s", len(idx), e)
+                self._count("writeback_skipped", len(idx))
+                new = []
+        try:
+            for pool in self.data_pools if new else []:
+                hp = self.host.pools[pool]
+                l1 = arrays[self.anchor[pool]][idx]
+                self.copier.to_host(pool, l1, hp, np.array([e.pages[pool] for e in new]))
+        except Exception:
+            self.host.discard(new)  # bad page indices: nothing half-written stays indexed
+            raise
+        self.host.pin(new)
+        self.host.commit(new)
+        self._count("l2_writebacks", len(new))
+        fut = self._writer.submit(self._put, new)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, fut: Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+
+    def _put(self, entries: list[Entry]) -> int:
+        try:
+            if self.storage is None or not entries:
+                return 0
+            keys, addrs, sizes = [], [], []
+            for e in entries:
+                for pool in self.data_pools:
+                    hp = self.host.pools[pool]
+                    keys.append(pool_key(e.key, pool))
+                    addrs.append(hp.page_addr(e.pages[pool]))
+                    sizes.append(hp.page_bytes)
+            try:
+                ok = self.storage.put_from(keys, addrs, sizes)
+            except Exception as e:  # noqa: BLE001 - a failing L3 is a logged miss
+                log.warning("L3 put failed (those pages are misses): %s", e)
+                ok = [False] * len(keys)
+            self._count("l3_puts", ok.count(True))
+            self._count("l3_put_failures", ok.count(False))
+            n = len(self.data_pools)
+            return sum(all(ok[i * n:(i + 1) * n]) for i in range(len(entries)))
+        finally:
+            self.host.unpin(entries)
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait for every background L3 write; False if some did not finish in time."""
+        end = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                return True
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                pending[0].result(timeout=left)
+            except Exception:  # noqa: BLE001 - _put logs its own failures
+                pass
+
+    # -- introspection -------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            c = dict(self.counters)
+        return {**{f"l2.{k}": v for k, v in self.host.snapshot().items()}, **c}
+
+    def check(self) -> str | None:
+        return self.host.check()
+
+    def close(self) -> None:
+        self.flush()
+        self.executor.shutdown(wait=True)
+        self._writer.shutdown(wait=True)

@@ -1,0 +1,91 @@
+"""Tier building blocks in one process: keys, the L2 index, file L3 integrity, write-back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pdxfer.patterns import PoolGeom, build
+from pdxfer.tiers import CapacityError, FileStorage, HostCache, TieredCache, page_keys
+from pdxfer.tiers.keys import pool_key
+
+V4 = [PoolGeom("c4", "logical", pages=16, page_size=4),
+      PoolGeom("c4_kv", "paged", layers=2, pages=16, page_size=4, dim=10, dtype="bfloat16",
+               indices_from="c4"),
+      PoolGeom("c4_idx", "paged", layers=1, pages=16, page_size=4, dim=3, dtype="float32",
+               indices_from="c4")]
+
+
+def test_prefix_keys_are_a_chain_stable_across_processes() -> None:
+    toks = list(range(100, 164))
+    keys = page_keys(toks, 16)
+    assert len(keys) == 4 and len(set(keys)) == 4
+    code = ("from pdxfer.tiers import page_keys; "
+            "print(','.join(page_keys(list(range(100, 164)), 16)))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=60).stdout.strip()
+    assert out.split(",") == keys
+    changed = page_keys(toks[:20] + [7] + toks[21:], 16)
+    assert changed[0] == keys[0] and all(a != b for a, b in zip(changed[1:], keys[1:]))
+    assert page_keys(toks[:63], 16) == keys[:3]  # a partial page has no key
+    assert pool_key(keys[0], "draft") != pool_key(keys[0], "kv")
+
+
+def test_group_allocation_rolls_back_when_one_sidecar_is_full() -> None:
+    specs, _ = build(V4)
+    host = HostCache(specs, {"c4_kv": 8, "c4_idx": 3})
+    assert set(host.pools) == {"c4_kv", "c4_idx"}  # the logical anchor has no host memory
+    held = host.alloc(["a", "b", "c"])  # pinned, so nothing can be evicted
+    with pytest.raises(CapacityError):
+        host.alloc(["d"])
+    with pytest.raises(CapacityError):
+        host.alloc(["e", "f"])
+    assert len(host.pools["c4_kv"].free) == 5 and len(host.pools["c4_idx"].free) == 0
+    assert set(host.entries) == {"a", "b", "c"} and host.check() is None
+    host.commit(held)  # ready and unpinned: now evictable, least recently used first
+    host.match_and_pin(["a"])
+    new = host.alloc(["d"])
+    assert "b" not in host.entries and "a" in host.entries and host.check() is None
+    host.discard(new)
+    host.unpin(host.match_and_pin(["a"]))
+    host.unpin([host.entries["a"]])
+    assert host.pinned() == 0 and host.check() is None
+
+
+def test_torn_short_or_corrupt_l3_file_is_a_miss_never_garbage(tmp_path) -> None:
+    fs = FileStorage(str(tmp_path))
+    src = np.arange(4096, dtype=np.uint32).view(np.uint8)[:8192].copy()
+    dst = np.zeros(8192, dtype=np.uint8)
+    a, d = src.ctypes.data, dst.ctypes.data
+    assert fs.put_from(["k1", "k2", "k3"], [a, a, a], [8192] * 3) == [True] * 3
+    assert fs.get_into(["k1"], [d], [8192]) == [True] and (dst == src).all()
+    os.truncate(fs.path("k1"), 5000)
+    with open(fs.path("k2"), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xfe")
+    assert fs.exists(["k1", "k2", "k3", "nope"]) == [False, True, True, False]
+    assert fs.get_into(["k1", "k2", "nope"], [d] * 3, [8192] * 3) == [False, False, False]
+    assert fs.get_into(["k3"], [d], [4096]) == [False]  # another size than expected
+    assert not any(n.startswith(".tmp") for _, _, fs_ in os.walk(tmp_path) for n in fs_)
+
+
+def test_full_l3_is_a_logged_miss_not_an_error(tmp_path) -> None:
+    specs, tensors = build(V4)
+    for t in tensors["c4_kv"] + tensors["c4_idx"]:
+        t.fill_(1)
+    cache = TieredCache(specs, host_pages=8, storage=FileStorage(str(tmp_path), max_bytes=600))
+    toks = list(range(32))
+    fut = cache.write_back(toks, {"c4": list(range(8))}, 32)
+    assert fut.result(timeout=30) < 8
+    assert cache.stats()["l3_put_failures"] > 0
+    assert cache.flush() and cache.host.pinned() == 0 and cache.check() is None
+    m = cache.match(toks, 32)
+    assert len(m.l2) == 7  # the last token is always left to the network
+    cache.finish(m)
+    assert cache.host.pinned() == 0
+    cache.close()
