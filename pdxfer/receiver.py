@@ -20,9 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from . import plan as P
+from . import topology as T
 from . import wire
 from .bootstrap import BootstrapClient
 from .errors import (
@@ -208,14 +210,20 @@ class DecodeSide:
     def _connect(self, st: RecvRoom) -> None:
         try:
             route = self._route(st)
-            if route["tp_size"] != self.cfg.tp_size:
-                raise LayoutMismatch(
-                    f"prefill instance {route['instance']!r} has TP {route['tp_size']}, this "
-                    f"decode has TP {self.cfg.tp_size}: heterogeneous TP is not supported yet")
-            eps = [e for e in route["endpoints"] if e["tp_rank"] == self.cfg.tp_rank]
-            if not eps:
-                raise BootstrapError(f"no prefill endpoint for tp rank {self.cfg.tp_rank}")
+            ranks = T.contacts(int(route["tp_size"]), self.cfg.tp_size, self.cfg.tp_rank)
+            if isinstance(ranks, str):
+                raise LayoutMismatch(f"prefill instance {route['instance']!r}: {ranks}")
+            eps = sorted((e for e in route["endpoints"] if e["tp_rank"] in ranks),
+                         key=lambda e: (int(e.get("pp_rank", 0)), int(e["tp_rank"])))
+            if len(eps) != len(ranks) * int(route.get("pp_size", 1)):
+                raise BootstrapError(f"prefill instance {route['instance']!r} has not "
+                                     f"registered every endpoint of tp ranks {ranks}")
             peers = [self._handshake(e, st.deadline) for e in eps]
+            plan = T.assign({p.name: p for p in self.ep.pools},
+                            [(int(e.get("pp_rank", 0)), p.pools) for e, p in zip(eps, peers)])
+            if isinstance(plan, str):
+                raise LayoutMismatch(f"prefill instance {route['instance']!r}: {plan}")
+            npeers = T.decode_peers(int(route["tp_size"]), self.cfg.tp_size)
         except PdxferError as e:
             self._forget_route(st)
             self.fail(st, e)
@@ -229,8 +237,8 @@ class DecodeSide:
             if st.state.terminal:
                 return
             st.nonce = random.getrandbits(63)
-            st.targets = peers
-            st.outstanding = {p.endpoint_id for p in peers}
+            st.targets = [p for p, a in zip(peers, plan) if not a.silent]
+            st.outstanding = {p.endpoint_id for p in st.targets}
             st.state = KVPoll.WaitingForInput
             st.deadline = now + self.cfg.transfer_timeout_s
             st.t_request = now
@@ -239,10 +247,16 @@ class DecodeSide:
                 reply_to=self.ep.ctrl_addr,
                 dst={k: wire.pack_indices(v) for k, v in st.dst.items()}, slots=st.slots,
                 prefix_len=st.prefix_len, num_tokens=st.num_tokens,
-                expected_senders=len(peers), deadline_s=self.cfg.transfer_timeout_s)
-        frame = wire.encode(req)
-        for p in peers:
-            self.ep.send_frame(p.ctrl_addr, frame)
+                expected_senders=max(1, len(st.targets)), decode_peers=npeers,
+                deadline_s=self.cfg.transfer_timeout_s)
+        for p, a in zip(peers, plan):
+            self.ep.send_frame(p.ctrl_addr, wire.encode(msgspec.structs.replace(
+                req, heads=a.heads, skip=a.skip, silent=a.silent)))
+        if not st.targets:  # nothing of this decode's pools lives on the prefill side
+            with self.ep.lock:
+                if not st.state.terminal:
+                    st.state = KVPoll.Success
+                    st.t_done = time.monotonic()
 
     def _route(self, st: RecvRoom) -> dict[str, Any]:
         key = (st.bootstrap, st.instance, st.dp)

@@ -26,6 +26,7 @@ from .errors import (
     PlanError,
     TransportError,
 )
+from .headplan import head_range_error, plan_head_slice
 from .pools import PoolSpec, check_pools, layout_signature
 from .states import KVPoll, RequestHandle
 
@@ -317,6 +318,14 @@ class PrefillSide:
                 return (f"room {req.room}: pool {name!r} has {idx.size} destination pages for "
                         f"{span} tokens"), {}
             dst[name] = idx
+        for name in req.skip:
+            if name not in peer.pools or name not in self.ep.pool_names:
+                return f"room {req.room}: skip names unknown pool {name!r}", {}
+        for name, (lo, hi) in req.heads.items():
+            pr = peer.pairings.get(name)
+            why = (f"pool {name!r} unknown" if pr is None else head_range_error(pr, lo, hi))
+            if why:
+                return f"room {req.room}: {why}", {}
         for name, slot in req.slots.items():
             q = peer.pools.get(name)
             if q is None or q.kind != "slot" or name not in self.ep.pool_names:
@@ -360,7 +369,7 @@ class PrefillSide:
         parts: list[P.Blocks] = []
         for name, pairing in t.peer.pairings.items():
             pool = pairing.src
-            if pool.kind != "paged":
+            if pool.kind != "paged" or name in req.skip:
                 continue
             anchor = pool.indices_from or name
             dst = t.dst.get(anchor)
@@ -377,14 +386,20 @@ class PrefillSide:
             hi = min(first + src.size * self.ep.pool(anchor).page_size, req.num_tokens)
             if hi <= lo:
                 continue
-            b = P.plan_paged(pairing, src, first, dst, req.prefix_len, lo, hi)
+            heads = _heads(pairing, req.heads.get(name))
+            if heads is None:
+                b = P.plan_paged(pairing, src, first, dst, req.prefix_len, lo, hi)
+            elif heads[0] >= heads[1]:
+                continue
+            else:
+                b = plan_head_slice(pairing, src, first, dst, req.prefix_len, lo, hi, *heads)
             if isinstance(b, str):
                 return f"room {req.room}: {b}"
             parts.append(b)
         if chunk.last:
             for name, dslot in req.slots.items():
                 pairing = t.peer.pairings.get(name)
-                if pairing is None:
+                if pairing is None or name in req.skip:
                     continue
                 sslot = chunk.slots.get(name)
                 if sslot is None:
@@ -401,6 +416,10 @@ class PrefillSide:
         if st.state == KVPoll.Failed or t.finished:
             return
         chunk = st.chunks[ci]
+        if t.req.silent:  # another rank writes everything this decode rank needs
+            if chunk.last:
+                self._finish(st, t, True, None)
+            return
         t0 = time.perf_counter()
         blocks = self._plan(t, chunk, st.cursor)
         if isinstance(blocks, str):
@@ -435,6 +454,8 @@ class PrefillSide:
             if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
                 self.rooms.pop(st.room, None)
         self.ep.count_transfer(t.bytes, t.blocks)
+        if t.req.silent and not t.aborted:
+            return  # the decode does not wait for a sender that writes nothing
         if t.aborted:
             msg: wire.Msg = wire.AbortAck(room=st.room, nonce=t.req.nonce,
                                           endpoint_id=self.ep.endpoint_id, rank=self.cfg.tp_rank)
@@ -444,3 +465,17 @@ class PrefillSide:
                 rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
                 kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks, seconds=t.seconds)
         self.ep.send(t.req.reply_to, msg)
+
+
+def _heads(pairing: P.BufferPairing, asked: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The head range to write, or None when whole tokens (pages) pair one to one: the decode's
+    choice, else the heads both sides hold."""
+    a, b = pairing.src.sharding, pairing.dst.sharding
+    if a.kind != "heads":
+        return None
+    if asked is not None:
+        return (int(asked[0]), int(asked[1]))
+    if (a.first_head, a.rank_heads) == (b.first_head, b.rank_heads):
+        return None
+    return (max(a.first_head, b.first_head),
+            min(a.first_head + a.rank_heads, b.first_head + b.rank_heads))
