@@ -7,7 +7,7 @@ possibly at another offset inside a token (NHD) or inside a page (HND):
   bytes, so a slice costs one entry per page and buffer, as many as a 1:1 page copy of
   scattered pages.
 - NHD or page size 1 (token-major): the slice of one token is one block, one entry per token
-  and buffer. Use ``nhd_staged`` tricks at a higher level when that dominates.
+  and buffer, unless the decode lends staging (``plan_staged``, ``staging``).
 """
 
 from __future__ import annotations
@@ -94,3 +94,44 @@ def plan_head_slice(pairing: BufferPairing, src_pages: np.ndarray, src_first: in
                              (len(pairing), n.size)).reshape(-1)
         return Blocks(blocks.src, blocks.dst, nb)
     return _offsets(pairing, s, d, src.token_bytes, dst.token_bytes, s_off, d_off, width)
+
+
+def plan_staged(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.ndarray,
+                src_first: int, prefix_len: int, start: int, end: int, lo: int, hi: int
+                ) -> Blocks | str:
+    """Blocks writing heads ``[lo, hi)`` of tokens ``[start, end)`` packed into a decode
+    staging lease at ``stage`` (layout in ``staging``): one block per run of source tokens
+    when the sender's whole token is the slice."""
+    src, dst = pairing.src, pairing.dst
+    why = head_range_error(pairing, lo, hi)
+    if why:
+        return why
+    if not src.token_major:
+        return f"pool {src.name!r}: staged head slices need a token-major source"
+    if end <= start:
+        return Blocks.empty()
+    if start < src_first or start < prefix_len or end - prefix_len > ntok:
+        return f"pool {src.name!r}: tokens [{start}, {end}) outside the staged request"
+    if end - src_first > src_pages.size * src.page_size:
+        return f"pool {src.name!r}: source indices do not cover tokens up to {end}"
+    why = _check_range(src_pages, src.num_items, f"pool {src.name!r} source page")
+    if why:
+        return why
+    hb, tb = src.sharding.head_bytes, src.token_bytes
+    width, s_off = (hi - lo) * hb, (lo - src.sharding.first_head) * hb
+    index = {(b.layer_id, b.role): j for j, b in enumerate(dst.buffers)}
+    j = np.array([index[(b.layer_id, b.role)] for b in src.buffers], dtype=_U64)
+    base = _U64(stage) + j * _U64(ntok * width)
+    pos = np.arange(start, end, dtype=np.int64)
+    rel = pos - src_first
+    s = src_pages[rel // src.page_size] * src.page_size + rel % src.page_size
+    k = pos - prefix_len
+    if width == tb:
+        s0, k0, n = runs(s, k)
+        nb = np.broadcast_to(n.astype(_U64)[None, :] * _U64(width), (len(pairing), n.size))
+    else:
+        s0, k0 = s, k
+        nb = np.full((len(pairing), s.size), width, dtype=_U64)
+    srca = (pairing.src_base[:, None] + s0.astype(_U64)[None, :] * _U64(tb) + _U64(s_off))
+    dsta = base[:, None] + k0.astype(_U64)[None, :] * _U64(width)
+    return Blocks(srca.reshape(-1), dsta.reshape(-1), nb.reshape(-1))

@@ -26,7 +26,7 @@ from .errors import (
     PlanError,
     TransportError,
 )
-from .headplan import head_range_error, plan_head_slice
+from .headplan import head_range_error, plan_head_slice, plan_staged
 from .pools import PoolSpec, check_pools, layout_signature
 from .states import KVPoll, RequestHandle
 
@@ -391,6 +391,9 @@ class PrefillSide:
                 b = P.plan_paged(pairing, src, first, dst, req.prefix_len, lo, hi)
             elif heads[0] >= heads[1]:
                 continue
+            elif name in req.stage:
+                b = plan_staged(pairing, req.stage[name], req.num_tokens - req.prefix_len, src,
+                                first, req.prefix_len, lo, hi, *heads)
             else:
                 b = plan_head_slice(pairing, src, first, dst, req.prefix_len, lo, hi, *heads)
             if isinstance(b, str):

@@ -72,7 +72,8 @@ class TransferRequest(Msg):
     Heterogeneous TP (``topology.assign``): ``heads`` is the global head range this sender
     writes per head-sharded pool (default: all heads both sides hold), ``skip`` the pools it
     must not write (another rank writes them) and ``silent`` that it writes nothing and sends
-    no ``TransferDone`` (the decode does not wait for it).
+    no ``TransferDone`` (the decode does not wait for it). ``stage`` names, per NHD pool, the
+    decode staging address that receives the packed head slice instead (``staging``).
     """
 
     room: Room
@@ -90,6 +91,7 @@ class TransferRequest(Msg):
     heads: dict[Name, tuple[NonNeg, NonNeg]] = {}
     skip: Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_POOLS)] = ()
     silent: bool = False
+    stage: dict[Name, U64] = {}
 
     def __post_init__(self) -> None:
         if self.prefix_len > self.num_tokens:
@@ -101,6 +103,9 @@ class TransferRequest(Msg):
                 raise ValueError(f"dst[{name!r}]: packed indices length {len(packed)} not a multiple of 4")
         if len(self.heads) > MAX_POOLS:
             raise ValueError("too many pools")
+        for name in self.stage:
+            if name not in self.heads:
+                raise ValueError(f"stage[{name!r}] without a head range")
         for name, (lo, hi) in self.heads.items():
             if lo >= hi:
                 raise ValueError(f"heads[{name!r}]: empty head range [{lo}, {hi})")

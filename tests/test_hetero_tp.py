@@ -17,8 +17,8 @@ from pdxfer.harness import Agent
 from pdxfer.patterns import PoolGeom
 
 from .conftest import FAST
-from .hetero import Group, assert_success_and_exact, rank_geoms, run_groups, tp_group
 from .helpers import Factory, decode_items
+from .hetero import Group, assert_success_and_exact, rank_geoms, run_groups, tp_group
 
 GEOMS = [
     PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=4, total_heads=4, head_dim=8),
