@@ -20,6 +20,7 @@ from pdxfer.patterns import PoolGeom
 
 TOKENS, LAYERS, HEADS, HEAD_DIM, PAGE = 4096, 8, 8, 128, 16
 FAST = {"bootstrap_timeout_s": 20.0, "transfer_timeout_s": 60.0}
+ENV = {"MC_LOG_LEVEL": "ERROR"}
 
 
 def _geoms(layout: str, tp: int, rank: int) -> list[PoolGeom]:
@@ -29,20 +30,21 @@ def _geoms(layout: str, tp: int, rank: int) -> list[PoolGeom]:
                      total_heads=HEADS, first_head=rank * h, head_dim=HEAD_DIM, layout=layout)]
 
 
-def _case(pf: Agent, dc: Agent, boot: str, senders: list[str], instance: str, receiver: str,
-          reps: int, rng: np.random.Generator) -> dict[str, Any]:
+def _case(pfs: list[Agent], dc: Agent, boot: str, senders: list[str], instance: str,
+          receiver: str, reps: int, rng: np.random.Generator) -> dict[str, Any]:
+    """Best of ``reps`` requests; sender ``i`` lives in ``pfs[i]`` (one process per rank)."""
     pages = TOKENS // PAGE
     best: dict[str, Any] | None = None
     for rep in range(reps):
         room = int(rng.integers(1, 1 << 62))
         src = rng.permutation(2 * pages)[:pages].tolist()
         dst = rng.permutation(2 * pages)[:pages].tolist()
-        for ep in senders:
+        for pf, ep in zip(pfs, senders):
             pf.call("prepare", ep=ep, items=[{"room": room, "pages": {"kv": src},
                                               "num_tokens": TOKENS}])
         item = {"room": room, "dst": {"kv": dst}, "num_tokens": TOKENS}
         dc.call("recv", ep=receiver, items=[item], bootstrap=boot, instance=instance)
-        for ep in senders:
+        for pf, ep in zip(pfs, senders):
             pf.call("send", ep=ep, items=[{"room": room, "chunks": [
                 {"pages": {"kv": src}, "last": True}]}])
         out = dc.call("wait", ep=receiver, rooms=[room], timeout=120)[room]
@@ -67,25 +69,29 @@ def measure(quick: bool = False) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     with BootstrapServer().start() as srv:
         b = srv.address
-        pf = Agent("prefill", {**FAST, "bootstrap": b, "instance": "tp1"}, _geoms("NHD", 1, 0))
-        dc = None
+        agents: list[Agent] = []
         try:
-            dc = Agent("decode", dict(FAST), _geoms("NHD", 1, 0))
+            pf = Agent("prefill", {**FAST, "bootstrap": b, "instance": "tp1"},
+                       _geoms("NHD", 1, 0), env=ENV)
+            agents.append(pf)
+            dc = Agent("decode", dict(FAST), _geoms("NHD", 1, 0), env=ENV)
+            agents.append(dc)
             dc.call("add_endpoint", name="hnd", role="decode", config=dict(FAST),
                     geoms=_geoms("HND", 1, 0))
-            for layout in ("HND", "NHD"):
-                for r in range(2):
-                    cfg = {**FAST, "bootstrap": b, "instance": f"{layout}2", "tp_rank": r,
-                           "tp_size": 2}
-                    pf.call("add_endpoint", name=f"{layout}2:{r}", role="prefill", config=cfg,
-                            geoms=_geoms(layout, 2, r))
-            one = _case(pf, dc, b, ["main"], "tp1", "main", reps, rng)
-            hnd = _case(pf, dc, b, ["HND2:0", "HND2:1"], "HND2", "hnd", reps, rng)
-            nhd = _case(pf, dc, b, ["NHD2:0", "NHD2:1"], "NHD2", "main", reps, rng)
+            ranks = []  # one process per prefill TP rank, as in a real deployment
+            for r in range(2):
+                cfg = {**FAST, "bootstrap": b, "instance": "HND2", "tp_rank": r, "tp_size": 2}
+                a = Agent("prefill", cfg, _geoms("HND", 2, r), env=ENV)
+                agents.append(a)
+                ranks.append(a)
+                a.call("add_endpoint", name="nhd", role="prefill",
+                       config={**cfg, "instance": "NHD2"}, geoms=_geoms("NHD", 2, r))
+            one = _case([pf], dc, b, ["main"], "tp1", "main", reps, rng)
+            hnd = _case(ranks, dc, b, ["main", "main"], "HND2", "hnd", reps, rng)
+            nhd = _case(ranks, dc, b, ["nhd", "nhd"], "NHD2", "main", reps, rng)
         finally:
-            pf.close()
-            if dc is not None:
-                dc.close()
+            for a in agents:
+                a.close()
     out: dict[str, Any] = {"hetero_tp.tokens": TOKENS, "hetero_tp.layers": LAYERS,
                            "hetero_tp.repetitions": reps}
     for name, r in (("tp1_1", one), ("tp2_1_hnd", hnd), ("tp2_1_nhd", nhd)):
