@@ -8,6 +8,7 @@ after they returned, which is what lets the decode free its pages without a late
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from .errors import (
 )
 from .headplan import head_range_error, plan_head_slice, plan_staged
 from .pools import PoolSpec, check_pools, layout_signature
+from .staging import Staging, bounce
 from .states import KVPoll, RequestHandle
 
 if TYPE_CHECKING:
@@ -119,6 +121,11 @@ class PrefillSide:
         self.pending: dict[int, tuple[float, list[tuple[wire.TransferRequest, DecodePeer]]]] = {}
         self.tombstones: dict[int, tuple[float, str]] = {}
         self.peers: dict[str, DecodePeer] = {}
+        host = all(p.location == "cpu" for p in ep.pools)
+        n = Staging.wanted(ep.pools) if host and os.environ.get("PDXFER_GATHER", "1") != "0" else 0
+        self.staging = Staging(n) if n else None  # gathers head slices into few big writes
+        if self.staging is not None:
+            ep.transport.register(self.staging.addr, n, "cpu")
 
     # -- engine calls -------------------------------------------------------------------------
     def create(self, room: int) -> KVSender:
@@ -429,17 +436,22 @@ class PrefillSide:
             self.fail(st, PlanError(blocks))
             self._finish(st, t, False, st.failure)
             return
+        gathered = bounce(blocks, self.staging) if self.staging is not None else None
+        wire_blocks = gathered[0] if gathered is not None else blocks
         try:
             self.ep.transport.write(
-                t.peer.session, blocks.src, blocks.dst, blocks.nbytes, deadline=st.deadline,
-                should_stop=lambda: st.state == KVPoll.Failed)
+                t.peer.session, wire_blocks.src, wire_blocks.dst, wire_blocks.nbytes,
+                deadline=st.deadline, should_stop=lambda: st.state == KVPoll.Failed)
         except TransportError as e:
             self.fail(st, TransportError(
                 f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}"))
             self._finish(st, t, False, st.failure)
             return
+        finally:
+            if gathered is not None:
+                self.staging.release(gathered[1], gathered[2])  # type: ignore[union-attr]
         t.bytes += blocks.total_bytes
-        t.blocks += len(blocks)
+        t.blocks += len(wire_blocks)
         t.seconds += time.perf_counter() - t0
         if chunk.last:
             self._finish(st, t, True, None)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .plan import Blocks
 from .pools import BufferSpec, PoolSpec
 
 POOL_NAME = "pdxfer.staging"
@@ -112,3 +113,43 @@ def scatter(pool: PoolSpec, lease: Lease, pages: np.ndarray, prefix_len: int, nu
         rows = _host(b.addr, pool.num_items * pool.item_bytes).reshape(-1, pool.token_bytes)
         src = stage[j * ntok * width:(j + 1) * ntok * width].reshape(ntok, width)
         rows[tok, off:off + width] = src
+
+
+MAX_ENTRY = 8 << 20
+"""Split coalesced blocks so one entry never holds the lane for long."""
+
+
+def bounce(blocks: Blocks, staging: Staging) -> tuple[Blocks, int, int] | None:
+    """Copy scattered sources whose destinations are back to back into ``staging`` and
+    return fewer, larger blocks (with the lease to release after the write), or None when
+    that would not save entries or staging is full. Host sources only."""
+    n = len(blocks)
+    if n < 64:
+        return None
+    ends = blocks.dst[:-1] + blocks.nbytes[:-1]
+    brk = np.flatnonzero(blocks.dst[1:] != ends) + 1
+    if (brk.size + 1) * 4 > n:
+        return None
+    total = blocks.total_bytes
+    addr = staging.alloc(total)
+    if addr is None:
+        return None
+    off = np.concatenate(([0], np.cumsum(blocks.nbytes[:-1].astype(np.int64))))
+    for s, o, ln in zip(blocks.src.tolist(), off.tolist(), blocks.nbytes.tolist()):
+        ctypes.memmove(addr + o, s, ln)
+    starts = np.concatenate(([0], brk))
+    stops = np.concatenate((brk, [n]))
+    src: list[int] = []
+    dst: list[int] = []
+    nb: list[int] = []
+    for a, b in zip(starts.tolist(), stops.tolist()):
+        pos, end = int(off[a]), int(off[b - 1]) + int(blocks.nbytes[b - 1])
+        d0 = int(blocks.dst[a]) - pos
+        while pos < end:
+            step = min(MAX_ENTRY, end - pos)
+            src.append(addr + pos)
+            dst.append(d0 + pos)
+            nb.append(step)
+            pos += step
+    u = np.uint64
+    return Blocks(np.array(src, u), np.array(dst, u), np.array(nb, u)), addr, total
