@@ -436,7 +436,8 @@ class PrefillSide:
             self.fail(st, PlanError(blocks))
             self._finish(st, t, False, st.failure)
             return
-        gathered = bounce(blocks, self.staging) if self.staging is not None else None
+        gathered = (bounce(blocks, self.staging)
+                    if self.staging is not None and _sliced(t) else None)
         wire_blocks = gathered[0] if gathered is not None else blocks
         try:
             self.ep.transport.write(
@@ -494,3 +495,16 @@ def _heads(pairing: P.BufferPairing, asked: tuple[int, int] | None) -> tuple[int
         return None
     return (max(a.first_head, b.first_head),
             min(a.first_head + a.rank_heads, b.first_head + b.rank_heads))
+
+
+def _sliced(t: Target) -> bool:
+    """Whether this target gets head slices (heterogeneous TP): only then are sources
+    gathered through staging; 1:1 pages keep the direct path."""
+    if t.req.stage:
+        return True
+    for name, pr in t.peer.pairings.items():
+        h = _heads(pr, t.req.heads.get(name))
+        sh = pr.src.sharding
+        if h is not None and h != (sh.first_head, sh.first_head + sh.rank_heads):
+            return True
+    return False
