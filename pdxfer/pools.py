@@ -238,8 +238,10 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not ts:
             raise ConfigError(f"pool {name!r}: no buffers")
         ids = list(layer_ids) if layer_ids is not None else list(range(len(ts)))
+        # with explicit layer ids the layer names the row, so PP stages pair by layer alone
         bufs = [
-            BufferSpec(int(t.data_ptr()), int(t.numel() * t.element_size()), i, f"row{j}")
+            BufferSpec(int(t.data_ptr()), int(t.numel() * t.element_size()), i,
+                       "row" if layer_ids is not None else f"row{j}")
             for j, (t, i) in enumerate(zip(ts, ids))
         ]
         _check_tensors(name, ts)

@@ -20,9 +20,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from . import plan as P
+from . import topology as T
 from . import wire
 from .bootstrap import BootstrapClient
 from .errors import (
@@ -37,6 +39,7 @@ from .errors import (
     RemoteFailure,
 )
 from .pools import PoolSpec, layout_signature
+from .staging import Lease, Staging, lease_bytes, scatter
 from .states import KVPoll, RequestHandle
 
 if TYPE_CHECKING:
@@ -93,6 +96,7 @@ class RecvRoom:
     t_created: float = field(default_factory=time.monotonic)
     t_request: float = 0.0
     t_done: float = 0.0
+    leases: dict[str, list[Lease]] = field(default_factory=dict)
 
 
 class KVReceiver(RequestHandle):
@@ -147,6 +151,10 @@ class DecodeSide:
         self._routes: dict[tuple[str, str | None, int | None], dict[str, Any]] = {}
         self._clients: dict[str, BootstrapClient] = {}
         self._connector = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-connect")
+        n = Staging.wanted(ep.pools)
+        self.staging = Staging(n) if n else None
+        if self.staging is not None:
+            ep.transport.register(self.staging.addr, n, "cpu")
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="pdxfer-heartbeat", daemon=True)
         self._hb.start()
@@ -225,14 +233,21 @@ class DecodeSide:
     def _connect(self, st: RecvRoom) -> None:
         try:
             route = self._route(st)
-            if route["tp_size"] != self.cfg.tp_size:
-                raise LayoutMismatch(
-                    f"prefill instance {route['instance']!r} has TP {route['tp_size']}, this "
-                    f"decode has TP {self.cfg.tp_size}: heterogeneous TP is not supported yet")
-            eps = [e for e in route["endpoints"] if e["tp_rank"] == self.cfg.tp_rank]
-            if not eps:
-                raise BootstrapError(f"no prefill endpoint for tp rank {self.cfg.tp_rank}")
+            ranks = T.contacts(int(route["tp_size"]), self.cfg.tp_size, self.cfg.tp_rank)
+            if isinstance(ranks, str):
+                raise LayoutMismatch(f"prefill instance {route['instance']!r}: {ranks}")
+            eps = sorted((e for e in route["endpoints"] if e["tp_rank"] in ranks),
+                         key=lambda e: (int(e.get("pp_rank", 0)), int(e["tp_rank"])))
+            if len(eps) != len(ranks) * int(route.get("pp_size", 1)):
+                raise BootstrapError(f"prefill instance {route['instance']!r} has not "
+                                     f"registered every endpoint of tp ranks {ranks}")
             peers = [self._handshake(e, st.deadline) for e in eps]
+            plan = T.assign({p.name: p for p in self.ep.pools},
+                            [(int(e.get("pp_rank", 0)), p.pools) for e, p in zip(eps, peers)])
+            if isinstance(plan, str):
+                raise LayoutMismatch(f"prefill instance {route['instance']!r}: {plan}")
+            npeers = T.decode_peers(int(route["tp_size"]), self.cfg.tp_size)
+            leases = [self._stage(st, a.heads) for a in plan]
         except PdxferError as e:
             self._forget_route(st)
             self.fail(st, e)
@@ -244,10 +259,12 @@ class DecodeSide:
         now = time.monotonic()
         with self.ep.lock:
             if st.state.terminal:
+                self._unlease([x for ls in leases for x in ls])
                 return
+            st.leases = {p.endpoint_id: ls for p, ls in zip(peers, leases) if ls}
             st.nonce = random.getrandbits(63)
-            st.targets = peers
-            st.outstanding = {p.endpoint_id for p in peers}
+            st.targets = [p for p, a in zip(peers, plan) if not a.silent]
+            st.outstanding = {p.endpoint_id for p in st.targets}
             st.state = KVPoll.WaitingForInput
             st.deadline = now + self.cfg.transfer_timeout_s
             st.t_request = now
@@ -256,11 +273,17 @@ class DecodeSide:
                 reply_to=self.ep.ctrl_addr,
                 dst={k: wire.pack_indices(v) for k, v in st.dst.items()}, slots=st.slots,
                 prefix_len=st.prefix_len, num_tokens=st.num_tokens,
-                expected_senders=len(peers), deadline_s=self.cfg.transfer_timeout_s,
-                hold_for_repair=st.hold_for_repair)
-        frame = wire.encode(req)
-        for p in peers:
-            self.ep.send_frame(p.ctrl_addr, frame)
+                expected_senders=max(1, len(st.targets)), decode_peers=npeers,
+                deadline_s=self.cfg.transfer_timeout_s, hold_for_repair=st.hold_for_repair)
+        for p, a in zip(peers, plan):
+            self.ep.send_frame(p.ctrl_addr, wire.encode(msgspec.structs.replace(
+                req, heads=a.heads, skip=a.skip, silent=a.silent,
+                stage={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])})))
+        if not st.targets:  # nothing of this decode's pools lives on the prefill side
+            with self.ep.lock:
+                if not st.state.terminal:
+                    st.state = KVPoll.Success
+                    st.t_done = time.monotonic()
 
     def _route(self, st: RecvRoom) -> dict[str, Any]:
         key = (st.bootstrap, st.instance, st.dp)
@@ -295,7 +318,7 @@ class DecodeSide:
                 endpoint_id=self.ep.endpoint_id, ctrl_addr=self.ep.ctrl_addr,
                 session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
                 tp_size=self.cfg.tp_size, signature=layout_signature(self.ep.pools),
-                pools=tuple(self.ep.pools),
+                pools=tuple(self.ep.pools) + ((self.staging.spec(),) if self.staging else ()),
             )
             hello = self.ep.signed(hello)
             self.ep.send(peer.ctrl_addr, hello)
@@ -338,6 +361,8 @@ class DecodeSide:
         return st
 
     def on_done(self, msg: wire.TransferDone) -> None:
+        if msg.ok:
+            self._unstage(msg)
         with self.ep.lock:
             st = self._settle(msg)
             if st is None:
@@ -374,6 +399,8 @@ class DecodeSide:
             if st.outstanding or not st.state.terminal or st.released:
                 return
             self.rooms.pop(st.room, None)
+            self._unlease([x for ls in st.leases.values() for x in ls])
+            st.leases = {}
             if st.state != KVPoll.Failed:
                 return
             st.released = True
@@ -384,6 +411,46 @@ class DecodeSide:
                 cb(st.dst, st.slots)
             except Exception:  # noqa: BLE001 - the engine's callback must not break us
                 log.exception("release callback for room %d failed", st.room)
+
+    # -- staging (NHD head slices, see staging.py) ----------------------------------------------
+    def _stage(self, st: RecvRoom, heads: Mapping[str, tuple[int, int]]) -> list[Lease]:
+        """Leases for the NHD host pools of which a sender writes only part of each token."""
+        out: list[Lease] = []
+        if self.staging is None:
+            return out
+        for name, (lo, hi) in heads.items():
+            pool = self.ep.pool(name)
+            sh = pool.sharding
+            if (not pool.token_major or pool.location != "cpu"
+                    or (lo, hi) == (sh.first_head, sh.first_head + sh.rank_heads)):
+                continue
+            n = lease_bytes(pool, st.num_tokens - st.prefix_len, lo, hi)
+            addr = self.staging.alloc(n) if n else None
+            if addr is not None:  # full: that pool falls back to in-place token writes
+                out.append(Lease(name, addr, n, lo, hi))
+        return out
+
+    def _unlease(self, leases: list[Lease]) -> None:
+        if self.staging is not None:
+            for x in leases:
+                self.staging.release(x.addr, x.nbytes)
+
+    def _unstage(self, msg: wire.TransferDone) -> None:
+        """Scatter a finished sender's staged slices into the pools (before it counts as done:
+        the room cannot succeed, nor its leases be freed, while this runs)."""
+        with self.ep.lock:
+            st = self.rooms.get(msg.room)
+            if st is None or st.nonce != msg.nonce or msg.endpoint_id not in st.outstanding:
+                return
+            leases = st.leases.get(msg.endpoint_id, [])
+            peer = self.peers.get(msg.endpoint_id)
+        for x in leases:
+            pool = self.ep.pool(x.pool)
+            theirs = peer.pools.get(x.pool) if peer is not None else None
+            layers = ({(b.layer_id, b.role) for b in theirs.buffers} if theirs is not None
+                      else {(b.layer_id, b.role) for b in pool.buffers})
+            scatter(pool, x, st.dst[pool.indices_from or x.pool], st.prefix_len,
+                    st.num_tokens, layers)
 
     # -- periodic ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:

@@ -8,6 +8,7 @@ after they returned, which is what lets the decode free its pages without a late
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from .errors import (
     PlanError,
     TransportError,
 )
+from .headplan import head_range_error, plan_head_slice, plan_staged
 from .pools import PoolSpec, check_pools, layout_signature
+from .staging import Staging, bounce
 from .states import KVPoll, RequestHandle
 
 if TYPE_CHECKING:
@@ -128,6 +131,11 @@ class PrefillSide:
         self.pending: dict[int, tuple[float, list[tuple[wire.TransferRequest, DecodePeer]]]] = {}
         self.tombstones: dict[int, tuple[float, str]] = {}
         self.peers: dict[str, DecodePeer] = {}
+        host = all(p.location == "cpu" for p in ep.pools)
+        n = Staging.wanted(ep.pools) if host and os.environ.get("PDXFER_GATHER", "1") != "0" else 0
+        self.staging = Staging(n) if n else None  # gathers head slices into few big writes
+        if self.staging is not None:
+            ep.transport.register(self.staging.addr, n, "cpu")
 
     # -- engine calls -------------------------------------------------------------------------
     def create(self, room: int) -> KVSender:
@@ -367,6 +375,14 @@ class PrefillSide:
                 return (f"room {req.room}: pool {name!r} has {idx.size} destination pages for "
                         f"{span} tokens"), {}
             dst[name] = idx
+        for name in req.skip:
+            if name not in peer.pools or name not in self.ep.pool_names:
+                return f"room {req.room}: skip names unknown pool {name!r}", {}
+        for name, (lo, hi) in req.heads.items():
+            pr = peer.pairings.get(name)
+            why = (f"pool {name!r} unknown" if pr is None else head_range_error(pr, lo, hi))
+            if why:
+                return f"room {req.room}: {why}", {}
         for name, slot in req.slots.items():
             q = peer.pools.get(name)
             if q is None or q.kind != "slot" or name not in self.ep.pool_names:
@@ -411,7 +427,7 @@ class PrefillSide:
         parts: list[P.Blocks] = []
         for name, pairing in t.peer.pairings.items():
             pool = pairing.src
-            if pool.kind != "paged":
+            if pool.kind != "paged" or name in req.skip:
                 continue
             anchor = pool.indices_from or name
             dst = t.dst.get(anchor)
@@ -428,14 +444,23 @@ class PrefillSide:
             hi = min(first + src.size * self.ep.pool(anchor).page_size, req.num_tokens)
             if hi <= lo:
                 continue
-            b = P.plan_paged(pairing, src, first, dst, req.prefix_len, lo, hi)
+            heads = _heads(pairing, req.heads.get(name))
+            if heads is None:
+                b = P.plan_paged(pairing, src, first, dst, req.prefix_len, lo, hi)
+            elif heads[0] >= heads[1]:
+                continue
+            elif name in req.stage:
+                b = plan_staged(pairing, req.stage[name], req.num_tokens - req.prefix_len, src,
+                                first, req.prefix_len, lo, hi, *heads)
+            else:
+                b = plan_head_slice(pairing, src, first, dst, req.prefix_len, lo, hi, *heads)
             if isinstance(b, str):
                 return f"room {req.room}: {b}"
             parts.append(b)
         if chunk.last:
             for name, dslot in req.slots.items():
                 pairing = t.peer.pairings.get(name)
-                if pairing is None:
+                if pairing is None or name in req.skip:
                     continue
                 sslot = chunk.slots.get(name)
                 if sslot is None:
@@ -452,23 +477,34 @@ class PrefillSide:
         if st.state == KVPoll.Failed or t.finished:
             return
         chunk = st.chunks[ci]
+        if t.req.silent:  # another rank writes everything this decode rank needs
+            if chunk.last:
+                self._finish(st, t, True, None)
+            return
         t0 = time.perf_counter()
         blocks = self._plan(t, chunk, st.cursor)
         if isinstance(blocks, str):
             self.fail(st, PlanError(blocks))
             self._finish(st, t, False, st.failure)
             return
+        gathered = (bounce(blocks, self.staging)
+                    if self.staging is not None and _sliced(t) else None)
+        wire_blocks = gathered[0] if gathered is not None else blocks
         try:
             self.ep.transport.write(
-                t.peer.session, blocks.src, blocks.dst, blocks.nbytes, deadline=st.deadline,
-                should_stop=lambda: st.state == KVPoll.Failed, tag=st.room)
+                t.peer.session, wire_blocks.src, wire_blocks.dst, wire_blocks.nbytes,
+                deadline=st.deadline, should_stop=lambda: st.state == KVPoll.Failed,
+                tag=st.room)
         except TransportError as e:
             self.fail(st, TransportError(
                 f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}"))
             self._finish(st, t, False, st.failure)
             return
+        finally:
+            if gathered is not None:
+                self.staging.release(gathered[1], gathered[2])  # type: ignore[union-attr]
         t.bytes += blocks.total_bytes
-        t.blocks += len(blocks)
+        t.blocks += len(wire_blocks)
         t.seconds += time.perf_counter() - t0
         if chunk.last:
             self._finish(st, t, True, None)
@@ -490,6 +526,8 @@ class PrefillSide:
             if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
                 self._end_or_hold(st)
         self.ep.count_transfer(t.bytes, t.blocks)
+        if t.req.silent and not t.aborted:
+            return  # the decode does not wait for a sender that writes nothing
         if t.aborted:
             msg: wire.Msg = wire.AbortAck(room=st.room, nonce=t.req.nonce,
                                           endpoint_id=self.ep.endpoint_id, rank=self.cfg.tp_rank)
@@ -499,3 +537,30 @@ class PrefillSide:
                 rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
                 kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks, seconds=t.seconds)
         self.ep.send(t.req.reply_to, msg)
+
+
+def _heads(pairing: P.BufferPairing, asked: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The head range to write, or None when whole tokens (pages) pair one to one: the decode's
+    choice, else the heads both sides hold."""
+    a, b = pairing.src.sharding, pairing.dst.sharding
+    if a.kind != "heads":
+        return None
+    if asked is not None:
+        return (int(asked[0]), int(asked[1]))
+    if (a.first_head, a.rank_heads) == (b.first_head, b.rank_heads):
+        return None
+    return (max(a.first_head, b.first_head),
+            min(a.first_head + a.rank_heads, b.first_head + b.rank_heads))
+
+
+def _sliced(t: Target) -> bool:
+    """Whether this target gets head slices (heterogeneous TP): only then are sources
+    gathered through staging; 1:1 pages keep the direct path."""
+    if t.req.stage:
+        return True
+    for name, pr in t.peer.pairings.items():
+        h = _heads(pr, t.req.heads.get(name))
+        sh = pr.src.sharding
+        if h is not None and h != (sh.first_head, sh.first_head + sh.rank_heads):
+            return True
+    return False

@@ -73,6 +73,11 @@ class TransferRequest(Msg):
     ``slots`` names the destination slot of each slot pool. ``expected_senders`` is how many
     prefill endpoints the decode waits for; ``decode_peers`` how many decode endpoints will ask this
     prefill endpoint for the same room. ``deadline_s`` is the decode's remaining patience.
+    Heterogeneous TP (``topology.assign``): ``heads`` is the global head range this sender
+    writes per head-sharded pool (default: all heads both sides hold), ``skip`` the pools it
+    must not write (another rank writes them) and ``silent`` that it writes nothing and sends
+    no ``TransferDone`` (the decode does not wait for it). ``stage`` names, per NHD pool, the
+    decode staging address that receives the packed head slice instead (``staging``).
     """
 
     room: Room
@@ -87,6 +92,10 @@ class TransferRequest(Msg):
     decode_peers: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     deadline_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 60.0
     hold_for_repair: bool = False
+    heads: dict[Name, tuple[NonNeg, NonNeg]] = {}
+    skip: Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_POOLS)] = ()
+    silent: bool = False
+    stage: dict[Name, U64] = {}
 
     def __post_init__(self) -> None:
         if self.prefix_len > self.num_tokens:
@@ -96,6 +105,14 @@ class TransferRequest(Msg):
         for name, packed in self.dst.items():
             if len(packed) % 4:
                 raise ValueError(f"dst[{name!r}]: packed indices length {len(packed)} not a multiple of 4")
+        if len(self.heads) > MAX_POOLS:
+            raise ValueError("too many pools")
+        for name in self.stage:
+            if name not in self.heads:
+                raise ValueError(f"stage[{name!r}] without a head range")
+        for name, (lo, hi) in self.heads.items():
+            if lo >= hi:
+                raise ValueError(f"heads[{name!r}]: empty head range [{lo}, {hi})")
 
 
 class TransferDone(Msg):

@@ -1,0 +1,137 @@
+"""Address math for a head slice of a head-sharded pool (heterogeneous TP), pure numpy.
+
+A sender writes global heads ``[lo, hi)`` that it holds into a decode rank that holds them too,
+possibly at another offset inside a token (NHD) or inside a page (HND):
+
+- HND (head-major pages): the slice of one page is one block of ``(hi-lo)*page_size*head_bytes``
+  bytes, so a slice costs one entry per page and buffer, as many as a 1:1 page copy of
+  scattered pages.
+- NHD or page size 1 (token-major): the slice of one token is one block, one entry per token
+  and buffer, unless the decode lends staging (``plan_staged``, ``staging``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .plan import Blocks, BufferPairing, _check_range, plan_paged, runs
+
+_U64 = np.uint64
+
+
+def _span(pool_first: int, pool_heads: int) -> tuple[int, int]:
+    return pool_first, pool_first + pool_heads
+
+
+def head_range_error(pairing: BufferPairing, lo: int, hi: int) -> str | None:
+    """Why ``[lo, hi)`` is not a slice both sides hold, or None."""
+    src, dst = pairing.src, pairing.dst
+    if src.sharding.kind != "heads" or dst.sharding.kind != "heads":
+        return f"pool {src.name!r}: a head range needs head-sharded pools on both sides"
+    for side, p in (("prefill", src), ("decode", dst)):
+        a, b = _span(p.sharding.first_head, p.sharding.rank_heads)
+        if not a <= lo < hi <= b:
+            return f"pool {src.name!r}: heads [{lo}, {hi}) not within {side} heads [{a}, {b})"
+    return None
+
+
+def _offsets(pairing: BufferPairing, s: np.ndarray, d: np.ndarray, s_unit: int, d_unit: int,
+             s_off: int, d_off: int, nbytes: int) -> Blocks:
+    """One block of ``nbytes`` per (buffer, index pair), buffer-major."""
+    src = (pairing.src_base[:, None] + s.astype(_U64)[None, :] * _U64(s_unit)
+           + _U64(s_off)).reshape(-1)
+    dst = (pairing.dst_base[:, None] + d.astype(_U64)[None, :] * _U64(d_unit)
+           + _U64(d_off)).reshape(-1)
+    nb = np.full(src.shape[0], nbytes, dtype=_U64)
+    return Blocks(src, dst, nb)
+
+
+def plan_head_slice(pairing: BufferPairing, src_pages: np.ndarray, src_first: int,
+                    dst_pages: np.ndarray, dst_first: int, start: int, end: int,
+                    lo: int, hi: int) -> Blocks | str:
+    """Blocks moving heads ``[lo, hi)`` of tokens ``[start, end)`` (see ``plan.plan_paged``)."""
+    src, dst = pairing.src, pairing.dst
+    why = head_range_error(pairing, lo, hi)
+    if why:
+        return why
+    ss, ds = src.sharding, dst.sharding
+    if (lo, hi) == _span(ss.first_head, ss.rank_heads) == _span(ds.first_head, ds.rank_heads):
+        return plan_paged(pairing, src_pages, src_first, dst_pages, dst_first, start, end)
+    if end <= start:
+        return Blocks.empty()
+    ps_s, ps_d, hb = src.page_size, dst.page_size, ss.head_bytes
+    if start < src_first or start < dst_first:
+        return f"pool {src.name!r}: token {start} precedes the indices' first token"
+    if end - src_first > src_pages.size * ps_s or end - dst_first > dst_pages.size * ps_d:
+        return f"pool {src.name!r}: indices do not cover tokens up to {end}"
+    s_off, d_off = (lo - ss.first_head) * hb, (lo - ds.first_head) * hb
+    width = (hi - lo) * hb
+    if not (src.token_major and dst.token_major):
+        if ps_s != ps_d or (start - src_first) % ps_s or (start - dst_first) % ps_d:
+            return (f"pool {src.name!r}: HND head slices need equal page sizes and "
+                    f"page-aligned starts")
+        i0, j0 = (start - src_first) // ps_s, (start - dst_first) // ps_d
+        count = -(-(end - start) // ps_s)
+        s, d = src_pages[i0:i0 + count], dst_pages[j0:j0 + count]
+        why = (_check_range(s, src.num_items, f"pool {src.name!r} source page")
+               or _check_range(d, dst.num_items, f"pool {src.name!r} destination page"))
+        if why:
+            return why
+        return _offsets(pairing, s, d, src.item_bytes, dst.item_bytes, s_off * ps_s,
+                        d_off * ps_d, width * ps_s)
+    why = (_check_range(src_pages, src.num_items, f"pool {src.name!r} source page")
+           or _check_range(dst_pages, dst.num_items, f"pool {src.name!r} destination page"))
+    if why:
+        return why
+    pos = np.arange(start, end, dtype=np.int64)
+    ps_, pd_ = pos - src_first, pos - dst_first
+    s = src_pages[ps_ // ps_s] * ps_s + ps_ % ps_s
+    d = dst_pages[pd_ // ps_d] * ps_d + pd_ % ps_d
+    if width == src.token_bytes == dst.token_bytes:
+        s0, d0, n = runs(s, d)
+        blocks = _offsets(pairing, s0, d0, width, width, 0, 0, 0)
+        nb = np.broadcast_to(n.astype(_U64)[None, :] * _U64(width),
+                             (len(pairing), n.size)).reshape(-1)
+        return Blocks(blocks.src, blocks.dst, nb)
+    return _offsets(pairing, s, d, src.token_bytes, dst.token_bytes, s_off, d_off, width)
+
+
+def plan_staged(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.ndarray,
+                src_first: int, prefix_len: int, start: int, end: int, lo: int, hi: int
+                ) -> Blocks | str:
+    """Blocks writing heads ``[lo, hi)`` of tokens ``[start, end)`` packed into a decode
+    staging lease at ``stage`` (layout in ``staging``): one block per run of source tokens
+    when the sender's whole token is the slice."""
+    src, dst = pairing.src, pairing.dst
+    why = head_range_error(pairing, lo, hi)
+    if why:
+        return why
+    if not src.token_major:
+        return f"pool {src.name!r}: staged head slices need a token-major source"
+    if end <= start:
+        return Blocks.empty()
+    if start < src_first or start < prefix_len or end - prefix_len > ntok:
+        return f"pool {src.name!r}: tokens [{start}, {end}) outside the staged request"
+    if end - src_first > src_pages.size * src.page_size:
+        return f"pool {src.name!r}: source indices do not cover tokens up to {end}"
+    why = _check_range(src_pages, src.num_items, f"pool {src.name!r} source page")
+    if why:
+        return why
+    hb, tb = src.sharding.head_bytes, src.token_bytes
+    width, s_off = (hi - lo) * hb, (lo - src.sharding.first_head) * hb
+    index = {(b.layer_id, b.role): j for j, b in enumerate(dst.buffers)}
+    j = np.array([index[(b.layer_id, b.role)] for b in src.buffers], dtype=_U64)
+    base = _U64(stage) + j * _U64(ntok * width)
+    pos = np.arange(start, end, dtype=np.int64)
+    rel = pos - src_first
+    s = src_pages[rel // src.page_size] * src.page_size + rel % src.page_size
+    k = pos - prefix_len
+    if width == tb:
+        s0, k0, n = runs(s, k)
+        nb = np.broadcast_to(n.astype(_U64)[None, :] * _U64(width), (len(pairing), n.size))
+    else:
+        s0, k0 = s, k
+        nb = np.full((len(pairing), s.size), width, dtype=_U64)
+    srca = (pairing.src_base[:, None] + s0.astype(_U64)[None, :] * _U64(tb) + _U64(s_off))
+    dsta = base[:, None] + k0.astype(_U64)[None, :] * _U64(width)
+    return Blocks(srca.reshape(-1), dsta.reshape(-1), nb.reshape(-1))

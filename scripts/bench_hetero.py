@@ -1,0 +1,110 @@
+"""Heterogeneous TP throughput: TP 2->1 (HND and NHD) against TP 1->1 in the same run.
+
+One 8-layer request of 4096 tokens (8 KV heads x 128 dims, fp16, pages of 16 scattered on both
+sides) moves between processes over Mooncake TCP on loopback. Throughput is bytes over the
+decode's request-to-Success time, best of a few repetitions; every byte is verified on the
+first repetition. Prints JSON; ``measure()`` is imported by scripts/bench_transfer.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from pdxfer.bootstrap import BootstrapServer
+from pdxfer.harness import Agent
+from pdxfer.patterns import PoolGeom
+
+TOKENS, LAYERS, HEADS, HEAD_DIM, PAGE = 4096, 8, 8, 128, 16
+FAST = {"bootstrap_timeout_s": 20.0, "transfer_timeout_s": 60.0}
+ENV = {"MC_LOG_LEVEL": "ERROR"}
+
+
+def _geoms(layout: str, tp: int, rank: int) -> list[PoolGeom]:
+    pages = 2 * TOKENS // PAGE
+    h = HEADS // tp
+    return [PoolGeom("kv", "mha", layers=LAYERS, pages=pages, page_size=PAGE, heads=h,
+                     total_heads=HEADS, first_head=rank * h, head_dim=HEAD_DIM, layout=layout)]
+
+
+def _case(pfs: list[Agent], dc: Agent, boot: str, senders: list[str], instance: str,
+          receiver: str, reps: int, rng: np.random.Generator) -> dict[str, Any]:
+    """Best of ``reps`` requests; sender ``i`` lives in ``pfs[i]`` (one process per rank)."""
+    pages = TOKENS // PAGE
+    best: dict[str, Any] | None = None
+    # one room, patterned once, sent again for each repetition (rooms are free once done)
+    room = int(rng.integers(1, 1 << 62))
+    src = rng.permutation(2 * pages)[:pages].tolist()
+    for pf, ep in zip(pfs, senders):
+        pf.call("prepare", ep=ep, items=[{"room": room, "pages": {"kv": src},
+                                          "num_tokens": TOKENS}])
+    for rep in range(reps):
+        dst = rng.permutation(2 * pages)[:pages].tolist()
+        item = {"room": room, "dst": {"kv": dst}, "num_tokens": TOKENS}
+        dc.call("recv", ep=receiver, items=[item], bootstrap=boot, instance=instance)
+        for pf, ep in zip(pfs, senders):
+            pf.call("send", ep=ep, items=[{"room": room, "chunks": [
+                {"pages": {"kv": src}, "last": True}]}])
+        out = dc.call("wait", ep=receiver, rooms=[room], timeout=120)[room]
+        print(f"{instance} rep {rep}: {out['state']} {out['stats']}", file=sys.stderr, flush=True)
+        if out["state"] != "Success":
+            raise RuntimeError(f"{instance}: {out['failure']}")
+        if rep == 0:
+            bad, first = dc.call("verify", ep=receiver, items=[item])[room]
+            if bad:
+                raise RuntimeError(f"{instance}: {bad} bytes wrong: {first}")
+        s = out["stats"]
+        res = {"seconds": s["seconds"], "bytes": s["bytes"], "entries": s["blocks"],
+               "gb_per_s": s["bytes"] / s["seconds"] / 1e9}
+        if best is None or res["seconds"] < best["seconds"]:
+            best = res
+    assert best is not None
+    return best
+
+
+def measure(quick: bool = False) -> dict[str, Any]:
+    """Throughput of TP 1->1, 2->1 HND and 2->1 NHD, and the ratios against 1->1."""
+    reps = 2 if quick else 4
+    rng = np.random.default_rng(1)
+    with BootstrapServer().start() as srv:
+        b = srv.address
+        agents: list[Agent] = []
+        try:
+            pf = Agent("prefill", {**FAST, "bootstrap": b, "instance": "tp1"},
+                       _geoms("NHD", 1, 0), env=ENV)
+            agents.append(pf)
+            dc = Agent("decode", dict(FAST), _geoms("NHD", 1, 0), env=ENV)
+            agents.append(dc)
+            dc.call("add_endpoint", name="hnd", role="decode", config=dict(FAST),
+                    geoms=_geoms("HND", 1, 0))
+            ranks = []  # one process per prefill TP rank, as in a real deployment
+            for r in range(2):
+                cfg = {**FAST, "bootstrap": b, "instance": "HND2", "tp_rank": r, "tp_size": 2}
+                a = Agent("prefill", cfg, _geoms("HND", 2, r), env=ENV)
+                agents.append(a)
+                ranks.append(a)
+                a.call("add_endpoint", name="nhd", role="prefill",
+                       config={**cfg, "instance": "NHD2"}, geoms=_geoms("NHD", 2, r))
+            one = _case([pf], dc, b, ["main"], "tp1", "main", reps, rng)
+            hnd = _case(ranks, dc, b, ["main", "main"], "HND2", "hnd", reps, rng)
+            nhd = _case(ranks, dc, b, ["nhd", "nhd"], "NHD2", "main", reps, rng)
+        finally:
+            for a in agents:
+                a.close()
+    out: dict[str, Any] = {"hetero_tp.tokens": TOKENS, "hetero_tp.layers": LAYERS,
+                           "hetero_tp.repetitions": reps}
+    for name, r in (("tp1_1", one), ("tp2_1_hnd", hnd), ("tp2_1_nhd", nhd)):
+        out[f"hetero_tp.{name}.gb_per_s"] = round(r["gb_per_s"], 3)
+        out[f"hetero_tp.{name}.entries_per_request"] = r["entries"]
+        out[f"hetero_tp.{name}.bytes"] = r["bytes"]
+    out["hetero_tp.hnd_ratio"] = round(hnd["gb_per_s"] / one["gb_per_s"], 3)
+    out["hetero_tp.nhd_ratio"] = round(nhd["gb_per_s"] / one["gb_per_s"], 3)
+    return out
+
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(quick="--quick" in sys.argv), indent=1))

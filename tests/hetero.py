@@ -1,0 +1,83 @@
+"""Drive groups of endpoints (TP ranks, DP groups, PP stages) hosted in agent processes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from pdxfer.harness import Agent
+from pdxfer.patterns import PoolGeom
+
+from .conftest import FAST
+from .helpers import decode_items, prefill_items
+
+
+def shard(total: int, tp: int, r: int) -> tuple[int, int]:
+    """(heads, first_head) of TP rank r: a contiguous split, or one replicated head."""
+    return (total // tp, r * total // tp) if total >= tp else (1, r * total // tp)
+
+
+def rank_geoms(geoms: list[PoolGeom], tp: int, r: int) -> list[PoolGeom]:
+    """Each MHA pool's head slice for TP rank r (``total_heads`` must be set)."""
+    out = []
+    for g in geoms:
+        if g.kind == "mha":
+            h, f = shard(g.total_heads or g.heads, tp, r)
+            g = dataclasses.replace(g, heads=h, first_head=f, total_heads=g.total_heads or g.heads)
+        out.append(g)
+    return out
+
+
+@dataclasses.dataclass
+class Group:
+    """Endpoints of one role living in ``agent`` under names ``prefix:i``."""
+
+    agent: Agent
+    names: list[str]
+    instance: str = "default"
+
+    def each(self, cmd: str, **kw: Any) -> list[Any]:
+        return [self.agent.call(cmd, ep=n, **kw) for n in self.names]
+
+
+def add_group(agent: Agent, role: str, prefix: str, n: int,
+              geoms_of: Callable[[int], list[PoolGeom]], cfg_of: Callable[[int], dict[str, Any]],
+              bootstrap: str = "", instance: str = "default") -> Group:
+    """``n`` endpoints ``prefix:i`` with pools ``geoms_of(i)`` and config ``cfg_of(i)``."""
+    names = []
+    for i in range(n):
+        name = f"{prefix}:{i}"
+        conf = {**FAST, **cfg_of(i)}
+        if role == "prefill":
+            conf.update(bootstrap=bootstrap, instance=instance)
+        agent.call("add_endpoint", name=name, role=role, config=conf, geoms=geoms_of(i))
+        names.append(name)
+    g = Group(agent, names, instance)
+    if role == "decode":
+        g.each("sentinel")
+    return g
+
+
+def tp_group(agent: Agent, role: str, prefix: str, geoms: list[PoolGeom], tp: int,
+             bootstrap: str = "", instance: str = "default") -> Group:
+    return add_group(agent, role, prefix, tp, lambda r: rank_geoms(geoms, tp, r),
+                     lambda r: {"tp_rank": r, "tp_size": tp}, bootstrap, instance)
+
+
+def run_groups(pf: Group, dc: Group, bootstrap: str, reqs: list[dict[str, Any]],
+               timeout: float = 60.0) -> list[dict[int, dict[str, Any]]]:
+    """Every prefill rank prepares and sends every request; every decode rank receives it."""
+    prep, send = prefill_items(reqs)
+    pf.each("prepare", items=prep)
+    dc.each("recv", items=decode_items(reqs), bootstrap=bootstrap, instance=pf.instance)
+    pf.each("send", items=send)
+    return dc.each("wait", rooms=[r["room"] for r in reqs], timeout=timeout)
+
+
+def assert_success_and_exact(outs: list[dict], checks: list[dict]) -> None:
+    for out, chk in zip(outs, checks):
+        bad = {r: o for r, o in out.items() if o["state"] != "Success"}
+        assert not bad, bad
+        wrong = {r: c for r, c in chk.items() if c[0]}
+        assert not wrong, wrong
