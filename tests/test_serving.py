@@ -4,21 +4,37 @@ colocated reference. One cluster for the module; the prefill-crash case runs las
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
-from pdxfer.serving import ToyConfig, ToyModel, encode, make_draft, speculative_generate
+from pdxfer.serving import (
+    SpecResult,
+    ToyConfig,
+    ToyModel,
+    encode,
+    make_draft,
+    speculative_generate,
+)
 from pdxfer.serving.cluster import Cluster
 from pdxfer.serving.demo import make_prompts
 
 FAST = ["--bootstrap-timeout", "5", "--transfer-timeout", "10", "--heartbeat", "0.25",
         "--pages", "512"]
+torch.set_num_threads(1)  # the toy model's ops are tiny; a second thread only spins
 MODEL = ToyModel(ToyConfig())
 DRAFT = make_draft(MODEL)
+SPEC_PROMPT = "speculative decoding needs the draft KV of the prefix too. " * 6 + "go:"
+
+
+@functools.cache
+def spec_reference() -> SpecResult:
+    return speculative_generate(MODEL, DRAFT, encode(SPEC_PROMPT), 24, k=4)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +56,7 @@ def ids_of(status: int, body: object) -> list[int]:
 
 
 def test_fifty_requests_identical_to_colocated(cluster: Cluster) -> None:
-    prompts = make_prompts(50, seed=1, prefix_words=25)
+    prompts = make_prompts(50, seed=1, prefix_words=10)
     bodies = [{"prompt": p, "max_tokens": 6, "stream": i % 4 == 3}
               for i, p in enumerate(prompts)]
     with ThreadPoolExecutor(6) as pool:
@@ -62,9 +78,8 @@ def test_repeated_long_prefix_is_restored_and_output_identical(cluster: Cluster)
 
 
 def test_draft_kv_restored_with_target_keeps_accept_length(cluster: Cluster) -> None:
-    prompt = "speculative decoding needs the draft KV of the prefix too. " * 6 + "go:"
-    ref = speculative_generate(MODEL, DRAFT, encode(prompt), 24, k=4)
-    body = {"prompt": prompt, "max_tokens": 24, "speculative_k": 4}
+    ref = spec_reference()
+    body = {"prompt": SPEC_PROMPT, "max_tokens": 24, "speculative_k": 4}
     fresh = cluster.complete(body)
     again = cluster.complete(body)
     assert ids_of(*fresh) == ref.tokens and ids_of(*again) == ref.tokens
@@ -76,8 +91,8 @@ def test_draft_kv_restored_with_target_keeps_accept_length(cluster: Cluster) -> 
 
 def test_accept_length_check_detects_a_missing_draft_prefix() -> None:
     """The check above has teeth: without the prefix's draft KV the accept length drops."""
-    prompt = encode("speculative decoding needs the draft KV of the prefix too. " * 6 + "go:")
-    good = speculative_generate(MODEL, DRAFT, prompt, 24, k=4)
+    prompt = encode(SPEC_PROMPT)
+    good = spec_reference()
     kv = MODEL.new_kv_pool(64)
     dkv = DRAFT.new_kv_pool(64, allocator=kv.allocator)
     pt = kv.allocator.alloc(40)

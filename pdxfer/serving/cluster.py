@@ -25,24 +25,26 @@ class Cluster:
         self.decode: Proc | None = None
         self.router: Proc | None = None
 
-    def _proc(self, name: str, args: list[str]) -> Proc:
+    def _proc(self, name: str, args: list[str], wait: bool = True) -> Proc:
         return Proc(name, ["--log-level", self.log_level, *args], timeout=self.timeout,
-                    quiet=self.quiet)
+                    quiet=self.quiet, wait=wait)
 
-    def start_prefill(self, port: int = 0) -> Proc:
+    def start_prefill(self, port: int = 0, wait: bool = True) -> Proc:
         assert self.bootstrap is not None
         self.prefill = self._proc("prefill", [
             "prefill", "--port", str(port), "--bootstrap", self.bootstrap.address,
-            *self.worker_args, *self.prefill_args])
+            *self.worker_args, *self.prefill_args], wait)
         return self.prefill
 
     def start(self) -> Cluster:
         try:
             self.bootstrap = BootstrapServer("127.0.0.1", 0).start()
-            self.start_prefill()
+            self.start_prefill(wait=False)
             self.decode = self._proc("decode", ["decode", "--port", "0",
-                                                *self.worker_args, *self.decode_args])
+                                                *self.worker_args, *self.decode_args], False)
             assert self.prefill is not None
+            self.prefill.wait_ready()
+            self.decode.wait_ready()
             self.router = self._proc("router", [
                 "router", "--port", "0", "--prefill",
                 f"{self.prefill.url},{self.bootstrap.address}", "--decode", self.decode.url,

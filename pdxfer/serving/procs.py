@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 
 from .errors import ServingError
-from .worker import READY
+from .http import READY
 
 
 class ProcessStartError(ServingError):
@@ -29,14 +29,17 @@ class Proc:
     """One serving process; ``url`` is what it reported ready on."""
 
     def __init__(self, name: str, args: Sequence[str], *, timeout: float = 120.0,
-                 env: dict[str, str] | None = None, quiet: bool = True) -> None:
+                 env: dict[str, str] | None = None, quiet: bool = True,
+                 wait: bool = True) -> None:
         self.name, self.args = name, list(args)
         full_env = {**os.environ, **(env or {})}
         full_env.setdefault("MC_LOG_LEVEL", "ERROR")
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "pdxfer.cli", *self.args], stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL if quiet else None, env=full_env, text=True)
+        self.timeout = timeout
         lines: queue.Queue[str | None] = queue.Queue()
+        self._lines = lines
 
         def drain() -> None:
             assert self.popen.stdout is not None
@@ -46,19 +49,25 @@ class Proc:
 
         threading.Thread(target=drain, daemon=True, name=f"drain-{name}").start()
         self.url = ""
-        while True:
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> Proc:
+        """Block until the child printed its ready line (so starts can overlap)."""
+        while not self.url:
             try:
-                line = lines.get(timeout=timeout)
+                line = self._lines.get(timeout=self.timeout)
             except queue.Empty:
                 self.stop()
-                raise ProcessStartError(f"{name} did not report ready in {timeout} s") from None
+                raise ProcessStartError(
+                    f"{self.name} did not report ready in {self.timeout} s") from None
             if line is None:
                 rc = self.popen.wait()
-                raise ProcessStartError(f"{name} exited with {rc} before it was ready "
+                raise ProcessStartError(f"{self.name} exited with {rc} before it was ready "
                                         f"(args: {' '.join(self.args)})")
             if line.startswith(READY):
                 self.url = line.split()[1]
-                break
+        return self
 
     @property
     def pid(self) -> int:

@@ -24,9 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from .errors import BadRequest, ServingError, UpstreamError
-from .model import decode as detok
-from .model import encode
-from .worker import error_response, metrics_text, read_json
+from .http import error_response, metrics_text, read_json, serve
 
 log = logging.getLogger("pdxfer.serving.router")
 VOCAB = 257
@@ -329,9 +327,16 @@ async def _json_or_text(r: aiohttp.ClientResponse) -> Any:
         return {"error": {"message": await r.text()}}
 
 
-def run(a: argparse.Namespace) -> int:
-    from .worker import serve
+def encode(text: str) -> list[int]:
+    """Same byte tokenizer as ``model.encode`` (kept here so the router never imports torch)."""
+    return list(text.encode("utf-8"))
 
+
+def detok(ids: list[int]) -> str:
+    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def run(a: argparse.Namespace) -> int:
     router = Router([parse_prefill(s) for s in a.prefill],
                     [Decode(u.rstrip("/")) for u in a.decode], a.policy, a.timeout)
     log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), a.policy)

@@ -10,22 +10,28 @@ into the pages attention reads.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import logging
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from aiohttp import web
 
 from ..endpoint import Endpoint
 from ..pools import PoolSpec
 from ..states import EndpointConfig
-from .errors import BadRequest, OutOfCapacity, ServingError
+from .errors import OutOfCapacity
+from .http import (  # noqa: F401  (re-exported for the worker modules)
+    READY,
+    error_response,
+    field,
+    metrics_text,
+    poll_until_terminal,
+    read_json,
+    serve,
+    token_list,
+)
 from .kv import KVPool
 from .model import ToyConfig, ToyModel, make_draft
 
@@ -33,8 +39,6 @@ log = logging.getLogger("pdxfer.serving")
 
 AUX_WIDTH = 8
 """int32 words per aux row: [first token, prompt length, reserved...]."""
-READY = "PDXFER_READY"
-"""Printed on stdout with the worker's URL once it serves: launchers wait for this line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +60,14 @@ class WorkerConfig:
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
     heartbeat_s: float = 0.5
+    threads: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if self.role == "prefill" and not self.bootstrap:
             raise ValueError("a prefill worker needs --bootstrap (host:port of the bootstrap)")
-        for name in ("pages", "aux_slots", "page_size", "max_seq_len", "chunk_size"):
+        for name in ("pages", "aux_slots", "page_size", "max_seq_len", "chunk_size", "threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
@@ -78,7 +83,7 @@ def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
         pages=a.pages, aux_slots=a.aux_slots, seed=a.seed, page_size=a.page_size,
         max_seq_len=a.max_seq_len, chunk_size=a.chunk_size,
         prefix_cache_pages=a.prefix_cache_pages, bootstrap_timeout_s=a.bootstrap_timeout,
-        transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat)
+        transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat, threads=a.threads)
 
 
 class SlotAllocator:
@@ -105,6 +110,7 @@ class ModelHost:
 
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
+        torch.set_num_threads(cfg.threads)
         self.model = ToyModel(cfg.toy())
         self.draft = make_draft(self.model)
         self.kv: KVPool = self.model.new_kv_pool(cfg.pages)
@@ -131,93 +137,3 @@ class ModelHost:
                 "weights": self.model.weights_digest()[:16], "pid": os.getpid()}
 
 
-# -- HTTP helpers ------------------------------------------------------------------------------
-def error_response(err: BaseException) -> web.Response:
-    status = err.status if isinstance(err, ServingError) else 500
-    kind = getattr(err, "kind", type(err).__name__)
-    return web.json_response({"error": {"message": str(err), "type": kind}}, status=status)
-
-
-async def read_json(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
-    return body
-
-
-def field(body: dict[str, Any], name: str, kind: type, *, default: Any = ...,
-          lo: int | None = None, hi: int | None = None) -> Any:
-    """One typed field; bools are not ints here (JSON ``true`` is not a token count)."""
-    if name not in body:
-        if default is ...:
-            raise BadRequest(f"missing field {name!r}")
-        return default
-    v = body[name]
-    if isinstance(v, bool) and kind is not bool or not isinstance(v, kind):
-        raise BadRequest(f"field {name!r} must be {kind.__name__}, got {type(v).__name__}")
-    if lo is not None and v < lo or hi is not None and v > hi:
-        raise BadRequest(f"field {name!r} = {v} outside [{lo}, {hi}]")
-    return v
-
-
-def token_list(body: dict[str, Any], name: str, vocab: int) -> list[int]:
-    v = field(body, name, list)
-    if not v:
-        raise BadRequest(f"{name!r} is empty")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in v):
-        raise BadRequest(f"{name!r} must be token ids in [0, {vocab})")
-    return v
-
-
-def metrics_text(prefix: str, values: dict[str, Any]) -> str:
-    """Prometheus text exposition of flat numeric values."""
-    lines = []
-    for k, v in sorted(values.items()):
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            name = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in f"{prefix}_{k}")
-            lines.append(f"{name} {v}")
-    return "\n".join(lines) + "\n"
-
-
-async def poll_until_terminal(handle: Any, deadline_s: float) -> None:
-    """Poll a sender/receiver from the event loop without blocking it."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    delay = 0.0005
-    while not handle.poll().terminal:
-        if loop.time() > end:
-            handle.abort(f"worker deadline of {deadline_s} s passed")
-            return
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.01)
-
-
-def serve(app: web.Application, host: str, port: int, on_stop: Any = None) -> int:
-    """Run ``app`` until SIGINT/SIGTERM; print the ready line with the bound URL."""
-
-    async def main() -> None:
-        runner = web.AppRunner(app, handle_signals=True)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = runner.addresses[0][1]
-        print(f"{READY} http://{host}:{bound}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        import signal
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await runner.cleanup()
-
-    try:
-        asyncio.run(main())
-    finally:
-        if on_stop is not None:
-            on_stop()
-    sys.stdout.flush()
-    return 0
