@@ -24,7 +24,7 @@ from pdxfer.serving import (
 from pdxfer.serving.cluster import Cluster
 from pdxfer.serving.demo import make_prompts
 
-FAST = ["--bootstrap-timeout", "5", "--transfer-timeout", "10", "--heartbeat", "0.25",
+FAST = ["--bootstrap-timeout", "10", "--transfer-timeout", "60", "--heartbeat", "0.25",
         "--pages", "512"]
 torch.set_num_threads(1)  # the toy model's ops are tiny; a second thread only spins
 MODEL = ToyModel(ToyConfig())
