@@ -1,4 +1,4 @@
-"""The ``pdxfer`` command."""
+"""The ``pdxfer`` command: a thin dispatcher; each subcommand's logic lives in its module."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ def _bootstrap(a: argparse.Namespace) -> int:
 
     srv = BootstrapServer(a.host, a.port).start()
     print(f"pdxfer bootstrap listening on {srv.address}", flush=True)
+    print(f"PDXFER_READY http://{srv.address}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -22,10 +23,44 @@ def _bootstrap(a: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(a: argparse.Namespace) -> int:
+def _transfer_demo(a: argparse.Namespace) -> int:
     from .transfer_demo import main as demo
 
     return demo(a.rest)
+
+
+def _bench(a: argparse.Namespace) -> int:
+    from .serving.demo import bench
+
+    return bench(a.rest)
+
+
+def _demo(a: argparse.Namespace) -> int:
+    from .serving.demo import main as demo
+
+    return demo(a.rest)
+
+
+def _prefill(a: argparse.Namespace) -> int:
+    from .serving.prefill import run
+
+    return run(a)
+
+
+def _decode(a: argparse.Namespace) -> int:
+    from .serving.decode import run
+
+    return run(a)
+
+
+def _router(a: argparse.Namespace) -> int:
+    from .serving.router import run
+
+    return run(a)
+
+
+PASS_THROUGH = ("demo", "transfer-demo", "bench")
+"""Subcommands that parse their own options (their --help lists them)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,13 +71,30 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--host", default="127.0.0.1")
     b.add_argument("--port", type=int, default=8998)
     b.set_defaults(fn=_bootstrap)
-    d = sub.add_parser("demo", help="move one request's KV between two processes and report")
-    d.set_defaults(fn=_demo)
+
+    from .serving.cli_args import add_router_args, add_worker_args
+
+    p = sub.add_parser("prefill", help="run a prefill worker (HTTP + transfer endpoint)")
+    add_worker_args(p, "prefill")
+    p.set_defaults(fn=_prefill)
+    d = sub.add_parser("decode", help="run a decode worker (HTTP + transfer endpoint)")
+    add_worker_args(d, "decode")
+    d.set_defaults(fn=_decode)
+    r = sub.add_parser("router", help="run the OpenAI-style router over prefill/decode pairs")
+    add_router_args(r)
+    r.set_defaults(fn=_router)
+    sub.add_parser("demo", help="serve a batch through router, prefill and decode; verify",
+                   add_help=False).set_defaults(fn=_demo)
+    sub.add_parser("transfer-demo", help="move one request's KV between two processes",
+                   add_help=False).set_defaults(fn=_transfer_demo)
+    sub.add_parser("bench", help="serving throughput/latency through the router (JSON)",
+                   add_help=False).set_defaults(fn=_bench)
     a, rest = ap.parse_known_args(argv)
-    if rest and a.cmd != "demo":
+    if rest and a.cmd not in PASS_THROUGH:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     a.rest = rest
-    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(a.fn(a))
 
 

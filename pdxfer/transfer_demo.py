@@ -4,7 +4,7 @@ A bootstrap server runs here; the prefill and decode endpoints run in two separa
 and talk over real ZMQ sockets and Mooncake Transfer Engine (TCP, loopback). Every byte that
 lands on the decode side is checked against the pattern the prefill wrote.
 
-    pdxfer demo --tokens 4096 --layers 8      (or: python -m pdxfer.transfer_demo ...)
+    pdxfer transfer-demo --tokens 4096 --layers 8      (or: python -m pdxfer.transfer_demo ...)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .patterns import PoolGeom
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="pdxfer transfer-demo", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)

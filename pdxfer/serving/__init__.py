@@ -1,20 +1,25 @@
-"""The model side of the serving layer: a toy transformer with paged, transferable KV."""
+"""The serving layer: a toy transformer with paged, transferable KV, its prefill and decode
+workers, the router and the demo.
 
-from .kv import AttentionKind, KVPool, OutOfPagesError, PageAllocator, PageTable, copy_pages
-from .model import (
-    EOS_ID,
-    KV_DTYPES,
-    SpecResult,
-    ToyConfig,
-    ToyModel,
-    decode,
-    encode,
-    make_draft,
-    speculative_generate,
-)
+Names are imported lazily (PEP 562) so that the router and ``pdxfer --help``, which need no
+model, do not pay for importing torch.
+"""
 
-__all__ = [
-    "EOS_ID", "KV_DTYPES", "AttentionKind", "KVPool", "OutOfPagesError", "PageAllocator",
-    "PageTable", "SpecResult", "ToyConfig", "ToyModel", "copy_pages", "decode", "encode",
-    "make_draft", "speculative_generate",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_KV = ("AttentionKind", "KVPool", "OutOfPagesError", "PageAllocator", "PageTable", "copy_pages")
+_MODEL = ("EOS_ID", "KV_DTYPES", "SpecResult", "ToyConfig", "ToyModel", "decode", "encode",
+          "make_draft", "speculative_generate")
+
+__all__ = sorted(_KV + _MODEL)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _KV:
+        return getattr(importlib.import_module(".kv", __name__), name)
+    if name in _MODEL:
+        return getattr(importlib.import_module(".model", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

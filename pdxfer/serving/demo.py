@@ -1,0 +1,178 @@
+"""``pdxfer demo``: serve a batch through router -> prefill -> decode on loopback and check
+every output token for token against the colocated reference.
+
+Some prompts share a long prefix: once one of them finished, the decode restores that prefix
+from its prefix cache and the prefill ships only the rest (fewer bytes transferred), while the
+tokens stay identical. Exit status is 0 only if every request succeeded and matched.
+
+``pdxfer bench`` runs the same cluster and prints throughput and latency as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any
+
+import torch
+
+from .cluster import Cluster
+from .model import ToyConfig, ToyModel, encode, make_draft, speculative_generate
+
+WORDS = ["kv", "cache", "prefill", "decode", "page", "token", "layer", "head", "router", "room", "transfer", "bootstrap", "mooncake", "engine", "batch", "prefix", "draft", "verify", "stream", "chunk"]
+
+
+def make_prompts(n: int, seed: int, prefix_words: int = 60, groups: int = 3) -> list[str]:
+    """``n`` prompts: about two thirds share one of ``groups`` long prefixes."""
+    rng = random.Random(seed)
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(prefix_words)) for _ in range(groups)]
+    out = []
+    for i in range(n):
+        tail = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+        if i % 3 == 2:
+            out.append(f"request {i}: {tail}")
+        else:
+            out.append(f"{prefixes[i % groups]} | question {i}: {tail}")
+    return out
+
+
+def reference(cfg: ToyConfig, prompt: str, max_tokens: int, spec_k: int) -> list[int]:
+    model = ToyModel(cfg)
+    if spec_k:
+        return speculative_generate(model, make_draft(model), encode(prompt), max_tokens,
+                                    k=spec_k).tokens
+    return model.generate(encode(prompt), max_tokens)
+
+
+def _args(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--spec-k", type=int, default=0, help="speculative decoding draft length")
+    ap.add_argument("--seed", type=int, default=0, help="prompt seed")
+    ap.add_argument("--stream", action="store_true", help="use SSE streaming responses")
+    ap.add_argument("--log-level", default="ERROR", help="log level of the child processes")
+    ap.add_argument("--verbose", action="store_true", help="show the children's stderr")
+    a = ap.parse_args(argv)
+    if a.requests < 1 or a.max_tokens < 1 or a.concurrency < 1:
+        ap.error("--requests, --max-tokens and --concurrency must be positive")
+    return a
+
+
+def _one(c: Cluster, prompt: str, a: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    status, body = c.complete({"prompt": prompt, "max_tokens": a.max_tokens,
+                               "stream": a.stream, "speculative_k": a.spec_k})
+    wall = time.perf_counter() - t0
+    if status != 200:
+        return {"ok": False, "error": f"HTTP {status}: {body}", "wall": wall}
+    if a.stream:
+        err = [e for e in body if "error" in e]
+        if err:
+            return {"ok": False, "error": str(err[0]["error"]), "wall": wall}
+        ids = [t for e in body[:-1] for t in e["choices"][0]["token_ids"]]
+        final = body[-1]
+    else:
+        ids, final = body["choices"][0]["token_ids"], body
+    return {"ok": True, "ids": ids, "info": final["pdxfer"], "wall": wall}
+
+
+def _install_sigterm() -> None:
+    def on_term(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv, "pdxfer demo")
+    _install_sigterm()
+    tty = sys.stdout.isatty()
+    green, red, off = ("\033[32m", "\033[31m", "\033[0m") if tty else ("", "", "")
+    prompts = make_prompts(a.requests, a.seed)
+    print(f"starting bootstrap, prefill, decode and router on 127.0.0.1 "
+          f"(toy model, {a.requests} requests, {a.max_tokens} tokens each) ...", flush=True)
+    results: list[dict[str, Any] | None] = [None] * len(prompts)
+    try:
+        with Cluster(log_level=a.log_level, quiet=not a.verbose) as c:
+            assert c.router is not None
+            print(f"router on {c.router.url}; sending ...", flush=True)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(a.concurrency) as pool:
+                futs = {pool.submit(_one, c, p, a): i for i, p in enumerate(prompts)}
+                for done, f in enumerate(as_completed(futs), 1):
+                    results[futs[f]] = f.result()
+                    if tty:
+                        print(f"\r  {done}/{len(prompts)} done", end="", flush=True)
+                    elif done % 8 == 0 or done == len(prompts):
+                        print(f"  {done}/{len(prompts)} done", flush=True)
+            total = time.perf_counter() - t0
+            print(flush=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted; processes stopped", file=sys.stderr)
+        return 130
+    print("checking against the colocated reference ...", flush=True)
+    torch.set_num_threads(1)  # tiny ops: extra threads only spin (and sums do not depend on it)
+    cfg = ToyConfig()
+    refs = [reference(cfg, p, a.max_tokens, a.spec_k) for p in prompts]
+    print(f"\n{'req':>4} {'prompt':>7} {'restored':>9} {'KV bytes':>10} {'TTFT ms':>8} "
+          f"{'wall ms':>8}  verdict")
+    bad = 0
+    for i, (r, ref) in enumerate(zip(results, refs)):
+        assert r is not None
+        if not r["ok"]:
+            bad += 1
+            print(f"{i:>4} {len(encode(prompts[i])):>7} {'-':>9} {'-':>10} {'-':>8} "
+                  f"{r['wall'] * 1e3:>8.0f}  {red}FAILED{off} {r['error']}")
+            continue
+        same = r["ids"] == ref
+        bad += not same
+        inf = r["info"]
+        print(f"{i:>4} {len(encode(prompts[i])):>7} {inf['restored_tokens']:>9} "
+              f"{inf['bytes']:>10} {(inf['decode_ttft_s'] or 0) * 1e3:>8.1f} "
+              f"{r['wall'] * 1e3:>8.0f}  "
+              + (f"{green}identical{off}" if same else f"{red}MISMATCH{off}"))
+    ok_n = len(prompts) - bad
+    restored = sum(r["info"]["restored_tokens"] for r in results if r and r["ok"])
+    print(f"\n{ok_n}/{len(prompts)} outputs identical to the colocated reference; "
+          f"{restored} prompt tokens restored from the decode's prefix cache; "
+          f"{total:.1f} s for the batch")
+    if bad:
+        print(f"{red}FAIL{off}: {bad} request(s) failed or differ")
+        return 1
+    print(f"{green}PASS{off}")
+    return 0
+
+
+def bench(argv: list[str] | None = None) -> int:
+    """Serving latency/throughput through the router, as one JSON line."""
+    a = _args(argv, "pdxfer bench")
+    _install_sigterm()
+    prompts = make_prompts(a.requests, a.seed)
+    with Cluster(log_level=a.log_level, quiet=not a.verbose) as c:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(a.concurrency) as pool:
+            res = list(pool.map(lambda p: _one(c, p, a), prompts))
+        total = time.perf_counter() - t0
+    ok = [r for r in res if r["ok"]]
+    ttft = sorted(r["info"]["decode_ttft_s"] for r in ok)
+    walls = sorted(r["wall"] for r in ok)
+
+    def pct(xs: list[float], q: float) -> float | None:
+        return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None
+
+    print(json.dumps({
+        "requests": len(prompts), "ok": len(ok), "seconds": round(total, 3),
+        "requests_per_s": round(len(ok) / total, 3),
+        "tokens_per_s": round(sum(len(r["ids"]) for r in ok) / total, 1),
+        "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
+        "latency_p50_s": pct(walls, 0.5), "latency_p99_s": pct(walls, 0.99),
+        "kv_bytes": sum(r["info"]["bytes"] for r in ok),
+        "restored_tokens": sum(r["info"]["restored_tokens"] for r in ok)}))
+    return 0 if len(ok) == len(prompts) else 1

@@ -1,0 +1,40 @@
+"""Serving-layer failure kinds; each maps to one HTTP status so callers can branch on it."""
+
+from __future__ import annotations
+
+from ..errors import PdxferError
+
+
+class ServingError(PdxferError):
+    """Base of serving failures; ``status`` is the HTTP status a worker or router answers."""
+
+    kind = "serving"
+    status = 500
+
+
+class BadRequest(ServingError):
+    """The client's request is malformed or out of range: retrying it elsewhere cannot help."""
+
+    kind = "bad_request"
+    status = 400
+
+
+class OutOfCapacity(ServingError):
+    """No pages or aux slots free right now: another pair (or a later try) may serve it."""
+
+    kind = "capacity"
+    status = 503
+
+
+class TransferFailed(ServingError):
+    """The KV transfer for a request failed; the message carries the transfer layer's reason."""
+
+    kind = "transfer"
+    status = 502
+
+
+class UpstreamError(ServingError):
+    """A worker behind the router failed or could not be reached."""
+
+    kind = "upstream"
+    status = 502

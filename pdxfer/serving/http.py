@@ -1,0 +1,121 @@
+"""HTTP plumbing shared by workers and router (no torch here: the router stays light)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from aiohttp import web
+
+from .errors import BadRequest, ServingError
+
+log = logging.getLogger("pdxfer.serving")
+
+READY = "PDXFER_READY"
+"""Printed on stdout with the server's URL once it serves: launchers wait for this line."""
+
+
+def error_response(err: BaseException) -> web.Response:
+    status = err.status if isinstance(err, ServingError) else 500
+    kind = getattr(err, "kind", type(err).__name__)
+    return web.json_response({"error": {"message": str(err), "type": kind}}, status=status)
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
+
+
+def field(body: dict[str, Any], name: str, kind: type, *, default: Any = ...,
+          lo: int | None = None, hi: int | None = None) -> Any:
+    """One typed field; bools are not ints here (JSON ``true`` is not a token count)."""
+    if name not in body:
+        if default is ...:
+            raise BadRequest(f"missing field {name!r}")
+        return default
+    v = body[name]
+    if isinstance(v, bool) and kind is not bool or not isinstance(v, kind):
+        raise BadRequest(f"field {name!r} must be {kind.__name__}, got {type(v).__name__}")
+    if lo is not None and v < lo or hi is not None and v > hi:
+        raise BadRequest(f"field {name!r} = {v} outside [{lo}, {hi}]")
+    return v
+
+
+def token_list(body: dict[str, Any], name: str, vocab: int) -> list[int]:
+    v = field(body, name, list)
+    if not v:
+        raise BadRequest(f"{name!r} is empty")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in v):
+        raise BadRequest(f"{name!r} must be token ids in [0, {vocab})")
+    return v
+
+
+def metrics_text(prefix: str, values: dict[str, Any]) -> str:
+    """Prometheus text exposition of flat numeric values."""
+    lines = []
+    for k, v in sorted(values.items()):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            name = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in f"{prefix}_{k}")
+            lines.append(f"{name} {v}")
+    return "\n".join(lines) + "\n"
+
+
+async def poll_until_terminal(handle: Any, deadline_s: float) -> None:
+    """Poll a sender/receiver from the event loop without blocking it."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    delay = 0.0005
+    while not handle.poll().terminal:
+        if loop.time() > end:
+            handle.abort(f"worker deadline of {deadline_s} s passed")
+            return
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.01)
+
+
+def serve(app: web.Application, host: str, port: int, on_stop: Any = None) -> int:
+    """Run ``app`` until SIGINT/SIGTERM; print the ready line with the bound URL.
+
+    Shutdown is bounded: in-flight HTTP requests get a second, ``on_stop`` (closing the
+    endpoint: deregister, join threads) a few more, then the process exits regardless, so a
+    supervisor's SIGTERM never turns into a hang."""
+
+    async def main() -> None:
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, shutdown_timeout=1.0)
+        await site.start()
+        bound = runner.addresses[0][1]
+        print(f"{READY} http://{host}:{bound}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping")
+        try:
+            await asyncio.wait_for(runner.cleanup(), 3.0)
+        except asyncio.TimeoutError:
+            log.warning("HTTP shutdown took over 3 s; exiting anyway")
+
+    try:
+        asyncio.run(main())
+    finally:
+        if on_stop is not None:
+            t = threading.Thread(target=on_stop, daemon=True, name="pdxfer-close")
+            t.start()
+            t.join(5.0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # non-daemon transport threads must not keep a stopped worker alive

@@ -1,0 +1,160 @@
+"""``pdxfer prefill``: computes prompts and pushes their KV to the decode that asked for it.
+
+Flow per request: pages + aux slot -> ``sender(room)`` -> chunked prefill; after each chunk
+the pages that are completely written go out (a partial page waits for the next chunk) ->
+the last send carries the first generated token in the aux row -> poll until the transfer
+settles -> free. The draft model runs over the same chunk before it ships, because the draft
+pool follows the target pool's page ids and travels in the same sends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from ..errors import PdxferError
+from ..sender import KVSender
+from .errors import BadRequest, OutOfCapacity, TransferFailed
+from .kv import OutOfPagesError
+from .worker import (
+    ModelHost,
+    WorkerConfig,
+    config_from_args,
+    error_response,
+    field,
+    metrics_text,
+    poll_until_terminal,
+    read_json,
+    serve,
+    token_list,
+)
+
+log = logging.getLogger("pdxfer.serving.prefill")
+
+
+class PrefillWorker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.host = ModelHost(cfg)
+        self.senders: dict[int, KVSender] = {}
+        self.aborted: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self.counters = collections.Counter[str]()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=8 << 20)
+        app.router.add_post("/generate", self.h_generate)
+        app.router.add_post("/abort", self.h_abort)
+        app.router.add_get("/health", self.h_health)
+        app.router.add_get("/metrics", self.h_metrics)
+        return app
+
+    async def h_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", **self.host.info(),
+                                  "endpoint": self.host.endpoint.endpoint_id})
+
+    async def h_metrics(self, request: web.Request) -> web.Response:
+        vals = {**self.counters, "inflight": len(self.senders),
+                "free_pages": self.host.kv.allocator.num_free}
+        vals.update({f"transfer_{k}": v for k, v in self.host.endpoint.metrics().items()})
+        return web.Response(text=metrics_text("pdxfer_prefill", vals))
+
+    async def h_abort(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request)
+            room = field(body, "room", int, lo=0, hi=(1 << 63) - 1)
+            reason = str(body.get("reason", "aborted by router"))
+        except BadRequest as e:
+            return error_response(e)
+        tx = self.senders.get(room)
+        if tx is not None:
+            tx.abort(reason)
+        else:
+            self.aborted[room] = reason
+            while len(self.aborted) > 4096:
+                self.aborted.popitem(last=False)
+        return web.json_response({"room": room, "found": tx is not None})
+
+    async def h_generate(self, request: web.Request) -> web.Response:
+        self.counters["requests"] += 1
+        try:
+            body = await read_json(request)
+            room = field(body, "room", int, lo=0, hi=(1 << 63) - 1)
+            tokens = token_list(body, "prompt_ids", self.host.model.config.vocab_size)
+            if len(tokens) > self.host.model.config.max_seq_len:
+                raise BadRequest(f"prompt of {len(tokens)} tokens exceeds max_seq_len "
+                                 f"{self.host.model.config.max_seq_len}")
+            out = await self._generate(room, tokens)
+        except (PdxferError, ValueError) as e:
+            self.counters[f"failures_{getattr(e, 'kind', 'error')}"] += 1
+            log.info("prefill request failed: %s", e)
+            return error_response(e)
+        self.counters["success"] += 1
+        return web.json_response(out)
+
+    async def _generate(self, room: int, tokens: list[int]) -> dict[str, Any]:
+        h = self.host
+        if room in self.aborted:
+            raise TransferFailed(f"room {room}: {self.aborted.pop(room)}")
+        try:
+            pages = h.kv.allocator.alloc(h.model.pages_for(len(tokens)))
+        except OutOfPagesError as e:
+            raise OutOfCapacity(str(e)) from None
+        try:
+            slot = h.slots.alloc()
+        except OutOfCapacity:
+            h.kv.allocator.free(pages)
+            raise
+        try:
+            tx = h.endpoint.sender(room)
+            self.senders[room] = tx
+            t0 = time.perf_counter()
+            try:
+                first = await asyncio.to_thread(self._compute, tx, tokens, pages, slot)
+                compute_s = time.perf_counter() - t0
+                await poll_until_terminal(tx, self.cfg.bootstrap_timeout_s
+                                          + self.cfg.transfer_timeout_s)
+            finally:
+                self.senders.pop(room, None)
+            if not tx.poll().name == "Success":
+                raise TransferFailed(f"room {room}: {tx.failure}")
+            return {"room": room, "prompt_tokens": len(tokens), "first_token": first,
+                    "compute_s": compute_s, "prefix_len": tx.prefix_len}
+        finally:
+            # Source pages: a failed transfer's late reads can only spoil its own destination.
+            h.kv.allocator.free(pages)
+            h.slots.free(slot)
+
+    def _compute(self, tx: KVSender, tokens: Sequence[int], pages: list[int], slot: int) -> int:
+        h, ps, n = self.host, self.cfg.page_size, len(tokens)
+        sent = 0
+
+        def on_chunk(a: int, b: int) -> None:
+            nonlocal sent
+            h.draft.forward(tokens[a:b], a, pages, h.draft_kv, logits_for="none")
+            full = b // ps
+            if b < n and full > sent:
+                tx.send({"kv": pages[sent:full]})
+                sent = full
+
+        with h.lock:
+            first = h.model.prefill(tokens, pages, h.kv, chunk_size=self.cfg.chunk_size,
+                                    on_chunk=on_chunk)
+        h.aux[slot, 0] = first
+        h.aux[slot, 1] = n
+        tx.send({"kv": pages[sent:]}, slots={"aux": slot}, last=True)
+        return first
+
+
+def run(a: argparse.Namespace) -> int:
+    cfg = config_from_args(a, "prefill")
+    w = PrefillWorker(cfg)
+    log.info("prefill worker: endpoint %s registered with %s", w.host.endpoint.endpoint_id,
+             cfg.bootstrap)
+    return serve(w.app(), cfg.host, cfg.port, on_stop=w.host.endpoint.close)

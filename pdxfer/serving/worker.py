@@ -1,0 +1,139 @@
+"""What the prefill and decode workers share: model and pools, config, HTTP plumbing.
+
+A worker process hosts the toy model (target plus draft) with paged KV pools and one pdxfer
+``Endpoint`` for its tensor-parallel rank (TP=1 here: the pools are whole, and a TP>1
+worker would start one such process per rank with head-sharded pools). The pools
+registered with the endpoint are the model's own tensors, so a transfer writes straight
+into the pages attention reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..endpoint import Endpoint
+from ..pools import PoolSpec
+from ..states import EndpointConfig
+from .errors import OutOfCapacity
+from .http import (  # noqa: F401  (re-exported for the worker modules)
+    READY,
+    error_response,
+    field,
+    metrics_text,
+    poll_until_terminal,
+    read_json,
+    serve,
+    token_list,
+)
+from .kv import KVPool
+from .model import ToyConfig, ToyModel, make_draft
+
+log = logging.getLogger("pdxfer.serving")
+
+AUX_WIDTH = 8
+"""int32 words per aux row: [first token, prompt length, reserved...]."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker's settings, validated at construction."""
+
+    role: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    bootstrap: str | None = None
+    instance: str = "default"
+    pages: int = 1024
+    aux_slots: int = 64
+    seed: int = 0
+    page_size: int = 16
+    max_seq_len: int = 1024
+    chunk_size: int = 64
+    prefix_cache_pages: int = 512
+    bootstrap_timeout_s: float = 30.0
+    transfer_timeout_s: float = 60.0
+    heartbeat_s: float = 0.5
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if self.role == "prefill" and not self.bootstrap:
+            raise ValueError("a prefill worker needs --bootstrap (host:port of the bootstrap)")
+        for name in ("pages", "aux_slots", "page_size", "max_seq_len", "chunk_size", "threads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+
+    def toy(self) -> ToyConfig:
+        return ToyConfig(seed=self.seed, page_size=self.page_size, max_seq_len=self.max_seq_len)
+
+
+def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
+    return WorkerConfig(
+        role=role, host=a.host, port=a.port, bootstrap=a.bootstrap, instance=a.instance,
+        pages=a.pages, aux_slots=a.aux_slots, seed=a.seed, page_size=a.page_size,
+        max_seq_len=a.max_seq_len, chunk_size=a.chunk_size,
+        prefix_cache_pages=a.prefix_cache_pages, bootstrap_timeout_s=a.bootstrap_timeout,
+        transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat, threads=a.threads)
+
+
+class SlotAllocator:
+    """Free list of aux rows; all-or-nothing like the page allocator."""
+
+    def __init__(self, n: int) -> None:
+        self._free = list(range(n))
+        self._lock = threading.Lock()
+
+    def alloc(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise OutOfCapacity("no free aux slot: too many requests in flight")
+            return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+
+class ModelHost:
+    """Target and draft models, their KV pools (sharing page ids), the aux rows, and the
+    rank's endpoint. ``lock`` serialises model compute: one forward at a time per worker."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        torch.set_num_threads(cfg.threads)
+        self.model = ToyModel(cfg.toy())
+        self.draft = make_draft(self.model)
+        self.kv: KVPool = self.model.new_kv_pool(cfg.pages)
+        self.draft_kv: KVPool = self.draft.new_kv_pool(cfg.pages, allocator=self.kv.allocator)
+        self.aux = torch.zeros((cfg.aux_slots, AUX_WIDTH), dtype=torch.int32)
+        self.slots = SlotAllocator(cfg.aux_slots)
+        self.lock = threading.Lock()
+        ps = cfg.page_size
+        pools = [
+            PoolSpec.mha("kv", self.kv.k_tensors, self.kv.v_tensors, page_size=ps),
+            PoolSpec.mha("draft_kv", self.draft_kv.k_tensors, self.draft_kv.v_tensors,
+                         page_size=ps, indices_from="kv"),
+            PoolSpec.slots("aux", [self.aux]),
+        ]
+        self.endpoint = Endpoint(EndpointConfig(
+            role=cfg.role, bootstrap=cfg.bootstrap if cfg.role == "prefill" else None,
+            instance=cfg.instance, host=cfg.host, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
+            transfer_timeout_s=cfg.transfer_timeout_s, heartbeat_s=cfg.heartbeat_s), pools)
+
+    def info(self) -> dict[str, Any]:
+        c = self.model.config
+        return {"role": self.cfg.role, "max_seq_len": c.max_seq_len, "page_size": c.page_size,
+                "free_pages": self.kv.allocator.num_free, "pages": self.cfg.pages,
+                "weights": self.model.weights_digest()[:16], "pid": os.getpid()}
+
+

@@ -1,0 +1,158 @@
+"""End to end through the router on loopback: real prefill and decode worker processes, real
+Mooncake transfers, real bootstrap; every output is compared token for token with the
+colocated reference. One cluster for the module; the prefill-crash case runs last."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from pdxfer.serving import (
+    SpecResult,
+    ToyConfig,
+    ToyModel,
+    encode,
+    make_draft,
+    speculative_generate,
+)
+from pdxfer.serving.cluster import Cluster
+from pdxfer.serving.demo import make_prompts
+
+FAST = ["--bootstrap-timeout", "10", "--transfer-timeout", "60", "--heartbeat", "0.25",
+        "--pages", "512"]
+torch.set_num_threads(1)  # the toy model's ops are tiny; a second thread only spins
+MODEL = ToyModel(ToyConfig())
+DRAFT = make_draft(MODEL)
+SPEC_PROMPT = "speculative decoding needs the draft KV of the prefix too. " * 6 + "go:"
+
+
+@functools.cache
+def spec_reference() -> SpecResult:
+    return speculative_generate(MODEL, DRAFT, encode(SPEC_PROMPT), 24, k=4)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(worker_args=FAST, router_args=["--timeout", "60"]).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def ids_of(status: int, body: object) -> list[int]:
+    assert status == 200, body
+    if isinstance(body, list):  # SSE events: token chunks, then the final summary
+        assert not [e for e in body if "error" in e], body
+        return [t for e in body[:-1] for t in e["choices"][0]["token_ids"]]
+    assert isinstance(body, dict)
+    return body["choices"][0]["token_ids"]
+
+
+def test_fifty_requests_identical_to_colocated(cluster: Cluster) -> None:
+    prompts = make_prompts(50, seed=1, prefix_words=10)
+    bodies = [{"prompt": p, "max_tokens": 6, "stream": i % 4 == 3}
+              for i, p in enumerate(prompts)]
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(cluster.complete, bodies))
+    for p, (status, body) in zip(prompts, results):
+        assert ids_of(status, body) == MODEL.generate(encode(p), 6), p
+
+
+def test_repeated_long_prefix_is_restored_and_output_identical(cluster: Cluster) -> None:
+    prefix = "the long shared system prompt, " * 12  # 372 tokens: 23 full pages
+    first = cluster.complete({"prompt": prefix + "first question?", "max_tokens": 8})
+    second = cluster.complete({"prompt": prefix + "another one!", "max_tokens": 8})
+    for (status, body), tail in ((first, "first question?"), (second, "another one!")):
+        assert ids_of(status, body) == MODEL.generate(encode(prefix + tail), 8)
+    info1, info2 = first[1]["pdxfer"], second[1]["pdxfer"]
+    assert info2["restored_tokens"] >= (len(encode(prefix)) // 16) * 16
+    assert info2["bytes"] < info1["bytes"] / 4  # the prefill shipped only the suffix
+    assert cluster.metrics("decode")["pdxfer_decode_prefix_restored_pages"] >= 23
+
+
+def test_draft_kv_restored_with_target_keeps_accept_length(cluster: Cluster) -> None:
+    ref = spec_reference()
+    body = {"prompt": SPEC_PROMPT, "max_tokens": 24, "speculative_k": 4}
+    fresh = cluster.complete(body)
+    again = cluster.complete(body)
+    assert ids_of(*fresh) == ref.tokens and ids_of(*again) == ref.tokens
+    f, r = fresh[1]["pdxfer"], again[1]["pdxfer"]
+    assert f["restored_tokens"] == 0 and r["restored_tokens"] > 300
+    assert r["mean_accept_length"] >= 0.9 * f["mean_accept_length"]
+    assert f["mean_accept_length"] == pytest.approx(ref.mean_accept_length)
+
+
+def test_accept_length_check_detects_a_missing_draft_prefix() -> None:
+    """The check above has teeth: without the prefix's draft KV the accept length drops."""
+    prompt = encode(SPEC_PROMPT)
+    good = spec_reference()
+    kv = MODEL.new_kv_pool(64)
+    dkv = DRAFT.new_kv_pool(64, allocator=kv.allocator)
+    pt = kv.allocator.alloc(40)
+    first = MODEL.prefill(prompt, pt, kv)  # target KV only; the draft pool stays zero
+    bad = speculative_generate(MODEL, DRAFT, prompt, 24, k=4, kv=kv, draft_kv=dkv,
+                               page_table=pt, first_token=first)
+    assert bad.tokens == good.tokens
+    assert bad.mean_accept_length < 0.9 * good.mean_accept_length
+
+
+@pytest.mark.parametrize("raw, why", [
+    (b"{not json", "JSON"),
+    (b"[1, 2]", "object"),
+    (json.dumps({"prompt": "", "max_tokens": 4}).encode(), "empty"),
+    (json.dumps({"prompt": 42}).encode(), "prompt"),
+    (json.dumps({"prompt": [1, 999]}).encode(), "prompt"),
+    (json.dumps({"prompt": "hi", "max_tokens": "4"}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "hi", "max_tokens": True}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), "stream"),
+    (json.dumps({"prompt": "hi", "speculative_k": 99}).encode(), "speculative_k"),
+    (json.dumps({"prompt": "x" * 1020, "max_tokens": 16}).encode(), "exceeds"),
+])
+def test_bad_request_gets_4xx_with_message(cluster: Cluster, raw: bytes, why: str) -> None:
+    status, body = cluster.complete(None, raw=raw)
+    assert 400 <= status < 500, body
+    assert why in body["error"]["message"]
+
+
+def test_good_request_after_bad_ones_still_works(cluster: Cluster) -> None:
+    assert ids_of(*cluster.complete({"prompt": "still fine?", "max_tokens": 5})) == \
+        MODEL.generate(encode("still fine?"), 5)
+    assert cluster.metrics("router")["pdxfer_router_bad_requests"] >= 11
+
+
+def test_killed_prefill_fails_inflight_requests_then_recovers(cluster: Cluster) -> None:
+    assert cluster.prefill is not None and cluster.decode is not None
+    port = cluster.prefill.port
+    prompts = [f"slow request {i}: " + "z" * 900 for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(cluster.complete, {"prompt": p, "max_tokens": 4}, 90)
+                for p in prompts]
+        deadline = time.monotonic() + 60
+        while cluster.metrics("prefill").get("pdxfer_prefill_inflight", 0) < 1:
+            assert time.monotonic() < deadline, "no request reached the prefill"
+            time.sleep(0.02)
+        cluster.prefill.kill()
+        results = [f.result(timeout=120) for f in futs]  # an answer each, never a hang
+    errors = [b for s, b in results if s != 200]
+    assert errors, "a request in flight on the killed prefill must fail"
+    for p, (status, body) in zip(prompts, results):
+        if status == 200:  # finished before the kill: must still be right
+            assert ids_of(status, body) == MODEL.generate(encode(p), 4)
+        else:
+            assert status >= 500 and body["error"]["message"], body
+    cluster.start_prefill(port)
+    for p in ("after the restart", "and once more, longer " * 10):
+        assert ids_of(*cluster.complete({"prompt": p, "max_tokens": 5})) == \
+            MODEL.generate(encode(p), 5)
+    deadline = time.monotonic() + 30  # failed requests' pages come back (fail-closed release)
+    while cluster.metrics("decode")["pdxfer_decode_free_pages"] < 512:
+        assert time.monotonic() < deadline, cluster.metrics("decode")
+        time.sleep(0.2)
