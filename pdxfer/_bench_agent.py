@@ -151,6 +151,8 @@ class BenchState(AgentState):
         def worker() -> None:
             while (job := jobs.get()) is not None:
                 room, t0, dp = job
+                if time.monotonic() > end:  # queued but not started: the segment is over
+                    continue
                 self._raw_write(peer, _blocks(raw.specs["kv"], d, src, dp, tokens))
                 with plock:
                     push.send(enc.encode((room, t0)))
@@ -158,11 +160,11 @@ class BenchState(AgentState):
                 free.put(dp)
                 slots.release()
 
+        start = time.monotonic()
+        end = start + duration
         ws = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
         for w in ws:
             w.start()
-        start = time.monotonic()
-        end = start + duration
         room = first_room
         while time.monotonic() < end:
             if not slots.acquire(timeout=0.1):
