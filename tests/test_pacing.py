@@ -59,3 +59,11 @@ def test_credits_wait_has_a_deadline_and_oversized_batches_are_refused() -> None
         c.acquire(1, time.monotonic() + 0.05)
     with pytest.raises(TransportError, match="exceeds"):
         c.acquire(11, None)
+
+
+def test_try_acquire_never_waits() -> None:
+    c = Credits(limit=10)
+    assert c.try_acquire(6, 60) == 60
+    assert c.try_acquire(6, 60) is None
+    c.release(6, 60)
+    assert c.try_acquire(10) == 0 and c.used == 10

@@ -82,6 +82,17 @@ class Credits:
             self.bytes += nbytes
             return self.bytes
 
+    def try_acquire(self, n: int, nbytes: int = 0) -> int | None:
+        """``acquire`` without waiting: None when the entries do not fit now. A writer that
+        already holds credits must use this (and complete its own batches first), never wait
+        while holding: two writers each holding half the limit would wait for each other."""
+        with self.cond:
+            if self.used + n > self.limit:
+                return None
+            self.used += n
+            self.bytes += nbytes
+            return self.bytes
+
     def release(self, n: int, nbytes: int = 0) -> None:
         with self.cond:
             self.used -= n
