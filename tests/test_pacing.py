@@ -14,7 +14,7 @@ from pdxfer.transport.pacing import Credits, RateEstimate
 def test_sleep_estimate_only_shrinks_when_batches_finish_before_the_wait() -> None:
     """A batch already complete when the wait began gives only an upper bound: the estimate
     must come down (else a slow phase would make every later wait oversleep)."""
-    r = RateEstimate(sec_per_byte=1e-6)
+    r = RateEstimate(sec_per_byte=1e-8)
     before = r.sleep_for(1 << 20, 0.0)
     for _ in range(10):  # the wait returned at once: no spin
         r.observe(1 << 20, submitted=0.0, slept_until=1.0, done=1.0 + 10e-6)
@@ -23,10 +23,11 @@ def test_sleep_estimate_only_shrinks_when_batches_finish_before_the_wait() -> No
 
 def test_a_wait_that_spun_teaches_the_true_duration() -> None:
     r = RateEstimate(sec_per_byte=1e-12)
-    for _ in range(30):  # each batch of 1 MB took 2 ms, most of it spent spinning
-        r.observe(1_000_000, submitted=0.0, slept_until=0.0001, done=0.002)
+    for _ in range(30):  # each batch of 2 MB took 4 ms, most of it spent spinning
+        r.observe(2_000_000, submitted=0.0, slept_until=0.0001, done=0.004)
     assert r.sec_per_byte == pytest.approx(2e-9, rel=0.05)
-    assert r.sleep_for(1_000_000, 0.0) == pytest.approx(0.002 * r.sleep_fraction, rel=0.05)
+    assert r.sleep_for(2_000_000, 0.0) == pytest.approx(0.004 * r.sleep_fraction, rel=0.05)
+    assert r.sleep_for(1 << 40, 0.0) == r.max_sleep_s  # a bad estimate costs a bounded sleep
     assert r.sleep_for(1_000, 0.0) == 0.0  # too short to be worth a sleep
 
 
