@@ -435,7 +435,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     ax.set_title("KV transfer over Mooncake TCP, loopback, 2 vCPUs")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

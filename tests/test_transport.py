@@ -122,7 +122,7 @@ def test_every_completion_mode_lands_every_byte_from_concurrent_writers(
     a._peers[b.session_id] = (credits, old[1])
     try:
         dst[:] = 0
-        n, size = 1600, 1024
+        n, size = 4400, 1024  # > 2 batches per thread: writers must not wait holding credits
         perm = np.random.default_rng(7).permutation(n)
         s = (src.ctypes.data + np.arange(n) * size).astype(np.uint64)
         d = (dst.ctypes.data + perm * size).astype(np.uint64)

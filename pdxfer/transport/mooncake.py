@@ -214,7 +214,15 @@ class MooncakeTransport:
                 b = _Batch(src[i : i + step].tolist(), dst[i : i + step].tolist(),
                            nbytes[i : i + step].tolist())
                 b.total = int(nbytes[i : i + step].sum())
-                b.ahead = credits.acquire(len(b.src), deadline, b.total)
+                ahead = credits.try_acquire(len(b.src), b.total)
+                while ahead is None and inflight and not error:
+                    # never wait for credits while holding some: finish our own batch first
+                    error = self._await(peer, inflight.popleft(), credits, rate)
+                    ahead = credits.try_acquire(len(b.src), b.total)
+                if error:
+                    break
+                b.ahead = ahead if ahead is not None else credits.acquire(
+                    len(b.src), deadline, b.total)
                 if self.completion == "paced":
                     b.submitted = time.perf_counter()
                     b.bid = self._engine.batch_transfer_async_write(peer, b.src, b.dst, b.len)

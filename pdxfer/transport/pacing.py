@@ -38,18 +38,21 @@ class RateEstimate:
     """Sleep this share of the expected duration, then spin for the rest."""
     spin_slack_s: float = 100e-6
     """A wait that took longer than this after the sleep spun: its end is the completion."""
+    max_sleep_s: float = 0.05
+    """Never sleep longer than this before checking (a bad estimate costs at most this)."""
+    min_learn_bytes: int = 1 << 20
     floor_s: float = 150e-6
     """Shorter expected sleeps are skipped: waking a thread costs about this much."""
 
     def sleep_for(self, ahead: int, elapsed: float) -> float:
         """How long to sleep now, ``elapsed`` seconds after submitting a batch that had
         ``ahead`` bytes in flight to the peer (itself included)."""
-        left = ahead * self.sec_per_byte * self.sleep_fraction - elapsed
+        left = min(ahead * self.sec_per_byte * self.sleep_fraction, self.max_sleep_s) - elapsed
         return left if left >= self.floor_s else 0.0
 
     def observe(self, ahead: int, submitted: float, slept_until: float, done: float) -> None:
-        if ahead <= 0:
-            return
+        if ahead < self.min_learn_bytes:
+            return  # a tiny batch's time is latency, not bandwidth
         if done - slept_until > self.spin_slack_s:
             seen = (done - submitted) / ahead
             self.sec_per_byte = 0.7 * self.sec_per_byte + 0.3 * seen
@@ -78,6 +81,17 @@ class Credits:
                     raise TransportError("deadline passed waiting for the peer's in-flight "
                                          "entries to drain")
                 self.cond.wait(0.5 if left is None else min(left, 0.5))
+            self.used += n
+            self.bytes += nbytes
+            return self.bytes
+
+    def try_acquire(self, n: int, nbytes: int = 0) -> int | None:
+        """``acquire`` without waiting: None when the entries do not fit now. A writer that
+        already holds credits must use this (and complete its own batches first), never wait
+        while holding: two writers each holding half the limit would wait for each other."""
+        with self.cond:
+            if self.used + n > self.limit:
+                return None
             self.used += n
             self.bytes += nbytes
             return self.bytes
