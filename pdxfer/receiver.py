@@ -275,10 +275,12 @@ class DecodeSide:
                 prefix_len=st.prefix_len, num_tokens=st.num_tokens,
                 expected_senders=max(1, len(st.targets)), decode_peers=npeers,
                 deadline_s=self.cfg.transfer_timeout_s, hold_for_repair=st.hold_for_repair)
-        for p, a in zip(peers, plan):
-            self.ep.send_frame(p.ctrl_addr, wire.encode(msgspec.structs.replace(
-                req, heads=a.heads, skip=a.skip, silent=a.silent,
-                stage={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])})))
+            # Queued under the lock: an abort (which takes the lock) either sees the room
+            # terminal before this, or queues its Abort behind the request on the same socket.
+            for p, a in zip(peers, plan):
+                self.ep.send_frame(p.ctrl_addr, wire.encode(msgspec.structs.replace(
+                    req, heads=a.heads, skip=a.skip, silent=a.silent,
+                    stage={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])})))
         if not st.targets:  # nothing of this decode's pools lives on the prefill side
             with self.ep.lock:
                 if not st.state.terminal:

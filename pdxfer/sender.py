@@ -277,6 +277,10 @@ class PrefillSide:
                         self.pending[msg.room] = (exp_w[0], left)
                     else:
                         self.pending.pop(msg.room, None)
+                if not known and msg.room not in self.rooms:
+                    # the request may still be on its way: refuse it when it comes
+                    self.tombstones[msg.room] = (time.monotonic() + self.cfg.bootstrap_timeout_s,
+                                                 "aborted by decode before its request arrived")
                 if msg.reply_to:
                     self.ep.send(msg.reply_to, wire.AbortAck(
                         room=msg.room, nonce=msg.nonce, endpoint_id=self.ep.endpoint_id,

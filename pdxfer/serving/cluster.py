@@ -82,11 +82,14 @@ class Cluster:
         assert proc is not None
         with urllib.request.urlopen(f"{proc.url}/metrics", timeout=10) as r:
             text = r.read().decode()
+        from prometheus_client.parser import text_string_to_metric_families
+
         out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                k, v = line.rsplit(" ", 1)
-                out[k] = float(v)
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()))
+                name = smp.name.removesuffix("_total")  # counters read like the old names
+                out[f"{name}{{{labels}}}" if labels else name] = smp.value
         return out
 
 

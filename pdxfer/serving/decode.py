@@ -90,8 +90,9 @@ class DecodeWorker:
                 "free_pages": self.host.kv.allocator.num_free}
         if self.cache is not None:
             vals.update({f"prefix_{k}": v for k, v in self.cache.stats().items()})
-        vals.update({f"transfer_{k}": v for k, v in self.host.endpoint.metrics().items()})
-        return web.Response(text=metrics_text("pdxfer_decode", vals))
+        # the worker's own counters, then its endpoint's (failures by kind, phase timelines)
+        text = metrics_text("pdxfer_decode", vals) + self.host.endpoint.prometheus().decode()
+        return web.Response(text=text)
 
     async def h_abort(self, request: web.Request) -> web.Response:
         try:

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..metrics import prometheus_text
 from .errors import BadRequest, ServingError
 
 log = logging.getLogger("pdxfer.serving")
@@ -62,13 +63,8 @@ def token_list(body: dict[str, Any], name: str, vocab: int) -> list[int]:
 
 
 def metrics_text(prefix: str, values: dict[str, Any]) -> str:
-    """Prometheus text exposition of flat numeric values."""
-    lines = []
-    for k, v in sorted(values.items()):
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            name = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in f"{prefix}_{k}")
-            lines.append(f"{name} {v}")
-    return "\n".join(lines) + "\n"
+    """Prometheus text (via prometheus_client) for a flat snapshot of numeric values."""
+    return prometheus_text(prefix, lambda: values).decode()
 
 
 async def poll_until_terminal(handle: Any, deadline_s: float) -> None:

@@ -62,8 +62,9 @@ class PrefillWorker:
     async def h_metrics(self, request: web.Request) -> web.Response:
         vals = {**self.counters, "inflight": len(self.senders),
                 "free_pages": self.host.kv.allocator.num_free}
-        vals.update({f"transfer_{k}": v for k, v in self.host.endpoint.metrics().items()})
-        return web.Response(text=metrics_text("pdxfer_prefill", vals))
+        # the worker's own counters, then its endpoint's (failures by kind, phase timelines)
+        text = metrics_text("pdxfer_prefill", vals) + self.host.endpoint.prometheus().decode()
+        return web.Response(text=text)
 
     async def h_abort(self, request: web.Request) -> web.Response:
         try:
