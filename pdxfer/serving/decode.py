@@ -30,11 +30,11 @@ from .model import speculative_generate
 from .prefix import HostPrefixCache, PrefixCache
 from .worker import (
     ModelHost,
+    RoomWorker,
     WorkerConfig,
     config_from_args,
     error_response,
     field,
-    metrics_text,
     poll_until_terminal,
     read_json,
     serve,
@@ -62,7 +62,7 @@ class _Req:
         self.host.slots.free(self.slot)
 
 
-class DecodeWorker:
+class DecodeWorker(RoomWorker):
     def __init__(self, cfg: WorkerConfig, prefix_cache: PrefixCache | None = None) -> None:
         self.cfg = cfg
         self.host = ModelHost(cfg)
@@ -85,30 +85,17 @@ class DecodeWorker:
     async def h_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", **self.host.info()})
 
-    async def h_metrics(self, request: web.Request) -> web.Response:
+    metrics_prefix = "pdxfer_decode"
+
+    def _handles(self) -> Any:
+        return self.receivers
+
+    def _metric_values(self) -> dict[str, Any]:
         vals = {**self.counters, "inflight": len(self.receivers),
                 "free_pages": self.host.kv.allocator.num_free}
         if self.cache is not None:
             vals.update({f"prefix_{k}": v for k, v in self.cache.stats().items()})
-        # the worker's own counters, then its endpoint's (failures by kind, phase timelines)
-        text = metrics_text("pdxfer_decode", vals) + self.host.endpoint.prometheus().decode()
-        return web.Response(text=text)
-
-    async def h_abort(self, request: web.Request) -> web.Response:
-        try:
-            body = await read_json(request)
-            room = field(body, "room", int, lo=0, hi=(1 << 63) - 1)
-            reason = str(body.get("reason", "aborted by router"))
-        except BadRequest as e:
-            return error_response(e)
-        rx = self.receivers.get(room)
-        if rx is not None:
-            rx.abort(reason)
-        else:
-            self.aborted[room] = reason
-            while len(self.aborted) > 4096:
-                self.aborted.popitem(last=False)
-        return web.json_response({"room": room, "found": rx is not None})
+        return vals
 
     def _parse(self, body: dict[str, Any]) -> dict[str, Any]:
         c = self.host.model.config

@@ -25,11 +25,11 @@ from .errors import BadRequest, OutOfCapacity, TransferFailed
 from .kv import OutOfPagesError
 from .worker import (
     ModelHost,
+    RoomWorker,
     WorkerConfig,
     config_from_args,
     error_response,
     field,
-    metrics_text,
     poll_until_terminal,
     read_json,
     serve,
@@ -39,7 +39,7 @@ from .worker import (
 log = logging.getLogger("pdxfer.serving.prefill")
 
 
-class PrefillWorker:
+class PrefillWorker(RoomWorker):
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.host = ModelHost(cfg)
@@ -59,28 +59,14 @@ class PrefillWorker:
         return web.json_response({"status": "ok", **self.host.info(),
                                   "endpoint": self.host.endpoint.endpoint_id})
 
-    async def h_metrics(self, request: web.Request) -> web.Response:
-        vals = {**self.counters, "inflight": len(self.senders),
-                "free_pages": self.host.kv.allocator.num_free}
-        # the worker's own counters, then its endpoint's (failures by kind, phase timelines)
-        text = metrics_text("pdxfer_prefill", vals) + self.host.endpoint.prometheus().decode()
-        return web.Response(text=text)
+    metrics_prefix = "pdxfer_prefill"
 
-    async def h_abort(self, request: web.Request) -> web.Response:
-        try:
-            body = await read_json(request)
-            room = field(body, "room", int, lo=0, hi=(1 << 63) - 1)
-            reason = str(body.get("reason", "aborted by router"))
-        except BadRequest as e:
-            return error_response(e)
-        tx = self.senders.get(room)
-        if tx is not None:
-            tx.abort(reason)
-        else:
-            self.aborted[room] = reason
-            while len(self.aborted) > 4096:
-                self.aborted.popitem(last=False)
-        return web.json_response({"room": room, "found": tx is not None})
+    def _handles(self) -> Any:
+        return self.senders
+
+    def _metric_values(self) -> dict[str, Any]:
+        return {**self.counters, "inflight": len(self.senders),
+                "free_pages": self.host.kv.allocator.num_free}
 
     async def h_generate(self, request: web.Request) -> web.Response:
         self.counters["requests"] += 1

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from aiohttp import web
 
 from ..endpoint import Endpoint
 from ..pools import PoolSpec
 from ..states import EndpointConfig
-from .errors import OutOfCapacity
+from .errors import BadRequest, OutOfCapacity
 from .http import (  # noqa: F401  (re-exported for the worker modules)
     READY,
     error_response,
@@ -137,3 +138,43 @@ class ModelHost:
                 "weights": self.model.weights_digest()[:16], "pid": os.getpid()}
 
 
+
+
+class RoomWorker:
+    """What both workers share: ``/abort`` by room and ``/metrics``.
+
+    Subclasses name their live request handles (``_handles``) and their own numbers
+    (``_metric_values``); the endpoint's metrics (failures by kind, phase timelines) follow.
+    """
+
+    metrics_prefix = "pdxfer_worker"
+    host: ModelHost
+    aborted: Any
+
+    def _handles(self) -> Any:
+        raise NotImplementedError
+
+    def _metric_values(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def h_metrics(self, request: web.Request) -> web.Response:
+        text = (metrics_text(self.metrics_prefix, self._metric_values())
+                + self.host.endpoint.prometheus().decode())
+        return web.Response(text=text)
+
+    async def h_abort(self, request: web.Request) -> web.Response:
+        """Abort a room now, or remember it so a request that arrives later is refused."""
+        try:
+            body = await read_json(request)
+            room = field(body, "room", int, lo=0, hi=(1 << 63) - 1)
+            reason = str(body.get("reason", "aborted by router"))
+        except BadRequest as e:
+            return error_response(e)
+        handle = self._handles().get(room)
+        if handle is not None:
+            handle.abort(reason)
+        else:
+            self.aborted[room] = reason
+            while len(self.aborted) > 4096:
+                self.aborted.popitem(last=False)
+        return web.json_response({"room": room, "found": handle is not None})
