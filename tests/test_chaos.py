@@ -1,7 +1,7 @@
 """Chaos: 500 requests with random faults. Every request ends Success with correct bytes or
 Failed with a reason, none waits past its deadline, and nothing leaks afterwards.
 
-Faults: both sides drop 1% of incoming control messages; 5% of requests are aborted by the
+Faults: both sides drop 1% of incoming control messages (the decode also delays each by 0.5 ms); 5% of requests are aborted by the
 decode and 3% by the prefill at a random moment; the prefill process is killed (SIGKILL) and
 restarted twice. Pages of a failed request are reused only after pdxfer hands them back, so a
 late write from an earlier request would show up as a wrong byte in a later one.
@@ -22,7 +22,7 @@ GEOMS = [PoolGeom("kv", "mha", layers=2, pages=1024, page_size=16, heads=2, head
          PoolGeom("aux", "slots", layers=1, pages=128, dim=8, dtype="int32")]
 CONF = {"bootstrap_timeout_s": 3.0, "transfer_timeout_s": 3.0, "abort_timeout_s": 0.5,
         "heartbeat_s": 0.2}
-FAULTS = {"PDXFER_FAULTS": "drop=0.01,seed=5"}
+FAULTS = {"PDXFER_FAULTS": "drop=0.01,delay_msg=0.0005,seed=5"}
 TOTAL, WAVE = 500, 50
 
 

@@ -258,7 +258,7 @@ def test_two_decodes_share_one_mooncake_store(env: Setup) -> None:
     no_leaks(env, env.d2)
 
 
-def test_hundred_mixed_requests_leave_no_pin_no_reservation_and_a_consistent_index(
+def test_hundred_mixed_requests_with_failing_l3_leave_no_pin_no_reservation_and_a_consistent_index(
         env: Setup) -> None:
     fam, dc = env.std, env.d1
     rng = np.random.default_rng(5)
@@ -280,7 +280,10 @@ def test_hundred_mixed_requests_leave_no_pin_no_reservation_and_a_consistent_ind
                 r = fam.make(fam.tokens(n))
             r["no_send"] = rng.random() < 0.1
             reqs.append(r)
-        start(env.pf, dc, env.bootstrap, reqs)
+        # a failing L3 in the rounds that must restore from it: promised objects vanish or
+        # tear between match and load, and the repair path must still deliver every byte
+        fault = {3: {"kind": "delete", "page": 0}, 7: {"kind": "truncate", "page": 1}}.get(rnd)
+        start(env.pf, dc, env.bootstrap, reqs, fault=fault)
         ab = [r["room"] for r in reqs if r["no_send"]]
         if ab:
             dc.call("ext", fn=X + "abort", rooms=ab)
@@ -299,6 +302,7 @@ def test_hundred_mixed_requests_leave_no_pin_no_reservation_and_a_consistent_ind
         for r in reqs:
             fam.free(r)
     assert done == 100
+    assert env.pf.call("metrics").get("repairs", 0) > 0, "the failing L3 was never exercised"
     env.d1.call("ext", fn=X + "use", name="file")
     rep = dc.call("ext", fn=X + "report")
     assert set(aborted) <= set(rep["released"])
