@@ -8,7 +8,9 @@ views over the registered buffers. An engine with device pools passes its own ``
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
@@ -59,11 +61,34 @@ class CpuCopier:
     def to_host(self, pool: str, l1_pages: np.ndarray, host: HostPool,
                 host_pages: np.ndarray) -> None:
         l1, hp, item = self._pairs(pool, l1_pages, host, host_pages)
-        for d, s in zip(hp.tolist(), l1.tolist()):
-            ctypes.memmove(d, s, item)
+        _copy(hp, l1, item)
 
     def to_l1(self, pool: str, host: HostPool, host_pages: np.ndarray,
               l1_pages: np.ndarray) -> None:
         l1, hp, item = self._pairs(pool, l1_pages, host, host_pages)
-        for d, s in zip(l1.tolist(), hp.tolist()):
-            ctypes.memmove(d, s, item)
+        _copy(l1, hp, item)
+
+
+WORKERS = max(1, min(4, os.cpu_count() or 1))
+_POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="pdxfer-copy")
+SPLIT_BYTES = 8 << 20
+"""Copies larger than this are split across threads: ``ctypes.memmove`` releases the GIL,
+and one core's memcpy does not saturate memory bandwidth."""
+
+
+def _run(dst: list[int], src: list[int], item: int) -> None:
+    for d, s in zip(dst, src):
+        ctypes.memmove(d, s, item)
+
+
+def _copy(dst: np.ndarray, src: np.ndarray, item: int) -> None:
+    n = int(dst.size)
+    parts = min(WORKERS, max(1, n * item // SPLIT_BYTES), n) if n else 1
+    if parts <= 1:
+        _run(dst.tolist(), src.tolist(), item)
+        return
+    bounds = np.linspace(0, n, parts + 1).astype(int)
+    futs = [_POOL.submit(_run, dst[a:b].tolist(), src[a:b].tolist(), item)
+            for a, b in zip(bounds, bounds[1:])]
+    for f in futs:
+        f.result()
