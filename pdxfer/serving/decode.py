@@ -74,14 +74,6 @@ class DecodeWorker(RoomWorker):
         self.aborted: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.counters = collections.Counter[str]()
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=8 << 20)
-        app.router.add_post("/generate", self.h_generate)
-        app.router.add_post("/abort", self.h_abort)
-        app.router.add_get("/health", self.h_health)
-        app.router.add_get("/metrics", self.h_metrics)
-        return app
-
     async def h_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", **self.host.info()})
 

@@ -151,6 +151,14 @@ class RoomWorker:
     host: ModelHost
     aborted: Any
 
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=8 << 20)
+        app.router.add_post("/generate", self.h_generate)  # type: ignore[attr-defined]
+        app.router.add_post("/abort", self.h_abort)
+        app.router.add_get("/health", self.h_health)  # type: ignore[attr-defined]
+        app.router.add_get("/metrics", self.h_metrics)
+        return app
+
     def _handles(self) -> Any:
         raise NotImplementedError
 

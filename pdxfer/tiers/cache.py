@@ -161,15 +161,20 @@ class TieredCache:
                 self.copier.to_l1(pool, hp, np.array([e.pages[pool] for e in entries]), l1)
         return len(entries)
 
-    def _get(self, batch: list[Entry]) -> list[bool]:
-        assert self.storage is not None
+    def _io_lists(self, entries: list[Entry]) -> tuple[list[str], list[int], list[int]]:
+        """L3 keys, L2 addresses and sizes of every data pool's part of each entry."""
         keys, addrs, sizes = [], [], []
-        for e in batch:
+        for e in entries:
             for pool in self.data_pools:
                 hp = self.host.pools[pool]
                 keys.append(pool_key(e.key, pool))
                 addrs.append(hp.page_addr(e.pages[pool]))
                 sizes.append(hp.page_bytes)
+        return keys, addrs, sizes
+
+    def _get(self, batch: list[Entry]) -> list[bool]:
+        assert self.storage is not None
+        keys, addrs, sizes = self._io_lists(batch)
         try:
             got = self.storage.get_into(keys, addrs, sizes)
         except Exception as e:  # noqa: BLE001 - a failing L3 is a miss, repaired upstream
@@ -238,13 +243,7 @@ class TieredCache:
         try:
             if self.storage is None or not entries:
                 return 0
-            keys, addrs, sizes = [], [], []
-            for e in entries:
-                for pool in self.data_pools:
-                    hp = self.host.pools[pool]
-                    keys.append(pool_key(e.key, pool))
-                    addrs.append(hp.page_addr(e.pages[pool]))
-                    sizes.append(hp.page_bytes)
+            keys, addrs, sizes = self._io_lists(entries)
             try:
                 ok = self.storage.put_from(keys, addrs, sizes)
             except Exception as e:  # noqa: BLE001 - a failing L3 is a logged miss
