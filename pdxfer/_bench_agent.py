@@ -198,10 +198,22 @@ class BenchState(AgentState):
             time.sleep(0.0005)
         return False
 
-    def cmd_bench_send(self, room: int, pages: list[int]) -> float:
-        """Send one room as a single last chunk; return the monotonic stamp of the send."""
+    def cmd_bench_send(self, room: int, pages: list[int], wait: bool = False) -> float:
+        """Send one room as a single last chunk; return the monotonic stamp of the send.
+
+        With ``wait`` the call returns only once the room ended here (its TransferDone sent),
+        so that the driver and the decode's poll loop stay idle while the transfer runs, as
+        they do while a raw baseline write runs."""
         e = self.eps["main"]
         tx = e.ep.sender(room)
+        if wait:
+            e.tx[room] = tx
+            t = time.monotonic()
+            tx.send({"kv": pages}, last=True)
+            end = t + 60.0
+            while not tx.poll().terminal and time.monotonic() < end:
+                time.sleep(0.02)
+            return t
         t = time.monotonic()
         tx.send({"kv": pages}, last=True)
         e.tx[room] = tx

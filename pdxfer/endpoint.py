@@ -84,10 +84,15 @@ class Endpoint:
         self.workers = Workers(config.workers, name=f"pdxfer-{config.role}")
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
+        self._handlers: dict[type, Any]
         if config.role == "prefill":
-            self.prefill = PrefillSide(self)
+            self.prefill = p_side = PrefillSide(self)
+            self._handlers = {wire.Hello: p_side.on_hello, wire.TransferRequest: p_side.on_request,
+                              wire.Abort: p_side.on_abort, wire.Release: p_side.on_release}
         else:
-            self.decode = DecodeSide(self)
+            self.decode = d_side = DecodeSide(self)
+            self._handlers = {wire.HelloAck: d_side.on_hello_ack, wire.TransferDone: d_side.on_done,
+                              wire.AbortAck: d_side.on_abort_ack, wire.Abort: d_side.on_abort}
         self.control = Control(config.host, self._on_frame, self._on_tick,
                                max_frame=wire.MAX_FRAME, name=f"pdxfer-{config.role}-control")
         self.ctrl_addr = self.control.address
@@ -227,21 +232,7 @@ class Endpoint:
             self.count("wire_rejected")
             log.warning("rejected control message: %s", e)
             return
-        if self.prefill is not None:
-            handler = {
-                wire.Hello: self.prefill.on_hello,
-                wire.TransferRequest: self.prefill.on_request,
-                wire.Abort: self.prefill.on_abort,
-                wire.Release: self.prefill.on_release,
-            }.get(type(msg))
-        else:
-            assert self.decode is not None
-            handler = {
-                wire.HelloAck: self.decode.on_hello_ack,
-                wire.TransferDone: self.decode.on_done,
-                wire.AbortAck: self.decode.on_abort_ack,
-                wire.Abort: self.decode.on_abort,
-            }.get(type(msg))
+        handler = self._handlers.get(type(msg))
         if handler is None:
             self.count("unexpected_messages")
             log.warning("%s endpoint got unexpected %s", self.config.role, type(msg).__name__)

@@ -30,13 +30,57 @@ peer's lane for good; 1024 keeps a safe margin."""
 _U64 = np.uint64
 
 
-@dataclass(frozen=True, slots=True)
 class Blocks:
-    """A plan: parallel uint64 arrays of source address, destination address and length."""
+    """A plan: parallel uint64 arrays of source address, destination address and length.
 
-    src: np.ndarray
-    dst: np.ndarray
-    nbytes: np.ndarray
+    A small plan may instead be built from Python lists (``from_lists``): the transport takes
+    lists, so the arrays are then only made if some consumer asks for them. Treat as
+    immutable."""
+
+    __slots__ = ("_src", "_dst", "_nb", "_lists")
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        self._src: np.ndarray | None = src
+        self._dst: np.ndarray | None = dst
+        self._nb: np.ndarray | None = nbytes
+        self._lists: tuple[list[int], list[int], list[int]] | None = None
+
+    @classmethod
+    def from_lists(cls, src: list[int], dst: list[int], nbytes: list[int]) -> Blocks:
+        b = cls.__new__(cls)
+        b._src = b._dst = b._nb = None
+        b._lists = (src, dst, nbytes)
+        return b
+
+    def _arrays(self) -> None:
+        assert self._lists is not None
+        s, d, n = self._lists
+        self._src, self._dst, self._nb = (np.array(s, dtype=_U64), np.array(d, dtype=_U64),
+                                          np.array(n, dtype=_U64))
+
+    @property
+    def src(self) -> np.ndarray:
+        if self._src is None:
+            self._arrays()
+        return self._src  # type: ignore[return-value]
+
+    @property
+    def dst(self) -> np.ndarray:
+        if self._dst is None:
+            self._arrays()
+        return self._dst  # type: ignore[return-value]
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        if self._nb is None:
+            self._arrays()
+        return self._nb  # type: ignore[return-value]
+
+    def lists(self) -> tuple[list[int], list[int], list[int]]:
+        """The three columns as Python int lists (what the transport takes)."""
+        if self._lists is None:
+            self._lists = (self.src.tolist(), self.dst.tolist(), self.nbytes.tolist())
+        return self._lists
 
     @staticmethod
     def empty() -> Blocks:
@@ -57,10 +101,14 @@ class Blocks:
         )
 
     def __len__(self) -> int:
+        if self._lists is not None:
+            return len(self._lists[0])
         return int(self.src.shape[0])
 
     @property
     def total_bytes(self) -> int:
+        if self._lists is not None:
+            return sum(self._lists[2])
         return int(self.nbytes.sum()) if len(self) else 0
 
     def batches(self, max_entries: int = MAX_BATCH_ENTRIES) -> Iterator[Blocks]:
@@ -84,6 +132,9 @@ class BufferPairing:
     dst: PoolSpec
     src_base: np.ndarray
     dst_base: np.ndarray
+    src_list: tuple[int, ...] = ()
+    """``src_base`` as Python ints, for the small-request path (``_expand_few``)."""
+    dst_list: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return int(self.src_base.shape[0])
@@ -104,7 +155,8 @@ def pair_buffers(src: PoolSpec, dst: PoolSpec) -> BufferPairing | str:
             return f"pool {src.name!r}: no destination buffer for layer {b.layer_id} {b.role}"
         sb.append(b.addr)
         db.append(d.addr)
-    return BufferPairing(src, dst, np.array(sb, dtype=_U64), np.array(db, dtype=_U64))
+    return BufferPairing(src, dst, np.array(sb, dtype=_U64), np.array(db, dtype=_U64),
+                         tuple(sb), tuple(db))
 
 
 def as_indices(x: object, what: str) -> np.ndarray | str:
@@ -153,6 +205,36 @@ def _expand(
     return Blocks(src, dst, nb)
 
 
+FEW_PAGES = 32
+"""Up to this many pages a plan is built from Python lists: a request's control path runs
+with cold CPU caches (its own data just streamed through them), where each numpy call costs
+tens of microseconds; a few list comprehensions cost less than the ~25 numpy calls of the
+vectorised path. Larger plans use numpy, where per-element work dominates."""
+
+
+def _runs_few(s: list[int], d: list[int]) -> list[tuple[int, int, int]]:
+    """``runs`` on short Python lists: (source start, destination start, length)."""
+    out: list[tuple[int, int, int]] = []
+    for a, b in zip(s, d):
+        if out:
+            a0, b0, n = out[-1]
+            if a == a0 + n and b == b0 + n:
+                out[-1] = (a0, b0, n + 1)
+                continue
+        out.append((a, b, 1))
+    return out
+
+
+def _expand_few(pairing: BufferPairing, rr: list[tuple[int, int, int]], unit: int) -> Blocks:
+    """``_expand`` for few runs, through Python lists (same buffer-major order)."""
+    sl = pairing.src_list or tuple(pairing.src_base.tolist())
+    dl = pairing.dst_list or tuple(pairing.dst_base.tolist())
+    src = [b + a * unit for b in sl for a, _, _ in rr]
+    dst = [b + d * unit for b in dl for _, d, _ in rr]
+    nb = [r[2] * unit for r in rr] * len(sl)
+    return Blocks.from_lists(src, dst, nb)
+
+
 def plan_paged(
     pairing: BufferPairing,
     src_pages: np.ndarray,
@@ -185,6 +267,15 @@ def plan_paged(
         count = -(-(end - start) // ps_s)
         s = src_pages[i0 : i0 + count]
         d = dst_pages[j0 : j0 + count]
+        if count <= FEW_PAGES:
+            sl, dl = s.tolist(), d.tolist()
+            if sl and (min(sl) < 0 or max(sl) >= src.num_items):
+                return (f"pool {src.name!r} source page: index out of range "
+                        f"[0, {src.num_items}) (min {min(sl)}, max {max(sl)})")
+            if dl and (min(dl) < 0 or max(dl) >= dst.num_items):
+                return (f"pool {src.name!r} destination page: index out of range "
+                        f"[0, {dst.num_items}) (min {min(dl)}, max {max(dl)})")
+            return _expand_few(pairing, _runs_few(sl, dl), src.item_bytes)
         why = _check_range(s, src.num_items, f"pool {src.name!r} source page") or _check_range(
             d, dst.num_items, f"pool {src.name!r} destination page"
         )

@@ -6,7 +6,9 @@ answered ``TransferDone`` or ``AbortAck``, or was declared dead. Until then they
 and, past ``abort_timeout_s``, are counted as quarantined.
 
 Bootstrap lookups and handshakes block, so they run on a connector thread; the engine's calls
-only record intent and return.
+only record intent and return. Once a route is resolved and its prefill endpoints have
+acknowledged the Hello, ``request()`` sends the TransferRequest from the caller's thread (a
+non-blocking socket send), saving a thread hop per request.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdxfer.receiver")
 
 HELLO_RETRY_S = 0.5
+
+Resolved = tuple[list["PrefillPeer"], list[T.Assignment], int]
+"""A room's peers, their pool assignments and the prefill's ``decode_peers``."""
 
 Release = Callable[[Mapping[str, np.ndarray], Mapping[str, int]], None]
 
@@ -149,6 +154,7 @@ class DecodeSide:
         self.rooms: dict[int, RecvRoom] = {}
         self.peers: dict[str, PrefillPeer] = {}
         self._routes: dict[tuple[str, str | None, int | None], dict[str, Any]] = {}
+        self._resolved: dict[tuple[str, str | None, int | None], Resolved] = {}
         self._clients: dict[str, BootstrapClient] = {}
         self._connector = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-connect")
         n = Staging.wanted(ep.pools)
@@ -210,7 +216,16 @@ class DecodeSide:
             st.requested = True
             st.dst, st.slots = arrays, {k: int(v) for k, v in slots.items()}
             st.prefix_len, st.num_tokens = prefix_len, num_tokens
-        self._connector.submit(self._connect, st)
+        c = self._cached(st)
+        if c is None:
+            self._connector.submit(self._connect, st)
+            return
+        try:
+            leases = [self._stage(st, a.heads) for a in c[1]]
+        except PdxferError as e:
+            self.fail(st, e)
+            return
+        self._post(st, c[0], c[1], c[2], leases)
 
     def fail(self, st: RecvRoom, err: PdxferError) -> None:
         """Fail a room and ask every sender that may still write to drain and acknowledge."""
@@ -232,21 +247,7 @@ class DecodeSide:
     # -- connector (blocking, off the engine loop) ----------------------------------------------
     def _connect(self, st: RecvRoom) -> None:
         try:
-            route = self._route(st)
-            ranks = T.contacts(int(route["tp_size"]), self.cfg.tp_size, self.cfg.tp_rank)
-            if isinstance(ranks, str):
-                raise LayoutMismatch(f"prefill instance {route['instance']!r}: {ranks}")
-            eps = sorted((e for e in route["endpoints"] if e["tp_rank"] in ranks),
-                         key=lambda e: (int(e.get("pp_rank", 0)), int(e["tp_rank"])))
-            if len(eps) != len(ranks) * int(route.get("pp_size", 1)):
-                raise BootstrapError(f"prefill instance {route['instance']!r} has not "
-                                     f"registered every endpoint of tp ranks {ranks}")
-            peers = [self._handshake(e, st.deadline) for e in eps]
-            plan = T.assign({p.name: p for p in self.ep.pools},
-                            [(int(e.get("pp_rank", 0)), p.pools) for e, p in zip(eps, peers)])
-            if isinstance(plan, str):
-                raise LayoutMismatch(f"prefill instance {route['instance']!r}: {plan}")
-            npeers = T.decode_peers(int(route["tp_size"]), self.cfg.tp_size)
+            peers, plan, npeers = self._resolve(st)
             leases = [self._stage(st, a.heads) for a in plan]
         except PdxferError as e:
             self._forget_route(st)
@@ -256,6 +257,47 @@ class DecodeSide:
             log.exception("connect for room %d failed", st.room)
             self.fail(st, BootstrapError(f"room {st.room}: {e}"))
             return
+        self._post(st, peers, plan, npeers, leases)
+
+    def _resolve(self, st: RecvRoom) -> Resolved:
+        """Route, handshakes and pool assignment for a room (blocking: bootstrap lookup and
+        Hello). Cached per route while the route is room-independent (one DP group)."""
+        route = self._route(st)
+        ranks = T.contacts(int(route["tp_size"]), self.cfg.tp_size, self.cfg.tp_rank)
+        if isinstance(ranks, str):
+            raise LayoutMismatch(f"prefill instance {route['instance']!r}: {ranks}")
+        eps = sorted((e for e in route["endpoints"] if e["tp_rank"] in ranks),
+                     key=lambda e: (int(e.get("pp_rank", 0)), int(e["tp_rank"])))
+        if len(eps) != len(ranks) * int(route.get("pp_size", 1)):
+            raise BootstrapError(f"prefill instance {route['instance']!r} has not "
+                                 f"registered every endpoint of tp ranks {ranks}")
+        peers = [self._handshake(e, st.deadline) for e in eps]
+        plan = T.assign({p.name: p for p in self.ep.pools},
+                        [(int(e.get("pp_rank", 0)), p.pools) for e, p in zip(eps, peers)])
+        if isinstance(plan, str):
+            raise LayoutMismatch(f"prefill instance {route['instance']!r}: {plan}")
+        out = (peers, plan, T.decode_peers(int(route["tp_size"]), self.cfg.tp_size))
+        if route.get("dp_size") == 1:
+            with self.ep.lock:
+                self._resolved[(st.bootstrap, st.instance, st.dp)] = out
+        return out
+
+    def _cached(self, st: RecvRoom) -> Resolved | None:
+        """A resolution every peer of which is still the live, acknowledged peer: then a
+        request is sent from the caller's thread, with no hop through the connector."""
+        with self.ep.lock:
+            c = self._resolved.get((st.bootstrap, st.instance, st.dp))
+            if c is None:
+                return None
+            for p in c[0]:
+                if (self.peers.get(p.endpoint_id) is not p or p.dead or p.hung or p.refused
+                        or not p.ready.is_set()):
+                    return None
+            return c
+
+    def _post(self, st: RecvRoom, peers: list[PrefillPeer], plan: list[T.Assignment],
+              npeers: int, leases: list[list[Lease]]) -> None:
+        """Send the room's TransferRequest to every peer (never blocks)."""
         now = time.monotonic()
         with self.ep.lock:
             if st.state.terminal:
@@ -307,6 +349,7 @@ class DecodeSide:
     def _forget_route(self, st: RecvRoom) -> None:
         with self.ep.lock:
             self._routes.pop((st.bootstrap, st.instance, st.dp), None)
+            self._resolved.pop((st.bootstrap, st.instance, st.dp), None)
 
     def _handshake(self, e: dict[str, Any], deadline: float) -> PrefillPeer:
         eid = str(e["endpoint_id"])

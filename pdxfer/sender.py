@@ -429,6 +429,7 @@ class PrefillSide:
     def _plan(self, t: Target, chunk: Chunk, cursor: dict[str, int]) -> P.Blocks | str:
         req = t.req
         parts: list[P.Blocks] = []
+        proven = True  # only whole pages and slots so far: in bounds by construction
         for name, pairing in t.peer.pairings.items():
             pool = pairing.src
             if pool.kind != "paged" or name in req.skip:
@@ -454,9 +455,11 @@ class PrefillSide:
             elif heads[0] >= heads[1]:
                 continue
             elif name in req.stage:
+                proven = False
                 b = plan_staged(pairing, req.stage[name], req.num_tokens - req.prefix_len, src,
                                 first, req.prefix_len, lo, hi, *heads)
             else:
+                proven = False
                 b = plan_head_slice(pairing, src, first, dst, req.prefix_len, lo, hi, *heads)
             if isinstance(b, str):
                 return f"room {req.room}: {b}"
@@ -474,6 +477,13 @@ class PrefillSide:
                     return f"room {req.room}: {b}"
                 parts.append(b)
         blocks = P.Blocks.concat(parts)
+        if proven:
+            # Whole pages and slots of paired buffers: ``plan_paged``/``plan_slots`` checked
+            # every index against ``num_items``, and a PoolSpec (ours, or the peer's decoded
+            # from its Hello) never declares a buffer smaller than ``num_items * item_bytes``,
+            # so every block lies inside a buffer that is a registered region on its side.
+            # Checking again per block would cost as much as the plan on the hot path.
+            return blocks
         return (P.check_bounds(blocks, self.ep.regions, "src")
                 or P.check_bounds(blocks, t.peer.regions, "dst") or blocks)
 
@@ -496,7 +506,7 @@ class PrefillSide:
         wire_blocks = gathered[0] if gathered is not None else blocks
         try:
             self.ep.transport.write(
-                t.peer.session, wire_blocks.src, wire_blocks.dst, wire_blocks.nbytes,
+                t.peer.session, *wire_blocks.lists(),
                 deadline=st.deadline, should_stop=lambda: st.state == KVPoll.Failed,
                 tag=st.room)
         except TransportError as e:
@@ -514,33 +524,42 @@ class PrefillSide:
             self._finish(st, t, True, None)
 
     def _finish(self, st: SenderRoom, t: Target, ok: bool, err: PdxferError | None) -> None:
-        """Send the target its one terminal message; runs on the room's worker thread."""
+        """Send the target its one terminal message; runs on the room's worker thread.
+
+        The message goes out as soon as the outcome is decided (under the lock, so an abort
+        cannot slip between the decision and the send); bookkeeping follows it, off the
+        request's critical path."""
+        now = time.monotonic()
+        success = False
         with self.ep.lock:
             if t.finished:
                 return
             t.finished = True
             if ok and st.state == KVPoll.Failed:  # aborted or expired while the write ran
                 ok, err = False, st.failure
+            if not (t.req.silent and not t.aborted):  # a silent sender's decode does not wait
+                if t.aborted:
+                    msg: wire.Msg = wire.AbortAck(
+                        room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
+                        rank=self.cfg.tp_rank)
+                else:
+                    msg = wire.TransferDone(
+                        room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
+                        rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
+                        kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks,
+                        seconds=t.seconds)
+                self.ep.send(t.req.reply_to, msg)
             all_done = len(st.targets) >= st.expected and all(x.finished for x in st.targets)
             if ok and all_done and not st.state.terminal:
                 st.state = KVPoll.Success
-                self.ep.count("success")
-                self.ep.timeline.observe("waiting", st.t_request - st.t_created)
-                self.ep.timeline.observe("transfer", time.monotonic() - st.t_request)
+                success = True
             if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
                 self._end_or_hold(st)
+        if success:
+            self.ep.count("success")
+            self.ep.timeline.observe("waiting", st.t_request - st.t_created)
+            self.ep.timeline.observe("transfer", now - st.t_request)
         self.ep.count_transfer(t.bytes, t.blocks)
-        if t.req.silent and not t.aborted:
-            return  # the decode does not wait for a sender that writes nothing
-        if t.aborted:
-            msg: wire.Msg = wire.AbortAck(room=st.room, nonce=t.req.nonce,
-                                          endpoint_id=self.ep.endpoint_id, rank=self.cfg.tp_rank)
-        else:
-            msg = wire.TransferDone(
-                room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
-                rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
-                kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks, seconds=t.seconds)
-        self.ep.send(t.req.reply_to, msg)
 
 
 def _heads(pairing: P.BufferPairing, asked: tuple[int, int] | None) -> tuple[int, int] | None:

@@ -133,7 +133,7 @@ class Bench:
         if not self.pf.call("bench_wait_pending", rooms=[room]):
             raise RuntimeError("the decode's request never reached the prefill")
         c0 = self.cpu(self.pf, self.dc)
-        t0 = self.pf.call("bench_send", room=room, pages=src)
+        t0 = self.pf.call("bench_send", room=room, pages=src, wait=True)
         r = self.dc.call("bench_done", rooms=[room])[room]
         cpu = self.cpu(self.pf, self.dc) - c0
         if r["state"] != "Success":
@@ -259,19 +259,46 @@ class Bench:
         o["small.failed"] = len(failed)
         self.fixed_cost(tokens, per)
 
+    def pdx_send_once(self, tokens: int, src: list[int], dst: list[int]) -> float:
+        """One request whose decode side asked first (as in PD serving, where the decode's
+        request goes out while the prefill computes): seconds from the prefill's ``send`` to
+        Success on the decode."""
+        room = self.next_room()
+        self.dc.call("recv", items=[{"room": room, "dst": {"kv": dst}, "num_tokens": tokens}],
+                     bootstrap=self.srv.address)
+        if not self.pf.call("bench_wait_pending", rooms=[room]):
+            raise RuntimeError("the decode's request never reached the prefill")
+        t0 = self.pf.call("bench_send", room=room, pages=src, wait=True)
+        r = self.dc.call("bench_done", rooms=[room])[room]
+        if r["state"] != "Success":
+            raise RuntimeError(f"pdxfer transfer failed: {r['failure']}")
+        return r["t_done"] - t0
+
     def fixed_cost(self, tokens: int, per: int) -> None:
-        """One request at a time: pdxfer's request-to-Success minus a raw write of the same
-        blocks; the difference is what pdxfer adds per request."""
-        rounds, k = (2, 10) if self.quick else (4, 20)
+        """One request at a time: pdxfer's time to Success minus a raw write of the same
+        blocks, alternating one raw write and one pdxfer request (A B A B ...), each to fresh
+        destination pages. Time to Success counts from the prefill's ``send`` (as the bulk
+        figure does); ``small.fixed_cost_from_request_ms`` counts from the decode's
+        ``request()`` instead, which adds the request's trip to the prefill."""
+        pairs = 30 if self.quick else 100
         src = self.src_perm[:per]
-        pdx: list[float] = []
         raw: list[float] = []
+        pdx: list[float] = []
+        for _ in range(pairs):
+            dst = self.rng.choice(DC_PAGES, per, replace=False).tolist()
+            raw += self.rpf.call("raw_write", peer=self.rdc.info["session"],
+                                 pools=self.rdc.info["pools"], src=src, dst=dst, tokens=tokens,
+                                 reps=1)["seconds"]
+            dst = self.rng.choice(DC_PAGES, per, replace=False).tolist()
+            pdx.append(self.pdx_send_once(tokens, src, dst))
+        rounds, k = (2, 10) if self.quick else (4, 20)
+        req: list[float] = []
+        raw_blk: list[float] = []
         for _ in range(rounds):
             dst = self.rng.choice(DC_PAGES, per, replace=False).tolist()
-            r = self.rpf.call("raw_write", peer=self.rdc.info["session"],
-                              pools=self.rdc.info["pools"], src=src, dst=dst, tokens=tokens,
-                              reps=k)
-            raw += r["seconds"]
+            raw_blk += self.rpf.call("raw_write", peer=self.rdc.info["session"],
+                                     pools=self.rdc.info["pools"], src=src, dst=dst,
+                                     tokens=tokens, reps=k)["seconds"]
             first = self.next_room()
             self.room += 1 << 20
             self.pf.call("bench_serve", first_room=first, src=src, ahead=4)
@@ -279,11 +306,16 @@ class Bench:
                              dst_free=self.rng.permutation(DC_PAGES).tolist(), per=per,
                              tokens=tokens, conc=1, count=k)
             self.pf.call("bench_serve_stop")
-            pdx += [t1 - t0 for t0, t1 in r["stamps"]]
+            req += [t1 - t0 for t0, t1 in r["stamps"]]
         o = self.out
-        o["small.serial_pdxfer_ms"] = statistics.median(pdx) * 1e3
-        o["small.serial_raw_write_ms"] = statistics.median(raw) * 1e3
+        med = statistics.median
+        o["small.serial_pairs"] = pairs
+        o["small.serial_pdxfer_ms"] = med(pdx) * 1e3
+        o["small.serial_raw_write_ms"] = med(raw) * 1e3
         o["small.fixed_cost_ms"] = o["small.serial_pdxfer_ms"] - o["small.serial_raw_write_ms"]
+        o["small.fixed_cost_paired_ms"] = med([a - b for a, b in zip(pdx, raw)]) * 1e3
+        o["small.serial_from_request_ms"] = med(req) * 1e3
+        o["small.fixed_cost_from_request_ms"] = (med(req) - med(raw_blk)) * 1e3
 
     # -- 3. entries ---------------------------------------------------------------------------------
     def entries(self) -> None:

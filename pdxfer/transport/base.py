@@ -42,7 +42,8 @@ class Transport(Protocol):
 
     def deregister(self, addr: int) -> None: ...
 
-    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+    def write(self, peer: str, src: np.ndarray | list[int], dst: np.ndarray | list[int],
+              nbytes: np.ndarray | list[int]) -> None:
         """Write every block, or raise ``TransportError``. Blocking; call it off the engine loop."""
         ...
 
