@@ -133,7 +133,7 @@ class Bench:
         if not self.pf.call("bench_wait_pending", rooms=[room]):
             raise RuntimeError("the decode's request never reached the prefill")
         c0 = self.cpu(self.pf, self.dc)
-        t0 = self.pf.call("bench_send", room=room, pages=src, wait=True)
+        t0 = self.pf.call("bench_send", room=room, pages=src, wait=True)["t"]
         r = self.dc.call("bench_done", rooms=[room])[room]
         cpu = self.cpu(self.pf, self.dc) - c0
         if r["state"] != "Success":
@@ -268,11 +268,12 @@ class Bench:
                      bootstrap=self.srv.address)
         if not self.pf.call("bench_wait_pending", rooms=[room]):
             raise RuntimeError("the decode's request never reached the prefill")
-        t0 = self.pf.call("bench_send", room=room, pages=src, wait=True)
+        s = self.pf.call("bench_send", room=room, pages=src, wait=True)
         r = self.dc.call("bench_done", rooms=[room])[room]
         if r["state"] != "Success":
             raise RuntimeError(f"pdxfer transfer failed: {r['failure']}")
-        return r["t_done"] - t0
+        self.last_write_s = s["write_s"]
+        return r["t_done"] - s["t"]
 
     def fixed_cost(self, tokens: int, per: int) -> None:
         """One request at a time: pdxfer's time to Success minus a raw write of the same
