@@ -129,6 +129,11 @@ class KVReceiver(RequestHandle):
             self._side.ep.send(p.ctrl_addr, wire.Release(room=st.room, nonce=st.nonce))
 
     @property
+    def done_at(self) -> float | None:
+        """``time.monotonic()`` when Success arrived (None before)."""
+        return self._st.t_done or None
+
+    @property
     def quarantined(self) -> bool:
         return self._st.quarantined
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -69,8 +70,26 @@ class CpuCopier:
         _copy(l1, hp, item)
 
 
-WORKERS = max(1, min(4, os.cpu_count() or 1))
-_POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="pdxfer-copy")
+WORKERS = int(os.environ.get("PDXFER_COPY_THREADS", 0)) or max(1, min(4, os.cpu_count() or 1))
+NICE = int(os.environ.get("PDXFER_COPY_NICE", "10"))
+"""Copy threads run this much nicer than the process. A restore's copy overlaps its own
+network suffix (and other requests' transfers), whose transport I/O threads are latency
+bound: when cores are short, the copy should fill the gaps they leave rather than stall them
+(measured on 2 vCPUs: the suffix's transfer slowed 2x behind two copy threads). With spare
+cores it changes nothing."""
+
+
+def _nicer() -> None:
+    if NICE > 0 and hasattr(os, "setpriority"):
+        try:  # on Linux, PRIO_PROCESS with a thread id sets that thread only
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + NICE)
+        except OSError:
+            pass  # not permitted or not supported: run at normal priority
+
+
+_POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="pdxfer-copy",
+                           initializer=_nicer)
 SPLIT_BYTES = 8 << 20
 """Copies larger than this are split across threads: ``ctypes.memmove`` releases the GIL,
 and one core's memcpy does not saturate memory bandwidth."""

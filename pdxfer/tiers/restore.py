@@ -86,6 +86,8 @@ class RestoringReceiver:
         self.t0 = time.monotonic()
         self.t_ready: float | None = None
         self.t_local: float | None = None
+        self.t_match: float | None = None
+        self.t_requested: float | None = None
         self.rx = endpoint.receiver(room, bootstrap, instance=instance, dp=dp,
                                     release=self._on_rx_release)
         cache.executor.submit(self._run)
@@ -96,10 +98,12 @@ class RestoringReceiver:
         try:
             m = self.cache.match(self.tokens, self.num_tokens, self.l1_len)
             self.match = m
+            self.t_match = time.monotonic()
             pp = m.promised_pages
             self.rx.request({a: p[pp:] for a, p in self.dst.items()}, self.slots,
                             prefix_len=m.prefix_len, num_tokens=self.num_tokens,
                             hold_for_repair=pp > 0)
+            self.t_requested = time.monotonic()
             good = self.cache.load(m, {a: p[:pp] for a, p in self.dst.items()},
                                    self._restore_deadline)
         except Exception as e:  # noqa: BLE001 - any failure fails this request, not the engine
@@ -188,7 +192,11 @@ class RestoringReceiver:
 
     def _succeed(self) -> KVPoll:
         self._state = KVPoll.Success
-        self.t_ready = time.monotonic()
+        # Ready when the last part finished, not when somebody polled: the engine may poll
+        # seldom, and its poll interval is not the transfer's latency.
+        parts = [self.t_local, self.rx.done_at,
+                 self._repair.done_at if self._repair is not None else None]
+        self.t_ready = max((t for t in parts if t is not None), default=time.monotonic())
         self._send_release()
         return self._state
 
@@ -271,4 +279,6 @@ class RestoringReceiver:
                 "repaired_tokens": self._repair_range[1] - self._repair_range[0],
                 "seconds": (self.t_ready - self.t0) if self.t_ready else None,
                 "local_seconds": (self.t_local - self.t0) if self.t_local else None,
+                "match_seconds": (self.t_match - self.t0) if self.t_match else None,
+                "request_seconds": (self.t_requested - self.t0) if self.t_requested else None,
                 "net_seconds": net["seconds"]}
