@@ -214,6 +214,7 @@ class BenchState(AgentState):
             while not tx.poll().terminal and time.monotonic() < end:
                 time.sleep(0.002)
             return {"t": t, "write_s": sum(x.seconds for x in tx._st.targets),
+                    "raw_write_s": sum(x.write_seconds for x in tx._st.targets),
                     "done": time.monotonic()}
         t = time.monotonic()
         tx.send({"kv": pages}, last=True)

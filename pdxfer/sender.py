@@ -74,6 +74,9 @@ class Target:
     bytes: int = 0
     blocks: int = 0
     seconds: float = 0.0
+    """Planning and writing, summed over chunks."""
+    write_seconds: float = 0.0
+    """The transport writes alone (the raw write time within ``seconds``)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -504,6 +507,7 @@ class PrefillSide:
         gathered = (bounce(blocks, self.staging)
                     if self.staging is not None and _sliced(t) else None)
         wire_blocks = gathered[0] if gathered is not None else blocks
+        tw = time.perf_counter()
         try:
             self.ep.transport.write(
                 t.peer.session, *wire_blocks.lists(),
@@ -520,6 +524,7 @@ class PrefillSide:
         t.bytes += blocks.total_bytes
         t.blocks += len(wire_blocks)
         t.seconds += time.perf_counter() - t0
+        t.write_seconds += time.perf_counter() - tw
         if chunk.last:
             self._finish(st, t, True, None)
 
