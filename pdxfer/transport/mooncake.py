@@ -228,8 +228,11 @@ class MooncakeTransport:
                 while ahead is None and inflight and not error:
                     # never wait for credits while holding some: finish our own batch first
                     error = self._await(peer, inflight.popleft(), credits, rate)
-                    ahead = credits.try_acquire(len(b.src), b.total)
+                    if not error:
+                        ahead = credits.try_acquire(len(b.src), b.total)
                 if error:
+                    if ahead is not None:  # acquired for a batch that will not be sent
+                        credits.release(len(b.src), b.total)
                     break
                 b.ahead = ahead if ahead is not None else credits.acquire(
                     len(b.src), deadline, b.total)
