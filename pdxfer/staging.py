@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,44 +133,49 @@ def _host(addr: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
 
 
+SCATTER_WORKERS = max(1, min(4, os.cpu_count() or 1))
+SCATTER_SPLIT_BYTES = 8 << 20
+"""A scatter larger than this is split over threads by buffer: numpy's fancy-indexed copy
+releases the GIL, and one core's copy does not saturate memory bandwidth. The scatter sits
+between a sender's last byte landing and the request's Success, so its time is latency."""
+_SCATTER_POOL = ThreadPoolExecutor(max_workers=SCATTER_WORKERS,
+                                   thread_name_prefix="pdxfer-scatter")
+
+
 def scatter(pool: PoolSpec, lease: Lease, pages: np.ndarray, prefix_len: int, num_tokens: int,
             layers: set[tuple[int, str]]) -> None:
     """Copy a lease's packed head slice into ``pool`` for the buffers ``layers`` the sender
-    wrote (``pages`` cover tokens from ``prefix_len``)."""
+    wrote (``pages`` cover tokens from ``prefix_len``): per buffer, one fancy-indexed copy of
+    the packed units into their rows (tokens, or whole pages for HND), no per-unit loop."""
     ntok = num_tokens - prefix_len
     if ntok <= 0:
         return
-    if not pool.token_major:
-        _scatter_pages(pool, lease, pages, ntok, layers)
-        return
     sh = pool.sharding
-    width = (lease.hi - lease.lo) * sh.head_bytes
+    count, unit = staged_unit(pool, ntok, lease.lo, lease.hi)
     off = (lease.lo - sh.first_head) * sh.head_bytes
-    rel = np.arange(ntok, dtype=np.int64)
-    tok = pages[rel // pool.page_size] * pool.page_size + rel % pool.page_size
+    if pool.token_major:
+        row_bytes = pool.token_bytes
+        rel = np.arange(ntok, dtype=np.int64)
+        idx = pages[rel // pool.page_size] * pool.page_size + rel % pool.page_size
+    else:  # HND: the slice is one block at the same offset of every page
+        row_bytes, off = pool.item_bytes, off * pool.page_size
+        idx = np.asarray(pages[:count], dtype=np.int64)
     stage = _host(lease.addr, lease.nbytes)
-    for j, b in enumerate(pool.buffers):
-        if (b.layer_id, b.role) not in layers:
-            continue
-        rows = _host(b.addr, pool.num_items * pool.item_bytes).reshape(-1, pool.token_bytes)
-        src = stage[j * ntok * width:(j + 1) * ntok * width].reshape(ntok, width)
-        rows[tok, off:off + width] = src
+    jobs = [(_host(b.addr, pool.num_items * pool.item_bytes).reshape(-1, row_bytes),
+             stage[j * count * unit:(j + 1) * count * unit].reshape(count, unit))
+            for j, b in enumerate(pool.buffers) if (b.layer_id, b.role) in layers]
 
+    def run(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for rows, src in part:
+            rows[idx, off:off + unit] = src
 
-def _scatter_pages(pool: PoolSpec, lease: Lease, pages: np.ndarray, ntok: int,
-                   layers: set[tuple[int, str]]) -> None:
-    """HND: request page ``i``'s staged block goes to bytes ``[off, off+unit)`` of destination
-    page ``pages[i]``, one fancy-indexed copy per buffer (no per-page Python loop)."""
-    npages, unit = staged_unit(pool, ntok, lease.lo, lease.hi)
-    off = (lease.lo - pool.sharding.first_head) * pool.page_size * pool.sharding.head_bytes
-    dst = np.asarray(pages[:npages], dtype=np.int64)
-    stage = _host(lease.addr, lease.nbytes)
-    for j, b in enumerate(pool.buffers):
-        if (b.layer_id, b.role) not in layers:
-            continue
-        rows = _host(b.addr, pool.num_items * pool.item_bytes).reshape(-1, pool.item_bytes)
-        rows[dst, off:off + unit] = stage[j * npages * unit:(j + 1) * npages * unit].reshape(
-            npages, unit)
+    parts = min(SCATTER_WORKERS, len(jobs),
+                max(1, len(jobs) * count * unit // SCATTER_SPLIT_BYTES))
+    if parts <= 1:
+        run(jobs)
+        return
+    for f in [_SCATTER_POOL.submit(run, jobs[i::parts]) for i in range(parts)]:
+        f.result()
 
 
 MAX_ENTRY = 8 << 20
