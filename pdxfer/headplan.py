@@ -4,10 +4,13 @@ A sender writes global heads ``[lo, hi)`` that it holds into a decode rank that 
 possibly at another offset inside a token (NHD) or inside a page (HND):
 
 - HND (head-major pages): the slice of one page is one block of ``(hi-lo)*page_size*head_bytes``
-  bytes, so a slice costs one entry per page and buffer, as many as a 1:1 page copy of
-  scattered pages.
+  bytes, so a slice costs one entry per page and buffer in place: as many entries as a 1:1
+  copy of scattered pages, each carrying a fraction of the bytes.
 - NHD or page size 1 (token-major): the slice of one token is one block, one entry per token
-  and buffer, unless the decode lends staging (``plan_staged``, ``staging``).
+  and buffer in place.
+
+Either way the decode may lend staging instead (``plan_staged``, ``staging``): the blocks then
+land back to back and the sender's gather merges them into a few large entries.
 """
 
 from __future__ import annotations
@@ -100,18 +103,22 @@ def plan_staged(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.nda
                 src_first: int, prefix_len: int, start: int, end: int, lo: int, hi: int
                 ) -> Blocks | str:
     """Blocks writing heads ``[lo, hi)`` of tokens ``[start, end)`` packed into a decode
-    staging lease at ``stage`` (layout in ``staging``): one block per run of source tokens
-    when the sender's whole token is the slice."""
+    staging lease at ``stage`` (layout in ``staging``) for a request of ``ntok`` tokens from
+    ``prefix_len``: one block per token, or per page for HND; one block per run of source
+    tokens (pages) when the sender's whole token (page) is the slice."""
     src, dst = pairing.src, pairing.dst
     why = head_range_error(pairing, lo, hi)
     if why:
         return why
-    if not src.token_major:
-        return f"pool {src.name!r}: staged head slices need a token-major source"
+    if src.token_major != dst.token_major:
+        return f"pool {src.name!r}: staged head slices need the same layout on both sides"
     if end <= start:
         return Blocks.empty()
     if start < src_first or start < prefix_len or end - prefix_len > ntok:
         return f"pool {src.name!r}: tokens [{start}, {end}) outside the staged request"
+    if not src.token_major:
+        return _plan_staged_pages(pairing, stage, ntok, src_pages, src_first, prefix_len,
+                                  start, end, lo, hi)
     if end - src_first > src_pages.size * src.page_size:
         return f"pool {src.name!r}: source indices do not cover tokens up to {end}"
     why = _check_range(src_pages, src.num_items, f"pool {src.name!r} source page")
@@ -119,9 +126,7 @@ def plan_staged(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.nda
         return why
     hb, tb = src.sharding.head_bytes, src.token_bytes
     width, s_off = (hi - lo) * hb, (lo - src.sharding.first_head) * hb
-    index = {(b.layer_id, b.role): j for j, b in enumerate(dst.buffers)}
-    j = np.array([index[(b.layer_id, b.role)] for b in src.buffers], dtype=_U64)
-    base = _U64(stage) + j * _U64(ntok * width)
+    base = _staging_bases(pairing, stage, ntok * width)
     pos = np.arange(start, end, dtype=np.int64)
     rel = pos - src_first
     s = src_pages[rel // src.page_size] * src.page_size + rel % src.page_size
@@ -134,4 +139,46 @@ def plan_staged(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.nda
         nb = np.full((len(pairing), s.size), width, dtype=_U64)
     srca = (pairing.src_base[:, None] + s0.astype(_U64)[None, :] * _U64(tb) + _U64(s_off))
     dsta = base[:, None] + k0.astype(_U64)[None, :] * _U64(width)
+    return Blocks(srca.reshape(-1), dsta.reshape(-1), nb.reshape(-1))
+
+
+def _staging_bases(pairing: BufferPairing, stage: int, per_buffer: int) -> np.ndarray:
+    """Staging address of each source buffer's part of a lease: the decode's buffer order
+    (the one ``staging.scatter`` walks), which need not be the sender's."""
+    index = {(b.layer_id, b.role): j for j, b in enumerate(pairing.dst.buffers)}
+    j = np.array([index[(b.layer_id, b.role)] for b in pairing.src.buffers], dtype=_U64)
+    return _U64(stage) + j * _U64(per_buffer)
+
+
+def _plan_staged_pages(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.ndarray,
+                       src_first: int, prefix_len: int, start: int, end: int, lo: int,
+                       hi: int) -> Blocks | str:
+    """HND half of ``plan_staged``: inside a source page heads ``[lo, hi)`` are one block at
+    ``(lo - first_head)*page_size*head_bytes``; request page ``k`` of the lease takes it."""
+    src, dst = pairing.src, pairing.dst
+    ps = src.page_size
+    if ps != dst.page_size or (start - src_first) % ps or (start - prefix_len) % ps:
+        return (f"pool {src.name!r}: HND head slices need equal page sizes and "
+                f"page-aligned starts")
+    i0, k0 = (start - src_first) // ps, (start - prefix_len) // ps
+    count = -(-(end - start) // ps)
+    if i0 + count > src_pages.size:
+        return f"pool {src.name!r}: source indices do not cover tokens up to {end}"
+    s = src_pages[i0:i0 + count]
+    why = _check_range(s, src.num_items, f"pool {src.name!r} source page")
+    if why:
+        return why
+    sh = src.sharding
+    unit = (hi - lo) * sh.head_bytes * ps
+    s_off = (lo - sh.first_head) * sh.head_bytes * ps
+    base = _staging_bases(pairing, stage, -(-ntok // ps) * unit)
+    k = np.arange(k0, k0 + count, dtype=np.int64)
+    if unit == src.item_bytes:  # the whole source page is the slice: merge page runs
+        s0, k1, n = runs(s, k)
+        nb = np.broadcast_to(n.astype(_U64)[None, :] * _U64(unit), (len(pairing), n.size))
+    else:
+        s0, k1 = s, k
+        nb = np.full((len(pairing), s.size), unit, dtype=_U64)
+    srca = pairing.src_base[:, None] + s0.astype(_U64)[None, :] * _U64(src.item_bytes) + _U64(s_off)
+    dsta = base[:, None] + k1.astype(_U64)[None, :] * _U64(unit)
     return Blocks(srca.reshape(-1), dsta.reshape(-1), nb.reshape(-1))

@@ -226,7 +226,7 @@ class DecodeSide:
             self._connector.submit(self._connect, st)
             return
         try:
-            leases = [self._stage(st, a.heads) for a in c[1]]
+            leases = [self._stage(st, a.heads, p.pools) for p, a in zip(c[0], c[1])]
         except PdxferError as e:
             self.fail(st, e)
             return
@@ -253,7 +253,7 @@ class DecodeSide:
     def _connect(self, st: RecvRoom) -> None:
         try:
             peers, plan, npeers = self._resolve(st)
-            leases = [self._stage(st, a.heads) for a in plan]
+            leases = [self._stage(st, a.heads, p.pools) for p, a in zip(peers, plan)]
         except PdxferError as e:
             self._forget_route(st)
             self.fail(st, e)
@@ -462,22 +462,32 @@ class DecodeSide:
             except Exception:  # noqa: BLE001 - the engine's callback must not break us
                 log.exception("release callback for room %d failed", st.room)
 
-    # -- staging (NHD head slices, see staging.py) ----------------------------------------------
-    def _stage(self, st: RecvRoom, heads: Mapping[str, tuple[int, int]]) -> list[Lease]:
-        """Leases for the NHD host pools of which a sender writes only part of each token."""
+    # -- staging (head slices, see staging.py) ------------------------------------------------
+    def _stage(self, st: RecvRoom, heads: Mapping[str, tuple[int, int]],
+               theirs: Mapping[str, PoolSpec]) -> list[Lease]:
+        """Leases for the host pools a sender writes as a head slice: part of this rank's
+        heads, or part of its own (then its pages are not ours: in place that is one entry
+        per token or page and buffer). Whole pages on both sides (1:1) stay direct."""
         out: list[Lease] = []
         if self.staging is None:
             return out
         for name, (lo, hi) in heads.items():
             pool = self.ep.pool(name)
-            sh = pool.sharding
-            if (not pool.token_major or pool.location != "cpu"
-                    or (lo, hi) == (sh.first_head, sh.first_head + sh.rank_heads)):
+            sh, other = pool.sharding, theirs.get(name)
+            if pool.location != "cpu" or other is None or sh.kind != "heads":
+                continue
+            osh = other.sharding
+            if (lo, hi) == (sh.first_head, sh.first_head + sh.rank_heads) == (
+                    osh.first_head, osh.first_head + osh.rank_heads):
                 continue
             n = lease_bytes(pool, st.num_tokens - st.prefix_len, lo, hi)
             addr = self.staging.alloc(n) if n else None
-            if addr is not None:  # full: that pool falls back to in-place token writes
-                out.append(Lease(name, addr, n, lo, hi))
+            if addr is None:  # full: that pool falls back to in-place writes
+                if n:
+                    self.ep.count("staging_full")
+                continue
+            self.ep.count(f"staged_leases_{sh.layout.lower()}")
+            out.append(Lease(name, addr, n, lo, hi))
         return out
 
     def _unlease(self, leases: list[Lease]) -> None:

@@ -29,7 +29,8 @@ from .errors import (
 )
 from .headplan import head_range_error, plan_head_slice, plan_staged
 from .pools import PoolSpec, check_pools, layout_signature
-from .staging import Staging, bounce
+from .staging import POOL_NAME as STAGING_POOL
+from .staging import Staging, bounce, lease_error
 from .states import KVPoll, RequestHandle
 
 if TYPE_CHECKING:
@@ -388,6 +389,9 @@ class PrefillSide:
         for name, (lo, hi) in req.heads.items():
             pr = peer.pairings.get(name)
             why = (f"pool {name!r} unknown" if pr is None else head_range_error(pr, lo, hi))
+            if not why and pr is not None and name in req.stage:
+                why = lease_error(pr.dst, peer.pools.get(STAGING_POOL), req.stage[name],
+                                  span, lo, hi)
             if why:
                 return f"room {req.room}: {why}", {}
         for name, slot in req.slots.items():
@@ -507,6 +511,8 @@ class PrefillSide:
         gathered = (bounce(blocks, self.staging)
                     if self.staging is not None and _sliced(t) else None)
         wire_blocks = gathered[0] if gathered is not None else blocks
+        if gathered is not None:
+            self.ep.count("gathered_writes")
         tw = time.perf_counter()
         try:
             self.ep.transport.write(

@@ -1,15 +1,25 @@
-"""Decode-side staging for NHD head slices: big contiguous writes, then one local scatter.
+"""Decode-side staging for head slices: big contiguous writes, then one local scatter.
 
-With NHD pages a prefill rank holding fewer heads than the decode rank owns a strided slice of
-every destination token; writing it in place costs one transport entry per token and buffer
-(tens of microseconds each on TCP). Instead the decode lends the sender a piece of a registered
-host buffer: the sender writes its slice of every token packed there (one entry per run of
-source pages), and when its ``TransferDone`` arrives the decode scatters the slice into the pool
-with one vectorised copy per buffer, before the request can succeed.
+When prefill and decode ranks hold different heads (heterogeneous TP), a sender's slice of a
+destination is small and scattered: with NHD pages it is a strided piece of every token (one
+transport entry per token and buffer in place), with HND pages one block per page and buffer.
+Each entry costs tens of microseconds on TCP, so entry count, not bytes, decides the speed.
+Instead the decode lends the sender a piece of a registered host buffer: the sender writes its
+slice packed there (its own gather, ``bounce``, turns scattered sources into a few big entries),
+and when its ``TransferDone`` arrives the decode scatters the slice into the pool with one
+vectorised copy per buffer, before the request can succeed.
 
-Staging layout of one (sender, pool): decode buffer ``j`` of the pool, request token ``k``
-(counted from ``prefix_len``) sits at ``addr + (j*ntok + k)*width``. Host (``cpu``) pools only;
-other locations keep the per-token path.
+Staging layout of one (sender, pool) with heads ``[lo, hi)``, ``width = (hi-lo)*head_bytes``,
+``ntok`` request tokens counted from ``prefix_len``:
+
+- token-major (NHD, or page size 1): decode buffer ``j``, request token ``k`` sits at
+  ``addr + (j*ntok + k)*width``.
+- HND: decode buffer ``j``, request page ``i`` (``npages = ceil(ntok/page_size)``) is one block
+  of ``width*page_size`` bytes at ``addr + (j*npages + i)*width*page_size``: the page's heads
+  ``[lo, hi)`` in page order, as they sit (contiguous) inside an HND page.
+
+Either way consecutive tokens or pages are back to back, which is what lets ``bounce`` merge.
+Host (``cpu``) pools only; other locations, and a full staging buffer, keep the in-place path.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,11 +63,11 @@ class Staging:
 
     @staticmethod
     def wanted(pools: tuple[PoolSpec, ...]) -> int:
-        """Bytes of staging to reserve: none unless a host pool is NHD and head-sharded."""
-        if not any(p.sharding.kind == "heads" and p.token_major and p.location == "cpu"
-                   for p in pools):
+        """Bytes of staging to reserve: none unless a host pool is head-sharded (either layout:
+        only those pools can receive head slices)."""
+        if not any(p.sharding.kind == "heads" and p.location == "cpu" for p in pools):
             return 0
-        return int(os.environ.get("PDXFER_STAGING_MB", DEFAULT_MB)) << 20
+        return int(float(os.environ.get("PDXFER_STAGING_MB", DEFAULT_MB)) * (1 << 20))
 
     def spec(self) -> PoolSpec:
         return PoolSpec(POOL_NAME, "slot", (BufferSpec(self.addr, self.nbytes, 0, "stage"),),
@@ -86,33 +97,85 @@ class Staging:
             self._free = merged
 
 
+def staged_unit(pool: PoolSpec, ntok: int, lo: int, hi: int) -> tuple[int, int]:
+    """``(count, nbytes)`` of the packed units of one buffer: tokens (token-major) or whole
+    pages (HND, where a page's slice is one contiguous block)."""
+    width = (hi - lo) * pool.sharding.head_bytes
+    if pool.token_major:
+        return ntok, width
+    return -(-ntok // pool.page_size), width * pool.page_size
+
+
 def lease_bytes(pool: PoolSpec, ntok: int, lo: int, hi: int) -> int:
-    return len(pool.buffers) * ntok * (hi - lo) * pool.sharding.head_bytes
+    """Staging for heads ``[lo, hi)`` of ``ntok`` tokens of every buffer of ``pool``."""
+    count, unit = staged_unit(pool, ntok, lo, hi)
+    return len(pool.buffers) * count * unit
+
+
+def lease_error(pool: PoolSpec, staging: PoolSpec | None, addr: int, ntok: int, lo: int,
+                hi: int) -> str | None:
+    """Why a lease at ``addr`` for ``pool`` is not wholly inside the peer's staging pool, or
+    None. Checked by the sender before it plans: a decode may only lend its staging, never
+    point the packed layout (which ignores its page indices) at its own pools."""
+    if pool.sharding.kind != "heads":
+        return f"pool {pool.name!r}: staging needs a head-sharded pool"
+    if staging is None or not staging.buffers:
+        return f"pool {pool.name!r}: staged but the decode advertised no staging"
+    n = lease_bytes(pool, ntok, lo, hi)
+    b = staging.buffers[0]
+    if not (b.addr <= addr and addr + n <= b.addr + b.nbytes):
+        return (f"pool {pool.name!r}: staging lease {addr:#x}+{n} outside the decode's "
+                f"staging {b.addr:#x}+{b.nbytes}")
+    return None
 
 
 def _host(addr: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
 
 
+SCATTER_WORKERS = max(1, min(4, os.cpu_count() or 1))
+SCATTER_SPLIT_BYTES = 8 << 20
+"""A scatter larger than this is split over threads by buffer: numpy's fancy-indexed copy
+releases the GIL, and one core's copy does not saturate memory bandwidth. The scatter sits
+between a sender's last byte landing and the request's Success, so its time is latency."""
+_SCATTER_POOL = ThreadPoolExecutor(max_workers=SCATTER_WORKERS,
+                                   thread_name_prefix="pdxfer-scatter")
+
+
 def scatter(pool: PoolSpec, lease: Lease, pages: np.ndarray, prefix_len: int, num_tokens: int,
             layers: set[tuple[int, str]]) -> None:
     """Copy a lease's packed head slice into ``pool`` for the buffers ``layers`` the sender
-    wrote (``pages`` cover tokens from ``prefix_len``)."""
+    wrote (``pages`` cover tokens from ``prefix_len``): per buffer, one fancy-indexed copy of
+    the packed units into their rows (tokens, or whole pages for HND), no per-unit loop."""
     ntok = num_tokens - prefix_len
     if ntok <= 0:
         return
     sh = pool.sharding
-    width = (lease.hi - lease.lo) * sh.head_bytes
+    count, unit = staged_unit(pool, ntok, lease.lo, lease.hi)
     off = (lease.lo - sh.first_head) * sh.head_bytes
-    rel = np.arange(ntok, dtype=np.int64)
-    tok = pages[rel // pool.page_size] * pool.page_size + rel % pool.page_size
+    if pool.token_major:
+        row_bytes = pool.token_bytes
+        rel = np.arange(ntok, dtype=np.int64)
+        idx = pages[rel // pool.page_size] * pool.page_size + rel % pool.page_size
+    else:  # HND: the slice is one block at the same offset of every page
+        row_bytes, off = pool.item_bytes, off * pool.page_size
+        idx = np.asarray(pages[:count], dtype=np.int64)
     stage = _host(lease.addr, lease.nbytes)
-    for j, b in enumerate(pool.buffers):
-        if (b.layer_id, b.role) not in layers:
-            continue
-        rows = _host(b.addr, pool.num_items * pool.item_bytes).reshape(-1, pool.token_bytes)
-        src = stage[j * ntok * width:(j + 1) * ntok * width].reshape(ntok, width)
-        rows[tok, off:off + width] = src
+    jobs = [(_host(b.addr, pool.num_items * pool.item_bytes).reshape(-1, row_bytes),
+             stage[j * count * unit:(j + 1) * count * unit].reshape(count, unit))
+            for j, b in enumerate(pool.buffers) if (b.layer_id, b.role) in layers]
+
+    def run(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for rows, src in part:
+            rows[idx, off:off + unit] = src
+
+    parts = min(SCATTER_WORKERS, len(jobs),
+                max(1, len(jobs) * count * unit // SCATTER_SPLIT_BYTES))
+    if parts <= 1:
+        run(jobs)
+        return
+    for f in [_SCATTER_POOL.submit(run, jobs[i::parts]) for i in range(parts)]:
+        f.result()
 
 
 MAX_ENTRY = 8 << 20

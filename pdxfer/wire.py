@@ -76,8 +76,9 @@ class TransferRequest(Msg):
     Heterogeneous TP (``topology.assign``): ``heads`` is the global head range this sender
     writes per head-sharded pool (default: all heads both sides hold), ``skip`` the pools it
     must not write (another rank writes them) and ``silent`` that it writes nothing and sends
-    no ``TransferDone`` (the decode does not wait for it). ``stage`` names, per NHD pool, the
-    decode staging address that receives the packed head slice instead (``staging``).
+    no ``TransferDone`` (the decode does not wait for it). ``stage`` names, per head-sliced
+    host pool, the decode staging address that receives the packed head slice instead
+    (``staging``; the sender checks the whole lease lies in the decode's staging pool).
     """
 
     room: Room

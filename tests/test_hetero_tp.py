@@ -64,10 +64,15 @@ def exclude(reqs: list[dict]) -> dict[str, list[int]]:
     return out
 
 
+BIG = 1024
+SIZES = [(16, 1), (45, 2), (200, 3), (129, 4)]
+"""(tokens, chunks) per request: partial pages, several chunks."""
+
+
 def run_case(cluster: dict[str, Group], bootstrap: str, pf: str, dc: str,
-             geoms: list[PoolGeom]) -> list[dict]:
+             geoms: list[PoolGeom], sizes: list[tuple[int, int]] = SIZES) -> list[dict]:
     f = Factory(geoms, geoms, seed=len(pf) * 10 + len(dc))
-    reqs = [f.make(n, chunks=c) for n, c in [(16, 1), (45, 2), (200, 3), (129, 4)]]
+    reqs = [f.make(n, chunks=c) for n, c in sizes]
     p, d = cluster[pf], cluster[dc]
     d.each("sentinel")
     outs = run_groups(p, d, bootstrap, reqs)
@@ -76,12 +81,53 @@ def run_case(cluster: dict[str, Group], bootstrap: str, pf: str, dc: str,
     return outs
 
 
+def counters(g: Group, name: str) -> list[int]:
+    return [int(m.get(name, 0)) for m in g.each("metrics")]
+
+
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(1, 2), (2, 1), (4, 2), (2, 4), (4, 1), (1, 4)])
 def test_every_head_lands_once_in_nhd_hnd_and_gqa_pools(cluster, bootstrap, tp_p, tp_d) -> None:
-    run_case(cluster, bootstrap.address, f"p{tp_p}", f"d{tp_d}", GEOMS)
+    p, d = cluster[f"p{tp_p}"], cluster[f"d{tp_d}"]
+    leases = counters(d, "staged_leases_hnd")
+    full = counters(d, "staging_full")
+    gathered = counters(p, "gathered_writes")
+    # the last request is big enough (64 pages in 2 chunks) for the senders to gather
+    outs = run_case(cluster, bootstrap.address, f"p{tp_p}", f"d{tp_d}", GEOMS,
+                    [*SIZES, (BIG, 2)])
     # every prefill rank finished its rooms (silent or not): nothing is left waiting
-    p = cluster[f"p{tp_p}"]
     assert all(t["rooms"] == 0 and t["pending"] == 0 for t in p.each("tables"))
+    # The HND pool went through staging: each decode rank lent every sender of its "kvh"
+    # heads a lease for every room (never fell back: staging was not full), and the senders
+    # gathered their writes into few entries.
+    rooms = len(outs[0])
+    per_rank = max(1, tp_p // tp_d)
+    assert all(b - a >= rooms * per_rank for a, b in zip(leases, counters(d, "staged_leases_hnd")))
+    assert counters(d, "staging_full") == full
+    assert sum(counters(p, "gathered_writes")) > sum(gathered)
+    # in place, "kvh" alone would take one entry per page and buffer of the big request
+    kvh_in_place = 2 * 2 * BIG // 16
+    big = [max(out.values(), key=lambda o: o["stats"]["bytes"])["stats"] for out in outs]
+    assert all(s["blocks"] < kvh_in_place for s in big), big
+
+
+def test_pools_that_find_staging_full_are_written_in_place(cluster, bootstrap) -> None:
+    """A decode whose staging holds less than one room's leases (256 KiB against about
+    576 KiB) stages what fits and lets the other pools take the in-place path: the room still
+    lands byte-exact, whichever pools ended up where."""
+    dc = Agent("decode", dict(FAST), rank_geoms(GEOMS, 1, 0), env={"PDXFER_STAGING_MB": "0.25"})
+    try:
+        d = Group(dc, ["main"])
+        dc.call("sentinel")
+        f = Factory(GEOMS, GEOMS, seed=7)
+        reqs = [f.make(BIG, chunks=2), f.make(200, chunks=3)]
+        outs = run_groups(cluster["p2"], d, bootstrap.address, reqs)
+        assert_success_and_exact(outs, d.each("verify", items=decode_items(reqs)))
+        assert d.each("untouched", exclude=exclude(reqs)) == [0]
+        m = dc.call("metrics")
+        assert m.get("staging_full", 0) > 0
+        assert m.get("staged_leases_hnd", 0) + m.get("staged_leases_nhd", 0) > 0
+    finally:
+        dc.close()
 
 
 def test_mla_two_to_one_second_rank_writes_nothing(cluster, bootstrap) -> None:

@@ -9,9 +9,9 @@ Things this module knows about Mooncake that callers should not have to
   default (``completion="paced"``) two batches are kept in flight per writer and each wait
   sleeps through most of the batch's expected duration first (``pacing.py``). Entries in
   flight to one peer never exceed ``max_batch``, across all threads. A write that is one
-  batch with nothing else in flight to its peer goes out as one blocking call instead: there
-  is nothing to overlap, and a sleep sized from a noisy estimate can only oversleep (a 16 MiB
-  write took 4-12 ms here), which a lone small request pays in full.
+  batch of at most 32 MiB with nothing else in flight to its peer goes out as one blocking
+  call instead: there is nothing to overlap, and a sleep sized from a noisy estimate can only
+  oversleep (a 16 MiB write took 4-12 ms here), which a lone small request pays in full.
 * After a rejected write the next call to the same peer may fail once: retry once before
   declaring the peer dead.
 * A hung peer costs ``MC_TCP_PROGRESS_TIMEOUT_SEC`` / ``MC_TRANSFER_TIMEOUT`` seconds (30 by
@@ -50,6 +50,10 @@ _LIB_PACKAGES = {
 
 
 COMPLETIONS = ("paced", "sync")
+
+LONE_SYNC_MAX_BYTES = 32 << 20
+"""A lone batch up to this size is one blocking call; a bigger one is still paced, since its
+spinning wait would take a core from the transport for tens of milliseconds."""
 
 
 @dataclass(slots=True, eq=False)
@@ -236,7 +240,8 @@ class MooncakeTransport:
                     break
                 b.ahead = ahead if ahead is not None else credits.acquire(
                     len(b.src), deadline, b.total)
-                if self.completion == "paced" and (n > step or b.ahead > b.total):
+                if self.completion == "paced" and (n > step or b.ahead > b.total
+                                                   or b.total > LONE_SYNC_MAX_BYTES):
                     b.submitted = time.perf_counter()
                     b.bid = self._engine.batch_transfer_async_write(peer, b.src, b.dst, b.len)
                 inflight.append(b)
