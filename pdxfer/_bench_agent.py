@@ -201,7 +201,8 @@ class BenchState(AgentState):
     def cmd_bench_send(self, room: int, pages: list[int], wait: bool = False) -> Any:
         """Send one room as a single last chunk; return the monotonic stamp of the send.
 
-        With ``wait`` the call returns only once the room ended here (its TransferDone sent),
+        With ``wait`` the call returns (the stamp and the room's raw transport-write seconds)
+        only once the room ended here (its TransferDone sent),
         so that the driver and the decode's poll loop stay idle while the transfer runs, as
         they do while a raw baseline write runs."""
         e = self.eps["main"]
@@ -213,9 +214,7 @@ class BenchState(AgentState):
             end = t + 60.0
             while not tx.poll().terminal and time.monotonic() < end:
                 time.sleep(0.002)
-            return {"t": t, "write_s": sum(x.seconds for x in tx._st.targets),
-                    "raw_write_s": sum(x.write_seconds for x in tx._st.targets),
-                    "done": time.monotonic()}
+            return {"t": t, "raw_write_s": sum(x.write_seconds for x in tx._st.targets)}
         t = time.monotonic()
         tx.send({"kv": pages}, last=True)
         e.tx[room] = tx

@@ -188,10 +188,14 @@ def runs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return a[starts], b[starts], ends - starts
 
 
-def _check_range(idx: np.ndarray, limit: int, what: str) -> str | None:
-    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= limit):
-        return f"{what}: index out of range [0, {limit}) (min {int(idx.min())}, max {int(idx.max())})"
+def _range_error(lo: int, hi: int, limit: int, what: str) -> str | None:
+    if lo < 0 or hi >= limit:
+        return f"{what}: index out of range [0, {limit}) (min {lo}, max {hi})"
     return None
+
+
+def _check_range(idx: np.ndarray, limit: int, what: str) -> str | None:
+    return _range_error(int(idx.min()), int(idx.max()), limit, what) if idx.size else None
 
 
 def _expand(
@@ -269,13 +273,11 @@ def plan_paged(
         d = dst_pages[j0 : j0 + count]
         if count <= FEW_PAGES:
             sl, dl = s.tolist(), d.tolist()
-            if sl and (min(sl) < 0 or max(sl) >= src.num_items):
-                return (f"pool {src.name!r} source page: index out of range "
-                        f"[0, {src.num_items}) (min {min(sl)}, max {max(sl)})")
-            if dl and (min(dl) < 0 or max(dl) >= dst.num_items):
-                return (f"pool {src.name!r} destination page: index out of range "
-                        f"[0, {dst.num_items}) (min {min(dl)}, max {max(dl)})")
-            return _expand_few(pairing, _runs_few(sl, dl), src.item_bytes)
+            why = sl and (
+                _range_error(min(sl), max(sl), src.num_items, f"pool {src.name!r} source page")
+                or _range_error(min(dl), max(dl), dst.num_items,
+                                f"pool {src.name!r} destination page"))
+            return why or _expand_few(pairing, _runs_few(sl, dl), src.item_bytes)
         why = _check_range(s, src.num_items, f"pool {src.name!r} source page") or _check_range(
             d, dst.num_items, f"pool {src.name!r} destination page"
         )

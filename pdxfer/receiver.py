@@ -224,13 +224,8 @@ class DecodeSide:
         c = self._cached(st)
         if c is None:
             self._connector.submit(self._connect, st)
-            return
-        try:
-            leases = [self._stage(st, a.heads, p.pools) for p, a in zip(c[0], c[1])]
-        except PdxferError as e:
-            self.fail(st, e)
-            return
-        self._post(st, c[0], c[1], c[2], leases)
+        else:
+            self._connect(st, c)  # nothing left that blocks: no hop through the connector
 
     def fail(self, st: RecvRoom, err: PdxferError) -> None:
         """Fail a room and ask every sender that may still write to drain and acknowledge."""
@@ -250,9 +245,9 @@ class DecodeSide:
         self._maybe_release(st)
 
     # -- connector (blocking, off the engine loop) ----------------------------------------------
-    def _connect(self, st: RecvRoom) -> None:
+    def _connect(self, st: RecvRoom, resolved: Resolved | None = None) -> None:
         try:
-            peers, plan, npeers = self._resolve(st)
+            peers, plan, npeers = resolved or self._resolve(st)
             leases = [self._stage(st, a.heads, p.pools) for p, a in zip(peers, plan)]
         except PdxferError as e:
             self._forget_route(st)

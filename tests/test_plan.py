@@ -174,3 +174,36 @@ def test_hnd_layout_with_different_page_sizes_is_refused() -> None:
     dst = pool(page_size=1, pages=1024, base=1 << 30)
     why = P.plan_paged(pair(src, dst), np.arange(4), 0, np.arange(64), 0, 0, 64)
     assert isinstance(why, str) and "token-major" in why
+
+
+def test_few_page_plan_equals_the_vectorised_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small plans are built from Python lists; they must be block for block the numpy plan,
+    including merged runs, a partial last page and refused out-of-range indices."""
+    src, dst = pool(pages=64), pool(pages=80, base=1 << 30)
+    pr = pair(src, dst)
+    rng = np.random.default_rng(3)
+    cases = [(np.array([1, 2, 3, 9]), np.array([5, 6, 7, 8]), 60)]
+    for _ in range(300):
+        n = int(rng.integers(1, P.FEW_PAGES + 1))
+        sp = rng.choice(64, n, replace=False)
+        dp = rng.choice(80, n, replace=False)
+        if rng.random() < 0.5:  # contiguous stretches on both sides
+            sp = np.sort(sp)
+            dp = np.arange(n) + int(rng.integers(0, 80 - n + 1))
+        cases.append((sp, dp, n * 16 - int(rng.integers(0, 16))))
+    cases.append((np.array([1, 64]), np.array([1, 2]), 32))
+    cases.append((np.array([1, 2]), np.array([-1, 2]), 32))
+    for sp, dp, end in cases:
+        few = P.plan_paged(pr, sp, 0, dp, 0, 0, end)
+        monkeypatch.setattr(P, "FEW_PAGES", -1)
+        vec = P.plan_paged(pr, sp, 0, dp, 0, 0, end)
+        monkeypatch.setattr(P, "FEW_PAGES", 32)
+        if isinstance(vec, str):
+            assert few == vec
+            continue
+        assert isinstance(few, P.Blocks) and len(few) == len(vec)
+        for a, b in ((few.src, vec.src), (few.dst, vec.dst), (few.nbytes, vec.nbytes)):
+            assert a.dtype == np.uint64 and (a == b).all()
+        assert few.total_bytes == vec.total_bytes
+    merged = P.plan_paged(pr, cases[0][0], 0, cases[0][1], 0, 0, 60)
+    assert len(merged) == 2 * len(src.buffers)  # pages 1-3 -> 5-7 merge; 9 -> 8 stands alone
