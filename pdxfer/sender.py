@@ -579,9 +579,13 @@ def _heads(pairing: P.BufferPairing, asked: tuple[int, int] | None) -> tuple[int
     a, b = pairing.src.sharding, pairing.dst.sharding
     if a.kind != "heads":
         return None
+    same = (a.first_head, a.rank_heads) == (b.first_head, b.rank_heads)
     if asked is not None:
-        return (int(asked[0]), int(asked[1]))
-    if (a.first_head, a.rank_heads) == (b.first_head, b.rank_heads):
+        lo, hi = int(asked[0]), int(asked[1])
+        if same and (lo, hi) == (a.first_head, a.first_head + a.rank_heads):
+            return None  # every head of one same shard: whole pages, a proven plan
+        return (lo, hi)
+    if same:
         return None
     return (max(a.first_head, b.first_head),
             min(a.first_head + a.rank_heads, b.first_head + b.rank_heads))

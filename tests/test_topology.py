@@ -124,3 +124,18 @@ def test_head_range_outside_either_side_is_refused() -> None:
 def test_patterns_build_head_pools_that_pair() -> None:
     specs, _ = build([PoolGeom("kv", "mha", heads=1, total_heads=2, first_head=1, pages=2)])
     assert specs[0].sharding.first_head == 1
+
+
+def test_asking_for_every_head_of_the_same_shard_is_a_whole_page_plan() -> None:
+    # The decode names the head range of every sharded pool; when it is the whole shard both
+    # sides hold, the sender must take the whole-page path (no slicing, no staging, and no
+    # per-block bounds check on the hot path), and only then.
+    from pdxfer.sender import _heads
+
+    same = _pair(4, (2, 2), (2, 2), "HND")
+    assert _heads(same, (2, 4)) is None
+    assert _heads(same, None) is None
+    assert _heads(same, (2, 3)) == (2, 3)
+    wider = _pair(4, (2, 2), (4, 0), "HND")
+    assert _heads(wider, (2, 4)) == (2, 4)
+    assert _heads(wider, None) == (2, 4)
