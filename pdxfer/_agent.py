@@ -67,7 +67,7 @@ class AgentState:
 
     def cmd_send(self, items: list[dict[str, Any]], ep: str = "main") -> None:
         """Create a sender per room and hand over its chunks (with ``delay_s`` between chunks,
-        from a thread, when asked)."""
+        from a thread, when asked; ``abort_after_send``: abort right after the last one)."""
         e = self.eps[ep]
         for it in items:
             tx = e.tx[it["room"]] = e.ep.sender(it["room"])
@@ -78,6 +78,8 @@ class AgentState:
             else:
                 for c in chunks:
                     tx.send(c["pages"], c.get("slots"), c.get("last", False))
+                if it.get("abort_after_send"):
+                    tx.abort("aborted right after send")
 
     # -- decode -------------------------------------------------------------------------------
     def cmd_sentinel(self, ep: str = "main") -> None:

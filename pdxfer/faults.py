@@ -54,8 +54,12 @@ class Faults:
         f._rng.seed(f.seed)
         return f
 
+    def delays(self, room: int | None) -> bool:
+        """Whether writes of ``room`` are delayed (such writes never start from ``send()``)."""
+        return bool(self.delay_write) and (self.rooms is None or room in self.rooms)
+
     def before_batch(self, room: int | None) -> None:
-        if self.delay_write and (self.rooms is None or room in self.rooms):
+        if self.delays(room):
             time.sleep(self.delay_write)
 
     def drop_incoming(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -426,12 +426,61 @@ class PrefillSide:
         self._pump(st)
 
     def _pump(self, st: SenderRoom) -> None:
-        """Queue every chunk each target has not been given yet (called under the lock)."""
+        """Queue every chunk each target has not been given yet (called under the lock).
+
+        A small chunk's write is started right here (``_start``) and only awaited on the
+        worker; either way the room's jobs stay in order on its worker, so a terminal message
+        queued later still runs after every write has returned."""
         for t in st.targets:
             while t.scheduled < len(st.chunks):
                 ci = t.scheduled
                 t.scheduled += 1
-                self.ep.workers.submit(st.room, lambda t=t, ci=ci: self._write(st, t, ci))
+                job = self._start(st, t, ci)
+                if job is None:
+                    job = lambda t=t, ci=ci: self._write(st, t, ci)  # noqa: E731
+                self.ep.workers.submit(st.room, job)
+
+    def _start(self, st: SenderRoom, t: Target, ci: int) -> Callable[[], None] | None:
+        """Plan a small chunk and start its write now, returning the worker job that awaits
+        it; None to leave the whole write to the worker (large, sliced, failed or already
+        late chunks, or the transport cannot start it at once)."""
+        chunk = st.chunks[ci]
+        if (not self.cfg.start_in_send or st.state == KVPoll.Failed or t.finished
+                or t.req.silent
+                or sum(a.size for a in chunk.pages.values()) > P.FEW_PAGES
+                or (self.staging is not None and _sliced(t))
+                or time.monotonic() > st.deadline):
+            return None
+        t0 = time.perf_counter()
+        blocks = self._plan(t, chunk, st.cursor)
+        if isinstance(blocks, str) or not len(blocks):
+            return None  # the worker fails it (or just finishes) on the usual path
+        started = self.ep.transport.start(t.peer.session, *blocks.lists(), tag=st.room)
+        if started is None:
+            return None
+        self.ep.count("started_writes")
+        return lambda: self._await(st, t, chunk, blocks, started, t0)
+
+    def _await(self, st: SenderRoom, t: Target, chunk: Chunk, blocks: P.Blocks,
+               started: object, t0: float) -> None:
+        """The worker's half of a started write: wait for it (even if the room failed
+        meanwhile: the write is in flight and must drain), then as ``_write``. The success
+        message of a last chunk is encoded while the write runs, off the request's path."""
+        frame = None
+        if chunk.last and not t.aborted:
+            frame = wire.encode(wire.TransferDone(
+                room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
+                rank=self.cfg.tp_rank, ok=True, bytes=t.bytes + blocks.total_bytes,
+                blocks=t.blocks + len(blocks), seconds=t.seconds + time.perf_counter() - t0))
+        try:
+            self.ep.transport.finish(t.peer.session, started)
+        except TransportError as e:
+            self.fail(st, TransportError(
+                f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}"))
+            self._finish(st, t, False, st.failure)
+            return
+        self._wrote(st, t, chunk, blocks, len(blocks), t0, getattr(started, "submitted", t0),
+                    frame)
 
     def _plan(self, t: Target, chunk: Chunk, cursor: dict[str, int]) -> P.Blocks | str:
         req = t.req
@@ -527,19 +576,25 @@ class PrefillSide:
         finally:
             if gathered is not None:
                 self.staging.release(gathered[1], gathered[2])  # type: ignore[union-attr]
-        t.bytes += blocks.total_bytes
-        t.blocks += len(wire_blocks)
-        t.seconds += time.perf_counter() - t0
-        t.write_seconds += time.perf_counter() - tw
-        if chunk.last:
-            self._finish(st, t, True, None)
+        self._wrote(st, t, chunk, blocks, len(wire_blocks), t0, tw)
 
-    def _finish(self, st: SenderRoom, t: Target, ok: bool, err: PdxferError | None) -> None:
+    def _wrote(self, st: SenderRoom, t: Target, chunk: Chunk, blocks: P.Blocks, entries: int,
+               t0: float, tw: float, frame: bytes | None = None) -> None:
+        now = time.perf_counter()
+        t.bytes += blocks.total_bytes
+        t.blocks += entries
+        t.seconds += now - t0
+        t.write_seconds += now - tw
+        if chunk.last:
+            self._finish(st, t, True, None, frame)
+
+    def _finish(self, st: SenderRoom, t: Target, ok: bool, err: PdxferError | None,
+                frame: bytes | None = None) -> None:
         """Send the target its one terminal message; runs on the room's worker thread.
 
         The message goes out as soon as the outcome is decided (under the lock, so an abort
         cannot slip between the decision and the send); bookkeeping follows it, off the
-        request's critical path."""
+        request's critical path. ``frame``: the success message, encoded ahead."""
         now = time.monotonic()
         success = False
         with self.ep.lock:
@@ -550,16 +605,21 @@ class PrefillSide:
                 ok, err = False, st.failure
             if not (t.req.silent and not t.aborted):  # a silent sender's decode does not wait
                 if t.aborted:
-                    msg: wire.Msg = wire.AbortAck(
+                    msg: wire.Msg | None = wire.AbortAck(
                         room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
                         rank=self.cfg.tp_rank)
+                elif ok and frame is not None:
+                    msg = None
                 else:
                     msg = wire.TransferDone(
                         room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
                         rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
                         kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks,
                         seconds=t.seconds)
-                self.ep.send(t.req.reply_to, msg)
+                if msg is None:
+                    self.ep.send_frame(t.req.reply_to, frame)  # type: ignore[arg-type]
+                else:
+                    self.ep.send(t.req.reply_to, msg)
             all_done = len(st.targets) >= st.expected and all(x.finished for x in st.targets)
             if ok and all_done and not st.state.terminal:
                 st.state = KVPoll.Success

@@ -152,3 +152,32 @@ def test_tables_are_empty_after_every_abort(pair) -> None:
     assert pf.call("tables") == {"rooms": 0, "pending": 0}
     assert dc.call("tables") == {"rooms": 0}
     assert all(n == 1 for n in dc.call("release_counts").values())
+
+
+def test_prefill_abort_right_after_a_started_write_drains_it_then_fails_the_decode(
+        pair, bootstrap, factory) -> None:
+    # A small chunk's write starts inside send() (EndpointConfig.start_in_send) and is only
+    # awaited on the room's worker: an abort right behind it must still be answered after the
+    # write returned, the decode must fail once and release once, and the next request works.
+    pf, dc = pair
+    started = pf.call("metrics").get("started_writes", 0)
+    r = factory.make(48, room=790)
+    prep, send = prefill_items([r])
+    send[0]["abort_after_send"] = True
+    pf.call("prepare", items=prep)
+    dc.call("recv", items=decode_items([r]), bootstrap=bootstrap.address)
+    end = time.monotonic() + 10
+    while pf.call("tables")["pending"] == 0 and time.monotonic() < end:
+        time.sleep(0.005)
+    pf.call("send", items=send)
+    out = dc.call("wait", rooms=[790], timeout=10)[790]
+    assert out["state"] == "Failed" and "abort" in out["failure"]
+    assert pf.call("metrics")["started_writes"] == started + 1, "the write did not start in send()"
+    # the write could not be stopped: it fully landed before the failure was reported
+    assert verify(dc, [r])[790][0] == 0
+    assert wait_released(dc, 790)
+    assert dc.call("release_counts")[790] == 1
+    ok = factory.make(48, room=791)
+    res = run(pf, dc, bootstrap.address, [ok])
+    assert res[791]["state"] == "Success"
+    assert verify(dc, [ok])[791][0] == 0

@@ -47,6 +47,16 @@ class Transport(Protocol):
         """Write every block, or raise ``TransportError``. Blocking; call it off the engine loop."""
         ...
 
+    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int],
+              tag: int | None = None) -> object | None:
+        """Submit a small write without blocking, or None (then use ``write``); a started
+        write must be passed to ``finish``."""
+        ...
+
+    def finish(self, peer: str, started: object) -> None:
+        """Wait for a started write, or raise ``TransportError``. Blocking."""
+        ...
+
     def probe(self, peer: str) -> bool:
         """Whether ``peer``'s transport answers (cheap liveness check)."""
         ...

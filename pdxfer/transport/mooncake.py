@@ -251,12 +251,47 @@ class MooncakeTransport:
         if error:
             raise TransportError(error)
 
-    def _await(self, peer: str, b: _Batch, credits: Credits, rate: RateEstimate) -> str:
+    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int],
+              tag: int | None = None) -> _Batch | None:
+        """Submit a small write without waiting for it, or None when it cannot start at once.
+
+        For a caller that must not block (the engine's ``send()``): one batch of at most 32 MiB
+        with credits free right now; otherwise (or with faults injected) None, and the caller
+        uses ``write`` from a worker (so do rooms whose writes ``PDXFER_FAULTS`` delays: a
+        delay belongs to a worker, never to the caller of ``send()``). Starting the transfer here, rather than after a worker
+        thread wakes (~0.1 ms on a small VM), is what a lone small request waits for. The
+        returned write must be passed to ``finish`` (which releases its credits)."""
+        n = len(src)
+        if (self._closed or self.completion != "paced" or not 0 < n <= self.batch_entries
+                or FAULTS.active and FAULTS.delays(tag)):
+            return None
+        total = sum(nbytes)
+        if total > LONE_SYNC_MAX_BYTES:
+            return None
+        credits, _ = self._peer_state(peer)
+        ahead = credits.try_acquire(n, total)
+        if ahead is None:
+            return None
+        b = _Batch(src, dst, nbytes, total, ahead, submitted=time.perf_counter())
+        b.bid = self._engine.batch_transfer_async_write(peer, src, dst, nbytes)
+        return b
+
+    def finish(self, peer: str, b: _Batch) -> None:
+        """Wait for a write begun by ``start`` (blocking: call it off the engine loop); retry
+        it once if it failed, then raise ``TransportError``. A write with nothing else in
+        flight to its peer is awaited without a pacing sleep (see the module notes)."""
+        credits, rate = self._peer_state(peer)
+        error = self._await(peer, b, credits, rate, pace=b.ahead > b.total)
+        if error:
+            raise TransportError(error)
+
+    def _await(self, peer: str, b: _Batch, credits: Credits, rate: RateEstimate,
+               pace: bool = True) -> str:
         """Complete one batch (waiting for it, or writing it now when it was not submitted);
         retry a failed batch once. Returns why it failed, or ""."""
         try:
             if b.bid is not None and b.bid > 0:
-                pause = rate.sleep_for(b.ahead, time.perf_counter() - b.submitted)
+                pause = rate.sleep_for(b.ahead, time.perf_counter() - b.submitted) if pace else 0
                 if pause:
                     time.sleep(pause)
                 slept = time.perf_counter()
