@@ -60,6 +60,8 @@ class Chunk:
     first: dict[str, int]
     slots: dict[str, int]
     last: bool
+    plans: dict[Target, P.Blocks] = field(default_factory=dict)
+    """Plans made in ``send()`` for a write that could not start there (``_start``)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -445,9 +447,12 @@ class PrefillSide:
         it; None to leave the whole write to the worker (large, sliced, failed or already
         late chunks, or the transport cannot start it at once)."""
         chunk = st.chunks[ci]
+        pages = sum(a.size for a in chunk.pages.values())
         if (not self.cfg.start_in_send or st.state == KVPoll.Failed or t.finished
-                or t.req.silent
-                or sum(a.size for a in chunk.pages.values()) > P.FEW_PAGES
+                or t.req.silent or pages > P.FEW_PAGES
+                # more entries than one batch at most (no merged runs): not worth planning here
+                or pages * sum(len(pr) for pr in t.peer.pairings.values())
+                > getattr(self.ep.transport, "batch_entries", 0)
                 or (self.staging is not None and _sliced(t))
                 or time.monotonic() > st.deadline):
             return None
@@ -457,6 +462,7 @@ class PrefillSide:
             return None  # the worker fails it (or just finishes) on the usual path
         started = self.ep.transport.start(t.peer.session, *blocks.lists(), tag=st.room)
         if started is None:
+            chunk.plans[t] = blocks  # the worker writes it without planning again
             return None
         self.ep.count("started_writes")
         return lambda: self._await(st, t, chunk, blocks, started, t0)
@@ -552,7 +558,7 @@ class PrefillSide:
                 self._finish(st, t, True, None)
             return
         t0 = time.perf_counter()
-        blocks = self._plan(t, chunk, st.cursor)
+        blocks = chunk.plans.pop(t, None) or self._plan(t, chunk, st.cursor)
         if isinstance(blocks, str):
             self.fail(st, PlanError(blocks))
             self._finish(st, t, False, st.failure)
