@@ -8,9 +8,13 @@ PY="${PYTHON:-python3}"
 EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench}"
 
 need_apt=()
-for pkg in libibverbs1 libnuma1 libcurl4; do
+# gcc builds pdxfer's optional streaming page copier (pdxfer/tiers/_ntcopy.c)
+for pkg in libibverbs1 libnuma1 libcurl4 gcc; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
+if ! "$PY" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then
+  need_apt+=("python3-dev")  # Python.h, for the same copier
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "[setup] installing Debian packages: ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -28,7 +32,7 @@ if ! "$VPY" -c 'import torch' 2>/dev/null; then
   "$VPY" -m pip install -qq torch==2.13.0
 fi
 stamp=".venv/.pdxfer-installed"
-hash=$(cat pyproject.toml | sha256sum | cut -c1-16)-$EXTRAS
+hash=$(cat pyproject.toml setup.py pdxfer/tiers/_ntcopy.c | sha256sum | cut -c1-16)-$EXTRAS
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$hash" ]; then
   echo "[setup] installing pdxfer[$EXTRAS]"
   "$VPY" -m pip install -qq -e ".[$EXTRAS]"

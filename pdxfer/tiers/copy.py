@@ -12,7 +12,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -95,8 +95,28 @@ SPLIT_BYTES = 8 << 20
 and one core's memcpy does not saturate memory bandwidth."""
 
 
-def _run(dst: list[int], src: list[int], item: int) -> None:
-    for d, s in zip(dst, src):
+def _native() -> Any:
+    """The streaming copier (``_ntcopy``, built with the package when a C compiler was
+    there), or None: then each page is one ``ctypes.memmove``. ``PDXFER_COPY_STREAM=0``
+    turns it off."""
+    if os.environ.get("PDXFER_COPY_STREAM", "1") == "0":
+        return None
+    try:
+        from . import _ntcopy
+    except ImportError:
+        return None
+    return _ntcopy
+
+
+NATIVE = _native()
+
+
+def _run(dst: np.ndarray, src: np.ndarray, item: int) -> None:
+    if NATIVE is not None:  # the whole list in one call, GIL released
+        NATIVE.copy(np.ascontiguousarray(dst).view(np.uint64),
+                    np.ascontiguousarray(src).view(np.uint64), item)
+        return
+    for d, s in zip(dst.tolist(), src.tolist()):
         ctypes.memmove(d, s, item)
 
 
@@ -104,10 +124,9 @@ def _copy(dst: np.ndarray, src: np.ndarray, item: int) -> None:
     n = int(dst.size)
     parts = min(WORKERS, max(1, n * item // SPLIT_BYTES), n) if n else 1
     if parts <= 1:
-        _run(dst.tolist(), src.tolist(), item)
+        _run(dst, src, item)
         return
     bounds = np.linspace(0, n, parts + 1).astype(int)
-    futs = [_POOL.submit(_run, dst[a:b].tolist(), src[a:b].tolist(), item)
-            for a, b in zip(bounds, bounds[1:])]
+    futs = [_POOL.submit(_run, dst[a:b], src[a:b], item) for a, b in zip(bounds, bounds[1:])]
     for f in futs:
         f.result()
