@@ -49,7 +49,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
     of the prefix in L2 / L3 files, over the median time of the same request in full."""
     n, layers, ps = 4096, 8, 64
     heads = 2 if quick else 8
-    reps = 3 if quick else 7
+    reps = 3 if quick else 11
     pages = n // ps
     geoms = [PoolGeom("kv", "mha", layers=layers, pages=2 * pages, page_size=ps, heads=heads,
                       head_dim=128, dtype="float16"),

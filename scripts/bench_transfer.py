@@ -165,7 +165,7 @@ class Bench:
     def bulk(self) -> None:
         self.mark_load("bulk")
         sizes = [512, 2048] if self.quick else [128, 512, 1024, 2048]
-        rounds = 3 if self.quick else 7
+        rounds = 3 if self.quick else 15
         res: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for rnd in range(rounds):
             for tokens in sizes:
