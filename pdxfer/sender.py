@@ -457,10 +457,14 @@ class PrefillSide:
                 or time.monotonic() > st.deadline):
             return None
         t0 = time.perf_counter()
-        blocks = self._plan(t, chunk, st.cursor)
-        if isinstance(blocks, str) or not len(blocks):
-            return None  # the worker fails it (or just finishes) on the usual path
-        started = self.ep.transport.start(t.peer.session, *blocks.lists(), tag=st.room)
+        try:
+            blocks = self._plan(t, chunk, st.cursor)
+            if isinstance(blocks, str) or not len(blocks):
+                return None  # the worker fails it (or just finishes) on the usual path
+            started = self.ep.transport.start(t.peer.session, *blocks.lists(), tag=st.room)
+        except Exception:  # noqa: BLE001 - a bug must not escape into the engine's send()
+            log.exception("room %d: starting a write in send() failed", st.room)
+            return None  # the worker plans again and fails the room with the reason
         if started is None:
             chunk.plans[t] = blocks  # the worker writes it without planning again
             return None

@@ -52,6 +52,30 @@ def test_write_outside_the_peer_registration_raises_and_the_next_write_works(eng
     assert (dst[:4096] == src[:4096]).all()
 
 
+def test_started_write_lands_and_a_failed_one_gives_back_its_credits(engines) -> None:
+    # start() submits without waiting (the engine's send() calls it); finish() awaits on a
+    # worker. A write that fails must still return its per-peer credits, or the peer would
+    # be throttled for good; a write larger than one batch is not started at all.
+    a, b, src, dst = engines
+    n, sz = 64, 4096
+    s = [src.ctypes.data + i * sz for i in range(n)]
+    d = [dst.ctypes.data + (n - 1 - i) * sz for i in range(n)]
+    dst[: n * sz] = 0
+    started = a.start(b.session_id, s, d, [sz] * n)
+    assert started is not None
+    a.finish(b.session_id, started)
+    assert (dst[: n * sz].reshape(n, sz)[::-1] == src[: n * sz].reshape(n, sz)).all()
+    bad = a.start(b.session_id, [src.ctypes.data], [dst.ctypes.data + dst.nbytes], [sz])
+    assert bad is not None
+    with pytest.raises(TransportError, match="failed"):
+        a.finish(b.session_id, bad)
+    credits, _ = a._peer_state(b.session_id)
+    assert credits.used == 0 and credits.bytes == 0
+    many = a.batch_entries + 1
+    assert a.start(b.session_id, s[:1] * many, d[:1] * many, [sz] * many) is None
+    assert credits.used == 0
+
+
 def test_dead_peer_fails_fast_and_probes_false(engines) -> None:
     a, _, src, _ = engines
     one = np.ones(1, dtype=np.uint64)

@@ -273,7 +273,11 @@ class MooncakeTransport:
         if ahead is None:
             return None
         b = _Batch(src, dst, nbytes, total, ahead, submitted=time.perf_counter())
-        b.bid = self._engine.batch_transfer_async_write(peer, src, dst, nbytes)
+        try:
+            b.bid = self._engine.batch_transfer_async_write(peer, src, dst, nbytes)
+        except Exception:
+            credits.release(n, total)
+            raise
         return b
 
     def finish(self, peer: str, b: _Batch) -> None:
