@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -74,6 +75,31 @@ def test_started_write_lands_and_a_failed_one_gives_back_its_credits(engines) ->
     many = a.batch_entries + 1
     assert a.start(b.session_id, s[:1] * many, d[:1] * many, [sz] * many) is None
     assert credits.used == 0
+
+
+def test_a_started_write_never_holds_up_a_workers_write(engines) -> None:
+    # A started write is awaited on a worker queue, possibly behind a write that needs
+    # credits: that write must get through while the started one is still unawaited, and a
+    # second write cannot start while the first holds credits (one started write per peer).
+    a, b, src, dst = engines
+    n, sz = a.batch_entries, 1024
+    s = [src.ctypes.data + i * sz for i in range(n)]
+    d = [dst.ctypes.data + i * sz for i in range(n)]
+    first = a.start(b.session_id, s, d, [sz] * n)
+    assert first is not None
+    assert a.start(b.session_id, s[:1], d[:1], [sz]) is None
+    m = 2 * n
+    s2 = (src.ctypes.data + (1 << 20) + np.arange(m) * sz).astype(np.uint64)
+    d2 = (dst.ctypes.data + (1 << 20) + np.arange(m)[::-1] * sz).astype(np.uint64)
+    dst[1 << 20:(1 << 20) + m * sz] = 0
+    a.write(b.session_id, s2, d2, np.full(m, sz, dtype=np.uint64),
+            deadline=time.monotonic() + 10)  # raises on the deadline if it waited for `first`
+    a.finish(b.session_id, first)
+    got = dst[1 << 20:(1 << 20) + m * sz].reshape(m, sz)[::-1]
+    assert (got == src[1 << 20:(1 << 20) + m * sz].reshape(m, sz)).all()
+    again = a.start(b.session_id, s[:1], d[:1], [sz])
+    assert again is not None
+    a.finish(b.session_id, again)
 
 
 def test_dead_peer_fails_fast_and_probes_false(engines) -> None:

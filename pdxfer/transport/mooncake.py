@@ -256,11 +256,18 @@ class MooncakeTransport:
         """Submit a small write without waiting for it, or None when it cannot start at once.
 
         For a caller that must not block (the engine's ``send()``): one batch of at most 32 MiB
-        with credits free right now; otherwise (or with faults injected) None, and the caller
+        when nothing else is in flight to the peer; otherwise (or with faults injected) None,
+        and the caller
         uses ``write`` from a worker (so do rooms whose writes ``PDXFER_FAULTS`` delays: a
         delay belongs to a worker, never to the caller of ``send()``). Starting the transfer here, rather than after a worker
         thread wakes (~0.1 ms on a small VM), is what a lone small request waits for. The
-        returned write must be passed to ``finish`` (which releases its credits)."""
+        returned write must be passed to ``finish`` (which releases its credits).
+
+        Why alone: the caller awaits a started write on a worker queue, behind other jobs. A
+        job ahead of it that waits for credits must never need this write's credits, or it
+        would wait for its own queue. With at most one started write per peer, holding at
+        most ``batch_entries`` (half the cap), every other batch fits once the writes that
+        workers are running return, so such a job always gets through."""
         n = len(src)
         if (self._closed or self.completion != "paced" or not 0 < n <= self.batch_entries
                 or FAULTS.active and FAULTS.delays(tag)):
@@ -269,7 +276,7 @@ class MooncakeTransport:
         if total > LONE_SYNC_MAX_BYTES:
             return None
         credits, _ = self._peer_state(peer)
-        ahead = credits.try_acquire(n, total)
+        ahead = credits.try_acquire(n, total, alone=True)
         if ahead is None:
             return None
         b = _Batch(src, dst, nbytes, total, ahead, submitted=time.perf_counter())

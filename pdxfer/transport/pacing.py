@@ -85,12 +85,13 @@ class Credits:
             self.bytes += nbytes
             return self.bytes
 
-    def try_acquire(self, n: int, nbytes: int = 0) -> int | None:
-        """``acquire`` without waiting: None when the entries do not fit now. A writer that
-        already holds credits must use this (and complete its own batches first), never wait
-        while holding: two writers each holding half the limit would wait for each other."""
+    def try_acquire(self, n: int, nbytes: int = 0, alone: bool = False) -> int | None:
+        """``acquire`` without waiting: None when the entries do not fit now (or, ``alone``,
+        when anything is in flight to the peer). A writer that already holds credits must use
+        this (and complete its own batches first), never wait while holding: two writers each
+        holding half the limit would wait for each other."""
         with self.cond:
-            if self.used + n > self.limit:
+            if self.used + n > self.limit or alone and self.used:
                 return None
             self.used += n
             self.bytes += nbytes
