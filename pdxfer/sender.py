@@ -485,9 +485,7 @@ class PrefillSide:
         try:
             self.ep.transport.finish(t.peer.session, started)
         except TransportError as e:
-            self.fail(st, TransportError(
-                f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}"))
-            self._finish(st, t, False, st.failure)
+            self._write_failed(st, t, e)
             return
         self._wrote(st, t, chunk, blocks, len(blocks), t0, getattr(started, "submitted", t0),
                     frame)
@@ -579,14 +577,17 @@ class PrefillSide:
                 deadline=st.deadline, should_stop=lambda: st.state == KVPoll.Failed,
                 tag=st.room)
         except TransportError as e:
-            self.fail(st, TransportError(
-                f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}"))
-            self._finish(st, t, False, st.failure)
+            self._write_failed(st, t, e)
             return
         finally:
             if gathered is not None:
                 self.staging.release(gathered[1], gathered[2])  # type: ignore[union-attr]
         self._wrote(st, t, chunk, blocks, len(wire_blocks), t0, tw)
+
+    def _write_failed(self, st: SenderRoom, t: Target, e: TransportError) -> None:
+        self.fail(st, TransportError(
+            f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}"))
+        self._finish(st, t, False, st.failure)
 
     def _wrote(self, st: SenderRoom, t: Target, chunk: Chunk, blocks: P.Blocks, entries: int,
                t0: float, tw: float, frame: bytes | None = None) -> None:
@@ -615,21 +616,18 @@ class PrefillSide:
                 ok, err = False, st.failure
             if not (t.req.silent and not t.aborted):  # a silent sender's decode does not wait
                 if t.aborted:
-                    msg: wire.Msg | None = wire.AbortAck(
+                    out = wire.encode(wire.AbortAck(
                         room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
-                        rank=self.cfg.tp_rank)
+                        rank=self.cfg.tp_rank))
                 elif ok and frame is not None:
-                    msg = None
+                    out = frame
                 else:
-                    msg = wire.TransferDone(
+                    out = wire.encode(wire.TransferDone(
                         room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
                         rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
                         kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks,
-                        seconds=t.seconds)
-                if msg is None:
-                    self.ep.send_frame(t.req.reply_to, frame)  # type: ignore[arg-type]
-                else:
-                    self.ep.send(t.req.reply_to, msg)
+                        seconds=t.seconds))
+                self.ep.send_frame(t.req.reply_to, out)
             all_done = len(st.targets) >= st.expected and all(x.finished for x in st.targets)
             if ok and all_done and not st.state.terminal:
                 st.state = KVPoll.Success

@@ -91,8 +91,8 @@ def _nicer() -> None:
 _POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="pdxfer-copy",
                            initializer=_nicer)
 SPLIT_BYTES = 8 << 20
-"""Copies larger than this are split across threads: ``ctypes.memmove`` releases the GIL,
-and one core's memcpy does not saturate memory bandwidth."""
+"""Copies larger than this are split across threads: both copiers release the GIL, and one
+core's copy does not saturate memory bandwidth."""
 
 
 def _native() -> Any:

@@ -256,11 +256,11 @@ class MooncakeTransport:
         """Submit a small write without waiting for it, or None when it cannot start at once.
 
         For a caller that must not block (the engine's ``send()``): one batch of at most 32 MiB
-        when nothing else is in flight to the peer; otherwise (or with faults injected) None,
-        and the caller
-        uses ``write`` from a worker (so do rooms whose writes ``PDXFER_FAULTS`` delays: a
-        delay belongs to a worker, never to the caller of ``send()``). Starting the transfer here, rather than after a worker
-        thread wakes (~0.1 ms on a small VM), is what a lone small request waits for. The
+        when nothing else is in flight to the peer; otherwise None, and the caller uses
+        ``write`` from a worker (so do rooms whose writes ``PDXFER_FAULTS`` delays: a delay
+        belongs to a worker, never to the caller of ``send()``). Starting the transfer here,
+        rather than after a worker thread wakes (~0.1 ms on a small VM), is what a lone small
+        request waits for. The
         returned write must be passed to ``finish`` (which releases its credits).
 
         Why alone: the caller awaits a started write on a worker queue, behind other jobs. A
