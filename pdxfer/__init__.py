@@ -21,6 +21,7 @@ from .errors import (
     TransportUnavailable,
     WireError,
 )
+from .metrics import prometheus_text
 from .pools import BufferSpec, PoolSpec, Sharding, layout_signature
 from .receiver import KVReceiver
 from .sender import KVSender
@@ -33,5 +34,5 @@ __all__ = [
     "ConfigError", "DeadlineExceeded", "DuplicateRoom", "Endpoint", "EndpointConfig",
     "KVPoll", "KVReceiver", "KVSender", "LayoutMismatch", "PdxferError", "PeerLost",
     "PlanError", "PoolSpec", "RemoteFailure", "Sharding", "TransportError",
-    "TransportUnavailable", "WireError", "layout_signature", "__version__",
+    "TransportUnavailable", "WireError", "layout_signature", "prometheus_text", "__version__",
 ]

@@ -9,7 +9,8 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from ..bootstrap import BootstrapServer
+from pdxfer import BootstrapServer
+
 from .procs import Proc, stop_all
 
 

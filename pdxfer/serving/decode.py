@@ -22,8 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
-from ..errors import PdxferError
-from ..receiver import KVReceiver
+from pdxfer import KVReceiver, PdxferError
+
 from .errors import BadRequest, OutOfCapacity, TransferFailed
 from .kv import OutOfPagesError
 from .model import speculative_generate

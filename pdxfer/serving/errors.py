@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import PdxferError
+from pdxfer import PdxferError
 
 
 class ServingError(PdxferError):

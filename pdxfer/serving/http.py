@@ -13,7 +13,8 @@ from typing import Any
 
 from aiohttp import web
 
-from ..metrics import prometheus_text
+from pdxfer import prometheus_text
+
 from .errors import BadRequest, ServingError
 
 log = logging.getLogger("pdxfer.serving")

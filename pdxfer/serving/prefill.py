@@ -19,8 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
-from ..errors import PdxferError
-from ..sender import KVSender
+from pdxfer import KVSender, PdxferError
+
 from .errors import BadRequest, OutOfCapacity, TransferFailed
 from .kv import OutOfPagesError
 from .worker import (

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from ..endpoint import Endpoint
-from ..pools import PoolSpec
-from ..states import EndpointConfig
+from pdxfer import Endpoint, EndpointConfig, PoolSpec
+
 from .errors import BadRequest, OutOfCapacity
 from .http import (  # noqa: F401  (re-exported for the worker modules)
     READY,
