@@ -1,11 +1,13 @@
 """pdxfer: move KV cache from prefill to decode over Mooncake Transfer Engine.
 
-Reading order: ``pools`` (geometry) -> ``plan`` (address math) -> ``wire`` (messages) ->
-``transport`` -> ``bootstrap`` -> ``endpoint`` (facade) -> ``sender`` / ``receiver``.
+Reading order: ``errors`` -> ``config`` -> ``pools`` (geometry) -> ``plan/`` (pure address
+math) -> ``wire`` (messages) -> ``transport/`` -> ``bootstrap`` -> ``endpoint/`` (one rank) ->
+``tiers/`` (decode-side L2/L3) -> ``serving/`` (router and workers, a user of this API).
 """
 
 from .bootstrap import BootstrapClient, BootstrapServer
-from .endpoint import Endpoint
+from .config import EndpointConfig
+from .endpoint import Endpoint, KVPoll, KVReceiver, KVSender
 from .errors import (
     Aborted,
     BootstrapError,
@@ -23,9 +25,6 @@ from .errors import (
 )
 from .metrics import prometheus_text
 from .pools import BufferSpec, PoolSpec, Sharding, layout_signature
-from .receiver import KVReceiver
-from .sender import KVSender
-from .states import EndpointConfig, KVPoll
 
 __version__ = "0.1.0"
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import time
 
+from .config import knobs
 from .errors import ConfigError
 
 ENV = "PDXFER_SECRET"
@@ -25,14 +25,15 @@ def load_secret(explicit: str | bytes | None = None) -> bytes | None:
     """The configured secret, or None when access control is off."""
     if explicit is not None:
         s = explicit.encode() if isinstance(explicit, str) else explicit
-    elif os.environ.get(ENV):
-        s = os.environ[ENV].encode()
-    elif os.environ.get(ENV_FILE):
+    elif knobs().secret:
+        s = str(knobs().secret).encode()
+    elif knobs().secret_file:
+        path = str(knobs().secret_file)
         try:
-            with open(os.environ[ENV_FILE], "rb") as f:
+            with open(path, "rb") as f:
                 s = f.read().strip()
         except OSError as e:
-            raise ConfigError(f"cannot read {ENV_FILE}={os.environ[ENV_FILE]!r}: {e}") from None
+            raise ConfigError(f"cannot read {ENV_FILE}={path!r}: {e}") from None
     else:
         return None
     if len(s) < 16:

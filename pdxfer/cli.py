@@ -24,7 +24,7 @@ def _bootstrap(a: argparse.Namespace) -> int:
 
 
 def _transfer_demo(a: argparse.Namespace) -> int:
-    from .transfer_demo import main as demo
+    from .testing.transfer_demo import main as demo
 
     return demo(a.rest)
 

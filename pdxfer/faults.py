@@ -12,12 +12,12 @@ The hooks are single attribute checks when faults are off.
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
 from dataclasses import dataclass, field
 
+from .config import knobs
 from .errors import ConfigError
 
 
@@ -71,4 +71,12 @@ class Faults:
             return self._rng.random() < self.drop
 
 
-FAULTS = Faults.parse(os.environ.get("PDXFER_FAULTS", ""))
+_FAULTS: Faults | None = None
+
+
+def faults() -> Faults:
+    """The process's faults, parsed from ``PDXFER_FAULTS`` on first use (never at import)."""
+    global _FAULTS
+    if _FAULTS is None:
+        _FAULTS = Faults.parse(knobs().faults)
+    return _FAULTS

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from pdxfer.bootstrap import BootstrapServer
-from pdxfer.harness import Agent
-from pdxfer.patterns import PoolGeom
+from pdxfer.testing.harness import Agent
+from pdxfer.testing.patterns import PoolGeom
 
-X = "pdxfer.tiers._agent_cmds:"
+X = "pdxfer.testing.tier_cmds:"
 
 
 def _run_one(pf: Agent, dc: Agent, boot: str, room: int, tokens: list[int], src: list[int],

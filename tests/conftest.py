@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.harness import Agent
-from pdxfer.patterns import PoolGeom
+from pdxfer.testing.harness import Agent
+from pdxfer.testing.patterns import PoolGeom
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 

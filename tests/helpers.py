@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer.harness import Agent
-from pdxfer.patterns import PoolGeom
+from pdxfer.testing.harness import Agent
+from pdxfer.testing.patterns import PoolGeom
 
 _rooms = itertools.count(1000)
 

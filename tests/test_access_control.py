@@ -12,8 +12,8 @@ import zmq
 
 from pdxfer import BootstrapClient, BootstrapError, BootstrapServer, layout_signature, wire
 from pdxfer.bootstrap import Registration
-from pdxfer.harness import Agent
-from pdxfer.patterns import PoolGeom
+from pdxfer.testing.harness import Agent
+from pdxfer.testing.patterns import PoolGeom
 
 from .conftest import FAST
 from .helpers import Factory, run, verify

@@ -16,9 +16,9 @@ import pytest
 import zmq
 
 from pdxfer import BootstrapServer, layout_signature, wire
-from pdxfer import patterns as pat
-from pdxfer.harness import Agent
-from pdxfer.patterns import PoolGeom
+from pdxfer.testing import patterns as pat
+from pdxfer.testing.harness import Agent
+from pdxfer.testing.patterns import PoolGeom
 from pdxfer.transport import MooncakeTransport
 
 from .conftest import start_pair

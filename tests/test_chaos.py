@@ -13,8 +13,8 @@ import random
 import time
 
 from pdxfer import BootstrapServer
-from pdxfer.harness import Agent
-from pdxfer.patterns import PoolGeom
+from pdxfer.testing.harness import Agent
+from pdxfer.testing.patterns import PoolGeom
 
 from .helpers import Factory, decode_items, prefill_items, verify
 

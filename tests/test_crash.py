@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from pdxfer import BootstrapServer
-from pdxfer.harness import Agent
-from pdxfer.patterns import PoolGeom
+from pdxfer.testing.harness import Agent
+from pdxfer.testing.patterns import PoolGeom
 
 from .conftest import FAST, start_pair
 from .helpers import Factory, decode_items, prefill_items, run, verify

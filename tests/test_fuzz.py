@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdxfer import BootstrapServer, Endpoint, EndpointConfig, WireError, wire
-from pdxfer import patterns as pat
-from pdxfer.patterns import PoolGeom
+from pdxfer.testing import patterns as pat
+from pdxfer.testing.patterns import PoolGeom
 
 N = 2000
 FUZZ = settings(max_examples=N, deadline=None, database=None,

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from pdxfer import patterns as pat
 from pdxfer import plan as P
-from pdxfer.headplan import plan_staged
-from pdxfer.patterns import PoolGeom
-from pdxfer.staging import Lease, Staging, bounce, lease_bytes, lease_error, scatter
+from pdxfer.endpoint.staging import Lease, Staging, bounce, scatter
+from pdxfer.plan.heads import lease_bytes, lease_error, plan_staged
+from pdxfer.testing import patterns as pat
+from pdxfer.testing.patterns import PoolGeom
 
 
 def apply(blocks: P.Blocks) -> None:

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.harness import Agent
-from pdxfer.patterns import PoolGeom
+from pdxfer.testing.harness import Agent
+from pdxfer.testing.patterns import PoolGeom
 from pdxfer.tiers.keys import page_keys, pool_key
 from pdxfer.tiers.mooncake_store import MooncakeMaster
 from pdxfer.tiers.storage import FileStorage

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from pdxfer.patterns import PoolGeom, build
+from pdxfer.testing.patterns import PoolGeom, build
 from pdxfer.tiers import CapacityError, FileStorage, HostCache, TieredCache, page_keys
 from pdxfer.tiers.keys import pool_key
 
@@ -98,7 +98,8 @@ def test_streaming_page_copy_is_byte_exact_at_any_alignment_and_size() -> None:
     # installs a C compiler, so a silent fallback to memmove would hide a build failure.
     from pdxfer.tiers import copy as C
 
-    assert C.NATIVE is not None, "pdxfer.tiers._ntcopy was not built"
+    threads = C._Threads()
+    assert threads.native is not None, "pdxfer.tiers._ntcopy was not built"
     rng = np.random.default_rng(5)
     src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
     for size in (1, 15, 16, 63, 64, 65, 129, 1000, 4096 + 7):
@@ -107,7 +108,7 @@ def test_streaming_page_copy_is_byte_exact_at_any_alignment_and_size() -> None:
                 dst = np.zeros(3 * size + 64, dtype=np.uint8)
                 d_at = [dst.ctypes.data + d_off, dst.ctypes.data + d_off + size + 17]
                 s_at = [src.ctypes.data + s_off, src.ctypes.data + s_off + 2 * size]
-                C._copy(np.array(d_at, dtype=np.int64), np.array(s_at, dtype=np.int64), size)
+                threads.copy(np.array(d_at, dtype=np.int64), np.array(s_at, dtype=np.int64), size)
                 want = np.zeros_like(dst)
                 want[d_off:d_off + size] = src[s_off:s_off + size]
                 want[d_off + size + 17:d_off + 2 * size + 17] = src[s_off + 2 * size:

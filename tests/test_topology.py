@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from pdxfer import plan as P
-from pdxfer.headplan import plan_head_slice
-from pdxfer.patterns import PoolGeom, build
+from pdxfer.plan.heads import plan_head_slice
+from pdxfer.plan.topology import assign, contacts, decode_peers
 from pdxfer.pools import BufferSpec, PoolSpec, Sharding
-from pdxfer.topology import assign, contacts, decode_peers
+from pdxfer.testing.patterns import PoolGeom, build
 
 
 @pytest.mark.parametrize(("tp_p", "tp_d", "rank", "want", "peers"), [
@@ -130,7 +130,7 @@ def test_asking_for_every_head_of_the_same_shard_is_a_whole_page_plan() -> None:
     # The decode names the head range of every sharded pool; when it is the whole shard both
     # sides hold, the sender must take the whole-page path (no slicing, no staging, and no
     # per-block bounds check on the hot path), and only then.
-    from pdxfer.sender import _heads
+    from pdxfer.endpoint.sender import _heads
 
     same = _pair(4, (2, 2), (2, 2), "HND")
     assert _heads(same, (2, 4)) is None

@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer.harness import Agent
-from pdxfer.patterns import PoolGeom
+from pdxfer.testing.harness import Agent
+from pdxfer.testing.patterns import PoolGeom
 
 from .helpers import Pages
 
-X = "pdxfer.tiers._agent_cmds:"
+X = "pdxfer.testing.tier_cmds:"
 _rooms = itertools.count(50_000)
 
 

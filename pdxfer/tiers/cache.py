@@ -285,3 +285,4 @@ class TieredCache:
         self.flush()
         self.executor.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        self.copier.close()

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..config import knobs
 from ..errors import ConfigError, PlanError
 from ..pools import PoolSpec
 from .host import HostPool
@@ -28,12 +29,17 @@ class Copier(Protocol):
     def to_l1(self, pool: str, host: HostPool, host_pages: np.ndarray,
               l1_pages: np.ndarray) -> None: ...
 
+    def close(self) -> None:
+        """Join any threads the copier started (``TieredCache.close`` calls it)."""
+        ...
+
 
 class CpuCopier:
     """One ``memmove`` per (page, buffer): both sides hold a page of one buffer contiguously,
     so this is a single copy (numpy fancy indexing would gather into a temporary first)."""
 
     def __init__(self, pools: Sequence[PoolSpec]) -> None:
+        self.threads = _Threads()
         self.bases: dict[str, tuple[np.ndarray, int]] = {}
         self.num_items: dict[str, int] = {}
         for p in pools:
@@ -62,17 +68,18 @@ class CpuCopier:
     def to_host(self, pool: str, l1_pages: np.ndarray, host: HostPool,
                 host_pages: np.ndarray) -> None:
         l1, hp, item = self._pairs(pool, l1_pages, host, host_pages)
-        _copy(hp, l1, item)
+        self.threads.copy(hp, l1, item)
 
     def to_l1(self, pool: str, host: HostPool, host_pages: np.ndarray,
               l1_pages: np.ndarray) -> None:
         l1, hp, item = self._pairs(pool, l1_pages, host, host_pages)
-        _copy(l1, hp, item)
+        self.threads.copy(l1, hp, item)
+
+    def close(self) -> None:
+        self.threads.close()
 
 
-WORKERS = int(os.environ.get("PDXFER_COPY_THREADS", 0)) or max(1, min(4, os.cpu_count() or 1))
-NICE = int(os.environ.get("PDXFER_COPY_NICE", "10"))
-"""Copy threads run this much nicer than the process. A restore's copy overlaps its own
+"""``PDXFER_COPY_NICE``: copy threads run this much nicer than the process. A restore's copy overlaps its own
 network suffix (and other requests' transfers), whose transport I/O threads are latency
 bound: when cores are short, the copy should fill the gaps they leave rather than stall them
 (measured on 2 vCPUs: the suffix's transfer slowed 2x behind two copy threads). With spare
@@ -80,16 +87,15 @@ cores it changes nothing."""
 
 
 def _nicer() -> None:
-    if NICE > 0 and hasattr(os, "setpriority"):
+    nice = knobs().copy_nice
+    if nice > 0 and hasattr(os, "setpriority"):
         try:  # on Linux, PRIO_PROCESS with a thread id sets that thread only
             tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + NICE)
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
         except OSError:
             pass  # not permitted or not supported: run at normal priority
 
 
-_POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="pdxfer-copy",
-                           initializer=_nicer)
 SPLIT_BYTES = 8 << 20
 """Copies larger than this are split across threads: both copiers release the GIL, and one
 core's copy does not saturate memory bandwidth."""
@@ -99,7 +105,7 @@ def _native() -> Any:
     """The streaming copier (``_ntcopy``, built with the package when a C compiler was
     there), or None: then each page is one ``ctypes.memmove``. ``PDXFER_COPY_STREAM=0``
     turns it off."""
-    if os.environ.get("PDXFER_COPY_STREAM", "1") == "0":
+    if not knobs().copy_stream:
         return None
     try:
         from . import _ntcopy
@@ -108,25 +114,44 @@ def _native() -> Any:
     return _ntcopy
 
 
-NATIVE = _native()
-
-
-def _run(dst: np.ndarray, src: np.ndarray, item: int) -> None:
-    if NATIVE is not None:  # the whole list in one call, GIL released
-        NATIVE.copy(np.ascontiguousarray(dst).view(np.uint64),
+def _run(dst: np.ndarray, src: np.ndarray, item: int, native: Any) -> None:
+    if native is not None:  # the whole list in one call, GIL released
+        native.copy(np.ascontiguousarray(dst).view(np.uint64),
                     np.ascontiguousarray(src).view(np.uint64), item)
         return
     for d, s in zip(dst.tolist(), src.tolist()):
         ctypes.memmove(d, s, item)
 
 
-def _copy(dst: np.ndarray, src: np.ndarray, item: int) -> None:
-    n = int(dst.size)
-    parts = min(WORKERS, max(1, n * item // SPLIT_BYTES), n) if n else 1
-    if parts <= 1:
-        _run(dst, src, item)
-        return
-    bounds = np.linspace(0, n, parts + 1).astype(int)
-    futs = [_POOL.submit(_run, dst[a:b], src[a:b], item) for a, b in zip(bounds, bounds[1:])]
-    for f in futs:
-        f.result()
+class _Threads:
+    """Copy threads (started on first use, joined by ``close``) and the copier to run."""
+
+    def __init__(self) -> None:
+        self.workers = knobs().copy_workers
+        self.native = _native()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, item: int) -> None:
+        n = int(dst.size)
+        parts = min(self.workers, max(1, n * item // SPLIT_BYTES), n) if n else 1
+        if parts <= 1:
+            _run(dst, src, item, self.native)
+            return
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.workers,
+                                                thread_name_prefix="pdxfer-copy",
+                                                initializer=_nicer)
+            pool = self._pool
+        bounds = np.linspace(0, n, parts + 1).astype(int)
+        futs = [pool.submit(_run, dst[a:b], src[a:b], item, self.native)
+                for a, b in zip(bounds, bounds[1:])]
+        for f in futs:
+            f.result()
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

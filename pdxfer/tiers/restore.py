@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..endpoint.handles import KVPoll
+from ..endpoint.receiver import KVReceiver, Release
 from ..errors import Aborted, DeadlineExceeded, DuplicateRoom, PdxferError, PlanError
-from ..receiver import KVReceiver, Release
-from ..states import KVPoll
 from .cache import Match, TieredCache
 from .errors import RestoreFailed
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import re
 import threading
 import time
@@ -33,8 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from ..config import knobs, mooncake_env_defaults
 from ..errors import ConfigError, TransportError, TransportUnavailable
-from ..faults import FAULTS
+from ..faults import faults
 from .base import TransportStats
 from .pacing import Credits, RateEstimate
 
@@ -112,21 +112,13 @@ class MooncakeTransport:
             raise ConfigError("RDMA needs a device name (e.g. device='mlx5_0')")
         if not 1 <= max_batch <= 2048:
             raise ConfigError(f"max_batch must be in [1, 2048], got {max_batch}")
-        completion = completion or os.environ.get("PDXFER_TE_COMPLETION", "paced")
+        completion = completion or knobs().te_completion
+        self._faults = faults()
         if completion not in COMPLETIONS:
             raise ConfigError(f"completion must be one of {COMPLETIONS}, got {completion!r}")
         if not 1 <= window <= max_batch:
             raise ConfigError(f"window must be in [1, max_batch], got {window}")
-        # Read by the engine at start: set before it exists, never override the user's choice.
-        secs = max(5, int(timeout_s + 0.999))
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(secs))
-        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(max(1, int(timeout_s + 0.999))))
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-        if protocol == "tcp":
-            # More lanes per peer than Mooncake's 4 let paced (non-spinning) completion
-            # overlap more entries in bulk; 8 does that as well as 16, while 16 made a lone
-            # 16 MiB write ~0.5 ms slower than 4 or 8 (2 vCPUs, scripts/bench_transfer.py).
-            os.environ.setdefault("MC_TCP_LANES_PER_PEER", "8")
+        mooncake_env_defaults(timeout_s, protocol)
         engine_cls = _load_engine()
         self._engine = engine_cls()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
@@ -221,8 +213,8 @@ class MooncakeTransport:
                 if deadline is not None and time.monotonic() > deadline:
                     error = "deadline passed before all blocks were written"
                     break
-                if FAULTS.active:  # a write already committed to, landing late
-                    FAULTS.before_batch(tag)
+                if self._faults.active:  # a write already committed to, landing late
+                    self._faults.before_batch(tag)
                 if n <= step:
                     b = _Batch(sl, dl, nl)
                 else:
@@ -270,7 +262,7 @@ class MooncakeTransport:
         workers are running return, so such a job always gets through."""
         n = len(src)
         if (self._closed or self.completion != "paced" or not 0 < n <= self.batch_entries
-                or FAULTS.active and FAULTS.delays(tag)):
+                or self._faults.active and self._faults.delays(tag)):
             return None
         total = sum(nbytes)
         if total > LONE_SYNC_MAX_BYTES:

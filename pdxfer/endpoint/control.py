@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import zmq
 
-from .faults import FAULTS
+from ..faults import faults
 
 log = logging.getLogger("pdxfer.control")
 
@@ -58,6 +58,7 @@ class Control:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        fl = faults()
         next_tick = time.monotonic() + self._tick_s
         while not self._stop.is_set():
             timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
@@ -73,7 +74,7 @@ class Control:
                         frame = self._pull.recv(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
                         break
-                    if FAULTS.active and FAULTS.drop_incoming():
+                    if fl.active and fl.drop_incoming():
                         continue
                     self._guard(self._on_frame, frame)
             if time.monotonic() >= next_tick:

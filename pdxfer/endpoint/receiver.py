@@ -25,11 +25,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from . import plan as P
-from . import topology as T
-from . import wire
-from .bootstrap import BootstrapClient
-from .errors import (
+from .. import plan as P
+from .. import wire
+from ..bootstrap import BootstrapClient
+from ..errors import (
     Aborted,
     BootstrapError,
     DeadlineExceeded,
@@ -40,9 +39,11 @@ from .errors import (
     PlanError,
     RemoteFailure,
 )
-from .pools import PoolSpec, layout_signature
-from .staging import Lease, Staging, lease_bytes, scatter
-from .states import KVPoll, RequestHandle
+from ..plan import topology as T
+from ..plan.heads import lease_bytes
+from ..pools import PoolSpec, layout_signature
+from .handles import KVPoll, RequestHandle
+from .staging import Lease, Staging, scatter
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -505,7 +506,7 @@ class DecodeSide:
             layers = ({(b.layer_id, b.role) for b in theirs.buffers} if theirs is not None
                       else {(b.layer_id, b.role) for b in pool.buffers})
             scatter(pool, x, st.dst[pool.indices_from or x.pool], st.prefix_len,
-                    st.num_tokens, layers)
+                    st.num_tokens, layers, self.staging.executor if self.staging else None)
 
     # -- periodic ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -607,3 +608,5 @@ class DecodeSide:
         self._stop.set()
         self._hb.join(timeout=5)
         self._connector.shutdown(wait=False, cancel_futures=True)
+        if self.staging is not None:
+            self.staging.close()

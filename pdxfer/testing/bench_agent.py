@@ -1,4 +1,4 @@
-"""Benchmark commands for ``harness.Agent`` processes (``state="pdxfer._bench_agent:BenchState"``).
+"""Benchmark commands for ``harness.Agent`` processes (``state="pdxfer.testing.bench_agent:BenchState"``).
 
 Timing happens inside the agents with ``time.monotonic()`` (one system-wide clock on Linux, so
 stamps from the prefill and decode processes compare), never through the driver's pipe.
@@ -21,14 +21,14 @@ import msgspec
 import numpy as np
 import zmq
 
+from .. import plan as P
+from ..endpoint.handles import KVPoll
+from ..endpoint.receiver import KVReceiver
+from ..pools import PoolSpec
+from ..transport.mooncake import _load_engine
 from . import patterns as pat
-from . import plan as P
-from ._agent import AgentState
+from .agent import AgentState
 from .patterns import PoolGeom
-from .pools import PoolSpec
-from .receiver import KVReceiver
-from .states import KVPoll
-from .transport.mooncake import _load_engine
 
 RAW_CALL_ENTRIES = 1000
 

@@ -29,9 +29,9 @@ class Agent:
 
     def __init__(self, role: str, config: dict[str, Any], geoms: list[PoolGeom],
                  env: dict[str, str] | None = None, start_timeout: float = 120.0,
-                 state: str = "pdxfer._agent:AgentState") -> None:
+                 state: str = "pdxfer.testing.agent:AgentState") -> None:
         """``state`` names the ``module:Class`` whose ``cmd_*`` methods the agent serves (the
-        benchmarks add commands in ``pdxfer._bench_agent``)."""
+        benchmarks add commands in ``pdxfer.testing.bench_agent``)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_agent_main,
@@ -98,9 +98,11 @@ class Agent:
 
 
 def _agent_main(conn: Any, role: str, config: dict[str, Any], geoms: list[PoolGeom],
-                env: dict[str, str], state_cls: str = "pdxfer._agent:AgentState") -> None:
+                env: dict[str, str], state_cls: str = "pdxfer.testing.agent:AgentState") -> None:
     os.environ.update(env)
-    logging.basicConfig(level=os.environ.get("PDXFER_LOG", "WARNING"), stream=sys.stderr,
+    from ..config import knobs
+
+    logging.basicConfig(level=knobs().log_level, stream=sys.stderr,
                         format=f"[{role} %(process)d] %(levelname)s %(name)s: %(message)s")
     try:
         import importlib

@@ -8,7 +8,6 @@ after they returned, which is what lets the decode free its pages without a late
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,9 +15,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import plan as P
-from . import wire
-from .errors import (
+from .. import plan as P
+from .. import wire
+from ..config import knobs
+from ..errors import (
     Aborted,
     DeadlineExceeded,
     DuplicateRoom,
@@ -27,11 +27,10 @@ from .errors import (
     PlanError,
     TransportError,
 )
-from .headplan import head_range_error, plan_head_slice, plan_staged
-from .pools import PoolSpec, check_pools, layout_signature
-from .staging import POOL_NAME as STAGING_POOL
-from .staging import Staging, bounce, lease_error
-from .states import KVPoll, RequestHandle
+from ..plan.heads import STAGING_POOL, head_range_error, lease_error, plan_head_slice, plan_staged
+from ..pools import PoolSpec, check_pools, layout_signature
+from .handles import KVPoll, RequestHandle
+from .staging import Staging, bounce
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -138,7 +137,7 @@ class PrefillSide:
         self.tombstones: dict[int, tuple[float, str]] = {}
         self.peers: dict[str, DecodePeer] = {}
         host = all(p.location == "cpu" for p in ep.pools)
-        n = Staging.wanted(ep.pools) if host and os.environ.get("PDXFER_GATHER", "1") != "0" else 0
+        n = Staging.wanted(ep.pools) if host and knobs().gather else 0
         self.staging = Staging(n) if n else None  # gathers head slices into few big writes
         if self.staging is not None:
             ep.transport.register(self.staging.addr, n, "cpu")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .pools import PoolSpec
+from ..pools import PoolSpec
 
 MAX_BATCH_ENTRIES = 1024
 """Mooncake's TCP transport rejects batches over ~2048 entries per peer and can wedge that

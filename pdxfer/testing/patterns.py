@@ -15,7 +15,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .pools import PoolSpec
+from ..pools import PoolSpec
 
 SENTINEL = 0xA5
 

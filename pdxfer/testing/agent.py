@@ -10,13 +10,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import EndpointConfig
+from ..endpoint import Endpoint
+from ..endpoint.handles import KVPoll
+from ..endpoint.receiver import KVReceiver
+from ..endpoint.sender import KVSender
+from ..pools import PoolSpec
 from . import patterns as pat
-from .endpoint import Endpoint
 from .patterns import PoolGeom
-from .pools import PoolSpec
-from .receiver import KVReceiver
-from .sender import KVSender
-from .states import EndpointConfig, KVPoll
 
 
 class _Ep:

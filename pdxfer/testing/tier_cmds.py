@@ -12,12 +12,12 @@ import os
 import time
 from typing import Any
 
-from .. import patterns as pat
-from ..states import KVPoll
-from .cache import Match, TieredCache
-from .mooncake_store import MooncakeStoreStorage
-from .restore import RestoringReceiver
-from .storage import FileStorage, StorageBackend
+from ..endpoint.handles import KVPoll
+from ..tiers.cache import Match, TieredCache
+from ..tiers.mooncake_store import MooncakeStoreStorage
+from ..tiers.restore import RestoringReceiver
+from ..tiers.storage import FileStorage, StorageBackend
+from . import patterns as pat
 
 
 class _Tiers:

@@ -4,7 +4,7 @@ A bootstrap server runs here; the prefill and decode endpoints run in two separa
 and talk over real ZMQ sockets and Mooncake Transfer Engine (TCP, loopback). Every byte that
 lands on the decode side is checked against the pattern the prefill wrote.
 
-    pdxfer transfer-demo --tokens 4096 --layers 8      (or: python -m pdxfer.transfer_demo ...)
+    pdxfer transfer-demo --tokens 4096 --layers 8      (or: python -m pdxfer.testing.transfer_demo ...)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from .bootstrap import BootstrapServer
+from ..bootstrap import BootstrapServer
 from .harness import Agent
 from .patterns import PoolGeom
 

@@ -32,11 +32,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .plan import Blocks
-from .pools import BufferSpec, PoolSpec
+from ..config import knobs
+from ..plan import Blocks
+from ..plan.heads import STAGING_POOL, staged_unit
+from ..pools import BufferSpec, PoolSpec
 
-POOL_NAME = "pdxfer.staging"
-DEFAULT_MB = 256
+POOL_NAME = STAGING_POOL
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,22 @@ class Staging:
         self.nbytes = nbytes
         self._free: list[tuple[int, int]] = [(0, nbytes)]
         self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """Threads that split large scatters; started on first use, joined by ``close``."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=SCATTER_WORKERS,
+                                                    thread_name_prefix="pdxfer-scatter")
+            return self._executor
+
+    def close(self) -> None:
+        with self._lock:
+            ex, self._executor = self._executor, None
+        if ex is not None:
+            ex.shutdown(wait=True)
 
     @staticmethod
     def wanted(pools: tuple[PoolSpec, ...]) -> int:
@@ -67,7 +84,7 @@ class Staging:
         only those pools can receive head slices)."""
         if not any(p.sharding.kind == "heads" and p.location == "cpu" for p in pools):
             return 0
-        return int(float(os.environ.get("PDXFER_STAGING_MB", DEFAULT_MB)) * (1 << 20))
+        return int(knobs().staging_mb * (1 << 20))
 
     def spec(self) -> PoolSpec:
         return PoolSpec(POOL_NAME, "slot", (BufferSpec(self.addr, self.nbytes, 0, "stage"),),
@@ -97,53 +114,19 @@ class Staging:
             self._free = merged
 
 
-def staged_unit(pool: PoolSpec, ntok: int, lo: int, hi: int) -> tuple[int, int]:
-    """``(count, nbytes)`` of the packed units of one buffer: tokens (token-major) or whole
-    pages (HND, where a page's slice is one contiguous block)."""
-    width = (hi - lo) * pool.sharding.head_bytes
-    if pool.token_major:
-        return ntok, width
-    return -(-ntok // pool.page_size), width * pool.page_size
-
-
-def lease_bytes(pool: PoolSpec, ntok: int, lo: int, hi: int) -> int:
-    """Staging for heads ``[lo, hi)`` of ``ntok`` tokens of every buffer of ``pool``."""
-    count, unit = staged_unit(pool, ntok, lo, hi)
-    return len(pool.buffers) * count * unit
-
-
-def lease_error(pool: PoolSpec, staging: PoolSpec | None, addr: int, ntok: int, lo: int,
-                hi: int) -> str | None:
-    """Why a lease at ``addr`` for ``pool`` is not wholly inside the peer's staging pool, or
-    None. Checked by the sender before it plans: a decode may only lend its staging, never
-    point the packed layout (which ignores its page indices) at its own pools."""
-    if pool.sharding.kind != "heads":
-        return f"pool {pool.name!r}: staging needs a head-sharded pool"
-    if staging is None or not staging.buffers:
-        return f"pool {pool.name!r}: staged but the decode advertised no staging"
-    n = lease_bytes(pool, ntok, lo, hi)
-    b = staging.buffers[0]
-    if not (b.addr <= addr and addr + n <= b.addr + b.nbytes):
-        return (f"pool {pool.name!r}: staging lease {addr:#x}+{n} outside the decode's "
-                f"staging {b.addr:#x}+{b.nbytes}")
-    return None
-
-
 def _host(addr: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
 
 
-SCATTER_WORKERS = max(1, min(4, os.cpu_count() or 1))
+SCATTER_WORKERS = max(1, min(4, os.cpu_count() or 1))  # not a knob: latency, not CPU share
 SCATTER_SPLIT_BYTES = 8 << 20
 """A scatter larger than this is split over threads by buffer: numpy's fancy-indexed copy
 releases the GIL, and one core's copy does not saturate memory bandwidth. The scatter sits
 between a sender's last byte landing and the request's Success, so its time is latency."""
-_SCATTER_POOL = ThreadPoolExecutor(max_workers=SCATTER_WORKERS,
-                                   thread_name_prefix="pdxfer-scatter")
 
 
 def scatter(pool: PoolSpec, lease: Lease, pages: np.ndarray, prefix_len: int, num_tokens: int,
-            layers: set[tuple[int, str]]) -> None:
+            layers: set[tuple[int, str]], executor: ThreadPoolExecutor | None = None) -> None:
     """Copy a lease's packed head slice into ``pool`` for the buffers ``layers`` the sender
     wrote (``pages`` cover tokens from ``prefix_len``): per buffer, one fancy-indexed copy of
     the packed units into their rows (tokens, or whole pages for HND), no per-unit loop."""
@@ -169,12 +152,14 @@ def scatter(pool: PoolSpec, lease: Lease, pages: np.ndarray, prefix_len: int, nu
         for rows, src in part:
             rows[idx, off:off + unit] = src
 
-    parts = min(SCATTER_WORKERS, len(jobs),
-                max(1, len(jobs) * count * unit // SCATTER_SPLIT_BYTES))
+    parts = 1 if executor is None else min(SCATTER_WORKERS, len(jobs),
+                                               max(1, len(jobs) * count * unit
+                                                   // SCATTER_SPLIT_BYTES))
     if parts <= 1:
         run(jobs)
         return
-    for f in [_SCATTER_POOL.submit(run, jobs[i::parts]) for i in range(parts)]:
+    assert executor is not None
+    for f in [executor.submit(run, jobs[i::parts]) for i in range(parts)]:
         f.result()
 
 

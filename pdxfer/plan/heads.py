@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .plan import Blocks, BufferPairing, _check_range, plan_paged, runs
+from ..pools import PoolSpec
+from .paged import Blocks, BufferPairing, _check_range, plan_paged, runs
 
 _U64 = np.uint64
 
@@ -182,3 +183,39 @@ def _plan_staged_pages(pairing: BufferPairing, stage: int, ntok: int, src_pages:
     srca = pairing.src_base[:, None] + s0.astype(_U64)[None, :] * _U64(src.item_bytes) + _U64(s_off)
     dsta = base[:, None] + k1.astype(_U64)[None, :] * _U64(unit)
     return Blocks(srca.reshape(-1), dsta.reshape(-1), nb.reshape(-1))
+
+
+STAGING_POOL = "pdxfer.staging"
+"""The name under which a decode advertises its staging buffer (an optional slot pool)."""
+
+
+def staged_unit(pool: PoolSpec, ntok: int, lo: int, hi: int) -> tuple[int, int]:
+    """``(count, nbytes)`` of the packed units of one buffer: tokens (token-major) or whole
+    pages (HND, where a page's slice is one contiguous block)."""
+    width = (hi - lo) * pool.sharding.head_bytes
+    if pool.token_major:
+        return ntok, width
+    return -(-ntok // pool.page_size), width * pool.page_size
+
+
+def lease_bytes(pool: PoolSpec, ntok: int, lo: int, hi: int) -> int:
+    """Staging for heads ``[lo, hi)`` of ``ntok`` tokens of every buffer of ``pool``."""
+    count, unit = staged_unit(pool, ntok, lo, hi)
+    return len(pool.buffers) * count * unit
+
+
+def lease_error(pool: PoolSpec, staging: PoolSpec | None, addr: int, ntok: int, lo: int,
+                hi: int) -> str | None:
+    """Why a lease at ``addr`` for ``pool`` is not wholly inside the peer's staging pool, or
+    None. Checked by the sender before it plans: a decode may only lend its staging, never
+    point the packed layout (which ignores its page indices) at its own pools."""
+    if pool.sharding.kind != "heads":
+        return f"pool {pool.name!r}: staging needs a head-sharded pool"
+    if staging is None or not staging.buffers:
+        return f"pool {pool.name!r}: staged but the decode advertised no staging"
+    n = lease_bytes(pool, ntok, lo, hi)
+    b = staging.buffers[0]
+    if not (b.addr <= addr and addr + n <= b.addr + b.nbytes):
+        return (f"pool {pool.name!r}: staging lease {addr:#x}+{n} outside the decode's "
+                f"staging {b.addr:#x}+{b.nbytes}")
+    return None

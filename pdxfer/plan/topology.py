@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .pools import PoolSpec
+from ..pools import PoolSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,16 +16,16 @@ from typing import Any
 
 import msgspec
 
-from . import auth, wire
-from .bootstrap import BootstrapClient, Registration
+from .. import auth, wire
+from ..bootstrap import BootstrapClient, Registration
+from ..config import EndpointConfig
+from ..errors import Aborted, ConfigError, PdxferError, WireError
+from ..metrics import Timeline, prometheus_text
+from ..pools import PoolSpec, layout_signature
+from ..transport import Transport, make_transport
 from .control import Control, Workers
-from .errors import Aborted, ConfigError, PdxferError, WireError
-from .metrics import Timeline, prometheus_text
-from .pools import PoolSpec, layout_signature
 from .receiver import DecodeSide, KVReceiver, Release
 from .sender import KVSender, PrefillSide
-from .states import EndpointConfig
-from .transport import Transport, make_transport
 
 log = logging.getLogger("pdxfer.endpoint")
 

@@ -1,0 +1,164 @@
+"""Configuration in one place: ``EndpointConfig`` and every ``PDXFER_*`` knob.
+
+Knobs are process-wide settings that come from the environment. They are read once, on first
+use (``knobs()``), never at import, so a test or tool can set them before the first endpoint
+starts. The README's table "Environment variables" lists the same names.
+
+| variable | default | meaning |
+|---|---|---|
+| ``PDXFER_SECRET`` / ``PDXFER_SECRET_FILE`` | unset | shared secret for access control |
+| ``PDXFER_FAULTS`` | unset | fault injection (see ``faults.py``) |
+| ``PDXFER_GATHER`` | ``1`` | ``0`` turns off gathering head slices through decode staging |
+| ``PDXFER_STAGING_MB`` | ``256`` | decode staging buffer for head slices (0 = none) |
+| ``PDXFER_COPY_THREADS`` | min(4, cores) | threads for L2<->L1 page copies and staging scatters |
+| ``PDXFER_COPY_NICE`` | ``10`` | how much nicer copy threads run than the process |
+| ``PDXFER_COPY_STREAM`` | ``1`` | ``0`` turns off the native streaming copier |
+| ``PDXFER_TE_COMPLETION`` | ``paced`` | how Mooncake writes are awaited (``paced`` or ``spin``) |
+| ``PDXFER_LOG`` | ``WARNING`` | log level of test/bench agent processes |
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """Every ``PDXFER_*`` environment setting, parsed and validated once."""
+
+    secret: str | None = None
+    secret_file: str | None = None
+    faults: str = ""
+    gather: bool = True
+    staging_mb: float = 256.0
+    copy_threads: int = 0
+    copy_nice: int = 10
+    copy_stream: bool = True
+    te_completion: str = "paced"
+    log_level: str = "WARNING"
+
+    @staticmethod
+    def from_env(env: Mapping[str, str]) -> Knobs:
+        def num(name: str, kind: type, default: float) -> float:
+            raw = env.get(name, "")
+            if raw == "":
+                return default
+            try:
+                v = kind(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not a {kind.__name__}") from None
+            if v < 0:
+                raise ConfigError(f"{name} must be >= 0, got {raw!r}")
+            return v
+
+        return Knobs(
+            secret=env.get("PDXFER_SECRET") or None,
+            secret_file=env.get("PDXFER_SECRET_FILE") or None,
+            faults=env.get("PDXFER_FAULTS", ""),
+            gather=env.get("PDXFER_GATHER", "1") != "0",
+            staging_mb=float(num("PDXFER_STAGING_MB", float, 256.0)),
+            copy_threads=int(num("PDXFER_COPY_THREADS", int, 0)),
+            copy_nice=int(num("PDXFER_COPY_NICE", int, 10)),
+            copy_stream=env.get("PDXFER_COPY_STREAM", "1") != "0",
+            te_completion=env.get("PDXFER_TE_COMPLETION", "") or "paced",
+            log_level=env.get("PDXFER_LOG", "") or "WARNING",
+        )
+
+    @property
+    def copy_workers(self) -> int:
+        return self.copy_threads or max(1, min(4, os.cpu_count() or 1))
+
+
+_KNOBS: Knobs | None = None
+_KNOBS_LOCK = threading.Lock()
+
+
+def knobs() -> Knobs:
+    """The process's knobs, read from the environment on the first call."""
+    global _KNOBS
+    if _KNOBS is None:
+        with _KNOBS_LOCK:
+            if _KNOBS is None:
+                _KNOBS = Knobs.from_env(os.environ)
+    return _KNOBS
+
+
+def mooncake_env_defaults(timeout_s: float, protocol: str) -> None:
+    """Mooncake Transfer Engine reads its settings only from the environment, once, when an
+    engine starts: this is the one place pdxfer sets them, and it never overrides a value the
+    user exported (``MC_*`` variables are Mooncake's, listed in its documentation)."""
+    secs = max(1, int(timeout_s + 0.999))
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, secs)))
+    os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(secs))
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    if protocol == "tcp":
+        # More lanes per peer than Mooncake's 4 let paced (non-spinning) completion overlap
+        # more entries in bulk; 8 does that as well as 16, while 16 made a lone 16 MiB write
+        # ~0.5 ms slower than 4 or 8 (2 vCPUs, scripts/bench_transfer.py).
+        os.environ.setdefault("MC_TCP_LANES_PER_PEER", "8")
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointConfig:
+    """One rank's settings. Every wait has a deadline here; defaults suit a cluster, tests
+    shorten them.
+
+    - ``bootstrap_timeout_s``: a prefill sender waits this long for the decode's request; a
+      decode receiver this long to find and handshake its prefill endpoints.
+    - ``transfer_timeout_s``: from the decode's request to the last ``TransferDone``.
+    - ``abort_timeout_s``: how long a failed request's pages wait for the prefill to confirm
+      that no write is in flight before they are counted as quarantined.
+    - ``heartbeat_s``: how often the decode probes the prefill endpoints it waits on; two
+      failed probes in a row declare the peer lost.
+    - ``start_in_send``: a chunk whose write is one small batch (at most ``max_batch / 2``
+      entries, 32 MiB), with nothing else in flight to that decode, is planned and submitted
+      from ``send()`` itself and only awaited on a worker: a small request then does not wait
+      for a worker thread to wake (~0.05-0.1 ms on a small VM), at the price of ~0.1-0.3 ms
+      of the caller's time per such ``send()`` (the transport's submission is ~1 us per
+      entry). False leaves every write to the workers, and ``send()`` costs ~0.05 ms.
+    """
+
+    role: Literal["prefill", "decode"]
+    bootstrap: str | None = None
+    instance: str = "default"
+    host: str = "127.0.0.1"
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    transport: str = "tcp"
+    device: str = ""
+    workers: int = 4
+    bootstrap_timeout_s: float = 30.0
+    transfer_timeout_s: float = 60.0
+    abort_timeout_s: float = 5.0
+    heartbeat_s: float = 0.5
+    start_in_send: bool = True
+    endpoint_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    secret: str | None = field(default=None, repr=False)
+    """Shared secret for HMAC on bootstrap requests and Hello; None reads ``PDXFER_SECRET``
+    or ``PDXFER_SECRET_FILE`` (and leaves access control off when neither is set)."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ConfigError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        for r, s, what in ((self.tp_rank, self.tp_size, "tp"), (self.dp_rank, self.dp_size, "dp"),
+                           (self.pp_rank, self.pp_size, "pp")):
+            if s < 1 or not 0 <= r < s:
+                raise ConfigError(f"{what}_rank {r} must be in [0, {what}_size={s})")
+        if self.workers < 1:
+            raise ConfigError("workers must be >= 1")
+        for name in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        if self.transport not in ("tcp", "rdma"):
+            raise ConfigError(f"transport must be 'tcp' or 'rdma', got {self.transport!r}")

@@ -1,0 +1,15 @@
+"""One rank: the ``Endpoint`` front, its shared core, and the prefill and decode sides.
+
+Reading order: ``handles`` (the engine's contract: KVPoll, RequestHandle) -> ``endpoint``
+(the thin front) -> ``core`` (one rank's shared state) -> ``sender`` (prefill side) ->
+``receiver`` (decode side) -> ``connect`` / ``liveness`` -> ``control`` (ZMQ, workers) ->
+``staging`` (head-slice staging buffers).
+"""
+
+from .endpoint import Endpoint, validate_pools
+from .handles import KVPoll, RequestHandle
+from .receiver import KVReceiver, Release
+from .sender import KVSender
+
+__all__ = ["Endpoint", "KVPoll", "KVReceiver", "KVSender", "Release", "RequestHandle",
+           "validate_pools"]
