@@ -1,37 +1,29 @@
-"""``Endpoint``: one rank's transport, control socket, threads and room tables.
+"""``Endpoint``: the engine's front for one rank.
 
-The facade is thin on purpose: the prefill logic lives in ``sender.py``, the decode logic in
-``receiver.py``; this module wires them to the transport and the control plane, validates
-pool groups, and keeps the counters behind metrics.
+Thin on purpose: it validates the pool group, builds the rank's shared ``Core`` and one side
+(``sender.PrefillSide`` or ``receiver.DecodeSide``), registers with the bootstrap server, and
+answers metrics. The sides never import this module.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-
-from .. import auth, wire
+from .. import wire
 from ..bootstrap import BootstrapClient, Registration
 from ..config import EndpointConfig
-from ..errors import Aborted, ConfigError, PdxferError, WireError
-from ..metrics import Timeline, prometheus_text
+from ..errors import Aborted, ConfigError, PdxferError
+from ..metrics import prometheus_text
 from ..pools import PoolSpec, layout_signature
-from ..transport import Transport, make_transport
-from .control import Control, Workers
+from ..transport import Transport
+from .core import Core
 from .receiver import DecodeSide, KVReceiver, Release
 from .sender import KVSender, PrefillSide
 
 log = logging.getLogger("pdxfer.endpoint")
-
-
-def _hello_parts(h: wire.Hello) -> tuple[str, ...]:
-    return (h.endpoint_id, h.ctrl_addr, h.session, h.signature, str(h.tp_rank), str(h.tp_size))
 
 
 def validate_pools(pools: Sequence[PoolSpec]) -> str | None:
@@ -66,44 +58,38 @@ class Endpoint:
             raise ConfigError(why)
         self.config = config
         self.pools: tuple[PoolSpec, ...] = tuple(pools)
-        self.pool_names = frozenset(p.name for p in pools)
-        self._by_name = {p.name: p for p in pools}
         self.endpoint_id = config.endpoint_id
-        self.secret = auth.load_secret(config.secret)
-        self.lock = threading.RLock()
-        self._counters: collections.Counter[str] = collections.Counter()
-        self.timeline = Timeline()
         self._closed = False
-        self.transport = transport or make_transport(
-            config.transport, config.host, config.device, config.transfer_timeout_s)
-        self.regions: list[tuple[int, int]] = []
-        for p in pools:
-            for b in p.buffers:
-                self.transport.register(b.addr, b.nbytes, p.location)
-                self.regions.append((b.addr, b.nbytes))
-        self.workers = Workers(config.workers, name=f"pdxfer-{config.role}")
+        self.core = core = Core(config, pools, transport)
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
-        self._handlers: dict[type, Any]
-        if config.role == "prefill":
-            self.prefill = p_side = PrefillSide(self)
-            self._handlers = {wire.Hello: p_side.on_hello, wire.TransferRequest: p_side.on_request,
-                              wire.Abort: p_side.on_abort, wire.Release: p_side.on_release}
-        else:
-            self.decode = d_side = DecodeSide(self)
-            self._handlers = {wire.HelloAck: d_side.on_hello_ack, wire.TransferDone: d_side.on_done,
-                              wire.AbortAck: d_side.on_abort_ack, wire.Abort: d_side.on_abort}
-        self.control = Control(config.host, self._on_frame, self._on_tick,
-                               max_frame=wire.MAX_FRAME, name=f"pdxfer-{config.role}-control")
-        self.ctrl_addr = self.control.address
         self._bootstrap: BootstrapClient | None = None
-        if config.role == "prefill" and config.bootstrap:
-            self._bootstrap = BootstrapClient(config.bootstrap, secret=self.secret)
-            try:
+        try:
+            if config.role == "prefill":
+                self.prefill = p_side = PrefillSide(core)
+                core.handlers = {wire.Hello: p_side.on_hello,
+                                 wire.TransferRequest: p_side.on_request,
+                                 wire.Abort: p_side.on_abort, wire.Release: p_side.on_release}
+            else:
+                self.decode = d_side = DecodeSide(core)
+                core.handlers = {wire.HelloAck: d_side.on_hello_ack,
+                                 wire.TransferDone: d_side.on_done,
+                                 wire.AbortAck: d_side.on_abort_ack, wire.Abort: d_side.on_abort}
+            core.start_control(self._on_tick)
+            if config.role == "prefill" and config.bootstrap:
+                self._bootstrap = BootstrapClient(config.bootstrap, secret=core.secret)
                 self._bootstrap.register(self.registration())
-            except PdxferError:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def transport(self) -> Transport:
+        return self.core.transport
+
+    @property
+    def ctrl_addr(self) -> str:
+        return self.core.ctrl_addr
 
     # -- public ------------------------------------------------------------------------------
     def registration(self) -> Registration:
@@ -131,31 +117,45 @@ class Endpoint:
         return self.decode.create(room, addr, instance, dp, release)
 
     def pool(self, name: str) -> PoolSpec:
-        p = self._by_name.get(name)
-        if p is None:
-            raise ConfigError(f"unknown pool {name!r} (have {sorted(self._by_name)})")
-        return p
+        return self.core.pool(name)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to one of this endpoint's counters (tiers count repairs here)."""
+        self.core.count(name, n)
+
+    def tables(self) -> dict[str, int]:
+        """Sizes of the tables a rank keeps per room and peer (leak checks, metrics)."""
+        with self.core.lock:
+            if self.prefill is not None:
+                p = self.prefill
+                return {"rooms": len(p.rooms), "pending": len(p.pending),
+                        "held": sum(1 for s in p.rooms.values() if s.hold_until),
+                        "tombstones": len(p.tombstones), "peers": len(p.peers)}
+            assert self.decode is not None
+            return {"rooms": len(self.decode.rooms), "peers": len(self.decode.peers)}
 
     def metrics(self) -> dict[str, Any]:
-        with self.lock:
-            m: dict[str, Any] = dict(self._counters)
+        core = self.core
+        with core.lock:
+            m: dict[str, Any] = dict(core.counters)
             side = self.prefill or self.decode
             m["active_rooms"] = len(side.rooms) if side else 0
             if self.prefill:
                 m["pending_requests"] = len(self.prefill.pending)
             if self.decode:
                 m["quarantined_pages"] = self.decode.quarantined_pages()
-        s = self.transport.stats
+        s = core.transport.stats
         m.update(transport_calls=s.calls, transport_entries=s.entries,
                  transport_bytes=s.bytes, transport_failures=s.failures,
-                 transport_retries=s.retries, control_handler_errors=self.control.handler_errors)
+                 transport_retries=s.retries,
+                 control_handler_errors=core.control.handler_errors if core.control else 0)
         return m
 
     def prometheus(self) -> bytes:
         """``metrics()`` and the request-phase histograms as Prometheus text."""
         labels = {"role": self.config.role, "endpoint": self.endpoint_id,
                   "tp_rank": str(self.config.tp_rank)}
-        return prometheus_text("pdxfer_endpoint", self.metrics, labels, self.timeline)
+        return prometheus_text("pdxfer_endpoint", self.metrics, labels, self.core.timeline)
 
     def close(self) -> None:
         """Fail what is still active (peers hear at once), drain the workers, then close the
@@ -169,75 +169,19 @@ class Endpoint:
             except PdxferError as e:
                 log.info("deregister from bootstrap failed: %s", e)
         side = self.prefill or self.decode
-        with self.lock:
+        with self.core.lock:
             active = [st for st in side.rooms.values() if not st.state.terminal] if side else []
         for st in active:
             side.fail(st, Aborted(f"room {st.room}: {self.config.role} endpoint closing"))
         if self.decode is not None:
             self.decode.close()
-        self.workers.close()
-        if hasattr(self, "control"):
-            self.control.close()
-        self.transport.close()
+        self.core.close()
 
     def __enter__(self) -> Endpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- used by the role modules --------------------------------------------------------------
-    def send(self, addr: str, msg: wire.Msg) -> bool:
-        return self.send_frame(addr, wire.encode(msg))
-
-    def send_frame(self, addr: str, frame: bytes) -> bool:
-        ok = self.control.send(addr, frame)
-        if not ok:
-            self.count("send_failures")
-        return ok
-
-    def count(self, name: str, n: int = 1) -> None:
-        with self.lock:
-            self._counters[name] += n
-
-    def count_failure(self, err: PdxferError) -> None:
-        self.count(f"failures_{err.kind}")
-
-    def count_transfer(self, nbytes: int, blocks: int) -> None:
-        with self.lock:
-            self._counters["bytes"] += nbytes
-            self._counters["blocks"] += blocks
-
-    def check_auth(self, hello: wire.Hello) -> str:
-        """Why a Hello is not authorised ("" when it is)."""
-        if self.secret is None:
-            return ""
-        if not hello.auth:
-            return f"authentication required: this endpoint needs {auth.ENV} on the peer"
-        if not auth.verify(self.secret, hello.auth, *_hello_parts(hello)):
-            self.count("auth_failures")
-            return "authentication failed: wrong Hello signature (different secret?)"
-        return ""
-
-    def signed(self, hello: wire.Hello) -> wire.Hello:
-        if self.secret is None:
-            return hello
-        return msgspec.structs.replace(hello, auth=auth.sign(self.secret, *_hello_parts(hello)))
-
-    # -- control thread ------------------------------------------------------------------------
-    def _on_frame(self, frame: bytes) -> None:
-        try:
-            msg = wire.decode(frame)
-        except WireError as e:
-            self.count("wire_rejected")
-            log.warning("rejected control message: %s", e)
-            return
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            self.count("unexpected_messages")
-            log.warning("%s endpoint got unexpected %s", self.config.role, type(msg).__name__)
-            return
-        handler(msg)  # type: ignore[operator]
 
     def _on_tick(self) -> None:
         side = self.prefill or self.decode

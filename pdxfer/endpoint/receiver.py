@@ -46,7 +46,7 @@ from .handles import KVPoll, RequestHandle
 from .staging import Lease, Staging, scatter
 
 if TYPE_CHECKING:
-    from .endpoint import Endpoint
+    from .core import Core
 
 log = logging.getLogger("pdxfer.receiver")
 
@@ -154,7 +154,7 @@ class KVReceiver(RequestHandle):
 class DecodeSide:
     """Room tables, connector and heartbeat of a decode endpoint."""
 
-    def __init__(self, ep: Endpoint) -> None:
+    def __init__(self, ep: Core) -> None:
         self.ep = ep
         self.cfg = ep.config
         self.rooms: dict[int, RecvRoom] = {}
@@ -594,7 +594,7 @@ class DecodeSide:
                             if all(e.get("endpoint_id") != p.endpoint_id for e in v["endpoints"])}
             hit = [st for st in self.rooms.values() if p.endpoint_id in st.outstanding]
         if dead:
-            self.ep.control.forget(p.ctrl_addr)
+            self.ep.forget(p.ctrl_addr)
         for st in hit:
             self.fail(st, PeerLost(f"room {st.room}: prefill endpoint {p.endpoint_id} "
                                    f"({p.session}) {what}"))

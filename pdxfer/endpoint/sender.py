@@ -33,7 +33,7 @@ from .handles import KVPoll, RequestHandle
 from .staging import Staging, bounce
 
 if TYPE_CHECKING:
-    from .endpoint import Endpoint
+    from .core import Core
 
 log = logging.getLogger("pdxfer.sender")
 
@@ -129,7 +129,7 @@ class KVSender(RequestHandle):
 class PrefillSide:
     """Room tables and message handlers of a prefill endpoint."""
 
-    def __init__(self, ep: Endpoint) -> None:
+    def __init__(self, ep: Core) -> None:
         self.ep = ep
         self.cfg = ep.config
         self.rooms: dict[int, SenderRoom] = {}

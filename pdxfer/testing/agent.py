@@ -207,12 +207,8 @@ class AgentState:
 
     def cmd_tables(self, ep: str = "main") -> dict[str, int]:
         """Sizes of the room tables (all zero when nothing leaked)."""
-        x = self.eps[ep].ep
-        with x.lock:
-            if x.prefill is not None:
-                return {"rooms": len(x.prefill.rooms), "pending": len(x.prefill.pending)}
-            assert x.decode is not None
-            return {"rooms": len(x.decode.rooms)}
+        t = self.eps[ep].ep.tables()
+        return {k: t[k] for k in ("rooms", "pending") if k in t}
 
     def cmd_peek(self, pool: str, page: int, ep: str = "main") -> list[int]:
         e = self.eps[ep]

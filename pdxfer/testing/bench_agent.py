@@ -231,9 +231,9 @@ class BenchState(AgentState):
             # Count finished rooms from the endpoint's counters: polling every live sender
             # would cost the benchmark's own CPU on a 2-core host.
             nxt = first_room
-            base = e.ep._counters["success"] + e.ep._counters["failures_transport"]
+            base = e.ep.core.counters["success"] + e.ep.core.counters["failures_transport"]
             while not self._serve_stop.is_set():
-                finished = e.ep._counters["success"] + e.ep._counters["failures_transport"] - base
+                finished = e.ep.core.counters["success"] + e.ep.core.counters["failures_transport"] - base
                 while nxt - first_room < finished + ahead:
                     e.tx[nxt] = e.ep.sender(nxt)
                     e.tx[nxt].send({"kv": pages}, last=True)

@@ -185,17 +185,14 @@ def report(state: Any, ep: str = "main") -> dict[str, Any]:
     t = _t(state, ep)
     t.cache.flush()
     x = state.eps[ep].ep
-    with x.lock:
-        rooms = len(x.decode.rooms) if x.decode is not None else len(x.prefill.rooms)
+    rooms = x.tables()["rooms"]
     return {"check": t.cache.check(), "stats": t.cache.stats(), "rooms": rooms,
             "released": sorted(t.released), "metrics": x.metrics()}
 
 
 def prefill_tables(state: Any, ep: str = "main") -> dict[str, int]:
-    x = state.eps[ep].ep
-    with x.lock:
-        return {"rooms": len(x.prefill.rooms), "pending": len(x.prefill.pending),
-                "held": sum(1 for s in x.prefill.rooms.values() if s.hold_until)}
+    t = state.eps[ep].ep.tables()
+    return {k: t[k] for k in ("rooms", "pending", "held")}
 
 
 def transport_bytes(state: Any, ep: str = "main") -> int:
