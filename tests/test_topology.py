@@ -130,7 +130,7 @@ def test_asking_for_every_head_of_the_same_shard_is_a_whole_page_plan() -> None:
     # The decode names the head range of every sharded pool; when it is the whole shard both
     # sides hold, the sender must take the whole-page path (no slicing, no staging, and no
     # per-block bounds check on the hot path), and only then.
-    from pdxfer.endpoint.sender import _heads
+    from pdxfer.plan.chunk import heads_to_write as _heads
 
     same = _pair(4, (2, 2), (2, 2), "HND")
     assert _heads(same, (2, 4)) is None

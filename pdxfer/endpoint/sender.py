@@ -27,7 +27,7 @@ from ..errors import (
     PlanError,
     TransportError,
 )
-from ..plan.heads import STAGING_POOL, head_range_error, lease_error, plan_head_slice, plan_staged
+from ..plan import chunk as C
 from ..pools import PoolSpec, check_pools, layout_signature
 from .handles import KVPoll, RequestHandle
 from .staging import Staging, bounce
@@ -136,6 +136,7 @@ class PrefillSide:
         self.pending: dict[int, tuple[float, list[tuple[wire.TransferRequest, DecodePeer]]]] = {}
         self.tombstones: dict[int, tuple[float, str]] = {}
         self.peers: dict[str, DecodePeer] = {}
+        self.page_sizes = {p.name: p.page_size for p in ep.pools}
         host = all(p.location == "cpu" for p in ep.pools)
         n = Staging.wanted(ep.pools) if host and knobs().gather else 0
         self.staging = Staging(n) if n else None  # gathers head slices into few big writes
@@ -368,41 +369,9 @@ class PrefillSide:
 
     def _validate(self, req: wire.TransferRequest, peer: DecodePeer
                   ) -> tuple[str, dict[str, np.ndarray]]:
-        dst: dict[str, np.ndarray] = {}
-        span = req.num_tokens - req.prefix_len
-        for name, packed in req.dst.items():
-            q = peer.pools.get(name)
-            if q is None or name not in self.ep.pool_names:
-                return f"room {req.room}: pool {name!r} unknown", {}
-            if q.kind != "paged" or q.indices_from is not None:
-                return f"room {req.room}: pool {name!r} takes no destination indices", {}
-            idx = wire.unpack_indices(packed)
-            if idx.size and int(idx.max()) >= q.num_items:
-                return (f"room {req.room}: destination index {int(idx.max())} out of range "
-                        f"[0, {q.num_items}) for pool {name!r}"), {}
-            if idx.size * q.page_size < span:
-                return (f"room {req.room}: pool {name!r} has {idx.size} destination pages for "
-                        f"{span} tokens"), {}
-            dst[name] = idx
-        for name in req.skip:
-            if name not in peer.pools or name not in self.ep.pool_names:
-                return f"room {req.room}: skip names unknown pool {name!r}", {}
-        for name, (lo, hi) in req.heads.items():
-            pr = peer.pairings.get(name)
-            why = (f"pool {name!r} unknown" if pr is None else head_range_error(pr, lo, hi))
-            if not why and pr is not None and name in req.stage:
-                why = lease_error(pr.dst, peer.pools.get(STAGING_POOL), req.stage[name],
-                                  span, lo, hi)
-            if why:
-                return f"room {req.room}: {why}", {}
-        for name, slot in req.slots.items():
-            q = peer.pools.get(name)
-            if q is None or q.kind != "slot" or name not in self.ep.pool_names:
-                return f"room {req.room}: slot pool {name!r} unknown", {}
-            if slot >= q.num_items:
-                return (f"room {req.room}: destination slot {slot} out of range "
-                        f"[0, {q.num_items}) for pool {name!r}"), {}
-        return "", dst
+        dst = {name: wire.unpack_indices(packed) for name, packed in req.dst.items()}
+        why = C.check_ask(C.ask_of(req, dst), peer.pools, peer.pairings, self.ep.pool_names)
+        return (why, {}) if why else ("", dst)
 
     def _attach(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer, now: float,
                 dst: dict[str, np.ndarray] | None = None) -> None:
@@ -490,65 +459,9 @@ class PrefillSide:
                     frame)
 
     def _plan(self, t: Target, chunk: Chunk, cursor: dict[str, int]) -> P.Blocks | str:
-        req = t.req
-        parts: list[P.Blocks] = []
-        proven = True  # only whole pages and slots so far: in bounds by construction
-        for name, pairing in t.peer.pairings.items():
-            pool = pairing.src
-            if pool.kind != "paged" or name in req.skip:
-                continue
-            anchor = pool.indices_from or name
-            dst = t.dst.get(anchor)
-            if dst is None:
-                continue
-            if chunk.last and cursor.get(anchor, 0) < req.num_tokens:
-                return (f"room {req.room}: prefill gave pool {anchor!r} pages for "
-                        f"{cursor.get(anchor, 0)} tokens, decode expects {req.num_tokens}")
-            src = chunk.pages.get(anchor)
-            if src is None:
-                continue
-            first = chunk.first[anchor]
-            lo = max(first, req.prefix_len)
-            hi = min(first + src.size * self.ep.pool(anchor).page_size, req.num_tokens)
-            if hi <= lo:
-                continue
-            heads = _heads(pairing, req.heads.get(name))
-            if heads is None:
-                b = P.plan_paged(pairing, src, first, dst, req.prefix_len, lo, hi)
-            elif heads[0] >= heads[1]:
-                continue
-            elif name in req.stage:
-                proven = False
-                b = plan_staged(pairing, req.stage[name], req.num_tokens - req.prefix_len, src,
-                                first, req.prefix_len, lo, hi, *heads)
-            else:
-                proven = False
-                b = plan_head_slice(pairing, src, first, dst, req.prefix_len, lo, hi, *heads)
-            if isinstance(b, str):
-                return f"room {req.room}: {b}"
-            parts.append(b)
-        if chunk.last:
-            for name, dslot in req.slots.items():
-                pairing = t.peer.pairings.get(name)
-                if pairing is None or name in req.skip:
-                    continue
-                sslot = chunk.slots.get(name)
-                if sslot is None:
-                    return f"room {req.room}: last send() gave no slot for pool {name!r}"
-                b = P.plan_slots(pairing, int(sslot), dslot)
-                if isinstance(b, str):
-                    return f"room {req.room}: {b}"
-                parts.append(b)
-        blocks = P.Blocks.concat(parts)
-        if proven:
-            # Whole pages and slots of paired buffers: ``plan_paged``/``plan_slots`` checked
-            # every index against ``num_items``, and a PoolSpec (ours, or the peer's decoded
-            # from its Hello) never declares a buffer smaller than ``num_items * item_bytes``,
-            # so every block lies inside a buffer that is a registered region on its side.
-            # Checking again per block would cost as much as the plan on the hot path.
-            return blocks
-        return (P.check_bounds(blocks, self.ep.regions, "src")
-                or P.check_bounds(blocks, t.peer.regions, "dst") or blocks)
+        return C.plan_chunk(C.ask_of(t.req, t.dst), t.peer.pairings, chunk.pages, chunk.first,
+                            chunk.slots, chunk.last, cursor, self.page_sizes, self.ep.regions,
+                            t.peer.regions)
 
     def _write(self, st: SenderRoom, t: Target, ci: int) -> None:
         if st.state == KVPoll.Failed or t.finished:
@@ -640,32 +553,5 @@ class PrefillSide:
         self.ep.count_transfer(t.bytes, t.blocks)
 
 
-def _heads(pairing: P.BufferPairing, asked: tuple[int, int] | None) -> tuple[int, int] | None:
-    """The head range to write, or None when whole tokens (pages) pair one to one: the decode's
-    choice, else the heads both sides hold."""
-    a, b = pairing.src.sharding, pairing.dst.sharding
-    if a.kind != "heads":
-        return None
-    same = (a.first_head, a.rank_heads) == (b.first_head, b.rank_heads)
-    if asked is not None:
-        lo, hi = int(asked[0]), int(asked[1])
-        if same and (lo, hi) == (a.first_head, a.first_head + a.rank_heads):
-            return None  # every head of one same shard: whole pages, a proven plan
-        return (lo, hi)
-    if same:
-        return None
-    return (max(a.first_head, b.first_head),
-            min(a.first_head + a.rank_heads, b.first_head + b.rank_heads))
-
-
 def _sliced(t: Target) -> bool:
-    """Whether this target gets head slices (heterogeneous TP): only then are sources
-    gathered through staging; 1:1 pages keep the direct path."""
-    if t.req.stage:
-        return True
-    for name, pr in t.peer.pairings.items():
-        h = _heads(pr, t.req.heads.get(name))
-        sh = pr.src.sharding
-        if h is not None and h != (sh.first_head, sh.first_head + sh.rank_heads):
-            return True
-    return False
+    return C.sliced(t.peer.pairings, t.req.heads, t.req.stage)

@@ -1,0 +1,178 @@
+"""One chunk's plan for one decode peer, and the checks on what a decode asked for.
+
+Pure: the sender decodes a ``TransferRequest`` into an ``Ask`` (indices unpacked) and calls
+these functions; nothing here touches a socket, a lock or the transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..pools import PoolSpec
+from .heads import STAGING_POOL, head_range_error, lease_error, plan_head_slice, plan_staged
+from .paged import Blocks, BufferPairing, check_bounds, plan_paged, plan_slots
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What one decode endpoint asked for a room, with its page indices decoded."""
+
+    room: int
+    prefix_len: int
+    num_tokens: int
+    dst: Mapping[str, np.ndarray]
+    slots: Mapping[str, int]
+    skip: tuple[str, ...] = ()
+    heads: Mapping[str, tuple[int, int]] | None = None
+    stage: Mapping[str, int] | None = None
+
+
+def ask_of(req: Any, dst: Mapping[str, np.ndarray]) -> Ask:
+    """An ``Ask`` from a decoded ``wire.TransferRequest`` and its unpacked indices."""
+    return Ask(req.room, req.prefix_len, req.num_tokens, dst, req.slots, tuple(req.skip),
+               req.heads, req.stage)
+
+
+def check_ask(ask: Ask, peer_pools: Mapping[str, PoolSpec],
+              pairings: Mapping[str, BufferPairing], mine: frozenset[str]) -> str:
+    """Why an ask cannot be served ("" when it can): unknown pools, indices out of range,
+    too few pages, bad head ranges, staging leases outside the peer's staging, bad slots."""
+    span = ask.num_tokens - ask.prefix_len
+    for name, idx in ask.dst.items():
+        q = peer_pools.get(name)
+        if q is None or name not in mine:
+            return f"room {ask.room}: pool {name!r} unknown"
+        if q.kind != "paged" or q.indices_from is not None:
+            return f"room {ask.room}: pool {name!r} takes no destination indices"
+        if idx.size and int(idx.max()) >= q.num_items:
+            return (f"room {ask.room}: destination index {int(idx.max())} out of range "
+                    f"[0, {q.num_items}) for pool {name!r}")
+        if idx.size * q.page_size < span:
+            return (f"room {ask.room}: pool {name!r} has {idx.size} destination pages for "
+                    f"{span} tokens")
+    for name in ask.skip:
+        if name not in peer_pools or name not in mine:
+            return f"room {ask.room}: skip names unknown pool {name!r}"
+    stage = ask.stage or {}
+    for name, (lo, hi) in (ask.heads or {}).items():
+        pr = pairings.get(name)
+        why = f"pool {name!r} unknown" if pr is None else head_range_error(pr, lo, hi)
+        if not why and pr is not None and name in stage:
+            why = lease_error(pr.dst, peer_pools.get(STAGING_POOL), stage[name], span, lo, hi)
+        if why:
+            return f"room {ask.room}: {why}"
+    for name, slot in ask.slots.items():
+        q = peer_pools.get(name)
+        if q is None or q.kind != "slot" or name not in mine:
+            return f"room {ask.room}: slot pool {name!r} unknown"
+        if slot >= q.num_items:
+            return (f"room {ask.room}: destination slot {slot} out of range "
+                    f"[0, {q.num_items}) for pool {name!r}")
+    return ""
+
+
+def heads_to_write(pairing: BufferPairing, asked: tuple[int, int] | None
+                   ) -> tuple[int, int] | None:
+    """The head range to write, or None when whole tokens (pages) pair one to one: the decode's
+    choice, else the heads both sides hold."""
+    a, b = pairing.src.sharding, pairing.dst.sharding
+    if a.kind != "heads":
+        return None
+    same = (a.first_head, a.rank_heads) == (b.first_head, b.rank_heads)
+    if asked is not None:
+        lo, hi = int(asked[0]), int(asked[1])
+        if same and (lo, hi) == (a.first_head, a.first_head + a.rank_heads):
+            return None  # every head of one same shard: whole pages, a proven plan
+        return (lo, hi)
+    if same:
+        return None
+    return (max(a.first_head, b.first_head),
+            min(a.first_head + a.rank_heads, b.first_head + b.rank_heads))
+
+
+def sliced(pairings: Mapping[str, BufferPairing], heads: Mapping[str, tuple[int, int]],
+           stage: Mapping[str, int]) -> bool:
+    """Whether a peer gets head slices (heterogeneous TP): only then are sources gathered
+    through staging; 1:1 pages keep the direct path."""
+    if stage:
+        return True
+    for name, pr in pairings.items():
+        h = heads_to_write(pr, heads.get(name))
+        sh = pr.src.sharding
+        if h is not None and h != (sh.first_head, sh.first_head + sh.rank_heads):
+            return True
+    return False
+
+
+def plan_chunk(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[str, np.ndarray],
+               first: Mapping[str, int], slots: Mapping[str, int], last: bool,
+               cursor: Mapping[str, int], page_sizes: Mapping[str, int],
+               src_regions: list[tuple[int, int]], dst_regions: list[tuple[int, int]]
+               ) -> Blocks | str:
+    """The blocks that move one chunk (``pages`` per anchor pool covering tokens from
+    ``first``) to one decode peer, or why it cannot be planned. ``cursor``: tokens given so
+    far per anchor (the last chunk must cover ``num_tokens``)."""
+    parts: list[Blocks] = []
+    proven = True  # only whole pages and slots so far: in bounds by construction
+    heads_asked = ask.heads or {}
+    stage = ask.stage or {}
+    for name, pairing in pairings.items():
+        pool = pairing.src
+        if pool.kind != "paged" or name in ask.skip:
+            continue
+        anchor = pool.indices_from or name
+        dst = ask.dst.get(anchor)
+        if dst is None:
+            continue
+        if last and cursor.get(anchor, 0) < ask.num_tokens:
+            return (f"room {ask.room}: prefill gave pool {anchor!r} pages for "
+                    f"{cursor.get(anchor, 0)} tokens, decode expects {ask.num_tokens}")
+        src = pages.get(anchor)
+        if src is None:
+            continue
+        f0 = first[anchor]
+        lo = max(f0, ask.prefix_len)
+        hi = min(f0 + src.size * page_sizes[anchor], ask.num_tokens)
+        if hi <= lo:
+            continue
+        heads = heads_to_write(pairing, heads_asked.get(name))
+        if heads is None:
+            b = plan_paged(pairing, src, f0, dst, ask.prefix_len, lo, hi)
+        elif heads[0] >= heads[1]:
+            continue
+        elif name in stage:
+            proven = False
+            b = plan_staged(pairing, stage[name], ask.num_tokens - ask.prefix_len, src, f0,
+                            ask.prefix_len, lo, hi, *heads)
+        else:
+            proven = False
+            b = plan_head_slice(pairing, src, f0, dst, ask.prefix_len, lo, hi, *heads)
+        if isinstance(b, str):
+            return f"room {ask.room}: {b}"
+        parts.append(b)
+    if last:
+        for name, dslot in ask.slots.items():
+            pairing = pairings.get(name)
+            if pairing is None or name in ask.skip:
+                continue
+            sslot = slots.get(name)
+            if sslot is None:
+                return f"room {ask.room}: last send() gave no slot for pool {name!r}"
+            b = plan_slots(pairing, int(sslot), dslot)
+            if isinstance(b, str):
+                return f"room {ask.room}: {b}"
+            parts.append(b)
+    blocks = Blocks.concat(parts)
+    if proven:
+        # Whole pages and slots of paired buffers: ``plan_paged``/``plan_slots`` checked every
+        # index against ``num_items``, and a PoolSpec (ours, or the peer's decoded from its
+        # Hello) never declares a buffer smaller than ``num_items * item_bytes``, so every
+        # block lies inside a buffer that is a registered region on its side. Checking again
+        # per block would cost as much as the plan on the hot path.
+        return blocks
+    return (check_bounds(blocks, src_regions, "src")
+            or check_bounds(blocks, dst_regions, "dst") or blocks)
