@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..pools import PoolSpec
-from .paged import Blocks, BufferPairing, _check_range, plan_paged, runs
+from .paged import Blocks, BufferPairing, check_pages, plan_paged, runs, token_rows
 
 _U64 = np.uint64
 
@@ -77,20 +77,15 @@ def plan_head_slice(pairing: BufferPairing, src_pages: np.ndarray, src_first: in
         i0, j0 = (start - src_first) // ps_s, (start - dst_first) // ps_d
         count = -(-(end - start) // ps_s)
         s, d = src_pages[i0:i0 + count], dst_pages[j0:j0 + count]
-        why = (_check_range(s, src.num_items, f"pool {src.name!r} source page")
-               or _check_range(d, dst.num_items, f"pool {src.name!r} destination page"))
+        why = check_pages(pairing, s, d)
         if why:
             return why
         return _offsets(pairing, s, d, src.item_bytes, dst.item_bytes, s_off * ps_s,
                         d_off * ps_d, width * ps_s)
-    why = (_check_range(src_pages, src.num_items, f"pool {src.name!r} source page")
-           or _check_range(dst_pages, dst.num_items, f"pool {src.name!r} destination page"))
+    why = check_pages(pairing, src_pages, dst_pages)
     if why:
         return why
-    pos = np.arange(start, end, dtype=np.int64)
-    ps_, pd_ = pos - src_first, pos - dst_first
-    s = src_pages[ps_ // ps_s] * ps_s + ps_ % ps_s
-    d = dst_pages[pd_ // ps_d] * ps_d + pd_ % ps_d
+    s, d = token_rows(pairing, src_pages, src_first, dst_pages, dst_first, start, end)
     if width == src.token_bytes == dst.token_bytes:
         s0, d0, n = runs(s, d)
         blocks = _offsets(pairing, s0, d0, width, width, 0, 0, 0)
@@ -122,7 +117,7 @@ def plan_staged(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.nda
                                   start, end, lo, hi)
     if end - src_first > src_pages.size * src.page_size:
         return f"pool {src.name!r}: source indices do not cover tokens up to {end}"
-    why = _check_range(src_pages, src.num_items, f"pool {src.name!r} source page")
+    why = check_pages(pairing, src_pages, None)
     if why:
         return why
     hb, tb = src.sharding.head_bytes, src.token_bytes
@@ -166,7 +161,7 @@ def _plan_staged_pages(pairing: BufferPairing, stage: int, ntok: int, src_pages:
     if i0 + count > src_pages.size:
         return f"pool {src.name!r}: source indices do not cover tokens up to {end}"
     s = src_pages[i0:i0 + count]
-    why = _check_range(s, src.num_items, f"pool {src.name!r} source page")
+    why = check_pages(pairing, s, None)
     if why:
         return why
     sh = src.sharding

@@ -194,6 +194,28 @@ def _range_error(lo: int, hi: int, limit: int, what: str) -> str | None:
     return None
 
 
+def check_pages(pairing: BufferPairing, src_pages: np.ndarray, dst_pages: np.ndarray | None
+                ) -> str | None:
+    """Why a source or destination page index is out of its pool's range, or None
+    (``dst_pages`` None: the destination is staging, checked as a lease)."""
+    src, dst = pairing.src, pairing.dst
+    return (_check_range(src_pages, src.num_items, f"pool {src.name!r} source page")
+            or (None if dst_pages is None else _check_range(
+                dst_pages, dst.num_items, f"pool {src.name!r} destination page")))
+
+
+def token_rows(pairing: BufferPairing, src_pages: np.ndarray, src_first: int,
+               dst_pages: np.ndarray, dst_first: int, start: int, end: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Global token rows ``(page * page_size + offset)`` of tokens ``[start, end)`` on each
+    side: the page-size remap, one row per token."""
+    ps_s, ps_d = pairing.src.page_size, pairing.dst.page_size
+    pos = np.arange(start, end, dtype=np.int64)
+    ps_, pd_ = pos - src_first, pos - dst_first
+    return (src_pages[ps_ // ps_s] * ps_s + ps_ % ps_s,
+            dst_pages[pd_ // ps_d] * ps_d + pd_ % ps_d)
+
+
 def _check_range(idx: np.ndarray, limit: int, what: str) -> str | None:
     return _range_error(int(idx.min()), int(idx.max()), limit, what) if idx.size else None
 
@@ -278,24 +300,17 @@ def plan_paged(
                 or _range_error(min(dl), max(dl), dst.num_items,
                                 f"pool {src.name!r} destination page"))
             return why or _expand_few(pairing, _runs_few(sl, dl), src.item_bytes)
-        why = _check_range(s, src.num_items, f"pool {src.name!r} source page") or _check_range(
-            d, dst.num_items, f"pool {src.name!r} destination page"
-        )
+        why = check_pages(pairing, s, d)
         if why:
             return why
         s0, d0, n = runs(s, d)
         return _expand(pairing, s0, d0, n, src.item_bytes)
     if not (src.token_major and dst.token_major):
         return f"pool {src.name!r}: page-size remapping needs token-major layouts"
-    why = _check_range(src_pages, src.num_items, f"pool {src.name!r} source page") or _check_range(
-        dst_pages, dst.num_items, f"pool {src.name!r} destination page"
-    )
+    why = check_pages(pairing, src_pages, dst_pages)
     if why:
         return why
-    pos = np.arange(start, end, dtype=np.int64)
-    ps_, pd_ = pos - src_first, pos - dst_first
-    s = src_pages[ps_ // ps_s] * ps_s + ps_ % ps_s
-    d = dst_pages[pd_ // ps_d] * ps_d + pd_ % ps_d
+    s, d = token_rows(pairing, src_pages, src_first, dst_pages, dst_first, start, end)
     s0, d0, n = runs(s, d)
     return _expand(pairing, s0, d0, n, src.token_bytes)
 

@@ -1,7 +1,7 @@
 """Mooncake Transfer Engine as pdxfer's transport (TCP here, RDMA when a device is named).
 
-Things this module knows about Mooncake that callers should not have to
-(``reference/mooncake_nixl_probes.md``):
+Things this module knows about Mooncake that callers should not have to (found by probing
+Mooncake 0.3 over TCP on loopback; ``docs/performance.md`` has the measurements):
 
 * A batch of more than ~2048 entries to one peer is rejected and can wedge that peer's lane
   for good, so writes are split into batches of at most ``max_batch`` (1024) entries.

@@ -2,8 +2,8 @@
 
 Mooncake's ``get_batch_transfer_status`` blocks by spinning until a batch completes. On a host
 with few cores that spinner takes CPU from the transport's own I/O threads (measured on a
-2-vCPU machine: 1.4-2.0 GB/s with blocking calls against 2.1-2.8 GB/s with a wait that sleeps,
-``reference/machine_baseline.md``). So the transport first *sleeps* for most of a batch's
+2-vCPU machine: 1.4-2.0 GB/s with blocking calls against 2.1-2.8 GB/s with a wait that
+sleeps).  So the transport first *sleeps* for most of a batch's
 expected duration and only then calls the spinning wait, which then spins briefly.
 
 ``RateEstimate`` learns the peer's seconds per byte from batches whose wait actually spun
