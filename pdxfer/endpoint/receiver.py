@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,13 +25,11 @@ import numpy as np
 
 from .. import plan as P
 from .. import wire
-from ..bootstrap import BootstrapClient
 from ..errors import (
     Aborted,
     BootstrapError,
     DeadlineExceeded,
     DuplicateRoom,
-    LayoutMismatch,
     PdxferError,
     PeerLost,
     PlanError,
@@ -41,8 +37,10 @@ from ..errors import (
 )
 from ..plan import topology as T
 from ..plan.heads import lease_bytes
-from ..pools import PoolSpec, layout_signature
+from ..pools import PoolSpec
+from .connect import Connector, PrefillPeer, Resolved
 from .handles import KVPoll, RequestHandle
+from .liveness import Liveness
 from .staging import Lease, Staging, scatter
 
 if TYPE_CHECKING:
@@ -50,28 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdxfer.receiver")
 
-HELLO_RETRY_S = 0.5
-
-Resolved = tuple[list["PrefillPeer"], list[T.Assignment], int]
-"""A room's peers, their pool assignments and the prefill's ``decode_peers``."""
-
 Release = Callable[[Mapping[str, np.ndarray], Mapping[str, int]], None]
-
-
-@dataclass(slots=True, eq=False)
-class PrefillPeer:
-    """A prefill endpoint this decode handshook with."""
-
-    endpoint_id: str
-    ctrl_addr: str
-    tp_rank: int
-    session: str = ""
-    pools: dict[str, PoolSpec] = field(default_factory=dict)
-    ready: threading.Event = field(default_factory=threading.Event)
-    refused: str = ""
-    dead: bool = False
-    hung: bool = False
-    probe_failures: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -103,6 +80,10 @@ class RecvRoom:
     t_request: float = 0.0
     t_done: float = 0.0
     leases: dict[str, list[Lease]] = field(default_factory=dict)
+
+
+def _key(st: RecvRoom) -> tuple[str, str | None, int | None]:
+    return (st.bootstrap, st.instance, st.dp)
 
 
 class KVReceiver(RequestHandle):
@@ -158,18 +139,14 @@ class DecodeSide:
         self.ep = ep
         self.cfg = ep.config
         self.rooms: dict[int, RecvRoom] = {}
-        self.peers: dict[str, PrefillPeer] = {}
-        self._routes: dict[tuple[str, str | None, int | None], dict[str, Any]] = {}
-        self._resolved: dict[tuple[str, str | None, int | None], Resolved] = {}
-        self._clients: dict[str, BootstrapClient] = {}
-        self._connector = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-connect")
         n = Staging.wanted(ep.pools)
         self.staging = Staging(n) if n else None
         if self.staging is not None:
             ep.transport.register(self.staging.addr, n, "cpu")
-        self._stop = threading.Event()
-        self._hb = threading.Thread(target=self._heartbeat, name="pdxfer-heartbeat", daemon=True)
-        self._hb.start()
+        self.connector = Connector(ep, (self.staging.spec(),) if self.staging else ())
+        self.peers = self.connector.peers
+        self.liveness = Liveness(self.cfg.heartbeat_s, self._watched, ep.transport.probe,
+                                 self._peer_lost)
 
     # -- engine calls -------------------------------------------------------------------------
     def create(self, room: int, bootstrap: str, instance: str | None, dp: int | None,
@@ -222,11 +199,13 @@ class DecodeSide:
             st.requested = True
             st.dst, st.slots = arrays, {k: int(v) for k, v in slots.items()}
             st.prefix_len, st.num_tokens = prefix_len, num_tokens
-        c = self._cached(st)
+        c = self.connector.cached(_key(st))
         if c is None:
-            self._connector.submit(self._connect, st)
+            self.connector.connect(_key(st), st.room, st.deadline,
+                                   lambda r: self._connected(st, r),
+                                   lambda e: self._connect_failed(st, e))
         else:
-            self._connect(st, c)  # nothing left that blocks: no hop through the connector
+            self._connected(st, c)  # nothing left that blocks: no hop through the connector
 
     def fail(self, st: RecvRoom, err: PdxferError) -> None:
         """Fail a room and ask every sender that may still write to drain and acknowledge."""
@@ -246,55 +225,21 @@ class DecodeSide:
         self._maybe_release(st)
 
     # -- connector (blocking, off the engine loop) ----------------------------------------------
-    def _connect(self, st: RecvRoom, resolved: Resolved | None = None) -> None:
+    def _connected(self, st: RecvRoom, resolved: Resolved) -> None:
+        peers, plan, npeers = resolved
         try:
-            peers, plan, npeers = resolved or self._resolve(st)
             leases = [self._stage(st, a.heads, p.pools) for p, a in zip(peers, plan)]
-        except PdxferError as e:
-            self._forget_route(st)
-            self.fail(st, e)
-            return
         except Exception as e:  # noqa: BLE001 - anything unexpected still fails the room
-            log.exception("connect for room %d failed", st.room)
-            self.fail(st, BootstrapError(f"room {st.room}: {e}"))
+            self.connector.forget_route(_key(st))
+            self._connect_failed(st, e)
             return
         self._post(st, peers, plan, npeers, leases)
 
-    def _resolve(self, st: RecvRoom) -> Resolved:
-        """Route, handshakes and pool assignment for a room (blocking: bootstrap lookup and
-        Hello). Cached per route while the route is room-independent (one DP group)."""
-        route = self._route(st)
-        ranks = T.contacts(int(route["tp_size"]), self.cfg.tp_size, self.cfg.tp_rank)
-        if isinstance(ranks, str):
-            raise LayoutMismatch(f"prefill instance {route['instance']!r}: {ranks}")
-        eps = sorted((e for e in route["endpoints"] if e["tp_rank"] in ranks),
-                     key=lambda e: (int(e.get("pp_rank", 0)), int(e["tp_rank"])))
-        if len(eps) != len(ranks) * int(route.get("pp_size", 1)):
-            raise BootstrapError(f"prefill instance {route['instance']!r} has not "
-                                 f"registered every endpoint of tp ranks {ranks}")
-        peers = [self._handshake(e, st.deadline) for e in eps]
-        plan = T.assign({p.name: p for p in self.ep.pools},
-                        [(int(e.get("pp_rank", 0)), p.pools) for e, p in zip(eps, peers)])
-        if isinstance(plan, str):
-            raise LayoutMismatch(f"prefill instance {route['instance']!r}: {plan}")
-        out = (peers, plan, T.decode_peers(int(route["tp_size"]), self.cfg.tp_size))
-        if route.get("dp_size") == 1:
-            with self.ep.lock:
-                self._resolved[(st.bootstrap, st.instance, st.dp)] = out
-        return out
-
-    def _cached(self, st: RecvRoom) -> Resolved | None:
-        """A resolution every peer of which is still the live, acknowledged peer: then a
-        request is sent from the caller's thread, with no hop through the connector."""
-        with self.ep.lock:
-            c = self._resolved.get((st.bootstrap, st.instance, st.dp))
-            if c is None:
-                return None
-            for p in c[0]:
-                if (self.peers.get(p.endpoint_id) is not p or p.dead or p.hung or p.refused
-                        or not p.ready.is_set()):
-                    return None
-            return c
+    def _connect_failed(self, st: RecvRoom, e: Exception) -> None:
+        if not isinstance(e, PdxferError):
+            log.error("connect for room %d failed", st.room, exc_info=e)
+            e = BootstrapError(f"room {st.room}: {e}")
+        self.fail(st, e)
 
     def _post(self, st: RecvRoom, peers: list[PrefillPeer], plan: list[T.Assignment],
               npeers: int, leases: list[list[Lease]]) -> None:
@@ -330,72 +275,7 @@ class DecodeSide:
                     st.state = KVPoll.Success
                     st.t_done = time.monotonic()
 
-    def _route(self, st: RecvRoom) -> dict[str, Any]:
-        key = (st.bootstrap, st.instance, st.dp)
-        with self.ep.lock:
-            cached = self._routes.get(key)
-            client = self._clients.get(st.bootstrap)
-            if client is None:
-                client = self._clients[st.bootstrap] = BootstrapClient(
-                    st.bootstrap, secret=self.ep.secret)
-        if cached is not None and cached["dp_size"] == 1:
-            return cached
-        route = client.route(st.room, st.instance, st.dp, deadline=st.deadline)
-        if not isinstance(route, dict) or not isinstance(route.get("endpoints"), list):
-            raise BootstrapError(f"bootstrap {st.bootstrap} answered an invalid route")
-        with self.ep.lock:
-            self._routes[key] = route
-        return route
-
-    def _forget_route(self, st: RecvRoom) -> None:
-        with self.ep.lock:
-            self._routes.pop((st.bootstrap, st.instance, st.dp), None)
-            self._resolved.pop((st.bootstrap, st.instance, st.dp), None)
-
-    def _handshake(self, e: dict[str, Any], deadline: float) -> PrefillPeer:
-        eid = str(e["endpoint_id"])
-        with self.ep.lock:
-            peer = self.peers.get(eid)
-            fresh = peer is None or peer.dead or peer.refused
-            if fresh:
-                peer = self.peers[eid] = PrefillPeer(eid, str(e["ctrl_addr"]), int(e["tp_rank"]))
-        if fresh:
-            hello = wire.Hello(
-                endpoint_id=self.ep.endpoint_id, ctrl_addr=self.ep.ctrl_addr,
-                session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
-                tp_size=self.cfg.tp_size, signature=layout_signature(self.ep.pools),
-                pools=tuple(self.ep.pools) + ((self.staging.spec(),) if self.staging else ()),
-            )
-            hello = self.ep.signed(hello)
-            self.ep.send(peer.ctrl_addr, hello)
-        # re-send the Hello now and then: a lost Hello must not cost the whole deadline
-        while not peer.ready.wait(max(0.0, min(HELLO_RETRY_S, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                with self.ep.lock:
-                    self.peers.pop(eid, None)
-                raise DeadlineExceeded(f"no HelloAck from prefill endpoint {eid} at "
-                                       f"{peer.ctrl_addr} before the deadline")
-            if fresh:
-                self.ep.count("hello_retransmits")
-                self.ep.send(peer.ctrl_addr, hello)
-        if peer.refused:
-            raise LayoutMismatch(f"prefill endpoint {eid} refused the handshake: {peer.refused}")
-        return peer
-
     # -- messages ----------------------------------------------------------------------------
-    def on_hello_ack(self, msg: wire.HelloAck) -> None:
-        with self.ep.lock:
-            peer = self.peers.get(msg.endpoint_id)
-            if peer is None:
-                self.ep.count("stale_messages")
-                return
-            if msg.ok:
-                peer.session = msg.session
-                peer.pools = {p.name: p for p in msg.pools}
-            else:
-                peer.refused = msg.reason or "refused"
-            peer.ready.set()
-
     def _settle(self, msg: wire.TransferDone | wire.AbortAck) -> RecvRoom | None:
         """The room a sender's terminal message belongs to, now that sender is no longer
         outstanding; None (counted as stale) for an unknown room, old nonce or repeat."""
@@ -428,6 +308,9 @@ class DecodeSide:
             self.fail(st, RemoteFailure(f"room {msg.room}: prefill endpoint {msg.endpoint_id} "
                                         f"failed: {msg.reason}"))
         self._maybe_release(st)
+
+    def on_hello_ack(self, msg: wire.HelloAck) -> None:
+        self.connector.on_hello_ack(msg)
 
     def on_abort_ack(self, msg: wire.AbortAck) -> None:
         with self.ep.lock:
@@ -542,56 +425,19 @@ class DecodeSide:
             return sum(int(a.size) for st in self.rooms.values() if st.quarantined
                        for a in st.dst.values())
 
-    def _heartbeat(self) -> None:
-        """Probe the prefill endpoints that rooms wait on, without ever blocking on one.
-
-        A probe refused at once means the process is gone: its writes cannot land, so its
-        rooms fail and their pages are released. A probe that hangs (a frozen or overloaded
-        process) fails the rooms too, but their pages stay quarantined until the peer
-        acknowledges the abort: a frozen writer may still wake up and write.
-        """
-        probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-probe")
-        pending: dict[str, tuple[Future[tuple[bool, float]], float, PrefillPeer]] = {}
-        hang_s = max(1.0, 2 * self.cfg.heartbeat_s)
-        try:
-            while not self._stop.wait(self.cfg.heartbeat_s):
-                now = time.monotonic()
-                with self.ep.lock:
-                    watched = {p.endpoint_id: p for st in self.rooms.values()
-                               for p in st.targets
-                               if p.endpoint_id in st.outstanding and p.session}
-                for eid, p in watched.items():
-                    if eid not in pending:
-                        pending[eid] = (probes.submit(self._probe, p.session), now, p)
-                for eid, (fut, t0, p) in list(pending.items()):
-                    if fut.done():
-                        del pending[eid]
-                        alive, took = fut.result()
-                        if alive:
-                            p.probe_failures, p.hung = 0, False
-                        else:
-                            p.probe_failures += 1
-                            if p.probe_failures >= 2:
-                                self._peer_lost(p, dead=took < hang_s)
-                    elif now - t0 > hang_s and not p.hung:
-                        p.hung = True
-                        self._peer_lost(p, dead=False)
-        finally:
-            probes.shutdown(wait=False, cancel_futures=True)
-
-    def _probe(self, session: str) -> tuple[bool, float]:
-        t0 = time.monotonic()
-        return self.ep.transport.probe(session), time.monotonic() - t0
+    def _watched(self) -> dict[str, PrefillPeer]:
+        """The prefill endpoints that rooms wait on (the heartbeat probes these)."""
+        with self.ep.lock:
+            return {p.endpoint_id: p for st in self.rooms.values() for p in st.targets
+                    if p.endpoint_id in st.outstanding and p.session}
 
     def _peer_lost(self, p: PrefillPeer, dead: bool) -> None:
         what = "stopped answering" if dead else "is not responding (hung?)"
         log.warning("prefill endpoint %s (%s) %s", p.endpoint_id, p.session, what)
         self.ep.count("peers_lost" if dead else "peers_hung")
+        self.connector.drop_peer(p)
         with self.ep.lock:
             p.dead = p.dead or dead
-            self.peers.pop(p.endpoint_id, None)
-            self._routes = {k: v for k, v in self._routes.items()
-                            if all(e.get("endpoint_id") != p.endpoint_id for e in v["endpoints"])}
             hit = [st for st in self.rooms.values() if p.endpoint_id in st.outstanding]
         if dead:
             self.ep.forget(p.ctrl_addr)
@@ -605,8 +451,7 @@ class DecodeSide:
                 self._maybe_release(st)
 
     def close(self) -> None:
-        self._stop.set()
-        self._hb.join(timeout=5)
-        self._connector.shutdown(wait=False, cancel_futures=True)
+        self.liveness.close()
+        self.connector.close()
         if self.staging is not None:
             self.staging.close()

@@ -1,0 +1,191 @@
+"""Route lookup and handshakes of a decode rank (blocking work, on the connector's threads).
+
+The decode side asks ``connect`` for a room's prefill peers; the answer comes back through a
+callback on a connector thread, or at once from ``cached`` when every peer of the route is
+live and acknowledged (then nothing blocks and the caller posts the request itself).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .. import wire
+from ..bootstrap import BootstrapClient
+from ..errors import BootstrapError, DeadlineExceeded, LayoutMismatch, PdxferError
+from ..plan import topology as T
+from ..pools import PoolSpec, layout_signature
+
+if TYPE_CHECKING:
+    from .core import Core
+
+HELLO_RETRY_S = 0.5
+
+RouteKey = tuple[str, "str | None", "int | None"]
+"""(bootstrap address, prefill instance, DP group) of a room."""
+
+
+@dataclass(slots=True, eq=False)
+class PrefillPeer:
+    """A prefill endpoint this decode handshook with."""
+
+    endpoint_id: str
+    ctrl_addr: str
+    tp_rank: int
+    session: str = ""
+    pools: dict[str, PoolSpec] = field(default_factory=dict)
+    ready: threading.Event = field(default_factory=threading.Event)
+    refused: str = ""
+    dead: bool = False
+    hung: bool = False
+    probe_failures: int = 0
+
+
+Resolved = tuple[list[PrefillPeer], list[T.Assignment], int]
+"""A room's peers, their pool assignments and the prefill's ``decode_peers``."""
+
+
+class Connector:
+    """Bootstrap clients, routes, handshaken prefill peers and cached resolutions."""
+
+    def __init__(self, ep: Core, extra_pools: tuple[PoolSpec, ...] = ()) -> None:
+        self.ep = ep
+        self.cfg = ep.config
+        self.extra_pools = extra_pools
+        self.peers: dict[str, PrefillPeer] = {}
+        self._routes: dict[RouteKey, dict[str, Any]] = {}
+        self._resolved: dict[RouteKey, Resolved] = {}
+        self._clients: dict[str, BootstrapClient] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-connect")
+
+    def connect(self, key: RouteKey, room: int, deadline: float,
+                on_ok: Callable[[Resolved], None],
+                on_fail: Callable[[PdxferError | Exception], None]) -> None:
+        """Resolve on a connector thread; exactly one callback runs there."""
+        def job() -> None:
+            try:
+                out = self.resolve(key, room, deadline)
+            except Exception as e:  # noqa: BLE001 - reported to the room, never lost
+                self.forget_route(key)
+                on_fail(e)
+                return
+            on_ok(out)
+
+        self._pool.submit(job)
+
+    def drop_peer(self, p: PrefillPeer) -> None:
+        """A peer declared lost: forget it and every route through it."""
+        with self.ep.lock:
+            self.peers.pop(p.endpoint_id, None)
+            self._routes = {k: v for k, v in self._routes.items()
+                            if all(e.get("endpoint_id") != p.endpoint_id for e in v["endpoints"])}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def resolve(self, key: RouteKey, room: int, deadline: float) -> Resolved:
+        """Route, handshakes and pool assignment for a room (blocking: bootstrap lookup and
+        Hello). Cached per route while the route is room-independent (one DP group)."""
+        route = self._route(key, room, deadline)
+        ranks = T.contacts(int(route["tp_size"]), self.cfg.tp_size, self.cfg.tp_rank)
+        if isinstance(ranks, str):
+            raise LayoutMismatch(f"prefill instance {route['instance']!r}: {ranks}")
+        eps = sorted((e for e in route["endpoints"] if e["tp_rank"] in ranks),
+                     key=lambda e: (int(e.get("pp_rank", 0)), int(e["tp_rank"])))
+        if len(eps) != len(ranks) * int(route.get("pp_size", 1)):
+            raise BootstrapError(f"prefill instance {route['instance']!r} has not "
+                                 f"registered every endpoint of tp ranks {ranks}")
+        peers = [self._handshake(e, deadline) for e in eps]
+        plan = T.assign({p.name: p for p in self.ep.pools},
+                        [(int(e.get("pp_rank", 0)), p.pools) for e, p in zip(eps, peers)])
+        if isinstance(plan, str):
+            raise LayoutMismatch(f"prefill instance {route['instance']!r}: {plan}")
+        out = (peers, plan, T.decode_peers(int(route["tp_size"]), self.cfg.tp_size))
+        if route.get("dp_size") == 1:
+            with self.ep.lock:
+                self._resolved[key] = out
+        return out
+
+    def cached(self, key: RouteKey) -> Resolved | None:
+        """A resolution every peer of which is still the live, acknowledged peer: then a
+        request is sent from the caller's thread, with no hop through the connector."""
+        with self.ep.lock:
+            c = self._resolved.get(key)
+            if c is None:
+                return None
+            for p in c[0]:
+                if (self.peers.get(p.endpoint_id) is not p or p.dead or p.hung or p.refused
+                        or not p.ready.is_set()):
+                    return None
+            return c
+
+    def _route(self, key: RouteKey, room: int, deadline: float) -> dict[str, Any]:
+        bootstrap, instance, dp = key
+        with self.ep.lock:
+            cached = self._routes.get(key)
+            client = self._clients.get(bootstrap)
+            if client is None:
+                client = self._clients[bootstrap] = BootstrapClient(
+                    bootstrap, secret=self.ep.secret)
+        if cached is not None and cached["dp_size"] == 1:
+            return cached
+        route = client.route(room, instance, dp, deadline=deadline)
+        if not isinstance(route, dict) or not isinstance(route.get("endpoints"), list):
+            raise BootstrapError(f"bootstrap {bootstrap} answered an invalid route")
+        with self.ep.lock:
+            self._routes[key] = route
+        return route
+
+    def forget_route(self, key: RouteKey) -> None:
+        with self.ep.lock:
+            self._routes.pop(key, None)
+            self._resolved.pop(key, None)
+
+    def _handshake(self, e: dict[str, Any], deadline: float) -> PrefillPeer:
+        eid = str(e["endpoint_id"])
+        with self.ep.lock:
+            peer = self.peers.get(eid)
+            fresh = peer is None or peer.dead or peer.refused
+            if fresh:
+                peer = self.peers[eid] = PrefillPeer(eid, str(e["ctrl_addr"]), int(e["tp_rank"]))
+        if fresh:
+            hello = wire.Hello(
+                endpoint_id=self.ep.endpoint_id, ctrl_addr=self.ep.ctrl_addr,
+                session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
+                tp_size=self.cfg.tp_size, signature=layout_signature(self.ep.pools),
+                pools=tuple(self.ep.pools) + self.extra_pools,
+            )
+            hello = self.ep.signed(hello)
+            self.ep.send(peer.ctrl_addr, hello)
+        # re-send the Hello now and then: a lost Hello must not cost the whole deadline
+        while not peer.ready.wait(max(0.0, min(HELLO_RETRY_S, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                with self.ep.lock:
+                    self.peers.pop(eid, None)
+                raise DeadlineExceeded(f"no HelloAck from prefill endpoint {eid} at "
+                                       f"{peer.ctrl_addr} before the deadline")
+            if fresh:
+                self.ep.count("hello_retransmits")
+                self.ep.send(peer.ctrl_addr, hello)
+        if peer.refused:
+            raise LayoutMismatch(f"prefill endpoint {eid} refused the handshake: {peer.refused}")
+        return peer
+
+    def on_hello_ack(self, msg: wire.HelloAck) -> None:
+        """Settle a handshake this rank started (``ready`` wakes the waiting connector)."""
+        with self.ep.lock:
+            peer = self.peers.get(msg.endpoint_id)
+            if peer is None:
+                self.ep.count("stale_messages")
+                return
+            if msg.ok:
+                peer.session = msg.session
+                peer.pools = {p.name: p for p in msg.pools}
+            else:
+                peer.refused = msg.reason or "refused"
+            peer.ready.set()
+
