@@ -7,11 +7,20 @@ classes, so an engine can branch on the kind and the metrics can count by kind
 
 from __future__ import annotations
 
+_BY_KIND: dict[str, type[PdxferError]] = {}
+
 
 class PdxferError(Exception):
-    """Base of every pdxfer error."""
+    """Base of every pdxfer error. Each subclass names its own ``kind`` and is registered
+    under it, so a kind that crossed the wire becomes the same class on the other side."""
 
     kind = "error"
+
+    def __init_subclass__(cls, **kw: object) -> None:
+        super().__init_subclass__(**kw)
+        if cls.__dict__.get("kind") in _BY_KIND:
+            raise TypeError(f"failure kind {cls.kind!r} is taken by {_BY_KIND[cls.kind]}")
+        _BY_KIND[cls.__dict__.get("kind", cls.kind)] = cls
 
 
 class ConfigError(PdxferError, ValueError):
@@ -86,21 +95,26 @@ class RemoteFailure(PdxferError):
     kind = "remote"
 
 
-FAILURE_KINDS: tuple[str, ...] = tuple(
-    c.kind
-    for c in (
-        PdxferError,
-        ConfigError,
-        LayoutMismatch,
-        PlanError,
-        WireError,
-        TransportError,
-        TransportUnavailable,
-        BootstrapError,
-        DuplicateRoom,
-        DeadlineExceeded,
-        PeerLost,
-        Aborted,
-        RemoteFailure,
-    )
-)
+class ProtocolError(PdxferError):
+    """A peer broke the protocol (a message out of order, from an unknown peer, or for a
+    room it does not own)."""
+
+    kind = "protocol"
+
+
+_BY_KIND[PdxferError.kind] = PdxferError
+
+
+def failure_kinds() -> tuple[str, ...]:
+    """Every failure kind (the metrics labels), including those of subpackages' errors."""
+    return tuple(sorted(_BY_KIND))
+
+
+def from_kind(kind: str, message: str) -> PdxferError:
+    """The error a peer named by ``kind`` (a ``RemoteFailure`` for a kind this side does not
+    know: a newer peer, or garbage); the message says where it came from."""
+    cls = _BY_KIND.get(kind, RemoteFailure)
+    try:
+        return cls(message)
+    except Exception:  # noqa: BLE001 - a class that needs other arguments
+        return RemoteFailure(message)

@@ -7,9 +7,9 @@ Reading order: ``handles`` (the engine's contract: KVPoll, RequestHandle) -> ``e
 """
 
 from .endpoint import Endpoint, validate_pools
-from .handles import KVPoll, RequestHandle
-from .receiver import KVReceiver, Release
+from .handles import KVPoll, Release, ReleaseOnce, RequestHandle
+from .receiver import KVReceiver
 from .sender import KVSender
 
-__all__ = ["Endpoint", "KVPoll", "KVReceiver", "KVSender", "Release", "RequestHandle",
+__all__ = ["Endpoint", "KVPoll", "KVReceiver", "KVSender", "Release", "ReleaseOnce", "RequestHandle",
            "validate_pools"]

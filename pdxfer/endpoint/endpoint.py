@@ -20,7 +20,8 @@ from ..metrics import prometheus_text
 from ..pools import PoolSpec, layout_signature
 from ..transport import Transport
 from .core import Core
-from .receiver import DecodeSide, KVReceiver, Release
+from .handles import Release
+from .receiver import DecodeSide, KVReceiver
 from .sender import KVSender, PrefillSide
 
 log = logging.getLogger("pdxfer.endpoint")

@@ -5,8 +5,16 @@ an engine polls one kind of object whatever sits behind it."""
 
 from __future__ import annotations
 
+import abc
 import enum
+import logging
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("pdxfer.endpoint")
 
 
 class KVPoll(enum.IntEnum):
@@ -24,11 +32,71 @@ class KVPoll(enum.IntEnum):
         return self in (KVPoll.Failed, KVPoll.Success)
 
 
-class RequestHandle:
-    """What both request handles share: the room, the poll state and the failure.
+Release = Callable[[Mapping[str, np.ndarray], Mapping[str, int]], None]
+"""``release(dst, slots)``: the engine takes back a failed request's pages and slots."""
 
-    ``_st`` is the side's room record (it has ``room``, ``state`` and ``failure``).
-    """
+
+class ReleaseOnce:
+    """Hands a failed request's pages back to the engine exactly once.
+
+    The one place that calls an engine's ``release``: the owner decides *when* it is safe (no
+    write can land any more), this object makes sure it happens once, off the owner's lock,
+    and that a failing callback never breaks pdxfer."""
+
+    __slots__ = ("_cb", "_done", "_lock", "room")
+
+    def __init__(self, room: int, cb: Release | None) -> None:
+        self.room, self._cb = room, cb
+        self._done = False
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def claim(self) -> bool:
+        """Mark released; True only for the one caller that must then ``fire``."""
+        with self._lock:
+            if self._done:
+                return False
+            self._done = True
+            return True
+
+    def fire(self, dst: Mapping[str, np.ndarray], slots: Mapping[str, int]) -> None:
+        """Call the engine's callback (after a successful ``claim``, outside any lock)."""
+        if self._cb is None:
+            return
+        try:
+            self._cb(dst, slots)
+        except Exception:  # noqa: BLE001 - the engine's callback must not break us
+            log.exception("release callback for room %d failed", self.room)
+
+
+class RequestHandle(abc.ABC):
+    """What an engine may do with any request handle: read its room, poll it, read why it
+    failed, abort it. ``KVSender``, ``KVReceiver`` and ``tiers.RestoringReceiver`` all are
+    one."""
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def room(self) -> int: ...
+
+    @abc.abstractmethod
+    def poll(self) -> KVPoll: ...
+
+    @property
+    @abc.abstractmethod
+    def failure(self) -> Any:
+        """None, or the ``PdxferError`` that failed the request (its message says why)."""
+
+    @abc.abstractmethod
+    def abort(self, reason: str = "aborted by engine") -> None: ...
+
+
+class RoomHandle(RequestHandle):
+    """A handle over one side's room record ``_st`` (it has ``room``, ``state``, ``failure``)."""
 
     __slots__ = ("_side", "_st")
 
@@ -45,5 +113,4 @@ class RequestHandle:
 
     @property
     def failure(self) -> Any:
-        """None, or the ``PdxferError`` that failed the request (its message says why)."""
         return self._st.failure

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,13 +33,13 @@ from ..errors import (
     PdxferError,
     PeerLost,
     PlanError,
-    RemoteFailure,
+    from_kind,
 )
 from ..plan import topology as T
 from ..plan.heads import lease_bytes
 from ..pools import PoolSpec
 from .connect import Connector, PrefillPeer, Resolved
-from .handles import KVPoll, RequestHandle
+from .handles import KVPoll, Release, ReleaseOnce, RoomHandle
 from .liveness import Liveness
 from .staging import Lease, Staging, scatter
 
@@ -48,8 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdxfer.receiver")
 
-Release = Callable[[Mapping[str, np.ndarray], Mapping[str, int]], None]
-
 
 @dataclass(slots=True, eq=False)
 class RecvRoom:
@@ -57,7 +55,7 @@ class RecvRoom:
     bootstrap: str
     instance: str | None
     dp: int | None
-    release: Release | None
+    released: ReleaseOnce
     deadline: float
     nonce: int = 0
     state: KVPoll = KVPoll.Bootstrapping
@@ -73,7 +71,6 @@ class RecvRoom:
     outstanding: set[str] = field(default_factory=set)
     abort_deadline: float = 0.0
     quarantined: bool = False
-    released: bool = False
     bytes: int = 0
     blocks: int = 0
     t_created: float = field(default_factory=time.monotonic)
@@ -86,7 +83,7 @@ def _key(st: RecvRoom) -> tuple[str, str | None, int | None]:
     return (st.bootstrap, st.instance, st.dp)
 
 
-class KVReceiver(RequestHandle):
+class KVReceiver(RoomHandle):
     """The engine's handle for one request on the decode side. Every call returns at once."""
 
     _side: DecodeSide
@@ -121,7 +118,7 @@ class KVReceiver(RequestHandle):
 
     @property
     def released(self) -> bool:
-        return self._st.released
+        return self._st.released.done
 
     def stats(self) -> dict[str, Any]:
         st = self._st
@@ -157,7 +154,7 @@ class DecodeSide:
             if room in self.rooms:
                 raise DuplicateRoom(f"room {room} is already active on decode endpoint "
                                     f"{self.ep.endpoint_id}")
-            st = RecvRoom(room, bootstrap, instance, dp, release,
+            st = RecvRoom(room, bootstrap, instance, dp, ReleaseOnce(room, release),
                           time.monotonic() + self.cfg.bootstrap_timeout_s)
             self.rooms[room] = st
             self.ep.count("requests")
@@ -305,8 +302,8 @@ class DecodeSide:
                     self.ep.count("success")
                     self.ep.count_transfer(st.bytes, st.blocks)
         if not msg.ok:
-            self.fail(st, RemoteFailure(f"room {msg.room}: prefill endpoint {msg.endpoint_id} "
-                                        f"failed: {msg.reason}"))
+            self.fail(st, from_kind(msg.kind, f"room {msg.room}: prefill endpoint "
+                                              f"{msg.endpoint_id} failed: {msg.reason}"))
         self._maybe_release(st)
 
     def on_hello_ack(self, msg: wire.HelloAck) -> None:
@@ -325,21 +322,15 @@ class DecodeSide:
     def _maybe_release(self, st: RecvRoom) -> None:
         """Drop a finished room; hand a failed room's pages back once nothing can land."""
         with self.ep.lock:
-            if st.outstanding or not st.state.terminal or st.released:
+            if st.outstanding or not st.state.terminal:
                 return
             self.rooms.pop(st.room, None)
             self._unlease([x for ls in st.leases.values() for x in ls])
             st.leases = {}
-            if st.state != KVPoll.Failed:
+            if st.state != KVPoll.Failed or not st.released.claim():
                 return
-            st.released = True
             st.quarantined = False
-            cb = st.release
-        if cb is not None:
-            try:
-                cb(st.dst, st.slots)
-            except Exception:  # noqa: BLE001 - the engine's callback must not break us
-                log.exception("release callback for room %d failed", st.room)
+        st.released.fire(st.dst, st.slots)
 
     # -- staging (head slices, see staging.py) ------------------------------------------------
     def _stage(self, st: RecvRoom, heads: Mapping[str, tuple[int, int]],

@@ -29,7 +29,7 @@ from ..errors import (
 )
 from ..plan import chunk as C
 from ..pools import PoolSpec, check_pools, layout_signature
-from .handles import KVPoll, RequestHandle
+from .handles import KVPoll, RoomHandle
 from .staging import Staging, bounce
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class SenderRoom:
     t_request: float = 0.0
 
 
-class KVSender(RequestHandle):
+class KVSender(RoomHandle):
     """The engine's handle for one request on the prefill side. Every call returns at once."""
 
     _side: PrefillSide

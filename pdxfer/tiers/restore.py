@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..endpoint.handles import KVPoll
-from ..endpoint.receiver import KVReceiver, Release
+from ..endpoint.handles import KVPoll, Release, ReleaseOnce, RequestHandle
+from ..endpoint.receiver import KVReceiver
 from ..errors import Aborted, DeadlineExceeded, DuplicateRoom, PdxferError, PlanError
 from .cache import Match, TieredCache
 from .errors import RestoreFailed
@@ -41,8 +41,9 @@ class RestoreState(enum.Enum):
     FAILED = "failed"
 
 
-class RestoringReceiver:
-    """The engine's handle for one request with decode-side prefix reuse.
+class RestoringReceiver(RequestHandle):
+    """The engine's handle for one request with decode-side prefix reuse (a ``RequestHandle``
+    like ``KVReceiver``, and released through the same ``ReleaseOnce``).
 
     ``dst``: the engine's page indices per anchor pool covering tokens ``[l1_len,
     num_tokens)`` (``l1_len``: prefix tokens already on the device, from the engine's own
@@ -65,7 +66,7 @@ class RestoringReceiver:
                 raise PlanError(f"room {room}: pool {a!r} pages cover fewer than "
                                 f"{self.num_tokens - self.l1_len} tokens")
         self.slots = dict(slots or {})
-        self._release_cb = release
+        self._release = ReleaseOnce(room, release)
         self._bootstrap, self._instance, self._dp = bootstrap, instance, dp
         self._lock = threading.Lock()
         self._state = KVPoll.Bootstrapping
@@ -74,7 +75,6 @@ class RestoringReceiver:
         self.match: Match | None = None
         self.restored_pages = 0
         self._local_done = False
-        self._released = False
         self._source_released = False
         self._repair: KVReceiver | None = None
         self._repair_range = (0, 0)
@@ -253,19 +253,14 @@ class RestoringReceiver:
 
     def _maybe_release(self) -> None:
         with self._lock:
-            if self._state != KVPoll.Failed or self._released or not self._quiet():
+            if (self._state != KVPoll.Failed or self._release.done or not self._quiet()
+                    or not self._release.claim()):
                 return
-            self._released = True
-            cb = self._release_cb
-        if cb is not None:
-            try:
-                cb(self.dst, self.slots)
-            except Exception:  # noqa: BLE001 - the engine's callback must not break us
-                log.exception("release callback for room %d failed", self.room)
+        self._release.fire(self.dst, self.slots)
 
     @property
     def released(self) -> bool:
-        return self._released
+        return self._release.done
 
     def stats(self) -> dict[str, Any]:
         m = self.match
