@@ -1,39 +1,8 @@
-"""Shared fixtures: a real bootstrap server, and helpers to start endpoint processes."""
+"""Suite-wide settings. ``unit/`` starts no process and no Mooncake engine; ``integration/``
+moves real bytes between processes over Mooncake TCP, ZMQ and HTTP on loopback."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
-import pytest
-
-from pdxfer import BootstrapServer
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
-
-os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-
-FAST = {"bootstrap_timeout_s": 5.0, "transfer_timeout_s": 10.0, "abort_timeout_s": 2.0,
-        "heartbeat_s": 0.25}
-"""Short deadlines so failure tests end in seconds."""
-
-
-@pytest.fixture(scope="module")
-def bootstrap() -> Iterator[BootstrapServer]:
-    srv = BootstrapServer("127.0.0.1", 0).start()
-    yield srv
-    srv.stop()
-
-
-def start_pair(bootstrap: BootstrapServer, geoms: list[PoolGeom],
-               dgeoms: list[PoolGeom] | None = None, instance: str = "default",
-               **cfg: object) -> tuple[Agent, Agent]:
-    """A prefill process registered with ``bootstrap`` and a decode process."""
-    conf = {**FAST, **cfg}
-    pf = Agent("prefill", {**conf, "bootstrap": bootstrap.address, "instance": instance}, geoms)
-    try:
-        dc = Agent("decode", dict(conf), dgeoms or geoms)
-    except Exception:
-        pf.close()
-        raise
-    return pf, dc
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's glog noise; real errors still show

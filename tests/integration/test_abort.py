@@ -17,7 +17,7 @@ from pdxfer import BootstrapServer
 from pdxfer.testing.harness import Agent
 from pdxfer.testing.patterns import PoolGeom
 
-from .conftest import FAST
+from .conftest import start_pair
 from .helpers import Factory, decode_items, prefill_items, run, verify
 
 SLOW = (777, 778, 779, 780)
@@ -29,9 +29,7 @@ GEOMS = [PoolGeom("kv", "mha", layers=2, pages=128, page_size=16, heads=2, head_
 @pytest.fixture(scope="module")
 def pair(bootstrap: BootstrapServer) -> Iterator[tuple[Agent, Agent]]:
     faults = f"delay_write={DELAY},rooms={';'.join(map(str, SLOW))}"
-    pf = Agent("prefill", {**FAST, "bootstrap": bootstrap.address}, GEOMS,
-               env={"PDXFER_FAULTS": faults})
-    dc = Agent("decode", dict(FAST), GEOMS)
+    pf, dc = start_pair(bootstrap, GEOMS, prefill_env={"PDXFER_FAULTS": faults})
     dc.call("sentinel")
     yield pf, dc
     pf.close()

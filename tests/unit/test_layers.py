@@ -1,0 +1,128 @@
+"""The folders show the layers: arrows run only downward and no import goes in a circle.
+
+Walks pdxfer's sources with ``ast`` (nothing is imported), so a forbidden arrow fails here
+before it can turn into an import-order bug or a wheel that drags the test harness along.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "pdxfer"
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module(p): p for p in ROOT.rglob("*.py")}
+
+
+def _extensions() -> set[str]:
+    """Native modules built from ``*.c`` sources (named, never walked)."""
+    return {_module(p) for p in ROOT.rglob("*.c")}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Modules ``name`` imports (a ``from pkg import x`` counts as ``pkg.x`` when that is a
+    module, else as ``pkg``)."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "pdxfer"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "pdxfer":
+                continue
+            subs = {f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in known}
+            out |= subs or {mod}
+            if len(subs) < len(node.names):
+                out.add(mod)
+    return {m for m in out if m in known and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods) | _extensions()
+    return {n: _imports(n, p, known) & set(mods) for n, p in mods.items()}
+
+
+def _layer(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+FORBIDDEN = {
+    "plan": {"endpoint", "transport", "tiers", "serving", "testing", "wire", "bootstrap",
+             "metrics", "auth", "faults", "cli"},
+    "transport": {"endpoint", "plan", "tiers", "serving", "testing", "cli"},
+    "endpoint": {"tiers", "serving", "testing", "cli"},
+    "tiers": {"serving", "testing", "cli"},
+    "serving": {"testing", "cli"},
+}
+
+
+def test_arrows_run_only_downward() -> None:
+    bad = []
+    for mod, deps in _graph().items():
+        for dep in deps:
+            if _layer(dep) in FORBIDDEN.get(_layer(mod), set()):
+                bad.append(f"{mod} -> {dep}")
+    assert not bad, "forbidden imports:\n" + "\n".join(sorted(bad))
+
+
+def test_only_cli_and_testing_import_the_test_harness() -> None:
+    bad = [f"{m} -> {d}" for m, deps in _graph().items() for d in deps
+           if _layer(d) == "testing" and _layer(m) not in ("testing", "cli")]
+    assert not bad, bad
+
+
+def test_serving_uses_only_the_public_api() -> None:
+    """``serving`` is a user of pdxfer like any engine: ``pdxfer`` and ``pdxfer.tiers``."""
+    bad = [f"{m} -> {d}" for m, deps in _graph().items() if _layer(m) == "serving"
+           for d in deps if _layer(d) != "serving" and d not in ("pdxfer", "pdxfer.tiers")]
+    assert not bad, bad
+
+
+def test_no_import_circles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    # a package's __init__ re-exporting its own submodules is not a circle
+    real = [c for c in cycles
+            if not all(c[i + 1].startswith(c[i] + ".") or c[i].startswith(c[i + 1] + ".")
+                       for i in range(len(c) - 1))]
+    assert not real, "import circles:\n" + "\n".join(" -> ".join(c) for c in real)
+
+
+def test_the_walk_sees_the_package() -> None:
+    g = _graph()
+    assert "pdxfer.endpoint.sender" in g and "pdxfer.plan.paged" in g["pdxfer.plan.heads"]
