@@ -304,8 +304,11 @@ class BootstrapClient:
 
     def __init__(self, address: str, timeout: float = 5.0, retries: int = 5,
                  backoff: float = 0.05, max_backoff: float = 2.0,
-                 secret: str | bytes | None = None) -> None:
+                 secret: str | bytes | None = None,
+                 stop: threading.Event | None = None) -> None:
+        """``stop``: set it to end any retry wait at once (an endpoint closing)."""
         self._secret = auth.load_secret(secret)
+        self._stop = stop or threading.Event()
         if "://" not in address:
             address = "http://" + address
         self.base = address.rstrip("/")
@@ -342,7 +345,8 @@ class BootstrapClient:
             out_of_time = deadline is not None and time.monotonic() + delay > deadline
             if out_of_time or (not waiting and attempt > self.retries):
                 raise BootstrapError(f"bootstrap {self.base}{path}: {last} (after {attempt} tries)")
-            time.sleep(delay * (0.5 + random.random()))
+            if self._stop.wait(delay * (0.5 + random.random())):
+                raise BootstrapError(f"bootstrap {self.base}{path}: given up, client closing")
             delay = min(delay * 2, self.max_backoff)
 
     def register(self, reg: Registration) -> None:

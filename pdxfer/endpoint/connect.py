@@ -60,6 +60,7 @@ class Connector:
         self._routes: dict[RouteKey, dict[str, Any]] = {}
         self._resolved: dict[RouteKey, Resolved] = {}
         self._clients: dict[str, BootstrapClient] = {}
+        self._closing = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-connect")
 
     def connect(self, key: RouteKey, room: int, deadline: float,
@@ -85,7 +86,9 @@ class Connector:
                             if all(e.get("endpoint_id") != p.endpoint_id for e in v["endpoints"])}
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop every lookup and handshake wait, and join the connector threads."""
+        self._closing.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def resolve(self, key: RouteKey, room: int, deadline: float) -> Resolved:
         """Route, handshakes and pool assignment for a room (blocking: bootstrap lookup and
@@ -130,7 +133,7 @@ class Connector:
             client = self._clients.get(bootstrap)
             if client is None:
                 client = self._clients[bootstrap] = BootstrapClient(
-                    bootstrap, secret=self.ep.secret)
+                    bootstrap, secret=self.ep.secret, stop=self._closing)
         if cached is not None and cached["dp_size"] == 1:
             return cached
         route = client.route(room, instance, dp, deadline=deadline)
@@ -163,7 +166,7 @@ class Connector:
             self.ep.send(peer.ctrl_addr, hello)
         # re-send the Hello now and then: a lost Hello must not cost the whole deadline
         while not peer.ready.wait(max(0.0, min(HELLO_RETRY_S, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self._closing.is_set():
                 with self.ep.lock:
                     self.peers.pop(eid, None)
                 raise DeadlineExceeded(f"no HelloAck from prefill endpoint {eid} at "

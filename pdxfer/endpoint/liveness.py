@@ -29,6 +29,8 @@ class Liveness:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop and join the heartbeat. A probe still waiting on a frozen peer is left to
+        the transport's own timeout (its thread holds nothing of ours)."""
         self._stop.set()
         self._thread.join(timeout=5)
 

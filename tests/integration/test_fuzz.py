@@ -106,7 +106,7 @@ def live() -> Iterator[tuple[Endpoint, Endpoint, dict]]:
     hello = wire.Hello(endpoint_id=dc.endpoint_id, ctrl_addr=dc.ctrl_addr,
                        session=dc.transport.session_id, tp_rank=0, tp_size=1,
                        signature=__import__("pdxfer").layout_signature(ds), pools=tuple(ds))
-    pf._on_frame(wire.encode(hello))
+    pf.core._on_frame(wire.encode(hello))
     yield pf, dc, {"specs": ds, "tensors": dt, "keep": (pt, ps)}
     pf.close()
     dc.close()
@@ -123,9 +123,9 @@ def test_prefill_handler_never_crashes_and_never_writes_outside_a_request(
         frame = HEADER + msgspec.msgpack.encode(msg)
     except (OverflowError, TypeError):
         return
-    errors = pf.control.handler_errors
-    pf._on_frame(frame)  # must not raise
-    assert pf.control.handler_errors == errors
+    errors = pf.core.control.handler_errors
+    pf.core._on_frame(frame)  # must not raise
+    assert pf.core.control.handler_errors == errors
     # no sender exists for these rooms, so nothing may have been written to the decode
     assert pf.transport.stats.calls == 0
 
