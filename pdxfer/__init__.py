@@ -7,17 +7,19 @@ math) -> ``wire`` (messages) -> ``transport/`` -> ``bootstrap`` -> ``endpoint/``
 
 from .bootstrap import BootstrapClient, BootstrapServer
 from .config import EndpointConfig
-from .endpoint import Endpoint, KVPoll, KVReceiver, KVSender
+from .endpoint import Endpoint, KVPoll, KVReceiver, KVSender, RequestHandle
 from .errors import (
     Aborted,
     BootstrapError,
     ConfigError,
     DeadlineExceeded,
     DuplicateRoom,
+    IntegrityError,
     LayoutMismatch,
     PdxferError,
     PeerLost,
     PlanError,
+    ProtocolError,
     RemoteFailure,
     TransportError,
     TransportUnavailable,
@@ -31,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Aborted", "BootstrapClient", "BootstrapError", "BootstrapServer", "BufferSpec",
     "ConfigError", "DeadlineExceeded", "DuplicateRoom", "Endpoint", "EndpointConfig",
+    "IntegrityError", "ProtocolError", "RequestHandle",
     "KVPoll", "KVReceiver", "KVSender", "LayoutMismatch", "PdxferError", "PeerLost",
     "PlanError", "PoolSpec", "RemoteFailure", "Sharding", "TransportError",
     "TransportUnavailable", "WireError", "layout_signature", "prometheus_text", "__version__",

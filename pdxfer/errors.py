@@ -97,6 +97,13 @@ class RemoteFailure(PdxferError):
     kind = "remote"
 
 
+class IntegrityError(PdxferError):
+    """KV that arrived (or was restored) does not match the digest of what was sent (or
+    stored); the message names the pool, layer and token range."""
+
+    kind = "integrity"
+
+
 class ProtocolError(PdxferError):
     """A peer broke the protocol (a message out of order, from an unknown peer, or for a
     room it does not own)."""

@@ -1,0 +1,179 @@
+"""KV digests defined on logical order, so both sides of a transfer can compare them.
+
+A digest covers one buffer of one pool (one layer's K, V or latent), tokens ``[start, end)``
+and global heads ``[lo, hi)``, read in logical order: token by token, head by head, byte by
+byte. Page placement, page size, layout (NHD/HND) and TP sharding change where those bytes
+sit, never the digest: a prefill with page 64 and HND pages and a decode with page 1 and NHD
+rows compute the same value over the same KV.
+
+Modes:
+
+- ``off``: nothing is digested.
+- ``sampled`` (the default): a fixed sample that touches every page on both sides. With
+  ``S = min(page sizes of the two sides)``, tokens whose position is ``0`` or ``S-1`` modulo
+  ``S`` are read, plus the range's first and last token, so every page either side holds has
+  at least one sampled token. Of each sampled token it reads the first and last 8 bytes of the
+  range's first and last head (or of the token's row in a pool without heads). That catches a
+  wrong, stale, missing, shifted or overwritten page for a cost that does not grow with the
+  page's bytes.
+- ``full``: every byte.
+
+The hash is XXH3-64 (``xxhash``) over the selected bytes, on host memory. Device pools are not
+digested yet (``IntegrityUnsupported``): an engine with device pools runs with ``off``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from .errors import ConfigError
+from .pools import PoolSpec
+
+MODES = ("off", "sampled", "full")
+SAMPLE_BYTES = 8
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ConfigError(f"integrity must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Tokens ``[start, end)`` of a pool whose pages (``pages``) cover tokens from ``first``,
+    heads ``[lo, hi)`` (global ids; ignored for pools without head sharding)."""
+
+    pages: np.ndarray
+    first: int
+    start: int
+    end: int
+    lo: int = 0
+    hi: int = 0
+
+
+def sample_stride(a: PoolSpec, b: PoolSpec) -> int:
+    """The sampling stride two sides agree on: the smaller page size."""
+    return max(1, min(a.page_size, b.page_size))
+
+
+def sampled_tokens(start: int, end: int, stride: int) -> np.ndarray:
+    """Token positions a sampled digest reads: the first and last token of every
+    ``stride``-aligned block in ``[start, end)``, and the range's own ends."""
+    if end <= start:
+        return np.empty(0, dtype=np.int64)
+    t = np.arange(start, end, dtype=np.int64)
+    if stride > 1:
+        m = t % stride
+        keep = (m == 0) | (m == stride - 1)
+        keep[0] = keep[-1] = True
+        t = t[keep]
+    return t
+
+
+def _units(pool: PoolSpec, span: Span, tokens: np.ndarray, heads: np.ndarray | None
+           ) -> tuple[np.ndarray, int]:
+    """Byte offsets (inside one buffer) of each logical unit, in logical order, and the unit's
+    size: one head of one token for head-sharded pools, else one token's row."""
+    ps = pool.page_size
+    rel = tokens - span.first
+    if rel.size and (int(rel.min()) < 0 or int(rel.max()) >= span.pages.size * ps):
+        raise ConfigError(f"pool {pool.name!r}: pages do not cover tokens "
+                          f"[{span.start}, {span.end})")
+    page = span.pages[rel // ps].astype(np.int64)
+    within = rel % ps
+    base = page * pool.item_bytes
+    if heads is None or pool.sharding.kind != "heads":
+        return base + within * pool.token_bytes, pool.token_bytes
+    sh = pool.sharding
+    hb = sh.head_bytes
+    local = heads - sh.first_head
+    if local.size and (int(local.min()) < 0 or int(local.max()) >= sh.rank_heads):
+        raise ConfigError(f"pool {pool.name!r}: heads [{span.lo}, {span.hi}) not held here")
+    if pool.token_major:
+        offs = (base + within * pool.token_bytes)[:, None] + (local * hb)[None, :]
+    else:  # HND: a head's rows of a page are contiguous
+        offs = base[:, None] + (local * ps * hb)[None, :] + (within * hb)[:, None]
+    return offs.reshape(-1), hb
+
+
+def _heads(pool: PoolSpec, span: Span, sampled: bool) -> np.ndarray | None:
+    if pool.sharding.kind != "heads":
+        return None
+    if span.hi <= span.lo:
+        raise ConfigError(f"pool {pool.name!r}: empty head range [{span.lo}, {span.hi})")
+    if sampled:
+        return np.unique(np.array([span.lo, span.hi - 1], dtype=np.int64))
+    return np.arange(span.lo, span.hi, dtype=np.int64)
+
+
+def _host_view(addr: int, nbytes: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+def _sample_cols(unit: int) -> np.ndarray:
+    if unit <= 2 * SAMPLE_BYTES:
+        return np.arange(unit, dtype=np.int64)
+    return np.concatenate((np.arange(SAMPLE_BYTES), np.arange(unit - SAMPLE_BYTES, unit)))
+
+
+def digests(pool: PoolSpec, span: Span, mode: str, stride: int = 1,
+            buffers: Sequence[int] | None = None) -> list[int]:
+    """One digest per buffer of ``pool`` (or per index in ``buffers``) over ``span``."""
+    if mode == "off":
+        return []
+    if pool.location != "cpu":
+        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: digests of "
+                                   f"device pools are not supported yet (integrity='off')")
+    sampled = mode == "sampled"
+    tokens = (sampled_tokens(span.start, span.end, stride) if sampled
+              else np.arange(span.start, span.end, dtype=np.int64))
+    offs, unit = _units(pool, span, tokens, _heads(pool, span, sampled))
+    idx = range(len(pool.buffers)) if buffers is None else buffers
+    nbytes = pool.num_items * pool.item_bytes
+    out: list[int] = []
+    if sampled:
+        cols = (offs[:, None] + _sample_cols(unit)[None, :]).reshape(-1)
+        for i in idx:
+            view = _host_view(pool.buffers[i].addr, nbytes)
+            out.append(xxhash.xxh3_64_intdigest(view[cols].tobytes()))
+        return out
+    # full: hash contiguous runs of units in logical order (the stream equals one buffer of
+    # every byte in that order; a run is as long as memory and logical order agree)
+    if offs.size == 0:
+        return [xxhash.xxh3_64_intdigest(b"") for _ in idx]
+    brk = np.flatnonzero(offs[1:] != offs[:-1] + unit) + 1
+    starts = offs[np.concatenate(([0], brk))]
+    lens = np.diff(np.concatenate(([0], brk, [offs.size]))) * unit
+    runs = list(zip(starts.tolist(), (starts + lens).tolist()))
+    for i in idx:
+        view = _host_view(pool.buffers[i].addr, nbytes)
+        h = xxhash.xxh3_64()
+        for a, b in runs:
+            h.update(view[a:b])
+        out.append(h.intdigest())
+    return out
+
+
+def slot_digests(pool: PoolSpec, slot: int, mode: str) -> list[int]:
+    """One digest per buffer of a slot pool's row ``slot`` (rows are small: always whole)."""
+    if mode == "off":
+        return []
+    if pool.location != "cpu":
+        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: digests of "
+                                   f"device pools are not supported yet (integrity='off')")
+    out = []
+    for b in pool.buffers:
+        view = _host_view(b.addr, pool.num_items * pool.item_bytes)
+        off = slot * pool.item_bytes
+        out.append(xxhash.xxh3_64_intdigest(view[off:off + pool.item_bytes].tobytes()))
+    return out
+
+
+class IntegrityUnsupported(ConfigError):
+    """A digest was asked of memory this build cannot read (a device pool)."""

@@ -1,0 +1,118 @@
+"""Digests are defined on logical order: the same KV gives the same digest whatever the page
+size, layout or TP shard holding it, and a wrong, stale, missing or shifted page changes it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pdxfer.integrity import Span, digests, sample_stride, sampled_tokens
+from pdxfer.testing import patterns as pat
+from pdxfer.testing.patterns import PoolGeom
+
+ROOM = 41
+TOKENS = (5, 93)  # not page aligned on purpose
+
+
+def _pool(name: str, page_size: int, layout: str = "NHD", heads: int = 8, first: int = 0,
+          total: int = 8, pages: int = 128):
+    g = PoolGeom(name, "mha", layers=2, pages=pages, page_size=page_size, heads=heads,
+                 head_dim=16, layout=layout, total_heads=total, first_head=first)
+    specs, tensors = pat.build([g])
+    return specs[0], tensors[name]
+
+
+def _pages(n_tokens: int, ps: int, seed: int, pages: int = 128) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.permutation(pages)[: -(-n_tokens // ps)].astype(np.int64)
+
+
+def _filled(ps: int, layout: str = "NHD", heads: int = 8, first: int = 0, seed: int = 0):
+    spec, ts = _pool("kv", ps, layout, heads, first)
+    pages = _pages(TOKENS[1], ps, seed)
+    pat.fill_tokens(spec, ts, ROOM, pages, 0, *TOKENS)
+    return spec, ts, pages
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+@pytest.mark.parametrize("a,b", [((16, "NHD"), (1, "NHD")), ((16, "HND"), (4, "NHD")),
+                                 ((8, "HND"), (8, "HND")), ((64, "NHD"), (16, "HND"))])
+def test_digest_ignores_page_size_and_layout(mode: str, a, b) -> None:
+    sa, ta, pa = _filled(*a, seed=1)  # keep the tensors: the specs only point at them
+    sb, tb, pb = _filled(*b, seed=2)
+    stride = sample_stride(sa, sb)
+    da = digests(sa, Span(pa, 0, *TOKENS, 0, 8), mode, stride)
+    db = digests(sb, Span(pb, 0, *TOKENS, 0, 8), mode, stride)
+    assert da == db and len(set(da)) == len(da)  # equal per buffer, distinct across buffers
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+def test_digest_of_a_head_slice_equals_across_tp_shards(mode: str) -> None:
+    whole, tw, pw = _filled(16, "HND", heads=8, first=0, seed=3)
+    half, th, ph = _filled(4, "NHD", heads=4, first=4, seed=4)  # a decode rank holding 4..8
+    s = sample_stride(whole, half)
+    assert (digests(whole, Span(pw, 0, *TOKENS, 4, 8), mode, s)
+            == digests(half, Span(ph, 0, *TOKENS, 4, 8), mode, s))
+    assert (digests(whole, Span(pw, 0, *TOKENS, 4, 6), mode, s)
+            != digests(whole, Span(pw, 0, *TOKENS, 4, 8), mode, s))
+
+
+def test_sample_touches_every_page_of_either_side() -> None:
+    for start, end, s, pages_of in ((5, 93, 4, (4, 16)), (0, 64, 1, (1, 64)), (3, 40, 8, (8, 24)),
+                                    (20, 26, 16, (16, 24))):
+        t = set(sampled_tokens(start, end, s).tolist())
+        for ps in pages_of:
+            for p in range(start // ps, -(-end // ps)):
+                lo, hi = max(start, p * ps), min(end, (p + 1) * ps)
+                assert t & set(range(lo, hi)), (start, end, s, ps, p)
+
+
+@pytest.mark.parametrize("fault", ["stale", "shift", "overwrite"])
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_sampled_digest_catches_every_page_level_fault(fault: str, ps: int) -> None:
+    """Every page of the destination, in turn: a page never written (stale), written one page
+    off (shift), or overwritten with other bytes: the digest of its buffer changes."""
+    src, ts, psrc = _filled(16, "HND", seed=5)
+    dst, dts, pdst = _filled(ps, seed=6)
+    s = sample_stride(src, dst)
+    want = digests(src, Span(psrc, 0, *TOKENS, 0, 8), "sampled", s)
+    assert digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "sampled", s) == want
+    used = range(TOKENS[0] // ps, -(-TOKENS[1] // ps))
+    spare = int(np.setdiff1d(np.arange(128), pdst)[0])
+    for i in used:
+        for b in range(len(dts)):
+            u8 = dts[b].view(-1).view(torch.uint8).view(128, -1)
+            keep = u8[pdst[i]].clone()
+            if fault == "stale":
+                u8[pdst[i]] = pat.SENTINEL
+            elif fault == "shift":  # this page's bytes landed in the next page slot
+                u8[pdst[i]] = u8[pdst[i + 1] if i + 1 < len(pdst) else spare]
+            else:
+                u8[pdst[i]] ^= 0xFF
+            got = digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "sampled", s)
+            u8[pdst[i]] = keep
+            assert got[b] != want[b], (fault, ps, i, b)
+            assert [g for j, g in enumerate(got) if j != b] == [w for j, w in enumerate(want)
+                                                                if j != b]
+
+
+def test_full_digest_catches_one_flipped_byte_anywhere() -> None:
+    dst, dts, pdst = _filled(16, "NHD", seed=7)
+    want = digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "full")
+    rng = np.random.default_rng(0)
+    u8 = dts[1].view(-1).view(torch.uint8).view(128, -1)
+    for _ in range(50):
+        i = int(rng.integers(0, len(pdst)))
+        lo = max(0, TOKENS[0] - i * 16) if i == 0 else 0
+        hi = min(16, TOKENS[1] - i * 16)
+        tok = int(rng.integers(lo, hi))
+        off = tok * dst.token_bytes + int(rng.integers(0, dst.token_bytes))
+        u8[pdst[i], off] ^= 1 << int(rng.integers(0, 8))
+        assert digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "full")[1] != want[1]
+        want = digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "full")
+
+
+def test_off_digests_nothing() -> None:
+    dst, ts, pdst = _filled(16, seed=8)
+    assert digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "off") == []
