@@ -117,6 +117,9 @@ class EndpointConfig:
       that no write is in flight before they are counted as quarantined.
     - ``heartbeat_s``: how often the decode probes the prefill endpoints it waits on; two
       failed probes in a row declare the peer lost.
+    - ``integrity``: how a decode checks the KV it received before it reports Success
+      (``sampled``: a fixed sample of every page, ``full``: every byte, ``off``); the decode
+      asks its senders for digests in this mode (``integrity.py``).
     - ``start_in_send``: a chunk whose write is one small batch (at most ``max_batch / 2``
       entries, 32 MiB), with nothing else in flight to that decode, is planned and submitted
       from ``send()`` itself and only awaited on a worker: a small request then does not wait
@@ -143,6 +146,7 @@ class EndpointConfig:
     abort_timeout_s: float = 5.0
     heartbeat_s: float = 0.5
     start_in_send: bool = True
+    integrity: Literal["off", "sampled", "full"] = "sampled"
     endpoint_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     secret: str | None = field(default=None, repr=False)
     """Shared secret for HMAC on bootstrap requests and Hello; None reads ``PDXFER_SECRET``
@@ -160,5 +164,7 @@ class EndpointConfig:
         for name in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.integrity not in ("off", "sampled", "full"):
+            raise ConfigError(f"integrity must be off, sampled or full, got {self.integrity!r}")
         if self.transport not in ("tcp", "rdma"):
             raise ConfigError(f"transport must be 'tcp' or 'rdma', got {self.transport!r}")

@@ -5,7 +5,13 @@
 - ``delay_write``: seconds to sleep right before each transport batch of the listed rooms
   (all rooms when ``rooms`` is absent): the write is already committed to, so it lands late;
 - ``drop``: probability that an incoming control message is dropped;
-- ``delay_msg``: seconds to hold each incoming control message.
+- ``delay_msg``: seconds to hold each incoming control message;
+- ``corrupt``, ``skip_write``, ``shift_write``: probability, per sender's ``TransferDone`` of
+  a listed room, that the decode damages one page of the room's destination after the
+  transport reported the write done and before it checks it: ``corrupt`` flips every byte of
+  one buffer's page, ``skip_write`` leaves a page stale (it gets another page's old bytes),
+  ``shift_write`` writes a page one page off (the next page of the request gets its bytes).
+  Integrity checks (``integrity.py``) must catch every one of them.
 
 The hooks are single attribute checks when faults are off.
 """
@@ -27,13 +33,20 @@ class Faults:
     rooms: frozenset[int] | None = None
     drop: float = 0.0
     delay_msg: float = 0.0
+    corrupt: float = 0.0
+    skip_write: float = 0.0
+    shift_write: float = 0.0
     seed: int = 0
     _rng: random.Random = field(default_factory=random.Random, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def active(self) -> bool:
-        return bool(self.delay_write or self.drop or self.delay_msg)
+        return bool(self.delay_write or self.drop or self.delay_msg or self.page_faults)
+
+    @property
+    def page_faults(self) -> bool:
+        return bool(self.corrupt or self.skip_write or self.shift_write)
 
     @staticmethod
     def parse(spec: str) -> Faults:
@@ -43,7 +56,8 @@ class Faults:
             try:
                 if key == "rooms":
                     f.rooms = frozenset(int(r) for r in val.split(";") if r)
-                elif key in ("delay_write", "drop", "delay_msg"):
+                elif key in ("delay_write", "drop", "delay_msg", "corrupt", "skip_write",
+                             "shift_write"):
                     setattr(f, key, float(val))
                 elif key == "seed":
                     f.seed = int(val)
@@ -54,6 +68,15 @@ class Faults:
         f._rng.seed(f.seed)
         return f
 
+    def update(self, spec: str) -> None:
+        """Replace every setting in place (the hooks hold this object), e.g. between tests."""
+        new = Faults.parse(spec)
+        with self._lock:
+            for name in ("delay_write", "rooms", "drop", "delay_msg", "corrupt", "skip_write",
+                         "shift_write", "seed"):
+                setattr(self, name, getattr(new, name))
+            self._rng.seed(new.seed)
+
     def delays(self, room: int | None) -> bool:
         """Whether writes of ``room`` are delayed (such writes never start from ``send()``)."""
         return bool(self.delay_write) and (self.rooms is None or room in self.rooms)
@@ -61,6 +84,22 @@ class Faults:
     def before_batch(self, room: int | None) -> None:
         if self.delays(room):
             time.sleep(self.delay_write)
+
+    def page_fault(self, room: int) -> str | None:
+        """Which page fault to inject into ``room``'s destination after a sender's write was
+        reported done (``corrupt``, ``skip_write``, ``shift_write``), or None."""
+        if not self.page_faults or (self.rooms is not None and room not in self.rooms):
+            return None
+        with self._lock:
+            for kind in ("corrupt", "skip_write", "shift_write"):
+                p = getattr(self, kind)
+                if p and self._rng.random() < p:
+                    return kind
+        return None
+
+    def pick(self, n: int) -> int:
+        with self._lock:
+            return self._rng.randrange(n)
 
     def drop_incoming(self) -> bool:
         if self.delay_msg:

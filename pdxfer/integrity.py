@@ -35,6 +35,8 @@ from .errors import ConfigError
 from .pools import PoolSpec
 
 MODES = ("off", "sampled", "full")
+MASK = (1 << 63) - 1
+"""Digests keep 63 bits: they travel as non-negative int64 (msgpack, msgspec bounds)."""
 SAMPLE_BYTES = 8
 
 
@@ -141,12 +143,12 @@ def digests(pool: PoolSpec, span: Span, mode: str, stride: int = 1,
         cols = (offs[:, None] + _sample_cols(unit)[None, :]).reshape(-1)
         for i in idx:
             view = _host_view(pool.buffers[i].addr, nbytes)
-            out.append(xxhash.xxh3_64_intdigest(view[cols].tobytes()))
+            out.append(xxhash.xxh3_64_intdigest(view[cols].tobytes()) & MASK)
         return out
     # full: hash contiguous runs of units in logical order (the stream equals one buffer of
     # every byte in that order; a run is as long as memory and logical order agree)
     if offs.size == 0:
-        return [xxhash.xxh3_64_intdigest(b"") for _ in idx]
+        return [xxhash.xxh3_64_intdigest(b"") & MASK for _ in idx]
     brk = np.flatnonzero(offs[1:] != offs[:-1] + unit) + 1
     starts = offs[np.concatenate(([0], brk))]
     lens = np.diff(np.concatenate(([0], brk, [offs.size]))) * unit
@@ -156,11 +158,12 @@ def digests(pool: PoolSpec, span: Span, mode: str, stride: int = 1,
         h = xxhash.xxh3_64()
         for a, b in runs:
             h.update(view[a:b])
-        out.append(h.intdigest())
+        out.append(h.intdigest() & MASK)
     return out
 
 
-def slot_digests(pool: PoolSpec, slot: int, mode: str) -> list[int]:
+def slot_digests(pool: PoolSpec, slot: int, mode: str,
+                 buffers: Sequence[int] | None = None) -> list[int]:
     """One digest per buffer of a slot pool's row ``slot`` (rows are small: always whole)."""
     if mode == "off":
         return []
@@ -168,11 +171,21 @@ def slot_digests(pool: PoolSpec, slot: int, mode: str) -> list[int]:
         raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: digests of "
                                    f"device pools are not supported yet (integrity='off')")
     out = []
-    for b in pool.buffers:
-        view = _host_view(b.addr, pool.num_items * pool.item_bytes)
+    for i in range(len(pool.buffers)) if buffers is None else buffers:
+        view = _host_view(pool.buffers[i].addr, pool.num_items * pool.item_bytes)
         off = slot * pool.item_bytes
-        out.append(xxhash.xxh3_64_intdigest(view[off:off + pool.item_bytes].tobytes()))
+        out.append(xxhash.xxh3_64_intdigest(view[off:off + pool.item_bytes].tobytes()) & MASK)
     return out
+
+
+def covers(ranges: Sequence[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether the union of ``ranges`` covers ``[start, end)``."""
+    at = start
+    for a, b in sorted(ranges):
+        if a > at:
+            return False
+        at = max(at, b)
+    return at >= end
 
 
 class IntegrityUnsupported(ConfigError):

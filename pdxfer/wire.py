@@ -11,15 +11,15 @@ than lists of Python ints (measured on a 2-vCPU VM with msgspec).
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 import numpy as np
 
 from .errors import WireError
-from .pools import U64, Name, NonNeg, PoolSpec
+from .pools import MAX_BUFFERS, U64, Name, NonNeg, PoolSpec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"PDX"
 MAX_FRAME = 64 << 20
 """No control message is this large; a bigger frame is hostile or broken."""
@@ -34,6 +34,27 @@ Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=256,
 Session = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 """A transport session name (``host:port`` for Mooncake)."""
 Packed = Annotated[bytes, msgspec.Meta(max_length=64 << 20)]
+
+
+Mode = Literal["off", "sampled", "full"]
+MAX_DIGESTS = 1 << 16
+
+
+class Digest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """What a sender wrote into one pool, as one ``integrity`` digest per buffer: tokens
+    ``[start, end)`` and global heads ``[lo, hi)`` (``lo == hi``: whole rows). A slot row
+    has ``start == end == 0``."""
+
+    pool: Name
+    start: NonNeg
+    end: NonNeg
+    lo: NonNeg
+    hi: NonNeg
+    values: Annotated[tuple[U64, ...], msgspec.Meta(max_length=MAX_BUFFERS)]
+
+    def __post_init__(self) -> None:
+        if self.end < self.start or self.hi < self.lo:
+            raise ValueError(f"digest of pool {self.pool!r}: empty or reversed range")
 
 
 class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, frozen=True):
@@ -97,6 +118,8 @@ class TransferRequest(Msg):
     skip: Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_POOLS)] = ()
     silent: bool = False
     stage: dict[Name, U64] = {}
+    integrity: Mode = "off"
+    """How the sender digests what it writes (the decode verifies in the same mode)."""
 
     def __post_init__(self) -> None:
         if self.prefix_len > self.num_tokens:
@@ -129,6 +152,7 @@ class TransferDone(Msg):
     bytes: NonNeg = 0
     blocks: NonNeg = 0
     seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    digests: Annotated[tuple[Digest, ...], msgspec.Meta(max_length=MAX_DIGESTS)] = ()
 
 
 class Abort(Msg):

@@ -98,7 +98,7 @@ class Core:
         handler(msg)
 
     # -- counters ------------------------------------------------------------------------------
-    def count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: float = 1) -> None:
         with self.lock:
             self.counters[name] += n
 

@@ -13,6 +13,7 @@ non-blocking socket send), saving a thread hop per request.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import random
 import time
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from .. import integrity as I
 from .. import plan as P
 from .. import wire
 from ..errors import (
@@ -30,11 +32,13 @@ from ..errors import (
     BootstrapError,
     DeadlineExceeded,
     DuplicateRoom,
+    IntegrityError,
     PdxferError,
     PeerLost,
     PlanError,
     from_kind,
 )
+from ..faults import faults
 from ..plan import topology as T
 from ..plan.heads import lease_bytes
 from ..pools import PoolSpec
@@ -77,6 +81,9 @@ class RecvRoom:
     t_request: float = 0.0
     t_done: float = 0.0
     leases: dict[str, list[Lease]] = field(default_factory=dict)
+    integrity: str = "off"
+    skips: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per sender, the pools it was told not to write (it sends no digest for them)."""
 
 
 def _key(st: RecvRoom) -> tuple[str, str | None, int | None]:
@@ -135,6 +142,12 @@ class DecodeSide:
     def __init__(self, ep: Core) -> None:
         self.ep = ep
         self.cfg = ep.config
+        self._faults = faults()
+        host = all(p.location == "cpu" for p in ep.pools if p.kind == "paged" and p.item_bytes)
+        self.integrity = self.cfg.integrity if host else "off"
+        if self.cfg.integrity != "off" and not host:
+            log.warning("integrity=%s needs host pools in this version: device pools are not "
+                        "checked", self.cfg.integrity)
         self.rooms: dict[int, RecvRoom] = {}
         n = Staging.wanted(ep.pools)
         self.staging = Staging(n) if n else None
@@ -247,6 +260,8 @@ class DecodeSide:
                 self._unlease([x for ls in leases for x in ls])
                 return
             st.leases = {p.endpoint_id: ls for p, ls in zip(peers, leases) if ls}
+            st.skips = {p.endpoint_id: tuple(a.skip) for p, a in zip(peers, plan)}
+            st.integrity = self.integrity
             st.nonce = random.getrandbits(63)
             st.targets = [p for p, a in zip(peers, plan) if not a.silent]
             st.outstanding = {p.endpoint_id for p in st.targets}
@@ -259,7 +274,8 @@ class DecodeSide:
                 dst={k: wire.pack_indices(v) for k, v in st.dst.items()}, slots=st.slots,
                 prefix_len=st.prefix_len, num_tokens=st.num_tokens,
                 expected_senders=max(1, len(st.targets)), decode_peers=npeers,
-                deadline_s=self.cfg.transfer_timeout_s, hold_for_repair=st.hold_for_repair)
+                deadline_s=self.cfg.transfer_timeout_s, hold_for_repair=st.hold_for_repair,
+                integrity=st.integrity)
             # Queued under the lock: an abort (which takes the lock) either sees the room
             # terminal before this, or queues its Abort behind the request on the same socket.
             for p, a in zip(peers, plan):
@@ -284,15 +300,17 @@ class DecodeSide:
         return st
 
     def on_done(self, msg: wire.TransferDone) -> None:
+        bad: PdxferError | None = None
         if msg.ok:
             self._unstage(msg)
+            bad = self._check(msg)
         with self.ep.lock:
             st = self._settle(msg)
             if st is None:
                 return
             st.bytes += msg.bytes
             st.blocks += msg.blocks
-            if msg.ok:
+            if msg.ok and bad is None:
                 st.done.add(msg.endpoint_id)
                 if len(st.done) == len(st.targets) and not st.state.terminal:
                     st.state = KVPoll.Success
@@ -301,10 +319,125 @@ class DecodeSide:
                     self.ep.timeline.observe("transfer", st.t_done - st.t_request)
                     self.ep.count("success")
                     self.ep.count_transfer(st.bytes, st.blocks)
-        if not msg.ok:
+        if bad is not None:
+            self.fail(st, bad)
+        elif not msg.ok:
             self.fail(st, from_kind(msg.kind, f"room {msg.room}: prefill endpoint "
                                               f"{msg.endpoint_id} failed: {msg.reason}"))
         self._maybe_release(st)
+
+    # -- integrity (see integrity.py) -----------------------------------------------------------
+    def _check(self, msg: wire.TransferDone) -> PdxferError | None:
+        """Inject a configured page fault, then verify what this sender wrote against its
+        digests: None, or the ``IntegrityError`` that fails the room (the sender's writes
+        are over either way, so its pages are safe to release)."""
+        with self.ep.lock:
+            st = self.rooms.get(msg.room)
+            if st is None or st.nonce != msg.nonce or msg.endpoint_id not in st.outstanding:
+                return None
+            peer = self.peers.get(msg.endpoint_id)
+            skip = st.skips.get(msg.endpoint_id, ())
+        if self._faults.page_faults:
+            kind = self._faults.page_fault(st.room)
+            if kind is not None:
+                self._inject(st, kind)
+        if st.integrity == "off" or peer is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            why = self._verify(st, peer, msg.digests, skip)
+        finally:
+            self.ep.count("integrity_checks")
+            self.ep.count("integrity_seconds", time.perf_counter() - t0)
+        if not why:
+            return None
+        return IntegrityError(f"room {st.room}: from prefill endpoint {msg.endpoint_id}: {why}")
+
+    def _verify(self, st: RecvRoom, peer: PrefillPeer, digests: tuple[wire.Digest, ...],
+                skip: tuple[str, ...]) -> str:
+        mode = st.integrity
+        covered: dict[str, list[tuple[int, int]]] = {}
+        for d in digests:
+            why = self._verify_one(st, peer, d, mode)
+            if why:
+                return why
+            covered.setdefault(d.pool, []).append((d.start, d.end))
+        if st.num_tokens <= st.prefix_len:
+            return ""
+        for name, theirs in peer.pools.items():
+            if name not in self.ep.pool_names or name in skip:
+                continue
+            pool = self.ep.pool(name)
+            if (pool.kind != "paged" or not pool.item_bytes or not theirs.item_bytes
+                    or theirs.location != "cpu" or (pool.indices_from or name) not in st.dst):
+                continue
+            if not I.covers(covered.get(name, []), st.prefix_len, st.num_tokens):
+                return (f"no digest covers pool {name!r} tokens [{st.prefix_len}, "
+                        f"{st.num_tokens}) (mode {mode})")
+        return ""
+
+    def _verify_one(self, st: RecvRoom, peer: PrefillPeer, d: wire.Digest, mode: str) -> str:
+        theirs = peer.pools.get(d.pool)
+        if d.pool not in self.ep.pool_names or theirs is None:
+            return f"digest for unknown pool {d.pool!r}"
+        pool = self.ep.pool(d.pool)
+        mine = {(b.layer_id, b.role): i for i, b in enumerate(pool.buffers)}
+        idx = [mine.get((b.layer_id, b.role)) for b in theirs.buffers]
+        if len(d.values) != len(idx) or None in idx:
+            return f"digest of pool {d.pool!r} does not match the sender's buffers"
+        try:
+            if pool.kind == "slot":
+                slot = st.slots.get(d.pool)
+                if slot is None:
+                    return f"digest for slot pool {d.pool!r} this request did not name"
+                got = I.slot_digests(pool, slot, mode, idx)  # type: ignore[arg-type]
+            else:
+                pages = st.dst.get(pool.indices_from or d.pool)
+                if pages is None or d.start < st.prefix_len or d.end > st.num_tokens:
+                    return (f"digest of pool {d.pool!r} tokens [{d.start}, {d.end}) outside "
+                            f"the request")
+                got = I.digests(pool, I.Span(pages, st.prefix_len, d.start, d.end, d.lo, d.hi),
+                                mode, I.sample_stride(theirs, pool), idx)  # type: ignore[arg-type]
+        except PdxferError as e:
+            return f"cannot check pool {d.pool!r}: {e}"
+        for i, (g, w) in enumerate(zip(got, d.values)):
+            if g != w:
+                b = theirs.buffers[i]
+                where = (f"slot {st.slots.get(d.pool)}" if pool.kind == "slot"
+                         else f"tokens [{d.start}, {d.end})")
+                self.ep.count("integrity_mismatches")
+                return (f"pool {d.pool!r} layer {b.layer_id} {b.role} {where}: received KV "
+                        f"does not match the sender's digest ({mode})")
+        return ""
+
+    def _inject(self, st: RecvRoom, kind: str) -> None:
+        """Damage one host page of the room's destination (fault injection, tests only)."""
+        pools = [p for p in self.ep.pools if p.kind == "paged" and p.item_bytes
+                 and p.location == "cpu" and (p.indices_from or p.name) in st.dst]
+        if not pools:
+            return
+        pool = pools[self._faults.pick(len(pools))]
+        pages = st.dst[pool.indices_from or pool.name]
+        used = -(-(st.num_tokens - st.prefix_len + st.prefix_len % pool.page_size)
+                 // pool.page_size)
+        if used <= 0:
+            return
+        i = self._faults.pick(min(used, int(pages.size)))
+        page = int(pages[i])
+        buf = pool.buffers[self._faults.pick(len(pool.buffers))]
+        item = pool.item_bytes
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * (pool.num_items * item)).from_address(
+            buf.addr)).reshape(pool.num_items, item)
+        j = i + 1 if i + 1 < used else i - 1
+        if kind == "corrupt":
+            view[page] ^= 0xFF
+        elif kind == "shift_write" and j >= 0:  # the page's bytes landed on the next page
+            view[int(pages[j])] = view[page]
+        else:  # skip_write (or a lone page written elsewhere): the page keeps old bytes
+            taken = set(pages.tolist())
+            other = next((q for q in range(pool.num_items) if q not in taken), None)
+            view[page] = view[other] if other is not None else view[page] ^ 0x5A
+        self.ep.count(f"faults_injected_{kind}")
 
     def on_hello_ack(self, msg: wire.HelloAck) -> None:
         self.connector.on_hello_ack(msg)

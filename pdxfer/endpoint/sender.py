@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import integrity as I
 from .. import plan as P
 from .. import wire
 from ..config import knobs
@@ -79,6 +80,8 @@ class Target:
     """Planning and writing, summed over chunks."""
     write_seconds: float = 0.0
     """The transport writes alone (the raw write time within ``seconds``)."""
+    digests: list[wire.Digest] = field(default_factory=list)
+    """Integrity digests of what was written so far (sent with ``TransferDone``)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -445,11 +448,13 @@ class PrefillSide:
         meanwhile: the write is in flight and must drain), then as ``_write``. The success
         message of a last chunk is encoded while the write runs, off the request's path."""
         frame = None
+        self._digest(t, chunk)  # while the write runs
         if chunk.last and not t.aborted:
             frame = wire.encode(wire.TransferDone(
                 room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
                 rank=self.cfg.tp_rank, ok=True, bytes=t.bytes + blocks.total_bytes,
-                blocks=t.blocks + len(blocks), seconds=t.seconds + time.perf_counter() - t0))
+                blocks=t.blocks + len(blocks), seconds=t.seconds + time.perf_counter() - t0,
+                digests=tuple(t.digests)))
         try:
             self.ep.transport.finish(t.peer.session, started)
         except TransportError as e:
@@ -457,6 +462,35 @@ class PrefillSide:
             return
         self._wrote(st, t, chunk, blocks, len(blocks), t0, getattr(started, "submitted", t0),
                     frame)
+
+    def _digest(self, t: Target, chunk: Chunk) -> None:
+        """Digest what this chunk writes to ``t``, in the mode its decode asked for (over the
+        source pages, in logical order: ``integrity.py``)."""
+        mode = t.req.integrity
+        if mode == "off" or t.req.silent:
+            return
+        t0 = time.perf_counter()
+        n = 0
+        ask = C.ask_of(t.req, t.dst)
+        for w in C.written(ask, t.peer.pairings, chunk.pages, chunk.first, self.page_sizes):
+            pr = t.peer.pairings[w.pool]
+            if pr.src.location != "cpu" or pr.dst.location != "cpu":
+                continue  # device pools are not digested yet (the decode does not expect it)
+            span = I.Span(w.pages, w.first, w.start, w.end, w.lo, w.hi)
+            vals = I.digests(pr.src, span, mode, I.sample_stride(pr.src, pr.dst))
+            t.digests.append(wire.Digest(w.pool, w.start, w.end, w.lo, w.hi, tuple(vals)))
+            n += len(vals)
+        if chunk.last:
+            for name, _ in t.req.slots.items():
+                pr = t.peer.pairings.get(name)
+                sslot = chunk.slots.get(name)
+                if pr is None or name in t.req.skip or sslot is None or pr.src.location != "cpu":
+                    continue
+                vals = I.slot_digests(pr.src, int(sslot), mode)
+                t.digests.append(wire.Digest(name, 0, 0, 0, 0, tuple(vals)))
+                n += len(vals)
+        self.ep.count("integrity_digests", n)
+        self.ep.count("integrity_seconds", time.perf_counter() - t0)
 
     def _plan(self, t: Target, chunk: Chunk, cursor: dict[str, int]) -> P.Blocks | str:
         return C.plan_chunk(C.ask_of(t.req, t.dst), t.peer.pairings, chunk.pages, chunk.first,
@@ -477,6 +511,7 @@ class PrefillSide:
             self.fail(st, PlanError(blocks))
             self._finish(st, t, False, st.failure)
             return
+        self._digest(t, chunk)
         gathered = (bounce(blocks, self.staging)
                     if self.staging is not None and _sliced(t) else None)
         wire_blocks = gathered[0] if gathered is not None else blocks
@@ -538,7 +573,7 @@ class PrefillSide:
                         room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
                         rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
                         kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks,
-                        seconds=t.seconds))
+                        seconds=t.seconds, digests=tuple(t.digests) if ok else ()))
                 self.ep.send_frame(t.req.reply_to, out)
             all_done = len(st.targets) >= st.expected and all(x.finished for x in st.targets)
             if ok and all_done and not st.state.terminal:

@@ -108,6 +108,50 @@ def sliced(pairings: Mapping[str, BufferPairing], heads: Mapping[str, tuple[int,
     return False
 
 
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What one chunk writes into one pool of a decode peer: tokens ``[start, end)`` of the
+    source pages (covering tokens from ``first``) and global heads ``[lo, hi)`` (``lo == hi``
+    for a pool without heads). The integrity digests are taken over exactly this."""
+
+    pool: str
+    pages: np.ndarray
+    first: int
+    start: int
+    end: int
+    lo: int
+    hi: int
+
+
+def written(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[str, np.ndarray],
+            first: Mapping[str, int], page_sizes: Mapping[str, int]) -> list[Written]:
+    """The ranges ``plan_chunk`` moves for this chunk, pool by pool (paged pools only)."""
+    out: list[Written] = []
+    heads_asked = ask.heads or {}
+    for name, pairing in pairings.items():
+        pool = pairing.src
+        if pool.kind != "paged" or name in ask.skip or pool.item_bytes == 0:
+            continue
+        anchor = pool.indices_from or name
+        src = pages.get(anchor)
+        if src is None or anchor not in ask.dst:
+            continue
+        f0 = first[anchor]
+        lo = max(f0, ask.prefix_len)
+        hi = min(f0 + src.size * page_sizes[anchor], ask.num_tokens)
+        if hi <= lo:
+            continue
+        sh = pool.sharding
+        if sh.kind != "heads":
+            out.append(Written(name, src, f0, lo, hi, 0, 0))
+            continue
+        h = heads_to_write(pairing, heads_asked.get(name)) or (
+            sh.first_head, sh.first_head + sh.rank_heads)
+        if h[0] < h[1]:
+            out.append(Written(name, src, f0, lo, hi, h[0], h[1]))
+    return out
+
+
 def plan_chunk(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[str, np.ndarray],
                first: Mapping[str, int], slots: Mapping[str, int], last: bool,
                cursor: Mapping[str, int], page_sizes: Mapping[str, int],

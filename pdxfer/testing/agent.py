@@ -182,6 +182,12 @@ class AgentState:
             raise ValueError(f"agent extension {fn!r} is not a pdxfer module")
         return getattr(importlib.import_module(mod), name)(self, **kw)
 
+    def cmd_set_faults(self, spec: str) -> None:
+        """Set this process's ``PDXFER_FAULTS`` settings now (same syntax)."""
+        from ..faults import faults
+
+        faults().update(spec)
+
     def cmd_metrics(self, ep: str = "main") -> dict[str, Any]:
         return self.eps[ep].ep.metrics()
 
