@@ -328,6 +328,42 @@ class Bench:
         o["small.serial_from_request_ms"] = med(req) * 1e3
         o["small.fixed_cost_from_request_ms"] = (med(req) - med(raw_blk)) * 1e3
 
+    # -- 2b. integrity -------------------------------------------------------------------------------
+    def integrity(self) -> None:
+        """The cost of verifying every transfer: bulk seconds and the small request's fixed
+        cost with the decode's integrity ``sampled`` and ``full`` against ``off``, the modes
+        alternating request by request (off, sampled, full, off, ...)."""
+        self.mark_load("integrity")
+        modes = ("off", "sampled", "full")
+        rounds = 3 if self.quick else 9
+        bulk: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(rounds):
+            for m in modes:
+                self.dc.call("set_integrity", mode=m)
+                bulk[m].append(self.pdx_once(BULK_MAX)["seconds"])
+        pairs = 20 if self.quick else 60
+        tokens, per = 128, 2
+        src = self.src_perm[:per]
+        own: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(pairs):
+            for m in modes:
+                self.dc.call("set_integrity", mode=m)
+                dst = self.rng.choice(DC_PAGES, per, replace=False).tolist()
+                own[m].append(self.pdx_send_once(tokens, src, dst) - self.last_write_s)
+        self.dc.call("set_integrity", mode="sampled")
+        med = statistics.median
+        o = self.out
+        for m in ("sampled", "full"):
+            ratios = [a / b for a, b in zip(bulk[m], bulk["off"])]
+            o[f"integrity.{m}_cost_ratio"] = med(ratios)
+            o[f"integrity.{m}_cost_ratio_min_max"] = [min(ratios), max(ratios)]
+        o["integrity.bulk_off_ms"] = med(bulk["off"]) * 1e3
+        o["integrity.small_fixed_cost_off_ms"] = med(own["off"]) * 1e3
+        o["integrity.small_fixed_cost_delta_ms"] = (med(own["sampled"]) - med(own["off"])) * 1e3
+        o["integrity.small_fixed_cost_full_delta_ms"] = (med(own["full"])
+                                                         - med(own["off"])) * 1e3
+        o["integrity.rounds"] = rounds
+
     # -- 3. entries ---------------------------------------------------------------------------------
     def entries(self) -> None:
         self.mark_load("entries")
@@ -554,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         b.bulk()
         b.entries()
         b.small()
+        b.integrity()
         b.cpu_cost()
     finally:
         b.close()

@@ -99,6 +99,13 @@ class BenchState(AgentState):
         super().close()
 
     # -- both -----------------------------------------------------------------------------------
+    def cmd_set_integrity(self, mode: str, ep: str = "main") -> None:
+        """Switch a decode endpoint's integrity mode between requests (benchmarks compare
+        modes interleaved in one process; an engine sets ``EndpointConfig.integrity``)."""
+        side = self.eps[ep].ep.decode
+        assert side is not None and mode in ("off", "sampled", "full")
+        side.integrity = mode
+
     def cmd_cpu(self) -> float:
         return time.process_time()
 
