@@ -69,13 +69,17 @@ def sampled_tokens(start: int, end: int, stride: int) -> np.ndarray:
     ``stride``-aligned block in ``[start, end)``, and the range's own ends."""
     if end <= start:
         return np.empty(0, dtype=np.int64)
-    t = np.arange(start, end, dtype=np.int64)
-    if stride > 1:
-        m = t % stride
-        keep = (m == 0) | (m == stride - 1)
-        keep[0] = keep[-1] = True
-        t = t[keep]
-    return t
+    if stride <= 2:
+        return np.arange(start, end, dtype=np.int64)
+    first = -(-start // stride) * stride
+    heads = np.arange(first, end, stride, dtype=np.int64)
+    t = np.empty(2 * heads.size + 2, dtype=np.int64)  # sorted: start, h-1, h, ..., end-1
+    t[0], t[-1] = start, end - 1
+    t[1:-1:2], t[2:-1:2] = heads - 1, heads
+    t = t[(t >= start) & (t < end)]  # sorted once out-of-range h-1 / h are gone
+    keep = np.ones(t.size, dtype=bool)
+    keep[1:] = t[1:] != t[:-1]
+    return t[keep]
 
 
 def _units(pool: PoolSpec, span: Span, tokens: np.ndarray, heads: np.ndarray | None
@@ -110,12 +114,41 @@ def _heads(pool: PoolSpec, span: Span, sampled: bool) -> np.ndarray | None:
     if span.hi <= span.lo:
         raise ConfigError(f"pool {pool.name!r}: empty head range [{span.lo}, {span.hi})")
     if sampled:
-        return np.unique(np.array([span.lo, span.hi - 1], dtype=np.int64))
+        return np.array([span.lo] if span.hi - 1 == span.lo else [span.lo, span.hi - 1],
+                        dtype=np.int64)
     return np.arange(span.lo, span.hi, dtype=np.int64)
 
 
 def _host_view(addr: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+class _Bases:
+    """One uint8 view spanning every buffer of a pool, and each buffer's offset in it: a
+    sample of all buffers is then one gather (no per-buffer view or Python loop)."""
+
+    __slots__ = ("offsets", "view", "words")
+
+    def __init__(self, pool: PoolSpec) -> None:
+        addrs = np.array([b.addr for b in pool.buffers], dtype=np.int64)
+        lo = int(addrs.min())
+        span = int(addrs.max()) - lo + pool.num_items * pool.item_bytes
+        self.view = _host_view(lo, span)
+        self.offsets = addrs - lo
+        aligned = lo % 8 == 0 and not (self.offsets % 8).any()
+        self.words = self.view[:span - span % 8].view(np.uint64) if aligned else None
+
+
+_BASES: dict[int, tuple[PoolSpec, _Bases]] = {}
+
+
+def _bases(pool: PoolSpec) -> _Bases:
+    hit = _BASES.get(id(pool))
+    if hit is None or hit[0] is not pool:
+        if len(_BASES) > 256:
+            _BASES.clear()
+        hit = _BASES[id(pool)] = (pool, _Bases(pool))
+    return hit[1]
 
 
 def _sample_cols(unit: int) -> np.ndarray:
@@ -136,28 +169,32 @@ def digests(pool: PoolSpec, span: Span, mode: str, stride: int = 1,
     tokens = (sampled_tokens(span.start, span.end, stride) if sampled
               else np.arange(span.start, span.end, dtype=np.int64))
     offs, unit = _units(pool, span, tokens, _heads(pool, span, sampled))
-    idx = range(len(pool.buffers)) if buffers is None else buffers
-    nbytes = pool.num_items * pool.item_bytes
-    out: list[int] = []
+    b = _bases(pool)
+    base = b.offsets if buffers is None else b.offsets[np.asarray(buffers, dtype=np.int64)]
+    h = xxhash.xxh3_64_intdigest
     if sampled:
-        cols = (offs[:, None] + _sample_cols(unit)[None, :]).reshape(-1)
-        for i in idx:
-            view = _host_view(pool.buffers[i].addr, nbytes)
-            out.append(xxhash.xxh3_64_intdigest(view[cols].tobytes()) & MASK)
-        return out
+        if b.words is not None and unit % 8 == 0 and unit >= 2 * SAMPLE_BYTES:
+            # the first and last word of each unit, 8 bytes at a time (same bytes, same order)
+            w = np.empty((offs.size, 2), dtype=np.int64)
+            w[:, 0], w[:, 1] = offs >> 3, ((offs + unit) >> 3) - 1
+            rows = b.words[(base >> 3)[:, None] + w.reshape(1, -1)]
+        else:
+            cols = (offs[:, None] + _sample_cols(unit)[None, :]).reshape(-1)
+            rows = b.view[base[:, None] + cols[None, :]]  # one gather for every buffer
+        return [h(r) & MASK for r in rows]
     # full: hash contiguous runs of units in logical order (the stream equals one buffer of
     # every byte in that order; a run is as long as memory and logical order agree)
     if offs.size == 0:
-        return [xxhash.xxh3_64_intdigest(b"") & MASK for _ in idx]
+        return [xxhash.xxh3_64_intdigest(b"") & MASK for _ in range(base.size)]
     brk = np.flatnonzero(offs[1:] != offs[:-1] + unit) + 1
     starts = offs[np.concatenate(([0], brk))]
     lens = np.diff(np.concatenate(([0], brk, [offs.size]))) * unit
     runs = list(zip(starts.tolist(), (starts + lens).tolist()))
-    for i in idx:
-        view = _host_view(pool.buffers[i].addr, nbytes)
+    out: list[int] = []
+    for o in base.tolist():
         h = xxhash.xxh3_64()
-        for a, b in runs:
-            h.update(view[a:b])
+        for a, e in runs:
+            h.update(b.view[o + a:o + e])
         out.append(h.intdigest() & MASK)
     return out
 

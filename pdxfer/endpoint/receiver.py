@@ -149,6 +149,7 @@ class DecodeSide:
             log.warning("integrity=%s needs host pools in this version: device pools are not "
                         "checked", self.cfg.integrity)
         self.rooms: dict[int, RecvRoom] = {}
+        self._bufmaps: dict[int, tuple[PoolSpec, list[int | None]]] = {}
         n = Staging.wanted(ep.pools)
         self.staging = Staging(n) if n else None
         if self.staging is not None:
@@ -381,8 +382,7 @@ class DecodeSide:
         if d.pool not in self.ep.pool_names or theirs is None:
             return f"digest for unknown pool {d.pool!r}"
         pool = self.ep.pool(d.pool)
-        mine = {(b.layer_id, b.role): i for i, b in enumerate(pool.buffers)}
-        idx = [mine.get((b.layer_id, b.role)) for b in theirs.buffers]
+        idx = self._buffer_map(pool, theirs)
         if len(d.values) != len(idx) or None in idx:
             return f"digest of pool {d.pool!r} does not match the sender's buffers"
         try:
@@ -409,6 +409,18 @@ class DecodeSide:
                 return (f"pool {d.pool!r} layer {b.layer_id} {b.role} {where}: received KV "
                         f"does not match the sender's digest ({mode})")
         return ""
+
+    def _buffer_map(self, pool: PoolSpec, theirs: PoolSpec) -> list[int | None]:
+        """Our buffer index for each of the sender's buffers (by layer and role), cached
+        per peer pool (a pool object lives as long as its peer's handshake)."""
+        hit = self._bufmaps.get(id(theirs))
+        if hit is None or hit[0] is not theirs:
+            if len(self._bufmaps) > 4096:
+                self._bufmaps.clear()
+            mine = {(b.layer_id, b.role): i for i, b in enumerate(pool.buffers)}
+            hit = self._bufmaps[id(theirs)] = (
+                theirs, [mine.get((b.layer_id, b.role)) for b in theirs.buffers])
+        return hit[1]
 
     def _inject(self, st: RecvRoom, kind: str) -> None:
         """Damage one host page of the room's destination (fault injection, tests only)."""
