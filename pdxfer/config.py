@@ -166,5 +166,6 @@ class EndpointConfig:
                 raise ConfigError(f"{name} must be > 0")
         if self.integrity not in ("off", "sampled", "full"):
             raise ConfigError(f"integrity must be off, sampled or full, got {self.integrity!r}")
-        if self.transport not in ("tcp", "rdma"):
-            raise ConfigError(f"transport must be 'tcp' or 'rdma', got {self.transport!r}")
+        if self.transport not in ("tcp", "rdma", "memory"):
+            raise ConfigError(f"transport must be 'tcp', 'rdma' or 'memory' (in-process, for "
+                              f"tests), got {self.transport!r}")

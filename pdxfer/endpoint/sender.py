@@ -30,6 +30,7 @@ from ..errors import (
 )
 from ..plan import chunk as C
 from ..pools import PoolSpec, check_pools, layout_signature
+from ..transport.base import Started
 from .handles import KVPoll, RoomHandle
 from .staging import Staging, bounce
 
@@ -423,7 +424,7 @@ class PrefillSide:
                 or t.req.silent or pages > P.FEW_PAGES
                 # more entries than one batch at most (no merged runs): not worth planning here
                 or pages * sum(len(pr) for pr in t.peer.pairings.values())
-                > getattr(self.ep.transport, "batch_entries", 0)
+                > self.ep.transport.batch_entries
                 or (self.staging is not None and _sliced(t))
                 or time.monotonic() > st.deadline):
             return None
@@ -443,7 +444,7 @@ class PrefillSide:
         return lambda: self._await(st, t, chunk, blocks, started, t0)
 
     def _await(self, st: SenderRoom, t: Target, chunk: Chunk, blocks: P.Blocks,
-               started: object, t0: float) -> None:
+               started: Started, t0: float) -> None:
         """The worker's half of a started write: wait for it (even if the room failed
         meanwhile: the write is in flight and must drain), then as ``_write``. The success
         message of a last chunk is encoded while the write runs, off the request's path."""
@@ -460,7 +461,7 @@ class PrefillSide:
         except TransportError as e:
             self._write_failed(st, t, e)
             return
-        self._wrote(st, t, chunk, blocks, len(blocks), t0, getattr(started, "submitted", t0),
+        self._wrote(st, t, chunk, blocks, len(blocks), t0, started.submitted,
                     frame)
 
     def _digest(self, t: Target, chunk: Chunk) -> None:

@@ -1,12 +1,24 @@
 """Transports move blocks one-sidedly into a peer's registered memory.
 
 ``base.Transport`` is the protocol the endpoint uses; ``mooncake.MooncakeTransport`` is the real
-implementation (TCP here, RDMA on clusters). ``make_transport`` picks one from a config.
+implementation (TCP here, RDMA on clusters); ``memory.MemoryTransport`` copies between buffers
+of one process, for unit tests of the state machines. ``make_transport`` picks one.
 """
 
 from __future__ import annotations
 
-from .base import Transport, TransportStats
-from .mooncake import MooncakeTransport, make_transport
+from .base import Started, Transport, TransportStats
+from .memory import MemoryFabric, MemoryTransport
+from .mooncake import MooncakeTransport
 
-__all__ = ["MooncakeTransport", "Transport", "TransportStats", "make_transport"]
+
+def make_transport(kind: str, host: str, device: str = "", timeout_s: float = 30.0
+                   ) -> Transport:
+    """The transport an endpoint config names: ``tcp`` or ``rdma`` (Mooncake), ``memory``."""
+    if kind == "memory":
+        return MemoryTransport()
+    return MooncakeTransport(host=host, protocol=kind, device=device, timeout_s=timeout_s)
+
+
+__all__ = ["MemoryFabric", "MemoryTransport", "MooncakeTransport", "Started", "Transport",
+           "TransportStats", "make_transport"]

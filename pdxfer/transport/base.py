@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,30 +31,48 @@ class TransportStats:
             self.retries += retries
 
 
+class Started(Protocol):
+    """A write submitted by ``Transport.start``; hand it to ``finish``."""
+
+    submitted: float
+    """``time.perf_counter()`` when it was submitted (the raw write's start, for metrics)."""
+
+
 class Transport(Protocol):
-    """What an endpoint needs from a transport. Writes are one-sided pushes."""
+    """What an endpoint needs from a transport: exactly the calls the endpoint makes. Writes
+    are one-sided pushes into memory the peer registered."""
+
+    name: str
+    """Which transport this is (``mooncake``, ``memory``, ...): peers must use the same."""
 
     session_id: str
     """How peers name this transport (``host:port``); carried in Hello and registration."""
 
     stats: TransportStats
 
+    batch_entries: int
+    """Most entries in one batch; ``send()`` starts only writes that fit in one."""
+
     def register(self, addr: int, nbytes: int, location: str = "cpu") -> None: ...
 
     def deregister(self, addr: int) -> None: ...
 
     def write(self, peer: str, src: np.ndarray | list[int], dst: np.ndarray | list[int],
-              nbytes: np.ndarray | list[int]) -> None:
-        """Write every block, or raise ``TransportError``. Blocking; call it off the engine loop."""
+              nbytes: np.ndarray | list[int], *, deadline: float | None = None,
+              should_stop: Callable[[], bool] | None = None, tag: int | None = None) -> None:
+        """Write every block, or raise ``TransportError``. Blocking; call it off the engine
+        loop. ``deadline`` (monotonic) and ``should_stop`` stop new submissions; whatever is
+        already in flight is awaited before this returns or raises ("stopped" means
+        "drained"). ``tag`` (the room) only selects injected faults."""
         ...
 
-    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int],
-              tag: int | None = None) -> object | None:
+    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int], *,
+              tag: int | None = None) -> Started | None:
         """Submit a small write without blocking, or None (then use ``write``); a started
         write must be passed to ``finish``."""
         ...
 
-    def finish(self, peer: str, started: object) -> None:
+    def finish(self, peer: str, started: Started) -> None:
         """Wait for a started write, or raise ``TransportError``. Blocking."""
         ...
 

@@ -96,6 +96,8 @@ def _load_engine() -> Any:
 class MooncakeTransport:
     """One Mooncake ``TransferEngine`` per endpoint, with ``P2PHANDSHAKE`` metadata."""
 
+    name = "mooncake"
+
     def __init__(
         self,
         host: str = "127.0.0.1",
@@ -243,7 +245,7 @@ class MooncakeTransport:
         if error:
             raise TransportError(error)
 
-    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int],
+    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int], *,
               tag: int | None = None) -> _Batch | None:
         """Submit a small write without waiting for it, or None when it cannot start at once.
 
@@ -279,7 +281,7 @@ class MooncakeTransport:
             raise
         return b
 
-    def finish(self, peer: str, b: _Batch) -> None:
+    def finish(self, peer: str, b: _Batch) -> None:  # type: ignore[override]
         """Wait for a write begun by ``start`` (blocking: call it off the engine loop); retry
         it once if it failed, then raise ``TransportError``. A write with nothing else in
         flight to its peer is awaited without a pacing sleep (see the module notes)."""
@@ -328,8 +330,3 @@ class MooncakeTransport:
         for addr in list(self._regions):
             self.deregister(addr)
         self._closed = True
-
-
-def make_transport(kind: str, host: str, device: str = "", timeout_s: float = 30.0) -> MooncakeTransport:
-    """The transport named by an endpoint config (``tcp`` or ``rdma``)."""
-    return MooncakeTransport(host=host, protocol=kind, device=device, timeout_s=timeout_s)

@@ -1,0 +1,77 @@
+"""Mooncake transport bookkeeping with a scripted engine (no process, no network): a write
+that fails halfway gives back every credit it took, so the peer is not slowly starved."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdxfer import TransportError
+from pdxfer.transport import mooncake
+
+
+class ScriptedEngine:
+    """Answers like Mooncake's engine; batch number ``fail_at`` (1-based) fails for good."""
+
+    fail_at = 0
+
+    def __init__(self) -> None:
+        self.bids = 0
+        self.bad: set[int] = set()
+        self.calls = 0
+
+    def initialize(self, *a: object) -> int:
+        return 0
+
+    def get_rpc_port(self) -> int:
+        return 1
+
+    def register_memory(self, *a: object) -> int:
+        return 0
+
+    def unregister_memory(self, *a: object) -> int:
+        return 0
+
+    def batch_transfer_async_write(self, peer: str, s: list, d: list, n: list) -> int:
+        self.calls += 1
+        self.bids += 1
+        if self.calls == self.fail_at:
+            self.bad.add(self.bids)
+        return self.bids
+
+    def get_batch_transfer_status(self, bids: list[int]) -> int:
+        return -1 if bids[0] in self.bad else 0
+
+    def batch_transfer_sync_write(self, peer: str, s: list, d: list, n: list) -> int:
+        self.calls += 1
+        return -1 if self.calls >= self.fail_at > 0 else 0
+
+
+@pytest.fixture
+def transport(monkeypatch: pytest.MonkeyPatch) -> mooncake.MooncakeTransport:
+    monkeypatch.setattr(mooncake, "_load_engine", lambda: ScriptedEngine)
+    return mooncake.MooncakeTransport(max_batch=8, window=2, completion="paced")
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_a_multi_batch_write_that_fails_gives_back_every_credit(
+        transport: mooncake.MooncakeTransport, fail_at: int) -> None:
+    transport._engine.fail_at = fail_at
+    blocks = list(range(0, 20 * 64, 64))
+    with pytest.raises(TransportError):
+        transport.write("peer", blocks, blocks, [64] * 20)
+    credits, _ = transport._peer_state("peer")
+    assert credits.used == 0 and credits.bytes == 0
+    assert transport.stats.failures >= 1
+    transport._engine.fail_at = 0  # the peer recovers: the full cap is available again
+    transport.write("peer", blocks, blocks, [64] * 20)
+    assert credits.used == 0
+
+
+def test_a_started_write_that_fails_gives_back_its_credits(
+        transport: mooncake.MooncakeTransport) -> None:
+    transport._engine.fail_at = 1
+    started = transport.start("peer", [0], [0], [64])
+    assert started is not None and started.submitted > 0
+    with pytest.raises(TransportError):
+        transport.finish("peer", started)
+    assert transport._peer_state("peer")[0].used == 0

@@ -1,0 +1,281 @@
+"""Sender and receiver state machines, in one process over the in-memory transport.
+
+Both endpoints are real (ZMQ control on loopback, an in-process bootstrap server); only the
+transport is ``MemoryTransport``, which really copies bytes and lets a test delay or fail
+writes. So every path can be driven quickly: aborts in every state, every deadline, duplicate
+rooms, late and repeated messages, a write that fails halfway, and the one release per failed
+request that the engine's page lifetime depends on."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pdxfer import (
+    BootstrapServer,
+    DuplicateRoom,
+    Endpoint,
+    EndpointConfig,
+    KVPoll,
+    PlanError,
+    wire,
+)
+from pdxfer.testing import patterns as pat
+from pdxfer.testing.patterns import PoolGeom
+from pdxfer.transport import MemoryFabric, MemoryTransport
+
+GEOMS = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=4, heads=2, head_dim=8),
+         PoolGeom("aux", "slots", layers=1, pages=16, dim=4, dtype="int32")]
+FAST = {"bootstrap_timeout_s": 1.5, "transfer_timeout_s": 2.0, "abort_timeout_s": 0.3,
+        "heartbeat_s": 0.1}
+_rooms = itertools.count(1 << 30)
+
+
+class Pair:
+    """A prefill and a decode endpoint on one memory fabric, with their tensors."""
+
+    def __init__(self, srv: BootstrapServer, batch_entries: int = 512, **cfg: Any) -> None:
+        self.fabric = MemoryFabric()
+        self.ptx = MemoryTransport(self.fabric, batch_entries=batch_entries)
+        self.dtx = MemoryTransport(self.fabric, batch_entries=batch_entries)
+        self.pspecs, self.pt = pat.build(GEOMS)
+        self.dspecs, self.dt = pat.build(GEOMS)
+        pat.fill_sentinel(self.dt)
+        conf = {**FAST, **cfg}
+        self.pf = Endpoint(EndpointConfig(role="prefill", bootstrap=srv.address, **conf),
+                           self.pspecs, transport=self.ptx)
+        self.dc = Endpoint(EndpointConfig(role="decode", bootstrap=srv.address, **conf),
+                           self.dspecs, transport=self.dtx)
+        self.released: collections.Counter[int] = collections.Counter()
+        self.rng = np.random.default_rng(3)
+
+    def close(self) -> None:
+        self.dc.close()
+        self.pf.close()
+
+    def pages(self, n: int) -> tuple[list[int], list[int]]:
+        return (self.rng.choice(64, n, replace=False).tolist(),
+                self.rng.choice(64, n, replace=False).tolist())
+
+    def receiver(self, room: int) -> Any:
+        return self.dc.receiver(room, release=lambda d, s: self.released.update([room]))
+
+    def fill(self, room: int, src: list[int], tokens: int) -> None:
+        spec = self.pspecs[0]
+        pat.fill_tokens(spec, self.pt["kv"], room, np.array(src), 0, 0, tokens)
+        pat.fill_slot(self.pspecs[1], self.pt["aux"], room, 1)
+
+    def wrong_bytes(self, room: int, dst: list[int], tokens: int) -> int:
+        bad, _ = pat.check_tokens(self.dspecs[0], self.dt["kv"], room, np.array(dst), 0, 0,
+                                  tokens)
+        sbad, _ = pat.check_slot(self.dspecs[1], self.dt["aux"], room, 2)
+        return bad + sbad
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[BootstrapServer]:
+    s = BootstrapServer("127.0.0.1", 0).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def pair(srv: BootstrapServer) -> Iterator[Pair]:
+    p = Pair(srv)
+    yield p
+    p.close()
+
+
+def wait(h: Any, timeout: float = 5.0) -> KVPoll:
+    end = time.monotonic() + timeout
+    while not h.poll().terminal and time.monotonic() < end:
+        time.sleep(0.002)
+    return h.poll()
+
+
+def until(cond: Any, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return bool(cond())
+
+
+def transfer(p: Pair, tokens: int = 24, chunks: int = 2) -> tuple[Any, Any, int, list[int]]:
+    room = next(_rooms)
+    n = -(-tokens // 4)
+    src, dst = p.pages(n)
+    p.fill(room, src, tokens)
+    rx = p.receiver(room)
+    rx.request({"kv": dst}, {"aux": 2}, 0, tokens)
+    tx = p.pf.sender(room)
+    cut = n // chunks
+    for i in range(chunks):
+        last = i == chunks - 1
+        part = src[i * cut: n if last else (i + 1) * cut]
+        tx.send({"kv": part}, {"aux": 1} if last else None, last=last)
+    return tx, rx, room, dst
+
+
+def test_bytes_land_exactly_with_scattered_pages_and_chunks(pair: Pair) -> None:
+    for tokens, chunks in ((1, 1), (24, 2), (97, 3)):
+        tx, rx, room, dst = transfer(pair, tokens, chunks)
+        assert wait(rx) == KVPoll.Success and wait(tx) == KVPoll.Success, rx.failure
+        assert pair.wrong_bytes(room, dst, tokens) == 0
+        assert pair.released[room] == 0  # a successful request's pages stay the engine's
+
+
+def test_decode_abort_in_every_state_releases_exactly_once(pair: Pair) -> None:
+    # Bootstrapping: aborted before its request was sent
+    room = next(_rooms)
+    rx = pair.receiver(room)
+    rx.abort("early")
+    assert rx.poll() == KVPoll.Failed and until(lambda: pair.released[room] == 1)
+    # WaitingForInput: the prefill never sends
+    room = next(_rooms)
+    rx = pair.receiver(room)
+    rx.request({"kv": [1, 2]}, {"aux": 2}, 0, 8)
+    assert until(lambda: rx.poll() == KVPoll.WaitingForInput)
+    rx.abort("waiting")
+    assert until(lambda: pair.released[room] == 1)
+    # Transferring: writes in flight (slow network); pages come back only after they drained
+    pair.ptx.faults.delay_s = 0.2
+    tx, rx, room, dst = transfer(pair, 24, 2)
+    assert until(lambda: pair.ptx.faults.batches >= 1 or tx.poll() == KVPoll.Transferring)
+    rx.abort("transferring")
+    assert pair.released[room] == 0  # a write may still land
+    assert until(lambda: pair.released[room] == 1)
+    assert wait(tx) == KVPoll.Failed
+    pair.ptx.faults.delay_s = 0.0
+    # after Success: abort changes nothing, nothing is released
+    tx, rx, room, dst = transfer(pair)
+    assert wait(rx) == KVPoll.Success
+    rx.abort("too late")
+    assert rx.poll() == KVPoll.Success and pair.released[room] == 0
+    time.sleep(0.1)
+    assert all(v == 1 for v in pair.released.values())
+
+
+def test_prefill_abort_fails_the_decode_and_releases_once(pair: Pair) -> None:
+    room = next(_rooms)
+    rx = pair.receiver(room)
+    rx.request({"kv": [3, 4]}, {"aux": 2}, 0, 8)
+    tx = pair.pf.sender(room)
+    assert until(lambda: tx.prefix_len is not None)
+    tx.abort("engine gave up")
+    assert wait(rx) == KVPoll.Failed and rx.failure.kind == "aborted", rx.failure
+    assert until(lambda: pair.released[room] == 1)
+
+
+def test_every_deadline_fails_with_its_reason(pair: Pair) -> None:
+    # bootstrap: the decode asks for an instance nobody registered
+    room = next(_rooms)
+    rx = pair.dc.receiver(room, instance="nobody", release=lambda d, s: None)
+    rx.request({"kv": [1]}, {"aux": 2}, 0, 4)
+    assert wait(rx, 10) == KVPoll.Failed
+    # prefill: the decode never asks
+    tx = pair.pf.sender(next(_rooms))
+    tx.send({"kv": [5]}, {"aux": 1}, last=True)
+    assert wait(tx, 10) == KVPoll.Failed and tx.failure.kind == "deadline", tx.failure
+    assert "no request from the decode" in str(tx.failure)
+    # transfer: the prefill never sends; the decode fails at its deadline, with the prefill's
+    # own deadline kind if it refused first
+    room = next(_rooms)
+    rx = pair.receiver(room)
+    rx.request({"kv": [6]}, {"aux": 2}, 0, 4)
+    assert wait(rx, 10) == KVPoll.Failed and rx.failure.kind == "deadline", rx.failure
+    assert until(lambda: pair.released[room] == 1)
+
+
+def test_pages_are_quarantined_until_a_delayed_write_drains(pair: Pair) -> None:
+    pair.ptx.faults.delay_s = 1.0  # > abort_timeout_s: the AbortAck is late
+    tx, rx, room, dst = transfer(pair, 8, 1)
+    assert until(lambda: pair.ptx.credits(pair.dtx.session_id).used > 0)
+    rx.abort("stop")
+    assert until(lambda: rx.quarantined, 2.0)
+    assert pair.dc.metrics()["quarantined_pages"] >= len(dst)
+    assert pair.released[room] == 0
+    pair.ptx.faults.delay_s = 0.0
+    assert until(lambda: pair.released[room] == 1, 5.0)
+    assert pair.dc.metrics()["quarantined_pages"] == 0
+
+
+def test_duplicate_rooms_are_refused(pair: Pair) -> None:
+    room = next(_rooms)
+    rx = pair.receiver(room)
+    with pytest.raises(DuplicateRoom):
+        pair.dc.receiver(room)
+    tx = pair.pf.sender(room)
+    with pytest.raises(DuplicateRoom):
+        pair.pf.sender(room)
+    rx.abort()
+    tx.abort()
+
+
+def test_late_or_repeated_transfer_done_changes_nothing(pair: Pair) -> None:
+    tx, rx, room, dst = transfer(pair)
+    assert wait(rx) == KVPoll.Success
+    stale = pair.dc.metrics().get("stale_messages", 0)
+    side = pair.dc.decode
+    assert side is not None
+    done = wire.TransferDone(room=room, nonce=1, endpoint_id=pair.pf.endpoint_id, rank=0,
+                             ok=False, reason="late", kind="transport")
+    side.on_done(done)  # a stale nonce, for a room that already succeeded
+    side.on_done(done)
+    assert rx.poll() == KVPoll.Success and rx.failure is None
+    assert pair.dc.metrics()["stale_messages"] == stale + 2
+    assert pair.released[room] == 0
+
+
+def test_a_write_that_fails_halfway_fails_both_sides_releases_once_and_leaks_no_credit(
+        srv: BootstrapServer) -> None:
+    p = Pair(srv, batch_entries=4)  # many batches per write
+    try:
+        p.ptx.faults.fail_after_batches = 1  # the first batch lands, the second fails
+        tx, rx, room, dst = transfer(p, 64, 1)
+        assert wait(rx) == KVPoll.Failed and wait(tx) == KVPoll.Failed
+        assert rx.failure.kind == "transport", rx.failure  # the kind the prefill named
+        assert until(lambda: p.released[room] == 1)
+        assert p.ptx.credits(p.dtx.session_id).used == 0  # every batch's credits came back
+        assert p.ptx.stats.failures == 1 and p.ptx.faults.batches == 1
+        p.ptx.faults.fail_after_batches = None
+        tx, rx, room, dst = transfer(p, 64, 1)  # the next request is unaffected
+        assert wait(rx) == KVPoll.Success and p.wrong_bytes(room, dst, 64) == 0
+    finally:
+        p.close()
+
+
+def test_remote_failure_kind_survives_the_wire(pair: Pair) -> None:
+    """The prefill fails a room with a plan error (it was handed fewer pages than the decode
+    asked for): the decode fails with the same class, not a generic remote failure."""
+    room = next(_rooms)
+    rx = pair.receiver(room)
+    rx.request({"kv": [7, 8, 9]}, {"aux": 2}, 0, 12)
+    tx = pair.pf.sender(room)
+    tx.send({"kv": [10]}, {"aux": 1}, last=True)  # 4 tokens of 12
+    assert wait(rx) == KVPoll.Failed
+    assert isinstance(rx.failure, PlanError) and rx.failure.kind == "plan", rx.failure
+    assert until(lambda: pair.released[room] == 1)
+
+
+def test_release_is_called_once_under_concurrent_aborts(pair: Pair) -> None:
+    pair.ptx.faults.delay_s = 0.05
+    rooms = []
+    for _ in range(10):
+        tx, rx, room, dst = transfer(pair, 16, 2)
+        rooms.append((tx, rx, room))
+    threads = [threading.Thread(target=h.abort) for tx, rx, _ in rooms for h in (tx, rx)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pair.ptx.faults.delay_s = 0.0
+    assert until(lambda: all(pair.released[r] == 1 for _, _, r in rooms), 5.0)
+    time.sleep(0.2)
+    assert all(pair.released[r] == 1 for _, _, r in rooms)
