@@ -25,6 +25,10 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
     ap.add_argument("--bootstrap-timeout", type=float, default=30.0)
     ap.add_argument("--transfer-timeout", type=float, default=60.0)
     ap.add_argument("--heartbeat", type=float, default=0.5)
+    ap.add_argument("--max-waiting", type=int, default=256,
+                    help="requests that may wait for pages; more get 503 with Retry-After")
+    ap.add_argument("--admission-timeout", type=float, default=30.0,
+                    help="seconds a request waits for pages before a 503")
 
 
 
@@ -36,7 +40,9 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                          "optionally its instance name (repeat for more)")
     ap.add_argument("--decode", action="append", required=True, metavar="URL",
                     help="a decode instance's HTTP URL (repeat for more)")
-    ap.add_argument("--policy", default="round_robin",
-                    choices=["round_robin", "least_outstanding"], help="pairing policy")
+    ap.add_argument("--policy", default="auto",
+                    choices=["auto", "round_robin", "least_outstanding", "kv_aware"],
+                    help="pairing policy (auto: kv_aware with several decodes, else "
+                         "round_robin)")
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="per-request deadline towards the workers (seconds)")

@@ -1,11 +1,16 @@
 """``pdxfer decode``: receives a prompt's KV from a prefill and generates the completion.
 
-Flow per request: pages (+ aux slot) -> restore what the prefix cache holds -> ``receiver``
--> ``request(prefix_len=restored)`` so the prefill ships only the rest -> poll -> first token
-from the aux row -> greedy or speculative decode over the received KV -> write the prompt's
-full pages back to the prefix cache -> free. On a failed transfer the pages come back only
-through the receiver's ``release`` callback (fail-closed: no late write can land in a page
-that another request already uses).
+Flow per request: admission (pages and an aux slot, waiting in a bounded queue; 503 when
+full) -> restore what the prefix cache holds -> ``receiver`` -> ``request(prefix_len=
+restored)`` so the prefill ships only the rest -> poll -> the first token from the aux row
+-> the scheduler's loop generates it step by step with every other running request
+(``scheduler.py``) -> events stream back to the client.
+
+Page lifetime: before the transfer succeeded, a request's pages come back only through the
+receiver's ``release`` callback (fail-closed: no late write can land in a page another
+request uses); afterwards only the scheduler's loop frees them, once it dropped the request,
+so a cancelled generation can never write into pages that were handed out again. A client
+that disconnects (streaming or not) cancels its request on both workers.
 """
 
 from __future__ import annotations
@@ -17,18 +22,18 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from pdxfer import KVReceiver, PdxferError
+from pdxfer import KVPoll, KVReceiver, PdxferError
 
 from .errors import BadRequest, OutOfCapacity, TransferFailed
-from .kv import OutOfPagesError
-from .model import speculative_generate
 from .prefix import HostPrefixCache, PrefixCache
+from .sampling import parse_sampling
+from .scheduler import Generation, Scheduler
 from .worker import (
+    Admission,
     ModelHost,
     RoomWorker,
     WorkerConfig,
@@ -46,20 +51,32 @@ MAX_SPEC_K = 8
 
 
 class _Req:
-    """One request's resources; ``free`` runs exactly once, from success or ``release``."""
+    """One request's pages and aux slot; ``free`` runs exactly once, from whichever path
+    ends the request (the receiver's release, or the scheduler's end)."""
 
     def __init__(self, host: ModelHost, pages: list[int], slot: int) -> None:
         self.host, self.pages, self.slot = host, pages, slot
         self._lock = threading.Lock()
-        self._freed = False
+        self.freed = False
 
     def free(self, *_: Any) -> None:
         with self._lock:
-            if self._freed:
+            if self.freed:
                 return
-            self._freed = True
+            self.freed = True
         self.host.kv.allocator.free(self.pages)
         self.host.slots.free(self.slot)
+
+
+class _Cancel:
+    """What ``/abort`` finds for a room that is generating."""
+
+    def __init__(self, g: Generation, sched: Scheduler) -> None:
+        self.g, self.sched = g, sched
+
+    def abort(self, reason: str = "") -> None:
+        self.g.cancel.set()
+        self.sched.wake()
 
 
 class DecodeWorker(RoomWorker):
@@ -70,24 +87,34 @@ class DecodeWorker(RoomWorker):
         if self.cache is None and cfg.prefix_cache_pages > 0:
             self.cache = HostPrefixCache([self.host.kv, self.host.draft_kv],
                                          cfg.prefix_cache_pages)
-        self.receivers: dict[int, KVReceiver] = {}
+        self.admission = Admission(self.host, cfg.max_waiting, cfg.admission_timeout_s)
+        self.scheduler = Scheduler(self.host)
+        self.live: dict[int, Any] = {}
         self.aborted: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.counters = collections.Counter[str]()
 
     async def h_health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", **self.host.info()})
+        return web.json_response({"status": "ok", **self.host.info(),
+                                  "running": self.scheduler.active,
+                                  "waiting": self.admission.waiting})
 
     metrics_prefix = "pdxfer_decode"
 
     def _handles(self) -> Any:
-        return self.receivers
+        return self.live
 
     def _metric_values(self) -> dict[str, Any]:
-        vals = {**self.counters, "inflight": len(self.receivers),
-                "free_pages": self.host.kv.allocator.num_free}
+        vals = {**self.counters, "inflight": len(self.live),
+                "free_pages": self.host.kv.allocator.num_free,
+                "running": self.scheduler.active, "waiting": self.admission.waiting,
+                "decode_steps": self.scheduler.steps, "rejected": self.admission.rejected}
         if self.cache is not None:
             vals.update({f"prefix_{k}": v for k, v in self.cache.stats().items()})
         return vals
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.host.endpoint.close()
 
     def _parse(self, body: dict[str, Any]) -> dict[str, Any]:
         c = self.host.model.config
@@ -100,9 +127,12 @@ class DecodeWorker(RoomWorker):
             "max_tokens": field(body, "max_tokens", int, lo=1, hi=c.max_seq_len),
             "stream": field(body, "stream", bool, default=False),
             "spec_k": field(body, "spec_k", int, default=0, lo=0, hi=MAX_SPEC_K),
+            "sampling": parse_sampling(body),
         }
         if not p["bootstrap"]:
             raise BadRequest("no bootstrap address in the request and none configured")
+        if p["spec_k"] and not p["sampling"].greedy:
+            raise BadRequest("speculative decoding is greedy only: use temperature 0")
         span = len(p["tokens"]) + p["max_tokens"] + p["spec_k"]
         if span > c.max_seq_len:
             raise BadRequest(f"prompt ({len(p['tokens'])}) + max_tokens ({p['max_tokens']})"
@@ -115,148 +145,150 @@ class DecodeWorker(RoomWorker):
         self.counters["requests"] += 1
         try:
             p = self._parse(await read_json(request))
-            req, stats = await self._prefill_part(p, t_arrive)
+            if p["room"] in self.aborted:
+                raise TransferFailed(f"room {p['room']}: {self.aborted.pop(p['room'])}")
+            h = self.host
+            pages, slot = await self.admission.acquire(
+                h.model.pages_for(len(p["tokens"]) + p["max_tokens"] + p["spec_k"]))
         except (PdxferError, ValueError) as e:
-            self.counters[f"failures_{getattr(e, 'kind', 'error')}"] += 1
-            log.info("decode request failed: %s", e)
-            return error_response(e)
+            return self._failed(e)
+        req = _Req(h, pages, slot)
+        try:
+            stats = await self._receive(p, req, t_arrive)
+        except (PdxferError, ValueError) as e:
+            return self._failed(e)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        def emit(ev: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        g = Generation(p["room"], p["tokens"], stats["first"], p["max_tokens"], p["sampling"],
+                       req.pages, emit, lambda g: self._ended(g, p, req, stats),
+                       spec_k=p["spec_k"])
+        self.live[p["room"]] = _Cancel(g, self.scheduler)
+        self.scheduler.add(g)
         try:
             if p["stream"]:
-                return await self._stream(request, p, req, stats)
-            tokens, accepted = await asyncio.to_thread(self._decode_all, p, req, stats["first"])
-            self.counters["success"] += 1
-            return web.json_response(self._result(p, tokens, accepted, stats))
+                return await self._stream(request, events)
+            return await self._collect(g, events)
         finally:
-            self._finish(p, req)
+            # a client that went away (cancelled handler, reset stream) stops the request;
+            # the loop frees its pages once it dropped it
+            g.cancel.set()
+            self.scheduler.wake()
+            self.live.pop(p["room"], None)
 
-    async def _prefill_part(self, p: dict[str, Any], t_arrive: float
-                            ) -> tuple[_Req, dict[str, Any]]:
-        """Reserve, restore the cached prefix, receive the rest; returns with the first token
-        or raises (the request's pages then belong to the receiver's release path)."""
+    def _failed(self, e: BaseException) -> web.Response:
+        self.counters[f"failures_{getattr(e, 'kind', 'error')}"] += 1
+        log.log(logging.WARNING if isinstance(e, OutOfCapacity) else logging.INFO,
+                "decode request failed: %s", e)
+        return error_response(e)
+
+    async def _receive(self, p: dict[str, Any], req: _Req, t_arrive: float) -> dict[str, Any]:
+        """Restore the cached prefix and receive the rest; returns with the first token, or
+        raises (the request's pages then belong to the receiver's release path)."""
         h, room, tokens = self.host, p["room"], p["tokens"]
-        if room in self.aborted:
-            raise TransferFailed(f"room {room}: {self.aborted.pop(room)}")
         n = len(tokens)
-        try:
-            pages = h.kv.allocator.alloc(h.model.pages_for(n + p["max_tokens"] + p["spec_k"]))
-        except OutOfPagesError as e:
-            raise OutOfCapacity(str(e)) from None
-        try:
-            slot = h.slots.alloc()
-        except OutOfCapacity:
-            h.kv.allocator.free(pages)
-            raise
-        req = _Req(h, pages, slot)
         restored = 0
         try:
             if self.cache is not None:
                 want = self.cache.match(tokens)
                 if want:
-                    restored = await asyncio.to_thread(self.cache.restore, tokens, want, pages)
-            rx = h.endpoint.receiver(room, bootstrap=p["bootstrap"], instance=p["instance"],
-                                     release=req.free)
-        except Exception:
+                    restored = await asyncio.to_thread(self.cache.restore, tokens, want,
+                                                       req.pages)
+            rx: KVReceiver = h.endpoint.receiver(room, bootstrap=p["bootstrap"],
+                                                 instance=p["instance"], release=req.free)
+        except BaseException:
             req.free()
             raise
-        self.receivers[room] = rx
+        self.live[room] = rx
         try:
             ps = self.cfg.page_size
-            rx.request({"kv": pages[restored // ps: h.model.pages_for(n)]},
-                       slots={"aux": slot}, prefix_len=restored, num_tokens=n)
+            rx.request({"kv": req.pages[restored // ps: h.model.pages_for(n)]},
+                       slots={"aux": req.slot}, prefix_len=restored, num_tokens=n)
             await poll_until_terminal(rx, self.cfg.bootstrap_timeout_s
                                       + self.cfg.transfer_timeout_s)
+        except BaseException:  # cancelled by a client that left, or request() refused
+            if rx.poll() == KVPoll.Success:
+                req.free()  # the transfer is over: the pages are ours to free
+            else:
+                rx.abort("the decode's client went away")  # pages come back via release
+            raise
         finally:
-            self.receivers.pop(room, None)
-        if rx.poll().name != "Success":
+            self.live.pop(room, None)
+        if rx.poll() != KVPoll.Success:
             raise TransferFailed(f"room {room}: {rx.failure}")
-        first = int(h.aux[slot, 0])
-        stats = {"first": first, "restored_tokens": restored,
-                 "bytes": int(rx.stats().get("bytes") or 0),
-                 "ttft_s": time.perf_counter() - t_arrive}
-        return req, stats
+        return {"first": int(h.aux[req.slot, 0]), "restored_tokens": restored,
+                "bytes": int(rx.stats().get("bytes") or 0),
+                "ttft_s": time.perf_counter() - t_arrive}
 
-    def _decode_all(self, p: dict[str, Any], req: _Req, first: int
-                    ) -> tuple[list[int], list[int] | None]:
-        h, tokens = self.host, p["tokens"]
-        if p["spec_k"]:
-            with h.lock:
-                r = speculative_generate(h.model, h.draft, tokens, p["max_tokens"],
-                                         k=p["spec_k"], kv=h.kv, draft_kv=h.draft_kv,
-                                         page_table=req.pages, first_token=first)
-            return r.tokens, r.accepted
-        out = [first]
-        self._steps(p, req, out, lambda t: None)
-        return out, None
+    def _ended(self, g: Generation, p: dict[str, Any], req: _Req,
+               stats: dict[str, Any]) -> None:
+        """On the scheduler's loop, once it dropped the request: keep the prompt's pages in
+        the prefix cache, free them, then tell the client how it ended."""
+        if self.cache is not None and g.error is None:
+            try:
+                self.cache.write_back(p["tokens"], req.pages)
+            except Exception as e:  # noqa: BLE001 - a cache problem never fails a request
+                log.warning("prefix write-back failed: %s", e)
+        req.free()
+        if g.error is not None:
+            self.counters["failures_generation"] += 1
+            g.emit({"error": {"message": f"room {g.room}: {g.error}", "type": "generation"}})
+            return
+        if g.finish_reason == "cancelled":
+            self.counters["cancelled"] += 1
+        else:
+            self.counters["success"] += 1
+        g.emit({"done": True, **self._result(g, p, stats)})
 
-    def _steps(self, p: dict[str, Any], req: _Req, out: list[int],
-               emit: Callable[[int], None]) -> None:
-        h, n = self.host, len(p["tokens"])
-        while len(out) < p["max_tokens"]:
-            with h.lock:
-                t = h.model.decode_step(out[-1], n + len(out) - 1, req.pages, h.kv)
-            out.append(t)
-            emit(t)
+    def _result(self, g: Generation, p: dict[str, Any], stats: dict[str, Any]
+                ) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "room": g.room, "finish_reason": g.finish_reason, "prompt_tokens": len(g.prompt),
+            "completion_tokens": len(g.out), "restored_tokens": stats["restored_tokens"],
+            "bytes": stats["bytes"], "ttft_s": stats["ttft_s"],
+            "queued_steps": (g.first_step - g.added_step) if g.first_step is not None else 0,
+            "end_step": g.end_step}
+        if g.spec is not None:
+            acc = g.spec.accepted
+            out["accept_lengths"] = acc
+            out["mean_accept_length"] = sum(acc) / len(acc) if acc else 0.0
+        return out
 
-    async def _stream(self, request: web.Request, p: dict[str, Any], req: _Req,
-                      stats: dict[str, Any]) -> web.StreamResponse:
+    async def _collect(self, g: Generation, events: asyncio.Queue[dict[str, Any]]
+                       ) -> web.Response:
+        tokens: list[int] = []
+        logprobs: list[Any] = []
+        while True:
+            ev = await events.get()
+            if "error" in ev:
+                return error_response(TransferFailed(ev["error"]["message"]))
+            if ev.get("done"):
+                res = {k: v for k, v in ev.items() if k != "done"}
+                res["token_ids"] = tokens
+                if g.sampling.logprobs is not None:
+                    res["logprobs"] = logprobs
+                return web.json_response(res)
+            tokens += ev["token_ids"]
+            logprobs += ev.get("logprobs", [])
+
+    async def _stream(self, request: web.Request, events: asyncio.Queue[dict[str, Any]]
+                      ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[int | None] = asyncio.Queue()
-
-        async def send(obj: dict[str, Any]) -> None:
-            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
-
-        await send({"token_ids": [stats["first"]]})
-        out = [stats["first"]]
-        accepted: list[int] | None = None
-        try:
-            if p["spec_k"]:
-                out, accepted = await asyncio.to_thread(self._decode_all, p, req, out[0])
-                await send({"token_ids": out[1:]})
-            else:
-                def emit(t: int) -> None:
-                    loop.call_soon_threadsafe(q.put_nowait, t)
-
-                def work() -> None:
-                    try:
-                        self._steps(p, req, out, emit)
-                    finally:
-                        loop.call_soon_threadsafe(q.put_nowait, None)
-
-                fut = asyncio.ensure_future(asyncio.to_thread(work))
-                while (t := await q.get()) is not None:
-                    await send({"token_ids": [t]})
-                await fut
-            self.counters["success"] += 1
-            await send({"done": True, **self._result(p, out, accepted, stats)})
-        except Exception as e:  # after the first token the status is sent: report in-band
-            log.warning("stream for room %d failed: %s", p["room"], e)
-            await send({"error": {"message": str(e), "type": getattr(e, "kind", "error")}})
+        while True:
+            ev = await events.get()
+            await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+            if ev.get("done") or "error" in ev:
+                break
         await resp.write_eof()
         return resp
-
-    def _finish(self, p: dict[str, Any], req: _Req) -> None:
-        if self.cache is not None:
-            try:
-                self.cache.write_back(p["tokens"], req.pages)
-            except Exception as e:  # a cache problem must never fail or leak a request
-                log.warning("prefix write-back failed: %s", e)
-        req.free()
-
-    def _result(self, p: dict[str, Any], tokens: list[int], accepted: list[int] | None,
-                stats: dict[str, Any]) -> dict[str, Any]:
-        out = {"room": p["room"], "token_ids": tokens, "prompt_tokens": len(p["tokens"]),
-               "restored_tokens": stats["restored_tokens"], "bytes": stats["bytes"],
-               "ttft_s": stats["ttft_s"]}
-        if accepted is not None:
-            out["accept_lengths"] = accepted
-            out["mean_accept_length"] = sum(accepted) / len(accepted) if accepted else 0.0
-        return out
 
 
 def run(a: argparse.Namespace) -> int:
     cfg = config_from_args(a, "decode")
     w = DecodeWorker(cfg)
-    return serve(w.app(), cfg.host, cfg.port, on_stop=w.host.endpoint.close)
+    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close)

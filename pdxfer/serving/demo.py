@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .cluster import Cluster
-from .model import ToyConfig, ToyModel, encode, make_draft, speculative_generate
+from .model import EOS_ID, ToyConfig, ToyModel, encode, make_draft, speculative_generate
 
 WORDS = ["kv", "cache", "prefill", "decode", "page", "token", "layer", "head", "router", "room", "transfer", "bootstrap", "mooncake", "engine", "batch", "prefix", "draft", "verify", "stream", "chunk"]
 
@@ -42,11 +42,14 @@ def make_prompts(n: int, seed: int, prefix_words: int = 60, groups: int = 3) -> 
 
 
 def reference(cfg: ToyConfig, prompt: str, max_tokens: int, spec_k: int) -> list[int]:
+    """The colocated greedy output, ending before EOS as a served request does."""
     model = ToyModel(cfg)
     if spec_k:
-        return speculative_generate(model, make_draft(model), encode(prompt), max_tokens,
-                                    k=spec_k).tokens
-    return model.generate(encode(prompt), max_tokens)
+        out = speculative_generate(model, make_draft(model), encode(prompt), max_tokens,
+                                   k=spec_k).tokens
+    else:
+        out = model.generate(encode(prompt), max_tokens)
+    return out[:out.index(EOS_ID)] if EOS_ID in out else out
 
 
 def _args(argv: list[str] | None, prog: str) -> argparse.Namespace:
@@ -67,7 +70,7 @@ def _args(argv: list[str] | None, prog: str) -> argparse.Namespace:
 
 def _one(c: Cluster, prompt: str, a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
-    status, body = c.complete({"prompt": prompt, "max_tokens": a.max_tokens,
+    status, body = c.complete({"prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0,
                                "stream": a.stream, "speculative_k": a.spec_k})
     wall = time.perf_counter() - t0
     if status != 200:
@@ -76,11 +79,21 @@ def _one(c: Cluster, prompt: str, a: argparse.Namespace) -> dict[str, Any]:
         err = [e for e in body if "error" in e]
         if err:
             return {"ok": False, "error": str(err[0]["error"]), "wall": wall}
-        ids = [t for e in body[:-1] for t in e["choices"][0]["token_ids"]]
-        final = body[-1]
+        final = next((e for e in body if "pdxfer" in e), None)
+        if final is None:
+            return {"ok": False, "error": "no final chunk in the stream", "wall": wall}
+        ids = final["pdxfer"]["token_ids"]
+        text = "".join(e["choices"][0]["text"] for e in body if e.get("choices"))
+        if text != detok_text(ids):
+            return {"ok": False, "error": "streamed text differs from its tokens", "wall": wall}
     else:
-        ids, final = body["choices"][0]["token_ids"], body
+        final = body
+        ids = body["pdxfer"]["token_ids"]
     return {"ok": True, "ids": ids, "info": final["pdxfer"], "wall": wall}
+
+
+def detok_text(ids: list[int]) -> str:
+    return bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
 
 def _install_sigterm() -> None:

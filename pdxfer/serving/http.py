@@ -23,10 +23,19 @@ READY = "PDXFER_READY"
 """Printed on stdout with the server's URL once it serves: launchers wait for this line."""
 
 
+RETRY_AFTER_S = 1
+
+
+def error_body(message: str, kind: str, status: int) -> dict[str, Any]:
+    """OpenAI's error shape; ``type`` is the failure kind, ``code`` the HTTP status class."""
+    return {"error": {"message": message, "type": kind, "code": status, "param": None}}
+
+
 def error_response(err: BaseException) -> web.Response:
     status = err.status if isinstance(err, ServingError) else 500
     kind = getattr(err, "kind", type(err).__name__)
-    return web.json_response({"error": {"message": str(err), "type": kind}}, status=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return web.json_response(error_body(str(err), kind, status), status=status, headers=headers)
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -34,6 +43,8 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         body = await request.json(loads=json.loads)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
     return body
@@ -89,7 +100,9 @@ def serve(app: web.Application, host: str, port: int, on_stop: Any = None) -> in
     supervisor's SIGTERM never turns into a hang."""
 
     async def main() -> None:
-        runner = web.AppRunner(app, handle_signals=False)
+        # a client that disconnects cancels its handler: its request stops (and frees its
+        # pages) instead of running to max_tokens for nobody
+        runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, host, port, shutdown_timeout=1.0)
         await site.start()

@@ -145,7 +145,12 @@ class ToyModel:
         hd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         fresh = 2 * kvd if c.attention == "mha" else c.kv_lora_rank
         self.tok_emb = randn(c.vocab_size, c.d_model, std=1.0)
-        self.pos_emb = randn(c.max_seq_len, c.d_model, std=1.0)
+        # positions draw from their own stream: the other weights, and the first rows of
+        # this table, do not depend on max_seq_len (two workers with different context
+        # lengths must not silently run different models)
+        gp = torch.Generator().manual_seed((c.seed * 1_000_003 + 17) % (1 << 63))
+        self.pos_emb = torch.randn((c.max_seq_len, c.d_model), generator=gp,
+                                   dtype=torch.float32)
         self.layers: list[_Layer] = []
         for li in range(c.n_layers):
             scale = 1.0 if li < c.draft_layers else _REFINE_SCALE
@@ -285,11 +290,13 @@ class ToyModel:
     def prefill(
         self, tokens: Sequence[int], page_table: PageTable, kv: KVPool, *, start: int = 0,
         chunk_size: int | None = None, on_chunk: Callable[[int, int], None] | None = None,
+        pick: Callable[[torch.Tensor, int], int] | None = None,
     ) -> int:
         """Fill KV for positions ``[start, len(tokens))`` chunk by chunk and return the first
         generated token. ``[0, start)`` must already be in the pages (a cached or transferred
         prefix). ``on_chunk(a, b)`` runs once positions ``[a, b)`` are in every layer's pages,
-        so a prefill worker can ship them while the next chunk computes."""
+        so a prefill worker can ship them while the next chunk computes. ``pick(logits,
+        position)`` chooses the first token (default: greedy)."""
         n = len(tokens)
         if not 0 <= start < n:
             raise ValueError(f"start {start} must be in [0, {n}): the last token needs logits")
@@ -303,7 +310,7 @@ class ToyModel:
                                   logits_for="last" if b == n else "none")
             if on_chunk is not None:
                 on_chunk(a, b)
-        return int(torch.argmax(logits[-1]))
+        return pick(logits[-1], n) if pick is not None else int(torch.argmax(logits[-1]))
 
     def decode_step(self, token: int, position: int, page_table: PageTable, kv: KVPool) -> int:
         """Greedy next token after ``token`` placed at ``position``."""
@@ -357,6 +364,46 @@ class SpecResult:
         return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
 
 
+class SpecDecoder:
+    """Greedy speculative decoding one verification round at a time (a scheduler interleaves
+    rounds of many requests); the tokens equal ``target.generate`` exactly.
+
+    Both pools must hold the prompt's KV and ``first_token`` is the token after it. The
+    pools need pages for ``len(prompt) + max_new_tokens + k`` tokens, as verification writes
+    ``k`` positions past the last accepted token."""
+
+    def __init__(self, target: ToyModel, draft: ToyModel, prompt_ids: Sequence[int],
+                 first_token: int, kv: KVPool, draft_kv: KVPool, page_table: PageTable,
+                 k: int) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.target, self.draft, self.k = target, draft, k
+        self.kv, self.draft_kv, self.pages = kv, draft_kv, page_table
+        self.n = len(prompt_ids)
+        self.seq = [int(t) for t in prompt_ids] + [int(first_token)]
+        self.draft_len = self.n  # positions whose draft KV is valid
+        self.accepted: list[int] = []
+
+    def step(self) -> list[int]:
+        """One draft + verify round: the tokens it adds (1 to k+1)."""
+        seq, k, pt = self.seq, self.k, self.pages
+        last = len(seq) - 1  # position of the newest token, not yet in either pool
+        proposal = [int(torch.argmax(self.draft.forward(seq[self.draft_len:], self.draft_len,
+                                                        pt, self.draft_kv)[-1]))]
+        for i in range(1, k):
+            proposal.append(self.draft.decode_step(proposal[-1], last + i, pt, self.draft_kv))
+        logits = self.target.forward([seq[-1], *proposal], last, pt, self.kv, logits_for="all")
+        verdict = [int(t) for t in torch.argmax(logits, dim=-1)]
+        m = 0
+        while m < k and proposal[m] == verdict[m]:
+            m += 1
+        self.accepted.append(m)
+        new = proposal[:m] + [verdict[m]]
+        seq += new
+        self.draft_len = last + 1 + min(m, k - 1)
+        return new
+
+
 def speculative_generate(
     target: ToyModel, draft: ToyModel, prompt_ids: Sequence[int], max_new_tokens: int, *,
     k: int = 4, kv: KVPool | None = None, draft_kv: KVPool | None = None,
@@ -385,21 +432,7 @@ def speculative_generate(
     if first_token is None:
         first_token = target.prefill(prompt_ids, page_table, kv, chunk_size=chunk_size)
         draft.prefill(prompt_ids, page_table, draft_kv, chunk_size=chunk_size)
-    seq = [int(t) for t in prompt_ids] + [int(first_token)]
-    draft_len = len(prompt_ids)  # positions whose draft KV is valid
-    accepted: list[int] = []
-    while len(seq) - len(prompt_ids) < max_new_tokens:
-        last = len(seq) - 1  # position of the newest token, not yet in either pool
-        proposal = [int(torch.argmax(draft.forward(seq[draft_len:], draft_len, page_table,
-                                                   draft_kv)[-1]))]
-        for i in range(1, k):
-            proposal.append(draft.decode_step(proposal[-1], last + i, page_table, draft_kv))
-        logits = target.forward([seq[-1], *proposal], last, page_table, kv, logits_for="all")
-        verdict = [int(t) for t in torch.argmax(logits, dim=-1)]
-        m = 0
-        while m < k and proposal[m] == verdict[m]:
-            m += 1
-        accepted.append(m)
-        seq += proposal[:m] + [verdict[m]]
-        draft_len = last + 1 + min(m, k - 1)
-    return SpecResult(seq[len(prompt_ids):][:max_new_tokens], accepted)
+    dec = SpecDecoder(target, draft, prompt_ids, first_token, kv, draft_kv, page_table, k)
+    while len(dec.seq) - len(prompt_ids) < max_new_tokens:
+        dec.step()
+    return SpecResult(dec.seq[len(prompt_ids):][:max_new_tokens], dec.accepted)

@@ -13,17 +13,19 @@ import argparse
 import asyncio
 import collections
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 
-from pdxfer import KVSender, PdxferError
+from pdxfer import KVPoll, KVSender, PdxferError
 
 from .errors import BadRequest, OutOfCapacity, TransferFailed
-from .kv import OutOfPagesError
+from .sampling import Sampling, parse_sampling, sample
 from .worker import (
+    Admission,
     ModelHost,
     RoomWorker,
     WorkerConfig,
@@ -44,6 +46,8 @@ class PrefillWorker(RoomWorker):
         self.cfg = cfg
         self.host = ModelHost(cfg)
         self.senders: dict[int, KVSender] = {}
+        self.admission = Admission(self.host, cfg.max_waiting, cfg.admission_timeout_s)
+        self._computing: dict[int, threading.Event] = {}
         self.aborted: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.counters = collections.Counter[str]()
 
@@ -58,7 +62,8 @@ class PrefillWorker(RoomWorker):
 
     def _metric_values(self) -> dict[str, Any]:
         return {**self.counters, "inflight": len(self.senders),
-                "free_pages": self.host.kv.allocator.num_free}
+                "free_pages": self.host.kv.allocator.num_free,
+                "waiting": self.admission.waiting, "rejected": self.admission.rejected}
 
     async def h_generate(self, request: web.Request) -> web.Response:
         self.counters["requests"] += 1
@@ -66,69 +71,91 @@ class PrefillWorker(RoomWorker):
             body = await read_json(request)
             room = field(body, "room", int, lo=0, hi=(1 << 63) - 1)
             tokens = token_list(body, "prompt_ids", self.host.model.config.vocab_size)
+            sampling = parse_sampling(body)
             if len(tokens) > self.host.model.config.max_seq_len:
                 raise BadRequest(f"prompt of {len(tokens)} tokens exceeds max_seq_len "
                                  f"{self.host.model.config.max_seq_len}")
-            out = await self._generate(room, tokens)
+            out = await self._generate(room, tokens, sampling)
         except (PdxferError, ValueError) as e:
             self.counters[f"failures_{getattr(e, 'kind', 'error')}"] += 1
-            log.info("prefill request failed: %s", e)
+            log.log(logging.WARNING if isinstance(e, OutOfCapacity) else logging.INFO,
+                    "prefill request failed: %s", e)
             return error_response(e)
         self.counters["success"] += 1
         return web.json_response(out)
 
-    async def _generate(self, room: int, tokens: list[int]) -> dict[str, Any]:
+    async def _generate(self, room: int, tokens: list[int], sampling: Sampling
+                        ) -> dict[str, Any]:
         h = self.host
         if room in self.aborted:
             raise TransferFailed(f"room {room}: {self.aborted.pop(room)}")
-        try:
-            pages = h.kv.allocator.alloc(h.model.pages_for(len(tokens)))
-        except OutOfPagesError as e:
-            raise OutOfCapacity(str(e)) from None
-        try:
-            slot = h.slots.alloc()
-        except OutOfCapacity:
-            h.kv.allocator.free(pages)
-            raise
+        pages, slot = await self.admission.acquire(h.model.pages_for(len(tokens)))
+        tx: KVSender | None = None
         try:
             tx = h.endpoint.sender(room)
             self.senders[room] = tx
             t0 = time.perf_counter()
             try:
-                first = await asyncio.to_thread(self._compute, tx, tokens, pages, slot)
+                first = await asyncio.to_thread(self._compute, tx, tokens, pages, slot,
+                                                sampling)
                 compute_s = time.perf_counter() - t0
                 await poll_until_terminal(tx, self.cfg.bootstrap_timeout_s
                                           + self.cfg.transfer_timeout_s)
+            except asyncio.CancelledError:  # the router's connection went away
+                tx.abort("the prefill's client went away")
+                raise
             finally:
                 self.senders.pop(room, None)
-            if not tx.poll().name == "Success":
+            if tx.poll() != KVPoll.Success:
                 raise TransferFailed(f"room {room}: {tx.failure}")
             return {"room": room, "prompt_tokens": len(tokens), "first_token": first,
                     "compute_s": compute_s, "prefix_len": tx.prefix_len}
         finally:
             # Source pages: a failed transfer's late reads can only spoil its own destination.
-            h.kv.allocator.free(pages)
-            h.slots.free(slot)
+            # (A compute thread still running after a cancel stops at its next chunk; it
+            # only reads its own pages, which stay allocated until it returns.)
+            self._free_when_idle(tx, pages, slot)
 
-    def _compute(self, tx: KVSender, tokens: Sequence[int], pages: list[int], slot: int) -> int:
+    def _free_when_idle(self, tx: KVSender | None, pages: list[int], slot: int) -> None:
+        busy = self._computing.get(id(pages))
+        if busy is not None and not busy.is_set():
+            def later() -> None:
+                busy.wait()
+                self.host.kv.allocator.free(pages)
+                self.host.slots.free(slot)
+            threading.Thread(target=later, daemon=True).start()
+            return
+        self.host.kv.allocator.free(pages)
+        self.host.slots.free(slot)
+
+    def _compute(self, tx: KVSender, tokens: Sequence[int], pages: list[int], slot: int,
+                 sampling: Sampling) -> int:
         h, ps, n = self.host, self.cfg.page_size, len(tokens)
         sent = 0
+        done = self._computing[id(pages)] = threading.Event()
 
         def on_chunk(a: int, b: int) -> None:
             nonlocal sent
+            if tx.poll() == KVPoll.Failed:  # aborted (client gone, decode failed): stop
+                raise TransferFailed(f"room {tx.room}: {tx.failure}")
             h.draft.forward(tokens[a:b], a, pages, h.draft_kv, logits_for="none")
             full = b // ps
             if b < n and full > sent:
                 tx.send({"kv": pages[sent:full]})
                 sent = full
 
-        with h.lock:
-            first = h.model.prefill(tokens, pages, h.kv, chunk_size=self.cfg.chunk_size,
-                                    on_chunk=on_chunk)
-        h.aux[slot, 0] = first
-        h.aux[slot, 1] = n
-        tx.send({"kv": pages[sent:]}, slots={"aux": slot}, last=True)
-        return first
+        try:
+            with h.lock:
+                first = h.model.prefill(tokens, pages, h.kv, chunk_size=self.cfg.chunk_size,
+                                        on_chunk=on_chunk,
+                                        pick=lambda logits, pos: sample(logits, sampling, pos))
+            h.aux[slot, 0] = first
+            h.aux[slot, 1] = n
+            tx.send({"kv": pages[sent:]}, slots={"aux": slot}, last=True)
+            return first
+        finally:
+            done.set()
+            self._computing.pop(id(pages), None)
 
 
 def run(a: argparse.Namespace) -> int:

@@ -1,10 +1,16 @@
-"""``pdxfer router``: an OpenAI-style ``/v1/completions`` front over prefill/decode pairs.
+"""``pdxfer router``: the OpenAI-compatible front door over prefill/decode pairs.
 
-Per request the router picks one prefill and one decode (round robin, or least outstanding),
-draws the room, and sends the prompt to both at once: the prefill computes and pushes KV, the
-decode waits for it and generates. The decode's answer is returned (JSON or SSE). If either
-side fails before a token went out, the other side is told to abort the room (so nothing
-waits for its deadline) and the request is retried once on another pair.
+Per choice the router picks one prefill and one decode, draws the room, and sends the prompt
+to both at once: the prefill computes and pushes KV, the decode waits for it and generates,
+streaming token events back (always: so a stop string or a client that leaves ends the
+request on the workers at once). Text, chunks and responses follow OpenAI (``openai_api``).
+
+Pairing policies: ``round_robin`` (prefill and decode each in turn), ``least_outstanding``,
+and ``kv_aware`` (the default with several decodes): the decode that holds the longest cached
+prefix of the prompt (the router keeps, per decode, the page keys of the prompts it sent
+there: the same hash chain as ``pdxfer.tiers``), then the least loaded. A pair that fails
+before the first token is left for another; a full worker (503) sends the choice to another
+pair, and the client gets 503 (never 502) when every pair is full.
 """
 
 from __future__ import annotations
@@ -23,12 +29,17 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .errors import BadRequest, ServingError, UpstreamError
-from .http import error_response, metrics_text, read_json, serve
+from pdxfer import BootstrapClient, PdxferError
+from pdxfer.tiers import page_keys
+
+from . import openai_api as oa
+from .errors import BadRequest, OutOfCapacity, ServingError, UpstreamError
+from .http import error_body, error_response, metrics_text, read_json, serve
 
 log = logging.getLogger("pdxfer.serving.router")
-VOCAB = 257
-MAX_SPEC_K = 8
+POLICIES = ("round_robin", "least_outstanding", "kv_aware")
+HEALTH_TTL_S = 1.0
+MAX_KEYS = 1 << 17
 
 
 @dataclass(slots=True)
@@ -37,6 +48,8 @@ class Prefill:
     bootstrap: str
     instance: str = "default"
     outstanding: int = 0
+    healthy: bool = True
+    used: int = 0
 
 
 @dataclass(slots=True)
@@ -44,6 +57,25 @@ class Decode:
     url: str
     outstanding: int = 0
     max_seq_len: int | None = None
+    page_size: int = 16
+    healthy: bool = True
+    used: int = 0
+    keys: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
+
+    def remember(self, keys: list[str]) -> None:
+        for k in keys:
+            self.keys[k] = None
+            self.keys.move_to_end(k)
+        while len(self.keys) > MAX_KEYS:
+            self.keys.popitem(last=False)
+
+    def hit(self, keys: list[str]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.keys:
+                break
+            n += 1
+        return n
 
 
 def parse_prefill(spec: str) -> Prefill:
@@ -54,37 +86,52 @@ def parse_prefill(spec: str) -> Prefill:
     return Prefill(parts[0].rstrip("/"), parts[1], parts[2] if len(parts) == 3 else "default")
 
 
-@dataclass(slots=True)
-class _Attempt:
-    pf: Prefill
-    dc: Decode
-    room: int = field(default_factory=lambda: secrets.randbits(63))
-
-
 class _Failed(Exception):
-    """A pair failed; ``client`` marks a 4xx that retrying cannot fix."""
+    """One attempt failed; ``client``: a 4xx no other pair can fix; ``capacity``: full."""
 
-    def __init__(self, status: int, body: Any, client: bool = False) -> None:
-        super().__init__(str(body))
-        self.status, self.body, self.client = status, body, client
+    def __init__(self, status: int, message: str, client: bool = False,
+                 capacity: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.client, self.capacity = status, client, capacity
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Unknown paths and methods answer in OpenAI's error shape too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response(error_body(f"{request.method} {request.path}: {e.reason}",
+                                            "not_found" if e.status == 404 else "invalid_request",
+                                            e.status), status=e.status)
 
 
 class Router:
-    def __init__(self, prefills: list[Prefill], decodes: list[Decode], policy: str = "round_robin",
-                 timeout_s: float = 120.0) -> None:
+    def __init__(self, prefills: list[Prefill], decodes: list[Decode],
+                 policy: str = "auto", timeout_s: float = 120.0) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
-        if policy not in ("round_robin", "least_outstanding"):
-            raise ValueError(f"policy must be round_robin or least_outstanding, got {policy!r}")
+        if policy == "auto":
+            policy = "kv_aware" if len(decodes) > 1 else "round_robin"
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES} or auto, got {policy!r}")
         self.prefills, self.decodes, self.policy = prefills, decodes, policy
         self.timeout_s = timeout_s
-        self._rr = itertools.count()
+        self._rr_p = itertools.count()
+        self._rr_d = itertools.count()
         self.counters = collections.Counter[str]()
         self.session: aiohttp.ClientSession | None = None
+        self._health_at = 0.0
+        self._health: dict[str, Any] = {}
+        self._bg: set[asyncio.Task[Any]] = set()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=8 << 20)
+        app = web.Application(client_max_size=8 << 20, middlewares=[_json_errors])
         app.router.add_post("/v1/completions", self.h_completions)
+        app.router.add_post("/v1/chat/completions", self.h_chat)
+        app.router.add_get("/v1/models", self.h_models)
         app.router.add_get("/health", self.h_health)
         app.router.add_get("/metrics", self.h_metrics)
         app.on_startup.append(self._start)
@@ -100,218 +147,353 @@ class Router:
             await self.session.close()
 
     # -- pairing ------------------------------------------------------------------------------
-    def pick(self, avoid: _Attempt | None) -> _Attempt:
-        def choose(xs: list[Any], bad: Any) -> Any:
-            cands = [x for x in xs if x is not bad] or xs
-            if self.policy == "least_outstanding":
-                return min(cands, key=lambda x: x.outstanding)
-            return cands[next(self._rr) % len(cands)]
+    def pick(self, ids: list[int], avoid_p: set[str], avoid_d: set[str]
+             ) -> tuple[Prefill, Decode]:
+        def usable(xs: list[Any], avoid: set[str]) -> list[Any]:
+            return ([x for x in xs if x.url not in avoid and x.healthy]
+                    or [x for x in xs if x.url not in avoid] or xs)
 
-        return _Attempt(choose(self.prefills, avoid and avoid.pf),
-                        choose(self.decodes, avoid and avoid.dc))
+        ps, ds = usable(self.prefills, avoid_p), usable(self.decodes, avoid_d)
+        if self.policy == "least_outstanding":
+            pf = min(ps, key=lambda x: x.outstanding)
+            dc = min(ds, key=lambda x: x.outstanding)
+        elif self.policy == "kv_aware":
+            pf = min(ps, key=lambda x: x.outstanding)
+            keys: dict[int, list[str]] = {}
+            for d in ds:
+                if d.page_size not in keys:
+                    keys[d.page_size] = page_keys(ids, d.page_size)
+            dc = max(ds, key=lambda d: (d.hit(keys[d.page_size]), -d.outstanding))
+        else:
+            pf = ps[next(self._rr_p) % len(ps)]
+            dc = ds[next(self._rr_d) % len(ds)]
+        pf.used += 1
+        dc.used += 1
+        return pf, dc
 
-    # -- handlers -----------------------------------------------------------------------------
-    async def h_health(self, request: web.Request) -> web.Response:
+    # -- plain handlers -------------------------------------------------------------------------
+    async def h_models(self, request: web.Request) -> web.Response:
+        return web.json_response(oa.models())
+
+    async def _probe(self, url: str) -> dict[str, Any] | None:
         assert self.session is not None
-        out, ok = {}, True
-        for w in [*self.prefills, *self.decodes]:
+        try:
+            async with self.session.get(f"{url}/health",
+                                        timeout=aiohttp.ClientTimeout(total=3)) as r:
+                return await r.json() if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    async def _registered(self, p: Prefill) -> bool:
+        """Whether the prefill's bootstrap can route to its instance (else every request to
+        it fails however healthy the worker is)."""
+        def look() -> bool:
             try:
-                async with self.session.get(f"{w.url}/health",
-                                            timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    out[w.url] = "ok" if r.status == 200 else f"http {r.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                out[w.url] = f"down: {type(e).__name__}"
-            ok &= out[w.url] == "ok"
-        return web.json_response({"status": "ok" if ok else "degraded", "workers": out},
-                                 status=200 if ok else 503)
+                BootstrapClient(p.bootstrap, timeout=2.0, retries=0).route(
+                    0, p.instance, deadline=time.monotonic())
+                return True
+            except PdxferError:
+                return False
+
+        return await asyncio.to_thread(look)
+
+    async def refresh_health(self, force: bool = False) -> dict[str, Any]:
+        now = time.monotonic()
+        if not force and now - self._health_at < HEALTH_TTL_S:
+            return self._health
+        out: dict[str, Any] = {}
+        pf_info = await asyncio.gather(*(self._probe(p.url) for p in self.prefills))
+        reg = await asyncio.gather(*(self._registered(p) for p in self.prefills))
+        for p, info, ok in zip(self.prefills, pf_info, reg):
+            p.healthy = info is not None and ok
+            out[p.url] = ("ok" if p.healthy else "down" if info is None
+                          else f"not registered with bootstrap {p.bootstrap}")
+        dc_info = await asyncio.gather(*(self._probe(d.url) for d in self.decodes))
+        for d, info in zip(self.decodes, dc_info):
+            d.healthy = info is not None
+            out[d.url] = "ok" if d.healthy else "down"
+            if info:
+                d.max_seq_len = int(info.get("max_seq_len", d.max_seq_len or 0)) or None
+                d.page_size = int(info.get("page_size", d.page_size))
+        self._health, self._health_at = out, now
+        return out
+
+    async def h_health(self, request: web.Request) -> web.Response:
+        workers = await self.refresh_health(force=True)
+        ok = any(p.healthy for p in self.prefills) and any(d.healthy for d in self.decodes)
+        return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers,
+                                  "policy": self.policy}, status=200 if ok else 503)
 
     async def h_metrics(self, request: web.Request) -> web.Response:
-        vals = dict(self.counters)
+        vals: dict[str, Any] = dict(self.counters)
         vals["outstanding"] = sum(d.outstanding for d in self.decodes)
+        vals["healthy_prefills"] = sum(p.healthy for p in self.prefills)
+        vals["healthy_decodes"] = sum(d.healthy for d in self.decodes)
         return web.Response(text=metrics_text("pdxfer_router", vals))
 
-    async def _max_seq_len(self, dc: Decode) -> int | None:
-        if dc.max_seq_len is None:
-            assert self.session is not None
-            try:
-                async with self.session.get(f"{dc.url}/health") as r:
-                    dc.max_seq_len = int((await r.json())["max_seq_len"])
-            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
-                return None
-        return dc.max_seq_len
-
-    async def _parse(self, request: web.Request) -> dict[str, Any]:
-        body = await read_json(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            ids = encode(prompt)
-        elif isinstance(prompt, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < VOCAB for t in prompt):
-            ids = list(prompt)
-        else:
-            raise BadRequest("'prompt' must be a string or a list of token ids in [0, 257)")
-        if not ids:
-            raise BadRequest("'prompt' is empty")
-        mt = body.get("max_tokens", 16)
-        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-            raise BadRequest("'max_tokens' must be a positive integer")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest("'stream' must be a boolean")
-        k = body.get("speculative_k", 0)
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPEC_K:
-            raise BadRequest(f"'speculative_k' must be an integer in [0, {MAX_SPEC_K}]")
-        limits = [m for m in [await self._max_seq_len(d) for d in self.decodes] if m]
-        if limits and len(ids) + mt + k > min(limits):
-            raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({mt}) + speculative_k "
-                             f"({k}) exceeds the context of {min(limits)} tokens")
-        return {"ids": ids, "max_tokens": mt, "stream": stream, "spec_k": k,
-                "model": str(body.get("model", "pdxfer-toy"))}
-
+    # -- the API --------------------------------------------------------------------------------
     async def h_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, oa.parse_completion)
+
+    async def h_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, oa.parse_chat)
+
+    async def _serve(self, request: web.Request, parse: Any) -> web.StreamResponse:
         t0 = time.perf_counter()
         self.counters["requests"] += 1
         try:
-            q = await self._parse(request)
+            ask = parse(await read_json(request))
+            await self._check_context(ask)
         except ServingError as e:
             self.counters["bad_requests"] += 1
             return error_response(e)
-        last: _Attempt | None = None
+        rid = f"{'chatcmpl' if ask.chat else 'cmpl'}-{secrets.token_hex(8)}"
+        base = ask.seed if ask.seed is not None else secrets.randbits(62)
+        jobs = [(i * ask.n + j, ids, (base + j) % (1 << 63))
+                for i, ids in enumerate(ask.prompts) for j in range(ask.n)]
+        if ask.stream:
+            return await self._stream(request, ask, rid, jobs, t0)
+        try:
+            choices = await asyncio.gather(*(self._choice(ask, ids, idx, seed, t0, None)
+                                             for idx, ids, seed in jobs))
+        except _Failed as e:
+            return self._failure(e)
+        self.counters["success"] += 1
+        return web.json_response(oa.response(ask, rid, sorted(choices, key=lambda c: c.index)))
+
+    async def _check_context(self, ask: oa.Ask) -> None:
+        if any(d.max_seq_len is None for d in self.decodes):
+            await self.refresh_health()
+        limits = [d.max_seq_len for d in self.decodes if d.max_seq_len]
+        longest = max(len(p) for p in ask.prompts)
+        if limits and longest + ask.max_tokens + ask.spec_k > min(limits):
+            raise BadRequest(f"prompt ({longest} tokens) + max_tokens ({ask.max_tokens}) + "
+                             f"speculative_k ({ask.spec_k}) exceeds the context of "
+                             f"{min(limits)} tokens")
+
+    def _failure(self, e: _Failed) -> web.Response:
+        self.counters["failures"] += 1
+        if e.capacity:
+            self.counters["capacity_rejections"] += 1
+            return error_response(OutOfCapacity(str(e)))
+        if e.client:
+            return web.json_response(error_body(str(e), "invalid_request", e.status),
+                                     status=e.status)
+        return error_response(UpstreamError(str(e)))
+
+    async def _stream(self, request: web.Request, ask: oa.Ask, rid: str,
+                      jobs: list[tuple[int, list[int], int]], t0: float) -> web.StreamResponse:
+        """Chunks of every choice as they come; the response starts with the first text, so a
+        failure before it still gets a proper HTTP status."""
+        created = int(time.time())
+        resp: web.StreamResponse | None = None
+        q: asyncio.Queue[tuple[int, str, list[dict[str, Any]]]] = asyncio.Queue()
+
+        async def on_delta(index: int, text: str, lps: list[dict[str, Any]]) -> None:
+            q.put_nowait((index, text, lps))
+
+        tasks = [asyncio.ensure_future(self._choice(ask, ids, idx, seed, t0, on_delta))
+                 for idx, ids, seed in jobs]
+        started: set[int] = set()
+
+        async def send(obj: Any) -> None:
+            nonlocal resp
+            if resp is None:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+                await resp.prepare(request)
+            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+        async def drain(first: list[tuple[int, str, list[dict[str, Any]]]]) -> None:
+            items = list(first)
+            while not q.empty():
+                items.append(q.get_nowait())
+            for idx, text, lps in items:  # in the order the choices produced them
+                role = ask.chat and idx not in started
+                started.add(idx)
+                await send(oa.chunk(ask, rid, created, idx, text, None, lps, role=role))
+
+        try:
+            pending = set(tasks)
+            done_choices: list[oa.Choice] = []
+            while pending:
+                getter = asyncio.ensure_future(q.get())
+                done, _ = await asyncio.wait(pending | {getter},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    await asyncio.gather(getter, return_exceptions=True)
+                got = [getter.result()] if getter.done() and not getter.cancelled() else []
+                await drain(got)
+                for t in done - {getter}:
+                    pending.discard(t)
+                    try:
+                        c = t.result()
+                    except _Failed as e:
+                        if resp is None:
+                            return self._failure(e)
+                        self.counters["stream_errors"] += 1
+                        await send({"error": error_body(str(e), "upstream", e.status)["error"]})
+                        continue
+                    done_choices.append(c)
+                    role = ask.chat and c.index not in started
+                    last = oa.chunk(ask, rid, created, c.index, None if ask.chat else "",
+                                    c.finish_reason, role=role)
+                    last["pdxfer"] = oa.extension(c)
+                    await send(last)
+            if ask.include_usage:
+                await send(oa.usage_chunk(ask, rid, created, done_choices))
+            if resp is None:  # nothing was generated at all (e.g. EOS first)
+                await send(oa.usage_chunk(ask, rid, created, done_choices))
+            assert resp is not None
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            self.counters["success"] += 1
+            return resp
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+
+    # -- one choice -----------------------------------------------------------------------------
+    async def _choice(self, ask: oa.Ask, ids: list[int], index: int, seed: int, t0: float,
+                      on_delta: Any) -> oa.Choice:
+        avoid_p: set[str] = set()
+        avoid_d: set[str] = set()
         err: _Failed | None = None
-        for attempt in range(2):
-            a = self.pick(last)
-            last = a
+        tries = max(2, len(self.prefills) * len(self.decodes))
+        for attempt in range(tries):
+            pf, dc = self.pick(ids, avoid_p, avoid_d)
+            c = oa.Choice(index)
             if attempt:
                 self.counters["retries"] += 1
-                log.info("retrying on %s + %s after: %s", a.pf.url, a.dc.url, err)
+                log.info("retrying on %s + %s after: %s", pf.url, dc.url, err)
             try:
-                return await self._run(request, q, a, t0)
+                await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta)
+                if self.policy == "kv_aware":
+                    dc.remember(page_keys(ids, dc.page_size))
+                return c
             except _Failed as e:
                 err = e
-                if e.client:
+                if e.client or c.token_ids:
+                    break  # a bad request, or text already went out: no second try
+                if e.capacity:
+                    avoid_d.add(dc.url)
+                    avoid_p.add(pf.url)
+                elif attempt >= 1:
                     break
+                else:
+                    avoid_p.add(pf.url)
+                    avoid_d.add(dc.url)
         assert err is not None
-        self.counters["failures"] += 1
-        if err.client:
-            return web.json_response(err.body, status=err.status)
-        return error_response(UpstreamError(f"request failed on two pairs; last: {err}"))
+        raise err
 
-    # -- one attempt --------------------------------------------------------------------------
-    async def _post(self, url: str, payload: dict[str, Any]) -> tuple[int, Any]:
-        assert self.session is not None
-        try:
-            async with self.session.post(url, json=payload) as r:
-                try:
-                    return r.status, await r.json()
-                except (aiohttp.ContentTypeError, json.JSONDecodeError):
-                    return r.status, {"error": {"message": await r.text()}}
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return 599, {"error": {"message": f"{url}: {type(e).__name__}: {e}"}}
+    def _later(self, coro: Any) -> None:
+        """Run a best-effort call (an abort) even if the request that wants it is cancelled."""
+        t = asyncio.ensure_future(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
 
     async def _abort(self, url: str, room: int, why: str) -> None:
-        await self._post(f"{url}/abort", {"room": room, "reason": why})
-
-    async def _run(self, request: web.Request, q: dict[str, Any], a: _Attempt,
-                   t0: float) -> web.StreamResponse:
         assert self.session is not None
-        a.pf.outstanding += 1
-        a.dc.outstanding += 1
-        pf_task = asyncio.ensure_future(self._post(
-            f"{a.pf.url}/generate", {"room": a.room, "prompt_ids": q["ids"]}))
-        dc_payload = {"room": a.room, "bootstrap": a.pf.bootstrap, "instance": a.pf.instance,
-                      "prompt_ids": q["ids"], "max_tokens": q["max_tokens"],
-                      "stream": q["stream"], "spec_k": q["spec_k"]}
-        dc_resp: aiohttp.ClientResponse | None = None
         try:
-            dc_task = asyncio.ensure_future(self.session.post(f"{a.dc.url}/generate",
-                                                              json=dc_payload))
-            done, _ = await asyncio.wait({pf_task, dc_task}, return_when=asyncio.FIRST_COMPLETED)
-            if pf_task in done and dc_task not in done:
-                status, body = pf_task.result()
-                if status != 200:  # the decode would wait for KV that never comes
-                    await self._abort(a.dc.url, a.room, f"prefill failed: {_msg(body)}")
-            try:
-                dc_resp = await dc_task
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                await self._abort(a.pf.url, a.room, "decode unreachable")
-                raise _Failed(599, {"error": {"message": f"decode {a.dc.url}: {e}"}}) from None
-            if dc_resp.status != 200:
-                body = await _json_or_text(dc_resp)
-                await self._abort(a.pf.url, a.room, f"decode failed: {_msg(body)}")
-                if pf_task.done() and pf_task.result()[0] != 200:
-                    body = {"error": {"message": f"prefill: {_msg(pf_task.result()[1])}; "
-                                                 f"decode: {_msg(body)}"}}
-                raise _Failed(dc_resp.status, body, client=400 <= dc_resp.status < 500
-                              and dc_resp.status != 409)
-            if not q["stream"]:
-                res = await dc_resp.json()
-                self.counters["success"] += 1
-                return web.json_response(self._completion(q, a, res, t0))
-            return await self._relay(request, q, a, dc_resp, t0)
-        finally:
-            if dc_resp is not None:
-                dc_resp.release()
-            a.pf.outstanding -= 1
-            a.dc.outstanding -= 1
-            if not pf_task.done():
-                pf_task.add_done_callback(lambda t: t.exception())
+            async with self.session.post(f"{url}/abort", json={"room": room, "reason": why},
+                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
+                await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
 
-    def _completion(self, q: dict[str, Any], a: _Attempt, res: dict[str, Any],
-                    t0: float) -> dict[str, Any]:
-        ids = res["token_ids"]
-        return {
-            "id": f"cmpl-{a.room:x}", "object": "text_completion", "created": int(time.time()),
-            "model": q["model"],
-            "choices": [{"index": 0, "text": detok(ids), "token_ids": ids,
-                         "finish_reason": "length", "logprobs": None}],
-            "usage": {"prompt_tokens": len(q["ids"]), "completion_tokens": len(ids),
-                      "total_tokens": len(q["ids"]) + len(ids)},
-            "pdxfer": {"room": a.room, "prefill": a.pf.url, "decode": a.dc.url,
-                       "restored_tokens": res.get("restored_tokens", 0),
-                       "bytes": res.get("bytes", 0), "decode_ttft_s": res.get("ttft_s"),
-                       "seconds": time.perf_counter() - t0,
-                       **({"accept_lengths": res["accept_lengths"],
-                           "mean_accept_length": res["mean_accept_length"]}
-                          if "accept_lengths" in res else {})},
-        }
-
-    async def _relay(self, request: web.Request, q: dict[str, Any], a: _Attempt,
-                     dc_resp: aiohttp.ClientResponse, t0: float) -> web.StreamResponse:
-        """Decode SSE -> OpenAI SSE. The decode answers 200 only with the first token ready,
-        so from here on a failure is reported in-band and not retried."""
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        cid, created = f"cmpl-{a.room:x}", int(time.time())
-        ok = False
+    async def _prefill(self, pf: Prefill, room: int, ids: list[int], ask: oa.Ask,
+                       seed: int) -> tuple[int, str]:
+        assert self.session is not None
         try:
-            async for raw in dc_resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                ev = json.loads(line[6:])
-                if "token_ids" in ev:
-                    chunk = {"id": cid, "object": "text_completion", "created": created,
-                             "model": q["model"],
-                             "choices": [{"index": 0, "text": detok(ev["token_ids"]),
-                                          "token_ids": ev["token_ids"], "finish_reason": None}]}
-                elif ev.get("done"):
-                    ok = True
-                    chunk = self._completion(q, a, ev, t0)
-                    chunk["choices"][0]["text"] = ""
-                    chunk["choices"][0]["token_ids"] = []
-                else:
-                    chunk = {"error": ev.get("error", ev)}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            async with self.session.post(f"{pf.url}/generate", json={
+                    "room": room, "prompt_ids": ids, "temperature": ask.temperature,
+                    "top_p": ask.top_p, "seed": seed}) as r:
+                return r.status, _msg(await _json_or_text(r))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            await resp.write(f"data: {json.dumps({'error': {'message': str(e)}})}\n\n".encode())
-        if ok:
-            self.counters["success"] += 1
-        else:
-            self.counters["stream_errors"] += 1
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+            return 599, f"{pf.url}: {type(e).__name__}: {e}"
+
+    async def _attempt(self, ask: oa.Ask, ids: list[int], seed: int, pf: Prefill, dc: Decode,
+                       c: oa.Choice, t0: float, on_delta: Any) -> None:
+        assert self.session is not None
+        room = secrets.randbits(63)
+        pf.outstanding += 1
+        dc.outstanding += 1
+        pf_task = asyncio.ensure_future(self._prefill(pf, room, ids, ask, seed))
+
+        def prefill_done(t: asyncio.Future[tuple[int, str]]) -> None:
+            if not t.cancelled() and t.result()[0] != 200:  # the decode would wait in vain
+                self._later(self._abort(dc.url, room, f"prefill failed: {t.result()[1]}"))
+
+        pf_task.add_done_callback(prefill_done)
+        payload = {"room": room, "bootstrap": pf.bootstrap, "instance": pf.instance,
+                   "prompt_ids": ids, "max_tokens": ask.max_tokens, "stream": True,
+                   "spec_k": ask.spec_k, "temperature": ask.temperature, "top_p": ask.top_p,
+                   "seed": seed, "ignore_eos": ask.ignore_eos, "logprobs": ask.logprobs}
+        finished = False
+        detok, stops = oa.Detok(), oa.StopText(ask.stop)
+        try:
+            try:
+                async with self.session.post(f"{dc.url}/generate", json=payload) as r:
+                    if r.status != 200:
+                        msg = _msg(await _json_or_text(r))
+                        if pf_task.done() and pf_task.result()[0] not in (200,):
+                            msg = f"prefill: {pf_task.result()[1]}; decode: {msg}"
+                        raise _Failed(r.status, msg, client=400 <= r.status < 500
+                                      and r.status not in (408, 409, 429),
+                                      capacity=r.status in (429, 503))
+                    async for raw in r.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data: "):
+                            continue
+                        ev = json.loads(line[6:])
+                        if "error" in ev:
+                            raise _Failed(502, f"decode {dc.url}: {_msg(ev)}")
+                        if ev.get("done"):
+                            c.finish_reason = ev.get("finish_reason") or "length"
+                            c.stats = {**ev, "prefill": pf.url, "decode": dc.url,
+                                       "seconds": time.perf_counter() - t0}
+                            finished = True
+                            break
+                        new = [int(t) for t in ev.get("token_ids", [])]
+                        c.token_ids += new
+                        lps = ev.get("logprobs") or []
+                        c.logprobs += lps
+                        text = stops.feed(detok.feed(new))
+                        await self._emit(c, text, lps, on_delta)
+                        if stops.stopped:
+                            c.finish_reason = "stop"
+                            c.stats = {"room": room, "prefill": pf.url, "decode": dc.url,
+                                       "seconds": time.perf_counter() - t0}
+                            break  # leaving closes the stream: the decode stops generating
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                raise _Failed(502, f"decode {dc.url}: {type(e).__name__}: {e}") from None
+            if not stops.stopped:
+                if not finished:
+                    raise _Failed(502, f"decode {dc.url} ended the stream early")
+                await self._emit(c, stops.feed(detok.flush()) + stops.flush(), [], on_delta)
+            if c.finish_reason == "cancelled":
+                raise _Failed(502, f"room {room} was cancelled on {dc.url}")
+        except BaseException:
+            self._later(self._abort(pf.url, room, "the router gave up on this request"))
+            self._later(self._abort(dc.url, room, "the router gave up on this request"))
+            raise
+        finally:
+            pf.outstanding -= 1
+            dc.outstanding -= 1
+            if stops.stopped:
+                self._later(self._abort(pf.url, room, "stop string reached"))
+            if not pf_task.done():
+                pf_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _emit(self, c: oa.Choice, text: str, lps: list[dict[str, Any]],
+                    on_delta: Any) -> None:
+        if not text and not lps:
+            return
+        c.text += text
+        if on_delta is not None:
+            await on_delta(c.index, text, lps)
 
 
 def _msg(body: Any) -> str:
@@ -327,9 +509,7 @@ async def _json_or_text(r: aiohttp.ClientResponse) -> Any:
         return {"error": {"message": await r.text()}}
 
 
-def encode(text: str) -> list[int]:
-    """Same byte tokenizer as ``model.encode`` (kept here so the router never imports torch)."""
-    return list(text.encode("utf-8"))
+encode = oa.encode
 
 
 def detok(ids: list[int]) -> str:
@@ -339,5 +519,5 @@ def detok(ids: list[int]) -> str:
 def run(a: argparse.Namespace) -> int:
     router = Router([parse_prefill(s) for s in a.prefill],
                     [Decode(u.rstrip("/")) for u in a.decode], a.policy, a.timeout)
-    log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), a.policy)
+    log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), router.policy)
     return serve(router.app(), a.host, a.port)

@@ -10,6 +10,7 @@ into the pages attention reads.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import threading
@@ -32,7 +33,7 @@ from .http import (  # noqa: F401  (re-exported for the worker modules)
     serve,
     token_list,
 )
-from .kv import KVPool
+from .kv import KVPool, OutOfPagesError
 from .model import ToyConfig, ToyModel, make_draft
 
 log = logging.getLogger("pdxfer.serving")
@@ -61,6 +62,8 @@ class WorkerConfig:
     transfer_timeout_s: float = 60.0
     heartbeat_s: float = 0.5
     threads: int = 1
+    max_waiting: int = 256
+    admission_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -83,7 +86,8 @@ def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
         pages=a.pages, aux_slots=a.aux_slots, seed=a.seed, page_size=a.page_size,
         max_seq_len=a.max_seq_len, chunk_size=a.chunk_size,
         prefix_cache_pages=a.prefix_cache_pages, bootstrap_timeout_s=a.bootstrap_timeout,
-        transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat, threads=a.threads)
+        transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat, threads=a.threads,
+        max_waiting=a.max_waiting, admission_timeout_s=a.admission_timeout)
 
 
 class SlotAllocator:
@@ -102,6 +106,57 @@ class SlotAllocator:
     def free(self, slot: int) -> None:
         with self._lock:
             self._free.append(slot)
+
+
+class Admission:
+    """Pages and an aux slot for a request, waiting up to ``timeout_s`` while others finish,
+    with at most ``max_waiting`` requests waiting: beyond that, or past the wait, the answer
+    is ``OutOfCapacity`` (HTTP 503 with Retry-After), never a failed request."""
+
+    def __init__(self, host: ModelHost, max_waiting: int, timeout_s: float) -> None:
+        self.host, self.max_waiting, self.timeout_s = host, max_waiting, timeout_s
+        self.waiting = 0
+        self.rejected = 0
+
+    async def acquire(self, n_pages: int) -> tuple[list[int], int]:
+        h = self.host
+        if n_pages > h.cfg.pages:
+            raise BadRequest(f"the request needs {n_pages} pages; this worker has "
+                             f"{h.cfg.pages} in all")
+        got = self._try(n_pages)
+        if got is not None:
+            return got
+        if self.waiting >= self.max_waiting:
+            self.rejected += 1
+            raise OutOfCapacity(f"{self.waiting} requests already wait for pages; try later")
+        self.waiting += 1
+        try:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + self.timeout_s
+            delay = 0.002
+            while loop.time() < end:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.02)
+                got = self._try(n_pages)
+                if got is not None:
+                    return got
+        finally:
+            self.waiting -= 1
+        self.rejected += 1
+        raise OutOfCapacity(f"no {n_pages} free pages and an aux slot within "
+                            f"{self.timeout_s} s")
+
+    def _try(self, n_pages: int) -> tuple[list[int], int] | None:
+        h = self.host
+        try:
+            pages = h.kv.allocator.alloc(n_pages)
+        except OutOfPagesError:
+            return None
+        try:
+            return pages, h.slots.alloc()
+        except OutOfCapacity:
+            h.kv.allocator.free(pages)
+            return None
 
 
 class ModelHost:

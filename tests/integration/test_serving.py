@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pdxfer.serving import (
+    EOS_ID,
     SpecResult,
     ToyConfig,
     ToyModel,
@@ -47,30 +48,50 @@ def cluster() -> Iterator[Cluster]:
 
 
 def ids_of(status: int, body: object) -> list[int]:
+    """The generated token ids (pdxfer's extension field), after checking that the text the
+    client sees is exactly those tokens' text."""
     assert status == 200, body
-    if isinstance(body, list):  # SSE events: token chunks, then the final summary
+    if isinstance(body, list):  # SSE chunks: text deltas, then the last one with the figures
         assert not [e for e in body if "error" in e], body
-        return [t for e in body[:-1] for t in e["choices"][0]["token_ids"]]
-    assert isinstance(body, dict)
-    return body["choices"][0]["token_ids"]
+        final = [e for e in body if "pdxfer" in e]
+        assert len(final) == 1, body
+        ids = final[0]["pdxfer"]["token_ids"]
+        text = "".join(e["choices"][0]["text"] for e in body if e.get("choices"))
+    else:
+        assert isinstance(body, dict)
+        ids, text = body["pdxfer"]["token_ids"], body["choices"][0]["text"]
+    assert text == detok(ids)
+    return ids
+
+
+def detok(ids: list[int]) -> str:
+    return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+
+
+def greedy(prompt: str, n: int) -> list[int]:
+    """The colocated reference, ending before EOS as a served request does."""
+    out = MODEL.generate(encode(prompt), n)
+    return out[:out.index(EOS_ID)] if EOS_ID in out else out
 
 
 def test_fifty_requests_identical_to_colocated(cluster: Cluster) -> None:
     prompts = make_prompts(50, seed=1, prefix_words=10)
-    bodies = [{"prompt": p, "max_tokens": 6, "stream": i % 4 == 3}
+    bodies = [{"prompt": p, "max_tokens": 6, "stream": i % 4 == 3, "temperature": 0}
               for i, p in enumerate(prompts)]
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(cluster.complete, bodies))
     for p, (status, body) in zip(prompts, results):
-        assert ids_of(status, body) == MODEL.generate(encode(p), 6), p
+        assert ids_of(status, body) == greedy(p, 6), p
 
 
 def test_repeated_long_prefix_is_restored_and_output_identical(cluster: Cluster) -> None:
     prefix = "the long shared system prompt, " * 12  # 372 tokens: 23 full pages
-    first = cluster.complete({"prompt": prefix + "first question?", "max_tokens": 8})
-    second = cluster.complete({"prompt": prefix + "another one!", "max_tokens": 8})
+    first = cluster.complete({"prompt": prefix + "first question?", "max_tokens": 8,
+                              "temperature": 0})
+    second = cluster.complete({"prompt": prefix + "another one!", "max_tokens": 8,
+                               "temperature": 0})
     for (status, body), tail in ((first, "first question?"), (second, "another one!")):
-        assert ids_of(status, body) == MODEL.generate(encode(prefix + tail), 8)
+        assert ids_of(status, body) == greedy(prefix + tail, 8)
     info1, info2 = first[1]["pdxfer"], second[1]["pdxfer"]
     assert info2["restored_tokens"] >= (len(encode(prefix)) // 16) * 16
     assert info2["bytes"] < info1["bytes"] / 4  # the prefill shipped only the suffix
@@ -79,10 +100,11 @@ def test_repeated_long_prefix_is_restored_and_output_identical(cluster: Cluster)
 
 def test_draft_kv_restored_with_target_keeps_accept_length(cluster: Cluster) -> None:
     ref = spec_reference()
-    body = {"prompt": SPEC_PROMPT, "max_tokens": 24, "speculative_k": 4}
+    body = {"prompt": SPEC_PROMPT, "max_tokens": 24, "speculative_k": 4, "temperature": 0}
     fresh = cluster.complete(body)
     again = cluster.complete(body)
-    assert ids_of(*fresh) == ref.tokens and ids_of(*again) == ref.tokens
+    want = ref.tokens[:ref.tokens.index(EOS_ID)] if EOS_ID in ref.tokens else ref.tokens
+    assert ids_of(*fresh) == want and ids_of(*again) == want
     f, r = fresh[1]["pdxfer"], again[1]["pdxfer"]
     assert f["restored_tokens"] == 0 and r["restored_tokens"] > 300
     assert r["mean_accept_length"] >= 0.9 * f["mean_accept_length"]
@@ -123,8 +145,9 @@ def test_bad_request_gets_4xx_with_message(cluster: Cluster, raw: bytes, why: st
 
 
 def test_good_request_after_bad_ones_still_works(cluster: Cluster) -> None:
-    assert ids_of(*cluster.complete({"prompt": "still fine?", "max_tokens": 5})) == \
-        MODEL.generate(encode("still fine?"), 5)
+    assert ids_of(*cluster.complete({"prompt": "still fine?", "max_tokens": 5,
+                                     "temperature": 0})) == \
+        greedy("still fine?", 5)
     assert cluster.metrics("router")["pdxfer_router_bad_requests"] >= 11
 
 
@@ -133,7 +156,8 @@ def test_killed_prefill_fails_inflight_requests_then_recovers(cluster: Cluster) 
     port = cluster.prefill.port
     prompts = [f"slow request {i}: " + "z" * 900 for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
-        futs = [pool.submit(cluster.complete, {"prompt": p, "max_tokens": 4}, 90)
+        futs = [pool.submit(cluster.complete, {"prompt": p, "max_tokens": 4,
+                                               "temperature": 0}, 90)
                 for p in prompts]
         deadline = time.monotonic() + 60
         while cluster.metrics("prefill").get("pdxfer_prefill_inflight", 0) < 1:
@@ -145,13 +169,13 @@ def test_killed_prefill_fails_inflight_requests_then_recovers(cluster: Cluster) 
     assert errors, "a request in flight on the killed prefill must fail"
     for p, (status, body) in zip(prompts, results):
         if status == 200:  # finished before the kill: must still be right
-            assert ids_of(status, body) == MODEL.generate(encode(p), 4)
+            assert ids_of(status, body) == greedy(p, 4)
         else:
             assert status >= 500 and body["error"]["message"], body
     cluster.start_prefill(port)
     for p in ("after the restart", "and once more, longer " * 10):
-        assert ids_of(*cluster.complete({"prompt": p, "max_tokens": 5})) == \
-            MODEL.generate(encode(p), 5)
+        assert ids_of(*cluster.complete({"prompt": p, "max_tokens": 5, "temperature": 0})) == \
+            greedy(p, 5)
     deadline = time.monotonic() + 30  # failed requests' pages come back (fail-closed release)
     while cluster.metrics("decode")["pdxfer_decode_free_pages"] < 512:
         assert time.monotonic() < deadline, cluster.metrics("decode")

@@ -1,0 +1,347 @@
+"""OpenAI's completions and chat API on the byte tokenizer: parsing, text and response shapes.
+
+No torch and no network here: the router parses a client's request into an ``Ask``, and
+turns the decode's token events into OpenAI text, chunks and responses.
+
+- Every known field is type-checked (a wrong type is a 400); unknown fields are accepted, as
+  OpenAI does; a feature the toy model does not have (penalties, ``best_of``, ``logit_bias``,
+  ``suffix``) is refused with a 400 that says so instead of being ignored.
+- Text is decoded incrementally: an incomplete UTF-8 sequence is held back until its last
+  byte arrives, so the joined stream equals the non-streamed text.
+- Chat template (documented in the README): each message becomes
+  ``<|role|>\\n{content}\\n``, then ``<|assistant|>\\n`` starts the reply.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import BadRequest
+
+MODEL = "pdxfer-toy"
+VOCAB = 257
+EOS_ID = 256
+MAX_N = 8
+MAX_STOP = 4
+MAX_SPEC_K = 8
+MAX_LOGPROBS = 5
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def encode(text: str) -> list[int]:
+    """Same byte tokenizer as ``model.encode`` (kept here so the router never imports torch)."""
+    return list(text.encode("utf-8"))
+
+
+def chat_prompt(messages: list[dict[str, Any]]) -> str:
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+def token_text(t: int) -> str:
+    return bytes([t]).decode("utf-8", errors="backslashreplace") if 0 <= t < 256 else ""
+
+
+@dataclass(slots=True)
+class Ask:
+    """One client request, validated: prompts as token ids plus how to generate."""
+
+    chat: bool
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    max_tokens: int = 16
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    echo: bool = False
+    logprobs: int | None = None
+    spec_k: int = 0
+    ignore_eos: bool = False
+    model: str = MODEL
+
+
+class _Body:
+    """Typed access to a JSON body's known fields."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.b = body
+
+    def get(self, name: str, kinds: tuple[type, ...], default: Any = None,
+            what: str = "") -> Any:
+        v = self.b.get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+            raise BadRequest(f"'{name}' must be {what or ' or '.join(k.__name__ for k in kinds)}"
+                             f", got {type(v).__name__}")
+        return v
+
+    def int_in(self, name: str, default: int | None, lo: int, hi: int) -> int | None:
+        v = self.get(name, (int,), default, "an integer")
+        if v is not None and not lo <= v <= hi:
+            raise BadRequest(f"'{name}' must be in [{lo}, {hi}], got {v}")
+        return v
+
+    def num_in(self, name: str, default: float, lo: float, hi: float) -> float:
+        v = float(self.get(name, (int, float), default, "a number"))
+        if not lo <= v <= hi:
+            raise BadRequest(f"'{name}' must be in [{lo}, {hi}], got {v}")
+        return v
+
+    def unsupported(self, name: str, ok: Any) -> None:
+        v = self.b.get(name)
+        if v is not None and v != ok and not (isinstance(ok, tuple) and v in ok):
+            raise BadRequest(f"'{name}' is not supported by {MODEL} (got {v!r})")
+
+
+def _common(b: _Body, chat: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    model = b.get("model", (str,), MODEL, "a string")
+    out["model"] = model
+    mt = b.int_in("max_completion_tokens", None, 1, 1 << 20) if chat else None
+    out["max_tokens"] = mt if mt is not None else b.int_in("max_tokens", 16, 1, 1 << 20)
+    out["n"] = b.int_in("n", 1, 1, MAX_N)
+    out["stream"] = b.get("stream", (bool,), False, "a boolean")
+    so = b.get("stream_options", (dict,), {}, "an object")
+    inc = so.get("include_usage", False)
+    if not isinstance(inc, bool):
+        raise BadRequest("'stream_options.include_usage' must be a boolean")
+    out["include_usage"] = inc
+    out["temperature"] = b.num_in("temperature", 1.0, 0.0, 2.0)
+    out["top_p"] = b.num_in("top_p", 1.0, 1e-9, 1.0)
+    out["seed"] = b.int_in("seed", None, -(1 << 63), (1 << 63) - 1)
+    stop = b.get("stop", (str, list), [], "a string or a list of strings")
+    if isinstance(stop, str):
+        stop = [stop]
+    if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"'stop' must be up to {MAX_STOP} non-empty strings")
+    out["stop"] = stop
+    out["spec_k"] = b.int_in("speculative_k", 0, 0, MAX_SPEC_K)
+    out["ignore_eos"] = b.get("ignore_eos", (bool,), False, "a boolean")
+    if out["spec_k"] and out["temperature"] != 0:
+        raise BadRequest("'speculative_k' needs temperature 0 (speculative decoding is greedy)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        b.unsupported(name, (0, 0.0))
+        b.get(name, (int, float), 0, "a number")
+    b.unsupported("logit_bias", ({},))
+    b.get("user", (str,), None, "a string")
+    return out
+
+
+def parse_completion(body: dict[str, Any]) -> Ask:
+    b = _Body(body)
+    p = body.get("prompt")
+    if isinstance(p, str):
+        prompts = [encode(p)]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = [encode(x) for x in p]
+    elif isinstance(p, list) and p and all(_is_ids(x) for x in p):
+        prompts = [list(x) for x in p]
+    elif _is_ids(p):
+        prompts = [list(p)]  # type: ignore[arg-type]
+    else:
+        raise BadRequest(f"'prompt' must be a string, a list of strings, a list of token ids "
+                         f"in [0, {VOCAB}) or a list of such lists")
+    if not prompts or any(not x for x in prompts):
+        raise BadRequest("'prompt' is empty")
+    if len(prompts) > MAX_N:
+        raise BadRequest(f"at most {MAX_N} prompts per request")
+    c = _common(b, chat=False)
+    b.unsupported("best_of", (1,))
+    b.unsupported("suffix", ("",))
+    lp = b.int_in("logprobs", None, 0, MAX_LOGPROBS)
+    echo = b.get("echo", (bool,), False, "a boolean")
+    texts = [bytes(t for t in x if t < 256).decode("utf-8", errors="replace") for x in prompts]
+    return Ask(False, prompts, texts, logprobs=lp, echo=echo, **c)
+
+
+def parse_chat(body: dict[str, Any]) -> Ask:
+    b = _Body(body)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("'messages' must be a non-empty list")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BadRequest(f"messages[{i}] must be an object with a role in {ROLES}")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(x, dict) and x.get("type") == "text"
+                       and isinstance(x.get("text"), str) for x in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported")
+            content = "".join(x["text"] for x in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string")
+        clean.append({"role": m["role"], "content": content})
+    c = _common(b, chat=True)
+    want = b.get("logprobs", (bool,), False, "a boolean")
+    top = b.int_in("top_logprobs", None, 0, MAX_LOGPROBS)
+    text = chat_prompt(clean)
+    return Ask(True, [encode(text)], [text], logprobs=(top or 0) if want else None, **c)
+
+
+def _is_ids(x: Any) -> bool:
+    return (isinstance(x, list) and bool(x)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < VOCAB
+                    for t in x))
+
+
+class Detok:
+    """Token ids to text, holding back an incomplete UTF-8 sequence until it completes."""
+
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, ids: list[int]) -> str:
+        return self._dec.decode(bytes(t for t in ids if 0 <= t < 256))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+class StopText:
+    """Cuts the text before the first stop string, never emitting a stop string's prefix
+    that may still complete (it is held until it cannot)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        s = self._held + text
+        hits = [i for i in (s.find(x) for x in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._held = ""
+            return s[:min(hits)]
+        keep = 0
+        for x in self.stops:
+            for k in range(min(len(x) - 1, len(s)), 0, -1):
+                if s.endswith(x[:k]):
+                    keep = max(keep, k)
+                    break
+        self._held = s[len(s) - keep:] if keep else ""
+        return s[:len(s) - keep]
+
+    def flush(self) -> str:
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out
+
+
+@dataclass(slots=True)
+class Choice:
+    """One generated choice as the router assembles it."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def completion_logprobs(lps: list[dict[str, Any]], offset0: int = 0) -> dict[str, Any]:
+    tokens = [token_text(x["token_id"]) for x in lps]
+    offsets, at = [], offset0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [x["logprob"] for x in lps],
+            "top_logprobs": [{token_text(int(k)): v for k, v in x["top"].items()}
+                             for x in lps], "text_offset": offsets}
+
+
+def chat_logprobs(lps: list[dict[str, Any]]) -> dict[str, Any]:
+    def one(t: int, lp: float) -> dict[str, Any]:
+        return {"token": token_text(t), "logprob": lp, "bytes": [t] if t < 256 else []}
+
+    return {"content": [{**one(x["token_id"], x["logprob"]),
+                         "top_logprobs": [one(int(k), v) for k, v in x["top"].items()]}
+                        for x in lps]}
+
+
+def usage(ask: Ask, choices: list[Choice]) -> dict[str, Any]:
+    prompt = sum(len(p) for p in ask.prompts)
+    done = sum(len(c.token_ids) for c in choices)
+    cached = sum(int(c.stats.get("restored_tokens", 0)) for c in choices if c.index % ask.n == 0)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def extension(c: Choice) -> dict[str, Any]:
+    """pdxfer's own per-choice figures (the documented ``pdxfer`` field)."""
+    s = c.stats
+    out = {"room": s.get("room"), "prefill": s.get("prefill"), "decode": s.get("decode"),
+           "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+           "restored_tokens": s.get("restored_tokens", 0), "bytes": s.get("bytes", 0),
+           "decode_ttft_s": s.get("ttft_s"), "seconds": s.get("seconds")}
+    if "accept_lengths" in s:
+        out["accept_lengths"] = s["accept_lengths"]
+        out["mean_accept_length"] = s["mean_accept_length"]
+    return out
+
+
+def response(ask: Ask, rid: str, choices: list[Choice]) -> dict[str, Any]:
+    created = int(time.time())
+    if ask.chat:
+        body_choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "finish_reason": c.finish_reason,
+                         "logprobs": chat_logprobs(c.logprobs) if ask.logprobs is not None
+                         else None} for c in choices]
+        obj = "chat.completion"
+    else:
+        body_choices = []
+        for c in choices:
+            echo = ask.prompt_texts[c.index // ask.n] if ask.echo else ""
+            body_choices.append({
+                "index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
+                "logprobs": completion_logprobs(c.logprobs, len(echo))
+                if ask.logprobs is not None else None})
+        obj = "text_completion"
+    ext = extension(choices[0]) if choices else {}
+    if len(choices) > 1:
+        ext["choices"] = [extension(c) for c in choices]
+    return {"id": rid, "object": obj, "created": created, "model": ask.model,
+            "choices": body_choices, "usage": usage(ask, choices), "pdxfer": ext}
+
+
+def chunk(ask: Ask, rid: str, created: int, index: int, text: str | None,
+          finish_reason: str | None = None, logprobs: list[dict[str, Any]] | None = None,
+          role: bool = False) -> dict[str, Any]:
+    """One streamed chunk of one choice (``text`` None: no text in it)."""
+    if ask.chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        ch: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason,
+                              "logprobs": chat_logprobs(logprobs) if logprobs else None}
+        obj = "chat.completion.chunk"
+    else:
+        ch = {"index": index, "text": text or "", "finish_reason": finish_reason,
+              "logprobs": completion_logprobs(logprobs) if logprobs else None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": ask.model, "choices": [ch]}
+
+
+def usage_chunk(ask: Ask, rid: str, created: int, choices: list[Choice]) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if ask.chat else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": ask.model, "choices": [],
+            "usage": usage(ask, choices)}
+
+
+def models() -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0,
+                                        "owned_by": "pdxfer"}]}
