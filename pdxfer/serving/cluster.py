@@ -1,4 +1,4 @@
-"""A bootstrap, one prefill, one decode and a router on loopback: what the demo, the bench
+"""A bootstrap, prefill and decode workers and a router on loopback: what the demo, the bench
 and the end-to-end tests run. Children are stopped by pid on exit, error or Ctrl-C."""
 
 from __future__ import annotations
@@ -15,41 +15,67 @@ from .procs import Proc, stop_all
 
 
 class Cluster:
+    """``prefills`` prefill workers (each its own instance on the one bootstrap server),
+    ``decodes`` decode workers, and the router in front of them all."""
+
     def __init__(self, *, worker_args: Sequence[str] = (), prefill_args: Sequence[str] = (),
                  decode_args: Sequence[str] = (), router_args: Sequence[str] = (),
-                 log_level: str = "WARNING", quiet: bool = True, timeout: float = 180.0) -> None:
+                 log_level: str = "WARNING", quiet: bool = True, timeout: float = 180.0,
+                 prefills: int = 1, decodes: int = 1, env: dict[str, str] | None = None
+                 ) -> None:
         self.worker_args, self.prefill_args = list(worker_args), list(prefill_args)
         self.decode_args, self.router_args = list(decode_args), list(router_args)
         self.log_level, self.quiet, self.timeout = log_level, quiet, timeout
+        self.n_prefills, self.n_decodes, self.env = prefills, decodes, env
         self.bootstrap: BootstrapServer | None = None
-        self.prefill: Proc | None = None
-        self.decode: Proc | None = None
+        self.prefills: list[Proc | None] = []
+        self.decodes: list[Proc] = []
         self.router: Proc | None = None
+
+    @property
+    def prefill(self) -> Proc | None:
+        return self.prefills[0] if self.prefills else None
+
+    @property
+    def decode(self) -> Proc | None:
+        return self.decodes[0] if self.decodes else None
 
     def _proc(self, name: str, args: list[str], wait: bool = True) -> Proc:
         return Proc(name, ["--log-level", self.log_level, *args], timeout=self.timeout,
-                    quiet=self.quiet, wait=wait)
+                    quiet=self.quiet, wait=wait, env=self.env)
 
-    def start_prefill(self, port: int = 0, wait: bool = True) -> Proc:
+    def _instance(self, i: int) -> str:
+        return "default" if i == 0 else f"prefill{i}"
+
+    def start_prefill(self, port: int = 0, wait: bool = True, i: int = 0) -> Proc:
         assert self.bootstrap is not None
-        self.prefill = self._proc("prefill", [
+        proc = self._proc(f"prefill{i or ''}", [
             "prefill", "--port", str(port), "--bootstrap", self.bootstrap.address,
-            *self.worker_args, *self.prefill_args], wait)
-        return self.prefill
+            "--instance", self._instance(i), *self.worker_args, *self.prefill_args], wait)
+        while len(self.prefills) <= i:
+            self.prefills.append(None)
+        self.prefills[i] = proc
+        return proc
 
     def start(self) -> Cluster:
         try:
             self.bootstrap = BootstrapServer("127.0.0.1", 0).start()
-            self.start_prefill(wait=False)
-            self.decode = self._proc("decode", ["decode", "--port", "0",
-                                                *self.worker_args, *self.decode_args], False)
-            assert self.prefill is not None
-            self.prefill.wait_ready()
-            self.decode.wait_ready()
-            self.router = self._proc("router", [
-                "router", "--port", "0", "--prefill",
-                f"{self.prefill.url},{self.bootstrap.address}", "--decode", self.decode.url,
-                *self.router_args])
+            for i in range(self.n_prefills):
+                self.start_prefill(wait=False, i=i)
+            self.decodes = [self._proc(f"decode{i or ''}", ["decode", "--port", "0",
+                                                            *self.worker_args,
+                                                            *self.decode_args], False)
+                            for i in range(self.n_decodes)]
+            for p in [*self.prefills, *self.decodes]:
+                assert p is not None
+                p.wait_ready()
+            args = ["router", "--port", "0"]
+            for i, p in enumerate(self.prefills):
+                assert p is not None
+                args += ["--prefill", f"{p.url},{self.bootstrap.address},{self._instance(i)}"]
+            for d in self.decodes:
+                args += ["--decode", d.url]
+            self.router = self._proc("router", [*args, *self.router_args])
         except BaseException:
             self.stop()
             raise
@@ -57,7 +83,7 @@ class Cluster:
 
     @property
     def procs(self) -> list[Proc]:
-        return [p for p in (self.prefill, self.decode, self.router) if p is not None]
+        return [p for p in (*self.prefills, *self.decodes, self.router) if p is not None]
 
     def stop(self) -> None:
         stop_all(self.procs)
@@ -79,7 +105,10 @@ class Cluster:
         return post(f"{self.router.url}/v1/completions", body, timeout, raw)
 
     def metrics(self, which: str) -> dict[str, float]:
-        proc = {"prefill": self.prefill, "decode": self.decode, "router": self.router}[which]
+        proc = {"prefill": self.prefill, "decode": self.decode, "router": self.router}.get(which)
+        if proc is None and which.startswith(("prefill", "decode")):  # "decode1", "prefill1"
+            i = int(which.removeprefix("prefill").removeprefix("decode"))
+            proc = (self.prefills if which.startswith("prefill") else self.decodes)[i]
         assert proc is not None
         with urllib.request.urlopen(f"{proc.url}/metrics", timeout=10) as r:
             text = r.read().decode()
