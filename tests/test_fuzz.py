@@ -2,7 +2,9 @@
 
 Targets: the wire decoder (random bytes, and structurally valid msgpack with wrong types, huge
 lengths, negative and out-of-range values), a live prefill endpoint's message handler (real
-transport, real registered memory that must stay untouched), and the bootstrap HTTP API.
+transport, real registered memory that must stay untouched), the same with a shared secret
+(authenticated frames with wrong MACs, old counters and wrong pairs, and garbage under a valid
+MAC), and the bootstrap HTTP API.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ from pdxfer.testing.patterns import PoolGeom
 N = 2000
 FUZZ = settings(max_examples=N, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
-HEADER = wire.MAGIC + bytes([wire.PROTOCOL_VERSION])
+KIND = {k.__name__: k for k in wire.KINDS}
+
+
+def framed(msg: dict, kind: type | None = None) -> bytes:
+    """A plain frame around a msgpack payload (raises for values msgpack cannot carry)."""
+    return wire.frame(msgspec.msgpack.encode(msg), kind or KIND.get(msg.get("type"), wire.Abort))
 
 ints = st.one_of(st.integers(-(2**70), 2**70), st.integers(-5, 100))
 scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=True),
@@ -45,14 +52,14 @@ def packed(draw_ints: list[int]) -> bytes:
 request_like = st.fixed_dictionaries({
     "type": st.just("TransferRequest"),
     "room": ints, "nonce": ints, "endpoint_id": st.text(max_size=20),
-    "reply_to": st.one_of(LOOPBACK, st.text(max_size=30)),
     "dst": st.dictionaries(st.sampled_from(["kv", "aux", "nope", ""]),
                            st.one_of(st.binary(max_size=40),
                                      st.lists(st.integers(-10, 10**6), max_size=30).map(packed)),
                            max_size=3),
     "slots": st.dictionaries(st.sampled_from(["aux", "kv", "x"]), ints, max_size=2),
     "prefix_len": ints, "num_tokens": ints,
-}, optional={"expected_senders": ints, "decode_peers": ints, "deadline_s": scalars,
+}, optional={"reply_to": st.one_of(LOOPBACK, st.text(max_size=30)),  # no longer a field
+             "expected_senders": ints, "decode_peers": ints, "deadline_s": scalars,
              "hold_for_repair": scalars, "extra": values})
 other_like = st.fixed_dictionaries({
     "type": st.sampled_from(["Hello", "HelloAck", "TransferDone", "Abort", "AbortAck",
@@ -67,7 +74,8 @@ messages = st.one_of(request_like, other_like)
 @FUZZ
 @given(st.binary(max_size=300))
 def test_decoder_survives_random_bytes(data: bytes) -> None:
-    for frame in (data, HEADER + data):
+    for frame in (data, wire.frame(data, wire.TransferRequest), wire.encode(
+            wire.Release(room=1, nonce=2))[:wire.HEADER_LEN] + data):
         try:
             wire.decode(frame)
         except WireError:
@@ -78,7 +86,7 @@ def test_decoder_survives_random_bytes(data: bytes) -> None:
 @given(messages)
 def test_decoder_rejects_or_validates_structured_garbage(msg: dict) -> None:
     try:
-        frame = HEADER + msgspec.msgpack.encode(msg)
+        frame = framed(msg)
     except (OverflowError, TypeError):
         return  # not representable in msgpack: a peer cannot send it either
     try:
@@ -118,9 +126,10 @@ def test_prefill_handler_never_crashes_and_never_writes_outside_a_request(
         live, msg: dict, as_known_peer: bool) -> None:
     pf, dc, mem = live
     if as_known_peer and msg.get("type") == "TransferRequest":
-        msg = {**msg, "endpoint_id": dc.endpoint_id, "reply_to": dc.ctrl_addr}
+        msg = {k: v for k, v in msg.items() if k != "reply_to"}
+        msg["endpoint_id"] = dc.endpoint_id
     try:
-        frame = HEADER + msgspec.msgpack.encode(msg)
+        frame = framed(msg)
     except (OverflowError, TypeError):
         return
     errors = pf.control.handler_errors

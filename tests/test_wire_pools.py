@@ -14,7 +14,7 @@ from pdxfer.pools import check_pair, check_pools
 
 
 def req(**kw: object) -> wire.TransferRequest:
-    base = dict(room=42, nonce=7, endpoint_id="d0", reply_to="tcp://127.0.0.1:5",
+    base = dict(room=42, nonce=7, endpoint_id="d0",
                 dst={"kv": wire.pack_indices([3, 1, 2])}, slots={"aux": 1}, prefix_len=0,
                 num_tokens=40)
     base.update(kw)
@@ -24,7 +24,7 @@ def req(**kw: object) -> wire.TransferRequest:
 @pytest.mark.parametrize("msg", [
     req(),
     wire.TransferDone(room=1, nonce=2, endpoint_id="p", rank=0, ok=False, reason="x" * 100),
-    wire.Abort(room=(1 << 63) - 1, nonce=0, reason="r", reply_to="tcp://a:1"),
+    wire.Abort(room=(1 << 63) - 1, nonce=0, reason="r", endpoint_id="d"),
     wire.AbortAck(room=5, nonce=6, known=False),
     wire.Release(room=5, nonce=6),
     wire.HelloAck(endpoint_id="p", ok=False, reason="nope"),
@@ -40,19 +40,26 @@ def test_packed_indices_round_trip() -> None:
         wire.pack_indices([-1])
 
 
+def _f(payload: bytes, kind: type = wire.Abort) -> bytes:
+    return wire.frame(payload, kind)
+
+
 @pytest.mark.parametrize("frame,why", [
     (b"", "magic"),
     (b"XYZ\x01abc", "magic"),
     (wire.MAGIC + b"\x09" + b"\x80", "version"),
-    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + b"\xc1", "malformed"),
-    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode({"type": "Nope"}),
+    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + b"\x80", "shorter than its header"),
+    (_f(b"\xc1"), "malformed"),
+    (_f(msgspec.msgpack.encode({"type": "Nope"})), "invalid"),
+    (_f(msgspec.msgpack.encode({"type": "Abort", "room": -1, "nonce": 0})), "invalid"),
+    (_f(msgspec.msgpack.encode({"type": "Abort", "room": 1, "nonce": 0, "extra": 1})),
      "invalid"),
-    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(
-        {"type": "Abort", "room": -1, "nonce": 0}), "invalid"),
-    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(
-        {"type": "Abort", "room": 1, "nonce": 0, "extra": 1}), "invalid"),
-    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(
-        {"type": "Abort", "room": "1", "nonce": 0}), "invalid"),
+    (_f(msgspec.msgpack.encode({"type": "Abort", "room": "1", "nonce": 0})), "invalid"),
+    (_f(msgspec.msgpack.encode({"type": "Release", "room": 1, "nonce": 0})),
+     "header says Abort"),
+    (_f(msgspec.msgpack.encode({"type": "Abort", "room": 1, "nonce": 0}))[:-1], "arrived"),
+    (_f(b"\x00" * (wire.MAX_SMALL + 1)), "exceeds"),
+    (_f(b"\x00" * (wire.MAX_HELLO + 1), wire.Hello), "exceeds"),
 ])
 def test_malformed_frames_are_rejected_with_a_reason(frame: bytes, why: str) -> None:
     with pytest.raises(WireError, match=why):
@@ -61,18 +68,18 @@ def test_malformed_frames_are_rejected_with_a_reason(frame: bytes, why: str) -> 
 
 def test_request_with_prefix_beyond_tokens_is_rejected() -> None:
     frame = wire.encode(req())
-    raw = msgspec.msgpack.decode(frame[4:])
+    raw = msgspec.msgpack.decode(frame[wire.HEADER_LEN:])
     raw["prefix_len"] = 100
     with pytest.raises(WireError, match="prefix_len"):
-        wire.decode(frame[:4] + msgspec.msgpack.encode(raw))
+        wire.decode(wire.frame(msgspec.msgpack.encode(raw), wire.TransferRequest))
 
 
 def test_request_with_torn_packed_indices_is_rejected() -> None:
     frame = wire.encode(req())
-    raw = msgspec.msgpack.decode(frame[4:])
+    raw = msgspec.msgpack.decode(frame[wire.HEADER_LEN:])
     raw["dst"] = {"kv": b"\x01\x02\x03"}
     with pytest.raises(WireError, match="multiple of 4"):
-        wire.decode(frame[:4] + msgspec.msgpack.encode(raw))
+        wire.decode(wire.frame(msgspec.msgpack.encode(raw), wire.TransferRequest))
 
 
 # -- pools --------------------------------------------------------------------------------

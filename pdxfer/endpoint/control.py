@@ -21,8 +21,8 @@ from ..faults import faults
 log = logging.getLogger("pdxfer.control")
 
 MAX_PEER_SOCKETS = 1024
-"""Peer sockets kept open; the least recently used is closed beyond this, so a peer that
-names many reply addresses cannot exhaust file descriptors."""
+"""Peer sockets kept open; the least recently used is closed beyond this. Frames only ever go
+to registered peers' addresses (never to one named in a message), so this is a backstop."""
 
 
 class Control:
@@ -102,6 +102,7 @@ class Control:
                 s = self._ctx.socket(zmq.PUSH)
                 s.setsockopt(zmq.LINGER, 0)
                 s.setsockopt(zmq.SNDHWM, 100_000)
+                s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # a dead peer: back off, not spin
                 try:
                     s.connect(addr)
                 except zmq.ZMQError as e:
@@ -119,6 +120,10 @@ class Control:
                 self.send_failures += 1
                 log.warning("send to %s failed: %s", addr, e)
                 return False
+
+    def sockets(self) -> int:
+        """Open peer sockets (a metric: bounded by the peers a rank keeps)."""
+        return len(self._push)
 
     def forget(self, addr: str) -> None:
         """Drop the socket to a peer that is gone (its queued frames are discarded)."""
