@@ -11,16 +11,27 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import time
 import urllib.parse
 from collections.abc import Iterator
 
 import msgspec
 import numpy as np
 import pytest
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdxfer import BootstrapServer, Endpoint, EndpointConfig, WireError, wire
+from pdxfer import (
+    BootstrapServer,
+    Endpoint,
+    EndpointConfig,
+    WireError,
+    auth,
+    layout_signature,
+    wire,
+)
 from pdxfer.testing import patterns as pat
 from pdxfer.testing.patterns import PoolGeom
 
@@ -114,7 +125,7 @@ def live() -> Iterator[tuple[Endpoint, Endpoint, dict]]:
     hello = wire.Hello(endpoint_id=dc.endpoint_id, ctrl_addr=dc.ctrl_addr,
                        session=dc.transport.session_id, tp_rank=0, tp_size=1,
                        signature=__import__("pdxfer").layout_signature(ds), pools=tuple(ds))
-    pf._on_frame(wire.encode(hello))
+    pf.core._on_frame(wire.encode(hello))
     yield pf, dc, {"specs": ds, "tensors": dt, "keep": (pt, ps)}
     pf.close()
     dc.close()
@@ -132,9 +143,9 @@ def test_prefill_handler_never_crashes_and_never_writes_outside_a_request(
         frame = framed(msg)
     except (OverflowError, TypeError):
         return
-    errors = pf.control.handler_errors
-    pf._on_frame(frame)  # must not raise
-    assert pf.control.handler_errors == errors
+    errors = pf.core.control.handler_errors
+    pf.core._on_frame(frame)  # must not raise
+    assert pf.core.control.handler_errors == errors
     # no sender exists for these rooms, so nothing may have been written to the decode
     assert pf.transport.stats.calls == 0
 
@@ -149,6 +160,107 @@ def test_fuzzed_prefill_endpoint_left_memory_and_tables_clean(live) -> None:
     while pf.metrics()["pending_requests"] and time.monotonic() < end:
         time.sleep(0.05)
     assert pf.metrics()["pending_requests"] == 0
+
+
+SECRET = b"a fuzzing secret of 16+ bytes"
+
+
+class Forger:
+    """A decode that holds the secret and completed a real handshake with ``pf``: it can make
+    frames with a valid MAC, and break them on purpose."""
+
+    def __init__(self, pf: Endpoint, specs: list) -> None:
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.addr = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
+        self.pair = os.urandom(16)
+        hello = wire.Hello(endpoint_id="forger", ctrl_addr=self.addr, session="127.0.0.1:2",
+                           tp_rank=0, tp_size=1, signature=layout_signature(specs),
+                           pools=tuple(specs), ts=time.time())
+        pf.core._on_frame(wire.frame(wire.payload(hello), wire.Hello, wire.HELLO, self.pair, 0,
+                                     auth.hello_key(SECRET)))
+        assert self.pull.poll(5000), "no HelloAck"
+        ack = self.pull.recv()
+        h = wire.header(ack)
+        assert wire.verify(ack, auth.ack_key(SECRET, self.pair), h.mac)
+        msg = wire.body(ack, h)
+        assert isinstance(msg, wire.HelloAck) and msg.ok, msg
+        self.key, _ = auth.session_keys(SECRET, self.pair, msg.nonce, "forger", pf.endpoint_id)
+        self.counter = 0
+
+    def seal(self, payload: bytes, kind: type, counter: int | None = None,
+             pair: bytes | None = None, key: bytes | None = None) -> bytes:
+        if counter is None:
+            self.counter += 1
+            counter = self.counter
+        return wire.frame(payload, kind, wire.SESSION, pair or self.pair, counter, key or self.key)
+
+    def close(self) -> None:
+        self.pull.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def secured_live() -> Iterator[tuple[Endpoint, Forger]]:
+    ps, pt = pat.build(GEOMS)
+    ds, _ = pat.build(GEOMS)
+    pf = Endpoint(EndpointConfig(role="prefill", bootstrap_timeout_s=0.5,
+                                 secret=SECRET.decode()), ps)
+    f = Forger(pf, ds)
+    yield pf, f
+    f.close()
+    pf.close()
+
+
+@FUZZ
+@given(messages, st.sampled_from(["wrong_mac", "old_counter", "replay", "wrong_pair",
+                                  "unsigned", "valid_mac"]))
+def test_authenticated_frames_with_a_wrong_mac_counter_or_pair_change_nothing(
+        secured_live, msg: dict, how: str) -> None:
+    pf, f = secured_live
+    msg = {k: v for k, v in msg.items() if k != "reply_to"}
+    try:
+        payload = msgspec.msgpack.encode(msg)
+    except (OverflowError, TypeError):
+        return
+    kind = KIND.get(msg.get("type"), wire.Release)
+    before = pf.metrics()
+    tables = pf.tables()
+    if how == "valid_mac":  # garbage under a valid MAC: decoded, then refused or handled
+        pf.core._on_frame(f.seal(payload, kind))
+        assert pf.core.control.handler_errors == 0
+        assert pf.transport.stats.calls == 0
+        return
+    if how in ("replay", "old_counter"):
+        ok = f.seal(wire.payload(wire.Release(room=1, nonce=1, endpoint_id="forger")),
+                    wire.Release)
+        pf.core._on_frame(ok)  # admitted (a stale Release), then replayed or outrun
+        before = pf.metrics()
+        frame = ok if how == "replay" else f.seal(payload, kind, counter=max(
+            1, f.counter - 5000))
+        if how == "old_counter":
+            f.counter += 5000  # the window has moved on: anything 4096 behind is old
+            pf.core._on_frame(f.seal(wire.payload(wire.Release(room=1, nonce=1)), wire.Release))
+            before = pf.metrics()
+            frame = f.seal(payload, kind, counter=f.counter - 4097)
+    elif how == "wrong_mac":
+        frame = f.seal(payload, kind, key=os.urandom(32))
+    elif how == "wrong_pair":
+        frame = f.seal(payload, kind, pair=os.urandom(16))
+    else:
+        frame = wire.frame(payload, kind)
+    pf.core._on_frame(frame)
+    after = pf.metrics()
+    reason = {"wrong_mac": "bad_mac", "old_counter": "replay", "replay": "replay",
+              "wrong_pair": "unknown_pair", "unsigned": "unsigned"}[how]
+    if how != "replay" and kind not in pf.core.handlers:  # refused on its kind first
+        reason = "unexpected"
+    if how != "replay" and len(payload) > wire.cap(kind):
+        reason = "oversized"
+    assert after.get(f"rejected_{reason}", 0) == before.get(f"rejected_{reason}", 0) + 1, how
+    assert after["wire_rejected"] == before.get("wire_rejected", 0) + 1
+    assert pf.tables() == tables
+    assert pf.transport.stats.calls == 0
 
 
 @pytest.fixture(scope="module")
