@@ -84,6 +84,9 @@ class Hello(Msg):
     ts: float = 0.0
     room: Room | None = None
     instance: Str = ""
+    to: Str = ""
+    """The prefill endpoint this Hello is for: a Hello captured on its way to one prefill
+    cannot open (and so replace) the decode's pair with another."""
 
 
 class HelloAck(Msg):

@@ -149,7 +149,7 @@ class Endpoint:
             m["active_rooms"] = len(side.rooms) if side else 0
             m.update({f"table_{k}": v for k, v in self.tables().items()})
             if self.prefill:
-                m["pending_requests"] = sum(len(w) for _, w in self.prefill.pending.values())
+                m["pending_requests"] = self.prefill.pending_count
             if self.decode:
                 m["quarantined_pages"] = self.decode.quarantined_pages()
         s = core.transport.stats

@@ -151,6 +151,7 @@ class PrefillSide:
         self.rooms: dict[int, SenderRoom] = {}
         self.pending: dict[int, tuple[float, list[Pending]]] = {}
         self.pending_bytes = 0
+        self.pending_count = 0
         self.tombstones: OrderedDict[tuple[int, str, int], tuple[float, str]] = OrderedDict()
         """Rooms that failed (key ``(room, "", 0)``) or that a decode aborted before its
         request came (``(room, endpoint, nonce)``): a late request for them is refused."""
@@ -185,6 +186,7 @@ class PrefillSide:
     def _take_pending(self, room: int) -> list[Pending]:
         _, waiting = self.pending.pop(room, (0.0, []))
         self.pending_bytes -= sum(n for _, _, n in waiting)
+        self.pending_count -= len(waiting)
         return waiting
 
     def _tombstone(self, key: tuple[int, str, int], why: str) -> None:
@@ -248,6 +250,9 @@ class PrefillSide:
             return
         if fresh:
             self.ep.reject(fresh, f"Hello from {msg.endpoint_id}: {fresh}")
+            return
+        if self.ep.secret is not None and msg.to != self.ep.endpoint_id:
+            self.ep.reject("wrong_pair", f"Hello from {msg.endpoint_id} is for {msg.to!r}")
             return
         reason = self._check_hello(msg)
         peer_pools = {p.name: p for p in msg.pools}
@@ -366,11 +371,13 @@ class PrefillSide:
         if peer is None:
             return
         with self.ep.lock:
+            st = self.rooms.get(req.room)
+            if st is None and not self._pending_fits(req, peer):
+                return  # refused before its indices are even unpacked
             why, dst = self._validate(req, peer)
             if why:
                 self._refuse(req, peer, why, "plan")
                 return
-            st = self.rooms.get(req.room)
             if st is not None and st.hold_until:
                 self._repair(st, req, peer, dst)
                 return
@@ -392,16 +399,21 @@ class PrefillSide:
             self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
                          "duplicate_room")
             return
-        size = 1024 + 3 * sum(len(v) for v in req.dst.values())  # packed + unpacked copies
-        n = sum(len(w) for _, w in self.pending.values())
-        if n >= self.cfg.max_pending or self.pending_bytes + size > self.cfg.max_pending_bytes:
-            self.ep.count("rejected_pending_full")
-            self._refuse(req, peer, f"too many requests waiting for their room on this prefill "
-                                    f"({n}, {self.pending_bytes} bytes)", "busy")
-            return
+        size = _pending_size(req)
         waiting.append((req, peer, size))
         self.pending[req.room] = (exp, waiting)
         self.pending_bytes += size
+        self.pending_count += 1
+
+    def _pending_fits(self, req: wire.TransferRequest, peer: DecodePeer) -> bool:
+        """Whether one more request fits the pending caps; refuses it when not."""
+        n, size = self.pending_count, _pending_size(req)
+        if n < self.cfg.max_pending and self.pending_bytes + size <= self.cfg.max_pending_bytes:
+            return True
+        self.ep.count("rejected_pending_full")
+        self._refuse(req, peer, f"too many requests waiting for their room on this prefill "
+                                f"({n}, {self.pending_bytes} bytes)", "busy")
+        return False
 
     def on_abort(self, msg: wire.Abort, sess: Session | None, _: wire.Header) -> None:
         peer = self._peer(msg.endpoint_id, sess, f"abort of room {msg.room}")
@@ -418,6 +430,7 @@ class PrefillSide:
                     left = [x for x in exp_w[1] if not (x[0].nonce == msg.nonce and x[1] is peer)]
                     known = len(left) != len(exp_w[1])
                     self.pending_bytes -= sum(x[2] for x in exp_w[1] if x not in left)
+                    self.pending_count -= len(exp_w[1]) - len(left)
                     if left:
                         self.pending[msg.room] = (exp_w[0], left)
                     else:
@@ -693,6 +706,11 @@ class PrefillSide:
             self.ep.timeline.observe("waiting", st.t_request - st.t_created)
             self.ep.timeline.observe("transfer", now - st.t_request)
         self.ep.count_transfer(t.bytes, t.blocks)
+
+
+def _pending_size(req: wire.TransferRequest) -> int:
+    """Memory a parked request holds: its packed indices and their unpacked int64 copy."""
+    return 1024 + 3 * sum(len(v) for v in req.dst.values())
 
 
 def _sliced(t: Target) -> bool:
