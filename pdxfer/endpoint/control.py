@@ -25,6 +25,9 @@ MAX_PEER_SOCKETS = 1024
 to registered peers' addresses (never to one named in a message), so this is a backstop."""
 
 
+RCVHWM = 1000
+
+
 class Control:
     """Receives frames on ``address`` and sends frames to peers' addresses."""
 
@@ -41,7 +44,10 @@ class Control:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame)
-        self._pull.setsockopt(zmq.RCVHWM, 100_000)
+        # Frames ZMQ holds per connection before this thread reads them: a flooder that
+        # outruns the reader is pushed back (TCP) instead of growing this process's memory;
+        # a legitimate burst waits in its sender's queue (SNDHWM) instead.
+        self._pull.setsockopt(zmq.RCVHWM, RCVHWM)
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._on_frame = on_frame
