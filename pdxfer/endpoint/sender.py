@@ -395,7 +395,7 @@ class PrefillSide:
     def _park(self, req: wire.TransferRequest, peer: DecodePeer, now: float) -> None:
         """Hold a request whose room has no sender yet, within the pending caps."""
         exp, waiting = self.pending.get(req.room, (now + self.cfg.bootstrap_timeout_s, []))
-        if any(p is peer for _, p, _ in waiting):
+        if any(p.endpoint_id == peer.endpoint_id for _, p, _ in waiting):
             self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
                          "duplicate_room")
             return
@@ -422,12 +422,12 @@ class PrefillSide:
         with self.ep.lock:
             st = self.rooms.get(msg.room)
             target = None if st is None else next(
-                (t for t in st.targets if t.req.nonce == msg.nonce and t.peer is peer), None)
+                (t for t in st.targets if t.req.nonce == msg.nonce and t.peer.endpoint_id == peer.endpoint_id), None)
             if target is None:
                 exp_w = self.pending.get(msg.room)
                 known = False
                 if exp_w is not None:
-                    left = [x for x in exp_w[1] if not (x[0].nonce == msg.nonce and x[1] is peer)]
+                    left = [x for x in exp_w[1] if not (x[0].nonce == msg.nonce and x[1].endpoint_id == peer.endpoint_id)]
                     known = len(left) != len(exp_w[1])
                     self.pending_bytes -= sum(x[2] for x in exp_w[1] if x not in left)
                     self.pending_count -= len(exp_w[1]) - len(left)
@@ -453,7 +453,7 @@ class PrefillSide:
             return
         with self.ep.lock:
             st = self.rooms.get(msg.room)
-            if st is None or not any(t.req.nonce == msg.nonce and t.peer is peer
+            if st is None or not any(t.req.nonce == msg.nonce and t.peer.endpoint_id == peer.endpoint_id
                                      for t in st.targets):
                 self.ep.count("stale_messages")
                 return
@@ -475,7 +475,7 @@ class PrefillSide:
                 dst: dict[str, np.ndarray]) -> None:
         """A decode that held this room asks for a range again (its local restore failed):
         write the range from the pages still held (called under the lock)."""
-        if not any(t.peer is peer and t.req.hold_for_repair for t in st.targets):
+        if not any(t.peer.endpoint_id == peer.endpoint_id and t.req.hold_for_repair for t in st.targets):
             self._refuse(req, peer, f"room {req.room} is not held for decode {req.endpoint_id}",
                          "duplicate_room")
             return
@@ -533,7 +533,7 @@ class PrefillSide:
             self._refuse(req, peer, f"room {req.room} is bound to decode {st.bound!r}, not "
                                     f"{peer.endpoint_id} (instance {peer.instance!r})", "remote")
             return
-        if any(t.peer is peer for t in st.targets):
+        if any(t.peer.endpoint_id == peer.endpoint_id for t in st.targets):
             self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
                          "duplicate_room")
             return

@@ -108,8 +108,10 @@ class Trust:
         if sess is None:
             raise Rejected("unknown_pair", f"{h.kind.__name__} for an unknown pair")
         if h.mode == wire.ACK:
-            if h.kind is not wire.HelloAck or sess.ack_key is None or sess.established:
+            if h.kind is not wire.HelloAck:
                 raise Rejected("unexpected", f"{h.kind.__name__} under an ack key")
+            if sess.ack_key is None or sess.established:  # e.g. the answer to a retransmit
+                raise Rejected("replay", "HelloAck for a handshake already settled")
             key = sess.ack_key
         else:
             if sess.recv_key is None:
