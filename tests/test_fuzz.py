@@ -176,7 +176,7 @@ class Forger:
         self.pair = os.urandom(16)
         hello = wire.Hello(endpoint_id="forger", ctrl_addr=self.addr, session="127.0.0.1:2",
                            tp_rank=0, tp_size=1, signature=layout_signature(specs),
-                           pools=tuple(specs), ts=time.time())
+                           pools=tuple(specs), ts=time.time(), to=pf.endpoint_id)
         pf.core._on_frame(wire.frame(wire.payload(hello), wire.Hello, wire.HELLO, self.pair, 0,
                                      auth.hello_key(SECRET)))
         assert self.pull.poll(5000), "no HelloAck"

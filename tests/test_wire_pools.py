@@ -141,3 +141,38 @@ def test_inconsistent_specs_are_refused_at_construction() -> None:
         msgspec.convert({"name": "kv", "kind": "paged", "buffers": [
             {"addr": 4096, "nbytes": 10, "layer_id": 0, "role": "k"}], "item_bytes": 64,
             "num_items": 4}, PoolSpec)
+
+
+# -- frame authentication -------------------------------------------------------------------
+
+
+def test_replay_window_accepts_each_counter_once_out_of_order_but_not_too_old() -> None:
+    from pdxfer.endpoint.trust import ReplayWindow
+
+    w = ReplayWindow()
+    assert not w.accept(0)  # counters start at 1
+    assert w.accept(5) and w.accept(3) and w.accept(4)  # threads may interleave
+    assert not w.accept(5) and not w.accept(3)  # each once
+    assert w.accept(10_000)
+    assert not w.accept(10_000 - ReplayWindow.SIZE)  # too old to tell: refused
+    assert w.accept(10_000 - ReplayWindow.SIZE + 1)
+
+
+def test_mac_covers_header_and_payload_and_keys_differ_per_direction_and_pair() -> None:
+    from pdxfer import auth
+
+    key = b"k" * 32
+    f = wire.frame(wire.payload(wire.Release(room=1, nonce=2)), wire.Release, wire.SESSION,
+                   b"p" * 16, 7, key)
+    h = wire.header(f)
+    assert wire.verify(f, key, h.mac)
+    for i in (3, 6, 10, 30, len(f) - 1):  # mode, length, pair, counter, payload
+        g = bytearray(f)
+        g[i] ^= 1
+        assert not wire.verify(bytes(g), key, h.mac), i
+    s = b"a shared secret of 16+ bytes"
+    d2p, p2d = auth.session_keys(s, b"p" * 16, b"q" * 16, "d", "p")
+    assert d2p != p2d
+    assert auth.session_keys(s, b"x" * 16, b"q" * 16, "d", "p")[0] != d2p
+    assert auth.session_keys(s, b"p" * 16, b"q" * 16, "e", "p")[0] != d2p
+    assert auth.ack_key(s, b"p" * 16) != auth.ack_key(s, b"x" * 16)
