@@ -1,9 +1,11 @@
-"""Shared-secret access control: HMAC-SHA256 on bootstrap requests and on ``Hello``.
+"""Shared-secret access control: HMAC-SHA256 on bootstrap requests and on every control frame.
 
 The secret comes from ``PDXFER_SECRET`` or a file named by ``PDXFER_SECRET_FILE`` (or is
-passed explicitly). With no secret configured, nothing is signed or checked (the loopback
-demo); with one, every bootstrap request but ``/health`` and every ``Hello`` must carry a
-valid signature, or it is refused with a message that says so.
+passed explicitly). With no secret configured, nothing is signed or checked (loopback and
+trusted networks only); with one, every bootstrap request but ``/health`` must carry a valid
+signature, and every control frame a MAC: a ``Hello`` under a key derived from the secret, the
+``HelloAck`` under a key bound to that Hello's nonce, and every later frame under a per-pair,
+per-direction session key derived from the secret and both sides' fresh nonces (``wire``).
 """
 
 from __future__ import annotations
@@ -78,3 +80,30 @@ def check_http(secret: bytes | None, method: str, path: str, body: bytes, ts: st
     if not verify(secret, tag, method, path, body, ts):
         return "authentication failed: wrong signature (different secret?)"
     return ""
+
+
+def _hkdf(secret: bytes, salt: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256 (RFC 5869) with one output block: keys never reuse the secret itself."""
+    prk = hmac.new(salt or bytes(32), secret, hashlib.sha256).digest()
+    return hmac.new(prk, info + b"\x01", hashlib.sha256).digest()
+
+
+def hello_key(secret: bytes) -> bytes:
+    """MAC key of ``Hello`` frames (anyone with the secret may open a handshake)."""
+    return _hkdf(secret, b"", b"pdxfer/2 hello")
+
+
+def ack_key(secret: bytes, pair: bytes) -> bytes:
+    """MAC key of the ``HelloAck`` answering the Hello whose nonce is ``pair``: an ack forged
+    without the secret, or replayed from another handshake, fails its MAC."""
+    return _hkdf(secret, pair, b"pdxfer/2 helloack")
+
+
+def session_keys(secret: bytes, pair: bytes, prefill_nonce: bytes, decode_id: str,
+                 prefill_id: str) -> tuple[bytes, bytes]:
+    """(decode->prefill, prefill->decode) MAC keys of one pair's session: bound to both
+    nonces and both endpoint ids, one key per direction so a frame cannot be reflected."""
+    salt = pair + prefill_nonce
+    ids = len(decode_id).to_bytes(2, "little") + decode_id.encode() + prefill_id.encode()
+    return (_hkdf(secret, salt, b"pdxfer/2 d2p " + ids),
+            _hkdf(secret, salt, b"pdxfer/2 p2d " + ids))

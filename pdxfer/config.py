@@ -126,6 +126,11 @@ class EndpointConfig:
       for a worker thread to wake (~0.05-0.1 ms on a small VM), at the price of ~0.1-0.3 ms
       of the caller's time per such ``send()`` (the transport's submission is ~1 us per
       entry). False leaves every write to the workers, and ``send()`` costs ~0.05 ms.
+    - ``max_pending`` / ``max_pending_bytes``: requests (and their memory) a prefill holds for
+      rooms whose sender does not exist yet; past either, a request is refused (``busy``).
+    - ``max_peers``: decode endpoints a prefill keeps a handshake with (the least recently
+      used idle one is dropped for a new one). ``max_tombstones``: failed or aborted rooms
+      remembered so that a late request for them is refused (oldest forgotten first).
     """
 
     role: Literal["prefill", "decode"]
@@ -147,9 +152,13 @@ class EndpointConfig:
     heartbeat_s: float = 0.5
     start_in_send: bool = True
     integrity: Literal["off", "sampled", "full"] = "sampled"
+    max_pending: int = 4096
+    max_pending_bytes: int = 64 << 20
+    max_peers: int = 4096
+    max_tombstones: int = 65536
     endpoint_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     secret: str | None = field(default=None, repr=False)
-    """Shared secret for HMAC on bootstrap requests and Hello; None reads ``PDXFER_SECRET``
+    """Shared secret for HMAC on bootstrap requests and every control frame; None reads ``PDXFER_SECRET``
     or ``PDXFER_SECRET_FILE`` (and leaves access control off when neither is set)."""
 
     def __post_init__(self) -> None:
@@ -161,6 +170,9 @@ class EndpointConfig:
                 raise ConfigError(f"{what}_rank {r} must be in [0, {what}_size={s})")
         if self.workers < 1:
             raise ConfigError("workers must be >= 1")
+        for name in ("max_pending", "max_pending_bytes", "max_peers", "max_tombstones"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
         for name in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")

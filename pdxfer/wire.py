@@ -1,9 +1,18 @@
 """Every control message between endpoints: tagged msgspec Structs and one versioned codec.
 
-A frame is ``MAGIC | version byte | msgpack(tagged struct)``. The header is checked before
-anything is decoded, so a peer speaking another protocol version is refused with a reason
-instead of being half-understood. Decoding is typed: field types, ranges and sizes are
-validated by msgspec (and ``__post_init__``), and anything else raises ``WireError``.
+A frame is a fixed 66-byte header followed by ``msgpack(tagged struct)``::
+
+    MAGIC(3) | version(1) | kind(1) | mode(1) | length(4) | pair(16) | counter(8) | mac(32)
+
+Everything a receiver needs to refuse a frame is in the header, so a frame is refused before
+any byte of its payload is decoded: the magic and version, the payload length (it must equal
+what arrived, and stay under the cap of its ``kind``), and, with a shared secret, the MAC over
+header and payload (``mode`` says which key: the secret's Hello key, the handshake's ack key,
+or the pair's session key; ``pair`` names the handshake or session, ``counter`` refuses
+replays). Only then is the payload decoded, and its type must be the header's ``kind``.
+Decoding is typed: field types, ranges and sizes are validated by msgspec (and
+``__post_init__``), and anything else raises ``Rejected`` with a short reason (counted as
+``rejected_<reason>`` in the metrics).
 
 Page indices travel as packed little-endian int32 bytes: about 6x cheaper to encode and decode
 than lists of Python ints (measured on a 2-vCPU VM with msgspec).
@@ -11,7 +20,10 @@ than lists of Python ints (measured on a 2-vCPU VM with msgspec).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+import hashlib
+import hmac
+import struct
+from typing import Annotated, Literal, NamedTuple, Union
 
 import msgspec
 import numpy as np
@@ -21,9 +33,23 @@ from .pools import MAX_BUFFERS, U64, Name, NonNeg, PoolSpec
 
 PROTOCOL_VERSION = 2
 MAGIC = b"PDX"
-MAX_FRAME = 64 << 20
-"""No control message is this large; a bigger frame is hostile or broken."""
+MAX_FRAME = 16 << 20
+"""No control message is this large (4M page indices); a bigger frame is hostile or broken,
+and the control socket drops it (and its connection) before it is even read."""
+MAX_HELLO = 1 << 20
+"""Cap of a ``Hello`` or ``HelloAck``: 64 pools of a few hundred buffers each fit easily."""
+MAX_SMALL = 32 << 10
+MAX_DONE = 4 << 20
+"""A TransferDone carries a room's integrity digests (one per pool, buffer and chunk)."""
+"""Cap of every other message but ``TransferRequest`` (a 4096-character reason at most)."""
 MAX_POOLS = 64
+
+PLAIN, HELLO, ACK, SESSION = 0, 1, 2, 3
+"""Header modes: unauthenticated (no secret), MAC under the secret's Hello key, under the
+handshake's ack key (``pair`` = the Hello's nonce), under the pair's session key."""
+ZERO_PAIR = bytes(16)
+_HDR = struct.Struct("<3sBBBI16sQ32s")
+HEADER_LEN = _HDR.size
 
 Room = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Str = Annotated[str, msgspec.Meta(max_length=256)]
@@ -62,7 +88,14 @@ class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, frozen=True):
 
 
 class Hello(Msg):
-    """Decode endpoint -> prefill endpoint, once per pair: who I am and my pools."""
+    """Decode endpoint -> prefill endpoint, once per pair: who I am and my pools.
+
+    With a secret, the header's MAC covers every byte of this (every pool's addresses, sizes
+    and page counts), the header's ``pair`` is a fresh random nonce and ``ts`` bounds how long
+    a captured Hello could be replayed (and each nonce is accepted once). ``room`` names the
+    request that started the handshake, so a refusal can fail that room on the prefill too;
+    ``instance`` is the decode instance, which a room may be bound to (``sender(peer=...)``).
+    """
 
     endpoint_id: Str
     ctrl_addr: Addr
@@ -71,7 +104,12 @@ class Hello(Msg):
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)]
     signature: Str
     pools: Annotated[tuple[PoolSpec, ...], msgspec.Meta(max_length=MAX_POOLS)]
-    auth: Str = ""
+    ts: float = 0.0
+    room: Room | None = None
+    instance: Str = ""
+    to: Str = ""
+    """The prefill endpoint this Hello is for: a Hello captured on its way to one prefill
+    cannot open (and so replace) the decode's pair with another."""
 
 
 class HelloAck(Msg):
@@ -84,6 +122,8 @@ class HelloAck(Msg):
     tp_rank: NonNeg = 0
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     pools: Annotated[tuple[PoolSpec, ...], msgspec.Meta(max_length=MAX_POOLS)] = ()
+    nonce: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
+    """The prefill's fresh nonce: the session key is derived from both sides' nonces."""
 
 
 class TransferRequest(Msg):
@@ -105,7 +145,6 @@ class TransferRequest(Msg):
     room: Room
     nonce: U64
     endpoint_id: Str
-    reply_to: Addr
     dst: dict[Name, Packed]
     slots: dict[Name, NonNeg]
     prefix_len: NonNeg
@@ -157,12 +196,13 @@ class TransferDone(Msg):
 
 class Abort(Msg):
     """Either side -> peer: stop this room. The prefill answers ``AbortAck`` once no write of
-    the room is still in flight."""
+    the room is still in flight, to the sender's registered address (never to an address
+    named in a message)."""
 
     room: Room
     nonce: U64
     reason: Reason = ""
-    reply_to: Addr | None = None
+    endpoint_id: Str = ""
 
 
 class AbortAck(Msg):
@@ -180,36 +220,121 @@ class Release(Msg):
 
     room: Room
     nonce: U64
+    endpoint_id: Str = ""
 
 
 Message = Union[Hello, HelloAck, TransferRequest, TransferDone, Abort, AbortAck, Release]
+KINDS: tuple[type[Msg], ...] = (Hello, HelloAck, TransferRequest, TransferDone, Abort,
+                                AbortAck, Release)
+_KIND = {t: i for i, t in enumerate(KINDS)}
+_CAP = {Hello: MAX_HELLO, HelloAck: MAX_HELLO, TransferRequest: MAX_FRAME,
+        TransferDone: MAX_DONE}
 
-_HEADER = MAGIC + bytes([PROTOCOL_VERSION])
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
+class Rejected(WireError):
+    """A frame refused, with a short ``reason`` (the metric is ``rejected_<reason>``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Header(NamedTuple):
+    kind: type[Msg]
+    mode: int
+    length: int
+    pair: bytes
+    counter: int
+    mac: bytes
+
+
+def cap(kind: type[Msg]) -> int:
+    """The largest payload a frame of this kind may carry."""
+    return _CAP.get(kind, MAX_SMALL)
+
+
+def frame(payload: bytes, kind: type[Msg], mode: int = PLAIN, pair: bytes = ZERO_PAIR,
+          counter: int = 0, key: bytes | None = None) -> bytes:
+    """A frame around an encoded payload; with ``key``, its MAC covers header and payload."""
+    head = _HDR.pack(MAGIC, PROTOCOL_VERSION, _KIND[kind], mode, len(payload), pair, counter,
+                     bytes(32))
+    if key is None:
+        return head + payload
+    return head[:-32] + mac(key, head, payload) + payload
+
+
+def mac(key: bytes, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    m = hmac.new(key, head[:HEADER_LEN - 32], hashlib.sha256)
+    m.update(payload)
+    return m.digest()
+
+
+def payload(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
 def encode(msg: Msg) -> bytes:
-    return _HEADER + _encoder.encode(msg)
+    """An unauthenticated frame (the sender seals it with ``reseal`` when it has a key)."""
+    return frame(_encoder.encode(msg), type(msg))
 
 
-def decode(frame: bytes) -> Message:
-    """Decode one frame, or raise ``WireError`` saying why it was rejected."""
-    if not isinstance(frame, (bytes, bytearray, memoryview)):
-        raise WireError(f"frame is {type(frame).__name__}, not bytes")
-    if len(frame) > MAX_FRAME:
-        raise WireError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME}")
-    head = bytes(frame[:4])
-    if len(head) < 4 or head[:3] != MAGIC:
-        raise WireError("not a pdxfer frame (bad magic)")
-    if head[3] != PROTOCOL_VERSION:
-        raise WireError(f"protocol version {head[3]} not supported (this side speaks {PROTOCOL_VERSION})")
+def reseal(f: bytes, mode: int, pair: bytes, counter: int, key: bytes | None) -> bytes:
+    """The same payload under a new header (mode, pair, counter, MAC)."""
+    kind = KINDS[f[4]]
+    return frame(bytes(memoryview(f)[HEADER_LEN:]), kind, mode, pair, counter, key)
+
+
+def header(f: bytes | bytearray | memoryview) -> Header:
+    """Parse and check a frame's header against what arrived (raises ``Rejected``)."""
+    if not isinstance(f, (bytes, bytearray, memoryview)):
+        raise Rejected("malformed", f"frame is {type(f).__name__}, not bytes")
+    if len(f) < 4 or bytes(f[:3]) != MAGIC:
+        raise Rejected("malformed", "not a pdxfer frame (bad magic)")
+    if f[3] != PROTOCOL_VERSION:
+        raise Rejected("version", f"protocol version {f[3]} not supported (this side speaks "
+                                  f"{PROTOCOL_VERSION})")
+    if len(f) < HEADER_LEN:
+        raise Rejected("malformed", f"frame of {len(f)} bytes is shorter than its header")
+    _, _, k, mode, length, pair, counter, tag = _HDR.unpack_from(f)
+    if k >= len(KINDS) or mode > SESSION:
+        raise Rejected("malformed", f"unknown message kind {k} or mode {mode}")
+    kind = KINDS[k]
+    if length != len(f) - HEADER_LEN:
+        raise Rejected("malformed", f"header says {length} payload bytes, {len(f) - HEADER_LEN}"
+                                    " arrived")
+    if length > cap(kind):
+        raise Rejected("oversized", f"{kind.__name__} of {length} bytes exceeds {cap(kind)}")
+    return Header(kind, mode, length, bytes(pair), counter, bytes(tag))
+
+
+def verify(f: bytes | memoryview, key: bytes, tag: bytes) -> bool:
+    view = memoryview(f)
+    return hmac.compare_digest(mac(key, view[:HEADER_LEN], view[HEADER_LEN:]), tag)
+
+
+def body(f: bytes | memoryview, h: Header) -> Message:
+    """Decode the payload of a frame whose header (and MAC, if any) was checked."""
     try:
-        return _decoder.decode(memoryview(frame)[4:])
+        msg = _decoder.decode(memoryview(f)[HEADER_LEN:])
     except msgspec.ValidationError as e:
-        raise WireError(f"invalid message: {e}") from None
+        raise Rejected("invalid", f"invalid message: {e}") from None
     except msgspec.DecodeError as e:
-        raise WireError(f"malformed message: {e}") from None
+        raise Rejected("malformed", f"malformed message: {e}") from None
+    if type(msg) is not h.kind:
+        raise Rejected("invalid", f"invalid message: header says {h.kind.__name__}, payload "
+                                  f"is {type(msg).__name__}")
+    return msg
+
+
+def decode(f: bytes) -> Message:
+    """Decode one frame without checking its MAC (tests, and endpoints without a secret), or
+    raise ``WireError`` saying why it was rejected."""
+    if isinstance(f, (bytes, bytearray, memoryview)) and len(f) > MAX_FRAME + HEADER_LEN:
+        raise Rejected("oversized", f"frame of {len(f)} bytes exceeds {MAX_FRAME}")
+    return body(f, header(f))
 
 
 def pack_indices(idx: np.ndarray | list[int]) -> bytes:

@@ -14,11 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import wire
+from .. import auth, wire
 from ..bootstrap import BootstrapClient
 from ..errors import BootstrapError, DeadlineExceeded, LayoutMismatch, PdxferError
 from ..plan import topology as T
 from ..pools import PoolSpec, layout_signature
+from .trust import Session, new_nonce
 
 if TYPE_CHECKING:
     from .core import Core
@@ -43,6 +44,8 @@ class PrefillPeer:
     dead: bool = False
     hung: bool = False
     probe_failures: int = 0
+    sess: Session | None = None
+    """This pair's session: its handshake nonce, then (with a secret) its keys."""
 
 
 Resolved = tuple[list[PrefillPeer], list[T.Assignment], int]
@@ -57,6 +60,8 @@ class Connector:
         self.cfg = ep.config
         self.extra_pools = extra_pools
         self.peers: dict[str, PrefillPeer] = {}
+        self._handshakes: dict[bytes, PrefillPeer] = {}
+        """Handshakes waiting for their HelloAck, by the Hello's nonce."""
         self._routes: dict[RouteKey, dict[str, Any]] = {}
         self._resolved: dict[RouteKey, Resolved] = {}
         self._clients: dict[str, BootstrapClient] = {}
@@ -81,7 +86,9 @@ class Connector:
     def drop_peer(self, p: PrefillPeer) -> None:
         """A peer declared lost: forget it and every route through it."""
         with self.ep.lock:
-            self.peers.pop(p.endpoint_id, None)
+            if self.peers.get(p.endpoint_id) is p:
+                del self.peers[p.endpoint_id]
+            self._forget_session(p)
             self._routes = {k: v for k, v in self._routes.items()
                             if all(e.get("endpoint_id") != p.endpoint_id for e in v["endpoints"])}
 
@@ -102,11 +109,16 @@ class Connector:
         if len(eps) != len(ranks) * int(route.get("pp_size", 1)):
             raise BootstrapError(f"prefill instance {route['instance']!r} has not "
                                  f"registered every endpoint of tp ranks {ranks}")
-        peers = [self._handshake(e, deadline) for e in eps]
+        peers = [self._handshake(e, deadline, room) for e in eps]
         plan = T.assign({p.name: p for p in self.ep.pools},
                         [(int(e.get("pp_rank", 0)), p.pools) for e, p in zip(eps, peers)])
         if isinstance(plan, str):
             raise LayoutMismatch(f"prefill instance {route['instance']!r}: {plan}")
+        need = {p.name for p in self.ep.pools if p.item_bytes and not p.optional}
+        held = {n for p in peers for n, q in p.pools.items() if q.item_bytes}
+        if need and not need & held:
+            raise LayoutMismatch(f"prefill instance {route['instance']!r} holds none of this "
+                                 f"decode's pools {sorted(need)}")
         out = (peers, plan, T.decode_peers(int(route["tp_size"]), self.cfg.tp_size))
         if route.get("dp_size") == 1:
             with self.ep.lock:
@@ -148,47 +160,83 @@ class Connector:
             self._routes.pop(key, None)
             self._resolved.pop(key, None)
 
-    def _handshake(self, e: dict[str, Any], deadline: float) -> PrefillPeer:
+    def _forget_session(self, p: PrefillPeer) -> None:
+        """Drop a replaced or lost peer's handshake and session (under the lock)."""
+        if p.sess is not None:
+            if self._handshakes.get(p.sess.pair) is p:
+                del self._handshakes[p.sess.pair]
+            self.ep.trust.drop(p.sess)
+
+    def _handshake(self, e: dict[str, Any], deadline: float, room: int) -> PrefillPeer:
         eid = str(e["endpoint_id"])
+        frame = b""
         with self.ep.lock:
             peer = self.peers.get(eid)
             fresh = peer is None or peer.dead or peer.refused
             if fresh:
+                if peer is not None:
+                    self._forget_session(peer)
                 peer = self.peers[eid] = PrefillPeer(eid, str(e["ctrl_addr"]), int(e["tp_rank"]))
+                pair = new_nonce()
+                secret = self.ep.secret
+                peer.sess = Session(pair, peer, ack_key=auth.ack_key(secret, pair) if secret else None)
+                self._handshakes[pair] = peer
+                if secret is not None:
+                    self.ep.trust.add(peer.sess)
+                hello = wire.Hello(
+                    endpoint_id=self.ep.endpoint_id, ctrl_addr=self.ep.ctrl_addr,
+                    session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
+                    tp_size=self.cfg.tp_size, signature=layout_signature(self.ep.pools),
+                    pools=tuple(self.ep.pools) + self.extra_pools, ts=time.time(), room=room,
+                    instance=self.cfg.instance, to=eid)
+                frame = self.ep.hello_frame(hello, pair)
+        assert peer is not None
         if fresh:
-            hello = wire.Hello(
-                endpoint_id=self.ep.endpoint_id, ctrl_addr=self.ep.ctrl_addr,
-                session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
-                tp_size=self.cfg.tp_size, signature=layout_signature(self.ep.pools),
-                pools=tuple(self.ep.pools) + self.extra_pools,
-            )
-            hello = self.ep.signed(hello)
-            self.ep.send(peer.ctrl_addr, hello)
+            self.ep.send_raw(peer.ctrl_addr, frame)
         # re-send the Hello now and then: a lost Hello must not cost the whole deadline
         while not peer.ready.wait(max(0.0, min(HELLO_RETRY_S, deadline - time.monotonic()))):
             if time.monotonic() >= deadline or self._closing.is_set():
                 with self.ep.lock:
-                    self.peers.pop(eid, None)
+                    if self.peers.get(eid) is peer:
+                        del self.peers[eid]
+                    self._forget_session(peer)
+                hint = (" (or it needs the shared secret, which this endpoint does not have)"
+                        if self.ep.secret is None else " (or it has another shared secret)")
                 raise DeadlineExceeded(f"no HelloAck from prefill endpoint {eid} at "
-                                       f"{peer.ctrl_addr} before the deadline")
+                                       f"{peer.ctrl_addr} before the deadline{hint}")
             if fresh:
                 self.ep.count("hello_retransmits")
-                self.ep.send(peer.ctrl_addr, hello)
+                self.ep.send_raw(peer.ctrl_addr, frame)
         if peer.refused:
             raise LayoutMismatch(f"prefill endpoint {eid} refused the handshake: {peer.refused}")
         return peer
 
-    def on_hello_ack(self, msg: wire.HelloAck) -> None:
-        """Settle a handshake this rank started (``ready`` wakes the waiting connector)."""
+    def on_hello_ack(self, msg: wire.HelloAck, sess: Session | None, h: wire.Header) -> None:
+        """Settle a handshake this rank started (``ready`` wakes the waiting connector). Only
+        the answer to a Hello still waiting counts: an ack never replaces an established peer,
+        and with a secret its MAC (checked before decoding) binds it to the Hello's nonce."""
         with self.ep.lock:
-            peer = self.peers.get(msg.endpoint_id)
-            if peer is None:
+            peer = self._handshakes.get(h.pair)
+            if peer is None or (sess is not None and sess.peer is not peer):
                 self.ep.count("stale_messages")
                 return
+            if msg.endpoint_id != peer.endpoint_id or peer.ready.is_set():
+                self.ep.count("stale_messages")
+                return
+            secret = self.ep.secret
+            if msg.ok and secret is not None and len(msg.nonce) != 16:
+                self.ep.reject("invalid", f"HelloAck from {msg.endpoint_id} without a nonce")
+                return
+            del self._handshakes[h.pair]
             if msg.ok:
                 peer.session = msg.session
                 peer.pools = {p.name: p for p in msg.pools}
+                if secret is not None and peer.sess is not None:
+                    s = peer.sess
+                    s.send_key, s.recv_key = auth.session_keys(
+                        secret, s.pair, msg.nonce, self.ep.endpoint_id, peer.endpoint_id)
+                    s.ack_key = None
             else:
                 peer.refused = msg.reason or "refused"
+                self.ep.trust.drop(peer.sess)
             peer.ready.set()
-

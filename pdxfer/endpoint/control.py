@@ -21,8 +21,11 @@ from ..faults import faults
 log = logging.getLogger("pdxfer.control")
 
 MAX_PEER_SOCKETS = 1024
-"""Peer sockets kept open; the least recently used is closed beyond this, so a peer that
-names many reply addresses cannot exhaust file descriptors."""
+"""Peer sockets kept open; the least recently used is closed beyond this. Frames only ever go
+to registered peers' addresses (never to one named in a message), so this is a backstop."""
+
+
+RCVHWM = 1000
 
 
 class Control:
@@ -41,7 +44,10 @@ class Control:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame)
-        self._pull.setsockopt(zmq.RCVHWM, 100_000)
+        # Frames ZMQ holds per connection before this thread reads them: a flooder that
+        # outruns the reader is pushed back (TCP) instead of growing this process's memory;
+        # a legitimate burst waits in its sender's queue (SNDHWM) instead.
+        self._pull.setsockopt(zmq.RCVHWM, RCVHWM)
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._on_frame = on_frame
@@ -102,6 +108,7 @@ class Control:
                 s = self._ctx.socket(zmq.PUSH)
                 s.setsockopt(zmq.LINGER, 0)
                 s.setsockopt(zmq.SNDHWM, 100_000)
+                s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # a dead peer: back off, not spin
                 try:
                     s.connect(addr)
                 except zmq.ZMQError as e:
@@ -119,6 +126,10 @@ class Control:
                 self.send_failures += 1
                 log.warning("send to %s failed: %s", addr, e)
                 return False
+
+    def sockets(self) -> int:
+        """Open peer sockets (a metric: bounded by the peers a rank keeps)."""
+        return len(self._push)
 
     def forget(self, addr: str) -> None:
         """Drop the socket to a peer that is gone (its queued frames are discarded)."""

@@ -10,24 +10,24 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
-
 from .. import auth, wire
 from ..config import EndpointConfig
-from ..errors import ConfigError, PdxferError, WireError
+from ..errors import ConfigError, PdxferError
 from ..metrics import Timeline
 from ..pools import PoolSpec
 from ..transport import Transport, make_transport
 from .control import Control, Workers
+from .trust import Session, Trust
 
 log = logging.getLogger("pdxfer.endpoint")
 
-
-def _hello_parts(h: wire.Hello) -> tuple[str, ...]:
-    return (h.endpoint_id, h.ctrl_addr, h.session, h.signature, str(h.tp_rank), str(h.tp_size))
+Handler = Callable[[Any, "Session | None", wire.Header], None]
+"""A message handler: the decoded message, the session it was admitted under (None without a
+secret, or for a Hello) and its header."""
 
 
 class Core:
@@ -42,10 +42,12 @@ class Core:
         self._by_name = {p.name: p for p in pools}
         self.endpoint_id = config.endpoint_id
         self.secret = auth.load_secret(config.secret)
+        self.trust = Trust(self.secret)
         self.lock = threading.RLock()
         self.counters: collections.Counter[str] = collections.Counter()
         self.timeline = Timeline()
-        self.handlers: dict[type, Callable[[Any], None]] = {}
+        self.handlers: dict[type, Handler] = {}
+        self._logged: dict[str, float] = {}
         self.control: Control | None = None
         self.ctrl_addr = ""
         self.transport = transport or make_transport(
@@ -59,7 +61,8 @@ class Core:
 
     def start_control(self, on_tick: Callable[[], None]) -> None:
         self.control = Control(self.config.host, self._on_frame, on_tick,
-                               max_frame=wire.MAX_FRAME, name=f"pdxfer-{self.config.role}-control")
+                               max_frame=wire.MAX_FRAME + wire.HEADER_LEN,
+                               name=f"pdxfer-{self.config.role}-control")
         self.ctrl_addr = self.control.address
 
     def pool(self, name: str) -> PoolSpec:
@@ -69,14 +72,39 @@ class Core:
         return p
 
     # -- control plane -------------------------------------------------------------------------
-    def send(self, addr: str, msg: wire.Msg) -> bool:
-        return self.send_frame(addr, wire.encode(msg))
+    def send(self, addr: str, msg: wire.Msg, sess: Session | None) -> bool:
+        return self.send_frame(addr, wire.encode(msg), sess)
 
-    def send_frame(self, addr: str, frame: bytes) -> bool:
+    def send_frame(self, addr: str, frame: bytes, sess: Session | None) -> bool:
+        """Send a frame to a peer; with a secret, sealed under its session (never unsealed)."""
+        if self.secret is not None:
+            if sess is None or not sess.established:
+                self.count("send_unsealed_refused")
+                return False
+            frame = sess.seal(frame)
+        return self.send_raw(addr, frame)
+
+    def hello_frame(self, hello: wire.Hello, pair: bytes) -> bytes:
+        """A Hello under the secret's Hello key, ``pair`` its fresh nonce."""
+        key = self.trust.hello_key
+        return wire.frame(wire.payload(hello), wire.Hello, wire.HELLO if key else wire.PLAIN,
+                          pair, 0, key)
+
+    def ack_frame(self, ack: wire.HelloAck, pair: bytes) -> bytes:
+        """A HelloAck under the key bound to the Hello's nonce ``pair``."""
+        key = auth.ack_key(self.secret, pair) if self.secret else None
+        return wire.frame(wire.payload(ack), wire.HelloAck, wire.ACK if key else wire.PLAIN,
+                          pair, 0, key)
+
+    def send_raw(self, addr: str, frame: bytes) -> bool:
+        """Send a frame as it is (a Hello or HelloAck, sealed by ``hello_frame``/``ack_frame``)."""
         ok = self.control is not None and self.control.send(addr, frame)
         if not ok:
             self.count("send_failures")
         return ok
+
+    def push_sockets(self) -> int:
+        return self.control.sockets() if self.control is not None else 0
 
     def forget(self, addr: str) -> None:
         """Drop the socket to a peer that is gone for good."""
@@ -84,18 +112,31 @@ class Core:
             self.control.forget(addr)
 
     def _on_frame(self, frame: bytes) -> None:
+        """Header, size and MAC first; the payload is decoded only once all of them passed."""
         try:
-            msg = wire.decode(frame)
-        except WireError as e:
-            self.count("wire_rejected")
-            log.warning("rejected control message: %s", e)
+            h = wire.header(frame)
+            handler = self.handlers.get(h.kind)
+            if handler is None:
+                raise wire.Rejected("unexpected", f"{self.config.role} endpoint does not take "
+                                                  f"{h.kind.__name__}")
+            sess = self.trust.admit(frame, h)
+            msg = wire.body(frame, h)
+        except wire.Rejected as e:
+            self.reject(e.reason, str(e))
             return
-        handler = self.handlers.get(type(msg))
-        if handler is None:
-            self.count("unexpected_messages")
-            log.warning("%s endpoint got unexpected %s", self.config.role, type(msg).__name__)
-            return
-        handler(msg)
+        handler(msg, sess, h)
+
+    def reject(self, reason: str, text: str) -> None:
+        """Count a refused frame by reason; log it at most once a second per reason (a flood
+        must not turn into a flood of log lines)."""
+        with self.lock:
+            self.counters["wire_rejected"] += 1
+            self.counters[f"rejected_{reason}"] += 1
+            now = time.monotonic()
+            if now - self._logged.get(reason, 0.0) < 1.0:
+                return
+            self._logged[reason] = now
+        log.warning("rejected control message (%s): %s", reason, text)
 
     # -- counters ------------------------------------------------------------------------------
     def count(self, name: str, n: float = 1) -> None:
@@ -109,23 +150,6 @@ class Core:
         with self.lock:
             self.counters["bytes"] += nbytes
             self.counters["blocks"] += blocks
-
-    # -- signing -------------------------------------------------------------------------------
-    def check_auth(self, hello: wire.Hello) -> str:
-        """Why a Hello is not authorised ("" when it is)."""
-        if self.secret is None:
-            return ""
-        if not hello.auth:
-            return f"authentication required: this endpoint needs {auth.ENV} on the peer"
-        if not auth.verify(self.secret, hello.auth, *_hello_parts(hello)):
-            self.count("auth_failures")
-            return "authentication failed: wrong Hello signature (different secret?)"
-        return ""
-
-    def signed(self, hello: wire.Hello) -> wire.Hello:
-        if self.secret is None:
-            return hello
-        return msgspec.structs.replace(hello, auth=auth.sign(self.secret, *_hello_parts(hello)))
 
     def close(self) -> None:
         """Drain the workers, then close the control plane and the transport."""

@@ -101,10 +101,13 @@ class Endpoint:
             tp_rank=c.tp_rank, tp_size=c.tp_size, dp_rank=c.dp_rank, dp_size=c.dp_size,
             pp_rank=c.pp_rank, pp_size=c.pp_size)
 
-    def sender(self, room: int) -> KVSender:
+    def sender(self, room: int, peer: str | None = None) -> KVSender:
+        """A sender for ``room``. ``peer`` binds the room to the decode chosen for it (its
+        endpoint id or its instance name): a request for the room from any other decode is
+        refused, even from one that holds the shared secret."""
         if self.prefill is None:
             raise ConfigError("sender() needs a prefill endpoint")
-        return self.prefill.create(room)
+        return self.prefill.create(room, peer)
 
     def receiver(self, room: int, bootstrap: str | None = None, *, instance: str | None = None,
                  dp: int | None = None, release: Release | None = None) -> KVReceiver:
@@ -130,10 +133,14 @@ class Endpoint:
             if self.prefill is not None:
                 p = self.prefill
                 return {"rooms": len(p.rooms), "pending": len(p.pending),
+                        "pending_bytes": p.pending_bytes,
                         "held": sum(1 for s in p.rooms.values() if s.hold_until),
-                        "tombstones": len(p.tombstones), "peers": len(p.peers)}
+                        "tombstones": len(p.tombstones), "refused": len(p.refused),
+                        "peers": len(p.peers), "sessions": len(self.core.trust),
+                        "push_sockets": self.core.push_sockets()}
             assert self.decode is not None
-            return {"rooms": len(self.decode.rooms), "peers": len(self.decode.peers)}
+            return {"rooms": len(self.decode.rooms), "peers": len(self.decode.peers),
+                    "sessions": len(self.core.trust), "push_sockets": self.core.push_sockets()}
 
     def metrics(self) -> dict[str, Any]:
         core = self.core
@@ -141,8 +148,9 @@ class Endpoint:
             m: dict[str, Any] = dict(core.counters)
             side = self.prefill or self.decode
             m["active_rooms"] = len(side.rooms) if side else 0
+            m.update({f"table_{k}": v for k, v in self.tables().items()})
             if self.prefill:
-                m["pending_requests"] = len(self.prefill.pending)
+                m["pending_requests"] = self.prefill.pending_count
             if self.decode:
                 m["quarantined_pages"] = self.decode.quarantined_pages()
         s = core.transport.stats

@@ -33,6 +33,7 @@ from ..errors import (
     DeadlineExceeded,
     DuplicateRoom,
     IntegrityError,
+    LayoutMismatch,
     PdxferError,
     PeerLost,
     PlanError,
@@ -46,6 +47,7 @@ from .connect import Connector, PrefillPeer, Resolved
 from .handles import KVPoll, Release, ReleaseOnce, RoomHandle
 from .liveness import Liveness
 from .staging import Lease, Staging, scatter
+from .trust import Session
 
 if TYPE_CHECKING:
     from .core import Core
@@ -111,8 +113,10 @@ class KVReceiver(RoomHandle):
     def release_source(self) -> None:
         """Tell the prefill it may free the room's pages (no repair will follow)."""
         st = self._st
+        ep = self._side.ep
         for p in st.targets:
-            self._side.ep.send(p.ctrl_addr, wire.Release(room=st.room, nonce=st.nonce))
+            ep.send(p.ctrl_addr, wire.Release(room=st.room, nonce=st.nonce,
+                                              endpoint_id=ep.endpoint_id), p.sess)
 
     @property
     def done_at(self) -> float | None:
@@ -176,8 +180,36 @@ class DecodeSide:
 
     def request(self, st: RecvRoom, dst: Mapping[str, object], slots: dict[str, int],
                 prefix_len: int, num_tokens: int | None) -> None:
+        """Validate the engine's request, then send it; a request that raises leaves the room
+        Failed at once with that reason (no receiver lingers until its deadline)."""
         if st.requested:
             raise PlanError(f"room {st.room}: request() called twice")
+        try:
+            arrays, num_tokens = self._check_request(st, dst, slots, prefix_len, num_tokens)
+        except Exception as e:
+            err = e if isinstance(e, PdxferError) else PlanError(f"room {st.room}: {e}")
+            self.fail(st, err)
+            raise
+        with self.ep.lock:
+            if st.state.terminal:
+                return
+            st.requested = True
+            st.dst, st.slots = arrays, {k: int(v) for k, v in slots.items()}
+            st.prefix_len, st.num_tokens = prefix_len, num_tokens
+        c = self.connector.cached(_key(st))
+        if c is None:
+            self.connector.connect(_key(st), st.room, st.deadline,
+                                   lambda r: self._connected(st, r),
+                                   lambda e: self._connect_failed(st, e))
+        else:
+            self._connected(st, c)  # nothing left that blocks: no hop through the connector
+
+    def _check_request(self, st: RecvRoom, dst: Mapping[str, object], slots: dict[str, int],
+                       prefix_len: int, num_tokens: int | None
+                       ) -> tuple[dict[str, np.ndarray], int]:
+        """The destination arrays and token count, or ``PlanError``: indices in range and
+        distinct (a page named twice would lose half its tokens), ``prefix_len`` on a page
+        boundary of every pool (the first destination page starts at ``prefix_len``)."""
         arrays: dict[str, np.ndarray] = {}
         for name, idx in dst.items():
             pool = self.ep.pool(name)
@@ -189,6 +221,13 @@ class DecodeSide:
             if a.size and (int(a.min()) < 0 or int(a.max()) >= pool.num_items):
                 raise PlanError(f"room {st.room}: destination index out of range [0, "
                                 f"{pool.num_items}) for pool {name!r}")
+            if np.unique(a).size != a.size:
+                raise PlanError(f"room {st.room}: pool {name!r} names a destination page more "
+                                f"than once")
+            if prefix_len % pool.page_size:
+                raise PlanError(f"room {st.room}: prefix_len {prefix_len} is not a multiple of "
+                                f"pool {name!r}'s page size {pool.page_size} (the decode's "
+                                f"pages start at prefix_len; round it down to a page)")
             arrays[name] = a
         for name, slot in slots.items():
             pool = self.ep.pool(name)
@@ -204,19 +243,7 @@ class DecodeSide:
             if a.size * self.ep.pool(name).page_size < num_tokens - prefix_len:
                 raise PlanError(f"room {st.room}: pool {name!r} pages cover fewer than "
                                 f"{num_tokens - prefix_len} tokens")
-        with self.ep.lock:
-            if st.state.terminal:
-                return
-            st.requested = True
-            st.dst, st.slots = arrays, {k: int(v) for k, v in slots.items()}
-            st.prefix_len, st.num_tokens = prefix_len, num_tokens
-        c = self.connector.cached(_key(st))
-        if c is None:
-            self.connector.connect(_key(st), st.room, st.deadline,
-                                   lambda r: self._connected(st, r),
-                                   lambda e: self._connect_failed(st, e))
-        else:
-            self._connected(st, c)  # nothing left that blocks: no hop through the connector
+        return arrays, num_tokens
 
     def fail(self, st: RecvRoom, err: PdxferError) -> None:
         """Fail a room and ask every sender that may still write to drain and acknowledge."""
@@ -232,7 +259,7 @@ class DecodeSide:
             targets = [p for p in st.targets if p.endpoint_id in st.outstanding]
         for p in targets:
             self.ep.send(p.ctrl_addr, wire.Abort(room=st.room, nonce=st.nonce, reason=str(err),
-                                                 reply_to=self.ep.ctrl_addr))
+                                                 endpoint_id=self.ep.endpoint_id), p.sess)
         self._maybe_release(st)
 
     # -- connector (blocking, off the engine loop) ----------------------------------------------
@@ -271,7 +298,6 @@ class DecodeSide:
             st.t_request = now
             req = wire.TransferRequest(
                 room=st.room, nonce=st.nonce, endpoint_id=self.ep.endpoint_id,
-                reply_to=self.ep.ctrl_addr,
                 dst={k: wire.pack_indices(v) for k, v in st.dst.items()}, slots=st.slots,
                 prefix_len=st.prefix_len, num_tokens=st.num_tokens,
                 expected_senders=max(1, len(st.targets)), decode_peers=npeers,
@@ -282,31 +308,42 @@ class DecodeSide:
             for p, a in zip(peers, plan):
                 self.ep.send_frame(p.ctrl_addr, wire.encode(msgspec.structs.replace(
                     req, heads=a.heads, skip=a.skip, silent=a.silent,
-                    stage={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])})))
-        if not st.targets:  # nothing of this decode's pools lives on the prefill side
+                    stage={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])})), p.sess)
+        if not st.targets:  # every asked rank is silent: nothing this decode needs is there
+            if any(p.item_bytes and not p.optional for p in self.ep.pools):
+                self.fail(st, LayoutMismatch(f"room {st.room}: no prefill endpoint writes any "
+                                             f"of this decode's pools"))
+                return
             with self.ep.lock:
                 if not st.state.terminal:
                     st.state = KVPoll.Success
                     st.t_done = time.monotonic()
 
     # -- messages ----------------------------------------------------------------------------
-    def _settle(self, msg: wire.TransferDone | wire.AbortAck) -> RecvRoom | None:
+    def _settle(self, msg: wire.TransferDone | wire.AbortAck, sess: Session | None
+                ) -> RecvRoom | None:
         """The room a sender's terminal message belongs to, now that sender is no longer
-        outstanding; None (counted as stale) for an unknown room, old nonce or repeat."""
+        outstanding; None (counted as stale) for an unknown room, old nonce or repeat, or a
+        message whose session is not that sender's."""
         st = self.rooms.get(msg.room)
+        if sess is not None and not (isinstance(sess.peer, PrefillPeer)
+                                     and sess.peer.endpoint_id == msg.endpoint_id
+                                     and st is not None and sess.peer in st.targets):
+            self.ep.count("rejected_wrong_pair")
+            return None
         if st is None or st.nonce != msg.nonce or msg.endpoint_id not in st.outstanding:
             self.ep.count("stale_messages")
             return None
         st.outstanding.discard(msg.endpoint_id)
         return st
 
-    def on_done(self, msg: wire.TransferDone) -> None:
+    def on_done(self, msg: wire.TransferDone, sess: Session | None, _: wire.Header) -> None:
         bad: PdxferError | None = None
-        if msg.ok:
+        if msg.ok and (sess is None or sess.peer.endpoint_id == msg.endpoint_id):
             self._unstage(msg)
             bad = self._check(msg)
         with self.ep.lock:
-            st = self._settle(msg)
+            st = self._settle(msg, sess)
             if st is None:
                 return
             st.bytes += msg.bytes
@@ -451,16 +488,16 @@ class DecodeSide:
             view[page] = view[other] if other is not None else view[page] ^ 0x5A
         self.ep.count(f"faults_injected_{kind}")
 
-    def on_hello_ack(self, msg: wire.HelloAck) -> None:
-        self.connector.on_hello_ack(msg)
+    def on_hello_ack(self, msg: wire.HelloAck, sess: Session | None, h: wire.Header) -> None:
+        self.connector.on_hello_ack(msg, sess, h)
 
-    def on_abort_ack(self, msg: wire.AbortAck) -> None:
+    def on_abort_ack(self, msg: wire.AbortAck, sess: Session | None, _: wire.Header) -> None:
         with self.ep.lock:
-            st = self._settle(msg)
+            st = self._settle(msg, sess)
         if st is not None:
             self._maybe_release(st)
 
-    def on_abort(self, msg: wire.Abort) -> None:
+    def on_abort(self, msg: wire.Abort, sess: Session | None, _: wire.Header) -> None:
         """A prefill gave up on a room (it sends TransferDone(ok=False) for that)."""
         self.ep.count("stale_messages")
 
@@ -530,7 +567,7 @@ class DecodeSide:
     # -- periodic ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:
         expired: list[RecvRoom] = []
-        resend: list[tuple[str, wire.Abort]] = []
+        resend: list[tuple[PrefillPeer, wire.Abort]] = []
         with self.ep.lock:
             for st in self.rooms.values():
                 if not st.state.terminal and now > st.deadline:
@@ -544,12 +581,11 @@ class DecodeSide:
                     # the Abort (or its ack) may have been lost: ask again until answered
                     st.abort_deadline = now + self.cfg.abort_timeout_s
                     msg = wire.Abort(room=st.room, nonce=st.nonce, reason="retransmit",
-                                     reply_to=self.ep.ctrl_addr)
-                    resend += [(p.ctrl_addr, msg) for p in st.targets
-                               if p.endpoint_id in st.outstanding]
-        for addr, msg in resend:
+                                     endpoint_id=self.ep.endpoint_id)
+                    resend += [(p, msg) for p in st.targets if p.endpoint_id in st.outstanding]
+        for p, msg in resend:
             self.ep.count("abort_retransmits")
-            self.ep.send(addr, msg)
+            self.ep.send(p.ctrl_addr, msg, p.sess)
         for st in expired:
             what = ("bootstrap/handshake" if st.state == KVPoll.Bootstrapping else
                     f"transfer (state {st.state.name}, waiting for {sorted(st.outstanding)})")

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import auth, wire
 from .. import integrity as I
 from .. import plan as P
-from .. import wire
 from ..config import knobs
 from ..errors import (
     Aborted,
@@ -33,6 +34,7 @@ from ..pools import PoolSpec, check_pools, layout_signature
 from ..transport.base import Started
 from .handles import KVPoll, RoomHandle
 from .staging import Staging, bounce
+from .trust import Session, new_nonce
 
 if TYPE_CHECKING:
     from .core import Core
@@ -50,6 +52,14 @@ class DecodePeer:
     pools: dict[str, PoolSpec]
     pairings: dict[str, P.BufferPairing]
     regions: list[tuple[int, int]]
+    sess: Session | None = None
+    """The authenticated pair (with a secret): the only source of this peer's frames, and
+    the only way to answer it."""
+    instance: str = ""
+
+    def is_(self, who: str) -> bool:
+        """Whether this peer is the decode endpoint or instance ``who`` (room binding)."""
+        return who in (self.endpoint_id, self.instance) and bool(who)
 
 
 @dataclass(slots=True, eq=False)
@@ -100,6 +110,12 @@ class SenderRoom:
     last_given: bool = False
     t_created: float = field(default_factory=time.monotonic)
     t_request: float = 0.0
+    bound: str | None = None
+    """The decode endpoint or instance this room is for (``sender(room, peer=...)``)."""
+
+
+Pending = tuple[wire.TransferRequest, "DecodePeer", int]
+"""A request that came before its room's sender: the request, its peer, its size in memory."""
 
 
 class KVSender(RoomHandle):
@@ -137,9 +153,15 @@ class PrefillSide:
         self.ep = ep
         self.cfg = ep.config
         self.rooms: dict[int, SenderRoom] = {}
-        self.pending: dict[int, tuple[float, list[tuple[wire.TransferRequest, DecodePeer]]]] = {}
-        self.tombstones: dict[int, tuple[float, str]] = {}
-        self.peers: dict[str, DecodePeer] = {}
+        self.pending: dict[int, tuple[float, list[Pending]]] = {}
+        self.pending_bytes = 0
+        self.pending_count = 0
+        self.tombstones: OrderedDict[tuple[int, str, int], tuple[float, str]] = OrderedDict()
+        """Rooms that failed (key ``(room, "", 0)``) or that a decode aborted before its
+        request came (``(room, endpoint, nonce)``): a late request for them is refused."""
+        self.refused: OrderedDict[int, str] = OrderedDict()
+        """Rooms whose decode's handshake this rank refused (the room fails on creation)."""
+        self.peers: OrderedDict[str, DecodePeer] = OrderedDict()
         self.page_sizes = {p.name: p.page_size for p in ep.pools}
         host = all(p.location == "cpu" for p in ep.pools)
         n = Staging.wanted(ep.pools) if host and knobs().gather else 0
@@ -148,20 +170,35 @@ class PrefillSide:
             ep.transport.register(self.staging.addr, n, "cpu")
 
     # -- engine calls -------------------------------------------------------------------------
-    def create(self, room: int) -> KVSender:
+    def create(self, room: int, peer: str | None = None) -> KVSender:
         now = time.monotonic()
         with self.ep.lock:
             if room in self.rooms:
                 raise DuplicateRoom(f"room {room} is already active on prefill endpoint "
                                     f"{self.ep.endpoint_id}")
-            self.tombstones.pop(room, None)
-            st = SenderRoom(room, now + self.cfg.bootstrap_timeout_s)
+            self.tombstones.pop((room, "", 0), None)
+            st = SenderRoom(room, now + self.cfg.bootstrap_timeout_s, bound=peer)
             self.rooms[room] = st
             self.ep.count("requests")
-            _, waiting = self.pending.pop(room, (0.0, []))
-            for req, peer in waiting:
-                self._attach(st, req, peer, now)
+            for req, dpeer, _ in self._take_pending(room):
+                self._attach(st, req, dpeer, now)
+            refused = self.refused.pop(room, None)
+        if refused is not None and not st.targets:
+            self.fail(st, LayoutMismatch(refused))
         return KVSender(self, st)
+
+    def _take_pending(self, room: int) -> list[Pending]:
+        _, waiting = self.pending.pop(room, (0.0, []))
+        self.pending_bytes -= sum(n for _, _, n in waiting)
+        self.pending_count -= len(waiting)
+        return waiting
+
+    def _tombstone(self, key: tuple[int, str, int], why: str) -> None:
+        self.tombstones[key] = (time.monotonic() + self.cfg.bootstrap_timeout_s, why)
+        self.tombstones.move_to_end(key)
+        while len(self.tombstones) > self.cfg.max_tombstones:
+            self.tombstones.popitem(last=False)
+            self.ep.count("tombstones_evicted")
 
     def add_chunk(self, st: SenderRoom, pages: Mapping[str, object], slots: dict[str, int],
                   last: bool) -> None:
@@ -198,22 +235,33 @@ class PrefillSide:
             st.failure = err
             self.ep.count_failure(err)
             log.info("room %d failed: %s", st.room, err)
-            self.tombstones[st.room] = (time.monotonic() + self.cfg.bootstrap_timeout_s, str(err))
+            self._tombstone((st.room, "", 0), str(err))
             for t in st.targets:
                 self.ep.workers.submit(st.room, lambda t=t: self._finish(st, t, False, err))
             if not st.targets:
                 self.rooms.pop(st.room, None)
 
     # -- messages ----------------------------------------------------------------------------
-    def on_hello(self, msg: wire.Hello) -> None:
-        reason = self.ep.check_auth(msg)
-        mine = list(self.ep.pools)
-        if not reason and msg.signature != layout_signature(msg.pools):
-            reason = "Hello signature does not match its own pools"
-        if not reason:
-            reason = check_pools(mine, list(msg.pools)) or ""
+    def on_hello(self, msg: wire.Hello, _: Session | None, h: wire.Header) -> None:
+        """A decode opens (or reopens) its pair. With a secret the frame's MAC was checked
+        before this ran; here the Hello must also be fresh: a nonce is accepted once."""
+        fresh = self.ep.trust.fresh_hello(h, msg.ts)
+        if fresh == "again":  # a retransmission: the ack may have been lost
+            with self.ep.lock:
+                old = self.peers.get(msg.endpoint_id)
+            if old is not None and old.sess is not None and old.sess.pair == h.pair:
+                self.ep.send_raw(old.ctrl_addr, old.sess.ack)
+            return
+        if fresh:
+            self.ep.reject(fresh, f"Hello from {msg.endpoint_id}: {fresh}")
+            return
+        if self.ep.secret is not None and msg.to != self.ep.endpoint_id:
+            self.ep.reject("wrong_pair", f"Hello from {msg.endpoint_id} is for {msg.to!r}")
+            return
+        reason = self._check_hello(msg)
         peer_pools = {p.name: p for p in msg.pools}
         pairings: dict[str, P.BufferPairing] = {}
+        mine = list(self.ep.pools)
         if not reason:
             for p in mine:
                 q = peer_pools.get(p.name)
@@ -224,86 +272,193 @@ class PrefillSide:
                     reason = pr
                     break
                 pairings[p.name] = pr
+        nonce = new_nonce()
         ack = wire.HelloAck(
             endpoint_id=self.ep.endpoint_id, ok=not reason, reason=reason,
             session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
             tp_size=self.cfg.tp_size, pools=() if reason else tuple(mine),
-        )
+            nonce=b"" if reason else nonce)
+        frame = self.ep.ack_frame(ack, h.pair)
         if reason:
             log.warning("refused Hello from %s: %s", msg.endpoint_id, reason)
             self.ep.count_failure(LayoutMismatch(reason))
-        else:
-            regions = [(b.addr, b.nbytes) for q in msg.pools for b in q.buffers]
-            with self.ep.lock:
-                self.peers[msg.endpoint_id] = DecodePeer(
-                    msg.endpoint_id, msg.ctrl_addr, msg.session, peer_pools, pairings, regions
-                )
-        self.ep.send(msg.ctrl_addr, ack)
-
-    def on_request(self, req: wire.TransferRequest) -> None:
-        now = time.monotonic()
+            self._handshake_refused(msg, reason)
+            self.ep.send_raw(msg.ctrl_addr, frame)
+            return
+        sess = Session(h.pair, None, ack=frame)
+        if self.ep.secret is not None:
+            sess.recv_key, sess.send_key = auth.session_keys(
+                self.ep.secret, h.pair, nonce, msg.endpoint_id, self.ep.endpoint_id)
+        peer = DecodePeer(msg.endpoint_id, msg.ctrl_addr, msg.session, peer_pools, pairings,
+                          [(b.addr, b.nbytes) for q in msg.pools for b in q.buffers], sess,
+                          msg.instance)
+        sess.peer = peer
         with self.ep.lock:
-            peer = self.peers.get(req.endpoint_id)
-            if peer is None or peer.ctrl_addr != req.reply_to:
-                self._refuse(req, f"no Hello from decode endpoint {req.endpoint_id} at "
-                                  f"{req.reply_to}", "protocol")
+            old = self.peers.pop(msg.endpoint_id, None)
+            if old is None and not self._make_room_for_peer():
+                why = f"too many decode peers ({self.cfg.max_peers})"
+                self.ep.reject("table_full", f"Hello from {msg.endpoint_id}: {why}")
                 return
+            self.peers[msg.endpoint_id] = peer
+        if old is not None:
+            self.ep.trust.drop(old.sess)
+            if old.ctrl_addr != peer.ctrl_addr:
+                self.ep.forget(old.ctrl_addr)
+        if self.ep.secret is not None:
+            self.ep.trust.add(sess)
+        self.ep.send_raw(msg.ctrl_addr, frame)
+
+    def _check_hello(self, msg: wire.Hello) -> str:
+        if msg.signature != layout_signature(msg.pools):
+            return "Hello signature does not match its own pools"
+        return check_pools(list(self.ep.pools), list(msg.pools)) or ""
+
+    def _make_room_for_peer(self) -> bool:
+        """Evict the least recently used idle peer when the table is full (under the lock);
+        False when every peer is in use."""
+        if len(self.peers) < self.cfg.max_peers:
+            return True
+        busy = {id(t.peer) for st in self.rooms.values() for t in st.targets}
+        busy |= {id(p) for _, w in self.pending.values() for _, p, _ in w}
+        for eid, p in self.peers.items():
+            if id(p) not in busy:
+                del self.peers[eid]
+                self.ep.trust.drop(p.sess)
+                self.ep.forget(p.ctrl_addr)
+                self.ep.count("peers_evicted")
+                return True
+        return False
+
+    def _handshake_refused(self, msg: wire.Hello, reason: str) -> None:
+        """Tell the room that started a refused handshake, so the prefill does not wait for a
+        request that cannot come (only a room not bound to another decode)."""
+        if msg.room is None:
+            return
+        why = (f"room {msg.room}: handshake from decode endpoint {msg.endpoint_id} refused: "
+               f"{reason}")
+        with self.ep.lock:
+            st = self.rooms.get(msg.room)
+            if st is None:
+                self.refused[msg.room] = why
+                while len(self.refused) > self.cfg.max_tombstones:
+                    self.refused.popitem(last=False)
+                return
+            if (st.targets or st.state.terminal
+                    or st.bound and st.bound not in (msg.endpoint_id, msg.instance)):
+                return
+        self.fail(st, LayoutMismatch(why))
+
+    def _peer(self, endpoint_id: str, sess: Session | None, what: str) -> DecodePeer | None:
+        """The registered peer a message comes from: with a secret, its session's (and the
+        message must name that peer); without one, the endpoint it names."""
+        with self.ep.lock:
+            if sess is not None:
+                peer = sess.peer
+                if not isinstance(peer, DecodePeer) or (endpoint_id and endpoint_id != peer.endpoint_id):
+                    peer = None
+                    reason = "wrong_pair"
+                elif self.peers.get(peer.endpoint_id) is not peer:
+                    peer, reason = None, "unknown_peer"
+            else:
+                peer = self.peers.get(endpoint_id)
+                reason = "unknown_peer"
+            if peer is not None:
+                self.peers.move_to_end(peer.endpoint_id)
+                return peer
+        self.ep.reject(reason, f"{what} from {endpoint_id or 'an unnamed endpoint'}: no Hello "
+                               "from it (no answer is sent)")
+        return None
+
+    def on_request(self, req: wire.TransferRequest, sess: Session | None, _: wire.Header) -> None:
+        now = time.monotonic()
+        peer = self._peer(req.endpoint_id, sess, f"request for room {req.room}")
+        if peer is None:
+            return
+        with self.ep.lock:
+            st = self.rooms.get(req.room)
+            if st is None and not self._pending_fits(req, peer):
+                return  # refused before its indices are even unpacked
             why, dst = self._validate(req, peer)
             if why:
-                self._refuse(req, why, "plan")
+                self._refuse(req, peer, why, "plan")
                 return
-            st = self.rooms.get(req.room)
             if st is not None and st.hold_until:
                 self._repair(st, req, peer, dst)
                 return
             if st is None:
-                tomb = self.tombstones.get(req.room)
+                tomb = (self.tombstones.get((req.room, "", 0))
+                        or self.tombstones.get((req.room, peer.endpoint_id, req.nonce)))
                 if tomb is not None:
-                    self._refuse(req, f"room {req.room} already failed on prefill: {tomb[1]}",
-                                 "remote")
+                    self._refuse(req, peer, f"room {req.room} already failed on prefill: "
+                                            f"{tomb[1]}", "remote")
                     return
-                exp, waiting = self.pending.setdefault(
-                    req.room, (now + self.cfg.bootstrap_timeout_s, []))
-                if any(r.endpoint_id == req.endpoint_id for r, _ in waiting):
-                    self._refuse(req, f"duplicate room {req.room} from the same decode endpoint",
-                                 "duplicate_room")
-                    return
-                waiting.append((req, peer))
+                self._park(req, peer, now)
                 return
             self._attach(st, req, peer, now, dst)
 
-    def on_abort(self, msg: wire.Abort) -> None:
+    def _park(self, req: wire.TransferRequest, peer: DecodePeer, now: float) -> None:
+        """Hold a request whose room has no sender yet, within the pending caps."""
+        exp, waiting = self.pending.get(req.room, (now + self.cfg.bootstrap_timeout_s, []))
+        if any(p.endpoint_id == peer.endpoint_id for _, p, _ in waiting):
+            self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
+                         "duplicate_room")
+            return
+        size = _pending_size(req)
+        waiting.append((req, peer, size))
+        self.pending[req.room] = (exp, waiting)
+        self.pending_bytes += size
+        self.pending_count += 1
+
+    def _pending_fits(self, req: wire.TransferRequest, peer: DecodePeer) -> bool:
+        """Whether one more request fits the pending caps; refuses it when not."""
+        n, size = self.pending_count, _pending_size(req)
+        if n < self.cfg.max_pending and self.pending_bytes + size <= self.cfg.max_pending_bytes:
+            return True
+        self.ep.count("rejected_pending_full")
+        self._refuse(req, peer, f"too many requests waiting for their room on this prefill "
+                                f"({n}, {self.pending_bytes} bytes)", "busy")
+        return False
+
+    def on_abort(self, msg: wire.Abort, sess: Session | None, _: wire.Header) -> None:
+        peer = self._peer(msg.endpoint_id, sess, f"abort of room {msg.room}")
+        if peer is None:
+            return
         with self.ep.lock:
             st = self.rooms.get(msg.room)
             target = None if st is None else next(
-                (t for t in st.targets if t.req.nonce == msg.nonce), None)
+                (t for t in st.targets if t.req.nonce == msg.nonce and t.peer.endpoint_id == peer.endpoint_id), None)
             if target is None:
                 exp_w = self.pending.get(msg.room)
                 known = False
                 if exp_w is not None:
-                    left = [(r, p) for r, p in exp_w[1] if r.nonce != msg.nonce]
+                    left = [x for x in exp_w[1] if not (x[0].nonce == msg.nonce and x[1].endpoint_id == peer.endpoint_id)]
                     known = len(left) != len(exp_w[1])
+                    self.pending_bytes -= sum(x[2] for x in exp_w[1] if x not in left)
+                    self.pending_count -= len(exp_w[1]) - len(left)
                     if left:
                         self.pending[msg.room] = (exp_w[0], left)
                     else:
                         self.pending.pop(msg.room, None)
                 if not known and msg.room not in self.rooms:
                     # the request may still be on its way: refuse it when it comes
-                    self.tombstones[msg.room] = (time.monotonic() + self.cfg.bootstrap_timeout_s,
-                                                 "aborted by decode before its request arrived")
-                if msg.reply_to:
-                    self.ep.send(msg.reply_to, wire.AbortAck(
-                        room=msg.room, nonce=msg.nonce, endpoint_id=self.ep.endpoint_id,
-                        rank=self.cfg.tp_rank, known=known))
+                    self._tombstone((msg.room, peer.endpoint_id, msg.nonce),
+                                    "aborted by decode before its request arrived")
+                self.ep.send(peer.ctrl_addr, wire.AbortAck(
+                    room=msg.room, nonce=msg.nonce, endpoint_id=self.ep.endpoint_id,
+                    rank=self.cfg.tp_rank, known=known), peer.sess)
                 return
             target.aborted = True
         self.fail(st, Aborted(f"room {msg.room}: aborted by decode ({msg.reason or 'no reason'})"))
 
-    def on_release(self, msg: wire.Release) -> None:
+    def on_release(self, msg: wire.Release, sess: Session | None, _: wire.Header) -> None:
         """The decode needs no repair: a held room ends and its pages are the engine's."""
+        peer = self._peer(msg.endpoint_id, sess, f"release of room {msg.room}")
+        if peer is None:
+            return
         with self.ep.lock:
             st = self.rooms.get(msg.room)
-            if st is None or not any(t.req.nonce == msg.nonce for t in st.targets):
+            if st is None or not any(t.req.nonce == msg.nonce and t.peer.endpoint_id == peer.endpoint_id
+                                     for t in st.targets):
                 self.ep.count("stale_messages")
                 return
             if st.hold_until and all(t.finished for t in st.targets):
@@ -324,9 +479,8 @@ class PrefillSide:
                 dst: dict[str, np.ndarray]) -> None:
         """A decode that held this room asks for a range again (its local restore failed):
         write the range from the pages still held (called under the lock)."""
-        if not any(t.peer.endpoint_id == req.endpoint_id and t.req.hold_for_repair
-                   for t in st.targets):
-            self._refuse(req, f"room {req.room} is not held for decode {req.endpoint_id}",
+        if not any(t.peer.endpoint_id == peer.endpoint_id and t.req.hold_for_repair for t in st.targets):
+            self._refuse(req, peer, f"room {req.room} is not held for decode {req.endpoint_id}",
                          "duplicate_room")
             return
         self.ep.count("repairs")
@@ -340,15 +494,14 @@ class PrefillSide:
             for st in self.rooms.values():
                 if not st.state.terminal and now > st.deadline:
                     expired.append(st)
-            for room, (exp, waiting) in list(self.pending.items()):
+            for room, (exp, _) in list(self.pending.items()):
                 if now > exp:
-                    del self.pending[room]
-                    for req, _ in waiting:
-                        self._refuse(req, f"no prefill request for room {room} within "
-                                          f"{self.cfg.bootstrap_timeout_s} s", "deadline")
-            for room, (exp, _) in list(self.tombstones.items()):
+                    for req, peer, _ in self._take_pending(room):
+                        self._refuse(req, peer, f"no prefill request for room {room} within "
+                                                f"{self.cfg.bootstrap_timeout_s} s", "deadline")
+            for key, (exp, _) in list(self.tombstones.items()):
                 if now > exp:
-                    del self.tombstones[room]
+                    del self.tombstones[key]
             for st in [x for x in self.rooms.values() if x.hold_until and now > x.hold_until
                        and all(t.finished for t in x.targets)]:
                 log.info("room %d: no Release from the decode before the hold deadline", st.room)
@@ -359,17 +512,14 @@ class PrefillSide:
                     else f"not finished (state {st.state.name})")
             self.fail(st, DeadlineExceeded(f"room {st.room}: {what} before its deadline"))
 
-    def peer_lost(self, endpoint_id: str) -> None:
-        with self.ep.lock:
-            self.peers.pop(endpoint_id, None)
-
     # -- internals -----------------------------------------------------------------------------
-    def _refuse(self, req: wire.TransferRequest, reason: str, kind: str) -> None:
+    def _refuse(self, req: wire.TransferRequest, peer: DecodePeer, reason: str,
+                kind: str) -> None:
         log.info("refused request for room %d: %s", req.room, reason)
         self.ep.count(f"refused_{kind}")
-        self.ep.send(req.reply_to, wire.TransferDone(
+        self.ep.send(peer.ctrl_addr, wire.TransferDone(
             room=req.room, nonce=req.nonce, endpoint_id=self.ep.endpoint_id,
-            rank=self.cfg.tp_rank, ok=False, reason=reason, kind=kind))
+            rank=self.cfg.tp_rank, ok=False, reason=reason, kind=kind), peer.sess)
 
     def _validate(self, req: wire.TransferRequest, peer: DecodePeer
                   ) -> tuple[str, dict[str, np.ndarray]]:
@@ -380,16 +530,21 @@ class PrefillSide:
     def _attach(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer, now: float,
                 dst: dict[str, np.ndarray] | None = None) -> None:
         if st.state.terminal:
-            self._refuse(req, f"room {req.room} already ended on prefill", "remote")
+            self._refuse(req, peer, f"room {req.room} already ended on prefill", "remote")
             return
-        if any(t.peer.endpoint_id == req.endpoint_id for t in st.targets):
-            self._refuse(req, f"duplicate room {req.room} from the same decode endpoint",
+        if st.bound and not peer.is_(st.bound):
+            self.ep.count("rejected_not_bound")
+            self._refuse(req, peer, f"room {req.room} is bound to decode {st.bound!r}, not "
+                                    f"{peer.endpoint_id} (instance {peer.instance!r})", "remote")
+            return
+        if any(t.peer.endpoint_id == peer.endpoint_id for t in st.targets):
+            self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
                          "duplicate_room")
             return
         if dst is None:
             why, dst = self._validate(req, peer)
             if why:
-                self._refuse(req, why, "plan")
+                self._refuse(req, peer, why, "plan")
                 return
         st.targets.append(Target(req, peer, dst))
         st.t_request = st.t_request or now
@@ -575,7 +730,7 @@ class PrefillSide:
                         rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
                         kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks,
                         seconds=t.seconds, digests=tuple(t.digests) if ok else ()))
-                self.ep.send_frame(t.req.reply_to, out)
+                self.ep.send_frame(t.peer.ctrl_addr, out, t.peer.sess)
             all_done = len(st.targets) >= st.expected and all(x.finished for x in st.targets)
             if ok and all_done and not st.state.terminal:
                 st.state = KVPoll.Success
@@ -587,6 +742,11 @@ class PrefillSide:
             self.ep.timeline.observe("waiting", st.t_request - st.t_created)
             self.ep.timeline.observe("transfer", now - st.t_request)
         self.ep.count_transfer(t.bytes, t.blocks)
+
+
+def _pending_size(req: wire.TransferRequest) -> int:
+    """Memory a parked request holds: its packed indices and their unpacked int64 copy."""
+    return 1024 + 3 * sum(len(v) for v in req.dst.values())
 
 
 def _sliced(t: Target) -> bool:

@@ -67,11 +67,13 @@ class AgentState:
                     pat.fill_slot(spec, e.tensors[name], it["room"], it["slots"][name])
 
     def cmd_send(self, items: list[dict[str, Any]], ep: str = "main") -> None:
-        """Create a sender per room and hand over its chunks (with ``delay_s`` between chunks,
-        from a thread, when asked; ``abort_after_send``: abort right after the last one)."""
+        """Create a sender per room (bound to ``peer`` if given) and hand over its chunks (with
+        ``delay_s`` between chunks, from a thread, when asked; ``abort_after_send``: abort
+        right after the last one)."""
         e = self.eps[ep]
         for it in items:
-            tx = e.tx[it["room"]] = e.ep.sender(it["room"])
+            tx = e.tx[it["room"]] = (e.ep.sender(it["room"], it["peer"]) if it.get("peer")
+                                     else e.ep.sender(it["room"]))
             chunks = it["chunks"]
             delay = it.get("delay_s", 0.0)
             if delay:

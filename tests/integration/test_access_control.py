@@ -84,23 +84,27 @@ def test_decode_without_the_secret_is_refused_with_a_clear_error(secured) -> Non
     dc.call("close_endpoint", name="nosecret")
 
 
-@pytest.mark.parametrize("tag,needle", [("", "authentication required"),
-                                        ("0" * 64, "authentication failed")])
-def test_prefill_refuses_hello_without_a_valid_signature(secured, tag: str, needle: str) -> None:
+@pytest.mark.parametrize("mode,key,reason", [
+    (wire.PLAIN, None, "unsigned"),
+    (wire.HELLO, b"k" * 32, "bad_mac"),
+])
+def test_prefill_drops_a_hello_without_a_valid_mac_unanswered_and_counted(
+        secured, mode: int, key: bytes | None, reason: str) -> None:
     _, pf, _ = secured
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     addr = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
     push = ctx.socket(zmq.PUSH)
     push.connect(pf.info["ctrl_addr"])
+    before = pf.call("metrics")
     try:
-        push.send(wire.encode(wire.Hello(endpoint_id="intruder", ctrl_addr=addr,
-                                         session="127.0.0.1:1", tp_rank=0, tp_size=1,
-                                         signature=layout_signature([]), pools=(), auth=tag)))
-        assert pull.poll(5000)
-        ack = wire.decode(pull.recv())
-        assert isinstance(ack, wire.HelloAck) and not ack.ok and needle in ack.reason
-        assert ack.pools == ()  # nothing about the prefill's memory is disclosed
+        hello = wire.Hello(endpoint_id="intruder", ctrl_addr=addr, session="127.0.0.1:1",
+                           tp_rank=0, tp_size=1, signature=layout_signature([]), pools=())
+        push.send(wire.frame(wire.payload(hello), wire.Hello, mode, b"n" * 16, 0, key))
+        assert not pull.poll(500)  # nothing about the prefill is disclosed, not even a refusal
+        after = pf.call("metrics")
+        assert after.get(f"rejected_{reason}", 0) == before.get(f"rejected_{reason}", 0) + 1
+        assert after["table_peers"] == before["table_peers"]
     finally:
         push.close(0)
         pull.close(0)

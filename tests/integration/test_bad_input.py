@@ -69,7 +69,7 @@ class Hostile:
     def request(self, room: int, pages: list[int], num_tokens: int, slot: int = 0,
                 nonce: int = 1, endpoint_id: str = "hostile") -> None:
         self.send(wire.TransferRequest(
-            room=room, nonce=nonce, endpoint_id=endpoint_id, reply_to=self.addr,
+            room=room, nonce=nonce, endpoint_id=endpoint_id,
             dst={"kv": wire.pack_indices(pages)}, slots={"aux": slot}, prefix_len=0,
             num_tokens=num_tokens))
 
@@ -155,27 +155,31 @@ def test_duplicate_room_from_a_peer_is_refused(pair, hostile) -> None:
     done = hostile.recv()
     assert isinstance(done, wire.TransferDone) and not done.ok and done.nonce == 2
     assert "duplicate" in done.reason
-    hostile.send(wire.Abort(room=503, nonce=1, reply_to=hostile.addr))
+    hostile.send(wire.Abort(room=503, nonce=1, endpoint_id="hostile"))
     ack = hostile.recv()
     assert isinstance(ack, wire.AbortAck) and ack.known
 
 
 def test_abort_for_an_unknown_room_is_answered(hostile) -> None:
-    hostile.send(wire.Abort(room=123456789, nonce=5, reply_to=hostile.addr))
+    hostile.send(wire.Abort(room=123456789, nonce=5, endpoint_id="hostile"))
     ack = hostile.recv()
     assert isinstance(ack, wire.AbortAck) and not ack.known and ack.room == 123456789
 
 
-def test_request_without_hello_is_refused_with_a_reason(pair) -> None:
+def test_request_without_hello_is_dropped_unanswered_and_counted(pair) -> None:
+    """Nobody registered an address for an endpoint that never said Hello: there is nowhere
+    to answer (a message never names its own reply address), so the request is counted."""
+    pf, _ = pair
     h = Hostile(pair[0].info["ctrl_addr"])
     try:
+        before = pf.call("metrics").get("rejected_unknown_peer", 0)
         h.request(504, [1], 5, endpoint_id="stranger")
-        done = h.recv()
-        assert isinstance(done, wire.TransferDone) and not done.ok and "Hello" in done.reason
-        # a known endpoint id from another address is not that endpoint
-        h.request(504, [1], 5, endpoint_id="hostile")
-        done = h.recv()
-        assert isinstance(done, wire.TransferDone) and not done.ok and "Hello" in done.reason
+        assert not h.pull.poll(300)
+        t0 = time.monotonic()
+        while (pf.call("metrics").get("rejected_unknown_peer", 0) == before
+               and time.monotonic() - t0 < 5):
+            time.sleep(0.05)
+        assert pf.call("metrics")["rejected_unknown_peer"] == before + 1
     finally:
         h.close()
 
@@ -189,7 +193,7 @@ def test_hello_whose_pools_lie_about_their_size_gets_no_pairing(pair) -> None:
             signature="0", pools=(h.specs[0],)))
         hello["type"] = "Hello"
         hello["pools"][0]["num_items"] *= 4  # buffers claim 4x more pages than they hold
-        frame = wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(hello)
+        frame = wire.frame(msgspec.msgpack.encode(hello), wire.Hello)
         before = pf.call("metrics").get("wire_rejected", 0)
         h.send(frame)
         t0 = time.monotonic()

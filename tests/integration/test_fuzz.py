@@ -2,30 +2,48 @@
 
 Targets: the wire decoder (random bytes, and structurally valid msgpack with wrong types, huge
 lengths, negative and out-of-range values), a live prefill endpoint's message handler (real
-transport, real registered memory that must stay untouched), and the bootstrap HTTP API.
+transport, real registered memory that must stay untouched), the same with a shared secret
+(authenticated frames with wrong MACs, old counters and wrong pairs, and garbage under a valid
+MAC), and the bootstrap HTTP API.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import time
 import urllib.parse
 from collections.abc import Iterator
 
 import msgspec
 import numpy as np
 import pytest
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdxfer import BootstrapServer, Endpoint, EndpointConfig, WireError, wire
+from pdxfer import (
+    BootstrapServer,
+    Endpoint,
+    EndpointConfig,
+    WireError,
+    auth,
+    layout_signature,
+    wire,
+)
 from pdxfer.testing import patterns as pat
 from pdxfer.testing.patterns import PoolGeom
 
 N = 2000
 FUZZ = settings(max_examples=N, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
-HEADER = wire.MAGIC + bytes([wire.PROTOCOL_VERSION])
+KIND = {k.__name__: k for k in wire.KINDS}
+
+
+def framed(msg: dict, kind: type | None = None) -> bytes:
+    """A plain frame around a msgpack payload (raises for values msgpack cannot carry)."""
+    return wire.frame(msgspec.msgpack.encode(msg), kind or KIND.get(msg.get("type"), wire.Abort))
 
 ints = st.one_of(st.integers(-(2**70), 2**70), st.integers(-5, 100))
 scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=True),
@@ -45,14 +63,14 @@ def packed(draw_ints: list[int]) -> bytes:
 request_like = st.fixed_dictionaries({
     "type": st.just("TransferRequest"),
     "room": ints, "nonce": ints, "endpoint_id": st.text(max_size=20),
-    "reply_to": st.one_of(LOOPBACK, st.text(max_size=30)),
     "dst": st.dictionaries(st.sampled_from(["kv", "aux", "nope", ""]),
                            st.one_of(st.binary(max_size=40),
                                      st.lists(st.integers(-10, 10**6), max_size=30).map(packed)),
                            max_size=3),
     "slots": st.dictionaries(st.sampled_from(["aux", "kv", "x"]), ints, max_size=2),
     "prefix_len": ints, "num_tokens": ints,
-}, optional={"expected_senders": ints, "decode_peers": ints, "deadline_s": scalars,
+}, optional={"reply_to": st.one_of(LOOPBACK, st.text(max_size=30)),  # no longer a field
+             "expected_senders": ints, "decode_peers": ints, "deadline_s": scalars,
              "hold_for_repair": scalars, "extra": values})
 other_like = st.fixed_dictionaries({
     "type": st.sampled_from(["Hello", "HelloAck", "TransferDone", "Abort", "AbortAck",
@@ -67,7 +85,8 @@ messages = st.one_of(request_like, other_like)
 @FUZZ
 @given(st.binary(max_size=300))
 def test_decoder_survives_random_bytes(data: bytes) -> None:
-    for frame in (data, HEADER + data):
+    for frame in (data, wire.frame(data, wire.TransferRequest), wire.encode(
+            wire.Release(room=1, nonce=2))[:wire.HEADER_LEN] + data):
         try:
             wire.decode(frame)
         except WireError:
@@ -78,7 +97,7 @@ def test_decoder_survives_random_bytes(data: bytes) -> None:
 @given(messages)
 def test_decoder_rejects_or_validates_structured_garbage(msg: dict) -> None:
     try:
-        frame = HEADER + msgspec.msgpack.encode(msg)
+        frame = framed(msg)
     except (OverflowError, TypeError):
         return  # not representable in msgpack: a peer cannot send it either
     try:
@@ -118,9 +137,10 @@ def test_prefill_handler_never_crashes_and_never_writes_outside_a_request(
         live, msg: dict, as_known_peer: bool) -> None:
     pf, dc, mem = live
     if as_known_peer and msg.get("type") == "TransferRequest":
-        msg = {**msg, "endpoint_id": dc.endpoint_id, "reply_to": dc.ctrl_addr}
+        msg = {k: v for k, v in msg.items() if k != "reply_to"}
+        msg["endpoint_id"] = dc.endpoint_id
     try:
-        frame = HEADER + msgspec.msgpack.encode(msg)
+        frame = framed(msg)
     except (OverflowError, TypeError):
         return
     errors = pf.core.control.handler_errors
@@ -140,6 +160,107 @@ def test_fuzzed_prefill_endpoint_left_memory_and_tables_clean(live) -> None:
     while pf.metrics()["pending_requests"] and time.monotonic() < end:
         time.sleep(0.05)
     assert pf.metrics()["pending_requests"] == 0
+
+
+SECRET = b"a fuzzing secret of 16+ bytes"
+
+
+class Forger:
+    """A decode that holds the secret and completed a real handshake with ``pf``: it can make
+    frames with a valid MAC, and break them on purpose."""
+
+    def __init__(self, pf: Endpoint, specs: list) -> None:
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.addr = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
+        self.pair = os.urandom(16)
+        hello = wire.Hello(endpoint_id="forger", ctrl_addr=self.addr, session="127.0.0.1:2",
+                           tp_rank=0, tp_size=1, signature=layout_signature(specs),
+                           pools=tuple(specs), ts=time.time(), to=pf.endpoint_id)
+        pf.core._on_frame(wire.frame(wire.payload(hello), wire.Hello, wire.HELLO, self.pair, 0,
+                                     auth.hello_key(SECRET)))
+        assert self.pull.poll(5000), "no HelloAck"
+        ack = self.pull.recv()
+        h = wire.header(ack)
+        assert wire.verify(ack, auth.ack_key(SECRET, self.pair), h.mac)
+        msg = wire.body(ack, h)
+        assert isinstance(msg, wire.HelloAck) and msg.ok, msg
+        self.key, _ = auth.session_keys(SECRET, self.pair, msg.nonce, "forger", pf.endpoint_id)
+        self.counter = 0
+
+    def seal(self, payload: bytes, kind: type, counter: int | None = None,
+             pair: bytes | None = None, key: bytes | None = None) -> bytes:
+        if counter is None:
+            self.counter += 1
+            counter = self.counter
+        return wire.frame(payload, kind, wire.SESSION, pair or self.pair, counter, key or self.key)
+
+    def close(self) -> None:
+        self.pull.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def secured_live() -> Iterator[tuple[Endpoint, Forger]]:
+    ps, pt = pat.build(GEOMS)
+    ds, _ = pat.build(GEOMS)
+    pf = Endpoint(EndpointConfig(role="prefill", bootstrap_timeout_s=0.5,
+                                 secret=SECRET.decode()), ps)
+    f = Forger(pf, ds)
+    yield pf, f
+    f.close()
+    pf.close()
+
+
+@FUZZ
+@given(messages, st.sampled_from(["wrong_mac", "old_counter", "replay", "wrong_pair",
+                                  "unsigned", "valid_mac"]))
+def test_authenticated_frames_with_a_wrong_mac_counter_or_pair_change_nothing(
+        secured_live, msg: dict, how: str) -> None:
+    pf, f = secured_live
+    msg = {k: v for k, v in msg.items() if k != "reply_to"}
+    try:
+        payload = msgspec.msgpack.encode(msg)
+    except (OverflowError, TypeError):
+        return
+    kind = KIND.get(msg.get("type"), wire.Release)
+    before = pf.metrics()
+    tables = pf.tables()
+    if how == "valid_mac":  # garbage under a valid MAC: decoded, then refused or handled
+        pf.core._on_frame(f.seal(payload, kind))
+        assert pf.core.control.handler_errors == 0
+        assert pf.transport.stats.calls == 0
+        return
+    if how in ("replay", "old_counter"):
+        ok = f.seal(wire.payload(wire.Release(room=1, nonce=1, endpoint_id="forger")),
+                    wire.Release)
+        pf.core._on_frame(ok)  # admitted (a stale Release), then replayed or outrun
+        before = pf.metrics()
+        frame = ok if how == "replay" else f.seal(payload, kind, counter=max(
+            1, f.counter - 5000))
+        if how == "old_counter":
+            f.counter += 5000  # the window has moved on: anything 4096 behind is old
+            pf.core._on_frame(f.seal(wire.payload(wire.Release(room=1, nonce=1)), wire.Release))
+            before = pf.metrics()
+            frame = f.seal(payload, kind, counter=f.counter - 4097)
+    elif how == "wrong_mac":
+        frame = f.seal(payload, kind, key=os.urandom(32))
+    elif how == "wrong_pair":
+        frame = f.seal(payload, kind, pair=os.urandom(16))
+    else:
+        frame = wire.frame(payload, kind)
+    pf.core._on_frame(frame)
+    after = pf.metrics()
+    reason = {"wrong_mac": "bad_mac", "old_counter": "replay", "replay": "replay",
+              "wrong_pair": "unknown_pair", "unsigned": "unsigned"}[how]
+    if how != "replay" and kind not in pf.core.handlers:  # refused on its kind first
+        reason = "unexpected"
+    if how != "replay" and len(payload) > wire.cap(kind):
+        reason = "oversized"
+    assert after.get(f"rejected_{reason}", 0) == before.get(f"rejected_{reason}", 0) + 1, how
+    assert after["wire_rejected"] == before.get("wire_rejected", 0) + 1
+    assert pf.tables() == tables
+    assert pf.transport.stats.calls == 0
 
 
 @pytest.fixture(scope="module")

@@ -226,8 +226,8 @@ def test_late_or_repeated_transfer_done_changes_nothing(pair: Pair) -> None:
     assert side is not None
     done = wire.TransferDone(room=room, nonce=1, endpoint_id=pair.pf.endpoint_id, rank=0,
                              ok=False, reason="late", kind="transport")
-    side.on_done(done)  # a stale nonce, for a room that already succeeded
-    side.on_done(done)
+    side.on_done(done, None, None)  # a stale nonce, for a room that already succeeded
+    side.on_done(done, None, None)
     assert rx.poll() == KVPoll.Success and rx.failure is None
     assert pair.dc.metrics()["stale_messages"] == stale + 2
     assert pair.released[room] == 0

@@ -14,7 +14,7 @@ from pdxfer.pools import check_pair, check_pools
 
 
 def req(**kw: object) -> wire.TransferRequest:
-    base = dict(room=42, nonce=7, endpoint_id="d0", reply_to="tcp://127.0.0.1:5",
+    base = dict(room=42, nonce=7, endpoint_id="d0",
                 dst={"kv": wire.pack_indices([3, 1, 2])}, slots={"aux": 1}, prefix_len=0,
                 num_tokens=40)
     base.update(kw)
@@ -24,7 +24,7 @@ def req(**kw: object) -> wire.TransferRequest:
 @pytest.mark.parametrize("msg", [
     req(),
     wire.TransferDone(room=1, nonce=2, endpoint_id="p", rank=0, ok=False, reason="x" * 100),
-    wire.Abort(room=(1 << 63) - 1, nonce=0, reason="r", reply_to="tcp://a:1"),
+    wire.Abort(room=(1 << 63) - 1, nonce=0, reason="r", endpoint_id="d"),
     wire.AbortAck(room=5, nonce=6, known=False),
     wire.Release(room=5, nonce=6),
     wire.HelloAck(endpoint_id="p", ok=False, reason="nope"),
@@ -40,19 +40,26 @@ def test_packed_indices_round_trip() -> None:
         wire.pack_indices([-1])
 
 
+def _f(payload: bytes, kind: type = wire.Abort) -> bytes:
+    return wire.frame(payload, kind)
+
+
 @pytest.mark.parametrize("frame,why", [
     (b"", "magic"),
     (b"XYZ\x01abc", "magic"),
     (wire.MAGIC + b"\x09" + b"\x80", "version"),
-    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + b"\xc1", "malformed"),
-    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode({"type": "Nope"}),
+    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + b"\x80", "shorter than its header"),
+    (_f(b"\xc1"), "malformed"),
+    (_f(msgspec.msgpack.encode({"type": "Nope"})), "invalid"),
+    (_f(msgspec.msgpack.encode({"type": "Abort", "room": -1, "nonce": 0})), "invalid"),
+    (_f(msgspec.msgpack.encode({"type": "Abort", "room": 1, "nonce": 0, "extra": 1})),
      "invalid"),
-    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(
-        {"type": "Abort", "room": -1, "nonce": 0}), "invalid"),
-    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(
-        {"type": "Abort", "room": 1, "nonce": 0, "extra": 1}), "invalid"),
-    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + msgspec.msgpack.encode(
-        {"type": "Abort", "room": "1", "nonce": 0}), "invalid"),
+    (_f(msgspec.msgpack.encode({"type": "Abort", "room": "1", "nonce": 0})), "invalid"),
+    (_f(msgspec.msgpack.encode({"type": "Release", "room": 1, "nonce": 0})),
+     "header says Abort"),
+    (_f(msgspec.msgpack.encode({"type": "Abort", "room": 1, "nonce": 0}))[:-1], "arrived"),
+    (_f(b"\x00" * (wire.MAX_SMALL + 1)), "exceeds"),
+    (_f(b"\x00" * (wire.MAX_HELLO + 1), wire.Hello), "exceeds"),
 ])
 def test_malformed_frames_are_rejected_with_a_reason(frame: bytes, why: str) -> None:
     with pytest.raises(WireError, match=why):
@@ -61,18 +68,18 @@ def test_malformed_frames_are_rejected_with_a_reason(frame: bytes, why: str) -> 
 
 def test_request_with_prefix_beyond_tokens_is_rejected() -> None:
     frame = wire.encode(req())
-    raw = msgspec.msgpack.decode(frame[4:])
+    raw = msgspec.msgpack.decode(frame[wire.HEADER_LEN:])
     raw["prefix_len"] = 100
     with pytest.raises(WireError, match="prefix_len"):
-        wire.decode(frame[:4] + msgspec.msgpack.encode(raw))
+        wire.decode(wire.frame(msgspec.msgpack.encode(raw), wire.TransferRequest))
 
 
 def test_request_with_torn_packed_indices_is_rejected() -> None:
     frame = wire.encode(req())
-    raw = msgspec.msgpack.decode(frame[4:])
+    raw = msgspec.msgpack.decode(frame[wire.HEADER_LEN:])
     raw["dst"] = {"kv": b"\x01\x02\x03"}
     with pytest.raises(WireError, match="multiple of 4"):
-        wire.decode(frame[:4] + msgspec.msgpack.encode(raw))
+        wire.decode(wire.frame(msgspec.msgpack.encode(raw), wire.TransferRequest))
 
 
 # -- pools --------------------------------------------------------------------------------
@@ -134,3 +141,38 @@ def test_inconsistent_specs_are_refused_at_construction() -> None:
         msgspec.convert({"name": "kv", "kind": "paged", "buffers": [
             {"addr": 4096, "nbytes": 10, "layer_id": 0, "role": "k"}], "item_bytes": 64,
             "num_items": 4}, PoolSpec)
+
+
+# -- frame authentication -------------------------------------------------------------------
+
+
+def test_replay_window_accepts_each_counter_once_out_of_order_but_not_too_old() -> None:
+    from pdxfer.endpoint.trust import ReplayWindow
+
+    w = ReplayWindow()
+    assert not w.accept(0)  # counters start at 1
+    assert w.accept(5) and w.accept(3) and w.accept(4)  # threads may interleave
+    assert not w.accept(5) and not w.accept(3)  # each once
+    assert w.accept(10_000)
+    assert not w.accept(10_000 - ReplayWindow.SIZE)  # too old to tell: refused
+    assert w.accept(10_000 - ReplayWindow.SIZE + 1)
+
+
+def test_mac_covers_header_and_payload_and_keys_differ_per_direction_and_pair() -> None:
+    from pdxfer import auth
+
+    key = b"k" * 32
+    f = wire.frame(wire.payload(wire.Release(room=1, nonce=2)), wire.Release, wire.SESSION,
+                   b"p" * 16, 7, key)
+    h = wire.header(f)
+    assert wire.verify(f, key, h.mac)
+    for i in (3, 6, 10, 30, len(f) - 1):  # mode, length, pair, counter, payload
+        g = bytearray(f)
+        g[i] ^= 1
+        assert not wire.verify(bytes(g), key, h.mac), i
+    s = b"a shared secret of 16+ bytes"
+    d2p, p2d = auth.session_keys(s, b"p" * 16, b"q" * 16, "d", "p")
+    assert d2p != p2d
+    assert auth.session_keys(s, b"x" * 16, b"q" * 16, "d", "p")[0] != d2p
+    assert auth.session_keys(s, b"p" * 16, b"q" * 16, "e", "p")[0] != d2p
+    assert auth.ack_key(s, b"p" * 16) != auth.ack_key(s, b"x" * 16)

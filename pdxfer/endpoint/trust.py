@@ -1,0 +1,162 @@
+"""Who a control frame comes from: per-pair sessions, replay windows and Hello freshness.
+
+With a shared secret, a frame is admitted only when its header names a known pair (or is a
+``Hello`` under the secret's Hello key) and its MAC verifies over the raw bytes, before any byte
+of its payload is decoded; a session frame's counter must also be new (``ReplayWindow``). What
+is admitted carries its ``Session``, whose ``peer`` is the only party a handler may believe or
+answer. Without a secret nothing is checked (loopback and trusted networks only).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import auth, wire
+from ..wire import Header, Rejected
+
+MAX_HELLO_NONCES = 65536
+"""Hello nonces remembered for the freshness window; past this, new Hellos are refused (only
+holders of the secret can make them, so a legitimate cluster never gets near it)."""
+
+
+class ReplayWindow:
+    """Counters seen from one peer: a counter is accepted once, and only while it is newer
+    than the newest minus ``SIZE`` (frames from several sender threads may interleave)."""
+
+    SIZE = 4096
+
+    def __init__(self) -> None:
+        self.top = 0
+        self.mask = 0
+
+    def accept(self, c: int) -> bool:
+        if c <= 0:
+            return False
+        if c > self.top:
+            shift = c - self.top
+            self.mask = ((self.mask << shift) | 1) & ((1 << self.SIZE) - 1) if shift < self.SIZE else 1
+            self.top = c
+            return True
+        d = self.top - c
+        if d >= self.SIZE or (self.mask >> d) & 1:
+            return False
+        self.mask |= 1 << d
+        return True
+
+
+@dataclass(eq=False)
+class Session:
+    """One handshake or established pair. ``peer`` is the side's record of the other end."""
+
+    pair: bytes
+    peer: Any
+    ack_key: bytes | None = None
+    send_key: bytes | None = None
+    recv_key: bytes | None = None
+    sent: int = 0
+    ack: bytes = b""
+    """Prefill: the sealed HelloAck, sent again when the same Hello is retransmitted."""
+    window: ReplayWindow = field(default_factory=ReplayWindow)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def established(self) -> bool:
+        return self.send_key is not None
+
+    def seal(self, frame: bytes) -> bytes:
+        """The frame under this session's key and next counter."""
+        with self.lock:
+            self.sent += 1
+            c = self.sent
+        return wire.reseal(frame, wire.SESSION, self.pair, c, self.send_key)
+
+
+def new_nonce() -> bytes:
+    return os.urandom(16)
+
+
+class Trust:
+    """One rank's sessions by pair and the checks every incoming frame passes first."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self.secret = secret
+        self.hello_key = auth.hello_key(secret) if secret else None
+        self.sessions: dict[bytes, Session] = {}
+        self._nonces: OrderedDict[bytes, tuple[float, bytes]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def admit(self, f: bytes, h: Header) -> Session | None:
+        """The session a frame belongs to (None: a Hello, or no secret), or ``Rejected``."""
+        if self.secret is None:
+            return None
+        if h.mode == wire.PLAIN:
+            raise Rejected("unsigned", f"unsigned {h.kind.__name__} (this endpoint has a secret)")
+        if h.mode == wire.HELLO:
+            if h.kind is not wire.Hello:
+                raise Rejected("unexpected", f"{h.kind.__name__} under the Hello key")
+            assert self.hello_key is not None
+            if not wire.verify(f, self.hello_key, h.mac):
+                raise Rejected("bad_mac", "Hello with a wrong MAC (different secret?)")
+            return None
+        with self.lock:
+            sess = self.sessions.get(h.pair)
+        if sess is None:
+            raise Rejected("unknown_pair", f"{h.kind.__name__} for an unknown pair")
+        if h.mode == wire.ACK:
+            if h.kind is not wire.HelloAck:
+                raise Rejected("unexpected", f"{h.kind.__name__} under an ack key")
+            if sess.ack_key is None or sess.established:  # e.g. the answer to a retransmit
+                raise Rejected("replay", "HelloAck for a handshake already settled")
+            key = sess.ack_key
+        else:
+            if sess.recv_key is None:
+                raise Rejected("unknown_pair", f"{h.kind.__name__} before the handshake ended")
+            key = sess.recv_key
+        if not wire.verify(f, key, h.mac):
+            raise Rejected("bad_mac", f"{h.kind.__name__} with a wrong MAC")
+        if h.mode == wire.SESSION:
+            with sess.lock:
+                fresh = sess.window.accept(h.counter)
+            if not fresh:
+                raise Rejected("replay", f"{h.kind.__name__} with an old counter {h.counter}")
+        return sess
+
+    def fresh_hello(self, h: Header, ts: float) -> str:
+        """"" for a new Hello, "again" for a retransmission of one already answered, or the
+        rejection reason (stale timestamp, replayed nonce, too many nonces)."""
+        if self.secret is None:
+            return ""
+        now = time.time()
+        if abs(now - ts) > auth.MAX_SKEW_S:
+            return "stale_hello"
+        with self.lock:
+            while self._nonces:
+                k, (exp, _) = next(iter(self._nonces.items()))
+                if exp > now:
+                    break
+                del self._nonces[k]
+            seen = self._nonces.get(h.pair)
+            if seen is not None:
+                return "again" if seen[1] == h.mac else "replay"
+            if len(self._nonces) >= MAX_HELLO_NONCES:
+                return "table_full"
+            self._nonces[h.pair] = (now + 2 * auth.MAX_SKEW_S, h.mac)
+        return ""
+
+    def add(self, sess: Session) -> None:
+        with self.lock:
+            self.sessions[sess.pair] = sess
+
+    def drop(self, sess: Session | None) -> None:
+        if sess is not None:
+            with self.lock:
+                if self.sessions.get(sess.pair) is sess:
+                    del self.sessions[sess.pair]
+
+    def __len__(self) -> int:
+        return len(self.sessions)

@@ -1,0 +1,76 @@
+"""Latency of legitimate requests while a third party floods both control ports, against the
+same run without the flood.
+
+One secured prefill and one secured decode process (real bootstrap, Mooncake TCP on loopback,
+one shared secret). For ``--seconds`` each, small legitimate requests run back to back, first
+alone, then while a thread floods both control ports with oversized, unsigned, forged-MAC and
+replayed frames (``pdxfer.testing.flood``). Every legitimate request is checked byte-exact.
+Latency is the driver's wall time from the decode's request to its Success. Prints flat JSON.
+
+    python scripts/bench_flood.py [--quick] [--seconds S] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdxfer.testing import flood as F
+
+
+def _stats(prefix: str, lat: list[float]) -> dict[str, Any]:
+    a = np.asarray(lat) * 1000
+    return {f"{prefix}.requests": len(lat), f"{prefix}.p50_ms": float(np.percentile(a, 50)),
+            f"{prefix}.p90_ms": float(np.percentile(a, 90)),
+            f"{prefix}.p99_ms": float(np.percentile(a, 99)), f"{prefix}.max_ms": float(a.max())}
+
+
+def measure(seconds: float) -> dict[str, Any]:
+    c = F.start()
+    try:
+        for i in range(5):
+            F.legit(c, seed=1000 + i)  # handshake and warm-up
+        base: list[float] = []
+        bad = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            dt, b = F.legit(c, seed=len(base))
+            base.append(dt)
+            bad += b
+        under = F.flood_run(c, seconds)
+    finally:
+        c.close()
+    out: dict[str, Any] = {"flood.seconds": seconds}
+    out.update(_stats("flood.off", base))
+    out.update(_stats("flood.on", under["latencies"]))
+    out["flood.slowdown_p50"] = out["flood.on.p50_ms"] / out["flood.off.p50_ms"]
+    out["flood.slowdown_p99"] = out["flood.on.p99_ms"] / out["flood.off.p99_ms"]
+    out["flood.bad_bytes"] = bad + under["bad_bytes"]
+    out["flood.frames_sent"] = sum(under["sent"].values())
+    out.update({f"flood.sent.{k}": v for k, v in sorted(under["sent"].items())})
+    for side in ("pf", "dc"):
+        out[f"flood.rss_growth_{side}_mb"] = under[f"rss_growth_{side}"] / 2**20
+        out.update({f"flood.{side}.{k}": v for k, v in sorted(under[f"rejected_{side}"].items())})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="5 s per phase instead of 30 s")
+    ap.add_argument("--seconds", type=float, default=None, help="seconds per phase")
+    ap.add_argument("--json", type=Path, help="write the flat JSON here")
+    a = ap.parse_args()
+    out = measure(a.seconds or (5.0 if a.quick else 30.0))
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.json:
+        a.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
