@@ -152,6 +152,9 @@ class EndpointConfig:
     heartbeat_s: float = 0.5
     start_in_send: bool = True
     integrity: Literal["off", "sampled", "full"] = "sampled"
+    model_id: str = ""
+    """The engine's model fingerprint (weights digest and config, e.g. ``key=value`` pairs);
+    a prefill refuses a decode whose fingerprint differs, naming the difference."""
     max_pending: int = 4096
     max_pending_bytes: int = 64 << 20
     max_peers: int = 4096

@@ -110,6 +110,10 @@ class Hello(Msg):
     to: Str = ""
     """The prefill endpoint this Hello is for: a Hello captured on its way to one prefill
     cannot open (and so replace) the decode's pair with another."""
+    model: Reason = ""
+    """The engine's model fingerprint (``EndpointConfig.model_id``): both sides must agree."""
+    transport: Str = ""
+    """The decode's transport (``Transport.name``): both sides must move bytes the same way."""
 
 
 class HelloAck(Msg):

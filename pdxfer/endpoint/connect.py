@@ -188,7 +188,8 @@ class Connector:
                     session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
                     tp_size=self.cfg.tp_size, signature=layout_signature(self.ep.pools),
                     pools=tuple(self.ep.pools) + self.extra_pools, ts=time.time(), room=room,
-                    instance=self.cfg.instance, to=eid)
+                    instance=self.cfg.instance, to=eid, model=self.cfg.model_id,
+                    transport=self.ep.transport.name)
                 frame = self.ep.hello_frame(hello, pair)
         assert peer is not None
         if fresh:

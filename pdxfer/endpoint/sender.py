@@ -311,6 +311,12 @@ class PrefillSide:
     def _check_hello(self, msg: wire.Hello) -> str:
         if msg.signature != layout_signature(msg.pools):
             return "Hello signature does not match its own pools"
+        mine = self.ep.transport.name
+        if msg.transport and msg.transport != mine:
+            return (f"transport differs: prefill uses {mine!r}, decode uses "
+                    f"{msg.transport!r} (start both with the same --transport)")
+        if msg.model != self.cfg.model_id:
+            return "model differs: " + model_diff(self.cfg.model_id, msg.model)
         return check_pools(list(self.ep.pools), list(msg.pools)) or ""
 
     def _make_room_for_peer(self) -> bool:
@@ -747,6 +753,18 @@ class PrefillSide:
 def _pending_size(req: wire.TransferRequest) -> int:
     """Memory a parked request holds: its packed indices and their unpacked int64 copy."""
     return 1024 + 3 * sum(len(v) for v in req.dst.values())
+
+
+def model_diff(prefill: str, decode: str) -> str:
+    """Which parts of two ``key=value`` model fingerprints differ (else both strings)."""
+    def parts(s: str) -> dict[str, str]:
+        return dict(x.split("=", 1) for x in s.split() if "=" in x)
+
+    a, b = parts(prefill), parts(decode)
+    keys = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    if not keys:
+        return f"prefill {prefill!r}, decode {decode!r}"
+    return "; ".join(f"{k}: prefill {a.get(k, '-')}, decode {b.get(k, '-')}" for k in keys)
 
 
 def _sliced(t: Target) -> bool:

@@ -180,7 +180,12 @@ class ModelHost:
                          page_size=ps, indices_from="kv"),
             PoolSpec.slots("aux", [self.aux]),
         ]
+        c = self.model.config
+        self.fingerprint = (f"model=toy seed={c.seed} max_seq_len={c.max_seq_len} "
+                            f"page_size={c.page_size} layers={c.n_layers} d_model={c.d_model} "
+                            f"weights={self.model.weights_digest()[:16]}")
         self.endpoint = Endpoint(EndpointConfig(
+            model_id=self.fingerprint,
             role=cfg.role, bootstrap=cfg.bootstrap if cfg.role == "prefill" else None,
             instance=cfg.instance, host=cfg.host, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s, heartbeat_s=cfg.heartbeat_s), pools)
