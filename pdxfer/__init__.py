@@ -5,8 +5,9 @@ math) -> ``wire`` (messages) -> ``transport/`` -> ``bootstrap`` -> ``endpoint/``
 ``tiers/`` (decode-side L2/L3) -> ``serving/`` (router and workers, a user of this API).
 """
 
+from .auth import check_http, http_headers, load_secret
 from .bootstrap import BootstrapClient, BootstrapServer
-from .config import EndpointConfig
+from .config import EndpointConfig, knobs
 from .endpoint import Endpoint, KVPoll, KVReceiver, KVSender, RequestHandle
 from .errors import (
     Aborted,
@@ -36,5 +37,6 @@ __all__ = [
     "IntegrityError", "ProtocolError", "RequestHandle",
     "KVPoll", "KVReceiver", "KVSender", "LayoutMismatch", "PdxferError", "PeerLost",
     "PlanError", "PoolSpec", "RemoteFailure", "Sharding", "TransportError",
-    "TransportUnavailable", "WireError", "layout_signature", "prometheus_text", "__version__",
+    "TransportUnavailable", "WireError", "check_http", "http_headers", "layout_signature",
+    "knobs", "load_secret", "prometheus_text", "__version__",
 ]

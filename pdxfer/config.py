@@ -15,6 +15,7 @@ starts. The README's table "Environment variables" lists the same names.
 | ``PDXFER_COPY_STREAM`` | ``1`` | ``0`` turns off the native streaming copier |
 | ``PDXFER_TE_COMPLETION`` | ``paced`` | how Mooncake writes are awaited (``paced`` or ``spin``) |
 | ``PDXFER_LOG`` | ``WARNING`` | log level of test/bench agent processes |
+| ``PDXFER_API_KEYS`` | unset | router API keys: ``KEY`` or ``TENANT:KEY,TENANT:KEY`` |
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Knobs:
     copy_stream: bool = True
     te_completion: str = "paced"
     log_level: str = "WARNING"
+    api_keys: str = ""
 
     @staticmethod
     def from_env(env: Mapping[str, str]) -> Knobs:
@@ -69,6 +71,7 @@ class Knobs:
             copy_stream=env.get("PDXFER_COPY_STREAM", "1") != "0",
             te_completion=env.get("PDXFER_TE_COMPLETION", "") or "paced",
             log_level=env.get("PDXFER_LOG", "") or "WARNING",
+            api_keys=env.get("PDXFER_API_KEYS", ""),
         )
 
     @property

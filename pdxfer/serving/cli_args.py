@@ -44,5 +44,8 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                     choices=["auto", "round_robin", "least_outstanding", "kv_aware"],
                     help="pairing policy (auto: kv_aware with several decodes, else "
                          "round_robin)")
+    ap.add_argument("--expose-cache-stats", action="store_true",
+                    help="show clients how many prompt tokens came from the decode's cache "
+                         "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)")
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="per-request deadline towards the workers (seconds)")

@@ -21,12 +21,13 @@ class Cluster:
     def __init__(self, *, worker_args: Sequence[str] = (), prefill_args: Sequence[str] = (),
                  decode_args: Sequence[str] = (), router_args: Sequence[str] = (),
                  log_level: str = "WARNING", quiet: bool = True, timeout: float = 180.0,
-                 prefills: int = 1, decodes: int = 1, env: dict[str, str] | None = None
-                 ) -> None:
+                 prefills: int = 1, decodes: int = 1, env: dict[str, str] | None = None,
+                 expose_cache_stats: bool = True) -> None:
         self.worker_args, self.prefill_args = list(worker_args), list(prefill_args)
         self.decode_args, self.router_args = list(decode_args), list(router_args)
         self.log_level, self.quiet, self.timeout = log_level, quiet, timeout
         self.n_prefills, self.n_decodes, self.env = prefills, decodes, env
+        self.expose_cache_stats = expose_cache_stats  # the demo and tests show cache hits
         self.bootstrap: BootstrapServer | None = None
         self.prefills: list[Proc | None] = []
         self.decodes: list[Proc] = []
@@ -75,6 +76,8 @@ class Cluster:
                 args += ["--prefill", f"{p.url},{self.bootstrap.address},{self._instance(i)}"]
             for d in self.decodes:
                 args += ["--decode", d.url]
+            if self.expose_cache_stats:
+                args.append("--expose-cache-stats")
             self.router = self._proc("router", [*args, *self.router_args])
         except BaseException:
             self.stop()
@@ -98,11 +101,11 @@ class Cluster:
         self.stop()
 
     # -- client helpers ----------------------------------------------------------------------
-    def complete(self, body: Any, timeout: float = 120.0, raw: bytes | None = None
-                 ) -> tuple[int, Any]:
+    def complete(self, body: Any, timeout: float = 120.0, raw: bytes | None = None,
+                 headers: dict[str, str] | None = None) -> tuple[int, Any]:
         """POST to the router's /v1/completions; returns (status, parsed JSON or SSE events)."""
         assert self.router is not None
-        return post(f"{self.router.url}/v1/completions", body, timeout, raw)
+        return post(f"{self.router.url}/v1/completions", body, timeout, raw, headers)
 
     def metrics(self, which: str) -> dict[str, float]:
         proc = {"prefill": self.prefill, "decode": self.decode, "router": self.router}.get(which)
@@ -123,10 +126,11 @@ class Cluster:
         return out
 
 
-def post(url: str, body: Any, timeout: float = 120.0, raw: bytes | None = None
-         ) -> tuple[int, Any]:
+def post(url: str, body: Any, timeout: float = 120.0, raw: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, Any]:
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, text, ctype = r.status, r.read().decode(), r.headers.get("Content-Type", "")

@@ -95,6 +95,7 @@ class DecodeWorker(RoomWorker):
 
     async def h_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", **self.host.info(),
+                                  "endpoint": self.host.endpoint.endpoint_id,
                                   "running": self.scheduler.active,
                                   "waiting": self.admission.waiting})
 
@@ -128,7 +129,10 @@ class DecodeWorker(RoomWorker):
             "stream": field(body, "stream", bool, default=False),
             "spec_k": field(body, "spec_k", int, default=0, lo=0, hi=MAX_SPEC_K),
             "sampling": parse_sampling(body),
+            "tenant": field(body, "tenant", str, default=""),
         }
+        if len(p["tenant"]) > 128:
+            raise BadRequest("field 'tenant' is longer than 128 characters")
         if not p["bootstrap"]:
             raise BadRequest("no bootstrap address in the request and none configured")
         if p["spec_k"] and not p["sampling"].greedy:
@@ -193,10 +197,10 @@ class DecodeWorker(RoomWorker):
         restored = 0
         try:
             if self.cache is not None:
-                want = self.cache.match(tokens)
+                want = self.cache.match(tokens, p["tenant"])
                 if want:
                     restored = await asyncio.to_thread(self.cache.restore, tokens, want,
-                                                       req.pages)
+                                                       req.pages, p["tenant"])
             rx: KVReceiver = h.endpoint.receiver(room, bootstrap=p["bootstrap"],
                                                  instance=p["instance"], release=req.free)
         except BaseException:
@@ -229,7 +233,7 @@ class DecodeWorker(RoomWorker):
         the prefix cache, free them, then tell the client how it ended."""
         if self.cache is not None and g.error is None:
             try:
-                self.cache.write_back(p["tokens"], req.pages)
+                self.cache.write_back(p["tokens"], req.pages, p["tenant"])
             except Exception as e:  # noqa: BLE001 - a cache problem never fails a request
                 log.warning("prefix write-back failed: %s", e)
         req.free()

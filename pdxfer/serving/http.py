@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdxfer import prometheus_text
+from pdxfer import check_http, prometheus_text
 
 from .errors import BadRequest, ServingError
 
@@ -29,6 +29,29 @@ RETRY_AFTER_S = 1
 def error_body(message: str, kind: str, status: int) -> dict[str, Any]:
     """OpenAI's error shape; ``type`` is the failure kind, ``code`` the HTTP status class."""
     return {"error": {"message": message, "type": kind, "code": status, "param": None}}
+
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def router_only(secret: bytes | None) -> Any:
+    """Middleware for the workers: with a shared secret, every request but ``/health`` and
+    ``/metrics`` must carry the router's signature (``pdxfer.http_headers``), so a client that
+    reaches a worker directly can neither generate, nor abort, nor name a bootstrap server.
+    Without a secret (loopback and trusted networks) nothing is checked."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if secret is not None and request.path not in OPEN_PATHS:
+            body = await request.read()
+            why = check_http(secret, request.method, request.raw_path, body,
+                                  request.headers.get("X-Pdxfer-Time"),
+                                  request.headers.get("X-Pdxfer-Signature"))
+            if why:
+                return web.json_response(error_body(why, "unauthorized", 401), status=401)
+        return await handler(request)
+
+    return check
 
 
 def error_response(err: BaseException) -> web.Response:

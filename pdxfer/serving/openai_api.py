@@ -64,6 +64,8 @@ class Ask:
     spec_k: int = 0
     ignore_eos: bool = False
     model: str = MODEL
+    tenant: str = ""
+    """Whose request this is (from the API key): scopes prefix reuse."""
 
 
 class _Body:

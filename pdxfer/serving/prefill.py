@@ -72,10 +72,12 @@ class PrefillWorker(RoomWorker):
             room = field(body, "room", int, lo=0, hi=(1 << 63) - 1)
             tokens = token_list(body, "prompt_ids", self.host.model.config.vocab_size)
             sampling = parse_sampling(body)
+            peer = field(body, "decode_peer", str, default=None) if body.get(
+                "decode_peer") is not None else None
             if len(tokens) > self.host.model.config.max_seq_len:
                 raise BadRequest(f"prompt of {len(tokens)} tokens exceeds max_seq_len "
                                  f"{self.host.model.config.max_seq_len}")
-            out = await self._generate(room, tokens, sampling)
+            out = await self._generate(room, tokens, sampling, peer)
         except (PdxferError, ValueError) as e:
             self.counters[f"failures_{getattr(e, 'kind', 'error')}"] += 1
             log.log(logging.WARNING if isinstance(e, OutOfCapacity) else logging.INFO,
@@ -84,15 +86,15 @@ class PrefillWorker(RoomWorker):
         self.counters["success"] += 1
         return web.json_response(out)
 
-    async def _generate(self, room: int, tokens: list[int], sampling: Sampling
-                        ) -> dict[str, Any]:
+    async def _generate(self, room: int, tokens: list[int], sampling: Sampling,
+                        peer: str | None = None) -> dict[str, Any]:
         h = self.host
         if room in self.aborted:
             raise TransferFailed(f"room {room}: {self.aborted.pop(room)}")
         pages, slot = await self.admission.acquire(h.model.pages_for(len(tokens)))
         tx: KVSender | None = None
         try:
-            tx = h.endpoint.sender(room)
+            tx = h.endpoint.sender(room, peer=peer)  # only the decode chosen for the room
             self.senders[room] = tx
             t0 = time.perf_counter()
             try:

@@ -15,7 +15,6 @@ draft KV), so a restored prefix brings its draft KV along.
 from __future__ import annotations
 
 import collections
-import hashlib
 import threading
 from collections.abc import Sequence
 from typing import Protocol
@@ -23,33 +22,32 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pdxfer.tiers import page_keys as tiers_page_keys
+
 from .kv import KVPool
 
 
-def page_keys(tokens: Sequence[int], page_size: int) -> list[bytes]:
-    """Chained digests of the prompt's full pages (a partial last page has no key)."""
-    keys: list[bytes] = []
-    h = b"pdxfer-prefix-v1"
-    for p in range(len(tokens) // page_size):
-        chunk = np.asarray(tokens[p * page_size:(p + 1) * page_size], dtype=np.int64).tobytes()
-        h = hashlib.sha256(h + chunk).digest()
-        keys.append(h)
-    return keys
+def page_keys(tokens: Sequence[int], page_size: int, salt: str = "") -> list[str]:
+    """The tiers' hash chain over full pages (one key scheme in pdxfer); ``salt`` scopes
+    the keys (a tenant: one tenant's prompts are never another's cache hits)."""
+    return tiers_page_keys(np.asarray(tokens, dtype=np.int64), page_size, salt)
 
 
 class PrefixCache(Protocol):
     """What a decode worker needs from a prefix store."""
 
-    def match(self, tokens: Sequence[int]) -> int:
+    def match(self, tokens: Sequence[int], salt: str = "") -> int:
         """Number of leading tokens (a multiple of the page size) that can be restored."""
         ...
 
-    def restore(self, tokens: Sequence[int], num_tokens: int, page_table: Sequence[int]) -> int:
+    def restore(self, tokens: Sequence[int], num_tokens: int, page_table: Sequence[int],
+                salt: str = "") -> int:
         """Copy the first ``num_tokens`` tokens' KV into ``page_table``'s pages; returns the
         tokens actually restored (may be fewer if pages were evicted since ``match``)."""
         ...
 
-    def write_back(self, tokens: Sequence[int], page_table: Sequence[int]) -> None:
+    def write_back(self, tokens: Sequence[int], page_table: Sequence[int],
+                   salt: str = "") -> None:
         """Keep the full pages of ``tokens`` whose KV sits in ``page_table``'s pages."""
         ...
 
@@ -69,7 +67,7 @@ class HostPrefixCache:
         self.page_size = pools[0].page_size
         self.capacity = capacity_pages
         self._lock = threading.Lock()
-        self._pages: collections.OrderedDict[bytes, list[list[torch.Tensor]]] = (
+        self._pages: collections.OrderedDict[str, list[list[torch.Tensor]]] = (
             collections.OrderedDict())
         self._counters = collections.Counter[str]()
 
@@ -77,8 +75,8 @@ class HostPrefixCache:
         # Leave at least one token to the prefill: it computes the first output token.
         return max(0, (len(tokens) - 1) // self.page_size)
 
-    def match(self, tokens: Sequence[int]) -> int:
-        keys = page_keys(tokens, self.page_size)[: self._max_pages(tokens)]
+    def match(self, tokens: Sequence[int], salt: str = "") -> int:
+        keys = page_keys(tokens, self.page_size, salt)[: self._max_pages(tokens)]
         n = 0
         with self._lock:
             for k in keys:
@@ -87,8 +85,9 @@ class HostPrefixCache:
                 n += 1
         return n * self.page_size
 
-    def restore(self, tokens: Sequence[int], num_tokens: int, page_table: Sequence[int]) -> int:
-        keys = page_keys(tokens, self.page_size)[: num_tokens // self.page_size]
+    def restore(self, tokens: Sequence[int], num_tokens: int, page_table: Sequence[int],
+                salt: str = "") -> int:
+        keys = page_keys(tokens, self.page_size, salt)[: num_tokens // self.page_size]
         with self._lock:
             copies = []
             for k in keys:
@@ -105,10 +104,11 @@ class HostPrefixCache:
         self._counters["restored_pages"] += len(copies)
         return len(copies) * self.page_size
 
-    def write_back(self, tokens: Sequence[int], page_table: Sequence[int]) -> None:
+    def write_back(self, tokens: Sequence[int], page_table: Sequence[int],
+                   salt: str = "") -> None:
         if self.capacity == 0:
             return
-        keys = page_keys(tokens, self.page_size)
+        keys = page_keys(tokens, self.page_size, salt)
         for i, k in enumerate(keys):
             with self._lock:
                 if k in self._pages:

@@ -23,13 +23,14 @@ import json
 import logging
 import secrets
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from pdxfer import BootstrapClient, PdxferError
+from pdxfer import BootstrapClient, PdxferError, http_headers, knobs, load_secret
 from pdxfer.tiers import page_keys
 
 from . import openai_api as oa
@@ -55,6 +56,7 @@ class Prefill:
 @dataclass(slots=True)
 class Decode:
     url: str
+    endpoint_id: str | None = None
     outstanding: int = 0
     max_seq_len: int | None = None
     page_size: int = 16
@@ -70,6 +72,7 @@ class Decode:
             self.keys.popitem(last=False)
 
     def hit(self, keys: list[str]) -> int:
+        """How many leading page keys this decode holds (its cached prefix, in pages)."""
         n = 0
         for k in keys:
             if k not in self.keys:
@@ -95,6 +98,19 @@ class _Failed(Exception):
         self.status, self.client, self.capacity = status, client, capacity
 
 
+def parse_api_keys(spec: str) -> dict[str, str]:
+    """``PDXFER_API_KEYS``: ``KEY`` (one tenant) or ``TENANT:KEY,TENANT:KEY`` -> key: tenant."""
+    out: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        tenant, sep, key = item.rpartition(":")
+        if not sep:
+            tenant, key = "default", item
+        if len(key) < 16:
+            raise ValueError("an API key must be at least 16 characters")
+        out[key] = tenant or "default"
+    return out
+
+
 @web.middleware
 async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Unknown paths and methods answer in OpenAI's error shape too."""
@@ -110,7 +126,9 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
 
 class Router:
     def __init__(self, prefills: list[Prefill], decodes: list[Decode],
-                 policy: str = "auto", timeout_s: float = 120.0) -> None:
+                 policy: str = "auto", timeout_s: float = 120.0,
+                 expose_cache_stats: bool = False, api_keys: dict[str, str] | None = None
+                 ) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
         if policy == "auto":
@@ -119,6 +137,12 @@ class Router:
             raise ValueError(f"policy must be one of {POLICIES} or auto, got {policy!r}")
         self.prefills, self.decodes, self.policy = prefills, decodes, policy
         self.timeout_s = timeout_s
+        self.expose_cache_stats = expose_cache_stats
+        """Whether clients see how much of their prompt came from the decode's cache
+        (``cached_tokens``, ``restored_tokens``, bytes): off by default, since a hit tells
+        a client what another one asked (caches are per tenant either way)."""
+        self.api_keys = (parse_api_keys(knobs().api_keys) if api_keys is None else api_keys)
+        self.secret = load_secret()
         self._rr_p = itertools.count()
         self._rr_d = itertools.count()
         self.counters = collections.Counter[str]()
@@ -128,7 +152,8 @@ class Router:
         self._bg: set[asyncio.Task[Any]] = set()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=8 << 20, middlewares=[_json_errors])
+        app = web.Application(client_max_size=8 << 20,
+                              middlewares=[_json_errors, self._authenticate])
         app.router.add_post("/v1/completions", self.h_completions)
         app.router.add_post("/v1/chat/completions", self.h_chat)
         app.router.add_get("/v1/models", self.h_models)
@@ -146,8 +171,30 @@ class Router:
         if self.session is not None:
             await self.session.close()
 
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """With API keys configured, ``/v1/*`` needs ``Authorization: Bearer KEY``; the key
+        names the tenant, which scopes prefix reuse."""
+        request["tenant"] = ""
+        if self.api_keys and request.path.startswith("/v1/"):
+            auth = request.headers.get("Authorization", "")
+            tenant = self.api_keys.get(auth.removeprefix("Bearer ").strip())
+            if not auth.startswith("Bearer ") or tenant is None:
+                self.counters["unauthorized"] += 1
+                return web.json_response(error_body("invalid or missing API key",
+                                                    "invalid_api_key", 401), status=401)
+            request["tenant"] = tenant
+        return await handler(request)
+
+    def _signed(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """aiohttp arguments for a worker POST, signed for the workers when a secret is set."""
+        body = json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json",
+                   **http_headers(self.secret, "POST", urllib.parse.urlsplit(url).path, body)}
+        return {"data": body, "headers": headers}
+
     # -- pairing ------------------------------------------------------------------------------
-    def pick(self, ids: list[int], avoid_p: set[str], avoid_d: set[str]
+    def pick(self, ids: list[int], avoid_p: set[str], avoid_d: set[str], tenant: str = ""
              ) -> tuple[Prefill, Decode]:
         def usable(xs: list[Any], avoid: set[str]) -> list[Any]:
             return ([x for x in xs if x.url not in avoid and x.healthy]
@@ -162,7 +209,7 @@ class Router:
             keys: dict[int, list[str]] = {}
             for d in ds:
                 if d.page_size not in keys:
-                    keys[d.page_size] = page_keys(ids, d.page_size)
+                    keys[d.page_size] = page_keys(ids, d.page_size, tenant)
             dc = max(ds, key=lambda d: (d.hit(keys[d.page_size]), -d.outstanding))
         else:
             pf = ps[next(self._rr_p) % len(ps)]
@@ -213,6 +260,7 @@ class Router:
             d.healthy = info is not None
             out[d.url] = "ok" if d.healthy else "down"
             if info:
+                d.endpoint_id = info.get("endpoint") or d.endpoint_id
                 d.max_seq_len = int(info.get("max_seq_len", d.max_seq_len or 0)) or None
                 d.page_size = int(info.get("page_size", d.page_size))
         self._health, self._health_at = out, now
@@ -243,6 +291,7 @@ class Router:
         self.counters["requests"] += 1
         try:
             ask = parse(await read_json(request))
+            ask.tenant = request.get("tenant", "")
             await self._check_context(ask)
         except ServingError as e:
             self.counters["bad_requests"] += 1
@@ -259,7 +308,21 @@ class Router:
         except _Failed as e:
             return self._failure(e)
         self.counters["success"] += 1
-        return web.json_response(oa.response(ask, rid, sorted(choices, key=lambda c: c.index)))
+        body = oa.response(ask, rid, sorted(choices, key=lambda c: c.index))
+        return web.json_response(self._redact(body))
+
+    def _redact(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Drop what tells a client about the cache unless the operator turned it on."""
+        if self.expose_cache_stats:
+            return obj
+        usage = obj.get("usage")
+        if usage and "prompt_tokens_details" in usage:
+            usage["prompt_tokens_details"]["cached_tokens"] = 0
+        for ext in [obj.get("pdxfer"), *(obj.get("pdxfer") or {}).get("choices", [])]:
+            if isinstance(ext, dict):
+                for k in ("restored_tokens", "bytes"):
+                    ext.pop(k, None)
+        return obj
 
     async def _check_context(self, ask: oa.Ask) -> None:
         if any(d.max_seq_len is None for d in self.decodes):
@@ -302,7 +365,7 @@ class Router:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                    "Cache-Control": "no-cache"})
                 await resp.prepare(request)
-            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+            await resp.write(f"data: {json.dumps(self._redact(obj))}\n\n".encode())
 
         async def drain(first: list[tuple[int, str, list[dict[str, Any]]]]) -> None:
             items = list(first)
@@ -363,7 +426,7 @@ class Router:
         err: _Failed | None = None
         tries = max(2, len(self.prefills) * len(self.decodes))
         for attempt in range(tries):
-            pf, dc = self.pick(ids, avoid_p, avoid_d)
+            pf, dc = self.pick(ids, avoid_p, avoid_d, ask.tenant)
             c = oa.Choice(index)
             if attempt:
                 self.counters["retries"] += 1
@@ -371,7 +434,7 @@ class Router:
             try:
                 await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta)
                 if self.policy == "kv_aware":
-                    dc.remember(page_keys(ids, dc.page_size))
+                    dc.remember(page_keys(ids, dc.page_size, ask.tenant))
                 return c
             except _Failed as e:
                 err = e
@@ -397,19 +460,24 @@ class Router:
     async def _abort(self, url: str, room: int, why: str) -> None:
         assert self.session is not None
         try:
-            async with self.session.post(f"{url}/abort", json={"room": room, "reason": why},
-                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with self.session.post(f"{url}/abort", **self._signed(
+                    f"{url}/abort", {"room": room, "reason": why}),
+                    timeout=aiohttp.ClientTimeout(total=5)) as r:
                 await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             pass
 
     async def _prefill(self, pf: Prefill, room: int, ids: list[int], ask: oa.Ask,
-                       seed: int) -> tuple[int, str]:
+                       seed: int, dc: Decode) -> tuple[int, str]:
         assert self.session is not None
+        payload: dict[str, Any] = {"room": room, "prompt_ids": ids,
+                                   "temperature": ask.temperature, "top_p": ask.top_p,
+                                   "seed": seed}
+        if dc.endpoint_id:  # the room is bound to the decode chosen for it
+            payload["decode_peer"] = dc.endpoint_id
         try:
-            async with self.session.post(f"{pf.url}/generate", json={
-                    "room": room, "prompt_ids": ids, "temperature": ask.temperature,
-                    "top_p": ask.top_p, "seed": seed}) as r:
+            async with self.session.post(f"{pf.url}/generate",
+                                         **self._signed(f"{pf.url}/generate", payload)) as r:
                 return r.status, _msg(await _json_or_text(r))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return 599, f"{pf.url}: {type(e).__name__}: {e}"
@@ -420,7 +488,7 @@ class Router:
         room = secrets.randbits(63)
         pf.outstanding += 1
         dc.outstanding += 1
-        pf_task = asyncio.ensure_future(self._prefill(pf, room, ids, ask, seed))
+        pf_task = asyncio.ensure_future(self._prefill(pf, room, ids, ask, seed, dc))
 
         def prefill_done(t: asyncio.Future[tuple[int, str]]) -> None:
             if not t.cancelled() and t.result()[0] != 200:  # the decode would wait in vain
@@ -430,12 +498,14 @@ class Router:
         payload = {"room": room, "bootstrap": pf.bootstrap, "instance": pf.instance,
                    "prompt_ids": ids, "max_tokens": ask.max_tokens, "stream": True,
                    "spec_k": ask.spec_k, "temperature": ask.temperature, "top_p": ask.top_p,
-                   "seed": seed, "ignore_eos": ask.ignore_eos, "logprobs": ask.logprobs}
+                   "seed": seed, "ignore_eos": ask.ignore_eos, "logprobs": ask.logprobs,
+                   "tenant": ask.tenant}
         finished = False
         detok, stops = oa.Detok(), oa.StopText(ask.stop)
         try:
             try:
-                async with self.session.post(f"{dc.url}/generate", json=payload) as r:
+                async with self.session.post(f"{dc.url}/generate",
+                                             **self._signed(f"{dc.url}/generate", payload)) as r:
                     if r.status != 200:
                         msg = _msg(await _json_or_text(r))
                         if pf_task.done() and pf_task.result()[0] not in (200,):
@@ -518,6 +588,7 @@ def detok(ids: list[int]) -> str:
 
 def run(a: argparse.Namespace) -> int:
     router = Router([parse_prefill(s) for s in a.prefill],
-                    [Decode(u.rstrip("/")) for u in a.decode], a.policy, a.timeout)
+                    [Decode(u.rstrip("/")) for u in a.decode], a.policy, a.timeout,
+                    expose_cache_stats=a.expose_cache_stats)
     log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), router.policy)
     return serve(router.app(), a.host, a.port)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from pdxfer import Endpoint, EndpointConfig, PoolSpec
+from pdxfer import Endpoint, EndpointConfig, PoolSpec, load_secret
 
 from .errors import BadRequest, OutOfCapacity
 from .http import (  # noqa: F401  (re-exported for the worker modules)
@@ -30,6 +30,7 @@ from .http import (  # noqa: F401  (re-exported for the worker modules)
     metrics_text,
     poll_until_terminal,
     read_json,
+    router_only,
     serve,
     token_list,
 )
@@ -211,7 +212,8 @@ class RoomWorker:
     aborted: Any
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=8 << 20)
+        app = web.Application(client_max_size=8 << 20,
+                              middlewares=[router_only(load_secret())])
         app.router.add_post("/generate", self.h_generate)  # type: ignore[attr-defined]
         app.router.add_post("/abort", self.h_abort)
         app.router.add_get("/health", self.h_health)  # type: ignore[attr-defined]
