@@ -19,7 +19,9 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (tokens)")
     ap.add_argument("--prefix-cache-pages", type=int, default=512,
-                    help="decode: host-memory prefix cache size in pages (0: off)")
+                    help="host-memory prefix cache in pages (0: off): the decode restores a "
+                         "cached prefix instead of receiving it, the prefill instead of "
+                         "recomputing it")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (the toy model's ops are tiny: more threads only spin)")
     ap.add_argument("--bootstrap-timeout", type=float, default=30.0)

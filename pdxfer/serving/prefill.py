@@ -23,6 +23,7 @@ from aiohttp import web
 from pdxfer import KVPoll, KVSender, PdxferError
 
 from .errors import BadRequest, OutOfCapacity, TransferFailed
+from .prefix import HostPrefixCache
 from .sampling import Sampling, parse_sampling, sample
 from .worker import (
     Admission,
@@ -48,6 +49,11 @@ class PrefillWorker(RoomWorker):
         self.senders: dict[int, KVSender] = {}
         self.admission = Admission(self.host, cfg.max_waiting, cfg.admission_timeout_s)
         self._computing: dict[int, threading.Event] = {}
+        # prompts it computed stay in host memory: a repeated prefix is restored, not
+        # recomputed, so TTFT falls with the hit length (the same cache as the decode's)
+        self.cache = (HostPrefixCache([self.host.kv, self.host.draft_kv],
+                                      cfg.prefix_cache_pages)
+                      if cfg.prefix_cache_pages > 0 else None)
         self.aborted: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.counters = collections.Counter[str]()
 
@@ -74,10 +80,11 @@ class PrefillWorker(RoomWorker):
             sampling = parse_sampling(body)
             peer = field(body, "decode_peer", str, default=None) if body.get(
                 "decode_peer") is not None else None
+            tenant = field(body, "tenant", str, default="")
             if len(tokens) > self.host.model.config.max_seq_len:
                 raise BadRequest(f"prompt of {len(tokens)} tokens exceeds max_seq_len "
                                  f"{self.host.model.config.max_seq_len}")
-            out = await self._generate(room, tokens, sampling, peer)
+            out = await self._generate(room, tokens, sampling, peer, tenant)
         except (PdxferError, ValueError) as e:
             self.counters[f"failures_{getattr(e, 'kind', 'error')}"] += 1
             log.log(logging.WARNING if isinstance(e, OutOfCapacity) else logging.INFO,
@@ -87,7 +94,7 @@ class PrefillWorker(RoomWorker):
         return web.json_response(out)
 
     async def _generate(self, room: int, tokens: list[int], sampling: Sampling,
-                        peer: str | None = None) -> dict[str, Any]:
+                        peer: str | None = None, tenant: str = "") -> dict[str, Any]:
         h = self.host
         if room in self.aborted:
             raise TransferFailed(f"room {room}: {self.aborted.pop(room)}")
@@ -98,8 +105,8 @@ class PrefillWorker(RoomWorker):
             self.senders[room] = tx
             t0 = time.perf_counter()
             try:
-                first = await asyncio.to_thread(self._compute, tx, tokens, pages, slot,
-                                                sampling)
+                first, reused = await asyncio.to_thread(self._compute, tx, tokens, pages,
+                                                        slot, sampling, tenant)
                 compute_s = time.perf_counter() - t0
                 await poll_until_terminal(tx, self.cfg.bootstrap_timeout_s
                                           + self.cfg.transfer_timeout_s)
@@ -110,8 +117,11 @@ class PrefillWorker(RoomWorker):
                 self.senders.pop(room, None)
             if tx.poll() != KVPoll.Success:
                 raise TransferFailed(f"room {room}: {tx.failure}")
+            if self.cache is not None:
+                await asyncio.to_thread(self.cache.write_back, tokens, pages, tenant)
             return {"room": room, "prompt_tokens": len(tokens), "first_token": first,
-                    "compute_s": compute_s, "prefix_len": tx.prefix_len}
+                    "compute_s": compute_s, "prefix_len": tx.prefix_len,
+                    "reused_tokens": reused}
         finally:
             # Source pages: a failed transfer's late reads can only spoil its own destination.
             # (A compute thread still running after a cancel stops at its next chunk; it
@@ -131,10 +141,21 @@ class PrefillWorker(RoomWorker):
         self.host.slots.free(slot)
 
     def _compute(self, tx: KVSender, tokens: Sequence[int], pages: list[int], slot: int,
-                 sampling: Sampling) -> int:
+                 sampling: Sampling, tenant: str = "") -> tuple[int, int]:
+        """Compute the prompt (restoring the prefix it computed before) and ship each chunk's
+        full pages as they are written; returns the first token and the reused tokens."""
         h, ps, n = self.host, self.cfg.page_size, len(tokens)
         sent = 0
         done = self._computing[id(pages)] = threading.Event()
+        start = 0
+        if self.cache is not None:
+            want = self.cache.match(tokens, tenant)  # leaves at least the last token
+            if want:
+                start = self.cache.restore(tokens, want, pages, tenant)
+        if start:
+            self.counters["reused_tokens"] += start
+            sent = start // ps
+            tx.send({"kv": pages[:sent]})  # restored pages are complete: ship them now
 
         def on_chunk(a: int, b: int) -> None:
             nonlocal sent
@@ -148,13 +169,13 @@ class PrefillWorker(RoomWorker):
 
         try:
             with h.lock:
-                first = h.model.prefill(tokens, pages, h.kv, chunk_size=self.cfg.chunk_size,
-                                        on_chunk=on_chunk,
+                first = h.model.prefill(tokens, pages, h.kv, start=start,
+                                        chunk_size=self.cfg.chunk_size, on_chunk=on_chunk,
                                         pick=lambda logits, pos: sample(logits, sampling, pos))
             h.aux[slot, 0] = first
             h.aux[slot, 1] = n
             tx.send({"kv": pages[sent:]}, slots={"aux": slot}, last=True)
-            return first
+            return first, start
         finally:
             done.set()
             self._computing.pop(id(pages), None)

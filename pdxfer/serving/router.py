@@ -201,16 +201,17 @@ class Router:
                     or [x for x in xs if x.url not in avoid] or xs)
 
         ps, ds = usable(self.prefills, avoid_p), usable(self.decodes, avoid_d)
+        # ties go to the worker used least, so an idle fleet is still spread
         if self.policy == "least_outstanding":
-            pf = min(ps, key=lambda x: x.outstanding)
-            dc = min(ds, key=lambda x: x.outstanding)
+            pf = min(ps, key=lambda x: (x.outstanding, x.used))
+            dc = min(ds, key=lambda x: (x.outstanding, x.used))
         elif self.policy == "kv_aware":
-            pf = min(ps, key=lambda x: x.outstanding)
+            pf = min(ps, key=lambda x: (x.outstanding, x.used))
             keys: dict[int, list[str]] = {}
             for d in ds:
                 if d.page_size not in keys:
                     keys[d.page_size] = page_keys(ids, d.page_size, tenant)
-            dc = max(ds, key=lambda d: (d.hit(keys[d.page_size]), -d.outstanding))
+            dc = max(ds, key=lambda d: (d.hit(keys[d.page_size]), -d.outstanding, -d.used))
         else:
             pf = ps[next(self._rr_p) % len(ps)]
             dc = ds[next(self._rr_d) % len(ds)]
@@ -472,7 +473,7 @@ class Router:
         assert self.session is not None
         payload: dict[str, Any] = {"room": room, "prompt_ids": ids,
                                    "temperature": ask.temperature, "top_p": ask.top_p,
-                                   "seed": seed}
+                                   "seed": seed, "tenant": ask.tenant}
         if dc.endpoint_id:  # the room is bound to the decode chosen for it
             payload["decode_peer"] = dc.endpoint_id
         try:
