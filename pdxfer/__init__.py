@@ -5,7 +5,7 @@ math) -> ``wire`` (messages) -> ``transport/`` -> ``bootstrap`` -> ``endpoint/``
 ``tiers/`` (decode-side L2/L3) -> ``serving/`` (router and workers, a user of this API).
 """
 
-from .auth import check_http, http_headers, load_secret
+from .auth import ReplayGuard, check_http, http_headers, load_secret
 from .bootstrap import BootstrapClient, BootstrapServer
 from .config import EndpointConfig, knobs
 from .endpoint import Endpoint, KVPoll, KVReceiver, KVSender, RequestHandle
@@ -32,7 +32,7 @@ from .pools import BufferSpec, PoolSpec, Sharding, layout_signature
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aborted", "BootstrapClient", "BootstrapError", "BootstrapServer", "BufferSpec",
+    "Aborted", "BootstrapClient", "ReplayGuard", "BootstrapError", "BootstrapServer", "BufferSpec",
     "ConfigError", "DeadlineExceeded", "DuplicateRoom", "Endpoint", "EndpointConfig",
     "IntegrityError", "ProtocolError", "RequestHandle",
     "KVPoll", "KVReceiver", "KVSender", "LayoutMismatch", "PdxferError", "PeerLost",

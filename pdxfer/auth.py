@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
+import threading
 import time
 
 from .config import knobs
@@ -53,7 +55,31 @@ def sign(secret: bytes, *parts: str | bytes) -> str:
 
 
 def verify(secret: bytes, tag: str, *parts: str | bytes) -> bool:
-    return bool(tag) and hmac.compare_digest(sign(secret, *parts), tag)
+    # a tag that is not plain ASCII hex is simply wrong (compare_digest raises on non-ASCII)
+    return bool(tag) and tag.isascii() and hmac.compare_digest(sign(secret, *parts), tag)
+
+
+class ReplayGuard:
+    """Nonces of signed requests seen within the timestamp window: a captured request
+    replayed inside the window is refused. Bounded: past ``limit`` nonces the oldest go
+    (their timestamps have expired or soon will)."""
+
+    def __init__(self, limit: int = 200_000) -> None:
+        self.limit = limit
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def fresh(self, nonce: str, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        with self._lock:
+            if nonce in self._seen:
+                return False
+            if len(self._seen) >= self.limit:
+                for k in [k for k, t in self._seen.items() if t < now] or list(self._seen)[
+                        :self.limit // 10]:
+                    del self._seen[k]
+            self._seen[nonce] = now + 2 * MAX_SKEW_S
+            return True
 
 
 def http_headers(secret: bytes | None, method: str, path: str, body: bytes) -> dict[str, str]:
@@ -61,15 +87,19 @@ def http_headers(secret: bytes | None, method: str, path: str, body: bytes) -> d
     if secret is None:
         return {}
     ts = f"{time.time():.3f}"
-    return {"X-Pdxfer-Time": ts, "X-Pdxfer-Signature": sign(secret, method, path, body, ts)}
+    nonce = secrets.token_hex(12)
+    return {"X-Pdxfer-Time": ts, "X-Pdxfer-Nonce": nonce,
+            "X-Pdxfer-Signature": sign(secret, method, path, body, ts, nonce)}
 
 
 def check_http(secret: bytes | None, method: str, path: str, body: bytes, ts: str | None,
-               tag: str | None) -> str:
-    """Why a bootstrap request is not authorised ("" when it is)."""
+               tag: str | None, nonce: str | None = None,
+               replay: ReplayGuard | None = None) -> str:
+    """Why a signed HTTP request is not authorised ("" when it is). The signature covers
+    method, path, body, timestamp and a nonce; ``replay`` refuses a nonce seen before."""
     if secret is None:
         return ""
-    if not ts or not tag:
+    if not ts or not tag or not nonce:
         return f"authentication required: this bootstrap server needs {ENV} on the client"
     try:
         skew = abs(time.time() - float(ts))
@@ -77,8 +107,10 @@ def check_http(secret: bytes | None, method: str, path: str, body: bytes, ts: st
         return "authentication failed: bad timestamp"
     if skew > MAX_SKEW_S:
         return f"authentication failed: timestamp {skew:.0f} s off (clock skew or replay)"
-    if not verify(secret, tag, method, path, body, ts):
+    if len(nonce) > 64 or not verify(secret, tag, method, path, body, ts, nonce):
         return "authentication failed: wrong signature (different secret?)"
+    if replay is not None and not replay.fresh(nonce):
+        return "authentication failed: replayed request (nonce seen before)"
     return ""
 
 

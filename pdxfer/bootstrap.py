@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import random
+import socket
 import threading
 import time
 import urllib.error
@@ -84,6 +85,8 @@ class BootstrapServer:
         self.host = host
         self.port = port
         self._secret = auth.load_secret(secret)
+        self._replay = auth.ReplayGuard()
+        self._server: asyncio.base_events.Server | None = None
         self._instances: dict[str, _Instance] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -130,7 +133,8 @@ class BootstrapServer:
             body = await request.read()
             why = auth.check_http(self._secret, request.method, request.raw_path, body,
                                   request.headers.get("X-Pdxfer-Time"),
-                                  request.headers.get("X-Pdxfer-Signature"))
+                                  request.headers.get("X-Pdxfer-Signature"),
+                                  request.headers.get("X-Pdxfer-Nonce"), self._replay)
             if why:
                 self.counters["auth_failures"] += 1
                 return web.json_response({"error": why}, status=401)
@@ -146,11 +150,17 @@ class BootstrapServer:
         app.router.add_get("/metrics", self._h_metrics)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        server = self._runner.server
+        assert server is not None
+        guard = _Guard(asyncio.get_running_loop(), MAX_CONNECTIONS, HEADER_TIMEOUT_S,
+                       self.counters)
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: guard.wrap(server()), self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
 
     def stop(self) -> None:
+        if self._loop is not None and self._thread is not None and self._server is not None:
+            self._loop.call_soon_threadsafe(self._server.close)
         if self._loop is not None and self._thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
@@ -163,7 +173,17 @@ class BootstrapServer:
         self.stop()
 
     # -- registry (plain methods, so they are testable without HTTP) -------------------------
-    def register(self, reg: Registration) -> tuple[int, str]:
+    def holder(self, reg: Registration) -> Registration | None:
+        """Another endpoint holding ``reg``'s slot now, if any."""
+        with self._lock:
+            inst = self._instances.get(reg.instance)
+            old = inst.slots.get(reg.slot) if inst is not None else None
+            return old if old is not None and old.endpoint_id != reg.endpoint_id else None
+
+    def register(self, reg: Registration, live_holder: str | None = None) -> tuple[int, str]:
+        """Register ``reg``. Another endpoint's slot is taken over only when it is not
+        ``live_holder`` (the endpoint a liveness probe just found answering): a restarted
+        rank replaces its dead predecessor, a second live one gets 409 naming the holder."""
         with self._lock:
             inst = self._instances.get(reg.instance)
             if inst is None:
@@ -182,6 +202,11 @@ class BootstrapServer:
                     self.counters["conflicts"] += 1
                     return 409, f"endpoint {reg.endpoint_id} already registered at {slot}"
             old = inst.slots.get(reg.slot)
+            if (old is not None and old.endpoint_id != reg.endpoint_id
+                    and old.endpoint_id == live_holder):
+                self.counters["conflicts"] += 1
+                return 409, (f"instance {reg.instance!r} slot {reg.slot} is held by live "
+                             f"endpoint {old.endpoint_id} at {old.ctrl_addr}")
             if old is not None and old.endpoint_id != reg.endpoint_id:
                 log.info("instance %s slot %s: endpoint %s replaces %s (restart)",
                          reg.instance, reg.slot, reg.endpoint_id, old.endpoint_id)
@@ -241,7 +266,9 @@ class BootstrapServer:
             reg = msgspec.json.decode(await request.read(), type=Registration)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             return self._bad(400, f"invalid registration: {e}")
-        status, msg = self.register(reg)
+        old = self.holder(reg)
+        live = old is not None and await asyncio.to_thread(_answers, old.ctrl_addr)
+        status, msg = self.register(reg, old.endpoint_id if live and old else None)
         return web.json_response({"ok": status == 200, "message": msg} if status == 200
                                  else {"error": msg}, status=status)
 
@@ -285,6 +312,91 @@ class BootstrapServer:
             body = {name: {"shape": inst.shape, "registered": len(inst.slots),
                            "complete": inst.complete} for name, inst in self._instances.items()}
         return web.json_response(body)
+
+
+MAX_CONNECTIONS = 256
+"""Connections the bootstrap server keeps open; past it the oldest is closed for a new one."""
+HEADER_TIMEOUT_S = 5.0
+"""A connection that has not sent a complete request by then is closed (no slowloris)."""
+
+
+class _Conn(asyncio.Protocol):
+    """aiohttp's request handler behind a guard: counted, and closed when it idles."""
+
+    def __init__(self, guard: _Guard, inner: Any) -> None:
+        self.guard, self.inner = guard, inner
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.guard.opened(self)
+        self.inner.connection_made(transport)
+        self.arm()
+
+    def arm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.guard.loop.call_later(self.guard.timeout_s, self.expire)
+
+    def expire(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            c = self.guard.counters
+            c["idle_connections_closed"] = c.get("idle_connections_closed", 0) + 1
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        self.arm()  # a request arriving byte by byte still has to finish in time
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.guard.closed(self)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class _Guard:
+    """Caps open connections (evicting the oldest) and closes idle ones."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int, timeout_s: float,
+                 counters: dict[str, int]) -> None:
+        self.loop, self.limit, self.timeout_s, self.counters = loop, limit, timeout_s, counters
+        self.conns: dict[_Conn, None] = {}
+
+    def wrap(self, inner: Any) -> _Conn:
+        return _Conn(self, inner)
+
+    def opened(self, c: _Conn) -> None:
+        self.conns[c] = None
+        while len(self.conns) > self.limit:
+            oldest = next(iter(self.conns))
+            self.conns.pop(oldest)
+            self.counters["connections_evicted"] = self.counters.get("connections_evicted", 0) + 1
+            if oldest.transport is not None:
+                oldest.transport.close()
+
+    def closed(self, c: _Conn) -> None:
+        self.conns.pop(c, None)
+
+
+def _answers(ctrl_addr: str, timeout: float = 0.5) -> bool:
+    """Whether an endpoint's control socket accepts a connection (a dead process's does not)."""
+    host, _, port = ctrl_addr.removeprefix("tcp://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _opt_int(v: str | None, name: str, lo: int, hi: int) -> int | None:

@@ -155,6 +155,9 @@ class EndpointConfig:
     heartbeat_s: float = 0.5
     start_in_send: bool = True
     integrity: Literal["off", "sampled", "full"] = "sampled"
+    register_interval_s: float = 10.0
+    """A prefill rank registers again this often, so a route a bootstrap lost or another
+    endpoint took over heals by itself."""
     model_id: str = ""
     """The engine's model fingerprint (weights digest and config, e.g. ``key=value`` pairs);
     a prefill refuses a decode whose fingerprint differs, naming the difference."""
@@ -179,7 +182,8 @@ class EndpointConfig:
         for name in ("max_pending", "max_pending_bytes", "max_peers", "max_tombstones"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
-        for name in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s"):
+        for name in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s",
+                     "register_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.integrity not in ("off", "sampled", "full"):

@@ -8,6 +8,7 @@ answers metrics. The sides never import this module.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -65,6 +66,7 @@ class Endpoint:
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         self._bootstrap: BootstrapClient | None = None
+        self._stop_reg = threading.Event()
         try:
             if config.role == "prefill":
                 self.prefill = p_side = PrefillSide(core)
@@ -78,8 +80,11 @@ class Endpoint:
                                  wire.AbortAck: d_side.on_abort_ack, wire.Abort: d_side.on_abort}
             core.start_control(self._on_tick)
             if config.role == "prefill" and config.bootstrap:
-                self._bootstrap = BootstrapClient(config.bootstrap, secret=core.secret)
+                self._bootstrap = BootstrapClient(config.bootstrap, secret=core.secret,
+                                                  stop=self._stop_reg)
                 self._bootstrap.register(self.registration())
+                threading.Thread(target=self._reregister, daemon=True,
+                                 name="pdxfer-register").start()
         except BaseException:
             self.close()
             raise
@@ -172,6 +177,7 @@ class Endpoint:
         if self._closed:
             return
         self._closed = True
+        self._stop_reg.set()
         if self._bootstrap is not None:
             try:
                 self._bootstrap.deregister(self.endpoint_id)
@@ -191,6 +197,14 @@ class Endpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _reregister(self) -> None:
+        while not self._stop_reg.wait(self.config.register_interval_s):
+            try:
+                assert self._bootstrap is not None
+                self._bootstrap.register(self.registration())
+            except PdxferError as e:  # the bootstrap is down or said no: try again later
+                log.info("re-registration with %s failed: %s", self.config.bootstrap, e)
 
     def _on_tick(self) -> None:
         side = self.prefill or self.decode

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdxfer import check_http, prometheus_text
+from pdxfer import ReplayGuard, check_http, prometheus_text
 
 from .errors import BadRequest, ServingError
 
@@ -40,13 +40,16 @@ def router_only(secret: bytes | None) -> Any:
     reaches a worker directly can neither generate, nor abort, nor name a bootstrap server.
     Without a secret (loopback and trusted networks) nothing is checked."""
 
+    replay = ReplayGuard()
+
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
         if secret is not None and request.path not in OPEN_PATHS:
             body = await request.read()
             why = check_http(secret, request.method, request.raw_path, body,
-                                  request.headers.get("X-Pdxfer-Time"),
-                                  request.headers.get("X-Pdxfer-Signature"))
+                             request.headers.get("X-Pdxfer-Time"),
+                             request.headers.get("X-Pdxfer-Signature"),
+                             request.headers.get("X-Pdxfer-Nonce"), replay)
             if why:
                 return web.json_response(error_body(why, "unauthorized", 401), status=401)
         return await handler(request)
