@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..pools import PoolSpec
+from ..pools import PoolSpec, layout_signature
 from .copy import Copier, CpuCopier
 from .errors import CapacityError
 from .host import Entry, HostCache, Register
@@ -66,7 +66,11 @@ class TieredCache:
 
     def __init__(self, pools: Sequence[PoolSpec], *, host_pages: int | Mapping[str, int],
                  storage: StorageBackend | None = None, register: Register | None = None,
-                 copier: Copier | None = None, salt: str = "") -> None:
+                 copier: Copier | None = None, salt: str = "", model_id: str = "") -> None:
+        """``model_id`` names the engine's model (weights and config): with the pools' layout
+        signature it salts every key, so two models whose KV has the same shape never read
+        each other's objects. Without it only the layout separates them (logged once).
+        ``salt`` adds a scope of its own (a tenant)."""
         paged = [p for p in pools if p.kind == "paged"]
         sizes = {p.page_size for p in paged}
         if len(sizes) != 1:
@@ -74,7 +78,10 @@ class TieredCache:
         self.page_size = sizes.pop()
         self.anchor = {p.name: p.indices_from or p.name for p in paged}
         self.data_pools = [p.name for p in paged if p.item_bytes > 0]
-        self.salt = salt
+        if not model_id:
+            log.warning("TieredCache without model_id: L3 objects are shared by every model "
+                        "whose KV has this layout")
+        self.salt = f"{layout_signature(list(pools))}|{model_id}|{salt}"
         self.host = HostCache(pools, host_pages, register)
         self.copier: Copier = copier or CpuCopier(pools)
         self.storage: StorageBackend | None = None

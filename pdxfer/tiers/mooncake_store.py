@@ -21,7 +21,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..auth import load_secret
 from .errors import StorageError
+from .storage import Sealer, _buf
 
 log = logging.getLogger("pdxfer.tiers.mooncake")
 
@@ -94,12 +96,26 @@ class MooncakeMaster:
         self.stop()
 
 
+def _tag_key(key: str) -> str:
+    return f"{key}.tag"
+
+
+def _codes(rc: Any, n: int) -> list[int]:
+    """Per-key result codes of a batch call (some bindings answer one code for all)."""
+    if isinstance(rc, (list, tuple)):
+        return [int(r) for r in rc]
+    return [int(rc)] * n
+
+
 class MooncakeStoreStorage:
     """A store client; this process also contributes ``segment_bytes`` of store memory."""
 
     def __init__(self, master_addr: str, metadata_url: str, *, host: str = "127.0.0.1",
                  segment_bytes: int = 256 * MiB, local_buffer_bytes: int = 16 * MiB,
-                 setup_timeout_s: float = 30.0) -> None:
+                 setup_timeout_s: float = 30.0, secret: str | bytes | None = None) -> None:
+        # every object's tag (``Sealer``) is stored beside it as ``<key>.tag``: a client
+        # without the secret that upserts a key cannot supply KV that passes the check
+        self.sealer = Sealer(load_secret(secret))
         from mooncake.store import MooncakeDistributedStore
 
         mhost, _, mport = master_addr.rpartition(":")
@@ -138,7 +154,9 @@ class MooncakeStoreStorage:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        return [r == 1 for r in self.store.batch_is_exist(list(keys))]
+        both = self.store.batch_is_exist([*keys, *(_tag_key(k) for k in keys)])
+        n = len(keys)
+        return [both[i] == 1 and both[n + i] == 1 for i in range(n)]
 
     def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
                  ) -> list[bool]:
@@ -146,6 +164,11 @@ class MooncakeStoreStorage:
             return []
         got = self.store.batch_get_into(list(keys), list(addrs), list(sizes))
         ok = [int(g) == int(s) for g, s in zip(got, sizes)]
+        tags = self.store.get_batch([_tag_key(k) for k in keys])
+        for i, (k, a, s) in enumerate(zip(keys, addrs, sizes)):
+            if ok[i] and not self.sealer.check(k, _buf(a, s), bytes(tags[i] or b"")):
+                ok[i] = False
+                log.info("Mooncake Store object %s: tag mismatch (corrupt or forged)", k)
         bad = ok.count(False)
         if bad:
             self.misses += bad
@@ -159,6 +182,13 @@ class MooncakeStoreStorage:
             return []
         rcs = self.store.batch_upsert_from(list(keys), list(addrs), list(sizes))
         ok = [int(r) == 0 for r in rcs]
+        stored = [(k, self.sealer.tag(k, _buf(a, s)))
+                  for k, a, s, o in zip(keys, addrs, sizes, ok) if o]
+        if stored:
+            trc = self.store.upsert_batch([_tag_key(k) for k, _ in stored],
+                                          [t for _, t in stored])
+            failed = {k for (k, _), r in zip(stored, _codes(trc, len(stored))) if r != 0}
+            ok = [o and k not in failed for k, o in zip(keys, ok)]
         bad = ok.count(False)
         if bad:
             self.put_failures += bad

@@ -5,29 +5,58 @@ into and written from registered host pages. A page counts as a hit only when ev
 its group is present (draft KV with target KV, every sidecar): ``prefix_hits`` asks for all
 of them in one batch and answers with a prefix length.
 
-``FileStorage`` writes ``header | payload | crc32`` to a temp file and renames it into place,
-so a reader sees a whole object or none; a file that is short, torn, of another size or with a
-wrong checksum is a miss, never bytes handed to a request.
+``FileStorage`` writes ``header | payload | tag`` to a temp file and renames it into place,
+so a reader sees a whole object or none. The tag (``Sealer``) binds the payload to its key:
+HMAC-SHA256 keyed by the shared secret when one is set, else BLAKE2b over key and payload. A
+file that is short, torn, of another size, copied from another key's file or forged without
+the secret is a miss, never bytes handed to a request (the restore then repairs the range
+from the prefill). Files are opened relative to their folder's descriptor, never through a
+symlink, so nothing planted in the root can redirect a write outside it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
 import logging
 import os
+import secrets
+import stat
 import struct
-import tempfile
-import zlib
+import threading
 from collections.abc import Sequence
 from typing import Protocol
 
+from ..auth import load_secret
 from .keys import pool_key
 
 log = logging.getLogger("pdxfer.tiers.storage")
 
-_MAGIC = b"PDXL3v1\0"
+_MAGIC = b"PDXL3v2\0"
 _HEAD = struct.Struct("<8sQ")
-_TAIL = struct.Struct("<I")
+TAG_BYTES = 32
+
+
+class Sealer:
+    """Binds an object's bytes to its key (which names the page and the pool)."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self.secret = secret
+
+    def tag(self, key: str, payload: memoryview | bytes) -> bytes:
+        k = key.encode()
+        prefix = b"pdxfer-l3-v2|" + len(k).to_bytes(4, "little") + k
+        if self.secret is not None:
+            m = hmac.new(self.secret, prefix, hashlib.sha256)
+            m.update(payload)
+            return m.digest()
+        h = hashlib.blake2b(prefix, digest_size=TAG_BYTES)
+        h.update(payload)
+        return h.digest()
+
+    def check(self, key: str, payload: memoryview | bytes, tag: bytes) -> bool:
+        return len(tag) == TAG_BYTES and hmac.compare_digest(self.tag(key, payload), tag)
 
 
 class StorageBackend(Protocol):
@@ -69,46 +98,114 @@ def _buf(addr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_uint8 * size).from_address(addr)).cast("B")
 
 
+_NOFOLLOW = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
 class FileStorage:
     """Objects as files under ``root`` (two-level fan-out by key prefix)."""
 
-    def __init__(self, root: str, max_bytes: int | None = None) -> None:
+    def __init__(self, root: str, max_bytes: int | None = None,
+                 secret: str | bytes | None = None) -> None:
         self.root = os.path.abspath(root)
         self.max_bytes = max_bytes
+        self.sealer = Sealer(load_secret(secret))
         os.makedirs(self.root, exist_ok=True)
+        st = os.lstat(self.root)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"L3 root {self.root} is not a directory")
         self.misses = 0
         self.put_failures = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+        self._used = self._walk_size()  # once; then kept up to date by puts
 
     def path(self, key: str) -> str:
-        if not key or "/" in key or key.startswith("."):
-            raise ValueError(f"invalid storage key {key!r}")
+        self._check_key(key)
         return os.path.join(self.root, key[:2], key)
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not key or "/" in key or "\0" in key or key.startswith(".") or len(key) > 200:
+            raise ValueError(f"invalid storage key {key!r}")
+
+    def _dir(self, key: str, create: bool) -> int | None:
+        """A descriptor of the key's fan-out folder, opened without following a symlink;
+        None when it does not exist (or is not a real folder: refused and counted)."""
+        self._check_key(key)
+        root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+        try:
+            name = key[:2]
+            if create:
+                try:
+                    os.mkdir(name, 0o700, dir_fd=root)
+                except FileExistsError:
+                    pass
+            try:
+                return os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=root)
+            except FileNotFoundError:
+                return None
+            except OSError:  # a symlink or a file planted in place of the folder
+                self.refused += 1
+                log.warning("L3 folder %s/%s is not a real directory: refused", self.root, name)
+                return None
+        finally:
+            os.close(root)
+
+    def _walk_size(self) -> int:
+        total = 0
+        for d, _, files in os.walk(self.root):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(d, f)).st_size
+                except OSError:
+                    pass
+        return total
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
 
     def register(self, addr: int, nbytes: int) -> None:
         return None
 
-    def _size_ok(self, path: str) -> bool:
+    def _open(self, key: str) -> int | None:
+        d = self._dir(key, create=False)
+        if d is None:
+            return None
         try:
-            with open(path, "rb") as f:
-                head = f.read(_HEAD.size)
-                size = os.fstat(f.fileno()).st_size
+            return os.open(key, os.O_RDONLY | _NOFOLLOW, dir_fd=d)
         except OSError:
+            return None
+        finally:
+            os.close(d)
+
+    def _size_ok(self, key: str) -> bool:
+        fd = self._open(key)
+        if fd is None:
             return False
+        try:
+            head = os.pread(fd, _HEAD.size, 0)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
         if len(head) != _HEAD.size:
             return False
         magic, n = _HEAD.unpack(head)
-        return magic == _MAGIC and size == _HEAD.size + n + _TAIL.size
+        return magic == _MAGIC and size == _HEAD.size + n + TAG_BYTES
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        return [self._size_ok(self.path(k)) for k in keys]
+        return [self._size_ok(k) for k in keys]
 
     def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
                  ) -> list[bool]:
         return [self._get(k, a, s) for k, a, s in zip(keys, addrs, sizes)]
 
     def _get(self, key: str, addr: int, size: int) -> bool:
+        fd = self._open(key)
+        if fd is None:
+            return self._miss(key, "absent")
         try:
-            with open(self.path(key), "rb") as f:
+            with os.fdopen(fd, "rb") as f:
                 head = f.read(_HEAD.size)
                 if len(head) != _HEAD.size:
                     return self._miss(key, "short header")
@@ -117,15 +214,13 @@ class FileStorage:
                     return self._miss(key, f"header says {n} bytes, want {size}")
                 dst = _buf(addr, size)
                 got = f.readinto(dst)
-                tail = f.read(_TAIL.size + 1)
-        except FileNotFoundError:
-            return self._miss(key, "absent")
+                tag = f.read(TAG_BYTES + 1)
         except OSError as e:
             return self._miss(key, str(e))
-        if got != size or len(tail) != _TAIL.size:
+        if got != size or len(tag) != TAG_BYTES:
             return self._miss(key, f"torn: {got} of {size} bytes")
-        if _TAIL.unpack(tail)[0] != zlib.crc32(dst):
-            return self._miss(key, "checksum mismatch")
+        if not self.sealer.check(key, dst, tag):
+            return self._miss(key, "tag mismatch (corrupt, another key's object, or forged)")
         return True
 
     def _miss(self, key: str, why: str) -> bool:
@@ -137,35 +232,42 @@ class FileStorage:
                  ) -> list[bool]:
         return [self._put(k, a, s) for k, a, s in zip(keys, addrs, sizes)]
 
-    def used_bytes(self) -> int:
-        total = 0
-        for d, _, files in os.walk(self.root):
-            total += sum(os.path.getsize(os.path.join(d, f)) for f in files)
-        return total
-
     def _put(self, key: str, addr: int, size: int) -> bool:
-        path = self.path(key)
-        if self.max_bytes is not None and self.used_bytes() + size > self.max_bytes:
+        need = _HEAD.size + size + TAG_BYTES
+        with self._lock:
+            if self.max_bytes is not None and self._used + need > self.max_bytes:
+                self.put_failures += 1
+                log.info("L3 folder %s is full: %s not stored", self.root, key)
+                return False
+        d = self._dir(key, create=True)
+        if d is None:
             self.put_failures += 1
-            log.info("L3 folder %s is full: %s not stored", self.root, key)
             return False
+        tmp = f".tmp-{secrets.token_hex(8)}"
         src = _buf(addr, size)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
         try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=d)
             with os.fdopen(fd, "wb") as f:
                 f.write(_HEAD.pack(_MAGIC, size))
                 f.write(src)
-                f.write(_TAIL.pack(zlib.crc32(src)))
-            os.replace(tmp, path)
+                f.write(self.sealer.tag(key, src))
+            try:
+                old = os.stat(key, dir_fd=d, follow_symlinks=False).st_size
+            except FileNotFoundError:
+                old = 0
+            os.replace(tmp, key, src_dir_fd=d, dst_dir_fd=d)
         except OSError as e:
             self.put_failures += 1
             log.warning("L3 put of %s failed (a miss later): %s", key, e)
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=d)
             except OSError:
                 pass
             return False
+        finally:
+            os.close(d)
+        with self._lock:
+            self._used += need - old
         return True
 
     def close(self) -> None:
