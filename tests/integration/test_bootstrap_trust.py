@@ -5,6 +5,7 @@ headers and stalled connections. Attacks come as raw HTTP from this process."""
 from __future__ import annotations
 
 import json
+import resource
 import socket
 import time
 import urllib.error
@@ -106,17 +107,18 @@ def test_a_malformed_signature_header_is_a_401(server: BootstrapServer, sig: str
 
 
 def test_stalled_connections_do_not_starve_lookups(server: BootstrapServer) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4096:  # 1,100 client sockets plus the server's own, in this one process
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
     stalled = []
     try:
         for _ in range(1100):
-            c = socket.socket()
-            c.setblocking(False)
-            try:
-                c.connect(("127.0.0.1", server.port))
-            except BlockingIOError:
-                pass
-            c.send(b"GET /health HTTP/1.1\r\n")  # a request that never finishes
+            c = socket.create_connection(("127.0.0.1", server.port), timeout=5)
             stalled.append(c)
+            try:
+                c.sendall(b"GET /health HTTP/1.1\r\n")  # a request that never finishes
+            except OSError:
+                pass  # the server already dropped it to make room: that is the point
         client = BootstrapClient(server.address, secret=SECRET, timeout=5, retries=2)
         client.register(reg("e", "tcp://127.0.0.1:1"))
         assert client.route(0, "inst")["endpoints"][0]["endpoint_id"] == "e"
