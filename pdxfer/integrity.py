@@ -215,6 +215,25 @@ def slot_digests(pool: PoolSpec, slot: int, mode: str,
     return out
 
 
+PAGE_SAMPLE_WORDS = 64
+"""A page digest reads every 64th 8-byte word of each buffer's page (and all of it when a
+page is not a multiple of 8 bytes): enough to tell a wrong, stale or shifted page."""
+
+
+def page_digest(rows: np.ndarray) -> int:
+    """Digest of one page given as ``[buffers, item_bytes]`` uint8 (an L2 host page, or the
+    same page gathered from L1's buffers): equal bytes in equal order give equal digests."""
+    if rows.shape[1] % 8 == 0:
+        rows = np.ascontiguousarray(rows).view(np.uint64)[:, ::PAGE_SAMPLE_WORDS]
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(rows)) & MASK
+
+
+def l1_page_rows(pool: PoolSpec, page: int) -> np.ndarray:
+    """``[buffers, item_bytes]`` of one L1 page of a host pool (a gather, for ``page_digest``)."""
+    return np.stack([_host_view(b.addr + page * pool.item_bytes, pool.item_bytes)
+                     for b in pool.buffers])
+
+
 def covers(ranges: Sequence[tuple[int, int]], start: int, end: int) -> bool:
     """Whether the union of ``ranges`` covers ``[start, end)``."""
     at = start

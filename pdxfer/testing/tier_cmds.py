@@ -176,6 +176,25 @@ def write_back(state: Any, items: list[dict[str, Any]], ep: str = "main",
     return [f.result(timeout=60) for f in futs] if flush else []
 
 
+def keys(state: Any, tokens: list[int], ep: str = "main") -> list[str]:
+    """The cache's page keys of ``tokens`` (salted with its layout and model)."""
+    return _t(state, ep).cache.keys(tokens)
+
+
+def corrupt_l2(state: Any, n: int, ep: str = "main") -> int:
+    """Flip every byte of up to ``n`` cached L2 pages (fault injection for restore checks)."""
+    t = _t(state, ep)
+    done = 0
+    with t.cache.host.lock:
+        for e in list(t.cache.host.entries.values())[:n]:
+            for pool, page in e.pages.items():
+                hp = t.cache.host.pools.get(pool)
+                if hp is not None:
+                    hp.data[page] ^= 0xFF
+            done += 1
+    return done
+
+
 def clear_l2(state: Any, ep: str = "main") -> int:
     return _t(state, ep).cache.host.clear()
 

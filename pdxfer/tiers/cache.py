@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import integrity
 from ..errors import ConfigError
 from ..pools import PoolSpec, layout_signature
 from .copy import Copier, CpuCopier
@@ -66,11 +67,13 @@ class TieredCache:
 
     def __init__(self, pools: Sequence[PoolSpec], *, host_pages: int | Mapping[str, int],
                  storage: StorageBackend | None = None, register: Register | None = None,
-                 copier: Copier | None = None, salt: str = "", model_id: str = "") -> None:
+                 copier: Copier | None = None, salt: str = "", model_id: str = "",
+                 verify: bool = True) -> None:
         """``model_id`` names the engine's model (weights and config): with the pools' layout
         signature it salts every key, so two models whose KV has the same shape never read
         each other's objects. Without it only the layout separates them (logged once).
-        ``salt`` adds a scope of its own (a tenant)."""
+        ``salt`` adds a scope of its own (a tenant). ``verify``: every page restored into L1
+        is checked against the digest recorded when it entered L2 (host pools only)."""
         paged = [p for p in pools if p.kind == "paged"]
         sizes = {p.page_size for p in paged}
         if len(sizes) != 1:
@@ -83,6 +86,9 @@ class TieredCache:
                         "whose KV has this layout")
         self.salt = f"{layout_signature(list(pools))}|{model_id}|{salt}"
         self.host = HostCache(pools, host_pages, register)
+        self.verify = verify
+        self.l1_specs = {p.name: p for p in paged if p.item_bytes and p.location == "cpu"}
+        self.restore_check_seconds = 0.0
         self.copier: Copier = copier or CpuCopier(pools)
         self.storage: StorageBackend | None = None
         self.set_storage(storage)
@@ -94,7 +100,9 @@ class TieredCache:
         """Test hook run at the start of ``load`` (fault injection between match and load)."""
         self.counters: dict[str, int] = {"l3_puts": 0, "l3_put_failures": 0, "l3_gets": 0,
                                          "l3_get_misses": 0, "l2_writebacks": 0,
-                                         "writeback_skipped": 0}
+                                         "writeback_skipped": 0,
+                                         "integrity_restore_checks": 0,
+                                         "integrity_restore_mismatches": 0}
 
     def set_storage(self, storage: StorageBackend | None) -> None:
         """Use another L3 backend from now on (its host pages get registered with it)."""
@@ -160,13 +168,53 @@ class TieredCache:
                     m.l3_missing.append(batch[n].key)
                     break
         m.good_l3 = good3
+        for e in m.l3[:good3]:  # what came from L3 (its tag checked) is recorded like L2
+            self._record(e)
         entries = m.l2 + m.l3[:good3]
         if entries:
             for pool in self.data_pools:
                 hp = self.host.pools[pool]
                 l1 = np.asarray(dst[self.anchor[pool]], dtype=np.int64)[:len(entries)]
                 self.copier.to_l1(pool, hp, np.array([e.pages[pool] for e in entries]), l1)
-        return len(entries)
+            return self._verify_l1(entries, dst)
+        return 0
+
+    def _record(self, e: Entry) -> None:
+        """Remember the page's digest now that it is in L2 (write-back or L3 prefetch)."""
+        if not self.verify:
+            return
+        for pool in self.data_pools:
+            e.digests[pool] = integrity.page_digest(self.host.pools[pool].per_buffer()[
+                e.pages[pool]])
+
+    def _verify_l1(self, entries: list[Entry], dst: Mapping[str, np.ndarray]) -> int:
+        """How many leading pages reached L1 as recorded; the first that did not (a page
+        corrupted in L2, a copy gone wrong) and everything after it is repaired instead."""
+        if not self.verify or not self.l1_specs:
+            return len(entries)
+        t0 = time.perf_counter()
+        good = len(entries)
+        for i, e in enumerate(entries):
+            ok = True
+            for pool in self.data_pools:
+                want = e.digests.get(pool)
+                spec = self.l1_specs.get(pool)
+                if want is None or spec is None:
+                    continue
+                page = int(np.asarray(dst[self.anchor[pool]], dtype=np.int64)[i])
+                if integrity.page_digest(integrity.l1_page_rows(spec, page)) != want:
+                    ok = False
+                    break
+            if not ok:
+                good = i
+                self._count("integrity_restore_mismatches")
+                log.warning("restored page %d (%s) does not match its L2 digest: repairing "
+                            "%d pages from the prefill", i, e.key, len(entries) - i)
+                break
+        self._count("integrity_restore_checks", len(entries))
+        with self._lock:
+            self.restore_check_seconds += time.perf_counter() - t0
+        return good
 
     def _io_lists(self, entries: list[Entry]) -> tuple[list[str], list[int], list[int]]:
         """L3 keys, L2 addresses and sizes of every data pool's part of each entry."""
@@ -233,6 +281,8 @@ class TieredCache:
         except Exception:
             self.host.discard(new)  # bad page indices: nothing half-written stays indexed
             raise
+        for e in new:
+            self._record(e)
         self.host.pin(new)
         self.host.commit(new)
         self._count("l2_writebacks", len(new))

@@ -62,6 +62,9 @@ class Entry:
     pages: dict[str, int]
     pins: int = 0
     ready: bool = False
+    digests: dict[str, int] = field(default_factory=dict)
+    """Per data pool, the page's digest when it entered L2 (``integrity.page_digest``):
+    checked again once it is copied into L1."""
 
 
 @dataclass(slots=True)

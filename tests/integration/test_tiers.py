@@ -18,7 +18,7 @@ import pytest
 from pdxfer import BootstrapServer
 from pdxfer.testing.harness import Agent
 from pdxfer.testing.patterns import PoolGeom
-from pdxfer.tiers.keys import page_keys, pool_key
+from pdxfer.tiers.keys import pool_key
 from pdxfer.tiers.mooncake_store import MooncakeMaster
 from pdxfer.tiers.storage import FileStorage
 
@@ -158,10 +158,28 @@ def test_prefix_restored_from_l3_after_l2_is_cleared(env: Setup, store: str) -> 
     no_leaks(env, env.d1)
 
 
+def test_a_page_corrupted_in_l2_is_caught_after_the_copy_and_repaired(env: Setup) -> None:
+    """Every restored page is checked against the digest recorded when it entered L2: a page
+    damaged in host memory is never decoded from; the rest of the prefix comes again from the
+    prefill (which holds it for repair) and the request ends with the right bytes."""
+    a = parent(env, env.std, env.d1)
+    before = env.d1.call("ext", fn=X + "report")["stats"]
+    assert env.d1.call("ext", fn=X + "corrupt_l2", n=1000) > 0  # every page of the prefix
+    b, promised, res = child_run(env, env.std, a, env.d1)
+    assert promised == SHARED  # promised from L2 ...
+    assert_right({b["room"]: res})  # ... but the damaged pages were repaired
+    after = env.d1.call("ext", fn=X + "report")["stats"]
+    assert after["integrity_restore_mismatches"] > before["integrity_restore_mismatches"]
+    assert res["stats"]["repaired_tokens"] > 0
+    for r in (a, b):
+        env.std.free(r)
+    no_leaks(env, env.d1)
+
+
 def test_page_whose_draft_part_is_missing_in_l3_is_not_a_hit(env: Setup) -> None:
     a = parent(env, env.std, env.d1)
     env.d1.call("ext", fn=X + "clear_l2")
-    keys = page_keys(a["tokens"], 16)
+    keys = env.d1.call("ext", fn=X + "keys", tokens=a["tokens"])
     os.unlink(FileStorage(env.root).path(pool_key(keys[5], "draft")))
     b, promised, res = child_run(env, env.std, a, env.d1)
     assert promised == 5 * 16  # target KV of page 5 alone is no hit
