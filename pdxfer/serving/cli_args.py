@@ -18,10 +18,30 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (tokens)")
-    ap.add_argument("--prefix-cache-pages", type=int, default=512,
-                    help="host-memory prefix cache in pages (0: off): the decode restores a "
-                         "cached prefix instead of receiving it, the prefill instead of "
-                         "recomputing it")
+    ap.add_argument("--l2-pages", "--prefix-cache-pages", dest="l2_pages", type=int,
+                    default=512,
+                    help="host-DRAM prefix cache (L2, pdxfer.tiers) in pages (0: off): the "
+                         "decode restores a cached prefix instead of receiving it, the "
+                         "prefill instead of recomputing it")
+    if role == "decode":
+        ap.add_argument("--l3-dir", default="",
+                        help="L3 (storage) folder: prefixes survive a decode restart "
+                             "(default: $XDG_CACHE_HOME/pdxfer/l3)")
+        ap.add_argument("--l3-max-gb", type=float, default=4.0,
+                        help="size bound of the L3 folder; a full L3 is a logged miss")
+        ap.add_argument("--l3-mooncake", default="", metavar="MASTER",
+                        help="use Mooncake Store as L3: its master's host:port")
+        ap.add_argument("--l3-mooncake-metadata", default="", metavar="URL",
+                        help="the Mooncake Store metadata URL (http://host:port/metadata)")
+        ap.add_argument("--l3-mooncake-segment-mb", type=int, default=256,
+                        help="store memory this decode contributes to Mooncake Store (0: "
+                             "none; objects then live in other clients' segments and "
+                             "survive this decode's restart)")
+        ap.add_argument("--no-l3", action="store_true", help="no L3: host DRAM only")
+        ap.add_argument("--kv-landing", choices=["device", "host"], default="device",
+                        help="host: receive into a token-granular host pool (page size 1, "
+                             "HiSparse-style) and decode from it; pairs with a prefill of any "
+                             "page size")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (the toy model's ops are tiny: more threads only spin)")
     ap.add_argument("--bootstrap-timeout", type=float, default=30.0)

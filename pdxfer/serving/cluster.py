@@ -4,6 +4,8 @@ and the end-to-end tests run. Children are stopped by pid on exit, error or Ctrl
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -32,6 +34,11 @@ class Cluster:
         self.prefills: list[Proc | None] = []
         self.decodes: list[Proc] = []
         self.router: Proc | None = None
+        # a fresh L3 folder per cluster (a run never hits what an earlier run stored),
+        # shared by its decodes and kept across a decode's restart; removed at stop
+        self.l3_dir: str | None = None
+        if "--l3-dir" not in self.decode_args + self.worker_args:
+            self.l3_dir = tempfile.mkdtemp(prefix="pdxfer-l3-")
 
     @property
     def prefill(self) -> Proc | None:
@@ -58,15 +65,29 @@ class Cluster:
         self.prefills[i] = proc
         return proc
 
+    def _decode(self, i: int, port: int, wait: bool) -> Proc:
+        l3 = ["--l3-dir", self.l3_dir] if self.l3_dir else []
+        return self._proc(f"decode{i or ''}", ["decode", "--port", str(port), *l3,
+                                               *self.worker_args, *self.decode_args], wait)
+
+    def restart_decode(self, i: int = 0) -> Proc:
+        """Stop decode ``i`` and start it again on the same port (the router keeps its URL):
+        its L2 is gone, its L3 is not."""
+        old = self.decodes[i]
+        port = old.port
+        stop_all([old])
+        self.decodes[i] = self._decode(i, port, True)
+        if self.router is not None:  # the router learns the new endpoint id now
+            with urllib.request.urlopen(f"{self.router.url}/health", timeout=10) as r:
+                r.read()
+        return self.decodes[i]
+
     def start(self) -> Cluster:
         try:
             self.bootstrap = BootstrapServer("127.0.0.1", 0).start()
             for i in range(self.n_prefills):
                 self.start_prefill(wait=False, i=i)
-            self.decodes = [self._proc(f"decode{i or ''}", ["decode", "--port", "0",
-                                                            *self.worker_args,
-                                                            *self.decode_args], False)
-                            for i in range(self.n_decodes)]
+            self.decodes = [self._decode(i, 0, False) for i in range(self.n_decodes)]
             for p in [*self.prefills, *self.decodes]:
                 assert p is not None
                 p.wait_ready()
@@ -93,6 +114,9 @@ class Cluster:
         if self.bootstrap is not None:
             self.bootstrap.stop()
             self.bootstrap = None
+        if self.l3_dir is not None:
+            shutil.rmtree(self.l3_dir, ignore_errors=True)
+            self.l3_dir = None
 
     def __enter__(self) -> Cluster:
         return self.start()

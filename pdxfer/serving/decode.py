@@ -1,9 +1,10 @@
 """``pdxfer decode``: receives a prompt's KV from a prefill and generates the completion.
 
 Flow per request: admission (pages and an aux slot, waiting in a bounded queue; 503 when
-full) -> restore what the prefix cache holds -> ``receiver`` -> ``request(prefix_len=
-restored)`` so the prefill ships only the rest -> poll -> the first token from the aux row
--> the scheduler's loop generates it step by step with every other running request
+full) -> a ``RestoringReceiver`` (``pdxfer.tiers``: the prefix held in L2 host DRAM or L3
+storage is restored while the network brings only the rest, and whatever the restore cannot
+deliver is repaired from the prefill) -> poll -> the first token from the aux row -> the
+scheduler's loop generates it step by step with every other running request
 (``scheduler.py``) -> events stream back to the client.
 
 Page lifetime: before the transfer succeeded, a request's pages come back only through the
@@ -26,12 +27,13 @@ from typing import Any
 
 from aiohttp import web
 
-from pdxfer import KVPoll, KVReceiver, PdxferError
+from pdxfer import KVPoll, PdxferError, RequestHandle
+from pdxfer.tiers import RestoringReceiver, TieredCache
 
 from .errors import BadRequest, OutOfCapacity, TransferFailed
-from .prefix import HostPrefixCache, PrefixCache
 from .sampling import parse_sampling
 from .scheduler import Generation, Scheduler
+from .tiered import make_cache
 from .worker import (
     Admission,
     ModelHost,
@@ -80,13 +82,10 @@ class _Cancel:
 
 
 class DecodeWorker(RoomWorker):
-    def __init__(self, cfg: WorkerConfig, prefix_cache: PrefixCache | None = None) -> None:
+    def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.host = ModelHost(cfg)
-        self.cache: PrefixCache | None = prefix_cache
-        if self.cache is None and cfg.prefix_cache_pages > 0:
-            self.cache = HostPrefixCache([self.host.kv, self.host.draft_kv],
-                                         cfg.prefix_cache_pages)
+        self.cache: TieredCache | None = make_cache(cfg, self.host)
         self.admission = Admission(self.host, cfg.max_waiting, cfg.admission_timeout_s)
         self.scheduler = Scheduler(self.host)
         self.live: dict[int, Any] = {}
@@ -110,11 +109,16 @@ class DecodeWorker(RoomWorker):
                 "running": self.scheduler.active, "waiting": self.admission.waiting,
                 "decode_steps": self.scheduler.steps, "rejected": self.admission.rejected}
         if self.cache is not None:
-            vals.update({f"prefix_{k}": v for k, v in self.cache.stats().items()})
+            vals.update({f"tiers_{k.replace('.', '_')}": v
+                         for k, v in self.cache.stats().items()})
         return vals
 
     def close(self) -> None:
         self.scheduler.close()
+        if self.cache is not None:
+            self.cache.close()  # background L3 writes finish: a restart finds them
+            if self.cache.storage is not None and hasattr(self.cache.storage, "close"):
+                self.cache.storage.close()
         self.host.endpoint.close()
 
     def _parse(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -190,30 +194,29 @@ class DecodeWorker(RoomWorker):
         return error_response(e)
 
     async def _receive(self, p: dict[str, Any], req: _Req, t_arrive: float) -> dict[str, Any]:
-        """Restore the cached prefix and receive the rest; returns with the first token, or
-        raises (the request's pages then belong to the receiver's release path)."""
+        """Restore the cached prefix while the network brings the rest; returns with the
+        first token, or raises (the request's pages then belong to the release path)."""
         h, room, tokens = self.host, p["room"], p["tokens"]
         n = len(tokens)
-        restored = 0
+        dst = {"kv": req.pages[:h.model.pages_for(n)]}
         try:
+            rx: RequestHandle
             if self.cache is not None:
-                want = self.cache.match(tokens, p["tenant"])
-                if want:
-                    restored = await asyncio.to_thread(self.cache.restore, tokens, want,
-                                                       req.pages, p["tenant"])
-            rx: KVReceiver = h.endpoint.receiver(room, bootstrap=p["bootstrap"],
-                                                 instance=p["instance"], release=req.free)
+                rx = RestoringReceiver(self.cache, h.endpoint, room, p["bootstrap"], tokens,
+                                       dst, {"aux": req.slot}, num_tokens=n, release=req.free,
+                                       instance=p["instance"], scope=p["tenant"])
+            else:
+                rx = h.endpoint.receiver(room, bootstrap=p["bootstrap"],
+                                         instance=p["instance"], release=req.free)
+                rx.request(dst, slots={"aux": req.slot}, num_tokens=n)
         except BaseException:
             req.free()
             raise
         self.live[room] = rx
         try:
-            ps = self.cfg.page_size
-            rx.request({"kv": req.pages[restored // ps: h.model.pages_for(n)]},
-                       slots={"aux": req.slot}, prefix_len=restored, num_tokens=n)
             await poll_until_terminal(rx, self.cfg.bootstrap_timeout_s
                                       + self.cfg.transfer_timeout_s)
-        except BaseException:  # cancelled by a client that left, or request() refused
+        except BaseException:  # cancelled by a client that left
             if rx.poll() == KVPoll.Success:
                 req.free()  # the transfer is over: the pages are ours to free
             else:
@@ -223,17 +226,29 @@ class DecodeWorker(RoomWorker):
             self.live.pop(room, None)
         if rx.poll() != KVPoll.Success:
             raise TransferFailed(f"room {room}: {rx.failure}")
-        return {"first": int(h.aux[req.slot, 0]), "restored_tokens": restored,
-                "bytes": int(rx.stats().get("bytes") or 0),
-                "ttft_s": time.perf_counter() - t_arrive}
+        st = rx.stats()
+        out = {"first": int(h.aux[req.slot, 0]), "restored_tokens": 0,
+               "restored_l2_tokens": 0, "restored_l3_tokens": 0,
+               "bytes": int(st.get("bytes") or 0), "ttft_s": time.perf_counter() - t_arrive}
+        if isinstance(rx, RestoringReceiver):
+            ps = self.cache.page_size if self.cache is not None else 1
+            good, l2 = rx.restored_pages, int(st["l2_pages"])
+            out.update(restored_tokens=good * ps, restored_l2_tokens=min(good, l2) * ps,
+                       restored_l3_tokens=max(0, good - l2) * ps,
+                       bytes=int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0))
+            self.counters["restored_l2_tokens"] += out["restored_l2_tokens"]
+            self.counters["restored_l3_tokens"] += out["restored_l3_tokens"]
+        return out
 
     def _ended(self, g: Generation, p: dict[str, Any], req: _Req,
                stats: dict[str, Any]) -> None:
         """On the scheduler's loop, once it dropped the request: keep the prompt's pages in
-        the prefix cache, free them, then tell the client how it ended."""
+        the tiers (L1 to L2 now, L2 to L3 in the background), free them, then tell the client
+        how it ended."""
         if self.cache is not None and g.error is None:
             try:
-                self.cache.write_back(p["tokens"], req.pages, p["tenant"])
+                self.cache.write_back(p["tokens"], {"kv": req.pages}, len(p["tokens"]),
+                                      p["tenant"])
             except Exception as e:  # noqa: BLE001 - a cache problem never fails a request
                 log.warning("prefix write-back failed: %s", e)
         req.free()
@@ -252,6 +267,8 @@ class DecodeWorker(RoomWorker):
         out: dict[str, Any] = {
             "room": g.room, "finish_reason": g.finish_reason, "prompt_tokens": len(g.prompt),
             "completion_tokens": len(g.out), "restored_tokens": stats["restored_tokens"],
+            "restored_l2_tokens": stats["restored_l2_tokens"],
+            "restored_l3_tokens": stats["restored_l3_tokens"],
             "bytes": stats["bytes"], "ttft_s": stats["ttft_s"],
             "queued_steps": (g.first_step - g.added_step) if g.first_step is not None else 0,
             "end_step": g.end_step}

@@ -2,8 +2,10 @@
 every output token for token against the colocated reference.
 
 Some prompts share a long prefix: once one of them finished, the decode restores that prefix
-from its prefix cache and the prefill ships only the rest (fewer bytes transferred), while the
-tokens stay identical. Exit status is 0 only if every request succeeded and matched.
+from its L2 (host DRAM) and the prefill reuses what it computed and ships only the rest (fewer
+bytes, shorter TTFT), while the tokens stay identical. Then the decode is restarted: its L2
+is gone, and a few more prompts with those prefixes are restored from L3 (files, or Mooncake
+Store with ``--l3 mooncake``). Exit status is 0 only if every request succeeded and matched.
 
 ``pdxfer bench`` runs the same cluster and prints throughput and latency as JSON.
 """
@@ -27,10 +29,13 @@ from .model import EOS_ID, ToyConfig, ToyModel, encode, make_draft, speculative_
 WORDS = ["kv", "cache", "prefill", "decode", "page", "token", "layer", "head", "router", "room", "transfer", "bootstrap", "mooncake", "engine", "batch", "prefix", "draft", "verify", "stream", "chunk"]
 
 
-def make_prompts(n: int, seed: int, prefix_words: int = 60, groups: int = 3) -> list[str]:
-    """``n`` prompts: about two thirds share one of ``groups`` long prefixes."""
+def make_prompts(n: int, seed: int, prefix_words: int = 60, groups: int = 3,
+                 share: int | None = None) -> list[str]:
+    """``n`` prompts: about two thirds share one of ``groups`` long prefixes (those of
+    ``make_prompts(..., seed=share)`` when given: a later round of the same conversations)."""
+    prng = random.Random(seed if share is None else share)
+    prefixes = [" ".join(prng.choice(WORDS) for _ in range(prefix_words)) for _ in range(groups)]
     rng = random.Random(seed)
-    prefixes = [" ".join(rng.choice(WORDS) for _ in range(prefix_words)) for _ in range(groups)]
     out = []
     for i in range(n):
         tail = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
@@ -60,6 +65,13 @@ def _args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     ap.add_argument("--spec-k", type=int, default=0, help="speculative decoding draft length")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
     ap.add_argument("--stream", action="store_true", help="use SSE streaming responses")
+    ap.add_argument("--l3", choices=["file", "mooncake"], default="file",
+                    help="the decode's L3: files in a fresh folder, or Mooncake Store (a "
+                         "mooncake_master started for the demo)")
+    ap.add_argument("--landing", choices=["device", "host"], default="device",
+                    help="host: the decode lands KV in a token-granular host pool")
+    ap.add_argument("--no-restart", action="store_true",
+                    help="skip the decode restart (and the L3 round after it)")
     ap.add_argument("--log-level", default="ERROR", help="log level of the child processes")
     ap.add_argument("--verbose", action="store_true", help="show the children's stderr")
     a = ap.parse_args(argv)
@@ -103,59 +115,111 @@ def _install_sigterm() -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
+class _L3:
+    """What ``--l3`` needs running beside the cluster: nothing for files; for Mooncake a
+    master and a client holding the store's memory, so objects outlive a decode restart."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.master, self.holder = kind, None, None
+        if kind == "mooncake":
+            from pdxfer.tiers import MooncakeMaster, MooncakeStoreStorage
+
+            self.master = MooncakeMaster()
+            self.holder = MooncakeStoreStorage(self.master.master_addr,
+                                               self.master.metadata_url,
+                                               segment_bytes=512 << 20)
+
+    def decode_args(self) -> list[str]:
+        if self.master is None:
+            return []
+        return ["--l3-mooncake", self.master.master_addr, "--l3-mooncake-metadata",
+                self.master.metadata_url, "--l3-mooncake-segment-mb", "0"]
+
+    def close(self) -> None:
+        if self.holder is not None:
+            self.holder.close()
+        if self.master is not None:
+            self.master.stop()
+
+
+def _send(c: Cluster, prompts: list[str], a: argparse.Namespace, tty: bool
+          ) -> list[dict[str, Any]]:
+    results: list[dict[str, Any] | None] = [None] * len(prompts)
+    with ThreadPoolExecutor(a.concurrency) as pool:
+        futs = {pool.submit(_one, c, p, a): i for i, p in enumerate(prompts)}
+        for done, f in enumerate(as_completed(futs), 1):
+            results[futs[f]] = f.result()
+            if tty:
+                print(f"\r  {done}/{len(prompts)} done", end="", flush=True)
+            elif done % 8 == 0 or done == len(prompts):
+                print(f"  {done}/{len(prompts)} done", flush=True)
+    print(flush=True)
+    return [r for r in results if r is not None]
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv, "pdxfer demo")
     _install_sigterm()
     tty = sys.stdout.isatty()
     green, red, off = ("\033[32m", "\033[31m", "\033[0m") if tty else ("", "", "")
     prompts = make_prompts(a.requests, a.seed)
+    later = [] if a.no_restart else make_prompts(6, a.seed + 1000, groups=3, share=a.seed)
+    # one per conversation: two requests for one prefix at once would share one L3 prefetch
+    later = list({p.split(" | ")[0]: p for p in later if " | " in p}.values())
     print(f"starting bootstrap, prefill, decode and router on 127.0.0.1 "
-          f"(toy model, {a.requests} requests, {a.max_tokens} tokens each) ...", flush=True)
-    results: list[dict[str, Any] | None] = [None] * len(prompts)
+          f"(toy model, {a.requests} requests, {a.max_tokens} tokens each, L3 {a.l3}, "
+          f"{a.landing} landing) ...", flush=True)
+    l3: _L3 | None = None
     try:
-        with Cluster(log_level=a.log_level, quiet=not a.verbose) as c:
+        l3 = _L3(a.l3)
+        dargs = [*l3.decode_args(), "--kv-landing", a.landing]
+        with Cluster(log_level=a.log_level, quiet=not a.verbose, decode_args=dargs) as c:
             assert c.router is not None
             print(f"router on {c.router.url}; sending ...", flush=True)
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(a.concurrency) as pool:
-                futs = {pool.submit(_one, c, p, a): i for i, p in enumerate(prompts)}
-                for done, f in enumerate(as_completed(futs), 1):
-                    results[futs[f]] = f.result()
-                    if tty:
-                        print(f"\r  {done}/{len(prompts)} done", end="", flush=True)
-                    elif done % 8 == 0 or done == len(prompts):
-                        print(f"  {done}/{len(prompts)} done", flush=True)
+            results = _send(c, prompts, a, tty)
             total = time.perf_counter() - t0
-            print(flush=True)
+            if later:
+                print("restarting the decode: its L2 is gone, its L3 is not ...", flush=True)
+                c.restart_decode()
+                results += _send(c, later, a, tty)
     except KeyboardInterrupt:
         print("\ninterrupted; processes stopped", file=sys.stderr)
         return 130
+    finally:
+        if l3 is not None:
+            l3.close()
     print("checking against the colocated reference ...", flush=True)
     torch.set_num_threads(1)  # tiny ops: extra threads only spin (and sums do not depend on it)
     cfg = ToyConfig()
-    refs = [reference(cfg, p, a.max_tokens, a.spec_k) for p in prompts]
-    print(f"\n{'req':>4} {'prompt':>7} {'restored':>9} {'KV bytes':>10} {'TTFT ms':>8} "
-          f"{'wall ms':>8}  verdict")
+    everything = prompts + later
+    refs = [reference(cfg, p, a.max_tokens, a.spec_k) for p in everything]
+    print(f"\n{'req':>4} {'prompt':>7} {'L2':>5} {'L3':>5} {'reused':>7} {'KV bytes':>10} "
+          f"{'TTFT ms':>8} {'wall ms':>8}  verdict")
     bad = 0
     for i, (r, ref) in enumerate(zip(results, refs)):
-        assert r is not None
+        if i == len(prompts):
+            print("     --- after the decode restart ---")
+        n = len(encode(everything[i]))
         if not r["ok"]:
             bad += 1
-            print(f"{i:>4} {len(encode(prompts[i])):>7} {'-':>9} {'-':>10} {'-':>8} "
+            print(f"{i:>4} {n:>7} {'-':>5} {'-':>5} {'-':>7} {'-':>10} {'-':>8} "
                   f"{r['wall'] * 1e3:>8.0f}  {red}FAILED{off} {r['error']}")
             continue
         same = r["ids"] == ref
         bad += not same
         inf = r["info"]
-        print(f"{i:>4} {len(encode(prompts[i])):>7} {inf['restored_tokens']:>9} "
+        print(f"{i:>4} {n:>7} {inf.get('restored_l2_tokens', 0):>5} "
+              f"{inf.get('restored_l3_tokens', 0):>5} {inf.get('prefill_reused_tokens', 0):>7} "
               f"{inf['bytes']:>10} {(inf['decode_ttft_s'] or 0) * 1e3:>8.1f} "
               f"{r['wall'] * 1e3:>8.0f}  "
               + (f"{green}identical{off}" if same else f"{red}MISMATCH{off}"))
-    ok_n = len(prompts) - bad
-    restored = sum(r["info"]["restored_tokens"] for r in results if r and r["ok"])
-    print(f"\n{ok_n}/{len(prompts)} outputs identical to the colocated reference; "
-          f"{restored} prompt tokens restored from the decode's prefix cache; "
-          f"{total:.1f} s for the batch")
+    ok = [r["info"] for r in results if r["ok"]]
+    print(f"\n{len(everything) - bad}/{len(everything)} outputs identical to the colocated "
+          f"reference; prompt tokens restored on the decode from L2: "
+          f"{sum(i.get('restored_l2_tokens', 0) for i in ok)}, from L3: "
+          f"{sum(i.get('restored_l3_tokens', 0) for i in ok)}; reused on the prefill: "
+          f"{sum(i.get('prefill_reused_tokens', 0) for i in ok)}; {total:.1f} s for the batch")
     if bad:
         print(f"{red}FAIL{off}: {bad} request(s) failed or differ")
         return 1

@@ -288,7 +288,8 @@ def extension(c: Choice) -> dict[str, Any]:
            "token_ids": c.token_ids, "finish_reason": c.finish_reason,
            "restored_tokens": s.get("restored_tokens", 0), "bytes": s.get("bytes", 0),
            "decode_ttft_s": s.get("ttft_s"), "seconds": s.get("seconds")}
-    for k in ("queued_steps", "end_step"):
+    for k in ("queued_steps", "end_step", "restored_l2_tokens", "restored_l3_tokens",
+              "prefill_reused_tokens"):
         if k in s:
             out[k] = s[k]
     if "accept_lengths" in s:

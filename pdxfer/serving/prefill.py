@@ -23,8 +23,8 @@ from aiohttp import web
 from pdxfer import KVPoll, KVSender, PdxferError
 
 from .errors import BadRequest, OutOfCapacity, TransferFailed
-from .prefix import HostPrefixCache
 from .sampling import Sampling, parse_sampling, sample
+from .tiered import make_cache, reuse
 from .worker import (
     Admission,
     ModelHost,
@@ -49,13 +49,16 @@ class PrefillWorker(RoomWorker):
         self.senders: dict[int, KVSender] = {}
         self.admission = Admission(self.host, cfg.max_waiting, cfg.admission_timeout_s)
         self._computing: dict[int, threading.Event] = {}
-        # prompts it computed stay in host memory: a repeated prefix is restored, not
-        # recomputed, so TTFT falls with the hit length (the same cache as the decode's)
-        self.cache = (HostPrefixCache([self.host.kv, self.host.draft_kv],
-                                      cfg.prefix_cache_pages)
-                      if cfg.prefix_cache_pages > 0 else None)
+        # prompts it computed stay in L2 (pdxfer.tiers, like the decode's): a repeated prefix
+        # is loaded, not recomputed, so TTFT falls with the hit length
+        self.cache = make_cache(cfg, self.host)
         self.aborted: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.counters = collections.Counter[str]()
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+        self.host.endpoint.close()
 
     async def h_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", **self.host.info(),
@@ -118,7 +121,8 @@ class PrefillWorker(RoomWorker):
             if tx.poll() != KVPoll.Success:
                 raise TransferFailed(f"room {room}: {tx.failure}")
             if self.cache is not None:
-                await asyncio.to_thread(self.cache.write_back, tokens, pages, tenant)
+                await asyncio.to_thread(self.cache.write_back, tokens, {"kv": pages},
+                                        len(tokens), tenant)
             return {"room": room, "prompt_tokens": len(tokens), "first_token": first,
                     "compute_s": compute_s, "prefix_len": tx.prefix_len,
                     "reused_tokens": reused}
@@ -149,9 +153,7 @@ class PrefillWorker(RoomWorker):
         done = self._computing[id(pages)] = threading.Event()
         start = 0
         if self.cache is not None:
-            want = self.cache.match(tokens, tenant)  # leaves at least the last token
-            if want:
-                start = self.cache.restore(tokens, want, pages, tenant)
+            start = reuse(self.cache, tokens, pages, tenant)  # leaves the last token
         if start:
             self.counters["reused_tokens"] += start
             sent = start // ps
@@ -186,4 +188,4 @@ def run(a: argparse.Namespace) -> int:
     w = PrefillWorker(cfg)
     log.info("prefill worker: endpoint %s registered with %s", w.host.endpoint.endpoint_id,
              cfg.bootstrap)
-    return serve(w.app(), cfg.host, cfg.port, on_stop=w.host.endpoint.close)
+    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close)

@@ -321,7 +321,8 @@ class Router:
             usage["prompt_tokens_details"]["cached_tokens"] = 0
         for ext in [obj.get("pdxfer"), *(obj.get("pdxfer") or {}).get("choices", [])]:
             if isinstance(ext, dict):
-                for k in ("restored_tokens", "bytes"):
+                for k in ("restored_tokens", "restored_l2_tokens", "restored_l3_tokens",
+                          "prefill_reused_tokens", "bytes", "decode_ttft_s"):
                     ext.pop(k, None)
         return obj
 
@@ -449,6 +450,8 @@ class Router:
                 else:
                     avoid_p.add(pf.url)
                     avoid_d.add(dc.url)
+                # a worker may have restarted (a new endpoint id to bind rooms to)
+                await self.refresh_health(force=True)
         assert err is not None
         raise err
 
@@ -465,11 +468,11 @@ class Router:
                     f"{url}/abort", {"room": room, "reason": why}),
                     timeout=aiohttp.ClientTimeout(total=5)) as r:
                 await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            pass
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError):
+            pass  # RuntimeError: the session closed (the router is stopping)
 
     async def _prefill(self, pf: Prefill, room: int, ids: list[int], ask: oa.Ask,
-                       seed: int, dc: Decode) -> tuple[int, str]:
+                       seed: int, dc: Decode) -> tuple[int, str, Any]:
         assert self.session is not None
         payload: dict[str, Any] = {"room": room, "prompt_ids": ids,
                                    "temperature": ask.temperature, "top_p": ask.top_p,
@@ -479,9 +482,10 @@ class Router:
         try:
             async with self.session.post(f"{pf.url}/generate",
                                          **self._signed(f"{pf.url}/generate", payload)) as r:
-                return r.status, _msg(await _json_or_text(r))
+                body = await _json_or_text(r)
+                return r.status, _msg(body), body
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return 599, f"{pf.url}: {type(e).__name__}: {e}"
+            return 599, f"{pf.url}: {type(e).__name__}: {e}", None
 
     async def _attempt(self, ask: oa.Ask, ids: list[int], seed: int, pf: Prefill, dc: Decode,
                        c: oa.Choice, t0: float, on_delta: Any) -> None:
@@ -491,7 +495,7 @@ class Router:
         dc.outstanding += 1
         pf_task = asyncio.ensure_future(self._prefill(pf, room, ids, ask, seed, dc))
 
-        def prefill_done(t: asyncio.Future[tuple[int, str]]) -> None:
+        def prefill_done(t: asyncio.Future[tuple[int, str, Any]]) -> None:
             if not t.cancelled() and t.result()[0] != 200:  # the decode would wait in vain
                 self._later(self._abort(dc.url, room, f"prefill failed: {t.result()[1]}"))
 
@@ -525,6 +529,12 @@ class Router:
                             c.finish_reason = ev.get("finish_reason") or "length"
                             c.stats = {**ev, "prefill": pf.url, "decode": dc.url,
                                        "seconds": time.perf_counter() - t0}
+                            if not pf_task.done():  # its answer may trail the decode's
+                                await asyncio.wait([pf_task], timeout=5)
+                            pb = pf_task.result()[2] if pf_task.done() else None
+                            if isinstance(pb, dict):
+                                c.stats["prefill_reused_tokens"] = int(
+                                    pb.get("reused_tokens") or 0)
                             finished = True
                             break
                         new = [int(t) for t in ev.get("token_ids", [])]

@@ -58,7 +58,14 @@ class WorkerConfig:
     page_size: int = 16
     max_seq_len: int = 1024
     chunk_size: int = 64
-    prefix_cache_pages: int = 512
+    l2_pages: int = 512
+    l3: str = "file"
+    l3_dir: str = ""
+    l3_max_bytes: int = 4 << 30
+    l3_mooncake: str = ""
+    l3_mooncake_metadata: str = ""
+    l3_mooncake_segment_bytes: int = 256 << 20
+    kv_landing: str = "device"
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
     heartbeat_s: float = 0.5
@@ -76,17 +83,57 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
+        if self.l2_pages < 0:
+            raise ValueError(f"l2_pages must be >= 0, got {self.l2_pages}")
+        if self.l3 not in ("file", "mooncake", "off"):
+            raise ValueError(f"l3 must be file, mooncake or off, got {self.l3!r}")
+        if self.l3 == "mooncake" and not (self.l3_mooncake and self.l3_mooncake_metadata):
+            raise ValueError("Mooncake Store as L3 needs the master (--l3-mooncake HOST:PORT) "
+                             "and its metadata URL (--l3-mooncake-metadata)")
+        if self.kv_landing not in ("device", "host"):
+            raise ValueError(f"kv_landing must be device or host, got {self.kv_landing!r}")
+        if self.kv_landing == "host" and self.role != "decode":
+            raise ValueError("--kv-landing host is a decode option")
+
+    @property
+    def token_granular(self) -> bool:
+        """Host landing: the pool is token-granular (page size 1) with the same capacity,
+        and accepts a prefill of any page size (``page_remap``)."""
+        return self.kv_landing == "host"
+
+    @property
+    def pool_page_size(self) -> int:
+        return 1 if self.token_granular else self.page_size
+
+    @property
+    def pool_pages(self) -> int:
+        return self.pages * self.page_size if self.token_granular else self.pages
 
     def toy(self) -> ToyConfig:
-        return ToyConfig(seed=self.seed, page_size=self.page_size, max_seq_len=self.max_seq_len)
+        return ToyConfig(seed=self.seed, page_size=self.pool_page_size,
+                         max_seq_len=self.max_seq_len)
+
+
+def default_l3_dir() -> str:
+    """Where a decode keeps L3 files unless told (``$XDG_CACHE_HOME/pdxfer/l3``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pdxfer", "l3")
 
 
 def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
+    dec = role == "decode"
+    l3 = ("off" if not dec or a.no_l3 else "mooncake" if a.l3_mooncake else "file")
     return WorkerConfig(
         role=role, host=a.host, port=a.port, bootstrap=a.bootstrap, instance=a.instance,
         pages=a.pages, aux_slots=a.aux_slots, seed=a.seed, page_size=a.page_size,
         max_seq_len=a.max_seq_len, chunk_size=a.chunk_size,
-        prefix_cache_pages=a.prefix_cache_pages, bootstrap_timeout_s=a.bootstrap_timeout,
+        l2_pages=a.l2_pages, l3=l3,
+        l3_dir=(a.l3_dir or default_l3_dir()) if dec else "",
+        l3_max_bytes=int(a.l3_max_gb * (1 << 30)) if dec else 0,
+        l3_mooncake=a.l3_mooncake if dec else "",
+        l3_mooncake_metadata=a.l3_mooncake_metadata if dec else "",
+        l3_mooncake_segment_bytes=int(a.l3_mooncake_segment_mb) << 20 if dec else 0,
+        kv_landing=a.kv_landing if dec else "device", bootstrap_timeout_s=a.bootstrap_timeout,
         transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat, threads=a.threads,
         max_waiting=a.max_waiting, admission_timeout_s=a.admission_timeout)
 
@@ -121,9 +168,9 @@ class Admission:
 
     async def acquire(self, n_pages: int) -> tuple[list[int], int]:
         h = self.host
-        if n_pages > h.cfg.pages:
+        if n_pages > h.cfg.pool_pages:
             raise BadRequest(f"the request needs {n_pages} pages; this worker has "
-                             f"{h.cfg.pages} in all")
+                             f"{h.cfg.pool_pages} in all")
         got = self._try(n_pages)
         if got is not None:
             return got
@@ -169,21 +216,26 @@ class ModelHost:
         torch.set_num_threads(cfg.threads)
         self.model = ToyModel(cfg.toy())
         self.draft = make_draft(self.model)
-        self.kv: KVPool = self.model.new_kv_pool(cfg.pages)
-        self.draft_kv: KVPool = self.draft.new_kv_pool(cfg.pages, allocator=self.kv.allocator)
+        self.kv: KVPool = self.model.new_kv_pool(cfg.pool_pages)
+        self.draft_kv: KVPool = self.draft.new_kv_pool(cfg.pool_pages,
+                                                       allocator=self.kv.allocator)
         self.aux = torch.zeros((cfg.aux_slots, AUX_WIDTH), dtype=torch.int32)
         self.slots = SlotAllocator(cfg.aux_slots)
         self.lock = threading.Lock()
-        ps = cfg.page_size
-        pools = [
-            PoolSpec.mha("kv", self.kv.k_tensors, self.kv.v_tensors, page_size=ps),
+        ps, remap = cfg.pool_page_size, cfg.token_granular
+        self.pools = [
+            PoolSpec.mha("kv", self.kv.k_tensors, self.kv.v_tensors, page_size=ps,
+                         page_remap=remap),
             PoolSpec.mha("draft_kv", self.draft_kv.k_tensors, self.draft_kv.v_tensors,
-                         page_size=ps, indices_from="kv"),
+                         page_size=ps, indices_from="kv", page_remap=remap),
             PoolSpec.slots("aux", [self.aux]),
         ]
+        pools = self.pools
         c = self.model.config
+        # what the model computes, not how its KV is paged: a prefill and a decode with
+        # different page sizes (host landing) are the same model
         self.fingerprint = (f"model=toy seed={c.seed} max_seq_len={c.max_seq_len} "
-                            f"page_size={c.page_size} layers={c.n_layers} d_model={c.d_model} "
+                            f"layers={c.n_layers} d_model={c.d_model} "
                             f"weights={self.model.weights_digest()[:16]}")
         self.endpoint = Endpoint(EndpointConfig(
             model_id=self.fingerprint,
@@ -194,7 +246,8 @@ class ModelHost:
     def info(self) -> dict[str, Any]:
         c = self.model.config
         return {"role": self.cfg.role, "max_seq_len": c.max_seq_len, "page_size": c.page_size,
-                "free_pages": self.kv.allocator.num_free, "pages": self.cfg.pages,
+                "kv_landing": self.cfg.kv_landing,
+                "free_pages": self.kv.allocator.num_free, "pages": self.cfg.pool_pages,
                 "weights": self.model.weights_digest()[:16], "pid": os.getpid()}
 
 

@@ -12,6 +12,15 @@ from .keys import page_keys, pool_key
 from .restore import RestoreState, RestoringReceiver
 from .storage import FileStorage, StorageBackend, prefix_hits
 
+
+def __getattr__(name: str) -> object:
+    """Mooncake Store's names load Mooncake only when asked for."""
+    if name in ("MooncakeMaster", "MooncakeStoreStorage"):
+        from . import mooncake_store
+
+        return getattr(mooncake_store, name)
+    raise AttributeError(f"module 'pdxfer.tiers' has no attribute {name!r}")
+
 __all__ = ["CapacityError", "FileStorage", "HostCache", "Match", "RestoreFailed", "RestoreState",
            "RestoringReceiver", "StorageBackend", "StorageError", "TieredCache", "page_keys",
            "pool_key", "prefix_hits"]

@@ -111,16 +111,19 @@ class TieredCache:
                 storage.register(hp.addr, hp.data.nbytes)
         self.storage = storage
 
-    def keys(self, tokens: Sequence[int] | np.ndarray) -> list[str]:
-        return page_keys(tokens, self.page_size, self.salt)
+    def keys(self, tokens: Sequence[int] | np.ndarray, scope: str = "") -> list[str]:
+        """``scope`` narrows the keys further per request (a tenant: one tenant's prompts
+        are never another's hits)."""
+        salt = f"{self.salt}|{scope}" if scope else self.salt
+        return page_keys(tokens, self.page_size, salt)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
 
     # -- restore -------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int] | np.ndarray, num_tokens: int, l1_len: int = 0
-              ) -> Match:
+    def match(self, tokens: Sequence[int] | np.ndarray, num_tokens: int, l1_len: int = 0,
+              scope: str = "") -> Match:
         """Decide and pin the prefix this request gets locally. At least one token is left
         to the network (the engine needs the last token's KV computed fresh)."""
         if not 0 <= l1_len <= num_tokens <= len(tokens):
@@ -128,7 +131,7 @@ class TieredCache:
                               f"{len(tokens)} tokens")
         ps = self.page_size
         l1p = l1_len // ps
-        keys = self.keys(np.asarray(tokens)[:num_tokens])
+        keys = self.keys(np.asarray(tokens)[:num_tokens], scope)
         cap = max(l1p, (num_tokens - 1) // ps)
         l2 = self.host.match_and_pin(keys[l1p:cap])
         rest = keys[l1p + len(l2):cap]
@@ -253,11 +256,11 @@ class TieredCache:
 
     # -- write-back ----------------------------------------------------------------------------
     def write_back(self, tokens: Sequence[int] | np.ndarray, pages: Mapping[str, Any],
-                   num_tokens: int) -> Future[int]:
+                   num_tokens: int, scope: str = "") -> Future[int]:
         """Store a finished request's full pages: L1 to L2 now (the engine may reuse its
         pages when this returns), L2 to L3 in the background. The future says how many
         pages reached L3; a full L3 is a logged miss."""
-        keys = self.keys(np.asarray(tokens)[:num_tokens])
+        keys = self.keys(np.asarray(tokens)[:num_tokens], scope)
         arrays = {a: np.asarray(p, dtype=np.int64) for a, p in pages.items()}
         for a in {self.anchor[p] for p in self.data_pools}:
             if a not in arrays or arrays[a].size < len(keys):

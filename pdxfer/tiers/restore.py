@@ -55,7 +55,8 @@ class RestoringReceiver(RequestHandle):
                  tokens: Sequence[int] | np.ndarray, dst: Mapping[str, Any],
                  slots: Mapping[str, int] | None = None, *, num_tokens: int | None = None,
                  l1_len: int = 0, release: Release | None = None, instance: str | None = None,
-                 dp: int | None = None, restore_timeout_s: float | None = None) -> None:
+                 dp: int | None = None, restore_timeout_s: float | None = None,
+                 scope: str = "") -> None:
         self.cache, self.ep = cache, endpoint
         self.tokens = np.asarray(tokens, dtype=np.int64)
         self.num_tokens = int(len(self.tokens) if num_tokens is None else num_tokens)
@@ -66,6 +67,7 @@ class RestoringReceiver(RequestHandle):
                 raise PlanError(f"room {room}: pool {a!r} pages cover fewer than "
                                 f"{self.num_tokens - self.l1_len} tokens")
         self.slots = dict(slots or {})
+        self.scope = scope
         self._release = ReleaseOnce(room, release)
         self._bootstrap, self._instance, self._dp = bootstrap, instance, dp
         self._lock = threading.Lock()
@@ -96,7 +98,7 @@ class RestoringReceiver(RequestHandle):
     def _run(self) -> None:
         m: Match | None = None
         try:
-            m = self.cache.match(self.tokens, self.num_tokens, self.l1_len)
+            m = self.cache.match(self.tokens, self.num_tokens, self.l1_len, self.scope)
             self.match = m
             self.t_match = time.monotonic()
             pp = m.promised_pages

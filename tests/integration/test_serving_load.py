@@ -117,17 +117,28 @@ def test_sixty_four_concurrent_shared_prefix_requests_all_succeed(cluster: Clust
 
 def test_a_speculative_request_does_not_hold_up_a_short_one(cluster: Cluster) -> None:
     """Counted in decode steps, not seconds: the short request starts within a step or two
-    of arriving and ends while the long speculative one still runs."""
+    of arriving and ends while the long speculative one still runs. The short one is sent
+    once the speculative one streams its first tokens, so a fast machine cannot finish the
+    long one before the short one arrives."""
+    assert cluster.router is not None
+    u = urllib.parse.urlparse(cluster.router.url)
     long_prompt = "a long speculative generation: " * 4
-    with ThreadPoolExecutor(2) as pool:
-        spec = pool.submit(cluster.complete, {
-            "prompt": long_prompt, "max_tokens": 400, "temperature": 0, "speculative_k": 4,
-            "ignore_eos": True}, 180)
-        time.sleep(1.0)  # the speculative request is generating
-        status, short = cluster.complete({"prompt": "short", "max_tokens": 4,
-                                          "temperature": 0})
-        s_status, s_body = spec.result()
-    assert status == 200 and s_status == 200, (short, s_body)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=180)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "prompt": long_prompt, "max_tokens": 850, "temperature": 0, "speculative_k": 4,
+        "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    line = b"\n"
+    while not line.startswith(b"data: "):  # wait until it is generating
+        line = r.readline()
+        assert line, "the stream ended before its first event"
+    status, short = cluster.complete({"prompt": "short", "max_tokens": 4, "temperature": 0})
+    events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
+              if line.startswith("data: ") and line[6:] != "[DONE]"]
+    conn.close()
+    s_ext = next(e["pdxfer"] for e in reversed(events) if (e.get("pdxfer") or {}).get("end_step"))
+    assert status == 200, short
     assert short["pdxfer"]["token_ids"] == greedy("short", 4)
     assert short["pdxfer"]["queued_steps"] <= 2, short["pdxfer"]
-    assert short["pdxfer"]["end_step"] < s_body["pdxfer"]["end_step"]
+    assert short["pdxfer"]["end_step"] < s_ext["end_step"]
