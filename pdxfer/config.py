@@ -108,6 +108,12 @@ def mooncake_env_defaults(timeout_s: float, protocol: str) -> None:
         os.environ.setdefault("MC_TCP_LANES_PER_PEER", "8")
 
 
+def nixl_env_defaults() -> None:
+    """NIXL logs every agent and backend start at INFO; keep warnings and errors (a value
+    the user exported wins). UCX's own transport choice (``UCX_TLS``) is left alone."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
 @dataclass(frozen=True, slots=True)
 class EndpointConfig:
     """One rank's settings. Every wait has a deadline here; defaults suit a cluster, tests
@@ -188,6 +194,6 @@ class EndpointConfig:
                 raise ConfigError(f"{name} must be > 0")
         if self.integrity not in ("off", "sampled", "full"):
             raise ConfigError(f"integrity must be off, sampled or full, got {self.integrity!r}")
-        if self.transport not in ("tcp", "rdma", "memory"):
-            raise ConfigError(f"transport must be 'tcp', 'rdma' or 'memory' (in-process, for "
-                              f"tests), got {self.transport!r}")
+        if self.transport not in ("tcp", "rdma", "nixl", "memory"):
+            raise ConfigError(f"transport must be 'tcp' or 'rdma' (Mooncake), 'nixl', or "
+                              f"'memory' (in-process, for tests), got {self.transport!r}")

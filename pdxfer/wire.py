@@ -87,6 +87,10 @@ class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, frozen=True):
     """Base of every control message (``tag`` is the class name)."""
 
 
+Agent = Annotated[bytes, msgspec.Meta(max_length=512 << 10)]
+"""A transport's pairing metadata (``Transport.peer_info``), bounded below ``MAX_HELLO``."""
+
+
 class Hello(Msg):
     """Decode endpoint -> prefill endpoint, once per pair: who I am and my pools.
 
@@ -114,6 +118,8 @@ class Hello(Msg):
     """The engine's model fingerprint (``EndpointConfig.model_id``): both sides must agree."""
     transport: Str = ""
     """The decode's transport (``Transport.name``): both sides must move bytes the same way."""
+    agent: Agent = b""
+    """The decode transport's ``peer_info`` (NIXL agent metadata: its registered memory)."""
 
 
 class HelloAck(Msg):
@@ -128,6 +134,8 @@ class HelloAck(Msg):
     pools: Annotated[tuple[PoolSpec, ...], msgspec.Meta(max_length=MAX_POOLS)] = ()
     nonce: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
     """The prefill's fresh nonce: the session key is derived from both sides' nonces."""
+    agent: Agent = b""
+    """The prefill transport's ``peer_info`` (NIXL: what the decode's probes need)."""
 
 
 class TransferRequest(Msg):

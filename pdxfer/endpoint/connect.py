@@ -14,9 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from .. import auth, wire
 from ..bootstrap import BootstrapClient
-from ..errors import BootstrapError, DeadlineExceeded, LayoutMismatch, PdxferError
+from ..errors import (
+    BootstrapError,
+    DeadlineExceeded,
+    LayoutMismatch,
+    PdxferError,
+    TransportError,
+)
 from ..plan import topology as T
 from ..pools import PoolSpec, layout_signature
 from .trust import Session, new_nonce
@@ -189,7 +197,7 @@ class Connector:
                     tp_size=self.cfg.tp_size, signature=layout_signature(self.ep.pools),
                     pools=tuple(self.ep.pools) + self.extra_pools, ts=time.time(), room=room,
                     instance=self.cfg.instance, to=eid, model=self.cfg.model_id,
-                    transport=self.ep.transport.name)
+                    transport=self.ep.transport.name, agent=self.ep.transport.peer_info())
                 frame = self.ep.hello_frame(hello, pair)
         assert peer is not None
         if fresh:
@@ -229,6 +237,11 @@ class Connector:
                 self.ep.reject("invalid", f"HelloAck from {msg.endpoint_id} without a nonce")
                 return
             del self._handshakes[h.pair]
+            if msg.ok and msg.agent:
+                try:
+                    self.ep.transport.add_peer(msg.session, msg.agent)
+                except TransportError as e:
+                    msg = msgspec.structs.replace(msg, ok=False, reason=str(e))
             if msg.ok:
                 peer.session = msg.session
                 peer.pools = {p.name: p for p in msg.pools}

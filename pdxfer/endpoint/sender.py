@@ -259,6 +259,11 @@ class PrefillSide:
             self.ep.reject("wrong_pair", f"Hello from {msg.endpoint_id} is for {msg.to!r}")
             return
         reason = self._check_hello(msg)
+        if not reason and msg.agent:
+            try:
+                self.ep.transport.add_peer(msg.session, msg.agent)
+            except TransportError as e:
+                reason = str(e)
         peer_pools = {p.name: p for p in msg.pools}
         pairings: dict[str, P.BufferPairing] = {}
         mine = list(self.ep.pools)
@@ -277,7 +282,8 @@ class PrefillSide:
             endpoint_id=self.ep.endpoint_id, ok=not reason, reason=reason,
             session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
             tp_size=self.cfg.tp_size, pools=() if reason else tuple(mine),
-            nonce=b"" if reason else nonce)
+            nonce=b"" if reason else nonce,
+            agent=b"" if reason else self.ep.transport.peer_info())
         frame = self.ep.ack_frame(ack, h.pair)
         if reason:
             log.warning("refused Hello from %s: %s", msg.endpoint_id, reason)

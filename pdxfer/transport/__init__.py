@@ -1,7 +1,8 @@
 """Transports move blocks one-sidedly into a peer's registered memory.
 
 ``base.Transport`` is the protocol the endpoint uses; ``mooncake.MooncakeTransport`` is the real
-implementation (TCP here, RDMA on clusters); ``memory.MemoryTransport`` copies between buffers
+implementation (TCP here, RDMA on clusters); ``nixl.NixlTransport`` the second (NIXL with
+UCX: shared memory on one host); ``memory.MemoryTransport`` copies between buffers
 of one process, for unit tests of the state machines. ``make_transport`` picks one.
 """
 
@@ -14,9 +15,14 @@ from .mooncake import MooncakeTransport
 
 def make_transport(kind: str, host: str, device: str = "", timeout_s: float = 30.0
                    ) -> Transport:
-    """The transport an endpoint config names: ``tcp`` or ``rdma`` (Mooncake), ``memory``."""
+    """The transport an endpoint config names: ``tcp`` or ``rdma`` (Mooncake), ``nixl``,
+    ``memory``."""
     if kind == "memory":
         return MemoryTransport()
+    if kind == "nixl":
+        from .nixl import NixlTransport  # loads NIXL only when asked for
+
+        return NixlTransport(host=host, timeout_s=timeout_s)
     return MooncakeTransport(host=host, protocol=kind, device=device, timeout_s=timeout_s)
 
 

@@ -53,6 +53,15 @@ class Transport(Protocol):
     batch_entries: int
     """Most entries in one batch; ``send()`` starts only writes that fit in one."""
 
+    def peer_info(self) -> bytes:
+        """What a peer needs to write into this transport's memory, carried in ``Hello`` and
+        ``HelloAck`` (NIXL's agent metadata); empty when the transport finds peers itself."""
+        ...
+
+    def add_peer(self, peer: str, info: bytes) -> None:
+        """Take a peer's ``peer_info`` before writing to it (or raise ``TransportError``)."""
+        ...
+
     def register(self, addr: int, nbytes: int, location: str = "cpu") -> None: ...
 
     def deregister(self, addr: int) -> None: ...

@@ -100,6 +100,12 @@ class MemoryTransport:
         self.fabric.join(self)
 
     # -- memory ---------------------------------------------------------------------------
+    def peer_info(self) -> bytes:
+        return b""  # peers are found by session id alone
+
+    def add_peer(self, peer: str, info: bytes) -> None:
+        pass
+
     def register(self, addr: int, nbytes: int, location: str = "cpu") -> None:
         if location != "cpu":
             raise TransportError(f"the memory transport moves host memory only, not {location}")

@@ -26,10 +26,12 @@ GEOMS = [PoolGeom("kv", "mha", layers=2, pages=128, page_size=16, heads=2, head_
          PoolGeom("aux", "slots", layers=1, pages=16, dim=8, dtype="int32")]
 
 
-@pytest.fixture(scope="module")
-def pair(bootstrap: BootstrapServer) -> Iterator[tuple[Agent, Agent]]:
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def pair(bootstrap: BootstrapServer, request: pytest.FixtureRequest
+         ) -> Iterator[tuple[Agent, Agent]]:
     faults = f"delay_write={DELAY},rooms={';'.join(map(str, SLOW))}"
-    pf, dc = start_pair(bootstrap, GEOMS, prefill_env={"PDXFER_FAULTS": faults})
+    pf, dc = start_pair(bootstrap, GEOMS, prefill_env={"PDXFER_FAULTS": faults},
+                        transport=request.param)
     dc.call("sentinel")
     yield pf, dc
     pf.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from pdxfer import BootstrapServer
 from pdxfer.testing.harness import Agent
 from pdxfer.testing.patterns import PoolGeom
@@ -16,9 +18,10 @@ GEOMS = [PoolGeom("kv", "mha", layers=8, pages=384, page_size=16, heads=8, head_
          PoolGeom("aux", "slots", layers=1, pages=8, dim=16, dtype="int32")]
 
 
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill_serves(
-        bootstrap: BootstrapServer) -> None:
-    pf, dc = start_pair(bootstrap, GEOMS)
+        bootstrap: BootstrapServer, transport: str) -> None:
+    pf, dc = start_pair(bootstrap, GEOMS, transport=transport)
     pf2 = None
     try:
         dc.call("sentinel")
@@ -48,7 +51,8 @@ def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill
         assert dc.call("metrics")["quarantined_pages"] == 0
 
         # a new prefill process registers in the dead one's place and serves the next request
-        pf2 = Agent("prefill", {**FAST, "bootstrap": bootstrap.address}, GEOMS)
+        pf2 = Agent("prefill", {**FAST, "bootstrap": bootstrap.address, "transport": transport},
+                    GEOMS)
         small = f.make(16 * 20, chunks=3)
         res = run(pf2, dc, bootstrap.address, [small], timeout=20)
         assert res[small["room"]]["state"] == "Success", res
@@ -59,15 +63,17 @@ def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill
                 a.close()
 
 
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_frozen_prefill_fails_requests_but_keeps_pages_until_it_acknowledges(
-        bootstrap: BootstrapServer) -> None:
+        bootstrap: BootstrapServer, transport: str) -> None:
     """SIGSTOP the prefill mid-transfer: a frozen writer may wake up and write, so its
     requests fail but their pages stay quarantined until it acknowledges; after SIGCONT the
     pages come back and the same prefill serves new requests without any restart."""
     import os
     import signal
 
-    pf, dc = start_pair(bootstrap, GEOMS, instance="frozen")
+    pf, dc = start_pair(bootstrap, GEOMS, instance=f"frozen-{transport}",
+                        transport=transport)
     try:
         dc.call("sentinel")
         f = Factory(GEOMS, GEOMS, seed=4)
@@ -76,7 +82,7 @@ def test_frozen_prefill_fails_requests_but_keeps_pages_until_it_acknowledges(
         prep, send = prefill_items([big])
         pf.call("prepare", items=prep)
         dc.call("recv", items=decode_items([big]), bootstrap=bootstrap.address,
-                instance="frozen")
+                instance=f"frozen-{transport}")
         pf.call("send", items=send)
         time.sleep(0.6)
         os.kill(pf.pid, signal.SIGSTOP)
@@ -100,7 +106,7 @@ def test_frozen_prefill_fails_requests_but_keeps_pages_until_it_acknowledges(
         prep, send = prefill_items([small])
         pf.call("prepare", items=prep)
         dc.call("recv", items=decode_items([small]), bootstrap=bootstrap.address,
-                instance="frozen")
+                instance=f"frozen-{transport}")
         pf.call("send", items=send)
         res = dc.call("wait", rooms=[small["room"]], timeout=20)
         assert res[small["room"]]["state"] == "Success", res

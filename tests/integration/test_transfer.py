@@ -1,4 +1,5 @@
-"""One prefill process, one decode process, a real bootstrap server and real Mooncake TCP.
+"""One prefill process, one decode process, a real bootstrap server and a real transport:
+every test runs over Mooncake TCP and over NIXL (UCX).
 
 Every destination byte is checked against a pattern of (room, pool, layer, role, token,
 byte): a byte one token, head, layer or request off is caught. Pages outside the requests
@@ -31,9 +32,10 @@ GEOMS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def pair(bootstrap: BootstrapServer) -> Iterator[tuple[Agent, Agent]]:
-    pf, dc = start_pair(bootstrap, GEOMS)
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def pair(bootstrap: BootstrapServer, request: pytest.FixtureRequest
+         ) -> Iterator[tuple[Agent, Agent]]:
+    pf, dc = start_pair(bootstrap, GEOMS, transport=request.param)
     dc.call("sentinel")
     yield pf, dc
     pf.close()

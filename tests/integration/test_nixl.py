@@ -1,0 +1,144 @@
+"""The NIXL transport on its own (real agents, UCX on loopback), and paired through pdxfer:
+metadata travels in Hello/HelloAck, writes land byte-exact, a write outside the peer's
+registration never leaves, a dead peer is ``PeerLost``, and a prefill and a decode on
+different transports refuse each other with a message naming both."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from pdxfer import BootstrapServer, PeerLost, TransportError
+from pdxfer.testing.harness import Agent
+from pdxfer.transport.nixl import NixlTransport
+
+from .conftest import FAST
+from .helpers import Factory, decode_items, prefill_items
+from .test_transfer import GEOMS
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[tuple[NixlTransport, NixlTransport, np.ndarray, np.ndarray]]:
+    a, b = NixlTransport(), NixlTransport()
+    src = np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8)
+    dst = np.zeros(8 << 20, dtype=np.uint8)
+    a.register(src.ctypes.data, src.nbytes)
+    b.register(dst.ctypes.data, dst.nbytes)
+    a.add_peer(b.session_id, b.peer_info())
+    yield a, b, src, dst
+    a.close()
+    b.close()
+
+
+def test_scattered_blocks_over_several_batches_land_byte_exact(agents) -> None:
+    a, b, src, dst = agents
+    n = 3 * a.batch_entries // 2 + 7
+    perm = np.random.default_rng(1).permutation(n)
+    s = (src.ctypes.data + np.arange(n) * 256).astype(np.uint64)
+    d = (dst.ctypes.data + perm * 256).astype(np.uint64)
+    calls0 = a.stats.calls
+    a.write(b.session_id, s, d, np.full(n, 256, dtype=np.uint64))
+    assert a.stats.calls - calls0 == 2
+    got = dst[: n * 256].reshape(n, 256)
+    want = src[: n * 256].reshape(n, 256)
+    assert np.array_equal(got[perm], want)
+
+
+def test_a_started_write_lands(agents) -> None:
+    a, b, src, dst = agents
+    dst[:4096] = 0
+    x = a.start(b.session_id, [src.ctypes.data + 8192], [dst.ctypes.data], [4096])
+    assert x is not None
+    a.finish(b.session_id, x)
+    assert np.array_equal(dst[:4096], src[8192:12288])
+
+
+def test_a_write_outside_the_peers_registration_never_leaves(agents) -> None:
+    a, b, src, dst = agents
+    with pytest.raises(TransportError):
+        a.write(b.session_id, [src.ctypes.data], [dst.ctypes.data + dst.nbytes], [4096])
+    with pytest.raises(TransportError, match="not paired"):
+        a.write("nixl-unknown", [src.ctypes.data], [dst.ctypes.data], [16])
+    a.write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [16])  # still works
+
+
+def test_metadata_that_names_another_agent_is_refused(agents) -> None:
+    a, b, _, _ = agents
+    with pytest.raises(TransportError, match="names agent"):
+        a.add_peer("nixl-someone-else", b.peer_info())
+    with pytest.raises(TransportError):
+        a.add_peer(b.session_id, b"\x00not metadata")
+
+
+def _target(q: mp.Queue) -> None:  # type: ignore[type-arg]
+    import time
+
+    t = NixlTransport()
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    t.register(buf.ctypes.data, buf.nbytes)
+    q.put((t.session_id, t.peer_info(), buf.ctypes.data))
+    time.sleep(120)  # until killed (an Event would hang its setter once this is killed)
+
+
+def test_a_dead_peer_is_peer_lost_and_probes_false() -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_target, args=(q,), daemon=True)
+    p.start()
+    a = NixlTransport()
+    try:
+        session, info, addr = q.get(timeout=60)
+        src = np.ones(1 << 20, dtype=np.uint8)
+        a.register(src.ctypes.data, src.nbytes)
+        a.add_peer(session, info)
+        a.write(session, [src.ctypes.data], [addr], [1 << 20])
+        assert a.probe(session)
+        p.kill()
+        p.join(10)
+        err = None
+        for _ in range(50):  # the disconnect is noticed within milliseconds
+            try:
+                a.write(session, [src.ctypes.data], [addr], [4096])
+            except TransportError as e:
+                err = e
+                break
+        assert err is not None
+        assert isinstance(err, PeerLost) or "disconnect" in str(err).lower(), err
+        assert not a.probe(session)
+    finally:
+        if p.is_alive():
+            p.kill()
+        a.close()
+
+
+@pytest.fixture(scope="module")
+def bootstrap() -> Iterator[BootstrapServer]:
+    srv = BootstrapServer("127.0.0.1", 0).start()
+    yield srv
+    srv.stop()
+
+
+def test_a_prefill_and_a_decode_on_different_transports_refuse_each_other(bootstrap) -> None:
+    pf = Agent("prefill", {**FAST, "bootstrap": bootstrap.address, "instance": "mixed",
+                           "transport": "nixl"}, GEOMS)
+    dc = None
+    try:
+        dc = Agent("decode", dict(FAST), GEOMS)
+        f = Factory(GEOMS, GEOMS, seed=9)
+        reqs = [f.make(40)]
+        prep, send = prefill_items(reqs)
+        pf.call("prepare", items=prep)
+        dc.call("recv", items=decode_items(reqs), bootstrap=bootstrap.address,
+                instance="mixed")
+        pf.call("send", items=send)
+        o = dc.call("wait", rooms=[reqs[0]["room"]], timeout=30)[reqs[0]["room"]]
+        assert o["state"] == "Failed", o
+        assert "transport differs" in o["failure"], o
+        assert "'nixl'" in o["failure"] and "'mooncake'" in o["failure"], o
+    finally:
+        pf.close()
+        if dc is not None:
+            dc.close()
