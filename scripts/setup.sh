@@ -5,7 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
-EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench}"
+EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench,nixl}"
 
 need_apt=()
 # gcc builds pdxfer's optional streaming page copier (pdxfer/tiers/_ntcopy.c)
@@ -35,6 +35,7 @@ stamp=".venv/.pdxfer-installed"
 hash=$(cat pyproject.toml setup.py pdxfer/tiers/_ntcopy.c | sha256sum | cut -c1-16)-$EXTRAS
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$hash" ]; then
   echo "[setup] installing pdxfer[$EXTRAS]"
-  "$VPY" -m pip install -qq -e ".[$EXTRAS]"
+  # torch is already the CPU build: keep it (nixl-cu12 names torch without a version)
+  "$VPY" -m pip install -qq -e ".[$EXTRAS]" "torch==2.13.0"
   echo "$hash" > "$stamp"
 fi

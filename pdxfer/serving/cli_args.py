@@ -12,6 +12,11 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
                     help="bootstrap server host:port" + (" to register with" if role == "prefill"
                                                          else " (default for requests)"))
     ap.add_argument("--instance", default="default", help="prefill instance name")
+    ap.add_argument("--transport", choices=["tcp", "rdma", "nixl"], default="tcp",
+                    help="how KV moves: Mooncake TCP or RDMA, or NIXL (UCX: shared memory on "
+                         "one host, UCX_TLS=tcp across hosts, RDMA on clusters); prefill and "
+                         "decode must match")
+    ap.add_argument("--device", default="", help="RDMA device for --transport rdma")
     ap.add_argument("--pages", type=int, default=1024, help="KV pages in the pool")
     ap.add_argument("--aux-slots", type=int, default=64, help="aux rows (concurrent requests)")
     ap.add_argument("--seed", type=int, default=0, help="toy model seed (same on both sides)")

@@ -66,6 +66,8 @@ class WorkerConfig:
     l3_mooncake_metadata: str = ""
     l3_mooncake_segment_bytes: int = 256 << 20
     kv_landing: str = "device"
+    transport: str = "tcp"
+    device: str = ""
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
     heartbeat_s: float = 0.5
@@ -133,7 +135,7 @@ def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
         l3_mooncake=a.l3_mooncake if dec else "",
         l3_mooncake_metadata=a.l3_mooncake_metadata if dec else "",
         l3_mooncake_segment_bytes=int(a.l3_mooncake_segment_mb) << 20 if dec else 0,
-        kv_landing=a.kv_landing if dec else "device", bootstrap_timeout_s=a.bootstrap_timeout,
+        kv_landing=a.kv_landing if dec else "device", transport=a.transport, device=a.device, bootstrap_timeout_s=a.bootstrap_timeout,
         transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat, threads=a.threads,
         max_waiting=a.max_waiting, admission_timeout_s=a.admission_timeout)
 
@@ -241,7 +243,8 @@ class ModelHost:
             model_id=self.fingerprint,
             role=cfg.role, bootstrap=cfg.bootstrap if cfg.role == "prefill" else None,
             instance=cfg.instance, host=cfg.host, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
-            transfer_timeout_s=cfg.transfer_timeout_s, heartbeat_s=cfg.heartbeat_s), pools)
+            transfer_timeout_s=cfg.transfer_timeout_s, heartbeat_s=cfg.heartbeat_s,
+            transport=cfg.transport, device=cfg.device), pools)
 
     def info(self) -> dict[str, Any]:
         c = self.model.config

@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
+
 from pdxfer import BootstrapServer
 from pdxfer.testing.harness import Agent
 from pdxfer.testing.patterns import PoolGeom
@@ -26,16 +28,18 @@ FAULTS = {"PDXFER_FAULTS": "drop=0.01,delay_msg=0.0005,seed=5"}
 TOTAL, WAVE = 500, 50
 
 
-def start_prefill(bootstrap: BootstrapServer, seed: int) -> Agent:
+def start_prefill(bootstrap: BootstrapServer, seed: int, transport: str) -> Agent:
     env = {"PDXFER_FAULTS": f"drop=0.01,seed={seed}"}
-    return Agent("prefill", {**CONF, "bootstrap": bootstrap.address}, GEOMS, env=env)
+    return Agent("prefill", {**CONF, "bootstrap": bootstrap.address, "transport": transport},
+                 GEOMS, env=env)
 
 
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_chaos_every_request_ends_right_or_failed_with_a_reason_and_nothing_leaks(
-        bootstrap: BootstrapServer) -> None:
+        bootstrap: BootstrapServer, transport: str) -> None:
     rng = random.Random(42)
-    pf = start_prefill(bootstrap, 1)
-    dc = Agent("decode", dict(CONF), GEOMS, env=FAULTS)
+    pf = start_prefill(bootstrap, 1, transport)
+    dc = Agent("decode", {**CONF, "transport": transport}, GEOMS, env=FAULTS)
     f = Factory(GEOMS, GEOMS, seed=5)
     held: dict[int, dict] = {}  # failed requests whose pages are not handed back yet
     ok = failed = 0
@@ -55,7 +59,7 @@ def test_chaos_every_request_ends_right_or_failed_with_a_reason_and_nothing_leak
             pf.call("abort", rooms=[r for r in rooms if rng.random() < 0.03])
             if wave in kill_waves:
                 pf.kill()
-                pf = start_prefill(bootstrap, 10 + wave)
+                pf = start_prefill(bootstrap, 10 + wave, transport)
             out = dc.call("wait", rooms=rooms, timeout=30)
             good = [r for r in reqs if out[r["room"]]["state"] == "Success"]
             bad = [r for r in reqs if out[r["room"]]["state"] != "Success"]
