@@ -90,32 +90,39 @@ class Bench:
     # -- setup ---------------------------------------------------------------------------------
     def start(self) -> None:
         self.srv = BootstrapServer("127.0.0.1", port=0).start()
+        self.nsrv = BootstrapServer("127.0.0.1", port=0).start()
         cfg = {"bootstrap": self.srv.address, "transfer_timeout_s": 60.0,
                "bootstrap_timeout_s": 60.0}
+        nixl = {**cfg, "transport": "nixl"}
         specs = [("prefill", {"bootstrap": self.srv.address, **cfg}, PF_PAGES),
                  ("decode", cfg, DC_PAGES), ("raw-prefill", {}, PF_PAGES),
-                 ("raw-decode", {}, DC_PAGES)]
-        with ThreadPoolExecutor(4) as ex:
+                 ("raw-decode", {}, DC_PAGES),
+                 ("prefill", {**nixl, "bootstrap": self.nsrv.address}, PF_PAGES),
+                 ("decode", nixl, DC_PAGES)]
+        with ThreadPoolExecutor(6) as ex:
             futs = [ex.submit(Agent, role, c, geoms(n), state=STATE, start_timeout=600)
                     for role, c, n in specs]
-            self.pf, self.dc, self.rpf, self.rdc = (f.result() for f in futs)
+            self.pf, self.dc, self.rpf, self.rdc, self.npf, self.ndc = (f.result()
+                                                                        for f in futs)
         # the pattern only where transfers read: the largest request's pages
         item = {"room": self.seed_room, "pages": {"kv": self.src_perm[:BULK_MAX // PS]},
                 "num_tokens": BULK_MAX}
-        for a in (self.pf, self.rpf):
+        for a in (self.pf, self.rpf, self.npf):
             a.call("prepare", items=[item])
-        for a in (self.dc, self.rdc):
+        for a in (self.dc, self.rdc, self.ndc):
             a.call("sentinel")
         # one warm-up transfer each (handshake, lanes, route cache)
         self.pdx_once(128)
+        self.pdx_once(128, transport="nixl")
         self.raw_once(128)
 
     def close(self) -> None:
-        for a in ("pf", "dc", "rpf", "rdc"):
+        for a in ("pf", "dc", "rpf", "rdc", "npf", "ndc"):
             if hasattr(self, a):
                 getattr(self, a).close()
-        if hasattr(self, "srv"):
-            self.srv.stop()
+        for srv in ("srv", "nsrv"):
+            if hasattr(self, srv):
+                getattr(self, srv).stop()
 
     # -- one transfer of each kind ---------------------------------------------------------------
     def pages_for(self, tokens: int) -> tuple[list[int], list[int]]:
@@ -125,20 +132,29 @@ class Bench:
     def cpu(self, *agents: Agent) -> float:
         return sum(a.call("cpu") for a in agents)
 
-    def pdx_once(self, tokens: int, verify: bool = False) -> dict[str, Any]:
+    def pair(self, transport: str) -> tuple[Agent, Agent, str]:
+        """The pdxfer prefill, decode and bootstrap that move bytes over ``transport`` (one
+        bootstrap per pair: a decode never finds the other transport's prefill)."""
+        if transport == "nixl":
+            return self.npf, self.ndc, self.nsrv.address
+        return self.pf, self.dc, self.srv.address
+
+    def pdx_once(self, tokens: int, verify: bool = False, transport: str = "tcp"
+                 ) -> dict[str, Any]:
+        pf, dc, boot = self.pair(transport)
         src, dst = self.pages_for(tokens)
         room = self.next_room()
         item = {"room": room, "dst": {"kv": dst}, "num_tokens": tokens}
-        self.dc.call("recv", items=[item], bootstrap=self.srv.address)
-        if not self.pf.call("bench_wait_pending", rooms=[room]):
+        dc.call("recv", items=[item], bootstrap=boot)
+        if not pf.call("bench_wait_pending", rooms=[room]):
             raise RuntimeError("the decode's request never reached the prefill")
-        c0 = self.cpu(self.pf, self.dc)
-        t0 = self.pf.call("bench_send", room=room, pages=src, wait=True)["t"]
-        r = self.dc.call("bench_done", rooms=[room])[room]
-        cpu = self.cpu(self.pf, self.dc) - c0
+        c0 = self.cpu(pf, dc)
+        t0 = pf.call("bench_send", room=room, pages=src, wait=True)["t"]
+        r = dc.call("bench_done", rooms=[room])[room]
+        cpu = self.cpu(pf, dc) - c0
         if r["state"] != "Success":
             raise RuntimeError(f"pdxfer transfer failed: {r['failure']}")
-        bad = self.verify(self.dc, room, dst, tokens) if verify else None
+        bad = self.verify(dc, room, dst, tokens) if verify else None
         return {"seconds": r["t_done"] - t0, "bytes": r["bytes"], "entries": r["blocks"],
                 "cpu": cpu, "bad": bad}
 
@@ -259,17 +275,19 @@ class Bench:
         o["small.failed"] = len(failed)
         self.fixed_cost(tokens, per)
 
-    def pdx_send_once(self, tokens: int, src: list[int], dst: list[int]) -> float:
+    def pdx_send_once(self, tokens: int, src: list[int], dst: list[int],
+                      transport: str = "tcp") -> float:
         """One request whose decode side asked first (as in PD serving, where the decode's
         request goes out while the prefill computes): seconds from the prefill's ``send`` to
         Success on the decode."""
+        pf, dc, boot = self.pair(transport)
         room = self.next_room()
-        self.dc.call("recv", items=[{"room": room, "dst": {"kv": dst}, "num_tokens": tokens}],
-                     bootstrap=self.srv.address)
-        if not self.pf.call("bench_wait_pending", rooms=[room]):
+        dc.call("recv", items=[{"room": room, "dst": {"kv": dst}, "num_tokens": tokens}],
+                bootstrap=boot)
+        if not pf.call("bench_wait_pending", rooms=[room]):
             raise RuntimeError("the decode's request never reached the prefill")
-        s = self.pf.call("bench_send", room=room, pages=src, wait=True)
-        r = self.dc.call("bench_done", rooms=[room])[room]
+        s = pf.call("bench_send", room=room, pages=src, wait=True)
+        r = dc.call("bench_done", rooms=[room])[room]
         if r["state"] != "Success":
             raise RuntimeError(f"pdxfer transfer failed: {r['failure']}")
         self.last_write_s = s["raw_write_s"]
@@ -385,7 +403,8 @@ class Bench:
             self.pf.call("prepare", items=[{"room": room, "pages": {"kv": s},
                                             "num_tokens": tokens}])
             item = {"room": room, "dst": {"kv": d}, "num_tokens": tokens}
-            self.dc.call("recv", items=[item], bootstrap=self.srv.address)
+            self.dc.call("recv", items=[item], bootstrap=getattr(self, "_entries_boot",
+                                                                  self.srv.address))
             self.pf.call("bench_wait_pending", rooms=[room])
             e0 = self.pf.call("metrics")["transport_entries"]
             self.pf.call("bench_send", room=room, pages=s)
@@ -405,6 +424,52 @@ class Bench:
         self.pf.call("prepare", items=[{"room": self.seed_room,
                                         "pages": {"kv": self.src_perm[:BULK_MAX // PS]},
                                         "num_tokens": BULK_MAX}])
+
+    # -- 3b. NIXL against Mooncake -----------------------------------------------------------
+    def nixl(self) -> None:
+        """pdxfer over NIXL and over Mooncake TCP, interleaved (A B A B ...): the bulk geometry
+        (``nixl.bulk_ratio_vs_mooncake``, per pair, then the median), one small request's time
+        from ``send`` to Success (``nixl.small_fixed_cost_ms`` minus its transport write, as
+        ``small.fixed_cost_ms``), and the entries check over NIXL."""
+        self.mark_load("nixl")
+        rounds = 3 if self.quick else 10
+        gb: dict[str, list[float]] = {"tcp": [], "nixl": []}
+        bad = 0
+        for rnd in range(rounds):
+            for tr in ("tcp", "nixl"):
+                r = self.pdx_once(BULK_MAX, verify=rnd == rounds - 1, transport=tr)
+                gb[tr].append(r["bytes"] / r["seconds"] / 1e9)
+                bad += r["bad"] or 0
+        ratios = [n / m for n, m in zip(gb["nixl"], gb["tcp"])]
+        o = self.out
+        o["nixl.bulk_gbps"] = statistics.median(gb["nixl"])
+        o["nixl.bulk_mooncake_gbps"] = statistics.median(gb["tcp"])
+        o["nixl.bulk_ratio_vs_mooncake"] = statistics.median(ratios)
+        o["nixl.bulk_ratio_min_max"] = [min(ratios), max(ratios)]
+        o["nixl.bulk_bytes_wrong"] = int(bad)
+        pairs = 30 if self.quick else 100
+        per, tokens = 2, 128
+        src = self.src_perm[:per]
+        own: dict[str, list[float]] = {"tcp": [], "nixl": []}
+        for _ in range(pairs):
+            for tr in ("tcp", "nixl"):
+                dst = self.rng.choice(DC_PAGES, per, replace=False).tolist()
+                t = self.pdx_send_once(tokens, src, dst, transport=tr)
+                own[tr].append(t - self.last_write_s)
+        o["nixl.small_fixed_cost_ms"] = statistics.median(own["nixl"]) * 1e3
+        o["nixl.small_fixed_cost_mooncake_ms"] = statistics.median(own["tcp"]) * 1e3
+        # entries: the same three cases as ``entries``, over NIXL
+        saved = (self.pf, self.dc)
+        self.pf, self.dc = self.npf, self.ndc
+        keep = {k: v for k, v in o.items() if k.startswith("entries.")}
+        try:
+            self._entries_boot = self.nsrv.address
+            self.entries()
+            o["nixl.entries_equal_to_runs"] = o["entries.equal_to_runs"]
+        finally:
+            self.pf, self.dc = saved
+            self._entries_boot = self.srv.address
+            o.update(keep)
 
     # -- 4. machine limits -------------------------------------------------------------------------
     def limits(self) -> None:
@@ -558,6 +623,13 @@ def table(o: dict[str, Any]) -> str:
         ("entries equal runs x buffers (random / contiguous / half)",
          f"{o.get('entries.equal_to_runs')}", f"{f('entries.random.entries')} / "
          f"{f('entries.contiguous.entries')} / {f('entries.half_contiguous.entries')}"),
+        ("NIXL bulk GB/s / Mooncake TCP bulk GB/s (same run)",
+         f"{f('nixl.bulk_gbps')} / {f('nixl.bulk_mooncake_gbps')}", ""),
+        ("NIXL / Mooncake bulk (per interleaved pair)", f("nixl.bulk_ratio_vs_mooncake"),
+         mm("nixl.bulk_ratio_min_max")),
+        ("fixed cost per request, NIXL / Mooncake, ms",
+         f"{f('nixl.small_fixed_cost_ms')} / {f('nixl.small_fixed_cost_mooncake_ms')}", ""),
+        ("NIXL entries equal runs x buffers", f"{o.get('nixl.entries_equal_to_runs')}", ""),
         ("memcpy, GB/s", f("limits.memcpy_gbps"), ""),
         ("TCP socket, 1 connection, GB/s", f("limits.socket_gbps"),
          mm("limits.socket_gbps_min_max")),
@@ -589,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         b.start()
         b.bulk()
         b.entries()
+        b.nixl()
         b.small()
         b.integrity()
         b.cpu_cost()
