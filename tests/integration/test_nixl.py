@@ -142,3 +142,32 @@ def test_a_prefill_and_a_decode_on_different_transports_refuse_each_other(bootst
         pf.close()
         if dc is not None:
             dc.close()
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)])
+def test_heterogeneous_tp_over_nixl_lands_every_head_once(bootstrap, tp_p, tp_d) -> None:
+    """TP 2->1 and 1->2 over NIXL: head slices (NHD, HND through staging, GQA) land exactly,
+    and pages outside the requests keep the sentinel."""
+    from .hetero import add_group, rank_geoms
+    from .test_hetero_tp import GEOMS as TP_GEOMS
+    from .test_hetero_tp import run_case
+
+    b = bootstrap.address
+    nixl = {"transport": "nixl"}
+    pf = Agent("prefill", {**FAST, **nixl, "bootstrap": b, "instance": f"nx{tp_p}{tp_d}"},
+               rank_geoms(TP_GEOMS, 1, 0))
+    dc = None
+    try:
+        dc = Agent("decode", {**FAST, **nixl}, rank_geoms(TP_GEOMS, 1, 0))
+        groups = {
+            "p": add_group(pf, "prefill", "p", tp_p, lambda r: rank_geoms(TP_GEOMS, tp_p, r),
+                           lambda r: {"tp_rank": r, "tp_size": tp_p, **nixl}, b,
+                           f"nxg{tp_p}{tp_d}"),
+            "d": add_group(dc, "decode", "d", tp_d, lambda r: rank_geoms(TP_GEOMS, tp_d, r),
+                           lambda r: {"tp_rank": r, "tp_size": tp_d, **nixl}),
+        }
+        run_case(groups, b, "p", "d", TP_GEOMS, [(16, 1), (45, 2), (200, 3), (1024, 2)])
+    finally:
+        pf.close()
+        if dc is not None:
+            dc.close()
