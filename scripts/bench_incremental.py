@@ -74,6 +74,9 @@ def measure(quick: bool = False) -> dict[str, Any]:
             dc.call("ext", fn=X + "storage", name="file", kind="file", root=root)
             dc.call("ext", fn=X + "setup", host_pages=pages + 8, use="file")
             _run_one(pf, dc, srv.address, room, base, src, parent_dst, n)
+            copy_gbps: list[float] = []
+            st = dc.call("ext", fn=X + "report")["stats"]
+            copied = (st["l1_copy_bytes"], st["l1_copy_us"])
             dc.call("ext", fn=X + "write_back", items=[
                 {"tokens": base, "dst": {"kv": parent_dst}, "num_tokens": n}])
             for kind in ("full", "l2", "l3_file") * reps:
@@ -89,6 +92,11 @@ def measure(quick: bool = False) -> dict[str, Any]:
                 if os.environ.get("BENCH_DEBUG"):
                     print(kind, out["stats"], file=sys.stderr)
                 net[kind] = out["stats"]["net_bytes"]
+                st = dc.call("ext", fn=X + "report")["stats"]
+                if kind == "l2":  # this restore's L2 -> L1 copy alone
+                    copy_gbps.append((st["l1_copy_bytes"] - copied[0])
+                                     / max(1e-9, (st["l1_copy_us"] - copied[1]) * 1e-6) / 1e9)
+                copied = (st["l1_copy_bytes"], st["l1_copy_us"])
                 if kind == "l3_file":  # the parent back into L2 for the next L2 round
                     dc.call("ext", fn=X + "write_back", items=[
                         {"tokens": base, "dst": {"kv": parent_dst}, "num_tokens": n}])
@@ -102,6 +110,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
             "incremental.l2_ms": round(med["l2"] * 1e3, 2),
             "incremental.l3_file_ms": round(med["l3_file"] * 1e3, 2),
             "incremental.full_net_bytes": net["full"], "incremental.l2_net_bytes": net["l2"],
+            "incremental.l2_copy_gbps": round(statistics.median(copy_gbps), 2),
             "incremental.tokens": n, "incremental.layers": layers,
             "incremental.prefix_fraction": 0.9, "incremental.reps": reps,
             "incremental.quick": quick}

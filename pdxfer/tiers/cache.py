@@ -89,6 +89,9 @@ class TieredCache:
         self.verify = verify
         self.l1_specs = {p.name: p for p in paged if p.item_bytes and p.location == "cpu"}
         self.restore_check_seconds = 0.0
+        self.l1_copy_seconds = 0.0
+        self.l1_copy_bytes = 0
+        """L2 -> L1 copies of restores: their speed is ``l1_copy_bytes / l1_copy_seconds``."""
         self.copier: Copier = copier or CpuCopier(pools)
         self.storage: StorageBackend | None = None
         self.set_storage(storage)
@@ -175,10 +178,16 @@ class TieredCache:
             self._record(e)
         entries = m.l2 + m.l3[:good3]
         if entries:
+            t0 = time.perf_counter()
+            nbytes = 0
             for pool in self.data_pools:
                 hp = self.host.pools[pool]
                 l1 = np.asarray(dst[self.anchor[pool]], dtype=np.int64)[:len(entries)]
                 self.copier.to_l1(pool, hp, np.array([e.pages[pool] for e in entries]), l1)
+                nbytes += len(entries) * hp.page_bytes
+            with self._lock:
+                self.l1_copy_seconds += time.perf_counter() - t0
+                self.l1_copy_bytes += nbytes
             return self._verify_l1(entries, dst)
         return 0
 
@@ -336,6 +345,8 @@ class TieredCache:
     def stats(self) -> dict[str, int]:
         with self._lock:
             c = dict(self.counters)
+            c["l1_copy_bytes"] = self.l1_copy_bytes
+            c["l1_copy_us"] = int(self.l1_copy_seconds * 1e6)
         return {**{f"l2.{k}": v for k, v in self.host.snapshot().items()}, **c}
 
     def check(self) -> str | None:

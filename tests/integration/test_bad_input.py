@@ -190,7 +190,7 @@ def test_hello_whose_pools_lie_about_their_size_gets_no_pairing(pair) -> None:
     try:
         hello = msgspec.to_builtins(wire.Hello(
             endpoint_id="liar", ctrl_addr=h.addr, session="x:1", tp_rank=0, tp_size=1,
-            signature="0", pools=(h.specs[0],)))
+            signature="0", pools=(h.specs[0],)), builtin_types=(bytes,))
         hello["type"] = "Hello"
         hello["pools"][0]["num_items"] *= 4  # buffers claim 4x more pages than they hold
         frame = wire.frame(msgspec.msgpack.encode(hello), wire.Hello)

@@ -43,7 +43,7 @@ def pair(bootstrap: BootstrapServer, request: pytest.FixtureRequest
 
 
 @pytest.fixture(scope="module")
-def factory() -> Factory:
+def factory(pair: tuple[Agent, Agent]) -> Factory:  # one per pair: its pages are that pair's
     return Factory(GEOMS, GEOMS, seed=7)
 
 

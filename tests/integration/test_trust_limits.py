@@ -49,7 +49,7 @@ def hello(raw: A.Raw, eid: str) -> bytes:
     specs, _ = pat.build(GEOMS)
     msg = msgspec.to_builtins(wire.Hello(
         endpoint_id=eid, ctrl_addr=raw.addr, session="127.0.0.1:1", tp_rank=0, tp_size=1,
-        signature=layout_signature(specs), pools=tuple(specs)))
+        signature=layout_signature(specs), pools=tuple(specs)), builtin_types=(bytes,))
     msg["type"] = "Hello"
     return A.plain(msg)
 
