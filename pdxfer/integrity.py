@@ -10,12 +10,14 @@ Modes:
 
 - ``off``: nothing is digested.
 - ``sampled`` (the default): a fixed sample that touches every page on both sides. With
-  ``S = min(page sizes of the two sides)``, tokens whose position is ``0`` or ``S-1`` modulo
-  ``S`` are read, plus the range's first and last token, so every page either side holds has
-  at least one sampled token. Of each sampled token it reads the first and last 8 bytes of the
-  range's first and last head (or of the token's row in a pool without heads). That catches a
-  wrong, stale, missing, shifted or overwritten page for a cost that does not grow with the
-  page's bytes.
+  ``S = min(page sizes of the two sides)``, tokens whose position is ``S-1`` modulo ``S`` are
+  read, plus the range's first and last token: any page either side holds spans ``S`` tokens
+  or is cut by the range's ends, so it has at least one sampled token. Of each sampled token
+  it reads the first 8 bytes of the range's first head and the last 8 bytes of its last head
+  (of the token's row in a pool without heads). That catches a wrong, stale, missing, shifted
+  or overwritten page, and a head slice landing off by a head, for a cost that does not grow
+  with the page's bytes: two cache lines per sampled token and buffer, which matters because
+  those reads are scattered (cold in cache and TLB right after a network write).
 - ``full``: every byte.
 
 The hash is XXH3-64 (``xxhash``) over the selected bytes, on host memory. Device pools are not
@@ -25,6 +27,7 @@ digested yet (``IntegrityUnsupported``): an engine with device pools runs with `
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,21 +68,19 @@ def sample_stride(a: PoolSpec, b: PoolSpec) -> int:
 
 
 def sampled_tokens(start: int, end: int, stride: int) -> np.ndarray:
-    """Token positions a sampled digest reads: the first and last token of every
-    ``stride``-aligned block in ``[start, end)``, and the range's own ends."""
+    """Token positions a sampled digest reads: every position ``stride-1`` modulo ``stride``
+    in ``[start, end)``, and the range's own first and last token (sorted, unique)."""
     if end <= start:
         return np.empty(0, dtype=np.int64)
-    if stride <= 2:
+    if stride <= 1:
         return np.arange(start, end, dtype=np.int64)
-    first = -(-start // stride) * stride
-    heads = np.arange(first, end, stride, dtype=np.int64)
-    t = np.empty(2 * heads.size + 2, dtype=np.int64)  # sorted: start, h-1, h, ..., end-1
-    t[0], t[-1] = start, end - 1
-    t[1:-1:2], t[2:-1:2] = heads - 1, heads
-    t = t[(t >= start) & (t < end)]  # sorted once out-of-range h-1 / h are gone
-    keep = np.ones(t.size, dtype=bool)
-    keep[1:] = t[1:] != t[:-1]
-    return t[keep]
+    first = start + (stride - 1 - start) % stride
+    t = np.arange(first, end, stride, dtype=np.int64)
+    if not t.size or t[0] != start:
+        t = np.concatenate(([start], t))
+    if t[-1] != end - 1:
+        t = np.concatenate((t, [end - 1]))
+    return t
 
 
 def _units(pool: PoolSpec, span: Span, tokens: np.ndarray, heads: np.ndarray | None
@@ -151,10 +152,66 @@ def _bases(pool: PoolSpec) -> _Bases:
     return hit[1]
 
 
-def _sample_cols(unit: int) -> np.ndarray:
-    if unit <= 2 * SAMPLE_BYTES:
-        return np.arange(unit, dtype=np.int64)
-    return np.concatenate((np.arange(SAMPLE_BYTES), np.arange(unit - SAMPLE_BYTES, unit)))
+@functools.lru_cache(maxsize=4096)
+def _sample_points(start: int, end: int, stride: int, first: int, ps: int, token_bytes: int,
+                   hb: int, lo: int, hi: int, token_major: bool
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each sampled token: its page (relative to the span's first page) and the byte
+    offsets inside that page where the sample's head starts and its tail ends (``hb`` 0: a
+    pool without heads, whose token rows are sampled whole). It depends only on the request's
+    shape, never on page placement, so requests of one shape share it."""
+    rel = sampled_tokens(start, end, stride) - first
+    pidx, within = np.divmod(rel, ps)
+    if hb == 0:
+        head = within * token_bytes
+        tail = head + token_bytes
+    elif token_major:
+        head = within * token_bytes + lo * hb
+        tail = within * token_bytes + (hi + 1) * hb
+    else:  # HND: a head's rows of a page are contiguous
+        head = lo * ps * hb + within * hb
+        tail = hi * ps * hb + within * hb + hb
+    for x in (pidx, head, tail):
+        x.setflags(write=False)
+    return pidx, head, tail
+
+
+def _sampled(pool: PoolSpec, span: Span, stride: int, b: _Bases, base: np.ndarray
+             ) -> list[int]:
+    """Sampled digests (the bytes read: module notes), one per buffer offset in ``base``."""
+    heads = pool.sharding.kind == "heads"
+    lo = hi = 0
+    hb = 0
+    if heads:
+        sh = pool.sharding
+        if span.hi <= span.lo:
+            raise ConfigError(f"pool {pool.name!r}: empty head range [{span.lo}, {span.hi})")
+        lo, hi, hb = span.lo - sh.first_head, span.hi - 1 - sh.first_head, sh.head_bytes
+        if lo < 0 or hi >= sh.rank_heads:
+            raise ConfigError(f"pool {pool.name!r}: heads [{span.lo}, {span.hi}) not held here")
+    pidx, head, tail = _sample_points(span.start, span.end, stride, span.first,
+                                      pool.page_size, pool.token_bytes, hb, lo, hi,
+                                      pool.token_major)
+    pages = np.asarray(span.pages)
+    if pidx.size and (int(pidx[0]) < 0 or int(pidx[-1]) >= pages.size):
+        raise ConfigError(f"pool {pool.name!r}: pages do not cover tokens "
+                          f"[{span.start}, {span.end})")
+    at = pages[pidx].astype(np.int64) * pool.item_bytes
+    k = min(SAMPLE_BYTES, hb or pool.token_bytes)
+    if b.words is not None and k == SAMPLE_BYTES and not (
+            pool.item_bytes % 8 or pool.token_bytes % 8 or hb % 8):
+        w = np.empty((at.size, 2), dtype=np.int64)  # 8 bytes at a time: same bytes, order
+        w[:, 0], w[:, 1] = (at + head) >> 3, ((at + tail) >> 3) - 1
+        rows = b.words[(base >> 3)[:, None] + w.reshape(1, -1)]
+    else:
+        r = np.arange(k, dtype=np.int64)
+        cols = np.concatenate(((at + head)[:, None] + r, (at + tail - k)[:, None] + r), axis=1)
+        rows = np.ascontiguousarray(b.view[base[:, None] + cols.reshape(1, -1)])
+    m = memoryview(rows).cast("B")
+    step = m.nbytes // max(1, rows.shape[0])
+    h = xxhash.xxh3_64_intdigest
+    return [h(m[i:i + step]) & MASK for i in range(0, m.nbytes, step)] if step else [
+        h(b"") & MASK for _ in range(rows.shape[0])]
 
 
 def digests(pool: PoolSpec, span: Span, mode: str, stride: int = 1,
@@ -165,23 +222,12 @@ def digests(pool: PoolSpec, span: Span, mode: str, stride: int = 1,
     if pool.location != "cpu":
         raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: digests of "
                                    f"device pools are not supported yet (integrity='off')")
-    sampled = mode == "sampled"
-    tokens = (sampled_tokens(span.start, span.end, stride) if sampled
-              else np.arange(span.start, span.end, dtype=np.int64))
-    offs, unit = _units(pool, span, tokens, _heads(pool, span, sampled))
     b = _bases(pool)
     base = b.offsets if buffers is None else b.offsets[np.asarray(buffers, dtype=np.int64)]
-    h = xxhash.xxh3_64_intdigest
-    if sampled:
-        if b.words is not None and unit % 8 == 0 and unit >= 2 * SAMPLE_BYTES:
-            # the first and last word of each unit, 8 bytes at a time (same bytes, same order)
-            w = np.empty((offs.size, 2), dtype=np.int64)
-            w[:, 0], w[:, 1] = offs >> 3, ((offs + unit) >> 3) - 1
-            rows = b.words[(base >> 3)[:, None] + w.reshape(1, -1)]
-        else:
-            cols = (offs[:, None] + _sample_cols(unit)[None, :]).reshape(-1)
-            rows = b.view[base[:, None] + cols[None, :]]  # one gather for every buffer
-        return [h(r) & MASK for r in rows]
+    if mode == "sampled":
+        return _sampled(pool, span, stride, b, base)
+    tokens = np.arange(span.start, span.end, dtype=np.int64)
+    offs, unit = _units(pool, span, tokens, _heads(pool, span, False))
     # full: hash contiguous runs of units in logical order (the stream equals one buffer of
     # every byte in that order; a run is as long as memory and logical order agree)
     if offs.size == 0:
