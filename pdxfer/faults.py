@@ -12,6 +12,9 @@
   one buffer's page, ``skip_write`` leaves a page stale (it gets another page's old bytes),
   ``shift_write`` writes a page one page off (the next page of the request gets its bytes).
   Integrity checks (``integrity.py``) must catch every one of them.
+- ``at``: where those page faults strike: ``network`` (the default, as above) or ``restore``
+  (a tiered restore's page, right after its L2 -> L1 copy and before it is checked against
+  the digest recorded when it entered L2: the damaged page and the rest are then repaired).
 
 The hooks are single attribute checks when faults are off.
 """
@@ -36,6 +39,7 @@ class Faults:
     corrupt: float = 0.0
     skip_write: float = 0.0
     shift_write: float = 0.0
+    at: str = "network"
     seed: int = 0
     _rng: random.Random = field(default_factory=random.Random, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -61,6 +65,10 @@ class Faults:
                     setattr(f, key, float(val))
                 elif key == "seed":
                     f.seed = int(val)
+                elif key == "at":
+                    if val not in ("network", "restore"):
+                        raise ValueError("at must be network or restore")
+                    f.at = val
                 else:
                     raise ValueError(f"unknown fault {key!r}")
             except ValueError as e:
@@ -73,7 +81,7 @@ class Faults:
         new = Faults.parse(spec)
         with self._lock:
             for name in ("delay_write", "rooms", "drop", "delay_msg", "corrupt", "skip_write",
-                         "shift_write", "seed"):
+                         "shift_write", "at", "seed"):
                 setattr(self, name, getattr(new, name))
             self._rng.seed(new.seed)
 
@@ -85,10 +93,12 @@ class Faults:
         if self.delays(room):
             time.sleep(self.delay_write)
 
-    def page_fault(self, room: int) -> str | None:
+    def page_fault(self, room: int, at: str = "network") -> str | None:
         """Which page fault to inject into ``room``'s destination after a sender's write was
-        reported done (``corrupt``, ``skip_write``, ``shift_write``), or None."""
-        if not self.page_faults or (self.rooms is not None and room not in self.rooms):
+        reported done, or after a restore's copy (``at``): ``corrupt``, ``skip_write``,
+        ``shift_write``, or None."""
+        if (not self.page_faults or at != self.at
+                or (self.rooms is not None and room not in self.rooms)):
             return None
         with self._lock:
             for kind in ("corrupt", "skip_write", "shift_write"):

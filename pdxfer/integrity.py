@@ -274,6 +274,11 @@ def page_digest(rows: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(rows)) & MASK
 
 
+def host_rows(addr: int, num_items: int, item_bytes: int) -> np.ndarray:
+    """A host buffer as ``[num_items, item_bytes]`` uint8 (a view, no copy)."""
+    return _host_view(addr, num_items * item_bytes).reshape(num_items, item_bytes)
+
+
 def l1_page_rows(pool: PoolSpec, page: int) -> np.ndarray:
     """``[buffers, item_bytes]`` of one L1 page of a host pool (a gather, for ``page_digest``)."""
     return np.stack([_host_view(b.addr + page * pool.item_bytes, pool.item_bytes)

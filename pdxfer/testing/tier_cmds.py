@@ -223,3 +223,8 @@ def abort(state: Any, rooms: list[int], ep: str = "main") -> None:
     t = _t(state, ep)
     for r in rooms:
         t.rx[r].abort("aborted by the test")
+
+
+def set_verify(state: Any, on: bool, ep: str = "main") -> None:
+    """Turn the check of restored pages against their recorded digests on or off."""
+    _t(state, ep).cache.verify = on

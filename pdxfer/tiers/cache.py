@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import integrity
 from ..errors import ConfigError
+from ..faults import Faults, faults
 from ..pools import PoolSpec, layout_signature
 from .copy import Copier, CpuCopier
 from .errors import CapacityError
@@ -105,7 +106,10 @@ class TieredCache:
                                          "l3_get_misses": 0, "l2_writebacks": 0,
                                          "writeback_skipped": 0,
                                          "integrity_restore_checks": 0,
-                                         "integrity_restore_mismatches": 0}
+                                         "integrity_restore_mismatches": 0,
+                                         "faults_injected_corrupt": 0,
+                                         "faults_injected_skip_write": 0,
+                                         "faults_injected_shift_write": 0}
 
     def set_storage(self, storage: StorageBackend | None) -> None:
         """Use another L3 backend from now on (its host pages get registered with it)."""
@@ -153,11 +157,13 @@ class TieredCache:
                     log.info("no L2 room to prefetch %d L3 pages (%s): transferring them", n3, e)
         return Match(keys, ps, l1p, l2, l3)
 
-    def load(self, m: Match, dst: Mapping[str, np.ndarray], deadline: float | None = None
-             ) -> int:
+    def load(self, m: Match, dst: Mapping[str, np.ndarray], deadline: float | None = None,
+             tag: int | None = None) -> int:
         """Bring the promised pages into ``dst`` (L1 pages per anchor, covering tokens from
         ``l1_len``): L3 to L2, then L2 to L1. Returns how many pages are right in ``dst``;
-        the rest (an L3 object gone or corrupt, the deadline passed) must be repaired."""
+        the rest (an L3 object gone or corrupt, the deadline passed) must be repaired.
+        ``tag`` (the room) only selects injected faults (``PDXFER_FAULTS`` with
+        ``at=restore``)."""
         if self.after_match is not None:
             self.after_match(m)
         good3 = 0
@@ -188,8 +194,38 @@ class TieredCache:
             with self._lock:
                 self.l1_copy_seconds += time.perf_counter() - t0
                 self.l1_copy_bytes += nbytes
+            f = faults()
+            if tag is not None and f.page_faults:
+                kind = f.page_fault(tag, "restore")
+                if kind is not None:
+                    self._damage(kind, len(entries), dst, f)
             return self._verify_l1(entries, dst)
         return 0
+
+    def _damage(self, kind: str, n: int, dst: Mapping[str, np.ndarray], f: Faults) -> None:
+        """Fault injection (tests only): damage one restored L1 page of one buffer as a bad
+        copy would (``faults.py``: ``corrupt``, ``skip_write``, ``shift_write``)."""
+        pools = [p for p in self.data_pools if p in self.l1_specs]
+        if not pools:
+            return
+        spec = self.l1_specs[pools[f.pick(len(pools))]]
+        pages = np.asarray(dst[self.anchor[spec.name]], dtype=np.int64)
+        i = f.pick(n)
+        buf = spec.buffers[f.pick(len(spec.buffers))]
+        item = spec.item_bytes
+        view = integrity.host_rows(buf.addr, spec.num_items, item)
+        page = int(pages[i])
+        if kind == "corrupt":
+            view[page] ^= 0xFF
+        elif kind == "shift_write" and n > 1:  # the page's bytes landed on its neighbour
+            view[int(pages[i + 1 if i + 1 < n else i - 1])] = view[page]
+        else:  # skip_write: the copy never happened, the page keeps another page's bytes
+            # stale bytes that differ (a page holding this very prefix is no fault at all)
+            taken = set(pages[:n].tolist())
+            other = next((q for q in range(spec.num_items) if q not in taken
+                          and not np.array_equal(view[q], view[page])), None)
+            view[page] = view[other] if other is not None else view[page] ^ 0x5A
+        self._count(f"faults_injected_{kind}")
 
     def _record(self, e: Entry) -> None:
         """Remember the page's digest now that it is in L2 (write-back or L3 prefetch)."""

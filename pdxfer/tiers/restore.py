@@ -107,7 +107,7 @@ class RestoringReceiver(RequestHandle):
                             hold_for_repair=pp > 0)
             self.t_requested = time.monotonic()
             good = self.cache.load(m, {a: p[:pp] for a, p in self.dst.items()},
-                                   self._restore_deadline)
+                                   self._restore_deadline, tag=self.rx.room)
         except Exception as e:  # noqa: BLE001 - any failure fails this request, not the engine
             log.exception("restore of room %d failed", self.rx.room)
             err = e if isinstance(e, PdxferError) else RestoreFailed(f"room {self.rx.room}: {e}")

@@ -325,3 +325,64 @@ def test_hundred_mixed_requests_with_failing_l3_leave_no_pin_no_reservation_and_
     rep = dc.call("ext", fn=X + "report")
     assert set(aborted) <= set(rep["released"])
     no_leaks(env, dc)
+
+
+RESTORE_FAULTS = 100
+"""Per fault kind and tier: 200 per kind over restores (the network cases in
+test_integrity.py add their own 200+ per kind)."""
+
+
+def _restores(env: Setup, tier: str, n: int, spec: str) -> tuple[list[dict[str, Any]], dict]:
+    """``n`` children of one parent restored from ``tier`` with ``spec`` faults on their
+    rooms; returns each child's outcome and the cache's counters before and after."""
+    a = parent(env, env.std, env.d1)
+    before = env.d1.call("ext", fn=X + "report")["stats"]
+    outs = []
+    batch = 10 if tier == "l2" else 1  # an L3 prefetch is one request's at a time
+    try:
+        for _ in range(0, n, batch):
+            kids = [env.std.child(a, SHARED, N) for _ in range(batch)]
+            env.d1.call("set_faults", spec=f"{spec},at=restore,rooms="
+                        + ";".join(str(k["room"]) for k in kids))
+            if tier == "l3":
+                env.d1.call("ext", fn=X + "clear_l2")
+            promised = start(env.pf, env.d1, env.bootstrap, kids)
+            assert all(v == SHARED for v in promised.values()), promised
+            res = finish(env.d1, kids)
+            outs += [{**res[k["room"]], "room": k["room"]} for k in kids]
+            for k in kids:
+                env.std.free(k)
+    finally:
+        env.d1.call("set_faults", spec="")
+    after = env.d1.call("ext", fn=X + "report")["stats"]
+    env.std.free(a)
+    return outs, {"before": before, "after": after}
+
+
+@pytest.mark.parametrize("tier", ["l2", "l3"])
+@pytest.mark.parametrize("kind", ["corrupt", "skip_write", "shift_write"])
+def test_every_fault_in_a_restored_page_is_caught_and_repaired(env: Setup, tier: str,
+                                                              kind: str) -> None:
+    """A page damaged right after its L2 -> L1 copy (from L2, or from L3 through L2) never
+    reaches the engine: the check against the digest recorded when it entered L2 catches
+    it, and it and the pages after it come from the prefill instead."""
+    outs, st = _restores(env, tier, RESTORE_FAULTS, f"{kind}=1,seed=7")
+    b, a = st["before"], st["after"]
+    injected = a[f"faults_injected_{kind}"] - b[f"faults_injected_{kind}"]
+    assert injected == RESTORE_FAULTS
+    assert a["integrity_restore_mismatches"] - b["integrity_restore_mismatches"] == injected
+    assert_right({o["room"]: o for o in outs})  # every byte right: repaired, never used
+    assert all(o["stats"]["repaired_tokens"] > 0 for o in outs)
+    no_leaks(env, env.d1)
+
+
+def test_with_restore_checks_off_the_same_faults_reach_the_engine(env: Setup) -> None:
+    """The check above has teeth: without it the damaged pages are used as they are."""
+    env.d1.call("ext", fn=X + "set_verify", on=False)
+    try:
+        outs, _ = _restores(env, "l2", 12, "corrupt=1,seed=8")
+    finally:
+        env.d1.call("ext", fn=X + "set_verify", on=True)
+    wrong = [o for o in outs if o["state"] == "Success" and o["bad"][0]]
+    assert len(wrong) == len(outs)
+    no_leaks(env, env.d1)
