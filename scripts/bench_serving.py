@@ -11,7 +11,7 @@ streamed text at the client; TPOT the time per token after it.
 
 Variants (each on its own workers, started once; rounds alternate A B A B ...):
 - ``serving.*``: prefix reuse on both sides vs off on the decode, and vs off on the prefill
-  (``--prefix-cache-pages 0``), 1 prefill + 1 decode: ``serving.ttft_p50_ratio_decode_reuse``
+  (``--l2-pages 0``), 1 prefill + 1 decode: ``serving.ttft_p50_ratio_decode_reuse``
   and ``serving.ttft_p50_ratio_prefill_reuse`` (on / off).
 - ``routing.*``: KV-aware routing vs least-outstanding over 1 prefill + 2 decodes:
   ``routing.restored_fraction_ratio`` (KV-aware / least-outstanding) and
@@ -126,7 +126,7 @@ def main() -> int:
     groups, turns, rounds, max_tokens = (4, 3, 2, 8) if a.quick else (8, 4, 4, 16)
     convos = workload(groups, turns, seed=1)
     per_round = groups * turns
-    off = ["--prefix-cache-pages", "0"]
+    off = ["--l2-pages", "0"]
     specs = {
         "reuse_on": dict(prefills=1, decodes=1),
         "decode_reuse_off": dict(prefills=1, decodes=1, decode_args=off),

@@ -242,23 +242,21 @@ class TieredCache:
             return len(entries)
         t0 = time.perf_counter()
         good = len(entries)
-        for i, e in enumerate(entries):
-            ok = True
-            for pool in self.data_pools:
+        for pool in self.data_pools:
+            spec = self.l1_specs.get(pool)
+            if spec is None:
+                continue
+            pages = np.asarray(dst[self.anchor[pool]], dtype=np.int64)[:good]
+            got = integrity.l1_page_digests(spec, pages)
+            for i, (e, g) in enumerate(zip(entries[:good], got)):
                 want = e.digests.get(pool)
-                spec = self.l1_specs.get(pool)
-                if want is None or spec is None:
-                    continue
-                page = int(np.asarray(dst[self.anchor[pool]], dtype=np.int64)[i])
-                if integrity.page_digest(integrity.l1_page_rows(spec, page)) != want:
-                    ok = False
+                if want is not None and g != want:
+                    good = i
                     break
-            if not ok:
-                good = i
-                self._count("integrity_restore_mismatches")
-                log.warning("restored page %d (%s) does not match its L2 digest: repairing "
-                            "%d pages from the prefill", i, e.key, len(entries) - i)
-                break
+        if good < len(entries):
+            self._count("integrity_restore_mismatches")
+            log.warning("restored page %d (%s) does not match its L2 digest: repairing %d "
+                        "pages from the prefill", good, entries[good].key, len(entries) - good)
         self._count("integrity_restore_checks", len(entries))
         with self._lock:
             self.restore_check_seconds += time.perf_counter() - t0
