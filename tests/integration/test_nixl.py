@@ -171,3 +171,63 @@ def test_heterogeneous_tp_over_nixl_lands_every_head_once(bootstrap, tp_p, tp_d)
         pf.close()
         if dc is not None:
             dc.close()
+
+
+def test_host_landing_over_nixl_remaps_every_token_exactly(bootstrap) -> None:
+    """A prefill paging by 16 writes into a token-granular host pool (page size 1,
+    ``page_remap``) over NIXL: every token lands in its own slot, checked byte by byte."""
+    import dataclasses
+
+    from .hetero import Group, assert_success_and_exact, run_groups
+    from .test_integrity import AUX, KV
+
+    host = dataclasses.replace(KV, page_size=1, pages=8192, page_remap=True)
+    nixl = {"transport": "nixl"}
+    pf = Agent("prefill", {**FAST, **nixl, "bootstrap": bootstrap.address, "instance": "nxh"},
+               [KV, AUX])
+    dc = None
+    try:
+        dc = Agent("decode", {**FAST, **nixl}, [host, AUX])
+        dc.call("sentinel")
+        f = Factory([KV, AUX], [host, AUX], seed=21)
+        reqs = [f.make(n, chunks=c) for n, c in ((1, 1), (16, 1), (45, 2), (300, 3))]
+        p, d = Group(pf, ["main"], "nxh"), Group(dc, ["main"])
+        outs = run_groups(p, d, bootstrap.address, reqs)
+        assert_success_and_exact(outs, d.each("verify", items=decode_items(reqs)))
+    finally:
+        pf.close()
+        if dc is not None:
+            dc.close()
+
+
+def test_a_restore_from_l2_with_its_suffix_over_nixl_is_byte_exact(bootstrap) -> None:
+    """The decode restores 90% of a prompt from L2 while NIXL brings the suffix: the bytes
+    are right and only the suffix crossed the wire."""
+    from .test_tiers import SHARED, STD, N
+    from .tiers_helpers import Family, X, assert_right, finish, start, write_back
+
+    nixl = {"transport": "nixl"}
+    pf = Agent("prefill", {**FAST, **nixl, "bootstrap": bootstrap.address, "instance": "nxr"},
+               STD)
+    dc = None
+    try:
+        dc = Agent("decode", {**FAST, **nixl}, STD)
+        dc.call("ext", fn=X + "setup", host_pages=128)
+        fam = Family(STD, seed=31)
+        a = fam.make(fam.tokens(N))
+        assert start(pf, dc, bootstrap.address, [a], instance="nxr")[a["room"]] == 0
+        assert_right(finish(dc, [a]))
+        write_back(dc, [a])  # into L2 (no L3 here)
+        b = fam.child(a, SHARED, N)
+        before = int(pf.call("ext", fn=X + "transport_bytes"))
+        assert start(pf, dc, bootstrap.address, [b], instance="nxr")[b["room"]] == SHARED
+        res = finish(dc, [b])
+        assert_right(res)
+        moved = int(pf.call("ext", fn=X + "transport_bytes")) - before
+        suffix = int(dc.call("ext", fn=X + "suffix_bytes", start=SHARED, end=N,
+                             slots=["aux"]))
+        assert moved == suffix, (moved, suffix)
+    finally:
+        pf.close()
+        if dc is not None:
+            dc.close()
