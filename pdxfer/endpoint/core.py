@@ -55,7 +55,7 @@ class Core:
         self.regions: list[tuple[int, int]] = []
         for p in pools:
             for b in p.buffers:
-                self.transport.register(b.addr, b.nbytes, p.location)
+                self.transport.register(b.addr, b.nbytes, p.location, p.item_bytes)
                 self.regions.append((b.addr, b.nbytes))
         self.workers = Workers(config.workers, name=f"pdxfer-{config.role}")
 

@@ -62,7 +62,12 @@ class Transport(Protocol):
         """Take a peer's ``peer_info`` before writing to it (or raise ``TransportError``)."""
         ...
 
-    def register(self, addr: int, nbytes: int, location: str = "cpu") -> None: ...
+    def register(self, addr: int, nbytes: int, location: str = "cpu",
+                 item_bytes: int = 0) -> None:
+        """Make ``[addr, addr + nbytes)`` writable by peers (or a source of writes).
+        ``item_bytes``: the buffer's page (item) size when it holds pages, a hint a
+        transport may use to prepare page-granular descriptors once (NIXL)."""
+        ...
 
     def deregister(self, addr: int) -> None: ...
 

@@ -106,7 +106,8 @@ class MemoryTransport:
     def add_peer(self, peer: str, info: bytes) -> None:
         pass
 
-    def register(self, addr: int, nbytes: int, location: str = "cpu") -> None:
+    def register(self, addr: int, nbytes: int, location: str = "cpu",
+                 item_bytes: int = 0) -> None:
         if location != "cpu":
             raise TransportError(f"the memory transport moves host memory only, not {location}")
         with self._lock:

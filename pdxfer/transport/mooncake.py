@@ -148,7 +148,8 @@ class MooncakeTransport:
     def add_peer(self, peer: str, info: bytes) -> None:
         pass
 
-    def register(self, addr: int, nbytes: int, location: str = "cpu") -> None:
+    def register(self, addr: int, nbytes: int, location: str = "cpu",
+                 item_bytes: int = 0) -> None:
         loc = location if location.startswith(("cuda", "npu")) else "*"
         with self._lock:
             if addr in self._regions:

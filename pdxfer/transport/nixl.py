@@ -8,8 +8,13 @@ loopback) so callers need not:
   no extra listener. The metadata is taken when the Hello is built, after every pool and
   staging buffer is registered; a write outside what it names fails locally
   (``nixlNotFoundError``) and never reaches the peer.
+* Descriptor lists are prepared once per peer (``prep_xfer_dlist``): one descriptor per page
+  of every buffer registered with its page size, on both sides (the peer's page sizes travel
+  with its metadata). A write whose blocks are whole pages of equal size on both sides is a
+  ``make_prepped_xfer`` by index; other blocks (head slices, rows of another page size) are
+  described per call (``initialize_xfer``).
 * NIXL has no deadline of its own: a write is posted, then polled with a sleep that grows
-  from 50 us to 1 ms (no core spins), and the endpoint's deadline is enforced here. A write
+  from 20 us to 0.5 ms (no core spins), and the endpoint's deadline is enforced here. A write
   past its deadline is cancelled by releasing its handle; if NIXL cannot cancel it, the write
   may still land, so it is awaited (the caller keeps the pages quarantined meanwhile).
 * A peer that went away raises ``nixlRemoteDisconnectError``; it becomes ``NixlPeerLost``
@@ -32,9 +37,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from ..config import nixl_env_defaults
@@ -44,8 +51,8 @@ from .base import TransportStats
 
 log = logging.getLogger("pdxfer.transport.nixl")
 
-_POLL_MIN_S = 50e-6
-_POLL_MAX_S = 1e-3
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 500e-6
 _ids = itertools.count(1)
 
 
@@ -68,13 +75,66 @@ def _load() -> Any:
 
 @dataclass(slots=True, eq=False)
 class _Xfer:
-    """One posted write (a ``Started``)."""
+    """One posted write (a ``Started``): one or two NIXL requests (prepared, per call)."""
 
-    handle: Any
+    handles: list[Any]
     nbytes: int
     entries: int
     submitted: float
-    state: str = "PROC"
+    states: list[str]
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    """A small write handed to the post thread by ``start`` (a ``Started``)."""
+
+    fut: Future[_Xfer]
+    submitted: float
+
+
+class _Info(msgspec.Struct, frozen=True):
+    """What ``peer_info`` carries: the agent's metadata and its page-holding regions."""
+
+    md: bytes
+    regions: list[tuple[int, int, int]]  # (addr, nbytes, item_bytes)
+
+
+class _Layout:
+    """Page-granular descriptors of a set of regions, in one prepared list: region ``r``'s
+    page ``i`` is descriptor ``first[r] + i``."""
+
+    def __init__(self, regions: list[tuple[int, int, int]]) -> None:
+        regs = sorted((a, n, it) for a, n, it in regions if it > 0 and n >= it)
+        self.addr = np.array([a for a, _, _ in regs], dtype=np.int64)
+        self.end = np.array([a + n - n % it for a, n, it in regs], dtype=np.int64)
+        self.item = np.array([it for _, _, it in regs], dtype=np.int64)
+        counts = (self.end - self.addr) // np.maximum(self.item, 1)
+        self.first = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+        self.total = int(counts.sum())
+        self.handle: Any = None
+
+    def descs(self) -> np.ndarray:
+        """``[total, 3]`` (addr, len, device) rows, region by region."""
+        rows = [np.stack([np.arange(a, e, it, dtype=np.int64), np.full((e - a) // it, it),
+                          np.zeros((e - a) // it, dtype=np.int64)], axis=1)
+                for a, e, it in zip(self.addr.tolist(), self.end.tolist(),
+                                    self.item.tolist())]
+        return (np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.int64)
+                ).astype(np.uint64)
+
+    def locate(self, addr: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per block: its first descriptor and its item size, or -1 where the block is not
+        whole pages of one region."""
+        r = np.searchsorted(self.addr, addr, side="right") - 1
+        ok = r >= 0
+        rc = np.where(ok, r, 0)
+        item = self.item[rc] if self.item.size else np.zeros_like(addr)
+        off = addr - (self.addr[rc] if self.addr.size else 0)
+        ok &= (item > 0) & (addr + nbytes <= (self.end[rc] if self.end.size else 0))
+        ok &= (off % np.maximum(item, 1) == 0) & (nbytes % np.maximum(item, 1) == 0) & (nbytes > 0)
+        first = np.where(ok, (self.first[rc] if self.first.size else 0)
+                         + off // np.maximum(item, 1), -1)
+        return first, np.where(ok, item, 0)
 
 
 class NixlTransport:
@@ -103,16 +163,25 @@ class NixlTransport:
         self.batch_entries = max_batch
         self.stats = TransportStats()
         self._lock = threading.Lock()
-        self._regions: dict[int, tuple[Any, int]] = {}
+        self._regions: dict[int, tuple[Any, int, int]] = {}
         self._peers: dict[str, bytes] = {}
+        self._remote: dict[str, _Layout] = {}
+        self._local: _Layout | None = None
         self._closed = False
+        self._poster: ThreadPoolExecutor | None = None
+        self.stats_prepped = 0
+        """Page descriptors written through prepared lists (the rest were described per
+        call)."""
         self._faults = faults()
         atexit.register(self.close)
 
     # -- pairing -------------------------------------------------------------------------------
     def peer_info(self) -> bytes:
-        """This agent's metadata (its registered memory), for the peer's ``add_peer``."""
-        return bytes(self._agent.get_agent_metadata())
+        """This agent's metadata (its registered memory) and its regions' page sizes, for
+        the peer's ``add_peer``."""
+        with self._lock:
+            regions = [(a, n, it) for a, (_, n, it) in self._regions.items()]
+        return msgspec.msgpack.encode(_Info(bytes(self._agent.get_agent_metadata()), regions))
 
     def add_peer(self, peer: str, info: bytes) -> None:
         """Load ``peer``'s metadata so writes to it can be built; a peer that re-paired
@@ -120,14 +189,17 @@ class NixlTransport:
         if not info:
             raise TransportError(f"peer {peer} sent no NIXL metadata (is it on --transport "
                                  f"nixl?)")
+        try:
+            parsed = msgspec.msgpack.decode(bytes(info), type=_Info)
+        except msgspec.DecodeError as e:
+            raise TransportError(f"NIXL metadata of {peer} is malformed: {e}") from None
         with self._lock:
             if self._peers.get(peer) == info:
                 return
             if peer in self._peers:
-                self._agent.remove_remote_agent(peer)
-                del self._peers[peer]
+                self._forget(peer)
             try:
-                name = self._agent.add_remote_agent(bytes(info))
+                name = self._agent.add_remote_agent(parsed.md)
             except Exception as e:  # noqa: BLE001 - bad metadata refuses the pairing
                 raise TransportError(f"NIXL metadata of {peer} was refused: {e}") from None
             name = name.decode() if isinstance(name, bytes) else str(name)
@@ -135,9 +207,55 @@ class NixlTransport:
                 self._agent.remove_remote_agent(name)
                 raise TransportError(f"NIXL metadata names agent {name!r}, not {peer!r}")
             self._peers[peer] = bytes(info)
+            self._remote[peer] = _Layout(parsed.regions)
+
+    def _forget(self, peer: str) -> None:
+        """Drop a peer's metadata and prepared list (under the lock)."""
+        lay = self._remote.pop(peer, None)
+        if lay is not None and lay.handle is not None:
+            self._release_dlist(lay.handle)
+        self._peers.pop(peer, None)
+        self._agent.remove_remote_agent(peer)
+
+    def _drop_local(self) -> None:
+        """Forget the prepared local list (under the lock); writes prepare it again."""
+        if self._local is not None and self._local.handle is not None:
+            self._release_dlist(self._local.handle)
+        self._local = None
+
+    def _release_dlist(self, h: Any) -> None:
+        try:
+            self._agent.release_dlist_handle(h)
+        except Exception as e:  # noqa: BLE001
+            log.debug("NIXL release_dlist_handle: %s", e)
+
+    def _prepared(self, peer: str) -> tuple[_Layout, _Layout] | None:
+        """Both sides' prepared page lists for ``peer`` (prepared on first use), or None."""
+        with self._lock:
+            remote = self._remote.get(peer)
+            if remote is None or not remote.total:
+                return None
+            if self._local is None:
+                self._local = _Layout([(a, n, it) for a, (_, n, it) in self._regions.items()])
+            local = self._local
+            try:
+                if local.handle is None and local.total:
+                    local.handle = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT",
+                                                               local.descs(), "DRAM")
+                if remote.handle is None:
+                    remote.handle = self._agent.prep_xfer_dlist(peer, remote.descs(), "DRAM")
+            except Exception as e:  # noqa: BLE001 - then every write is described per call
+                log.warning("NIXL prep_xfer_dlist for %s failed (%s): writes are described "
+                            "per call", peer, e)
+                remote.total = 0
+                return None
+            if local.handle is None:
+                return None
+            return local, remote
 
     # -- memory --------------------------------------------------------------------------------
-    def register(self, addr: int, nbytes: int, location: str = "cpu") -> None:
+    def register(self, addr: int, nbytes: int, location: str = "cpu",
+                 item_bytes: int = 0) -> None:
         mem = "VRAM" if location.startswith("cuda") else "DRAM"
         dev = int(location.split(":")[1]) if location.startswith("cuda:") else 0
         with self._lock:
@@ -148,12 +266,14 @@ class NixlTransport:
             except Exception as e:  # noqa: BLE001
                 raise TransportError(f"NIXL register_memory({addr:#x}, {nbytes}) failed: "
                                      f"{e}") from None
-            self._regions[addr] = (descs, nbytes)
+            self._regions[addr] = (descs, nbytes, item_bytes if mem == "DRAM" else 0)
+            self._drop_local()  # prepared again with the new region on the next write
 
     def deregister(self, addr: int) -> None:
         with self._lock:
             reg = self._regions.pop(addr, None)
             if reg is not None:
+                self._drop_local()
                 try:
                     self._agent.deregister_memory(reg[0])
                 except Exception as e:  # noqa: BLE001
@@ -169,40 +289,70 @@ class NixlTransport:
     def _post(self, peer: str, src: Any, dst: Any, nbytes: Any) -> _Xfer:
         if peer not in self._peers:
             raise TransportError(f"no NIXL metadata for peer {peer} (not paired)")
-        s = np.asarray(src, dtype=np.uint64)
-        d = np.asarray(dst, dtype=np.uint64)
-        n = np.asarray(nbytes, dtype=np.uint64)
+        s = np.asarray(src, dtype=np.int64)
+        d = np.asarray(dst, dtype=np.int64)
+        n = np.asarray(nbytes, dtype=np.int64)
         if not (s.shape == d.shape == n.shape):
             raise TransportError("src, dst and nbytes differ in length")
-        zero = np.zeros_like(s)
+        reqs: list[Any] = []
         try:
-            local = self._agent.get_xfer_descs(np.stack([s, n, zero], axis=1), "DRAM")
-            remote = self._agent.get_xfer_descs(np.stack([d, n, zero], axis=1), "DRAM")
-            h = self._agent.initialize_xfer("WRITE", local, remote, peer)
+            rest = np.ones(s.size, dtype=bool)
+            prep = self._prepared(peer)
+            if prep is not None:
+                local, remote = prep
+                lf, li = local.locate(s, n)
+                rf, ri = remote.locate(d, n)
+                whole = (lf >= 0) & (rf >= 0) & (li == ri) & (li > 0)
+                if whole.any():
+                    k = n[whole] // li[whole]  # pages per block
+                    step = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
+                    lidx = (np.repeat(lf[whole], k) + step).astype(np.int32)
+                    ridx = (np.repeat(rf[whole], k) + step).astype(np.int32)
+                    reqs.append(self._agent.make_prepped_xfer(
+                        "WRITE", local.handle, lidx, remote.handle, ridx))
+                    self.stats_prepped += int(k.sum())
+                    rest = ~whole
+            if rest.any():
+                zero = np.zeros(int(rest.sum()), dtype=np.uint64)
+                ls = np.stack([s[rest].astype(np.uint64), n[rest].astype(np.uint64), zero], 1)
+                rs = np.stack([d[rest].astype(np.uint64), n[rest].astype(np.uint64), zero], 1)
+                reqs.append(self._agent.initialize_xfer(
+                    "WRITE", self._agent.get_xfer_descs(ls, "DRAM"),
+                    self._agent.get_xfer_descs(rs, "DRAM"), peer))
         except Exception as e:  # noqa: BLE001
+            for h in reqs:
+                self._release_handle(h)
             raise self._error(peer, "write setup", e) from None
-        x = _Xfer(h, int(n.sum()), int(s.size), time.perf_counter())
+        x = _Xfer(reqs, int(n.sum()), int(s.size), time.perf_counter(), [])
         try:
-            x.state = self._agent.transfer(h)
+            for h in reqs:
+                x.states.append(self._agent.transfer(h))
         except Exception as e:  # noqa: BLE001
             self._release(x)
             raise self._error(peer, "write", e) from None
         self.stats.add(calls=1, entries=x.entries, nbytes=x.nbytes)
         return x
 
-    def _release(self, x: _Xfer) -> bool:
+    def _release_handle(self, h: Any) -> bool:
         try:
-            self._agent.release_xfer_handle(x.handle)
+            self._agent.release_xfer_handle(h)
             return True
         except Exception as e:  # noqa: BLE001 - an active write NIXL cannot cancel
             log.warning("NIXL could not release a write in flight (%s): it may still land",
                         e)
             return False
 
+    def _release(self, x: _Xfer) -> bool:
+        """Release every request of ``x``; those NIXL could not cancel stay in ``x`` (they
+        may still land and are awaited). True when none is left."""
+        kept = [(h, st) for h, st in zip(x.handles, x.states) if not self._release_handle(h)]
+        x.handles, x.states = [h for h, _ in kept], [st for _, st in kept]
+        return not kept
+
     def _wait(self, peer: str, x: _Xfer, deadline: float | None) -> None:
         delay = _POLL_MIN_S
         cancelled = False
-        while x.state == "PROC":
+        while "PROC" in x.states:  # drained, even when a part failed
             if deadline is not None and not cancelled and time.monotonic() > deadline:
                 if self._release(x):
                     self.stats.add(failures=1)
@@ -212,19 +362,19 @@ class NixlTransport:
             if self._closed:
                 raise TransportError("transport closed while a write was in flight")
             time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
+            delay = min(delay * 1.5, _POLL_MAX_S)
             try:
-                x.state = self._agent.check_xfer_state(x.handle)
+                x.states = [st if st != "PROC" else self._agent.check_xfer_state(h)
+                            for h, st in zip(x.handles, x.states)]
             except Exception as e:  # noqa: BLE001
-                x.state = "ERR"
                 err = self._error(peer, "write", e)
                 self._release(x)
                 raise err from None
-        if not cancelled:
-            self._release(x)
-        if x.state != "DONE":
+        states = list(x.states)
+        self._release(x)
+        if any(st != "DONE" for st in states):
             self.stats.add(failures=1)
-            raise TransportError(f"NIXL write to {peer} ended in state {x.state}")
+            raise TransportError(f"NIXL write to {peer} ended in states {states}")
         if cancelled:
             raise TransportError(f"NIXL write to {peer} finished after its deadline")
 
@@ -246,14 +396,25 @@ class NixlTransport:
                        deadline)
 
     def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int], *,
-              tag: int | None = None) -> _Xfer | None:
+              tag: int | None = None) -> _Pending | None:
+        """Hand a small write to the post thread and return at once: over shared memory
+        UCX copies inside the post, so posting here would block the engine's ``send()`` for
+        the whole copy (and the sender's digest could not overlap it)."""
         if len(src) > self.batch_entries or (self._faults.active
                                              and self._faults.delays(tag)):
             return None
-        return self._post(peer, src, dst, nbytes)
+        with self._lock:
+            if self._closed:
+                return None
+            if self._poster is None:
+                self._poster = ThreadPoolExecutor(max_workers=2,
+                                                  thread_name_prefix="pdxfer-nixl-post")
+            poster = self._poster
+        return _Pending(poster.submit(self._post, peer, src, dst, nbytes), time.perf_counter())
 
-    def finish(self, peer: str, started: _Xfer) -> None:  # type: ignore[override]
-        self._wait(peer, started, time.monotonic() + self.timeout_s)
+    def finish(self, peer: str, started: _Pending) -> None:  # type: ignore[override]
+        x = started.fut.result()  # a failed post raises its TransportError here
+        self._wait(peer, x, time.monotonic() + self.timeout_s)
 
     # -- liveness and teardown -----------------------------------------------------------------
     def probe(self, peer: str) -> bool:
@@ -271,11 +432,19 @@ class NixlTransport:
             if self._closed:
                 return
             self._closed = True
+            poster, self._poster = self._poster, None
             regions = list(self._regions.values())
             self._regions.clear()
             peers = list(self._peers)
             self._peers.clear()
-        for descs, _ in regions:
+        if poster is not None:
+            poster.shutdown(wait=True)  # posts in progress end before the agent goes
+        for lay in [self._local, *self._remote.values()]:
+            if lay is not None and lay.handle is not None:
+                self._release_dlist(lay.handle)
+        self._remote.clear()
+        self._local = None
+        for descs, _, _ in regions:
             try:
                 self._agent.deregister_memory(descs)
             except Exception as e:  # noqa: BLE001

@@ -231,3 +231,30 @@ def test_a_restore_from_l2_with_its_suffix_over_nixl_is_byte_exact(bootstrap) ->
         pf.close()
         if dc is not None:
             dc.close()
+
+
+def test_whole_pages_go_through_prepared_lists_and_the_rest_per_call() -> None:
+    """Buffers registered with their page size get page descriptors prepared once per peer:
+    whole-page blocks are written by index, a sub-page block in the same write is described
+    per call, and every byte lands where it should."""
+    item = 4096
+    a, b = NixlTransport(), NixlTransport()
+    try:
+        src = np.random.default_rng(5).integers(0, 255, 64 * item, dtype=np.uint8)
+        dst = np.zeros(64 * item, dtype=np.uint8)
+        a.register(src.ctypes.data, src.nbytes, "cpu", item)
+        b.register(dst.ctypes.data, dst.nbytes, "cpu", item)
+        a.add_peer(b.session_id, b.peer_info())
+        s0, d0 = src.ctypes.data, dst.ctypes.data
+        # pages 3..5 -> 40..42 (a run), page 9 -> 7, and half a page 11 -> 20 (sub-page)
+        a.write(b.session_id, [s0 + 3 * item, s0 + 9 * item, s0 + 11 * item],
+                [d0 + 40 * item, d0 + 7 * item, d0 + 20 * item], [3 * item, item, item // 2])
+        assert a.stats_prepped == 4  # 3 + 1 page descriptors by index
+        pg = src.reshape(64, item)
+        got = dst.reshape(64, item)
+        assert np.array_equal(got[40:43], pg[3:6]) and np.array_equal(got[7], pg[9])
+        assert np.array_equal(got[20, :item // 2], pg[11, :item // 2])
+        assert not got[20, item // 2:].any() and not got[0].any()
+    finally:
+        a.close()
+        b.close()
