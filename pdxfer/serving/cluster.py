@@ -4,6 +4,7 @@ and the end-to-end tests run. Children are stopped by pid on exit, error or Ctrl
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import urllib.error
@@ -34,8 +35,9 @@ class Cluster:
         self.prefills: list[Proc | None] = []
         self.decodes: list[Proc] = []
         self.router: Proc | None = None
-        # a fresh L3 folder per cluster (a run never hits what an earlier run stored),
-        # shared by its decodes and kept across a decode's restart; removed at stop
+        # a fresh L3 folder per cluster (a run never hits what an earlier run stored), one
+        # subfolder per decode as each node has its own disk, kept across a decode's
+        # restart; removed at stop
         self.l3_dir: str | None = None
         if "--l3-dir" not in self.decode_args + self.worker_args:
             self.l3_dir = tempfile.mkdtemp(prefix="pdxfer-l3-")
@@ -66,7 +68,7 @@ class Cluster:
         return proc
 
     def _decode(self, i: int, port: int, wait: bool) -> Proc:
-        l3 = ["--l3-dir", self.l3_dir] if self.l3_dir else []
+        l3 = ["--l3-dir", os.path.join(self.l3_dir, f"decode{i}")] if self.l3_dir else []
         return self._proc(f"decode{i or ''}", ["decode", "--port", str(port), *l3,
                                                *self.worker_args, *self.decode_args], wait)
 
