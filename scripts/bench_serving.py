@@ -6,7 +6,8 @@
 
 Workload: groups of requests that share a long prefix, as turns of multi-turn conversations
 do (every turn repeats the history and adds a question), sent through the router with the
-official streaming API at concurrency N, with a progress bar. TTFT is the time to the first
+official streaming API at concurrency N (2N conversations, so a conversation's next turn does
+not simply take the slot its last turn freed), with a progress bar. TTFT is the time to the first
 streamed text at the client; TPOT the time per token after it.
 
 Variants (each on its own workers, started once; rounds alternate A B A B ...):
@@ -123,7 +124,11 @@ def main() -> int:
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--concurrency", type=int, default=8)
     a = ap.parse_args()
-    groups, turns, rounds, max_tokens = (4, 3, 2, 8) if a.quick else (8, 4, 4, 16)
+    # more conversations than requests in flight: in a closed loop with one request in
+    # flight per conversation, the slot a turn frees is the one its next turn takes, so any
+    # policy would keep a conversation on one decode and routing would show nothing
+    groups, turns, rounds, max_tokens = ((a.concurrency + 4, 3, 1, 8) if a.quick
+                                         else (2 * a.concurrency, 4, 2, 16))
     convos = workload(groups, turns, seed=1)
     per_round = groups * turns
     off = ["--l2-pages", "0"]
