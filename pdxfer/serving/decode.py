@@ -117,7 +117,7 @@ class DecodeWorker(RoomWorker):
         self.scheduler.close()
         if self.cache is not None:
             self.cache.close()  # background L3 writes finish: a restart finds them
-            if self.cache.storage is not None and hasattr(self.cache.storage, "close"):
+            if self.cache.storage is not None:
                 self.cache.storage.close()
         self.host.endpoint.close()
 

@@ -36,11 +36,11 @@ def make_storage(cfg: WorkerConfig) -> StorageBackend | None:
 
 def make_cache(cfg: WorkerConfig, host: ModelHost) -> TieredCache | None:
     """The worker's tiered cache, or None when it has neither L2 nor L3."""
-    storage = make_storage(cfg)
     if cfg.l2_pages <= 0:
-        if storage is not None:
+        if cfg.l3 != "off":
             log.warning("L3 needs L2 pages to stage through: L3 is off (--l2-pages 0)")
         return None
+    storage = make_storage(cfg)
     # host landing: pages are tokens, so the same capacity is l2_pages * page_size of them
     l2 = cfg.l2_pages * (cfg.page_size if cfg.token_granular else 1)
     cache = TieredCache(host.pools, host_pages=l2, storage=storage,

@@ -95,3 +95,14 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class FindsPeersBySession:
+    """For transports whose peers are reached by session id alone (Mooncake's
+    ``P2PHANDSHAKE``, the in-memory fabric): no pairing data to carry or take."""
+
+    def peer_info(self) -> bytes:
+        return b""
+
+    def add_peer(self, peer: str, info: bytes) -> None:
+        pass

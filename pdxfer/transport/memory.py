@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import TransportError
-from .base import TransportStats
+from .base import FindsPeersBySession, TransportStats
 from .pacing import Credits
 
 _ids = itertools.count(1)
@@ -80,7 +80,7 @@ class Faults:
     batches: int = field(default=0, repr=False)
 
 
-class MemoryTransport:
+class MemoryTransport(FindsPeersBySession):
     """A transport whose peers live in this process (see the module notes)."""
 
     name = "memory"
@@ -100,12 +100,6 @@ class MemoryTransport:
         self.fabric.join(self)
 
     # -- memory ---------------------------------------------------------------------------
-    def peer_info(self) -> bytes:
-        return b""  # peers are found by session id alone
-
-    def add_peer(self, peer: str, info: bytes) -> None:
-        pass
-
     def register(self, addr: int, nbytes: int, location: str = "cpu",
                  item_bytes: int = 0) -> None:
         if location != "cpu":

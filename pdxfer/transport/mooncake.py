@@ -35,7 +35,7 @@ import numpy as np
 from ..config import knobs, mooncake_env_defaults
 from ..errors import ConfigError, TransportError, TransportUnavailable
 from ..faults import faults
-from .base import TransportStats
+from .base import FindsPeersBySession, TransportStats
 from .pacing import Credits, RateEstimate
 
 log = logging.getLogger("pdxfer.transport")
@@ -93,7 +93,7 @@ def _load_engine() -> Any:
     return TransferEngine
 
 
-class MooncakeTransport:
+class MooncakeTransport(FindsPeersBySession):
     """One Mooncake ``TransferEngine`` per endpoint, with ``P2PHANDSHAKE`` metadata."""
 
     name = "mooncake"
@@ -142,12 +142,6 @@ class MooncakeTransport:
         self._closed = False
 
     # -- memory ---------------------------------------------------------------------------
-    def peer_info(self) -> bytes:
-        return b""  # peers are found by session id alone
-
-    def add_peer(self, peer: str, info: bytes) -> None:
-        pass
-
     def register(self, addr: int, nbytes: int, location: str = "cpu",
                  item_bytes: int = 0) -> None:
         loc = location if location.startswith(("cuda", "npu")) else "*"

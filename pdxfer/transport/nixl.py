@@ -39,7 +39,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -92,11 +92,19 @@ class _Pending:
     submitted: float
 
 
+MAX_PEER_PAGES = 1 << 22
+"""Most page descriptors a peer's regions may ask for (a peer's page sizes come from the
+network: a forged region list must not make this side allocate without bound)."""
+
+_U63 = msgspec.Meta(ge=0, le=(1 << 63) - 1)
+
+
 class _Info(msgspec.Struct, frozen=True):
     """What ``peer_info`` carries: the agent's metadata and its page-holding regions."""
 
     md: bytes
-    regions: list[tuple[int, int, int]]  # (addr, nbytes, item_bytes)
+    regions: list[tuple[Annotated[int, _U63], Annotated[int, _U63], Annotated[int, _U63]]]
+    """(addr, nbytes, item_bytes) per registered region; item 0: not paged."""
 
 
 class _Layout:
@@ -124,17 +132,14 @@ class _Layout:
 
     def locate(self, addr: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per block: its first descriptor and its item size, or -1 where the block is not
-        whole pages of one region."""
+        whole pages of one region (only called on a layout with regions)."""
         r = np.searchsorted(self.addr, addr, side="right") - 1
-        ok = r >= 0
-        rc = np.where(ok, r, 0)
-        item = self.item[rc] if self.item.size else np.zeros_like(addr)
-        off = addr - (self.addr[rc] if self.addr.size else 0)
-        ok &= (item > 0) & (addr + nbytes <= (self.end[rc] if self.end.size else 0))
-        ok &= (off % np.maximum(item, 1) == 0) & (nbytes % np.maximum(item, 1) == 0) & (nbytes > 0)
-        first = np.where(ok, (self.first[rc] if self.first.size else 0)
-                         + off // np.maximum(item, 1), -1)
-        return first, np.where(ok, item, 0)
+        rc = np.maximum(r, 0)
+        item = self.item[rc]
+        off = addr - self.addr[rc]
+        ok = ((r >= 0) & (addr + nbytes <= self.end[rc]) & (nbytes > 0)
+              & (off % item == 0) & (nbytes % item == 0))
+        return np.where(ok, self.first[rc] + off // item, -1), np.where(ok, item, 0)
 
 
 class NixlTransport:
@@ -167,6 +172,7 @@ class NixlTransport:
         self._peers: dict[str, bytes] = {}
         self._remote: dict[str, _Layout] = {}
         self._local: _Layout | None = None
+        self._retired: list[Any] = []
         self._closed = False
         self._poster: ThreadPoolExecutor | None = None
         self.stats_prepped = 0
@@ -206,8 +212,16 @@ class NixlTransport:
             if name != peer:
                 self._agent.remove_remote_agent(name)
                 raise TransportError(f"NIXL metadata names agent {name!r}, not {peer!r}")
+            try:
+                lay = _Layout(parsed.regions)
+            except (OverflowError, ValueError):  # regions past the end of memory
+                lay = None
+            if lay is None or lay.total > MAX_PEER_PAGES:
+                self._agent.remove_remote_agent(name)
+                raise TransportError(f"NIXL peer {peer} names impossible regions or more than "
+                                     f"{MAX_PEER_PAGES} pages")
             self._peers[peer] = bytes(info)
-            self._remote[peer] = _Layout(parsed.regions)
+            self._remote[peer] = lay
 
     def _forget(self, peer: str) -> None:
         """Drop a peer's metadata and prepared list (under the lock)."""
@@ -218,9 +232,10 @@ class NixlTransport:
         self._agent.remove_remote_agent(peer)
 
     def _drop_local(self) -> None:
-        """Forget the prepared local list (under the lock); writes prepare it again."""
+        """Forget the prepared local list (under the lock); writes prepare it again. Its
+        handle is released at close, not now: a write on another thread may be using it."""
         if self._local is not None and self._local.handle is not None:
-            self._release_dlist(self._local.handle)
+            self._retired.append(self._local.handle)
         self._local = None
 
     def _release_dlist(self, h: Any) -> None:
@@ -383,10 +398,12 @@ class NixlTransport:
               should_stop: Callable[[], bool] | None = None, tag: int | None = None) -> None:
         total = len(src)
         f = self._faults
+        if deadline is None:  # NIXL has none of its own: never wait without one
+            deadline = time.monotonic() + self.timeout_s
         for lo in range(0, total, self.batch_entries):
             if should_stop is not None and should_stop():
                 raise TransportError(f"write to {peer} stopped after {lo} of {total} blocks")
-            if deadline is not None and time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise TransportError(f"write to {peer} passed its deadline after {lo} of "
                                      f"{total} blocks")
             if f.active:
@@ -442,6 +459,9 @@ class NixlTransport:
         for lay in [self._local, *self._remote.values()]:
             if lay is not None and lay.handle is not None:
                 self._release_dlist(lay.handle)
+        for h in self._retired:
+            self._release_dlist(h)
+        self._retired.clear()
         self._remote.clear()
         self._local = None
         for descs, _, _ in regions:
