@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -123,7 +124,13 @@ def no_leaks(env: Setup, dc: Agent, ep: str = "main") -> None:
     assert rep["check"] is None, rep["check"]
     assert rep["stats"]["l2.pinned"] == 0 and rep["stats"]["l2.not_ready"] == 0, rep["stats"]
     assert rep["rooms"] == 0
+    # the decode's Release of a held room is one-way and may still be on its way: wait for
+    # it (bounded), then the prefill must hold nothing
+    end = time.monotonic() + 5.0
     tables = env.pf.call("ext", fn=X + "prefill_tables", ep=ep)
+    while tables != {"rooms": 0, "pending": 0, "held": 0} and time.monotonic() < end:
+        time.sleep(0.05)
+        tables = env.pf.call("ext", fn=X + "prefill_tables", ep=ep)
     assert tables == {"rooms": 0, "pending": 0, "held": 0}, tables
 
 
