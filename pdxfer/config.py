@@ -129,6 +129,11 @@ class EndpointConfig:
     - ``integrity``: how a decode checks the KV it received before it reports Success
       (``sampled``: a fixed sample of every page, ``full``: every byte, ``off``); the decode
       asks its senders for digests in this mode (``integrity.py``).
+    - ``integrity_retry``: on a digest mismatch, ask that sender for the range once more
+      (through the repair path the tiers use: the prefill holds the room's pages until the
+      decode's ``Release``) before failing with ``IntegrityError``. It costs the prefill its
+      pages for one more round trip per request, so it is off by default; it does nothing
+      with ``integrity='off'``.
     - ``start_in_send``: a chunk whose write is one small batch (at most ``max_batch / 2``
       entries, 32 MiB), with nothing else in flight to that decode, is planned and submitted
       from ``send()`` itself and only awaited on a worker: a small request then does not wait
@@ -161,6 +166,7 @@ class EndpointConfig:
     heartbeat_s: float = 0.5
     start_in_send: bool = True
     integrity: Literal["off", "sampled", "full"] = "sampled"
+    integrity_retry: bool = False
     register_interval_s: float = 10.0
     """A prefill rank registers again this often, so a route a bootstrap lost or another
     endpoint took over heals by itself."""

@@ -15,6 +15,8 @@
 - ``at``: where those page faults strike: ``network`` (the default, as above) or ``restore``
   (a tiered restore's page, right after its L2 -> L1 copy and before it is checked against
   the digest recorded when it entered L2: the damaged page and the rest are then repaired).
+- ``once=1``: page faults strike each room at most once (a transient fault: what is sent
+  again, by an ``integrity_retry`` or a repair, arrives intact).
 
 The hooks are single attribute checks when faults are off.
 """
@@ -40,7 +42,9 @@ class Faults:
     skip_write: float = 0.0
     shift_write: float = 0.0
     at: str = "network"
+    once: bool = False
     seed: int = 0
+    _struck: set[int] = field(default_factory=set, repr=False)
     _rng: random.Random = field(default_factory=random.Random, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -65,6 +69,8 @@ class Faults:
                     setattr(f, key, float(val))
                 elif key == "seed":
                     f.seed = int(val)
+                elif key == "once":
+                    f.once = bool(int(val))
                 elif key == "at":
                     if val not in ("network", "restore"):
                         raise ValueError("at must be network or restore")
@@ -81,9 +87,10 @@ class Faults:
         new = Faults.parse(spec)
         with self._lock:
             for name in ("delay_write", "rooms", "drop", "delay_msg", "corrupt", "skip_write",
-                         "shift_write", "at", "seed"):
+                         "shift_write", "at", "once", "seed"):
                 setattr(self, name, getattr(new, name))
             self._rng.seed(new.seed)
+            self._struck.clear()
 
     def delays(self, room: int | None) -> bool:
         """Whether writes of ``room`` are delayed (such writes never start from ``send()``)."""
@@ -101,9 +108,13 @@ class Faults:
                 or (self.rooms is not None and room not in self.rooms)):
             return None
         with self._lock:
+            if self.once and room in self._struck:
+                return None
             for kind in ("corrupt", "skip_write", "shift_write"):
                 p = getattr(self, kind)
                 if p and self._rng.random() < p:
+                    if self.once:
+                        self._struck.add(room)
                     return kind
         return None
 

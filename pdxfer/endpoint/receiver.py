@@ -86,6 +86,31 @@ class RecvRoom:
     integrity: str = "off"
     skips: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Per sender, the pools it was told not to write (it sends no digest for them)."""
+    auto_hold: bool = False
+    """The prefill holds the room for an integrity retry (``integrity_retry``), not because
+    the engine asked: this receiver sends the ``Release`` itself once the room is over."""
+    asks: dict[str, bytes] = field(default_factory=dict)
+    """Per sender, the request frame sent to it (sent again, once, for an integrity retry)."""
+    retried: set[str] = field(default_factory=set)
+    heads: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    """Per sender, the global heads it writes of each head-sliced pool (fault injection)."""
+    """Senders asked a second time after a digest mismatch."""
+
+
+def _head_bytes(pool: PoolSpec, heads: tuple[int, int] | None) -> slice | np.ndarray:
+    """The bytes of one page of ``pool`` that hold global heads ``[lo, hi)`` (all of it
+    when ``heads`` is None or covers every head this rank holds)."""
+    sh = pool.sharding
+    if heads is None or sh.kind != "heads":
+        return slice(None)
+    lo, hi = heads[0] - sh.first_head, heads[1] - sh.first_head
+    if lo <= 0 and hi >= sh.rank_heads:
+        return slice(None)
+    hb, ps = sh.head_bytes, pool.page_size
+    if pool.token_major:
+        return (np.arange(ps)[:, None] * pool.token_bytes
+                + np.arange(lo * hb, hi * hb)[None, :]).reshape(-1)
+    return np.arange(lo * ps * hb, hi * ps * hb)
 
 
 def _key(st: RecvRoom) -> tuple[str, str | None, int | None]:
@@ -196,6 +221,8 @@ class DecodeSide:
             st.requested = True
             st.dst, st.slots = arrays, {k: int(v) for k, v in slots.items()}
             st.prefix_len, st.num_tokens = prefix_len, num_tokens
+            if self.cfg.integrity_retry and self.integrity != "off" and not st.hold_for_repair:
+                st.hold_for_repair = st.auto_hold = True
         c = self.connector.cached(_key(st))
         if c is None:
             self.connector.connect(_key(st), st.room, st.deadline,
@@ -257,9 +284,12 @@ class DecodeSide:
             self.ep.count_failure(err)
             log.info("room %d failed: %s", st.room, err)
             targets = [p for p in st.targets if p.endpoint_id in st.outstanding]
+            finished = [p for p in st.targets if p.endpoint_id not in st.outstanding]
         for p in targets:
             self.ep.send(p.ctrl_addr, wire.Abort(room=st.room, nonce=st.nonce, reason=str(err),
                                                  endpoint_id=self.ep.endpoint_id), p.sess)
+        if st.auto_hold and finished:
+            self._release_sources(st, finished)
         self._maybe_release(st)
 
     # -- connector (blocking, off the engine loop) ----------------------------------------------
@@ -289,6 +319,7 @@ class DecodeSide:
                 return
             st.leases = {p.endpoint_id: ls for p, ls in zip(peers, leases) if ls}
             st.skips = {p.endpoint_id: tuple(a.skip) for p, a in zip(peers, plan)}
+            st.heads = {p.endpoint_id: dict(a.heads) for p, a in zip(peers, plan) if a.heads}
             st.integrity = self.integrity
             st.nonce = random.getrandbits(63)
             st.targets = [p for p, a in zip(peers, plan) if not a.silent]
@@ -306,9 +337,12 @@ class DecodeSide:
             # Queued under the lock: an abort (which takes the lock) either sees the room
             # terminal before this, or queues its Abort behind the request on the same socket.
             for p, a in zip(peers, plan):
-                self.ep.send_frame(p.ctrl_addr, wire.encode(msgspec.structs.replace(
+                frame = wire.encode(msgspec.structs.replace(
                     req, heads=a.heads, skip=a.skip, silent=a.silent,
-                    stage={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])})), p.sess)
+                    stage={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])}))
+                if st.auto_hold and not a.silent:
+                    st.asks[p.endpoint_id] = frame
+                self.ep.send_frame(p.ctrl_addr, frame, p.sess)
         if not st.targets:  # every asked rank is silent: nothing this decode needs is there
             if any(p.item_bytes and not p.optional for p in self.ep.pools):
                 self.fail(st, LayoutMismatch(f"room {st.room}: no prefill endpoint writes any "
@@ -342,21 +376,27 @@ class DecodeSide:
         if msg.ok and (sess is None or sess.peer.endpoint_id == msg.endpoint_id):
             self._unstage(msg)
             bad = self._check(msg)
+        success = False
         with self.ep.lock:
             st = self._settle(msg, sess)
             if st is None:
                 return
             st.bytes += msg.bytes
             st.blocks += msg.blocks
+            if bad is not None and self._retry(st, msg.endpoint_id, bad):
+                return
             if msg.ok and bad is None:
                 st.done.add(msg.endpoint_id)
                 if len(st.done) == len(st.targets) and not st.state.terminal:
                     st.state = KVPoll.Success
                     st.t_done = time.monotonic()
+                    success = True
                     self.ep.timeline.observe("bootstrap", st.t_request - st.t_created)
                     self.ep.timeline.observe("transfer", st.t_done - st.t_request)
                     self.ep.count("success")
                     self.ep.count_transfer(st.bytes, st.blocks)
+        if success and st.auto_hold:
+            self._release_sources(st, st.targets)
         if bad is not None:
             self.fail(st, bad)
         elif not msg.ok:
@@ -364,7 +404,29 @@ class DecodeSide:
                                               f"{msg.endpoint_id} failed: {msg.reason}"))
         self._maybe_release(st)
 
+    def _release_sources(self, st: RecvRoom, targets: list[PrefillPeer]) -> None:
+        """Let senders that hold the room for a repair free its pages (``auto_hold``)."""
+        for p in targets:
+            self.ep.send(p.ctrl_addr, wire.Release(room=st.room, nonce=st.nonce,
+                                                  endpoint_id=self.ep.endpoint_id), p.sess)
+
     # -- integrity (see integrity.py) -----------------------------------------------------------
+    def _retry(self, st: RecvRoom, sender: str, err: PdxferError) -> bool:
+        """Ask ``sender`` for its whole range once more after a digest mismatch
+        (``integrity_retry``; called under the lock): the same request frame and nonce, which
+        the prefill serves as a repair of the room it still holds. False: fail as usual."""
+        frame = st.asks.get(sender)
+        peer = next((p for p in st.targets if p.endpoint_id == sender), None)
+        if (not isinstance(err, IntegrityError) or frame is None or peer is None
+                or sender in st.retried or st.state.terminal):
+            return False
+        st.retried.add(sender)
+        st.outstanding.add(sender)
+        self.ep.count("integrity_retries")
+        log.warning("%s: asking for the range again (integrity_retry)", err)
+        self.ep.send_frame(peer.ctrl_addr, frame, peer.sess)
+        return True
+
     def _check(self, msg: wire.TransferDone) -> PdxferError | None:
         """Inject a configured page fault, then verify what this sender wrote against its
         digests: None, or the ``IntegrityError`` that fails the room (the sender's writes
@@ -378,7 +440,7 @@ class DecodeSide:
         if self._faults.page_faults:
             kind = self._faults.page_fault(st.room)
             if kind is not None:
-                self._inject(st, kind)
+                self._inject(st, kind, msg.endpoint_id)
         if st.integrity == "off" or peer is None:
             return None
         t0 = time.perf_counter()
@@ -459,10 +521,14 @@ class DecodeSide:
                 theirs, [mine.get((b.layer_id, b.role)) for b in theirs.buffers])
         return hit[1]
 
-    def _inject(self, st: RecvRoom, kind: str) -> None:
-        """Damage one host page of the room's destination (fault injection, tests only)."""
+    def _inject(self, st: RecvRoom, kind: str, sender: str) -> None:
+        """Damage one host page of the room's destination where ``sender`` wrote (fault
+        injection, tests only): the bytes of its own heads, as its own misdirected or lost
+        write would."""
+        skip = st.skips.get(sender, ())
         pools = [p for p in self.ep.pools if p.kind == "paged" and p.item_bytes
-                 and p.location == "cpu" and (p.indices_from or p.name) in st.dst]
+                 and p.location == "cpu" and (p.indices_from or p.name) in st.dst
+                 and p.name not in skip]
         if not pools:
             return
         pool = pools[self._faults.pick(len(pools))]
@@ -477,15 +543,17 @@ class DecodeSide:
         item = pool.item_bytes
         view = np.ctypeslib.as_array((ctypes.c_uint8 * (pool.num_items * item)).from_address(
             buf.addr)).reshape(pool.num_items, item)
+        cols = _head_bytes(pool, st.heads.get(sender, {}).get(pool.name))
         j = i + 1 if i + 1 < used else i - 1
         if kind == "corrupt":
-            view[page] ^= 0xFF
+            view[page, cols] ^= 0xFF
         elif kind == "shift_write" and j >= 0:  # the page's bytes landed on the next page
-            view[int(pages[j])] = view[page]
+            view[int(pages[j]), cols] = view[page, cols]
         else:  # skip_write (or a lone page written elsewhere): the page keeps old bytes
             taken = set(pages.tolist())
             other = next((q for q in range(pool.num_items) if q not in taken), None)
-            view[page] = view[other] if other is not None else view[page] ^ 0x5A
+            view[page, cols] = (view[other, cols] if other is not None
+                                else view[page, cols] ^ 0x5A)
         self.ep.count(f"faults_injected_{kind}")
 
     def on_hello_ack(self, msg: wire.HelloAck, sess: Session | None, h: wire.Header) -> None:
@@ -494,7 +562,11 @@ class DecodeSide:
     def on_abort_ack(self, msg: wire.AbortAck, sess: Session | None, _: wire.Header) -> None:
         with self.ep.lock:
             st = self._settle(msg, sess)
+            peer = None if st is None else next(
+                (p for p in st.targets if p.endpoint_id == msg.endpoint_id), None)
         if st is not None:
+            if st.auto_hold and peer is not None:  # it may hold the room for a repair
+                self._release_sources(st, [peer])
             self._maybe_release(st)
 
     def on_abort(self, msg: wire.Abort, sess: Session | None, _: wire.Header) -> None:

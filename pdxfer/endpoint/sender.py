@@ -93,6 +93,10 @@ class Target:
     """The transport writes alone (the raw write time within ``seconds``)."""
     digests: list[wire.Digest] = field(default_factory=list)
     """Integrity digests of what was written so far (sent with ``TransferDone``)."""
+    ok: bool = False
+    """Finished with Success (a decode may then ask for its range again: a repair)."""
+    released: bool = False
+    """Its decode sent ``Release``: it will not ask for a repair."""
 
 
 @dataclass(slots=True, eq=False)
@@ -222,7 +226,7 @@ class PrefillSide:
                 st.cursor[n] = first[n] + a.size * self.ep.pool(n).page_size
             st.chunks.append(Chunk(arrays, first, slots, last))
             st.last_given = last
-            if last and len(st.targets) >= st.expected:
+            if last and _decodes(st) >= st.expected:
                 st.state = KVPoll.Transferring
             self._pump(st)
 
@@ -394,7 +398,7 @@ class PrefillSide:
             if why:
                 self._refuse(req, peer, why, "plan")
                 return
-            if st is not None and st.hold_until:
+            if st is not None and self._repairable(st, peer):
                 self._repair(st, req, peer, dst)
                 return
             if st is None:
@@ -437,8 +441,10 @@ class PrefillSide:
             return
         with self.ep.lock:
             st = self.rooms.get(msg.room)
-            target = None if st is None else next(
-                (t for t in st.targets if t.req.nonce == msg.nonce and t.peer.endpoint_id == peer.endpoint_id), None)
+            # a repair shares its first request's nonce: the unfinished one is the one to stop
+            mine = [] if st is None else [t for t in st.targets if t.req.nonce == msg.nonce
+                                          and t.peer.endpoint_id == peer.endpoint_id]
+            target = next((t for t in mine if not t.finished), mine[-1] if mine else None)
             if target is None:
                 exp_w = self.pending.get(msg.room)
                 known = False
@@ -460,6 +466,12 @@ class PrefillSide:
                     rank=self.cfg.tp_rank, known=known), peer.sess)
                 return
             target.aborted = True
+            if st.state == KVPoll.Success and not target.finished:
+                # a repair of a room that succeeded: stop that one target once its writes
+                # have drained (its worker job runs after them), the room stays held
+                err = Aborted(f"room {msg.room}: repair aborted by decode")
+                self.ep.workers.submit(st.room, lambda: self._finish(st, target, False, err))
+                return
         self.fail(st, Aborted(f"room {msg.room}: aborted by decode ({msg.reason or 'no reason'})"))
 
     def on_release(self, msg: wire.Release, sess: Session | None, _: wire.Header) -> None:
@@ -473,31 +485,55 @@ class PrefillSide:
                                      for t in st.targets):
                 self.ep.count("stale_messages")
                 return
+            for t in st.targets:
+                if t.peer.endpoint_id == peer.endpoint_id:
+                    t.released = True
             if st.hold_until and all(t.finished for t in st.targets):
-                st.hold_until = 0.0
-                self.rooms.pop(st.room, None)
+                self._end_or_hold(st)
 
     def _end_or_hold(self, st: SenderRoom) -> None:
         """A room whose writes all finished leaves the table, unless it succeeded for a
-        decode that may ask for a repair: then it is held until Release or its deadline."""
-        if st.state == KVPoll.Success and any(x.req.hold_for_repair for x in st.targets):
+        decode that may still ask for a repair (it asked ``hold_for_repair`` and has not sent
+        ``Release``): then it is held until those Releases or its deadline."""
+        if st.state == KVPoll.Success and any(x.req.hold_for_repair and not x.released
+                                              for x in st.targets):
             if not st.hold_until:
                 st.hold_until = time.monotonic() + self.cfg.transfer_timeout_s
             return
         st.hold_until = 0.0
         self.rooms.pop(st.room, None)
 
+    @staticmethod
+    def _repairable(st: SenderRoom, peer: DecodePeer) -> bool:
+        """Whether a request from ``peer`` for an existing room is a repair: the room is held,
+        or (other decodes still being served) this decode's own request succeeded and asked
+        to be held. A repair shares the nonce of the request it repairs."""
+        if st.state == KVPoll.Failed:
+            return False
+        if st.hold_until:
+            return True
+        mine = [t for t in st.targets if t.peer.endpoint_id == peer.endpoint_id]
+        return bool(mine) and all(t.finished and t.ok for t in mine) and any(
+            t.req.hold_for_repair and not t.released for t in mine)
+
     def _repair(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer,
                 dst: dict[str, np.ndarray]) -> None:
-        """A decode that held this room asks for a range again (its local restore failed):
-        write the range from the pages still held (called under the lock)."""
-        if not any(t.peer.endpoint_id == peer.endpoint_id and t.req.hold_for_repair for t in st.targets):
+        """A decode that held this room asks for a range again (its local restore failed,
+        or a digest did not match): write the range from the pages still held (called under
+        the lock)."""
+        if not any(t.peer.endpoint_id == peer.endpoint_id and t.req.hold_for_repair
+                   and not t.released for t in st.targets):
             self._refuse(req, peer, f"room {req.room} is not held for decode {req.endpoint_id}",
                          "duplicate_room")
             return
+        if any(t.peer.endpoint_id == peer.endpoint_id and not t.finished for t in st.targets):
+            self._refuse(req, peer, f"room {req.room}: a repair for decode {req.endpoint_id} "
+                                    f"is already running", "duplicate_room")
+            return
         self.ep.count("repairs")
         st.targets.append(Target(req, peer, dst))
-        st.hold_until = time.monotonic() + min(req.deadline_s, self.cfg.transfer_timeout_s)
+        if st.hold_until:
+            st.hold_until = time.monotonic() + min(req.deadline_s, self.cfg.transfer_timeout_s)
         self._pump(st)
 
     def tick(self, now: float) -> None:
@@ -562,7 +598,7 @@ class PrefillSide:
         st.t_request = st.t_request or now
         st.expected = req.decode_peers
         st.deadline = now + min(req.deadline_s, self.cfg.transfer_timeout_s)
-        if len(st.targets) >= st.expected:
+        if _decodes(st) >= st.expected:
             st.state = KVPoll.Transferring if st.last_given else KVPoll.WaitingForInput
         self._pump(st)
 
@@ -729,6 +765,7 @@ class PrefillSide:
             t.finished = True
             if ok and st.state == KVPoll.Failed:  # aborted or expired while the write ran
                 ok, err = False, st.failure
+            t.ok = ok
             if not (t.req.silent and not t.aborted):  # a silent sender's decode does not wait
                 if t.aborted:
                     out = wire.encode(wire.AbortAck(
@@ -743,7 +780,7 @@ class PrefillSide:
                         kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks,
                         seconds=t.seconds, digests=tuple(t.digests) if ok else ()))
                 self.ep.send_frame(t.peer.ctrl_addr, out, t.peer.sess)
-            all_done = len(st.targets) >= st.expected and all(x.finished for x in st.targets)
+            all_done = _decodes(st) >= st.expected and all(x.finished for x in st.targets)
             if ok and all_done and not st.state.terminal:
                 st.state = KVPoll.Success
                 success = True
@@ -754,6 +791,11 @@ class PrefillSide:
             self.ep.timeline.observe("waiting", st.t_request - st.t_created)
             self.ep.timeline.observe("transfer", now - st.t_request)
         self.ep.count_transfer(t.bytes, t.blocks)
+
+
+def _decodes(st: SenderRoom) -> int:
+    """Decode endpoints that asked for the room (a repair adds a target, not a decode)."""
+    return len({t.peer.endpoint_id for t in st.targets})
 
 
 def _pending_size(req: wire.TransferRequest) -> int:

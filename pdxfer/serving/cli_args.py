@@ -47,6 +47,12 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
                         help="host: receive into a token-granular host pool (page size 1, "
                              "HiSparse-style) and decode from it; pairs with a prefill of any "
                              "page size")
+        ap.add_argument("--integrity", choices=["sampled", "full", "off"], default="sampled",
+                        help="how received KV is checked before decoding from it (sampled: "
+                             "a fixed sample of every page; full: every byte)")
+        ap.add_argument("--integrity-retry", action="store_true",
+                        help="on a digest mismatch ask the prefill for the range once more "
+                             "before failing the request")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (the toy model's ops are tiny: more threads only spin)")
     ap.add_argument("--bootstrap-timeout", type=float, default=30.0)

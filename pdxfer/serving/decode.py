@@ -31,6 +31,7 @@ from pdxfer import KVPoll, PdxferError, RequestHandle
 from pdxfer.tiers import RestoringReceiver, TieredCache
 
 from .errors import BadRequest, OutOfCapacity, TransferFailed
+from .errors import about as _about
 from .sampling import parse_sampling
 from .scheduler import Generation, Scheduler
 from .tiered import make_cache
@@ -225,7 +226,7 @@ class DecodeWorker(RoomWorker):
         finally:
             self.live.pop(room, None)
         if rx.poll() != KVPoll.Success:
-            raise TransferFailed(f"room {room}: {rx.failure}")
+            raise TransferFailed(_about(room, rx.failure))
         st = rx.stats()
         out = {"first": int(h.aux[req.slot, 0]), "restored_tokens": 0,
                "restored_l2_tokens": 0, "restored_l3_tokens": 0,

@@ -38,3 +38,9 @@ class UpstreamError(ServingError):
 
     kind = "upstream"
     status = 502
+
+
+def about(room: int, failure: object) -> str:
+    """A transfer failure's message naming its room once (pdxfer's own errors already do)."""
+    msg = str(failure)
+    return msg if msg.startswith(f"room {room}:") else f"room {room}: {msg}"

@@ -23,6 +23,7 @@ from aiohttp import web
 from pdxfer import KVPoll, KVSender, PdxferError
 
 from .errors import BadRequest, OutOfCapacity, TransferFailed
+from .errors import about as _about
 from .sampling import Sampling, parse_sampling, sample
 from .tiered import make_cache, reuse
 from .worker import (
@@ -119,7 +120,7 @@ class PrefillWorker(RoomWorker):
             finally:
                 self.senders.pop(room, None)
             if tx.poll() != KVPoll.Success:
-                raise TransferFailed(f"room {room}: {tx.failure}")
+                raise TransferFailed(_about(room, tx.failure))
             if self.cache is not None:
                 await asyncio.to_thread(self.cache.write_back, tokens, {"kv": pages},
                                         len(tokens), tenant)
@@ -162,7 +163,7 @@ class PrefillWorker(RoomWorker):
         def on_chunk(a: int, b: int) -> None:
             nonlocal sent
             if tx.poll() == KVPoll.Failed:  # aborted (client gone, decode failed): stop
-                raise TransferFailed(f"room {tx.room}: {tx.failure}")
+                raise TransferFailed(_about(tx.room, tx.failure))
             h.draft.forward(tokens[a:b], a, pages, h.draft_kv, logits_for="none")
             full = b // ps
             if b < n and full > sent:

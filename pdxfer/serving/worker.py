@@ -66,6 +66,8 @@ class WorkerConfig:
     l3_mooncake_metadata: str = ""
     l3_mooncake_segment_bytes: int = 256 << 20
     kv_landing: str = "device"
+    integrity: str = "sampled"
+    integrity_retry: bool = False
     transport: str = "tcp"
     device: str = ""
     bootstrap_timeout_s: float = 30.0
@@ -92,6 +94,8 @@ class WorkerConfig:
         if self.l3 == "mooncake" and not (self.l3_mooncake and self.l3_mooncake_metadata):
             raise ValueError("Mooncake Store as L3 needs the master (--l3-mooncake HOST:PORT) "
                              "and its metadata URL (--l3-mooncake-metadata)")
+        if self.integrity not in ("sampled", "full", "off"):
+            raise ValueError(f"integrity must be sampled, full or off, got {self.integrity!r}")
         if self.kv_landing not in ("device", "host"):
             raise ValueError(f"kv_landing must be device or host, got {self.kv_landing!r}")
         if self.kv_landing == "host" and self.role != "decode":
@@ -135,7 +139,10 @@ def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
         l3_mooncake=a.l3_mooncake if dec else "",
         l3_mooncake_metadata=a.l3_mooncake_metadata if dec else "",
         l3_mooncake_segment_bytes=int(a.l3_mooncake_segment_mb) << 20 if dec else 0,
-        kv_landing=a.kv_landing if dec else "device", transport=a.transport, device=a.device, bootstrap_timeout_s=a.bootstrap_timeout,
+        kv_landing=a.kv_landing if dec else "device", transport=a.transport, device=a.device,
+        integrity=a.integrity if dec else "sampled",
+        integrity_retry=a.integrity_retry if dec else False,
+        bootstrap_timeout_s=a.bootstrap_timeout,
         transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat, threads=a.threads,
         max_waiting=a.max_waiting, admission_timeout_s=a.admission_timeout)
 
@@ -244,7 +251,8 @@ class ModelHost:
             role=cfg.role, bootstrap=cfg.bootstrap if cfg.role == "prefill" else None,
             instance=cfg.instance, host=cfg.host, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s, heartbeat_s=cfg.heartbeat_s,
-            transport=cfg.transport, device=cfg.device), pools)
+            transport=cfg.transport, device=cfg.device, integrity=cfg.integrity,  # type: ignore[arg-type]
+            integrity_retry=cfg.integrity_retry), pools)
 
     def info(self) -> dict[str, Any]:
         c = self.model.config

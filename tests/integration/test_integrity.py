@@ -12,12 +12,12 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.harness import Agent
+from pdxfer.testing.harness import Agent, wait_until
 from pdxfer.testing.patterns import PoolGeom
 
 from .conftest import FAST
 from .helpers import Factory, decode_items
-from .hetero import Group, add_group, run_groups, tp_group
+from .hetero import Group, add_group, assert_success_and_exact, rank_geoms, run_groups, tp_group
 
 KV = PoolGeom("kv", "mha", layers=2, pages=512, page_size=16, heads=4, head_dim=16,
               total_heads=4)
@@ -149,3 +149,94 @@ def test_full_mode_passes_clean_transfers_and_catches_corrupt_pages(cluster, boo
     finally:
         dc.agent.call("set_faults", spec="")
     assert all(o["kind"] == "integrity" for o in outs[0].values()), outs
+
+
+# -- integrity_retry: the range is requested once more through the repair path --------------
+
+RETRY_CASES = {  # name: (prefill group, decode tp)
+    "page16_to_16": ("p1", 1),
+    "tp2_to_1": ("p2", 1),
+    "tp1_to_2": ("p1", 2),
+}
+
+
+def _retry_group(cluster: dict[str, Group], tp: int) -> Group:
+    key = f"retry{tp}"
+    if key not in cluster:
+        cluster[key] = add_group(
+            cluster["d16"].agent, "decode", key, tp, lambda r: rank_geoms([NHD, AUX], tp, r),
+            lambda r: {"tp_rank": r, "tp_size": tp, "integrity_retry": True})
+    return cluster[key]
+
+
+def _metric(g: Group, name: str) -> int:
+    return sum(int(m.get(name, 0)) for m in g.each("metrics"))
+
+
+def _nothing_held(pf: Group) -> None:
+    """The decode's Release is one-way: wait for it (bounded), then the prefill must hold no
+    room (a retry's hold never outlives its request)."""
+    ok = wait_until(lambda: all(t["rooms"] == 0 and t["pending"] == 0
+                                for t in pf.each("tables")), 5.0)
+    assert ok, pf.each("tables")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", sorted(RETRY_CASES))
+def test_with_integrity_retry_a_transient_page_fault_is_sent_again_once_and_arrives_exact(
+        cluster, bootstrap, case: str, kind: str) -> None:
+    pname, tp = RETRY_CASES[case]
+    pf, dc = cluster[pname], _retry_group(cluster, tp)
+    dgeom = rank_geoms([NHD], tp, 0)[0]
+    f = Factory([KV, AUX], [dgeom, AUX], seed=hash((case, kind, "retry")) % 1000)
+    reqs = _reqs(f, 12)
+    before = {m: _metric(dc, m) for m in ("integrity_retries", f"faults_injected_{kind}")}
+    dc.agent.call("set_faults", spec=f"{kind}=1,once=1,rooms="
+                                     f"{';'.join(str(r['room']) for r in reqs)},seed=4")
+    try:
+        outs = run_groups(pf, dc, bootstrap.address, reqs, timeout=60)
+    finally:
+        dc.agent.call("set_faults", spec="")
+    # each room was damaged once (one rank of it), caught, asked again, and is now exact
+    assert _metric(dc, f"faults_injected_{kind}") - before[f"faults_injected_{kind}"] == len(reqs)
+    assert _metric(dc, "integrity_retries") - before["integrity_retries"] == len(reqs)
+    assert_success_and_exact(outs, dc.each("verify", items=decode_items(reqs)))
+    _nothing_held(pf)
+    for r in reqs:
+        f.free(r)
+
+
+def test_with_integrity_retry_a_persistent_fault_fails_after_exactly_one_retry(
+        cluster, bootstrap) -> None:
+    pf, dc = cluster["p1"], _retry_group(cluster, 1)
+    f = Factory([KV, AUX], [NHD, AUX], seed=31)
+    reqs = _reqs(f, 10)
+    before = _metric(dc, "integrity_retries")
+    _inject(dc.agent, "corrupt", [r["room"] for r in reqs], seed=5)
+    try:
+        outs = run_groups(pf, dc, bootstrap.address, reqs, timeout=60)
+    finally:
+        dc.agent.call("set_faults", spec="")
+    assert all(o["state"] == "Failed" and o["kind"] == "integrity"
+               for o in outs[0].values()), outs
+    assert _metric(dc, "integrity_retries") - before == len(reqs)
+    _nothing_held(pf)
+    # the failed rooms' pages went back to the engine (nothing quarantined)
+    assert set(dc.agent.call("released", ep=dc.names[0])) >= {r["room"] for r in reqs}
+    for r in reqs:
+        f.free(r)
+
+
+def test_without_integrity_retry_a_transient_fault_still_fails_the_request(
+        cluster, bootstrap) -> None:
+    pf, dc = cluster["p1"], cluster["d16"]
+    f = Factory([KV, AUX], [NHD, AUX], seed=32)
+    reqs = _reqs(f, 6)
+    dc.agent.call("set_faults", spec=f"skip_write=1,once=1,rooms="
+                                     f"{';'.join(str(r['room']) for r in reqs)}")
+    try:
+        outs = run_groups(pf, dc, bootstrap.address, reqs, timeout=60)
+    finally:
+        dc.agent.call("set_faults", spec="")
+    assert all(o["kind"] == "integrity" for o in outs[0].values()), outs
+    _nothing_held(pf)
