@@ -20,8 +20,17 @@ Modes:
   those reads are scattered (cold in cache and TLB right after a network write).
 - ``full``: every byte.
 
-The hash is XXH3-64 (``xxhash``) over the selected bytes, on host memory. Device pools are not
-digested yet (``IntegrityUnsupported``): an engine with device pools runs with ``off``.
+Two hash functions, picked per pool pair so both sides always compute the same one:
+
+- both pools on host: XXH3-64 (``xxhash``) over the selected bytes;
+- either pool on a device (``cuda:N``): a *portable* digest that torch computes on the pool's
+  own device. The selected bytes, as 8-byte words in logical order (single bytes where units
+  are not multiples of 8), are mixed with their position (SplitMix64's finalizer) and summed
+  modulo 2^64, then mixed once more. Integer arithmetic, so it is bit-identical on any device
+  and on host memory (torch on CPU): a host pool paired with a device pool computes it too.
+  Only one 8-byte digest per buffer leaves the device; the KV itself never does.
+
+Other device types raise ``IntegrityUnsupported`` (``supported``): such a decode runs ``off``.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import ctypes
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -41,6 +51,16 @@ MODES = ("off", "sampled", "full")
 MASK = (1 << 63) - 1
 """Digests keep 63 bits: they travel as non-negative int64 (msgpack, msgspec bounds)."""
 SAMPLE_BYTES = 8
+
+
+def supported(location: str) -> bool:
+    """Whether pools on ``location`` can be digested (host memory, or CUDA through torch)."""
+    return location == "cpu" or location == "cuda" or location.startswith("cuda:")
+
+
+def portable(a: PoolSpec, b: PoolSpec) -> bool:
+    """Whether a pool pair uses the portable digest: either side is device memory."""
+    return a.location != "cpu" or b.location != "cpu"
 
 
 def check_mode(mode: str) -> str:
@@ -124,32 +144,106 @@ def _host_view(addr: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
 
+class _CudaMemory:
+    """Device memory at an address, as torch takes it (``__cuda_array_interface__``)."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (addr, False), "version": 3, "strides": None}
+
+
+def _torch_bytes(addr: int, nbytes: int, location: str) -> Any:
+    """``nbytes`` at ``addr`` on ``location`` as a uint8 torch tensor (a view, no copy)."""
+    import torch
+
+    if location == "cpu":
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+    if not supported(location):
+        raise IntegrityUnsupported(f"cannot digest memory on {location!r} (cpu or cuda only)")
+    return torch.as_tensor(_CudaMemory(addr, nbytes), device=torch.device(location))
+
+
 class _Bases:
     """One uint8 view spanning every buffer of a pool, and each buffer's offset in it: a
-    sample of all buffers is then one gather (no per-buffer view or Python loop)."""
+    sample of all buffers is then one gather (no per-buffer view or Python loop). ``dev``:
+    torch tensors on the pool's own device (the portable digest), else numpy on host."""
 
     __slots__ = ("offsets", "view", "words")
 
-    def __init__(self, pool: PoolSpec) -> None:
+    def __init__(self, pool: PoolSpec, dev: bool = False) -> None:
         addrs = np.array([b.addr for b in pool.buffers], dtype=np.int64)
         lo = int(addrs.min())
         span = int(addrs.max()) - lo + pool.num_items * pool.item_bytes
-        self.view = _host_view(lo, span)
         self.offsets = addrs - lo
         aligned = lo % 8 == 0 and not (self.offsets % 8).any()
-        self.words = self.view[:span - span % 8].view(np.uint64) if aligned else None
+        if dev:
+            import torch
+
+            self.view = _torch_bytes(lo, span, pool.location)
+            self.words = self.view[:span - span % 8].view(torch.int64) if aligned else None
+        else:
+            self.view = _host_view(lo, span)
+            self.words = self.view[:span - span % 8].view(np.uint64) if aligned else None
 
 
-_BASES: dict[int, tuple[PoolSpec, _Bases]] = {}
+_BASES: dict[tuple[int, bool], tuple[PoolSpec, _Bases]] = {}
 
 
-def _bases(pool: PoolSpec) -> _Bases:
-    hit = _BASES.get(id(pool))
+def _bases(pool: PoolSpec, dev: bool = False) -> _Bases:
+    hit = _BASES.get((id(pool), dev))
     if hit is None or hit[0] is not pool:
         if len(_BASES) > 256:
             _BASES.clear()
-        hit = _BASES[id(pool)] = (pool, _Bases(pool))
+        hit = _BASES[(id(pool), dev)] = (pool, _Bases(pool, dev))
     return hit[1]
+
+
+# -- the portable digest (module notes) ---------------------------------------------------------
+_C1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # SplitMix64's finalizer constants, as signed int64
+_C2 = 0x94D049BB133111EB - (1 << 64)
+_GOLD = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def _fmix(z: Any) -> Any:
+    """SplitMix64's finalizer on an int64 tensor (logical shifts: masked arithmetic ones)."""
+    z = z ^ ((z >> 30) & ((1 << 34) - 1))
+    z = z * _C1
+    z = z ^ ((z >> 27) & ((1 << 37) - 1))
+    z = z * _C2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def _mix_sums(x: Any) -> Any:
+    """Per row of ``x`` ([rows, n] int64 values in logical order): the sum of each value mixed
+    with its position (wrapping, so the order of summation does not matter)."""
+    import torch
+
+    pos = torch.arange(1, x.shape[-1] + 1, dtype=torch.int64, device=x.device) * _GOLD
+    return _fmix(x ^ pos).sum(dim=-1, dtype=torch.int64)
+
+
+def _mix_finish(sums: Any, n: int) -> list[int]:
+    """The digests of rows of ``n`` values from their ``_mix_sums`` (one device sync)."""
+    return [v & MASK for v in _fmix(sums ^ n).tolist()]
+
+
+def _gather_values(b: _Bases, starts: np.ndarray, k: int) -> Any:
+    """The values of the ``k``-byte units at byte offsets ``starts`` ([rows, m], host) of the
+    device view: one int64 word per unit when ``k`` is 8 (a word gather where memory is
+    aligned, else 8 byte gathers joined), else one value per byte (``[rows, m * k]``)."""
+    import torch
+
+    dev = b.view.device
+    if k == 8 and b.words is not None and not (starts % 8).any():
+        return b.words[torch.from_numpy(starts >> 3).to(dev)]
+    byte_idx = torch.from_numpy(starts).to(dev)
+    cols = byte_idx[..., None] + torch.arange(k, device=dev)
+    raw = b.view[cols]
+    if k == 8:
+        return raw.contiguous().view(torch.int64)[..., 0]
+    return raw.reshape(raw.shape[0], -1).to(torch.int64)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -176,13 +270,12 @@ def _sample_points(start: int, end: int, stride: int, first: int, ps: int, token
     return pidx, head, tail
 
 
-def _sampled(pool: PoolSpec, span: Span, stride: int, b: _Bases, base: np.ndarray
-             ) -> list[int]:
-    """Sampled digests (the bytes read: module notes), one per buffer offset in ``base``."""
-    heads = pool.sharding.kind == "heads"
-    lo = hi = 0
-    hb = 0
-    if heads:
+def _sample_plan(pool: PoolSpec, span: Span, stride: int
+                 ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Byte offsets (inside one buffer) where each sample's head and tail start, and the
+    sample's size ``k`` (8 bytes, or the whole unit when smaller)."""
+    hb = lo = hi = 0
+    if pool.sharding.kind == "heads":
         sh = pool.sharding
         if span.hi <= span.lo:
             raise ConfigError(f"pool {pool.name!r}: empty head range [{span.lo}, {span.hi})")
@@ -198,36 +291,59 @@ def _sampled(pool: PoolSpec, span: Span, stride: int, b: _Bases, base: np.ndarra
                           f"[{span.start}, {span.end})")
     at = pages[pidx].astype(np.int64) * pool.item_bytes
     k = min(SAMPLE_BYTES, hb or pool.token_bytes)
+    return at + head, at + tail - k, k
+
+
+def _sampled(pool: PoolSpec, span: Span, stride: int, b: _Bases, base: np.ndarray
+             ) -> list[int]:
+    """Sampled digests (the bytes read: module notes), one per buffer offset in ``base``."""
+    heads, tails, k = _sample_plan(pool, span, stride)
     if b.words is not None and k == SAMPLE_BYTES and not (
-            pool.item_bytes % 8 or pool.token_bytes % 8 or hb % 8):
-        w = np.empty((at.size, 2), dtype=np.int64)  # 8 bytes at a time: same bytes, order
-        w[:, 0], w[:, 1] = (at + head) >> 3, ((at + tail) >> 3) - 1
+            pool.item_bytes % 8 or pool.token_bytes % 8 or pool.sharding.head_bytes % 8):
+        w = np.empty((heads.size, 2), dtype=np.int64)  # 8 bytes at a time: same bytes, order
+        w[:, 0], w[:, 1] = heads >> 3, tails >> 3
         rows = b.words[(base >> 3)[:, None] + w.reshape(1, -1)]
     else:
         r = np.arange(k, dtype=np.int64)
-        cols = np.concatenate(((at + head)[:, None] + r, (at + tail - k)[:, None] + r), axis=1)
+        cols = np.concatenate((heads[:, None] + r, tails[:, None] + r), axis=1)
         rows = np.ascontiguousarray(b.view[base[:, None] + cols.reshape(1, -1)])
     m = memoryview(rows).cast("B")
     step = m.nbytes // max(1, rows.shape[0])
+    if step == 0:
+        return [xxhash.xxh3_64_intdigest(b"") & MASK for _ in range(rows.shape[0])]
     h = xxhash.xxh3_64_intdigest
-    return [h(m[i:i + step]) & MASK for i in range(0, m.nbytes, step)] if step else [
-        h(b"") & MASK for _ in range(rows.shape[0])]
+    return [h(m[i:i + step]) & MASK for i in range(0, m.nbytes, step)]
+
+
+def _sampled_portable(pool: PoolSpec, span: Span, stride: int, b: _Bases, base: np.ndarray
+                      ) -> list[int]:
+    """The portable digest of the same sample, gathered and mixed on the pool's device."""
+    heads, tails, k = _sample_plan(pool, span, stride)
+    starts = np.stack((heads, tails), axis=1).reshape(1, -1) + base[:, None]
+    x = _gather_values(b, starts, k)
+    return _mix_finish(_mix_sums(x), int(x.shape[-1]))
 
 
 def digests(pool: PoolSpec, span: Span, mode: str, stride: int = 1,
-            buffers: Sequence[int] | None = None) -> list[int]:
-    """One digest per buffer of ``pool`` (or per index in ``buffers``) over ``span``."""
+            buffers: Sequence[int] | None = None, portable: bool = False) -> list[int]:
+    """One digest per buffer of ``pool`` (or per index in ``buffers``) over ``span``; with
+    ``portable`` (a device pool on either side: ``portable()``) the torch digest."""
     if mode == "off":
         return []
-    if pool.location != "cpu":
-        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: digests of "
-                                   f"device pools are not supported yet (integrity='off')")
-    b = _bases(pool)
+    if not supported(pool.location):
+        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: only host "
+                                   f"and CUDA pools can be digested (integrity='off')")
+    if pool.location != "cpu" and not portable:
+        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: device pools "
+                                   f"take the portable digest")
+    b = _bases(pool, portable)
     base = b.offsets if buffers is None else b.offsets[np.asarray(buffers, dtype=np.int64)]
     if mode == "sampled":
-        return _sampled(pool, span, stride, b, base)
+        return (_sampled_portable if portable else _sampled)(pool, span, stride, b, base)
     tokens = np.arange(span.start, span.end, dtype=np.int64)
     offs, unit = _units(pool, span, tokens, _heads(pool, span, False))
+    if portable:
+        return _full_portable(b, base, offs, unit)
     # full: hash contiguous runs of units in logical order (the stream equals one buffer of
     # every byte in that order; a run is as long as memory and logical order agree)
     if offs.size == 0:
@@ -245,16 +361,42 @@ def digests(pool: PoolSpec, span: Span, mode: str, stride: int = 1,
     return out
 
 
+def _full_portable(b: _Bases, base: np.ndarray, offs: np.ndarray, unit: int) -> list[int]:
+    """Every byte of the units at ``offs`` of each buffer, as the portable digest: 8-byte
+    words when units are whole words, else single bytes; one buffer at a time on the device
+    (a gather as large as that buffer's part of the request), one sync at the end."""
+    import torch
+
+    k = 8 if unit % 8 == 0 else 1
+    starts = (offs[:, None] + np.arange(0, unit, k, dtype=np.int64)[None, :]).reshape(1, -1)
+    if starts.size == 0:
+        return _mix_finish(torch.zeros(base.size, dtype=torch.int64), 0)
+    if k == 8 and b.words is not None and not (starts % 8).any() and not (base % 8).any():
+        idx = torch.from_numpy(starts >> 3).to(b.view.device)  # moved once, offset per buffer
+        sums = torch.cat([_mix_sums(b.words[idx + (o >> 3)]) for o in base.tolist()])
+    else:
+        sums = torch.cat([_mix_sums(_gather_values(b, starts + o, k)) for o in base.tolist()])
+    return _mix_finish(sums, int(starts.size))
+
+
 def slot_digests(pool: PoolSpec, slot: int, mode: str,
-                 buffers: Sequence[int] | None = None) -> list[int]:
+                 buffers: Sequence[int] | None = None, portable: bool = False) -> list[int]:
     """One digest per buffer of a slot pool's row ``slot`` (rows are small: always whole)."""
     if mode == "off":
         return []
-    if pool.location != "cpu":
-        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: digests of "
-                                   f"device pools are not supported yet (integrity='off')")
+    if not supported(pool.location) or (pool.location != "cpu" and not portable):
+        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: only host "
+                                   f"pools, or CUDA pools with the portable digest")
+    idx = list(range(len(pool.buffers))) if buffers is None else list(buffers)
+    if portable:
+        b = _bases(pool, True)
+        k = 8 if pool.item_bytes % 8 == 0 else 1
+        row = np.arange(0, pool.item_bytes, k, dtype=np.int64) + slot * pool.item_bytes
+        starts = b.offsets[np.asarray(idx, dtype=np.int64)][:, None] + row[None, :]
+        x = _gather_values(b, starts, k)
+        return _mix_finish(_mix_sums(x), int(x.shape[-1]))
     out = []
-    for i in range(len(pool.buffers)) if buffers is None else buffers:
+    for i in idx:
         view = _host_view(pool.buffers[i].addr, pool.num_items * pool.item_bytes)
         off = slot * pool.item_bytes
         out.append(xxhash.xxh3_64_intdigest(view[off:off + pool.item_bytes].tobytes()) & MASK)
@@ -281,18 +423,29 @@ def host_rows(addr: int, num_items: int, item_bytes: int) -> np.ndarray:
 
 
 def l1_page_digests(pool: PoolSpec, pages: np.ndarray) -> list[int]:
-    """``page_digest`` of each L1 page in ``pages`` of a host pool, gathering only the words
-    the digest reads (one gather for every page and buffer; never a copy of whole pages)."""
-    b = _bases(pool)
+    """``page_digest`` of each L1 page in ``pages``, gathering only the words the digest reads
+    (one gather for every page and buffer; never a copy of whole pages). A CUDA pool gathers
+    on its device and hands only those words (1/512 of the pages) to the host's XXH3: the
+    digest it is compared with was recorded over the L2 (host) copy."""
     item = pool.item_bytes
     pages = np.asarray(pages, dtype=np.int64)
+    dev = pool.location != "cpu"
+    b = _bases(pool, dev)
     if b.words is None or item % 8:
+        if dev:
+            raise IntegrityUnsupported(f"pool {pool.name!r}: pages of a device pool must be "
+                                       f"8-byte aligned to be checked")
         return [page_digest(l1_page_rows(pool, int(p))) for p in pages.tolist()]
     cols = np.arange(0, item // 8, PAGE_SAMPLE_WORDS, dtype=np.int64)
     idx = ((b.offsets[None, :, None] + (pages * item)[:, None, None]) >> 3) + cols
-    words = b.words[idx]  # [pages, buffers, sampled words]
+    if dev:
+        import torch
+
+        words = b.words[torch.from_numpy(idx).to(b.view.device)].cpu().numpy()
+    else:
+        words = b.words[idx]  # [pages, buffers, sampled words]
     h = xxhash.xxh3_64_intdigest
-    return [h(w) & MASK for w in words]
+    return [h(np.ascontiguousarray(w)) & MASK for w in words]
 
 
 def l1_page_rows(pool: PoolSpec, page: int) -> np.ndarray:

@@ -172,11 +172,12 @@ class DecodeSide:
         self.ep = ep
         self.cfg = ep.config
         self._faults = faults()
-        host = all(p.location == "cpu" for p in ep.pools if p.kind == "paged" and p.item_bytes)
-        self.integrity = self.cfg.integrity if host else "off"
-        if self.cfg.integrity != "off" and not host:
-            log.warning("integrity=%s needs host pools in this version: device pools are not "
-                        "checked", self.cfg.integrity)
+        odd = sorted({p.location for p in ep.pools if p.item_bytes
+                      and not I.supported(p.location)})
+        self.integrity = self.cfg.integrity if not odd else "off"
+        if self.cfg.integrity != "off" and odd:
+            log.warning("integrity=%s: pools on %s cannot be digested (host and CUDA pools "
+                        "can): received KV is not checked", self.cfg.integrity, odd)
         self.rooms: dict[int, RecvRoom] = {}
         self._bufmaps: dict[int, tuple[PoolSpec, list[int | None]]] = {}
         n = Staging.wanted(ep.pools)
@@ -469,7 +470,8 @@ class DecodeSide:
                 continue
             pool = self.ep.pool(name)
             if (pool.kind != "paged" or not pool.item_bytes or not theirs.item_bytes
-                    or theirs.location != "cpu" or (pool.indices_from or name) not in st.dst):
+                    or not I.supported(theirs.location)
+                    or (pool.indices_from or name) not in st.dst):
                 continue
             if not I.covers(covered.get(name, []), st.prefix_len, st.num_tokens):
                 return (f"no digest covers pool {name!r} tokens [{st.prefix_len}, "
@@ -489,14 +491,16 @@ class DecodeSide:
                 slot = st.slots.get(d.pool)
                 if slot is None:
                     return f"digest for slot pool {d.pool!r} this request did not name"
-                got = I.slot_digests(pool, slot, mode, idx)  # type: ignore[arg-type]
+                got = I.slot_digests(pool, slot, mode, idx,  # type: ignore[arg-type]
+                                     portable=I.portable(pool, theirs))
             else:
                 pages = st.dst.get(pool.indices_from or d.pool)
                 if pages is None or d.start < st.prefix_len or d.end > st.num_tokens:
                     return (f"digest of pool {d.pool!r} tokens [{d.start}, {d.end}) outside "
                             f"the request")
                 got = I.digests(pool, I.Span(pages, st.prefix_len, d.start, d.end, d.lo, d.hi),
-                                mode, I.sample_stride(theirs, pool), idx)  # type: ignore[arg-type]
+                                mode, I.sample_stride(theirs, pool), idx,  # type: ignore[arg-type]
+                                portable=I.portable(pool, theirs))
         except PdxferError as e:
             return f"cannot check pool {d.pool!r}: {e}"
         for i, (g, w) in enumerate(zip(got, d.values)):

@@ -678,19 +678,22 @@ class PrefillSide:
         ask = C.ask_of(t.req, t.dst)
         for w in C.written(ask, t.peer.pairings, chunk.pages, chunk.first, self.page_sizes):
             pr = t.peer.pairings[w.pool]
-            if pr.src.location != "cpu" or pr.dst.location != "cpu":
-                continue  # device pools are not digested yet (the decode does not expect it)
+            if not (I.supported(pr.src.location) and I.supported(pr.dst.location)):
+                continue  # memory that cannot be digested (the decode does not expect it)
             span = I.Span(w.pages, w.first, w.start, w.end, w.lo, w.hi)
-            vals = I.digests(pr.src, span, mode, I.sample_stride(pr.src, pr.dst))
+            vals = I.digests(pr.src, span, mode, I.sample_stride(pr.src, pr.dst),
+                             portable=I.portable(pr.src, pr.dst))
             t.digests.append(wire.Digest(w.pool, w.start, w.end, w.lo, w.hi, tuple(vals)))
             n += len(vals)
         if chunk.last:
             for name, _ in t.req.slots.items():
                 pr = t.peer.pairings.get(name)
                 sslot = chunk.slots.get(name)
-                if pr is None or name in t.req.skip or sslot is None or pr.src.location != "cpu":
+                if (pr is None or name in t.req.skip or sslot is None
+                        or not (I.supported(pr.src.location) and I.supported(pr.dst.location))):
                     continue
-                vals = I.slot_digests(pr.src, int(sslot), mode)
+                vals = I.slot_digests(pr.src, int(sslot), mode,
+                                      portable=I.portable(pr.src, pr.dst))
                 t.digests.append(wire.Digest(name, 0, 0, 0, 0, tuple(vals)))
                 n += len(vals)
         self.ep.count("integrity_digests", n)

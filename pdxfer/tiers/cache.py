@@ -88,7 +88,8 @@ class TieredCache:
         self.salt = f"{layout_signature(list(pools))}|{model_id}|{salt}"
         self.host = HostCache(pools, host_pages, register)
         self.verify = verify
-        self.l1_specs = {p.name: p for p in paged if p.item_bytes and p.location == "cpu"}
+        self.l1_specs = {p.name: p for p in paged if p.item_bytes
+                         and integrity.supported(p.location)}
         self.restore_check_seconds = 0.0
         self.l1_copy_seconds = 0.0
         self.l1_copy_bytes = 0
@@ -205,7 +206,8 @@ class TieredCache:
     def _damage(self, kind: str, n: int, dst: Mapping[str, np.ndarray], f: Faults) -> None:
         """Fault injection (tests only): damage one restored L1 page of one buffer as a bad
         copy would (``faults.py``: ``corrupt``, ``skip_write``, ``shift_write``)."""
-        pools = [p for p in self.data_pools if p in self.l1_specs]
+        pools = [p for p in self.data_pools if p in self.l1_specs
+                 and self.l1_specs[p].location == "cpu"]
         if not pools:
             return
         spec = self.l1_specs[pools[f.pick(len(pools))]]

@@ -3,11 +3,21 @@ size, layout or TP shard holding it, and a wrong, stale, missing or shifted page
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
-from pdxfer.integrity import Span, digests, sample_stride, sampled_tokens
+from pdxfer.integrity import (
+    IntegrityUnsupported,
+    Span,
+    digests,
+    portable,
+    sample_stride,
+    sampled_tokens,
+    slot_digests,
+    supported,
+)
 from pdxfer.testing import patterns as pat
 from pdxfer.testing.patterns import PoolGeom
 
@@ -35,27 +45,29 @@ def _filled(ps: int, layout: str = "NHD", heads: int = 8, first: int = 0, seed: 
     return spec, ts, pages
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["xxh3", "portable"])
 @pytest.mark.parametrize("mode", ["sampled", "full"])
 @pytest.mark.parametrize("a,b", [((16, "NHD"), (1, "NHD")), ((16, "HND"), (4, "NHD")),
                                  ((8, "HND"), (8, "HND")), ((64, "NHD"), (16, "HND"))])
-def test_digest_ignores_page_size_and_layout(mode: str, a, b) -> None:
+def test_digest_ignores_page_size_and_layout(mode: str, a, b, portable: bool) -> None:
     sa, ta, pa = _filled(*a, seed=1)  # keep the tensors: the specs only point at them
     sb, tb, pb = _filled(*b, seed=2)
     stride = sample_stride(sa, sb)
-    da = digests(sa, Span(pa, 0, *TOKENS, 0, 8), mode, stride)
-    db = digests(sb, Span(pb, 0, *TOKENS, 0, 8), mode, stride)
+    da = digests(sa, Span(pa, 0, *TOKENS, 0, 8), mode, stride, portable=portable)
+    db = digests(sb, Span(pb, 0, *TOKENS, 0, 8), mode, stride, portable=portable)
     assert da == db and len(set(da)) == len(da)  # equal per buffer, distinct across buffers
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["xxh3", "portable"])
 @pytest.mark.parametrize("mode", ["sampled", "full"])
-def test_digest_of_a_head_slice_equals_across_tp_shards(mode: str) -> None:
+def test_digest_of_a_head_slice_equals_across_tp_shards(mode: str, portable: bool) -> None:
     whole, tw, pw = _filled(16, "HND", heads=8, first=0, seed=3)
     half, th, ph = _filled(4, "NHD", heads=4, first=4, seed=4)  # a decode rank holding 4..8
     s = sample_stride(whole, half)
-    assert (digests(whole, Span(pw, 0, *TOKENS, 4, 8), mode, s)
-            == digests(half, Span(ph, 0, *TOKENS, 4, 8), mode, s))
-    assert (digests(whole, Span(pw, 0, *TOKENS, 4, 6), mode, s)
-            != digests(whole, Span(pw, 0, *TOKENS, 4, 8), mode, s))
+    assert (digests(whole, Span(pw, 0, *TOKENS, 4, 8), mode, s, portable=portable)
+            == digests(half, Span(ph, 0, *TOKENS, 4, 8), mode, s, portable=portable))
+    assert (digests(whole, Span(pw, 0, *TOKENS, 4, 6), mode, s, portable=portable)
+            != digests(whole, Span(pw, 0, *TOKENS, 4, 8), mode, s, portable=portable))
 
 
 def test_sample_touches_every_page_of_either_side() -> None:
@@ -68,16 +80,17 @@ def test_sample_touches_every_page_of_either_side() -> None:
                 assert t & set(range(lo, hi)), (start, end, s, ps, p)
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["xxh3", "portable"])
 @pytest.mark.parametrize("fault", ["stale", "shift", "overwrite"])
 @pytest.mark.parametrize("ps", [1, 4, 16])
-def test_sampled_digest_catches_every_page_level_fault(fault: str, ps: int) -> None:
+def test_sampled_digest_catches_every_page_level_fault(fault: str, ps: int, portable: bool) -> None:
     """Every page of the destination, in turn: a page never written (stale), written one page
     off (shift), or overwritten with other bytes: the digest of its buffer changes."""
     src, ts, psrc = _filled(16, "HND", seed=5)
     dst, dts, pdst = _filled(ps, seed=6)
     s = sample_stride(src, dst)
-    want = digests(src, Span(psrc, 0, *TOKENS, 0, 8), "sampled", s)
-    assert digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "sampled", s) == want
+    want = digests(src, Span(psrc, 0, *TOKENS, 0, 8), "sampled", s, portable=portable)
+    assert digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "sampled", s, portable=portable) == want
     used = range(TOKENS[0] // ps, -(-TOKENS[1] // ps))
     spare = int(np.setdiff1d(np.arange(128), pdst)[0])
     for i in used:
@@ -90,16 +103,17 @@ def test_sampled_digest_catches_every_page_level_fault(fault: str, ps: int) -> N
                 u8[pdst[i]] = u8[pdst[i + 1] if i + 1 < len(pdst) else spare]
             else:
                 u8[pdst[i]] ^= 0xFF
-            got = digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "sampled", s)
+            got = digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "sampled", s, portable=portable)
             u8[pdst[i]] = keep
             assert got[b] != want[b], (fault, ps, i, b)
             assert [g for j, g in enumerate(got) if j != b] == [w for j, w in enumerate(want)
                                                                 if j != b]
 
 
-def test_full_digest_catches_one_flipped_byte_anywhere() -> None:
+@pytest.mark.parametrize("portable", [False, True], ids=["xxh3", "portable"])
+def test_full_digest_catches_one_flipped_byte_anywhere(portable: bool) -> None:
     dst, dts, pdst = _filled(16, "NHD", seed=7)
-    want = digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "full")
+    want = digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "full", portable=portable)
     rng = np.random.default_rng(0)
     u8 = dts[1].view(-1).view(torch.uint8).view(128, -1)
     for _ in range(50):
@@ -109,10 +123,60 @@ def test_full_digest_catches_one_flipped_byte_anywhere() -> None:
         tok = int(rng.integers(lo, hi))
         off = tok * dst.token_bytes + int(rng.integers(0, dst.token_bytes))
         u8[pdst[i], off] ^= 1 << int(rng.integers(0, 8))
-        assert digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "full")[1] != want[1]
-        want = digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "full")
+        assert digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "full", portable=portable)[1] != want[1]
+        want = digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "full", portable=portable)
 
 
-def test_off_digests_nothing() -> None:
+@pytest.mark.parametrize("portable", [False, True], ids=["xxh3", "portable"])
+def test_off_digests_nothing(portable: bool) -> None:
     dst, ts, pdst = _filled(16, seed=8)
-    assert digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "off") == []
+    assert digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "off", portable=portable) == []
+
+
+def test_portable_digest_is_the_same_whether_memory_is_word_aligned_or_not() -> None:
+    """One side may hold a pool at an address that is not 8-byte aligned: it gathers bytes
+    and joins them into the same words, so both sides still agree."""
+    spec, ts, pages = _filled(16, seed=9)
+    span = Span(pages, 0, *TOKENS, 0, 8)
+    want = {m: digests(spec, span, m, 16, portable=True) for m in ("sampled", "full")}
+    # the same bytes, one byte further into a larger host allocation
+    raw = [torch.zeros(t.numel() * t.element_size() + 1, dtype=torch.uint8) for t in ts]
+    for r, t in zip(raw, ts):
+        r[1:] = t.reshape(-1).view(torch.uint8)
+    bufs = tuple(msgspec.structs.replace(b, addr=r.data_ptr() + 1)
+                 for b, r in zip(spec.buffers, raw))
+    odd = msgspec.structs.replace(spec, buffers=bufs)
+    for m in ("sampled", "full"):
+        assert digests(odd, span, m, 16, portable=True) == want[m], m
+
+
+def test_portable_and_xxh3_digests_are_different_functions_of_the_same_bytes() -> None:
+    """The two sides must pick the same function (``integrity.portable``): a host-only pair
+    uses XXH3, a pair with a device pool the portable digest."""
+    spec, ts, pages = _filled(16, seed=10)
+    span = Span(pages, 0, *TOKENS, 0, 8)
+    assert digests(spec, span, "sampled", 16) != digests(spec, span, "sampled", 16, portable=True)
+    dev = msgspec.structs.replace(spec, location="cuda:0")
+    assert portable(spec, dev) and portable(dev, spec) and not portable(spec, spec)
+    assert supported("cuda:3") and supported("cpu") and not supported("npu:0")
+    with pytest.raises(IntegrityUnsupported):
+        digests(msgspec.structs.replace(spec, location="npu:0"), span, "sampled", 16,
+                portable=True)
+
+
+@pytest.mark.parametrize("portable_", [False, True], ids=["xxh3", "portable"])
+def test_slot_digest_changes_with_any_byte_of_the_row(portable_: bool) -> None:
+    g = PoolGeom("aux", "slots", layers=2, pages=16, dim=6, dtype="int32")  # 24-byte rows
+    specs, tensors = pat.build([g])
+    spec, ts = specs[0], tensors["aux"]
+    for i, t in enumerate(ts):
+        t.copy_(torch.arange(t.numel(), dtype=torch.int32).view_as(t) * (i + 3))
+    want = slot_digests(spec, 5, "full", portable=portable_)
+    assert len(set(want)) == len(want)
+    assert slot_digests(spec, 6, "full", portable=portable_) != want
+    u8 = ts[1].view(torch.uint8).view(16, -1)
+    for off in range(u8.shape[1]):
+        u8[5, off] ^= 0x10
+        got = slot_digests(spec, 5, "full", portable=portable_)
+        u8[5, off] ^= 0x10
+        assert got[0] == want[0] and got[1] != want[1], off
