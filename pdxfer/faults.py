@@ -14,7 +14,9 @@
   Integrity checks (``integrity.py``) must catch every one of them.
 - ``at``: where those page faults strike: ``network`` (the default, as above) or ``restore``
   (a tiered restore's page, right after its L2 -> L1 copy and before it is checked against
-  the digest recorded when it entered L2: the damaged page and the rest are then repaired).
+  the digest recorded when it entered L2: the damaged page and the rest are then repaired),
+  or ``writeback`` (an L2 page of a write-back, after its digest was recorded and before
+  it is stored in L3: a restore from L3 must catch it against the digest sealed with it).
 - ``once=1``: page faults strike each room at most once (a transient fault: what is sent
   again, by an ``integrity_retry`` or a repair, arrives intact).
 
@@ -72,8 +74,8 @@ class Faults:
                 elif key == "once":
                     f.once = bool(int(val))
                 elif key == "at":
-                    if val not in ("network", "restore"):
-                        raise ValueError("at must be network or restore")
+                    if val not in ("network", "restore", "writeback"):
+                        raise ValueError("at must be network, restore or writeback")
                     f.at = val
                 else:
                     raise ValueError(f"unknown fault {key!r}")

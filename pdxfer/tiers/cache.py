@@ -28,7 +28,7 @@ from .copy import Copier, CpuCopier
 from .errors import CapacityError
 from .host import Entry, HostCache, Register
 from .keys import page_keys, pool_key
-from .storage import StorageBackend, prefix_hits
+from .storage import NO_DIGEST, StorageBackend, prefix_hits
 
 log = logging.getLogger("pdxfer.tiers")
 
@@ -108,6 +108,7 @@ class TieredCache:
                                          "writeback_skipped": 0,
                                          "integrity_restore_checks": 0,
                                          "integrity_restore_mismatches": 0,
+                                         "integrity_l3_mismatches": 0,
                                          "faults_injected_corrupt": 0,
                                          "faults_injected_skip_write": 0,
                                          "faults_injected_shift_write": 0}
@@ -181,8 +182,6 @@ class TieredCache:
                     m.l3_missing.append(batch[n].key)
                     break
         m.good_l3 = good3
-        for e in m.l3[:good3]:  # what came from L3 (its tag checked) is recorded like L2
-            self._record(e)
         entries = m.l2 + m.l3[:good3]
         if entries:
             t0 = time.perf_counter()
@@ -227,6 +226,22 @@ class TieredCache:
             other = next((q for q in range(spec.num_items) if q not in taken
                           and not np.array_equal(view[q], view[page])), None)
             view[page] = view[other] if other is not None else view[page] ^ 0x5A
+        self._count(f"faults_injected_{kind}")
+
+    def _damage_l2(self, kind: str, new: list[Entry], f: Faults) -> None:
+        """Fault injection (tests only, ``at=writeback``): damage the first L2 page of a
+        write-back (a page every later restore of that prefix reads) after its digest was
+        recorded and before it goes to L3, as a bad host page would."""
+        pool = self.data_pools[f.pick(len(self.data_pools))]
+        data = self.host.pools[pool].per_buffer()
+        page, nxt = new[0].pages[pool], new[min(1, len(new) - 1)].pages[pool]
+        b = f.pick(data.shape[1])
+        if kind == "corrupt":
+            data[page, b] ^= 0xFF
+        elif kind == "shift_write" and nxt != page:
+            data[nxt, b] = data[page, b]
+        else:
+            data[page, b] ^= 0x5A
         self._count(f"faults_injected_{kind}")
 
     def _record(self, e: Entry) -> None:
@@ -276,17 +291,38 @@ class TieredCache:
         return keys, addrs, sizes
 
     def _get(self, batch: list[Entry]) -> list[bool]:
+        """Read a batch of pages from L3 into their L2 pages; per page, whether every pool's
+        object came, sealed, and (checks on) with the bytes its sealed digest describes."""
         assert self.storage is not None
         keys, addrs, sizes = self._io_lists(batch)
+        sealed = [NO_DIGEST] * len(keys)
         try:
-            got = self.storage.get_into(keys, addrs, sizes)
+            got = self.storage.get_into(keys, addrs, sizes, sealed)
         except Exception as e:  # noqa: BLE001 - a failing L3 is a miss, repaired upstream
             log.warning("L3 get failed: %s", e)
             got = [False] * len(keys)
         n = len(self.data_pools)
         self._count("l3_gets", len(keys))
         self._count("l3_get_misses", got.count(False))
-        return [all(got[i * n:(i + 1) * n]) for i in range(len(batch))]
+        ok = [all(got[i * n:(i + 1) * n]) for i in range(len(batch))]
+        for i, e in enumerate(batch):
+            if ok[i] and self.verify:
+                ok[i] = self._check_sealed(e, sealed[i * n:(i + 1) * n])
+        return ok
+
+    def _check_sealed(self, e: Entry, sealed: Sequence[int]) -> bool:
+        """Whether an L2 page just read from L3 holds what its sealed digest (recorded when
+        the page first entered L2, before its write-back) says; it then keeps that digest
+        for the L2 -> L1 check. A page damaged in L2 before its write-back was sealed as it
+        was: the tag passes, this does not."""
+        self._record(e)
+        for pool, want in zip(self.data_pools, sealed):
+            if want != NO_DIGEST and e.digests.get(pool) != want:
+                self._count("integrity_l3_mismatches")
+                log.warning("L3 page %s (%s) does not match the digest it was stored with: "
+                            "a miss, repaired from the prefill", e.key, pool)
+                return False
+        return True
 
     def finish(self, m: Match) -> None:
         """Drop the match's pins: L2 hits unpinned, good L3 prefetches become L2 hits, the
@@ -331,6 +367,11 @@ class TieredCache:
             raise
         for e in new:
             self._record(e)
+        f = faults()
+        if new and f.page_faults:
+            kind = f.page_fault(-1, "writeback")
+            if kind is not None:
+                self._damage_l2(kind, new, f)
         self.host.pin(new)
         self.host.commit(new)
         self._count("l2_writebacks", len(new))
@@ -349,8 +390,9 @@ class TieredCache:
             if self.storage is None or not entries:
                 return 0
             keys, addrs, sizes = self._io_lists(entries)
+            digests = [e.digests.get(p, NO_DIGEST) for e in entries for p in self.data_pools]
             try:
-                ok = self.storage.put_from(keys, addrs, sizes)
+                ok = self.storage.put_from(keys, addrs, sizes, digests)
             except Exception as e:  # noqa: BLE001 - a failing L3 is a logged miss
                 log.warning("L3 put failed (those pages are misses): %s", e)
                 ok = [False] * len(keys)

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..auth import load_secret
 from .errors import StorageError
-from .storage import Sealer, _buf
+from .storage import NO_DIGEST, TAG_BYTES, Sealer, _buf
 
 log = logging.getLogger("pdxfer.tiers.mooncake")
 
@@ -113,8 +113,9 @@ class MooncakeStoreStorage:
     def __init__(self, master_addr: str, metadata_url: str, *, host: str = "127.0.0.1",
                  segment_bytes: int = 256 * MiB, local_buffer_bytes: int = 16 * MiB,
                  setup_timeout_s: float = 30.0, secret: str | bytes | None = None) -> None:
-        # every object's tag (``Sealer``) is stored beside it as ``<key>.tag``: a client
-        # without the secret that upserts a key cannot supply KV that passes the check
+        # every object's page digest and tag (``Sealer``) are stored beside it as
+        # ``<key>.tag`` (8 + 32 bytes): a client without the secret that upserts a key
+        # cannot supply KV (or a digest) that passes the check
         self.sealer = Sealer(load_secret(secret))
         from mooncake.store import MooncakeDistributedStore
 
@@ -158,17 +159,22 @@ class MooncakeStoreStorage:
         n = len(keys)
         return [both[i] == 1 and both[n + i] == 1 for i in range(n)]
 
-    def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
-                 ) -> list[bool]:
+    def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
+                 digests: list[int] | None = None) -> list[bool]:
         if not keys:
             return []
         got = self.store.batch_get_into(list(keys), list(addrs), list(sizes))
         ok = [int(g) == int(s) for g, s in zip(got, sizes)]
         tags = self.store.get_batch([_tag_key(k) for k in keys])
         for i, (k, a, s) in enumerate(zip(keys, addrs, sizes)):
-            if ok[i] and not self.sealer.check(k, _buf(a, s), bytes(tags[i] or b"")):
+            meta = bytes(tags[i] or b"")
+            d = int.from_bytes(meta[:8], "little", signed=True) if len(meta) >= 8 else 0
+            if ok[i] and not (len(meta) == 8 + TAG_BYTES
+                              and self.sealer.check(k, _buf(a, s), meta[8:], d)):
                 ok[i] = False
                 log.info("Mooncake Store object %s: tag mismatch (corrupt or forged)", k)
+            if digests is not None:
+                digests[i] = d if ok[i] else NO_DIGEST
         bad = ok.count(False)
         if bad:
             self.misses += bad
@@ -176,14 +182,15 @@ class MooncakeStoreStorage:
                      sorted({int(g) for g, o in zip(got, ok) if not o}))
         return ok
 
-    def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
-                 ) -> list[bool]:
+    def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
+                 digests: Sequence[int] | None = None) -> list[bool]:
         if not keys:
             return []
+        ds = digests if digests is not None else [NO_DIGEST] * len(keys)
         rcs = self.store.batch_upsert_from(list(keys), list(addrs), list(sizes))
         ok = [int(r) == 0 for r in rcs]
-        stored = [(k, self.sealer.tag(k, _buf(a, s)))
-                  for k, a, s, o in zip(keys, addrs, sizes, ok) if o]
+        stored = [(k, d.to_bytes(8, "little", signed=True) + self.sealer.tag(k, _buf(a, s), d))
+                  for k, a, s, d, o in zip(keys, addrs, sizes, ds, ok) if o]
         if stored:
             trc = self.store.upsert_batch([_tag_key(k) for k, _ in stored],
                                           [t for _, t in stored])

@@ -6,11 +6,17 @@ its group is present (draft KV with target KV, every sidecar): ``prefix_hits`` a
 of them in one batch and answers with a prefix length.
 
 ``FileStorage`` writes ``header | payload | tag`` to a temp file and renames it into place,
-so a reader sees a whole object or none. The tag (``Sealer``) binds the payload to its key:
-HMAC-SHA256 keyed by the shared secret when one is set, else BLAKE2b over key and payload. A
-file that is short, torn, of another size, copied from another key's file or forged without
-the secret is a miss, never bytes handed to a request (the restore then repairs the range
-from the prefill). Files are opened relative to their folder's descriptor, never through a
+so a reader sees a whole object or none. The tag (``Sealer``) binds the payload to its key
+and to the page's integrity digest: HMAC-SHA256 keyed by the shared secret when one is set,
+else BLAKE2b over key, digest and payload. A file that is short, torn, of another size,
+copied from another key's file or forged without the secret is a miss, never bytes handed to
+a request (the restore then repairs the range from the prefill).
+
+The digest (``integrity.page_digest``, recorded when the page first entered L2) travels in
+the sealed object, so one value follows a page from its first write-back through L3 to every
+later restore: the tiers check the bytes an L3 read brought against it (a page damaged in L2
+before its write-back was sealed as it was, wrong; this catches it), then check L1 against
+it after the copy. ``NO_DIGEST`` where the tiers do not verify. Files are opened relative to their folder's descriptor, never through a
 symlink, so nothing planted in the root can redirect a write outside it.
 """
 
@@ -33,9 +39,11 @@ from .keys import pool_key
 
 log = logging.getLogger("pdxfer.tiers.storage")
 
-_MAGIC = b"PDXL3v2\0"
-_HEAD = struct.Struct("<8sQ")
+_MAGIC = b"PDXL3v3\0"
+_HEAD = struct.Struct("<8sQq")
 TAG_BYTES = 32
+NO_DIGEST = -1
+"""The digest of an object stored without one (the tiers' checks are off)."""
 
 
 class Sealer:
@@ -44,9 +52,10 @@ class Sealer:
     def __init__(self, secret: bytes | None) -> None:
         self.secret = secret
 
-    def tag(self, key: str, payload: memoryview | bytes) -> bytes:
+    def tag(self, key: str, payload: memoryview | bytes, digest: int = NO_DIGEST) -> bytes:
         k = key.encode()
-        prefix = b"pdxfer-l3-v2|" + len(k).to_bytes(4, "little") + k
+        prefix = (b"pdxfer-l3-v3|" + len(k).to_bytes(4, "little") + k
+                  + digest.to_bytes(8, "little", signed=True))
         if self.secret is not None:
             m = hmac.new(self.secret, prefix, hashlib.sha256)
             m.update(payload)
@@ -55,8 +64,10 @@ class Sealer:
         h.update(payload)
         return h.digest()
 
-    def check(self, key: str, payload: memoryview | bytes, tag: bytes) -> bool:
-        return len(tag) == TAG_BYTES and hmac.compare_digest(self.tag(key, payload), tag)
+    def check(self, key: str, payload: memoryview | bytes, tag: bytes,
+              digest: int = NO_DIGEST) -> bool:
+        return len(tag) == TAG_BYTES and hmac.compare_digest(self.tag(key, payload, digest),
+                                                             tag)
 
 
 class StorageBackend(Protocol):
@@ -68,14 +79,17 @@ class StorageBackend(Protocol):
 
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
 
-    def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
-                 ) -> list[bool]:
-        """Read each object into ``addr``; True only when exactly ``size`` good bytes came."""
+    def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
+                 digests: list[int] | None = None) -> list[bool]:
+        """Read each object into ``addr``; True only when exactly ``size`` good bytes came.
+        ``digests`` (a list as long as ``keys``) gets the digest each good object was stored
+        with (sealed with it), ``NO_DIGEST`` for the rest."""
         ...
 
-    def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
-                 ) -> list[bool]:
-        """Store (overwrite) each object; False is a miss to log (full, unreachable)."""
+    def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
+                 digests: Sequence[int] | None = None) -> list[bool]:
+        """Store (overwrite) each object, sealed with its page digest (``NO_DIGEST`` when
+        ``digests`` is None); False is a miss to log (full, unreachable)."""
         ...
 
     def close(self) -> None: ...
@@ -190,17 +204,24 @@ class FileStorage:
             os.close(fd)
         if len(head) != _HEAD.size:
             return False
-        magic, n = _HEAD.unpack(head)
+        magic, n, _ = _HEAD.unpack(head)
         return magic == _MAGIC and size == _HEAD.size + n + TAG_BYTES
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [self._size_ok(k) for k in keys]
 
-    def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
-                 ) -> list[bool]:
-        return [self._get(k, a, s) for k, a, s in zip(keys, addrs, sizes)]
+    def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
+                 digests: list[int] | None = None) -> list[bool]:
+        out = []
+        for i, (k, a, s) in enumerate(zip(keys, addrs, sizes)):
+            d = self._get(k, a, s)
+            out.append(d is not None)
+            if digests is not None:
+                digests[i] = NO_DIGEST if d is None else d
+        return out
 
-    def _get(self, key: str, addr: int, size: int) -> bool:
+    def _get(self, key: str, addr: int, size: int) -> int | None:
+        """The object's sealed digest once its bytes are in ``addr``; None for a miss."""
         fd = self._open(key)
         if fd is None:
             return self._miss(key, "absent")
@@ -209,7 +230,7 @@ class FileStorage:
                 head = f.read(_HEAD.size)
                 if len(head) != _HEAD.size:
                     return self._miss(key, "short header")
-                magic, n = _HEAD.unpack(head)
+                magic, n, digest = _HEAD.unpack(head)
                 if magic != _MAGIC or n != size:
                     return self._miss(key, f"header says {n} bytes, want {size}")
                 dst = _buf(addr, size)
@@ -219,20 +240,21 @@ class FileStorage:
             return self._miss(key, str(e))
         if got != size or len(tag) != TAG_BYTES:
             return self._miss(key, f"torn: {got} of {size} bytes")
-        if not self.sealer.check(key, dst, tag):
+        if not self.sealer.check(key, dst, tag, digest):
             return self._miss(key, "tag mismatch (corrupt, another key's object, or forged)")
-        return True
+        return digest
 
-    def _miss(self, key: str, why: str) -> bool:
+    def _miss(self, key: str, why: str) -> None:
         self.misses += 1
         log.info("L3 file %s is a miss: %s", key, why)
-        return False
+        return None
 
-    def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
-                 ) -> list[bool]:
-        return [self._put(k, a, s) for k, a, s in zip(keys, addrs, sizes)]
+    def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
+                 digests: Sequence[int] | None = None) -> list[bool]:
+        ds = digests if digests is not None else [NO_DIGEST] * len(keys)
+        return [self._put(k, a, s, d) for k, a, s, d in zip(keys, addrs, sizes, ds)]
 
-    def _put(self, key: str, addr: int, size: int) -> bool:
+    def _put(self, key: str, addr: int, size: int, digest: int = NO_DIGEST) -> bool:
         need = _HEAD.size + size + TAG_BYTES
         with self._lock:
             if self.max_bytes is not None and self._used + need > self.max_bytes:
@@ -248,9 +270,9 @@ class FileStorage:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=d)
             with os.fdopen(fd, "wb") as f:
-                f.write(_HEAD.pack(_MAGIC, size))
+                f.write(_HEAD.pack(_MAGIC, size, digest))
                 f.write(src)
-                f.write(self.sealer.tag(key, src))
+                f.write(self.sealer.tag(key, src, digest))
             try:
                 old = os.stat(key, dir_fd=d, follow_symlinks=False).st_size
             except FileNotFoundError:

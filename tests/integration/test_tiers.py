@@ -183,6 +183,37 @@ def test_a_page_corrupted_in_l2_is_caught_after_the_copy_and_repaired(env: Setup
     no_leaks(env, env.d1)
 
 
+@pytest.mark.parametrize("store", ["file", "mc"])
+@pytest.mark.parametrize("kind", ["corrupt", "shift_write"])
+def test_a_page_damaged_in_l2_before_its_write_back_is_caught_when_it_comes_back_from_l3(
+        env: Setup, store: str, kind: str) -> None:
+    """The page digest recorded when a page entered L2 is sealed into its L3 object: a page
+    damaged in host memory between that moment and its write-back is stored with a valid tag
+    over wrong bytes, and only the sealed digest tells. The restore from L3 treats it as a
+    miss and the prefill repairs it and what follows, so the request ends with right bytes."""
+    env.d1.call("ext", fn=X + "use", name=store)
+    try:
+        env.d1.call("set_faults", spec=f"{kind}=1,at=writeback,seed=3")
+        try:
+            a = parent(env, env.std, env.d1)
+        finally:
+            env.d1.call("set_faults", spec="")
+        before = env.d1.call("ext", fn=X + "report")["stats"]
+        assert env.d1.call("ext", fn=X + "clear_l2") > 0
+        b, promised, res = child_run(env, env.std, a, env.d1)
+    finally:
+        env.d1.call("ext", fn=X + "use", name="file")
+    after = env.d1.call("ext", fn=X + "report")["stats"]
+    assert after[f"faults_injected_{kind}"] > 0
+    assert promised == SHARED  # every object is there and sealed ...
+    assert_right({b["room"]: res})  # ... yet the damaged page was never used
+    assert after["integrity_l3_mismatches"] > before["integrity_l3_mismatches"]
+    assert res["stats"]["repaired_tokens"] > 0
+    for r in (a, b):
+        env.std.free(r)
+    no_leaks(env, env.d1)
+
+
 def test_page_whose_draft_part_is_missing_in_l3_is_not_a_hit(env: Setup) -> None:
     a = parent(env, env.std, env.d1)
     env.d1.call("ext", fn=X + "clear_l2")

@@ -10,6 +10,7 @@ import pytest
 from pdxfer.testing.patterns import PoolGeom, build
 from pdxfer.tiers import CapacityError, FileStorage, HostCache, TieredCache, page_keys
 from pdxfer.tiers.keys import pool_key
+from pdxfer.tiers.storage import NO_DIGEST
 
 V4 = [PoolGeom("c4", "logical", pages=16, page_size=4),
       PoolGeom("c4_kv", "paged", layers=2, pages=16, page_size=4, dim=10, dtype="bfloat16",
@@ -64,6 +65,24 @@ def test_torn_short_or_corrupt_l3_file_is_a_miss_never_garbage(tmp_path) -> None
     assert fs.get_into(["k1", "k2", "nope"], [d] * 3, [8192] * 3) == [False, False, False]
     assert fs.get_into(["k3"], [d], [4096]) == [False]  # another size than expected
     assert not any(n.startswith(".tmp") for _, _, fs_ in os.walk(tmp_path) for n in fs_)
+
+
+def test_the_page_digest_is_sealed_into_its_l3_object(tmp_path) -> None:
+    """The digest a page was stored with comes back with it, and is covered by the tag: an
+    object whose recorded digest was changed is a miss like one whose bytes were."""
+    fs = FileStorage(str(tmp_path))
+    src = np.arange(2048, dtype=np.uint32).view(np.uint8).copy()
+    dst = np.zeros_like(src)
+    a, d, n = src.ctypes.data, dst.ctypes.data, src.size
+    assert fs.put_from(["k1", "k2", "k3"], [a] * 3, [n] * 3, [123, 1 << 62, NO_DIGEST]) == [True] * 3
+    got = [0, 0, 0]
+    assert fs.get_into(["k1", "k2", "k3"], [d] * 3, [n] * 3, got) == [True] * 3
+    assert got == [123, 1 << 62, NO_DIGEST] and (dst == src).all()
+    with open(fs.path("k1"), "r+b") as f:  # the digest field of the header
+        f.seek(16)
+        f.write((124).to_bytes(8, "little"))
+    got = [0]
+    assert fs.get_into(["k1"], [d], [n], got) == [False] and got == [NO_DIGEST]
 
 
 def test_full_l3_is_a_logged_miss_not_an_error(tmp_path) -> None:
