@@ -31,7 +31,8 @@ import numpy as np
 from .errors import WireError
 from .pools import MAX_BUFFERS, U64, Name, NonNeg, PoolSpec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+"""3: sampled digests read each page once (``integrity.Sampling``); 2 read the ends too."""
 MAGIC = b"PDX"
 MAX_FRAME = 16 << 20
 """No control message is this large (4M page indices); a bigger frame is hostile or broken,

@@ -70,14 +70,25 @@ def test_digest_of_a_head_slice_equals_across_tp_shards(mode: str, portable: boo
             != digests(whole, Span(pw, 0, *TOKENS, 4, 8), mode, s, portable=portable))
 
 
-def test_sample_touches_every_page_of_either_side() -> None:
-    for start, end, s, pages_of in ((5, 93, 4, (4, 16)), (0, 64, 1, (1, 64)), (3, 40, 8, (8, 24)),
-                                    (20, 26, 16, (16, 24))):
-        t = set(sampled_tokens(start, end, s).tolist())
+@pytest.mark.parametrize("known", [False, True], ids=["stride_only", "page_sizes"])
+def test_sample_touches_every_page_of_either_side(known: bool) -> None:
+    cases = [(5, 93, 4, (4, 16)), (0, 64, 1, (1, 64)), (3, 40, 8, (8, 24)), (20, 26, 16, (16, 24)),
+             (0, 128, 64, (64, 64)), (16, 100, 16, (16, 64)), (7, 9, 4, (4, 12)),
+             (0, 17, 16, (16, 16))]
+    for start, end, s, pages_of in cases:
+        t = set(sampled_tokens(start, end, s, pages_of if known else ()).tolist())
         for ps in pages_of:
             for p in range(start // ps, -(-end // ps)):
                 lo, hi = max(start, p * ps), min(end, (p + 1) * ps)
                 assert t & set(range(lo, hi)), (start, end, s, ps, p)
+
+
+def test_knowing_both_page_sizes_reads_each_page_once_where_it_can() -> None:
+    """A range's ends are read only when their page has no other sampled token: 128 tokens
+    in pages of 64 on both sides read 2 tokens (63, 127), not 3."""
+    assert sampled_tokens(0, 128, 64, (64, 64)).tolist() == [63, 127]
+    assert sampled_tokens(0, 128, 64).tolist() == [0, 63, 127]
+    assert sampled_tokens(20, 26, 16, (16, 24)).tolist() == [20, 25]  # the page cut both ends
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["xxh3", "portable"])
