@@ -66,6 +66,17 @@ def portable(a: PoolSpec, b: PoolSpec) -> bool:
     return a.location != "cpu" or b.location != "cpu"
 
 
+class Digests(list[int]):
+    """Digests, one per buffer, and how many bytes were read for them (``nbytes``, the
+    ``integrity_bytes`` counter)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, values: Sequence[int] = (), nbytes: int = 0) -> None:
+        super().__init__(values)
+        self.nbytes = nbytes
+
+
 def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ConfigError(f"integrity must be one of {MODES}, got {mode!r}")
@@ -334,9 +345,9 @@ def _sampled(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases,
     m = memoryview(rows).cast("B")
     step = m.nbytes // max(1, rows.shape[0])
     if step == 0:
-        return [xxhash.xxh3_64_intdigest(b"") & MASK for _ in range(rows.shape[0])]
+        return Digests([xxhash.xxh3_64_intdigest(b"") & MASK for _ in range(rows.shape[0])])
     h = xxhash.xxh3_64_intdigest
-    return [h(m[i:i + step]) & MASK for i in range(0, m.nbytes, step)]
+    return Digests([h(m[i:i + step]) & MASK for i in range(0, m.nbytes, step)], m.nbytes)
 
 
 def _sampled_portable(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases,
@@ -344,15 +355,15 @@ def _sampled_portable(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _
     """The portable digest of the same sample, gathered and mixed on the pool's device."""
     offs, k = _sample_plan(pool, span, sampling)
     x = _gather_values(b, offs[None, :] + base[:, None], k)
-    return _mix_finish(_mix_sums(x), int(x.shape[-1]))
+    return Digests(_mix_finish(_mix_sums(x), int(x.shape[-1])), offs.size * k * base.size)
 
 
 def digests(pool: PoolSpec, span: Span, mode: str, stride: int | Sampling = 1,
-            buffers: Sequence[int] | None = None, portable: bool = False) -> list[int]:
+            buffers: Sequence[int] | None = None, portable: bool = False) -> Digests:
     """One digest per buffer of ``pool`` (or per index in ``buffers``) over ``span``; with
     ``portable`` (a device pool on either side: ``portable()``) the torch digest."""
     if mode == "off":
-        return []
+        return Digests()
     if not supported(pool.location):
         raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: only host "
                                    f"and CUDA pools can be digested (integrity='off')")
@@ -366,11 +377,11 @@ def digests(pool: PoolSpec, span: Span, mode: str, stride: int | Sampling = 1,
     tokens = np.arange(span.start, span.end, dtype=np.int64)
     offs, unit = _units(pool, span, tokens, _heads(pool, span, False))
     if portable:
-        return _full_portable(b, base, offs, unit)
+        return Digests(_full_portable(b, base, offs, unit), offs.size * unit * base.size)
     # full: hash contiguous runs of units in logical order (the stream equals one buffer of
     # every byte in that order; a run is as long as memory and logical order agree)
     if offs.size == 0:
-        return [xxhash.xxh3_64_intdigest(b"") & MASK for _ in range(base.size)]
+        return Digests([xxhash.xxh3_64_intdigest(b"") & MASK for _ in range(base.size)])
     brk = np.flatnonzero(offs[1:] != offs[:-1] + unit) + 1
     starts = offs[np.concatenate(([0], brk))]
     lens = np.diff(np.concatenate(([0], brk, [offs.size]))) * unit
@@ -381,7 +392,7 @@ def digests(pool: PoolSpec, span: Span, mode: str, stride: int | Sampling = 1,
         for a, e in runs:
             h.update(b.view[o + a:o + e])
         out.append(h.intdigest() & MASK)
-    return out
+    return Digests(out, offs.size * unit * base.size)
 
 
 def _full_portable(b: _Bases, base: np.ndarray, offs: np.ndarray, unit: int) -> list[int]:
@@ -403,10 +414,10 @@ def _full_portable(b: _Bases, base: np.ndarray, offs: np.ndarray, unit: int) -> 
 
 
 def slot_digests(pool: PoolSpec, slot: int, mode: str,
-                 buffers: Sequence[int] | None = None, portable: bool = False) -> list[int]:
+                 buffers: Sequence[int] | None = None, portable: bool = False) -> Digests:
     """One digest per buffer of a slot pool's row ``slot`` (rows are small: always whole)."""
     if mode == "off":
-        return []
+        return Digests()
     if not supported(pool.location) or (pool.location != "cpu" and not portable):
         raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: only host "
                                    f"pools, or CUDA pools with the portable digest")
@@ -417,13 +428,13 @@ def slot_digests(pool: PoolSpec, slot: int, mode: str,
         row = np.arange(0, pool.item_bytes, k, dtype=np.int64) + slot * pool.item_bytes
         starts = b.offsets[np.asarray(idx, dtype=np.int64)][:, None] + row[None, :]
         x = _gather_values(b, starts, k)
-        return _mix_finish(_mix_sums(x), int(x.shape[-1]))
+        return Digests(_mix_finish(_mix_sums(x), int(x.shape[-1])), pool.item_bytes * len(idx))
     out = []
     for i in idx:
         view = _host_view(pool.buffers[i].addr, pool.num_items * pool.item_bytes)
         off = slot * pool.item_bytes
         out.append(xxhash.xxh3_64_intdigest(view[off:off + pool.item_bytes].tobytes()) & MASK)
-    return out
+    return Digests(out, pool.item_bytes * len(idx))
 
 
 PAGE_SAMPLE_WORDS = 512

@@ -503,6 +503,7 @@ class DecodeSide:
                                 portable=I.portable(pool, theirs))
         except PdxferError as e:
             return f"cannot check pool {d.pool!r}: {e}"
+        self.ep.count("integrity_bytes", got.nbytes)
         for i, (g, w) in enumerate(zip(got, d.values)):
             if g != w:
                 b = theirs.buffers[i]

@@ -674,7 +674,7 @@ class PrefillSide:
         if mode == "off" or t.req.silent:
             return
         t0 = time.perf_counter()
-        n = 0
+        n = nb = 0
         ask = C.ask_of(t.req, t.dst)
         for w in C.written(ask, t.peer.pairings, chunk.pages, chunk.first, self.page_sizes):
             pr = t.peer.pairings[w.pool]
@@ -685,6 +685,7 @@ class PrefillSide:
                              portable=I.portable(pr.src, pr.dst))
             t.digests.append(wire.Digest(w.pool, w.start, w.end, w.lo, w.hi, tuple(vals)))
             n += len(vals)
+            nb += vals.nbytes
         if chunk.last:
             for name, _ in t.req.slots.items():
                 pr = t.peer.pairings.get(name)
@@ -696,7 +697,9 @@ class PrefillSide:
                                       portable=I.portable(pr.src, pr.dst))
                 t.digests.append(wire.Digest(name, 0, 0, 0, 0, tuple(vals)))
                 n += len(vals)
+                nb += vals.nbytes
         self.ep.count("integrity_digests", n)
+        self.ep.count("integrity_bytes", nb)
         self.ep.count("integrity_seconds", time.perf_counter() - t0)
 
     def _plan(self, t: Target, chunk: Chunk, cursor: dict[str, int]) -> P.Blocks | str:

@@ -130,6 +130,9 @@ def test_no_false_positive_without_faults(cluster, bootstrap) -> None:
             assert not any(c[0] for c in chk.values()), (case, chk)
         checks = sum(int(m.get("integrity_checks", 0)) for m in dc.each("metrics"))
         assert checks > 0, case
+        # what was read for them is counted on both sides
+        assert sum(int(m.get("integrity_bytes", 0)) for m in dc.each("metrics")) > 0, case
+        assert sum(int(m.get("integrity_bytes", 0)) for m in pf.each("metrics")) > 0, case
         for r in reqs:
             f.free(r)
 

@@ -83,6 +83,15 @@ def test_sample_touches_every_page_of_either_side(known: bool) -> None:
                 assert t & set(range(lo, hi)), (start, end, s, ps, p)
 
 
+def test_digests_count_the_bytes_they_read() -> None:
+    spec, ts, pages = _filled(16, seed=11)  # 4 buffers, 8 heads of 32 bytes, all heads
+    span = Span(pages, 0, *TOKENS, 0, 8)
+    n = len(sampled_tokens(*TOKENS, 16, (16, 16)))
+    assert digests(spec, span, "sampled", sample_stride(spec, spec)).nbytes == n * 8 * 4
+    assert digests(spec, span, "full").nbytes == (TOKENS[1] - TOKENS[0]) * spec.token_bytes * 4
+    assert digests(spec, span, "off").nbytes == 0
+
+
 def test_knowing_both_page_sizes_reads_each_page_once_where_it_can() -> None:
     """A range's ends are read only when their page has no other sampled token: 128 tokens
     in pages of 64 on both sides read 2 tokens (63, 127), not 3."""
