@@ -50,6 +50,7 @@ class PrefillWorker(RoomWorker):
         self.senders: dict[int, KVSender] = {}
         self.admission = Admission(self.host, cfg.max_waiting, cfg.admission_timeout_s)
         self._computing: dict[int, threading.Event] = {}
+        self._holds: set[asyncio.Task[None]] = set()  # pages kept for a decode's repair
         # prompts it computed stay in L2 (pdxfer.tiers, like the decode's): a repeated prefix
         # is loaded, not recomputed, so TTFT falls with the hit length
         self.cache = make_cache(cfg, self.host)
@@ -134,16 +135,40 @@ class PrefillWorker(RoomWorker):
             self._free_when_idle(tx, pages, slot)
 
     def _free_when_idle(self, tx: KVSender | None, pages: list[int], slot: int) -> None:
+        """Free a request's pages and aux row once nothing can read them: its compute thread
+        returned, and its decode no longer holds the room for a repair (``tx.holding``: a
+        restore that came up short, or an integrity retry, asks for a range again, and the
+        prefill serves it from these very pages; they must not hold another request's KV
+        before the decode's ``Release``, or its hold deadline)."""
         busy = self._computing.get(id(pages))
+
+        def free() -> None:
+            self.host.kv.allocator.free(pages)
+            self.host.slots.free(slot)
+
+        def held() -> bool:
+            return tx is not None and tx.holding
+
         if busy is not None and not busy.is_set():
             def later() -> None:
                 busy.wait()
-                self.host.kv.allocator.free(pages)
-                self.host.slots.free(slot)
+                while held():
+                    time.sleep(0.002)
+                free()
             threading.Thread(target=later, daemon=True).start()
             return
-        self.host.kv.allocator.free(pages)
-        self.host.slots.free(slot)
+        if not held():
+            free()
+            return
+
+        async def after_hold() -> None:
+            while held():
+                await asyncio.sleep(0.002)
+            free()
+
+        task = asyncio.get_running_loop().create_task(after_hold())
+        self._holds.add(task)
+        task.add_done_callback(self._holds.discard)
 
     def _compute(self, tx: KVSender, tokens: Sequence[int], pages: list[int], slot: int,
                  sampling: Sampling, tenant: str = "") -> tuple[int, int]:

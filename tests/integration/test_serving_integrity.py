@@ -82,3 +82,31 @@ def test_without_integrity_retry_a_damaged_transfer_is_an_error_not_wrong_tokens
                                       max_tokens=8, temperature=0)
         assert "does not match the sender's digest" in str(e.value)
         assert total(c, "integrity_mismatches") >= 1
+
+
+def test_a_retried_range_is_read_from_pages_no_other_request_got_meanwhile() -> None:
+    """The prefill keeps a request's pages while its decode may still ask for a range again
+    (the room is held until the decode's Release). Here its pool fits about three prompts,
+    more wait for pages, and every control message is 100 ms late, so a page freed at Success
+    would hold the next prompt's KV by the time the retry reads it: the retry would then
+    ship that KV, with a matching digest, and the first request would decode wrong tokens."""
+    env = {"PDXFER_FAULTS": "corrupt=1,once=1,delay_msg=0.1,seed=5"}
+    with Cluster(worker_args=[*WORKER, "--max-waiting", "64"], prefill_args=["--pages", "32"],
+                 decode_args=["--integrity-retry"], router_args=["--timeout", "120"],
+                 env=env) as c:
+        assert c.router is not None
+        client = openai.OpenAI(base_url=f"{c.router.url}/v1", api_key="none", max_retries=0,
+                               timeout=120)
+        prompts = [f"prompt {i} fills most of the prefill's pages: " + "kv " * (20 + 5 * i)
+                   for i in range(6)]
+
+        def plain(p: str) -> list[int]:
+            r = client.completions.create(model="pdxfer-toy", prompt=p, max_tokens=6,
+                                          temperature=0)
+            return r.model_extra["pdxfer"]["token_ids"]  # type: ignore[index]
+
+        with ThreadPoolExecutor(6) as ex:
+            got = list(ex.map(plain, prompts))
+        assert total(c, "integrity_retries") >= len(prompts)
+        for p, ids in zip(prompts, got):
+            assert ids == greedy(p, 6), p
