@@ -176,6 +176,17 @@ def _metric(g: Group, name: str) -> int:
     return sum(int(m.get(name, 0)) for m in g.each("metrics"))
 
 
+def _run_faulted(pf: Group, dc: Group, bootstrap: str, reqs: list[dict], spec: str
+                 ) -> list[dict]:
+    """``run_groups`` with page faults ``spec`` on the requests' rooms (cleared after)."""
+    rooms = ";".join(str(r["room"]) for r in reqs)
+    dc.agent.call("set_faults", spec=f"{spec},rooms={rooms}")
+    try:
+        return run_groups(pf, dc, bootstrap, reqs, timeout=60)
+    finally:
+        dc.agent.call("set_faults", spec="")
+
+
 def _nothing_held(pf: Group) -> None:
     """The decode's Release is one-way: wait for it (bounded), then the prefill must hold no
     room (a retry's hold never outlives its request)."""
@@ -194,12 +205,7 @@ def test_with_integrity_retry_a_transient_page_fault_is_sent_again_once_and_arri
     f = Factory([KV, AUX], [dgeom, AUX], seed=hash((case, kind, "retry")) % 1000)
     reqs = _reqs(f, 12)
     before = {m: _metric(dc, m) for m in ("integrity_retries", f"faults_injected_{kind}")}
-    dc.agent.call("set_faults", spec=f"{kind}=1,once=1,rooms="
-                                     f"{';'.join(str(r['room']) for r in reqs)},seed=4")
-    try:
-        outs = run_groups(pf, dc, bootstrap.address, reqs, timeout=60)
-    finally:
-        dc.agent.call("set_faults", spec="")
+    outs = _run_faulted(pf, dc, bootstrap.address, reqs, f"{kind}=1,once=1,seed=4")
     # each room was damaged once (one rank of it), caught, asked again, and is now exact
     assert _metric(dc, f"faults_injected_{kind}") - before[f"faults_injected_{kind}"] == len(reqs)
     assert _metric(dc, "integrity_retries") - before["integrity_retries"] == len(reqs)
@@ -215,11 +221,7 @@ def test_with_integrity_retry_a_persistent_fault_fails_after_exactly_one_retry(
     f = Factory([KV, AUX], [NHD, AUX], seed=31)
     reqs = _reqs(f, 10)
     before = _metric(dc, "integrity_retries")
-    _inject(dc.agent, "corrupt", [r["room"] for r in reqs], seed=5)
-    try:
-        outs = run_groups(pf, dc, bootstrap.address, reqs, timeout=60)
-    finally:
-        dc.agent.call("set_faults", spec="")
+    outs = _run_faulted(pf, dc, bootstrap.address, reqs, "corrupt=1,seed=5")
     assert all(o["state"] == "Failed" and o["kind"] == "integrity"
                for o in outs[0].values()), outs
     assert _metric(dc, "integrity_retries") - before == len(reqs)
@@ -235,11 +237,6 @@ def test_without_integrity_retry_a_transient_fault_still_fails_the_request(
     pf, dc = cluster["p1"], cluster["d16"]
     f = Factory([KV, AUX], [NHD, AUX], seed=32)
     reqs = _reqs(f, 6)
-    dc.agent.call("set_faults", spec=f"skip_write=1,once=1,rooms="
-                                     f"{';'.join(str(r['room']) for r in reqs)}")
-    try:
-        outs = run_groups(pf, dc, bootstrap.address, reqs, timeout=60)
-    finally:
-        dc.agent.call("set_faults", spec="")
+    outs = _run_faulted(pf, dc, bootstrap.address, reqs, "skip_write=1,once=1")
     assert all(o["kind"] == "integrity" for o in outs[0].values()), outs
     _nothing_held(pf)
