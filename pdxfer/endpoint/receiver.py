@@ -503,6 +503,10 @@ class DecodeSide:
                                 portable=I.portable(pool, theirs))
         except PdxferError as e:
             return f"cannot check pool {d.pool!r}: {e}"
+        except Exception as e:  # noqa: BLE001 - e.g. a device the portable digest cannot read
+            log.exception("room %d: cannot digest pool %r", st.room, d.pool)
+            return (f"cannot check pool {d.pool!r}: {type(e).__name__}: {e} (integrity='off' "
+                    f"turns the check off)")
         self.ep.count("integrity_bytes", got.nbytes)
         for i, (g, w) in enumerate(zip(got, d.values)):
             if g != w:

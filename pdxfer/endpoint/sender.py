@@ -669,10 +669,21 @@ class PrefillSide:
 
     def _digest(self, t: Target, chunk: Chunk) -> None:
         """Digest what this chunk writes to ``t``, in the mode its decode asked for (over the
-        source pages, in logical order: ``integrity.py``)."""
+        source pages, in logical order: ``integrity.py``). A digest that cannot be taken is
+        logged and left out: the write goes on, and the decode fails the request for the
+        range no digest covers (rather than this worker dying mid-room)."""
         mode = t.req.integrity
         if mode == "off" or t.req.silent:
             return
+        try:
+            self._digest_chunk(t, chunk, mode)
+        except Exception:  # noqa: BLE001 - e.g. a device the portable digest cannot read
+            self.ep.count("integrity_digest_errors")
+            log.exception("room %d: cannot digest what is sent to decode %s (integrity=%s; "
+                          "the decode will fail the request; integrity='off' on the decode "
+                          "turns the check off)", t.req.room, t.peer.endpoint_id, mode)
+
+    def _digest_chunk(self, t: Target, chunk: Chunk, mode: str) -> None:
         t0 = time.perf_counter()
         n = nb = 0
         ask = C.ask_of(t.req, t.dst)

@@ -279,3 +279,26 @@ def test_release_is_called_once_under_concurrent_aborts(pair: Pair) -> None:
     assert until(lambda: all(pair.released[r] == 1 for _, _, r in rooms), 5.0)
     time.sleep(0.2)
     assert all(pair.released[r] == 1 for _, _, r in rooms)
+
+
+def test_a_digest_the_prefill_cannot_take_fails_that_request_not_its_worker(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool the digest cannot read (say a device the portable digest does not support)
+    must not kill the worker mid-room: the write completes, the decode fails the request
+    for the range no digest covers, and the next request is served as usual."""
+    from pdxfer import integrity
+
+    real = integrity.digests
+
+    def broken(*a: Any, **kw: Any) -> Any:
+        raise RuntimeError("this device cannot be read")
+
+    monkeypatch.setattr(integrity, "digests", broken)
+    tx, rx, room, dst = transfer(pair, 24, 2)
+    assert wait(rx) == KVPoll.Failed and rx.failure.kind == "integrity", rx.failure
+    assert "no digest covers pool 'kv'" in str(rx.failure)
+    assert wait(tx) == KVPoll.Success
+    assert pair.pf.metrics()["integrity_digest_errors"] >= 1
+    monkeypatch.setattr(integrity, "digests", real)
+    tx, rx, room, dst = transfer(pair, 24, 2)
+    assert wait(rx) == KVPoll.Success and pair.wrong_bytes(room, dst, 24) == 0
