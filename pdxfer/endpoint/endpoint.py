@@ -190,6 +190,8 @@ class Endpoint:
             side.fail(st, Aborted(f"room {st.room}: {self.config.role} endpoint closing"))
         if self.decode is not None:
             self.decode.close()
+        if self.prefill is not None:
+            self.prefill.close()
         self.core.close()
 
     def __enter__(self) -> Endpoint:

@@ -1,9 +1,12 @@
-"""Heartbeats of a decode rank: probe the prefill endpoints that rooms wait on.
+"""Heartbeats: probe the peers that rooms wait on.
 
-A probe refused at once means the process is gone: its writes cannot land, so its rooms
-fail and their pages are released. A probe that hangs (a frozen or overloaded process) fails
-the rooms too, but their pages stay quarantined until the peer acknowledges the abort: a
-frozen writer may still wake up and write. Verdicts go back through ``on_lost``.
+A decode rank probes the prefill endpoints its rooms wait on. A probe refused at once means
+the process is gone: its writes cannot land, so its rooms fail and their pages are released.
+A probe that hangs (a frozen or overloaded process) fails the rooms too, but their pages stay
+quarantined until the peer acknowledges the abort: a frozen writer may still wake up and
+write. A prefill rank probes the decodes it holds rooms for (repair holds): a decode that is
+gone will never send its Release, so its holds end at once. Verdicts go back through
+``on_lost``.
 """
 
 from __future__ import annotations
@@ -12,20 +15,30 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, Protocol, TypeVar
 
-from .connect import PrefillPeer
+
+class Probed(Protocol):
+    """A peer as the heartbeat sees it (``PrefillPeer``, ``DecodePeer``)."""
+
+    session: str
+    probe_failures: int
+    hung: bool
 
 
-class Liveness:
+P = TypeVar("P", bound=Probed)
+
+
+class Liveness(Generic[P]):
     """One heartbeat thread; ``watched()`` names the peers to probe on each beat."""
 
-    def __init__(self, interval_s: float, watched: Callable[[], dict[str, PrefillPeer]],
-                 probe: Callable[[str], bool], on_lost: Callable[[PrefillPeer, bool], None]
-                 ) -> None:
+    def __init__(self, interval_s: float, watched: Callable[[], dict[str, P]],
+                 probe: Callable[[str], bool], on_lost: Callable[[P, bool], None],
+                 name: str = "pdxfer-heartbeat") -> None:
         self.interval_s = interval_s
         self._watched, self._probe_fn, self._on_lost = watched, probe, on_lost
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pdxfer-heartbeat", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -40,7 +53,7 @@ class Liveness:
 
     def _run(self) -> None:
         probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-probe")
-        pending: dict[str, tuple[Future[tuple[bool, float]], float, PrefillPeer]] = {}
+        pending: dict[str, tuple[Future[tuple[bool, float]], float, P]] = {}
         hang_s = max(1.0, 2 * self.interval_s)
         try:
             while not self._stop.wait(self.interval_s):

@@ -33,6 +33,7 @@ from ..plan import chunk as C
 from ..pools import PoolSpec, check_pools, layout_signature
 from ..transport.base import Started
 from .handles import KVPoll, RoomHandle
+from .liveness import Liveness
 from .staging import Staging, bounce
 from .trust import Session, new_nonce
 
@@ -56,6 +57,9 @@ class DecodePeer:
     """The authenticated pair (with a secret): the only source of this peer's frames, and
     the only way to answer it."""
     instance: str = ""
+    probe_failures: int = 0
+    hung: bool = False
+    """Heartbeat state while this peer holds rooms for a repair (``liveness.py``)."""
 
     def is_(self, who: str) -> bool:
         """Whether this peer is the decode endpoint or instance ``who`` (room binding)."""
@@ -172,6 +176,41 @@ class PrefillSide:
         self.staging = Staging(n) if n else None  # gathers head slices into few big writes
         if self.staging is not None:
             ep.transport.register(self.staging.addr, n, "cpu")
+        self.liveness = Liveness(self.cfg.heartbeat_s, self._holders, ep.transport.probe,
+                                 self._holder_lost, name="pdxfer-hold-heartbeat")
+
+    def close(self) -> None:
+        self.liveness.close()
+
+    def _holders(self) -> dict[str, DecodePeer]:
+        """Decodes that hold rooms here for a repair and have not released them."""
+        with self.ep.lock:
+            return {t.peer.endpoint_id: t.peer for st in self.rooms.values() if st.hold_until
+                    for t in st.targets if t.req.hold_for_repair and not t.released
+                    and t.peer.session}
+
+    def _holder_lost(self, p: DecodePeer, dead: bool) -> None:
+        """A decode that holds rooms stopped answering: if it is gone its Release will never
+        come, so its holds end now (the engine gets its pages back). A hung one keeps them:
+        it may wake up and ask for a repair; the hold deadline bounds that."""
+        if not dead:
+            log.info("decode endpoint %s (%s) holding rooms is not responding", p.endpoint_id,
+                     p.session)
+            return
+        with self.ep.lock:
+            held = [st for st in self.rooms.values() if st.hold_until
+                    and any(t.peer is p for t in st.targets)]
+            for st in held:
+                for t in st.targets:
+                    if t.peer is p:
+                        t.released = True
+                if all(t.finished for t in st.targets):
+                    self._end_or_hold(st)
+            p.probe_failures = 0
+        if held:
+            self.ep.count("holds_dropped", len(held))
+            log.warning("decode endpoint %s (%s) is gone: %d rooms held for its repairs end",
+                        p.endpoint_id, p.session, len(held))
 
     # -- engine calls -------------------------------------------------------------------------
     def create(self, room: int, peer: str | None = None) -> KVSender:

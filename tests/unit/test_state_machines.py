@@ -302,3 +302,27 @@ def test_a_digest_the_prefill_cannot_take_fails_that_request_not_its_worker(
     monkeypatch.setattr(integrity, "digests", real)
     tx, rx, room, dst = transfer(pair, 24, 2)
     assert wait(rx) == KVPoll.Success and pair.wrong_bytes(room, dst, 24) == 0
+
+
+def test_a_dead_decodes_repair_holds_end_without_waiting_for_their_deadline(
+        srv: BootstrapServer) -> None:
+    """A prefill keeps a held room's pages for its decode's repair until that decode's
+    Release; a decode that died will never send it, so the heartbeat ends its holds (the
+    engine gets the pages back) long before the hold deadline (``transfer_timeout_s``)."""
+    p = Pair(srv, transfer_timeout_s=10.0)
+    try:
+        room = next(_rooms)
+        src, dst = p.pages(4)
+        p.fill(room, src, 16)
+        rx = p.receiver(room)
+        rx.request({"kv": dst}, {"aux": 2}, 0, 16, hold_for_repair=True)
+        tx = p.pf.sender(room)
+        tx.send({"kv": src}, {"aux": 1}, last=True)
+        assert wait(rx) == KVPoll.Success and wait(tx) == KVPoll.Success
+        assert until(lambda: tx.holding, 1.0)  # held for the decode's repair
+        p.dc.close()  # the decode is gone: no Release will come
+        assert until(lambda: not tx.holding, 3.0), "still held for a dead decode"
+        assert until(lambda: p.pf.tables()["rooms"] == 0, 1.0)
+        assert p.pf.metrics()["holds_dropped"] == 1
+    finally:
+        p.close()
