@@ -92,9 +92,9 @@ class RecvRoom:
     asks: dict[str, bytes] = field(default_factory=dict)
     """Per sender, the request frame sent to it (sent again, once, for an integrity retry)."""
     retried: set[str] = field(default_factory=set)
+    """Senders asked a second time after a digest mismatch."""
     heads: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     """Per sender, the global heads it writes of each head-sliced pool (fault injection)."""
-    """Senders asked a second time after a digest mismatch."""
 
 
 def _head_bytes(pool: PoolSpec, heads: tuple[int, int] | None) -> slice | np.ndarray:
