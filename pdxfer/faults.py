@@ -29,6 +29,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .config import knobs
 from .errors import ConfigError
@@ -131,6 +132,22 @@ class Faults:
             return False
         with self._lock:
             return self._rng.random() < self.drop
+
+
+def damage(rows: Any, kind: str, page: int, neighbour: int | None, stale: int | None,
+           cols: Any = slice(None)) -> None:
+    """Apply one page fault to ``rows[page]`` (``rows``: ``[pages, bytes]`` uint8, ``cols``
+    the bytes the faulty write covered): ``corrupt`` flips them, ``shift_write`` puts them on
+    page ``neighbour`` instead, ``skip_write`` (or a shift with no neighbour) leaves the page
+    with page ``stale``'s old bytes (flipped bits when there is none)."""
+    if kind == "corrupt":
+        rows[page, cols] ^= 0xFF
+    elif kind == "shift_write" and neighbour is not None:
+        rows[neighbour, cols] = rows[page, cols]
+    elif stale is not None:
+        rows[page, cols] = rows[stale, cols]
+    else:
+        rows[page, cols] ^= 0x5A
 
 
 _FAULTS: Faults | None = None

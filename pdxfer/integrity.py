@@ -50,7 +50,6 @@ import xxhash
 from .errors import ConfigError
 from .pools import PoolSpec
 
-MODES = ("off", "sampled", "full")
 MASK = (1 << 63) - 1
 """Digests keep 63 bits: they travel as non-negative int64 (msgpack, msgspec bounds)."""
 SAMPLE_BYTES = 8
@@ -75,12 +74,6 @@ class Digests(list[int]):
     def __init__(self, values: Sequence[int] = (), nbytes: int = 0) -> None:
         super().__init__(values)
         self.nbytes = nbytes
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ConfigError(f"integrity must be one of {MODES}, got {mode!r}")
-    return mode
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,14 +152,11 @@ def _units(pool: PoolSpec, span: Span, tokens: np.ndarray, heads: np.ndarray | N
     return offs.reshape(-1), hb
 
 
-def _heads(pool: PoolSpec, span: Span, sampled: bool) -> np.ndarray | None:
+def _heads(pool: PoolSpec, span: Span) -> np.ndarray | None:
     if pool.sharding.kind != "heads":
         return None
     if span.hi <= span.lo:
         raise ConfigError(f"pool {pool.name!r}: empty head range [{span.lo}, {span.hi})")
-    if sampled:
-        return np.array([span.lo] if span.hi - 1 == span.lo else [span.lo, span.hi - 1],
-                        dtype=np.int64)
     return np.arange(span.lo, span.hi, dtype=np.int64)
 
 
@@ -334,7 +324,7 @@ def _sample_plan(pool: PoolSpec, span: Span, sampling: int | Sampling
 
 
 def _sampled(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases,
-             base: np.ndarray) -> list[int]:
+             base: np.ndarray) -> Digests:
     """Sampled digests (the bytes read: module notes), one per buffer offset in ``base``."""
     starts, k = _sample_plan(pool, span, sampling)
     if b.words is not None and k == SAMPLE_BYTES and not (starts % 8).any():
@@ -351,11 +341,20 @@ def _sampled(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases,
 
 
 def _sampled_portable(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases,
-                      base: np.ndarray) -> list[int]:
+                      base: np.ndarray) -> Digests:
     """The portable digest of the same sample, gathered and mixed on the pool's device."""
     offs, k = _sample_plan(pool, span, sampling)
     x = _gather_values(b, offs[None, :] + base[:, None], k)
     return Digests(_mix_finish(_mix_sums(x), int(x.shape[-1])), offs.size * k * base.size)
+
+
+def _check_location(pool: PoolSpec, portable: bool) -> None:
+    if not supported(pool.location):
+        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: only host "
+                                   f"and CUDA pools can be digested (integrity='off')")
+    if pool.location != "cpu" and not portable:
+        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: device pools "
+                                   f"take the portable digest")
 
 
 def digests(pool: PoolSpec, span: Span, mode: str, stride: int | Sampling = 1,
@@ -364,18 +363,13 @@ def digests(pool: PoolSpec, span: Span, mode: str, stride: int | Sampling = 1,
     ``portable`` (a device pool on either side: ``portable()``) the torch digest."""
     if mode == "off":
         return Digests()
-    if not supported(pool.location):
-        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: only host "
-                                   f"and CUDA pools can be digested (integrity='off')")
-    if pool.location != "cpu" and not portable:
-        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: device pools "
-                                   f"take the portable digest")
+    _check_location(pool, portable)
     b = _bases(pool, portable)
     base = b.offsets if buffers is None else b.offsets[np.asarray(buffers, dtype=np.int64)]
     if mode == "sampled":
         return (_sampled_portable if portable else _sampled)(pool, span, stride, b, base)
     tokens = np.arange(span.start, span.end, dtype=np.int64)
-    offs, unit = _units(pool, span, tokens, _heads(pool, span, False))
+    offs, unit = _units(pool, span, tokens, _heads(pool, span))
     if portable:
         return Digests(_full_portable(b, base, offs, unit), offs.size * unit * base.size)
     # full: hash contiguous runs of units in logical order (the stream equals one buffer of
@@ -418,9 +412,7 @@ def slot_digests(pool: PoolSpec, slot: int, mode: str,
     """One digest per buffer of a slot pool's row ``slot`` (rows are small: always whole)."""
     if mode == "off":
         return Digests()
-    if not supported(pool.location) or (pool.location != "cpu" and not portable):
-        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: only host "
-                                   f"pools, or CUDA pools with the portable digest")
+    _check_location(pool, portable)
     idx = list(range(len(pool.buffers))) if buffers is None else list(buffers)
     if portable:
         b = _bases(pool, True)
@@ -499,4 +491,4 @@ def covers(ranges: Sequence[tuple[int, int]], start: int, end: int) -> bool:
 
 
 class IntegrityUnsupported(ConfigError):
-    """A digest was asked of memory this build cannot read (a device pool)."""
+    """A digest was asked of memory this build cannot read (a device other than CUDA)."""

@@ -39,7 +39,7 @@ from ..errors import (
     PlanError,
     from_kind,
 )
-from ..faults import faults
+from ..faults import damage, faults
 from ..plan import topology as T
 from ..plan.heads import lease_bytes
 from ..pools import PoolSpec
@@ -137,11 +137,7 @@ class KVReceiver(RoomHandle):
 
     def release_source(self) -> None:
         """Tell the prefill it may free the room's pages (no repair will follow)."""
-        st = self._st
-        ep = self._side.ep
-        for p in st.targets:
-            ep.send(p.ctrl_addr, wire.Release(room=st.room, nonce=st.nonce,
-                                              endpoint_id=ep.endpoint_id), p.sess)
+        self._side.release_sources(self._st, self._st.targets)
 
     @property
     def done_at(self) -> float | None:
@@ -290,7 +286,7 @@ class DecodeSide:
             self.ep.send(p.ctrl_addr, wire.Abort(room=st.room, nonce=st.nonce, reason=str(err),
                                                  endpoint_id=self.ep.endpoint_id), p.sess)
         if st.auto_hold and finished:
-            self._release_sources(st, finished)
+            self.release_sources(st, finished)
         self._maybe_release(st)
 
     # -- connector (blocking, off the engine loop) ----------------------------------------------
@@ -397,7 +393,7 @@ class DecodeSide:
                     self.ep.count("success")
                     self.ep.count_transfer(st.bytes, st.blocks)
         if success and st.auto_hold:
-            self._release_sources(st, st.targets)
+            self.release_sources(st, st.targets)
         if bad is not None:
             self.fail(st, bad)
         elif not msg.ok:
@@ -405,8 +401,9 @@ class DecodeSide:
                                               f"{msg.endpoint_id} failed: {msg.reason}"))
         self._maybe_release(st)
 
-    def _release_sources(self, st: RecvRoom, targets: list[PrefillPeer]) -> None:
-        """Let senders that hold the room for a repair free its pages (``auto_hold``)."""
+    def release_sources(self, st: RecvRoom, targets: list[PrefillPeer]) -> None:
+        """Let senders that hold the room for a repair free its pages (the engine's
+        ``release_source``, or this side itself for ``integrity_retry``)."""
         for p in targets:
             self.ep.send(p.ctrl_addr, wire.Release(room=st.room, nonce=st.nonce,
                                                   endpoint_id=self.ep.endpoint_id), p.sess)
@@ -553,16 +550,10 @@ class DecodeSide:
         view = np.ctypeslib.as_array((ctypes.c_uint8 * (pool.num_items * item)).from_address(
             buf.addr)).reshape(pool.num_items, item)
         cols = _head_bytes(pool, st.heads.get(sender, {}).get(pool.name))
-        j = i + 1 if i + 1 < used else i - 1
-        if kind == "corrupt":
-            view[page, cols] ^= 0xFF
-        elif kind == "shift_write" and j >= 0:  # the page's bytes landed on the next page
-            view[int(pages[j]), cols] = view[page, cols]
-        else:  # skip_write (or a lone page written elsewhere): the page keeps old bytes
-            taken = set(pages.tolist())
-            other = next((q for q in range(pool.num_items) if q not in taken), None)
-            view[page, cols] = (view[other, cols] if other is not None
-                                else view[page, cols] ^ 0x5A)
+        j = i + 1 if i + 1 < used else i - 1  # the next page (a lone page has none)
+        taken = set(pages.tolist())
+        stale = next((q for q in range(pool.num_items) if q not in taken), None)
+        damage(view, kind, page, int(pages[j]) if j >= 0 else None, stale, cols)
         self.ep.count(f"faults_injected_{kind}")
 
     def on_hello_ack(self, msg: wire.HelloAck, sess: Session | None, h: wire.Header) -> None:
@@ -575,7 +566,7 @@ class DecodeSide:
                 (p for p in st.targets if p.endpoint_id == msg.endpoint_id), None)
         if st is not None:
             if st.auto_hold and peer is not None:  # it may hold the room for a repair
-                self._release_sources(st, [peer])
+                self.release_sources(st, [peer])
             self._maybe_release(st)
 
     def on_abort(self, msg: wire.Abort, sess: Session | None, _: wire.Header) -> None:

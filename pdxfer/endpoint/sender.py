@@ -199,10 +199,10 @@ class PrefillSide:
             return
         with self.ep.lock:
             held = [st for st in self.rooms.values() if st.hold_until
-                    and any(t.peer is p for t in st.targets)]
+                    and any(t.peer.endpoint_id == p.endpoint_id for t in st.targets)]
             for st in held:
                 for t in st.targets:
-                    if t.peer is p:
+                    if t.peer.endpoint_id == p.endpoint_id:
                         t.released = True
                 if all(t.finished for t in st.targets):
                     self._end_or_hold(st)

@@ -141,6 +141,10 @@ class PrefillWorker(RoomWorker):
         prefill serves it from these very pages; they must not hold another request's KV
         before the decode's ``Release``, or its hold deadline)."""
         busy = self._computing.get(id(pages))
+        # a hold ends at the decode's Release or the endpoint's hold deadline (the transfer
+        # timeout, renewed by each repair); past twice that something is stuck: keep the
+        # pages (a leak, logged) rather than hand out pages a repair may still read
+        limit = 2 * (self.cfg.transfer_timeout_s + self.cfg.bootstrap_timeout_s)
 
         def free() -> None:
             self.host.kv.allocator.free(pages)
@@ -149,10 +153,18 @@ class PrefillWorker(RoomWorker):
         def held() -> bool:
             return tx is not None and tx.holding
 
+        def stuck() -> None:
+            log.error("room %d: still held for a repair after %.0f s: its %d pages are not "
+                      "freed", tx.room if tx is not None else -1, limit, len(pages))
+
         if busy is not None and not busy.is_set():
             def later() -> None:
                 busy.wait()
+                end = time.monotonic() + limit
                 while held():
+                    if time.monotonic() > end:
+                        stuck()
+                        return
                     time.sleep(0.002)
                 free()
             threading.Thread(target=later, daemon=True).start()
@@ -162,7 +174,11 @@ class PrefillWorker(RoomWorker):
             return
 
         async def after_hold() -> None:
+            end = time.monotonic() + limit
             while held():
+                if time.monotonic() > end:
+                    stuck()
+                    return
                 await asyncio.sleep(0.002)
             free()
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import integrity
 from ..errors import ConfigError
-from ..faults import Faults, faults
+from ..faults import Faults, damage, faults
 from ..pools import PoolSpec, layout_signature
 from .copy import Copier, CpuCopier
 from .errors import CapacityError
@@ -216,16 +216,12 @@ class TieredCache:
         item = spec.item_bytes
         view = integrity.host_rows(buf.addr, spec.num_items, item)
         page = int(pages[i])
-        if kind == "corrupt":
-            view[page] ^= 0xFF
-        elif kind == "shift_write" and n > 1:  # the page's bytes landed on its neighbour
-            view[int(pages[i + 1 if i + 1 < n else i - 1])] = view[page]
-        else:  # skip_write: the copy never happened, the page keeps another page's bytes
-            # stale bytes that differ (a page holding this very prefix is no fault at all)
-            taken = set(pages[:n].tolist())
-            other = next((q for q in range(spec.num_items) if q not in taken
-                          and not np.array_equal(view[q], view[page])), None)
-            view[page] = view[other] if other is not None else view[page] ^ 0x5A
+        neighbour = int(pages[i + 1 if i + 1 < n else i - 1]) if n > 1 else None
+        # stale bytes that differ (a page holding this very prefix is no fault at all)
+        taken = set(pages[:n].tolist())
+        stale = next((q for q in range(spec.num_items) if q not in taken
+                      and not np.array_equal(view[q], view[page])), None)
+        damage(view, kind, page, neighbour, stale)
         self._count(f"faults_injected_{kind}")
 
     def _damage_l2(self, kind: str, new: list[Entry], f: Faults) -> None:
@@ -234,14 +230,9 @@ class TieredCache:
         recorded and before it goes to L3, as a bad host page would."""
         pool = self.data_pools[f.pick(len(self.data_pools))]
         data = self.host.pools[pool].per_buffer()
-        page, nxt = new[0].pages[pool], new[min(1, len(new) - 1)].pages[pool]
-        b = f.pick(data.shape[1])
-        if kind == "corrupt":
-            data[page, b] ^= 0xFF
-        elif kind == "shift_write" and nxt != page:
-            data[nxt, b] = data[page, b]
-        else:
-            data[page, b] ^= 0x5A
+        page = new[0].pages[pool]
+        rows = data[:, f.pick(data.shape[1])]  # one buffer: [pages, item_bytes]
+        damage(rows, kind, page, new[1].pages[pool] if len(new) > 1 else None, None)
         self._count(f"faults_injected_{kind}")
 
     def _record(self, e: Entry) -> None:

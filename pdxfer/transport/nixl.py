@@ -178,6 +178,8 @@ class NixlTransport:
         self.stats_prepped = 0
         """Page descriptors written through prepared lists (the rest were described per
         call)."""
+        self.notifs_dropped = 0
+        """Peer probes taken out of this agent's inbox (``probe``)."""
         self._faults = faults()
         atexit.register(self.close)
 
@@ -438,7 +440,7 @@ class NixlTransport:
         """A notification to the peer: refused at once when its agent is gone. The peer's
         own probes pile up in this agent's inbox (nothing else reads it): drop them here."""
         try:
-            self._agent.get_new_notifs()
+            self.notifs_dropped += sum(len(v) for v in self._agent.get_new_notifs().values())
         except Exception:  # noqa: BLE001 - best effort: an inbox that cannot be read is no verdict
             pass
         if peer not in self._peers:

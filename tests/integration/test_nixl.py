@@ -6,6 +6,7 @@ different transports refuse each other with a message naming both."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -274,3 +275,17 @@ def test_whole_pages_go_through_prepared_lists_and_the_rest_per_call() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_peers_probes_do_not_pile_up_in_the_inbox(agents) -> None:
+    """Nothing reads NIXL notifications but the probe: each probe empties its own agent's
+    inbox of the probes its peer sent, so a long-held room's heartbeat grows no memory."""
+    a, b, _, _ = agents
+    before = b.notifs_dropped
+    for _ in range(20):
+        assert a.probe(b.session_id)
+    end = time.monotonic() + 5.0
+    while b.notifs_dropped - before < 20 and time.monotonic() < end:
+        b.probe(a.session_id)
+        time.sleep(0.01)
+    assert b.notifs_dropped - before == 20
