@@ -33,9 +33,9 @@ from aiohttp import web
 from pdxfer import BootstrapClient, PdxferError, http_headers, knobs, load_secret
 from pdxfer.tiers import page_keys
 
+from ..errors import BadRequest, OutOfCapacity, ServingError, UpstreamError
+from ..http import error_body, error_response, metrics_text, read_json, serve
 from . import openai_api as oa
-from .errors import BadRequest, OutOfCapacity, ServingError, UpstreamError
-from .http import error_body, error_response, metrics_text, read_json, serve
 
 log = logging.getLogger("pdxfer.serving.router")
 POLICIES = ("round_robin", "least_outstanding", "kv_aware")

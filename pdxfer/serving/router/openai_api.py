@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import BadRequest
+from ..errors import BadRequest
 
 MODEL = "pdxfer-toy"
 VOCAB = 257
