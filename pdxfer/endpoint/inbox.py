@@ -87,11 +87,15 @@ class RecvPool:
         """What a frame of ``n`` bytes holds of the budget (its buffer's size)."""
         return n if n < MAPPED else 1 << (n - 1).bit_length()
 
+    def fits(self, n: int, trusted: bool) -> bool:
+        cost = self.cost(n)
+        return self.used + cost <= self.budget and (
+            trusted or self.used_untrusted + cost <= self.untrusted)
+
     def take(self, n: int, trusted: bool) -> memoryview | None:
         cost = self.cost(n)
         with self._lock:
-            if self.used + cost > self.budget or (
-                    not trusted and self.used_untrusted + cost > self.untrusted):
+            if not self.fits(n, trusted):
                 return None
             self.used += cost
             if not trusted:
@@ -169,6 +173,7 @@ class Conn:
     got: int = 0
     skip: int = 0
     waiting: bool = False
+    """It waits for room in the pool for a frame of ``size`` bytes (and is not read)."""
 
 
 Screen = Callable[[memoryview, int], bool]
@@ -366,7 +371,7 @@ class Inbox:
                 self._skip(c, size, avail)
                 return
             if not self._start_body(c, size, data[body:end]):
-                c.tail = bytes(data[pos:end])
+                c.tail, c.size = bytes(data[pos:end]), size
                 self._wait(c)
             return
         c.tail = bytes(data[pos:end])
@@ -408,8 +413,8 @@ class Inbox:
 
     def _resume(self) -> None:
         for c in list(self._waiting):
-            if self.pool.used >= self.pool.budget:
-                return
+            if not self.pool.fits(c.size, c.trusted):
+                continue
             self._waiting.remove(c)
             c.waiting = False
             self._sel.register(c.sock, selectors.EVENT_READ, c)
