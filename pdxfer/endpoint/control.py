@@ -29,7 +29,8 @@ RCVHWM = 1000
 
 
 class Control:
-    """Receives frames on ``address`` and sends frames to peers' addresses."""
+    """Receives frames on ``host`` (``address`` names it with ``advertise``, the address peers
+    dial) and sends frames to peers' addresses."""
 
     def __init__(
         self,
@@ -39,6 +40,7 @@ class Control:
         tick_s: float = 0.05,
         max_frame: int = 64 << 20,
         name: str = "pdxfer-control",
+        advertise: str = "",
     ) -> None:
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -48,8 +50,9 @@ class Control:
         # outruns the reader is pushed back (TCP) instead of growing this process's memory;
         # a legitimate burst waits in its sender's queue (SNDHWM) instead.
         self._pull.setsockopt(zmq.RCVHWM, RCVHWM)
-        port = self._pull.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        bind = "*" if host in ("0.0.0.0", "*", "") else host
+        port = self._pull.bind_to_random_port(f"tcp://{bind}")
+        self.address = f"tcp://{advertise or host}:{port}"
         self._on_frame = on_frame
         self._on_tick = on_tick
         self._tick_s = tick_s

@@ -676,7 +676,8 @@ class DecodeSide:
                     if p.endpoint_id in st.outstanding and p.session}
 
     def _peer_lost(self, p: PrefillPeer, dead: bool) -> None:
-        what = "stopped answering" if dead else "is not responding (hung?)"
+        what = ("stopped answering" if dead else
+                "is not responding (hung, or the network to it is down)")
         log.warning("prefill endpoint %s (%s) %s", p.endpoint_id, p.session, what)
         self.ep.count("peers_lost" if dead else "peers_hung")
         self.connector.drop_peer(p)

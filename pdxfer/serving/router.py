@@ -30,7 +30,15 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdxfer import BootstrapClient, PdxferError, http_headers, knobs, load_secret
+from pdxfer import (
+    BootstrapClient,
+    PdxferError,
+    host_of,
+    http_headers,
+    knobs,
+    load_secret,
+    unreachable_from,
+)
 from pdxfer.tiers import page_keys
 
 from . import openai_api as oa
@@ -150,6 +158,7 @@ class Router:
         self._health_at = 0.0
         self._health: dict[str, Any] = {}
         self._bg: set[asyncio.Task[Any]] = set()
+        self._watch: asyncio.Future[None] | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=8 << 20,
@@ -166,10 +175,27 @@ class Router:
     async def _start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
             total=self.timeout_s, sock_connect=5.0))
+        self._watch = asyncio.ensure_future(self._watch_down())
 
     async def _stop(self, app: web.Application) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+
+    async def _watch_down(self) -> None:
+        """While a worker is marked down, look again every ``HEALTH_TTL_S``: a worker (or
+        its host) that comes back is used again without anyone calling ``/health``. Off the
+        request path, so a worker that does not answer never slows a request."""
+        while True:
+            await asyncio.sleep(HEALTH_TTL_S)
+            if all(x.healthy for x in (*self.prefills, *self.decodes)):
+                continue
+            try:
+                await self.refresh_health(force=True)
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("health refresh failed")
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -597,9 +623,25 @@ def detok(ids: list[int]) -> str:
     return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
+def check_reachable(prefills: list[Prefill], decodes: list[Decode]) -> None:
+    """The router hands each prefill's bootstrap address to the decodes, which look it up
+    from their own hosts: a loopback address there names the decode's host, not the
+    bootstrap's. Refused at start rather than failing every request."""
+    for p in prefills:
+        boot = host_of(p.bootstrap)
+        for d in decodes:
+            if unreachable_from(boot, d.url):
+                raise ValueError(f"--prefill {p.url}: its bootstrap {p.bootstrap} is a "
+                                 f"loopback address, but decode {d.url} is on another host "
+                                 f"and would look it up on its own host: name the bootstrap "
+                                 f"by an address the decodes reach")
+
+
 def run(a: argparse.Namespace) -> int:
-    router = Router([parse_prefill(s) for s in a.prefill],
-                    [Decode(u.rstrip("/")) for u in a.decode], a.policy, a.timeout,
+    prefills = [parse_prefill(s) for s in a.prefill]
+    decodes = [Decode(u.rstrip("/")) for u in a.decode]
+    check_reachable(prefills, decodes)
+    router = Router(prefills, decodes, a.policy, a.timeout,
                     expose_cache_stats=a.expose_cache_stats)
     log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), router.policy)
-    return serve(router.app(), a.host, a.port)
+    return serve(router.app(), a.host, a.port, advertise=a.advertise)
