@@ -97,19 +97,37 @@ def ns_pids(ns: str) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` released everything (its sockets too): no such process, or a zombie
+    whose threads all exited. A killed process's main thread leaves the namespace before its
+    other threads have closed the files they share, so an empty ``ip netns pids`` alone does
+    not mean its listening sockets are closed yet."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return status.get("State", "").strip().startswith("Z") and \
+        int(status.get("Threads", "1").strip() or 1) <= 1
+
+
 def _kill_ns(ns: str, timeout: float = 10.0) -> list[int]:
-    """SIGKILL every process in ``ns`` and wait until none is left."""
+    """SIGKILL every process in ``ns`` and wait until each has released its resources."""
     killed: list[int] = []
     end = time.monotonic() + timeout
     while True:
         pids = [p for p in ns_pids(ns) if p != os.getpid()]
         if not pids or time.monotonic() > end:
-            return killed
+            break
         for p in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
-                killed.append(p)
+                if p not in killed:
+                    killed.append(p)
         time.sleep(0.05)
+    while not all(_gone(p) for p in killed) and time.monotonic() < end:
+        time.sleep(0.02)
+    return killed
 
 
 def _delete(ns: str) -> None:
