@@ -159,7 +159,6 @@ class Router:
         self._health: dict[str, Any] = {}
         self._bg: set[asyncio.Task[Any]] = set()
         self._watch: asyncio.Future[None] | None = None
-        self._probes: aiohttp.ClientSession | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=8 << 20,
@@ -176,12 +175,6 @@ class Router:
     async def _start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
             total=self.timeout_s, sock_connect=5.0))
-        # health probes on fresh connections: a pooled one that went through a partition can
-        # sit in TCP's retransmission backoff long after the link healed, and the probe
-        # would report the worker down for that long
-        self._probes = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(force_close=True),
-            timeout=aiohttp.ClientTimeout(total=3))
         self._watch = asyncio.ensure_future(self._watch_down())
 
     async def _stop(self, app: web.Application) -> None:
@@ -190,8 +183,6 @@ class Router:
             await asyncio.gather(self._watch, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
-        if self._probes is not None:
-            await self._probes.close()
 
     async def _watch_down(self) -> None:
         """While a worker is marked down, look again every ``HEALTH_TTL_S``: a worker (or
@@ -259,9 +250,10 @@ class Router:
         return web.json_response(oa.models())
 
     async def _probe(self, url: str) -> dict[str, Any] | None:
-        assert self._probes is not None
+        assert self.session is not None
         try:
-            async with self._probes.get(f"{url}/health") as r:
+            async with self.session.get(f"{url}/health",
+                                        timeout=aiohttp.ClientTimeout(total=3)) as r:
                 return await r.json() if r.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
