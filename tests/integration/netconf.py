@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdxfer.serving.cluster import RemoteBootstrap
 from pdxfer.serving.procs import Proc
+from pdxfer.serving.toy.cluster import RemoteBootstrap
 from pdxfer.testing.hosts import Host, root_reason
 
 needs_root = pytest.mark.skipif(root_reason() is not None, reason=root_reason() or "")

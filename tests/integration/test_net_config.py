@@ -15,8 +15,8 @@ import pytest
 
 from pdxfer import BootstrapClient, BootstrapError
 from pdxfer.bootstrap import Registration
-from pdxfer.serving.cluster import RemoteBootstrap
 from pdxfer.serving.procs import Proc
+from pdxfer.serving.toy.cluster import RemoteBootstrap
 from pdxfer.testing.harness import Agent
 from pdxfer.testing.hosts import Network
 from pdxfer.testing.patterns import PoolGeom

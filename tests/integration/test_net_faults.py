@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pdxfer.serving.cluster import RemoteBootstrap
+from pdxfer.serving.toy.cluster import RemoteBootstrap
 from pdxfer.testing.harness import Agent
 from pdxfer.testing.hosts import Network
 from pdxfer.testing.patterns import PoolGeom

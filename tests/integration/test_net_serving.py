@@ -18,9 +18,9 @@ import openai
 import pytest
 import torch
 
-from pdxfer.serving import EOS_ID, ToyConfig, ToyModel, encode
-from pdxfer.serving.cluster import Cluster
-from pdxfer.serving.openai_api import chat_prompt
+from pdxfer.serving.router.openai_api import chat_prompt
+from pdxfer.serving.toy import EOS_ID, ToyConfig, ToyModel, encode
+from pdxfer.serving.toy.cluster import Cluster
 from pdxfer.testing.hosts import Network
 
 from .netconf import needs_root

@@ -10,7 +10,8 @@ import torch
 
 from pdxfer import ConfigError, Endpoint, EndpointConfig, PoolSpec
 from pdxfer.netaddr import advertised, host_of, is_local, is_loopback, unreachable_from
-from pdxfer.serving.router import Decode, Prefill, check_reachable
+from pdxfer.serving.router.app import check_reachable
+from pdxfer.serving.router.backends import Decode, Prefill
 
 OTHER_HOST = "10.213.0.77"
 

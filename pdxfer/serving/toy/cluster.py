@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from pdxfer import BootstrapServer
 
-from .procs import Proc, stop_all
+from ..procs import Proc, stop_all
 
 
 class Place(Protocol):
