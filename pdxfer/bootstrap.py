@@ -471,12 +471,8 @@ class BootstrapClient:
             req = urllib.request.Request(self.base + path, data=body, method=method,
                                          headers=headers)
             not_ready = False
-            # an attempt never outlives the caller's deadline (a partitioned server would
-            # otherwise hold each try for the whole timeout)
-            timeout = (self.timeout if deadline is None
-                       else max(0.05, min(self.timeout, deadline - time.monotonic())))
             try:
-                with urllib.request.urlopen(req, timeout=timeout) as r:
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
                     return json.loads(r.read() or b"null")
             except urllib.error.HTTPError as e:
                 msg = _error_text(e)

@@ -659,7 +659,9 @@ class DecodeSide:
             self.ep.count("abort_retransmits")
             self.ep.send(p.ctrl_addr, msg, p.sess)
         for st in expired:
-            what = ("bootstrap/handshake" if st.state == KVPoll.Bootstrapping else
+            what = (f"bootstrap lookup ({st.bootstrap}"
+                    f"{', instance ' + st.instance if st.instance else ''}) or handshake"
+                    if st.state == KVPoll.Bootstrapping else
                     f"transfer (state {st.state.name}, waiting for {sorted(st.outstanding)})")
             self.fail(st, DeadlineExceeded(f"room {st.room}: {what} did not finish before its "
                                            f"deadline"))
