@@ -95,7 +95,10 @@ class Liveness(Generic[P]):
                             p.probe_failures, p.hung = 0, False
                         else:
                             p.probe_failures += 1
-                            if p.probe_failures >= 2:
+                            # one "not responding" verdict per episode (a partition fails a
+                            # probe every beat); a later refusal still declares it dead
+                            if p.probe_failures >= 2 and (gone or not p.hung):
+                                p.hung = not gone
                                 self._on_lost(p, gone)
                     elif now - t0 > hang_s and not p.hung:
                         p.hung = True

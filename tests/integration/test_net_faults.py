@@ -162,6 +162,7 @@ def test_partition_mid_transfer_fails_with_peer_lost_and_quarantines_until_heale
     ``prefill``/``switch``: the prefill's switch port goes down (a black hole)."""
     assert net.dc is not None
     host = net.net[side]
+    lost = net.dc.call("metrics").get("peers_hung", 0)
     big = net.start_request(16 * 96, chunks=24, delay_s=0.1)  # 48 MiB over ~2.4 s
     time.sleep(0.8)
     t_cut = time.monotonic()
@@ -182,6 +183,8 @@ def test_partition_mid_transfer_fails_with_peer_lost_and_quarantines_until_heale
         assert net.dc.call("metrics")["quarantined_pages"] > 0
         assert big["room"] not in net.dc.call("released"), \
             "pages released while the prefill could still write into them"
+        # one verdict for the whole partition, however many probes it lasts
+        assert net.dc.call("metrics").get("peers_hung", 0) == lost + 1
     finally:
         host.heal()
     assert net.released(big, 30), "pages still held after the heal"
