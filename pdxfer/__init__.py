@@ -27,7 +27,7 @@ from .errors import (
     WireError,
 )
 from .metrics import prometheus_text
-from .netaddr import advertised, host_of, is_wildcard, unreachable_from
+from .netaddr import advertised, host_of, unreachable_from
 from .pools import BufferSpec, PoolSpec, Sharding, layout_signature
 
 __version__ = "0.1.0"
@@ -40,5 +40,5 @@ __all__ = [
     "PlanError", "PoolSpec", "RemoteFailure", "Sharding", "TransportError",
     "TransportUnavailable", "WireError", "check_http", "http_headers", "layout_signature",
     "knobs", "load_secret", "prometheus_text", "__version__", "advertised", "host_of",
-    "is_wildcard", "unreachable_from",
+    "unreachable_from",
 ]

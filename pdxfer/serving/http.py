@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdxfer import ReplayGuard, advertised, check_http, is_wildcard, prometheus_text
+from pdxfer import ReplayGuard, advertised, check_http, prometheus_text
 
 from .errors import BadRequest, ServingError
 
@@ -134,7 +134,9 @@ def serve(app: web.Application, host: str, port: int, on_stop: Any = None,
         # pages) instead of running to max_tokens for nobody
         runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
         await runner.setup()
-        site = web.TCPSite(runner, None if is_wildcard(host) else host, port,
+        # one socket: a wildcard left to aiohttp binds IPv4 and IPv6 apart, each on its own
+        # random port, and the ready line could name the one a client does not dial
+        site = web.TCPSite(runner, "0.0.0.0" if host in ("", "*") else host, port,
                            shutdown_timeout=1.0)
         await site.start()
         bound = runner.addresses[0][1]

@@ -44,10 +44,13 @@ def text_of(ids: list[int]) -> str:
     return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
 
 
-def start(net: Network, transport: str) -> Cluster:
+def start(net: Network, transport: str, bind_all: bool = False) -> Cluster:
+    """Bootstrap and router on ``front``, prefills on ``p0`` and ``p1``, the decode on ``d0``;
+    ``bind_all``: each binds 0.0.0.0 and advertises its host's address."""
     env = {"UCX_TLS": "tcp"} if transport == "nixl" else None  # else UCX takes shared memory
     return Cluster(worker_args=[*WORKER, "--transport", transport], prefills=2,
-                   router_args=["--timeout", str(ROUTER_TIMEOUT_S)], env=env, client=net["client"].enter,
+                   bind_all=bind_all, router_args=["--timeout", str(ROUTER_TIMEOUT_S)],
+                   env=env, client=net["client"].enter,
                    hosts={"bootstrap": net["front"], "router": net["front"],
                           "prefill": net["p0"], "prefill1": net["p1"],
                           "decode": net["d0"]}).start()
@@ -61,7 +64,7 @@ def net() -> Iterator[Network]:
 
 @pytest.fixture(scope="module")
 def cluster(net: Network) -> Iterator[Cluster]:
-    c = start(net, "tcp")
+    c = start(net, "tcp", bind_all=True)
     try:
         yield c
     finally:
@@ -126,6 +129,12 @@ def restores_l2(net: Network, c: Cluster) -> None:
 
 def test_openai_client_across_hosts_matches_colocated_over_mooncake_tcp(
         net: Network, cluster: Cluster) -> None:
+    """Every process of this cluster binds 0.0.0.0 and advertises its host's address."""
+    assert cluster.router is not None and cluster.bootstrap is not None
+    for proc, host in ((cluster.router, "front"), (cluster.prefills[0], "p0"),
+                       (cluster.prefills[1], "p1"), (cluster.decode, "d0")):
+        assert proc is not None and proc.url.startswith(f"http://{net[host].addr}:"), proc.url
+    assert cluster.bootstrap.address.startswith(f"{net['front'].addr}:")
     before = net["d0"].link_stats()["rx_bytes"]
     kv = served_identically(net, cluster)
     got = net["d0"].link_stats()["rx_bytes"] - before

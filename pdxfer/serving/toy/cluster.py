@@ -48,7 +48,8 @@ class Cluster:
 
     ``hosts`` places processes by name (``bootstrap``, ``router``, ``prefill``, ``prefill1``,
     ..., ``decode``, ``decode1``, ...): each runs under its place's prefix and binds and
-    advertises its place's address; unnamed ones run here on loopback. ``client`` is entered
+    advertises its place's address (``bind_all``: binds every interface and advertises its
+    place's address); unnamed ones run here on loopback. ``client`` is entered
     around this object's own HTTP calls (a client on a host of the network)."""
 
     def __init__(self, *, worker_args: Sequence[str] = (), prefill_args: Sequence[str] = (),
@@ -56,14 +57,15 @@ class Cluster:
                  log_level: str = "WARNING", quiet: bool = True, timeout: float = 180.0,
                  prefills: int = 1, decodes: int = 1, env: dict[str, str] | None = None,
                  expose_cache_stats: bool = True, hosts: Mapping[str, Place] | None = None,
-                 client: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
-                 ) -> None:
+                 client: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                 bind_all: bool = False) -> None:
         self.worker_args, self.prefill_args = list(worker_args), list(prefill_args)
         self.decode_args, self.router_args = list(decode_args), list(router_args)
         self.log_level, self.quiet, self.timeout = log_level, quiet, timeout
         self.n_prefills, self.n_decodes, self.env = prefills, decodes, env
         self.expose_cache_stats = expose_cache_stats  # the demo and tests show cache hits
         self.hosts = dict(hosts or {})
+        self.bind_all = bind_all  # placed processes bind 0.0.0.0 and advertise their address
         self.client = client or contextlib.nullcontext
         self.bootstrap: BootstrapServer | RemoteBootstrap | None = None
         self.prefills: list[Proc | None] = []
@@ -86,7 +88,8 @@ class Cluster:
 
     def _proc(self, name: str, args: list[str], wait: bool = True) -> Proc:
         place = self.hosts.get(name)
-        where = ["--host", place.addr] if place is not None else []
+        where = ([] if place is None else ["--host", place.addr] if not self.bind_all
+                 else ["--host", "0.0.0.0", "--advertise", place.addr])
         return Proc(name, ["--log-level", self.log_level, *args, *where], timeout=self.timeout,
                     quiet=self.quiet, wait=wait, env=self.env,
                     prefix=place.prefix if place is not None else ())
