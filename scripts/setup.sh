@@ -8,8 +8,9 @@ PY="${PYTHON:-python3}"
 EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench,nixl}"
 
 need_apt=()
-# gcc builds pdxfer's optional streaming page copier (pdxfer/tiers/_ntcopy.c)
-for pkg in libibverbs1 libnuma1 libcurl4 gcc; do
+# gcc builds pdxfer's optional streaming page copier (pdxfer/tiers/_ntcopy.c); iproute2 (ip,
+# tc) builds the network namespaces the tests across hosts run on (pdxfer/testing/hosts.py)
+for pkg in libibverbs1 libnuma1 libcurl4 gcc iproute2; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if ! "$PY" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then

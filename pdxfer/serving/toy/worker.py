@@ -49,6 +49,9 @@ class WorkerConfig:
 
     role: str
     host: str = "127.0.0.1"
+    advertise: str = ""
+    """The address other hosts reach this worker at (default ``host``; see ``pdxfer``'s
+    ``EndpointConfig.advertise``)."""
     port: int = 0
     bootstrap: str | None = None
     instance: str = "default"
@@ -130,7 +133,8 @@ def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
     dec = role == "decode"
     l3 = ("off" if not dec or a.no_l3 else "mooncake" if a.l3_mooncake else "file")
     return WorkerConfig(
-        role=role, host=a.host, port=a.port, bootstrap=a.bootstrap, instance=a.instance,
+        role=role, host=a.host, advertise=a.advertise, port=a.port, bootstrap=a.bootstrap,
+        instance=a.instance,
         pages=a.pages, aux_slots=a.aux_slots, seed=a.seed, page_size=a.page_size,
         max_seq_len=a.max_seq_len, chunk_size=a.chunk_size,
         l2_pages=a.l2_pages, l3=l3,
@@ -248,8 +252,8 @@ class ModelHost:
                             f"weights={self.model.weights_digest()[:16]}")
         self.endpoint = Endpoint(EndpointConfig(
             model_id=self.fingerprint,
-            role=cfg.role, bootstrap=cfg.bootstrap if cfg.role == "prefill" else None,
-            instance=cfg.instance, host=cfg.host, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
+            role=cfg.role, bootstrap=cfg.bootstrap, instance=cfg.instance, host=cfg.host,
+            advertise=cfg.advertise, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s, heartbeat_s=cfg.heartbeat_s,
             transport=cfg.transport, device=cfg.device, integrity=cfg.integrity,  # type: ignore[arg-type]
             integrity_retry=cfg.integrity_retry), pools)
