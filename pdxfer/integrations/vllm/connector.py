@@ -57,6 +57,19 @@ def check_compatible(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | N
                           f"{len(groups)} (hybrid attention is not supported yet)")
 
 
+def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
+    """This worker's (TP rank, TP size); outside a started worker (no process group yet,
+    as in a conformance test) only TP 1 is possible."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if size != 1:
+        raise ConfigError(f"TP size {size} but vLLM's process groups are not initialized")
+    return 0, 1
+
+
 class PdxferConnector(KVConnectorBase_V1):
     """vLLM KV connector that moves KV with pdxfer (see ``pdxfer/integrations/vllm``)."""
 
@@ -79,15 +92,9 @@ class PdxferConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = PdxferScheduler(self.cfg, block_size)
         else:
-            from vllm.distributed.parallel_state import (
-                get_tensor_model_parallel_rank,
-                get_tensor_model_parallel_world_size,
-            )
-
             kv_heads = mc.get_total_num_kv_heads() if mc is not None else 1
-            self.worker = PdxferWorker(self.cfg, RankInfo(
-                get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
-                block_size, kv_heads))
+            self.worker = PdxferWorker(self.cfg, RankInfo(*_tp(vllm_config), block_size,
+                                                          kv_heads))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -62,6 +62,9 @@ class PdxferWorker:
         self.cfg = cfg
         self.rank = rank
         self.ep: Endpoint | None = None
+        self.transport: Any = None
+        """The endpoint's transport (None: the configured one; unit tests put pdxfer's
+        in-memory transport here before ``register_kv_caches``)."""
         self.layout: Layout | None = None
         self.cache: TieredCache | None = None
         self._sends: dict[str, KVSender | None] = {}
@@ -86,7 +89,7 @@ class PdxferWorker:
         fingerprint = (f"model={ident} block_size={r.block_size} kv_layout={lay.kind} "
                        f"dtype={lay.pool.dtype}")
         self.ep = Endpoint(self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
-                           [lay.pool])
+                           [lay.pool], transport=self.transport)
         if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
             self.cache = TieredCache([lay.pool], host_pages=self.cfg.l2_pages,
                                      storage=self._storage(), model_id=fingerprint,
