@@ -9,8 +9,9 @@ folder run the same model; ``fingerprint`` names those bytes. vLLM loads it with
 ``HF_HUB_OFFLINE=1``.
 
 Shapes: ``SHAPES["small"]`` (4 layers, GQA, head size 64: fast engines for the tests) and
-``SHAPES["kv64k"]`` (many KV heads of size 128 on a narrow hidden size: 64 KiB of KV per
-token, so moving KV is a real share of a request's time, as with production models).
+``SHAPES["kv32k"]`` (many KV heads of size 128 on a narrow hidden size: 32 KiB of KV per
+token in bf16, 64 KiB served in float32, so moving KV is a real share of a request's time,
+as with production models).
 
     python -m pdxfer.testing.hf_model /tmp/llama-small [--shape small] [--layers 4 ...]
 """
@@ -91,7 +92,7 @@ class Shape:
 
 SHAPES = {
     "small": Shape(),
-    "kv64k": Shape(layers=8, hidden=256, heads=16, kv_heads=16, head_size=128,
+    "kv32k": Shape(layers=8, hidden=256, heads=8, kv_heads=8, head_size=128,
                    intermediate=512),
 }
 

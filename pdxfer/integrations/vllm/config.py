@@ -47,8 +47,9 @@ class ConnectorConfig:
     - deadlines in seconds: ``bootstrap_timeout_s`` (a prefill waits this long for the
       decode's request after its prefill finished), ``transfer_timeout_s``,
       ``abort_timeout_s``, ``heartbeat_s``.
-    - ``stats_file``: a JSON file the workers rewrite with their counters (bytes sent and
-      received, restored pages, failures) at most every ``stats_interval_s``.
+    - ``stats_file``: a JSON file each worker rewrites with its counters (bytes sent and
+      received, restored pages, failures) whenever a request's KV moved (``.tpN`` is
+      appended per rank when TP > 1).
     """
 
     role: str
@@ -73,7 +74,6 @@ class ConnectorConfig:
     abort_timeout_s: float = 5.0
     heartbeat_s: float = 0.5
     stats_file: str = ""
-    stats_interval_s: float = 0.2
 
     @property
     def side(self) -> str:
@@ -167,8 +167,7 @@ def _check(c: ConnectorConfig) -> None:
                   "l3_mooncake_metadata (URL)")
     if c.l3_max_gb < 0 or c.l3_mooncake_segment_mb < 0:
         raise bad("l3_max_gb", "sizes must be >= 0")
-    for key in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s",
-                "stats_interval_s"):
+    for key in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s"):
         if getattr(c, key) <= 0:
             raise bad(key, "must be > 0")
     if c.secret_file and not os.path.isfile(c.secret_file):

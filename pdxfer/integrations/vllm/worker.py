@@ -24,7 +24,6 @@ import logging
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,10 +73,10 @@ class PdxferWorker:
         self._bound: PdxferMetadata | None = None
         self.counters: dict[str, int] = {
             "sends": 0, "send_failures": 0, "sent_tokens": 0, "loads": 0, "load_failures": 0,
-            "loaded_tokens": 0, "net_bytes": 0, "restored_pages": 0, "restored_l2_pages": 0,
+            "loaded_tokens": 0, "net_bytes": 0, "net_us": 0, "restored_pages": 0, "restored_l2_pages": 0,
             "restored_l3_pages": 0, "repaired_tokens": 0, "writebacks": 0,
             "writeback_failures": 0}
-        self._stats_at = 0.0
+        self._changed = False
 
     # -- start ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -120,6 +119,7 @@ class PdxferWorker:
         if meta is self._bound:
             return
         self._bound = meta
+        self._changed |= bool(meta.sends or meta.loads or meta.writebacks)
         for s in meta.sends:
             self._send(s)
         for o in meta.loads:
@@ -215,7 +215,9 @@ class PdxferWorker:
                 continue
             recving.add(rid)
             del self._loads[rid]
-        self._write_stats()
+        if sending or recving or self._changed:
+            self._changed = False
+            self._write_stats()
         return sending, recving
 
     def _loaded(self, rec: _Load) -> None:
@@ -229,8 +231,10 @@ class PdxferWorker:
             c["restored_l3_pages"] += max(0, good - l2)
             c["repaired_tokens"] += int(st["repaired_tokens"])
             c["net_bytes"] += int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0)
+            c["net_us"] += int((st["net_seconds"] or 0) * 1e6)
         else:
             c["net_bytes"] += int(st.get("bytes") or 0)
+            c["net_us"] += int((st.get("seconds") or 0) * 1e6)
 
     def load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
@@ -248,13 +252,11 @@ class PdxferWorker:
             out["tiers"] = self.cache.stats()
         return out
 
-    def _write_stats(self, force: bool = False) -> None:
+    def _write_stats(self) -> None:
+        """Rewrite the stats file (when something changed: a request's KV was ordered,
+        sent, loaded or written back)."""
         if not self.cfg.stats_file:
             return
-        now = time.monotonic()
-        if not force and now - self._stats_at < self.cfg.stats_interval_s:
-            return
-        self._stats_at = now
         path = self.cfg.stats_file
         if self.rank.tp_size > 1:
             path = f"{path}.tp{self.rank.tp_rank}"
@@ -268,7 +270,7 @@ class PdxferWorker:
             log.warning("cannot write stats to %s: %s", path, e)
 
     def close(self) -> None:
-        self._write_stats(force=True)
+        self._write_stats()
         for rec in self._loads.values():
             if not rec.rx.poll().terminal:
                 rec.rx.abort("vLLM is shutting down")
