@@ -23,6 +23,9 @@ Each request goes through a front door following vLLM's proxy protocol, streamed
 the time to the first streamed token. Requests run one at a time, the variants alternating
 request by request (rotating which goes first). Outputs must be identical across variants.
 
+The front door also times each request's prefill leg; the rest of a TTFT (``decode_leg``:
+the decode's request until its first token, where the connectors differ) is reported too.
+
 Keys: ``vllm.ttft_p50_ratio_vs_builtin`` (pdxfer without reuse over NixlConnector: the same
 bytes moved), ``vllm.ttft_p50_ratio_vs_builtin_with_reuse``, ``vllm.ttft_p50_ratio_decode_reuse``
 (reuse on over off), ``vllm.kv_gbps.pdxfer`` / ``vllm.kv_gbps.builtin`` (bytes moved over the
@@ -54,15 +57,16 @@ BS = 32
 VARIANTS = ("pdxfer", "pdxfer_reuse", "builtin")
 
 
-def servers(tmp: Path, model: Path, boot: BootstrapServer, kv_bytes: int, l2_pages: int
-            ) -> dict[str, VllmServer]:
+def servers(tmp: Path, model: Path, boot: BootstrapServer, kv_bytes: int, l2_pages: int,
+            max_len: int) -> dict[str, VllmServer]:
     common = {"bootstrap_timeout_s": 120.0, "transfer_timeout_s": 120.0}
-    nocache = ["--no-enable-prefix-caching"]
+    lim = ["--max-model-len", str(max_len)]
+    nocache = [*lim, "--no-enable-prefix-caching"]
     shim = {"PYTHONPATH": f"{ROOT / 'nixl_shim'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
             "UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "WARN"}
     nixl_extra = {"kv_lease_duration": 300}
     s = {
-        "pdx_p": VllmServer("pdx_p", model, tmp, kv_cache_bytes=kv_bytes,
+        "pdx_p": VllmServer("pdx_p", model, tmp, kv_cache_bytes=kv_bytes, args=lim,
                             kv_transfer_config=kv_config("kv_producer", {
                                 "bootstrap": boot.address, "instance": "bench-p",
                                 "stats_file": str(tmp / "pdx_p.json"), **common})),
@@ -74,7 +78,7 @@ def servers(tmp: Path, model: Path, boot: BootstrapServer, kv_bytes: int, l2_pag
                              kv_transfer_config=kv_config("kv_consumer", {
                                  "instance": "bench-dr", "l2_pages": l2_pages,
                                  "stats_file": str(tmp / "pdx_dr.json"), **common})),
-        "nixl_p": VllmServer("nixl_p", model, tmp, kv_cache_bytes=kv_bytes,
+        "nixl_p": VllmServer("nixl_p", model, tmp, kv_cache_bytes=kv_bytes, args=lim,
                              kv_transfer_config=kv_config(
                                  "kv_producer", nixl_extra, connector="NixlConnector",
                                  module=None, kv_buffer_device="cpu"),
@@ -121,7 +125,8 @@ def run(quick: bool) -> dict[str, Any]:
     shape = SHAPES["kv32k"]
     kv_per_token = shape.layers * 2 * shape.kv_heads * shape.head_size * 4  # float32
     longest = system + turns * (question + answer)
-    kv_bytes = max(256 << 20, 3 * longest * kv_per_token)
+    max_len = -(-(longest + 64) // BS) * BS
+    kv_bytes = 3 * max_len * kv_per_token  # a few requests in flight, and then some
     l2_pages = 2 * convs * -(-longest // BS) + 64
     tmp = Path(tempfile.mkdtemp(prefix="pdxfer-bench-vllm-"))
     model = build_model(tmp / "model", "kv32k")
@@ -130,7 +135,7 @@ def run(quick: bool) -> dict[str, Any]:
     doors: dict[str, FrontDoor] = {}
     t_start = time.monotonic()
     try:
-        srv = servers(tmp, model, boot, kv_bytes, l2_pages)
+        srv = servers(tmp, model, boot, kv_bytes, l2_pages, max_len)
         start_all(list(srv.values()), timeout=600)
         doors = {
             "pdxfer": FrontDoor(srv["pdx_p"].url, srv["pdx_d"].url, "bench-d").start(),
@@ -149,6 +154,7 @@ def run(quick: bool) -> dict[str, Any]:
         sys_prefix = tokens(1, system)
         hist = {(v, c): list(sys_prefix) for v in VARIANTS for c in range(convs)}
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        legs: dict[str, list[float]] = {v: [] for v in VARIANTS}
         outs: dict[tuple[str, int, int], list[int]] = {}
         k = 0
         for t in range(turns):
@@ -160,6 +166,7 @@ def run(quick: bool) -> dict[str, Any]:
                     prompt = hist[(v, c)] + q
                     dt, ids = ttft(doors[v].url, prompt, answer)
                     times[v].append(dt)
+                    legs[v].append(dt - doors[v].prefill_seconds[-1])
                     outs[(v, c, t)] = ids
                     hist[(v, c)] = prompt + ids
             print(f"[bench_vllm] turn {t + 1}/{turns}: " + ", ".join(
@@ -191,7 +198,14 @@ def run(quick: bool) -> dict[str, Any]:
             "vllm.requests_per_variant": len(times["pdxfer"]),
             "vllm.quick": quick, "vllm.seconds": time.monotonic() - t_start,
         }
+        res["vllm.decode_leg_p50_ratio_vs_builtin"] = (statistics.median(legs["pdxfer"])
+                                                      / statistics.median(legs["builtin"]))
+        res["vllm.decode_leg_p50_ratio_decode_reuse"] = (
+            statistics.median(legs["pdxfer_reuse"]) / statistics.median(legs["pdxfer"]))
         for v in VARIANTS:
+            res[f"vllm.requests_ms.{v}"] = [[round(1e3 * a), round(1e3 * b)]
+                                            for a, b in zip(times[v], legs[v])]
+            res[f"vllm.decode_leg_p50_ms.{v}"] = 1e3 * statistics.median(legs[v])
             res[f"vllm.ttft_p50_ms.{v}"] = 1e3 * p50[v]
             res[f"vllm.ttft_p90_ms.{v}"] = 1e3 * p90[v]
         return res

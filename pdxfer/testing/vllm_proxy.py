@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
+import time
 from typing import Any
 
 import aiohttp
@@ -27,6 +28,8 @@ class FrontDoor:
         self._port = port
         self.url = ""
         self.last_params: dict[str, Any] | None = None
+        self.prefill_seconds: list[float] = []
+        """Per request, how long the prefill leg took (the rest of a TTFT is the decode's)."""
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
@@ -81,11 +84,13 @@ class FrontDoor:
         first["max_tokens"] = 1
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
+        t0 = time.perf_counter()
         async with self._session.post(self.prefill + path, json=first) as r:
             if r.status != 200:
                 return web.Response(body=await r.read(), status=r.status,
                                     content_type="application/json")
             answer = await r.json()
+        self.prefill_seconds.append(time.perf_counter() - t0)
         params = answer.get("kv_transfer_params")
         self.last_params = params
         second = {**body, "kv_transfer_params": params}
@@ -96,9 +101,12 @@ class FrontDoor:
             out = web.StreamResponse(status=r.status, headers={
                 "Content-Type": r.headers.get("Content-Type", "text/event-stream")})
             await out.prepare(request)
-            async for chunk in r.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
+            try:
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except ConnectionResetError:  # the client left: the decode's stream is dropped
+                pass
             return out
 
     def close(self) -> None:

@@ -73,7 +73,7 @@ class PdxferWorker:
         self._bound: PdxferMetadata | None = None
         self.counters: dict[str, int] = {
             "sends": 0, "send_failures": 0, "sent_tokens": 0, "loads": 0, "load_failures": 0,
-            "loaded_tokens": 0, "net_bytes": 0, "net_us": 0, "restored_pages": 0, "restored_l2_pages": 0,
+            "loaded_tokens": 0, "net_bytes": 0, "net_us": 0, "ready_us": 0, "restore_us": 0, "restored_pages": 0, "restored_l2_pages": 0,
             "restored_l3_pages": 0, "repaired_tokens": 0, "writebacks": 0,
             "writeback_failures": 0}
         self._changed = False
@@ -232,9 +232,12 @@ class PdxferWorker:
             c["repaired_tokens"] += int(st["repaired_tokens"])
             c["net_bytes"] += int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0)
             c["net_us"] += int((st["net_seconds"] or 0) * 1e6)
+            c["ready_us"] += int((st["seconds"] or 0) * 1e6)
+            c["restore_us"] += int((st["local_seconds"] or 0) * 1e6)
         else:
             c["net_bytes"] += int(st.get("bytes") or 0)
             c["net_us"] += int((st.get("seconds") or 0) * 1e6)
+            c["ready_us"] += int((st.get("seconds") or 0) * 1e6)
 
     def load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
