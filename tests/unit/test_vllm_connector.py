@@ -315,3 +315,19 @@ def test_a_failed_load_returns_its_blocks_and_follows_the_policy(
     else:
         assert d.finished["x"].finish_reason is not None and "x" not in d.computed
     run_until([d], lambda: d.free_blocks() == free_d)
+
+
+def test_the_plugin_registers_the_connector_by_name() -> None:
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    import pdxfer.integrations.vllm as integration
+
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "pdxfer"]
+    assert eps and eps[0].value == "pdxfer.integrations.vllm:register"
+    integration.register()
+    integration.register()  # vLLM loads plugins in several places: twice is fine
+    cls = KVConnectorFactory.get_connector_class(KVTransferConfig(
+        kv_connector="PdxferConnector", kv_role="kv_consumer"))
+    assert cls is PdxferConnector
