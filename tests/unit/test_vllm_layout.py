@@ -120,3 +120,15 @@ def test_params_from_clients_are_checked_and_rooms_pair_the_two_sides() -> None:
     assert P.decode_ask({**answer, "pdxfer_room": "7"}) is None
     assert P.decode_ask({**answer, "pdxfer_bootstrap": "x" * 500}) is None
     assert P.decode_ask({"do_remote_prefill": True}) is None
+
+
+def test_k_and_v_apart_are_two_buffers_per_layer_with_heads_addressable() -> None:
+    t = torch.zeros(L, 2, B, N, H, D, dtype=torch.bfloat16)  # FlashAttention-style [2, B, N, H, D]
+    caches = {f"model.layers.{i}.attn": t[i] for i in range(L)}
+    lay = describe(caches, block_size=N, total_kv_heads=2 * H, tp_rank=1, tp_size=2)
+    p = lay.pool
+    assert lay.kind == "NHD" and [(b.layer_id, b.role) for b in p.buffers] == [
+        (i, r) for i in range(L) for r in ("k", "v")]
+    assert [b.addr for b in p.buffers] == [t[i, j].data_ptr() for i in range(L) for j in (0, 1)]
+    assert p.item_bytes == N * H * D * 2 and p.sharding.head_bytes == D * 2
+    assert p.sharding.first_head == H and lay.block_bytes == 2 * L * p.item_bytes

@@ -1,7 +1,8 @@
 """vLLM's KV cache tensors -> one pdxfer ``PoolSpec``, without a copy.
 
 vLLM 0.32 hands every attention layer's cache as a logical ``[B, H, N, C]`` tensor (blocks,
-KV heads, tokens of a block, and C = K and V of one head and token), laid out in memory in
+KV heads, tokens of a block, and C = K and V of one head and token; a ``[2, B, N, H, D]``
+tensor, K and V apart, is two such tensors of C = D), laid out in memory in
 one of several orders (``vllm.v1.kv_cache_layout``: the CPU backend's head-major
 ``[B, H, N, C]``, token-major ``[B, N, H, C]``, block-outermost layouts that put every layer
 of a block together, padded pages). The layout is read from the tensors' strides and data
@@ -83,6 +84,13 @@ def describe(kv_caches: Mapping[str, Any], *, block_size: int, total_kv_heads: i
     order = layer_order(list(kv_caches))
     ts = [kv_caches[n] for _, n in order]
     ids = [i for i, _ in order]
+    roles = ["kv"] * len(ts)
+    if ts[0].dim() == 5 and ts[0].shape[0] == 2:
+        # K and V apart, [2, B, N, H, D] (older vLLM and some GPU backends): each half is a
+        # [B, H, N, D] view with its own buffer per layer
+        ts = [t[j].permute(0, 2, 1, 3) for t in ts for j in (0, 1)]
+        ids = [i for i in ids for _ in (0, 1)]
+        roles = ["k", "v"] * (len(ts) // 2)
     t0 = ts[0]
     for t in ts:
         if tuple(t.shape) != tuple(t0.shape) or t.stride() != t0.stride() \
@@ -111,8 +119,8 @@ def describe(kv_caches: Mapping[str, Any], *, block_size: int, total_kv_heads: i
     dtype = str(t0.dtype).removeprefix("torch.")
     bases = sorted(int(t.data_ptr()) for t in ts)
     if stride[0] == inner and _apart(bases, nb * inner * elt):
-        bufs = [BufferSpec(int(t.data_ptr()), nb * inner * elt, i, "kv")
-                for t, i in zip(ts, ids)]
+        bufs = [BufferSpec(int(t.data_ptr()), nb * inner * elt, i, r)
+                for t, i, r in zip(ts, ids, roles)]
         kind, sharding = _inner(shape, stride, elt, total_kv_heads, tp_rank, tp_size)
         item = inner * elt
         per_block = item * len(ts)
@@ -131,7 +139,8 @@ def describe(kv_caches: Mapping[str, Any], *, block_size: int, total_kv_heads: i
             raise ConfigError("vLLM's KV cache pages are padded; pdxfer moves them with TP 1 "
                               "only")
         item = stride[0] * elt
-        bufs = [BufferSpec(int(t.data_ptr()), nb * item, i, "kv") for t, i in zip(ts, ids)]
+        bufs = [BufferSpec(int(t.data_ptr()), nb * item, i, r)
+                for t, i, r in zip(ts, ids, roles)]
         kind, sharding, per_block = "opaque-layer", Sharding(), item * len(ts)
     else:
         raise ConfigError(f"KV cache layers overlap or blocks are strided ({stride[0]} "
