@@ -10,15 +10,16 @@ turns, every prompt opening with one long system prefix shared by all conversati
 turn repeating its conversation's history (the last prompt and answer) and adding a
 question. Clusters (started once, all at the same time):
 
-- ``pdxfer``: a prefill with PdxferConnector and two decodes: ``pdxfer_reuse`` with
-  decode-side tiers (L2 host pages) and ``pdxfer`` without;
+- ``pdxfer``: a prefill and a decode with PdxferConnector;
+- ``pdxfer_reuse``: the same, the decode with decode-side tiers (L2 host pages);
 - ``builtin``: vLLM's NixlConnector pair on CPU memory (``kv_buffer_device: cpu``; vLLM
   imports ``nixl._api`` and ``nixl-cu12`` installs as ``nixl_cu12``, so these two
   processes get ``scripts/nixl_shim`` on their PYTHONPATH; ``kv_lease_duration`` 300 s so
   a busy machine does not expire the prefill's blocks before the decode reads them).
 
 vLLM's own prefix cache is off on every decode, so the decodes do the same work except for
-what pdxfer's tiers restore; the prefills keep theirs (a turn's history is not recomputed).
+what pdxfer's tiers restore; the prefills keep theirs (a turn's history is not recomputed),
+and each variant has its own prefill, so each computes every new question once.
 Each request goes through a front door following vLLM's proxy protocol, streamed; TTFT is
 the time to the first streamed token. Requests run one at a time, the variants alternating
 request by request (rotating which goes first). Outputs must be identical across variants.
@@ -70,6 +71,10 @@ def servers(tmp: Path, model: Path, boot: BootstrapServer, kv_bytes: int, l2_pag
                             kv_transfer_config=kv_config("kv_producer", {
                                 "bootstrap": boot.address, "instance": "bench-p",
                                 "stats_file": str(tmp / "pdx_p.json"), **common})),
+        "pdx_p2": VllmServer("pdx_p2", model, tmp, kv_cache_bytes=kv_bytes, args=lim,
+                             kv_transfer_config=kv_config("kv_producer", {
+                                 "bootstrap": boot.address, "instance": "bench-p2",
+                                 "stats_file": str(tmp / "pdx_p2.json"), **common})),
         "pdx_d": VllmServer("pdx_d", model, tmp, kv_cache_bytes=kv_bytes, args=nocache,
                             kv_transfer_config=kv_config("kv_consumer", {
                                 "instance": "bench-d", "stats_file": str(tmp / "pdx_d.json"),
@@ -139,7 +144,7 @@ def run(quick: bool) -> dict[str, Any]:
         start_all(list(srv.values()), timeout=600)
         doors = {
             "pdxfer": FrontDoor(srv["pdx_p"].url, srv["pdx_d"].url, "bench-d").start(),
-            "pdxfer_reuse": FrontDoor(srv["pdx_p"].url, srv["pdx_dr"].url, "bench-dr").start(),
+            "pdxfer_reuse": FrontDoor(srv["pdx_p2"].url, srv["pdx_dr"].url, "bench-dr").start(),
             "builtin": FrontDoor(srv["nixl_p"].url, srv["nixl_d"].url, connector="nixl").start(),
         }
         print(f"[bench_vllm] {len(srv)} vLLM servers up in {time.monotonic() - t_start:.0f} s;"
@@ -150,7 +155,9 @@ def run(quick: bool) -> dict[str, Any]:
             ttft(door.url, tokens(999, 2 * BS + 5), 2)
         nixl_b0 = prom_sum(srv["nixl_d"].metrics_text(), "vllm:nixl_bytes_transferred_sum")
         nixl_t0 = prom_sum(srv["nixl_d"].metrics_text(), "vllm:nixl_xfer_time_seconds_sum")
+        nixl_n0 = prom_sum(srv["nixl_d"].metrics_text(), "vllm:nixl_xfer_time_seconds_count")
         pd0 = read_stats(tmp / "pdx_d.json")
+        pdr0 = read_stats(tmp / "pdx_dr.json")
         sys_prefix = tokens(1, system)
         hist = {(v, c): list(sys_prefix) for v in VARIANTS for c in range(convs)}
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -179,6 +186,7 @@ def run(quick: bool) -> dict[str, Any]:
         nixl_secs = prom_sum(nm, "vllm:nixl_xfer_time_seconds_sum") - nixl_t0
         pd = read_stats(tmp / "pdx_d.json")
         pdr = read_stats(tmp / "pdx_dr.json")
+        nixl_n = prom_sum(nm, "vllm:nixl_xfer_time_seconds_count") - nixl_n0
         pdx_bytes = pd["net_bytes"] - pd0.get("net_bytes", 0)
         pdx_secs = (pd["net_us"] - pd0.get("net_us", 0)) / 1e6
         p50 = {v: statistics.median(times[v]) for v in VARIANTS}
@@ -192,9 +200,17 @@ def run(quick: bool) -> dict[str, Any]:
             "vllm.kv_bytes_per_token": kv_per_token,
             "vllm.outputs_identical": identical,
             "vllm.kv_mib.pdxfer": pdx_bytes / 2**20, "vllm.kv_mib.builtin": nixl_bytes / 2**20,
-            "vllm.kv_mib.pdxfer_reuse": (pdr["net_bytes"]) / 2**20,
+            "vllm.kv_mib.pdxfer_reuse": (pdr["net_bytes"] - pdr0.get("net_bytes", 0)) / 2**20,
             "vllm.restored_fraction.pdxfer_reuse":
-                pdr["restored_pages"] * BS / max(1, pdr["loaded_tokens"]),
+                (pdr["restored_pages"] - pdr0.get("restored_pages", 0)) * BS
+                / max(1, pdr["loaded_tokens"] - pdr0.get("loaded_tokens", 0)),
+            # the connector's own time per request until the KV is in place (mean)
+            "vllm.kv_ready_ms_mean.pdxfer":
+                (pd["ready_us"] - pd0.get("ready_us", 0)) / 1e3 / max(1, pd["loads"] - pd0.get("loads", 0)),
+            "vllm.kv_ready_ms_mean.pdxfer_reuse":
+                (pdr["ready_us"] - pdr0.get("ready_us", 0)) / 1e3
+                / max(1, pdr["loads"] - pdr0.get("loads", 0)),
+            "vllm.kv_ready_ms_mean.builtin": 1e3 * nixl_secs / max(1, nixl_n),
             "vllm.requests_per_variant": len(times["pdxfer"]),
             "vllm.quick": quick, "vllm.seconds": time.monotonic() - t_start,
         }
