@@ -1,0 +1,43 @@
+"""Run in .venv-sglang: load SGLang's plugins the way a server does, then ask SGLang's own
+``get_kv_class`` and argument parser about ``pdxfer``. Prints one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main() -> None:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.disaggregation import decode, prefill, utils
+    from sglang.srt.disaggregation.common.conn import (
+        CommonKVBootstrapServer,
+        CommonKVManager,
+        CommonKVReceiver,
+        CommonKVSender,
+    )
+    from sglang.srt.server_args import ServerArgs
+
+    tb = utils.TransferBackend("pdxfer")
+    classes = {ct.value: utils.get_kv_class(tb, ct) for ct in utils.KVClassType}
+    bases = {"manager": CommonKVManager, "sender": CommonKVSender,
+             "receiver": CommonKVReceiver, "bootstrap_server": CommonKVBootstrapServer}
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model-path", "dummy", "--disaggregation-mode", "prefill",
+                            "--disaggregation-transfer-backend", "pdxfer"])
+    print(json.dumps({
+        "classes": {k: f"{c.__module__}.{c.__qualname__}" for k, c in classes.items()},
+        "subclass": {k: issubclass(classes[k], b) for k, b in bases.items()},
+        "parsed": ns.disaggregation_transfer_backend,
+        "queues_see_it": [m.TransferBackend("pdxfer").value for m in (prefill, decode)],
+        "fake": utils.get_kv_class(utils.TransferBackend("fake"),
+                                   utils.KVClassType.MANAGER).__name__,
+        "members": sorted(m.value for m in utils.TransferBackend),
+    }))
+
+
+if __name__ == "__main__":
+    main()
