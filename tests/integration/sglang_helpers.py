@@ -36,14 +36,15 @@ def need_env() -> None:
 
 def spawn(script: str, *args: str, **env: str) -> subprocess.Popen[str]:
     need_env()
-    return subprocess.Popen([str(PY), str(SCRIPTS / script), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=sglang_env(**env))
+    return subprocess.Popen([str(PY), str(SCRIPTS / script), *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=sglang_env(**env))
 
 
 def result(proc: subprocess.Popen[str], timeout: float = 120.0) -> Any:
     """The JSON object a check printed last; its stderr when it failed."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)  # closes stdin: a waiting side exits
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()

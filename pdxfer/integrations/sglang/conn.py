@@ -427,8 +427,8 @@ class PdxferKVReceiver(CommonKVReceiver):
         self.rx = self.kv_mgr.endpoint.receiver(
             int(self.bootstrap_room), bootstrap=self.kv_mgr.pdxfer_bootstrap[self.bootstrap_addr],
             dp=int(prefill_dp_rank))
-        # SGLang marked the room WaitingForInput; pdxfer's handshake decides that
-        self.kv_mgr.request_status[self.bootstrap_room] = int(self.rx.poll())
+        # WaitingForInput (SGLang's): send_metadata may come. pdxfer looks the room up and
+        # pairs with the prefill ranks once it has the request.
 
     def _register_kv_args(self) -> bool:
         """pdxfer's ``Hello`` carries this rank's buffers; SGLang's REGISTER is not sent."""
@@ -464,7 +464,7 @@ class PdxferKVReceiver(CommonKVReceiver):
     def poll(self) -> int:
         if self.conclude_state is not None:
             return self.conclude_state
-        if self.rx is None:
+        if self.rx is None or not self._requested:
             return super().poll()
         room = self.bootstrap_room
         state = self.rx.poll()
