@@ -1,23 +1,25 @@
-"""Failures through SGLang's interface, each ending in KVPoll.Failed (run in .venv-sglang).
+"""Failures through SGLang's interface, each ending in KVPoll.Failed (commands for
+sgl_server.py).
 
-prefill-a: serves rooms 201 (the decode aborts it before any chunk) and 203 (a decode whose
-  layout differs asks for it); sends nothing until the decode is done.
-prefill-b: room 301: sends the first of three chunks, then is killed (SIGKILL).
-decode: one manager of the prefills' layout and one without the draft KV pool (a layout
-  mismatch); room 202 looks pdxfer's bootstrap up at a listener that never answers.
-For each room the decode reports how long Failed took, what ``failure_exception()`` said, and
-whether any destination byte changed after Failed was seen.
+``prefill(cfg, "a")``: serves rooms 201 (the decode aborts it before any chunk) and 203 (a
+  decode whose layout differs asks for it); sends nothing until the decode is done
+  (``prefill_finish``).
+``prefill(cfg, "b")``: room 301: a thread sends the first of three chunks, then kills this
+  process (SIGKILL): run it last in a process.
+``decode(cfg)``: one manager of the prefills' layout and one without the draft KV pool (a
+  layout mismatch); room 202 looks pdxfer's bootstrap up at a listener that never answers.
+  For each room it reports how long Failed took, what ``failure_exception()`` said, and
+  whether any destination byte changed after Failed was seen.
 
-Usage: pd_failures.py prefill-a|prefill-b|decode CONFIG_JSON
+``cfg["env"]`` (SGLang's deadlines) is applied before each side builds its managers.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-import sys
+import threading
 import time
 
 import numpy as np
@@ -42,7 +44,8 @@ def _mode(name: str):
 PAGES = np.arange(10, 0, -1, dtype=np.int64)  # 10 pages = 40 tokens
 
 
-def prefill(cfg: dict, which: str) -> None:
+def prefill(state: dict, cfg: dict, which: str) -> str:
+    os.environ.update(cfg["env"])
     port = cfg["port_a"] if which == "a" else cfg["port_b"]
     sa = C.publish("prefill", port)
     cls = C.classes()
@@ -55,16 +58,29 @@ def prefill(cfg: dict, which: str) -> None:
         C.fill(s, mgr.pools, r, PAGES, 40, {p.name: 1 for p in mgr.pools if p.kind == "slot"})
         senders[r] = cls["sender"](mgr, f"127.0.0.1:{port}", r)
     if which == "b":
-        tx = senders[301]
-        C.wait(lambda: tx.poll() >= 2, 60, "decode's request for room 301")
-        tx.init(10, 1)
-        tx.send(PAGES[:3])
-        C.wait(lambda: tx.tx.poll() >= 2 and time.sleep(0.5) is None, 5, "first chunk")
-        os.kill(os.getpid(), signal.SIGKILL)
-    sys.stdin.read()  # until the decode is done
-    C.emit({"role": "prefill", "states": {str(r): int(x.poll()) for r, x in senders.items()}})
-    mgr.close()
-    server.close()
+        threading.Thread(target=_send_and_die, args=(senders[301],), daemon=True).start()
+        return "sending"
+    state["failures_prefill"] = (mgr, server, senders)
+    return "serving"
+
+
+def _send_and_die(tx) -> None:
+    C.wait(lambda: tx.poll() >= 2, 60, "decode's request for room 301")
+    tx.init(10, 1)
+    tx.send(PAGES[:3])
+    C.wait(lambda: tx.tx.poll() >= 2 and time.sleep(0.5) is None, 5, "first chunk")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def prefill_finish(state: dict) -> dict:
+    """Once the decode is done: the senders' states, then close."""
+    mgr, server, senders = state.pop("failures_prefill")
+    try:
+        return {"role": "prefill", "states": {str(r): int(x.poll())
+                                              for r, x in senders.items()}}
+    finally:
+        mgr.close()
+        server.close()
 
 
 def silent_listener() -> tuple[socket.socket, str]:
@@ -75,7 +91,8 @@ def silent_listener() -> tuple[socket.socket, str]:
     return s, f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def decode(cfg: dict) -> None:
+def decode(state: dict, cfg: dict) -> dict:
+    os.environ.update(cfg["env"])
     sa = C.publish("decode", cfg["port_a"])
     cls = C.classes()
     good, bad_side = side(cfg, "decode"), side(cfg, "decode", draft=False)
@@ -85,11 +102,21 @@ def decode(cfg: dict) -> None:
                 t.view(torch.uint8).fill_(P.SENTINEL)
     mgr = cls["manager"](good.kv_args, _mode("DECODE"), sa, False)
     other = cls["manager"](bad_side.kv_args, _mode("DECODE"), sa, False)
+    quiet, quiet_addr = silent_listener()
+    try:
+        return _decode_run(cfg, cls, mgr, other, good, bad_side, quiet_addr)
+    finally:
+        quiet.close()
+        mgr.close()
+        other.close()
+
+
+def _decode_run(cfg: dict, cls: dict, mgr, other, good: C.Side, bad_side: C.Side,
+                quiet_addr: str) -> dict:
     a, b = f"127.0.0.1:{cfg['port_a']}", f"127.0.0.1:{cfg['port_b']}"
     alias = f"localhost:{cfg['port_a']}"
     for m, addr in ((mgr, a), (mgr, b), (other, a), (mgr, alias)):
         C.wait(lambda m=m, addr=addr: m.try_ensure_parallel_info(addr), 60, f"{addr} ready")
-    quiet, quiet_addr = silent_listener()
     mgr.pdxfer_bootstrap[alias] = quiet_addr  # SGLang's front answers, pdxfer's never does
     cases = {201: (mgr, a, good), 202: (mgr, alias, good), 203: (other, a, bad_side),
              301: (mgr, b, good)}
@@ -131,10 +158,7 @@ def decode(cfg: dict) -> None:
         after = _bytes(cases[room][2], m_pools(cases[room][0]), dst[room])
         out[str(room)]["changed_after_failed"] = before != after
         out[str(room)]["written"] = any(x != P.SENTINEL for x in after)
-    C.emit({"role": "decode", "rooms": out, "pending": sorted(pending)})
-    quiet.close()
-    mgr.close()
-    other.close()
+    return {"role": "decode", "rooms": out, "pending": sorted(pending)}
 
 
 def m_pools(m) -> list:
@@ -148,11 +172,3 @@ def _bytes(sd: C.Side, pools: list, pages: np.ndarray) -> bytes:
             rows = t.view(torch.uint8).view(spec.num_items, -1)
             out.append(rows[torch.as_tensor(pages)].numpy().tobytes())
     return b"".join(out)
-
-
-if __name__ == "__main__":
-    role, cfg = sys.argv[1], json.loads(sys.argv[2])
-    if role.startswith("prefill"):
-        prefill(cfg, role[-1])
-    else:
-        decode(cfg)

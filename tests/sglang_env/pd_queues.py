@@ -55,8 +55,8 @@ def _allocator(pool: Any) -> Any:
 
 def _tree_cache(rtp: Any, allocator: Any, enabled: bool) -> Any:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     return UnifiedRadixCache(CacheInitParams(
         disable=not enabled, req_to_token_pool=rtp, token_to_kv_pool_allocator=allocator,
@@ -95,22 +95,18 @@ class _Streamed:
         self.reqs.extend(reqs)
 
 
-def _kv_tensors(pool: Any, draft: Any) -> dict[str, list[torch.Tensor]]:
-    """The tensors behind pdxfer's pools, in KVArgs order (K layers, then V layers)."""
-    return {"kv": list(pool.k_buffer) + list(pool.v_buffer),
-            "draft_kv": list(draft.k_buffer) + list(draft.v_buffer)}
+def _token_specs(pool: Any, draft: Any) -> list[tuple[Any, list[torch.Tensor]]]:
+    """SGLang's KV pools (target and draft) described token by token, for the patterns: one
+    token per item, K and V of every layer, whatever pdxfer's manager made of them."""
+    from pdxfer import PoolSpec
 
-
-def _kv_specs(mgr: Any) -> list[Any]:
-    return [p for p in mgr.pools if p.name in ("kv", "draft_kv")]
-
-
-def _token_spec(spec: Any) -> Any:
-    """The same pool seen with one token per item (SGLang's pools are token-indexed)."""
-    import msgspec
-
-    return msgspec.structs.replace(spec, item_bytes=spec.token_bytes,
-                               num_items=spec.num_items * spec.page_size, page_size=1)
+    out = []
+    for name, p, base in (("kv", pool, 0), ("draft_kv", draft, 100)):
+        k, v = list(p.k_buffer), list(p.v_buffer)
+        spec = PoolSpec.mha(name, [t.unsqueeze(1) for t in k], [t.unsqueeze(1) for t in v],
+                            page_size=1, layer_ids=[base + i for i in range(len(k))])
+        out.append((spec, k + v))
+    return out
 
 
 def first_token(room: int) -> int:
@@ -183,8 +179,7 @@ def prefill_setup(state: dict, port: int, gloo_port: int) -> dict:
                               TransferBackend("pdxfer"))
     s.disagg_prefill_bootstrap_queue = q
     state["closers"].append(q.kv_manager.close)
-    state["prefill"] = SimpleNamespace(s=s, q=q, pool=pool, draft=draft,
-                                       tensors=_kv_tensors(pool, draft), thread=None,
+    state["prefill"] = SimpleNamespace(s=s, q=q, specs=_token_specs(pool, draft), thread=None,
                                        result=None, port=port)
     m = q.kv_manager
     kv = m.pools[0]
@@ -249,7 +244,7 @@ def _prefill_run(pf: Any, reqs: list[Any]) -> dict:
         "kv_released": r.kv.is_kv_released,
         "metadata_freed": r.metadata_buffer_index == -1,
     } for r in done.values()}, "streamed": sorted(r.rid for r in s.output_streamer.reqs),
-        "free_tokens": s.token_to_kv_pool_allocator.available_size()}
+        "free_tokens": s.token_to_kv_pool_allocator.available_size(), "total_tokens": TOKENS}
 
 
 def _forward_chunk(pf: Any, req: Any) -> bool:
@@ -271,10 +266,9 @@ def _forward_chunk(pf: Any, req: Any) -> bool:
     req.kv.kv_allocated_len = req.kv.kv_committed_len = stop
     req.prefix_len, req.extend_end = start, stop
     room = req.bootstrap_room
-    for spec in _kv_specs(s.disagg_prefill_bootstrap_queue.kv_manager):
-        tspec = _token_spec(spec)
-        P.fill_tokens(tspec, pf.tensors[spec.name], room, rows[start:stop].to(torch.int64)
-                      .numpy(), start, start, stop)
+    for spec, ts in pf.specs:
+        P.fill_tokens(spec, ts, room, rows[start:stop].to(torch.int64).numpy(), start, start,
+                      stop)
     if stop < n:
         if s.check_bootstrap(req):
             s.send_kv_chunk(req)
@@ -329,12 +323,12 @@ def decode_setup(state: dict, gloo_port: int) -> dict:
                              2, TransferBackend("pdxfer"))
     s.disagg_decode_prealloc_queue = pq
     state.setdefault("closers", []).append(pq.kv_manager.close)
-    tensors = _kv_tensors(pool, draft)
-    for ts in tensors.values():
+    specs = _token_specs(pool, draft)
+    for _, ts in specs:
         for t in ts:
             t.view(torch.uint8).fill_(P.SENTINEL)
-    state["decode"] = SimpleNamespace(s=s, pq=pq, tq=tq, pool=pool, draft=draft, tree=tree,
-                                      rtp=rtp, tensors=tensors, owned=set())
+    state["decode"] = SimpleNamespace(s=s, pq=pq, tq=tq, tree=tree, rtp=rtp, specs=specs,
+                                      owned=set())
     return {"manager": type(pq.kv_manager).__name__,
             "pools": [p.name for p in pq.kv_manager.pools]}
 
@@ -350,9 +344,8 @@ def decode_cache_prefix(state: dict, owner_room: int, prompt: list[int]) -> dict
     n = len(prompt)
     assert n % PAGE == 0, "a cached prefix is whole pages"
     loc = dc.s.disagg_decode_prealloc_queue.token_to_kv_pool_allocator.alloc(n)
-    for spec in _kv_specs(dc.pq.kv_manager):
-        P.fill_tokens(_token_spec(spec), dc.tensors[spec.name], owner_room,
-                      loc.to(torch.int64).numpy(), 0, 0, n)
+    for spec, ts in dc.specs:
+        P.fill_tokens(spec, ts, owner_room, loc.to(torch.int64).numpy(), 0, 0, n)
     res = dc.tree.insert(InsertParams(key=RadixKey(array("q", prompt)), value=loc))
     dc.owned.update(loc.tolist())
     return {"inserted": int(res.prefix_len) if res.prefix_len else 0,
@@ -397,9 +390,7 @@ def decode_run(state: dict, port: int, rooms: list[dict], timeout: float = 60.0)
         res = {"n": n, "decode_prefix_len": prefix, "output_ids": list(r.output_ids),
                "cached_tokens": int(r.cached_tokens), "bad": 0, "first_bad": "",
                "checked_bytes": 0}
-        for spec in _kv_specs(dc.pq.kv_manager):
-            tspec = _token_spec(spec)
-            ts = dc.tensors[spec.name]
+        for tspec, ts in dc.specs:
             owner = spec_room.get("prefix_owner")
             if prefix:
                 bad, why = P.check_tokens(tspec, ts, owner, loc[:prefix], 0, 0, prefix)
@@ -426,7 +417,7 @@ def _page_slots(loc: np.ndarray) -> set[int]:
 def _untouched_bad(dc: Any) -> int:
     """Bytes changed in KV slots no request and no cached prefix owns (all start as the
     sentinel): a write past a request's pages shows here."""
-    free = torch.ones(dc.tensors["kv"][0].shape[0], dtype=torch.bool)
+    free = torch.ones(dc.specs[0][1][0].shape[0], dtype=torch.bool)
     free[torch.tensor(sorted(dc.owned), dtype=torch.int64)] = False
     return sum(int((t.view(torch.uint8)[free] != P.SENTINEL).sum())
-               for ts in dc.tensors.values() for t in ts)
+               for _, ts in dc.specs for t in ts)

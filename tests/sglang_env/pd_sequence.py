@@ -1,5 +1,6 @@
-"""One side of SGLang's documented transfer sequence, through pdxfer's classes as SGLang's
-``get_kv_class`` returns them (run in .venv-sglang, one process per rank).
+"""SGLang's documented transfer sequence, through pdxfer's classes as SGLang's
+``get_kv_class`` returns them (commands for sgl_server.py; one process per rank, each config
+on ports and managers of its own, closed when the config is done).
 
 prefill: ``Sender(mgr, addr, room)`` -> poll until WaitingForInput -> ``pop_decode_prefix_len``
 -> ``init(pages, aux)`` -> ``send`` per chunk (the last with the state indices) -> poll until
@@ -7,17 +8,21 @@ Success. decode: ``Receiver(mgr, addr, room)`` -> ``init(dp)`` -> poll until Wai
 ``send_metadata(pages, aux, state, decode_prefix_len)`` -> poll until Success, then check every
 byte of every pool against the pattern the prefill wrote, and that no other page changed.
 
-Usage: pd_sequence.py prefill|decode CONFIG_JSON (see tests/integration/test_sglang_sequence.py).
+Commands: ``prefill_start(cfg, tp_rank)`` (returns once the senders exist; a thread runs the
+sequence), ``decode(cfg)`` (blocks until every room ended, returns the checks),
+``prefill_finish(cfg, tp_rank)`` (the prefill's states, then closes). See
+tests/integration/test_sglang.py for the configs.
 """
 
 from __future__ import annotations
 
-import json
-import sys
+import threading
 import time
+from typing import Any
 
 import numpy as np
 import sgl_common as C
+import torch
 
 from pdxfer.testing import patterns as P
 
@@ -50,7 +55,7 @@ def dst_pages(cfg: dict, rooms: list[dict], page: int) -> list[np.ndarray]:
     return out
 
 
-def prefill(cfg: dict, tp_rank: int) -> None:
+def prefill_start(state: dict, cfg: dict, tp_rank: int = 0) -> str:
     sa = C.publish("prefill", cfg["port"], tp_size=cfg["prefill_tp"], tp_rank=tp_rank)
     cls = C.classes()
     server = None
@@ -66,6 +71,22 @@ def prefill(cfg: dict, tp_rank: int) -> None:
         C.fill(side, mgr.pools, r["room"], pages, n, _slot_map(mgr, i))
         senders[i] = cls["sender"](mgr, f"127.0.0.1:{cfg['port']}", r["room"])
         info[i] = pages
+    run = {"mgr": mgr, "server": server, "side": side, "senders": senders, "result": None}
+    run["thread"] = threading.Thread(target=_prefill_loop, args=(cfg, run, info), daemon=True)
+    run["thread"].start()
+    state[("seq", cfg["port"], tp_rank)] = run
+    return "started"
+
+
+def _prefill_loop(cfg: dict, run: dict, info: dict) -> None:
+    try:
+        run["result"] = _prefill_run(cfg, run["senders"], info)
+    except BaseException as e:  # noqa: BLE001 - re-raised by prefill_finish
+        run["result"] = e
+
+
+def _prefill_run(cfg: dict, senders: dict, info: dict) -> dict:
+    rooms = cfg["rooms"]
     done: dict[int, int] = {}
     started: set[int] = set()
     end = time.monotonic() + 60
@@ -89,14 +110,25 @@ def prefill(cfg: dict, tp_rank: int) -> None:
                 senders[i].failure_exception()
             except Exception as e:  # noqa: BLE001 - reported
                 fails[i] = str(e)
-    C.emit({"role": "prefill", "rank": tp_rank, "states": {str(k): v for k, v in done.items()},
-            "failures": fails, "prefix": {str(i): senders[i].pop_decode_prefix_len()
-                                          for i in senders}})
-    # stay up until the decode is done reading (it closes our stdin)
-    sys.stdin.read()
-    mgr.close()
-    if server is not None:
-        server.close()
+    return {"states": {str(k): v for k, v in done.items()}, "failures": fails,
+            "prefix": {str(i): senders[i].pop_decode_prefix_len() for i in senders}}
+
+
+def prefill_finish(state: dict, cfg: dict, tp_rank: int = 0) -> dict:
+    """The prefill's view, once the decode is done reading; then the rank closes."""
+    run = state.pop(("seq", cfg["port"], tp_rank))
+    try:
+        run["thread"].join(60)
+    finally:
+        run["mgr"].close()
+        if run["server"] is not None:
+            run["server"].close()
+    if isinstance(run["result"], BaseException):
+        raise run["result"]
+    if run["result"] is None:
+        raise TimeoutError("prefill sequence still running")
+    return {"role": "prefill", "rank": tp_rank, "released": released(run["mgr"]),
+            **run["result"]}
 
 
 def _slot_map(mgr, i: int) -> dict[str, int]:
@@ -120,14 +152,29 @@ def _mode(name: str):
     return getattr(DisaggregationMode, name)
 
 
-def decode(cfg: dict) -> None:
+def decode(state: dict, cfg: dict) -> dict:
     sa = C.publish("decode", cfg["port"])
     cls = C.classes()
     side = geometry(cfg, "decode", 0)
     for ts in side.tensors.values():
         for t in ts:
-            t.view(dtype=__import__("torch").uint8).fill_(P.SENTINEL)
+            t.view(dtype=torch.uint8).fill_(P.SENTINEL)
     mgr = cls["manager"](side.kv_args, _mode("DECODE"), sa, cfg["attn"] == "mla")
+    try:
+        out = _decode_run(cfg, cls, side, mgr)
+    finally:
+        mgr.close()
+    out["released"] = released(mgr)
+    return out
+
+
+def released(mgr: Any) -> bool:
+    """Nothing of the manager is left open: pdxfer's endpoint, SGLang's socket and context
+    (a later garbage collection of a context with a live socket can hang the process)."""
+    return mgr.endpoint is None and mgr.server_socket.closed and mgr._zmq_ctx.closed
+
+
+def _decode_run(cfg: dict, cls: dict, side: C.Side, mgr: Any) -> dict:
     addr = f"127.0.0.1:{cfg['port']}"
     C.wait(lambda: mgr.try_ensure_parallel_info(addr), 60, "prefill never became ready")
     page = mgr.kv_page_size()
@@ -141,8 +188,8 @@ def decode(cfg: dict) -> None:
            "handshake")
     for i, (r, d) in enumerate(zip(rooms, dst_pages(cfg, rooms, page))):
         dsts[i] = d
-        state = [[np.array([(i + 5) % 8])]] if cfg["state"] else None
-        rxs[i].send_metadata(dsts[i], (i + 5) % 8, state, r["prefix"])
+        st_idx = [[np.array([(i + 5) % 8])]] if cfg["state"] else None
+        rxs[i].send_metadata(dsts[i], (i + 5) % 8, st_idx, r["prefix"])
     C.wait(lambda: all(rx.poll() in (0, 4) for rx in rxs.values()), 60, "transfer")
     out = {"role": "decode", "page": page, "rooms": {}}
     seen: dict[str, list[int]] = {}
@@ -175,13 +222,4 @@ def decode(cfg: dict) -> None:
         p.name: P.untouched(p, C.tensors_of(side, p), seen.get(follows[p.name] or p.name, []))
         for p in mgr.pools if p.item_bytes}
     out["pools"] = sorted(p.name for p in mgr.pools)
-    C.emit(out)
-    mgr.close()
-
-
-if __name__ == "__main__":
-    role, cfg = sys.argv[1], json.loads(sys.argv[2])
-    if role == "prefill":
-        prefill(cfg, int(sys.argv[3]) if len(sys.argv) > 3 else 0)
-    else:
-        decode(cfg)
+    return out

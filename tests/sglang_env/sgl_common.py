@@ -3,8 +3,6 @@ the plugin, and pools built as SGLang's ``KVArgs`` over CPU tensors filled with 
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -126,10 +124,6 @@ def fill(side: Side, pools: list[Any], room: int, pages: np.ndarray, n: int,
             P.fill_slot(spec, tensors_of(side, spec), room, slots[spec.name])
 
 
-def emit(obj: Any) -> None:
-    print(json.dumps(obj), flush=True)
-
-
 def wait(pred: Any, timeout: float, what: str) -> Any:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -138,8 +132,3 @@ def wait(pred: Any, timeout: float, what: str) -> Any:
             return v
         time.sleep(0.005)
     raise TimeoutError(what)
-
-
-def fatal(msg: str) -> None:
-    sys.stderr.write(msg + "\n")
-    sys.exit(3)

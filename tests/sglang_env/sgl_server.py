@@ -14,9 +14,11 @@ process sees (``sgl_checks.registration``: SGLang's ``load_plugins`` runs once p
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import os
+import signal
 import sys
 import traceback
 from typing import Any
@@ -26,6 +28,7 @@ def main() -> None:
     results = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints, Python's or C's, go to stderr
     sys.stdout = sys.stderr
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks on a timeout
     state: dict[str, Any] = {}
     for line in sys.stdin:
         if not line.strip():

@@ -293,9 +293,23 @@ class PdxferKVManager(CommonKVManager):
         return rx is None or rx.is_abort_release_safe()
 
     def teardown(self) -> None:
+        """Release everything this rank holds: pdxfer's endpoint, and what SGLang's
+        ``CommonKVManager`` opened (its ZMQ socket and context). SGLang's manager never closes
+        them; left to the garbage collector, a context's finaliser can block forever on a
+        socket collected in the same cycle, so a process that drops a manager would hang."""
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
+        stop = getattr(self, "_heartbeat_shutdown", None)
+        if stop is not None:
+            stop.set()
+        with self._socket_lock:
+            for sock in [*self._socket_cache.values(), *self._monitor_cache.values()]:
+                sock.close(linger=0)
+            self._socket_cache.clear()
+            self._monitor_cache.clear()
+        self.server_socket.close(linger=0)
+        self._zmq_ctx.destroy(linger=0)
 
     def close(self) -> None:
         self.teardown()

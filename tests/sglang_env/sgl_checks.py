@@ -1,13 +1,15 @@
-"""Run in .venv-sglang: load SGLang's plugins the way a server does, then ask SGLang's own
-``get_kv_class`` and argument parser about ``pdxfer``. Prints one JSON line."""
+"""Registration (a command for sgl_server.py; send it first to a fresh process): load
+SGLang's plugins the way a server does, then ask SGLang's own ``get_kv_class`` and argument
+parser about ``pdxfer``."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 
 
-def main() -> None:
+def registration(state: dict) -> dict:
+    fresh = "sglang.srt.plugins" not in sys.modules
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -28,7 +30,8 @@ def main() -> None:
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(["--model-path", "dummy", "--disaggregation-mode", "prefill",
                             "--disaggregation-transfer-backend", "pdxfer"])
-    print(json.dumps({
+    return {
+        "fresh_process": fresh,
         "classes": {k: f"{c.__module__}.{c.__qualname__}" for k, c in classes.items()},
         "subclass": {k: issubclass(classes[k], b) for k, b in bases.items()},
         "parsed": ns.disaggregation_transfer_backend,
@@ -36,8 +39,4 @@ def main() -> None:
         "fake": utils.get_kv_class(utils.TransferBackend("fake"),
                                    utils.KVClassType.MANAGER).__name__,
         "members": sorted(m.value for m in utils.TransferBackend),
-    }))
-
-
-if __name__ == "__main__":
-    main()
+    }
