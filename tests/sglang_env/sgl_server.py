@@ -62,14 +62,3 @@ def exit(state: dict[str, Any]) -> str:  # noqa: A001 - the command's name
 if __name__ == "__main__":
     main()
 
-
-def debug_eval(state: dict[str, Any], code: str) -> Any:
-    """Development aid: run ``code`` with ``state`` in scope, return ``result``."""
-    env: dict[str, Any] = {"state": state}
-    exec(code, env)  # noqa: S102 - a test process reading its own driver's pipe
-    return repr(env.get("result"))
-
-
-def debug_reload(state: dict[str, Any], module: str) -> str:
-    importlib.reload(importlib.import_module(module))
-    return "reloaded"
