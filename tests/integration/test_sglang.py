@@ -101,14 +101,20 @@ def run_pair(procs: Procs, prefill_tp: int = 1, **cfg: object) -> dict:
     return {"decode": dec, "prefill": outs}
 
 
-def assert_exact(r: dict, pools: list[str]) -> None:
+def assert_exact(r: dict, pools: list[str], host: bool = False) -> None:
+    """Every room Success and byte-exact, nothing else written; ``host``: the decode also
+    had host KV buffers (``supports_host_destination``), which nothing outside the host
+    rooms' pages may touch either."""
     d = r["decode"]
     assert d["pools"] == sorted(pools)
+    assert d["supports_host"] is host
     for i, room in d["rooms"].items():
         assert room["state"] == 4, (i, room)
         assert room["bad"] == 0, room["first_bad"]
         assert room["checked"] > 0
-    assert d["untouched_bad"] == {p: 0 for p in pools}, d["untouched_bad"]
+    paged = [p for p in pools if p != "aux" and not p.startswith("state")]
+    expect = pools + [f"host:{p}" for p in paged] * host
+    assert d["untouched_bad"] == {p: 0 for p in expect}, d["untouched_bad"]
     # a closed manager leaves nothing open (SGLang's ZMQ socket and context included): the
     # next config in the same process would otherwise risk a hang in garbage collection
     assert d["released"] and all(p["released"] for p in r["prefill"])
@@ -137,6 +143,14 @@ def test_prefill_tp2_into_decode_tp1(procs: Procs, attn: str) -> None:
     r = run_pair(procs, prefill_tp=2, attn=attn, state=False, draft=attn == "mha")
     assert len(r["prefill"]) == 2
     assert_exact(r, ["aux", "draft_kv", "kv"] if attn == "mha" else ["aux", "kv"])
+
+
+def test_host_destination_lands_that_request_in_the_host_buffers(procs: Procs) -> None:
+    """SGLang's decode host receive: ``send_metadata(destination=HOST)`` for rooms 102 and
+    103 lands their KV (target and draft) in the rank's host KV buffers, room 101 in the
+    device ones, all through one manager; each room's bytes are checked where it asked."""
+    assert_exact(run_pair(procs, state=False, host_rooms=[1, 2]), ["aux", "draft_kv", "kv"],
+                 host=True)
 
 
 # -- SGLang's own queues ---------------------------------------------------------------------

@@ -35,7 +35,7 @@ def geometry(cfg: dict, role: str, tp_rank: int) -> C.Side:
         pages=cfg["pages"], heads=total // tp, total_heads=total, head_dim=cfg["head_dim"],
         draft=cfg["draft"], state=cfg["state"], rows=8, tp_rank=tp_rank,
         host_page=cfg.get("decode_host_page") if role == "decode" else None,
-        set_heads=role == "prefill")
+        set_heads=role == "prefill", host_kv=role == "decode" and bool(cfg.get("host_rooms")))
 
 
 def src_pages(cfg: dict, i: int, n: int) -> np.ndarray:
@@ -169,12 +169,15 @@ def decode(state: dict, cfg: dict) -> dict:
 
 
 def released(mgr: Any) -> bool:
-    """Nothing of the manager is left open: pdxfer's endpoint, SGLang's socket and context
+    """Nothing of the manager is left open: pdxfer's endpoints, SGLang's socket and context
     (a later garbage collection of a context with a live socket can hang the process)."""
-    return mgr.endpoint is None and mgr.server_socket.closed and mgr._zmq_ctx.closed
+    return (mgr.endpoint is None and getattr(mgr, "host_endpoint", None) is None
+            and mgr.server_socket.closed and mgr._zmq_ctx.closed)
 
 
 def _decode_run(cfg: dict, cls: dict, side: C.Side, mgr: Any) -> dict:
+    from sglang.srt.disaggregation.base.conn import KVTransferDestination
+
     addr = f"127.0.0.1:{cfg['port']}"
     C.wait(lambda: mgr.try_ensure_parallel_info(addr), 60, "prefill never became ready")
     page = mgr.kv_page_size()
@@ -186,24 +189,30 @@ def _decode_run(cfg: dict, cls: dict, side: C.Side, mgr: Any) -> dict:
         rxs[i] = rx
     C.wait(lambda: all(rx.poll() >= 2 or rx.poll() == 0 for rx in rxs.values()), 30,
            "handshake")
+    # rooms the decode lands in its host KV buffers (SGLang's destination=HOST)
+    host_rooms = set(cfg.get("host_rooms", []))
     for i, (r, d) in enumerate(zip(rooms, dst_pages(cfg, rooms, page))):
         dsts[i] = d
         st_idx = [[np.array([(i + 5) % 8])]] if cfg["state"] else None
-        rxs[i].send_metadata(dsts[i], (i + 5) % 8, st_idx, r["prefix"])
+        where = KVTransferDestination.HOST if i in host_rooms else KVTransferDestination.DEVICE
+        rxs[i].send_metadata(dsts[i], (i + 5) % 8, st_idx, r["prefix"], destination=where)
     C.wait(lambda: all(rx.poll() in (0, 4) for rx in rxs.values()), 60, "transfer")
-    out = {"role": "decode", "page": page, "rooms": {}}
+    out = {"role": "decode", "page": page, "rooms": {},
+           "supports_host": rxs[0].supports_host_destination}
     seen: dict[str, list[int]] = {}
     for i, r in enumerate(rooms):
         st = rxs[i].poll()
         res = {"state": st, "bad": 0, "first_bad": "", "checked": 0}
+        host = i in host_rooms
         if st == 4:
-            for spec in mgr.pools:
-                ts = C.tensors_of(side, spec)
+            for spec in (mgr.host_pools if host else mgr.pools):
+                ts = C.tensors_of(side, spec, host)
                 if spec.kind == "paged":
                     bad, why = P.check_tokens(spec, ts, r["room"], dsts[i], r["prefix"],
                                               r["prefix"], r["n"])
                     res["checked"] += (r["n"] - r["prefix"]) * spec.token_bytes * len(ts)
-                    seen.setdefault(spec.name, []).extend(int(x) for x in dsts[i])
+                    seen.setdefault(("host:" if host else "") + spec.name, []).extend(
+                        int(x) for x in dsts[i])
                 else:
                     slot = (i + 5) % 8
                     bad, why = P.check_slot(spec, ts, r["room"], slot)
@@ -221,5 +230,10 @@ def _decode_run(cfg: dict, cls: dict, side: C.Side, mgr: Any) -> dict:
     out["untouched_bad"] = {
         p.name: P.untouched(p, C.tensors_of(side, p), seen.get(follows[p.name] or p.name, []))
         for p in mgr.pools if p.item_bytes}
+    for p in mgr.host_pools:  # the host endpoint's own buffers (aux rows are shared)
+        if p.kind == "paged":
+            out["untouched_bad"]["host:" + p.name] = P.untouched(
+                p, C.tensors_of(side, p, True), seen.get("host:" + (follows[p.name] or p.name),
+                                                         []))
     out["pools"] = sorted(p.name for p in mgr.pools)
     return out

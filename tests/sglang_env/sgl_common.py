@@ -55,11 +55,13 @@ class Side:
 def make_side(*, attn: str, layers: int, page_size: int, pages: int, heads: int,
               total_heads: int, head_dim: int, draft: bool, state: bool, rows: int,
               tp_rank: int, host_page: int | None = None, set_heads: bool = True,
-              dim: int = 32) -> Side:
+              dim: int = 32, host_kv: bool = False) -> Side:
     """Buffers laid out as SGLang's pools lay them out (MHA: ``[tokens, heads, head_dim]``
     per layer, K then V; MLA: ``[tokens, 1, dim]``; draft appended; aux rows; a Mamba state
     of two tensors with rows of different sizes). ``host_page``: the KV lands in a host pool
-    of that page size (HiSparse), ``page_size`` stays SGLang's device page size."""
+    of that page size (HiSparse), ``page_size`` stays SGLang's device page size. ``host_kv``:
+    host copies of the KV buffers (``host_kv_data_*``, SGLang's decode host receive), tensors
+    ``host_kv`` and ``host_draft_kv``."""
     from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 
     kv_ps = host_page or page_size
@@ -102,16 +104,26 @@ def make_side(*, attn: str, layers: int, page_size: int, pages: int, heads: int,
         a.state_data_lens = [[t.nbytes for t in ts["mamba"]]]
         a.state_item_lens = [[t[0].nbytes for t in ts["mamba"]]]
         a.state_layer_ids = [[0, 0]]
+    if host_kv:
+        for name in ("kv", "draft_kv"):
+            ts["host_" + name] = [torch.zeros_like(t) for t in ts.get(name, [])]
+        host = ts["host_kv"] + ts["host_draft_kv"]
+        a.host_kv_data_ptrs = [t.data_ptr() for t in host]
+        a.host_kv_data_lens = [t.nbytes for t in host]
+        a.host_kv_item_lens = list(a.kv_item_lens)
     a.ib_device = ""
     a.gpu_id = 0
     a.prefill_start_layer = 0
     return Side(a, ts)
 
 
-def tensors_of(side: Side, spec: Any) -> list[torch.Tensor]:
-    """The tensors behind one pdxfer pool, in the pool's buffer order."""
+def tensors_of(side: Side, spec: Any, host: bool = False) -> list[torch.Tensor]:
+    """The tensors behind one pdxfer pool, in the pool's buffer order (``host``: a pool of
+    the decode's host endpoint)."""
     if spec.name.startswith("state0_mamba."):
         return [side.tensors["mamba"][int(spec.name.rsplit(".", 1)[1])]]
+    if host and spec.kind == "paged":
+        return side.tensors["host_" + spec.name]
     return side.tensors[spec.name]
 
 

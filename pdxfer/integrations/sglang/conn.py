@@ -19,10 +19,15 @@ rank, a ``KVSender`` per prefill request, a ``KVReceiver`` per decode request.
 - SGLang's prefill sends only the pages past the decode's prefix (``decode_prefix_len``);
   pdxfer counts a room's pages from token 0, so the sender first hands over the prefix as
   pages that are never read (pdxfer writes only ``[prefix_len, n)``).
+- A decode rank whose ``KVArgs`` name host KV buffers (``host_kv_data_*``, SGLang's decode
+  host receive) gets a second endpoint over them: ``send_metadata(destination=HOST)`` asks
+  through that one, so the prefill writes the host buffers; either way the prefill sees one
+  decode request per room.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -160,6 +165,8 @@ class PdxferKVManager(CommonKVManager):
         self.is_mla = bool(is_mla_backend)
         self.endpoint: Endpoint | None = None
         self.pools: list[Any] = []
+        self.host_endpoint: Endpoint | None = None  # decode: over host_kv_data_* (if any)
+        self.host_pools: list[Any] = []
         self.pdxfer_bootstrap: dict[str, str] = {}
         self.receivers: dict[int, PdxferKVReceiver] = {}
         self._ep_lock = threading.Lock()
@@ -278,13 +285,45 @@ class PdxferKVManager(CommonKVManager):
             item = int(self.kv_args.kv_item_lens[0])
             page = item // per_token if per_token and item % per_token == 0 else None
             host = page is not None and page != int(self.kv_args.page_size)
-            self.pools = pools_of(self.kv_args, is_mla=self.is_mla, heads=self.heads(geometry),
+            heads = self.heads(geometry)
+            self.pools = pools_of(self.kv_args, is_mla=self.is_mla, heads=heads,
                                   location="cpu" if host else self._location(),
                                   kv_page_size=page)
+            host_args = self._host_args()
+            if host_args is not None:
+                self.host_pools = pools_of(host_args, is_mla=self.is_mla, heads=heads,
+                                           location="cpu", kv_page_size=page)
             self.endpoint = Endpoint(self._config("decode"), self.pools)
+            if host_args is not None:
+                self.host_endpoint = Endpoint(self._config("decode"), self.host_pools)
 
-    def kv_page_size(self) -> int:
-        return next(p.page_size for p in self.pools if p.name == KV)
+    @property
+    def supports_host_destination(self) -> bool:  # type: ignore[override]
+        """SGLang asks before it lands a request in host memory: yes when this rank's
+        ``KVArgs`` name host KV buffers laid out as its device ones (one per KV buffer) and
+        no request-scoped states (they would need host state buffers too)."""
+        a = self.kv_args
+        ptrs = getattr(a, "host_kv_data_ptrs", None)
+        return (self.disaggregation_mode == DisaggregationMode.DECODE and bool(ptrs)
+                and len(ptrs) == len(a.kv_data_ptrs)
+                and len(getattr(a, "host_kv_data_lens", None) or []) == len(ptrs)
+                and not getattr(a, "state_types", None))
+
+    def _host_args(self) -> KVArgs | None:
+        """This rank's ``KVArgs`` with the host KV buffers in place of the device ones. SGLang
+        hands host destinations out in the device's pages (``_pre_alloc_host``), so items
+        keep the device's size; aux rows are the same buffers either way."""
+        if not self.supports_host_destination:
+            return None
+        a = self.kv_args
+        h = copy.copy(a)
+        h.kv_data_ptrs = [int(x) for x in a.host_kv_data_ptrs]
+        h.kv_data_lens = [int(x) for x in a.host_kv_data_lens]
+        return h
+
+    def kv_page_size(self, host: bool = False) -> int:
+        return next(p.page_size for p in (self.host_pools if host else self.pools)
+                    if p.name == KV)
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """SGLang's deferred release asks whether a held room's pages are safe: pdxfer's
@@ -293,13 +332,14 @@ class PdxferKVManager(CommonKVManager):
         return rx is None or rx.is_abort_release_safe()
 
     def teardown(self) -> None:
-        """Release everything this rank holds: pdxfer's endpoint, and what SGLang's
+        """Release everything this rank holds: pdxfer's endpoints, and what SGLang's
         ``CommonKVManager`` opened (its ZMQ socket and context). SGLang's manager never closes
         them; left to the garbage collector, a context's finaliser can block forever on a
         socket collected in the same cycle, so a process that drops a manager would hang."""
-        if self.endpoint is not None:
-            self.endpoint.close()
-            self.endpoint = None
+        for ep in (self.endpoint, self.host_endpoint):
+            if ep is not None:
+                ep.close()
+        self.endpoint = self.host_endpoint = None
         stop = getattr(self, "_heartbeat_shutdown", None)
         if stop is not None:
             stop.set()
@@ -420,6 +460,7 @@ class PdxferKVReceiver(CommonKVReceiver):
     def __init__(self, mgr: PdxferKVManager, bootstrap_addr: str,
                  bootstrap_room: int | None = None) -> None:
         self.rx = None
+        self._dp: int | None = None
         self._requested = False
         self._cause: BaseException | None = None
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
@@ -428,7 +469,7 @@ class PdxferKVReceiver(CommonKVReceiver):
 
     @property
     def supports_host_destination(self) -> bool:
-        return False
+        return self.kv_mgr.supports_host_destination
 
     def init(self, prefill_dp_rank: int) -> None:
         if self.conclude_state == KVPoll.Failed:
@@ -438,11 +479,10 @@ class PdxferKVReceiver(CommonKVReceiver):
         super().init(prefill_dp_rank)
         if self.conclude_state == KVPoll.Failed or self.kv_mgr.endpoint is None:
             return
-        self.rx = self.kv_mgr.endpoint.receiver(
-            int(self.bootstrap_room), bootstrap=self.kv_mgr.pdxfer_bootstrap[self.bootstrap_addr],
-            dp=int(prefill_dp_rank))
-        # WaitingForInput (SGLang's): send_metadata may come. pdxfer looks the room up and
-        # pairs with the prefill ranks once it has the request.
+        # WaitingForInput (SGLang's): send_metadata may come. pdxfer's receiver is made then,
+        # on the endpoint of the destination it names; it looks the room up and pairs with
+        # the prefill ranks once it has the request.
+        self._dp = int(prefill_dp_rank)
 
     def _register_kv_args(self) -> bool:
         """pdxfer's ``Hello`` carries this rank's buffers; SGLang's REGISTER is not sent."""
@@ -452,18 +492,24 @@ class PdxferKVReceiver(CommonKVReceiver):
                       state_indices: Any = None, decode_prefix_len: int | None = None,
                       destination: Any = KVTransferDestination.DEVICE,
                       device_kv_indices: Any = None) -> None:
-        if destination != KVTransferDestination.DEVICE:
-            raise NotImplementedError("pdxfer: host KV destinations are not supported")
-        if self.rx is None:
-            self.kv_mgr.record_failure(self.bootstrap_room, "pdxfer: receiver was never "
-                                       f"initialised for {self.bootstrap_addr}")
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        host = destination == KVTransferDestination.HOST
+        if not host and destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError(f"pdxfer: KV destination {destination!r}")
+        mgr = self.kv_mgr
+        ep = mgr.host_endpoint if host else mgr.endpoint
+        if self._dp is None or ep is None or self.rx is not None:
+            why = ("a second send_metadata" if self.rx is not None
+                   else "this rank has no host KV buffers" if host and self._dp is not None
+                   else f"receiver was never initialised for {self.bootstrap_addr}")
+            mgr.record_failure(self.bootstrap_room, f"pdxfer: {why}")
+            mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             return
+        self.rx = ep.receiver(int(self.bootstrap_room),
+                              bootstrap=mgr.pdxfer_bootstrap[self.bootstrap_addr], dp=self._dp)
         pages = np.asarray(kv_indices, dtype=np.int64)
         prefix = int(decode_prefix_len or 0)
-        n = prefix + pages.size * self.kv_mgr.kv_page_size()
-        slots = {**aux_slots(self.kv_mgr.pools, aux_index),
-                 **state_slots(self.kv_mgr.kv_args, state_indices)}
+        n = prefix + pages.size * mgr.kv_page_size(host)
+        slots = {**aux_slots(mgr.pools, aux_index), **state_slots(mgr.kv_args, state_indices)}
         self._requested = True
         try:
             self.rx.request({KV: pages}, slots=slots, prefix_len=prefix, num_tokens=n)
