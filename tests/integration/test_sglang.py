@@ -45,7 +45,12 @@ def procs() -> Iterator[Procs]:
         for name in ("decode", "prefill", "prefill-rank1"):
             started.append(SglangProc(name))
         d, p0, p1 = started
-        reg = d.call("sgl_checks.registration", wait_s=240)  # first command: a fresh process
+        d.submit("sgl_checks.registration")  # the first command: a fresh process
+        for p in (p0, p1):
+            p.submit("sgl_checks.warm")  # the imports, side by side
+        reg = d.result(240)
+        for p in (p0, p1):
+            p.result(240)
         yield Procs(d, p0, p1, reg)
     finally:
         for p in started:

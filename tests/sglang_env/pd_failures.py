@@ -11,7 +11,9 @@ sgl_server.py).
   For each room it reports how long Failed took, what ``failure_exception()`` said, and
   whether any destination byte changed after Failed was seen.
 
-``cfg["env"]`` (SGLang's deadlines) is applied before each side builds its managers.
+``cfg["env"]`` (SGLang's deadlines, short so the failures end in seconds) is applied before
+the decode builds its managers; the prefills keep the defaults, so their own bootstrap
+deadline cannot end a room while a loaded machine is still setting the decode up.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ PAGES = np.arange(10, 0, -1, dtype=np.int64)  # 10 pages = 40 tokens
 
 
 def prefill(state: dict, cfg: dict, which: str) -> str:
-    os.environ.update(cfg["env"])
     port = cfg["port_a"] if which == "a" else cfg["port_b"]
     sa = C.publish("prefill", port)
     cls = C.classes()

@@ -1,6 +1,9 @@
-"""Registration (a command for sgl_server.py; send it first to a fresh process): load
-SGLang's plugins the way a server does, then ask SGLang's own ``get_kv_class`` and argument
-parser about ``pdxfer``."""
+"""Commands for sgl_server.py that set a process up.
+
+``registration`` (send it first to a fresh process): load SGLang's plugins the way a server
+does, then ask SGLang's own ``get_kv_class`` and argument parser about ``pdxfer``.
+``warm``: import what the scenarios use, so processes pay SGLang's import side by side at
+start instead of one after another inside the first tests."""
 
 from __future__ import annotations
 
@@ -40,3 +43,15 @@ def registration(state: dict) -> dict:
                                    utils.KVClassType.MANAGER).__name__,
         "members": sorted(m.value for m in utils.TransferBackend),
     }
+
+
+def warm(state: dict) -> str:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import sglang.srt.disaggregation.decode  # noqa: F401
+    import sglang.srt.disaggregation.prefill  # noqa: F401
+    import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401
+
+    import pdxfer.integrations.sglang.conn  # noqa: F401
+    return "warm"
