@@ -2,7 +2,7 @@
 
 Reading order: ``errors`` -> ``config`` -> ``pools`` (geometry) -> ``plan/`` (pure address
 math) -> ``wire`` (messages) -> ``transport/`` -> ``bootstrap`` -> ``endpoint/`` (one rank) ->
-``tiers/`` (decode-side L2/L3) -> ``serving/`` (router and workers, a user of this API).
+``tiers/`` (decode-side L2/L3) -> ``serving/`` (router and toy workers, users of this API) -> ``integrations/`` (vLLM, SGLang).
 """
 
 from .auth import ReplayGuard, check_http, http_headers, load_secret

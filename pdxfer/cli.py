@@ -30,25 +30,25 @@ def _transfer_demo(a: argparse.Namespace) -> int:
 
 
 def _bench(a: argparse.Namespace) -> int:
-    from .serving.demo import bench
+    from .serving.toy.demo import bench
 
     return bench(a.rest)
 
 
 def _demo(a: argparse.Namespace) -> int:
-    from .serving.demo import main as demo
+    from .serving.toy.demo import main as demo
 
     return demo(a.rest)
 
 
 def _prefill(a: argparse.Namespace) -> int:
-    from .serving.prefill import run
+    from .serving.toy.prefill import run
 
     return run(a)
 
 
 def _decode(a: argparse.Namespace) -> int:
-    from .serving.decode import run
+    from .serving.toy.decode import run
 
     return run(a)
 

@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdxfer.serving.cluster import Cluster  # noqa: E402
+from pdxfer.serving.toy.cluster import Cluster  # noqa: E402
 
 WORKER = ["--bootstrap-timeout", "20", "--transfer-timeout", "60", "--pages", "1024"]
 

@@ -1,25 +1,5 @@
-"""The serving layer: a toy transformer with paged, transferable KV, its prefill and decode
-workers, the router and the demo.
+"""Serving: the engine-agnostic router (``router/``) and the toy engine (``toy/``).
 
-Names are imported lazily (PEP 562) so that the router and ``pdxfer --help``, which need no
-model, do not pay for importing torch.
+The router speaks OpenAI to clients and drives engine workers through one small interface
+(``router.backends``); the toy workers are one engine, vLLM another.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_KV = ("AttentionKind", "KVPool", "OutOfPagesError", "PageAllocator", "PageTable", "copy_pages")
-_MODEL = ("EOS_ID", "KV_DTYPES", "SpecResult", "ToyConfig", "ToyModel", "decode", "encode",
-          "make_draft", "speculative_generate")
-
-__all__ = sorted(_KV + _MODEL)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _KV:
-        return getattr(importlib.import_module(".kv", __name__), name)
-    if name in _MODEL:
-        return getattr(importlib.import_module(".model", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

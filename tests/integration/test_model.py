@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdxfer.serving import (
+from pdxfer.serving.toy import (
     EOS_ID,
     KVPool,
     OutOfPagesError,
@@ -113,7 +113,7 @@ def test_same_seed_same_weights_across_processes() -> None:
     prompt = PROMPT * 3
     code = (
         "import sys, torch; torch.set_num_threads(1)\n"
-        "from pdxfer.serving import ToyConfig, ToyModel\n"
+        "from pdxfer.serving.toy import ToyConfig, ToyModel\n"
         "m = ToyModel(ToyConfig(seed=7))\n"
         f"print(m.weights_digest()); print(m.generate({prompt!r}, 6))\n"
     )

@@ -13,10 +13,10 @@ import openai
 import pytest
 import torch
 
-from pdxfer.serving import EOS_ID, ToyConfig, ToyModel, encode
-from pdxfer.serving.cluster import Cluster, post
-from pdxfer.serving.openai_api import chat_prompt
 from pdxfer.serving.procs import Proc
+from pdxfer.serving.router.openai_api import chat_prompt
+from pdxfer.serving.toy import EOS_ID, ToyConfig, ToyModel, encode
+from pdxfer.serving.toy.cluster import Cluster, post
 
 torch.set_num_threads(1)
 MODEL = ToyModel(ToyConfig())

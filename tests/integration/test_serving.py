@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from pdxfer.serving import (
+from pdxfer.serving.toy import (
     EOS_ID,
     SpecResult,
     ToyConfig,
@@ -22,8 +22,8 @@ from pdxfer.serving import (
     make_draft,
     speculative_generate,
 )
-from pdxfer.serving.cluster import Cluster
-from pdxfer.serving.demo import make_prompts
+from pdxfer.serving.toy.cluster import Cluster
+from pdxfer.serving.toy.demo import make_prompts
 
 FAST = ["--bootstrap-timeout", "10", "--transfer-timeout", "60", "--heartbeat", "0.25",
         "--pages", "512"]

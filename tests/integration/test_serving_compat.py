@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdxfer.serving.cluster import Cluster
+from pdxfer.serving.toy.cluster import Cluster
 
 WORKER = ["--bootstrap-timeout", "5", "--transfer-timeout", "10", "--pages", "128"]
 
@@ -33,7 +33,7 @@ def test_a_prefill_with_another_seed_is_refused_naming_the_seed(cluster: Cluster
 def test_workers_on_nixl_serve_identical_text_and_refuse_a_mooncake_peer() -> None:
     """``--transport nixl`` on both workers serves the colocated text; a decode left on
     Mooncake is refused at pairing with a message naming both transports."""
-    from pdxfer.serving import EOS_ID, ToyConfig, ToyModel, encode
+    from pdxfer.serving.toy import EOS_ID, ToyConfig, ToyModel, encode
 
     out = ToyModel(ToyConfig()).generate(encode("over nixl"), 8)
     want = out[:out.index(EOS_ID)] if EOS_ID in out else out

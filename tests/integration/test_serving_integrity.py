@@ -13,8 +13,8 @@ import openai
 import pytest
 import torch
 
-from pdxfer.serving import EOS_ID, ToyConfig, ToyModel, decode, encode
-from pdxfer.serving.cluster import Cluster
+from pdxfer.serving.toy import EOS_ID, ToyConfig, ToyModel, decode, encode
+from pdxfer.serving.toy.cluster import Cluster
 
 torch.set_num_threads(1)
 MODEL = ToyModel(ToyConfig())

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from pdxfer.serving import EOS_ID, ToyConfig, ToyModel, encode
-from pdxfer.serving.cluster import Cluster
+from pdxfer.serving.toy import EOS_ID, ToyConfig, ToyModel, encode
+from pdxfer.serving.toy.cluster import Cluster
 
 torch.set_num_threads(1)
 MODEL = ToyModel(ToyConfig())

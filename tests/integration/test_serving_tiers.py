@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdxfer.serving import (
+from pdxfer.serving.toy import (
     EOS_ID,
     SpecResult,
     ToyConfig,
@@ -22,7 +22,7 @@ from pdxfer.serving import (
     make_draft,
     speculative_generate,
 )
-from pdxfer.serving.cluster import Cluster
+from pdxfer.serving.toy.cluster import Cluster
 from pdxfer.tiers import MooncakeMaster, MooncakeStoreStorage
 
 torch.set_num_threads(1)

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from pdxfer.serving.cluster import Cluster, post
 from pdxfer.serving.procs import Proc
+from pdxfer.serving.toy.cluster import Cluster, post
 
 SECRET = "a-shared-secret-for-this-test-0123456789"
 ALICE, BOB = "key-for-alice-0123456789", "key-for-bob-0123456789xx"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pdxfer.endpoint.sender import model_diff
-from pdxfer.serving import ToyConfig, ToyModel
+from pdxfer.serving.toy import ToyConfig, ToyModel
 
 
 def test_weights_do_not_depend_on_max_seq_len() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdxfer.serving.openai_api import Detok, StopText, chat_prompt, encode
+from pdxfer.serving.router.openai_api import Detok, StopText, chat_prompt, encode
 
 
 def test_a_multibyte_character_split_over_two_tokens_streams_whole() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pdxfer import BootstrapServer
 
-from .procs import Proc, stop_all
+from ..procs import Proc, stop_all
 
 
 class Cluster:

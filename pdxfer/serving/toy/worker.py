@@ -22,8 +22,8 @@ from aiohttp import web
 
 from pdxfer import Endpoint, EndpointConfig, PoolSpec, load_secret
 
-from .errors import BadRequest, OutOfCapacity
-from .http import (  # noqa: F401  (re-exported for the worker modules)
+from ..errors import BadRequest, OutOfCapacity
+from ..http import (  # noqa: F401  (re-exported for the worker modules)
     READY,
     error_response,
     field,

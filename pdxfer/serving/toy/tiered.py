@@ -19,7 +19,7 @@ from pdxfer.tiers import FileStorage, StorageBackend, TieredCache
 
 from .worker import ModelHost, WorkerConfig
 
-log = logging.getLogger("pdxfer.serving.tiered")
+log = logging.getLogger("pdxfer.serving.toy.tiered")
 
 
 def make_storage(cfg: WorkerConfig) -> StorageBackend | None:

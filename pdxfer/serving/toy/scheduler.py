@@ -19,7 +19,7 @@ from typing import Any
 from .model import SpecDecoder
 from .sampling import Sampling, sample, top_logprobs
 
-log = logging.getLogger("pdxfer.serving.scheduler")
+log = logging.getLogger("pdxfer.serving.toy.scheduler")
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import BadRequest
+from ..errors import BadRequest
 from .model import EOS_ID
 
 MAX_LOGPROBS = 5

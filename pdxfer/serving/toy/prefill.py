@@ -22,8 +22,8 @@ from aiohttp import web
 
 from pdxfer import KVPoll, KVSender, PdxferError
 
-from .errors import BadRequest, OutOfCapacity, TransferFailed
-from .errors import about as _about
+from ..errors import BadRequest, OutOfCapacity, TransferFailed
+from ..errors import about as _about
 from .sampling import Sampling, parse_sampling, sample
 from .tiered import make_cache, reuse
 from .worker import (
@@ -40,7 +40,7 @@ from .worker import (
     token_list,
 )
 
-log = logging.getLogger("pdxfer.serving.prefill")
+log = logging.getLogger("pdxfer.serving.toy.prefill")
 
 
 class PrefillWorker(RoomWorker):

@@ -30,8 +30,8 @@ from aiohttp import web
 from pdxfer import KVPoll, PdxferError, RequestHandle
 from pdxfer.tiers import RestoringReceiver, TieredCache
 
-from .errors import BadRequest, OutOfCapacity, TransferFailed
-from .errors import about as _about
+from ..errors import BadRequest, OutOfCapacity, TransferFailed
+from ..errors import about as _about
 from .sampling import parse_sampling
 from .scheduler import Generation, Scheduler
 from .tiered import make_cache
@@ -49,7 +49,7 @@ from .worker import (
     token_list,
 )
 
-log = logging.getLogger("pdxfer.serving.decode")
+log = logging.getLogger("pdxfer.serving.toy.decode")
 MAX_SPEC_K = 8
 
 

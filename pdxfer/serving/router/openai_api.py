@@ -1,29 +1,28 @@
-"""OpenAI's completions and chat API on the byte tokenizer: parsing, text and response shapes.
+"""OpenAI's completions and chat API: parsing, text and response shapes.
 
-No torch and no network here: the router parses a client's request into an ``Ask``, and
-turns the decode's token events into OpenAI text, chunks and responses.
+No torch and no network here: the router parses a client's request into an ``Ask`` with the
+served model's tokenizer (``tokenizers.py``), and turns the decode's token events into OpenAI
+text, chunks and responses.
 
 - Every known field is type-checked (a wrong type is a 400); unknown fields are accepted, as
   OpenAI does; a feature the toy model does not have (penalties, ``best_of``, ``logit_bias``,
   ``suffix``) is refused with a 400 that says so instead of being ignored.
 - Text is decoded incrementally: an incomplete UTF-8 sequence is held back until its last
   byte arrives, so the joined stream equals the non-streamed text.
-- Chat template (documented in the README): each message becomes
-  ``<|role|>\\n{content}\\n``, then ``<|assistant|>\\n`` starts the reply.
+- Chat: the tokenizer's template (the toy's is documented in the README).
 """
 
 from __future__ import annotations
 
-import codecs
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import BadRequest
+from ..errors import BadRequest
+from .tokenizers import TOY_MODEL, ByteTokenizer, Detok, Tokenizer, chat_prompt, encode
 
-MODEL = "pdxfer-toy"
-VOCAB = 257
-EOS_ID = 256
+MODEL = TOY_MODEL
+BYTES = ByteTokenizer()
 MAX_N = 8
 MAX_STOP = 4
 MAX_SPEC_K = 8
@@ -31,17 +30,7 @@ MAX_LOGPROBS = 5
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def encode(text: str) -> list[int]:
-    """Same byte tokenizer as ``model.encode`` (kept here so the router never imports torch)."""
-    return list(text.encode("utf-8"))
-
-
-def chat_prompt(messages: list[dict[str, Any]]) -> str:
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
-
-
-def token_text(t: int) -> str:
-    return bytes([t]).decode("utf-8", errors="backslashreplace") if 0 <= t < 256 else ""
+__all__ = ["Detok", "chat_prompt", "encode"]  # the toy tokenizer's helpers, re-exported
 
 
 @dataclass(slots=True)
@@ -66,6 +55,8 @@ class Ask:
     model: str = MODEL
     tenant: str = ""
     """Whose request this is (from the API key): scopes prefix reuse."""
+    tok: Tokenizer = BYTES
+    """The served model's tokenizer: prompts were encoded with it, output is rendered by it."""
 
 
 class _Body:
@@ -96,15 +87,15 @@ class _Body:
             raise BadRequest(f"'{name}' must be in [{lo}, {hi}], got {v}")
         return v
 
-    def unsupported(self, name: str, ok: Any) -> None:
+    def unsupported(self, name: str, ok: Any, model: str = MODEL) -> None:
         v = self.b.get(name)
         if v is not None and v != ok and not (isinstance(ok, tuple) and v in ok):
-            raise BadRequest(f"'{name}' is not supported by {MODEL} (got {v!r})")
+            raise BadRequest(f"'{name}' is not supported by {model} (got {v!r})")
 
 
-def _common(b: _Body, chat: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    model = b.get("model", (str,), MODEL, "a string")
+def _common(b: _Body, chat: bool, tok: Tokenizer) -> dict[str, Any]:
+    out: dict[str, Any] = {"tok": tok}
+    model = b.get("model", (str,), tok.model, "a string")
     out["model"] = model
     mt = b.int_in("max_completion_tokens", None, 1, 1 << 20) if chat else None
     out["max_tokens"] = mt if mt is not None else b.int_in("max_tokens", 16, 1, 1 << 20)
@@ -129,41 +120,47 @@ def _common(b: _Body, chat: bool) -> dict[str, Any]:
     if out["spec_k"] and out["temperature"] != 0:
         raise BadRequest("'speculative_k' needs temperature 0 (speculative decoding is greedy)")
     for name in ("presence_penalty", "frequency_penalty"):
-        b.unsupported(name, (0, 0.0))
+        b.unsupported(name, (0, 0.0), tok.model)
         b.get(name, (int, float), 0, "a number")
-    b.unsupported("logit_bias", ({},))
+    b.unsupported("logit_bias", ({},), tok.model)
     b.get("user", (str,), None, "a string")
     return out
 
 
-def parse_completion(body: dict[str, Any]) -> Ask:
+def parse_completion(body: dict[str, Any], tok: Tokenizer = BYTES) -> Ask:
     b = _Body(body)
     p = body.get("prompt")
+    vocab = tok.vocab_size
     if isinstance(p, str):
-        prompts = [encode(p)]
+        texts = [p]
     elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        prompts = [encode(x) for x in p]
-    elif isinstance(p, list) and p and all(_is_ids(x) for x in p):
+        texts = list(p)
+    elif isinstance(p, list) and p and all(_is_ids(x, vocab) for x in p):
+        texts = None
         prompts = [list(x) for x in p]
-    elif _is_ids(p):
+    elif _is_ids(p, vocab):
+        texts = None
         prompts = [list(p)]  # type: ignore[arg-type]
     else:
         raise BadRequest(f"'prompt' must be a string, a list of strings, a list of token ids "
-                         f"in [0, {VOCAB}) or a list of such lists")
+                         f"in [0, {vocab}) or a list of such lists")
+    if len(texts if texts is not None else prompts) > MAX_N:
+        raise BadRequest(f"at most {MAX_N} prompts per request")
+    if texts is None:
+        texts = [tok.decode(x) for x in prompts]
+    else:
+        prompts = [tok.encode(x) for x in texts]
     if not prompts or any(not x for x in prompts):
         raise BadRequest("'prompt' is empty")
-    if len(prompts) > MAX_N:
-        raise BadRequest(f"at most {MAX_N} prompts per request")
-    c = _common(b, chat=False)
-    b.unsupported("best_of", (1,))
-    b.unsupported("suffix", ("",))
+    c = _common(b, chat=False, tok=tok)
+    b.unsupported("best_of", (1,), tok.model)
+    b.unsupported("suffix", ("",), tok.model)
     lp = b.int_in("logprobs", None, 0, MAX_LOGPROBS)
     echo = b.get("echo", (bool,), False, "a boolean")
-    texts = [bytes(t for t in x if t < 256).decode("utf-8", errors="replace") for x in prompts]
     return Ask(False, prompts, texts, logprobs=lp, echo=echo, **c)
 
 
-def parse_chat(body: dict[str, Any]) -> Ask:
+def parse_chat(body: dict[str, Any], tok: Tokenizer = BYTES) -> Ask:
     b = _Body(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -181,30 +178,20 @@ def parse_chat(body: dict[str, Any]) -> Ask:
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string")
         clean.append({"role": m["role"], "content": content})
-    c = _common(b, chat=True)
+    c = _common(b, chat=True, tok=tok)
     want = b.get("logprobs", (bool,), False, "a boolean")
     top = b.int_in("top_logprobs", None, 0, MAX_LOGPROBS)
-    text = chat_prompt(clean)
-    return Ask(True, [encode(text)], [text], logprobs=(top or 0) if want else None, **c)
+    try:
+        text, ids = tok.chat(clean), tok.chat_ids(clean)
+    except Exception as e:  # a template may refuse a conversation (roles out of order)
+        raise BadRequest(f"'messages': the chat template refused them: {e}") from None
+    return Ask(True, [ids], [text], logprobs=(top or 0) if want else None, **c)
 
 
-def _is_ids(x: Any) -> bool:
+def _is_ids(x: Any, vocab: int) -> bool:
     return (isinstance(x, list) and bool(x)
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < VOCAB
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                     for t in x))
-
-
-class Detok:
-    """Token ids to text, holding back an incomplete UTF-8 sequence until it completes."""
-
-    def __init__(self) -> None:
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, ids: list[int]) -> str:
-        return self._dec.decode(bytes(t for t in ids if 0 <= t < 256))
-
-    def flush(self) -> str:
-        return self._dec.decode(b"", final=True)
 
 
 class StopText:
@@ -253,7 +240,9 @@ class Choice:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def completion_logprobs(lps: list[dict[str, Any]], offset0: int = 0) -> dict[str, Any]:
+def completion_logprobs(tok: Tokenizer, lps: list[dict[str, Any]], offset0: int = 0
+                        ) -> dict[str, Any]:
+    token_text = tok.token_text
     tokens = [token_text(x["token_id"]) for x in lps]
     offsets, at = [], offset0
     for t in tokens:
@@ -264,9 +253,9 @@ def completion_logprobs(lps: list[dict[str, Any]], offset0: int = 0) -> dict[str
                              for x in lps], "text_offset": offsets}
 
 
-def chat_logprobs(lps: list[dict[str, Any]]) -> dict[str, Any]:
+def chat_logprobs(tok: Tokenizer, lps: list[dict[str, Any]]) -> dict[str, Any]:
     def one(t: int, lp: float) -> dict[str, Any]:
-        return {"token": token_text(t), "logprob": lp, "bytes": [t] if t < 256 else []}
+        return {"token": tok.token_text(t), "logprob": lp, "bytes": tok.token_bytes(t)}
 
     return {"content": [{**one(x["token_id"], x["logprob"]),
                          "top_logprobs": [one(int(k), v) for k, v in x["top"].items()]}
@@ -303,7 +292,8 @@ def response(ask: Ask, rid: str, choices: list[Choice]) -> dict[str, Any]:
     if ask.chat:
         body_choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                          "finish_reason": c.finish_reason,
-                         "logprobs": chat_logprobs(c.logprobs) if ask.logprobs is not None
+                         "logprobs": chat_logprobs(ask.tok, c.logprobs)
+                         if ask.logprobs is not None
                          else None} for c in choices]
         obj = "chat.completion"
     else:
@@ -312,7 +302,7 @@ def response(ask: Ask, rid: str, choices: list[Choice]) -> dict[str, Any]:
             echo = ask.prompt_texts[c.index // ask.n] if ask.echo else ""
             body_choices.append({
                 "index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
-                "logprobs": completion_logprobs(c.logprobs, len(echo))
+                "logprobs": completion_logprobs(ask.tok, c.logprobs, len(echo))
                 if ask.logprobs is not None else None})
         obj = "text_completion"
     ext = extension(choices[0]) if choices else {}
@@ -333,11 +323,12 @@ def chunk(ask: Ask, rid: str, created: int, index: int, text: str | None,
         if text is not None:
             delta["content"] = text
         ch: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason,
-                              "logprobs": chat_logprobs(logprobs) if logprobs else None}
+                              "logprobs": chat_logprobs(ask.tok, logprobs) if logprobs
+                              else None}
         obj = "chat.completion.chunk"
     else:
         ch = {"index": index, "text": text or "", "finish_reason": finish_reason,
-              "logprobs": completion_logprobs(logprobs) if logprobs else None}
+              "logprobs": completion_logprobs(ask.tok, logprobs) if logprobs else None}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": ask.model, "choices": [ch]}
 
@@ -348,6 +339,6 @@ def usage_chunk(ask: Ask, rid: str, created: int, choices: list[Choice]) -> dict
             "usage": usage(ask, choices)}
 
 
-def models() -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0,
+def models(name: str = MODEL) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                         "owned_by": "pdxfer"}]}

@@ -23,79 +23,35 @@ import json
 import logging
 import secrets
 import time
-import urllib.parse
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from pdxfer import BootstrapClient, PdxferError, http_headers, knobs, load_secret
+from pdxfer import knobs, load_secret
 from pdxfer.tiers import page_keys
 
+from ..errors import BadRequest, OutOfCapacity, ServingError, UpstreamError
+from ..http import error_body, error_response, metrics_text, read_json, serve
 from . import openai_api as oa
-from .errors import BadRequest, OutOfCapacity, ServingError, UpstreamError
-from .http import error_body, error_response, metrics_text, read_json, serve
+from .backends import (
+    Attempt,
+    AttemptFailed,
+    Backend,
+    Decode,
+    Done,
+    Http,
+    Prefill,
+    ToyBackend,
+    later,
+    parse_decode,
+    parse_prefill,
+    registered,
+)
 
 log = logging.getLogger("pdxfer.serving.router")
 POLICIES = ("round_robin", "least_outstanding", "kv_aware")
 HEALTH_TTL_S = 1.0
-MAX_KEYS = 1 << 17
-
-
-@dataclass(slots=True)
-class Prefill:
-    url: str
-    bootstrap: str
-    instance: str = "default"
-    outstanding: int = 0
-    healthy: bool = True
-    used: int = 0
-
-
-@dataclass(slots=True)
-class Decode:
-    url: str
-    endpoint_id: str | None = None
-    outstanding: int = 0
-    max_seq_len: int | None = None
-    page_size: int = 16
-    healthy: bool = True
-    used: int = 0
-    keys: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
-
-    def remember(self, keys: list[str]) -> None:
-        for k in keys:
-            self.keys[k] = None
-            self.keys.move_to_end(k)
-        while len(self.keys) > MAX_KEYS:
-            self.keys.popitem(last=False)
-
-    def hit(self, keys: list[str]) -> int:
-        """How many leading page keys this decode holds (its cached prefix, in pages)."""
-        n = 0
-        for k in keys:
-            if k not in self.keys:
-                break
-            n += 1
-        return n
-
-
-def parse_prefill(spec: str) -> Prefill:
-    """``URL,BOOTSTRAP[,INSTANCE]``, e.g. ``http://10.0.0.1:8100,10.0.0.1:8998``."""
-    parts = spec.split(",")
-    if len(parts) not in (2, 3) or not parts[0].startswith("http") or not parts[1]:
-        raise ValueError(f"--prefill wants URL,BOOTSTRAP[,INSTANCE], got {spec!r}")
-    return Prefill(parts[0].rstrip("/"), parts[1], parts[2] if len(parts) == 3 else "default")
-
-
-class _Failed(Exception):
-    """One attempt failed; ``client``: a 4xx no other pair can fix; ``capacity``: full."""
-
-    def __init__(self, status: int, message: str, client: bool = False,
-                 capacity: bool = False) -> None:
-        super().__init__(message)
-        self.status, self.client, self.capacity = status, client, capacity
 
 
 def parse_api_keys(spec: str) -> dict[str, str]:
@@ -127,8 +83,8 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
 class Router:
     def __init__(self, prefills: list[Prefill], decodes: list[Decode],
                  policy: str = "auto", timeout_s: float = 120.0,
-                 expose_cache_stats: bool = False, api_keys: dict[str, str] | None = None
-                 ) -> None:
+                 expose_cache_stats: bool = False, api_keys: dict[str, str] | None = None,
+                 backend: Backend | None = None) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
         if policy == "auto":
@@ -143,10 +99,12 @@ class Router:
         a client what another one asked (caches are per tenant either way)."""
         self.api_keys = (parse_api_keys(knobs().api_keys) if api_keys is None else api_keys)
         self.secret = load_secret()
+        self.backend: Backend = backend or ToyBackend()
         self._rr_p = itertools.count()
         self._rr_d = itertools.count()
         self.counters = collections.Counter[str]()
         self.session: aiohttp.ClientSession | None = None
+        self._http: Http | None = None
         self._health_at = 0.0
         self._health: dict[str, Any] = {}
         self._bg: set[asyncio.Task[Any]] = set()
@@ -166,6 +124,13 @@ class Router:
     async def _start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
             total=self.timeout_s, sock_connect=5.0))
+        self._http = Http(self.session, self.secret)
+        await self.backend.setup(self._http, self.decodes)
+
+    @property
+    def http(self) -> Http:
+        assert self._http is not None, "the router's app has not started"
+        return self._http
 
     async def _stop(self, app: web.Application) -> None:
         if self.session is not None:
@@ -185,13 +150,6 @@ class Router:
                                                     "invalid_api_key", 401), status=401)
             request["tenant"] = tenant
         return await handler(request)
-
-    def _signed(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """aiohttp arguments for a worker POST, signed for the workers when a secret is set."""
-        body = json.dumps(payload).encode()
-        headers = {"Content-Type": "application/json",
-                   **http_headers(self.secret, "POST", urllib.parse.urlsplit(url).path, body)}
-        return {"data": body, "headers": headers}
 
     # -- pairing ------------------------------------------------------------------------------
     def pick(self, ids: list[int], avoid_p: set[str], avoid_d: set[str], tenant: str = ""
@@ -221,42 +179,21 @@ class Router:
 
     # -- plain handlers -------------------------------------------------------------------------
     async def h_models(self, request: web.Request) -> web.Response:
-        return web.json_response(oa.models())
-
-    async def _probe(self, url: str) -> dict[str, Any] | None:
-        assert self.session is not None
-        try:
-            async with self.session.get(f"{url}/health",
-                                        timeout=aiohttp.ClientTimeout(total=3)) as r:
-                return await r.json() if r.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            return None
-
-    async def _registered(self, p: Prefill) -> bool:
-        """Whether the prefill's bootstrap can route to its instance (else every request to
-        it fails however healthy the worker is)."""
-        def look() -> bool:
-            try:
-                BootstrapClient(p.bootstrap, timeout=2.0, retries=0).route(
-                    0, p.instance, deadline=time.monotonic())
-                return True
-            except PdxferError:
-                return False
-
-        return await asyncio.to_thread(look)
+        return web.json_response(oa.models(self.backend.tokenizer.model))
 
     async def refresh_health(self, force: bool = False) -> dict[str, Any]:
         now = time.monotonic()
         if not force and now - self._health_at < HEALTH_TTL_S:
             return self._health
         out: dict[str, Any] = {}
-        pf_info = await asyncio.gather(*(self._probe(p.url) for p in self.prefills))
-        reg = await asyncio.gather(*(self._registered(p) for p in self.prefills))
+        probe = self.backend.probe
+        pf_info = await asyncio.gather(*(probe(self.http, p) for p in self.prefills))
+        reg = await asyncio.gather(*(registered(p) for p in self.prefills))
         for p, info, ok in zip(self.prefills, pf_info, reg):
             p.healthy = info is not None and ok
             out[p.url] = ("ok" if p.healthy else "down" if info is None
                           else f"not registered with bootstrap {p.bootstrap}")
-        dc_info = await asyncio.gather(*(self._probe(d.url) for d in self.decodes))
+        dc_info = await asyncio.gather(*(probe(self.http, d) for d in self.decodes))
         for d, info in zip(self.decodes, dc_info):
             d.healthy = info is not None
             out[d.url] = "ok" if d.healthy else "down"
@@ -271,7 +208,8 @@ class Router:
         workers = await self.refresh_health(force=True)
         ok = any(p.healthy for p in self.prefills) and any(d.healthy for d in self.decodes)
         return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers,
-                                  "policy": self.policy}, status=200 if ok else 503)
+                                  "policy": self.policy, "engine": self.backend.name},
+                                 status=200 if ok else 503)
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         vals: dict[str, Any] = dict(self.counters)
@@ -291,8 +229,9 @@ class Router:
         t0 = time.perf_counter()
         self.counters["requests"] += 1
         try:
-            ask = parse(await read_json(request))
+            ask = parse(await read_json(request), self.backend.tokenizer)
             ask.tenant = request.get("tenant", "")
+            self.backend.check(ask)
             await self._check_context(ask)
         except ServingError as e:
             self.counters["bad_requests"] += 1
@@ -306,7 +245,7 @@ class Router:
         try:
             choices = await asyncio.gather(*(self._choice(ask, ids, idx, seed, t0, None)
                                              for idx, ids, seed in jobs))
-        except _Failed as e:
+        except AttemptFailed as e:
             return self._failure(e)
         self.counters["success"] += 1
         body = oa.response(ask, rid, sorted(choices, key=lambda c: c.index))
@@ -336,7 +275,7 @@ class Router:
                              f"speculative_k ({ask.spec_k}) exceeds the context of "
                              f"{min(limits)} tokens")
 
-    def _failure(self, e: _Failed) -> web.Response:
+    def _failure(self, e: AttemptFailed) -> web.Response:
         self.counters["failures"] += 1
         if e.capacity:
             self.counters["capacity_rejections"] += 1
@@ -394,7 +333,7 @@ class Router:
                     pending.discard(t)
                     try:
                         c = t.result()
-                    except _Failed as e:
+                    except AttemptFailed as e:
                         if resp is None:
                             return self._failure(e)
                         self.counters["stream_errors"] += 1
@@ -425,7 +364,7 @@ class Router:
                       on_delta: Any) -> oa.Choice:
         avoid_p: set[str] = set()
         avoid_d: set[str] = set()
-        err: _Failed | None = None
+        err: AttemptFailed | None = None
         tries = max(2, len(self.prefills) * len(self.decodes))
         for attempt in range(tries):
             pf, dc = self.pick(ids, avoid_p, avoid_d, ask.tenant)
@@ -438,7 +377,7 @@ class Router:
                 if self.policy == "kv_aware":
                     dc.remember(page_keys(ids, dc.page_size, ask.tenant))
                 return c
-            except _Failed as e:
+            except AttemptFailed as e:
                 err = e
                 if e.client or c.token_ids:
                     break  # a bad request, or text already went out: no second try
@@ -456,117 +395,55 @@ class Router:
         raise err
 
     def _later(self, coro: Any) -> None:
-        """Run a best-effort call (an abort) even if the request that wants it is cancelled."""
-        t = asyncio.ensure_future(coro)
-        self._bg.add(t)
-        t.add_done_callback(self._bg.discard)
-
-    async def _abort(self, url: str, room: int, why: str) -> None:
-        assert self.session is not None
-        try:
-            async with self.session.post(f"{url}/abort", **self._signed(
-                    f"{url}/abort", {"room": room, "reason": why}),
-                    timeout=aiohttp.ClientTimeout(total=5)) as r:
-                await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError):
-            pass  # RuntimeError: the session closed (the router is stopping)
-
-    async def _prefill(self, pf: Prefill, room: int, ids: list[int], ask: oa.Ask,
-                       seed: int, dc: Decode) -> tuple[int, str, Any]:
-        assert self.session is not None
-        payload: dict[str, Any] = {"room": room, "prompt_ids": ids,
-                                   "temperature": ask.temperature, "top_p": ask.top_p,
-                                   "seed": seed, "tenant": ask.tenant}
-        if dc.endpoint_id:  # the room is bound to the decode chosen for it
-            payload["decode_peer"] = dc.endpoint_id
-        try:
-            async with self.session.post(f"{pf.url}/generate",
-                                         **self._signed(f"{pf.url}/generate", payload)) as r:
-                body = await _json_or_text(r)
-                return r.status, _msg(body), body
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return 599, f"{pf.url}: {type(e).__name__}: {e}", None
+        later(self._bg, coro)
 
     async def _attempt(self, ask: oa.Ask, ids: list[int], seed: int, pf: Prefill, dc: Decode,
                        c: oa.Choice, t0: float, on_delta: Any) -> None:
-        assert self.session is not None
         room = secrets.randbits(63)
         pf.outstanding += 1
         dc.outstanding += 1
-        pf_task = asyncio.ensure_future(self._prefill(pf, room, ids, ask, seed, dc))
-
-        def prefill_done(t: asyncio.Future[tuple[int, str, Any]]) -> None:
-            if not t.cancelled() and t.result()[0] != 200:  # the decode would wait in vain
-                self._later(self._abort(dc.url, room, f"prefill failed: {t.result()[1]}"))
-
-        pf_task.add_done_callback(prefill_done)
-        payload = {"room": room, "bootstrap": pf.bootstrap, "instance": pf.instance,
-                   "prompt_ids": ids, "max_tokens": ask.max_tokens, "stream": True,
-                   "spec_k": ask.spec_k, "temperature": ask.temperature, "top_p": ask.top_p,
-                   "seed": seed, "ignore_eos": ask.ignore_eos, "logprobs": ask.logprobs,
-                   "tenant": ask.tenant}
-        finished = False
-        detok, stops = oa.Detok(), oa.StopText(ask.stop)
+        finished, rendered = False, False
+        detok, stops = ask.tok.detokenizer(), oa.StopText(ask.stop)
+        events = self.backend.stream(self.http, Attempt(ask, ids, seed, pf, dc, room))
         try:
             try:
-                async with self.session.post(f"{dc.url}/generate",
-                                             **self._signed(f"{dc.url}/generate", payload)) as r:
-                    if r.status != 200:
-                        msg = _msg(await _json_or_text(r))
-                        if pf_task.done() and pf_task.result()[0] not in (200,):
-                            msg = f"prefill: {pf_task.result()[1]}; decode: {msg}"
-                        raise _Failed(r.status, msg, client=400 <= r.status < 500
-                                      and r.status not in (408, 409, 429),
-                                      capacity=r.status in (429, 503))
-                    async for raw in r.content:
-                        line = raw.decode().strip()
-                        if not line.startswith("data: "):
-                            continue
-                        ev = json.loads(line[6:])
-                        if "error" in ev:
-                            raise _Failed(502, f"decode {dc.url}: {_msg(ev)}")
-                        if ev.get("done"):
-                            c.finish_reason = ev.get("finish_reason") or "length"
-                            c.stats = {**ev, "prefill": pf.url, "decode": dc.url,
-                                       "seconds": time.perf_counter() - t0}
-                            if not pf_task.done():  # its answer may trail the decode's
-                                await asyncio.wait([pf_task], timeout=5)
-                            pb = pf_task.result()[2] if pf_task.done() else None
-                            if isinstance(pb, dict):
-                                c.stats["prefill_reused_tokens"] = int(
-                                    pb.get("reused_tokens") or 0)
-                            finished = True
-                            break
-                        new = [int(t) for t in ev.get("token_ids", [])]
-                        c.token_ids += new
-                        lps = ev.get("logprobs") or []
-                        c.logprobs += lps
-                        text = stops.feed(detok.feed(new))
-                        await self._emit(c, text, lps, on_delta)
-                        if stops.stopped:
-                            c.finish_reason = "stop"
-                            c.stats = {"room": room, "prefill": pf.url, "decode": dc.url,
-                                       "seconds": time.perf_counter() - t0}
-                            break  # leaving closes the stream: the decode stops generating
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                raise _Failed(502, f"decode {dc.url}: {type(e).__name__}: {e}") from None
+                async for ev in events:
+                    if isinstance(ev, Done):
+                        c.finish_reason = ev.finish_reason
+                        c.stats = {**ev.stats, "room": room, "prefill": pf.url,
+                                   "decode": dc.url, "seconds": time.perf_counter() - t0}
+                        finished = True
+                        break
+                    c.token_ids += ev.token_ids
+                    c.logprobs += ev.logprobs
+                    rendered |= ev.text is not None
+                    text = stops.feed(ev.text if ev.text is not None
+                                      else detok.feed(ev.token_ids))
+                    await self._emit(c, text, ev.logprobs, on_delta)
+                    if stops.stopped:
+                        c.finish_reason = "stop"
+                        c.stats = {"room": room, "prefill": pf.url, "decode": dc.url,
+                                   "seconds": time.perf_counter() - t0}
+                        break  # leaving closes the stream: the decode stops generating
+            finally:
+                await events.aclose()
             if not stops.stopped:
                 if not finished:
-                    raise _Failed(502, f"decode {dc.url} ended the stream early")
-                await self._emit(c, stops.feed(detok.flush()) + stops.flush(), [], on_delta)
+                    raise AttemptFailed(502, f"decode {dc.url} ended the stream early")
+                tail = "" if rendered else detok.flush()
+                await self._emit(c, stops.feed(tail) + stops.flush(), [], on_delta)
             if c.finish_reason == "cancelled":
-                raise _Failed(502, f"room {room} was cancelled on {dc.url}")
+                raise AttemptFailed(502, f"room {room} was cancelled on {dc.url}")
         except BaseException:
-            self._later(self._abort(pf.url, room, "the router gave up on this request"))
-            self._later(self._abort(dc.url, room, "the router gave up on this request"))
+            why = "the router gave up on this request"
+            self._later(self.backend.abort(self.http, pf.url, room, why))
+            self._later(self.backend.abort(self.http, dc.url, room, why))
             raise
         finally:
             pf.outstanding -= 1
             dc.outstanding -= 1
             if stops.stopped:
-                self._later(self._abort(pf.url, room, "stop string reached"))
-            if not pf_task.done():
-                pf_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                self._later(self.backend.abort(self.http, pf.url, room, "stop string reached"))
 
     async def _emit(self, c: oa.Choice, text: str, lps: list[dict[str, Any]],
                     on_delta: Any) -> None:
@@ -577,29 +454,17 @@ class Router:
             await on_delta(c.index, text, lps)
 
 
-def _msg(body: Any) -> str:
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message"))
-    return str(body)
+def make_backend(a: argparse.Namespace) -> Backend:
+    if a.engine == "vllm":
+        from .vllm import VllmBackend
 
-
-async def _json_or_text(r: aiohttp.ClientResponse) -> Any:
-    try:
-        return await r.json()
-    except (aiohttp.ContentTypeError, json.JSONDecodeError):
-        return {"error": {"message": await r.text()}}
-
-
-encode = oa.encode
-
-
-def detok(ids: list[int]) -> str:
-    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        return VllmBackend(a.tokenizer, a.page_size)
+    return ToyBackend()
 
 
 def run(a: argparse.Namespace) -> int:
     router = Router([parse_prefill(s) for s in a.prefill],
-                    [Decode(u.rstrip("/")) for u in a.decode], a.policy, a.timeout,
-                    expose_cache_stats=a.expose_cache_stats)
+                    [parse_decode(s) for s in a.decode], a.policy, a.timeout,
+                    expose_cache_stats=a.expose_cache_stats, backend=make_backend(a))
     log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), router.policy)
     return serve(router.app(), a.host, a.port)

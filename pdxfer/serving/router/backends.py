@@ -1,0 +1,327 @@
+"""The one small interface through which the router drives an engine's workers.
+
+The router owns what is the same for every engine: the OpenAI front door, pairing policies,
+retries, stop strings, streaming. A ``Backend`` owns what differs: how a worker's health is
+read, and how one attempt of one choice runs on a (prefill, decode) pair — it yields the
+decode's tokens as they come and a last ``Done`` with the attempt's figures, or raises
+``AttemptFailed``.
+
+``ToyBackend`` speaks the toy workers' protocol (``toy/prefill.py``, ``toy/decode.py``): the
+prompt goes to both workers at once, the decode streams token events. ``vllm.py`` speaks
+vLLM's disaggregated-serving protocol (``kv_transfer_params``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+import urllib.parse
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from pdxfer import BootstrapClient, PdxferError, http_headers
+
+from ..errors import BadRequest
+from . import openai_api as oa
+from .tokenizers import ByteTokenizer, Tokenizer
+
+MAX_KEYS = 1 << 17
+
+
+@dataclass(slots=True)
+class Prefill:
+    url: str
+    bootstrap: str
+    instance: str = "default"
+    outstanding: int = 0
+    healthy: bool = True
+    used: int = 0
+
+
+@dataclass(slots=True)
+class Decode:
+    url: str
+    instance: str | None = None
+    """The decode's name as its endpoint knows it (given with ``--decode URL,INSTANCE``):
+    rooms are bound to it."""
+    endpoint_id: str | None = None
+    outstanding: int = 0
+    max_seq_len: int | None = None
+    page_size: int = 16
+    healthy: bool = True
+    used: int = 0
+    keys: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
+
+    @property
+    def peer(self) -> str | None:
+        """What a prefill binds the room to: the endpoint id when known, else the name."""
+        return self.endpoint_id or self.instance
+
+    def remember(self, keys: list[str]) -> None:
+        for k in keys:
+            self.keys[k] = None
+            self.keys.move_to_end(k)
+        while len(self.keys) > MAX_KEYS:
+            self.keys.popitem(last=False)
+
+    def hit(self, keys: list[str]) -> int:
+        """How many leading page keys this decode holds (its cached prefix, in pages)."""
+        n = 0
+        for k in keys:
+            if k not in self.keys:
+                break
+            n += 1
+        return n
+
+
+def parse_prefill(spec: str) -> Prefill:
+    """``URL,BOOTSTRAP[,INSTANCE]``, e.g. ``http://10.0.0.1:8100,10.0.0.1:8998``."""
+    parts = spec.split(",")
+    if len(parts) not in (2, 3) or not parts[0].startswith("http") or not parts[1]:
+        raise ValueError(f"--prefill wants URL,BOOTSTRAP[,INSTANCE], got {spec!r}")
+    return Prefill(parts[0].rstrip("/"), parts[1], parts[2] if len(parts) == 3 else "default")
+
+
+def parse_decode(spec: str) -> Decode:
+    """``URL[,INSTANCE]``, e.g. ``http://10.0.0.2:8200,decode0``."""
+    parts = spec.split(",")
+    if len(parts) not in (1, 2) or not parts[0].startswith("http") or not all(parts):
+        raise ValueError(f"--decode wants URL[,INSTANCE], got {spec!r}")
+    return Decode(parts[0].rstrip("/"), parts[1] if len(parts) == 2 else None)
+
+
+class AttemptFailed(Exception):
+    """One attempt failed; ``client``: a 4xx no other pair can fix; ``capacity``: full."""
+
+    def __init__(self, status: int, message: str, client: bool = False,
+                 capacity: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.client, self.capacity = status, client, capacity
+
+    @classmethod
+    def from_status(cls, status: int, message: str) -> AttemptFailed:
+        """A worker's HTTP error: a 4xx other than timeouts and conflicts is the client's,
+        429/503 mean full."""
+        return cls(status, message, client=400 <= status < 500 and status not in (408, 409, 429),
+                   capacity=status in (429, 503))
+
+
+@dataclass(slots=True)
+class Tokens:
+    """New output tokens of one choice; ``text`` when the engine rendered them itself
+    (else the router detokenizes)."""
+
+    token_ids: list[int]
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    text: str | None = None
+
+
+@dataclass(slots=True)
+class Done:
+    finish_reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try of one choice on one pair."""
+
+    ask: oa.Ask
+    ids: list[int]
+    seed: int
+    pf: Prefill
+    dc: Decode
+    room: int
+
+
+class Http:
+    """The router's client session towards its workers, signing requests when a secret is
+    set (the workers then accept only what the router sent)."""
+
+    def __init__(self, session: aiohttp.ClientSession, secret: bytes | None) -> None:
+        self.session, self.secret = session, secret
+
+    def signed(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """aiohttp arguments for a worker POST."""
+        body = json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json",
+                   **http_headers(self.secret, "POST", urllib.parse.urlsplit(url).path, body)}
+        return {"data": body, "headers": headers}
+
+    async def get_json(self, url: str, timeout: float = 3.0) -> Any:
+        """A worker's JSON answer to a GET, or None when it is down or answers an error."""
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if r.status != 200:
+                    return None
+                return await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+
+async def json_or_text(r: aiohttp.ClientResponse) -> Any:
+    try:
+        return await r.json()
+    except (aiohttp.ContentTypeError, json.JSONDecodeError):
+        return {"error": {"message": await r.text()}}
+
+
+def message(body: Any) -> str:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message"))
+    return str(body)
+
+
+async def sse_events(r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The ``data:`` objects of a server-sent event stream, up to ``[DONE]``."""
+    async for raw in r.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return
+        yield json.loads(line[6:])
+
+
+async def registered(p: Prefill) -> bool:
+    """Whether the prefill's bootstrap can route to its instance (else every request to it
+    fails however healthy the worker is)."""
+    def look() -> bool:
+        try:
+            BootstrapClient(p.bootstrap, timeout=2.0, retries=0).route(
+                0, p.instance, deadline=time.monotonic())
+            return True
+        except PdxferError:
+            return False
+
+    return await asyncio.to_thread(look)
+
+
+class Backend(Protocol):
+    """An engine's workers as the router sees them."""
+
+    name: str
+    tokenizer: Tokenizer
+
+    async def setup(self, http: Http, decodes: list[Decode]) -> None:
+        """Learn what the engine serves (model, tokenizer) before the first request."""
+
+    def check(self, ask: oa.Ask) -> None:
+        """Refuse (``BadRequest``) what this engine cannot do."""
+
+    async def probe(self, http: Http, w: Prefill | Decode) -> dict[str, Any] | None:
+        """A worker's health: None when down; for a decode, what the router learns of it
+        (``endpoint``, ``max_seq_len``, ``page_size``)."""
+
+    def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
+        """Run one attempt: the decode's tokens as they come, then ``Done``."""
+
+    async def abort(self, http: Http, url: str, room: int, why: str) -> None:
+        """Best effort: end ``room`` on that worker (the router gave up on it)."""
+
+
+class ToyBackend:
+    """pdxfer's toy workers: the prompt goes to both at once; the decode streams events."""
+
+    name = "toy"
+
+    def __init__(self) -> None:
+        self.tokenizer: Tokenizer = ByteTokenizer()
+        self._bg: set[asyncio.Task[Any]] = set()
+
+    async def setup(self, http: Http, decodes: list[Decode]) -> None:
+        return None
+
+    def check(self, ask: oa.Ask) -> None:
+        return None
+
+    async def probe(self, http: Http, w: Prefill | Decode) -> dict[str, Any] | None:
+        info = await http.get_json(f"{w.url}/health")
+        return info if isinstance(info, dict) else None
+
+    async def abort(self, http: Http, url: str, room: int, why: str) -> None:
+        try:
+            async with http.session.post(f"{url}/abort", **http.signed(
+                    f"{url}/abort", {"room": room, "reason": why}),
+                    timeout=aiohttp.ClientTimeout(total=5)) as r:
+                await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError):
+            pass  # RuntimeError: the session closed (the router is stopping)
+
+    async def _prefill(self, http: Http, job: Attempt) -> tuple[int, str, Any]:
+        ask, pf = job.ask, job.pf
+        payload: dict[str, Any] = {"room": job.room, "prompt_ids": job.ids,
+                                   "temperature": ask.temperature, "top_p": ask.top_p,
+                                   "seed": job.seed, "tenant": ask.tenant}
+        if job.dc.peer:  # the room is bound to the decode chosen for it
+            payload["decode_peer"] = job.dc.peer
+        try:
+            async with http.session.post(f"{pf.url}/generate",
+                                         **http.signed(f"{pf.url}/generate", payload)) as r:
+                body = await json_or_text(r)
+                return r.status, message(body), body
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return 599, f"{pf.url}: {type(e).__name__}: {e}", None
+
+    async def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
+        ask, pf, dc, room = job.ask, job.pf, job.dc, job.room
+        pf_task = asyncio.ensure_future(self._prefill(http, job))
+
+        def prefill_done(t: asyncio.Future[tuple[int, str, Any]]) -> None:
+            if not t.cancelled() and t.result()[0] != 200:  # the decode would wait in vain
+                later(self._bg, self.abort(http, dc.url, room,
+                                           f"prefill failed: {t.result()[1]}"))
+
+        pf_task.add_done_callback(prefill_done)
+        payload = {"room": room, "bootstrap": pf.bootstrap, "instance": pf.instance,
+                   "prompt_ids": job.ids, "max_tokens": ask.max_tokens, "stream": True,
+                   "spec_k": ask.spec_k, "temperature": ask.temperature, "top_p": ask.top_p,
+                   "seed": job.seed, "ignore_eos": ask.ignore_eos, "logprobs": ask.logprobs,
+                   "tenant": ask.tenant}
+        try:
+            async with http.session.post(f"{dc.url}/generate",
+                                         **http.signed(f"{dc.url}/generate", payload)) as r:
+                if r.status != 200:
+                    msg = message(await json_or_text(r))
+                    if pf_task.done() and pf_task.result()[0] != 200:
+                        msg = f"prefill: {pf_task.result()[1]}; decode: {msg}"
+                    raise AttemptFailed.from_status(r.status, msg)
+                async for ev in sse_events(r):
+                    if "error" in ev:
+                        raise AttemptFailed(502, f"decode {dc.url}: {message(ev)}")
+                    if ev.get("done"):
+                        if not pf_task.done():  # its answer may trail the decode's
+                            await asyncio.wait([pf_task], timeout=5)
+                        pb = pf_task.result()[2] if pf_task.done() else None
+                        stats = dict(ev)
+                        if isinstance(pb, dict):
+                            stats["prefill_reused_tokens"] = int(pb.get("reused_tokens") or 0)
+                        yield Done(ev.get("finish_reason") or "length", stats)
+                        return
+                    yield Tokens([int(t) for t in ev.get("token_ids", [])],
+                                 ev.get("logprobs") or [])
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise AttemptFailed(502, f"decode {dc.url}: {type(e).__name__}: {e}") from None
+        finally:
+            if not pf_task.done():
+                pf_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def later(tasks: set[asyncio.Task[Any]], coro: Any) -> None:
+    """Run a best-effort call (an abort) even if the request that wants it is cancelled;
+    ``tasks`` keeps it referenced until it is done."""
+    t = asyncio.ensure_future(coro)
+    tasks.add(t)
+    t.add_done_callback(tasks.discard)
+
+
+def refuse(ask: oa.Ask, engine: str, **features: bool) -> None:
+    """A 400 naming the first requested feature ``engine`` does not have."""
+    for name, wanted in features.items():
+        if wanted:
+            raise BadRequest(f"'{name}' is not supported by engine {engine}")
