@@ -504,8 +504,15 @@ class PdxferKVReceiver(CommonKVReceiver):
             mgr.record_failure(self.bootstrap_room, f"pdxfer: {why}")
             mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             return
-        self.rx = ep.receiver(int(self.bootstrap_room),
-                              bootstrap=mgr.pdxfer_bootstrap[self.bootstrap_addr], dp=self._dp)
+        try:
+            self.rx = ep.receiver(int(self.bootstrap_room),
+                                  bootstrap=mgr.pdxfer_bootstrap[self.bootstrap_addr],
+                                  dp=self._dp)
+        except PdxferError as e:  # e.g. the room is still open on this rank: Failed, not raised
+            mgr.record_failure(self.bootstrap_room, describe(e))
+            mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self._cause = e
+            return
         pages = np.asarray(kv_indices, dtype=np.int64)
         prefix = int(decode_prefix_len or 0)
         n = prefix + pages.size * mgr.kv_page_size(host)
