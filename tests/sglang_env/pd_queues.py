@@ -224,12 +224,9 @@ def _prefill_run(pf: Any, reqs: list[Any]) -> dict:
         q.add(r, HEADS)
     waiting: list[Any] = []
     done: dict[str, Any] = {}
-    sent_prefix: dict[int, int] = {}
     end = time.monotonic() + 60
     while len(done) < len(reqs) and time.monotonic() < end:
-        for r in q.pop_bootstrapped():
-            waiting.append(r)
-            sent_prefix[r.bootstrap_room] = r.start_send_idx
+        waiting += q.pop_bootstrapped()
         for r in list(waiting):
             if _forward_chunk(pf, r):  # the last chunk ran: the request is inflight
                 waiting.remove(r)
@@ -240,7 +237,8 @@ def _prefill_run(pf: Any, reqs: list[Any]) -> dict:
         raise TimeoutError(f"prefill: {len(done)} of {len(reqs)} requests finished")
     return {"rooms": {str(r.bootstrap_room): {
         "finished": type(r.finished_reason).__name__,
-        "decode_prefix_len": sent_prefix[r.bootstrap_room],
+        # what finalize_bootstrap took from pop_decode_prefix_len() (sends start there)
+        "decode_prefix_len": r.disagg_decode_prefix_len,
         "kv_released": r.kv.is_kv_released,
         "metadata_freed": r.metadata_buffer_index == -1,
     } for r in done.values()}, "streamed": sorted(r.rid for r in s.output_streamer.reqs),
