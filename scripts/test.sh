@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Set everything up (idempotent) and run the whole test suite: lint, then pytest.
+# (scripts/demo.sh does not install SGLang's environment; only the tests need it.)
 # Extra arguments go to pytest, e.g. scripts/test.sh -k transfer -x
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PDXFER_EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench,nixl,vllm}" bash scripts/setup.sh
+bash scripts/setup_sglang.sh   # SGLang's code in .venv-sglang, for the SGLang backend's tests
 .venv/bin/ruff check pdxfer tests scripts examples
 exec .venv/bin/python -m pytest -q "$@"

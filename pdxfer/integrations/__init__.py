@@ -1,2 +1,3 @@
-"""Engines meet pdxfer here: ``vllm/`` (a KV connector). The only place that imports an
-engine; each integration uses only ``pdxfer``'s and ``pdxfer.tiers``' public names."""
+"""Where inference engines meet pdxfer: each subpackage adapts one engine's own interface
+(subclassing the installed engine's classes) and uses only ``pdxfer``'s and ``pdxfer.tiers``'
+public names. The only place in pdxfer that imports an engine."""
