@@ -323,21 +323,56 @@ def _sample_plan(pool: PoolSpec, span: Span, sampling: int | Sampling
     return pages[pidx].astype(np.int64) * pool.item_bytes + offs, k
 
 
+def _hash_rows(rows: np.ndarray) -> Digests:
+    """XXH3 of each row of ``rows`` (the sampled bytes of one buffer per row). Rows go to
+    XXH3 as ``bytes`` from one ``tolist`` (half the time of slicing a memoryview per row)."""
+    rows = np.ascontiguousarray(rows)
+    step = rows.nbytes // max(1, rows.shape[0])
+    if step == 0:
+        return Digests([xxhash.xxh3_64_intdigest(b"") & MASK for _ in range(rows.shape[0])])
+    h = xxhash.xxh3_64_intdigest
+    return Digests([h(r) & MASK for r in rows.reshape(rows.shape[0], -1).view(f"V{step}")
+                    .ravel().tolist()], rows.nbytes)
+
+
 def _sampled(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases,
              base: np.ndarray) -> Digests:
     """Sampled digests (the bytes read: module notes), one per buffer offset in ``base``."""
     starts, k = _sample_plan(pool, span, sampling)
     if b.words is not None and k == SAMPLE_BYTES and not (starts % 8).any():
-        rows = b.words[(base >> 3)[:, None] + (starts >> 3)[None, :]]  # same bytes, order
-    else:
-        cols = (starts[:, None] + np.arange(k, dtype=np.int64)).reshape(1, -1)
-        rows = np.ascontiguousarray(b.view[base[:, None] + cols])
-    m = memoryview(rows).cast("B")
-    step = m.nbytes // max(1, rows.shape[0])
-    if step == 0:
-        return Digests([xxhash.xxh3_64_intdigest(b"") & MASK for _ in range(rows.shape[0])])
-    h = xxhash.xxh3_64_intdigest
-    return Digests([h(m[i:i + step]) & MASK for i in range(0, m.nbytes, step)], m.nbytes)
+        return _hash_rows(b.words[(base >> 3)[:, None] + (starts >> 3)[None, :]])
+    cols = (starts[:, None] + np.arange(k, dtype=np.int64)).reshape(1, -1)
+    return _hash_rows(np.ascontiguousarray(b.view[base[:, None] + cols]))
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A host pool's sampled digests over one span, with every read planned ahead: the
+    decode prepares them when it sends its request (the prefill computes meanwhile) and only
+    gathers and hashes when the sender's digests arrive. Measured on the 2-vCPU test VM: the
+    planning is ~4 us warm but ~30 us right after a 16 MiB write has gone through the
+    caches, where the check sits on the request's path."""
+
+    words: np.ndarray
+    idx: np.ndarray
+    """``[buffers, reads]`` indices into ``words`` (the same reads ``digests`` makes)."""
+
+    def digests(self) -> Digests:
+        return _hash_rows(self.words[self.idx])
+
+
+def prepare(pool: PoolSpec, span: Span, stride: int | Sampling = 1,
+            buffers: Sequence[int] | None = None) -> Prepared | None:
+    """``digests(pool, span, "sampled", stride, buffers)`` planned ahead (``Prepared``), or
+    None where only ``digests`` computes it (device pools, unaligned memory or samples)."""
+    if pool.location != "cpu":
+        return None
+    b = _bases(pool)
+    starts, k = _sample_plan(pool, span, stride)
+    if b.words is None or k != SAMPLE_BYTES or (starts % 8).any():
+        return None
+    base = b.offsets if buffers is None else b.offsets[np.asarray(buffers, dtype=np.int64)]
+    return Prepared(b.words, (base >> 3)[:, None] + (starts >> 3)[None, :])
 
 
 def _sampled_portable(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases,

@@ -48,6 +48,11 @@ PF_PAGES, DC_PAGES = 64, 160
 PAGE_BYTES = PS * HEADS * HEAD_DIM * 2  # one page of one buffer: 128 KiB
 BUFFERS = 2 * LAYERS
 BULK_MAX = 2048
+NIXL_TLS = ("tcp",)
+"""UCX transport lists compared against UCX's own choice, which on one host already writes
+with ``cma`` (process_vm_writev: one copy, ``UCX_PROTO_INFO=y`` shows it): ``tcp`` is what
+crosses hosts. Shared memory alone (``posix``, ``sysv``) cannot start a NIXL agent, and with
+``^cma`` the first bulk write hung (nixl-cu12 1.5.1, probed on this VM)."""
 
 
 def geoms(pages: int) -> list[PoolGeom]:
@@ -104,25 +109,41 @@ class Bench:
                     for role, c, n in specs]
             self.pf, self.dc, self.rpf, self.rdc, self.npf, self.ndc = (f.result()
                                                                         for f in futs)
+        # one more NIXL pair per UCX transport list compared (UCX reads UCX_TLS when an agent
+        # starts); started after the others, which must not inherit it while it is set
+        self.tls_srv = {tls: BootstrapServer("127.0.0.1", port=0).start() for tls in NIXL_TLS}
+        self.tls_pairs = {}
+        for tls, srv in self.tls_srv.items():
+            c = {**nixl, "bootstrap": srv.address}
+            self.tls_pairs[tls] = (
+                *(Agent(role, c, geoms(n), state=STATE, start_timeout=600, env={"UCX_TLS": tls})
+                  for role, n in (("prefill", PF_PAGES), ("decode", DC_PAGES))), srv.address)
         # the pattern only where transfers read: the largest request's pages
         item = {"room": self.seed_room, "pages": {"kv": self.src_perm[:BULK_MAX // PS]},
                 "num_tokens": BULK_MAX}
-        for a in (self.pf, self.rpf, self.npf):
+        for a in (self.pf, self.rpf, self.npf, *(p[0] for p in self.tls_pairs.values())):
             a.call("prepare", items=[item])
-        for a in (self.dc, self.rdc, self.ndc):
+        for a in (self.dc, self.rdc, self.ndc, *(p[1] for p in self.tls_pairs.values())):
             a.call("sentinel")
         # one warm-up transfer each (handshake, lanes, route cache)
         self.pdx_once(128)
         self.pdx_once(128, transport="nixl")
+        for t in NIXL_TLS:
+            self.pdx_once(128, transport=f"nixl:{t}")
         self.raw_once(128)
 
     def close(self) -> None:
         for a in ("pf", "dc", "rpf", "rdc", "npf", "ndc"):
             if hasattr(self, a):
                 getattr(self, a).close()
+        for pf, dc, _ in getattr(self, "tls_pairs", {}).values():
+            pf.close()
+            dc.close()
         for srv in ("srv", "nsrv"):
             if hasattr(self, srv):
                 getattr(self, srv).stop()
+        for srv in getattr(self, "tls_srv", {}).values():
+            srv.stop()
 
     # -- one transfer of each kind ---------------------------------------------------------------
     def pages_for(self, tokens: int) -> tuple[list[int], list[int]]:
@@ -134,9 +155,12 @@ class Bench:
 
     def pair(self, transport: str) -> tuple[Agent, Agent, str]:
         """The pdxfer prefill, decode and bootstrap that move bytes over ``transport`` (one
-        bootstrap per pair: a decode never finds the other transport's prefill)."""
+        bootstrap per pair: a decode never finds the other transport's prefill);
+        ``nixl:<UCX_TLS>`` is a NIXL pair started with that UCX transport list."""
         if transport == "nixl":
             return self.npf, self.ndc, self.nsrv.address
+        if transport.startswith("nixl:"):
+            return self.tls_pairs[transport[5:]]
         return self.pf, self.dc, self.srv.address
 
     def pdx_once(self, tokens: int, verify: bool = False, transport: str = "tcp"
@@ -433,15 +457,33 @@ class Bench:
         ``small.fixed_cost_ms``), and the entries check over NIXL."""
         self.mark_load("nixl")
         rounds = 3 if self.quick else 10
-        gb: dict[str, list[float]] = {"tcp": [], "nixl": []}
+        variants = ["tcp", "nixl", *(f"nixl:{t}" for t in NIXL_TLS)]
+        gb: dict[str, list[float]] = {v: [] for v in variants}
+        failed: dict[str, str] = {}
         bad = 0
         for rnd in range(rounds):
-            for tr in ("tcp", "nixl"):
-                r = self.pdx_once(BULK_MAX, verify=rnd == rounds - 1, transport=tr)
+            for tr in variants:
+                if tr in failed:
+                    continue
+                try:
+                    r = self.pdx_once(BULK_MAX, verify=rnd == rounds - 1, transport=tr)
+                except RuntimeError as e:
+                    if not tr.startswith("nixl:"):
+                        raise
+                    failed[tr] = str(e)  # a compared UCX_TLS variant: reported, not fatal
+                    continue
                 gb[tr].append(r["bytes"] / r["seconds"] / 1e9)
                 bad += r["bad"] or 0
         ratios = [n / m for n, m in zip(gb["nixl"], gb["tcp"])]
         o = self.out
+        for t in NIXL_TLS:
+            v = f"nixl:{t}"
+            if v in failed:
+                o[f"nixl.ucx_tls.{t}.failed"] = failed[v]
+            if gb[v]:
+                o[f"nixl.ucx_tls.{t}.bulk_gbps"] = statistics.median(gb[v])
+                o[f"nixl.ucx_tls.{t}.ratio_vs_default"] = statistics.median(
+                    a / b for a, b in zip(gb[v], gb["nixl"]))
         o["nixl.bulk_gbps"] = statistics.median(gb["nixl"])
         o["nixl.bulk_mooncake_gbps"] = statistics.median(gb["tcp"])
         o["nixl.bulk_ratio_vs_mooncake"] = statistics.median(ratios)
@@ -483,7 +525,9 @@ class Bench:
             t = time.perf_counter()
             np.copyto(b, a)
             ts.append(time.perf_counter() - t)
-        self.out["limits.memcpy_gbps"] = n / statistics.median(ts) / 1e9
+        self.out["limits.memcpy_gbps"] = mc = n / statistics.median(ts) / 1e9
+        if "nixl.bulk_gbps" in self.out:
+            self.out["nixl.fraction_of_memcpy"] = self.out["nixl.bulk_gbps"] / mc
         del a, b
         total = (256 if self.quick else 1024) << 20
         gb = [socket_stream(total) for _ in range(3)]
@@ -517,6 +561,9 @@ class Bench:
                 mod = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(mod)
                 self.out.update(mod.measure(quick=self.quick))
+                if "incremental.l2_copy_gbps" in self.out:
+                    self.out["incremental.l2_copy_fraction_of_memcpy"] = (
+                        self.out["incremental.l2_copy_gbps"] / self.out["limits.memcpy_gbps"])
             except Exception as e:  # noqa: BLE001 - their failure must not lose our figures
                 self.out[f"{name}.error"] = f"{type(e).__name__}: {e}"
 
@@ -630,6 +677,10 @@ def table(o: dict[str, Any]) -> str:
         ("fixed cost per request, NIXL / Mooncake, ms",
          f"{f('nixl.small_fixed_cost_ms')} / {f('nixl.small_fixed_cost_mooncake_ms')}", ""),
         ("NIXL entries equal runs x buffers", f"{o.get('nixl.entries_equal_to_runs')}", ""),
+        ("NIXL bulk as a fraction of memcpy", f("nixl.fraction_of_memcpy"), ""),
+        *((f"NIXL bulk with UCX_TLS={t}, GB/s / ratio to UCX's choice",
+           f"{f(f'nixl.ucx_tls.{t}.bulk_gbps')} / {f(f'nixl.ucx_tls.{t}.ratio_vs_default')}", "")
+          for t in NIXL_TLS),
         ("memcpy, GB/s", f("limits.memcpy_gbps"), ""),
         ("TCP socket, 1 connection, GB/s", f("limits.socket_gbps"),
          mm("limits.socket_gbps_min_max")),

@@ -95,6 +95,10 @@ class RecvRoom:
     """Senders asked a second time after a digest mismatch."""
     heads: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     """Per sender, the global heads it writes of each head-sliced pool (fault injection)."""
+    prepared: dict[tuple[str, str, int, int, int, int], I.Prepared] = field(
+        default_factory=dict)
+    """Sampled checks planned when the request went out, by (sender, pool, start, end, lo,
+    hi): the digest a one-chunk sender reports for each pool (``_prepare``)."""
 
 
 def _head_bytes(pool: PoolSpec, heads: tuple[int, int] | None) -> slice | np.ndarray:
@@ -340,6 +344,8 @@ class DecodeSide:
                 if st.auto_hold and not a.silent:
                     st.asks[p.endpoint_id] = frame
                 self.ep.send_frame(p.ctrl_addr, frame, p.sess)
+        if st.integrity == "sampled":
+            self._prepare(st, peers, plan)
         if not st.targets:  # every asked rank is silent: nothing this decode needs is there
             if any(p.item_bytes and not p.optional for p in self.ep.pools):
                 self.fail(st, LayoutMismatch(f"room {st.room}: no prefill endpoint writes any "
@@ -349,6 +355,41 @@ class DecodeSide:
                 if not st.state.terminal:
                     st.state = KVPoll.Success
                     st.t_done = time.monotonic()
+
+    def _prepare(self, st: RecvRoom, peers: list[PrefillPeer], plan: list[T.Assignment]
+                 ) -> None:
+        """Plan the sampled check of what each sender will report for a request it writes in
+        one chunk (tokens ``[prefix_len, num_tokens)``, the heads it was asked for or all it
+        holds), after the request went out: the check then only gathers and hashes. A digest
+        of another range (several chunks) takes the full path; so does anything that cannot
+        be planned here, which also reports the reason."""
+        out: dict[tuple[str, str, int, int, int, int], I.Prepared] = {}
+        try:
+            for p, a in zip(peers, plan):
+                if a.silent:
+                    continue
+                for name, theirs in p.pools.items():
+                    if name not in self.ep.pool_names or name in a.skip:
+                        continue
+                    pool = self.ep.pool(name)
+                    pages = st.dst.get(pool.indices_from or name)
+                    if (pages is None or pool.kind != "paged" or not pool.item_bytes
+                            or I.portable(pool, theirs) or not theirs.item_bytes):
+                        continue
+                    osh = theirs.sharding
+                    lo, hi = (0, 0) if pool.sharding.kind != "heads" else a.heads.get(
+                        name, (osh.first_head, osh.first_head + osh.rank_heads))
+                    idx = self._buffer_map(pool, theirs)
+                    if None in idx:
+                        continue
+                    prep = I.prepare(pool, I.Span(pages, st.prefix_len, st.prefix_len,
+                                                  st.num_tokens, lo, hi),
+                                     I.sample_stride(theirs, pool), idx)  # type: ignore[arg-type]
+                    if prep is not None:
+                        out[(p.endpoint_id, name, st.prefix_len, st.num_tokens, lo, hi)] = prep
+        except Exception:  # noqa: BLE001 - the check's full path reports what is wrong
+            log.debug("room %d: sampled checks not planned ahead", st.room, exc_info=True)
+        st.prepared = out
 
     # -- messages ----------------------------------------------------------------------------
     def _settle(self, msg: wire.TransferDone | wire.AbortAck, sess: Session | None
@@ -495,9 +536,12 @@ class DecodeSide:
                 if pages is None or d.start < st.prefix_len or d.end > st.num_tokens:
                     return (f"digest of pool {d.pool!r} tokens [{d.start}, {d.end}) outside "
                             f"the request")
-                got = I.digests(pool, I.Span(pages, st.prefix_len, d.start, d.end, d.lo, d.hi),
-                                mode, I.sample_stride(theirs, pool), idx,  # type: ignore[arg-type]
-                                portable=I.portable(pool, theirs))
+                prep = (st.prepared.get((peer.endpoint_id, d.pool, d.start, d.end, d.lo, d.hi))
+                        if mode == "sampled" else None)
+                got = prep.digests() if prep is not None else I.digests(
+                    pool, I.Span(pages, st.prefix_len, d.start, d.end, d.lo, d.hi), mode,
+                    I.sample_stride(theirs, pool), idx,  # type: ignore[arg-type]
+                    portable=I.portable(pool, theirs))
         except PdxferError as e:
             return f"cannot check pool {d.pool!r}: {e}"
         except Exception as e:  # noqa: BLE001 - e.g. a device the portable digest cannot read
@@ -505,6 +549,8 @@ class DecodeSide:
             return (f"cannot check pool {d.pool!r}: {type(e).__name__}: {e} (integrity='off' "
                     f"turns the check off)")
         self.ep.count("integrity_bytes", got.nbytes)
+        if got == list(d.values):
+            return ""
         for i, (g, w) in enumerate(zip(got, d.values)):
             if g != w:
                 b = theirs.buffers[i]

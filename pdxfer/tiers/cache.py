@@ -14,13 +14,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import integrity
+from ..config import knobs
 from ..errors import ConfigError
 from ..faults import Faults, damage, faults
 from ..pools import PoolSpec, layout_signature
@@ -33,7 +34,30 @@ from .storage import NO_DIGEST, StorageBackend, prefix_hits
 log = logging.getLogger("pdxfer.tiers")
 
 L3_BATCH = 32
-"""Pages per L3 call: big enough to batch, small enough to check the deadline between."""
+"""Most pages per L3 call: big enough to batch, small enough to check the deadline between."""
+
+LOAD_BATCH_BYTES = 8 << 20
+"""Bytes of L3 pages one restore thread reads, checks and copies to L1 in one go: small
+enough to stay in the last-level cache between the three, large enough to batch."""
+
+
+class _Span:
+    """Wall time from the first copy's start to the last one's end (copies run on several
+    threads at once), and the bytes copied: ``l1_copy_bytes / l1_copy_seconds``."""
+
+    __slots__ = ("lo", "hi", "nbytes", "_lock")
+
+    def __init__(self) -> None:
+        self.lo, self.hi, self.nbytes = float("inf"), 0.0, 0
+        self._lock = threading.Lock()
+
+    def add(self, t0: float, t1: float, nbytes: int) -> None:
+        with self._lock:
+            self.lo, self.hi, self.nbytes = min(self.lo, t0), max(self.hi, t1), self.nbytes + nbytes
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, self.hi - self.lo)
 
 
 @dataclass(slots=True, eq=False)
@@ -107,6 +131,9 @@ class TieredCache:
         self.set_storage(storage)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdxfer-writeback")
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-restore")
+        self._loaders = ThreadPoolExecutor(max_workers=knobs().copy_workers,
+                                           thread_name_prefix="pdxfer-load")
+        self._page_bytes = sum(hp.page_bytes for hp in self.host.pools.values())
         self._pending: set[Future[Any]] = set()
         self._lock = threading.Lock()
         self.after_match: Callable[[Match], None] | None = None
@@ -174,42 +201,81 @@ class TieredCache:
         ``l1_len``): L3 to L2, then L2 to L1. Returns how many pages are right in ``dst``;
         the rest (an L3 object gone or corrupt, the deadline passed) must be repaired.
         ``tag`` (the room) only selects injected faults (``PDXFER_FAULTS`` with
-        ``at=restore``)."""
+        ``at=restore``).
+
+        L3 pages go in batches of about ``LOAD_BATCH_BYTES`` on ``copy_workers`` threads,
+        each batch read, checked and copied to L1 by one thread while its bytes are still in
+        cache, batches in parallel (reads, BLAKE3 and the copy release the GIL); L2 pages are
+        copied by the copier's own threads meanwhile."""
         if self.after_match is not None:
             self.after_match(m)
+        l3 = m.l3 if self.storage is not None else []
+        entries = m.l2 + l3
+        if not entries:
+            m.good_l3 = 0
+            return 0
+        l1 = {pool: np.asarray(dst[self.anchor[pool]], dtype=np.int64)[:len(entries)]
+              for pool in self.data_pools}
+        span = _Span()
+        stop = threading.Event()
+        per = max(1, min(L3_BATCH, LOAD_BATCH_BYTES // max(1, self._page_bytes)))
+        batches = [(lo, min(lo + per, len(l3))) for lo in range(0, len(l3), per)]
+        futs = [self._loaders.submit(self._load_l3, l3[a:b], l1, len(m.l2) + a, deadline,
+                                     stop, span) for a, b in batches]
+        try:
+            if m.l2:
+                self._to_l1(m.l2, l1, 0, span)
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            wait(futs)  # nothing may still write into L1 pages once this returns or raises
         good3 = 0
-        if m.l3 and self.storage is not None:
-            for lo in range(0, len(m.l3), L3_BATCH):
-                if deadline is not None and time.monotonic() > deadline:
-                    log.info("restore deadline passed after %d of %d L3 pages", good3, len(m.l3))
-                    break
-                batch = m.l3[lo:lo + L3_BATCH]
-                ok = self._get(batch)
-                n = next((i for i, x in enumerate(ok) if not x), len(ok))
+        for (a, _), f in zip(batches, futs):
+            n = f.result()
+            if good3 == a:
                 good3 += n
-                if n < len(batch):
-                    m.l3_missing.append(batch[n].key)
-                    break
         m.good_l3 = good3
-        entries = m.l2 + m.l3[:good3]
-        if entries:
-            t0 = time.perf_counter()
-            nbytes = 0
-            for pool in self.data_pools:
-                hp = self.host.pools[pool]
-                l1 = np.asarray(dst[self.anchor[pool]], dtype=np.int64)[:len(entries)]
-                self.copier.to_l1(pool, hp, np.array([e.pages[pool] for e in entries]), l1)
-                nbytes += len(entries) * hp.page_bytes
-            with self._lock:
-                self.l1_copy_seconds += time.perf_counter() - t0
-                self.l1_copy_bytes += nbytes
-            f = faults()
-            if tag is not None and f.page_faults:
-                kind = f.page_fault(tag, "restore")
-                if kind is not None:
-                    self._damage(kind, len(entries), dst, f)
-            return self._verify_l1(entries, dst)
-        return 0
+        if good3 < len(l3):
+            m.l3_missing.append(l3[good3].key)
+        with self._lock:
+            self.l1_copy_seconds += span.seconds
+            self.l1_copy_bytes += span.nbytes
+        entries = m.l2 + l3[:good3]
+        f = faults()
+        if tag is not None and f.page_faults and entries:
+            kind = f.page_fault(tag, "restore")
+            if kind is not None:
+                self._damage(kind, len(entries), dst, f)
+        return self._verify_l1(entries, dst) if entries else 0
+
+    def _load_l3(self, batch: list[Entry], l1: Mapping[str, np.ndarray], at: int,
+                 deadline: float | None, stop: threading.Event, span: _Span) -> int:
+        """One batch of L3 pages: read into their L2 pages, check, copy into L1 pages from
+        ``at``; how many leading pages made it. A miss stops the batches not yet started."""
+        if stop.is_set():
+            return 0
+        if deadline is not None and time.monotonic() > deadline:
+            stop.set()
+            log.info("restore deadline passed before L3 pages %d-%d", at, at + len(batch))
+            return 0
+        ok = self._get(batch)
+        n = next((i for i, x in enumerate(ok) if not x), len(ok))
+        if n < len(batch):
+            stop.set()
+        if n:
+            self._to_l1(batch[:n], l1, at, span)
+        return n
+
+    def _to_l1(self, entries: list[Entry], l1: Mapping[str, np.ndarray], at: int,
+               span: _Span) -> None:
+        """Copy L2 entries into the L1 pages from index ``at`` of ``l1``."""
+        t0 = time.perf_counter()
+        for pool in self.data_pools:
+            hp = self.host.pools[pool]
+            self.copier.to_l1(pool, hp, np.array([e.pages[pool] for e in entries]),
+                              l1[pool][at:at + len(entries)])
+        span.add(t0, time.perf_counter(), len(entries) * self._page_bytes)
 
     def _damage(self, kind: str, n: int, dst: Mapping[str, np.ndarray], f: Faults) -> None:
         """Fault injection (tests only): damage one restored L1 page of one buffer as a bad
@@ -433,5 +499,6 @@ class TieredCache:
     def close(self) -> None:
         self.flush()
         self.executor.shutdown(wait=True)
+        self._loaders.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.copier.close()

@@ -7,23 +7,28 @@ of them in one batch and answers with a prefix length.
 
 ``FileStorage`` writes ``header | payload | tag`` to a temp file and renames it into place,
 so a reader sees a whole object or none. The tag (``Sealer``) binds the payload to its key
-and to the page's integrity digest: HMAC-SHA256 keyed by the shared secret when one is set,
-else BLAKE2b over key, digest and payload. A file that is short, torn, of another size,
-copied from another key's file or forged without the secret is a miss, never bytes handed to
-a request (the restore then repairs the range from the prefill).
+and to the page's integrity digest: BLAKE3 in keyed mode (a key derived from the shared
+secret) when one is set, else plain BLAKE3 over key, digest and payload. A file that is
+short, torn, of another size, copied from another key's file or forged without the secret
+is a miss, never bytes handed to a request (the restore then repairs the range from the
+prefill). A read brings the payload straight into its L2 page in large ``preadv`` chunks and
+hashes each chunk while it is still in cache, so each byte crosses memory once for the read
+and once for the tag (BLAKE3 runs at ~4.5 GB/s on one core here, against 0.9 for BLAKE2b and
+1.7 for HMAC-SHA256 with SHA extensions: the tag used to be most of an L3 restore).
 
 The digest (``integrity.page_digest``, recorded when the page first entered L2) travels in
 the sealed object, so one value follows a page from its first write-back through L3 to every
 later restore: the tiers check the bytes an L3 read brought against it (a page damaged in L2
 before its write-back was sealed as it was, wrong; this catches it), then check L1 against
-it after the copy. ``NO_DIGEST`` where the tiers do not verify. Files are opened relative to their folder's descriptor, never through a
-symlink, so nothing planted in the root can redirect a write outside it.
+it after the copy. ``NO_DIGEST`` where the tiers do not verify. Files are opened relative to
+their folder's descriptor, never through a symlink, so nothing planted in the root can
+redirect a write outside it. Object format v4 (BLAKE3 tags): files of older formats are
+misses, rewritten by the next write-back of their page.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import hmac
 import logging
 import os
@@ -34,12 +39,14 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol
 
+import blake3
+
 from ..auth import load_secret
 from .keys import pool_key
 
 log = logging.getLogger("pdxfer.tiers.storage")
 
-_MAGIC = b"PDXL3v3\0"
+_MAGIC = b"PDXL3v4\0"
 _HEAD = struct.Struct("<8sQq")
 TAG_BYTES = 32
 NO_DIGEST = -1
@@ -47,27 +54,36 @@ NO_DIGEST = -1
 
 
 class Sealer:
-    """Binds an object's bytes to its key (which names the page and the pool)."""
+    """Binds an object's bytes to its key (which names the page and the pool) and digest."""
+
+    CONTEXT = "pdxfer 2026-11 L3 object tag v4"
+    """BLAKE3 key derivation context: the tag key is derived from the secret, never it."""
 
     def __init__(self, secret: bytes | None) -> None:
         self.secret = secret
+        self._key = (None if secret is None
+                     else blake3.blake3(secret, derive_key_context=self.CONTEXT).digest())
+
+    def hasher(self, key: str, digest: int = NO_DIGEST) -> blake3.blake3:
+        """A hash over the object's header fields; ``update`` it with the payload."""
+        k = key.encode()
+        h = blake3.blake3() if self._key is None else blake3.blake3(key=self._key)
+        h.update(b"pdxfer-l3-v4|" + len(k).to_bytes(4, "little") + k
+                 + digest.to_bytes(8, "little", signed=True))
+        return h
 
     def tag(self, key: str, payload: memoryview | bytes, digest: int = NO_DIGEST) -> bytes:
-        k = key.encode()
-        prefix = (b"pdxfer-l3-v3|" + len(k).to_bytes(4, "little") + k
-                  + digest.to_bytes(8, "little", signed=True))
-        if self.secret is not None:
-            m = hmac.new(self.secret, prefix, hashlib.sha256)
-            m.update(payload)
-            return m.digest()
-        h = hashlib.blake2b(prefix, digest_size=TAG_BYTES)
+        h = self.hasher(key, digest)
         h.update(payload)
-        return h.digest()
+        return h.digest(TAG_BYTES)
+
+    @staticmethod
+    def same(tag: bytes, want: bytes) -> bool:
+        return len(tag) == TAG_BYTES and hmac.compare_digest(tag, want)
 
     def check(self, key: str, payload: memoryview | bytes, tag: bytes,
               digest: int = NO_DIGEST) -> bool:
-        return len(tag) == TAG_BYTES and hmac.compare_digest(self.tag(key, payload, digest),
-                                                             tag)
+        return self.same(tag, self.tag(key, payload, digest))
 
 
 class StorageBackend(Protocol):
@@ -111,6 +127,10 @@ def prefix_hits(backend: StorageBackend, page_keys: Sequence[str], pools: Sequen
 def _buf(addr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_uint8 * size).from_address(addr)).cast("B")
 
+
+READ_CHUNK = 1 << 20
+"""Bytes per read of an L3 payload: large sequential reads, each small enough to be hashed
+from cache right after it landed."""
 
 _NOFOLLOW = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
@@ -221,26 +241,37 @@ class FileStorage:
         return out
 
     def _get(self, key: str, addr: int, size: int) -> int | None:
-        """The object's sealed digest once its bytes are in ``addr``; None for a miss."""
+        """The object's sealed digest once its bytes are in ``addr``; None for a miss. The
+        payload is read in ``READ_CHUNK`` pieces straight into ``addr``, each hashed while
+        it is still in cache."""
         fd = self._open(key)
         if fd is None:
             return self._miss(key, "absent")
         try:
-            with os.fdopen(fd, "rb") as f:
-                head = f.read(_HEAD.size)
-                if len(head) != _HEAD.size:
-                    return self._miss(key, "short header")
-                magic, n, digest = _HEAD.unpack(head)
-                if magic != _MAGIC or n != size:
-                    return self._miss(key, f"header says {n} bytes, want {size}")
-                dst = _buf(addr, size)
-                got = f.readinto(dst)
-                tag = f.read(TAG_BYTES + 1)
+            head = os.pread(fd, _HEAD.size, 0)
+            if len(head) != _HEAD.size:
+                return self._miss(key, "short header")
+            magic, n, digest = _HEAD.unpack(head)
+            if magic != _MAGIC or n != size:
+                return self._miss(key, f"header says {n} bytes, want {size}")
+            dst = _buf(addr, size)
+            h = self.sealer.hasher(key, digest)
+            got = 0
+            while got < size:
+                part = dst[got:got + READ_CHUNK]
+                k = os.preadv(fd, [part], _HEAD.size + got)
+                if k <= 0:
+                    break
+                h.update(part[:k])
+                got += k
+            tag = os.pread(fd, TAG_BYTES + 1, _HEAD.size + size)
         except OSError as e:
             return self._miss(key, str(e))
+        finally:
+            os.close(fd)
         if got != size or len(tag) != TAG_BYTES:
             return self._miss(key, f"torn: {got} of {size} bytes")
-        if not self.sealer.check(key, dst, tag, digest):
+        if not self.sealer.same(tag, h.digest(TAG_BYTES)):
             return self._miss(key, "tag mismatch (corrupt, another key's object, or forged)")
         return digest
 

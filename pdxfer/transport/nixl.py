@@ -22,8 +22,13 @@ loopback) so callers need not:
 * The library can crash at interpreter exit if an agent is left to the garbage collector:
   ``close()`` releases handles, deregisters memory and drops the agent explicitly (and runs
   at exit if nobody called it).
-* UCX picks its transports itself: shared memory / CMA on one host (fastest), TCP across
-  hosts with ``UCX_TLS=tcp``, RDMA verbs on clusters. pdxfer does not override ``UCX_TLS``.
+* UCX picks its transports itself, and pdxfer does not override ``UCX_TLS``: on one host
+  UCX already writes with ``cma`` (``process_vm_writev``, one copy; ``UCX_PROTO_INFO=y``
+  prints the choice), TCP across hosts with ``UCX_TLS=tcp``, RDMA verbs on clusters. Probed
+  here: shared memory alone (``UCX_TLS=posix`` or ``sysv``, with or without ``cma``) cannot
+  start an agent (``NIXL_ERR_BACKEND``); with ``UCX_TLS=^cma`` the first bulk write hung (the
+  decode declared its prefill unresponsive); ``scripts/bench_transfer.py`` measures
+  ``UCX_TLS=tcp`` against UCX's choice.
 * Import ``nixl_cu12`` directly: the ``nixl`` meta package imports torch to detect CUDA.
 """
 

@@ -13,6 +13,7 @@ from pdxfer.integrity import (
     Span,
     digests,
     portable,
+    prepare,
     sample_stride,
     sampled_tokens,
     slot_digests,
@@ -128,6 +129,32 @@ def test_sampled_digest_catches_every_page_level_fault(fault: str, ps: int, port
             assert got[b] != want[b], (fault, ps, i, b)
             assert [g for j, g in enumerate(got) if j != b] == [w for j, w in enumerate(want)
                                                                 if j != b]
+
+
+@pytest.mark.parametrize("a,b,heads", [((16, "HND", 8, 0), (4, "NHD", 8, 0), (0, 8)),
+                                        ((64, "NHD", 8, 0), (64, "NHD", 8, 0), (0, 8)),
+                                        ((16, "HND", 8, 0), (4, "NHD", 4, 4), (4, 8)),
+                                        ((8, "NHD", 8, 0), (1, "HND", 4, 0), (0, 4))])
+def test_a_check_planned_ahead_reads_the_same_bytes_as_the_digest(a, b, heads) -> None:
+    """The decode plans its sampled check when the request goes out (``prepare``) and gathers
+    only when the digests arrive: same values as ``digests`` for the same buffers, and a page
+    damaged after planning is still caught (the bytes are read at check time)."""
+    src, ts, psrc = _filled(*a, seed=12)
+    dst, dts, pdst = _filled(*b, seed=13)
+    s = sample_stride(src, dst)
+    want = digests(src, Span(psrc, 0, *TOKENS, *heads), "sampled", s)
+    order = list(range(len(dts)))[::-1]
+    prep = prepare(dst, Span(pdst, 0, *TOKENS, *heads), s, order)
+    assert prep is not None
+    got = prep.digests()
+    assert got == digests(dst, Span(pdst, 0, *TOKENS, *heads), "sampled", s, order)
+    assert got == [want[i] for i in order] and got.nbytes > 0
+    u8 = dts[1].view(-1).view(torch.uint8).view(128, -1)
+    u8[pdst[TOKENS[0] // b[0]]] ^= 0xFF  # the first page the range uses
+    bad = prep.digests()
+    assert bad[order.index(1)] != want[1]
+    assert [g for j, g in enumerate(bad) if j != order.index(1)] == [
+        want[i] for i in order if i != 1]
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["xxh3", "portable"])

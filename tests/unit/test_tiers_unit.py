@@ -86,6 +86,43 @@ def test_the_page_digest_is_sealed_into_its_l3_object(tmp_path) -> None:
     assert fs.get_into(["k1"], [d], [n], got) == [False] and got == [NO_DIGEST]
 
 
+def test_an_l3_object_of_an_older_format_is_a_miss(tmp_path) -> None:
+    """Objects written before the tag became BLAKE3 (format v3: BLAKE2b/HMAC tags) are misses
+    that the next write-back replaces, never bytes checked against the wrong tag."""
+    from pdxfer.tiers import storage as S
+
+    fs = FileStorage(str(tmp_path))
+    src = np.arange(2048, dtype=np.uint32).view(np.uint8).copy()
+    dst = np.zeros_like(src)
+    assert fs.put_from(["k1"], [src.ctypes.data], [src.size]) == [True]
+    with open(fs.path("k1"), "r+b") as f:
+        f.write(b"PDXL3v3\0")
+    assert fs.exists(["k1"]) == [False]
+    assert fs.get_into(["k1"], [dst.ctypes.data], [src.size]) == [False] and not dst.any()
+    assert fs.put_from(["k1"], [src.ctypes.data], [src.size]) == [True]
+    assert fs.get_into(["k1"], [dst.ctypes.data], [src.size]) == [True] and (dst == src).all()
+    assert S._MAGIC == b"PDXL3v4\0"
+
+
+def test_an_l3_payload_larger_than_one_read_is_checked_whole(tmp_path) -> None:
+    """A payload read in several chunks is hashed over every chunk: a flipped byte in the
+    last chunk is a miss."""
+    from pdxfer.tiers import storage as S
+
+    n = 2 * S.READ_CHUNK + 4096
+    src = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    fs = FileStorage(str(tmp_path), secret=b"a-secret-of-enough-length-0123456")
+    assert fs.put_from(["big"], [src.ctypes.data], [n]) == [True]
+    assert fs.get_into(["big"], [dst.ctypes.data], [n]) == [True] and (dst == src).all()
+    with open(fs.path("big"), "r+b") as f:
+        f.seek(24 + n - 10)  # header, then the payload's tail
+        b = f.read(1)
+        f.seek(24 + n - 10)
+        f.write(bytes([b[0] ^ 1]))
+    assert fs.get_into(["big"], [dst.ctypes.data], [n]) == [False]
+
+
 def test_full_l3_is_a_logged_miss_not_an_error(tmp_path) -> None:
     specs, tensors = build(V4)
     for t in tensors["c4_kv"] + tensors["c4_idx"]:
