@@ -1,6 +1,7 @@
 """Real vLLM end to end: a bootstrap server, one ``vllm serve`` prefill and one decode, each
-loading ``PdxferConnector``, driven with the official ``openai`` client through a front door;
-every output equals a colocated vLLM (same model, no connector) token for token.
+loading ``PdxferConnector``, driven with the official ``openai`` client through pdxfer's router
+(``pdxfer router --engine vllm``); every output equals a colocated vLLM (same model, no
+connector) token for token.
 
 One cluster per module (engines start once). The decode runs with decode-side tiers (L2 host
 pages, L3 files) and vLLM's own prefix cache off, so a repeated prefix is restored by pdxfer,
@@ -24,16 +25,16 @@ import pytest
 from openai import OpenAI
 
 from pdxfer import BootstrapServer
+from pdxfer.serving.procs import Proc
 from pdxfer.testing.hf_model import CORPUS, SHAPES, build_model
 from pdxfer.testing.vllm_procs import VllmServer, kv_config, read_stats, start_all
-from pdxfer.testing.vllm_proxy import FrontDoor
 
 pytestmark = pytest.mark.timeout(900)
 
 BS = 32
 MAX_TOKENS = 12
 ROOM_SLOW, ROOM_CORRUPT = 4242, 4343
-DECODE = "vllm-d0"
+DECODE, PREFILL = "vllm-d0", "vllm-p0"
 DEADLINE_S = 20.0
 S = SHAPES["small"]
 BLOCK_BYTES = S.layers * S.kv_heads * BS * 2 * S.head_size * 4  # one block, all layers, fp32
@@ -67,7 +68,7 @@ class Cluster:
 
 
 def _prefill(c: Cluster, port: int | None = None) -> VllmServer:
-    extra = {"bootstrap": c.boot.address, "instance": "vllm-p0", "stats_file": str(c.p_stats),
+    extra = {"bootstrap": c.boot.address, "instance": PREFILL, "stats_file": str(c.p_stats),
              "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S}
     return VllmServer("prefill", c.model, c.tmp, port=port,
                       kv_transfer_config=kv_config("kv_producer", extra),
@@ -105,10 +106,25 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def front_door(cluster: Cluster) -> Iterator[str]:
-    """The one place the front door is chosen: swap for ``pdxfer router --engine vllm``."""
-    door = FrontDoor(cluster.prefill.url, cluster.decode.url, decode_instance=DECODE).start()
-    yield door.url
-    door.close()
+    """pdxfer's router in front of the pair, as users run it: it tokenizes with the model's
+    own tokenizer, draws the room and binds it to the decode it chose."""
+    router = Proc("router", ["router", "--engine", "vllm", "--port", "0",
+                             "--prefill", f"{cluster.prefill.url},{cluster.boot.address},{PREFILL}",
+                             "--decode", f"{cluster.decode.url},{DECODE}"], timeout=180)
+    try:
+        yield router.url
+    finally:
+        router.stop()
+
+
+def _token_ids(choice: Any, body: Any) -> list[int]:
+    """vLLM answers ``token_ids`` on the choice (``return_token_ids``); pdxfer's router in
+    its ``pdxfer`` extension."""
+    ids = getattr(choice, "token_ids", None)
+    if ids is None:
+        ids = (body.model_extra or {}).get("pdxfer", {}).get("token_ids")
+    assert ids is not None, "no token ids in the answer"
+    return list(ids)
 
 
 def _client(url: str) -> OpenAI:
@@ -119,7 +135,7 @@ def _complete(url: str, prompt: str | list[int], **kw: Any) -> list[int]:
     r = _client(url).completions.create(
         model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})}, **kw)
-    return list(r.choices[0].token_ids)  # type: ignore[attr-defined]
+    return _token_ids(r.choices[0], r)
 
 
 def _chat_stream(url: str, text: str) -> tuple[str, list[int]]:
@@ -131,6 +147,9 @@ def _chat_stream(url: str, text: str) -> tuple[str, list[int]]:
         if chunk.choices:
             out += chunk.choices[0].delta.content or ""
             ids += list(getattr(chunk.choices[0], "token_ids", None) or [])
+        ext = (chunk.model_extra or {}).get("pdxfer")
+        if ext:  # the router's last chunk of a choice carries all its ids
+            ids = list(ext["token_ids"])
     return out, ids
 
 

@@ -11,6 +11,8 @@ the very same prompt, and KV-aware routing hashes pages of the ids the engine wi
 from __future__ import annotations
 
 import codecs
+import json
+import os
 from typing import Any, Protocol
 
 
@@ -106,6 +108,14 @@ class _PrefixDetok:
         return out
 
 
+def _config_vocab(path: str) -> int:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return int(json.load(f).get("vocab_size") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
 class HFTokenizer:
     """A model folder's tokenizer and chat template, loaded with ``transformers`` (what vLLM
     itself uses, so the router's ids are the ones ``vllm serve`` would make)."""
@@ -115,7 +125,9 @@ class HFTokenizer:
 
         self._t = AutoTokenizer.from_pretrained(path)
         self.model = model or path
-        self.vocab_size = len(self._t)
+        # ids a client may send: the model's embedding rows, which may outnumber the
+        # tokenizer's own tokens (padded vocabularies)
+        self.vocab_size = max(len(self._t), _config_vocab(path))
 
     def encode(self, text: str) -> list[int]:
         return list(self._t.encode(text, add_special_tokens=True))
