@@ -38,9 +38,16 @@ def _bench(a: argparse.Namespace) -> int:
 
 
 def _demo(a: argparse.Namespace) -> int:
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--engine", choices=["toy", "vllm"], default="toy")
+    engine, rest = pick.parse_known_args(a.rest)
+    if engine.engine == "vllm":  # real vLLM (the `vllm` extra) behind the router
+        from .testing.vllm_demo import main as vllm_demo
+
+        return vllm_demo(rest)
     from .serving.toy.demo import main as demo
 
-    return demo(a.rest)
+    return demo(rest)
 
 
 def _prefill(a: argparse.Namespace) -> int:

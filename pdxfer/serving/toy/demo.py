@@ -58,7 +58,9 @@ def reference(cfg: ToyConfig, prompt: str, max_tokens: int, spec_k: int) -> list
 
 
 def _args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                                 epilog="pdxfer demo --engine vllm [--help]: the same path "
+                                        "on real vLLM (needs the vllm extra)")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
