@@ -16,6 +16,16 @@ the KV and whoever wrote those pages. Two rules give that:
 
 There is no transcendental in the network except softmax's exp, which runs in float64 and is
 rounded to float32, so last-ulp differences between vector math libraries cannot show.
+
+Tensor parallelism (``tp_size`` > 1): a rank holds the KV of its own KV heads only (its slice of
+the pool's head dimension, GQA heads replicated when there are more ranks than KV heads) and
+attends with its own query heads; the ranks then exchange their heads' attention outputs
+(``gather``: an all-gather in rank order, which is head order) and every rank runs the rest of
+the layer -- output projection, MLP, logits -- on the whole vector itself. A gather moves
+values without arithmetic, and a head's attention is the same ops on the same values whichever
+heads share its call (every reduction runs along one head's own axis), so each rank's result
+is bit for bit the TP = 1 result; the tests check it. The price is that every rank computes
+the replicated part in full: right for a toy whose point is KV placement, wrong for speed.
 """
 
 from __future__ import annotations
@@ -131,12 +141,60 @@ def _as_index(page_table: PageTable) -> torch.Tensor:
     return torch.as_tensor(np.asarray(page_table, dtype=np.int64))
 
 
-class ToyModel:
-    """Seeded weights plus paged prefill/decode; holds no per-request state."""
+Gather = Callable[[torch.Tensor], torch.Tensor]
+"""TP: every rank's ``[tokens, own heads x head_dim]`` in, ``[tokens, all heads x head_dim]``
+(ranks concatenated in rank order) out, on every rank."""
 
-    def __init__(self, config: ToyConfig) -> None:
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """Which heads one TP rank of a model owns (KV heads and the query heads that use them)."""
+
+    kv_lo: int
+    kv_hi: int
+    q_lo: int
+    q_hi: int
+
+    @property
+    def kv_heads(self) -> int:
+        return self.kv_hi - self.kv_lo
+
+
+def head_shard(config: ToyConfig, tp_rank: int, tp_size: int) -> HeadShard:
+    """Rank ``tp_rank`` of ``tp_size``: ``n_kv_heads / tp_size`` KV heads each, or, with more
+    ranks than KV heads, one KV head shared by ``tp_size / n_kv_heads`` ranks (GQA
+    replication, as engines shard it)."""
+    c = config
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} must be in [0, tp_size={tp_size})")
+    if tp_size > 1 and c.attention != "mha":
+        raise ValueError("tensor parallelism shards attention heads: the toy's MLA is TP 1")
+    if c.n_heads % tp_size or (c.n_kv_heads % tp_size and tp_size % c.n_kv_heads):
+        raise ValueError(f"TP {tp_size} does not split {c.n_heads} query heads and "
+                         f"{c.n_kv_heads} KV heads evenly")
+    q = c.n_heads // tp_size
+    if tp_size <= c.n_kv_heads:
+        kv = c.n_kv_heads // tp_size
+        return HeadShard(tp_rank * kv, (tp_rank + 1) * kv, tp_rank * q, (tp_rank + 1) * q)
+    lo = tp_rank // (tp_size // c.n_kv_heads)
+    return HeadShard(lo, lo + 1, tp_rank * q, (tp_rank + 1) * q)
+
+
+class ToyModel:
+    """Seeded weights plus paged prefill/decode; holds no per-request state.
+
+    ``tp_rank``/``tp_size``/``gather``: one rank of a tensor-parallel group (module notes);
+    its pools hold only its KV heads. Every rank holds every weight (the same seed)."""
+
+    def __init__(self, config: ToyConfig, *, tp_rank: int = 0, tp_size: int = 1,
+                 gather: Gather | None = None) -> None:
         self.config = config
         c = config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.shard = head_shard(c, tp_rank, tp_size)
+        if tp_size > 1 and gather is None:
+            raise ValueError("a TP rank needs a gather over its group")
+        self.gather = gather
         g = torch.Generator().manual_seed(c.seed)
 
         def randn(*shape: int, std: float) -> torch.Tensor:
@@ -190,13 +248,21 @@ class ToyModel:
             h.update(t.contiguous().numpy().tobytes())
         return h.hexdigest()
 
+    @property
+    def kv_token_shape(self) -> tuple[int, ...]:
+        """One token's slot in one pool tensor of this rank (its KV heads only)."""
+        c = self.config
+        if c.attention == "mha":
+            return (self.shard.kv_heads, c.head_dim)
+        return c.kv_token_shape
+
     def new_kv_pool(
         self, num_pages: int, *, allocator: PageAllocator | None = None, device: str = "cpu"
     ) -> KVPool:
         """A pool shaped for this model; pass another pool's allocator to share its page ids."""
         c = self.config
         return KVPool(kind=c.attention, num_layers=c.n_layers, num_pages=num_pages,
-                      page_size=c.page_size, token_shape=c.kv_token_shape, dtype=c.kv_dtype,
+                      page_size=c.page_size, token_shape=self.kv_token_shape, dtype=c.kv_dtype,
                       allocator=allocator, device=device)
 
     def pages_for(self, num_tokens: int) -> int:
@@ -219,25 +285,36 @@ class ToyModel:
         pos = torch.arange(end)
         pages = _as_index(page_table)[pos // c.page_size].to(kv.tensors[0].device)
         slots = (pos % c.page_size).to(pages.device)
-        hd = c.n_heads * c.head_dim
+        hd, sh, d = c.n_heads * c.head_dim, self.shard, c.head_dim
         h = list(self.tok_emb[ids] + self.pos_emb[start:end])
         for li, layer in enumerate(self.layers):
             queries, fresh = [], []
             for i in range(n):
                 y = _matvec(_rms(h[i], layer.norm1), layer.w_in)
-                queries.append(y[:hd])
-                fresh.append(y[hd:])
+                queries.append(y[sh.q_lo * d:sh.q_hi * d])  # this rank's query heads
+                fresh.append(self._own_kv(y[hd:]))
             cached = self._write_and_gather(kv.layer(li), torch.stack(fresh), pages, slots, start)
+            # a query at position start+i sees the keys of positions 0..start+i
+            attn = [self._attend(layer, queries[i], [x[:start + i + 1] for x in cached])
+                    for i in range(n)]
+            if self.tp_size > 1:
+                assert self.gather is not None
+                attn = list(self.gather(torch.stack(attn)))  # every head, in head order
             for i in range(n):
-                t = start + i + 1  # the keys this query may see: positions 0..start+i
-                a = self._attend(layer, queries[i], [x[:t] for x in cached])
-                x = h[i] + _matvec(a, layer.w_o)
+                x = h[i] + _matvec(attn[i], layer.w_o)
                 m = torch.relu(_matvec(_rms(x, layer.norm2), layer.w1))
                 h[i] = x + _matvec(m, layer.w2)
         rows = {"last": h[-1:], "all": h, "none": []}[logits_for]
         if not rows:
             return torch.empty(0, c.vocab_size)
         return torch.stack([_matvec(_rms(x, self.final_norm), self.w_out) for x in rows])
+
+    def _own_kv(self, fresh: torch.Tensor) -> torch.Tensor:
+        """The part of one token's fresh K/V (or latent) this rank stores."""
+        c, sh = self.config, self.shard
+        if c.attention != "mha" or self.tp_size == 1:
+            return fresh
+        return fresh.view(2, c.n_kv_heads, c.head_dim)[:, sh.kv_lo:sh.kv_hi].reshape(-1)
 
     def _write_and_gather(
         self, pool: tuple[torch.Tensor, ...], fresh: torch.Tensor, pages: torch.Tensor,
@@ -247,7 +324,7 @@ class ToyModel:
         c = self.config
         new_p, new_s = pages[start:], slots[start:]
         if c.attention == "mha":
-            parts = fresh.view(len(fresh), 2, c.n_kv_heads, c.head_dim).unbind(1)  # K, V
+            parts = fresh.view(len(fresh), 2, self.shard.kv_heads, c.head_dim).unbind(1)  # K, V
         else:
             parts = (fresh,)
         out = []
@@ -260,10 +337,18 @@ class ToyModel:
         """One query over its own keys; shapes depend on the query's position and nothing else."""
         c = self.config
         if c.attention == "mha":
-            k, v = cached  # [T, n_kv_heads, D]; query head h uses KV head h // group
-            qg = q.view(c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)
-            p = _softmax0((k.unsqueeze(2) * qg).sum(-1) * self._scale)  # [T, kvh, group]
-            return (p.unsqueeze(-1) * v.unsqueeze(2)).sum(0).reshape(-1)
+            # [T, own KV heads, D]; query head h uses KV head h // group. Sums over positions
+            # run along a contiguous last axis, one row per head: such a row's sum does not
+            # depend on how many rows share the call, so a rank holding some heads gets
+            # the bits TP 1 gets (an outer-axis sum's order depends on the number of rows)
+            k, v = cached
+            sh = self.shard
+            qg = q.view(sh.kv_heads, (sh.q_hi - sh.q_lo) // sh.kv_heads, c.head_dim)
+            s = ((k.unsqueeze(2) * qg).sum(-1) * self._scale).permute(1, 2, 0).contiguous()
+            e = torch.exp((s - s.amax(-1, keepdim=True)).double()).float()  # [kvh, group, T]
+            p = e / e.sum(-1, keepdim=True)
+            pv = (p.unsqueeze(2) * v.permute(1, 2, 0).unsqueeze(1)).contiguous()  # [.., D, T]
+            return pv.sum(-1).reshape(-1)
         (lat,) = cached  # [T, rank]: K and V are never materialised, the up-projections are
         assert layer.w_uk is not None and layer.w_uv is not None  # absorbed into q and out
         q_lat = (layer.w_uk * q.view(c.n_heads, 1, c.head_dim)).sum(-1)  # [H, rank]
@@ -273,7 +358,7 @@ class ToyModel:
 
     def _check(self, kv: KVPool, page_table: PageTable, start: int, end: int) -> None:
         c = self.config
-        want = (c.attention, c.n_layers, c.page_size, c.kv_dtype, c.kv_token_shape)
+        want = (c.attention, c.n_layers, c.page_size, c.kv_dtype, self.kv_token_shape)
         got = (kv.kind, kv.num_layers, kv.page_size, kv.dtype, tuple(kv.tensors[0].shape[2:]))
         if want != got:
             raise ValueError(f"pool layout {got} does not fit this model {want}")
