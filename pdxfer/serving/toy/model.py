@@ -146,6 +146,10 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 (ranks concatenated in rank order) out, on every rank."""
 
 
+Mirror = Callable[["ToyModel", Sequence[int], int, PageTable, KVPool, str], None]
+"""TP rank 0: told of every forward (model, tokens, start, page table, pool, logits_for)."""
+
+
 @dataclass(frozen=True, slots=True)
 class HeadShard:
     """Which heads one TP rank of a model owns (KV heads and the query heads that use them)."""
@@ -195,6 +199,9 @@ class ToyModel:
         if tp_size > 1 and gather is None:
             raise ValueError("a TP rank needs a gather over its group")
         self.gather = gather
+        self.mirror: Mirror | None = None
+        """Rank 0 of a TP group: called with each forward's arguments before it runs, so the
+        other ranks run the same forward (and meet its gathers) in the same order."""
         g = torch.Generator().manual_seed(c.seed)
 
         def randn(*shape: int, std: float) -> torch.Tensor:
@@ -282,6 +289,8 @@ class ToyModel:
         ids = torch.tensor([int(t) for t in tokens], dtype=torch.long)
         if n == 0 or int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:
             raise ValueError(f"need 1+ tokens in [0, {c.vocab_size}), got {ids.tolist()}")
+        if self.mirror is not None:
+            self.mirror(self, tokens, start, page_table, kv, logits_for)
         pos = torch.arange(end)
         pages = _as_index(page_table)[pos // c.page_size].to(kv.tensors[0].device)
         slots = (pos % c.page_size).to(pages.device)
