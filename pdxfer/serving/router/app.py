@@ -87,6 +87,8 @@ class Router:
                  backend: Backend | None = None) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
+        self.auto_policy = policy == "auto"
+        """Whether the policy follows the number of decodes (DP groups show up later)."""
         if policy == "auto":
             policy = "kv_aware" if len(decodes) > 1 else "round_robin"
         if policy not in POLICIES:
@@ -225,6 +227,8 @@ class Router:
             else:
                 out.append(d)
         self.decodes[:] = out
+        if self.auto_policy:
+            self.policy = "kv_aware" if len(out) > 1 else "round_robin"
 
     async def h_health(self, request: web.Request) -> web.Response:
         workers = await self.refresh_health(force=True)

@@ -59,6 +59,7 @@ def main(conn: Connection, rank: int, cfg: WorkerConfig, store_port: int,
     try:
         f.run()
     finally:
+        threading.Timer(5.0, os._exit, (0,)).start()  # a close that hangs does not keep us
         f.close()
         os._exit(0)  # transfer threads must not keep a stopped rank alive
 

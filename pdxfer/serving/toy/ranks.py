@@ -307,8 +307,7 @@ class Ranks:
         return out
 
     def close(self) -> None:
-        for link in self.links.values():
-            link.stop()
+        tp.stop_all(list(self.links.values()))
 
 
 # -- what the workers call, at any TP size ------------------------------------------------------

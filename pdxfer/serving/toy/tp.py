@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
@@ -188,20 +189,28 @@ class Link:
             log.error("%s: this worker cannot serve until it is restarted", why)
         self.on_exit(self.rank, why)
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Ask the rank to close its endpoint and exit; by pid when it does not."""
+    def stop(self) -> None:
+        """Ask the rank to close its endpoint and exit (``stop_all`` enforces it)."""
         self.stopping = True
         self.send("stop")
-        self.proc.join(grace)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.proc.exitcode is not None:
-                break
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                break
-            self.proc.join(2)
-        self.conn.close()
+
+
+def stop_all(links: list[Link], grace: float = 3.0) -> None:
+    """Stop ranks by pid: asked first, then SIGTERM, then SIGKILL, within ``grace`` + 2 s."""
+    for link in links:
+        link.stop()
+    end = time.monotonic() + grace
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        for link in links:
+            if link.proc.exitcode is None and sig is not None and link.pid:
+                try:
+                    os.kill(link.pid, sig)
+                except ProcessLookupError:
+                    pass
+            link.proc.join(max(0.0, end - time.monotonic()))
+        end = time.monotonic() + 1.0
+    for link in links:
+        link.conn.close()
 
 
 def spawn(target: Callable[..., None], rank: int, *args: Any) -> Link:
