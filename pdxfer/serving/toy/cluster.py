@@ -88,9 +88,10 @@ class Cluster:
         port = old.port
         stop_all([old])
         self.decodes[i] = self._decode(i, port, True)
-        if self.router is not None:  # the router learns the new endpoint id now
-            with urllib.request.urlopen(f"{self.router.url}/health", timeout=10) as r:
-                r.read()
+        for router in (self.router, *self.routers):  # routers learn the new endpoint id now
+            if router is not None:
+                with urllib.request.urlopen(f"{router.url}/health", timeout=10) as r:
+                    r.read()
         return self.decodes[i]
 
     def start(self) -> Cluster:
