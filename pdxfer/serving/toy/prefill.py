@@ -65,7 +65,8 @@ class PrefillWorker(RoomWorker):
         self.host.endpoint.close()
 
     async def h_health(self, request: web.Request) -> web.Response:
-        return self.health({"endpoint": self.host.endpoint.endpoint_id})
+        return self.health({"endpoint": self.host.endpoint.endpoint_id,
+                            "inflight": len(self.senders), "computing": len(self._computing)})
 
     metrics_prefix = "pdxfer_prefill"
 
