@@ -316,9 +316,5 @@ class DecodeWorker(RoomWorker):
 
 def run(a: argparse.Namespace) -> int:
     cfg = config_from_args(a, "decode")
-    if cfg.dp > 1:
-        from .dp import run as run_groups
-
-        return run_groups(cfg)
     w = DecodeWorker(cfg)
     return serve(w.app(), cfg.host, cfg.port, on_stop=w.close)

@@ -12,6 +12,7 @@ front stops or dies, the groups stop too.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -30,7 +31,7 @@ from pdxfer import http_headers, load_secret
 
 from ..errors import BadRequest, UpstreamError
 from ..http import error_response, merge_metrics, router_only, serve
-from .worker import WorkerConfig
+from .worker import WorkerConfig, config_from_args
 
 log = logging.getLogger("pdxfer.serving.toy.dp")
 
@@ -250,7 +251,8 @@ class DPFront:
                 grp.proc.join(2)
 
 
-def run(cfg: WorkerConfig) -> int:
+def run(a: argparse.Namespace) -> int:
+    cfg = config_from_args(a, "decode")
     front = DPFront(cfg)
     log.info("decode front for %d groups: %s", cfg.dp, [g.url for g in front.groups])
     return serve(front.app(), cfg.host, cfg.port, on_stop=front.close)
