@@ -302,10 +302,10 @@ class ToyModel:
                 y = _matvec(_rms(h[i], layer.norm1), layer.w_in)
                 queries.append(y[sh.q_lo * d:sh.q_hi * d])  # this rank's query heads
                 fresh.append(self._own_kv(y[hd:]))
-            cached = self._write_and_gather(kv.layer(li), torch.stack(fresh), pages, slots, start)
+            cached = self._attention_view(
+                self._write_and_gather(kv.layer(li), torch.stack(fresh), pages, slots, start))
             # a query at position start+i sees the keys of positions 0..start+i
-            attn = [self._attend(layer, queries[i], [x[:start + i + 1] for x in cached])
-                    for i in range(n)]
+            attn = [self._attend(layer, queries[i], cached, start + i + 1) for i in range(n)]
             if self.tp_size > 1:
                 assert self.gather is not None
                 attn = list(self.gather(torch.stack(attn)))  # every head, in head order
@@ -342,22 +342,30 @@ class ToyModel:
             out.append(tensor[pages, slots].to(device="cpu", dtype=torch.float32))
         return out
 
-    def _attend(self, layer: _Layer, q: torch.Tensor, cached: list[torch.Tensor]) -> torch.Tensor:
-        """One query over its own keys; shapes depend on the query's position and nothing else."""
+    def _attention_view(self, cached: list[torch.Tensor]) -> list[torch.Tensor]:
+        """MHA: K as ``[heads, T, D]`` and V as ``[heads, D, T]``, made contiguous once per
+        layer and chunk, so that every sum over positions runs along a contiguous last axis
+        with one row per head: such a row's sum does not depend on how many rows share the
+        call, so a rank holding some heads gets the bits TP 1 gets (a sum along an outer
+        axis is ordered by how many rows there are)."""
+        if self.config.attention != "mha":
+            return cached
+        k, v = cached  # [T, own KV heads, D]
+        return [k.permute(1, 0, 2).contiguous(), v.permute(1, 2, 0).contiguous()]
+
+    def _attend(self, layer: _Layer, q: torch.Tensor, cached: list[torch.Tensor], t: int
+                ) -> torch.Tensor:
+        """One query over the keys of positions ``0..t-1``; shapes depend on the query's
+        position and nothing else. Few torch calls: each one hands the GIL around, which a
+        worker's other threads (HTTP, transfers) feel."""
         c = self.config
         if c.attention == "mha":
-            # [T, own KV heads, D]; query head h uses KV head h // group. Sums over positions
-            # run along a contiguous last axis, one row per head: such a row's sum does not
-            # depend on how many rows share the call, so a rank holding some heads gets
-            # the bits TP 1 gets (an outer-axis sum's order depends on the number of rows)
-            k, v = cached
-            sh = self.shard
-            qg = q.view(sh.kv_heads, (sh.q_hi - sh.q_lo) // sh.kv_heads, c.head_dim)
-            s = ((k.unsqueeze(2) * qg).sum(-1) * self._scale).permute(1, 2, 0).contiguous()
-            e = torch.exp((s - s.amax(-1, keepdim=True)).double()).float()  # [kvh, group, T]
-            p = e / e.sum(-1, keepdim=True)
-            pv = (p.unsqueeze(2) * v.permute(1, 2, 0).unsqueeze(1)).contiguous()  # [.., D, T]
-            return pv.sum(-1).reshape(-1)
+            kt, vt = cached  # query head h uses KV head h // group
+            qg = q.view(self.shard.kv_heads, -1, 1, c.head_dim)  # [kvh, group, 1, D]
+            s = (kt[:, None, :t] * qg).sum(-1) * self._scale  # [kvh, group, T]
+            p = torch.softmax(s.double(), -1).float()  # float64: no last-ulp exp differences
+            return (p[:, :, None] * vt[:, None, :, :t]).sum(-1).reshape(-1)
+        cached = [x[:t] for x in cached]
         (lat,) = cached  # [T, rank]: K and V are never materialised, the up-projections are
         assert layer.w_uk is not None and layer.w_uv is not None  # absorbed into q and out
         q_lat = (layer.w_uk * q.view(c.n_heads, 1, c.head_dim)).sum(-1)  # [H, rank]

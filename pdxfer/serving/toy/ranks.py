@@ -203,7 +203,7 @@ class Ranks:
         try:
             for r in range(1, cfg.tp):
                 self.links[r] = tp.spawn(follower.main, r, cfg, store.port, level)
-            self.gather = tp.join(store.port, 0, cfg.tp, store)
+            self.gather = self._join(store)
             for link in self.links.values():
                 link.wait_ready(tp.START_TIMEOUT_S)
         except BaseException:
@@ -213,6 +213,27 @@ class Ranks:
         for link in self.links.values():
             link.on_event, link.on_exit = self._on_event, self._on_exit
             link.start()
+
+    def _join(self, store: Any) -> Any:
+        """Join the group, failing at once (with its reason) if a rank dies before joining."""
+        got: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                got["gather"] = tp.join(store.port, 0, self.cfg.tp, store)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                got["error"] = e
+
+        t = threading.Thread(target=join, daemon=True, name="pdxfer-tp-join")
+        t.start()
+        while t.is_alive():
+            t.join(0.2)
+            for link in self.links.values():
+                if link.proc.exitcode is not None:
+                    link.wait_ready(0)  # raises with the rank's own reason
+        if "error" in got:
+            raise got["error"]
+        return got["gather"]
 
     def attach(self, host: ModelHost) -> None:
         self.host = host
