@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
+import numpy as np
 
 from pdxfer import KVPoll, RequestHandle
 from pdxfer.tiers import TieredCache
@@ -249,9 +249,6 @@ class Ranks:
         for link in self.links.values():
             link.send(op, **kw)
 
-    def call(self, op: str, timeout: float = 60.0, **kw: Any) -> list[Any]:
-        return [link.call(op, timeout, **kw) for link in self.links.values()]
-
     def _mirror(self, m: ToyModel, tokens: Sequence[int], start: int, page_table: PageTable,
                 kv: KVPool, logits_for: str) -> None:
         self.check()
@@ -259,7 +256,7 @@ class Ranks:
         assert h is not None
         self.send("forward", model="target" if m is h.model else "draft",
                   pool="kv" if kv is h.kv else "draft_kv", tokens=[int(t) for t in tokens],
-                  start=start, pages=[int(p) for p in torch.as_tensor(page_table).tolist()],
+                  start=start, pages=np.asarray(page_table, dtype=np.int64).tolist(),
                   logits_for=logits_for)
 
     # -- rooms ---------------------------------------------------------------------------------
@@ -356,8 +353,9 @@ def open_sender(host: ModelHost, room: int, peer: str | None) -> Any:
     tx = host.endpoint.sender(room, peer=peer)
     if host.ranks is None:
         return tx
+    g = Group(host.ranks, tx, "sender")  # follows the other ranks' events from here on
     host.ranks.send("open_sender", room=room, peer=peer)
-    return Group(host.ranks, tx, "sender")
+    return g
 
 
 def open_receiver(host: ModelHost, cache: TieredCache | None, room: int, bootstrap: str,
