@@ -142,6 +142,12 @@ class EndpointConfig:
       entry). False leaves every write to the workers, and ``send()`` costs ~0.05 ms.
     - ``max_pending`` / ``max_pending_bytes``: requests (and their memory) a prefill holds for
       rooms whose sender does not exist yet; past either, a request is refused (``busy``).
+    - ``fan_out`` (prefill): a room may be served to several decode groups, each asking with
+      its own request. Off by default: a room belongs to the decode named by
+      ``sender(room, peer=...)``, else to the decode group (the TP ranks of one decode
+      instance) that asks first, and any other decode asking for it is refused. Turn it on
+      only when the engine sends one prefill to several decodes on purpose (a mirrored or
+      standby decode that must hold the same KV).
     - ``max_peers``: decode endpoints a prefill keeps a handshake with (the least recently
       used idle one is dropped for a new one). ``max_tombstones``: failed or aborted rooms
       remembered so that a late request for them is refused (oldest forgotten first).
@@ -167,6 +173,7 @@ class EndpointConfig:
     start_in_send: bool = True
     integrity: Literal["off", "sampled", "full"] = "sampled"
     integrity_retry: bool = False
+    fan_out: bool = False
     register_interval_s: float = 10.0
     """A prefill rank registers again this often, so a route a bootstrap lost or another
     endpoint took over heals by itself."""

@@ -78,6 +78,14 @@ class BufferSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layer_id: NonNeg
     role: Role
 
+    def __post_init__(self) -> None:
+        # msgspec checks the Meta bounds when a spec is decoded, not when code builds one:
+        # an engine's own spec is held to the same bounds before anything is planned on it
+        if not (0 <= self.addr < 1 << 63 and 0 < self.nbytes <= 1 << 62
+                and 0 <= self.layer_id <= 1 << 62 and 0 < len(self.role) <= 32):
+            raise ValueError(f"buffer layer {self.layer_id} {self.role!r}: address "
+                             f"{self.addr:#x} / {self.nbytes} bytes out of bounds")
+
 
 class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything a peer needs to address one pool.
@@ -102,6 +110,10 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     page_remap: bool = False
 
     def __post_init__(self) -> None:
+        if not (0 <= self.item_bytes <= 1 << 62 and 0 <= self.num_items <= 1 << 62
+                and 0 < self.page_size <= 1 << 62):
+            raise ValueError(f"pool {self.name!r}: item_bytes {self.item_bytes}, num_items "
+                             f"{self.num_items} or page_size {self.page_size} out of bounds")
         if len(self.buffers) > MAX_BUFFERS:
             raise ValueError(f"pool {self.name!r}: {len(self.buffers)} buffers > {MAX_BUFFERS}")
         if self.kind == "slot" and self.page_size != 1:

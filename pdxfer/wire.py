@@ -300,8 +300,9 @@ def reseal(f: bytes, mode: int, pair: bytes, counter: int, key: bytes | None) ->
     return frame(bytes(memoryview(f)[HEADER_LEN:]), kind, mode, pair, counter, key)
 
 
-def header(f: bytes | bytearray | memoryview) -> Header:
-    """Parse and check a frame's header against what arrived (raises ``Rejected``)."""
+def header(f: bytes | bytearray | memoryview, size: int | None = None) -> Header:
+    """Parse and check a frame's header against what arrived (raises ``Rejected``); with
+    ``size``, ``f`` may be the header alone of a frame of ``size`` bytes still arriving."""
     if not isinstance(f, (bytes, bytearray, memoryview)):
         raise Rejected("malformed", f"frame is {type(f).__name__}, not bytes")
     if len(f) < 4 or bytes(f[:3]) != MAGIC:
@@ -315,8 +316,9 @@ def header(f: bytes | bytearray | memoryview) -> Header:
     if k >= len(KINDS) or mode > SESSION:
         raise Rejected("malformed", f"unknown message kind {k} or mode {mode}")
     kind = KINDS[k]
-    if length != len(f) - HEADER_LEN:
-        raise Rejected("malformed", f"header says {length} payload bytes, {len(f) - HEADER_LEN}"
+    total = len(f) if size is None else size
+    if length != total - HEADER_LEN:
+        raise Rejected("malformed", f"header says {length} payload bytes, {total - HEADER_LEN}"
                                     " arrived")
     if length > cap(kind):
         raise Rejected("oversized", f"{kind.__name__} of {length} bytes exceeds {cap(kind)}")

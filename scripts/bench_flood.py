@@ -5,7 +5,10 @@ One secured prefill and one secured decode process (real bootstrap, Mooncake TCP
 one shared secret). For ``--seconds`` each, small legitimate requests run back to back, first
 alone, then while a thread floods both control ports with oversized, unsigned, forged-MAC and
 replayed frames (``pdxfer.testing.flood``). Every legitimate request is checked byte-exact.
-Latency is the driver's wall time from the decode's request to its Success. Prints flat JSON.
+Latency is the driver's wall time from the decode's request to its Success. Then eight floods
+in a row of oversized unauthenticated Hellos (2 MiB each, 1.3 GB in all) hit the prefill, one
+legitimate request behind each: ``flood.rss_before_flood_mb`` and ``flood.rss_after_flood_mb``
+are the prefill's RSS (from ``/proc``) before the first and after the last. Prints flat JSON.
 
     python scripts/bench_flood.py [--quick] [--seconds S] [--json out.json]
 """
@@ -43,6 +46,7 @@ def measure(seconds: float) -> dict[str, Any]:
             base.append(dt)
             bad += b
         under = F.flood_run(c, seconds)
+        hellos = F.hello_floods(c)
     finally:
         c.close()
     out: dict[str, Any] = {"flood.seconds": seconds}
@@ -53,6 +57,14 @@ def measure(seconds: float) -> dict[str, Any]:
     out["flood.bad_bytes"] = bad + under["bad_bytes"]
     out["flood.frames_sent"] = sum(under["sent"].values())
     out.update({f"flood.sent.{k}": v for k, v in sorted(under["sent"].items())})
+    mb = 2**20
+    out["flood.rss_before_flood_mb"] = hellos["rss_before"] / mb
+    out["flood.rss_after_flood_mb"] = hellos["rss_after"] / mb
+    out["flood.rss_peak_flood_mb"] = hellos["rss_peak"] / mb
+    out["flood.hello_floods_gb"] = hellos["bytes"] / 1e9
+    out["flood.hello_floods_s"] = hellos["seconds"]
+    out["flood.hello_floods.legit_max_ms"] = max(hellos["latencies"]) * 1000
+    out["flood.bad_bytes"] += hellos["bad_bytes"]
     for side in ("pf", "dc"):
         out[f"flood.rss_growth_{side}_mb"] = under[f"rss_growth_{side}"] / 2**20
         out.update({f"flood.{side}.{k}": v for k, v in sorted(under[f"rejected_{side}"].items())})

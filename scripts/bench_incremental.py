@@ -72,7 +72,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
                 {"room": room, "pages": {"kv": src}, "slots": {"aux": 0},
                  "segments": [(room, 0, n)]}])
             dc.call("ext", fn=X + "storage", name="file", kind="file", root=root)
-            dc.call("ext", fn=X + "setup", host_pages=pages + 8, use="file")
+            dc.call("ext", fn=X + "setup", host_pages=pages + 8, model_id="bench-pattern", use="file")
             _run_one(pf, dc, srv.address, room, base, src, parent_dst, n)
             copy_gbps: list[float] = []
             st = dc.call("ext", fn=X + "report")["stats"]

@@ -1,8 +1,11 @@
-"""The control plane's plumbing: one ZMQ PULL socket per endpoint, PUSH sockets to peers, a
-control thread, and room-sharded worker threads.
+"""The control plane's plumbing: a receiving control socket per endpoint, PUSH sockets to
+peers, a control thread, and room-sharded worker threads.
 
-No pdxfer semantics live here: the endpoint hands in a message handler and a periodic tick.
-A handler that raises is logged and counted; it never kills the control thread.
+Frames arrive through ``inbox.Inbox`` (what a ZMQ PULL socket speaks, read header first into
+bounded memory) and leave through ZMQ PUSH sockets. No pdxfer semantics live here: the
+endpoint hands in a frame handler (saying whether it admitted the frame), a header screen and
+a periodic tick. A handler that raises is logged and counted; it never kills the control
+thread.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable
 import zmq
 
 from ..faults import faults
+from .inbox import Inbox, Screen
 
 log = logging.getLogger("pdxfer.control")
 
@@ -25,34 +29,29 @@ MAX_PEER_SOCKETS = 1024
 to registered peers' addresses (never to one named in a message), so this is a backstop."""
 
 
-RCVHWM = 1000
-
-
 class Control:
     """Receives frames on ``address`` and sends frames to peers' addresses."""
 
     def __init__(
         self,
         host: str,
-        on_frame: Callable[[bytes], None],
+        on_frame: Callable[[memoryview], bool],
         on_tick: Callable[[], None],
         tick_s: float = 0.05,
         max_frame: int = 64 << 20,
         name: str = "pdxfer-control",
+        screen: Screen | None = None,
+        reject: Callable[[str, str], None] | None = None,
     ) -> None:
         self._ctx = zmq.Context()
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame)
-        # Frames ZMQ holds per connection before this thread reads them: a flooder that
-        # outruns the reader is pushed back (TCP) instead of growing this process's memory;
-        # a legitimate burst waits in its sender's queue (SNDHWM) instead.
-        self._pull.setsockopt(zmq.RCVHWM, RCVHWM)
-        port = self._pull.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        self._inbox = Inbox(host, self._deliver, screen or (lambda head, size: True),
+                            reject or (lambda reason, text: log.warning("%s: %s", reason, text)),
+                            max_frame)
+        self.address = f"tcp://{host}:{self._inbox.port}"
         self._on_frame = on_frame
         self._on_tick = on_tick
         self._tick_s = tick_s
+        self._faults = faults()
         self._push: OrderedDict[str, tuple[zmq.Socket, threading.Lock]] = OrderedDict()
         self._push_lock = threading.Lock()
         self._stop = threading.Event()
@@ -62,30 +61,26 @@ class Control:
         self._thread.start()
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        fl = faults()
         next_tick = time.monotonic() + self._tick_s
         while not self._stop.is_set():
-            timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
-            try:
-                ready = dict(poller.poll(timeout_ms))
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    break
-                raise
-            if self._pull in ready:
-                for _ in range(1000):
-                    try:
-                        frame = self._pull.recv(zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
-                        break
-                    if fl.active and fl.drop_incoming():
-                        continue
-                    self._guard(self._on_frame, frame)
-            if time.monotonic() >= next_tick:
+            self._inbox.poll(max(0.0, next_tick - time.monotonic()))
+            now = time.monotonic()
+            if now >= next_tick:
                 self._guard(self._on_tick)
+                self._inbox.expire(now)
                 next_tick = time.monotonic() + self._tick_s
+
+    def _deliver(self, frame: memoryview) -> bool:
+        """Hand a complete frame to the endpoint; True if it admitted the frame."""
+        fl = self._faults
+        if fl.active and fl.drop_incoming():
+            return False
+        try:
+            return bool(self._on_frame(frame))
+        except Exception:  # noqa: BLE001 - one bad message must not stop the endpoint
+            self.handler_errors += 1
+            log.exception("control handler failed")
+            return False
 
     def _guard(self, fn: Callable[..., None], *args: object) -> None:
         try:
@@ -131,6 +126,10 @@ class Control:
         """Open peer sockets (a metric: bounded by the peers a rank keeps)."""
         return len(self._push)
 
+    def connections(self) -> int:
+        """Open incoming connections (a metric: capped by ``inbox.MAX_CONNECTIONS``)."""
+        return self._inbox.connections()
+
     def forget(self, addr: str) -> None:
         """Drop the socket to a peer that is gone (its queued frames are discarded)."""
         with self._push_lock:
@@ -147,7 +146,8 @@ class Control:
                 with lock:
                     s.close(linger=0)
             self._push.clear()
-        self._pull.close(linger=0)
+        if not self._thread.is_alive():
+            self._inbox.close()
         self._ctx.term()
 
 

@@ -62,7 +62,8 @@ class Core:
     def start_control(self, on_tick: Callable[[], None]) -> None:
         self.control = Control(self.config.host, self._on_frame, on_tick,
                                max_frame=wire.MAX_FRAME + wire.HEADER_LEN,
-                               name=f"pdxfer-{self.config.role}-control")
+                               name=f"pdxfer-{self.config.role}-control",
+                               screen=self._screen, reject=self.reject)
         self.ctrl_addr = self.control.address
 
     def pool(self, name: str) -> PoolSpec:
@@ -111,20 +112,38 @@ class Core:
         if self.control is not None:
             self.control.forget(addr)
 
-    def _on_frame(self, frame: bytes) -> None:
-        """Header, size and MAC first; the payload is decoded only once all of them passed."""
+    def _screen(self, head: memoryview, size: int) -> bool:
+        """Whether a frame of ``size`` bytes may be received, from its header alone: a frame
+        refused here is dropped unread (it costs its header). The MAC comes once it arrived."""
+        try:
+            h = wire.header(head, size)
+            self._handler(h)
+            self.trust.key(h)
+        except wire.Rejected as e:
+            self.reject(e.reason, str(e))
+            return False
+        return True
+
+    def _handler(self, h: wire.Header) -> Handler:
+        handler = self.handlers.get(h.kind)
+        if handler is None:
+            raise wire.Rejected("unexpected", f"{self.config.role} endpoint does not take "
+                                              f"{h.kind.__name__}")
+        return handler
+
+    def _on_frame(self, frame: bytes | memoryview) -> bool:
+        """Header, size and MAC first; the payload is decoded only once all of them passed.
+        True when the frame was admitted (its connection then counts as authenticated)."""
         try:
             h = wire.header(frame)
-            handler = self.handlers.get(h.kind)
-            if handler is None:
-                raise wire.Rejected("unexpected", f"{self.config.role} endpoint does not take "
-                                                  f"{h.kind.__name__}")
+            handler = self._handler(h)
             sess = self.trust.admit(frame, h)
             msg = wire.body(frame, h)
         except wire.Rejected as e:
             self.reject(e.reason, str(e))
-            return
+            return False
         handler(msg, sess, h)
+        return True
 
     def reject(self, reason: str, text: str) -> None:
         """Count a refused frame by reason; log it at most once a second per reason (a flood

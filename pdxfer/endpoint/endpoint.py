@@ -162,7 +162,8 @@ class Endpoint:
         m.update(transport_calls=s.calls, transport_entries=s.entries,
                  transport_bytes=s.bytes, transport_failures=s.failures,
                  transport_retries=s.retries,
-                 control_handler_errors=core.control.handler_errors if core.control else 0)
+                 control_handler_errors=core.control.handler_errors if core.control else 0,
+                 control_connections=core.control.connections() if core.control else 0)
         return m
 
     def prometheus(self) -> bytes:

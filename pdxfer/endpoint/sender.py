@@ -57,6 +57,9 @@ class DecodePeer:
     """The authenticated pair (with a secret): the only source of this peer's frames, and
     the only way to answer it."""
     instance: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    """Its place in its decode group (the ranks of one instance that may share a room)."""
     probe_failures: int = 0
     hung: bool = False
     """Heartbeat state while this peer holds rooms for a repair (``liveness.py``)."""
@@ -119,7 +122,8 @@ class SenderRoom:
     t_created: float = field(default_factory=time.monotonic)
     t_request: float = 0.0
     bound: str | None = None
-    """The decode endpoint or instance this room is for (``sender(room, peer=...)``)."""
+    """The decode endpoint or instance this room is for (``sender(room, peer=...)``); without
+    it the room belongs to the decode group that asks first (``PrefillSide._binding``)."""
 
 
 Pending = tuple[wire.TransferRequest, "DecodePeer", int]
@@ -340,7 +344,7 @@ class PrefillSide:
                 self.ep.secret, h.pair, nonce, msg.endpoint_id, self.ep.endpoint_id)
         peer = DecodePeer(msg.endpoint_id, msg.ctrl_addr, msg.session, peer_pools, pairings,
                           [(b.addr, b.nbytes) for q in msg.pools for b in q.buffers], sess,
-                          msg.instance)
+                          msg.instance, msg.tp_rank, msg.tp_size)
         sess.peer = peer
         with self.ep.lock:
             old = self.peers.pop(msg.endpoint_id, None)
@@ -433,6 +437,8 @@ class PrefillSide:
             st = self.rooms.get(req.room)
             if st is None and not self._pending_fits(req, peer):
                 return  # refused before its indices are even unpacked
+            if st is not None and self._unbound(st, req, peer):
+                return  # another decode's room: refused before its indices are unpacked
             why, dst = self._validate(req, peer)
             if why:
                 self._refuse(req, peer, why, "plan")
@@ -619,10 +625,7 @@ class PrefillSide:
         if st.state.terminal:
             self._refuse(req, peer, f"room {req.room} already ended on prefill", "remote")
             return
-        if st.bound and not peer.is_(st.bound):
-            self.ep.count("rejected_not_bound")
-            self._refuse(req, peer, f"room {req.room} is bound to decode {st.bound!r}, not "
-                                    f"{peer.endpoint_id} (instance {peer.instance!r})", "remote")
+        if self._unbound(st, req, peer):
             return
         if any(t.peer.endpoint_id == peer.endpoint_id for t in st.targets):
             self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
@@ -640,6 +643,48 @@ class PrefillSide:
         if _decodes(st) >= st.expected:
             st.state = KVPoll.Transferring if st.last_given else KVPoll.WaitingForInput
         self._pump(st)
+
+    def _unbound(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer) -> bool:
+        """Refuse (and count) a request from a decode the room does not belong to."""
+        why = self._binding(st, peer)
+        if not why:
+            return False
+        self.ep.count("rejected_not_bound")
+        self._refuse(req, peer, why, "protocol")
+        return True
+
+    def _binding(self, st: SenderRoom, peer: DecodePeer) -> str:
+        """Why ``peer`` may not ask for this room ("" if it may).
+
+        A room serves one decode group: the one named by ``sender(room, peer=...)``, else the
+        first that asks. A group is the TP ranks of one decode instance: further ranks may
+        join the first asker while they share its instance and TP size, each rank once, and
+        no more of them than the first asker said would ask this prefill rank
+        (``decode_peers``). Another decode that holds the secret and knows the room id (a
+        misrouted or curious one) gets no byte. ``EndpointConfig.fan_out`` lets several
+        decode groups ask for the same room."""
+        if st.bound and not peer.is_(st.bound):
+            return (f"room {st.room} is bound to decode {st.bound!r}, not decode endpoint "
+                    f"{peer.endpoint_id} (instance {peer.instance!r})")
+        if self.cfg.fan_out:
+            return ""
+        others = [t for t in st.targets if t.peer.endpoint_id != peer.endpoint_id]
+        if not others:
+            return ""
+        first = others[0]
+        owner = first.peer
+        whose = (f"room {st.room} is bound to the decode group that asked first (instance "
+                 f"{owner.instance!r}, TP size {owner.tp_size}, endpoint {owner.endpoint_id})")
+        if peer.instance != owner.instance or peer.tp_size != owner.tp_size:
+            return (f"{whose}, not decode endpoint {peer.endpoint_id} (instance "
+                    f"{peer.instance!r}, TP size {peer.tp_size}); EndpointConfig.fan_out "
+                    f"serves one room to several decode groups")
+        ranks = {t.peer.endpoint_id: t.peer.tp_rank for t in others}
+        if peer.tp_rank in ranks.values() or len(ranks) >= first.req.decode_peers:
+            return (f"{whose}: its TP rank {peer.tp_rank} (or all {first.req.decode_peers} "
+                    f"of its ranks that ask this prefill rank) already asked, so decode "
+                    f"endpoint {peer.endpoint_id} is not one of them")
+        return ""
 
     def _pump(self, st: SenderRoom) -> None:
         """Queue every chunk each target has not been given yet (called under the lock).

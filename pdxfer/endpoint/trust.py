@@ -90,19 +90,35 @@ class Trust:
         self._nonces: OrderedDict[bytes, tuple[float, bytes]] = OrderedDict()
         self.lock = threading.Lock()
 
-    def admit(self, f: bytes, h: Header) -> Session | None:
+    def admit(self, f: bytes | memoryview, h: Header) -> Session | None:
         """The session a frame belongs to (None: a Hello, or no secret), or ``Rejected``."""
-        if self.secret is None:
+        sess, key = self.key(h)
+        if key is None:
             return None
+        if not wire.verify(f, key, h.mac):
+            if h.mode == wire.HELLO:
+                raise Rejected("bad_mac", "Hello with a wrong MAC (different secret?)")
+            raise Rejected("bad_mac", f"{h.kind.__name__} with a wrong MAC")
+        if h.mode == wire.SESSION:
+            assert sess is not None
+            with sess.lock:
+                fresh = sess.window.accept(h.counter)
+            if not fresh:
+                raise Rejected("replay", f"{h.kind.__name__} with an old counter {h.counter}")
+        return sess
+
+    def key(self, h: Header) -> tuple[Session | None, bytes | None]:
+        """The session and key a frame's MAC must verify under, from its header alone (raises
+        ``Rejected``): everything ``admit`` checks but the MAC and the counter, so a frame
+        still arriving can be refused on its header (``Inbox``). No key: no secret."""
+        if self.secret is None:
+            return None, None
         if h.mode == wire.PLAIN:
             raise Rejected("unsigned", f"unsigned {h.kind.__name__} (this endpoint has a secret)")
         if h.mode == wire.HELLO:
             if h.kind is not wire.Hello:
                 raise Rejected("unexpected", f"{h.kind.__name__} under the Hello key")
-            assert self.hello_key is not None
-            if not wire.verify(f, self.hello_key, h.mac):
-                raise Rejected("bad_mac", "Hello with a wrong MAC (different secret?)")
-            return None
+            return None, self.hello_key
         with self.lock:
             sess = self.sessions.get(h.pair)
         if sess is None:
@@ -112,19 +128,10 @@ class Trust:
                 raise Rejected("unexpected", f"{h.kind.__name__} under an ack key")
             if sess.ack_key is None or sess.established:  # e.g. the answer to a retransmit
                 raise Rejected("replay", "HelloAck for a handshake already settled")
-            key = sess.ack_key
-        else:
-            if sess.recv_key is None:
-                raise Rejected("unknown_pair", f"{h.kind.__name__} before the handshake ended")
-            key = sess.recv_key
-        if not wire.verify(f, key, h.mac):
-            raise Rejected("bad_mac", f"{h.kind.__name__} with a wrong MAC")
-        if h.mode == wire.SESSION:
-            with sess.lock:
-                fresh = sess.window.accept(h.counter)
-            if not fresh:
-                raise Rejected("replay", f"{h.kind.__name__} with an old counter {h.counter}")
-        return sess
+            return sess, sess.ack_key
+        if sess.recv_key is None:
+            raise Rejected("unknown_pair", f"{h.kind.__name__} before the handshake ended")
+        return sess, sess.recv_key
 
     def fresh_hello(self, h: Header, ts: float) -> str:
         """"" for a new Hello, "again" for a retransmission of one already answered, or the

@@ -82,8 +82,18 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefill", action="append", required=True, metavar="URL,BOOTSTRAP[,INST]",
                     help="a prefill instance: its HTTP URL, its bootstrap host:port and "
                          "optionally its instance name (repeat for more)")
-    ap.add_argument("--decode", action="append", required=True, metavar="URL",
-                    help="a decode instance's HTTP URL (repeat for more)")
+    ap.add_argument("--decode", action="append", required=True, metavar="URL[,INSTANCE]",
+                    help="a decode instance's HTTP URL and optionally its instance name, which "
+                         "rooms are bound to (repeat for more)")
+    ap.add_argument("--engine", choices=["toy", "vllm"], default="toy",
+                    help="what the workers run: pdxfer's toy workers, or `vllm serve` with "
+                         "PdxferConnector")
+    ap.add_argument("--tokenizer", default=None, metavar="PATH",
+                    help="--engine vllm: the served model's folder for the tokenizer (default: "
+                         "the root the decode's /v1/models names)")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="--engine vllm: the decodes' block size for KV-aware routing (default: "
+                         "read from their /metrics)")
     ap.add_argument("--policy", default="auto",
                     choices=["auto", "round_robin", "least_outstanding", "kv_aware"],
                     help="pairing policy (auto: kv_aware with several decodes, else "

@@ -212,3 +212,48 @@ def flood_run(c: Cluster, seconds: float) -> dict[str, Any]:
         out[f"rejected_{n}"] = {k: v for k, v in a.call("metrics").items()
                                 if k.startswith("rejected_")}
     return out
+
+
+def _metric(a: Agent, name: str) -> int:
+    return int(a.call("metrics").get(name, 0))
+
+
+def hello_floods(c: Cluster, floods: int = 8, frames: int = 80, size: int = 2 << 20
+                 ) -> dict[str, Any]:
+    """``floods`` floods in a row of ``frames`` unauthenticated Hellos of ``size`` bytes each
+    (over the Hello cap, under the frame cap) at the prefill, each flood followed by one
+    legitimate request once the prefill refused all of it. Reports the prefill's RSS (read
+    from ``/proc``) before the first flood, after the last and the highest seen between."""
+    legit(c, seed=2000)  # the pair is up and warm
+    rss = lambda: int(c.pf.call("proc_stats")["rss"])  # noqa: E731
+    rss0 = peak = rss()
+    big = wire.frame(bytes(size), wire.Hello, wire.HELLO, os.urandom(16), 0, os.urandom(32))
+    before = _metric(c.pf, "rejected_oversized")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.setsockopt(zmq.SNDHWM, frames + 1)
+    push.connect(c.pf.info["ctrl_addr"])
+    lat: list[float] = []
+    bad = 0
+    t0 = time.perf_counter()
+    try:
+        for i in range(floods):
+            for _ in range(frames):
+                push.send(big, copy=False)
+            want, end = before + (i + 1) * frames, time.monotonic() + 120
+            while _metric(c.pf, "rejected_oversized") < want:
+                if time.monotonic() > end:
+                    raise AssertionError(f"flood {i}: the prefill did not refuse every Hello")
+                peak = max(peak, rss())
+                time.sleep(0.05)
+            dt, b = legit(c, seed=3000 + i)
+            lat.append(dt)
+            bad += b
+    finally:
+        push.close(0)
+        ctx.term()
+    seconds = time.perf_counter() - t0
+    return {"rss_before": rss0, "rss_after": rss(), "rss_peak": peak,
+            "bytes": floods * frames * len(big), "seconds": seconds, "latencies": lat,
+            "bad_bytes": bad}

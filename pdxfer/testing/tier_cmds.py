@@ -45,8 +45,10 @@ def storage(state: Any, name: str, kind: str, **kw: Any) -> None:
                                                segment_bytes=kw.get("segment_bytes", 64 << 20))
 
 
-def setup(state: Any, host_pages: int | dict[str, int], use: str | None = None,
-          ep: str = "main") -> None:
+def setup(state: Any, host_pages: int | dict[str, int], model_id: str,
+          use: str | None = None, ep: str = "main") -> None:
+    """A tiered cache for endpoint ``ep``; ``model_id`` names what the test's patterns stand
+    for (two ids: two models whose KV has the same shape)."""
     e = state.eps[ep]
     if not hasattr(state, "tiers"):
         state.tiers = {}
@@ -55,7 +57,7 @@ def setup(state: Any, host_pages: int | dict[str, int], use: str | None = None,
         old.cache.close()
     cache = TieredCache(list(e.specs.values()), host_pages=host_pages,
                         storage=_storages[use] if use else None,
-                        register=e.ep.transport.register)
+                        register=e.ep.transport.register, model_id=model_id)
     state.tiers[ep] = _Tiers(cache)
 
 

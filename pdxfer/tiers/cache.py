@@ -63,6 +63,14 @@ class Match:
         return len(self.l2) + len(self.l3)
 
 
+def _need_model_id(storage: StorageBackend | None, model_id: str) -> None:
+    if storage is not None and not model_id:
+        raise ConfigError(
+            "TieredCache with L3 storage needs model_id (the model's weights and config, e.g. "
+            "a digest of them): without it L3 keys are salted only by the KV layout, and "
+            "another model with the same KV shape would restore this model's pages as its own")
+
+
 class TieredCache:
     """One decode rank's L2 and L3 over its pool group. Thread-safe."""
 
@@ -72,9 +80,11 @@ class TieredCache:
                  verify: bool = True) -> None:
         """``model_id`` names the engine's model (weights and config): with the pools' layout
         signature it salts every key, so two models whose KV has the same shape never read
-        each other's objects. Without it only the layout separates them (logged once).
+        each other's objects. L3 outlives the process and is shared by a fleet, so it needs
+        one (``ConfigError`` without); an L2 alone dies with its process and may go without.
         ``salt`` adds a scope of its own (a tenant). ``verify``: every page restored into L1
         is checked against the digest recorded when it entered L2 (host pools only)."""
+        _need_model_id(storage, model_id)  # before any memory is allocated or registered
         paged = [p for p in pools if p.kind == "paged"]
         sizes = {p.page_size for p in paged}
         if len(sizes) != 1:
@@ -82,9 +92,7 @@ class TieredCache:
         self.page_size = sizes.pop()
         self.anchor = {p.name: p.indices_from or p.name for p in paged}
         self.data_pools = [p.name for p in paged if p.item_bytes > 0]
-        if not model_id:
-            log.warning("TieredCache without model_id: L3 objects are shared by every model "
-                        "whose KV has this layout")
+        self.model_id = model_id
         self.salt = f"{layout_signature(list(pools))}|{model_id}|{salt}"
         self.host = HostCache(pools, host_pages, register)
         self.verify = verify
@@ -115,6 +123,7 @@ class TieredCache:
 
     def set_storage(self, storage: StorageBackend | None) -> None:
         """Use another L3 backend from now on (its host pages get registered with it)."""
+        _need_model_id(storage, self.model_id)
         if storage is not None:
             for hp in self.host.pools.values():
                 storage.register(hp.addr, hp.data.nbytes)

@@ -221,7 +221,7 @@ def test_a_restore_from_l2_with_its_suffix_over_nixl_is_byte_exact(bootstrap) ->
     """The decode restores 90% of a prompt from L2 while NIXL brings the suffix: the bytes
     are right and only the suffix crossed the wire."""
     from .test_tiers import SHARED, STD, N
-    from .tiers_helpers import Family, X, assert_right, finish, start, write_back
+    from .tiers_helpers import MODEL, Family, X, assert_right, finish, start, write_back
 
     nixl = {"transport": "nixl"}
     pf = Agent("prefill", {**FAST, **nixl, "bootstrap": bootstrap.address, "instance": "nxr"},
@@ -229,7 +229,7 @@ def test_a_restore_from_l2_with_its_suffix_over_nixl_is_byte_exact(bootstrap) ->
     dc = None
     try:
         dc = Agent("decode", {**FAST, **nixl}, STD)
-        dc.call("ext", fn=X + "setup", host_pages=128)
+        dc.call("ext", fn=X + "setup", host_pages=128, model_id=MODEL)
         fam = Family(STD, seed=31)
         a = fam.make(fam.tokens(N))
         assert start(pf, dc, bootstrap.address, [a], instance="nxr")[a["room"]] == 0

@@ -24,7 +24,7 @@ from pdxfer.tiers.mooncake_store import MooncakeMaster
 from pdxfer.tiers.storage import FileStorage
 
 from .conftest import FAST
-from .tiers_helpers import Family, X, assert_right, finish, start, write_back
+from .tiers_helpers import MODEL, Family, X, assert_right, finish, start, write_back
 
 STD = [
     PoolGeom("kv", "mha", layers=2, pages=768, page_size=16, heads=2, head_dim=16,
@@ -41,6 +41,7 @@ V4 = [  # DeepSeek-V4 style: a logical anchor, data in two sidecars of different
              indices_from="c4", first_layer=10),
 ]
 N, SHARED = 320, 288  # 20 pages; B shares A's first 18 (90%)
+MODEL_B = "model=pattern-b"
 
 
 class Setup:
@@ -51,16 +52,22 @@ class Setup:
         self.pf = Agent("prefill", {**conf, "bootstrap": bootstrap}, STD)
         self.pf.call("add_endpoint", name="v4", role="prefill",
                      config={**conf, "bootstrap": bootstrap, "instance": "v4"}, geoms=V4)
+        self.pf.call("add_endpoint", name="mb", role="prefill",
+                     config={**conf, "bootstrap": bootstrap, "instance": "mb"}, geoms=STD)
         self.d1 = Agent("decode", conf, STD)
         self.d1.call("add_endpoint", name="v4", role="decode", config=conf, geoms=V4)
         self.d2 = Agent("decode", conf, STD)
+        self.d2.call("add_endpoint", name="mb", role="decode", config=conf, geoms=STD)
         mc = {"kind": "mooncake", "master": master.master_addr, "metadata": master.metadata_url,
               "segment_bytes": 64 << 20}
         for d in (self.d1, self.d2):
             d.call("ext", fn=X + "storage", name="file", kind="file", root=root)
             d.call("ext", fn=X + "storage", name="mc", **mc)
-            d.call("ext", fn=X + "setup", host_pages=256, use="file")
-        self.d1.call("ext", fn=X + "setup", ep="v4", use="file",
+            d.call("ext", fn=X + "setup", host_pages=256, model_id=MODEL, use="file")
+        # another model whose KV has exactly STD's shape, on the same L3 folder
+        self.d2.call("ext", fn=X + "setup", ep="mb", host_pages=256, model_id=MODEL_B,
+                     use="file")
+        self.d1.call("ext", fn=X + "setup", ep="v4", model_id="v4", use="file",
                      host_pages={"c4_kv": 128, "c4_idx": 96})
         self.std = Family(STD, seed=11)
         self.v4 = Family(V4, seed=12)
@@ -145,6 +152,28 @@ def test_only_the_suffix_crosses_the_wire_when_the_prefix_is_in_l2(env: Setup) -
     for r in (a, b):
         env.std.free(r)
     no_leaks(env, env.d1)
+
+
+def test_two_models_of_the_same_kv_shape_never_restore_each_others_pages(env: Setup) -> None:
+    """Model B (the same pools, its own ``model_id``, the same L3 folder) asks for the very
+    tokens model A wrote back: no hit, every byte (B's own: another model's KV for the same
+    tokens) comes from the network. B's write-back of those tokens does not replace A's
+    objects either: model A on another decode restores its own bytes from L3."""
+    a = parent(env, env.std, env.d1)
+    b = env.std.make(list(a["tokens"]))  # same tokens, model B's own bytes
+    before = pf_bytes(env, "mb")
+    assert start(env.pf, env.d2, env.bootstrap, [b], ep="mb", instance="mb")[b["room"]] == 0
+    assert_right(finish(env.d2, [b], ep="mb"))
+    assert pf_bytes(env, "mb") - before == suffix_bytes(env.d2, 0, N, ep="mb")
+    assert write_back(env.d2, [b], ep="mb") == [N // 16]
+    env.d2.call("ext", fn=X + "clear_l2")
+    c, promised, res = child_run(env, env.std, a, env.d2)
+    assert promised == SHARED and res["stats"]["l3_pages"] == SHARED // 16
+    assert_right({c["room"]: res})
+    for r in (a, b, c):
+        env.std.free(r)
+    no_leaks(env, env.d2, ep="mb")
+    no_leaks(env, env.d2)
 
 
 @pytest.mark.parametrize("store", ["file", "mc"])

@@ -13,6 +13,8 @@ from pdxfer.testing.patterns import PoolGeom
 from .helpers import Pages
 
 X = "pdxfer.testing.tier_cmds:"
+MODEL = "model=pattern-a"
+"""The model the tier tests' byte patterns stand for (L3 keys are salted with it)."""
 _rooms = itertools.count(50_000)
 
 

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from pdxfer.errors import ConfigError
 from pdxfer.testing.patterns import PoolGeom, build
 from pdxfer.tiers import CapacityError, FileStorage, HostCache, TieredCache, page_keys
 from pdxfer.tiers.keys import pool_key
@@ -89,7 +90,8 @@ def test_full_l3_is_a_logged_miss_not_an_error(tmp_path) -> None:
     specs, tensors = build(V4)
     for t in tensors["c4_kv"] + tensors["c4_idx"]:
         t.fill_(1)
-    cache = TieredCache(specs, host_pages=8, storage=FileStorage(str(tmp_path), max_bytes=600))
+    cache = TieredCache(specs, host_pages=8, storage=FileStorage(str(tmp_path), max_bytes=600),
+                        model_id="v4-pattern")
     toks = list(range(32))
     fut = cache.write_back(toks, {"c4": list(range(8))}, 32)
     assert fut.result(timeout=30) < 8
@@ -125,3 +127,21 @@ def test_streaming_page_copy_is_byte_exact_at_any_alignment_and_size() -> None:
                 want[d_off + size + 17:d_off + 2 * size + 17] = src[s_off + 2 * size:
                                                                     s_off + 3 * size]
                 assert np.array_equal(dst, want), (size, s_off, d_off)
+
+
+def test_l3_without_model_id_is_a_config_error_that_says_why(tmp_path) -> None:
+    """L3 outlives the process and is shared: keys salted by the layout alone would let a
+    second model with the same KV shape restore this one's pages (issue 27)."""
+    specs, tensors = build(V4)
+    fs = FileStorage(str(tmp_path))
+    with pytest.raises(ConfigError, match="needs model_id.*same KV shape"):
+        TieredCache(specs, host_pages=8, storage=fs)
+    l2_only = TieredCache(specs, host_pages=8)  # L2 dies with its process: allowed
+    try:
+        with pytest.raises(ConfigError, match="needs model_id"):
+            l2_only.set_storage(fs)
+        assert l2_only.storage is None
+    finally:
+        l2_only.close()
+    TieredCache(specs, host_pages=8, storage=fs, model_id="v4-pattern").close()
+    del tensors

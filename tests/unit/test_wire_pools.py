@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdxfer import ConfigError, PoolSpec, WireError, layout_signature, wire
+from pdxfer import BufferSpec, ConfigError, PoolSpec, WireError, layout_signature, wire
 from pdxfer.pools import check_pair, check_pools
 
 # -- wire ---------------------------------------------------------------------------------
@@ -141,6 +141,19 @@ def test_inconsistent_specs_are_refused_at_construction() -> None:
         msgspec.convert({"name": "kv", "kind": "paged", "buffers": [
             {"addr": 4096, "nbytes": 10, "layer_id": 0, "role": "k"}], "item_bytes": 64,
             "num_items": 4}, PoolSpec)
+
+
+@pytest.mark.parametrize("buf", [dict(addr=1 << 120, nbytes=64, layer_id=0, role="k"),
+                                 dict(addr=-1, nbytes=64, layer_id=0, role="k"),
+                                 dict(addr=4096, nbytes=0, layer_id=0, role="k"),
+                                 dict(addr=4096, nbytes=64, layer_id=-1, role="k")])
+def test_specs_built_in_code_are_held_to_the_wire_bounds(buf: dict) -> None:
+    """An engine's own spec gets the bounds a decoded one gets (msgspec checks Meta only when
+    it decodes): no address past 2^63, no empty buffer, no negative layer."""
+    with pytest.raises(ValueError):
+        BufferSpec(**buf)
+    with pytest.raises(ValueError):
+        PoolSpec("kv", "paged", (), item_bytes=64, num_items=-1)
 
 
 # -- frame authentication -------------------------------------------------------------------

@@ -483,9 +483,17 @@ class Router:
             await on_delta(c.index, text, lps)
 
 
+def make_backend(a: argparse.Namespace) -> Backend:
+    if a.engine == "vllm":
+        from .vllm import VllmBackend
+
+        return VllmBackend(a.tokenizer, a.page_size)
+    return ToyBackend()
+
+
 def run(a: argparse.Namespace) -> int:
     router = Router([parse_prefill(s) for s in a.prefill],
                     [parse_decode(s) for s in a.decode], a.policy, a.timeout,
-                    expose_cache_stats=a.expose_cache_stats)
+                    expose_cache_stats=a.expose_cache_stats, backend=make_backend(a))
     log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), router.policy)
     return serve(router.app(), a.host, a.port)

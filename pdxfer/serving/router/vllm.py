@@ -1,0 +1,202 @@
+"""The router in front of ``vllm serve`` workers running ``PdxferConnector``.
+
+vLLM's disaggregated-serving protocol, as its own proxy drives it: the prompt goes to the
+prefill as a completion of one token with ``kv_transfer_params: {"do_remote_decode": true}``;
+the prefill's answer carries ``kv_transfer_params`` that the decode's request repeats, and the
+decode's connector then receives the prompt's KV instead of computing it. pdxfer's router adds
+``pdxfer_room`` (the rendezvous it drew) and ``pdxfer_decode`` (the decode it chose: the
+prefill binds the room to it), and ``pdxfer_tenant`` on the decode (its cache is scoped per
+tenant, as the toy's is).
+
+No vLLM import here: workers are spoken to over HTTP only. The tokenizer comes from the served
+model's folder (``--tokenizer``, else the ``root`` the decode's ``/v1/models`` names), so the
+router sends token ids, prefill and decode compute the same prompt, and KV-aware routing hashes
+pages of those ids at the decode's block size (``vllm:cache_config_info`` on its ``/metrics``,
+else ``--page-size``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from . import openai_api as oa
+from .backends import (
+    Attempt,
+    AttemptFailed,
+    Decode,
+    Done,
+    Http,
+    Prefill,
+    Tokens,
+    json_or_text,
+    message,
+    refuse,
+    sse_events,
+)
+from .tokenizers import HFTokenizer, Tokenizer
+
+log = logging.getLogger("pdxfer.serving.router.vllm")
+SETUP_TIMEOUT_S = 120.0
+_BLOCK = re.compile(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', re.M)
+
+
+class VllmBackend:
+    """``vllm serve`` prefill and decode workers with ``PdxferConnector``."""
+
+    name = "vllm"
+
+    def __init__(self, tokenizer: str | None = None, page_size: int | None = None) -> None:
+        self._tokenizer_path = tokenizer
+        self._page_size = page_size
+        self._tok: Tokenizer | None = None
+        self.served = ""
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        assert self._tok is not None, "the vLLM backend is not set up"
+        return self._tok
+
+    async def _models(self, http: Http, url: str) -> dict[str, Any] | None:
+        body = await http.get_json(f"{url}/v1/models")
+        data = body.get("data") if isinstance(body, dict) else None
+        return data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None
+
+    async def setup(self, http: Http, decodes: list[Decode]) -> None:
+        """Learn the served model from the first decode that answers (they all serve one)."""
+        deadline = time.monotonic() + SETUP_TIMEOUT_S
+        while True:
+            for d in decodes:
+                m = await self._models(http, d.url)
+                if m is not None:
+                    self.served = str(m.get("id"))
+                    path = self._tokenizer_path or str(m.get("root") or self.served)
+                    self._tok = await asyncio.to_thread(HFTokenizer, path, self.served)
+                    log.info("vllm: serving %s, tokenizer from %s", self.served, path)
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no vLLM decode answered /v1/models within "
+                                   f"{SETUP_TIMEOUT_S:.0f} s: {[d.url for d in decodes]}")
+            await asyncio.sleep(1.0)
+
+    def check(self, ask: oa.Ask) -> None:
+        refuse(ask, self.name, speculative_k=bool(ask.spec_k))
+
+    async def _block_size(self, http: Http, url: str) -> int | None:
+        try:
+            async with http.session.get(f"{url}/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=3)) as r:
+                m = _BLOCK.search(await r.text()) if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+        return int(m.group(1)) if m else None
+
+    async def probe(self, http: Http, w: Prefill | Decode) -> dict[str, Any] | None:
+        try:
+            async with http.session.get(f"{w.url}/health",
+                                        timeout=aiohttp.ClientTimeout(total=3)) as r:
+                if r.status != 200:
+                    return None
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+        if isinstance(w, Prefill):
+            return {"status": "ok"}
+        info: dict[str, Any] = {"status": "ok"}
+        m = await self._models(http, w.url)
+        if m and m.get("max_model_len"):
+            info["max_seq_len"] = int(m["max_model_len"])
+        size = self._page_size or await self._block_size(http, w.url)
+        if size:
+            info["page_size"] = size
+        return info
+
+    async def abort(self, http: Http, url: str, room: int, why: str) -> None:
+        """vLLM ends a request whose client left (the router closes its stream); a prefill's
+        blocks that no decode asks for are freed by its connector at the bootstrap deadline."""
+        return None
+
+    def _sampling(self, job: Attempt) -> dict[str, Any]:
+        ask = job.ask
+        return {"model": self.served, "prompt": job.ids, "temperature": ask.temperature,
+                "top_p": ask.top_p, "seed": job.seed}
+
+    async def _prefill(self, http: Http, job: Attempt) -> dict[str, Any]:
+        pf, dc = job.pf, job.dc
+        params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                  "pdxfer_room": job.room}
+        if dc.peer:  # the prefill binds the room to the decode chosen for it
+            params["pdxfer_decode"] = dc.peer
+        payload = {**self._sampling(job), "max_tokens": 1, "stream": False,
+                   "kv_transfer_params": params}
+        url = f"{pf.url}/v1/completions"
+        try:
+            async with http.session.post(url, **http.signed(url, payload)) as r:
+                body = await json_or_text(r)
+                if r.status != 200:
+                    raise AttemptFailed.from_status(r.status, f"prefill {pf.url}: "
+                                                    f"{message(body)}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise AttemptFailed(502, f"prefill {pf.url}: {type(e).__name__}: {e}") from None
+        kv = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not isinstance(kv, dict) or not kv.get("do_remote_prefill"):
+            raise AttemptFailed(502, f"prefill {pf.url} returned no kv_transfer_params: is "
+                                     f"it running PdxferConnector as kv_producer?")
+        return kv
+
+    async def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
+        ask, dc = job.ask, job.dc
+        t0 = time.perf_counter()
+        kv = await self._prefill(http, job)
+        t1 = time.perf_counter()
+        payload: dict[str, Any] = {
+            **self._sampling(job), "max_tokens": ask.max_tokens, "stream": True,
+            "ignore_eos": ask.ignore_eos, "return_token_ids": True,
+            "kv_transfer_params": {**kv, "pdxfer_tenant": ask.tenant}}
+        if ask.logprobs is not None:
+            payload["logprobs"] = ask.logprobs
+            payload["return_tokens_as_token_ids"] = True
+        url = f"{dc.url}/v1/completions"
+        finish: str | None = None
+        first: float | None = None
+        try:
+            async with http.session.post(url, **http.signed(url, payload)) as r:
+                if r.status != 200:
+                    raise AttemptFailed.from_status(
+                        r.status, f"decode {dc.url}: {message(await json_or_text(r))}")
+                async for ev in sse_events(r):
+                    if "error" in ev:
+                        raise AttemptFailed(502, f"decode {dc.url}: {message(ev)}")
+                    for ch in ev.get("choices") or []:
+                        ids = [int(t) for t in ch.get("token_ids") or []]
+                        if ids and first is None:
+                            first = time.perf_counter()
+                        yield Tokens(ids, _logprobs(ch.get("logprobs")), ch.get("text") or "")
+                        finish = ch.get("finish_reason") or finish
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise AttemptFailed(502, f"decode {dc.url}: {type(e).__name__}: {e}") from None
+        if finish is None:
+            raise AttemptFailed(502, f"decode {dc.url} ended the stream without a finish "
+                                     f"reason")
+        yield Done(finish, {"prefill_s": t1 - t0,
+                            "ttft_s": (first - t1) if first is not None else None})
+
+
+def _token_id(s: str) -> int:
+    """``token_id:123`` (vLLM's ``return_tokens_as_token_ids``) -> 123."""
+    return int(s.rpartition(":")[2])
+
+
+def _logprobs(lp: Any) -> list[dict[str, Any]]:
+    """vLLM's completion logprobs -> the router's own: per token its id, logprob and top."""
+    if not isinstance(lp, dict) or not lp.get("tokens"):
+        return []
+    tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+    return [{"token_id": _token_id(t), "logprob": float(v if v is not None else 0.0),
+             "top": {_token_id(k): float(x) for k, x in (top or {}).items()}}
+            for t, v, top in zip(lp["tokens"], lp.get("token_logprobs") or [], tops)]

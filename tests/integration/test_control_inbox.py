@@ -1,0 +1,179 @@
+"""The control socket's receive side (``endpoint.inbox``) against real ZMQ PUSH peers and raw
+TCP peers speaking ZMTP by hand: what a frame costs before it is admitted, and that the memory
+comes back (issue 27, gap 3). In this process: the inbox's pool is inspected directly."""
+
+from __future__ import annotations
+
+import collections
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from pdxfer import wire
+from pdxfer.endpoint import inbox as I
+from pdxfer.endpoint.control import Control
+
+GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+
+
+def ready(kind: bytes) -> bytes:
+    body = b"\x05READY" + bytes([11]) + b"Socket-Type" + len(kind).to_bytes(4, "big") + kind
+    return bytes([0x04, len(body)]) + body
+
+
+def prefix(size: int) -> bytes:
+    return b"\x02" + size.to_bytes(8, "big")  # a long, final message frame
+
+
+class Box:
+    """A Control whose frame handler admits a frame when its header parses (no secret)."""
+
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.c = Control("127.0.0.1", self._frame, lambda: None, screen=self._screen,
+                         reject=lambda reason, text: self.rejected.update([reason]),
+                         max_frame=wire.MAX_FRAME + wire.HEADER_LEN)
+        self.pool = self.c._inbox.pool
+        self.ctx = zmq.Context()
+
+    def _screen(self, head: memoryview, size: int) -> bool:
+        try:
+            wire.header(head, size)
+        except wire.Rejected as e:
+            self.rejected[e.reason] += 1
+            return False
+        return True
+
+    def _frame(self, f: memoryview) -> bool:
+        try:
+            wire.header(f)
+        except wire.Rejected as e:
+            self.rejected[e.reason] += 1
+            return False
+        self.got.append(bytes(f))
+        return True
+
+    def push(self, kind: int = zmq.PUSH) -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.c.address)
+        return s
+
+    def raw(self, kind: bytes = b"PUSH") -> socket.socket:
+        """A TCP peer that has done the ZMTP handshake by hand."""
+        s = socket.create_connection(("127.0.0.1", int(self.c.address.rsplit(":", 1)[1])))
+        s.sendall(GREETING + ready(kind))
+        want = len(GREETING) + len(ready(b"PULL"))
+        got = b""
+        while len(got) < want:
+            got += s.recv(want - len(got))
+        assert got == GREETING + ready(b"PULL")
+        return s
+
+    def close(self) -> None:
+        self.c.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def box() -> Iterator[Box]:
+    b = Box()
+    yield b
+    b.close()
+
+
+def until(cond: Any, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def frame(kind: type[wire.Msg], n: int, fill: int = 7) -> bytes:
+    return wire.frame(bytes([fill]) * n, kind)
+
+
+def test_a_refused_frame_costs_its_header_not_its_body(box: Box) -> None:
+    p = box.push()
+    big = frame(wire.Hello, wire.MAX_HELLO + (1 << 20))  # over the Hello cap
+    taken = box.pool.taken
+    for _ in range(50):
+        p.send(big, copy=False)
+    good = frame(wire.TransferRequest, 200 << 10, fill=3)
+    p.send(good)
+    until(lambda: box.got)
+    assert box.rejected["oversized"] == 50
+    assert box.got == [good]
+    assert box.pool.taken - taken == I.RecvPool.cost(len(good))  # only the good one's body
+
+
+def test_frames_before_authentication_hold_at_most_their_share_and_then_give_it_back(
+        box: Box, monkeypatch) -> None:
+    """Raw peers that never delivered an admitted frame each start an 8 MiB frame and stall:
+    together they hold at most the untrusted share; a peer whose frames were admitted still
+    gets its large frame through; the stalled ones are cut at their deadline."""
+    size = 8 << 20
+    head = frame(wire.TransferRequest, size - wire.HEADER_LEN)[:wire.HEADER_LEN + 1024]
+    stalled = [box.raw() for _ in range(4)]
+    for s in stalled:
+        s.sendall(prefix(size) + head)
+    until(lambda: len(box.c._inbox._waiting) >= 2)
+    assert box.pool.used_untrusted <= box.pool.untrusted
+    trusted = box.push()
+    trusted.send(frame(wire.Release, 10))
+    until(lambda: len(box.got) == 1)
+    large = frame(wire.TransferRequest, size, fill=5)
+    trusted.send(large, copy=False)
+    until(lambda: len(box.got) == 2)
+    assert box.got[1] == large
+    monkeypatch.setattr(I, "FRAME_S", 0.3)  # the stalled frames' deadline passes now
+    until(lambda: box.c.connections() == 1, 10)
+    assert box.pool.used == 0 and box.pool.used_untrusted == 0
+    for s in stalled:
+        s.close()
+
+
+def test_receive_buffers_are_unmapped_once_idle(box: Box) -> None:
+    p = box.push()
+    frames = [frame(wire.TransferRequest, 3 << 20, fill=i) for i in range(10)]
+    for f in frames:
+        p.send(f, copy=False)
+    until(lambda: len(box.got) == 10)
+    assert box.got == frames  # byte-exact, in order, through reused buffers
+    assert box.pool.mapped() > 0
+    until(lambda: box.pool.mapped() == 0, I.IDLE_S + 5)
+
+
+def test_only_zmq_push_peers_are_served_and_multipart_messages_are_dropped(box: Box) -> None:
+    dealer = box.push(zmq.DEALER)
+    dealer.send(frame(wire.Release, 10))
+    p = box.push()
+    p.send_multipart([frame(wire.Release, 10), frame(wire.Release, 10)])
+    good = frame(wire.Abort, 20)
+    p.send(good)
+    until(lambda: box.got)
+    time.sleep(0.2)
+    assert box.got == [good]  # not the dealer's frame, not the parts
+    assert box.rejected["malformed"] == 1
+    assert box.c.connections() == 1  # the dealer's connection was closed
+
+
+def test_connections_past_the_cap_evict_the_oldest_unauthenticated_one(box: Box,
+                                                                       monkeypatch) -> None:
+    monkeypatch.setattr(I, "MAX_CONNECTIONS", 4)
+    p = box.push()
+    p.send(frame(wire.Release, 10))
+    until(lambda: len(box.got) == 1)  # an authenticated connection
+    strangers = [socket.create_connection(("127.0.0.1", int(box.c.address.rsplit(":", 1)[1])))
+                 for _ in range(10)]
+    until(lambda: box.c._inbox.closed_connections >= 7)
+    assert box.c.connections() <= 4
+    p.send(frame(wire.Release, 11))
+    until(lambda: len(box.got) == 2)  # the authenticated peer kept its connection
+    for s in strangers:
+        s.close()
