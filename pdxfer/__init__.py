@@ -27,6 +27,7 @@ from .errors import (
     WireError,
 )
 from .metrics import prometheus_text
+from .netaddr import advertised, host_of, unreachable_from
 from .pools import BufferSpec, PoolSpec, Sharding, layout_signature
 
 __version__ = "0.1.0"
@@ -38,5 +39,6 @@ __all__ = [
     "KVPoll", "KVReceiver", "KVSender", "LayoutMismatch", "PdxferError", "PeerLost",
     "PlanError", "PoolSpec", "RemoteFailure", "Sharding", "TransportError",
     "TransportUnavailable", "WireError", "check_http", "http_headers", "layout_signature",
-    "knobs", "load_secret", "prometheus_text", "__version__",
+    "knobs", "load_secret", "prometheus_text", "__version__", "advertised", "host_of",
+    "unreachable_from",
 ]

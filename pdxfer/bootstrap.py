@@ -29,6 +29,7 @@ from aiohttp import web
 
 from . import auth
 from .errors import BootstrapError
+from .netaddr import host_of, is_local, is_loopback
 from .pools import NonNeg
 
 log = logging.getLogger("pdxfer.bootstrap")
@@ -266,11 +267,40 @@ class BootstrapServer:
             reg = msgspec.json.decode(await request.read(), type=Registration)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             return self._bad(400, f"invalid registration: {e}")
+        why = await self._unreachable(reg, request.remote or "")
+        if why:
+            return self._bad(400, why)
         old = self.holder(reg)
         live = old is not None and await asyncio.to_thread(_answers, old.ctrl_addr)
         status, msg = self.register(reg, old.endpoint_id if live and old else None)
         return web.json_response({"ok": status == 200, "message": msg} if status == 200
                                  else {"error": msg}, status=status)
+
+    async def _unreachable(self, reg: Registration, remote: str) -> str | None:
+        """Why decodes could not dial the control address a registration advertises, or
+        None: a loopback address sent from another host, or a first registration whose
+        address this server cannot connect to (a typo, the wrong interface, a firewall). Such
+        a prefill then fails at its start, naming the address, instead of each request
+        waiting out its deadline on the decode."""
+        host = host_of(reg.ctrl_addr)
+        if is_loopback(host):
+            if remote and not is_loopback(remote) and is_local(remote) is False:
+                return (f"registration of {reg.endpoint_id} advertises the loopback control "
+                        f"address {reg.ctrl_addr} but comes from {remote}: decodes on other "
+                        f"hosts cannot reach it (bind and advertise an address they reach: "
+                        f"--host/--advertise)")
+            return None
+        with self._lock:
+            inst = self._instances.get(reg.instance)
+            known = inst is not None and any(r.endpoint_id == reg.endpoint_id
+                                             and r.ctrl_addr == reg.ctrl_addr
+                                             for r in inst.slots.values())
+        if not known and not await asyncio.to_thread(_answers, reg.ctrl_addr, 2.0):
+            self.counters["unreachable"] = self.counters.get("unreachable", 0) + 1
+            return (f"registration of {reg.endpoint_id}: this bootstrap server cannot connect "
+                    f"to its control address {reg.ctrl_addr}, so decodes could not either "
+                    f"(advertise an address of that host that others reach: --advertise)")
+        return None
 
     async def _h_deregister(self, request: web.Request) -> web.Response:
         eid = request.query.get("endpoint_id")

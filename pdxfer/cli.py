@@ -11,10 +11,12 @@ import threading
 
 def _bootstrap(a: argparse.Namespace) -> int:
     from .bootstrap import BootstrapServer
+    from .netaddr import advertised
 
+    shown = advertised(a.host, a.advertise)  # what prefills and decodes are told to dial
     srv = BootstrapServer(a.host, a.port).start()
     print(f"pdxfer bootstrap listening on {srv.address}", flush=True)
-    print(f"PDXFER_READY http://{srv.address}", flush=True)
+    print(f"PDXFER_READY http://{shown}:{srv.port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -71,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bootstrap", help="run a standalone bootstrap server")
-    b.add_argument("--host", default="127.0.0.1")
+    b.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
+    b.add_argument("--advertise", default="", metavar="ADDRESS",
+                   help="address prefills and decodes reach it at (its ready line); "
+                        "default: --host")
     b.add_argument("--port", type=int, default=8998)
     b.set_defaults(fn=_bootstrap)
 
@@ -98,7 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     a.rest = rest
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(a.fn(a))
+    from .errors import BootstrapError, ConfigError
+
+    try:
+        return int(a.fn(a))
+    except (BootstrapError, ConfigError, ValueError) as e:  # a setup that cannot work: why
+        print(f"pdxfer {a.cmd}: error: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

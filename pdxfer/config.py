@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .errors import ConfigError
+from .netaddr import advertised
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +158,13 @@ class EndpointConfig:
     bootstrap: str | None = None
     instance: str = "default"
     host: str = "127.0.0.1"
+    """The address the control socket binds (a wildcard binds every interface; Mooncake's
+    listeners bind every interface whatever this says)."""
+    advertise: str = ""
+    """The address peers reach this rank at (control socket, transport session); empty: the
+    bound ``host``, which then must not be a wildcard. It must be an address of this host;
+    a loopback one is refused as soon as a peer is known to be on another host
+    (``netaddr``)."""
     tp_rank: int = 0
     tp_size: int = 1
     dp_rank: int = 0
@@ -189,6 +197,11 @@ class EndpointConfig:
     """Shared secret for HMAC on bootstrap requests and every control frame; None reads ``PDXFER_SECRET``
     or ``PDXFER_SECRET_FILE`` (and leaves access control off when neither is set)."""
 
+    @property
+    def address(self) -> str:
+        """The address this rank advertises (``advertise``, else ``host``)."""
+        return advertised(self.host, self.advertise)
+
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ConfigError(f"role must be 'prefill' or 'decode', got {self.role!r}")
@@ -207,6 +220,7 @@ class EndpointConfig:
                 raise ConfigError(f"{name} must be > 0")
         if self.integrity not in ("off", "sampled", "full"):
             raise ConfigError(f"integrity must be off, sampled or full, got {self.integrity!r}")
+        advertised(self.host, self.advertise)  # a wildcard needs an address to advertise
         if self.transport not in ("tcp", "rdma", "nixl", "memory"):
             raise ConfigError(f"transport must be 'tcp' or 'rdma' (Mooncake), 'nixl', or "
                               f"'memory' (in-process, for tests), got {self.transport!r}")

@@ -3,6 +3,6 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -k transfer -x
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh
+PDXFER_EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench,nixl,vllm}" bash scripts/setup.sh
 .venv/bin/ruff check pdxfer tests scripts examples
 exec .venv/bin/python -m pytest -q "$@"

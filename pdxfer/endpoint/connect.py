@@ -20,11 +20,13 @@ from .. import auth, wire
 from ..bootstrap import BootstrapClient
 from ..errors import (
     BootstrapError,
+    ConfigError,
     DeadlineExceeded,
     LayoutMismatch,
     PdxferError,
     TransportError,
 )
+from ..netaddr import host_of, is_local, is_loopback, unreachable_from
 from ..plan import topology as T
 from ..pools import PoolSpec, layout_signature
 from .trust import Session, new_nonce
@@ -58,6 +60,22 @@ class PrefillPeer:
 
 Resolved = tuple[list[PrefillPeer], list[T.Assignment], int]
 """A room's peers, their pool assignments and the prefill's ``decode_peers``."""
+
+
+def _cannot_meet(own: str, bootstrap: str, ctrl: str) -> str | None:
+    """Why this decode (advertising ``own``) and a prefill registered at ``ctrl`` with
+    ``bootstrap`` can never talk, checked before any Hello waits out its deadline."""
+    why = unreachable_from(own, ctrl)
+    if why:
+        return why
+    boot = host_of(bootstrap)
+    if (is_loopback(host_of(ctrl)) and not is_loopback(boot)
+            and is_local(boot) is False):
+        return (f"it registered the loopback control address {ctrl} with bootstrap "
+                f"{bootstrap}, which is on another host: only its own host can reach that "
+                f"address (start the prefill with --host/--advertise an address this host "
+                f"can reach)")
+    return None
 
 
 class Connector:
@@ -108,6 +126,9 @@ class Connector:
     def resolve(self, key: RouteKey, room: int, deadline: float) -> Resolved:
         """Route, handshakes and pool assignment for a room (blocking: bootstrap lookup and
         Hello). Cached per route while the route is room-independent (one DP group)."""
+        why = unreachable_from(self.cfg.address, key[0])
+        if why:
+            raise ConfigError(f"room {room}: bootstrap {key[0]}: {why}")
         route = self._route(key, room, deadline)
         ranks = T.contacts(int(route["tp_size"]), self.cfg.tp_size, self.cfg.tp_rank)
         if isinstance(ranks, str):
@@ -117,6 +138,11 @@ class Connector:
         if len(eps) != len(ranks) * int(route.get("pp_size", 1)):
             raise BootstrapError(f"prefill instance {route['instance']!r} has not "
                                  f"registered every endpoint of tp ranks {ranks}")
+        for e in eps:
+            why = _cannot_meet(self.cfg.address, key[0], str(e["ctrl_addr"]))
+            if why:
+                raise ConfigError(f"room {room}: prefill endpoint {e['endpoint_id']} "
+                                  f"(instance {route['instance']!r}): {why}")
         peers = [self._handshake(e, deadline, room) for e in eps]
         plan = T.assign({p.name: p for p in self.ep.pools},
                         [(int(e.get("pp_rank", 0)), p.pools) for e, p in zip(eps, peers)])

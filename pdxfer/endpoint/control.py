@@ -30,7 +30,8 @@ to registered peers' addresses (never to one named in a message), so this is a b
 
 
 class Control:
-    """Receives frames on ``address`` and sends frames to peers' addresses."""
+    """Receives frames on ``host`` (``address`` names it with ``advertise``, the address peers
+    dial) and sends frames to peers' addresses."""
 
     def __init__(
         self,
@@ -42,12 +43,13 @@ class Control:
         name: str = "pdxfer-control",
         screen: Screen | None = None,
         reject: Callable[[str, str], None] | None = None,
+        advertise: str = "",
     ) -> None:
         self._ctx = zmq.Context()
         self._inbox = Inbox(host, self._deliver, screen or (lambda head, size: True),
                             reject or (lambda reason, text: log.warning("%s: %s", reason, text)),
                             max_frame)
-        self.address = f"tcp://{host}:{self._inbox.port}"
+        self.address = f"tcp://{advertise or host}:{self._inbox.port}"
         self._on_frame = on_frame
         self._on_tick = on_tick
         self._tick_s = tick_s

@@ -18,6 +18,7 @@ from .. import auth, wire
 from ..config import EndpointConfig
 from ..errors import ConfigError, PdxferError
 from ..metrics import Timeline
+from ..netaddr import check_local
 from ..pools import PoolSpec
 from ..transport import Transport, make_transport
 from .control import Control, Workers
@@ -50,8 +51,9 @@ class Core:
         self._logged: dict[str, float] = {}
         self.control: Control | None = None
         self.ctrl_addr = ""
+        check_local(config.address)  # peers must be able to dial what this rank advertises
         self.transport = transport or make_transport(
-            config.transport, config.host, config.device, config.transfer_timeout_s)
+            config.transport, config.address, config.device, config.transfer_timeout_s)
         self.regions: list[tuple[int, int]] = []
         for p in pools:
             for b in p.buffers:
@@ -63,7 +65,8 @@ class Core:
         self.control = Control(self.config.host, self._on_frame, on_tick,
                                max_frame=wire.MAX_FRAME + wire.HEADER_LEN,
                                name=f"pdxfer-{self.config.role}-control",
-                               screen=self._screen, reject=self.reject)
+                               screen=self._screen, reject=self.reject,
+                               advertise=self.config.address)
         self.ctrl_addr = self.control.address
 
     def pool(self, name: str) -> PoolSpec:

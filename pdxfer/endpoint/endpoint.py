@@ -18,6 +18,7 @@ from ..bootstrap import BootstrapClient, Registration
 from ..config import EndpointConfig
 from ..errors import Aborted, ConfigError, PdxferError
 from ..metrics import prometheus_text
+from ..netaddr import unreachable_from
 from ..pools import PoolSpec, layout_signature
 from ..transport import Transport
 from .core import Core
@@ -58,6 +59,11 @@ class Endpoint:
         why = validate_pools(pools)
         if why:
             raise ConfigError(why)
+        if config.bootstrap:  # the prefills it names are dialled from other hosts
+            why = unreachable_from(config.address, config.bootstrap)
+            if why:
+                raise ConfigError(f"{config.role} endpoint with bootstrap {config.bootstrap}: "
+                                  f"{why}")
         self.config = config
         self.pools: tuple[PoolSpec, ...] = tuple(pools)
         self.endpoint_id = config.endpoint_id

@@ -659,7 +659,9 @@ class DecodeSide:
             self.ep.count("abort_retransmits")
             self.ep.send(p.ctrl_addr, msg, p.sess)
         for st in expired:
-            what = ("bootstrap/handshake" if st.state == KVPoll.Bootstrapping else
+            what = (f"bootstrap lookup ({st.bootstrap}"
+                    f"{', instance ' + st.instance if st.instance else ''}) or handshake"
+                    if st.state == KVPoll.Bootstrapping else
                     f"transfer (state {st.state.name}, waiting for {sorted(st.outstanding)})")
             self.fail(st, DeadlineExceeded(f"room {st.room}: {what} did not finish before its "
                                            f"deadline"))
@@ -676,7 +678,8 @@ class DecodeSide:
                     if p.endpoint_id in st.outstanding and p.session}
 
     def _peer_lost(self, p: PrefillPeer, dead: bool) -> None:
-        what = "stopped answering" if dead else "is not responding (hung?)"
+        what = ("stopped answering" if dead else
+                "is not responding (hung, or the network to it is down)")
         log.warning("prefill endpoint %s (%s) %s", p.endpoint_id, p.session, what)
         self.ep.count("peers_lost" if dead else "peers_hung")
         self.connector.drop_peer(p)

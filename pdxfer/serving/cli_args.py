@@ -6,7 +6,12 @@ import argparse
 
 
 def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
-    ap.add_argument("--host", default="127.0.0.1", help="HTTP and transfer bind address")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address the HTTP server and the control socket bind (0.0.0.0: "
+                         "every interface, then --advertise is needed)")
+    ap.add_argument("--advertise", default="", metavar="ADDRESS",
+                    help="address other hosts reach this worker at (its control socket, "
+                         "its transport session, its ready line); default: --host")
     ap.add_argument("--port", type=int, default=0, help="HTTP port (0: pick a free one)")
     ap.add_argument("--bootstrap", default=None, required=role == "prefill",
                     help="bootstrap server host:port" + (" to register with" if role == "prefill"
@@ -77,7 +82,10 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
 
 
 def add_router_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
+    ap.add_argument("--advertise", default="", metavar="ADDRESS",
+                    help="address clients reach the router at (its ready line); "
+                         "default: --host")
     ap.add_argument("--port", type=int, default=8000, help="HTTP port (0: pick a free one)")
     ap.add_argument("--prefill", action="append", required=True, metavar="URL,BOOTSTRAP[,INST]",
                     help="a prefill instance: its HTTP URL, its bootstrap host:port and "

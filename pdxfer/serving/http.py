@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdxfer import ReplayGuard, check_http, prometheus_text
+from pdxfer import ReplayGuard, advertised, check_http, prometheus_text
 
 from .errors import BadRequest, ServingError
 
@@ -145,26 +145,32 @@ async def poll_until_terminal(handle: Any, deadline_s: float) -> None:
 
 
 def serve(app: web.Application, host: str, port: int, on_stop: Any = None,
-          announce: Any = None) -> int:
-    """Run ``app`` until SIGINT/SIGTERM; print the ready line with the bound URL (or hand the
-    URL to ``announce``: a worker behind a front that is not its launcher's).
+          advertise: str = "", announce: Any = None) -> int:
+    """Run ``app`` until SIGINT/SIGTERM; print the ready line with the URL peers use (the
+    ``advertise`` address, else ``host``: a wildcard bind without one is refused), or hand
+    that URL to ``announce`` (a worker behind a front that is not its launcher's).
 
     Shutdown is bounded: in-flight HTTP requests get a second, ``on_stop`` (closing the
     endpoint: deregister, join threads) a few more, then the process exits regardless, so a
     supervisor's SIGTERM never turns into a hang."""
+
+    shown = advertised(host, advertise)
 
     async def main() -> None:
         # a client that disconnects cancels its handler: its request stops (and frees its
         # pages) instead of running to max_tokens for nobody
         runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, shutdown_timeout=1.0)
+        # one socket: a wildcard left to aiohttp binds IPv4 and IPv6 apart, each on its own
+        # random port, and the ready line could name the one a client does not dial
+        site = web.TCPSite(runner, "0.0.0.0" if host in ("", "*") else host, port,
+                           shutdown_timeout=1.0)
         await site.start()
         bound = runner.addresses[0][1]
         if announce is not None:
-            announce(f"http://{host}:{bound}")
+            announce(f"http://{shown}:{bound}")
         else:
-            print(f"{READY} http://{host}:{bound}", flush=True)
+            print(f"{READY} http://{shown}:{bound}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -176,8 +182,13 @@ def serve(app: web.Application, host: str, port: int, on_stop: Any = None,
         except asyncio.TimeoutError:
             log.warning("HTTP shutdown took over 3 s; exiting anyway")
 
+    code = 0
     try:
         asyncio.run(main())
+    except Exception as e:  # noqa: BLE001 - a server that cannot start says why, not 0
+        log.error("cannot serve on %s:%s: %s", host, port, e)
+        print(f"error: cannot serve on {host}:{port}: {e}", file=sys.stderr, flush=True)
+        code = 1
     finally:
         if on_stop is not None:
             t = threading.Thread(target=on_stop, daemon=True, name="pdxfer-close")
@@ -185,4 +196,4 @@ def serve(app: web.Application, host: str, port: int, on_stop: Any = None,
             t.join(5.0)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)  # non-daemon transport threads must not keep a stopped worker alive
+        os._exit(code)  # non-daemon transport threads must not keep a stopped worker alive

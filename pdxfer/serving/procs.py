@@ -30,12 +30,14 @@ class Proc:
 
     def __init__(self, name: str, args: Sequence[str], *, timeout: float = 120.0,
                  env: dict[str, str] | None = None, quiet: bool = True,
-                 wait: bool = True) -> None:
+                 wait: bool = True, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: a command that runs the process elsewhere and execs it (``ip netns
+        exec NS``: on another host), so ``pid`` is still the process's own."""
         self.name, self.args = name, list(args)
         full_env = {**os.environ, **(env or {})}
         full_env.setdefault("MC_LOG_LEVEL", "ERROR")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "pdxfer.cli", *self.args], stdout=subprocess.PIPE,
+            [*prefix, sys.executable, "-m", "pdxfer.cli", *self.args], stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL if quiet else None, env=full_env, text=True)
         self.timeout = timeout
         lines: queue.Queue[str | None] = queue.Queue()

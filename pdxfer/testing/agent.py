@@ -33,6 +33,22 @@ class _Ep:
         spec = self.specs[name]
         return pages.get(spec.indices_from or name)
 
+    def items(self, pages: dict[str, Any], slots: dict[str, Any]) -> dict[str, list[int]]:
+        """Every pool's items (pages, or a slot) of one request."""
+        out: dict[str, list[int]] = {}
+        for name, spec in self.specs.items():
+            if spec.kind == "paged":
+                got = self.anchor_pages(name, pages)
+                if got is not None:
+                    out[name] = [int(x) for x in got]
+            elif name in slots:
+                out[name] = [int(slots[name])]
+        return out
+
+    def scrub(self, pages: dict[str, Any], slots: dict[str, Any]) -> None:
+        for name, items in self.items(pages, slots).items():
+            pat.scrub(self.specs[name], self.tensors[name], items)
+
 
 class AgentState:
     def __init__(self) -> None:
@@ -93,9 +109,15 @@ class AgentState:
         e = self.eps[ep]
         for it in items:
             room = it["room"]
+
+            def release(d: Any, s: Any, room: int = room, scrub: bool = it.get("scrub", False)
+                        ) -> None:
+                if scrub:  # reused at once, as an engine may: a late write would show
+                    e.scrub(d, s)
+                e.released.setdefault(room, []).append(time.monotonic())
+
             rx = e.ep.receiver(room, bootstrap, instance=instance, dp=it.get("dp"),
-                               release=lambda d, s, room=room: e.released.setdefault(
-                                   room, []).append(time.monotonic()))
+                               release=release)
             e.rx[room] = rx
             rx.request(it["dst"], it.get("slots"), it.get("prefix_len", 0), it.get("num_tokens"))
 
@@ -123,6 +145,14 @@ class AgentState:
             out[room] = (bad, first)
         return out
 
+    def cmd_dirty(self, dst: dict[str, list[int]], slots: dict[str, int], ep: str = "main"
+                  ) -> int:
+        """Non-sentinel bytes in one request's pages and slots (after a scrubbing release:
+        bytes that landed once the pages were handed back)."""
+        e = self.eps[ep]
+        return sum(pat.dirty(e.specs[n], e.tensors[n], items)
+                   for n, items in e.items(dst, slots).items())
+
     def cmd_untouched(self, exclude: dict[str, list[int]], ep: str = "main") -> int:
         """Non-sentinel bytes outside ``exclude`` (pages or slots per pool)."""
         e = self.eps[ep]
@@ -136,6 +166,11 @@ class AgentState:
 
     def cmd_released(self, ep: str = "main") -> list[int]:
         return sorted(self.eps[ep].released)
+
+    def cmd_release_times(self, ep: str = "main") -> dict[int, list[float]]:
+        """When (``time.monotonic()``, comparable across processes) each room's pages came
+        back."""
+        return dict(self.eps[ep].released)
 
     def cmd_release_counts(self, ep: str = "main") -> dict[int, int]:
         """How many times each room's pages were handed back (must never exceed one)."""

@@ -204,6 +204,21 @@ def fill_sentinel(tensors: dict[str, list[torch.Tensor]]) -> None:
             t.view(torch.uint8).fill_(SENTINEL)
 
 
+def scrub(spec: PoolSpec, tensors: list[torch.Tensor], items: Any) -> None:
+    """Refill ``items`` (pages or slots) with the sentinel: what an engine reusing them does
+    first, so a byte that lands later shows (``dirty``)."""
+    idx = torch.as_tensor(np.asarray(list(items), dtype=np.int64))
+    for t in tensors:
+        t.view(torch.uint8).view(spec.num_items, -1)[idx] = SENTINEL
+
+
+def dirty(spec: PoolSpec, tensors: list[torch.Tensor], items: Any) -> int:
+    """Bytes of ``items`` that are no longer the sentinel."""
+    idx = torch.as_tensor(np.asarray(list(items), dtype=np.int64))
+    return sum(int((t.view(torch.uint8).view(spec.num_items, -1)[idx] != SENTINEL).sum())
+               for t in tensors)
+
+
 def untouched(spec: PoolSpec, tensors: list[torch.Tensor], exclude: Any) -> int:
     """Bytes that are no longer the sentinel in items (pages or slots) not in ``exclude``."""
     keep = np.ones(spec.num_items, dtype=bool)

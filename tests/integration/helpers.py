@@ -87,8 +87,8 @@ def prefill_items(reqs: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
 
 def decode_items(reqs: list[dict[str, Any]]) -> list[dict]:
     return [{"room": r["room"], "dst": r["dst"], "slots": r["dst_slots"],
-             "prefix_len": r["prefix_len"], "num_tokens": r["num_tokens"], "dp": r.get("dp")}
-            for r in reqs]
+             "prefix_len": r["prefix_len"], "num_tokens": r["num_tokens"], "dp": r.get("dp"),
+             "scrub": r.get("scrub", False)} for r in reqs]
 
 
 def run(pf: Agent, dc: Agent, bootstrap: str, reqs: list[dict[str, Any]],

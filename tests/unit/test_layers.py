@@ -66,12 +66,14 @@ def _layer(mod: str) -> str:
 
 FORBIDDEN = {
     "plan": {"endpoint", "transport", "tiers", "serving", "testing", "wire", "bootstrap",
-             "metrics", "auth", "faults", "cli"},
-    "transport": {"endpoint", "plan", "tiers", "serving", "testing", "cli"},
-    "endpoint": {"tiers", "serving", "testing", "cli"},
-    "tiers": {"serving", "testing", "cli"},
-    "serving": {"testing", "cli"},
+             "metrics", "auth", "faults", "cli", "integrations"},
+    "transport": {"endpoint", "plan", "tiers", "serving", "testing", "cli", "integrations"},
+    "endpoint": {"tiers", "serving", "testing", "cli", "integrations"},
+    "tiers": {"serving", "testing", "cli", "integrations"},
+    "serving": {"testing", "cli", "integrations"},
+    "integrations": {"serving", "testing", "cli"},
 }
+ENGINES = {"vllm", "sglang"}
 
 
 def test_arrows_run_only_downward() -> None:
@@ -94,6 +96,32 @@ def test_serving_uses_only_the_public_api() -> None:
     bad = [f"{m} -> {d}" for m, deps in _graph().items() if _layer(m) == "serving"
            for d in deps if _layer(d) != "serving" and d not in ("pdxfer", "pdxfer.tiers")]
     assert not bad, bad
+
+
+def test_integrations_use_only_the_public_api() -> None:
+    """An engine integration is a user of pdxfer like any engine: ``pdxfer`` and
+    ``pdxfer.tiers`` public names, never an internal module."""
+    bad = [f"{m} -> {d}" for m, deps in _graph().items() if _layer(m) == "integrations"
+           for d in deps if _layer(d) != "integrations" and d not in ("pdxfer", "pdxfer.tiers")]
+    assert not bad, bad
+
+
+def _external(path: Path) -> set[str]:
+    """Top-level names of the non-pdxfer modules a file imports."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_only_integrations_import_an_engine() -> None:
+    bad = [f"{m} -> {e}" for m, p in _modules().items() if _layer(m) != "integrations"
+           for e in _external(p) & ENGINES]
+    assert not bad, bad
+    assert "vllm" in _external(ROOT / "integrations" / "vllm" / "connector.py")
 
 
 def test_no_import_circles() -> None:

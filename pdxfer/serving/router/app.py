@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdxfer import knobs, load_secret
+from pdxfer import host_of, knobs, load_secret, unreachable_from
 from pdxfer.tiers import page_keys
 
 from ..errors import BadRequest, OutOfCapacity, ServingError, UpstreamError
@@ -110,6 +110,7 @@ class Router:
         self._health_at = 0.0
         self._health: dict[str, Any] = {}
         self._bg: set[asyncio.Task[Any]] = set()
+        self._watch: asyncio.Future[None] | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=8 << 20,
@@ -128,6 +129,7 @@ class Router:
             total=self.timeout_s, sock_connect=5.0))
         self._http = Http(self.session, self.secret)
         await self.backend.setup(self._http, self.decodes)
+        self._watch = asyncio.ensure_future(self._watch_down())
 
     @property
     def http(self) -> Http:
@@ -135,8 +137,24 @@ class Router:
         return self._http
 
     async def _stop(self, app: web.Application) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+
+    async def _watch_down(self) -> None:
+        """While a worker is marked down, look again every ``HEALTH_TTL_S``: a worker (or
+        its host) that comes back is used again without anyone calling ``/health``. Off the
+        request path, so a worker that does not answer never slows a request."""
+        while True:
+            await asyncio.sleep(HEALTH_TTL_S)
+            if all(x.healthy for x in (*self.prefills, *self.decodes)):
+                continue
+            try:
+                await self.refresh_health(force=True)
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("health refresh failed")
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -491,9 +509,25 @@ def make_backend(a: argparse.Namespace) -> Backend:
     return ToyBackend()
 
 
+def check_reachable(prefills: list[Prefill], decodes: list[Decode]) -> None:
+    """The router hands each prefill's bootstrap address to the decodes, which look it up
+    from their own hosts: a loopback address there names the decode's host, not the
+    bootstrap's. Refused at start rather than failing every request."""
+    for p in prefills:
+        boot = host_of(p.bootstrap)
+        for d in decodes:
+            if unreachable_from(boot, d.url):
+                raise ValueError(f"--prefill {p.url}: its bootstrap {p.bootstrap} is a "
+                                 f"loopback address, but decode {d.url} is on another host "
+                                 f"and would look it up on its own host: name the bootstrap "
+                                 f"by an address the decodes reach")
+
+
 def run(a: argparse.Namespace) -> int:
-    router = Router([parse_prefill(s) for s in a.prefill],
-                    [parse_decode(s) for s in a.decode], a.policy, a.timeout,
+    prefills = [parse_prefill(s) for s in a.prefill]
+    decodes = [parse_decode(s) for s in a.decode]
+    check_reachable(prefills, decodes)
+    router = Router(prefills, decodes, a.policy, a.timeout,
                     expose_cache_stats=a.expose_cache_stats, backend=make_backend(a))
     log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), router.policy)
-    return serve(router.app(), a.host, a.port)
+    return serve(router.app(), a.host, a.port, advertise=a.advertise)

@@ -1,31 +1,64 @@
-"""A bootstrap, prefill and decode workers and a router on loopback: what the demo, the bench
-and the end-to-end tests run. Children are stopped by pid on exit, error or Ctrl-C."""
+"""A bootstrap, prefill and decode workers and a router: what the demo, the bench and the
+end-to-end tests run, on loopback or each on a host of its own (``hosts``). Children are
+stopped by pid on exit, error or Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from pdxfer import BootstrapServer
 
 from ..procs import Proc, stop_all
 
 
+class Place(Protocol):
+    """Where a process runs: a command prefix that runs it there, and the address it binds
+    and advertises (``pdxfer.testing.hosts.Host`` is one)."""
+
+    prefix: list[str]
+    addr: str
+
+
+class RemoteBootstrap:
+    """A ``pdxfer bootstrap`` process (on a host of its own), addressed like a server."""
+
+    def __init__(self, proc: Proc) -> None:
+        self.proc = proc
+        self.address = proc.url.removeprefix("http://")
+
+    @property
+    def port(self) -> int:
+        return self.proc.port
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
 class Cluster:
     """``prefills`` prefill workers (each its own instance on the one bootstrap server),
-    ``decodes`` decode workers, and the router in front of them all."""
+    ``decodes`` decode workers, and the router in front of them all.
+
+    ``hosts`` places processes by name (``bootstrap``, ``router``, ``prefill``, ``prefill1``,
+    ..., ``decode``, ``decode1``, ...): each runs under its place's prefix and binds and
+    advertises its place's address (``bind_all``: binds every interface and advertises its
+    place's address); unnamed ones run here on loopback. ``client`` is entered
+    around this object's own HTTP calls (a client on a host of the network)."""
 
     def __init__(self, *, worker_args: Sequence[str] = (), prefill_args: Sequence[str] = (),
                  decode_args: Sequence[str] = (), router_args: Sequence[str] = (),
                  log_level: str = "WARNING", quiet: bool = True, timeout: float = 180.0,
                  prefills: int = 1, decodes: int = 1, env: dict[str, str] | None = None,
-                 expose_cache_stats: bool = True, each_prefill: Sequence[Sequence[str]] = (),
+                 expose_cache_stats: bool = True, hosts: Mapping[str, Place] | None = None,
+                 client: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                 bind_all: bool = False, each_prefill: Sequence[Sequence[str]] = (),
                  each_decode: Sequence[Sequence[str]] = ()) -> None:
         """``each_prefill[i]`` / ``each_decode[i]``: options of that worker alone (a TP size,
         a landing), after the shared ones."""
@@ -36,7 +69,10 @@ class Cluster:
         self.log_level, self.quiet, self.timeout = log_level, quiet, timeout
         self.n_prefills, self.n_decodes, self.env = prefills, decodes, env
         self.expose_cache_stats = expose_cache_stats  # the demo and tests show cache hits
-        self.bootstrap: BootstrapServer | None = None
+        self.hosts = dict(hosts or {})
+        self.bind_all = bind_all  # placed processes bind 0.0.0.0 and advertise their address
+        self.client = client or contextlib.nullcontext
+        self.bootstrap: BootstrapServer | RemoteBootstrap | None = None
         self.prefills: list[Proc | None] = []
         self.decodes: list[Proc] = []
         self.router: Proc | None = None
@@ -57,8 +93,12 @@ class Cluster:
         return self.decodes[0] if self.decodes else None
 
     def _proc(self, name: str, args: list[str], wait: bool = True) -> Proc:
-        return Proc(name, ["--log-level", self.log_level, *args], timeout=self.timeout,
-                    quiet=self.quiet, wait=wait, env=self.env)
+        place = self.hosts.get(name)
+        where = ([] if place is None else ["--host", place.addr] if not self.bind_all
+                 else ["--host", "0.0.0.0", "--advertise", place.addr])
+        return Proc(name, ["--log-level", self.log_level, *args, *where], timeout=self.timeout,
+                    quiet=self.quiet, wait=wait, env=self.env,
+                    prefix=place.prefix if place is not None else ())
 
     def _instance(self, i: int) -> str:
         return "default" if i == 0 else f"prefill{i}"
@@ -90,13 +130,18 @@ class Cluster:
         self.decodes[i] = self._decode(i, port, True)
         for router in (self.router, *self.routers):  # routers learn the new endpoint id now
             if router is not None:
-                with urllib.request.urlopen(f"{router.url}/health", timeout=10) as r:
+                with self.client(), urllib.request.urlopen(f"{router.url}/health",
+                                                            timeout=10) as r:
                     r.read()
         return self.decodes[i]
 
     def start(self) -> Cluster:
         try:
-            self.bootstrap = BootstrapServer("127.0.0.1", 0).start()
+            if "bootstrap" in self.hosts:
+                self.bootstrap = RemoteBootstrap(self._proc("bootstrap", [
+                    "bootstrap", "--port", "0"]))
+            else:
+                self.bootstrap = BootstrapServer("127.0.0.1", 0).start()
             for i in range(self.n_prefills):
                 self.start_prefill(wait=False, i=i)
             self.decodes = [self._decode(i, 0, False) for i in range(self.n_decodes)]
@@ -157,7 +202,8 @@ class Cluster:
                  headers: dict[str, str] | None = None) -> tuple[int, Any]:
         """POST to the router's /v1/completions; returns (status, parsed JSON or SSE events)."""
         assert self.router is not None
-        return post(f"{self.router.url}/v1/completions", body, timeout, raw, headers)
+        with self.client():
+            return post(f"{self.router.url}/v1/completions", body, timeout, raw, headers)
 
     def metrics(self, which: str) -> dict[str, float]:
         proc = {"prefill": self.prefill, "decode": self.decode, "router": self.router}.get(which)
@@ -165,7 +211,7 @@ class Cluster:
             i = int(which.removeprefix("prefill").removeprefix("decode"))
             proc = (self.prefills if which.startswith("prefill") else self.decodes)[i]
         assert proc is not None
-        with urllib.request.urlopen(f"{proc.url}/metrics", timeout=10) as r:
+        with self.client(), urllib.request.urlopen(f"{proc.url}/metrics", timeout=10) as r:
             text = r.read().decode()
         from prometheus_client.parser import text_string_to_metric_families
 

@@ -317,4 +317,4 @@ class DecodeWorker(RoomWorker):
 def run(a: argparse.Namespace) -> int:
     cfg = config_from_args(a, "decode")
     w = DecodeWorker(cfg)
-    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close)
+    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close, advertise=cfg.advertise)

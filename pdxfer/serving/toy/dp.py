@@ -66,7 +66,8 @@ def group_main(conn: Connection, cfg: WorkerConfig, log_level: str) -> None:
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         os._exit(1)
     threading.Thread(target=orphaned, daemon=True, name="dp-front-watch").start()
-    serve(w.app(), cfg.host, 0, on_stop=w.close, announce=lambda url: conn.send(("ready", url)))
+    serve(w.app(), cfg.host, 0, on_stop=w.close, advertise=cfg.advertise,
+          announce=lambda url: conn.send(("ready", url)))
 
 
 class Group:
@@ -255,4 +256,4 @@ def run(a: argparse.Namespace) -> int:
     cfg = config_from_args(a, "decode")
     front = DPFront(cfg)
     log.info("decode front for %d groups: %s", cfg.dp, [g.url for g in front.groups])
-    return serve(front.app(), cfg.host, cfg.port, on_stop=front.close)
+    return serve(front.app(), cfg.host, cfg.port, on_stop=front.close, advertise=cfg.advertise)

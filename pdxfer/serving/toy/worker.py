@@ -51,6 +51,9 @@ class WorkerConfig:
 
     role: str
     host: str = "127.0.0.1"
+    advertise: str = ""
+    """The address other hosts reach this worker at (default ``host``; see ``pdxfer``'s
+    ``EndpointConfig.advertise``)."""
     port: int = 0
     bootstrap: str | None = None
     instance: str = "default"
@@ -155,8 +158,8 @@ def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
         # rooms bind to a TP decode by its instance name: make it this decode's own
         instance = f"decode-{secrets.token_hex(4)}"
     return WorkerConfig(
-        role=role, host=a.host, port=a.port, bootstrap=a.bootstrap, instance=instance,
-        tp=a.tp, dp=a.dp if dec else 1,
+        role=role, host=a.host, advertise=a.advertise, port=a.port, bootstrap=a.bootstrap,
+        instance=instance, tp=a.tp, dp=a.dp if dec else 1,
         pages=a.pages, aux_slots=a.aux_slots, seed=a.seed, page_size=a.page_size,
         max_seq_len=a.max_seq_len, chunk_size=a.chunk_size,
         l2_pages=a.l2_pages, l3=l3,
@@ -286,8 +289,8 @@ class ModelHost:
         self.fingerprint = f"{self.model_id} tp={cfg.tp}/{tp_rank}"
         self.endpoint = Endpoint(EndpointConfig(
             model_id=self.model_id,
-            role=cfg.role, bootstrap=cfg.bootstrap if cfg.role == "prefill" else None,
-            instance=cfg.instance, host=cfg.host, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
+            role=cfg.role, bootstrap=cfg.bootstrap, instance=cfg.instance, host=cfg.host,
+            advertise=cfg.advertise, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s, heartbeat_s=cfg.heartbeat_s,
             transport=cfg.transport, device=cfg.device, integrity=cfg.integrity,  # type: ignore[arg-type]
             integrity_retry=cfg.integrity_retry, tp_rank=tp_rank, tp_size=cfg.tp), pools)

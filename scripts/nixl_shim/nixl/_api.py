@@ -1,0 +1,1 @@
+from nixl_cu12._api import *  # noqa: F403

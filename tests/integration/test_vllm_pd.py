@@ -1,0 +1,280 @@
+"""Real vLLM end to end: a bootstrap server, one ``vllm serve`` prefill and one decode, each
+loading ``PdxferConnector``, driven with the official ``openai`` client through a front door;
+every output equals a colocated vLLM (same model, no connector) token for token.
+
+One cluster per module (engines start once). The decode runs with decode-side tiers (L2 host
+pages, L3 files) and vLLM's own prefix cache off, so a repeated prefix is restored by pdxfer,
+and with ``kv_load_failure_policy: recompute``. Faults are set per room from the start:
+room ``ROOM_SLOW`` is written late by the prefill (to kill it mid-transfer), room
+``ROOM_CORRUPT`` is damaged on the decode after it arrived (integrity must catch it).
+
+The tests run in file order: each leaves the cluster serving for the next.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from pdxfer import BootstrapServer
+from pdxfer.testing.hf_model import CORPUS, SHAPES, build_model
+from pdxfer.testing.vllm_procs import VllmServer, kv_config, read_stats, start_all
+from pdxfer.testing.vllm_proxy import FrontDoor
+
+pytestmark = pytest.mark.timeout(900)
+
+BS = 32
+MAX_TOKENS = 12
+ROOM_SLOW, ROOM_CORRUPT = 4242, 4343
+DECODE = "vllm-d0"
+DEADLINE_S = 20.0
+S = SHAPES["small"]
+BLOCK_BYTES = S.layers * S.kv_heads * BS * 2 * S.head_size * 4  # one block, all layers, fp32
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    model: Path
+    boot: BootstrapServer
+    prefill: VllmServer
+    decode: VllmServer
+    ref: VllmServer
+    p_stats: Path
+    d_stats: Path
+
+    def p(self) -> dict[str, Any]:
+        return read_stats(self.p_stats)
+
+    def d(self) -> dict[str, Any]:
+        return read_stats(self.d_stats)
+
+    def restart_prefill(self) -> None:
+        self.prefill = _prefill(self, port=self.prefill.port)
+        self.prefill.wait_ready()
+
+    def restart_decode(self) -> None:
+        self.decode.stop()
+        self.decode = _decode(self, port=self.decode.port)
+        self.decode.wait_ready()
+
+
+def _prefill(c: Cluster, port: int | None = None) -> VllmServer:
+    extra = {"bootstrap": c.boot.address, "instance": "vllm-p0", "stats_file": str(c.p_stats),
+             "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S}
+    return VllmServer("prefill", c.model, c.tmp, port=port,
+                      kv_transfer_config=kv_config("kv_producer", extra),
+                      env={"PDXFER_FAULTS": f"delay_write=8,rooms={ROOM_SLOW}"})
+
+
+def _decode(c: Cluster, port: int | None = None) -> VllmServer:
+    extra = {"instance": DECODE, "stats_file": str(c.d_stats), "l2_pages": 256, "l3": "file",
+             "l3_dir": str(c.tmp / "l3"), "bootstrap_timeout_s": DEADLINE_S,
+             "transfer_timeout_s": DEADLINE_S}
+    return VllmServer("decode", c.model, c.tmp, port=port, args=["--no-enable-prefix-caching"],
+                      log_stats=True,
+                      kv_transfer_config=kv_config("kv_consumer", extra,
+                                                   kv_load_failure_policy="recompute"),
+                      env={"PDXFER_FAULTS": f"corrupt=1,rooms={ROOM_CORRUPT}"})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("vllm_pd")
+    model = build_model(tmp / "model", "small")
+    boot = BootstrapServer("127.0.0.1", 0).start()
+    c = Cluster(tmp, model, boot, None, None, None, tmp / "p.json", tmp / "d.json")  # type: ignore[arg-type]
+    c.prefill, c.decode = _prefill(c), _decode(c)
+    c.ref = VllmServer("colocated", model, tmp)
+    try:
+        start_all([c.prefill, c.decode, c.ref])
+        yield c
+    finally:
+        for s in (c.prefill, c.decode, c.ref):
+            if s is not None:
+                s.stop()
+        boot.stop()
+
+
+@pytest.fixture(scope="module")
+def front_door(cluster: Cluster) -> Iterator[str]:
+    """The one place the front door is chosen: swap for ``pdxfer router --engine vllm``."""
+    door = FrontDoor(cluster.prefill.url, cluster.decode.url, decode_instance=DECODE).start()
+    yield door.url
+    door.close()
+
+
+def _client(url: str) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _complete(url: str, prompt: str | list[int], **kw: Any) -> list[int]:
+    r = _client(url).completions.create(
+        model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})}, **kw)
+    return list(r.choices[0].token_ids)  # type: ignore[attr-defined]
+
+
+def _chat_stream(url: str, text: str) -> tuple[str, list[int]]:
+    stream = _client(url).chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
+        temperature=0, stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+    out, ids = "", []
+    for chunk in stream:
+        if chunk.choices:
+            out += chunk.choices[0].delta.content or ""
+            ids += list(getattr(chunk.choices[0], "token_ids", None) or [])
+    return out, ids
+
+
+def _ref_chat(url: str, text: str) -> tuple[str, list[int]]:
+    r = _client(url).chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
+        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    return r.choices[0].message.content or "", list(r.choices[0].token_ids)  # type: ignore[attr-defined]
+
+
+def _wait(what: str, cond: Any, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+WORDS = CORPUS.split()
+
+
+def _text(start: int, n: int) -> str:
+    return " ".join(WORDS[(start + i) % len(WORDS)] for i in range(n))
+
+
+def test_outputs_equal_colocated_vllm_token_for_token(cluster: Cluster, front_door: str) -> None:
+    short = ["Hello", "The river", "def add(a, b):", "Numbers were shouted:"]
+    long = [_text(7 * i, 150 + 90 * i) for i in range(4)]  # ~5 to ~20 blocks
+    prefix = _text(500, 220)
+    shared = [f"{prefix} Question {i}: {_text(40 * i, 5 + i)}?" for i in range(6)]
+    prompts = short + long + shared
+    chats = [f"Tell me about {_text(11 * i, 3)}." for i in range(3)] + [prefix + " Summarise."]
+    want = {p: _complete(cluster.ref.url, p) for p in prompts}
+    want_chat = {t: _ref_chat(cluster.ref.url, t) for t in chats}
+    before = cluster.d().get("loads", 0)
+    with cf.ThreadPoolExecutor(4) as pool:
+        got = dict(zip(prompts, pool.map(lambda p: _complete(front_door, p), prompts)))
+        got_chat = dict(zip(chats, pool.map(lambda t: _chat_stream(front_door, t), chats)))
+    for p in prompts:
+        assert got[p] == want[p], f"prompt {p[:40]!r}: {got[p]} != colocated {want[p]}"
+    for t in chats:
+        assert got_chat[t][0] == want_chat[t][0], f"chat {t[:40]!r}"
+        assert got_chat[t][1] == want_chat[t][1]
+    n = len(prompts) + len(chats)
+    assert n >= 16
+    # KV really moved: every request loaded from the prefill, none fell back to a recompute
+    _wait("the decode's stats", lambda: cluster.d().get("loads", 0) - before == n)
+    d = cluster.d()
+    assert d["load_failures"] == 0 and d["in_flight_loads"] == 0
+    _wait("the prefill's sends", lambda: cluster.p().get("in_flight_sends", 1) == 0)
+    p = cluster.p()
+    assert p["sends"] >= n and p["send_failures"] == 0
+    assert p["endpoint"]["transport_bytes"] == d["net_bytes"] > 0
+
+
+def _ids(base: int, n: int) -> list[int]:
+    return [(base + 37 * i) % 700 + 300 for i in range(n)]
+
+
+def test_a_repeated_prefix_is_restored_from_l2_and_only_the_suffix_crosses(
+        cluster: Cluster, front_door: str) -> None:
+    prefix = _ids(1, 8 * BS)
+    a, b = prefix + _ids(900, 20), prefix + _ids(1900, 45)
+    assert _complete(front_door, a) == _complete(cluster.ref.url, a)
+    _wait("the write-back of the first request",
+          lambda: cluster.d().get("tiers", {}).get("l2_writebacks", 0) >= 8)
+    d0, sent0 = cluster.d(), cluster.p()["endpoint"]["transport_bytes"]
+    assert _complete(front_door, b) == _complete(cluster.ref.url, b)
+    _wait("the prefill's send", lambda: cluster.p()["endpoint"]["transport_bytes"] > sent0)
+    d1 = cluster.d()
+    assert d1["restored_l2_pages"] - d0["restored_l2_pages"] == 8
+    suffix = (-(-len(b) // BS) - 8) * BLOCK_BYTES
+    assert cluster.p()["endpoint"]["transport_bytes"] - sent0 == suffix
+    assert d1["net_bytes"] - d0["net_bytes"] == suffix
+
+
+def _direct(cluster: Cluster, prompt: list[int], room: int, timeout: float = 120
+            ) -> list[int]:
+    """The proxy protocol by hand, with a chosen room (the fault injection names rooms)."""
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "pdxfer_room": room,
+              "pdxfer_decode": DECODE}
+    first = _client(cluster.prefill.url).completions.create(
+        model="llama", prompt=prompt, max_tokens=1, temperature=0,
+        extra_body={"kv_transfer_params": params})
+    answer = first.model_extra["kv_transfer_params"]  # type: ignore[index]
+    assert answer["pdxfer_room"] == room
+    return _complete(cluster.decode.url, prompt, extra={"kv_transfer_params": answer},
+                     timeout=timeout)
+
+
+def test_a_corrupted_transfer_is_caught_and_no_wrong_token_is_returned(cluster: Cluster) -> None:
+    prompt = _ids(5000, 5 * BS + 7)
+    d0 = cluster.d()
+    got = _direct(cluster, prompt, ROOM_CORRUPT)
+    assert got == _complete(cluster.ref.url, prompt)
+    _wait("the decode's stats", lambda: cluster.d()["load_failures"] > d0["load_failures"])
+    d1 = cluster.d()
+    assert d1["endpoint"]["integrity_mismatches"] > d0["endpoint"].get("integrity_mismatches", 0)
+    assert d1["load_failures"] == d0["load_failures"] + 1
+
+
+def _kv_usage(server: VllmServer) -> float:
+    for line in server.metrics_text().splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:kv_cache_usage_perc in the decode's /metrics")
+
+
+def test_a_prefill_killed_mid_transfer_ends_the_request_by_its_policy_and_blocks_come_back(
+        cluster: Cluster, front_door: str) -> None:
+    prompt = _ids(7000, 6 * BS + 3)
+    want = _complete(cluster.ref.url, prompt)
+    d0 = cluster.d()
+    with cf.ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        fut = pool.submit(_direct, cluster, prompt, ROOM_SLOW)
+        # the prefill answered and its write is held back 8 s: the load is in flight
+        _wait("the load to start", lambda: cluster.d().get("loads", 0) > d0["loads"])
+        assert _kv_usage(cluster.decode) > 0, "the decode holds blocks for the load"
+        cluster.prefill.kill()
+        got = fut.result(timeout=DEADLINE_S + 60)
+        took = time.monotonic() - t0
+    assert got == want, "recomputed by the decode (kv_load_failure_policy: recompute)"
+    assert took < DEADLINE_S, f"the failure took {took:.1f} s, past the {DEADLINE_S} s deadline"
+    d1 = cluster.d()
+    assert d1["load_failures"] == d0["load_failures"] + 1 and d1["in_flight_loads"] == 0
+    _wait("the decode's blocks to come back", lambda: _kv_usage(cluster.decode) == 0.0)
+    cluster.restart_prefill()
+    nxt = _ids(8000, 3 * BS + 5)
+    assert _complete(front_door, nxt) == _complete(cluster.ref.url, nxt)
+    _wait("the decode's stats", lambda: cluster.d()["loads"] == d1["loads"] + 1)
+    assert cluster.d()["load_failures"] == d1["load_failures"]
+
+
+def test_a_restarted_decode_restores_a_prefix_from_l3_files(cluster: Cluster,
+                                                            front_door: str) -> None:
+    prefix = _ids(1, 8 * BS)  # written back by the L2 test above
+    _wait("L3 writes", lambda: cluster.d().get("tiers", {}).get("l3_puts", 0) >= 8)
+    cluster.restart_decode()
+    c = prefix + _ids(3300, 30)
+    sent0 = cluster.p()["endpoint"]["transport_bytes"]
+    assert _complete(front_door, c) == _complete(cluster.ref.url, c)
+    _wait("the decode's stats", lambda: cluster.d().get("loads", 0) == 1)
+    d = cluster.d()
+    assert d["restored_l3_pages"] == 8 and d["load_failures"] == 0
+    _wait("the prefill's send", lambda: cluster.p()["endpoint"]["transport_bytes"] > sent0)
+    suffix = (-(-len(c) // BS) - 8) * BLOCK_BYTES
+    assert d["net_bytes"] == cluster.p()["endpoint"]["transport_bytes"] - sent0 == suffix

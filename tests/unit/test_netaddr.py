@@ -1,0 +1,72 @@
+"""Bind versus advertise: configurations that could never work across hosts are refused when
+the process starts, with a message that names the address (never a request that waits for an
+answer that cannot come). ``10.213.0.x`` is never an address of this machine here (the
+network tests give it only to hosts inside their own namespaces)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdxfer import ConfigError, Endpoint, EndpointConfig, PoolSpec
+from pdxfer.netaddr import advertised, host_of, is_local, is_loopback, unreachable_from
+from pdxfer.serving.router.app import check_reachable
+from pdxfer.serving.router.backends import Decode, Prefill
+
+OTHER_HOST = "10.213.0.77"
+
+
+def pools() -> list[PoolSpec]:
+    return [PoolSpec.slots("aux", [torch.zeros((4, 8), dtype=torch.int32)])]
+
+
+@pytest.mark.parametrize("addr, host", [
+    ("tcp://10.0.0.1:5000", "10.0.0.1"), ("http://h.example:80/x", "h.example"),
+    ("10.0.0.1:8998", "10.0.0.1"), ("[::1]:8998", "::1"), ("tcp://[fe80::1]:9", "fe80::1"),
+    ("localhost", "localhost"),
+])
+def test_host_of_reads_every_address_form(addr: str, host: str) -> None:
+    assert host_of(addr) == host
+
+
+def test_loopback_and_local_addresses() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.1") and not is_loopback("example.com")
+    assert is_local("127.0.0.1") and is_local(OTHER_HOST) is False
+    assert is_local("example.com") is None  # names are not resolved
+
+
+def test_wildcard_bind_needs_an_address_to_advertise() -> None:
+    with pytest.raises(ConfigError, match="binds every interface"):
+        EndpointConfig(role="decode", host="0.0.0.0")
+    with pytest.raises(ConfigError, match="wildcard"):
+        EndpointConfig(role="decode", advertise="0.0.0.0")
+    c = EndpointConfig(role="decode", host="0.0.0.0", advertise="127.0.0.1")
+    assert c.address == "127.0.0.1"
+    assert EndpointConfig(role="decode").address == "127.0.0.1"
+    assert advertised("10.0.0.5") == "10.0.0.5"
+
+
+def test_an_advertised_address_that_is_not_this_hosts_is_refused_at_start() -> None:
+    cfg = EndpointConfig(role="decode", host="0.0.0.0", advertise=OTHER_HOST,
+                         transport="memory")
+    with pytest.raises(ConfigError, match=f"{OTHER_HOST} is not an address of this host"):
+        Endpoint(cfg, pools())
+
+
+def test_a_loopback_prefill_with_a_bootstrap_on_another_host_is_refused_at_start() -> None:
+    cfg = EndpointConfig(role="prefill", bootstrap=f"{OTHER_HOST}:8998", transport="memory")
+    with pytest.raises(ConfigError, match="loopback address 127.0.0.1.*another host"):
+        Endpoint(cfg, pools())
+    assert unreachable_from("127.0.0.1", "127.0.0.1:8998") is None
+    assert unreachable_from("10.0.0.5", f"{OTHER_HOST}:8998") is None
+
+
+def test_router_refuses_a_loopback_bootstrap_that_remote_decodes_would_look_up() -> None:
+    with pytest.raises(ValueError, match="loopback address, but decode"):
+        check_reachable([Prefill("http://127.0.0.1:8100", "127.0.0.1:8998")],
+                        [Decode(f"http://{OTHER_HOST}:8200")])
+    check_reachable([Prefill("http://127.0.0.1:8100", "127.0.0.1:8998")],
+                    [Decode("http://127.0.0.1:8200")])  # all on one host: fine
+    check_reachable([Prefill(f"http://{OTHER_HOST}:8100", f"{OTHER_HOST}:8998")],
+                    [Decode("http://10.213.0.78:8200")])

@@ -1,0 +1,134 @@
+"""The vLLM connector's pure parts: cache tensors as a pool (read from strides, never
+assumed), the extra config's validation, and the ``kv_transfer_params`` protocol."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdxfer import ConfigError
+from pdxfer.integrations.vllm import config as C
+from pdxfer.integrations.vllm import params as P
+from pdxfer.integrations.vllm.layout import describe
+
+L, B, H, N, D = 3, 8, 4, 32, 64
+C2 = 2 * D  # K and V of one head and token
+
+
+def _layers(order: str, tensor: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per-layer logical [B, H, N, C] views of one allocation laid out as ``order``
+    (vLLM's ``KVCacheLayout`` names)."""
+    dims = {"L": L, "B": B, "H": H, "N": N, "C": C2}
+    t = tensor if tensor is not None else torch.zeros([dims[c] for c in order],
+                                                      dtype=torch.bfloat16)
+    logical = t.permute(*[order.index(c) for c in "LBHNC"])
+    return {f"model.layers.{i}.self_attn.attn": logical[i] for i in range(L)}
+
+
+def test_head_major_blocks_are_one_page_per_block_and_layer_with_addressable_heads() -> None:
+    caches = _layers("LBHNC")
+    lay = describe(caches, block_size=N, total_kv_heads=H)
+    p = lay.pool
+    assert lay.kind == "HND" and p.sharding.layout == "HND" and p.sharding.rank_heads == H
+    assert p.item_bytes == H * N * C2 * 2 and p.num_items == B and p.page_size == N
+    assert [b.addr for b in p.buffers] == [caches[f"model.layers.{i}.self_attn.attn"].data_ptr()
+                                           for i in range(L)]
+    assert p.sharding.head_bytes == C2 * 2 and lay.block_bytes == L * p.item_bytes
+
+
+def test_token_major_blocks_are_nhd() -> None:
+    lay = describe(_layers("LBNHC"), block_size=N, total_kv_heads=H)
+    assert lay.kind == "NHD" and lay.pool.sharding.layout == "NHD"
+
+
+def test_block_outermost_layout_is_one_opaque_buffer_over_all_layers() -> None:
+    caches = _layers("BLHNC")
+    lay = describe(caches, block_size=N, total_kv_heads=H)
+    p = lay.pool
+    assert lay.kind == "opaque-blocks" and len(p.buffers) == 1
+    assert p.item_bytes == L * H * N * C2 * 2 and p.buffers[0].nbytes == B * p.item_bytes
+    assert p.buffers[0].addr == min(t.data_ptr() for t in caches.values())
+    with pytest.raises(ConfigError, match="TP 1 only"):
+        describe(caches, block_size=N, total_kv_heads=2 * H, tp_rank=0, tp_size=2)
+
+
+def test_blocks_strided_by_heads_are_refused_not_misaddressed() -> None:
+    with pytest.raises(ConfigError, match="not one dense span|unsupported"):
+        describe(_layers("LHBNC"), block_size=N, total_kv_heads=H)
+
+
+def test_padded_pages_are_opaque_items_of_the_padded_size() -> None:
+    big = torch.zeros(L, B, H * N * C2 + 64, dtype=torch.bfloat16)
+    caches = {f"model.layers.{i}.self_attn.attn":
+              torch.as_strided(big[i], (B, H, N, C2), (H * N * C2 + 64, N * C2, C2, 1))
+              for i in range(L)}
+    lay = describe(caches, block_size=N, total_kv_heads=H)
+    assert lay.kind == "opaque-layer" and lay.pool.item_bytes == (H * N * C2 + 64) * 2
+
+
+def test_tp_ranks_name_their_heads_and_gqa_replication() -> None:
+    lay = describe(_layers("LBHNC"), block_size=N, total_kv_heads=2 * H, tp_rank=1, tp_size=2)
+    sh = lay.pool.sharding
+    assert (sh.total_heads, sh.rank_heads, sh.first_head) == (2 * H, H, H)
+    one = torch.zeros(L, B, 1, N, C2, dtype=torch.bfloat16)
+    caches = {f"l.{i}": one[i] for i in range(L)}
+    sh = describe(caches, block_size=N, total_kv_heads=2, tp_rank=3, tp_size=4).pool.sharding
+    assert (sh.total_heads, sh.rank_heads, sh.first_head) == (2, 1, 1)
+
+
+def test_layers_are_ordered_by_their_index_not_by_name() -> None:
+    t = torch.zeros(12, B, H, N, C2, dtype=torch.bfloat16)
+    caches = {f"model.layers.{i}.attn": t[i] for i in (10, 2, 11, 0, 1, 3, 4, 5, 6, 7, 8, 9)}
+    lay = describe(caches, block_size=N, total_kv_heads=H)
+    assert [b.layer_id for b in lay.pool.buffers] == list(range(12))
+    assert [b.addr for b in lay.pool.buffers] == [t[i].data_ptr() for i in range(12)]
+
+
+def test_a_block_size_that_is_not_dim_2_is_refused() -> None:
+    with pytest.raises(ConfigError, match="block size"):
+        describe(_layers("LBHNC"), block_size=16, total_kv_heads=H)
+
+
+def test_extra_config_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match="bootstrap"):
+        C.parse("kv_producer", {})
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['bootstrp'\]"):
+        C.parse("kv_consumer", {"bootstrp": "x:1"})
+    with pytest.raises(ConfigError, match="l2_pages must be int"):
+        C.parse("kv_consumer", {"l2_pages": "12"})
+    with pytest.raises(ConfigError, match="kv_both"):
+        C.parse("kv_both", {})
+    with pytest.raises(ConfigError, match="L3 stages through L2"):
+        C.parse("kv_consumer", {"l3": "file", "l3_dir": "/tmp/x"})
+    with pytest.raises(ConfigError, match="transport"):
+        C.parse("kv_consumer", {"transport": "udp"})
+    c = C.parse("kv_consumer", {"l2_pages": 64, "l3": "file", "l3_dir": "/tmp/x"}, "m", "r1")
+    assert c.side == "decode" and c.instance == "vllm-decode" and c.model_id == "m@r1"
+
+
+def test_params_from_clients_are_checked_and_rooms_pair_the_two_sides() -> None:
+    assert P.prefill_ask({"do_remote_decode": True, "pdxfer_room": -1}) is None
+    assert P.prefill_ask({"do_remote_decode": True, "pdxfer_room": True}) is None
+    assert P.prefill_ask({"do_remote_decode": "yes"}) is None
+    drawn = P.prefill_ask({"do_remote_decode": True})
+    assert drawn is not None and 0 <= drawn.room < 1 << 63 and drawn.decode is None
+    ask = P.prefill_ask({"do_remote_decode": True, "pdxfer_room": 7, "pdxfer_decode": "d1"})
+    assert ask == P.PrefillAsk(7, "d1")
+    answer = P.prefill_answer(7, "h:1", "p1", 100)
+    d = P.decode_ask(answer)
+    assert d == P.DecodeAsk(7, "h:1", "p1")
+    assert P.decode_ask({**answer, "pdxfer_room": "7"}) is None
+    assert P.decode_ask({**answer, "pdxfer_bootstrap": "x" * 500}) is None
+    assert P.decode_ask({"do_remote_prefill": True}) is None
+
+
+def test_k_and_v_apart_are_two_buffers_per_layer_with_heads_addressable() -> None:
+    t = torch.zeros(L, 2, B, N, H, D, dtype=torch.bfloat16)  # FlashAttention-style [2, B, N, H, D]
+    caches = {f"model.layers.{i}.attn": t[i] for i in range(L)}
+    lay = describe(caches, block_size=N, total_kv_heads=2 * H, tp_rank=1, tp_size=2)
+    p = lay.pool
+    assert lay.kind == "NHD" and [(b.layer_id, b.role) for b in p.buffers] == [
+        (i, r) for i in range(L) for r in ("k", "v")]
+    assert [b.addr for b in p.buffers] == [t[i, j].data_ptr() for i in range(L) for j in (0, 1)]
+    assert p.item_bytes == N * H * D * 2 and p.sharding.head_bytes == D * 2
+    assert p.sharding.first_head == H and lay.block_bytes == 2 * L * p.item_bytes
