@@ -57,7 +57,10 @@ def _prefill(a: argparse.Namespace) -> int:
 
 
 def _decode(a: argparse.Namespace) -> int:
-    from .serving.toy.decode import run
+    if a.dp > 1:  # a front over independent decode groups
+        from .serving.toy.dp import run
+    else:
+        from .serving.toy.decode import run
 
     return run(a)
 

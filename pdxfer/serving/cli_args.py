@@ -16,7 +16,9 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
     ap.add_argument("--bootstrap", default=None, required=role == "prefill",
                     help="bootstrap server host:port" + (" to register with" if role == "prefill"
                                                          else " (default for requests)"))
-    ap.add_argument("--instance", default="default", help="prefill instance name")
+    ap.add_argument("--instance", default="default",
+                    help="instance name (a prefill's route on its bootstrap; a decode's name, "
+                         "which rooms are bound to at --tp > 1: default a fresh one)")
     ap.add_argument("--transport", choices=["tcp", "rdma", "nixl"], default="tcp",
                     help="how KV moves: Mooncake TCP or RDMA, or NIXL (UCX: shared memory on "
                          "one host, UCX_TLS=tcp across hosts, RDMA on clusters); prefill and "
@@ -58,6 +60,15 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
         ap.add_argument("--integrity-retry", action="store_true",
                         help="on a digest mismatch ask the prefill for the range once more "
                              "before failing the request")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks: one process each (this one is rank 0), each "
+                         "holding and transferring its share of the KV heads; any TP size "
+                         "pairs with any other that divides it or that it divides")
+    if role == "decode":
+        ap.add_argument("--dp", type=int, default=1,
+                        help="independent decode groups (each of --tp ranks) behind this one "
+                             "address; the router routes to each group as to a decode of its "
+                             "own")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (the toy model's ops are tiny: more threads only spin)")
     ap.add_argument("--bootstrap-timeout", type=float, default=30.0)

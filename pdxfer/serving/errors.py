@@ -33,6 +33,14 @@ class TransferFailed(ServingError):
     status = 502
 
 
+class WorkerBroken(ServingError):
+    """A rank of this worker's TP group is gone: the worker cannot serve until it is restarted
+    (its ``/health`` says which rank and why); the router sends the request elsewhere."""
+
+    kind = "worker_broken"
+    status = 503
+
+
 class UpstreamError(ServingError):
     """A worker behind the router failed or could not be reached."""
 

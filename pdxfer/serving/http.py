@@ -100,9 +100,35 @@ def token_list(body: dict[str, Any], name: str, vocab: int) -> list[int]:
     return v
 
 
-def metrics_text(prefix: str, values: dict[str, Any]) -> str:
+def metrics_text(prefix: str, values: dict[str, Any],
+                 labels: dict[str, str] | None = None) -> str:
     """Prometheus text (via prometheus_client) for a flat snapshot of numeric values."""
-    return prometheus_text(prefix, lambda: values).decode()
+    return prometheus_text(prefix, lambda: values, labels).decode()
+
+
+def merge_metrics(parts: list[tuple[str, dict[str, str]]]) -> str:
+    """Several processes' Prometheus texts as one (each family once), every sample of a part
+    labelled with that part's labels (a TP rank, a DP group)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams: dict[str, Metric] = {}
+    for text, labels in parts:
+        for f in text_string_to_metric_families(text):
+            into = fams.get(f.name)
+            if into is None:
+                into = fams[f.name] = Metric(f.name, f.documentation, f.type)
+            into.samples += [smp._replace(labels={**smp.labels, **labels})
+                             for smp in f.samples]
+
+    class _Merged:
+        def collect(self) -> Any:
+            return list(fams.values())
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Merged())  # type: ignore[arg-type]
+    return generate_latest(reg).decode()
 
 
 async def poll_until_terminal(handle: Any, deadline_s: float) -> None:
@@ -119,9 +145,10 @@ async def poll_until_terminal(handle: Any, deadline_s: float) -> None:
 
 
 def serve(app: web.Application, host: str, port: int, on_stop: Any = None,
-          advertise: str = "") -> int:
+          advertise: str = "", announce: Any = None) -> int:
     """Run ``app`` until SIGINT/SIGTERM; print the ready line with the URL peers use (the
-    ``advertise`` address, else ``host``: a wildcard bind without one is refused).
+    ``advertise`` address, else ``host``: a wildcard bind without one is refused), or hand
+    that URL to ``announce`` (a worker behind a front that is not its launcher's).
 
     Shutdown is bounded: in-flight HTTP requests get a second, ``on_stop`` (closing the
     endpoint: deregister, join threads) a few more, then the process exits regardless, so a
@@ -140,7 +167,10 @@ def serve(app: web.Application, host: str, port: int, on_stop: Any = None,
                            shutdown_timeout=1.0)
         await site.start()
         bound = runner.addresses[0][1]
-        print(f"{READY} http://{shown}:{bound}", flush=True)
+        if announce is not None:
+            announce(f"http://{shown}:{bound}")
+        else:
+            print(f"{READY} http://{shown}:{bound}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -87,6 +87,8 @@ class Router:
                  backend: Backend | None = None) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
+        self.auto_policy = policy == "auto"
+        """Whether the policy follows the number of decodes (DP groups show up later)."""
         if policy == "auto":
             policy = "kv_aware" if len(decodes) > 1 else "round_robin"
         if policy not in POLICIES:
@@ -173,8 +175,8 @@ class Router:
     def pick(self, ids: list[int], avoid_p: set[str], avoid_d: set[str], tenant: str = ""
              ) -> tuple[Prefill, Decode]:
         def usable(xs: list[Any], avoid: set[str]) -> list[Any]:
-            return ([x for x in xs if x.url not in avoid and x.healthy]
-                    or [x for x in xs if x.url not in avoid] or xs)
+            return ([x for x in xs if x.key not in avoid and x.healthy]
+                    or [x for x in xs if x.key not in avoid] or xs)
 
         ps, ds = usable(self.prefills, avoid_p), usable(self.decodes, avoid_d)
         # ties go to the worker used least, so an idle fleet is still spread
@@ -211,16 +213,40 @@ class Router:
             p.healthy = info is not None and ok
             out[p.url] = ("ok" if p.healthy else "down" if info is None
                           else f"not registered with bootstrap {p.bootstrap}")
-        dc_info = await asyncio.gather(*(probe(self.http, d) for d in self.decodes))
-        for d, info in zip(self.decodes, dc_info):
+        urls = list(dict.fromkeys(d.url for d in self.decodes))  # a DP front once
+        by_url = dict(zip(urls, await asyncio.gather(
+            *(probe(self.http, next(d for d in self.decodes if d.url == u)) for u in urls))))
+        self._expand_groups(by_url)
+        for d in self.decodes:
+            info = by_url.get(d.url)
+            if info and d.dp is not None:  # this record is one of the worker's DP groups
+                groups = info.get("groups") or []
+                info = groups[d.dp] if d.dp < len(groups) else None
+                if info and info.get("status", "ok") != "ok":
+                    info = None
             d.healthy = info is not None
-            out[d.url] = "ok" if d.healthy else "down"
+            out[d.key] = "ok" if d.healthy else "down"
             if info:
-                d.endpoint_id = info.get("endpoint") or d.endpoint_id
+                d.endpoint_id = info.get("peer") or info.get("endpoint") or d.endpoint_id
                 d.max_seq_len = int(info.get("max_seq_len", d.max_seq_len or 0)) or None
                 d.page_size = int(info.get("page_size", d.page_size))
         self._health, self._health_at = out, now
         return out
+
+    def _expand_groups(self, infos: dict[str, Any]) -> None:
+        """A decode URL that answers with DP ``groups`` becomes one record per group (each
+        with its own cache keys, load and health), in place of its single record."""
+        out: list[Decode] = []
+        for d in self.decodes:
+            groups = (infos.get(d.url) or {}).get("groups")
+            if d.dp is None and isinstance(groups, list) and groups:
+                out += [Decode(d.url, d.instance, dp=g) for g in range(len(groups))]
+                log.info("decode %s fronts %d DP groups", d.url, len(groups))
+            else:
+                out.append(d)
+        self.decodes[:] = out
+        if self.auto_policy:
+            self.policy = "kv_aware" if len(out) > 1 else "round_robin"
 
     async def h_health(self, request: web.Request) -> web.Response:
         workers = await self.refresh_health(force=True)
@@ -279,7 +305,8 @@ class Router:
         for ext in [obj.get("pdxfer"), *(obj.get("pdxfer") or {}).get("choices", [])]:
             if isinstance(ext, dict):
                 for k in ("restored_tokens", "restored_l2_tokens", "restored_l3_tokens",
-                          "prefill_reused_tokens", "bytes", "decode_ttft_s"):
+                          "prefill_reused_tokens", "bytes", "decode_ttft_s",
+                          "repaired_tokens", "ranks"):
                     ext.pop(k, None)
         return obj
 
@@ -400,13 +427,13 @@ class Router:
                 if e.client or c.token_ids:
                     break  # a bad request, or text already went out: no second try
                 if e.capacity:
-                    avoid_d.add(dc.url)
-                    avoid_p.add(pf.url)
+                    avoid_d.add(dc.key)
+                    avoid_p.add(pf.key)
                 elif attempt >= 1:
                     break
                 else:
-                    avoid_p.add(pf.url)
-                    avoid_d.add(dc.url)
+                    avoid_p.add(pf.key)
+                    avoid_d.add(dc.key)
                 # a worker may have restarted (a new endpoint id to bind rooms to)
                 await self.refresh_health(force=True)
         assert err is not None
@@ -430,6 +457,8 @@ class Router:
                         c.finish_reason = ev.finish_reason
                         c.stats = {**ev.stats, "room": room, "prefill": pf.url,
                                    "decode": dc.url, "seconds": time.perf_counter() - t0}
+                        if dc.dp is not None:
+                            c.stats["decode_dp"] = dc.dp
                         finished = True
                         break
                     c.token_ids += ev.token_ids

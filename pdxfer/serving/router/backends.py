@@ -42,6 +42,10 @@ class Prefill:
     healthy: bool = True
     used: int = 0
 
+    @property
+    def key(self) -> str:
+        return self.url
+
 
 @dataclass(slots=True)
 class Decode:
@@ -50,17 +54,27 @@ class Decode:
     """The decode's name as its endpoint knows it (given with ``--decode URL,INSTANCE``):
     rooms are bound to it."""
     endpoint_id: str | None = None
+    """What the decode's health names as the peer to bind rooms to (its ``peer``: the
+    instance name a TP decode's ranks share; else its ``endpoint`` id)."""
     outstanding: int = 0
     max_seq_len: int | None = None
     page_size: int = 16
     healthy: bool = True
     used: int = 0
     keys: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
+    dp: int | None = None
+    """One of several independent decode groups behind ``url`` (``pdxfer decode --dp``): the
+    router keeps a record per group, so KV-aware routing sees each group's cache."""
 
     @property
     def peer(self) -> str | None:
         """What a prefill binds the room to: the endpoint id when known, else the name."""
         return self.endpoint_id or self.instance
+
+    @property
+    def key(self) -> str:
+        """This record among the router's decodes (a URL, or a URL's DP group)."""
+        return self.url if self.dp is None else f"{self.url}#dp{self.dp}"
 
     def remember(self, keys: list[str]) -> None:
         for k in keys:
@@ -216,7 +230,8 @@ class Backend(Protocol):
 
     async def probe(self, http: Http, w: Prefill | Decode) -> dict[str, Any] | None:
         """A worker's health: None when down; for a decode, what the router learns of it
-        (``endpoint``, ``max_seq_len``, ``page_size``)."""
+        (``endpoint`` or ``peer``, ``max_seq_len``, ``page_size``; ``groups``, one such dict
+        per group, when it fronts independent DP groups)."""
 
     def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
         """Run one attempt: the decode's tokens as they come, then ``Done``."""
@@ -283,6 +298,8 @@ class ToyBackend:
                    "spec_k": ask.spec_k, "temperature": ask.temperature, "top_p": ask.top_p,
                    "seed": job.seed, "ignore_eos": ask.ignore_eos, "logprobs": ask.logprobs,
                    "tenant": ask.tenant}
+        if dc.dp is not None:
+            payload["dp"] = dc.dp
         try:
             async with http.session.post(f"{dc.url}/generate",
                                          **http.signed(f"{dc.url}/generate", payload)) as r:

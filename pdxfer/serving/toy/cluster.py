@@ -58,9 +58,14 @@ class Cluster:
                  prefills: int = 1, decodes: int = 1, env: dict[str, str] | None = None,
                  expose_cache_stats: bool = True, hosts: Mapping[str, Place] | None = None,
                  client: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-                 bind_all: bool = False) -> None:
+                 bind_all: bool = False, each_prefill: Sequence[Sequence[str]] = (),
+                 each_decode: Sequence[Sequence[str]] = ()) -> None:
+        """``each_prefill[i]`` / ``each_decode[i]``: options of that worker alone (a TP size,
+        a landing), after the shared ones."""
         self.worker_args, self.prefill_args = list(worker_args), list(prefill_args)
         self.decode_args, self.router_args = list(decode_args), list(router_args)
+        self.each_prefill = [list(a) for a in each_prefill]
+        self.each_decode = [list(a) for a in each_decode]
         self.log_level, self.quiet, self.timeout = log_level, quiet, timeout
         self.n_prefills, self.n_decodes, self.env = prefills, decodes, env
         self.expose_cache_stats = expose_cache_stats  # the demo and tests show cache hits
@@ -71,6 +76,7 @@ class Cluster:
         self.prefills: list[Proc | None] = []
         self.decodes: list[Proc] = []
         self.router: Proc | None = None
+        self.routers: list[Proc] = []  # more routers over some of the workers (add_router)
         # a fresh L3 folder per cluster (a run never hits what an earlier run stored), one
         # subfolder per decode as each node has its own disk, kept across a decode's
         # restart; removed at stop
@@ -101,7 +107,8 @@ class Cluster:
         assert self.bootstrap is not None
         proc = self._proc(f"prefill{i or ''}", [
             "prefill", "--port", str(port), "--bootstrap", self.bootstrap.address,
-            "--instance", self._instance(i), *self.worker_args, *self.prefill_args], wait)
+            "--instance", self._instance(i), *self.worker_args, *self.prefill_args,
+            *(self.each_prefill[i] if i < len(self.each_prefill) else [])], wait)
         while len(self.prefills) <= i:
             self.prefills.append(None)
         self.prefills[i] = proc
@@ -109,8 +116,10 @@ class Cluster:
 
     def _decode(self, i: int, port: int, wait: bool) -> Proc:
         l3 = ["--l3-dir", os.path.join(self.l3_dir, f"decode{i}")] if self.l3_dir else []
+        own = self.each_decode[i] if i < len(self.each_decode) else []
         return self._proc(f"decode{i or ''}", ["decode", "--port", str(port), *l3,
-                                               *self.worker_args, *self.decode_args], wait)
+                                               *self.worker_args, *self.decode_args, *own],
+                          wait)
 
     def restart_decode(self, i: int = 0) -> Proc:
         """Stop decode ``i`` and start it again on the same port (the router keeps its URL):
@@ -119,10 +128,11 @@ class Cluster:
         port = old.port
         stop_all([old])
         self.decodes[i] = self._decode(i, port, True)
-        if self.router is not None:  # the router learns the new endpoint id now
-            with self.client(), urllib.request.urlopen(f"{self.router.url}/health",
-                                                        timeout=10) as r:
-                r.read()
+        for router in (self.router, *self.routers):  # routers learn the new endpoint id now
+            if router is not None:
+                with self.client(), urllib.request.urlopen(f"{router.url}/health",
+                                                            timeout=10) as r:
+                    r.read()
         return self.decodes[i]
 
     def start(self) -> Cluster:
@@ -138,23 +148,39 @@ class Cluster:
             for p in [*self.prefills, *self.decodes]:
                 assert p is not None
                 p.wait_ready()
-            args = ["router", "--port", "0"]
-            for i, p in enumerate(self.prefills):
-                assert p is not None
-                args += ["--prefill", f"{p.url},{self.bootstrap.address},{self._instance(i)}"]
-            for d in self.decodes:
-                args += ["--decode", d.url]
-            if self.expose_cache_stats:
-                args.append("--expose-cache-stats")
-            self.router = self._proc("router", [*args, *self.router_args])
+            self.router = self._router(range(len(self.prefills)), range(len(self.decodes)),
+                                       self.router_args)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _router(self, prefills: Sequence[int], decodes: Sequence[int],
+                extra: Sequence[str]) -> Proc:
+        assert self.bootstrap is not None
+        args = ["router", "--port", "0"]
+        for i in prefills:
+            p = self.prefills[i]
+            assert p is not None
+            args += ["--prefill", f"{p.url},{self.bootstrap.address},{self._instance(i)}"]
+        for i in decodes:
+            args += ["--decode", self.decodes[i].url]
+        if self.expose_cache_stats:
+            args.append("--expose-cache-stats")
+        return self._proc("router", [*args, *extra])
+
+    def add_router(self, prefills: Sequence[int], decodes: Sequence[int],
+                   extra: Sequence[str] = ()) -> Proc:
+        """Another router, over only these prefills and decodes (one pair: its traffic goes
+        exactly there); stopped with the cluster."""
+        r = self._router(prefills, decodes, extra)
+        self.routers.append(r)
+        return r
+
     @property
     def procs(self) -> list[Proc]:
-        return [p for p in (*self.prefills, *self.decodes, self.router) if p is not None]
+        return [p for p in (*self.prefills, *self.decodes, self.router, *self.routers)
+                if p is not None]
 
     def stop(self) -> None:
         stop_all(self.procs)

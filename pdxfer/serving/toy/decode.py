@@ -27,11 +27,12 @@ from typing import Any
 
 from aiohttp import web
 
-from pdxfer import KVPoll, PdxferError, RequestHandle
-from pdxfer.tiers import RestoringReceiver, TieredCache
+from pdxfer import KVPoll, PdxferError
+from pdxfer.tiers import TieredCache
 
 from ..errors import BadRequest, OutOfCapacity, TransferFailed
 from ..errors import about as _about
+from .ranks import check, open_receiver, start_host, write_back
 from .sampling import parse_sampling
 from .scheduler import Generation, Scheduler
 from .tiered import make_cache
@@ -85,7 +86,7 @@ class _Cancel:
 class DecodeWorker(RoomWorker):
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
-        self.host = ModelHost(cfg)
+        self.host = start_host(cfg)
         self.cache: TieredCache | None = make_cache(cfg, self.host)
         self.admission = Admission(self.host, cfg.max_waiting, cfg.admission_timeout_s)
         self.scheduler = Scheduler(self.host)
@@ -94,10 +95,12 @@ class DecodeWorker(RoomWorker):
         self.counters = collections.Counter[str]()
 
     async def h_health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", **self.host.info(),
-                                  "endpoint": self.host.endpoint.endpoint_id,
-                                  "running": self.scheduler.active,
-                                  "waiting": self.admission.waiting})
+        # ``peer``: what rooms are bound to (the instance name its TP ranks share, or its
+        # endpoint id); ``dp``: which of a ``--dp`` front's groups this is
+        return self.health({"endpoint": self.host.endpoint.endpoint_id,
+                            "peer": self.host.peer, "instance": self.cfg.instance,
+                            "dp": self.cfg.dp_rank, "running": self.scheduler.active,
+                            "waiting": self.admission.waiting})
 
     metrics_prefix = "pdxfer_decode"
 
@@ -116,6 +119,8 @@ class DecodeWorker(RoomWorker):
 
     def close(self) -> None:
         self.scheduler.close()
+        if self.host.ranks is not None:
+            self.host.ranks.close()
         if self.cache is not None:
             self.cache.close()  # background L3 writes finish: a restart finds them
             if self.cache.storage is not None:
@@ -154,6 +159,7 @@ class DecodeWorker(RoomWorker):
         self.counters["requests"] += 1
         try:
             p = self._parse(await read_json(request))
+            check(self.host)
             if p["room"] in self.aborted:
                 raise TransferFailed(f"room {p['room']}: {self.aborted.pop(p['room'])}")
             h = self.host
@@ -199,17 +205,10 @@ class DecodeWorker(RoomWorker):
         first token, or raises (the request's pages then belong to the release path)."""
         h, room, tokens = self.host, p["room"], p["tokens"]
         n = len(tokens)
-        dst = {"kv": req.pages[:h.model.pages_for(n)]}
         try:
-            rx: RequestHandle
-            if self.cache is not None:
-                rx = RestoringReceiver(self.cache, h.endpoint, room, p["bootstrap"], tokens,
-                                       dst, {"aux": req.slot}, num_tokens=n, release=req.free,
-                                       instance=p["instance"], scope=p["tenant"])
-            else:
-                rx = h.endpoint.receiver(room, bootstrap=p["bootstrap"],
-                                         instance=p["instance"], release=req.free)
-                rx.request(dst, slots={"aux": req.slot}, num_tokens=n)
+            rx = open_receiver(h, self.cache, room, p["bootstrap"], p["instance"], tokens,
+                               req.pages[:h.model.pages_for(n)], req.slot, n, p["tenant"],
+                               req.free)
         except BaseException:
             req.free()
             raise
@@ -231,12 +230,16 @@ class DecodeWorker(RoomWorker):
         out = {"first": int(h.aux[req.slot, 0]), "restored_tokens": 0,
                "restored_l2_tokens": 0, "restored_l3_tokens": 0,
                "bytes": int(st.get("bytes") or 0), "ttft_s": time.perf_counter() - t_arrive}
-        if isinstance(rx, RestoringReceiver):
-            ps = self.cache.page_size if self.cache is not None else 1
+        if self.cache is not None:  # a RestoringReceiver (on every rank: their minimum)
+            ps = self.cache.page_size
             good, l2 = rx.restored_pages, int(st["l2_pages"])
             out.update(restored_tokens=good * ps, restored_l2_tokens=min(good, l2) * ps,
                        restored_l3_tokens=max(0, good - l2) * ps,
-                       bytes=int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0))
+                       bytes=int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0),
+                       repaired_tokens=int(st.get("repaired_tokens") or 0))
+            if "ranks" in st:  # TP: what each rank restored and had repaired
+                out["ranks"] = [{"restored_tokens": r["restored_pages"] * ps,
+                                 "repaired_tokens": r["repaired_tokens"]} for r in st["ranks"]]
             self.counters["restored_l2_tokens"] += out["restored_l2_tokens"]
             self.counters["restored_l3_tokens"] += out["restored_l3_tokens"]
         return out
@@ -248,8 +251,8 @@ class DecodeWorker(RoomWorker):
         how it ended."""
         if self.cache is not None and g.error is None:
             try:
-                self.cache.write_back(p["tokens"], {"kv": req.pages}, len(p["tokens"]),
-                                      p["tenant"])
+                write_back(self.host, self.cache, p["tokens"], req.pages, len(p["tokens"]),
+                           p["tenant"])
             except Exception as e:  # noqa: BLE001 - a cache problem never fails a request
                 log.warning("prefix write-back failed: %s", e)
         req.free()
@@ -271,6 +274,7 @@ class DecodeWorker(RoomWorker):
             "restored_l2_tokens": stats["restored_l2_tokens"],
             "restored_l3_tokens": stats["restored_l3_tokens"],
             "bytes": stats["bytes"], "ttft_s": stats["ttft_s"],
+            **{k: stats[k] for k in ("repaired_tokens", "ranks") if k in stats},
             "queued_steps": (g.first_step - g.added_step) if g.first_step is not None else 0,
             "end_step": g.end_step}
         if g.spec is not None:

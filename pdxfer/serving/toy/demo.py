@@ -72,6 +72,11 @@ def _args(argv: list[str] | None, prog: str) -> argparse.Namespace:
                          "mooncake_master started for the demo)")
     ap.add_argument("--landing", choices=["device", "host"], default="device",
                     help="host: the decode lands KV in a token-granular host pool")
+    ap.add_argument("--prefill-tp", type=int, default=1,
+                    help="tensor-parallel ranks of the prefill (its KV heads split over them)")
+    ap.add_argument("--decode-tp", type=int, default=1,
+                    help="tensor-parallel ranks of the decode (any size the prefill's divides "
+                         "or that divides it)")
     ap.add_argument("--no-restart", action="store_true",
                     help="skip the decode restart (and the L3 round after it)")
     ap.add_argument("--log-level", default="ERROR", help="log level of the child processes")
@@ -79,6 +84,8 @@ def _args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.requests < 1 or a.max_tokens < 1 or a.concurrency < 1:
         ap.error("--requests, --max-tokens and --concurrency must be positive")
+    if a.prefill_tp < 1 or a.decode_tp < 1:
+        ap.error("--prefill-tp and --decode-tp must be positive")
     return a
 
 
@@ -168,14 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     later = [] if a.no_restart else make_prompts(6, a.seed + 1000, groups=3, share=a.seed)
     # one per conversation: two requests for one prefix at once would share one L3 prefetch
     later = list({p.split(" | ")[0]: p for p in later if " | " in p}.values())
-    print(f"starting bootstrap, prefill, decode and router on 127.0.0.1 "
-          f"(toy model, {a.requests} requests, {a.max_tokens} tokens each, L3 {a.l3}, "
-          f"{a.landing} landing) ...", flush=True)
+    print(f"starting bootstrap, prefill (TP {a.prefill_tp}), decode (TP {a.decode_tp}) and "
+          f"router on 127.0.0.1 (toy model, {a.requests} requests, {a.max_tokens} tokens "
+          f"each, L3 {a.l3}, {a.landing} landing) ...", flush=True)
     l3: _L3 | None = None
     try:
         l3 = _L3(a.l3)
-        dargs = [*l3.decode_args(), "--kv-landing", a.landing]
-        with Cluster(log_level=a.log_level, quiet=not a.verbose, decode_args=dargs) as c:
+        dargs = [*l3.decode_args(), "--kv-landing", a.landing, "--tp", str(a.decode_tp)]
+        with Cluster(log_level=a.log_level, quiet=not a.verbose, decode_args=dargs,
+                     prefill_args=["--tp", str(a.prefill_tp)]) as c:
             assert c.router is not None
             print(f"router on {c.router.url}; sending ...", flush=True)
             t0 = time.perf_counter()

@@ -16,6 +16,16 @@ the KV and whoever wrote those pages. Two rules give that:
 
 There is no transcendental in the network except softmax's exp, which runs in float64 and is
 rounded to float32, so last-ulp differences between vector math libraries cannot show.
+
+Tensor parallelism (``tp_size`` > 1): a rank holds the KV of its own KV heads only (its slice of
+the pool's head dimension, GQA heads replicated when there are more ranks than KV heads) and
+attends with its own query heads; the ranks then exchange their heads' attention outputs
+(``gather``: an all-gather in rank order, which is head order) and every rank runs the rest of
+the layer -- output projection, MLP, logits -- on the whole vector itself. A gather moves
+values without arithmetic, and a head's attention is the same ops on the same values whichever
+heads share its call (every reduction runs along one head's own axis), so each rank's result
+is bit for bit the TP = 1 result; the tests check it. The price is that every rank computes
+the replicated part in full: right for a toy whose point is KV placement, wrong for speed.
 """
 
 from __future__ import annotations
@@ -131,12 +141,67 @@ def _as_index(page_table: PageTable) -> torch.Tensor:
     return torch.as_tensor(np.asarray(page_table, dtype=np.int64))
 
 
-class ToyModel:
-    """Seeded weights plus paged prefill/decode; holds no per-request state."""
+Gather = Callable[[torch.Tensor], torch.Tensor]
+"""TP: every rank's ``[tokens, own heads x head_dim]`` in, ``[tokens, all heads x head_dim]``
+(ranks concatenated in rank order) out, on every rank."""
 
-    def __init__(self, config: ToyConfig) -> None:
+
+Mirror = Callable[["ToyModel", Sequence[int], int, PageTable, KVPool, str], None]
+"""TP rank 0: told of every forward (model, tokens, start, page table, pool, logits_for)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """Which heads one TP rank of a model owns (KV heads and the query heads that use them)."""
+
+    kv_lo: int
+    kv_hi: int
+    q_lo: int
+    q_hi: int
+
+    @property
+    def kv_heads(self) -> int:
+        return self.kv_hi - self.kv_lo
+
+
+def head_shard(config: ToyConfig, tp_rank: int, tp_size: int) -> HeadShard:
+    """Rank ``tp_rank`` of ``tp_size``: ``n_kv_heads / tp_size`` KV heads each, or, with more
+    ranks than KV heads, one KV head shared by ``tp_size / n_kv_heads`` ranks (GQA
+    replication, as engines shard it)."""
+    c = config
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} must be in [0, tp_size={tp_size})")
+    if tp_size > 1 and c.attention != "mha":
+        raise ValueError("tensor parallelism shards attention heads: the toy's MLA is TP 1")
+    if c.n_heads % tp_size or (c.n_kv_heads % tp_size and tp_size % c.n_kv_heads):
+        raise ValueError(f"TP {tp_size} does not split {c.n_heads} query heads and "
+                         f"{c.n_kv_heads} KV heads evenly")
+    q = c.n_heads // tp_size
+    if tp_size <= c.n_kv_heads:
+        kv = c.n_kv_heads // tp_size
+        return HeadShard(tp_rank * kv, (tp_rank + 1) * kv, tp_rank * q, (tp_rank + 1) * q)
+    lo = tp_rank // (tp_size // c.n_kv_heads)
+    return HeadShard(lo, lo + 1, tp_rank * q, (tp_rank + 1) * q)
+
+
+class ToyModel:
+    """Seeded weights plus paged prefill/decode; holds no per-request state.
+
+    ``tp_rank``/``tp_size``/``gather``: one rank of a tensor-parallel group (module notes);
+    its pools hold only its KV heads. Every rank holds every weight (the same seed)."""
+
+    def __init__(self, config: ToyConfig, *, tp_rank: int = 0, tp_size: int = 1,
+                 gather: Gather | None = None) -> None:
         self.config = config
         c = config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.shard = head_shard(c, tp_rank, tp_size)
+        if tp_size > 1 and gather is None:
+            raise ValueError("a TP rank needs a gather over its group")
+        self.gather = gather
+        self.mirror: Mirror | None = None
+        """Rank 0 of a TP group: called with each forward's arguments before it runs, so the
+        other ranks run the same forward (and meet its gathers) in the same order."""
         g = torch.Generator().manual_seed(c.seed)
 
         def randn(*shape: int, std: float) -> torch.Tensor:
@@ -190,13 +255,21 @@ class ToyModel:
             h.update(t.contiguous().numpy().tobytes())
         return h.hexdigest()
 
+    @property
+    def kv_token_shape(self) -> tuple[int, ...]:
+        """One token's slot in one pool tensor of this rank (its KV heads only)."""
+        c = self.config
+        if c.attention == "mha":
+            return (self.shard.kv_heads, c.head_dim)
+        return c.kv_token_shape
+
     def new_kv_pool(
         self, num_pages: int, *, allocator: PageAllocator | None = None, device: str = "cpu"
     ) -> KVPool:
         """A pool shaped for this model; pass another pool's allocator to share its page ids."""
         c = self.config
         return KVPool(kind=c.attention, num_layers=c.n_layers, num_pages=num_pages,
-                      page_size=c.page_size, token_shape=c.kv_token_shape, dtype=c.kv_dtype,
+                      page_size=c.page_size, token_shape=self.kv_token_shape, dtype=c.kv_dtype,
                       allocator=allocator, device=device)
 
     def pages_for(self, num_tokens: int) -> int:
@@ -216,28 +289,41 @@ class ToyModel:
         ids = torch.tensor([int(t) for t in tokens], dtype=torch.long)
         if n == 0 or int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:
             raise ValueError(f"need 1+ tokens in [0, {c.vocab_size}), got {ids.tolist()}")
+        if self.mirror is not None:
+            self.mirror(self, tokens, start, page_table, kv, logits_for)
         pos = torch.arange(end)
         pages = _as_index(page_table)[pos // c.page_size].to(kv.tensors[0].device)
         slots = (pos % c.page_size).to(pages.device)
-        hd = c.n_heads * c.head_dim
+        hd, sh, d = c.n_heads * c.head_dim, self.shard, c.head_dim
         h = list(self.tok_emb[ids] + self.pos_emb[start:end])
         for li, layer in enumerate(self.layers):
             queries, fresh = [], []
             for i in range(n):
                 y = _matvec(_rms(h[i], layer.norm1), layer.w_in)
-                queries.append(y[:hd])
-                fresh.append(y[hd:])
-            cached = self._write_and_gather(kv.layer(li), torch.stack(fresh), pages, slots, start)
+                queries.append(y[sh.q_lo * d:sh.q_hi * d])  # this rank's query heads
+                fresh.append(self._own_kv(y[hd:]))
+            cached = self._attention_view(
+                self._write_and_gather(kv.layer(li), torch.stack(fresh), pages, slots, start))
+            # a query at position start+i sees the keys of positions 0..start+i
+            attn = [self._attend(layer, queries[i], cached, start + i + 1) for i in range(n)]
+            if self.tp_size > 1:
+                assert self.gather is not None
+                attn = list(self.gather(torch.stack(attn)))  # every head, in head order
             for i in range(n):
-                t = start + i + 1  # the keys this query may see: positions 0..start+i
-                a = self._attend(layer, queries[i], [x[:t] for x in cached])
-                x = h[i] + _matvec(a, layer.w_o)
+                x = h[i] + _matvec(attn[i], layer.w_o)
                 m = torch.relu(_matvec(_rms(x, layer.norm2), layer.w1))
                 h[i] = x + _matvec(m, layer.w2)
         rows = {"last": h[-1:], "all": h, "none": []}[logits_for]
         if not rows:
             return torch.empty(0, c.vocab_size)
         return torch.stack([_matvec(_rms(x, self.final_norm), self.w_out) for x in rows])
+
+    def _own_kv(self, fresh: torch.Tensor) -> torch.Tensor:
+        """The part of one token's fresh K/V (or latent) this rank stores."""
+        c, sh = self.config, self.shard
+        if c.attention != "mha" or self.tp_size == 1:
+            return fresh
+        return fresh.view(2, c.n_kv_heads, c.head_dim)[:, sh.kv_lo:sh.kv_hi].reshape(-1)
 
     def _write_and_gather(
         self, pool: tuple[torch.Tensor, ...], fresh: torch.Tensor, pages: torch.Tensor,
@@ -247,7 +333,7 @@ class ToyModel:
         c = self.config
         new_p, new_s = pages[start:], slots[start:]
         if c.attention == "mha":
-            parts = fresh.view(len(fresh), 2, c.n_kv_heads, c.head_dim).unbind(1)  # K, V
+            parts = fresh.view(len(fresh), 2, self.shard.kv_heads, c.head_dim).unbind(1)  # K, V
         else:
             parts = (fresh,)
         out = []
@@ -256,14 +342,30 @@ class ToyModel:
             out.append(tensor[pages, slots].to(device="cpu", dtype=torch.float32))
         return out
 
-    def _attend(self, layer: _Layer, q: torch.Tensor, cached: list[torch.Tensor]) -> torch.Tensor:
-        """One query over its own keys; shapes depend on the query's position and nothing else."""
+    def _attention_view(self, cached: list[torch.Tensor]) -> list[torch.Tensor]:
+        """MHA: K as ``[heads, T, D]`` and V as ``[heads, D, T]``, made contiguous once per
+        layer and chunk, so that every sum over positions runs along a contiguous last axis
+        with one row per head: such a row's sum does not depend on how many rows share the
+        call, so a rank holding some heads gets the bits TP 1 gets (a sum along an outer
+        axis is ordered by how many rows there are)."""
+        if self.config.attention != "mha":
+            return cached
+        k, v = cached  # [T, own KV heads, D]
+        return [k.permute(1, 0, 2).contiguous(), v.permute(1, 2, 0).contiguous()]
+
+    def _attend(self, layer: _Layer, q: torch.Tensor, cached: list[torch.Tensor], t: int
+                ) -> torch.Tensor:
+        """One query over the keys of positions ``0..t-1``; shapes depend on the query's
+        position and nothing else. Few torch calls: each one hands the GIL around, which a
+        worker's other threads (HTTP, transfers) feel."""
         c = self.config
         if c.attention == "mha":
-            k, v = cached  # [T, n_kv_heads, D]; query head h uses KV head h // group
-            qg = q.view(c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)
-            p = _softmax0((k.unsqueeze(2) * qg).sum(-1) * self._scale)  # [T, kvh, group]
-            return (p.unsqueeze(-1) * v.unsqueeze(2)).sum(0).reshape(-1)
+            kt, vt = cached  # query head h uses KV head h // group
+            qg = q.view(self.shard.kv_heads, -1, 1, c.head_dim)  # [kvh, group, 1, D]
+            s = (kt[:, None, :t] * qg).sum(-1) * self._scale  # [kvh, group, T]
+            p = torch.softmax(s.double(), -1).float()  # float64: no last-ulp exp differences
+            return (p[:, :, None] * vt[:, None, :, :t]).sum(-1).reshape(-1)
+        cached = [x[:t] for x in cached]
         (lat,) = cached  # [T, rank]: K and V are never materialised, the up-projections are
         assert layer.w_uk is not None and layer.w_uv is not None  # absorbed into q and out
         q_lat = (layer.w_uk * q.view(c.n_heads, 1, c.head_dim)).sum(-1)  # [H, rank]
@@ -273,7 +375,7 @@ class ToyModel:
 
     def _check(self, kv: KVPool, page_table: PageTable, start: int, end: int) -> None:
         c = self.config
-        want = (c.attention, c.n_layers, c.page_size, c.kv_dtype, c.kv_token_shape)
+        want = (c.attention, c.n_layers, c.page_size, c.kv_dtype, self.kv_token_shape)
         got = (kv.kind, kv.num_layers, kv.page_size, kv.dtype, tuple(kv.tensors[0].shape[2:]))
         if want != got:
             raise ValueError(f"pool layout {got} does not fit this model {want}")

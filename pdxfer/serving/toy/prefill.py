@@ -20,15 +20,15 @@ from typing import Any
 
 from aiohttp import web
 
-from pdxfer import KVPoll, KVSender, PdxferError
+from pdxfer import KVPoll, PdxferError
 
 from ..errors import BadRequest, OutOfCapacity, TransferFailed
 from ..errors import about as _about
+from .ranks import check, open_sender, reuse_prefix, start_host, write_back
 from .sampling import Sampling, parse_sampling, sample
-from .tiered import make_cache, reuse
+from .tiered import make_cache
 from .worker import (
     Admission,
-    ModelHost,
     RoomWorker,
     WorkerConfig,
     config_from_args,
@@ -46,8 +46,8 @@ log = logging.getLogger("pdxfer.serving.toy.prefill")
 class PrefillWorker(RoomWorker):
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
-        self.host = ModelHost(cfg)
-        self.senders: dict[int, KVSender] = {}
+        self.host = start_host(cfg)
+        self.senders: dict[int, Any] = {}  # a KVSender, or one per TP rank as one (ranks.py)
         self.admission = Admission(self.host, cfg.max_waiting, cfg.admission_timeout_s)
         self._computing: dict[int, threading.Event] = {}
         self._holds: set[asyncio.Task[None]] = set()  # pages kept for a decode's repair
@@ -58,13 +58,15 @@ class PrefillWorker(RoomWorker):
         self.counters = collections.Counter[str]()
 
     def close(self) -> None:
+        if self.host.ranks is not None:
+            self.host.ranks.close()
         if self.cache is not None:
             self.cache.close()
         self.host.endpoint.close()
 
     async def h_health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", **self.host.info(),
-                                  "endpoint": self.host.endpoint.endpoint_id})
+        return self.health({"endpoint": self.host.endpoint.endpoint_id,
+                            "inflight": len(self.senders), "computing": len(self._computing)})
 
     metrics_prefix = "pdxfer_prefill"
 
@@ -86,6 +88,7 @@ class PrefillWorker(RoomWorker):
             peer = field(body, "decode_peer", str, default=None) if body.get(
                 "decode_peer") is not None else None
             tenant = field(body, "tenant", str, default="")
+            check(self.host)
             if len(tokens) > self.host.model.config.max_seq_len:
                 raise BadRequest(f"prompt of {len(tokens)} tokens exceeds max_seq_len "
                                  f"{self.host.model.config.max_seq_len}")
@@ -104,9 +107,9 @@ class PrefillWorker(RoomWorker):
         if room in self.aborted:
             raise TransferFailed(f"room {room}: {self.aborted.pop(room)}")
         pages, slot = await self.admission.acquire(h.model.pages_for(len(tokens)))
-        tx: KVSender | None = None
+        tx: Any = None
         try:
-            tx = h.endpoint.sender(room, peer=peer)  # only the decode chosen for the room
+            tx = open_sender(h, room, peer)  # only the decode chosen for the room
             self.senders[room] = tx
             t0 = time.perf_counter()
             try:
@@ -123,8 +126,8 @@ class PrefillWorker(RoomWorker):
             if tx.poll() != KVPoll.Success:
                 raise TransferFailed(_about(room, tx.failure))
             if self.cache is not None:
-                await asyncio.to_thread(self.cache.write_back, tokens, {"kv": pages},
-                                        len(tokens), tenant)
+                await asyncio.to_thread(write_back, h, self.cache, tokens, pages, len(tokens),
+                                        tenant)
             return {"room": room, "prompt_tokens": len(tokens), "first_token": first,
                     "compute_s": compute_s, "prefix_len": tx.prefix_len,
                     "reused_tokens": reused}
@@ -134,7 +137,7 @@ class PrefillWorker(RoomWorker):
             # only reads its own pages, which stay allocated until it returns.)
             self._free_when_idle(tx, pages, slot)
 
-    def _free_when_idle(self, tx: KVSender | None, pages: list[int], slot: int) -> None:
+    def _free_when_idle(self, tx: Any, pages: list[int], slot: int) -> None:
         """Free a request's pages and aux row once nothing can read them: its compute thread
         returned, and its decode no longer holds the room for a repair (``tx.holding``: a
         restore that came up short, or an integrity retry, asks for a range again, and the
@@ -186,7 +189,7 @@ class PrefillWorker(RoomWorker):
         self._holds.add(task)
         task.add_done_callback(self._holds.discard)
 
-    def _compute(self, tx: KVSender, tokens: Sequence[int], pages: list[int], slot: int,
+    def _compute(self, tx: Any, tokens: Sequence[int], pages: list[int], slot: int,
                  sampling: Sampling, tenant: str = "") -> tuple[int, int]:
         """Compute the prompt (restoring the prefix it computed before) and ship each chunk's
         full pages as they are written; returns the first token and the reused tokens."""
@@ -194,8 +197,8 @@ class PrefillWorker(RoomWorker):
         sent = 0
         done = self._computing[id(pages)] = threading.Event()
         start = 0
-        if self.cache is not None:
-            start = reuse(self.cache, tokens, pages, tenant)  # leaves the last token
+        if self.cache is not None:  # leaves the last token to compute
+            start = reuse_prefix(h, self.cache, tokens, pages, tenant)
         if start:
             self.counters["reused_tokens"] += start
             sent = start // ps

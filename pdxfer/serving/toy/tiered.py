@@ -8,24 +8,36 @@ hits. Target and draft pools share page ids, so a restored prefix brings its dra
 
 The prefill uses the same cache without L3: a prefix it computed before is loaded into the
 request's pages instead of being recomputed.
+
+At TP > 1 every rank has a cache of its own over its own heads: its keys are salted with the
+rank's fingerprint (TP size and rank), and its L3 files live in a folder of its own
+(``rank<r>`` under ``--l3-dir``): a rank restores its heads, and a restore that comes up short
+is repaired on that rank from the prefill rank that sent them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 
-from pdxfer.tiers import FileStorage, StorageBackend, TieredCache
+from pdxfer import RequestHandle
+from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredCache
 
 from .worker import ModelHost, WorkerConfig
 
 log = logging.getLogger("pdxfer.serving.toy.tiered")
 
 
-def make_storage(cfg: WorkerConfig) -> StorageBackend | None:
+def rank_l3_dir(cfg: WorkerConfig, tp_rank: int) -> str:
+    """A rank's L3 folder: ``--l3-dir`` itself at TP 1."""
+    return cfg.l3_dir if cfg.tp == 1 else os.path.join(cfg.l3_dir, f"rank{tp_rank}")
+
+
+def make_storage(cfg: WorkerConfig, tp_rank: int = 0) -> StorageBackend | None:
     """The decode's L3, or None (``--no-l3``, or a prefill)."""
     if cfg.l3 == "file":
-        return FileStorage(cfg.l3_dir, max_bytes=cfg.l3_max_bytes or None)
+        return FileStorage(rank_l3_dir(cfg, tp_rank), max_bytes=cfg.l3_max_bytes or None)
     if cfg.l3 == "mooncake":
         from pdxfer.tiers import MooncakeStoreStorage
 
@@ -40,7 +52,7 @@ def make_cache(cfg: WorkerConfig, host: ModelHost) -> TieredCache | None:
         if cfg.l3 != "off":
             log.warning("L3 needs L2 pages to stage through: L3 is off (--l2-pages 0)")
         return None
-    storage = make_storage(cfg)
+    storage = make_storage(cfg, host.tp_rank)
     # host landing: pages are tokens, so the same capacity is l2_pages * page_size of them
     l2 = cfg.l2_pages * (cfg.page_size if cfg.token_granular else 1)
     cache = TieredCache(host.pools, host_pages=l2, storage=storage,
@@ -59,3 +71,18 @@ def reuse(cache: TieredCache, tokens: Sequence[int], pages: Sequence[int], scope
     finally:
         cache.finish(m)
     return good * cache.page_size
+
+
+def open_receiver(host: ModelHost, cache: TieredCache | None, room: int, bootstrap: str,
+                  instance: str | None, tokens: Sequence[int], dst: Sequence[int], slot: int,
+                  n: int, tenant: str, release: Callable[..., None]) -> RequestHandle:
+    """One rank's receiver for a prompt's KV into pages ``dst``: restoring the prefix this
+    rank holds (its own heads) while the network brings the rest, or the whole prompt from
+    the network when the worker keeps no cache."""
+    if cache is not None:
+        return RestoringReceiver(cache, host.endpoint, room, bootstrap, tokens, {"kv": dst},
+                                 {"aux": slot}, num_tokens=n, release=release,
+                                 instance=instance, scope=tenant)
+    rx = host.endpoint.receiver(room, bootstrap=bootstrap, instance=instance, release=release)
+    rx.request({"kv": dst}, slots={"aux": slot}, num_tokens=n)
+    return rx

@@ -1,10 +1,10 @@
 """What the prefill and decode workers share: model and pools, config, HTTP plumbing.
 
 A worker process hosts the toy model (target plus draft) with paged KV pools and one pdxfer
-``Endpoint`` for its tensor-parallel rank (TP=1 here: the pools are whole, and a TP>1
-worker would start one such process per rank with head-sharded pools). The pools
-registered with the endpoint are the model's own tensors, so a transfer writes straight
-into the pages attention reads.
+``Endpoint`` for its tensor-parallel rank. At ``--tp N`` the worker's front is rank 0 and
+starts one process per other rank (``ranks.py``); each rank's pools hold only its KV heads
+and its endpoint registers only those. The pools registered with the endpoint are the
+model's own tensors, so a transfer writes straight into the pages attention reads.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from ..http import (  # noqa: F401  (re-exported for the worker modules)
     READY,
     error_response,
     field,
+    merge_metrics,
     metrics_text,
     poll_until_terminal,
     read_json,
@@ -35,7 +37,7 @@ from ..http import (  # noqa: F401  (re-exported for the worker modules)
     token_list,
 )
 from .kv import KVPool, OutOfPagesError
-from .model import ToyConfig, ToyModel, make_draft
+from .model import Gather, ToyConfig, ToyModel, head_shard, make_draft
 
 log = logging.getLogger("pdxfer.serving")
 
@@ -79,6 +81,12 @@ class WorkerConfig:
     threads: int = 1
     max_waiting: int = 256
     admission_timeout_s: float = 30.0
+    tp: int = 1
+    """Tensor-parallel ranks: one process each, the front being rank 0."""
+    dp: int = 1
+    """Decode only: independent decode groups behind one address (``dp.py``)."""
+    dp_rank: int = 0
+    """Which of those groups this worker is."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -103,7 +111,20 @@ class WorkerConfig:
             raise ValueError(f"kv_landing must be device or host, got {self.kv_landing!r}")
         if self.kv_landing == "host" and self.role != "decode":
             raise ValueError("--kv-landing host is a decode option")
+        if not 1 <= self.tp <= 64:
+            raise ValueError(f"tp must be in [1, 64], got {self.tp}")
+        if not 1 <= self.dp <= 64 or not 0 <= self.dp_rank < self.dp:
+            raise ValueError(f"dp must be in [1, 64] and dp_rank in [0, dp), got "
+                             f"{self.dp_rank} of {self.dp}")
+        if self.dp > 1 and self.role != "decode":
+            raise ValueError("--dp is a decode option (a prefill scales as more instances)")
+        head_shard(self.toy(), 0, self.tp)  # a TP size that does not split the heads fails here
 
+    @property
+    def peer_by_instance(self) -> bool:
+        """Whether rooms are bound to this decode by its instance name (which all its TP ranks
+        share) rather than by its one endpoint id."""
+        return self.tp > 1
     @property
     def token_granular(self) -> bool:
         """Host landing: the pool is token-granular (page size 1) with the same capacity,
@@ -132,9 +153,13 @@ def default_l3_dir() -> str:
 def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
     dec = role == "decode"
     l3 = ("off" if not dec or a.no_l3 else "mooncake" if a.l3_mooncake else "file")
+    instance = a.instance
+    if dec and instance == "default" and (a.tp > 1 or a.dp > 1):
+        # rooms bind to a TP decode by its instance name: make it this decode's own
+        instance = f"decode-{secrets.token_hex(4)}"
     return WorkerConfig(
         role=role, host=a.host, advertise=a.advertise, port=a.port, bootstrap=a.bootstrap,
-        instance=a.instance,
+        instance=instance, tp=a.tp, dp=a.dp if dec else 1,
         pages=a.pages, aux_slots=a.aux_slots, seed=a.seed, page_size=a.page_size,
         max_seq_len=a.max_seq_len, chunk_size=a.chunk_size,
         l2_pages=a.l2_pages, l3=l3,
@@ -222,12 +247,20 @@ class Admission:
 
 class ModelHost:
     """Target and draft models, their KV pools (sharing page ids), the aux rows, and the
-    rank's endpoint. ``lock`` serialises model compute: one forward at a time per worker."""
+    rank's endpoint. ``lock`` serialises model compute: one forward at a time per worker.
 
-    def __init__(self, cfg: WorkerConfig) -> None:
+    At TP > 1 this is one rank: its pools hold its KV heads (``head_shard``), its endpoint
+    registers them as that head range, and ``gather`` joins its group's ranks. The aux rows
+    are whole on every rank (a replicated slot pool, written by whichever rank the library
+    asks). ``ranks`` is set on rank 0 of such a group (``ranks.Ranks``)."""
+
+    def __init__(self, cfg: WorkerConfig, tp_rank: int = 0, gather: Gather | None = None
+                 ) -> None:
         self.cfg = cfg
+        self.tp_rank = tp_rank
+        self.ranks: Any = None
         torch.set_num_threads(cfg.threads)
-        self.model = ToyModel(cfg.toy())
+        self.model = ToyModel(cfg.toy(), tp_rank=tp_rank, tp_size=cfg.tp, gather=gather)
         self.draft = make_draft(self.model)
         self.kv: KVPool = self.model.new_kv_pool(cfg.pool_pages)
         self.draft_kv: KVPool = self.draft.new_kv_pool(cfg.pool_pages,
@@ -236,36 +269,44 @@ class ModelHost:
         self.slots = SlotAllocator(cfg.aux_slots)
         self.lock = threading.Lock()
         ps, remap = cfg.pool_page_size, cfg.token_granular
+        c, sh = self.model.config, self.model.shard
+        heads = {"total_heads": c.n_kv_heads, "first_head": sh.kv_lo}
         self.pools = [
             PoolSpec.mha("kv", self.kv.k_tensors, self.kv.v_tensors, page_size=ps,
-                         page_remap=remap),
+                         page_remap=remap, **heads),
             PoolSpec.mha("draft_kv", self.draft_kv.k_tensors, self.draft_kv.v_tensors,
-                         page_size=ps, indices_from="kv", page_remap=remap),
+                         page_size=ps, indices_from="kv", page_remap=remap, **heads),
             PoolSpec.slots("aux", [self.aux]),
         ]
         pools = self.pools
-        c = self.model.config
-        # what the model computes, not how its KV is paged: a prefill and a decode with
-        # different page sizes (host landing) are the same model
-        self.fingerprint = (f"model=toy seed={c.seed} max_seq_len={c.max_seq_len} "
-                            f"layers={c.n_layers} d_model={c.d_model} "
-                            f"weights={self.model.weights_digest()[:16]}")
+        # what the model computes, not how its KV is paged or sharded: a prefill and a decode
+        # with different page sizes (host landing) or TP sizes are the same model
+        self.weights = self.model.weights_digest()[:16]
+        self.model_id = (f"model=toy seed={c.seed} max_seq_len={c.max_seq_len} "
+                         f"layers={c.n_layers} d_model={c.d_model} weights={self.weights}")
+        # ... while what one rank holds is its heads: its tier keys (L2, and L3 objects a
+        # fleet may share) name the TP size and rank, so no rank reads another's shard
+        self.fingerprint = f"{self.model_id} tp={cfg.tp}/{tp_rank}"
         self.endpoint = Endpoint(EndpointConfig(
-            model_id=self.fingerprint,
+            model_id=self.model_id,
             role=cfg.role, bootstrap=cfg.bootstrap, instance=cfg.instance, host=cfg.host,
             advertise=cfg.advertise, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s, heartbeat_s=cfg.heartbeat_s,
             transport=cfg.transport, device=cfg.device, integrity=cfg.integrity,  # type: ignore[arg-type]
-            integrity_retry=cfg.integrity_retry), pools)
+            integrity_retry=cfg.integrity_retry, tp_rank=tp_rank, tp_size=cfg.tp), pools)
+
+    @property
+    def peer(self) -> str:
+        """What a prefill binds this decode's rooms to (``sender(room, peer=...)``)."""
+        return self.cfg.instance if self.cfg.peer_by_instance else self.endpoint.endpoint_id
 
     def info(self) -> dict[str, Any]:
         c = self.model.config
         return {"role": self.cfg.role, "max_seq_len": c.max_seq_len, "page_size": c.page_size,
                 "kv_landing": self.cfg.kv_landing,
                 "free_pages": self.kv.allocator.num_free, "pages": self.cfg.pool_pages,
-                "weights": self.model.weights_digest()[:16], "pid": os.getpid()}
-
-
+                "weights": self.weights, "fingerprint": self.fingerprint,
+                "tp": self.cfg.tp, "pid": os.getpid()}
 
 
 class RoomWorker:
@@ -297,7 +338,27 @@ class RoomWorker:
     async def h_metrics(self, request: web.Request) -> web.Response:
         text = (metrics_text(self.metrics_prefix, self._metric_values())
                 + self.host.endpoint.prometheus().decode())
+        ranks = self.host.ranks
+        if ranks is not None:  # every rank's endpoint (labelled tp_rank) and tiers
+            parts = [(text, {})]
+            for r, st in (await asyncio.to_thread(ranks.stats)).items():
+                tiers = {f"tiers_{k.replace('.', '_')}": v for k, v in st["tiers"].items()}
+                parts += [(st["endpoint"], {}),
+                          (metrics_text(self.metrics_prefix, {**tiers, "rooms": st["rooms"]},
+                                        {"tp_rank": str(r)}), {})]
+            text = merge_metrics(parts)
         return web.Response(text=text)
+
+    def health(self, extra: dict[str, Any]) -> web.Response:
+        """``/health``: 200 while every rank lives; 503 naming the lost rank otherwise."""
+        h = self.host
+        body: dict[str, Any] = {"status": "ok", **h.info(), **extra}
+        if h.ranks is not None:
+            body["ranks"] = h.ranks.info()
+            if h.ranks.broken is not None:
+                body.update(status="broken", error=f"lost a TP rank: {h.ranks.broken}")
+                return web.json_response(body, status=503)
+        return web.json_response(body)
 
     async def h_abort(self, request: web.Request) -> web.Response:
         """Abort a room now, or remember it so a request that arrives later is refused."""
