@@ -224,7 +224,7 @@ def test_prefill_link_cut_mid_request_router_retries_on_the_other_pair(
     p0 = cluster.prefills[0]
     assert p0 is not None
     retries = cluster.metrics("router").get("pdxfer_router_retries", 0)
-    prompts, futs = _slow_requests(cluster, 2)
+    prompts, futs = _slow_requests(cluster, 8)  # a queue: one alone can finish between polls
     _wait_inflight(cluster, "prefill")
     net["p0"].cut()
     try:
@@ -247,7 +247,7 @@ def test_prefill_host_dies_new_requests_go_to_the_other_then_it_returns(
     p0, p1 = cluster.prefills
     assert p0 is not None and p1 is not None
     port = p0.port
-    prompts, futs = _slow_requests(cluster, 2)
+    prompts, futs = _slow_requests(cluster, 8)  # a queue: one alone can finish between polls
     _wait_inflight(cluster, "prefill")
     t_kill = time.monotonic()
     killed = net["p0"].kill_all()

@@ -225,6 +225,40 @@ def test_a_repeated_prefix_is_restored_from_l2_and_only_the_suffix_crosses(
     assert d1["net_bytes"] - d0["net_bytes"] == suffix
 
 
+KEY_A, KEY_B = "alice-key-0123456789", "bob-key-0123456789ab"
+
+
+def test_tenants_never_restore_each_others_prefix(cluster: Cluster) -> None:
+    """With API keys the router turns each tenant into vLLM's cache_salt: the decode restores
+    a tenant's own prefix from L2, never another tenant's (it crosses the wire instead)."""
+    router = Proc("router-keys", ["router", "--engine", "vllm", "--port", "0", "--prefill",
+                                  f"{cluster.prefill.url},{cluster.boot.address},{PREFILL}",
+                                  "--decode", f"{cluster.decode.url},{DECODE}"],
+                  timeout=180, env={"PDXFER_API_KEYS": f"alice:{KEY_A},bob:{KEY_B}"})
+    try:
+        prefix = _ids(123, 6 * BS)
+        a, b, c = (prefix + _ids(base, 10 + k) for k, base in enumerate((31, 57, 89)))
+
+        def ask(key: str, prompt: list[int]) -> list[int]:
+            r = OpenAI(base_url=f"{router.url}/v1", api_key=key, max_retries=0,
+                       timeout=120).completions.create(
+                model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True})
+            return _token_ids(r.choices[0], r)
+
+        w0 = cluster.d().get("tiers", {}).get("l2_writebacks", 0)
+        assert ask(KEY_A, a) == _complete(cluster.ref.url, a)
+        _wait("alice's write-back",
+              lambda: cluster.d().get("tiers", {}).get("l2_writebacks", 0) >= w0 + 6)
+        r0 = cluster.d()["restored_l2_pages"]
+        assert ask(KEY_B, b) == _complete(cluster.ref.url, b)
+        assert cluster.d()["restored_l2_pages"] == r0, "bob restored alice's prefix"
+        assert ask(KEY_A, c) == _complete(cluster.ref.url, c)
+        assert cluster.d()["restored_l2_pages"] == r0 + 6, "alice did not restore her own"
+    finally:
+        router.stop()
+
+
 def _direct(cluster: Cluster, prompt: list[int], room: int, timeout: float = 120
             ) -> list[int]:
     """The proxy protocol by hand, with a chosen room (the fault injection names rooms)."""

@@ -5,8 +5,9 @@ prefill as a completion of one token with ``kv_transfer_params: {"do_remote_deco
 the prefill's answer carries ``kv_transfer_params`` that the decode's request repeats, and the
 decode's connector then receives the prompt's KV instead of computing it. pdxfer's router adds
 ``pdxfer_room`` (the rendezvous it drew) and ``pdxfer_decode`` (the decode it chose: the
-prefill binds the room to it), and ``pdxfer_tenant`` on the decode (its cache is scoped per
-tenant, as the toy's is).
+prefill binds the room to it). A tenant (an API key's) becomes vLLM's own ``cache_salt`` on
+both sides, which scopes vLLM's prefix cache and the connector's L2/L3 keys per tenant, as the
+toy's caches are.
 
 No vLLM import here: workers are spoken to over HTTP only. The tokenizer comes from the served
 model's folder (``--tokenizer``, else the ``root`` the decode's ``/v1/models`` names), so the
@@ -18,6 +19,7 @@ else ``--page-size``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import time
@@ -123,8 +125,12 @@ class VllmBackend:
 
     def _sampling(self, job: Attempt) -> dict[str, Any]:
         ask = job.ask
-        return {"model": self.served, "prompt": job.ids, "temperature": ask.temperature,
-                "top_p": ask.top_p, "seed": job.seed}
+        out = {"model": self.served, "prompt": job.ids, "temperature": ask.temperature,
+               "top_p": ask.top_p, "seed": job.seed}
+        if ask.tenant:  # clients never set it: the router builds every vLLM request itself
+            out["cache_salt"] = hashlib.sha256(f"pdxfer-tenant|{ask.tenant}".encode()
+                                               ).hexdigest()
+        return out
 
     async def _prefill(self, http: Http, job: Attempt) -> dict[str, Any]:
         pf, dc = job.pf, job.dc
@@ -157,7 +163,7 @@ class VllmBackend:
         payload: dict[str, Any] = {
             **self._sampling(job), "max_tokens": ask.max_tokens, "stream": True,
             "ignore_eos": ask.ignore_eos, "return_token_ids": True,
-            "kv_transfer_params": {**kv, "pdxfer_tenant": ask.tenant}}
+            "kv_transfer_params": kv}
         if ask.logprobs is not None:
             payload["logprobs"] = ask.logprobs
             payload["return_tokens_as_token_ids"] = True
