@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 
-from pdxfer import RequestHandle
+from pdxfer import RequestHandle, advertised
 from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredCache
 
 from .worker import ModelHost, WorkerConfig
@@ -41,7 +41,9 @@ def make_storage(cfg: WorkerConfig, tp_rank: int = 0) -> StorageBackend | None:
     if cfg.l3 == "mooncake":
         from pdxfer.tiers import MooncakeStoreStorage
 
-        return MooncakeStoreStorage(cfg.l3_mooncake, cfg.l3_mooncake_metadata, host=cfg.host,
+        # the store registers this decode's segment under the address peers dial
+        return MooncakeStoreStorage(cfg.l3_mooncake, cfg.l3_mooncake_metadata,
+                                    host=advertised(cfg.host, cfg.advertise),
                                     segment_bytes=cfg.l3_mooncake_segment_bytes)
     return None
 
