@@ -70,7 +70,7 @@ class Cluster:
 def _prefill(c: Cluster, port: int | None = None) -> VllmServer:
     extra = {"bootstrap": c.boot.address, "instance": PREFILL, "stats_file": str(c.p_stats),
              "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S}
-    return VllmServer("prefill", c.model, c.tmp, port=port,
+    return VllmServer("prefill", c.model, c.tmp, port=port, log_stats=True,
                       kv_transfer_config=kv_config("kv_producer", extra),
                       env={"PDXFER_FAULTS": f"delay_write=8,rooms={ROOM_SLOW}"})
 
@@ -223,6 +223,13 @@ def test_a_repeated_prefix_is_restored_from_l2_and_only_the_suffix_crosses(
     suffix = (-(-len(b) // BS) - 8) * BLOCK_BYTES
     assert cluster.p()["endpoint"]["transport_bytes"] - sent0 == suffix
     assert d1["net_bytes"] - d0["net_bytes"] == suffix
+    # the same figures in vLLM's own /metrics (worker -> engine core -> API server)
+    _wait("the decode's /metrics", lambda: _metric(cluster.decode, "vllm:pdxfer_net_bytes_total")
+          == cluster.d()["net_bytes"])
+    d2 = cluster.d()
+    for k in ("restored_l2_pages", "loads", "loaded_tokens", "load_failures"):
+        assert _metric(cluster.decode, f"vllm:pdxfer_{k}_total") == d2[k], k
+    assert _metric(cluster.prefill, "vllm:pdxfer_sends_total") == cluster.p()["sends"]
 
 
 KEY_A, KEY_B = "alice-key-0123456789", "bob-key-0123456789ab"
@@ -285,10 +292,15 @@ def test_a_corrupted_transfer_is_caught_and_no_wrong_token_is_returned(cluster: 
 
 
 def _kv_usage(server: VllmServer) -> float:
-    for line in server.metrics_text().splitlines():
-        if line.startswith("vllm:kv_cache_usage_perc"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no vllm:kv_cache_usage_perc in the decode's /metrics")
+    return _metric(server, "vllm:kv_cache_usage_perc")
+
+
+def _metric(server: VllmServer, name: str) -> float:
+    """A metric's value in a server's /metrics (summed over its labels)."""
+    vals = [float(line.rsplit(" ", 1)[1]) for line in server.metrics_text().splitlines()
+            if line.startswith((name + "{", name + " "))]
+    assert vals, f"no {name} in {server.url}/metrics"
+    return sum(vals)
 
 
 def test_a_prefill_killed_mid_transfer_ends_the_request_by_its_policy_and_blocks_come_back(

@@ -9,6 +9,8 @@ be checked against what the prefill computed, byte for byte.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -29,6 +32,10 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorLogging,
+    KVConnectorProm,
+)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -89,7 +96,8 @@ class Engine:
                                  dtype=torch.bfloat16)
         kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                             kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
-        self.sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=False,
+        self.vc = vc
+        self.sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
                                structured_output_manager=StructuredOutputManager(vc),
                                block_size=BS)
         hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
@@ -102,6 +110,8 @@ class Engine:
                               dtype=torch.bfloat16)
         self.conn.register_kv_caches({n: self.kv[i] for i, n in enumerate(LAYERS)})
         self.outputs: dict[str, list[int]] = {}
+        self.kv_stats: list[dict[str, Any]] = []
+        """The connector's figures as vLLM's scheduler hands them to its loggers."""
         self.computed: dict[str, list[tuple[int, int]]] = {}
         """Per request, the (first, count) position ranges the fake forward computed."""
 
@@ -139,8 +149,12 @@ class Engine:
                                 kv_connector_output=KVConnectorOutput(
                                     finished_sending=res.finished_sending or None,
                                     finished_recving=res.finished_recving or None,
-                                    invalid_block_ids=errors))
+                                    invalid_block_ids=errors,
+                                    kv_connector_stats=c.get_kv_connector_stats()))
         for eco in self.sched.update_from_output(so, out).values():
+            st = eco.scheduler_stats
+            if st is not None and st.kv_connector_stats:
+                self.kv_stats.append(st.kv_connector_stats)
             for o in eco.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
@@ -293,6 +307,57 @@ def test_decode_tiers_restore_from_l2_and_write_back(model: Path, server: Bootst
     run_until([p, d], lambda: "b-d" in d.finished and "b" not in p.sched.requests)
     assert p.ep.metrics()["transport_bytes"] - before == p.conn.worker.layout.block_bytes
     assert d.conn.worker.counters["restored_l2_pages"] == 4
+
+
+def test_the_connectors_figures_reach_vllms_log_line_and_prometheus(
+        model: Path, server: BootstrapServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Each step's figures go worker -> vLLM's scheduler stats -> its logger and Prometheus
+    (vLLM's own classes), and add up to what moved."""
+    pair = make_pair(model, server, name="prom", decode_extra={"l2_pages": 32},
+                     prefix_caching=False)
+    p, d = pair.p, pair.d
+    shared = [(i * 23) % 700 + 20 for i in range(128)]
+    before = p.ep.metrics()["transport_bytes"]
+    prefill_then_decode(pair, "a", shared + [7, 8, 9], room=501)
+    run_until([p, d], lambda: "a-d" in d.finished
+              and d.conn.worker.counters["writebacks"] == 1 and "a" not in p.sched.requests)
+    prefill_then_decode(pair, "b", shared + [10, 11, 12, 13], room=502)
+    run_until([p, d], lambda: "b-d" in d.finished and "b" not in p.sched.requests)
+    sent = p.ep.metrics()["transport_bytes"] - before
+
+    labels = {"model_name": "m", "engine": "0"}
+
+    def observed(e: Engine) -> tuple[str, Any]:
+        """vLLM's log line and a Prometheus registry, fed what its scheduler handed over."""
+        reg = CollectorRegistry()
+
+        class Prom(KVConnectorProm):  # vLLM's class, on a registry of the test's own
+            _gauge_cls = functools.partial(Gauge, registry=reg)  # type: ignore[assignment]
+            _counter_cls = functools.partial(Counter, registry=reg)  # type: ignore[assignment]
+            _histogram_cls = functools.partial(Histogram, registry=reg)  # type: ignore[assignment]
+
+        prom = Prom(e.vc, list(labels), {0: list(labels.values())})
+        logging_ = KVConnectorLogging(e.vc.kv_transfer_config)
+        for data in e.kv_stats:
+            prom.observe(data, 0)
+            logging_.observe(data)
+        with caplog.at_level(logging.INFO):
+            logging_.log(log_fn=logging.getLogger("test").info)
+        return caplog.records[-1].getMessage(), functools.partial(reg.get_sample_value,
+                                                                  labels=labels)
+
+    line, value = observed(p)
+    assert "sends=2" in line, line
+    assert value("vllm:pdxfer_sends_total") == 2
+    assert value("vllm:pdxfer_sent_tokens_total") == 131 + 132
+    line, value = observed(d)
+    assert "loads=2" in line and "restored_l2_pages=4" in line, line
+    assert value("vllm:pdxfer_loads_total") == 2
+    assert value("vllm:pdxfer_restored_l2_pages_total") == 4
+    assert value("vllm:pdxfer_net_bytes_total") == sent
+    assert value("vllm:pdxfer_load_failures_total") == 0
+    assert value("vllm:pdxfer_ready_seconds_count") == 2
+    assert value("vllm:pdxfer_load_bytes_sum") == sent
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

@@ -2,7 +2,8 @@
 
 Reading order: ``params`` (the ``kv_transfer_params`` protocol) -> ``config`` (the extra
 config) -> ``layout`` (vLLM's cache tensors as a pool) -> ``metadata`` (scheduler -> worker
-orders) -> ``scheduler`` -> ``worker`` -> ``connector`` (the facade vLLM instantiates).
+orders) -> ``scheduler`` -> ``worker`` -> ``stats`` (its figures in vLLM's log and
+``/metrics``) -> ``connector`` (the facade vLLM instantiates).
 
 Importing this package is cheap: the connector (and vLLM) load when vLLM asks for
 ``PdxferConnector``. ``register`` is the ``vllm.general_plugins`` entry point: with pdxfer

@@ -28,6 +28,7 @@ from pdxfer import ConfigError
 from . import config as C
 from .metadata import PdxferMetadata
 from .scheduler import PdxferScheduler
+from .stats import PdxferPromMetrics, PdxferStats
 from .worker import PdxferWorker, RankInfo
 
 if TYPE_CHECKING:
@@ -162,3 +163,19 @@ class PdxferConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+    # -- metrics (``stats.py``) ----------------------------------------------------------------
+    def get_kv_connector_stats(self) -> PdxferStats | None:
+        data = self.worker.take_interval() if self.worker is not None else None
+        return PdxferStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdxferStats:
+        return PdxferStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> PdxferPromMetrics:
+        return PdxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

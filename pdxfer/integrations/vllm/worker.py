@@ -73,9 +73,11 @@ class PdxferWorker:
         self._bound: PdxferMetadata | None = None
         self.counters: dict[str, int] = {
             "sends": 0, "send_failures": 0, "sent_tokens": 0, "loads": 0, "load_failures": 0,
-            "loaded_tokens": 0, "net_bytes": 0, "net_us": 0, "ready_us": 0, "restore_us": 0, "restored_pages": 0, "restored_l2_pages": 0,
-            "restored_l3_pages": 0, "repaired_tokens": 0, "writebacks": 0,
-            "writeback_failures": 0}
+            "loaded_tokens": 0, "net_bytes": 0, "net_us": 0, "ready_us": 0, "restore_us": 0,
+            "restored_pages": 0, "restored_l2_pages": 0, "restored_l3_pages": 0,
+            "repaired_tokens": 0, "writebacks": 0, "writeback_failures": 0}
+        self._interval: dict[str, Any] = {}
+        """Counts and per-load figures since vLLM last asked (``take_interval``)."""
         self._changed = False
 
     # -- start ---------------------------------------------------------------------------------
@@ -134,11 +136,11 @@ class PdxferWorker:
             tx.send({POOL: list(s.block_ids)}, last=True)
         except Exception as e:  # noqa: BLE001 - one bad room fails that request only
             log.warning("room %d (request %s): cannot send: %s", s.room, s.req_id, e)
-            self.counters["send_failures"] += 1
+            self._add("send_failures")
             self._sends[s.req_id] = None
             return
-        self.counters["sends"] += 1
-        self.counters["sent_tokens"] += s.num_tokens
+        self._add("sends")
+        self._add("sent_tokens", s.num_tokens)
         self._sends[s.req_id] = tx
 
     def _load(self, o: LoadOrder) -> None:
@@ -171,16 +173,16 @@ class PdxferWorker:
         rec = _Load(o, rx, blocks)
         if early.is_set():
             rec.released.set()
-        self.counters["loads"] += 1
+        self._add("loads")
         self._loads[o.req_id] = rec
 
     def _write_back(self, w: WritebackOrder) -> None:
         try:
             assert self.cache is not None
             self.cache.write_back(w.tokens, {POOL: list(w.block_ids)}, len(w.tokens), w.scope)
-            self.counters["writebacks"] += 1
+            self._add("writebacks")
         except Exception as e:  # noqa: BLE001 - a cache problem never fails a request
-            self.counters["writeback_failures"] += 1
+            self._add("writeback_failures")
             log.warning("write-back of request %s failed: %s", w.req_id, e)
         self._written.add(w.req_id)
 
@@ -195,7 +197,7 @@ class PdxferWorker:
             st = tx.poll() if tx is not None else KVPoll.Failed
             if st == KVPoll.Failed or (st == KVPoll.Success and not tx.holding):  # type: ignore[union-attr]
                 if st == KVPoll.Failed and tx is not None:
-                    self.counters["send_failures"] += 1
+                    self._add("send_failures")
                     log.info("request %s: send failed: %s", rid, tx.failure)
                 sending.add(rid)
                 del self._sends[rid]
@@ -205,7 +207,7 @@ class PdxferWorker:
             if st == KVPoll.Success:
                 self._loaded(rec)
             elif st == KVPoll.Failed and rec.released.is_set():
-                self.counters["load_failures"] += 1
+                self._add("load_failures")
                 if not rec.aborted:
                     log.warning("request %s (room %d): KV load failed: %s; its %d blocks go "
                                 "back to vLLM as load errors", rid, rec.order.room,
@@ -221,23 +223,37 @@ class PdxferWorker:
         return sending, recving
 
     def _loaded(self, rec: _Load) -> None:
-        c = self.counters
-        c["loaded_tokens"] += rec.order.num_tokens - rec.order.l1_len
+        add = self._add
+        add("loaded_tokens", rec.order.num_tokens - rec.order.l1_len)
         st = rec.rx.stats()
         if isinstance(rec.rx, RestoringReceiver):
             good, l2 = rec.rx.restored_pages, int(st["l2_pages"])
-            c["restored_pages"] += good
-            c["restored_l2_pages"] += min(good, l2)
-            c["restored_l3_pages"] += max(0, good - l2)
-            c["repaired_tokens"] += int(st["repaired_tokens"])
-            c["net_bytes"] += int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0)
-            c["net_us"] += int((st["net_seconds"] or 0) * 1e6)
-            c["ready_us"] += int((st["seconds"] or 0) * 1e6)
-            c["restore_us"] += int((st["local_seconds"] or 0) * 1e6)
+            add("restored_pages", good)
+            add("restored_l2_pages", min(good, l2))
+            add("restored_l3_pages", max(0, good - l2))
+            add("repaired_tokens", int(st["repaired_tokens"]))
+            net = int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0)
+            net_s, ready_s = st["net_seconds"] or 0, st["seconds"] or 0
+            add("restore_us", int((st["local_seconds"] or 0) * 1e6))
         else:
-            c["net_bytes"] += int(st.get("bytes") or 0)
-            c["net_us"] += int((st.get("seconds") or 0) * 1e6)
-            c["ready_us"] += int((st.get("seconds") or 0) * 1e6)
+            net, net_s = int(st.get("bytes") or 0), st.get("seconds") or 0
+            ready_s = net_s
+        add("net_bytes", net)
+        add("net_us", int(net_s * 1e6))
+        add("ready_us", int(ready_s * 1e6))
+        self._interval.setdefault("ready_seconds", []).append(float(ready_s))
+        self._interval.setdefault("load_bytes", []).append(net)
+
+    def _add(self, key: str, n: int = 1) -> None:
+        self.counters[key] += n
+        self._interval[key] = self._interval.get(key, 0) + n
+
+    def take_interval(self) -> dict[str, Any] | None:
+        """What was counted since the last call (vLLM asks after every step), or None."""
+        if not any(self._interval.values()):
+            return None
+        out, self._interval = self._interval, {}
+        return out
 
     def load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
