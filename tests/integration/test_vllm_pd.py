@@ -26,13 +26,25 @@ from openai import OpenAI
 
 from pdxfer import BootstrapServer
 from pdxfer.serving.procs import Proc
-from pdxfer.testing.hf_model import CORPUS, SHAPES, build_model
+from pdxfer.testing.hf_model import SHAPES, build_model
 from pdxfer.testing.vllm_procs import VllmServer, kv_config, read_stats, start_all
+
+from .vllm_helpers import (
+    MAX_TOKENS,
+    chat_stream,
+    client,
+    complete,
+    kv_usage,
+    metric,
+    ref_chat,
+    text,
+    token_ids,
+    wait,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
 BS = 32
-MAX_TOKENS = 12
 ROOM_SLOW, ROOM_CORRUPT = 4242, 4343
 DECODE, PREFILL = "vllm-d0", "vllm-p0"
 DEADLINE_S = 20.0
@@ -117,76 +129,19 @@ def front_door(cluster: Cluster) -> Iterator[str]:
         router.stop()
 
 
-def _token_ids(choice: Any, body: Any) -> list[int]:
-    """vLLM answers ``token_ids`` on the choice (``return_token_ids``); pdxfer's router in
-    its ``pdxfer`` extension."""
-    ids = getattr(choice, "token_ids", None)
-    if ids is None:
-        ids = (body.model_extra or {}).get("pdxfer", {}).get("token_ids")
-    assert ids is not None, "no token ids in the answer"
-    return list(ids)
-
-
-def _client(url: str) -> OpenAI:
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _complete(url: str, prompt: str | list[int], **kw: Any) -> list[int]:
-    r = _client(url).completions.create(
-        model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})}, **kw)
-    return _token_ids(r.choices[0], r)
-
-
-def _chat_stream(url: str, text: str) -> tuple[str, list[int]]:
-    stream = _client(url).chat.completions.create(
-        model="llama", messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
-        temperature=0, stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
-    out, ids = "", []
-    for chunk in stream:
-        if chunk.choices:
-            out += chunk.choices[0].delta.content or ""
-            ids += list(getattr(chunk.choices[0], "token_ids", None) or [])
-        ext = (chunk.model_extra or {}).get("pdxfer")
-        if ext:  # the router's last chunk of a choice carries all its ids
-            ids = list(ext["token_ids"])
-    return out, ids
-
-
-def _ref_chat(url: str, text: str) -> tuple[str, list[int]]:
-    r = _client(url).chat.completions.create(
-        model="llama", messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
-        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
-    return r.choices[0].message.content or "", list(r.choices[0].token_ids)  # type: ignore[attr-defined]
-
-
-def _wait(what: str, cond: Any, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-WORDS = CORPUS.split()
-
-
-def _text(start: int, n: int) -> str:
-    return " ".join(WORDS[(start + i) % len(WORDS)] for i in range(n))
-
-
 def test_outputs_equal_colocated_vllm_token_for_token(cluster: Cluster, front_door: str) -> None:
     short = ["Hello", "The river", "def add(a, b):", "Numbers were shouted:"]
-    long = [_text(7 * i, 150 + 90 * i) for i in range(4)]  # ~5 to ~20 blocks
-    prefix = _text(500, 220)
-    shared = [f"{prefix} Question {i}: {_text(40 * i, 5 + i)}?" for i in range(6)]
+    long = [text(7 * i, 150 + 90 * i) for i in range(4)]  # ~5 to ~20 blocks
+    prefix = text(500, 220)
+    shared = [f"{prefix} Question {i}: {text(40 * i, 5 + i)}?" for i in range(6)]
     prompts = short + long + shared
-    chats = [f"Tell me about {_text(11 * i, 3)}." for i in range(3)] + [prefix + " Summarise."]
-    want = {p: _complete(cluster.ref.url, p) for p in prompts}
-    want_chat = {t: _ref_chat(cluster.ref.url, t) for t in chats}
+    chats = [f"Tell me about {text(11 * i, 3)}." for i in range(3)] + [prefix + " Summarise."]
+    want = {p: complete(cluster.ref.url, p) for p in prompts}
+    want_chat = {t: ref_chat(cluster.ref.url, t) for t in chats}
     before = cluster.d().get("loads", 0)
     with cf.ThreadPoolExecutor(4) as pool:
-        got = dict(zip(prompts, pool.map(lambda p: _complete(front_door, p), prompts)))
-        got_chat = dict(zip(chats, pool.map(lambda t: _chat_stream(front_door, t), chats)))
+        got = dict(zip(prompts, pool.map(lambda p: complete(front_door, p), prompts)))
+        got_chat = dict(zip(chats, pool.map(lambda t: chat_stream(front_door, t), chats)))
     for p in prompts:
         assert got[p] == want[p], f"prompt {p[:40]!r}: {got[p]} != colocated {want[p]}"
     for t in chats:
@@ -195,10 +150,10 @@ def test_outputs_equal_colocated_vllm_token_for_token(cluster: Cluster, front_do
     n = len(prompts) + len(chats)
     assert n >= 16
     # KV really moved: every request loaded from the prefill, none fell back to a recompute
-    _wait("the decode's stats", lambda: cluster.d().get("loads", 0) - before == n)
+    wait("the decode's stats", lambda: cluster.d().get("loads", 0) - before == n)
     d = cluster.d()
     assert d["load_failures"] == 0 and d["in_flight_loads"] == 0
-    _wait("the prefill's sends", lambda: cluster.p().get("in_flight_sends", 1) == 0)
+    wait("the prefill's sends", lambda: cluster.p().get("in_flight_sends", 1) == 0)
     p = cluster.p()
     assert p["sends"] >= n and p["send_failures"] == 0
     assert p["endpoint"]["transport_bytes"] == d["net_bytes"] > 0
@@ -212,24 +167,24 @@ def test_a_repeated_prefix_is_restored_from_l2_and_only_the_suffix_crosses(
         cluster: Cluster, front_door: str) -> None:
     prefix = _ids(1, 8 * BS)
     a, b = prefix + _ids(900, 20), prefix + _ids(1900, 45)
-    assert _complete(front_door, a) == _complete(cluster.ref.url, a)
-    _wait("the write-back of the first request",
+    assert complete(front_door, a) == complete(cluster.ref.url, a)
+    wait("the write-back of the first request",
           lambda: cluster.d().get("tiers", {}).get("l2_writebacks", 0) >= 8)
     d0, sent0 = cluster.d(), cluster.p()["endpoint"]["transport_bytes"]
-    assert _complete(front_door, b) == _complete(cluster.ref.url, b)
-    _wait("the prefill's send", lambda: cluster.p()["endpoint"]["transport_bytes"] > sent0)
+    assert complete(front_door, b) == complete(cluster.ref.url, b)
+    wait("the prefill's send", lambda: cluster.p()["endpoint"]["transport_bytes"] > sent0)
     d1 = cluster.d()
     assert d1["restored_l2_pages"] - d0["restored_l2_pages"] == 8
     suffix = (-(-len(b) // BS) - 8) * BLOCK_BYTES
     assert cluster.p()["endpoint"]["transport_bytes"] - sent0 == suffix
     assert d1["net_bytes"] - d0["net_bytes"] == suffix
     # the same figures in vLLM's own /metrics (worker -> engine core -> API server)
-    _wait("the decode's /metrics", lambda: _metric(cluster.decode, "vllm:pdxfer_net_bytes_total")
+    wait("the decode's /metrics", lambda: metric(cluster.decode, "vllm:pdxfer_net_bytes_total")
           == cluster.d()["net_bytes"])
     d2 = cluster.d()
     for k in ("restored_l2_pages", "loads", "loaded_tokens", "load_failures"):
-        assert _metric(cluster.decode, f"vllm:pdxfer_{k}_total") == d2[k], k
-    assert _metric(cluster.prefill, "vllm:pdxfer_sends_total") == cluster.p()["sends"]
+        assert metric(cluster.decode, f"vllm:pdxfer_{k}_total") == d2[k], k
+    assert metric(cluster.prefill, "vllm:pdxfer_sends_total") == cluster.p()["sends"]
 
 
 KEY_A, KEY_B = "alice-key-0123456789", "bob-key-0123456789ab"
@@ -251,16 +206,16 @@ def test_tenants_never_restore_each_others_prefix(cluster: Cluster) -> None:
                        timeout=120).completions.create(
                 model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                 extra_body={"ignore_eos": True})
-            return _token_ids(r.choices[0], r)
+            return token_ids(r.choices[0], r)
 
         w0 = cluster.d().get("tiers", {}).get("l2_writebacks", 0)
-        assert ask(KEY_A, a) == _complete(cluster.ref.url, a)
-        _wait("alice's write-back",
+        assert ask(KEY_A, a) == complete(cluster.ref.url, a)
+        wait("alice's write-back",
               lambda: cluster.d().get("tiers", {}).get("l2_writebacks", 0) >= w0 + 6)
         r0 = cluster.d()["restored_l2_pages"]
-        assert ask(KEY_B, b) == _complete(cluster.ref.url, b)
+        assert ask(KEY_B, b) == complete(cluster.ref.url, b)
         assert cluster.d()["restored_l2_pages"] == r0, "bob restored alice's prefix"
-        assert ask(KEY_A, c) == _complete(cluster.ref.url, c)
+        assert ask(KEY_A, c) == complete(cluster.ref.url, c)
         assert cluster.d()["restored_l2_pages"] == r0 + 6, "alice did not restore her own"
     finally:
         router.stop()
@@ -271,12 +226,12 @@ def _direct(cluster: Cluster, prompt: list[int], room: int, timeout: float = 120
     """The proxy protocol by hand, with a chosen room (the fault injection names rooms)."""
     params = {"do_remote_decode": True, "do_remote_prefill": False, "pdxfer_room": room,
               "pdxfer_decode": DECODE}
-    first = _client(cluster.prefill.url).completions.create(
+    first = client(cluster.prefill.url).completions.create(
         model="llama", prompt=prompt, max_tokens=1, temperature=0,
         extra_body={"kv_transfer_params": params})
     answer = first.model_extra["kv_transfer_params"]  # type: ignore[index]
     assert answer["pdxfer_room"] == room
-    return _complete(cluster.decode.url, prompt, extra={"kv_transfer_params": answer},
+    return complete(cluster.decode.url, prompt, extra={"kv_transfer_params": answer},
                      timeout=timeout)
 
 
@@ -284,36 +239,24 @@ def test_a_corrupted_transfer_is_caught_and_no_wrong_token_is_returned(cluster: 
     prompt = _ids(5000, 5 * BS + 7)
     d0 = cluster.d()
     got = _direct(cluster, prompt, ROOM_CORRUPT)
-    assert got == _complete(cluster.ref.url, prompt)
-    _wait("the decode's stats", lambda: cluster.d()["load_failures"] > d0["load_failures"])
+    assert got == complete(cluster.ref.url, prompt)
+    wait("the decode's stats", lambda: cluster.d()["load_failures"] > d0["load_failures"])
     d1 = cluster.d()
     assert d1["endpoint"]["integrity_mismatches"] > d0["endpoint"].get("integrity_mismatches", 0)
     assert d1["load_failures"] == d0["load_failures"] + 1
 
 
-def _kv_usage(server: VllmServer) -> float:
-    return _metric(server, "vllm:kv_cache_usage_perc")
-
-
-def _metric(server: VllmServer, name: str) -> float:
-    """A metric's value in a server's /metrics (summed over its labels)."""
-    vals = [float(line.rsplit(" ", 1)[1]) for line in server.metrics_text().splitlines()
-            if line.startswith((name + "{", name + " "))]
-    assert vals, f"no {name} in {server.url}/metrics"
-    return sum(vals)
-
-
 def test_a_prefill_killed_mid_transfer_ends_the_request_by_its_policy_and_blocks_come_back(
         cluster: Cluster, front_door: str) -> None:
     prompt = _ids(7000, 6 * BS + 3)
-    want = _complete(cluster.ref.url, prompt)
+    want = complete(cluster.ref.url, prompt)
     d0 = cluster.d()
     with cf.ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
         fut = pool.submit(_direct, cluster, prompt, ROOM_SLOW)
         # the prefill answered and its write is held back 8 s: the load is in flight
-        _wait("the load to start", lambda: cluster.d().get("loads", 0) > d0["loads"])
-        assert _kv_usage(cluster.decode) > 0, "the decode holds blocks for the load"
+        wait("the load to start", lambda: cluster.d().get("loads", 0) > d0["loads"])
+        assert kv_usage(cluster.decode) > 0, "the decode holds blocks for the load"
         cluster.prefill.kill()
         got = fut.result(timeout=DEADLINE_S + 60)
         took = time.monotonic() - t0
@@ -321,25 +264,25 @@ def test_a_prefill_killed_mid_transfer_ends_the_request_by_its_policy_and_blocks
     assert took < DEADLINE_S, f"the failure took {took:.1f} s, past the {DEADLINE_S} s deadline"
     d1 = cluster.d()
     assert d1["load_failures"] == d0["load_failures"] + 1 and d1["in_flight_loads"] == 0
-    _wait("the decode's blocks to come back", lambda: _kv_usage(cluster.decode) == 0.0)
+    wait("the decode's blocks to come back", lambda: kv_usage(cluster.decode) == 0.0)
     cluster.restart_prefill()
     nxt = _ids(8000, 3 * BS + 5)
-    assert _complete(front_door, nxt) == _complete(cluster.ref.url, nxt)
-    _wait("the decode's stats", lambda: cluster.d()["loads"] == d1["loads"] + 1)
+    assert complete(front_door, nxt) == complete(cluster.ref.url, nxt)
+    wait("the decode's stats", lambda: cluster.d()["loads"] == d1["loads"] + 1)
     assert cluster.d()["load_failures"] == d1["load_failures"]
 
 
 def test_a_restarted_decode_restores_a_prefix_from_l3_files(cluster: Cluster,
                                                             front_door: str) -> None:
     prefix = _ids(1, 8 * BS)  # written back by the L2 test above
-    _wait("L3 writes", lambda: cluster.d().get("tiers", {}).get("l3_puts", 0) >= 8)
+    wait("L3 writes", lambda: cluster.d().get("tiers", {}).get("l3_puts", 0) >= 8)
     cluster.restart_decode()
     c = prefix + _ids(3300, 30)
     sent0 = cluster.p()["endpoint"]["transport_bytes"]
-    assert _complete(front_door, c) == _complete(cluster.ref.url, c)
-    _wait("the decode's stats", lambda: cluster.d().get("loads", 0) == 1)
+    assert complete(front_door, c) == complete(cluster.ref.url, c)
+    wait("the decode's stats", lambda: cluster.d().get("loads", 0) == 1)
     d = cluster.d()
     assert d["restored_l3_pages"] == 8 and d["load_failures"] == 0
-    _wait("the prefill's send", lambda: cluster.p()["endpoint"]["transport_bytes"] > sent0)
+    wait("the prefill's send", lambda: cluster.p()["endpoint"]["transport_bytes"] > sent0)
     suffix = (-(-len(c) // BS) - 8) * BLOCK_BYTES
     assert d["net_bytes"] == cluster.p()["endpoint"]["transport_bytes"] - sent0 == suffix

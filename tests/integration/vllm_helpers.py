@@ -1,0 +1,83 @@
+"""What the vLLM end-to-end tests share: the official client's calls, token ids from the
+answers, waits, prompt text and reading a server's /metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from openai import OpenAI
+
+from pdxfer.testing.hf_model import CORPUS
+from pdxfer.testing.vllm_procs import VllmServer
+
+MAX_TOKENS = 12
+
+
+def token_ids(choice: Any, body: Any) -> list[int]:
+    """vLLM answers ``token_ids`` on the choice (``return_token_ids``); pdxfer's router in
+    its ``pdxfer`` extension."""
+    ids = getattr(choice, "token_ids", None)
+    if ids is None:
+        ids = (body.model_extra or {}).get("pdxfer", {}).get("token_ids")
+    assert ids is not None, "no token ids in the answer"
+    return list(ids)
+
+
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def complete(url: str, prompt: str | list[int], **kw: Any) -> list[int]:
+    r = client(url).completions.create(
+        model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})}, **kw)
+    return token_ids(r.choices[0], r)
+
+
+def chat_stream(url: str, text: str) -> tuple[str, list[int]]:
+    stream = client(url).chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
+        temperature=0, stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+    out, ids = "", []
+    for chunk in stream:
+        if chunk.choices:
+            out += chunk.choices[0].delta.content or ""
+            ids += list(getattr(chunk.choices[0], "token_ids", None) or [])
+        ext = (chunk.model_extra or {}).get("pdxfer")
+        if ext:  # the router's last chunk of a choice carries all its ids
+            ids = list(ext["token_ids"])
+    return out, ids
+
+
+def ref_chat(url: str, text: str) -> tuple[str, list[int]]:
+    r = client(url).chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
+        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    return r.choices[0].message.content or "", list(r.choices[0].token_ids)  # type: ignore[attr-defined]
+
+
+def wait(what: str, cond: Any, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+WORDS = CORPUS.split()
+
+
+def text(start: int, n: int) -> str:
+    return " ".join(WORDS[(start + i) % len(WORDS)] for i in range(n))
+
+
+def kv_usage(server: VllmServer) -> float:
+    return metric(server, "vllm:kv_cache_usage_perc")
+
+
+def metric(server: VllmServer, name: str) -> float:
+    """A metric's value in a server's /metrics (summed over its labels)."""
+    vals = [float(line.rsplit(" ", 1)[1]) for line in server.metrics_text().splitlines()
+            if line.startswith((name + "{", name + " "))]
+    assert vals, f"no {name} in {server.url}/metrics"
+    return sum(vals)
