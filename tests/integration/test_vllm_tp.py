@@ -1,11 +1,14 @@
-"""Real vLLM at different TP sizes on the two sides: a ``vllm serve`` prefill at TP 2 (two
-worker processes, each holding one of the model's two KV heads) feeds a decode at TP 1, through
-pdxfer's router with the official ``openai`` client. Each prefill rank sends its own head
-slice into the decode's whole-head blocks; every output equals a colocated vLLM at TP 1 token
-for token, and a repeated prefix is restored on the decode from L2, so only the suffix comes
-from the two prefill ranks.
+"""Real vLLM at different TP sizes on the two sides, through pdxfer's router with the
+official ``openai`` client; every output equals a colocated vLLM at TP 1 token for token.
 
-One cluster for the module (a TP 2 server takes a minute or more to start here).
+- A ``vllm serve`` prefill at TP 2 (two worker processes, each holding one of the model's two
+  KV heads) feeds a decode at TP 1: each prefill rank sends its own head slice into the
+  decode's whole-head blocks, and a repeated prefix is restored on the decode from L2, so
+  only the suffix comes from the two prefill ranks.
+- A prefill at TP 1 feeds a decode at TP 2: each decode rank asks for its own head, keeps
+  its own L2 and restores its own half of a repeated prefix.
+
+One set of servers for the module (a TP 2 server takes a minute or more to start here).
 """
 
 from __future__ import annotations
@@ -34,107 +37,170 @@ BLOCK_BYTES = S.layers * S.kv_heads * BS * 2 * S.head_size * 4  # one block, all
 
 
 @dataclass
-class Cluster:
+class Pair:
+    name: str
     prefill: VllmServer
     decode: VllmServer
-    ref: VllmServer
-    boot: BootstrapServer
     p_stats: Path
     d_stats: Path
+    prefill_tp: int
+    decode_tp: int
+    url: str = ""
+    """pdxfer's router in front of the pair."""
+
+    @staticmethod
+    def _files(path: Path, tp: int) -> list[Path]:
+        """A connector's ``stats_file`` per rank (``.tp<rank>`` appended at TP > 1)."""
+        return [path] if tp == 1 else [Path(f"{path}.tp{r}") for r in range(tp)]
 
     def p(self) -> list[dict[str, Any]]:
-        """Each prefill rank's counters (``stats_file`` + ``.tp<rank>`` at TP > 1)."""
-        return [read_stats(f"{self.p_stats}.tp{r}") for r in range(2)]
+        return [read_stats(f) for f in self._files(self.p_stats, self.prefill_tp)]
+
+    def d(self) -> list[dict[str, Any]]:
+        return [read_stats(f) for f in self._files(self.d_stats, self.decode_tp)]
 
     def p_bytes(self) -> list[int]:
         return [s.get("endpoint", {}).get("transport_bytes", 0) for s in self.p()]
 
-    def d(self) -> dict[str, Any]:
-        return read_stats(self.d_stats)
+    def d_sum(self, key: str) -> int:
+        return sum(s.get(key, 0) for s in self.d())
+
+
+@dataclass
+class Servers:
+    down: Pair
+    """prefill TP 2 -> decode TP 1"""
+    up: Pair
+    """prefill TP 1 -> decode TP 2"""
+    ref: VllmServer
+
+
+TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # two ranks on a two-core machine
+
+
+def _pair(name: str, tmp: Path, model: Path, boot: BootstrapServer, prefill_tp: int,
+          decode_tp: int) -> Pair:
+    # deadlines far past any wait a slow machine causes: these tests are about placement
+    timeouts = {"bootstrap_timeout_s": 180.0, "transfer_timeout_s": 180.0}
+    p_stats, d_stats = tmp / f"{name}-p.json", tmp / f"{name}-d.json"
+    prefill = VllmServer(f"{name}-prefill-tp{prefill_tp}", model, tmp,
+                         args=["--tensor-parallel-size", str(prefill_tp)], env=TP2,
+                         kv_transfer_config=kv_config("kv_producer", {
+                             "bootstrap": boot.address, "instance": f"{name}-p",
+                             "stats_file": str(p_stats), **timeouts}))
+    decode = VllmServer(f"{name}-decode-tp{decode_tp}", model, tmp, env=TP2,
+                        args=["--no-enable-prefix-caching", "--tensor-parallel-size",
+                              str(decode_tp)],
+                        kv_transfer_config=kv_config("kv_consumer", {
+                            "instance": f"{name}-d", "stats_file": str(d_stats),
+                            "l2_pages": 128, "l3": "off", **timeouts},
+                            kv_load_failure_policy="fail"))
+    return Pair(name, prefill, decode, p_stats, d_stats, prefill_tp, decode_tp)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     tmp = tmp_path_factory.mktemp("vllm_tp")
     model = build_model(tmp / "model", "small")
     assert S.kv_heads == 2
     boot = BootstrapServer("127.0.0.1", 0).start()
-    # deadlines far past any wait a slow machine causes: this test is about placement
-    timeouts = {"bootstrap_timeout_s": 180.0, "transfer_timeout_s": 180.0}
-    p_stats, d_stats = tmp / "p.json", tmp / "d.json"
-    servers = [
-        VllmServer("prefill-tp2", model, tmp, args=["--tensor-parallel-size", "2"],
-                   env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
-                   kv_transfer_config=kv_config("kv_producer", {
-                       "bootstrap": boot.address, "instance": PREFILL,
-                       "stats_file": str(p_stats), **timeouts})),
-        VllmServer("decode-tp1", model, tmp, args=["--no-enable-prefix-caching"],
-                   kv_transfer_config=kv_config("kv_consumer", {
-                       "instance": DECODE, "stats_file": str(d_stats), "l2_pages": 128,
-                       "l3": "off", **timeouts})),
-        VllmServer("colocated", model, tmp),
-    ]
+    down = _pair("down", tmp, model, boot, 2, 1)
+    up = _pair("up", tmp, model, boot, 1, 2)
+    ref = VllmServer("colocated", model, tmp)
+    procs = [down.prefill, down.decode, up.prefill, up.decode, ref]
+    routers: list[Proc] = []
     try:
-        start_all(servers)
-        yield Cluster(*servers, boot, p_stats, d_stats)
+        start_all(procs)
+        for pair in (down, up):
+            routers.append(Proc("router", [
+                "router", "--engine", "vllm", "--port", "0", "--prefill",
+                f"{pair.prefill.url},{boot.address},{pair.name}-p",
+                "--decode", f"{pair.decode.url},{pair.name}-d"],
+                timeout=180))
+            pair.url = routers[-1].url
+        yield Servers(down, up, ref)
     finally:
-        for s in servers:
+        for r in routers:
+            r.stop()
+        for s in procs:
             s.stop()
         boot.stop()
 
 
-@pytest.fixture(scope="module")
-def front_door(cluster: Cluster) -> Iterator[str]:
-    router = Proc("router", ["router", "--engine", "vllm", "--port", "0",
-                             "--prefill", f"{cluster.prefill.url},{cluster.boot.address},{PREFILL}",
-                             "--decode", f"{cluster.decode.url},{DECODE}"], timeout=180)
-    try:
-        yield router.url
-    finally:
-        router.stop()
-
-
-def test_a_tp2_prefill_feeds_a_tp1_decode_token_exact(cluster: Cluster, front_door: str
-                                                      ) -> None:
-    prompts = ["Hello", "The river", *[text(13 * i, 60 + 110 * i) for i in range(4)]]
-    chats = [f"Tell me about {text(5 * i, 4)}." for i in range(2)]
-    want = {p: complete(cluster.ref.url, p) for p in prompts}
-    want_chat = {t: ref_chat(cluster.ref.url, t) for t in chats}
-    before = cluster.p_bytes()
+def token_exact(pair: Pair, ref: VllmServer, prompts: list[str], chats: list[str]) -> int:
+    """Completions and streamed chats through the pair's router, concurrently, each equal to
+    the colocated reference; returns how many requests went."""
+    want = {p: complete(ref.url, p) for p in prompts}
+    want_chat = {t: ref_chat(ref.url, t) for t in chats}
     with cf.ThreadPoolExecutor(3) as pool:
-        got = dict(zip(prompts, pool.map(lambda p: complete(front_door, p), prompts)))
-        got_chat = dict(zip(chats, pool.map(lambda t: chat_stream(front_door, t), chats)))
+        got = dict(zip(prompts, pool.map(lambda p: complete(pair.url, p), prompts)))
+        got_chat = dict(zip(chats, pool.map(lambda t: chat_stream(pair.url, t), chats)))
     for p in prompts:
         assert got[p] == want[p], f"prompt {p[:40]!r}: {got[p]} != colocated {want[p]}"
     for t in chats:
         assert got_chat[t] == want_chat[t], t
-    n = len(prompts) + len(chats)
-    wait("the decode's loads", lambda: cluster.d().get("loads", 0) == n, timeout=120)
-    wait("both prefill ranks' sends", lambda: all(s.get("sends", 0) == n
-                                                  and s.get("in_flight_sends", 1) == 0
-                                                  for s in cluster.p()))
-    d = cluster.d()
-    assert d["load_failures"] == 0
-    sent = [b - b0 for b, b0 in zip(cluster.p_bytes(), before)]
-    # each rank holds one of the two KV heads: the same share of every block
-    assert sent[0] == sent[1] > 0 and sum(sent) == d["net_bytes"], (sent, d["net_bytes"])
+    return len(prompts) + len(chats)
 
 
-def test_a_repeated_prefix_comes_from_the_decodes_l2_and_the_suffix_from_both_ranks(
-        cluster: Cluster, front_door: str) -> None:
+def restores_a_repeated_prefix(pair: Pair, ref: VllmServer) -> None:
+    """A prompt, then another with the same 6-block prefix: every decode rank restores its
+    share of those blocks from its own L2, and only the suffix crosses, split evenly over
+    the ranks that hold the heads."""
     prefix = [(11 + 37 * i) % 700 + 300 for i in range(6 * BS)]
     a, b = prefix + list(range(400, 420)), prefix + list(range(500, 540))
-    assert complete(front_door, a) == complete(cluster.ref.url, a)
-    wait("the write-back", lambda: cluster.d().get("writebacks", 0) >= 1
-         and cluster.d().get("tiers", {}).get("l2_writebacks", 0) >= 6)
-    d0, sent0 = cluster.d(), cluster.p_bytes()
-    assert complete(front_door, b) == complete(cluster.ref.url, b)
-    wait("the prefill ranks' sends", lambda: all(x > y for x, y in zip(cluster.p_bytes(),
-                                                                      sent0)))
-    wait("the decode's load", lambda: cluster.d()["loads"] > d0["loads"])
-    d1 = cluster.d()
-    assert d1["restored_l2_pages"] - d0["restored_l2_pages"] == 6
+    def written() -> list[int]:
+        return [s.get("tiers", {}).get("l2_writebacks", 0) for s in pair.d()]
+
+    w0 = written()
+    assert complete(pair.url, a) == complete(ref.url, a)
+    wait("the write-back", lambda: all(w - w_ >= 6 for w, w_ in zip(written(), w0)),
+         timeout=120)
+    d0, sent0 = pair.d(), pair.p_bytes()
+    assert complete(pair.url, b) == complete(ref.url, b)
+    wait("the decode's loads", lambda: all(s["loads"] > s0["loads"]
+                                           for s, s0 in zip(pair.d(), d0)), timeout=120)
+    wait("the prefill's sends", lambda: all(x > y for x, y in zip(pair.p_bytes(), sent0)))
+    d1 = pair.d()
+    for s, s0 in zip(d1, d0):
+        assert s["restored_l2_pages"] - s0["restored_l2_pages"] == 6, s
     suffix = (-(-len(b) // BS) - 6) * BLOCK_BYTES
-    sent = [x - y for x, y in zip(cluster.p_bytes(), sent0)]
-    assert sent[0] == sent[1] == suffix // 2, (sent, suffix)
-    assert d1["net_bytes"] - d0["net_bytes"] == suffix
+    sent = [x - y for x, y in zip(pair.p_bytes(), sent0)]
+    assert sum(sent) == suffix and len(set(sent)) == 1, (sent, suffix)
+    assert sum(s["net_bytes"] - s0["net_bytes"] for s, s0 in zip(d1, d0)) == suffix
+
+
+def test_a_tp2_prefill_feeds_a_tp1_decode_token_exact(servers: Servers) -> None:
+    pair = servers.down
+    before = pair.p_bytes()
+    n = token_exact(pair, servers.ref,
+                    ["Hello", "The river", *[text(13 * i, 60 + 110 * i) for i in range(4)]],
+                    [f"Tell me about {text(5 * i, 4)}." for i in range(2)])
+    wait("the decode's loads", lambda: pair.d_sum("loads") == n, timeout=120)
+    wait("both prefill ranks' sends", lambda: all(s.get("sends", 0) == n
+                                                  and s.get("in_flight_sends", 1) == 0
+                                                  for s in pair.p()))
+    assert pair.d_sum("load_failures") == 0
+    sent = [b - b0 for b, b0 in zip(pair.p_bytes(), before)]
+    # each rank holds one of the two KV heads: the same share of every block
+    assert sent[0] == sent[1] > 0 and sum(sent) == pair.d_sum("net_bytes"), sent
+
+
+def test_a_tp1_decode_restores_a_prefix_from_l2_and_gets_the_suffix_from_both_ranks(
+        servers: Servers) -> None:
+    restores_a_repeated_prefix(servers.down, servers.ref)
+
+
+def test_a_tp1_prefill_feeds_a_tp2_decode_token_exact(servers: Servers) -> None:
+    pair = servers.up
+    n = token_exact(pair, servers.ref, ["Hello", text(40, 250)], ["Tell me about rivers."])
+    wait("both decode ranks' loads", lambda: all(s.get("loads", 0) == n for s in pair.d()),
+         timeout=120)
+    d = pair.d()
+    assert all(s["load_failures"] == 0 for s in d)
+    # each decode rank asked for its own head: half of what the prefill sent
+    assert d[0]["net_bytes"] == d[1]["net_bytes"] and \
+        sum(s["net_bytes"] for s in d) == pair.p_bytes()[0]
+
+
+def test_each_tp2_decode_rank_restores_its_own_half_of_a_prefix(servers: Servers) -> None:
+    restores_a_repeated_prefix(servers.up, servers.ref)
