@@ -1,10 +1,18 @@
 """``pdxfer prefill``: computes prompts and pushes their KV to the decode that asked for it.
 
-Flow per request: pages + aux slot -> ``sender(room)`` -> chunked prefill; after each chunk
-the pages that are completely written go out (a partial page waits for the next chunk) ->
-the last send carries the first generated token in the aux row -> poll until the transfer
-settles -> free. The draft model runs over the same chunk before it ships, because the draft
-pool follows the target pool's page ids and travels in the same sends.
+Flow per request: ``sender(room)`` -> wait until the room's decode asked for its KV -> pages
++ aux slot -> chunked prefill; after each chunk the pages that are completely written go out
+(a partial page waits for the next chunk) -> the last send carries the first generated token
+in the aux row -> poll until the transfer settles -> free. The draft model runs over the
+same chunk before it ships, because the draft pool follows the target pool's page ids and
+travels in the same sends.
+
+Admission order: the decode asks for a room's KV only once it admitted the request (its pages
+and aux slot are held), and this worker takes pages only after that ask. So every request
+holding prefill pages holds decode pages too and runs to its end without waiting on anything
+else; requests that wait hold nothing here. Were both sides to admit on arrival, the prefill
+could hold request A's pages (waiting for A's decode) while the decode held B's (waiting for
+B's prefill): neither could admit the other's request, and both would time out.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from pdxfer import KVPoll, PdxferError
 
 from ..errors import BadRequest, OutOfCapacity, TransferFailed
 from ..errors import about as _about
-from .ranks import check, open_sender, reuse_prefix, start_host, write_back
+from .ranks import check, decode_asked, open_sender, reuse_prefix, start_host, write_back
 from .sampling import Sampling, parse_sampling, sample
 from .tiered import make_cache
 from .worker import (
@@ -106,13 +114,19 @@ class PrefillWorker(RoomWorker):
         h = self.host
         if room in self.aborted:
             raise TransferFailed(f"room {room}: {self.aborted.pop(room)}")
-        pages, slot = await self.admission.acquire(h.model.pages_for(len(tokens)))
-        tx: Any = None
+        n_pages = h.model.pages_for(len(tokens))
+        self.admission.check(n_pages)
+        tx = open_sender(h, room, peer)  # only the decode chosen for the room
+        self.senders[room] = tx
+        held: tuple[list[int], int] | None = None
         try:
-            tx = open_sender(h, room, peer)  # only the decode chosen for the room
-            self.senders[room] = tx
-            t0 = time.perf_counter()
             try:
+                # the admission order (module notes): pages only for a room the decode holds
+                await self._until_decode_asked(tx)
+                held = pages, slot = await self.admission.acquire(n_pages)
+                if tx.poll() == KVPoll.Failed:  # aborted while it waited for pages
+                    raise TransferFailed(_about(room, tx.failure))
+                t0 = time.perf_counter()
                 first, reused = await asyncio.to_thread(self._compute, tx, tokens, pages,
                                                         slot, sampling, tenant)
                 compute_s = time.perf_counter() - t0
@@ -120,6 +134,9 @@ class PrefillWorker(RoomWorker):
                                           + self.cfg.transfer_timeout_s)
             except asyncio.CancelledError:  # the router's connection went away
                 tx.abort("the prefill's client went away")
+                raise
+            except (PdxferError, ValueError) as e:  # no pages, a lost rank: the decode learns
+                tx.abort(f"the prefill gave up: {e}")
                 raise
             finally:
                 self.senders.pop(room, None)
@@ -135,7 +152,24 @@ class PrefillWorker(RoomWorker):
             # Source pages: a failed transfer's late reads can only spoil its own destination.
             # (A compute thread still running after a cancel stops at its next chunk; it
             # only reads its own pages, which stay allocated until it returns.)
-            self._free_when_idle(tx, pages, slot)
+            if held is not None:
+                self._free_when_idle(tx, *held)
+
+    async def _until_decode_asked(self, tx: Any) -> None:
+        """Wait, holding no pages, until the room's decode admitted the request and asked
+        for its KV. The sender's own bootstrap deadline ends a wait for a decode that never
+        asks (the room fails); the loop's bound is only a backstop."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.cfg.bootstrap_timeout_s + 5.0
+        delay = 0.0005
+        while not decode_asked(tx):
+            if loop.time() > end:
+                tx.abort(f"no request from the decode within {self.cfg.bootstrap_timeout_s} s")
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.005)
+        if tx.poll() == KVPoll.Failed:
+            raise TransferFailed(_about(tx.room, tx.failure))
 
     def _free_when_idle(self, tx: Any, pages: list[int], slot: int) -> None:
         """Free a request's pages and aux row once nothing can read them: its compute thread

@@ -358,6 +358,15 @@ def open_sender(host: ModelHost, room: int, peer: str | None) -> Any:
     return g
 
 
+def decode_asked(tx: Any) -> bool:
+    """Whether a sender's decode asked for the room's KV (every decode rank of its group:
+    the sender left ``Bootstrapping``), or the room failed. A decode asks only after it
+    admitted the request, and asks all prefill ranks at once, so at TP > 1 rank 0's own
+    sender speaks for the group (the other ranks report only the end of a room)."""
+    local = tx.local if isinstance(tx, Group) else tx
+    return bool(local.poll() != KVPoll.Bootstrapping or tx.poll() == KVPoll.Failed)
+
+
 def open_receiver(host: ModelHost, cache: TieredCache | None, room: int, bootstrap: str,
                   instance: str | None, tokens: Sequence[int], dst: Sequence[int], slot: int,
                   n: int, tenant: str, release: Callable[[], None]) -> Any:

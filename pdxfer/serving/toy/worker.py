@@ -197,18 +197,25 @@ class SlotAllocator:
 class Admission:
     """Pages and an aux slot for a request, waiting up to ``timeout_s`` while others finish,
     with at most ``max_waiting`` requests waiting: beyond that, or past the wait, the answer
-    is ``OutOfCapacity`` (HTTP 503 with Retry-After), never a failed request."""
+    is ``OutOfCapacity`` (HTTP 503 with Retry-After), never a failed request.
+
+    Each worker admits on its own, so the prefill asks only for rooms whose decode already
+    admitted the request and asked for its KV (``prefill.py``): its pages are then never
+    held by a request that waits for the decode's, and the two pools cannot deadlock."""
 
     def __init__(self, host: ModelHost, max_waiting: int, timeout_s: float) -> None:
         self.host, self.max_waiting, self.timeout_s = host, max_waiting, timeout_s
         self.waiting = 0
         self.rejected = 0
 
-    async def acquire(self, n_pages: int) -> tuple[list[int], int]:
-        h = self.host
-        if n_pages > h.cfg.pool_pages:
+    def check(self, n_pages: int) -> None:
+        """Refuse at once a request no wait could admit."""
+        if n_pages > self.host.cfg.pool_pages:
             raise BadRequest(f"the request needs {n_pages} pages; this worker has "
-                             f"{h.cfg.pool_pages} in all")
+                             f"{self.host.cfg.pool_pages} in all")
+
+    async def acquire(self, n_pages: int) -> tuple[list[int], int]:
+        self.check(n_pages)
         got = self._try(n_pages)
         if got is not None:
             return got
