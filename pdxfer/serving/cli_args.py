@@ -76,8 +76,10 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
     ap.add_argument("--heartbeat", type=float, default=0.5)
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests that may wait for pages; more get 503 with Retry-After")
-    ap.add_argument("--admission-timeout", type=float, default=30.0,
-                    help="seconds a request waits for pages before a 503")
+    ap.add_argument("--admission-timeout", type=float, default=20.0,
+                    help="seconds a request waits for pages before a 503 (keep it under the "
+                         "prefill's --bootstrap-timeout: the prefill waits that long for the "
+                         "decode to admit a request)")
 
 
 

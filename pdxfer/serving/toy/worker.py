@@ -80,7 +80,7 @@ class WorkerConfig:
     heartbeat_s: float = 0.5
     threads: int = 1
     max_waiting: int = 256
-    admission_timeout_s: float = 30.0
+    admission_timeout_s: float = 20.0
     tp: int = 1
     """Tensor-parallel ranks: one process each, the front being rank 0."""
     dp: int = 1
