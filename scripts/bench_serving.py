@@ -107,6 +107,7 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens:
             "wall": t1 - t0, "prompt": len(prompt.encode()), "sent_at": t0, "done_at": t1,
             "ids": prompt.encode(), "decode": final.get("decode"),
             "restored": int(final.get("restored_tokens", 0)), "tokens": n,
+            "prefill_reused": int(final.get("prefill_reused_tokens", 0)),
             **{k: final.get(k) for k in ("kv_wait_s", "kv_local_s", "kv_net_s", "prefill_s")}}
 
 
@@ -167,6 +168,8 @@ def summary(rs: list[dict[str, Any]]) -> dict[str, float]:
             "restored_fraction": (sum(r["restored"] for r in ok)
                                   / max(1, sum(r["prompt"] for r in ok))),
             "restorable_fraction": could / max(1, sum(r["prompt"] for r in ok)),
+            "prefill_reused_fraction": (sum(r["prefill_reused"] for r in ok)
+                                        / max(1, sum(r["prompt"] for r in ok))),
             "restored_of_possible": sum(r["restored"] for r in ok) / max(1, could),
             # the decode's wait for the prompt's KV and its parts (restore from L2, network),
             # and the prefill's compute the network part waits on
