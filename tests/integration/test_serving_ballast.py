@@ -76,7 +76,7 @@ def test_ballast_arrives_is_restored_from_l2_and_outputs_equal_the_reference(
     # the ballast is bytes on the wire: far more than the toy's 768 bytes per token
     assert first["bytes"] >= 4096 * len(encode(PREFIX + "first question?")) // 16 * 16
     # the decode's wait for the KV, and its parts with a restore
-    assert 0 < first["kv_wait_s"] < 60
+    assert first["kv_wait_s"] > 0
     assert 0 <= again["kv_local_s"] <= again["kv_wait_s"] and again["prefill_s"] > 0
 
 
