@@ -17,6 +17,8 @@
   the digest recorded when it entered L2: the damaged page and the rest are then repaired),
   or ``writeback`` (an L2 page of a write-back, after its digest was recorded and before
   it is stored in L3: a restore from L3 must catch it against the digest sealed with it).
+- ``pool=NAME``: page faults strike only that pool's buffers (e.g. ``pool=ballast``: the
+  served toy's KV ballast, which the decode checks against the prompt's tokens).
 - ``once=1``: page faults strike each room at most once (a transient fault: what is sent
   again, by an ``integrity_retry`` or a repair, arrives intact).
 
@@ -46,6 +48,7 @@ class Faults:
     shift_write: float = 0.0
     at: str = "network"
     once: bool = False
+    pool: str = ""
     seed: int = 0
     _struck: set[int] = field(default_factory=set, repr=False)
     _rng: random.Random = field(default_factory=random.Random, repr=False)
@@ -74,6 +77,8 @@ class Faults:
                     f.seed = int(val)
                 elif key == "once":
                     f.once = bool(int(val))
+                elif key == "pool":
+                    f.pool = val
                 elif key == "at":
                     if val not in ("network", "restore", "writeback"):
                         raise ValueError("at must be network, restore or writeback")
@@ -90,7 +95,7 @@ class Faults:
         new = Faults.parse(spec)
         with self._lock:
             for name in ("delay_write", "rooms", "drop", "delay_msg", "corrupt", "skip_write",
-                         "shift_write", "at", "once", "seed"):
+                         "shift_write", "at", "once", "pool", "seed"):
                 setattr(self, name, getattr(new, name))
             self._rng.seed(new.seed)
             self._struck.clear()
@@ -120,6 +125,10 @@ class Faults:
                         self._struck.add(room)
                     return kind
         return None
+
+    def pools(self, names: list[str]) -> list[str]:
+        """The pools a page fault may strike, of ``names`` (``pool=``: that one only)."""
+        return [n for n in names if not self.pool or n == self.pool]
 
     def pick(self, n: int) -> int:
         with self._lock:

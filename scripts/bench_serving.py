@@ -14,9 +14,22 @@ Variants (each on its own workers, started once; rounds alternate A B A B ...):
 - ``serving.*``: prefix reuse on both sides vs off on the decode, and vs off on the prefill
   (``--l2-pages 0``), 1 prefill + 1 decode: ``serving.ttft_p50_ratio_decode_reuse``
   and ``serving.ttft_p50_ratio_prefill_reuse`` (on / off).
+- ``serving.*`` at a real model's KV size: the same pair with ``--kv-ballast-bytes-per-token
+  131072`` on both sides (128 KiB per token more, the KV of an 8B model with GQA; the
+  ballast is transferred, tiered and checked like KV: ``pdxfer/serving/toy/ballast.py``),
+  reuse on vs off on the decode: ``serving.kv_wait_ms_p50_ratio_decode_reuse`` (the p50 of
+  the decode's wait for a prompt's KV, from asking for it to all of it in place, with reuse
+  on / off) and ``serving.ttft_p50_ratio_decode_reuse_128k``. These two use L2 only (no L3
+  files: 75 MB per prompt would be disk traffic on the shared machine).
 - ``routing.*``: KV-aware routing vs least-outstanding over 1 prefill + 2 decodes:
-  ``routing.restored_fraction_ratio`` (KV-aware / least-outstanding) and
-  ``routing.ttft_p50_ratio``.
+  ``routing.restored_fraction_ratio`` (KV-aware / least-outstanding),
+  ``routing.ttft_p50_ratio`` and ``routing.kv_aware_restored_of_possible``: of the prompt
+  tokens that some decode could have restored, the fraction KV-aware routing did restore.
+  "Could have restored", per request: the longest page-aligned common prefix of its prompt
+  with any prompt that had completed (so its pages were written back to that decode's L2)
+  before the request was sent, on whichever decode; computed offline from the requests'
+  send and completion times. It ignores eviction (L2 and L3 here hold every prefix the
+  workload reuses), so it is what an oracle router could restore.
 """
 
 from __future__ import annotations
@@ -39,6 +52,14 @@ sys.path.insert(0, str(ROOT))
 from pdxfer.serving.toy.cluster import Cluster  # noqa: E402
 
 WORKER = ["--bootstrap-timeout", "20", "--transfer-timeout", "60", "--pages", "1024"]
+PAGE = 16  # the workers' page size (their default)
+BALLAST = 128 << 10
+"""Bytes of KV ballast per token in the ``*_128k`` variants: an 8B model with GQA (32 layers
+x 8 KV heads x 128 x 2 (K, V) x 2 bytes)."""
+# 128 KiB per token makes a page 2 MiB: enough pages for 8 prompts in flight (about 41 pages
+# each) and an L2 holding the 16 conversations' histories of a round, and no more: ~7 GB at
+# the peak for both ballast clusters together
+BALLAST_ARGS = ["--kv-ballast-bytes-per-token", str(BALLAST), "--pages", "384"]
 
 
 def workload(groups: int, turns: int, seed: int) -> list[list[str]]:
@@ -80,10 +101,14 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens:
             if "pdxfer" in ev:
                 final = ev["pdxfer"]
     n = len(final.get("token_ids", []))
-    return {"ok": True, "ttft": (first or time.perf_counter()) - t0,
+    t1 = time.perf_counter()
+    return {"ok": True, "ttft": (first or t1) - t0,
             "tpot": ((last - first) / (n - 1)) if first and last and n > 1 else None,
-            "wall": time.perf_counter() - t0, "prompt": len(prompt.encode()),
-            "restored": int(final.get("restored_tokens", 0)), "tokens": n}
+            "wall": t1 - t0, "prompt": len(prompt.encode()), "sent_at": t0, "done_at": t1,
+            "ids": prompt.encode(), "decode": final.get("decode"),
+            "restored": int(final.get("restored_tokens", 0)), "tokens": n,
+            "prefill_reused": int(final.get("prefill_reused_tokens", 0)),
+            **{k: final.get(k) for k in ("kv_wait_s", "kv_local_s", "kv_net_s", "prefill_s")}}
 
 
 async def run_round(url: str, convos: list[list[str]], conc: int, max_tokens: int,
@@ -104,16 +129,64 @@ async def run_round(url: str, convos: list[list[str]], conc: int, max_tokens: in
     return out
 
 
+def common_prefix(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    d = np.flatnonzero(np.frombuffer(a[:n], np.uint8) != np.frombuffer(b[:n], np.uint8))
+    return int(d[0]) if d.size else n
+
+
+def possible(rs: list[dict[str, Any]]) -> list[int]:
+    """Per request, the prompt tokens some decode could have restored (module notes): the
+    longest page-aligned common prefix with a prompt completed before it was sent."""
+    done = sorted((r for r in rs if r["ok"]), key=lambda r: r["done_at"])
+    out = []
+    for r in rs:
+        best = 0
+        for q in done:
+            if q["done_at"] >= r.get("sent_at", 0.0):
+                break
+            best = max(best, common_prefix(q["ids"], r.get("ids", b"")))
+        # a restore leaves at least the last token to the prefill, and covers whole pages
+        out.append(max(0, min(best, len(r.get("ids", b"")) - 1)) // PAGE * PAGE)
+    return out
+
+
+def p50_ms(xs: list[Any]) -> float:
+    xs = [x for x in xs if x is not None]
+    return float(np.percentile(xs, 50) * 1e3) if xs else float("nan")
+
+
 def summary(rs: list[dict[str, Any]]) -> dict[str, float]:
     ok = [r for r in rs if r["ok"]]
     ttft = [r["ttft"] for r in ok]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     wall = sum(r["wall"] for r in ok) or 1.0
+    could = sum(possible(ok))
     return {"ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3) if ttft else float("nan"),
             "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3) if ttft else float("nan"),
             "tpot_ms": statistics.median(tpot) * 1e3 if tpot else float("nan"),
             "restored_fraction": (sum(r["restored"] for r in ok)
                                   / max(1, sum(r["prompt"] for r in ok))),
+            "restorable_fraction": could / max(1, sum(r["prompt"] for r in ok)),
+            "prefill_reused_fraction": (sum(r["prefill_reused"] for r in ok)
+                                        / max(1, sum(r["prompt"] for r in ok))),
+            "restored_of_possible": sum(r["restored"] for r in ok) / max(1, could),
+            # the decode's wait for the prompt's KV and its parts (restore from L2, network),
+            # and the prefill's compute the network part waits on
+            "kv_wait_ms_p50": p50_ms([r.get("kv_wait_s") for r in ok]),
+            "kv_wait_ms_p99": (float(np.percentile([r["kv_wait_s"] for r in ok
+                                                    if r.get("kv_wait_s") is not None], 99)
+                                     * 1e3) if any(r.get("kv_wait_s") is not None for r in ok)
+                               else float("nan")),
+            "kv_local_ms_p50": p50_ms([r.get("kv_local_s") for r in ok]),
+            "kv_net_ms_p50": p50_ms([r.get("kv_net_s") for r in ok]),
+            # the prefill's time for the request: waiting for its model (one forward at a
+            # time), loading its L2 prefix, computing the rest; and what of the decode's wait
+            # that leaves (the last chunk's transfer, the network behind the compute)
+            "prefill_ms_p50": p50_ms([r.get("prefill_s") for r in ok]),
+            "kv_wait_past_prefill_ms_p50": p50_ms([
+                r["kv_wait_s"] - r["prefill_s"] for r in ok
+                if r.get("kv_wait_s") is not None and r.get("prefill_s") is not None]),
             "ok": len(ok), "failed": len(rs) - len(ok), "busy_seconds": wall}
 
 
@@ -127,7 +200,7 @@ def main() -> int:
     # more conversations than requests in flight: in a closed loop with one request in
     # flight per conversation, the slot a turn frees is the one its next turn takes, so any
     # policy would keep a conversation on one decode and routing would show nothing
-    groups, turns, rounds, max_tokens = ((a.concurrency + 4, 3, 1, 8) if a.quick
+    groups, turns, rounds, max_tokens = ((a.concurrency + 2, 3, 1, 8) if a.quick
                                          else (2 * a.concurrency, 4, 2, 16))
     convos = workload(groups, turns, seed=1)
     per_round = groups * turns
@@ -139,12 +212,20 @@ def main() -> int:
         "kv_aware": dict(prefills=1, decodes=2, router_args=["--policy", "kv_aware"]),
         "least_outstanding": dict(prefills=1, decodes=2,
                                   router_args=["--policy", "least_outstanding"]),
+        "reuse_on_128k": dict(prefills=1, decodes=1, worker_args=WORKER + BALLAST_ARGS,
+                              prefill_args=["--l2-pages", "720"],
+                              decode_args=["--l2-pages", "720", "--no-l3"]),
+        "decode_reuse_off_128k": dict(prefills=1, decodes=1, worker_args=WORKER + BALLAST_ARGS,
+                                      prefill_args=["--l2-pages", "720"],
+                                      decode_args=[*off, "--no-l3"]),
     }
     clusters: dict[str, Cluster] = {}
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in specs}
     total = rounds * per_round * len(specs)
     done = [0]
     t_start = time.perf_counter()
+    load_start = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() \
+        else ""
 
     def bar() -> None:
         done[0] += 1
@@ -156,7 +237,8 @@ def main() -> int:
         for name, kw in specs.items():
             kw = dict(kw)
             router_args = ["--timeout", "120", *kw.pop("router_args", [])]
-            clusters[name] = Cluster(worker_args=WORKER, router_args=router_args, **kw).start()
+            kw.setdefault("worker_args", WORKER)
+            clusters[name] = Cluster(router_args=router_args, **kw).start()
         for r in range(rounds):
             # fresh conversations every round: caches warm up within a round, as in serving
             round_convos = [[f"[round {r}] " + p for p in c] for c in convos]
@@ -181,12 +263,20 @@ def main() -> int:
         out[f"serving.ttft_p50_ratio_{side}_reuse"] = on["ttft_p50_ms"] / off_s["ttft_p50_ms"]
         out[f"serving.ttft_p99_ratio_{side}_reuse"] = on["ttft_p99_ms"] / off_s["ttft_p99_ms"]
     out["serving.restored_fraction"] = on["restored_fraction"]
+    on_b, off_b = sums["reuse_on_128k"], sums["decode_reuse_off_128k"]
+    out["serving.kv_wait_ms_p50_ratio_decode_reuse"] = (on_b["kv_wait_ms_p50"]
+                                                       / off_b["kv_wait_ms_p50"])
+    out["serving.ttft_p50_ratio_decode_reuse_128k"] = on_b["ttft_p50_ms"] / off_b["ttft_p50_ms"]
+    out["serving.restored_fraction_128k"] = on_b["restored_fraction"]
     kv, lo = sums["kv_aware"], sums["least_outstanding"]
     out["routing.restored_fraction_ratio"] = (kv["restored_fraction"]
                                               / max(1e-9, lo["restored_fraction"]))
     out["routing.ttft_p50_ratio"] = kv["ttft_p50_ms"] / lo["ttft_p50_ms"]
+    out["routing.kv_aware_restored_of_possible"] = kv["restored_of_possible"]
+    out["routing.least_outstanding_restored_of_possible"] = lo["restored_of_possible"]
     out["failed"] = sum(s["failed"] for s in sums.values())
     out["seconds_total"] = time.perf_counter() - t_start
+    out["loadavg_start"] = load_start
     text = json.dumps(out, indent=1)
     print(text)
     if a.json:
@@ -203,13 +293,15 @@ def plot(sums: dict[str, dict[str, float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(sums)
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.4))
+    fig, axes = plt.subplots(1, 5, figsize=(16, 3.6))
     for ax, (key, label) in zip(axes, (("ttft_p50_ms", "TTFT p50 (ms)"),
                                        ("ttft_p99_ms", "TTFT p99 (ms)"),
                                        ("tpot_ms", "TPOT (ms)"),
-                                       ("restored_fraction", "prompt restored on decode"))):
+                                       ("restored_fraction", "prompt restored on decode"),
+                                       ("kv_wait_ms_p50", "decode's KV wait p50 (ms)"))):
         ax.bar(range(len(names)), [sums[n][key] for n in names],
-               color=["tab:blue", "tab:gray", "tab:purple", "tab:green", "tab:orange"])
+               color=["tab:blue", "tab:gray", "tab:purple", "tab:green", "tab:orange",
+                      "tab:cyan", "tab:olive"][:len(names)])
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(label, fontsize=9)
     fig.suptitle("shared-prefix workload through the router (loopback, 2 vCPUs)", fontsize=10)

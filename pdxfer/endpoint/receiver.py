@@ -580,7 +580,7 @@ class DecodeSide:
         skip = st.skips.get(sender, ())
         pools = [p for p in self.ep.pools if p.kind == "paged" and p.item_bytes
                  and p.location == "cpu" and (p.indices_from or p.name) in st.dst
-                 and p.name not in skip]
+                 and p.name not in skip and self._faults.pools([p.name])]
         if not pools:
             return
         pool = pools[self._faults.pick(len(pools))]

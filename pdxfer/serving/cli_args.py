@@ -60,6 +60,11 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
         ap.add_argument("--integrity-retry", action="store_true",
                         help="on a digest mismatch ask the prefill for the range once more "
                              "before failing the request")
+    ap.add_argument("--kv-ballast-bytes-per-token", type=int, default=0, metavar="N",
+                    help="benchmark device: a sidecar pool of N bytes per token (a multiple "
+                         "of 8) that is transferred, tiered and checked with the KV, so the "
+                         "toy model moves as many bytes as a real one (131072: an 8B model "
+                         "with GQA); prefill and decode must agree (0: off)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks: one process each (this one is rank 0), each "
                          "holding and transferring its share of the KV heads; any TP size "

@@ -280,8 +280,8 @@ class TieredCache:
     def _damage(self, kind: str, n: int, dst: Mapping[str, np.ndarray], f: Faults) -> None:
         """Fault injection (tests only): damage one restored L1 page of one buffer as a bad
         copy would (``faults.py``: ``corrupt``, ``skip_write``, ``shift_write``)."""
-        pools = [p for p in self.data_pools if p in self.l1_specs
-                 and self.l1_specs[p].location == "cpu"]
+        pools = f.pools([p for p in self.data_pools if p in self.l1_specs
+                         and self.l1_specs[p].location == "cpu"])
         if not pools:
             return
         spec = self.l1_specs[pools[f.pick(len(pools))]]
@@ -303,7 +303,10 @@ class TieredCache:
         """Fault injection (tests only, ``at=writeback``): damage the first L2 page of a
         write-back (a page every later restore of that prefix reads) after its digest was
         recorded and before it goes to L3, as a bad host page would."""
-        pool = self.data_pools[f.pick(len(self.data_pools))]
+        pools = f.pools(list(self.data_pools))
+        if not pools:
+            return
+        pool = pools[f.pick(len(pools))]
         data = self.host.pools[pool].per_buffer()
         page = new[0].pages[pool]
         rows = data[:, f.pick(data.shape[1])]  # one buffer: [pages, item_bytes]

@@ -306,7 +306,8 @@ class Router:
             if isinstance(ext, dict):
                 for k in ("restored_tokens", "restored_l2_tokens", "restored_l3_tokens",
                           "prefill_reused_tokens", "bytes", "decode_ttft_s",
-                          "repaired_tokens", "ranks"):
+                          "repaired_tokens", "ranks", "kv_wait_s", "kv_local_s",
+                          "kv_net_s"):
                     ext.pop(k, None)
         return obj
 

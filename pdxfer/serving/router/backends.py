@@ -318,6 +318,8 @@ class ToyBackend:
                         stats = dict(ev)
                         if isinstance(pb, dict):
                             stats["prefill_reused_tokens"] = int(pb.get("reused_tokens") or 0)
+                            if pb.get("compute_s") is not None:
+                                stats["prefill_s"] = float(pb["compute_s"])
                         yield Done(ev.get("finish_reason") or "length", stats)
                         return
                     yield Tokens([int(t) for t in ev.get("token_ids", [])],

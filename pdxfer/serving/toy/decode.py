@@ -32,6 +32,7 @@ from pdxfer.tiers import TieredCache
 
 from ..errors import BadRequest, OutOfCapacity, TransferFailed
 from ..errors import about as _about
+from .ballast import BallastMismatch
 from .ranks import check, open_receiver, start_host, write_back
 from .sampling import parse_sampling
 from .scheduler import Generation, Scheduler
@@ -205,6 +206,7 @@ class DecodeWorker(RoomWorker):
         first token, or raises (the request's pages then belong to the release path)."""
         h, room, tokens = self.host, p["room"], p["tokens"]
         n = len(tokens)
+        t_request = time.perf_counter()
         try:
             rx = open_receiver(h, self.cache, room, p["bootstrap"], p["instance"], tokens,
                                req.pages[:h.model.pages_for(n)], req.slot, n, p["tenant"],
@@ -226,10 +228,19 @@ class DecodeWorker(RoomWorker):
             self.live.pop(room, None)
         if rx.poll() != KVPoll.Success:
             raise TransferFailed(_about(room, rx.failure))
+        # the decode's wait for the prompt's KV: from asking for it (restore and network
+        # both started) to the whole prompt in place
+        kv_wait_s = time.perf_counter() - t_request
         st = rx.stats()
+        if h.ballast is not None:
+            self._check_ballast(room, tokens, req)
         out = {"first": int(h.aux[req.slot, 0]), "restored_tokens": 0,
                "restored_l2_tokens": 0, "restored_l3_tokens": 0,
-               "bytes": int(st.get("bytes") or 0), "ttft_s": time.perf_counter() - t_arrive}
+               "bytes": int(st.get("bytes") or 0), "ttft_s": time.perf_counter() - t_arrive,
+               "kv_wait_s": kv_wait_s}
+        for k in ("local", "net"):  # a RestoringReceiver's parts of the wait
+            if st.get(f"{k}_seconds") is not None:
+                out[f"kv_{k}_s"] = float(st[f"{k}_seconds"])
         if self.cache is not None:  # a RestoringReceiver (on every rank: their minimum)
             ps = self.cache.page_size
             good, l2 = rx.restored_pages, int(st["l2_pages"])
@@ -243,6 +254,18 @@ class DecodeWorker(RoomWorker):
             self.counters["restored_l2_tokens"] += out["restored_l2_tokens"]
             self.counters["restored_l3_tokens"] += out["restored_l3_tokens"]
         return out
+
+    def _check_ballast(self, room: int, tokens: list[int], req: _Req) -> None:
+        """A received or restored prompt's ballast must be what its tokens give; otherwise
+        the request fails (its transfer is over: its pages are ours to free)."""
+        assert self.host.ballast is not None
+        try:
+            self.host.ballast.check(tokens, req.pages)
+        except BallastMismatch as e:
+            self.counters["ballast_mismatches"] += 1
+            req.free()
+            raise TransferFailed(f"room {room}: {e}") from None
+        self.counters["ballast_checked_tokens"] += len(tokens)
 
     def _ended(self, g: Generation, p: dict[str, Any], req: _Req,
                stats: dict[str, Any]) -> None:
@@ -274,7 +297,8 @@ class DecodeWorker(RoomWorker):
             "restored_l2_tokens": stats["restored_l2_tokens"],
             "restored_l3_tokens": stats["restored_l3_tokens"],
             "bytes": stats["bytes"], "ttft_s": stats["ttft_s"],
-            **{k: stats[k] for k in ("repaired_tokens", "ranks") if k in stats},
+            **{k: stats[k] for k in ("repaired_tokens", "ranks", "kv_wait_s", "kv_local_s",
+                                     "kv_net_s") if k in stats},
             "queued_steps": (g.first_step - g.added_step) if g.first_step is not None else 0,
             "end_step": g.end_step}
         if g.spec is not None:

@@ -243,6 +243,8 @@ class PrefillWorker(RoomWorker):
             if tx.poll() == KVPoll.Failed:  # aborted (client gone, decode failed): stop
                 raise TransferFailed(_about(tx.room, tx.failure))
             h.draft.forward(tokens[a:b], a, pages, h.draft_kv, logits_for="none")
+            if h.ballast is not None:  # a benchmark's extra bytes per token (ballast.py)
+                h.ballast.fill(tokens[a:b], a, pages)
             full = b // ps
             if b < n and full > sent:
                 tx.send({"kv": pages[sent:full]})

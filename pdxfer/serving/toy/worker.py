@@ -36,6 +36,7 @@ from ..http import (  # noqa: F401  (re-exported for the worker modules)
     serve,
     token_list,
 )
+from . import ballast
 from .kv import KVPool, OutOfPagesError
 from .model import Gather, ToyConfig, ToyModel, head_shard, make_draft
 
@@ -87,6 +88,9 @@ class WorkerConfig:
     """Decode only: independent decode groups behind one address (``dp.py``)."""
     dp_rank: int = 0
     """Which of those groups this worker is."""
+    kv_ballast_bytes_per_token: int = 0
+    """A benchmark device (``ballast.py``): a sidecar pool of this many bytes per token that
+    moves, tiers and is checked with the KV (0: none). Prefill and decode must agree."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -118,6 +122,10 @@ class WorkerConfig:
                              f"{self.dp_rank} of {self.dp}")
         if self.dp > 1 and self.role != "decode":
             raise ValueError("--dp is a decode option (a prefill scales as more instances)")
+        ballast.validate(self.kv_ballast_bytes_per_token)
+        if self.kv_ballast_bytes_per_token and self.tp > 1:
+            raise ValueError("--kv-ballast-bytes-per-token needs --tp 1 (the ballast is not "
+                             "sharded by heads)")
         head_shard(self.toy(), 0, self.tp)  # a TP size that does not split the heads fails here
 
     @property
@@ -173,7 +181,8 @@ def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
         integrity_retry=a.integrity_retry if dec else False,
         bootstrap_timeout_s=a.bootstrap_timeout,
         transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat, threads=a.threads,
-        max_waiting=a.max_waiting, admission_timeout_s=a.admission_timeout)
+        max_waiting=a.max_waiting, admission_timeout_s=a.admission_timeout,
+        kv_ballast_bytes_per_token=a.kv_ballast_bytes_per_token)
 
 
 class SlotAllocator:
@@ -285,12 +294,20 @@ class ModelHost:
                          page_size=ps, indices_from="kv", page_remap=remap, **heads),
             PoolSpec.slots("aux", [self.aux]),
         ]
+        self.ballast: ballast.Ballast | None = None
+        nb = cfg.kv_ballast_bytes_per_token
+        if nb:
+            self.ballast = ballast.Ballast(nb, cfg.pool_pages, ps)
+            self.pools.append(PoolSpec.paged("ballast", [self.ballast.tensor], page_size=ps,
+                                             role="ballast", indices_from="kv",
+                                             page_remap=remap))
         pools = self.pools
         # what the model computes, not how its KV is paged or sharded: a prefill and a decode
         # with different page sizes (host landing) or TP sizes are the same model
         self.weights = self.model.weights_digest()[:16]
         self.model_id = (f"model=toy seed={c.seed} max_seq_len={c.max_seq_len} "
-                         f"layers={c.n_layers} d_model={c.d_model} weights={self.weights}")
+                         f"layers={c.n_layers} d_model={c.d_model} weights={self.weights}"
+                         + (f" kv_ballast={nb}" if nb else ""))
         # ... while what one rank holds is its heads: its tier keys (L2, and L3 objects a
         # fleet may share) name the TP size and rank, so no rank reads another's shard
         self.fingerprint = f"{self.model_id} tp={cfg.tp}/{tp_rank}"
