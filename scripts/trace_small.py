@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 import bench_transfer as B  # noqa: E402
+import profile_small as PS  # noqa: E402
 
 from pdxfer.bootstrap import BootstrapServer  # noqa: E402
 from pdxfer.testing.harness import Agent  # noqa: E402
@@ -95,10 +98,18 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
-def closed_loop(b: B.Bench, seconds: float) -> dict[str, float]:
+def closed_loop(b: B.Bench, seconds: float, spy: Path | None = None) -> dict[str, float]:
     """The bench's small closed loop (64 in flight) for ``seconds``: rooms/s, and CPU
-    seconds per second of each thread of both agents (Python names where known)."""
+    seconds per second of each thread of both agents (Python names where known); with
+    ``spy``, py-spy samples both agents meanwhile (``<spy>_prefill.txt``, ``_decode.txt``:
+    the share of active samples under each pdxfer function)."""
     src = b.src_perm[:2]
+    spies = []
+    if spy is not None:
+        for x, side in ((b.pf, "prefill"), (b.dc, "decode")):
+            raw = spy.with_name(f"{spy.name}_{side}.raw")
+            spies.append((PS._spy(x.proc.pid, "raw", raw, 500), raw, side))
+        time.sleep(1.5)  # attached
     names = {x: x.call("ext", fn="pdxfer.testing.trace:threads") for x in (b.pf, b.dc)}
     before = {x: thread_cpu(x.proc.pid) for x in (b.pf, b.dc)}
     first = b.next_room()
@@ -108,6 +119,12 @@ def closed_loop(b: B.Bench, seconds: float) -> dict[str, float]:
                   first_room=first, dst_free=b.rng.permutation(B.DC_PAGES).tolist(), per=2,
                   tokens=128, conc=64, duration=seconds)
     b.pf.call("bench_serve_stop")
+    for proc, raw, _ in spies:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(120)
+        if raw.exists():
+            raw.with_suffix(".txt").write_text("\n".join(PS.summary(raw, 40)) + "\n")
+            raw.unlink()
     wall = max(t1 for _, t1 in r["stamps"]) - r["start"]
     out = {"loop.rooms_per_s": len(r["stamps"]) / wall, "loop.failed": len(r["failed"]),
            "loop.load": B.loadavg(),
@@ -167,12 +184,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the closed loop at concurrency 64 for this many seconds "
                          "and report each thread's CPU share (untraced)")
     ap.add_argument("--ab", default="",
-                    help="VAR=VALUE: a second pair started with this environment variable; "
+                    help="VAR=VALUE: a second pair started with this environment variable "
+                         "(or pacing:FIELD=VALUE: a RateEstimate field set on its prefill); "
                          "requests (and closed-loop rounds) alternate between the pairs")
+    ap.add_argument("--rounds", type=int, default=2, help="closed-loop rounds per pair")
+    ap.add_argument("--spy", type=Path, help="py-spy both agents during the first loop round "
+                    "(writes <spy>_prefill.txt and <spy>_decode.txt)")
     ap.add_argument("--untraced", action="store_true",
                     help="leave the stamps out (fixed cost only, as the bench measures it)")
     a = ap.parse_args(argv)
-    pairs = {"a": {}}
+    pairs: dict[str, dict[str, str]] = {"a": {}}
     if a.ab:
         k, _, v = a.ab.partition("=")
         pairs["b"] = {k: v}
@@ -180,10 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, float] = {"trace.requests": a.requests, "trace.load_before": B.loadavg()}
     try:
         for name, env in pairs.items():
-            bs[name] = start_pair(env)
-        for _ in range(2 if a.loop else 0):
+            pace = {k[7:]: float(v) for k, v in env.items() if k.startswith("pacing:")}
+            bs[name] = start_pair({k: v for k, v in env.items() if not k.startswith("pacing:")})
+            if pace:  # a RateEstimate field, set on the prefill once its peer exists
+                assert bs[name].pf.call("ext", fn="pdxfer.testing.trace:set_pacing", **pace)
+        for r in range(a.rounds if a.loop else 0):
             for name, b in bs.items():
-                for k, v in closed_loop(b, a.loop).items():
+                spy = a.spy.with_name(f"{a.spy.name}_{name}") if a.spy and not r else None
+                for k, v in closed_loop(b, a.loop, spy).items():
                     out.setdefault(f"{name}.{k}", [])
                     out[f"{name}.{k}"].append(v)
         if not a.untraced:

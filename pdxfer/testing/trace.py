@@ -121,3 +121,15 @@ def collect(state: Any) -> list[tuple[str, int, str]]:
 def threads(state: Any) -> dict[int, str]:
     """Python thread names by native id (``/proc/<pid>/task/<tid>`` names the rest)."""
     return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+
+
+def set_pacing(state: Any, **fields: float) -> int:
+    """Set ``pacing.RateEstimate`` fields on every peer of this agent's Mooncake transports
+    (A/B runs of the completion pacing); returns how many estimates were changed."""
+    n = 0
+    for e in state.eps.values():
+        for _, rate in getattr(e.ep.core.transport, "_peers", {}).values():
+            for k, v in fields.items():
+                setattr(rate, k, v)
+            n += 1
+    return n
