@@ -15,7 +15,9 @@ flusher thread, which also notices a peer closing a connection. So:
   that breaks is dialled again (backing off up to ``RECONNECT_MAX_S`` while the peer is
   down) and the frames not fully written go out on the new one (a frame the old connection
   took whole but the peer never read is lost, as with ZMQ);
-- the peer's greeting and READY are read and dropped (an ``Inbox`` sends nothing else).
+- on a new connection frames wait for the peer's greeting and READY (the flusher reads
+  them: one round trip per connection), as a ZMQ socket's do; later input is dropped (an
+  ``Inbox`` and a ZMQ PULL socket send nothing else).
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ class _Peer:
     queued: int = 0
     retry_at: float = 0.0
     backoff: float = RECONNECT_MIN_S
+    ready: bool = False
+    """The peer's greeting and first command arrived on this connection: frames may follow
+    our HELLO (libzmq drops a connection whose first frame arrives in the same read as the
+    end of the greeting, so frames wait for the peer's READY, as a ZMQ socket's do)."""
+    shake: bytes = b""
+    """What arrived of the peer's greeting and first command."""
     dead: list[socket.socket] = field(default_factory=list)
     """Broken connections for the flusher to unregister and close."""
     closed: bool = False
@@ -118,7 +126,7 @@ class Outbox:
                 log.warning("control frames to %s: %d bytes queued, frame dropped", addr,
                             peer.queued)
                 return False
-            if peer.sock is not None and not peer.queue:  # the usual case: write it now
+            if peer.sock is not None and peer.ready and not peer.queue:  # the usual case
                 try:
                     n = peer.sock.sendmsg((head, body))
                 except (BlockingIOError, InterruptedError):
@@ -213,6 +221,7 @@ class Outbox:
             self._backoff(peer)
             return
         peer.sock = s
+        peer.ready, peer.shake = False, b""
         if peer.queue and peer.queue[0][0] is HELLO:
             peer.queue.popleft()
             peer.queued -= len(HELLO) - peer.sent
@@ -228,7 +237,8 @@ class Outbox:
         assert s is not None
         while peer.queue:
             views: list[bytes | memoryview] = []
-            for head, body in itertools.islice(peer.queue, 32):
+            # before the peer's READY only our HELLO goes out
+            for head, body in itertools.islice(peer.queue, 32 if peer.ready else 1):
                 views += (head, body)
             k = peer.sent
             if k:  # the first frame went out in part
@@ -252,6 +262,8 @@ class Outbox:
                 n -= left
                 peer.queue.popleft()
                 peer.sent = 0
+            if not peer.ready:
+                return True  # the HELLO went out: frames wait for the peer's READY
         return True
 
     def _broken(self, peer: _Peer) -> None:
@@ -300,7 +312,7 @@ class Outbox:
                     with p.lock:
                         if p.sock is not key.fileobj:
                             continue
-                        if (ev & selectors.EVENT_READ and not self._drain(p.sock)
+                        if (ev & selectors.EVENT_READ and not self._read(p)
                                 or ev & selectors.EVENT_WRITE and not self._flush(p)):
                             self._broken(p)
                 with self._dirty_lock:
@@ -331,7 +343,8 @@ class Outbox:
                     p.dead = []
             want = 0
             if p.sock is not None:
-                want = selectors.EVENT_READ | (selectors.EVENT_WRITE if p.queue else 0)
+                writes = p.queue and (p.ready or p.queue[0][0] is HELLO)
+                want = selectors.EVENT_READ | (selectors.EVENT_WRITE if writes else 0)
             sock = p.sock
             if p.sock is None and p.queue and not p.closed:
                 waiting.add(p)
@@ -350,6 +363,32 @@ class Outbox:
             elif old[1] != want:
                 self._sel.modify(sock, want, p)
             reg[p] = (sock, want)
+
+    def _read(self, p: _Peer) -> bool:
+        """Take in the peer's greeting and first command (then send what waited for them),
+        later drop what comes; False on EOF, error or a peer that is not ZMTP 3."""
+        assert p.sock is not None
+        if p.ready:
+            return self._drain(p.sock)
+        try:
+            data = p.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        p.shake += data
+        g = p.shake
+        if len(g) >= 10 and (g[0] != 0xFF or not g[9] & 1):
+            return False
+        if len(g) < 66:
+            return True
+        size = g[65] if not g[64] & 2 else int.from_bytes(g[65:73], "big")
+        if len(g) < (66 if not g[64] & 2 else 73) + size:
+            return True
+        p.ready, p.shake = True, b""
+        return self._flush(p)
 
     @staticmethod
     def _drain(s: socket.socket) -> bool:

@@ -223,7 +223,7 @@ def test_a_connection_the_receiver_closed_is_dialled_again(box: Box) -> None:
 
 def test_frames_for_a_receiver_not_yet_listening_go_out_once_it_listens() -> None:
     """A refused connection is dialled again (backing off) with the frames kept, in order,
-    each preceded on the new connection by the PUSH greeting an inbox expects."""
+    after the PUSH greeting on the new connection and once the receiver's greeting came."""
     from pdxfer.endpoint.outbox import HELLO, Outbox
 
     probe = socket.socket()
@@ -242,6 +242,7 @@ def test_frames_for_a_receiver_not_yet_listening_go_out_once_it_listens() -> Non
         srv.listen(1)
         srv.settimeout(20)
         conn, _ = srv.accept()
+        conn.sendall(I._HELLO)  # the receiver's greeting and READY: frames wait for them
         want = HELLO + b"".join(bytes([0, len(f)]) + f for f in frames)
         got = b""
         conn.settimeout(20)
@@ -252,3 +253,25 @@ def test_frames_for_a_receiver_not_yet_listening_go_out_once_it_listens() -> Non
         srv.close()
     finally:
         out.close()
+
+
+def test_frames_sent_by_a_control_reach_a_zmq_pull_socket() -> None:
+    """libzmq drops a connection whose first frame arrives in the same read as the end of
+    the greeting: frames wait for the receiver's READY, so a ZMQ PULL socket gets them."""
+    peer = Box()
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    try:
+        addr = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+        frames = [frame(wire.Release, 10, fill=i) for i in range(3)]
+        for f in frames:
+            assert peer.c.send(addr, f)
+        got = []
+        for _ in frames:
+            assert pull.poll(20_000)
+            got.append(pull.recv())
+        assert got == frames
+    finally:
+        pull.close(0)
+        ctx.term()
+        peer.close()
