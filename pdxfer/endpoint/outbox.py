@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import ipaddress
 import itertools
 import logging
 import selectors
@@ -32,6 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger("pdxfer.control")
 
@@ -207,11 +209,16 @@ class Outbox:
         """Start a connection (non-blocking) with its HELLO first in the queue; a frame the
         broken one took in part goes again whole."""
         try:
-            s = socket.socket(socket.AF_INET6 if ":" in peer.where[0] else socket.AF_INET,
-                              socket.SOCK_STREAM)
+            host, port = peer.where
+            try:
+                fam = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+                where: tuple[Any, ...] = peer.where
+            except ValueError:  # a name (pdxfer advertises addresses): resolved per connection
+                fam, _, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            s = socket.socket(fam, socket.SOCK_STREAM)
             s.setblocking(False)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            rc = s.connect_ex(peer.where)
+            rc = s.connect_ex(where)
         except OSError as e:
             log.warning("control socket to %s: %s", peer.addr, e)
             self._backoff(peer)
@@ -236,6 +243,8 @@ class Outbox:
         s = peer.sock
         assert s is not None
         while peer.queue:
+            if not peer.ready and peer.queue[0][0] is not HELLO:
+                return True  # frames wait for the peer's READY
             views: list[bytes | memoryview] = []
             # before the peer's READY only our HELLO goes out
             for head, body in itertools.islice(peer.queue, 32 if peer.ready else 1):
