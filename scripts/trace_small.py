@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Timeline of one small request on both sides, segment by segment (what ``small.fixed_cost_ms``
-is made of).
+"""Timeline of one small request on both sides, segment by segment; the small loop's CPU.
+
+What ``small.fixed_cost_ms`` is made of, and which threads the 64-in-flight loop keeps busy.
 
     python scripts/trace_small.py [--requests 200] [--json out.json] [--loop 8]
         [--ab PDXFER_CONTROL_SEND=zmq] [--untraced]
