@@ -14,6 +14,7 @@ starts. The README's table "Environment variables" lists the same names.
 | ``PDXFER_COPY_NICE`` | ``10`` | how much nicer copy threads run than the process |
 | ``PDXFER_COPY_STREAM`` | ``1`` | ``0`` turns off the native streaming copier |
 | ``PDXFER_TE_COMPLETION`` | ``paced`` | how Mooncake writes are awaited (``paced`` or ``spin``) |
+| ``PDXFER_CONTROL_SEND`` | ``direct`` | how control frames leave (``direct``: written by the sending thread; ``zmq``: through ZMQ PUSH sockets) |
 | ``PDXFER_LOG`` | ``WARNING`` | log level of test/bench agent processes |
 | ``PDXFER_API_KEYS`` | unset | router API keys: ``KEY`` or ``TENANT:KEY,TENANT:KEY`` |
 """
@@ -44,6 +45,7 @@ class Knobs:
     copy_nice: int = 10
     copy_stream: bool = True
     te_completion: str = "paced"
+    control_send: str = "direct"
     log_level: str = "WARNING"
     api_keys: str = ""
 
@@ -71,6 +73,7 @@ class Knobs:
             copy_nice=int(num("PDXFER_COPY_NICE", int, 10)),
             copy_stream=env.get("PDXFER_COPY_STREAM", "1") != "0",
             te_completion=env.get("PDXFER_TE_COMPLETION", "") or "paced",
+            control_send=env.get("PDXFER_CONTROL_SEND", "") or "direct",
             log_level=env.get("PDXFER_LOG", "") or "WARNING",
             api_keys=env.get("PDXFER_API_KEYS", ""),
         )

@@ -2,7 +2,9 @@
 peers, a control thread, and room-sharded worker threads.
 
 Frames arrive through ``inbox.Inbox`` (what a ZMQ PULL socket speaks, read header first into
-bounded memory) and leave through ZMQ PUSH sockets. No pdxfer semantics live here: the
+bounded memory) and leave through ``outbox.Outbox`` (what a ZMQ PUSH socket speaks, written by
+the sending thread itself); ``PDXFER_CONTROL_SEND=zmq`` sends through ZMQ PUSH sockets instead
+(each message then waits for ZMQ's I/O thread to wake). No pdxfer semantics live here: the
 endpoint hands in a frame handler (saying whether it admitted the frame), a header screen and
 a periodic tick. A handler that raises is logged and counted; it never kills the control
 thread.
@@ -19,8 +21,11 @@ from collections.abc import Callable
 
 import zmq
 
+from ..config import knobs
+from ..errors import ConfigError
 from ..faults import faults
 from .inbox import Inbox, Screen
+from .outbox import Outbox
 
 log = logging.getLogger("pdxfer.control")
 
@@ -45,7 +50,11 @@ class Control:
         reject: Callable[[str, str], None] | None = None,
         advertise: str = "",
     ) -> None:
-        self._ctx = zmq.Context()
+        mode = knobs().control_send
+        if mode not in ("direct", "zmq"):
+            raise ConfigError(f"PDXFER_CONTROL_SEND must be 'direct' or 'zmq', got {mode!r}")
+        self._ctx = zmq.Context() if mode == "zmq" else None
+        self._outbox = Outbox(MAX_PEER_SOCKETS, name=f"{name}-out") if mode == "direct" else None
         self._inbox = Inbox(host, self._deliver, screen or (lambda head, size: True),
                             reject or (lambda reason, text: log.warning("%s: %s", reason, text)),
                             max_frame)
@@ -93,6 +102,12 @@ class Control:
 
     def send(self, addr: str, frame: bytes) -> bool:
         """Queue ``frame`` for ``addr`` without blocking; False if it could not be queued."""
+        if self._outbox is not None:
+            if self._outbox.send(addr, frame):
+                return True
+            self.send_failures += 1
+            return False
+        assert self._ctx is not None
         with self._push_lock:
             entry = self._push.get(addr)
             if entry is not None:
@@ -126,7 +141,7 @@ class Control:
 
     def sockets(self) -> int:
         """Open peer sockets (a metric: bounded by the peers a rank keeps)."""
-        return len(self._push)
+        return self._outbox.sockets() if self._outbox is not None else len(self._push)
 
     def connections(self) -> int:
         """Open incoming connections (a metric: capped by ``inbox.MAX_CONNECTIONS``)."""
@@ -134,6 +149,9 @@ class Control:
 
     def forget(self, addr: str) -> None:
         """Drop the socket to a peer that is gone (its queued frames are discarded)."""
+        if self._outbox is not None:
+            self._outbox.forget(addr)
+            return
         with self._push_lock:
             entry = self._push.pop(addr, None)
         if entry is not None:
@@ -143,6 +161,8 @@ class Control:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._outbox is not None:
+            self._outbox.close()
         with self._push_lock:
             for s, lock in self._push.values():
                 with lock:
@@ -150,7 +170,8 @@ class Control:
             self._push.clear()
         if not self._thread.is_alive():
             self._inbox.close()
-        self._ctx.term()
+        if self._ctx is not None:
+            self._ctx.term()
 
 
 class Workers:

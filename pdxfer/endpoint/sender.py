@@ -855,11 +855,15 @@ class PrefillSide:
                 frame: bytes | None = None) -> None:
         """Send the target its one terminal message; runs on the room's worker thread.
 
-        The message goes out as soon as the outcome is decided (under the lock, so an abort
-        cannot slip between the decision and the send); bookkeeping follows it, off the
-        request's critical path. ``frame``: the success message, encoded ahead."""
+        The outcome is decided under the lock (an abort decided first turns it into a
+        failure; one decided after finds the target finished and sends nothing more) and the
+        message goes out right after the lock is released: the send writes to the socket
+        (tens to hundreds of microseconds on a busy host), which other threads should not
+        wait for. The room's terminal messages all come from this worker, so they stay in
+        order. ``frame``: the success message, encoded ahead."""
         now = time.monotonic()
         success = False
+        out: bytes | None = None
         with self.ep.lock:
             if t.finished:
                 return
@@ -880,13 +884,14 @@ class PrefillSide:
                         rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
                         kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks,
                         seconds=t.seconds, digests=tuple(t.digests) if ok else ()))
-                self.ep.send_frame(t.peer.ctrl_addr, out, t.peer.sess)
             all_done = _decodes(st) >= st.expected and all(x.finished for x in st.targets)
             if ok and all_done and not st.state.terminal:
                 st.state = KVPoll.Success
                 success = True
             if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
                 self._end_or_hold(st)
+        if out is not None:
+            self.ep.send_frame(t.peer.ctrl_addr, out, t.peer.sess)
         if success:
             self.ep.count("success")
             self.ep.timeline.observe("waiting", st.t_request - st.t_created)

@@ -300,9 +300,16 @@ class MooncakeTransport(FindsPeersBySession):
                 pause = rate.sleep_for(b.ahead, time.perf_counter() - b.submitted) if pace else 0
                 if pause:
                     time.sleep(pause)
-                slept = time.perf_counter()
-                rc = self._engine.get_batch_transfer_status([b.bid])
-                rate.observe(b.ahead, b.submitted, slept, time.perf_counter())
+                if rate.one_waiter:
+                    with rate.waiter:  # the others sleep on the lock, not in a spin
+                        slept = time.perf_counter()
+                        rc = self._engine.get_batch_transfer_status([b.bid])
+                        done = time.perf_counter()
+                else:
+                    slept = time.perf_counter()
+                    rc = self._engine.get_batch_transfer_status([b.bid])
+                    done = time.perf_counter()
+                rate.observe(b.ahead, b.submitted, slept, done)
             elif b.bid is not None:  # the async submit itself failed (unknown or dead peer)
                 rc = -1
             else:

@@ -179,3 +179,99 @@ def test_connections_past_the_cap_evict_the_oldest_unauthenticated_one(box: Box,
     until(lambda: len(box.got) == 2)  # the authenticated peer kept its connection
     for s in strangers:
         s.close()
+
+
+# -- the send side (``endpoint.outbox``): what Control.send writes from the calling thread ------
+
+def test_frames_sent_by_a_control_arrive_whole_and_in_order_past_a_full_socket(box: Box
+                                                                              ) -> None:
+    """Small frames go out in the caller's ``sendmsg``; 3 MiB ones overflow the socket's
+    buffer, so the rest goes out from the flusher thread, and later frames queue behind it."""
+    peer = Box()
+    try:
+        frames = [frame(wire.TransferRequest, (3 << 20) if i % 7 == 3 else 10 + i, fill=i)
+                  for i in range(40)]
+        for f in frames:
+            assert peer.c.send(box.c.address, f)
+        until(lambda: len(box.got) == len(frames))
+        assert box.got == frames
+        assert peer.c.sockets() == 1
+    finally:
+        peer.close()
+
+
+def test_a_connection_the_receiver_closed_is_dialled_again(box: Box) -> None:
+    """The receiver drops the connection (as an inbox does at a deadline): the sender sees
+    the end of the stream, and the next frames go out on a new connection."""
+    peer = Box()
+    try:
+        peer.c.send(box.c.address, frame(wire.Release, 10))
+        until(lambda: len(box.got) == 1)
+        out = peer.c._outbox
+        assert out is not None
+        for c in list(box.c._inbox._conns.values()):
+            box.c._inbox._close(c, "test")
+        until(lambda: out.reconnects == 1)
+        later = [frame(wire.Release, 10, fill=i) for i in range(5)]
+        for f in later:
+            peer.c.send(box.c.address, f)
+        until(lambda: len(box.got) == 6)
+        assert box.got[1:] == later
+    finally:
+        peer.close()
+
+
+def test_frames_for_a_receiver_not_yet_listening_go_out_once_it_listens() -> None:
+    """A refused connection is dialled again (backing off) with the frames kept, in order,
+    after the PUSH greeting on the new connection and once the receiver's greeting came."""
+    from pdxfer.endpoint.outbox import HELLO, Outbox
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    out = Outbox(4)
+    try:
+        frames = [bytes([i]) * (5 + i) for i in range(3)]
+        for f in frames:
+            assert out.send(f"tcp://127.0.0.1:{port}", f)
+        time.sleep(0.1)  # a few refused dials
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", port))
+        srv.listen(1)
+        srv.settimeout(20)
+        conn, _ = srv.accept()
+        conn.sendall(I._HELLO)  # the receiver's greeting and READY: frames wait for them
+        want = HELLO + b"".join(bytes([0, len(f)]) + f for f in frames)
+        got = b""
+        conn.settimeout(20)
+        while len(got) < len(want):
+            got += conn.recv(4096)
+        assert got == want
+        conn.close()
+        srv.close()
+    finally:
+        out.close()
+
+
+def test_frames_sent_by_a_control_reach_a_zmq_pull_socket() -> None:
+    """libzmq drops a connection whose first frame arrives in the same read as the end of
+    the greeting: frames wait for the receiver's READY, so a ZMQ PULL socket gets them."""
+    peer = Box()
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    try:
+        addr = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+        frames = [frame(wire.Release, 10, fill=i) for i in range(3)]
+        for f in frames:
+            assert peer.c.send(addr, f)
+        got = []
+        for _ in frames:
+            assert pull.poll(20_000)
+            got.append(pull.recv())
+        assert got == frames
+    finally:
+        pull.close(0)
+        ctx.term()
+        peer.close()

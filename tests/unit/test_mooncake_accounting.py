@@ -75,3 +75,36 @@ def test_a_started_write_that_fails_gives_back_its_credits(
     with pytest.raises(TransportError):
         transport.finish("peer", started)
     assert transport._peer_state("peer")[0].used == 0
+
+
+def test_one_thread_at_a_time_spins_in_a_peers_completion_wait(
+        transport: mooncake.MooncakeTransport) -> None:
+    """Mooncake's completion wait spins: four writers to one peer waiting at once would take
+    four cores' worth of spinning; they take turns instead (the others sleep on a lock)."""
+    import threading
+    import time
+
+    eng = transport._engine
+    inside = [0]
+    most = [0]
+    guard = threading.Lock()
+
+    def status(bids: list[int]) -> int:
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.02)  # the spin
+        with guard:
+            inside[0] -= 1
+        return 0
+
+    eng.get_batch_transfer_status = status
+    blocks = list(range(0, 8 * 64, 64))  # two batches each: submitted, then awaited
+    ts = [threading.Thread(target=transport.write, args=("peer", blocks, blocks, [64] * 8))
+          for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert most[0] == 1
+    assert transport.stats.calls == 8
