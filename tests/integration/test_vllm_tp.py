@@ -80,8 +80,12 @@ TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # two ranks on a two-core machine
 
 def _pair(name: str, tmp: Path, model: Path, boot: BootstrapServer, prefill_tp: int,
           decode_tp: int) -> Pair:
-    # deadlines far past any wait a slow machine causes: these tests are about placement
-    timeouts = {"bootstrap_timeout_s": 180.0, "transfer_timeout_s": 180.0}
+    # deadlines far past any wait a slow machine causes: these tests are about placement.
+    # Five vLLM servers (two at TP 2, whose workers spin on their queues) oversubscribe two
+    # cores, and a TP 1 prefill's probe went unanswered for the default 1 s hang limit
+    # (heartbeat 0.5 s): the decode declared it hung. Probes every 2 s allow 4 s.
+    timeouts = {"bootstrap_timeout_s": 180.0, "transfer_timeout_s": 180.0,
+                "heartbeat_s": 2.0}
     p_stats, d_stats = tmp / f"{name}-p.json", tmp / f"{name}-d.json"
     prefill = VllmServer(f"{name}-prefill-tp{prefill_tp}", model, tmp,
                          args=["--tensor-parallel-size", str(prefill_tp)], env=TP2,
