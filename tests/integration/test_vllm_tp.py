@@ -8,12 +8,14 @@ official ``openai`` client; every output equals a colocated vLLM at TP 1 token f
 - A prefill at TP 1 feeds a decode at TP 2: each decode rank asks for its own head, keeps
   its own L2 and restores its own half of a repeated prefix.
 
-One set of servers for the module (a TP 2 server takes a minute or more to start here).
+One pair at a time, each started once for its class (a TP 2 server takes a minute or more to
+start here), and one colocated reference for the module.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,23 +69,26 @@ class Pair:
 
 
 @dataclass
-class Servers:
-    down: Pair
-    """prefill TP 2 -> decode TP 1"""
-    up: Pair
-    """prefill TP 1 -> decode TP 2"""
+class Base:
+    """What both pairs share: the model, one bootstrap server, the colocated reference."""
+
+    tmp: Path
+    model: Path
+    boot: BootstrapServer
     ref: VllmServer
 
 
-TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # two ranks on a two-core machine
+TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+"""Two ranks on a two-core machine: unbound, one OpenMP thread each (with one thread per core
+each, the ranks' spinning OpenMP threads starved the other processes' threads for seconds)."""
 
 
 def _pair(name: str, tmp: Path, model: Path, boot: BootstrapServer, prefill_tp: int,
           decode_tp: int) -> Pair:
     # deadlines far past any wait a slow machine causes: these tests are about placement.
-    # Five vLLM servers (two at TP 2, whose workers spin on their queues) oversubscribe two
-    # cores, and a TP 1 prefill's probe went unanswered for the default 1 s hang limit
-    # (heartbeat 0.5 s): the decode declared it hung. Probes every 2 s allow 4 s.
+    # (Before ``TP2`` held each rank to one OpenMP thread, two TP 2 servers' spinning threads
+    # starved the other processes for seconds: the decode declared a TP 1 prefill hung and
+    # a bootstrap lookup timed out. Probes every 2 s allow 4 s, and one pair runs at a time.)
     timeouts = {"bootstrap_timeout_s": 180.0, "transfer_timeout_s": 180.0,
                 "heartbeat_s": 2.0}
     p_stats, d_stats = tmp / f"{name}-p.json", tmp / f"{name}-d.json"
@@ -103,32 +108,37 @@ def _pair(name: str, tmp: Path, model: Path, boot: BootstrapServer, prefill_tp: 
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Base]:
     tmp = tmp_path_factory.mktemp("vllm_tp")
     model = build_model(tmp / "model", "small")
     assert S.kv_heads == 2
     boot = BootstrapServer("127.0.0.1", 0).start()
-    down = _pair("down", tmp, model, boot, 2, 1)
-    up = _pair("up", tmp, model, boot, 1, 2)
     ref = VllmServer("colocated", model, tmp)
-    procs = [down.prefill, down.decode, up.prefill, up.decode, ref]
-    routers: list[Proc] = []
     try:
-        start_all(procs)
-        for pair in (down, up):
-            routers.append(Proc("router", [
-                "router", "--engine", "vllm", "--port", "0", "--prefill",
-                f"{pair.prefill.url},{boot.address},{pair.name}-p",
-                "--decode", f"{pair.decode.url},{pair.name}-d"],
-                timeout=180))
-            pair.url = routers[-1].url
-        yield Servers(down, up, ref)
+        start_all([ref])
+        yield Base(tmp, model, boot, ref)
     finally:
-        for r in routers:
-            r.stop()
-        for s in procs:
-            s.stop()
+        ref.stop()
         boot.stop()
+
+
+@contextlib.contextmanager
+def running(base: Base, name: str, prefill_tp: int, decode_tp: int) -> Iterator[Pair]:
+    """A pair and pdxfer's router in front of it, for one class of tests."""
+    pair = _pair(name, base.tmp, base.model, base.boot, prefill_tp, decode_tp)
+    router = None
+    try:
+        start_all([pair.prefill, pair.decode])
+        router = Proc("router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
+                                 f"{pair.prefill.url},{base.boot.address},{name}-p",
+                                 "--decode", f"{pair.decode.url},{name}-d"], timeout=180)
+        pair.url = router.url
+        yield pair
+    finally:
+        if router is not None:
+            router.stop()
+        pair.prefill.stop()
+        pair.decode.stop()
 
 
 def token_exact(pair: Pair, ref: VllmServer, prompts: list[str], chats: list[str]) -> int:
@@ -173,38 +183,53 @@ def restores_a_repeated_prefix(pair: Pair, ref: VllmServer) -> None:
     assert sum(s["net_bytes"] - s0["net_bytes"] for s, s0 in zip(d1, d0)) == suffix
 
 
-def test_a_tp2_prefill_feeds_a_tp1_decode_token_exact(servers: Servers) -> None:
-    pair = servers.down
-    before = pair.p_bytes()
-    n = token_exact(pair, servers.ref,
-                    ["Hello", "The river", *[text(13 * i, 60 + 110 * i) for i in range(4)]],
-                    [f"Tell me about {text(5 * i, 4)}." for i in range(2)])
-    wait("the decode's loads", lambda: pair.d_sum("loads") == n, timeout=120)
-    wait("both prefill ranks' sends", lambda: all(s.get("sends", 0) == n
-                                                  and s.get("in_flight_sends", 1) == 0
-                                                  for s in pair.p()))
-    assert pair.d_sum("load_failures") == 0
-    sent = [b - b0 for b, b0 in zip(pair.p_bytes(), before)]
-    # each rank holds one of the two KV heads: the same share of every block
-    assert sent[0] == sent[1] > 0 and sum(sent) == pair.d_sum("net_bytes"), sent
+@pytest.fixture(scope="class")
+def down(base: Base) -> Iterator[Pair]:
+    """Prefill TP 2 -> decode TP 1."""
+    with running(base, "down", 2, 1) as p:
+        yield p
 
 
-def test_a_tp1_decode_restores_a_prefix_from_l2_and_gets_the_suffix_from_both_ranks(
-        servers: Servers) -> None:
-    restores_a_repeated_prefix(servers.down, servers.ref)
+@pytest.fixture(scope="class")
+def up(base: Base) -> Iterator[Pair]:
+    """Prefill TP 1 -> decode TP 2."""
+    with running(base, "up", 1, 2) as p:
+        yield p
 
 
-def test_a_tp1_prefill_feeds_a_tp2_decode_token_exact(servers: Servers) -> None:
-    pair = servers.up
-    n = token_exact(pair, servers.ref, ["Hello", text(40, 250)], ["Tell me about rivers."])
-    wait("both decode ranks' loads", lambda: all(s.get("loads", 0) == n for s in pair.d()),
-         timeout=120)
-    d = pair.d()
-    assert all(s["load_failures"] == 0 for s in d)
-    # each decode rank asked for its own head: half of what the prefill sent
-    assert d[0]["net_bytes"] == d[1]["net_bytes"] and \
-        sum(s["net_bytes"] for s in d) == pair.p_bytes()[0]
+class TestPrefillTP2DecodeTP1:
+    def test_token_exact_each_rank_sending_its_heads_half(self, base: Base, down: Pair
+                                                          ) -> None:
+        before = down.p_bytes()
+        n = token_exact(down, base.ref,
+                        ["Hello", "The river", *[text(13 * i, 60 + 110 * i) for i in range(4)]],
+                        [f"Tell me about {text(5 * i, 4)}." for i in range(2)])
+        wait("the decode's loads", lambda: down.d_sum("loads") == n, timeout=120)
+        wait("both prefill ranks' sends", lambda: all(s.get("sends", 0) == n
+                                                      and s.get("in_flight_sends", 1) == 0
+                                                      for s in down.p()))
+        assert down.d_sum("load_failures") == 0
+        sent = [b - b0 for b, b0 in zip(down.p_bytes(), before)]
+        # each rank holds one of the two KV heads: the same share of every block
+        assert sent[0] == sent[1] > 0 and sum(sent) == down.d_sum("net_bytes"), sent
+
+    def test_the_decode_restores_a_prefix_from_l2_and_gets_the_suffix_from_both_ranks(
+            self, base: Base, down: Pair) -> None:
+        restores_a_repeated_prefix(down, base.ref)
 
 
-def test_each_tp2_decode_rank_restores_its_own_half_of_a_prefix(servers: Servers) -> None:
-    restores_a_repeated_prefix(servers.up, servers.ref)
+class TestPrefillTP1DecodeTP2:
+    def test_token_exact_each_decode_rank_asking_for_its_head(self, base: Base, up: Pair
+                                                              ) -> None:
+        n = token_exact(up, base.ref, ["Hello", text(40, 250)], ["Tell me about rivers."])
+        wait("both decode ranks' loads", lambda: all(s.get("loads", 0) == n
+                                                     for s in up.d()), timeout=120)
+        d = up.d()
+        assert all(s["load_failures"] == 0 for s in d)
+        # each decode rank asked for its own head: half of what the prefill sent
+        assert d[0]["net_bytes"] == d[1]["net_bytes"] and \
+            sum(s["net_bytes"] for s in d) == up.p_bytes()[0]
+
+    def test_each_decode_rank_restores_its_own_half_of_a_prefix(self, base: Base, up: Pair
+                                                                ) -> None:
+        restores_a_repeated_prefix(up, base.ref)
