@@ -51,6 +51,19 @@ def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return traced
 
 
+def _stamped(method: str, tag: str) -> Any:
+    """The engine's ``method``, stamped ``te.<tag>.in`` / ``.out`` around the call."""
+
+    def call(self: Any, *a: Any) -> Any:
+        _stamp(f"te.{tag}.in")
+        try:
+            return getattr(self._e, method)(*a)
+        finally:
+            _stamp(f"te.{tag}.out")
+
+    return call
+
+
 class _Engine:
     """Mooncake's engine with its submit and completion calls stamped (a pybind object's
     methods cannot be replaced in place)."""
@@ -61,26 +74,9 @@ class _Engine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._e, name)
 
-    def batch_transfer_async_write(self, *a: Any) -> Any:
-        _stamp("te.submit.in")
-        try:
-            return self._e.batch_transfer_async_write(*a)
-        finally:
-            _stamp("te.submit.out")
-
-    def get_batch_transfer_status(self, *a: Any) -> Any:
-        _stamp("te.status.in")
-        try:
-            return self._e.get_batch_transfer_status(*a)
-        finally:
-            _stamp("te.status.out")
-
-    def batch_transfer_sync_write(self, *a: Any) -> Any:
-        _stamp("te.sync.in")
-        try:
-            return self._e.batch_transfer_sync_write(*a)
-        finally:
-            _stamp("te.sync.out")
+    batch_transfer_async_write = _stamped("batch_transfer_async_write", "submit")
+    get_batch_transfer_status = _stamped("get_batch_transfer_status", "status")
+    batch_transfer_sync_write = _stamped("batch_transfer_sync_write", "sync")
 
 
 def install(state: Any, side: str = "") -> None:
