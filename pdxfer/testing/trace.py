@@ -27,8 +27,8 @@ def _stamp(name: str) -> None:
     _events.append((_side + name, time.perf_counter_ns(), threading.current_thread().name))
 
 
-def _wrap(owner: Any, attr: str, name: str) -> None:
-    fn: Callable[..., Any] = getattr(owner, attr)
+def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn``, stamped ``<name>.in`` / ``.out`` around each call."""
 
     @functools.wraps(fn)
     def traced(*a: Any, **kw: Any) -> Any:
@@ -38,30 +38,11 @@ def _wrap(owner: Any, attr: str, name: str) -> None:
         finally:
             _stamp(name + ".out")
 
-    setattr(owner, attr, traced)
-
-
-def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    def traced(*a: Any, **kw: Any) -> Any:
-        _stamp(name + ".in")
-        try:
-            return fn(*a, **kw)
-        finally:
-            _stamp(name + ".out")
     return traced
 
 
-def _stamped(method: str, tag: str) -> Any:
-    """The engine's ``method``, stamped ``te.<tag>.in`` / ``.out`` around the call."""
-
-    def call(self: Any, *a: Any) -> Any:
-        _stamp(f"te.{tag}.in")
-        try:
-            return getattr(self._e, method)(*a)
-        finally:
-            _stamp(f"te.{tag}.out")
-
-    return call
+def _wrap(owner: Any, attr: str, name: str) -> None:
+    setattr(owner, attr, _named(getattr(owner, attr), name))
 
 
 class _Engine:
@@ -70,13 +51,13 @@ class _Engine:
 
     def __init__(self, engine: Any) -> None:
         self._e = engine
+        for method, tag in (("batch_transfer_async_write", "submit"),
+                            ("get_batch_transfer_status", "status"),
+                            ("batch_transfer_sync_write", "sync")):
+            setattr(self, method, _named(getattr(engine, method), f"te.{tag}"))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._e, name)
-
-    batch_transfer_async_write = _stamped("batch_transfer_async_write", "submit")
-    get_batch_transfer_status = _stamped("get_batch_transfer_status", "status")
-    batch_transfer_sync_write = _stamped("batch_transfer_sync_write", "sync")
 
 
 def install(state: Any, side: str = "") -> None:
