@@ -58,9 +58,17 @@ MAPPED = 64 << 10
 IDLE_S = 1.0
 """A mapped buffer unused this long is unmapped."""
 
-_GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
-_READY_BODY = b"\x05READY" + bytes([11]) + b"Socket-Type" + (4).to_bytes(4, "big") + b"PULL"
-_HELLO = _GREETING + bytes([0x04, len(_READY_BODY)]) + _READY_BODY
+
+def zmtp_hello(socket_type: bytes) -> bytes:
+    """A ZMTP 3.0 NULL-mechanism greeting and the READY command naming ``socket_type``: what
+    each side of a connection sends first (``outbox`` as PUSH, this receiver as PULL)."""
+    greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+    ready = (b"\x05READY" + bytes([11]) + b"Socket-Type" + len(socket_type).to_bytes(4, "big")
+             + socket_type)
+    return greeting + bytes([0x04, len(ready)]) + ready
+
+
+_HELLO = zmtp_hello(b"PULL")
 """What this side sends on accepting: its greeting and READY (it never sends a frame)."""
 MORE, LONG, COMMAND = 1, 2, 4
 

@@ -35,11 +35,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .inbox import zmtp_hello
+
 log = logging.getLogger("pdxfer.control")
 
-_READY_BODY = b"\x05READY" + bytes([11]) + b"Socket-Type" + (4).to_bytes(4, "big") + b"PUSH"
-HELLO = (b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
-         + bytes([0x04, len(_READY_BODY)]) + _READY_BODY)
+HELLO = zmtp_hello(b"PUSH")
 """A PUSH socket's greeting and READY command, sent first on every connection."""
 MAX_QUEUED = 256 << 20
 """Bytes queued for one peer (a peer that is down or does not read); past it, sends fail."""

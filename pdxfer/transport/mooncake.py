@@ -22,6 +22,7 @@ Mooncake 0.3 over TCP on loopback; ``docs/performance.md`` has the measurements)
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import re
 import threading
@@ -300,12 +301,8 @@ class MooncakeTransport(FindsPeersBySession):
                 pause = rate.sleep_for(b.ahead, time.perf_counter() - b.submitted) if pace else 0
                 if pause:
                     time.sleep(pause)
-                if rate.one_waiter:
-                    with rate.waiter:  # the others sleep on the lock, not in a spin
-                        slept = time.perf_counter()
-                        rc = self._engine.get_batch_transfer_status([b.bid])
-                        done = time.perf_counter()
-                else:
+                # one_waiter: the others sleep on the lock, not in a spin
+                with rate.waiter if rate.one_waiter else contextlib.nullcontext():
                     slept = time.perf_counter()
                     rc = self._engine.get_batch_transfer_status([b.bid])
                     done = time.perf_counter()
