@@ -151,9 +151,10 @@ def possible(rs: list[dict[str, Any]]) -> list[int]:
     return out
 
 
-def p50_ms(xs: list[Any]) -> float:
+def pct_ms(xs: list[Any], q: float = 50) -> float:
+    """The ``q``-th percentile in ms of the seconds in ``xs`` that are not None."""
     xs = [x for x in xs if x is not None]
-    return float(np.percentile(xs, 50) * 1e3) if xs else float("nan")
+    return float(np.percentile(xs, q) * 1e3) if xs else float("nan")
 
 
 def summary(rs: list[dict[str, Any]]) -> dict[str, float]:
@@ -162,29 +163,24 @@ def summary(rs: list[dict[str, Any]]) -> dict[str, float]:
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     wall = sum(r["wall"] for r in ok) or 1.0
     could = sum(possible(ok))
-    return {"ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3) if ttft else float("nan"),
-            "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3) if ttft else float("nan"),
+    prompt = max(1, sum(r["prompt"] for r in ok))
+    wait = [r.get("kv_wait_s") for r in ok]
+    return {"ttft_p50_ms": pct_ms(ttft), "ttft_p99_ms": pct_ms(ttft, 99),
             "tpot_ms": statistics.median(tpot) * 1e3 if tpot else float("nan"),
-            "restored_fraction": (sum(r["restored"] for r in ok)
-                                  / max(1, sum(r["prompt"] for r in ok))),
-            "restorable_fraction": could / max(1, sum(r["prompt"] for r in ok)),
-            "prefill_reused_fraction": (sum(r["prefill_reused"] for r in ok)
-                                        / max(1, sum(r["prompt"] for r in ok))),
+            "restored_fraction": sum(r["restored"] for r in ok) / prompt,
+            "restorable_fraction": could / prompt,
+            "prefill_reused_fraction": sum(r["prefill_reused"] for r in ok) / prompt,
             "restored_of_possible": sum(r["restored"] for r in ok) / max(1, could),
             # the decode's wait for the prompt's KV and its parts (restore from L2, network),
             # and the prefill's compute the network part waits on
-            "kv_wait_ms_p50": p50_ms([r.get("kv_wait_s") for r in ok]),
-            "kv_wait_ms_p99": (float(np.percentile([r["kv_wait_s"] for r in ok
-                                                    if r.get("kv_wait_s") is not None], 99)
-                                     * 1e3) if any(r.get("kv_wait_s") is not None for r in ok)
-                               else float("nan")),
-            "kv_local_ms_p50": p50_ms([r.get("kv_local_s") for r in ok]),
-            "kv_net_ms_p50": p50_ms([r.get("kv_net_s") for r in ok]),
+            "kv_wait_ms_p50": pct_ms(wait), "kv_wait_ms_p99": pct_ms(wait, 99),
+            "kv_local_ms_p50": pct_ms([r.get("kv_local_s") for r in ok]),
+            "kv_net_ms_p50": pct_ms([r.get("kv_net_s") for r in ok]),
             # the prefill's time for the request: waiting for its model (one forward at a
             # time), loading its L2 prefix, computing the rest; and what of the decode's wait
             # that leaves (the last chunk's transfer, the network behind the compute)
-            "prefill_ms_p50": p50_ms([r.get("prefill_s") for r in ok]),
-            "kv_wait_past_prefill_ms_p50": p50_ms([
+            "prefill_ms_p50": pct_ms([r.get("prefill_s") for r in ok]),
+            "kv_wait_past_prefill_ms_p50": pct_ms([
                 r["kv_wait_s"] - r["prefill_s"] for r in ok
                 if r.get("kv_wait_s") is not None and r.get("prefill_s") is not None]),
             "ok": len(ok), "failed": len(rs) - len(ok), "busy_seconds": wall}
