@@ -9,16 +9,17 @@ Bootstrap lookups and handshakes block, so they run on a connector thread; the e
 only record intent and return. Once a route is resolved and its prefill endpoints have
 acknowledged the Hello, ``request()`` sends the TransferRequest from the caller's thread (a
 non-blocking socket send), saving a thread hop per request.
+
+The side is read in two parts: this file (rooms, requests, answers, deadlines, staging) and
+``receiver_checks.py`` (the integrity check); ``receiver_rooms.py`` holds the room entry.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -32,20 +33,21 @@ from ..errors import (
     BootstrapError,
     DeadlineExceeded,
     DuplicateRoom,
-    IntegrityError,
     LayoutMismatch,
     PdxferError,
     PeerLost,
     PlanError,
     from_kind,
 )
-from ..faults import damage, faults
+from ..faults import faults
 from ..plan import topology as T
 from ..plan.heads import lease_bytes
 from ..pools import PoolSpec
 from .connect import Connector, PrefillPeer, Resolved
 from .handles import KVPoll, Release, ReleaseOnce, RoomHandle
 from .liveness import Liveness
+from .receiver_checks import Checks
+from .receiver_rooms import RecvRoom, route_key
 from .staging import Lease, Staging, scatter
 from .trust import Session
 
@@ -53,72 +55,6 @@ if TYPE_CHECKING:
     from .core import Core
 
 log = logging.getLogger("pdxfer.receiver")
-
-
-@dataclass(slots=True, eq=False)
-class RecvRoom:
-    room: int
-    bootstrap: str
-    instance: str | None
-    dp: int | None
-    released: ReleaseOnce
-    deadline: float
-    nonce: int = 0
-    state: KVPoll = KVPoll.Bootstrapping
-    failure: PdxferError | None = None
-    requested: bool = False
-    dst: dict[str, np.ndarray] = field(default_factory=dict)
-    slots: dict[str, int] = field(default_factory=dict)
-    prefix_len: int = 0
-    num_tokens: int = 0
-    hold_for_repair: bool = False
-    targets: list[PrefillPeer] = field(default_factory=list)
-    done: set[str] = field(default_factory=set)
-    outstanding: set[str] = field(default_factory=set)
-    abort_deadline: float = 0.0
-    quarantined: bool = False
-    bytes: int = 0
-    blocks: int = 0
-    t_created: float = field(default_factory=time.monotonic)
-    t_request: float = 0.0
-    t_done: float = 0.0
-    leases: dict[str, list[Lease]] = field(default_factory=dict)
-    integrity: str = "off"
-    skips: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Per sender, the pools it was told not to write (it sends no digest for them)."""
-    auto_hold: bool = False
-    """The prefill holds the room for an integrity retry (``integrity_retry``), not because
-    the engine asked: this receiver sends the ``Release`` itself once the room is over."""
-    asks: dict[str, bytes] = field(default_factory=dict)
-    """Per sender, the request frame sent to it (sent again, once, for an integrity retry)."""
-    retried: set[str] = field(default_factory=set)
-    """Senders asked a second time after a digest mismatch."""
-    heads: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
-    """Per sender, the global heads it writes of each head-sliced pool (fault injection)."""
-    prepared: dict[tuple[str, str, int, int, int, int], I.Prepared] = field(
-        default_factory=dict)
-    """Sampled checks planned when the request went out, by (sender, pool, start, end, lo,
-    hi): the digest a one-chunk sender reports for each pool (``_prepare``)."""
-
-
-def _head_bytes(pool: PoolSpec, heads: tuple[int, int] | None) -> slice | np.ndarray:
-    """The bytes of one page of ``pool`` that hold global heads ``[lo, hi)`` (all of it
-    when ``heads`` is None or covers every head this rank holds)."""
-    sh = pool.sharding
-    if heads is None or sh.kind != "heads":
-        return slice(None)
-    lo, hi = heads[0] - sh.first_head, heads[1] - sh.first_head
-    if lo <= 0 and hi >= sh.rank_heads:
-        return slice(None)
-    hb, ps = sh.head_bytes, pool.page_size
-    if pool.token_major:
-        return (np.arange(ps)[:, None] * pool.token_bytes
-                + np.arange(lo * hb, hi * hb)[None, :]).reshape(-1)
-    return np.arange(lo * ps * hb, hi * ps * hb)
-
-
-def _key(st: RecvRoom) -> tuple[str, str | None, int | None]:
-    return (st.bootstrap, st.instance, st.dp)
 
 
 class KVReceiver(RoomHandle):
@@ -165,7 +101,7 @@ class KVReceiver(RoomHandle):
         self._side.fail(self._st, Aborted(f"room {self._st.room}: {reason}"))
 
 
-class DecodeSide:
+class DecodeSide(Checks):
     """Room tables, connector and heartbeat of a decode endpoint."""
 
     def __init__(self, ep: Core) -> None:
@@ -190,6 +126,7 @@ class DecodeSide:
                                  self._peer_lost)
 
     # -- engine calls -------------------------------------------------------------------------
+
     def create(self, room: int, bootstrap: str, instance: str | None, dp: int | None,
                release: Release | None) -> KVReceiver:
         if not 0 <= room < 1 << 63:
@@ -224,9 +161,9 @@ class DecodeSide:
             st.prefix_len, st.num_tokens = prefix_len, num_tokens
             if self.cfg.integrity_retry and self.integrity != "off" and not st.hold_for_repair:
                 st.hold_for_repair = st.auto_hold = True
-        c = self.connector.cached(_key(st))
+        c = self.connector.cached(route_key(st))
         if c is None:
-            self.connector.connect(_key(st), st.room, st.deadline,
+            self.connector.connect(route_key(st), st.room, st.deadline,
                                    lambda r: self._connected(st, r),
                                    lambda e: self._connect_failed(st, e))
         else:
@@ -294,12 +231,13 @@ class DecodeSide:
         self._maybe_release(st)
 
     # -- connector (blocking, off the engine loop) ----------------------------------------------
+
     def _connected(self, st: RecvRoom, resolved: Resolved) -> None:
         peers, plan, npeers = resolved
         try:
             leases = [self._stage(st, a.heads, p.pools) for p, a in zip(peers, plan)]
         except Exception as e:  # noqa: BLE001 - anything unexpected still fails the room
-            self.connector.forget_route(_key(st))
+            self.connector.forget_route(route_key(st))
             self._connect_failed(st, e)
             return
         self._post(st, peers, plan, npeers, leases)
@@ -356,42 +294,8 @@ class DecodeSide:
                     st.state = KVPoll.Success
                     st.t_done = time.monotonic()
 
-    def _prepare(self, st: RecvRoom, peers: list[PrefillPeer], plan: list[T.Assignment]
-                 ) -> None:
-        """Plan the sampled check of what each sender will report for a request it writes in
-        one chunk (tokens ``[prefix_len, num_tokens)``, the heads it was asked for or all it
-        holds), after the request went out: the check then only gathers and hashes. A digest
-        of another range (several chunks) takes the full path; so does anything that cannot
-        be planned here, which also reports the reason."""
-        out: dict[tuple[str, str, int, int, int, int], I.Prepared] = {}
-        try:
-            for p, a in zip(peers, plan):
-                if a.silent:
-                    continue
-                for name, theirs in p.pools.items():
-                    if name not in self.ep.pool_names or name in a.skip:
-                        continue
-                    pool = self.ep.pool(name)
-                    pages = st.dst.get(pool.indices_from or name)
-                    if (pages is None or pool.kind != "paged" or not pool.item_bytes
-                            or I.portable(pool, theirs) or not theirs.item_bytes):
-                        continue
-                    osh = theirs.sharding
-                    lo, hi = (0, 0) if pool.sharding.kind != "heads" else a.heads.get(
-                        name, (osh.first_head, osh.first_head + osh.rank_heads))
-                    idx = self._buffer_map(pool, theirs)
-                    if None in idx:
-                        continue
-                    prep = I.prepare(pool, I.Span(pages, st.prefix_len, st.prefix_len,
-                                                  st.num_tokens, lo, hi),
-                                     I.sample_stride(theirs, pool), idx)  # type: ignore[arg-type]
-                    if prep is not None:
-                        out[(p.endpoint_id, name, st.prefix_len, st.num_tokens, lo, hi)] = prep
-        except Exception:  # noqa: BLE001 - the check's full path reports what is wrong
-            log.debug("room %d: sampled checks not planned ahead", st.room, exc_info=True)
-        st.prepared = out
-
     # -- messages ----------------------------------------------------------------------------
+
     def _settle(self, msg: wire.TransferDone | wire.AbortAck, sess: Session | None
                 ) -> RecvRoom | None:
         """The room a sender's terminal message belongs to, now that sender is no longer
@@ -449,159 +353,6 @@ class DecodeSide:
             self.ep.send(p.ctrl_addr, wire.Release(room=st.room, nonce=st.nonce,
                                                   endpoint_id=self.ep.endpoint_id), p.sess)
 
-    # -- integrity (see integrity.py) -----------------------------------------------------------
-    def _retry(self, st: RecvRoom, sender: str, err: PdxferError) -> bool:
-        """Ask ``sender`` for its whole range once more after a digest mismatch
-        (``integrity_retry``; called under the lock): the same request frame and nonce, which
-        the prefill serves as a repair of the room it still holds. False: fail as usual."""
-        frame = st.asks.get(sender)
-        peer = next((p for p in st.targets if p.endpoint_id == sender), None)
-        if (not isinstance(err, IntegrityError) or frame is None or peer is None
-                or sender in st.retried or st.state.terminal):
-            return False
-        st.retried.add(sender)
-        st.outstanding.add(sender)
-        self.ep.count("integrity_retries")
-        log.warning("%s: asking for the range again (integrity_retry)", err)
-        self.ep.send_frame(peer.ctrl_addr, frame, peer.sess)
-        return True
-
-    def _check(self, msg: wire.TransferDone) -> PdxferError | None:
-        """Inject a configured page fault, then verify what this sender wrote against its
-        digests: None, or the ``IntegrityError`` that fails the room (the sender's writes
-        are over either way, so its pages are safe to release)."""
-        with self.ep.lock:
-            st = self.rooms.get(msg.room)
-            if st is None or st.nonce != msg.nonce or msg.endpoint_id not in st.outstanding:
-                return None
-            peer = self.peers.get(msg.endpoint_id)
-            skip = st.skips.get(msg.endpoint_id, ())
-        if self._faults.page_faults:
-            kind = self._faults.page_fault(st.room)
-            if kind is not None:
-                self._inject(st, kind, msg.endpoint_id)
-        if st.integrity == "off" or peer is None:
-            return None
-        t0 = time.perf_counter()
-        try:
-            why = self._verify(st, peer, msg.digests, skip)
-        finally:
-            self.ep.count("integrity_checks")
-            self.ep.count("integrity_seconds", time.perf_counter() - t0)
-        if not why:
-            return None
-        return IntegrityError(f"room {st.room}: from prefill endpoint {msg.endpoint_id}: {why}")
-
-    def _verify(self, st: RecvRoom, peer: PrefillPeer, digests: tuple[wire.Digest, ...],
-                skip: tuple[str, ...]) -> str:
-        mode = st.integrity
-        covered: dict[str, list[tuple[int, int]]] = {}
-        for d in digests:
-            why = self._verify_one(st, peer, d, mode)
-            if why:
-                return why
-            covered.setdefault(d.pool, []).append((d.start, d.end))
-        if st.num_tokens <= st.prefix_len:
-            return ""
-        for name, theirs in peer.pools.items():
-            if name not in self.ep.pool_names or name in skip:
-                continue
-            pool = self.ep.pool(name)
-            if (pool.kind != "paged" or not pool.item_bytes or not theirs.item_bytes
-                    or not I.supported(theirs.location)
-                    or (pool.indices_from or name) not in st.dst):
-                continue
-            if not I.covers(covered.get(name, []), st.prefix_len, st.num_tokens):
-                return (f"no digest covers pool {name!r} tokens [{st.prefix_len}, "
-                        f"{st.num_tokens}) (mode {mode})")
-        return ""
-
-    def _verify_one(self, st: RecvRoom, peer: PrefillPeer, d: wire.Digest, mode: str) -> str:
-        theirs = peer.pools.get(d.pool)
-        if d.pool not in self.ep.pool_names or theirs is None:
-            return f"digest for unknown pool {d.pool!r}"
-        pool = self.ep.pool(d.pool)
-        idx = self._buffer_map(pool, theirs)
-        if len(d.values) != len(idx) or None in idx:
-            return f"digest of pool {d.pool!r} does not match the sender's buffers"
-        try:
-            if pool.kind == "slot":
-                slot = st.slots.get(d.pool)
-                if slot is None:
-                    return f"digest for slot pool {d.pool!r} this request did not name"
-                got = I.slot_digests(pool, slot, mode, idx,  # type: ignore[arg-type]
-                                     portable=I.portable(pool, theirs))
-            else:
-                pages = st.dst.get(pool.indices_from or d.pool)
-                if pages is None or d.start < st.prefix_len or d.end > st.num_tokens:
-                    return (f"digest of pool {d.pool!r} tokens [{d.start}, {d.end}) outside "
-                            f"the request")
-                prep = (st.prepared.get((peer.endpoint_id, d.pool, d.start, d.end, d.lo, d.hi))
-                        if mode == "sampled" else None)
-                got = prep.digests() if prep is not None else I.digests(
-                    pool, I.Span(pages, st.prefix_len, d.start, d.end, d.lo, d.hi), mode,
-                    I.sample_stride(theirs, pool), idx,  # type: ignore[arg-type]
-                    portable=I.portable(pool, theirs))
-        except PdxferError as e:
-            return f"cannot check pool {d.pool!r}: {e}"
-        except Exception as e:  # noqa: BLE001 - e.g. a device the portable digest cannot read
-            log.exception("room %d: cannot digest pool %r", st.room, d.pool)
-            return (f"cannot check pool {d.pool!r}: {type(e).__name__}: {e} (integrity='off' "
-                    f"turns the check off)")
-        self.ep.count("integrity_bytes", got.nbytes)
-        if got == list(d.values):
-            return ""
-        for i, (g, w) in enumerate(zip(got, d.values)):
-            if g != w:
-                b = theirs.buffers[i]
-                where = (f"slot {st.slots.get(d.pool)}" if pool.kind == "slot"
-                         else f"tokens [{d.start}, {d.end})")
-                self.ep.count("integrity_mismatches")
-                return (f"pool {d.pool!r} layer {b.layer_id} {b.role} {where}: received KV "
-                        f"does not match the sender's digest ({mode})")
-        return ""
-
-    def _buffer_map(self, pool: PoolSpec, theirs: PoolSpec) -> list[int | None]:
-        """Our buffer index for each of the sender's buffers (by layer and role), cached
-        per peer pool (a pool object lives as long as its peer's handshake)."""
-        hit = self._bufmaps.get(id(theirs))
-        if hit is None or hit[0] is not theirs:
-            if len(self._bufmaps) > 4096:
-                self._bufmaps.clear()
-            mine = {(b.layer_id, b.role): i for i, b in enumerate(pool.buffers)}
-            hit = self._bufmaps[id(theirs)] = (
-                theirs, [mine.get((b.layer_id, b.role)) for b in theirs.buffers])
-        return hit[1]
-
-    def _inject(self, st: RecvRoom, kind: str, sender: str) -> None:
-        """Damage one host page of the room's destination where ``sender`` wrote (fault
-        injection, tests only): the bytes of its own heads, as its own misdirected or lost
-        write would."""
-        skip = st.skips.get(sender, ())
-        pools = [p for p in self.ep.pools if p.kind == "paged" and p.item_bytes
-                 and p.location == "cpu" and (p.indices_from or p.name) in st.dst
-                 and p.name not in skip and self._faults.pools([p.name])]
-        if not pools:
-            return
-        pool = pools[self._faults.pick(len(pools))]
-        pages = st.dst[pool.indices_from or pool.name]
-        used = -(-(st.num_tokens - st.prefix_len + st.prefix_len % pool.page_size)
-                 // pool.page_size)
-        if used <= 0:
-            return
-        i = self._faults.pick(min(used, int(pages.size)))
-        page = int(pages[i])
-        buf = pool.buffers[self._faults.pick(len(pool.buffers))]
-        item = pool.item_bytes
-        view = np.ctypeslib.as_array((ctypes.c_uint8 * (pool.num_items * item)).from_address(
-            buf.addr)).reshape(pool.num_items, item)
-        cols = _head_bytes(pool, st.heads.get(sender, {}).get(pool.name))
-        j = i + 1 if i + 1 < used else i - 1  # the next page (a lone page has none)
-        taken = set(pages.tolist())
-        stale = next((q for q in range(pool.num_items) if q not in taken), None)
-        damage(view, kind, page, int(pages[j]) if j >= 0 else None, stale, cols)
-        self.ep.count(f"faults_injected_{kind}")
-
     def on_hello_ack(self, msg: wire.HelloAck, sess: Session | None, h: wire.Header) -> None:
         self.connector.on_hello_ack(msg, sess, h)
 
@@ -633,6 +384,7 @@ class DecodeSide:
         st.released.fire(st.dst, st.slots)
 
     # -- staging (head slices, see staging.py) ------------------------------------------------
+
     def _stage(self, st: RecvRoom, heads: Mapping[str, tuple[int, int]],
                theirs: Mapping[str, PoolSpec]) -> list[Lease]:
         """Leases for the host pools a sender writes as a head slice: part of this rank's
@@ -683,6 +435,7 @@ class DecodeSide:
                     st.num_tokens, layers, self.staging.executor if self.staging else None)
 
     # -- periodic ----------------------------------------------------------------------------
+
     def tick(self, now: float) -> None:
         expired: list[RecvRoom] = []
         resend: list[tuple[PrefillPeer, wire.Abort]] = []

@@ -1,0 +1,260 @@
+"""Prefill side, part 2 of 2: the writes. Each chunk a target has not been given is planned
+(``plan.chunk``), digested for the integrity check, written (started in ``send()`` when small,
+else on the room's worker) and finally answered with the target's one terminal message.
+
+A room's writes, its ``TransferDone`` and its ``AbortAck`` all run on one worker thread, in
+order (``control.Workers``): a terminal message queued behind the room's writes is sent only
+after they returned, which is what lets the decode free its pages without a late write.
+
+A mixin of ``PrefillSide`` (``sender.py``): it shares that class's tables and lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .. import integrity as I
+from .. import plan as P
+from .. import wire
+from ..errors import PdxferError, PlanError, TransportError
+from ..plan import chunk as C
+from ..transport.base import Started
+from .handles import KVPoll
+from .sender_rooms import Chunk, SenderRoom, Target, decodes, sliced
+from .staging import Staging, bounce
+
+if TYPE_CHECKING:
+    from ..config import EndpointConfig
+    from .core import Core
+
+log = logging.getLogger("pdxfer.sender")
+
+
+class Writes:
+    """``PrefillSide``'s write half (the state it shares is declared here for readers)."""
+
+    ep: Core
+    cfg: EndpointConfig
+    staging: Staging | None
+    page_sizes: dict[str, int]
+
+    def fail(self, st: SenderRoom, err: PdxferError) -> None:  # in PrefillSide
+        raise NotImplementedError
+
+    def _end_or_hold(self, st: SenderRoom) -> None:  # in PrefillSide
+        raise NotImplementedError
+
+    def _pump(self, st: SenderRoom) -> None:
+        """Queue every chunk each target has not been given yet (called under the lock).
+
+        A small chunk's write is started right here (``_start``) and only awaited on the
+        worker; either way the room's jobs stay in order on its worker, so a terminal message
+        queued later still runs after every write has returned."""
+        for t in st.targets:
+            while t.scheduled < len(st.chunks):
+                ci = t.scheduled
+                t.scheduled += 1
+                job = self._start(st, t, ci)
+                if job is None:
+                    job = lambda t=t, ci=ci: self._write(st, t, ci)  # noqa: E731
+                self.ep.workers.submit(st.room, job)
+
+    def _start(self, st: SenderRoom, t: Target, ci: int) -> Callable[[], None] | None:
+        """Plan a small chunk and start its write now, returning the worker job that awaits
+        it; None to leave the whole write to the worker (large, sliced, failed or already
+        late chunks, or the transport cannot start it at once)."""
+        chunk = st.chunks[ci]
+        pages = sum(a.size for a in chunk.pages.values())
+        if (not self.cfg.start_in_send or st.state == KVPoll.Failed or t.finished
+                or t.req.silent or pages > P.FEW_PAGES
+                # more entries than one batch at most (no merged runs): not worth planning here
+                or pages * sum(len(pr) for pr in t.peer.pairings.values())
+                > self.ep.transport.batch_entries
+                or (self.staging is not None and sliced(t))
+                or time.monotonic() > st.deadline):
+            return None
+        t0 = time.perf_counter()
+        try:
+            blocks = self._plan(t, chunk, st.cursor)
+            if isinstance(blocks, str) or not len(blocks):
+                return None  # the worker fails it (or just finishes) on the usual path
+            started = self.ep.transport.start(t.peer.session, *blocks.lists(), tag=st.room)
+        except Exception:  # noqa: BLE001 - a bug must not escape into the engine's send()
+            log.exception("room %d: starting a write in send() failed", st.room)
+            return None  # the worker plans again and fails the room with the reason
+        if started is None:
+            chunk.plans[t] = blocks  # the worker writes it without planning again
+            return None
+        self.ep.count("started_writes")
+        return lambda: self._await(st, t, chunk, blocks, started, t0)
+
+    def _await(self, st: SenderRoom, t: Target, chunk: Chunk, blocks: P.Blocks,
+               started: Started, t0: float) -> None:
+        """The worker's half of a started write: wait for it (even if the room failed
+        meanwhile: the write is in flight and must drain), then as ``_write``. The success
+        message of a last chunk is encoded while the write runs, off the request's path."""
+        frame = None
+        self._digest(t, chunk)  # while the write runs
+        if chunk.last and not t.aborted:
+            frame = wire.encode(wire.TransferDone(
+                room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
+                rank=self.cfg.tp_rank, ok=True, bytes=t.bytes + blocks.total_bytes,
+                blocks=t.blocks + len(blocks), seconds=t.seconds + time.perf_counter() - t0,
+                digests=tuple(t.digests)))
+        try:
+            self.ep.transport.finish(t.peer.session, started)
+        except TransportError as e:
+            self._write_failed(st, t, e)
+            return
+        self._wrote(st, t, chunk, blocks, len(blocks), t0, started.submitted,
+                    frame)
+
+    def _digest(self, t: Target, chunk: Chunk) -> None:
+        """Digest what this chunk writes to ``t``, in the mode its decode asked for (over the
+        source pages, in logical order: ``integrity.py``). A digest that cannot be taken is
+        logged and left out: the write goes on, and the decode fails the request for the
+        range no digest covers (rather than this worker dying mid-room)."""
+        mode = t.req.integrity
+        if mode == "off" or t.req.silent:
+            return
+        try:
+            self._digest_chunk(t, chunk, mode)
+        except Exception:  # noqa: BLE001 - e.g. a device the portable digest cannot read
+            self.ep.count("integrity_digest_errors")
+            log.exception("room %d: cannot digest what is sent to decode %s (integrity=%s; "
+                          "the decode will fail the request; integrity='off' on the decode "
+                          "turns the check off)", t.req.room, t.peer.endpoint_id, mode)
+
+    def _digest_chunk(self, t: Target, chunk: Chunk, mode: str) -> None:
+        t0 = time.perf_counter()
+        n = nb = 0
+        ask = C.ask_of(t.req, t.dst)
+        for w in C.written(ask, t.peer.pairings, chunk.pages, chunk.first, self.page_sizes):
+            pr = t.peer.pairings[w.pool]
+            if not (I.supported(pr.src.location) and I.supported(pr.dst.location)):
+                continue  # memory that cannot be digested (the decode does not expect it)
+            span = I.Span(w.pages, w.first, w.start, w.end, w.lo, w.hi)
+            vals = I.digests(pr.src, span, mode, I.sample_stride(pr.src, pr.dst),
+                             portable=I.portable(pr.src, pr.dst))
+            t.digests.append(wire.Digest(w.pool, w.start, w.end, w.lo, w.hi, tuple(vals)))
+            n += len(vals)
+            nb += vals.nbytes
+        if chunk.last:
+            for name, _ in t.req.slots.items():
+                pr = t.peer.pairings.get(name)
+                sslot = chunk.slots.get(name)
+                if (pr is None or name in t.req.skip or sslot is None
+                        or not (I.supported(pr.src.location) and I.supported(pr.dst.location))):
+                    continue
+                vals = I.slot_digests(pr.src, int(sslot), mode,
+                                      portable=I.portable(pr.src, pr.dst))
+                t.digests.append(wire.Digest(name, 0, 0, 0, 0, tuple(vals)))
+                n += len(vals)
+                nb += vals.nbytes
+        self.ep.count("integrity_digests", n)
+        self.ep.count("integrity_bytes", nb)
+        self.ep.count("integrity_seconds", time.perf_counter() - t0)
+
+    def _plan(self, t: Target, chunk: Chunk, cursor: dict[str, int]) -> P.Blocks | str:
+        return C.plan_chunk(C.ask_of(t.req, t.dst), t.peer.pairings, chunk.pages, chunk.first,
+                            chunk.slots, chunk.last, cursor, self.page_sizes, self.ep.regions,
+                            t.peer.regions)
+
+    def _write(self, st: SenderRoom, t: Target, ci: int) -> None:
+        if st.state == KVPoll.Failed or t.finished:
+            return
+        chunk = st.chunks[ci]
+        if t.req.silent:  # another rank writes everything this decode rank needs
+            if chunk.last:
+                self._finish(st, t, True, None)
+            return
+        t0 = time.perf_counter()
+        blocks = chunk.plans.pop(t, None) or self._plan(t, chunk, st.cursor)
+        if isinstance(blocks, str):
+            self.fail(st, PlanError(blocks))
+            self._finish(st, t, False, st.failure)
+            return
+        self._digest(t, chunk)
+        gathered = (bounce(blocks, self.staging)
+                    if self.staging is not None and sliced(t) else None)
+        wire_blocks = gathered[0] if gathered is not None else blocks
+        if gathered is not None:
+            self.ep.count("gathered_writes")
+        tw = time.perf_counter()
+        try:
+            self.ep.transport.write(
+                t.peer.session, *wire_blocks.lists(),
+                deadline=st.deadline, should_stop=lambda: st.state == KVPoll.Failed,
+                tag=st.room)
+        except TransportError as e:
+            self._write_failed(st, t, e)
+            return
+        finally:
+            if gathered is not None:
+                self.staging.release(gathered[1], gathered[2])  # type: ignore[union-attr]
+        self._wrote(st, t, chunk, blocks, len(wire_blocks), t0, tw)
+
+    def _write_failed(self, st: SenderRoom, t: Target, e: TransportError) -> None:
+        self.fail(st, TransportError(
+            f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}"))
+        self._finish(st, t, False, st.failure)
+
+    def _wrote(self, st: SenderRoom, t: Target, chunk: Chunk, blocks: P.Blocks, entries: int,
+               t0: float, tw: float, frame: bytes | None = None) -> None:
+        now = time.perf_counter()
+        t.bytes += blocks.total_bytes
+        t.blocks += entries
+        t.seconds += now - t0
+        t.write_seconds += now - tw
+        if chunk.last:
+            self._finish(st, t, True, None, frame)
+
+    def _finish(self, st: SenderRoom, t: Target, ok: bool, err: PdxferError | None,
+                frame: bytes | None = None) -> None:
+        """Send the target its one terminal message; runs on the room's worker thread.
+
+        The outcome is decided under the lock (an abort decided first turns it into a
+        failure; one decided after finds the target finished and sends nothing more) and the
+        message goes out right after the lock is released: the send writes to the socket
+        (tens to hundreds of microseconds on a busy host), which other threads should not
+        wait for. The room's terminal messages all come from this worker, so they stay in
+        order. ``frame``: the success message, encoded ahead."""
+        now = time.monotonic()
+        success = False
+        out: bytes | None = None
+        with self.ep.lock:
+            if t.finished:
+                return
+            t.finished = True
+            if ok and st.state == KVPoll.Failed:  # aborted or expired while the write ran
+                ok, err = False, st.failure
+            t.ok = ok
+            if not (t.req.silent and not t.aborted):  # a silent sender's decode does not wait
+                if t.aborted:
+                    out = wire.encode(wire.AbortAck(
+                        room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
+                        rank=self.cfg.tp_rank))
+                elif ok and frame is not None:
+                    out = frame
+                else:
+                    out = wire.encode(wire.TransferDone(
+                        room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
+                        rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
+                        kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks,
+                        seconds=t.seconds, digests=tuple(t.digests) if ok else ()))
+            all_done = decodes(st) >= st.expected and all(x.finished for x in st.targets)
+            if ok and all_done and not st.state.terminal:
+                st.state = KVPoll.Success
+                success = True
+            if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
+                self._end_or_hold(st)
+        if out is not None:
+            self.ep.send_frame(t.peer.ctrl_addr, out, t.peer.sess)
+        if success:
+            self.ep.count("success")
+            self.ep.timeline.observe("waiting", st.t_request - st.t_created)
+            self.ep.timeline.observe("transfer", now - st.t_request)
+        self.ep.count_transfer(t.bytes, t.blocks)
