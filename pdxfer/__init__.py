@@ -24,6 +24,7 @@ from .errors import (
     RemoteFailure,
     TransportError,
     TransportUnavailable,
+    UnknownRoom,
     WireError,
 )
 from .metrics import prometheus_text
@@ -38,7 +39,7 @@ __all__ = [
     "IntegrityError", "ProtocolError", "RequestHandle",
     "KVPoll", "KVReceiver", "KVSender", "LayoutMismatch", "PdxferError", "PeerLost",
     "PlanError", "PoolSpec", "RemoteFailure", "Sharding", "TransportError",
-    "TransportUnavailable", "WireError", "check_http", "http_headers", "layout_signature",
+    "TransportUnavailable", "UnknownRoom", "WireError", "check_http", "http_headers", "layout_signature",
     "knobs", "load_secret", "prometheus_text", "__version__", "advertised", "host_of",
     "unreachable_from",
 ]

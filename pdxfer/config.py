@@ -144,6 +144,11 @@ class EndpointConfig:
       for a worker thread to wake (~0.05-0.1 ms on a small VM), at the price of ~0.1-0.3 ms
       of the caller's time per such ``send()`` (the transport's submission is ~1 us per
       entry). False leaves every write to the workers, and ``send()`` costs ~0.05 ms.
+    - ``room_grace_s`` (prefill): how long a decode's request for a room this prefill never
+      saw is held for its engine to open it (early dispatch: the decode may ask first), at
+      most ``bootstrap_timeout_s``; then it is refused as ``UnknownRoom``. A request for a
+      room that already ended here is refused at once. Raise it for an engine that opens
+      its rooms only once a queued request is scheduled.
     - ``max_pending`` / ``max_pending_bytes``: requests (and their memory) a prefill holds for
       rooms whose sender does not exist yet; past either, a request is refused (``busy``).
     - ``fan_out`` (prefill): a room may be served to several decode groups, each asking with
@@ -153,8 +158,9 @@ class EndpointConfig:
       only when the engine sends one prefill to several decodes on purpose (a mirrored or
       standby decode that must hold the same KV).
     - ``max_peers``: decode endpoints a prefill keeps a handshake with (the least recently
-      used idle one is dropped for a new one). ``max_tombstones``: failed or aborted rooms
-      remembered so that a late request for them is refused (oldest forgotten first).
+      used idle one is dropped for a new one). ``max_tombstones``: rooms that ended (succeeded,
+      failed or aborted) remembered so that a late request for them is refused at once
+      (oldest forgotten first).
     """
 
     role: Literal["prefill", "decode"]
@@ -180,6 +186,7 @@ class EndpointConfig:
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
     abort_timeout_s: float = 5.0
+    room_grace_s: float = 5.0
     heartbeat_s: float = 0.5
     start_in_send: bool = True
     integrity: Literal["off", "sampled", "full"] = "sampled"
@@ -218,7 +225,7 @@ class EndpointConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         for name in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s",
-                     "register_interval_s"):
+                     "register_interval_s", "room_grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.integrity not in ("off", "sampled", "full"):

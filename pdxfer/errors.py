@@ -111,6 +111,14 @@ class ProtocolError(PdxferError):
     kind = "protocol"
 
 
+class UnknownRoom(PdxferError):
+    """The prefill asked does not hold the room and does not expect it: it ended there
+    already, or the prefill's engine did not open it within ``room_grace_s`` of the
+    request (a room nobody holds fails in seconds, not at the bootstrap deadline)."""
+
+    kind = "unknown_room"
+
+
 _BY_KIND[PdxferError.kind] = PdxferError
 
 

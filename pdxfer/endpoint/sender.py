@@ -82,9 +82,12 @@ class PrefillSide(Handshakes, Writes):
         self.pending: dict[int, tuple[float, list[Pending]]] = {}
         self.pending_bytes = 0
         self.pending_count = 0
-        self.tombstones: OrderedDict[tuple[int, str, int], tuple[float, str]] = OrderedDict()
-        """Rooms that failed (key ``(room, "", 0)``) or that a decode aborted before its
-        request came (``(room, endpoint, nonce)``): a late request for them is refused."""
+        self.tombstones: OrderedDict[tuple[int, str, int], tuple[float, str, str]] = \
+            OrderedDict()
+        """Rooms that ended here (key ``(room, "", 0)``: failed, or succeeded and left the
+        table) or that a decode aborted before its request came (``(room, endpoint,
+        nonce)``): a late request for them is refused at once, with the reason and failure
+        kind kept here. Bounded by ``max_tombstones`` (a hostile decode cannot grow it)."""
         self.refused: OrderedDict[int, str] = OrderedDict()
         """Rooms whose decode's handshake this rank refused (the room fails on creation)."""
         self.peers: OrderedDict[str, DecodePeer] = OrderedDict()
@@ -155,8 +158,8 @@ class PrefillSide(Handshakes, Writes):
         self.pending_count -= len(waiting)
         return waiting
 
-    def _tombstone(self, key: tuple[int, str, int], why: str) -> None:
-        self.tombstones[key] = (time.monotonic() + self.cfg.bootstrap_timeout_s, why)
+    def _tombstone(self, key: tuple[int, str, int], why: str, kind: str = "remote") -> None:
+        self.tombstones[key] = (time.monotonic() + self.cfg.bootstrap_timeout_s, why, kind)
         self.tombstones.move_to_end(key)
         while len(self.tombstones) > self.cfg.max_tombstones:
             self.tombstones.popitem(last=False)
@@ -227,16 +230,20 @@ class PrefillSide(Handshakes, Writes):
                 tomb = (self.tombstones.get((req.room, "", 0))
                         or self.tombstones.get((req.room, peer.endpoint_id, req.nonce)))
                 if tomb is not None:
-                    self._refuse(req, peer, f"room {req.room} already failed on prefill: "
-                                            f"{tomb[1]}", "remote")
+                    self._refuse(req, peer, f"room {req.room} already ended on this prefill: "
+                                            f"{tomb[1]}", tomb[2])
                     return
                 self._park(req, peer, now)
                 return
             self._attach(st, req, peer, now, dst)
 
     def _park(self, req: wire.TransferRequest, peer: DecodePeer, now: float) -> None:
-        """Hold a request whose room has no sender yet, within the pending caps."""
-        exp, waiting = self.pending.get(req.room, (now + self.cfg.bootstrap_timeout_s, []))
+        """Hold a request whose room has no sender yet, within the pending caps, for the
+        grace its engine gets to open the room (``room_grace_s``): a room this prefill never
+        saw may be one whose request has not reached it yet (early dispatch), or one it will
+        never hold, and only the grace tells them apart."""
+        grace = min(self.cfg.room_grace_s, self.cfg.bootstrap_timeout_s)
+        exp, waiting = self.pending.get(req.room, (now + grace, []))
         if any(p.endpoint_id == peer.endpoint_id for _, p, _ in waiting):
             self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
                          "duplicate_room")
@@ -323,7 +330,15 @@ class PrefillSide(Handshakes, Writes):
                 st.hold_until = time.monotonic() + self.cfg.transfer_timeout_s
             return
         st.hold_until = 0.0
+        self._forget(st)
+
+    def _forget(self, st: SenderRoom) -> None:
+        """Take a room out of the table; one that succeeded is remembered (a failed one
+        already is), so that a late request for it is refused at once (``UnknownRoom``)."""
         self.rooms.pop(st.room, None)
+        if st.state == KVPoll.Success:
+            self._tombstone((st.room, "", 0), "it succeeded and its pages are released",
+                            "unknown_room")
 
     @staticmethod
     def _repairable(st: SenderRoom, peer: DecodePeer) -> bool:
@@ -366,17 +381,19 @@ class PrefillSide(Handshakes, Writes):
                     expired.append(st)
             for room, (exp, _) in list(self.pending.items()):
                 if now > exp:
+                    grace = min(self.cfg.room_grace_s, self.cfg.bootstrap_timeout_s)
                     for req, peer, _ in self._take_pending(room):
-                        self._refuse(req, peer, f"no prefill request for room {room} within "
-                                                f"{self.cfg.bootstrap_timeout_s} s", "deadline")
-            for key, (exp, _) in list(self.tombstones.items()):
+                        self._refuse(req, peer, f"room {room} is unknown to this prefill (its "
+                                                f"engine did not open it within {grace} s)",
+                                     "unknown_room")
+            for key, (exp, *_) in list(self.tombstones.items()):
                 if now > exp:
                     del self.tombstones[key]
             for st in [x for x in self.rooms.values() if x.hold_until and now > x.hold_until
                        and all(t.finished for t in x.targets)]:
                 log.info("room %d: no Release from the decode before the hold deadline", st.room)
                 st.hold_until = 0.0
-                del self.rooms[st.room]
+                self._forget(st)
         for st in expired:
             what = ("no request from the decode" if st.state == KVPoll.Bootstrapping
                     else f"not finished (state {st.state.name})")

@@ -1,0 +1,78 @@
+"""A decode that asks a live prefill for a room it does not hold fails fast (issue 31 item 3),
+while a decode that asks before the prefill's engine opened the room (early dispatch) still
+gets its KV.
+
+Both sides run with a bootstrap deadline far in the future (``FAR``) and the prefill with a
+short ``room_grace_s``: every verdict below comes long before that deadline, so a test waits
+at most ``WAIT`` (a bound, never a timing assertion) and then asserts the failure kind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pdxfer import BootstrapServer
+from pdxfer.testing.harness import Agent
+from pdxfer.testing.patterns import PoolGeom
+
+from .conftest import start_pair
+from .helpers import Factory, decode_items, prefill_items, run, verify
+
+FAR = 600.0
+"""Bootstrap deadline of both sides: a room that only the deadline ends stays unfinished."""
+GRACE = 1.0
+WAIT = 60.0
+GEOMS = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=16)]
+
+
+@pytest.fixture(scope="module")
+def pair(bootstrap: BootstrapServer) -> Iterator[tuple[Agent, Agent]]:
+    pf, dc = start_pair(bootstrap, GEOMS, bootstrap_timeout_s=FAR, room_grace_s=GRACE)
+    yield pf, dc
+    pf.close()
+    dc.close()
+
+
+@pytest.fixture(scope="module")
+def factory(pair: tuple[Agent, Agent]) -> Factory:
+    return Factory(GEOMS, GEOMS, seed=5)
+
+
+def test_a_room_the_prefill_never_opens_fails_as_unknown_long_before_the_deadline(
+        pair, bootstrap, factory) -> None:
+    pf, dc = pair
+    r = factory.make(40)
+    dc.call("recv", items=decode_items([r]), bootstrap=bootstrap.address)
+    out = dc.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]
+    assert out["state"] == "Failed", out
+    assert out["kind"] == "unknown_room", out
+
+
+def test_a_room_that_already_succeeded_is_refused_at_once_when_asked_again(
+        pair, bootstrap, factory) -> None:
+    pf, dc = pair
+    r = factory.make(40)
+    assert run(pf, dc, bootstrap.address, [r])[r["room"]]["state"] == "Success"
+    assert pf.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]["state"] == "Success"
+    dc.call("forget", rooms=[r["room"]])
+    dc.call("recv", items=decode_items([r]), bootstrap=bootstrap.address)
+    out = dc.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]
+    assert out["state"] == "Failed" and out["kind"] == "unknown_room", out
+    # refused from the table of ended rooms, not after the grace for unknown ones
+    assert "already ended on this prefill" in out["failure"], out
+
+
+def test_a_decode_that_asks_before_the_prefill_opened_the_room_still_gets_its_kv(
+        pair, bootstrap, factory) -> None:
+    pf, dc = pair
+    r = factory.make(40)
+    prep, send = prefill_items([r])
+    pf.call("prepare", items=prep)
+    dc.call("recv", items=decode_items([r]), bootstrap=bootstrap.address)
+    time.sleep(GRACE / 4)  # the prefill's engine opens the room later, within the grace
+    pf.call("send", items=send)
+    assert dc.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]["state"] == "Success"
+    assert verify(dc, [r])[r["room"]][0] == 0
