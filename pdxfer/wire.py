@@ -31,8 +31,9 @@ import numpy as np
 from .errors import WireError
 from .pools import MAX_BUFFERS, U64, Name, NonNeg, PoolSpec
 
-PROTOCOL_VERSION = 3
-"""3: sampled digests read each page once (``integrity.Sampling``); 2 read the ends too."""
+PROTOCOL_VERSION = 4
+"""4: a digest may cover some layers of a pool (partial-layer chunks); 3: sampled digests
+read each page once (``integrity.Sampling``); 2 read the ends too."""
 MAGIC = b"PDX"
 MAX_FRAME = 16 << 20
 """No control message is this large (4M page indices); a bigger frame is hostile or broken,
@@ -69,8 +70,10 @@ MAX_DIGESTS = 1 << 16
 
 class Digest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """What a sender wrote into one pool, as one ``integrity`` digest per buffer: tokens
-    ``[start, end)`` and global heads ``[lo, hi)`` (``lo == hi``: whole rows). A slot row
-    has ``start == end == 0``."""
+    ``[start, end)`` and global heads ``[lo, hi)`` (``lo == hi``: whole rows) of the
+    sender's buffers holding layers ``[l0, l1)`` (``l0 == l1``: every buffer; a
+    partial-layer chunk's digest has one value per buffer of those layers). A slot row has
+    ``start == end == 0``."""
 
     pool: Name
     start: NonNeg
@@ -78,9 +81,11 @@ class Digest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like
     lo: NonNeg
     hi: NonNeg
     values: Annotated[tuple[U64, ...], msgspec.Meta(max_length=MAX_BUFFERS)]
+    l0: NonNeg = 0
+    l1: NonNeg = 0
 
     def __post_init__(self) -> None:
-        if self.end < self.start or self.hi < self.lo:
+        if self.end < self.start or self.hi < self.lo or self.l1 < self.l0:
             raise ValueError(f"digest of pool {self.pool!r}: empty or reversed range")
 
 

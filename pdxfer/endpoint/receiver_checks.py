@@ -137,13 +137,16 @@ class Checks:
 
     def _verify(self, st: RecvRoom, peer: PrefillPeer, digests: tuple[wire.Digest, ...],
                 skip: tuple[str, ...]) -> str:
+        """Every digest matches what landed, and together they cover every token of every
+        layer of every pool this sender writes (a sender that streamed its layers sends one
+        digest per layer range and token range)."""
         mode = st.integrity
-        covered: dict[str, list[tuple[int, int]]] = {}
+        covered: dict[str, list[tuple[int, int, int, int]]] = {}
         for d in digests:
             why = self._verify_one(st, peer, d, mode)
             if why:
                 return why
-            covered.setdefault(d.pool, []).append((d.start, d.end))
+            covered.setdefault(d.pool, []).append((d.l0, d.l1, d.start, d.end))
         if st.num_tokens <= st.prefix_len:
             return ""
         for name, theirs in peer.pools.items():
@@ -154,9 +157,9 @@ class Checks:
                     or not I.supported(theirs.location)
                     or (pool.indices_from or name) not in st.dst):
                 continue
-            if not I.covers(covered.get(name, []), st.prefix_len, st.num_tokens):
-                return (f"no digest covers pool {name!r} tokens [{st.prefix_len}, "
-                        f"{st.num_tokens}) (mode {mode})")
+            why = _uncovered(covered.get(name, []), theirs, st.prefix_len, st.num_tokens)
+            if why:
+                return f"no digest covers pool {name!r} {why} (mode {mode})"
         return ""
 
     def _verify_one(self, st: RecvRoom, peer: PrefillPeer, d: wire.Digest, mode: str) -> str:
@@ -165,6 +168,15 @@ class Checks:
             return f"digest for unknown pool {d.pool!r}"
         pool = self.ep.pool(d.pool)
         idx = self._buffer_map(pool, theirs)
+        sel = list(range(len(theirs.buffers)))
+        if d.l1 > d.l0:  # a partial-layer chunk: the sender's buffers of those layers
+            if pool.kind != "paged":
+                return f"digest of slot pool {d.pool!r} names layers"
+            sel = [i for i, b in enumerate(theirs.buffers) if d.l0 <= b.layer_id < d.l1]
+            if not sel:
+                return (f"digest of pool {d.pool!r} claims layers [{d.l0}, {d.l1}) the "
+                        f"sender's pool does not hold")
+            idx = [idx[i] for i in sel]
         if len(d.values) != len(idx) or None in idx:
             return f"digest of pool {d.pool!r} does not match the sender's buffers"
         try:
@@ -180,7 +192,7 @@ class Checks:
                     return (f"digest of pool {d.pool!r} tokens [{d.start}, {d.end}) outside "
                             f"the request")
                 prep = (st.prepared.get((peer.endpoint_id, d.pool, d.start, d.end, d.lo, d.hi))
-                        if mode == "sampled" else None)
+                        if mode == "sampled" and d.l1 == d.l0 else None)
                 got = prep.digests() if prep is not None else I.digests(
                     pool, I.Span(pages, st.prefix_len, d.start, d.end, d.lo, d.hi), mode,
                     I.sample_stride(theirs, pool), idx,  # type: ignore[arg-type]
@@ -196,7 +208,7 @@ class Checks:
             return ""
         for i, (g, w) in enumerate(zip(got, d.values)):
             if g != w:
-                b = theirs.buffers[i]
+                b = theirs.buffers[sel[i]]
                 where = (f"slot {st.slots.get(d.pool)}" if pool.kind == "slot"
                          else f"tokens [{d.start}, {d.end})")
                 self.ep.count("integrity_mismatches")
@@ -244,3 +256,18 @@ class Checks:
         stale = next((q for q in range(pool.num_items) if q not in taken), None)
         damage(view, kind, page, int(pages[j]) if j >= 0 else None, stale, cols)
         self.ep.count(f"faults_injected_{kind}")
+
+
+def _uncovered(entries: list[tuple[int, int, int, int]], theirs: PoolSpec, start: int,
+               end: int) -> str:
+    """What of tokens ``[start, end)`` no digest covers ("" when all is covered), layer by
+    layer of the sender's pool when some digest covers only some layers: ``entries`` are
+    ``(l0, l1, start, end)`` (``l0 == l1``: every layer)."""
+    if all(l0 == l1 for l0, l1, _, _ in entries):
+        ok = I.covers([(a, b) for _, _, a, b in entries], start, end)
+        return "" if ok else f"tokens [{start}, {end})"
+    for lid in sorted({b.layer_id for b in theirs.buffers}):
+        got = [(a, b) for l0, l1, a, b in entries if l0 == l1 or l0 <= lid < l1]
+        if not I.covers(got, start, end):
+            return f"layer {lid} tokens [{start}, {end})"
+    return ""

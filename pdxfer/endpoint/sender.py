@@ -51,11 +51,19 @@ class KVSender(RoomHandle):
     _st: SenderRoom
 
     def send(self, pages: Mapping[str, object], slots: Mapping[str, int] | None = None,
-             last: bool = False) -> None:
+             last: bool = False, *, layers: tuple[int, int] | None = None,
+             tokens: tuple[int, int] | None = None) -> None:
         """Hand over a finished prefill chunk: page indices per pool (anchors only), in prompt
         order. The last chunk also names the slot of each slot pool. A chunk given before the
-        decode's request arrived waits for it."""
-        self._side.add_chunk(self._st, pages, dict(slots or {}), last)
+        decode's request arrived waits for it.
+
+        A chunk may carry some layers (``layers=(a, b)``: the buffers of layer ids
+        ``[a, b)``) and name the tokens it computed (``tokens=(t0, t1)``; ``pages`` are then
+        the pages holding tokens ``t0 .. t1 - 1``, and a page it fills in part is written
+        for those tokens alone). Each layer must be given in token order, without gaps or
+        overlaps; ``last`` marks the room's final send, by which every layer holds every
+        token (``PlanError`` otherwise, as for a chunk that breaks these rules)."""
+        self._side.add_chunk(self._st, pages, dict(slots or {}), last, layers, tokens)
 
     @property
     def prefix_len(self) -> int | None:
@@ -92,6 +100,7 @@ class PrefillSide(Handshakes, Writes):
         """Rooms whose decode's handshake this rank refused (the room fails on creation)."""
         self.peers: OrderedDict[str, DecodePeer] = OrderedDict()
         self.page_sizes = {p.name: p.page_size for p in ep.pools}
+        self.layers_of = C.pool_layers({p.name: p for p in ep.pools})
         host = all(p.location == "cpu" for p in ep.pools)
         n = Staging.wanted(ep.pools) if host and knobs().gather else 0
         self.staging = Staging(n) if n else None  # gathers head slices into few big writes
@@ -166,7 +175,8 @@ class PrefillSide(Handshakes, Writes):
             self.ep.count("tombstones_evicted")
 
     def add_chunk(self, st: SenderRoom, pages: Mapping[str, object], slots: dict[str, int],
-                  last: bool) -> None:
+                  last: bool, layers: tuple[int, int] | None = None,
+                  tokens: tuple[int, int] | None = None) -> None:
         if st.last_given:
             raise PlanError(f"room {st.room}: send() after the last chunk")
         arrays: dict[str, np.ndarray] = {}
@@ -179,13 +189,19 @@ class PrefillSide(Handshakes, Writes):
             if isinstance(a, str):
                 raise PlanError(a)
             arrays[name] = a
+        layers = _pair(layers, "layers", st.room)
+        tokens = _pair(tokens, "tokens", st.room)
         with self.ep.lock:
             if st.state.terminal:
                 return
-            first = {n: st.cursor.get(n, 0) for n in arrays}
-            for n, a in arrays.items():
-                st.cursor[n] = first[n] + a.size * self.ep.pool(n).page_size
-            st.chunks.append(Chunk(arrays, first, slots, last))
+            c = C.claim(st.room, arrays, self.page_sizes, self.layers_of, st.layer_cursor,
+                        layers, tokens)
+            if isinstance(c, str):
+                raise PlanError(c)
+            st.layer_cursor.update(c.cursors)
+            for n in arrays:
+                st.cursor[n] = min(st.layer_cursor.get((n, x), 0) for x in self.layers_of[n])
+            st.chunks.append(Chunk(arrays, c.first, slots, last, c.span, c.layers))
             st.last_given = last
             if last and decodes(st) >= st.expected:
                 st.state = KVPoll.Transferring
@@ -480,3 +496,14 @@ class PrefillSide(Handshakes, Writes):
                     f"of its ranks that ask this prefill rank) already asked, so decode "
                     f"endpoint {peer.endpoint_id} is not one of them")
         return ""
+
+
+def _pair(x: tuple[int, int] | None, what: str, room: int) -> tuple[int, int] | None:
+    """``layers``/``tokens`` of a ``send()`` as two ints (``PlanError`` otherwise)."""
+    if x is None:
+        return None
+    try:
+        a, b = (int(v) for v in x)  # type: ignore[union-attr]
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"room {room}: {what} must be two integers, got {x!r}") from e
+    return a, b

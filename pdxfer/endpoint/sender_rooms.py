@@ -41,6 +41,23 @@ class DecodePeer:
     hung: bool = False
     """Heartbeat state while this peer holds rooms for a repair (``liveness.py``)."""
 
+    subsets: dict[tuple[int, int], dict[str, P.BufferPairing]] = field(default_factory=dict)
+    """``pairings`` narrowed to a layer range (partial-layer chunks), made once per range."""
+
+    def layer_pairings(self, layers: tuple[int, int] | None) -> dict[str, P.BufferPairing]:
+        """The pairings a chunk of ``layers`` writes (all of them for ``None``); slot pools
+        stay whole (the last chunk writes the request's slots, whatever its layers)."""
+        if layers is None:
+            return self.pairings
+        hit = self.subsets.get(layers)
+        if hit is None:
+            if len(self.subsets) >= 1024:  # the engine's own ranges; bounded all the same
+                self.subsets.clear()
+            sub = {n: pr if pr.src.kind == "slot" else P.layer_subset(pr, *layers)
+                   for n, pr in self.pairings.items()}
+            hit = self.subsets[layers] = {n: pr for n, pr in sub.items() if pr is not None}
+        return hit
+
     def is_(self, who: str) -> bool:
         """Whether this peer is the decode endpoint or instance ``who`` (room binding)."""
         return who in (self.endpoint_id, self.instance) and bool(who)
@@ -55,6 +72,11 @@ class Chunk:
     first: dict[str, int]
     slots: dict[str, int]
     last: bool
+    span: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Per anchor pool, the tokens this chunk carries (what the engine computed: part of a
+    page at either end is written for those tokens alone)."""
+    layers: tuple[int, int] | None = None
+    """The layers it carries (None: every layer)."""
     plans: dict[Target, P.Blocks] = field(default_factory=dict)
     """Plans made in ``send()`` for a write that could not start there (``_start``)."""
 
@@ -95,6 +117,10 @@ class SenderRoom:
     targets: list[Target] = field(default_factory=list)
     expected: int = 1
     cursor: dict[str, int] = field(default_factory=dict)
+    """Per anchor pool, tokens given in every one of its layers (the last chunk must reach
+    the decode's ``num_tokens``)."""
+    layer_cursor: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Per (anchor pool, layer id), tokens given so far (``plan.chunk.claim``)."""
     last_given: bool = False
     t_created: float = field(default_factory=time.monotonic)
     t_request: float = 0.0

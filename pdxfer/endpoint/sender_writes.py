@@ -132,14 +132,18 @@ class Writes:
         t0 = time.perf_counter()
         n = nb = 0
         ask = C.ask_of(t.req, t.dst)
-        for w in C.written(ask, t.peer.pairings, chunk.pages, chunk.first, self.page_sizes):
-            pr = t.peer.pairings[w.pool]
+        pairings = t.peer.layer_pairings(chunk.layers)
+        l0, l1 = chunk.layers or (0, 0)
+        for w in C.written(ask, pairings, chunk.pages, chunk.first, self.page_sizes,
+                           chunk.span):
+            pr = pairings[w.pool]
             if not (I.supported(pr.src.location) and I.supported(pr.dst.location)):
                 continue  # memory that cannot be digested (the decode does not expect it)
             span = I.Span(w.pages, w.first, w.start, w.end, w.lo, w.hi)
             vals = I.digests(pr.src, span, mode, I.sample_stride(pr.src, pr.dst),
                              portable=I.portable(pr.src, pr.dst))
-            t.digests.append(wire.Digest(w.pool, w.start, w.end, w.lo, w.hi, tuple(vals)))
+            t.digests.append(wire.Digest(w.pool, w.start, w.end, w.lo, w.hi, tuple(vals),
+                                         l0, l1))
             n += len(vals)
             nb += vals.nbytes
         if chunk.last:
@@ -159,9 +163,9 @@ class Writes:
         self.ep.count("integrity_seconds", time.perf_counter() - t0)
 
     def _plan(self, t: Target, chunk: Chunk, cursor: dict[str, int]) -> P.Blocks | str:
-        return C.plan_chunk(C.ask_of(t.req, t.dst), t.peer.pairings, chunk.pages, chunk.first,
-                            chunk.slots, chunk.last, cursor, self.page_sizes, self.ep.regions,
-                            t.peer.regions)
+        return C.plan_chunk(C.ask_of(t.req, t.dst), t.peer.layer_pairings(chunk.layers),
+                            chunk.pages, chunk.first, chunk.slots, chunk.last, cursor,
+                            self.page_sizes, self.ep.regions, t.peer.regions, chunk.span)
 
     def _write(self, st: SenderRoom, t: Target, ci: int) -> None:
         if st.state == KVPoll.Failed or t.finished:

@@ -13,6 +13,7 @@ from .paged import (
     BufferPairing,
     as_indices,
     check_bounds,
+    layer_subset,
     pair_buffers,
     plan_paged,
     plan_slots,
@@ -20,4 +21,4 @@ from .paged import (
 )
 
 __all__ = ["FEW_PAGES", "MAX_BATCH_ENTRIES", "Blocks", "BufferPairing", "as_indices",
-           "check_bounds", "pair_buffers", "plan_paged", "plan_slots", "runs"]
+           "check_bounds", "layer_subset", "pair_buffers", "plan_paged", "plan_slots", "runs"]

@@ -75,6 +75,93 @@ def check_ask(ask: Ask, peer_pools: Mapping[str, PoolSpec],
     return ""
 
 
+ALL_LAYERS = -1
+"""The one layer of an anchor pool whose pools hold no bytes (a logical pool): every chunk
+that names the pool carries it, whatever layers it covers."""
+
+
+def pool_layers(pools: Mapping[str, PoolSpec]) -> dict[str, tuple[int, ...]]:
+    """The layer ids each anchor pool's pages carry (its own buffers' and its followers')."""
+    out: dict[str, set[int]] = {}
+    for name, p in pools.items():
+        if p.kind != "paged":
+            continue
+        ids = out.setdefault(p.indices_from or name, set())
+        ids |= {b.layer_id for b in p.buffers}
+    return {n: tuple(sorted(ids)) or (ALL_LAYERS,) for n, ids in out.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What one ``send()`` carries, checked against what the room was given so far: per
+    anchor pool the token the first page starts at (``first``) and the tokens computed
+    (``span``), the layer range (None: all), and the new token cursor of every layer it
+    covers."""
+
+    first: dict[str, int]
+    span: dict[str, tuple[int, int]]
+    layers: tuple[int, int] | None
+    cursors: dict[tuple[str, int], int]
+
+
+def claim(room: int, pages: Mapping[str, np.ndarray], page_sizes: Mapping[str, int],
+          layers_of: Mapping[str, tuple[int, ...]], cursors: Mapping[tuple[str, int], int],
+          layers: tuple[int, int] | None, tokens: tuple[int, int] | None) -> Claim | str:
+    """Check one chunk against the room's per-layer token cursors, or say why it is refused.
+
+    Each layer of each anchor pool is given in token order, with no gap and no overlap: a
+    chunk for layers ``[a, b)`` and tokens ``[t0, t1)`` must start where every one of those
+    layers stopped (so a layer sent twice, or out of order, is refused before it is
+    written), and its pages are the ones holding tokens ``t0 .. t1 - 1``. Without ``tokens``
+    a chunk carries every token of its pages, from where its layers stopped (the pages start
+    at that token's page). Layers outside the room's pools, an empty range, or pools that
+    hold none of the chunk's layers are refused."""
+    if layers is not None:
+        a, b = layers
+        top = max((x for ids in layers_of.values() for x in ids), default=ALL_LAYERS) + 1
+        if not 0 <= a < b <= top:
+            return f"room {room}: layers [{a}, {b}) not within this endpoint's [0, {top})"
+    if tokens is not None and not 0 <= tokens[0] <= tokens[1] < 1 << 62:
+        return f"room {room}: tokens [{tokens[0]}, {tokens[1]}) empty or out of range"
+    first: dict[str, int] = {}
+    span: dict[str, tuple[int, int]] = {}
+    out: dict[tuple[str, int], int] = {}
+    for name, idx in pages.items():
+        ids = layers_of.get(name)
+        if ids is None:
+            return f"room {room}: pool {name!r} is not an anchor pool"
+        mine = [x for x in ids if x == ALL_LAYERS or layers is None
+                or layers[0] <= x < layers[1]]
+        if not mine:
+            return f"room {room}: pool {name!r} holds none of layers [{layers[0]}, {layers[1]})"  # type: ignore[index]
+        ps = page_sizes[name]
+        at = {cursors.get((name, x), 0) for x in mine if x != ALL_LAYERS}
+        if tokens is None:
+            if len(at) > 1:
+                return (f"room {room}: pool {name!r}: the chunk's layers stopped at different "
+                        f"tokens {sorted(at)}: name the tokens it carries")
+            t0 = at.pop() if at else cursors.get((name, ALL_LAYERS), 0)
+            f0 = t0 - t0 % ps
+            t1 = max(t0, f0 + idx.size * ps)
+        else:
+            t0, t1 = tokens
+            f0 = t0 - t0 % ps
+            wrong = sorted(x for x in at if x != t0)
+            if wrong:
+                how = "overlaps tokens already given" if wrong[-1] > t0 else "leaves a gap"
+                return (f"room {room}: pool {name!r}: tokens [{t0}, {t1}) {how} (its layers "
+                        f"stopped at {wrong})")
+            need = -(-t1 // ps) - t0 // ps
+            if idx.size != need:
+                return (f"room {room}: pool {name!r}: {idx.size} pages for tokens [{t0}, "
+                        f"{t1}), which span {need}")
+        first[name], span[name] = f0, (t0, t1)
+        for x in mine:
+            key = (name, x)
+            out[key] = max(t1, cursors.get(key, 0)) if x == ALL_LAYERS else t1
+    return Claim(first, span, layers, out)
+
+
 def heads_to_write(pairing: BufferPairing, asked: tuple[int, int] | None
                    ) -> tuple[int, int] | None:
     """The head range to write, or None when whole tokens (pages) pair one to one: the decode's
@@ -123,8 +210,18 @@ class Written:
     hi: int
 
 
+def _tokens(ask: Ask, anchor: str, src: np.ndarray, f0: int, page_sizes: Mapping[str, int],
+            span: Mapping[str, tuple[int, int]] | None) -> tuple[int, int]:
+    """The request's tokens one chunk carries for one anchor pool: its ``span`` (tokens the
+    engine computed, possibly part of a page at either end), else every token of its pages,
+    within ``[prefix_len, num_tokens)``."""
+    a, b = span[anchor] if span and anchor in span else (f0, f0 + src.size * page_sizes[anchor])
+    return max(a, ask.prefix_len), min(b, ask.num_tokens)
+
+
 def written(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[str, np.ndarray],
-            first: Mapping[str, int], page_sizes: Mapping[str, int]) -> list[Written]:
+            first: Mapping[str, int], page_sizes: Mapping[str, int],
+            span: Mapping[str, tuple[int, int]] | None = None) -> list[Written]:
     """The ranges ``plan_chunk`` moves for this chunk, pool by pool (paged pools only)."""
     out: list[Written] = []
     heads_asked = ask.heads or {}
@@ -137,8 +234,7 @@ def written(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[str,
         if src is None or anchor not in ask.dst:
             continue
         f0 = first[anchor]
-        lo = max(f0, ask.prefix_len)
-        hi = min(f0 + src.size * page_sizes[anchor], ask.num_tokens)
+        lo, hi = _tokens(ask, anchor, src, f0, page_sizes, span)
         if hi <= lo:
             continue
         sh = pool.sharding
@@ -155,11 +251,13 @@ def written(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[str,
 def plan_chunk(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[str, np.ndarray],
                first: Mapping[str, int], slots: Mapping[str, int], last: bool,
                cursor: Mapping[str, int], page_sizes: Mapping[str, int],
-               src_regions: list[tuple[int, int]], dst_regions: list[tuple[int, int]]
-               ) -> Blocks | str:
+               src_regions: list[tuple[int, int]], dst_regions: list[tuple[int, int]],
+               span: Mapping[str, tuple[int, int]] | None = None) -> Blocks | str:
     """The blocks that move one chunk (``pages`` per anchor pool covering tokens from
-    ``first``) to one decode peer, or why it cannot be planned. ``cursor``: tokens given so
-    far per anchor (the last chunk must cover ``num_tokens``)."""
+    ``first``; ``span``: the tokens it carries, when not all of its pages' tokens) to one
+    decode peer, or why it cannot be planned. ``cursor``: tokens given so far per anchor, in
+    every layer (the last chunk must cover ``num_tokens``). A partial-layer chunk is planned
+    on ``pairings`` narrowed to its layers (``paged.layer_subset``)."""
     parts: list[Blocks] = []
     proven = True  # only whole pages and slots so far: in bounds by construction
     heads_asked = ask.heads or {}
@@ -179,22 +277,23 @@ def plan_chunk(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[s
         if src is None:
             continue
         f0 = first[anchor]
-        lo = max(f0, ask.prefix_len)
-        hi = min(f0 + src.size * page_sizes[anchor], ask.num_tokens)
+        lo, hi = _tokens(ask, anchor, src, f0, page_sizes, span)
         if hi <= lo:
             continue
+        exact = hi < ask.num_tokens  # a later chunk writes the rest of a partial last page
         heads = heads_to_write(pairing, heads_asked.get(name))
         if heads is None:
-            b = plan_paged(pairing, src, f0, dst, ask.prefix_len, lo, hi)
+            b = plan_paged(pairing, src, f0, dst, ask.prefix_len, lo, hi, exact)
         elif heads[0] >= heads[1]:
             continue
         elif name in stage:
             proven = False
             b = plan_staged(pairing, stage[name], ask.num_tokens - ask.prefix_len, src, f0,
-                            ask.prefix_len, lo, hi, *heads)
+                            ask.prefix_len, lo, hi, *heads, exact=exact)
         else:
             proven = False
-            b = plan_head_slice(pairing, src, f0, dst, ask.prefix_len, lo, hi, *heads)
+            b = plan_head_slice(pairing, src, f0, dst, ask.prefix_len, lo, hi, *heads,
+                                exact=exact)
         if isinstance(b, str):
             return f"room {ask.room}: {b}"
         parts.append(b)

@@ -52,15 +52,18 @@ def _offsets(pairing: BufferPairing, s: np.ndarray, d: np.ndarray, s_unit: int, 
 
 def plan_head_slice(pairing: BufferPairing, src_pages: np.ndarray, src_first: int,
                     dst_pages: np.ndarray, dst_first: int, start: int, end: int,
-                    lo: int, hi: int) -> Blocks | str:
-    """Blocks moving heads ``[lo, hi)`` of tokens ``[start, end)`` (see ``plan.plan_paged``)."""
+                    lo: int, hi: int, exact: bool = False) -> Blocks | str:
+    """Blocks moving heads ``[lo, hi)`` of tokens ``[start, end)`` (see ``plan.plan_paged``;
+    HND slices move whole pages, so their chunks must start and, when ``exact``, end on a
+    page boundary)."""
     src, dst = pairing.src, pairing.dst
     why = head_range_error(pairing, lo, hi)
     if why:
         return why
     ss, ds = src.sharding, dst.sharding
     if (lo, hi) == _span(ss.first_head, ss.rank_heads) == _span(ds.first_head, ds.rank_heads):
-        return plan_paged(pairing, src_pages, src_first, dst_pages, dst_first, start, end)
+        return plan_paged(pairing, src_pages, src_first, dst_pages, dst_first, start, end,
+                          exact)
     if end <= start:
         return Blocks.empty()
     ps_s, ps_d, hb = src.page_size, dst.page_size, ss.head_bytes
@@ -71,9 +74,10 @@ def plan_head_slice(pairing: BufferPairing, src_pages: np.ndarray, src_first: in
     s_off, d_off = (lo - ss.first_head) * hb, (lo - ds.first_head) * hb
     width = (hi - lo) * hb
     if not (src.token_major and dst.token_major):
-        if ps_s != ps_d or (start - src_first) % ps_s or (start - dst_first) % ps_d:
+        if (ps_s != ps_d or (start - src_first) % ps_s or (start - dst_first) % ps_d
+                or exact and (end - src_first) % ps_s):
             return (f"pool {src.name!r}: HND head slices need equal page sizes and "
-                    f"page-aligned starts")
+                    f"page-aligned chunks")
         i0, j0 = (start - src_first) // ps_s, (start - dst_first) // ps_d
         count = -(-(end - start) // ps_s)
         s, d = src_pages[i0:i0 + count], dst_pages[j0:j0 + count]
@@ -96,8 +100,8 @@ def plan_head_slice(pairing: BufferPairing, src_pages: np.ndarray, src_first: in
 
 
 def plan_staged(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.ndarray,
-                src_first: int, prefix_len: int, start: int, end: int, lo: int, hi: int
-                ) -> Blocks | str:
+                src_first: int, prefix_len: int, start: int, end: int, lo: int, hi: int,
+                exact: bool = False) -> Blocks | str:
     """Blocks writing heads ``[lo, hi)`` of tokens ``[start, end)`` packed into a decode
     staging lease at ``stage`` (layout in ``staging``) for a request of ``ntok`` tokens from
     ``prefix_len``: one block per token, or per page for HND; one block per run of source
@@ -113,6 +117,9 @@ def plan_staged(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.nda
     if start < src_first or start < prefix_len or end - prefix_len > ntok:
         return f"pool {src.name!r}: tokens [{start}, {end}) outside the staged request"
     if not src.token_major:
+        if exact and (end - src_first) % src.page_size:
+            return (f"pool {src.name!r}: HND head slices need equal page sizes and "
+                    f"page-aligned chunks")
         return _plan_staged_pages(pairing, stage, ntok, src_pages, src_first, prefix_len,
                                   start, end, lo, hi)
     if end - src_first > src_pages.size * src.page_size:

@@ -159,6 +159,20 @@ def pair_buffers(src: PoolSpec, dst: PoolSpec) -> BufferPairing | str:
                          tuple(sb), tuple(db))
 
 
+def layer_subset(pairing: BufferPairing, lo: int, hi: int) -> BufferPairing | None:
+    """The pairs of ``pairing`` whose source buffer holds a layer in ``[lo, hi)``: what a
+    partial-layer chunk writes (its source pool narrowed to those buffers, so digests and
+    staging walk the same subset); None when the pool holds none of those layers."""
+    keep = [i for i, b in enumerate(pairing.src.buffers) if lo <= b.layer_id < hi]
+    if not keep:
+        return None
+    if len(keep) == len(pairing.src.buffers):
+        return pairing
+    src = pairing.src.with_(buffers=tuple(pairing.src.buffers[i] for i in keep))
+    sb, db = pairing.src_base[keep], pairing.dst_base[keep]
+    return BufferPairing(src, pairing.dst, sb, db, tuple(sb.tolist()), tuple(db.tolist()))
+
+
 def as_indices(x: object, what: str) -> np.ndarray | str:
     """Normalise indices to a 1-d int64 array, or say why they are not indices."""
     try:
@@ -261,6 +275,34 @@ def _expand_few(pairing: BufferPairing, rr: list[tuple[int, int, int]], unit: in
     return Blocks.from_lists(src, dst, nb)
 
 
+def _partial_page(pairing: BufferPairing, src_pages: np.ndarray, src_first: int,
+                  dst_pages: np.ndarray, dst_first: int, start: int, end: int) -> Blocks | str:
+    """Tokens ``[start, end)`` inside one page (equal page sizes, aligned page grids): what a
+    chunk computed of a page that another chunk fills too. Token-major: one block per buffer;
+    HND: one block per head and buffer (a head's tokens are contiguous inside the page)."""
+    src, dst = pairing.src, pairing.dst
+    ps = src.page_size
+    sp, dp = int(src_pages[(start - src_first) // ps]), int(dst_pages[(start - dst_first) // ps])
+    why = (_range_error(sp, sp, src.num_items, f"pool {src.name!r} source page")
+           or _range_error(dp, dp, dst.num_items, f"pool {src.name!r} destination page"))
+    if why:
+        return why
+    off = (start - src_first) % ps
+    if src.token_major and dst.token_major:
+        tb = src.token_bytes
+        rows, unit, width = np.zeros(1, dtype=np.int64), 0, (end - start) * tb
+        s_at, d_at = sp * src.item_bytes + off * tb, dp * dst.item_bytes + off * tb
+    else:
+        hb = src.sharding.head_bytes
+        rows, unit, width = np.arange(src.sharding.rank_heads, dtype=np.int64), ps * hb, \
+            (end - start) * hb
+        s_at, d_at = sp * src.item_bytes + off * hb, dp * dst.item_bytes + off * hb
+    s = (pairing.src_base[:, None] + _U64(s_at) + rows.astype(_U64)[None, :] * _U64(unit))
+    d = (pairing.dst_base[:, None] + _U64(d_at) + rows.astype(_U64)[None, :] * _U64(unit))
+    nb = np.full(s.size, width, dtype=_U64)
+    return Blocks(s.reshape(-1), d.reshape(-1), nb)
+
+
 def plan_paged(
     pairing: BufferPairing,
     src_pages: np.ndarray,
@@ -269,12 +311,15 @@ def plan_paged(
     dst_first: int,
     start: int,
     end: int,
+    exact: bool = False,
 ) -> Blocks | str:
     """Blocks moving tokens ``[start, end)`` of a paged pool.
 
-    With equal page sizes and page-aligned starts, whole pages are copied (the tail of a
-    request's last page is its own page, so this writes nothing another request owns) and any
-    layout works. Otherwise tokens are mapped one by one, which needs a token-major layout.
+    With equal page sizes, whole pages are copied (the tail of a request's last page is its
+    own page, so this writes nothing another request owns) and any layout works; a page the
+    range covers only in part at its start, or at its end when ``exact`` (a later chunk
+    fills the rest: ``end`` is not the request's end), is written for the range's tokens
+    alone. Otherwise tokens are mapped one by one, which needs a token-major layout.
     """
     src, dst = pairing.src, pairing.dst
     if end <= start or src.item_bytes == 0:
@@ -288,6 +333,17 @@ def plan_paged(
     if end - dst_first > dst_pages.size * ps_d:
         return (f"pool {src.name!r}: destination indices cover {dst_pages.size * ps_d} tokens "
                 f"from {dst_first}, need up to token {end}")
+    if ps_s == ps_d and (src_first - dst_first) % ps_s == 0 and (
+            (start - src_first) % ps_s or exact and (end - src_first) % ps_s):
+        a = min(end, start + (src_first - start) % ps_s)  # the first page boundary
+        b = max(a, end - (end - src_first) % ps_s if exact else end)
+        parts = [_partial_page(pairing, src_pages, src_first, dst_pages, dst_first, start, a)
+                 if a > start else Blocks.empty(),
+                 plan_paged(pairing, src_pages, src_first, dst_pages, dst_first, a, b),
+                 _partial_page(pairing, src_pages, src_first, dst_pages, dst_first, b, end)
+                 if end > b else Blocks.empty()]
+        bad = next((x for x in parts if isinstance(x, str)), None)
+        return bad if bad is not None else Blocks.concat(parts)  # type: ignore[arg-type]
     if ps_s == ps_d and (start - src_first) % ps_s == 0 and (start - dst_first) % ps_d == 0:
         i0, j0 = (start - src_first) // ps_s, (start - dst_first) // ps_d
         count = -(-(end - start) // ps_s)

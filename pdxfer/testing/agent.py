@@ -83,20 +83,23 @@ class AgentState:
                     pat.fill_slot(spec, e.tensors[name], it["room"], it["slots"][name])
 
     def cmd_send(self, items: list[dict[str, Any]], ep: str = "main") -> None:
-        """Create a sender per room (bound to ``peer`` if given) and hand over its chunks (with
-        ``delay_s`` between chunks, from a thread, when asked; ``abort_after_send``: abort
-        right after the last one)."""
+        """Create a sender per room (bound to ``peer`` if given; ``open``: False for a room
+        already created) and hand over its chunks (with ``delay_s`` between chunks, from a
+        thread, when asked; ``abort_after_send``: abort right after the last one)."""
         e = self.eps[ep]
         for it in items:
-            tx = e.tx[it["room"]] = (e.ep.sender(it["room"], it["peer"]) if it.get("peer")
-                                     else e.ep.sender(it["room"]))
+            if not it.get("open", True):
+                tx = e.tx[it["room"]]
+            else:
+                tx = e.tx[it["room"]] = (e.ep.sender(it["room"], it["peer"]) if it.get("peer")
+                                         else e.ep.sender(it["room"]))
             chunks = it["chunks"]
             delay = it.get("delay_s", 0.0)
             if delay:
                 threading.Thread(target=_send_slowly, args=(tx, chunks, delay), daemon=True).start()
             else:
                 for c in chunks:
-                    tx.send(c["pages"], c.get("slots"), c.get("last", False))
+                    _send(tx, c)
                 if it.get("abort_after_send"):
                     tx.abort("aborted right after send")
 
@@ -211,6 +214,11 @@ class AgentState:
                 out[r]["stats"] = h.stats()
         return out
 
+    def cmd_states(self, rooms: list[int], ep: str = "main") -> dict[int, str]:
+        """Each room's state now (no waiting)."""
+        e = self.eps[ep]
+        return {r: KVPoll((e.rx.get(r) or e.tx[r]).poll()).name for r in rooms}
+
     def cmd_ext(self, fn: str, **kw: Any) -> Any:
         """Run ``fn`` (``module:function``, inside pdxfer) with this state: lets feature
         modules add agent commands without growing this file."""
@@ -266,5 +274,30 @@ def _send_slowly(tx: KVSender, chunks: list[dict[str, Any]], delay: float) -> No
     for c in chunks:
         if tx.poll() == KVPoll.Failed:
             return
-        tx.send(c["pages"], c.get("slots"), c.get("last", False))
+        _send(tx, c)
         time.sleep(delay)
+
+
+def _send(tx: KVSender, c: dict[str, Any]) -> None:
+    """One chunk: its pages, the slots of the last, and the layers and tokens it carries
+    when it is a partial-layer chunk."""
+    kw = {k: tuple(c[k]) for k in ("layers", "tokens") if c.get(k) is not None}
+    tx.send(c["pages"], c.get("slots"), c.get("last", False), **kw)
+
+
+def layers_landed(state: AgentState, room: int, dst: dict[str, Any], num_tokens: int,
+                  layers: int, ep: str = "main") -> bool:
+    """Whether every token of ``room`` is in place in the buffers of layers ``[0, layers)``
+    of each paged pool (``cmd_ext``: a partial-layer stream, checked part way)."""
+    e = state.eps[ep]
+    for name, spec in e.specs.items():
+        pages = e.anchor_pages(name, dst) if spec.kind == "paged" else None
+        if pages is None:
+            continue
+        keep = [i for i, b in enumerate(spec.buffers) if b.layer_id < layers]
+        sub = spec.with_(buffers=tuple(spec.buffers[i] for i in keep))
+        bad, _ = pat.check_tokens(sub, [e.tensors[name][i] for i in keep], room, pages, 0, 0,
+                                  num_tokens)
+        if bad:
+            return False
+    return True
