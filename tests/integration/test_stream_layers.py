@@ -19,6 +19,7 @@ from pdxfer.testing.patterns import PoolGeom
 
 from .conftest import start_pair
 from .helpers import Factory, decode_items, prefill_items, verify
+from .hetero import Group, assert_success_and_exact, tp_group
 
 LAYERS, PS = 4, 16
 KV = PoolGeom("kv", "mha", layers=LAYERS, pages=256, page_size=PS, heads=2, head_dim=16)
@@ -42,16 +43,18 @@ def factory(pair: tuple[Agent, Agent]) -> Factory:
 
 
 def grid(r: dict[str, Any], steps: list[int], groups: list[tuple[int, int]],
-         last: bool = True) -> list[dict[str, Any]]:
+         last: bool = True, layers_of: dict[str, range] | None = None) -> list[dict[str, Any]]:
     """Chunks of ``r``: for each token step (cut at ``steps``), one chunk per layer group,
-    each naming the pages that hold its tokens; the final one carries the slots."""
-    src = r["src"]["kv"]
+    each naming the pages (of the anchor pools holding those layers, ``layers_of``) that
+    hold its tokens; the final one carries the slots."""
+    layers_of = layers_of or {"kv": range(LAYERS)}
     bounds = [0, *steps, r["num_tokens"]]
     out = []
     for t0, t1 in zip(bounds, bounds[1:]):
         for a, b in groups:
-            out.append({"pages": {"kv": src[t0 // PS: -(-t1 // PS)]}, "layers": [a, b],
-                        "tokens": [t0, t1], "last": False})
+            pages = {n: r["src"][n][t0 // PS: -(-t1 // PS)] for n, ids in layers_of.items()
+                     if any(a <= x < b for x in ids)}
+            out.append({"pages": pages, "layers": [a, b], "tokens": [t0, t1], "last": False})
     if last:
         out[-1]["last"] = True
         out[-1]["slots"] = r["src_slots"]
@@ -139,3 +142,38 @@ def test_sampled_integrity_over_streamed_layers_catches_a_corrupted_page(
         assert "layer" in out["failure"], out
     for r in reqs:
         factory.free(r)
+
+
+HETERO = [PoolGeom("kv", "mha", layers=2, pages=256, page_size=PS, heads=4, total_heads=4,
+                   head_dim=8),
+          PoolGeom("kvh", "mha", layers=2, pages=256, page_size=PS, heads=4, total_heads=4,
+                   head_dim=8, layout="HND", first_layer=10),
+          AUX]
+HETERO_LAYERS = {"kv": range(0, 2), "kvh": range(10, 12)}
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)])
+def test_streamed_layers_land_byte_exact_across_tp_sizes(pair, bootstrap, tp_p, tp_d) -> None:
+    """Head slices per sender, layer by layer: every decode rank counts each sender's layers
+    (HND slices need page-aligned steps; the NHD pool alone takes a mid-page one)."""
+    pf, dc = pair
+    p = tp_group(pf, "prefill", f"sp{tp_p}{tp_d}", HETERO, tp_p, bootstrap.address,
+                 f"stream{tp_p}{tp_d}")
+    d = tp_group(dc, "decode", f"sd{tp_p}{tp_d}", HETERO, tp_d)
+    f = Factory(HETERO, HETERO, seed=tp_p * 10 + tp_d)
+    reqs = [f.make(101), f.make(77)]
+    groups = [(0, 1), (1, 2), (10, 11), (11, 12)]
+    chunks = {reqs[0]["room"]: grid(reqs[0], [32, 64], groups, layers_of=HETERO_LAYERS),
+              reqs[1]["room"]: grid(reqs[1], [16], groups, layers_of=HETERO_LAYERS)}
+    prep, _ = prefill_items(reqs)
+    p.each("prepare", items=prep)
+    d.each("recv", items=decode_items(reqs), bootstrap=bootstrap.address, instance=p.instance)
+    p.each("send", items=[{"room": r["room"], "chunks": chunks[r["room"]]} for r in reqs])
+    outs = d.each("wait", rooms=[r["room"] for r in reqs], timeout=WAIT)
+    assert_success_and_exact(outs, d.each("verify", items=decode_items(reqs)))
+    assert wait_until(lambda: all(t["rooms"] == 0 and t["pending"] == 0 for t in _tables(p)),
+                      timeout=WAIT)
+
+
+def _tables(g: Group) -> list[dict[str, int]]:
+    return g.each("tables")
