@@ -199,8 +199,8 @@ class PrefillSide(Handshakes, Writes):
             if isinstance(c, str):
                 raise PlanError(c)
             st.layer_cursor.update(c.cursors)
-            for n in arrays:
-                st.cursor[n] = min(st.layer_cursor.get((n, x), 0) for x in self.layers_of[n])
+            for n, cur in c.cursors.items():
+                st.cursor[n] = C.low(cur)
             st.chunks.append(Chunk(arrays, c.first, slots, last, c.span, c.layers))
             st.last_given = last
             if last and decodes(st) >= st.expected:

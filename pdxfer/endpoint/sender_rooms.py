@@ -119,8 +119,9 @@ class SenderRoom:
     cursor: dict[str, int] = field(default_factory=dict)
     """Per anchor pool, tokens given in every one of its layers (the last chunk must reach
     the decode's ``num_tokens``)."""
-    layer_cursor: dict[tuple[str, int], int] = field(default_factory=dict)
-    """Per (anchor pool, layer id), tokens given so far (``plan.chunk.claim``)."""
+    layer_cursor: dict[str, C.Cursor] = field(default_factory=dict)
+    """Per anchor pool, tokens given so far, per layer once chunks split its layers
+    (``plan.chunk.claim``)."""
     last_given: bool = False
     t_created: float = field(default_factory=time.monotonic)
     t_request: float = 0.0

@@ -75,37 +75,42 @@ def check_ask(ask: Ask, peer_pools: Mapping[str, PoolSpec],
     return ""
 
 
-ALL_LAYERS = -1
-"""The one layer of an anchor pool whose pools hold no bytes (a logical pool): every chunk
-that names the pool carries it, whatever layers it covers."""
-
-
 def pool_layers(pools: Mapping[str, PoolSpec]) -> dict[str, tuple[int, ...]]:
-    """The layer ids each anchor pool's pages carry (its own buffers' and its followers')."""
+    """The layer ids each anchor pool's pages carry (its own buffers' and its followers'); a
+    logical anchor (no bytes) carries none."""
     out: dict[str, set[int]] = {}
     for name, p in pools.items():
         if p.kind != "paged":
             continue
         ids = out.setdefault(p.indices_from or name, set())
         ids |= {b.layer_id for b in p.buffers}
-    return {n: tuple(sorted(ids)) or (ALL_LAYERS,) for n, ids in out.items()}
+    return {n: tuple(sorted(ids)) for n, ids in out.items()}
+
+
+Cursor = int | dict[int, int]
+"""Tokens an anchor pool was given: one count for all of its layers (whole-layer chunks, the
+common case, cost no per-layer work), or one per layer id once chunks split its layers."""
+
+
+def low(c: Cursor) -> int:
+    """Tokens every layer of the pool holds."""
+    return c if isinstance(c, int) else min(c.values(), default=0)
 
 
 @dataclass(frozen=True, slots=True)
 class Claim:
     """What one ``send()`` carries, checked against what the room was given so far: per
     anchor pool the token the first page starts at (``first``) and the tokens computed
-    (``span``), the layer range (None: all), and the new token cursor of every layer it
-    covers."""
+    (``span``), the layer range (None: all), and each pool's new cursor."""
 
     first: dict[str, int]
     span: dict[str, tuple[int, int]]
     layers: tuple[int, int] | None
-    cursors: dict[tuple[str, int], int]
+    cursors: dict[str, Cursor]
 
 
 def claim(room: int, pages: Mapping[str, np.ndarray], page_sizes: Mapping[str, int],
-          layers_of: Mapping[str, tuple[int, ...]], cursors: Mapping[tuple[str, int], int],
+          layers_of: Mapping[str, tuple[int, ...]], cursors: Mapping[str, Cursor],
           layers: tuple[int, int] | None, tokens: tuple[int, int] | None) -> Claim | str:
     """Check one chunk against the room's per-layer token cursors, or say why it is refused.
 
@@ -118,36 +123,37 @@ def claim(room: int, pages: Mapping[str, np.ndarray], page_sizes: Mapping[str, i
     hold none of the chunk's layers are refused."""
     if layers is not None:
         a, b = layers
-        top = max((x for ids in layers_of.values() for x in ids), default=ALL_LAYERS) + 1
+        top = max((x + 1 for ids in layers_of.values() for x in ids), default=0)
         if not 0 <= a < b <= top:
             return f"room {room}: layers [{a}, {b}) not within this endpoint's [0, {top})"
     if tokens is not None and not 0 <= tokens[0] <= tokens[1] < 1 << 62:
         return f"room {room}: tokens [{tokens[0]}, {tokens[1]}) empty or out of range"
     first: dict[str, int] = {}
     span: dict[str, tuple[int, int]] = {}
-    out: dict[tuple[str, int], int] = {}
+    out: dict[str, Cursor] = {}
     for name, idx in pages.items():
         ids = layers_of.get(name)
         if ids is None:
             return f"room {room}: pool {name!r} is not an anchor pool"
-        mine = [x for x in ids if x == ALL_LAYERS or layers is None
-                or layers[0] <= x < layers[1]]
-        if not mine:
+        cur = cursors.get(name, 0)
+        whole = layers is None or not ids or layers[0] <= ids[0] and ids[-1] < layers[1]
+        mine = ids if whole else [x for x in ids if layers[0] <= x < layers[1]]  # type: ignore[index]
+        if not mine and ids:
             return f"room {room}: pool {name!r} holds none of layers [{layers[0]}, {layers[1]})"  # type: ignore[index]
+        at = {cur} if isinstance(cur, int) else {cur.get(x, 0) for x in mine}
         ps = page_sizes[name]
-        at = {cursors.get((name, x), 0) for x in mine if x != ALL_LAYERS}
         if tokens is None:
             if len(at) > 1:
                 return (f"room {room}: pool {name!r}: the chunk's layers stopped at different "
                         f"tokens {sorted(at)}: name the tokens it carries")
-            t0 = at.pop() if at else cursors.get((name, ALL_LAYERS), 0)
+            t0 = at.pop()
             f0 = t0 - t0 % ps
             t1 = max(t0, f0 + idx.size * ps)
         else:
             t0, t1 = tokens
             f0 = t0 - t0 % ps
             wrong = sorted(x for x in at if x != t0)
-            if wrong:
+            if wrong and ids:
                 how = "overlaps tokens already given" if wrong[-1] > t0 else "leaves a gap"
                 return (f"room {room}: pool {name!r}: tokens [{t0}, {t1}) {how} (its layers "
                         f"stopped at {wrong})")
@@ -156,9 +162,12 @@ def claim(room: int, pages: Mapping[str, np.ndarray], page_sizes: Mapping[str, i
                 return (f"room {room}: pool {name!r}: {idx.size} pages for tokens [{t0}, "
                         f"{t1}), which span {need}")
         first[name], span[name] = f0, (t0, t1)
-        for x in mine:
-            key = (name, x)
-            out[key] = max(t1, cursors.get(key, 0)) if x == ALL_LAYERS else t1
+        if whole:
+            out[name] = t1 if ids else max(t1, low(cur))
+            continue
+        per = dict(cur) if isinstance(cur, dict) else dict.fromkeys(ids, cur)
+        per.update(dict.fromkeys(mine, t1))
+        out[name] = t1 if len(set(per.values())) == 1 else per
     return Claim(first, span, layers, out)
 
 

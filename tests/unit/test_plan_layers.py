@@ -79,7 +79,7 @@ def test_layer_by_layer_token_chunks_land_exactly_and_nothing_else(layout: str) 
     rng = np.random.default_rng(3)
     sp, dp = rng.permutation(PAGES)[:4], rng.permutation(PAGES)[:4]
     layers_of = C.pool_layers({"kv": src.spec})
-    cursors: dict[tuple[str, int], int] = {}
+    cursors: dict[str, C.Cursor] = {}
     done: dict[int, int] = {}
     steps = [(0, 5), (5, 11), (11, 13)]  # tokens each prefill step computed
     for (t0, t1) in steps:
@@ -90,7 +90,7 @@ def test_layer_by_layer_token_chunks_land_exactly_and_nothing_else(layout: str) 
             cursors.update(c.cursors)
             ask = C.Ask(7, 0, n, {"kv": dp}, {})
             subset = {"kv": P.layer_subset(pairing, layer, layer + 1)}
-            cursor = {"kv": min(cursors.get(("kv", x), 0) for x in range(LAYERS))}
+            cursor = {"kv": C.low(cursors["kv"])}
             b = C.plan_chunk(ask, subset, pages, c.first, {}, (t1, layer) == (n, LAYERS - 1),
                              cursor, {"kv": PS}, [], [], c.span)
             assert not isinstance(b, str), b
@@ -137,7 +137,7 @@ def _claim(cursors, layers, tokens, pages=1, layers_of=None):
 
 def test_claims_that_overlap_leave_gaps_or_name_missing_layers_are_refused() -> None:
     ok = _claim({}, (0, 1), (0, 3))
-    assert not isinstance(ok, str) and ok.cursors == {("kv", 0): 3}
+    assert not isinstance(ok, str) and ok.cursors == {"kv": {0: 3, 1: 0, 2: 0}}
     cur = ok.cursors
     assert "overlaps" in _claim(cur, (0, 1), (0, 3))  # the same layer and tokens again
     assert "overlaps" in _claim(cur, (0, 2), (2, 4))
@@ -150,7 +150,11 @@ def test_claims_that_overlap_leave_gaps_or_name_missing_layers_are_refused() -> 
                                        {"kv": (0,), "x": (5,)}, {}, (5, 6), (0, 3))
     assert "not an anchor" in C.claim(1, {"nope": np.arange(1)}, {"kv": PS},
                                       {"kv": (0,)}, {}, None, None)
-    assert "different tokens" in _claim({("kv", 0): 3}, None, None)
+    assert "different tokens" in _claim(cur, None, None)
+    whole = _claim({}, None, None, pages=2)  # whole-layer chunks keep one count per pool
+    assert not isinstance(whole, str) and whole.cursors == {"kv": 8}
+    aligned = _claim({"kv": {0: 3, 1: 2, 2: 2}}, (1, 3), (2, 3))
+    assert not isinstance(aligned, str) and aligned.cursors == {"kv": 3}
     # the next tokens of layer 0, then every layer without naming tokens once they align
     nxt = _claim(cur, (0, 1), (3, 8), pages=2)
     assert not isinstance(nxt, str) and nxt.first == {"kv": 0} and nxt.span == {"kv": (3, 8)}
