@@ -216,7 +216,7 @@ class PrefillSide(Handshakes, Writes):
             st.failure = err
             self.ep.count_failure(err)
             log.info("room %d failed: %s", st.room, err)
-            self._tombstone((st.room, "", 0), str(err))
+            self._tombstone((st.room, "", 0), f"already failed on prefill: {err}")
             for t in st.targets:
                 self.ep.workers.submit(st.room, lambda t=t: self._finish(st, t, False, err))
             if not st.targets:
@@ -246,8 +246,7 @@ class PrefillSide(Handshakes, Writes):
                 tomb = (self.tombstones.get((req.room, "", 0))
                         or self.tombstones.get((req.room, peer.endpoint_id, req.nonce)))
                 if tomb is not None:
-                    self._refuse(req, peer, f"room {req.room} already ended on this prefill: "
-                                            f"{tomb[1]}", tomb[2])
+                    self._refuse(req, peer, f"room {req.room} {tomb[1]}", tomb[2])
                     return
                 self._park(req, peer, now)
                 return
@@ -305,7 +304,8 @@ class PrefillSide(Handshakes, Writes):
                 if not known and msg.room not in self.rooms:
                     # the request may still be on its way: refuse it when it comes
                     self._tombstone((msg.room, peer.endpoint_id, msg.nonce),
-                                    "aborted by decode before its request arrived")
+                                    "already failed on prefill: aborted by decode before its "
+                                    "request arrived")
                 self.ep.send(peer.ctrl_addr, wire.AbortAck(
                     room=msg.room, nonce=msg.nonce, endpoint_id=self.ep.endpoint_id,
                     rank=self.cfg.tp_rank, known=known), peer.sess)
@@ -353,8 +353,8 @@ class PrefillSide(Handshakes, Writes):
         already is), so that a late request for it is refused at once (``UnknownRoom``)."""
         self.rooms.pop(st.room, None)
         if st.state == KVPoll.Success:
-            self._tombstone((st.room, "", 0), "it succeeded and its pages are released",
-                            "unknown_room")
+            self._tombstone((st.room, "", 0), "already ended on this prefill (it succeeded "
+                            "and its pages are released)", "unknown_room")
 
     @staticmethod
     def _repairable(st: SenderRoom, peer: DecodePeer) -> bool:
