@@ -341,4 +341,5 @@ class DecodeWorker(RoomWorker):
 def run(a: argparse.Namespace) -> int:
     cfg = config_from_args(a, "decode")
     w = DecodeWorker(cfg)
-    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close, advertise=cfg.advertise)
+    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close, advertise=cfg.advertise,
+                 what=f"{cfg.role} worker")
