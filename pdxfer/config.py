@@ -8,6 +8,7 @@ starts. The README's table "Environment variables" lists the same names.
 |---|---|---|
 | ``PDXFER_SECRET`` / ``PDXFER_SECRET_FILE`` | unset | shared secret for access control |
 | ``PDXFER_INSECURE`` | unset | ``1``: serve non-loopback peers without a secret (``protect.py``) |
+| ``PDXFER_TRUSTED_BOOTSTRAPS`` | unset | SGLang decodes: the bootstrap servers (``host:port,...``) they load from |
 | ``PDXFER_FAULTS`` | unset | fault injection (see ``faults.py``) |
 | ``PDXFER_GATHER`` | ``1`` | ``0`` turns off gathering head slices through decode staging |
 | ``PDXFER_STAGING_MB`` | ``256`` | decode staging buffer for head slices (0 = none) |
@@ -40,6 +41,7 @@ class Knobs:
     secret: str | None = None
     secret_file: str | None = None
     insecure: bool = False
+    trusted_bootstraps: str = ""
     faults: str = ""
     gather: bool = True
     staging_mb: float = 256.0
@@ -69,6 +71,7 @@ class Knobs:
             secret=env.get("PDXFER_SECRET") or None,
             secret_file=env.get("PDXFER_SECRET_FILE") or None,
             insecure=env.get("PDXFER_INSECURE", "") not in ("", "0"),
+            trusted_bootstraps=env.get("PDXFER_TRUSTED_BOOTSTRAPS", ""),
             faults=env.get("PDXFER_FAULTS", ""),
             gather=env.get("PDXFER_GATHER", "1") != "0",
             staging_mb=float(num("PDXFER_STAGING_MB", float, 256.0)),
