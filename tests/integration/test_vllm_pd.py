@@ -88,7 +88,7 @@ def _prefill(c: Cluster, port: int | None = None) -> VllmServer:
 
 
 def _decode(c: Cluster, port: int | None = None) -> VllmServer:
-    extra = {"instance": DECODE, "stats_file": str(c.d_stats), "l2_pages": 256, "l3": "file",
+    extra = {"bootstrap": c.boot.address, "instance": DECODE, "stats_file": str(c.d_stats), "l2_pages": 256, "l3": "file",
              "l3_dir": str(c.tmp / "l3"), "bootstrap_timeout_s": DEADLINE_S,
              "transfer_timeout_s": DEADLINE_S}
     return VllmServer("decode", c.model, c.tmp, port=port, args=["--no-enable-prefix-caching"],

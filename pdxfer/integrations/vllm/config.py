@@ -153,11 +153,6 @@ def _check(c: ConnectorConfig) -> None:
     if c.side == "prefill" and not c.bootstrap:
         raise bad("bootstrap", "a prefill (kv_producer) needs the pdxfer bootstrap server's "
                   "host:port")
-    if c.side == "prefill":
-        parse_hostport(c.bootstrap, "kv_connector_extra_config.bootstrap")
-    else:
-        require_trusted(c.bootstrap, "kv_connector_extra_config.bootstrap on the decode (the "
-                        "bootstrap servers of the prefills it may load from)")
     if not c.instance or len(c.instance) > 128:
         raise bad("instance", "must be 1-128 characters")
     if c.transport not in TRANSPORTS:
@@ -185,3 +180,9 @@ def _check(c: ConnectorConfig) -> None:
             raise bad(key, "must be > 0")
     if c.secret_file and not os.path.isfile(c.secret_file):
         raise bad("secret_file", f"no such file: {c.secret_file!r}")
+    if c.side == "prefill":
+        parse_hostport(c.bootstrap, "kv_connector_extra_config.bootstrap")
+    else:
+        require_trusted(c.bootstrap, "kv_connector_extra_config.bootstrap on the decode (the "
+                        "bootstrap servers of the prefills it may load from)")
+
