@@ -30,7 +30,13 @@ from .errors import (
 from .metrics import prometheus_text
 from .netaddr import advertised, host_of, parse_hostport, parse_hostports, unreachable_from
 from .pools import BufferSpec, PoolSpec, Sharding, layout_signature
-from .protect import check_serving, peer_allowed, require_trusted, trusted_bootstrap
+from .protect import (
+    check_serving,
+    peer_allowed,
+    require_trusted,
+    trusted_bootstrap,
+    trusted_from_env,
+)
 
 __version__ = "0.1.0"
 
@@ -43,5 +49,5 @@ __all__ = [
     "TransportUnavailable", "UntrustedBootstrap", "WireError", "check_http", "http_headers", "layout_signature",
     "knobs", "load_secret", "prometheus_text", "__version__", "advertised", "host_of",
     "unreachable_from", "parse_hostport", "parse_hostports", "trusted_bootstrap",
-    "check_serving", "peer_allowed", "require_trusted",
+    "check_serving", "peer_allowed", "require_trusted", "trusted_from_env",
 ]

@@ -41,7 +41,6 @@ class Knobs:
     secret: str | None = None
     secret_file: str | None = None
     insecure: bool = False
-    trusted_bootstraps: str = ""
     faults: str = ""
     gather: bool = True
     staging_mb: float = 256.0
@@ -71,7 +70,6 @@ class Knobs:
             secret=env.get("PDXFER_SECRET") or None,
             secret_file=env.get("PDXFER_SECRET_FILE") or None,
             insecure=env.get("PDXFER_INSECURE", "") not in ("", "0"),
-            trusted_bootstraps=env.get("PDXFER_TRUSTED_BOOTSTRAPS", ""),
             faults=env.get("PDXFER_FAULTS", ""),
             gather=env.get("PDXFER_GATHER", "1") != "0",
             staging_mb=float(num("PDXFER_STAGING_MB", float, 256.0)),

@@ -27,6 +27,7 @@ secret: the secret authenticates peers, not the caller's choice of prefill.
 from __future__ import annotations
 
 import logging
+import os
 
 from .config import knobs
 from .errors import ConfigError, UntrustedBootstrap
@@ -86,6 +87,16 @@ def require_trusted(value: object, what_to_set: str) -> tuple[str, ...]:
                           f"(host:port, several separated by commas); it loads KV only from "
                           f"prefills registered there")
     return trusted
+
+
+TRUSTED_ENV = "PDXFER_TRUSTED_BOOTSTRAPS"
+"""Where a decode without a configuration file of its own (SGLang's) reads its trusted list."""
+
+
+def trusted_from_env(what_to_set: str = TRUSTED_ENV) -> tuple[str, ...]:
+    """``PDXFER_TRUSTED_BOOTSTRAPS`` as a trusted list, read when a decode starts (not cached
+    with the knobs: one process may start several decodes), or ConfigError when unset."""
+    return require_trusted(os.environ.get(TRUSTED_ENV, ""), what_to_set)
 
 
 def trusted_bootstrap(addr: object, trusted: tuple[str, ...], what: str = "bootstrap") -> str:

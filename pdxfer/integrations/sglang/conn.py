@@ -57,9 +57,8 @@ from pdxfer import (
     Endpoint,
     EndpointConfig,
     PdxferError,
-    knobs,
-    require_trusted,
     trusted_bootstrap,
+    trusted_from_env,
 )
 from pdxfer import KVPoll as PdxPoll
 
@@ -185,9 +184,8 @@ class PdxferKVManager(CommonKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._start_prefill()
         else:  # a decode loads only from the SGLang bootstrap servers it was told to trust
-            self.trusted = require_trusted(knobs().trusted_bootstraps,
-                                           "PDXFER_TRUSTED_BOOTSTRAPS on the decode (the "
-                                           "prefills' SGLang bootstrap servers)")
+            self.trusted = trusted_from_env("PDXFER_TRUSTED_BOOTSTRAPS on the decode (the "
+                                            "prefills' SGLang bootstrap servers)")
 
     # -- configuration ----------------------------------------------------------------------
     def _config(self, role: str, bootstrap: str | None = None) -> EndpointConfig:
