@@ -25,11 +25,19 @@ from .errors import (
     TransportError,
     TransportUnavailable,
     UnknownRoom,
+    UntrustedBootstrap,
     WireError,
 )
 from .metrics import prometheus_text
-from .netaddr import advertised, host_of, unreachable_from
+from .netaddr import advertised, host_of, parse_hostport, parse_hostports, unreachable_from
 from .pools import BufferSpec, PoolSpec, Sharding, layout_signature
+from .protect import (
+    check_serving,
+    peer_allowed,
+    require_trusted,
+    trusted_bootstrap,
+    trusted_from_env,
+)
 
 __version__ = "0.1.0"
 
@@ -39,7 +47,8 @@ __all__ = [
     "IntegrityError", "ProtocolError", "RequestHandle",
     "KVPoll", "KVReceiver", "KVSender", "LayoutMismatch", "PdxferError", "PeerLost",
     "PlanError", "PoolSpec", "RemoteFailure", "Sharding", "TransportError",
-    "TransportUnavailable", "UnknownRoom", "WireError", "check_http", "http_headers", "layout_signature",
+    "TransportUnavailable", "UnknownRoom", "UntrustedBootstrap", "WireError", "check_http", "http_headers", "layout_signature",
     "knobs", "load_secret", "prometheus_text", "__version__", "advertised", "host_of",
-    "unreachable_from",
+    "unreachable_from", "parse_hostport", "parse_hostports", "trusted_bootstrap",
+    "check_serving", "peer_allowed", "require_trusted", "trusted_from_env",
 ]

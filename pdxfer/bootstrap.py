@@ -27,7 +27,7 @@ from typing import Annotated, Any
 import msgspec
 from aiohttp import web
 
-from . import auth
+from . import auth, protect
 from .errors import BootstrapError
 from .netaddr import host_of, is_local, is_loopback
 from .pools import NonNeg
@@ -80,12 +80,17 @@ class BootstrapServer:
     """The registry of prefill instances. ``start()`` returns once it listens."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 secret: str | bytes | None = None) -> None:
+                 secret: str | bytes | None = None, *, advertise: str = "",
+                 insecure: bool = False) -> None:
         """``secret`` (or ``PDXFER_SECRET`` / ``PDXFER_SECRET_FILE``) turns on HMAC
-        authentication of every request but ``/health``."""
+        authentication of every request but ``/health``. Without one it serves loopback
+        peers only, unless ``insecure`` (or ``PDXFER_INSECURE``) opts in (``protect``): a
+        non-loopback ``host`` or ``advertise`` is then refused here."""
         self.host = host
         self.port = port
         self._secret = auth.load_secret(secret)
+        self.loopback_only = protect.check_serving(
+            "bootstrap server", host, advertise, secret=self._secret, opt_in=insecure)
         self._replay = auth.ReplayGuard()
         self._server: asyncio.base_events.Server | None = None
         self._instances: dict[str, _Instance] = {}
@@ -96,7 +101,8 @@ class BootstrapServer:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.counters: dict[str, int] = {"registrations": 0, "conflicts": 0, "lookups": 0,
-                                         "not_ready": 0, "bad_requests": 0, "auth_failures": 0}
+                                         "not_ready": 0, "bad_requests": 0, "auth_failures": 0,
+                                         "peers_refused": 0}
 
     @property
     def address(self) -> str:
@@ -154,7 +160,7 @@ class BootstrapServer:
         server = self._runner.server
         assert server is not None
         guard = _Guard(asyncio.get_running_loop(), MAX_CONNECTIONS, HEADER_TIMEOUT_S,
-                       self.counters)
+                       self.counters, self.loopback_only)
         self._server = await asyncio.get_running_loop().create_server(
             lambda: guard.wrap(server()), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
@@ -357,9 +363,19 @@ class _Conn(asyncio.Protocol):
         self.guard, self.inner = guard, inner
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.refused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.guard.loopback_only:  # protected mode: no secret, so no other host
+            peer = transport.get_extra_info("peername")
+            if not protect.peer_allowed(peer[0] if peer else None):
+                self.guard.counters["peers_refused"] += 1
+                log.warning("bootstrap server: refused %s: no shared secret is set, so only "
+                            "loopback peers are served", peer[0])
+                self.refused = True
+                transport.abort()
+                return
         self.guard.opened(self)
         self.inner.connection_made(transport)
         self.arm()
@@ -376,31 +392,38 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
         self.arm()  # a request arriving byte by byte still has to finish in time
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
+        return None if self.refused else self.inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.refused:  # aiohttp never saw it
+            return
         if self.timer is not None:
             self.timer.cancel()
         self.guard.closed(self)
         self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if not self.refused:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        if not self.refused:
+            self.inner.resume_writing()
 
 
 class _Guard:
     """Caps open connections (evicting the oldest) and closes idle ones."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, limit: int, timeout_s: float,
-                 counters: dict[str, int]) -> None:
+                 counters: dict[str, int], loopback_only: bool = False) -> None:
         self.loop, self.limit, self.timeout_s, self.counters = loop, limit, timeout_s, counters
+        self.loopback_only = loopback_only
         self.conns: dict[_Conn, None] = {}
 
     def wrap(self, inner: Any) -> _Conn:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -14,7 +15,7 @@ def _bootstrap(a: argparse.Namespace) -> int:
     from .netaddr import advertised
 
     shown = advertised(a.host, a.advertise)  # what prefills and decodes are told to dial
-    srv = BootstrapServer(a.host, a.port).start()
+    srv = BootstrapServer(a.host, a.port, advertise=a.advertise).start()
     print(f"pdxfer bootstrap listening on {srv.address}", flush=True)
     print(f"PDXFER_READY http://{shown}:{srv.port}", flush=True)
     stop = threading.Event()
@@ -79,15 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdxfer", description="KV-cache transfer for PD serving")
     ap.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    from .serving.cli_args import add_insecure_arg, add_router_args, add_worker_args
+
     b = sub.add_parser("bootstrap", help="run a standalone bootstrap server")
     b.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     b.add_argument("--advertise", default="", metavar="ADDRESS",
                    help="address prefills and decodes reach it at (its ready line); "
                         "default: --host")
     b.add_argument("--port", type=int, default=8998)
+    add_insecure_arg(b)
     b.set_defaults(fn=_bootstrap)
-
-    from .serving.cli_args import add_router_args, add_worker_args
 
     p = sub.add_parser("prefill", help="run a prefill worker (HTTP + transfer endpoint)")
     add_worker_args(p, "prefill")
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if rest and a.cmd not in PASS_THROUGH:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     a.rest = rest
+    if getattr(a, "insecure", False):  # before any knob is read; child processes inherit it
+        os.environ["PDXFER_INSECURE"] = "1"
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .errors import BootstrapError, ConfigError

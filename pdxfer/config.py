@@ -7,6 +7,8 @@ starts. The README's table "Environment variables" lists the same names.
 | variable | default | meaning |
 |---|---|---|
 | ``PDXFER_SECRET`` / ``PDXFER_SECRET_FILE`` | unset | shared secret for access control |
+| ``PDXFER_INSECURE`` | unset | ``1``: serve non-loopback peers without a secret (``protect.py``) |
+| ``PDXFER_TRUSTED_BOOTSTRAPS`` | unset | SGLang decodes: the bootstrap servers (``host:port,...``) they load from |
 | ``PDXFER_FAULTS`` | unset | fault injection (see ``faults.py``) |
 | ``PDXFER_GATHER`` | ``1`` | ``0`` turns off gathering head slices through decode staging |
 | ``PDXFER_STAGING_MB`` | ``256`` | decode staging buffer for head slices (0 = none) |
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .errors import ConfigError
-from .netaddr import advertised
+from .netaddr import advertised, parse_hostports
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,7 @@ class Knobs:
 
     secret: str | None = None
     secret_file: str | None = None
+    insecure: bool = False
     faults: str = ""
     gather: bool = True
     staging_mb: float = 256.0
@@ -66,6 +69,7 @@ class Knobs:
         return Knobs(
             secret=env.get("PDXFER_SECRET") or None,
             secret_file=env.get("PDXFER_SECRET_FILE") or None,
+            insecure=env.get("PDXFER_INSECURE", "") not in ("", "0"),
             faults=env.get("PDXFER_FAULTS", ""),
             gather=env.get("PDXFER_GATHER", "1") != "0",
             staging_mb=float(num("PDXFER_STAGING_MB", float, 256.0)),
@@ -206,6 +210,14 @@ class EndpointConfig:
     secret: str | None = field(default=None, repr=False)
     """Shared secret for HMAC on bootstrap requests and every control frame; None reads ``PDXFER_SECRET``
     or ``PDXFER_SECRET_FILE`` (and leaves access control off when neither is set)."""
+    insecure: bool = False
+    """Without a secret, serve control peers on other hosts anyway (``PDXFER_INSECURE`` does the
+    same); otherwise such an endpoint accepts loopback peers only and refuses to start on a
+    non-loopback address (``protect``)."""
+    trusted_bootstraps: tuple[str, ...] = ()
+    """A decode's trusted bootstrap servers (``host:port``): when set, ``receiver()`` refuses
+    any other address before connecting (``UntrustedBootstrap``). Engines' decodes require it
+    (a caller must never choose where the decode loads KV from)."""
 
     @property
     def address(self) -> str:
@@ -231,6 +243,8 @@ class EndpointConfig:
         if self.integrity not in ("off", "sampled", "full"):
             raise ConfigError(f"integrity must be off, sampled or full, got {self.integrity!r}")
         advertised(self.host, self.advertise)  # a wildcard needs an address to advertise
+        object.__setattr__(self, "trusted_bootstraps",
+                           parse_hostports(self.trusted_bootstraps, "trusted bootstrap"))
         if self.transport not in ("tcp", "rdma", "nixl", "memory"):
             raise ConfigError(f"transport must be 'tcp' or 'rdma' (Mooncake), 'nixl', or "
                               f"'memory' (in-process, for tests), got {self.transport!r}")

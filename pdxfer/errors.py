@@ -31,6 +31,13 @@ class ConfigError(PdxferError, ValueError):
     kind = "config"
 
 
+class UntrustedBootstrap(ConfigError):
+    """A request named a bootstrap server that is not in the decode's trusted list: refused
+    before any connection, so a caller cannot make a decode load KV from a prefill it chose."""
+
+    kind = "untrusted_bootstrap"
+
+
 class LayoutMismatch(PdxferError):
     """The two sides' pools cannot be paired (dtype, head size, page size, missing pool)."""
 

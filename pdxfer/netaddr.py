@@ -43,9 +43,11 @@ def is_loopback(host: str) -> bool:
     if h == "localhost" or h.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(h).is_loopback
+        ip = ipaddress.ip_address(h.partition("%")[0])
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1, an IPv4 peer on a v6 socket
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 @functools.lru_cache(maxsize=256)
@@ -101,3 +103,39 @@ def unreachable_from(own: str, peer: str) -> str | None:
                 f"another host, which can never reach it: bind and advertise an address "
                 f"that host can reach (host/advertise, --host/--advertise)")
     return None
+
+
+def parse_hostport(value: object, what: str = "address") -> str:
+    """``value`` as a ``host:port`` address (``[v6]:port`` for IPv6), or ConfigError saying
+    what is wrong with it: an address that came over the network or from a config file is
+    checked before anything dials it, so a bad one is malformed input, not a failed connect."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{what} must be a 'host:port' string, got {type(value).__name__}")
+    s = value.strip()
+    if s.startswith("["):
+        host, sep, rest = s[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else None
+        shown = f"[{host}]"
+    else:
+        host, sep, port = s.rpartition(":")
+        sep = sep if host.count(":") == 0 else ""
+        shown = host
+    if not sep or port is None or not host:
+        raise ConfigError(f"{what} {value!r} is not 'host:port' (a host and a port are both needed)")
+    if any(c.isspace() or c in "/@?#[]" for c in host) or len(host) > 253:
+        raise ConfigError(f"{what} {value!r}: {host!r} is not a host name or address")
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what} {value!r}: the port must be a number in 1-65535, got {port!r}")
+    return f"{shown}:{int(port)}"
+
+
+def parse_hostports(value: object, what: str = "addresses") -> tuple[str, ...]:
+    """A list of ``host:port`` addresses: a comma-separated string or a sequence of strings
+    (empty items are ignored, each one is checked by ``parse_hostport``)."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ConfigError(f"{what} must be 'host:port' strings, got {type(value).__name__}")
+    out = [parse_hostport(v, what) for v in items if not (isinstance(v, str) and not v.strip())]
+    return tuple(dict.fromkeys(out))

@@ -49,6 +49,7 @@ class Control:
         screen: Screen | None = None,
         reject: Callable[[str, str], None] | None = None,
         advertise: str = "",
+        loopback_only: bool = False,
     ) -> None:
         mode = knobs().control_send
         if mode not in ("direct", "zmq"):
@@ -57,7 +58,7 @@ class Control:
         self._outbox = Outbox(MAX_PEER_SOCKETS, name=f"{name}-out") if mode == "direct" else None
         self._inbox = Inbox(host, self._deliver, screen or (lambda head, size: True),
                             reject or (lambda reason, text: log.warning("%s: %s", reason, text)),
-                            max_frame)
+                            max_frame, loopback_only)
         self.address = f"tcp://{advertise or host}:{self._inbox.port}"
         self._on_frame = on_frame
         self._on_tick = on_tick

@@ -20,6 +20,7 @@ from ..errors import ConfigError, PdxferError
 from ..metrics import Timeline
 from ..netaddr import check_local
 from ..pools import PoolSpec
+from ..protect import check_serving
 from ..transport import Transport, make_transport
 from .control import Control, Workers
 from .trust import Session, Trust
@@ -43,6 +44,9 @@ class Core:
         self._by_name = {p.name: p for p in pools}
         self.endpoint_id = config.endpoint_id
         self.secret = auth.load_secret(config.secret)
+        self.loopback_only = check_serving(f"{config.role} endpoint (control socket)",
+                                           config.host, config.advertise, secret=self.secret,
+                                           opt_in=config.insecure)
         self.trust = Trust(self.secret)
         self.lock = threading.RLock()
         self.counters: collections.Counter[str] = collections.Counter()
@@ -66,7 +70,7 @@ class Core:
                                max_frame=wire.MAX_FRAME + wire.HEADER_LEN,
                                name=f"pdxfer-{self.config.role}-control",
                                screen=self._screen, reject=self.reject,
-                               advertise=self.config.address)
+                               advertise=self.config.address, loopback_only=self.loopback_only)
         self.ctrl_addr = self.control.address
 
     def pool(self, name: str) -> PoolSpec:

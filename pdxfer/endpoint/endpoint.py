@@ -16,10 +16,11 @@ from typing import Any
 from .. import wire
 from ..bootstrap import BootstrapClient, Registration
 from ..config import EndpointConfig
-from ..errors import Aborted, ConfigError, PdxferError
+from ..errors import Aborted, ConfigError, PdxferError, UntrustedBootstrap
 from ..metrics import prometheus_text
 from ..netaddr import unreachable_from
 from ..pools import PoolSpec, layout_signature
+from ..protect import trusted_bootstrap
 from ..transport import Transport
 from .core import Core
 from .handles import Release
@@ -129,6 +130,13 @@ class Endpoint:
         addr = bootstrap or self.config.bootstrap
         if not addr:
             raise ConfigError("receiver() needs the prefill's bootstrap address")
+        if self.config.trusted_bootstraps:  # before any lookup or connection
+            try:
+                addr = trusted_bootstrap(addr, self.config.trusted_bootstraps)
+            except UntrustedBootstrap as e:
+                self.core.count("untrusted_bootstraps_refused")
+                log.warning("room %d refused: %s", room, e)
+                raise
         return self.decode.create(room, addr, instance, dp, release)
 
     def pool(self, name: str) -> PoolSpec:

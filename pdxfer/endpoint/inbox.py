@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
+from ..protect import peer_allowed
 
 log = logging.getLogger("pdxfer.control")
 
@@ -193,8 +194,11 @@ class Inbox:
     says whether the frame was admitted), after ``screen`` passed its header."""
 
     def __init__(self, host: str, deliver: Deliver, screen: Screen, reject: Callable[[str, str], None],
-                 max_frame: int) -> None:
+                 max_frame: int, loopback_only: bool = False) -> None:
+        """``loopback_only``: protected mode (``pdxfer.protect``, no secret): a peer on another
+        host is closed on accept, before a byte is read or sent."""
         self._deliver, self._screen, self._reject = deliver, screen, reject
+        self.loopback_only = loopback_only
         self.max_frame = max_frame
         self.pool = pool(max_frame)
         self._listen, self.port = _listen(host)
@@ -240,12 +244,17 @@ class Inbox:
     def _accept(self) -> None:
         for _ in range(64):
             try:
-                s, _ = self._listen.accept()
+                s, peer = self._listen.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # out of descriptors: the next poll tries again
                 log.warning("control socket cannot accept: %s", e)
                 return
+            if self.loopback_only and not peer_allowed(peer[0]):
+                s.close()
+                self._reject("peer_not_loopback", f"refused {peer[0]}: no shared secret is "
+                             f"set, so only loopback peers are served")
+                continue
             if len(self._conns) >= MAX_CONNECTIONS:
                 old = next((c for c in self._conns.values() if not c.trusted), None)
                 if old is None:

@@ -14,8 +14,11 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
                          "its transport session, its ready line); default: --host")
     ap.add_argument("--port", type=int, default=0, help="HTTP port (0: pick a free one)")
     ap.add_argument("--bootstrap", default=None, required=role == "prefill",
-                    help="bootstrap server host:port" + (" to register with" if role == "prefill"
-                                                         else " (default for requests)"))
+                    help="bootstrap server host:port to register with" if role == "prefill"
+                    else "the bootstrap servers this decode trusts (host:port, several "
+                         "separated by commas; required): it loads KV only from prefills "
+                         "found through them, and refuses a request naming any other")
+    add_insecure_arg(ap)
     ap.add_argument("--instance", default="default",
                     help="instance name (a prefill's route on its bootstrap; a decode's name, "
                          "which rooms are bound to at --tp > 1: default a fresh one)")
@@ -88,12 +91,19 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
 
 
 
+def add_insecure_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--insecure", action="store_true",
+                    help="serve non-loopback peers without a shared secret (PDXFER_INSECURE=1); "
+                         "without a secret, pdxfer otherwise serves loopback peers only")
+
+
 def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     ap.add_argument("--advertise", default="", metavar="ADDRESS",
                     help="address clients reach the router at (its ready line); "
                          "default: --host")
     ap.add_argument("--port", type=int, default=8000, help="HTTP port (0: pick a free one)")
+    add_insecure_arg(ap)
     ap.add_argument("--prefill", action="append", required=True, metavar="URL,BOOTSTRAP[,INST]",
                     help="a prefill instance: its HTTP URL, its bootstrap host:port and "
                          "optionally its instance name (repeat for more)")

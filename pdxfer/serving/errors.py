@@ -19,6 +19,14 @@ class BadRequest(ServingError):
     status = 400
 
 
+class Forbidden(ServingError):
+    """The request asks for something this worker must not do for anyone (a bootstrap server
+    it does not trust): retrying it elsewhere cannot help either."""
+
+    kind = "forbidden"
+    status = 403
+
+
 class OutOfCapacity(ServingError):
     """No pages or aux slots free right now: another pair (or a later try) may serve it."""
 

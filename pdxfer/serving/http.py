@@ -13,7 +13,15 @@ from typing import Any
 
 from aiohttp import web
 
-from pdxfer import ReplayGuard, advertised, check_http, prometheus_text
+from pdxfer import (
+    ReplayGuard,
+    advertised,
+    check_http,
+    check_serving,
+    load_secret,
+    peer_allowed,
+    prometheus_text,
+)
 
 from .errors import BadRequest, ServingError
 
@@ -55,6 +63,19 @@ def router_only(secret: bytes | None) -> Any:
         return await handler(request)
 
     return check
+
+
+@web.middleware
+async def loopback_only(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Protected mode (``pdxfer.protect``): with no shared secret, a peer on another host is
+    refused whatever the server is bound to."""
+    if not peer_allowed(request.remote):
+        log.warning("refused a request from %s: no shared secret is set, so only loopback "
+                    "peers are served", request.remote)
+        return web.json_response(error_body(
+            "this server has no shared secret and serves loopback peers only", "forbidden",
+            403), status=403)
+    return await handler(request)
 
 
 def error_response(err: BaseException) -> web.Response:
@@ -145,16 +166,21 @@ async def poll_until_terminal(handle: Any, deadline_s: float) -> None:
 
 
 def serve(app: web.Application, host: str, port: int, on_stop: Any = None,
-          advertise: str = "", announce: Any = None) -> int:
+          advertise: str = "", announce: Any = None, what: str = "HTTP server") -> int:
     """Run ``app`` until SIGINT/SIGTERM; print the ready line with the URL peers use (the
     ``advertise`` address, else ``host``: a wildcard bind without one is refused), or hand
     that URL to ``announce`` (a worker behind a front that is not its launcher's).
 
     Shutdown is bounded: in-flight HTTP requests get a second, ``on_stop`` (closing the
     endpoint: deregister, join threads) a few more, then the process exits regardless, so a
-    supervisor's SIGTERM never turns into a hang."""
+    supervisor's SIGTERM never turns into a hang.
+
+    Without a shared secret it serves loopback peers only, and refuses to start on a
+    non-loopback address unless ``PDXFER_INSECURE`` opts in (``pdxfer.protect``)."""
 
     shown = advertised(host, advertise)
+    if check_serving(what, host, advertise, secret=load_secret()):
+        app.middlewares.insert(0, loopback_only)
 
     async def main() -> None:
         # a client that disconnects cancels its handler: its request stops (and frees its

@@ -23,7 +23,7 @@ from pdxfer.testing.patterns import PoolGeom
 
 from .conftest import FAST
 from .helpers import Factory, decode_items
-from .netconf import needs_root
+from .netconf import NET_ENV, SECRET, needs_root
 
 pytestmark = needs_root
 
@@ -45,7 +45,8 @@ def boot(net: Network) -> Iterator[RemoteBootstrap]:
     advertising the host's address."""
     h = net["boot"]
     b = RemoteBootstrap(Proc("bootstrap", ["bootstrap", "--host", "0.0.0.0", "--advertise",
-                                           h.addr, "--port", "0"], prefix=h.prefix))
+                                           h.addr, "--port", "0"], prefix=h.prefix,
+                                      env=NET_ENV))
     try:
         yield b
     finally:
@@ -56,7 +57,7 @@ def boot(net: Network) -> Iterator[RemoteBootstrap]:
 def dc(net: Network) -> Iterator[Agent]:
     """A decode on its host's address; its endpoint ``lo`` binds and advertises loopback."""
     a = Agent("decode", {**FAST, "bootstrap_timeout_s": DEADLINE, "host": net["decode"].addr},
-              GEOMS, netns=net["decode"].ns)
+              GEOMS, netns=net["decode"].ns, env=NET_ENV)
     try:
         a.call("add_endpoint", name="lo", role="decode",
                config={**FAST, "bootstrap_timeout_s": DEADLINE}, geoms=GEOMS)
@@ -95,7 +96,7 @@ def test_a_prefill_registered_on_loopback_is_refused_by_a_decode_on_another_host
     loopback too: fine on that host, unreachable from the decode's."""
     local = f"127.0.0.1:{boot.port}"
     pf = Agent("prefill", {**FAST, "bootstrap": local, "instance": "colocated"}, GEOMS,
-               netns=net["boot"].ns)
+               netns=net["boot"].ns, env=NET_ENV)
     try:
         why = fails_at_once(dc, boot.address, instance="colocated")
         assert f"loopback control address {pf.info['ctrl_addr']}" in why, why
@@ -109,7 +110,7 @@ def test_bootstrap_refuses_a_loopback_control_address_from_another_host(
     reg = Registration(instance="liar", endpoint_id="e1", ctrl_addr="tcp://127.0.0.1:5",
                        session="127.0.0.1:6", signature="s")
     with net["decode"].enter(), pytest.raises(BootstrapError) as e:
-        BootstrapClient(boot.address, retries=0).register(reg)
+        BootstrapClient(boot.address, retries=0, secret=SECRET).register(reg)
     assert "400" in str(e.value) and f"comes from {net['decode'].addr}" in str(e.value)
 
 
@@ -123,7 +124,8 @@ def test_a_prefill_advertising_an_address_nobody_reaches_stops_at_start_naming_i
     subprocess.run(["ip", "-n", h.ns, "addr", "add", f"{hidden}/32", "dev", "lo"], check=True)
     p = h.popen([sys.executable, "-m", "pdxfer.cli", "prefill", "--host", "0.0.0.0",
                  "--advertise", hidden, "--bootstrap", boot.address, "--port", "0",
-                 "--pages", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 "--pages", "16"], env=NET_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 2, (out, err)
     assert "PDXFER_READY" not in out

@@ -24,7 +24,7 @@ from pdxfer.testing.patterns import PoolGeom
 
 from .conftest import FAST
 from .helpers import Factory, decode_items, prefill_items, verify
-from .netconf import bootstrap_on, needs_root, port_of
+from .netconf import NET_ENV, bootstrap_on, needs_root, port_of
 
 pytestmark = needs_root
 
@@ -48,9 +48,10 @@ class Net:
         n = self.net
         self.boot = bootstrap_on(n["boot"])
         self.pf = Agent("prefill", {**FAST, "bootstrap": self.boot.address,
-                                    "host": n["prefill"].addr}, GEOMS, netns=n["prefill"].ns)
+                                    "host": n["prefill"].addr}, GEOMS, netns=n["prefill"].ns,
+                        env=NET_ENV)
         self.dc = Agent("decode", {**FAST, "host": n["decode"].addr}, GEOMS,
-                        netns=n["decode"].ns)
+                        netns=n["decode"].ns, env=NET_ENV)
         self.dc.call("sentinel")
         return self
 

@@ -171,7 +171,7 @@ def queues(procs: Procs) -> dict:
     port = free_port()
     pf, dc = procs.prefill, procs.decode
     pf.submit("pd_queues.prefill_setup", port=port, gloo_port=free_port())
-    dc.submit("pd_queues.decode_setup", gloo_port=free_port())
+    dc.submit("pd_queues.decode_setup", gloo_port=free_port(), trusted=f"127.0.0.1:{port}")
     built = {"prefill": pf.result(120), "decode": dc.result(120)}
     shared = [(PREFIX_OWNER * 31 + i) % 1000 for i in range(40)]
     cached = dc.call("pd_queues.decode_cache_prefix", owner_room=PREFIX_OWNER,
@@ -236,7 +236,7 @@ BOOTSTRAP_TIMEOUT_S = 4  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: pdxfer's loo
 
 @pytest.fixture(scope="module")
 def failures(procs: Procs) -> dict:
-    cfg = {"port_a": free_port(), "port_b": free_port(),
+    cfg = {"port_a": free_port(), "port_b": free_port(), "port_rogue": free_port(),
            "env": {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
                    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "20"}}
     procs.prefill.call("pd_failures.prefill", cfg=cfg, which="a")
@@ -247,7 +247,7 @@ def failures(procs: Procs) -> dict:
         procs.prefill.call("pd_failures.prefill_finish", wait_s=60)
     assert dec["pending"] == []
     assert procs.prefill1.proc.wait(timeout=60) == -9  # it was killed mid-transfer, as meant
-    return dec["rooms"]
+    return {**dec["rooms"], "untrusted": dec["untrusted"]}
 
 
 def check(r: dict, cause: str, words: str, within: float) -> None:
@@ -273,6 +273,14 @@ def test_bootstrap_that_never_answers_fails_at_its_deadline(failures: dict) -> N
     check(failures["202"], "DeadlineExceeded", "did not finish before its deadline",
           BOOTSTRAP_TIMEOUT_S + 6.0)
     assert failures["202"]["seconds"] >= BOOTSTRAP_TIMEOUT_S - 0.5
+
+
+def test_a_bootstrap_the_decode_does_not_trust_fails_at_once_without_a_lookup(
+        failures: dict) -> None:
+    r = failures["untrusted"]
+    assert r["poll"] == 0, r  # KVPoll.Failed, at construction
+    assert "not one of this decode's trusted bootstrap servers" in r["failure"], r
+    assert r["counted"] == 1 and not r["looked_up"], r
 
 
 def test_layout_mismatch_is_refused_naming_the_pool(failures: dict) -> None:

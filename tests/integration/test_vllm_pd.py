@@ -88,7 +88,7 @@ def _prefill(c: Cluster, port: int | None = None) -> VllmServer:
 
 
 def _decode(c: Cluster, port: int | None = None) -> VllmServer:
-    extra = {"instance": DECODE, "stats_file": str(c.d_stats), "l2_pages": 256, "l3": "file",
+    extra = {"bootstrap": c.boot.address, "instance": DECODE, "stats_file": str(c.d_stats), "l2_pages": 256, "l3": "file",
              "l3_dir": str(c.tmp / "l3"), "bootstrap_timeout_s": DEADLINE_S,
              "transfer_timeout_s": DEADLINE_S}
     return VllmServer("decode", c.model, c.tmp, port=port, args=["--no-enable-prefix-caching"],
@@ -233,6 +233,42 @@ def _direct(cluster: Cluster, prompt: list[int], room: int, timeout: float = 120
     assert answer["pdxfer_room"] == room
     return complete(cluster.decode.url, prompt, extra={"kv_transfer_params": answer},
                      timeout=timeout)
+
+
+def test_a_rogue_prefill_named_in_kv_transfer_params_is_never_paired(
+        cluster: Cluster, front_door: str) -> None:
+    """A client names a rogue prefill (a real ``vllm serve`` prefill with the connector, on a
+    bootstrap of its own, holding the KV of another prompt) in the decode's
+    ``kv_transfer_params``. The decode trusts only its configured bootstrap: it serves the
+    request as if it had no pdxfer params (computing the prompt itself), never looks the rogue
+    up, and counts the refusal; the victim's own request later gets the colocated tokens."""
+    rogue_boot = BootstrapServer("127.0.0.1", 0).start()
+    rogue = VllmServer("rogue-prefill", cluster.model, cluster.tmp,
+                       kv_transfer_config=kv_config("kv_producer", {
+                           "bootstrap": rogue_boot.address, "instance": "rogue",
+                           "bootstrap_timeout_s": 5.0}))
+    try:
+        start_all([rogue])
+        victim, evil = _ids(5000, 3 * BS + 5), _ids(7000, 3 * BS + 5)
+        r = client(rogue.url).completions.create(
+            model="llama", prompt=evil, max_tokens=1, temperature=0,
+            extra_body={"kv_transfer_params": {"do_remote_decode": True,
+                                               "do_remote_prefill": False}})
+        params = (r.model_extra or {})["kv_transfer_params"]
+        assert params["pdxfer_bootstrap"] == rogue_boot.address
+        want = complete(cluster.ref.url, victim)
+        refused = metric(cluster.decode, "vllm:pdxfer_untrusted_refused_total")
+        loads = cluster.d().get("loads", 0)
+        got = complete(cluster.decode.url, victim, extra={"kv_transfer_params": params})
+        assert got == want, "the decode computed the prompt itself"
+        wait("the refusal in /metrics", lambda: metric(
+            cluster.decode, "vllm:pdxfer_untrusted_refused_total") == refused + 1)
+        assert rogue_boot.counters["lookups"] == 0, "the rogue's bootstrap was never asked"
+        assert cluster.d().get("loads", 0) == loads
+        assert complete(front_door, victim) == want  # the victim, through the front door
+    finally:
+        rogue.stop()
+        rogue_boot.stop()
 
 
 def test_a_corrupted_transfer_is_caught_and_no_wrong_token_is_returned(cluster: Cluster) -> None:

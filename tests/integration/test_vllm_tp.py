@@ -101,7 +101,7 @@ def _pair(name: str, tmp: Path, model: Path, boot: BootstrapServer, prefill_tp: 
                         args=["--no-enable-prefix-caching", "--tensor-parallel-size",
                               str(decode_tp)],
                         kv_transfer_config=kv_config("kv_consumer", {
-                            "instance": f"{name}-d", "stats_file": str(d_stats),
+                            "bootstrap": boot.address, "instance": f"{name}-d", "stats_file": str(d_stats),
                             "l2_pages": 128, "l3": "off", **timeouts},
                             kv_load_failure_policy="fail"))
     return Pair(name, prefill, decode, p_stats, d_stats, prefill_tp, decode_tp)

@@ -96,6 +96,8 @@ def decode(state: dict, cfg: dict) -> dict:
     os.environ.update(cfg["env"])
     sa = C.publish("decode", cfg["port_a"])
     cls = C.classes()
+    C.trust(f"127.0.0.1:{cfg['port_a']}", f"127.0.0.1:{cfg['port_b']}",
+            f"localhost:{cfg['port_a']}")
     good, bad_side = side(cfg, "decode"), side(cfg, "decode", draft=False)
     for sd in (good, bad_side):
         for ts in sd.tensors.values():
@@ -123,6 +125,16 @@ def _decode_run(cfg: dict, cls: dict, mgr, other, good: C.Side, bad_side: C.Side
              301: (mgr, b, good)}
     dst = {201: np.arange(1, 11), 202: np.arange(11, 21), 203: np.arange(1, 11),
            301: np.arange(21, 31)}
+    # a bootstrap this decode does not trust: Failed at construction, before any connection
+    rogue = cls["receiver"](mgr, f"127.0.0.1:{cfg['port_rogue']}", 401)
+    try:
+        rogue.failure_exception()
+        rogue_why = "no exception"
+    except Exception as e:  # noqa: BLE001 - that is what is checked
+        rogue_why = str(e)
+    untrusted = {"poll": int(rogue.poll()), "failure": rogue_why,
+                 "counted": mgr.untrusted_refused,
+                 "looked_up": f"127.0.0.1:{cfg['port_rogue']}" in mgr.prefill_info_table}
     rxs, t0 = {}, {}
     for room, (m, addr, _) in cases.items():
         rx = cls["receiver"](m, addr, room)
@@ -159,7 +171,7 @@ def _decode_run(cfg: dict, cls: dict, mgr, other, good: C.Side, bad_side: C.Side
         after = _bytes(cases[room][2], m_pools(cases[room][0]), dst[room])
         out[str(room)]["changed_after_failed"] = before != after
         out[str(room)]["written"] = any(x != P.SENTINEL for x in after)
-    return {"role": "decode", "rooms": out, "pending": sorted(pending)}
+    return {"role": "decode", "rooms": out, "pending": sorted(pending), "untrusted": untrusted}
 
 
 def m_pools(m) -> list:

@@ -282,8 +282,10 @@ def _forward_chunk(pf: Any, req: Any) -> bool:
 # -- decode ----------------------------------------------------------------------------------
 
 
-def decode_setup(state: dict, gloo_port: int) -> dict:
-    """SGLang's DecodePreallocQueue and DecodeTransferQueue with a decode radix cache."""
+def decode_setup(state: dict, gloo_port: int, trusted: str) -> dict:
+    """SGLang's DecodePreallocQueue and DecodeTransferQueue with a decode radix cache, its
+    pdxfer manager trusting the bootstrap server ``trusted``."""
+    C.trust(trusted)
     sa = C.publish("decode", 1, disaggregation_decode_enable_radix_cache=True)
     C.classes()  # load_plugins() first: it replaces TransferBackend
     from sglang.srt.disaggregation.decode import (

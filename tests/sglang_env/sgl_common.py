@@ -3,6 +3,7 @@ the plugin, and pools built as SGLang's ``KVArgs`` over CPU tensors filled with 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,12 @@ def publish(mode: str, port: int, tp_size: int = 1, tp_rank: int = 0, **extra: A
         except (RuntimeError, ValueError):
             par.override_permanently(**{name: None})
     return sa
+
+
+def trust(*addrs: str) -> None:
+    """The bootstrap servers the decode managers built next trust (a pdxfer decode refuses
+    to start without them, and refuses any other address a request names)."""
+    os.environ["PDXFER_TRUSTED_BOOTSTRAPS"] = ",".join(addrs)
 
 
 def classes() -> Any:

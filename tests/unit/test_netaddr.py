@@ -49,7 +49,7 @@ def test_wildcard_bind_needs_an_address_to_advertise() -> None:
 
 def test_an_advertised_address_that_is_not_this_hosts_is_refused_at_start() -> None:
     cfg = EndpointConfig(role="decode", host="0.0.0.0", advertise=OTHER_HOST,
-                         transport="memory")
+                         transport="memory", insecure=True)
     with pytest.raises(ConfigError, match=f"{OTHER_HOST} is not an address of this host"):
         Endpoint(cfg, pools())
 

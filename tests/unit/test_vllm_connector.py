@@ -221,7 +221,8 @@ def make_pair(model: Path, server: BootstrapServer, *, decode_extra: dict[str, A
     dl = {"bootstrap_timeout_s": timeouts, "transfer_timeout_s": timeouts}
     p = Engine(model, "kv_producer", {"bootstrap": server.address, "instance": f"p-{name}",
                                       **dl}, fabric)
-    d = Engine(model, "kv_consumer", {"instance": f"d-{name}", **dl, **(decode_extra or {})},
+    d = Engine(model, "kv_consumer", {"bootstrap": server.address, "instance": f"d-{name}",
+                                      **dl, **(decode_extra or {})},
                fabric, prefix_caching=prefix_caching, policy=policy)
     for e in (p, d):
         e.finished = {}
@@ -396,3 +397,29 @@ def test_the_plugin_registers_the_connector_by_name() -> None:
     cls = KVConnectorFactory.get_connector_class(KVTransferConfig(
         kv_connector="PdxferConnector", kv_role="kv_consumer"))
     assert cls is PdxferConnector
+
+
+def test_a_decode_never_loads_from_a_prefill_behind_a_bootstrap_it_does_not_trust(
+        model: Path, server: BootstrapServer) -> None:
+    """A client names a rogue prefill (a real endpoint, on its own bootstrap, holding its own
+    KV for the prompt): the decode serves the request as if it had no pdxfer params, computing
+    the prompt itself, counts the refusal, and the rogue is never asked."""
+    with BootstrapServer("127.0.0.1", 0) as rogue_boot:
+        rogue = make_pair(model, rogue_boot, name="rogue")  # its own prefill and bootstrap
+        pair = make_pair(model, server, name="victim")
+        d = pair.d
+        tokens = [(i * 31) % 800 + 7 for i in range(100)]
+        params = prefill_then_decode(rogue, "evil", tokens, room=4242)
+        run_until([rogue.p, rogue.d], lambda: "evil-d" in rogue.d.finished)
+        sent = rogue.p.ep.metrics()["transport_bytes"]
+        rogue.p.add("evil2", tokens, 1, {"do_remote_decode": True, "pdxfer_room": 4243})
+        run_until([rogue.p], lambda: "evil2" in rogue.p.finished)
+        params = rogue.p.finished["evil2"].kv_transfer_params
+        assert params["pdxfer_bootstrap"] == rogue_boot.address
+        d.add("v", tokens, 2, params)
+        run_until([d, rogue.p], lambda: "v" in d.finished)
+        assert d.computed["v"][0] == (0, len(tokens)), "computed by the decode, not loaded"
+        assert d.outputs["v"] == [SAMPLED] * 2
+        assert rogue.p.ep.metrics()["transport_bytes"] == sent, "the rogue was never asked"
+        assert sum(s.get("untrusted_refused", 0) for s in d.kv_stats) == 1
+        assert d.conn.worker.counters["loads"] == 0

@@ -102,8 +102,20 @@ def test_extra_config_errors_name_the_key() -> None:
         C.parse("kv_consumer", {"l3": "file", "l3_dir": "/tmp/x"})
     with pytest.raises(ConfigError, match="transport"):
         C.parse("kv_consumer", {"transport": "udp"})
-    c = C.parse("kv_consumer", {"l2_pages": 64, "l3": "file", "l3_dir": "/tmp/x"}, "m", "r1")
+    c = C.parse("kv_consumer", {"l2_pages": 64, "l3": "file", "l3_dir": "/tmp/x",
+                                "bootstrap": "10.0.0.1:8998, 10.0.0.2:8998"}, "m", "r1")
     assert c.side == "decode" and c.instance == "vllm-decode" and c.model_id == "m@r1"
+    assert c.trusted == ("10.0.0.1:8998", "10.0.0.2:8998")
+
+
+def test_a_decode_without_trusted_bootstraps_or_with_a_malformed_one_fails_at_start() -> None:
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.bootstrap on the decode"):
+        C.parse("kv_consumer", {})
+    for bad in ("127.0.0.1:x", "127.0.0.1:70000", ":8998", "127.0.0.1"):
+        with pytest.raises(ConfigError, match="port|host"):
+            C.parse("kv_consumer", {"bootstrap": bad})
+        with pytest.raises(ConfigError, match="port|host"):
+            C.parse("kv_producer", {"bootstrap": bad})
 
 
 def test_params_from_clients_are_checked_and_rooms_pair_the_two_sides() -> None:
@@ -119,6 +131,8 @@ def test_params_from_clients_are_checked_and_rooms_pair_the_two_sides() -> None:
     assert d == P.DecodeAsk(7, "h:1", "p1")
     assert P.decode_ask({**answer, "pdxfer_room": "7"}) is None
     assert P.decode_ask({**answer, "pdxfer_bootstrap": "x" * 500}) is None
+    for bad in ("127.0.0.1:x", "127.0.0.1:0", "127.0.0.1:99999", ":8998", "h"):
+        assert P.decode_ask({**answer, "pdxfer_bootstrap": bad}) is None, bad
     assert P.decode_ask({"do_remote_prefill": True}) is None
 
 

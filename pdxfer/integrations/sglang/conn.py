@@ -50,7 +50,16 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.utils.network import NetworkAddress
 
-from pdxfer import BootstrapError, BootstrapServer, Endpoint, EndpointConfig, PdxferError
+from pdxfer import (
+    BootstrapError,
+    BootstrapServer,
+    ConfigError,
+    Endpoint,
+    EndpointConfig,
+    PdxferError,
+    trusted_bootstrap,
+    trusted_from_env,
+)
 from pdxfer import KVPoll as PdxPoll
 
 from .pools import KV, Heads, aux_slots, pools_of, state_slots
@@ -170,8 +179,13 @@ class PdxferKVManager(CommonKVManager):
         self.pdxfer_bootstrap: dict[str, str] = {}
         self.receivers: dict[int, PdxferKVReceiver] = {}
         self._ep_lock = threading.Lock()
+        self.trusted: tuple[str, ...] = ()
+        self.untrusted_refused = 0
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._start_prefill()
+        else:  # a decode loads only from the SGLang bootstrap servers it was told to trust
+            self.trusted = trusted_from_env("PDXFER_TRUSTED_BOOTSTRAPS on the decode (the "
+                                            "prefills' SGLang bootstrap servers)")
 
     # -- configuration ----------------------------------------------------------------------
     def _config(self, role: str, bootstrap: str | None = None) -> EndpointConfig:
@@ -259,7 +273,10 @@ class PdxferKVManager(CommonKVManager):
     # -- decode ------------------------------------------------------------------------------
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """SGLang's topology lookup, then pdxfer's bootstrap behind it (and, on first
-        contact, this rank's pdxfer endpoint)."""
+        contact, this rank's pdxfer endpoint). A bootstrap this decode does not trust is
+        refused before any connection (logged, counted in ``untrusted_refused``)."""
+        if self.refuses(bootstrap_addr):  # its receivers are Failed already
+            return False
         if not super().try_ensure_parallel_info(bootstrap_addr):
             return False
         if bootstrap_addr in self.pdxfer_bootstrap:
@@ -276,6 +293,15 @@ class PdxferKVManager(CommonKVManager):
             return False
         self.pdxfer_bootstrap[bootstrap_addr] = found["address"]
         return True
+
+    def refuses(self, bootstrap_addr: str) -> str | None:
+        """Why this decode will not load from ``bootstrap_addr`` (not trusted, or not a
+        host:port), or None."""
+        try:
+            trusted_bootstrap(bootstrap_addr, self.trusted)
+        except ConfigError as e:  # UntrustedBootstrap, or a malformed address
+            return str(e)
+        return None
 
     def _ensure_decode_endpoint(self, geometry: dict[str, int]) -> None:
         with self._ep_lock:
@@ -464,6 +490,13 @@ class PdxferKVReceiver(CommonKVReceiver):
         self._requested = False
         self._cause: BaseException | None = None
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
+        why = mgr.refuses(bootstrap_addr) if self.conclude_state is None else None
+        if why is not None:  # before any connection: the request fails at once
+            mgr.untrusted_refused += 1
+            log.warning("room %s refused: %s", bootstrap_room, why)
+            mgr.record_failure(bootstrap_room, f"pdxfer: {why}")
+            mgr.update_status(bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
         if self.conclude_state is None:
             mgr.receivers[int(bootstrap_room)] = self
 

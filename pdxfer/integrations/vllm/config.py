@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pdxfer import ConfigError, EndpointConfig
+from pdxfer import ConfigError, EndpointConfig, parse_hostport, parse_hostports, require_trusted
 
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 TRANSPORTS = ("tcp", "rdma", "nixl")
@@ -24,7 +24,10 @@ class ConnectorConfig:
     """One vLLM instance's pdxfer settings (``kv_connector_extra_config``).
 
     - ``bootstrap``: ``host:port`` of the pdxfer bootstrap server. A prefill registers there
-      and names it in its responses; a decode uses the address each request carries.
+      and names it in its responses. A decode (required) trusts these bootstrap servers
+      only (one, or several separated by commas): a request whose ``pdxfer_bootstrap`` names
+      any other is served as if it had no pdxfer params (logged, counted in
+      ``vllm:pdxfer_untrusted_refused``), so a client never chooses where KV comes from.
     - ``instance``: this instance's name. A decode's name is what a router puts in
       ``pdxfer_decode`` so the prefill binds the room to it; a prefill's name is how its
       ranks register. Default ``vllm-prefill`` / ``vllm-decode`` (set it when several
@@ -34,7 +37,9 @@ class ConnectorConfig:
       must match.
     - ``secret_file``: a file holding the shared secret (>= 16 bytes): every control frame
       and bootstrap request is authenticated (``PDXFER_SECRET``/``PDXFER_SECRET_FILE`` in
-      the environment do the same).
+      the environment do the same). Without a secret, every pdxfer listener serves loopback
+      peers only and a non-loopback ``host`` is refused at start, unless ``insecure: true``
+      (``PDXFER_INSECURE=1``) opts in to serving other hosts unauthenticated.
     - ``integrity``: how the decode checks what arrived (``sampled``, ``full``, ``off``);
       ``integrity_retry`` asks the prefill once more on a mismatch.
     - ``l2_pages`` (decode): host pages (vLLM blocks) of decode-side prefix cache; 0 is off.
@@ -59,6 +64,7 @@ class ConnectorConfig:
     transport: str = "tcp"
     device: str = ""
     secret_file: str | None = None
+    insecure: bool = False
     integrity: str = "sampled"
     integrity_retry: bool = False
     l2_pages: int = 0
@@ -76,6 +82,11 @@ class ConnectorConfig:
     stats_file: str = ""
 
     @property
+    def trusted(self) -> tuple[str, ...]:
+        """A decode's trusted bootstrap servers (``bootstrap``, comma-separated)."""
+        return parse_hostports(self.bootstrap) if self.side == "decode" else ()
+
+    @property
     def side(self) -> str:
         """pdxfer's word for the role: ``prefill`` or ``decode``."""
         return ROLES[self.role]
@@ -91,6 +102,7 @@ class ConnectorConfig:
         return EndpointConfig(
             role=self.side,  # type: ignore[arg-type]
             bootstrap=self.bootstrap if self.side == "prefill" else None,
+            trusted_bootstraps=self.trusted, insecure=self.insecure,
             instance=self.instance, host=self.host, tp_rank=tp_rank, tp_size=tp_size,
             transport=self.transport, device=self.device,
             bootstrap_timeout_s=self.bootstrap_timeout_s,
@@ -141,10 +153,6 @@ def _check(c: ConnectorConfig) -> None:
     if c.side == "prefill" and not c.bootstrap:
         raise bad("bootstrap", "a prefill (kv_producer) needs the pdxfer bootstrap server's "
                   "host:port")
-    if c.bootstrap is not None:
-        host, _, port = c.bootstrap.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise bad("bootstrap", f"expected host:port, got {c.bootstrap!r}")
     if not c.instance or len(c.instance) > 128:
         raise bad("instance", "must be 1-128 characters")
     if c.transport not in TRANSPORTS:
@@ -172,3 +180,9 @@ def _check(c: ConnectorConfig) -> None:
             raise bad(key, "must be > 0")
     if c.secret_file and not os.path.isfile(c.secret_file):
         raise bad("secret_file", f"no such file: {c.secret_file!r}")
+    if c.side == "prefill":
+        parse_hostport(c.bootstrap, "kv_connector_extra_config.bootstrap")
+    else:
+        require_trusted(c.bootstrap, "kv_connector_extra_config.bootstrap on the decode (the "
+                        "bootstrap servers of the prefills it may load from)")
+

@@ -166,7 +166,8 @@ class PdxferConnector(KVConnectorBase_V1):
 
     # -- metrics (``stats.py``) ----------------------------------------------------------------
     def get_kv_connector_stats(self) -> PdxferStats | None:
-        data = self.worker.take_interval() if self.worker is not None else None
+        data = (self.worker.take_interval() if self.worker is not None
+                else self.scheduler.take_interval() if self.scheduler is not None else None)
         return PdxferStats(data=data) if data else None
 
     @classmethod

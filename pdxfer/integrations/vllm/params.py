@@ -30,6 +30,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from pdxfer import ConfigError, parse_hostport
+
 log = logging.getLogger("pdxfer.integrations.vllm")
 
 ROOM_MAX = (1 << 63) - 1
@@ -65,6 +67,15 @@ def _name(v: Any) -> str | None:
     return None
 
 
+def _hostport(v: Any) -> str | None:
+    """A well-formed ``host:port`` (normalised), else None: malformed like any other field,
+    so it is never dialled."""
+    try:
+        return parse_hostport(v, "pdxfer_bootstrap")
+    except ConfigError:
+        return None
+
+
 def draw_room() -> int:
     """A fresh 63-bit room (unique while a request lives, with overwhelming probability)."""
     return secrets.randbits(63)
@@ -91,7 +102,7 @@ def decode_ask(params: dict[str, Any] | None) -> DecodeAsk | None:
     """The decode's view of a request: None unless it carries a prefill's pdxfer answer."""
     if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
         return None
-    room, boot = _room(params.get("pdxfer_room")), _name(params.get("pdxfer_bootstrap"))
+    room, boot = _room(params.get("pdxfer_room")), _hostport(params.get("pdxfer_bootstrap"))
     inst = params.get("pdxfer_instance")
     if room is None or boot is None or (inst is not None and _name(inst) is None):
         if any(k.startswith("pdxfer_") for k in params):

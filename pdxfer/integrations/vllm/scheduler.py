@@ -48,13 +48,38 @@ class PdxferScheduler:
         self._writebacks: list[WritebackOrder] = []
         self._asked: set[str] = set()
         """Decode requests whose load was ordered (never ordered twice)."""
+        self._refused: set[str] = set()
+        """Decode requests refused for naming an untrusted bootstrap (counted once)."""
+        self._interval: dict[str, int] = {}
+        """Counters since vLLM last asked (``take_interval``; ``stats.COUNTERS``)."""
+
+    def _decode_ask(self, request: Request) -> P.DecodeAsk | None:
+        """The request's load, if it asks for one from a bootstrap this decode trusts. A
+        request naming another is served as if it had no pdxfer params: refused before any
+        connection, logged and counted (``untrusted_refused``)."""
+        ask = P.decode_ask(request.kv_transfer_params)
+        if ask is None or ask.bootstrap in self.cfg.trusted:
+            return ask
+        if request.request_id not in self._refused:
+            self._refused.add(request.request_id)
+            self._interval["untrusted_refused"] = self._interval.get("untrusted_refused", 0) + 1
+            log.warning("request %s names bootstrap %s, which this decode does not trust "
+                        "(kv_connector_extra_config.bootstrap: %s): served without pdxfer",
+                        request.request_id, ask.bootstrap, ", ".join(self.cfg.trusted))
+        return None
+
+    def take_interval(self) -> dict[str, int]:
+        """The scheduler's counters since the last call (vLLM aggregates them with the
+        workers' per-step stats)."""
+        out, self._interval = self._interval, {}
+        return out
 
     # -- decode --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         if self.cfg.side != "decode" or request.request_id in self._asked:
             return 0, False
-        ask = P.decode_ask(request.kv_transfer_params)
+        ask = self._decode_ask(request)
         if ask is None:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -65,7 +90,7 @@ class PdxferScheduler:
         if self.cfg.side != "decode" or num_external_tokens <= 0 \
                 or request.request_id in self._asked:
             return
-        ask = P.decode_ask(request.kv_transfer_params)
+        ask = self._decode_ask(request)
         if ask is None:
             return
         prompt = list(request.prompt_token_ids or ())
@@ -111,6 +136,7 @@ class PdxferScheduler:
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._asked.discard(rid)
+        self._refused.discard(rid)
         # a request that ended normally holds right KV for every computed token, also after
         # a failed load (vLLM recomputed it); with kv_load_failure_policy 'fail', or when it
         # was aborted while its load ran, it did not end normally

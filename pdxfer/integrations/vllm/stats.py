@@ -31,6 +31,8 @@ COUNTERS: dict[str, str] = {
     "repaired_tokens": "tokens a short restore had the prefill send after all",
     "writebacks": "finished requests written back to the decode's tiers",
     "writeback_failures": "write-backs that failed (a later request misses them)",
+    "untrusted_refused": "requests naming a bootstrap server this decode does not trust "
+                         "(served without pdxfer, never paired)",
 }
 """Counters carried per step (each also in the worker's cumulative ``stats()``)."""
 

@@ -531,4 +531,4 @@ def run(a: argparse.Namespace) -> int:
     router = Router(prefills, decodes, a.policy, a.timeout,
                     expose_cache_stats=a.expose_cache_stats, backend=make_backend(a))
     log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), router.policy)
-    return serve(router.app(), a.host, a.port, advertise=a.advertise)
+    return serve(router.app(), a.host, a.port, advertise=a.advertise, what="router")

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from pdxfer import BootstrapClient, PdxferError, http_headers
+from pdxfer import BootstrapClient, PdxferError, http_headers, parse_hostport
 
 from ..errors import BadRequest
 from . import openai_api as oa
@@ -98,7 +98,8 @@ def parse_prefill(spec: str) -> Prefill:
     parts = spec.split(",")
     if len(parts) not in (2, 3) or not parts[0].startswith("http") or not parts[1]:
         raise ValueError(f"--prefill wants URL,BOOTSTRAP[,INSTANCE], got {spec!r}")
-    return Prefill(parts[0].rstrip("/"), parts[1], parts[2] if len(parts) == 3 else "default")
+    boot = parse_hostport(parts[1], f"--prefill {spec!r}: its bootstrap")  # what decodes trust
+    return Prefill(parts[0].rstrip("/"), boot, parts[2] if len(parts) == 3 else "default")
 
 
 def parse_decode(spec: str) -> Decode:

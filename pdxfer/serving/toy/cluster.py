@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import urllib.error
@@ -50,7 +51,9 @@ class Cluster:
     ..., ``decode``, ``decode1``, ...): each runs under its place's prefix and binds and
     advertises its place's address (``bind_all``: binds every interface and advertises its
     place's address); unnamed ones run here on loopback. ``client`` is entered
-    around this object's own HTTP calls (a client on a host of the network)."""
+    around this object's own HTTP calls (a client on a host of the network). Processes
+    placed on hosts talk across a network, so they share a fresh secret (``PDXFER_SECRET``)
+    unless ``env`` or this process names one: protected mode refuses them otherwise."""
 
     def __init__(self, *, worker_args: Sequence[str] = (), prefill_args: Sequence[str] = (),
                  decode_args: Sequence[str] = (), router_args: Sequence[str] = (),
@@ -68,6 +71,9 @@ class Cluster:
         self.each_decode = [list(a) for a in each_decode]
         self.log_level, self.quiet, self.timeout = log_level, quiet, timeout
         self.n_prefills, self.n_decodes, self.env = prefills, decodes, env
+        if hosts and not ({**os.environ, **(env or {})}.get("PDXFER_SECRET")
+                          or {**os.environ, **(env or {})}.get("PDXFER_SECRET_FILE")):
+            self.env = {**(env or {}), "PDXFER_SECRET": secrets.token_hex(16)}
         self.expose_cache_stats = expose_cache_stats  # the demo and tests show cache hits
         self.hosts = dict(hosts or {})
         self.bind_all = bind_all  # placed processes bind 0.0.0.0 and advertise their address
@@ -117,7 +123,9 @@ class Cluster:
     def _decode(self, i: int, port: int, wait: bool) -> Proc:
         l3 = ["--l3-dir", os.path.join(self.l3_dir, f"decode{i}")] if self.l3_dir else []
         own = self.each_decode[i] if i < len(self.each_decode) else []
+        assert self.bootstrap is not None  # the decode trusts the cluster's bootstrap only
         return self._proc(f"decode{i or ''}", ["decode", "--port", str(port), *l3,
+                                               "--bootstrap", self.bootstrap.address,
                                                *self.worker_args, *self.decode_args, *own],
                           wait)
 

@@ -27,10 +27,10 @@ from typing import Any
 
 from aiohttp import web
 
-from pdxfer import KVPoll, PdxferError
+from pdxfer import ConfigError, KVPoll, PdxferError, UntrustedBootstrap, trusted_bootstrap
 from pdxfer.tiers import TieredCache
 
-from ..errors import BadRequest, OutOfCapacity, TransferFailed
+from ..errors import BadRequest, Forbidden, OutOfCapacity, TransferFailed
 from ..errors import about as _about
 from .ballast import BallastMismatch
 from .ranks import check, open_receiver, start_host, write_back
@@ -132,7 +132,7 @@ class DecodeWorker(RoomWorker):
         c = self.host.model.config
         p = {
             "room": field(body, "room", int, lo=0, hi=(1 << 63) - 1),
-            "bootstrap": field(body, "bootstrap", str, default=self.cfg.bootstrap),
+            "bootstrap": self._bootstrap(body),
             "instance": field(body, "instance", str, default=None) if body.get("instance")
             is not None else None,
             "tokens": token_list(body, "prompt_ids", c.vocab_size),
@@ -144,8 +144,6 @@ class DecodeWorker(RoomWorker):
         }
         if len(p["tenant"]) > 128:
             raise BadRequest("field 'tenant' is longer than 128 characters")
-        if not p["bootstrap"]:
-            raise BadRequest("no bootstrap address in the request and none configured")
         if p["spec_k"] and not p["sampling"].greedy:
             raise BadRequest("speculative decoding is greedy only: use temperature 0")
         span = len(p["tokens"]) + p["max_tokens"] + p["spec_k"]
@@ -154,6 +152,22 @@ class DecodeWorker(RoomWorker):
                              f" + spec_k ({p['spec_k']}) = {span} exceeds max_seq_len "
                              f"{c.max_seq_len}")
         return p
+
+    def _bootstrap(self, body: dict[str, Any]) -> str:
+        """The request's bootstrap server (default: the first trusted one), which must be one
+        this decode trusts: a caller never chooses which prefill's KV it decodes from.
+        Refused before any connection; malformed is a 400, untrusted a counted 403."""
+        raw = body.get("bootstrap")
+        if raw is None:
+            return self.cfg.trusted[0]
+        try:
+            return trusted_bootstrap(raw, self.cfg.trusted, "field 'bootstrap'")
+        except UntrustedBootstrap as e:
+            self.counters["untrusted_bootstraps_refused"] += 1
+            log.warning("decode request refused: %s", e)
+            raise Forbidden(str(e)) from None
+        except ConfigError as e:
+            raise BadRequest(str(e)) from None
 
     async def h_generate(self, request: web.Request) -> web.StreamResponse:
         t_arrive = time.perf_counter()
@@ -341,4 +355,5 @@ class DecodeWorker(RoomWorker):
 def run(a: argparse.Namespace) -> int:
     cfg = config_from_args(a, "decode")
     w = DecodeWorker(cfg)
-    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close, advertise=cfg.advertise)
+    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close, advertise=cfg.advertise,
+                 what=f"{cfg.role} worker")

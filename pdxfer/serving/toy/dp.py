@@ -256,4 +256,5 @@ def run(a: argparse.Namespace) -> int:
     cfg = config_from_args(a, "decode")
     front = DPFront(cfg)
     log.info("decode front for %d groups: %s", cfg.dp, [g.url for g in front.groups])
-    return serve(front.app(), cfg.host, cfg.port, on_stop=front.close, advertise=cfg.advertise)
+    return serve(front.app(), cfg.host, cfg.port, on_stop=front.close, advertise=cfg.advertise,
+                 what="decode worker")

@@ -269,4 +269,5 @@ def run(a: argparse.Namespace) -> int:
     w = PrefillWorker(cfg)
     log.info("prefill worker: endpoint %s registered with %s", w.host.endpoint.endpoint_id,
              cfg.bootstrap)
-    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close, advertise=cfg.advertise)
+    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close, advertise=cfg.advertise,
+                 what=f"{cfg.role} worker")

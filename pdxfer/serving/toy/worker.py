@@ -21,7 +21,15 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from pdxfer import Endpoint, EndpointConfig, PoolSpec, load_secret
+from pdxfer import (
+    Endpoint,
+    EndpointConfig,
+    PoolSpec,
+    load_secret,
+    parse_hostport,
+    parse_hostports,
+    require_trusted,
+)
 
 from ..errors import BadRequest, OutOfCapacity
 from ..http import (  # noqa: F401  (re-exported for the worker modules)
@@ -97,6 +105,10 @@ class WorkerConfig:
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if self.role == "prefill" and not self.bootstrap:
             raise ValueError("a prefill worker needs --bootstrap (host:port of the bootstrap)")
+        if self.role == "prefill":
+            parse_hostport(self.bootstrap, "--bootstrap")
+        else:
+            require_trusted(self.bootstrap, "--bootstrap")
         for name in ("pages", "aux_slots", "page_size", "max_seq_len", "chunk_size", "threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -127,6 +139,12 @@ class WorkerConfig:
             raise ValueError("--kv-ballast-bytes-per-token needs --tp 1 (the ballast is not "
                              "sharded by heads)")
         head_shard(self.toy(), 0, self.tp)  # a TP size that does not split the heads fails here
+
+    @property
+    def trusted(self) -> tuple[str, ...]:
+        """A decode's trusted bootstrap servers (``--bootstrap``, comma-separated): the only
+        ones a request may name (``pdxfer.trusted_bootstrap``)."""
+        return parse_hostports(self.bootstrap) if self.role == "decode" else ()
 
     @property
     def peer_by_instance(self) -> bool:
@@ -313,7 +331,8 @@ class ModelHost:
         self.fingerprint = f"{self.model_id} tp={cfg.tp}/{tp_rank}"
         self.endpoint = Endpoint(EndpointConfig(
             model_id=self.model_id,
-            role=cfg.role, bootstrap=cfg.bootstrap, instance=cfg.instance, host=cfg.host,
+            role=cfg.role, bootstrap=(cfg.trusted or (cfg.bootstrap,))[0],
+            trusted_bootstraps=cfg.trusted, instance=cfg.instance, host=cfg.host,
             advertise=cfg.advertise, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s, heartbeat_s=cfg.heartbeat_s,
             transport=cfg.transport, device=cfg.device, integrity=cfg.integrity,  # type: ignore[arg-type]
