@@ -160,6 +160,16 @@ def test_openai_client_across_hosts_matches_colocated_over_nixl() -> None:
             c.stop()
 
 
+def _hold_writes(c: Cluster, seconds: float) -> None:
+    """Start prefill 0 again (same host and port) with every transport write held back
+    ``seconds`` before it starts: requests there stay in flight at least that long, so a
+    fault injected once one shows in flight always catches it, however fast the machine."""
+    p0 = c.prefills[0]
+    assert p0 is not None
+    p0.stop()
+    c.start_prefill(p0.port, i=0, env={"PDXFER_FAULTS": f"delay_write={seconds}"})
+
+
 def _slow_requests(c: Cluster, n: int) -> tuple[list[str], Any]:
     prompts = [f"slow request {i}: " + "z" * 900 for i in range(n)]
     pool = ThreadPoolExecutor(n)
@@ -220,11 +230,14 @@ def test_prefill_link_cut_mid_request_router_retries_on_the_other_pair(
     fails that request with PeerLost in about a second, the router (the failure came before
     the first token) sends it to the other prefill, so the client gets the right answer (an
     error in OpenAI's shape only if that failed too). After the heal the cut prefill serves
-    again, with nothing restarted, and the decode's pages all come back."""
+    again, with nothing restarted, and the decode's pages all come back. Its writes are held
+    3 s each (a floor on how long its requests stay in flight; short enough for it to serve
+    after the heal), so the cut always catches one."""
+    _hold_writes(cluster, 3.0)
     p0 = cluster.prefills[0]
     assert p0 is not None
     retries = cluster.metrics("router").get("pdxfer_router_retries", 0)
-    prompts, futs = _slow_requests(cluster, 8)  # a queue: one alone can finish between polls
+    prompts, futs = _slow_requests(cluster, 8)
     _wait_inflight(cluster, "prefill")
     net["p0"].cut()
     try:
@@ -243,11 +256,13 @@ def test_prefill_host_dies_new_requests_go_to_the_other_then_it_returns(
         net: Network, cluster: Cluster) -> None:
     """Every process on a prefill's host is killed during traffic: requests in flight there
     get an answer at once (the other prefill's, or an OpenAI-shaped error), new ones go to
-    the other prefill; a prefill started again on that host registers and serves."""
+    the other prefill; a prefill started again on that host registers and serves. Its
+    writes are held 60 s each until then: requests there are in flight when it dies."""
+    _hold_writes(cluster, 60.0)
     p0, p1 = cluster.prefills
     assert p0 is not None and p1 is not None
     port = p0.port
-    prompts, futs = _slow_requests(cluster, 8)  # a queue: one alone can finish between polls
+    prompts, futs = _slow_requests(cluster, 8)
     _wait_inflight(cluster, "prefill")
     t_kill = time.monotonic()
     killed = net["p0"].kill_all()
