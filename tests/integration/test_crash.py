@@ -50,6 +50,15 @@ def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill
         assert dc.call("tables") == {"rooms": 0}
         assert dc.call("metrics")["quarantined_pages"] == 0
 
+        # a request the bootstrap still routes to the dead prefill (its registration outlived
+        # it) fails as lost: the unanswered Hello found its port refusing, and nobody waited
+        # for the dead until the deadline (the failure's kind says which, whatever the speed)
+        ghost = f.make(16 * 4)
+        dc.call("recv", items=decode_items([ghost]), bootstrap=bootstrap.address)
+        out = dc.call("wait", rooms=[ghost["room"]],
+                      timeout=FAST["bootstrap_timeout_s"] + 5)[ghost["room"]]
+        assert out["state"] == "Failed" and out["kind"] == "peer_lost", out
+
         # a new prefill process registers in the dead one's place and serves the next request
         pf2 = Agent("prefill", {**FAST, "bootstrap": bootstrap.address, "transport": transport},
                     GEOMS)
