@@ -503,9 +503,14 @@ class BootstrapClient:
                     raise BootstrapError(f"bootstrap {method} {path} -> {e.code}: {msg}") from None
                 last, not_ready = f"{e.code}: {msg}", e.code == 503
             except (urllib.error.URLError, OSError, TimeoutError) as e:
-                last = f"unreachable: {getattr(e, 'reason', e)}"
-            # 503 means "not all ranks registered yet": worth waiting for up to the deadline.
-            # Anything else gets the retry budget, so a dead server fails fast.
+                why = getattr(e, "reason", e)
+                last = f"unreachable: {why}"
+                # no answer in time: a server too busy to answer (a loaded host), or a network
+                # that lost it; neither is proof that it is gone, so wait as for a 503
+                not_ready = isinstance(why, TimeoutError)
+            # 503 means "not all ranks registered yet" and a timeout "not answering yet":
+            # worth waiting for up to the deadline. Anything else (a refused connection: no
+            # server there) gets the retry budget, so a dead server fails fast.
             waiting = not_ready and deadline is not None
             out_of_time = deadline is not None and time.monotonic() + delay > deadline
             if out_of_time or (not waiting and attempt > self.retries):

@@ -24,11 +24,13 @@ from ..errors import (
     DeadlineExceeded,
     LayoutMismatch,
     PdxferError,
+    PeerLost,
     TransportError,
 )
 from ..netaddr import host_of, is_local, is_loopback, unreachable_from
 from ..plan import topology as T
 from ..pools import PoolSpec, layout_signature
+from .liveness import refuses
 from .trust import Session, new_nonce
 
 if TYPE_CHECKING:
@@ -239,6 +241,15 @@ class Connector:
                         if self.ep.secret is None else " (or it has another shared secret)")
                 raise DeadlineExceeded(f"no HelloAck from prefill endpoint {eid} at "
                                        f"{peer.ctrl_addr} before the deadline{hint}")
+            if fresh and refuses(peer.ctrl_addr, HELLO_RETRY_S):
+                # an unanswered Hello to a port nothing listens on: the prefill is gone (its
+                # registration outlived it); waiting for the deadline would wait for the dead
+                with self.ep.lock:
+                    if self.peers.get(eid) is peer:
+                        del self.peers[eid]
+                    self._forget_session(peer)
+                raise PeerLost(f"prefill endpoint {eid} at {peer.ctrl_addr} is gone (its "
+                               f"control port refuses connections)")
             if fresh:
                 self.ep.count("hello_retransmits")
                 self.ep.send_raw(peer.ctrl_addr, frame)

@@ -77,6 +77,11 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
                         help="independent decode groups (each of --tp ranks) behind this one "
                              "address; the router routes to each group as to a decode of its "
                              "own")
+    if role == "decode":
+        ap.add_argument("--min-step-s", type=float, default=0.0, metavar="SECONDS",
+                        help="a floor on each decode step's duration (an emulated slower "
+                             "model: a generation of N tokens then lasts at least N times "
+                             "this on any machine; tests that must outlast a client use it)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (the toy model's ops are tiny: more threads only spin)")
     ap.add_argument("--bootstrap-timeout", type=float, default=30.0)

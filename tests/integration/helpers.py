@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import numpy as np
@@ -107,3 +108,13 @@ def run(pf: Agent, dc: Agent, bootstrap: str, reqs: list[dict[str, Any]],
 
 def verify(dc: Agent, reqs: list[dict[str, Any]]) -> dict[int, Any]:
     return dc.call("verify", items=decode_items(reqs))
+
+
+def wait_written(pf: Agent, before: int = 0, timeout: float = 60.0) -> None:
+    """Until the sender ``pf`` has written more than ``before`` bytes: a transfer is under
+    way (a fault injected now strikes it mid-transfer, where a fixed sleep could come before
+    its first write on a slow machine)."""
+    end = time.monotonic() + timeout
+    while pf.call("metrics")["transport_bytes"] <= before:
+        assert time.monotonic() < end, "the sender wrote nothing"
+        time.sleep(0.02)

@@ -11,7 +11,7 @@ from pdxfer.testing.harness import Agent
 from pdxfer.testing.patterns import PoolGeom
 
 from .conftest import FAST, start_pair
-from .helpers import Factory, decode_items, prefill_items, run, verify
+from .helpers import Factory, decode_items, prefill_items, run, verify, wait_written
 
 # 8 layers x K,V x 16 tokens x 8 heads x 128 dims x fp16 = 512 KiB per page across buffers
 GEOMS = [PoolGeom("kv", "mha", layers=8, pages=384, page_size=16, heads=8, head_dim=128),
@@ -33,7 +33,7 @@ def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill
         dc.call("recv", items=decode_items([big]), bootstrap=bootstrap.address)
         pf.call("send", items=send)
         deadline = FAST["transfer_timeout_s"]
-        time.sleep(1.0)  # some of the 30 chunks (0.1 s apart) have landed by now
+        wait_written(pf)  # its first chunks landed; the rest take 0.1 s each
         t_kill = time.monotonic()
         pf.kill()
         out = dc.call("wait", rooms=[big["room"]], timeout=deadline + 5)[big["room"]]
@@ -49,6 +49,15 @@ def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill
         assert big["room"] in dc.call("released")
         assert dc.call("tables") == {"rooms": 0}
         assert dc.call("metrics")["quarantined_pages"] == 0
+
+        # a request the bootstrap still routes to the dead prefill (its registration outlived
+        # it) fails as lost: the unanswered Hello found its port refusing, and nobody waited
+        # for the dead until the deadline (the failure's kind says which, whatever the speed)
+        ghost = f.make(16 * 4)
+        dc.call("recv", items=decode_items([ghost]), bootstrap=bootstrap.address)
+        out = dc.call("wait", rooms=[ghost["room"]],
+                      timeout=FAST["bootstrap_timeout_s"] + 5)[ghost["room"]]
+        assert out["state"] == "Failed" and out["kind"] == "peer_lost", out
 
         # a new prefill process registers in the dead one's place and serves the next request
         pf2 = Agent("prefill", {**FAST, "bootstrap": bootstrap.address, "transport": transport},
@@ -84,7 +93,7 @@ def test_frozen_prefill_fails_requests_but_keeps_pages_until_it_acknowledges(
         dc.call("recv", items=decode_items([big]), bootstrap=bootstrap.address,
                 instance=f"frozen-{transport}")
         pf.call("send", items=send)
-        time.sleep(0.6)
+        wait_written(pf)  # mid-transfer: the rest of its 20 chunks take 0.1 s each
         os.kill(pf.pid, signal.SIGSTOP)
         try:
             out = dc.call("wait", rooms=[big["room"]], timeout=FAST["transfer_timeout_s"] + 5)

@@ -9,7 +9,7 @@ from pdxfer.testing.harness import Agent
 from pdxfer.testing.patterns import PoolGeom
 
 from .conftest import FAST
-from .helpers import Factory, decode_items, prefill_items
+from .helpers import Factory, decode_items, prefill_items, wait_written
 from .hetero import rank_geoms, tp_group
 
 # 8 layers x K,V x 16 tokens x 8 heads x 64 dims x fp16: 256 KiB per page across buffers
@@ -38,7 +38,7 @@ def test_dead_prefill_rank_fails_every_decode_rank_it_fed_and_no_other(
         d.each("recv", items=decode_items([big]), bootstrap=b, instance="crash")
         for a in ranks:
             a.call("send", items=send)
-        time.sleep(0.8)  # a few of the 20 chunks (0.1 s apart) have landed
+        wait_written(ranks[1])  # mid-transfer: the rest of its 20 chunks take 0.1 s each
         t_kill = time.monotonic()
         ranks[1].kill()
         outs = d.each("wait", rooms=[big["room"]], timeout=FAST["transfer_timeout_s"] + 5)

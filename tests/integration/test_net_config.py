@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -68,13 +67,13 @@ def dc(net: Network) -> Iterator[Agent]:
 
 def fails_at_once(dc: Agent, bootstrap: str, instance: str | None = None,
                   ep: str = "main") -> str:
+    """Fails as a configuration error: the cause, checked before any wait (a room that had
+    waited would fail as ``deadline``), whatever the machine's speed."""
     r = Factory(GEOMS, GEOMS).make(16 * 2)
-    t0 = time.monotonic()
     dc.call("recv", items=decode_items([r]), bootstrap=bootstrap, instance=instance, ep=ep)
     out = dc.call("wait", rooms=[r["room"]], timeout=DEADLINE + 5, ep=ep)[r["room"]]
     assert out["state"] == "Failed", out
     assert out["kind"] == "config", out
-    assert time.monotonic() - t0 < DEADLINE / 2, out
     return str(out["failure"])
 
 

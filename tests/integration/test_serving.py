@@ -153,9 +153,21 @@ def test_good_request_after_bad_ones_still_works(cluster: Cluster) -> None:
     assert cluster.metrics("router")["pdxfer_router_bad_requests"] >= 11
 
 
+HELD_WRITES = {"PDXFER_FAULTS": "delay_write=60"}
+"""A prefill whose every transport write waits 60 s before it starts: its requests stay in
+flight far longer than any test waits for them, however fast the machine computes them."""
+
+
 def test_killed_prefill_fails_inflight_requests_then_recovers(cluster: Cluster) -> None:
+    """The prefill is killed while requests are in flight there: each gets an answer (an
+    error, as none of them can have finished: the prefill's writes are held back), and a
+    prefill started again serves. The kill comes once the prefill shows a request in flight,
+    so the verdict never depends on how fast it computes."""
     assert cluster.prefill is not None and cluster.decode is not None
     port = cluster.prefill.port
+    cluster.prefill.stop()
+    cluster.start_prefill(port, env=HELD_WRITES)
+    assert cluster.prefill is not None
     prompts = [f"slow request {i}: " + "z" * 900 for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
         futs = [pool.submit(cluster.complete, {"prompt": p, "max_tokens": 4,
@@ -167,13 +179,8 @@ def test_killed_prefill_fails_inflight_requests_then_recovers(cluster: Cluster) 
             time.sleep(0.02)
         cluster.prefill.kill()
         results = [f.result(timeout=120) for f in futs]  # an answer each, never a hang
-    errors = [b for s, b in results if s != 200]
-    assert errors, "a request in flight on the killed prefill must fail"
-    for p, (status, body) in zip(prompts, results):
-        if status == 200:  # finished before the kill: must still be right
-            assert ids_of(status, body) == greedy(p, 4)
-        else:
-            assert status >= 500 and body["error"]["message"], body
+    for status, body in results:  # none could finish: every one failed, in OpenAI's shape
+        assert status >= 500 and body["error"]["message"], body
     cluster.start_prefill(port)
     for p in ("after the restart", "and once more, longer " * 10):
         assert ids_of(*cluster.complete({"prompt": p, "max_tokens": 5, "temperature": 0})) == \

@@ -98,23 +98,26 @@ class Cluster:
     def decode(self) -> Proc | None:
         return self.decodes[0] if self.decodes else None
 
-    def _proc(self, name: str, args: list[str], wait: bool = True) -> Proc:
+    def _proc(self, name: str, args: list[str], wait: bool = True,
+              env: dict[str, str] | None = None) -> Proc:
         place = self.hosts.get(name)
         where = ([] if place is None else ["--host", place.addr] if not self.bind_all
                  else ["--host", "0.0.0.0", "--advertise", place.addr])
         return Proc(name, ["--log-level", self.log_level, *args, *where], timeout=self.timeout,
-                    quiet=self.quiet, wait=wait, env=self.env,
+                    quiet=self.quiet, wait=wait, env={**(self.env or {}), **(env or {})},
                     prefix=place.prefix if place is not None else ())
 
     def _instance(self, i: int) -> str:
         return "default" if i == 0 else f"prefill{i}"
 
-    def start_prefill(self, port: int = 0, wait: bool = True, i: int = 0) -> Proc:
+    def start_prefill(self, port: int = 0, wait: bool = True, i: int = 0,
+                      env: dict[str, str] | None = None) -> Proc:
+        """``env``: more variables for this start alone (e.g. ``PDXFER_FAULTS``)."""
         assert self.bootstrap is not None
         proc = self._proc(f"prefill{i or ''}", [
             "prefill", "--port", str(port), "--bootstrap", self.bootstrap.address,
             "--instance", self._instance(i), *self.worker_args, *self.prefill_args,
-            *(self.each_prefill[i] if i < len(self.each_prefill) else [])], wait)
+            *(self.each_prefill[i] if i < len(self.each_prefill) else [])], wait, env)
         while len(self.prefills) <= i:
             self.prefills.append(None)
         self.prefills[i] = proc

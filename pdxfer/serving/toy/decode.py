@@ -90,7 +90,7 @@ class DecodeWorker(RoomWorker):
         self.host = start_host(cfg)
         self.cache: TieredCache | None = make_cache(cfg, self.host)
         self.admission = Admission(self.host, cfg.max_waiting, cfg.admission_timeout_s)
-        self.scheduler = Scheduler(self.host)
+        self.scheduler = Scheduler(self.host, cfg.min_step_s)
         self.live: dict[int, Any] = {}
         self.aborted: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.counters = collections.Counter[str]()

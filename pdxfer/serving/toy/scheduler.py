@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,8 +53,10 @@ class Scheduler:
     """The loop thread (see the module notes). ``add`` hands it a request whose prompt KV is
     in place; ``close`` stops it and ends every request still running."""
 
-    def __init__(self, host: Any) -> None:
+    def __init__(self, host: Any, min_step_s: float = 0.0) -> None:
         self.host = host
+        self.min_step_s = min_step_s
+        """A floor on each iteration (an emulated slower model; 0: none)."""
         self.steps = 0
         self.running: list[Generation] = []
         self._new: list[Generation] = []
@@ -99,6 +102,7 @@ class Scheduler:
                     self._start(g)
                 self._new = []
                 batch = list(self.running)
+            t0 = time.monotonic()
             for g in batch:
                 if g.cancel.is_set():
                     self._end(g, "cancelled")
@@ -110,6 +114,8 @@ class Scheduler:
                     g.error = f"{type(e).__name__}: {e}"
                     self._end(g, "error")
             self.steps += 1
+            if self.min_step_s:
+                time.sleep(max(0.0, t0 + self.min_step_s - time.monotonic()))
         for g in pending:
             g.error = "decode worker stopping"
             self._end(g, "error")
