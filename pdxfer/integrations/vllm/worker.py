@@ -90,7 +90,8 @@ class PdxferWorker:
         self._pre: PdxferMetadata | None = None
         self._post: PdxferMetadata | None = None
         self.counters: dict[str, int] = {
-            "sends": 0, "send_failures": 0, "sent_tokens": 0, "loads": 0, "load_failures": 0,
+            "sends": 0, "send_failures": 0, "step_chunks": 0, "sent_tokens": 0, "loads": 0,
+            "load_failures": 0,
             "loaded_tokens": 0, "net_bytes": 0, "net_us": 0, "ready_us": 0, "restore_us": 0,
             "restored_pages": 0, "restored_l2_pages": 0, "restored_l3_pages": 0,
             "repaired_tokens": 0, "writebacks": 0, "writeback_failures": 0}
@@ -200,7 +201,9 @@ class PdxferWorker:
             out.last = True
             return
         out.sent, out.last = len(s.block_ids), s.last
-        if s.last:
+        if not s.last:
+            self._add("step_chunks")
+        else:
             self._add("sends")
             self._add("sent_tokens", s.num_tokens)
 
