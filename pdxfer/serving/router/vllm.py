@@ -5,7 +5,10 @@ prefill as a completion of one token with ``kv_transfer_params: {"do_remote_deco
 the prefill's answer carries ``kv_transfer_params`` that the decode's request repeats, and the
 decode's connector then receives the prompt's KV instead of computing it. pdxfer's router adds
 ``pdxfer_room`` (the rendezvous it drew) and ``pdxfer_decode`` (the decode it chose: the
-prefill binds the room to it). A tenant (an API key's) becomes vLLM's own ``cache_salt`` on
+prefill binds the room to it). By default (``--dispatch concurrent``) the router does not
+wait for the prefill's answer: it sends the decode its request at once with the answer the
+prefill will give (room, the prefill's bootstrap and instance: the protocol's early form),
+so the decode allocates and asks while the prefill computes. A tenant (an API key's) becomes vLLM's own ``cache_salt`` on
 both sides, which scopes vLLM's prefix cache and the connector's L2/L3 keys per tenant, as the
 toy's caches are.
 
