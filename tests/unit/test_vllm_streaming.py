@@ -152,3 +152,4 @@ def test_an_aborted_prefill_keeps_handed_blocks_until_no_write_reads_them(
     assert p.free_blocks() < free_p, "handed blocks are held until the worker lets go"
     run_until([p], lambda: p.free_blocks() == free_p)
     assert not p.conn.worker._sends, "the room is gone"
+
