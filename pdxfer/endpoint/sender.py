@@ -76,6 +76,13 @@ class KVSender(RoomHandle):
         the source pages until this turns False (its ``Release`` or the hold deadline)."""
         return self._st.hold_until > 0
 
+    @property
+    def reading(self) -> bool:
+        """True while a write may still read the source pages (also after a failure: writes
+        in flight drain first). Pages the engine reuses before this is False may be sent in
+        their new state."""
+        return any(not t.finished for t in self._st.targets)
+
     def abort(self, reason: str = "aborted by prefill engine") -> None:
         self._side.fail(self._st, Aborted(f"room {self._st.room}: {reason}"))
 

@@ -124,6 +124,11 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--page-size", type=int, default=None,
                     help="--engine vllm: the decodes' block size for KV-aware routing (default: "
                          "read from their /metrics)")
+    ap.add_argument("--dispatch", choices=["concurrent", "sequential"], default="concurrent",
+                    help="--engine vllm: send the decode its request at the same time as the "
+                         "prefill's (concurrent: the decode allocates and asks while the prefill "
+                         "computes), or after the prefill answered (sequential: vLLM's own "
+                         "proxy protocol)")
     ap.add_argument("--policy", default="auto",
                     choices=["auto", "round_robin", "least_outstanding", "kv_aware"],
                     help="pairing policy (auto: kv_aware with several decodes, else "

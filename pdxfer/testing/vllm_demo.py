@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(tmp / "model", "small")
     boot = BootstrapServer("127.0.0.1", 0).start()
     p_extra = {"bootstrap": boot.address, "instance": PREFILL, "stats_file": str(p_stats)}
-    d_extra = {"bootstrap": boot.address, "instance": DECODE, "stats_file": str(d_stats), "l2_pages": 512, "l3": "file",
+    d_extra = {"bootstrap": boot.address, "instance": DECODE, "stats_file": str(d_stats),
+               "l2_pages": 512, "l3": "file",
                "l3_dir": str(tmp / "l3")}
     prefill = VllmServer("prefill", model, tmp, start=False,
                          kv_transfer_config=kv_config("kv_producer", p_extra))

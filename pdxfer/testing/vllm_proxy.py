@@ -5,12 +5,16 @@ goes to the prefill with ``max_tokens=1`` (``max_completion_tokens`` for chat), 
 and ``kv_transfer_params`` naming a fresh room and the decode instance; then to the decode
 with the ``kv_transfer_params`` the prefill returned, its answer (or stream) relayed as it
 comes. ``connector="nixl"`` speaks vLLM's NixlConnector protocol instead (the prefill's
-params, whatever they are, are copied to the decode). It runs in a thread of the caller.
+params, whatever they are, are copied to the decode). With ``early=(bootstrap, instance)``
+(pdxfer only) both requests go out at once, the decode's carrying the room, that prefill's
+bootstrap and instance (the early form, as ``pdxfer router --engine vllm`` dispatches). It
+runs in a thread of the caller.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import threading
 import time
@@ -22,8 +26,10 @@ from aiohttp import web
 
 class FrontDoor:
     def __init__(self, prefill: str, decode: str, decode_instance: str | None = None,
-                 connector: str = "pdxfer", port: int = 0) -> None:
+                 connector: str = "pdxfer", port: int = 0,
+                 early: tuple[str, str] | None = None) -> None:
         self.prefill, self.decode = prefill.rstrip("/"), decode.rstrip("/")
+        self.early = early
         self.decode_instance, self.connector = decode_instance, connector
         self._port = port
         self.url = ""
@@ -33,6 +39,7 @@ class FrontDoor:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
+        self._bg: set[asyncio.Future[Any]] = set()
         self._thread = threading.Thread(target=self._run, daemon=True, name="vllm-front-door")
 
     def start(self) -> FrontDoor:
@@ -85,13 +92,25 @@ class FrontDoor:
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
         t0 = time.perf_counter()
-        async with self._session.post(self.prefill + path, json=first) as r:
-            if r.status != 200:
-                return web.Response(body=await r.read(), status=r.status,
-                                    content_type="application/json")
-            answer = await r.json()
-        self.prefill_seconds.append(time.perf_counter() - t0)
-        params = answer.get("kv_transfer_params")
+
+        async def prefill() -> tuple[int, bytes, Any]:
+            async with self._session.post(self.prefill + path, json=first) as r:
+                raw = await r.read()
+            self.prefill_seconds.append(time.perf_counter() - t0)
+            return r.status, raw, (json.loads(raw) if r.status == 200 else None)
+
+        if self.early is not None:
+            ask = first["kv_transfer_params"]
+            params = {"do_remote_prefill": True, "do_remote_decode": False,
+                      "pdxfer_room": ask["pdxfer_room"], "pdxfer_bootstrap": self.early[0],
+                      "pdxfer_instance": self.early[1]}
+            self._bg.add(asyncio.ensure_future(prefill()))  # runs beside the decode's leg
+            self._bg = {t for t in self._bg if not t.done()}
+        else:
+            status, raw, answer = await prefill()
+            if status != 200:
+                return web.Response(body=raw, status=status, content_type="application/json")
+            params = answer.get("kv_transfer_params")
         self.last_params = params
         second = {**body, "kv_transfer_params": params}
         async with self._session.post(self.decode + path, json=second) as r:

@@ -3,9 +3,12 @@ loading ``PdxferConnector``, driven with the official ``openai`` client through 
 (``pdxfer router --engine vllm``); every output equals a colocated vLLM (same model, no
 connector) token for token.
 
-One cluster per module (engines start once). The decode runs with decode-side tiers (L2 host
-pages, L3 files) and vLLM's own prefix cache off, so a repeated prefix is restored by pdxfer,
-and with ``kv_load_failure_policy: recompute``. Faults are set per room from the start:
+One cluster per module (engines start once). The router dispatches both sides at once (the
+early form: the decode asks while the prefill computes), and the prefill computes at most
+``STEP`` tokens a step (``--max-num-batched-tokens``), so a prompt spans several steps and its
+blocks go out after each. The decode runs with decode-side tiers (L2 host pages, L3 files)
+and vLLM's own prefix cache off, so a repeated prefix is restored by pdxfer, and with
+``kv_load_failure_policy: recompute``. Faults are set per room from the start:
 room ``ROOM_SLOW`` is written late by the prefill (to kill it mid-transfer), room
 ``ROOM_CORRUPT`` is damaged on the decode after it arrived (integrity must catch it).
 
@@ -48,6 +51,7 @@ BS = 32
 ROOM_SLOW, ROOM_CORRUPT = 4242, 4343
 DECODE, PREFILL = "vllm-d0", "vllm-p0"
 DEADLINE_S = 20.0
+STEP = 64  # the prefill's tokens per step: two blocks
 S = SHAPES["small"]
 BLOCK_BYTES = S.layers * S.kv_heads * BS * 2 * S.head_size * 4  # one block, all layers, fp32
 
@@ -83,12 +87,14 @@ def _prefill(c: Cluster, port: int | None = None) -> VllmServer:
     extra = {"bootstrap": c.boot.address, "instance": PREFILL, "stats_file": str(c.p_stats),
              "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S}
     return VllmServer("prefill", c.model, c.tmp, port=port, log_stats=True,
+                      args=["--max-num-batched-tokens", str(STEP)],
                       kv_transfer_config=kv_config("kv_producer", extra),
                       env={"PDXFER_FAULTS": f"delay_write=8,rooms={ROOM_SLOW}"})
 
 
 def _decode(c: Cluster, port: int | None = None) -> VllmServer:
-    extra = {"bootstrap": c.boot.address, "instance": DECODE, "stats_file": str(c.d_stats), "l2_pages": 256, "l3": "file",
+    extra = {"bootstrap": c.boot.address, "instance": DECODE, "stats_file": str(c.d_stats),
+             "l2_pages": 256, "l3": "file",
              "l3_dir": str(c.tmp / "l3"), "bootstrap_timeout_s": DEADLINE_S,
              "transfer_timeout_s": DEADLINE_S}
     return VllmServer("decode", c.model, c.tmp, port=port, args=["--no-enable-prefix-caching"],
@@ -322,3 +328,134 @@ def test_a_restarted_decode_restores_a_prefix_from_l3_files(cluster: Cluster,
     wait("the prefill's send", lambda: cluster.p()["endpoint"]["transport_bytes"] > sent0)
     suffix = (-(-len(c) // BS) - 8) * BLOCK_BYTES
     assert d["net_bytes"] == cluster.p()["endpoint"]["transport_bytes"] - sent0 == suffix
+
+
+def _router(cluster: Cluster, name: str, *more: str, prefill_url: str | None = None) -> Proc:
+    return Proc(name, ["router", "--engine", "vllm", "--port", "0", "--prefill",
+                       f"{prefill_url or cluster.prefill.url},{cluster.boot.address},{PREFILL}",
+                       "--decode", f"{cluster.decode.url},{DECODE}", *more], timeout=180)
+
+
+def _stream_ids(url: str, prompt: list[int]) -> list[int]:
+    """A streamed completion through the official client; the router's last chunk carries
+    every token id of the choice."""
+    ids: list[int] = []
+    for chunk in client(url).completions.create(
+            model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True}):
+        ext = (chunk.model_extra or {}).get("pdxfer")
+        if ext:
+            ids = list(ext["token_ids"])
+    return ids
+
+
+def test_concurrent_and_sequential_dispatch_stream_steps_and_equal_colocated(
+        cluster: Cluster, front_door: str) -> None:
+    """Concurrent dispatch (the router's default), streamed and not, and the sequential
+    form (the decode asks after the prefill finished): equal to colocated vLLM. Prompts span
+    several prefill steps, whose blocks are handed over after each step; the later prompts
+    share a prefix the prefill holds in its own prefix cache (those blocks need no compute
+    and are sent all the same)."""
+    prefix = _ids(9100, 6 * BS)
+    prompts = [prefix + _ids(9200 + 50 * i, 40 + 9 * i) for i in range(4)]
+    want = [complete(cluster.ref.url, q) for q in prompts]
+    p0 = {k: cluster.p().get(k, 0) for k in ("sends", "send_failures", "step_chunks")}
+    hits0 = metric(cluster.prefill, "vllm:prefix_cache_hits_total")
+    seq = _router(cluster, "router-seq", "--dispatch", "sequential")
+    try:
+        assert complete(front_door, prompts[0]) == want[0]
+        assert _stream_ids(front_door, prompts[1]) == want[1]
+        assert complete(seq.url, prompts[2]) == want[2]
+        assert _stream_ids(seq.url, prompts[3]) == want[3]
+        r = client(front_door).completions.create(
+            model="llama", prompt=prompts[0], max_tokens=2, temperature=0)
+        assert r.model_extra["pdxfer"]["dispatch"] == "concurrent"  # type: ignore[index]
+        r = client(seq.url).completions.create(
+            model="llama", prompt=prompts[0], max_tokens=2, temperature=0)
+        assert r.model_extra["pdxfer"]["dispatch"] == "sequential"  # type: ignore[index]
+    finally:
+        seq.stop()
+    wait("the prefill's sends", lambda: cluster.p()["sends"] >= p0["sends"] + 6
+         and cluster.p()["in_flight_sends"] == 0)
+    p1 = cluster.p()
+    assert p1["send_failures"] == p0["send_failures"]
+    # the first prompt (232 tokens, nothing cached) takes four STEP-token steps: the first
+    # three hand their blocks over before the prompt's end (the others start past the cached
+    # prefix and take one or two steps)
+    assert p1["step_chunks"] - p0["step_chunks"] >= 3
+    assert metric(cluster.prefill, "vllm:prefix_cache_hits_total") > hits0
+
+
+def test_a_decode_that_asks_before_the_prefill_has_the_request(cluster: Cluster) -> None:
+    """The early form by hand: the decode's request (room, bootstrap, the prefill's
+    instance) goes first and the decode asks; the prefill gets its request only then."""
+    prompt = _ids(9600, 7 * BS + 11)
+    want = complete(cluster.ref.url, prompt)
+    room = 77_000_001
+    early = {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room": room,
+             "pdxfer_bootstrap": cluster.boot.address, "pdxfer_instance": PREFILL}
+    d0 = {k: cluster.d().get(k, 0) for k in ("loads", "load_failures")}
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(complete, cluster.decode.url, prompt,
+                          extra={"kv_transfer_params": early})
+        wait("the decode to ask", lambda: cluster.d().get("loads", 0) > d0["loads"])
+        time.sleep(0.5)
+        assert not fut.done(), "the decode waits for the prefill's room"
+        params = {"do_remote_decode": True, "do_remote_prefill": False, "pdxfer_room": room,
+                  "pdxfer_decode": DECODE}
+        client(cluster.prefill.url).completions.create(
+            model="llama", prompt=prompt, max_tokens=1, temperature=0,
+            extra_body={"kv_transfer_params": params})
+        assert fut.result(timeout=120) == want
+    wait("the decode's stats", lambda: cluster.d()["in_flight_loads"] == 0)
+    assert cluster.d()["load_failures"] == d0["load_failures"]
+
+
+def test_a_failed_prefill_ends_the_engaged_decode_promptly_with_an_openai_error(
+        cluster: Cluster) -> None:
+    """The router's 'prefill' is a worker that is no kv_producer (it answers without
+    kv_transfer_params): the decode, engaged at dispatch, is aborted at once (not at its
+    bootstrap deadline), its blocks come back, and the client gets an OpenAI-shaped error."""
+    import openai
+
+    bad = _router(cluster, "router-bad", prefill_url=cluster.decode.url)
+    prompt = _ids(9900, 4 * BS + 3)
+    d0 = {"loads": cluster.d().get("loads", 0)}
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            client(bad.url).completions.create(model="llama", prompt=prompt, max_tokens=4,
+                                               temperature=0)
+        took = time.monotonic() - t0
+    finally:
+        bad.stop()
+    assert e.value.status_code == 502
+    body = e.value.body
+    assert "kv_transfer_params" in str(body), body
+    assert took < DEADLINE_S / 2, f"{took:.1f} s: the decode waited for its deadline"
+    wait("the decode's loads to end", lambda: cluster.d()["in_flight_loads"] == 0)
+    assert cluster.d()["loads"] > d0["loads"], "the decode was engaged at dispatch"
+    wait("the decode's blocks to come back", lambda: kv_usage(cluster.decode) == 0.0)
+    assert complete(cluster.decode.url, prompt) == complete(cluster.ref.url, prompt)
+
+
+def test_a_client_that_leaves_ends_both_sides(cluster: Cluster, front_door: str) -> None:
+    """A streamed client that leaves after its first token: the router closes both legs, and
+    vLLM aborts the decode's request long before its 400 tokens (its blocks come back)."""
+    prompt = _ids(9950, 3 * BS + 5)
+    gen0 = metric(cluster.decode, "vllm:generation_tokens_total")
+    stream = client(front_door).completions.create(
+        model="llama", prompt=prompt, max_tokens=400, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            break
+    stream.close()
+    wait("the decode to end the request",
+         lambda: metric(cluster.decode, "vllm:num_requests_running") == 0
+         and kv_usage(cluster.decode) == 0.0, timeout=20)
+    assert metric(cluster.prefill, "vllm:num_requests_running") == 0
+    gen = metric(cluster.decode, "vllm:generation_tokens_total")
+    time.sleep(1.0)
+    assert metric(cluster.decode, "vllm:generation_tokens_total") == gen, "still generating"
+    assert gen - gen0 < 400, "the decode generated every token: the request was not aborted"

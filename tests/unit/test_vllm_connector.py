@@ -80,11 +80,12 @@ class Engine:
     ``[blocks, kv_heads, block_size, 2 * head_size]``)."""
 
     def __init__(self, model: Path, role: str, extra: dict[str, Any], fabric: MemoryFabric,
-                 prefix_caching: bool = True, policy: str = "recompute") -> None:
+                 prefix_caching: bool = True, policy: str = "recompute",
+                 batched: int = 4096) -> None:
         vc = VllmConfig(
             model_config=ModelConfig(model=str(model), dtype="bfloat16", seed=0,
                                      served_model_name="m"),
-            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096,
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched,
                                              max_model_len=4096, is_encoder_decoder=False),
             cache_config=CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
             kv_transfer_config=KVTransferConfig(
@@ -216,11 +217,12 @@ class Pair:
 
 def make_pair(model: Path, server: BootstrapServer, *, decode_extra: dict[str, Any] | None = None,
               prefix_caching: bool = True, policy: str = "recompute", name: str = "a",
-              timeouts: float = 10.0) -> Pair:
+              timeouts: float = 10.0, batched: int = 4096, prefill_extra: dict[str, Any] | None = None
+              ) -> Pair:
     fabric = MemoryFabric()
     dl = {"bootstrap_timeout_s": timeouts, "transfer_timeout_s": timeouts}
     p = Engine(model, "kv_producer", {"bootstrap": server.address, "instance": f"p-{name}",
-                                      **dl}, fabric)
+                                      **dl, **(prefill_extra or {})}, fabric, batched=batched)
     d = Engine(model, "kv_consumer", {"bootstrap": server.address, "instance": f"d-{name}",
                                       **dl, **(decode_extra or {})},
                fabric, prefix_caching=prefix_caching, policy=policy)

@@ -52,6 +52,9 @@ class ConnectorConfig:
     - deadlines in seconds: ``bootstrap_timeout_s`` (a prefill waits this long for the
       decode's request after its prefill finished), ``transfer_timeout_s``,
       ``abort_timeout_s``, ``heartbeat_s``.
+    - ``send_per_step`` (prefill): hand each step's newly computed full blocks to the sender
+      after that step (a decode that already asked receives them while the prefill computes
+      the rest); False sends a request's KV once its prompt is computed.
     - ``stats_file``: a JSON file each worker rewrites with its counters (bytes sent and
       received, restored pages, failures) whenever a request's KV moved (``.tpN`` is
       appended per rank when TP > 1).
@@ -80,6 +83,7 @@ class ConnectorConfig:
     abort_timeout_s: float = 5.0
     heartbeat_s: float = 0.5
     stats_file: str = ""
+    send_per_step: bool = True
 
     @property
     def trusted(self) -> tuple[str, ...]:

@@ -117,7 +117,7 @@ class PdxferConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta()
+        return self.scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -141,15 +141,27 @@ class PdxferConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._take()
 
+    def _before_forward(self) -> None:
+        if self.worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PdxferMetadata):
+                self.worker.before_forward(meta)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous: vLLM schedules a request once it arrived
+        # loads are asynchronous (vLLM schedules a request once its KV arrived); the first
+        # layer of a step is the last moment before the forward writes blocks vLLM freed
+        self._before_forward()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return None  # the prefill sends whole requests from their blocks when they finish
+        return None  # the prefill hands each step's blocks over after the step (wait_for_save)
 
     def wait_for_save(self) -> None:
         self._take()
+        if self.worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PdxferMetadata):
+                self.worker.after_forward(meta)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:

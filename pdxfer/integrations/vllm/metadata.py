@@ -12,15 +12,41 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 
 @dataclass(frozen=True, slots=True)
+class OpenOrder:
+    """Prefill: the request was scheduled; open its room now, so a decode that asks before
+    the prefill computed anything is attached and chunks can follow (only ``peer`` may ask
+    when it is set)."""
+
+    req_id: str
+    room: int
+    peer: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class SendOrder:
-    """Prefill: the request finished its prefill; send tokens ``[0, num_tokens)`` from these
-    blocks to whichever decode asks for ``room`` (only ``peer`` when it is set)."""
+    """Prefill: hand the sender the request's KV held in ``block_ids`` (all its blocks so
+    far, in prompt order; the worker sends those it has not sent yet). ``last``: they hold
+    tokens ``[0, num_tokens)``, the whole prompt; else full blocks only. In ``chunks`` the
+    step computed them (sent after its forward); in ``sends`` the request finished, and
+    vLLM frees the blocks once the worker reports the send done."""
 
     req_id: str
     room: int
     peer: str | None
     block_ids: tuple[int, ...]
     num_tokens: int
+    last: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class AbortOrder:
+    """Prefill: end the room (the request was aborted, or preempted: vLLM freed its blocks).
+    ``held``: vLLM keeps the blocks until the worker reports the request in
+    ``finished_sending`` (after no write reads them any more); else vLLM already freed them
+    and the worker waits for the writes to drain before this step's forward may reuse them."""
+
+    req_id: str
+    held: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,3 +83,12 @@ class PdxferMetadata(KVConnectorMetadata):
     sends: list[SendOrder] = field(default_factory=list)
     loads: list[LoadOrder] = field(default_factory=list)
     writebacks: list[WritebackOrder] = field(default_factory=list)
+    opens: list[OpenOrder] = field(default_factory=list)
+    chunks: list[SendOrder] = field(default_factory=list)
+    aborts: list[AbortOrder] = field(default_factory=list)
+
+    def orders(self) -> bool:
+        """Whether this step orders anything (not ``__bool__``: vLLM tests metadata for
+        None, and an empty step's metadata must still count as present)."""
+        return bool(self.sends or self.loads or self.writebacks or self.opens or self.chunks
+                    or self.aborts)

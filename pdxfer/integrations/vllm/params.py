@@ -16,7 +16,10 @@ as vLLM's own proxy does:
         "pdxfer_bootstrap": "host:port", "pdxfer_instance": "<prefill instance>",
         "pdxfer_num_tokens": <prompt tokens whose KV the prefill holds>}
 
-3. the router copies those into the decode's request unchanged.
+3. the router copies those into the decode's request unchanged (sequential form), or, in
+   the early form, sends the decode the same keys (without ``pdxfer_num_tokens``) at the
+   same time as the prefill's request: room, the chosen prefill's bootstrap and instance.
+   The decode asks at once and the prefill holds its request until the room opens.
 
 vLLM adds a random suffix to its internal request ids, so the two sides pair by room only.
 Params are client input: every field is type- and range-checked here, and a request whose

@@ -1,9 +1,16 @@
 """The connector's scheduler side: decides, per request, what the workers move.
 
-Prefill (``kv_producer``): a request with ``do_remote_decode`` keeps its blocks when it
-finishes (``request_finished`` returns True and the room's answer); the next step's metadata
-tells the workers to send them. vLLM frees them when every worker reported the request in
-``finished_sending``.
+Prefill (``kv_producer``): a request with ``do_remote_decode`` gets its room when it is
+scheduled (``update_state_after_alloc``): the workers open it at once, so a decode that asks
+before the prefill computed anything (the early form of the protocol) is attached. After
+each step the workers hand the sender the full blocks that step computed (``chunks``, sent
+while the next steps compute; ``send_per_step``), and the step that computes the prompt's
+last token hands the rest, the partial block too. A decode that asks later gets all of it
+then. A finished request keeps its blocks (``request_finished`` returns True and the room's
+answer) until every worker reported it in ``finished_sending``. A request aborted after
+some of its blocks were handed over keeps them too, until no write reads them; one that vLLM
+preempts (its blocks are freed at once) has its room aborted, and the workers wait for its
+writes to drain before the next forward may reuse the blocks.
 
 Decode (``kv_consumer``): a request carrying a prefill's answer loads every prompt token
 that vLLM's own prefix cache does not hold, asynchronously (``get_num_new_matched_tokens``);
@@ -20,16 +27,25 @@ A request is loaded at most once: after a failed load vLLM recomputes (or fails)
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
 from . import params as P
 from .config import ConnectorConfig
-from .metadata import LoadOrder, PdxferMetadata, SendOrder, WritebackOrder
+from .metadata import (
+    AbortOrder,
+    LoadOrder,
+    OpenOrder,
+    PdxferMetadata,
+    SendOrder,
+    WritebackOrder,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("pdxfer.integrations.vllm")
@@ -38,11 +54,30 @@ DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 """A request that ended this way has the KV of every token it computed."""
 
 
+@dataclass(slots=True)
+class Streamed:
+    """A prefill request with a room: what its workers were told so far."""
+
+    room: int
+    peer: str | None
+    num_tokens: int
+    """Prompt tokens (the KV the decode gets)."""
+    blocks: int = 0
+    """Blocks handed to the sender (full ones, or all of them once ``last``)."""
+    last: bool = False
+    dropped: bool = False
+    """Preempted: its room was aborted (a resumed request is not sent again)."""
+
+
 class PdxferScheduler:
     def __init__(self, cfg: ConnectorConfig, block_size: int) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self.tiers = cfg.l2_pages > 0
+        self.streams: dict[str, Streamed] = {}
+        """Prefill requests by id, from scheduling to ``request_finished``."""
+        self._opens: list[OpenOrder] = []
+        self._aborts: list[AbortOrder] = []
         self._sends: list[SendOrder] = []
         self._loads: list[LoadOrder] = []
         self._writebacks: list[WritebackOrder] = []
@@ -87,8 +122,10 @@ class PdxferScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        if self.cfg.side != "decode" or num_external_tokens <= 0 \
-                or request.request_id in self._asked:
+        if self.cfg.side == "prefill":
+            self._scheduled(request)
+            return
+        if num_external_tokens <= 0 or request.request_id in self._asked:
             return
         ask = self._decode_ask(request)
         if ask is None:
@@ -103,10 +140,59 @@ class PdxferScheduler:
             num_tokens=n, tokens=tuple(prompt) if self.tiers else (),
             scope=request.cache_salt or ""))
 
+    # -- prefill -------------------------------------------------------------------------------
+    def _scheduled(self, request: Request) -> None:
+        """A request starts running (or resumes after a preemption): open its room."""
+        rid = request.request_id
+        if rid in self.streams:
+            return  # resumed: its room was aborted at the preemption
+        ask = P.prefill_ask(request.kv_transfer_params)
+        n = len(request.prompt_token_ids or ())
+        if ask is None or n == 0:
+            return
+        self.streams[rid] = Streamed(ask.room, ask.decode, n)
+        self._opens.append(OpenOrder(rid, ask.room, ask.decode))
+
+    def _step_chunks(self, so: SchedulerOutput) -> list[SendOrder]:
+        """What this step computes of each streamed request: the blocks it fills, or, when it
+        reaches the prompt's end, all of them (the partial last one too)."""
+        out: list[SendOrder] = []
+        for rid in so.preempted_req_ids or ():
+            st = self.streams.get(rid)
+            if st is not None and not st.dropped:
+                st.dropped = True
+                self._aborts.append(AbortOrder(rid, held=False))
+        state = getattr(so, "kv_connector_block_state", None)
+        if state is None:
+            return out  # this vLLM does not say which blocks: whole requests at the end
+        before = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens))
+        bs = self.block_size
+        for rid, k in so.num_scheduled_tokens.items():
+            st = self.streams.get(rid)
+            if st is None or st.dropped or st.last or rid not in before:
+                continue
+            end = min(before[rid] + k, st.num_tokens)
+            last = end >= st.num_tokens
+            n_blocks = -(-st.num_tokens // bs) if last else end // bs
+            if not last and (n_blocks <= st.blocks or not self.cfg.send_per_step):
+                continue
+            ids = state.get_block_ids(rid)
+            if ids is None or len(ids[0]) < n_blocks:
+                continue  # not ours to read: the end of the request sends it
+            out.append(SendOrder(rid, st.room, st.peer, tuple(ids[0][:n_blocks]),
+                                 st.num_tokens if last else n_blocks * bs, last=last))
+            st.blocks, st.last = n_blocks, last
+        return out
+
     # -- both ----------------------------------------------------------------------------------
-    def build_connector_meta(self) -> PdxferMetadata:
-        meta = PdxferMetadata(self._sends, self._loads, self._writebacks)
+    def build_connector_meta(self, so: SchedulerOutput | None = None) -> PdxferMetadata:
+        chunks = self._step_chunks(so) if so is not None and self.streams else []
+        meta = PdxferMetadata(self._sends, self._loads, self._writebacks, self._opens, chunks,
+                              self._aborts)
         self._sends, self._loads, self._writebacks = [], [], []
+        self._opens, self._aborts = [], []
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]
@@ -117,20 +203,28 @@ class PdxferScheduler:
 
     def _prefill_finished(self, request: Request, block_ids: list[int]
                           ) -> tuple[bool, dict[str, Any] | None]:
-        ask = P.prefill_ask(request.kv_transfer_params)
-        if ask is None:
-            return False, None
-        n = len(request.prompt_token_ids or ())
-        need = -(-n // self.block_size)
-        if request.status not in DONE or n == 0 or len(block_ids) < need:
-            # aborted before its prefill was done: nothing to send, the blocks go back now
-            log.info("request %s ended (%s) before its KV could be sent", request.request_id,
-                     request.status)
-            return False, None
-        self._sends.append(SendOrder(request.request_id, ask.room, ask.decode,
-                                     tuple(block_ids[:need]), n))
+        rid = request.request_id
+        st = self.streams.pop(rid, None)
+        if st is None:
+            return False, None  # no remote decode asked for (or no prompt)
+        n = st.num_tokens
         assert self.cfg.bootstrap is not None  # checked in config for a prefill
-        return True, P.prefill_answer(ask.room, self.cfg.bootstrap, self.cfg.instance, n)
+        answer = P.prefill_answer(st.room, self.cfg.bootstrap, self.cfg.instance, n)
+        if st.dropped:  # preempted: its room was aborted, a decode that asks is refused
+            return False, answer
+        need = -(-n // self.block_size)
+        if request.status not in DONE or len(block_ids) < need:
+            # aborted before its prefill was done: the room ends; blocks some of which were
+            # handed to the sender are kept until no write reads them
+            held = st.blocks > 0
+            log.info("request %s ended (%s) before its KV could be sent", rid, request.status)
+            self._aborts.append(AbortOrder(rid, held=held))
+            return held, None
+        if not st.last:
+            self._sends.append(SendOrder(rid, st.room, st.peer, tuple(block_ids[:need]), n))
+        else:
+            self._sends.append(SendOrder(rid, st.room, st.peer, (), n))  # already all handed
+        return True, answer
 
     def _decode_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -21,6 +21,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 COUNTERS: dict[str, str] = {
     "sends": "requests whose KV this prefill sent",
     "send_failures": "sends that failed (the decode recomputes or fails the request)",
+    "step_chunks": "blocks handed to the sender after the step that computed them, before "
+                   "the prompt's end (prefill)",
     "sent_tokens": "prompt tokens whose KV this prefill sent",
     "loads": "requests whose KV this decode received or restored",
     "load_failures": "loads that failed (blocks reported to vLLM as load errors)",

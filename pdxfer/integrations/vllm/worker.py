@@ -24,6 +24,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredC
 
 from .config import ConnectorConfig
 from .layout import POOL, Layout, describe
-from .metadata import LoadOrder, PdxferMetadata, SendOrder, WritebackOrder
+from .metadata import AbortOrder, LoadOrder, OpenOrder, PdxferMetadata, SendOrder, WritebackOrder
 
 log = logging.getLogger("pdxfer.integrations.vllm")
 
@@ -46,6 +47,21 @@ class _Load:
     """The blocks this load writes (from ``l1_len``): reported on failure."""
     released: threading.Event = field(default_factory=threading.Event)
     aborted: bool = False
+
+
+@dataclass(eq=False)
+class _Out:
+    """One prefill request's room on this rank."""
+
+    room: int
+    tx: KVSender | None
+    """None: the room could not be opened (the request's send failed)."""
+    sent: int = 0
+    """Blocks handed to the sender so far."""
+    last: bool = False
+    owned: bool = False
+    """vLLM handed the blocks over (``request_finished`` returned True): report the request
+    in ``finished_sending`` once no write reads them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +82,16 @@ class PdxferWorker:
         in-memory transport here before ``register_kv_caches``)."""
         self.layout: Layout | None = None
         self.cache: TieredCache | None = None
-        self._sends: dict[str, KVSender | None] = {}
+        self._sends: dict[str, _Out] = {}
         self._loads: dict[str, _Load] = {}
         self._written: set[str] = set()
         self._errors: set[int] = set()
         self._bound: PdxferMetadata | None = None
+        self._pre: PdxferMetadata | None = None
+        self._post: PdxferMetadata | None = None
         self.counters: dict[str, int] = {
-            "sends": 0, "send_failures": 0, "sent_tokens": 0, "loads": 0, "load_failures": 0,
+            "sends": 0, "send_failures": 0, "step_chunks": 0, "sent_tokens": 0, "loads": 0,
+            "load_failures": 0,
             "loaded_tokens": 0, "net_bytes": 0, "net_us": 0, "ready_us": 0, "restore_us": 0,
             "restored_pages": 0, "restored_l2_pages": 0, "restored_l3_pages": 0,
             "repaired_tokens": 0, "writebacks": 0, "writeback_failures": 0}
@@ -115,33 +134,98 @@ class PdxferWorker:
 
     # -- each step -----------------------------------------------------------------------------
     def take(self, meta: PdxferMetadata) -> None:
-        """Carry out one step's orders (called from ``start_load_kv`` and ``wait_for_save``,
-        whichever comes first: the orders concern KV already written or blocks not yet
-        read, so either point is right)."""
+        """Carry out one step's orders that concern KV computed in earlier steps, blocks not
+        yet read, or rooms (called from ``start_load_kv`` and ``wait_for_save``, whichever
+        comes first)."""
         if meta is self._bound:
             return
         self._bound = meta
-        self._changed |= bool(meta.sends or meta.loads or meta.writebacks)
+        self._changed |= meta.orders()
+        self.before_forward(meta)
+        for a in meta.aborts:
+            self._abort(a)
+        for o in meta.opens:
+            self._open(o)
         for s in meta.sends:
-            self._send(s)
-        for o in meta.loads:
-            self._load(o)
+            self._hand(s, owned=True)
+        for lo in meta.loads:
+            self._load(lo)
         for w in meta.writebacks:
             self._write_back(w)
 
-    def _send(self, s: SendOrder) -> None:
+    def before_forward(self, meta: PdxferMetadata) -> None:
+        """Before the step's forward writes: rooms of preempted requests end, and their
+        writes drain (vLLM freed those blocks and may fill them in this very step)."""
+        if meta is self._pre:
+            return
+        self._pre = meta
+        for a in meta.aborts:
+            if not a.held:
+                self._abort(a)
+
+    def after_forward(self, meta: PdxferMetadata) -> None:
+        """After the step's forward: hand the sender what it computed (a hand-off: the
+        writes run on pdxfer's threads while the next steps compute)."""
+        if meta is self._post:
+            return
+        self._post = meta
+        self.take(meta)
+        for c in meta.chunks:
+            self._hand(c, owned=False)
+
+    def _open(self, o: OpenOrder) -> _Out:
         assert self.ep is not None
+        tx: KVSender | None = None
         try:
-            tx = self.ep.sender(s.room, peer=s.peer)
-            tx.send({POOL: list(s.block_ids)}, last=True)
+            tx = self.ep.sender(o.room, peer=o.peer)
+        except Exception as e:  # noqa: BLE001 - one bad room fails that request only
+            log.warning("room %d (request %s): cannot open: %s", o.room, o.req_id, e)
+            self._add("send_failures")
+        out = self._sends[o.req_id] = _Out(o.room, tx)
+        return out
+
+    def _hand(self, s: SendOrder, owned: bool) -> None:
+        """Hand the sender the blocks of ``s`` it does not have yet."""
+        out = self._sends.get(s.req_id)
+        if out is None:
+            out = self._open(OpenOrder(s.req_id, s.room, s.peer))
+        out.owned |= owned
+        new = list(s.block_ids[out.sent:])
+        if out.tx is None or out.last or not (new or s.last):
+            return
+        try:
+            out.tx.send({POOL: new}, last=s.last)
         except Exception as e:  # noqa: BLE001 - one bad room fails that request only
             log.warning("room %d (request %s): cannot send: %s", s.room, s.req_id, e)
-            self._add("send_failures")
-            self._sends[s.req_id] = None
+            out.tx.abort(f"cannot send: {e}")
+            out.last = True
             return
-        self._add("sends")
-        self._add("sent_tokens", s.num_tokens)
-        self._sends[s.req_id] = tx
+        out.sent, out.last = len(s.block_ids), s.last
+        if not s.last:
+            self._add("step_chunks")
+        else:
+            self._add("sends")
+            self._add("sent_tokens", s.num_tokens)
+
+    def _abort(self, a: AbortOrder) -> None:
+        """End a room whose request vLLM aborted or preempted. Blocks vLLM already freed
+        (not ``held``) may be filled by this step's forward: wait for writes that read them
+        (bounded by ``abort_timeout_s``); held ones are reported once no write reads them."""
+        out = self._sends.get(a.req_id)
+        if out is None:
+            return
+        if out.tx is not None:
+            out.tx.abort("vLLM ended the request" if a.held else "vLLM preempted the request")
+        if a.held:
+            out.owned = True
+            return
+        del self._sends[a.req_id]
+        end = time.monotonic() + self.cfg.abort_timeout_s
+        while out.tx is not None and out.tx.reading and time.monotonic() < end:
+            time.sleep(0.001)
+        if out.tx is not None and out.tx.reading:
+            log.warning("room %d (request %s): writes still read its blocks %.1f s after "
+                        "its preemption", out.room, a.req_id, self.cfg.abort_timeout_s)
 
     def _load(self, o: LoadOrder) -> None:
         assert self.ep is not None
@@ -193,7 +277,10 @@ class PdxferWorker:
                 rec.aborted = True  # vLLM dropped the request while its KV was on the way
                 rec.rx.abort("vLLM finished the request while its KV was on the way")
         sending, self._written = set(self._written), set()
-        for rid, tx in list(self._sends.items()):
+        for rid, out in list(self._sends.items()):
+            tx = out.tx
+            if not out.owned or (tx is not None and tx.reading):
+                continue  # still running in vLLM, or writes still read its blocks
             st = tx.poll() if tx is not None else KVPoll.Failed
             if st == KVPoll.Failed or (st == KVPoll.Success and not tx.holding):  # type: ignore[union-attr]
                 if st == KVPoll.Failed and tx is not None:

@@ -506,7 +506,7 @@ def make_backend(a: argparse.Namespace) -> Backend:
     if a.engine == "vllm":
         from .vllm import VllmBackend
 
-        return VllmBackend(a.tokenizer, a.page_size)
+        return VllmBackend(a.tokenizer, a.page_size, getattr(a, "dispatch", "concurrent"))
     return ToyBackend()
 
 

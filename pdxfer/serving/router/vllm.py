@@ -5,7 +5,10 @@ prefill as a completion of one token with ``kv_transfer_params: {"do_remote_deco
 the prefill's answer carries ``kv_transfer_params`` that the decode's request repeats, and the
 decode's connector then receives the prompt's KV instead of computing it. pdxfer's router adds
 ``pdxfer_room`` (the rendezvous it drew) and ``pdxfer_decode`` (the decode it chose: the
-prefill binds the room to it). A tenant (an API key's) becomes vLLM's own ``cache_salt`` on
+prefill binds the room to it). By default (``--dispatch concurrent``) the router does not
+wait for the prefill's answer: it sends the decode its request at once with the answer the
+prefill will give (room, the prefill's bootstrap and instance: the protocol's early form),
+so the decode allocates and asks while the prefill computes. A tenant (an API key's) becomes vLLM's own ``cache_salt`` on
 both sides, which scopes vLLM's prefix cache and the connector's L2/L3 keys per tenant, as the
 toy's caches are.
 
@@ -46,6 +49,9 @@ from .tokenizers import HFTokenizer, Tokenizer
 
 log = logging.getLogger("pdxfer.serving.router.vllm")
 SETUP_TIMEOUT_S = 120.0
+DISPATCH = ("concurrent", "sequential")
+PREFILL_CAUSE_S = 1.0
+"""How long a failed decode waits for its prefill's answer, to report the cause."""
 _BLOCK = re.compile(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', re.M)
 
 
@@ -54,7 +60,11 @@ class VllmBackend:
 
     name = "vllm"
 
-    def __init__(self, tokenizer: str | None = None, page_size: int | None = None) -> None:
+    def __init__(self, tokenizer: str | None = None, page_size: int | None = None,
+                 dispatch: str = "concurrent") -> None:
+        if dispatch not in DISPATCH:
+            raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
+        self.dispatch = dispatch
         self._tokenizer_path = tokenizer
         self._page_size = page_size
         self._tok: Tokenizer | None = None
@@ -133,6 +143,8 @@ class VllmBackend:
         return out
 
     async def _prefill(self, http: Http, job: Attempt) -> dict[str, Any]:
+        """The prefill's leg: the prompt with ``max_tokens=1``; its answer's
+        ``kv_transfer_params`` (the sequential form hands them to the decode)."""
         pf, dc = job.pf, job.dc
         params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
                                   "pdxfer_room": job.room}
@@ -153,13 +165,59 @@ class VllmBackend:
         if not isinstance(kv, dict) or not kv.get("do_remote_prefill"):
             raise AttemptFailed(502, f"prefill {pf.url} returned no kv_transfer_params: is "
                                      f"it running PdxferConnector as kv_producer?")
+        if kv.get("pdxfer_room") != job.room:
+            raise AttemptFailed(502, f"prefill {pf.url} answered room "
+                                     f"{kv.get('pdxfer_room')!r}, not {job.room}")
         return kv
 
+    @staticmethod
+    def early_params(job: Attempt) -> dict[str, Any]:
+        """The decode's ``kv_transfer_params`` in the early form: what the prefill will answer
+        (room, its bootstrap and instance), known before it computed anything."""
+        return {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room": job.room,
+                "pdxfer_bootstrap": job.pf.bootstrap, "pdxfer_instance": job.pf.instance}
+
     async def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
-        ask, dc = job.ask, job.dc
+        """One attempt. ``concurrent``: the prefill's and the decode's requests go out at
+        once (the decode allocates and asks for the room while the prefill computes); a
+        prefill that fails before the decode's first token ends the attempt at once, which
+        closes the decode's stream (vLLM aborts the request and its connector the load), and
+        the router retries on another pair. ``sequential``: the decode's request carries the
+        prefill's answer (vLLM's own proxy protocol). Leaving (the client went away) cancels
+        both legs: vLLM aborts a request whose connection closed."""
         t0 = time.perf_counter()
-        kv = await self._prefill(http, job)
-        t1 = time.perf_counter()
+        took: list[float] = []
+
+        async def prefill() -> dict[str, Any]:
+            kv = await self._prefill(http, job)
+            took.append(time.perf_counter() - t0)
+            return kv
+
+        pf_task = asyncio.ensure_future(prefill())
+        try:
+            if self.dispatch == "sequential":
+                kv = await pf_task
+            else:
+                kv = self.early_params(job)
+            t1 = time.perf_counter()
+            async for ev in _until_failed(self._decode(http, job, kv), pf_task):
+                if isinstance(ev, Done):
+                    if not pf_task.done():  # its answer may trail the decode's last token
+                        await asyncio.wait([pf_task], timeout=5)
+                    ev.stats.update({"dispatch": self.dispatch, "prefill_s": took[0] if took
+                                     else None, "ttft_s": ev.stats["first"] - t1
+                                     if ev.stats.get("first") is not None else None})
+                    ev.stats.pop("first", None)
+                yield ev
+        finally:
+            if not pf_task.done():  # the client left or the decode failed: end the prefill
+                pf_task.cancel()
+            await asyncio.gather(pf_task, return_exceptions=True)
+
+    async def _decode(self, http: Http, job: Attempt, kv: dict[str, Any]
+                      ) -> AsyncIterator[Tokens | Done]:
+        """The decode's leg: its stream as ``Tokens``, then ``Done``."""
+        ask, dc = job.ask, job.dc
         payload: dict[str, Any] = {
             **self._sampling(job), "max_tokens": ask.max_tokens, "stream": True,
             "ignore_eos": ask.ignore_eos, "return_token_ids": True,
@@ -189,8 +247,47 @@ class VllmBackend:
         if finish is None:
             raise AttemptFailed(502, f"decode {dc.url} ended the stream without a finish "
                                      f"reason")
-        yield Done(finish, {"prefill_s": t1 - t0,
-                            "ttft_s": (first - t1) if first is not None else None})
+        yield Done(finish, {"first": first})
+
+
+async def _until_failed(events: AsyncIterator[Tokens | Done], pf_task: asyncio.Future[Any]
+                        ) -> AsyncIterator[Tokens | Done]:
+    """The decode's events, raced against its prefill until the first one: a prefill that
+    fails (or times out) first raises its ``AttemptFailed`` at once, instead of leaving the
+    decode waiting for KV that will not come until its own bootstrap deadline. A decode that
+    fails before its first token because its prefill did reports the prefill's failure (the
+    cause). After the first token the KV is in (or was recomputed): the prefill's answer no
+    longer matters."""
+    it = events.__aiter__()
+    watching = True
+    try:
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            if watching and not pf_task.done():
+                await asyncio.wait([nxt, pf_task], return_when=asyncio.FIRST_COMPLETED)
+            if watching and pf_task.done() and not nxt.done() and _failed(pf_task):
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+                raise pf_task.exception()  # type: ignore[misc]
+            try:
+                ev = await nxt
+            except StopAsyncIteration:
+                return
+            except AttemptFailed:
+                if watching:
+                    if not pf_task.done():
+                        await asyncio.wait([pf_task], timeout=PREFILL_CAUSE_S)
+                    if pf_task.done() and _failed(pf_task):
+                        raise pf_task.exception() from None  # type: ignore[misc]
+                raise
+            watching = False
+            yield ev
+    finally:
+        await it.aclose()  # type: ignore[attr-defined]
+
+
+def _failed(t: asyncio.Future[Any]) -> bool:
+    return not t.cancelled() and t.exception() is not None
 
 
 def _token_id(s: str) -> int:

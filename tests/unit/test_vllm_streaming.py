@@ -1,0 +1,155 @@
+"""The prefill sends while it computes, and the decode may ask first: vLLM's real
+``Scheduler`` drives both connector sides (as in ``test_vllm_connector``), with a small
+``max_num_batched_tokens`` so a prompt spans several steps.
+
+- The scheduler side gives a request its room when it is scheduled and, per step, orders the
+  blocks that step computed (the step reaching the prompt's end orders all, the partial last
+  block too); the room in the answer is the one the workers opened.
+- A decode engaged at dispatch (the early form: its request carries the room, the bootstrap
+  and the prefill's instance, not the prefill's answer) holds the first blocks' KV while the
+  prefill still computes the rest, and ends with exactly the prefill's KV.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.v1.request import RequestStatus
+
+from pdxfer import BootstrapServer
+from pdxfer.integrations.vllm.metadata import PdxferMetadata
+
+from . import test_vllm_connector as base
+from .test_vllm_connector import BS, SAMPLED, expected, make_pair, model, run_until, server
+
+__all__ = ["model", "server"]  # the fixtures, shared with test_vllm_connector
+
+STEP = 64  # tokens per step: two blocks
+
+
+def prefill_params(room: int | None, decode: str) -> dict[str, Any]:
+    p: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
+                         "pdxfer_decode": decode}
+    if room is not None:
+        p["pdxfer_room"] = room
+    return p
+
+
+def early_params(pair: base.Pair, room: int) -> dict[str, Any]:
+    """What a front door gives the decode at dispatch (``VllmBackend.early_params``)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room": room,
+            "pdxfer_bootstrap": pair.server.address,
+            "pdxfer_instance": pair.p.conn.cfg.instance}
+
+
+def orders(e: base.Engine) -> list[PdxferMetadata]:
+    """Step ``e`` once and return the metadata its scheduler built (kept for inspection)."""
+    seen: list[PdxferMetadata] = []
+    build = e.sched.connector.build_connector_meta  # type: ignore[union-attr]
+
+    def spy(so: Any) -> Any:
+        meta = build(so)
+        seen.append(meta)
+        return meta
+
+    e.sched.connector.build_connector_meta = spy  # type: ignore[union-attr,method-assign]
+    try:
+        e.step()
+    finally:
+        e.sched.connector.build_connector_meta = build  # type: ignore[union-attr,method-assign]
+    return seen
+
+
+def test_the_scheduler_orders_each_steps_blocks_and_answers_the_room_it_opened(
+        model: Path, server: BootstrapServer) -> None:
+    pair = make_pair(model, server, name="meta", batched=STEP)
+    p = pair.p
+    tokens = [(i * 11) % 900 + 10 for i in range(150)]  # 5 blocks, the last one partial
+    p.add("m", tokens, 1, prefill_params(None, "d-meta"))  # the prefill draws the room
+    metas = [m for _ in range(3) for m in orders(p)]
+    blocks = p.blocks("m")
+    (opened,) = [o for m in metas for o in m.opens]
+    assert opened.req_id == "m"
+    chunks = [c for m in metas for c in m.chunks]
+    assert [(c.block_ids, c.num_tokens, c.last) for c in chunks] == [
+        (tuple(blocks[:2]), 2 * BS, False),
+        (tuple(blocks[:4]), 4 * BS, False),
+        (tuple(blocks[:5]), 150, True)], "each step's blocks; the last step's all of them"
+    assert all(c.room == opened.room and c.peer == "d-meta" for c in chunks)
+    run_until([p], lambda: "m" in p.finished)
+    assert p.finished["m"].kv_transfer_params["pdxfer_room"] == opened.room, \
+        "the answer names the room the workers opened (the one drawn at scheduling)"
+
+
+def test_send_per_step_off_orders_the_whole_prompt_once(
+        model: Path, server: BootstrapServer) -> None:
+    pair = make_pair(model, server, name="whole", batched=STEP,
+                     prefill_extra={"send_per_step": False})
+    p = pair.p
+    tokens = [(i * 7) % 900 + 10 for i in range(150)]
+    p.add("w", tokens, 1, prefill_params(77, "d-whole"))
+    chunks = [c for _ in range(3) for m in orders(p) for c in m.chunks]
+    assert [(len(c.block_ids), c.last) for c in chunks] == [(5, True)]
+
+
+def test_an_early_decode_holds_the_first_blocks_while_the_prefill_computes_the_rest(
+        model: Path, server: BootstrapServer) -> None:
+    pair = make_pair(model, server, name="early", batched=STEP)
+    p, d = pair.p, pair.d
+    free_p, free_d = p.free_blocks(), d.free_blocks()
+    tokens = [(i * 13) % 900 + 10 for i in range(150)]
+    d.add("e-d", tokens, 3, early_params(pair, 6101))
+    d.step()  # the decode allocates and asks before the prefill has the request
+    assert d.conn.worker.counters["loads"] == 1
+    p.add("e", tokens, 1, prefill_params(6101, "d-early"))
+    p.step()  # the first 64 tokens: blocks 0 and 1 are handed over after the step
+    dst = d.blocks("e-d")
+
+    def arrived(k: int) -> bool:
+        got = torch.stack([d.kv[:, dst[q // BS], :, q % BS, :] for q in range(k)])
+        return torch.equal(got, expected(tokens, k))
+
+    base.run_until([], lambda: arrived(2 * BS))
+    assert "e" not in p.finished and p.sched.requests["e"].num_computed_tokens == STEP, \
+        "two blocks are at the decode while the prefill has computed only them"
+    run_until([p, d], lambda: "e-d" in d.finished and "e" not in p.sched.requests)
+    assert d.computed["e-d"][0] == (len(tokens) - 1, 1), "only the last token recomputed"
+    assert d.outputs["e-d"] == [SAMPLED] * 3
+    assert p.ep.metrics()["transport_bytes"] == 5 * p.conn.worker.layout.block_bytes
+    assert p.free_blocks() == free_p and d.free_blocks() == free_d
+
+
+def test_a_prefix_cache_hit_on_the_prefill_is_sent_with_the_first_step(
+        model: Path, server: BootstrapServer) -> None:
+    # the decode has no prefix cache of its own: all of b's blocks cross, its cached ones too
+    pair = make_pair(model, server, name="hit", batched=STEP, prefix_caching=False)
+    p, d = pair.p, pair.d
+    shared = [(i * 17) % 800 + 20 for i in range(4 * BS)]
+    a, b = shared + list(range(40, 50)), shared + list(range(60, 90))
+    for rid, toks, room in (("a", a, 6201), ("b", b, 6202)):
+        d.add(f"{rid}-d", toks, 2, early_params(pair, room))
+        d.step()
+        p.add(rid, toks, 1, prefill_params(room, "d-hit"))
+        run_until([p, d], lambda rid=rid: f"{rid}-d" in d.finished  # type: ignore[misc]
+                  and rid not in p.sched.requests)
+        assert d.computed[f"{rid}-d"][0] == (len(toks) - 1, 1)
+    assert p.computed["b"][0][0] == 4 * BS, "the prefill computed only past its cached prefix"
+    d_blocks = d.conn.worker.layout.block_bytes
+    assert p.ep.metrics()["transport_bytes"] == (5 + 5) * d_blocks
+
+
+def test_an_aborted_prefill_keeps_handed_blocks_until_no_write_reads_them(
+        model: Path, server: BootstrapServer) -> None:
+    pair = make_pair(model, server, name="abort", batched=STEP, timeouts=2.0)
+    p = pair.p
+    free_p = p.free_blocks()
+    tokens = [(i * 5) % 900 + 10 for i in range(150)]
+    p.add("x", tokens, 1, prefill_params(6301, "d-abort"))
+    p.step()  # two blocks handed over; no decode asked
+    p.sched.finish_requests("x", RequestStatus.FINISHED_ABORTED)
+    assert p.free_blocks() < free_p, "handed blocks are held until the worker lets go"
+    run_until([p], lambda: p.free_blocks() == free_p)
+    assert not p.conn.worker._sends, "the room is gone"
+
