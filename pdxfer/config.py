@@ -13,6 +13,7 @@ starts. The README's table "Environment variables" lists the same names.
 | ``PDXFER_COPY_THREADS`` | min(4, cores) | threads for L2<->L1 page copies and staging scatters |
 | ``PDXFER_COPY_NICE`` | ``10`` | how much nicer copy threads run than the process |
 | ``PDXFER_COPY_STREAM`` | ``1`` | ``0`` turns off the native streaming copier |
+| ``PDXFER_NIXL_THREADS`` | min(2, cores) | UCX threads a large NIXL write is split across (``1``: the posting thread alone) |
 | ``PDXFER_TE_COMPLETION`` | ``paced`` | how Mooncake writes are awaited (``paced`` or ``spin``) |
 | ``PDXFER_CONTROL_SEND`` | ``direct`` | how control frames leave (``direct``: written by the sending thread; ``zmq``: through ZMQ PUSH sockets) |
 | ``PDXFER_LOG`` | ``WARNING`` | log level of test/bench agent processes |
@@ -44,6 +45,7 @@ class Knobs:
     copy_threads: int = 0
     copy_nice: int = 10
     copy_stream: bool = True
+    nixl_threads: int = 0
     te_completion: str = "paced"
     control_send: str = "direct"
     log_level: str = "WARNING"
@@ -72,6 +74,7 @@ class Knobs:
             copy_threads=int(num("PDXFER_COPY_THREADS", int, 0)),
             copy_nice=int(num("PDXFER_COPY_NICE", int, 10)),
             copy_stream=env.get("PDXFER_COPY_STREAM", "1") != "0",
+            nixl_threads=int(num("PDXFER_NIXL_THREADS", int, 0)),
             te_completion=env.get("PDXFER_TE_COMPLETION", "") or "paced",
             control_send=env.get("PDXFER_CONTROL_SEND", "") or "direct",
             log_level=env.get("PDXFER_LOG", "") or "WARNING",
@@ -81,6 +84,10 @@ class Knobs:
     @property
     def copy_workers(self) -> int:
         return self.copy_threads or max(1, min(4, os.cpu_count() or 1))
+
+    @property
+    def nixl_workers(self) -> int:
+        return self.nixl_threads or max(1, min(2, os.cpu_count() or 1))
 
 
 _KNOBS: Knobs | None = None
