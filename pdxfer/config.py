@@ -181,7 +181,10 @@ class EndpointConfig:
     dp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
-    transport: str = "tcp"
+    transport: str = "auto"
+    """``auto``: the fastest transport both sides run, picked at pairing (``transport/auto.py``:
+    NIXL on one host, Mooncake TCP across hosts); ``tcp``/``rdma`` (Mooncake) or ``nixl``
+    explicitly (then both sides must name the same)."""
     device: str = ""
     workers: int = 4
     bootstrap_timeout_s: float = 30.0
@@ -231,6 +234,6 @@ class EndpointConfig:
         if self.integrity not in ("off", "sampled", "full"):
             raise ConfigError(f"integrity must be off, sampled or full, got {self.integrity!r}")
         advertised(self.host, self.advertise)  # a wildcard needs an address to advertise
-        if self.transport not in ("tcp", "rdma", "nixl", "memory"):
-            raise ConfigError(f"transport must be 'tcp' or 'rdma' (Mooncake), 'nixl', or "
+        if self.transport not in ("auto", "tcp", "rdma", "nixl", "memory"):
+            raise ConfigError(f"transport must be 'auto', 'tcp' or 'rdma' (Mooncake), 'nixl', or "
                               f"'memory' (in-process, for tests), got {self.transport!r}")

@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..plan import chunk as C
 from ..pools import PoolSpec, check_pools, layout_signature
+from ..transport.auto import mismatch as transport_mismatch
 from ..transport.base import Started
 from .handles import KVPoll, RoomHandle
 from .liveness import Liveness
@@ -364,10 +365,8 @@ class PrefillSide:
     def _check_hello(self, msg: wire.Hello) -> str:
         if msg.signature != layout_signature(msg.pools):
             return "Hello signature does not match its own pools"
-        mine = self.ep.transport.name
-        if msg.transport and msg.transport != mine:
-            return (f"transport differs: prefill uses {mine!r}, decode uses "
-                    f"{msg.transport!r} (start both with the same --transport)")
+        if why := transport_mismatch(self.ep.transport.name, msg.transport):
+            return why
         if msg.model != self.cfg.model_id:
             return "model differs: " + model_diff(self.cfg.model_id, msg.model)
         return check_pools(list(self.ep.pools), list(msg.pools)) or ""
