@@ -14,6 +14,7 @@ starts. The README's table "Environment variables" lists the same names.
 | ``PDXFER_COPY_NICE`` | ``10`` | how much nicer copy threads run than the process |
 | ``PDXFER_COPY_STREAM`` | ``1`` | ``0`` turns off the native streaming copier |
 | ``PDXFER_NIXL_THREADS`` | min(2, cores) | UCX threads a large NIXL write is split across (``1``: the posting thread alone) |
+| ``PDXFER_NIXL_TICK_US`` | ``100000`` | how often NIXL's UCX progress thread wakes without an event (NIXL's own: 1 ms) |
 | ``PDXFER_TE_COMPLETION`` | ``paced`` | how Mooncake writes are awaited (``paced`` or ``spin``) |
 | ``PDXFER_CONTROL_SEND`` | ``direct`` | how control frames leave (``direct``: written by the sending thread; ``zmq``: through ZMQ PUSH sockets) |
 | ``PDXFER_LOG`` | ``WARNING`` | log level of test/bench agent processes |
@@ -46,6 +47,7 @@ class Knobs:
     copy_nice: int = 10
     copy_stream: bool = True
     nixl_threads: int = 0
+    nixl_tick_us: int = 100_000
     te_completion: str = "paced"
     control_send: str = "direct"
     log_level: str = "WARNING"
@@ -75,6 +77,7 @@ class Knobs:
             copy_nice=int(num("PDXFER_COPY_NICE", int, 10)),
             copy_stream=env.get("PDXFER_COPY_STREAM", "1") != "0",
             nixl_threads=int(num("PDXFER_NIXL_THREADS", int, 0)),
+            nixl_tick_us=int(num("PDXFER_NIXL_TICK_US", int, 100_000)),
             te_completion=env.get("PDXFER_TE_COMPLETION", "") or "paced",
             control_send=env.get("PDXFER_CONTROL_SEND", "") or "direct",
             log_level=env.get("PDXFER_LOG", "") or "WARNING",

@@ -3,7 +3,7 @@
 memcpy, by raw CMA (``process_vm_writev``, what UCX uses here) on one and two threads, and
 by bare NIXL agents (the copy on the posting thread, or split across UCX threads), variants
 interleaved; plus the idle CPU of an agent whose progress thread ticks every 1 ms (NIXL's
-Python default) or every ``PROGRESS_TICK_US`` (pdxfer's).
+Python default) or every ``PDXFER_NIXL_TICK_US`` (pdxfer's, 100 ms).
 
     python scripts/probe_nixl.py [--quick] [--json out.json]
 

@@ -34,8 +34,9 @@ loopback) so callers need not:
   delay, which ``poll()`` rounds up to a 1 ms tick: ~0.13-0.16 of a core per idle agent
   (measured per thread, two per pair). The thread must stay (a passive agent that never
   progresses its worker leaves the peer's first write hanging in wire-up), but it sleeps on
-  the worker's event fd, so ``_agent`` raises the tick to ``PROGRESS_TICK_US``: events still
-  wake it at once (the first write to a fresh peer took 1 ms), and idle it costs ~0.003.
+  the worker's event fd, so ``_agent`` raises the tick to ``PDXFER_NIXL_TICK_US`` (100 ms):
+  events still wake it at once (the first write to a fresh peer took 1 ms, over CMA and over
+  ``UCX_TLS=tcp``), and idle it costs ~0.003.
 * Bulk speed: over CMA the copy runs inside ``transfer()`` on the posting thread, at what one
   ``process_vm_writev`` moves (measured: a NIXL write ~= raw CMA on one thread; raw CMA on two
   threads 1.6x that). The UCX backend's ``num_threads`` splits a write of at least
@@ -69,8 +70,6 @@ log = logging.getLogger("pdxfer.transport.nixl")
 
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 500e-6
-PROGRESS_TICK_US = 100_000
-"""The UCX progress thread's ``poll()`` timeout: a backstop only, events wake it at once."""
 SPLIT_ENTRIES = 256
 """Writes of at least this many descriptors are split across the UCX threads (NIXL's default
 is 1024: a 512-page request would run on one thread)."""
@@ -96,7 +95,7 @@ def _load() -> Any:
 
 
 def _agent(nixl: Any, name: str, backends: tuple[str, ...], threads: int) -> Any:
-    """A NIXL agent whose UCX progress thread ticks every ``PROGRESS_TICK_US`` instead of
+    """A NIXL agent whose UCX progress thread ticks every ``PDXFER_NIXL_TICK_US`` instead of
     every millisecond, and whose UCX backend splits large writes across ``threads``.
 
     ``nixl_agent`` sets the tick (``pthrDelay``) to 0 on the config object it builds and
@@ -104,10 +103,11 @@ def _agent(nixl: Any, name: str, backends: tuple[str, ...], threads: int) -> Any
     construction only, for a subclass that keeps pdxfer's tick."""
     api = nixl._api
     base = api.nixlBind.nixlAgentConfig
+    tick = knobs().nixl_tick_us
 
     class _Config(base):  # type: ignore[misc, valid-type]
         def __setattr__(self, key: str, value: Any) -> None:
-            super().__setattr__(key, PROGRESS_TICK_US if key == "pthrDelay" else value)
+            super().__setattr__(key, tick if key == "pthrDelay" else value)
 
     conf = nixl.nixl_agent_config(backends=[],
                                   sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
