@@ -15,6 +15,8 @@ starts. The README's table "Environment variables" lists the same names.
 | ``PDXFER_COPY_THREADS`` | min(4, cores) | threads for L2<->L1 page copies and staging scatters |
 | ``PDXFER_COPY_NICE`` | ``10`` | how much nicer copy threads run than the process |
 | ``PDXFER_COPY_STREAM`` | ``1`` | ``0`` turns off the native streaming copier |
+| ``PDXFER_NIXL_THREADS`` | min(2, cores) | UCX threads a large NIXL write is split across (``1``: the posting thread alone) |
+| ``PDXFER_NIXL_TICK_US`` | ``100000`` | how often NIXL's UCX progress thread wakes without an event (NIXL's own: 1 ms) |
 | ``PDXFER_TE_COMPLETION`` | ``paced`` | how Mooncake writes are awaited (``paced`` or ``spin``) |
 | ``PDXFER_CONTROL_SEND`` | ``direct`` | how control frames leave (``direct``: written by the sending thread; ``zmq``: through ZMQ PUSH sockets) |
 | ``PDXFER_LOG`` | ``WARNING`` | log level of test/bench agent processes |
@@ -47,6 +49,8 @@ class Knobs:
     copy_threads: int = 0
     copy_nice: int = 10
     copy_stream: bool = True
+    nixl_threads: int = 0
+    nixl_tick_us: int = 100_000
     te_completion: str = "paced"
     control_send: str = "direct"
     log_level: str = "WARNING"
@@ -76,6 +80,8 @@ class Knobs:
             copy_threads=int(num("PDXFER_COPY_THREADS", int, 0)),
             copy_nice=int(num("PDXFER_COPY_NICE", int, 10)),
             copy_stream=env.get("PDXFER_COPY_STREAM", "1") != "0",
+            nixl_threads=int(num("PDXFER_NIXL_THREADS", int, 0)),
+            nixl_tick_us=int(num("PDXFER_NIXL_TICK_US", int, 100_000)),
             te_completion=env.get("PDXFER_TE_COMPLETION", "") or "paced",
             control_send=env.get("PDXFER_CONTROL_SEND", "") or "direct",
             log_level=env.get("PDXFER_LOG", "") or "WARNING",
@@ -85,6 +91,10 @@ class Knobs:
     @property
     def copy_workers(self) -> int:
         return self.copy_threads or max(1, min(4, os.cpu_count() or 1))
+
+    @property
+    def nixl_workers(self) -> int:
+        return self.nixl_threads or max(1, min(2, os.cpu_count() or 1))
 
 
 _KNOBS: Knobs | None = None
@@ -184,7 +194,10 @@ class EndpointConfig:
     dp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
-    transport: str = "tcp"
+    transport: str = "auto"
+    """``auto``: the fastest transport both sides run, picked at pairing (``transport/auto.py``:
+    NIXL on one host, Mooncake TCP across hosts); ``tcp``/``rdma`` (Mooncake) or ``nixl``
+    explicitly (then both sides must name the same)."""
     device: str = ""
     workers: int = 4
     bootstrap_timeout_s: float = 30.0
@@ -245,6 +258,6 @@ class EndpointConfig:
         advertised(self.host, self.advertise)  # a wildcard needs an address to advertise
         object.__setattr__(self, "trusted_bootstraps",
                            parse_hostports(self.trusted_bootstraps, "trusted bootstrap"))
-        if self.transport not in ("tcp", "rdma", "nixl", "memory"):
-            raise ConfigError(f"transport must be 'tcp' or 'rdma' (Mooncake), 'nixl', or "
+        if self.transport not in ("auto", "tcp", "rdma", "nixl", "memory"):
+            raise ConfigError(f"transport must be 'auto', 'tcp' or 'rdma' (Mooncake), 'nixl', or "
                               f"'memory' (in-process, for tests), got {self.transport!r}")

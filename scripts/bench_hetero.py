@@ -19,7 +19,7 @@ from pdxfer.testing.harness import Agent
 from pdxfer.testing.patterns import PoolGeom
 
 TOKENS, LAYERS, HEADS, HEAD_DIM, PAGE = 4096, 8, 8, 128, 16
-FAST = {"bootstrap_timeout_s": 20.0, "transfer_timeout_s": 60.0}
+FAST = {"bootstrap_timeout_s": 20.0, "transfer_timeout_s": 60.0, "transport": "tcp"}
 ENV = {"MC_LOG_LEVEL": "ERROR"}
 
 

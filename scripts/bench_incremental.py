@@ -64,7 +64,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
     net: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="pdxfer-l3-") as root, \
             BootstrapServer("127.0.0.1", 0).start() as srv:
-        conf = {"bootstrap_timeout_s": 30.0, "transfer_timeout_s": 60.0}
+        conf = {"bootstrap_timeout_s": 30.0, "transfer_timeout_s": 60.0, "transport": "tcp"}
         pf = Agent("prefill", {**conf, "bootstrap": srv.address}, geoms)
         dc = Agent("decode", conf, geoms)
         try:

@@ -48,11 +48,16 @@ PF_PAGES, DC_PAGES = 64, 160
 PAGE_BYTES = PS * HEADS * HEAD_DIM * 2  # one page of one buffer: 128 KiB
 BUFFERS = 2 * LAYERS
 BULK_MAX = 2048
-NIXL_TLS = ("tcp",)
-"""UCX transport lists compared against UCX's own choice, which on one host already writes
-with ``cma`` (process_vm_writev: one copy, ``UCX_PROTO_INFO=y`` shows it): ``tcp`` is what
-crosses hosts. Shared memory alone (``posix``, ``sysv``) cannot start a NIXL agent, and with
-``^cma`` the first bulk write hung (nixl-cu12 1.5.1, probed on this VM)."""
+NIXL_VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "tcp": ("nixl.ucx_tls.tcp", {"UCX_TLS": "tcp"}),
+    "one_thread": ("nixl.one_thread", {"PDXFER_NIXL_THREADS": "1"}),
+}
+"""NIXL pairs compared against the default one (name: JSON key prefix, environment).
+``tcp``: UCX's choice on one host already writes with ``cma`` (process_vm_writev: one copy,
+``UCX_PROTO_INFO=y`` shows it); ``UCX_TLS=tcp`` is what crosses hosts. Shared memory alone
+(``posix``, ``sysv``) cannot start a NIXL agent, and with ``^cma`` the first bulk write hung
+(nixl-cu12 1.5.1, probed on this VM). ``one_thread``: every write copied by the posting
+thread alone, as before ``PDXFER_NIXL_THREADS``."""
 
 
 def geoms(pages: int) -> list[PoolGeom]:
@@ -97,7 +102,7 @@ class Bench:
         self.srv = BootstrapServer("127.0.0.1", port=0).start()
         self.nsrv = BootstrapServer("127.0.0.1", port=0).start()
         cfg = {"bootstrap": self.srv.address, "transfer_timeout_s": 60.0,
-               "bootstrap_timeout_s": 60.0}
+               "bootstrap_timeout_s": 60.0, "transport": "tcp"}
         nixl = {**cfg, "transport": "nixl"}
         specs = [("prefill", {"bootstrap": self.srv.address, **cfg}, PF_PAGES),
                  ("decode", cfg, DC_PAGES), ("raw-prefill", {}, PF_PAGES),
@@ -111,12 +116,12 @@ class Bench:
                                                                         for f in futs)
         # one more NIXL pair per UCX transport list compared (UCX reads UCX_TLS when an agent
         # starts); started after the others, which must not inherit it while it is set
-        self.tls_srv = {tls: BootstrapServer("127.0.0.1", port=0).start() for tls in NIXL_TLS}
+        self.tls_srv = {v: BootstrapServer("127.0.0.1", port=0).start() for v in NIXL_VARIANTS}
         self.tls_pairs = {}
         for tls, srv in self.tls_srv.items():
             c = {**nixl, "bootstrap": srv.address}
             self.tls_pairs[tls] = (
-                *(Agent(role, c, geoms(n), state=STATE, start_timeout=600, env={"UCX_TLS": tls})
+                *(Agent(role, c, geoms(n), state=STATE, start_timeout=600, env=NIXL_VARIANTS[tls][1])
                   for role, n in (("prefill", PF_PAGES), ("decode", DC_PAGES))), srv.address)
         # the pattern only where transfers read: the largest request's pages
         item = {"room": self.seed_room, "pages": {"kv": self.src_perm[:BULK_MAX // PS]},
@@ -128,7 +133,7 @@ class Bench:
         # one warm-up transfer each (handshake, lanes, route cache)
         self.pdx_once(128)
         self.pdx_once(128, transport="nixl")
-        for t in NIXL_TLS:
+        for t in NIXL_VARIANTS:
             self.pdx_once(128, transport=f"nixl:{t}")
         self.raw_once(128)
 
@@ -457,7 +462,7 @@ class Bench:
         ``small.fixed_cost_ms``), and the entries check over NIXL."""
         self.mark_load("nixl")
         rounds = 3 if self.quick else 10
-        variants = ["tcp", "nixl", *(f"nixl:{t}" for t in NIXL_TLS)]
+        variants = ["tcp", "nixl", *(f"nixl:{t}" for t in NIXL_VARIANTS)]
         gb: dict[str, list[float]] = {v: [] for v in variants}
         failed: dict[str, str] = {}
         bad = 0
@@ -476,19 +481,25 @@ class Bench:
                 bad += r["bad"] or 0
         ratios = [n / m for n, m in zip(gb["nixl"], gb["tcp"])]
         o = self.out
-        for t in NIXL_TLS:
+        for t, (key, _) in NIXL_VARIANTS.items():
             v = f"nixl:{t}"
             if v in failed:
-                o[f"nixl.ucx_tls.{t}.failed"] = failed[v]
+                o[f"{key}.failed"] = failed[v]
             if gb[v]:
-                o[f"nixl.ucx_tls.{t}.bulk_gbps"] = statistics.median(gb[v])
-                o[f"nixl.ucx_tls.{t}.ratio_vs_default"] = statistics.median(
+                o[f"{key}.bulk_gbps"] = statistics.median(gb[v])
+                o[f"{key}.ratio_vs_default"] = statistics.median(
                     a / b for a, b in zip(gb[v], gb["nixl"]))
         o["nixl.bulk_gbps"] = statistics.median(gb["nixl"])
         o["nixl.bulk_mooncake_gbps"] = statistics.median(gb["tcp"])
         o["nixl.bulk_ratio_vs_mooncake"] = statistics.median(ratios)
         o["nixl.bulk_ratio_min_max"] = [min(ratios), max(ratios)]
         o["nixl.bulk_bytes_wrong"] = int(bad)
+        idle = 1.0 if self.quick else 3.0  # CPU seconds per second of a pair doing nothing
+        for tr, key in (("nixl", "nixl.idle_cpu_cores"), ("tcp", "nixl.idle_cpu_cores_mooncake")):
+            pf, dc, _ = self.pair(tr)
+            c0 = self.cpu(pf, dc)
+            time.sleep(idle)
+            o[key] = (self.cpu(pf, dc) - c0) / idle
         pairs = 30 if self.quick else 100
         per, tokens = 2, 128
         src = self.src_perm[:per]
@@ -534,6 +545,8 @@ class Bench:
         self.out["limits.socket_gbps"] = statistics.median(gb)
         self.out["limits.socket_gbps_min_max"] = [min(gb), max(gb)]
         s = self.out["limits.socket_gbps"]
+        if "bulk.raw_gbps" not in self.out:
+            return  # --only: no bulk section
         self.out["limits.raw_fraction_of_socket"] = self.out["bulk.raw_gbps"] / s
         self.out["limits.pdxfer_fraction_of_socket"] = self.out["bulk.pdxfer_gbps"] / s
 
@@ -678,9 +691,12 @@ def table(o: dict[str, Any]) -> str:
          f"{f('nixl.small_fixed_cost_ms')} / {f('nixl.small_fixed_cost_mooncake_ms')}", ""),
         ("NIXL entries equal runs x buffers", f"{o.get('nixl.entries_equal_to_runs')}", ""),
         ("NIXL bulk as a fraction of memcpy", f("nixl.fraction_of_memcpy"), ""),
-        *((f"NIXL bulk with UCX_TLS={t}, GB/s / ratio to UCX's choice",
-           f"{f(f'nixl.ucx_tls.{t}.bulk_gbps')} / {f(f'nixl.ucx_tls.{t}.ratio_vs_default')}", "")
-          for t in NIXL_TLS),
+        ("NIXL bulk with UCX_TLS=tcp, GB/s / ratio to UCX's choice",
+         f"{f('nixl.ucx_tls.tcp.bulk_gbps')} / {f('nixl.ucx_tls.tcp.ratio_vs_default')}", ""),
+        ("NIXL bulk on the posting thread alone, GB/s / ratio to the default",
+         f"{f('nixl.one_thread.bulk_gbps')} / {f('nixl.one_thread.ratio_vs_default')}", ""),
+        ("idle pair, cores: NIXL / Mooncake",
+         f"{f('nixl.idle_cpu_cores', 3)} / {f('nixl.idle_cpu_cores_mooncake', 3)}", ""),
         ("memcpy, GB/s", f("limits.memcpy_gbps"), ""),
         ("TCP socket, 1 connection, GB/s", f("limits.socket_gbps"),
          mm("limits.socket_gbps_min_max")),
@@ -701,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced run, under a minute")
     ap.add_argument("--json", type=Path, help="write the flat JSON here")
     ap.add_argument("--md", type=Path, help="write the headline table as Markdown here")
+    ap.add_argument("--only", choices=["nixl"], default=None,
+                    help="run only this section (and memcpy, for nixl.fraction_of_memcpy)")
     ap.add_argument("--plot", type=Path, default=None,
                     help="PNG of throughput against request size (default docs/bench.png "
                          "for a full run, none for --quick)")
@@ -710,16 +728,19 @@ def main(argv: list[str] | None = None) -> int:
     b.mark_load("start")
     try:
         b.start()
-        b.bulk()
-        b.entries()
+        if a.only is None:
+            b.bulk()
+            b.entries()
         b.nixl()
-        b.small()
-        b.integrity()
-        b.cpu_cost()
+        if a.only is None:
+            b.small()
+            b.integrity()
+            b.cpu_cost()
     finally:
         b.close()
     b.limits()
-    b.others()
+    if a.only is None:
+        b.others()
     b.out["seconds_total"] = time.monotonic() - t0
     text = json.dumps(b.out, indent=1, default=float)
     print(text)
@@ -727,10 +748,11 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(text + "\n")
     if a.md:
         a.md.write_text(table(b.out) + "\n")
-    png = a.plot or (None if a.quick else ROOT / "docs" / "bench.png")
+    png = a.plot or (None if a.quick or a.only else ROOT / "docs" / "bench.png")
     if png:
         plot(b.out, png)
-    ok = b.out["bulk.bytes_wrong"] == 0 and b.out["entries.equal_to_runs"]
+    ok = (b.out.get("bulk.bytes_wrong", 0) == 0 and b.out.get("nixl.bulk_bytes_wrong", 0) == 0
+          and b.out.get("entries.equal_to_runs", True))
     return 0 if ok else 1
 
 

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     b = B.Bench(False)
     b.srv = BootstrapServer("127.0.0.1", port=0).start()
-    cfg = {"bootstrap": b.srv.address, "transfer_timeout_s": 60.0, "bootstrap_timeout_s": 60.0}
+    cfg = {"bootstrap": b.srv.address, "transfer_timeout_s": 60.0, "bootstrap_timeout_s": 60.0,
+           "transport": "tcp"}
     b.pf = Agent("prefill", cfg, B.geoms(B.PF_PAGES), state=B.STATE)
     b.dc = Agent("decode", cfg, B.geoms(B.DC_PAGES), state=B.STATE)
     spies: list[subprocess.Popen[bytes]] = []

@@ -146,7 +146,8 @@ def closed_loop(b: B.Bench, seconds: float, spy: Path | None = None) -> dict[str
 def start_pair(env: dict[str, str]) -> B.Bench:
     b = B.Bench(False)
     b.srv = BootstrapServer("127.0.0.1", port=0).start()
-    cfg = {"bootstrap": b.srv.address, "transfer_timeout_s": 60.0, "bootstrap_timeout_s": 60.0}
+    cfg = {"bootstrap": b.srv.address, "transfer_timeout_s": 60.0, "bootstrap_timeout_s": 60.0,
+           "transport": "tcp"}
     b.pf = Agent("prefill", cfg, B.geoms(B.PF_PAGES), state=B.STATE, env=env)
     b.dc = Agent("decode", cfg, B.geoms(B.DC_PAGES), state=B.STATE, env=env)
     src = b.src_perm[:2]

@@ -16,6 +16,7 @@ from .. import auth, wire
 from .. import plan as P
 from ..errors import LayoutMismatch, PdxferError, TransportError
 from ..pools import check_pools, layout_signature
+from ..transport.auto import mismatch as transport_mismatch
 from .sender_rooms import DecodePeer, Pending, SenderRoom
 from .trust import Session, new_nonce
 
@@ -114,10 +115,8 @@ class Handshakes:
     def _check_hello(self, msg: wire.Hello) -> str:
         if msg.signature != layout_signature(msg.pools):
             return "Hello signature does not match its own pools"
-        mine = self.ep.transport.name
-        if msg.transport and msg.transport != mine:
-            return (f"transport differs: prefill uses {mine!r}, decode uses "
-                    f"{msg.transport!r} (start both with the same --transport)")
+        if why := transport_mismatch(self.ep.transport.name, msg.transport):
+            return why
         if msg.model != self.cfg.model_id:
             return "model differs: " + model_diff(self.cfg.model_id, msg.model)
         return check_pools(list(self.ep.pools), list(msg.pools)) or ""

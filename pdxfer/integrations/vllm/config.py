@@ -14,7 +14,7 @@ from typing import Any
 from pdxfer import ConfigError, EndpointConfig, parse_hostport, parse_hostports, require_trusted
 
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
-TRANSPORTS = ("tcp", "rdma", "nixl")
+TRANSPORTS = ("auto", "tcp", "rdma", "nixl")
 INTEGRITY = ("off", "sampled", "full")
 L3_KINDS = ("off", "file", "mooncake")
 
@@ -33,8 +33,9 @@ class ConnectorConfig:
       ranks register. Default ``vllm-prefill`` / ``vllm-decode`` (set it when several
       instances share a bootstrap server).
     - ``host``: the address peers reach this instance's ranks at (default 127.0.0.1).
-    - ``transport`` (``tcp``, ``rdma``, ``nixl``) and ``device`` (the RDMA NIC): both sides
-      must match.
+    - ``transport`` (``auto``, ``tcp``, ``rdma``, ``nixl``) and ``device`` (the RDMA NIC):
+      ``auto`` (default) picks at pairing the fastest transport both sides run (NIXL on one
+      host, Mooncake TCP across hosts); an explicit one must be the same on both sides.
     - ``secret_file``: a file holding the shared secret (>= 16 bytes): every control frame
       and bootstrap request is authenticated (``PDXFER_SECRET``/``PDXFER_SECRET_FILE`` in
       the environment do the same). Without a secret, every pdxfer listener serves loopback
@@ -64,7 +65,7 @@ class ConnectorConfig:
     bootstrap: str | None = None
     instance: str = ""
     host: str = "127.0.0.1"
-    transport: str = "tcp"
+    transport: str = "auto"
     device: str = ""
     secret_file: str | None = None
     insecure: bool = False

@@ -1,0 +1,200 @@
+"""``transport="auto"`` (the default): each side runs every transport it can, advertises them
+at pairing, and both sides pick the same one for the pair.
+
+Why a composite rather than a choice at start: an endpoint registers its memory before it
+knows its peers, and only at pairing does it learn what the peer runs and whether the peer
+shares its host. So ``AutoTransport`` starts each transport it can (NIXL when ``nixl-cu12``
+is installed and an agent starts, Mooncake TCP when Mooncake is), registers memory with all
+of them, and carries one offer per transport (name, session, pairing data) plus a host id in
+``peer_info`` (the Hello and the HelloAck). ``add_peer`` then applies one rule that both
+sides compute alike (``pick``: the intersection of both offers, in a fixed order), and every
+later call for that peer goes to the chosen transport.
+
+The order (``preference``):
+
+* one host (same boot id and network namespace): ``nixl`` first. UCX writes with CMA
+  (``process_vm_writev``, one copy) where Mooncake TCP goes through loopback sockets:
+  ``scripts/bench_transfer.py`` measures ``nixl.bulk_ratio_vs_mooncake`` 2-4 on one host,
+  with the same fixed cost per small request.
+* hosts apart: ``tcp`` first. Mooncake TCP is what this project tests across hosts
+  (``pdxfer/testing/hosts.py``); NIXL across hosts with UCX's own transport choice is not
+  measured here (with ``UCX_TLS=tcp`` it ran at parity with Mooncake on loopback, so it
+  would buy nothing over TCP). On an RDMA cluster set the transport explicitly
+  (``rdma`` with the NIC as ``device``, or ``nixl``, whose UCX picks verbs itself).
+
+No transport in common (a side without Mooncake meets one without NIXL) refuses the pairing
+with both offers named. An explicit transport on one side and ``auto`` on the other is
+refused at the Hello (``mismatch``): set it on both sides, or on neither.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Annotated
+
+import msgspec
+import numpy as np
+
+from ..errors import TransportError, TransportUnavailable
+from .base import Started, Transport, TransportStats
+
+log = logging.getLogger("pdxfer.transport.auto")
+
+KINDS = ("nixl", "tcp")
+"""What ``auto`` may run, in the order it starts them."""
+
+
+def preference(same_host: bool) -> tuple[str, ...]:
+    """Best first (see the module docstring for the measurements behind it)."""
+    return ("nixl", "tcp") if same_host else ("tcp", "nixl")
+
+
+def pick(mine: Sequence[str], theirs: Sequence[str], same_host: bool) -> str | None:
+    """The pair's transport: the first of ``preference`` both sides offer. Symmetric in
+    ``mine`` and ``theirs``, so both sides of a pair pick the same one."""
+    return next((k for k in preference(same_host) if k in mine and k in theirs), None)
+
+
+def host_id() -> str:
+    """Who shares memory with whom: the kernel's boot id and this network namespace (hosts
+    simulated with network namespaces count as apart, as real ones would)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()  # noqa: SIM115
+    except OSError:
+        boot = os.uname().nodename
+    try:
+        net = os.readlink("/proc/self/ns/net")
+    except OSError:
+        net = ""
+    return f"{boot}/{net}"
+
+
+def mismatch(mine: str, theirs: str) -> str:
+    """Why a prefill on ``mine`` refuses a decode on ``theirs`` ("" when they can pair)."""
+    if not theirs or theirs == mine:
+        return ""
+    hint = ("set the transport on both sides, or on neither (auto)" if "auto" in (mine, theirs)
+            else "start both with the same --transport")
+    return f"transport differs: prefill uses {mine!r}, decode uses {theirs!r} ({hint})"
+
+
+_Name = Annotated[str, msgspec.Meta(max_length=16)]
+_Session = Annotated[str, msgspec.Meta(max_length=512)]
+
+
+class _Offer(msgspec.Struct, frozen=True, array_like=True):
+    kind: _Name
+    session: _Session
+    info: bytes
+
+
+class _Info(msgspec.Struct, frozen=True):
+    host: Annotated[str, msgspec.Meta(max_length=512)]
+    offers: Annotated[list[_Offer], msgspec.Meta(max_length=len(KINDS))]
+
+
+class AutoTransport:
+    """Every transport this process can run, one chosen per peer at pairing (``pick``)."""
+
+    name = "auto"
+
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0,
+                 kinds: Sequence[str] = KINDS,
+                 make: Callable[[str], Transport] | None = None) -> None:
+        from . import make_transport
+
+        build = make or (lambda k: make_transport(k, host, "", timeout_s))
+        self.inner: dict[str, Transport] = {}
+        why: dict[str, str] = {}
+        for k in kinds:
+            try:
+                self.inner[k] = build(k)
+            except (TransportError, ImportError, RuntimeError) as e:  # then run the others
+                why[k] = str(e)
+                log.info("auto transport: %s unavailable here: %s", k, e)
+        if not self.inner:
+            raise TransportUnavailable(f"no transport can start here: {why}")
+        self.unavailable = why
+        self.stats = TransportStats()
+        for t in self.inner.values():
+            t.stats = self.stats  # one set of counters, whichever transport moved the bytes
+        first = self.inner.get("tcp") or next(iter(self.inner.values()))
+        self.session_id = first.session_id
+        self.batch_entries = min(t.batch_entries for t in self.inner.values())
+        self.host = host_id()
+        self._routes: dict[str, tuple[str, str]] = {}
+
+    # -- pairing -------------------------------------------------------------------------------
+    def peer_info(self) -> bytes:
+        return msgspec.msgpack.encode(_Info(self.host, [
+            _Offer(k, t.session_id, t.peer_info()) for k, t in self.inner.items()]))
+
+    def add_peer(self, peer: str, info: bytes) -> None:
+        """Pick the pair's transport (``pick``) and pair that transport with the peer's."""
+        try:
+            parsed = msgspec.msgpack.decode(bytes(info), type=_Info)
+        except msgspec.DecodeError as e:
+            raise TransportError(f"transport offers of {peer} are malformed (is it on "
+                                 f"transport 'auto'?): {e}") from None
+        theirs = {o.kind: o for o in parsed.offers}
+        kind = pick(list(self.inner), list(theirs), parsed.host == self.host)
+        if kind is None:
+            raise TransportError(
+                f"no transport in common with {peer}: this side runs {sorted(self.inner)}"
+                f"{self._why()}, the peer offers {sorted(theirs)} (install the same on both, "
+                f"or set one transport explicitly on both sides)")
+        offer = theirs[kind]
+        self.inner[kind].add_peer(offer.session, offer.info)
+        self._routes[peer] = (kind, offer.session)
+        log.info("auto transport: %s with %s", kind, peer)
+
+    def _why(self) -> str:
+        return "".join(f"; {k} unavailable: {w}" for k, w in self.unavailable.items())
+
+    def chosen(self) -> dict[str, str]:
+        """The transport picked for each paired peer (metrics, tests)."""
+        return {p: k for p, (k, _) in self._routes.items()}
+
+    def _route(self, peer: str) -> tuple[Transport, str]:
+        r = self._routes.get(peer)
+        if r is None:
+            raise TransportError(f"no transport chosen for peer {peer} (not paired)")
+        return self.inner[r[0]], r[1]
+
+    # -- memory --------------------------------------------------------------------------------
+    def register(self, addr: int, nbytes: int, location: str = "cpu",
+                 item_bytes: int = 0) -> None:
+        for t in self.inner.values():
+            t.register(addr, nbytes, location, item_bytes)
+
+    def deregister(self, addr: int) -> None:
+        for t in self.inner.values():
+            t.deregister(addr)
+
+    # -- writes --------------------------------------------------------------------------------
+    def write(self, peer: str, src: np.ndarray | list[int], dst: np.ndarray | list[int],
+              nbytes: np.ndarray | list[int], *, deadline: float | None = None,
+              should_stop: Callable[[], bool] | None = None, tag: int | None = None) -> None:
+        t, s = self._route(peer)
+        t.write(s, src, dst, nbytes, deadline=deadline, should_stop=should_stop, tag=tag)
+
+    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int], *,
+              tag: int | None = None) -> Started | None:
+        t, s = self._route(peer)
+        return t.start(s, src, dst, nbytes, tag=tag)
+
+    def finish(self, peer: str, started: Started) -> None:
+        t, s = self._route(peer)
+        t.finish(s, started)
+
+    def probe(self, peer: str) -> bool:
+        if peer not in self._routes:
+            return True  # not paired yet: nothing says it is gone
+        t, s = self._route(peer)
+        return t.probe(s)
+
+    def close(self) -> None:
+        for t in self.inner.values():
+            t.close()

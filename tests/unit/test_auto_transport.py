@@ -1,0 +1,98 @@
+"""The pairing rule of ``transport="auto"`` (``transport/auto.py``): both sides of a pair pick
+the same transport, the fastest both run (NIXL on one host, Mooncake TCP across hosts), and a
+pair with none in common is refused naming both offers. Writes then go through the picked
+transport only (in-process transports stand in for the real ones; the real pairs are in
+tests/integration/test_auto_transport.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import pytest
+
+from pdxfer.errors import TransportError
+from pdxfer.transport.auto import AutoTransport, mismatch, pick
+from pdxfer.transport.memory import MemoryFabric, MemoryTransport
+
+
+@pytest.mark.parametrize("same_host", [True, False])
+@pytest.mark.parametrize("a,b", list(itertools.product(
+    [("nixl", "tcp"), ("tcp",), ("nixl",), ("tcp", "nixl")], repeat=2)))
+def test_both_sides_pick_the_same_transport(a, b, same_host) -> None:
+    assert pick(a, b, same_host) == pick(b, a, same_host)
+
+
+def test_one_host_prefers_nixl_and_hosts_apart_prefer_mooncake_tcp() -> None:
+    both = ("nixl", "tcp")
+    assert pick(both, both, same_host=True) == "nixl"
+    assert pick(both, both, same_host=False) == "tcp"
+    assert pick(both, ("tcp",), same_host=True) == "tcp"  # a side without NIXL: fall back
+    assert pick(("nixl",), ("tcp",), same_host=True) is None
+
+
+def test_an_explicit_transport_against_auto_names_both_and_the_fix() -> None:
+    assert mismatch("auto", "auto") == "" and mismatch("nixl", "nixl") == ""
+    assert mismatch("tcp", "") == ""  # an old decode that does not say
+    why = mismatch("tcp", "auto")
+    assert "'tcp'" in why and "'auto'" in why and "on neither" in why
+
+
+class _Kinds:
+    """In-process stand-ins for the kinds ``auto`` would start, on one fabric."""
+
+    def __init__(self) -> None:
+        self.fabric = MemoryFabric()
+        self.made: dict[str, list[MemoryTransport]] = {}
+
+    def side(self, *kinds: str) -> AutoTransport:
+        def make(k: str) -> MemoryTransport:
+            t = MemoryTransport(self.fabric)
+            self.made.setdefault(k, []).append(t)
+            return t
+        return AutoTransport(kinds=kinds, make=make)
+
+
+def pair(a: AutoTransport, b: AutoTransport) -> None:
+    a.add_peer(b.session_id, b.peer_info())
+    b.add_peer(a.session_id, a.peer_info())
+
+
+def test_writes_go_through_the_picked_transport_and_land() -> None:
+    k = _Kinds()
+    pf, dc = k.side("nixl", "tcp"), k.side("nixl", "tcp")
+    src = (ctypes.c_uint8 * 4096)(*range(256), *([7] * 3840))
+    dst = (ctypes.c_uint8 * 4096)()
+    for t, buf in ((pf, src), (dc, dst)):
+        t.register(ctypes.addressof(buf), 4096)
+    pair(pf, dc)
+    assert pf.chosen() == {dc.session_id: "nixl"} and dc.chosen() == {pf.session_id: "nixl"}
+    pf.write(dc.session_id, [ctypes.addressof(src)], [ctypes.addressof(dst)], [4096])
+    assert bytes(dst) == bytes(src)
+    nixl_pf = k.made["nixl"][0]
+    assert nixl_pf.stats.bytes == 4096 and pf.stats.bytes == 4096  # one set of counters
+    assert dc.probe(pf.session_id)
+
+
+def test_hosts_apart_pick_mooncake_tcp_on_both_sides() -> None:
+    k = _Kinds()
+    pf, dc = k.side("nixl", "tcp"), k.side("nixl", "tcp")
+    dc.host = "another-host"
+    pair(pf, dc)
+    assert set(pf.chosen().values()) == set(dc.chosen().values()) == {"tcp"}
+
+
+def test_no_transport_in_common_refuses_the_pairing_naming_both() -> None:
+    k = _Kinds()
+    pf, dc = k.side("nixl"), k.side("tcp")
+    with pytest.raises(TransportError, match=r"no transport in common.*\['nixl'\].*\['tcp'\]"):
+        pf.add_peer(dc.session_id, dc.peer_info())
+    with pytest.raises(TransportError, match="not paired"):
+        pf.write(dc.session_id, [0], [0], [1])
+
+
+def test_offers_from_a_peer_not_on_auto_are_refused_clearly() -> None:
+    k = _Kinds()
+    with pytest.raises(TransportError, match="malformed"):
+        k.side("tcp").add_peer("peer", b"\x01\x02garbage")
+    assert len(k.made["tcp"]) == 1
