@@ -116,6 +116,8 @@ class Setup:
     log_stats: bool = False
     """vLLM's own stats (its /metrics histograms) on every server, not only NixlConnector's
     decode (whose transfer counters the benchmark reads)."""
+    trace_dir: Path | None = None
+    """``scripts/trace_hooks`` stamps in every colocated and pdxfer server, one folder each."""
 
 
 def makers(v: str, s: Setup, tag: str) -> tuple[list[Maker], dict[str, Any]]:
@@ -126,6 +128,11 @@ def makers(v: str, s: Setup, tag: str) -> tuple[list[Maker], dict[str, Any]]:
 
     def vllm(name: str, args: list[str], cfg: str | None, env: dict[str, str] | None = None,
              log_stats: bool = False) -> Maker:
+        if s.trace_dir is not None and env is None:
+            (s.trace_dir / f"{tag}_{name}").mkdir(parents=True, exist_ok=True)
+            env = {"PDXFER_TRACE_VLLM": str(s.trace_dir / f"{tag}_{name}"),
+                   "PYTHONPATH": f"{ROOT / 'trace_hooks'}{os.pathsep}"
+                                 f"{os.environ.get('PYTHONPATH', '')}"}
         return lambda: VllmServer(f"{tag}_{name}", s.model, s.tmp, kv_cache_bytes=s.kv_bytes,
                                   args=args, kv_transfer_config=cfg, env=env,
                                   log_stats=log_stats or s.log_stats, start=False)
@@ -440,6 +447,8 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds one request may take (default 600)")
     a = ap.parse_args()
+    # SIGTERM unwinds (every server is stopped by pid in a finally), as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         res = run(a)
     except ServerNotReady as e:

@@ -30,6 +30,9 @@ class FrontDoor:
         self.last_params: dict[str, Any] | None = None
         self.prefill_seconds: list[float] = []
         """Per request, how long the prefill leg took (the rest of a TTFT is the decode's)."""
+        self.prefill_spans: list[tuple[int, int]] = []
+        """Per request, the prefill leg's start and end (``perf_counter_ns``: the host's
+        ``CLOCK_MONOTONIC``, comparable with stamps taken in other processes)."""
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
@@ -84,13 +87,15 @@ class FrontDoor:
         first["max_tokens"] = 1
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         async with self._session.post(self.prefill + path, json=first) as r:
             if r.status != 200:
                 return web.Response(body=await r.read(), status=r.status,
                                     content_type="application/json")
             answer = await r.json()
-        self.prefill_seconds.append(time.perf_counter() - t0)
+        t1 = time.perf_counter_ns()
+        self.prefill_seconds.append((t1 - t0) / 1e9)
+        self.prefill_spans.append((t0, t1))
         params = answer.get("kv_transfer_params")
         self.last_params = params
         second = {**body, "kv_transfer_params": params}
