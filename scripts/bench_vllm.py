@@ -58,6 +58,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -170,6 +171,30 @@ def makers(v: str, s: Setup, tag: str) -> tuple[list[Maker], dict[str, Any]]:
         return [vllm("p", lim, mc("kv_producer")), vllm("d", nocache, mc("kv_consumer"))], \
             {"connector": "mooncake"}
     raise ValueError(f"unknown variant {v!r}; known: {ALL}")
+
+
+def root_cause(log: Path) -> str:
+    """The first exception a server's log reports, with the frame that raised it: why it did
+    not start, in one line (its tail is vLLM's generic "Engine core initialization failed")."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for i, line in enumerate(lines):
+        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
+        if m is None or " WARNING " in line:
+            continue
+        frames = [j for j in range(i) if re.search(r'File "[^"]+", line \d+, in ', lines[j])]
+        if not frames:
+            return m.group(0)
+        ours = [j for j in frames if "/vllm/" in lines[j]]  # vLLM's call, not torch's inside
+        f = (ours or frames)[-1]
+        where = re.search(r'File "([^"]+)", line (\d+), in (\S+)', lines[f])
+        code = lines[f + 1].split("]", 1)[-1].strip() if f + 1 < i else ""
+        assert where is not None
+        return (f"{Path(where.group(1)).name}:{where.group(2)} in {where.group(3)}: {code}: "
+                f"{m.group(0)}")
+    return ""
 
 
 def ttft(url: str, prompt: list[int], max_tokens: int, timeout: float) -> tuple[float, list[int]]:
@@ -408,7 +433,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     if v != "mooncake":
                         raise
                     # tried, measured: the reason is the server's own
-                    res["vllm.unsupported.mooncake"] = str(e)[-2000:]
+                    log_file = setup.tmp / f"mooncake_r{rnd}_p.log"
+                    res["vllm.unsupported.mooncake"] = (root_cause(log_file)
+                                                        or str(e)[-2000:])
+                    res["vllm.unsupported.mooncake_log"] = str(log_file)
                     log[-1]["failed"] = str(e).splitlines()[0]
                     active.remove(v)
                     print(f"[bench_vllm] mooncake left out: {str(e).splitlines()[0]}",
