@@ -86,3 +86,44 @@ def test_idle_cpu_of_a_spinning_tree_is_cores_and_of_a_sleeping_tree_nothing() -
     # a share of a few percent of a core on a loaded host, many
     assert sleeping <= 0.01
     assert spinning >= 0.03
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_vllm_ends_with_an_error_naming_a_server_not_ready_by_its_deadline(
+        tmp_path: Path) -> None:
+    # a real vLLM server cannot answer /health within 2 s (its imports alone take longer)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_vllm.py"),
+                        "--variants", "colocated", "--rounds", "1", "--startup-timeout", "2",
+                        "--json", str(tmp_path / "out.json")],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "server 'colocated_r0_colocated'" in r.stderr
+    assert "not ready within 2 s" in r.stderr
+    assert not (tmp_path / "out.json").exists()
+    assert time.monotonic() - t0 < 600
+
+
+def test_a_server_that_did_not_start_is_explained_by_the_frame_that_raised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    bench = importlib.import_module("bench_vllm")
+    log = tmp_path / "p.log"
+    pre = "(EngineCore pid=1) ERROR 11-26 01:58:48 [core.py:1510] "
+    log.write_text("\n".join([
+        "(APIServer pid=1) WARNING 11-26 [x.py:1] limit: `OSError: [Errno 24] Too many files`",
+        pre + 'File "/v/site-packages/vllm/distributed/mooncake_connector.py", line 1186, in '
+              "__init__",
+        pre + "    self.device_id = torch.accelerator.current_device_index()",
+        pre + 'File "/v/site-packages/torch/accelerator/__init__.py", line 140, in current',
+        pre + "    return torch._C._accelerator_getDeviceIndex()",
+        pre + "RuntimeError: Cannot access accelerator device when none is available.",
+        "RuntimeError: Engine core initialization failed. See root cause above."]))
+    assert bench.root_cause(log) == (
+        "mooncake_connector.py:1186 in __init__: self.device_id = "
+        "torch.accelerator.current_device_index(): RuntimeError: Cannot access accelerator "
+        "device when none is available.")
