@@ -27,8 +27,10 @@ Variants (``--variants``, comma-separated):
   imports ``nixl._api`` and ``nixl-cu12`` installs as ``nixl_cu12``, so these processes get
   ``scripts/nixl_shim`` on their PYTHONPATH; ``kv_lease_duration`` 300 s);
 - ``mooncake``: vLLM's MooncakeConnector (``mooncake_protocol: tcp``). It is tried once; if
-  its server does not start, ``vllm.unsupported.mooncake`` records why (its log's last
-  lines) and the run goes on without it.
+  its server does not start, ``vllm.unsupported.mooncake`` records why (the first exception
+  in its log and the vLLM frame that raised it: on a CPU-only host its worker asks torch for
+  the current accelerator) and the run goes on without it. Should it start, it is left out
+  too (the front door does not speak its protocol), and the JSON says so.
 
 Model: ``pdxfer.testing.hf_model`` shape ``kv32k`` (8 layers, 8 KV heads of 128) in float32:
 64 KiB of KV per token. Workload: conversations of several turns, every prompt opening with
