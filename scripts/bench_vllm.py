@@ -1,110 +1,206 @@
-"""pdxfer's vLLM connector against vLLM's own NixlConnector, and decode-side reuse on/off,
-on real ``vllm serve`` pairs (CPU), in one interleaved run.
+"""pdxfer's vLLM connector against colocated vLLM and vLLM's own connectors, fairly: real
+``vllm serve`` servers on CPU, each variant measured with only its own servers running.
 
     python scripts/bench_vllm.py --json bench_vllm.json [--quick]
+    python scripts/bench_vllm.py --quick --rounds 1 --convs 2 --turns 2   # a smoke run
 
-Model: ``pdxfer.testing.hf_model`` shape ``kv32k`` (8 layers, 8 KV heads of 128 on a 256-wide
-model) served in float32: 64 KiB of KV per token, so a 2,000-token prompt is 128 MiB of KV
-and moving it is a real share of the time to first token. Workload: conversations of several
-turns, every prompt opening with one long system prefix shared by all conversations, each
-turn repeating its conversation's history (the last prompt and answer) and adding a
-question. Clusters (started once, all at the same time):
+Phases: a variant's servers are started (one at a time, each waiting for the previous to
+answer ``/health``: two NixlConnector servers started together can collide on one port),
+measured, and stopped; the variants alternate phase by phase, in ``--rounds`` rounds (the
+order rotates each round), so drift on the host cancels. A server not ready by its start-up
+deadline (``--startup-timeout``) ends the run with an error naming it (exit status 2); every
+wait is bounded and every process is killed by pid. The load average is recorded before each
+phase (``vllm.phases``): a run whose background load exceeds the core count says little.
 
-- ``pdxfer``: a prefill and a decode with PdxferConnector;
-- ``pdxfer_reuse``: the same, the decode with decode-side tiers (L2 host pages);
+Each phase, with the servers up and no requests: their idle CPU (``vllm.idle_cpu_cores.*``:
+CPU seconds per second of the servers' process trees, from /proc, over ``--idle-seconds``).
+Then the workload alone, then the same workload shape (fresh prompts) beside a fixed CPU load
+(one spinning process per core: ``*.contended`` keys; ``--no-contended`` leaves it out).
+
+Variants (``--variants``, comma-separated):
+
+- ``colocated``: one vLLM server (the reference; its prefill leg is its TTFT);
+- ``pdxfer_tcp``, ``pdxfer_nixl``: a prefill and a decode with PdxferConnector over the
+  Mooncake TCP or the NIXL transport;
+- ``pdxfer_reuse``: pdxfer's default transport, the decode with decode-side tiers (L2);
 - ``builtin``: vLLM's NixlConnector pair on CPU memory (``kv_buffer_device: cpu``; vLLM
-  imports ``nixl._api`` and ``nixl-cu12`` installs as ``nixl_cu12``, so these two
-  processes get ``scripts/nixl_shim`` on their PYTHONPATH; ``kv_lease_duration`` 300 s so
-  a busy machine does not expire the prefill's blocks before the decode reads them).
+  imports ``nixl._api`` and ``nixl-cu12`` installs as ``nixl_cu12``, so these processes get
+  ``scripts/nixl_shim`` on their PYTHONPATH; ``kv_lease_duration`` 300 s);
+- ``mooncake``: vLLM's MooncakeConnector (``mooncake_protocol: tcp``). It is tried once; if
+  its server does not start, ``vllm.unsupported.mooncake`` records why (the first exception
+  in its log and the vLLM frame that raised it: on a CPU-only host its worker asks torch for
+  the current accelerator) and the run goes on without it. Should it start, it is left out
+  too (the front door does not speak its protocol), and the JSON says so.
 
-vLLM's own prefix cache is off on every decode, so the decodes do the same work except for
-what pdxfer's tiers restore; the prefills keep theirs (a turn's history is not recomputed),
-and each variant has its own prefill, so each computes every new question once.
-Each request goes through a front door following vLLM's proxy protocol, streamed; TTFT is
-the time to the first streamed token. Requests run one at a time, the variants alternating
-request by request (rotating which goes first). Outputs must be identical across variants.
+Model: ``pdxfer.testing.hf_model`` shape ``kv32k`` (8 layers, 8 KV heads of 128) in float32:
+64 KiB of KV per token. Workload: conversations of several turns, every prompt opening with
+one long system prefix shared by all conversations, each turn repeating its conversation's
+history and adding a question. vLLM's prefix cache is on in prefills (and the colocated
+server) and off in decodes, so decodes differ only in what pdxfer's tiers restore. Requests
+run one at a time, streamed; TTFT is the time to the first streamed token. A pair's requests
+go through a front door following vLLM's proxy protocol (``pdxfer.testing.vllm_proxy``),
+which times the prefill leg (the prefill's one-token answer); the decode leg is the rest of
+the TTFT. Outputs must equal colocated's token for token.
 
-The front door also times each request's prefill leg; the rest of a TTFT (``decode_leg``:
-the decode's request until its first token, where the connectors differ) is reported too.
-
-Keys: ``vllm.ttft_p50_ratio_vs_builtin`` (pdxfer without reuse over NixlConnector: the same
-bytes moved), ``vllm.ttft_p50_ratio_vs_builtin_with_reuse``, ``vllm.ttft_p50_ratio_decode_reuse``
-(reuse on over off), ``vllm.kv_gbps.pdxfer`` / ``vllm.kv_gbps.builtin`` (bytes moved over the
-summed per-request transfer times, as each connector measures them), ``vllm.kv_bytes_per_token``,
-``vllm.outputs_identical``, and per variant ``vllm.ttft_p50_ms.*``, ``vllm.ttft_p90_ms.*``.
+Keys (``.contended`` appended for the loaded half): per variant ``vllm.ttft_p50_ms.*``,
+``ttft_p90_ms``, ``prefill_leg_p50_ms`` / ``p90``, ``decode_leg_p50_ms`` / ``p90``,
+``kv_ready_ms_mean``, ``kv_mib``, ``busy_cpu_cores`` (CPU seconds per second of the
+variant's servers while its requests ran); ``vllm.idle_cpu_cores.<variant>``;
+``vllm.prefill_leg_p50_ratio_vs_colocated`` (pdxfer's default transport's prefill leg over
+colocated's TTFT: both a prefill of the same prompt), ``vllm.ttft_p50_ratio_vs_builtin``
+(pdxfer's default transport over NixlConnector), ``vllm.ttft_p50_ratio_decode_reuse`` and
+``vllm.kv_ready_ratio_decode_reuse`` (reuse over the default transport without it; the
+second is the connector's own time until the KV is in place), each ratio also per pdxfer
+variant (``<key>.<variant>``); ``vllm.outputs_identical``; ``vllm.default_transport``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from openai import OpenAI
 
 from pdxfer import BootstrapServer
+from pdxfer.integrations.vllm.config import ConnectorConfig
 from pdxfer.testing.hf_model import SHAPES, build_model
-from pdxfer.testing.vllm_procs import VllmServer, free_port, kv_config, read_stats, start_all
+from pdxfer.testing.proccpu import TreeClock, busy_cores
+from pdxfer.testing.vllm_procs import (
+    Server,
+    ServerNotReady,
+    VllmServer,
+    free_port,
+    kv_config,
+    read_stats,
+    start_one_by_one,
+)
 from pdxfer.testing.vllm_proxy import FrontDoor
 
 ROOT = Path(__file__).resolve().parent
 BS = 32
-VARIANTS = ("pdxfer", "pdxfer_reuse", "builtin")
+ALL = ("colocated", "pdxfer_tcp", "pdxfer_nixl", "pdxfer_reuse", "builtin", "mooncake")
+SECTIONS = ("alone", "contended")
+Maker = Callable[[], Server]
 
 
-def servers(tmp: Path, model: Path, boot: BootstrapServer, kv_bytes: int, l2_pages: int,
-            max_len: int) -> dict[str, VllmServer]:
-    common = {"bootstrap_timeout_s": 120.0, "transfer_timeout_s": 120.0}
-    lim = ["--max-model-len", str(max_len)]
+def default_transport() -> str:
+    """What a user who sets no ``transport`` gets (the connector's own default)."""
+    return str(next(f.default for f in dataclasses.fields(ConnectorConfig)
+                    if f.name == "transport"))
+
+
+def default_variant() -> str:
+    t = default_transport()
+    return f"pdxfer_{t}" if t in ("tcp", "nixl") else "pdxfer_tcp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every phase's servers share."""
+
+    tmp: Path
+    model: Path
+    boot: str
+    kv_bytes: int
+    l2_pages: int
+    max_len: int
+    log_stats: bool = False
+    """vLLM's own stats (its /metrics histograms) on every server, not only NixlConnector's
+    decode (whose transfer counters the benchmark reads)."""
+    trace_dir: Path | None = None
+    """``scripts/trace_hooks`` stamps in every colocated and pdxfer server, one folder each."""
+
+
+def makers(v: str, s: Setup, tag: str) -> tuple[list[Maker], dict[str, Any]]:
+    """The variant's servers (built lazily, in start order) and its front door's settings."""
+    lim = ["--max-model-len", str(s.max_len)]
     nocache = [*lim, "--no-enable-prefix-caching"]
-    shim = {"PYTHONPATH": f"{ROOT / 'nixl_shim'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "WARN"}
-    nixl_extra = {"kv_lease_duration": 300}
-    s = {
-        "pdx_p": VllmServer("pdx_p", model, tmp, kv_cache_bytes=kv_bytes, args=lim,
-                            kv_transfer_config=kv_config("kv_producer", {
-                                "bootstrap": boot.address, "instance": "bench-p",
-                                "stats_file": str(tmp / "pdx_p.json"), **common})),
-        "pdx_p2": VllmServer("pdx_p2", model, tmp, kv_cache_bytes=kv_bytes, args=lim,
-                             kv_transfer_config=kv_config("kv_producer", {
-                                 "bootstrap": boot.address, "instance": "bench-p2",
-                                 "stats_file": str(tmp / "pdx_p2.json"), **common})),
-        "pdx_d": VllmServer("pdx_d", model, tmp, kv_cache_bytes=kv_bytes, args=nocache,
-                            kv_transfer_config=kv_config("kv_consumer", {
-                                "instance": "bench-d", "stats_file": str(tmp / "pdx_d.json"),
-                                **common})),
-        "pdx_dr": VllmServer("pdx_dr", model, tmp, kv_cache_bytes=kv_bytes, args=nocache,
-                             kv_transfer_config=kv_config("kv_consumer", {
-                                 "instance": "bench-dr", "l2_pages": l2_pages,
-                                 "stats_file": str(tmp / "pdx_dr.json"), **common})),
-        "nixl_p": VllmServer("nixl_p", model, tmp, kv_cache_bytes=kv_bytes, args=lim,
-                             kv_transfer_config=kv_config(
-                                 "kv_producer", nixl_extra, connector="NixlConnector",
-                                 module=None, kv_buffer_device="cpu"),
-                             env={**shim, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
-        "nixl_d": VllmServer("nixl_d", model, tmp, kv_cache_bytes=kv_bytes, args=nocache,
-                             log_stats=True,
-                             kv_transfer_config=kv_config(
-                                 "kv_consumer", nixl_extra, connector="NixlConnector",
-                                 module=None, kv_buffer_device="cpu"),
-                             env={**shim, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
-    }
-    return s
+    common = {"bootstrap_timeout_s": 120.0, "transfer_timeout_s": 120.0}
+
+    def vllm(name: str, args: list[str], cfg: str | None, env: dict[str, str] | None = None,
+             log_stats: bool = False) -> Maker:
+        if s.trace_dir is not None and env is None:
+            (s.trace_dir / f"{tag}_{name}").mkdir(parents=True, exist_ok=True)
+            env = {"PDXFER_TRACE_VLLM": str(s.trace_dir / f"{tag}_{name}"),
+                   "PYTHONPATH": f"{ROOT / 'trace_hooks'}{os.pathsep}"
+                                 f"{os.environ.get('PYTHONPATH', '')}"}
+        return lambda: VllmServer(f"{tag}_{name}", s.model, s.tmp, kv_cache_bytes=s.kv_bytes,
+                                  args=args, kv_transfer_config=cfg, env=env,
+                                  log_stats=log_stats or s.log_stats, start=False)
+
+    if v == "colocated":
+        return [vllm("colocated", lim, None)], {}
+    if v.startswith("pdxfer"):
+        transport = default_transport() if v == "pdxfer_reuse" else v.split("_", 1)[1]
+        extra = {**common, "transport": transport, "bootstrap": s.boot}
+        d_extra = {**extra, "instance": f"{tag}-d", "stats_file": str(s.tmp / f"{tag}_d.json")}
+        if v == "pdxfer_reuse":
+            d_extra["l2_pages"] = s.l2_pages
+        return [vllm("d", nocache, kv_config("kv_consumer", d_extra)),
+                vllm("p", lim, kv_config("kv_producer", {**extra, "instance": f"{tag}-p"}))], \
+            {"decode_instance": f"{tag}-d", "stats": s.tmp / f"{tag}_d.json"}
+    if v == "builtin":
+        def nixl(name: str, role: str, args: list[str]) -> Maker:
+            # the side-channel port is picked when the server is built, i.e. after the one
+            # before it is up (never two picks racing for one port)
+            def make() -> Server:
+                env = {"PYTHONPATH": f"{ROOT / 'nixl_shim'}{os.pathsep}"
+                                     f"{os.environ.get('PYTHONPATH', '')}",
+                       "UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "WARN",
+                       "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+                cfg = kv_config(role, {"kv_lease_duration": 300}, connector="NixlConnector",
+                                module=None, kv_buffer_device="cpu")
+                return vllm(name, args, cfg, env, log_stats=role == "kv_consumer")()
+            return make
+        return [nixl("d", "kv_consumer", nocache), nixl("p", "kv_producer", lim)], \
+            {"connector": "nixl"}
+    if v == "mooncake":
+        def mc(role: str) -> str:
+            return kv_config(role, {"mooncake_protocol": "tcp"}, connector="MooncakeConnector",
+                             module=None)
+        return [vllm("p", lim, mc("kv_producer")), vllm("d", nocache, mc("kv_consumer"))], \
+            {"connector": "mooncake"}
+    raise ValueError(f"unknown variant {v!r}; known: {ALL}")
 
 
-def prom_sum(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+def root_cause(log: Path) -> str:
+    """The first exception a server's log reports, with the frame that raised it: why it did
+    not start, in one line (its tail is vLLM's generic "Engine core initialization failed")."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for i, line in enumerate(lines):
+        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
+        if m is None or " WARNING " in line:
+            continue
+        frames = [j for j in range(i) if re.search(r'File "[^"]+", line \d+, in ', lines[j])]
+        if not frames:
+            return m.group(0)
+        ours = [j for j in frames if "/vllm/" in lines[j]]  # vLLM's call, not torch's inside
+        f = (ours or frames)[-1]
+        where = re.search(r'File "([^"]+)", line (\d+), in (\S+)', lines[f])
+        code = lines[f + 1].split("]", 1)[-1].strip() if f + 1 < i else ""
+        assert where is not None
+        return (f"{Path(where.group(1)).name}:{where.group(2)} in {where.group(3)}: {code}: "
+                f"{m.group(0)}")
+    return ""
 
 
-def ttft(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+def ttft(url: str, prompt: list[int], max_tokens: int, timeout: float) -> tuple[float, list[int]]:
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
     t0 = time.perf_counter()
     first = None
     ids: list[int] = []
@@ -124,121 +220,270 @@ def tokens(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + 37 * i) % 700 + 300 for i in range(n)]
 
 
-def run(quick: bool) -> dict[str, Any]:
-    convs, turns = (3, 3) if quick else (6, 4)
-    system, question, answer = (1024, 96, 16) if quick else (1536, 128, 24)
-    shape = SHAPES["kv32k"]
-    kv_per_token = shape.layers * 2 * shape.kv_heads * shape.head_size * 4  # float32
-    longest = system + turns * (question + answer)
-    max_len = -(-(longest + 64) // BS) * BS
-    kv_bytes = 3 * max_len * kv_per_token  # a few requests in flight, and then some
-    l2_pages = 2 * convs * -(-longest // BS) + 64
-    tmp = Path(tempfile.mkdtemp(prefix="pdxfer-bench-vllm-"))
-    model = build_model(tmp / "model", "kv32k")
-    boot = BootstrapServer("127.0.0.1", 0).start()
-    srv: dict[str, VllmServer] = {}
-    doors: dict[str, FrontDoor] = {}
-    t_start = time.monotonic()
+def prom_sum(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+class Burners:
+    """A fixed CPU load: one spinning process per core, each killed by pid."""
+
+    def __init__(self, n: int) -> None:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                       start_new_session=True) for _ in range(n)]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(30)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    rounds: int
+    convs: int
+    turns: int
+    system: int
+    question: int
+    answer: int
+
+
+@dataclasses.dataclass
+class Samples:
+    """One variant's requests in one section (alone or contended), over all its phases."""
+
+    ttft: list[float] = dataclasses.field(default_factory=list)
+    prefill: list[float] = dataclasses.field(default_factory=list)
+    kv_bytes: float = 0.0
+    ready_s: float = 0.0
+    loads: float = 0.0
+
+
+def kv_counters(door: FrontDoor | None, cfg: dict[str, Any],
+                servers: list[Server]) -> tuple[float, float, float]:
+    """(bytes received, seconds until KV in place summed, loads) as the connector counts."""
+    if "stats" in cfg:
+        st = read_stats(cfg["stats"])
+        return float(st.get("net_bytes", 0)), st.get("ready_us", 0) / 1e6, float(st.get("loads", 0))
+    if cfg.get("connector") == "nixl":
+        m = servers[0].metrics_text()  # the decode, started first
+        return (prom_sum(m, "vllm:nixl_bytes_transferred_sum"),
+                prom_sum(m, "vllm:nixl_xfer_time_seconds_sum"),
+                prom_sum(m, "vllm:nixl_xfer_time_seconds_count"))
+    return 0.0, 0.0, 0.0
+
+
+def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
+          got: dict[tuple[str, str], Samples], outs: dict[tuple[str, Any], list[int]],
+          log: list[dict[str, Any]]) -> None:
+    tag = f"{v}_r{rnd}"
+    rec: dict[str, Any] = {"variant": v, "round": rnd, "loadavg_before": os.getloadavg()}
+    log.append(rec)
+    mk, cfg = makers(v, setup, tag)
+    t0 = time.monotonic()
+    servers = start_one_by_one(mk, a.startup_timeout)
+    door = None
     try:
-        srv = servers(tmp, model, boot, kv_bytes, l2_pages, max_len)
-        start_all(list(srv.values()), timeout=600)
-        doors = {
-            "pdxfer": FrontDoor(srv["pdx_p"].url, srv["pdx_d"].url, "bench-d").start(),
-            "pdxfer_reuse": FrontDoor(srv["pdx_p2"].url, srv["pdx_dr"].url, "bench-dr").start(),
-            "builtin": FrontDoor(srv["nixl_p"].url, srv["nixl_d"].url, connector="nixl").start(),
-        }
-        print(f"[bench_vllm] {len(srv)} vLLM servers up in {time.monotonic() - t_start:.0f} s;"
-              f" {convs} conversations x {turns} turns, system prefix {system} tokens",
+        rec["startup_s"] = round(time.monotonic() - t0, 1)
+        if cfg.get("connector") == "mooncake":
+            raise NotImplementedError("MooncakeConnector started, but this front door does not "
+                                      "speak its protocol (not measured)")
+        if len(servers) == 2:
+            door = FrontDoor(servers[1].url, servers[0].url, cfg.get("decode_instance"),
+                             connector=cfg.get("connector", "pdxfer")).start()
+        url = door.url if door else servers[0].url
+        ttft(url, tokens(999, 2 * BS + 5), 2, a.request_timeout)  # one-time costs
+        time.sleep(1.0)
+        rec["idle_cpu_cores"] = round(busy_cores([s.pid for s in servers], a.idle_seconds), 4)
+        for section in SECTIONS if a.contended else SECTIONS[:1]:
+            burn = Burners(os.cpu_count() or 1) if section == "contended" else None
+            try:
+                if burn:
+                    time.sleep(1.0)
+                rec[f"loadavg_{section}"] = os.getloadavg()
+                k0 = kv_counters(door, cfg, servers)
+                clock = TreeClock([p.pid for p in servers])
+                s = got.setdefault((v, section), Samples())
+                salt = 0 if section == "alone" else 50_000
+                sys_prefix = tokens(1 + salt + 7 * rnd, shape.system)
+                hist = {c: list(sys_prefix) for c in range(shape.convs)}
+                for t in range(shape.turns):
+                    for c in range(shape.convs):
+                        prompt = hist[c] + tokens(salt + 1000 * rnd + 100 * c + t + 2,
+                                                  shape.question)
+                        dt, ids = ttft(url, prompt, shape.answer, a.request_timeout)
+                        s.ttft.append(dt)
+                        if door:
+                            s.prefill.append(door.prefill_seconds[-1])
+                        outs[(v, (rnd, section, c, t))] = ids
+                        hist[c] = prompt + ids
+                rec[f"busy_cpu_cores_{section}"] = round(clock.cores(), 3)
+                k1 = kv_counters(door, cfg, servers)
+                s.kv_bytes += k1[0] - k0[0]
+                s.ready_s += k1[1] - k0[1]
+                s.loads += k1[2] - k0[2]
+            finally:
+                if burn:
+                    burn.stop()
+        print(f"[bench_vllm] round {rnd} {v}: up in {rec['startup_s']} s, idle "
+              f"{rec['idle_cpu_cores']} cores, TTFT p50 "
+              f"{1e3 * statistics.median(got[(v, 'alone')].ttft):.0f} ms alone",
               file=sys.stderr)
-        # warm every path once (first requests pay one-time costs: handshakes, allocations)
-        for door in doors.values():
-            ttft(door.url, tokens(999, 2 * BS + 5), 2)
-        nixl_b0 = prom_sum(srv["nixl_d"].metrics_text(), "vllm:nixl_bytes_transferred_sum")
-        nixl_t0 = prom_sum(srv["nixl_d"].metrics_text(), "vllm:nixl_xfer_time_seconds_sum")
-        nixl_n0 = prom_sum(srv["nixl_d"].metrics_text(), "vllm:nixl_xfer_time_seconds_count")
-        pd0 = read_stats(tmp / "pdx_d.json")
-        pdr0 = read_stats(tmp / "pdx_dr.json")
-        sys_prefix = tokens(1, system)
-        hist = {(v, c): list(sys_prefix) for v in VARIANTS for c in range(convs)}
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        legs: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        outs: dict[tuple[str, int, int], list[int]] = {}
-        k = 0
-        for t in range(turns):
-            for c in range(convs):
-                q = tokens(100 * c + t + 2, question)
-                order = VARIANTS[k % 3:] + VARIANTS[:k % 3]
-                k += 1
-                for v in order:
-                    prompt = hist[(v, c)] + q
-                    dt, ids = ttft(doors[v].url, prompt, answer)
-                    times[v].append(dt)
-                    legs[v].append(dt - doors[v].prefill_seconds[-1])
-                    outs[(v, c, t)] = ids
-                    hist[(v, c)] = prompt + ids
-            print(f"[bench_vllm] turn {t + 1}/{turns}: " + ", ".join(
-                f"{v} p50 {1e3 * statistics.median(times[v]):.0f} ms" for v in VARIANTS),
-                file=sys.stderr)
-        identical = all(outs[("pdxfer", c, t)] == outs[(v, c, t)]
-                        for v in VARIANTS for c in range(convs) for t in range(turns))
-        nm = srv["nixl_d"].metrics_text()
-        nixl_bytes = prom_sum(nm, "vllm:nixl_bytes_transferred_sum") - nixl_b0
-        nixl_secs = prom_sum(nm, "vllm:nixl_xfer_time_seconds_sum") - nixl_t0
-        pd = read_stats(tmp / "pdx_d.json")
-        pdr = read_stats(tmp / "pdx_dr.json")
-        nixl_n = prom_sum(nm, "vllm:nixl_xfer_time_seconds_count") - nixl_n0
-        pdx_bytes = pd["net_bytes"] - pd0.get("net_bytes", 0)
-        pdx_secs = (pd["net_us"] - pd0.get("net_us", 0)) / 1e6
-        p50 = {v: statistics.median(times[v]) for v in VARIANTS}
-        p90 = {v: sorted(times[v])[int(0.9 * (len(times[v]) - 1))] for v in VARIANTS}
-        res: dict[str, Any] = {
-            "vllm.ttft_p50_ratio_vs_builtin": p50["pdxfer"] / p50["builtin"],
-            "vllm.ttft_p50_ratio_vs_builtin_with_reuse": p50["pdxfer_reuse"] / p50["builtin"],
-            "vllm.ttft_p50_ratio_decode_reuse": p50["pdxfer_reuse"] / p50["pdxfer"],
-            "vllm.kv_gbps.pdxfer": pdx_bytes / pdx_secs / 1e9 if pdx_secs else 0.0,
-            "vllm.kv_gbps.builtin": nixl_bytes / nixl_secs / 1e9 if nixl_secs else 0.0,
-            "vllm.kv_bytes_per_token": kv_per_token,
-            "vllm.outputs_identical": identical,
-            "vllm.kv_mib.pdxfer": pdx_bytes / 2**20, "vllm.kv_mib.builtin": nixl_bytes / 2**20,
-            "vllm.kv_mib.pdxfer_reuse": (pdr["net_bytes"] - pdr0.get("net_bytes", 0)) / 2**20,
-            "vllm.restored_fraction.pdxfer_reuse":
-                (pdr["restored_pages"] - pdr0.get("restored_pages", 0)) * BS
-                / max(1, pdr["loaded_tokens"] - pdr0.get("loaded_tokens", 0)),
-            # the connector's own time per request until the KV is in place (mean)
-            "vllm.kv_ready_ms_mean.pdxfer":
-                (pd["ready_us"] - pd0.get("ready_us", 0)) / 1e3 / max(1, pd["loads"] - pd0.get("loads", 0)),
-            "vllm.kv_ready_ms_mean.pdxfer_reuse":
-                (pdr["ready_us"] - pdr0.get("ready_us", 0)) / 1e3
-                / max(1, pdr["loads"] - pdr0.get("loads", 0)),
-            "vllm.kv_ready_ms_mean.builtin": 1e3 * nixl_secs / max(1, nixl_n),
-            "vllm.requests_per_variant": len(times["pdxfer"]),
-            "vllm.quick": quick, "vllm.seconds": time.monotonic() - t_start,
-        }
-        res["vllm.decode_leg_p50_ratio_vs_builtin"] = (statistics.median(legs["pdxfer"])
-                                                      / statistics.median(legs["builtin"]))
-        res["vllm.decode_leg_p50_ratio_decode_reuse"] = (
-            statistics.median(legs["pdxfer_reuse"]) / statistics.median(legs["pdxfer"]))
-        for v in VARIANTS:
-            res[f"vllm.requests_ms.{v}"] = [[round(1e3 * a), round(1e3 * b)]
-                                            for a, b in zip(times[v], legs[v])]
-            res[f"vllm.decode_leg_p50_ms.{v}"] = 1e3 * statistics.median(legs[v])
-            res[f"vllm.ttft_p50_ms.{v}"] = 1e3 * p50[v]
-            res[f"vllm.ttft_p90_ms.{v}"] = 1e3 * p90[v]
+    finally:
+        if door:
+            door.close()
+        for srv in reversed(servers):
+            srv.stop()
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],
+            variants: list[str]) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for (v, section), s in got.items():
+        sfx = "" if section == "alone" else f".{section}"
+        if not s.ttft:
+            continue
+        res[f"vllm.ttft_p50_ms.{v}{sfx}"] = 1e3 * pct(s.ttft, 0.5)
+        res[f"vllm.ttft_p90_ms.{v}{sfx}"] = 1e3 * pct(s.ttft, 0.9)
+        res[f"vllm.requests.{v}{sfx}"] = len(s.ttft)
+        if s.prefill:
+            dec = [t - p for t, p in zip(s.ttft, s.prefill)]
+            res[f"vllm.prefill_leg_p50_ms.{v}{sfx}"] = 1e3 * pct(s.prefill, 0.5)
+            res[f"vllm.prefill_leg_p90_ms.{v}{sfx}"] = 1e3 * pct(s.prefill, 0.9)
+            res[f"vllm.decode_leg_p50_ms.{v}{sfx}"] = 1e3 * pct(dec, 0.5)
+            res[f"vllm.decode_leg_p90_ms.{v}{sfx}"] = 1e3 * pct(dec, 0.9)
+            res[f"vllm.requests_ms.{v}{sfx}"] = [[round(1e3 * t), round(1e3 * p)]
+                                                 for t, p in zip(s.ttft, s.prefill)]
+        if s.loads:
+            res[f"vllm.kv_ready_ms_mean.{v}{sfx}"] = 1e3 * s.ready_s / s.loads
+            res[f"vllm.kv_mib.{v}{sfx}"] = s.kv_bytes / 2**20
+    for v in variants:
+        idle = [r["idle_cpu_cores"] for r in log if r["variant"] == v and "idle_cpu_cores" in r]
+        if idle:
+            res[f"vllm.idle_cpu_cores.{v}"] = statistics.median(idle)
+        for section in SECTIONS:
+            busy = [r[f"busy_cpu_cores_{section}"] for r in log
+                    if r["variant"] == v and f"busy_cpu_cores_{section}" in r]
+            if busy:
+                sfx = "" if section == "alone" else f".{section}"
+                res[f"vllm.busy_cpu_cores.{v}{sfx}"] = statistics.median(busy)
+    dflt = default_variant()
+
+    def ratio(key: str, num: str, den: str, top: str = "ttft_p50_ms") -> None:
+        for sfx in ("", ".contended"):
+            a = res.get(f"vllm.{top}.{num}{sfx}")
+            b = res.get(f"vllm.{den}{sfx}")
+            if a and b:
+                res[f"vllm.{key}.{num}{sfx}"] = a / b
+                if num == dflt or (key.endswith("decode_reuse") and num == "pdxfer_reuse"):
+                    res[f"vllm.{key}{sfx}"] = a / b
+
+    for v in variants:
+        if v.startswith("pdxfer"):
+            ratio("prefill_leg_p50_ratio_vs_colocated", v, "ttft_p50_ms.colocated",
+                  "prefill_leg_p50_ms")
+            ratio("ttft_p50_ratio_vs_builtin", v, "ttft_p50_ms.builtin")
+    ratio("ttft_p50_ratio_decode_reuse", "pdxfer_reuse", f"ttft_p50_ms.{dflt}")
+    ratio("kv_ready_ratio_decode_reuse", "pdxfer_reuse", f"kv_ready_ms_mean.{dflt}",
+          "kv_ready_ms_mean")
+    return res
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    q = a.quick
+    shape = Shape(rounds=a.rounds or (2 if q else 3), convs=a.convs or (4 if q else 6),
+                  turns=a.turns or (3 if q else 4), system=1024 if q else 1536,
+                  question=96 if q else 128, answer=16 if q else 24)
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in ALL:
+            raise SystemExit(f"unknown variant {v!r}; known: {', '.join(ALL)}")
+    sh = SHAPES["kv32k"]
+    kv_per_token = sh.layers * 2 * sh.kv_heads * sh.head_size * 4  # float32
+    longest = shape.system + shape.turns * (shape.question + shape.answer)
+    max_len = -(-(longest + 64) // BS) * BS
+    tmp = Path(tempfile.mkdtemp(prefix="pdxfer-bench-vllm-"))
+    boot = BootstrapServer("127.0.0.1", 0).start()
+    t_start = time.monotonic()
+    got: dict[tuple[str, str], Samples] = {}
+    outs: dict[tuple[str, Any], list[int]] = {}
+    log: list[dict[str, Any]] = []
+    res: dict[str, Any] = {"vllm.default_transport": default_transport(),
+                           "vllm.cores": os.cpu_count(), "vllm.quick": q,
+                           "vllm.shape": dataclasses.asdict(shape),
+                           "vllm.kv_bytes_per_token": kv_per_token}
+    try:
+        setup = Setup(tmp, build_model(tmp / "model", "kv32k"), boot.address,
+                      3 * max_len * kv_per_token,
+                      2 * shape.convs * -(-longest // BS) + 64, max_len)
+        print(f"[bench_vllm] {shape}; variants {variants}; logs in {tmp}", file=sys.stderr)
+        active = list(variants)
+        for rnd in range(shape.rounds):
+            k = rnd % len(active) if active else 0
+            for v in active[k:] + active[:k]:
+                try:
+                    phase(v, rnd, setup, shape, a, got, outs, log)
+                except (ServerNotReady, NotImplementedError) as e:
+                    if v != "mooncake":
+                        raise
+                    # tried, measured: the reason is the server's own
+                    log_file = setup.tmp / f"mooncake_r{rnd}_p.log"
+                    res["vllm.unsupported.mooncake"] = (root_cause(log_file)
+                                                        or str(e)[-2000:])
+                    res["vllm.unsupported.mooncake_log"] = str(log_file)
+                    log[-1]["failed"] = str(e).splitlines()[0]
+                    active.remove(v)
+                    print(f"[bench_vllm] mooncake left out: {str(e).splitlines()[0]}",
+                          file=sys.stderr)
+        ref = "colocated" if "colocated" in variants else (active[0] if active else "")
+        keys = [k for (v, k) in outs if v == ref]
+        same = [all(outs.get((v, k)) == outs[(ref, k)] for k in keys)
+                for v in active if v != ref]
+        res["vllm.outputs_identical"] = bool(keys) and all(same)
+        res["vllm.outputs_compared"] = f"{len(keys)} requests x {len(active) - 1} variants vs {ref}"
+        res.update(summary(got, log, active))
+        res["vllm.phases"] = log
+        res["vllm.loadavg_max_before_phase"] = max(r["loadavg_before"][0] for r in log)
+        res["vllm.seconds"] = time.monotonic() - t_start
         return res
     finally:
-        for d in doors.values():
-            d.close()
-        for s in srv.values():
-            s.stop()
         boot.stop()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--quick", action="store_true", help="fewer, shorter conversations")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 rounds of 4 conversations x 3 turns (24 requests per variant, "
+                         "alone and contended each)")
+    ap.add_argument("--rounds", type=int, help="phases per variant (default 3; quick 2)")
+    ap.add_argument("--convs", type=int, help="conversations per phase (default 6; quick 4)")
+    ap.add_argument("--turns", type=int, help="turns per conversation (default 4; quick 3)")
+    ap.add_argument("--variants", default=",".join(ALL), help=f"of {', '.join(ALL)}")
+    ap.add_argument("--no-contended", dest="contended", action="store_false",
+                    help="leave out the half measured beside a CPU load")
+    ap.add_argument("--startup-timeout", type=float, default=600.0,
+                    help="seconds each server has to answer /health (default 600)")
+    ap.add_argument("--idle-seconds", type=float, default=10.0,
+                    help="how long each phase's idle CPU is measured (default 10)")
+    ap.add_argument("--request-timeout", type=float, default=600.0,
+                    help="seconds one request may take (default 600)")
     a = ap.parse_args()
-    res = run(a.quick)
+    # SIGTERM unwinds (every server is stopped by pid in a finally), as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        res = run(a)
+    except ServerNotReady as e:
+        print(f"[bench_vllm] error: {e}", file=sys.stderr)
+        return 2
     text = json.dumps(res, indent=1, sort_keys=True)
     print(text)
     if a.json:

@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,61 +46,60 @@ def kv_config(role: str, extra: dict[str, Any], connector: str = "PdxferConnecto
     return json.dumps(cfg)
 
 
-class VllmServer:
-    """One OpenAI-compatible vLLM server on 127.0.0.1."""
+class ServerNotReady(RuntimeError):
+    """A server exited, or did not answer ready before its start-up deadline; the message
+    names it and ends with its last log lines. The server has been stopped (by pid)."""
 
-    def __init__(self, name: str, model: str | os.PathLike[str], log_dir: str | os.PathLike[str],
-                 *, kv_transfer_config: str | None = None, args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, port: int | None = None,
-                 block_size: int = 32, kv_cache_bytes: int = 256 << 20,
-                 served_name: str = "llama", dtype: str = "float32",
-                 log_stats: bool = False, start: bool = True) -> None:
-        """``dtype`` defaults to float32: with bf16, a greedy token near a tie can flip with
-        the batch's shape (CPU matmuls round differently for different row counts), so a
-        disaggregated run and a colocated one may part ways for reasons that have nothing
-        to do with the KV that moved; float32 keeps those rounding differences ~10^4 times
-        smaller than any logit gap."""
-        self.name, self.port = name, port or free_port()
+
+class Server:
+    """One server process on 127.0.0.1: ``argv`` started in its own session (so its group,
+    children included, is killed by pid), output to ``<log_dir>/<name>.log``, ready when
+    ``GET <url><health>`` answers 200."""
+
+    health = "/health"
+
+    def __init__(self, name: str, argv: Sequence[str], log_dir: str | os.PathLike[str], *,
+                 port: int, env: dict[str, str] | None = None) -> None:
+        self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log_dir) / f"{name}.log"
-        self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                     "--model", str(model), "--served-model-name", served_name,
-                     "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
-                     "--dtype", dtype, "--block-size", str(block_size),
-                     "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0",
-                     "--uvicorn-log-level", "warning", *args]
-        if not log_stats:
-            self.argv.append("--disable-log-stats")
-        if kv_transfer_config:
-            self.argv += ["--kv-transfer-config", kv_transfer_config]
-        self.env = {**os.environ, **QUIET_ENV, **(env or {})}
+        self.argv = list(argv)
+        self.env = {**os.environ, **(env or {})}
         self.popen: subprocess.Popen[bytes] | None = None
-        if start:
-            self.start()
 
-    def start(self) -> VllmServer:
+    def start(self) -> Server:
         with open(self.log, "ab") as f:
             f.write(f"\n=== start {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
             self.popen = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT,
                                           env=self.env, start_new_session=True)
         return self
 
-    def wait_ready(self, timeout: float = 240.0) -> VllmServer:
+    def wait_ready(self, timeout: float = 240.0) -> Server:
+        """Poll ``/health`` until 200; past ``timeout`` (or if the process exits) stop it and
+        raise ``ServerNotReady`` naming it. Bounded: each probe waits at most 2 s, so this
+        returns within ``timeout`` + 2 s even if the server accepts and never answers."""
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
+        while True:
             if not self.alive():
-                raise RuntimeError(f"vLLM {self.name} exited ({self.popen.returncode if self.popen else '?'}"
-                                   f"); last log lines:\n{self.tail()}")
+                self.stop()  # the group: a child it left behind goes too
+                raise ServerNotReady(
+                    f"server {self.name!r} exited "
+                    f"({self.popen.returncode if self.popen else 'never started'}) before it was "
+                    f"ready; log {self.log}, last lines:\n{self.tail()}")
+            left = end - time.monotonic()
+            if left <= 0:
+                break
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"{self.url}{self.health}",
+                                            timeout=min(2.0, max(0.1, left))) as r:
                     if r.status == 200:
                         return self
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(0.5)
+            time.sleep(min(0.5, max(0.0, end - time.monotonic())))
         self.stop()
-        raise RuntimeError(f"vLLM {self.name} not ready in {timeout} s; last log lines:\n"
-                           f"{self.tail()}")
+        raise ServerNotReady(f"server {self.name!r} (pid {self.pid}) not ready within "
+                             f"{timeout:.0f} s; log {self.log}, last lines:\n{self.tail()}")
 
     def tail(self, n: int = 30) -> str:
         try:
@@ -146,7 +145,37 @@ class VllmServer:
             return r.read().decode()
 
 
-def start_all(servers: Sequence[VllmServer], timeout: float = 300.0) -> None:
+class VllmServer(Server):
+    """One OpenAI-compatible vLLM server on 127.0.0.1."""
+
+    def __init__(self, name: str, model: str | os.PathLike[str], log_dir: str | os.PathLike[str],
+                 *, kv_transfer_config: str | None = None, args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, port: int | None = None,
+                 block_size: int = 32, kv_cache_bytes: int = 256 << 20,
+                 served_name: str = "llama", dtype: str = "float32",
+                 log_stats: bool = False, start: bool = True) -> None:
+        """``dtype`` defaults to float32: with bf16, a greedy token near a tie can flip with
+        the batch's shape (CPU matmuls round differently for different row counts), so a
+        disaggregated run and a colocated one may part ways for reasons that have nothing
+        to do with the KV that moved; float32 keeps those rounding differences ~10^4 times
+        smaller than any logit gap."""
+        port = port or free_port()
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(model), "--served-model-name", served_name,
+                "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+                "--dtype", dtype, "--block-size", str(block_size),
+                "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0",
+                "--uvicorn-log-level", "warning", *args]
+        if not log_stats:
+            argv.append("--disable-log-stats")
+        if kv_transfer_config:
+            argv += ["--kv-transfer-config", kv_transfer_config]
+        super().__init__(name, argv, log_dir, port=port, env={**QUIET_ENV, **(env or {})})
+        if start:
+            self.start()
+
+
+def start_all(servers: Sequence[Server], timeout: float = 300.0) -> None:
     """Wait for servers started together (their starts overlap); stop all on a failure."""
     try:
         for s in servers:
@@ -155,6 +184,26 @@ def start_all(servers: Sequence[VllmServer], timeout: float = 300.0) -> None:
         for s in servers:
             s.stop()
         raise
+
+
+def start_one_by_one(make: Sequence[Callable[[], Server]], timeout: float) -> list[Server]:
+    """Build, start and wait for each server in turn (the next one is built only when the
+    previous answers ready, so a port it picks cannot collide with one still being bound:
+    two NixlConnector servers started together can). The first not ready by its deadline
+    (``timeout`` each) stops every server started so far and raises ``ServerNotReady``."""
+    up: list[Server] = []
+    try:
+        for m in make:
+            s = m()
+            up.append(s)
+            if s.popen is None:
+                s.start()
+            s.wait_ready(timeout)
+    except BaseException:
+        for s in reversed(up):
+            s.stop()
+        raise
+    return up
 
 
 def read_stats(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -36,6 +36,9 @@ class FrontDoor:
         self.last_params: dict[str, Any] | None = None
         self.prefill_seconds: list[float] = []
         """Per request, how long the prefill leg took (the rest of a TTFT is the decode's)."""
+        self.prefill_spans: list[tuple[int, int]] = []
+        """Per request, the prefill leg's start and end (``perf_counter_ns``: the host's
+        ``CLOCK_MONOTONIC``, comparable with stamps taken in other processes)."""
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
@@ -91,12 +94,14 @@ class FrontDoor:
         first["max_tokens"] = 1
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
 
         async def prefill() -> tuple[int, bytes, Any]:
             async with self._session.post(self.prefill + path, json=first) as r:
                 raw = await r.read()
-            self.prefill_seconds.append(time.perf_counter() - t0)
+            t1 = time.perf_counter_ns()
+            self.prefill_seconds.append((t1 - t0) / 1e9)
+            self.prefill_spans.append((t0, t1))
             return r.status, raw, (json.loads(raw) if r.status == 200 else None)
 
         if self.early is not None:

@@ -425,3 +425,41 @@ def test_a_decode_never_loads_from_a_prefill_behind_a_bootstrap_it_does_not_trus
         assert rogue.p.ep.metrics()["transport_bytes"] == sent, "the rogue was never asked"
         assert sum(s.get("untrusted_refused", 0) for s in d.kv_stats) == 1
         assert d.conn.worker.counters["loads"] == 0
+
+
+def test_the_step_after_a_prefill_finished_lets_its_answer_go_out_first() -> None:
+    """The step after a prefill finished requests carries their send orders; vLLM's output
+    thread is then sending their answers (the router waits for them). That step must let
+    another thread take the GIL before its work: without the pause, a thread woken just
+    before it runs only after it (the GIL changes hands every 5 ms at the earliest)."""
+    import threading
+
+    from vllm.v1.request import RequestStatus
+
+    from pdxfer.integrations.vllm import config as C
+    from pdxfer.integrations.vllm.scheduler import PdxferScheduler
+
+    sch = PdxferScheduler(C.parse("kv_producer", {"bootstrap": "127.0.0.1:9"}, "m"), BS)
+    firsts = 0
+    for i in range(20):
+        r = Request(f"r{i}", list(range(40)), SamplingParams(
+            max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
+            None)
+        r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        assert sch.request_finished(r, [1, 2])[0]
+        go, order = threading.Event(), []
+
+        def output_thread(go: threading.Event = go, order: list[str] = order) -> None:
+            go.wait()
+            order.append("answer")
+
+        t = threading.Thread(target=output_thread)
+        t.start()
+        time.sleep(0.02)  # the thread parked in wait()
+        go.set()  # as vLLM's queue put wakes its output thread
+        meta = sch.build_connector_meta()
+        order.append("step")
+        t.join(30)
+        assert [s.req_id for s in meta.sends] == [f"r{i}"]
+        firsts += order[0] == "answer"
+    assert firsts > 0  # without the pause: never (the woken thread waits for the GIL)

@@ -27,6 +27,7 @@ A request is loaded at most once: after a failed load vLLM recomputes (or fails)
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,14 @@ log = logging.getLogger("pdxfer.integrations.vllm")
 
 DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 """A request that ended this way has the KV of every token it computed."""
+
+ANSWER_FIRST_S = 0.0005
+"""How long the step after a prefill finished requests lets other threads run first. Their
+answers (``kv_transfer_params``) are then being encoded and sent by the engine core's output
+thread, and the router waits for them; the step exists only because the prefill holds the
+blocks for the send, and without a pause its Python work (scheduling, the send orders) kept
+the GIL from the output thread for its whole length (``docs/performance.md``, the prefill
+leg: ~13 ms more from the engine to the API server than colocated, on a loaded host)."""
 
 
 @dataclass(slots=True)
@@ -193,6 +202,8 @@ class PdxferScheduler:
                               self._aborts)
         self._sends, self._loads, self._writebacks = [], [], []
         self._opens, self._aborts = [], []
+        if meta.sends:
+            time.sleep(ANSWER_FIRST_S)  # the answers of the requests to send go out first
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]
