@@ -1,31 +1,33 @@
 """The steps of ``scripts/gpu_check.sh``: pdxfer between two processes on one GPU.
 
 Each step runs in its own process (the shell bounds it with ``timeout``) and writes a JSON of
-flat dotted keys; ``merge`` folds the parts and the shell's step records into one file. The
+flat dotted keys; the shell folds the parts and its step records into one file. The
 steps reuse the suite's harness: ``harness.Agent`` processes with patterned pools, the
 request factory of ``tests/integration/helpers.py``, the TP groups of ``hetero.py``, the tier
 commands of ``tiers_helpers.py``; the pools only move to ``--device`` (``cuda:0`` there,
 ``cpu`` for ``gpu_check.sh --cpu`` here, which keeps this file tested).
 
     python scripts/gpu_check.py STEP --device cuda:0 --transport tcp --json OUT.json
-    python scripts/gpu_check.py merge OUTDIR
 
-Steps (per transport, ``tcp``: Mooncake TCP, ``nixl``: NIXL over UCX):
+Steps: ``transfers`` (per transport, ``tcp``: Mooncake TCP, ``nixl``: NIXL over UCX) runs
+these checks on one prefill process and one decode process, each check adding the endpoints
+it needs; a failed check is recorded and the next one runs:
 
 * ``pages``: scattered, chunked requests over six pools (fp16/bf16/fp32 MHA, MLA-like paged,
   slots) land byte-exact in device pages; no page outside them changes.
 * ``landing_host``: a prefill on the device, a decode whose pools are host memory (what
   ``--kv-landing host`` does), byte-exact.
-* ``hetero``: two TP ranks of a prefill (NHD halves of the heads) into one TP 1 decode
-  (HND), all on the device, byte-exact.
+* ``hetero``: two TP ranks of a prefill (half the heads each) into one TP 1 decode, HND
+  pages, all on the device, byte-exact.
 * ``integrity``: ``sampled`` and ``full``, decode on the device and on the host: every
   request passes (the digest the sender computes on the device equals the receiver's, on the
   device or the host); a page corrupted on the host decode fails its request as
-  ``integrity``.
+  ``integrity`` (pdxfer's fault injection damages host pages only, so the corruption is
+  checked where a device digest meets a host one; ``tests/gpu`` flips a device byte).
 * ``l2_restore``: a decode with device pools and an L2: a request written back, then a child
   sharing 90% of its prefix restores it from L2 into device pages (only the suffix crosses
   the wire), byte-exact.
-* ``bulk`` (all transports in one process): GB/s of one large request per transport, beside
+``bulk`` (all transports in one process): GB/s of one large request per transport, beside
   torch's device-to-device copy and pinned host-to-device copy of as many bytes, interleaved.
 """
 
@@ -250,8 +252,9 @@ def step_transfers(dev: str, transport: str) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - recorded as the check's verdict
                 r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             r["seconds"] = round(time.monotonic() - t0, 2)
-            print(f"{transport} {name}: {'ok' if r['ok'] else 'FAILED'} {r}", file=sys.stderr,
-                  flush=True)
+            why = r.get("error") or r.get("first_failure") or r.get("first_wrong") or ""
+            print(f"{transport} {name}: {'ok' if r['ok'] else 'FAILED'} in {r['seconds']} s "
+                  f"{why}", file=sys.stderr, flush=True)
             res.update({f"{name}.{k}": v for k, v in r.items()})
     res["ok"] = all(res[f"{n}.ok"] for n in CHECKS)
     return res
@@ -335,41 +338,14 @@ def step_bulk(dev: str, transports: list[str], quick: bool) -> dict[str, Any]:
         srv.stop()
 
 
-def merge(outdir: Path) -> dict[str, Any]:
-    """``parts/*.json`` and the shell's ``steps.tsv`` (name, rc, seconds) into one flat dict."""
-    out: dict[str, Any] = {}
-    info = outdir / "info.json"
-    if info.exists():
-        out.update(json.loads(info.read_text()))
-    ok = True
-    steps = (outdir / "steps.tsv").read_text().split("\n") if (outdir / "steps.tsv").exists() else []
-    for line in filter(None, steps):
-        name, rc, secs = line.split("\t")
-        part = outdir / "parts" / f"{name}.json"
-        body = json.loads(part.read_text()) if part.exists() else {}
-        for k, v in body.items():
-            out[f"{name}.{k}"] = v
-        passed = rc == "0" and body.get("ok", rc == "0") is True
-        out[f"{name}.rc"], out[f"{name}.seconds"], out[f"{name}.passed"] = int(rc), float(secs), passed
-        ok = ok and passed
-    out["all_passed"] = ok and bool(steps)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("step", choices=[*STEPS, "merge"])
-    ap.add_argument("outdir", nargs="?", type=Path, help="merge: the check's folder")
+    ap.add_argument("step", choices=STEPS)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--transport", default="tcp", help="tcp, nixl, or both (bulk: tcp,nixl)")
     ap.add_argument("--json", type=Path, help="write the step's result here")
     ap.add_argument("--quick", action="store_true", help="bulk: a small request, 2 reps")
     a = ap.parse_args(argv)
-    if a.step == "merge":
-        res = merge(a.outdir)
-        (a.outdir / "gpu_check.json").write_text(json.dumps(res, indent=1, sort_keys=True))
-        print(json.dumps(res, indent=1, sort_keys=True))
-        return 0 if res["all_passed"] else 1
     t0 = time.monotonic()
     if a.step == "bulk":
         res = step_bulk(a.device, a.transport.split(","), a.quick)
