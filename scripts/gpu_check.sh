@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh OUTDIR [--cpu] [--transport both|tcp|nixl] [--scale N]
 #
 # On a CUDA machine with python3 + PyTorch (CUDA 13) it installs the wheels that
-# scripts/gpu_wheels.sh put in .whl/ (no network needed) into OUTDIR/site and puts them on
+# scripts/gpu_wheels.sh put in .whl/ (no network needed) into a work folder and puts them on
 # PYTHONPATH; where pdxfer's dependencies and the transports are already installed, an
 # empty .whl/ is fine. --cpu runs the same steps on host memory with the packages already
 # installed (the suite runs it: tests/integration/test_gpu_check.py).
@@ -19,7 +19,9 @@
 #                    page caught, L2 restore into device pages
 #   bulk             GB/s of each transport, torch device-to-device and pinned host-to-device
 # Writes OUTDIR/gpu_check.json (flat dotted keys: every verdict and figure, `all_passed`)
-# and OUTDIR/log; exits 0 only if every step passed.
+# and OUTDIR/log, nothing else there (a device tool may bring back only a few files); the
+# installed wheels and the steps' parts live in a work folder ($GPU_CHECK_WORK, else under
+# /tmp). Exits 0 only if every step passed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -36,10 +38,12 @@ while [ $# -gt 0 ]; do
 done
 case "$TRANSPORT" in both) TRANSPORTS="tcp nixl" ;; tcp|nixl) TRANSPORTS="$TRANSPORT" ;;
   *) echo "bad --transport $TRANSPORT" >&2; exit 2 ;; esac
-mkdir -p "$OUTDIR/parts"
+mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
-rm -f "$OUTDIR"/parts/*.json "$OUTDIR/gpu_check.json"
-: > "$OUTDIR/steps.tsv"
+WORK="${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/pdxfer-gpu-check.XXXXXX")}"
+mkdir -p "$WORK/parts"
+rm -f "$WORK"/parts/*.json "$WORK/info.json" "$OUTDIR/gpu_check.json"
+: > "$WORK/steps.tsv"
 exec > >(tee "$OUTDIR/log") 2>&1
 export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
 
@@ -71,12 +75,12 @@ step() {
   local secs="$((ms / 1000)).$(printf %03d $((ms % 1000)))"
   [ "$rc" = 124 ] && echo "=== $name: TIMED OUT after ${limit}s"
   echo "=== $name: rc=$rc in ${secs}s"
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$secs" >> "$OUTDIR/steps.tsv"
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$secs" >> "$WORK/steps.tsv"
 }
 
 wheels() {
   if [ "$CPU" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
-    local site="$OUTDIR/site"
+    local site="$WORK/site"
     rm -rf "$site" && mkdir -p "$site"
     timeout "$LIMIT" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
       .whl/*.whl || return 1
@@ -99,7 +103,7 @@ for p in site.getsitepackages() + sys.path:
   fi
   echo "PYTHONPATH=$PYTHONPATH"
   echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
-  timeout "$LIMIT" "$PY" - "$DEVICE" "$OUTDIR/info.json" "$TRANSPORT" <<'EOF'
+  timeout "$LIMIT" "$PY" - "$DEVICE" "$WORK/info.json" "$TRANSPORT" <<'EOF'
 import json, platform, subprocess, sys, time
 import torch
 dev, path, transport = sys.argv[1:4]
@@ -130,17 +134,17 @@ EOF
 
 step wheels 60 wheels
 # (stop here if nothing imports: every later step would only time out)
-if [ "$(tail -1 "$OUTDIR/steps.tsv" | cut -f2)" = 0 ]; then
+if [ "$(tail -1 "$WORK/steps.tsv" | cut -f2)" = 0 ]; then
   step pytest_gpu 60 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
   for t in $TRANSPORTS; do
     step "transfers.$t" 120 "$PY" scripts/gpu_check.py transfers --device "$DEVICE" \
-      --transport "$t" --json "$OUTDIR/parts/transfers.$t.json"
+      --transport "$t" --json "$WORK/parts/transfers.$t.json"
   done
   step bulk 120 "$PY" scripts/gpu_check.py bulk --device "$DEVICE" \
-    --transport "$(echo $TRANSPORTS | tr ' ' ,)" --json "$OUTDIR/parts/bulk.json" "${BULK_ARGS[@]}"
+    --transport "$(echo $TRANSPORTS | tr ' ' ,)" --json "$WORK/parts/bulk.json" "${BULK_ARGS[@]}"
 fi
 # every part and step record into one flat JSON (plain python: works when nothing imports)
-"$PY" - "$OUTDIR" <<'EOF'
+"$PY" - "$WORK" "$OUTDIR" <<'EOF'
 import json, pathlib, sys
 d = pathlib.Path(sys.argv[1])
 out = json.loads((d / "info.json").read_text()) if (d / "info.json").exists() else {}
@@ -155,7 +159,7 @@ for line in filter(None, (d / "steps.tsv").read_text().split("\n")):
     out.update({f"{name}.rc": int(rc), f"{name}.seconds": float(secs), f"{name}.passed": passed})
     ok = ok and passed
 out["all_passed"] = ok and len(names) > 1
-(d / "gpu_check.json").write_text(json.dumps(out, indent=1, sort_keys=True))
+(pathlib.Path(sys.argv[2]) / "gpu_check.json").write_text(json.dumps(out, indent=1, sort_keys=True))
 for k in sorted(out):
     if k.endswith((".passed", ".seconds")) or ".gb_per_s." in k or k in ("gpu", "all_passed"):
         print(f"{k} = {out[k]}")
@@ -163,4 +167,5 @@ sys.exit(0 if out["all_passed"] else 1)
 EOF
 rc=$?
 echo "=== gpu_check: $([ $rc = 0 ] && echo ALL PASSED || echo FAILED); $OUTDIR/gpu_check.json"
+[ -z "${GPU_CHECK_WORK:-}" ] && rm -rf "$WORK"
 exit $rc

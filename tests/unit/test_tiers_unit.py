@@ -196,7 +196,8 @@ def test_the_torch_copier_moves_the_same_bytes_as_the_host_copier() -> None:
     host = HostCache(specs, {"c4_kv": 8, "c4_idx": 8})
     rng = np.random.default_rng(3)
     for t in (x for v in ts.values() for x in v):
-        t.view(torch.uint8).copy_(torch.from_numpy(rng.integers(0, 256, t.numel() * t.element_size(), dtype=np.uint8)).view_as(t.view(torch.uint8)))
+        u8 = t.view(torch.uint8)
+        u8.copy_(torch.from_numpy(rng.integers(0, 256, u8.shape, dtype=np.uint8)))
     l1, hp = np.array([9, 2, 14]), np.array([5, 0, 7])
     assert isinstance(default_copier(specs), CpuCopier)
     cpu, tch = CpuCopier(specs), TorchCopier(specs)
