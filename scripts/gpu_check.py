@@ -56,6 +56,9 @@ from tests.integration.test_transfer import GEOMS  # noqa: E402
 from tests.integration.tiers_helpers import MODEL, Family, X, finish, start, write_back  # noqa: E402
 
 STATE = "pdxfer.testing.bench_agent:BenchState"
+CONF = {**FAST, "bootstrap_timeout_s": 30.0, "transfer_timeout_s": 60.0}
+"""The suite's short deadlines, but room for a pairing on a loaded host: no check here is
+about a deadline (a NIXL HelloAck took over 5 s at a load of 60 on 2 cores)."""
 ENV = {"MC_LOG_LEVEL": "ERROR"}
 STEPS = ("transfers", "bulk")
 
@@ -70,7 +73,7 @@ def agents(*specs: tuple[str, dict[str, Any], list[PoolGeom]]) -> Iterator[list[
     out: list[Agent] = []
     try:
         for role, conf, geoms in specs:
-            out.append(Agent(role, {**FAST, **conf}, geoms, env=ENV, state=STATE))
+            out.append(Agent(role, {**CONF, **conf}, geoms, env=ENV, state=STATE))
         yield out
     finally:
         for a in reversed(out):
@@ -89,7 +92,7 @@ class Rig:
 
     def endpoint(self, agent: Agent, name: str, geoms: list[PoolGeom], **conf: Any) -> Group:
         role = "prefill" if agent is self.pf else "decode"
-        cfg = {**FAST, "transport": self.transport, **conf}
+        cfg = {**CONF, "transport": self.transport, **conf}
         if role == "prefill":
             cfg.update(bootstrap=self.boot, instance=name)
         agent.call("add_endpoint", name=name, role=role, config=cfg, geoms=geoms)
@@ -152,11 +155,13 @@ AUX = PoolGeom("aux", "slots", layers=1, pages=256, dim=8, dtype="int32")
 def check_hetero(rig: Rig) -> dict[str, Any]:
     """Two TP ranks (half the heads each) into one TP 1 decode, HND pages, on the device."""
     src = dst = on([dataclasses.replace(KV, layout="HND"), AUX], rig.dev)
-    FAST["transport"] = rig.transport  # tp_group's endpoints take the suite's FAST config
+    saved = dict(FAST)
+    FAST.update(CONF, transport=rig.transport)  # tp_group's endpoints take the suite's FAST
     try:
         pg = tp_group(rig.pf, "prefill", "tp2", src, 2, rig.boot, "tp2")
     finally:
-        FAST.pop("transport")
+        FAST.clear()
+        FAST.update(saved)
     dg = rig.endpoint(rig.dc, "het", dst)
     f = Factory(src, dst, seed=3)
     reqs = [f.make(n, chunks=1 + i % 3) for i, n in enumerate([16, 33, 100, 257, 1])]

@@ -20,15 +20,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(2400)
+@pytest.mark.timeout(3600)
 def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # the script's python: this one (its dependencies and transports are installed)
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    # limits x4: this 2-core machine runs the suite beside other work
+    # limits x6: they only bound a hang, and this 2-core machine runs the suite beside other
+    # work (at a load of 40-60 a transfer step took 4 to 8 minutes here)
     p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "--cpu",
-                        "--scale", "4"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=2300)
+                        "--scale", "6"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=3500)
     log = (tmp_path / "log").read_text() if (tmp_path / "log").exists() else p.stdout
     assert (tmp_path / "gpu_check.json").exists(), log[-4000:]
     r = json.loads((tmp_path / "gpu_check.json").read_text())
