@@ -174,7 +174,7 @@ class _CudaMemory:
                                          "data": (addr, False), "version": 3, "strides": None}
 
 
-def _torch_bytes(addr: int, nbytes: int, location: str) -> Any:
+def torch_bytes(addr: int, nbytes: int, location: str) -> Any:
     """``nbytes`` at ``addr`` on ``location`` as a uint8 torch tensor (a view, no copy)."""
     import torch
 
@@ -201,7 +201,7 @@ class _Bases:
         if dev:
             import torch
 
-            self.view = _torch_bytes(lo, span, pool.location)
+            self.view = torch_bytes(lo, span, pool.location)
             self.words = self.view[:span - span % 8].view(torch.int64) if aligned else None
         else:
             self.view = _host_view(lo, span)

@@ -48,6 +48,8 @@ class PoolGeom:
     indices_from: str | None = None
     page_remap: bool = False
     optional: bool = False
+    device: str = "cpu"
+    """Where the pool's tensors live (``cuda:0``: device memory, registered as such)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -56,15 +58,18 @@ class PoolGeom:
             raise ValueError("layers must be >= 1")
 
 
-def build(geoms: list[PoolGeom], device: str = "cpu"
+def build(geoms: list[PoolGeom], device: str | None = None
           ) -> tuple[list[PoolSpec], dict[str, list[torch.Tensor]]]:
-    """Allocate zeroed tensors for each geometry and describe them as PoolSpecs.
+    """Allocate zeroed tensors for each geometry (on ``device`` if given, else on the
+    geometry's own) and describe them as PoolSpecs.
 
     Tensors are returned per pool in the same order as the PoolSpec's buffers.
     """
     specs: list[PoolSpec] = []
     tensors: dict[str, list[torch.Tensor]] = {}
+    where = device
     for g in geoms:
+        device = where or g.device
         dt = _DTYPES[g.dtype]
         ids = list(range(g.first_layer, g.first_layer + g.layers))
         if g.kind == "mha":
@@ -142,6 +147,12 @@ def _slots_of(spec: PoolSpec, pages: np.ndarray, first: int, start: int, end: in
     return pos, pg, rel % spec.page_size
 
 
+def _on(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``x`` (built on the host) where ``t`` lives: patterns and indices are computed on the
+    host, pools may be on a device."""
+    return x if x.device == t.device else x.to(t.device)
+
+
 def _byte0(spec: PoolSpec) -> int:
     sh = spec.sharding
     return sh.first_head * sh.head_bytes if sh.kind == "heads" else 0
@@ -157,7 +168,7 @@ def fill_tokens(spec: PoolSpec, tensors: list[torch.Tensor], room: int, pages: A
         pid, layer, role = _ids(spec, i)
         pat = pattern(room, pid, layer, role, pos, spec.token_bytes, _byte0(spec))
         rows = _token_rows(spec, t)
-        rows[pg, off] = pat.view(-1, *rows.shape[2:])
+        rows[_on(pg, t), _on(off, t)] = _on(pat.view(-1, *rows.shape[2:]), t)
 
 
 def check_tokens(spec: PoolSpec, tensors: list[torch.Tensor], room: int, pages: Any,
@@ -170,7 +181,7 @@ def check_tokens(spec: PoolSpec, tensors: list[torch.Tensor], room: int, pages: 
     for i, t in enumerate(tensors):
         pid, layer, role = _ids(spec, i)
         pat = pattern(room, pid, layer, role, pos, spec.token_bytes, _byte0(spec))
-        got = _token_rows(spec, t)[pg, off].reshape(pat.shape)
+        got = _token_rows(spec, t)[_on(pg, t), _on(off, t)].reshape(pat.shape).cpu()
         diff = got != pat
         n = int(diff.sum())
         if n and not first_bad:
@@ -185,7 +196,7 @@ def fill_slot(spec: PoolSpec, tensors: list[torch.Tensor], room: int, slot: int)
     for i, t in enumerate(tensors):
         pid, layer, role = _ids(spec, i)
         row = t.view(torch.uint8).view(spec.num_items, spec.item_bytes)
-        row[slot] = pattern(room, pid, layer, role, torch.zeros(1), spec.item_bytes)[0]
+        row[slot] = _on(pattern(room, pid, layer, role, torch.zeros(1), spec.item_bytes)[0], t)
 
 
 def check_slot(spec: PoolSpec, tensors: list[torch.Tensor], room: int, slot: int
@@ -193,7 +204,7 @@ def check_slot(spec: PoolSpec, tensors: list[torch.Tensor], room: int, slot: int
     bad = 0
     for i, t in enumerate(tensors):
         pid, layer, role = _ids(spec, i)
-        row = t.view(torch.uint8).view(spec.num_items, spec.item_bytes)[slot]
+        row = t.view(torch.uint8).view(spec.num_items, spec.item_bytes)[slot].cpu()
         bad += int((row != pattern(room, pid, layer, role, torch.zeros(1), spec.item_bytes)[0]).sum())
     return bad, (f"slot pool {spec.name} slot {slot}: {bad} bytes differ" if bad else "")
 
@@ -209,13 +220,13 @@ def scrub(spec: PoolSpec, tensors: list[torch.Tensor], items: Any) -> None:
     first, so a byte that lands later shows (``dirty``)."""
     idx = torch.as_tensor(np.asarray(list(items), dtype=np.int64))
     for t in tensors:
-        t.view(torch.uint8).view(spec.num_items, -1)[idx] = SENTINEL
+        t.view(torch.uint8).view(spec.num_items, -1)[_on(idx, t)] = SENTINEL
 
 
 def dirty(spec: PoolSpec, tensors: list[torch.Tensor], items: Any) -> int:
     """Bytes of ``items`` that are no longer the sentinel."""
     idx = torch.as_tensor(np.asarray(list(items), dtype=np.int64))
-    return sum(int((t.view(torch.uint8).view(spec.num_items, -1)[idx] != SENTINEL).sum())
+    return sum(int((t.view(torch.uint8).view(spec.num_items, -1)[_on(idx, t)] != SENTINEL).sum())
                for t in tensors)
 
 
@@ -228,5 +239,5 @@ def untouched(spec: PoolSpec, tensors: list[torch.Tensor], exclude: Any) -> int:
     bad = 0
     for t in tensors:
         rows = t.view(torch.uint8).view(spec.num_items, -1)
-        bad += int((rows[idx] != SENTINEL).sum())
+        bad += int((rows[_on(idx, t)] != SENTINEL).sum())
     return bad

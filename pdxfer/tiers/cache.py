@@ -25,7 +25,7 @@ from ..config import knobs
 from ..errors import ConfigError
 from ..faults import Faults, damage, faults
 from ..pools import PoolSpec, layout_signature
-from .copy import Copier, CpuCopier
+from .copy import Copier, default_copier
 from .errors import CapacityError
 from .host import Entry, HostCache, Register
 from .keys import page_keys, pool_key
@@ -126,7 +126,7 @@ class TieredCache:
         self.l1_copy_seconds = 0.0
         self.l1_copy_bytes = 0
         """L2 -> L1 copies of restores: their speed is ``l1_copy_bytes / l1_copy_seconds``."""
-        self.copier: Copier = copier or CpuCopier(pools)
+        self.copier: Copier = copier or default_copier(pools)
         self.storage: StorageBackend | None = None
         self.set_storage(storage)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdxfer-writeback")

@@ -1,8 +1,10 @@
 """Copies between L1 (the engine's pools) and L2 host pages.
 
-L1 pools are addresses plus a location string; this copier handles ``cpu`` pools with numpy
-views over the registered buffers. An engine with device pools passes its own ``Copier``
-(e.g. one built on its device streams) to ``TieredCache``.
+L1 pools are addresses plus a location string. ``CpuCopier`` handles ``cpu`` pools with numpy
+views over the registered buffers; ``TorchCopier`` handles pools on a CUDA device through
+torch (a gather on one side, one transfer, a scatter on the other). ``default_copier`` picks
+one by the pools' location; an engine may pass its own ``Copier`` (e.g. one on its own
+streams) to ``TieredCache``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import integrity
 from ..config import knobs
 from ..errors import ConfigError, PlanError
 from ..pools import PoolSpec
@@ -32,6 +35,18 @@ class Copier(Protocol):
     def close(self) -> None:
         """Join any threads the copier started (``TieredCache.close`` calls it)."""
         ...
+
+
+def _check_pages(pool: str, pages: np.ndarray, num_items: int) -> None:
+    if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= num_items):
+        raise PlanError(f"pool {pool!r}: L1 page index out of range [0, {num_items})")
+
+
+def default_copier(pools: Sequence[PoolSpec]) -> Copier:
+    """``CpuCopier`` when every data pool is in host memory, else ``TorchCopier``."""
+    if all(p.location == "cpu" for p in pools if p.kind == "paged" and p.item_bytes):
+        return CpuCopier(pools)
+    return TorchCopier(pools)
 
 
 class CpuCopier:
@@ -57,9 +72,7 @@ class CpuCopier:
         if item != host.item_bytes or len(bases) != host.nbuf:
             raise ConfigError(f"pool {pool!r}: host pool geometry differs from L1")
         pages = np.asarray(l1_pages, dtype=np.int64)
-        if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= self.num_items[pool]):
-            raise PlanError(f"pool {pool!r}: L1 page index out of range [0, "
-                            f"{self.num_items[pool]})")
+        _check_pages(pool, pages, self.num_items[pool])
         l1 = bases[None, :] + np.asarray(l1_pages, dtype=np.int64)[:, None] * item
         hp = (host.addr + np.asarray(host_pages, dtype=np.int64)[:, None] * host.page_bytes
               + np.arange(host.nbuf, dtype=np.int64)[None, :] * item)
@@ -77,6 +90,62 @@ class CpuCopier:
 
     def close(self) -> None:
         self.threads.close()
+
+
+class TorchCopier:
+    """Pools anywhere torch reaches (``cuda:N``, or ``cpu``): each buffer is a uint8 view
+    ``[pages, item_bytes]`` over its registered memory; a copy gathers the pages of every
+    buffer on the source side, moves them in one transfer, and scatters them on the other.
+    It returns once the bytes are in place (the device stream is synchronised), as the
+    restore's Success and the write-back's digest both read them right after."""
+
+    def __init__(self, pools: Sequence[PoolSpec]) -> None:
+        import torch
+
+        self._torch = torch
+        self.views: dict[str, list[Any]] = {}
+        self.item: dict[str, int] = {}
+        self.device: dict[str, Any] = {}
+        for p in pools:
+            if p.kind != "paged" or p.item_bytes == 0:
+                continue
+            if not integrity.supported(p.location):
+                raise ConfigError(f"pool {p.name!r} is on {p.location}: pass a Copier for it")
+            n = p.num_items * p.item_bytes
+            self.views[p.name] = [integrity.torch_bytes(b.addr, n, p.location)
+                                  .view(p.num_items, p.item_bytes) for b in p.buffers]
+            self.item[p.name] = p.item_bytes
+            self.device[p.name] = torch.device(p.location)
+
+    def _index(self, pool: str, host: HostPool, l1_pages: np.ndarray) -> Any:
+        views = self.views[pool]
+        if self.item[pool] != host.item_bytes or len(views) != host.nbuf:
+            raise ConfigError(f"pool {pool!r}: host pool geometry differs from L1")
+        pages = np.asarray(l1_pages, dtype=np.int64)
+        _check_pages(pool, pages, views[0].shape[0])
+        return self._torch.from_numpy(pages).to(self.device[pool])
+
+    def _sync(self, pool: str) -> None:
+        if self.device[pool].type == "cuda":
+            self._torch.cuda.synchronize(self.device[pool])
+
+    def to_host(self, pool: str, l1_pages: np.ndarray, host: HostPool,
+                host_pages: np.ndarray) -> None:
+        idx = self._index(pool, host, l1_pages)
+        got = self._torch.stack([v.index_select(0, idx) for v in self.views[pool]], dim=1)
+        host.per_buffer()[np.asarray(host_pages, dtype=np.int64)] = got.cpu().numpy()
+
+    def to_l1(self, pool: str, host: HostPool, host_pages: np.ndarray,
+              l1_pages: np.ndarray) -> None:
+        idx = self._index(pool, host, l1_pages)
+        src = host.per_buffer()[np.asarray(host_pages, dtype=np.int64)]  # [n, nbuf, item]
+        moved = self._torch.from_numpy(src).to(self.device[pool])
+        for b, v in enumerate(self.views[pool]):
+            v.index_copy_(0, idx, moved[:, b])
+        self._sync(pool)
+
+    def close(self) -> None:
+        pass
 
 
 """``PDXFER_COPY_NICE``: copy threads run this much nicer than the process. A restore's copy overlaps its own

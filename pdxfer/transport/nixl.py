@@ -29,7 +29,8 @@ loopback) so callers need not:
   start an agent (``NIXL_ERR_BACKEND``); with ``UCX_TLS=^cma`` the first bulk write hung (the
   decode declared its prefill unresponsive); ``scripts/bench_transfer.py`` measures
   ``UCX_TLS=tcp`` against UCX's choice.
-* Import ``nixl_cu12`` directly: the ``nixl`` meta package imports torch to detect CUDA.
+* Import ``nixl_cu12`` (or ``nixl_cu13``, the CUDA 13 build, where that is what is
+  installed) directly: the ``nixl`` meta package imports torch to detect CUDA.
 * Idle cost: NIXL's Python wrapper starts the UCX backend's progress thread with a 0 us
   delay, which ``poll()`` rounds up to a 1 ms tick: ~0.13-0.16 of a core per idle agent
   (measured per thread, two per pair). The thread must stay (a passive agent that never
@@ -47,6 +48,7 @@ loopback) so callers need not:
 from __future__ import annotations
 
 import atexit
+import importlib
 import itertools
 import logging
 import os
@@ -85,13 +87,19 @@ class NixlPeerLost(TransportError, PeerLost):
 
 def _load() -> Any:
     nixl_env_defaults()
-    try:
-        import nixl_cu12
-    except ImportError as e:
-        raise TransportUnavailable(
-            "NIXL is not installed: pip install 'pdxfer[nixl]' (nixl-cu12; no CUDA needed); "
-            f"original error: {e}") from None
-    return nixl_cu12
+    errors = []
+    for name in _BUILDS:
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+    raise TransportUnavailable(
+        "NIXL is not installed: pip install 'pdxfer[nixl]' (nixl-cu12; no CUDA needed), or "
+        f"nixl-cu13 on a CUDA 13 machine; original errors: {'; '.join(errors)}") from None
+
+
+_BUILDS = ("nixl_cu12", "nixl_cu13")
+"""NIXL's builds as they install (one per CUDA major version), the first found is used."""
 
 
 def _agent(nixl: Any, name: str, backends: tuple[str, ...], threads: int) -> Any:
@@ -205,7 +213,7 @@ class NixlTransport:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         nixl = _load()
-        from nixl_cu12 import _bindings as bindings
+        bindings = importlib.import_module(f"{nixl.__name__}._bindings")
 
         self._errors = bindings
         self.session_id = f"nixl-{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}"

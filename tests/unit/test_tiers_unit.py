@@ -182,3 +182,39 @@ def test_l3_without_model_id_is_a_config_error_that_says_why(tmp_path) -> None:
         l2_only.close()
     TieredCache(specs, host_pages=8, storage=fs, model_id="v4-pattern").close()
     del tensors
+
+
+def test_the_torch_copier_moves_the_same_bytes_as_the_host_copier() -> None:
+    # TorchCopier is what a decode with device pools restores through (default_copier picks
+    # it off the host); on host pools it must land exactly what CpuCopier lands, and leave
+    # every other page alone, so the GPU check exercises a copier proven here.
+    import torch
+
+    from pdxfer.tiers.copy import CpuCopier, TorchCopier, default_copier
+
+    specs, ts = build(V4)
+    host = HostCache(specs, {"c4_kv": 8, "c4_idx": 8})
+    rng = np.random.default_rng(3)
+    for t in (x for v in ts.values() for x in v):
+        u8 = t.view(torch.uint8)
+        u8.copy_(torch.from_numpy(rng.integers(0, 256, u8.shape, dtype=np.uint8)))
+    l1, hp = np.array([9, 2, 14]), np.array([5, 0, 7])
+    assert isinstance(default_copier(specs), CpuCopier)
+    cpu, tch = CpuCopier(specs), TorchCopier(specs)
+    for pool in ("c4_kv", "c4_idx"):
+        p = host.pools[pool]
+        cpu.to_host(pool, l1, p, hp)
+        want = p.data.copy()
+        p.data[:] = 0
+        tch.to_host(pool, l1, p, hp)
+        assert np.array_equal(p.data, want)
+    before = {n: [t.clone() for t in v] for n, v in ts.items()}
+    back = np.array([1, 3, 4])
+    for pool in ("c4_kv", "c4_idx"):
+        tch.to_l1(pool, host.pools[pool], hp, back)
+    for n, v in ts.items():
+        for t, old in zip(v, before[n]):
+            rows, olds = t.view(torch.uint8).view(16, -1), old.view(torch.uint8).view(16, -1)
+            assert torch.equal(rows[back], olds[l1]) and torch.equal(
+                rows[[i for i in range(16) if i not in back]],
+                olds[[i for i in range(16) if i not in back]])
