@@ -7,8 +7,7 @@
 #   pip install "sglang==0.5.23" torch "pdxfer[cuda,sglang]"
 # The same shared secret on both nodes turns on pdxfer's access control:
 #   export PDXFER_SECRET_FILE=/run/secrets/pdxfer
-# Decodes will look up only trusted bootstrap servers (being added):
-#   export PDXFER_TRUSTED_BOOTSTRAPS=PREFILL_HOST:8998
+# Decodes will look up only trusted bootstrap servers (being added: docs/sglang.md).
 #
 #   MODEL=/models/llama bash examples/sglang_pd/launch.sh prefill     # on the prefill node
 #   MODEL=/models/llama bash examples/sglang_pd/launch.sh decode      # on the decode node

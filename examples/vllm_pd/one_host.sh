@@ -25,13 +25,13 @@ pdxfer bootstrap --port "$BOOTSTRAP_PORT" & PIDS+=($!)
   --kv-transfer-config "$(kv_config kv_consumer \
     "{\"bootstrap\": \"$BOOT\", \"instance\": \"decode-0\", \"l2_pages\": 256}")" & PIDS+=($!)
 
-wait_http "http://127.0.0.1:$PREFILL_PORT/health" 600
-wait_http "http://127.0.0.1:$DECODE_PORT/health" 600
+wait_http "http://127.0.0.1:$PREFILL_PORT/health" "$START_TIMEOUT"
+wait_http "http://127.0.0.1:$DECODE_PORT/health" "$START_TIMEOUT"
 
 # the front door: OpenAI API, tokenizes with the model's tokenizer, pairs prefill and decode
 pdxfer router --engine vllm --port "$ROUTER_PORT" \
   --prefill "http://127.0.0.1:$PREFILL_PORT,$BOOT,prefill-0" \
   --decode "http://127.0.0.1:$DECODE_PORT,decode-0" & PIDS+=($!)
-wait_http "http://127.0.0.1:$ROUTER_PORT/health" 120
+wait_http "http://127.0.0.1:$ROUTER_PORT/health" 300
 echo "READY http://127.0.0.1:$ROUTER_PORT/v1"
 wait

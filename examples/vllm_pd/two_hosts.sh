@@ -26,8 +26,8 @@ case "${1:-}" in
       --kv-transfer-config "$(kv_config kv_producer "{\"bootstrap\": \"$BOOT\",
         \"instance\": \"prefill-0\", \"host\": \"$HOST_A\", \"secret_file\": \"$SECRET_FILE\"}")" &
     PIDS+=($!)
-    wait_http "http://$HOST_A:8100/health" 600
-    wait_http "http://$HOST_B:8200/health" 1800   # the decode on B
+    wait_http "http://$HOST_A:8100/health" "$START_TIMEOUT"
+    wait_http "http://$HOST_B:8200/health" "$START_TIMEOUT"   # the decode on B
     pdxfer router --engine vllm --host 0.0.0.0 --advertise "$HOST_A" --port 8000 \
       --prefill "http://$HOST_A:8100,$BOOT,prefill-0" \
       --decode "http://$HOST_B:8200,decode-0" & PIDS+=($!)
@@ -40,7 +40,7 @@ case "${1:-}" in
         \"instance\": \"decode-0\", \"host\": \"$HOST_B\", \"secret_file\": \"$SECRET_FILE\",
         \"l2_pages\": 4096, \"l3\": \"file\", \"l3_dir\": \"/var/cache/pdxfer\"}")" &
     PIDS+=($!)
-    wait_http "http://$HOST_B:8200/health" 600
+    wait_http "http://$HOST_B:8200/health" "$START_TIMEOUT"
     echo "READY decode on http://$HOST_B:8200"
     ;;
   *) echo "usage: $0 a|b" >&2; exit 2 ;;
