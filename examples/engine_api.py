@@ -51,7 +51,7 @@ def main() -> None:
     child.start()
     assert ready.wait(120), "the prefill did not start"
     pools, tensors = kv_pools(fill=0.0)             # the decode's empty cache
-    decode = Endpoint(EndpointConfig(role="decode"), pools)
+    decode = Endpoint(EndpointConfig(role="decode", bootstrap=server.address), pools)  # trusted
     rx = decode.receiver(ROOM, bootstrap=server.address, release=lambda *a: None)
     rx.request({"kv": DST_PAGES}, slots={"aux": 3}, prefix_len=0, num_tokens=TOKENS)
     while rx.poll() not in (KVPoll.Success, KVPoll.Failed):

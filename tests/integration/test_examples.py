@@ -137,7 +137,8 @@ def test_vllm_one_host_scripts_serve_the_colocated_tokens(tmp_path: Path) -> Non
     proc, ports = _start_one_host(model, log)
     try:
         end = time.monotonic() + 1500
-        while "READY" not in log.read_text(errors="replace"):
+        # the script's own line (the bootstrap's "PDXFER_READY ..." comes long before it)
+        while not re.search(r"^READY http", log.read_text(errors="replace"), re.M):
             assert proc.poll() is None, f"one_host.sh exited:\n{log.read_text()[-4000:]}"
             assert time.monotonic() < end, f"not ready:\n{log.read_text()[-4000:]}"
             time.sleep(1)
