@@ -76,7 +76,8 @@ PASS_THROUGH = ("demo", "transfer-demo", "bench")
 """Subcommands that parse their own options (their --help lists them)."""
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (docs/configuration.md is generated from it)."""
     ap = argparse.ArgumentParser(prog="pdxfer", description="KV-cache transfer for PD serving")
     ap.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--advertise", default="", metavar="ADDRESS",
                    help="address prefills and decodes reach it at (its ready line); "
                         "default: --host")
-    b.add_argument("--port", type=int, default=8998)
+    b.add_argument("--port", type=int, default=8998, help="HTTP port")
     add_insecure_arg(b)
     b.set_defaults(fn=_bootstrap)
 
@@ -106,6 +107,21 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False).set_defaults(fn=_transfer_demo)
     sub.add_parser("bench", help="serving throughput/latency through the router (JSON)",
                    add_help=False).set_defaults(fn=_bench)
+    return ap
+
+
+def pass_through_parsers() -> dict[str, argparse.ArgumentParser]:
+    """The parsers of the subcommands that parse their own options."""
+    from .serving.toy.demo import parser as demo_parser
+    from .testing.transfer_demo import parser as transfer_parser
+    from .testing.vllm_demo import parser as vllm_parser
+
+    return {"demo": demo_parser("pdxfer demo"), "demo --engine vllm": vllm_parser(),
+            "transfer-demo": transfer_parser(), "bench": demo_parser("pdxfer bench")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     a, rest = ap.parse_known_args(argv)
     if rest and a.cmd not in PASS_THROUGH:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")

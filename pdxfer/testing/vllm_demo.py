@@ -32,18 +32,24 @@ PREFILL, DECODE = "demo-prefill", "demo-decode"
 WORDS = CORPUS.split()
 
 
-def _args(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The options of ``pdxfer demo --engine vllm``."""
     ap = argparse.ArgumentParser(prog="pdxfer demo --engine vllm",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--max-tokens", type=int, default=12)
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=12, help="requests in the first batch")
+    ap.add_argument("--max-tokens", type=int, default=12, help="tokens generated per request")
+    ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
     ap.add_argument("--stream", action="store_true", help="use SSE streaming responses")
     ap.add_argument("--no-restart", action="store_true",
                     help="skip the decode restart (and the L3 round after it)")
     ap.add_argument("--keep", action="store_true",
                     help="keep the model, vLLM logs and L3 folder (printed at the end)")
+    return ap
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = parser()
     a = ap.parse_args(argv)
     if a.requests < 1 or a.max_tokens < 1 or a.concurrency < 1:
         ap.error("--requests, --max-tokens and --concurrency must be positive")

@@ -39,8 +39,8 @@ class ConnectorConfig:
     - ``secret_file``: a file holding the shared secret (>= 16 bytes): every control frame
       and bootstrap request is authenticated (``PDXFER_SECRET``/``PDXFER_SECRET_FILE`` in
       the environment do the same). Without a secret, every pdxfer listener serves loopback
-      peers only and a non-loopback ``host`` is refused at start, unless ``insecure: true``
-      (``PDXFER_INSECURE=1``) opts in to serving other hosts unauthenticated.
+      peers only and a non-loopback ``host`` is refused at start, unless ``insecure`` (true;
+      or ``PDXFER_INSECURE=1``) opts in to serving other hosts unauthenticated.
     - ``integrity``: how the decode checks what arrived (``sampled``, ``full``, ``off``);
       ``integrity_retry`` asks the prefill once more on a mismatch.
     - ``l2_pages`` (decode): host pages (vLLM blocks) of decode-side prefix cache; 0 is off.

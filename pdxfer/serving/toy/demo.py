@@ -57,13 +57,14 @@ def reference(cfg: ToyConfig, prompt: str, max_tokens: int, spec_k: int) -> list
     return out[:out.index(EOS_ID)] if EOS_ID in out else out
 
 
-def _args(argv: list[str] | None, prog: str) -> argparse.Namespace:
+def parser(prog: str) -> argparse.ArgumentParser:
+    """The options of ``pdxfer demo`` and ``pdxfer bench``."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                  epilog="pdxfer demo --engine vllm [--help]: the same path "
                                         "on real vLLM (needs the vllm extra)")
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=24, help="requests in the first batch")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
+    ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     ap.add_argument("--spec-k", type=int, default=0, help="speculative decoding draft length")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
     ap.add_argument("--stream", action="store_true", help="use SSE streaming responses")
@@ -81,6 +82,11 @@ def _args(argv: list[str] | None, prog: str) -> argparse.Namespace:
                     help="skip the decode restart (and the L3 round after it)")
     ap.add_argument("--log-level", default="ERROR", help="log level of the child processes")
     ap.add_argument("--verbose", action="store_true", help="show the children's stderr")
+    return ap
+
+
+def _args(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    ap = parser(prog)
     a = ap.parse_args(argv)
     if a.requests < 1 or a.max_tokens < 1 or a.concurrency < 1:
         ap.error("--requests, --max-tokens and --concurrency must be positive")
