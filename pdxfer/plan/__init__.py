@@ -2,7 +2,8 @@
 
 Reading order: ``paged`` (blocks, runs, page-size mapping, bounds) -> ``heads`` (head slices
 and the staged layout) -> ``topology`` (which prefill rank a decode rank asks) -> ``chunk``
-(one chunk's plan for one decode peer, and TransferRequest validation).
+(one chunk's plan for one decode peer, TransferRequest validation, and the per-layer token
+order a partial-layer ``send()`` must keep: ``claim``).
 Imports only ``pools``, ``errors``, ``config`` and numpy.
 """
 
