@@ -411,30 +411,32 @@ def test_a_decode_that_asks_before_the_prefill_has_the_request(cluster: Cluster)
     assert cluster.d()["load_failures"] == d0["load_failures"]
 
 
-def test_a_failed_prefill_ends_the_engaged_decode_promptly_with_an_openai_error(
+def test_a_failed_prefill_ends_the_engaged_decode_with_an_openai_error(
         cluster: Cluster) -> None:
     """The router's 'prefill' is a worker that is no kv_producer (it answers without
-    kv_transfer_params): the decode, engaged at dispatch, is aborted at once (not at its
-    bootstrap deadline), its blocks come back, and the client gets an OpenAI-shaped error."""
+    kv_transfer_params): the decode, engaged at dispatch, is aborted by the router (its load
+    ends as aborted, not at its bootstrap deadline), its blocks come back, and the client
+    gets an OpenAI-shaped error after the retry."""
     import openai
 
     bad = _router(cluster, "router-bad", prefill_url=cluster.decode.url)
     prompt = _ids(9900, 4 * BS + 3)
-    d0 = {"loads": cluster.d().get("loads", 0)}
+    loads0 = cluster.d().get("loads", 0)
+    ep0 = cluster.d().get("endpoint", {})
     try:
-        t0 = time.monotonic()
         with pytest.raises(openai.APIStatusError) as e:
             client(bad.url).completions.create(model="llama", prompt=prompt, max_tokens=4,
                                                temperature=0)
-        took = time.monotonic() - t0
     finally:
         bad.stop()
     assert e.value.status_code == 502
-    body = e.value.body
-    assert "kv_transfer_params" in str(body), body
-    assert took < DEADLINE_S / 2, f"{took:.1f} s: the decode waited for its deadline"
-    wait("the decode's loads to end", lambda: cluster.d()["in_flight_loads"] == 0)
-    assert cluster.d()["loads"] > d0["loads"], "the decode was engaged at dispatch"
+    assert "kv_transfer_params" in str(e.value.body), e.value.body
+    wait("the decode's loads to end", lambda: cluster.d()["in_flight_loads"] == 0
+         and cluster.d()["loads"] >= loads0 + 2, timeout=60)
+    ep1 = cluster.d()["endpoint"]
+    assert ep1.get("failures_aborted", 0) - ep0.get("failures_aborted", 0) == 2, \
+        "each attempt's decode was engaged at dispatch and ended by the router's abort"
+    assert ep1.get("failures_deadline", 0) == ep0.get("failures_deadline", 0)
     wait("the decode's blocks to come back", lambda: kv_usage(cluster.decode) == 0.0)
     assert complete(cluster.decode.url, prompt) == complete(cluster.ref.url, prompt)
 
@@ -453,7 +455,7 @@ def test_a_client_that_leaves_ends_both_sides(cluster: Cluster, front_door: str)
     stream.close()
     wait("the decode to end the request",
          lambda: metric(cluster.decode, "vllm:num_requests_running") == 0
-         and kv_usage(cluster.decode) == 0.0, timeout=20)
+         and kv_usage(cluster.decode) == 0.0, timeout=60)
     assert metric(cluster.prefill, "vllm:num_requests_running") == 0
     gen = metric(cluster.decode, "vllm:generation_tokens_total")
     time.sleep(1.0)
