@@ -14,7 +14,7 @@ starts. The README's table "Environment variables" lists the same names.
 | ``PDXFER_COPY_NICE`` | ``10`` | how much nicer copy threads run than the process |
 | ``PDXFER_COPY_STREAM`` | ``1`` | ``0`` turns off the native streaming copier |
 | ``PDXFER_NIXL_THREADS`` | min(2, cores) | UCX threads a large NIXL write is split across (``1``: the posting thread alone) |
-| ``PDXFER_NIXL_TICK_US`` | ``100000`` | how often NIXL's UCX progress thread wakes without an event (NIXL's own: 1 ms) |
+| ``PDXFER_NIXL_TICK_US`` | ``100000`` | longest sleep of NIXL's UCX progress thread between events (NIXL's own: 0, it spins) |
 | ``PDXFER_TE_COMPLETION`` | ``paced`` | how Mooncake writes are awaited (``paced`` or ``spin``) |
 | ``PDXFER_CONTROL_SEND`` | ``direct`` | how control frames leave (``direct``: written by the sending thread; ``zmq``: through ZMQ PUSH sockets) |
 | ``PDXFER_LOG`` | ``WARNING`` | log level of test/bench agent processes |
