@@ -62,7 +62,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("PDXFER_NIXL_THREADS", "min(2, cores)",
            "UCX threads a large NIXL write is split across (``1``: the posting thread alone)"),
     EnvVar("PDXFER_NIXL_TICK_US", "100000",
-           "how often NIXL's UCX progress thread wakes without an event (NIXL's own: 1 ms)"),
+           "longest sleep of NIXL's UCX progress thread between events (NIXL's own: 0, it spins)"),
     EnvVar("PDXFER_TE_COMPLETION", "paced",
            "how Mooncake writes are awaited: ``paced`` (sleeps through most of the expected "
            "time, then spins) or ``spin`` (busy-waits)"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """pdxfer against raw Mooncake on the same work, and the machine's own limits, in one run.
 
-    python scripts/bench_transfer.py [--quick] [--json out.json] [--plot docs/bench.png]
+    python scripts/bench_transfer.py [--quick] [--only nixl] [--json out.json] [--plot docs/bench.png]
 
 Four agent processes: a pdxfer prefill and decode, and a raw-Mooncake "prefill" and "decode"
 holding the same pools. Compared variants alternate (A B A B ...) inside the run, because the

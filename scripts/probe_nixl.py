@@ -2,8 +2,8 @@
 """NIXL/UCX's own ceiling on one host, apart from pdxfer: the same scattered pages written by
 memcpy, by raw CMA (``process_vm_writev``, what UCX uses here) on one and two threads, and
 by bare NIXL agents (the copy on the posting thread, or split across UCX threads), variants
-interleaved; plus the idle CPU of an agent whose progress thread ticks every 1 ms (NIXL's
-Python default) or every ``PDXFER_NIXL_TICK_US`` (pdxfer's, 100 ms).
+interleaved; plus the idle CPU of an agent whose progress thread spins (NIXL's Python
+default, a 0 delay) or sleeps between events (pdxfer's, ``PDXFER_NIXL_TICK_US``).
 
     python scripts/probe_nixl.py [--quick] [--json out.json]
 
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         out[f"{k}.fraction_of_memcpy"] = statistics.median(v) / mc
     out["pages_wrong"] = bad
     idle = 2.0 if a.quick else 5.0
-    out["idle_cores.tick_1ms"] = _idle(True, idle)
-    out["idle_cores.tick_pdxfer"] = _idle(False, idle)
+    out["idle_cores.nixl_default"] = _idle(True, idle)
+    out["idle_cores.pdxfer"] = _idle(False, idle)
     out["load.after"] = os.getloadavg()[0]
     text = json.dumps(out, indent=1)
     print(text)

@@ -32,11 +32,11 @@ loopback) so callers need not:
 * Import ``nixl_cu12`` (or ``nixl_cu13``, the CUDA 13 build, where that is what is
   installed) directly: the ``nixl`` meta package imports torch to detect CUDA.
 * Idle cost: NIXL's Python wrapper starts the UCX backend's progress thread with a 0 us
-  delay, which ``poll()`` rounds up to a 1 ms tick: ~0.13-0.16 of a core per idle agent
-  (measured per thread, two per pair). The thread must stay (a passive agent that never
-  progresses its worker leaves the peer's first write hanging in wire-up), but it sleeps on
-  the worker's event fd, so ``_agent`` raises the tick to ``PDXFER_NIXL_TICK_US`` (100 ms):
-  events still wake it at once (the first write to a fresh peer took 1 ms, over CMA and over
+  delay: its ``poll()`` then never blocks and the thread spins (no voluntary context switch;
+  0.13-0.16 of a core per idle agent on a loaded 2-core VM, a whole core on a free one). The
+  thread must stay (a passive agent that never progresses its worker leaves the peer's first
+  write hanging in wire-up), but it can sleep on the worker's event fd, so ``_agent`` sets
+  the delay to ``PDXFER_NIXL_TICK_US`` (100 ms): events still wake it at once (the first write to a fresh peer took 1 ms, over CMA and over
   ``UCX_TLS=tcp``), and idle it costs ~0.003.
 * Bulk speed: over CMA the copy runs inside ``transfer()`` on the posting thread, at what one
   ``process_vm_writev`` moves (measured: a NIXL write ~= raw CMA on one thread; raw CMA on two
@@ -103,8 +103,9 @@ _BUILDS = ("nixl_cu12", "nixl_cu13")
 
 
 def _agent(nixl: Any, name: str, backends: tuple[str, ...], threads: int) -> Any:
-    """A NIXL agent whose UCX progress thread ticks every ``PDXFER_NIXL_TICK_US`` instead of
-    every millisecond, and whose UCX backend splits large writes across ``threads``.
+    """A NIXL agent whose UCX progress thread sleeps (on events, at most
+    ``PDXFER_NIXL_TICK_US``) instead of spinning, and whose UCX backend splits large writes
+    across ``threads``.
 
     ``nixl_agent`` sets the tick (``pthrDelay``) to 0 on the config object it builds and
     offers no argument for it, so the config class it instantiates is swapped, for this

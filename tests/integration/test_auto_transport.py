@@ -34,12 +34,20 @@ def bootstrap() -> Iterator[BootstrapServer]:
 
 
 def without_nixl(tmp: Path) -> dict[str, str]:
-    """An environment in which ``import nixl_cu12`` fails, as on a host without it."""
-    shim = tmp / "no_nixl" / "nixl_cu12"
-    shim.mkdir(parents=True, exist_ok=True)
-    (shim / "__init__.py").write_text("raise ImportError('nixl_cu12 hidden by the test')\n")
+    """An environment in which ``import nixl_cu12`` fails, as on a host without it: a
+    ``sitecustomize`` on PYTHONPATH (run at interpreter start, before multiprocessing's spawn
+    replaces ``sys.path``) puts a finder first that refuses the package."""
+    d = tmp / "no_nixl"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoNixl:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'nixl_cu12':\n"
+        "            raise ImportError('nixl_cu12 hidden by the test')\n"
+        "sys.meta_path.insert(0, _NoNixl())\n")
     return {"PYTHONPATH": os.pathsep.join(
-        [str(shim.parent), *filter(None, [os.environ.get("PYTHONPATH", "")])])}
+        [str(d), *filter(None, [os.environ.get("PYTHONPATH", "")])])}
 
 
 START_S = 300.0
