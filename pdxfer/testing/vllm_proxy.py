@@ -7,8 +7,9 @@ with the ``kv_transfer_params`` the prefill returned, its answer (or stream) rel
 comes. ``connector="nixl"`` speaks vLLM's NixlConnector protocol instead (the prefill's
 params, whatever they are, are copied to the decode). ``connector="colocated"`` passes each
 request to one server (``prefill``) as it is, so a colocated reference crosses the same
-proxy as a pair; its "prefill leg" is the time to the first streamed chunk, measured at the
-same place as a pair's (the door's request until the answer). It runs in a thread of the
+proxy as a pair; its "prefill leg" is the time to the first streamed chunk (for completions,
+the one with the first token), measured at the same place as a pair's (the door's request
+until the answer). It runs in a thread of the
 caller.
 """
 
@@ -99,9 +100,7 @@ class FrontDoor:
                 return web.Response(body=await r.read(), status=r.status,
                                     content_type="application/json")
             answer = await r.json()
-        t1 = time.perf_counter_ns()
-        self.prefill_seconds.append((t1 - t0) / 1e9)
-        self.prefill_spans.append((t0, t1))
+        self._leg(t0)
         params = answer.get("kv_transfer_params")
         self.last_params = params
         return await self._relay(request, self.decode + path,
