@@ -344,6 +344,9 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
 
 
 def pct(xs: list[float], q: float) -> float:
+    """The median for q 0.5, else the nearest rank."""
+    if q == 0.5:
+        return statistics.median(xs)
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
