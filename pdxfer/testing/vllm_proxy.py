@@ -5,10 +5,13 @@ goes to the prefill with ``max_tokens=1`` (``max_completion_tokens`` for chat), 
 and ``kv_transfer_params`` naming a fresh room and the decode instance; then to the decode
 with the ``kv_transfer_params`` the prefill returned, its answer (or stream) relayed as it
 comes. ``connector="nixl"`` speaks vLLM's NixlConnector protocol instead (the prefill's
-params, whatever they are, are copied to the decode). With ``early=(bootstrap, instance)``
-(pdxfer only) both requests go out at once, the decode's carrying the room, that prefill's
-bootstrap and instance (the early form, as ``pdxfer router --engine vllm`` dispatches). It
-runs in a thread of the caller.
+params, whatever they are, are copied to the decode). ``connector="colocated"`` passes each
+request to one server (``prefill``) as it is, so a colocated reference crosses the same
+proxy as a pair; its "prefill leg" is the time to the first streamed chunk (for completions,
+the one with the first token), measured at the same place as a pair's (the door's request
+until the answer). With ``early=(bootstrap, instance)`` (pdxfer only) both requests go out
+at once, the decode's carrying the room, that prefill's bootstrap and instance (the early
+form, as ``pdxfer router --engine vllm`` dispatches). It runs in a thread of the caller.
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ class FrontDoor:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         path = request.path
+        if self.connector == "colocated":
+            return await self._relay(request, self.prefill + path, body, timed=True)
         first = {**body, "stream": False, "kv_transfer_params": self._prefill_params()}
         first.pop("stream_options", None)
         first["max_tokens"] = 1
@@ -99,9 +104,7 @@ class FrontDoor:
         async def prefill() -> tuple[int, bytes, Any]:
             async with self._session.post(self.prefill + path, json=first) as r:
                 raw = await r.read()
-            t1 = time.perf_counter_ns()
-            self.prefill_seconds.append((t1 - t0) / 1e9)
-            self.prefill_spans.append((t0, t1))
+            self._leg(t0)
             return r.status, raw, (json.loads(raw) if r.status == 200 else None)
 
         if self.early is not None:
@@ -117,21 +120,39 @@ class FrontDoor:
                 return web.Response(body=raw, status=status, content_type="application/json")
             params = answer.get("kv_transfer_params")
         self.last_params = params
-        second = {**body, "kv_transfer_params": params}
-        async with self._session.post(self.decode + path, json=second) as r:
+        return await self._relay(request, self.decode + path,
+                                 {**body, "kv_transfer_params": params})
+
+    async def _relay(self, request: web.Request, url: str, body: dict[str, Any],
+                     timed: bool = False) -> web.StreamResponse:
+        """``body`` to ``url``, its answer (or stream) relayed as it comes; ``timed``: the time
+        to its first chunk is this request's prefill leg (a colocated server)."""
+        t0 = time.perf_counter_ns()
+        async with self._session.post(url, json=body) as r:
             if not body.get("stream"):
-                return web.Response(body=await r.read(), status=r.status,
+                data = await r.read()
+                if timed:
+                    self._leg(t0)
+                return web.Response(body=data, status=r.status,
                                     content_type="application/json")
             out = web.StreamResponse(status=r.status, headers={
                 "Content-Type": r.headers.get("Content-Type", "text/event-stream")})
             await out.prepare(request)
             try:
                 async for chunk in r.content.iter_any():
+                    if timed:
+                        self._leg(t0)
+                        timed = False
                     await out.write(chunk)
                 await out.write_eof()
-            except ConnectionResetError:  # the client left: the decode's stream is dropped
+            except ConnectionResetError:  # the client left: the server's stream is dropped
                 pass
             return out
+
+    def _leg(self, t0: int) -> None:
+        t1 = time.perf_counter_ns()
+        self.prefill_seconds.append((t1 - t0) / 1e9)
+        self.prefill_spans.append((t0, t1))
 
     def close(self) -> None:
         async def stop() -> None:
