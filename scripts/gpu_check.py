@@ -41,6 +41,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +57,10 @@ from tests.integration.test_transfer import GEOMS  # noqa: E402
 from tests.integration.tiers_helpers import MODEL, Family, X, finish, start, write_back  # noqa: E402
 
 STATE = "pdxfer.testing.bench_agent:BenchState"
-CONF = {**FAST, "bootstrap_timeout_s": 30.0, "transfer_timeout_s": 60.0}
-"""The suite's short deadlines, but room for a pairing on a loaded host: no check here is
-about a deadline (a NIXL HelloAck took over 5 s at a load of 60 on 2 cores)."""
-ENV = {"MC_LOG_LEVEL": "ERROR"}
+CONF = {**FAST, "bootstrap_timeout_s": 30.0, "transfer_timeout_s": 60.0, "heartbeat_s": 2.0}
+"""The suite's short deadlines, but room for a starved host: no check here is about a
+deadline or liveness (on 2 cores at a load of 40-60, a NIXL HelloAck took over 5 s, and a
+decode's 0.25 s heartbeat declared its busy prefill hung)."""
 STEPS = ("transfers", "bulk")
 
 
@@ -69,15 +70,21 @@ def on(geoms: list[PoolGeom], device: str) -> list[PoolGeom]:
 
 @contextlib.contextmanager
 def agents(*specs: tuple[str, dict[str, Any], list[PoolGeom]]) -> Iterator[list[Agent]]:
-    """Agents started in order (each one's failure closes those before it), closed at exit."""
-    out: list[Agent] = []
-    try:
-        for role, conf, geoms in specs:
-            out.append(Agent(role, {**CONF, **conf}, geoms, env=ENV, state=STATE))
-        yield out
-    finally:
-        for a in reversed(out):
-            a.close()
+    """Agents started side by side (each start imports torch, the cost of a step on a small
+    host), all closed at exit, also side by side (each exit waits on its transport's
+    teardown). Mooncake's log level comes from this process's environment (``main``):
+    ``Agent(env=...)`` would set it around each start, not safe from threads."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futs = [pool.submit(Agent, role, {**CONF, **conf}, geoms, state=STATE)
+                for role, conf, geoms in specs]
+        done = [f.exception() is None for f in futs]
+        out = [f.result() for f, ok in zip(futs, done) if ok]
+        try:
+            if not all(done):
+                raise next(f.exception() for f in futs if f.exception() is not None)
+            yield out
+        finally:
+            list(pool.map(lambda a: a.close(), out))
 
 
 @dataclasses.dataclass
