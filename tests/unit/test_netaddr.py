@@ -70,3 +70,50 @@ def test_router_refuses_a_loopback_bootstrap_that_remote_decodes_would_look_up()
                     [Decode("http://127.0.0.1:8200")])  # all on one host: fine
     check_reachable([Prefill(f"http://{OTHER_HOST}:8100", f"{OTHER_HOST}:8998")],
                     [Decode("http://10.213.0.78:8200")])
+
+
+def test_host_port_values_are_parsed_or_refused_as_malformed() -> None:
+    from pdxfer import parse_hostport, parse_hostports
+
+    assert parse_hostport(" 10.0.0.1:8998 ") == "10.0.0.1:8998"
+    assert parse_hostport("[::1]:80") == "[::1]:80"
+    assert parse_hostports("a:1, b:2,,a:1") == ("a:1", "b:2")
+    for bad in ("10.0.0.1:x", "10.0.0.1:0", "10.0.0.1:65536", ":8998", "10.0.0.1", "::1:80",
+                "a b:1", "h:+1", "", None, 8998):
+        with pytest.raises(ConfigError):
+            parse_hostport(bad)
+
+
+def test_protected_mode_refuses_a_host_address_without_a_secret_and_loopback_peers_pass() -> None:
+    from pdxfer import check_serving, peer_allowed
+
+    assert check_serving("x", "127.0.0.1", secret=None) is True
+    assert check_serving("x", "0.0.0.0", "127.0.0.1", secret=None) is True  # accept-time check
+    assert check_serving("x", "10.0.0.1", secret=b"s" * 16) is False
+    assert check_serving("x", "10.0.0.1", secret=None, opt_in=True) is False
+    for host, adv in (("10.0.0.1", ""), ("0.0.0.0", "10.0.0.1"), ("example.com", "")):
+        with pytest.raises(ConfigError, match="without a shared secret.*PDXFER_SECRET"):
+            check_serving("x", host, adv, secret=None)
+    assert all(peer_allowed(h) for h in ("127.0.0.1", "::1", "::ffff:127.0.0.1", None))
+    assert not any(peer_allowed(h) for h in ("10.213.0.11", "::ffff:10.0.0.1", "fe80::1"))
+
+
+def test_a_decode_trusts_exactly_its_configured_bootstraps() -> None:
+    from pdxfer import UntrustedBootstrap, require_trusted, trusted_bootstrap
+
+    trusted = require_trusted("10.0.0.1:8998,10.0.0.2:8998", "--bootstrap")
+    assert trusted_bootstrap("10.0.0.2:8998", trusted) == "10.0.0.2:8998"
+    with pytest.raises(UntrustedBootstrap):
+        trusted_bootstrap("10.0.0.3:8998", trusted)
+    with pytest.raises(UntrustedBootstrap):
+        trusted_bootstrap("localhost:8998", require_trusted("127.0.0.1:8998", "x"))
+    with pytest.raises(ConfigError, match="set --bootstrap"):
+        require_trusted("", "--bootstrap")
+    cfg = EndpointConfig(role="decode", transport="memory", trusted_bootstraps=trusted)
+    ep = Endpoint(cfg, pools())
+    try:
+        with pytest.raises(UntrustedBootstrap):
+            ep.receiver(1, "10.0.0.3:8998")
+        assert ep.core.counters["untrusted_bootstraps_refused"] == 1
+    finally:
+        ep.close()
