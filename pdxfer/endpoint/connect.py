@@ -248,11 +248,16 @@ class Connector:
                     if self.peers.get(eid) is peer:
                         del self.peers[eid]
                     self._forget_session(peer)
+                    peer.dead = True
+                peer.ready.set()  # rooms waiting on this handshake learn it at once
                 raise PeerLost(f"prefill endpoint {eid} at {peer.ctrl_addr} is gone (its "
                                f"control port refuses connections)")
             if fresh:
                 self.ep.count("hello_retransmits")
                 self.ep.send_raw(peer.ctrl_addr, frame)
+        if peer.dead and not peer.session:
+            raise PeerLost(f"prefill endpoint {eid} at {peer.ctrl_addr} is gone (its control "
+                           f"port refuses connections)")
         if peer.refused:
             raise LayoutMismatch(f"prefill endpoint {eid} refused the handshake: {peer.refused}")
         return peer

@@ -53,11 +53,13 @@ def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill
         # a request the bootstrap still routes to the dead prefill (its registration outlived
         # it) fails as lost: the unanswered Hello found its port refusing, and nobody waited
         # for the dead until the deadline (the failure's kind says which, whatever the speed)
-        ghost = f.make(16 * 4)
-        dc.call("recv", items=decode_items([ghost]), bootstrap=bootstrap.address)
-        out = dc.call("wait", rooms=[ghost["room"]],
-                      timeout=FAST["bootstrap_timeout_s"] + 5)[ghost["room"]]
-        assert out["state"] == "Failed" and out["kind"] == "peer_lost", out
+        # (two at once: the one waiting on the other's handshake learns it as well)
+        ghosts = [f.make(16 * 4), f.make(16 * 4)]
+        dc.call("recv", items=decode_items(ghosts), bootstrap=bootstrap.address)
+        outs = dc.call("wait", rooms=[g["room"] for g in ghosts],
+                       timeout=FAST["bootstrap_timeout_s"] + 5)
+        for out in outs.values():
+            assert out["state"] == "Failed" and out["kind"] == "peer_lost", outs
 
         # a new prefill process registers in the dead one's place and serves the next request
         pf2 = Agent("prefill", {**FAST, "bootstrap": bootstrap.address, "transport": transport},
