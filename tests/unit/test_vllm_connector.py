@@ -445,6 +445,8 @@ def test_the_step_after_a_prefill_finished_lets_its_answer_go_out_first() -> Non
         r = Request(f"r{i}", list(range(40)), SamplingParams(
             max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
             None)
+        sch.update_state_after_alloc(r, None, 0)  # scheduled: its room opens
+        sch.build_connector_meta()  # the step that computes it (no send yet)
         r.status = RequestStatus.FINISHED_LENGTH_CAPPED
         assert sch.request_finished(r, [1, 2])[0]
         go, order = threading.Event(), []
