@@ -39,7 +39,9 @@ def sglang_env(**extra: str) -> dict[str, str]:
         "SGLANG_PLUGINS": "pdxfer",
         "PYTHONWARNINGS": "ignore",  # SGLang warns at import that it has no GPU kernels
         "MC_LOG_LEVEL": "ERROR",
-        "PYTHONPATH": str(SCRIPTS),
+        # the scripts, then this tree's pdxfer (a script's own folder comes first on sys.path,
+        # so without ROOT the environment's installed pdxfer would be tested instead)
+        "PYTHONPATH": os.pathsep.join((str(SCRIPTS), str(ROOT))),
     })
     env.update(extra)
     return env
