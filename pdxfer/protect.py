@@ -16,7 +16,7 @@ control frames. The default therefore keeps such a process to its own machine:
 Serving other hosts without a secret needs an explicit opt-in (``--insecure``,
 ``PDXFER_INSECURE=1``, ``EndpointConfig.insecure``, vLLM's ``insecure: true``), which logs one
 warning per listener naming what is then open. Mooncake's and NIXL's own listeners are not
-pdxfer's and are not covered (README, Threat model).
+pdxfer's and are not covered (docs/security.md, threat model).
 
 Trusted bootstraps: a decode loads KV only from prefills found through the bootstrap servers
 it was configured with (``require_trusted`` at start, ``trusted_bootstrap`` per request). A

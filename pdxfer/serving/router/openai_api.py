@@ -9,7 +9,7 @@ text, chunks and responses.
   ``suffix``) is refused with a 400 that says so instead of being ignored.
 - Text is decoded incrementally: an incomplete UTF-8 sequence is held back until its last
   byte arrives, so the joined stream equals the non-streamed text.
-- Chat: the tokenizer's template (the toy's is documented in the README).
+- Chat: the tokenizer's template (the toy's is documented in docs/serving.md).
 """
 
 from __future__ import annotations
