@@ -196,7 +196,7 @@ class PrefillSide(Handshakes, Writes):
         with self.ep.lock:
             if self.expected.pop(room) is None or room in self.rooms:
                 return
-            why = f"was {reason} before it opened the room"
+            why = f"was withdrawn by the prefill engine before it opened it ({reason})"
             self._tombstone((room, "", 0), why, "aborted")
             for req, peer, _ in self._take_pending(room):
                 self._refuse(req, peer, f"room {room} {why}", "aborted")
