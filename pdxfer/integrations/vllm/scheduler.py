@@ -2,7 +2,10 @@
 
 Prefill (``kv_producer``): a request with ``do_remote_decode`` gets its room when it is
 scheduled (``update_state_after_alloc``): the workers open it at once, so a decode that asks
-before the prefill computed anything (the early form of the protocol) is attached. After
+before the prefill computed anything (the early form of the protocol) is attached. Before
+that, from its arrival (``on_new_request``), a request with a router-chosen room has the
+workers *expect* it, so such a decode also waits while the request sits in vLLM's queue
+(longer than the prefill's ``room_grace_s``); one that ends queued withdraws it. After
 each step the workers hand the sender the full blocks that step computed (``chunks``, sent
 while the next steps compute; ``send_per_step``), and the step that computes the prompt's
 last token hands the rest, the partial block too. A decode that asks later gets all of it
