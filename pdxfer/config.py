@@ -216,8 +216,9 @@ class EndpointConfig:
     - ``room_grace_s`` (prefill): how long a decode's request for a room this prefill never
       saw is held for its engine to open it (early dispatch: the decode may ask first), at
       most ``bootstrap_timeout_s``; then it is refused as ``UnknownRoom``. A request for a
-      room that already ended here is refused at once. Raise it for an engine that opens
-      its rooms only once a queued request is scheduled.
+      room that already ended here is refused at once. An engine that opens a room only
+      once it schedules a queued request declares it on arrival (``Endpoint.expect``): a
+      request for an expected room waits up to ``bootstrap_timeout_s``.
     - ``max_pending`` / ``max_pending_bytes``: requests (and their memory) a prefill holds for
       rooms whose sender does not exist yet; past either, a request is refused (``busy``).
     - ``fan_out`` (prefill): a room may be served to several decode groups, each asking with

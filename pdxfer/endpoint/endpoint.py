@@ -121,6 +121,22 @@ class Endpoint:
             raise ConfigError("sender() needs a prefill endpoint")
         return self.prefill.create(room, peer)
 
+    def expect(self, room: int, decode: str | None = None) -> None:
+        """Declare a room whose request this prefill's engine received but will open (with
+        ``sender``) only later, e.g. once it schedules the request: a decode that asks first
+        is held until ``bootstrap_timeout_s`` instead of ``room_grace_s``. Idempotent; the
+        expectation ends when the room opens, on ``withdraw``, or at its deadline."""
+        if self.prefill is None:
+            raise ConfigError("expect() needs a prefill endpoint")
+        self.prefill.expect(room, decode)
+
+    def withdraw(self, room: int, reason: str = "aborted by prefill engine") -> None:
+        """The engine ended an ``expect``-ed room without opening it (its request was
+        aborted): a decode waiting for it fails now (``aborted``). No-op for other rooms."""
+        if self.prefill is None:
+            raise ConfigError("withdraw() needs a prefill endpoint")
+        self.prefill.withdraw(room, reason)
+
     def receiver(self, room: int, bootstrap: str | None = None, *, instance: str | None = None,
                  dp: int | None = None, release: Release | None = None) -> KVReceiver:
         """A receiver for ``room``. ``release(dst, slots)`` is called once, from a pdxfer
@@ -155,6 +171,7 @@ class Endpoint:
                         "pending_bytes": p.pending_bytes,
                         "held": sum(1 for s in p.rooms.values() if s.hold_until),
                         "tombstones": len(p.tombstones), "refused": len(p.refused),
+                        "expected": len(p.expected.rooms),
                         "peers": len(p.peers), "sessions": len(self.core.trust),
                         "push_sockets": self.core.push_sockets()}
             assert self.decode is not None

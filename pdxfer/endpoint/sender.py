@@ -30,6 +30,7 @@ from ..errors import (
 from ..plan import chunk as C
 from .handles import KVPoll, RoomHandle
 from .liveness import Liveness
+from .sender_expect import Expected
 from .sender_hello import Handshakes, model_diff
 from .sender_rooms import Chunk, DecodePeer, Pending, SenderRoom, Target, decodes, pending_size
 from .sender_writes import Writes
@@ -103,6 +104,9 @@ class PrefillSide(Handshakes, Writes):
         table) or that a decode aborted before its request came (``(room, endpoint,
         nonce)``): a late request for them is refused at once, with the reason and failure
         kind kept here. Bounded by ``max_tombstones`` (a hostile decode cannot grow it)."""
+        self.expected = Expected(self.cfg.max_tombstones, self.cfg.bootstrap_timeout_s)
+        """Rooms the engine received but has not opened (``expect``): a request for one waits
+        until the bootstrap deadline, not only ``room_grace_s`` (``sender_expect.py``)."""
         self.refused: OrderedDict[int, str] = OrderedDict()
         """Rooms whose decode's handshake this rank refused (the room fails on creation)."""
         self.peers: OrderedDict[str, DecodePeer] = OrderedDict()
@@ -158,6 +162,7 @@ class PrefillSide(Handshakes, Writes):
                 raise DuplicateRoom(f"room {room} is already active on prefill endpoint "
                                     f"{self.ep.endpoint_id}")
             self.tombstones.pop((room, "", 0), None)
+            self.expected.pop(room)
             st = SenderRoom(room, now + self.cfg.bootstrap_timeout_s, bound=peer)
             self.rooms[room] = st
             self.ep.count("requests")
@@ -167,6 +172,34 @@ class PrefillSide(Handshakes, Writes):
         if refused is not None and not st.targets:
             self.fail(st, LayoutMismatch(refused))
         return KVSender(self, st)
+
+    def expect(self, room: int, decode: str | None = None) -> None:
+        """The engine received ``room``'s request and will open it later: a decode's request
+        for it waits until the bootstrap deadline. Idempotent (renews the deadline); nothing
+        to do for a room already open."""
+        now = time.monotonic()
+        with self.ep.lock:
+            if room in self.rooms:
+                return
+            self.tombstones.pop((room, "", 0), None)  # a new request reusing the room
+            e = self.expected.add(room, decode, now)
+            if self.expected.evicted:
+                self.ep.count("expected_evicted", self.expected.evicted)
+                self.expected.evicted = 0
+            waiting = self.pending.get(room)
+            if waiting is not None:
+                self.pending[room] = (max(waiting[0], e.deadline), waiting[1])
+
+    def withdraw(self, room: int, reason: str = "aborted by prefill engine") -> None:
+        """The engine ended an expected room it never opened: a decode's request parked for
+        it is refused now (``aborted``), and so is one that comes later."""
+        with self.ep.lock:
+            if self.expected.pop(room) is None or room in self.rooms:
+                return
+            why = f"was withdrawn by the prefill engine before it opened it ({reason})"
+            self._tombstone((room, "", 0), why, "aborted")
+            for req, peer, _ in self._take_pending(room):
+                self._refuse(req, peer, f"room {room} {why}", "aborted")
 
     def _take_pending(self, room: int) -> list[Pending]:
         _, waiting = self.pending.pop(room, (0.0, []))
@@ -263,9 +296,11 @@ class PrefillSide(Handshakes, Writes):
         """Hold a request whose room has no sender yet, within the pending caps, for the
         grace its engine gets to open the room (``room_grace_s``): a room this prefill never
         saw may be one whose request has not reached it yet (early dispatch), or one it will
-        never hold, and only the grace tells them apart."""
+        never hold, and only the grace tells them apart. A room the engine ``expect``s waits
+        until the expectation's deadline."""
+        e = self.expected.get(req.room)
         grace = min(self.cfg.room_grace_s, self.cfg.bootstrap_timeout_s)
-        exp, waiting = self.pending.get(req.room, (now + grace, []))
+        exp, waiting = self.pending.get(req.room, (e.deadline if e else now + grace, []))
         if any(p.endpoint_id == peer.endpoint_id for _, p, _ in waiting):
             self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
                          "duplicate_room")
@@ -402,13 +437,17 @@ class PrefillSide(Handshakes, Writes):
             for st in self.rooms.values():
                 if not st.state.terminal and now > st.deadline:
                     expired.append(st)
+            grace = min(self.cfg.room_grace_s, self.cfg.bootstrap_timeout_s)
             for room, (exp, _) in list(self.pending.items()):
                 if now > exp:
-                    grace = min(self.cfg.room_grace_s, self.cfg.bootstrap_timeout_s)
+                    kind, why = (("deadline", f"expected by this prefill's engine, which did "
+                                  f"not open it within {self.cfg.bootstrap_timeout_s} s")
+                                 if self.expected.pop(room) else
+                                 ("unknown_room", f"unknown to this prefill (its engine did not "
+                                  f"open it within {grace} s)"))
                     for req, peer, _ in self._take_pending(room):
-                        self._refuse(req, peer, f"room {room} is unknown to this prefill (its "
-                                                f"engine did not open it within {grace} s)",
-                                     "unknown_room")
+                        self._refuse(req, peer, f"room {room} is {why}", kind)
+            self.expected.expire(now)
             for key, (exp, *_) in list(self.tombstones.items()):
                 if now > exp:
                     del self.tombstones[key]

@@ -103,6 +103,15 @@ class AgentState:
                 if it.get("abort_after_send"):
                     tx.abort("aborted right after send")
 
+    def cmd_expect(self, rooms: list[int], ep: str = "main") -> None:
+        """Declare rooms the engine received but has not opened (``Endpoint.expect``)."""
+        for r in rooms:
+            self.eps[ep].ep.expect(r)
+
+    def cmd_withdraw(self, rooms: list[int], reason: str, ep: str = "main") -> None:
+        for r in rooms:
+            self.eps[ep].ep.withdraw(r, reason)
+
     # -- decode -------------------------------------------------------------------------------
     def cmd_sentinel(self, ep: str = "main") -> None:
         pat.fill_sentinel(self.eps[ep].tensors)

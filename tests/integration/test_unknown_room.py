@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.harness import Agent
+from pdxfer.testing.harness import Agent, wait_until
 from pdxfer.testing.patterns import PoolGeom
 
 from .conftest import start_pair
@@ -76,3 +76,36 @@ def test_a_decode_that_asks_before_the_prefill_opened_the_room_still_gets_its_kv
     pf.call("send", items=send)
     assert dc.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]["state"] == "Success"
     assert verify(dc, [r])[r["room"]][0] == 0
+
+
+def test_an_expected_room_waits_past_the_grace_then_its_bytes_land_exactly(
+        pair, bootstrap, factory) -> None:
+    """A prefill engine that holds the request but opens the room only later (vLLM: once it
+    schedules the queued request) declares it: the decode that asked first waits past the
+    grace, while a room nobody declared fails after it (the state that says the grace has
+    passed), and the expected room's KV then arrives exactly."""
+    pf, dc = pair
+    r, unknown = factory.make(40), factory.make(24)
+    prep, send = prefill_items([r])
+    pf.call("prepare", items=prep)
+    pf.call("expect", rooms=[r["room"]])
+    dc.call("recv", items=decode_items([r, unknown]), bootstrap=bootstrap.address)
+    out = dc.call("wait", rooms=[unknown["room"]], timeout=WAIT)[unknown["room"]]
+    assert out["state"] == "Failed" and out["kind"] == "unknown_room", out
+    assert dc.call("states", rooms=[r["room"]])[r["room"]] not in ("Failed", "Success")
+    pf.call("send", items=send)
+    assert dc.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]["state"] == "Success"
+    assert verify(dc, [r])[r["room"]][0] == 0
+
+
+def test_an_expected_room_the_engine_withdraws_fails_its_decode_at_once(
+        pair, bootstrap, factory) -> None:
+    pf, dc = pair
+    r = factory.make(24)
+    pf.call("expect", rooms=[r["room"]])
+    dc.call("recv", items=decode_items([r]), bootstrap=bootstrap.address)
+    assert wait_until(lambda: pf.call("tables")["pending"] >= 1, WAIT)  # the request waits
+    pf.call("withdraw", rooms=[r["room"]], reason="client went away")
+    out = dc.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]
+    assert out["state"] == "Failed" and out["kind"] == "aborted", out
+    assert "client went away" in out["failure"], out

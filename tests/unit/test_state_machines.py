@@ -327,3 +327,85 @@ def test_a_dead_decodes_repair_holds_end_without_waiting_for_their_deadline(
         assert p.pf.metrics()["holds_dropped"] == 1
     finally:
         p.close()
+
+
+def test_an_expected_room_waits_past_the_grace_and_an_unknown_one_does_not(
+        srv: BootstrapServer) -> None:
+    """Early dispatch: the decode asks before the prefill's engine opens the room. A room the
+    engine declared (``expect``: it holds the request, queued) waits for it past
+    ``room_grace_s``, whether declared before or after the decode asked; a room it never
+    declared still fails fast as ``unknown_room``. The late-opened rooms' bytes land exactly."""
+    p = Pair(srv, room_grace_s=0.2, bootstrap_timeout_s=30.0, transfer_timeout_s=30.0)
+    try:
+        before, after, unknown = next(_rooms), next(_rooms), next(_rooms)
+        p.pf.expect(before, decode=None)
+        p.pf.expect(before)  # idempotent
+        asked = {}
+        for i, room in enumerate((before, after, unknown)):
+            src, dst = [3 * i, 3 * i + 1, 3 * i + 2], [40 + 3 * i, 41 + 3 * i, 42 + 3 * i]
+            asked[room] = (src, dst, p.receiver(room))
+            asked[room][2].request({"kv": dst}, {"aux": 2}, 0, 10)
+        assert until(lambda: p.pf.tables()["pending"] >= 2)
+        p.pf.expect(after)  # declared once its decode already waits
+        # the grace has passed once the undeclared room failed
+        rx = asked[unknown][2]
+        assert wait(rx, 10) == KVPoll.Failed and rx.failure.kind == "unknown_room", rx.failure
+        assert p.pf.tables()["expected"] == 2
+        for room in (before, after):
+            src, dst, rx = asked[room]
+            assert not rx.poll().terminal, rx.failure
+            p.fill(room, src, 10)  # the rooms share the slot pool's slot: one at a time
+            tx = p.pf.sender(room)
+            tx.send({"kv": src}, {"aux": 1}, last=True)
+            assert wait(rx) == KVPoll.Success and wait(tx) == KVPoll.Success, rx.failure
+            assert p.wrong_bytes(room, dst, 10) == 0
+        assert p.pf.tables()["expected"] == 0  # forgotten once opened
+        p.pf.expect(before)  # the engine reuses the room for a new request: allowed
+        assert p.pf.tables()["expected"] == 1
+    finally:
+        p.close()
+
+
+def test_a_withdrawn_expected_room_fails_its_decode_at_once_as_aborted(
+        srv: BootstrapServer) -> None:
+    """An engine that aborts a queued request it declared withdraws the room: the decode
+    waiting for it fails now (``aborted``), not at the bootstrap deadline, and so does a
+    decode that asks later."""
+    p = Pair(srv, room_grace_s=0.2, bootstrap_timeout_s=60.0, transfer_timeout_s=60.0)
+    try:
+        room = next(_rooms)
+        p.pf.expect(room)
+        rx = p.receiver(room)
+        rx.request({"kv": [3]}, {"aux": 2}, 0, 4)
+        assert until(lambda: p.pf.tables()["pending"] == 1)
+        p.pf.withdraw(room, "cancelled by the test")
+        assert wait(rx, 10) == KVPoll.Failed and rx.failure.kind == "aborted", rx.failure
+        assert "cancelled by the test" in str(rx.failure)
+        assert until(lambda: p.released[room] == 1)
+        assert p.pf.tables()["expected"] == 0 and p.pf.tables()["pending"] == 0
+        late = p.receiver(room)  # a decode that asks after the withdrawal
+        late.request({"kv": [4]}, {"aux": 2}, 0, 4)
+        assert wait(late, 10) == KVPoll.Failed and late.failure.kind == "aborted", late.failure
+    finally:
+        p.close()
+
+
+def test_expected_rooms_are_validated_and_bounded(srv: BootstrapServer) -> None:
+    """A buggy or hostile engine cannot grow the table of expected rooms past its cap (the
+    oldest are forgotten) nor put a malformed room in it."""
+    p = Pair(srv, max_tombstones=4)
+    try:
+        for bad in (-1, 1 << 64, "7", True, 1.0):
+            with pytest.raises(PlanError):
+                p.pf.expect(bad)  # type: ignore[arg-type]
+        with pytest.raises(PlanError):
+            p.pf.expect(1, decode="")
+        for room in range(10):
+            p.pf.expect(room)
+        assert p.pf.tables()["expected"] == 4
+        assert p.pf.metrics()["expected_evicted"] == 6
+        p.pf.withdraw(123456)  # never expected: nothing happens
+        with pytest.raises(Exception, match="prefill"):
+            p.dc.expect(1)
+    finally:
+        p.close()

@@ -153,3 +153,67 @@ def test_an_aborted_prefill_keeps_handed_blocks_until_no_write_reads_them(
     run_until([p], lambda: p.free_blocks() == free_p)
     assert not p.conn.worker._sends, "the room is gone"
 
+
+
+def test_an_early_decode_waits_while_its_prefill_request_is_queued_past_the_grace(
+        model: Path, server: BootstrapServer) -> None:
+    """The decode asks at dispatch; the prefill has the request but keeps it queued (one
+    running request at a time, another one running) for longer than ``room_grace_s``. The
+    prefill's engine expected the room on arrival, so the decode still loads exactly the
+    prefill's KV once vLLM schedules it; a room the prefill never received fails after the
+    grace (that failure is what says the grace has passed)."""
+    pair = make_pair(model, server, name="queued", batched=STEP,
+                     prefill_extra={"room_grace_s": 0.2})
+    p, d = pair.p, pair.d
+    # a busy prefill: one request runs at a time, and "busy" runs for hundreds of steps
+    p.sched.max_num_running_reqs = p.sched.max_num_active_reqs = 1
+    p.add("busy", list(range(10, 40)), 500, None)
+    p.step()
+    tokens = [(i * 19) % 900 + 10 for i in range(150)]
+    d.add("q-d", tokens, 2, early_params(pair, 6401))
+    d.add("u-d", tokens, 2, early_params(pair, 6402))  # a room this prefill never receives
+    d.step()
+    p.add("q", tokens, 1, prefill_params(6401, "d-queued"))
+    for _ in range(2):
+        p.step()  # "q" stays queued behind "busy"; its room is expected, not open
+    assert p.sched.requests["q"].status == RequestStatus.WAITING
+    assert p.ep.tables()["expected"] == 1 and p.ep.tables()["rooms"] == 0
+    run_until([d], lambda: "u-d" in d.computed, timeout=30)
+    assert d.computed["u-d"][0] == (0, len(tokens)), \
+        "the unknown room failed after the grace and its decode recomputed it"
+    assert d.conn.worker.counters["load_failures"] == 1
+    assert "q-d" not in d.computed, "the queued request's decode still waits"
+    p.sched.finish_requests("busy", RequestStatus.FINISHED_ABORTED)  # "q" runs now
+    run_until([p, d], lambda: "q-d" in d.computed)
+    assert d.computed["q-d"][0] == (len(tokens) - 1, 1), "loaded: only the last token computed"
+    assert torch.equal(base.held(d, "q-d", len(tokens) - 1), expected(tokens, len(tokens) - 1))
+    assert d.conn.worker.counters["load_failures"] == 1
+    run_until([p, d], lambda: "q-d" in d.finished and "q" not in p.sched.requests)
+    assert p.ep.tables()["expected"] == 0
+
+
+def test_a_queued_prefill_request_that_is_aborted_fails_its_early_decode_at_once(
+        model: Path, server: BootstrapServer) -> None:
+    """A request aborted while queued never opens its room: the expectation is withdrawn,
+    and the decode waiting for it fails now (it recomputes), not at the bootstrap deadline."""
+    pair = make_pair(model, server, name="withdraw", batched=STEP, timeouts=60.0,
+                     prefill_extra={"room_grace_s": 0.2})
+    p, d = pair.p, pair.d
+    p.sched.max_num_running_reqs = p.sched.max_num_active_reqs = 1
+    p.add("busy", list(range(10, 40)), 500, None)
+    p.step()
+    tokens = [(i * 23) % 900 + 10 for i in range(100)]
+    p.add("w", tokens, 1, prefill_params(6501, "d-withdraw"))
+    p.step()
+    assert p.ep.tables()["expected"] == 1
+    d.add("w-d", tokens, 2, early_params(pair, 6501))
+    d.step()
+    base.run_until([], lambda: p.ep.tables()["pending"] == 1)  # the decode's request waits
+    p.sched.finish_requests("w", RequestStatus.FINISHED_ABORTED)
+    p.step()  # the abort order reaches the workers
+    assert p.ep.tables()["expected"] == 0
+    run_until([d], lambda: "w-d" in d.computed, timeout=20)
+    assert d.conn.worker.counters["load_failures"] == 1
+    assert d.computed["w-d"][0] == (0, len(tokens)), "recomputed after the refusal"
+    assert p.ep.metrics()["refused_aborted"] == 1
+    p.sched.finish_requests("busy", RequestStatus.FINISHED_ABORTED)

@@ -52,7 +52,9 @@ class ConnectorConfig:
       Default: the served model name and ``--revision``.
     - deadlines in seconds: ``bootstrap_timeout_s`` (a prefill waits this long for the
       decode's request after its prefill finished), ``transfer_timeout_s``,
-      ``abort_timeout_s``, ``heartbeat_s``.
+      ``abort_timeout_s``, ``heartbeat_s``; ``room_grace_s`` (prefill): how long a decode's
+      request for a room this prefill has not received is held (a request vLLM has queued
+      is expected: its decode waits up to ``bootstrap_timeout_s``).
     - ``send_per_step`` (prefill): hand each step's newly computed full blocks to the sender
       after that step (a decode that already asked receives them while the prefill computes
       the rest); False sends a request's KV once its prompt is computed.
@@ -83,6 +85,7 @@ class ConnectorConfig:
     transfer_timeout_s: float = 60.0
     abort_timeout_s: float = 5.0
     heartbeat_s: float = 0.5
+    room_grace_s: float = 5.0
     stats_file: str = ""
     send_per_step: bool = True
 
@@ -112,7 +115,7 @@ class ConnectorConfig:
             transport=self.transport, device=self.device,
             bootstrap_timeout_s=self.bootstrap_timeout_s,
             transfer_timeout_s=self.transfer_timeout_s, abort_timeout_s=self.abort_timeout_s,
-            heartbeat_s=self.heartbeat_s, integrity=self.integrity,  # type: ignore[arg-type]
+            heartbeat_s=self.heartbeat_s, room_grace_s=self.room_grace_s, integrity=self.integrity,  # type: ignore[arg-type]
             integrity_retry=self.integrity_retry, model_id=fingerprint, secret=secret)
 
 
@@ -180,7 +183,8 @@ def _check(c: ConnectorConfig) -> None:
                   "l3_mooncake_metadata (URL)")
     if c.l3_max_gb < 0 or c.l3_mooncake_segment_mb < 0:
         raise bad("l3_max_gb", "sizes must be >= 0")
-    for key in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s"):
+    for key in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s",
+                "room_grace_s"):
         if getattr(c, key) <= 0:
             raise bad(key, "must be > 0")
     if c.secret_file and not os.path.isfile(c.secret_file):

@@ -12,6 +12,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 
 @dataclass(frozen=True, slots=True)
+class ExpectOrder:
+    """Prefill: the request arrived (vLLM queued it) with a room the router chose: declare
+    the room (``Endpoint.expect``), so a decode dispatched with it, which asks at once, waits
+    while the request is queued, past ``room_grace_s``. Its ``OpenOrder`` follows when vLLM
+    schedules it; an ``AbortOrder`` withdraws it if the request ends first."""
+
+    req_id: str
+    room: int
+    peer: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class OpenOrder:
     """Prefill: the request was scheduled; open its room now, so a decode that asks before
     the prefill computed anything is attached and chunks can follow (only ``peer`` may ask
@@ -86,9 +98,10 @@ class PdxferMetadata(KVConnectorMetadata):
     opens: list[OpenOrder] = field(default_factory=list)
     chunks: list[SendOrder] = field(default_factory=list)
     aborts: list[AbortOrder] = field(default_factory=list)
+    expects: list[ExpectOrder] = field(default_factory=list)
 
     def orders(self) -> bool:
         """Whether this step orders anything (not ``__bool__``: vLLM tests metadata for
         None, and an empty step's metadata must still count as present)."""
         return bool(self.sends or self.loads or self.writebacks or self.opens or self.chunks
-                    or self.aborts)
+                    or self.aborts or self.expects)

@@ -2,7 +2,10 @@
 
 Prefill (``kv_producer``): a request with ``do_remote_decode`` gets its room when it is
 scheduled (``update_state_after_alloc``): the workers open it at once, so a decode that asks
-before the prefill computed anything (the early form of the protocol) is attached. After
+before the prefill computed anything (the early form of the protocol) is attached. Before
+that, from its arrival (``on_new_request``), a request with a router-chosen room has the
+workers *expect* it, so such a decode also waits while the request sits in vLLM's queue
+(longer than the prefill's ``room_grace_s``); one that ends queued withdraws it. After
 each step the workers hand the sender the full blocks that step computed (``chunks``, sent
 while the next steps compute; ``send_per_step``), and the step that computes the prompt's
 last token hands the rest, the partial block too. A decode that asks later gets all of it
@@ -37,6 +40,7 @@ from . import params as P
 from .config import ConnectorConfig
 from .metadata import (
     AbortOrder,
+    ExpectOrder,
     LoadOrder,
     OpenOrder,
     PdxferMetadata,
@@ -86,6 +90,10 @@ class PdxferScheduler:
         self.streams: dict[str, Streamed] = {}
         """Prefill requests by id, from scheduling to ``request_finished``."""
         self._opens: list[OpenOrder] = []
+        self._expects: list[ExpectOrder] = []
+        self.queued: dict[str, int] = {}
+        """Prefill requests with a router-chosen room, from arrival (``on_new_request``) to
+        scheduling: their rooms are expected by the workers (withdrawn if they end first)."""
         self._aborts: list[AbortOrder] = []
         self._sends: list[SendOrder] = []
         self._loads: list[LoadOrder] = []
@@ -150,9 +158,27 @@ class PdxferScheduler:
             scope=request.cache_salt or ""))
 
     # -- prefill -------------------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        """A request arrived (queued, not scheduled yet): a decode dispatched at the same time
+        asks for its room at once, and the room opens only at scheduling, which may be long
+        after the prefill's ``room_grace_s``. So the workers expect the room now. A request
+        without a room of its own has nothing to expect: its room is drawn at scheduling,
+        and no decode can know it before the answer."""
+        if self.cfg.side != "prefill":
+            return
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or params.get("pdxfer_room") is None:
+            return
+        ask = P.prefill_ask(params)
+        if ask is None or not request.prompt_token_ids:
+            return
+        self.queued[request.request_id] = ask.room
+        self._expects.append(ExpectOrder(request.request_id, ask.room, ask.decode))
+
     def _scheduled(self, request: Request) -> None:
         """A request starts running (or resumes after a preemption): open its room."""
         rid = request.request_id
+        self.queued.pop(rid, None)  # opening it ends the expectation
         if rid in self.streams:
             return  # resumed: its room was aborted at the preemption
         ask = P.prefill_ask(request.kv_transfer_params)
@@ -199,9 +225,9 @@ class PdxferScheduler:
     def build_connector_meta(self, so: SchedulerOutput | None = None) -> PdxferMetadata:
         chunks = self._step_chunks(so) if so is not None and self.streams else []
         meta = PdxferMetadata(self._sends, self._loads, self._writebacks, self._opens, chunks,
-                              self._aborts)
+                              self._aborts, self._expects)
         self._sends, self._loads, self._writebacks = [], [], []
-        self._opens, self._aborts = [], []
+        self._opens, self._aborts, self._expects = [], [], []
         if meta.sends:
             time.sleep(ANSWER_FIRST_S)  # the answers of the requests to send go out first
         return meta
@@ -216,6 +242,10 @@ class PdxferScheduler:
                           ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         st = self.streams.pop(rid, None)
+        if self.queued.pop(rid, None) is not None:
+            # ended while queued: its expected room is withdrawn (a waiting decode fails now)
+            self._aborts.append(AbortOrder(rid, held=True))
+            return False, None
         if st is None:
             return False, None  # no remote decode asked for (or no prompt)
         n = st.num_tokens

@@ -34,7 +34,15 @@ from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredC
 
 from .config import ConnectorConfig
 from .layout import POOL, Layout, describe
-from .metadata import AbortOrder, LoadOrder, OpenOrder, PdxferMetadata, SendOrder, WritebackOrder
+from .metadata import (
+    AbortOrder,
+    ExpectOrder,
+    LoadOrder,
+    OpenOrder,
+    PdxferMetadata,
+    SendOrder,
+    WritebackOrder,
+)
 
 log = logging.getLogger("pdxfer.integrations.vllm")
 
@@ -83,6 +91,8 @@ class PdxferWorker:
         self.layout: Layout | None = None
         self.cache: TieredCache | None = None
         self._sends: dict[str, _Out] = {}
+        self._expected: dict[str, int] = {}
+        """Queued prefill requests whose rooms this rank expects (``ExpectOrder``), by id."""
         self._loads: dict[str, _Load] = {}
         self._written: set[str] = set()
         self._errors: set[int] = set()
@@ -142,6 +152,8 @@ class PdxferWorker:
         self._bound = meta
         self._changed |= meta.orders()
         self.before_forward(meta)
+        for e in meta.expects:
+            self._expect(e)
         for a in meta.aborts:
             self._abort(a)
         for o in meta.opens:
@@ -173,8 +185,20 @@ class PdxferWorker:
         for c in meta.chunks:
             self._hand(c, owned=False)
 
+    def _expect(self, e: ExpectOrder) -> None:
+        """Declare a queued request's room: a decode that asks before vLLM schedules it
+        waits for it (``Endpoint.expect``)."""
+        assert self.ep is not None
+        try:
+            self.ep.expect(e.room, e.peer)
+        except Exception as ex:  # noqa: BLE001 - its decode falls back to the grace
+            log.warning("room %d (request %s): cannot expect it: %s", e.room, e.req_id, ex)
+            return
+        self._expected[e.req_id] = e.room
+
     def _open(self, o: OpenOrder) -> _Out:
         assert self.ep is not None
+        self._expected.pop(o.req_id, None)  # the endpoint forgets it when the room opens
         tx: KVSender | None = None
         try:
             tx = self.ep.sender(o.room, peer=o.peer)
@@ -211,6 +235,10 @@ class PdxferWorker:
         """End a room whose request vLLM aborted or preempted. Blocks vLLM already freed
         (not ``held``) may be filled by this step's forward: wait for writes that read them
         (bounded by ``abort_timeout_s``); held ones are reported once no write reads them."""
+        room = self._expected.pop(a.req_id, None)
+        if room is not None:  # ended while queued: a decode waiting for the room fails now
+            assert self.ep is not None
+            self.ep.withdraw(room, "aborted by vLLM while queued")
         out = self._sends.get(a.req_id)
         if out is None:
             return
