@@ -111,12 +111,19 @@ class Connector:
 
         self._pool.submit(job)
 
-    def drop_peer(self, p: PrefillPeer) -> None:
-        """A peer declared lost: forget it and every route through it."""
+    def drop_peer(self, p: PrefillPeer, keep_session: bool = False) -> None:
+        """A peer declared lost: forget it and every route through it. ``keep_session``
+        (a hung peer, which may come back): its session stays admitted, since the answers
+        to the aborts of its quarantined rooms (``AbortAck``) come under it once the network
+        heals; the receiver drops it when no room waits on that peer any more."""
         with self.ep.lock:
             if self.peers.get(p.endpoint_id) is p:
                 del self.peers[p.endpoint_id]
-            self._forget_session(p)
+            if keep_session:
+                if p.sess is not None and self._handshakes.get(p.sess.pair) is p:
+                    del self._handshakes[p.sess.pair]
+            else:
+                self._forget_session(p)
             self._routes = {k: v for k, v in self._routes.items()
                             if all(e.get("endpoint_id") != p.endpoint_id for e in v["endpoints"])}
 

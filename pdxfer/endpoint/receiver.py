@@ -304,7 +304,9 @@ class DecodeSide(Checks):
         st = self.rooms.get(msg.room)
         if sess is not None and not (isinstance(sess.peer, PrefillPeer)
                                      and sess.peer.endpoint_id == msg.endpoint_id
-                                     and st is not None and sess.peer in st.targets):
+                                     and st is not None
+                                     and any(p.endpoint_id == msg.endpoint_id
+                                             for p in st.targets)):
             self.ep.count("rejected_wrong_pair")
             return None
         if st is None or st.nonce != msg.nonce or msg.endpoint_id not in st.outstanding:
@@ -370,12 +372,22 @@ class DecodeSide(Checks):
         """A prefill gave up on a room (it sends TransferDone(ok=False) for that)."""
         self.ep.count("stale_messages")
 
+    def _retire_sessions(self, peers: list[PrefillPeer]) -> None:
+        """Drop the sessions of lost (hung) peers that no room waits on any more (under the
+        lock): ``drop_peer`` kept them so their ``AbortAck`` could still be admitted."""
+        for p in peers:
+            if self.peers.get(p.endpoint_id) is p or p.sess is None:
+                continue
+            if not any(p in o.targets for o in self.rooms.values()):
+                self.ep.trust.drop(p.sess)
+
     def _maybe_release(self, st: RecvRoom) -> None:
         """Drop a finished room; hand a failed room's pages back once nothing can land."""
         with self.ep.lock:
             if st.outstanding or not st.state.terminal:
                 return
             self.rooms.pop(st.room, None)
+            self._retire_sessions(st.targets)
             self._unlease([x for ls in st.leases.values() for x in ls])
             st.leases = {}
             if st.state != KVPoll.Failed or not st.released.claim():
@@ -453,7 +465,8 @@ class DecodeSide(Checks):
                     st.abort_deadline = now + self.cfg.abort_timeout_s
                     msg = wire.Abort(room=st.room, nonce=st.nonce, reason="retransmit",
                                      endpoint_id=self.ep.endpoint_id)
-                    resend += [(p, msg) for p in st.targets if p.endpoint_id in st.outstanding]
+                    resend += [(self._current(p), msg) for p in st.targets
+                               if p.endpoint_id in st.outstanding]
         for p, msg in resend:
             self.ep.count("abort_retransmits")
             self.ep.send(p.ctrl_addr, msg, p.sess)
@@ -464,6 +477,16 @@ class DecodeSide(Checks):
                     f"transfer (state {st.state.name}, waiting for {sorted(st.outstanding)})")
             self.fail(st, DeadlineExceeded(f"room {st.room}: {what} did not finish before its "
                                            f"deadline"))
+
+    def _current(self, p: PrefillPeer) -> PrefillPeer:
+        """Where a retransmitted Abort goes (under the lock): the room's peer, or the one
+        that replaced it after a new handshake with the same endpoint (the prefill dropped
+        the old pair on that Hello, so only the new session still reaches it)."""
+        cur = self.peers.get(p.endpoint_id)
+        if (cur is not None and cur is not p and cur.ready.is_set() and cur.session
+                and not (cur.dead or cur.refused)):
+            return cur
+        return p
 
     def quarantined_pages(self) -> int:
         with self.ep.lock:
@@ -481,7 +504,7 @@ class DecodeSide(Checks):
                 "is not responding (hung, or the network to it is down)")
         log.warning("prefill endpoint %s (%s) %s", p.endpoint_id, p.session, what)
         self.ep.count("peers_lost" if dead else "peers_hung")
-        self.connector.drop_peer(p)
+        self.connector.drop_peer(p, keep_session=not dead)
         with self.ep.lock:
             p.dead = p.dead or dead
             hit = [st for st in self.rooms.values() if p.endpoint_id in st.outstanding]
