@@ -125,3 +125,61 @@ def test_frozen_prefill_fails_requests_but_keeps_pages_until_it_acknowledges(
     finally:
         pf.close()
         dc.close()
+
+
+def test_frozen_prefill_with_a_secret_releases_pages_after_it_wakes_and_rehandshakes() -> None:
+    """The same freeze with a shared secret: the decode drops the hung prefill from its
+    peers, yet the answer to its Abort (``AbortAck``, under the old pair's session) must still
+    be admitted once the prefill wakes, or the pages stay quarantined for good. A request
+    started while it is frozen makes the decode handshake again (a new pair, which replaces
+    the old one on the prefill); it lands byte-exact and the old room's pages still come back."""
+    import os
+    import signal
+
+    secret = "crash tests' shared secret, 16+ bytes"
+    srv = BootstrapServer("127.0.0.1", 0, secret=secret).start()
+    conf = {**FAST, "secret": secret}
+    pf = Agent("prefill", {**conf, "bootstrap": srv.address, "instance": "frozen-s"}, GEOMS)
+    dc = Agent("decode", dict(conf), GEOMS)
+    try:
+        dc.call("sentinel")
+        f = Factory(GEOMS, GEOMS, seed=5)
+        big = f.make(16 * 200, chunks=20)
+        big["delay_s"] = 0.1
+        prep, send = prefill_items([big])
+        pf.call("prepare", items=prep)
+        dc.call("recv", items=decode_items([big]), bootstrap=srv.address, instance="frozen-s")
+        pf.call("send", items=send)
+        wait_written(pf)
+        os.kill(pf.pid, signal.SIGSTOP)
+        small = f.make(16 * 10, chunks=2)
+        try:
+            out = dc.call("wait", rooms=[big["room"]], timeout=FAST["transfer_timeout_s"] + 5)
+            assert out[big["room"]]["state"] == "Failed", out
+            assert out[big["room"]]["kind"] in ("peer_lost", "deadline"), out
+            t0 = time.monotonic()
+            while dc.call("metrics")["quarantined_pages"] == 0 and time.monotonic() - t0 < 10:
+                time.sleep(0.1)
+            assert dc.call("metrics")["quarantined_pages"] > 0
+            assert big["room"] not in dc.call("released"), "released while the writer was frozen"
+            # a new request to the frozen prefill: its Hello waits for the prefill to wake
+            dc.call("recv", items=decode_items([small]), bootstrap=srv.address,
+                    instance="frozen-s")
+        finally:
+            os.kill(pf.pid, signal.SIGCONT)
+        prep, send = prefill_items([small])
+        pf.call("prepare", items=prep)
+        pf.call("send", items=send)
+        res = dc.call("wait", rooms=[small["room"]], timeout=20)
+        assert res[small["room"]]["state"] == "Success", res
+        assert verify(dc, [small])[small["room"]][0] == 0
+        t0 = time.monotonic()
+        while big["room"] not in dc.call("released") and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        assert dc.call("release_counts").get(big["room"]) == 1, "pages still quarantined"
+        assert dc.call("metrics")["quarantined_pages"] == 0
+        assert dc.call("metrics").get("rejected_unknown_pair", 0) == 0
+    finally:
+        pf.close()
+        dc.close()
+        srv.stop()
