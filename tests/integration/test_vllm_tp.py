@@ -30,7 +30,7 @@ from pdxfer.testing.vllm_procs import VllmServer, kv_config, read_stats, start_a
 
 from .vllm_helpers import chat_stream, complete, ref_chat, text, wait
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_tp]
 
 BS = 32
 DECODE, PREFILL = "vllm-tp-d0", "vllm-tp-p0"
