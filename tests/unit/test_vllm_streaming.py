@@ -155,6 +155,14 @@ def test_an_aborted_prefill_keeps_handed_blocks_until_no_write_reads_them(
 
 
 
+def keep_busy(p: base.Engine) -> None:
+    """A busy prefill: one request runs at a time, and "busy" runs for hundreds of steps, so
+    the next request waits in vLLM's queue."""
+    p.sched.max_num_running_reqs = p.sched.max_num_active_reqs = 1
+    p.add("busy", list(range(10, 40)), 500, None)
+    p.step()
+
+
 def test_an_early_decode_waits_while_its_prefill_request_is_queued_past_the_grace(
         model: Path, server: BootstrapServer) -> None:
     """The decode asks at dispatch; the prefill has the request but keeps it queued (one
@@ -165,10 +173,7 @@ def test_an_early_decode_waits_while_its_prefill_request_is_queued_past_the_grac
     pair = make_pair(model, server, name="queued", batched=STEP,
                      prefill_extra={"room_grace_s": 0.2})
     p, d = pair.p, pair.d
-    # a busy prefill: one request runs at a time, and "busy" runs for hundreds of steps
-    p.sched.max_num_running_reqs = p.sched.max_num_active_reqs = 1
-    p.add("busy", list(range(10, 40)), 500, None)
-    p.step()
+    keep_busy(p)
     tokens = [(i * 19) % 900 + 10 for i in range(150)]
     d.add("q-d", tokens, 2, early_params(pair, 6401))
     d.add("u-d", tokens, 2, early_params(pair, 6402))  # a room this prefill never receives
@@ -199,9 +204,7 @@ def test_a_queued_prefill_request_that_is_aborted_fails_its_early_decode_at_once
     pair = make_pair(model, server, name="withdraw", batched=STEP, timeouts=60.0,
                      prefill_extra={"room_grace_s": 0.2})
     p, d = pair.p, pair.d
-    p.sched.max_num_running_reqs = p.sched.max_num_active_reqs = 1
-    p.add("busy", list(range(10, 40)), 500, None)
-    p.step()
+    keep_busy(p)
     tokens = [(i * 23) % 900 + 10 for i in range(100)]
     p.add("w", tokens, 1, prefill_params(6501, "d-withdraw"))
     p.step()
