@@ -74,6 +74,25 @@ def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill
                 a.close()
 
 
+def freeze_mid_transfer(pf: Agent, dc: Agent, f: Factory, bootstrap: str,
+                        instance: str) -> dict:
+    """Start one big request (20 chunks, 0.1 s each) and SIGSTOP the prefill once it has
+    written some of it: the decode's room is then mid-transfer with a frozen prefill."""
+    import os
+    import signal
+
+    dc.call("sentinel")
+    big = f.make(16 * 200, chunks=20)
+    big["delay_s"] = 0.1
+    prep, send = prefill_items([big])
+    pf.call("prepare", items=prep)
+    dc.call("recv", items=decode_items([big]), bootstrap=bootstrap, instance=instance)
+    pf.call("send", items=send)
+    wait_written(pf)  # mid-transfer: the rest of its 20 chunks take 0.1 s each
+    os.kill(pf.pid, signal.SIGSTOP)
+    return big
+
+
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_frozen_prefill_fails_requests_but_keeps_pages_until_it_acknowledges(
         bootstrap: BootstrapServer, transport: str) -> None:
@@ -86,17 +105,8 @@ def test_frozen_prefill_fails_requests_but_keeps_pages_until_it_acknowledges(
     pf, dc = start_pair(bootstrap, GEOMS, instance=f"frozen-{transport}",
                         transport=transport)
     try:
-        dc.call("sentinel")
         f = Factory(GEOMS, GEOMS, seed=4)
-        big = f.make(16 * 200, chunks=20)
-        big["delay_s"] = 0.1
-        prep, send = prefill_items([big])
-        pf.call("prepare", items=prep)
-        dc.call("recv", items=decode_items([big]), bootstrap=bootstrap.address,
-                instance=f"frozen-{transport}")
-        pf.call("send", items=send)
-        wait_written(pf)  # mid-transfer: the rest of its 20 chunks take 0.1 s each
-        os.kill(pf.pid, signal.SIGSTOP)
+        big = freeze_mid_transfer(pf, dc, f, bootstrap.address, f"frozen-{transport}")
         try:
             out = dc.call("wait", rooms=[big["room"]], timeout=FAST["transfer_timeout_s"] + 5)
             assert out[big["room"]]["state"] == "Failed", out
@@ -142,16 +152,8 @@ def test_frozen_prefill_with_a_secret_releases_pages_after_it_wakes_and_rehandsh
     pf = Agent("prefill", {**conf, "bootstrap": srv.address, "instance": "frozen-s"}, GEOMS)
     dc = Agent("decode", dict(conf), GEOMS)
     try:
-        dc.call("sentinel")
         f = Factory(GEOMS, GEOMS, seed=5)
-        big = f.make(16 * 200, chunks=20)
-        big["delay_s"] = 0.1
-        prep, send = prefill_items([big])
-        pf.call("prepare", items=prep)
-        dc.call("recv", items=decode_items([big]), bootstrap=srv.address, instance="frozen-s")
-        pf.call("send", items=send)
-        wait_written(pf)
-        os.kill(pf.pid, signal.SIGSTOP)
+        big = freeze_mid_transfer(pf, dc, f, srv.address, "frozen-s")
         small = f.make(16 * 10, chunks=2)
         try:
             out = dc.call("wait", rooms=[big["room"]], timeout=FAST["transfer_timeout_s"] + 5)
