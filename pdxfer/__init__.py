@@ -28,6 +28,7 @@ from .errors import (
     UntrustedBootstrap,
     WireError,
 )
+from .faults import step_pace
 from .metrics import prometheus_text
 from .netaddr import advertised, host_of, parse_hostport, parse_hostports, unreachable_from
 from .pools import BufferSpec, PoolSpec, Sharding, layout_signature
@@ -50,5 +51,5 @@ __all__ = [
     "TransportUnavailable", "UnknownRoom", "UntrustedBootstrap", "WireError", "check_http", "http_headers", "layout_signature",
     "knobs", "load_secret", "prometheus_text", "__version__", "advertised", "host_of",
     "unreachable_from", "parse_hostport", "parse_hostports", "trusted_bootstrap",
-    "check_serving", "peer_allowed", "require_trusted", "trusted_from_env",
+    "check_serving", "peer_allowed", "require_trusted", "trusted_from_env", "step_pace",
 ]

@@ -10,7 +10,9 @@ blocks go out after each. The decode runs with decode-side tiers (L2 host pages,
 and vLLM's own prefix cache off, so a repeated prefix is restored by pdxfer, and with
 ``kv_load_failure_policy: recompute``. Faults are set per room from the start:
 room ``ROOM_SLOW`` is written late by the prefill (to kill it mid-transfer), room
-``ROOM_CORRUPT`` is damaged on the decode after it arrived (integrity must catch it).
+``ROOM_CORRUPT`` is damaged on the decode after it arrived (integrity must catch it). Each
+decode step that runs requests is held ``PACE_S`` (the ``pace`` fault), so a long request
+cannot end before a client that leaves has left, however fast the machine.
 
 The tests run in file order: each leaves the cluster serving for the next.
 """
@@ -51,6 +53,7 @@ BS = 32
 ROOM_SLOW, ROOM_CORRUPT = 4242, 4343
 DECODE, PREFILL = "vllm-d0", "vllm-p0"
 DEADLINE_S = 20.0
+PACE_S = 0.02  # the decode's shortest step: 400 tokens take at least 8 s
 STEP = 64  # the prefill's tokens per step: two blocks
 S = SHAPES["small"]
 BLOCK_BYTES = S.layers * S.kv_heads * BS * 2 * S.head_size * 4  # one block, all layers, fp32
@@ -101,7 +104,7 @@ def _decode(c: Cluster, port: int | None = None) -> VllmServer:
                       log_stats=True,
                       kv_transfer_config=kv_config("kv_consumer", extra,
                                                    kv_load_failure_policy="recompute"),
-                      env={"PDXFER_FAULTS": f"corrupt=1,rooms={ROOM_CORRUPT}"})
+                      env={"PDXFER_FAULTS": f"corrupt=1,rooms={ROOM_CORRUPT},pace={PACE_S}"})
 
 
 @pytest.fixture(scope="module")
@@ -443,7 +446,8 @@ def test_a_failed_prefill_ends_the_engaged_decode_with_an_openai_error(
 
 def test_a_client_that_leaves_ends_both_sides(cluster: Cluster, front_door: str) -> None:
     """A streamed client that leaves after its first token: the router closes both legs, and
-    vLLM aborts the decode's request long before its 400 tokens (its blocks come back)."""
+    vLLM aborts the decode's request before its 400 tokens, which the
+    paced decode needs at least 8 s for (its blocks come back)."""
     prompt = _ids(9950, 3 * BS + 5)
     gen0 = metric(cluster.decode, "vllm:generation_tokens_total")
     stream = client(front_door).completions.create(
