@@ -31,7 +31,7 @@ import numpy as np
 from .errors import WireError
 from .pools import MAX_BUFFERS, U64, Name, NonNeg, PoolSpec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """4: a digest may cover some layers of a pool (partial-layer chunks); 3: sampled digests
 read each page once (``integrity.Sampling``); 2 read the ends too."""
 MAGIC = b"PDX"
@@ -177,6 +177,10 @@ class TransferRequest(Msg):
     stage: dict[Name, U64] = {}
     integrity: Mode = "off"
     """How the sender digests what it writes (the decode verifies in the same mode)."""
+    early: bool = False
+    """The decode asks at dispatch, maybe before this prefill has received the request (the
+    early form): a room it does not know yet waits up to the bootstrap deadline, not only
+    ``room_grace_s``; only the sender's router, which ends both legs, can know it never comes."""
 
     def __post_init__(self) -> None:
         if self.prefix_len > self.num_tokens:

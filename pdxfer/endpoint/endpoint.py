@@ -138,9 +138,13 @@ class Endpoint:
         self.prefill.withdraw(room, reason)
 
     def receiver(self, room: int, bootstrap: str | None = None, *, instance: str | None = None,
-                 dp: int | None = None, release: Release | None = None) -> KVReceiver:
+                 dp: int | None = None, release: Release | None = None,
+                 early: bool = False) -> KVReceiver:
         """A receiver for ``room``. ``release(dst, slots)`` is called once, from a pdxfer
-        thread, when a failed request's pages can be reused without risk of a late write."""
+        thread, when a failed request's pages can be reused without risk of a late write.
+        ``early``: the request reached this decode at dispatch, maybe before the prefill got
+        its own (the early form): the prefill holds an ask for a room it does not know yet
+        until the bootstrap deadline instead of failing it after its ``room_grace_s``."""
         if self.decode is None:
             raise ConfigError("receiver() needs a decode endpoint")
         addr = bootstrap or self.config.bootstrap
@@ -153,7 +157,7 @@ class Endpoint:
                 self.core.count("untrusted_bootstraps_refused")
                 log.warning("room %d refused: %s", room, e)
                 raise
-        return self.decode.create(room, addr, instance, dp, release)
+        return self.decode.create(room, addr, instance, dp, release, early)
 
     def pool(self, name: str) -> PoolSpec:
         return self.core.pool(name)

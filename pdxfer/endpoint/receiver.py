@@ -128,7 +128,7 @@ class DecodeSide(Checks):
     # -- engine calls -------------------------------------------------------------------------
 
     def create(self, room: int, bootstrap: str, instance: str | None, dp: int | None,
-               release: Release | None) -> KVReceiver:
+               release: Release | None, early: bool = False) -> KVReceiver:
         if not 0 <= room < 1 << 63:
             raise PlanError(f"room {room} out of range [0, 2^63)")
         with self.ep.lock:
@@ -136,7 +136,7 @@ class DecodeSide(Checks):
                 raise DuplicateRoom(f"room {room} is already active on decode endpoint "
                                     f"{self.ep.endpoint_id}")
             st = RecvRoom(room, bootstrap, instance, dp, ReleaseOnce(room, release),
-                          time.monotonic() + self.cfg.bootstrap_timeout_s)
+                          time.monotonic() + self.cfg.bootstrap_timeout_s, early=early)
             self.rooms[room] = st
             self.ep.count("requests")
         return KVReceiver(self, st)
@@ -272,7 +272,7 @@ class DecodeSide(Checks):
                 prefix_len=st.prefix_len, num_tokens=st.num_tokens,
                 expected_senders=max(1, len(st.targets)), decode_peers=npeers,
                 deadline_s=self.cfg.transfer_timeout_s, hold_for_repair=st.hold_for_repair,
-                integrity=st.integrity)
+                integrity=st.integrity, early=st.early)
             # Queued under the lock: an abort (which takes the lock) either sees the room
             # terminal before this, or queues its Abort behind the request on the same socket.
             for p, a in zip(peers, plan):

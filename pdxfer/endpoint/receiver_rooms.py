@@ -52,6 +52,8 @@ class RecvRoom:
     auto_hold: bool = False
     """The prefill holds the room for an integrity retry (``integrity_retry``), not because
     the engine asked: this receiver sends the ``Release`` itself once the room is over."""
+    early: bool = False
+    """Asked at dispatch (``Endpoint.receiver(early=True)``; ``TransferRequest.early``)."""
     asks: dict[str, bytes] = field(default_factory=dict)
     """Per sender, the request frame sent to it (sent again, once, for an integrity retry)."""
     retried: set[str] = field(default_factory=set)

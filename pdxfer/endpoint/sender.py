@@ -296,11 +296,14 @@ class PrefillSide(Handshakes, Writes):
         """Hold a request whose room has no sender yet, within the pending caps, for the
         grace its engine gets to open the room (``room_grace_s``): a room this prefill never
         saw may be one whose request has not reached it yet (early dispatch), or one it will
-        never hold, and only the grace tells them apart. A room the engine ``expect``s waits
-        until the expectation's deadline."""
+        never hold, and only the grace tells them apart. A room the engine ``expect``s, or
+        one a decode asks for early (at dispatch: the request may still be on its way here),
+        waits until the bootstrap deadline."""
         e = self.expected.get(req.room)
         grace = min(self.cfg.room_grace_s, self.cfg.bootstrap_timeout_s)
         exp, waiting = self.pending.get(req.room, (e.deadline if e else now + grace, []))
+        if req.early and not e:
+            exp = max(exp, now + self.cfg.bootstrap_timeout_s)
         if any(p.endpoint_id == peer.endpoint_id for _, p, _ in waiting):
             self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
                          "duplicate_room")
@@ -438,11 +441,15 @@ class PrefillSide(Handshakes, Writes):
                 if not st.state.terminal and now > st.deadline:
                     expired.append(st)
             grace = min(self.cfg.room_grace_s, self.cfg.bootstrap_timeout_s)
-            for room, (exp, _) in list(self.pending.items()):
+            for room, (exp, waiting) in list(self.pending.items()):
                 if now > exp:
                     kind, why = (("deadline", f"expected by this prefill's engine, which did "
                                   f"not open it within {self.cfg.bootstrap_timeout_s} s")
                                  if self.expected.pop(room) else
+                                 ("deadline", f"asked for at dispatch, and this prefill's "
+                                  f"engine did not open it within "
+                                  f"{self.cfg.bootstrap_timeout_s} s")
+                                 if any(r.early for r, _, _ in waiting) else
                                  ("unknown_room", f"unknown to this prefill (its engine did not "
                                   f"open it within {grace} s)"))
                     for req, peer, _ in self._take_pending(room):

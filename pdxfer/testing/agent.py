@@ -117,7 +117,7 @@ class AgentState:
         pat.fill_sentinel(self.eps[ep].tensors)
 
     def cmd_recv(self, items: list[dict[str, Any]], bootstrap: str, ep: str = "main",
-                 instance: str | None = None) -> None:
+                 instance: str | None = None, early: bool = False) -> None:
         e = self.eps[ep]
         for it in items:
             room = it["room"]
@@ -129,7 +129,7 @@ class AgentState:
                 e.released.setdefault(room, []).append(time.monotonic())
 
             rx = e.ep.receiver(room, bootstrap, instance=instance, dp=it.get("dp"),
-                               release=release)
+                               release=release, early=early)
             e.rx[room] = rx
             rx.request(it["dst"], it.get("slots"), it.get("prefix_len", 0), it.get("num_tokens"))
 

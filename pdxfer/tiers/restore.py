@@ -56,7 +56,7 @@ class RestoringReceiver(RequestHandle):
                  slots: Mapping[str, int] | None = None, *, num_tokens: int | None = None,
                  l1_len: int = 0, release: Release | None = None, instance: str | None = None,
                  dp: int | None = None, restore_timeout_s: float | None = None,
-                 scope: str = "") -> None:
+                 scope: str = "", early: bool = False) -> None:
         self.cache, self.ep = cache, endpoint
         self.tokens = np.asarray(tokens, dtype=np.int64)
         self.num_tokens = int(len(self.tokens) if num_tokens is None else num_tokens)
@@ -90,8 +90,9 @@ class RestoringReceiver(RequestHandle):
         self.t_local: float | None = None
         self.t_match: float | None = None
         self.t_requested: float | None = None
+        self._early = early  # asked at dispatch (``Endpoint.receiver``), repairs too
         self.rx = endpoint.receiver(room, bootstrap, instance=instance, dp=dp,
-                                    release=self._on_rx_release)
+                                    release=self._on_rx_release, early=early)
         cache.executor.submit(self._run)
 
     # -- the restore thread --------------------------------------------------------------------
@@ -184,7 +185,8 @@ class RestoringReceiver(RequestHandle):
         self._repair_range = (lo, self.match.prefix_len)
         try:
             rx = self.ep.receiver(self.room, self._bootstrap, instance=self._instance,
-                                  dp=self._dp, release=self._on_repair_release)
+                                  dp=self._dp, release=self._on_repair_release,
+                                  early=self._early)
         except DuplicateRoom:
             return  # the first request's room is being dropped; next poll retries
         self.ep.count("repairs")

@@ -109,3 +109,24 @@ def test_an_expected_room_the_engine_withdraws_fails_its_decode_at_once(
     out = dc.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]
     assert out["state"] == "Failed" and out["kind"] == "aborted", out
     assert "client went away" in out["failure"], out
+
+
+def test_a_room_asked_for_at_dispatch_waits_past_the_grace_then_its_bytes_land_exactly(
+        pair, bootstrap, factory) -> None:
+    """The early form: a decode asks at dispatch, before the prefill's engine has even
+    received the request (a loaded vLLM prefill may take longer than the grace to get there):
+    the prefill holds the ask past its grace, while an ordinary ask for an unknown room fails
+    after it (the state that says the grace has passed), and the early room's KV then
+    arrives exactly."""
+    pf, dc = pair
+    r, unknown = factory.make(40), factory.make(24)
+    dc.call("recv", items=decode_items([r]), bootstrap=bootstrap.address, early=True)
+    dc.call("recv", items=decode_items([unknown]), bootstrap=bootstrap.address)
+    out = dc.call("wait", rooms=[unknown["room"]], timeout=WAIT)[unknown["room"]]
+    assert out["state"] == "Failed" and out["kind"] == "unknown_room", out
+    assert dc.call("states", rooms=[r["room"]])[r["room"]] not in ("Failed", "Success")
+    prep, send = prefill_items([r])
+    pf.call("prepare", items=prep)
+    pf.call("send", items=send)
+    assert dc.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]["state"] == "Success"
+    assert verify(dc, [r])[r["room"]][0] == 0

@@ -204,7 +204,8 @@ class TestPrefillTP2DecodeTP1:
         n = token_exact(down, base.ref,
                         ["Hello", "The river", *[text(13 * i, 60 + 110 * i) for i in range(4)]],
                         [f"Tell me about {text(5 * i, 4)}." for i in range(2)])
-        wait("the decode's loads", lambda: down.d_sum("loads") == n, timeout=120)
+        wait("the decode's loads", lambda: down.d_sum("loads") == n, timeout=120,
+             show=lambda: (n, down.d(), down.p()))
         wait("both prefill ranks' sends", lambda: all(s.get("sends", 0) == n
                                                       and s.get("in_flight_sends", 1) == 0
                                                       for s in down.p()))

@@ -57,10 +57,13 @@ def ref_chat(url: str, text: str) -> tuple[str, list[int]]:
     return r.choices[0].message.content or "", list(r.choices[0].token_ids)  # type: ignore[attr-defined]
 
 
-def wait(what: str, cond: Any, timeout: float = 30.0) -> None:
+def wait(what: str, cond: Any, timeout: float = 30.0, show: Any = None) -> None:
+    """Wait for ``cond()``; on a timeout the failure shows ``show()`` (the state waited on)."""
     end = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
+        if time.monotonic() >= end:
+            raise AssertionError(f"timed out waiting for {what}"
+                                 + (f": {show()}" if show is not None else ""))
         time.sleep(0.1)
 
 

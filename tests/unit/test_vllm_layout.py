@@ -128,7 +128,9 @@ def test_params_from_clients_are_checked_and_rooms_pair_the_two_sides() -> None:
     assert ask == P.PrefillAsk(7, "d1")
     answer = P.prefill_answer(7, "h:1", "p1", 100)
     d = P.decode_ask(answer)
-    assert d == P.DecodeAsk(7, "h:1", "p1")
+    assert d == P.DecodeAsk(7, "h:1", "p1") and not d.early  # sequential: after the answer
+    early = {k: v for k, v in answer.items() if k != "pdxfer_num_tokens"}
+    assert P.decode_ask(early) == P.DecodeAsk(7, "h:1", "p1", early=True)  # at dispatch
     assert P.decode_ask({**answer, "pdxfer_room": "7"}) is None
     assert P.decode_ask({**answer, "pdxfer_bootstrap": "x" * 500}) is None
     for bad in ("127.0.0.1:x", "127.0.0.1:0", "127.0.0.1:99999", ":8998", "h"):

@@ -77,6 +77,8 @@ class LoadOrder:
     num_tokens: int
     tokens: tuple[int, ...] = ()
     scope: str = ""
+    early: bool = False
+    """The request came at dispatch (the early form; ``params.DecodeAsk.early``)."""
 
 
 @dataclass(frozen=True, slots=True)

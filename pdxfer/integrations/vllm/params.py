@@ -56,6 +56,9 @@ class DecodeAsk:
     room: int
     bootstrap: str
     instance: str | None
+    early: bool = False
+    """Sent at dispatch, beside the prefill's request (no ``pdxfer_num_tokens``): the
+    prefill may not have the request yet, so it holds this decode's ask until its deadline."""
 
 
 def _room(v: Any) -> int | None:
@@ -112,7 +115,7 @@ def decode_ask(params: dict[str, Any] | None) -> DecodeAsk | None:
             log.warning("kv_transfer_params without a valid pdxfer_room / pdxfer_bootstrap "
                         "(%r): the decode computes the prompt itself", params)
         return None
-    return DecodeAsk(room, boot, inst)
+    return DecodeAsk(room, boot, inst, early="pdxfer_num_tokens" not in params)
 
 
 def prefill_answer(room: int, bootstrap: str, instance: str, num_tokens: int

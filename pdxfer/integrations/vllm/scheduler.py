@@ -159,7 +159,7 @@ class PdxferScheduler:
             req_id=request.request_id, room=ask.room, bootstrap=ask.bootstrap,
             instance=ask.instance, block_ids=tuple(block_ids), l1_len=n - num_external_tokens,
             num_tokens=n, tokens=tuple(prompt) if self.tiers else (),
-            scope=request.cache_salt or ""))
+            scope=request.cache_salt or "", early=ask.early))
 
     # -- prefill -------------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:

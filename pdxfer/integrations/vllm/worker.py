@@ -274,9 +274,10 @@ class PdxferWorker:
                 rx = RestoringReceiver(self.cache, self.ep, o.room, o.bootstrap, o.tokens,
                                        {POOL: blocks}, num_tokens=o.num_tokens,
                                        l1_len=o.l1_len, release=release, instance=o.instance,
-                                       scope=o.scope)
+                                       scope=o.scope, early=o.early)
             else:
-                rx = self.ep.receiver(o.room, o.bootstrap, instance=o.instance, release=release)
+                rx = self.ep.receiver(o.room, o.bootstrap, instance=o.instance, release=release,
+                                      early=o.early)
                 rx.request({POOL: blocks}, prefix_len=o.l1_len, num_tokens=o.num_tokens)
         except Exception as e:  # noqa: BLE001 - the request fails, vLLM recomputes it
             log.warning("room %d (request %s): cannot start the load: %s", o.room, o.req_id, e)
