@@ -168,12 +168,14 @@ def restores_a_repeated_prefix(pair: Pair, ref: VllmServer) -> None:
     w0 = written()
     assert complete(pair.url, a) == complete(ref.url, a)
     wait("the write-back", lambda: all(w - w_ >= 6 for w, w_ in zip(written(), w0)),
-         timeout=120)
+         timeout=120, show=lambda: (w0, pair.d()))
     d0, sent0 = pair.d(), pair.p_bytes()
     assert complete(pair.url, b) == complete(ref.url, b)
     wait("the decode's loads", lambda: all(s["loads"] > s0["loads"]
-                                           for s, s0 in zip(pair.d(), d0)), timeout=120)
-    wait("the prefill's sends", lambda: all(x > y for x, y in zip(pair.p_bytes(), sent0)))
+                                           for s, s0 in zip(pair.d(), d0)), timeout=120,
+         show=lambda: (d0, pair.d()))
+    wait("the prefill's sends", lambda: all(x > y for x, y in zip(pair.p_bytes(), sent0)),
+         show=lambda: (sent0, pair.p()))
     d1 = pair.d()
     for s, s0 in zip(d1, d0):
         assert s["restored_l2_pages"] - s0["restored_l2_pages"] == 6, s
@@ -208,7 +210,8 @@ class TestPrefillTP2DecodeTP1:
              show=lambda: (n, down.d(), down.p()))
         wait("both prefill ranks' sends", lambda: all(s.get("sends", 0) == n
                                                       and s.get("in_flight_sends", 1) == 0
-                                                      for s in down.p()))
+                                                      for s in down.p()),
+             show=lambda: (n, down.p()))
         assert down.d_sum("load_failures") == 0
         sent = [b - b0 for b, b0 in zip(down.p_bytes(), before)]
         # each rank holds one of the two KV heads: the same share of every block
@@ -224,7 +227,8 @@ class TestPrefillTP1DecodeTP2:
                                                               ) -> None:
         n = token_exact(up, base.ref, ["Hello", text(40, 250)], ["Tell me about rivers."])
         wait("both decode ranks' loads", lambda: all(s.get("loads", 0) == n
-                                                     for s in up.d()), timeout=120)
+                                                     for s in up.d()), timeout=120,
+             show=lambda: (n, up.d(), up.p()))
         d = up.d()
         assert all(s["load_failures"] == 0 for s in d)
         # each decode rank asked for its own head: half of what the prefill sent
