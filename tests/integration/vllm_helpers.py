@@ -57,7 +57,9 @@ def ref_chat(url: str, text: str) -> tuple[str, list[int]]:
     return r.choices[0].message.content or "", list(r.choices[0].token_ids)  # type: ignore[attr-defined]
 
 
-def wait(what: str, cond: Any, timeout: float = 30.0) -> None:
+def wait(what: str, cond: Any, timeout: float = 120.0) -> None:
+    """Until ``cond()``: returns at the event; the bound only ends a hang (vLLM on a loaded
+    machine takes its time)."""
     end = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < end, f"timed out waiting for {what}"
