@@ -55,6 +55,7 @@ class Faults:
     seed: int = 0
     pace: float = 0.0
     _struck: set[int] = field(default_factory=set, repr=False)
+    _held: dict[int | None, int] = field(default_factory=dict, repr=False)
     _rng: random.Random = field(default_factory=random.Random, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -110,7 +111,16 @@ class Faults:
 
     def before_batch(self, room: int | None) -> None:
         if self.delays(room):
+            with self._lock:
+                self._held[room] = self._held.get(room, 0) + 1
             time.sleep(self.delay_write)
+
+    def held(self, room: int | None) -> int:
+        """How many of ``room``'s batches ``delay_write`` has held so far: a test that sees
+        one knows a write is committed and landing late (a fixed sleep could come before it
+        on a slow machine)."""
+        with self._lock:
+            return self._held.get(room, 0)
 
     def page_fault(self, room: int, at: str = "network") -> str | None:
         """Which page fault to inject into ``room``'s destination after a sender's write was

@@ -242,6 +242,12 @@ class AgentState:
 
         faults().update(spec)
 
+    def cmd_held_batches(self, room: int) -> int:
+        """How many of ``room``'s transport batches ``delay_write`` has held in this process."""
+        from ..faults import faults
+
+        return faults().held(room)
+
     def cmd_metrics(self, ep: str = "main") -> dict[str, Any]:
         return self.eps[ep].ep.metrics()
 

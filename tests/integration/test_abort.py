@@ -59,11 +59,21 @@ def wait_released(dc: Agent, room: int, timeout: float = 10.0) -> bool:
     return False
 
 
+def wait_held(pf: Agent, room: int, timeout: float = 60.0) -> None:
+    """Until the prefill's transport holds a batch of ``room`` (``delay_write``): the write is
+    committed and lands ``DELAY`` s later, whatever the machine's speed (a fixed sleep could
+    come before the write started on a slow machine, and the abort would then stop it)."""
+    end = time.monotonic() + timeout
+    while pf.call("held_batches", room=room) == 0:
+        assert time.monotonic() < end, f"no write of room {room} started"
+        time.sleep(0.01)
+
+
 def test_late_write_never_lands_in_a_page_another_request_owns(pair, bootstrap, factory) -> None:
     pf, dc = pair
     a = factory.make(64, room=777)
     start(pf, dc, bootstrap.address, [a])
-    time.sleep(0.3)  # A's write is committed and sleeping in the transport
+    wait_held(pf, 777)  # A's write is committed and sleeping in the transport
     dc.call("abort", rooms=[777])
     assert dc.call("wait", rooms=[777], timeout=5)[777]["state"] == "Failed"
     # the engine reuses A's pages only when pdxfer hands them back
@@ -99,7 +109,7 @@ def test_decode_abort_mid_transfer_waits_for_the_drain_then_releases_once(
     pf, dc = pair
     r = factory.make(48, room=778)
     start(pf, dc, bootstrap.address, [r])
-    time.sleep(0.3)
+    wait_held(pf, 778)
     dc.call("abort", rooms=[778])
     assert 778 not in dc.call("released"), "released while a write was still in flight"
     assert wait_released(dc, 778)
@@ -112,7 +122,7 @@ def test_prefill_abort_mid_transfer_fails_the_decode_and_releases_once(
     pf, dc = pair
     r = factory.make(48, room=779)
     start(pf, dc, bootstrap.address, [r])
-    time.sleep(0.3)
+    wait_held(pf, 779)
     pf.call("abort", rooms=[779])
     out = dc.call("wait", rooms=[779], timeout=10)[779]
     assert out["state"] == "Failed" and "abort" in out["failure"]

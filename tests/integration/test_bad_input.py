@@ -177,7 +177,7 @@ def test_request_without_hello_is_dropped_unanswered_and_counted(pair) -> None:
         assert not h.pull.poll(300)
         t0 = time.monotonic()
         while (pf.call("metrics").get("rejected_unknown_peer", 0) == before
-               and time.monotonic() - t0 < 5):
+               and time.monotonic() - t0 < 30):
             time.sleep(0.05)
         assert pf.call("metrics")["rejected_unknown_peer"] == before + 1
     finally:
@@ -197,7 +197,7 @@ def test_hello_whose_pools_lie_about_their_size_gets_no_pairing(pair) -> None:
         before = pf.call("metrics").get("wire_rejected", 0)
         h.send(frame)
         t0 = time.monotonic()
-        while pf.call("metrics").get("wire_rejected", 0) == before and time.monotonic() - t0 < 5:
+        while pf.call("metrics").get("wire_rejected", 0) == before and time.monotonic() - t0 < 30:
             time.sleep(0.05)
         assert pf.call("metrics")["wire_rejected"] == before + 1
         assert not h.pull.poll(300)

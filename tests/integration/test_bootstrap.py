@@ -120,7 +120,9 @@ def test_a_lookup_that_times_out_retries_until_its_deadline(server: BootstrapSer
         c = BootstrapClient(front.address, timeout=0.2, retries=1, max_backoff=0.05)
         route = c.route(1, deadline=time.monotonic() + 120)
         assert [e["endpoint_id"] for e in route["endpoints"]] == ["ep00"]
-        assert front.seen == 4  # three unanswered tries, then the answer
+        # three unanswered tries, then the answer (a loaded machine may relay the answer past
+        # the 0.2 s client timeout and so try more: at least four, never fewer)
+        assert front.seen >= 4
     finally:
         front.close()
 

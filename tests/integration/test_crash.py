@@ -44,7 +44,7 @@ def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill
         assert waited < deadline, f"decode waited {waited:.1f} s for a dead prefill"
         # fail-closed pages: released (the writer is dead) and never reused before that
         t0 = time.monotonic()
-        while big["room"] not in dc.call("released") and time.monotonic() - t0 < 5:
+        while big["room"] not in dc.call("released") and time.monotonic() - t0 < 30:
             time.sleep(0.05)
         assert big["room"] in dc.call("released")
         assert dc.call("tables") == {"rooms": 0}
@@ -112,14 +112,14 @@ def test_frozen_prefill_fails_requests_but_keeps_pages_until_it_acknowledges(
             assert out[big["room"]]["state"] == "Failed", out
             assert out[big["room"]]["kind"] in ("peer_lost", "deadline"), out
             t0 = time.monotonic()  # quarantine is counted once abort_timeout_s has passed
-            while dc.call("metrics")["quarantined_pages"] == 0 and time.monotonic() - t0 < 10:
+            while dc.call("metrics")["quarantined_pages"] == 0 and time.monotonic() - t0 < 30:
                 time.sleep(0.1)
             assert dc.call("metrics")["quarantined_pages"] > 0
             assert big["room"] not in dc.call("released"), "released while the writer was frozen"
         finally:
             os.kill(pf.pid, signal.SIGCONT)
         t0 = time.monotonic()
-        while big["room"] not in dc.call("released") and time.monotonic() - t0 < 15:
+        while big["room"] not in dc.call("released") and time.monotonic() - t0 < 30:
             time.sleep(0.1)
         assert dc.call("release_counts").get(big["room"]) == 1
         assert dc.call("metrics")["quarantined_pages"] == 0
@@ -160,7 +160,7 @@ def test_frozen_prefill_with_a_secret_releases_pages_after_it_wakes_and_rehandsh
             assert out[big["room"]]["state"] == "Failed", out
             assert out[big["room"]]["kind"] in ("peer_lost", "deadline"), out
             t0 = time.monotonic()
-            while dc.call("metrics")["quarantined_pages"] == 0 and time.monotonic() - t0 < 10:
+            while dc.call("metrics")["quarantined_pages"] == 0 and time.monotonic() - t0 < 30:
                 time.sleep(0.1)
             assert dc.call("metrics")["quarantined_pages"] > 0
             assert big["room"] not in dc.call("released"), "released while the writer was frozen"
@@ -176,7 +176,7 @@ def test_frozen_prefill_with_a_secret_releases_pages_after_it_wakes_and_rehandsh
         assert res[small["room"]]["state"] == "Success", res
         assert verify(dc, [small])[small["room"]][0] == 0
         t0 = time.monotonic()
-        while big["room"] not in dc.call("released") and time.monotonic() - t0 < 15:
+        while big["room"] not in dc.call("released") and time.monotonic() - t0 < 30:
             time.sleep(0.1)
         assert dc.call("release_counts").get(big["room"]) == 1, "pages still quarantined"
         assert dc.call("metrics")["quarantined_pages"] == 0

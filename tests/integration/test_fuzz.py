@@ -156,7 +156,7 @@ def test_fuzzed_prefill_endpoint_left_memory_and_tables_clean(live) -> None:
         assert pat.untouched(spec, mem["tensors"][spec.name], []) == 0
     # pending orphan requests expire at the (short) bootstrap deadline
     import time
-    end = time.monotonic() + 5
+    end = time.monotonic() + 30  # a bound on the wait for the event, not a stopwatch
     while pf.metrics()["pending_requests"] and time.monotonic() < end:
         time.sleep(0.05)
     assert pf.metrics()["pending_requests"] == 0

@@ -23,7 +23,7 @@ from pdxfer.testing.hosts import Network
 from pdxfer.testing.patterns import PoolGeom
 
 from .conftest import FAST
-from .helpers import Factory, decode_items, prefill_items, verify
+from .helpers import Factory, decode_items, prefill_items, verify, wait_written
 from .netconf import NET_ENV, bootstrap_on, needs_root, port_of
 
 pytestmark = needs_root
@@ -32,6 +32,9 @@ pytestmark = needs_root
 GEOMS = [PoolGeom("kv", "mha", layers=8, pages=320, page_size=16, heads=8, head_dim=128),
          PoolGeom("aux", "slots", layers=1, pages=64, dim=16, dtype="int32")]
 PAGE = 512 << 10
+LONG_S = 120.0
+"""A deadline no test here should reach: a failure that comes well before it came from the
+mechanism under test, on however slow a machine."""
 
 
 class Net:
@@ -164,21 +167,21 @@ def test_partition_mid_transfer_fails_with_peer_lost_and_quarantines_until_heale
     assert net.dc is not None
     host = net.net[side]
     lost = net.dc.call("metrics").get("peers_hung", 0)
-    big = net.start_request(16 * 96, chunks=24, delay_s=0.1)  # 48 MiB over ~2.4 s
-    time.sleep(0.8)
-    t_cut = time.monotonic()
+    sent = net.pf.call("metrics")["transport_bytes"] if net.pf is not None else 0
+    big = net.start_request(16 * 96, chunks=24, delay_s=0.1)  # 48 MiB over >= 2.4 s
+    assert net.pf is not None
+    wait_written(net.pf, sent)  # mid-transfer: the rest of its 24 chunks take 0.1 s each
     host.cut(at)
     try:
         out = net.wait(big, FAST["transfer_timeout_s"] + 5)
-        waited = time.monotonic() - t_cut
         net.proves_cut("decode" if side == "prefill" else "prefill", side)
         assert out["state"] == "Failed", out
+        # the heartbeat's verdict, not the transfer's deadline (which a hang would reach):
+        # the kind says which fired, whatever the machine's speed
         assert out["kind"] == "peer_lost", out
         assert "is not responding" in out["failure"], out
-        budget = 2 * FAST["heartbeat_s"] + max(1.0, 4 * FAST["heartbeat_s"])
-        assert waited < budget + 2.0, f"PeerLost after {waited:.1f} s (budget ~{budget} s)"
         # past abort_timeout_s the pages count as quarantined, and are not handed back
-        end = time.monotonic() + FAST["abort_timeout_s"] + 3
+        end = time.monotonic() + FAST["abort_timeout_s"] + 30
         while net.dc.call("metrics")["quarantined_pages"] == 0 and time.monotonic() < end:
             time.sleep(0.1)
         assert net.dc.call("metrics")["quarantined_pages"] > 0
@@ -300,8 +303,10 @@ def test_bootstrap_unreachable_keeps_pairs_working_and_lookups_fail_naming_it(
     assert net.dc is not None and net.boot is not None
     ok_request(net)  # the route is fresh
     boot = net.net["boot"]
+    # the transfer's own deadline far off: only the lookup's 2 s can end the room in time
     net.dc.call("add_endpoint", name="fresh", role="decode",
-                config={**FAST, "bootstrap_timeout_s": 2.0, "host": net.net["decode"].addr},
+                config={**FAST, "bootstrap_timeout_s": 2.0, "transfer_timeout_s": LONG_S,
+                        "host": net.net["decode"].addr},
                 geoms=GEOMS)
     boot.cut()
     try:
@@ -311,13 +316,16 @@ def test_bootstrap_unreachable_keeps_pairs_working_and_lookups_fail_naming_it(
         r = net.f.make(16 * 4)
         t0 = time.monotonic()
         net.dc.call("recv", items=decode_items([r]), bootstrap=net.boot.address, ep="fresh")
-        out = net.wait(r, 15, ep="fresh")
+        out = net.wait(r, LONG_S / 2, ep="fresh")
         took = time.monotonic() - t0
         assert out["state"] == "Failed", out
         # the client's last try or the room's deadline, whichever ends first: both name it
         assert out["kind"] in ("bootstrap", "deadline"), out
         assert net.boot.address in out["failure"], out
-        assert took < 2.0 + 1.0, f"the lookup outlived its 2 s deadline: {took:.1f} s"
+        # a hang detector, not a stopwatch: far past 2 s (a loaded machine is slow), far
+        # short of the transfer's own deadline (LONG_S), which would end a lookup that
+        # ignored its 2 s
+        assert took < LONG_S / 4, f"the lookup outlived its 2 s deadline: {took:.1f} s"
         assert net.released(r, 10, ep="fresh")
         net.f.free(r)
     finally:

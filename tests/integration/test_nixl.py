@@ -117,12 +117,16 @@ def test_a_dead_peer_is_peer_lost_and_probes_false() -> None:
         p.kill()
         p.join(10)
         err = None
-        for _ in range(50):  # the disconnect is noticed within milliseconds
+        # until the disconnect is noticed (milliseconds), by the clock, not by a count of
+        # tries: a fast machine could make any fixed number of writes before it is
+        end = time.monotonic() + 30
+        while err is None and time.monotonic() < end:
             try:
                 a.write(session, [src.ctypes.data], [addr], [4096])
             except TransportError as e:
                 err = e
                 break
+            time.sleep(0.001)
         assert err is not None
         assert isinstance(err, PeerLost), err
         assert not a.probe(session)
@@ -285,7 +289,7 @@ def test_a_peers_probes_do_not_pile_up_in_the_inbox(agents) -> None:
     before = b.notifs_dropped
     for _ in range(20):
         assert a.probe(b.session_id)
-    end = time.monotonic() + 5.0
+    end = time.monotonic() + 30.0  # a bound on the wait for the event, not a stopwatch
     while b.notifs_dropped - before < 20 and time.monotonic() < end:
         b.probe(a.session_id)
         time.sleep(0.01)

@@ -232,13 +232,14 @@ def test_prefill_learns_the_decode_prefix_and_retires_requests_the_sglang_way(qu
 # -- failures (last: the second prefill process is killed) -----------------------------------
 
 BOOTSTRAP_TIMEOUT_S = 4  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: pdxfer's lookup deadline
+WAITING_TIMEOUT_S = 20  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT: what would end a hung room
 
 
 @pytest.fixture(scope="module")
 def failures(procs: Procs) -> dict:
     cfg = {"port_a": free_port(), "port_b": free_port(), "port_rogue": free_port(),
            "env": {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
-                   "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "20"}}
+                   "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)}}
     procs.prefill.call("pd_failures.prefill", cfg=cfg, which="a")
     procs.prefill1.call("pd_failures.prefill", cfg=cfg, which="b")
     try:
@@ -250,29 +251,34 @@ def failures(procs: Procs) -> dict:
     return {**dec["rooms"], "untrusted": dec["untrusted"]}
 
 
-def check(r: dict, cause: str, words: str, within: float) -> None:
+def check(r: dict, cause: str, words: str) -> None:
+    """Failed for ``cause``, the mechanism under test (the cause says which fired, on any
+    machine), in well under SGLang's waiting timeout (pdxfer's transfer deadline, which would
+    end a hung room, or one whose 4 s lookup deadline did not fire): a hang detector with
+    room for a loaded machine, not a stopwatch."""
     assert "success" not in r, r
     assert r["cause"] == cause, r
     assert f"pdxfer {cause}" in r["failure"] and words in r["failure"], r["failure"]
-    assert r["seconds"] < within, r
+    assert r["seconds"] < WAITING_TIMEOUT_S / 2, r
     assert not r["changed_after_failed"], "a destination page was written after Failed"
 
 
 def test_abort_fails_at_once_and_nothing_lands(failures: dict) -> None:
-    check(failures["201"], "Aborted", "aborted by SGLang", 5.0)
+    check(failures["201"], "Aborted", "aborted by SGLang")
     assert not failures["201"]["written"]
 
 
 def test_prefill_killed_mid_transfer_fails_with_peer_lost(failures: dict) -> None:
     r = failures["301"]
-    check(r, "PeerLost", "stopped answering", 10.0)
+    check(r, "PeerLost", "stopped answering")
     assert r["written"]  # the first chunk had landed: the kill really was mid-transfer
 
 
 def test_bootstrap_that_never_answers_fails_at_its_deadline(failures: dict) -> None:
-    check(failures["202"], "DeadlineExceeded", "did not finish before its deadline",
-          BOOTSTRAP_TIMEOUT_S + 6.0)
-    assert failures["202"]["seconds"] >= BOOTSTRAP_TIMEOUT_S - 0.5
+    check(failures["202"], "DeadlineExceeded", "did not finish before its deadline")
+    # not before its deadline: counted from before the receiver was built, so this holds
+    # however slowly the machine built it
+    assert failures["202"]["since_made"] >= BOOTSTRAP_TIMEOUT_S - 0.05, failures["202"]
 
 
 def test_a_bootstrap_the_decode_does_not_trust_fails_at_once_without_a_lookup(
@@ -285,5 +291,5 @@ def test_a_bootstrap_the_decode_does_not_trust_fails_at_once_without_a_lookup(
 
 def test_layout_mismatch_is_refused_naming_the_pool(failures: dict) -> None:
     check(failures["203"], "LayoutMismatch",
-          "pool 'draft_kv' exists on prefill but not on decode", 5.0)
+          "pool 'draft_kv' exists on prefill but not on decode")
     assert not failures["203"]["written"]

@@ -133,7 +133,7 @@ def no_leaks(env: Setup, dc: Agent, ep: str = "main") -> None:
     assert rep["rooms"] == 0
     # the decode's Release of a held room is one-way and may still be on its way: wait for
     # it (bounded), then the prefill must hold nothing
-    end = time.monotonic() + 5.0
+    end = time.monotonic() + 30.0
     tables = env.pf.call("ext", fn=X + "prefill_tables", ep=ep)
     while tables != {"rooms": 0, "pending": 0, "held": 0} and time.monotonic() < end:
         time.sleep(0.05)

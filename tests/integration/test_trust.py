@@ -98,7 +98,9 @@ def test_unsigned_request_naming_a_real_decode_cannot_write_a_live_room_into_its
         "endpoint_id": c.dc.info["endpoint_id"], "reply_to": c.dc.info["ctrl_addr"],
         "dst": {"kv": A.wire.pack_indices(done["dst"]["kv"])}, "slots": done["dst_slots"],
         "prefix_len": 0, "num_tokens": 40}))
-    time.sleep(1.5)
+    # the forged request was handled (refused): waiting on that, not a fixed sleep, means
+    # it was read before the room is looked at, however slow the machine
+    assert A.wait_for(lambda: metric(c.pf, "rejected_unsigned") >= before + 1, 60)
     assert now(c.pf, victim["room"]) == "Bootstrapping"
     assert verify(c.dc, [done])[done["room"]][0] == 0  # the finished room's pages are intact
     assert metric(c.pf, "rejected_unsigned") == before + 1
@@ -117,11 +119,13 @@ def test_forged_hello_ack_cannot_get_a_live_prefill_declared_dead(c: Cluster) ->
     c.dc.call("recv", items=decode_items([r]), bootstrap=c.srv.address)
     c.pf.call("send", items=send)
     lost = metric(c.dc, "peers_lost") + metric(c.dc, "peers_hung")
+    refused = metric(c.dc, "rejected_unsigned")
     sessions = c.dc.call("ext", fn="pdxfer.testing.attack:peer_sessions")
     ack = {"type": "HelloAck", "endpoint_id": c.pf.info["endpoint_id"], "ok": True,
            "session": "127.0.0.1:1", "tp_rank": 0, "tp_size": 1, "pools": []}
     for _ in range(3):
         c.raw.send(c.dc.info["ctrl_addr"], A.plain(ack))
+    assert A.wait_for(lambda: metric(c.dc, "rejected_unsigned") >= refused + 3, 60)
     out = c.dc.call("wait", rooms=[r["room"]], timeout=20)[r["room"]]
     assert out["state"] == "Success", out
     assert verify(c.dc, [r])[r["room"]][0] == 0
@@ -201,18 +205,20 @@ def test_forged_transfer_done_cannot_make_the_decode_report_success_early(c: Clu
     """Finding 5: a TransferDone with the nonce read off the wire, before the bytes landed."""
     c.ok()
     r = c.f.make(64, chunks=2)
-    r["delay_s"] = 1.5
+    r["delay_s"] = 5.0  # the real last chunk: well after the forgery was handled
     prep, send = prefill_items([r])
     c.pf.call("prepare", items=prep)
     c.dc.call("recv", items=decode_items([r]), bootstrap=c.srv.address)
     assert A.wait_for(lambda: c.dc.call("ext", fn="pdxfer.testing.attack:room_nonce",
                                         room=r["room"]) != 0)
     nonce = c.dc.call("ext", fn="pdxfer.testing.attack:room_nonce", room=r["room"])
+    refused = metric(c.dc, "rejected_unsigned")
     c.pf.call("send", items=send)
     c.raw.send(c.dc.info["ctrl_addr"], A.plain({
         "type": "TransferDone", "room": r["room"], "nonce": nonce,
         "endpoint_id": c.pf.info["endpoint_id"], "rank": 0, "ok": True, "bytes": 1 << 20}))
-    time.sleep(0.7)
+    # the forgery was handled (a fixed sleep could end before it was read on a slow machine)
+    assert A.wait_for(lambda: metric(c.dc, "rejected_unsigned") >= refused + 1, 60)
     assert now(c.dc, r["room"]) != "Success"
     out = c.dc.call("wait", rooms=[r["room"]], timeout=20)[r["room"]]
     assert out["state"] == "Success", out
@@ -224,12 +230,14 @@ def test_unsigned_abort_before_a_room_exists_does_not_fail_it_later(c: Cluster) 
     c.ok()
     r = c.f.make(40)
     ear = A.Raw()
+    refused = metric(c.pf, "rejected_unsigned")
     try:
         for nonce in range(4):
             c.raw.send(c.pf.info["ctrl_addr"], A.plain({
                 "type": "Abort", "room": r["room"], "nonce": nonce, "reason": "forged",
                 "endpoint_id": c.dc.info["endpoint_id"], "reply_to": ear.addr}))
-        time.sleep(0.3)
+        # all four were handled before the room exists (a fixed sleep could end first)
+        assert A.wait_for(lambda: metric(c.pf, "rejected_unsigned") >= refused + 4, 60)
         out = run(c.pf, c.dc, c.srv.address, [r], decode_first=True)
         assert out[r["room"]]["state"] == "Success", out
         assert verify(c.dc, [r])[r["room"]][0] == 0

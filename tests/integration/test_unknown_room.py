@@ -9,7 +9,6 @@ at most ``WAIT`` (a bound, never a timing assertion) and then asserts the failur
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -72,7 +71,9 @@ def test_a_decode_that_asks_before_the_prefill_opened_the_room_still_gets_its_kv
     prep, send = prefill_items([r])
     pf.call("prepare", items=prep)
     dc.call("recv", items=decode_items([r]), bootstrap=bootstrap.address)
-    time.sleep(GRACE / 4)  # the prefill's engine opens the room later, within the grace
+    # the decode's request is waiting on the prefill (it asked first, on any machine: a
+    # fixed sleep could end before it arrived); the engine opens the room now, within the grace
+    assert wait_until(lambda: pf.call("tables")["pending"] >= 1, WAIT)
     pf.call("send", items=send)
     assert dc.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]["state"] == "Success"
     assert verify(dc, [r])[r["room"]][0] == 0

@@ -297,18 +297,22 @@ def test_a_prefill_killed_mid_transfer_ends_the_request_by_its_policy_and_blocks
     want = complete(cluster.ref.url, prompt)
     d0 = cluster.d()
     with cf.ThreadPoolExecutor(1) as pool:
-        t0 = time.monotonic()
         fut = pool.submit(_direct, cluster, prompt, ROOM_SLOW)
         # the prefill answered and its write is held back 8 s: the load is in flight
-        wait("the load to start", lambda: cluster.d().get("loads", 0) > d0["loads"])
+        wait("the load to start", lambda: cluster.d().get("loads", 0) > d0.get("loads", 0))
         assert kv_usage(cluster.decode) > 0, "the decode holds blocks for the load"
         cluster.prefill.kill()
         got = fut.result(timeout=DEADLINE_S + 60)
-        took = time.monotonic() - t0
     assert got == want, "recomputed by the decode (kv_load_failure_policy: recompute)"
-    assert took < DEADLINE_S, f"the failure took {took:.1f} s, past the {DEADLINE_S} s deadline"
     d1 = cluster.d()
-    assert d1["load_failures"] == d0["load_failures"] + 1 and d1["in_flight_loads"] == 0
+    assert d1["load_failures"] == d0.get("load_failures", 0) + 1 and d1["in_flight_loads"] == 0
+    # the kill was noticed, not waited out: the load failed for another cause than its
+    # deadline (the cause, not a stopwatch, says so on any machine; fut.result's timeout
+    # catches a hang: the recompute after the failure takes what the machine takes)
+    e0, e1 = d0.get("endpoint", {}), d1["endpoint"]
+    assert e1.get("failures_deadline", 0) == e0.get("failures_deadline", 0), e1
+    assert sum(v for k, v in e1.items() if k.startswith("failures_")) > sum(
+        v for k, v in e0.items() if k.startswith("failures_")), e1
     wait("the decode's blocks to come back", lambda: kv_usage(cluster.decode) == 0.0)
     cluster.restart_prefill()
     nxt = _ids(8000, 3 * BS + 5)

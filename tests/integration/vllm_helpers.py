@@ -57,8 +57,9 @@ def ref_chat(url: str, text: str) -> tuple[str, list[int]]:
     return r.choices[0].message.content or "", list(r.choices[0].token_ids)  # type: ignore[attr-defined]
 
 
-def wait(what: str, cond: Any, timeout: float = 30.0, show: Any = None) -> None:
-    """Wait for ``cond()``; on a timeout the failure shows ``show()`` (the state waited on)."""
+def wait(what: str, cond: Any, timeout: float = 120.0, show: Any = None) -> None:
+    """Until ``cond()``: returns at the event; the bound only ends a hang (vLLM on a loaded
+    machine takes its time). On a timeout the failure shows ``show()`` (the state waited on)."""
     end = time.monotonic() + timeout
     while not cond():
         if time.monotonic() >= end:

@@ -8,7 +8,9 @@ sgl_server.py).
   process (SIGKILL): run it last in a process.
 ``decode(cfg)``: one manager of the prefills' layout and one without the draft KV pool (a
   layout mismatch); room 202 looks pdxfer's bootstrap up at a listener that never answers.
-  For each room it reports how long Failed took, what ``failure_exception()`` said, and
+  For each room it reports how long Failed took (``seconds``: from its metadata, or its
+  abort; ``since_made``: from before its receiver was built, so no deadline of the room can
+  have run longer), what ``failure_exception()`` said, and
   whether any destination byte changed after Failed was seen.
 
 ``cfg["env"]`` (SGLang's deadlines, short so the failures end in seconds) is applied before
@@ -135,8 +137,9 @@ def _decode_run(cfg: dict, cls: dict, mgr, other, good: C.Side, bad_side: C.Side
     untrusted = {"poll": int(rogue.poll()), "failure": rogue_why,
                  "counted": mgr.untrusted_refused,
                  "looked_up": f"127.0.0.1:{cfg['port_rogue']}" in mgr.prefill_info_table}
-    rxs, t0 = {}, {}
+    rxs, t0, made = {}, {}, {}
     for room, (m, addr, _) in cases.items():
+        made[room] = time.monotonic()  # before any deadline of the room can have started
         rx = cls["receiver"](m, addr, room)
         rx.init(0)
         assert rx.poll() == 2, (room, rx.poll())
@@ -161,7 +164,8 @@ def _decode_run(cfg: dict, cls: dict, mgr, other, good: C.Side, bad_side: C.Side
                     why, cause = "no exception", ""
                 except Exception as e:  # noqa: BLE001 - that is what is checked
                     why, cause = str(e), type(e.__cause__).__name__ if e.__cause__ else ""
-                out[str(room)] = {"seconds": secs, "failure": why, "cause": cause}
+                out[str(room)] = {"seconds": secs, "since_made": time.monotonic() - made[room],
+                                  "failure": why, "cause": cause}
             elif st == 4:
                 pending.discard(room)
                 out[str(room)] = {"success": True}
