@@ -130,6 +130,9 @@ def test_an_early_decode_holds_a_layer_before_the_prefill_computed_the_next(
         seen.append((layer, first))
 
     layerwise(p, after)
+    # the fake forward writes token by token into plain [heads, tokens, C] tiles (as a GPU
+    # backend does): a block the step fills in part goes for its tokens
+    p.conn.worker.partial_blocks = True
     p.add("l", tokens, 1, prefill_params(7101, "d-lwise"))
     run_until([p, d], lambda: "l-d" in d.computed)
     assert {f for _, f in seen} == {0, 48, 96}, "each step's layers arrived inside its forward"
@@ -143,6 +146,28 @@ def test_an_early_decode_holds_a_layer_before_the_prefill_computed_the_next(
     assert p.ep.metrics()["transport_bytes"] == len(tokens) * w.layout.block_bytes // BS, \
         "each token's KV crosses once: a block filled in two steps goes in two parts"
     assert p.free_blocks() == free_p and d.free_blocks() == free_d
+
+
+def test_where_blocks_are_packed_a_block_filled_in_part_waits_to_be_complete(
+        model: Path, server: BootstrapServer) -> None:
+    """vLLM's CPU backend packs each (block, head) tile per ISA: a token's KV there is not at
+    a place pdxfer can address, so a block goes whole, once a step completed it."""
+    pair = make_pair(model, server, name="lpack", batched=STEP)
+    p, d = pair.p, pair.d
+    assert not p.conn.worker.partial_blocks, "CPU tensors: blocks move whole"
+    tokens = [(i * 31) % 900 + 10 for i in range(150)]
+    layerwise(p)
+    d.add("k-d", tokens, 2, early_params(pair, 7301))
+    d.step()
+    p.add("k", tokens, 1, prefill_params(7301, "d-lpack"))
+    run_until([p, d], lambda: "k-d" in d.computed)
+    n = len(tokens) - 1
+    assert torch.equal(base.held(d, "k-d", n), expected(tokens, n))
+    w = p.conn.worker
+    # steps end at 48, 96, 144, 150: complete blocks 1, 3, 4, then the rest
+    assert w.counters["step_chunks"] == 3 and w.counters["layer_sends"] == 4 * S.layers
+    assert p.ep.metrics()["transport_bytes"] == 5 * w.layout.block_bytes, "whole blocks"
+    run_until([p, d], lambda: "k-d" in d.finished and "k" not in p.sched.requests)
 
 
 def test_a_layer_the_forward_does_not_report_is_sent_after_the_step(

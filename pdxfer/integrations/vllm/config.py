@@ -59,7 +59,9 @@ class ConnectorConfig:
     - ``send_by`` (prefill): when computed KV goes to the sender. ``layer`` (default): as
       each attention layer of a step finishes (``save_kv_layer``), that layer's blocks for
       the tokens the step computed (a block the step fills in part is written for those
-      tokens, and the next step completes it); a hand-off, the forward never waits on the
+      tokens and completed by the next step where the cache's blocks are addressable by
+      token, as on a GPU; vLLM's CPU backend packs each block per ISA, so there a block goes
+      once it is complete); a hand-off, the forward never waits on the
       network, and a decode that already asked receives layer 0 while the step computes the
       later layers. ``step``: after each step, the full blocks it computed. ``request``: all
       of a request's KV once its prompt is computed. A decode that asks late gets what was

@@ -56,8 +56,10 @@ class LayerOrder:
     (``start`` is where the previous hand-off stopped: a prefix vLLM had cached goes with the
     first step), held in ``block_ids`` (the blocks of those tokens, in prompt order). As each
     layer finishes (``save_kv_layer``) its part goes to the sender; after the step, layers the
-    forward did not report go too. ``last``: ``end`` is the prompt's end (the last block is
-    then sent whole, as in the other modes)."""
+    forward did not report go too. The worker sends the tokens every layer was not given yet,
+    up to ``end`` (or, where a block's interior is not addressable by token, up to the last
+    complete block). ``last``: ``end`` is the prompt's end (the last block is then sent
+    whole, as in the other modes)."""
 
     req_id: str
     room: int

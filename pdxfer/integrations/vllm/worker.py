@@ -70,7 +70,9 @@ class _Out:
     tx: KVSender | None
     """None: the room could not be opened (the request's send failed)."""
     sent: int = 0
-    """Blocks handed to the sender so far."""
+    """Blocks handed to the sender so far (every layer of them)."""
+    tokens: int = 0
+    """Tokens every layer was handed (``send_by: layer``)."""
     last: bool = False
     owned: bool = False
     """vLLM handed the blocks over (``request_finished`` returned True): report the request
@@ -104,6 +106,8 @@ class PdxferWorker:
         self._bound: PdxferMetadata | None = None
         self._pre: PdxferMetadata | None = None
         self._post: PdxferMetadata | None = None
+        self.partial_blocks = False
+        """Whether a block filled in part is sent for its tokens (set at registration)."""
         self._layer_of: dict[str, int] = {}
         """vLLM's layer name -> its layer id in the pool (``layout.layer_order``)."""
         self._layer_ids: tuple[int, ...] = ()
@@ -131,6 +135,10 @@ class PdxferWorker:
                                      total_kv_heads=r.total_kv_heads, tp_rank=r.tp_rank,
                                      tp_size=r.tp_size)
         self._layer_of = {n: i for i, n in layer_order(list(kv_caches))}
+        # a block's interior is addressable by token on a device (plain NHD/HND tiles); vLLM's
+        # CPU backend packs each (block, head) tile per ISA, so a block moves whole there
+        self.partial_blocks = lay.kind in ("HND", "NHD", "latent") \
+            and not lay.pool.location.startswith("cpu")
         self._layer_ids = tuple(sorted(set(self._layer_of.values())))
         ident = self.cfg.model_id.replace(" ", "_")
         fingerprint = (f"model={ident} block_size={r.block_size} kv_layout={lay.kind} "
@@ -247,26 +255,34 @@ class PdxferWorker:
         if out.tx is None or out.last or not ids:
             return
         given.update(ids)
-        last = o.last and len(given) == len(self._layer_ids)
-        # the last step's pages are sent whole (the tail of the last block too), as the other
-        # modes do; earlier steps name their tokens (a block filled in part is completed next)
-        tokens = None if o.last else (o.start, o.end)
-        try:
-            out.tx.send({POOL: list(o.block_ids)}, layers=(ids[0], ids[-1] + 1), tokens=tokens,
-                        last=last)
-        except Exception as e:  # noqa: BLE001 - one bad room fails that request only
-            log.warning("room %d (request %s): cannot send: %s", o.room, o.req_id, e)
-            out.tx.abort(f"cannot send: {e}")
-            out.last = True
+        done = len(given) == len(self._layer_ids)
+        bs = self.rank.block_size
+        t0 = out.tokens
+        # a block the step fills in part: its tokens, where a block's interior is addressable
+        # by token; else (vLLM's CPU tiles are packed per ISA) the block waits to be complete
+        t1 = o.end if o.last or self.partial_blocks else o.end // bs * bs
+        last = o.last and done
+        if t1 > t0:
+            pages = list(o.block_ids[t0 // bs - o.start // bs: -(-t1 // bs) - o.start // bs])
+            # the last step's pages are sent whole (the tail of the last block too), as in
+            # the other modes; earlier steps name the tokens they carry
+            try:
+                out.tx.send({POOL: pages}, layers=(ids[0], ids[-1] + 1), last=last,
+                            tokens=None if o.last else (t0, t1))
+            except Exception as e:  # noqa: BLE001 - one bad room fails that request only
+                log.warning("room %d (request %s): cannot send: %s", o.room, o.req_id, e)
+                out.tx.abort(f"cannot send: {e}")
+                out.last = True
+                return
+            self._add("layer_sends")
+        if not done:
             return
-        self._add("layer_sends")
-        if len(given) < len(self._layer_ids):
-            return
-        out.sent, out.last = o.end // self.rank.block_size, last
+        out.tokens = max(t0, t1)
+        out.sent, out.last = out.tokens // bs, last
         if last:
             self._add("sends")
             self._add("sent_tokens", o.end)
-        else:
+        elif t1 > t0:
             self._add("step_chunks")
 
     def _rest(self, o: LayerOrder) -> None:
