@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         print("checking against the colocated reference ...", flush=True)
         refs = [_reference(ref.url, p, a.max_tokens) for p in prompts + later]
         last = read_stats(d_stats)
-        sent = read_stats(p_stats).get("endpoint", {}).get("transport_bytes", 0)
+        pst = read_stats(p_stats)
+        sent = pst.get("endpoint", {}).get("transport_bytes", 0)
     except KeyboardInterrupt:
         print("\ninterrupted; processes stopped", file=sys.stderr)
         return 130
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(results) - bad}/{len(results)} outputs identical to colocated vLLM; "
           f"blocks restored on the decode from L2: {l2}, from L3 after the restart: {l3}; "
           f"KV bytes the prefill sent: {sent}; {total:.1f} s for the first batch")
+    print(f"KV streamed layer by layer from the prefill: {pst.get('layer_sends', 0)} layer "
+          f"hand-offs inside the forward (send_by: layer) for {pst.get('sends', 0)} requests")
     if a.keep:
         print(f"kept: {tmp}")
     else:

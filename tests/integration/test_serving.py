@@ -84,6 +84,22 @@ def test_fifty_requests_identical_to_colocated(cluster: Cluster) -> None:
         assert ids_of(status, body) == greedy(p, 6), p
 
 
+def test_the_prefill_streams_each_layer_of_each_chunk_as_the_forward_writes_it(
+        cluster: Cluster) -> None:
+    """TP 1: every target layer of every chunk is handed to the sender as soon as the forward
+    wrote it, then the chunk's draft layers (one send); the output stays exact."""
+    prompt = "layer by layer, every chunk of a prompt no cache has seen: " + "qz" * 90
+    n = len(encode(prompt))
+    before = cluster.metrics("prefill").get("pdxfer_prefill_layer_sends", 0)
+    status, body = cluster.complete({"prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert ids_of(status, body) == greedy(prompt, 6)
+    chunks = -(-n // 64)  # the workers' --chunk-size
+    assert chunks >= 3
+    want = chunks * (MODEL.config.n_layers + 1)
+    assert body["pdxfer"]["prefill_layer_sends"] == want
+    assert cluster.metrics("prefill")["pdxfer_prefill_layer_sends"] == before + want
+
+
 def test_repeated_long_prefix_is_restored_and_output_identical(cluster: Cluster) -> None:
     prefix = "the long shared system prompt, " * 12  # 372 tokens: 23 full pages
     first = cluster.complete({"prompt": prefix + "first question?", "max_tokens": 8,

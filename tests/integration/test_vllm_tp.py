@@ -78,6 +78,9 @@ class Base:
     ref: VllmServer
 
 
+STEP = 64
+"""The prefill's tokens per step (``--max-num-batched-tokens``): two blocks."""
+
 TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 """Two ranks on a two-core machine: unbound, one OpenMP thread each (with one thread per core
 each, the ranks' spinning OpenMP threads starved the other processes' threads for seconds)."""
@@ -93,11 +96,14 @@ def _pair(name: str, tmp: Path, model: Path, boot: BootstrapServer, prefill_tp: 
     timeouts = {"bootstrap_timeout_s": 180.0, "transfer_timeout_s": 180.0,
                 "heartbeat_s": 10.0}
     p_stats, d_stats = tmp / f"{name}-p.json", tmp / f"{name}-d.json"
+    # the prefill streams by layer (send_by's default), STEP tokens a step: a prompt spans
+    # several steps, each rank handing its heads of each layer over as the forward writes it
     prefill = VllmServer(f"{name}-prefill-tp{prefill_tp}", model, tmp,
-                         args=["--tensor-parallel-size", str(prefill_tp)], env=TP2,
+                         args=["--tensor-parallel-size", str(prefill_tp),
+                               "--max-num-batched-tokens", str(STEP)], env=TP2,
                          kv_transfer_config=kv_config("kv_producer", {
                              "bootstrap": boot.address, "instance": f"{name}-p",
-                             "stats_file": str(p_stats), **timeouts}))
+                             "stats_file": str(p_stats), "send_by": "layer", **timeouts}))
     decode = VllmServer(f"{name}-decode-tp{decode_tp}", model, tmp, env=TP2,
                         args=["--no-enable-prefix-caching", "--tensor-parallel-size",
                               str(decode_tp)],
@@ -214,6 +220,8 @@ class TestPrefillTP2DecodeTP1:
                                                       for s in down.p()),
              show=lambda: (n, down.p()))
         assert down.d_sum("load_failures") == 0
+        assert all(s["layer_sends"] >= n * S.layers for s in down.p()), \
+            "each rank handed each layer over as the forward wrote it"
         sent = [b - b0 for b, b0 in zip(down.p_bytes(), before)]
         # each rank holds one of the two KV heads: the same share of every block
         assert sent[0] == sent[1] > 0 and sum(sent) == down.d_sum("net_bytes"), sent

@@ -64,7 +64,8 @@ def orders(e: base.Engine) -> list[PdxferMetadata]:
 
 def test_the_scheduler_orders_each_steps_blocks_and_answers_the_room_it_opened(
         model: Path, server: BootstrapServer) -> None:
-    pair = make_pair(model, server, name="meta", batched=STEP)
+    pair = make_pair(model, server, name="meta", batched=STEP,
+                     prefill_extra={"send_by": "step"})
     p = pair.p
     tokens = [(i * 11) % 900 + 10 for i in range(150)]  # 5 blocks, the last one partial
     p.add("m", tokens, 1, prefill_params(None, "d-meta"))  # the prefill draws the room

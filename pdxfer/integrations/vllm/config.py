@@ -17,6 +17,7 @@ ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 TRANSPORTS = ("auto", "tcp", "rdma", "nixl")
 INTEGRITY = ("off", "sampled", "full")
 L3_KINDS = ("off", "file", "mooncake")
+SEND_BY = ("request", "step", "layer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +56,22 @@ class ConnectorConfig:
       ``abort_timeout_s``, ``heartbeat_s``; ``room_grace_s`` (prefill): how long a decode's
       request for a room this prefill has not received is held (a request vLLM has queued
       is expected: its decode waits up to ``bootstrap_timeout_s``).
-    - ``send_per_step`` (prefill): hand each step's newly computed full blocks to the sender
-      after that step (a decode that already asked receives them while the prefill computes
-      the rest); False sends a request's KV once its prompt is computed.
+    - ``send_by`` (prefill): when computed KV goes to the sender. ``layer`` (default): as
+      each attention layer of a step finishes (``save_kv_layer``), that layer's blocks for
+      the tokens the step computed (a block the step fills in part is written for those
+      tokens and completed by the next step where the cache's blocks are addressable by
+      token, as on a GPU; vLLM's CPU backend packs each block per ISA, so there a block goes
+      once it is complete); a hand-off, the forward never waits on the
+      network, and a decode that already asked receives layer 0 while the step computes the
+      later layers. ``step``: after each step, the full blocks it computed. ``request``: all
+      of a request's KV once its prompt is computed. A decode that asks late gets what was
+      handed over at once, the rest as it comes. Layer by layer is the default because it
+      starts each byte's transfer earliest at the same bytes moved (the ideal time to first
+      token is the prefill plus one layer's transfer) and costs the forward only the hand-off;
+      ``step`` is the fallback where ``save_kv_layer`` is not called (a layer it misses is
+      handed over after the step all the same).
+    - ``send_per_step`` (prefill, the older form of ``send_by``): true is ``step``, false is
+      ``request``; refused together with ``send_by``.
     - ``stats_file``: a JSON file each worker rewrites with its counters (bytes sent and
       received, restored pages, failures) whenever a request's KV moved (``.tpN`` is
       appended per rank when TP > 1).
@@ -87,7 +101,8 @@ class ConnectorConfig:
     heartbeat_s: float = 0.5
     room_grace_s: float = 5.0
     stats_file: str = ""
-    send_per_step: bool = True
+    send_by: str = "layer"
+    send_per_step: bool | None = None
 
     @property
     def trusted(self) -> tuple[str, ...]:
@@ -125,6 +140,7 @@ KEYS = {f.name: f.type for f in fields(ConnectorConfig) if f.name != "role"}
 def _typed(key: str, value: Any, kind: str) -> Any:
     ok = {"str": isinstance(value, str), "str | None": value is None or isinstance(value, str),
           "bool": isinstance(value, bool),
+          "bool | None": value is None or isinstance(value, bool),
           "int": isinstance(value, int) and not isinstance(value, bool),
           "float": isinstance(value, (int, float)) and not isinstance(value, bool)}[kind]
     if not ok:
@@ -145,6 +161,11 @@ def parse(kv_role: str | None, extra: dict[str, Any] | None, model_name: str = "
         raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: "
                           f"{sorted(KEYS)}")
     vals = {k: _typed(k, v, str(KEYS[k])) for k, v in extra.items()}
+    if vals.get("send_per_step") is not None:
+        if "send_by" in vals:
+            raise ConfigError("kv_connector_extra_config: send_per_step is the older form of "
+                              "send_by; set send_by only")
+        vals["send_by"] = "step" if vals["send_per_step"] else "request"
     side = ROLES[kv_role]
     vals.setdefault("instance", f"vllm-{side}")
     if not vals.get("model_id"):
@@ -167,6 +188,8 @@ def _check(c: ConnectorConfig) -> None:
         raise bad("transport", f"one of {TRANSPORTS}, got {c.transport!r}")
     if c.integrity not in INTEGRITY:
         raise bad("integrity", f"one of {INTEGRITY}, got {c.integrity!r}")
+    if c.send_by not in SEND_BY:
+        raise bad("send_by", f"one of {SEND_BY}, got {c.send_by!r}")
     if c.l3 not in L3_KINDS:
         raise bad("l3", f"one of {L3_KINDS}, got {c.l3!r}")
     if c.l2_pages < 0:

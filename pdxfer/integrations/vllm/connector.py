@@ -158,9 +158,19 @@ class PdxferConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return None  # the prefill hands each step's blocks over after the step (wait_for_save)
+        # send_by "layer": the layer's part of this step's tokens goes to the sender now (a
+        # hand-off); a layer never reported here (a CUDA graph replay skips this call) is
+        # handed over after the step (wait_for_save)
+        if self.worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PdxferMetadata) and meta.layers:
+                self.worker.save_layer(meta, layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
+        # waits for nothing on the network: a finished request's blocks stay with the sender
+        # until get_finished reports it (request_finished returned True), and a preempted
+        # one's writes drain before the next forward (before_forward); only device-computed
+        # layers not yet handed over are waited for (their kernels' events)
         self._take()
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()

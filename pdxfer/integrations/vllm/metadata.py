@@ -51,6 +51,26 @@ class SendOrder:
 
 
 @dataclass(frozen=True, slots=True)
+class LayerOrder:
+    """Prefill, ``send_by: layer``: this step computes tokens ``[start, end)`` of the request
+    (``start`` is where the previous hand-off stopped: a prefix vLLM had cached goes with the
+    first step), held in ``block_ids`` (the blocks of those tokens, in prompt order). As each
+    layer finishes (``save_kv_layer``) its part goes to the sender; after the step, layers the
+    forward did not report go too. The worker sends the tokens every layer was not given yet,
+    up to ``end`` (or, where a block's interior is not addressable by token, up to the last
+    complete block). ``last``: ``end`` is the prompt's end (the last block is then sent
+    whole, as in the other modes)."""
+
+    req_id: str
+    room: int
+    peer: str | None
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
 class AbortOrder:
     """Prefill: end the room (the request was aborted, or preempted: vLLM freed its blocks).
     ``held``: vLLM keeps the blocks until the worker reports the request in
@@ -101,9 +121,10 @@ class PdxferMetadata(KVConnectorMetadata):
     chunks: list[SendOrder] = field(default_factory=list)
     aborts: list[AbortOrder] = field(default_factory=list)
     expects: list[ExpectOrder] = field(default_factory=list)
+    layers: list[LayerOrder] = field(default_factory=list)
 
     def orders(self) -> bool:
         """Whether this step orders anything (not ``__bool__``: vLLM tests metadata for
         None, and an empty step's metadata must still count as present)."""
         return bool(self.sends or self.loads or self.writebacks or self.opens or self.chunks
-                    or self.aborts or self.expects)
+                    or self.aborts or self.expects or self.layers)

@@ -6,9 +6,11 @@ before the prefill computed anything (the early form of the protocol) is attache
 that, from its arrival (``on_new_request``), a request with a router-chosen room has the
 workers *expect* it, so such a decode also waits while the request sits in vLLM's queue
 (longer than the prefill's ``room_grace_s``); one that ends queued withdraws it. After
-each step the workers hand the sender the full blocks that step computed (``chunks``, sent
-while the next steps compute; ``send_per_step``), and the step that computes the prompt's
-last token hands the rest, the partial block too. A decode that asks later gets all of it
+each step the workers hand the sender what that step computed (``send_by``): with ``layer``
+(``layers``), each layer's part of the tokens the step computed as the forward finishes that
+layer; with ``step`` (``chunks``), the full blocks the step computed, after it; the step that
+computes the prompt's last token hands the rest, the partial block too (with ``request``,
+that step hands everything). A decode that asks later gets all of it
 then. A finished request keeps its blocks (``request_finished`` returns True and the room's
 answer) until every worker reported it in ``finished_sending``. A request aborted after
 some of its blocks were handed over keeps them too, until no write reads them; one that vLLM
@@ -43,6 +45,7 @@ from .config import ConnectorConfig
 from .metadata import (
     AbortOrder,
     ExpectOrder,
+    LayerOrder,
     LoadOrder,
     OpenOrder,
     PdxferMetadata,
@@ -78,7 +81,10 @@ class Streamed:
     num_tokens: int
     """Prompt tokens (the KV the decode gets)."""
     blocks: int = 0
-    """Blocks handed to the sender (full ones, or all of them once ``last``)."""
+    """Blocks handed to the sender (full ones, or all of them once ``last``; with ``send_by:
+    layer``, every block holding a handed token)."""
+    tokens: int = 0
+    """Tokens handed to the sender (``send_by: layer``)."""
     last: bool = False
     dropped: bool = False
     """Preempted: its room was aborted (a resumed request is not sent again)."""
@@ -192,10 +198,12 @@ class PdxferScheduler:
         self.streams[rid] = Streamed(ask.room, ask.decode, n)
         self._opens.append(OpenOrder(rid, ask.room, ask.decode))
 
-    def _step_chunks(self, so: SchedulerOutput) -> list[SendOrder]:
-        """What this step computes of each streamed request: the blocks it fills, or, when it
-        reaches the prompt's end, all of them (the partial last one too)."""
+    def _step_chunks(self, so: SchedulerOutput) -> tuple[list[SendOrder], list[LayerOrder]]:
+        """What this step computes of each streamed request: per layer, the tokens it computes
+        (``send_by: layer``); else the blocks it fills, or, when it reaches the prompt's end,
+        all of them (the partial last one too)."""
         out: list[SendOrder] = []
+        lay: list[LayerOrder] = []
         for rid in so.preempted_req_ids or ():
             st = self.streams.get(rid)
             if st is not None and not st.dropped:
@@ -203,33 +211,39 @@ class PdxferScheduler:
                 self._aborts.append(AbortOrder(rid, held=False))
         state = getattr(so, "kv_connector_block_state", None)
         if state is None:
-            return out  # this vLLM does not say which blocks: whole requests at the end
+            return out, lay  # this vLLM does not say which blocks: whole requests at the end
         before = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         before.update(zip(cached.req_ids, cached.num_computed_tokens))
-        bs = self.block_size
+        bs, mode = self.block_size, self.cfg.send_by
         for rid, k in so.num_scheduled_tokens.items():
             st = self.streams.get(rid)
             if st is None or st.dropped or st.last or rid not in before:
                 continue
             end = min(before[rid] + k, st.num_tokens)
             last = end >= st.num_tokens
-            n_blocks = -(-st.num_tokens // bs) if last else end // bs
-            if not last and (n_blocks <= st.blocks or not self.cfg.send_per_step):
-                continue
             ids = state.get_block_ids(rid)
+            if mode == "layer":
+                o = layer_order(rid, st, end, ids[0] if ids else None, bs)
+                if o is not None:
+                    lay.append(o)
+                    st.tokens, st.blocks, st.last = end, -(-end // bs), last
+                continue
+            n_blocks = -(-st.num_tokens // bs) if last else end // bs
+            if not last and (n_blocks <= st.blocks or mode == "request"):
+                continue
             if ids is None or len(ids[0]) < n_blocks:
                 continue  # not ours to read: the end of the request sends it
             out.append(SendOrder(rid, st.room, st.peer, tuple(ids[0][:n_blocks]),
                                  st.num_tokens if last else n_blocks * bs, last=last))
             st.blocks, st.last = n_blocks, last
-        return out
+        return out, lay
 
     # -- both ----------------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput | None = None) -> PdxferMetadata:
-        chunks = self._step_chunks(so) if so is not None and self.streams else []
+        chunks, lay = self._step_chunks(so) if so is not None and self.streams else ([], [])
         meta = PdxferMetadata(self._sends, self._loads, self._writebacks, self._opens, chunks,
-                              self._aborts, self._expects)
+                              self._aborts, self._expects, lay)
         self._sends, self._loads, self._writebacks = [], [], []
         self._opens, self._aborts, self._expects = [], [], []
         if meta.sends:
@@ -291,3 +305,17 @@ class PdxferScheduler:
         self._writebacks.append(WritebackOrder(rid, tokens, tuple(block_ids[:full]),
                                                request.cache_salt or ""))
         return True, None
+
+
+def layer_order(rid: str, st: Streamed, end: int, block_ids: list[int] | None, bs: int
+                ) -> LayerOrder | None:
+    """The tokens ``[st.tokens, end)`` a step computes (with a prefix vLLM had cached, the
+    first step's start at 0), in the blocks that hold them; None when there is nothing new or
+    the blocks are not known (the end of the request then sends what is left)."""
+    if end <= st.tokens or block_ids is None:
+        return None
+    first, stop = st.tokens // bs, -(-end // bs)
+    if len(block_ids) < stop:
+        return None
+    return LayerOrder(rid, st.room, st.peer, tuple(block_ids[first:stop]), st.tokens, end,
+                      end >= st.num_tokens)

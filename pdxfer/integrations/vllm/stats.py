@@ -21,8 +21,9 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 COUNTERS: dict[str, str] = {
     "sends": "requests whose KV this prefill sent",
     "send_failures": "sends that failed (the decode recomputes or fails the request)",
-    "step_chunks": "blocks handed to the sender after the step that computed them, before "
-                   "the prompt's end (prefill)",
+    "step_chunks": "steps whose computed KV was handed to the sender before the prompt's "
+                   "end (prefill)",
+    "layer_sends": "layer-wise hand-offs to the sender (prefill, send_by layer)",
     "sent_tokens": "prompt tokens whose KV this prefill sent",
     "loads": "requests whose KV this decode received or restored",
     "load_failures": "loads that failed (blocks reported to vLLM as load errors)",

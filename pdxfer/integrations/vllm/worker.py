@@ -4,6 +4,10 @@
 starts the endpoint (a prefill registers with the bootstrap server). Each step the worker
 carries out the scheduler's orders (``metadata.py``) and reports what finished:
 
+- a prefill hands the sender what each step computed (``send_by``): layer by layer from
+  ``save_kv_layer`` (the layer's blocks for the step's tokens; a hand-off, never a wait on
+  the network inside the forward), with whatever layers the forward did not report handed
+  after the step (``after_forward``); or the step's full blocks after it;
 - a send is finished when the decode no longer needs its blocks: Success and the room not
   held for a repair (``KVSender.holding``), or Failed;
 - a load is finished at Success; a failed load is finished only once pdxfer says no write
@@ -33,10 +37,11 @@ from pdxfer import Endpoint, KVPoll, KVSender, RequestHandle
 from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredCache
 
 from .config import ConnectorConfig
-from .layout import POOL, Layout, describe
+from .layout import POOL, Layout, describe, layer_order
 from .metadata import (
     AbortOrder,
     ExpectOrder,
+    LayerOrder,
     LoadOrder,
     OpenOrder,
     PdxferMetadata,
@@ -65,7 +70,9 @@ class _Out:
     tx: KVSender | None
     """None: the room could not be opened (the request's send failed)."""
     sent: int = 0
-    """Blocks handed to the sender so far."""
+    """Blocks handed to the sender so far (every layer of them)."""
+    tokens: int = 0
+    """Tokens every layer was handed (``send_by: layer``)."""
     last: bool = False
     owned: bool = False
     """vLLM handed the blocks over (``request_finished`` returned True): report the request
@@ -99,8 +106,20 @@ class PdxferWorker:
         self._bound: PdxferMetadata | None = None
         self._pre: PdxferMetadata | None = None
         self._post: PdxferMetadata | None = None
+        self.partial_blocks = False
+        """Whether a block filled in part is sent for its tokens (set at registration)."""
+        self._layer_of: dict[str, int] = {}
+        """vLLM's layer name -> its layer id in the pool (``layout.layer_order``)."""
+        self._layer_ids: tuple[int, ...] = ()
+        self._step: PdxferMetadata | None = None
+        self._given: dict[str, set[int]] = {}
+        """This step's layer orders: the layers handed over so far, by request."""
+        self._pending: list[tuple[Any, LayerOrder, int]] = []
+        """Layers computed on a device, waiting for their event (GPU kernels run ahead of
+        Python: a layer is handed over once its writes are done, never before)."""
         self.counters: dict[str, int] = {
-            "sends": 0, "send_failures": 0, "step_chunks": 0, "sent_tokens": 0, "loads": 0,
+            "sends": 0, "send_failures": 0, "step_chunks": 0, "layer_sends": 0,
+            "sent_tokens": 0, "loads": 0,
             "load_failures": 0,
             "loaded_tokens": 0, "net_bytes": 0, "net_us": 0, "ready_us": 0, "restore_us": 0,
             "restored_pages": 0, "restored_l2_pages": 0, "restored_l3_pages": 0,
@@ -115,6 +134,12 @@ class PdxferWorker:
         self.layout = lay = describe(kv_caches, block_size=r.block_size,
                                      total_kv_heads=r.total_kv_heads, tp_rank=r.tp_rank,
                                      tp_size=r.tp_size)
+        self._layer_of = {n: i for i, n in layer_order(list(kv_caches))}
+        # a block's interior is addressable by token on a device (plain NHD/HND tiles); vLLM's
+        # CPU backend packs each (block, head) tile per ISA, so a block moves whole there
+        self.partial_blocks = lay.kind in ("HND", "NHD", "latent") \
+            and not lay.pool.location.startswith("cpu")
+        self._layer_ids = tuple(sorted(set(self._layer_of.values())))
         ident = self.cfg.model_id.replace(" ", "_")
         fingerprint = (f"model={ident} block_size={r.block_size} kv_layout={lay.kind} "
                        f"dtype={lay.pool.dtype}")
@@ -177,13 +202,102 @@ class PdxferWorker:
 
     def after_forward(self, meta: PdxferMetadata) -> None:
         """After the step's forward: hand the sender what it computed (a hand-off: the
-        writes run on pdxfer's threads while the next steps compute)."""
+        writes run on pdxfer's threads while the next steps compute). Layers the forward
+        did not report (``save_layer``) go now, and a room's last layer ends its send."""
         if meta is self._post:
             return
         self._post = meta
         self.take(meta)
         for c in meta.chunks:
             self._hand(c, owned=False)
+        self._flush(wait=True)
+        if meta is not self._step:
+            self._given = {}  # no layer of this step was reported
+        for o in meta.layers:
+            self._rest(o)
+        self._step, self._given = None, {}
+
+    def save_layer(self, meta: PdxferMetadata, name: str, kv_layer: Any) -> None:
+        """One layer of the step is computed: hand its part of each layer order to the
+        sender (``send_by: layer``; called from ``save_kv_layer``, inside the forward)."""
+        lid = self._layer_of.get(name)
+        if lid is None or not meta.layers:
+            return
+        if meta is not self._step:
+            self._step, self._given = meta, {}
+        self.take(meta)
+        event = _event(kv_layer)
+        for o in meta.layers:
+            if event is None:
+                self._give(o, lid, lid + 1)
+            else:
+                self._pending.append((event, o, lid))
+        self._flush(wait=False)
+
+    def _flush(self, wait: bool) -> None:
+        """Hand over device-computed layers whose writes are done (all of them: ``wait``)."""
+        while self._pending:
+            event, o, lid = self._pending[0]
+            if not wait and not event.query():
+                return
+            event.synchronize()
+            self._pending.pop(0)
+            self._give(o, lid, lid + 1)
+
+    def _give(self, o: LayerOrder, a: int, b: int) -> None:
+        """Hand the sender layers ``[a, b)`` of ``o``; the room's last send is the one that
+        completes every layer of the prompt's last tokens."""
+        out = self._sends.get(o.req_id)
+        if out is None:
+            out = self._open(OpenOrder(o.req_id, o.room, o.peer))
+        given = self._given.setdefault(o.req_id, set())
+        ids = [x for x in self._layer_ids if a <= x < b and x not in given]
+        if out.tx is None or out.last or not ids:
+            return
+        given.update(ids)
+        done = len(given) == len(self._layer_ids)
+        bs = self.rank.block_size
+        t0 = out.tokens
+        # a block the step fills in part: its tokens, where a block's interior is addressable
+        # by token; else (vLLM's CPU tiles are packed per ISA) the block waits to be complete
+        t1 = o.end if o.last or self.partial_blocks else o.end // bs * bs
+        last = o.last and done
+        if t1 > t0:
+            pages = list(o.block_ids[t0 // bs - o.start // bs: -(-t1 // bs) - o.start // bs])
+            # the last step's pages are sent whole (the tail of the last block too), as in
+            # the other modes; earlier steps name the tokens they carry
+            try:
+                out.tx.send({POOL: pages}, layers=(ids[0], ids[-1] + 1), last=last,
+                            tokens=None if o.last else (t0, t1))
+            except Exception as e:  # noqa: BLE001 - one bad room fails that request only
+                log.warning("room %d (request %s): cannot send: %s", o.room, o.req_id, e)
+                out.tx.abort(f"cannot send: {e}")
+                out.last = True
+                return
+            self._add("layer_sends")
+        if not done:
+            return
+        out.tokens = max(t0, t1)
+        out.sent, out.last = out.tokens // bs, last
+        if last:
+            self._add("sends")
+            self._add("sent_tokens", o.end)
+        elif t1 > t0:
+            self._add("step_chunks")
+
+    def _rest(self, o: LayerOrder) -> None:
+        """Hand over the layers of ``o`` the forward did not report, in contiguous runs."""
+        given = self._given.get(o.req_id, set())
+        run: list[int] = []
+        for x in self._layer_ids:
+            if x in given:
+                if run:
+                    self._give(o, run[0], run[-1] + 1)
+                run = []
+            else:
+                run.append(x)
+        if run:
+            self._give(o, run[0], run[-1] + 1)
 
     def _expect(self, e: ExpectOrder) -> None:
         """Declare a queued request's room: a decode that asks before vLLM schedules it
@@ -432,3 +546,15 @@ class _Refused:
 
     def stats(self) -> dict[str, Any]:
         return {"bytes": 0}
+
+
+def _event(kv_layer: Any) -> Any:
+    """None for a layer already in memory (CPU: the forward wrote it before returning); on a
+    device, an event recorded after the layer's writes on the current stream."""
+    if getattr(kv_layer, "is_cuda", False):
+        import torch
+
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return None

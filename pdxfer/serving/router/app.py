@@ -305,7 +305,8 @@ class Router:
         for ext in [obj.get("pdxfer"), *(obj.get("pdxfer") or {}).get("choices", [])]:
             if isinstance(ext, dict):
                 for k in ("restored_tokens", "restored_l2_tokens", "restored_l3_tokens",
-                          "prefill_reused_tokens", "bytes", "decode_ttft_s",
+                          "prefill_reused_tokens", "prefill_layer_sends", "bytes",
+                          "decode_ttft_s",
                           "repaired_tokens", "ranks", "kv_wait_s", "kv_local_s",
                           "kv_net_s"):
                     ext.pop(k, None)

@@ -319,6 +319,7 @@ class ToyBackend:
                         stats = dict(ev)
                         if isinstance(pb, dict):
                             stats["prefill_reused_tokens"] = int(pb.get("reused_tokens") or 0)
+                            stats["prefill_layer_sends"] = int(pb.get("layer_sends") or 0)
                             if pb.get("compute_s") is not None:
                                 stats["prefill_s"] = float(pb["compute_s"])
                         yield Done(ev.get("finish_reason") or "length", stats)

@@ -236,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(i.get('restored_l2_tokens', 0) for i in ok)}, from L3: "
           f"{sum(i.get('restored_l3_tokens', 0) for i in ok)}; reused on the prefill: "
           f"{sum(i.get('prefill_reused_tokens', 0) for i in ok)}; {total:.1f} s for the batch")
+    streamed = [i["prefill_layer_sends"] for i in ok if i.get("prefill_layer_sends")]
+    print(f"KV streamed layer by layer from the prefill: {len(streamed)}/{len(ok)} requests, "
+          f"{sum(streamed)} layer hand-offs (each layer of a chunk went to the decode while "
+          f"the prefill computed the next)")
     if bad:
         print(f"{red}FAIL{off}: {bad} request(s) failed or differ")
         return 1

@@ -279,10 +279,13 @@ class ToyModel:
     def forward(
         self, tokens: Sequence[int], start: int, page_table: PageTable, kv: KVPool, *,
         logits_for: Literal["last", "all", "none"] = "last",
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run ``tokens`` at positions ``[start, start+len)`` on top of the KV already in the
         pages for ``[0, start)``, write their KV, and return float32 logits for the
-        ``"last"`` token, ``"all"`` tokens or ``"none"`` (a non-final prefill chunk)."""
+        ``"last"`` token, ``"all"`` tokens or ``"none"`` (a non-final prefill chunk).
+        ``on_layer(li)`` runs once layer ``li``'s KV of these tokens is in the pages (a
+        prefill ships it while the next layers compute)."""
         c = self.config
         n, end = len(tokens), start + len(tokens)
         self._check(kv, page_table, start, end)
@@ -304,6 +307,8 @@ class ToyModel:
                 fresh.append(self._own_kv(y[hd:]))
             cached = self._attention_view(
                 self._write_and_gather(kv.layer(li), torch.stack(fresh), pages, slots, start))
+            if on_layer is not None:
+                on_layer(li)
             # a query at position start+i sees the keys of positions 0..start+i
             attn = [self._attend(layer, queries[i], cached, start + i + 1) for i in range(n)]
             if self.tp_size > 1:
@@ -393,11 +398,13 @@ class ToyModel:
         self, tokens: Sequence[int], page_table: PageTable, kv: KVPool, *, start: int = 0,
         chunk_size: int | None = None, on_chunk: Callable[[int, int], None] | None = None,
         pick: Callable[[torch.Tensor, int], int] | None = None,
+        on_layer: Callable[[int, int, int], None] | None = None,
     ) -> int:
         """Fill KV for positions ``[start, len(tokens))`` chunk by chunk and return the first
         generated token. ``[0, start)`` must already be in the pages (a cached or transferred
         prefix). ``on_chunk(a, b)`` runs once positions ``[a, b)`` are in every layer's pages,
-        so a prefill worker can ship them while the next chunk computes. ``pick(logits,
+        so a prefill worker can ship them while the next chunk computes; ``on_layer(li, a,
+        b)`` once layer ``li`` holds them (while the next layers compute). ``pick(logits,
         position)`` chooses the first token (default: greedy)."""
         n = len(tokens)
         if not 0 <= start < n:
@@ -408,8 +415,10 @@ class ToyModel:
         logits = torch.empty(0)
         for a in range(start, n, step):
             b = min(a + step, n)
+            hook = None if on_layer is None else (
+                lambda li, a=a, b=b: on_layer(li, a, b))  # type: ignore[misc]
             logits = self.forward(tokens[a:b], a, page_table, kv,
-                                  logits_for="last" if b == n else "none")
+                                  logits_for="last" if b == n else "none", on_layer=hook)
             if on_chunk is not None:
                 on_chunk(a, b)
         return pick(logits[-1], n) if pick is not None else int(torch.argmax(logits[-1]))

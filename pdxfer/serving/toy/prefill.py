@@ -1,9 +1,10 @@
 """``pdxfer prefill``: computes prompts and pushes their KV to the decode that asked for it.
 
 Flow per request: ``sender(room)`` -> wait until the room's decode asked for its KV -> pages
-+ aux slot -> chunked prefill; after each chunk the pages that are completely written go out
-(a partial page waits for the next chunk) -> the last send carries the first generated token
-in the aux row -> poll until the transfer settles -> free. The draft model runs over the
++ aux slot -> chunked prefill; each layer of a chunk goes out as soon as the forward wrote it
+(the tokens the chunk computed: a page the chunk fills in part is completed by the next), the
+draft's layers after the chunk's draft pass (with TP > 1: each chunk's complete pages after
+it) -> the last send carries the first generated token in the aux row -> poll until the transfer settles -> free. The draft model runs over the
 same chunk before it ships, because the draft pool follows the target pool's page ids and
 travels in the same sends.
 
@@ -127,8 +128,8 @@ class PrefillWorker(RoomWorker):
                 if tx.poll() == KVPoll.Failed:  # aborted while it waited for pages
                     raise TransferFailed(_about(room, tx.failure))
                 t0 = time.perf_counter()
-                first, reused = await asyncio.to_thread(self._compute, tx, tokens, pages,
-                                                        slot, sampling, tenant)
+                first, reused, layer_sends = await asyncio.to_thread(
+                    self._compute, tx, tokens, pages, slot, sampling, tenant)
                 compute_s = time.perf_counter() - t0
                 await poll_until_terminal(tx, self.cfg.bootstrap_timeout_s
                                           + self.cfg.transfer_timeout_s)
@@ -147,7 +148,7 @@ class PrefillWorker(RoomWorker):
                                         tenant)
             return {"room": room, "prompt_tokens": len(tokens), "first_token": first,
                     "compute_s": compute_s, "prefix_len": tx.prefix_len,
-                    "reused_tokens": reused}
+                    "reused_tokens": reused, "layer_sends": layer_sends}
         finally:
             # Source pages: a failed transfer's late reads can only spoil its own destination.
             # (A compute thread still running after a cancel stops at its next chunk; it
@@ -224,9 +225,13 @@ class PrefillWorker(RoomWorker):
         task.add_done_callback(self._holds.discard)
 
     def _compute(self, tx: Any, tokens: Sequence[int], pages: list[int], slot: int,
-                 sampling: Sampling, tenant: str = "") -> tuple[int, int]:
-        """Compute the prompt (restoring the prefix it computed before) and ship each chunk's
-        full pages as they are written; returns the first token and the reused tokens."""
+                 sampling: Sampling, tenant: str = "") -> tuple[int, int, int]:
+        """Compute the prompt (restoring the prefix it computed before) and ship its KV as it
+        is written: with TP 1, each target layer of a chunk as soon as the forward wrote it
+        (the decode receives layer ``l`` while layer ``l + 1`` computes), the draft's layers
+        after the chunk's draft pass; with TP > 1 (the ranks' sends mirror the leader's),
+        each chunk's full pages after the chunk. Returns the first token, the reused tokens
+        and the layer-wise sends."""
         h, ps, n = self.host, self.cfg.page_size, len(tokens)
         sent = 0
         done = self._computing[id(pages)] = threading.Event()
@@ -237,14 +242,31 @@ class PrefillWorker(RoomWorker):
             self.counters["reused_tokens"] += start
             sent = start // ps
             tx.send({"kv": pages[:sent]})  # restored pages are complete: ship them now
+        by_layer = h.ranks is None
+        given = sent * ps  # tokens every layer was given (a restored partial page goes next)
+        layer_sends = 0
+
+        def span(a: int, b: int) -> dict[str, list[int]]:
+            return {"kv": pages[a // ps: -(-b // ps)]}
+
+        def on_layer(li: int, a: int, b: int) -> None:
+            nonlocal layer_sends
+            tx.send(span(given, b), layers=(li, li + 1), tokens=(given, b))
+            layer_sends += 1
 
         def on_chunk(a: int, b: int) -> None:
-            nonlocal sent
+            nonlocal sent, given, layer_sends
             if tx.poll() == KVPoll.Failed:  # aborted (client gone, decode failed): stop
                 raise TransferFailed(_about(tx.room, tx.failure))
             h.draft.forward(tokens[a:b], a, pages, h.draft_kv, logits_for="none")
             if h.ballast is not None:  # a benchmark's extra bytes per token (ballast.py)
                 h.ballast.fill(tokens[a:b], a, pages)
+            if by_layer:
+                if b < n:  # the last chunk's rest goes with the first token (below)
+                    tx.send(span(given, b), layers=h.layer_ids.rest, tokens=(given, b))
+                    layer_sends += 1
+                    given = b
+                return
             full = b // ps
             if b < n and full > sent:
                 tx.send({"kv": pages[sent:full]})
@@ -254,11 +276,18 @@ class PrefillWorker(RoomWorker):
             with h.lock:
                 first = h.model.prefill(tokens, pages, h.kv, start=start,
                                         chunk_size=self.cfg.chunk_size, on_chunk=on_chunk,
-                                        pick=lambda logits, pos: sample(logits, sampling, pos))
+                                        pick=lambda logits, pos: sample(logits, sampling, pos),
+                                        on_layer=on_layer if by_layer else None)
             h.aux[slot, 0] = first
             h.aux[slot, 1] = n
+            if by_layer:
+                tx.send(span(given, n), slots={"aux": slot}, last=True,
+                        layers=h.layer_ids.rest, tokens=(given, n))
+                self.counters["layer_sends"] += layer_sends + 1
+                self.counters["layer_streamed"] += 1
+                return first, start, layer_sends + 1
             tx.send({"kv": pages[sent:]}, slots={"aux": slot}, last=True)
-            return first, start
+            return first, start, 0
         finally:
             done.set()
             self._computing.pop(id(pages), None)

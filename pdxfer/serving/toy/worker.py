@@ -55,6 +55,20 @@ AUX_WIDTH = 8
 
 
 @dataclass(frozen=True, slots=True)
+class LayerIds:
+    """The KV pools' layer ids: the target model's ``[0, target)``, then the draft's, then
+    the ballast's (if any), ``total`` in all; ``rest``: the layers that are not the
+    target's (the prefill sends them after each chunk's draft pass)."""
+
+    target: int
+    total: int
+
+    @property
+    def rest(self) -> tuple[int, int]:
+        return self.target, self.total
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """One worker's settings, validated at construction."""
 
@@ -308,11 +322,15 @@ class ModelHost:
         ps, remap = cfg.pool_page_size, cfg.token_granular
         c, sh = self.model.config, self.model.shard
         heads = {"total_heads": c.n_kv_heads, "first_head": sh.kv_lo}
+        # layer ids: the target's layers, then the draft's, then the ballast, so a send of
+        # some layers (the prefill streams the target's layer by layer) names them apart
+        nt, nd = len(self.kv.k_tensors), len(self.draft_kv.k_tensors)
         self.pools = [
             PoolSpec.mha("kv", self.kv.k_tensors, self.kv.v_tensors, page_size=ps,
                          page_remap=remap, **heads),
             PoolSpec.mha("draft_kv", self.draft_kv.k_tensors, self.draft_kv.v_tensors,
-                         page_size=ps, indices_from="kv", page_remap=remap, **heads),
+                         page_size=ps, indices_from="kv", page_remap=remap,
+                         layer_ids=range(nt, nt + nd), **heads),
             PoolSpec.slots("aux", [self.aux]),
         ]
         self.ballast: ballast.Ballast | None = None
@@ -321,7 +339,8 @@ class ModelHost:
             self.ballast = ballast.Ballast(nb, cfg.pool_pages, ps)
             self.pools.append(PoolSpec.paged("ballast", [self.ballast.tensor], page_size=ps,
                                              role="ballast", indices_from="kv",
-                                             page_remap=remap))
+                                             layer_ids=[nt + nd], page_remap=remap))
+        self.layer_ids = LayerIds(nt, nt + nd + (self.ballast is not None))
         pools = self.pools
         # what the model computes, not how its KV is paged or sharded: a prefill and a decode
         # with different page sizes (host landing) or TP sizes are the same model
