@@ -28,6 +28,7 @@ from .errors import (
     UntrustedBootstrap,
     WireError,
 )
+from .faults import Faults
 from .metrics import prometheus_text
 from .netaddr import advertised, host_of, parse_hostport, parse_hostports, unreachable_from
 from .pools import BufferSpec, PoolSpec, Sharding, layout_signature
@@ -43,7 +44,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Aborted", "BootstrapClient", "ReplayGuard", "BootstrapError", "BootstrapServer", "BufferSpec",
-    "ConfigError", "DeadlineExceeded", "DuplicateRoom", "Endpoint", "EndpointConfig",
+    "ConfigError", "DeadlineExceeded", "Faults", "DuplicateRoom", "Endpoint", "EndpointConfig",
     "IntegrityError", "ProtocolError", "RequestHandle",
     "KVPoll", "KVReceiver", "KVSender", "LayoutMismatch", "PdxferError", "PeerLost",
     "PlanError", "PoolSpec", "RemoteFailure", "Sharding", "TransportError",

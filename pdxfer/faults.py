@@ -21,6 +21,10 @@
   served toy's KV ballast, which the decode checks against the prompt's tokens).
 - ``once=1``: page faults strike each room at most once (a transient fault: what is sent
   again, by an ``integrity_retry`` or a repair, arrives intact).
+- ``pace``: seconds each engine step sleeps when it schedules any request (the vLLM
+  connector's scheduler side, whatever the room): a request of N tokens then cannot end
+  before N steps have passed, however fast the machine (a client that leaves mid-stream
+  always leaves first).
 
 The hooks are single attribute checks when faults are off.
 """
@@ -50,6 +54,7 @@ class Faults:
     once: bool = False
     pool: str = ""
     seed: int = 0
+    pace: float = 0.0
     _struck: set[int] = field(default_factory=set, repr=False)
     _rng: random.Random = field(default_factory=random.Random, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -71,7 +76,7 @@ class Faults:
                 if key == "rooms":
                     f.rooms = frozenset(int(r) for r in val.split(";") if r)
                 elif key in ("delay_write", "drop", "delay_msg", "corrupt", "skip_write",
-                             "shift_write"):
+                             "shift_write", "pace"):
                     setattr(f, key, float(val))
                 elif key == "seed":
                     f.seed = int(val)
@@ -95,7 +100,7 @@ class Faults:
         new = Faults.parse(spec)
         with self._lock:
             for name in ("delay_write", "rooms", "drop", "delay_msg", "corrupt", "skip_write",
-                         "shift_write", "at", "once", "pool", "seed"):
+                         "shift_write", "at", "once", "pool", "seed", "pace"):
                 setattr(self, name, getattr(new, name))
             self._rng.seed(new.seed)
             self._struck.clear()

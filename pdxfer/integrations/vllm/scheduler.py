@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
+from pdxfer import Faults, knobs
+
 from . import params as P
 from .config import ConnectorConfig
 from .metadata import (
@@ -104,6 +106,8 @@ class PdxferScheduler:
         """Decode requests refused for naming an untrusted bootstrap (counted once)."""
         self._interval: dict[str, int] = {}
         """Counters since vLLM last asked (``take_interval``; ``stats.COUNTERS``)."""
+        self.pace = Faults.parse(knobs().faults).pace
+        """``PDXFER_FAULTS`` ``pace``: seconds each step that schedules work sleeps (tests)."""
 
     def _decode_ask(self, request: Request) -> P.DecodeAsk | None:
         """The request's load, if it asks for one from a bootstrap this decode trusts. A
@@ -228,6 +232,8 @@ class PdxferScheduler:
                               self._aborts, self._expects)
         self._sends, self._loads, self._writebacks = [], [], []
         self._opens, self._aborts, self._expects = [], [], []
+        if self.pace and so is not None and so.total_num_scheduled_tokens:
+            time.sleep(self.pace)
         if meta.sends:
             time.sleep(ANSWER_FIRST_S)  # the answers of the requests to send go out first
         return meta
