@@ -293,7 +293,6 @@ def test_a_prefill_killed_with_8_requests_in_flight_leaves_clean_answers_and_no_
     for q in prompts:
         cluster.want(q)
     base = kv_usage(cluster.decode)
-    peers = cluster.d()["endpoint"]["table_peers"]  # the front door's prefill
     servers = [cluster.prefill_server(HELD, faults=f"delay_write={HELD_S}", stats=held_stats)]
     router = None
     try:
@@ -314,9 +313,6 @@ def test_a_prefill_killed_with_8_requests_in_flight_leaves_clean_answers_and_no_
              lambda: cluster.d()["in_flight_loads"] == 0
              and metric(cluster.decode, "vllm:num_requests_running") == 0
              and kv_usage(cluster.decode) == base, timeout=60)
-        # and it forgot the dead prefill (else its next request there would go to it)
-        wait("the decode to drop the dead prefill",
-             lambda: cluster.d()["endpoint"]["table_peers"] == peers, timeout=60)
         servers.append(cluster.prefill_server(HELD, port=servers[0].port, stats=held_stats))
         servers[1].wait_ready()
         wait("the new prefill's registration", lambda: _registered(cluster.port, HELD))
