@@ -79,9 +79,23 @@ def kv_usage(server: VllmServer) -> float:
     return metric(server, "vllm:kv_cache_usage_perc")
 
 
-def metric(server: VllmServer, name: str) -> float:
-    """A metric's value in a server's /metrics (summed over its labels)."""
+def metric(server: VllmServer, name: str, label: str = "") -> float:
+    """A metric's value in a server's /metrics (summed over its labels; only the series
+    whose labels include ``label``, e.g. ``finished_reason="length"``, when given)."""
     vals = [float(line.rsplit(" ", 1)[1]) for line in server.metrics_text().splitlines()
-            if line.startswith((name + "{", name + " "))]
-    assert vals, f"no {name} in {server.url}/metrics"
+            if line.startswith((name + "{", name + " ")) and label in line.split("}")[0]]
+    assert vals, f"no {name} {label} in {server.url}/metrics"
     return sum(vals)
+
+
+def stream_ids(url: str, prompt: str | list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """A streamed completion through the official client; the router's last chunk carries
+    every token id of the choice."""
+    ids: list[int] = []
+    for chunk in client(url).completions.create(
+            model="llama", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True}):
+        ext = (chunk.model_extra or {}).get("pdxfer")
+        if ext:
+            ids = list(ext["token_ids"])
+    return ids

@@ -112,8 +112,9 @@ class PdxferScheduler:
         """Decode requests refused for naming an untrusted bootstrap (counted once)."""
         self._interval: dict[str, int] = {}
         """Counters since vLLM last asked (``take_interval``; ``stats.COUNTERS``)."""
-        self._pace = step_pace()
-        """Seconds each step that runs requests is held (a test fault; 0 in service)."""
+        self.pace = step_pace()
+        """Seconds each step that schedules work is held (``PDXFER_FAULTS`` ``pace``, a test
+        fault; 0 in service)."""
 
     def _decode_ask(self, request: Request) -> P.DecodeAsk | None:
         """The request's load, if it asks for one from a bootstrap this decode trusts. A
@@ -248,8 +249,8 @@ class PdxferScheduler:
         self._opens, self._aborts, self._expects = [], [], []
         if meta.sends:
             time.sleep(ANSWER_FIRST_S)  # the answers of the requests to send go out first
-        if self._pace and so is not None and so.total_num_scheduled_tokens:
-            time.sleep(self._pace)
+        if self.pace and so is not None and so.total_num_scheduled_tokens:
+            time.sleep(self.pace)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]
