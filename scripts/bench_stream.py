@@ -31,7 +31,8 @@ The prefill's mode is ``kv_connector_extra_config`` key ``send_by`` (``request``
 ``layer``). A connector that does not know that key (checked before any server starts, with
 the connector's own parser) gets ``send_per_step`` for ``request`` and ``step``, and the
 ``layer`` variant is reported unavailable with the reason (``stream.unavailable.<variant>``),
-as is a variant whose server does not start (the first exception in its log).
+as it is when its prefill does not start (the first exception in its log); any other server
+not ready by ``--startup-timeout`` ends the run with an error naming it (exit status 2).
 
 Phases, as in ``scripts/bench_vllm.py``: a phase starts one prefill mode's servers (colocated
 alone; or the decode, then the prefill), measures, and stops them; the variants sharing a
