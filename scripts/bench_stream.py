@@ -50,7 +50,9 @@ Workload: prompts of ``--sizes`` tokens (default 1024, 2048, 4096), generating `
 tokens each, greedy, streamed; one at a time (``--requests`` per size) and at concurrency 4
 (``--batches`` of four sent at once). TTFT is the client's time to its first streamed token.
 Every PD output must equal colocated's for the same prompt: ``stream.mismatches`` counts
-those that differ (and ``stream.errors`` requests that failed); either makes the exit status 1.
+those that differ (and ``stream.errors`` requests that failed, and PD phases that failed:
+a prefill engine that died mid-phase ends that phase, recorded in ``stream.phases``, and the
+run goes on); either makes the exit status 1.
 
 Keys (``<link>`` ``uncapped`` / ``capped``, ``<n>`` the concurrency):
 
@@ -88,7 +90,7 @@ from typing import Any
 
 from pdxfer import ConfigError
 from pdxfer.integrations.vllm.config import parse as parse_connector_config
-from pdxfer.serving.procs import Proc
+from pdxfer.serving.procs import Proc, ProcessStartError
 from pdxfer.testing.hf_model import SHAPES, build_model
 from pdxfer.testing.hosts import Host, Network, root_reason
 from pdxfer.testing.proccpu import busy_cores
@@ -415,7 +417,17 @@ def run_all(a: argparse.Namespace) -> dict[str, Any]:
                 for unit in units[k:] + units[:k]:
                     if unit != "colocated" and "mbit" not in cal:
                         raise SystemExit("the colocated phase must run first (it sets the cap)")
-                    phase(unit, rnd, s, a, run, cal)
+                    try:
+                        phase(unit, rnd, s, a, run, cal)
+                    except (RuntimeError, ProcessStartError) as e:
+                        if unit == "colocated" or isinstance(e, ServerNotReady):
+                            raise  # no reference, or a server that never came up: no run
+                        # e.g. an engine killed mid-phase (the OOM killer on a full host):
+                        # the phase is recorded as failed, the other phases still count
+                        why = f"{unit} phase, round {rnd}: {type(e).__name__}: {e}"[:500]
+                        run.phases[-1]["failed"] = why
+                        run.errors.append(why)
+                        log(f"phase failed: {why}")
         finally:
             boot.stop()
     bad, n = compare(run)
