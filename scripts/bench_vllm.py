@@ -62,7 +62,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -73,12 +72,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from openai import OpenAI
-
 from pdxfer import BootstrapServer
 from pdxfer.integrations.vllm.config import ConnectorConfig
 from pdxfer.testing.hf_model import SHAPES, build_model
 from pdxfer.testing.proccpu import TreeClock, busy_cores
+from pdxfer.testing.vllm_bench import pct, root_cause, tokens, ttft
 from pdxfer.testing.vllm_procs import (
     Server,
     ServerNotReady,
@@ -175,51 +173,6 @@ def makers(v: str, s: Setup, tag: str) -> tuple[list[Maker], dict[str, Any]]:
         return [vllm("p", lim, mc("kv_producer")), vllm("d", nocache, mc("kv_consumer"))], \
             {"connector": "mooncake"}
     raise ValueError(f"unknown variant {v!r}; known: {ALL}")
-
-
-def root_cause(log: Path) -> str:
-    """The first exception a server's log reports, with the frame that raised it: why it did
-    not start, in one line (its tail is vLLM's generic "Engine core initialization failed")."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    for i, line in enumerate(lines):
-        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
-        if m is None or " WARNING " in line:
-            continue
-        frames = [j for j in range(i) if re.search(r'File "[^"]+", line \d+, in ', lines[j])]
-        if not frames:
-            return m.group(0)
-        ours = [j for j in frames if "/vllm/" in lines[j]]  # vLLM's call, not torch's inside
-        f = (ours or frames)[-1]
-        where = re.search(r'File "([^"]+)", line (\d+), in (\S+)', lines[f])
-        code = lines[f + 1].split("]", 1)[-1].strip() if f + 1 < i else ""
-        assert where is not None
-        return (f"{Path(where.group(1)).name}:{where.group(2)} in {where.group(3)}: {code}: "
-                f"{m.group(0)}")
-    return ""
-
-
-def ttft(url: str, prompt: list[int], max_tokens: int, timeout: float) -> tuple[float, list[int]]:
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
-    t0 = time.perf_counter()
-    first = None
-    ids: list[int] = []
-    for chunk in client.completions.create(
-            model="llama", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            extra_body={"return_token_ids": True, "ignore_eos": True}):
-        if chunk.choices:
-            got = list(getattr(chunk.choices[0], "token_ids", None) or [])
-            if got and first is None:
-                first = time.perf_counter() - t0
-            ids += got
-    assert first is not None, "no token streamed"
-    return first, ids
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + 37 * i) % 700 + 300 for i in range(n)]
 
 
 def prom_sum(text: str, name: str) -> float:
@@ -341,14 +294,6 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
             door.close()
         for srv in reversed(servers):
             srv.stop()
-
-
-def pct(xs: list[float], q: float) -> float:
-    """The median for q 0.5, else the nearest rank."""
-    if q == 0.5:
-        return statistics.median(xs)
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
 def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],

@@ -9,6 +9,7 @@ stopped by pid: SIGTERM, then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,8 +20,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
+
+Enter = Callable[[], AbstractContextManager[Any]]
+"""A host's ``enter`` (``pdxfer.testing.hosts.Host.enter``): the calling thread's sockets,
+opened inside, live on that host."""
 
 QUIET_ENV = {
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -52,18 +58,24 @@ class ServerNotReady(RuntimeError):
 
 
 class Server:
-    """One server process on 127.0.0.1: ``argv`` started in its own session (so its group,
-    children included, is killed by pid), output to ``<log_dir>/<name>.log``, ready when
-    ``GET <url><health>`` answers 200."""
+    """One server process on ``addr`` (127.0.0.1 unless placed on a host): ``argv`` started in
+    its own session (so its group, children included, is killed by pid), output to
+    ``<log_dir>/<name>.log``, ready when ``GET <url><health>`` answers 200.
+
+    On a host of ``pdxfer.testing.hosts``: ``prefix`` runs it there (``host.prefix``, which
+    execs it, so the pid is its own), ``addr`` is the address it binds on that host, and
+    ``enter`` (``host.enter``) is entered around this object's own HTTP calls."""
 
     health = "/health"
 
     def __init__(self, name: str, argv: Sequence[str], log_dir: str | os.PathLike[str], *,
-                 port: int, env: dict[str, str] | None = None) -> None:
-        self.name, self.port = name, port
-        self.url = f"http://127.0.0.1:{self.port}"
+                 port: int, env: dict[str, str] | None = None, addr: str = "127.0.0.1",
+                 prefix: Sequence[str] = (), enter: Enter | None = None) -> None:
+        self.name, self.port, self.addr = name, port, addr
+        self.url = f"http://{addr}:{self.port}"
         self.log = Path(log_dir) / f"{name}.log"
-        self.argv = list(argv)
+        self.argv = [*prefix, *argv]
+        self._enter = enter or contextlib.nullcontext
         self.env = {**os.environ, **(env or {})}
         self.popen: subprocess.Popen[bytes] | None = None
 
@@ -90,8 +102,8 @@ class Server:
             if left <= 0:
                 break
             try:
-                with urllib.request.urlopen(f"{self.url}{self.health}",
-                                            timeout=min(2.0, max(0.1, left))) as r:
+                with self._enter(), urllib.request.urlopen(
+                        f"{self.url}{self.health}", timeout=min(2.0, max(0.1, left))) as r:
                     if r.status == 200:
                         return self
             except (urllib.error.URLError, OSError):
@@ -141,7 +153,7 @@ class Server:
         self.kill()
 
     def metrics_text(self) -> str:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+        with self._enter(), urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             return r.read().decode()
 
 
@@ -153,16 +165,17 @@ class VllmServer(Server):
                  env: dict[str, str] | None = None, port: int | None = None,
                  block_size: int = 32, kv_cache_bytes: int = 256 << 20,
                  served_name: str = "llama", dtype: str = "float32",
-                 log_stats: bool = False, start: bool = True) -> None:
+                 log_stats: bool = False, start: bool = True, addr: str = "127.0.0.1",
+                 prefix: Sequence[str] = (), enter: Enter | None = None) -> None:
         """``dtype`` defaults to float32: with bf16, a greedy token near a tie can flip with
         the batch's shape (CPU matmuls round differently for different row counts), so a
         disaggregated run and a colocated one may part ways for reasons that have nothing
         to do with the KV that moved; float32 keeps those rounding differences ~10^4 times
-        smaller than any logit gap."""
+        smaller than any logit gap. ``addr``, ``prefix``, ``enter``: on a host (``Server``)."""
         port = port or free_port()
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(model), "--served-model-name", served_name,
-                "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+                "--host", addr, "--port", str(port), "--enforce-eager",
                 "--dtype", dtype, "--block-size", str(block_size),
                 "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0",
                 "--uvicorn-log-level", "warning", *args]
@@ -170,7 +183,8 @@ class VllmServer(Server):
             argv.append("--disable-log-stats")
         if kv_transfer_config:
             argv += ["--kv-transfer-config", kv_transfer_config]
-        super().__init__(name, argv, log_dir, port=port, env={**QUIET_ENV, **(env or {})})
+        super().__init__(name, argv, log_dir, port=port, env={**QUIET_ENV, **(env or {})},
+                         addr=addr, prefix=prefix, enter=enter)
         if start:
             self.start()
 
