@@ -7,11 +7,12 @@ capped so that moving a request's KV takes as long as computing it (issue 34).
 Hosts: two network namespaces of ``pdxfer.testing.hosts`` on one bridge (needs root). ``p``
 runs the pdxfer bootstrap server and the vLLM prefill; ``d`` runs the vLLM decode, the router
 (on its loopback), the colocated reference server and the client (the benchmark's own threads,
-entered into ``d``). Everything across hosts shares a fresh ``PDXFER_SECRET``. The
-prefill's ``room_grace_s`` is 120 s, as long as its bootstrap deadline: with concurrent
-dispatch the decode asks for a room before the prefill's engine has the request, and the
-engine learns of a queued request only between steps, which on a loaded machine outlasted
-the default 5 s (requests then failed as unknown rooms). Prefix caching
+entered into ``d``). Everything across hosts shares a fresh ``PDXFER_SECRET``. With concurrent
+dispatch the decode asks for a room before the prefill's engine may have the request (its
+engine learns of a queued request only between steps, and one step can outlast the 5 s
+``room_grace_s``): such an ask is marked early and waits up to the bootstrap deadline
+(``TransferRequest.early``; before that, 1k-4k prompts at concurrency 4 failed here as unknown
+rooms). Prefix caching
 is off everywhere, so every request computes its whole prompt and the same prompt can be sent
 to every variant and link.
 
@@ -109,9 +110,6 @@ PD = {"sequential": ("sequential", "request"), "concurrent_request": ("concurren
 """A PD variant's router dispatch and its prefill's send mode."""
 ALL = ("colocated", *PD)
 LINKS = ("uncapped", "capped")
-ROOM_GRACE_S = 120.0
-"""The prefill's ``room_grace_s``: how long a decode's ask for a room the prefill's engine has
-not seen yet is held (see ``servers_for``)."""
 LAYERWISE, SEQUENTIAL, WHOLE = "concurrent_layer", "sequential", "concurrent_request"
 Key = tuple[int, int, int, int]
 """A prompt: (round, concurrency, tokens, index)."""
@@ -182,11 +180,8 @@ def servers_for(unit: str, s: Setup, tag: str, extra: dict[str, Any]) -> list[Ca
         return [vllm("colocated", s.d, "127.0.0.1", None, {})]
     common = {"bootstrap": s.boot, "bootstrap_timeout_s": 120.0, "transfer_timeout_s": 120.0}
     d_cfg = kv_config("kv_consumer", {**common, "instance": f"{tag}-d", "host": s.d.addr})
-    # a concurrent decode asks at once; the prefill's engine learns of a queued request only
-    # between steps, and one step of a batch of long prompts can outlast the default 5 s grace
-    # on a loaded machine (measured: 1k-token prompts at concurrency 4 failed as unknown rooms)
     p_cfg = kv_config("kv_producer", {**common, **extra, "instance": f"{tag}-p",
-                                      "host": s.p.addr, "room_grace_s": ROOM_GRACE_S})
+                                      "host": s.p.addr})
     return [vllm("d", s.d, s.d.addr, d_cfg, net_env), vllm("p", s.p, s.p.addr, p_cfg, net_env)]
 
 
