@@ -115,3 +115,21 @@ def test_a_peer_that_offers_nothing_predates_auto_and_gets_mooncake_tcp() -> Non
     assert bytes(dst) == bytes(src)
     with pytest.raises(TransportError, match="offers no transport.*Mooncake TCP"):
         k.side("nixl").add_peer(old.session_id, b"")
+
+
+def test_a_user_who_sets_no_transport_gets_auto_everywhere() -> None:
+    """One default for every way in (the engine API, the toy workers' flag and config, the
+    vLLM connector's key), so two sides started without a setting pair by ``pick``."""
+    import argparse
+    import dataclasses
+
+    from pdxfer import EndpointConfig
+    from pdxfer.integrations.vllm.config import ConnectorConfig
+    from pdxfer.serving.cli_args import add_worker_args
+    from pdxfer.serving.toy.worker import WorkerConfig
+
+    ap = argparse.ArgumentParser()
+    add_worker_args(ap, "decode")
+    for cls in (EndpointConfig, ConnectorConfig, WorkerConfig):
+        assert {f.name: f.default for f in dataclasses.fields(cls)}["transport"] == "auto", cls
+    assert ap.get_default("transport") == "auto"
