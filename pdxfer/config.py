@@ -250,12 +250,10 @@ class EndpointConfig:
     dp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
-    transport: str = "tcp"
-    """``tcp`` (the default) or ``rdma`` (Mooncake), ``nixl``, or ``auto``: the fastest
-    transport both sides run, picked at pairing (``transport/auto.py``: NIXL on one host,
-    Mooncake TCP across hosts). ``auto`` is opt-in until the whole suite runs on it (a process
-    holding both transports crashed at exit, hand-made peers were not paired); both sides must
-    name the same setting."""
+    transport: str = "auto"
+    """``auto``: the fastest transport both sides run, picked at pairing (``transport/auto.py``:
+    NIXL on one host, Mooncake TCP across hosts); ``tcp``/``rdma`` (Mooncake) or ``nixl``
+    explicitly (then both sides must name the same)."""
     device: str = ""
     workers: int = 4
     bootstrap_timeout_s: float = 30.0

@@ -286,7 +286,7 @@ class Connector:
                 self.ep.reject("invalid", f"HelloAck from {msg.endpoint_id} without a nonce")
                 return
             del self._handshakes[h.pair]
-            if msg.ok and msg.agent:
+            if msg.ok:  # even without pairing data: the transport decides
                 try:
                     self.ep.transport.add_peer(msg.session, msg.agent)
                 except TransportError as e:

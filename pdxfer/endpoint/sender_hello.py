@@ -57,7 +57,7 @@ class Handshakes:
             self.ep.reject("wrong_pair", f"Hello from {msg.endpoint_id} is for {msg.to!r}")
             return
         reason = self._check_hello(msg)
-        if not reason and msg.agent:
+        if not reason:  # even without pairing data: the transport decides
             try:
                 self.ep.transport.add_peer(msg.session, msg.agent)
             except TransportError as e:

@@ -132,7 +132,18 @@ class AutoTransport:
             _Offer(k, t.session_id, t.peer_info()) for k, t in self.inner.items()]))
 
     def add_peer(self, peer: str, info: bytes) -> None:
-        """Pick the pair's transport (``pick``) and pair that transport with the peer's."""
+        """Pick the pair's transport (``pick``) and pair that transport with the peer's. A
+        peer with no offers at all predates the choice (its Hello names no transport): such
+        peers ran Mooncake TCP, which finds a peer by its session alone, so it gets ``tcp``."""
+        if not info:
+            if "tcp" not in self.inner:
+                raise TransportError(f"{peer} offers no transport (a peer that predates "
+                                     f"'auto' runs Mooncake TCP), and this side cannot run "
+                                     f"it{self._why()}")
+            self.inner["tcp"].add_peer(peer, b"")
+            self._routes[peer] = ("tcp", peer)
+            log.info("auto transport: tcp with %s (it offers none)", peer)
+            return
         try:
             parsed = msgspec.msgpack.decode(bytes(info), type=_Info)
         except msgspec.DecodeError as e:

@@ -22,6 +22,10 @@ loopback) so callers need not:
 * The library can crash at interpreter exit if an agent is left to the garbage collector:
   ``close()`` releases handles, deregisters memory and drops the agent explicitly (and runs
   at exit if nobody called it).
+* A process that loaded NIXL died with SIGSEGV at exit, closed or not, alone or beside
+  Mooncake: NIXL's bundled libnl-route and the system's (pulled in by UCX's IB/EFA modules)
+  in one process, the bundled one's destructor faulting; ``_pin_system_libnl`` loads the
+  system's first, which ends it.
 * UCX picks its transports itself, and pdxfer does not override ``UCX_TLS``: on one host
   UCX already writes with ``cma`` (``process_vm_writev``, one copy; ``UCX_PROTO_INFO=y``
   prints the choice), TCP across hosts with ``UCX_TLS=tcp``, RDMA verbs on clusters. Probed
@@ -48,6 +52,7 @@ loopback) so callers need not:
 from __future__ import annotations
 
 import atexit
+import ctypes
 import importlib
 import itertools
 import logging
@@ -85,8 +90,34 @@ class NixlPeerLost(TransportError, PeerLost):
     kind = "peer_lost"
 
 
+_SYSTEM_NL = "libnl-route-3.so.200"
+_pinned: list[Any] = []
+
+
+def _pin_system_libnl() -> None:
+    """Load the system's libnl-route before NIXL's bundled copy, or the process dies with
+    SIGSEGV at exit.
+
+    NIXL's wheel bundles its own libnl-route (under a hashed name, with its libibverbs), and
+    UCX's InfiniBand/EFA modules pull in the system's ``libibverbs`` and with it the system's
+    libnl-route, so one process holds two copies. Loaded in that order, the bundled copy's
+    ELF destructor faults in ``rtnl_tc_unregister`` when the process exits (probed: a bare
+    ``nixl_agent`` and nothing else, exit status -11; the same with the system copy loaded
+    first, or with Mooncake, which links the system's libibverbs, imported first: exit 0).
+    Loading the system copy first (locally: its symbols stay out of the global scope) is
+    what Mooncake's import did by accident; where the system has none, there is no second
+    copy and nothing to do."""
+    if _pinned:
+        return
+    try:
+        _pinned.append(ctypes.CDLL(_SYSTEM_NL))
+    except OSError:
+        _pinned.append(None)
+
+
 def _load() -> Any:
     nixl_env_defaults()
+    _pin_system_libnl()
     errors = []
     for name in _BUILDS:
         try:

@@ -1,4 +1,4 @@
-"""``transport="auto"`` (opt-in; the default is Mooncake TCP) between real processes: a pair on
+"""``transport="auto"`` (the default) between real processes: with no transport set, a pair on
 one host moves its KV over NIXL (UCX, CMA), measured faster than Mooncake TCP over loopback;
 a side that cannot run NIXL (``nixl_cu12`` not importable) makes the pair fall back to
 Mooncake TCP; an explicit transport on one side only is refused, naming both. Bytes are
@@ -57,12 +57,10 @@ START_S = 300.0
 def start_pair(bootstrap: BootstrapServer, prefill: dict | None = None,
                decode: dict | None = None, prefill_env: dict[str, str] | None = None
                ) -> tuple[Agent, Agent]:
-    auto = {"transport": "auto"}  # opt-in: the default stays Mooncake TCP
-    pf = Agent("prefill", {**FAST, **auto, "bootstrap": bootstrap.address, **(prefill or {})},
-               GEOMS, env=prefill_env, start_timeout=START_S)
+    pf = Agent("prefill", {**FAST, "bootstrap": bootstrap.address, **(prefill or {})}, GEOMS,
+               env=prefill_env, start_timeout=START_S)
     try:
-        return pf, Agent("decode", {**FAST, **auto, **(decode or {})}, GEOMS,
-                         start_timeout=START_S)
+        return pf, Agent("decode", {**FAST, **(decode or {})}, GEOMS, start_timeout=START_S)
     except Exception:
         pf.close()
         raise
@@ -80,7 +78,7 @@ def chosen(a: Agent) -> set[str]:
     return set(a.call("ext", fn=EXT)["chosen"].values())
 
 
-def test_a_pair_on_auto_moves_its_kv_over_nixl_on_one_host(
+def test_a_pair_with_no_transport_set_moves_its_kv_over_nixl_on_one_host(
         bootstrap: BootstrapServer) -> None:
     pf, dc = start_pair(bootstrap)
     try:

@@ -6,6 +6,8 @@ different transports refuse each other with a message naming both."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -365,3 +367,26 @@ def test_an_idle_agent_does_not_spin() -> None:
                 p.kill()
             p.join(10)
     assert theirs > 0 and mine * 5 < theirs, (mine, theirs)
+
+
+EXITS = """
+import sys
+from pdxfer.transport import make_transport
+t = make_transport(sys.argv[1], "127.0.0.1")
+if sys.argv[2] == "close":
+    t.close()
+print("started", t.name, flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["nixl", "auto"])
+@pytest.mark.parametrize("close", ["close", "leave"])
+def test_a_process_that_ran_nixl_exits_cleanly(kind: str, close: str) -> None:
+    """NIXL's wheel bundles a libnl-route and UCX's IB/EFA modules load the system's: with
+    the bundled one loaded first, its destructor faulted at exit (status -11 with an agent
+    alone, or beside Mooncake in ``auto``). A process that used the transport, closed or left
+    to exit, must end with status 0."""
+    r = subprocess.run([sys.executable, "-c", EXITS, kind, close], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and f"started {kind}" in r.stdout, (r.returncode,
+                                                                 r.stderr[-2000:])

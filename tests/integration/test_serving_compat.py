@@ -43,7 +43,7 @@ def test_workers_on_nixl_serve_identical_text_and_refuse_a_mooncake_peer() -> No
         assert status == 200, body
         assert body["pdxfer"]["token_ids"] == want
     with Cluster(worker_args=WORKER, prefill_args=["--transport", "nixl"],
-                 router_args=["--timeout", "30"]) as c:
+                 decode_args=["--transport", "tcp"], router_args=["--timeout", "30"]) as c:
         status, body = c.complete({"prompt": "mixed", "max_tokens": 4, "temperature": 0},
                                   timeout=60)
         assert status >= 400, body

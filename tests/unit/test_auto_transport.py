@@ -96,3 +96,40 @@ def test_offers_from_a_peer_not_on_auto_are_refused_clearly() -> None:
     with pytest.raises(TransportError, match="malformed"):
         k.side("tcp").add_peer("peer", b"\x01\x02garbage")
     assert len(k.made["tcp"]) == 1
+
+
+def test_a_peer_that_offers_nothing_predates_auto_and_gets_mooncake_tcp() -> None:
+    """A Hello or HelloAck without a transport or pairing data comes from a peer older than
+    ``auto`` (or one built by hand): those ran Mooncake TCP, found by session alone. Before,
+    the endpoint skipped ``add_peer`` for it and every write failed "not paired"."""
+    k = _Kinds()
+    pf = k.side("nixl", "tcp")
+    old = MemoryTransport(k.fabric)  # the old peer: one transport, no offers
+    src = (ctypes.c_uint8 * 64)(*range(64))
+    dst = (ctypes.c_uint8 * 64)()
+    pf.register(ctypes.addressof(src), 64)
+    old.register(ctypes.addressof(dst), 64)
+    pf.add_peer(old.session_id, old.peer_info())
+    assert pf.chosen() == {old.session_id: "tcp"}
+    pf.write(old.session_id, [ctypes.addressof(src)], [ctypes.addressof(dst)], [64])
+    assert bytes(dst) == bytes(src)
+    with pytest.raises(TransportError, match="offers no transport.*Mooncake TCP"):
+        k.side("nixl").add_peer(old.session_id, b"")
+
+
+def test_a_user_who_sets_no_transport_gets_auto_everywhere() -> None:
+    """One default for every way in (the engine API, the toy workers' flag and config, the
+    vLLM connector's key), so two sides started without a setting pair by ``pick``."""
+    import argparse
+    import dataclasses
+
+    from pdxfer import EndpointConfig
+    from pdxfer.integrations.vllm.config import ConnectorConfig
+    from pdxfer.serving.cli_args import add_worker_args
+    from pdxfer.serving.toy.worker import WorkerConfig
+
+    ap = argparse.ArgumentParser()
+    add_worker_args(ap, "decode")
+    for cls in (EndpointConfig, ConnectorConfig, WorkerConfig):
+        assert {f.name: f.default for f in dataclasses.fields(cls)}["transport"] == "auto", cls
+    assert ap.get_default("transport") == "auto"

@@ -197,7 +197,7 @@ class PdxferKVManager(CommonKVManager):
             tp_rank=self.attn_tp_rank, tp_size=self.attn_tp_size, dp_rank=dp_rank,
             dp_size=dp_size, pp_rank=self.pp_rank if role == "prefill" else 0,
             pp_size=self.pp_size if role == "prefill" else 1,
-            transport="rdma" if ib else "tcp", device=ib,
+            transport="rdma" if ib else "auto", device=ib,
             bootstrap_timeout_s=float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
             transfer_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()))
 

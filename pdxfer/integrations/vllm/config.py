@@ -35,8 +35,8 @@ class ConnectorConfig:
       instances share a bootstrap server).
     - ``host``: the address peers reach this instance's ranks at (default 127.0.0.1).
     - ``transport`` (``auto``, ``tcp``, ``rdma``, ``nixl``) and ``device`` (the RDMA NIC):
-      ``tcp`` (default); ``auto`` picks at pairing the fastest transport both sides run (NIXL
-      on one host, Mooncake TCP across hosts); a transport must be the same on both sides.
+      ``auto`` (default) picks at pairing the fastest transport both sides run (NIXL on one
+      host, Mooncake TCP across hosts); an explicit one must be the same on both sides.
     - ``secret_file``: a file holding the shared secret (>= 16 bytes): every control frame
       and bootstrap request is authenticated (``PDXFER_SECRET``/``PDXFER_SECRET_FILE`` in
       the environment do the same). Without a secret, every pdxfer listener serves loopback
@@ -81,7 +81,7 @@ class ConnectorConfig:
     bootstrap: str | None = None
     instance: str = ""
     host: str = "127.0.0.1"
-    transport: str = "tcp"
+    transport: str = "auto"
     device: str = ""
     secret_file: str | None = None
     insecure: bool = False

@@ -96,7 +96,7 @@ class WorkerConfig:
     kv_landing: str = "device"
     integrity: str = "sampled"
     integrity_retry: bool = False
-    transport: str = "tcp"
+    transport: str = "auto"
     device: str = ""
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
