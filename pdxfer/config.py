@@ -219,6 +219,11 @@ class EndpointConfig:
       room that already ended here is refused at once. An engine that opens a room only
       once it schedules a queued request declares it on arrival (``Endpoint.expect``): a
       request for an expected room waits up to ``bootstrap_timeout_s``.
+    - ``route_fresh_s`` (decode): how long a prefill instance's route (its endpoints, looked up
+      at the bootstrap) is reused without a room through it succeeding. A prefill that died
+      while no room waited on it and came back as a new process is otherwise still reached
+      at its dead address by the next request, which then fails (``PeerLost``); an older
+      route is looked up again (one bootstrap request).
     - ``max_pending`` / ``max_pending_bytes``: requests (and their memory) a prefill holds for
       rooms whose sender does not exist yet; past either, a request is refused (``busy``).
     - ``fan_out`` (prefill): a room may be served to several decode groups, each asking with
@@ -260,6 +265,7 @@ class EndpointConfig:
     transfer_timeout_s: float = 60.0
     abort_timeout_s: float = 5.0
     room_grace_s: float = 5.0
+    route_fresh_s: float = 10.0
     heartbeat_s: float = 0.5
     start_in_send: bool = True
     integrity: Literal["off", "sampled", "full"] = "sampled"
@@ -306,7 +312,7 @@ class EndpointConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         for name in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s",
-                     "register_interval_s", "room_grace_s"):
+                     "register_interval_s", "room_grace_s", "route_fresh_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.integrity not in ("off", "sampled", "full"):

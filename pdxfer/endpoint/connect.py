@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 HELLO_RETRY_S = 0.5
 
+
 RouteKey = tuple[str, "str | None", "int | None"]
 """(bootstrap address, prefill instance, DP group) of a room."""
 
@@ -92,6 +93,8 @@ class Connector:
         """Handshakes waiting for their HelloAck, by the Hello's nonce."""
         self._routes: dict[RouteKey, dict[str, Any]] = {}
         self._resolved: dict[RouteKey, Resolved] = {}
+        self._vouched: dict[RouteKey, float] = {}
+        """When each route was last looked up or carried a room to success (``vouch``)."""
         self._clients: dict[str, BootstrapClient] = {}
         self._closing = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-connect")
@@ -168,12 +171,25 @@ class Connector:
                 self._resolved[key] = out
         return out
 
+    def vouch(self, key: RouteKey) -> None:
+        """A room through this route succeeded: its prefill endpoints are alive now."""
+        with self.ep.lock:
+            if key in self._routes:
+                self._vouched[key] = time.monotonic()
+
+    def _stale(self, key: RouteKey) -> bool:
+        """Whether a cached route went unconfirmed for ``route_fresh_s`` (under the lock): a
+        prefill that died while no room waited on it (so no heartbeat watched it) and came
+        back as a new process must not be reached at its dead address. A route looked up
+        again whose prefill is still the same endpoint is not handshaken again."""
+        return time.monotonic() - self._vouched.get(key, 0.0) > self.cfg.route_fresh_s
+
     def cached(self, key: RouteKey) -> Resolved | None:
         """A resolution every peer of which is still the live, acknowledged peer: then a
         request is sent from the caller's thread, with no hop through the connector."""
         with self.ep.lock:
             c = self._resolved.get(key)
-            if c is None:
+            if c is None or self._stale(key):
                 return None
             for p in c[0]:
                 if (self.peers.get(p.endpoint_id) is not p or p.dead or p.hung or p.refused
@@ -184,7 +200,7 @@ class Connector:
     def _route(self, key: RouteKey, room: int, deadline: float) -> dict[str, Any]:
         bootstrap, instance, dp = key
         with self.ep.lock:
-            cached = self._routes.get(key)
+            cached = None if self._stale(key) else self._routes.get(key)
             client = self._clients.get(bootstrap)
             if client is None:
                 client = self._clients[bootstrap] = BootstrapClient(
@@ -196,12 +212,14 @@ class Connector:
             raise BootstrapError(f"bootstrap {bootstrap} answered an invalid route")
         with self.ep.lock:
             self._routes[key] = route
+            self._vouched[key] = time.monotonic()
         return route
 
     def forget_route(self, key: RouteKey) -> None:
         with self.ep.lock:
             self._routes.pop(key, None)
             self._resolved.pop(key, None)
+            self._vouched.pop(key, None)
 
     def _forget_session(self, p: PrefillPeer) -> None:
         """Drop a replaced or lost peer's handshake and session (under the lock)."""

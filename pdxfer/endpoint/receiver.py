@@ -339,6 +339,8 @@ class DecodeSide(Checks):
                     self.ep.timeline.observe("transfer", st.t_done - st.t_request)
                     self.ep.count("success")
                     self.ep.count_transfer(st.bytes, st.blocks)
+        if success:
+            self.connector.vouch(route_key(st))
         if success and st.auto_hold:
             self.release_sources(st, st.targets)
         if bad is not None:

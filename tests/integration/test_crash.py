@@ -185,3 +185,30 @@ def test_frozen_prefill_with_a_secret_releases_pages_after_it_wakes_and_rehandsh
         pf.close()
         dc.close()
         srv.stop()
+
+
+def test_a_prefill_that_died_idle_and_came_back_serves_the_very_next_request(
+        bootstrap: BootstrapServer) -> None:
+    """A prefill killed while no room waited on it (so no heartbeat watched it), and a new
+    process registered under the same instance: the decode's next request, made after its
+    route went unconfirmed for ``route_fresh_s``, looks the instance up again and lands
+    byte-exact from the new process (it used to go to the dead address and fail, PeerLost)."""
+    small = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=16)]
+    pf, dc = start_pair(bootstrap, small, route_fresh_s=1.0)
+    pf2 = None
+    try:
+        f = Factory(small, small, seed=11)
+        first = f.make(16 * 3)
+        assert run(pf, dc, bootstrap.address, [first])[first["room"]]["state"] == "Success"
+        pf.kill()
+        pf2 = Agent("prefill", {**FAST, "bootstrap": bootstrap.address,
+                                "instance": "default"}, small)
+        time.sleep(1.5)  # at least route_fresh_s since the last success: a lower bound only
+        nxt = f.make(16 * 5)
+        out = run(pf2, dc, bootstrap.address, [nxt], timeout=30)[nxt["room"]]
+        assert out["state"] == "Success", out
+        assert verify(dc, [nxt])[nxt["room"]][0] == 0
+    finally:
+        for a in (pf, dc, pf2):
+            if a is not None:
+                a.close()
