@@ -169,15 +169,19 @@ def test_an_early_decode_waits_while_its_prefill_request_is_queued_past_the_grac
     """The decode asks at dispatch; the prefill has the request but keeps it queued (one
     running request at a time, another one running) for longer than ``room_grace_s``. The
     prefill's engine expected the room on arrival, so the decode still loads exactly the
-    prefill's KV once vLLM schedules it; a room the prefill never received fails after the
-    grace (that failure is what says the grace has passed)."""
+    prefill's KV once vLLM schedules it (its ask is early as well, which alone would hold it
+    too; test_unknown_room tests an expected room asked for late); a room the prefill never
+    received, asked for in the sequential form, fails after the grace (that failure is what
+    says the grace has passed)."""
     pair = make_pair(model, server, name="queued", batched=STEP,
                      prefill_extra={"room_grace_s": 0.2})
     p, d = pair.p, pair.d
     keep_busy(p)
     tokens = [(i * 19) % 900 + 10 for i in range(150)]
     d.add("q-d", tokens, 2, early_params(pair, 6401))
-    d.add("u-d", tokens, 2, early_params(pair, 6402))  # a room this prefill never receives
+    # a room this prefill never receives, asked for as after a prefill's answer (an early
+    # ask would wait until the bootstrap deadline: the prefill cannot know it never comes)
+    d.add("u-d", tokens, 2, {**early_params(pair, 6402), "pdxfer_num_tokens": len(tokens)})
     d.step()
     p.add("q", tokens, 1, prefill_params(6401, "d-queued"))
     for _ in range(2):
