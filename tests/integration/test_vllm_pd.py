@@ -42,6 +42,7 @@ from .vllm_helpers import (
     kv_usage,
     metric,
     ref_chat,
+    stream_ids,
     text,
     token_ids,
     wait,
@@ -343,19 +344,6 @@ def _router(cluster: Cluster, name: str, *more: str, prefill_url: str | None = N
                        "--decode", f"{cluster.decode.url},{DECODE}", *more], timeout=180)
 
 
-def _stream_ids(url: str, prompt: list[int]) -> list[int]:
-    """A streamed completion through the official client; the router's last chunk carries
-    every token id of the choice."""
-    ids: list[int] = []
-    for chunk in client(url).completions.create(
-            model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-            extra_body={"return_token_ids": True, "ignore_eos": True}):
-        ext = (chunk.model_extra or {}).get("pdxfer")
-        if ext:
-            ids = list(ext["token_ids"])
-    return ids
-
-
 def test_concurrent_and_sequential_dispatch_stream_steps_and_equal_colocated(
         cluster: Cluster, front_door: str) -> None:
     """Concurrent dispatch (the router's default), streamed and not, and the sequential
@@ -371,9 +359,9 @@ def test_concurrent_and_sequential_dispatch_stream_steps_and_equal_colocated(
     seq = _router(cluster, "router-seq", "--dispatch", "sequential")
     try:
         assert complete(front_door, prompts[0]) == want[0]
-        assert _stream_ids(front_door, prompts[1]) == want[1]
+        assert stream_ids(front_door, prompts[1]) == want[1]
         assert complete(seq.url, prompts[2]) == want[2]
-        assert _stream_ids(seq.url, prompts[3]) == want[3]
+        assert stream_ids(seq.url, prompts[3]) == want[3]
         r = client(front_door).completions.create(
             model="llama", prompt=prompts[0], max_tokens=2, temperature=0)
         assert r.model_extra["pdxfer"]["dispatch"] == "concurrent"  # type: ignore[index]
