@@ -76,10 +76,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import secrets
-import signal
 import statistics
 import sys
 import tempfile
@@ -95,7 +93,14 @@ from pdxfer.serving.procs import Proc, ProcessStartError
 from pdxfer.testing.hf_model import SHAPES, build_model
 from pdxfer.testing.hosts import Host, Network, root_reason
 from pdxfer.testing.proccpu import busy_cores
-from pdxfer.testing.vllm_bench import Reply, pct, root_cause, stream_request, tokens
+from pdxfer.testing.vllm_bench import (
+    Reply,
+    pct,
+    root_cause,
+    run_and_report,
+    stream_request,
+    tokens,
+)
 from pdxfer.testing.vllm_procs import (
     Server,
     ServerNotReady,
@@ -486,17 +491,9 @@ def main() -> int:
     if why:
         print(f"[bench_stream] error: {why}", file=sys.stderr)
         return 2
-    # SIGTERM unwinds (every process is stopped by pid in a finally), as Ctrl-C does
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        res = run_all(a)
-    except ServerNotReady as e:
-        print(f"[bench_stream] error: {e}", file=sys.stderr)
+    res = run_and_report("bench_stream", lambda: run_all(a), a.json)
+    if res is None:
         return 2
-    text = json.dumps(res, indent=1, sort_keys=True)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
     if res["stream.mismatches"] or res["stream.errors"]:
         log(f"FAIL: {res['stream.mismatches']} output(s) differ from colocated, "
             f"{res['stream.errors']} request(s) failed")

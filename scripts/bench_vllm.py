@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import signal
 import statistics
@@ -76,7 +75,7 @@ from pdxfer import BootstrapServer
 from pdxfer.integrations.vllm.config import ConnectorConfig
 from pdxfer.testing.hf_model import SHAPES, build_model
 from pdxfer.testing.proccpu import TreeClock, busy_cores
-from pdxfer.testing.vllm_bench import pct, root_cause, tokens, ttft
+from pdxfer.testing.vllm_bench import pct, root_cause, run_and_report, tokens, ttft
 from pdxfer.testing.vllm_procs import (
     Server,
     ServerNotReady,
@@ -430,17 +429,9 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds one request may take (default 600)")
     a = ap.parse_args()
-    # SIGTERM unwinds (every server is stopped by pid in a finally), as Ctrl-C does
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        res = run(a)
-    except ServerNotReady as e:
-        print(f"[bench_vllm] error: {e}", file=sys.stderr)
+    res = run_and_report("bench_vllm", lambda: run(a), a.json)
+    if res is None:
         return 2
-    text = json.dumps(res, indent=1, sort_keys=True)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
     return 0 if res["vllm.outputs_identical"] else 1
 
 

@@ -4,14 +4,20 @@ one-line reason a server did not start. Kept here so both measure the same way."
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from openai import OpenAI
+
+from .vllm_procs import ServerNotReady
 
 
 @dataclass(frozen=True)
@@ -98,3 +104,23 @@ def root_cause(log: Path) -> str:
         return (f"{Path(where.group(1)).name}:{where.group(2)} in {where.group(3)}: {code}: "
                 f"{m.group(0)}")
     return ""
+
+
+def run_and_report(name: str, run: Callable[[], dict[str, Any]],
+                   json_path: str | None) -> dict[str, Any] | None:
+    """A benchmark's ending, the same for every one: SIGTERM unwinds like Ctrl-C (every
+    server is stopped by pid in the run's ``finally``), a server not ready by its deadline
+    is one line on stderr (the caller exits 2), and the results are printed as JSON and
+    written to ``json_path`` when given. Returns the results, or None if a server did not
+    start."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        res = run()
+    except ServerNotReady as e:
+        print(f"[{name}] error: {e}", file=sys.stderr)
+        return None
+    text = json.dumps(res, indent=1, sort_keys=True)
+    print(text)
+    if json_path:
+        Path(json_path).write_text(text + "\n")
+    return res
