@@ -69,7 +69,9 @@ Keys (``<link>`` ``uncapped`` / ``capped``, ``<n>`` the concurrency):
   figure whose variant is unavailable is null;
 - ``stream.cap_mbit``, ``stream.colocated_prefill_ms``, ``stream.kv_bytes_per_token``,
   ``stream.mismatches``, ``stream.errors``, ``stream.outputs_compared``,
-  ``stream.loadavg_max_before_phase``, ``stream.phases``, ``stream.seconds``.
+  ``stream.loadavg_max_before_phase``, ``stream.background_cores_max_before_phase`` (the
+  host's busy cores over 3 s before a phase, none of the run's servers up),
+  ``stream.phases``, ``stream.seconds``.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ from pdxfer.integrations.vllm.config import parse as parse_connector_config
 from pdxfer.serving.procs import Proc, ProcessStartError
 from pdxfer.testing.hf_model import SHAPES, build_model
 from pdxfer.testing.hosts import Host, Network, root_reason
-from pdxfer.testing.proccpu import busy_cores
+from pdxfer.testing.proccpu import busy_cores, host_busy_cores
 from pdxfer.testing.vllm_bench import (
     Reply,
     pct,
@@ -258,7 +260,8 @@ def phase(unit: str, rnd: int, s: Setup, a: argparse.Namespace, run: Run,
         [v for v in a.variants if v in PD and PD[v][1] == unit]
     tag = f"{unit}_r{rnd}"
     rec: dict[str, Any] = {"phase": unit, "round": rnd, "variants": variants,
-                           "loadavg_before": os.getloadavg()}
+                           "loadavg_before": os.getloadavg(),
+                           "background_cores_before": round(host_busy_cores(3.0), 3)}
     run.phases.append(rec)
     extra: dict[str, Any] = {}
     if unit != "colocated":
@@ -441,6 +444,8 @@ def run_all(a: argparse.Namespace) -> dict[str, Any]:
     res["stream.outputs_compared"] = n
     res["stream.phases"] = run.phases
     res["stream.loadavg_max_before_phase"] = max(r["loadavg_before"][0] for r in run.phases)
+    res["stream.background_cores_max_before_phase"] = max(
+        r["background_cores_before"] for r in run.phases)
     res["stream.seconds"] = time.monotonic() - t_start
     res["stream.logs"] = str(tmp)
     return res

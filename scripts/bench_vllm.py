@@ -9,8 +9,11 @@ answer ``/health``: two NixlConnector servers started together can collide on on
 measured, and stopped; the variants alternate phase by phase, in ``--rounds`` rounds (the
 order rotates each round), so drift on the host cancels. A server not ready by its start-up
 deadline (``--startup-timeout``) ends the run with an error naming it (exit status 2); every
-wait is bounded and every process is killed by pid. The load average is recorded before each
-phase (``vllm.phases``): a run whose background load exceeds the core count says little.
+wait is bounded and every process is killed by pid. Before each phase, with none of the
+run's servers up, the host's busy cores over 3 s are recorded (``background_cores_before`` in
+``vllm.phases``, the run's maximum in ``vllm.background_cores_max_before_phase``) beside the
+load average (which still shows the phase just stopped: it decays over a minute). A run whose
+background exceeds the core count says little.
 
 Each phase, with the servers up and no requests: their idle CPU (``vllm.idle_cpu_cores.*``:
 CPU seconds per second of the servers' process trees, from /proc, over ``--idle-seconds``).
@@ -74,7 +77,7 @@ from typing import Any
 from pdxfer import BootstrapServer
 from pdxfer.integrations.vllm.config import ConnectorConfig
 from pdxfer.testing.hf_model import SHAPES, build_model
-from pdxfer.testing.proccpu import TreeClock, busy_cores
+from pdxfer.testing.proccpu import TreeClock, busy_cores, host_busy_cores
 from pdxfer.testing.vllm_bench import pct, root_cause, run_and_report, tokens, ttft
 from pdxfer.testing.vllm_procs import (
     Server,
@@ -234,7 +237,8 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
           got: dict[tuple[str, str], Samples], outs: dict[tuple[str, Any], list[int]],
           log: list[dict[str, Any]]) -> None:
     tag = f"{v}_r{rnd}"
-    rec: dict[str, Any] = {"variant": v, "round": rnd, "loadavg_before": os.getloadavg()}
+    rec: dict[str, Any] = {"variant": v, "round": rnd, "loadavg_before": os.getloadavg(),
+                           "background_cores_before": round(host_busy_cores(3.0), 3)}
     log.append(rec)
     mk, cfg = makers(v, setup, tag)
     t0 = time.monotonic()
@@ -404,6 +408,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         res.update(summary(got, log, active))
         res["vllm.phases"] = log
         res["vllm.loadavg_max_before_phase"] = max(r["loadavg_before"][0] for r in log)
+        res["vllm.background_cores_max_before_phase"] = max(
+            r["background_cores_before"] for r in log)
         res["vllm.seconds"] = time.monotonic() - t_start
         return res
     finally:

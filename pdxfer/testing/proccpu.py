@@ -73,3 +73,26 @@ def busy_cores(roots: Iterable[int], seconds: float) -> float:
     clock = TreeClock(roots)
     time.sleep(seconds)
     return clock.cores()
+
+
+def _host_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole host since boot, from /proc/stat's ``cpu`` line;
+    idle and iowait are the not-busy part (steal counts as busy: a core the hypervisor gave
+    elsewhere was not ours to use)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])
+    return total - idle, total
+
+
+def host_busy_cores(seconds: float) -> float:
+    """How many of the host's cores were busy, on average, over the next ``seconds``: what a
+    benchmark records as its background before a phase, with none of its own processes
+    running. The load average cannot say that: it decays over a minute, so the phase that
+    just stopped still shows in it."""
+    b0, t0 = _host_ticks()
+    time.sleep(seconds)
+    b1, t1 = _host_ticks()
+    cores = os.cpu_count() or 1
+    return cores * (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0

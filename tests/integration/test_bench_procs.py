@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer.testing.proccpu import busy_cores, tree_pids
+from pdxfer.testing.proccpu import busy_cores, host_busy_cores, tree_pids
 from pdxfer.testing.vllm_procs import Server, ServerNotReady, free_port, start_one_by_one
 
 HEALTHY = """
@@ -86,6 +86,20 @@ def test_idle_cpu_of_a_spinning_tree_is_cores_and_of_a_sleeping_tree_nothing() -
     # a share of a few percent of a core on a loaded host, many
     assert sleeping <= 0.01
     assert spinning >= 0.03
+
+
+
+def test_the_hosts_busy_cores_count_a_spinner_and_never_exceed_the_cores() -> None:
+    # whatever else runs, a host with a spinner on it is busy at least that spinner's share
+    # (a whole core when the host is otherwise idle, all of them when it is loaded)
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        time.sleep(0.5)
+        busy = host_busy_cores(2.0)
+    finally:
+        os.killpg(spin.pid, signal.SIGKILL)
+        spin.wait(30)
+    assert 0.5 <= busy <= (os.cpu_count() or 1) + 0.01
 
 
 ROOT = Path(__file__).resolve().parents[2]
