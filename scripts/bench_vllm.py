@@ -56,13 +56,16 @@ colocated's, both timed by the door), ``vllm.ttft_p50_ratio_vs_builtin``
 (pdxfer's default transport over NixlConnector), ``vllm.ttft_p50_ratio_decode_reuse`` and
 ``vllm.kv_ready_ratio_decode_reuse`` (reuse over the default transport without it; the
 second is the connector's own time until the KV is in place), each ratio also per pdxfer
-variant (``<key>.<variant>``); ``vllm.outputs_identical``; ``vllm.default_transport``.
+variant (``<key>.<variant>``); ``vllm.outputs_identical``; ``vllm.default_transport`` and
+``vllm.default_variant`` (the variant the headline ratios read: ``auto`` on one host is NIXL
+where it is installed).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import signal
 import statistics
@@ -89,6 +92,7 @@ from pdxfer.testing.vllm_procs import (
     start_one_by_one,
 )
 from pdxfer.testing.vllm_proxy import FrontDoor
+from pdxfer.transport.auto import pick
 
 ROOT = Path(__file__).resolve().parent
 BS = 32
@@ -104,8 +108,15 @@ def default_transport() -> str:
 
 
 def default_variant() -> str:
+    """The variant that runs what a user who sets no transport gets. ``auto`` picks, on one
+    host, the first of its preference both sides can run: NIXL where ``nixl-cu12`` (or
+    cu13) is installed, else Mooncake TCP (both servers here run one installation)."""
     t = default_transport()
-    return f"pdxfer_{t}" if t in ("tcp", "nixl") else "pdxfer_tcp"
+    if t in ("tcp", "nixl"):
+        return f"pdxfer_{t}"
+    can = ["tcp"] + [k for k in ("nixl",)
+                     if any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13"))]
+    return f"pdxfer_{pick(can, can, same_host=True) or 'tcp'}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,6 +384,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     outs: dict[tuple[str, Any], list[int]] = {}
     log: list[dict[str, Any]] = []
     res: dict[str, Any] = {"vllm.default_transport": default_transport(),
+                           "vllm.default_variant": default_variant(),
                            "vllm.cores": os.cpu_count(), "vllm.quick": q,
                            "vllm.shape": dataclasses.asdict(shape),
                            "vllm.kv_bytes_per_token": kv_per_token}

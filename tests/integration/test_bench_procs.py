@@ -141,3 +141,20 @@ def test_a_server_that_did_not_start_is_explained_by_the_frame_that_raised(
         "mooncake_connector.py:1186 in __init__: self.device_id = "
         "torch.accelerator.current_device_index(): RuntimeError: Cannot access accelerator "
         "device when none is available.")
+
+
+def test_the_headline_ratios_read_the_variant_a_user_gets_with_no_transport_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` on one host runs NIXL where it is installed (as it is in this project's
+    environment): the benchmark's default-transport ratios must read ``pdxfer_nixl``, not
+    Mooncake TCP's variant (they did, in the first fair run)."""
+    import importlib
+
+    from pdxfer.transport.auto import pick
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    bench = importlib.import_module("bench_vllm")
+    assert bench.default_transport() == "auto"
+    assert importlib.util.find_spec("nixl_cu12") is not None  # the cpu extra installs it
+    assert pick(["tcp", "nixl"], ["tcp", "nixl"], same_host=True) == "nixl"
+    assert bench.default_variant() == "pdxfer_nixl"
