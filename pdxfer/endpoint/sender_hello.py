@@ -9,6 +9,7 @@ A mixin of ``PrefillSide`` (``sender.py``): it shares that class's tables and lo
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -56,10 +57,13 @@ class Handshakes:
         if self.ep.secret is not None and msg.to != self.ep.endpoint_id:
             self.ep.reject("wrong_pair", f"Hello from {msg.endpoint_id} is for {msg.to!r}")
             return
+        # how long the Hello took to be handled here (on the wire, in the inbox, behind other
+        # work of the control thread): a decode retransmits it every HELLO_RETRY_S meanwhile
+        self.ep.gauge_max("hello_age_max_ms", max(0.0, time.time() - msg.ts) * 1e3)
         reason = self._check_hello(msg)
         if not reason:  # even without pairing data: the transport decides
             try:
-                self.ep.transport.add_peer(msg.session, msg.agent)
+                self.ep.add_peer(msg.session, msg.agent)
             except TransportError as e:
                 reason = str(e)
         peer_pools = {p.name: p for p in msg.pools}
