@@ -54,6 +54,17 @@ class Handshakes:
         if fresh:
             self.ep.reject(fresh, f"Hello from {msg.endpoint_id}: {fresh}")
             return
+        with self.ep.lock:
+            old = self.peers.get(msg.endpoint_id)
+        if old is not None and old.sess is not None and old.sess.pair == h.pair:
+            # the Hello this peer was paired with, again (without a secret the trust table
+            # keeps no nonces, so it is known here by its nonce): answered with the same ack,
+            # not paired anew. A decode retransmits every HELLO_RETRY_S while its ack is late,
+            # and a control thread held up for seconds then finds a queue of them; each one
+            # handled as new replaced the peer and paired the transport once more.
+            self.ep.count("hello_repeats")
+            self.ep.send_raw(old.ctrl_addr, old.sess.ack)
+            return
         if self.ep.secret is not None and msg.to != self.ep.endpoint_id:
             self.ep.reject("wrong_pair", f"Hello from {msg.endpoint_id} is for {msg.to!r}")
             return

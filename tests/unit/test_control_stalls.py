@@ -23,7 +23,11 @@ from .test_state_machines import Pair, transfer, wait
 PAIRING_S = SLOW_S + 0.3
 
 
+PAIRINGS: list[str] = []
+
+
 def slow_pairing(peer: str, info: bytes) -> None:
+    PAIRINGS.append(peer)
     time.sleep(PAIRING_S)
 
 
@@ -48,5 +52,28 @@ def test_a_slow_pairing_on_the_control_thread_is_counted_and_named(
         assert pm["hello_age_max_ms"] >= 0
         assert dm["hello_wait_max_ms"] >= PAIRING_S * 1e3 and dm["hello_retransmits"] >= 1
         assert any("in Hello" in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        p.close()
+
+
+def test_a_retransmitted_hello_is_answered_again_not_paired_again(srv: BootstrapServer) -> None:
+    """Without a secret too: the Hellos a decode retransmitted while the prefill's control
+    thread was held up reach it as a queue once it is free; each gets the same HelloAck,
+    and the peer is paired once (not once per copy, each replacing the last)."""
+    p = Pair(srv, bootstrap_timeout_s=30.0, transfer_timeout_s=30.0)
+    try:
+        PAIRINGS.clear()
+        p.ptx.add_peer = slow_pairing  # type: ignore[method-assign]
+        _, rx, _, _ = transfer(p)
+        assert wait(rx) == KVPoll.Success
+        tries = p.dc.metrics()["hello_retransmits"]
+        assert tries >= 1
+        end = time.monotonic() + 30.0  # a bound on the wait for the event, not a stopwatch
+        while p.pf.metrics().get("hello_repeats", 0) < tries and time.monotonic() < end:
+            time.sleep(0.05)
+        assert p.pf.metrics().get("hello_repeats", 0) == tries
+        assert [p.dc.transport.session_id] == PAIRINGS
+        _, rx, _, _ = transfer(p)  # the pair still works
+        assert wait(rx) == KVPoll.Success
     finally:
         p.close()
