@@ -253,6 +253,7 @@ class Connector:
                     transport=self.ep.transport.name, agent=self.ep.transport.peer_info())
                 frame = self.ep.hello_frame(hello, pair)
         assert peer is not None
+        t0 = time.monotonic()
         if fresh:
             self.ep.send_raw(peer.ctrl_addr, frame)
         # re-send the Hello now and then: a lost Hello must not cost the whole deadline
@@ -280,6 +281,8 @@ class Connector:
             if fresh:
                 self.ep.count("hello_retransmits")
                 self.ep.send_raw(peer.ctrl_addr, frame)
+        if fresh:
+            self.ep.gauge_max("hello_wait_max_ms", (time.monotonic() - t0) * 1e3)
         if peer.dead and not peer.session:
             raise PeerLost(f"prefill endpoint {eid} at {peer.ctrl_addr} is gone (its control "
                            f"port refuses connections)")
@@ -306,7 +309,7 @@ class Connector:
             del self._handshakes[h.pair]
             if msg.ok:  # even without pairing data: the transport decides
                 try:
-                    self.ep.transport.add_peer(msg.session, msg.agent)
+                    self.ep.add_peer(msg.session, msg.agent)
                 except TransportError as e:
                     msg = msgspec.structs.replace(msg, ok=False, reason=str(e))
             if msg.ok:

@@ -31,6 +31,10 @@ Handler = Callable[[Any, "Session | None", wire.Header], None]
 """A message handler: the decoded message, the session it was admitted under (None without a
 secret, or for a Hello) and its header."""
 
+SLOW_S = 1.0
+"""A control handler or tick that runs this long is counted (``slow_handlers``) and logged:
+the control thread answers nothing meanwhile (a Hello waits, its decode retransmits)."""
+
 
 class Core:
     """Shared state of one rank. Built before its side; ``start_control`` opens the control
@@ -111,6 +115,15 @@ class Core:
             self.count("send_failures")
         return ok
 
+    def add_peer(self, session: str, info: bytes) -> None:
+        """Pair the transport with a peer (at a Hello or its HelloAck, on the control thread);
+        its longest run is ``add_peer_max_ms``."""
+        t0 = time.perf_counter()
+        try:
+            self.transport.add_peer(session, info)
+        finally:
+            self.gauge_max("add_peer_max_ms", (time.perf_counter() - t0) * 1e3)
+
     def push_sockets(self) -> int:
         return self.control.sockets() if self.control is not None else 0
 
@@ -149,8 +162,27 @@ class Core:
         except wire.Rejected as e:
             self.reject(e.reason, str(e))
             return False
+        t0 = time.perf_counter()
         handler(msg, sess, h)
+        self.timed(h.kind.__name__, time.perf_counter() - t0)
         return True
+
+    def timed(self, what: str, seconds: float) -> None:
+        """Account one run of the control thread's work (a message's handler, a tick): the
+        longest is ``handler_max_ms``; one past ``SLOW_S`` is counted and logged (at most
+        once a second), naming what ran."""
+        self.gauge_max("handler_max_ms", seconds * 1e3)
+        if seconds < SLOW_S:
+            return
+        self.count("slow_handlers")
+        with self.lock:
+            now = time.monotonic()
+            if now - self._logged.get("slow_handler", 0.0) < 1.0:
+                return
+            self._logged["slow_handler"] = now
+        log.warning("%s endpoint %s: the control thread spent %.1f s in %s (it answered no "
+                    "other message meanwhile)", self.config.role, self.endpoint_id, seconds,
+                    what)
 
     def reject(self, reason: str, text: str) -> None:
         """Count a refused frame by reason; log it at most once a second per reason (a flood
@@ -168,6 +200,12 @@ class Core:
     def count(self, name: str, n: float = 1) -> None:
         with self.lock:
             self.counters[name] += n
+
+    def gauge_max(self, name: str, value: float) -> None:
+        """Keep the largest value seen under ``name`` (a high-water mark among the counters)."""
+        with self.lock:
+            if value > self.counters[name]:
+                self.counters[name] = round(value, 3)
 
     def count_failure(self, err: PdxferError) -> None:
         self.count(f"failures_{err.kind}")

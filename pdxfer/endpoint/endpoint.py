@@ -247,4 +247,6 @@ class Endpoint:
     def _on_tick(self) -> None:
         side = self.prefill or self.decode
         if side is not None:
+            t0 = time.perf_counter()
             side.tick(time.monotonic())
+            self.core.timed("tick", time.perf_counter() - t0)

@@ -9,6 +9,7 @@ A mixin of ``PrefillSide`` (``sender.py``): it shares that class's tables and lo
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -53,13 +54,27 @@ class Handshakes:
         if fresh:
             self.ep.reject(fresh, f"Hello from {msg.endpoint_id}: {fresh}")
             return
+        with self.ep.lock:
+            old = self.peers.get(msg.endpoint_id)
+        if old is not None and old.sess is not None and old.sess.pair == h.pair:
+            # the Hello this peer was paired with, again (without a secret the trust table
+            # keeps no nonces, so it is known here by its nonce): answered with the same ack,
+            # not paired anew. A decode retransmits every HELLO_RETRY_S while its ack is late,
+            # and a control thread held up for seconds then finds a queue of them; each one
+            # handled as new replaced the peer and paired the transport once more.
+            self.ep.count("hello_repeats")
+            self.ep.send_raw(old.ctrl_addr, old.sess.ack)
+            return
         if self.ep.secret is not None and msg.to != self.ep.endpoint_id:
             self.ep.reject("wrong_pair", f"Hello from {msg.endpoint_id} is for {msg.to!r}")
             return
+        # how long the Hello took to be handled here (on the wire, in the inbox, behind other
+        # work of the control thread): a decode retransmits it every HELLO_RETRY_S meanwhile
+        self.ep.gauge_max("hello_age_max_ms", max(0.0, time.time() - msg.ts) * 1e3)
         reason = self._check_hello(msg)
         if not reason:  # even without pairing data: the transport decides
             try:
-                self.ep.transport.add_peer(msg.session, msg.agent)
+                self.ep.add_peer(msg.session, msg.agent)
             except TransportError as e:
                 reason = str(e)
         peer_pools = {p.name: p for p in msg.pools}

@@ -265,6 +265,8 @@ class NixlTransport:
         self._remote: dict[str, _Layout] = {}
         self._local: _Layout | None = None
         self._retired: list[Any] = []
+        self._info: bytes | None = None
+        """``peer_info``'s bytes for the current registrations (``_describe``)."""
         self._closed = False
         self._poster: ThreadPoolExecutor | None = None
         self.stats_prepped = 0
@@ -278,9 +280,23 @@ class NixlTransport:
     # -- pairing -------------------------------------------------------------------------------
     def peer_info(self) -> bytes:
         """This agent's metadata (its registered memory) and its regions' page sizes, for
-        the peer's ``add_peer``."""
+        the peer's ``add_peer``: taken when the registrations last changed (``_info``),
+        never at a Hello while writes run."""
         with self._lock:
-            regions = [(a, n, it) for a, (_, n, it) in self._regions.items()]
+            if self._info is None:
+                self._info = self._describe()
+            return self._info
+
+    def _describe(self) -> bytes:
+        """``peer_info``'s bytes, asked of the agent now (under the lock).
+
+        NIXL's ``get_agent_metadata`` keeps the GIL while it waits for the UCX worker, and a
+        write in flight holds that worker for its whole copy (CMA copies inside the post):
+        asked while a write runs, it stops every Python thread of the process until the copy
+        is over (probed: a 64 MiB write, the call and the whole process stalled 2.3 s). So it
+        is asked when the registrations change, at start-up, and a Hello or HelloAck (each
+        one, retransmissions too) takes the bytes kept here."""
+        regions = [(a, n, it) for a, (_, n, it) in self._regions.items()]
         return msgspec.msgpack.encode(_Info(bytes(self._agent.get_agent_metadata()), regions))
 
     def add_peer(self, peer: str, info: bytes) -> None:
@@ -377,6 +393,7 @@ class NixlTransport:
                                      f"{e}") from None
             self._regions[addr] = (descs, nbytes, item_bytes if mem == "DRAM" else 0)
             self._drop_local()  # prepared again with the new region on the next write
+            self._info = self._describe()
 
     def deregister(self, addr: int) -> None:
         with self._lock:
@@ -387,6 +404,7 @@ class NixlTransport:
                     self._agent.deregister_memory(reg[0])
                 except Exception as e:  # noqa: BLE001
                     log.warning("NIXL deregister_memory(%#x) failed: %s", addr, e)
+                self._info = self._describe()
 
     # -- writes --------------------------------------------------------------------------------
     def _error(self, peer: str, what: str, e: BaseException) -> TransportError:

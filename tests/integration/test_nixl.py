@@ -284,6 +284,39 @@ def test_whole_pages_go_through_prepared_lists_and_the_rest_per_call() -> None:
         b.close()
 
 
+def test_a_hello_never_asks_the_agent_for_its_metadata_and_it_stays_current() -> None:
+    """A Hello or HelloAck carries ``peer_info``: NIXL's metadata call keeps the GIL while
+    it waits for a write in flight, stopping every thread of the process, so the bytes are
+    taken when the registrations change and reused (retransmitted Hellos included). What a
+    peer gets still names every region registered so far: its writes land in a region
+    registered after the first Hello."""
+    a, b, c = NixlTransport(), NixlTransport(), NixlTransport()
+    try:
+        src = np.random.default_rng(6).integers(0, 255, 1 << 16, dtype=np.uint8)
+        dst1, dst2 = np.zeros(1 << 16, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
+        a.register(src.ctypes.data, src.nbytes)
+        b.register(dst1.ctypes.data, dst1.nbytes)
+        first = b.peer_info()
+        agent, asked = b._agent, []
+        real = agent.get_agent_metadata
+        agent.get_agent_metadata = lambda: asked.append(1) or real()
+        assert [b.peer_info() for _ in range(5)] == [first] * 5 and not asked
+        b.register(dst2.ctypes.data, dst2.nbytes)  # described again, once, here
+        assert len(asked) == 1
+        info = b.peer_info()
+        assert info != first and len(asked) == 1
+        a.add_peer(b.session_id, info)
+        a.write(b.session_id, [src.ctypes.data], [dst2.ctypes.data], [src.nbytes])
+        assert np.array_equal(dst2, src)
+        c.add_peer(b.session_id, b.peer_info())  # a second peer, the same bytes
+        c.register(src.ctypes.data, src.nbytes)
+        c.write(b.session_id, [src.ctypes.data], [dst1.ctypes.data], [src.nbytes])
+        assert np.array_equal(dst1, src) and len(asked) == 1
+    finally:
+        for t in (a, b, c):
+            t.close()
+
+
 def test_a_peers_probes_do_not_pile_up_in_the_inbox(agents) -> None:
     """Nothing reads NIXL notifications but the probe: each probe empties its own agent's
     inbox of the probes its peer sent, so a long-held room's heartbeat grows no memory."""

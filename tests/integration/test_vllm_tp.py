@@ -28,7 +28,7 @@ from pdxfer.serving.procs import Proc
 from pdxfer.testing.hf_model import SHAPES, build_model
 from pdxfer.testing.vllm_procs import VllmServer, kv_config, read_stats, start_all
 
-from .vllm_helpers import chat_stream, complete, ref_chat, text, wait
+from .vllm_helpers import chat_stream, complete, ref_chat, stacks_if_slow, text, wait
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_tp]
 
@@ -153,9 +153,16 @@ def token_exact(pair: Pair, ref: VllmServer, prompts: list[str], chats: list[str
     the colocated reference; returns how many requests went."""
     want = {p: complete(ref.url, p) for p in prompts}
     want_chat = {t: ref_chat(ref.url, t) for t in chats}
-    with cf.ThreadPoolExecutor(3) as pool:
-        got = dict(zip(prompts, pool.map(lambda p: complete(pair.url, p), prompts)))
-        got_chat = dict(zip(chats, pool.map(lambda t: chat_stream(pair.url, t), chats)))
+    with stacks_if_slow([pair.prefill, pair.decode], pair.prefill.log.parent) as stacks:
+        try:
+            with cf.ThreadPoolExecutor(3) as pool:
+                got = dict(zip(prompts, pool.map(lambda p: complete(pair.url, p), prompts)))
+                got_chat = dict(zip(chats, pool.map(lambda t: chat_stream(pair.url, t),
+                                                    chats)))
+        except Exception as e:  # a request failed or timed out: keep what says why
+            raise AssertionError(f"{pair.name}: {e!r}; prefill stats {pair.p()}; decode "
+                                 f"stats {pair.d()}; logs {pair.prefill.log}, "
+                                 f"{pair.decode.log}; stacks {stacks}") from e
     for p in prompts:
         assert got[p] == want[p], f"prompt {p[:40]!r}: {got[p]} != colocated {want[p]}"
     for t in chats:

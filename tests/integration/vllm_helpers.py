@@ -3,7 +3,15 @@ answers, waits, prompt text and reading a server's /metrics."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from openai import OpenAI
@@ -99,3 +107,58 @@ def stream_ids(url: str, prompt: str | list[int], max_tokens: int = MAX_TOKENS) 
         if ext:
             ids = list(ext["token_ids"])
     return ids
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a vLLM server's engine core and TP workers)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])  # noqa: SIM115
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+@contextlib.contextmanager
+def stacks_if_slow(servers: Sequence[VllmServer], out: Path, after_s: float = 60.0,
+                   every_s: float = 30.0) -> Iterator[list[Path]]:
+    """While the body runs past ``after_s``, every ``every_s`` the Python stacks of each
+    server's processes (py-spy, where installed: the ``bench`` extra) go to ``out``; the
+    files are named in the list yielded. Diagnostics only: what a slow request was waiting
+    on, thread by thread (which one held the GIL), as a failure's evidence."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    files: list[Path] = []
+    done = threading.Event()
+
+    def run() -> None:
+        if not os.path.exists(spy) or done.wait(after_s):
+            return
+        n = 0
+        while not done.is_set():
+            for s in servers:
+                if not s.alive():
+                    continue
+                for pid in _tree(s.pid):
+                    f = out / f"{s.name}-{pid}-stacks-{n}.txt"
+                    with open(f, "w") as fh:
+                        subprocess.run([spy, "dump", "--pid", str(pid)], stdout=fh,
+                                       stderr=subprocess.STDOUT, timeout=20, check=False)
+                    files.append(f)
+            n += 1
+            done.wait(every_s)
+
+    t = threading.Thread(target=run, name="stacks-if-slow", daemon=True)
+    t.start()
+    try:
+        yield files
+    finally:
+        done.set()
+        t.join(timeout=30)
