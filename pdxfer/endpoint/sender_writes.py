@@ -24,6 +24,7 @@ from ..plan import chunk as C
 from ..transport.base import Started
 from .handles import KVPoll
 from .sender_rooms import Chunk, SenderRoom, Target, decodes, sliced
+from .sender_settle import Settler
 from .staging import Staging, bounce
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ class Writes:
 
     def _end_or_hold(self, st: SenderRoom) -> None:  # in PrefillSide
         raise NotImplementedError
+
+    settler: Settler
 
     def _pump(self, st: SenderRoom) -> None:
         """Queue every chunk each target has not been given yet (called under the lock).
@@ -217,7 +220,7 @@ class Writes:
             self._finish(st, t, True, None, frame)
 
     def _finish(self, st: SenderRoom, t: Target, ok: bool, err: PdxferError | None,
-                frame: bytes | None = None) -> None:
+                frame: bytes | None = None, settled: bool = False) -> None:
         """Send the target its one terminal message; runs on the room's worker thread.
 
         The outcome is decided under the lock (an abort decided first turns it into a
@@ -225,7 +228,22 @@ class Writes:
         message goes out right after the lock is released: the send writes to the socket
         (tens to hundreds of microseconds on a busy host), which other threads should not
         wait for. The room's terminal messages all come from this worker, so they stay in
-        order. ``frame``: the success message, encoded ahead."""
+        order. ``frame``: the success message, encoded ahead.
+
+        While a failed write to the target's decode may still land (the transport says it
+        is tainted), the target stays unfinished (its source pages may still be read) and
+        this runs again once the path is proven quiet (``sender_settle.py``): the decode
+        must not hear that the room's writes are over before they are."""
+        if t.finished:
+            return
+        if (not settled and t.scheduled and not t.req.silent
+                and self.ep.transport.tainted(t.peer.session)):
+            if not t.settling:
+                t.settling = True
+                self.ep.count("settle_waits")
+                self.settler.hold(t.peer.session, lambda: self.ep.workers.submit(
+                    st.room, lambda: self._finish(st, t, ok, err, frame, settled=True)))
+            return
         now = time.monotonic()
         success = False
         out: bytes | None = None
