@@ -120,7 +120,7 @@ class PrefillSide(Handshakes, Writes):
             ep.transport.register(self.staging.addr, n, "cpu")
         self.liveness = Liveness(self.cfg.heartbeat_s, self._holders, ep.transport.probe,
                                  self._holder_lost, name="pdxfer-hold-heartbeat")
-        self.settler = Settler(ep.transport, ep.count)
+        self.settler = Settler(ep.transport, ep.count, self.cfg.transfer_timeout_s)
         """Holds what tells a decode a room's writes are over while a failed write to it may
         still land (``sender_settle.py``)."""
 

@@ -9,13 +9,21 @@ to that decode that ends a room whose writes ran is held here, and so is an ``Ab
 for a room this prefill no longer knows; this thread proves the path quiet
 (``Transport.settle``: a fence, then the kernel's word) and then lets them go. Until then
 the decode keeps the pages quarantined and re-sends its ``Abort``: fail-closed.
+
+A held room is given up after ``give_up_s`` (the transfer deadline: its decode has failed
+the room by then and keeps asking with ``Abort``): its target finishes without a message,
+so the engine gets its source pages back (a stale slice may still read them, but lands only
+in pages its decode holds). The decode's next ``Abort`` finds the room gone, and its
+``AbortAck`` is held like any other until the path is proven quiet.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,23 +38,36 @@ MAX_PERIOD_S = 1.0
 """The period a path that keeps failing its fence backs off to."""
 
 
+@dataclass(frozen=True, slots=True)
+class Held:
+    run: Callable[[], None]
+    """Sends what was held (called on the settle thread: it should only queue work)."""
+    give_up: Callable[[], None]
+    """Ends the room without sending (past ``at``)."""
+    at: float
+
+
 class Settler:
     """Held jobs per tainted decode session, run once the transport proves that session's
     path quiet; a thread that keeps proving while any session is tainted."""
 
-    def __init__(self, transport: Transport, count: Callable[[str, int], None]) -> None:
+    def __init__(self, transport: Transport, count: Callable[[str, int], None],
+                 give_up_s: float) -> None:
         self.transport = transport
         self.count = count
-        self.held: dict[str, list[Callable[[], None]]] = {}
+        self.give_up_s = give_up_s
+        self.held: dict[str, list[Held]] = {}
         self.cv = threading.Condition()
         self.closed = False
         self.thread: threading.Thread | None = None
 
-    def hold(self, session: str, job: Callable[[], None]) -> None:
-        """Run ``job`` (on this thread: it should only queue work) once ``session`` is proven
-        quiet, or at once when it is not tainted."""
+    def hold(self, session: str, run: Callable[[], None], give_up: Callable[[], None]
+             ) -> None:
+        """Call ``run`` once ``session`` is proven quiet, or ``give_up`` if that takes more
+        than ``give_up_s`` (both on this thread: they should only queue work)."""
         with self.cv:
-            self.held.setdefault(session, []).append(job)
+            self.held.setdefault(session, []).append(
+                Held(run, give_up, time.monotonic() + self.give_up_s))
             self._start()
             self.cv.notify()
         self.count("settle_held", 1)
@@ -88,8 +109,22 @@ class Settler:
                 if jobs:
                     log.info("path to %s proven quiet: %d held messages go out", s, len(jobs))
                     self.count("settled", 1)
-                for job in jobs:
-                    job()
+                for h in jobs:
+                    h.run()
+            now = time.monotonic()
+            with self.cv:
+                late = [h for hs in self.held.values() for h in hs if h.at < now]
+                for s in list(self.held):
+                    self.held[s] = [h for h in self.held[s] if h.at >= now]
+                    if not self.held[s]:
+                        del self.held[s]
+            if late:
+                log.warning("%d rooms gave up waiting for a quiet path to their decode: they "
+                            "end without a message (their decodes keep the pages until it is "
+                            "proven)", len(late))
+                self.count("settle_given_up", len(late))
+            for h in late:
+                h.give_up()
             period = PERIOD_S if progress else min(MAX_PERIOD_S, period * 1.25)
             with self.cv:
                 if not self.closed:
