@@ -431,7 +431,7 @@ class MooncakeTransport(FindsPeersBySession):
                 t.fenced, t.fenced_at, t.quiet = gen, time.monotonic(), 0
             return False
         if t.ip is None:
-            t.ip = tcpstate.resolve(peer.rpartition(":")[0]) or ""
+            t.ip = tcpstate.resolve(peer.rpartition(":")[0].strip("[]")) or ""
         owed = tcpstate.owed(t.ip) if t.ip else None
         with self._lock:
             if owed is None:
