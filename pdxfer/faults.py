@@ -4,6 +4,11 @@
 
 - ``delay_write``: seconds to sleep right before each transport batch of the listed rooms
   (all rooms when ``rooms`` is absent): the write is already committed to, so it lands late;
+- ``strand``: seconds after which a *stranded* batch lands: the first transport batch of each
+  write of the listed rooms (Mooncake TCP) is reported failed at once while a copy of it
+  lands that much later, as Mooncake's do when one task of a batch fails (its other tasks
+  stay queued on the peer's lanes) or when it drops a stalled connection whose socket still
+  buffers bytes that a healed link delivers (``docs/failure-semantics.md``, Quarantine);
 - ``drop``: probability that an incoming control message is dropped;
 - ``delay_msg``: seconds to hold each incoming control message;
 - ``corrupt``, ``skip_write``, ``shift_write``: probability, per sender's ``TransferDone`` of
@@ -54,14 +59,17 @@ class Faults:
     pool: str = ""
     seed: int = 0
     pace: float = 0.0
+    strand: float = 0.0
     _struck: set[int] = field(default_factory=set, repr=False)
     _held: dict[int | None, int] = field(default_factory=dict, repr=False)
+    _landed: dict[int | None, list[float]] = field(default_factory=dict, repr=False)
     _rng: random.Random = field(default_factory=random.Random, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def active(self) -> bool:
-        return bool(self.delay_write or self.drop or self.delay_msg or self.page_faults)
+        return bool(self.delay_write or self.drop or self.delay_msg or self.page_faults
+                    or self.strand)
 
     @property
     def page_faults(self) -> bool:
@@ -76,7 +84,7 @@ class Faults:
                 if key == "rooms":
                     f.rooms = frozenset(int(r) for r in val.split(";") if r)
                 elif key in ("delay_write", "drop", "delay_msg", "corrupt", "skip_write",
-                             "shift_write", "pace"):
+                             "shift_write", "pace", "strand"):
                     setattr(f, key, float(val))
                 elif key == "seed":
                     f.seed = int(val)
@@ -100,7 +108,7 @@ class Faults:
         new = Faults.parse(spec)
         with self._lock:
             for name in ("delay_write", "rooms", "drop", "delay_msg", "corrupt", "skip_write",
-                         "shift_write", "at", "once", "pool", "seed", "pace"):
+                         "shift_write", "at", "once", "pool", "seed", "pace", "strand"):
                 setattr(self, name, getattr(new, name))
             self._rng.seed(new.seed)
             self._struck.clear()
@@ -108,6 +116,20 @@ class Faults:
     def delays(self, room: int | None) -> bool:
         """Whether writes of ``room`` are delayed (such writes never start from ``send()``)."""
         return bool(self.delay_write) and (self.rooms is None or room in self.rooms)
+
+    def strands(self, room: int | None) -> bool:
+        """Whether a batch of ``room`` is stranded (reported failed, landing ``strand`` s
+        later)."""
+        return bool(self.strand) and (self.rooms is None or room in self.rooms)
+
+    def stranded_landed(self, room: int | None) -> None:
+        with self._lock:
+            self._landed.setdefault(room, []).append(time.monotonic())
+
+    def landed(self, room: int | None) -> list[float]:
+        """When (``time.monotonic()``) each stranded batch of ``room`` landed."""
+        with self._lock:
+            return list(self._landed.get(room, []))
 
     def before_batch(self, room: int | None) -> None:
         if self.delays(room):

@@ -196,7 +196,7 @@ class Endpoint:
         s = core.transport.stats
         m.update(transport_calls=s.calls, transport_entries=s.entries,
                  transport_bytes=s.bytes, transport_failures=s.failures,
-                 transport_retries=s.retries,
+                 transport_retries=s.retries, transport_taints=s.taints,
                  control_handler_errors=core.control.handler_errors if core.control else 0,
                  control_connections=core.control.connections() if core.control else 0)
         return m

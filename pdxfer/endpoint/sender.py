@@ -33,6 +33,7 @@ from .liveness import Liveness
 from .sender_expect import Expected
 from .sender_hello import Handshakes, model_diff
 from .sender_rooms import Chunk, DecodePeer, Pending, SenderRoom, Target, decodes, pending_size
+from .sender_settle import Settler
 from .sender_writes import Writes
 from .staging import Staging
 from .trust import Session
@@ -119,9 +120,13 @@ class PrefillSide(Handshakes, Writes):
             ep.transport.register(self.staging.addr, n, "cpu")
         self.liveness = Liveness(self.cfg.heartbeat_s, self._holders, ep.transport.probe,
                                  self._holder_lost, name="pdxfer-hold-heartbeat")
+        self.settler = Settler(ep.transport, ep.count, self.cfg.transfer_timeout_s)
+        """Holds what tells a decode a room's writes are over while a failed write to it may
+        still land (``sender_settle.py``)."""
 
     def close(self) -> None:
         self.liveness.close()
+        self.settler.close()
 
     def _holders(self) -> dict[str, DecodePeer]:
         """Decodes that hold rooms here for a repair and have not released them."""
@@ -351,6 +356,12 @@ class PrefillSide(Handshakes, Writes):
                     self._tombstone((msg.room, peer.endpoint_id, msg.nonce),
                                     "already failed on prefill: aborted by decode before its "
                                     "request arrived")
+                if not known and self.ep.transport.tainted(peer.session):
+                    # a room that ended here while a failed write to this decode may still
+                    # land: its ack waits for the proof (the decode asks again)
+                    self.ep.count("abort_acks_held")
+                    self.settler.kick()
+                    return
                 self.ep.send(peer.ctrl_addr, wire.AbortAck(
                     room=msg.room, nonce=msg.nonce, endpoint_id=self.ep.endpoint_id,
                     rank=self.cfg.tp_rank, known=known), peer.sess)

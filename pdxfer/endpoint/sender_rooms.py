@@ -103,6 +103,9 @@ class Target:
     """Finished with Success (a decode may then ask for its range again: a repair)."""
     released: bool = False
     """Its decode sent ``Release``: it will not ask for a repair."""
+    settling: bool = False
+    """Its terminal message waits for the transport to prove a failed write to its decode
+    can no longer land (``sender_settle.py``)."""
 
 
 @dataclass(slots=True, eq=False)

@@ -24,6 +24,7 @@ from ..plan import chunk as C
 from ..transport.base import Started
 from .handles import KVPoll
 from .sender_rooms import Chunk, SenderRoom, Target, decodes, sliced
+from .sender_settle import Settler
 from .staging import Staging, bounce
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ class Writes:
 
     def _end_or_hold(self, st: SenderRoom) -> None:  # in PrefillSide
         raise NotImplementedError
+
+    settler: Settler
 
     def _pump(self, st: SenderRoom) -> None:
         """Queue every chunk each target has not been given yet (called under the lock).
@@ -216,8 +219,17 @@ class Writes:
         if chunk.last:
             self._finish(st, t, True, None, frame)
 
+    def _give_up(self, st: SenderRoom, t: Target) -> None:
+        """A target whose decode's path was not proven quiet before the transfer deadline:
+        the room fails here and the target ends without a message (its decode keeps the
+        pages until an ``AbortAck``, which waits for the proof)."""
+        self.fail(st, TransportError(
+            f"room {st.room}: a failed write to decode {t.peer.endpoint_id} was not proven "
+            f"drained before the deadline"))
+        self._finish(st, t, False, st.failure, settled=True, send=False)
+
     def _finish(self, st: SenderRoom, t: Target, ok: bool, err: PdxferError | None,
-                frame: bytes | None = None) -> None:
+                frame: bytes | None = None, settled: bool = False, send: bool = True) -> None:
         """Send the target its one terminal message; runs on the room's worker thread.
 
         The outcome is decided under the lock (an abort decided first turns it into a
@@ -225,7 +237,26 @@ class Writes:
         message goes out right after the lock is released: the send writes to the socket
         (tens to hundreds of microseconds on a busy host), which other threads should not
         wait for. The room's terminal messages all come from this worker, so they stay in
-        order. ``frame``: the success message, encoded ahead."""
+        order. ``frame``: the success message, encoded ahead.
+
+        While a failed write to the target's decode may still land (the transport says it
+        is tainted), the target stays unfinished (its source pages may still be read) and
+        this runs again once the path is proven quiet (``sender_settle.py``): the decode
+        must not hear that the room's writes are over before they are; a room held past the
+        transfer deadline ends without a message (``send=False``, ``sender_settle.py``)."""
+        if t.finished:
+            return
+        if (not settled and t.scheduled and not t.req.silent
+                and self.ep.transport.tainted(t.peer.session)):
+            if not t.settling:
+                t.settling = True
+                self.ep.count("settle_waits")
+                self.settler.hold(
+                    t.peer.session,
+                    lambda: self.ep.workers.submit(
+                        st.room, lambda: self._finish(st, t, ok, err, frame, settled=True)),
+                    lambda: self.ep.workers.submit(st.room, lambda: self._give_up(st, t)))
+            return
         now = time.monotonic()
         success = False
         out: bytes | None = None
@@ -255,7 +286,7 @@ class Writes:
                 success = True
             if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
                 self._end_or_hold(st)
-        if out is not None:
+        if out is not None and send:
             self.ep.send_frame(t.peer.ctrl_addr, out, t.peer.sess)
         if success:
             self.ep.count("success")

@@ -248,6 +248,13 @@ class AgentState:
 
         return faults().held(room)
 
+    def cmd_strand_landings(self, room: int) -> list[float]:
+        """When (``time.monotonic()``) each of ``room``'s batches that the ``strand`` fault
+        reported failed landed after all, in this process."""
+        from ..faults import faults
+
+        return faults().landed(room)
+
     def cmd_metrics(self, ep: str = "main") -> dict[str, Any]:
         return self.eps[ep].ep.metrics()
 

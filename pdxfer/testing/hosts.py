@@ -13,6 +13,9 @@ under it:
 - ``cut()`` / ``heal()``: the host's port on the switch goes down (a black hole: packets
   vanish, nobody is told) or, with ``at="host"``, the host's own interface (its sockets
   then fail at once with "network unreachable");
+- ``block(addr, keep)`` / ``unblock()``: what this host sends to ``addr`` vanishes, except
+  TCP segments to or from the ``keep`` ports (``u32`` filters into an ``htb`` class that
+  drops, on its interface): one path between two processes fails while another between them still works;
 - ``kill_all()``: SIGKILL to every process in the host's namespace (its pids, never a name).
 
 ``close()`` (also at interpreter exit) kills what runs on the hosts and deletes every
@@ -245,6 +248,38 @@ class Host:
             _tc(ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
                 "burst", f"{burst_kb}kb", "latency", f"{latency_ms}ms")
         self.capped_mbit = mbit
+
+    def block(self, addr: str, keep: Sequence[int] = ()) -> None:
+        """Drop every IPv4 packet this host sends to ``addr``, except TCP segments whose
+        destination or source port is in ``keep`` (e.g. a control connection either side
+        opened, while the data connections stall). ``unblock()`` ends it."""
+        # htb (no prio qdisc or drop action in every kernel): kept traffic goes to a fast
+        # class, the rest to one of 8 bit/s whose one-packet queue drops all that follows
+        _tc(self.ns, "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "htb",
+            "default", "1", "r2q", "1000")
+        _tc(self.ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb",
+            "rate", "10gbit")
+        _tc(self.ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:2", "htb",
+            "rate", "8bit", "ceil", "8bit")
+        _tc(self.ns, "qdisc", "add", "dev", "eth0", "parent", "1:2", "handle", "2:", "pfifo",
+            "limit", "1")
+        for port in keep:
+            for field in ("dport", "sport"):
+                _tc(self.ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip",
+                    "prio", "1", "u32", "match", "ip", "dst", f"{addr}/32", "match", "ip",
+                    field, str(port), "0xffff", "flowid", "1:1")
+        _tc(self.ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio",
+            "2", "u32", "match", "ip", "dst", f"{addr}/32", "flowid", "1:2")
+
+    def blocked(self) -> int:
+        """Packets the ``block`` filters dropped so far."""
+        for q in json.loads(_tc(self.ns, "-s", "-j", "qdisc", "show", "dev", "eth0")):
+            if q.get("kind") == "pfifo" and q.get("handle") == "2:":
+                return int(q.get("drops", 0))
+        return 0
+
+    def unblock(self) -> None:
+        _tc(self.ns, "qdisc", "del", "dev", "eth0", "root", check=False)
 
     def uncap(self) -> None:
         for ns, dev in ((self.ns, "eth0"), (self.net.bridge_ns, self.port)):

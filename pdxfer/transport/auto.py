@@ -200,6 +200,19 @@ class AutoTransport:
         t, s = self._route(peer)
         t.finish(s, started)
 
+    def tainted(self, peer: str) -> bool:
+        r = self._routes.get(peer)
+        return r is not None and self.inner[r[0]].tainted(r[1])
+
+    def tainted_peers(self) -> list[str]:
+        return [p for p in self._routes if self.tainted(p)]
+
+    def settle(self, peer: str) -> bool:
+        if peer not in self._routes:
+            return True
+        t, s = self._route(peer)
+        return t.settle(s)
+
     def probe(self, peer: str) -> bool:
         if peer not in self._routes:
             return True  # not paired yet: nothing says it is gone

@@ -19,16 +19,19 @@ class TransportStats:
     bytes: int = 0
     failures: int = 0
     retries: int = 0
+    taints: int = 0
+    """Failed batches whose bytes may still land (``Transport.tainted``)."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, calls: int = 0, entries: int = 0, nbytes: int = 0, failures: int = 0,
-            retries: int = 0) -> None:
+            retries: int = 0, taints: int = 0) -> None:
         with self.lock:
             self.calls += calls
             self.entries += entries
             self.bytes += nbytes
             self.failures += failures
             self.retries += retries
+            self.taints += taints
 
 
 class Started(Protocol):
@@ -94,6 +97,18 @@ class Transport(Protocol):
         """Whether ``peer``'s transport answers (cheap liveness check)."""
         ...
 
+    def tainted(self, peer: str) -> bool:
+        """Whether a write to ``peer`` that was reported failed may still land in its memory
+        (a transport whose failures are final always says False)."""
+        ...
+
+    def tainted_peers(self) -> list[str]: ...
+
+    def settle(self, peer: str) -> bool:
+        """One step of proving that nothing already written to ``peer`` can still land; True
+        once proven (``tainted`` is then False). May block: call it off the engine loop."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -106,3 +121,18 @@ class FindsPeersBySession:
 
     def add_peer(self, peer: str, info: bytes) -> None:
         pass
+
+
+class FinalFailures:
+    """For transports whose reported failure is taken to mean that nothing of the write is
+    still under way: NIXL, as before Mooncake's case was found (what UCX may still deliver
+    after a failed transfer has not been examined)."""
+
+    def tainted(self, peer: str) -> bool:
+        return False
+
+    def tainted_peers(self) -> list[str]:
+        return []
+
+    def settle(self, peer: str) -> bool:
+        return True

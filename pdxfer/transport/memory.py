@@ -77,6 +77,11 @@ class Faults:
     gone: bool = False
     """Writes to and probes of this transport fail at once: a dead process."""
     hang_s: float = 1.0
+    strand_s: float = 0.0
+    """Report each batch failed at once and land it this much later: Mooncake TCP's failed
+    write whose bytes are still on their way (the peer stays ``tainted`` until it landed)."""
+    landed: list[float] = field(default_factory=list, repr=False)
+    """When (``time.monotonic()``) each stranded batch landed."""
     batches: int = field(default=0, repr=False)
 
 
@@ -95,6 +100,7 @@ class MemoryTransport(FindsPeersBySession):
         self.faults = Faults()
         self._regions: dict[int, int] = {}
         self._credits: dict[str, Credits] = {}
+        self._stranded: dict[str, int] = {}
         self._lock = threading.Lock()
         self._closed = False
         self.fabric.join(self)
@@ -150,6 +156,11 @@ class MemoryTransport(FindsPeersBySession):
             f = self.faults
             if f.delay_s:
                 time.sleep(f.delay_s)
+            if f.strand_s:
+                self._strand(peer, src, dst, nb)
+                self.stats.add(calls=1, failures=1, taints=1)
+                raise TransportError(f"injected failure of a batch to {peer} that lands "
+                                     f"{f.strand_s} s later")
             if f.fail_after_batches is not None and f.batches >= f.fail_after_batches:
                 self.stats.add(calls=1, failures=1)
                 raise TransportError(f"injected failure after {f.batches} batches to {peer}")
@@ -179,7 +190,7 @@ class MemoryTransport(FindsPeersBySession):
         test delays or fails go through ``write`` instead, as Mooncake's do."""
         f = self.faults
         if (self._closed or not 0 < len(src) <= self.batch_entries or f.delay_s
-                or f.fail_after_batches is not None):
+                or f.fail_after_batches is not None or f.strand_s):
             return None
         t0 = time.perf_counter()
         self._batch(peer, list(src), list(dst), list(nbytes), None)
@@ -187,6 +198,36 @@ class MemoryTransport(FindsPeersBySession):
 
     def finish(self, peer: str, started: _Started) -> None:  # type: ignore[override]
         return None
+
+    # -- failed writes still on their way (``Faults.strand_s``) -------------------------------
+    def _strand(self, peer: str, src: list[int], dst: list[int], nb: list[int]) -> None:
+        with self._lock:
+            self._stranded[peer] = self._stranded.get(peer, 0) + 1
+        delay = self.faults.strand_s
+
+        def land() -> None:
+            time.sleep(delay)
+            try:
+                self._copy(self._target(peer), src, dst, nb)
+            except TransportError:
+                pass  # the peer left meanwhile: nothing lands
+            finally:
+                with self._lock:
+                    self.faults.landed.append(time.monotonic())
+                    self._stranded[peer] -= 1
+
+        threading.Thread(target=land, name="memory-strand", daemon=True).start()
+
+    def tainted(self, peer: str) -> bool:
+        with self._lock:
+            return bool(self._stranded.get(peer))
+
+    def tainted_peers(self) -> list[str]:
+        with self._lock:
+            return [p for p, n in self._stranded.items() if n]
+
+    def settle(self, peer: str) -> bool:
+        return not self.tainted(peer)
 
     def probe(self, peer: str) -> bool:
         t = self.fabric.peer(peer)

@@ -16,6 +16,16 @@ Mooncake 0.3 over TCP on loopback; ``docs/performance.md`` has the measurements)
   declaring the peer dead.
 * A hung peer costs ``MC_TCP_PROGRESS_TIMEOUT_SEC`` / ``MC_TRANSFER_TIMEOUT`` seconds (30 by
   default); both are set from the endpoint's transfer deadline before the engine starts.
+* A failed write is not over: the Python binding reports a batch failed as soon as one of
+  its tasks failed, while the batch's other tasks stay queued on the peer's lanes and go out
+  later, and a connection Mooncake dropped for lack of progress still buffers bytes its
+  kernel delivers once the link heals. Either lands in the peer's memory after the failure
+  was reported. So a failure *taints* the peer (``tainted``) until ``settle`` has proven the
+  path quiet: a fence written after the failure completed (the peer's lane queue is FIFO:
+  every slice queued before it has been handed to a connection), and then no socket to the
+  peer's host still owes bytes while orphaned or in retransmission backoff
+  (``tcpstate.py``). The sender holds every "nothing more will land" message to a tainted
+  peer until then (``docs/failure-semantics.md``, Quarantine).
 * glog is noisy at INFO; ``MC_LOG_LEVEL=ERROR`` keeps real errors and drops the rest.
 """
 
@@ -36,6 +46,7 @@ import numpy as np
 from ..config import knobs, mooncake_env_defaults
 from ..errors import ConfigError, TransportError, TransportUnavailable
 from ..faults import faults
+from . import tcpstate
 from .base import FindsPeersBySession, TransportStats
 from .pacing import Credits, RateEstimate
 
@@ -69,6 +80,34 @@ class _Batch:
     ahead: int = 0
     bid: int | None = None
     submitted: float = 0.0
+
+
+FENCE_BYTES = 4096
+"""A fence rewrites this much of the failed batch's first block (the same bytes, into the
+failed room's own pages, which its decode holds until the sender says they are settled)."""
+
+QUIET_SAMPLES = 3
+"""Consecutive kernel reads (one per ``settle`` call) that must find nothing owed."""
+
+NO_KERNEL_WAIT_S = 2.0
+"""Without the kernel's tables (not Linux), how long after the fence a path counts as
+quiet: a bound with no evidence behind it."""
+
+
+@dataclass(slots=True, eq=False)
+class _Taint:
+    """A peer whose writes failed: what is needed to prove nothing more of them lands."""
+
+    fence: tuple[int, int, int]
+    gen: int = 1
+    """Failures so far; a fence proves only the ones before it was submitted."""
+    fenced: int = 0
+    """``gen`` when the last fence was submitted (and then completed)."""
+    fenced_at: float = 0.0
+    quiet: int = 0
+    stranded: int = 0
+    """Batches the ``strand`` fault has not landed yet."""
+    ip: str | None = None
 
 
 def _load_engine() -> Any:
@@ -139,6 +178,7 @@ class MooncakeTransport(FindsPeersBySession):
         self._peers: dict[str, tuple[Credits, RateEstimate]] = {}
         self.stats = TransportStats()
         self._regions: dict[int, int] = {}
+        self._taints: dict[str, _Taint] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -224,6 +264,10 @@ class MooncakeTransport(FindsPeersBySession):
                 else:
                     b = _Batch(sl[i : i + step], dl[i : i + step], nl[i : i + step])
                 b.total = sum(b.len)
+                if self._faults.active and self._faults.strands(tag):
+                    self._strand(peer, b, tag)
+                    error = "batch stranded (PDXFER_FAULTS strand): failed, landing later"
+                    break
                 ahead = credits.try_acquire(len(b.src), b.total)
                 while ahead is None and inflight and not error:
                     # never wait for credits while holding some: finish our own batch first
@@ -266,7 +310,8 @@ class MooncakeTransport(FindsPeersBySession):
         workers are running return, so such a job always gets through."""
         n = len(src)
         if (self._closed or self.completion != "paced" or not 0 < n <= self.batch_entries
-                or self._faults.active and self._faults.delays(tag)):
+                or self._faults.active and (self._faults.delays(tag)
+                                            or self._faults.strands(tag))):
             return None
         total = sum(nbytes)
         if total > LONE_SYNC_MAX_BYTES:
@@ -313,15 +358,91 @@ class MooncakeTransport(FindsPeersBySession):
                 rc = self._engine.batch_transfer_sync_write(peer, b.src, b.dst, b.len)
             if rc != 0:
                 # A rejected write can break the lane so that the next call fails once.
+                self._taint(peer, b)
                 self.stats.add(retries=1)
                 rc = self._engine.batch_transfer_sync_write(peer, b.src, b.dst, b.len)
             if rc != 0:
+                self._taint(peer, b)  # the retry's other tasks may be queued too
                 self.stats.add(calls=1, failures=1)
                 return f"write of {len(b.src)} blocks to {peer} failed (rc {rc}) after one retry"
             self.stats.add(calls=1, entries=len(b.src), nbytes=b.total)
             return ""
         finally:
             credits.release(len(b.src), b.total)
+
+    # -- failed writes: taint and settle -----------------------------------------------------
+    def _taint(self, peer: str, b: _Batch) -> None:
+        """A batch to ``peer`` failed: some of it may still land (module notes)."""
+        fence = (b.src[0], b.dst[0], min(b.len[0], FENCE_BYTES))
+        with self._lock:
+            t = self._taints.get(peer)
+            if t is None:
+                self._taints[peer] = _Taint(fence)
+            else:
+                t.gen += 1
+                t.fence = fence  # the newest failed room's pages are held the longest
+                t.quiet = 0
+        self.stats.add(taints=1)
+
+    def _strand(self, peer: str, b: _Batch, tag: int | None) -> None:
+        """The ``strand`` fault: the batch is reported failed now and lands later."""
+        self._taint(peer, b)
+        with self._lock:
+            self._taints[peer].stranded += 1
+
+        def land() -> None:
+            time.sleep(self._faults.strand)
+            try:
+                self._engine.batch_transfer_sync_write(peer, b.src, b.dst, b.len)
+            finally:
+                self._faults.stranded_landed(tag)
+                with self._lock:
+                    t = self._taints.get(peer)
+                    if t is not None:
+                        t.stranded -= 1
+
+        threading.Thread(target=land, name="pdxfer-strand", daemon=True).start()
+
+    def tainted(self, peer: str) -> bool:
+        """Whether a failed write to ``peer`` may still land (until ``settle`` proves not)."""
+        with self._lock:
+            return peer in self._taints
+
+    def tainted_peers(self) -> list[str]:
+        with self._lock:
+            return list(self._taints)
+
+    def settle(self, peer: str) -> bool:
+        """One step of proving that nothing written to ``peer`` before now can still land;
+        True once proven (the taint is then gone). Blocking (a fence is a write): call it
+        from a thread of its own, again until True."""
+        with self._lock:
+            t = self._taints.get(peer)
+            if t is None:
+                return True
+            if t.stranded:
+                return False
+            gen, fence, need = t.gen, t.fence, t.fenced < t.gen
+        if need:
+            if self._closed or self._engine.batch_transfer_sync_write(
+                    peer, [fence[0]], [fence[1]], [fence[2]]) != 0:
+                return False
+            with self._lock:
+                t.fenced, t.fenced_at, t.quiet = gen, time.monotonic(), 0
+            return False
+        if t.ip is None:
+            t.ip = tcpstate.resolve(peer.rpartition(":")[0].strip("[]")) or ""
+        owed = tcpstate.owed(t.ip) if t.ip else None
+        with self._lock:
+            if owed is None:
+                ok = time.monotonic() - t.fenced_at >= NO_KERNEL_WAIT_S
+            else:
+                t.quiet = 0 if owed else t.quiet + 1
+                ok = t.quiet >= QUIET_SAMPLES
+            if ok and t.gen == gen and not t.stranded and self._taints.get(peer) is t:
+                del self._taints[peer]
+                return True
+        return False
 
     def probe(self, peer: str) -> bool:
         try:

@@ -71,7 +71,7 @@ import numpy as np
 from ..config import knobs, nixl_env_defaults
 from ..errors import ConfigError, PeerLost, TransportError, TransportUnavailable
 from ..faults import faults
-from .base import TransportStats
+from .base import FinalFailures, TransportStats
 
 log = logging.getLogger("pdxfer.transport.nixl")
 
@@ -234,7 +234,7 @@ class _Layout:
         return np.where(ok, self.first[rc] + off // item, -1), np.where(ok, item, 0)
 
 
-class NixlTransport:
+class NixlTransport(FinalFailures):
     """One NIXL agent (UCX backend) per endpoint; the agent name is the session id."""
 
     name = "nixl"

@@ -11,6 +11,7 @@ case runs last since it takes the bootstrap off the network.
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from pdxfer.serving.toy.cluster import RemoteBootstrap
 from pdxfer.testing.harness import Agent
 from pdxfer.testing.hosts import Network
 from pdxfer.testing.patterns import PoolGeom
+from pdxfer.transport import tcpstate
 
 from .conftest import FAST
 from .helpers import Factory, decode_items, prefill_items, verify, wait_written
@@ -251,6 +253,68 @@ def test_flapping_link_ends_each_request_byte_exact_or_cleanly_failed(net: Net) 
         net.f.free(r)
     print(f"flap outcomes: {outcomes}")
     ok_request(net)
+
+
+def owed(host: Any, addr: str) -> int:
+    """Sockets on ``host`` that still owe ``addr`` bytes while orphaned or backed off."""
+    total = 0
+    for path in tcpstate.PATHS:
+        text = subprocess.run([*host.prefix, "cat", path], capture_output=True, text=True,
+                              check=False).stdout
+        total += sum(1 for o in tcpstate.parse(text) if o.remote == addr)
+    return total
+
+
+def test_a_write_mooncake_dropped_lands_late_and_the_pages_wait_for_it(net: Net) -> None:
+    """The prefill's data connections to the decode stall while the control path between
+    them works (``block``): Mooncake drops each stalled connection after its progress
+    timeout (the transfer deadline here, 10 s) and reports the write failed, but the closed
+    sockets keep the bytes they buffered and deliver them once the link carries them again.
+    The decode must not get the pages back before that (the prefill holds the failure until
+    it proved the path quiet), so nothing lands after they came back. Without that, the
+    failure reached the decode at once over the working control path, and the buffered
+    bytes landed in pages already handed back (the flapping link's "landed after")."""
+    assert net.pf is not None and net.dc is not None
+    pf_host, dc_addr = net.net["prefill"], net.net["decode"].addr
+    before = net.pf.call("metrics")
+    big = net.start_request(16 * 96, chunks=24, delay_s=0.1)  # 48 MiB over >= 2.4 s
+    wait_written(net.pf, before["transport_bytes"])
+    pf_host.block(dc_addr, keep=[net.ctrl_port("decode"), net.ctrl_port("prefill")])
+    try:
+        assert pf_host.blocked() > 0 or wait_blocked(pf_host)
+        # Mooncake gave up on the stalled write (10 s without progress), retried once, failed
+        end = time.monotonic() + LONG_S
+        while net.pf.call("metrics")["transport_failures"] <= before["transport_failures"]:
+            assert time.monotonic() < end, "the prefill's write never failed"
+            time.sleep(0.2)
+        assert net.pf.call("metrics")["transport_taints"] > before.get("transport_taints", 0)
+        assert owed(pf_host, dc_addr) > 0, "no dropped connection holds bytes: nothing to test"
+        out = net.wait(big, LONG_S)
+        assert out["state"] == "Failed", out
+        # the control path works: a failure message would have released the pages by now
+        assert not net.released(big, 3.0), \
+            "pages handed back while a dropped connection still held bytes for them"
+    finally:
+        pf_host.unblock()
+    assert net.released(big, 60), "pages still held after the link carried the bytes again"
+    assert net.dc.call("release_counts")[big["room"]] == 1
+    end = time.monotonic() + LONG_S
+    while owed(pf_host, dc_addr):  # the kernel delivered (or dropped) what it held
+        assert time.monotonic() < end, "the prefill's kernel never delivered its bytes"
+        time.sleep(0.2)
+    net.settle()
+    net.clean_after_release(big)
+    net.f.free(big)
+    ok_request(net)
+
+
+def wait_blocked(host: Any, timeout: float = 30.0) -> bool:
+    end = time.monotonic() + timeout
+    while host.blocked() == 0:
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_slow_link_delivers_within_deadline_and_too_short_deadline_fails_cleanly(

@@ -108,3 +108,35 @@ def test_one_thread_at_a_time_spins_in_a_peers_completion_wait(
         t.join()
     assert most[0] == 1
     assert transport.stats.calls == 8
+
+
+def test_a_failed_write_taints_its_peer_until_a_later_fence_and_a_quiet_kernel_prove_it(
+        transport: mooncake.MooncakeTransport, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake reports a batch failed while parts of it may still be queued or buffered:
+    the peer stays tainted until a fence written after the failure completed and the kernel
+    then owes the peer's host nothing, three reads in a row; a failure after the fence needs
+    a fence of its own."""
+    from pdxfer.transport import tcpstate
+
+    owed: list[tcpstate.Owed] = []
+    monkeypatch.setattr(tcpstate, "owed", lambda ip: list(owed))
+    eng = transport._engine
+    peer = "10.213.0.12:16000"
+    eng.fail_at = 1
+    with pytest.raises(TransportError):
+        transport.write(peer, [0, 64], [128, 192], [64, 64])
+    assert transport.tainted(peer) and transport.tainted_peers() == [peer]
+    assert transport.stats.taints >= 1
+    assert not transport.settle(peer)  # the fence fails too: the path is still down
+    eng.fail_at = 0
+    eng.calls = 0
+    assert not transport.settle(peer)  # the fence went through (a rewrite of the first block)
+    owed.append(tcpstate.Owed("10.213.0.12", 16001, 1, 4096, 0, True))
+    assert not transport.settle(peer)  # a dropped connection still holds bytes for it
+    owed.clear()
+    assert not transport.settle(peer) and not transport.settle(peer)
+    transport._taint(peer, mooncake._Batch([0], [128], [64]))  # fails again meanwhile
+    assert not transport.settle(peer)  # that failure came after the fence: a new one
+    assert not any(transport.settle(peer) for _ in range(2))
+    assert transport.settle(peer) and not transport.tainted(peer)
+    assert transport.settle(peer)  # nothing to prove

@@ -213,6 +213,64 @@ def test_pages_are_quarantined_until_a_delayed_write_drains(pair: Pair) -> None:
     assert pair.dc.metrics()["quarantined_pages"] == 0
 
 
+def test_a_failed_write_still_on_its_way_keeps_the_pages_until_it_landed(
+        srv: BootstrapServer) -> None:
+    """Mooncake TCP reports a write failed while some of it is still queued or buffered on
+    the way (a flapping link): the prefill tells the decode the room is over only once the
+    transport proves nothing more lands, so the pages come back after the late bytes."""
+    p = Pair(srv)
+    released: dict[int, float] = {}
+    try:
+        p.ptx.faults.strand_s = 1.0  # each batch fails at once and lands 1 s later
+        room = next(_rooms)
+        src, dst = p.pages(2)
+        p.fill(room, src, 8)
+        rx = p.dc.receiver(room, release=lambda d, s: released.setdefault(room,
+                                                                          time.monotonic()))
+        rx.request({"kv": dst}, {"aux": 2}, 0, 8)
+        p.pf.sender(room).send({"kv": src}, {"aux": 1}, last=True)
+        assert wait(rx) == KVPoll.Failed and rx.failure.kind == "transport", rx.failure
+        assert until(lambda: room in released)
+        assert p.ptx.faults.landed, "the stranded batch never landed"
+        assert released[room] >= p.ptx.faults.landed[0], \
+            "pages handed back while a failed write was still on its way"
+        assert p.pf.metrics()["settle_waits"] >= 1
+        p.ptx.faults.strand_s = 0.0
+        tx, rx, room, dst = transfer(p)  # the proof is over: the next request is unaffected
+        assert wait(rx) == KVPoll.Success and p.wrong_bytes(room, dst, 24) == 0
+    finally:
+        p.close()
+
+
+def test_a_room_held_past_its_deadline_ends_and_its_abort_ack_still_waits(
+        srv: BootstrapServer) -> None:
+    """The failed write takes longer to land than the transfer deadline (2 s): the prefill
+    gives the room up (its engine gets the source pages back) without telling the decode,
+    whose own deadline fails it; its Abort then finds the room gone, and that ack too
+    waits until the bytes landed."""
+    p = Pair(srv)
+    released: dict[int, float] = {}
+    try:
+        p.ptx.faults.strand_s = 4.0
+        room = next(_rooms)
+        src, dst = p.pages(2)
+        p.fill(room, src, 8)
+        rx = p.dc.receiver(room, release=lambda d, s: released.setdefault(room,
+                                                                          time.monotonic()))
+        rx.request({"kv": dst}, {"aux": 2}, 0, 8)
+        tx = p.pf.sender(room)
+        tx.send({"kv": src}, {"aux": 1}, last=True)
+        assert wait(rx) == KVPoll.Failed and rx.failure.kind == "deadline", rx.failure
+        assert until(lambda: not tx.reading)  # given up: the source pages are the engine's
+        assert p.pf.metrics()["settle_given_up"] == 1
+        assert until(lambda: room in released)
+        assert p.ptx.faults.landed and released[room] >= p.ptx.faults.landed[0], \
+            "pages handed back while a failed write was still on its way"
+        assert p.pf.metrics()["abort_acks_held"] >= 1
+    finally:
+        p.close()
+
+
 def test_duplicate_rooms_are_refused(pair: Pair) -> None:
     room = next(_rooms)
     rx = pair.receiver(room)
