@@ -56,12 +56,16 @@ class Handshakes:
             return
         with self.ep.lock:
             old = self.peers.get(msg.endpoint_id)
-        if old is not None and old.sess is not None and old.sess.pair == h.pair:
+        if (old is not None and old.sess is not None and old.sess.pair == h.pair
+                and any(h.pair) and old.ctrl_addr == msg.ctrl_addr
+                and old.session == msg.session):
             # the Hello this peer was paired with, again (without a secret the trust table
             # keeps no nonces, so it is known here by its nonce): answered with the same ack,
             # not paired anew. A decode retransmits every HELLO_RETRY_S while its ack is late,
             # and a control thread held up for seconds then finds a queue of them; each one
-            # handled as new replaced the peer and paired the transport once more.
+            # handled as new replaced the peer and paired the transport once more. Only the
+            # same Hello: a nonce of zeros (a hand-made peer) or another address or transport
+            # session is a new endpoint under the old name, and pairs anew.
             self.ep.count("hello_repeats")
             self.ep.send_raw(old.ctrl_addr, old.sess.ack)
             return

@@ -48,6 +48,7 @@ class Hostile:
             for b in s.buffers:
                 self.t.register(b.addr, b.nbytes)
         self.ctx = zmq.Context()
+        self.ctx.linger = 0  # a test that fails early must not hang in the GC's term()
         self.pull = self.ctx.socket(zmq.PULL)
         self.addr = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
         self.push = self.ctx.socket(zmq.PUSH)
