@@ -213,6 +213,21 @@ def test_pages_are_quarantined_until_a_delayed_write_drains(pair: Pair) -> None:
     assert pair.dc.metrics()["quarantined_pages"] == 0
 
 
+def stranded_room(p: Pair, strand_s: float, released: dict[int, float]
+                  ) -> tuple[int, Any, Any]:
+    """A room sent whole while every batch fails at once and lands ``strand_s`` later:
+    (room, its receiver, its sender); ``released`` gets the time its pages came back."""
+    p.ptx.faults.strand_s = strand_s
+    room = next(_rooms)
+    src, dst = p.pages(2)
+    p.fill(room, src, 8)
+    rx = p.dc.receiver(room, release=lambda d, s: released.setdefault(room, time.monotonic()))
+    rx.request({"kv": dst}, {"aux": 2}, 0, 8)
+    tx = p.pf.sender(room)
+    tx.send({"kv": src}, {"aux": 1}, last=True)
+    return room, rx, tx
+
+
 def test_a_failed_write_still_on_its_way_keeps_the_pages_until_it_landed(
         srv: BootstrapServer) -> None:
     """Mooncake TCP reports a write failed while some of it is still queued or buffered on
@@ -221,14 +236,8 @@ def test_a_failed_write_still_on_its_way_keeps_the_pages_until_it_landed(
     p = Pair(srv)
     released: dict[int, float] = {}
     try:
-        p.ptx.faults.strand_s = 1.0  # each batch fails at once and lands 1 s later
-        room = next(_rooms)
-        src, dst = p.pages(2)
-        p.fill(room, src, 8)
-        rx = p.dc.receiver(room, release=lambda d, s: released.setdefault(room,
-                                                                          time.monotonic()))
-        rx.request({"kv": dst}, {"aux": 2}, 0, 8)
-        p.pf.sender(room).send({"kv": src}, {"aux": 1}, last=True)
+        # each batch fails at once and lands 1 s later
+        room, rx, tx = stranded_room(p, 1.0, released)
         assert wait(rx) == KVPoll.Failed and rx.failure.kind == "transport", rx.failure
         assert until(lambda: room in released)
         assert p.ptx.faults.landed, "the stranded batch never landed"
@@ -251,15 +260,7 @@ def test_a_room_held_past_its_deadline_ends_and_its_abort_ack_still_waits(
     p = Pair(srv)
     released: dict[int, float] = {}
     try:
-        p.ptx.faults.strand_s = 4.0
-        room = next(_rooms)
-        src, dst = p.pages(2)
-        p.fill(room, src, 8)
-        rx = p.dc.receiver(room, release=lambda d, s: released.setdefault(room,
-                                                                          time.monotonic()))
-        rx.request({"kv": dst}, {"aux": 2}, 0, 8)
-        tx = p.pf.sender(room)
-        tx.send({"kv": src}, {"aux": 1}, last=True)
+        room, rx, tx = stranded_room(p, 4.0, released)
         assert wait(rx) == KVPoll.Failed and rx.failure.kind == "deadline", rx.failure
         assert until(lambda: not tx.reading)  # given up: the source pages are the engine's
         assert p.pf.metrics()["settle_given_up"] == 1
