@@ -133,7 +133,7 @@ def check_pages(rig: Rig) -> dict[str, Any]:
                "mla": [p for r in reqs for p in r["dst"]["mla"]],
                "aux": [r["dst_slots"]["aux"] for r in reqs]}
     res["untouched_bytes_changed"] = dc.call("untouched", exclude=exclude)
-    res["bytes"] = dc.call("metrics")["bytes"]
+    res["bytes"] = dc.call("metrics").get("bytes", 0)
     res["ok"] = res["ok"] and res["untouched_bytes_changed"] == 0
     return res
 
@@ -336,7 +336,12 @@ def step_bulk(dev: str, transports: list[str], quick: bool) -> dict[str, Any]:
         best: dict[str, float] = {}
         for _ in range(reps):  # interleaved: each figure sees the same machine state
             for t in transports:
-                best[t] = max(best.get(t, 0.0), _best_gbps(lambda t=t: transfer(t), 1))
+                if f"error.{t}" in res:
+                    continue
+                try:  # one transport failing keeps the others' figures
+                    best[t] = max(best.get(t, 0.0), _best_gbps(lambda t=t: transfer(t), 1))
+                except RuntimeError as e:
+                    res[f"error.{t}"], best[t] = str(e), 0.0
             best["torch_d2d"] = max(best.get("torch_d2d", 0.0), _best_gbps(lambda: timed(b, a), 1))
             best["torch_pinned_h2d"] = max(best.get("torch_pinned_h2d", 0.0),
                                            _best_gbps(lambda: timed(a, pinned), 1))

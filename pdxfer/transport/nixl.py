@@ -13,6 +13,10 @@ loopback) so callers need not:
   with its metadata). A write whose blocks are whole pages of equal size on both sides is a
   ``make_prepped_xfer`` by index; other blocks (head slices, rows of another page size) are
   described per call (``initialize_xfer``).
+* Every descriptor names its memory: NIXL matches it only against memory registered with
+  the same type (``DRAM``/``VRAM``) and device, so writes are described in one list per pair
+  of memory types (``split_by_memory``) and a peer's regions travel with their devices. Run
+  on an H100: UCX writes GPU to GPU with ``cuda_ipc`` (zero copy), and the cost is per page.
 * NIXL has no deadline of its own: a write is posted, then polled with a sleep that grows
   from 20 us to 0.5 ms (no core spins), and the endpoint's deadline is enforced here. A write
   past its deadline is cancelled by releasing its handle; if NIXL cannot cancel it, the write
@@ -190,6 +194,62 @@ network: a forged region list must not make this side allocate without bound).""
 
 _U63 = msgspec.Meta(ge=0, le=(1 << 63) - 1)
 
+DRAM = -1
+"""The device code of host memory (a CUDA device's code is its index)."""
+MAX_DEVICE = 1 << 16
+
+
+def _device(location: str) -> int:
+    """A pool's location string as a device code: ``cuda:N`` -> N, anything else DRAM."""
+    if not location.startswith("cuda"):
+        return DRAM
+    return int(location.split(":")[1]) if ":" in location else 0
+
+
+class _Mems:
+    """Which memory holds each address of a set of regions.
+
+    NIXL matches a transfer descriptor only against memory registered with the same type
+    (``DRAM`` or ``VRAM``) and device: a device pool's pages described as DRAM are not found
+    (``NIXL_ERR_NOT_FOUND``, seen on an H100). So every descriptor list is built per memory
+    type, each row naming its device."""
+
+    def __init__(self, regions: list[tuple[int, int, int]]) -> None:
+        regs = sorted(regions)  # (addr, nbytes, device code)
+        self.addr = np.array([a for a, _, _ in regs], dtype=np.int64)
+        self.end = np.array([a + n for a, n, _ in regs], dtype=np.int64)
+        self.dev = np.array([d for _, _, d in regs], dtype=np.int64)
+
+    def of(self, addr: np.ndarray) -> np.ndarray:
+        """Per address: the device code of the region holding it (``DRAM`` outside every
+        region: NIXL then refuses the write, as for any unregistered address)."""
+        if not self.addr.size:
+            return np.full(addr.shape, DRAM, dtype=np.int64)
+        r = np.searchsorted(self.addr, addr, side="right") - 1
+        rc = np.maximum(r, 0)
+        inside = (r >= 0) & (addr < self.end[rc])
+        return np.where(inside, self.dev[rc], DRAM)
+
+
+def split_by_memory(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, src_dev: np.ndarray,
+                    dst_dev: np.ndarray) -> list[tuple[str, np.ndarray, str, np.ndarray]]:
+    """Blocks as NIXL descriptor rows ``(addr, len, device)``, one group per pair of memory
+    types: ``[(src_mem, src_rows, dst_mem, dst_rows), ...]`` (a NIXL list has one type)."""
+    out = []
+    for s_vram in (False, True):
+        for d_vram in (False, True):
+            m = ((src_dev >= 0) == s_vram) & ((dst_dev >= 0) == d_vram)
+            if not m.any():
+                continue
+            n = nbytes[m].astype(np.uint64)
+            out.append(("VRAM" if s_vram else "DRAM",
+                        np.stack([src[m].astype(np.uint64), n,
+                                  np.maximum(src_dev[m], 0).astype(np.uint64)], 1),
+                        "VRAM" if d_vram else "DRAM",
+                        np.stack([dst[m].astype(np.uint64), n,
+                                  np.maximum(dst_dev[m], 0).astype(np.uint64)], 1)))
+    return out
+
 
 class _Info(msgspec.Struct, frozen=True):
     """What ``peer_info`` carries: the agent's metadata and its page-holding regions."""
@@ -197,6 +257,9 @@ class _Info(msgspec.Struct, frozen=True):
     md: bytes
     regions: list[tuple[Annotated[int, _U63], Annotated[int, _U63], Annotated[int, _U63]]]
     """(addr, nbytes, item_bytes) per registered region; item 0: not paged."""
+    devices: list[Annotated[int, msgspec.Meta(ge=DRAM, le=MAX_DEVICE)]] = []
+    """Per region: the CUDA device that holds it, or ``DRAM`` (-1); empty: all DRAM (a peer
+    of a release before device memory was described)."""
 
 
 class _Layout:
@@ -260,9 +323,12 @@ class NixlTransport(FinalFailures):
         self.batch_entries = max_batch
         self.stats = TransportStats()
         self._lock = threading.Lock()
-        self._regions: dict[int, tuple[Any, int, int]] = {}
+        self._regions: dict[int, tuple[Any, int, int, int]] = {}
+        """addr -> (NIXL descriptors, nbytes, item_bytes, device code)"""
         self._peers: dict[str, bytes] = {}
         self._remote: dict[str, _Layout] = {}
+        self._remote_mems: dict[str, _Mems] = {}
+        self._local_mems = _Mems([])
         self._local: _Layout | None = None
         self._retired: list[Any] = []
         self._info: bytes | None = None
@@ -296,8 +362,10 @@ class NixlTransport(FinalFailures):
         is over (probed: a 64 MiB write, the call and the whole process stalled 2.3 s). So it
         is asked when the registrations change, at start-up, and a Hello or HelloAck (each
         one, retransmissions too) takes the bytes kept here."""
-        regions = [(a, n, it) for a, (_, n, it) in self._regions.items()]
-        return msgspec.msgpack.encode(_Info(bytes(self._agent.get_agent_metadata()), regions))
+        regions = [(a, n, it) for a, (_, n, it, _) in self._regions.items()]
+        devices = [d for (_, _, _, d) in self._regions.values()]
+        return msgspec.msgpack.encode(_Info(bytes(self._agent.get_agent_metadata()), regions,
+                                            devices))
 
     def add_peer(self, peer: str, info: bytes) -> None:
         """Load ``peer``'s metadata so writes to it can be built; a peer that re-paired
@@ -322,8 +390,9 @@ class NixlTransport(FinalFailures):
             if name != peer:
                 self._agent.remove_remote_agent(name)
                 raise TransportError(f"NIXL metadata names agent {name!r}, not {peer!r}")
+            devices = parsed.devices or [DRAM] * len(parsed.regions)
             try:
-                lay = _Layout(parsed.regions)
+                lay = _Layout(parsed.regions) if len(devices) == len(parsed.regions) else None
             except (OverflowError, ValueError):  # regions past the end of memory
                 lay = None
             if lay is None or lay.total > MAX_PEER_PAGES:
@@ -332,6 +401,8 @@ class NixlTransport(FinalFailures):
                                      f"{MAX_PEER_PAGES} pages")
             self._peers[peer] = bytes(info)
             self._remote[peer] = lay
+            self._remote_mems[peer] = _Mems([(a, n, d) for (a, n, _), d
+                                             in zip(parsed.regions, devices)])
 
     def _forget(self, peer: str) -> None:
         """Drop a peer's metadata and prepared list (under the lock)."""
@@ -339,6 +410,7 @@ class NixlTransport(FinalFailures):
         if lay is not None and lay.handle is not None:
             self._release_dlist(lay.handle)
         self._peers.pop(peer, None)
+        self._remote_mems.pop(peer, None)
         self._agent.remove_remote_agent(peer)
 
     def _drop_local(self) -> None:
@@ -361,7 +433,8 @@ class NixlTransport(FinalFailures):
             if remote is None or not remote.total:
                 return None
             if self._local is None:
-                self._local = _Layout([(a, n, it) for a, (_, n, it) in self._regions.items()])
+                self._local = _Layout([(a, n, it) for a, (_, n, it, _) in
+                                       self._regions.items()])
             local = self._local
             try:
                 if local.handle is None and local.total:
@@ -381,17 +454,20 @@ class NixlTransport(FinalFailures):
     # -- memory --------------------------------------------------------------------------------
     def register(self, addr: int, nbytes: int, location: str = "cpu",
                  item_bytes: int = 0) -> None:
-        mem = "VRAM" if location.startswith("cuda") else "DRAM"
-        dev = int(location.split(":")[1]) if location.startswith("cuda:") else 0
+        code = _device(location)
+        mem = "DRAM" if code == DRAM else "VRAM"
         with self._lock:
             if addr in self._regions:
                 return
             try:
-                descs = self._agent.register_memory([(int(addr), int(nbytes), dev, "")], mem)
+                descs = self._agent.register_memory(
+                    [(int(addr), int(nbytes), max(code, 0), "")], mem)
             except Exception as e:  # noqa: BLE001
-                raise TransportError(f"NIXL register_memory({addr:#x}, {nbytes}) failed: "
-                                     f"{e}") from None
-            self._regions[addr] = (descs, nbytes, item_bytes if mem == "DRAM" else 0)
+                raise TransportError(f"NIXL register_memory({addr:#x}, {nbytes}, {mem}) "
+                                     f"failed: {e}") from None
+            # device pools are described per call (prepared lists are DRAM pages only)
+            self._regions[addr] = (descs, nbytes, item_bytes if code == DRAM else 0, code)
+            self._local_mems = self._mems()
             self._drop_local()  # prepared again with the new region on the next write
             self._info = self._describe()
 
@@ -399,12 +475,16 @@ class NixlTransport(FinalFailures):
         with self._lock:
             reg = self._regions.pop(addr, None)
             if reg is not None:
+                self._local_mems = self._mems()
                 self._drop_local()
                 try:
                     self._agent.deregister_memory(reg[0])
                 except Exception as e:  # noqa: BLE001
                     log.warning("NIXL deregister_memory(%#x) failed: %s", addr, e)
                 self._info = self._describe()
+
+    def _mems(self) -> _Mems:
+        return _Mems([(a, n, d) for a, (_, n, _, d) in self._regions.items()])
 
     # -- writes --------------------------------------------------------------------------------
     def _error(self, peer: str, what: str, e: BaseException) -> TransportError:
@@ -440,12 +520,14 @@ class NixlTransport(FinalFailures):
                     self.stats_prepped += int(k.sum())
                     rest = ~whole
             if rest.any():
-                zero = np.zeros(int(rest.sum()), dtype=np.uint64)
-                ls = np.stack([s[rest].astype(np.uint64), n[rest].astype(np.uint64), zero], 1)
-                rs = np.stack([d[rest].astype(np.uint64), n[rest].astype(np.uint64), zero], 1)
-                reqs.append(self._agent.initialize_xfer(
-                    "WRITE", self._agent.get_xfer_descs(ls, "DRAM"),
-                    self._agent.get_xfer_descs(rs, "DRAM"), peer))
+                with self._lock:
+                    lm, rm = self._local_mems, self._remote_mems.get(peer, _Mems([]))
+                sr, dr = s[rest], d[rest]
+                for lmem, ls, rmem, rs in split_by_memory(sr, dr, n[rest], lm.of(sr),
+                                                          rm.of(dr)):
+                    reqs.append(self._agent.initialize_xfer(
+                        "WRITE", self._agent.get_xfer_descs(ls, lmem),
+                        self._agent.get_xfer_descs(rs, rmem), peer))
         except Exception as e:  # noqa: BLE001
             for h in reqs:
                 self._release_handle(h)
@@ -580,8 +662,9 @@ class NixlTransport(FinalFailures):
             self._release_dlist(h)
         self._retired.clear()
         self._remote.clear()
+        self._remote_mems.clear()
         self._local = None
-        for descs, _, _ in regions:
+        for descs, _, _, _ in regions:
             try:
                 self._agent.deregister_memory(descs)
             except Exception as e:  # noqa: BLE001

@@ -89,6 +89,10 @@ def test_a_peer_naming_impossible_regions_is_refused(agents) -> None:
     for regions in ([(dst.ctypes.data, 1 << 40, 1)], [((1 << 63) - 8, (1 << 63) - 1, 8)]):
         with pytest.raises(TransportError, match="impossible regions"):
             a.add_peer(b.session_id, msgspec.msgpack.encode(_Info(md, regions)))
+    # a device per region, or none: a list of another length is not this peer's regions
+    two = [(dst.ctypes.data, 4096, 0), (dst.ctypes.data + 4096, 4096, 0)]
+    with pytest.raises(TransportError, match="impossible regions"):
+        a.add_peer(b.session_id, msgspec.msgpack.encode(_Info(md, two, [0])))
     a.add_peer(b.session_id, b.peer_info())  # the real metadata pairs again
     a.write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [16])
 
