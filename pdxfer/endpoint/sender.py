@@ -360,7 +360,7 @@ class PrefillSide(Handshakes, Writes):
                     # a room that ended here while a failed write to this decode may still
                     # land: its ack waits for the proof (the decode asks again)
                     self.ep.count("abort_acks_held")
-                    self.settler.kick()
+                    self.settler.kick(peer.session)
                     return
                 self.ep.send(peer.ctrl_addr, wire.AbortAck(
                     room=msg.room, nonce=msg.nonce, endpoint_id=self.ep.endpoint_id,

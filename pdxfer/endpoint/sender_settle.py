@@ -6,15 +6,21 @@ is not necessarily over (``transport/mooncake.py``, module notes): some of it ma
 queued or buffered on the way and land once the link heals. So while the transport says a
 decode is *tainted* (a write to it failed and has not been proven drained), every message
 to that decode that ends a room whose writes ran is held here, and so is an ``AbortAck``
-for a room this prefill no longer knows; this thread proves the path quiet
-(``Transport.settle``: a fence, then the kernel's word) and then lets them go. Until then
-the decode keeps the pages quarantined and re-sends its ``Abort``: fail-closed.
+for a room this prefill no longer knows; a prover thread of that decode's own proves the
+path quiet (``Transport.settle``: a fence, then the kernel's word) and then lets them go.
+Until then the decode keeps the pages quarantined and re-sends its ``Abort``: fail-closed.
 
-A held room is given up after ``give_up_s`` (the transfer deadline: its decode has failed
-the room by then and keeps asking with ``Abort``): its target finishes without a message,
-so the engine gets its source pages back (a stale slice may still read them, but lands only
-in pages its decode holds). The decode's next ``Abort`` finds the room gone, and its
-``AbortAck`` is held like any other until the path is proven quiet.
+Each tainted decode is proven on its own thread: one step of a proof may block (a fence to
+a hung decode waits for the transport's timeout), and one such decode must not hold back
+the terminal messages of every other. Give-ups are timed by one more thread, which never
+calls the transport: a held room is given up after ``give_up_s`` (the transfer deadline:
+its decode has failed the room by then and keeps asking with ``Abort``) however long a
+proof step takes. Its target finishes without a message, so the engine gets its source pages
+back (a stale slice may still read them, but lands only in pages its decode holds). The
+decode's next ``Abort`` finds the room gone, and its ``AbortAck`` is held like any other
+until the path is proven quiet. A prover whose decode has nothing held and has not asked
+for ``give_up_s`` stops (a decode that is gone does not keep a thread); the taint stays, and
+the next message held for that decode starts a new one.
 """
 
 from __future__ import annotations
@@ -35,13 +41,13 @@ PERIOD_S = 0.05
 """Between proof steps (the kernel samples of ``settle`` are this far apart)."""
 
 MAX_PERIOD_S = 1.0
-"""The period a path that keeps failing its fence backs off to."""
+"""The period a path that stays unproven (its fence keeps failing) backs off to."""
 
 
 @dataclass(frozen=True, slots=True)
 class Held:
     run: Callable[[], None]
-    """Sends what was held (called on the settle thread: it should only queue work)."""
+    """Sends what was held (called on a prover thread: it should only queue work)."""
     give_up: Callable[[], None]
     """Ends the room without sending (past ``at``)."""
     at: float
@@ -49,7 +55,7 @@ class Held:
 
 class Settler:
     """Held jobs per tainted decode session, run once the transport proves that session's
-    path quiet; a thread that keeps proving while any session is tainted."""
+    path quiet; one prover thread per session being proven, one timer for the give-ups."""
 
     def __init__(self, transport: Transport, count: Callable[[str, int], None],
                  give_up_s: float) -> None:
@@ -57,83 +63,111 @@ class Settler:
         self.count = count
         self.give_up_s = give_up_s
         self.held: dict[str, list[Held]] = {}
+        self.asked: dict[str, float] = {}
+        """Sessions whose proof an ``AbortAck`` waits for with nothing held: until when."""
+        self.provers: set[str] = set()
         self.cv = threading.Condition()
         self.closed = False
-        self.thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.timer: threading.Thread | None = None
 
     def hold(self, session: str, run: Callable[[], None], give_up: Callable[[], None]
              ) -> None:
         """Call ``run`` once ``session`` is proven quiet, or ``give_up`` if that takes more
-        than ``give_up_s`` (both on this thread: they should only queue work)."""
+        than ``give_up_s`` (both on this object's threads: they should only queue work)."""
         with self.cv:
+            if self.closed:
+                return
             self.held.setdefault(session, []).append(
                 Held(run, give_up, time.monotonic() + self.give_up_s))
-            self._start()
-            self.cv.notify()
-        self.count("settle_held", 1)
+            self._prove(session)
+            if self.timer is None:
+                self.timer = threading.Thread(target=self._time, name="pdxfer-settle-timer",
+                                              daemon=True)
+                self.timer.start()
+            self.cv.notify_all()
 
-    def kick(self) -> None:
-        """A session may have become tainted with nothing held yet: keep proving it."""
+    def kick(self, session: str) -> None:
+        """A decode asked for the ack of a room that ended here while ``session`` is tainted
+        (nothing is held for it: it asks again): keep proving it for ``give_up_s``."""
         with self.cv:
-            self._start()
-            self.cv.notify()
+            if self.closed:
+                return
+            self.asked[session] = time.monotonic() + self.give_up_s
+            self._prove(session)
 
-    def _start(self) -> None:
-        if self.thread is None and not self.closed:
-            self.thread = threading.Thread(target=self._run, name="pdxfer-settle", daemon=True)
-            self.thread.start()
+    def _prove(self, session: str) -> None:
+        """Start ``session``'s prover unless it runs (under ``cv``)."""
+        if session in self.provers:
+            return
+        self.provers.add(session)
+        threading.Thread(target=self._prover, args=(session,), name="pdxfer-settle",
+                         daemon=True).start()
 
-    def _run(self) -> None:
+    def _prover(self, s: str) -> None:
         period = PERIOD_S
+        while True:
+            try:
+                ok = self.transport.settle(s)
+            except Exception:  # noqa: BLE001 - this thread must outlive a transport error
+                log.exception("proving the path to %s quiet failed", s)
+                ok = False
+            with self.cv:
+                if self.closed:
+                    self.provers.discard(s)
+                    return
+                # proven, and no write failed since: a failure after the proof taints the
+                # session again, and the message held for it (maybe already here) waits for
+                # a proof of its own, so everything held waits with it
+                if ok and not self.transport.tainted(s):
+                    jobs = self.held.pop(s, [])
+                    self.asked.pop(s, None)
+                    self.provers.discard(s)
+                    break
+                if s not in self.held and self.asked.get(s, 0.0) < time.monotonic():
+                    self.asked.pop(s, None)  # nothing waits for this proof any more
+                    self.provers.discard(s)
+                    return
+            period = PERIOD_S if ok else min(MAX_PERIOD_S, period * 1.25)
+            if self._stop.wait(period):
+                with self.cv:
+                    self.provers.discard(s)
+                return
+        if jobs:
+            log.info("path to %s proven quiet: %d held messages go out", s, len(jobs))
+            self.count("settled", 1)
+        for h in jobs:
+            h.run()
+
+    def _time(self) -> None:
+        """Give up what is held past its time, whatever the provers are blocked on."""
         while True:
             with self.cv:
                 if self.closed:
                     return
-                sessions = set(self.held) | set(self.transport.tainted_peers())
-                if not sessions:
-                    self.cv.wait(1.0)
-                    period = PERIOD_S
+                now = time.monotonic()
+                late = [h for hs in self.held.values() for h in hs if h.at <= now]
+                if late:
+                    for s in list(self.held):
+                        self.held[s] = [h for h in self.held[s] if h.at > now]
+                        if not self.held[s]:
+                            del self.held[s]
+                else:
+                    nxt = min((h.at for hs in self.held.values() for h in hs), default=None)
+                    self.cv.wait(None if nxt is None else nxt - now)
                     continue
-            progress = False
-            for s in sorted(sessions):
-                try:
-                    ok = self.transport.settle(s)
-                except Exception:  # noqa: BLE001 - this thread must outlive a transport error
-                    log.exception("proving the path to %s quiet failed", s)
-                    ok = False
-                if not ok:
-                    continue
-                progress = True
-                with self.cv:
-                    jobs = self.held.pop(s, [])
-                if jobs:
-                    log.info("path to %s proven quiet: %d held messages go out", s, len(jobs))
-                    self.count("settled", 1)
-                for h in jobs:
-                    h.run()
-            now = time.monotonic()
-            with self.cv:
-                late = [h for hs in self.held.values() for h in hs if h.at < now]
-                for s in list(self.held):
-                    self.held[s] = [h for h in self.held[s] if h.at >= now]
-                    if not self.held[s]:
-                        del self.held[s]
-            if late:
-                log.warning("%d rooms gave up waiting for a quiet path to their decode: they "
-                            "end without a message (their decodes keep the pages until it is "
-                            "proven)", len(late))
-                self.count("settle_given_up", len(late))
+            log.warning("%d rooms gave up waiting for a quiet path to their decode: they end "
+                        "without a message (their decodes keep the pages until it is proven)",
+                        len(late))
+            self.count("settle_given_up", len(late))
             for h in late:
                 h.give_up()
-            period = PERIOD_S if progress else min(MAX_PERIOD_S, period * 1.25)
-            with self.cv:
-                if not self.closed:
-                    self.cv.wait(period)
 
     def close(self) -> None:
         with self.cv:
             self.closed = True
-            self.cv.notify()
-        t = self.thread
+            self._stop.set()
+            self.cv.notify_all()
+        t = self.timer
         if t is not None and t is not threading.current_thread():
             t.join(timeout=5)

@@ -29,6 +29,7 @@ from ..transport.mooncake import _load_engine
 from . import patterns as pat
 from .agent import AgentState
 from .patterns import PoolGeom
+from .zmqctx import context
 
 RAW_CALL_ENTRIES = 1000
 
@@ -48,7 +49,7 @@ class _RawEp:
                 if self.engine.register_memory(b.addr, b.nbytes, "*") != 0:
                     raise RuntimeError("register_memory failed")
         self.session = f"127.0.0.1:{self.engine.get_rpc_port()}"
-        self.ctx = zmq.Context()
+        self.ctx = context()  # never termed: the agent process ends with it
         self.got: list[tuple[int, float, float]] = []
         self.pull_addr = ""
         if role == "raw-decode":

@@ -26,6 +26,7 @@ from ..pools import layout_signature
 from . import patterns as pat
 from .harness import Agent
 from .patterns import PoolGeom
+from .zmqctx import context
 
 SECRET = "flood test shared secret, 16+ bytes"
 GEOMS = [PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=2, head_dim=32),
@@ -84,11 +85,15 @@ class Flooder:
     """Floods ``targets`` from a thread until ``stop()``; counts what it sent by kind."""
 
     def __init__(self, pf_addr: str, dc_addr: str, pf_id: str) -> None:
-        self.ctx = zmq.Context()
+        self.ctx = context()
         self.sent: dict[str, int] = {}
         self._stop = threading.Event()
         self._pf, self._dc = pf_addr, dc_addr
-        self._frames = self._make(pf_id)
+        try:
+            self._frames = self._make(pf_id)
+        except BaseException:
+            self.ctx.destroy()
+            raise
         self._thread = threading.Thread(target=self._run, name="flooder", daemon=True)
 
     def _make(self, pf_id: str) -> list[tuple[str, str, bytes]]:
@@ -166,7 +171,6 @@ class Flooder:
         socks: dict[str, zmq.Socket] = {}
         for addr in (self._pf, self._dc):
             s = socks[addr] = self.ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 2000)
             s.connect(addr)
         i = 0
@@ -188,7 +192,7 @@ class Flooder:
     def stop(self) -> dict[str, int]:
         self._stop.set()
         self._thread.join(timeout=10)
-        self.ctx.term()
+        self.ctx.term()  # thread-safe (destroy is not): a sender still running gets ETERM
         return dict(self.sent)
 
 
@@ -229,9 +233,8 @@ def hello_floods(c: Cluster, floods: int = 8, frames: int = 80, size: int = 2 <<
     rss0 = peak = rss()
     big = wire.frame(bytes(size), wire.Hello, wire.HELLO, os.urandom(16), 0, os.urandom(32))
     before = _metric(c.pf, "rejected_oversized")
-    ctx = zmq.Context()
+    ctx = context()
     push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
     push.setsockopt(zmq.SNDHWM, frames + 1)
     push.connect(c.pf.info["ctrl_addr"])
     lat: list[float] = []
@@ -251,8 +254,7 @@ def hello_floods(c: Cluster, floods: int = 8, frames: int = 80, size: int = 2 <<
             lat.append(dt)
             bad += b
     finally:
-        push.close(0)
-        ctx.term()
+        ctx.destroy()
     seconds = time.perf_counter() - t0
     return {"rss_before": rss0, "rss_after": rss(), "rss_peak": peak,
             "bytes": floods * frames * len(big), "seconds": seconds, "latencies": lat,

@@ -73,7 +73,9 @@ class Faults:
     fail_after_batches: int | None = None
     """Fail the write after this many batches landed (0: before any byte lands)."""
     frozen: bool = False
-    """Probes of this transport hang (``hang_s``) and then fail: a stopped process."""
+    """Probes of this transport hang (``hang_s``) and then fail: a stopped process. So does
+    a step of proving a tainted path to it (``settle``: Mooncake's fence to a stopped
+    process waits for its timeout), until it wakes or ``hang_s`` passed."""
     gone: bool = False
     """Writes to and probes of this transport fail at once: a dead process."""
     hang_s: float = 1.0
@@ -227,7 +229,14 @@ class MemoryTransport(FindsPeersBySession):
             return [p for p, n in self._stranded.items() if n]
 
     def settle(self, peer: str) -> bool:
-        return not self.tainted(peer)
+        if not self.tainted(peer):
+            return True
+        t = self.fabric.peer(peer)
+        if t is not None and t.faults.frozen:  # the fence would wait for its timeout
+            end = time.monotonic() + t.faults.hang_s
+            while t.faults.frozen and time.monotonic() < end:
+                time.sleep(0.01)
+        return False
 
     def probe(self, peer: str) -> bool:
         t = self.fabric.peer(peer)

@@ -107,7 +107,8 @@ class _Taint:
     quiet: int = 0
     stranded: int = 0
     """Batches the ``strand`` fault has not landed yet."""
-    ip: str | None = None
+    ips: frozenset[str] | None = None
+    """The peer's host's addresses (``tcpstate.resolve``), once looked up."""
 
 
 def _load_engine() -> Any:
@@ -430,9 +431,9 @@ class MooncakeTransport(FindsPeersBySession):
             with self._lock:
                 t.fenced, t.fenced_at, t.quiet = gen, time.monotonic(), 0
             return False
-        if t.ip is None:
-            t.ip = tcpstate.resolve(peer.rpartition(":")[0].strip("[]")) or ""
-        owed = tcpstate.owed(t.ip) if t.ip else None
+        if t.ips is None:
+            t.ips = tcpstate.resolve(peer.rpartition(":")[0].strip("[]"))
+        owed = tcpstate.owed(t.ips) if t.ips else None
         with self._lock:
             if owed is None:
                 ok = time.monotonic() - t.fenced_at >= NO_KERNEL_WAIT_S

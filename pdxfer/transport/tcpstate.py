@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Set
 from dataclasses import dataclass
 
 PATHS = ("/proc/net/tcp", "/proc/net/tcp6")
@@ -32,16 +33,23 @@ class Owed:
     orphan: bool
 
 
+def _plain(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    """``ip`` as this module compares addresses: a v4-mapped IPv6 address as IPv4 (a dual
+    stack socket's peer), an IPv6 address without its scope (the tables carry none)."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ip).partition("%")[0]
+    return str(ip)
+
+
 def _addr(hexaddr: str) -> tuple[str, int]:
     """``0100007F:1F90`` (IPv4) or 32 hex digits ``:port`` (IPv6; v4-mapped as IPv4)."""
     h, _, p = hexaddr.partition(":")
     raw = bytes.fromhex(h)
     # the kernel prints each 32-bit word in host (little-endian) order
     raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    ip = ipaddress.ip_address(raw)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return str(ip), int(p, 16)
+    return _plain(ipaddress.ip_address(raw)), int(p, 16)
 
 
 def parse(text: str) -> list[Owed]:
@@ -68,21 +76,30 @@ def parse(text: str) -> list[Owed]:
     return out
 
 
-def resolve(host: str) -> str | None:
-    """``host`` as the kernel prints it (an IP address), or None when it does not resolve."""
+def resolve(host: str) -> frozenset[str]:
+    """Every address ``host`` stands for, as ``parse`` reports them (Mooncake may have
+    connected to any of a name's addresses); empty when it does not resolve."""
     try:
-        return str(ipaddress.ip_address(host))
+        return frozenset({_plain(ipaddress.ip_address(host))})
     except ValueError:
         pass
     try:
-        return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
-    except (OSError, IndexError):
-        return None
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return frozenset()
+    out: set[str] = set()
+    for info in infos:
+        try:
+            out.add(_plain(ipaddress.ip_address(info[4][0])))
+        except (ValueError, IndexError, TypeError):
+            continue
+    return frozenset(out)
 
 
-def owed(ip: str) -> list[Owed] | None:
-    """The sockets that may still deliver bytes to ``ip``; None when the kernel's tables
-    cannot be read (not Linux): the caller then has no evidence either way."""
+def owed(ips: Set[str]) -> list[Owed] | None:
+    """The sockets that may still deliver bytes to any of ``ips`` (one host's addresses,
+    from ``resolve``); None when the kernel's tables cannot be read (not Linux): the caller
+    then has no evidence either way."""
     out: list[Owed] = []
     read = False
     for path in PATHS:
@@ -92,5 +109,5 @@ def owed(ip: str) -> list[Owed] | None:
         except OSError:
             continue
         read = True
-        out += [o for o in parse(text) if o.remote == ip]
+        out += [o for o in parse(text) if o.remote in ips]
     return out if read else None

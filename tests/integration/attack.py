@@ -2,7 +2,7 @@
 
 The frame helpers also speak the protocol before frame authentication (version 1), so every
 attack test can be run against the old code to see it fail there (``run it with PYTHONPATH``
-pointing at an old checkout).
+pointing at an old checkout, with this tree's ``pdxfer/testing/zmqctx.py`` copied into it).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import msgspec
 import zmq
 
 from pdxfer import wire
+from pdxfer.testing.zmqctx import context
 
 NEW = hasattr(wire, "frame")
 KINDS = {k.__name__: k for k in getattr(wire, "KINDS", ())}
@@ -65,9 +66,8 @@ class Raw:
     """PUSH sockets to any address and one PULL socket to read what comes back."""
 
     def __init__(self) -> None:
-        self.ctx = zmq.Context()
+        self.ctx = context()
         self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
         self.addr = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
         self._push: dict[str, zmq.Socket] = {}
 
@@ -75,7 +75,6 @@ class Raw:
         s = self._push.get(addr)
         if s is None:
             s = self._push[addr] = self.ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 1_000_000)
             s.connect(addr)
         s.send(frame, copy=False)
@@ -89,10 +88,7 @@ class Raw:
             self.pull.recv()
 
     def close(self) -> None:
-        for s in self._push.values():
-            s.close(0)
-        self.pull.close(0)
-        self.ctx.term()
+        self.ctx.destroy()
 
 
 def wait_for(pred: Any, timeout: float = 10.0) -> bool:

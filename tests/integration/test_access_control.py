@@ -14,6 +14,7 @@ from pdxfer import BootstrapClient, BootstrapError, BootstrapServer, layout_sign
 from pdxfer.bootstrap import Registration
 from pdxfer.testing.harness import Agent
 from pdxfer.testing.patterns import PoolGeom
+from pdxfer.testing.zmqctx import context
 
 from .conftest import FAST
 from .helpers import Factory, run, verify
@@ -91,13 +92,12 @@ def test_decode_without_the_secret_is_refused_with_a_clear_error(secured) -> Non
 def test_prefill_drops_a_hello_without_a_valid_mac_unanswered_and_counted(
         secured, mode: int, key: bytes | None, reason: str) -> None:
     _, pf, _ = secured
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    addr = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
-    push = ctx.socket(zmq.PUSH)
-    push.connect(pf.info["ctrl_addr"])
-    before = pf.call("metrics")
-    try:
+    with context() as ctx:
+        pull = ctx.socket(zmq.PULL)
+        addr = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+        push = ctx.socket(zmq.PUSH)
+        push.connect(pf.info["ctrl_addr"])
+        before = pf.call("metrics")
         hello = wire.Hello(endpoint_id="intruder", ctrl_addr=addr, session="127.0.0.1:1",
                            tp_rank=0, tp_size=1, signature=layout_signature([]), pools=())
         push.send(wire.frame(wire.payload(hello), wire.Hello, mode, b"n" * 16, 0, key))
@@ -105,10 +105,6 @@ def test_prefill_drops_a_hello_without_a_valid_mac_unanswered_and_counted(
         after = pf.call("metrics")
         assert after.get(f"rejected_{reason}", 0) == before.get(f"rejected_{reason}", 0) + 1
         assert after["table_peers"] == before["table_peers"]
-    finally:
-        push.close(0)
-        pull.close(0)
-        ctx.term()
 
 
 def test_metrics_are_prometheus_text_with_failures_by_kind_and_phases(secured) -> None:

@@ -19,6 +19,7 @@ from pdxfer import BootstrapServer, layout_signature, wire
 from pdxfer.testing import patterns as pat
 from pdxfer.testing.harness import Agent
 from pdxfer.testing.patterns import PoolGeom
+from pdxfer.testing.zmqctx import context
 from pdxfer.transport import MooncakeTransport
 
 from .conftest import start_pair
@@ -47,8 +48,7 @@ class Hostile:
         for s in self.specs:
             for b in s.buffers:
                 self.t.register(b.addr, b.nbytes)
-        self.ctx = zmq.Context()
-        self.ctx.linger = 0  # a test that fails early must not hang in the GC's term()
+        self.ctx = context()  # lingers 0: a test that fails early cannot hang in the GC
         self.pull = self.ctx.socket(zmq.PULL)
         self.addr = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
         self.push = self.ctx.socket(zmq.PUSH)
@@ -75,19 +75,19 @@ class Hostile:
             num_tokens=num_tokens))
 
     def close(self) -> None:
-        self.push.close(0)
-        self.pull.close(0)
-        self.ctx.term()
+        self.ctx.destroy()
         self.t.close()
 
 
 @pytest.fixture()
 def hostile(pair: tuple[Agent, Agent]) -> Iterator[Hostile]:
     h = Hostile(pair[0].info["ctrl_addr"])
-    ack = h.hello()
-    assert isinstance(ack, wire.HelloAck) and ack.ok, ack
-    yield h
-    h.close()
+    try:
+        ack = h.hello()
+        assert isinstance(ack, wire.HelloAck) and ack.ok, ack
+        yield h
+    finally:
+        h.close()
 
 
 def give_chunks(pf: Agent, room: int, pages: list[int], n: int) -> None:

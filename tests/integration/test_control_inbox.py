@@ -17,6 +17,7 @@ import zmq
 from pdxfer import wire
 from pdxfer.endpoint import inbox as I
 from pdxfer.endpoint.control import Control
+from pdxfer.testing.zmqctx import context
 
 GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
 
@@ -40,7 +41,7 @@ class Box:
                          reject=lambda reason, text: self.rejected.update([reason]),
                          max_frame=wire.MAX_FRAME + wire.HEADER_LEN)
         self.pool = self.c._inbox.pool
-        self.ctx = zmq.Context()
+        self.ctx = context()
 
     def _screen(self, head: memoryview, size: int) -> bool:
         try:
@@ -61,7 +62,6 @@ class Box:
 
     def push(self, kind: int = zmq.PUSH) -> zmq.Socket:
         s = self.ctx.socket(kind)
-        s.setsockopt(zmq.LINGER, 0)
         s.connect(self.c.address)
         return s
 
@@ -78,7 +78,7 @@ class Box:
 
     def close(self) -> None:
         self.c.close()
-        self.ctx.destroy(linger=0)  # closes what a failed test left open (term would wait)
+        self.ctx.destroy()  # closes what a failed test left open (its sockets linger 0)
 
 
 @pytest.fixture
@@ -259,9 +259,8 @@ def test_frames_sent_by_a_control_reach_a_zmq_pull_socket() -> None:
     """libzmq drops a connection whose first frame arrives in the same read as the end of
     the greeting: frames wait for the receiver's READY, so a ZMQ PULL socket gets them."""
     peer = Box()
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
     try:
+        pull = peer.ctx.socket(zmq.PULL)
         addr = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
         frames = [frame(wire.Release, 10, fill=i) for i in range(3)]
         for f in frames:
@@ -272,6 +271,4 @@ def test_frames_sent_by_a_control_reach_a_zmq_pull_socket() -> None:
             got.append(pull.recv())
         assert got == frames
     finally:
-        pull.close(0)
-        ctx.term()
         peer.close()

@@ -34,6 +34,7 @@ from pdxfer import (
 )
 from pdxfer.testing import patterns as pat
 from pdxfer.testing.patterns import PoolGeom
+from pdxfer.testing.zmqctx import context
 
 N = 2000
 FUZZ = settings(max_examples=N, deadline=None, database=None,
@@ -170,7 +171,14 @@ class Forger:
     frames with a valid MAC, and break them on purpose."""
 
     def __init__(self, pf: Endpoint, specs: list) -> None:
-        self.ctx = zmq.Context()
+        self.ctx = context()
+        try:
+            self._handshake(pf, specs)
+        except BaseException:
+            self.ctx.destroy()
+            raise
+
+    def _handshake(self, pf: Endpoint, specs: list) -> None:
         self.pull = self.ctx.socket(zmq.PULL)
         self.addr = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
         self.pair = os.urandom(16)
@@ -196,8 +204,7 @@ class Forger:
         return wire.frame(payload, kind, wire.SESSION, pair or self.pair, counter, key or self.key)
 
     def close(self) -> None:
-        self.pull.close(0)
-        self.ctx.term()
+        self.ctx.destroy()
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +213,14 @@ def secured_live() -> Iterator[tuple[Endpoint, Forger]]:
     ds, _ = pat.build(GEOMS)
     pf = Endpoint(EndpointConfig(role="prefill", bootstrap_timeout_s=0.5,
                                  secret=SECRET.decode()), ps)
-    f = Forger(pf, ds)
-    yield pf, f
-    f.close()
-    pf.close()
+    try:
+        f = Forger(pf, ds)
+        try:
+            yield pf, f
+        finally:
+            f.close()
+    finally:
+        pf.close()
 
 
 @FUZZ

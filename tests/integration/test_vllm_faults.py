@@ -20,18 +20,15 @@ import json
 import threading
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.serving.procs import Proc
-from pdxfer.testing.hf_model import build_model
-from pdxfer.testing.vllm_procs import VllmServer, kv_config, read_stats, start_all
+from pdxfer.testing.vllm_procs import VllmServer, kv_config
 
+from . import vllm_helpers as vh
 from .vllm_helpers import client, complete, kv_usage, metric, stream_ids, text, wait
 
 pytestmark = pytest.mark.timeout(900)
@@ -49,27 +46,17 @@ def _ids(base: int, n: int) -> list[int]:
     return [(base + 37 * i) % 700 + 300 for i in range(n)]
 
 
-@dataclass
-class Cluster:
-    tmp: Path
-    model: Path
-    boot: BootstrapServer
-    port: int  # the bootstrap server's, kept across its restarts
-    prefill: VllmServer = field(init=False)
-    decode: VllmServer = field(init=False)
-    ref: VllmServer = field(init=False)
-    p_stats: Path = field(init=False)
-    d_stats: Path = field(init=False)
-    refs: dict[str, list[int]] = field(default_factory=dict)
+class Cluster(vh.Cluster):
+    """The decode with L2/L3 (file) tiers, ``recompute`` and the ``pace`` fault; prefills of
+    any instance; the bootstrap server's port kept across its restarts; colocated tokens
+    computed once per prompt."""
 
-    def __post_init__(self) -> None:
-        self.p_stats, self.d_stats = self.tmp / "p.json", self.tmp / "d.json"
+    prefill_instance, decode_instance = PREFILL, DECODE
 
-    def p(self) -> dict[str, Any]:
-        return read_stats(self.p_stats)
-
-    def d(self) -> dict[str, Any]:
-        return read_stats(self.d_stats)
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(tmp)
+        self.port = self.boot.port  # the bootstrap server's, kept across its restarts
+        self.refs: dict[str, list[int]] = {}
 
     def want(self, prompt: str | list[int]) -> list[int]:
         """Colocated vLLM's tokens, computed once per distinct prompt."""
@@ -78,7 +65,7 @@ class Cluster:
             self.refs[key] = complete(self.ref.url, prompt)
         return self.refs[key]
 
-    def prefill_server(self, instance: str = PREFILL, port: int | None = None,
+    def prefill_server(self, port: int | None = None, instance: str = PREFILL,
                        faults: str = "", stats: Path | None = None) -> VllmServer:
         """A prefill registering as ``instance`` (started, not waited for)."""
         stats = stats or self.p_stats
@@ -90,14 +77,13 @@ class Cluster:
                           kv_transfer_config=kv_config("kv_producer", extra),
                           env={"PDXFER_FAULTS": faults} if faults else None)
 
-    def new_decode(self) -> None:
+    def decode_server(self, port: int | None = None) -> VllmServer:
         extra = {"bootstrap": f"127.0.0.1:{self.port}", "instance": DECODE,
                  "stats_file": str(self.d_stats), "l2_pages": 256, "l3": "file",
                  "l3_dir": str(self.tmp / "l3"), "bootstrap_timeout_s": DEADLINE_S,
                  "transfer_timeout_s": TRANSFER_S}
-        port = self.decode.port if hasattr(self, "decode") else None
         self.d_stats.unlink(missing_ok=True)  # the next figures are the new process's
-        self.decode = VllmServer(
+        return VllmServer(
             "decode", self.model, self.tmp, port=port, log_stats=True,
             args=["--no-enable-prefix-caching"],
             kv_transfer_config=kv_config("kv_consumer", extra,
@@ -107,38 +93,13 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("vllm_faults")
-    model = build_model(tmp / "model", "small")
-    boot = BootstrapServer("127.0.0.1", 0).start()
-    c = Cluster(tmp, model, boot, boot.port)
-    try:
-        c.prefill = c.prefill_server()
-        c.new_decode()
-        c.ref = VllmServer("colocated", model, tmp)
-        start_all([c.prefill, c.decode, c.ref])
-        yield c
-    finally:
-        for name in ("prefill", "decode", "ref"):
-            srv = getattr(c, name, None)
-            if srv is not None:
-                srv.stop()
-        c.boot.stop()
-
-
-def _router(cluster: Cluster, name: str, prefill: VllmServer, instance: str) -> Proc:
-    return Proc(name, ["router", "--engine", "vllm", "--port", "0",
-                       "--prefill", f"{prefill.url},{cluster.boot.address},{instance}",
-                       "--decode", f"{cluster.decode.url},{DECODE}"], timeout=180)
+    yield from vh.serve(Cluster(tmp_path_factory.mktemp("vllm_faults")))
 
 
 @pytest.fixture(scope="module")
 def front_door(cluster: Cluster) -> Iterator[str]:
     """pdxfer's router in front of the pair, as users run it."""
-    router = _router(cluster, "router", cluster.prefill, PREFILL)
-    try:
-        yield router.url
-    finally:
-        router.stop()
+    yield from vh.front_door(cluster)
 
 
 def _ask(url: str, prompt: str | list[int], stream: bool) -> list[int]:
@@ -295,12 +256,13 @@ def test_a_prefill_killed_with_8_requests_in_flight_leaves_clean_answers_and_no_
     for q in prompts:
         cluster.want(q)
     base = kv_usage(cluster.decode)
-    servers = [cluster.prefill_server(HELD, faults=f"delay_write={HELD_S}", stats=held_stats)]
+    servers = [cluster.prefill_server(instance=HELD, faults=f"delay_write={HELD_S}",
+                                      stats=held_stats)]
     router = None
     try:
         servers[0].wait_ready()
         wait("the held prefill's registration", lambda: _registered(cluster.port, HELD))
-        router = _router(cluster, "router-held", servers[0], HELD)
+        router = cluster.router("router-held", prefill_url=servers[0].url, instance=HELD)
         loads0 = cluster.d().get("loads", 0)
         with cf.ThreadPoolExecutor(8) as pool:
             futs = [pool.submit(_right_or_clean_error, router.url, q, i % 2 == 0,
@@ -315,7 +277,8 @@ def test_a_prefill_killed_with_8_requests_in_flight_leaves_clean_answers_and_no_
              lambda: cluster.d()["in_flight_loads"] == 0
              and metric(cluster.decode, "vllm:num_requests_running") == 0
              and kv_usage(cluster.decode) == base, timeout=60)
-        servers.append(cluster.prefill_server(HELD, port=servers[0].port, stats=held_stats))
+        servers.append(cluster.prefill_server(servers[0].port, instance=HELD,
+                                              stats=held_stats))
         servers[1].wait_ready()
         wait("the new prefill's registration", lambda: _registered(cluster.port, HELD))
         d0 = cluster.d()
@@ -341,9 +304,7 @@ def test_a_restarted_decode_restores_a_prefix_written_back_before_from_l3(
     w0 = cluster.d().get("writebacks", 0)
     assert _ask(front_door, a, False) == cluster.want(a)
     wait("the write-back of the prefix", lambda: cluster.d().get("writebacks", 0) > w0)
-    cluster.decode.stop()  # no wait for the L3 writes themselves: the stop must keep them
-    cluster.new_decode()
-    cluster.decode.wait_ready()
+    cluster.restart_decode()  # no wait for the L3 writes themselves: the stop must keep them
     assert _ask(front_door, b, True) == cluster.want(b)
     wait("the new decode's stats", lambda: cluster.d().get("loads", 0) == 1)
     d = cluster.d()

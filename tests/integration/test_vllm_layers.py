@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pdxfer import BootstrapServer
-from pdxfer.serving.procs import Proc
-from pdxfer.testing.hf_model import SHAPES, build_model
-from pdxfer.testing.vllm_procs import VllmServer, kv_config, read_stats, start_all
+from pdxfer.testing.hf_model import SHAPES
+from pdxfer.testing.vllm_procs import VllmServer, kv_config
 
+from . import vllm_helpers as vh
 from .vllm_helpers import client, complete, kv_usage, metric, wait
 
 pytestmark = pytest.mark.timeout(900)
@@ -41,74 +38,42 @@ DEADLINE_S = 20.0
 S = SHAPES["small"]
 
 
-@dataclass
-class Cluster:
-    tmp: Path
-    model: Path
-    boot: BootstrapServer
-    prefill: VllmServer
-    decode: VllmServer
-    ref: VllmServer
-    p_stats: Path
-    d_stats: Path
+class Cluster(vh.Cluster):
+    """The prefill sending by layer; the decode with ``integrity: sampled`` and ``recompute``;
+    the faults set from the start."""
 
-    def p(self) -> dict[str, Any]:
-        return read_stats(self.p_stats)
+    prefill_instance, decode_instance = PREFILL, DECODE
 
-    def d(self) -> dict[str, Any]:
-        return read_stats(self.d_stats)
+    def prefill_server(self, port: int | None = None) -> VllmServer:
+        extra = {"bootstrap": self.boot.address, "instance": PREFILL,
+                 "stats_file": str(self.p_stats), "send_by": "layer",
+                 "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S}
+        return VllmServer("prefill", self.model, self.tmp, port=port, log_stats=True,
+                          args=["--max-num-batched-tokens", str(STEP)],
+                          kv_transfer_config=kv_config("kv_producer", extra),
+                          env={"PDXFER_FAULTS": f"delay_write=8,rooms={ROOM_SLOW}"})
 
-
-def _prefill(c: Cluster, port: int | None = None) -> VllmServer:
-    extra = {"bootstrap": c.boot.address, "instance": PREFILL, "stats_file": str(c.p_stats),
-             "send_by": "layer", "bootstrap_timeout_s": DEADLINE_S,
-             "transfer_timeout_s": DEADLINE_S}
-    return VllmServer("prefill", c.model, c.tmp, port=port, log_stats=True,
-                      args=["--max-num-batched-tokens", str(STEP)],
-                      kv_transfer_config=kv_config("kv_producer", extra),
-                      env={"PDXFER_FAULTS": f"delay_write=8,rooms={ROOM_SLOW}"})
-
-
-def _decode(c: Cluster) -> VllmServer:
-    extra = {"bootstrap": c.boot.address, "instance": DECODE, "stats_file": str(c.d_stats),
-             "integrity": "sampled", "bootstrap_timeout_s": DEADLINE_S,
-             "transfer_timeout_s": DEADLINE_S}
-    return VllmServer("decode", c.model, c.tmp, args=["--no-enable-prefix-caching"],
-                      log_stats=True,
-                      kv_transfer_config=kv_config("kv_consumer", extra,
-                                                   kv_load_failure_policy="recompute"),
-                      env={"PDXFER_FAULTS": f"corrupt=1,rooms={ROOM_CORRUPT}"})
+    def decode_server(self, port: int | None = None) -> VllmServer:
+        extra = {"bootstrap": self.boot.address, "instance": DECODE,
+                 "stats_file": str(self.d_stats), "integrity": "sampled",
+                 "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S}
+        return VllmServer("decode", self.model, self.tmp, port=port,
+                          args=["--no-enable-prefix-caching"], log_stats=True,
+                          kv_transfer_config=kv_config("kv_consumer", extra,
+                                                       kv_load_failure_policy="recompute"),
+                          env={"PDXFER_FAULTS": f"corrupt=1,rooms={ROOM_CORRUPT}"})
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("vllm_layers")
-    model = build_model(tmp / "model", "small")
-    boot = BootstrapServer("127.0.0.1", 0).start()
-    c = Cluster(tmp, model, boot, None, None, None, tmp / "p.json", tmp / "d.json")  # type: ignore[arg-type]
-    c.prefill, c.decode = _prefill(c), _decode(c)
-    c.ref = VllmServer("colocated", model, tmp)
-    try:
-        start_all([c.prefill, c.decode, c.ref])
-        yield c
-    finally:
-        for s in (c.prefill, c.decode, c.ref):
-            if s is not None:
-                s.stop()
-        boot.stop()
+    yield from vh.serve(Cluster(tmp_path_factory.mktemp("vllm_layers")))
 
 
 @pytest.fixture(scope="module")
 def front_door(cluster: Cluster) -> Iterator[str]:
     """pdxfer's router in front of the pair (concurrent dispatch: the decode asks while the
     prefill computes, so layers reach it as they are computed)."""
-    router = Proc("router", ["router", "--engine", "vllm", "--port", "0",
-                             "--prefill", f"{cluster.prefill.url},{cluster.boot.address},{PREFILL}",
-                             "--decode", f"{cluster.decode.url},{DECODE}"], timeout=180)
-    try:
-        yield router.url
-    finally:
-        router.stop()
+    yield from vh.front_door(cluster)
 
 
 def _ids(base: int, n: int) -> list[int]:
@@ -218,8 +183,7 @@ def test_a_prefill_killed_mid_stream_fails_the_load_and_nothing_lands_after(
     assert ep1.get("quarantined_requests", 0) == ep0.get("quarantined_requests", 0), \
         "the failure was reported with no write left that could land"
     wait("the decode's blocks to come back", lambda: kv_usage(cluster.decode) == 0.0)
-    cluster.prefill = _prefill(cluster, port=cluster.prefill.port)
-    cluster.prefill.wait_ready()
+    cluster.restart_prefill()
     nxt = _ids(8000, 4 * STEP + 3)
     assert complete(front_door, nxt) == complete(cluster.ref.url, nxt)
     wait("the decode's stats", lambda: cluster.d()["loads"] == d1["loads"] + 1

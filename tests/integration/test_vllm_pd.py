@@ -22,18 +22,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
 from openai import OpenAI
 
 from pdxfer import BootstrapServer
-from pdxfer.serving.procs import Proc
-from pdxfer.testing.hf_model import SHAPES, build_model
-from pdxfer.testing.vllm_procs import VllmServer, kv_config, read_stats, start_all
+from pdxfer.testing.hf_model import SHAPES
+from pdxfer.testing.vllm_procs import VllmServer, kv_config, start_all
 
+from . import vllm_helpers as vh
 from .vllm_helpers import (
     MAX_TOKENS,
     chat_stream,
@@ -60,83 +57,42 @@ S = SHAPES["small"]
 BLOCK_BYTES = S.layers * S.kv_heads * BS * 2 * S.head_size * 4  # one block, all layers, fp32
 
 
-@dataclass
-class Cluster:
-    tmp: Path
-    model: Path
-    boot: BootstrapServer
-    prefill: VllmServer
-    decode: VllmServer
-    ref: VllmServer
-    p_stats: Path
-    d_stats: Path
+class Cluster(vh.Cluster):
+    """The decode with L2/L3 (file) tiers and ``recompute``; the faults set from the start."""
 
-    def p(self) -> dict[str, Any]:
-        return read_stats(self.p_stats)
+    prefill_instance, decode_instance = PREFILL, DECODE
 
-    def d(self) -> dict[str, Any]:
-        return read_stats(self.d_stats)
+    def prefill_server(self, port: int | None = None) -> VllmServer:
+        extra = {"bootstrap": self.boot.address, "instance": PREFILL,
+                 "stats_file": str(self.p_stats), "bootstrap_timeout_s": DEADLINE_S,
+                 "transfer_timeout_s": DEADLINE_S}
+        return VllmServer("prefill", self.model, self.tmp, port=port, log_stats=True,
+                          args=["--max-num-batched-tokens", str(STEP)],
+                          kv_transfer_config=kv_config("kv_producer", extra),
+                          env={"PDXFER_FAULTS": f"delay_write=8,rooms={ROOM_SLOW}"})
 
-    def restart_prefill(self) -> None:
-        self.prefill = _prefill(self, port=self.prefill.port)
-        self.prefill.wait_ready()
-
-    def restart_decode(self) -> None:
-        self.decode.stop()
-        self.decode = _decode(self, port=self.decode.port)
-        self.decode.wait_ready()
-
-
-def _prefill(c: Cluster, port: int | None = None) -> VllmServer:
-    extra = {"bootstrap": c.boot.address, "instance": PREFILL, "stats_file": str(c.p_stats),
-             "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S}
-    return VllmServer("prefill", c.model, c.tmp, port=port, log_stats=True,
-                      args=["--max-num-batched-tokens", str(STEP)],
-                      kv_transfer_config=kv_config("kv_producer", extra),
-                      env={"PDXFER_FAULTS": f"delay_write=8,rooms={ROOM_SLOW}"})
-
-
-def _decode(c: Cluster, port: int | None = None) -> VllmServer:
-    extra = {"bootstrap": c.boot.address, "instance": DECODE, "stats_file": str(c.d_stats),
-             "l2_pages": 256, "l3": "file",
-             "l3_dir": str(c.tmp / "l3"), "bootstrap_timeout_s": DEADLINE_S,
-             "transfer_timeout_s": DEADLINE_S}
-    return VllmServer("decode", c.model, c.tmp, port=port, args=["--no-enable-prefix-caching"],
-                      log_stats=True,
-                      kv_transfer_config=kv_config("kv_consumer", extra,
-                                                   kv_load_failure_policy="recompute"),
-                      env={"PDXFER_FAULTS": f"corrupt=1,rooms={ROOM_CORRUPT},pace={PACE_S}"})
+    def decode_server(self, port: int | None = None) -> VllmServer:
+        extra = {"bootstrap": self.boot.address, "instance": DECODE,
+                 "stats_file": str(self.d_stats), "l2_pages": 256, "l3": "file",
+                 "l3_dir": str(self.tmp / "l3"), "bootstrap_timeout_s": DEADLINE_S,
+                 "transfer_timeout_s": DEADLINE_S}
+        return VllmServer("decode", self.model, self.tmp, port=port,
+                          args=["--no-enable-prefix-caching"], log_stats=True,
+                          kv_transfer_config=kv_config("kv_consumer", extra,
+                                                       kv_load_failure_policy="recompute"),
+                          env={"PDXFER_FAULTS": f"corrupt=1,rooms={ROOM_CORRUPT},pace={PACE_S}"})
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("vllm_pd")
-    model = build_model(tmp / "model", "small")
-    boot = BootstrapServer("127.0.0.1", 0).start()
-    c = Cluster(tmp, model, boot, None, None, None, tmp / "p.json", tmp / "d.json")  # type: ignore[arg-type]
-    c.prefill, c.decode = _prefill(c), _decode(c)
-    c.ref = VllmServer("colocated", model, tmp)
-    try:
-        start_all([c.prefill, c.decode, c.ref])
-        yield c
-    finally:
-        for s in (c.prefill, c.decode, c.ref):
-            if s is not None:
-                s.stop()
-        boot.stop()
+    yield from vh.serve(Cluster(tmp_path_factory.mktemp("vllm_pd")))
 
 
 @pytest.fixture(scope="module")
 def front_door(cluster: Cluster) -> Iterator[str]:
     """pdxfer's router in front of the pair, as users run it: it tokenizes with the model's
     own tokenizer, draws the room and binds it to the decode it chose."""
-    router = Proc("router", ["router", "--engine", "vllm", "--port", "0",
-                             "--prefill", f"{cluster.prefill.url},{cluster.boot.address},{PREFILL}",
-                             "--decode", f"{cluster.decode.url},{DECODE}"], timeout=180)
-    try:
-        yield router.url
-    finally:
-        router.stop()
+    yield from vh.front_door(cluster)
 
 
 def test_outputs_equal_colocated_vllm_token_for_token(cluster: Cluster, front_door: str) -> None:
@@ -203,10 +159,8 @@ KEY_A, KEY_B = "alice-key-0123456789", "bob-key-0123456789ab"
 def test_tenants_never_restore_each_others_prefix(cluster: Cluster) -> None:
     """With API keys the router turns each tenant into vLLM's cache_salt: the decode restores
     a tenant's own prefix from L2, never another tenant's (it crosses the wire instead)."""
-    router = Proc("router-keys", ["router", "--engine", "vllm", "--port", "0", "--prefill",
-                                  f"{cluster.prefill.url},{cluster.boot.address},{PREFILL}",
-                                  "--decode", f"{cluster.decode.url},{DECODE}"],
-                  timeout=180, env={"PDXFER_API_KEYS": f"alice:{KEY_A},bob:{KEY_B}"})
+    router = cluster.router("router-keys",
+                            env={"PDXFER_API_KEYS": f"alice:{KEY_A},bob:{KEY_B}"})
     try:
         prefix = _ids(123, 6 * BS)
         a, b, c = (prefix + _ids(base, 10 + k) for k, base in enumerate((31, 57, 89)))
@@ -338,12 +292,6 @@ def test_a_restarted_decode_restores_a_prefix_from_l3_files(cluster: Cluster,
     assert d["net_bytes"] == cluster.p()["endpoint"]["transport_bytes"] - sent0 == suffix
 
 
-def _router(cluster: Cluster, name: str, *more: str, prefill_url: str | None = None) -> Proc:
-    return Proc(name, ["router", "--engine", "vllm", "--port", "0", "--prefill",
-                       f"{prefill_url or cluster.prefill.url},{cluster.boot.address},{PREFILL}",
-                       "--decode", f"{cluster.decode.url},{DECODE}", *more], timeout=180)
-
-
 def test_concurrent_and_sequential_dispatch_stream_steps_and_equal_colocated(
         cluster: Cluster, front_door: str) -> None:
     """Concurrent dispatch (the router's default), streamed and not, and the sequential
@@ -356,7 +304,7 @@ def test_concurrent_and_sequential_dispatch_stream_steps_and_equal_colocated(
     want = [complete(cluster.ref.url, q) for q in prompts]
     p0 = {k: cluster.p().get(k, 0) for k in ("sends", "send_failures", "step_chunks")}
     hits0 = metric(cluster.prefill, "vllm:prefix_cache_hits_total")
-    seq = _router(cluster, "router-seq", "--dispatch", "sequential")
+    seq = cluster.router("router-seq", "--dispatch", "sequential")
     try:
         assert complete(front_door, prompts[0]) == want[0]
         assert stream_ids(front_door, prompts[1]) == want[1]
@@ -414,7 +362,7 @@ def test_a_failed_prefill_ends_the_engaged_decode_with_an_openai_error(
     gets an OpenAI-shaped error after the retry."""
     import openai
 
-    bad = _router(cluster, "router-bad", prefill_url=cluster.decode.url)
+    bad = cluster.router("router-bad", prefill_url=cluster.decode.url)
     prompt = _ids(9900, 4 * BS + 3)
     loads0 = cluster.d().get("loads", 0)
     ep0 = cluster.d().get("endpoint", {})

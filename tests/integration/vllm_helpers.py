@@ -1,5 +1,6 @@
-"""What the vLLM end-to-end tests share: the official client's calls, token ids from the
-answers, waits, prompt text and reading a server's /metrics."""
+"""What the vLLM end-to-end tests share: the single-pair cluster a module starts once (its
+router too), the official client's calls, token ids from the answers, waits, prompt text and
+reading a server's /metrics."""
 
 from __future__ import annotations
 
@@ -12,14 +13,98 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from openai import OpenAI
 
-from pdxfer.testing.hf_model import CORPUS
-from pdxfer.testing.vllm_procs import VllmServer
+from pdxfer import BootstrapServer
+from pdxfer.serving.procs import Proc
+from pdxfer.testing.hf_model import CORPUS, build_model
+from pdxfer.testing.vllm_procs import VllmServer, read_stats, start_all
 
 MAX_TOKENS = 12
+
+
+class Cluster:
+    """A bootstrap server, one ``vllm serve`` prefill and one decode loading
+    ``PdxferConnector``, and a colocated vLLM (same model, no connector) as the reference:
+    what the single-pair modules share. A module subclasses it to say only what differs: its
+    instance names and how its prefill and decode are made (``prefill_server`` and
+    ``decode_server``, started, not waited for); its ``cluster`` fixture is ``serve``."""
+
+    prefill_instance: ClassVar[str]
+    decode_instance: ClassVar[str]
+    prefill: VllmServer
+    decode: VllmServer
+    ref: VllmServer
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.model = build_model(tmp / "model", "small")
+        self.boot = BootstrapServer("127.0.0.1", 0).start()
+        self.p_stats, self.d_stats = tmp / "p.json", tmp / "d.json"
+
+    def prefill_server(self, port: int | None = None) -> VllmServer:
+        raise NotImplementedError
+
+    def decode_server(self, port: int | None = None) -> VllmServer:
+        raise NotImplementedError
+
+    def p(self) -> dict[str, Any]:
+        return read_stats(self.p_stats)
+
+    def d(self) -> dict[str, Any]:
+        return read_stats(self.d_stats)
+
+    def restart_prefill(self) -> None:
+        """A new prefill on the old one's port (the old one was killed), ready."""
+        self.prefill = self.prefill_server(port=self.prefill.port)
+        self.prefill.wait_ready()
+
+    def restart_decode(self) -> None:
+        """The decode stopped (gracefully) and a new one on its port, ready."""
+        self.decode.stop()
+        self.decode = self.decode_server(port=self.decode.port)
+        self.decode.wait_ready()
+
+    def router(self, name: str = "router", *more: str, prefill_url: str | None = None,
+               instance: str | None = None, env: dict[str, str] | None = None) -> Proc:
+        """``pdxfer router --engine vllm`` in front of the pair (or of ``prefill_url``
+        registered as ``instance``), as users run it."""
+        return Proc(name, ["router", "--engine", "vllm", "--port", "0", "--prefill",
+                           f"{prefill_url or self.prefill.url},{self.boot.address},"
+                           f"{instance or self.prefill_instance}",
+                           "--decode", f"{self.decode.url},{self.decode_instance}", *more],
+                    timeout=180, env=env)
+
+
+C = TypeVar("C", bound=Cluster)
+
+
+def serve(c: C) -> Iterator[C]:
+    """A module's ``cluster`` fixture: the three servers started together and yielded, then
+    stopped (whichever were made, by pid) with the bootstrap server, even after a failure."""
+    try:
+        c.prefill = c.prefill_server()
+        c.decode = c.decode_server()
+        c.ref = VllmServer("colocated", c.model, c.tmp)
+        start_all([c.prefill, c.decode, c.ref])
+        yield c
+    finally:
+        for name in ("prefill", "decode", "ref"):
+            srv = getattr(c, name, None)
+            if srv is not None:
+                srv.stop()
+        c.boot.stop()
+
+
+def front_door(c: Cluster) -> Iterator[str]:
+    """A module's ``front_door`` fixture: the pair's router, its URL yielded."""
+    router = c.router()
+    try:
+        yield router.url
+    finally:
+        router.stop()
 
 
 def token_ids(choice: Any, body: Any) -> list[int]:

@@ -213,15 +213,17 @@ def test_pages_are_quarantined_until_a_delayed_write_drains(pair: Pair) -> None:
     assert pair.dc.metrics()["quarantined_pages"] == 0
 
 
-def stranded_room(p: Pair, strand_s: float, released: dict[int, float]
-                  ) -> tuple[int, Any, Any]:
-    """A room sent whole while every batch fails at once and lands ``strand_s`` later:
-    (room, its receiver, its sender); ``released`` gets the time its pages came back."""
+def stranded_room(p: Pair, strand_s: float, released: dict[int, float],
+                  dc: Endpoint | None = None) -> tuple[int, Any, Any]:
+    """A room sent whole (to ``p.dc``, or ``dc``) while every batch fails at once and lands
+    ``strand_s`` later: (room, its receiver, its sender); ``released`` gets the time its
+    pages came back."""
     p.ptx.faults.strand_s = strand_s
     room = next(_rooms)
     src, dst = p.pages(2)
     p.fill(room, src, 8)
-    rx = p.dc.receiver(room, release=lambda d, s: released.setdefault(room, time.monotonic()))
+    rx = (dc or p.dc).receiver(
+        room, release=lambda d, s: released.setdefault(room, time.monotonic()))
     rx.request({"kv": dst}, {"aux": 2}, 0, 8)
     tx = p.pf.sender(room)
     tx.send({"kv": src}, {"aux": 1}, last=True)

@@ -5,6 +5,11 @@ write, and an idle or drained one owes nothing."""
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
+import pytest
+
 from pdxfer.transport import tcpstate as T
 
 HEAD = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  "
@@ -37,8 +42,28 @@ def test_orphaned_or_backed_off_sockets_with_unacked_bytes_are_owed_and_nothing_
 def test_ipv6_and_v4_mapped_addresses_are_read_as_the_kernel_prints_them() -> None:
     assert T._addr("0000000000000000FFFF00000C00D50A:3E80") == ("10.213.0.12", 16000)
     assert T._addr("00000000000000000000000001000000:0050") == ("::1", 80)
-    assert T.resolve("10.213.0.12") == "10.213.0.12"
+    assert T.resolve("10.213.0.12") == {"10.213.0.12"}
 
 
 def test_this_hosts_own_tables_are_readable() -> None:
-    assert T.owed("192.0.2.1") == []  # TEST-NET-1: nothing here talks to it
+    assert T.owed({"192.0.2.1"}) == []  # TEST-NET-1: nothing here talks to it
+
+
+def test_a_peer_host_is_every_address_it_stands_for_as_the_tables_print_them(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A session names its host as Mooncake was told it (a name with an IPv6 and an IPv4
+    address, a v4-mapped or scoped IPv6 address): a socket to any of its addresses, as the
+    kernel prints it, is evidence (one address only, or the unmapped text, hid a socket
+    that still owed bytes, and the path was proven quiet on no evidence)."""
+    infos = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0)),
+             (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.213.0.12", 0))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: infos)
+    assert T.resolve("decode-host") == {"::1", "10.213.0.12"}
+    assert T.resolve("::ffff:10.213.0.12") == {"10.213.0.12"}
+    assert T.resolve("fe80::1%eth0") == {"fe80::1"}
+    table = tmp_path / "tcp"
+    table.write_text(HEAD + row(PEER, 4096, 0, 0, "04") + row(OTHER, 4096, 0, 0, "04"))
+    monkeypatch.setattr(T, "PATHS", (str(table), str(tmp_path / "no-tcp6")))
+    for host in ("decode-host", "::ffff:10.213.0.12"):
+        got = T.owed(T.resolve(host))
+        assert got is not None and [o.remote for o in got] == ["10.213.0.12"], host
