@@ -230,6 +230,8 @@ def test_a_decode_asking_after_the_prefill_finished_or_before_it_had_the_request
     d0, p0 = cluster.d(), cluster.p()
     assert _by_hand(cluster, prompt, LOADED[form], form) == want
     d = _settled(cluster, d0.get("loads", 0) + 1)
+    wait("the prefill's send", lambda: cluster.p().get("sends", 0) > p0.get("sends", 0)
+         and cluster.p()["in_flight_sends"] == 0)
     p = cluster.p()
     assert d["load_failures"] == d0.get("load_failures", 0), "loaded, not recomputed"
     assert d["loads"] == d0.get("loads", 0) + 1 and p["sends"] == p0.get("sends", 0) + 1
@@ -245,8 +247,8 @@ def test_a_corrupted_layer_is_caught_and_no_wrong_token_is_returned(
     """The decode damages one page of one layer's K or V after the prefill's last write of
     the room (the ``corrupt`` fault), before its sampled check: the digest of that layer's
     streamed range does not match, the load fails, and vLLM recomputes (the colocated
-    tokens). The prefill sent digests per streamed layer range (a request-wide digest is one
-    per pool), in both forms: ``early``, the layers went while the prefill computed;
+    tokens). The prefill sent digests per streamed layer range and step (a request-wide
+    digest is one per pool), in both forms: ``early``, the layers went while the prefill computed;
     ``late``, they were handed over while it computed and went when the decode asked."""
     prompt = _ids({"late": 250, "early": 350}[form], 6 * STEP + 5)
     want = complete(cluster.ref.url, prompt)
@@ -262,10 +264,13 @@ def test_a_corrupted_layer_is_caught_and_no_wrong_token_is_returned(
     assert d1["endpoint"]["integrity_mismatches"] == ep0.get("integrity_mismatches", 0) + 1
     assert d1["load_failures"] == failures0 + 1
     assert d1["loads"] == d0.get("loads", 0) + 1
+    # digest values: one per buffer a digest covers (K and V of a layer at most 2), so a
+    # request-wide digest has at most 2 per layer; the 7 steps' layer ranges have 7 times
+    # what a layer holds
     digests = (p1["endpoint"].get("integrity_digests", 0)
                - p0.get("endpoint", {}).get("integrity_digests", 0))
-    assert digests >= 2 * S.layers, f"{digests} digests: not one per streamed layer range"
-    assert p1["layer_sends"] - p0.get("layer_sends", 0) >= 2 * S.layers
+    assert digests >= 4 * S.layers, f"{digests} digest values: not one per streamed range"
+    assert p1["layer_sends"] - p0.get("layer_sends", 0) >= 4 * S.layers
 
 
 def _kill_mid_stream(cluster: Cluster, prompt: list[int], room: int) -> cf.Future[list[int]]:
