@@ -12,8 +12,11 @@ start: the rooms ``SLOW``'s writes are held back on the prefill (it is killed wh
 the rooms ``CORRUPT``'s are damaged on the decode after their layers arrived (integrity must
 catch it). Issue 34's required tests, each against colocated vLLM, in file order: a prompt of
 many steps, a prefix cached on the prefill, a decode asking late and early, a corrupted
-layer (both forms), a prefill killed mid-stream under each ``kv_load_failure_policy``
-(``docs/testing.md`` maps them).
+layer (both forms), a client that leaves while the prefill computes, a prefill killed
+mid-stream under each ``kv_load_failure_policy`` (``docs/testing.md`` maps them). Each
+prefill step is held ``PACE_S`` and each decode step ``DECODE_PACE_S`` (the ``pace``
+fault), so a long prompt is still being computed, and a long answer still being generated,
+when a client leaves, however fast the machine.
 
 One cluster per module; the tests run in file order, each leaving it serving for the next.
 Prompts start at distinct offsets of ``_ids``' cycle (``base % 700``), so a test's prompt hits
@@ -23,6 +26,8 @@ the prefill's prefix cache only where the test means it to.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +54,12 @@ LOADED = {"late": 5301, "early": 5302}
 """Rooms without faults, by the protocol's form."""
 DECODE, PREFILL = "vllm-ld0", "vllm-lp0"
 DEADLINE_S = 20.0
+PACE_S = 0.1
+"""The prefill's shortest step (the ``pace`` fault): a prompt of N steps computes for at least
+N * PACE_S, however fast the machine (a client can leave while it computes)."""
+DECODE_PACE_S = 0.02
+"""The decode's shortest step: ``LONG`` tokens take at least 20 s."""
+LONG = 1000
 S = SHAPES["small"]
 PER_TOKEN = S.layers * S.kv_heads * 2 * S.head_size * 4  # bytes of one token's KV, fp32
 
@@ -78,7 +89,7 @@ def _prefill(c: Cluster, port: int | None = None) -> VllmServer:
     return VllmServer("prefill", c.model, c.tmp, port=port, log_stats=True,
                       args=["--max-num-batched-tokens", str(STEP)],
                       kv_transfer_config=kv_config("kv_producer", extra),
-                      env={"PDXFER_FAULTS": f"delay_write=8,rooms={_rooms(SLOW)}"})
+                      env={"PDXFER_FAULTS": f"delay_write=8,rooms={_rooms(SLOW)},pace={PACE_S}"})
 
 
 def _decode(c: Cluster, port: int | None = None, policy: str = "recompute") -> VllmServer:
@@ -89,7 +100,8 @@ def _decode(c: Cluster, port: int | None = None, policy: str = "recompute") -> V
                       log_stats=True,
                       kv_transfer_config=kv_config("kv_consumer", extra,
                                                    kv_load_failure_policy=policy),
-                      env={"PDXFER_FAULTS": f"corrupt=1,rooms={_rooms(CORRUPT)}"})
+                      env={"PDXFER_FAULTS": f"corrupt=1,rooms={_rooms(CORRUPT)},"
+                                            f"pace={DECODE_PACE_S}"})
 
 
 def _rooms(by: dict[str, int]) -> str:
@@ -271,6 +283,65 @@ def test_a_corrupted_layer_is_caught_and_no_wrong_token_is_returned(
                - p0.get("endpoint", {}).get("integrity_digests", 0))
     assert digests >= 4 * S.layers, f"{digests} digest values: not one per streamed range"
     assert p1["layer_sends"] - p0.get("layer_sends", 0) >= 4 * S.layers
+
+
+LEAVER = """
+import sys
+from openai import OpenAI
+url, prompt, LONG = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
+c = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+for _ in c.completions.create(model="llama", prompt=prompt, max_tokens=LONG, temperature=0,
+                              stream=True, extra_body={"ignore_eos": True}):
+    pass
+"""
+"""A streaming client in a process of its own: killing it is a client that leaves before
+its first token (the router starts its answer with the first text)."""
+
+
+def test_a_client_that_leaves_while_the_prefill_computes_ends_both_sides(
+        cluster: Cluster, front_door: str) -> None:
+    """Through the router (concurrent dispatch), a prompt of 60 steps, which the paced
+    prefill computes for at least 6 s: the client leaves once the decode asked and the
+    prefill handed over its first layers. The router ends both legs: vLLM aborts the
+    prefill's request before its last step (its send never completes) and the decode's (its
+    load ends aborted, not at a deadline, and the request never finishes its ``LONG``
+    tokens, which the paced decode needs ``LONG * DECODE_PACE_S`` for); both sides' blocks
+    come back, and the next request is served."""
+    prompt = _ids(20, 60 * STEP)
+    d0, p0 = cluster.d(), cluster.p()
+    ep0 = d0.get("endpoint", {})
+    gen0 = metric(cluster.decode, "vllm:generation_tokens_total")
+    ok0 = metric(cluster.decode, "vllm:request_success_total")
+    base = {s.name: kv_usage(s) for s in (cluster.prefill, cluster.decode)}
+    proc = subprocess.Popen([sys.executable, "-c", LEAVER, front_door,
+                             ",".join(map(str, prompt)), str(LONG)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait("the decode to ask", lambda: cluster.d().get("loads", 0) > d0.get("loads", 0))
+        wait("the prefill to stream",
+             lambda: cluster.p().get("layer_sends", 0) > p0.get("layer_sends", 0))
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    for s in (cluster.prefill, cluster.decode):
+        wait(f"{s.name} to end the request and free its blocks",
+             lambda s=s: metric(s, "vllm:num_requests_running") == 0
+             and metric(s, "vllm:num_requests_waiting") == 0 and kv_usage(s) == base[s.name])
+    wait("the decode's load to end", lambda: cluster.d()["in_flight_loads"] == 0
+         and cluster.d()["endpoint"].get("failures_aborted", 0)
+         > ep0.get("failures_aborted", 0))
+    wait("the prefill's room to end", lambda: cluster.p()["in_flight_sends"] == 0)
+    p, ep = cluster.p(), cluster.d()["endpoint"]
+    assert p["sends"] == p0.get("sends", 0), "the prefill computed the whole prompt"
+    assert p["layer_sends"] - p0.get("layer_sends", 0) < 60 * S.layers
+    assert ep.get("failures_deadline", 0) == ep0.get("failures_deadline", 0)
+    # the prefill's abort may reach the decode before its own: it then recomputes the
+    # prompt (kv_load_failure_policy: recompute) and generates a token or so meanwhile
+    assert metric(cluster.decode, "vllm:request_success_total") == ok0, \
+        "the decode finished the request of a client that left"
+    assert metric(cluster.decode, "vllm:generation_tokens_total") - gen0 < LONG
+    nxt = _ids(120, 3 * STEP + 1)
+    assert complete(front_door, nxt) == complete(cluster.ref.url, nxt)
 
 
 def _kill_mid_stream(cluster: Cluster, prompt: list[int], room: int) -> cf.Future[list[int]]:
