@@ -2,7 +2,9 @@
 
 Builds a small Llama here (``hf_model``: no download), starts a bootstrap server, a ``vllm
 serve`` prefill and decode each loading ``PdxferConnector``, a colocated ``vllm serve`` without
-a connector as the reference, and ``pdxfer router --engine vllm`` in front of the pair. A batch
+a connector as the reference, and ``pdxfer router --engine vllm`` in front of the pair, which
+dispatches both sides at once (the decode asks while the prefill computes and streams each
+layer; the summary counts each request's dispatch as the router reported it). A batch
 of prompts (some sharing a long prefix) goes through the router; the decode restores a prefix
 it served before from its L2 and receives only the rest. Then the decode is restarted (its L2
 is gone, its L3 files are not) and prompts with those prefixes are restored from L3. Every
@@ -17,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -198,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
           f"KV bytes the prefill sent: {sent}; {total:.1f} s for the first batch")
     print(f"KV streamed layer by layer from the prefill: {pst.get('layer_sends', 0)} layer "
           f"hand-offs inside the forward (send_by: layer) for {pst.get('sends', 0)} requests")
+    modes = Counter(r["info"].get("dispatch", "unknown") for r in results if r["ok"])
+    print("dispatch: " + ", ".join(f"{m} for {n}/{len(results)} requests"
+                                   for m, n in sorted(modes.items()))
+          + " (concurrent: the decode engaged at dispatch, asking while the prefill computes)")
     if a.keep:
         print(f"kept: {tmp}")
     else:
