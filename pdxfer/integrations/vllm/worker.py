@@ -55,9 +55,9 @@ IDLE_WAIT_S = 0.005
 """How long a step that computes nothing waits in ``get_finished`` for a transfer to end.
 vLLM's engine loop steps without pause while a request waits for its KV or a finished one's
 blocks are sent; with concurrent dispatch a decode waits through the prefill's whole
-forward. Measured on the streaming benchmark's one 2-core host, such a decode ran ~500 empty
-steps a second, 0.3 of a core, beside the prefill's forward. Waiting here cuts that
-loop to one step per ``IDLE_WAIT_S`` at most, and a transfer that ends is reported within
+forward. Measured on the streaming benchmark's one 2-core host (loaded), such a decode ran
+~470 empty steps a second beside the prefill's forward, its engine thread at 0.10-0.15 of a
+core; with this wait ~130, at 0.06-0.07. A transfer that ends is reported within
 ``IDLE_POLL_S``; a request that arrives meanwhile waits at most this long."""
 
 IDLE_POLL_S = 0.0005
