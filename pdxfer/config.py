@@ -64,8 +64,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("PDXFER_NIXL_TICK_US", "100000",
            "longest sleep of NIXL's UCX progress thread between events (NIXL's own: 0, it spins)"),
     EnvVar("PDXFER_TE_COMPLETION", "paced",
-           "how Mooncake writes are awaited: ``paced`` (sleeps through most of the expected "
-           "time, then spins) or ``spin`` (busy-waits)"),
+           "how Mooncake writes are awaited: ``paced`` (a write of at most 64 entries and at "
+           "least 1 MiB is polled without spinning; others sleep through most of the "
+           "expected time, then spin) or ``spin`` (busy-waits)"),
     EnvVar("PDXFER_CONTROL_SEND", "direct",
            "how control frames leave: ``direct`` (the sending thread writes ZMTP itself) or "
            "``zmq`` (ZMQ PUSH sockets, one I/O-thread wake-up per message)"),

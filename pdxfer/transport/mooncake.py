@@ -5,13 +5,23 @@ Mooncake 0.3 over TCP on loopback; ``docs/performance.md`` has the measurements)
 
 * A batch of more than ~2048 entries to one peer is rejected and can wedge that peer's lane
   for good, so writes are split into batches of at most ``max_batch`` (1024) entries.
-* Its completion wait spins, which on a small host takes CPU from its own I/O threads: by
-  default (``completion="paced"``) two batches are kept in flight per writer and each wait
-  sleeps through most of the batch's expected duration first (``pacing.py``). Entries in
-  flight to one peer never exceed ``max_batch``, across all threads. A write that is one
-  batch of at most 32 MiB with nothing else in flight to its peer goes out as one blocking
-  call instead: there is nothing to overlap, and a sleep sized from a noisy estimate can only
-  oversleep (a 16 MiB write took 4-12 ms here), which a lone small request pays in full.
+* Its completion waits (``get_batch_transfer_status`` and the ``*_sync_*`` calls) spin
+  until the batch completes, which on a small host takes CPU from its own I/O threads and
+  from whatever else the process computes: by default (``completion="paced"``) two batches
+  are kept in flight per writer and each wait sleeps through most of the batch's expected
+  duration first (``pacing.py``). Entries in flight to one peer never exceed ``max_batch``,
+  across all threads. A write that is one small batch (under ``POLL_MIN_BYTES``, or more
+  entries than ``POLL_MAX_ENTRIES``) of at most 32 MiB with nothing else in flight to its
+  peer goes out as one blocking call instead: there is nothing to overlap, and a sleep sized
+  from a noisy estimate can only oversleep, which a lone small request pays in full.
+* A batch of few entries and at least ``POLL_MIN_BYTES`` is awaited without any spin: each
+  entry is its own one-entry batch (``transfer_submit_write``), and Mooncake's only
+  non-spinning probe (``transfer_check_status``, which reads a batch's first entry, so is
+  exact for these) is polled with sleeps in between (``_poll``). A vLLM prefill streaming
+  KV layer by layer writes while its forward computes on every core: a writer spinning
+  through each layer's write (72 ms a layer on the benchmark's capped link) took a core from
+  the forward's OpenMP team, and the prefill's forward took as long as compute plus
+  transfer (``docs/performance.md``, Streaming benchmark).
 * After a rejected write the next call to the same peer may fail once: retry once before
   declaring the peer dead.
 * A hung peer costs ``MC_TCP_PROGRESS_TIMEOUT_SEC`` / ``MC_TRANSFER_TIMEOUT`` seconds (30 by
@@ -67,6 +77,21 @@ LONE_SYNC_MAX_BYTES = 32 << 20
 """A lone batch up to this size is one blocking call; a bigger one is still paced, since its
 spinning wait would take a core from the transport for tens of milliseconds."""
 
+POLL_MIN_BYTES = 1 << 20
+"""A batch this large (and of at most ``POLL_MAX_ENTRIES``) is awaited by polling, never by a
+spin: it lasts long enough (0.5 ms at loopback's 2 GB/s, 72 ms for a 16 MiB layer at the
+streaming benchmark's cap) that a spin costs a core's share, and a poll's few wake-ups and
+its late notice (at most ``POLL_MAX_S``) cost far less."""
+
+POLL_MAX_ENTRIES = 64
+"""More entries than this are awaited as before (one Mooncake batch, paced): each polled
+entry is a Mooncake batch of its own, submitted and probed one call each."""
+
+POLL_FIRST_S = 100e-6
+POLL_MAX_S = 1e-3
+"""A poll's pause after the batch's expected duration: ``POLL_FIRST_S``, doubling up to
+``POLL_MAX_S`` (at most ~1,000 wake-ups a second, tens of microseconds each)."""
+
 
 @dataclass(slots=True, eq=False)
 class _Batch:
@@ -80,6 +105,8 @@ class _Batch:
     ahead: int = 0
     bid: int | None = None
     submitted: float = 0.0
+    parts: list[int] | None = None
+    """Polled (``POLL_MIN_BYTES``): one Mooncake batch id per entry (0: its submit failed)."""
 
 
 FENCE_BYTES = 4096
@@ -134,6 +161,11 @@ def _load_engine() -> Any:
     return TransferEngine
 
 
+def _pollable(b: _Batch) -> bool:
+    """Whether ``b`` is awaited by polling (``POLL_MIN_BYTES``)."""
+    return len(b.src) <= POLL_MAX_ENTRIES and b.total >= POLL_MIN_BYTES
+
+
 class MooncakeTransport(FindsPeersBySession):
     """One Mooncake ``TransferEngine`` per endpoint, with ``P2PHANDSHAKE`` metadata."""
 
@@ -162,6 +194,7 @@ class MooncakeTransport(FindsPeersBySession):
         if not 1 <= window <= max_batch:
             raise ConfigError(f"window must be in [1, max_batch], got {window}")
         mooncake_env_defaults(timeout_s, protocol)
+        self.timeout_s = timeout_s
         engine_cls = _load_engine()
         self._engine = engine_cls()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
@@ -281,8 +314,10 @@ class MooncakeTransport(FindsPeersBySession):
                     break
                 b.ahead = ahead if ahead is not None else credits.acquire(
                     len(b.src), deadline, b.total)
-                if self.completion == "paced" and (n > step or b.ahead > b.total
-                                                   or b.total > LONE_SYNC_MAX_BYTES):
+                if self.completion == "paced" and _pollable(b):
+                    self._submit_parts(peer, b)
+                elif self.completion == "paced" and (n > step or b.ahead > b.total
+                                                     or b.total > LONE_SYNC_MAX_BYTES):
                     b.submitted = time.perf_counter()
                     b.bid = self._engine.batch_transfer_async_write(peer, b.src, b.dst, b.len)
                 inflight.append(b)
@@ -323,7 +358,10 @@ class MooncakeTransport(FindsPeersBySession):
             return None
         b = _Batch(src, dst, nbytes, total, ahead, submitted=time.perf_counter())
         try:
-            b.bid = self._engine.batch_transfer_async_write(peer, src, dst, nbytes)
+            if _pollable(b):
+                self._submit_parts(peer, b)
+            else:
+                b.bid = self._engine.batch_transfer_async_write(peer, src, dst, nbytes)
         except Exception:
             credits.release(n, total)
             raise
@@ -343,6 +381,8 @@ class MooncakeTransport(FindsPeersBySession):
         """Complete one batch (waiting for it, or writing it now when it was not submitted);
         retry a failed batch once. Returns why it failed, or ""."""
         try:
+            if b.parts is not None:
+                return self._await_parts(peer, b, rate)
             if b.bid is not None and b.bid > 0:
                 pause = rate.sleep_for(b.ahead, time.perf_counter() - b.submitted) if pace else 0
                 if pause:
@@ -370,6 +410,64 @@ class MooncakeTransport(FindsPeersBySession):
             return ""
         finally:
             credits.release(len(b.src), b.total)
+
+    def _submit_parts(self, peer: str, b: _Batch) -> None:
+        """Submit each entry of ``b`` as a one-entry Mooncake batch (``_poll`` awaits them)."""
+        b.submitted = time.perf_counter()
+        b.parts = [int(self._engine.transfer_submit_write(peer, s, d, n))
+                   for s, d, n in zip(b.src, b.dst, b.len)]
+
+    def _poll(self, b: _Batch, rate: RateEstimate) -> list[int]:
+        """Wait for ``b``'s parts without spinning: sleep through most of the batch's expected
+        duration (``RateEstimate``), then probe each part not yet done, pausing between
+        rounds. Returns the entries that failed (a failed submit, a failed or timed-out
+        task, or one still pending past the transfer timeout: that one may land later, so
+        the caller taints the peer)."""
+        bad = [i for i, bid in enumerate(b.parts or ()) if bid <= 0]
+        left = [i for i, bid in enumerate(b.parts or ()) if bid > 0]
+        pause = rate.sleep_for(b.ahead, time.perf_counter() - b.submitted)
+        if pause:
+            time.sleep(pause)
+        first = time.perf_counter()
+        limit = first + self.timeout_s + b.total / (1 << 30)
+        pause = POLL_FIRST_S
+        check = self._engine.transfer_check_status
+        assert b.parts is not None
+        while True:
+            still = []
+            for i in left:
+                rc = check(b.parts[i])  # 1 done (freed), 0 pending, -1 failed, -2 timed out
+                if rc == 0:
+                    still.append(i)
+                elif rc < 0:
+                    bad.append(i)
+            left = still
+            now = time.perf_counter()
+            if not left or now > limit:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
+        rate.observe(b.ahead, b.submitted, first, now)
+        if left:
+            log.warning("%d of %d entries still pending %.0f s after their submit",
+                        len(left), len(b.src), now - b.submitted)
+        return sorted(bad + left)
+
+    def _await_parts(self, peer: str, b: _Batch, rate: RateEstimate) -> str:
+        """``_await`` for a polled batch: the entries that failed are retried once, together
+        (a blocking call: only after a failure), as a failed batch is."""
+        bad = self._poll(b, rate)
+        if bad:
+            self._taint(peer, b)
+            self.stats.add(retries=1)
+            rc = self._engine.batch_transfer_sync_write(
+                peer, [b.src[i] for i in bad], [b.dst[i] for i in bad], [b.len[i] for i in bad])
+            if rc != 0:
+                self._taint(peer, b)
+                self.stats.add(calls=1, failures=1)
+                return f"write of {len(b.src)} blocks to {peer} failed (rc {rc}) after one retry"
+        self.stats.add(calls=1, entries=len(b.src), nbytes=b.total)
+        return ""
 
     # -- failed writes: taint and settle -----------------------------------------------------
     def _taint(self, peer: str, b: _Batch) -> None:

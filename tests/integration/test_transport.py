@@ -102,6 +102,51 @@ def test_a_started_write_never_holds_up_a_workers_write(engines) -> None:
     a.finish(b.session_id, again)
 
 
+SPINNING = {"batch_transfer_sync_write", "batch_transfer_sync", "get_batch_transfer_status",
+            "transfer_sync_write", "transfer_sync"}
+"""Mooncake's calls that spin on a core until their batch completes."""
+
+
+class Recorder:
+    """A Mooncake engine that notes the name of each call it forwards."""
+
+    def __init__(self, engine: object, calls: list[str]) -> None:
+        self._engine, self._calls = engine, calls
+
+    def __getattr__(self, name: str) -> object:
+        self._calls.append(name)
+        return getattr(self._engine, name)
+
+
+def test_a_large_write_of_few_entries_is_awaited_without_a_spinning_call(
+        engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM prefill streaming by layer writes each layer (16 MiB in a few entries in the
+    streaming benchmark) while its forward computes on every core: a wait that spins took a
+    core from the forward for each write's whole length. Such a write, lone (one blocking
+    call before) or started in send(), lands awaited by polling alone; so does one that
+    fails, and its credits come back."""
+    a, b, src, dst = engines
+    calls: list[str] = []
+    monkeypatch.setattr(a, "_engine", Recorder(a._engine, calls))
+    n, sz = 4, 1 << 19  # 2 MiB in 4 entries, written in reverse order
+    s = [src.ctypes.data + i * sz for i in range(n)]
+    d = [dst.ctypes.data + (n - 1 - i) * sz for i in range(n)]
+    for write in ("lone", "started"):
+        dst[: n * sz] = 0
+        if write == "lone":
+            a.write(b.session_id, s, d, [sz] * n)
+        else:
+            started = a.start(b.session_id, s, d, [sz] * n)
+            assert started is not None
+            a.finish(b.session_id, started)
+        assert (dst[: n * sz].reshape(n, sz)[::-1] == src[: n * sz].reshape(n, sz)).all()
+    assert "transfer_check_status" in calls and not SPINNING & set(calls), calls
+    with pytest.raises(TransportError, match="failed"):  # the last entry lies outside
+        a.write(b.session_id, s, d[:-1] + [dst.ctypes.data + dst.nbytes], [sz] * n)
+    credits, _ = a._peer_state(b.session_id)
+    assert credits.used == 0 and credits.bytes == 0
+
+
 def test_dead_peer_fails_fast_and_probes_false(engines) -> None:
     a, _, src, _ = engines
     one = np.ones(1, dtype=np.uint64)

@@ -18,6 +18,9 @@ class ScriptedEngine:
         self.bids = 0
         self.bad: set[int] = set()
         self.calls = 0
+        self.synced: list[list[int]] = []
+        self.fail_parts: set[int] = set()
+        """Sources whose one-entry batch fails (polled writes)."""
 
     def initialize(self, *a: object) -> int:
         return 0
@@ -43,7 +46,17 @@ class ScriptedEngine:
 
     def batch_transfer_sync_write(self, peer: str, s: list, d: list, n: list) -> int:
         self.calls += 1
+        self.synced.append(list(s))
         return -1 if self.calls >= self.fail_at > 0 else 0
+
+    def transfer_submit_write(self, peer: str, s: int, d: int, n: int) -> int:
+        self.bids += 1
+        if s in self.fail_parts:
+            self.bad.add(self.bids)
+        return self.bids
+
+    def transfer_check_status(self, bid: int) -> int:
+        return -1 if bid in self.bad else 1
 
 
 @pytest.fixture
@@ -140,3 +153,16 @@ def test_a_failed_write_taints_its_peer_until_a_later_fence_and_a_quiet_kernel_p
     assert not any(transport.settle(peer) for _ in range(2))
     assert transport.settle(peer) and not transport.tainted(peer)
     assert transport.settle(peer)  # nothing to prove
+
+
+def test_a_polled_write_retries_only_its_failed_entries_and_taints_the_peer(
+        transport: mooncake.MooncakeTransport) -> None:
+    """A large write of few entries is awaited by polling one-entry batches: an entry that
+    failed may still land later (the peer is tainted) and is retried alone, once."""
+    eng = transport._engine
+    eng.fail_parts = {1 << 20}
+    src = [0, 1 << 20, 2 << 20]
+    transport.write("peer", src, src, [1 << 20] * 3)
+    assert eng.synced == [[1 << 20]]
+    assert transport.tainted("peer") and transport.stats.retries == 1
+    assert transport._peer_state("peer")[0].used == 0

@@ -122,6 +122,10 @@ class PdxferMetadata(KVConnectorMetadata):
     aborts: list[AbortOrder] = field(default_factory=list)
     expects: list[ExpectOrder] = field(default_factory=list)
     layers: list[LayerOrder] = field(default_factory=list)
+    idle: bool = False
+    """The step computes nothing: vLLM steps without pause while a request waits for its KV
+    (a decode's load) or a finished one's blocks are being sent (a prefill's send), and the
+    workers then wait a little for a transfer to end (``worker.IDLE_WAIT_S``)."""
 
     def orders(self) -> bool:
         """Whether this step orders anything (not ``__bool__``: vLLM tests metadata for

@@ -244,7 +244,8 @@ class PdxferScheduler:
     def build_connector_meta(self, so: SchedulerOutput | None = None) -> PdxferMetadata:
         chunks, lay = self._step_chunks(so) if so is not None and self.streams else ([], [])
         meta = PdxferMetadata(self._sends, self._loads, self._writebacks, self._opens, chunks,
-                              self._aborts, self._expects, lay)
+                              self._aborts, self._expects, lay,
+                              idle=so is not None and not so.total_num_scheduled_tokens)
         self._sends, self._loads, self._writebacks = [], [], []
         self._opens, self._aborts, self._expects = [], [], []
         if meta.sends:
