@@ -69,6 +69,9 @@ class Control:
         self._stop = threading.Event()
         self.handler_errors = 0
         self.send_failures = 0
+        self.late_max_s = 0.0
+        """The longest the control thread ran its tick after it was due: time it spent in
+        handlers, or runnable without a CPU or the GIL (``handler_max_ms`` tells which)."""
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -78,6 +81,7 @@ class Control:
             self._inbox.poll(max(0.0, next_tick - time.monotonic()))
             now = time.monotonic()
             if now >= next_tick:
+                self.late_max_s = max(self.late_max_s, now - next_tick)
                 self._guard(self._on_tick)
                 self._inbox.expire(now)
                 next_tick = time.monotonic() + self._tick_s

@@ -84,7 +84,10 @@ class Writes:
             blocks = self._plan(t, chunk, st.cursor)
             if isinstance(blocks, str) or not len(blocks):
                 return None  # the worker fails it (or just finishes) on the usual path
+            ts = time.perf_counter()
             started = self.ep.transport.start(t.peer.session, *blocks.lists(), tag=st.room)
+            # under the core lock: every other thread that needs it waits this long
+            self.ep.gauge_max("start_max_ms", (time.perf_counter() - ts) * 1e3)
         except Exception:  # noqa: BLE001 - a bug must not escape into the engine's send()
             log.exception("room %d: starting a write in send() failed", st.room)
             return None  # the worker plans again and fails the room with the reason
