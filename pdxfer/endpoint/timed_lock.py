@@ -36,6 +36,10 @@ class TimedLock:
         self.hold_max_s = 0.0
         self.hold_site = ""
 
+    def owned(self) -> bool:
+        """Whether the calling thread holds this lock."""
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+
     def waited(self) -> float:
         """Seconds the calling thread has waited for this lock so far (all its waits)."""
         return getattr(self._local, "waited", 0.0)

@@ -21,7 +21,7 @@ from pdxfer import BootstrapServer, KVPoll, wire
 from pdxfer.endpoint.core import SLOW_S, Core
 from pdxfer.endpoint.timed_lock import TimedLock
 
-from .test_state_machines import Pair, transfer, wait
+from .test_state_machines import Pair, transfer, until, wait
 
 PAIRING_S = SLOW_S + 0.3
 
@@ -147,5 +147,51 @@ def test_a_handler_held_up_by_the_endpoint_lock_says_so_and_names_the_holder(
         assert slow, caplog.text
         waited = float(slow[0].split(" s waiting for the endpoint lock")[0].rsplit(", ", 1)[1])
         assert waited >= PAIRING_S, slow[0]
+    finally:
+        p.close()
+
+
+def test_no_write_is_started_under_the_endpoint_lock_or_on_the_control_thread(
+        srv: BootstrapServer) -> None:
+    """A transport's ``start`` may wait on its peer (the first write to it can open the
+    connection, and the caller's turn at the CPU under load is part of it): under the core
+    lock every other thread, the control thread's Hello handler included, waited with it.
+    ``send()`` now starts its small writes after releasing the lock, and a request for
+    chunks already given is written by the room's worker, not started on the control
+    thread. Bytes still land exactly."""
+    p = Pair(srv, bootstrap_timeout_s=30.0, transfer_timeout_s=30.0)
+    calls: list[tuple[bool, str]] = []
+    start = p.ptx.start
+
+    def watched(*a: object, **k: object) -> object:
+        calls.append((p.pf.core.lock.owned(), threading.current_thread().name))
+        return start(*a, **k)  # type: ignore[arg-type]
+
+    try:
+        p.ptx.start = watched  # type: ignore[method-assign]
+        # the decode's request first: send() starts the write
+        room = 1 << 40
+        src, dst = p.pages(3)
+        p.fill(room, src, 12)
+        rx = p.receiver(room)
+        rx.request({"kv": dst}, {"aux": 2}, 0, 12)
+        assert until(lambda: p.pf.tables()["pending"] == 1)
+        tx = p.pf.sender(room)
+        tx.send({"kv": src}, {"aux": 1}, last=True)
+        assert wait(rx) == KVPoll.Success and wait(tx) == KVPoll.Success
+        assert p.wrong_bytes(room, dst, 12) == 0
+        assert calls and not any(owned for owned, _ in calls), calls
+        # the chunks first: the request, on the control thread, leaves the write to a worker
+        calls.clear()
+        room += 1
+        src, dst = p.pages(3)
+        p.fill(room, src, 12)
+        tx = p.pf.sender(room)
+        tx.send({"kv": src}, {"aux": 1}, last=True)
+        rx = p.receiver(room)
+        rx.request({"kv": dst}, {"aux": 2}, 0, 12)
+        assert wait(rx) == KVPoll.Success and wait(tx) == KVPoll.Success
+        assert p.wrong_bytes(room, dst, 12) == 0
+        assert not any(owned or "control" in name for owned, name in calls), calls
     finally:
         p.close()
