@@ -318,12 +318,14 @@ class Connector:
             if msg.ok and secret is not None and len(msg.nonce) != 16:
                 self.ep.reject("invalid", f"HelloAck from {msg.endpoint_id} without a nonce")
                 return
-            del self._handshakes[h.pair]
-            if msg.ok:  # even without pairing data: the transport decides
-                try:
-                    self.ep.add_peer(msg.session, msg.agent)
-                except TransportError as e:
-                    msg = msgspec.structs.replace(msg, ok=False, reason=str(e))
+            del self._handshakes[h.pair]  # this ack is the one: later copies are stale
+        if msg.ok:  # even without pairing data: the transport decides. Off the lock: pairing
+            # may take long (NIXL loads the peer's metadata), and the lock is every thread's
+            try:
+                self.ep.add_peer(msg.session, msg.agent)
+            except TransportError as e:
+                msg = msgspec.structs.replace(msg, ok=False, reason=str(e))
+        with self.ep.lock:
             if msg.ok:
                 peer.session = msg.session
                 peer.pools = {p.name: p for p in msg.pools}

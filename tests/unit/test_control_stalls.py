@@ -195,3 +195,20 @@ def test_no_write_is_started_under_the_endpoint_lock_or_on_the_control_thread(
         assert not any(owned or "control" in name for owned, name in calls), calls
     finally:
         p.close()
+
+
+def test_neither_side_pairs_its_transport_under_the_endpoint_lock(srv: BootstrapServer) -> None:
+    """Pairing can take long (NIXL loads the peer's metadata: ``add_peer``); at the HelloAck
+    the decode did it under its endpoint lock, so every thread of the rank waited for it."""
+    p = Pair(srv, bootstrap_timeout_s=30.0, transfer_timeout_s=30.0)
+    owned: list[tuple[str, bool]] = []
+    try:
+        for side, tx in (("prefill", p.ptx), ("decode", p.dtx)):
+            ep = p.pf if side == "prefill" else p.dc
+            tx.add_peer = (lambda peer, info, side=side, ep=ep:  # type: ignore[method-assign]
+                           owned.append((side, ep.core.lock.owned())))
+        _, rx, _, _ = transfer(p)
+        assert wait(rx) == KVPoll.Success
+        assert sorted(owned) == [("decode", False), ("prefill", False)], owned
+    finally:
+        p.close()
