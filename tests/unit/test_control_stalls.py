@@ -46,7 +46,7 @@ def test_a_slow_pairing_on_the_control_thread_is_counted_and_named(
     p = Pair(srv, bootstrap_timeout_s=30.0, transfer_timeout_s=30.0)
     try:
         p.ptx.add_peer = slow_pairing  # type: ignore[method-assign]
-        with caplog.at_level(logging.WARNING, logger="pdxfer.endpoint"):
+        with caplog.at_level(logging.WARNING, logger="pdxfer"):
             _, rx, _, _ = transfer(p)
             assert wait(rx) == KVPoll.Success
         pm, dm = p.pf.metrics(), p.dc.metrics()
@@ -55,6 +55,11 @@ def test_a_slow_pairing_on_the_control_thread_is_counted_and_named(
         assert pm["hello_age_max_ms"] >= 0
         assert dm["hello_wait_max_ms"] >= PAIRING_S * 1e3 and dm["hello_retransmits"] >= 1
         assert any("in Hello" in r.getMessage() for r in caplog.records), caplog.text
+        # the control thread's tick waited behind the handler: its lateness is kept and
+        # logged with the process's CPU meanwhile
+        assert pm["control_late_max_ms"] >= (PAIRING_S - 0.05) * 1e3
+        assert any("ran" in r.getMessage() and "late" in r.getMessage()
+                   for r in caplog.records), caplog.text
     finally:
         p.close()
 
