@@ -59,11 +59,11 @@ class Writes:
         order, on its worker, so a terminal message queued later still runs after every
         write has returned.
 
-        Nothing that waits on a peer runs under the lock: a transport's ``start`` may (the
-        first write to a peer can open its connection; under load, with the caller's turn at
-        the CPU), and every thread that needs the lock would wait with it (a Hello handler on
-        the control thread waited 13.3 s in the TP 1 -> TP 2 vLLM run). On the control thread
-        (a request for chunks already given) nothing is started: the worker writes."""
+        Nothing that may wait on a peer runs under the lock: a transport's ``start`` may (the
+        first write to a peer can open its connection; under load, add the caller's turns at
+        the CPU), and every thread that needs the lock, the control thread's Hello handler
+        among them, would wait with it. On the control thread (a request for chunks already
+        given) nothing is started: the room's worker writes."""
         slots: list[Slot] = []
         for t in st.targets:
             while t.scheduled < len(st.chunks):
