@@ -210,7 +210,8 @@ class EndpointConfig:
       with ``integrity='off'``.
     - ``start_in_send``: a chunk whose write is one small batch (at most ``max_batch / 2``
       entries, 32 MiB), with nothing else in flight to that decode, is planned and submitted
-      from ``send()`` itself and only awaited on a worker: a small request then does not wait
+      from ``send()`` itself (once it has released the endpoint's lock) and only awaited on a
+      worker: a small request then does not wait
       for a worker thread to wake (~0.05-0.1 ms on a small VM), at the price of ~0.1-0.3 ms
       of the caller's time per such ``send()`` (the transport's submission is ~1 us per
       entry). False leaves every write to the workers, and ``send()`` costs ~0.05 ms.

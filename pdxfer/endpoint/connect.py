@@ -37,6 +37,15 @@ if TYPE_CHECKING:
     from .core import Core
 
 HELLO_RETRY_S = 0.5
+"""The first wait for a HelloAck before the Hello goes again; each later wait doubles, up to
+``HELLO_RETRY_MAX_S``."""
+HELLO_RETRY_MAX_S = 4.0
+"""A prefill that is slow to answer (its control thread starved of CPU, or held up) answers
+every copy it finds queued, and each copy costs both sides a frame, a lookup of the port and
+their threads' turns at the CPU and the GIL: a fixed 0.5 s pace sent 134 copies per decode
+rank in a 67 s wait on a loaded machine (268 Hellos for the prefill to read, as many acks for
+the decodes), which is load added where there is already too much. A lost Hello still goes
+again within seconds."""
 
 
 RouteKey = tuple[str, "str | None", "int | None"]
@@ -256,8 +265,11 @@ class Connector:
         t0 = time.monotonic()
         if fresh:
             self.ep.send_raw(peer.ctrl_addr, frame)
-        # re-send the Hello now and then: a lost Hello must not cost the whole deadline
-        while not peer.ready.wait(max(0.0, min(HELLO_RETRY_S, deadline - time.monotonic()))):
+        # re-send the Hello now and then, less often the longer it goes unanswered: a lost
+        # Hello must not cost the whole deadline, a slow prefill must not get a flood
+        retry = HELLO_RETRY_S
+        while not peer.ready.wait(max(0.0, min(retry, deadline - time.monotonic()))):
+            retry = min(2 * retry, HELLO_RETRY_MAX_S)
             if time.monotonic() >= deadline or self._closing.is_set():
                 with self.ep.lock:
                     if self.peers.get(eid) is peer:
@@ -306,12 +318,14 @@ class Connector:
             if msg.ok and secret is not None and len(msg.nonce) != 16:
                 self.ep.reject("invalid", f"HelloAck from {msg.endpoint_id} without a nonce")
                 return
-            del self._handshakes[h.pair]
-            if msg.ok:  # even without pairing data: the transport decides
-                try:
-                    self.ep.add_peer(msg.session, msg.agent)
-                except TransportError as e:
-                    msg = msgspec.structs.replace(msg, ok=False, reason=str(e))
+            del self._handshakes[h.pair]  # this ack is the one: later copies are stale
+        if msg.ok:  # even without pairing data: the transport decides. Off the lock: pairing
+            # may take long (NIXL loads the peer's metadata), and the lock is every thread's
+            try:
+                self.ep.add_peer(msg.session, msg.agent)
+            except TransportError as e:
+                msg = msgspec.structs.replace(msg, ok=False, reason=str(e))
+        with self.ep.lock:
             if msg.ok:
                 peer.session = msg.session
                 peer.pools = {p.name: p for p in msg.pools}

@@ -34,6 +34,12 @@ MAX_PEER_SOCKETS = 1024
 to registered peers' addresses (never to one named in a message), so this is a backstop."""
 
 
+LATE_S = 1.0
+"""A control thread this late for its tick logs it, with its process's CPU meanwhile: about
+a CPU's worth (or more) says other threads of the process ran (one held the GIL, or threads
+outside Python spun); little says the machine gave the process little CPU."""
+
+
 class Control:
     """Receives frames on ``host`` (``address`` names it with ``advertise``, the address peers
     dial) and sends frames to peers' addresses."""
@@ -69,15 +75,28 @@ class Control:
         self._stop = threading.Event()
         self.handler_errors = 0
         self.send_failures = 0
+        self.late_max_s = 0.0
+        """The longest the control thread ran its tick after it was due: time it spent in
+        handlers, or runnable without a CPU or the GIL (``handler_max_ms`` tells which)."""
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         next_tick = time.monotonic() + self._tick_s
+        proc, logged = time.process_time(), 0.0
         while not self._stop.is_set():
             self._inbox.poll(max(0.0, next_tick - time.monotonic()))
             now = time.monotonic()
             if now >= next_tick:
+                late = now - next_tick
+                self.late_max_s = max(self.late_max_s, late)
+                used, proc = time.process_time() - proc, time.process_time()
+                if late >= LATE_S and now - logged >= 1.0:
+                    logged = now
+                    log.warning("%s: the control thread ran %.1f s late (in handlers, or "
+                                "without a CPU or the GIL); its process used %.2f s of CPU in "
+                                "those %.1f s", self._thread.name, late, used,
+                                late + self._tick_s)
                 self._guard(self._on_tick)
                 self._inbox.expire(now)
                 next_tick = time.monotonic() + self._tick_s

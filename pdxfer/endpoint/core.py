@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +22,7 @@ from ..pools import PoolSpec
 from ..protect import check_serving
 from ..transport import Transport, make_transport
 from .control import Control, Workers
+from .timed_lock import Clocks, TimedLock
 from .trust import Session, Trust
 
 log = logging.getLogger("pdxfer.endpoint")
@@ -52,7 +52,8 @@ class Core:
                                            config.host, config.advertise, secret=self.secret,
                                            opt_in=config.insecure)
         self.trust = Trust(self.secret)
-        self.lock = threading.RLock()
+        self.lock = TimedLock(SLOW_S)
+        """Guards the side's tables and the counters (timed: ``timed_lock.py``)."""
         self.counters: collections.Counter[str] = collections.Counter()
         self.timeline = Timeline()
         self.handlers: dict[type, Handler] = {}
@@ -162,15 +163,16 @@ class Core:
         except wire.Rejected as e:
             self.reject(e.reason, str(e))
             return False
-        t0 = time.perf_counter()
+        t0 = Clocks.now(self.lock)
         handler(msg, sess, h)
-        self.timed(h.kind.__name__, time.perf_counter() - t0)
+        self.timed(h.kind.__name__, t0.since(self.lock))
         return True
 
-    def timed(self, what: str, seconds: float) -> None:
+    def timed(self, what: str, c: Clocks) -> None:
         """Account one run of the control thread's work (a message's handler, a tick): the
         longest is ``handler_max_ms``; one past ``SLOW_S`` is counted and logged (at most
-        once a second), naming what ran."""
+        once a second), naming what ran and where its time went (``Clocks``)."""
+        seconds = c.wall
         self.gauge_max("handler_max_ms", seconds * 1e3)
         if seconds < SLOW_S:
             return
@@ -181,8 +183,8 @@ class Core:
                 return
             self._logged["slow_handler"] = now
         log.warning("%s endpoint %s: the control thread spent %.1f s in %s (it answered no "
-                    "other message meanwhile)", self.config.role, self.endpoint_id, seconds,
-                    what)
+                    "other message meanwhile): %s", self.config.role, self.endpoint_id,
+                    seconds, what, c.explain())
 
     def reject(self, reason: str, text: str) -> None:
         """Count a refused frame by reason; log it at most once a second per reason (a flood

@@ -26,6 +26,7 @@ from .core import Core
 from .handles import Release
 from .receiver import DecodeSide, KVReceiver
 from .sender import KVSender, PrefillSide
+from .timed_lock import Clocks
 
 log = logging.getLogger("pdxfer.endpoint")
 
@@ -193,6 +194,10 @@ class Endpoint:
                 m["pending_requests"] = self.prefill.pending_count
             if self.decode:
                 m["quarantined_pages"] = self.decode.quarantined_pages()
+        m.update(lock_wait_max_ms=round(core.lock.wait_max_s * 1e3, 3),
+                 lock_hold_max_ms=round(core.lock.hold_max_s * 1e3, 3))
+        if core.control is not None:
+            m["control_late_max_ms"] = round(core.control.late_max_s * 1e3, 3)
         s = core.transport.stats
         m.update(transport_calls=s.calls, transport_entries=s.entries,
                  transport_bytes=s.bytes, transport_failures=s.failures,
@@ -247,6 +252,6 @@ class Endpoint:
     def _on_tick(self) -> None:
         side = self.prefill or self.decode
         if side is not None:
-            t0 = time.perf_counter()
+            t0 = Clocks.now(self.core.lock)
             side.tick(time.monotonic())
-            self.core.timed("tick", time.perf_counter() - t0)
+            self.core.timed("tick", t0.since(self.core.lock))

@@ -32,7 +32,16 @@ from .handles import KVPoll, RoomHandle
 from .liveness import Liveness
 from .sender_expect import Expected
 from .sender_hello import Handshakes, model_diff
-from .sender_rooms import Chunk, DecodePeer, Pending, SenderRoom, Target, decodes, pending_size
+from .sender_rooms import (
+    Chunk,
+    DecodePeer,
+    Pending,
+    SenderRoom,
+    Slot,
+    Target,
+    decodes,
+    pending_size,
+)
 from .sender_settle import Settler
 from .sender_writes import Writes
 from .staging import Staging
@@ -236,21 +245,25 @@ class PrefillSide(Handshakes, Writes):
             arrays[name] = a
         layers = _pair(layers, "layers", st.room)
         tokens = _pair(tokens, "tokens", st.room)
-        with self.ep.lock:
-            if st.state.terminal:
-                return
-            c = C.claim(st.room, arrays, self.page_sizes, self.layers_of, st.layer_cursor,
-                        layers, tokens)
-            if isinstance(c, str):
-                raise PlanError(c)
-            st.layer_cursor.update(c.cursors)
-            for n, cur in c.cursors.items():
-                st.cursor[n] = C.low(cur)
-            st.chunks.append(Chunk(arrays, c.first, slots, last, c.span, c.layers))
-            st.last_given = last
-            if last and decodes(st) >= st.expected:
-                st.state = KVPoll.Transferring
-            self._pump(st)
+        starts: list[Slot] = []
+        try:
+            with self.ep.lock:
+                if st.state.terminal:
+                    return
+                c = C.claim(st.room, arrays, self.page_sizes, self.layers_of, st.layer_cursor,
+                            layers, tokens)
+                if isinstance(c, str):
+                    raise PlanError(c)
+                st.layer_cursor.update(c.cursors)
+                for n, cur in c.cursors.items():
+                    st.cursor[n] = C.low(cur)
+                st.chunks.append(Chunk(arrays, c.first, slots, last, c.span, c.layers))
+                st.last_given = last
+                if last and decodes(st) >= st.expected:
+                    st.state = KVPoll.Transferring
+                starts = self._pump(st, start=True)
+        finally:
+            self.start_slots(starts)  # off the lock (``_pump``)
 
     def fail(self, st: SenderRoom, err: PdxferError) -> None:
         """Fail a room; each decode is told once its in-flight writes have drained."""

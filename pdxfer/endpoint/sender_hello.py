@@ -61,8 +61,8 @@ class Handshakes:
                 and old.session == msg.session):
             # the Hello this peer was paired with, again (without a secret the trust table
             # keeps no nonces, so it is known here by its nonce): answered with the same ack,
-            # not paired anew. A decode retransmits every HELLO_RETRY_S while its ack is late,
-            # and a control thread held up for seconds then finds a queue of them; each one
+            # not paired anew. A decode retransmits while its ack is late (``connect.py``,
+            # backing off), and a control thread held up for seconds finds a queue of them; each one
             # handled as new replaced the peer and paired the transport once more. Only the
             # same Hello: a nonce of zeros (a hand-made peer) or another address or transport
             # session is a new endpoint under the old name, and pairs anew.
@@ -73,7 +73,7 @@ class Handshakes:
             self.ep.reject("wrong_pair", f"Hello from {msg.endpoint_id} is for {msg.to!r}")
             return
         # how long the Hello took to be handled here (on the wire, in the inbox, behind other
-        # work of the control thread): a decode retransmits it every HELLO_RETRY_S meanwhile
+        # work of the control thread): a decode retransmits it meanwhile (``connect.py``)
         self.ep.gauge_max("hello_age_max_ms", max(0.0, time.time() - msg.ts) * 1e3)
         reason = self._check_hello(msg)
         if not reason:  # even without pairing data: the transport decides

@@ -6,7 +6,9 @@ Plain data, read and changed under the core's lock by ``sender.py`` and its part
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,6 +81,19 @@ class Chunk:
     """The layers it carries (None: every layer)."""
     plans: dict[Target, P.Blocks] = field(default_factory=dict)
     """Plans made in ``send()`` for a write that could not start there (``_start``)."""
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """A chunk's write that the engine's ``send()`` starts once it has released the lock;
+    the room's worker job for it waits for ``ready`` (``sender_writes.py``)."""
+
+    st: SenderRoom
+    t: Target
+    ci: int
+    ready: threading.Event = field(default_factory=threading.Event)
+    job: Callable[[], None] | None = None
+    """The job that awaits the started write; None: the worker writes the chunk."""
 
 
 @dataclass(slots=True, eq=False)

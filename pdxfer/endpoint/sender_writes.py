@@ -23,7 +23,7 @@ from ..errors import PdxferError, PlanError, TransportError
 from ..plan import chunk as C
 from ..transport.base import Started
 from .handles import KVPoll
-from .sender_rooms import Chunk, SenderRoom, Target, decodes, sliced
+from .sender_rooms import Chunk, SenderRoom, Slot, Target, decodes, sliced
 from .sender_settle import Settler
 from .staging import Staging, bounce
 
@@ -50,41 +50,80 @@ class Writes:
 
     settler: Settler
 
-    def _pump(self, st: SenderRoom) -> None:
+    def _pump(self, st: SenderRoom, start: bool = False) -> list[Slot]:
         """Queue every chunk each target has not been given yet (called under the lock).
 
-        A small chunk's write is started right here (``_start``) and only awaited on the
-        worker; either way the room's jobs stay in order on its worker, so a terminal message
-        queued later still runs after every write has returned."""
+        ``start`` (the engine's ``send()``): a small chunk's write is to be started by the
+        caller once it has released the lock (``start_slots``) and only awaited on the
+        worker; the returned slots say which. Either way the room's jobs are queued here, in
+        order, on its worker, so a terminal message queued later still runs after every
+        write has returned.
+
+        Nothing that may wait on a peer runs under the lock: a transport's ``start`` may (the
+        first write to a peer can open its connection; under load, add the caller's turns at
+        the CPU), and every thread that needs the lock, the control thread's Hello handler
+        among them, would wait with it. On the control thread (a request for chunks already
+        given) nothing is started: the room's worker writes."""
+        slots: list[Slot] = []
         for t in st.targets:
             while t.scheduled < len(st.chunks):
                 ci = t.scheduled
                 t.scheduled += 1
-                job = self._start(st, t, ci)
-                if job is None:
-                    job = lambda t=t, ci=ci: self._write(st, t, ci)  # noqa: E731
-                self.ep.workers.submit(st.room, job)
+                if start and self._startable(st, t, ci):
+                    slot = Slot(st, t, ci)
+                    slots.append(slot)
+                    self.ep.workers.submit(st.room, lambda s=slot: self._slotted(s))
+                else:
+                    self.ep.workers.submit(st.room, lambda t=t, ci=ci: self._write(st, t, ci))
+        return slots
 
-    def _start(self, st: SenderRoom, t: Target, ci: int) -> Callable[[], None] | None:
-        """Plan a small chunk and start its write now, returning the worker job that awaits
-        it; None to leave the whole write to the worker (large, sliced, failed or already
-        late chunks, or the transport cannot start it at once)."""
+    def start_slots(self, slots: list[Slot]) -> None:
+        """Start the writes ``_pump`` left to the caller (after the lock is released); each
+        slot's worker job waits for its outcome, so it is always given one."""
+        try:
+            for s in slots:
+                try:
+                    s.job = self._start(s.st, s.t, s.ci)
+                finally:
+                    s.ready.set()
+        finally:
+            for s in slots:  # whatever escaped: no worker waits for a start that never comes
+                s.ready.set()
+
+    def _slotted(self, s: Slot) -> None:
+        """A slot's worker job: await the write its caller started, else write it here."""
+        s.ready.wait()
+        if s.job is not None:
+            s.job()
+        else:
+            self._write(s.st, s.t, s.ci)
+
+    def _startable(self, st: SenderRoom, t: Target, ci: int) -> bool:
+        """Whether a chunk is small enough to start in ``send()`` (``_start`` decides)."""
         chunk = st.chunks[ci]
         pages = sum(a.size for a in chunk.pages.values())
-        if (not self.cfg.start_in_send or st.state == KVPoll.Failed or t.finished
-                or t.req.silent or pages > P.FEW_PAGES
-                # more entries than one batch at most (no merged runs): not worth planning here
-                or pages * sum(len(pr) for pr in t.peer.pairings.values())
-                > self.ep.transport.batch_entries
-                or (self.staging is not None and sliced(t))
-                or time.monotonic() > st.deadline):
+        return not (not self.cfg.start_in_send or st.state == KVPoll.Failed or t.finished
+                    or t.req.silent or pages > P.FEW_PAGES
+                    # more entries than one batch at most (no merged runs): not worth planning
+                    or pages * sum(len(pr) for pr in t.peer.pairings.values())
+                    > self.ep.transport.batch_entries
+                    or (self.staging is not None and sliced(t)))
+
+    def _start(self, st: SenderRoom, t: Target, ci: int) -> Callable[[], None] | None:
+        """Plan a small chunk and start its write now (the lock not held), returning the
+        worker job that awaits it; None to leave the whole write to the worker (a room that
+        failed or is late meanwhile, or the transport cannot start it at once)."""
+        chunk = st.chunks[ci]
+        if st.state == KVPoll.Failed or t.finished or time.monotonic() > st.deadline:
             return None
         t0 = time.perf_counter()
         try:
             blocks = self._plan(t, chunk, st.cursor)
             if isinstance(blocks, str) or not len(blocks):
                 return None  # the worker fails it (or just finishes) on the usual path
+            ts = time.perf_counter()
             started = self.ep.transport.start(t.peer.session, *blocks.lists(), tag=st.room)
+            self.ep.gauge_max("start_max_ms", (time.perf_counter() - ts) * 1e3)
         except Exception:  # noqa: BLE001 - a bug must not escape into the engine's send()
             log.exception("room %d: starting a write in send() failed", st.room)
             return None  # the worker plans again and fails the room with the reason
