@@ -48,9 +48,10 @@ the decode leg being the rest of the TTFT; colocated's is passed through as it i
 timing it to its first streamed chunk (``first_chunk``). After each colocated request the
 door also sends the colocated server that request's prefill leg as a pair's prefill is sent
 (``FrontDoor.prefill_leg``: the same body through ``prefill_body``, one token, not streamed,
-no ``kv_transfer_params``), timed at the same place, on a prompt of the same shape (the same
-history, another question of the same length, so it computes as many tokens and leaves the
-conversation's cache as it was): colocated's ``prefill_leg``. Until 2026-11-26 colocated's
+no ``kv_transfer_params``), timed at the same place, on a prompt that makes it compute what a
+pair's prefill computes (``reference_leg``: a prefill's cache holds the conversation's
+previous prompt, not the answer its decode computed, so the prompt's tokens after the
+previous prompt are replaced by as many others): colocated's ``prefill_leg``. Until 2026-11-26 colocated's
 ``prefill_leg`` was its first streamed chunk, a different request (run 1 in
 ``docs/performance.md``). Outputs must equal colocated's token for token.
 
@@ -252,16 +253,19 @@ class Samples:
     loads: float = 0.0
 
 
-def reference_leg(door: FrontDoor, hist: list[int], seed: int, shape: Shape,
+def reference_leg(door: FrontDoor, prompt: list[int], held: int, seed: int, answer: int,
                   timeout: float) -> float:
-    """Colocated's prefill leg of a pair's request shape: after a conversation's turn, the
-    door sends the colocated server what a pair's prefill would get for it (one token, not
-    streamed, read whole), timed where a pair's leg is timed. The prompt has the turn's
-    history and another question of the same length (``PROBE`` added to its seed: no block
-    of it equals the turn's question's), so it computes as many tokens as the turn did and
-    the next turn finds the history cached as it would without it."""
-    body = request_body(hist + tokens(seed + PROBE, shape.question), shape.answer)
-    return door.prefill_leg(body, timeout=timeout)[0]
+    """Colocated's prefill leg of a pair's request shape, computing what a pair's prefill
+    computes: after a conversation's turn, the door sends the colocated server what a
+    pair's prefill gets for it (one token, not streamed, read whole), timed where a pair's
+    leg is timed. ``held``: the prompt's first tokens a pair's prefill has in its prefix
+    cache, the conversation's previous prompt (a prefill never computes the answers: the
+    decode did). The colocated server also holds the previous answer, so the rest of the
+    prompt is replaced by as many other tokens (``PROBE`` added to the turn's seed): it
+    computes as many tokens, over as long a context, as the prefill does, and the next turn
+    finds the conversation's cache as it would without it."""
+    probe = prompt[:held] + tokens(seed + PROBE, len(prompt) - held)
+    return door.prefill_leg(request_body(probe, answer), timeout=timeout)[0]
 
 
 def kv_counters(door: FrontDoor | None, cfg: dict[str, Any],
@@ -317,6 +321,7 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
                 salt = 0 if section == "alone" else 50_000
                 sys_prefix = tokens(1 + salt + 7 * rnd, shape.system)
                 hist = {c: list(sys_prefix) for c in range(shape.convs)}
+                held = {c: shape.system for c in range(shape.convs)}  # a prefill's cache
                 for t in range(shape.turns):
                     for c in range(shape.convs):
                         seed = salt + 1000 * rnd + 100 * c + t + 2
@@ -327,10 +332,10 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
                             s.prefill.append(door.prefill_seconds[-1])
                         else:
                             s.first_chunk.append(door.prefill_seconds[-1])
-                            s.prefill.append(reference_leg(door, hist[c], seed, shape,
-                                                           a.request_timeout))
+                            s.prefill.append(reference_leg(door, prompt, held[c], seed,
+                                                           shape.answer, a.request_timeout))
                         outs[(v, (rnd, section, c, t))] = ids
-                        hist[c] = prompt + ids
+                        hist[c], held[c] = prompt + ids, len(prompt)
                 rec[f"busy_cpu_cores_{section}"] = round(clock.cores(), 3)
                 k1 = kv_counters(door, cfg, servers)
                 s.kv_bytes += k1[0] - k0[0]

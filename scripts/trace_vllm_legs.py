@@ -15,8 +15,10 @@ every turn, in an order that rotates turn by turn, four requests:
 - ``colocated_stream``: the turn's streamed request to the colocated server, timed by its door
   to the first streamed chunk (run 1's colocated "prefill leg");
 - ``colocated_one``: colocated's reference leg as bench_vllm now times it (``reference_leg``):
-  the prefill's request shape (one token, not streamed, read whole), same history, another
-  question of the same length;
+  the prefill's request shape (one token, not streamed, read whole) computing what the
+  prefill computes (the previous prompt is cached; the previous answer, which a colocated
+  server also holds but a prefill never computed, and the question are replaced by as many
+  other tokens);
 - ``pdxfer_leg``: the turn through the pair, its prefill leg as the door times it (one token,
   not streamed, ``kv_transfer_params`` asking for a remote decode: the room, the answer's
   params), then the decode leg; its output must equal colocated's;
@@ -24,7 +26,8 @@ every turn, in an order that rotates turn by turn, four requests:
   ``kv_transfer_params``: the connector loaded, no room).
 
 So ``colocated_one - colocated_stream`` is vLLM's own price of the prefill's request shape (a
-finished request, its answer built whole), ``pdxfer_one - colocated_one`` what a loaded
+finished request, its answer built whole) and of recomputing the previous answer (as any
+disaggregated prefill does), ``pdxfer_one - colocated_one`` what a loaded
 connector costs a request it does not move, ``pdxfer_leg - pdxfer_one`` what the room and its
 answer cost. Differences are medians of per-turn pairs (interleaved, so load drift cancels).
 With the stamps (``scripts/trace_hooks``, see ``trace_vllm_prefill.py``) the non-streamed
@@ -46,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vllm import BS, PROBE, Setup, default_variant, makers  # noqa: E402
+from bench_vllm import BS, Setup, default_variant, makers, reference_leg  # noqa: E402
 from trace_vllm_prefill import timeline  # noqa: E402
 
 from pdxfer import BootstrapServer  # noqa: E402
@@ -96,22 +99,25 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         spans: dict[str, list[tuple[int, int]]] = {c: [] for c in CASES}
         ttft: dict[str, list[float]] = {"colocated": [], "pdxfer": []}
         same = 0
+        turn_of: list[int] = []
         res["legs.loadavg_start"] = os.getloadavg()
         prefix = tokens(1, system)
         hist = {c: list(prefix) for c in range(convs)}
+        held = {c: system for c in range(convs)}  # what the prefill has cached
         k = 0
         for t in range(turns):
             for c in range(convs):
                 seed = 100 * c + t + 2
                 prompt = hist[c] + tokens(seed, question)
-                probe = request_body(hist[c] + tokens(seed + PROBE, question), answer)
                 got: dict[str, list[int]] = {}
                 order = CASES[k % 4:] + CASES[:k % 4]
+                turn_of.append(t)
                 k += 1
                 for case in order:
                     door = c_door if case.startswith("colocated") else p_door
                     if case.endswith("_one"):
-                        legs[case].append(door.prefill_leg(probe)[0])
+                        legs[case].append(reference_leg(door, prompt, held[c], seed, answer,
+                                                        600))
                     else:
                         r = stream_request(door.url, prompt, answer, 600)
                         legs[case].append(door.prefill_seconds[-1])
@@ -119,7 +125,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         got[case] = r.ids
                     spans[case].append(door.prefill_spans[-1])
                 same += got["colocated_stream"] == got["pdxfer_leg"]
-                hist[c] = prompt + got["colocated_stream"]
+                hist[c], held[c] = prompt + got["colocated_stream"], len(prompt)
         res["legs.loadavg_end"] = os.getloadavg()
         res["legs.outputs_identical"] = f"{same}/{convs * turns}"
         time.sleep(1.0)  # the stamps' last flush
@@ -133,6 +139,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         res[f"legs.{case}.p50_ms"] = 1e3 * pct(legs[case], 0.5)
         res[f"legs.{case}.p90_ms"] = 1e3 * pct(legs[case], 0.9)
         res[f"legs.{case}.mean_ms"] = 1e3 * statistics.fmean(legs[case])
+        res[f"legs.{case}.by_turn_p50_ms"] = [
+            round(1e3 * statistics.median([x for x, u in zip(legs[case], turn_of) if u == t]), 1)
+            for t in range(turns)]
     for who, xs in ttft.items():
         res[f"legs.ttft_p50_ms.{who}"] = 1e3 * pct(xs, 0.5)
     for x, y in DIFFS:

@@ -214,22 +214,22 @@ def test_colocated_reference_leg_is_the_request_a_pairs_prefill_is_sent(
         completions: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
         ) -> None:
     """Run 1 compared a pair's prefill leg (one token, not streamed, read whole) with
-    colocated's first streamed chunk of a 24-token request: unlike requests. Colocated's
-    reference is now the prefill's own request shape, sent and timed by the same door."""
+    colocated's first streamed chunk of a 24-token request, which also found the previous
+    answer in its cache: unlike requests. Colocated's reference is now the prefill's own
+    request shape, computing what the prefill computes, sent and timed by the same door."""
     import importlib
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     bench = importlib.import_module("bench_vllm")
     url, bodies = completions
-    shape = bench.Shape(rounds=1, convs=1, turns=1, system=64, question=32, answer=24)
-    hist, seed = bench.tokens(1, shape.system), 2
-    prompt = hist + bench.tokens(seed, shape.question)
+    prev = bench.tokens(1, 64)  # the conversation's previous prompt, and its answer
+    prompt = prev + [411] * 24 + bench.tokens(2, 32)
     pair = FrontDoor(url, url, "d").start()
     colo = FrontDoor(url, "", connector="colocated").start()
     try:
-        stream_request(pair.url, prompt, shape.answer, 30)  # the benchmark's own client
+        stream_request(pair.url, prompt, 24, 30)  # the benchmark's own client
         assert len(bodies) == 2 and len(pair.prefill_seconds) == 1
-        leg = bench.reference_leg(colo, hist, seed, shape, 30)
+        leg = bench.reference_leg(colo, prompt, len(prev), 2, 24, 30)
     finally:
         pair.close()
         colo.close()
@@ -243,11 +243,12 @@ def test_colocated_reference_leg_is_the_request_a_pairs_prefill_is_sent(
 
     assert shape_of(reference) == shape_of(to_prefill)
     assert reference["max_tokens"] == 1 and reference["stream"] is False
-    # the same history and as many tokens to compute, but not the turn's question: the
-    # conversation's next turn finds its cache as it left it
+    # what a prefill holds cached (the previous prompt), then as many tokens to compute as
+    # it computes (it never saw the answer, which a colocated server holds): other ones,
+    # so the conversation's next turn finds its cache as it left it
     ref_prompt = reference["prompt"]
-    assert len(ref_prompt) == len(prompt) and ref_prompt[:len(hist)] == hist
-    assert ref_prompt[len(hist)] != prompt[len(hist)]
+    assert len(ref_prompt) == len(prompt) and ref_prompt[:len(prev)] == prev
+    assert ref_prompt[len(prev)] != prompt[len(prev)]
 
 
 def test_the_prefill_leg_ratio_reads_colocated_s_leg_of_the_same_request_shape(
