@@ -59,6 +59,8 @@ Keys (``.contended`` appended for the loaded half): per variant ``vllm.ttft_p50_
 ``ttft_p90_ms``, ``prefill_leg_p50_ms`` / ``p90``, ``decode_leg_p50_ms`` / ``p90``,
 ``kv_ready_ms_mean``, ``kv_mib``, ``busy_cpu_cores`` (CPU seconds per second of the
 variant's servers while its requests ran), colocated's ``first_chunk_p50_ms`` / ``p90``;
+``requests_ms`` per request (a pair's TTFT and prefill leg; colocated's TTFT, first chunk and
+reference leg);
 ``vllm.idle_cpu_cores.<variant>``; ``vllm.prefill_leg_p50_ratio_vs_colocated`` (pdxfer's
 default transport's prefill leg over colocated's of the same request shape, both timed by the
 door; ``..._vs_colocated_stream``: over colocated's first streamed chunk, the figure run 1
@@ -371,6 +373,10 @@ def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],
         if s.first_chunk:
             res[f"vllm.first_chunk_p50_ms.{v}{sfx}"] = 1e3 * pct(s.first_chunk, 0.5)
             res[f"vllm.first_chunk_p90_ms.{v}{sfx}"] = 1e3 * pct(s.first_chunk, 0.9)
+            # per request, in order (turn by turn): TTFT, first chunk, the reference leg
+            res[f"vllm.requests_ms.{v}{sfx}"] = [
+                [round(1e3 * t), round(1e3 * c), round(1e3 * p)]
+                for t, c, p in zip(s.ttft, s.first_chunk, s.prefill)]
         if s.prefill and v != "colocated":
             dec = [t - p for t, p in zip(s.ttft, s.prefill)]
             res[f"vllm.decode_leg_p50_ms.{v}{sfx}"] = 1e3 * pct(dec, 0.5)

@@ -267,3 +267,4 @@ def test_the_prefill_leg_ratio_reads_colocated_s_leg_of_the_same_request_shape(
     assert res["vllm.prefill_leg_p50_ratio_vs_colocated_stream.pdxfer_nixl"] == \
         pytest.approx(1.4)
     assert "vllm.decode_leg_p50_ms.colocated" not in res
+    assert res["vllm.requests_ms.colocated"] == [[100, 60, 80]] * 2
