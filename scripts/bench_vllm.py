@@ -22,7 +22,8 @@ Then the workload alone, then the same workload shape (fresh prompts) beside a f
 
 Variants (``--variants``, comma-separated):
 
-- ``colocated``: one vLLM server (the reference; its prefill leg is its TTFT);
+- ``colocated``: one vLLM server (the reference: its TTFT, and a prefill leg of the prefill's
+  own request shape, see below);
 - ``pdxfer_tcp``, ``pdxfer_nixl``: a prefill and a decode with PdxferConnector over the
   Mooncake TCP or the NIXL transport;
 - ``pdxfer_reuse``: pdxfer's default transport, the decode with decode-side tiers (L2);
@@ -42,17 +43,28 @@ history and adding a question. vLLM's prefix cache is on in prefills (and the co
 server) and off in decodes, so decodes differ only in what pdxfer's tiers restore. Requests
 run one at a time, streamed; TTFT is the time to the first streamed token. Every request goes
 through a front door (``pdxfer.testing.vllm_proxy``): a pair's follows vLLM's proxy protocol
-and the door times its prefill leg (the prefill's one-token answer), the decode leg being the
-rest of the TTFT; colocated's is passed through as it is, and the door times it to its first
-streamed chunk (a prefill of the same prompt, timed at the same place, through the same
-hops). Outputs must equal colocated's token for token.
+and the door times its prefill leg (the prefill's one-token, non-streamed answer, read whole),
+the decode leg being the rest of the TTFT; colocated's is passed through as it is, the door
+timing it to its first streamed chunk (``first_chunk``). After each colocated request the
+door also sends the colocated server that request's prefill leg as a pair's prefill is sent
+(``FrontDoor.prefill_leg``: the same body through ``prefill_body``, one token, not streamed,
+no ``kv_transfer_params``), timed at the same place, on a prompt that makes it compute what a
+pair's prefill computes (``reference_leg``: a prefill's cache holds the conversation's
+previous prompt, not the answer its decode computed, so the prompt's tokens after the
+previous prompt are replaced by as many others): colocated's ``prefill_leg``. Until 2026-11-26 colocated's
+``prefill_leg`` was its first streamed chunk, a different request (run 1 in
+``docs/performance.md``). Outputs must equal colocated's token for token.
 
 Keys (``.contended`` appended for the loaded half): per variant ``vllm.ttft_p50_ms.*``,
 ``ttft_p90_ms``, ``prefill_leg_p50_ms`` / ``p90``, ``decode_leg_p50_ms`` / ``p90``,
 ``kv_ready_ms_mean``, ``kv_mib``, ``busy_cpu_cores`` (CPU seconds per second of the
-variant's servers while its requests ran); ``vllm.idle_cpu_cores.<variant>``;
-``vllm.prefill_leg_p50_ratio_vs_colocated`` (pdxfer's default transport's prefill leg over
-colocated's, both timed by the door), ``vllm.ttft_p50_ratio_vs_builtin``
+variant's servers while its requests ran), colocated's ``first_chunk_p50_ms`` / ``p90``;
+``requests_ms`` per request (a pair's TTFT and prefill leg; colocated's TTFT, first chunk and
+reference leg);
+``vllm.idle_cpu_cores.<variant>``; ``vllm.prefill_leg_p50_ratio_vs_colocated`` (pdxfer's
+default transport's prefill leg over colocated's of the same request shape, both timed by the
+door; ``..._vs_colocated_stream``: over colocated's first streamed chunk, the figure run 1
+reported), ``vllm.ttft_p50_ratio_vs_builtin``
 (pdxfer's default transport over NixlConnector), ``vllm.ttft_p50_ratio_decode_reuse`` and
 ``vllm.kv_ready_ratio_decode_reuse`` (reuse over the default transport without it; the
 second is the connector's own time until the KV is in place), each ratio also per pdxfer
@@ -81,7 +93,14 @@ from pdxfer import BootstrapServer
 from pdxfer.integrations.vllm.config import ConnectorConfig
 from pdxfer.testing.hf_model import SHAPES, build_model
 from pdxfer.testing.proccpu import TreeClock, busy_cores, host_busy_cores
-from pdxfer.testing.vllm_bench import pct, root_cause, run_and_report, tokens, ttft
+from pdxfer.testing.vllm_bench import (
+    pct,
+    request_body,
+    root_cause,
+    run_and_report,
+    tokens,
+    ttft,
+)
 from pdxfer.testing.vllm_procs import (
     Server,
     ServerNotReady,
@@ -99,6 +118,9 @@ BS = 32
 ALL = ("colocated", "pdxfer_tcp", "pdxfer_nixl", "pdxfer_reuse", "builtin", "mooncake")
 SECTIONS = ("alone", "contended")
 Maker = Callable[[], Server]
+PROBE = 350
+"""Added to a question's seed for colocated's reference leg (``reference_leg``): seeds equal
+modulo 700 draw the same ids (``tokens``), and the questions' seeds are 2-5 modulo 100."""
 
 
 def default_transport() -> str:
@@ -225,9 +247,27 @@ class Samples:
 
     ttft: list[float] = dataclasses.field(default_factory=list)
     prefill: list[float] = dataclasses.field(default_factory=list)
+    """A pair's prefill leg; colocated's leg of the same request shape (``prefill_leg``)."""
+    first_chunk: list[float] = dataclasses.field(default_factory=list)
+    """Colocated: the door's time to the first streamed chunk."""
     kv_bytes: float = 0.0
     ready_s: float = 0.0
     loads: float = 0.0
+
+
+def reference_leg(door: FrontDoor, prompt: list[int], held: int, seed: int, answer: int,
+                  timeout: float) -> float:
+    """Colocated's prefill leg of a pair's request shape, computing what a pair's prefill
+    computes: after a conversation's turn, the door sends the colocated server what a
+    pair's prefill gets for it (one token, not streamed, read whole), timed where a pair's
+    leg is timed. ``held``: the prompt's first tokens a pair's prefill has in its prefix
+    cache, the conversation's previous prompt (a prefill never computes the answers: the
+    decode did). The colocated server also holds the previous answer, so the rest of the
+    prompt is replaced by as many other tokens (``PROBE`` added to the turn's seed): it
+    computes as many tokens, over as long a context, as the prefill does, and the next turn
+    finds the conversation's cache as it would without it."""
+    probe = prompt[:held] + tokens(seed + PROBE, len(prompt) - held)
+    return door.prefill_leg(request_body(probe, answer), timeout=timeout)[0]
 
 
 def kv_counters(door: FrontDoor | None, cfg: dict[str, Any],
@@ -267,6 +307,8 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
             door = FrontDoor(servers[0].url, "", connector="colocated").start()
         url = door.url
         ttft(url, tokens(999, 2 * BS + 5), 2, a.request_timeout)  # one-time costs
+        if len(servers) == 1:  # and those of the reference leg's request shape
+            door.prefill_leg(request_body(tokens(998, 2 * BS + 5), 2), timeout=a.request_timeout)
         time.sleep(1.0)
         rec["idle_cpu_cores"] = round(busy_cores([s.pid for s in servers], a.idle_seconds), 4)
         for section in SECTIONS if a.contended else SECTIONS[:1]:
@@ -281,16 +323,21 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
                 salt = 0 if section == "alone" else 50_000
                 sys_prefix = tokens(1 + salt + 7 * rnd, shape.system)
                 hist = {c: list(sys_prefix) for c in range(shape.convs)}
+                held = {c: shape.system for c in range(shape.convs)}  # a prefill's cache
                 for t in range(shape.turns):
                     for c in range(shape.convs):
-                        prompt = hist[c] + tokens(salt + 1000 * rnd + 100 * c + t + 2,
-                                                  shape.question)
+                        seed = salt + 1000 * rnd + 100 * c + t + 2
+                        prompt = hist[c] + tokens(seed, shape.question)
                         dt, ids = ttft(url, prompt, shape.answer, a.request_timeout)
                         s.ttft.append(dt)
-                        if door:
+                        if len(servers) == 2:
                             s.prefill.append(door.prefill_seconds[-1])
+                        else:
+                            s.first_chunk.append(door.prefill_seconds[-1])
+                            s.prefill.append(reference_leg(door, prompt, held[c], seed,
+                                                           shape.answer, a.request_timeout))
                         outs[(v, (rnd, section, c, t))] = ids
-                        hist[c] = prompt + ids
+                        hist[c], held[c] = prompt + ids, len(prompt)
                 rec[f"busy_cpu_cores_{section}"] = round(clock.cores(), 3)
                 k1 = kv_counters(door, cfg, servers)
                 s.kv_bytes += k1[0] - k0[0]
@@ -323,6 +370,13 @@ def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],
         if s.prefill:
             res[f"vllm.prefill_leg_p50_ms.{v}{sfx}"] = 1e3 * pct(s.prefill, 0.5)
             res[f"vllm.prefill_leg_p90_ms.{v}{sfx}"] = 1e3 * pct(s.prefill, 0.9)
+        if s.first_chunk:
+            res[f"vllm.first_chunk_p50_ms.{v}{sfx}"] = 1e3 * pct(s.first_chunk, 0.5)
+            res[f"vllm.first_chunk_p90_ms.{v}{sfx}"] = 1e3 * pct(s.first_chunk, 0.9)
+            # per request, in order (turn by turn): TTFT, first chunk, the reference leg
+            res[f"vllm.requests_ms.{v}{sfx}"] = [
+                [round(1e3 * t), round(1e3 * c), round(1e3 * p)]
+                for t, c, p in zip(s.ttft, s.first_chunk, s.prefill)]
         if s.prefill and v != "colocated":
             dec = [t - p for t, p in zip(s.ttft, s.prefill)]
             res[f"vllm.decode_leg_p50_ms.{v}{sfx}"] = 1e3 * pct(dec, 0.5)
@@ -357,6 +411,8 @@ def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],
         if v.startswith("pdxfer"):
             ratio("prefill_leg_p50_ratio_vs_colocated", v, "prefill_leg_p50_ms.colocated",
                   "prefill_leg_p50_ms")
+            ratio("prefill_leg_p50_ratio_vs_colocated_stream", v,
+                  "first_chunk_p50_ms.colocated", "prefill_leg_p50_ms")
             ratio("ttft_p50_ratio_vs_builtin", v, "ttft_p50_ms.builtin")
     ratio("ttft_p50_ratio_decode_reuse", "pdxfer_reuse", f"ttft_p50_ms.{dflt}")
     ratio("kv_ready_ratio_decode_reuse", "pdxfer_reuse", f"kv_ready_ms_mean.{dflt}",

@@ -103,7 +103,8 @@ def calls(ev: list[tuple[str, str, int, int]], name: str) -> list[tuple[int, int
 
 PARTS = ("exec.model", "exec.sample", "sched.schedule", "sched.update", "sched.conn_finished",
          "pdx.request_finished", "pdx.build_meta", "pdx.start_load_kv", "pdx.wait_for_save",
-         "pdx.get_finished", "pdx.send", "pdx.write_stats")
+         "pdx.get_finished", "pdx.save_layer", "pdx.give", "pdx.open", "pdx.hand",
+         "pdx.write_stats")
 """Stamped calls summed per request: in the steps until the answer, and after it."""
 
 

@@ -62,6 +62,13 @@ def stream_request(url: str, prompt: list[int], max_tokens: int, timeout: float,
     return Reply(first, ids, ext)
 
 
+def request_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """The body ``stream_request`` sends (without ``logprobs``): what a front door is given
+    for one benchmark request, and what it reshapes into a prefill's request."""
+    return {"model": "llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "return_token_ids": True, "ignore_eos": True}
+
+
 def ttft(url: str, prompt: list[int], max_tokens: int, timeout: float) -> tuple[float, list[int]]:
     """(seconds to the first token, the generated ids) of one streamed request."""
     r = stream_request(url, prompt, max_tokens, timeout)

@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
           f"blocks restored on the decode from L2: {l2}, from L3 after the restart: {l3}; "
           f"KV bytes the prefill sent: {sent}; {total:.1f} s for the first batch")
     print(f"KV streamed layer by layer from the prefill: {pst.get('layer_sends', 0)} layer "
-          f"hand-offs inside the forward (send_by: layer) for {pst.get('sends', 0)} requests")
+          f"hand-offs (send_by: layer: inside the forward once a decode asked, else one "
+          f"after it) for {pst.get('sends', 0)} requests")
     modes = Counter(r["info"].get("dispatch", "unknown") for r in results if r["ok"])
     print("dispatch: " + ", ".join(f"{m} for {n}/{len(results)} requests"
                                    for m, n in sorted(modes.items()))

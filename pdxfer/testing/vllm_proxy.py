@@ -7,9 +7,12 @@ with the ``kv_transfer_params`` the prefill returned, its answer (or stream) rel
 comes. ``connector="nixl"`` speaks vLLM's NixlConnector protocol instead (the prefill's
 params, whatever they are, are copied to the decode). ``connector="colocated"`` passes each
 request to one server (``prefill``) as it is, so a colocated reference crosses the same
-proxy as a pair; its "prefill leg" is the time to the first streamed chunk (for completions,
-the one with the first token), measured at the same place as a pair's (the door's request
-until the answer). With ``early=(bootstrap, instance)`` (pdxfer only) both requests go out
+proxy as a pair; the time to its first streamed chunk (for completions, the one with the
+first token) is recorded as its "prefill leg" (``prefill_seconds``). That is not the request
+a pair's prefill answers: ``prefill_leg`` sends a request in the prefill's own shape
+(``prefill_body``: one token, not streamed, the answer read whole) to ``prefill`` and times it
+exactly as a pair's leg is timed, so a colocated server's reference for the prefill leg is
+the same request (``scripts/bench_vllm.py``). With ``early=(bootstrap, instance)`` (pdxfer only) both requests go out
 at once, the decode's carrying the room, that prefill's bootstrap and instance (the early
 form, as ``pdxfer router --engine vllm`` dispatches). It runs in a thread of the caller.
 """
@@ -25,6 +28,22 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+
+def prefill_body(body: dict[str, Any], params: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+    """What a prefill is sent for a client's ``body``, as vLLM's own disaggregated proxy sends
+    it: one token (``max_tokens``, and ``max_completion_tokens`` where given), not streamed
+    (``stream_options`` dropped), with ``params`` as its ``kv_transfer_params`` (none: the
+    same request to a server that keeps the KV itself)."""
+    first = {**body, "stream": False, "max_tokens": 1}
+    first.pop("stream_options", None)
+    first.pop("kv_transfer_params", None)
+    if "max_completion_tokens" in first:
+        first["max_completion_tokens"] = 1
+    if params is not None:
+        first["kv_transfer_params"] = params
+    return first
 
 
 class FrontDoor:
@@ -94,34 +113,45 @@ class FrontDoor:
         path = request.path
         if self.connector == "colocated":
             return await self._relay(request, self.prefill + path, body, timed=True)
-        first = {**body, "stream": False, "kv_transfer_params": self._prefill_params()}
-        first.pop("stream_options", None)
-        first["max_tokens"] = 1
-        if "max_completion_tokens" in first:
-            first["max_completion_tokens"] = 1
-        t0 = time.perf_counter_ns()
-
-        async def prefill() -> tuple[int, bytes, Any]:
-            async with self._session.post(self.prefill + path, json=first) as r:
-                raw = await r.read()
-            self._leg(t0)
-            return r.status, raw, (json.loads(raw) if r.status == 200 else None)
-
+        ask = self._prefill_params()
         if self.early is not None:
-            ask = first["kv_transfer_params"]
             params = {"do_remote_prefill": True, "do_remote_decode": False,
                       "pdxfer_room": ask["pdxfer_room"], "pdxfer_bootstrap": self.early[0],
                       "pdxfer_instance": self.early[1]}
-            self._bg.add(asyncio.ensure_future(prefill()))  # runs beside the decode's leg
+            # runs beside the decode's leg
+            self._bg.add(asyncio.ensure_future(self._prefill(path, body, ask)))
             self._bg = {t for t in self._bg if not t.done()}
         else:
-            status, raw, answer = await prefill()
+            status, raw, answer, _ = await self._prefill(path, body, ask)
             if status != 200:
                 return web.Response(body=raw, status=status, content_type="application/json")
             params = answer.get("kv_transfer_params")
         self.last_params = params
         return await self._relay(request, self.decode + path,
                                  {**body, "kv_transfer_params": params})
+
+    async def _prefill(self, path: str, body: dict[str, Any], params: dict[str, Any] | None
+                       ) -> tuple[int, bytes, Any, float]:
+        """The prefill leg: ``body`` in the prefill's shape to ``prefill``, timed from before
+        the request until its answer is read whole (a pair's leg, or ``prefill_leg``'s).
+        Returns the status, the answer raw and parsed (when 200), and the leg's seconds."""
+        first = prefill_body(body, params)
+        t0 = time.perf_counter_ns()
+        async with self._session.post(self.prefill + path, json=first) as r:
+            raw = await r.read()
+        leg = self._leg(t0)
+        return r.status, raw, (json.loads(raw) if r.status == 200 else None), leg
+
+    def prefill_leg(self, body: dict[str, Any], path: str = "/v1/completions",
+                    timeout: float = 600.0) -> tuple[float, Any]:
+        """From another thread: ``body`` sent to ``prefill`` as a pair's prefill leg is (the
+        same shape, without ``kv_transfer_params``), timed at the same place. Returns the
+        leg's seconds and the parsed answer (a colocated server's reference leg)."""
+        fut = asyncio.run_coroutine_threadsafe(self._prefill(path, body, None), self._loop)
+        status, raw, answer, leg = fut.result(timeout)
+        if status != 200:
+            raise RuntimeError(f"prefill leg: HTTP {status}: {raw[:500]!r}")
+        return leg, answer
 
     async def _relay(self, request: web.Request, url: str, body: dict[str, Any],
                      timed: bool = False) -> web.StreamResponse:
@@ -149,10 +179,11 @@ class FrontDoor:
                 pass
             return out
 
-    def _leg(self, t0: int) -> None:
+    def _leg(self, t0: int) -> float:
         t1 = time.perf_counter_ns()
         self.prefill_seconds.append((t1 - t0) / 1e9)
         self.prefill_spans.append((t0, t1))
+        return (t1 - t0) / 1e9
 
     def close(self) -> None:
         async def stop() -> None:

@@ -39,8 +39,11 @@ TARGETS = {
         ("PdxferConnector", "build_connector_meta", "pdx.build_meta"),
         ("PdxferConnector", "start_load_kv", "pdx.start_load_kv"),
         ("PdxferConnector", "wait_for_save", "pdx.wait_for_save"),
-        ("PdxferConnector", "get_finished", "pdx.get_finished")],
-    "pdxfer.integrations.vllm.worker": [("PdxferWorker", "_send", "pdx.send"),
+        ("PdxferConnector", "get_finished", "pdx.get_finished"),
+        ("PdxferConnector", "save_kv_layer", "pdx.save_layer")],
+    "pdxfer.integrations.vllm.worker": [("PdxferWorker", "_hand", "pdx.hand"),
+                                        ("PdxferWorker", "_give", "pdx.give"),
+                                        ("PdxferWorker", "_open", "pdx.open"),
                                         ("PdxferWorker", "_write_stats", "pdx.write_stats")],
 }
 

@@ -1,20 +1,28 @@
 """What scripts/bench_vllm.py relies on to be fair and never hang: a server that never
-answers ready ends the start-up with an error naming it, within its deadline; and the idle CPU
-of a process tree is measured from /proc (a spinning tree costs cores, a sleeping one none)."""
+answers ready ends the start-up with an error naming it, within its deadline; the idle CPU
+of a process tree is measured from /proc (a spinning tree costs cores, a sleeping one none);
+and colocated's reference for the prefill leg is the request a pair's prefill is sent."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pdxfer.testing.proccpu import busy_cores, host_busy_cores, tree_pids
+from pdxfer.testing.vllm_bench import stream_request
 from pdxfer.testing.vllm_procs import Server, ServerNotReady, free_port, start_one_by_one
+from pdxfer.testing.vllm_proxy import FrontDoor
 
 HEALTHY = """
 import http.server, sys
@@ -158,3 +166,105 @@ def test_the_headline_ratios_read_the_variant_a_user_gets_with_no_transport_set(
     assert importlib.util.find_spec("nixl_cu12") is not None  # the cpu extra installs it
     assert pick(["tcp", "nixl"], ["tcp", "nixl"], same_host=True) == "nixl"
     assert bench.default_variant() == "pdxfer_nixl"
+
+
+class _Completions(http.server.BaseHTTPRequestHandler):
+    """An OpenAI completions endpoint that records each body it is sent and answers one
+    token: streamed as server-sent events, or as one JSON answer with ``kv_transfer_params``
+    (what a vLLM prefill adds)."""
+
+    bodies: list[dict[str, Any]]
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append(body)
+        choice = {"index": 0, "text": "a", "token_ids": [400], "logprobs": None,
+                  "finish_reason": None if body.get("stream") else "length"}
+        answer = {"id": "c", "object": "text_completion", "created": 0, "model": "llama",
+                  "choices": [choice]}
+        self.send_response(200)
+        if body.get("stream"):
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(f"data: {json.dumps(answer)}\n\ndata: [DONE]\n\n".encode())
+            return
+        raw = json.dumps({**answer, "kv_transfer_params": {"pdxfer_room": 7}}).encode()
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *a: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def completions() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    handler = type("Recording", (_Completions,), {"bodies": []})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", handler.bodies
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_colocated_reference_leg_is_the_request_a_pairs_prefill_is_sent(
+        completions: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """Run 1 compared a pair's prefill leg (one token, not streamed, read whole) with
+    colocated's first streamed chunk of a 24-token request, which also found the previous
+    answer in its cache: unlike requests. Colocated's reference is now the prefill's own
+    request shape, computing what the prefill computes, sent and timed by the same door."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    bench = importlib.import_module("bench_vllm")
+    url, bodies = completions
+    prev = bench.tokens(1, 64)  # the conversation's previous prompt, and its answer
+    prompt = prev + [411] * 24 + bench.tokens(2, 32)
+    pair = FrontDoor(url, url, "d").start()
+    colo = FrontDoor(url, "", connector="colocated").start()
+    try:
+        stream_request(pair.url, prompt, 24, 30)  # the benchmark's own client
+        assert len(bodies) == 2 and len(pair.prefill_seconds) == 1
+        leg = bench.reference_leg(colo, prompt, len(prev), 2, 24, 30)
+    finally:
+        pair.close()
+        colo.close()
+    to_prefill, _, reference = bodies
+    assert colo.prefill_seconds == [leg] and leg > 0  # timed where a pair's leg is
+    assert "kv_transfer_params" in to_prefill and "kv_transfer_params" not in reference
+
+    def shape_of(b: dict[str, Any]) -> dict[str, Any]:  # None is what vLLM takes as unset
+        return {k: v for k, v in b.items()
+                if v is not None and k not in ("prompt", "kv_transfer_params")}
+
+    assert shape_of(reference) == shape_of(to_prefill)
+    assert reference["max_tokens"] == 1 and reference["stream"] is False
+    # what a prefill holds cached (the previous prompt), then as many tokens to compute as
+    # it computes (it never saw the answer, which a colocated server holds): other ones,
+    # so the conversation's next turn finds its cache as it left it
+    ref_prompt = reference["prompt"]
+    assert len(ref_prompt) == len(prompt) and ref_prompt[:len(prev)] == prev
+    assert ref_prompt[len(prev)] != prompt[len(prev)]
+
+
+def test_the_prefill_leg_ratio_reads_colocated_s_leg_of_the_same_request_shape(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    bench = importlib.import_module("bench_vllm")
+    colo = bench.Samples(ttft=[0.1, 0.1], prefill=[0.08, 0.08], first_chunk=[0.06, 0.06])
+    pdx = bench.Samples(ttft=[0.2, 0.2], prefill=[0.084, 0.084])
+    res = bench.summary({("colocated", "alone"): colo, ("pdxfer_nixl", "alone"): pdx}, [],
+                        ["colocated", "pdxfer_nixl"])
+    assert res["vllm.prefill_leg_p50_ms.colocated"] == pytest.approx(80)
+    assert res["vllm.first_chunk_p50_ms.colocated"] == pytest.approx(60)
+    assert res["vllm.prefill_leg_p50_ratio_vs_colocated.pdxfer_nixl"] == pytest.approx(1.05)
+    assert res["vllm.prefill_leg_p50_ratio_vs_colocated_stream.pdxfer_nixl"] == \
+        pytest.approx(1.4)
+    assert "vllm.decode_leg_p50_ms.colocated" not in res
+    assert res["vllm.requests_ms.colocated"] == [[100, 60, 80]] * 2

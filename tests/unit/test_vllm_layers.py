@@ -7,7 +7,8 @@ layer at a time and calls ``save_kv_layer`` after each, as vLLM's attention laye
   had a prefix cached.
 - Inside the forward, a decode that already asked holds a layer of the step's tokens before
   the prefill has computed the next layer (a hand-off, not a send after the step), and ends
-  with exactly the prefill's KV; a layer the forward never reports goes after the step.
+  with exactly the prefill's KV; a layer the forward never reports goes after the step, and
+  so do all the layers of a room no decode has asked for yet, in one hand-off.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def layerwise(e: base.Engine, after: Callable[[int, str, int, int], None] | None
     e._forward = types.MethodType(forward, e)  # type: ignore[method-assign]
 
 
+def asks_first(pair: base.Pair) -> None:
+    """The decode asks before the prefill has the request, and its request reaches the
+    prefill (waiting there for the room): a decode that has asked by the time a layer is
+    computed gets that layer handed over at once."""
+    pair.d.step()
+    run_until([], lambda: pair.p.ep.tables()["pending"] == 1)
+
+
 def test_a_step_order_names_the_tokens_it_computes_and_the_blocks_that_hold_them() -> None:
     st = Streamed(room=1, peer=None, num_tokens=150)
     ids = list(range(10, 15))
@@ -112,7 +121,7 @@ def test_an_early_decode_holds_a_layer_before_the_prefill_computed_the_next(
     free_p, free_d = p.free_blocks(), d.free_blocks()
     tokens = [(i * 13) % 900 + 10 for i in range(150)]
     d.add("l-d", tokens, 3, early_params(pair, 7101))
-    d.step()  # the decode asks before the prefill has the request
+    asks_first(pair)
     seen: list[tuple[int, int]] = []
 
     def arrived(layer: int, first: int, n: int) -> bool:
@@ -158,7 +167,7 @@ def test_where_blocks_are_packed_a_block_filled_in_part_waits_to_be_complete(
     tokens = [(i * 31) % 900 + 10 for i in range(150)]
     layerwise(p)
     d.add("k-d", tokens, 2, early_params(pair, 7301))
-    d.step()
+    asks_first(pair)
     p.add("k", tokens, 1, prefill_params(7301, "d-lpack"))
     run_until([p, d], lambda: "k-d" in d.computed)
     n = len(tokens) - 1
@@ -177,7 +186,7 @@ def test_a_layer_the_forward_does_not_report_is_sent_after_the_step(
     tokens = [(i * 29) % 900 + 10 for i in range(130)]
     layerwise(p, report=lambda i: i != 1)  # layer 1 is never reported (a graph replay)
     d.add("s-d", tokens, 2, early_params(pair, 7201))
-    d.step()
+    asks_first(pair)
     p.add("s", tokens, 1, prefill_params(7201, "d-lskip"))
     run_until([p, d], lambda: "s-d" in d.computed)
     assert d.computed["s-d"][0] == (len(tokens) - 1, 1)
@@ -187,6 +196,29 @@ def test_a_layer_the_forward_does_not_report_is_sent_after_the_step(
     assert p.conn.worker.counters["layer_sends"] == 3 * S.layers, \
         "each of the 3 steps: the reported layers one by one, then layer 1 after the step"
     run_until([p, d], lambda: "s-d" in d.finished and "s" not in p.sched.requests)
+
+
+def test_a_room_no_decode_asked_for_gets_each_steps_layers_after_the_forward_at_once(
+        model: Path, server: BootstrapServer) -> None:
+    """Under vLLM's proxy the decode asks after the prefill's answer, so while the forward
+    runs nobody can receive a layer; a hand-off per layer only spent the engine thread's
+    time inside the forward while the answer waited (issue 33: ~1 ms a request). Each step's
+    layers go after its forward in one hand-off, and the decode that asks later receives
+    exactly the prefill's KV."""
+    pair = make_pair(model, server, name="lnone", batched=STEP)
+    p, d = pair.p, pair.d
+    layerwise(p)
+    tokens = [(i * 17) % 900 + 10 for i in range(150)]
+    base.prefill_then_decode(pair, "n", tokens, room=7401)
+    w = p.conn.worker
+    # steps end at 48, 96, 144, 150: one hand-off each (complete blocks, then the rest)
+    assert w.counters["layer_sends"] == 4, "one hand-off per step, not one per layer"
+    assert w.counters["sends"] == 1
+    run_until([p, d], lambda: "n-d" in d.computed)
+    assert d.computed["n-d"][0] == (len(tokens) - 1, 1), "only the last token recomputed"
+    n = len(tokens) - 1
+    assert torch.equal(base.held(d, "n-d", n), expected(tokens, n))
+    run_until([p, d], lambda: "n-d" in d.finished and "n" not in p.sched.requests)
 
 
 def parse_send_by(extra: dict[str, Any]) -> str:

@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""The vLLM prefill leg against colocated vLLM, request shape by request shape, interleaved:
+what ``scripts/bench_vllm.py``'s ``vllm.prefill_leg_p50_ratio_vs_colocated`` compares, and
+where the difference goes.
+
+    python scripts/trace_vllm_legs.py [--quick] [--json trace_legs.json] [--no-stamps]
+
+A colocated server and a pdxfer pair (pdxfer's default transport, ``bench_vllm``'s
+``vllm.default_variant``) are up together (they sleep when idle: 0.02-0.04 cores a pair), each
+behind its own front door (``pdxfer.testing.vllm_proxy``). The workload is bench_vllm's:
+conversations whose prompts open with one shared system prefix (cached in the colocated server
+and the prefill), the conversation's history and a new question; the answers are greedy. For
+every turn, in an order that rotates turn by turn, four requests:
+
+- ``colocated_stream``: the turn's streamed request to the colocated server, timed by its door
+  to the first streamed chunk (run 1's colocated "prefill leg");
+- ``colocated_one``: colocated's reference leg as bench_vllm now times it (``reference_leg``):
+  the prefill's request shape (one token, not streamed, read whole) computing what the
+  prefill computes (the previous prompt is cached; the previous answer, which a colocated
+  server also holds but a prefill never computed, and the question are replaced by as many
+  other tokens);
+- ``pdxfer_leg``: the turn through the pair, its prefill leg as the door times it (one token,
+  not streamed, ``kv_transfer_params`` asking for a remote decode: the room, the answer's
+  params), then the decode leg; its output must equal colocated's;
+- ``pdxfer_one``: the pair's prefill sent ``colocated_one``'s request (no
+  ``kv_transfer_params``: the connector loaded, no room).
+
+So ``colocated_one - colocated_stream`` is vLLM's own price of the prefill's request shape (a
+finished request, its answer built whole) and of recomputing the previous answer (as any
+disaggregated prefill does), ``pdxfer_one - colocated_one`` what a loaded
+connector costs a request it does not move, ``pdxfer_leg - pdxfer_one`` what the room and its
+answer cost. Differences are medians of per-turn pairs (interleaved, so load drift cancels).
+With the stamps (``scripts/trace_hooks``, see ``trace_vllm_prefill.py``) the non-streamed
+cases are also split along the prefill's path: ``<case>.stamps.<segment>_p50_ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_vllm import BS, Setup, default_variant, makers, reference_leg  # noqa: E402
+from trace_vllm_prefill import timeline  # noqa: E402
+
+from pdxfer import BootstrapServer  # noqa: E402
+from pdxfer.testing.hf_model import SHAPES, build_model  # noqa: E402
+from pdxfer.testing.proccpu import host_busy_cores  # noqa: E402
+from pdxfer.testing.vllm_bench import pct, request_body, stream_request, tokens  # noqa: E402
+from pdxfer.testing.vllm_procs import start_one_by_one  # noqa: E402
+from pdxfer.testing.vllm_proxy import FrontDoor  # noqa: E402
+
+CASES = ("colocated_stream", "colocated_one", "pdxfer_leg", "pdxfer_one")
+DIFFS = (("colocated_one", "colocated_stream"), ("pdxfer_leg", "colocated_one"),
+         ("pdxfer_leg", "colocated_stream"), ("pdxfer_one", "colocated_one"),
+         ("pdxfer_leg", "pdxfer_one"))
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    convs, turns = (2, 3) if a.quick else (a.convs, a.turns)
+    system, question, answer = (1024, 96, 16) if a.quick else (1536, 128, 24)
+    sh = SHAPES["kv32k"]
+    kv_per_token = sh.layers * 2 * sh.kv_heads * sh.head_size * 4
+    longest = system + turns * (question + answer)
+    max_len = -(-(longest + 64) // BS) * BS
+    tmp = Path(tempfile.mkdtemp(prefix="pdxfer-trace-legs-"))
+    res: dict[str, Any] = {"legs.shape": {"convs": convs, "turns": turns, "system": system,
+                                          "question": question, "answer": answer},
+                           "legs.variant": default_variant(), "legs.cores": os.cpu_count(),
+                           "legs.background_cores_before": round(host_busy_cores(3.0), 3),
+                           "legs.loadavg_before": os.getloadavg()}
+    boot = BootstrapServer("127.0.0.1", 0).start()
+    doors: list[FrontDoor] = []
+    servers: list[Any] = []
+    try:
+        setup = Setup(tmp, build_model(tmp / "model", "kv32k"), boot.address,
+                      3 * max_len * kv_per_token, 0, max_len,
+                      trace_dir=tmp / "stamps" if a.stamps else None)
+        mk_c, _ = makers("colocated", setup, "legs")
+        mk_p, cfg = makers(res["legs.variant"], setup, "legs")
+        servers = start_one_by_one([*mk_c, *mk_p], a.startup_timeout)
+        colo, dec, pre = servers
+        doors.append(FrontDoor(colo.url, "", connector="colocated").start())
+        doors.append(FrontDoor(pre.url, dec.url, cfg["decode_instance"]).start())
+        c_door, p_door = doors
+        for d in doors:  # one-time costs of both request shapes
+            stream_request(d.url, tokens(999, 2 * BS + 5), 2, 600)
+            d.prefill_leg(request_body(tokens(998, 2 * BS + 5), 2))
+        legs: dict[str, list[float]] = {c: [] for c in CASES}
+        spans: dict[str, list[tuple[int, int]]] = {c: [] for c in CASES}
+        ttft: dict[str, list[float]] = {"colocated": [], "pdxfer": []}
+        same = 0
+        turn_of: list[int] = []
+        res["legs.loadavg_start"] = os.getloadavg()
+        prefix = tokens(1, system)
+        hist = {c: list(prefix) for c in range(convs)}
+        held = {c: system for c in range(convs)}  # what the prefill has cached
+        k = 0
+        for t in range(turns):
+            for c in range(convs):
+                seed = 100 * c + t + 2
+                prompt = hist[c] + tokens(seed, question)
+                got: dict[str, list[int]] = {}
+                order = CASES[k % 4:] + CASES[:k % 4]
+                turn_of.append(t)
+                k += 1
+                for case in order:
+                    door = c_door if case.startswith("colocated") else p_door
+                    if case.endswith("_one"):
+                        legs[case].append(reference_leg(door, prompt, held[c], seed, answer,
+                                                        600))
+                    else:
+                        r = stream_request(door.url, prompt, answer, 600)
+                        legs[case].append(door.prefill_seconds[-1])
+                        ttft[case.split("_")[0]].append(r.ttft)
+                        got[case] = r.ids
+                    spans[case].append(door.prefill_spans[-1])
+                same += got["colocated_stream"] == got["pdxfer_leg"]
+                hist[c], held[c] = prompt + got["colocated_stream"], len(prompt)
+        res["legs.loadavg_end"] = os.getloadavg()
+        res["legs.outputs_identical"] = f"{same}/{convs * turns}"
+        time.sleep(1.0)  # the stamps' last flush
+    finally:
+        for d in doors:
+            d.close()
+        for s in reversed(servers):
+            s.stop()
+        boot.stop()
+    for case in CASES:
+        res[f"legs.{case}.p50_ms"] = 1e3 * pct(legs[case], 0.5)
+        res[f"legs.{case}.p90_ms"] = 1e3 * pct(legs[case], 0.9)
+        res[f"legs.{case}.mean_ms"] = 1e3 * statistics.fmean(legs[case])
+        res[f"legs.{case}.by_turn_p50_ms"] = [
+            round(1e3 * statistics.median([x for x, u in zip(legs[case], turn_of) if u == t]), 1)
+            for t in range(turns)]
+    for who, xs in ttft.items():
+        res[f"legs.ttft_p50_ms.{who}"] = 1e3 * pct(xs, 0.5)
+    for x, y in DIFFS:
+        res[f"legs.diff_p50_ms.{x}_minus_{y}"] = 1e3 * statistics.median(
+            [p - q for p, q in zip(legs[x], legs[y])])
+        res[f"legs.ratio_p50.{x}_vs_{y}"] = pct(legs[x], 0.5) / pct(legs[y], 0.5)
+    if setup.trace_dir is not None:
+        for case in CASES[1:]:  # a streamed request's handler returns before its answer
+            folder = setup.trace_dir / (colo.name if case.startswith("colocated") else pre.name)
+            for seg, v in timeline(folder, spans[case]).items():
+                if any(v):
+                    res[f"legs.{case}.stamps.{seg}_p50_ms"] = round(statistics.median(v), 3)
+    res["legs.logs"] = str(tmp)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 conversations x 3 turns, shorter")
+    ap.add_argument("--convs", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--no-stamps", dest="stamps", action="store_false",
+                    help="leave out scripts/trace_hooks (the stamps cost microseconds a call)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: servers stopped by pid
+    res = run(a)
+    text = json.dumps(res, indent=1, sort_keys=True)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
