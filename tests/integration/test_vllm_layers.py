@@ -133,11 +133,11 @@ def test_a_prompt_of_many_steps_streams_by_layer_and_equals_colocated(
     assert d["load_failures"] == 0 and d["loads"] == len(prompts)
     assert p["sends"] == len(prompts) and p["send_failures"] == 0
     # two prompts at a time share a step's STEP tokens: each takes at least this many steps
+    # (a lower bound: the scheduler may take more)
     steps = sum(-(-len(q) // STEP) for q in prompts)
     # a step computed once the decode's request had reached the prefill hands its layers
     # over one by one; one computed before (nobody to receive a layer yet) in one piece
     # after its forward. The decode asks at dispatch, so that is at most the first few
-    assert steps < p["layer_sends"] <= steps * S.layers
     assert p["layer_sends"] > steps * S.layers // 2, "most steps went layer by layer"
     assert p["step_chunks"] >= steps - len(prompts), \
         "every step before the prompt's end handed its tokens over"
