@@ -66,7 +66,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("PDXFER_TE_COMPLETION", "paced",
            "how Mooncake writes are awaited: ``paced`` (a write of at most 64 entries and at "
            "least 1 MiB is polled without spinning; others sleep through most of the "
-           "expected time, then spin) or ``spin`` (busy-waits)"),
+           "expected time, then spin) or ``sync`` (each batch one blocking call, which busy-waits)"),
     EnvVar("PDXFER_CONTROL_SEND", "direct",
            "how control frames leave: ``direct`` (the sending thread writes ZMTP itself) or "
            "``zmq`` (ZMQ PUSH sockets, one I/O-thread wake-up per message)"),

@@ -93,3 +93,15 @@ def _names_knobs_read() -> set[str]:
 def test_knobs_read_exactly_the_registered_library_variables() -> None:
     library = {v.name for v in ENV_VARS if v.scope == "library"}
     assert _names_knobs_read() == library
+
+
+def test_the_completion_help_names_exactly_the_values_the_transport_accepts() -> None:
+    """``PDXFER_TE_COMPLETION``'s help once offered ``spin``, which the transport refuses."""
+    import re
+
+    from pdxfer.config import ENV_VARS
+    from pdxfer.transport.mooncake import COMPLETIONS
+
+    help_ = next(v.help for v in ENV_VARS if v.name == "PDXFER_TE_COMPLETION")
+    named = set(re.findall(r"``(\w+)``", help_))
+    assert named == set(COMPLETIONS), named
