@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import signal
 import statistics
@@ -112,6 +111,7 @@ from pdxfer.testing.vllm_procs import (
 )
 from pdxfer.testing.vllm_proxy import FrontDoor
 from pdxfer.transport.auto import pick
+from pdxfer.transport.nixl import installed as nixl_installed
 
 ROOT = Path(__file__).resolve().parent
 BS = 32
@@ -136,8 +136,7 @@ def default_variant() -> str:
     t = default_transport()
     if t in ("tcp", "nixl"):
         return f"pdxfer_{t}"
-    can = ["tcp"] + [k for k in ("nixl",)
-                     if any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13"))]
+    can = ["tcp"] + (["nixl"] if nixl_installed() else [])
     return f"pdxfer_{pick(can, can, same_host=True) or 'tcp'}"
 
 

@@ -37,9 +37,7 @@ cases are also split along the prefill's path: ``<case>.stamps.<segment>_p50_ms`
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -55,7 +53,13 @@ from trace_vllm_prefill import timeline  # noqa: E402
 from pdxfer import BootstrapServer  # noqa: E402
 from pdxfer.testing.hf_model import SHAPES, build_model  # noqa: E402
 from pdxfer.testing.proccpu import host_busy_cores  # noqa: E402
-from pdxfer.testing.vllm_bench import pct, request_body, stream_request, tokens  # noqa: E402
+from pdxfer.testing.vllm_bench import (  # noqa: E402
+    pct,
+    request_body,
+    run_and_report,
+    stream_request,
+    tokens,
+)
 from pdxfer.testing.vllm_procs import start_one_by_one  # noqa: E402
 from pdxfer.testing.vllm_proxy import FrontDoor  # noqa: E402
 
@@ -168,13 +172,7 @@ def main() -> int:
                     help="leave out scripts/trace_hooks (the stamps cost microseconds a call)")
     ap.add_argument("--json")
     a = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: servers stopped by pid
-    res = run(a)
-    text = json.dumps(res, indent=1, sort_keys=True)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
-    return 0
+    return 0 if run_and_report("trace_vllm_legs", lambda: run(a), a.json) is not None else 2
 
 
 if __name__ == "__main__":

@@ -82,10 +82,8 @@ class Writes:
         slot's worker job waits for its outcome, so it is always given one."""
         try:
             for s in slots:
-                try:
-                    s.job = self._start(s.st, s.t, s.ci)
-                finally:
-                    s.ready.set()
+                s.job = self._start(s.st, s.t, s.ci)
+                s.ready.set()
         finally:
             for s in slots:  # whatever escaped: no worker waits for a start that never comes
                 s.ready.set()

@@ -58,6 +58,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib
+import importlib.util
 import itertools
 import logging
 import os
@@ -117,6 +118,11 @@ def _pin_system_libnl() -> None:
         _pinned.append(ctypes.CDLL(_SYSTEM_NL))
     except OSError:
         _pinned.append(None)
+
+
+def installed() -> bool:
+    """Whether one of NIXL's builds (``_BUILDS``) is installed, without loading it."""
+    return any(importlib.util.find_spec(name) is not None for name in _BUILDS)
 
 
 def _load() -> Any:

@@ -65,7 +65,6 @@ IDLE_POLL_S = 0.0005
 """How often that wait looks at the transfers."""
 
 
-
 @dataclass(eq=False)
 class _Load:
     order: LoadOrder
@@ -453,30 +452,28 @@ class PdxferWorker:
                 rec.rx.abort("vLLM finished the request while its KV was on the way")
         sending, self._written = set(self._written), set()
         for rid, out in list(self._sends.items()):
-            tx = out.tx
-            if not out.owned or (tx is not None and tx.reading):
-                continue  # still running in vLLM, or writes still read its blocks
-            st = tx.poll() if tx is not None else KVPoll.Failed
-            if st == KVPoll.Failed or (st == KVPoll.Success and not tx.holding):  # type: ignore[union-attr]
-                if st == KVPoll.Failed and tx is not None:
-                    self._add("send_failures")
-                    log.info("request %s: send failed: %s", rid, tx.failure)
-                sending.add(rid)
-                del self._sends[rid]
+            st = _send_over(out)
+            if st is None:
+                continue
+            if st == KVPoll.Failed and out.tx is not None:
+                self._add("send_failures")
+                log.info("request %s: send failed: %s", rid, out.tx.failure)
+            sending.add(rid)
+            del self._sends[rid]
         recving: set[str] = set()
         for rid, rec in list(self._loads.items()):
-            st = rec.rx.poll()
+            st = _load_over(rec)
+            if st is None:
+                continue
             if st == KVPoll.Success:
                 self._loaded(rec)
-            elif st == KVPoll.Failed and rec.released.is_set():
+            else:
                 self._add("load_failures")
                 if not rec.aborted:
                     log.warning("request %s (room %d): KV load failed: %s; its %d blocks go "
                                 "back to vLLM as load errors", rid, rec.order.room,
                                 rec.rx.failure, len(rec.blocks))
                 self._errors.update(rec.blocks)
-            else:
-                continue
             recving.add(rid)
             del self._loads[rid]
         if sending or recving or self._changed:
@@ -493,19 +490,9 @@ class PdxferWorker:
 
     def _reportable(self) -> bool:
         """Whether ``get_finished`` would report something now."""
-        if self._written or self._errors:
-            return True
-        for out in self._sends.values():
-            tx = out.tx
-            if out.owned and (tx is None or not tx.reading and (
-                    tx.poll() == KVPoll.Failed or tx.poll() == KVPoll.Success
-                    and not tx.holding)):
-                return True
-        for rec in self._loads.values():
-            st = rec.rx.poll()
-            if st == KVPoll.Success or st == KVPoll.Failed and rec.released.is_set():
-                return True
-        return False
+        return bool(self._written or self._errors
+                    or any(_send_over(o) is not None for o in self._sends.values())
+                    or any(_load_over(r) is not None for r in self._loads.values()))
 
     def _loaded(self, rec: _Load) -> None:
         add = self._add
@@ -601,6 +588,29 @@ class _Refused:
 
     def stats(self) -> dict[str, Any]:
         return {"bytes": 0}
+
+
+def _send_over(out: _Out) -> KVPoll | None:
+    """How a send ended, once vLLM may be told (its blocks free): Failed, or Success and not
+    held for a repair; None while vLLM still runs the request or a write reads its blocks."""
+    tx = out.tx
+    if not out.owned or (tx is not None and tx.reading):
+        return None
+    if tx is None:
+        return KVPoll.Failed  # the room could not be opened
+    st = tx.poll()
+    if st == KVPoll.Failed or (st == KVPoll.Success and not tx.holding):
+        return st
+    return None
+
+
+def _load_over(rec: _Load) -> KVPoll | None:
+    """How a load ended, once vLLM may be told: Success, or Failed with no write left that
+    could land in its blocks (``released``); None before."""
+    st = rec.rx.poll()
+    if st == KVPoll.Success or (st == KVPoll.Failed and rec.released.is_set()):
+        return st
+    return None
 
 
 def _event(kv_layer: Any) -> Any:
