@@ -17,8 +17,6 @@ import sys
 
 import pytest
 
-from pdxfer.testing.hf_model import SHAPES
-
 pytestmark = pytest.mark.timeout(900)
 
 N = 5
@@ -48,11 +46,13 @@ def test_the_vllm_demo_dispatches_both_sides_at_once_and_passes() -> None:
     assert out.rstrip().endswith("PASS"), out[-4000:]
     assert f"{N}/{N} outputs identical to colocated vLLM" in out, out[-4000:]
     assert f"dispatch: concurrent for {N}/{N} requests" in out, out[-4000:]
-    hand_offs = re.search(r"KV streamed layer by layer from the prefill: (\d+) layer", out)
+    hand_offs = re.search(r"KV streamed layer by layer from the prefill: (\d+) layer "
+                          r"hand-offs .* for (\d+) requests", out)
     assert hand_offs is not None, out[-4000:]
-    # a step computed before the decode's ask reached the prefill hands its layers over in
-    # one piece after the forward (the decode asks at dispatch: a race with the first step);
-    # at least one request's layers went one by one (its others: one hand-off or more each)
-    assert int(hand_offs.group(1)) >= N - 1 + SHAPES["small"].layers, \
-        "layers were handed to the sender inside the forward once the decode had asked"
-
+    # every request's KV was handed to the sender, at least once each. How many hand-offs
+    # went layer by layer depends on a race the demo does not control: the decode asks at
+    # dispatch, and a step computed before that ask reaches the prefill hands its layers over
+    # in one piece after the forward (CI saw all 5 asks land after the forward). The
+    # layer-by-layer rule itself is held deterministically by test_vllm_layers ("early").
+    assert int(hand_offs.group(2)) >= N, out[-4000:]
+    assert int(hand_offs.group(1)) >= N, out[-4000:]
