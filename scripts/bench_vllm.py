@@ -41,15 +41,18 @@ Variants (``--variants``, comma-separated):
   too (the front door does not speak its protocol), and the JSON says so.
 
 Requests: every variant sends the same prompts, ``--convs`` conversations of ``--turns``
-turns per phase and section, but NixlConnector, which sends its first ``builtin_convs``
-conversations' (``--builtin-requests``, default 24 per section over the run: 2 of the full
-run's 6 conversations, all 4 of ``--quick``'s). Its requests are the slow part of a run (2 s
-and more to the first token, up to minutes beside the load): in run 1, 72 requests per
-section, its three phases took 87 of the run's 108 minutes, 27 of them to first tokens and
-most of the rest to the answers' other tokens. Whole
-conversations keep every turn's share, so its p50s read the same prompt lengths; its answers
-are compared over the requests it sent; ``vllm.kv_mib_per_request.*`` compares the KV moved
-across variants that sent different numbers of requests.
+turns per phase and section, but NixlConnector, which sends ``builtin_convs`` of them per
+phase (``--builtin-requests``, default 24 per section over the run: 2 of the full run's 6
+conversations, the next 2 each round, so each one once; all 4 of ``--quick``'s). Its
+requests are the slow part of a run (2 s and more to the first token, up to minutes beside
+the load): in run 1, 72 requests per section, its three phases took 87 of the run's 108
+minutes, 27 of them to first tokens and most of the rest to the answers' other tokens.
+Whole conversations keep every turn's share; a section's first request computes the
+conversations' shared system prefix cold, so a round whose NixlConnector conversations do
+not start with the first one sends its prefill that conversation's first turn, untimed,
+first (``untimed_first``): one timed request in 24 is cold, as in run 1 (3 in 72). Its
+answers are compared over the requests it sent; ``vllm.kv_mib_per_request.*`` compares
+the KV moved across variants that sent different numbers of requests.
 
 Model: ``pdxfer.testing.hf_model`` shape ``kv32k`` (8 layers, 8 KV heads of 128) in float32:
 64 KiB of KV per token. Workload: conversations of several turns, every prompt opening with
@@ -287,21 +290,40 @@ class Ask:
 def builtin_convs(convs: int, rounds: int, turns: int, requests: int) -> int:
     """NixlConnector's conversations per phase: the fewest whole conversations that give it
     ``requests`` per section over the run, never more than the others get. Its requests are
-    the slow part of a run (2 s and more each, and each answer's other tokens decode as
-    slowly: about 80% of run 1's 108 minutes went to its phases), and its figures (TTFT and
-    legs, p50 and p90) need no more than the requests ``--quick`` gives every variant; whole
-    conversations keep every turn's share, so its p50 reads the same prompt lengths."""
+    the slow part of a run (87 of run 1's 108 minutes), and its figures (TTFT and legs, p50
+    and p90) need no more than the requests ``--quick`` gives every variant."""
     return min(convs, max(1, -(-requests // (rounds * turns))))
 
 
+def convs_of(shape: Shape, v: str, rnd: int) -> list[int]:
+    """The conversations a variant sends in round ``rnd``: all of them, or NixlConnector's
+    next ``builtin_convs`` (round 0 the first ones, round 1 the ones after, and so on around):
+    over the run it sends each conversation about as often, whole (every turn's share kept,
+    so its p50s read the same prompt lengths as the others')."""
+    k = shape.builtin_convs if v == "builtin" else shape.convs
+    if k >= shape.convs:
+        return list(range(shape.convs))
+    return sorted({(rnd * k + j) % shape.convs for j in range(k)})
+
+
 def asks(shape: Shape, v: str, rnd: int, section: str) -> list[Ask]:
-    """A phase's requests in one section, in the order they are sent (turn by turn, the
-    conversations in turn). Every variant sends the same prompts (its conversations' seeds
-    depend on the round, the section and the conversation only), so outputs compare request
-    by request; NixlConnector sends its first ``builtin_convs`` conversations' of them."""
-    convs = shape.builtin_convs if v == "builtin" else shape.convs
+    """A phase's timed requests in one section, in the order they are sent (turn by turn,
+    the conversations in turn). Every variant sends the same prompts (a conversation's seeds
+    depend on the round, the section and the conversation only), so answers compare request
+    by request; NixlConnector sends its conversations' (``convs_of``)."""
     return [Ask(c, t, salt(section) + 1000 * rnd + 100 * c + t + 2)
-            for t in range(shape.turns) for c in range(convs)]
+            for t in range(shape.turns) for c in convs_of(shape, v, rnd)]
+
+
+def untimed_first(shape: Shape, v: str, rnd: int, section: str) -> Ask | None:
+    """What a phase sends its prefill, untimed, before a section's timed requests: nothing,
+    or, when they do not start with conversation 0 (NixlConnector's later rounds), that
+    conversation's first turn. A section's conversations share a system prefix, so its first
+    request computes it cold and the others find it cached: one timed request in 24 per half,
+    as in run 1's 72 (3), not one in 8 of NixlConnector's every phase."""
+    if convs_of(shape, v, rnd)[0] == 0:
+        return None
+    return Ask(0, 0, salt(section) + 1000 * rnd + 2)
 
 
 def salt(section: str) -> int:
@@ -397,10 +419,14 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
                 if burn:
                     time.sleep(1.0)
                 rec[f"loadavg_{section}"] = os.getloadavg()
+                sys_prefix = tokens(1 + salt(section) + 7 * rnd, shape.system)
+                warm = untimed_first(shape, v, rnd, section)
+                if warm is not None:  # to the prefill alone: what it caches is what matters
+                    door.prefill_leg(request_body(sys_prefix + tokens(warm.seed, shape.question),
+                                                  shape.answer), timeout=a.request_timeout)
                 k0 = kv_counters(door, cfg, servers)
                 clock = TreeClock([p.pid for p in servers])
                 s = got.setdefault((v, section), Samples())
-                sys_prefix = tokens(1 + salt(section) + 7 * rnd, shape.system)
                 hist: dict[int, list[int]] = {}
                 held: dict[int, int] = {}  # a prefill's cache: the conversation's last prompt
                 sent = asks(shape, v, rnd, section)

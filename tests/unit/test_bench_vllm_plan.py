@@ -34,7 +34,7 @@ def sent(bench: ModuleType, sh: object, v: str, section: str) -> list[tuple[int,
 
 
 @pytest.mark.parametrize("section", ["alone", "contended"])
-def test_the_full_run_sends_nixlconnector_24_of_run_1s_72_prompts_with_every_turns_share(
+def test_the_full_run_sends_nixlconnector_24_of_run_1s_72_prompts_each_conversation_once(
         bench: ModuleType, section: str) -> None:
     full = shape(bench, 3, 6, 4)
     assert full.builtin_convs == 2  # type: ignore[attr-defined]
@@ -42,12 +42,31 @@ def test_the_full_run_sends_nixlconnector_24_of_run_1s_72_prompts_with_every_tur
     builtin = sent(bench, full, "builtin", section)
     assert len(others) == 72 and len(builtin) == 24
     assert set(builtin) <= set(others)
-    # the same turns in the same proportion: the p50 reads the same prompt lengths
-    assert Counter(t for _, _, t in builtin) == Counter({t: 6 for t in range(4)})
+    # every conversation, whole: the same turns in the same proportion as the others'
+    assert Counter((c, t) for _, c, t in builtin) == Counter(
+        (c, t) for c in range(6) for t in range(4))
+    assert [bench.convs_of(full, "builtin", r) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
     seeds = {(rnd, q.conv, q.turn): q.seed for rnd in range(3)
              for q in bench.asks(full, "colocated", rnd, section)}
     assert all(seeds[(rnd, q.conv, q.turn)] == q.seed for rnd in range(3)
                for q in bench.asks(full, "builtin", rnd, section))
+
+
+@pytest.mark.parametrize("section", ["alone", "contended"])
+def test_one_timed_request_in_24_computes_the_shared_prefix_cold_for_every_variant(
+        bench: ModuleType, section: str) -> None:
+    """A section's first request computes its conversations' shared system prefix cold. In
+    run 1 that was 3 of each variant's 72; NixlConnector's later rounds start with other
+    conversations, so their prefill first gets conversation 0's first turn, untimed (the
+    request the others send first), and only round 0's cold request is timed."""
+    full = shape(bench, 3, 6, 4)
+    # the others: each round's first timed request, 3 of 72
+    assert all(bench.untimed_first(full, "pdxfer_nixl", r, section) is None for r in range(3))
+    cold = [r for r in range(3) if bench.untimed_first(full, "builtin", r, section) is None]
+    assert cold == [0] and len(cold) / 24 == 3 / 72
+    first = bench.asks(full, "colocated", 1, section)[0]
+    assert bench.untimed_first(full, "builtin", 1, section) == first
+    assert bench.untimed_first(full, "builtin", 0, section) is None
 
 
 def test_quick_sends_every_variant_at_least_24_requests_per_section(bench: ModuleType) -> None:
