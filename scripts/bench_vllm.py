@@ -75,20 +75,19 @@ previous prompt are replaced by as many others): colocated's ``prefill_leg``. Un
 
 Keys (``.contended`` appended for the loaded half): per variant ``vllm.ttft_p50_ms.*``,
 ``ttft_p90_ms``, ``prefill_leg_p50_ms`` / ``p90``, ``decode_leg_p50_ms`` / ``p90``,
-``kv_ready_ms_mean``, ``kv_mib`` (in all) and ``kv_mib_per_request``, ``busy_cpu_cores`` (CPU seconds per second of the
-variant's servers while its requests ran), colocated's ``first_chunk_p50_ms`` / ``p90``;
-``requests_ms`` per request (a pair's TTFT and prefill leg; colocated's TTFT, first chunk and
-reference leg);
-``vllm.idle_cpu_cores.<variant>``; ``vllm.prefill_leg_p50_ratio_vs_colocated`` (pdxfer's
-default transport's prefill leg over colocated's of the same request shape, both timed by the
-door; ``..._vs_colocated_stream``: over colocated's first streamed chunk, the figure run 1
-reported), ``vllm.ttft_p50_ratio_vs_builtin``
-(pdxfer's default transport over NixlConnector), ``vllm.ttft_p50_ratio_decode_reuse`` and
-``vllm.kv_ready_ratio_decode_reuse`` (reuse over the default transport without it; the
-second is the connector's own time until the KV is in place), each ratio also per pdxfer
-variant (``<key>.<variant>``); ``vllm.outputs_identical``; ``vllm.default_transport`` and
-``vllm.default_variant`` (the variant the headline ratios read: ``auto`` on one host is NIXL
-where it is installed).
+``kv_ready_ms_mean``, ``kv_mib`` (in all) and ``kv_mib_per_request``, ``busy_cpu_cores``
+(CPU seconds per second of the variant's servers while its requests ran), colocated's
+``first_chunk_p50_ms`` / ``p90``; ``requests_ms`` per request (a pair's TTFT and prefill
+leg; colocated's TTFT, first chunk and reference leg); ``vllm.idle_cpu_cores.<variant>``;
+``vllm.prefill_leg_p50_ratio_vs_colocated`` (pdxfer's default transport's prefill leg over
+colocated's of the same request shape, both timed by the door; ``..._vs_colocated_stream``:
+over colocated's first streamed chunk, the figure run 1 reported),
+``vllm.ttft_p50_ratio_vs_builtin`` (pdxfer's default transport over NixlConnector),
+``vllm.ttft_p50_ratio_decode_reuse`` and ``vllm.kv_ready_ratio_decode_reuse`` (reuse over
+the default transport without it; the second is the connector's own time until the KV is in
+place), each ratio also per pdxfer variant (``<key>.<variant>``);
+``vllm.outputs_identical``; ``vllm.default_transport`` and ``vllm.default_variant`` (the
+variant the headline ratios read: ``auto`` on one host is NIXL where it is installed).
 """
 
 from __future__ import annotations
@@ -273,8 +272,8 @@ class Shape:
     question: int
     answer: int
     builtin_convs: int
-    """NixlConnector's conversations per phase (``builtin_convs``): its first ``builtin_convs``
-    of the others' ``convs``, the same prompts."""
+    """NixlConnector's conversations per phase (``builtin_convs``, ``convs_of``): as many of
+    the others' ``convs``, the same prompts."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -624,8 +623,8 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(ALL), help=f"of {', '.join(ALL)}")
     ap.add_argument("--builtin-requests", type=int, default=24,
                     help="NixlConnector's requests per section over the run, in whole "
-                         "conversations, at most the others' (default 24: the full run's "
-                         "first 2 of 6 conversations, all of --quick's 4)")
+                         "conversations, at most the others' (default 24: 2 of the full "
+                         "run's 6 conversations a round, each once; all of --quick's 4)")
     ap.add_argument("--no-contended", dest="contended", action="store_false",
                     help="leave out the half measured beside a CPU load")
     ap.add_argument("--startup-timeout", type=float, default=600.0,
