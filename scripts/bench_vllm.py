@@ -391,11 +391,13 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
     log.append(rec)
     lap("background")
     mk, cfg = makers(v, setup, tag)
-    servers = (start_together if cfg.get("together") else start_one_by_one)(
-        mk, a.startup_timeout)
+    try:
+        servers = (start_together if cfg.get("together") else start_one_by_one)(
+            mk, a.startup_timeout)
+    finally:  # a start-up that failed took its time too (MooncakeConnector's try)
+        rec["startup_s"] = lap("startup")
     door = None
     try:
-        rec["startup_s"] = lap("startup")
         if cfg.get("connector") == "mooncake":
             raise NotImplementedError("MooncakeConnector started, but this front door does not "
                                       "speak its protocol (not measured)")
