@@ -4,10 +4,14 @@
     python scripts/bench_vllm.py --json bench_vllm.json [--quick]
     python scripts/bench_vllm.py --quick --rounds 1 --convs 2 --turns 2   # a smoke run
 
-Phases: a variant's servers are started (one at a time, each waiting for the previous to
-answer ``/health``: two NixlConnector servers started together can collide on one port),
-measured, and stopped; the variants alternate phase by phase, in ``--rounds`` rounds (the
-order rotates each round), so drift on the host cancels. A server not ready by its start-up
+Phases: a variant's servers are started (vLLM's connectors' one at a time, each waiting for
+the previous to answer ``/health``: two NixlConnector servers started together can collide on
+one port; a pdxfer pair's together, which saves one start-up a phase), measured, and stopped;
+the variants alternate phase by phase, in ``--rounds`` rounds (the order rotates each round),
+so drift on the host cancels. Each phase's wall time is recorded step by step (``seconds`` in
+``vllm.phases``: background, startup, warmup, idle, alone, contended, stop; and how much of a
+section went to its requests' first tokens, ``first_tokens_s_<section>``), each variant's sum
+as ``vllm.phase_seconds.<variant>``. A server not ready by its start-up
 deadline (``--startup-timeout``) ends the run with an error naming it (exit status 2); every
 wait is bounded and every process is killed by pid. Before each phase, with none of the
 run's servers up, the host's busy cores over 3 s are recorded (``background_cores_before`` in
@@ -36,6 +40,20 @@ Variants (``--variants``, comma-separated):
   the current accelerator) and the run goes on without it. Should it start, it is left out
   too (the front door does not speak its protocol), and the JSON says so.
 
+Requests: every variant sends the same prompts, ``--convs`` conversations of ``--turns``
+turns per phase and section, but NixlConnector, which sends ``builtin_convs`` of them per
+phase (``--builtin-requests``, default 24 per section over the run: 2 of the full run's 6
+conversations, the next 2 each round, so each one once; all 4 of ``--quick``'s). Its
+requests are the slow part of a run (2 s and more to the first token, up to minutes beside
+the load): in run 1, 72 requests per section, its three phases took 87 of the run's 108
+minutes, 27 of them to first tokens and most of the rest to the answers' other tokens.
+Whole conversations keep every turn's share; a section's first request computes the
+conversations' shared system prefix cold, so a round whose NixlConnector conversations do
+not start with the first one sends its prefill that conversation's first turn, untimed,
+first (``untimed_first``): one timed request in 24 is cold, as in run 1 (3 in 72). Its
+answers are compared over the requests it sent; ``vllm.kv_mib_per_request.*`` compares
+the KV moved across variants that sent different numbers of requests.
+
 Model: ``pdxfer.testing.hf_model`` shape ``kv32k`` (8 layers, 8 KV heads of 128) in float32:
 64 KiB of KV per token. Workload: conversations of several turns, every prompt opening with
 one long system prefix shared by all conversations, each turn repeating its conversation's
@@ -57,20 +75,19 @@ previous prompt are replaced by as many others): colocated's ``prefill_leg``. Un
 
 Keys (``.contended`` appended for the loaded half): per variant ``vllm.ttft_p50_ms.*``,
 ``ttft_p90_ms``, ``prefill_leg_p50_ms`` / ``p90``, ``decode_leg_p50_ms`` / ``p90``,
-``kv_ready_ms_mean``, ``kv_mib``, ``busy_cpu_cores`` (CPU seconds per second of the
-variant's servers while its requests ran), colocated's ``first_chunk_p50_ms`` / ``p90``;
-``requests_ms`` per request (a pair's TTFT and prefill leg; colocated's TTFT, first chunk and
-reference leg);
-``vllm.idle_cpu_cores.<variant>``; ``vllm.prefill_leg_p50_ratio_vs_colocated`` (pdxfer's
-default transport's prefill leg over colocated's of the same request shape, both timed by the
-door; ``..._vs_colocated_stream``: over colocated's first streamed chunk, the figure run 1
-reported), ``vllm.ttft_p50_ratio_vs_builtin``
-(pdxfer's default transport over NixlConnector), ``vllm.ttft_p50_ratio_decode_reuse`` and
-``vllm.kv_ready_ratio_decode_reuse`` (reuse over the default transport without it; the
-second is the connector's own time until the KV is in place), each ratio also per pdxfer
-variant (``<key>.<variant>``); ``vllm.outputs_identical``; ``vllm.default_transport`` and
-``vllm.default_variant`` (the variant the headline ratios read: ``auto`` on one host is NIXL
-where it is installed).
+``kv_ready_ms_mean``, ``kv_mib`` (in all) and ``kv_mib_per_request``, ``busy_cpu_cores``
+(CPU seconds per second of the variant's servers while its requests ran), colocated's
+``first_chunk_p50_ms`` / ``p90``; ``requests_ms`` per request (a pair's TTFT and prefill
+leg; colocated's TTFT, first chunk and reference leg); ``vllm.idle_cpu_cores.<variant>``;
+``vllm.prefill_leg_p50_ratio_vs_colocated`` (pdxfer's default transport's prefill leg over
+colocated's of the same request shape, both timed by the door; ``..._vs_colocated_stream``:
+over colocated's first streamed chunk, the figure run 1 reported),
+``vllm.ttft_p50_ratio_vs_builtin`` (pdxfer's default transport over NixlConnector),
+``vllm.ttft_p50_ratio_decode_reuse`` and ``vllm.kv_ready_ratio_decode_reuse`` (reuse over
+the default transport without it; the second is the connector's own time until the KV is in
+place), each ratio also per pdxfer variant (``<key>.<variant>``);
+``vllm.outputs_identical``; ``vllm.default_transport`` and ``vllm.default_variant`` (the
+variant the headline ratios read: ``auto`` on one host is NIXL where it is installed).
 """
 
 from __future__ import annotations
@@ -108,6 +125,7 @@ from pdxfer.testing.vllm_procs import (
     kv_config,
     read_stats,
     start_one_by_one,
+    start_together,
 )
 from pdxfer.testing.vllm_proxy import FrontDoor
 from pdxfer.transport.auto import pick
@@ -184,7 +202,7 @@ def makers(v: str, s: Setup, tag: str) -> tuple[list[Maker], dict[str, Any]]:
             d_extra["l2_pages"] = s.l2_pages
         return [vllm("d", nocache, kv_config("kv_consumer", d_extra)),
                 vllm("p", lim, kv_config("kv_producer", {**extra, "instance": f"{tag}-p"}))], \
-            {"decode_instance": f"{tag}-d", "stats": s.tmp / f"{tag}_d.json"}
+            {"decode_instance": f"{tag}-d", "stats": s.tmp / f"{tag}_d.json", "together": True}
     if v == "builtin":
         def nixl(name: str, role: str, args: list[str]) -> Maker:
             # the side-channel port is picked when the server is built, i.e. after the one
@@ -230,6 +248,21 @@ class Burners:
             p.wait(30)
 
 
+class Laps:
+    """A phase's wall time, step by step (``vllm.phases``' ``seconds``): each call closes a
+    step, named, at now; together they attribute a run's duration."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.monotonic()
+
+    def __call__(self, step: str) -> float:
+        now = time.monotonic()
+        self.seconds[step] = round(now - self._t, 1)
+        self._t = now
+        return self.seconds[step]
+
+
 @dataclasses.dataclass(frozen=True)
 class Shape:
     rounds: int
@@ -238,6 +271,70 @@ class Shape:
     system: int
     question: int
     answer: int
+    builtin_convs: int
+    """NixlConnector's conversations per phase (``builtin_convs``, ``convs_of``): as many of
+    the others' ``convs``, the same prompts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """One request of a phase's section: conversation ``conv``'s turn ``turn``, its question
+    drawn from ``seed``."""
+
+    conv: int
+    turn: int
+    seed: int
+
+
+def builtin_convs(convs: int, rounds: int, turns: int, requests: int) -> int:
+    """NixlConnector's conversations per phase: the fewest whole conversations that give it
+    ``requests`` per section over the run, never more than the others get. Its requests are
+    the slow part of a run (87 of run 1's 108 minutes), and its figures (TTFT and legs, p50
+    and p90) need no more than the requests ``--quick`` gives every variant."""
+    return min(convs, max(1, -(-requests // (rounds * turns))))
+
+
+def convs_of(shape: Shape, v: str, rnd: int) -> list[int]:
+    """The conversations a variant sends in round ``rnd``: all of them, or NixlConnector's
+    next ``builtin_convs`` (round 0 the first ones, round 1 the ones after, and so on around):
+    over the run it sends each conversation about as often, whole (every turn's share kept,
+    so its p50s read the same prompt lengths as the others')."""
+    k = shape.builtin_convs if v == "builtin" else shape.convs
+    if k >= shape.convs:
+        return list(range(shape.convs))
+    return sorted({(rnd * k + j) % shape.convs for j in range(k)})
+
+
+def asks(shape: Shape, v: str, rnd: int, section: str) -> list[Ask]:
+    """A phase's timed requests in one section, in the order they are sent (turn by turn,
+    the conversations in turn). Every variant sends the same prompts (a conversation's seeds
+    depend on the round, the section and the conversation only), so answers compare request
+    by request; NixlConnector sends its conversations' (``convs_of``)."""
+    return [Ask(c, t, salt(section) + 1000 * rnd + 100 * c + t + 2)
+            for t in range(shape.turns) for c in convs_of(shape, v, rnd)]
+
+
+def untimed_first(shape: Shape, v: str, rnd: int, section: str) -> Ask | None:
+    """What a phase sends its prefill, untimed, before a section's timed requests: nothing,
+    or, when they do not start with conversation 0 (NixlConnector's later rounds), that
+    conversation's first turn. A section's conversations share a system prefix, so its first
+    request computes it cold and the others find it cached: one timed request in 24 per half,
+    as in run 1's 72 (3), not one in 8 of NixlConnector's every phase."""
+    if convs_of(shape, v, rnd)[0] == 0:
+        return None
+    return Ask(0, 0, salt(section) + 1000 * rnd + 2)
+
+
+def salt(section: str) -> int:
+    """Seeds of the contended half: fresh prompts (nothing in any cache from the first)."""
+    return 0 if section == "alone" else 50_000
+
+
+def order(active: list[str], rnd: int) -> list[str]:
+    """Round ``rnd``'s phases: the variants rotated by one each round, so each one meets the
+    host's drift at a different place in the round."""
+    k = rnd % len(active) if active else 0
+    return active[k:] + active[:k]
 
 
 @dataclasses.dataclass
@@ -287,15 +384,20 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
           got: dict[tuple[str, str], Samples], outs: dict[tuple[str, Any], list[int]],
           log: list[dict[str, Any]]) -> None:
     tag = f"{v}_r{rnd}"
+    lap = Laps()
     rec: dict[str, Any] = {"variant": v, "round": rnd, "loadavg_before": os.getloadavg(),
-                           "background_cores_before": round(host_busy_cores(3.0), 3)}
+                           "background_cores_before": round(host_busy_cores(3.0), 3),
+                           "seconds": lap.seconds}
     log.append(rec)
+    lap("background")
     mk, cfg = makers(v, setup, tag)
-    t0 = time.monotonic()
-    servers = start_one_by_one(mk, a.startup_timeout)
+    try:
+        servers = (start_together if cfg.get("together") else start_one_by_one)(
+            mk, a.startup_timeout)
+    finally:  # a start-up that failed took its time too (MooncakeConnector's try)
+        rec["startup_s"] = lap("startup")
     door = None
     try:
-        rec["startup_s"] = round(time.monotonic() - t0, 1)
         if cfg.get("connector") == "mooncake":
             raise NotImplementedError("MooncakeConnector started, but this front door does not "
                                       "speak its protocol (not measured)")
@@ -309,34 +411,39 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
         if len(servers) == 1:  # and those of the reference leg's request shape
             door.prefill_leg(request_body(tokens(998, 2 * BS + 5), 2), timeout=a.request_timeout)
         time.sleep(1.0)
+        lap("warmup")
         rec["idle_cpu_cores"] = round(busy_cores([s.pid for s in servers], a.idle_seconds), 4)
+        lap("idle")
         for section in SECTIONS if a.contended else SECTIONS[:1]:
             burn = Burners(os.cpu_count() or 1) if section == "contended" else None
             try:
                 if burn:
                     time.sleep(1.0)
                 rec[f"loadavg_{section}"] = os.getloadavg()
+                sys_prefix = tokens(1 + salt(section) + 7 * rnd, shape.system)
+                warm = untimed_first(shape, v, rnd, section)
+                if warm is not None:  # to the prefill alone: what it caches is what matters
+                    door.prefill_leg(request_body(sys_prefix + tokens(warm.seed, shape.question),
+                                                  shape.answer), timeout=a.request_timeout)
                 k0 = kv_counters(door, cfg, servers)
                 clock = TreeClock([p.pid for p in servers])
                 s = got.setdefault((v, section), Samples())
-                salt = 0 if section == "alone" else 50_000
-                sys_prefix = tokens(1 + salt + 7 * rnd, shape.system)
-                hist = {c: list(sys_prefix) for c in range(shape.convs)}
-                held = {c: shape.system for c in range(shape.convs)}  # a prefill's cache
-                for t in range(shape.turns):
-                    for c in range(shape.convs):
-                        seed = salt + 1000 * rnd + 100 * c + t + 2
-                        prompt = hist[c] + tokens(seed, shape.question)
-                        dt, ids = ttft(url, prompt, shape.answer, a.request_timeout)
-                        s.ttft.append(dt)
-                        if len(servers) == 2:
-                            s.prefill.append(door.prefill_seconds[-1])
-                        else:
-                            s.first_chunk.append(door.prefill_seconds[-1])
-                            s.prefill.append(reference_leg(door, prompt, held[c], seed,
-                                                           shape.answer, a.request_timeout))
-                        outs[(v, (rnd, section, c, t))] = ids
-                        hist[c], held[c] = prompt + ids, len(prompt)
+                hist: dict[int, list[int]] = {}
+                held: dict[int, int] = {}  # a prefill's cache: the conversation's last prompt
+                sent = asks(shape, v, rnd, section)
+                for q in sent:
+                    c = q.conv
+                    prompt = hist.get(c, sys_prefix) + tokens(q.seed, shape.question)
+                    dt, ids = ttft(url, prompt, shape.answer, a.request_timeout)
+                    s.ttft.append(dt)
+                    if len(servers) == 2:
+                        s.prefill.append(door.prefill_seconds[-1])
+                    else:
+                        s.first_chunk.append(door.prefill_seconds[-1])
+                        s.prefill.append(reference_leg(door, prompt, held.get(c, shape.system),
+                                                       q.seed, shape.answer, a.request_timeout))
+                    outs[(v, (rnd, section, c, q.turn))] = ids
+                    hist[c], held[c] = prompt + ids, len(prompt)
                 rec[f"busy_cpu_cores_{section}"] = round(clock.cores(), 3)
                 k1 = kv_counters(door, cfg, servers)
                 s.kv_bytes += k1[0] - k0[0]
@@ -345,15 +452,36 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
             finally:
                 if burn:
                     burn.stop()
-        print(f"[bench_vllm] round {rnd} {v}: up in {rec['startup_s']} s, idle "
-              f"{rec['idle_cpu_cores']} cores, TTFT p50 "
-              f"{1e3 * statistics.median(got[(v, 'alone')].ttft):.0f} ms alone",
-              file=sys.stderr)
+                lap(section)
+            # what of the section's time went to its requests' first tokens (the rest:
+            # their answers' other tokens, colocated's reference legs, the load's start)
+            rec[f"first_tokens_s_{section}"] = round(sum(s.ttft[len(s.ttft) - len(sent):]), 1)
     finally:
         if door:
             door.close()
         for srv in reversed(servers):
             srv.stop()
+        lap("stop")
+    print(f"[bench_vllm] round {rnd} {v}: up in {rec['startup_s']} s, idle "
+          f"{rec['idle_cpu_cores']} cores, TTFT p50 "
+          f"{1e3 * statistics.median(got[(v, 'alone')].ttft):.0f} ms alone; "
+          f"seconds {lap.seconds}", file=sys.stderr)
+
+
+def compare_outputs(outs: dict[tuple[str, Any], list[int]], ref: str, others: list[str]
+                    ) -> tuple[bool, str]:
+    """Whether every variant's answers equal ``ref``'s, request by request, over the requests
+    it sent (NixlConnector sends a subset: ``asks``), and what was compared. A variant that
+    answered nothing, or a request ``ref`` never sent, fails it."""
+    keys = {k for (v, k) in outs if v == ref}
+    ok = bool(keys)
+    counts = []
+    for v in others:
+        mine = [k for (w, k) in outs if w == v]
+        ok = ok and bool(mine) and all(k in keys and outs[(v, k)] == outs[(ref, k)]
+                                       for k in mine)
+        counts.append(f"{v} {len(mine)}")
+    return ok, f"{', '.join(counts)} requests vs {ref} ({len(keys)})"
 
 
 def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],
@@ -385,7 +513,11 @@ def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],
         if s.loads:
             res[f"vllm.kv_ready_ms_mean.{v}{sfx}"] = 1e3 * s.ready_s / s.loads
             res[f"vllm.kv_mib.{v}{sfx}"] = s.kv_bytes / 2**20
+            # comparable across variants that sent different numbers of requests
+            res[f"vllm.kv_mib_per_request.{v}{sfx}"] = s.kv_bytes / 2**20 / len(s.ttft)
     for v in variants:
+        res[f"vllm.phase_seconds.{v}"] = round(sum(sum(r["seconds"].values()) for r in log
+                                                   if r["variant"] == v and "seconds" in r), 1)
         idle = [r["idle_cpu_cores"] for r in log if r["variant"] == v and "idle_cpu_cores" in r]
         if idle:
             res[f"vllm.idle_cpu_cores.{v}"] = statistics.median(idle)
@@ -421,9 +553,11 @@ def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     q = a.quick
-    shape = Shape(rounds=a.rounds or (2 if q else 3), convs=a.convs or (4 if q else 6),
-                  turns=a.turns or (3 if q else 4), system=1024 if q else 1536,
-                  question=96 if q else 128, answer=16 if q else 24)
+    rounds, convs = a.rounds or (2 if q else 3), a.convs or (4 if q else 6)
+    turns = a.turns or (3 if q else 4)
+    shape = Shape(rounds=rounds, convs=convs, turns=turns, system=1024 if q else 1536,
+                  question=96 if q else 128, answer=16 if q else 24,
+                  builtin_convs=builtin_convs(convs, rounds, turns, a.builtin_requests))
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in variants:
         if v not in ALL:
@@ -450,8 +584,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         print(f"[bench_vllm] {shape}; variants {variants}; logs in {tmp}", file=sys.stderr)
         active = list(variants)
         for rnd in range(shape.rounds):
-            k = rnd % len(active) if active else 0
-            for v in active[k:] + active[:k]:
+            for v in order(active, rnd):
                 try:
                     phase(v, rnd, setup, shape, a, got, outs, log)
                 except (ServerNotReady, NotImplementedError) as e:
@@ -467,11 +600,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     print(f"[bench_vllm] mooncake left out: {str(e).splitlines()[0]}",
                           file=sys.stderr)
         ref = "colocated" if "colocated" in variants else (active[0] if active else "")
-        keys = [k for (v, k) in outs if v == ref]
-        same = [all(outs.get((v, k)) == outs[(ref, k)] for k in keys)
-                for v in active if v != ref]
-        res["vllm.outputs_identical"] = bool(keys) and all(same)
-        res["vllm.outputs_compared"] = f"{len(keys)} requests x {len(active) - 1} variants vs {ref}"
+        res["vllm.outputs_identical"], res["vllm.outputs_compared"] = compare_outputs(
+            outs, ref, [v for v in active if v != ref])
         res.update(summary(got, log, active))
         res["vllm.phases"] = log
         res["vllm.loadavg_max_before_phase"] = max(r["loadavg_before"][0] for r in log)
@@ -493,6 +623,10 @@ def main() -> int:
     ap.add_argument("--convs", type=int, help="conversations per phase (default 6; quick 4)")
     ap.add_argument("--turns", type=int, help="turns per conversation (default 4; quick 3)")
     ap.add_argument("--variants", default=",".join(ALL), help=f"of {', '.join(ALL)}")
+    ap.add_argument("--builtin-requests", type=int, default=24,
+                    help="NixlConnector's requests per section over the run, in whole "
+                         "conversations, at most the others' (default 24: 2 of the full "
+                         "run's 6 conversations a round, each once; all of --quick's 4)")
     ap.add_argument("--no-contended", dest="contended", action="store_false",
                     help="leave out the half measured beside a CPU load")
     ap.add_argument("--startup-timeout", type=float, default=600.0,

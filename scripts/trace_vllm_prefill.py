@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from bench_vllm import BS, Setup, makers, prom_sum, tokens, ttft  # noqa: E402
 
 from pdxfer import BootstrapServer  # noqa: E402
 from pdxfer.testing.hf_model import SHAPES, build_model  # noqa: E402
+from pdxfer.testing.vllm_bench import run_and_report  # noqa: E402
 from pdxfer.testing.vllm_procs import Server, start_one_by_one  # noqa: E402
 from pdxfer.testing.vllm_proxy import FrontDoor  # noqa: E402
 
@@ -167,12 +167,13 @@ def hists(server: Server) -> dict[str, tuple[float, float]]:
     return {k: (prom_sum(m, v + "_sum"), prom_sum(m, v + "_count")) for k, v in HIST.items()}
 
 
-def case(name: str, setup: Setup, n: int, ntok: int, seed: int) -> dict[str, float]:
+def case(name: str, setup: Setup, n: int, ntok: int, seed: int, startup_timeout: float
+         ) -> dict[str, float]:
     variant = "colocated" if name.startswith("colocated") else "pdxfer_tcp"
     mk, cfg = makers(variant, setup, f"trace_{name}")
     if name.endswith("_nopause"):
         mk = [lambda m=m: with_env(m(), {"PDXFER_TRACE_NO_PAUSE": "1"}) for m in mk]
-    servers = start_one_by_one(mk, 600.0)
+    servers = start_one_by_one(mk, startup_timeout)
     door = None
     try:
         pre = servers[-1]  # the prefill (started last) or the colocated server
@@ -216,18 +217,7 @@ def case(name: str, setup: Setup, n: int, ntok: int, seed: int) -> dict[str, flo
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--tokens", type=int, default=1536)
-    ap.add_argument("--rounds", type=int, default=1, help="times each case is repeated")
-    ap.add_argument("--cases", default="colocated_stream,colocated_one,pdxfer_idle,pdxfer_leg")
-    ap.add_argument("--no-stamps", dest="stamps", action="store_false",
-                    help="leave out scripts/trace_hooks (the stamps cost microseconds a call)")
-    ap.add_argument("--json")
-    a = ap.parse_args()
-    # SIGTERM unwinds (every server is stopped by pid in a finally), as Ctrl-C does
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+def run(a: argparse.Namespace) -> dict[str, Any]:
     sh = SHAPES["kv32k"]
     kv_per_token = sh.layers * 2 * sh.kv_heads * sh.head_size * 4
     max_len = -(-(a.tokens + 64) // BS) * BS
@@ -240,18 +230,27 @@ def main() -> int:
                       trace_dir=tmp / "stamps" if a.stamps else None)
         for r in range(a.rounds):
             for name in a.cases.split(","):
-                got = case(name, setup, a.requests, a.tokens, 10_000 * (r + 1))
+                got = case(name, setup, a.requests, a.tokens, 10_000 * (r + 1), a.startup_timeout)
                 for k, v in got.items():
                     res.setdefault(f"trace_vllm.{name}.{k}", []).append(round(v, 1))
                 print(f"[trace_vllm] {name}: {got}", file=sys.stderr)
     finally:
         boot.stop()
-    res = {k: statistics.median(v) for k, v in res.items()}
-    text = json.dumps(res, indent=1, sort_keys=True)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
-    return 0
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=1536)
+    ap.add_argument("--rounds", type=int, default=1, help="times each case is repeated")
+    ap.add_argument("--cases", default="colocated_stream,colocated_one,pdxfer_idle,pdxfer_leg")
+    ap.add_argument("--no-stamps", dest="stamps", action="store_false",
+                    help="leave out scripts/trace_hooks (the stamps cost microseconds a call)")
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    return 0 if run_and_report("trace_vllm", lambda: run(a), a.json) is not None else 2
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -397,17 +397,7 @@ class MooncakeTransport(FindsPeersBySession):
                 rc = -1
             else:
                 rc = self._engine.batch_transfer_sync_write(peer, b.src, b.dst, b.len)
-            if rc != 0:
-                # A rejected write can break the lane so that the next call fails once.
-                self._taint(peer, b)
-                self.stats.add(retries=1)
-                rc = self._engine.batch_transfer_sync_write(peer, b.src, b.dst, b.len)
-            if rc != 0:
-                self._taint(peer, b)  # the retry's other tasks may be queued too
-                self.stats.add(calls=1, failures=1)
-                return f"write of {len(b.src)} blocks to {peer} failed (rc {rc}) after one retry"
-            self.stats.add(calls=1, entries=len(b.src), nbytes=b.total)
-            return ""
+            return self._ended(peer, b, range(len(b.src)) if rc != 0 else ())
         finally:
             credits.release(len(b.src), b.total)
 
@@ -454,16 +444,27 @@ class MooncakeTransport(FindsPeersBySession):
         return sorted(bad + left)
 
     def _await_parts(self, peer: str, b: _Batch, rate: RateEstimate) -> str:
-        """``_await`` for a polled batch: the entries that failed are retried once, together
-        (a blocking call: only after a failure), as a failed batch is."""
-        bad = self._poll(b, rate)
-        if bad:
+        """``_await`` for a polled batch: the entries that failed are retried as a failed
+        batch is (``_ended``)."""
+        return self._ended(peer, b, self._poll(b, rate))
+
+    def _ended(self, peer: str, b: _Batch, failed: Sequence[int]) -> str:
+        """A batch's ending, awaited whole or polled entry by entry: its entries that failed
+        (all of a failed batch) are written again once, together, with a blocking call (only
+        after a failure: a rejected write can break the lane so that the next call fails
+        once); the peer is tainted, since some of them may still land. Returns why the batch
+        failed, or ""."""
+        if failed:
             self._taint(peer, b)
             self.stats.add(retries=1)
-            rc = self._engine.batch_transfer_sync_write(
-                peer, [b.src[i] for i in bad], [b.dst[i] for i in bad], [b.len[i] for i in bad])
+            if len(failed) == len(b.src):
+                rc = self._engine.batch_transfer_sync_write(peer, b.src, b.dst, b.len)
+            else:
+                rc = self._engine.batch_transfer_sync_write(
+                    peer, [b.src[i] for i in failed], [b.dst[i] for i in failed],
+                    [b.len[i] for i in failed])
             if rc != 0:
-                self._taint(peer, b)
+                self._taint(peer, b)  # the retry's other tasks may be queued too
                 self.stats.add(calls=1, failures=1)
                 return f"write of {len(b.src)} blocks to {peer} failed (rc {rc}) after one retry"
         self.stats.add(calls=1, entries=len(b.src), nbytes=b.total)

@@ -21,7 +21,13 @@ import pytest
 
 from pdxfer.testing.proccpu import busy_cores, host_busy_cores, tree_pids
 from pdxfer.testing.vllm_bench import stream_request
-from pdxfer.testing.vllm_procs import Server, ServerNotReady, free_port, start_one_by_one
+from pdxfer.testing.vllm_procs import (
+    Server,
+    ServerNotReady,
+    free_port,
+    start_one_by_one,
+    start_together,
+)
 from pdxfer.testing.vllm_proxy import FrontDoor
 
 HEALTHY = """
@@ -65,6 +71,23 @@ def test_a_server_never_ready_ends_the_start_up_naming_it_and_stops_the_others(
     assert [s.name for s in made] == ["ok_decode", "mute_prefill"]  # the third never started
     for s in made:  # every process started is gone, killed by pid
         assert s.popen is not None and s.popen.poll() is not None
+
+
+def test_servers_started_together_end_the_start_up_naming_one_never_ready_and_all_stop(
+        tmp_path: Path) -> None:
+    """bench_vllm starts a pdxfer pair together: the same deadline, naming the server that
+    missed it, and no process left behind (the healthy one included)."""
+    made = [server("ok_decode", HEALTHY, tmp_path), server("mute_prefill", SILENT, tmp_path)]
+    with pytest.raises(ServerNotReady, match="'mute_prefill'.*not ready within 10 s"):
+        start_together([lambda s=s: s for s in made], timeout=10.0)
+    assert all(s.popen is not None and s.popen.poll() is not None for s in made)
+    up = start_together([lambda: server("a", HEALTHY, tmp_path),
+                         lambda: server("b", HEALTHY, tmp_path)], timeout=30.0)
+    try:
+        assert [s.name for s in up] == ["a", "b"] and all(s.alive() for s in up)
+    finally:
+        for s in up:
+            s.stop()
 
 
 def test_a_server_that_exits_during_start_up_is_named_with_its_log(tmp_path: Path) -> None:
