@@ -61,8 +61,10 @@ STACKS_AFTER_S = 120.0
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_tp]
 """The per-test guard (fixtures included: the first test of a class starts its pair) only
-ends what no bound above ends: a test's slowest run seen is about 4 minutes, and a real
-hang in its requests fails at ``CLIENT_S`` after at most ~5 minutes of start."""
+ends what no bound above ends. A class's first test took 1-3 minutes here, its pair's
+start nearly all of it (the module 1.5-5 minutes at load averages up to 18; 5-10 minutes
+at 15-80 before); a real hang in its requests fails at ``CLIENT_S`` (7 minutes) after the
+start, its wait for counters at ``WAIT_S`` (4 minutes) after its requests."""
 
 BS = 32
 S = SHAPES["small"]
