@@ -143,4 +143,6 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                     help="show clients how many prompt tokens came from the decode's cache "
                          "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)")
     ap.add_argument("--timeout", type=float, default=120.0,
-                    help="per-request deadline towards the workers (seconds)")
+                    help="per-request deadline towards the workers (seconds); --engine vllm: "
+                         "also how long the start waits for a decode to answer (at least "
+                         "120 s)")

@@ -23,6 +23,9 @@ from pdxfer.testing.hf_model import CORPUS, build_model
 from pdxfer.testing.vllm_procs import VllmServer, read_stats, start_all
 
 MAX_TOKENS = 12
+CLIENT_TIMEOUT_S = 120.0
+"""The official client's deadline for one request (a module whose waits must outlast long
+machine stalls passes its own ``timeout``)."""
 
 
 class Cluster:
@@ -117,19 +120,21 @@ def token_ids(choice: Any, body: Any) -> list[int]:
     return list(ids)
 
 
-def client(url: str) -> OpenAI:
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(url: str, timeout: float = CLIENT_TIMEOUT_S) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
 
 
-def complete(url: str, prompt: str | list[int], **kw: Any) -> list[int]:
-    r = client(url).completions.create(
+def complete(url: str, prompt: str | list[int], timeout: float = CLIENT_TIMEOUT_S,
+             **kw: Any) -> list[int]:
+    r = client(url, timeout).completions.create(
         model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})}, **kw)
     return token_ids(r.choices[0], r)
 
 
-def chat_stream(url: str, text: str) -> tuple[str, list[int]]:
-    stream = client(url).chat.completions.create(
+def chat_stream(url: str, text: str, timeout: float = CLIENT_TIMEOUT_S
+                ) -> tuple[str, list[int]]:
+    stream = client(url, timeout).chat.completions.create(
         model="llama", messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
         temperature=0, stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
     out, ids = "", []
@@ -143,8 +148,9 @@ def chat_stream(url: str, text: str) -> tuple[str, list[int]]:
     return out, ids
 
 
-def ref_chat(url: str, text: str) -> tuple[str, list[int]]:
-    r = client(url).chat.completions.create(
+def ref_chat(url: str, text: str, timeout: float = CLIENT_TIMEOUT_S
+             ) -> tuple[str, list[int]]:
+    r = client(url, timeout).chat.completions.create(
         model="llama", messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
         temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
     return r.choices[0].message.content or "", list(r.choices[0].token_ids)  # type: ignore[attr-defined]

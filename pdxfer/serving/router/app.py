@@ -505,9 +505,10 @@ class Router:
 
 def make_backend(a: argparse.Namespace) -> Backend:
     if a.engine == "vllm":
-        from .vllm import VllmBackend
+        from .vllm import SETUP_TIMEOUT_S, VllmBackend
 
-        return VllmBackend(a.tokenizer, a.page_size, getattr(a, "dispatch", "concurrent"))
+        return VllmBackend(a.tokenizer, a.page_size, getattr(a, "dispatch", "concurrent"),
+                           max(SETUP_TIMEOUT_S, a.timeout))
     return ToyBackend()
 
 

@@ -49,6 +49,10 @@ from .tokenizers import HFTokenizer, Tokenizer
 
 log = logging.getLogger("pdxfer.serving.router.vllm")
 SETUP_TIMEOUT_S = 120.0
+"""How long the router's start waits for a decode to answer ``/v1/models``, at least: never
+less than its per-request deadline (``--timeout``), since a decode that may take that long
+to answer a request may take that long to answer this one (a process stalled on a loaded
+host)."""
 DISPATCH = ("concurrent", "sequential")
 PREFILL_CAUSE_S = 1.0
 """How long a failed decode waits for its prefill's answer, to report the cause."""
@@ -61,10 +65,12 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, tokenizer: str | None = None, page_size: int | None = None,
-                 dispatch: str = "concurrent") -> None:
+                 dispatch: str = "concurrent", setup_timeout_s: float = SETUP_TIMEOUT_S
+                 ) -> None:
         if dispatch not in DISPATCH:
             raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
         self.dispatch = dispatch
+        self.setup_timeout_s = setup_timeout_s
         self._tokenizer_path = tokenizer
         self._page_size = page_size
         self._tok: Tokenizer | None = None
@@ -82,7 +88,7 @@ class VllmBackend:
 
     async def setup(self, http: Http, decodes: list[Decode]) -> None:
         """Learn the served model from the first decode that answers (they all serve one)."""
-        deadline = time.monotonic() + SETUP_TIMEOUT_S
+        deadline = time.monotonic() + self.setup_timeout_s
         while True:
             for d in decodes:
                 m = await self._models(http, d.url)
@@ -94,7 +100,7 @@ class VllmBackend:
                     return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no vLLM decode answered /v1/models within "
-                                   f"{SETUP_TIMEOUT_S:.0f} s: {[d.url for d in decodes]}")
+                                   f"{self.setup_timeout_s:.0f} s: {[d.url for d in decodes]}")
             await asyncio.sleep(1.0)
 
     def check(self, ask: oa.Ask) -> None:
