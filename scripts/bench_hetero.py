@@ -31,23 +31,23 @@ def _geoms(layout: str, tp: int, rank: int) -> list[PoolGeom]:
 
 
 class _Case:
-    """One compared variant: sender ``i`` lives in ``pfs[i]`` (one process per rank); one
-    room, patterned once and sent again for each repetition (rooms are free once done)."""
+    """One compared variant: sender ``i`` lives in ``pfs[i]`` (one process per rank); each
+    repetition is a request of its own, a fresh room over the same source pages (a room is
+    single-use: a prefill refuses a second request for a room that succeeded, as it must)."""
 
     def __init__(self, pfs: list[Agent], dc: Agent, boot: str, senders: list[str],
                  instance: str, receiver: str, rng: np.random.Generator) -> None:
         self.pfs, self.dc, self.boot, self.senders = pfs, dc, boot, senders
         self.instance, self.receiver = instance, receiver
         pages = TOKENS // PAGE
-        self.room = int(rng.integers(1, 1 << 62))
         self.src = rng.permutation(2 * pages)[:pages].tolist()
-        for pf, ep in zip(pfs, senders):
-            pf.call("prepare", ep=ep, items=[{"room": self.room, "pages": {"kv": self.src},
-                                              "num_tokens": TOKENS}])
         self.best: dict[str, Any] | None = None
 
     def rep(self, rep: int, rng: np.random.Generator) -> None:
-        room, dc = self.room, self.dc
+        room, dc = int(rng.integers(1, 1 << 62)), self.dc
+        for pf, ep in zip(self.pfs, self.senders):  # the room's pattern, untimed
+            pf.call("prepare", ep=ep, items=[{"room": room, "pages": {"kv": self.src},
+                                              "num_tokens": TOKENS}])
         dst = rng.permutation(2 * (TOKENS // PAGE))[:TOKENS // PAGE].tolist()
         item = {"room": room, "dst": {"kv": dst}, "num_tokens": TOKENS}
         dc.call("recv", ep=self.receiver, items=[item], bootstrap=self.boot,
