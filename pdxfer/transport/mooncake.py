@@ -382,7 +382,7 @@ class MooncakeTransport(FindsPeersBySession):
         retry a failed batch once. Returns why it failed, or ""."""
         try:
             if b.parts is not None:
-                return self._await_parts(peer, b, rate)
+                return self._ended(peer, b, self._poll(b, rate))
             if b.bid is not None and b.bid > 0:
                 pause = rate.sleep_for(b.ahead, time.perf_counter() - b.submitted) if pace else 0
                 if pause:
@@ -442,11 +442,6 @@ class MooncakeTransport(FindsPeersBySession):
             log.warning("%d of %d entries still pending %.0f s after their submit",
                         len(left), len(b.src), now - b.submitted)
         return sorted(bad + left)
-
-    def _await_parts(self, peer: str, b: _Batch, rate: RateEstimate) -> str:
-        """``_await`` for a polled batch: the entries that failed are retried as a failed
-        batch is (``_ended``)."""
-        return self._ended(peer, b, self._poll(b, rate))
 
     def _ended(self, peer: str, b: _Batch, failed: Sequence[int]) -> str:
         """A batch's ending, awaited whole or polled entry by entry: its entries that failed

@@ -100,12 +100,13 @@ class Pair:
     def d_sum(self, key: str) -> int:
         return sum(s.get(key, 0) for s in self.d())
 
-    def sent(self, sends0: Sequence[int]) -> bool:
-        """Whether every prefill rank counted a send past ``sends0`` and none is in flight:
-        only then are its ``transport_bytes`` final (its stats file is rewritten mid-send,
-        and the decode may finish loading before the prefill writes its file again)."""
-        return all(s.get("sends", 0) > s0 and s.get("in_flight_sends", 1) == 0
-                   for s, s0 in zip(self.p(), sends0))
+    def sent(self, sends0: Sequence[int], n: int | None = None) -> bool:
+        """Whether every prefill rank counted a send past ``sends0`` (exactly ``n`` more, if
+        given) and none is in flight: only then are its ``transport_bytes`` final (its stats
+        file is rewritten mid-send, and the decode may finish loading before the prefill
+        writes its file again)."""
+        return all((s.get("sends", 0) - s0 == n if n is not None else s.get("sends", 0) > s0)
+                   and s.get("in_flight_sends", 1) == 0 for s, s0 in zip(self.p(), sends0))
 
     def sends(self) -> list[int]:
         return [s.get("sends", 0) for s in self.p()]
@@ -157,12 +158,6 @@ def _pair(name: str, tmp: Path, model: Path, boot: BootstrapServer, prefill_tp: 
     return Pair(name, prefill, decode, p_stats, d_stats, prefill_tp, decode_tp)
 
 
-def stop_together(servers: Sequence[VllmServer]) -> None:
-    """Stop servers at once (each by pid, SIGTERM then SIGKILL): their shutdowns overlap."""
-    with cf.ThreadPoolExecutor(len(servers)) as pool:
-        list(pool.map(lambda s: s.stop(), servers))
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Base]:
     tmp = tmp_path_factory.mktemp("vllm_tp")
@@ -195,7 +190,7 @@ def running(base: Base, name: str, prefill_tp: int, decode_tp: int) -> Iterator[
     finally:
         if router is not None:
             router.stop()
-        stop_together([pair.prefill, pair.decode])
+        at_once([pair.prefill.stop, pair.decode.stop])  # by pid; the shutdowns overlap
 
 
 @contextlib.contextmanager
@@ -304,9 +299,7 @@ class TestPrefillTP2DecodeTP1:
                                              *[text(13 * i, 60 + 110 * i) for i in range(4)]],
                             [f"Tell me about {text(5 * i, 4)}." for i in range(2)])
             wait("the decode's loads and both prefill ranks' sends",
-                 lambda: down.d_sum("loads") - loads0 == n
-                 and all(s.get("sends", 0) - s0 == n and s.get("in_flight_sends", 1) == 0
-                         for s, s0 in zip(down.p(), sends0)),
+                 lambda: down.d_sum("loads") - loads0 == n and down.sent(sends0, n),
                  timeout=WAIT_S, show=lambda: (n, down.d(), down.p()))
         assert down.d_sum("load_failures") == 0
         # each layer as the forward wrote it once the decode's request had arrived, a step
@@ -330,9 +323,7 @@ class TestPrefillTP1DecodeTP2:
             n = token_exact(up, base.ref, ["Hello", text(40, 250)], ["Tell me about rivers."])
             wait("both decode ranks' loads and the prefill's sends",
                  lambda: all(s.get("loads", 0) - s0.get("loads", 0) == n
-                             for s, s0 in zip(up.d(), d0))
-                 and all(s.get("sends", 0) - x == n and s.get("in_flight_sends", 1) == 0
-                         for s, x in zip(up.p(), sends0)),
+                             for s, s0 in zip(up.d(), d0)) and up.sent(sends0, n),
                  timeout=WAIT_S, show=lambda: (n, up.d(), up.p()))
         d = up.d()
         assert all(s["load_failures"] == s0.get("load_failures", 0) for s, s0 in zip(d, d0))
