@@ -152,6 +152,7 @@ def test_an_early_decode_holds_a_layer_before_the_prefill_computed_the_next(
     assert d.outputs["l-d"] == [SAMPLED] * 3
     w = p.conn.worker
     assert w.counters["layer_sends"] == 4 * S.layers and w.counters["sends"] == 1
+    assert w.counters["streamed_steps"] == 4, "every step went as computed: the decode asked first"
     assert p.ep.metrics()["transport_bytes"] == len(tokens) * w.layout.block_bytes // BS, \
         "each token's KV crosses once: a block filled in two steps goes in two parts"
     assert p.free_blocks() == free_p and d.free_blocks() == free_d
@@ -175,6 +176,7 @@ def test_where_blocks_are_packed_a_block_filled_in_part_waits_to_be_complete(
     w = p.conn.worker
     # steps end at 48, 96, 144, 150: complete blocks 1, 3, 4, then the rest
     assert w.counters["step_chunks"] == 3 and w.counters["layer_sends"] == 4 * S.layers
+    assert w.counters["streamed_steps"] == 4
     assert p.ep.metrics()["transport_bytes"] == 5 * w.layout.block_bytes, "whole blocks"
     run_until([p, d], lambda: "k-d" in d.finished and "k" not in p.sched.requests)
 
@@ -195,6 +197,7 @@ def test_a_layer_the_forward_does_not_report_is_sent_after_the_step(
     assert d.conn.worker.counters["load_failures"] == 0
     assert p.conn.worker.counters["layer_sends"] == 3 * S.layers, \
         "each of the 3 steps: the reported layers one by one, then layer 1 after the step"
+    assert p.conn.worker.counters["streamed_steps"] == 3
     run_until([p, d], lambda: "s-d" in d.finished and "s" not in p.sched.requests)
 
 
@@ -213,6 +216,7 @@ def test_a_room_no_decode_asked_for_gets_each_steps_layers_after_the_forward_at_
     w = p.conn.worker
     # steps end at 48, 96, 144, 150: one hand-off each (complete blocks, then the rest)
     assert w.counters["layer_sends"] == 4, "one hand-off per step, not one per layer"
+    assert w.counters["streamed_steps"] == 0, "no step went as computed: nobody had asked"
     assert w.counters["sends"] == 1
     run_until([p, d], lambda: "n-d" in d.computed)
     assert d.computed["n-d"][0] == (len(tokens) - 1, 1), "only the last token recomputed"

@@ -24,6 +24,8 @@ COUNTERS: dict[str, str] = {
     "step_chunks": "steps whose computed KV was handed to the sender before the prompt's "
                    "end (prefill)",
     "layer_sends": "layer-wise hand-offs to the sender (prefill, send_by layer)",
+    "streamed_steps": "steps whose layers went to the sender one by one as computed, the "
+                      "decode having asked before the step (prefill, send_by layer)",
     "sent_tokens": "prompt tokens whose KV this prefill sent",
     "loads": "requests whose KV this decode received or restored",
     "load_failures": "loads that failed (blocks reported to vLLM as load errors)",

@@ -127,11 +127,16 @@ class PdxferWorker:
         self._step: PdxferMetadata | None = None
         self._given: dict[str, set[int]] = {}
         """This step's layer orders: the layers handed over so far, by request."""
+        self._live: set[str] = set()
+        """This step's requests whose layers go one by one: their decode had asked by the
+        step's first layer (or the layers are on a device). Counted as ``streamed_steps``,
+        which says how often a decode's ask came early enough for streaming."""
         self._pending: list[tuple[Any, LayerOrder, int]] = []
         """Layers computed on a device, waiting for their event (GPU kernels run ahead of
         Python: a layer is handed over once its writes are done, never before)."""
         self.counters: dict[str, int] = {
             "sends": 0, "send_failures": 0, "step_chunks": 0, "layer_sends": 0,
+            "streamed_steps": 0,
             "sent_tokens": 0, "loads": 0,
             "load_failures": 0,
             "loaded_tokens": 0, "net_bytes": 0, "net_us": 0, "ready_us": 0, "restore_us": 0,
@@ -228,7 +233,7 @@ class PdxferWorker:
             self._given = {}  # no layer of this step was reported
         for o in meta.layers:
             self._rest(o)
-        self._step, self._given = None, {}
+        self._step, self._given, self._live = None, {}, set()
 
     def save_layer(self, meta: PdxferMetadata, name: str, kv_layer: Any) -> None:
         """One layer of the step is computed: hand its part of each layer order to the
@@ -244,10 +249,11 @@ class PdxferWorker:
         lid = self._layer_of.get(name)
         if lid is None or not meta.layers:
             return
+        event = _event(kv_layer)
         if meta is not self._step:
             self._step, self._given = meta, {}
-        self.take(meta)
-        event = _event(kv_layer)
+            self.take(meta)
+            self._live = {o.req_id for o in meta.layers if event is not None or self._asked(o)}
         for o in meta.layers:
             if event is not None:
                 self._pending.append((event, o, lid))
@@ -280,6 +286,7 @@ class PdxferWorker:
         ids = [x for x in self._layer_ids if a <= x < b and x not in given]
         if out.tx is None or out.last or not ids:
             return
+        first = not given
         given.update(ids)
         done = len(given) == len(self._layer_ids)
         bs = self.rank.block_size
@@ -301,6 +308,8 @@ class PdxferWorker:
                 out.last = True
                 return
             self._add("layer_sends")
+            if first and o.req_id in self._live:
+                self._add("streamed_steps")
         if not done:
             return
         out.tokens = max(t0, t1)
