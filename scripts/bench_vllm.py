@@ -17,7 +17,11 @@ wait is bounded and every process is killed by pid. Before each phase, with none
 run's servers up, the host's busy cores over 3 s are recorded (``background_cores_before`` in
 ``vllm.phases``, the run's maximum in ``vllm.background_cores_max_before_phase``) beside the
 load average (which still shows the phase just stopped: it decays over a minute). A run whose
-background exceeds the core count says little.
+background exceeds the core count says little. A request that gets no complete answer within
+``--request-timeout`` (or whose stream is dropped) is recorded (``failed_<section>`` in its
+phase, ``vllm.failed_requests.*``, ``vllm.failed_requests_total``) and counts in the TTFT
+percentiles as the time it took to fail, a lower bound; its conversation's later turns in
+that phase are skipped (``vllm.skipped_requests.*``), and the run goes on.
 
 Each phase, with the servers up and no requests: their idle CPU (``vllm.idle_cpu_cores.*``:
 CPU seconds per second of the servers' process trees, from /proc, over ``--idle-seconds``).
@@ -101,9 +105,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import openai
 
 from pdxfer import BootstrapServer
 from pdxfer.integrations.vllm.config import ConnectorConfig
@@ -349,6 +355,41 @@ class Samples:
     kv_bytes: float = 0.0
     ready_s: float = 0.0
     loads: float = 0.0
+    failed: list[float] = dataclasses.field(default_factory=list)
+    """Requests that got no complete answer (a timeout, a dropped stream): the seconds each
+    took to fail. Their TTFT is at least that: they count in the TTFT percentiles as that
+    (censored), not left out, or a variant that stalls would look faster than one that
+    answers late."""
+    skipped: int = 0
+    """Later turns of a conversation whose request failed (each turn needs the last answer)."""
+
+
+def converse(sent: list[Ask], opening: list[int], question: int,
+             ask: Callable[[Ask, list[int]], list[int]], s: Samples
+             ) -> Iterator[tuple[Ask, float, Exception]]:
+    """Send ``sent`` in order, each prompt its conversation's history (``opening``, then
+    each turn's prompt and answer) plus the turn's question, through ``ask`` (which returns
+    the answer's ids). A request that gets no complete answer (``openai.APIError``: a
+    timeout, a dropped stream) is recorded in ``s.failed`` (the seconds it took) and yielded;
+    its conversation's later turns, which need its answer, are skipped (``s.skipped``). The
+    run goes on: one stalled request (NixlConnector beside the load once took over 600 s)
+    must not lose the run's other phases."""
+    hist: dict[int, list[int]] = {}
+    lost: set[int] = set()
+    for q in sent:
+        if q.conv in lost:
+            s.skipped += 1
+            continue
+        prompt = hist.get(q.conv, opening) + tokens(q.seed, question)
+        t0 = time.perf_counter()
+        try:
+            ids = ask(q, prompt)
+        except openai.APIError as e:
+            s.failed.append(time.perf_counter() - t0)
+            lost.add(q.conv)
+            yield q, s.failed[-1], e
+            continue
+        hist[q.conv] = prompt + ids
 
 
 def reference_leg(door: FrontDoor, prompt: list[int], held: int, seed: int, answer: int,
@@ -403,9 +444,11 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
                                       "speak its protocol (not measured)")
         if len(servers) == 2:
             door = FrontDoor(servers[1].url, servers[0].url, cfg.get("decode_instance"),
-                             connector=cfg.get("connector", "pdxfer")).start()
+                             connector=cfg.get("connector", "pdxfer"),
+                             timeout=a.request_timeout).start()
         else:  # the same proxy in front: the same hops, its leg timed at the same place
-            door = FrontDoor(servers[0].url, "", connector="colocated").start()
+            door = FrontDoor(servers[0].url, "", connector="colocated",
+                             timeout=a.request_timeout).start()
         url = door.url
         ttft(url, tokens(999, 2 * BS + 5), 2, a.request_timeout)  # one-time costs
         if len(servers) == 1:  # and those of the reference leg's request shape
@@ -428,22 +471,32 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
                 k0 = kv_counters(door, cfg, servers)
                 clock = TreeClock([p.pid for p in servers])
                 s = got.setdefault((v, section), Samples())
-                hist: dict[int, list[int]] = {}
                 held: dict[int, int] = {}  # a prefill's cache: the conversation's last prompt
                 sent = asks(shape, v, rnd, section)
-                for q in sent:
-                    c = q.conv
-                    prompt = hist.get(c, sys_prefix) + tokens(q.seed, shape.question)
+                t_n0, f_n0 = len(s.ttft), len(s.failed)
+
+                def ask(q: Ask, prompt: list[int], s: Samples = s, section: str = section,
+                        held: dict[int, int] = held) -> list[int]:
                     dt, ids = ttft(url, prompt, shape.answer, a.request_timeout)
                     s.ttft.append(dt)
                     if len(servers) == 2:
                         s.prefill.append(door.prefill_seconds[-1])
                     else:
                         s.first_chunk.append(door.prefill_seconds[-1])
-                        s.prefill.append(reference_leg(door, prompt, held.get(c, shape.system),
-                                                       q.seed, shape.answer, a.request_timeout))
-                    outs[(v, (rnd, section, c, q.turn))] = ids
-                    hist[c], held[c] = prompt + ids, len(prompt)
+                        s.prefill.append(reference_leg(door, prompt,
+                                                       held.get(q.conv, shape.system), q.seed,
+                                                       shape.answer, a.request_timeout))
+                    outs[(v, (rnd, section, q.conv, q.turn))] = ids
+                    held[q.conv] = len(prompt)
+                    return ids
+
+                for q, secs, e in converse(sent, sys_prefix, shape.question, ask, s):
+                    rec.setdefault(f"failed_{section}", []).append(
+                        {"conv": q.conv, "turn": q.turn, "seconds": round(secs, 1),
+                         "error": f"{type(e).__name__}: {e}"[:300]})
+                    print(f"[bench_vllm] round {rnd} {v} {section}: conversation {q.conv} "
+                          f"turn {q.turn} failed after {secs:.0f} s ({type(e).__name__}: "
+                          f"{e}); its later turns are skipped", file=sys.stderr)
                 rec[f"busy_cpu_cores_{section}"] = round(clock.cores(), 3)
                 k1 = kv_counters(door, cfg, servers)
                 s.kv_bytes += k1[0] - k0[0]
@@ -455,16 +508,17 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
                 lap(section)
             # what of the section's time went to its requests' first tokens (the rest:
             # their answers' other tokens, colocated's reference legs, the load's start)
-            rec[f"first_tokens_s_{section}"] = round(sum(s.ttft[len(s.ttft) - len(sent):]), 1)
+            rec[f"first_tokens_s_{section}"] = round(sum(s.ttft[t_n0:]) + sum(s.failed[f_n0:]), 1)
     finally:
         if door:
             door.close()
         for srv in reversed(servers):
             srv.stop()
         lap("stop")
+    alone = got[(v, "alone")]
     print(f"[bench_vllm] round {rnd} {v}: up in {rec['startup_s']} s, idle "
           f"{rec['idle_cpu_cores']} cores, TTFT p50 "
-          f"{1e3 * statistics.median(got[(v, 'alone')].ttft):.0f} ms alone; "
+          f"{1e3 * statistics.median(alone.ttft + alone.failed):.0f} ms alone; "
           f"seconds {lap.seconds}", file=sys.stderr)
 
 
@@ -489,10 +543,14 @@ def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],
     res: dict[str, Any] = {}
     for (v, section), s in got.items():
         sfx = "" if section == "alone" else f".{section}"
+        if s.failed or s.skipped:
+            res[f"vllm.failed_requests.{v}{sfx}"] = len(s.failed)
+            res[f"vllm.skipped_requests.{v}{sfx}"] = s.skipped
         if not s.ttft:
             continue
-        res[f"vllm.ttft_p50_ms.{v}{sfx}"] = 1e3 * pct(s.ttft, 0.5)
-        res[f"vllm.ttft_p90_ms.{v}{sfx}"] = 1e3 * pct(s.ttft, 0.9)
+        # a failed request's TTFT is at least the time it took to fail (censored)
+        res[f"vllm.ttft_p50_ms.{v}{sfx}"] = 1e3 * pct(s.ttft + s.failed, 0.5)
+        res[f"vllm.ttft_p90_ms.{v}{sfx}"] = 1e3 * pct(s.ttft + s.failed, 0.9)
         res[f"vllm.requests.{v}{sfx}"] = len(s.ttft)
         if s.prefill:
             res[f"vllm.prefill_leg_p50_ms.{v}{sfx}"] = 1e3 * pct(s.prefill, 0.5)
@@ -603,6 +661,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         res["vllm.outputs_identical"], res["vllm.outputs_compared"] = compare_outputs(
             outs, ref, [v for v in active if v != ref])
         res.update(summary(got, log, active))
+        res["vllm.failed_requests_total"] = sum(len(s.failed) for s in got.values())
         res["vllm.phases"] = log
         res["vllm.loadavg_max_before_phase"] = max(r["loadavg_before"][0] for r in log)
         res["vllm.background_cores_max_before_phase"] = max(

@@ -49,8 +49,10 @@ def prefill_body(body: dict[str, Any], params: dict[str, Any] | None = None
 class FrontDoor:
     def __init__(self, prefill: str, decode: str, decode_instance: str | None = None,
                  connector: str = "pdxfer", port: int = 0,
-                 early: tuple[str, str] | None = None) -> None:
+                 early: tuple[str, str] | None = None, timeout: float = 600.0) -> None:
         self.prefill, self.decode = prefill.rstrip("/"), decode.rstrip("/")
+        self.timeout = timeout
+        """Seconds one relayed request may take, its answer streamed to the end."""
         self.early = early
         self.decode_instance, self.connector = decode_instance, connector
         self._port = port
@@ -83,7 +85,7 @@ class FrontDoor:
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_get("/v1/models", self._models)
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self._port)
