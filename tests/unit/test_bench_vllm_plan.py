@@ -186,3 +186,33 @@ def test_a_failed_request_counts_in_the_ttft_percentiles_as_its_wait_and_is_repo
     assert res["vllm.requests.builtin.contended"] == 3
     assert res["vllm.ttft_p90_ms.builtin.contended"] > 1e3 * 0.3, "the failed one counts"
     assert res["vllm.decode_leg_p50_ms.builtin.contended"] > 0, "legs: answered requests only"
+
+
+def test_a_run_that_breaks_mid_way_keeps_what_it_measured_and_says_why(
+        bench: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two full runs (2026-11-26) each lost 40 minutes of measurements to one exception in
+    a later phase. The phases done are reported, and the run names what ended it."""
+    import argparse
+
+    def rounds(shape: object, setup: object, a: object, active: list[str], got: dict,
+               outs: dict, log: list, res: dict) -> None:
+        log.append({"variant": "colocated", "round": 0, "loadavg_before": (0.5, 0.5, 0.5),
+                    "background_cores_before": 0.01, "idle_cpu_cores": 0.02,
+                    "seconds": {"alone": 3.0}})
+        got[("colocated", "alone")] = bench.Samples(ttft=[0.1, 0.12], prefill=[0.07, 0.08],
+                                                    first_chunk=[0.09, 0.1])
+        outs[("colocated", (0, "alone", 0, 0))] = [5, 6]
+        log.append({"variant": "pdxfer_tcp", "round": 0, "loadavg_before": (0.6, 0.5, 0.5),
+                    "background_cores_before": 0.02, "seconds": {}})
+        raise RuntimeError("a server died")
+
+    monkeypatch.setattr(bench, "all_phases", rounds)
+    monkeypatch.setattr(bench, "build_model", lambda path, shape: path)
+    monkeypatch.setattr(bench.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    a = argparse.Namespace(quick=True, rounds=1, convs=1, turns=1, builtin_requests=2,
+                           variants="colocated,pdxfer_tcp")
+    res = bench.run(a)
+    assert res["vllm.error"] == "RuntimeError: a server died"
+    assert res["vllm.error_phase"] == "pdxfer_tcp round 0"
+    assert res["vllm.ttft_p50_ms.colocated"] > 0 and res["vllm.idle_cpu_cores.colocated"]
+    assert res["vllm.background_cores_max_before_phase"] == 0.02
