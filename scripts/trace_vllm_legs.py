@@ -30,6 +30,12 @@ finished request, its answer built whole) and of recomputing the previous answer
 disaggregated prefill does), ``pdxfer_one - colocated_one`` what a loaded
 connector costs a request it does not move, ``pdxfer_leg - pdxfer_one`` what the room and its
 answer cost. Differences are medians of per-turn pairs (interleaved, so load drift cancels).
+
+``--solo`` runs each case as ``bench_vllm``'s phases do, with only its own servers running: the
+others are paused (``SIGSTOP`` to their process groups) around it and given a moment after
+``SIGCONT`` before the next case. It adds ``pdxfer_one_solo``, ``pdxfer_one`` with the pair's
+decode paused too, so ``pdxfer_one - pdxfer_one_solo`` is what an idle decode server beside
+the prefill costs it on this host (a pair's two servers share its cores; colocated has one).
 With the stamps (``scripts/trace_hooks``, see ``trace_vllm_prefill.py``) the non-streamed
 cases are also split along the prefill's path: ``<case>.stamps.<segment>_p50_ms``.
 """
@@ -37,7 +43,9 @@ cases are also split along the prefill's path: ``<case>.stamps.<segment>_p50_ms`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -64,9 +72,40 @@ from pdxfer.testing.vllm_procs import start_one_by_one  # noqa: E402
 from pdxfer.testing.vllm_proxy import FrontDoor  # noqa: E402
 
 CASES = ("colocated_stream", "colocated_one", "pdxfer_leg", "pdxfer_one")
+SOLO = "pdxfer_one_solo"
 DIFFS = (("colocated_one", "colocated_stream"), ("pdxfer_leg", "colocated_one"),
          ("pdxfer_leg", "colocated_stream"), ("pdxfer_one", "colocated_one"),
          ("pdxfer_leg", "pdxfer_one"))
+SOLO_DIFFS = (("pdxfer_one", SOLO), (SOLO, "colocated_one"))
+SOLO_SEED = 50_000
+"""Added to a turn's seed for ``pdxfer_one_solo``'s probe: it goes to the same prefill as
+``pdxfer_one``'s, so with the same tokens the second of the two would find the first's in
+the prefix cache and compute one block instead of the turn's."""
+SETTLE_S = 0.3
+"""After resuming paused servers, how long before the next case: their timers that came due
+while paused fire now, not inside the next measurement."""
+
+
+def paused_for(case: str) -> tuple[str, ...]:
+    """The servers (``colocated``, ``prefill``, ``decode``) that ``--solo`` pauses around a
+    case: every one the case does not use, as a bench_vllm phase has only its variant's up."""
+    if case.startswith("colocated"):
+        return ("prefill", "decode")
+    return ("colocated", "decode") if case == SOLO else ("colocated",)
+
+
+@contextlib.contextmanager
+def paused(pids: list[int]):
+    """``SIGSTOP`` the process groups (a server's engine core is its child) for the block."""
+    for pid in pids:
+        os.killpg(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.killpg(pid, signal.SIGCONT)
+        if pids:
+            time.sleep(SETTLE_S)
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -77,8 +116,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     longest = system + turns * (question + answer)
     max_len = -(-(longest + 64) // BS) * BS
     tmp = Path(tempfile.mkdtemp(prefix="pdxfer-trace-legs-"))
+    cases = (*CASES, SOLO) if a.solo else CASES
     res: dict[str, Any] = {"legs.shape": {"convs": convs, "turns": turns, "system": system,
                                           "question": question, "answer": answer},
+                           "legs.solo": a.solo,
                            "legs.variant": default_variant(), "legs.cores": os.cpu_count(),
                            "legs.background_cores_before": round(host_busy_cores(3.0), 3),
                            "legs.loadavg_before": os.getloadavg()}
@@ -96,11 +137,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         doors.append(FrontDoor(colo.url, "", connector="colocated").start())
         doors.append(FrontDoor(pre.url, dec.url, cfg["decode_instance"]).start())
         c_door, p_door = doors
+        pid = {"colocated": colo.pid, "prefill": pre.pid, "decode": dec.pid}
         for d in doors:  # one-time costs of both request shapes
             stream_request(d.url, tokens(999, 2 * BS + 5), 2, 600)
             d.prefill_leg(request_body(tokens(998, 2 * BS + 5), 2))
-        legs: dict[str, list[float]] = {c: [] for c in CASES}
-        spans: dict[str, list[tuple[int, int]]] = {c: [] for c in CASES}
+        legs: dict[str, list[float]] = {c: [] for c in cases}
+        spans: dict[str, list[tuple[int, int]]] = {c: [] for c in cases}
         ttft: dict[str, list[float]] = {"colocated": [], "pdxfer": []}
         same = 0
         turn_of: list[int] = []
@@ -114,19 +156,22 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 seed = 100 * c + t + 2
                 prompt = hist[c] + tokens(seed, question)
                 got: dict[str, list[int]] = {}
-                order = CASES[k % 4:] + CASES[:k % 4]
+                order = cases[k % len(cases):] + cases[:k % len(cases)]
                 turn_of.append(t)
                 k += 1
                 for case in order:
                     door = c_door if case.startswith("colocated") else p_door
-                    if case.endswith("_one"):
-                        legs[case].append(reference_leg(door, prompt, held[c], seed, answer,
-                                                        600))
-                    else:
-                        r = stream_request(door.url, prompt, answer, 600)
-                        legs[case].append(door.prefill_seconds[-1])
-                        ttft[case.split("_")[0]].append(r.ttft)
-                        got[case] = r.ids
+                    stop = [pid[n] for n in paused_for(case)] if a.solo else []
+                    with paused(stop):
+                        if "_one" in case:  # the solo probe's own tokens: uncached
+                            legs[case].append(reference_leg(
+                                door, prompt, held[c], seed + SOLO_SEED * (case == SOLO),
+                                answer, 600))
+                        else:
+                            r = stream_request(door.url, prompt, answer, 600)
+                            legs[case].append(door.prefill_seconds[-1])
+                            ttft[case.split("_")[0]].append(r.ttft)
+                            got[case] = r.ids
                     spans[case].append(door.prefill_spans[-1])
                 same += got["colocated_stream"] == got["pdxfer_leg"]
                 hist[c], held[c] = prompt + got["colocated_stream"], len(prompt)
@@ -139,7 +184,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for s in reversed(servers):
             s.stop()
         boot.stop()
-    for case in CASES:
+    for case in cases:
         res[f"legs.{case}.p50_ms"] = 1e3 * pct(legs[case], 0.5)
         res[f"legs.{case}.p90_ms"] = 1e3 * pct(legs[case], 0.9)
         res[f"legs.{case}.mean_ms"] = 1e3 * statistics.fmean(legs[case])
@@ -148,12 +193,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             for t in range(turns)]
     for who, xs in ttft.items():
         res[f"legs.ttft_p50_ms.{who}"] = 1e3 * pct(xs, 0.5)
-    for x, y in DIFFS:
+    for x, y in (*DIFFS, *SOLO_DIFFS) if a.solo else DIFFS:
         res[f"legs.diff_p50_ms.{x}_minus_{y}"] = 1e3 * statistics.median(
             [p - q for p, q in zip(legs[x], legs[y])])
         res[f"legs.ratio_p50.{x}_vs_{y}"] = pct(legs[x], 0.5) / pct(legs[y], 0.5)
     if setup.trace_dir is not None:
-        for case in CASES[1:]:  # a streamed request's handler returns before its answer
+        for case in cases[1:]:  # a streamed request's handler returns before its answer
             folder = setup.trace_dir / (colo.name if case.startswith("colocated") else pre.name)
             for seg, v in timeline(folder, spans[case]).items():
                 if any(v):
@@ -170,6 +215,9 @@ def main() -> int:
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--no-stamps", dest="stamps", action="store_false",
                     help="leave out scripts/trace_hooks (the stamps cost microseconds a call)")
+    ap.add_argument("--solo", action="store_true",
+                    help="pause (SIGSTOP) the servers a case does not use around it, as "
+                         "bench_vllm's phases run alone; adds pdxfer_one_solo (decode paused)")
     ap.add_argument("--json")
     a = ap.parse_args()
     return 0 if run_and_report("trace_vllm_legs", lambda: run(a), a.json) is not None else 2
