@@ -36,6 +36,7 @@ others are paused (``SIGSTOP`` to their process groups) around it and given a mo
 ``SIGCONT`` before the next case. It adds ``pdxfer_one_solo``, ``pdxfer_one`` with the pair's
 decode paused too, so ``pdxfer_one - pdxfer_one_solo`` is what an idle decode server beside
 the prefill costs it on this host (a pair's two servers share its cores; colocated has one).
+
 With the stamps (``scripts/trace_hooks``, see ``trace_vllm_prefill.py``) the non-streamed
 cases are also split along the prefill's path: ``<case>.stamps.<segment>_p50_ms``.
 """

@@ -8,11 +8,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from pdxfer.testing.harness import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,11 +46,12 @@ def test_a_paused_server_group_child_included_is_stopped_and_resumed_even_on_err
     try:
         assert p.stdout is not None
         child = int(p.stdout.readline())
+        # a signal takes effect when its target next runs: wait for it, bounded, not a guess
+        both = (p.pid, child)
         with pytest.raises(RuntimeError), legs.paused([p.pid]):
-            time.sleep(0.05)
-            assert state(p.pid) == "T" and state(child) == "T"
+            assert wait_until(lambda: all(state(x) == "T" for x in both), 30.0)
             raise RuntimeError("a failed request")
-        assert state(p.pid) != "T" and state(child) != "T"
+        assert wait_until(lambda: all(state(x) != "T" for x in both), 30.0)
     finally:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait(timeout=10)
