@@ -30,7 +30,7 @@ from ..errors import (
 from ..plan import chunk as C
 from .handles import KVPoll, RoomHandle
 from .liveness import Liveness
-from .sender_expect import Expected
+from .expected import Expected
 from .sender_hello import Handshakes, model_diff
 from .sender_rooms import (
     Chunk,
@@ -42,7 +42,7 @@ from .sender_rooms import (
     decodes,
     pending_size,
 )
-from .sender_settle import Settler
+from .settler import Settler
 from .sender_writes import Writes
 from .staging import Staging
 from .trust import Session

@@ -24,7 +24,7 @@ from ..plan import chunk as C
 from ..transport.base import Started
 from .handles import KVPoll
 from .sender_rooms import Chunk, SenderRoom, Slot, Target, decodes, sliced
-from .sender_settle import Settler
+from .settler import Settler
 from .staging import Staging, bounce
 
 if TYPE_CHECKING:

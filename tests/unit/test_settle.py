@@ -1,4 +1,4 @@
-"""The prefill's settle hold (``endpoint/sender_settle.py``), in one process over the
+"""The prefill's settle hold (``endpoint/settler.py``), in one process over the
 in-memory transport: what a decode whose proof blocks (a fence to a stopped process waits
 for the transport's timeout) may delay, and what a failure right after a proof holds."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer, Endpoint, EndpointConfig, KVPoll, TransportError
-from pdxfer.endpoint.sender_settle import Settler
+from pdxfer.endpoint.settler import Settler
 from pdxfer.testing import patterns as pat
 from pdxfer.transport import MemoryFabric, MemoryTransport
 

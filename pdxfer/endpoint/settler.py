@@ -1,26 +1,15 @@
 """Prefill side: terminal messages held until a failed write can no longer land.
 
 A decode hands a failed room's pages back to its engine when the prefill says the room's
-writes are over (``AbortAck``, or ``TransferDone``). On Mooncake TCP a write reported failed
-is not necessarily over (``transport/mooncake.py``, module notes): some of it may still be
-queued or buffered on the way and land once the link heals. So while the transport says a
-decode is *tainted* (a write to it failed and has not been proven drained), every message
-to that decode that ends a room whose writes ran is held here, and so is an ``AbortAck``
-for a room this prefill no longer knows; a prover thread of that decode's own proves the
-path quiet (``Transport.settle``: a fence, then the kernel's word) and then lets them go.
-Until then the decode keeps the pages quarantined and re-sends its ``Abort``: fail-closed.
+writes are over (``AbortAck`` or ``TransferDone``). On Mooncake TCP a write reported failed
+may still land once the link heals (``transport/mooncake.py``). So while the transport says a
+decode is *tainted*, every message that ends a room whose writes ran to it waits here, and so
+does an ``AbortAck`` for a room this prefill no longer knows, until ``Transport.settle``
+proves the path quiet. Until then the decode keeps the pages quarantined: fail-closed.
 
-Each tainted decode is proven on its own thread: one step of a proof may block (a fence to
-a hung decode waits for the transport's timeout), and one such decode must not hold back
-the terminal messages of every other. Give-ups are timed by one more thread, which never
-calls the transport: a held room is given up after ``give_up_s`` (the transfer deadline:
-its decode has failed the room by then and keeps asking with ``Abort``) however long a
-proof step takes. Its target finishes without a message, so the engine gets its source pages
-back (a stale slice may still read them, but lands only in pages its decode holds). The
-decode's next ``Abort`` finds the room gone, and its ``AbortAck`` is held like any other
-until the path is proven quiet. A prover whose decode has nothing held and has not asked
-for ``give_up_s`` stops (a decode that is gone does not keep a thread); the taint stays, and
-the next message held for that decode starts a new one.
+``Settler`` is its own object, with its own threads, because a proof step may block (a fence
+to a hung decode waits for the transport's timeout) and must not hold back other decodes or
+the room's worker. docs/failure-semantics.md tells the whole story.
 """
 
 from __future__ import annotations
@@ -55,7 +44,16 @@ class Held:
 
 class Settler:
     """Held jobs per tainted decode session, run once the transport proves that session's
-    path quiet; one prover thread per session being proven, one timer for the give-ups."""
+    path quiet.
+
+    Each session being proven has a prover thread of its own (one blocked proof must not
+    hold back the others). One timer thread, which never calls the transport, gives up what
+    is held past ``give_up_s`` (the transfer deadline: the decode has failed the room by
+    then and keeps asking with ``Abort``), however long a proof step takes: the target
+    finishes without a message, so the engine gets its source pages back (a stale slice
+    lands only in pages its decode still holds), and the decode's next ``AbortAck`` is held
+    like any other. A prover with nothing held and no recent ask stops (a decode that is
+    gone keeps no thread); the taint stays, and the next message held starts a new one."""
 
     def __init__(self, transport: Transport, count: Callable[[str, int], None],
                  give_up_s: float) -> None:
