@@ -78,7 +78,7 @@ class Endpoint:
         try:
             if config.role == "prefill":
                 self.prefill = p_side = PrefillSide(core)
-                core.handlers = {wire.Hello: p_side.on_hello,
+                core.handlers = {wire.Hello: p_side.peers.on_hello,
                                  wire.TransferRequest: p_side.on_request,
                                  wire.Abort: p_side.on_abort, wire.Release: p_side.on_release}
             else:
@@ -171,13 +171,7 @@ class Endpoint:
         """Sizes of the tables a rank keeps per room and peer (leak checks, metrics)."""
         with self.core.lock:
             if self.prefill is not None:
-                p = self.prefill
-                return {"rooms": len(p.rooms), "pending": len(p.pending),
-                        "pending_bytes": p.pending_bytes,
-                        "held": sum(1 for s in p.rooms.values() if s.hold_until),
-                        "tombstones": len(p.tombstones), "refused": len(p.refused),
-                        "expected": len(p.expected.rooms),
-                        "peers": len(p.peers), "sessions": len(self.core.trust),
+                return {**self.prefill.tables(), "sessions": len(self.core.trust),
                         "push_sockets": self.core.push_sockets()}
             assert self.decode is not None
             return {"rooms": len(self.decode.rooms), "peers": len(self.decode.peers),
@@ -191,7 +185,7 @@ class Endpoint:
             m["active_rooms"] = len(side.rooms) if side else 0
             m.update({f"table_{k}": v for k, v in self.tables().items()})
             if self.prefill:
-                m["pending_requests"] = self.prefill.pending_count
+                m["pending_requests"] = self.prefill.pending.count
             if self.decode:
                 m["quarantined_pages"] = self.decode.quarantined_pages()
         m.update(lock_wait_max_ms=round(core.lock.wait_max_s * 1e3, 3),

@@ -1,17 +1,17 @@
-"""Decode side: ``KVReceiver`` (one per request) and the handlers for prefill messages.
+"""Decode side: ``KVReceiver`` (one per request) and ``DecodeSide``, the room table and the
+handlers for prefill messages.
 
-Page lifetime is fail-closed (DESIGN.md §7): a failed request's destination pages go back to
-the engine (the ``release`` callback) only when no write can still land in them: every sender
-answered ``TransferDone`` or ``AbortAck``, or was declared dead. Until then they stay held
-and, past ``abort_timeout_s``, are counted as quarantined.
+Page lifetime is fail-closed (docs/failure-semantics.md): a failed request's destination
+pages go back to the engine (the ``release`` callback) only when no write can still land in
+them: every sender answered ``TransferDone`` or ``AbortAck``, or was declared dead. Until
+then they stay held and, past ``abort_timeout_s``, are counted as quarantined.
 
-Bootstrap lookups and handshakes block, so they run on a connector thread; the engine's calls
-only record intent and return. Once a route is resolved and its prefill endpoints have
-acknowledged the Hello, ``request()`` sends the TransferRequest from the caller's thread (a
-non-blocking socket send), saving a thread hop per request.
-
-The side is read in two parts: this file (rooms, requests, answers, deadlines, staging) and
-``receiver_checks.py`` (the integrity check); ``receiver_rooms.py`` holds the room entry.
+Bootstrap lookups and handshakes block, so they run on the ``Connector``'s threads
+(``connect.py``); the engine's calls only record intent and return. Once a route is resolved
+and its prefill endpoints have acknowledged the Hello, ``request()`` sends the
+TransferRequest from the caller's thread (a non-blocking socket send), saving a thread hop
+per request. ``IntegrityChecks`` (``integrity_checks.py``) checks what landed;
+``receiver_rooms.py`` holds the room record.
 """
 
 from __future__ import annotations
@@ -39,14 +39,13 @@ from ..errors import (
     PlanError,
     from_kind,
 )
-from ..faults import faults
 from ..plan import topology as T
 from ..plan.heads import lease_bytes
 from ..pools import PoolSpec
 from .connect import Connector, PrefillPeer, Resolved
 from .handles import KVPoll, Release, ReleaseOnce, RoomHandle
+from .integrity_checks import IntegrityChecks
 from .liveness import Liveness
-from .receiver_checks import Checks
 from .receiver_rooms import RecvRoom, route_key
 from .staging import Lease, Staging, scatter
 from .trust import Session
@@ -101,13 +100,12 @@ class KVReceiver(RoomHandle):
         self._side.fail(self._st, Aborted(f"room {self._st.room}: {reason}"))
 
 
-class DecodeSide(Checks):
+class DecodeSide:
     """Room tables, connector and heartbeat of a decode endpoint."""
 
     def __init__(self, ep: Core) -> None:
         self.ep = ep
         self.cfg = ep.config
-        self._faults = faults()
         odd = sorted({p.location for p in ep.pools if p.item_bytes
                       and not I.supported(p.location)})
         self.integrity = self.cfg.integrity if not odd else "off"
@@ -115,13 +113,13 @@ class DecodeSide(Checks):
             log.warning("integrity=%s: pools on %s cannot be digested (host and CUDA pools "
                         "can): received KV is not checked", self.cfg.integrity, odd)
         self.rooms: dict[int, RecvRoom] = {}
-        self._bufmaps: dict[int, tuple[PoolSpec, list[int | None]]] = {}
         n = Staging.wanted(ep.pools)
         self.staging = Staging(n) if n else None
         if self.staging is not None:
             ep.transport.register(self.staging.addr, n, "cpu")
         self.connector = Connector(ep, (self.staging.spec(),) if self.staging else ())
         self.peers = self.connector.peers
+        self.checks = IntegrityChecks(ep, self.rooms, self.peers)
         self.liveness = Liveness(self.cfg.heartbeat_s, self._watched, ep.transport.probe,
                                  self._peer_lost)
 
@@ -283,7 +281,7 @@ class DecodeSide(Checks):
                     st.asks[p.endpoint_id] = frame
                 self.ep.send_frame(p.ctrl_addr, frame, p.sess)
         if st.integrity == "sampled":
-            self._prepare(st, peers, plan)
+            self.checks.prepare(st, peers, plan)
         if not st.targets:  # every asked rank is silent: nothing this decode needs is there
             if any(p.item_bytes and not p.optional for p in self.ep.pools):
                 self.fail(st, LayoutMismatch(f"room {st.room}: no prefill endpoint writes any "
@@ -319,7 +317,7 @@ class DecodeSide(Checks):
         bad: PdxferError | None = None
         if msg.ok and (sess is None or sess.peer.endpoint_id == msg.endpoint_id):
             self._unstage(msg)
-            bad = self._check(msg)
+            bad = self.checks.check(msg)
         success = False
         with self.ep.lock:
             st = self._settle(msg, sess)
@@ -327,7 +325,7 @@ class DecodeSide(Checks):
                 return
             st.bytes += msg.bytes
             st.blocks += msg.blocks
-            if bad is not None and self._retry(st, msg.endpoint_id, bad):
+            if bad is not None and self.checks.retry(st, msg.endpoint_id, bad):
                 return
             if msg.ok and bad is None:
                 st.done.add(msg.endpoint_id)

@@ -63,7 +63,7 @@ class RecvRoom:
     prepared: dict[tuple[str, str, int, int, int, int], I.Prepared] = field(
         default_factory=dict)
     """Sampled checks planned when the request went out, by (sender, pool, start, end, lo,
-    hi): the digest a one-chunk sender reports for each pool (``_prepare``)."""
+    hi): the digest a one-chunk sender reports for each pool (``IntegrityChecks.prepare``)."""
 
 
 def route_key(st: RecvRoom) -> tuple[str, str | None, int | None]:

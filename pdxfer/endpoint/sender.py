@@ -1,9 +1,12 @@
-"""Prefill side: ``KVSender`` (one per request), the room table and the handlers for the decode's
-requests, aborts and releases.
+"""Prefill side: ``KVSender`` (the engine's handle for one request) and ``PrefillSide``, which
+owns the room table and answers the decode's requests, aborts and releases.
 
-The side is read in three parts: this file (rooms and requests), ``sender_hello.py`` (the
-decode peers and their handshakes) and ``sender_writes.py`` (planning, writing and the
-terminal messages); ``sender_rooms.py`` holds the tables they share.
+``PrefillSide`` holds the rest of the side as objects, each owning its state and handed
+what it shares: ``DecodePeers`` (``decode_peers.py``: handshakes and the peer table),
+``PendingRequests`` (``pending.py``: requests parked until their room opens),
+``Tombstones`` and ``Expected`` (rooms that ended here, or that the engine will open),
+``Writer`` (``writer.py``: writes and terminal messages, on each room's worker) and
+``Settler`` (``settler.py``). All of it is read and changed under the core's lock.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import numpy as np
 
 from .. import plan as P
 from .. import wire
-from ..config import knobs
 from ..errors import (
     Aborted,
     DeadlineExceeded,
@@ -28,24 +30,16 @@ from ..errors import (
     PlanError,
 )
 from ..plan import chunk as C
+from .decode_peers import DecodePeer, DecodePeers, model_diff
+from .expected import Expected
 from .handles import KVPoll, RoomHandle
 from .liveness import Liveness
-from .expected import Expected
-from .sender_hello import Handshakes, model_diff
-from .sender_rooms import (
-    Chunk,
-    DecodePeer,
-    Pending,
-    SenderRoom,
-    Slot,
-    Target,
-    decodes,
-    pending_size,
-)
+from .pending import Parked, PendingRequests, pending_size
+from .sender_rooms import Chunk, SenderRoom, Slot, Target, decodes
 from .settler import Settler
-from .sender_writes import Writes
-from .staging import Staging
+from .tombstones import Tombstones
 from .trust import Session
+from .writer import Writer
 
 if TYPE_CHECKING:
     from .core import Core
@@ -98,40 +92,40 @@ class KVSender(RoomHandle):
         self._side.fail(self._st, Aborted(f"room {self._st.room}: {reason}"))
 
 
-class PrefillSide(Handshakes, Writes):
-    """Room tables and message handlers of a prefill endpoint."""
+class PrefillSide:
+    """A prefill endpoint's rooms: the engine's calls, the decode's requests, aborts and
+    releases, repair holds and deadlines; the side's other parts are held here."""
 
     def __init__(self, ep: Core) -> None:
         self.ep = ep
-        self.cfg = ep.config
+        self.cfg = cfg = ep.config
         self.rooms: dict[int, SenderRoom] = {}
-        self.pending: dict[int, tuple[float, list[Pending]]] = {}
-        self.pending_bytes = 0
-        self.pending_count = 0
-        self.tombstones: OrderedDict[tuple[int, str, int], tuple[float, str, str]] = \
-            OrderedDict()
-        """Rooms that ended here (key ``(room, "", 0)``: failed, or succeeded and left the
-        table) or that a decode aborted before its request came (``(room, endpoint,
-        nonce)``): a late request for them is refused at once, with the reason and failure
-        kind kept here. Bounded by ``max_tombstones`` (a hostile decode cannot grow it)."""
-        self.expected = Expected(self.cfg.max_tombstones, self.cfg.bootstrap_timeout_s)
+        self.pending = PendingRequests(cfg.max_pending, cfg.max_pending_bytes)
+        self.tombstones = Tombstones(cfg.max_tombstones, cfg.bootstrap_timeout_s, ep.count)
+        """Rooms that ended here, or that a decode aborted before its request came: a late
+        request for them is refused at once (``tombstones.py``)."""
+        self.expected = Expected(cfg.max_tombstones, cfg.bootstrap_timeout_s)
         """Rooms the engine received but has not opened (``expect``): a request for one waits
-        until the bootstrap deadline, not only ``room_grace_s`` (``sender_expect.py``)."""
+        until the bootstrap deadline, not only ``room_grace_s`` (``expected.py``)."""
         self.refused: OrderedDict[int, str] = OrderedDict()
         """Rooms whose decode's handshake this rank refused (the room fails on creation)."""
-        self.peers: OrderedDict[str, DecodePeer] = OrderedDict()
+        self.peers = DecodePeers(ep, self._peers_in_use, self._handshake_refused)
+        self.settler = Settler(ep.transport, ep.count, cfg.transfer_timeout_s)
+        """Holds what tells a decode a room's writes are over while a failed write to it may
+        still land (``settler.py``)."""
+        self.writer = Writer(ep, self.settler, self.fail, self._end_or_hold)
         self.page_sizes = {p.name: p.page_size for p in ep.pools}
         self.layers_of = C.pool_layers({p.name: p for p in ep.pools})
-        host = all(p.location == "cpu" for p in ep.pools)
-        n = Staging.wanted(ep.pools) if host and knobs().gather else 0
-        self.staging = Staging(n) if n else None  # gathers head slices into few big writes
-        if self.staging is not None:
-            ep.transport.register(self.staging.addr, n, "cpu")
-        self.liveness = Liveness(self.cfg.heartbeat_s, self._holders, ep.transport.probe,
+        self.liveness = Liveness(cfg.heartbeat_s, self._holders, ep.transport.probe,
                                  self._holder_lost, name="pdxfer-hold-heartbeat")
-        self.settler = Settler(ep.transport, ep.count, self.cfg.transfer_timeout_s)
-        """Holds what tells a decode a room's writes are over while a failed write to it may
-        still land (``sender_settle.py``)."""
+
+    def tables(self) -> dict[str, int]:
+        """Sizes of this side's tables (leak checks, metrics; under the lock)."""
+        return {"rooms": len(self.rooms), "pending": len(self.pending),
+                "pending_bytes": self.pending.bytes,
+                "held": sum(1 for s in self.rooms.values() if s.hold_until),
+                "tombstones": len(self.tombstones), "refused": len(self.refused),
+                "expected": len(self.expected.rooms), "peers": len(self.peers)}
 
     def close(self) -> None:
         self.liveness.close()
@@ -167,6 +161,30 @@ class PrefillSide(Handshakes, Writes):
             log.warning("decode endpoint %s (%s) is gone: %d rooms held for its repairs end",
                         p.endpoint_id, p.session, len(held))
 
+    def _peers_in_use(self) -> set[int]:
+        """Peers the rooms and parked requests refer to (the peer table keeps them)."""
+        busy = {id(t.peer) for st in self.rooms.values() for t in st.targets}
+        return busy | self.pending.peers()
+
+    def _handshake_refused(self, msg: wire.Hello, reason: str) -> None:
+        """Tell the room that started a refused handshake, so the prefill does not wait for a
+        request that cannot come (only a room not bound to another decode)."""
+        if msg.room is None:
+            return
+        why = (f"room {msg.room}: handshake from decode endpoint {msg.endpoint_id} refused: "
+               f"{reason}")
+        with self.ep.lock:
+            st = self.rooms.get(msg.room)
+            if st is None:
+                self.refused[msg.room] = why
+                while len(self.refused) > self.cfg.max_tombstones:
+                    self.refused.popitem(last=False)
+                return
+            if (st.targets or st.state.terminal
+                    or st.bound and st.bound not in (msg.endpoint_id, msg.instance)):
+                return
+        self.fail(st, LayoutMismatch(why))
+
     # -- engine calls -------------------------------------------------------------------------
 
     def create(self, room: int, peer: str | None = None) -> KVSender:
@@ -175,13 +193,13 @@ class PrefillSide(Handshakes, Writes):
             if room in self.rooms:
                 raise DuplicateRoom(f"room {room} is already active on prefill endpoint "
                                     f"{self.ep.endpoint_id}")
-            self.tombstones.pop((room, "", 0), None)
+            self.tombstones.forget(room)
             self.expected.pop(room)
             st = SenderRoom(room, now + self.cfg.bootstrap_timeout_s, bound=peer)
             self.rooms[room] = st
             self.ep.count("requests")
-            for req, dpeer, _ in self._take_pending(room):
-                self._attach(st, req, dpeer, now)
+            for p in self.pending.take(room):
+                self._attach(st, p.req, p.peer, now)
             refused = self.refused.pop(room, None)
         if refused is not None and not st.targets:
             self.fail(st, LayoutMismatch(refused))
@@ -195,14 +213,12 @@ class PrefillSide(Handshakes, Writes):
         with self.ep.lock:
             if room in self.rooms:
                 return
-            self.tombstones.pop((room, "", 0), None)  # a new request reusing the room
+            self.tombstones.forget(room)  # a new request reusing the room
             e = self.expected.add(room, decode, now)
             if self.expected.evicted:
                 self.ep.count("expected_evicted", self.expected.evicted)
                 self.expected.evicted = 0
-            waiting = self.pending.get(room)
-            if waiting is not None:
-                self.pending[room] = (max(waiting[0], e.deadline), waiting[1])
+            self.pending.extend(room, e.deadline)
 
     def withdraw(self, room: int, reason: str = "aborted by prefill engine") -> None:
         """The engine ended an expected room it never opened: a decode's request parked for
@@ -211,22 +227,9 @@ class PrefillSide(Handshakes, Writes):
             if self.expected.pop(room) is None or room in self.rooms:
                 return
             why = f"was withdrawn by the prefill engine before it opened it ({reason})"
-            self._tombstone((room, "", 0), why, "aborted")
-            for req, peer, _ in self._take_pending(room):
-                self._refuse(req, peer, f"room {room} {why}", "aborted")
-
-    def _take_pending(self, room: int) -> list[Pending]:
-        _, waiting = self.pending.pop(room, (0.0, []))
-        self.pending_bytes -= sum(n for _, _, n in waiting)
-        self.pending_count -= len(waiting)
-        return waiting
-
-    def _tombstone(self, key: tuple[int, str, int], why: str, kind: str = "remote") -> None:
-        self.tombstones[key] = (time.monotonic() + self.cfg.bootstrap_timeout_s, why, kind)
-        self.tombstones.move_to_end(key)
-        while len(self.tombstones) > self.cfg.max_tombstones:
-            self.tombstones.popitem(last=False)
-            self.ep.count("tombstones_evicted")
+            self.tombstones.ended(room, why, "aborted")
+            for p in self.pending.take(room):
+                self._refuse(p.req, p.peer, f"room {room} {why}", "aborted")
 
     def add_chunk(self, st: SenderRoom, pages: Mapping[str, object], slots: dict[str, int],
                   last: bool, layers: tuple[int, int] | None = None,
@@ -261,9 +264,9 @@ class PrefillSide(Handshakes, Writes):
                 st.last_given = last
                 if last and decodes(st) >= st.expected:
                     st.state = KVPoll.Transferring
-                starts = self._pump(st, start=True)
+                starts = self.writer.pump(st, start=True)
         finally:
-            self.start_slots(starts)  # off the lock (``_pump``)
+            self.writer.start_slots(starts)  # off the lock (``Writer.pump``)
 
     def fail(self, st: SenderRoom, err: PdxferError) -> None:
         """Fail a room; each decode is told once its in-flight writes have drained."""
@@ -274,9 +277,10 @@ class PrefillSide(Handshakes, Writes):
             st.failure = err
             self.ep.count_failure(err)
             log.info("room %d failed: %s", st.room, err)
-            self._tombstone((st.room, "", 0), f"already failed on prefill: {err}")
+            self.tombstones.ended(st.room, f"already failed on prefill: {err}")
             for t in st.targets:
-                self.ep.workers.submit(st.room, lambda t=t: self._finish(st, t, False, err))
+                self.ep.workers.submit(st.room,
+                                       lambda t=t: self.writer.finish(st, t, False, err))
             if not st.targets:
                 self.rooms.pop(st.room, None)
 
@@ -284,7 +288,7 @@ class PrefillSide(Handshakes, Writes):
 
     def on_request(self, req: wire.TransferRequest, sess: Session | None, _: wire.Header) -> None:
         now = time.monotonic()
-        peer = self._peer(req.endpoint_id, sess, f"request for room {req.room}")
+        peer = self.peers.lookup(req.endpoint_id, sess, f"request for room {req.room}")
         if peer is None:
             return
         with self.ep.lock:
@@ -297,14 +301,13 @@ class PrefillSide(Handshakes, Writes):
             if why:
                 self._refuse(req, peer, why, "plan")
                 return
-            if st is not None and self._repairable(st, peer):
+            if st is not None and st.repairable(peer):
                 self._repair(st, req, peer, dst)
                 return
             if st is None:
-                tomb = (self.tombstones.get((req.room, "", 0))
-                        or self.tombstones.get((req.room, peer.endpoint_id, req.nonce)))
+                tomb = self.tombstones.find(req.room, peer.endpoint_id, req.nonce)
                 if tomb is not None:
-                    self._refuse(req, peer, f"room {req.room} {tomb[1]}", tomb[2])
+                    self._refuse(req, peer, f"room {req.room} {tomb.why}", tomb.kind)
                     return
                 self._park(req, peer, now)
                 return
@@ -319,31 +322,28 @@ class PrefillSide(Handshakes, Writes):
         waits until the bootstrap deadline."""
         e = self.expected.get(req.room)
         grace = min(self.cfg.room_grace_s, self.cfg.bootstrap_timeout_s)
-        exp, waiting = self.pending.get(req.room, (e.deadline if e else now + grace, []))
+        exp = self.pending.deadline(req.room)
+        if exp is None:
+            exp = e.deadline if e else now + grace
         if req.early and not e:
             exp = max(exp, now + self.cfg.bootstrap_timeout_s)
-        if any(p.endpoint_id == peer.endpoint_id for _, p, _ in waiting):
+        if self.pending.has(req.room, peer.endpoint_id):
             self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
                          "duplicate_room")
             return
-        size = pending_size(req)
-        waiting.append((req, peer, size))
-        self.pending[req.room] = (exp, waiting)
-        self.pending_bytes += size
-        self.pending_count += 1
+        self.pending.park(Parked(req, peer, pending_size(req)), exp)
 
     def _pending_fits(self, req: wire.TransferRequest, peer: DecodePeer) -> bool:
         """Whether one more request fits the pending caps; refuses it when not."""
-        n, size = self.pending_count, pending_size(req)
-        if n < self.cfg.max_pending and self.pending_bytes + size <= self.cfg.max_pending_bytes:
+        if self.pending.fits(pending_size(req)):
             return True
         self.ep.count("rejected_pending_full")
         self._refuse(req, peer, f"too many requests waiting for their room on this prefill "
-                                f"({n}, {self.pending_bytes} bytes)", "busy")
+                                f"({self.pending.count}, {self.pending.bytes} bytes)", "busy")
         return False
 
     def on_abort(self, msg: wire.Abort, sess: Session | None, _: wire.Header) -> None:
-        peer = self._peer(msg.endpoint_id, sess, f"abort of room {msg.room}")
+        peer = self.peers.lookup(msg.endpoint_id, sess, f"abort of room {msg.room}")
         if peer is None:
             return
         with self.ep.lock:
@@ -353,22 +353,12 @@ class PrefillSide(Handshakes, Writes):
                                           and t.peer.endpoint_id == peer.endpoint_id]
             target = next((t for t in mine if not t.finished), mine[-1] if mine else None)
             if target is None:
-                exp_w = self.pending.get(msg.room)
-                known = False
-                if exp_w is not None:
-                    left = [x for x in exp_w[1] if not (x[0].nonce == msg.nonce and x[1].endpoint_id == peer.endpoint_id)]
-                    known = len(left) != len(exp_w[1])
-                    self.pending_bytes -= sum(x[2] for x in exp_w[1] if x not in left)
-                    self.pending_count -= len(exp_w[1]) - len(left)
-                    if left:
-                        self.pending[msg.room] = (exp_w[0], left)
-                    else:
-                        self.pending.pop(msg.room, None)
+                known = self.pending.drop(msg.room, msg.nonce, peer.endpoint_id)
                 if not known and msg.room not in self.rooms:
                     # the request may still be on its way: refuse it when it comes
-                    self._tombstone((msg.room, peer.endpoint_id, msg.nonce),
-                                    "already failed on prefill: aborted by decode before its "
-                                    "request arrived")
+                    self.tombstones.aborted(msg.room, peer.endpoint_id, msg.nonce,
+                                            "already failed on prefill: aborted by decode "
+                                            "before its request arrived")
                 if not known and self.ep.transport.tainted(peer.session):
                     # a room that ended here while a failed write to this decode may still
                     # land: its ack waits for the proof (the decode asks again)
@@ -384,13 +374,14 @@ class PrefillSide(Handshakes, Writes):
                 # a repair of a room that succeeded: stop that one target once its writes
                 # have drained (its worker job runs after them), the room stays held
                 err = Aborted(f"room {msg.room}: repair aborted by decode")
-                self.ep.workers.submit(st.room, lambda: self._finish(st, target, False, err))
+                self.ep.workers.submit(st.room,
+                                       lambda: self.writer.finish(st, target, False, err))
                 return
         self.fail(st, Aborted(f"room {msg.room}: aborted by decode ({msg.reason or 'no reason'})"))
 
     def on_release(self, msg: wire.Release, sess: Session | None, _: wire.Header) -> None:
         """The decode needs no repair: a held room ends and its pages are the engine's."""
-        peer = self._peer(msg.endpoint_id, sess, f"release of room {msg.room}")
+        peer = self.peers.lookup(msg.endpoint_id, sess, f"release of room {msg.room}")
         if peer is None:
             return
         with self.ep.lock:
@@ -422,21 +413,8 @@ class PrefillSide(Handshakes, Writes):
         already is), so that a late request for it is refused at once (``UnknownRoom``)."""
         self.rooms.pop(st.room, None)
         if st.state == KVPoll.Success:
-            self._tombstone((st.room, "", 0), "already ended on this prefill (it succeeded "
-                            "and its pages are released)", "unknown_room")
-
-    @staticmethod
-    def _repairable(st: SenderRoom, peer: DecodePeer) -> bool:
-        """Whether a request from ``peer`` for an existing room is a repair: the room is held,
-        or (other decodes still being served) this decode's own request succeeded and asked
-        to be held. A repair shares the nonce of the request it repairs."""
-        if st.state == KVPoll.Failed:
-            return False
-        if st.hold_until:
-            return True
-        mine = [t for t in st.targets if t.peer.endpoint_id == peer.endpoint_id]
-        return bool(mine) and all(t.finished and t.ok for t in mine) and any(
-            t.req.hold_for_repair and not t.released for t in mine)
+            self.tombstones.ended(st.room, "already ended on this prefill (it succeeded and "
+                                  "its pages are released)", "unknown_room")
 
     def _repair(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer,
                 dst: dict[str, np.ndarray]) -> None:
@@ -456,7 +434,7 @@ class PrefillSide(Handshakes, Writes):
         st.targets.append(Target(req, peer, dst))
         if st.hold_until:
             st.hold_until = time.monotonic() + min(req.deadline_s, self.cfg.transfer_timeout_s)
-        self._pump(st)
+        self.writer.pump(st)
 
     def tick(self, now: float) -> None:
         expired: list[SenderRoom] = []
@@ -465,23 +443,20 @@ class PrefillSide(Handshakes, Writes):
                 if not st.state.terminal and now > st.deadline:
                     expired.append(st)
             grace = min(self.cfg.room_grace_s, self.cfg.bootstrap_timeout_s)
-            for room, (exp, waiting) in list(self.pending.items()):
-                if now > exp:
-                    kind, why = (("deadline", f"expected by this prefill's engine, which did "
-                                  f"not open it within {self.cfg.bootstrap_timeout_s} s")
-                                 if self.expected.pop(room) else
-                                 ("deadline", f"asked for at dispatch, and this prefill's "
-                                  f"engine did not open it within "
-                                  f"{self.cfg.bootstrap_timeout_s} s")
-                                 if any(r.early for r, _, _ in waiting) else
-                                 ("unknown_room", f"unknown to this prefill (its engine did not "
-                                  f"open it within {grace} s)"))
-                    for req, peer, _ in self._take_pending(room):
-                        self._refuse(req, peer, f"room {room} is {why}", kind)
+            for room, parked in self.pending.take_expired(now):
+                kind, why = (("deadline", f"expected by this prefill's engine, which did "
+                              f"not open it within {self.cfg.bootstrap_timeout_s} s")
+                             if self.expected.pop(room) else
+                             ("deadline", f"asked for at dispatch, and this prefill's "
+                              f"engine did not open it within "
+                              f"{self.cfg.bootstrap_timeout_s} s")
+                             if any(p.req.early for p in parked) else
+                             ("unknown_room", f"unknown to this prefill (its engine did not "
+                              f"open it within {grace} s)"))
+                for p in parked:
+                    self._refuse(p.req, p.peer, f"room {room} is {why}", kind)
             self.expected.expire(now)
-            for key, (exp, *_) in list(self.tombstones.items()):
-                if now > exp:
-                    del self.tombstones[key]
+            self.tombstones.expire(now)
             for st in [x for x in self.rooms.values() if x.hold_until and now > x.hold_until
                        and all(t.finished for t in x.targets)]:
                 log.info("room %d: no Release from the decode before the hold deadline", st.room)
@@ -530,49 +505,16 @@ class PrefillSide(Handshakes, Writes):
         st.deadline = now + min(req.deadline_s, self.cfg.transfer_timeout_s)
         if decodes(st) >= st.expected:
             st.state = KVPoll.Transferring if st.last_given else KVPoll.WaitingForInput
-        self._pump(st)
+        self.writer.pump(st)
 
     def _unbound(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer) -> bool:
         """Refuse (and count) a request from a decode the room does not belong to."""
-        why = self._binding(st, peer)
+        why = st.why_unbound(peer, self.cfg.fan_out)
         if not why:
             return False
         self.ep.count("rejected_not_bound")
         self._refuse(req, peer, why, "protocol")
         return True
-
-    def _binding(self, st: SenderRoom, peer: DecodePeer) -> str:
-        """Why ``peer`` may not ask for this room ("" if it may).
-
-        A room serves one decode group: the one named by ``sender(room, peer=...)``, else the
-        first that asks. A group is the TP ranks of one decode instance: further ranks may
-        join the first asker while they share its instance and TP size, each rank once, and
-        no more of them than the first asker said would ask this prefill rank
-        (``decode_peers``). Another decode that holds the secret and knows the room id (a
-        misrouted or curious one) gets no byte. ``EndpointConfig.fan_out`` lets several
-        decode groups ask for the same room."""
-        if st.bound and not peer.is_(st.bound):
-            return (f"room {st.room} is bound to decode {st.bound!r}, not decode endpoint "
-                    f"{peer.endpoint_id} (instance {peer.instance!r})")
-        if self.cfg.fan_out:
-            return ""
-        others = [t for t in st.targets if t.peer.endpoint_id != peer.endpoint_id]
-        if not others:
-            return ""
-        first = others[0]
-        owner = first.peer
-        whose = (f"room {st.room} is bound to the decode group that asked first (instance "
-                 f"{owner.instance!r}, TP size {owner.tp_size}, endpoint {owner.endpoint_id})")
-        if peer.instance != owner.instance or peer.tp_size != owner.tp_size:
-            return (f"{whose}, not decode endpoint {peer.endpoint_id} (instance "
-                    f"{peer.instance!r}, TP size {peer.tp_size}); EndpointConfig.fan_out "
-                    f"serves one room to several decode groups")
-        ranks = {t.peer.endpoint_id: t.peer.tp_rank for t in others}
-        if peer.tp_rank in ranks.values() or len(ranks) >= first.req.decode_peers:
-            return (f"{whose}: its TP rank {peer.tp_rank} (or all {first.req.decode_peers} "
-                    f"of its ranks that ask this prefill rank) already asked, so decode "
-                    f"endpoint {peer.endpoint_id} is not one of them")
-        return ""
 
 
 def _pair(x: tuple[int, int] | None, what: str, room: int) -> tuple[int, int] | None:

@@ -1,7 +1,8 @@
-"""Prefill side's tables: the decode peers that said Hello, each room's chunks (what the engine
-handed over) and targets (what each decode asked for, and how far its writes went).
+"""Prefill side's room record: each room's chunks (what the engine handed over) and targets
+(what each decode asked for, and how far its writes went), and the rules a room applies to
+who may ask for it (binding, repairs).
 
-Plain data, read and changed under the core's lock by ``sender.py`` and its parts.
+Plain data, read and changed under the core's lock by ``PrefillSide`` and its ``Writer``.
 """
 
 from __future__ import annotations
@@ -17,52 +18,8 @@ from .. import plan as P
 from .. import wire
 from ..errors import PdxferError
 from ..plan import chunk as C
-from ..pools import PoolSpec
+from .decode_peers import DecodePeer
 from .handles import KVPoll
-from .trust import Session
-
-
-@dataclass(slots=True, eq=False)
-class DecodePeer:
-    """A decode endpoint that said Hello: where to write and how its pools pair with ours."""
-
-    endpoint_id: str
-    ctrl_addr: str
-    session: str
-    pools: dict[str, PoolSpec]
-    pairings: dict[str, P.BufferPairing]
-    regions: list[tuple[int, int]]
-    sess: Session | None = None
-    """The authenticated pair (with a secret): the only source of this peer's frames, and
-    the only way to answer it."""
-    instance: str = ""
-    tp_rank: int = 0
-    tp_size: int = 1
-    """Its place in its decode group (the ranks of one instance that may share a room)."""
-    probe_failures: int = 0
-    hung: bool = False
-    """Heartbeat state while this peer holds rooms for a repair (``liveness.py``)."""
-
-    subsets: dict[tuple[int, int], dict[str, P.BufferPairing]] = field(default_factory=dict)
-    """``pairings`` narrowed to a layer range (partial-layer chunks), made once per range."""
-
-    def layer_pairings(self, layers: tuple[int, int] | None) -> dict[str, P.BufferPairing]:
-        """The pairings a chunk of ``layers`` writes (all of them for ``None``); slot pools
-        stay whole (the last chunk writes the request's slots, whatever its layers)."""
-        if layers is None:
-            return self.pairings
-        hit = self.subsets.get(layers)
-        if hit is None:
-            if len(self.subsets) >= 1024:  # the engine's own ranges; bounded all the same
-                self.subsets.clear()
-            sub = {n: pr if pr.src.kind == "slot" else P.layer_subset(pr, *layers)
-                   for n, pr in self.pairings.items()}
-            hit = self.subsets[layers] = {n: pr for n, pr in sub.items() if pr is not None}
-        return hit
-
-    def is_(self, who: str) -> bool:
-        """Whether this peer is the decode endpoint or instance ``who`` (room binding)."""
-        return who in (self.endpoint_id, self.instance) and bool(who)
 
 
 @dataclass(slots=True, eq=False)
@@ -86,7 +43,7 @@ class Chunk:
 @dataclass(slots=True, eq=False)
 class Slot:
     """A chunk's write that the engine's ``send()`` starts once it has released the lock;
-    the room's worker job for it waits for ``ready`` (``sender_writes.py``)."""
+    the room's worker job for it waits for ``ready`` (``writer.py``)."""
 
     st: SenderRoom
     t: Target
@@ -120,7 +77,7 @@ class Target:
     """Its decode sent ``Release``: it will not ask for a repair."""
     settling: bool = False
     """Its terminal message waits for the transport to prove a failed write to its decode
-    can no longer land (``sender_settle.py``)."""
+    can no longer land (``settler.py``)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -145,21 +102,57 @@ class SenderRoom:
     t_request: float = 0.0
     bound: str | None = None
     """The decode endpoint or instance this room is for (``sender(room, peer=...)``); without
-    it the room belongs to the decode group that asks first (``PrefillSide._binding``)."""
+    it the room belongs to the decode group that asks first (``why_unbound``)."""
 
+    def why_unbound(self, peer: DecodePeer, fan_out: bool) -> str:
+        """Why ``peer`` may not ask for this room ("" if it may).
 
-Pending = tuple[wire.TransferRequest, "DecodePeer", int]
-"""A request that came before its room's sender: the request, its peer, its size in memory."""
+        A room serves one decode group: the one named by ``sender(room, peer=...)``, else the
+        first that asks. A group is the TP ranks of one decode instance: further ranks may
+        join the first asker while they share its instance and TP size, each rank once, and
+        no more of them than the first asker said would ask this prefill rank
+        (``decode_peers``). Another decode that holds the secret and knows the room id (a
+        misrouted or curious one) gets no byte. ``EndpointConfig.fan_out`` lets several
+        decode groups ask for the same room."""
+        if self.bound and not peer.is_(self.bound):
+            return (f"room {self.room} is bound to decode {self.bound!r}, not decode endpoint "
+                    f"{peer.endpoint_id} (instance {peer.instance!r})")
+        if fan_out:
+            return ""
+        others = [t for t in self.targets if t.peer.endpoint_id != peer.endpoint_id]
+        if not others:
+            return ""
+        first = others[0]
+        owner = first.peer
+        whose = (f"room {self.room} is bound to the decode group that asked first (instance "
+                 f"{owner.instance!r}, TP size {owner.tp_size}, endpoint {owner.endpoint_id})")
+        if peer.instance != owner.instance or peer.tp_size != owner.tp_size:
+            return (f"{whose}, not decode endpoint {peer.endpoint_id} (instance "
+                    f"{peer.instance!r}, TP size {peer.tp_size}); EndpointConfig.fan_out "
+                    f"serves one room to several decode groups")
+        ranks = {t.peer.endpoint_id: t.peer.tp_rank for t in others}
+        if peer.tp_rank in ranks.values() or len(ranks) >= first.req.decode_peers:
+            return (f"{whose}: its TP rank {peer.tp_rank} (or all {first.req.decode_peers} "
+                    f"of its ranks that ask this prefill rank) already asked, so decode "
+                    f"endpoint {peer.endpoint_id} is not one of them")
+        return ""
+
+    def repairable(self, peer: DecodePeer) -> bool:
+        """Whether a request from ``peer`` for this room is a repair: the room is held, or
+        (other decodes still being served) this decode's own request succeeded and asked to
+        be held. A repair shares the nonce of the request it repairs."""
+        if self.state == KVPoll.Failed:
+            return False
+        if self.hold_until:
+            return True
+        mine = [t for t in self.targets if t.peer.endpoint_id == peer.endpoint_id]
+        return bool(mine) and all(t.finished and t.ok for t in mine) and any(
+            t.req.hold_for_repair and not t.released for t in mine)
 
 
 def decodes(st: SenderRoom) -> int:
     """Decode endpoints that asked for the room (a repair adds a target, not a decode)."""
     return len({t.peer.endpoint_id for t in st.targets})
-
-
-def pending_size(req: wire.TransferRequest) -> int:
-    """Memory a parked request holds: its packed indices and their unpacked int64 copy."""
-    return 1024 + 3 * sum(len(v) for v in req.dst.values())
 
 
 def sliced(t: Target) -> bool:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..endpoint import control, inbox, receiver, sender
+from ..endpoint import control, inbox, integrity_checks, receiver, sender, writer
 
 _events: list[tuple[str, int, str]] = []
 _installed = False
@@ -67,14 +67,13 @@ def install(state: Any, side: str = "") -> None:
     if not _installed:
         _installed = True
         for owner, attr, name in (
-                (sender.KVSender, "send", "send"), (sender.PrefillSide, "_plan", "plan"),
-                (sender.PrefillSide, "_await", "await"), (sender.PrefillSide, "_write", "write"),
-                (sender.PrefillSide, "_digest", "digest"),
-                (sender.PrefillSide, "_finish", "finish"),
+                (sender.KVSender, "send", "send"), (writer.Writer, "_plan", "plan"),
+                (writer.Writer, "_await", "await"), (writer.Writer, "_write", "write"),
+                (writer.Writer, "_digest", "digest"), (writer.Writer, "finish", "finish"),
                 (sender.PrefillSide, "on_request", "on_request"),
                 (receiver.KVReceiver, "request", "request"),
                 (receiver.DecodeSide, "on_done", "on_done"),
-                (receiver.DecodeSide, "_check", "check"),
+                (integrity_checks.IntegrityChecks, "check", "check"),
                 (control.Control, "send", "ctl.send"), (inbox.Inbox, "_read", "inbox.read")):
             _wrap(owner, attr, name)
     for e in state.eps.values():

@@ -176,7 +176,7 @@ def _kv_spec() -> PoolSpec:
 
 
 def test_the_decode_counts_every_layer_of_every_token_before_a_sender_is_done() -> None:
-    from pdxfer.endpoint.receiver_checks import _uncovered
+    from pdxfer.endpoint.integrity_checks import _uncovered
 
     spec = _kv_spec()
     whole = [(0, 0, 0, 13)]

@@ -94,7 +94,8 @@ def test_sends_that_break_a_layers_token_order_are_refused_before_any_write(
 
 def test_a_digest_claiming_layers_the_sender_lacks_fails_the_room(
         pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    side = pair.pf.prefill
+    assert pair.pf.prefill is not None
+    side = pair.pf.prefill.writer
     real = side._digest_chunk
 
     def forged(t: Any, chunk: Any, mode: str) -> None:

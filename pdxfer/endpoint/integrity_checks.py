@@ -1,10 +1,11 @@
-"""Decode side, the integrity check (see ``integrity.py``): each sender's digests of what it
+"""Decode side: the integrity check (see ``integrity.py``). Each sender's digests of what it
 wrote are compared with what landed before the room may succeed; a mismatch fails the room,
 or asks that sender once more (``integrity_retry``). Sampled checks of a one-chunk sender are
-planned when the request goes out (``_prepare``). Fault injection (tests only) damages a page
+planned when the request goes out (``prepare``). Fault injection (tests only) damages a page
 here, just before the check, as a misdirected or lost write would.
 
-A mixin of ``DecodeSide`` (``receiver.py``): it shares that class's tables and lock.
+``IntegrityChecks`` is handed the decode side's room table and peer table; it owns only
+its cache of buffer maps.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from .. import integrity as I
 from .. import wire
 from ..errors import IntegrityError, PdxferError
-from ..faults import Faults, damage
+from ..faults import Faults, damage, faults
 from ..plan import topology as T
 from ..pools import PoolSpec
 from .connect import PrefillPeer
@@ -47,16 +48,19 @@ def _head_bytes(pool: PoolSpec, heads: tuple[int, int] | None) -> slice | np.nda
     return np.arange(lo * ps * hb, hi * ps * hb)
 
 
-class Checks:
-    """``DecodeSide``'s integrity half (the state it shares is declared here for readers)."""
+class IntegrityChecks:
+    """The decode side's integrity checks, over its ``rooms`` and handshaken ``peers``
+    (read under the core's lock)."""
 
-    ep: Core
-    rooms: dict[int, RecvRoom]
-    peers: dict[str, PrefillPeer]
-    _faults: Faults
-    _bufmaps: dict[int, tuple[PoolSpec, list[int | None]]]
+    def __init__(self, ep: Core, rooms: dict[int, RecvRoom],
+                 peers: dict[str, PrefillPeer]) -> None:
+        self.ep = ep
+        self.rooms = rooms
+        self.peers = peers
+        self.faults: Faults = faults()
+        self._bufmaps: dict[int, tuple[PoolSpec, list[int | None]]] = {}
 
-    def _prepare(self, st: RecvRoom, peers: list[PrefillPeer], plan: list[T.Assignment]
+    def prepare(self, st: RecvRoom, peers: list[PrefillPeer], plan: list[T.Assignment]
                  ) -> None:
         """Plan the sampled check of what each sender will report for a request it writes in
         one chunk (tokens ``[prefix_len, num_tokens)``, the heads it was asked for or all it
@@ -91,9 +95,7 @@ class Checks:
             log.debug("room %d: sampled checks not planned ahead", st.room, exc_info=True)
         st.prepared = out
 
-    # -- integrity (see integrity.py) -----------------------------------------------------------
-
-    def _retry(self, st: RecvRoom, sender: str, err: PdxferError) -> bool:
+    def retry(self, st: RecvRoom, sender: str, err: PdxferError) -> bool:
         """Ask ``sender`` for its whole range once more after a digest mismatch
         (``integrity_retry``; called under the lock): the same request frame and nonce, which
         the prefill serves as a repair of the room it still holds. False: fail as usual."""
@@ -109,7 +111,7 @@ class Checks:
         self.ep.send_frame(peer.ctrl_addr, frame, peer.sess)
         return True
 
-    def _check(self, msg: wire.TransferDone) -> PdxferError | None:
+    def check(self, msg: wire.TransferDone) -> PdxferError | None:
         """Inject a configured page fault, then verify what this sender wrote against its
         digests: None, or the ``IntegrityError`` that fails the room (the sender's writes
         are over either way, so its pages are safe to release)."""
@@ -119,8 +121,8 @@ class Checks:
                 return None
             peer = self.peers.get(msg.endpoint_id)
             skip = st.skips.get(msg.endpoint_id, ())
-        if self._faults.page_faults:
-            kind = self._faults.page_fault(st.room)
+        if self.faults.page_faults:
+            kind = self.faults.page_fault(st.room)
             if kind is not None:
                 self._inject(st, kind, msg.endpoint_id)
         if st.integrity == "off" or peer is None:
@@ -235,18 +237,18 @@ class Checks:
         skip = st.skips.get(sender, ())
         pools = [p for p in self.ep.pools if p.kind == "paged" and p.item_bytes
                  and p.location == "cpu" and (p.indices_from or p.name) in st.dst
-                 and p.name not in skip and self._faults.pools([p.name])]
+                 and p.name not in skip and self.faults.pools([p.name])]
         if not pools:
             return
-        pool = pools[self._faults.pick(len(pools))]
+        pool = pools[self.faults.pick(len(pools))]
         pages = st.dst[pool.indices_from or pool.name]
         used = -(-(st.num_tokens - st.prefix_len + st.prefix_len % pool.page_size)
                  // pool.page_size)
         if used <= 0:
             return
-        i = self._faults.pick(min(used, int(pages.size)))
+        i = self.faults.pick(min(used, int(pages.size)))
         page = int(pages[i])
-        buf = pool.buffers[self._faults.pick(len(pool.buffers))]
+        buf = pool.buffers[self.faults.pick(len(pool.buffers))]
         item = pool.item_bytes
         view = np.ctypeslib.as_array((ctypes.c_uint8 * (pool.num_items * item)).from_address(
             buf.addr)).reshape(pool.num_items, item)

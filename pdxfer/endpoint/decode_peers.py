@@ -1,9 +1,10 @@
-"""Prefill side, part 1 of 2: the decode peers. A decode's ``Hello`` (checked for freshness, model,
-transport and pool layout, answered with a ``HelloAck``), the peer table (bounded, least
-recently used idle peers evicted) and the one lookup every later message goes through
-(``_peer``: with a secret, only the peer's own session speaks for it).
+"""Prefill side: the decode peers. ``DecodePeers`` answers each decode's ``Hello`` (checked for
+freshness, model, transport and pool layout) with a ``HelloAck``, keeps the peer table
+(bounded: the least recently used idle peer is evicted) and is the one lookup every later
+message goes through (``lookup``: with a secret, only the peer's own session speaks for it).
 
-A mixin of ``PrefillSide`` (``sender.py``): it shares that class's tables and lock.
+It knows nothing of rooms: which peers the rooms still use, and what to do when a room's
+handshake is refused, come in as two callbacks from ``PrefillSide``.
 """
 
 from __future__ import annotations
@@ -11,35 +12,83 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .. import auth, wire
 from .. import plan as P
-from ..errors import LayoutMismatch, PdxferError, TransportError
-from ..pools import check_pools, layout_signature
+from ..errors import LayoutMismatch, TransportError
+from ..pools import PoolSpec, check_pools, layout_signature
 from ..transport.auto import mismatch as transport_mismatch
-from .sender_rooms import DecodePeer, Pending, SenderRoom
 from .trust import Session, new_nonce
 
 if TYPE_CHECKING:
-    from ..config import EndpointConfig
     from .core import Core
 
 log = logging.getLogger("pdxfer.sender")
 
 
-class Handshakes:
-    """``PrefillSide``'s handshake half (its tables are declared here for readers)."""
+@dataclass(slots=True, eq=False)
+class DecodePeer:
+    """A decode endpoint that said Hello: where to write and how its pools pair with ours."""
 
-    ep: Core
-    cfg: EndpointConfig
-    rooms: dict[int, SenderRoom]
-    pending: dict[int, tuple[float, list[Pending]]]
-    refused: OrderedDict[int, str]
-    peers: OrderedDict[str, DecodePeer]
+    endpoint_id: str
+    ctrl_addr: str
+    session: str
+    pools: dict[str, PoolSpec]
+    pairings: dict[str, P.BufferPairing]
+    regions: list[tuple[int, int]]
+    sess: Session | None = None
+    """The authenticated pair (with a secret): the only source of this peer's frames, and
+    the only way to answer it."""
+    instance: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    """Its place in its decode group (the ranks of one instance that may share a room)."""
+    probe_failures: int = 0
+    hung: bool = False
+    """Heartbeat state while this peer holds rooms for a repair (``liveness.py``)."""
 
-    def fail(self, st: SenderRoom, err: PdxferError) -> None:  # in PrefillSide
-        raise NotImplementedError
+    subsets: dict[tuple[int, int], dict[str, P.BufferPairing]] = field(default_factory=dict)
+    """``pairings`` narrowed to a layer range (partial-layer chunks), made once per range."""
+
+    def layer_pairings(self, layers: tuple[int, int] | None) -> dict[str, P.BufferPairing]:
+        """The pairings a chunk of ``layers`` writes (all of them for ``None``); slot pools
+        stay whole (the last chunk writes the request's slots, whatever its layers)."""
+        if layers is None:
+            return self.pairings
+        hit = self.subsets.get(layers)
+        if hit is None:
+            if len(self.subsets) >= 1024:  # the engine's own ranges; bounded all the same
+                self.subsets.clear()
+            sub = {n: pr if pr.src.kind == "slot" else P.layer_subset(pr, *layers)
+                   for n, pr in self.pairings.items()}
+            hit = self.subsets[layers] = {n: pr for n, pr in sub.items() if pr is not None}
+        return hit
+
+    def is_(self, who: str) -> bool:
+        """Whether this peer is the decode endpoint or instance ``who`` (room binding)."""
+        return who in (self.endpoint_id, self.instance) and bool(who)
+
+
+class DecodePeers:
+    """The decode peers of a prefill rank, by endpoint id (under the core's lock).
+
+    ``in_use``: ids (``id()``) of the peers rooms or parked requests still refer to (never
+    evicted). ``refused``: called with a refused ``Hello`` and the reason, for the room that
+    started the handshake."""
+
+    def __init__(self, ep: Core, in_use: Callable[[], set[int]],
+                 refused: Callable[[wire.Hello, str], None]) -> None:
+        self.ep = ep
+        self.cfg = ep.config
+        self.table: OrderedDict[str, DecodePeer] = OrderedDict()
+        self._in_use = in_use
+        self._refused = refused
+
+    def __len__(self) -> int:
+        return len(self.table)
 
     def on_hello(self, msg: wire.Hello, _: Session | None, h: wire.Header) -> None:
         """A decode opens (or reopens) its pair. With a secret the frame's MAC was checked
@@ -47,7 +96,7 @@ class Handshakes:
         fresh = self.ep.trust.fresh_hello(h, msg.ts)
         if fresh == "again":  # a retransmission: the ack may have been lost
             with self.ep.lock:
-                old = self.peers.get(msg.endpoint_id)
+                old = self.table.get(msg.endpoint_id)
             if old is not None and old.sess is not None and old.sess.pair == h.pair:
                 self.ep.send_raw(old.ctrl_addr, old.sess.ack)
             return
@@ -55,17 +104,16 @@ class Handshakes:
             self.ep.reject(fresh, f"Hello from {msg.endpoint_id}: {fresh}")
             return
         with self.ep.lock:
-            old = self.peers.get(msg.endpoint_id)
+            old = self.table.get(msg.endpoint_id)
         if (old is not None and old.sess is not None and old.sess.pair == h.pair
                 and any(h.pair) and old.ctrl_addr == msg.ctrl_addr
                 and old.session == msg.session):
             # the Hello this peer was paired with, again (without a secret the trust table
             # keeps no nonces, so it is known here by its nonce): answered with the same ack,
-            # not paired anew. A decode retransmits while its ack is late (``connect.py``,
-            # backing off), and a control thread held up for seconds finds a queue of them; each one
-            # handled as new replaced the peer and paired the transport once more. Only the
-            # same Hello: a nonce of zeros (a hand-made peer) or another address or transport
-            # session is a new endpoint under the old name, and pairs anew.
+            # not paired anew. A decode retransmits while its ack is late (``connect.py``), so
+            # a slow control thread may find a queue of them; pairing each anew would pair
+            # the transport again each time. A nonce of zeros (a hand-made peer) or another
+            # address or transport session is a new endpoint under the old name: it pairs.
             self.ep.count("hello_repeats")
             self.ep.send_raw(old.ctrl_addr, old.sess.ack)
             return
@@ -105,7 +153,7 @@ class Handshakes:
         if reason:
             log.warning("refused Hello from %s: %s", msg.endpoint_id, reason)
             self.ep.count_failure(LayoutMismatch(reason))
-            self._handshake_refused(msg, reason)
+            self._refused(msg, reason)
             self.ep.send_raw(msg.ctrl_addr, frame)
             return
         sess = Session(h.pair, None, ack=frame)
@@ -117,12 +165,12 @@ class Handshakes:
                           msg.instance, msg.tp_rank, msg.tp_size)
         sess.peer = peer
         with self.ep.lock:
-            old = self.peers.pop(msg.endpoint_id, None)
+            old = self.table.pop(msg.endpoint_id, None)
             if old is None and not self._make_room_for_peer():
                 why = f"too many decode peers ({self.cfg.max_peers})"
                 self.ep.reject("table_full", f"Hello from {msg.endpoint_id}: {why}")
                 return
-            self.peers[msg.endpoint_id] = peer
+            self.table[msg.endpoint_id] = peer
         if old is not None:
             self.ep.trust.drop(old.sess)
             if old.ctrl_addr != peer.ctrl_addr:
@@ -143,39 +191,19 @@ class Handshakes:
     def _make_room_for_peer(self) -> bool:
         """Evict the least recently used idle peer when the table is full (under the lock);
         False when every peer is in use."""
-        if len(self.peers) < self.cfg.max_peers:
+        if len(self.table) < self.cfg.max_peers:
             return True
-        busy = {id(t.peer) for st in self.rooms.values() for t in st.targets}
-        busy |= {id(p) for _, w in self.pending.values() for _, p, _ in w}
-        for eid, p in self.peers.items():
+        busy = self._in_use()
+        for eid, p in self.table.items():
             if id(p) not in busy:
-                del self.peers[eid]
+                del self.table[eid]
                 self.ep.trust.drop(p.sess)
                 self.ep.forget(p.ctrl_addr)
                 self.ep.count("peers_evicted")
                 return True
         return False
 
-    def _handshake_refused(self, msg: wire.Hello, reason: str) -> None:
-        """Tell the room that started a refused handshake, so the prefill does not wait for a
-        request that cannot come (only a room not bound to another decode)."""
-        if msg.room is None:
-            return
-        why = (f"room {msg.room}: handshake from decode endpoint {msg.endpoint_id} refused: "
-               f"{reason}")
-        with self.ep.lock:
-            st = self.rooms.get(msg.room)
-            if st is None:
-                self.refused[msg.room] = why
-                while len(self.refused) > self.cfg.max_tombstones:
-                    self.refused.popitem(last=False)
-                return
-            if (st.targets or st.state.terminal
-                    or st.bound and st.bound not in (msg.endpoint_id, msg.instance)):
-                return
-        self.fail(st, LayoutMismatch(why))
-
-    def _peer(self, endpoint_id: str, sess: Session | None, what: str) -> DecodePeer | None:
+    def lookup(self, endpoint_id: str, sess: Session | None, what: str) -> DecodePeer | None:
         """The registered peer a message comes from: with a secret, its session's (and the
         message must name that peer); without one, the endpoint it names."""
         with self.ep.lock:
@@ -184,13 +212,13 @@ class Handshakes:
                 if not isinstance(peer, DecodePeer) or (endpoint_id and endpoint_id != peer.endpoint_id):
                     peer = None
                     reason = "wrong_pair"
-                elif self.peers.get(peer.endpoint_id) is not peer:
+                elif self.table.get(peer.endpoint_id) is not peer:
                     peer, reason = None, "unknown_peer"
             else:
-                peer = self.peers.get(endpoint_id)
+                peer = self.table.get(endpoint_id)
                 reason = "unknown_peer"
             if peer is not None:
-                self.peers.move_to_end(peer.endpoint_id)
+                self.table.move_to_end(peer.endpoint_id)
                 return peer
         self.ep.reject(reason, f"{what} from {endpoint_id or 'an unnamed endpoint'}: no Hello "
                                "from it (no answer is sent)")

@@ -1,12 +1,13 @@
-"""Prefill side, part 2 of 2: the writes. Each chunk a target has not been given is planned
-(``plan.chunk``), digested for the integrity check, written (started in ``send()`` when small,
-else on the room's worker) and finally answered with the target's one terminal message.
+"""Prefill side: the writes. Each chunk a target has not been given is planned (``plan.chunk``),
+digested for the integrity check, written (started in ``send()`` when small, else on the
+room's worker) and finally answered with the target's one terminal message.
 
 A room's writes, its ``TransferDone`` and its ``AbortAck`` all run on one worker thread, in
 order (``control.Workers``): a terminal message queued behind the room's writes is sent only
 after they returned, which is what lets the decode free its pages without a late write.
-
-A mixin of ``PrefillSide`` (``sender.py``): it shares that class's tables and lock.
+``Writer`` changes rooms only through the two callbacks ``PrefillSide`` hands it (``fail``,
+``ended``), and holds terminal messages back through the ``Settler`` while a failed write
+to their decode may still land.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 from .. import integrity as I
 from .. import plan as P
 from .. import wire
+from ..config import knobs
 from ..errors import PdxferError, PlanError, TransportError
 from ..plan import chunk as C
 from ..transport.base import Started
@@ -28,29 +30,32 @@ from .settler import Settler
 from .staging import Staging, bounce
 
 if TYPE_CHECKING:
-    from ..config import EndpointConfig
     from .core import Core
 
 log = logging.getLogger("pdxfer.sender")
 
 
-class Writes:
-    """``PrefillSide``'s write half (the state it shares is declared here for readers)."""
+class Writer:
+    """Plans, starts and awaits a prefill rank's writes and sends each target's terminal
+    message. ``fail(room, err)`` fails a room; ``ended(room)`` is called (under the lock)
+    when every target of a room finished, to take it out of the table or hold it."""
 
-    ep: Core
-    cfg: EndpointConfig
-    staging: Staging | None
-    page_sizes: dict[str, int]
+    def __init__(self, ep: Core, settler: Settler,
+                 fail: Callable[[SenderRoom, PdxferError], None],
+                 ended: Callable[[SenderRoom], None]) -> None:
+        self.ep = ep
+        self.cfg = ep.config
+        self.settler = settler
+        self._fail = fail
+        self._ended = ended
+        self.page_sizes = {p.name: p.page_size for p in ep.pools}
+        host = all(p.location == "cpu" for p in ep.pools)
+        n = Staging.wanted(ep.pools) if host and knobs().gather else 0
+        self.staging = Staging(n) if n else None  # gathers head slices into few big writes
+        if self.staging is not None:
+            ep.transport.register(self.staging.addr, n, "cpu")
 
-    def fail(self, st: SenderRoom, err: PdxferError) -> None:  # in PrefillSide
-        raise NotImplementedError
-
-    def _end_or_hold(self, st: SenderRoom) -> None:  # in PrefillSide
-        raise NotImplementedError
-
-    settler: Settler
-
-    def _pump(self, st: SenderRoom, start: bool = False) -> list[Slot]:
+    def pump(self, st: SenderRoom, start: bool = False) -> list[Slot]:
         """Queue every chunk each target has not been given yet (called under the lock).
 
         ``start`` (the engine's ``send()``): a small chunk's write is to be started by the
@@ -78,7 +83,7 @@ class Writes:
         return slots
 
     def start_slots(self, slots: list[Slot]) -> None:
-        """Start the writes ``_pump`` left to the caller (after the lock is released); each
+        """Start the writes ``pump`` left to the caller (after the lock is released); each
         slot's worker job waits for its outcome, so it is always given one."""
         try:
             for s in slots:
@@ -213,13 +218,13 @@ class Writes:
         chunk = st.chunks[ci]
         if t.req.silent:  # another rank writes everything this decode rank needs
             if chunk.last:
-                self._finish(st, t, True, None)
+                self.finish(st, t, True, None)
             return
         t0 = time.perf_counter()
         blocks = chunk.plans.pop(t, None) or self._plan(t, chunk, st.cursor)
         if isinstance(blocks, str):
-            self.fail(st, PlanError(blocks))
-            self._finish(st, t, False, st.failure)
+            self._fail(st, PlanError(blocks))
+            self.finish(st, t, False, st.failure)
             return
         self._digest(t, chunk)
         gathered = (bounce(blocks, self.staging)
@@ -242,9 +247,9 @@ class Writes:
         self._wrote(st, t, chunk, blocks, len(wire_blocks), t0, tw)
 
     def _write_failed(self, st: SenderRoom, t: Target, e: TransportError) -> None:
-        self.fail(st, TransportError(
+        self._fail(st, TransportError(
             f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}"))
-        self._finish(st, t, False, st.failure)
+        self.finish(st, t, False, st.failure)
 
     def _wrote(self, st: SenderRoom, t: Target, chunk: Chunk, blocks: P.Blocks, entries: int,
                t0: float, tw: float, frame: bytes | None = None) -> None:
@@ -254,19 +259,19 @@ class Writes:
         t.seconds += now - t0
         t.write_seconds += now - tw
         if chunk.last:
-            self._finish(st, t, True, None, frame)
+            self.finish(st, t, True, None, frame)
 
     def _give_up(self, st: SenderRoom, t: Target) -> None:
         """A target whose decode's path was not proven quiet before the transfer deadline:
         the room fails here and the target ends without a message (its decode keeps the
         pages until an ``AbortAck``, which waits for the proof)."""
-        self.fail(st, TransportError(
+        self._fail(st, TransportError(
             f"room {st.room}: a failed write to decode {t.peer.endpoint_id} was not proven "
             f"drained before the deadline"))
-        self._finish(st, t, False, st.failure, settled=True, send=False)
+        self.finish(st, t, False, st.failure, settled=True, send=False)
 
-    def _finish(self, st: SenderRoom, t: Target, ok: bool, err: PdxferError | None,
-                frame: bytes | None = None, settled: bool = False, send: bool = True) -> None:
+    def finish(self, st: SenderRoom, t: Target, ok: bool, err: PdxferError | None,
+               frame: bytes | None = None, settled: bool = False, send: bool = True) -> None:
         """Send the target its one terminal message; runs on the room's worker thread.
 
         The outcome is decided under the lock (an abort decided first turns it into a
@@ -278,9 +283,9 @@ class Writes:
 
         While a failed write to the target's decode may still land (the transport says it
         is tainted), the target stays unfinished (its source pages may still be read) and
-        this runs again once the path is proven quiet (``sender_settle.py``): the decode
-        must not hear that the room's writes are over before they are; a room held past the
-        transfer deadline ends without a message (``send=False``, ``sender_settle.py``)."""
+        this runs again once the path is proven quiet (``settler.py``): the decode must not
+        hear that the room's writes are over before they are; a room held past the transfer
+        deadline ends without a message (``send=False``)."""
         if t.finished:
             return
         if (not settled and t.scheduled and not t.req.silent
@@ -291,7 +296,7 @@ class Writes:
                 self.settler.hold(
                     t.peer.session,
                     lambda: self.ep.workers.submit(
-                        st.room, lambda: self._finish(st, t, ok, err, frame, settled=True)),
+                        st.room, lambda: self.finish(st, t, ok, err, frame, settled=True)),
                     lambda: self.ep.workers.submit(st.room, lambda: self._give_up(st, t)))
             return
         now = time.monotonic()
@@ -322,7 +327,7 @@ class Writes:
                 st.state = KVPoll.Success
                 success = True
             if all_done or st.state == KVPoll.Failed and all(x.finished for x in st.targets):
-                self._end_or_hold(st)
+                self._ended(st)
         if out is not None and send:
             self.ep.send_frame(t.peer.ctrl_addr, out, t.peer.sess)
         if success:
