@@ -6,22 +6,8 @@ length-prefixed frames) but reads each frame itself. A ZMQ PULL socket cannot be
 reads a whole message into memory it allocates before the application sees a byte of it,
 queues up to its high-water mark of them per connection and accepts any number of
 connections, and the freed buffers of a flood stay in the process's heap (glibc keeps them).
-
-Here, per connection:
-
-- frames are read at most ``READ_AHEAD`` bytes at a time into one shared scratch buffer; a
-  frame complete in it is handed over from there (no allocation);
-- a larger frame's pdxfer header is checked first (``screen``: magic, version, kind, the
-  kind's size cap, and with a secret the mode and the pair; everything but the MAC): a frame
-  that will be refused is read into a shared sink and dropped, so it costs its header;
-- a frame that passed gets a buffer from the process-wide ``RecvPool``, whose total is capped,
-  with a smaller cap for connections that have not yet delivered an admitted frame (before
-  authentication). Buffers of 64 KiB and more are anonymous mappings, unmapped when the frame
-  was handled, so their memory goes back to the OS whatever the allocator does. A connection
-  that must wait for the pool stops being read (TCP pushes back on its sender);
-- connections are capped (``MAX_CONNECTIONS``; the oldest one that never delivered an admitted
-  frame is closed for a new one), and a handshake or a frame holding a buffer must complete
-  within its deadline, so a stalled sender cannot hold memory.
+Here each frame's header is checked before its body is read, and memory and connections are
+capped (``Inbox`` lists the rules).
 """
 
 from __future__ import annotations
@@ -191,7 +177,25 @@ Deliver = Callable[[memoryview], bool]
 
 class Inbox:
     """Accepts PUSH peers on ``host`` and hands each complete frame to ``deliver`` (which
-    says whether the frame was admitted), after ``screen`` passed its header."""
+    says whether the frame was admitted), after ``screen`` passed its header.
+
+    Per connection:
+
+    - frames are read at most ``READ_AHEAD`` bytes at a time into one shared scratch buffer;
+      a frame complete in it is handed over from there (no allocation);
+    - a larger frame's pdxfer header is checked first (``screen``: magic, version, kind, the
+      kind's size cap, and with a secret the mode and the pair; everything but the MAC): a
+      frame that will be refused is read into a shared sink and dropped, so it costs its
+      header;
+    - a frame that passed gets a buffer from the process-wide ``RecvPool``, whose total is
+      capped, with a smaller cap for connections that have not yet delivered an admitted
+      frame (before authentication). Buffers of 64 KiB and more are anonymous mappings,
+      unmapped when the frame was handled, so their memory goes back to the OS whatever the
+      allocator does. A connection that must wait for the pool stops being read (TCP pushes
+      back on its sender);
+    - connections are capped (``MAX_CONNECTIONS``; the oldest one that never delivered an
+      admitted frame is closed for a new one), and a handshake or a frame holding a buffer
+      must complete within its deadline, so a stalled sender cannot hold memory."""
 
     def __init__(self, host: str, deliver: Deliver, screen: Screen, reject: Callable[[str, str], None],
                  max_frame: int, loopback_only: bool = False) -> None:

@@ -1,17 +1,13 @@
 """Heartbeats: probe the peers that rooms wait on.
 
-A decode rank probes the prefill endpoints its rooms wait on. Two failed probes in a row
-fail its rooms. Whether their pages can be released depends on why the probes failed:
-
-- the peer's host *refused* a connection to the peer's control port (it answered, and no
-  process listens there): the process is gone, its writes cannot land, the pages are
-  released (``dead``);
-- anything else (a probe that hangs, a timeout, "network unreachable"): a frozen process,
-  or a network that lost the peer. Either may still deliver a write (a frozen writer wakes
-  up; TCP retransmits what it holds once a link heals), so the pages stay quarantined until
-  the peer acknowledges the abort, or later refuses as above. A failure that comes back at
-  once is no proof of death across a network: a host whose own link is down sees every
-  connection fail at once while its peers are alive.
+A decode rank probes the prefill endpoints its rooms wait on; two failed probes in a row
+fail its rooms. Their pages are released only when the peer's host *refused* a connection
+to the peer's control port (nothing listens there: the process is gone, ``dead``). Anything
+else (a hang, a timeout, "network unreachable") may be a frozen process or a network that
+lost the peer, and either may still deliver a write (a frozen writer wakes up; TCP
+retransmits once a link heals), so the pages stay quarantined until the peer acknowledges
+the abort or later refuses. A failure that comes back at once proves nothing across a
+network: a host whose own link is down sees every connection fail at once.
 
 A prefill rank probes the decodes it holds rooms for (repair holds): a decode that is gone
 will never send its Release, so its holds end at once. Verdicts go back through ``on_lost``.

@@ -2,22 +2,11 @@
 a ZMQ PUSH socket speaks to ``inbox.Inbox`` (ZMTP 3.0, NULL mechanism).
 
 A ZMQ PUSH socket hands every message to ZMQ's I/O thread, which then writes it: one thread
-wake-up per message before a byte leaves. On the 2-vCPU test VM a one-way message from a
-PUSH socket to an ``Inbox`` in another process took ~270 us (median), the same bytes written
-by the sending thread ~155 us (``docs/performance.md``). Here the sending thread writes the
-frame itself with one non-blocking ``sendmsg``; only what cannot be written at once (a new
-connection still connecting, a full socket buffer, a peer that is down) is left to the
-flusher thread, which also notices a peer closing a connection. So:
-
-- ``send`` never blocks and never waits for a thread; it returns False only when the frame
-  cannot be queued (the peer's queue is over ``MAX_QUEUED`` bytes, or its address is bad);
-- frames to one address leave in the order ``send`` was called, each whole: a connection
-  that breaks is dialled again (backing off up to ``RECONNECT_MAX_S`` while the peer is
-  down) and the frames not fully written go out on the new one (a frame the old connection
-  took whole but the peer never read is lost, as with ZMQ);
-- on a new connection frames wait for the peer's greeting and READY (the flusher reads
-  them: one round trip per connection), as a ZMQ socket's do; later input is dropped (an
-  ``Inbox`` and a ZMQ PULL socket send nothing else).
+wake-up per message before a byte leaves (the one-way latency this saves is in
+docs/performance.md). Here the sending thread writes the frame itself with one non-blocking
+``sendmsg``; only what cannot be written at once (a new connection still connecting, a full
+socket buffer, a peer that is down) is left to the flusher thread, which also notices a
+peer closing a connection. ``Outbox`` says what a caller can count on.
 """
 
 from __future__ import annotations
@@ -89,7 +78,18 @@ _EMPTY = memoryview(b"")
 
 
 class Outbox:
-    """Frames to peers' control sockets, written by the calling thread (module notes)."""
+    """Frames to peers' control sockets, written by the calling thread (module notes).
+
+    - ``send`` never blocks and never waits for a thread; it returns False only when the
+      frame cannot be queued (the peer's queue is over ``MAX_QUEUED`` bytes, or its address
+      is bad);
+    - frames to one address leave in the order ``send`` was called, each whole: a connection
+      that breaks is dialled again (backing off up to ``RECONNECT_MAX_S`` while the peer is
+      down) and the frames not fully written go out on the new one (a frame the old
+      connection took whole but the peer never read is lost, as with ZMQ);
+    - on a new connection frames wait for the peer's greeting and READY (the flusher reads
+      them: one round trip per connection), as a ZMQ socket's do; later input is dropped
+      (an ``Inbox`` and a ZMQ PULL socket send nothing else)."""
 
     def __init__(self, max_peers: int, name: str = "pdxfer-outbox") -> None:
         self.max_peers = max_peers

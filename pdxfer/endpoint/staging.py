@@ -7,18 +7,8 @@ Each entry costs tens of microseconds on TCP, so entry count, not bytes, decides
 Instead the decode lends the sender a piece of a registered host buffer: the sender writes its
 slice packed there (its own gather, ``bounce``, turns scattered sources into a few big entries),
 and when its ``TransferDone`` arrives the decode scatters the slice into the pool with one
-vectorised copy per buffer, before the request can succeed.
+vectorised copy per buffer, before the request can succeed (``Staging`` gives the layout).
 
-Staging layout of one (sender, pool) with heads ``[lo, hi)``, ``width = (hi-lo)*head_bytes``,
-``ntok`` request tokens counted from ``prefix_len``:
-
-- token-major (NHD, or page size 1): decode buffer ``j``, request token ``k`` sits at
-  ``addr + (j*ntok + k)*width``.
-- HND: decode buffer ``j``, request page ``i`` (``npages = ceil(ntok/page_size)``) is one block
-  of ``width*page_size`` bytes at ``addr + (j*npages + i)*width*page_size``: the page's heads
-  ``[lo, hi)`` in page order, as they sit (contiguous) inside an HND page.
-
-Either way consecutive tokens or pages are back to back, which is what lets ``bounce`` merge.
 Host (``cpu``) pools only; other locations, and a full staging buffer, keep the in-place path.
 """
 
@@ -53,7 +43,19 @@ class Lease:
 
 class Staging:
     """A registered host buffer handed out first-fit; advertised as an optional slot pool so
-    the prefill's bounds check accepts writes into it."""
+    the prefill's bounds check accepts writes into it.
+
+    Layout of one (sender, pool) lease with heads ``[lo, hi)``, ``width =
+    (hi-lo)*head_bytes``, ``ntok`` request tokens counted from ``prefix_len``:
+
+    - token-major (NHD, or page size 1): decode buffer ``j``, request token ``k`` sits at
+      ``addr + (j*ntok + k)*width``.
+    - HND: decode buffer ``j``, request page ``i`` (``npages = ceil(ntok/page_size)``) is one
+      block of ``width*page_size`` bytes at ``addr + (j*npages + i)*width*page_size``: the
+      page's heads ``[lo, hi)`` in page order, as they sit (contiguous) inside an HND page.
+
+    Either way consecutive tokens or pages are back to back, which is what lets ``bounce``
+    merge."""
 
     def __init__(self, nbytes: int) -> None:
         self.buf = np.empty(nbytes, dtype=np.uint8)
