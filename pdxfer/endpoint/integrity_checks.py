@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,6 +49,14 @@ def _head_bytes(pool: PoolSpec, heads: tuple[int, int] | None) -> slice | np.nda
     return np.arange(lo * ps * hb, hi * ps * hb)
 
 
+@dataclass(frozen=True, slots=True)
+class _BufferMap:
+    theirs: PoolSpec
+    """The sender's pool (kept: its ``id()`` is the cache key)."""
+    index: list[int | None]
+    """Our buffer index for each of its buffers (None: we hold no such buffer)."""
+
+
 class IntegrityChecks:
     """The decode side's integrity checks, over its ``rooms`` and handshaken ``peers``
     (read under the core's lock)."""
@@ -58,7 +67,7 @@ class IntegrityChecks:
         self.rooms = rooms
         self.peers = peers
         self.faults: Faults = faults()
-        self._bufmaps: dict[int, tuple[PoolSpec, list[int | None]]] = {}
+        self._bufmaps: dict[int, _BufferMap] = {}
 
     def prepare(self, st: RecvRoom, peers: list[PrefillPeer], plan: list[T.Assignment]
                  ) -> None:
@@ -222,13 +231,13 @@ class IntegrityChecks:
         """Our buffer index for each of the sender's buffers (by layer and role), cached
         per peer pool (a pool object lives as long as its peer's handshake)."""
         hit = self._bufmaps.get(id(theirs))
-        if hit is None or hit[0] is not theirs:
+        if hit is None or hit.theirs is not theirs:
             if len(self._bufmaps) > 4096:
                 self._bufmaps.clear()
             mine = {(b.layer_id, b.role): i for i, b in enumerate(pool.buffers)}
-            hit = self._bufmaps[id(theirs)] = (
+            hit = self._bufmaps[id(theirs)] = _BufferMap(
                 theirs, [mine.get((b.layer_id, b.role)) for b in theirs.buffers])
-        return hit[1]
+        return hit.index
 
     def _inject(self, st: RecvRoom, kind: str, sender: str) -> None:
         """Damage one host page of the room's destination where ``sender`` wrote (fault

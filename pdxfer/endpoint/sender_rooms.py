@@ -2,7 +2,7 @@
 (what each decode asked for, and how far its writes went), and the rules a room applies to
 who may ask for it (binding, repairs).
 
-Plain data, read and changed under the core's lock by ``PrefillSide`` and its ``Writer``.
+Records, read and changed under the core's lock by ``PrefillSide`` and its ``Writer``.
 """
 
 from __future__ import annotations

@@ -31,6 +31,16 @@ POOL_NAME = STAGING_POOL
 
 
 @dataclass(frozen=True, slots=True)
+class Bounced:
+    """Blocks gathered into staging by ``bounce``, and the staging to release after the
+    write."""
+
+    blocks: Blocks
+    addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class Lease:
     """One sender's staging for one pool."""
 
@@ -169,7 +179,7 @@ MAX_ENTRY = 8 << 20
 """Split coalesced blocks so one entry never holds the lane for long."""
 
 
-def bounce(blocks: Blocks, staging: Staging) -> tuple[Blocks, int, int] | None:
+def bounce(blocks: Blocks, staging: Staging) -> Bounced | None:
     """Copy scattered sources whose destinations are back to back into ``staging`` and
     return fewer, larger blocks (with the lease to release after the write), or None when
     that would not save entries or staging is full. Host sources only."""
@@ -202,4 +212,4 @@ def bounce(blocks: Blocks, staging: Staging) -> tuple[Blocks, int, int] | None:
             nb.append(step)
             pos += step
     u = np.uint64
-    return Blocks(np.array(src, u), np.array(dst, u), np.array(nb, u)), addr, total
+    return Bounced(Blocks(np.array(src, u), np.array(dst, u), np.array(nb, u)), addr, total)

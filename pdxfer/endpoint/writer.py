@@ -229,7 +229,7 @@ class Writer:
         self._digest(t, chunk)
         gathered = (bounce(blocks, self.staging)
                     if self.staging is not None and sliced(t) else None)
-        wire_blocks = gathered[0] if gathered is not None else blocks
+        wire_blocks = gathered.blocks if gathered is not None else blocks
         if gathered is not None:
             self.ep.count("gathered_writes")
         tw = time.perf_counter()
@@ -243,7 +243,7 @@ class Writer:
             return
         finally:
             if gathered is not None:
-                self.staging.release(gathered[1], gathered[2])  # type: ignore[union-attr]
+                self.staging.release(gathered.addr, gathered.nbytes)  # type: ignore[union-attr]
         self._wrote(st, t, chunk, blocks, len(wire_blocks), t0, tw)
 
     def _write_failed(self, st: SenderRoom, t: Target, e: TransportError) -> None:

@@ -42,7 +42,7 @@ def test_staged_slices_scatter_to_the_right_heads_of_every_token() -> None:
         assert not isinstance(b, str), b
         assert P.check_bounds(b, [(addr, size)], "dst") is None
         g2 = bounce(b, staging)
-        apply(b if g2 is None else g2[0])
+        apply(b if g2 is None else g2.blocks)
     scatter(dst, Lease("kv", addr, size, 2, 4), dp, prefix, n,
             {(x.layer_id, x.role) for x in src.buffers})
     k = np.arange(prefix, n)
@@ -66,9 +66,9 @@ def test_gathering_keeps_every_byte_and_saves_entries() -> None:
     b = P.Blocks(s.astype(np.uint64), d.astype(np.uint64), np.full(128, 256, np.uint64))
     staging = Staging(1 << 16)
     out = bounce(b, staging)
-    assert out is not None and len(out[0]) == 1
-    apply(out[0])
-    staging.release(out[1], out[2])
+    assert out is not None and len(out.blocks) == 1
+    apply(out.blocks)
+    staging.release(out.addr, out.nbytes)
     assert (dst[:128 * 256].reshape(128, 256) == src.reshape(256, 256)[pages]).all()
     assert staging.alloc(1 << 16) == staging.addr  # released and merged back
 
@@ -112,10 +112,10 @@ def stage_hnd(src_g: PoolGeom, dst_spec, room: int, sp: np.ndarray, n: int, pref
         assert not isinstance(blocks, str), blocks
         assert P.check_bounds(blocks, [(addr, size)], "dst") is None
         g = bounce(blocks, staging)
-        apply(blocks if g is None else g[0])
-        entries += len(blocks if g is None else g[0])
+        apply(blocks if g is None else g.blocks)
+        entries += len(blocks if g is None else g.blocks)
         if g is not None:
-            staging.release(g[1], g[2])
+            staging.release(g.addr, g.nbytes)
     # keep the source tensors alive until the copies above ran
     del st
     return Lease("kv", addr, size, lo, hi), entries
