@@ -3,8 +3,9 @@
 and gpt-oss, sliding beside full), and attention beside Mamba2 (Nemotron-H) or Gated
 DeltaNet (Qwen3-Next). Each shares ``hf_model``'s tokenizer.
 
-Weights come from ``transformers``' own initialisation under a fixed seed; the output head
-is scaled up so greedy logits have clear margins (a near-tie flips with the batch's shape).
+Weights come from ``transformers``' own initialisation under a fixed seed, wider than its
+default so outputs depend on the whole context; the output head is scaled up so greedy
+logits have clear margins (a near-tie flips with the batch's shape).
 
     python -m pdxfer.testing.hf_families /tmp/models [FAMILY ...]
 """
@@ -43,7 +44,7 @@ class Family:
 _COMMON = {"vocab_size": VOCAB, "hidden_size": 256, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": MAX_LEN,
            "tie_word_embeddings": False, "bos_token_id": BOS, "eos_token_id": EOS,
-           "pad_token_id": EOS}
+           "pad_token_id": EOS, "initializer_range": 0.1}
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mistral_swa", "MistralConfig", "MistralForCausalLM", "float32",
@@ -62,15 +63,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
             "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None,
             "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
             "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-            "moe_intermediate_size": 128, "first_k_dense_replace": 1,
-            "topk_method": "greedy"}),
+            "moe_intermediate_size": 128, "first_k_dense_replace": 2,
+            "topk_method": "greedy", "n_group": 1, "topk_group": 1}),
     Family("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "bfloat16",
            {**_COMMON, "num_hidden_layers": 4, "intermediate_size": 512,
             "layer_types": ["linear_attention"] * 3 + ["full_attention"],
             "linear_key_head_dim": 128, "linear_value_head_dim": 128,
             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
             "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-            "shared_expert_intermediate_size": 128}),
+            "shared_expert_intermediate_size": 128, "mlp_only_layers": [0, 1, 2, 3]}),
     Family("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM", "bfloat16",
            {**_COMMON, "layers_block_type": ["linear_attention", "mlp", "full_attention",
                                              "mlp"],
@@ -80,8 +81,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            vllm_args=("--no-enable-prefix-caching",)),
 )}
 
-LOGIT_SCALE = 40.0
-"""How much the output head is scaled over ``transformers``' initialisation (std 0.02)."""
+LOGIT_SCALE = 4.0
+"""How much the output head is scaled over its initialisation (std 0.1: every later token
+depends on the context, not one token repeated, so misplaced KV changes the answer)."""
 
 
 def build_family(path: str | os.PathLike[str], family: str, seed: int = 0) -> Path:
