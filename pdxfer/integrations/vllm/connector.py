@@ -129,8 +129,9 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
                 self.scheduler.select = kv_cache_config.select_transfer_block_ids
         else:
             kv_heads = mc.get_total_num_kv_heads() if mc is not None else 1
+            cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
             self.worker = PdxferWorker(self.cfg, RankInfo(*_tp(vllm_config), block_size,
-                                                          kv_heads), self.groups)
+                                                          kv_heads, cache_dtype), self.groups)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

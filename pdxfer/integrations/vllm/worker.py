@@ -105,6 +105,9 @@ class RankInfo:
     tp_size: int
     block_size: int
     total_kv_heads: int
+    cache_dtype: str = "auto"
+    """vLLM's ``--kv-cache-dtype``: both sides of a pair must agree (``fp8`` against
+    ``auto`` is refused when they pair, naming both)."""
 
 
 class PdxferWorker:
@@ -174,7 +177,7 @@ class PdxferWorker:
         self._layer_ids = tuple(sorted(set(self._layer_of.values())))
         ident = self.cfg.model_id.replace(" ", "_")
         fingerprint = (f"model={ident} block_size={r.block_size} kv_layout={lay.kind} "
-                       f"dtype={lay.pool.dtype}")
+                       f"dtype={lay.pool.dtype} cache_dtype={r.cache_dtype}")
         self.ep = Endpoint(self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
                            [lay.pool], transport=self.transport)
         if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
@@ -212,7 +215,7 @@ class PdxferWorker:
         self._layer_of = ids
         self._layer_ids = tuple(sorted(set(ids.values())))
         ident = self.cfg.model_id.replace(" ", "_")
-        fingerprint = f"model={ident} groups={','.join(kinds)}"
+        fingerprint = f"model={ident} groups={','.join(kinds)} cache_dtype={r.cache_dtype}"
         if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
             log.warning("pdxfer: decode-side tiers (l2_pages) are not used for this model: "
                         "its KV cache has %s, and tiers restore full-attention groups only",
