@@ -167,17 +167,34 @@ def _target(conn: Any, dev: str, s: Shape, protos: list[str], with_nixl: bool) -
     conn.send("stopped")
 
 
-def _engine(proto: str, logs: list[str]) -> Any:
-    """A raw Mooncake engine (``P2PHANDSHAKE``); ``nvlink_intra`` is chosen by the
-    environment at initialisation, not by the protocol string (its log line is kept)."""
-    from mooncake.engine import TransferEngine
+INSTALLED = (("Intra-Node NVLink", "nvlink_intra"), ("cross-node NVLink", "nvlink"),
+             ("RDMA transport", "rdma"), ("type=rdma", "rdma"), ("TcpTransport:", "tcp"))
+"""Mooncake's log lines at initialisation, and the transport each names."""
 
-    env = {"MC_INTRANODE_NVLINK": "1", "MC_LOG_LEVEL": "INFO"} if proto == "nvlink_intra" \
-        else {}
+
+def installed(lines: list[str]) -> str:
+    """Which transport a Mooncake engine's start-up lines say it installed ("" unknown)."""
+    return next((t for mark, t in INSTALLED for line in lines if mark in line), "")
+
+
+def _engine(proto: str, logs: list[str]) -> Any:
+    """A raw Mooncake engine (``P2PHANDSHAKE``), its start-up log lines (at INFO) kept:
+    which transport a build installs depends on its build flags, the environment and the
+    NICs found, not only on the protocol string (``nvlink_intra`` needs
+    ``MC_INTRANODE_NVLINK``; an engine without it must not see it). The log level is read
+    when the library loads: imported here, after it is set."""
+    env = {"MC_INTRANODE_NVLINK": "1" if proto == "nvlink_intra" else None,
+           "MC_LOG_LEVEL": "INFO"}
     old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     out: list[str] = []
     try:
+        from mooncake.engine import TransferEngine
+
         with captured(out):
             e = TransferEngine()
             rc = e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp" if proto == "tcp" else
@@ -188,7 +205,7 @@ def _engine(proto: str, logs: list[str]) -> Any:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    logs.extend(line for line in out[0].splitlines()
+    logs.extend(f"{proto}: {line}" for line in out[0].splitlines()
                 if re.search(r"(?i)transport|nvlink", line))
     if rc != 0:
         raise RuntimeError(f"mooncake initialize({proto}) returned {rc}")
@@ -361,10 +378,11 @@ class Probe:
                             raise RuntimeError(f"batch_transfer_sync_write returned {rc}")
 
                 self.measure(f"mooncake.{p}.{label}", desc, write)
-        if self.gpu and "nvlink_intra" in self.protos:
-            text = "\n".join(logs + self.res["mooncake.log"])
-            self.res["mooncake.nvlink_intra.installed"] = "Intra-Node NVLink" in text
-        self.res["mooncake.log"] = (logs + self.res["mooncake.log"])[-8:]
+        every = logs + self.res["mooncake.log"]
+        for p in self.protos:  # what each engine says it installed, here and at the target
+            self.res[f"mooncake.{p}.installed"] = installed(
+                [x for x in every if x.startswith(f"{p}: ")])
+        self.res["mooncake.log"] = every[-12:]
 
     # -- torch IPC ----------------------------------------------------------------------------
     def ipc(self) -> None:

@@ -66,6 +66,7 @@ def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(tmp_path: Path)
             assert r[k.replace(".gb_per_s", ".words_wrong")] == 0, k
     assert r["probe.bytes"] == r["bulk.bytes"]  # the same shape as pdxfer's bulk
     assert r["probe.mooncake.nvlink_intra.skipped"].startswith("cpu")
+    assert r["probe.mooncake.tcp.installed"] == "tcp"  # read from the engine's own log
     assert isinstance(r["probe.nixl.ucx_proto.transports"], list)
     assert r["probe.nixl.ucx_proto.cuda_ipc"] is False  # host memory: cma, never cuda_ipc
     # pdxfer's best against the best raw path and the device copy (the goal keys)
