@@ -21,7 +21,6 @@ import importlib.util
 import logging
 import mmap
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,20 +66,25 @@ def intranode_env(on: bool) -> Iterator[None]:
                 os.environ[ENV] = old
 
 
+_RANGE_START_ADDR, _RANGE_SIZE = 11, 12
+"""``CUpointer_attribute`` values: asked of a pointer, they need no current context (which a
+registering thread may lack)."""
+
+
 def cuda_allocation(addr: int) -> tuple[int, int] | None:
-    """``(start, size)`` of the CUDA allocation holding ``addr`` (``cuMemGetAddressRange``),
+    """``(start, size)`` of the CUDA allocation holding ``addr`` (``cuPointerGetAttribute``),
     or None where the driver cannot say."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.current_device()  # a current context on this thread (the primary one)
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    rc = cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                      ctypes.c_uint64(addr))
-    return (base.value, size.value) if rc == 0 else None
+    if cuda.cuInit(0) != 0:
+        return None
+    for out, attr in ((base, _RANGE_START_ADDR), (size, _RANGE_SIZE)):
+        if cuda.cuPointerGetAttribute(ctypes.byref(out), attr, ctypes.c_uint64(addr)) != 0:
+            return None
+    return base.value, size.value
 
 
 class Allocations:
