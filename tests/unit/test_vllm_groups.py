@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdxfer.endpoint.sender_hello import model_diff
+from pdxfer.endpoint.sender import model_diff
 from pdxfer.integrations.vllm import groups as G
 from pdxfer.integrations.vllm.groups import Group
 

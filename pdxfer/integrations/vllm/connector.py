@@ -78,7 +78,7 @@ def groups_of(kv_cache_config: KVCacheConfig | None, block_size: int = 16) -> tu
                                                                     MLAAttentionSpec):
             out.append(Group(i, "full", spec.block_size, layers,
                              mla=isinstance(spec, MLAAttentionSpec)))
-        elif isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "none":
+        elif isinstance(spec, MambaSpec) and spec.mamba_cache_mode in ("none", "align"):
             out.append(Group(i, "state", spec.block_size, layers,
                              spec_blocks=spec.num_speculative_blocks,
                              page_bytes=spec.page_size_bytes))
