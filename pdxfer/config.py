@@ -259,8 +259,10 @@ class EndpointConfig:
     pp_size: int = 1
     transport: str = "auto"
     """``auto``: the fastest transport both sides run, picked at pairing (``transport/auto.py``:
-    NIXL on one host, Mooncake TCP across hosts); ``tcp``/``rdma`` (Mooncake) or ``nixl``
-    explicitly (then both sides must name the same)."""
+    NIXL on one host, Mooncake TCP across hosts; for device pools NVLink on one node and RDMA
+    across nodes where they run); ``tcp``/``rdma``/``nvlink`` (Mooncake; ``nvlink`` is its
+    ``nvlink_intra``, device pools on one node only) or ``nixl`` explicitly (then both sides
+    must name the same)."""
     device: str = ""
     workers: int = 4
     bootstrap_timeout_s: float = 30.0
@@ -322,6 +324,7 @@ class EndpointConfig:
         advertised(self.host, self.advertise)  # a wildcard needs an address to advertise
         object.__setattr__(self, "trusted_bootstraps",
                            parse_hostports(self.trusted_bootstraps, "trusted bootstrap"))
-        if self.transport not in ("auto", "tcp", "rdma", "nixl", "memory"):
-            raise ConfigError(f"transport must be 'auto', 'tcp' or 'rdma' (Mooncake), 'nixl', or "
-                              f"'memory' (in-process, for tests), got {self.transport!r}")
+        if self.transport not in ("auto", "tcp", "rdma", "nvlink", "nixl", "memory"):
+            raise ConfigError(f"transport must be 'auto', 'tcp', 'rdma' or 'nvlink' (Mooncake; "
+                              f"nvlink: device pools on one node), 'nixl', or 'memory' "
+                              f"(in-process, for tests), got {self.transport!r}")

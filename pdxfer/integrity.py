@@ -258,7 +258,14 @@ def _gather_values(b: _Bases, starts: np.ndarray, k: int) -> Any:
     dev = b.view.device
     if k == 8 and b.words is not None and not (starts % 8).any():
         return b.words[torch.from_numpy(starts >> 3).to(dev)]
-    byte_idx = torch.from_numpy(starts).to(dev)
+    return _gather_at(b, torch.from_numpy(starts).to(dev), k)
+
+
+def _gather_at(b: _Bases, byte_idx: Any, k: int) -> Any:
+    """``_gather_values`` by single bytes, the offsets already a tensor on the device."""
+    import torch
+
+    dev = b.view.device
     cols = byte_idx[..., None] + torch.arange(k, device=dev)
     raw = b.view[cols]
     if k == 8:
@@ -427,19 +434,27 @@ def digests(pool: PoolSpec, span: Span, mode: str, stride: int | Sampling = 1,
 def _full_portable(b: _Bases, base: np.ndarray, offs: np.ndarray, unit: int) -> list[int]:
     """Every byte of the units at ``offs`` of each buffer, as the portable digest: 8-byte
     words when units are whole words, else single bytes; one buffer at a time on the device
-    (a gather as large as that buffer's part of the request), one sync at the end."""
+    (a gather as large as that buffer's part of the request), one sync at the end.
+
+    Only the units' offsets (one per token and head) go to the device; the index of every
+    word or byte is expanded there. Built on the host, that index was as large as the KV it
+    reads (8 bytes per word digested) and crossed to the device with every digest."""
     import torch
 
     k = 8 if unit % 8 == 0 else 1
-    starts = (offs[:, None] + np.arange(0, unit, k, dtype=np.int64)[None, :]).reshape(1, -1)
-    if starts.size == 0:
+    n = offs.size * (unit // k)
+    if n == 0:
         return _mix_finish(torch.zeros(base.size, dtype=torch.int64), 0)
-    if k == 8 and b.words is not None and not (starts % 8).any() and not (base % 8).any():
-        idx = torch.from_numpy(starts >> 3).to(b.view.device)  # moved once, offset per buffer
+    dev = b.view.device
+    within = torch.arange(0, unit, k, dtype=torch.int64, device=dev)
+    if k == 8 and b.words is not None and not (offs % 8).any() and not (base % 8).any():
+        units = torch.from_numpy(offs >> 3).to(dev)
+        idx = (units[:, None] + (within >> 3)[None, :]).reshape(1, -1)
         sums = torch.cat([_mix_sums(b.words[idx + (o >> 3)]) for o in base.tolist()])
     else:
-        sums = torch.cat([_mix_sums(_gather_values(b, starts + o, k)) for o in base.tolist()])
-    return _mix_finish(sums, int(starts.size))
+        starts = (torch.from_numpy(offs).to(dev)[:, None] + within[None, :]).reshape(1, -1)
+        sums = torch.cat([_mix_sums(_gather_at(b, starts + o, k)) for o in base.tolist()])
+    return _mix_finish(sums, n)
 
 
 def slot_digests(pool: PoolSpec, slot: int, mode: str,

@@ -27,8 +27,11 @@ it needs; a failed check is recorded and the next one runs:
 * ``l2_restore``: a decode with device pools and an L2: a request written back, then a child
   sharing 90% of its prefix restores it from L2 into device pages (only the suffix crosses
   the wire), byte-exact.
-``bulk`` (all transports in one process): GB/s of one large request per transport, beside
-  torch's device-to-device copy and pinned host-to-device copy of as many bytes, interleaved.
+``bulk`` (all transports in one process): GB/s of one large request per transport (``nvlink``:
+  Mooncake's nvlink_intra, on a GPU where the wheel has it), beside torch's device-to-device
+  copy and pinned host-to-device copy of as many bytes, interleaved; with ``--raw`` (the JSON
+  of ``gpu_probe.py``, the raw paths in the same shape) the best of them against the best
+  raw path (``pdxfer_ratio_vs_best_raw``) and against the device copy.
 """
 
 from __future__ import annotations
@@ -280,9 +283,42 @@ def _best_gbps(fn: Callable[[], tuple[int, float]], reps: int) -> float:
     return round(best, 3)
 
 
-def step_bulk(dev: str, transports: list[str], quick: bool) -> dict[str, Any]:
+def bulk_skips(dev: str, transports: list[str]) -> dict[str, str]:
+    """Transports of ``transports`` the bulk cannot run here, and why."""
+    from pdxfer.transport import nvlink
+
+    if "nvlink" not in transports:
+        return {}
+    if not dev.startswith("cuda"):
+        return {"nvlink": "cpu: nvlink_intra moves device memory only"}
+    return {} if nvlink.built() else {"nvlink": "this Mooncake build has no nvlink_intra"}
+
+
+def compare(res: dict[str, Any], raw: dict[str, Any], transports: list[str]) -> None:
+    """pdxfer's best bulk against the best raw path of ``gpu_probe.py`` in the same shape
+    (32 KiB pages) and against torch's device-to-device copy: the issue's goal keys."""
+    mine = {t: res.get(f"gb_per_s.{t}", 0.0) for t in transports}
+    best = max(mine, key=lambda t: mine[t]) if mine else ""
+    res["gb_per_s.pdxfer_best"] = mine.get(best, 0.0)
+    res["pdxfer_best_path"] = best
+    d2d = res.get("gb_per_s.torch_d2d", 0.0)
+    res["pdxfer_fraction_of_d2d"] = round(mine.get(best, 0.0) / d2d, 5) if d2d else 0.0
+    top = float(raw.get("best_raw.gb_per_s", 0.0) or 0.0)
+    res["best_raw.gb_per_s"], res["best_raw.path"] = top, raw.get("best_raw.path", "")
+    res["pdxfer_ratio_vs_best_raw"] = round(mine.get(best, 0.0) / top, 4) if top else 0.0
+    for t, v in mine.items():  # each pdxfer path against its own raw path, same shape
+        key = {"nixl": "nixl.t1.d32k_batch4096", "tcp": "mooncake.tcp.d32k",
+               "nvlink": "mooncake.nvlink_intra.d32k"}.get(t, "")
+        r = float(raw.get(f"{key}.gb_per_s", 0.0) or 0.0)
+        if r:
+            res[f"ratio_vs_raw.{t}"] = round(v / r, 4)
+
+
+def step_bulk(dev: str, transports: list[str], quick: bool, raw: Path | None = None
+              ) -> dict[str, Any]:
     """One request of ``tokens`` x 8 layers x K,V x 8 heads x 128 (fp16) per transport, best
-    of ``reps``; torch copies of as many bytes, interleaved with them."""
+    of ``reps``; torch copies of as many bytes, interleaved with them; with ``raw`` (the
+    probe's JSON) the comparison keys (``compare``)."""
     import numpy as np
     import torch
 
@@ -291,13 +327,21 @@ def step_bulk(dev: str, transports: list[str], quick: bool) -> dict[str, Any]:
                   head_dim=128, device=dev)]
     nbytes = tokens * 8 * 2 * 8 * 128 * 2
     res: dict[str, Any] = {"bytes": nbytes, "tokens": tokens, "reps": reps}
+    skips = bulk_skips(dev, transports)
+    res.update({f"skipped.{t}": why for t, why in skips.items()})
+    transports = [t for t in transports if t not in skips]
     srv = BootstrapServer("127.0.0.1", 0).start()
     stack = contextlib.ExitStack()
     try:
-        pairs = {t: stack.enter_context(agents(
-            ("prefill", {"bootstrap": srv.address, "transport": t, "instance": t,
-                         "integrity": "off"}, g),
-            ("decode", {"transport": t, "integrity": "off"}, g))) for t in transports}
+        pairs = {}
+        for t in transports:
+            try:  # a transport that cannot start is recorded; the others run
+                pairs[t] = stack.enter_context(agents(
+                    ("prefill", {"bootstrap": srv.address, "transport": t, "instance": t,
+                                 "integrity": "off"}, g),
+                    ("decode", {"transport": t, "integrity": "off"}, g)))
+            except Exception as e:  # noqa: BLE001
+                res[f"error.{t}"] = f"{type(e).__name__}: {e}"
         rng = np.random.default_rng(0)
         pages = tokens // 16
         src = rng.permutation(2 * pages)[:pages].tolist()
@@ -334,6 +378,7 @@ def step_bulk(dev: str, transports: list[str], quick: bool) -> dict[str, Any]:
             return nbytes, time.perf_counter() - t0
 
         best: dict[str, float] = {}
+        best.update({t: 0.0 for t in transports if t not in pairs})
         for _ in range(reps):  # interleaved: each figure sees the same machine state
             for t in transports:
                 if f"error.{t}" in res:
@@ -348,6 +393,8 @@ def step_bulk(dev: str, transports: list[str], quick: bool) -> dict[str, Any]:
         ok = bool(torch.equal(a, pinned.to(d)))
         for k, v in best.items():
             res[f"gb_per_s.{k}"] = v
+        if raw is not None:
+            compare(res, json.loads(raw.read_text()) if raw.exists() else {}, transports)
         res["ok"] = ok and all(best[t] > 0 for t in transports)
         return res
     finally:
@@ -362,10 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="tcp", help="tcp, nixl, or both (bulk: tcp,nixl)")
     ap.add_argument("--json", type=Path, help="write the step's result here")
     ap.add_argument("--quick", action="store_true", help="bulk: a small request, 2 reps")
+    ap.add_argument("--raw", type=Path, help="bulk: gpu_probe.py's JSON, to compare with")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
     if a.step == "bulk":
-        res = step_bulk(a.device, a.transport.split(","), a.quick)
+        res = step_bulk(a.device, a.transport.split(","), a.quick, a.raw)
     else:
         res = step_transfers(a.device, a.transport)
     res["wall_s"] = round(time.monotonic() - t0, 2)

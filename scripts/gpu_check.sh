@@ -10,14 +10,21 @@
 # empty .whl/ is fine. --cpu runs the same steps on host memory with the packages already
 # installed (the suite runs it: tests/integration/test_gpu_check.py).
 #
-# Steps, each timed and bounded by `timeout` (limits sum to about 8 minutes; --scale N
-# multiplies them):
+# Steps, each timed and bounded by `timeout` (limits sum to 8.5 minutes, a real run to
+# about 2; --scale N multiplies them):
 #   wheels           install .whl/, import everything the check loads
+#   probe            scripts/gpu_probe.py: the raw paths with no pdxfer endpoint, 512 MiB
+#                    (--cpu: 32 MiB) as 32 KiB / 512 KiB / 32 MiB descriptors: NIXL at 1-8
+#                    UCX threads (UCX_PROTO_INFO=y: which UCX transport), Mooncake tcp and
+#                    nvlink_intra, torch IPC gather / copy / scatter; checked word for word
 #   pytest_gpu       pytest tests/gpu (device pools digest like host ones)
 #   transfers.tcp    scripts/gpu_check.py transfers: pages into device pages, host landing
 #   transfers.nixl   from a device prefill, TP 2 -> 1, integrity sampled/full + a corrupted
 #                    page caught, L2 restore into device pages
-#   bulk             GB/s of each transport, torch device-to-device and pinned host-to-device
+#   bulk             GB/s of pdxfer over each transport (nvlink: Mooncake nvlink_intra, on a
+#                    GPU whose wheel has it) in the probe's shape, torch device-to-device and
+#                    pinned host-to-device; pdxfer's best against the best raw path
+#                    (bulk.pdxfer_ratio_vs_best_raw) and the device copy
 # Writes OUTDIR/gpu_check.json (flat dotted keys: every verdict and figure, `all_passed`)
 # and OUTDIR/log, nothing else there (a device tool may bring back only a few files); the
 # installed wheels and the steps' parts live in a work folder ($GPU_CHECK_WORK, else under
@@ -38,6 +45,8 @@ while [ $# -gt 0 ]; do
 done
 case "$TRANSPORT" in both) TRANSPORTS="tcp nixl" ;; tcp|nixl) TRANSPORTS="$TRANSPORT" ;;
   *) echo "bad --transport $TRANSPORT" >&2; exit 2 ;; esac
+case "$TRANSPORT" in both) PATHS=nixl,mooncake,ipc; BULK=tcp,nixl,nvlink ;;
+  tcp) PATHS=mooncake,ipc; BULK=tcp,nvlink ;; nixl) PATHS=nixl,ipc; BULK=nixl ;; esac
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 WORK="${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/pdxfer-gpu-check.XXXXXX")}"
@@ -135,13 +144,15 @@ EOF
 step wheels 60 wheels
 # (stop here if nothing imports: every later step would only time out)
 if [ "$(tail -1 "$WORK/steps.tsv" | cut -f2)" = 0 ]; then
+  step probe 120 env UCX_PROTO_INFO=y "$PY" scripts/gpu_probe.py --device "$DEVICE" \
+    --paths "$PATHS" --json "$WORK/parts/probe.json" "${BULK_ARGS[@]}"
   step pytest_gpu 60 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
   for t in $TRANSPORTS; do
-    step "transfers.$t" 120 "$PY" scripts/gpu_check.py transfers --device "$DEVICE" \
+    step "transfers.$t" 90 "$PY" scripts/gpu_check.py transfers --device "$DEVICE" \
       --transport "$t" --json "$WORK/parts/transfers.$t.json"
   done
-  step bulk 120 "$PY" scripts/gpu_check.py bulk --device "$DEVICE" \
-    --transport "$(echo $TRANSPORTS | tr ' ' ,)" --json "$WORK/parts/bulk.json" "${BULK_ARGS[@]}"
+  step bulk 90 "$PY" scripts/gpu_check.py bulk --device "$DEVICE" --transport "$BULK" \
+    --raw "$WORK/parts/probe.json" --json "$WORK/parts/bulk.json" "${BULK_ARGS[@]}"
 fi
 # every part and step record into one flat JSON (plain python: works when nothing imports)
 "$PY" - "$WORK" "$OUTDIR" <<'EOF'
@@ -161,7 +172,8 @@ for line in filter(None, (d / "steps.tsv").read_text().split("\n")):
 out["all_passed"] = ok and len(names) > 1
 (pathlib.Path(sys.argv[2]) / "gpu_check.json").write_text(json.dumps(out, indent=1, sort_keys=True))
 for k in sorted(out):
-    if k.endswith((".passed", ".seconds")) or ".gb_per_s." in k or k in ("gpu", "all_passed"):
+    if (k.endswith((".passed", ".seconds", "ratio_vs_best_raw", "fraction_of_d2d", ".path"))
+            or ".gb_per_s" in k or k in ("gpu", "all_passed")):
         print(f"{k} = {out[k]}")
 sys.exit(0 if out["all_passed"] else 1)
 EOF

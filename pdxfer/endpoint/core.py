@@ -66,6 +66,8 @@ class Core:
         self.regions: list[tuple[int, int]] = []
         for p in pools:
             for b in p.buffers:
+                if (b.addr, b.nbytes) in self.regions:
+                    continue  # pools may share memory (an engine's groups over one tensor)
                 self.transport.register(b.addr, b.nbytes, p.location, p.item_bytes)
                 self.regions.append((b.addr, b.nbytes))
         self.workers = Workers(config.workers, name=f"pdxfer-{config.role}")

@@ -22,10 +22,12 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
     ap.add_argument("--instance", default="default",
                     help="instance name (a prefill's route on its bootstrap; a decode's name, "
                          "which rooms are bound to at --tp > 1: default a fresh one)")
-    ap.add_argument("--transport", choices=["auto", "tcp", "rdma", "nixl"], default="auto",
+    ap.add_argument("--transport", choices=["auto", "tcp", "rdma", "nvlink", "nixl"],
+                    default="auto",
                     help="how KV moves: auto (default: the fastest both sides run, picked at "
                          "pairing: NIXL on one host, Mooncake TCP across hosts), Mooncake TCP "
-                         "or RDMA, or NIXL (UCX: shared memory on one host, UCX_TLS=tcp across "
+                         "or RDMA, Mooncake nvlink_intra (nvlink: device pools on one node), "
+                         "or NIXL (UCX: shared memory on one host, UCX_TLS=tcp across "
                          "hosts, RDMA on clusters); an explicit one must match on both sides")
     ap.add_argument("--device", default="", help="RDMA device for --transport rdma")
     ap.add_argument("--pages", type=int, default=1024, help="KV pages in the pool")

@@ -150,6 +150,21 @@ def _config(s: Shape) -> dict[str, object]:
     }
 
 
+def write_tokenizer(root: Path, vocab: int, max_len: int) -> None:
+    """The tokenizer files every model built here shares (a byte-level BPE on ``CORPUS``)."""
+    (root / "tokenizer.json").write_text(_tokenizer_json(vocab))
+    (root / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[BOS],
+        "eos_token": SPECIALS[EOS], "pad_token": SPECIALS[EOS], "add_bos_token": False,
+        "model_max_length": max_len, "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE}, indent=1, sort_keys=True))
+    (root / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": SPECIALS[BOS], "eos_token": SPECIALS[EOS],
+         "pad_token": SPECIALS[EOS]}, indent=1, sort_keys=True))
+    (root / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": BOS, "eos_token_id": EOS}, indent=1, sort_keys=True))
+
+
 def build_model(path: str | os.PathLike[str], shape: Shape | str = "small", seed: int = 0,
                 name: str = "pdxfer-llama") -> Path:
     """Write the model folder (idempotent: an existing folder built with the same arguments
@@ -165,17 +180,7 @@ def build_model(path: str | os.PathLike[str], shape: Shape | str = "small", seed
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(_config(s), indent=1, sort_keys=True))
     save_file(_weights(s, seed), str(root / "model.safetensors"), metadata={"format": "pt"})
-    (root / "tokenizer.json").write_text(_tokenizer_json(s.vocab))
-    (root / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[BOS],
-        "eos_token": SPECIALS[EOS], "pad_token": SPECIALS[EOS], "add_bos_token": False,
-        "model_max_length": s.max_len, "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE}, indent=1, sort_keys=True))
-    (root / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": SPECIALS[BOS], "eos_token": SPECIALS[EOS],
-         "pad_token": SPECIALS[EOS]}, indent=1, sort_keys=True))
-    (root / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": BOS, "eos_token_id": EOS}, indent=1, sort_keys=True))
+    write_tokenizer(root, s.vocab, s.max_len)
     (root / "pdxfer_build.json").write_text(stamp)  # last: a torn build is rebuilt
     return root
 

@@ -17,7 +17,8 @@ from .mooncake import MooncakeTransport
 def make_transport(kind: str, host: str, device: str = "", timeout_s: float = 30.0
                    ) -> Transport:
     """The transport an endpoint config names: ``auto`` (every one this process can run, one
-    picked per peer at pairing), ``tcp`` or ``rdma`` (Mooncake), ``nixl``, ``memory``."""
+    picked per peer at pairing), ``tcp``, ``rdma`` or ``nvlink`` (Mooncake; ``nvlink`` is its
+    ``nvlink_intra``: device pools on one node), ``nixl``, ``memory``."""
     if kind == "memory":
         return MemoryTransport()
     if kind == "auto":
@@ -28,7 +29,8 @@ def make_transport(kind: str, host: str, device: str = "", timeout_s: float = 30
         from .nixl import NixlTransport  # loads NIXL only when asked for
 
         return NixlTransport(host=host, timeout_s=timeout_s)
-    return MooncakeTransport(host=host, protocol=kind, device=device, timeout_s=timeout_s)
+    protocol = "nvlink_intra" if kind == "nvlink" else kind
+    return MooncakeTransport(host=host, protocol=protocol, device=device, timeout_s=timeout_s)
 
 
 __all__ = ["MemoryFabric", "MemoryTransport", "MooncakeTransport", "Started", "Transport",

@@ -10,7 +10,7 @@ of them, and carries one offer per transport (name, session, pairing data) plus 
 sides compute alike (``pick``: the intersection of both offers, in a fixed order), and every
 later call for that peer goes to the chosen transport.
 
-The order (``preference``):
+The order (``preference``), for pools in host memory on either side:
 
 * one host (same boot id and network namespace): ``nixl`` first. UCX writes with CMA
   (``process_vm_writev``, one copy) where Mooncake TCP goes through loopback sockets:
@@ -22,6 +22,16 @@ The order (``preference``):
   would buy nothing over TCP). On an RDMA cluster set the transport explicitly
   (``rdma`` with the NIC as ``device``, or ``nixl``, whose UCX picks verbs itself).
 
+Where every pool of both sides is device memory (each side says so in its offers):
+
+* one host: ``nvlink`` (Mooncake's ``nvlink_intra``, CUDA IPC: ``nvlink.py``) first, then
+  ``nixl`` (UCX's ``cuda_ipc``), then ``tcp``. Started only where the Mooncake build has it
+  and torch sees a GPU; offered only while every registered region is device memory.
+* hosts apart: ``rdma`` (Mooncake, every RDMA NIC of ``/sys/class/infiniband``) where both
+  have a NIC, then ``tcp``, then ``nixl``.
+Neither is measured against the others on a GPU yet (``scripts/gpu_probe.py`` measures the
+raw paths side by side).
+
 No transport in common (a side without Mooncake meets one without NIXL) refuses the pairing
 with both offers named. An explicit transport on one side and ``auto`` on the other is
 refused at the Hello (``mismatch``): set it on both sides, or on neither.
@@ -31,30 +41,58 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Annotated
 
 import msgspec
 import numpy as np
 
-from ..errors import TransportError, TransportUnavailable
+from ..errors import ConfigError, TransportError, TransportUnavailable
 from .base import Started, Transport, TransportStats
 
 log = logging.getLogger("pdxfer.transport.auto")
 
 KINDS = ("nixl", "tcp")
-"""What ``auto`` may run, in the order it starts them."""
+"""What ``auto`` always tries to run, in the order it starts them."""
+DEVICE_KINDS = ("nvlink", "rdma")
+"""What it runs besides where the machine has them (``kinds_here``)."""
+ALL_KINDS = KINDS + DEVICE_KINDS
 
 
-def preference(same_host: bool) -> tuple[str, ...]:
-    """Best first (see the module docstring for the measurements behind it)."""
-    return ("nixl", "tcp") if same_host else ("tcp", "nixl")
+def preference(same_host: bool, device: bool = False) -> tuple[str, ...]:
+    """Best first (see the module docstring for the measurements behind it). ``device``:
+    every pool of both sides is device memory."""
+    if device:
+        return ("nvlink", "nixl", "tcp", "rdma") if same_host else ("rdma", "tcp", "nixl")
+    return ("nixl", "tcp", "rdma") if same_host else ("tcp", "nixl", "rdma")
 
 
-def pick(mine: Sequence[str], theirs: Sequence[str], same_host: bool) -> str | None:
+def pick(mine: Sequence[str], theirs: Sequence[str], same_host: bool, device: bool = False
+         ) -> str | None:
     """The pair's transport: the first of ``preference`` both sides offer. Symmetric in
     ``mine`` and ``theirs``, so both sides of a pair pick the same one."""
-    return next((k for k in preference(same_host) if k in mine and k in theirs), None)
+    return next((k for k in preference(same_host, device) if k in mine and k in theirs), None)
+
+
+def rdma_devices(root: str = "/sys/class/infiniband") -> list[str]:
+    """The RDMA NICs of this host, by name (empty without any)."""
+    try:
+        return sorted(os.listdir(root))
+    except OSError:
+        return []
+
+
+def kinds_here(cuda: bool | None = None, nics: Sequence[str] | None = None) -> tuple[str, ...]:
+    """What ``auto`` starts here: ``KINDS``, ``nvlink`` where Mooncake has it and torch sees a
+    GPU (``cuda``), ``rdma`` where there is an RDMA NIC (``nics``)."""
+    from . import nvlink
+
+    if cuda is None:
+        torch = sys.modules.get("torch")  # device pools come from torch: loaded if any
+        cuda = bool(torch is not None and torch.cuda.is_available())
+    nics = rdma_devices() if nics is None else nics
+    return KINDS + (("nvlink",) if cuda and nvlink.built() else ()) + (("rdma",) if nics else ())
 
 
 def host_id() -> str:
@@ -92,7 +130,10 @@ class _Offer(msgspec.Struct, frozen=True, array_like=True):
 
 class _Info(msgspec.Struct, frozen=True):
     host: Annotated[str, msgspec.Meta(max_length=512)]
-    offers: Annotated[list[_Offer], msgspec.Meta(max_length=len(KINDS))]
+    offers: Annotated[list[_Offer], msgspec.Meta(max_length=len(ALL_KINDS))]
+    device: bool = False
+    """Every region this side registered is device memory (a peer that predates the field:
+    host memory, today's choices)."""
 
 
 class AutoTransport:
@@ -101,11 +142,13 @@ class AutoTransport:
     name = "auto"
 
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0,
-                 kinds: Sequence[str] = KINDS,
+                 kinds: Sequence[str] | None = None,
                  make: Callable[[str], Transport] | None = None) -> None:
         from . import make_transport
 
-        build = make or (lambda k: make_transport(k, host, "", timeout_s))
+        kinds = kinds_here() if kinds is None else kinds
+        build = make or (lambda k: make_transport(
+            k, host, ",".join(rdma_devices()) if k == "rdma" else "", timeout_s))
         self.inner: dict[str, Transport] = {}
         why: dict[str, str] = {}
         for k in kinds:
@@ -125,11 +168,26 @@ class AutoTransport:
         self.batch_entries = min(t.batch_entries for t in self.inner.values())
         self.host = host_id()
         self._routes: dict[str, tuple[str, str]] = {}
+        self._regions: dict[int, bool] = {}
+        """Registered address -> whether it is device memory."""
+        self._unfit: dict[str, str] = {}
+        """Device kinds whose registration failed here, and why: not offered (``nvlink`` is
+        not offered either while a host region is registered: ``offered``)."""
+
+    def device_only(self) -> bool:
+        """Whether every region registered here is device memory (and there is one)."""
+        return bool(self._regions) and all(self._regions.values())
+
+    def offered(self) -> list[str]:
+        """The kinds this side offers now: those running and fit for its memory."""
+        return [k for k in self.inner if k not in self._unfit
+                and (k != "nvlink" or self.device_only())]
 
     # -- pairing -------------------------------------------------------------------------------
     def peer_info(self) -> bytes:
         return msgspec.msgpack.encode(_Info(self.host, [
-            _Offer(k, t.session_id, t.peer_info()) for k, t in self.inner.items()]))
+            _Offer(k, self.inner[k].session_id, self.inner[k].peer_info())
+            for k in self.offered()], self.device_only()))
 
     def add_peer(self, peer: str, info: bytes) -> None:
         """Pick the pair's transport (``pick``) and pair that transport with the peer's. A
@@ -150,10 +208,11 @@ class AutoTransport:
             raise TransportError(f"transport offers of {peer} are malformed (is it on "
                                  f"transport 'auto'?): {e}") from None
         theirs = {o.kind: o for o in parsed.offers}
-        kind = pick(list(self.inner), list(theirs), parsed.host == self.host)
+        kind = pick(self.offered(), list(theirs), parsed.host == self.host,
+                    self.device_only() and parsed.device)
         if kind is None:
             raise TransportError(
-                f"no transport in common with {peer}: this side runs {sorted(self.inner)}"
+                f"no transport in common with {peer}: this side runs {sorted(self.offered())}"
                 f"{self._why()}, the peer offers {sorted(theirs)} (install the same on both, "
                 f"or set one transport explicitly on both sides)")
         offer = theirs[kind]
@@ -162,7 +221,8 @@ class AutoTransport:
         log.info("auto transport: %s with %s", kind, peer)
 
     def _why(self) -> str:
-        return "".join(f"; {k} unavailable: {w}" for k, w in self.unavailable.items())
+        return "".join(f"; {k} unavailable: {w}" for k, w in
+                       {**self.unavailable, **self._unfit}.items())
 
     def chosen(self) -> dict[str, str]:
         """The transport picked for each paired peer (metrics, tests)."""
@@ -177,10 +237,25 @@ class AutoTransport:
     # -- memory --------------------------------------------------------------------------------
     def register(self, addr: int, nbytes: int, location: str = "cpu",
                  item_bytes: int = 0) -> None:
-        for t in self.inner.values():
+        """Registered with every transport; ``nvlink`` skips host memory (and is then no
+        longer offered), and a device kind that cannot register it is dropped from the
+        offers (``_unfit``) rather than failing the endpoint."""
+        device = location != "cpu"
+        self._regions[addr] = device
+        for k, t in self.inner.items():
+            if k == "nvlink" and not device:
+                continue
+            if k in DEVICE_KINDS:
+                try:
+                    t.register(addr, nbytes, location, item_bytes)
+                except (TransportError, ConfigError) as e:
+                    self._unfit[k] = f"cannot register {location} memory: {e}"
+                    log.info("auto transport: %s not offered: %s", k, e)
+                continue
             t.register(addr, nbytes, location, item_bytes)
 
     def deregister(self, addr: int) -> None:
+        self._regions.pop(addr, None)
         for t in self.inner.values():
             t.deregister(addr)
 

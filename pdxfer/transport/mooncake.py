@@ -37,6 +37,8 @@ Mooncake 0.3 over TCP on loopback; ``docs/performance.md`` has the measurements)
   (``tcpstate.py``). The sender holds every "nothing more will land" message to a tainted
   peer until then (``docs/failure-semantics.md``, Quarantine).
 * glog is noisy at INFO; ``MC_LOG_LEVEL=ERROR`` keeps real errors and drops the rest.
+* ``nvlink_intra`` (``nvlink.py``): device memory on one node through CUDA IPC, where the
+  wheel was built with it; picked by ``MC_INTRANODE_NVLINK`` at initialisation.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import numpy as np
 from ..config import knobs, mooncake_env_defaults
 from ..errors import ConfigError, TransportError, TransportUnavailable
 from ..faults import faults
-from . import tcpstate
+from . import nvlink, tcpstate
 from .base import FindsPeersBySession, TransportStats
 from .pacing import Credits, RateEstimate
 
@@ -72,6 +74,7 @@ _LIB_PACKAGES = {
 
 
 COMPLETIONS = ("paced", "sync")
+PROTOCOLS = ("tcp", "rdma", "nvlink_intra")
 
 LONE_SYNC_MAX_BYTES = 32 << 20
 """A lone batch up to this size is one blocking call; a bigger one is still paced, since its
@@ -181,8 +184,8 @@ class MooncakeTransport(FindsPeersBySession):
         completion: str | None = None,
         window: int = 2,
     ) -> None:
-        if protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"transport protocol must be 'tcp' or 'rdma', got {protocol!r}")
+        if protocol not in PROTOCOLS:
+            raise ConfigError(f"transport protocol must be one of {PROTOCOLS}, got {protocol!r}")
         if protocol == "rdma" and not device:
             raise ConfigError("RDMA needs a device name (e.g. device='mlx5_0')")
         if not 1 <= max_batch <= 2048:
@@ -196,8 +199,15 @@ class MooncakeTransport(FindsPeersBySession):
         mooncake_env_defaults(timeout_s, protocol)
         self.timeout_s = timeout_s
         engine_cls = _load_engine()
+        self.protocol = protocol
+        self._ipc = nvlink.Allocations() if protocol == "nvlink_intra" else None
+        if self._ipc is not None and not nvlink.built():
+            raise TransportUnavailable("Mooncake's nvlink_intra transport is not in this build "
+                                       "(mooncake-transfer-engine-cuda13 has it; the CPU wheel "
+                                       "does not): use transport 'nixl' or 'tcp'")
         self._engine = engine_cls()
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        with nvlink.intranode_env(protocol == "nvlink_intra"):
+            rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
             raise TransportError(
                 f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) "
@@ -220,6 +230,9 @@ class MooncakeTransport(FindsPeersBySession):
     def register(self, addr: int, nbytes: int, location: str = "cpu",
                  item_bytes: int = 0) -> None:
         loc = location if location.startswith(("cuda", "npu")) else "*"
+        if self._ipc is not None:
+            self._register_ipc(addr, nbytes, location)
+            return
         with self._lock:
             if addr in self._regions:
                 return
@@ -228,7 +241,35 @@ class MooncakeTransport(FindsPeersBySession):
                 raise TransportError(f"register_memory({addr:#x}, {nbytes}, {loc}) returned {rc}")
             self._regions[addr] = nbytes
 
+    def _register_ipc(self, addr: int, nbytes: int, location: str) -> None:
+        """``nvlink_intra`` shares whole CUDA allocations (one IPC handle each, mapped at the
+        peer by the allocation's start): each is registered once, from its start, however
+        many buffers it holds (``nvlink.Allocations``)."""
+        if not location.startswith("cuda"):
+            raise ConfigError(f"transport 'nvlink' (Mooncake nvlink_intra) moves device memory "
+                              f"only, and a buffer at {addr:#x} is on {location!r}: use "
+                              f"transport 'nixl', 'tcp' or 'auto' for host pools")
+        assert self._ipc is not None
+        with self._lock:
+            if addr in self._regions:
+                return
+            base, size, new = self._ipc.add(addr, nbytes)
+            if new:
+                rc = self._engine.register_memory(int(base), int(size), location)
+                if rc != 0:
+                    self._ipc.remove(addr)
+                    raise TransportError(f"register_memory({base:#x}, {size}, {location}) "
+                                         f"returned {rc} (nvlink_intra)")
+            self._regions[addr] = nbytes
+
     def deregister(self, addr: int) -> None:
+        if self._ipc is not None:
+            with self._lock:
+                if self._regions.pop(addr, None) is not None:
+                    base = self._ipc.remove(addr)
+                    if base is not None and self._engine.unregister_memory(int(base)) != 0:
+                        log.warning("unregister_memory(%#x) failed (nvlink_intra)", base)
+            return
         with self._lock:
             if self._regions.pop(addr, None) is not None:
                 rc = self._engine.unregister_memory(int(addr))

@@ -10,9 +10,11 @@ loopback) so callers need not:
   (``nixlNotFoundError``) and never reaches the peer.
 * Descriptor lists are prepared once per peer (``prep_xfer_dlist``): one descriptor per page
   of every buffer registered with its page size, on both sides (the peer's page sizes travel
-  with its metadata). A write whose blocks are whole pages of equal size on both sides is a
-  ``make_prepped_xfer`` by index; other blocks (head slices, rows of another page size) are
-  described per call (``initialize_xfer``).
+  with its metadata), one list per memory type (host ``DRAM``, device ``VRAM``). A write
+  whose blocks are whole pages of equal size on both sides is a ``make_prepped_xfer`` by
+  index per pair of memory types; other blocks (head slices, rows of another page size) are
+  described per call (``initialize_xfer``). Device page sizes travel in ``_Info.items`` (a
+  peer that predates it sends none: its device pools are described per call, as before).
 * Every descriptor names its memory: NIXL matches it only against memory registered with
   the same type (``DRAM``/``VRAM``) and device, so writes are described in one list per pair
   of memory types (``split_by_memory``) and a peer's regions travel with their devices. Run
@@ -262,21 +264,43 @@ class _Info(msgspec.Struct, frozen=True):
 
     md: bytes
     regions: list[tuple[Annotated[int, _U63], Annotated[int, _U63], Annotated[int, _U63]]]
-    """(addr, nbytes, item_bytes) per registered region; item 0: not paged."""
+    """(addr, nbytes, item_bytes) per registered region; item 0: not paged. Device regions
+    say 0 here (a peer of an older release would prepare them as host pages): their page
+    size is in ``items``."""
     devices: list[Annotated[int, msgspec.Meta(ge=DRAM, le=MAX_DEVICE)]] = []
     """Per region: the CUDA device that holds it, or ``DRAM`` (-1); empty: all DRAM (a peer
     of a release before device memory was described)."""
+    items: list[Annotated[int, _U63]] = []
+    """Per region: its page size, device regions included; empty: ``regions``' (a peer of
+    a release before device pages were prepared)."""
+
+
+def page_regions(regions: list[tuple[int, int, int]], devices: list[int], items: list[int]
+                 ) -> dict[str, list[tuple[int, int, int, int]]]:
+    """A peer's (or this side's) regions as ``(addr, nbytes, item_bytes, device)`` per memory
+    type (``DRAM``/``VRAM``), each with the page size it prepares (``_Info.items`` where
+    given, else ``regions``' own: device pages then stay unprepared)."""
+    if len(items) != len(regions):
+        items = [it for _, _, it in regions]
+    out: dict[str, list[tuple[int, int, int, int]]] = {}
+    for (a, n, _), it, d in zip(regions, items, devices):
+        out.setdefault("DRAM" if d == DRAM else "VRAM", []).append((a, n, it, max(d, 0)))
+    return out
 
 
 class _Layout:
-    """Page-granular descriptors of a set of regions, in one prepared list: region ``r``'s
-    page ``i`` is descriptor ``first[r] + i``."""
+    """Page-granular descriptors of a set of regions of one memory type, in one prepared
+    list: region ``r``'s page ``i`` is descriptor ``first[r] + i``. Regions are
+    ``(addr, nbytes, item_bytes[, device])``."""
 
-    def __init__(self, regions: list[tuple[int, int, int]]) -> None:
-        regs = sorted((a, n, it) for a, n, it in regions if it > 0 and n >= it)
-        self.addr = np.array([a for a, _, _ in regs], dtype=np.int64)
-        self.end = np.array([a + n - n % it for a, n, it in regs], dtype=np.int64)
-        self.item = np.array([it for _, _, it in regs], dtype=np.int64)
+    def __init__(self, regions: list[tuple[int, ...]], mem: str = "DRAM") -> None:
+        regs = sorted((r[0], r[1], r[2], r[3] if len(r) > 3 else 0) for r in regions
+                      if r[2] > 0 and r[1] >= r[2])
+        self.mem = mem
+        self.addr = np.array([a for a, _, _, _ in regs], dtype=np.int64)
+        self.end = np.array([a + n - n % it for a, n, it, _ in regs], dtype=np.int64)
+        self.item = np.array([it for _, _, it, _ in regs], dtype=np.int64)
+        self.dev = np.array([d for _, _, _, d in regs], dtype=np.int64)
         counts = (self.end - self.addr) // np.maximum(self.item, 1)
         self.first = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
         self.total = int(counts.sum())
@@ -285,9 +309,9 @@ class _Layout:
     def descs(self) -> np.ndarray:
         """``[total, 3]`` (addr, len, device) rows, region by region."""
         rows = [np.stack([np.arange(a, e, it, dtype=np.int64), np.full((e - a) // it, it),
-                          np.zeros((e - a) // it, dtype=np.int64)], axis=1)
-                for a, e, it in zip(self.addr.tolist(), self.end.tolist(),
-                                    self.item.tolist())]
+                          np.full((e - a) // it, d, dtype=np.int64)], axis=1)
+                for a, e, it, d in zip(self.addr.tolist(), self.end.tolist(),
+                                       self.item.tolist(), self.dev.tolist())]
         return (np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.int64)
                 ).astype(np.uint64)
 
@@ -332,10 +356,11 @@ class NixlTransport(FinalFailures):
         self._regions: dict[int, tuple[Any, int, int, int]] = {}
         """addr -> (NIXL descriptors, nbytes, item_bytes, device code)"""
         self._peers: dict[str, bytes] = {}
-        self._remote: dict[str, _Layout] = {}
+        self._remote: dict[str, dict[str, _Layout]] = {}
+        """peer -> its page layouts, one per memory type"""
         self._remote_mems: dict[str, _Mems] = {}
         self._local_mems = _Mems([])
-        self._local: _Layout | None = None
+        self._local: dict[str, _Layout] | None = None
         self._retired: list[Any] = []
         self._info: bytes | None = None
         """``peer_info``'s bytes for the current registrations (``_describe``)."""
@@ -368,10 +393,11 @@ class NixlTransport(FinalFailures):
         is over (probed: a 64 MiB write, the call and the whole process stalled 2.3 s). So it
         is asked when the registrations change, at start-up, and a Hello or HelloAck (each
         one, retransmissions too) takes the bytes kept here."""
-        regions = [(a, n, it) for a, (_, n, it, _) in self._regions.items()]
+        regions = [(a, n, it if d == DRAM else 0) for a, (_, n, it, d) in self._regions.items()]
         devices = [d for (_, _, _, d) in self._regions.values()]
+        items = [it for (_, _, it, _) in self._regions.values()]
         return msgspec.msgpack.encode(_Info(bytes(self._agent.get_agent_metadata()), regions,
-                                            devices))
+                                            devices, items))
 
     def add_peer(self, peer: str, info: bytes) -> None:
         """Load ``peer``'s metadata so writes to it can be built; a peer that re-paired
@@ -397,24 +423,27 @@ class NixlTransport(FinalFailures):
                 self._agent.remove_remote_agent(name)
                 raise TransportError(f"NIXL metadata names agent {name!r}, not {peer!r}")
             devices = parsed.devices or [DRAM] * len(parsed.regions)
+            lays: dict[str, _Layout] | None = None
             try:
-                lay = _Layout(parsed.regions) if len(devices) == len(parsed.regions) else None
+                if len(devices) == len(parsed.regions):
+                    lays = {m: _Layout(r, m) for m, r in page_regions(
+                        parsed.regions, devices, parsed.items).items()}
             except (OverflowError, ValueError):  # regions past the end of memory
-                lay = None
-            if lay is None or lay.total > MAX_PEER_PAGES:
+                lays = None
+            if lays is None or sum(x.total for x in lays.values()) > MAX_PEER_PAGES:
                 self._agent.remove_remote_agent(name)
                 raise TransportError(f"NIXL peer {peer} names impossible regions or more than "
                                      f"{MAX_PEER_PAGES} pages")
             self._peers[peer] = bytes(info)
-            self._remote[peer] = lay
+            self._remote[peer] = lays
             self._remote_mems[peer] = _Mems([(a, n, d) for (a, n, _), d
                                              in zip(parsed.regions, devices)])
 
     def _forget(self, peer: str) -> None:
         """Drop a peer's metadata and prepared list (under the lock)."""
-        lay = self._remote.pop(peer, None)
-        if lay is not None and lay.handle is not None:
-            self._release_dlist(lay.handle)
+        for lay in self._remote.pop(peer, {}).values():
+            if lay.handle is not None:
+                self._release_dlist(lay.handle)
         self._peers.pop(peer, None)
         self._remote_mems.pop(peer, None)
         self._agent.remove_remote_agent(peer)
@@ -422,8 +451,9 @@ class NixlTransport(FinalFailures):
     def _drop_local(self) -> None:
         """Forget the prepared local list (under the lock); writes prepare it again. Its
         handle is released at close, not now: a write on another thread may be using it."""
-        if self._local is not None and self._local.handle is not None:
-            self._retired.append(self._local.handle)
+        for lay in (self._local or {}).values():
+            if lay.handle is not None:
+                self._retired.append(lay.handle)
         self._local = None
 
     def _release_dlist(self, h: Any) -> None:
@@ -432,30 +462,37 @@ class NixlTransport(FinalFailures):
         except Exception as e:  # noqa: BLE001
             log.debug("NIXL release_dlist_handle: %s", e)
 
-    def _prepared(self, peer: str) -> tuple[_Layout, _Layout] | None:
-        """Both sides' prepared page lists for ``peer`` (prepared on first use), or None."""
+    def _prepared(self, peer: str) -> list[tuple[_Layout, _Layout]]:
+        """Both sides' prepared page lists for ``peer`` (prepared on first use), one pair
+        per pair of memory types that both have pages of (none: every block per call)."""
         with self._lock:
             remote = self._remote.get(peer)
-            if remote is None or not remote.total:
-                return None
+            if not remote:
+                return []
             if self._local is None:
-                self._local = _Layout([(a, n, it) for a, (_, n, it, _) in
-                                       self._regions.items()])
-            local = self._local
-            try:
-                if local.handle is None and local.total:
-                    local.handle = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT",
-                                                               local.descs(), "DRAM")
-                if remote.handle is None:
-                    remote.handle = self._agent.prep_xfer_dlist(peer, remote.descs(), "DRAM")
-            except Exception as e:  # noqa: BLE001 - then every write is described per call
-                log.warning("NIXL prep_xfer_dlist for %s failed (%s): writes are described "
-                            "per call", peer, e)
-                remote.total = 0
-                return None
-            if local.handle is None:
-                return None
-            return local, remote
+                regs = [(a, n, it) for a, (_, n, it, _) in self._regions.items()]
+                devs = [d for (_, _, _, d) in self._regions.values()]
+                self._local = {m: _Layout(r, m) for m, r in page_regions(regs, devs, []).items()}
+            out = []
+            for lm, local in self._local.items():
+                if not local.total:
+                    continue
+                for rm, rem in remote.items():
+                    if not rem.total:
+                        continue
+                    try:
+                        if local.handle is None:
+                            local.handle = self._agent.prep_xfer_dlist(
+                                "NIXL_INIT_AGENT", local.descs(), lm)
+                        if rem.handle is None:
+                            rem.handle = self._agent.prep_xfer_dlist(peer, rem.descs(), rm)
+                    except Exception as e:  # noqa: BLE001 - then described per call
+                        log.warning("NIXL prep_xfer_dlist (%s to %s of %s) failed (%s): those "
+                                    "writes are described per call", lm, rm, peer, e)
+                        (local if local.handle is None else rem).total = 0
+                        continue
+                    out.append((local, rem))
+            return out
 
     # -- memory --------------------------------------------------------------------------------
     def register(self, addr: int, nbytes: int, location: str = "cpu",
@@ -471,8 +508,7 @@ class NixlTransport(FinalFailures):
             except Exception as e:  # noqa: BLE001
                 raise TransportError(f"NIXL register_memory({addr:#x}, {nbytes}, {mem}) "
                                      f"failed: {e}") from None
-            # device pools are described per call (prepared lists are DRAM pages only)
-            self._regions[addr] = (descs, nbytes, item_bytes if code == DRAM else 0, code)
+            self._regions[addr] = (descs, nbytes, item_bytes, code)
             self._local_mems = self._mems()
             self._drop_local()  # prepared again with the new region on the next write
             self._info = self._describe()
@@ -510,12 +546,12 @@ class NixlTransport(FinalFailures):
         reqs: list[Any] = []
         try:
             rest = np.ones(s.size, dtype=bool)
-            prep = self._prepared(peer)
-            if prep is not None:
-                local, remote = prep
+            for local, remote in self._prepared(peer):  # one request per pair of memories
+                if not rest.any():
+                    break
                 lf, li = local.locate(s, n)
                 rf, ri = remote.locate(d, n)
-                whole = (lf >= 0) & (rf >= 0) & (li == ri) & (li > 0)
+                whole = rest & (lf >= 0) & (rf >= 0) & (li == ri) & (li > 0)
                 if whole.any():
                     k = n[whole] // li[whole]  # pages per block
                     step = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
@@ -524,7 +560,7 @@ class NixlTransport(FinalFailures):
                     reqs.append(self._agent.make_prepped_xfer(
                         "WRITE", local.handle, lidx, remote.handle, ridx))
                     self.stats_prepped += int(k.sum())
-                    rest = ~whole
+                    rest &= ~whole
             if rest.any():
                 with self._lock:
                     lm, rm = self._local_mems, self._remote_mems.get(peer, _Mems([]))
@@ -661,9 +697,10 @@ class NixlTransport(FinalFailures):
             self._peers.clear()
         if poster is not None:
             poster.shutdown(wait=True)  # posts in progress end before the agent goes
-        for lay in [self._local, *self._remote.values()]:
-            if lay is not None and lay.handle is not None:
-                self._release_dlist(lay.handle)
+        for lays in [self._local or {}, *self._remote.values()]:
+            for lay in lays.values():
+                if lay.handle is not None:
+                    self._release_dlist(lay.handle)
         for h in self._retired:
             self._release_dlist(h)
         self._retired.clear()

@@ -65,3 +65,18 @@ def test_a_device_slot_row_digests_like_the_host_row() -> None:
     torch.cuda.synchronize()
     assert slot_digests(ds, 5, "full", portable=True) == slot_digests(hs, 5, "full",
                                                                        portable=True)
+
+
+def test_the_allocation_holding_a_device_buffer_is_found_from_inside_it() -> None:
+    """Mooncake's nvlink_intra maps a peer's IPC handle at the allocation's start, so pdxfer
+    registers whole allocations (``transport/nvlink.py``): the driver must name the start
+    and size of the allocation holding any address inside it."""
+    from pdxfer.transport.nvlink import cuda_allocation
+
+    t = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")
+    inner = t[3 << 20:]
+    found = cuda_allocation(inner.data_ptr())
+    assert found is not None
+    start, size = found
+    assert start <= t.data_ptr() and t.data_ptr() + t.numel() <= start + size
+    assert cuda_allocation(t.data_ptr()) == found

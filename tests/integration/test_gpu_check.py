@@ -4,7 +4,8 @@ The GPU check runs on a borrowed machine for a few minutes at a time: a step tha
 there costs the whole loan. Here the same script, the same steps and the same driver run
 with the pools on ``cpu`` and the transports already installed (no ``.whl/``, no network), so
 the check stays runnable; this test reads the JSON it wrote and wants every step, and every
-check inside the transfer steps, passed.
+check inside the transfer steps, passed; the raw probe's every path byte-exact, with its
+figures and pdxfer's comparison keys present and numeric (never a speed: this is no GPU).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(tmp_path: Path)
     assert (tmp_path / "gpu_check.json").exists(), log[-4000:]
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = {k.rsplit(".", 1)[0] for k in r if k.endswith(".passed")}
-    assert steps == {"wheels", "pytest_gpu", "transfers.tcp", "transfers.nixl", "bulk"}, r
+    assert steps == {"wheels", "probe", "pytest_gpu", "transfers.tcp", "transfers.nixl",
+                     "bulk"}, r
     failed = sorted(k for k, v in r.items() if k.endswith((".passed", ".ok")) and v is not True)
     assert not failed and r["all_passed"] and p.returncode == 0, (failed, log[-4000:])
     for t in ("tcp", "nixl"):
@@ -48,3 +50,33 @@ def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(tmp_path: Path)
         assert r[f"bulk.gb_per_s.{t}"] > 0
     assert r["bulk.gb_per_s.torch_d2d"] > 0 and r["bulk.gb_per_s.torch_pinned_h2d"] > 0
     assert r["mode"] == "cpu" and r["device"] == "cpu"
+    # the raw probe: every path it runs here moved its bytes word for word
+    assert r["probe.words_wrong"] == 0 and r["probe.errors"] == [], r
+    raw = {k for k in r if k.startswith("probe.") and k.endswith(".gb_per_s")}
+    want = {f"probe.nixl.t{t}.{d}.gb_per_s" for t in (1, 2, 4, 8)
+            for d in ("d32k", "d512k", "dbuf")}
+    want |= {"probe.nixl.t1.d32k_batch4096.gb_per_s", "probe.nixl.t1.d32k_per_call.gb_per_s",
+             "probe.mooncake.tcp.d32k.gb_per_s", "probe.mooncake.tcp.dbuf.gb_per_s",
+             "probe.ipc.staged.d32k.gb_per_s", "probe.ipc.direct.d32k.gb_per_s",
+             "probe.best_raw.gb_per_s"}
+    assert want <= raw, want - raw
+    for k in want:
+        assert isinstance(r[k], float) and r[k] > 0, k
+        if k != "probe.best_raw.gb_per_s":
+            assert r[k.replace(".gb_per_s", ".words_wrong")] == 0, k
+    assert r["probe.bytes"] == r["bulk.bytes"]  # the same shape as pdxfer's bulk
+    assert r["probe.mooncake.nvlink_intra.skipped"].startswith("cpu")
+    assert r["probe.mooncake.tcp.installed"] == "tcp"  # read from the engine's own log
+    assert isinstance(r["probe.nixl.ucx_proto.transports"], list)
+    assert r["probe.nixl.ucx_proto.cuda_ipc"] is False  # host memory: cma, never cuda_ipc
+    # pdxfer's best against the best raw path and the device copy (the issue's goal keys)
+    assert r["bulk.skipped.nvlink"].startswith("cpu")
+    assert r["bulk.gb_per_s.pdxfer_best"] == max(r["bulk.gb_per_s.tcp"], r["bulk.gb_per_s.nixl"])
+    assert r["bulk.best_raw.gb_per_s"] == r["probe.best_raw.gb_per_s"] > 0
+    ratio = r["bulk.gb_per_s.pdxfer_best"] / r["probe.best_raw.gb_per_s"]
+    assert abs(r["bulk.pdxfer_ratio_vs_best_raw"] - ratio) < 1e-3
+    assert r["bulk.pdxfer_fraction_of_d2d"] > 0
+    for k in ("tcp", "nixl"):
+        assert isinstance(r[f"bulk.ratio_vs_raw.{k}"], float)
+    for name in steps:
+        assert isinstance(r[f"{name}.seconds"], float)

@@ -133,3 +133,110 @@ def test_a_user_who_sets_no_transport_gets_auto_everywhere() -> None:
     for cls in (EndpointConfig, ConnectorConfig, WorkerConfig):
         assert {f.name: f.default for f in dataclasses.fields(cls)}["transport"] == "auto", cls
     assert ap.get_default("transport") == "auto"
+
+
+# -- device pools: NVLink on one node, RDMA across nodes, host pools unchanged ------------------
+ALL = ("nixl", "tcp", "nvlink", "rdma")
+
+
+@pytest.mark.parametrize("same_host", [True, False])
+@pytest.mark.parametrize("device", [True, False])
+@pytest.mark.parametrize("a,b", list(itertools.product(
+    [ALL, ("nixl", "tcp"), ("tcp", "rdma"), ("nvlink",), ("nixl", "nvlink")], repeat=2)))
+def test_both_sides_pick_the_same_transport_with_device_kinds(a, b, same_host, device) -> None:
+    assert pick(a, b, same_host, device) == pick(b, a, same_host, device)
+
+
+def test_device_pools_take_nvlink_on_one_node_and_rdma_across_nodes() -> None:
+    assert pick(ALL, ALL, same_host=True, device=True) == "nvlink"
+    assert pick(ALL, ALL, same_host=False, device=True) == "rdma"
+    assert pick(ALL, ("nixl", "tcp"), same_host=True, device=True) == "nixl"  # IPC still
+    assert pick(ALL, ("nixl", "tcp"), same_host=False, device=True) == "tcp"
+    assert pick(("nvlink",), ("nvlink",), same_host=False, device=True) is None  # one node only
+
+
+def test_host_pools_keep_todays_choices_whatever_else_runs() -> None:
+    for mine in (ALL, ("nixl", "tcp")):
+        assert pick(mine, ALL, same_host=True) == "nixl"
+        assert pick(mine, ALL, same_host=False) == "tcp"
+        assert pick(mine, ALL, same_host=True, device=False) == "nixl"
+    assert pick(("nvlink", "tcp"), ("nvlink", "tcp"), same_host=True) == "tcp"
+
+
+def test_auto_starts_nvlink_only_with_a_gpu_and_a_build_that_has_it(monkeypatch) -> None:
+    from pdxfer.transport import auto, nvlink
+
+    monkeypatch.setattr(nvlink, "built", lambda: True)
+    assert auto.kinds_here(cuda=True, nics=[]) == ("nixl", "tcp", "nvlink")
+    assert auto.kinds_here(cuda=False, nics=[]) == ("nixl", "tcp")
+    assert auto.kinds_here(cuda=True, nics=["mlx5_0"]) == ("nixl", "tcp", "nvlink", "rdma")
+    monkeypatch.setattr(nvlink, "built", lambda: False)
+    assert auto.kinds_here(cuda=True, nics=[]) == ("nixl", "tcp")
+    assert auto.rdma_devices("/nonexistent") == []
+
+
+class _AnyMemory(MemoryTransport):
+    """Stands in for a transport that takes device memory (the bytes are host memory here);
+    remembers what it was given."""
+
+    def __init__(self, fabric: MemoryFabric) -> None:
+        super().__init__(fabric)
+        self.locations: list[str] = []
+
+    def register(self, addr: int, nbytes: int, location: str = "cpu",
+                 item_bytes: int = 0) -> None:
+        self.locations.append(location)
+        super().register(addr, nbytes, "cpu", item_bytes)
+
+
+class _DevKinds(_Kinds):
+    def side(self, *kinds: str) -> AutoTransport:
+        def make(k: str) -> MemoryTransport:
+            t = _AnyMemory(self.fabric)
+            self.made.setdefault(k, []).append(t)
+            return t
+        return AutoTransport(kinds=kinds, make=make)
+
+
+def _device_side(k: _Kinds, *kinds: str, host_too: bool = False) -> tuple[AutoTransport, list]:
+    t = k.side(*kinds)
+    bufs = [(ctypes.c_uint8 * 256)()]
+    t.register(ctypes.addressof(bufs[0]), 256, "cuda:0")
+    if host_too:  # e.g. a decode's host staging buffer
+        bufs.append((ctypes.c_uint8 * 256)())
+        t.register(ctypes.addressof(bufs[1]), 256, "cpu")
+    return t, bufs
+
+
+def test_device_pools_on_both_sides_pair_over_nvlink_and_writes_land_there() -> None:
+    k = _DevKinds()
+    (pf, sb), (dc, db) = _device_side(k, *ALL), _device_side(k, *ALL)
+    sb[0][:] = bytes(range(256))
+    pair(pf, dc)
+    assert pf.chosen() == {dc.session_id: "nvlink"} and dc.chosen() == {pf.session_id: "nvlink"}
+    pf.write(dc.session_id, [ctypes.addressof(sb[0])], [ctypes.addressof(db[0])], [256])
+    assert bytes(db[0]) == bytes(sb[0]) and k.made["nvlink"][0].stats.bytes == 256
+
+
+def test_a_side_with_host_memory_withholds_nvlink_and_nvlink_never_sees_it() -> None:
+    k = _DevKinds()
+    (pf, _), (dc, _) = _device_side(k, *ALL), _device_side(k, *ALL, host_too=True)
+    assert "nvlink" not in dc.offered() and "nvlink" in pf.offered()
+    pair(pf, dc)
+    assert set(pf.chosen().values()) == set(dc.chosen().values()) == {"nixl"}
+    assert k.made["nvlink"][1].locations == ["cuda:0"]  # the decode's: never its host buffer
+    assert k.made["nixl"][1].locations == ["cuda:0", "cpu"]
+
+
+def test_a_device_kind_that_cannot_register_is_dropped_not_fatal() -> None:
+    k = _DevKinds()
+
+    class Refuses(MemoryTransport):
+        def register(self, *a, **kw) -> None:
+            raise TransportError("no GPUDirect here")
+
+    t = AutoTransport(kinds=("tcp", "rdma"),
+                      make=lambda kind: (Refuses if kind == "rdma" else _AnyMemory)(k.fabric))
+    buf = (ctypes.c_uint8 * 64)()
+    t.register(ctypes.addressof(buf), 64, "cuda:0")
+    assert t.offered() == ["tcp"] and "no GPUDirect" in t._why()

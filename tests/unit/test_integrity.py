@@ -227,3 +227,32 @@ def test_slot_digest_changes_with_any_byte_of_the_row(portable_: bool) -> None:
         got = slot_digests(spec, 5, "full", portable=portable_)
         u8[5, off] ^= 0x10
         assert got[0] == want[0] and got[1] != want[1], off
+
+
+GOLDEN_FULL = {
+    (16, "NHD", 8, 0): [220383978460132820, 5550844213741517227, 97472494252136772,
+                        7468083472054760906],
+    (4, "HND", 8, 0): [220383978460132820, 5550844213741517227, 97472494252136772,
+                       7468083472054760906],
+    (16, "HND", 4, 2): [364552564673622122, 5337609156932799269, 1771317425649639457,
+                        5152158755802720397],
+}
+GOLDEN_BYTES = [7007303558894192594, 6858577253974152768, 642633986856136722,
+                65310315313490175]
+
+
+def test_the_full_portable_digest_keeps_its_values_since_its_index_moved_to_the_device() -> None:
+    """The full portable digest expands its word (or byte) index on the pool's device from
+    one offset per unit; it once built that index on the host and copied it over. Both
+    sides must agree across releases: these are the values the host-built index gave."""
+    for (ps, lay, heads, first), want in GOLDEN_FULL.items():
+        spec, _, pages = _filled(ps, lay, heads, first, seed=3)
+        span = Span(pages, 0, *TOKENS, first, first + heads)
+        assert digests(spec, span, "full", ps, portable=True) == want
+    g = PoolGeom("kv", "mha", layers=2, pages=64, page_size=4, heads=3, head_dim=3,
+                 dtype="uint8", total_heads=3)  # 3-byte heads: digested byte by byte
+    specs, ts = pat.build([g])
+    pages = np.arange(0, 64, 2, dtype=np.int64)[:25]
+    pat.fill_tokens(specs[0], ts["kv"], 9, pages, 0, *TOKENS)
+    assert digests(specs[0], Span(pages, 0, *TOKENS, 0, 3), "full", 4,
+                   portable=True) == GOLDEN_BYTES

@@ -14,7 +14,7 @@ from typing import Any
 from pdxfer import ConfigError, EndpointConfig, parse_hostport, parse_hostports, require_trusted
 
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
-TRANSPORTS = ("auto", "tcp", "rdma", "nixl")
+TRANSPORTS = ("auto", "tcp", "rdma", "nixl", "nvlink")
 INTEGRITY = ("off", "sampled", "full")
 L3_KINDS = ("off", "file", "mooncake")
 SEND_BY = ("request", "step", "layer")

@@ -20,12 +20,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdxfer import ConfigError
 
 from . import config as C
+from .groups import Group
 from .metadata import PdxferMetadata
 from .scheduler import PdxferScheduler
 from .stats import PdxferPromMetrics, PdxferStats
@@ -52,10 +60,34 @@ def check_compatible(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | N
                         getattr(par, "prefill_context_parallel_size", 1))):
         if size != 1:
             raise ConfigError(f"PdxferConnector does not support {name}={size} yet")
-    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-    if len(groups) > 1:
-        raise ConfigError(f"PdxferConnector moves one KV cache group; this model has "
-                          f"{len(groups)} (hybrid attention is not supported yet)")
+    if kv_cache_config is not None:
+        groups_of(kv_cache_config)  # every group's kind is one pdxfer moves
+
+
+def groups_of(kv_cache_config: KVCacheConfig | None, block_size: int = 16) -> tuple[Group, ...]:
+    """vLLM's transfer groups as pdxfer ``Group``s (``groups.py``); a kind pdxfer cannot
+    move is refused, naming it."""
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return (Group(0, "full", block_size, ()),)
+    out = []
+    for i, g in enumerate(kv_cache_config.transfer_groups):
+        spec, layers = g.kv_cache_spec, tuple(g.layer_names)
+        if isinstance(spec, SlidingWindowSpec) and not isinstance(spec, MLAAttentionSpec):
+            out.append(Group(i, "window", spec.block_size, layers, window=spec.sliding_window))
+        elif isinstance(spec, FullAttentionSpec) and type(spec) in (FullAttentionSpec,
+                                                                    MLAAttentionSpec):
+            out.append(Group(i, "full", spec.block_size, layers,
+                             mla=isinstance(spec, MLAAttentionSpec)))
+        elif isinstance(spec, MambaSpec) and spec.mamba_cache_mode in ("none", "align"):
+            out.append(Group(i, "state", spec.block_size, layers,
+                             spec_blocks=spec.num_speculative_blocks,
+                             page_bytes=spec.page_size_bytes))
+        else:
+            what = f"mamba_cache_mode={spec.mamba_cache_mode}" \
+                if isinstance(spec, MambaSpec) else type(spec).__name__
+            raise ConfigError(f"PdxferConnector cannot move KV cache group {i} "
+                              f"({what}, layers {', '.join(layers[:3])}...)")
+    return tuple(out)
 
 
 def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
@@ -71,7 +103,7 @@ def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
     return 0, 1
 
 
-class PdxferConnector(KVConnectorBase_V1):
+class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector that moves KV with pdxfer (see ``pdxfer/integrations/vllm``)."""
 
     _cache_hit_source = CacheHitSource.P2P
@@ -88,14 +120,18 @@ class PdxferConnector(KVConnectorBase_V1):
         self.cfg = C.parse(ktc.kv_role, ktc.kv_connector_extra_config, str(name or ""),
                            mc.revision if mc is not None else None)
         block_size = vllm_config.cache_config.block_size
+        self.groups = groups_of(kv_cache_config, block_size)
         self.scheduler: PdxferScheduler | None = None
         self.worker: PdxferWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = PdxferScheduler(self.cfg, block_size)
+            self.scheduler = PdxferScheduler(self.cfg, block_size, self.groups)
+            if kv_cache_config is not None:
+                self.scheduler.select = kv_cache_config.select_transfer_block_ids
         else:
             kv_heads = mc.get_total_num_kv_heads() if mc is not None else 1
+            cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
             self.worker = PdxferWorker(self.cfg, RankInfo(*_tp(vllm_config), block_size,
-                                                          kv_heads))
+                                                          kv_heads, cache_dtype), self.groups)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -126,7 +162,15 @@ class PdxferConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        return self.scheduler.request_finished(request, block_ids)
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        if self._kv_cache_config is not None and \
+                len(block_ids) == len(self._kv_cache_config.kv_cache_groups):
+            block_ids = self._kv_cache_config.select_transfer_block_ids(block_ids)
+        return self.scheduler.request_finished(request, tuple(block_ids))
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return self._kv_cache_config.transfer_group_ids

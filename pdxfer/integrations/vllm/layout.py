@@ -77,8 +77,11 @@ def _heads(total: int, rank_heads: int, tp_rank: int, tp_size: int) -> tuple[int
 
 
 def describe(kv_caches: Mapping[str, Any], *, block_size: int, total_kv_heads: int,
-             tp_rank: int = 0, tp_size: int = 1) -> Layout:
-    """The pool for vLLM's ``register_kv_caches`` tensors (see the module docstring)."""
+             tp_rank: int = 0, tp_size: int = 1, name: str = POOL,
+             latent: bool = False) -> Layout:
+    """The pool for vLLM's ``register_kv_caches`` tensors (see the module docstring).
+    ``latent``: MLA, one latent per token replicated on every TP rank (never head slices,
+    whatever the model config says of its heads)."""
     if not kv_caches:
         raise ConfigError("vLLM registered no KV cache tensors")
     order = layer_order(list(kv_caches))
@@ -121,7 +124,8 @@ def describe(kv_caches: Mapping[str, Any], *, block_size: int, total_kv_heads: i
     if stride[0] == inner and _apart(bases, nb * inner * elt):
         bufs = [BufferSpec(int(t.data_ptr()), nb * inner * elt, i, r)
                 for t, i, r in zip(ts, ids, roles)]
-        kind, sharding = _inner(shape, stride, elt, total_kv_heads, tp_rank, tp_size)
+        kind, sharding = (("latent", Sharding()) if latent and h == 1 else
+                          _inner(shape, stride, elt, total_kv_heads, tp_rank, tp_size))
         item = inner * elt
         per_block = item * len(ts)
     elif stride[0] == inner * len(ts) and bases[-1] - bases[0] < stride[0] * elt \
@@ -148,7 +152,7 @@ def describe(kv_caches: Mapping[str, Any], *, block_size: int, total_kv_heads: i
     if item % block_size:
         raise ConfigError(f"a block is {item} bytes, not a multiple of its {block_size} tokens")
     try:
-        pool = PoolSpec(name=POOL, kind="paged", buffers=tuple(bufs), item_bytes=item,
+        pool = PoolSpec(name=name, kind="paged", buffers=tuple(bufs), item_bytes=item,
                         num_items=nb, page_size=block_size, location=location, dtype=dtype,
                         sharding=sharding)
     except ValueError as e:
@@ -178,3 +182,30 @@ def _inner(shape: Sequence[int], stride: Sequence[int], elt: int, total: int, tp
         return "opaque-layer", Sharding()
     total, first = _heads(total, h, tp_rank, tp_size)
     return layout, Sharding.heads(total, h, first, c * elt, layout)
+
+
+def describe_state(states: Mapping[str, Any], *, name: str, num_blocks: int,
+                   page_bytes: int) -> PoolSpec:
+    """A slot pool for Mamba / linear-attention layers: vLLM hands each layer's state as
+    tensors (conv, SSM) viewed over one page per block; a slot is the whole page (every
+    state of the layer, padding included), so it moves without knowing the states' shapes."""
+    order = layer_order(list(states))
+    bufs = []
+    location = dtype = ""
+    for lid, n in order:
+        ts = states[n] if isinstance(states[n], (list, tuple)) else [states[n]]
+        base = min(int(t.data_ptr()) for t in ts)
+        for t in ts:
+            step = t.stride(0) * t.element_size()
+            if step != page_bytes:
+                raise ConfigError(f"state of layer {n}: {step} bytes between blocks, expected "
+                                  f"one page of {page_bytes}")
+            if int(t.data_ptr()) + t[0].numel() * t.element_size() > base + page_bytes:
+                raise ConfigError(f"state of layer {n} does not fit one page")
+        location = str(ts[0].device)
+        bufs.append(BufferSpec(base, num_blocks * page_bytes, lid, "state"))
+    try:
+        return PoolSpec(name=name, kind="slot", buffers=tuple(bufs), item_bytes=page_bytes,
+                        num_items=num_blocks, location=location or "cpu", dtype=dtype or "uint8")
+    except ValueError as e:
+        raise ConfigError(f"state layers as a pdxfer pool: {e}") from None

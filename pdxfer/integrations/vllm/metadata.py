@@ -48,6 +48,9 @@ class SendOrder:
     block_ids: tuple[int, ...]
     num_tokens: int
     last: bool = True
+    groups: tuple[tuple[int, ...], ...] = ()
+    """A hybrid model's final send: every transfer group's blocks as vLLM holds them (null
+    blocks included); the worker clips them per group (``groups.py``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +102,8 @@ class LoadOrder:
     scope: str = ""
     early: bool = False
     """The request came at dispatch (the early form; ``params.DecodeAsk.early``)."""
+    groups: tuple[tuple[int, ...], ...] = ()
+    """A hybrid model: every transfer group's blocks (``block_ids`` is group 0's)."""
 
 
 @dataclass(frozen=True, slots=True)

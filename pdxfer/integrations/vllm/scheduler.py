@@ -42,6 +42,7 @@ from pdxfer import step_pace
 
 from . import params as P
 from .config import ConnectorConfig
+from .groups import Group, backoff, streams
 from .metadata import (
     AbortOrder,
     ExpectOrder,
@@ -91,10 +92,19 @@ class Streamed:
 
 
 class PdxferScheduler:
-    def __init__(self, cfg: ConnectorConfig, block_size: int) -> None:
+    def __init__(self, cfg: ConnectorConfig, block_size: int,
+                 groups: tuple[Group, ...] = ()) -> None:
         self.cfg = cfg
-        self.block_size = block_size
-        self.tiers = cfg.l2_pages > 0
+        self.groups = groups or (Group(0, "full", block_size, ()),)
+        self.block_size = self.groups[0].block_size
+        self.hybrid = not streams(self.groups)
+        """More than one group, or one that is not full attention: each request's KV goes in
+        one send at its end, every group clipped by the worker (``groups.py``)."""
+        self.backoff = backoff(self.groups)
+        self.select: Any = None
+        """vLLM's ``select_transfer_block_ids`` (every group's blocks -> the transfer
+        groups'), set by the connector where vLLM has groups it does not transfer."""
+        self.tiers = cfg.l2_pages > 0 and not self.hybrid
         self.streams: dict[str, Streamed] = {}
         """Prefill requests by id, from scheduling to ``request_finished``."""
         self._opens: list[OpenOrder] = []
@@ -145,7 +155,7 @@ class PdxferScheduler:
         ask = self._decode_ask(request)
         if ask is None:
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = len(request.prompt_token_ids or ()) - self.backoff - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -159,14 +169,17 @@ class PdxferScheduler:
         if ask is None:
             return
         prompt = list(request.prompt_token_ids or ())
-        n = len(prompt)
-        (block_ids, *_) = blocks.get_block_ids()
+        n = len(prompt) - self.backoff
+        every = blocks.get_block_ids()
+        if self.select is not None and len(every) != len(self.groups):
+            every = self.select(every)
         self._asked.add(request.request_id)
         self._loads.append(LoadOrder(
             req_id=request.request_id, room=ask.room, bootstrap=ask.bootstrap,
-            instance=ask.instance, block_ids=tuple(block_ids), l1_len=n - num_external_tokens,
-            num_tokens=n, tokens=tuple(prompt) if self.tiers else (),
-            scope=request.cache_salt or "", early=ask.early))
+            instance=ask.instance, block_ids=tuple(every[0]), l1_len=n - num_external_tokens,
+            num_tokens=n, tokens=tuple(prompt[:n]) if self.tiers else (),
+            scope=request.cache_salt or "", early=ask.early,
+            groups=tuple(tuple(b) for b in every) if self.hybrid else ()))
 
     # -- prefill -------------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -178,6 +191,8 @@ class PdxferScheduler:
         if self.cfg.side != "prefill":
             return
         params = request.kv_transfer_params
+        if self.backoff and isinstance(params, dict) and P.prefill_ask(params) is not None:
+            self._back_off(request)
         if not isinstance(params, dict) or params.get("pdxfer_room") is None:
             return
         ask = P.prefill_ask(params)
@@ -185,6 +200,21 @@ class PdxferScheduler:
             return
         self.queued[request.request_id] = ask.room
         self._expects.append(ExpectOrder(request.request_id, ask.room, ask.decode))
+
+    def _back_off(self, request: Request) -> None:
+        """A model with state groups: the prefill computes all but the last ``backoff``
+        prompt tokens (the decode computes them: a state must not see a token twice)."""
+        params = request.kv_transfer_params
+        k = self.backoff
+        if not k or not isinstance(params, dict) or params.get("_pdxfer_backed_off") \
+                or request.num_prompt_tokens <= k or request.prompt_token_ids is None:
+            return
+        del request.prompt_token_ids[-k:]
+        if request._all_token_ids is not request.prompt_token_ids:
+            del request._all_token_ids[-k:]
+        request.num_prompt_tokens -= k
+        request.max_tokens = 1
+        params["_pdxfer_backed_off"] = True
 
     def _scheduled(self, request: Request) -> None:
         """A request starts running (or resumes after a preemption): open its room."""
@@ -196,7 +226,7 @@ class PdxferScheduler:
         n = len(request.prompt_token_ids or ())
         if ask is None or n == 0:
             return
-        self.streams[rid] = Streamed(ask.room, ask.decode, n)
+        self.streams[rid] = Streamed(ask.room, ask.decode, n, last=self.hybrid)
         self._opens.append(OpenOrder(rid, ask.room, ask.decode))
 
     def _step_chunks(self, so: SchedulerOutput) -> tuple[list[SendOrder], list[LayerOrder]]:
@@ -254,14 +284,19 @@ class PdxferScheduler:
             time.sleep(self.pace)
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: one list per transfer group (vLLM's ``SupportsHMA`` form), or
+        one group's list."""
+        if block_ids and not isinstance(block_ids[0], (list, tuple)):
+            block_ids = (list(block_ids),)  # type: ignore[arg-type]
         if self.cfg.side == "prefill":
             return self._prefill_finished(request, block_ids)
-        return self._decode_finished(request, block_ids)
+        return self._decode_finished(request, list(block_ids[0]) if block_ids else [])
 
-    def _prefill_finished(self, request: Request, block_ids: list[int]
+    def _prefill_finished(self, request: Request, every: tuple[list[int], ...]
                           ) -> tuple[bool, dict[str, Any] | None]:
+        block_ids = list(every[0]) if every else []
         rid = request.request_id
         st = self.streams.pop(rid, None)
         if self.queued.pop(rid, None) is not None:
@@ -276,14 +311,19 @@ class PdxferScheduler:
         if st.dropped:  # preempted: its room was aborted, a decode that asks is refused
             return False, answer
         need = -(-n // self.block_size)
-        if request.status not in DONE or len(block_ids) < need:
+        short = any(len(ids) < -(-n // g.block_size) for g, ids in zip(self.groups, every)
+                    if g.kind != "state")
+        if request.status not in DONE or short:
             # aborted before its prefill was done: the room ends; blocks some of which were
             # handed to the sender are kept until no write reads them
             held = st.blocks > 0
             log.info("request %s ended (%s) before its KV could be sent", rid, request.status)
             self._aborts.append(AbortOrder(rid, held=held))
             return held, None
-        if not st.last:
+        if self.hybrid:
+            self._sends.append(SendOrder(rid, st.room, st.peer, tuple(block_ids[:need]), n,
+                                         groups=tuple(tuple(ids) for ids in every)))
+        elif not st.last:
             self._sends.append(SendOrder(rid, st.room, st.peer, tuple(block_ids[:need]), n))
         else:
             self._sends.append(SendOrder(rid, st.room, st.peer, (), n))  # already all handed

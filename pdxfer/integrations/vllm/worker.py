@@ -37,8 +37,10 @@ from typing import Any
 from pdxfer import Endpoint, KVPoll, KVSender, RequestHandle
 from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredCache
 
+from . import groups as G
 from .config import ConnectorConfig
-from .layout import POOL, Layout, describe, layer_order
+from .groups import Group, Part
+from .layout import POOL, Layout, describe, describe_state, layer_order
 from .metadata import (
     AbortOrder,
     ExpectOrder,
@@ -90,6 +92,11 @@ class _Out:
     owned: bool = False
     """vLLM handed the blocks over (``request_finished`` returned True): report the request
     in ``finished_sending`` once no write reads them."""
+    others: list[KVSender] = field(default_factory=list)
+    """A hybrid model's rooms after the first (``groups.Part``), in part order."""
+
+    def senders(self) -> list[KVSender]:
+        return ([self.tx] if self.tx is not None else []) + self.others
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +105,19 @@ class RankInfo:
     tp_size: int
     block_size: int
     total_kv_heads: int
+    cache_dtype: str = "auto"
+    """vLLM's ``--kv-cache-dtype``: both sides of a pair must agree (``fp8`` against
+    ``auto`` is refused when they pair, naming both)."""
 
 
 class PdxferWorker:
-    def __init__(self, cfg: ConnectorConfig, rank: RankInfo) -> None:
+    def __init__(self, cfg: ConnectorConfig, rank: RankInfo,
+                 groups: tuple[Group, ...] = ()) -> None:
         self.cfg = cfg
         self.rank = rank
+        self.groups = groups or (Group(0, "full", rank.block_size, ()),)
+        self.hybrid = not G.streams(self.groups)
+        self.parts: tuple[Part, ...] = G.parts(self.groups)
         self.ep: Endpoint | None = None
         self.transport: Any = None
         """The endpoint's transport (None: the configured one; unit tests put pdxfer's
@@ -149,9 +163,12 @@ class PdxferWorker:
     # -- start ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         r = self.rank
+        if self.hybrid:
+            return self._register_groups(kv_caches)
+        g0 = self.groups[0]
         self.layout = lay = describe(kv_caches, block_size=r.block_size,
                                      total_kv_heads=r.total_kv_heads, tp_rank=r.tp_rank,
-                                     tp_size=r.tp_size)
+                                     tp_size=r.tp_size, latent=g0.mla)
         self._layer_of = {n: i for i, n in layer_order(list(kv_caches))}
         # a block's interior is addressable by token on a device (plain NHD/HND tiles); vLLM's
         # CPU backend packs each (block, head) tile per ISA, so a block moves whole there
@@ -160,7 +177,7 @@ class PdxferWorker:
         self._layer_ids = tuple(sorted(set(self._layer_of.values())))
         ident = self.cfg.model_id.replace(" ", "_")
         fingerprint = (f"model={ident} block_size={r.block_size} kv_layout={lay.kind} "
-                       f"dtype={lay.pool.dtype}")
+                       f"dtype={lay.pool.dtype} cache_dtype={r.cache_dtype}")
         self.ep = Endpoint(self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
                            [lay.pool], transport=self.transport)
         if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
@@ -171,6 +188,44 @@ class PdxferWorker:
                  self.cfg.side, r.tp_rank, r.tp_size, lay.block_bytes, lay.kind,
                  len(lay.pool.buffers), self.ep.endpoint_id,
                  f", L2 {self.cfg.l2_pages} pages, L3 {self.cfg.l3}" if self.cache else "")
+
+    def _register_groups(self, kv_caches: dict[str, Any]) -> None:
+        """A hybrid model: one pool per group (``groups.py``), each from its own layers'
+        tensors (groups overlay one allocation; pdxfer registers each region once)."""
+        r = self.rank
+        ids = {n: i for i, n in layer_order(list(kv_caches))}
+        pools, kinds = [], []
+        for g in self.groups:
+            mine = {n: kv_caches[n] for n in g.layers}
+            if g.kind == "state":
+                first = next(iter(mine.values()))
+                t = first[0] if isinstance(first, (list, tuple)) else first
+                pool = describe_state(mine, name=g.pool, num_blocks=int(t.shape[0]),
+                                      page_bytes=g.page_bytes)
+                kind = "state"
+            else:
+                lay = describe(mine, block_size=g.block_size, total_kv_heads=r.total_kv_heads,
+                               tp_rank=r.tp_rank, tp_size=r.tp_size, name=g.pool, latent=g.mla)
+                pool, kind = lay.pool, lay.kind
+            pools.append(pool)
+            kinds.append(f"{g.pool}={g.kind}:{g.window}:{g.block_size}:{kind}:{pool.dtype}")
+        self.layout = Layout(pools[0], "hybrid", sum(p.item_bytes * len(p.buffers)
+                                                     for p in pools))
+        self.pools = tuple(pools)
+        self._layer_of = ids
+        self._layer_ids = tuple(sorted(set(ids.values())))
+        ident = self.cfg.model_id.replace(" ", "_")
+        fingerprint = f"model={ident} groups={','.join(kinds)} cache_dtype={r.cache_dtype}"
+        if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
+            log.warning("pdxfer: decode-side tiers (l2_pages) are not used for this model: "
+                        "its KV cache has %s, and tiers restore full-attention groups only",
+                        ", ".join(g.describe() for g in self.groups))
+        self.ep = Endpoint(self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
+                           pools, transport=self.transport)
+        log.info("pdxfer %s rank %d/%d: groups %s; rooms per request %d; endpoint %s",
+                 self.cfg.side, r.tp_rank, r.tp_size, "; ".join(g.describe() for g in
+                                                               self.groups),
+                 len(self.parts), self.ep.endpoint_id)
 
     def _storage(self) -> StorageBackend | None:
         c, r = self.cfg, self.rank
@@ -339,7 +394,8 @@ class PdxferWorker:
         waits for it (``Endpoint.expect``)."""
         assert self.ep is not None
         try:
-            self.ep.expect(e.room, e.peer)
+            for part in self.parts:
+                self.ep.expect(part.room(e.room), e.peer)
         except Exception as ex:  # noqa: BLE001 - its decode falls back to the grace
             log.warning("room %d (request %s): cannot expect it: %s", e.room, e.req_id, ex)
             return
@@ -349,12 +405,18 @@ class PdxferWorker:
         assert self.ep is not None
         self._expected.pop(o.req_id, None)  # the endpoint forgets it when the room opens
         tx: KVSender | None = None
+        others: list[KVSender] = []
         try:
             tx = self.ep.sender(o.room, peer=o.peer)
+            others = [self.ep.sender(p.room(o.room), peer=o.peer) for p in self.parts[1:]]
         except Exception as e:  # noqa: BLE001 - one bad room fails that request only
             log.warning("room %d (request %s): cannot open: %s", o.room, o.req_id, e)
             self._add("send_failures")
-        out = self._sends[o.req_id] = _Out(o.room, tx)
+            for t in [tx, *others]:
+                if t is not None:
+                    t.abort(f"cannot open: {e}")
+            tx, others = None, []
+        out = self._sends[o.req_id] = _Out(o.room, tx, others=others)
         return out
 
     def _hand(self, s: SendOrder, owned: bool) -> None:
@@ -363,6 +425,9 @@ class PdxferWorker:
         if out is None:
             out = self._open(OpenOrder(s.req_id, s.room, s.peer))
         out.owned |= owned
+        if s.groups:
+            self._hand_groups(out, s)
+            return
         new = list(s.block_ids[out.sent:])
         if out.tx is None or out.last or not (new or s.last):
             return
@@ -380,6 +445,34 @@ class PdxferWorker:
             self._add("sends")
             self._add("sent_tokens", s.num_tokens)
 
+    def _hand_groups(self, out: _Out, s: SendOrder) -> None:
+        """A hybrid model's one send: each room (``groups.Part``) gets its groups' pages,
+        clipped (``groups.source_pages``), and its state slots."""
+        if out.tx is None or out.last:
+            return
+        out.last = True
+        try:
+            for part, tx in zip(self.parts, out.senders()):
+                pages: dict[str, list[int]] = {}
+                slots: dict[str, int] = {}
+                for g in part.groups:
+                    ids = s.groups[g.index]
+                    if g.kind == "state":
+                        slot = G.state_block(ids, g.spec_blocks)
+                        if slot is None:
+                            raise ValueError(f"no state block for {g.pool} in {list(ids)}")
+                        slots[g.pool] = slot
+                    else:
+                        pages[g.pool] = G.source_pages(g, ids, s.num_tokens)
+                tx.send(pages, slots=slots, last=True)
+        except Exception as e:  # noqa: BLE001 - one bad room fails that request only
+            log.warning("room %d (request %s): cannot send: %s", s.room, s.req_id, e)
+            for tx in out.senders():
+                tx.abort(f"cannot send: {e}")
+            return
+        self._add("sends")
+        self._add("sent_tokens", s.num_tokens)
+
     def _abort(self, a: AbortOrder) -> None:
         """End a room whose request vLLM aborted or preempted. Blocks vLLM already freed
         (not ``held``) may be filled by this step's forward: wait for writes that read them
@@ -387,25 +480,28 @@ class PdxferWorker:
         room = self._expected.pop(a.req_id, None)
         if room is not None:  # ended while queued: a decode waiting for the room fails now
             assert self.ep is not None
-            self.ep.withdraw(room, "aborted by vLLM while queued")
+            for part in self.parts:
+                self.ep.withdraw(part.room(room), "aborted by vLLM while queued")
         out = self._sends.get(a.req_id)
         if out is None:
             return
-        if out.tx is not None:
-            out.tx.abort("vLLM ended the request" if a.held else "vLLM preempted the request")
+        for tx in out.senders():
+            tx.abort("vLLM ended the request" if a.held else "vLLM preempted the request")
         if a.held:
             out.owned = True
             return
         del self._sends[a.req_id]
         end = time.monotonic() + self.cfg.abort_timeout_s
-        while out.tx is not None and out.tx.reading and time.monotonic() < end:
+        while _reading(out) and time.monotonic() < end:
             time.sleep(0.001)
-        if out.tx is not None and out.tx.reading:
+        if _reading(out):
             log.warning("room %d (request %s): writes still read its blocks %.1f s after "
                         "its preemption", out.room, a.req_id, self.cfg.abort_timeout_s)
 
     def _load(self, o: LoadOrder) -> None:
         assert self.ep is not None
+        if o.groups:
+            return self._load_groups(o)
         bs = self.rank.block_size
         blocks = list(o.block_ids[o.l1_len // bs: -(-o.num_tokens // bs)])
         rec: _Load | None = None
@@ -435,6 +531,66 @@ class PdxferWorker:
         rec = _Load(o, rx, blocks)
         if early.is_set():
             rec.released.set()
+        self._add("loads")
+        self._loads[o.req_id] = rec
+
+    def _load_groups(self, o: LoadOrder) -> None:
+        """A hybrid model's load: one receiver per room (``groups.Part``), each asking for
+        its groups' blocks from the first token the decode holds a block for (a window
+        group's earlier blocks are vLLM's null block) and its state slots."""
+        assert self.ep is not None
+        plans: list[tuple[Part, dict[str, list[int]], dict[str, int], int]] = []
+        blocks: list[int] = []
+        try:
+            for part in self.parts:
+                pages: dict[str, list[int]] = {}
+                slots: dict[str, int] = {}
+                first = o.l1_len // self.groups[part.groups[0].index].block_size \
+                    if part.groups[0].kind != "state" else 0
+                start = o.l1_len
+                for g in part.groups:
+                    ids = o.groups[g.index]
+                    if g.kind == "state":
+                        slot = G.state_block(ids, g.spec_blocks)
+                        if slot is None:
+                            raise ValueError(f"no state block for {g.pool} in {list(ids)}")
+                        slots[g.pool] = slot
+                        continue
+                    f = o.l1_len // g.block_size
+                    if g.kind == "window":
+                        f = G.window_start(g, ids, f, o.num_tokens)  # type: ignore[assignment]
+                        if f is None:
+                            raise ValueError(f"{g.pool}: a null block inside the window "
+                                             f"({list(ids)})")
+                    first = max(first, f)
+                    start = max(start, f * g.block_size)
+                for g in part.groups:
+                    if g.kind != "state":
+                        need = -(-o.num_tokens // g.block_size)
+                        pages[g.pool] = [int(b) for b in
+                                         o.groups[g.index][start // g.block_size:need]]
+                start = min(start, o.num_tokens)
+                plans.append((part, pages, slots, start))
+                blocks += [b for p in pages.values() for b in p] + list(slots.values())
+        except Exception as e:  # noqa: BLE001 - the request fails, vLLM recomputes it
+            log.warning("room %d (request %s): cannot load this model's groups: %s", o.room,
+                        o.req_id, e)
+            rec = _Load(o, _Refused(o.room, e), [])
+            rec.released.set()
+            self._add("loads")
+            self._loads[o.req_id] = rec
+            return
+        joined = _Joined(o.room, len(plans))
+        try:
+            for part, pages, slots, start in plans:
+                rx = self.ep.receiver(part.room(o.room), o.bootstrap, instance=o.instance,
+                                      release=joined.release_one, early=o.early)
+                joined.parts.append(rx)
+                rx.request(pages, slots=slots, prefix_len=start, num_tokens=o.num_tokens)
+        except Exception as e:  # noqa: BLE001 - the request fails, vLLM recomputes it
+            log.warning("room %d (request %s): cannot start the load: %s", o.room, o.req_id, e)
+            joined.refuse(e, len(plans) - len(joined.parts))
+        rec = _Load(o, joined, blocks, released=joined.released)
         self._add("loads")
         self._loads[o.req_id] = rec
 
@@ -599,18 +755,72 @@ class _Refused:
         return {"bytes": 0}
 
 
+class _Joined:
+    """A hybrid model's load over several rooms, seen as one handle: Success when every
+    room succeeded, Failed when one failed (the others are aborted), released once every
+    room released its pages (no write can land any more)."""
+
+    def __init__(self, room: int, count: int) -> None:
+        self.room = room
+        self.parts: list[Any] = []
+        self.failure: Exception | None = None
+        self.released = threading.Event()
+        self._left = count
+        self._lock = threading.Lock()
+
+    def release_one(self, *_: Any) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left <= 0:
+                self.released.set()
+
+    def refuse(self, why: Exception, never_started: int) -> None:
+        """Some rooms could not start: those never release; the started ones are aborted."""
+        self.failure = why
+        for _ in range(never_started):
+            self.release_one()
+        self.abort(f"cannot start the load: {why}")
+
+    def poll(self) -> KVPoll:
+        sts = [p.poll() for p in self.parts]
+        if self.failure is not None or KVPoll.Failed in sts:
+            if self.failure is None:
+                self.failure = next(p.failure for p in self.parts
+                                    if p.poll() == KVPoll.Failed)
+                self.abort(f"another room of the request failed: {self.failure}")
+            return KVPoll.Failed
+        return min(sts) if sts else KVPoll.Failed
+
+    def abort(self, reason: str = "") -> None:
+        for p in self.parts:
+            if not p.poll().terminal:
+                p.abort(reason)
+
+    def stats(self) -> dict[str, Any]:
+        st = [p.stats() for p in self.parts]
+        secs = [x.get("seconds") for x in st if x.get("seconds") is not None]
+        return {"bytes": sum(int(x.get("bytes") or 0) for x in st),
+                "seconds": max(secs) if secs else None}
+
+
 def _send_over(out: _Out) -> KVPoll | None:
     """How a send ended, once vLLM may be told (its blocks free): Failed, or Success and not
     held for a repair; None while vLLM still runs the request or a write reads its blocks."""
-    tx = out.tx
-    if not out.owned or (tx is not None and tx.reading):
+    if not out.owned or _reading(out):
         return None
-    if tx is None:
+    if out.tx is None:
         return KVPoll.Failed  # the room could not be opened
-    st = tx.poll()
-    if st == KVPoll.Failed or (st == KVPoll.Success and not tx.holding):
-        return st
+    sts = [tx.poll() for tx in out.senders()]
+    if KVPoll.Failed in sts:
+        return KVPoll.Failed
+    if all(st == KVPoll.Success for st in sts) and not any(t.holding for t in out.senders()):
+        return KVPoll.Success
     return None
+
+
+def _reading(out: _Out) -> bool:
+    """Whether a write may still read the request's blocks (any of its rooms)."""
+    return any(tx.reading for tx in out.senders())
 
 
 def _load_over(rec: _Load) -> KVPoll | None:

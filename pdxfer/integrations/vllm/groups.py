@@ -1,0 +1,123 @@
+"""vLLM's KV cache groups as pdxfer pools, and what of each group a request moves.
+
+With vLLM's hybrid KV cache manager a model's layers fall into groups, each with its own
+block table (one block pool shared by all groups, so block ids never collide):
+
+- ``full``: full attention and MLA. Every block of the prompt moves; it may stream.
+- ``window``: sliding-window attention. vLLM frees blocks that left the window (its table
+  then holds the null block 0), so only the window's tail moves, once, at the end.
+- ``state``: Mamba2 / Gated DeltaNet state: one state block per request, final after the
+  prefill's last chunk. It moves as a pdxfer slot; the prefill stops one token short and
+  the decode computes the last prompt token itself (the state must not see it twice).
+
+Pools whose first token differs travel as separate pdxfer rooms (``Part``): the main room
+(full and state groups) and one derived room per window size. Pure: no vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+NULL_BLOCK = 0
+"""vLLM's null block: a table holds it for blocks a group no longer (or never) keeps."""
+
+POOL = "kv"
+"""Group 0's pool (the only one of a plain attention model)."""
+
+Kind = Literal["full", "window", "state"]
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    index: int
+    """Position among vLLM's transfer groups (``KVCacheConfig.transfer_groups``)."""
+    kind: Kind
+    block_size: int
+    layers: tuple[str, ...]
+    window: int = 0
+    """Tokens of the sliding window (``window`` groups)."""
+    spec_blocks: int = 0
+    """Speculative scratch blocks vLLM appends after a state block (``state`` groups)."""
+    page_bytes: int = 0
+    """Bytes of one state block (``state`` groups: the page every state of a layer fills)."""
+    mla: bool = False
+
+    @property
+    def pool(self) -> str:
+        return POOL if self.index == 0 else f"{POOL}{self.index}"
+
+    def describe(self) -> str:
+        extra = f" window {self.window}" if self.kind == "window" else ""
+        return f"{self.pool}: {self.kind}{' (MLA)' if self.mla else ''}{extra}, " \
+               f"{len(self.layers)} layers, block {self.block_size}"
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Pools that start at the same token travel in one pdxfer room."""
+
+    key: int
+    """0: the request's own room; else the window size its room is derived from."""
+    groups: tuple[Group, ...]
+
+    def room(self, room: int) -> int:
+        return room if self.key == 0 else derived_room(room, self.key)
+
+
+def derived_room(room: int, key: int) -> int:
+    """A second room for the same request, a bijection of the 63-bit room space per key."""
+    return (room * 0x9E3779B97F4A7C15 + key * 0x632BE59BD9B4E019 + 1) & ((1 << 63) - 1)
+
+
+def parts(groups: Sequence[Group]) -> tuple[Part, ...]:
+    """The request's rooms: full and state groups in the first, one per window size; a model
+    with no full group (every layer sliding) keeps its one window in the request's room."""
+    keys: dict[int, list[Group]] = {}
+    for g in groups:
+        keys.setdefault(g.window if g.kind == "window" else 0, []).append(g)
+    out = [Part(k, tuple(gs)) for k, gs in sorted(keys.items())]
+    if out and out[0].key != 0 and len(out) == 1:
+        out[0] = Part(0, out[0].groups)
+    return tuple(out)
+
+
+def streams(groups: Sequence[Group]) -> bool:
+    """Whether blocks may go out step by step: only when every group keeps every block (a
+    window group frees blocks while the prefill runs; a state is final only at the end)."""
+    return all(g.kind == "full" for g in groups)
+
+
+def backoff(groups: Sequence[Group]) -> int:
+    """Prompt tokens the prefill leaves to the decode: a state group's state must be the one
+    before the last prompt token, which the decode then computes."""
+    return 1 if any(g.kind == "state" for g in groups) else 0
+
+
+def state_block(blocks: Sequence[int], spec_blocks: int) -> int | None:
+    """The block holding a request's running state (vLLM keeps null placeholders before it
+    and ``spec_blocks`` scratch blocks after it)."""
+    live = list(blocks)
+    if spec_blocks and len(live) > 1:
+        live = live[:-min(spec_blocks, len(live) - 1)]
+    return live[-1] if live and live[-1] != NULL_BLOCK else None
+
+
+def source_pages(g: Group, blocks: Sequence[int], num_tokens: int) -> list[int]:
+    """A prefill's pages of ``g`` for tokens ``[0, num_tokens)``: blocks vLLM already freed
+    (the null block) are -1, pages pdxfer refuses to read (a decode that needs them fails
+    the load rather than get another block's bytes)."""
+    need = -(-num_tokens // g.block_size)
+    return [-1 if b == NULL_BLOCK else int(b) for b in list(blocks)[:need]]
+
+
+def window_start(g: Group, blocks: Sequence[int], first: int, num_tokens: int) -> int | None:
+    """The first block a decode holds for ``g`` at or after block ``first`` (vLLM leaves the
+    null block where the window does not reach); None if a null block follows a real one."""
+    need = -(-num_tokens // g.block_size)
+    ids = list(blocks)[first:need]
+    i = next((k for k, b in enumerate(ids) if b != NULL_BLOCK), len(ids))
+    if any(b == NULL_BLOCK for b in ids[i:]):
+        return None
+    return first + i

@@ -1,0 +1,64 @@
+"""What of each vLLM KV cache group a request moves (``integrations/vllm/groups.py``), and
+that a cache dtype mismatch is refused when the two sides pair, naming both."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdxfer.endpoint.sender import model_diff
+from pdxfer.integrations.vllm import groups as G
+from pdxfer.integrations.vllm.groups import Group
+
+FULL = Group(0, "full", 32, ("model.layers.5.self_attn.attn",))
+SLIDE = Group(1, "window", 32, ("model.layers.0.self_attn.attn",), window=128)
+SLIDE2 = Group(2, "window", 32, ("model.layers.1.self_attn.attn",), window=128)
+STATE = Group(3, "state", 4096, ("model.layers.2.mixer",), page_bytes=1 << 16)
+
+
+def test_pools_that_start_at_different_tokens_travel_in_separate_rooms() -> None:
+    ps = G.parts([FULL, SLIDE, SLIDE2, STATE])
+    assert [(p.key, [g.pool for g in p.groups]) for p in ps] == \
+        [(0, ["kv", "kv3"]), (128, ["kv1", "kv2"])]
+    room = 12345
+    assert ps[0].room(room) == room
+    other = ps[1].room(room)
+    assert other != room and 0 <= other < 1 << 63
+    # a bijection per key: distinct requests never share a derived room
+    assert len({ps[1].room(r) for r in range(10_000)}) == 10_000
+
+
+def test_a_model_whose_every_layer_slides_keeps_the_request_room() -> None:
+    (p,) = G.parts([Group(0, "window", 32, ("a",), window=128)])
+    assert p.room(77) == 77
+
+
+def test_only_a_single_full_group_streams_and_only_state_groups_back_off() -> None:
+    assert G.streams([FULL]) and not G.streams([FULL, SLIDE]) and not G.streams([SLIDE])
+    assert G.backoff([FULL, STATE]) == 1 and G.backoff([FULL, SLIDE]) == 0
+
+
+def test_the_prefill_never_reads_a_block_vllm_freed() -> None:
+    # vLLM replaced the first two blocks (outside the window) by the null block 0
+    assert G.source_pages(SLIDE, [0, 0, 7, 9, 4, 11], 150) == [-1, -1, 7, 9, 4]
+
+
+def test_the_decode_asks_from_its_first_real_block_and_refuses_a_hole() -> None:
+    assert G.window_start(SLIDE, [0, 0, 0, 5, 6, 8], 0, 190) == 3
+    assert G.window_start(SLIDE, [0, 0, 0, 5, 6, 8], 4, 190) == 4  # vLLM cached up to 4
+    assert G.window_start(SLIDE, [3, 4, 5], 0, 90) == 0
+    assert G.window_start(SLIDE, [0, 5, 0, 6], 0, 128) is None
+
+
+@pytest.mark.parametrize(("blocks", "spec", "slot"), [
+    ([0, 0, 17], 0, 17), ([17], 0, 17), ([0, 17, 30, 31], 2, 17), ([0], 0, None), ([], 0, None)])
+def test_the_state_block_is_the_running_one(blocks: list[int], spec: int,
+                                            slot: int | None) -> None:
+    assert G.state_block(blocks, spec) == slot
+
+
+def test_a_cache_dtype_mismatch_names_both_sides() -> None:
+    p = "model=m block_size=32 kv_layout=HND dtype=float8_e4m3fn cache_dtype=fp8"
+    d = "model=m block_size=32 kv_layout=HND dtype=float32 cache_dtype=auto"
+    why = model_diff(p, d)
+    assert "cache_dtype: prefill fp8, decode auto" in why
+    assert "dtype: prefill float8_e4m3fn, decode float32" in why
