@@ -72,7 +72,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
             "num_experts_per_tok": 2, "moe_intermediate_size": 128,
             "shared_expert_intermediate_size": 128}),
-    Family("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM", "bfloat16",
+    Family("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM", "float32",
            {**_COMMON, "layers_block_type": ["linear_attention", "mlp", "full_attention",
                                              "mlp"],
             "intermediate_size": 512, "mamba_num_heads": 8, "mamba_head_dim": 64,
