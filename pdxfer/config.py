@@ -177,8 +177,8 @@ def mooncake_env_defaults(timeout_s: float, protocol: str) -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if protocol == "tcp":
         # More lanes per peer than Mooncake's 4 let paced (non-spinning) completion overlap
-        # more entries in bulk; 8 does that as well as 16, while 16 made a lone 16 MiB write
-        # ~0.5 ms slower than 4 or 8 (2 vCPUs, scripts/bench_transfer.py).
+        # more entries in bulk; 16 made a lone write slower than 8
+        # (docs/performance.md#what-pdxfer-does-to-be-fast-here).
         os.environ.setdefault("MC_TCP_LANES_PER_PEER", "8")
 
 
@@ -191,54 +191,7 @@ def nixl_env_defaults() -> None:
 @dataclass(frozen=True, slots=True)
 class EndpointConfig:
     """One rank's settings. Every wait has a deadline here; defaults suit a cluster, tests
-    shorten them.
-
-    - ``bootstrap_timeout_s``: a prefill sender waits this long for the decode's request; a
-      decode receiver this long to find and handshake its prefill endpoints.
-    - ``transfer_timeout_s``: from the decode's request to the last ``TransferDone``.
-    - ``abort_timeout_s``: how long a failed request's pages wait for the prefill to confirm
-      that no write is in flight before they are counted as quarantined.
-    - ``heartbeat_s``: how often the decode probes the prefill endpoints it waits on; two
-      failed probes in a row declare the peer lost.
-    - ``integrity``: how a decode checks the KV it received before it reports Success
-      (``sampled``: a fixed sample of every page, ``full``: every byte, ``off``); the decode
-      asks its senders for digests in this mode (``integrity.py``).
-    - ``integrity_retry``: on a digest mismatch, ask that sender for the range once more
-      (through the repair path the tiers use: the prefill holds the room's pages until the
-      decode's ``Release``) before failing with ``IntegrityError``. It costs the prefill its
-      pages for one more round trip per request, so it is off by default; it does nothing
-      with ``integrity='off'``.
-    - ``start_in_send``: a chunk whose write is one small batch (at most ``max_batch / 2``
-      entries, 32 MiB), with nothing else in flight to that decode, is planned and submitted
-      from ``send()`` itself (once it has released the endpoint's lock) and only awaited on a
-      worker: a small request then does not wait
-      for a worker thread to wake (~0.05-0.1 ms on a small VM), at the price of ~0.1-0.3 ms
-      of the caller's time per such ``send()`` (the transport's submission is ~1 us per
-      entry). False leaves every write to the workers, and ``send()`` costs ~0.05 ms.
-    - ``room_grace_s`` (prefill): how long a decode's request for a room this prefill never
-      saw is held for its engine to open it (early dispatch: the decode may ask first), at
-      most ``bootstrap_timeout_s``; then it is refused as ``UnknownRoom``. A request for a
-      room that already ended here is refused at once. An engine that opens a room only
-      once it schedules a queued request declares it on arrival (``Endpoint.expect``): a
-      request for an expected room waits up to ``bootstrap_timeout_s``.
-    - ``route_fresh_s`` (decode): how long a prefill instance's route (its endpoints, looked up
-      at the bootstrap) is reused without a room through it succeeding. A prefill that died
-      while no room waited on it and came back as a new process is otherwise still reached
-      at its dead address by the next request, which then fails (``PeerLost``); an older
-      route is looked up again (one bootstrap request).
-    - ``max_pending`` / ``max_pending_bytes``: requests (and their memory) a prefill holds for
-      rooms whose sender does not exist yet; past either, a request is refused (``busy``).
-    - ``fan_out`` (prefill): a room may be served to several decode groups, each asking with
-      its own request. Off by default: a room belongs to the decode named by
-      ``sender(room, peer=...)``, else to the decode group (the TP ranks of one decode
-      instance) that asks first, and any other decode asking for it is refused. Turn it on
-      only when the engine sends one prefill to several decodes on purpose (a mirrored or
-      standby decode that must hold the same KV).
-    - ``max_peers``: decode endpoints a prefill keeps a handshake with (the least recently
-      used idle one is dropped for a new one). ``max_tombstones``: rooms that ended (succeeded,
-      failed or aborted) remembered so that a late request for them is refused at once
-      (oldest forgotten first).
-    """
+    shorten them. Each field's meaning is in the string below it."""
 
     role: Literal["prefill", "decode"]
     bootstrap: str | None = None
@@ -266,15 +219,53 @@ class EndpointConfig:
     device: str = ""
     workers: int = 4
     bootstrap_timeout_s: float = 30.0
+    """A prefill sender waits this long for the decode's request; a
+    decode receiver this long to find and handshake its prefill endpoints."""
     transfer_timeout_s: float = 60.0
+    """From the decode's request to the last ``TransferDone``."""
     abort_timeout_s: float = 5.0
+    """How long a failed request's pages wait for the prefill to confirm
+    that no write is in flight before they are counted as quarantined."""
     room_grace_s: float = 5.0
+    """(prefill) How long a decode's request for a room this prefill never
+    saw is held for its engine to open it (early dispatch: the decode may ask first), at
+    most ``bootstrap_timeout_s``; then it is refused as ``UnknownRoom``. A request for a
+    room that already ended here is refused at once. An engine that opens a room only
+    once it schedules a queued request declares it on arrival (``Endpoint.expect``): a
+    request for an expected room waits up to ``bootstrap_timeout_s``."""
     route_fresh_s: float = 10.0
+    """(decode) How long a prefill instance's route (its endpoints, looked up
+    at the bootstrap) is reused without a room through it succeeding. A prefill that died
+    while no room waited on it and came back as a new process is otherwise still reached
+    at its dead address by the next request, which then fails (``PeerLost``); an older
+    route is looked up again (one bootstrap request)."""
     heartbeat_s: float = 0.5
+    """How often the decode probes the prefill endpoints it waits on; two
+    failed probes in a row declare the peer lost."""
     start_in_send: bool = True
+    """A chunk whose write is one small batch (at most ``max_batch / 2``
+    entries, 32 MiB), with nothing else in flight to that decode, is planned and submitted
+    from ``send()`` itself (once it has released the endpoint's lock) and only awaited on a
+    worker: a small request then does not wait for a worker thread to wake, and the caller
+    pays the transport's submission instead (docs/performance.md#what-pdxfer-does-to-be-fast-here).
+    False leaves every write to the workers."""
     integrity: Literal["off", "sampled", "full"] = "sampled"
+    """How a decode checks the KV it received before it reports Success
+    (``sampled``: a fixed sample of every page, ``full``: every byte, ``off``); the decode
+    asks its senders for digests in this mode (``integrity.py``)."""
     integrity_retry: bool = False
+    """On a digest mismatch, ask that sender for the range once more
+    (through the repair path the tiers use: the prefill holds the room's pages until the
+    decode's ``Release``) before failing with ``IntegrityError``. It costs the prefill its
+    pages for one more round trip per request, so it is off by default; it does nothing
+    with ``integrity='off'``."""
     fan_out: bool = False
+    """(prefill) A room may be served to several decode groups, each asking with
+    its own request. Off by default: a room belongs to the decode named by
+    ``sender(room, peer=...)``, else to the decode group (the TP ranks of one decode
+    instance) that asks first, and any other decode asking for it is refused. Turn it on
+    only when the engine sends one prefill to several decodes on purpose (a mirrored or
+    standby decode that must hold the same KV)."""
     register_interval_s: float = 10.0
     """A prefill rank registers again this often, so a route a bootstrap lost or another
     endpoint took over heals by itself."""
@@ -283,8 +274,14 @@ class EndpointConfig:
     a prefill refuses a decode whose fingerprint differs, naming the difference."""
     max_pending: int = 4096
     max_pending_bytes: int = 64 << 20
+    """With ``max_pending``: requests (and their bytes) a prefill holds for rooms whose sender
+    does not exist yet; past either, a request is refused (``busy``)."""
     max_peers: int = 4096
+    """Decode endpoints a prefill keeps a handshake with (the least recently used idle one is
+    dropped for a new one)."""
     max_tombstones: int = 65536
+    """Rooms that ended (succeeded, failed or aborted) remembered so that a late request for
+    them is refused at once (oldest forgotten first)."""
     endpoint_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     secret: str | None = field(default=None, repr=False)
     """Shared secret for HMAC on bootstrap requests and every control frame; None reads ``PDXFER_SECRET``

@@ -1,36 +1,8 @@
 """Fault injection for chaos and failure tests (off unless ``PDXFER_FAULTS`` is set).
 
-``PDXFER_FAULTS="delay_write=1.5,rooms=777;778,drop=0.05,delay_msg=0.01,seed=3"``:
-
-- ``delay_write``: seconds to sleep right before each transport batch of the listed rooms
-  (all rooms when ``rooms`` is absent): the write is already committed to, so it lands late;
-- ``strand``: seconds after which a *stranded* batch lands: the first transport batch of each
-  write of the listed rooms (Mooncake TCP) is reported failed at once while a copy of it
-  lands that much later, as Mooncake's do when one task of a batch fails (its other tasks
-  stay queued on the peer's lanes) or when it drops a stalled connection whose socket still
-  buffers bytes that a healed link delivers (``docs/failure-semantics.md``, Quarantine);
-- ``drop``: probability that an incoming control message is dropped;
-- ``delay_msg``: seconds to hold each incoming control message;
-- ``corrupt``, ``skip_write``, ``shift_write``: probability, per sender's ``TransferDone`` of
-  a listed room, that the decode damages one page of the room's destination after the
-  transport reported the write done and before it checks it: ``corrupt`` flips every byte of
-  one buffer's page, ``skip_write`` leaves a page stale (it gets another page's old bytes),
-  ``shift_write`` writes a page one page off (the next page of the request gets its bytes).
-  Integrity checks (``integrity.py``) must catch every one of them.
-- ``at``: where those page faults strike: ``network`` (the default, as above) or ``restore``
-  (a tiered restore's page, right after its L2 -> L1 copy and before it is checked against
-  the digest recorded when it entered L2: the damaged page and the rest are then repaired),
-  or ``writeback`` (an L2 page of a write-back, after its digest was recorded and before
-  it is stored in L3: a restore from L3 must catch it against the digest sealed with it).
-- ``pool=NAME``: page faults strike only that pool's buffers (e.g. ``pool=ballast``: the
-  served toy's KV ballast, which the decode checks against the prompt's tokens).
-- ``once=1``: page faults strike each room at most once (a transient fault: what is sent
-  again, by an ``integrity_retry`` or a repair, arrives intact).
-- ``pace``: seconds an engine integration holds each step that runs requests (whatever
-  ``rooms`` says; read with ``step_pace()``): a decode then cannot finish a long request
-  before a test's client has left, on however fast a machine.
-
-The hooks are single attribute checks when faults are off.
+``PDXFER_FAULTS`` names delays, drops, stranded batches and damaged pages per room
+(``Faults`` lists every item); the transport, the control path, the decode's checks and the
+tiers call the hooks here. They are single attribute checks when faults are off.
 """
 
 from __future__ import annotations
@@ -47,6 +19,39 @@ from .errors import ConfigError
 
 @dataclass(slots=True)
 class Faults:
+    """The parsed ``PDXFER_FAULTS``.
+
+    ``PDXFER_FAULTS="delay_write=1.5,rooms=777;778,drop=0.05,delay_msg=0.01,seed=3"``:
+
+    - ``delay_write``: seconds to sleep right before each transport batch of the listed rooms
+      (all rooms when ``rooms`` is absent): the write is already committed to, so it lands late;
+    - ``strand``: seconds after which a *stranded* batch lands: the first transport batch of each
+      write of the listed rooms (Mooncake TCP) is reported failed at once while a copy of it
+      lands that much later, as Mooncake's do when one task of a batch fails (its other tasks
+      stay queued on the peer's lanes) or when it drops a stalled connection whose socket still
+      buffers bytes that a healed link delivers (docs/failure-semantics.md, Quarantine);
+    - ``drop``: probability that an incoming control message is dropped;
+    - ``delay_msg``: seconds to hold each incoming control message;
+    - ``corrupt``, ``skip_write``, ``shift_write``: probability, per sender's ``TransferDone`` of
+      a listed room, that the decode damages one page of the room's destination after the
+      transport reported the write done and before it checks it: ``corrupt`` flips every byte of
+      one buffer's page, ``skip_write`` leaves a page stale (it gets another page's old bytes),
+      ``shift_write`` writes a page one page off (the next page of the request gets its bytes).
+      Integrity checks (``integrity.py``) must catch every one of them.
+    - ``at``: where those page faults strike: ``network`` (the default, as above) or ``restore``
+      (a tiered restore's page, right after its L2 -> L1 copy and before it is checked against
+      the digest recorded when it entered L2: the damaged page and the rest are then repaired),
+      or ``writeback`` (an L2 page of a write-back, after its digest was recorded and before
+      it is stored in L3: a restore from L3 must catch it against the digest sealed with it).
+    - ``pool=NAME``: page faults strike only that pool's buffers (e.g. ``pool=ballast``: the
+      served toy's KV ballast, which the decode checks against the prompt's tokens).
+    - ``once=1``: page faults strike each room at most once (a transient fault: what is sent
+      again, by an ``integrity_retry`` or a repair, arrives intact).
+    - ``pace``: seconds an engine integration holds each step that runs requests (whatever
+      ``rooms`` says; read with ``step_pace()``): a decode then cannot finish a long request
+      before a test's client has left, on however fast a machine.
+    """
+
     delay_write: float = 0.0
     rooms: frozenset[int] | None = None
     drop: float = 0.0

@@ -1,39 +1,17 @@
 """KV digests defined on logical order, so both sides of a transfer can compare them.
 
-A digest covers one buffer of one pool (one layer's K, V or latent), tokens ``[start, end)``
-and global heads ``[lo, hi)``, read in logical order: token by token, head by head, byte by
-byte. Page placement, page size, layout (NHD/HND) and TP sharding change where those bytes
-sit, never the digest: a prefill with page 64 and HND pages and a decode with page 1 and NHD
-rows compute the same value over the same KV.
-
-Modes:
-
-- ``off``: nothing is digested.
-- ``sampled`` (the default): a fixed sample that touches every page on both sides. With
-  ``S = min(page sizes of the two sides)``, tokens whose position is ``S-1`` modulo ``S`` are
-  read, plus the range's first and last token where the page holding them (on either side)
-  has no such token: any page either side holds spans ``S`` tokens or is cut by the range's
-  ends, so it has a sampled token, and most pages exactly one. Of each sampled token it reads
-  the first 8 bytes of the range's first head (of the token's row in a pool without heads)
-  and, for a head slice (part of the model's heads, whose edges a misplaced slice would
-  move), the last 8 bytes of its last head. That catches a wrong, stale, missing, shifted or
-  overwritten page, and a head slice landing off by a head, for a cost that does not grow
-  with the page's bytes: one or two words per page and buffer. What it costs is those
-  scattered reads right after a network write: each is a cold cache line and, on a VM, a
-  cold address translation (about 1-2 us per 4 KiB page on the 2-vCPU test machine).
-- ``full``: every byte.
-
-Two hash functions, picked per pool pair so both sides always compute the same one:
-
-- both pools on host: XXH3-64 (``xxhash``) over the selected bytes;
-- either pool on a device (``cuda:N``): a *portable* digest that torch computes on the pool's
-  own device. The selected bytes, as 8-byte words in logical order (single bytes where units
-  are not multiples of 8), are mixed with their position (SplitMix64's finalizer) and summed
-  modulo 2^64, then mixed once more. Integer arithmetic, so it is bit-identical on any device
-  and on host memory (torch on CPU): a host pool paired with a device pool computes it too.
-  Only one 8-byte digest per buffer leaves the device; the KV itself never does.
-
-Other device types raise ``IntegrityUnsupported`` (``supported``): such a decode runs ``off``.
+A digest covers one buffer of one pool, tokens ``[start, end)`` and global heads ``[lo, hi)``,
+read token by token, head by head, byte by byte: page placement, page size, layout (NHD/HND)
+and TP sharding change where the bytes sit, never the digest. Modes: ``off``; ``sampled``
+(the default: with ``S`` the smaller page size of the two sides, the token at ``S-1`` modulo
+``S`` plus the range's ends where their page has none, so every page either side holds is
+sampled; of each, the first 8 bytes of the range's first head and, for a head slice, the
+last 8 of its last head: a wrong, stale, shifted or missing page is caught for one or two
+words per page); ``full``, every byte. Host pool pairs hash with XXH3-64; if either pool is
+on a device, both use a *portable* digest torch computes on the pool's own device (words
+mixed with their position by SplitMix64's finalizer and summed modulo 2^64: bit-identical on
+any device and on host), so only one word per buffer leaves the device. Other device types
+raise ``IntegrityUnsupported``. Semantics and cost: docs/failure-semantics.md.
 """
 
 from __future__ import annotations
@@ -356,9 +334,9 @@ def _sampled(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases,
 class Prepared:
     """A host pool's sampled digests over one span, with every read planned ahead: the
     decode prepares them when it sends its request (the prefill computes meanwhile) and only
-    gathers and hashes when the sender's digests arrive. Measured on the 2-vCPU test VM: the
-    planning is ~4 us warm but ~30 us right after a 16 MiB write has gone through the
-    caches, where the check sits on the request's path."""
+    gathers and hashes when the sender's digests arrive: planned right after a large write,
+    the reads cost several times what they cost warm, on the request's path (measured:
+    docs/performance-history.md#what-each-lead-of-issue-24-bought-measured-alone)."""
 
     words: np.ndarray
     idx: np.ndarray

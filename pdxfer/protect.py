@@ -1,27 +1,15 @@
 """Protected mode and trusted bootstraps: what a process serves, and whom a decode loads from.
 
-Protected mode: without a shared secret, a pdxfer listener serves loopback peers only.
-
-With no secret nothing on the control plane is authenticated (``auth``), so anyone who can
-connect could register or deregister prefills, name bootstrap servers to a decode, or send
-control frames. The default therefore keeps such a process to its own machine:
-
-- at start (``check_serving``): a listener that would bind or advertise a non-loopback
-  address without a secret refuses to start and says how to set one; a wildcard bind is
-  allowed (it advertises loopback) and left to the accept-time check;
-- at accept (``peer_allowed``): every listener (bootstrap server, control sockets, worker
-  and router HTTP servers) refuses a peer whose address is not loopback, so a listener bound
-  to ``0.0.0.0`` by mistake is still closed to other hosts.
-
-Serving other hosts without a secret needs an explicit opt-in (``--insecure``,
-``PDXFER_INSECURE=1``, ``EndpointConfig.insecure``, vLLM's ``insecure: true``), which logs one
-warning per listener naming what is then open. Mooncake's and NIXL's own listeners are not
-pdxfer's and are not covered (docs/security.md, threat model).
-
-Trusted bootstraps: a decode loads KV only from prefills found through the bootstrap servers
-it was configured with (``require_trusted`` at start, ``trusted_bootstrap`` per request). A
-request naming another address is refused before anything is dialled, with or without a
-secret: the secret authenticates peers, not the caller's choice of prefill.
+Without a shared secret nothing on the control plane is authenticated, so a pdxfer listener
+then serves loopback peers only: at start (``check_serving``) a non-loopback bind or
+advertised address refuses to start (a wildcard bind is left to the accept-time check), and
+at accept (``peer_allowed``) every listener refuses a non-loopback peer. Serving other hosts
+without a secret needs an explicit opt-in (``--insecure``, ``PDXFER_INSECURE=1``,
+``EndpointConfig.insecure``), logged once per listener. Mooncake's and NIXL's own listeners
+are not covered. Trusted bootstraps: a decode loads KV only from prefills found through the
+bootstrap servers it was configured with (``require_trusted``, ``trusted_bootstrap``), with or
+without a secret: the secret authenticates peers, not the caller's choice of prefill.
+Threat model: docs/security.md.
 """
 
 from __future__ import annotations

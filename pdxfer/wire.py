@@ -4,18 +4,13 @@ A frame is a fixed 66-byte header followed by ``msgpack(tagged struct)``::
 
     MAGIC(3) | version(1) | kind(1) | mode(1) | length(4) | pair(16) | counter(8) | mac(32)
 
-Everything a receiver needs to refuse a frame is in the header, so a frame is refused before
-any byte of its payload is decoded: the magic and version, the payload length (it must equal
-what arrived, and stay under the cap of its ``kind``), and, with a shared secret, the MAC over
-header and payload (``mode`` says which key: the secret's Hello key, the handshake's ack key,
-or the pair's session key; ``pair`` names the handshake or session, ``counter`` refuses
-replays). Only then is the payload decoded, and its type must be the header's ``kind``.
-Decoding is typed: field types, ranges and sizes are validated by msgspec (and
-``__post_init__``), and anything else raises ``Rejected`` with a short reason (counted as
-``rejected_<reason>`` in the metrics).
-
-Page indices travel as packed little-endian int32 bytes: about 6x cheaper to encode and decode
-than lists of Python ints (measured on a 2-vCPU VM with msgspec).
+Everything needed to refuse a frame is in the header, so it is refused before any payload
+byte is decoded: magic and version, the length (equal to what arrived, under its ``kind``'s
+cap) and, with a secret, the MAC (``mode`` names the key, ``pair`` the handshake or session,
+``counter`` refuses replays). Decoding is typed (msgspec and ``__post_init__``); anything else
+raises ``Rejected`` with a short reason, counted as ``rejected_<reason>``. Page indices travel
+as packed little-endian int32 bytes, several times cheaper to encode and decode than lists of
+Python ints.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The served system under a shared-prefix workload, variants compared in one interleaved run.
 
-    python scripts/bench_serving.py [--quick] [--json out.json] [--plot docs/bench_serving.png]
+    python scripts/bench_serving.py [--quick] [--json out.json] [--plot docs/results/bench_serving.png]
                                     [--concurrency 8]
 
 Workload: groups of requests that share a long prefix, as turns of multi-turn conversations

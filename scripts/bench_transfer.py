@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """pdxfer against raw Mooncake on the same work, and the machine's own limits, in one run.
 
-    python scripts/bench_transfer.py [--quick] [--only nixl] [--json out.json] [--plot docs/bench.png]
+    python scripts/bench_transfer.py [--quick] [--only nixl] [--json out.json] [--plot docs/results/bench_transfer.png]
 
 Four agent processes: a pdxfer prefill and decode, and a raw-Mooncake "prefill" and "decode"
 holding the same pools. Compared variants alternate (A B A B ...) inside the run, because the
@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=["nixl"], default=None,
                     help="run only this section (and memcpy, for nixl.fraction_of_memcpy)")
     ap.add_argument("--plot", type=Path, default=None,
-                    help="PNG of throughput against request size (default docs/bench.png "
+                    help="PNG of throughput against request size (default docs/results/bench_transfer.png "
                          "for a full run, none for --quick)")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
@@ -753,7 +753,8 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(text + "\n")
     if a.md:
         a.md.write_text(table(b.out) + "\n")
-    png = a.plot or (None if a.quick or a.only else ROOT / "docs" / "bench.png")
+    png = a.plot or (None if a.quick or a.only
+                     else ROOT / "docs" / "results" / "bench_transfer.png")
     if png:
         plot(b.out, png)
     ok = (b.out.get("bulk.bytes_wrong", 0) == 0 and b.out.get("nixl.bulk_bytes_wrong", 0) == 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Flame graphs of one small request at a time, both sides (what ``small.fixed_cost_ms`` is).
 
-    python scripts/profile_small.py [--requests 1000] [--out docs/profile_small]
+    python scripts/profile_small.py [--requests 1000] [--out docs/results/profile_small]
 
 A pdxfer prefill and decode on Mooncake TCP (the bench geometry: 128-token requests, 64
 buffers of 128 KiB pages, integrity ``sampled``) serve requests one at a time, the decode's
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--rate", type=int, default=1000, help="py-spy samples per second")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "profile_small")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "profile_small")
     a = ap.parse_args(argv)
     b = B.Bench(False)
     b.srv = BootstrapServer("127.0.0.1", port=0).start()

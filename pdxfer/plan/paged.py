@@ -10,7 +10,7 @@ receiver's destination list each have their own ``first`` (the receiver's is its
 ``prefix_len``), so a plan is made for the intersection ``[start, end)``.
 
 Coalescing: a run of tokens (or pages) contiguous on both sides becomes one block per buffer,
-because the transport's cost is per entry (about 37 us each on TCP, a descriptor on RDMA).
+because the transport's cost is per entry (docs/performance.md#what-this-means-on-an-rdma-cluster).
 """
 
 from __future__ import annotations

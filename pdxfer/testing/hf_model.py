@@ -1,17 +1,12 @@
 """A small Llama in a Hugging Face folder, built here: the tests, benchmarks and demos never
 download a model.
 
-``build_model(path, ...)`` writes ``config.json``, ``model.safetensors`` (weights drawn from a
-seeded generator), ``tokenizer.json`` (a byte-level BPE trained by ``tokenizers`` on the text
-below), ``tokenizer_config.json`` (with a chat template) and ``generation_config.json``. The
-same arguments give the same bytes, so a prefill and a decode that each build (or load) the
-folder run the same model; ``fingerprint`` names those bytes. vLLM loads it with
-``HF_HUB_OFFLINE=1``.
-
-Shapes: ``SHAPES["small"]`` (4 layers, GQA, head size 64: fast engines for the tests) and
-``SHAPES["kv32k"]`` (many KV heads of size 128 on a narrow hidden size: 32 KiB of KV per
-token in bf16, 64 KiB served in float32, so moving KV is a real share of a request's time,
-as with production models).
+``build_model(path, ...)`` writes the config, seeded weights, a byte-level BPE tokenizer
+trained on the text below (with a chat template) and a generation config. The same arguments
+give the same bytes, so a prefill and a decode that each build the folder run the same model
+(``fingerprint`` names those bytes); vLLM loads it with ``HF_HUB_OFFLINE=1``. ``SHAPES``:
+``small`` (4 layers, GQA: fast engines for the tests) and ``kv32k`` (32 KiB of KV per token in
+bf16, 64 KiB served in float32, so moving KV is a real share of a request's time).
 
     python -m pdxfer.testing.hf_model /tmp/llama-small [--shape small] [--layers 4 ...]
 """

@@ -3,25 +3,13 @@
 Loopback hides what a real deployment meets: a process that advertises ``127.0.0.1``, a
 transport bound to the wrong interface, a link that fails under a transfer. ``Network``
 builds N hosts, each a network namespace with its own address in ``10.213.0.0/24``, cabled
-to one bridge that lives in a namespace of its own, so nothing is added to, routed through or
-sent out of the machine's own network (the range exists only inside these namespaces, and
-two networks built at once by different test runs never see each other). A host runs any
-process (``ip netns exec``, with its own environment), and the network can be made to fail
-under it:
-
-- ``cap(mbit)``: a token bucket (``tc qdisc tbf``) on the host's link, both directions;
-- ``cut()`` / ``heal()``: the host's port on the switch goes down (a black hole: packets
-  vanish, nobody is told) or, with ``at="host"``, the host's own interface (its sockets
-  then fail at once with "network unreachable");
-- ``block(addr, keep)`` / ``unblock()``: what this host sends to ``addr`` vanishes, except
-  TCP segments to or from the ``keep`` ports (``u32`` filters into an ``htb`` class that
-  drops, on its interface): one path between two processes fails while another between them still works;
-- ``kill_all()``: SIGKILL to every process in the host's namespace (its pids, never a name).
-
-``close()`` (also at interpreter exit) kills what runs on the hosts and deletes every
-namespace it made, which removes the links with them; a run that was itself killed leaves
-namespaces named after its pid, which the next ``Network`` removes once that pid is gone.
-Everything here needs root (``root_reason()`` says why a test must skip).
+to a bridge in a namespace of its own, so nothing touches the machine's own network and two
+test runs never see each other. A host runs any process (``ip netns exec``), and the network
+can fail under it: ``cap`` (a token bucket), ``cut``/``heal`` (switch port or interface
+down), ``block``/``unblock`` (one path between two processes), ``kill_all``. ``close()``
+(also at exit) kills what runs on the hosts and deletes every namespace it made; namespaces
+left by a killed run are removed by the next ``Network`` once their pid is gone. Everything
+here needs root (``root_reason()`` says why a test must skip).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 socket's send and receive, Mooncake's submit and completion calls) so that each records
 ``time.perf_counter_ns()`` on entry and exit. On Linux that clock is ``CLOCK_MONOTONIC``,
 shared by every process of the host, so the prefill's and the decode's stamps merge into one
-timeline. A wrapper costs ~1-2 us on the 2-vCPU VM: the segments it measures carry that much.
+timeline. Each wrapper adds its own cost (a microsecond or two) to the segments it measures.
 Nothing outside benchmarks imports this module.
 """
 

@@ -1,20 +1,14 @@
 """A minimal front door for a vLLM prefill/decode pair, following vLLM's proxy protocol.
 
-For tests and benchmarks until ``pdxfer router --engine vllm`` fronts vLLM: each request
-goes to the prefill with ``max_tokens=1`` (``max_completion_tokens`` for chat), no stream,
-and ``kv_transfer_params`` naming a fresh room and the decode instance; then to the decode
-with the ``kv_transfer_params`` the prefill returned, its answer (or stream) relayed as it
-comes. ``connector="nixl"`` speaks vLLM's NixlConnector protocol instead (the prefill's
-params, whatever they are, are copied to the decode). ``connector="colocated"`` passes each
-request to one server (``prefill``) as it is, so a colocated reference crosses the same
-proxy as a pair; the time to its first streamed chunk (for completions, the one with the
-first token) is recorded as its "prefill leg" (``prefill_seconds``). That is not the request
-a pair's prefill answers: ``prefill_leg`` sends a request in the prefill's own shape
-(``prefill_body``: one token, not streamed, the answer read whole) to ``prefill`` and times it
-exactly as a pair's leg is timed, so a colocated server's reference for the prefill leg is
-the same request (``scripts/bench_vllm.py``). With ``early=(bootstrap, instance)`` (pdxfer only) both requests go out
-at once, the decode's carrying the room, that prefill's bootstrap and instance (the early
-form, as ``pdxfer router --engine vllm`` dispatches). It runs in a thread of the caller.
+For tests and benchmarks (``scripts/bench_vllm.py``): each request goes to the prefill with
+``max_tokens=1``, no stream, and ``kv_transfer_params`` naming a fresh room and the decode
+instance, then to the decode with the params the prefill returned, its answer relayed as it
+comes. ``connector="nixl"`` speaks vLLM's NixlConnector protocol (the prefill's params copied
+to the decode); ``connector="colocated"`` passes each request to one server as it is, and
+``prefill_leg`` sends that server a request in the prefill's own shape (``prefill_body``),
+timed as a pair's leg is, so both legs are the same request. With ``early=(bootstrap,
+instance)`` (pdxfer only) both requests go out at once, as ``pdxfer router --engine vllm``
+dispatches. It runs in a thread of the caller.
 """
 
 from __future__ import annotations

@@ -151,8 +151,8 @@ class TorchCopier:
 """``PDXFER_COPY_NICE``: copy threads run this much nicer than the process. A restore's copy overlaps its own
 network suffix (and other requests' transfers), whose transport I/O threads are latency
 bound: when cores are short, the copy should fill the gaps they leave rather than stall them
-(measured on 2 vCPUs: the suffix's transfer slowed 2x behind two copy threads). With spare
-cores it changes nothing."""
+(measured: docs/performance.md#transfer, the L2 -> L1 copy). With spare cores it changes
+nothing."""
 
 
 def _nicer() -> None:

@@ -1,29 +1,17 @@
 """L3: the ``StorageBackend`` protocol and ``FileStorage``, the embedded default.
 
-A backend stores opaque objects by key; the tiers store one object per (page, pool), read
-into and written from registered host pages. A page counts as a hit only when every pool of
-its group is present (draft KV with target KV, every sidecar): ``prefix_hits`` asks for all
-of them in one batch and answers with a prefix length.
-
-``FileStorage`` writes ``header | payload | tag`` to a temp file and renames it into place,
-so a reader sees a whole object or none. The tag (``Sealer``) binds the payload to its key
-and to the page's integrity digest: BLAKE3 in keyed mode (a key derived from the shared
-secret) when one is set, else plain BLAKE3 over key, digest and payload. A file that is
-short, torn, of another size, copied from another key's file or forged without the secret
-is a miss, never bytes handed to a request (the restore then repairs the range from the
-prefill). A read brings the payload straight into its L2 page in large ``preadv`` chunks and
-hashes each chunk while it is still in cache, so each byte crosses memory once for the read
-and once for the tag (BLAKE3 runs at ~4.5 GB/s on one core here, against 0.9 for BLAKE2b and
-1.7 for HMAC-SHA256 with SHA extensions: the tag used to be most of an L3 restore).
-
-The digest (``integrity.page_digest``, recorded when the page first entered L2) travels in
-the sealed object, so one value follows a page from its first write-back through L3 to every
-later restore: the tiers check the bytes an L3 read brought against it (a page damaged in L2
-before its write-back was sealed as it was, wrong; this catches it), then check L1 against
-it after the copy. ``NO_DIGEST`` where the tiers do not verify. Files are opened relative to
-their folder's descriptor, never through a symlink, so nothing planted in the root can
-redirect a write outside it. Object format v4 (BLAKE3 tags): files of older formats are
-misses, rewritten by the next write-back of their page.
+A backend stores opaque objects by key, one per (page, pool); a page is a hit only when every
+pool of its group is present (``prefix_hits`` answers with a prefix length). ``FileStorage``
+writes ``header | payload | tag`` to a temp file and renames it into place, so a reader sees
+a whole object or none. The tag (``Sealer``: BLAKE3, keyed from the shared secret when there
+is one) binds the payload to its key and to the page's integrity digest, which thus follows
+the page from its first write-back to every restore; a short, torn, misplaced or forged file
+is a miss, never bytes handed to a request. Reads go straight into the L2 page in large
+``preadv`` chunks, each hashed while in cache, so a byte crosses memory once for the read and
+once for the tag (why BLAKE3:
+docs/performance-history.md#what-each-lead-of-issue-24-bought-measured-alone). Files are
+opened relative to their folder's descriptor, never through a symlink. Object format v4;
+other formats are misses, rewritten by the next write-back.
 """
 
 from __future__ import annotations

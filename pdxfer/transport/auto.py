@@ -1,40 +1,15 @@
 """``transport="auto"`` (the default): each side runs every transport it can, advertises them
 at pairing, and both sides pick the same one for the pair.
 
-Why a composite rather than a choice at start: an endpoint registers its memory before it
-knows its peers, and only at pairing does it learn what the peer runs and whether the peer
-shares its host. So ``AutoTransport`` starts each transport it can (NIXL when ``nixl-cu12``
-is installed and an agent starts, Mooncake TCP when Mooncake is), registers memory with all
-of them, and carries one offer per transport (name, session, pairing data) plus a host id in
-``peer_info`` (the Hello and the HelloAck). ``add_peer`` then applies one rule that both
-sides compute alike (``pick``: the intersection of both offers, in a fixed order), and every
-later call for that peer goes to the chosen transport.
-
-The order (``preference``), for pools in host memory on either side:
-
-* one host (same boot id and network namespace): ``nixl`` first. UCX writes with CMA
-  (``process_vm_writev``, one copy) where Mooncake TCP goes through loopback sockets:
-  ``scripts/bench_transfer.py`` measures ``nixl.bulk_ratio_vs_mooncake`` 2-4 on one host,
-  with the same fixed cost per small request.
-* hosts apart: ``tcp`` first. Mooncake TCP is what this project tests across hosts
-  (``pdxfer/testing/hosts.py``); NIXL across hosts with UCX's own transport choice is not
-  measured here (with ``UCX_TLS=tcp`` it ran at parity with Mooncake on loopback, so it
-  would buy nothing over TCP). On an RDMA cluster set the transport explicitly
-  (``rdma`` with the NIC as ``device``, or ``nixl``, whose UCX picks verbs itself).
-
-Where every pool of both sides is device memory (each side says so in its offers):
-
-* one host: ``nvlink`` (Mooncake's ``nvlink_intra``, CUDA IPC: ``nvlink.py``) first, then
-  ``nixl`` (UCX's ``cuda_ipc``), then ``tcp``. Started only where the Mooncake build has it
-  and torch sees a GPU; offered only while every registered region is device memory.
-* hosts apart: ``rdma`` (Mooncake, every RDMA NIC of ``/sys/class/infiniband``) where both
-  have a NIC, then ``tcp``, then ``nixl``.
-Neither is measured against the others on a GPU yet (``scripts/gpu_probe.py`` measures the
-raw paths side by side).
-
-No transport in common (a side without Mooncake meets one without NIXL) refuses the pairing
-with both offers named. An explicit transport on one side and ``auto`` on the other is
-refused at the Hello (``mismatch``): set it on both sides, or on neither.
+A composite rather than a choice at start, because memory is registered before the peers
+are known, and only the handshake tells what a peer runs and whether it shares the host. So
+``AutoTransport`` starts each transport it can, registers memory with all of them and carries
+one offer per transport plus a host id in ``peer_info``; ``add_peer`` applies one rule both
+sides compute alike (``pick``: the intersection of both offers in ``preference`` order) and
+routes every later call for that peer there. Host pools: NIXL on one host, Mooncake TCP
+across hosts; device pools on both sides: ``nvlink``, NIXL, TCP on one host, RDMA first
+across hosts. No transport in common, or ``auto`` facing an explicit transport, refuses the
+pairing. Why this order: docs/performance.md#choosing-a-transport.
 """
 
 from __future__ import annotations

@@ -125,8 +125,8 @@ class FindsPeersBySession:
 
 class FinalFailures:
     """For transports whose reported failure is taken to mean that nothing of the write is
-    still under way: NIXL, as before Mooncake's case was found (what UCX may still deliver
-    after a failed transfer has not been examined)."""
+    still under way: NIXL (what UCX may still deliver after a failed transfer has not been
+    examined; Mooncake, which can deliver late, taints its peer instead)."""
 
     def tainted(self, peer: str) -> bool:
         return False

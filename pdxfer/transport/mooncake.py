@@ -1,44 +1,13 @@
-"""Mooncake Transfer Engine as pdxfer's transport (TCP here, RDMA when a device is named).
+"""Mooncake Transfer Engine as a pdxfer transport (TCP, RDMA when a device is named).
 
-Things this module knows about Mooncake that callers should not have to (found by probing
-Mooncake 0.3 over TCP on loopback; ``docs/performance.md`` has the measurements):
-
-* A batch of more than ~2048 entries to one peer is rejected and can wedge that peer's lane
-  for good, so writes are split into batches of at most ``max_batch`` (1024) entries.
-* Its completion waits (``get_batch_transfer_status`` and the ``*_sync_*`` calls) spin
-  until the batch completes, which on a small host takes CPU from its own I/O threads and
-  from whatever else the process computes: by default (``completion="paced"``) two batches
-  are kept in flight per writer and each wait sleeps through most of the batch's expected
-  duration first (``pacing.py``). Entries in flight to one peer never exceed ``max_batch``,
-  across all threads. A write that is one small batch (under ``POLL_MIN_BYTES``, or more
-  entries than ``POLL_MAX_ENTRIES``) of at most 32 MiB with nothing else in flight to its
-  peer goes out as one blocking call instead: there is nothing to overlap, and a sleep sized
-  from a noisy estimate can only oversleep, which a lone small request pays in full.
-* A batch of few entries and at least ``POLL_MIN_BYTES`` is awaited without any spin: each
-  entry is its own one-entry batch (``transfer_submit_write``), and Mooncake's only
-  non-spinning probe (``transfer_check_status``, which reads a batch's first entry, so is
-  exact for these) is polled with sleeps in between (``_poll``). A vLLM prefill streaming
-  KV layer by layer writes while its forward computes on every core: a writer spinning
-  through each layer's write (72 ms a layer on the benchmark's capped link) took a core from
-  the forward's OpenMP team, and the prefill's forward took as long as compute plus
-  transfer (``docs/performance.md``, Streaming benchmark).
-* After a rejected write the next call to the same peer may fail once: retry once before
-  declaring the peer dead.
-* A hung peer costs ``MC_TCP_PROGRESS_TIMEOUT_SEC`` / ``MC_TRANSFER_TIMEOUT`` seconds (30 by
-  default); both are set from the endpoint's transfer deadline before the engine starts.
-* A failed write is not over: the Python binding reports a batch failed as soon as one of
-  its tasks failed, while the batch's other tasks stay queued on the peer's lanes and go out
-  later, and a connection Mooncake dropped for lack of progress still buffers bytes its
-  kernel delivers once the link heals. Either lands in the peer's memory after the failure
-  was reported. So a failure *taints* the peer (``tainted``) until ``settle`` has proven the
-  path quiet: a fence written after the failure completed (the peer's lane queue is FIFO:
-  every slice queued before it has been handed to a connection), and then no socket to the
-  peer's host still owes bytes while orphaned or in retransmission backoff
-  (``tcpstate.py``). The sender holds every "nothing more will land" message to a tainted
-  peer until then (``docs/failure-semantics.md``, Quarantine).
-* glog is noisy at INFO; ``MC_LOG_LEVEL=ERROR`` keeps real errors and drops the rest.
-* ``nvlink_intra`` (``nvlink.py``): device memory on one node through CUDA IPC, where the
-  wheel was built with it; picked by ``MC_INTRANODE_NVLINK`` at initialisation.
+Writes are split into batches of at most ``max_batch`` entries with per-peer credits, and
+their completion is awaited without spinning where that matters: Mooncake's waits spin, so a
+batch is paced (sleep through most of its expected time, ``pacing.py``), a few large entries
+are polled with Mooncake's non-spinning probe, and only a lone small batch is one blocking
+call. A failed write may still land later, so it taints its peer until ``settle`` proves
+the path quiet (a fence, then ``tcpstate.py``). Engine timeouts follow the endpoint's
+deadline; glog is quieted to errors. What each rule guards against:
+``pdxfer/transport/README.md``; measurements: docs/performance.md#what-pdxfer-does-to-be-fast-here.
 """
 
 from __future__ import annotations
@@ -82,12 +51,12 @@ spinning wait would take a core from the transport for tens of milliseconds."""
 
 POLL_MIN_BYTES = 1 << 20
 """A batch this large (and of at most ``POLL_MAX_ENTRIES``) is awaited by polling, never by a
-spin: it lasts long enough (0.5 ms at loopback's 2 GB/s, 72 ms for a 16 MiB layer at the
-streaming benchmark's cap) that a spin costs a core's share, and a poll's few wake-ups and
-its late notice (at most ``POLL_MAX_S``) cost far less."""
+spin: it lasts long enough (0.5 ms at 2 GB/s) that a spin costs a core's share, and a poll's
+few wake-ups and its late notice (at most ``POLL_MAX_S``) cost far less. Measured:
+docs/performance-history.md#where-the-layer-by-layer-time-went-traced-2026-11-26."""
 
 POLL_MAX_ENTRIES = 64
-"""More entries than this are awaited as before (one Mooncake batch, paced): each polled
+"""More entries than this are awaited as one Mooncake batch, paced: each polled
 entry is a Mooncake batch of its own, submitted and probed one call each."""
 
 POLL_FIRST_S = 100e-6
@@ -376,9 +345,8 @@ class MooncakeTransport(FindsPeersBySession):
         when nothing else is in flight to the peer; otherwise None, and the caller uses
         ``write`` from a worker (so do rooms whose writes ``PDXFER_FAULTS`` delays: a delay
         belongs to a worker, never to the caller of ``send()``). Starting the transfer here,
-        rather than after a worker thread wakes (~0.1 ms on a small VM), is what a lone small
-        request waits for. The
-        returned write must be passed to ``finish`` (which releases its credits).
+        rather than after a worker thread wakes, is what a lone small request waits for
+        (docs/performance.md#what-pdxfer-does-to-be-fast-here). The returned write must be passed to ``finish`` (which releases its credits).
 
         Why alone: the caller awaits a started write on a worker queue, behind other jobs. A
         job ahead of it that waits for credits must never need this write's credits, or it

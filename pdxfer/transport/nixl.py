@@ -1,58 +1,15 @@
-"""NIXL as pdxfer's second transport (``EndpointConfig(transport="nixl")``).
+"""NIXL (UCX) as a pdxfer transport (``transport="nixl"``, or picked by ``auto`` on one host).
 
-What this module knows about NIXL (``nixl-cu12`` 1.5.1, UCX backend, DRAM to DRAM, probed on
-loopback) so callers need not:
-
-* Pairing needs the target agent's metadata (its registered memory): it travels inside
-  pdxfer's own ``Hello`` (decode -> prefill) and ``HelloAck`` (back), so there is no etcd and
-  no extra listener. The metadata is taken when the Hello is built, after every pool and
-  staging buffer is registered; a write outside what it names fails locally
-  (``nixlNotFoundError``) and never reaches the peer.
-* Descriptor lists are prepared once per peer (``prep_xfer_dlist``): one descriptor per page
-  of every buffer registered with its page size, on both sides (the peer's page sizes travel
-  with its metadata), one list per memory type (host ``DRAM``, device ``VRAM``). A write
-  whose blocks are whole pages of equal size on both sides is a ``make_prepped_xfer`` by
-  index per pair of memory types; other blocks (head slices, rows of another page size) are
-  described per call (``initialize_xfer``). Device page sizes travel in ``_Info.items`` (a
-  peer that predates it sends none: its device pools are described per call, as before).
-* Every descriptor names its memory: NIXL matches it only against memory registered with
-  the same type (``DRAM``/``VRAM``) and device, so writes are described in one list per pair
-  of memory types (``split_by_memory``) and a peer's regions travel with their devices. Run
-  on an H100: UCX writes GPU to GPU with ``cuda_ipc`` (zero copy), and the cost is per page.
-* NIXL has no deadline of its own: a write is posted, then polled with a sleep that grows
-  from 20 us to 0.5 ms (no core spins), and the endpoint's deadline is enforced here. A write
-  past its deadline is cancelled by releasing its handle; if NIXL cannot cancel it, the write
-  may still land, so it is awaited (the caller keeps the pages quarantined meanwhile).
-* A peer that went away raises ``nixlRemoteDisconnectError``; it becomes ``NixlPeerLost``
-  (a ``TransportError`` and a ``PeerLost``).
-* The library can crash at interpreter exit if an agent is left to the garbage collector:
-  ``close()`` releases handles, deregisters memory and drops the agent explicitly (and runs
-  at exit if nobody called it).
-* A process that loaded NIXL died with SIGSEGV at exit, closed or not, alone or beside
-  Mooncake: NIXL's bundled libnl-route and the system's (pulled in by UCX's IB/EFA modules)
-  in one process, the bundled one's destructor faulting; ``_pin_system_libnl`` loads the
-  system's first, which ends it.
-* UCX picks its transports itself, and pdxfer does not override ``UCX_TLS``: on one host
-  UCX already writes with ``cma`` (``process_vm_writev``, one copy; ``UCX_PROTO_INFO=y``
-  prints the choice), TCP across hosts with ``UCX_TLS=tcp``, RDMA verbs on clusters. Probed
-  here: shared memory alone (``UCX_TLS=posix`` or ``sysv``, with or without ``cma``) cannot
-  start an agent (``NIXL_ERR_BACKEND``); with ``UCX_TLS=^cma`` the first bulk write hung (the
-  decode declared its prefill unresponsive); ``scripts/bench_transfer.py`` measures
-  ``UCX_TLS=tcp`` against UCX's choice.
-* Import ``nixl_cu12`` (or ``nixl_cu13``, the CUDA 13 build, where that is what is
-  installed) directly: the ``nixl`` meta package imports torch to detect CUDA.
-* Idle cost: NIXL's Python wrapper starts the UCX backend's progress thread with a 0 us
-  delay: its ``poll()`` then never blocks and the thread spins (no voluntary context switch;
-  0.13-0.16 of a core per idle agent on a loaded 2-core VM, a whole core on a free one). The
-  thread must stay (a passive agent that never progresses its worker leaves the peer's first
-  write hanging in wire-up), but it can sleep on the worker's event fd, so ``_agent`` sets
-  the delay to ``PDXFER_NIXL_TICK_US`` (100 ms): events still wake it at once (the first write to a fresh peer took 1 ms, over CMA and over
-  ``UCX_TLS=tcp``), and idle it costs ~0.003.
-* Bulk speed: over CMA the copy runs inside ``transfer()`` on the posting thread, at what one
-  ``process_vm_writev`` moves (measured: a NIXL write ~= raw CMA on one thread; raw CMA on two
-  threads 1.6x that). The UCX backend's ``num_threads`` splits a write of at least
-  ``split_batch_size`` descriptors across that many dedicated workers, which sleep when
-  nothing is in flight: ``PDXFER_NIXL_THREADS`` (default min(2, cores)).
+Pairing metadata (the agent's registered memory, device list and page sizes) travels inside
+pdxfer's own ``Hello``/``HelloAck``, so there is no etcd and no listener. Page descriptors
+are prepared once per peer and memory type; whole-page blocks are written by index, other
+blocks described per call. NIXL has no deadline of its own, so posts are polled with a
+growing sleep and cancelled (or awaited, pages quarantined) at the endpoint's deadline; a
+lost peer is ``NixlPeerLost``. The shape follows what NIXL needs: descriptors typed by
+memory and device, the system libnl loaded before NIXL's own, an explicit ``close()``,
+a progress thread that sleeps on events (``PDXFER_NIXL_TICK_US``) and large writes split
+across UCX threads (``PDXFER_NIXL_THREADS``). The reasons, one by one:
+``pdxfer/transport/README.md``; measurements: docs/performance-history.md#nixl-how-fast-ucx-allows-2026-11-26.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Per-peer admission and completion pacing for a transport whose completion wait spins.
 
-Mooncake's ``get_batch_transfer_status`` blocks by spinning until a batch completes. On a host
-with few cores that spinner takes CPU from the transport's own I/O threads (measured on a
-2-vCPU machine: 1.4-2.0 GB/s with blocking calls against 2.1-2.8 GB/s with a wait that
-sleeps).  So the transport first *sleeps* for most of a batch's
-expected duration and only then calls the spinning wait, which then spins briefly.
-
-``RateEstimate`` learns the peer's seconds per byte from batches whose wait actually spun
-(their completion time is then known precisely). A batch's expected duration counts every byte
-in flight to the peer when it was submitted (other threads' batches share the link), so one
-estimate serves a lone request and 64 concurrent ones alike. A batch that was already complete
-when the wait began only gives an upper bound, so the estimate is cut instead: the sleep
-converges to just under the true duration and never grows on its own.
-
-``Credits`` bounds the entries in flight to one peer across every thread of the process:
-Mooncake's TCP transport rejects a peer's entries beyond ~1024 queued + 1024 pending and can
-leave that peer's lane broken for good, so ``limit`` (1024) entries is a hard cap.
+Mooncake's ``get_batch_transfer_status`` spins until a batch completes; on a host with few
+cores that spinner takes CPU from the transport's own I/O threads. So the transport first
+*sleeps* for most of a batch's expected duration and only then calls the spinning wait.
+``RateEstimate`` learns a peer's seconds per byte from batches whose wait spun, counting
+every byte in flight to the peer, and is cut (never grown) by batches already complete when
+the wait began, so the sleep converges to just under the true duration. ``Credits`` caps the
+entries in flight to one peer across every thread (``limit`` 1024): Mooncake's TCP transport
+rejects more and can leave that peer's lane broken for good.
+Measured: docs/performance.md#what-pdxfer-does-to-be-fast-here.
 """
 
 from __future__ import annotations
@@ -33,7 +26,8 @@ class RateEstimate:
     update only perturbs a sleep)."""
 
     sec_per_byte: float = 1 / 2.0e9
-    """Prior: 2 GB/s, about what Mooncake TCP moves on loopback."""
+    """Prior: 2 GB/s, about what Mooncake TCP moves on loopback (a guess the first spun
+    batches replace)."""
     sleep_fraction: float = 0.85
     """Sleep this share of the expected duration, then spin for the rest."""
     spin_slack_s: float = 100e-6
@@ -45,8 +39,8 @@ class RateEstimate:
     """Shorter expected sleeps are skipped: waking a thread costs about this much."""
     one_waiter: bool = True
     """Let one thread at a time spin in the peer's completion wait (``waiter``); the others
-    block on the lock meanwhile, without CPU. Several writers each spinning through the end
-    of their batch took 0.3-0.6 of a core in the 64-in-flight small loop (2 vCPUs)."""
+    block on the lock meanwhile, without CPU, instead of each spinning through the end of its
+    batch (measured: docs/performance-history.md#the-small-closed-loop-64-in-flight)."""
     waiter: threading.Lock = field(default_factory=threading.Lock)
 
     def sleep_for(self, ahead: int, elapsed: float) -> float:

@@ -1,28 +1,16 @@
 """SGLang's four transfer-backend roles on pdxfer: manager, sender, receiver, bootstrap server.
 
-Each class subclasses SGLang's own ``CommonKV*`` class, so every attribute and method SGLang's
-queues use (``prefill_info_table``, ``try_ensure_parallel_info``, ``bootstrap_infos``,
-``abort_notified``, ``transfer_infos``, deferred-release accounting, ...) is SGLang's, with
-its meaning. What moves the bytes and says when they arrived is pdxfer: one ``Endpoint`` per
-rank, a ``KVSender`` per prefill request, a ``KVReceiver`` per decode request.
-
-- SGLang's bootstrap role stays in front: its HTTP server is the address the router hands
-  out, and SGLang's own schedulers read the prefill's topology from it (``/route``). pdxfer's
-  ``BootstrapServer`` runs behind it, in the same process, on a port of its own that the
-  front announces at ``GET /pdxfer`` (with the prefill's KV head geometry, which a decode's
-  ``KVArgs`` does not carry). The prefill's pdxfer endpoints register there; a decode's
-  receivers look rooms up there, then pair with the prefill ranks directly.
-- ``KVPoll`` is pdxfer's state. A decode receiver reports ``Failed`` only once pdxfer says no
-  write can land in its pages any more (every sender drained or is dead), so SGLang may free
-  them the moment it sees Failed; ``failure_exception()`` raises SGLang's ``KVTransferError``
-  whose reason names pdxfer's typed error, chained to it (``__cause__``).
-- SGLang's prefill sends only the pages past the decode's prefix (``decode_prefix_len``);
-  pdxfer counts a room's pages from token 0, so the sender first hands over the prefix as
-  pages that are never read (pdxfer writes only ``[prefix_len, n)``).
-- A decode rank whose ``KVArgs`` name host KV buffers (``host_kv_data_*``, SGLang's decode
-  host receive) gets a second endpoint over them: ``send_metadata(destination=HOST)`` asks
-  through that one, so the prefill writes the host buffers; either way the prefill sees one
-  decode request per room.
+Each class subclasses SGLang's own ``CommonKV*`` class, so every attribute SGLang's queues
+use keeps SGLang's meaning; what moves the bytes and says when they arrived is pdxfer (one
+``Endpoint`` per rank, a ``KVSender``/``KVReceiver`` per request). SGLang's bootstrap server
+stays in front (the router's address, ``/route`` for SGLang's schedulers); pdxfer's
+``BootstrapServer`` runs behind it in the same process, announced at ``GET /pdxfer`` with the
+prefill's KV head geometry. ``KVPoll`` is pdxfer's state: a decode reports ``Failed`` only
+once no write can land in its pages, so SGLang may free them at once, and
+``failure_exception()`` raises SGLang's ``KVTransferError`` chained to pdxfer's typed error.
+SGLang's prefill sends only pages past ``decode_prefix_len``; pdxfer counts from token 0, so
+the prefix goes as pages never read. A decode whose ``KVArgs`` name host buffers gets a second
+endpoint over them (``send_metadata(destination=HOST)``). Guide: docs/sglang.md.
 """
 
 from __future__ import annotations

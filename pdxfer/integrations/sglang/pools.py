@@ -1,26 +1,9 @@
 """SGLang's ``KVArgs`` as pdxfer ``PoolSpec``s. Pure: reads attributes, imports no SGLang.
 
 SGLang describes a rank's transfer buffers as flat address lists (``disaggregation/base/
-conn.py``); pdxfer wants named pools with a geometry both sides check at pairing. The mapping:
-
-- ``kv_data_*``: the target KV. MHA (``is_mla`` False): K buffers of every layer, then V
-  buffers, each item one page of ``page_size`` tokens, token-major (SGLang's MHA pools are
-  ``[tokens, heads, head_dim]``: NHD), sharded by heads over attention TP. MLA: one latent
-  buffer per layer, replicated. The last ``num_draft_entries`` buffers are the draft model's
-  KV: pool ``draft_kv`` with ``indices_from="kv"`` (SGLang gives draft KV the target's page
-  ids).
-- ``aux_data_*``: the metadata rows (first token, logprobs, ...): slot pool ``aux``, one
-  buffer per row array.
-- ``state_*``, per ``state_types`` entry, named ``state<i>_<type>``: request-scoped states
-  (``mamba``, ``request_row``: one row per request) are slot pools; states SGLang indexes
-  with the KV's own page ids (``dsa``, ``qsa_compressed``, ``minimax_dense_kv``,
-  ``block_scale``: its prefill and decode both pass ``req_to_token`` pages) are paged pools
-  following ``kv``, so they move exactly the KV's token range. Window-indexed states (SWA,
-  rings, tails) are refused: pdxfer moves one token range per request and those pools cover
-  another.
-- A decode whose KV buffers hold fewer tokens per item than ``page_size`` (HiSparse: the
-  transfer lands in a host pool of its own page size) gets a ``page_remap`` KV pool, mapped
-  token by token from any prefill page size.
+conn.py``); pdxfer wants named pools with a geometry both sides check at pairing.
+``pools_of`` maps one to the other (its docstring gives the mapping): target KV, draft KV,
+metadata rows, and states, of which window-indexed ones are refused.
 """
 
 from __future__ import annotations
@@ -151,7 +134,27 @@ def pools_of(args: Any, *, is_mla: bool, heads: Heads | None, location: str = "c
              kv_page_size: int | None = None) -> list[PoolSpec]:
     """Every pool of one rank. ``kv_page_size``: tokens per KV item when it is not SGLang's
     ``page_size`` (a decode landing on a host pool of its own page size, as HiSparse does):
-    the KV is then mapped token by token (``page_remap``)."""
+    the KV is then mapped token by token (``page_remap``). The mapping:
+
+    - ``kv_data_*``: the target KV. MHA (``is_mla`` False): K buffers of every layer, then V
+      buffers, each item one page of ``page_size`` tokens, token-major (SGLang's MHA pools are
+      ``[tokens, heads, head_dim]``: NHD), sharded by heads over attention TP. MLA: one latent
+      buffer per layer, replicated. The last ``num_draft_entries`` buffers are the draft model's
+      KV: pool ``draft_kv`` with ``indices_from="kv"`` (SGLang gives draft KV the target's page
+      ids).
+    - ``aux_data_*``: the metadata rows (first token, logprobs, ...): slot pool ``aux``, one
+      buffer per row array.
+    - ``state_*``, per ``state_types`` entry, named ``state<i>_<type>``: request-scoped states
+      (``mamba``, ``request_row``: one row per request) are slot pools; states SGLang indexes
+      with the KV's own page ids (``dsa``, ``qsa_compressed``, ``minimax_dense_kv``,
+      ``block_scale``: its prefill and decode both pass ``req_to_token`` pages) are paged pools
+      following ``kv``, so they move exactly the KV's token range. Window-indexed states (SWA,
+      rings, tails) are refused: pdxfer moves one token range per request and those pools cover
+      another.
+    - A decode whose KV buffers hold fewer tokens per item than ``page_size`` (HiSparse: the
+      transfer lands in a host pool of its own page size) gets a ``page_remap`` KV pool, mapped
+      token by token from any prefill page size.
+    """
     ids = _positional_mha_ids(args, layer_ids(args), is_mla)
     n_draft = int(getattr(args, "num_draft_entries", 0) or 0)
     page_size = int(args.page_size)

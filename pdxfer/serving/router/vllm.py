@@ -1,22 +1,14 @@
 """The router in front of ``vllm serve`` workers running ``PdxferConnector``.
 
-vLLM's disaggregated-serving protocol, as its own proxy drives it: the prompt goes to the
-prefill as a completion of one token with ``kv_transfer_params: {"do_remote_decode": true}``;
-the prefill's answer carries ``kv_transfer_params`` that the decode's request repeats, and the
-decode's connector then receives the prompt's KV instead of computing it. pdxfer's router adds
-``pdxfer_room`` (the rendezvous it drew) and ``pdxfer_decode`` (the decode it chose: the
-prefill binds the room to it). By default (``--dispatch concurrent``) the router does not
-wait for the prefill's answer: it sends the decode its request at once with the answer the
-prefill will give (room, the prefill's bootstrap and instance: the protocol's early form),
-so the decode allocates and asks while the prefill computes. A tenant (an API key's) becomes vLLM's own ``cache_salt`` on
-both sides, which scopes vLLM's prefix cache and the connector's L2/L3 keys per tenant, as the
-toy's caches are.
-
-No vLLM import here: workers are spoken to over HTTP only. The tokenizer comes from the served
-model's folder (``--tokenizer``, else the ``root`` the decode's ``/v1/models`` names), so the
-router sends token ids, prefill and decode compute the same prompt, and KV-aware routing hashes
-pages of those ids at the decode's block size (``vllm:cache_config_info`` on its ``/metrics``,
-else ``--page-size``).
+vLLM's disaggregated protocol, as its own proxy drives it: the prompt goes to the prefill as
+a one-token completion with ``kv_transfer_params: {"do_remote_decode": true}``, and the
+decode's request repeats the ``kv_transfer_params`` the prefill answered. pdxfer adds
+``pdxfer_room`` and ``pdxfer_decode`` (the decode the prefill binds the room to). By default
+(``--dispatch concurrent``) the decode gets its request at once with the answer the prefill
+will give (the protocol's early form), so it allocates and asks while the prefill computes.
+A tenant becomes vLLM's ``cache_salt`` on both sides. No vLLM import: workers are spoken to
+over HTTP. The tokenizer comes from the served model's folder, so the router sends token ids
+and KV-aware routing hashes pages of them at the decode's block size.
 """
 
 from __future__ import annotations

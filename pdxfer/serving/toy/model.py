@@ -1,31 +1,16 @@
 """A toy causal transformer whose greedy output is bit-reproducible across KV placements.
 
 The serving layer uses it to prove that KV moved between processes is used unchanged, which
-only works if the same tokens come out however the prompt was chunked, whichever pages held
-the KV and whoever wrote those pages. Two rules give that:
-
-* Every computation that does not mix positions runs one token at a time through the same
-  fixed-shape ops, and attention for a query at position ``p`` reads exactly the keys
-  ``0..p`` in order. So no reduction's order depends on how many tokens share a call (a
-  batched matmul does: its KV bytes differ between chunkings). Reductions to a single value
-  stay below torch's parallel grain size and the others split work by output, so the thread
-  count does not change any sum either (the tests check 1 against 2 threads).
-* K/V (or the MLA latent) is written to the pool in the pool dtype and attention always reads
-  it back from the pool, never the fresher float32 copy, so a page filled by another process
-  is indistinguishable from one filled here.
-
-There is no transcendental in the network except softmax's exp, which runs in float64 and is
-rounded to float32, so last-ulp differences between vector math libraries cannot show.
-
-Tensor parallelism (``tp_size`` > 1): a rank holds the KV of its own KV heads only (its slice of
-the pool's head dimension, GQA heads replicated when there are more ranks than KV heads) and
-attends with its own query heads; the ranks then exchange their heads' attention outputs
-(``gather``: an all-gather in rank order, which is head order) and every rank runs the rest of
-the layer -- output projection, MLP, logits -- on the whole vector itself. A gather moves
-values without arithmetic, and a head's attention is the same ops on the same values whichever
-heads share its call (every reduction runs along one head's own axis), so each rank's result
-is bit for bit the TP = 1 result; the tests check it. The price is that every rank computes
-the replicated part in full: right for a toy whose point is KV placement, wrong for speed.
+needs the same tokens however the prompt was chunked and whoever wrote the pages. Hence:
+every op that does not mix positions runs one token at a time through fixed-shape ops, and
+a query at ``p`` reads exactly keys ``0..p`` in order, so no reduction's order depends on
+how many tokens share a call or on the thread count; K/V (or the MLA latent) is always read
+back from the pool in the pool dtype, never from a fresher float32 copy; the only
+transcendental, softmax's exp, runs in float64 and is rounded to float32. With ``tp_size``
+> 1 a rank holds and attends with its own KV heads, the ranks all-gather the heads' outputs
+in head order (``gather``) and each computes the rest of the layer on the whole vector, so
+every rank's result is bit for bit the TP = 1 result; that replicated work is right for a
+toy whose point is KV placement, wrong for speed.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """``pdxfer prefill``: computes prompts and pushes their KV to the decode that asked for it.
 
-Flow per request: ``sender(room)`` -> wait until the room's decode asked for its KV -> pages
-+ aux slot -> chunked prefill; each layer of a chunk goes out as soon as the forward wrote it
-(the tokens the chunk computed: a page the chunk fills in part is completed by the next), the
-draft's layers after the chunk's draft pass (with TP > 1: each chunk's complete pages after
-it) -> the last send carries the first generated token in the aux row -> poll until the transfer settles -> free. The draft model runs over the
-same chunk before it ships, because the draft pool follows the target pool's page ids and
-travels in the same sends.
-
-Admission order: the decode asks for a room's KV only once it admitted the request (its pages
-and aux slot are held), and this worker takes pages only after that ask. So every request
-holding prefill pages holds decode pages too and runs to its end without waiting on anything
-else; requests that wait hold nothing here. Were both sides to admit on arrival, the prefill
-could hold request A's pages (waiting for A's decode) while the decode held B's (waiting for
-B's prefill): neither could admit the other's request, and both would time out.
+Per request: ``sender(room)`` -> wait for the decode's ask -> pages and aux slot -> chunked
+prefill, each layer sent as soon as the forward wrote it (the draft's after the chunk's draft
+pass, which shares the target's page ids; with TP > 1 each chunk's pages after it) -> the last
+send carries the first token in the aux row -> poll until the transfer settles -> free.
+Admission order: the decode asks only once it admitted the request, and this worker takes
+pages only after that ask, so every request holding prefill pages holds decode pages too and
+runs to its end. Were both sides to admit on arrival, the prefill could hold A's pages
+(waiting for A's decode) while the decode held B's (waiting for B's prefill), and both would
+time out.
 """
 
 from __future__ import annotations

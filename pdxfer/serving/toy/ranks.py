@@ -2,19 +2,13 @@
 
 ``start_host`` builds the worker's own rank; at ``--tp N`` it first starts ranks 1..N-1
 (``tp.py``, ``follower.py``), joins their gloo group and hooks the model so that every forward
-rank 0 runs is first sent to the others (``ToyModel.mirror``): one decision maker, every rank
-computing its heads in the same order.
-
-A request's transfer then has one handle per rank: rank 0's own, and a ``Remote`` per other
-rank that follows that rank's events. ``Group`` makes them one ``RequestHandle`` the workers
-use unchanged: its state is the minimum of the ranks' (``KVPoll`` is ordered for that), so it
-succeeds only when every rank holds its heads, and fails as soon as one rank failed -- then
-it aborts the others, so no rank decodes from (or keeps sending) a partial KV. A failed
-request's pages come back (``release``) only when every rank's receiver let go of them (or
-reached Success: nothing can still be written), since a page id names memory on every rank.
-A prefill's source pages stay held while any rank's decode may still ask for a repair.
-
-The functions at the end are what the workers call for a request, whatever their TP size.
+rank 0 runs is first sent to the others (``ToyModel.mirror``): one decision maker. A
+request's transfer has one handle per rank, and ``Group`` makes them one ``RequestHandle``:
+its state is the minimum of the ranks' (``KVPoll`` is ordered for that), so it succeeds only
+when every rank holds its heads and fails as soon as one failed, aborting the others. A failed
+request's pages come back only once every rank's receiver let go of them, since a page id
+names memory on every rank. The functions at the end are what the workers call for a
+request, whatever their TP size.
 """
 
 from __future__ import annotations
