@@ -15,7 +15,6 @@ window family moves the window, not the prompt (bytes the decode received).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,8 +31,8 @@ from .vllm_helpers import complete, stream_ids, wait
 
 pytestmark = pytest.mark.timeout(900)
 
-SERVED = tuple(os.environ.get("PDXFER_FAMILIES", "gemma3,mistral_swa,nemotron_h").split(","))
-"""The families this module serves (``PDXFER_FAMILIES`` picks others). Left out, with why
+SERVED = ("gemma3", "mistral_swa", "nemotron_h")
+"""The families this module serves (``scripts/bench_models.py`` tries every one). Left out, with why
 (docs/vllm.md, model families): DeepSeek-V2 and Qwen3-Next run only in bf16 here, whose CPU
 kernels part ways with colocated vLLM after the first token or two (a DeepSeek prompt served
 twice from vLLM's own prefix cache differs too); gpt-oss's decode dies in vLLM's CPU
