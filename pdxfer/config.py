@@ -54,6 +54,16 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("PDXFER_STAGING_MB", "256",
            "decode staging memory for head slices of host pools (``0``: none, slices are "
            "written in place)"),
+    EnvVar("PDXFER_PACK_MB", "256",
+           "pack staging of an endpoint whose pools may pack (``EndpointConfig.pack``: device "
+           "pools under ``auto``), on their device: the decode's leases and the prefill's "
+           "gather (``0``: no packing)"),
+    EnvVar("PDXFER_PACK_MIN_PAGES", "64",
+           "``pack='auto'``: a request packs a pool only when it asks at least this many of "
+           "its pages"),
+    EnvVar("PDXFER_PACK_MAX_PAGE_KB", "256",
+           "``pack='auto'``: a request packs a pool only when one page of one buffer is at "
+           "most this large (larger pages already make large transfers)"),
     EnvVar("PDXFER_COPY_THREADS", "min(4, cores)",
            "threads for L2 <-> L1 page copies and staging scatters"),
     EnvVar("PDXFER_COPY_NICE", "10", "how much nicer copy threads run than the process"),
@@ -102,6 +112,9 @@ class Knobs:
     faults: str = ""
     gather: bool = True
     staging_mb: float = 256.0
+    pack_mb: float = 256.0
+    pack_min_pages: int = 64
+    pack_max_page_kb: float = 256.0
     copy_threads: int = 0
     copy_nice: int = 10
     copy_stream: bool = True
@@ -133,6 +146,9 @@ class Knobs:
             faults=env.get("PDXFER_FAULTS", ""),
             gather=env.get("PDXFER_GATHER", "1") != "0",
             staging_mb=float(num("PDXFER_STAGING_MB", float, 256.0)),
+            pack_mb=float(num("PDXFER_PACK_MB", float, 256.0)),
+            pack_min_pages=int(num("PDXFER_PACK_MIN_PAGES", int, 64)),
+            pack_max_page_kb=float(num("PDXFER_PACK_MAX_PAGE_KB", float, 256.0)),
             copy_threads=int(num("PDXFER_COPY_THREADS", int, 0)),
             copy_nice=int(num("PDXFER_COPY_NICE", int, 10)),
             copy_stream=env.get("PDXFER_COPY_STREAM", "1") != "0",
@@ -259,6 +275,15 @@ class EndpointConfig:
     decode's ``Release``) before failing with ``IntegrityError``. It costs the prefill its
     pages for one more round trip per request, so it is off by default; it does nothing
     with ``integrity='off'``."""
+    pack: Literal["auto", "on", "off"] = "auto"
+    """whether a decode has a request's pages packed (``plan/pack.py``): the prefill
+    gathers a chunk's token rows into its pack staging, one large write moves them into
+    a lease of the decode's, which scatters them into its pages before Success. ``auto``
+    (default): pools on a device on both sides, with small pages
+    (``PDXFER_PACK_MAX_PAGE_KB``) and many of them (``PDXFER_PACK_MIN_PAGES``); host
+    pools keep the direct path. ``on``: every pool of whole token rows, host pools too;
+    ``off``: never. Both sides allocate ``PDXFER_PACK_MB`` of staging on their pools'
+    device (a request that does not fit is written directly)."""
     fan_out: bool = False
     """(prefill) A room may be served to several decode groups, each asking with
     its own request. Off by default: a room belongs to the decode named by
@@ -316,6 +341,8 @@ class EndpointConfig:
                      "register_interval_s", "room_grace_s", "route_fresh_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.pack not in ("auto", "on", "off"):
+            raise ConfigError(f"pack must be auto, on or off, got {self.pack!r}")
         if self.integrity not in ("off", "sampled", "full"):
             raise ConfigError(f"integrity must be off, sampled or full, got {self.integrity!r}")
         advertised(self.host, self.advertise)  # a wildcard needs an address to advertise

@@ -139,7 +139,7 @@ class HelloAck(Msg):
     """The prefill transport's ``peer_info`` (NIXL: what the decode's probes need)."""
 
 
-class TransferRequest(Msg):
+class TransferRequest(Msg, omit_defaults=True):
     """Decode -> prefill: where to write a room's KV.
 
     ``dst`` holds packed int32 page (or token-slot) indices per pool, covering tokens
@@ -153,6 +153,10 @@ class TransferRequest(Msg):
     no ``TransferDone`` (the decode does not wait for it). ``stage`` names, per head-sliced
     host pool, the decode staging address that receives the packed head slice instead
     (``staging``; the sender checks the whole lease lies in the decode's staging pool).
+    ``pack`` names, per pool written as whole token rows, the lease in the decode's pack
+    staging that receives the request's rows packed (``plan/pack.py``); the decode
+    scatters them into ``dst`` before Success. Defaults are left out of the encoded
+    request, so a request that packs nothing reads as before.
     """
 
     room: Room
@@ -176,6 +180,7 @@ class TransferRequest(Msg):
     """The decode asks at dispatch, maybe before this prefill has received the request (the
     early form): a room it does not know yet waits up to the bootstrap deadline, not only
     ``room_grace_s``; only the sender's router, which ends both legs, can know it never comes."""
+    pack: dict[Name, U64] = {}
 
     def __post_init__(self) -> None:
         if self.prefix_len > self.num_tokens:
@@ -190,6 +195,8 @@ class TransferRequest(Msg):
         for name in self.stage:
             if name not in self.heads:
                 raise ValueError(f"stage[{name!r}] without a head range")
+        if len(self.pack) > MAX_POOLS or set(self.pack) & set(self.stage):
+            raise ValueError("a pool both packed and staged, or too many packed pools")
         for name, (lo, hi) in self.heads.items():
             if lo >= hi:
                 raise ValueError(f"heads[{name!r}]: empty head range [{lo}, {hi})")

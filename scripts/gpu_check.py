@@ -283,15 +283,26 @@ def _best_gbps(fn: Callable[[], tuple[int, float]], reps: int) -> float:
     return round(best, 3)
 
 
-def bulk_skips(dev: str, transports: list[str]) -> dict[str, str]:
-    """Transports of ``transports`` the bulk cannot run here, and why."""
+PACK = "_pack"
+"""A bulk path named ``<transport>_pack``: the same transport, the request packed
+(``EndpointConfig.pack='on'``: gathered on the prefill, one large write, scattered)."""
+
+
+def base(path: str) -> str:
+    """The transport of a bulk path (``nixl_pack`` -> ``nixl``)."""
+    return path.removesuffix(PACK)
+
+
+def bulk_skips(dev: str, paths: list[str]) -> dict[str, str]:
+    """Paths of ``paths`` the bulk cannot run here, and why."""
     from pdxfer.transport import nvlink
 
-    if "nvlink" not in transports:
+    nv = [p for p in paths if base(p) == "nvlink"]
+    if not nv:
         return {}
     if not dev.startswith("cuda"):
-        return {"nvlink": "cpu: nvlink_intra moves device memory only"}
-    return {} if nvlink.built() else {"nvlink": "this Mooncake build has no nvlink_intra"}
+        return dict.fromkeys(nv, "cpu: nvlink_intra moves device memory only")
+    return {} if nvlink.built() else dict.fromkeys(nv, "this Mooncake build has no nvlink_intra")
 
 
 def compare(res: dict[str, Any], raw: dict[str, Any], transports: list[str]) -> None:
@@ -308,17 +319,51 @@ def compare(res: dict[str, Any], raw: dict[str, Any], transports: list[str]) -> 
     res["pdxfer_ratio_vs_best_raw"] = round(mine.get(best, 0.0) / top, 4) if top else 0.0
     for t, v in mine.items():  # each pdxfer path against its own raw path, same shape
         key = {"nixl": "nixl.t1.d32k_batch4096", "tcp": "mooncake.tcp.d32k",
-               "nvlink": "mooncake.nvlink_intra.d32k"}.get(t, "")
+               "nvlink": "mooncake.nvlink_intra.d32k", "nixl_pack": "nixl.t1.dbuf",
+               "tcp_pack": "mooncake.tcp.dbuf", "nvlink_pack": "mooncake.nvlink_intra.dbuf",
+               }.get(t, "")
         r = float(raw.get(f"{key}.gb_per_s", 0.0) or 0.0)
         if r:
             res[f"ratio_vs_raw.{t}"] = round(v / r, 4)
 
 
-def step_bulk(dev: str, transports: list[str], quick: bool, raw: Path | None = None
+def _bulk_pairs(stack: contextlib.ExitStack, srv: BootstrapServer, paths: list[str],
+                g: list[PoolGeom], res: dict[str, Any]) -> dict[str, tuple[Agent, Agent, str]]:
+    """Per path its (prefill, decode, endpoint name): one agent pair per transport whose
+    ``main`` endpoints never pack; a ``_pack`` path adds ``pack`` endpoints that always do.
+    A transport that cannot start is recorded; the others run."""
+    out: dict[str, tuple[Agent, Agent, str]] = {}
+    for t in dict.fromkeys(base(p) for p in paths):
+        conf = {"transport": t, "integrity": "off", "pack": "off"}
+        try:
+            pf, dc = stack.enter_context(agents(
+                ("prefill", {**conf, "bootstrap": srv.address, "instance": t}, g),
+                ("decode", conf, g)))
+        except Exception as e:  # noqa: BLE001
+            for p in paths:
+                if base(p) == t:
+                    res[f"error.{p}"] = f"{type(e).__name__}: {e}"
+            continue
+        for p in paths:
+            if base(p) != t:
+                continue
+            if p == t:
+                out[p] = (pf, dc, "main")
+                continue
+            cfg = {**CONF, **conf, "pack": "on"}
+            pf.call("add_endpoint", name="pack", role="prefill", geoms=g,
+                    config={**cfg, "bootstrap": srv.address, "instance": p})
+            dc.call("add_endpoint", name="pack", role="decode", geoms=g, config=cfg)
+            out[p] = (pf, dc, "pack")
+    return out
+
+
+def step_bulk(dev: str, paths: list[str], quick: bool, raw: Path | None = None
               ) -> dict[str, Any]:
-    """One request of ``tokens`` x 8 layers x K,V x 8 heads x 128 (fp16) per transport, best
-    of ``reps``; torch copies of as many bytes, interleaved with them; with ``raw`` (the
-    probe's JSON) the comparison keys (``compare``)."""
+    """One request of ``tokens`` x 8 layers x K,V x 8 heads x 128 (fp16) per path (a
+    transport, or ``<transport>_pack``), best of ``reps``, a packed path's last landing
+    checked byte for byte (``bytes_wrong.<path>``); torch copies of as many bytes, interleaved with them; with
+    ``raw`` (the probe's JSON) the comparison keys (``compare``)."""
     import numpy as np
     import torch
 
@@ -326,42 +371,39 @@ def step_bulk(dev: str, transports: list[str], quick: bool, raw: Path | None = N
     g = [PoolGeom("kv", "mha", layers=8, pages=2 * tokens // 16, page_size=16, heads=8,
                   head_dim=128, device=dev)]
     nbytes = tokens * 8 * 2 * 8 * 128 * 2
+    # the pack staging: the whole request in one piece (a piece is at most half of it)
+    os.environ["PDXFER_PACK_MB"] = str(2 * (nbytes >> 20) + 64)
     res: dict[str, Any] = {"bytes": nbytes, "tokens": tokens, "reps": reps}
-    skips = bulk_skips(dev, transports)
+    skips = bulk_skips(dev, paths)
     res.update({f"skipped.{t}": why for t, why in skips.items()})
-    transports = [t for t in transports if t not in skips]
+    paths = [t for t in paths if t not in skips]
     srv = BootstrapServer("127.0.0.1", 0).start()
     stack = contextlib.ExitStack()
     try:
-        pairs = {}
-        for t in transports:
-            try:  # a transport that cannot start is recorded; the others run
-                pairs[t] = stack.enter_context(agents(
-                    ("prefill", {"bootstrap": srv.address, "transport": t, "instance": t,
-                                 "integrity": "off"}, g),
-                    ("decode", {"transport": t, "integrity": "off"}, g)))
-            except Exception as e:  # noqa: BLE001
-                res[f"error.{t}"] = f"{type(e).__name__}: {e}"
+        pairs = _bulk_pairs(stack, srv, paths, g, res)
         rng = np.random.default_rng(0)
         pages = tokens // 16
         src = rng.permutation(2 * pages)[:pages].tolist()
         room = [int(rng.integers(1, 1 << 40))]
-        for pf, _ in pairs.values():
-            pf.call("prepare", items=[{"room": 0, "pages": {"kv": src}, "num_tokens": tokens}])
+        landed: dict[str, dict[str, Any]] = {}
+        for pf, _, ep in pairs.values():
+            pf.call("prepare", ep=ep,
+                    items=[{"room": 0, "pages": {"kv": src}, "num_tokens": tokens}])
 
         def transfer(t: str) -> tuple[int, float]:
-            pf, dc = pairs[t]
+            pf, dc, ep = pairs[t]
             room[0] += 1
             dst = rng.permutation(2 * pages)[:pages].tolist()
             dc.call("recv", items=[{"room": room[0], "dst": {"kv": dst}, "num_tokens": tokens}],
-                    bootstrap=srv.address, instance=t)
-            pf.call("send", items=[{"room": room[0], "chunks": [
+                    bootstrap=srv.address, instance=t if ep == "pack" else base(t), ep=ep)
+            pf.call("send", ep=ep, items=[{"room": room[0], "chunks": [
                 {"pages": {"kv": src}, "last": True}]}])
-            out = dc.call("wait", rooms=[room[0]], timeout=120)[room[0]]
+            out = dc.call("wait", rooms=[room[0]], timeout=120, ep=ep)[room[0]]
             if out["state"] != "Success":
                 raise RuntimeError(f"{t}: {out['failure']}")
-            dc.call("forget", rooms=[room[0]])
-            pf.call("forget", rooms=[room[0]])
+            dc.call("forget", rooms=[room[0]], ep=ep)
+            pf.call("forget", rooms=[room[0]], ep=ep)
+            landed[t] = {"room": room[0], "seed": 0, "dst": {"kv": dst}, "num_tokens": tokens}
             return out["stats"]["bytes"], out["stats"]["seconds"]
 
         d = torch.device(dev)
@@ -377,13 +419,12 @@ def step_bulk(dev: str, transports: list[str], quick: bool, raw: Path | None = N
             sync()
             return nbytes, time.perf_counter() - t0
 
-        best: dict[str, float] = {}
-        best.update({t: 0.0 for t in transports if t not in pairs})
+        best: dict[str, float] = {t: 0.0 for t in paths if t not in pairs}
         for _ in range(reps):  # interleaved: each figure sees the same machine state
-            for t in transports:
+            for t in pairs:
                 if f"error.{t}" in res:
                     continue
-                try:  # one transport failing keeps the others' figures
+                try:  # one path failing keeps the others' figures
                     best[t] = max(best.get(t, 0.0), _best_gbps(lambda t=t: transfer(t), 1))
                 except RuntimeError as e:
                     res[f"error.{t}"], best[t] = str(e), 0.0
@@ -391,11 +432,17 @@ def step_bulk(dev: str, transports: list[str], quick: bool, raw: Path | None = N
             best["torch_pinned_h2d"] = max(best.get("torch_pinned_h2d", 0.0),
                                            _best_gbps(lambda: timed(a, pinned), 1))
         ok = bool(torch.equal(a, pinned.to(d)))
+        for t, item in landed.items():  # the last packed landing, byte for byte
+            _, dc, ep = pairs[t]
+            if ep != "pack":  # the direct paths: the transfers step checks them
+                continue
+            res[f"bytes_wrong.{t}"] = dc.call("verify", items=[item], ep=ep)[item["room"]][0]
         for k, v in best.items():
             res[f"gb_per_s.{k}"] = v
         if raw is not None:
-            compare(res, json.loads(raw.read_text()) if raw.exists() else {}, transports)
-        res["ok"] = ok and all(best[t] > 0 for t in transports)
+            compare(res, json.loads(raw.read_text()) if raw.exists() else {}, paths)
+        res["ok"] = (ok and all(best[t] > 0 for t in paths)
+                     and all(res.get(f"bytes_wrong.{t}", 1) == 0 for t in paths if PACK in t))
         return res
     finally:
         stack.close()
@@ -406,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("step", choices=STEPS)
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--transport", default="tcp", help="tcp, nixl, or both (bulk: tcp,nixl)")
+    ap.add_argument("--transport", default="tcp",
+                    help="tcp, nixl, or both (bulk: paths, e.g. tcp,nixl,nixl_pack)")
     ap.add_argument("--json", type=Path, help="write the step's result here")
     ap.add_argument("--quick", action="store_true", help="bulk: a small request, 2 reps")
     ap.add_argument("--raw", type=Path, help="bulk: gpu_probe.py's JSON, to compare with")

@@ -10,8 +10,8 @@
 # empty .whl/ is fine. --cpu runs the same steps on host memory with the packages already
 # installed (the suite runs it: tests/integration/test_gpu_check.py).
 #
-# Steps, each timed and bounded by `timeout` (limits sum to 8.5 minutes, a real run to
-# about 2; --scale N multiplies them):
+# Steps, each timed and bounded by `timeout` (limits sum to 8 minutes; --scale N multiplies
+# them):
 #   wheels           install .whl/, import everything the check loads
 #   probe            scripts/gpu_probe.py: the raw paths with no pdxfer endpoint, 512 MiB
 #                    (--cpu: 32 MiB) as 32 KiB / 512 KiB / 32 MiB descriptors: NIXL at 1-8
@@ -22,9 +22,11 @@
 #   transfers.nixl   from a device prefill, TP 2 -> 1, integrity sampled/full + a corrupted
 #                    page caught, L2 restore into device pages
 #   bulk             GB/s of pdxfer over each transport (nvlink: Mooncake nvlink_intra, on a
-#                    GPU whose wheel has it) in the probe's shape, torch device-to-device and
-#                    pinned host-to-device; pdxfer's best against the best raw path
-#                    (bulk.pdxfer_ratio_vs_best_raw) and the device copy
+#                    GPU whose wheel has it), direct and packed (<transport>_pack: gathered,
+#                    one large write, scattered; checked byte for byte) in the probe's
+#                    shape, torch device-to-device and pinned host-to-device; pdxfer's best
+#                    against the best raw path (bulk.pdxfer_ratio_vs_best_raw) and the
+#                    device copy
 # Writes OUTDIR/gpu_check.json (flat dotted keys: every verdict and figure, `all_passed`)
 # and OUTDIR/log, nothing else there (a device tool may bring back only a few files); the
 # installed wheels and the steps' parts live in a work folder ($GPU_CHECK_WORK, else under
@@ -45,8 +47,10 @@ while [ $# -gt 0 ]; do
 done
 case "$TRANSPORT" in both) TRANSPORTS="tcp nixl" ;; tcp|nixl) TRANSPORTS="$TRANSPORT" ;;
   *) echo "bad --transport $TRANSPORT" >&2; exit 2 ;; esac
-case "$TRANSPORT" in both) PATHS=nixl,mooncake,ipc; BULK=tcp,nixl,nvlink ;;
-  tcp) PATHS=mooncake,ipc; BULK=tcp,nvlink ;; nixl) PATHS=nixl,ipc; BULK=nixl ;; esac
+case "$TRANSPORT" in
+  both) PATHS=nixl,mooncake,ipc; BULK=tcp,nixl,nvlink,tcp_pack,nixl_pack,nvlink_pack ;;
+  tcp) PATHS=mooncake,ipc; BULK=tcp,nvlink,tcp_pack,nvlink_pack ;;
+  nixl) PATHS=nixl,ipc; BULK=nixl,nixl_pack ;; esac
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 WORK="${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/pdxfer-gpu-check.XXXXXX")}"
@@ -141,14 +145,14 @@ json.dump(info, open(path, "w"))
 EOF
 }
 
-step wheels 60 wheels
+step wheels 40 wheels
 # (stop here if nothing imports: every later step would only time out)
 if [ "$(tail -1 "$WORK/steps.tsv" | cut -f2)" = 0 ]; then
-  step probe 120 env UCX_PROTO_INFO=y "$PY" scripts/gpu_probe.py --device "$DEVICE" \
+  step probe 100 env UCX_PROTO_INFO=y "$PY" scripts/gpu_probe.py --device "$DEVICE" \
     --paths "$PATHS" --json "$WORK/parts/probe.json" "${BULK_ARGS[@]}"
-  step pytest_gpu 60 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
+  step pytest_gpu 40 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
   for t in $TRANSPORTS; do
-    step "transfers.$t" 90 "$PY" scripts/gpu_check.py transfers --device "$DEVICE" \
+    step "transfers.$t" 60 "$PY" scripts/gpu_check.py transfers --device "$DEVICE" \
       --transport "$t" --json "$WORK/parts/transfers.$t.json"
   done
   step bulk 90 "$PY" scripts/gpu_check.py bulk --device "$DEVICE" --transport "$BULK" \

@@ -28,6 +28,7 @@ import numpy as np
 from .. import integrity as I
 from .. import plan as P
 from .. import wire
+from ..config import knobs
 from ..errors import (
     Aborted,
     BootstrapError,
@@ -41,11 +42,13 @@ from ..errors import (
 )
 from ..plan import topology as T
 from ..plan.heads import lease_bytes
+from ..plan.pack import PACK_POOL, pack_bytes, wanted
 from ..pools import PoolSpec
 from .connect import Connector, PrefillPeer, Resolved
 from .handles import KVPoll, Release, ReleaseOnce, RoomHandle
 from .integrity_checks import IntegrityChecks
 from .liveness import Liveness
+from .pack import staging_for, unpack
 from .receiver_rooms import RecvRoom, route_key
 from .staging import Lease, Staging, scatter
 from .trust import Session
@@ -117,7 +120,12 @@ class DecodeSide:
         self.staging = Staging(n) if n else None
         if self.staging is not None:
             ep.transport.register(self.staging.addr, n, "cpu")
-        self.connector = Connector(ep, (self.staging.spec(),) if self.staging else ())
+        self.packing = staging_for(ep.pools, self.cfg.pack)  # leases of packed requests
+        if self.packing is not None:
+            ep.transport.register(self.packing.addr, self.packing.nbytes, self.packing.location)
+        extra = ((self.staging.spec(),) if self.staging else ()) + (
+            (self.packing.spec(PACK_POOL),) if self.packing else ())
+        self.connector = Connector(ep, extra)
         self.peers = self.connector.peers
         self.checks = IntegrityChecks(ep, self.rooms, self.peers)
         self.liveness = Liveness(self.cfg.heartbeat_s, self._watched, ep.transport.probe,
@@ -234,6 +242,7 @@ class DecodeSide:
         peers, plan, npeers = resolved
         try:
             leases = [self._stage(st, a.heads, p.pools) for p, a in zip(peers, plan)]
+            leases = [ls + self._pack(st, a, p.pools, ls) for p, a, ls in zip(peers, plan, leases)]
         except Exception as e:  # noqa: BLE001 - anything unexpected still fails the room
             self.connector.forget_route(route_key(st))
             self._connect_failed(st, e)
@@ -276,7 +285,10 @@ class DecodeSide:
             for p, a in zip(peers, plan):
                 frame = wire.encode(msgspec.structs.replace(
                     req, heads=a.heads, skip=a.skip, silent=a.silent,
-                    stage={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])}))
+                    stage={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])
+                           if not x.packed},
+                    pack={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])
+                          if x.packed}))
                 if st.auto_hold and not a.silent:
                     st.asks[p.endpoint_id] = frame
                 self.ep.send_frame(p.ctrl_addr, frame, p.sess)
@@ -424,10 +436,39 @@ class DecodeSide:
             out.append(Lease(name, addr, n, lo, hi))
         return out
 
+    def _pack(self, st: RecvRoom, a: T.Assignment, theirs: Mapping[str, PoolSpec],
+              staged: list[Lease]) -> list[Lease]:
+        """Leases of the pack staging for the pools a sender writes as whole token rows and
+        ``plan.pack.wanted`` picks (a full staging leaves that pool direct)."""
+        out: list[Lease] = []
+        if self.packing is None or a.silent:
+            return out
+        k = knobs()
+        ntok = st.num_tokens - st.prefix_len
+        done = {x.pool for x in staged}
+        for pool in self.ep.pools:
+            anchor = pool.indices_from or pool.name
+            other = theirs.get(pool.name)
+            if (other is None or pool.name in done or pool.name in a.skip or anchor not in st.dst
+                    or pool.location != self.packing.location or ntok <= 0
+                    or not wanted(self.cfg.pack, pool, other, a.heads.get(pool.name),
+                                  int(st.dst[anchor].size), k.pack_min_pages,
+                                  int(k.pack_max_page_kb * 1024))):
+                continue
+            n = pack_bytes(pool, ntok)
+            addr = self.packing.alloc(n)
+            if addr is None:
+                self.ep.count("pack_full")
+                continue
+            self.ep.count("packed_leases")
+            out.append(Lease(pool.name, addr, n, 0, 0, packed=True))
+        return out
+
     def _unlease(self, leases: list[Lease]) -> None:
-        if self.staging is not None:
-            for x in leases:
-                self.staging.release(x.addr, x.nbytes)
+        for x in leases:
+            s = self.packing if x.packed else self.staging
+            if s is not None:
+                s.release(x.addr, x.nbytes)
 
     def _unstage(self, msg: wire.TransferDone) -> None:
         """Scatter a finished sender's staged slices into the pools (before it counts as done:
@@ -443,6 +484,10 @@ class DecodeSide:
             theirs = peer.pools.get(x.pool) if peer is not None else None
             layers = ({(b.layer_id, b.role) for b in theirs.buffers} if theirs is not None
                       else {(b.layer_id, b.role) for b in pool.buffers})
+            if x.packed:
+                unpack(pool, x, st.dst[pool.indices_from or x.pool], st.prefix_len,
+                       st.num_tokens, layers)
+                continue
             scatter(pool, x, st.dst[pool.indices_from or x.pool], st.prefix_len,
                     st.num_tokens, layers, self.staging.executor if self.staging else None)
 
@@ -524,3 +569,5 @@ class DecodeSide:
         self.connector.close()
         if self.staging is not None:
             self.staging.close()
+        if self.packing is not None:
+            self.packing.close()

@@ -10,6 +10,7 @@ and when its ``TransferDone`` arrives the decode scatters the slice into the poo
 vectorised copy per buffer, before the request can succeed (``Staging`` gives the layout).
 
 Host (``cpu``) pools only; other locations, and a full staging buffer, keep the in-place path.
+The allocator also holds the pack staging of whole-row packing (``pack.py``), on a device.
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ class Bounced:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """One sender's staging for one pool."""
+    """One sender's staging for one pool: heads ``[lo, hi)`` of a head slice, or whole token
+    rows (``packed``, in the pack staging)."""
 
     pool: str
     addr: int
     nbytes: int
     lo: int
     hi: int
+    packed: bool = False
 
 
 class Staging:
@@ -67,9 +70,16 @@ class Staging:
     Either way consecutive tokens or pages are back to back, which is what lets ``bounce``
     merge."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.buf = np.empty(nbytes, dtype=np.uint8)
-        self.addr = int(self.buf.ctypes.data)
+    def __init__(self, nbytes: int, location: str = "cpu") -> None:
+        self.location = location
+        if location == "cpu":
+            self.buf: object = np.empty(nbytes, dtype=np.uint8)
+            self.addr = int(self.buf.ctypes.data)  # type: ignore[attr-defined]
+        else:  # a device (``cuda:N``): the pack staging of device pools (``pack.py``)
+            import torch
+
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=location)
+            self.addr = int(self.buf.data_ptr())  # type: ignore[attr-defined]
         self.nbytes = nbytes
         self._free: list[tuple[int, int]] = [(0, nbytes)]
         self._lock = threading.Lock()
@@ -98,9 +108,9 @@ class Staging:
             return 0
         return int(knobs().staging_mb * (1 << 20))
 
-    def spec(self) -> PoolSpec:
-        return PoolSpec(POOL_NAME, "slot", (BufferSpec(self.addr, self.nbytes, 0, "stage"),),
-                        self.nbytes, 1, optional=True)
+    def spec(self, name: str = POOL_NAME) -> PoolSpec:
+        return PoolSpec(name, "slot", (BufferSpec(self.addr, self.nbytes, 0, "stage"),),
+                        self.nbytes, 1, location=self.location, optional=True)
 
     def alloc(self, n: int) -> int | None:
         """Address of ``n`` free bytes (64-byte aligned), or None when full."""

@@ -23,8 +23,10 @@ from .. import wire
 from ..config import knobs
 from ..errors import PdxferError, PlanError, TransportError
 from ..plan import chunk as C
+from ..plan.pack import Pack
 from ..transport.base import Started
 from .handles import KVPoll
+from .pack import Packer, staging_for
 from .sender_rooms import Chunk, SenderRoom, Slot, Target, decodes, sliced
 from .settler import Settler
 from .staging import Staging, bounce
@@ -54,6 +56,10 @@ class Writer:
         self.staging = Staging(n) if n else None  # gathers head slices into few big writes
         if self.staging is not None:
             ep.transport.register(self.staging.addr, n, "cpu")
+        ps = staging_for(ep.pools, self.cfg.pack)  # gathers packed requests' rows
+        self.packer = Packer(ps) if ps is not None else None
+        if ps is not None:
+            ep.transport.register(ps.addr, ps.nbytes, ps.location)
 
     def pump(self, st: SenderRoom, start: bool = False) -> list[Slot]:
         """Queue every chunk each target has not been given yet (called under the lock).
@@ -106,7 +112,7 @@ class Writer:
         chunk = st.chunks[ci]
         pages = sum(a.size for a in chunk.pages.values())
         return not (not self.cfg.start_in_send or st.state == KVPoll.Failed or t.finished
-                    or t.req.silent or pages > P.FEW_PAGES
+                    or t.req.silent or pages > P.FEW_PAGES or bool(t.req.pack)
                     # more entries than one batch at most (no merged runs): not worth planning
                     or pages * sum(len(pr) for pr in t.peer.pairings.values())
                     > self.ep.transport.batch_entries
@@ -207,10 +213,12 @@ class Writer:
         self.ep.count("integrity_bytes", nb)
         self.ep.count("integrity_seconds", time.perf_counter() - t0)
 
-    def _plan(self, t: Target, chunk: Chunk, cursor: dict[str, int]) -> P.Blocks | str:
+    def _plan(self, t: Target, chunk: Chunk, cursor: dict[str, int],
+              packs: list[Pack] | None = None) -> P.Blocks | str:
         return C.plan_chunk(C.ask_of(t.req, t.dst), t.peer.layer_pairings(chunk.layers),
                             chunk.pages, chunk.first, chunk.slots, chunk.last, cursor,
-                            self.page_sizes, self.ep.regions, t.peer.regions, chunk.span)
+                            self.page_sizes, self.ep.regions, t.peer.regions, chunk.span,
+                            packs)
 
     def _write(self, st: SenderRoom, t: Target, ci: int) -> None:
         if st.state == KVPoll.Failed or t.finished:
@@ -221,12 +229,19 @@ class Writer:
                 self.finish(st, t, True, None)
             return
         t0 = time.perf_counter()
-        blocks = chunk.plans.pop(t, None) or self._plan(t, chunk, st.cursor)
+        packs: list[Pack] | None = [] if t.req.pack and self.packer is not None else None
+        blocks = chunk.plans.pop(t, None) or self._plan(t, chunk, st.cursor, packs)
         if isinstance(blocks, str):
             self._fail(st, PlanError(blocks))
             self.finish(st, t, False, st.failure)
             return
         self._digest(t, chunk)
+        packed = (0, 0)
+        if packs:
+            got = self._write_packed(st, t, packs)
+            if got is None:
+                return
+            packed = got
         gathered = (bounce(blocks, self.staging)
                     if self.staging is not None and sliced(t) else None)
         wire_blocks = gathered.blocks if gathered is not None else blocks
@@ -244,7 +259,55 @@ class Writer:
         finally:
             if gathered is not None:
                 self.staging.release(gathered.addr, gathered.nbytes)  # type: ignore[union-attr]
-        self._wrote(st, t, chunk, blocks, len(wire_blocks), t0, tw)
+        self._wrote(st, t, chunk, blocks, len(wire_blocks) + packed[1], t0, tw, packed=packed[0])
+
+    def _write_packed(self, st: SenderRoom, t: Target, packs: list[Pack]
+                      ) -> tuple[int, int] | None:
+        """Write a chunk's packed pools into the decode's leases: gathered into the pack
+        staging piece by piece (``pack.py``), else straight from the pages. ``(bytes,
+        entries)`` written, or None when a write failed (the room is failed)."""
+        assert self.packer is not None
+        nbytes = entries = 0
+        loose = [p for p in packs if p.location != self.packer.staging.location]
+        ours = [p for p in packs if p.location == self.packer.staging.location]
+        for part in self.packer.pieces(ours):
+            try:
+                g = self.packer.gather(part)
+            except Exception:  # noqa: BLE001 - the direct write is always correct
+                log.exception("room %d: gathering packed rows failed; writing them directly",
+                              st.room)
+                self.ep.count("pack_gather_errors")
+                g = None
+            if g is None:
+                loose += [Pack(p.location, (p.src[i],), (p.dst[i],), p.rows, p.row_bytes,
+                               p.src_rows) for p, i in part]
+                continue
+            self.ep.count("packed_writes")
+            try:
+                ok = self._send_blocks(st, t, g.blocks)
+            finally:
+                self.packer.release(g)
+            if not ok:
+                return None
+            nbytes, entries = nbytes + g.blocks.total_bytes, entries + len(g.blocks)
+        if loose:
+            self.ep.count("pack_direct_writes")
+            b = P.Blocks.concat([p.blocks() for p in loose])
+            if not self._send_blocks(st, t, b):
+                return None
+            nbytes, entries = nbytes + b.total_bytes, entries + len(b)
+        return nbytes, entries
+
+    def _send_blocks(self, st: SenderRoom, t: Target, b: P.Blocks) -> bool:
+        """One write to ``t``'s decode; False (the room failed) when it failed."""
+        try:
+            self.ep.transport.write(
+                t.peer.session, *b.lists(), deadline=st.deadline,
+                should_stop=lambda: st.state == KVPoll.Failed, tag=st.room)
+        except TransportError as e:
+            self._write_failed(st, t, e)
+            return False
+        return True
 
     def _write_failed(self, st: SenderRoom, t: Target, e: TransportError) -> None:
         self._fail(st, TransportError(
@@ -252,9 +315,9 @@ class Writer:
         self.finish(st, t, False, st.failure)
 
     def _wrote(self, st: SenderRoom, t: Target, chunk: Chunk, blocks: P.Blocks, entries: int,
-               t0: float, tw: float, frame: bytes | None = None) -> None:
+               t0: float, tw: float, frame: bytes | None = None, packed: int = 0) -> None:
         now = time.perf_counter()
-        t.bytes += blocks.total_bytes
+        t.bytes += blocks.total_bytes + packed
         t.blocks += entries
         t.seconds += now - t0
         t.write_seconds += now - tw

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..pools import PoolSpec
 from .heads import STAGING_POOL, head_range_error, lease_error, plan_head_slice, plan_staged
+from .pack import PACK_POOL, Pack, pack_error, plan_pack
 from .paged import Blocks, BufferPairing, check_bounds, plan_paged, plan_slots
 
 
@@ -29,12 +30,13 @@ class Ask:
     skip: tuple[str, ...] = ()
     heads: Mapping[str, tuple[int, int]] | None = None
     stage: Mapping[str, int] | None = None
+    pack: Mapping[str, int] | None = None
 
 
 def ask_of(req: Any, dst: Mapping[str, np.ndarray]) -> Ask:
     """An ``Ask`` from a decoded ``wire.TransferRequest`` and its unpacked indices."""
     return Ask(req.room, req.prefix_len, req.num_tokens, dst, req.slots, tuple(req.skip),
-               req.heads, req.stage)
+               req.heads, req.stage, req.pack)
 
 
 def check_ask(ask: Ask, peer_pools: Mapping[str, PoolSpec],
@@ -63,6 +65,12 @@ def check_ask(ask: Ask, peer_pools: Mapping[str, PoolSpec],
         why = f"pool {name!r} unknown" if pr is None else head_range_error(pr, lo, hi)
         if not why and pr is not None and name in stage:
             why = lease_error(pr.dst, peer_pools.get(STAGING_POOL), stage[name], span, lo, hi)
+        if why:
+            return f"room {ask.room}: {why}"
+    for name, addr in (ask.pack or {}).items():
+        pr = pairings.get(name)
+        why = f"pool {name!r} unknown" if pr is None or name in ask.skip else pack_error(
+            pr.dst, pr.src, (ask.heads or {}).get(name), peer_pools.get(PACK_POOL), addr, span)
         if why:
             return f"room {ask.room}: {why}"
     for name, slot in ask.slots.items():
@@ -261,16 +269,20 @@ def plan_chunk(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[s
                first: Mapping[str, int], slots: Mapping[str, int], last: bool,
                cursor: Mapping[str, int], page_sizes: Mapping[str, int],
                src_regions: list[tuple[int, int]], dst_regions: list[tuple[int, int]],
-               span: Mapping[str, tuple[int, int]] | None = None) -> Blocks | str:
+               span: Mapping[str, tuple[int, int]] | None = None,
+               packs: list[Pack] | None = None) -> Blocks | str:
     """The blocks that move one chunk (``pages`` per anchor pool covering tokens from
     ``first``; ``span``: the tokens it carries, when not all of its pages' tokens) to one
     decode peer, or why it cannot be planned. ``cursor``: tokens given so far per anchor, in
     every layer (the last chunk must cover ``num_tokens``). A partial-layer chunk is planned
-    on ``pairings`` narrowed to its layers (``paged.layer_subset``)."""
+    on ``pairings`` narrowed to its layers (``paged.layer_subset``). Pools the decode packs
+    (``ask.pack``) go to ``packs`` for the caller to gather, else into the blocks as written
+    straight from the pages (``Pack.blocks``)."""
     parts: list[Blocks] = []
     proven = True  # only whole pages and slots so far: in bounds by construction
     heads_asked = ask.heads or {}
     stage = ask.stage or {}
+    packed = ask.pack or {}
     for name, pairing in pairings.items():
         pool = pairing.src
         if pool.kind != "paged" or name in ask.skip:
@@ -290,6 +302,17 @@ def plan_chunk(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[s
         if hi <= lo:
             continue
         exact = hi < ask.num_tokens  # a later chunk writes the rest of a partial last page
+        if name in packed:
+            pk = plan_pack(pairing, packed[name], ask.num_tokens - ask.prefix_len, src, f0,
+                           ask.prefix_len, lo, hi)
+            if isinstance(pk, str):
+                return f"room {ask.room}: {pk}"
+            if packs is not None:  # checked by construction: rows in range, lease checked
+                packs.append(pk)
+            else:
+                proven = False
+                parts.append(pk.blocks())
+            continue
         heads = heads_to_write(pairing, heads_asked.get(name))
         if heads is None:
             b = plan_paged(pairing, src, f0, dst, ask.prefix_len, lo, hi, exact)

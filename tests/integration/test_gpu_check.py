@@ -5,7 +5,8 @@ there costs the whole loan. Here the same script, the same steps and the same dr
 with the pools on ``cpu`` and the transports already installed (no ``.whl/``, no network), so
 the check stays runnable; this test reads the JSON it wrote and wants every step, and every
 check inside the transfer steps, passed; the raw probe's every path byte-exact, with its
-figures and pdxfer's comparison keys present and numeric (never a speed: this is no GPU).
+figures and pdxfer's comparison keys present and numeric (never a speed: this is no GPU), the
+packed bulk paths byte-exact.
 """
 
 from __future__ import annotations
@@ -71,12 +72,18 @@ def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(tmp_path: Path)
     assert r["probe.nixl.ucx_proto.cuda_ipc"] is False  # host memory: cma, never cuda_ipc
     # pdxfer's best against the best raw path and the device copy (the issue's goal keys)
     assert r["bulk.skipped.nvlink"].startswith("cpu")
-    assert r["bulk.gb_per_s.pdxfer_best"] == max(r["bulk.gb_per_s.tcp"], r["bulk.gb_per_s.nixl"])
+    assert r["bulk.skipped.nvlink_pack"].startswith("cpu")
+    paths = ("tcp", "nixl", "tcp_pack", "nixl_pack")
+    for k in ("tcp_pack", "nixl_pack"):  # packed: gathered, one large write, scattered
+        assert isinstance(r[f"bulk.gb_per_s.{k}"], float) and r[f"bulk.gb_per_s.{k}"] > 0
+        assert r[f"bulk.bytes_wrong.{k}"] == 0
+    assert r["bulk.gb_per_s.pdxfer_best"] == max(r[f"bulk.gb_per_s.{k}"] for k in paths)
+    assert r["bulk.pdxfer_best_path"] in paths
     assert r["bulk.best_raw.gb_per_s"] == r["probe.best_raw.gb_per_s"] > 0
     ratio = r["bulk.gb_per_s.pdxfer_best"] / r["probe.best_raw.gb_per_s"]
     assert abs(r["bulk.pdxfer_ratio_vs_best_raw"] - ratio) < 1e-3
     assert r["bulk.pdxfer_fraction_of_d2d"] > 0
-    for k in ("tcp", "nixl"):
+    for k in paths:
         assert isinstance(r[f"bulk.ratio_vs_raw.{k}"], float)
     for name in steps:
         assert isinstance(r[f"{name}.seconds"], float)
