@@ -276,7 +276,7 @@ class EndpointConfig:
     pages for one more round trip per request, so it is off by default; it does nothing
     with ``integrity='off'``."""
     pack: Literal["auto", "on", "off"] = "auto"
-    """whether a decode has a request's pages packed (``plan/pack.py``): the prefill
+    """Whether a decode has a request's pages packed (``plan/pack.py``): the prefill
     gathers a chunk's token rows into its pack staging, one large write moves them into
     a lease of the decode's, which scatters them into its pages before Success. ``auto``
     (default): pools on a device on both sides, with small pages

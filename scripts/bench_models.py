@@ -65,11 +65,13 @@ def pdxfer_pair(fam: str, model: Path, tmp: Path) -> Iterator[tuple[str, str, Ca
                       timeout=180)
         yield router.url, p.url, lambda: int(read_stats(stats).get("net_bytes", 0))
     finally:
-        if router is not None:
-            router.stop()
-        for s in (p, d):
-            s.stop()
-        boot.stop()
+        try:
+            if router is not None:
+                router.stop()
+        finally:
+            for s in (p, d):
+                s.stop()
+            boot.stop()
 
 
 @contextmanager
@@ -91,10 +93,12 @@ def nixl_pair(fam: str, model: Path, tmp: Path) -> Iterator[tuple[str, str, Call
         door = FrontDoor(up[0].url, up[1].url, connector="nixl", timeout=TIMEOUT).start()
         yield door.url, up[0].url, lambda: 0
     finally:
-        if door is not None:
-            door.close()
-        for s in up:
-            s.stop()
+        try:
+            if door is not None:
+                door.close()
+        finally:
+            for s in up:
+                s.stop()
 
 
 def phase(fam: str, variant: str, model: Path, tmp: Path, prompts: list[list[int]]
