@@ -1,23 +1,15 @@
-"""vLLM's KV cache tensors -> one pdxfer ``PoolSpec``, without a copy.
+"""vLLM's KV cache tensors -> pdxfer ``PoolSpec``s, without a copy.
 
-vLLM 0.32 hands every attention layer's cache as a logical ``[B, H, N, C]`` tensor (blocks,
-KV heads, tokens of a block, and C = K and V of one head and token; a ``[2, B, N, H, D]``
-tensor, K and V apart, is two such tensors of C = D), laid out in memory in
-one of several orders (``vllm.v1.kv_cache_layout``: the CPU backend's head-major
-``[B, H, N, C]``, token-major ``[B, N, H, C]``, block-outermost layouts that put every layer
-of a block together, padded pages). The layout is read from the tensors' strides and data
-pointers, never assumed:
-
-- each layer's block is one contiguous span: one buffer per layer, one page per block;
-  within the block ``[H, N, C]`` is pdxfer's ``HND`` and ``[N, H, C]`` its ``NHD``, so head
-  slices can move between different TP sizes. On CPU the inside of a ``(block, head)``
-  tile depends on the instruction set: pdxfer moves whole tiles and never reinterprets
-  one (page sizes must match: pages are not remapped);
-- every layer of a block together (block outermost): one buffer for the whole cache, one
-  page per block, opaque (TP 1);
-- anything else (a layer's blocks strided by heads) is refused with the reason.
-
-Block 0 is vLLM's null block: the connector never names it, so it never moves.
+vLLM hands each attention layer's cache as a logical ``[B, H, N, C]`` tensor (blocks, KV
+heads, tokens of a block, content; ``[2, B, N, H, D]`` is two of them) in one of several
+memory orders. The layout is read from strides and data pointers, never assumed:
+- each layer's block one contiguous span: one buffer per layer, one page per block;
+  ``[H, N, C]`` inside is ``HND``, ``[N, H, C]`` ``NHD`` (head slices for different TP);
+  vLLM's CPU tiles are packed per ISA, so pdxfer moves whole tiles and never reads one;
+- every layer of a block together: one buffer, one page per block, opaque (TP 1);
+- anything else is refused with the reason.
+MLA is one latent per token (``latent``), replicated over TP; Mamba-like state is one page
+per block moved as a slot (``describe_state``). Block 0, vLLM's null block, never moves.
 """
 
 from __future__ import annotations

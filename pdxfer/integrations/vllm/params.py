@@ -1,29 +1,15 @@
 """``kv_transfer_params``: what a router, the prefill and the decode say to each other.
 
-vLLM carries a request's ``kv_transfer_params`` from the client to the connector, and the
-prefill connector's answer (from ``request_finished``) back to the client. A router uses them
-as vLLM's own proxy does:
+1. to the prefill (``max_tokens=1``): ``do_remote_decode: true``, optional ``pdxfer_room``
+   (a 63-bit int; else the prefill draws one) and ``pdxfer_decode`` (binds the room);
+2. its answer: ``do_remote_prefill: true``, ``pdxfer_room``, ``pdxfer_bootstrap``,
+   ``pdxfer_instance``, ``pdxfer_num_tokens`` (the prompt tokens whose KV it holds);
+3. the decode gets those keys unchanged (sequential form) or, in the early form, the same
+   keys without ``pdxfer_num_tokens`` at the same time as the prefill's request.
 
-1. to the prefill (with ``max_tokens=1``)::
-
-       {"do_remote_decode": true, "do_remote_prefill": false,
-        "pdxfer_room": <int, 0..2^63-1>,        # optional: the prefill draws one
-        "pdxfer_decode": "<decode instance>"}   # optional: binds the room to that decode
-
-2. the prefill's response carries::
-
-       {"do_remote_prefill": true, "do_remote_decode": false, "pdxfer_room": room,
-        "pdxfer_bootstrap": "host:port", "pdxfer_instance": "<prefill instance>",
-        "pdxfer_num_tokens": <prompt tokens whose KV the prefill holds>}
-
-3. the router copies those into the decode's request unchanged (sequential form), or, in
-   the early form, sends the decode the same keys (without ``pdxfer_num_tokens``) at the
-   same time as the prefill's request: room, the chosen prefill's bootstrap and instance.
-   The decode asks at once and the prefill holds its request until the room opens.
-
-vLLM adds a random suffix to its internal request ids, so the two sides pair by room only.
-Params are client input: every field is type- and range-checked here, and a request whose
-pdxfer params are malformed is treated as having none (logged), never as a crash.
+The two sides pair by room only (vLLM suffixes its request ids). Params are client input:
+every field is type- and range-checked here, and malformed pdxfer params count as none
+(logged), never a crash. The full protocol: docs/vllm.md.
 """
 
 from __future__ import annotations

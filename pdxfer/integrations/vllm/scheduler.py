@@ -1,32 +1,16 @@
 """The connector's scheduler side: decides, per request, what the workers move.
 
-Prefill (``kv_producer``): a request with ``do_remote_decode`` gets its room when it is
-scheduled (``update_state_after_alloc``): the workers open it at once, so a decode that asks
-before the prefill computed anything (the early form of the protocol) is attached. Before
-that, from its arrival (``on_new_request``), a request with a router-chosen room has the
-workers *expect* it, so such a decode also waits while the request sits in vLLM's queue
-(longer than the prefill's ``room_grace_s``); one that ends queued withdraws it. After
-each step the workers hand the sender what that step computed (``send_by``): with ``layer``
-(``layers``), each layer's part of the tokens the step computed as the forward finishes that
-layer; with ``step`` (``chunks``), the full blocks the step computed, after it; the step that
-computes the prompt's last token hands the rest, the partial block too (with ``request``,
-that step hands everything). A decode that asks later gets all of it
-then. A finished request keeps its blocks (``request_finished`` returns True and the room's
-answer) until every worker reported it in ``finished_sending``. A request aborted after
-some of its blocks were handed over keeps them too, until no write reads them; one that vLLM
-preempts (its blocks are freed at once) has its room aborted, and the workers wait for its
-writes to drain before the next forward may reuse the blocks.
+Prefill (``kv_producer``): a request's room is expected from its arrival and opened when
+vLLM schedules it, so a decode that asks early is attached; each step hands the sender what
+the step computed (``send_by``: per layer, per step's full blocks, or the whole request at
+its end); a finished request keeps its blocks until every worker reports its send over.
+A hybrid model (``groups.py``) sends every group once, at the request's end.
 
 Decode (``kv_consumer``): a request carrying a prefill's answer loads every prompt token
-that vLLM's own prefix cache does not hold, asynchronously (``get_num_new_matched_tokens``);
-vLLM recomputes the last prompt token itself to sample the first output token. Which part
-of the load comes from the decode's L2/L3 and which crosses the network is the worker's
-business: the tiers live where the memory is (one cache per rank), and the scheduler only
-promises the whole remote prefix. With tiers, a finished request's blocks are held one more
-step while the workers write them back to L2.
-
-A request is loaded at most once: after a failed load vLLM recomputes (or fails) it, per
-``kv_load_failure_policy``, and it is never asked for again.
+vLLM's prefix cache does not hold, asynchronously; the workers decide what comes from L2/L3
+and what crosses the network. A request is loaded at most once: after a failed load vLLM
+recomputes (or fails) it per ``kv_load_failure_policy``. Failure rules:
+docs/failure-semantics.md; the protocol: ``params.py``.
 """
 
 from __future__ import annotations
@@ -65,12 +49,10 @@ DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 """A request that ended this way has the KV of every token it computed."""
 
 ANSWER_FIRST_S = 0.0005
-"""How long the step after a prefill finished requests lets other threads run first. Their
-answers (``kv_transfer_params``) are then being encoded and sent by the engine core's output
-thread, and the router waits for them; the step exists only because the prefill holds the
-blocks for the send, and without a pause its Python work (scheduling, the send orders) kept
-the GIL from the output thread for its whole length (``docs/performance.md``, the prefill
-leg: ~13 ms more from the engine to the API server than colocated, on a loaded host)."""
+"""How long the step after a prefill finished requests lets other threads run first: the
+engine core's output thread then sends their answers, which the router waits for, instead
+of waiting out this step's Python work for the GIL
+(docs/performance-history.md#the-vllm-prefill-leg-stamp-by-stamp-2026-11-26)."""
 
 
 @dataclass(slots=True)

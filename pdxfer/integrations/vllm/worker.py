@@ -1,25 +1,14 @@
 """The connector's worker side: one pdxfer ``Endpoint`` per vLLM worker rank.
 
-``register_kv_caches`` describes vLLM's cache tensors as a pool (``layout.py``, no copy) and
-starts the endpoint (a prefill registers with the bootstrap server). Each step the worker
-carries out the scheduler's orders (``metadata.py``) and reports what finished:
-
-- a prefill hands the sender what each step computed (``send_by``): layer by layer from
-  ``save_kv_layer`` (the layer's blocks for the step's tokens; a hand-off, never a wait on
-  the network inside the forward) to a room a decode has asked for, with whatever layers
-  the forward did not report, and every layer of a room nobody asked for yet, handed after
-  the step in one piece (``after_forward``); or the step's full blocks after it;
-- a send is finished when the decode no longer needs its blocks: Success and the room not
-  held for a repair (``KVSender.holding``), or Failed;
-- a load is finished at Success; a failed load is finished only once pdxfer says no write
-  can still land in its blocks (its ``release``), and then its blocks are reported in
-  ``get_block_ids_with_load_errors`` so vLLM recomputes or fails the request
-  (``kv_load_failure_policy``); a request never decodes from KV that did not arrive;
-- with decode-side tiers (``l2_pages``), a load is a ``RestoringReceiver``: the prefix held
-  in L2/L3 is restored while the network brings the rest, and a restore that falls short
-  is repaired from the prefill; finished requests are written back to L2 (and L3).
-
-Every wait is pdxfer's and has its deadline (``bootstrap_timeout_s``, ``transfer_timeout_s``).
+``register_kv_caches`` describes vLLM's cache tensors as pools (``layout.py``, no copy;
+one per KV cache group for a hybrid model, ``groups.py``) and starts the endpoint. Each
+step the worker carries out the scheduler's orders (``metadata.py``): a prefill hands the
+sender what the step computed (never a wait on the network inside the forward); a decode
+starts loads (through L2/L3 with tiers, ``RestoringReceiver``) and writes finished requests
+back. A send is over when the decode no longer needs its blocks; a failed load is reported
+only once no write can land in its blocks (``release``), then its blocks go back to vLLM
+as load errors: a request never decodes from KV that did not arrive. Every wait is
+pdxfer's, with its deadline (``bootstrap_timeout_s``, ``transfer_timeout_s``).
 """
 
 from __future__ import annotations
@@ -55,13 +44,10 @@ from .metadata import (
 log = logging.getLogger("pdxfer.integrations.vllm")
 
 IDLE_WAIT_S = 0.005
-"""How long a step that computes nothing waits in ``get_finished`` for a transfer to end.
-vLLM's engine loop steps without pause while a request waits for its KV or a finished one's
-blocks are sent; with concurrent dispatch a decode waits through the prefill's whole
-forward. Measured on the streaming benchmark's one 2-core host (loaded), such a decode ran
-~470 empty steps a second beside the prefill's forward, its engine thread at 0.10-0.15 of a
-core; with this wait ~130, at 0.06-0.07. A transfer that ends is reported within
-``IDLE_POLL_S``; a request that arrives meanwhile waits at most this long."""
+"""How long a step that computes nothing waits in ``get_finished`` for a transfer to end
+(vLLM's engine loop steps without pause while a request waits for its KV or a finished
+one's blocks are sent); a request that arrives meanwhile waits at most this long
+(docs/performance-history.md#where-the-layer-by-layer-time-went-traced-2026-11-26)."""
 
 IDLE_POLL_S = 0.0005
 """How often that wait looks at the transfers."""
