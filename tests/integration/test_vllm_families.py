@@ -61,9 +61,10 @@ class Pair:
 def _server(f: Family, model: Path, tmp: Path, name: str, extra: dict[str, object] | None,
             role: str) -> VllmServer:
     args = [*f.vllm_args, "--max-model-len", str(MAX_LEN)]
+    more = {"kv_load_failure_policy": "recompute"} if role == "kv_consumer" else {}
     return VllmServer(name, model, tmp, dtype=f.dtype, block_size=BS, args=args,
                       kv_cache_bytes=512 << 20,
-                      kv_transfer_config=kv_config(role, extra) if extra else None)
+                      kv_transfer_config=kv_config(role, extra, **more) if extra else None)
 
 
 @pytest.fixture(scope="module", params=SERVED)
@@ -143,3 +144,21 @@ def test_a_sliding_window_group_moves_the_window_not_the_prompt(pair: Pair) -> N
     whole = len(types) * blocks * BS * per_layer_token
     assert low <= moved <= high, (f"{f.name}: {moved} bytes moved for {n} tokens; the window "
                                   f"is {low}-{high}, the whole prompt {whole}")
+
+
+def test_a_load_that_fails_is_recomputed_and_the_decode_serves_on(pair: Pair) -> None:
+    """A decode asked for a room its prefill never had: the load fails (every group's), vLLM
+    recomputes the request (``kv_load_failure_policy: recompute``) and the engine serves on.
+    vLLM takes block-level load errors from one KV cache group only: reported that way, a
+    hybrid model's failed load killed the decode's engine."""
+    p = prompt(200, 77)
+    ref = complete(pair.prefill.url, p)
+    bogus = {"do_remote_prefill": True, "do_remote_decode": False,
+             "pdxfer_room": random.Random(5).randrange(1 << 62),
+             "pdxfer_bootstrap": pair.boot.address, "pdxfer_instance": "p0",
+             "pdxfer_num_tokens": len(p)}
+    before = int(read_stats(pair.d_stats).get("load_failures", 0))
+    assert complete(pair.decode.url, p, extra={"kv_transfer_params": bogus}) == ref
+    assert int(read_stats(pair.d_stats).get("load_failures", 0)) == before + 1
+    q = prompt(300, 78)
+    assert complete(pair.router.url, q) == complete(pair.prefill.url, q)

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import (
@@ -226,6 +227,15 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         sending, recving = self.worker.get_finished(finished_req_ids)
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]
+                             ) -> KVConnectorTransferResults:
+        """Sends and loads that ended; a hybrid model's failed loads as request ids (vLLM
+        refuses block-level load errors when it has several KV cache groups)."""
+        assert self.worker is not None
+        sending, recving = self.worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=self.worker.failed_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()

@@ -116,6 +116,10 @@ class PdxferWorker:
         self._loads: dict[str, _Load] = {}
         self._written: set[str] = set()
         self._errors: set[int] = set()
+        self._failed: set[str] = set()
+        """Hybrid models: requests whose load failed. vLLM takes block-level load errors
+        from one KV cache group only; with several it needs the request ids
+        (``failed_recving``) and fails or recomputes the whole request."""
         self._bound: PdxferMetadata | None = None
         self._pre: PdxferMetadata | None = None
         self._post: PdxferMetadata | None = None
@@ -624,7 +628,10 @@ class PdxferWorker:
                     log.warning("request %s (room %d): KV load failed: %s; its %d blocks go "
                                 "back to vLLM as load errors", rid, rec.order.room,
                                 rec.rx.failure, len(rec.blocks))
-                self._errors.update(rec.blocks)
+                if self.hybrid:
+                    self._failed.add(rid)
+                else:
+                    self._errors.update(rec.blocks)
             recving.add(rid)
             del self._loads[rid]
         if sending or recving or self._changed:
@@ -641,7 +648,7 @@ class PdxferWorker:
 
     def _reportable(self) -> bool:
         """Whether ``get_finished`` would report something now."""
-        return bool(self._written or self._errors
+        return bool(self._written or self._errors or self._failed
                     or any(_send_over(o) is not None for o in self._sends.values())
                     or any(_load_over(r) is not None for r in self._loads.values()))
 
@@ -680,6 +687,11 @@ class PdxferWorker:
 
     def load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
+        return out
+
+    def failed_loads(self) -> set[str]:
+        """Requests whose load failed since the last call (hybrid models)."""
+        out, self._failed = self._failed, set()
         return out
 
     # -- introspection and end -----------------------------------------------------------------
