@@ -2,17 +2,11 @@
 
 ``pyproject.toml`` names ``register`` in the ``sglang.srt.plugins`` group; SGLang's
 ``load_plugins()`` (once per process, before the schedulers build their queues) calls it, then
-applies the hooks it registered. It does three things, all through SGLang's own interfaces:
-
-1. adds ``pdxfer`` to the choices of ``--disaggregation-transfer-backend``;
-2. replaces ``sglang.srt.disaggregation.utils.TransferBackend`` (an Enum, which cannot grow in
-   place) with an Enum of the same members plus ``PDXFER``; SGLang's hook registry then
-   rebinds every module that imported the old one;
-3. wraps ``get_kv_class`` so ``TransferBackend("pdxfer")`` resolves to pdxfer's classes for
-   every class type, and any other backend to SGLang's own.
-
-Nothing here imports pdxfer's classes until SGLang asks for one, so loading the plugin costs
-an SGLang process that uses another backend nothing.
+applies the hooks it registered. Through SGLang's own interfaces it adds ``pdxfer`` to the
+backend choices, replaces the ``TransferBackend`` Enum (which cannot grow in place) with one
+that has ``PDXFER`` too (SGLang's hook registry rebinds every importer), and wraps
+``get_kv_class`` so ``TransferBackend("pdxfer")`` resolves to pdxfer's classes. pdxfer's
+classes load only when SGLang asks for one: a process using another backend pays nothing.
 """
 
 from __future__ import annotations

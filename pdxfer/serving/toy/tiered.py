@@ -6,13 +6,10 @@ restored from storage. Keys are the tiers' hash chain, salted by the pools' layo
 model fingerprint, and scoped per request by tenant: one tenant's prompts are never another's
 hits. Target and draft pools share page ids, so a restored prefix brings its draft KV along.
 
-The prefill uses the same cache without L3: a prefix it computed before is loaded into the
-request's pages instead of being recomputed.
-
-At TP > 1 every rank has a cache of its own over its own heads: its keys are salted with the
-rank's fingerprint (TP size and rank), and its L3 files live in a folder of its own
-(``rank<r>`` under ``--l3-dir``): a rank restores its heads, and a restore that comes up short
-is repaired on that rank from the prefill rank that sent them.
+The prefill uses the same cache without L3. At TP > 1 every rank has a cache of its own
+over its own heads (keys salted by TP size and rank, L3 files under ``rank<r>``): a rank
+restores its heads, and a restore that comes up short is repaired from the prefill rank
+that sent them.
 """
 
 from __future__ import annotations
