@@ -36,7 +36,8 @@ SERVED = ("gemma3", "mistral_swa", "nemotron_h")
 (docs/vllm.md, model families): DeepSeek-V2 and Qwen3-Next run only in bf16 here, whose CPU
 kernels part ways with colocated vLLM after the first token or two (a DeepSeek prompt served
 twice from vLLM's own prefix cache differs too); gpt-oss's decode dies in vLLM's CPU
-sliding-window attention kernel (illegal instruction) on its first loaded request."""
+attention kernel (illegal instruction) on its first loaded request. NixlConnector does the
+same on all three here (docs/results/bench_models.json)."""
 BS = 32
 MAX_LEN = 4096
 LONG = 3000
