@@ -12,7 +12,6 @@ colocated server. Prints JSON (flat dotted keys); ``--json PATH`` writes it too.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -28,8 +27,8 @@ from pdxfer.testing.vllm_bench import pct, root_cause, run_and_report, stream_re
 from pdxfer.testing.vllm_procs import (
     ServerNotReady,
     VllmServer,
-    free_port,
     kv_config,
+    nixl_connector,
     read_stats,
     start_all,
 )
@@ -82,12 +81,7 @@ def nixl_pair(fam: str, model: Path, tmp: Path) -> Iterator[tuple[str, str, Call
     door = None
     try:
         for name, role in (("p", "kv_producer"), ("d", "kv_consumer")):
-            env = {"PYTHONPATH": f"{ROOT / 'nixl_shim'}{os.pathsep}"
-                                 f"{os.environ.get('PYTHONPATH', '')}",
-                   "UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "WARN",
-                   "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-            cfg = kv_config(role, {"kv_lease_duration": 300}, connector="NixlConnector",
-                            module=None, kv_buffer_device="cpu")
+            cfg, env = nixl_connector(role, ROOT / "nixl_shim")
             up.append(_server(fam, model, tmp, name, cfg, env))
             start_all([up[-1]])
         door = FrontDoor(up[0].url, up[1].url, connector="nixl", timeout=TIMEOUT).start()

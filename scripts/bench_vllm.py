@@ -128,8 +128,8 @@ from pdxfer.testing.vllm_procs import (
     Server,
     ServerNotReady,
     VllmServer,
-    free_port,
     kv_config,
+    nixl_connector,
     read_stats,
     start_one_by_one,
     start_together,
@@ -212,15 +212,8 @@ def makers(v: str, s: Setup, tag: str) -> tuple[list[Maker], dict[str, Any]]:
             {"decode_instance": f"{tag}-d", "stats": s.tmp / f"{tag}_d.json", "together": True}
     if v == "builtin":
         def nixl(name: str, role: str, args: list[str]) -> Maker:
-            # the side-channel port is picked when the server is built, i.e. after the one
-            # before it is up (never two picks racing for one port)
-            def make() -> Server:
-                env = {"PYTHONPATH": f"{ROOT / 'nixl_shim'}{os.pathsep}"
-                                     f"{os.environ.get('PYTHONPATH', '')}",
-                       "UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "WARN",
-                       "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-                cfg = kv_config(role, {"kv_lease_duration": 300}, connector="NixlConnector",
-                                module=None, kv_buffer_device="cpu")
+            def make() -> Server:  # built once the server before it is up (its port)
+                cfg, env = nixl_connector(role, ROOT / "nixl_shim")
                 return vllm(name, args, cfg, env, log_stats=role == "kv_consumer")()
             return make
         return [nixl("d", "kv_consumer", nocache), nixl("p", "kv_producer", lim)], \

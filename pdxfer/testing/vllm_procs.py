@@ -52,6 +52,18 @@ def kv_config(role: str, extra: dict[str, Any], connector: str = "PdxferConnecto
     return json.dumps(cfg)
 
 
+def nixl_connector(role: str, shim: str | os.PathLike[str]) -> tuple[str, dict[str, str]]:
+    """vLLM's own NixlConnector on CPU memory for one server: its ``--kv-transfer-config``
+    and environment (``shim`` on the path, quiet logs, a side-channel port picked now: build
+    each server only once the one before it is up, or two picks can race for one port)."""
+    env = {"PYTHONPATH": f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "WARN",
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    cfg = kv_config(role, {"kv_lease_duration": 300}, connector="NixlConnector", module=None,
+                    kv_buffer_device="cpu")
+    return cfg, env
+
+
 class ServerNotReady(RuntimeError):
     """A server exited, or did not answer ready before its start-up deadline; the message
     names it and ends with its last log lines. The server has been stopped (by pid)."""

@@ -106,6 +106,14 @@ def run(pf: Agent, dc: Agent, bootstrap: str, reqs: list[dict[str, Any]],
     return dc.call("wait", rooms=[r["room"] for r in reqs], timeout=timeout)
 
 
+def destinations(reqs: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Every page and slot ``reqs`` write on the decode, per pool (of the six-pool geometry
+    the transfer tests share): what the decode's ``untouched`` check must exclude."""
+    return {"kv": [p for r in reqs for p in r["dst"]["kv"]],
+            "mla": [p for r in reqs for p in r["dst"]["mla"]],
+            "aux": [r["dst_slots"]["aux"] for r in reqs]}
+
+
 def verify(dc: Agent, reqs: list[dict[str, Any]]) -> dict[int, Any]:
     return dc.call("verify", items=decode_items(reqs))
 

@@ -21,7 +21,7 @@ from pdxfer import BootstrapServer
 from pdxfer.testing.harness import Agent
 
 from .conftest import start_pair
-from .helpers import Factory, run, verify
+from .helpers import Factory, destinations, run, verify
 from .test_abort import start, wait_held, wait_released
 from .test_transfer import GEOMS, assert_all_right
 
@@ -53,10 +53,7 @@ def test_packed_scattered_chunked_requests_land_byte_exact(pair, bootstrap, fact
     reqs.append(factory.make(200, prefix_len=64, chunks=3))  # a prefix the decode holds
     out = run(pf, dc, bootstrap.address, reqs)
     assert_all_right(out, verify(dc, reqs))
-    exclude = {"kv": [p for r in reqs for p in r["dst"]["kv"]],
-               "mla": [p for r in reqs for p in r["dst"]["mla"]],
-               "aux": [r["dst_slots"]["aux"] for r in reqs]}
-    assert dc.call("untouched", exclude=exclude) == 0
+    assert dc.call("untouched", exclude=destinations(reqs)) == 0
     # every paged pool of every request went through a lease, gathered on the prefill
     assert dc.call("metrics")["packed_leases"] >= 5 * len(reqs)
     assert pf.call("metrics").get("packed_writes", 0) >= len(reqs)

@@ -17,7 +17,7 @@ from pdxfer.testing.harness import Agent
 from pdxfer.testing.patterns import PoolGeom
 
 from .conftest import start_pair
-from .helpers import Factory, decode_items, run, verify
+from .helpers import Factory, decode_items, destinations, run, verify
 
 GEOMS = [
     PoolGeom("kv", "mha", layers=4, pages=1024, page_size=16, heads=2, head_dim=16, dtype="float16"),
@@ -60,10 +60,7 @@ def test_scattered_chunked_requests_land_byte_exact(pair, bootstrap, factory) ->
             [(16, 1), (17, 1), (100, 3), (257, 4), (500, 7), (64, 2), (1, 1), (333, 5)]]
     out = run(pf, dc, bootstrap.address, reqs)
     assert_all_right(out, verify(dc, reqs))
-    exclude = {"kv": [p for r in reqs for p in r["dst"]["kv"]],
-               "mla": [p for r in reqs for p in r["dst"]["mla"]],
-               "aux": [r["dst_slots"]["aux"] for r in reqs]}
-    assert dc.call("untouched", exclude=exclude) == 0
+    assert dc.call("untouched", exclude=destinations(reqs)) == 0
     for r in reqs:
         factory.free(r)
 

@@ -51,8 +51,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def check_compatible(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
-    """What pdxfer cannot serve is refused at start-up, with the reason."""
+def check_compatible(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+                     ) -> tuple[Group, ...]:
+    """What pdxfer cannot serve is refused at start-up, with the reason; else the KV cache
+    groups it moves."""
     par = vllm_config.parallel_config
     for name, size in (("pipeline_parallel_size", par.pipeline_parallel_size),
                        ("decode_context_parallel_size",
@@ -61,11 +63,10 @@ def check_compatible(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | N
                         getattr(par, "prefill_context_parallel_size", 1))):
         if size != 1:
             raise ConfigError(f"PdxferConnector does not support {name}={size} yet")
-    if kv_cache_config is not None:
-        groups_of(kv_cache_config)  # every group's kind is one pdxfer moves
+    return groups_of(kv_cache_config, vllm_config.cache_config.block_size)
 
 
-def groups_of(kv_cache_config: KVCacheConfig | None, block_size: int = 16) -> tuple[Group, ...]:
+def groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[Group, ...]:
     """vLLM's transfer groups as pdxfer ``Group``s (``groups.py``); a kind pdxfer cannot
     move is refused, naming it."""
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
@@ -114,14 +115,13 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         ktc = vllm_config.kv_transfer_config
         mc = vllm_config.model_config
-        check_compatible(vllm_config, kv_cache_config)
+        self.groups = check_compatible(vllm_config, kv_cache_config)
         name = mc.served_model_name if mc is not None else ""
         if isinstance(name, list):
             name = name[0] if name else ""
         self.cfg = C.parse(ktc.kv_role, ktc.kv_connector_extra_config, str(name or ""),
                            mc.revision if mc is not None else None)
         block_size = vllm_config.cache_config.block_size
-        self.groups = groups_of(kv_cache_config, block_size)
         self.scheduler: PdxferScheduler | None = None
         self.worker: PdxferWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -168,9 +168,6 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        if self._kv_cache_config is not None and \
-                len(block_ids) == len(self._kv_cache_config.kv_cache_groups):
-            block_ids = self._kv_cache_config.select_transfer_block_ids(block_ids)
         return self.scheduler.request_finished(request, tuple(block_ids))
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:

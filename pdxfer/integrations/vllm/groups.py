@@ -104,6 +104,15 @@ def state_block(blocks: Sequence[int], spec_blocks: int) -> int | None:
     return live[-1] if live and live[-1] != NULL_BLOCK else None
 
 
+def state_slot(g: Group, blocks: Sequence[int]) -> int:
+    """``g``'s state block for one request (``state_block``), or ValueError: a request with
+    a state group and no state is not one pdxfer can move."""
+    slot = state_block(blocks, g.spec_blocks)
+    if slot is None:
+        raise ValueError(f"no state block for {g.pool} in {list(blocks)}")
+    return slot
+
+
 def source_pages(g: Group, blocks: Sequence[int], num_tokens: int) -> list[int]:
     """A prefill's pages of ``g`` for tokens ``[0, num_tokens)``: blocks vLLM already freed
     (the null block) are -1, pages pdxfer refuses to read (a decode that needs them fails

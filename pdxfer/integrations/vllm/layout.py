@@ -183,7 +183,7 @@ def describe_state(states: Mapping[str, Any], *, name: str, num_blocks: int,
     state of the layer, padding included), so it moves without knowing the states' shapes."""
     order = layer_order(list(states))
     bufs = []
-    location = dtype = ""
+    location = "cpu"
     for lid, n in order:
         ts = states[n] if isinstance(states[n], (list, tuple)) else [states[n]]
         base = min(int(t.data_ptr()) for t in ts)
@@ -198,6 +198,6 @@ def describe_state(states: Mapping[str, Any], *, name: str, num_blocks: int,
         bufs.append(BufferSpec(base, num_blocks * page_bytes, lid, "state"))
     try:
         return PoolSpec(name=name, kind="slot", buffers=tuple(bufs), item_bytes=page_bytes,
-                        num_items=num_blocks, location=location or "cpu", dtype=dtype or "uint8")
+                        num_items=num_blocks, location=location, dtype="uint8")
     except ValueError as e:
         raise ConfigError(f"state layers as a pdxfer pool: {e}") from None

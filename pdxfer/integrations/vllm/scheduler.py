@@ -152,9 +152,7 @@ class PdxferScheduler:
             return
         prompt = list(request.prompt_token_ids or ())
         n = len(prompt) - self.backoff
-        every = blocks.get_block_ids()
-        if self.select is not None and len(every) != len(self.groups):
-            every = self.select(every)
+        every = self._transfer(blocks.get_block_ids())
         self._asked.add(request.request_id)
         self._loads.append(LoadOrder(
             req_id=request.request_id, room=ask.room, bootstrap=ask.bootstrap,
@@ -182,6 +180,13 @@ class PdxferScheduler:
             return
         self.queued[request.request_id] = ask.room
         self._expects.append(ExpectOrder(request.request_id, ask.room, ask.decode))
+
+    def _transfer(self, every: Any) -> tuple[Any, ...]:
+        """Every KV cache group's block ids -> the transfer groups' (vLLM may have groups it
+        does not transfer, e.g. a draft model's)."""
+        if self.select is not None and len(every) != len(self.groups):
+            every = self.select(every)
+        return tuple(every)
 
     def _back_off(self, request: Request) -> None:
         """A model with state groups: the prefill computes all but the last ``backoff``
@@ -272,6 +277,7 @@ class PdxferScheduler:
         one group's list."""
         if block_ids and not isinstance(block_ids[0], (list, tuple)):
             block_ids = (list(block_ids),)  # type: ignore[arg-type]
+        block_ids = self._transfer(block_ids)
         if self.cfg.side == "prefill":
             return self._prefill_finished(request, block_ids)
         return self._decode_finished(request, list(block_ids[0]) if block_ids else [])

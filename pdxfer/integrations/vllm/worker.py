@@ -183,7 +183,6 @@ class PdxferWorker:
         """A hybrid model: one pool per group (``groups.py``), each from its own layers'
         tensors (groups overlay one allocation; pdxfer registers each region once)."""
         r = self.rank
-        ids = {n: i for i, n in layer_order(list(kv_caches))}
         pools, kinds = [], []
         for g in self.groups:
             mine = {n: kv_caches[n] for n in g.layers}
@@ -201,9 +200,6 @@ class PdxferWorker:
             kinds.append(f"{g.pool}={g.kind}:{g.window}:{g.block_size}:{kind}:{pool.dtype}")
         self.layout = Layout(pools[0], "hybrid", sum(p.item_bytes * len(p.buffers)
                                                      for p in pools))
-        self.pools = tuple(pools)
-        self._layer_of = ids
-        self._layer_ids = tuple(sorted(set(ids.values())))
         ident = self.cfg.model_id.replace(" ", "_")
         fingerprint = f"model={ident} groups={','.join(kinds)} cache_dtype={r.cache_dtype}"
         if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
@@ -448,10 +444,7 @@ class PdxferWorker:
                 for g in part.groups:
                     ids = s.groups[g.index]
                     if g.kind == "state":
-                        slot = G.state_block(ids, g.spec_blocks)
-                        if slot is None:
-                            raise ValueError(f"no state block for {g.pool} in {list(ids)}")
-                        slots[g.pool] = slot
+                        slots[g.pool] = G.state_slot(g, ids)
                     else:
                         pages[g.pool] = G.source_pages(g, ids, s.num_tokens)
                 tx.send(pages, slots=slots, last=True)
@@ -535,16 +528,11 @@ class PdxferWorker:
             for part in self.parts:
                 pages: dict[str, list[int]] = {}
                 slots: dict[str, int] = {}
-                first = o.l1_len // self.groups[part.groups[0].index].block_size \
-                    if part.groups[0].kind != "state" else 0
                 start = o.l1_len
                 for g in part.groups:
                     ids = o.groups[g.index]
                     if g.kind == "state":
-                        slot = G.state_block(ids, g.spec_blocks)
-                        if slot is None:
-                            raise ValueError(f"no state block for {g.pool} in {list(ids)}")
-                        slots[g.pool] = slot
+                        slots[g.pool] = G.state_slot(g, ids)
                         continue
                     f = o.l1_len // g.block_size
                     if g.kind == "window":
@@ -552,7 +540,6 @@ class PdxferWorker:
                         if f is None:
                             raise ValueError(f"{g.pool}: a null block inside the window "
                                              f"({list(ids)})")
-                    first = max(first, f)
                     start = max(start, f * g.block_size)
                 for g in part.groups:
                     if g.kind != "state":
