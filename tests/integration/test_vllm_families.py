@@ -9,7 +9,9 @@ driven with the official ``openai`` client. The reference is the prefill itself 
 request without pdxfer params: colocated vLLM, same weights, same kernels. Every answer
 through the router equals it token for token: prompts shorter than a block, past the
 sliding window, several thousand tokens, and several at once, streamed and not. A sliding
-window family moves the window, not the prompt (bytes the decode received).
+window family moves the window, not the prompt (bytes the decode received). The prefill
+computes ``STEP`` tokens a step and sends by layer: full and window groups stream, a state
+goes at the request's end.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ BS = 32
 MAX_LEN = 4096
 LONG = 3000
 """Several thousand prompt tokens (the model's context is ``MAX_LEN``)."""
+STEP = 96
+"""The prefill's tokens per step (``--max-num-batched-tokens``), under the window: a long
+prompt spans many steps, and the window's blocks more than one."""
 
 
 @dataclass
@@ -53,6 +58,7 @@ class Pair:
     decode: VllmServer
     router: Proc
     d_stats: Path
+    p_stats: Path
 
     def loaded_bytes(self) -> int:
         return int(read_stats(self.d_stats).get("net_bytes", 0)) \
@@ -62,6 +68,8 @@ class Pair:
 def _server(f: Family, model: Path, tmp: Path, name: str, extra: dict[str, object] | None,
             role: str) -> VllmServer:
     args = [*f.vllm_args, "--max-model-len", str(MAX_LEN)]
+    if role == "kv_producer":
+        args += ["--max-num-batched-tokens", str(STEP)]
     more = {"kv_load_failure_policy": "recompute"} if role == "kv_consumer" else {}
     return VllmServer(name, model, tmp, dtype=f.dtype, block_size=BS, args=args,
                       kv_cache_bytes=512 << 20,
@@ -75,12 +83,13 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     tmp = tmp_path_factory.mktemp(f.name)
     model = build_family(tmp / "model", f.name)
     boot = BootstrapServer("127.0.0.1", 0).start()
-    d_stats = tmp / "d.json"
+    d_stats, p_stats = tmp / "d.json", tmp / "p.json"
     servers: list[VllmServer] = []
     router = None
     try:
         servers = [
-            _server(f, model, tmp, "prefill", {"bootstrap": boot.address, "instance": "p0"},
+            _server(f, model, tmp, "prefill", {"bootstrap": boot.address, "instance": "p0",
+                                               "stats_file": str(p_stats), "send_by": "layer"},
                     "kv_producer"),
             _server(f, model, tmp, "decode", {"bootstrap": boot.address, "instance": "d0",
                                               "stats_file": str(d_stats)}, "kv_consumer")]
@@ -88,7 +97,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         router = Proc("router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
                                  f"{servers[0].url},{boot.address},p0", "--decode",
                                  f"{servers[1].url},d0"], timeout=180)
-        yield Pair(f, model, boot, servers[0], servers[1], router, d_stats)
+        yield Pair(f, model, boot, servers[0], servers[1], router, d_stats, p_stats)
     finally:
         if router is not None:
             router.stop()
@@ -163,3 +172,26 @@ def test_a_load_that_fails_is_recomputed_and_the_decode_serves_on(pair: Pair) ->
     assert int(read_stats(pair.d_stats).get("load_failures", 0)) == before + 1
     q = prompt(300, 78)
     assert complete(pair.router.url, q) == complete(pair.prefill.url, q)
+
+
+def test_by_layer_attention_groups_leave_before_the_prompts_last_step(pair: Pair) -> None:
+    """``send_by: layer`` on a hybrid model: each step hands its full groups' layers (and
+    the window's blocks no later step frees) to the sender, so all but the last of a long
+    prompt's steps went out before its end; a state group goes once, at the end. The
+    decode loads every group without a failure, token for token as colocated."""
+    p = prompt(LONG - 17, 31)
+    d0, p0 = read_stats(pair.d_stats), read_stats(pair.p_stats)
+    got = complete(pair.router.url, p)  # first: the reference would fill the prefix cache
+    assert got == complete(pair.prefill.url, p)
+    wait("the prefill's send", lambda: read_stats(pair.p_stats).get("sends", 0) > p0["sends"]
+         and read_stats(pair.p_stats).get("in_flight_sends", 1) == 0, timeout=60)
+    d, st = read_stats(pair.d_stats), read_stats(pair.p_stats)
+    assert d["load_failures"] == d0["load_failures"] and d["loads"] == d0["loads"] + 1
+    steps = -(-len(p) // STEP)
+    early = st["step_chunks"] - p0["step_chunks"]
+    # a step hands the blocks it completes: every step but the last here (STEP is whole
+    # blocks), but only some where vLLM grew the attention blocks to a Mamba state's page
+    stateful = any(k.startswith(("mamba", "linear")) for k in pair.family.config)
+    want = 1 if stateful else steps - 1
+    assert early >= want, f"{pair.family.name}: {early} of {steps} steps went before the last"
+    assert st["layer_sends"] > p0["layer_sends"] and st["send_failures"] == p0["send_failures"]

@@ -3,6 +3,8 @@ that a cache dtype mismatch is refused when the two sides pair, naming both."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from pdxfer.endpoint.sender import model_diff
@@ -47,6 +49,41 @@ def test_the_decode_asks_from_its_first_real_block_and_refuses_a_hole() -> None:
     assert G.window_start(SLIDE, [0, 0, 0, 5, 6, 8], 4, 190) == 4  # vLLM cached up to 4
     assert G.window_start(SLIDE, [3, 4, 5], 0, 90) == 0
     assert G.window_start(SLIDE, [0, 5, 0, 6], 0, 128) is None
+
+
+def _skipped(window: int, computed: int) -> int:
+    """vLLM's own rule: tokens a sliding-window group no longer keeps after ``computed``."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    me = types.SimpleNamespace(sliding_window=window, extra_retained_tokens=0)
+    return SlidingWindowManager.get_num_skipped_tokens(me, computed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("window", [32, 100, 128])
+def test_a_streamed_window_block_is_never_freed_and_covers_what_the_decode_holds(
+        window: int) -> None:
+    """While the prefill runs vLLM frees blocks below ``skipped(c) // bs`` for the tokens
+    ``c < n`` it computed; the decode holds from ``skipped(n) // bs``. Streamed blocks start
+    at ``window_first``: never freed before the request ends, none the decode holds left out."""
+    g = Group(1, "window", 32, ("a",), window=window)
+    for n in range(1, 700, 7):
+        first = G.window_first(g, n)
+        freed = max((_skipped(window, c) // 32 for c in range(n)), default=0)
+        assert first >= freed, (n, first, freed)
+        assert first <= _skipped(window, n) // 32, (n, first)
+
+
+def test_a_step_hands_only_window_blocks_no_step_frees() -> None:
+    n = 300  # window 128: blocks from (300 - 128) // 32 = 5 on are never freed
+    assert G.window_first(SLIDE, n) == 5
+    ids = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert G.stream_pages(SLIDE, ids, 0, 224, n) == [-1, -1, -1, -1, -1, 8, 9]
+    assert G.stream_pages(SLIDE, ids, 224, 300, n) == [10, 11, 12]
+    assert G.stream_pages(FULL, ids, 64, 128, n) == [5, 6]
+    assert G.stream_start(G.parts([FULL, SLIDE])[1], n) == 160
+    assert G.stream_start(G.parts([FULL, SLIDE])[0], n) == 0
+    with pytest.raises(ValueError, match="blocks for tokens"):
+        G.stream_pages(FULL, ids[:2], 0, 96, n)
 
 
 @pytest.mark.parametrize(("blocks", "spec", "slot"), [

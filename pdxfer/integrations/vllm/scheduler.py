@@ -4,7 +4,9 @@ Prefill (``kv_producer``): a request's room is expected from its arrival and ope
 vLLM schedules it, so a decode that asks early is attached; each step hands the sender what
 the step computed (``send_by``: per layer, per step's full blocks, or the whole request at
 its end); a finished request keeps its blocks until every worker reports its send over.
-A hybrid model (``groups.py``) sends every group once, at the request's end.
+A hybrid model (``groups.py``) streams by layer (``send_by: layer``: full groups, and the
+window's blocks no step frees) and sends the rest (Mamba state) at the request's end; with
+another ``send_by`` it sends every group once, at the end.
 
 Decode (``kv_consumer``): a request carrying a prefill's answer loads every prompt token
 vLLM's prefix cache does not hold, asynchronously; the workers decide what comes from L2/L3
@@ -80,8 +82,10 @@ class PdxferScheduler:
         self.groups = groups or (Group(0, "full", block_size, ()),)
         self.block_size = self.groups[0].block_size
         self.hybrid = not streams(self.groups)
-        """More than one group, or one that is not full attention: each request's KV goes in
-        one send at its end, every group clipped by the worker (``groups.py``)."""
+        """More than one group, or one that is not full attention: the worker clips every
+        group (``groups.py``); what was not streamed goes in one send at the request's end."""
+        self.hybrid_layers = self.hybrid and cfg.send_by == "layer"
+        """A hybrid model streaming by layer (its state groups still go at the end)."""
         self.backoff = backoff(self.groups)
         self.select: Any = None
         """vLLM's ``select_transfer_block_ids`` (every group's blocks -> the transfer
@@ -213,7 +217,8 @@ class PdxferScheduler:
         n = len(request.prompt_token_ids or ())
         if ask is None or n == 0:
             return
-        self.streams[rid] = Streamed(ask.room, ask.decode, n, last=self.hybrid)
+        self.streams[rid] = Streamed(ask.room, ask.decode, n,
+                                     last=self.hybrid and not self.hybrid_layers)
         self._opens.append(OpenOrder(rid, ask.room, ask.decode))
 
     def _step_chunks(self, so: SchedulerOutput) -> tuple[list[SendOrder], list[LayerOrder]]:
@@ -241,6 +246,13 @@ class PdxferScheduler:
             end = min(before[rid] + k, st.num_tokens)
             last = end >= st.num_tokens
             ids = state.get_block_ids(rid)
+            if self.hybrid_layers:
+                o = hybrid_order(rid, st, end, self._transfer(ids) if ids else None,
+                                 self.groups)
+                if o is not None:
+                    lay.append(o)
+                    st.tokens, st.blocks, st.last = end, -(-end // bs), last
+                continue
             if mode == "layer":
                 o = layer_order(rid, st, end, ids[0] if ids else None, bs)
                 if o is not None:
@@ -349,3 +361,23 @@ def layer_order(rid: str, st: Streamed, end: int, block_ids: list[int] | None, b
         return None
     return LayerOrder(rid, st.room, st.peer, tuple(block_ids[first:stop]), st.tokens, end,
                       end >= st.num_tokens)
+
+
+def hybrid_order(rid: str, st: Streamed, end: int, every: tuple[Any, ...] | None,
+                 groups: tuple[Group, ...]) -> LayerOrder | None:
+    """``layer_order`` for a hybrid model: each group's blocks up to ``end`` (a state group's
+    none: its state goes at the request's end); None when there is nothing new or a group's
+    blocks are not known."""
+    if end <= st.tokens or every is None or len(every) != len(groups):
+        return None
+    out: list[tuple[int, ...]] = []
+    for g, ids in zip(groups, every):
+        if g.kind == "state":
+            out.append(())
+            continue
+        stop = -(-end // g.block_size)
+        if len(ids) < stop:
+            return None
+        out.append(tuple(ids[:stop]))
+    return LayerOrder(rid, st.room, st.peer, (), st.tokens, end, end >= st.num_tokens,
+                      groups=tuple(out), num_tokens=st.num_tokens)
