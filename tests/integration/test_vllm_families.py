@@ -44,6 +44,8 @@ BS = 32
 MAX_LEN = 4096
 LONG = 3000
 """Several thousand prompt tokens (the model's context is ``MAX_LEN``)."""
+L2 = 256
+"""The decode's L2 pages (decode-side tiers: full-attention groups only)."""
 STEP = 96
 """The prefill's tokens per step (``--max-num-batched-tokens``), under the window: a long
 prompt spans many steps, and the window's blocks more than one."""
@@ -71,6 +73,8 @@ def _server(f: Family, model: Path, tmp: Path, name: str, extra: dict[str, objec
     if role == "kv_producer":
         args += ["--max-num-batched-tokens", str(STEP)]
     more = {"kv_load_failure_policy": "recompute"} if role == "kv_consumer" else {}
+    if role == "kv_consumer":  # a repeated prompt is restored from L2, not vLLM's cache
+        args.append("--no-enable-prefix-caching")
     return VllmServer(name, model, tmp, dtype=f.dtype, block_size=BS, args=args,
                       kv_cache_bytes=512 << 20,
                       kv_transfer_config=kv_config(role, extra, **more) if extra else None)
@@ -92,7 +96,8 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                                                "stats_file": str(p_stats), "send_by": "layer"},
                     "kv_producer"),
             _server(f, model, tmp, "decode", {"bootstrap": boot.address, "instance": "d0",
-                                              "stats_file": str(d_stats)}, "kv_consumer")]
+                                              "stats_file": str(d_stats), "l2_pages": L2},
+                    "kv_consumer")]
         start_all(servers)
         router = Proc("router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
                                  f"{servers[0].url},{boot.address},p0", "--decode",
@@ -195,3 +200,31 @@ def test_by_layer_attention_groups_leave_before_the_prompts_last_step(pair: Pair
     want = 1 if stateful else steps - 1
     assert early >= want, f"{pair.family.name}: {early} of {steps} steps went before the last"
     assert st["layer_sends"] > p0["layer_sends"] and st["send_failures"] == p0["send_failures"]
+
+
+def test_decode_tiers_restore_full_groups_and_the_rest_comes_from_the_prefill(
+        pair: Pair) -> None:
+    """A prompt served twice: the second time the decode restores its full-attention
+    groups' pages from L2 (written back after the first) and loads window and state groups
+    from the prefill, token for token as colocated. A model whose every layer slides keeps
+    nothing in L2 (``groups.tiered``)."""
+    f = pair.family
+    every_slides = bool(f.window) and "full_attention" not in (f.config.get("layer_types") or ())
+    p = prompt(2000, 41)
+    ref = complete(pair.prefill.url, p)
+    d0 = read_stats(pair.d_stats)
+    assert complete(pair.router.url, p) == ref
+    wait("the write-back", lambda: read_stats(pair.d_stats).get("writebacks", 0)
+         + read_stats(pair.d_stats).get("writeback_failures", 0) > d0["writebacks"]
+         + d0["writeback_failures"] or every_slides, timeout=30)
+    assert complete(pair.router.url, p) == ref
+    wait("the second load", lambda: read_stats(pair.d_stats).get("loads", 0)
+         >= d0["loads"] + 2, timeout=30)
+    d = read_stats(pair.d_stats)
+    restored = d["restored_pages"] - d0["restored_pages"]
+    assert d["load_failures"] == d0["load_failures"]
+    assert d["writeback_failures"] == d0["writeback_failures"]
+    if every_slides:
+        assert restored == 0 and "tiers" not in d
+    else:
+        assert restored > 0, f"{f.name}: nothing restored from L2"

@@ -99,3 +99,10 @@ def test_a_cache_dtype_mismatch_names_both_sides() -> None:
     why = model_diff(p, d)
     assert "cache_dtype: prefill fp8, decode auto" in why
     assert "dtype: prefill float8_e4m3fn, decode float32" in why
+
+
+def test_tiers_keep_full_groups_only_and_none_of_a_model_whose_every_layer_slides() -> None:
+    assert G.tiered([FULL, SLIDE, SLIDE2, STATE]) == (FULL,)
+    assert G.tiered([FULL, STATE]) == (FULL,)
+    assert G.tiered([FULL]) == (FULL,)
+    assert G.tiered([SLIDE]) == () and G.tiered([STATE]) == ()

@@ -91,6 +91,20 @@ def streams(groups: Sequence[Group]) -> bool:
     return all(g.kind == "full" for g in groups)
 
 
+def tiered(groups: Sequence[Group]) -> tuple[Group, ...]:
+    """The groups decode-side tiers (L2/L3) restore: the full-attention groups of the
+    request's own room. A full group's page is a function of the tokens before it, so a
+    page saved from any request serves any other with that prefix. Window and state groups
+    always load from the prefill, which computed the whole prompt: a window block is kept by
+    nobody once the window passed it, and a state is sound only at the position it was
+    taken (a vLLM ``align`` checkpoint), so none is saved. A model whose request room holds
+    a window group (every layer sliding) has none."""
+    first = parts(groups)[0].groups if groups else ()
+    if any(g.kind == "window" for g in first):
+        return ()
+    return tuple(g for g in first if g.kind == "full")
+
+
 def backoff(groups: Sequence[Group]) -> int:
     """Prompt tokens the prefill leaves to the decode: a state group's state must be the one
     before the last prompt token, which the decode then computes."""

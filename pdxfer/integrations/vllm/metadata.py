@@ -121,6 +121,9 @@ class WritebackOrder:
     tokens: tuple[int, ...]
     block_ids: tuple[int, ...]
     scope: str = ""
+    groups: tuple[tuple[int, ...], ...] = ()
+    """A hybrid model: each transfer group's blocks of ``tokens`` (empty for a group tiers
+    do not keep, ``groups.tiered``)."""
 
 
 @dataclass(eq=False)

@@ -28,7 +28,7 @@ from pdxfer import step_pace
 
 from . import params as P
 from .config import ConnectorConfig
-from .groups import Group, backoff, streams
+from .groups import Group, backoff, streams, tiered
 from .metadata import (
     AbortOrder,
     ExpectOrder,
@@ -90,7 +90,9 @@ class PdxferScheduler:
         self.select: Any = None
         """vLLM's ``select_transfer_block_ids`` (every group's blocks -> the transfer
         groups'), set by the connector where vLLM has groups it does not transfer."""
-        self.tiers = cfg.l2_pages > 0 and not self.hybrid
+        self.tiered = tiered(self.groups)
+        """The groups decode-side tiers restore and keep (``groups.tiered``)."""
+        self.tiers = cfg.l2_pages > 0 and bool(self.tiered)
         self.streams: dict[str, Streamed] = {}
         """Prefill requests by id, from scheduling to ``request_finished``."""
         self._opens: list[OpenOrder] = []
@@ -292,7 +294,7 @@ class PdxferScheduler:
         block_ids = self._transfer(block_ids)
         if self.cfg.side == "prefill":
             return self._prefill_finished(request, block_ids)
-        return self._decode_finished(request, list(block_ids[0]) if block_ids else [])
+        return self._decode_finished(request, block_ids)
 
     def _prefill_finished(self, request: Request, every: tuple[list[int], ...]
                           ) -> tuple[bool, dict[str, Any] | None]:
@@ -329,7 +331,7 @@ class PdxferScheduler:
             self._sends.append(SendOrder(rid, st.room, st.peer, (), n))  # already all handed
         return True, answer
 
-    def _decode_finished(self, request: Request, block_ids: list[int]
+    def _decode_finished(self, request: Request, every: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._asked.discard(rid)
@@ -340,12 +342,16 @@ class PdxferScheduler:
         if not self.tiers or request.status not in DONE:
             return False, None
         n = min(request.num_computed_tokens, len(request.all_token_ids))
-        full = n // self.block_size
-        if full == 0 or len(block_ids) < full:
+        bs = self.tiered[0].block_size
+        full = n // bs
+        if full == 0 or any(len(every[g.index]) < full for g in self.tiered
+                            if g.index < len(every)) or len(every) < len(self.groups):
             return False, None
-        tokens = tuple(request.all_token_ids[:full * self.block_size])
-        self._writebacks.append(WritebackOrder(rid, tokens, tuple(block_ids[:full]),
-                                               request.cache_salt or ""))
+        tokens = tuple(request.all_token_ids[:full * bs])
+        kept = tuple(tuple(every[g.index][:full]) if g in self.tiered else ()
+                     for g in self.groups) if self.hybrid else ()
+        self._writebacks.append(WritebackOrder(rid, tokens, tuple(every[0][:full]),
+                                               request.cache_salt or "", groups=kept))
         return True, None
 
 

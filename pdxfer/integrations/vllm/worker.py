@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdxfer import Endpoint, KVPoll, KVSender, RequestHandle
+from pdxfer import ConfigError, Endpoint, KVPoll, KVSender, RequestHandle
 from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredCache
 
 from . import groups as G
@@ -130,6 +130,8 @@ class PdxferWorker:
         self._post: PdxferMetadata | None = None
         self.partial_blocks = False
         """Whether a block filled in part is sent for its tokens (set at registration)."""
+        self.tiered: tuple[str, ...] = ()
+        """A hybrid model's pools kept in and restored from L2/L3 (``groups.tiered``)."""
         self._layer_of: dict[str, int] = {}
         """vLLM's layer name -> its layer id in the pool (``layout.layer_order``)."""
         self._layer_ids: tuple[int, ...] = ()
@@ -208,16 +210,35 @@ class PdxferWorker:
         self._stream_layers()
         ident = self.cfg.model_id.replace(" ", "_")
         fingerprint = f"model={ident} groups={','.join(kinds)} cache_dtype={r.cache_dtype}"
-        if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
-            log.warning("pdxfer: decode-side tiers (l2_pages) are not used for this model: "
-                        "its KV cache has %s, and tiers restore full-attention groups only",
-                        ", ".join(g.describe() for g in self.groups))
         self.ep = Endpoint(self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
                            pools, transport=self.transport)
+        if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
+            self._group_tiers(dict(zip((g.pool for g in self.groups), pools)), fingerprint)
         log.info("pdxfer %s rank %d/%d: groups %s; rooms per request %d; endpoint %s",
                  self.cfg.side, r.tp_rank, r.tp_size, "; ".join(g.describe() for g in
                                                                self.groups),
                  len(self.parts), self.ep.endpoint_id)
+
+    def _group_tiers(self, pools: dict[str, Any], fingerprint: str) -> None:
+        """Decode-side tiers for a hybrid model: its full-attention groups only
+        (``groups.tiered`` says why the others always come from the prefill)."""
+        r, keep = self.rank, G.tiered(self.groups)
+        rest = ", ".join(g.describe() for g in self.groups if g not in keep)
+        if keep:
+            try:
+                self.cache = TieredCache([pools[g.pool] for g in keep],
+                                         host_pages=self.cfg.l2_pages, storage=self._storage(),
+                                         model_id=fingerprint, salt=f"tp{r.tp_rank}/{r.tp_size}")
+            except ConfigError as e:
+                log.warning("pdxfer: decode-side tiers (l2_pages) are not used for this "
+                            "model: %s", e)
+                return
+            self.tiered = tuple(g.pool for g in keep)
+        log.log(logging.INFO if keep else logging.WARNING,
+                "pdxfer: decode-side tiers restore %s; %s always load from the prefill (a "
+                "window block is not kept once the window passed it; a Mamba/linear state "
+                "is sound only at a position the prefill checkpointed, so none is saved)",
+                ", ".join(g.describe() for g in keep) or "no group of this model", rest)
 
     def _stream_layers(self) -> None:
         """A hybrid model's layers that stream (``send_by: layer``): those of its full and
@@ -431,13 +452,14 @@ class PdxferWorker:
             self._add("streamed_steps")
         if not done:
             return
+        advanced = any(t > out.part_tokens[i] for i, t, _ in moved)
         for i, t, last in moved:
             out.part_tokens[i], out.part_last[i] = t, last
         out.last = all(out.part_last)
         if out.last:
             self._add("sends")
             self._add("sent_tokens", o.end)
-        elif any(t > 0 for t in out.part_tokens):
+        elif advanced:
             self._add("step_chunks")
 
     def _rest(self, o: LayerOrder) -> None:
@@ -649,6 +671,16 @@ class PdxferWorker:
         joined = _Joined(o.room, len(plans))
         try:
             for part, pages, slots, start in plans:
+                rx: Any
+                if part.key == 0 and self.cache is not None and o.tokens and self.tiered:
+                    # its full groups' prefix from L2/L3, the rest (and the state) over the
+                    # network; the other rooms (windows) always over the network
+                    rx = RestoringReceiver(self.cache, self.ep, o.room, o.bootstrap, o.tokens,
+                                           pages, slots, num_tokens=o.num_tokens,
+                                           l1_len=start, release=joined.release_one,
+                                           instance=o.instance, scope=o.scope, early=o.early)
+                    joined.parts.append(rx)
+                    continue
                 rx = self.ep.receiver(part.room(o.room), o.bootstrap, instance=o.instance,
                                       release=joined.release_one, early=o.early)
                 joined.parts.append(rx)
@@ -663,7 +695,9 @@ class PdxferWorker:
     def _write_back(self, w: WritebackOrder) -> None:
         try:
             assert self.cache is not None
-            self.cache.write_back(w.tokens, {POOL: list(w.block_ids)}, len(w.tokens), w.scope)
+            pages = {POOL: list(w.block_ids)} if not w.groups else \
+                {g.pool: list(w.groups[g.index]) for g in self.groups if g.pool in self.tiered}
+            self.cache.write_back(w.tokens, pages, len(w.tokens), w.scope)
             self._add("writebacks")
         except Exception as e:  # noqa: BLE001 - a cache problem never fails a request
             self._add("writeback_failures")
@@ -731,19 +765,23 @@ class PdxferWorker:
     def _loaded(self, rec: _Load) -> None:
         add = self._add
         add("loaded_tokens", rec.order.num_tokens - rec.order.l1_len)
-        st = rec.rx.stats()
-        if isinstance(rec.rx, RestoringReceiver):
-            good, l2 = rec.rx.restored_pages, int(st["l2_pages"])
-            add("restored_pages", good)
-            add("restored_l2_pages", min(good, l2))
-            add("restored_l3_pages", max(0, good - l2))
-            add("repaired_tokens", int(st["repaired_tokens"]))
-            net = int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0)
-            net_s, ready_s = st["net_seconds"] or 0, st["seconds"] or 0
-            add("restore_us", int((st["local_seconds"] or 0) * 1e6))
-        else:
-            net, net_s = int(st.get("bytes") or 0), st.get("seconds") or 0
-            ready_s = net_s
+        net, net_s, ready_s = 0, 0.0, 0.0
+        for rx in rec.rx.parts if isinstance(rec.rx, _Joined) else [rec.rx]:
+            st = rx.stats()
+            if isinstance(rx, RestoringReceiver):
+                good, l2 = rx.restored_pages, int(st["l2_pages"])
+                add("restored_pages", good)
+                add("restored_l2_pages", min(good, l2))
+                add("restored_l3_pages", max(0, good - l2))
+                add("repaired_tokens", int(st["repaired_tokens"]))
+                net += int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0)
+                net_s = max(net_s, st["net_seconds"] or 0)
+                ready_s = max(ready_s, st["seconds"] or 0)
+                add("restore_us", int((st["local_seconds"] or 0) * 1e6))
+            else:
+                net += int(st.get("bytes") or 0)
+                net_s = max(net_s, st.get("seconds") or 0)
+                ready_s = max(ready_s, st.get("seconds") or 0)
         add("net_bytes", net)
         add("net_us", int(net_s * 1e6))
         add("ready_us", int(ready_s * 1e6))
