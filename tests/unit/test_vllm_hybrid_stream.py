@@ -145,3 +145,53 @@ def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side,
         assert not d.kv[n][0].any() and not d.kv[n][39].any()
     assert torch.equal(d.state[D_STATE], p.state[P_STATE])
     wait("the send's end", lambda: "a" in p.w.get_finished(["a"])[0])
+
+
+def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_all() -> None:
+    """Full and window groups only (Gemma 3's shape): the last step's layers end both rooms,
+    so the load ends before the request does; a decode that asks only then still gets every
+    block it holds, and the request-end send adds nothing."""
+    groups = GROUPS[:2]
+    boot = BootstrapServer("127.0.0.1", 0).start()
+    fabric = MemoryFabric()
+    sides = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            extra = {"bootstrap": boot.address, "instance": "p0" if role == "kv_producer"
+                     else "d0"}
+            w = W.PdxferWorker(C.parse(role, extra, "hybrid"), W.RankInfo(0, 1, BS, H), groups)
+            w.transport = MemoryTransport(fabric)
+            kv = {n: torch.zeros(NB, H, BS, D) for n in (FULL_L, *WIN_L)}
+            w.register_kv_caches(kv)
+            sides.append((w, kv))
+        (p, pkv), (d, dkv) = sides
+        p.take(PdxferMetadata(opens=[OpenOrder("b", ROOM, None)]))
+        for t0 in range(0, N, STEP):
+            t1 = min(N, t0 + STEP)
+            for k in range(t0 // BS, -(-t1 // BS)):
+                for n in pkv:
+                    pkv[n][[P_FULL, P_WIN][n in WIN_L][k]] = torch.randn(H, BS, D)
+            o = LayerOrder("b", ROOM, None, (), t0, t1, t1 == N, num_tokens=N,
+                           groups=(tuple(P_FULL[:-(-t1 // BS)]), _win_table(t0)[:-(-t1 // BS)]))
+            meta = PdxferMetadata(layers=[o])
+            p.take(meta)
+            p.after_forward(meta)
+        assert p.counters["sends"] == 1 and p.counters["step_chunks"] == 3
+        d.take(PdxferMetadata(loads=[LoadOrder("b-d", ROOM, boot.address, "p0", tuple(D_FULL),
+                                                0, N, groups=(tuple(D_FULL), tuple(D_WIN)))]))
+        got: set[str] = set()
+        wait("the load", lambda: bool(got.update(d.get_finished([])[1]) or got))
+        assert got == {"b-d"} and d.counters["load_failures"] == 0
+        p.take(PdxferMetadata(sends=[SendOrder("b", ROOM, None, tuple(P_FULL), N, groups=(
+            tuple(P_FULL), _win_table(144)))]))
+        assert p.counters["sends"] == 1
+        for k in range(10):
+            assert torch.equal(dkv[FULL_L][D_FULL[k]], pkv[FULL_L][P_FULL[k]]), k
+            for n in WIN_L:
+                if k >= D_WIN_START:
+                    assert torch.equal(dkv[n][D_WIN[k]], pkv[n][P_WIN[k]]), (n, k)
+        wait("the send's end", lambda: "b" in p.get_finished(["b"])[0])
+    finally:
+        for w, _ in sides:
+            w.close()
+        boot.stop()
