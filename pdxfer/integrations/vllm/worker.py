@@ -693,8 +693,10 @@ class PdxferWorker:
         self._loads[o.req_id] = rec
 
     def _write_back(self, w: WritebackOrder) -> None:
+        if self.cache is None:  # a hybrid model's tiers refused at start-up (logged then)
+            self._written.add(w.req_id)
+            return
         try:
-            assert self.cache is not None
             pages = {POOL: list(w.block_ids)} if not w.groups else \
                 {g.pool: list(w.groups[g.index]) for g in self.groups if g.pool in self.tiered}
             self.cache.write_back(w.tokens, pages, len(w.tokens), w.scope)
