@@ -1,0 +1,111 @@
+"""An open-addressing hash map from 64-bit keys to fixed-width value columns, in numpy.
+
+Every operation takes a batch of keys and runs vectorized (linear probing, one round per
+probe distance), so the KV index ingests blocks at numpy speed and costs a few bytes per
+entry instead of a Python dict's ~100. Keys must already be well mixed (callers hash them);
+0 and 1 are reserved (empty, deleted) and are remapped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+EMPTY, DELETED = np.uint64(0), np.uint64(1)
+MAX_LOAD = 0.75
+
+
+def fix_keys(keys: np.ndarray) -> np.ndarray:
+    """Keys as the map stores them (the two reserved values moved)."""
+    keys = np.asarray(keys, dtype=np.uint64)
+    return np.where(keys < 2, keys + np.uint64(2), keys)
+
+
+class U64Map:
+    def __init__(self, columns: dict[str, np.dtype | type], capacity: int = 1024) -> None:
+        cap = 1 << max(4, (capacity - 1).bit_length())
+        self._dtypes = {k: np.dtype(v) for k, v in columns.items()}
+        self.keys = np.zeros(cap, np.uint64)
+        self.cols = {k: np.zeros(cap, d) for k, d in self._dtypes.items()}
+        self.live = 0
+        self.used = 0  # live + deleted slots
+
+    @property
+    def capacity(self) -> int:
+        return len(self.keys)
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + sum(c.nbytes for c in self.cols.values())
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """Per key its slot, or -1 when absent (``keys`` as ``fix_keys`` returns them)."""
+        mask = np.uint64(self.capacity - 1)
+        out = np.full(len(keys), -1, np.int64)
+        todo = np.arange(len(keys))
+        pos = (keys & mask).astype(np.int64)
+        while len(todo):
+            at = self.keys[pos]
+            want = keys[todo]
+            hit = at == want
+            out[todo[hit]] = pos[hit]
+            go = ~hit & (at != EMPTY)
+            todo, pos = todo[go], (pos[go] + 1) & (self.capacity - 1)
+        return out
+
+    def put(self, keys: np.ndarray, **values: np.ndarray) -> np.ndarray:
+        """Set (insert or overwrite) the keys' values; returns their slots. Duplicate keys
+        in one batch: the first wins."""
+        keys, first = np.unique(keys, return_index=True)
+        values = {k: np.asarray(v)[first] for k, v in values.items()}
+        slots = self.find(keys)
+        new = np.flatnonzero(slots < 0)
+        if len(new):
+            if self.used + len(new) > MAX_LOAD * self.capacity:
+                self._grow(self.live + len(new))
+            slots[new] = self._insert(keys[new])
+        for k, v in values.items():
+            self.cols[k][slots] = v
+        return slots
+
+    def _insert(self, keys: np.ndarray) -> np.ndarray:
+        """Place keys known to be absent."""
+        cap = self.capacity
+        out = np.empty(len(keys), np.int64)
+        todo = np.arange(len(keys))
+        pos = (keys & np.uint64(cap - 1)).astype(np.int64)
+        while len(todo):
+            at = self.keys[pos]
+            free = np.flatnonzero(at <= DELETED)
+            if len(free):
+                _, win = np.unique(pos[free], return_index=True)
+                win = free[win]
+                self.used += int((self.keys[pos[win]] == EMPTY).sum())
+                self.keys[pos[win]] = keys[todo[win]]
+                out[todo[win]] = pos[win]
+                keep = np.ones(len(todo), bool)
+                keep[win] = False
+                todo, pos = todo[keep], pos[keep]
+            pos = (pos + 1) & (cap - 1)
+        self.live += len(keys)
+        return out
+
+    def delete_slots(self, slots: np.ndarray) -> None:
+        slots = np.unique(slots[slots >= 0])
+        self.keys[slots] = DELETED
+        self.live -= len(slots)
+
+    def live_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.keys > DELETED)
+
+    def _grow(self, need: int) -> None:
+        live = self.live_slots()
+        keys = self.keys[live]
+        vals = {k: c[live] for k, c in self.cols.items()}
+        cap = self.capacity
+        while need > MAX_LOAD * cap / 2:  # leave room to half full after a rehash
+            cap *= 2
+        self.keys = np.zeros(cap, np.uint64)
+        self.cols = {k: np.zeros(cap, d) for k, d in self._dtypes.items()}
+        self.live = self.used = 0
+        slots = self._insert(keys)
+        for k, v in vals.items():
+            self.cols[k][slots] = v
