@@ -1,7 +1,7 @@
 """An open-addressing hash map from 64-bit keys to fixed-width value columns, in numpy.
 
-Every operation takes a batch of keys and runs vectorized (linear probing, one round per
-probe distance), so the KV index ingests blocks at numpy speed and costs a few bytes per
+Every operation takes a batch of keys and runs vectorized (buckets of ``WAYS`` slots read as
+one row, probing on to the next bucket only when one is full), so the KV index ingests blocks at numpy speed and costs a few bytes per
 entry instead of a Python dict's ~100. Keys must already be well mixed (callers hash them);
 0 and 1 are reserved (empty, deleted) and are remapped.
 """
@@ -12,6 +12,8 @@ import numpy as np
 
 EMPTY, DELETED = np.uint64(0), np.uint64(1)
 MAX_LOAD = 0.75
+WAYS = 8
+"""Slots per bucket: a lookup reads a key's bucket at once, and rarely the next."""
 
 
 def fix_keys(keys: np.ndarray) -> np.ndarray:
@@ -22,7 +24,7 @@ def fix_keys(keys: np.ndarray) -> np.ndarray:
 
 class U64Map:
     def __init__(self, columns: dict[str, np.dtype | type], capacity: int = 1024) -> None:
-        cap = 1 << max(4, (capacity - 1).bit_length())
+        cap = 1 << max(5, (capacity - 1).bit_length())
         self._dtypes = {k: np.dtype(v) for k, v in columns.items()}
         self.keys = np.zeros(cap, np.uint64)
         self.cols = {k: np.zeros(cap, d) for k, d in self._dtypes.items()}
@@ -38,24 +40,26 @@ class U64Map:
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Per key its slot, or -1 when absent (``keys`` as ``fix_keys`` returns them)."""
-        mask = np.uint64(self.capacity - 1)
         out = np.full(len(keys), -1, np.int64)
+        nb = self.capacity // WAYS
         todo = np.arange(len(keys))
-        pos = (keys & mask).astype(np.int64)
+        b = (keys >> np.uint64(32)).astype(np.int64) & (nb - 1)
+        grid = self.keys.reshape(nb, WAYS)
         while len(todo):
-            at = self.keys[pos]
-            want = keys[todo]
-            hit = at == want
-            out[todo[hit]] = pos[hit]
-            go = ~hit & (at != EMPTY)
-            todo, pos = todo[go], (pos[go] + 1) & (self.capacity - 1)
+            rows = grid[b]
+            eq = rows == keys[todo, None]
+            hit = eq.any(axis=1)
+            out[todo[hit]] = b[hit] * WAYS + eq[hit].argmax(axis=1)
+            go = ~hit & ~(rows == EMPTY).any(axis=1)  # a full bucket: the key may be further
+            todo, b = todo[go], (b[go] + 1) & (nb - 1)
         return out
 
     def put(self, keys: np.ndarray, **values: np.ndarray) -> np.ndarray:
         """Set (insert or overwrite) the keys' values; returns their slots. Duplicate keys
         in one batch: the first wins."""
-        keys, first = np.unique(keys, return_index=True)
-        values = {k: np.asarray(v)[first] for k, v in values.items()}
+        if len(keys) > 1:
+            keys, first = np.unique(keys, return_index=True)
+            values = {k: np.asarray(v)[first] for k, v in values.items()}
         slots = self.find(keys)
         new = np.flatnonzero(slots < 0)
         if len(new):
@@ -67,24 +71,31 @@ class U64Map:
         return slots
 
     def _insert(self, keys: np.ndarray) -> np.ndarray:
-        """Place keys known to be absent."""
-        cap = self.capacity
+        """Place keys known to be absent: each in the first free way of its bucket (or of
+        the next bucket with one)."""
+        nb = self.capacity // WAYS
+        grid = self.keys.reshape(nb, WAYS)
         out = np.empty(len(keys), np.int64)
         todo = np.arange(len(keys))
-        pos = (keys & np.uint64(cap - 1)).astype(np.int64)
+        b = (keys >> np.uint64(32)).astype(np.int64) & (nb - 1)
         while len(todo):
-            at = self.keys[pos]
-            free = np.flatnonzero(at <= DELETED)
-            if len(free):
-                _, win = np.unique(pos[free], return_index=True)
-                win = free[win]
-                self.used += int((self.keys[pos[win]] == EMPTY).sum())
-                self.keys[pos[win]] = keys[todo[win]]
-                out[todo[win]] = pos[win]
+            free = grid[b] <= DELETED
+            has = free.any(axis=1)
+            slot = b * WAYS + free.argmax(axis=1)
+            cand = np.flatnonzero(has)
+            if len(cand):
+                _, win = np.unique(slot[cand], return_index=True)
+                win = cand[win]
+                s = slot[win]
+                self.used += int((self.keys[s] == EMPTY).sum())
+                self.keys[s] = keys[todo[win]]
+                out[todo[win]] = s
                 keep = np.ones(len(todo), bool)
                 keep[win] = False
-                todo, pos = todo[keep], pos[keep]
-            pos = (pos + 1) & (cap - 1)
+                b = np.where(has, b, (b + 1) & (nb - 1))[keep]
+                todo = todo[keep]
+            else:
+                b = (b + 1) & (nb - 1)
         self.live += len(keys)
         return out
 
