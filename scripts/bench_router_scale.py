@@ -42,7 +42,7 @@ from pdxfer.serving.router.kv_policy import choose
 BS = 16
 SYS_BLOCKS = 8
 CONV_BLOCKS = 24
-EVENTS_PER_BATCH = 4
+EVENTS_PER_BATCH = 16
 VOCAB = 32000
 
 

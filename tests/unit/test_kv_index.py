@@ -121,3 +121,26 @@ def test_index_agrees_with_a_brute_force_model_under_random_events() -> None:
             if d:
                 want[name] = d * BS
         assert ix.cached_tokens(q) == want
+
+
+def test_stored_many_agrees_with_one_event_at_a_time() -> None:
+    rng = random.Random(3)
+    one, many = KvIndex(BS), KvIndex(BS)
+    events = []
+    for k in range(40):
+        n = rng.randrange(1, 5)
+        toks = [rng.randrange(1000) for _ in range(n * BS)]
+        hashes = [10_000 * (k + 1) + i for i in range(n)]
+        parent = None
+        if events and rng.random() < 0.6:  # chained to a block stored before, maybe in-run
+            parent = rng.choice(events)[0][-1]
+        extras = [["salt"]] + [None] * (n - 1) if rng.random() < 0.2 else None
+        events.append((hashes, parent, toks, extras))
+    for e in events:
+        one.stored("a", *e)
+    for a in range(0, len(events), 7):
+        many.stored_many("a", events[a:a + 7])
+    assert len(one) == len(many) and one.orphans == many.orphans
+    s1 = np.sort(one.blocks.cols["state"][one.blocks.live_slots()])
+    s2 = np.sort(many.blocks.cols["state"][many.blocks.live_slots()])
+    assert (s1 == s2).all()

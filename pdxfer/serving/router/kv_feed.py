@@ -95,25 +95,40 @@ class KvFeeds:
 
     # -- applying events ----------------------------------------------------------------------
     def apply(self, worker: str, batch: KVEventBatch) -> int:
-        """Apply one batch; returns the blocks stored and removed."""
+        """Apply one batch; returns the blocks stored and removed. Consecutive stores of one
+        block size go to the index together (one vectorized pass)."""
         n = 0
+        run: list[BlockStored] = []
+
+        def flush() -> int:
+            if not run:
+                return 0
+            bs = run[0].block_size
+            ix = self.indexes.get(bs)
+            if ix is None:
+                ix = self.indexes[bs] = KvIndex(bs)
+            got = ix.stored_many(worker, [(e.block_hashes, e.parent_block_hash, e.token_ids,
+                                           e.extra_keys) for e in run])
+            run.clear()
+            return got
+
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 if ev.group_idx not in (None, 0) or ev.medium not in (None, "GPU"):
                     continue
-                ix = self.indexes.get(ev.block_size)
-                if ix is None:
-                    ix = self.indexes[ev.block_size] = KvIndex(ev.block_size)
-                n += ix.stored(worker, ev.block_hashes, ev.parent_block_hash, ev.token_ids,
-                               ev.extra_keys)
-            elif isinstance(ev, BlockRemoved):
+                if run and run[0].block_size != ev.block_size:
+                    n += flush()
+                run.append(ev)
+                continue
+            n += flush()
+            if isinstance(ev, BlockRemoved):
                 if ev.group_idx not in (None, 0) or ev.medium not in (None, "GPU"):
                     continue
                 for ix in self.indexes.values():
                     n += ix.removed(worker, ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.forget(worker)
-        return n
+        return n + flush()
 
     def on_frame(self, f: FeedState, seq: int, batch: KVEventBatch) -> str:
         """One live frame, in order: ``apply``, ``dup``, or ``gap`` (the caller then replays

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,6 +77,25 @@ def chain_states(parent: int, tokens: np.ndarray, block_size: int,
     return out
 
 
+def chain_many(parents: np.ndarray, lens: np.ndarray, tokens: np.ndarray, block_size: int,
+               extras: Sequence[Any] | None = None) -> np.ndarray:
+    """``chain_states`` of several chains at once (each at most ``CHUNK`` blocks)."""
+    n = int(lens.sum())
+    tok = tokens[:n * block_size].astype(np.uint64).reshape(n, block_size)
+    th = fmix((tok * _TOK[:block_size]).sum(axis=1, dtype=np.uint64) + np.uint64(block_size))
+    if extras:
+        for i, e in enumerate(extras[:n]):
+            if e:
+                th[i] ^= np.uint64(extra_hash(e))
+    starts = np.cumsum(lens) - lens
+    loc = np.arange(n) - np.repeat(starts, lens)
+    acc = np.cumsum(th * _PINV[loc], dtype=np.uint64)
+    base = np.where(starts > 0, acc[np.maximum(starts - 1, 0)], np.uint64(0))
+    seg = np.repeat(np.arange(len(lens)), lens)
+    p_s0 = parents * np.uint64(P)
+    return (acc - base[seg] + p_s0[seg]) * _PP[loc]
+
+
 def block_keys(states: np.ndarray) -> np.ndarray:
     return fix_keys(fmix(states))
 
@@ -85,6 +105,10 @@ def _engine_keys(hashes: Sequence[int | bytes], worker: int) -> np.ndarray:
     h = np.fromiter(((x if isinstance(x, int) else int.from_bytes(x[:8], "big")) & M64
                      for x in hashes), np.uint64, len(hashes))
     return fix_keys(fmix(h ^ fmix(np.uint64(((worker + 1) * P) & M64))))
+
+
+Stored = tuple[Sequence[int | bytes], "int | bytes | None", Sequence[int], "Sequence[Any] | None"]
+"""A ``BlockStored``'s hashes, parent hash, token ids and extra keys."""
 
 
 class KvIndex:
@@ -118,8 +142,10 @@ class KvIndex:
         return int((self.blocks.cols["w"][live] == w).sum())
 
     def nbytes(self) -> int:
-        return (self.holders.nbytes() + self.blocks.nbytes()
-                + sum(48 + (v.bit_length() + 7) // 8 for v in self.multi.values()))
+        """The maps' arrays, and the shared blocks' dict with its int objects."""
+        side = sys.getsizeof(self.multi) + sum(sys.getsizeof(k) + sys.getsizeof(v)
+                                               for k, v in self.multi.items())
+        return self.holders.nbytes() + self.blocks.nbytes() + side
 
     def __len__(self) -> int:
         """Indexed (worker, block) pairs."""
@@ -145,6 +171,43 @@ class KvIndex:
         self.blocks.put(_engine_keys(hashes, w), state=states,
                         w=np.full(n, w, np.uint16))
         self._hold(block_keys(states), w)
+        return n
+
+    def stored_many(self, name: str, events: Sequence[Stored]) -> int:
+        """Consecutive ``BlockStored`` events of one worker at once: those whose parents are
+        known before them in one vectorized pass, the rest (parents among them) in order."""
+        w = self.worker(name)
+        bs = self.block_size
+        ok = [e for e in events if e[0] and len(e[2]) == len(e[0]) * bs and len(e[0]) <= CHUNK]
+        inside = {h for e in ok for h in e[0]}
+        first = [e for e in ok if e[1] is None or e[1] not in inside]
+        later = [e for e in ok if e[1] is not None and e[1] in inside]
+        n = 0
+        if first:
+            parents = [e[1] for e in first if e[1] is not None]
+            pslots = self.blocks.find(_engine_keys(parents, w)) if parents else np.empty(0, int)
+            s0s, it = [], iter(pslots.tolist())
+            for e in first:
+                slot = next(it) if e[1] is not None else None
+                s0s.append(-1 if slot is not None and slot < 0 else
+                           0 if slot is None else int(self.blocks.cols["state"][slot]))
+            keep = [(e, s) for e, s in zip(first, s0s) if s >= 0]
+            self.orphans += sum(len(e[0]) for e, s in zip(first, s0s) if s < 0)
+            if keep:
+                lens = np.array([len(e[0]) for e, _ in keep])
+                tokens = np.concatenate([np.asarray(e[2], np.int64) for e, _ in keep])
+                extras = None
+                if any(e[3] for e, _ in keep):
+                    extras = [x for e, _ in keep for x in (e[3] or [None] * len(e[0]))]
+                states = chain_many(np.array([s for _, s in keep], np.uint64), lens, tokens,
+                                    bs, extras)
+                hashes = [h for e, _ in keep for h in e[0]]
+                self.blocks.put(_engine_keys(hashes, w), state=states,
+                                w=np.full(len(hashes), w, np.uint16))
+                self._hold(block_keys(states), w)
+                n += len(hashes)
+        for e in later:
+            n += self.stored(name, *e)
         return n
 
     def _hold(self, keys: np.ndarray, w: int) -> None:

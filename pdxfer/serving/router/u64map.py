@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 EMPTY, DELETED = np.uint64(0), np.uint64(1)
-MAX_LOAD = 0.75
+MAX_LOAD = 0.85
+GROWN_LOAD = 0.6
+"""At most this full after a rehash (so a grown map is 0.3 to 0.85 full)."""
 WAYS = 8
 """Slots per bucket: a lookup reads a key's bucket at once, and rarely the next."""
 
@@ -112,7 +114,7 @@ class U64Map:
         keys = self.keys[live]
         vals = {k: c[live] for k, c in self.cols.items()}
         cap = self.capacity
-        while need > MAX_LOAD * cap / 2:  # leave room to half full after a rehash
+        while need > GROWN_LOAD * cap:
             cap *= 2
         self.keys = np.zeros(cap, np.uint64)
         self.cols = {k: np.zeros(cap, d) for k, d in self._dtypes.items()}
