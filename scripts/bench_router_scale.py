@@ -8,7 +8,8 @@ conversation on one worker (10% also on a second), 5% of events removing a conve
 tail. Ingest time counts frame decoding and indexing (``events_per_s``: blocks stored or
 removed per second). Then requests (half follow a stored conversation, half are new) are
 each decided: the prompt's cached prefix per worker, then the KV-aware choice against random
-loads (``decision_*_ms``). ``bytes_per_block``: the index's arrays per indexed pair. The
+loads (``decision_*_ms``; ``*_cpu_*``: the same on the thread's CPU time, which a
+shared, loaded machine inflates less than wall time). ``bytes_per_block``: the index's arrays per indexed pair. The
 top-level ``router_scale.*`` figures are the largest fleet's. The bootstrap server runs as
 its own process (``pdxfer bootstrap``); 125 instances of 8 TP ranks register over HTTP, and
 concurrent keep-alive clients look routes up.
@@ -58,11 +59,12 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
     seqs = dict.fromkeys(names, 0)
     sys_tokens = rng.integers(0, VOCAB, SYS_BLOCKS * BS).tolist()
     sys_hashes = [int(x) for x in rng.integers(1, 1 << 62, SYS_BLOCKS)]
-    convs: dict[str, list[tuple[list[int], list[int]]]] = {n: [] for n in names}
+    tails: dict[str, list[list[int]]] = {n: [] for n in names}  # each conversation's last
+    # four block hashes (what an eviction removes)
     sample: list[tuple[str, list[int]]] = []
     pending: dict[str, list[Any]] = {n: [BlockStored(sys_hashes, None, sys_tokens, BS,
                                                      medium="GPU")] for n in names}
-    ingest_s = 0.0
+    ingest_s = ingest_cpu_s = 0.0
     frames = 0
     total = 0
 
@@ -81,22 +83,23 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
             hashes = [int(x) for x in rng.integers(1, 1 << 62, CONV_BLOCKS)]
             ev = BlockStored(hashes, sys_hashes[-1], toks, BS, medium="GPU")
             pending[n].append(ev)
-            convs[n].append((hashes, toks))
+            tails[n].append(hashes[-4:])
             if rng.random() < 0.1:  # also on a second worker
                 other = names[int(rng.integers(workers))]
                 pending[other].append(ev)
-            if rng.random() < 0.05 and len(convs[n]) > 1:  # an eviction of an older tail
-                old = convs[n][int(rng.integers(len(convs[n]) - 1))]
-                pending[n].append(BlockRemoved(old[0][-4:], medium="GPU"))
-            if len(sample) < 4 * requests and rng.random() < 0.2:
+            if rng.random() < 0.05 and len(tails[n]) > 1:  # an eviction of an older tail
+                old = tails[n][int(rng.integers(len(tails[n]) - 1))]
+                pending[n].append(BlockRemoved(old, medium="GPU"))
+            if len(sample) < requests and rng.random() < 0.2:
                 sample.append((n, sys_tokens + toks))
         batch = flush(force=False)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for n, parts in batch:
             seq, b = parse_frame(parts)
             assert b is not None
             feeds.on_frame(states[n], seq, b)
         ingest_s += time.perf_counter() - t0
+        ingest_cpu_s += time.thread_time() - c0
         frames += len(batch)
         total = sum(len(ix) for ix in feeds.indexes.values())
     block_events = sum(states[n].counters["blocks"] for n in names)
@@ -106,7 +109,7 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
     pool = [Prefill(n, "127.0.0.1:1") for n in names]
     for p in pool:
         p.outstanding = int(rng.integers(0, 4))
-    lat = []
+    lat, cpu = [], []
     hits = 0
     follow = 0
     for i in range(requests):
@@ -116,19 +119,23 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
             follow += 1
         else:
             owner, ids = "", sys_tokens + rng.integers(0, VOCAB, CONV_BLOCKS * BS).tolist()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         cached = feeds.cached(ids)
         _, held = choose(pool, lambda p, c=cached: c.get(p.key, 0), len(ids))
         lat.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
         hits += owner != "" and held > SYS_BLOCKS * BS
-    a = np.asarray(lat) * 1000
+    a, ac = np.asarray(lat) * 1000, np.asarray(cpu) * 1000
     return {"workers": workers, "indexed_blocks": len(ix), "unique_blocks": ix.holders.live,
             "shared_blocks": len(ix.multi), "frames": frames,
             "events_per_s": block_events / ingest_s, "frames_per_s": frames / ingest_s,
+            "events_per_cpu_s": block_events / ingest_cpu_s,
             "ingest_s": ingest_s, "bytes_per_block": ix.nbytes() / max(len(ix), 1),
             "decision_p50_ms": float(np.percentile(a, 50)),
             "decision_p99_ms": float(np.percentile(a, 99)),
             "decision_max_ms": float(a.max()), "requests": requests,
+            "decision_cpu_p50_ms": float(np.percentile(ac, 50)),
+            "decision_cpu_p99_ms": float(np.percentile(ac, 99)),
             "followups_routed_to_a_holder": hits / max(follow, 1),
             "rss_peak_mb": _rss_mb()}
 
@@ -209,7 +216,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in out.items() if k.startswith(f"router_scale.w{w}.")}),
               file=sys.stderr, flush=True)
     for k in ("decision_p50_ms", "decision_p99_ms", "bytes_per_block", "events_per_s",
-              "workers", "indexed_blocks"):
+              "decision_cpu_p99_ms", "events_per_cpu_s", "workers", "indexed_blocks"):
         out[f"router_scale.{k}"] = last[k]
     b = bootstrap_bench(1000, 2000 if a.quick else 20000, 8)
     out.update({f"router_scale.{k}": v for k, v in b.items()})

@@ -174,48 +174,56 @@ class KvIndex:
         return n
 
     def stored_many(self, name: str, events: Sequence[Stored]) -> int:
-        """Consecutive ``BlockStored`` events of one worker at once: those whose parents are
-        known before them in one vectorized pass, the rest (parents among them) in order."""
+        """Consecutive ``BlockStored`` events of one worker at once, in waves: each wave
+        the events whose parents no event still waiting stores, in one vectorized pass."""
         w = self.worker(name)
         bs = self.block_size
-        ok = [e for e in events if e[0] and len(e[2]) == len(e[0]) * bs and len(e[0]) <= CHUNK]
-        inside = {h for e in ok for h in e[0]}
-        first = [e for e in ok if e[1] is None or e[1] not in inside]
-        later = [e for e in ok if e[1] is not None and e[1] in inside]
+        todo = [e for e in events if e[0] and len(e[2]) == len(e[0]) * bs
+                and len(e[0]) <= CHUNK]
         n = 0
-        if first:
-            parents = [e[1] for e in first if e[1] is not None]
-            pslots = self.blocks.find(_engine_keys(parents, w)) if parents else np.empty(0, int)
-            s0s, it = [], iter(pslots.tolist())
-            for e in first:
-                slot = next(it) if e[1] is not None else None
-                s0s.append(-1 if slot is not None and slot < 0 else
-                           0 if slot is None else int(self.blocks.cols["state"][slot]))
-            keep = [(e, s) for e, s in zip(first, s0s) if s >= 0]
-            self.orphans += sum(len(e[0]) for e, s in zip(first, s0s) if s < 0)
-            if keep:
-                lens = np.array([len(e[0]) for e, _ in keep])
-                tokens = np.concatenate([np.asarray(e[2], np.int64) for e, _ in keep])
-                extras = None
-                if any(e[3] for e, _ in keep):
-                    extras = [x for e, _ in keep for x in (e[3] or [None] * len(e[0]))]
-                states = chain_many(np.array([s for _, s in keep], np.uint64), lens, tokens,
-                                    bs, extras)
-                hashes = [h for e, _ in keep for h in e[0]]
-                self.blocks.put(_engine_keys(hashes, w), state=states,
-                                w=np.full(len(hashes), w, np.uint16))
-                self._hold(block_keys(states), w)
-                n += len(hashes)
-        for e in later:
-            n += self.stored(name, *e)
+        while todo:
+            made = {h for e in todo for h in e[0]}
+            wave = [e for e in todo if e[1] is None or e[1] not in made]
+            if not wave:  # a cycle (hostile): what is left is not indexed
+                break
+            n += self._store_wave(w, wave)
+            todo = [e for e in todo if e[1] is not None and e[1] in made]
         return n
+
+    def _store_wave(self, w: int, wave: Sequence[Stored]) -> int:
+        bs = self.block_size
+        parents = [e[1] for e in wave if e[1] is not None]
+        pslots = iter(self.blocks.find(_engine_keys(parents, w)).tolist() if parents else [])
+        keep: list[tuple[Stored, int]] = []
+        for e in wave:
+            slot = next(pslots) if e[1] is not None else None
+            if slot is None:
+                keep.append((e, 0))
+            elif slot >= 0:
+                keep.append((e, int(self.blocks.cols["state"][slot])))
+            else:
+                self.orphans += len(e[0])
+        if not keep:
+            return 0
+        lens = np.array([len(e[0]) for e, _ in keep])
+        tokens = np.concatenate([np.asarray(e[2], np.int64) for e, _ in keep])
+        extras = None
+        if any(e[3] for e, _ in keep):
+            extras = [x for e, _ in keep for x in (e[3] or [None] * len(e[0]))]
+        states = chain_many(np.array([s for _, s in keep], np.uint64), lens, tokens, bs,
+                            extras)
+        hashes = [h for e, _ in keep for h in e[0]]
+        self.blocks.put(_engine_keys(hashes, w), state=states,
+                        w=np.full(len(hashes), w, np.uint16))
+        self._hold(block_keys(states), w)
+        return len(hashes)
 
     def _hold(self, keys: np.ndarray, w: int) -> None:
         keys = np.unique(keys)
         slots = self.holders.find(keys)
         new = slots < 0
         if new.any():
-            self.holders.put(keys[new], w=np.full(int(new.sum()), w, np.uint16))
+            self.holders.put_absent(keys[new], w=np.full(int(new.sum()), w, np.uint16))
         old = np.flatnonzero(~new)
         if len(old):
             cur = self.holders.cols["w"][slots[old]]

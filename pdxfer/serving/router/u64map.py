@@ -1,9 +1,10 @@
 """An open-addressing hash map from 64-bit keys to fixed-width value columns, in numpy.
 
-Every operation takes a batch of keys and runs vectorized (buckets of ``WAYS`` slots read as
-one row, probing on to the next bucket only when one is full), so the KV index ingests blocks at numpy speed and costs a few bytes per
-entry instead of a Python dict's ~100. Keys must already be well mixed (callers hash them);
-0 and 1 are reserved (empty, deleted) and are remapped.
+Every operation takes a batch of keys and runs vectorized: buckets of ``WAYS`` slots read as
+one row, probing on (by a stride of the key's own) only past a full bucket. So the KV index
+ingests blocks at numpy speed and costs a few bytes per entry instead of a Python dict's
+~100. Keys must already be well mixed (callers hash them); 0 and 1 are reserved (empty,
+deleted) and are remapped.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 EMPTY, DELETED = np.uint64(0), np.uint64(1)
-MAX_LOAD = 0.85
-GROWN_LOAD = 0.6
-"""At most this full after a rehash (so a grown map is 0.3 to 0.85 full)."""
+MAX_LOAD = 0.75
+GROWN_LOAD = 0.55
+"""At most this full after a rehash (so a grown map is 0.27 to 0.75 full)."""
 WAYS = 8
 """Slots per bucket: a lookup reads a key's bucket at once, and rarely the next."""
 
@@ -22,6 +23,13 @@ def fix_keys(keys: np.ndarray) -> np.ndarray:
     """Keys as the map stores them (the two reserved values moved)."""
     keys = np.asarray(keys, dtype=np.uint64)
     return np.where(keys < 2, keys + np.uint64(2), keys)
+
+
+def _probe(keys: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """A key's first bucket and its odd stride to the next (double hashing: no clusters)."""
+    b = (keys >> np.uint64(32)).astype(np.int64) & (nb - 1)
+    step = ((keys >> np.uint64(8)).astype(np.int64) & (nb - 1)) | 1
+    return b, step
 
 
 class U64Map:
@@ -45,7 +53,7 @@ class U64Map:
         out = np.full(len(keys), -1, np.int64)
         nb = self.capacity // WAYS
         todo = np.arange(len(keys))
-        b = (keys >> np.uint64(32)).astype(np.int64) & (nb - 1)
+        b, step = _probe(keys, nb)
         grid = self.keys.reshape(nb, WAYS)
         while len(todo):
             rows = grid[b]
@@ -53,7 +61,7 @@ class U64Map:
             hit = eq.any(axis=1)
             out[todo[hit]] = b[hit] * WAYS + eq[hit].argmax(axis=1)
             go = ~hit & ~(rows == EMPTY).any(axis=1)  # a full bucket: the key may be further
-            todo, b = todo[go], (b[go] + 1) & (nb - 1)
+            todo, b, step = todo[go], (b[go] + step[go]) & (nb - 1), step[go]
         return out
 
     def put(self, keys: np.ndarray, **values: np.ndarray) -> np.ndarray:
@@ -72,6 +80,15 @@ class U64Map:
             self.cols[k][slots] = v
         return slots
 
+    def put_absent(self, keys: np.ndarray, **values: np.ndarray) -> np.ndarray:
+        """``put`` for distinct keys known to be absent (the caller just looked)."""
+        if self.used + len(keys) > MAX_LOAD * self.capacity:
+            self._grow(self.live + len(keys))
+        slots = self._insert(keys)
+        for k, v in values.items():
+            self.cols[k][slots] = v
+        return slots
+
     def _insert(self, keys: np.ndarray) -> np.ndarray:
         """Place keys known to be absent: each in the first free way of its bucket (or of
         the next bucket with one)."""
@@ -79,7 +96,7 @@ class U64Map:
         grid = self.keys.reshape(nb, WAYS)
         out = np.empty(len(keys), np.int64)
         todo = np.arange(len(keys))
-        b = (keys >> np.uint64(32)).astype(np.int64) & (nb - 1)
+        b, step = _probe(keys, nb)
         while len(todo):
             free = grid[b] <= DELETED
             has = free.any(axis=1)
@@ -94,10 +111,10 @@ class U64Map:
                 out[todo[win]] = s
                 keep = np.ones(len(todo), bool)
                 keep[win] = False
-                b = np.where(has, b, (b + 1) & (nb - 1))[keep]
-                todo = todo[keep]
+                b = np.where(has, b, (b + step) & (nb - 1))[keep]
+                todo, step = todo[keep], step[keep]
             else:
-                b = (b + 1) & (nb - 1)
+                b = (b + step) & (nb - 1)
         self.live += len(keys)
         return out
 
