@@ -120,8 +120,7 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
         else:
             owner, ids = "", sys_tokens + rng.integers(0, VOCAB, CONV_BLOCKS * BS).tolist()
         t0, c0 = time.perf_counter(), time.thread_time()
-        cached = feeds.cached(ids)
-        _, held = choose(pool, lambda p, c=cached: c.get(p.key, 0), len(ids))
+        _, held = choose(pool, feeds.cached_groups(ids), len(ids))
         lat.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
         hits += owner != "" and held > SYS_BLOCKS * BS

@@ -51,7 +51,7 @@ from .backends import (
     registered,
 )
 from .kv_feed import FeedSpec, KvFeeds
-from .kv_policy import LOAD_WEIGHT, choose
+from .kv_policy import LOAD_WEIGHT, Held, choose
 
 log = logging.getLogger("pdxfer.serving.router")
 POLICIES = ("round_robin", "least_outstanding", "kv_aware")
@@ -199,10 +199,10 @@ class Router:
             pf = min(ps, key=lambda x: (x.outstanding, x.used))
             dc = min(ds, key=lambda x: (x.outstanding, x.used))
         elif self.policy == "kv_aware":
-            held = self._holdings(ids, tenant)
-            pf, pf_held = choose(ps, lambda w: held(w, ds[0].page_size), len(ids),
+            cached = self._cached(ids, tenant)  # KV events: workers in sync
+            pf, pf_held = choose(ps, self._held(ps, ids, tenant, cached), len(ids),
                                  self.load_weight)
-            dc, dc_held = choose(ds, lambda w: held(w, w.page_size), len(ids),
+            dc, dc_held = choose(ds, self._held(ds, ids, tenant, cached), len(ids),
                                  self.load_weight)
         else:
             pf = ps[next(self._rr_p) % len(ps)]
@@ -211,22 +211,28 @@ class Router:
         dc.used += 1
         return pf, dc, pf_held, dc_held
 
-    def _holdings(self, ids: list[int], tenant: str) -> Any:
-        """``held(worker, page_size)``: the prompt's leading tokens the worker holds, from
-        its KV events while its feed is in sync, else from the router's own history."""
+    def _cached(self, ids: list[int], tenant: str) -> Held:
+        """Workers whose KV event feed is in sync, by the prompt's leading tokens held."""
+        if self.kv is None:
+            return []
         salt_of = getattr(self.backend, "cache_salt", None)
-        cached = (self.kv.cached(ids, salt_of(tenant) if salt_of else None)
-                  if self.kv is not None else {})
+        return self.kv.cached_groups(ids, salt_of(tenant) if salt_of else None)
+
+    def _held(self, ws: list[Any], ids: list[int], tenant: str, cached: Held) -> Held:
+        """What each of ``ws`` holds of the prompt: from its KV events while its feed is in
+        sync (``cached``), else from the router's own history (at the decodes' page size)."""
+        out = list(cached)
         keys: dict[int, list[str]] = {}
-
-        def held(w: Prefill | Decode, page_size: int) -> int:
+        for w in ws:
             if self.kv is not None and self.kv.synced(w.key):
-                return cached.get(w.key, 0)
-            if page_size not in keys:
-                keys[page_size] = page_keys(ids, page_size, tenant)
-            return w.hit(keys[page_size]) * page_size
-
-        return held
+                continue
+            size = getattr(w, "page_size", self.decodes[0].page_size)
+            if size not in keys:
+                keys[size] = page_keys(ids, size, tenant)
+            h = w.hit(keys[size]) * size
+            if h:
+                out.append((h, [w.key]))
+        return out
 
     # -- plain handlers -------------------------------------------------------------------------
     async def h_models(self, request: web.Request) -> web.Response:

@@ -82,10 +82,21 @@ class KvFeeds:
     def cached(self, ids: Sequence[int], salt: str | None = None) -> dict[str, int]:
         """Per synced worker: the leading tokens of ``ids`` it holds (absent: none)."""
         out: dict[str, int] = {}
+        for n, ws in self.cached_groups(ids, salt):
+            for w in ws:
+                out[w] = max(out.get(w, 0), n)
+        return out
+
+    def cached_groups(self, ids: Sequence[int], salt: str | None = None
+                      ) -> list[tuple[int, list[str]]]:
+        """Synced workers holding leading tokens of ``ids``, grouped by how many."""
+        feeds = self.feeds
+        out = []
         for ix in self.indexes.values():
-            for w, n in ix.cached_tokens(ids, salt).items():
-                if self.synced(w):
-                    out[w] = max(out.get(w, 0), n)
+            for n, ws in ix.cached_groups(ids, salt):
+                ws = [w for w in ws if (f := feeds.get(w)) is not None and f.synced]
+                if ws:
+                    out.append((n, ws))
         return out
 
     def forget(self, worker: str) -> None:

@@ -111,6 +111,19 @@ Stored = tuple[Sequence[int | bytes], "int | bytes | None", Sequence[int], "Sequ
 """A ``BlockStored``'s hashes, parent hash, token ids and extra keys."""
 
 
+def _bits(m: int) -> list[int]:
+    """The positions of a non-negative int's set bits."""
+    if m < 1 << 64:
+        out = []
+        while m:
+            b = m & -m
+            out.append(b.bit_length() - 1)
+            m ^= b
+        return out
+    raw = np.frombuffer(m.to_bytes((m.bit_length() + 7) // 8, "little"), np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+
+
 class KvIndex:
     """One block size's index over many workers (names -> small ids)."""
 
@@ -284,36 +297,41 @@ class KvIndex:
         extras = [[salt]] if salt else None
         return block_keys(chain_states(0, np.asarray(ids), self.block_size, extras))
 
-    def match(self, keys: np.ndarray) -> dict[str, int]:
-        """Per worker holding a prefix of ``keys``: how many leading blocks it holds."""
+    def match_groups(self, keys: np.ndarray) -> list[tuple[int, list[str]]]:
+        """Workers holding a prefix of ``keys``, grouped by how many leading blocks."""
         if not len(keys):
-            return {}
+            return []
         slots = self.holders.find(keys)
         found = slots >= 0
         n = len(slots) if found.all() else int(np.argmin(found))
         if n == 0:
-            return {}
+            return []
         hold = self.holders.cols["w"][slots[:n]].tolist()
-        depth: dict[int, int] = {}
+        groups: list[tuple[int, int]] = []  # (workers' bitmask, how many blocks they hold)
         mask = -1
         for i, h in enumerate(hold):
             m = self.multi.get(int(keys[i]), 0) if h == MULTI else 1 << h
             new = mask & m
-            gone = mask & ~new if i else 0
-            while gone:
-                b = gone & -gone
-                depth[b.bit_length() - 1] = i
-                gone ^= b
+            if i and mask != new:
+                groups.append((mask & ~new, i))
             mask = new
             if not mask:
                 break
-        while mask > 0:
-            b = mask & -mask
-            depth[b.bit_length() - 1] = n
-            mask ^= b
-        return {self.names[w]: d for w, d in depth.items() if d}
+        if mask > 0:
+            groups.append((mask, n))
+        names = self.names
+        return [(d, [names[w] for w in _bits(m)]) for m, d in groups]
+
+    def match(self, keys: np.ndarray) -> dict[str, int]:
+        """Per worker holding a prefix of ``keys``: how many leading blocks it holds."""
+        return {w: d for d, ws in self.match_groups(keys) for w in ws}
+
+    def cached_groups(self, ids: Sequence[int], salt: str | None = None
+                      ) -> list[tuple[int, list[str]]]:
+        """Workers holding leading tokens of ``ids``, grouped by how many tokens."""
+        return [(d * self.block_size, ws)
+                for d, ws in self.match_groups(self.prompt_keys(ids, salt))]
 
     def cached_tokens(self, ids: Sequence[int], salt: str | None = None) -> dict[str, int]:
         """Per worker: how many leading tokens of ``ids`` it holds in its cache."""
-        return {k: v * self.block_size
-                for k, v in self.match(self.prompt_keys(ids, salt)).items()}
+        return {w: t for t, ws in self.cached_groups(ids, salt) for w in ws}
