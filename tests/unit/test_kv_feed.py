@@ -129,3 +129,21 @@ def test_parse_frame_bounds_parts_before_decoding() -> None:
                       [1.0, [{"type": "BlockStored", "block_hashes": ["x"]}]])]):
         with pytest.raises(BadFrame):
             parse_frame(parts)
+
+
+def test_kv_events_flags_are_checked_at_start() -> None:
+    from pdxfer.cli import build_parser
+    from pdxfer.serving.router.app import run
+
+    s = FeedSpec.parse("http://h:1/=tcp://h:5557,tcp://h:5558")
+    assert (s.worker, s.endpoint, s.replay) == ("http://h:1", "tcp://h:5557", "tcp://h:5558")
+    assert FeedSpec.parse("http://h:1=tcp://h:5557").replay is None
+    for bad in ("http://h:1", "h:1=tcp://h:1", "http://h:1=udp://h:1",
+                "http://h:1=tcp://a:1,tcp://b:2,tcp://c:3"):
+        with pytest.raises(ValueError):
+            FeedSpec.parse(bad)
+    a = build_parser().parse_args(["router", "--prefill", "http://127.0.0.1:1,127.0.0.1:2",
+                                   "--decode", "http://127.0.0.1:3", "--kv-events",
+                                   "http://127.0.0.1:9=tcp://127.0.0.1:5557"])
+    with pytest.raises(ValueError, match="not a --prefill or --decode"):
+        run(a)

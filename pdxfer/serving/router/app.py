@@ -600,7 +600,12 @@ def run(a: argparse.Namespace) -> int:
     prefills = [parse_prefill(s) for s in a.prefill]
     decodes = [parse_decode(s) for s in a.decode]
     check_reachable(prefills, decodes)
-    kv = KvFeeds([FeedSpec.parse(s) for s in a.kv_events]) if a.kv_events else None
+    specs = [FeedSpec.parse(s) for s in a.kv_events]
+    known = {p.url for p in prefills} | {d.url for d in decodes}
+    for spec in specs:
+        if spec.worker not in known:
+            raise ValueError(f"--kv-events {spec.worker}: not a --prefill or --decode URL")
+    kv = KvFeeds(specs) if specs else None
     router = Router(prefills, decodes, a.policy, a.timeout,
                     expose_cache_stats=a.expose_cache_stats, backend=make_backend(a), kv=kv,
                     load_weight=a.kv_load_weight)
