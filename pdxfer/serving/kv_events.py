@@ -22,13 +22,14 @@ MAX_TOPIC = 256
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 BlockHash = int | Annotated[
     bytes, msgspec.Meta(max_length=64)]  # msgpack ints are 64-bit at most
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Hashes = Annotated[list[BlockHash], msgspec.Meta(max_length=1 << 16)]
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
     block_hashes: Hashes
     parent_block_hash: BlockHash | None
-    token_ids: Annotated[list[int], msgspec.Meta(max_length=1 << 22)]
+    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=1 << 22)]
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     lora_id: int | None = None
     medium: str | None = None

@@ -126,7 +126,11 @@ def test_parse_frame_bounds_parts_before_decoding() -> None:
                   [b"x" * 300, (1).to_bytes(8, "big"), ok], [b"", b"\x01", ok],
                   [b"", (1).to_bytes(8, "big")],
                   [b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode(
-                      [1.0, [{"type": "BlockStored", "block_hashes": ["x"]}]])]):
+                      [1.0, [{"type": "BlockStored", "block_hashes": ["x"]}]])],
+                  [b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode(  # a token id past int64
+                      [1.0, [{"type": "BlockStored", "block_hashes": [1],
+                              "parent_block_hash": None, "token_ids": [(1 << 64) - 1],
+                              "block_size": 1}]])]):
         with pytest.raises(BadFrame):
             parse_frame(parts)
 

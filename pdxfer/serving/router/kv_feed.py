@@ -212,22 +212,26 @@ class KvFeeds:
                     continue
                 if batch is None:
                     continue
-                if self.on_frame(f, seq, batch) != "gap":
-                    continue
-                if not f.spec.replay:
-                    self.restart(f, "a gap and no replay endpoint")
-                    self._take(f, seq, batch)
-                    continue
-                f.synced = False
-                self.fill(f, await self._replay(f, f.next_seq or 0), seq, batch)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001 - a worker's feed ending must not end the router
-            log.exception("kv events of %s: the feed stopped", f.spec.worker)
-            self.restart(f, "its feed stopped")
-            f.synced = False
+                try:
+                    await self._frame(f, seq, batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - one bad batch must not end the feed
+                    f.counters["bad_frames"] += 1
+                    log.exception("kv events of %s: a batch failed", f.spec.worker)
+                    self.restart(f, "a batch it could not apply")
         finally:
             sub.close(0)
+
+    async def _frame(self, f: FeedState, seq: int, batch: KVEventBatch) -> None:
+        if self.on_frame(f, seq, batch) != "gap":
+            return
+        if not f.spec.replay:
+            self.restart(f, "a gap and no replay endpoint")
+            self._take(f, seq, batch)
+            return
+        f.synced = False
+        self.fill(f, await self._replay(f, f.next_seq or 0), seq, batch)
 
     async def _replay(self, f: FeedState, start: int) -> list[tuple[int, KVEventBatch]]:
         """The replay buffer's frames from ``start`` on ([] when it does not answer)."""
