@@ -141,6 +141,16 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                     choices=["auto", "round_robin", "least_outstanding", "kv_aware"],
                     help="pairing policy (auto: kv_aware with several decodes, else "
                          "round_robin)")
+    ap.add_argument("--kv-events", action="append", default=[],
+                    metavar="WORKER_URL=ENDPOINT[,REPLAY]",
+                    help="kv_aware: a worker's KV event stream (vLLM --kv-events-config "
+                         "publisher zmq: its endpoint and replay_endpoint, e.g. "
+                         "http://10.0.0.1:8100=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558); "
+                         "workers without one are judged by the router's own history "
+                         "(repeat for more)")
+    ap.add_argument("--kv-load-weight", type=float, default=0.5,
+                    help="kv_aware: how many prompts' worth of tokens one outstanding request "
+                         "on a worker weighs against the prefix it holds")
     ap.add_argument("--expose-cache-stats", action="store_true",
                     help="show clients how many prompt tokens came from the decode's cache "
                          "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)")
