@@ -45,7 +45,7 @@
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-OUTDIR="${1:?usage: $0 OUTDIR [--cpu] [--transport both|tcp|nixl] [--scale N]}"
+OUTDIR="${1:?usage: $0 OUTDIR [--cpu] [--transport both|tcp|nixl] [--scale N] [--budget S]}"
 shift
 CPU=0 TRANSPORT=both SCALE=1 BUDGET=500
 while [ $# -gt 0 ]; do
