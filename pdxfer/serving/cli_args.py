@@ -30,6 +30,10 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
                          "or NIXL (UCX: shared memory on one host, UCX_TLS=tcp across "
                          "hosts, RDMA on clusters); an explicit one must match on both sides")
     ap.add_argument("--device", default="", help="RDMA device for --transport rdma")
+    ap.add_argument("--torch-device", default="cpu", metavar="DEVICE",
+                    help="where the toy model computes and its KV pools live: cpu (default) "
+                         "or cuda[:N] (the forward on that GPU, the pools registered with the "
+                         "transport as device memory; needs --tp 1)")
     ap.add_argument("--pages", type=int, default=1024, help="KV pages in the pool")
     ap.add_argument("--aux-slots", type=int, default=64, help="aux rows (concurrent requests)")
     ap.add_argument("--seed", type=int, default=0, help="toy model seed (same on both sides)")

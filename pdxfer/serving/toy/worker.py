@@ -98,6 +98,11 @@ class WorkerConfig:
     integrity_retry: bool = False
     transport: str = "auto"
     device: str = ""
+    """The NIC for ``transport="rdma"`` (``--device``)."""
+    torch_device: str = "cpu"
+    """Where the toy model computes and its KV pools live (``--torch-device``): ``cpu``, or
+    ``cuda:N``, whose pools the transport registers as device memory (a host landing's pool
+    stays on the host; the aux rows and a ballast always do)."""
     bootstrap_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
     heartbeat_s: float = 0.5
@@ -151,6 +156,15 @@ class WorkerConfig:
         if self.dp > 1 and self.role != "decode":
             raise ValueError("--dp is a decode option (a prefill scales as more instances)")
         ballast.validate(self.kv_ballast_bytes_per_token)
+        try:
+            dev = torch.device(self.torch_device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"torch_device {self.torch_device!r}: {e}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"torch_device must be cpu or cuda[:N], got {self.torch_device!r}")
+        if dev.type == "cuda" and self.tp > 1:
+            raise ValueError("--torch-device cuda needs --tp 1 (the toy's TP ranks gather over "
+                             "gloo on the host)")
         if self.kv_ballast_bytes_per_token and self.tp > 1:
             raise ValueError("--kv-ballast-bytes-per-token needs --tp 1 (the ballast is not "
                              "sharded by heads)")
@@ -211,6 +225,7 @@ def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
         l3_mooncake_metadata=a.l3_mooncake_metadata if dec else "",
         l3_mooncake_segment_bytes=int(a.l3_mooncake_segment_mb) << 20 if dec else 0,
         kv_landing=a.kv_landing if dec else "device", transport=a.transport, device=a.device,
+        torch_device=a.torch_device,
         integrity=a.integrity if dec else "sampled",
         integrity_retry=a.integrity_retry if dec else False,
         bootstrap_timeout_s=a.bootstrap_timeout,
@@ -311,10 +326,15 @@ class ModelHost:
         self.tp_rank = tp_rank
         self.ranks: Any = None
         torch.set_num_threads(cfg.threads)
-        self.model = ToyModel(cfg.toy(), tp_rank=tp_rank, tp_size=cfg.tp, gather=gather)
+        if cfg.torch_device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"--torch-device {cfg.torch_device}: torch sees no CUDA device")
+        self.model = ToyModel(cfg.toy(), tp_rank=tp_rank, tp_size=cfg.tp, gather=gather,
+                              device=cfg.torch_device)
         self.draft = make_draft(self.model)
-        self.kv: KVPool = self.model.new_kv_pool(cfg.pool_pages)
-        self.draft_kv: KVPool = self.draft.new_kv_pool(cfg.pool_pages,
+        # the pools the forward writes live on its device; a host landing's on the host
+        where = "cpu" if cfg.token_granular else cfg.torch_device
+        self.kv: KVPool = self.model.new_kv_pool(cfg.pool_pages, device=where)
+        self.draft_kv: KVPool = self.draft.new_kv_pool(cfg.pool_pages, device=where,
                                                        allocator=self.kv.allocator)
         self.aux = torch.zeros((cfg.aux_slots, AUX_WIDTH), dtype=torch.int32)
         self.slots = SlotAllocator(cfg.aux_slots)
@@ -371,7 +391,7 @@ class ModelHost:
                 "kv_landing": self.cfg.kv_landing,
                 "free_pages": self.kv.allocator.num_free, "pages": self.cfg.pool_pages,
                 "weights": self.weights, "fingerprint": self.fingerprint,
-                "tp": self.cfg.tp, "pid": os.getpid()}
+                "tp": self.cfg.tp, "torch_device": self.cfg.torch_device, "pid": os.getpid()}
 
 
 class RoomWorker:
