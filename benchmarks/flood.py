@@ -4,7 +4,7 @@ same run without the flood.
 One secured prefill and one secured decode process (real bootstrap, Mooncake TCP on loopback,
 one shared secret). For ``--seconds`` each, small legitimate requests run back to back, first
 alone, then while a thread floods both control ports with oversized, unsigned, forged-MAC and
-replayed frames (``pdxfer.testing.flood``). Every legitimate request is checked byte-exact.
+replayed frames (``tests.harness.flood``). Every legitimate request is checked byte-exact.
 Latency is the driver's wall time from the decode's request to its Success. Then eight floods
 in a row of oversized unauthenticated Hellos (2 MiB each, 1.3 GB in all) hit the prefill, one
 legitimate request behind each: ``flood.rss_before_flood_mb`` and ``flood.rss_after_flood_mb``
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer.testing import flood as F
+from tests.harness import flood as F
 
 
 def _stats(prefix: str, lat: list[float]) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from pdxfer.bootstrap import BootstrapServer
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 
 TOKENS, LAYERS, HEADS, HEAD_DIM, PAGE = 4096, 8, 8, 128, 16
 FAST = {"bootstrap_timeout_s": 20.0, "transfer_timeout_s": 60.0, "transport": "tcp"}

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from pdxfer.bootstrap import BootstrapServer
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 
-X = "pdxfer.testing.tier_cmds:"
+X = "tests.harness.tier_cmds:"
 
 
 def _run_one(pf: Agent, dc: Agent, boot: str, room: int, tokens: list[int], src: list[int],

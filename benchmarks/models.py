@@ -1,7 +1,7 @@
 """Model families through pdxfer and vLLM's NixlConnector: which each serves token-exact,
 TTFT against colocated vLLM, and bytes moved per request.
 
-Per family (``pdxfer.testing.hf_families``, built here) and variant, each alone: a prefill
+Per family (``tests.harness.hf_families``, built here) and variant, each alone: a prefill
 and a decode behind a front door (``pdxfer router`` for pdxfer, vLLM's proxy protocol for
 NixlConnector); the same prompts go to the pair and, interleaved, to its prefill as a
 colocated server. Prints JSON (flat dotted keys); ``--json PATH`` writes it too.
@@ -20,11 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.vllm_bench import pct, root_cause, run_and_report, stream_request, tokens
+from benchmarks.common.vllm_proxy import FrontDoor
 from pdxfer import BootstrapServer
-from pdxfer.serving.procs import Proc
-from pdxfer.testing.hf_families import FAMILIES, build_family
-from pdxfer.testing.vllm_bench import pct, root_cause, run_and_report, stream_request, tokens
-from pdxfer.testing.vllm_procs import (
+from pdxfer.demo.vllm_procs import (
     ServerNotReady,
     VllmServer,
     kv_config,
@@ -32,7 +31,8 @@ from pdxfer.testing.vllm_procs import (
     read_stats,
     start_all,
 )
-from pdxfer.testing.vllm_proxy import FrontDoor
+from pdxfer.serving.procs import Proc
+from tests.harness.hf_families import FAMILIES, build_family
 
 ROOT = Path(__file__).resolve().parent
 BS, MAX_LEN, MAX_TOKENS, TIMEOUT = 32, 4096, 8, 300.0

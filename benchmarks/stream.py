@@ -4,7 +4,7 @@ capped so that moving a request's KV takes as long as computing it (issue 34).
 
     python scripts/bench_stream.py --json bench_stream.json [--quick]
 
-Hosts: two network namespaces of ``pdxfer.testing.hosts`` on one bridge (needs root). ``p``
+Hosts: two network namespaces of ``tests.harness.hosts`` on one bridge (needs root). ``p``
 runs the pdxfer bootstrap server and the vLLM prefill; ``d`` runs the vLLM decode, the router
 (on its loopback), the colocated reference server and the client (the benchmark's own threads,
 entered into ``d``). Everything across hosts shares a fresh ``PDXFER_SECRET``. With concurrent
@@ -89,13 +89,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pdxfer import ConfigError
-from pdxfer.integrations.vllm.config import parse as parse_connector_config
-from pdxfer.serving.procs import Proc, ProcessStartError
-from pdxfer.testing.hf_model import SHAPES, build_model
-from pdxfer.testing.hosts import Host, Network, root_reason
-from pdxfer.testing.proccpu import busy_cores, host_busy_cores
-from pdxfer.testing.vllm_bench import (
+from benchmarks.common.proccpu import busy_cores, host_busy_cores
+from benchmarks.common.vllm_bench import (
     Reply,
     pct,
     root_cause,
@@ -103,13 +98,18 @@ from pdxfer.testing.vllm_bench import (
     stream_request,
     tokens,
 )
-from pdxfer.testing.vllm_procs import (
+from pdxfer import ConfigError
+from pdxfer.demo.hf_model import SHAPES, build_model
+from pdxfer.demo.vllm_procs import (
     Server,
     ServerNotReady,
     VllmServer,
     kv_config,
     start_one_by_one,
 )
+from pdxfer.integrations.vllm.config import parse as parse_connector_config
+from pdxfer.serving.procs import Proc, ProcessStartError
+from tests.harness.hosts import Host, Network, root_reason
 
 BS = 32
 PD = {"sequential": ("sequential", "request"), "concurrent_request": ("concurrent", "request"),
@@ -467,7 +467,7 @@ def main() -> int:
                          "(default 2048, or the middle of --sizes)")
     ap.add_argument("--answer", type=int, default=8, help="tokens generated per request")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="kv32k",
-                    help="pdxfer.testing.hf_model shape (kv32k: 64 KiB of KV per token in "
+                    help="pdxfer.demo.hf_model shape (kv32k: 64 KiB of KV per token in "
                          "float32)")
     ap.add_argument("--variants", default=",".join(ALL), help=f"of {', '.join(ALL)}")
     ap.add_argument("--startup-timeout", type=float, default=600.0,

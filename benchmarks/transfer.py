@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT))
 
 from pdxfer import plan as P  # noqa: E402
 from pdxfer.bootstrap import BootstrapServer  # noqa: E402
-from pdxfer.testing.harness import Agent  # noqa: E402
-from pdxfer.testing.patterns import PoolGeom  # noqa: E402
+from pdxfer.demo.harness import Agent  # noqa: E402
+from pdxfer.demo.patterns import PoolGeom  # noqa: E402
 
-STATE = "pdxfer.testing.bench_agent:BenchState"
+STATE = "benchmarks.common.bench_agent:BenchState"
 LAYERS, HEADS, HEAD_DIM, PS = 32, 8, 128, 64
 PF_PAGES, DC_PAGES = 64, 160
 PAGE_BYTES = PS * HEADS * HEAD_DIM * 2  # one page of one buffer: 128 KiB

@@ -58,13 +58,13 @@ first (``untimed_first``): one timed request in 24 is cold, as in run 1 (3 in 72
 answers are compared over the requests it sent; ``vllm.kv_mib_per_request.*`` compares
 the KV moved across variants that sent different numbers of requests.
 
-Model: ``pdxfer.testing.hf_model`` shape ``kv32k`` (8 layers, 8 KV heads of 128) in float32:
+Model: ``pdxfer.demo.hf_model`` shape ``kv32k`` (8 layers, 8 KV heads of 128) in float32:
 64 KiB of KV per token. Workload: conversations of several turns, every prompt opening with
 one long system prefix shared by all conversations, each turn repeating its conversation's
 history and adding a question. vLLM's prefix cache is on in prefills (and the colocated
 server) and off in decodes, so decodes differ only in what pdxfer's tiers restore. Requests
 run one at a time, streamed; TTFT is the time to the first streamed token. Every request goes
-through a front door (``pdxfer.testing.vllm_proxy``): a pair's follows vLLM's proxy protocol
+through a front door (``benchmarks.common.vllm_proxy``): a pair's follows vLLM's proxy protocol
 and the door times its prefill leg (the prefill's one-token, non-streamed answer, read whole),
 the decode leg being the rest of the TTFT; colocated's is passed through as it is, the door
 timing it to its first streamed chunk (``first_chunk``). After each colocated request the
@@ -112,11 +112,8 @@ from typing import Any
 
 import openai
 
-from pdxfer import BootstrapServer
-from pdxfer.integrations.vllm.config import ConnectorConfig
-from pdxfer.testing.hf_model import SHAPES, build_model
-from pdxfer.testing.proccpu import TreeClock, busy_cores, host_busy_cores
-from pdxfer.testing.vllm_bench import (
+from benchmarks.common.proccpu import TreeClock, busy_cores, host_busy_cores
+from benchmarks.common.vllm_bench import (
     pct,
     request_body,
     root_cause,
@@ -124,7 +121,10 @@ from pdxfer.testing.vllm_bench import (
     tokens,
     ttft,
 )
-from pdxfer.testing.vllm_procs import (
+from benchmarks.common.vllm_proxy import FrontDoor
+from pdxfer import BootstrapServer
+from pdxfer.demo.hf_model import SHAPES, build_model
+from pdxfer.demo.vllm_procs import (
     Server,
     ServerNotReady,
     VllmServer,
@@ -134,7 +134,7 @@ from pdxfer.testing.vllm_procs import (
     start_one_by_one,
     start_together,
 )
-from pdxfer.testing.vllm_proxy import FrontDoor
+from pdxfer.integrations.vllm.config import ConnectorConfig
 from pdxfer.transport.auto import pick
 from pdxfer.transport.nixl import installed as nixl_installed
 

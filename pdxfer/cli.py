@@ -27,7 +27,7 @@ def _bootstrap(a: argparse.Namespace) -> int:
 
 
 def _transfer_demo(a: argparse.Namespace) -> int:
-    from .testing.transfer_demo import main as demo
+    from .demo.transfer_demo import main as demo
 
     return demo(a.rest)
 
@@ -43,7 +43,7 @@ def _demo(a: argparse.Namespace) -> int:
     pick.add_argument("--engine", choices=["toy", "vllm"], default="toy")
     engine, rest = pick.parse_known_args(a.rest)
     if engine.engine == "vllm":  # real vLLM (the `vllm` extra) behind the router
-        from .testing.vllm_demo import main as vllm_demo
+        from .demo.vllm_demo import main as vllm_demo
 
         return vllm_demo(rest)
     from .serving.toy.demo import main as demo
@@ -112,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def pass_through_parsers() -> dict[str, argparse.ArgumentParser]:
     """The parsers of the subcommands that parse their own options."""
+    from .demo.transfer_demo import parser as transfer_parser
+    from .demo.vllm_demo import parser as vllm_parser
     from .serving.toy.demo import parser as demo_parser
-    from .testing.transfer_demo import parser as transfer_parser
-    from .testing.vllm_demo import parser as vllm_parser
 
     return {"demo": demo_parser("pdxfer demo"), "demo --engine vllm": vllm_parser(),
             "transfer-demo": transfer_parser(), "bench": demo_parser("pdxfer bench")}

@@ -26,10 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-import bench_transfer as B  # noqa: E402
-
+from benchmarks import transfer as B  # noqa: E402
 from pdxfer.bootstrap import BootstrapServer  # noqa: E402
-from pdxfer.testing.harness import Agent  # noqa: E402
+from pdxfer.demo.harness import Agent  # noqa: E402
 
 
 def _spy(pid: int, fmt: str, path: Path, rate: int) -> subprocess.Popen[bytes]:

@@ -1,4 +1,4 @@
-"""Benchmark commands for ``harness.Agent`` processes (``state="pdxfer.testing.bench_agent:BenchState"``).
+"""Benchmark commands for ``harness.Agent`` processes (``state="benchmarks.common.bench_agent:BenchState"``).
 
 Timing happens inside the agents with ``time.monotonic()`` (one system-wide clock on Linux, so
 stamps from the prefill and decode processes compare), never through the driver's pipe.
@@ -21,15 +21,15 @@ import msgspec
 import numpy as np
 import zmq
 
-from .. import plan as P
-from ..endpoint.handles import KVPoll
-from ..endpoint.receiver import KVReceiver
-from ..pools import PoolSpec
-from ..transport.mooncake import _load_engine
-from . import patterns as pat
-from .agent import AgentState
-from .patterns import PoolGeom
-from .zmqctx import context
+from pdxfer import plan as P
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.agent import AgentState
+from pdxfer.demo.patterns import PoolGeom
+from pdxfer.endpoint.handles import KVPoll
+from pdxfer.endpoint.receiver import KVReceiver
+from pdxfer.pools import PoolSpec
+from pdxfer.transport.mooncake import _load_engine
+from tests.harness.zmqctx import context
 
 RAW_CALL_ENTRIES = 1000
 

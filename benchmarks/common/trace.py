@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..endpoint import control, inbox, integrity_checks, receiver, sender, writer
+from pdxfer.endpoint import control, inbox, integrity_checks, receiver, sender, writer
 
 _events: list[tuple[str, int, str]] = []
 _installed = False

@@ -17,7 +17,7 @@ from typing import Any
 
 from openai import OpenAI
 
-from .vllm_procs import ServerNotReady
+from pdxfer.demo.vllm_procs import ServerNotReady
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,6 @@
-"""Test and benchmark harness: agent processes, byte patterns, the transfer demo.
+"""The demos (``pdxfer transfer-demo``, ``pdxfer demo --engine vllm``) and what they run on:
+agent processes holding endpoints over patterned pools, the small local model, vLLM servers.
 
-Never imported by the library (only by tests, scripts and ``pdxfer.cli``). Reading order:
-``patterns`` (pool geometries and byte patterns that reveal misplacement) -> ``harness``
-(an ``Agent`` is one endpoint in its own process, driven over a pipe) -> ``agent`` (its
-commands) -> ``bench_agent`` / ``tier_cmds`` (benchmark and tier commands) ->
-``transfer_demo``.
+Shipped in the wheel; only ``pdxfer.cli`` imports it from the library. Tests and benchmarks
+drive their endpoints through the same ``Agent``. Reading order: pdxfer/demo/README.md.
 """

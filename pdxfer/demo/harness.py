@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .patterns import PoolGeom
@@ -29,16 +30,16 @@ class Agent:
 
     def __init__(self, role: str, config: dict[str, Any], geoms: list[PoolGeom],
                  env: dict[str, str] | None = None, start_timeout: float = 120.0,
-                 state: str = "pdxfer.testing.agent:AgentState", netns: str | None = None
-                 ) -> None:
+                 state: str = "pdxfer.demo.agent:AgentState",
+                 setup: Callable[[], object] | None = None) -> None:
         """``state`` names the ``module:Class`` whose ``cmd_*`` methods the agent serves (the
-        benchmarks add commands in ``pdxfer.testing.bench_agent``); ``netns``: the network
-        namespace the agent runs in (a ``hosts.Host``'s ``ns``), entered before anything
-        opens a socket."""
+        benchmarks add commands in ``benchmarks.common.bench_agent``); ``setup``: a picklable
+        callable the agent runs first, before anything opens a socket (a test host's
+        ``Host.entry`` moves it into that host's network namespace)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_agent_main,
-                                args=(child, role, config, geoms, env or {}, state, netns),
+                                args=(child, role, config, geoms, env or {}, state, setup),
                                 daemon=True, name=f"pdxfer-{role}-agent")
         # The child inherits os.environ at spawn, before it imports pdxfer (some settings,
         # like PDXFER_FAULTS, are read at import): set the extra variables around start().
@@ -101,12 +102,10 @@ class Agent:
 
 
 def _agent_main(conn: Any, role: str, config: dict[str, Any], geoms: list[PoolGeom],
-                env: dict[str, str], state_cls: str = "pdxfer.testing.agent:AgentState",
-                netns: str | None = None) -> None:
-    if netns:
-        from .hosts import enter_netns
-
-        enter_netns(netns)  # before any thread or socket: all of them live on that host
+                env: dict[str, str], state_cls: str = "pdxfer.demo.agent:AgentState",
+                setup: Callable[[], object] | None = None) -> None:
+    if setup is not None:
+        setup()  # before any thread or socket (e.g. entering a host's network namespace)
     os.environ.update(env)
     from ..config import knobs
 

@@ -8,7 +8,7 @@ give the same bytes, so a prefill and a decode that each build the folder run th
 ``small`` (4 layers, GQA: fast engines for the tests) and ``kv32k`` (32 KiB of KV per token in
 bf16, 64 KiB served in float32, so moving KV is a real share of a request's time).
 
-    python -m pdxfer.testing.hf_model /tmp/llama-small [--shape small] [--layers 4 ...]
+    python -m pdxfer.demo.hf_model /tmp/llama-small [--shape small] [--layers 4 ...]
 """
 
 from __future__ import annotations

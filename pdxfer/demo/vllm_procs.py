@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 Enter = Callable[[], AbstractContextManager[Any]]
-"""A host's ``enter`` (``pdxfer.testing.hosts.Host.enter``): the calling thread's sockets,
+"""A host's ``enter`` (``tests.harness.hosts.Host.enter``): the calling thread's sockets,
 opened inside, live on that host."""
 
 QUIET_ENV = {
@@ -74,7 +74,7 @@ class Server:
     its own session (so its group, children included, is killed by pid), output to
     ``<log_dir>/<name>.log``, ready when ``GET <url><health>`` answers 200.
 
-    On a host of ``pdxfer.testing.hosts``: ``prefix`` runs it there (``host.prefix``, which
+    On a host of ``tests.harness.hosts``: ``prefix`` runs it there (``host.prefix``, which
     execs it, so the pid is its own), ``addr`` is the address it binds on that host, and
     ``enter`` (``host.enter``) is entered around this object's own HTTP calls."""
 

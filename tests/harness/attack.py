@@ -1,4 +1,4 @@
-"""Agent extensions for the attack tests (``Agent.call("ext", fn="pdxfer.testing.attack:...")``).
+"""Agent extensions for the attack tests (``Agent.call("ext", fn="tests.harness.attack:...")``).
 
 They stand in for what an attacker on the control network can observe (a room's nonce travels
 in clear text in every frame); nothing here changes an endpoint's state.

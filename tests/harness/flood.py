@@ -20,12 +20,13 @@ from typing import Any
 import numpy as np
 import zmq
 
-from .. import auth, wire
-from ..bootstrap import BootstrapServer
-from ..pools import layout_signature
-from . import patterns as pat
-from .harness import Agent
-from .patterns import PoolGeom
+from pdxfer import auth, wire
+from pdxfer.bootstrap import BootstrapServer
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
+from pdxfer.pools import layout_signature
+
 from .zmqctx import context
 
 SECRET = "flood test shared secret, 16+ bytes"

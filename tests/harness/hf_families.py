@@ -7,7 +7,7 @@ Weights come from ``transformers``' own initialisation under a fixed seed, wider
 default so outputs depend on the whole context; the output head is scaled up so greedy
 logits have clear margins (a near-tie flips with the batch's shape).
 
-    python -m pdxfer.testing.hf_families /tmp/models [FAMILY ...]
+    python -m tests.harness.hf_families /tmp/models [FAMILY ...]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .hf_model import BOS, EOS, write_tokenizer
+from pdxfer.demo.hf_model import BOS, EOS, write_tokenizer
 
 VOCAB = 1024
 MAX_LEN = 8192

@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import ctypes
 import errno
+import functools
 import json
 import os
 import re
@@ -167,6 +168,11 @@ class Host:
     def prefix(self) -> list[str]:
         """What to put before a command to run it on this host."""
         return ["ip", "netns", "exec", self.ns]
+
+    @property
+    def entry(self) -> functools.partial[None]:
+        """What ``Agent(setup=...)`` calls first in its process to run it on this host."""
+        return functools.partial(enter_netns, self.ns)
 
     def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
               **kw: Any) -> subprocess.Popen[Any]:

@@ -12,12 +12,12 @@ import os
 import time
 from typing import Any
 
-from ..endpoint.handles import KVPoll
-from ..tiers.cache import Match, TieredCache
-from ..tiers.mooncake_store import MooncakeStoreStorage
-from ..tiers.restore import RestoringReceiver
-from ..tiers.storage import FileStorage, StorageBackend
-from . import patterns as pat
+from pdxfer.demo import patterns as pat
+from pdxfer.endpoint.handles import KVPoll
+from pdxfer.tiers.cache import Match, TieredCache
+from pdxfer.tiers.mooncake_store import MooncakeStoreStorage
+from pdxfer.tiers.restore import RestoringReceiver
+from pdxfer.tiers.storage import FileStorage, StorageBackend
 
 
 class _Tiers:
