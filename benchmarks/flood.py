@@ -1,24 +1,10 @@
-"""Latency of legitimate requests while a third party floods both control ports, against the
-same run without the flood.
-
-One secured prefill and one secured decode process (real bootstrap, Mooncake TCP on loopback,
-one shared secret). For ``--seconds`` each, small legitimate requests run back to back, first
-alone, then while a thread floods both control ports with oversized, unsigned, forged-MAC and
-replayed frames (``tests.harness.flood``). Every legitimate request is checked byte-exact.
-Latency is the driver's wall time from the decode's request to its Success. Then eight floods
-in a row of oversized unauthenticated Hellos (2 MiB each, 1.3 GB in all) hit the prefill, one
-legitimate request behind each: ``flood.rss_before_flood_mb`` and ``flood.rss_after_flood_mb``
-are the prefill's RSS (from ``/proc``) before the first and after the last. Prints flat JSON.
-
-    python scripts/bench_flood.py [--quick] [--seconds S] [--json out.json]
-"""
+"""Latency of legitimate requests while a third party floods both control ports."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -71,18 +57,20 @@ def measure(seconds: float) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="5 s per phase instead of 30 s")
-    ap.add_argument("--seconds", type=float, default=None, help="seconds per phase")
-    ap.add_argument("--json", type=Path, help="write the flat JSON here")
-    a = ap.parse_args()
-    out = measure(a.seconds or (5.0 if a.quick else 30.0))
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.json:
-        a.json.write_text(text + "\n")
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="seconds per phase (default 30; --quick 5)")
+
+
+def main(a: argparse.Namespace) -> dict[str, Any]:
+    return measure(a.seconds or (5.0 if a.quick else 30.0))
+
+
+def passed(res: dict[str, Any]) -> bool:
+    return res["flood.bad_bytes"] == 0
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.common import runner
+
+    sys.exit(runner.run(sys.modules[__name__]))

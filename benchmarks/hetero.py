@@ -1,20 +1,14 @@
-"""Heterogeneous TP throughput: TP 2->1 (HND and NHD) against TP 1->1 in the same run.
-
-One 8-layer request of 4096 tokens (8 KV heads x 128 dims, fp16, pages of 16 scattered on both
-sides) moves between processes over Mooncake TCP on loopback. Throughput is bytes over the
-decode's request-to-Success time, best of a few repetitions, the three cases interleaved;
-every byte is verified on the first repetition. Prints JSON; ``measure()`` is imported by scripts/bench_transfer.py.
-"""
+"""Heterogeneous TP throughput: TP 2->1 (HND and NHD) against TP 1->1 in the same run."""
 
 from __future__ import annotations
 
-import json
+import argparse
 import sys
 from typing import Any
 
 import numpy as np
 
-from pdxfer.bootstrap import BootstrapServer
+from benchmarks.common.fleet import Fleet
 from pdxfer.demo.harness import Agent
 from pdxfer.demo.patterns import PoolGeom
 
@@ -75,36 +69,27 @@ def measure(quick: bool = False) -> dict[str, Any]:
     """Throughput of TP 1->1, 2->1 HND and 2->1 NHD, and the ratios against 1->1."""
     reps = 2 if quick else 6
     rng = np.random.default_rng(1)
-    with BootstrapServer().start() as srv:
-        b = srv.address
-        agents: list[Agent] = []
-        try:
-            pf = Agent("prefill", {**FAST, "bootstrap": b, "instance": "tp1"},
-                       _geoms("NHD", 1, 0), env=ENV)
-            agents.append(pf)
-            dc = Agent("decode", dict(FAST), _geoms("NHD", 1, 0), env=ENV)
-            agents.append(dc)
-            dc.call("add_endpoint", name="hnd", role="decode", config=dict(FAST),
-                    geoms=_geoms("HND", 1, 0))
-            ranks = []  # one process per prefill TP rank, as in a real deployment
-            for r in range(2):
-                cfg = {**FAST, "bootstrap": b, "instance": "HND2", "tp_rank": r, "tp_size": 2}
-                a = Agent("prefill", cfg, _geoms("HND", 2, r), env=ENV)
-                agents.append(a)
-                ranks.append(a)
-                a.call("add_endpoint", name="nhd", role="prefill",
-                       config={**cfg, "instance": "NHD2"}, geoms=_geoms("NHD", 2, r))
-            cases = [_Case([pf], dc, b, ["main"], "tp1", "main", rng),
-                     _Case(ranks, dc, b, ["main", "main"], "HND2", "hnd", rng),
-                     _Case(ranks, dc, b, ["nhd", "nhd"], "NHD2", "main", rng)]
-            for rep in range(reps):  # interleaved (A B C A B C ...): the VM drifts
-                for c in cases:
-                    c.rep(rep, rng)
-            one, hnd, nhd = (c.best for c in cases)
-            assert one is not None and hnd is not None and nhd is not None
-        finally:
-            for a in agents:
-                a.close()
+    with Fleet() as fleet:
+        b = fleet.bootstrap().address
+        ranks = [{**FAST, "bootstrap": b, "instance": "HND2", "tp_rank": r, "tp_size": 2}
+                 for r in range(2)]  # one process per prefill TP rank, as in a deployment
+        pf, dc, *tp2 = fleet.agents(
+            [("prefill", {**FAST, "bootstrap": b, "instance": "tp1"}, _geoms("NHD", 1, 0)),
+             ("decode", dict(FAST), _geoms("NHD", 1, 0)),
+             *(("prefill", cfg, _geoms("HND", 2, r)) for r, cfg in enumerate(ranks))], env=ENV)
+        dc.call("add_endpoint", name="hnd", role="decode", config=dict(FAST),
+                geoms=_geoms("HND", 1, 0))
+        for r, (a, cfg) in enumerate(zip(tp2, ranks)):
+            a.call("add_endpoint", name="nhd", role="prefill",
+                   config={**cfg, "instance": "NHD2"}, geoms=_geoms("NHD", 2, r))
+        cases = [_Case([pf], dc, b, ["main"], "tp1", "main", rng),
+                 _Case(tp2, dc, b, ["main", "main"], "HND2", "hnd", rng),
+                 _Case(tp2, dc, b, ["nhd", "nhd"], "NHD2", "main", rng)]
+        for rep in range(reps):  # interleaved (A B C A B C ...): the VM drifts
+            for c in cases:
+                c.rep(rep, rng)
+        one, hnd, nhd = (c.best for c in cases)
+        assert one is not None and hnd is not None and nhd is not None
     out: dict[str, Any] = {"hetero_tp.tokens": TOKENS, "hetero_tp.layers": LAYERS,
                            "hetero_tp.repetitions": reps}
     for name, r in (("tp1_1", one), ("tp2_1_hnd", hnd), ("tp2_1_nhd", nhd)):
@@ -116,6 +101,15 @@ def measure(quick: bool = False) -> dict[str, Any]:
     return out
 
 
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
+    """No options of its own: ``--quick`` runs 2 repetitions instead of 6."""
+
+
+def main(a: argparse.Namespace) -> dict[str, Any]:
+    return measure(quick=a.quick)
+
 
 if __name__ == "__main__":
-    print(json.dumps(measure(quick="--quick" in sys.argv), indent=1))
+    from benchmarks.common import runner
+
+    sys.exit(runner.run(sys.modules[__name__]))

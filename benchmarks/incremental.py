@@ -1,19 +1,8 @@
-"""Time to ready of a request whose prefix the decode already holds, against a full transfer.
-
-One prefill process and one decode process (real bootstrap, Mooncake TCP on loopback). A
-parent request of ``tokens`` tokens is transferred and written back (L2 and L3 files); then
-children sharing 90% of its tokens are received with the prefix from L2, and (after L2 is
-cleared) from L3 files; fresh requests of the same size give the full-transfer time. Time to
-ready runs from the decode's request to Success (both the local restore and the network
-suffix done), with the prefill's chunks already waiting. Prints JSON.
-
-    python scripts/bench_incremental.py [--quick]
-"""
+"""Time to ready of a request whose prefix the decode already holds, against a full transfer."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer.bootstrap import BootstrapServer
+from benchmarks.common.fleet import Fleet
 from pdxfer.demo.harness import Agent
 from pdxfer.demo.patterns import PoolGeom
 
@@ -62,47 +51,43 @@ def measure(quick: bool = False) -> dict[str, Any]:
     room = int(rng.integers(1, 1 << 40))
     times: dict[str, list[float]] = {"full": [], "l2": [], "l3_file": []}
     net: dict[str, int] = {}
-    with tempfile.TemporaryDirectory(prefix="pdxfer-l3-") as root, \
-            BootstrapServer("127.0.0.1", 0).start() as srv:
+    with tempfile.TemporaryDirectory(prefix="pdxfer-l3-") as root, Fleet() as fleet:
+        srv = fleet.bootstrap()
         conf = {"bootstrap_timeout_s": 30.0, "transfer_timeout_s": 60.0, "transport": "tcp"}
-        pf = Agent("prefill", {**conf, "bootstrap": srv.address}, geoms)
-        dc = Agent("decode", conf, geoms)
-        try:
-            pf.call("ext", fn=X + "prepare", items=[
-                {"room": room, "pages": {"kv": src}, "slots": {"aux": 0},
-                 "segments": [(room, 0, n)]}])
-            dc.call("ext", fn=X + "storage", name="file", kind="file", root=root)
-            dc.call("ext", fn=X + "setup", host_pages=pages + 8, model_id="bench-pattern", use="file")
-            _run_one(pf, dc, srv.address, room, base, src, parent_dst, n)
-            copy_gbps: list[float] = []
+        pf, dc = fleet.agents([("prefill", {**conf, "bootstrap": srv.address}, geoms),
+                               ("decode", conf, geoms)])
+        pf.call("ext", fn=X + "prepare", items=[
+            {"room": room, "pages": {"kv": src}, "slots": {"aux": 0},
+             "segments": [(room, 0, n)]}])
+        dc.call("ext", fn=X + "storage", name="file", kind="file", root=root)
+        dc.call("ext", fn=X + "setup", host_pages=pages + 8, model_id="bench-pattern", use="file")
+        _run_one(pf, dc, srv.address, room, base, src, parent_dst, n)
+        copy_gbps: list[float] = []
+        st = dc.call("ext", fn=X + "report")["stats"]
+        copied = (st["l1_copy_bytes"], st["l1_copy_us"])
+        dc.call("ext", fn=X + "write_back", items=[
+            {"tokens": base, "dst": {"kv": parent_dst}, "num_tokens": n}])
+        for kind in ("full", "l2", "l3_file") * reps:
+            room += 1
+            if kind == "full":
+                toks = rng.integers(0, 1 << 20, n).tolist()
+            else:
+                toks = base[:shared] + rng.integers(0, 1 << 20, n - shared).tolist()
+            if kind == "l3_file":
+                dc.call("ext", fn=X + "clear_l2")
+            out = _run_one(pf, dc, srv.address, room, toks, src, child_dst, n)
+            times[kind].append(out["stats"]["seconds"])
+            if os.environ.get("BENCH_DEBUG"):
+                print(kind, out["stats"], file=sys.stderr)
+            net[kind] = out["stats"]["net_bytes"]
             st = dc.call("ext", fn=X + "report")["stats"]
+            if kind == "l2":  # this restore's L2 -> L1 copy alone
+                copy_gbps.append((st["l1_copy_bytes"] - copied[0])
+                                 / max(1e-9, (st["l1_copy_us"] - copied[1]) * 1e-6) / 1e9)
             copied = (st["l1_copy_bytes"], st["l1_copy_us"])
-            dc.call("ext", fn=X + "write_back", items=[
-                {"tokens": base, "dst": {"kv": parent_dst}, "num_tokens": n}])
-            for kind in ("full", "l2", "l3_file") * reps:
-                room += 1
-                if kind == "full":
-                    toks = rng.integers(0, 1 << 20, n).tolist()
-                else:
-                    toks = base[:shared] + rng.integers(0, 1 << 20, n - shared).tolist()
-                if kind == "l3_file":
-                    dc.call("ext", fn=X + "clear_l2")
-                out = _run_one(pf, dc, srv.address, room, toks, src, child_dst, n)
-                times[kind].append(out["stats"]["seconds"])
-                if os.environ.get("BENCH_DEBUG"):
-                    print(kind, out["stats"], file=sys.stderr)
-                net[kind] = out["stats"]["net_bytes"]
-                st = dc.call("ext", fn=X + "report")["stats"]
-                if kind == "l2":  # this restore's L2 -> L1 copy alone
-                    copy_gbps.append((st["l1_copy_bytes"] - copied[0])
-                                     / max(1e-9, (st["l1_copy_us"] - copied[1]) * 1e-6) / 1e9)
-                copied = (st["l1_copy_bytes"], st["l1_copy_us"])
-                if kind == "l3_file":  # the parent back into L2 for the next L2 round
-                    dc.call("ext", fn=X + "write_back", items=[
-                        {"tokens": base, "dst": {"kv": parent_dst}, "num_tokens": n}])
-        finally:
-            pf.close()
-            dc.close()
+            if kind == "l3_file":  # the parent back into L2 for the next L2 round
+                dc.call("ext", fn=X + "write_back", items=[
+                    {"tokens": base, "dst": {"kv": parent_dst}, "num_tokens": n}])
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"incremental.l2_ratio": round(med["l2"] / med["full"], 3),
             "incremental.l3_file_ratio": round(med["l3_file"] / med["full"], 3),
@@ -116,17 +101,19 @@ def measure(quick: bool = False) -> dict[str, Any]:
             "incremental.quick": quick}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller heads, fewer repetitions")
-    a = ap.parse_args(argv)
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
+    """No options of its own: ``--quick`` uses 2 KV heads and 3 repetitions (8 and 11)."""
+
+
+def main(a: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     t0 = time.monotonic()
     res = measure(quick=a.quick)
     res["incremental.wall_s"] = round(time.monotonic() - t0, 1)
-    print(json.dumps(res, indent=1))
-    return 0
+    return res
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import runner
+
+    sys.exit(runner.run(sys.modules[__name__]))

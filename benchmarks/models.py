@@ -1,13 +1,4 @@
-"""Model families through pdxfer and vLLM's NixlConnector: which each serves token-exact,
-TTFT against colocated vLLM, and bytes moved per request.
-
-Per family (``tests.harness.hf_families``, built here) and variant, each alone: a prefill
-and a decode behind a front door (``pdxfer router`` for pdxfer, vLLM's proxy protocol for
-NixlConnector); the same prompts go to the pair and, interleaved, to its prefill as a
-colocated server. Prints JSON (flat dotted keys); ``--json PATH`` writes it too.
-
-    python scripts/bench_models.py [--quick] [--families a,b] [--variants pdxfer,nixl]
-"""
+"""Model families through pdxfer and vLLM's NixlConnector: token-exactness, TTFT, bytes moved."""
 
 from __future__ import annotations
 
@@ -20,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.vllm_bench import pct, root_cause, run_and_report, stream_request, tokens
+from benchmarks.common.vllm_bench import pct, root_cause, stream_request, tokens
 from benchmarks.common.vllm_proxy import FrontDoor
 from pdxfer import BootstrapServer
 from pdxfer.demo.vllm_procs import (
@@ -153,19 +144,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one prompt length, two requests")
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--families", default="", help=f"comma-separated, of {sorted(FAMILIES)}")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="pdxfer, nixl")
-    ap.add_argument("--json", default=None, help="also write the JSON here")
-    a = ap.parse_args(argv)
+
+
+def main(a: argparse.Namespace) -> dict[str, Any]:
     bad = [v for v in a.variants.split(",") if v not in VARIANTS]
     if bad:
-        ap.error(f"unknown variants {bad}")
-    res = run_and_report("bench_models", lambda: run(a), a.json)
-    return 2 if res is None else 0
+        raise SystemExit(f"unknown variants {bad}")
+    return run(a)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from benchmarks.common import runner
+
+    sys.exit(runner.run(sys.modules[__name__]))

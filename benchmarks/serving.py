@@ -1,36 +1,4 @@
-#!/usr/bin/env python
-"""The served system under a shared-prefix workload, variants compared in one interleaved run.
-
-    python scripts/bench_serving.py [--quick] [--json out.json] [--plot docs/results/bench_serving.png]
-                                    [--concurrency 8]
-
-Workload: groups of requests that share a long prefix, as turns of multi-turn conversations
-do (every turn repeats the history and adds a question), sent through the router with the
-official streaming API at concurrency N (2N conversations, so a conversation's next turn does
-not simply take the slot its last turn freed), with a progress bar. TTFT is the time to the first
-streamed text at the client; TPOT the time per token after it.
-
-Variants (each on its own workers, started once; rounds alternate A B A B ...):
-- ``serving.*``: prefix reuse on both sides vs off on the decode, and vs off on the prefill
-  (``--l2-pages 0``), 1 prefill + 1 decode: ``serving.ttft_p50_ratio_decode_reuse``
-  and ``serving.ttft_p50_ratio_prefill_reuse`` (on / off).
-- ``serving.*`` at a real model's KV size: the same pair with ``--kv-ballast-bytes-per-token
-  131072`` on both sides (128 KiB per token more, the KV of an 8B model with GQA; the
-  ballast is transferred, tiered and checked like KV: ``pdxfer/serving/toy/ballast.py``),
-  reuse on vs off on the decode: ``serving.kv_wait_ms_p50_ratio_decode_reuse`` (the p50 of
-  the decode's wait for a prompt's KV, from asking for it to all of it in place, with reuse
-  on / off) and ``serving.ttft_p50_ratio_decode_reuse_128k``. These two use L2 only (no L3
-  files: 75 MB per prompt would be disk traffic on the shared machine).
-- ``routing.*``: KV-aware routing vs least-outstanding over 1 prefill + 2 decodes:
-  ``routing.restored_fraction_ratio`` (KV-aware / least-outstanding),
-  ``routing.ttft_p50_ratio`` and ``routing.kv_aware_restored_of_possible``: of the prompt
-  tokens that some decode could have restored, the fraction KV-aware routing did restore.
-  "Could have restored", per request: the longest page-aligned common prefix of its prompt
-  with any prompt that had completed (so its pages were written back to that decode's L2)
-  before the request was sent, on whichever decode; computed offline from the requests'
-  send and completion times. It ignores eviction (L2 and L3 here hold every prefix the
-  workload reuses), so it is what an oracle router could restore.
-"""
+"""The served system under a shared-prefix workload, variants compared in one interleaved run."""
 
 from __future__ import annotations
 
@@ -46,10 +14,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from pdxfer.serving.toy.cluster import Cluster  # noqa: E402
+from pdxfer.serving.toy.cluster import Cluster
 
 WORKER = ["--bootstrap-timeout", "20", "--transfer-timeout", "60", "--pages", "1024"]
 PAGE = 16  # the workers' page size (their default)
@@ -186,13 +151,12 @@ def summary(rs: list[dict[str, Any]]) -> dict[str, float]:
             "ok": len(ok), "failed": len(rs) - len(ok), "busy_seconds": wall}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--plot", type=Path)
-    ap.add_argument("--concurrency", type=int, default=8)
-    a = ap.parse_args()
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--plot", type=Path, help="PNG of the variants' TTFT and throughput")
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+
+
+def main(a: argparse.Namespace) -> dict[str, Any]:
     # more conversations than requests in flight: in a closed loop with one request in
     # flight per conversation, the slot a turn frees is the one its next turn takes, so any
     # policy would keep a conversation on one decode and routing would show nothing
@@ -273,13 +237,13 @@ def main() -> int:
     out["failed"] = sum(s["failed"] for s in sums.values())
     out["seconds_total"] = time.perf_counter() - t_start
     out["loadavg_start"] = load_start
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.json:
-        a.json.write_text(text)
     if a.plot:
         plot(sums, a.plot)
-    return 0 if out["failed"] == 0 else 1
+    return out
+
+
+def passed(res: dict[str, Any]) -> bool:
+    return res["failed"] == 0
 
 
 def plot(sums: dict[str, dict[str, float]], path: Path) -> None:
@@ -306,4 +270,6 @@ def plot(sums: dict[str, dict[str, float]], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import runner
+
+    sys.exit(runner.run(sys.modules[__name__]))

@@ -1,78 +1,4 @@
-"""Does KV leave the prefill as it is computed? A vLLM prefill and decode on two hosts behind
-``pdxfer router --engine vllm``, against colocated vLLM, on an uncapped link and on a link
-capped so that moving a request's KV takes as long as computing it (issue 34).
-
-    python scripts/bench_stream.py --json bench_stream.json [--quick]
-
-Hosts: two network namespaces of ``tests.harness.hosts`` on one bridge (needs root). ``p``
-runs the pdxfer bootstrap server and the vLLM prefill; ``d`` runs the vLLM decode, the router
-(on its loopback), the colocated reference server and the client (the benchmark's own threads,
-entered into ``d``). Everything across hosts shares a fresh ``PDXFER_SECRET``. With concurrent
-dispatch the decode asks for a room before the prefill's engine may have the request (its
-engine learns of a queued request only between steps, and one step can outlast the 5 s
-``room_grace_s``): such an ask is marked early and waits up to the bootstrap deadline
-(``TransferRequest.early``; before that, 1k-4k prompts at concurrency 4 failed here as unknown
-rooms). Prefix caching
-is off everywhere, so every request computes its whole prompt and the same prompt can be sent
-to every variant and link.
-
-Links: ``uncapped`` (the veth pair, as fast as the kernel copies: the ``_loopback`` figures)
-and ``capped`` (``tc tbf`` on the prefill host's link, both ways). The cap is set from a
-measurement made first: the colocated server's time to the first token of a fresh
-``--match-tokens`` prompt (median of three, one token generated), and the cap is the rate at
-which that prompt's KV moves in that time (``stream.cap_mbit``).
-
-Variants (``--variants``):
-
-- ``colocated``: one vLLM server, the reference (its outputs are what every other must equal);
-- ``sequential``: the router's ``--dispatch sequential`` (vLLM's proxy protocol: the decode
-  gets its request once the prefill answered), the prefill sending whole requests;
-- ``concurrent_request``: ``--dispatch concurrent`` (the decode engaged at dispatch), the
-  prefill sending a request's KV once its prompt is computed;
-- ``concurrent_step``: concurrent, the prefill sending each step's full blocks after the step;
-- ``concurrent_layer``: concurrent, the prefill sending each layer as it is computed.
-
-The prefill's mode is ``kv_connector_extra_config`` key ``send_by`` (``request``, ``step``,
-``layer``). A connector that does not know that key (checked before any server starts, with
-the connector's own parser) gets ``send_per_step`` for ``request`` and ``step``, and the
-``layer`` variant is reported unavailable with the reason (``stream.unavailable.<variant>``),
-as it is when its prefill does not start (the first exception in its log); any other server
-not ready by ``--startup-timeout`` ends the run with an error naming it (exit status 2).
-
-Phases, as in ``scripts/bench_vllm.py``: a phase starts one prefill mode's servers (colocated
-alone; or the decode, then the prefill), measures, and stops them; the variants sharing a
-prefill mode (sequential and concurrent_request) are measured one after the other in that
-phase, each behind its own router (one router at a time). The phases alternate, the order
-rotating each round (``--rounds``); within a phase the links alternate too. The load average
-is recorded before each phase, with the servers' idle CPU once they are up
-(``stream.phases``). Every wait is bounded; every process is stopped by pid.
-
-Workload: prompts of ``--sizes`` tokens (default 1024, 2048, 4096), generating ``--answer``
-tokens each, greedy, streamed; one at a time (``--requests`` per size) and at concurrency 4
-(``--batches`` of four sent at once). TTFT is the client's time to its first streamed token.
-Every PD output must equal colocated's for the same prompt: ``stream.mismatches`` counts
-those that differ (and ``stream.errors`` requests that failed, and PD phases that failed:
-a prefill engine that died mid-phase ends that phase, recorded in ``stream.phases``, and the
-run goes on); either makes the exit status 1.
-
-Keys (``<link>`` ``uncapped`` / ``capped``, ``<n>`` the concurrency):
-
-- ``stream.ttft_p50_ms.<variant>.<link>.<tokens>.c<n>`` (colocated: no ``<link>``),
-  ``stream.prefill_leg_p50_ms.<variant>.<link>.<tokens>.c<n>`` (the router's time from
-  dispatch to the prefill's answer), ``stream.ratio_vs_colocated.<variant>.<link>.<tokens>.c<n>``;
-- figures at ``--match-tokens`` (``.concurrency_4`` appended for concurrency 4):
-  ``stream.ttft_p50_ratio_vs_colocated`` (concurrent_layer, capped, over colocated);
-  ``stream.hidden_fraction`` ((sequential - concurrent_layer) / (sequential - colocated),
-  capped); ``stream.ttft_p50_ratio_vs_colocated_loopback`` (concurrent_layer, uncapped);
-  ``stream.prefill_step_ratio`` (concurrent_layer's prefill leg over concurrent_request's,
-  capped: the prefill's forward with streaming on over off, as the router times it). A
-  figure whose variant is unavailable is null;
-- ``stream.cap_mbit``, ``stream.colocated_prefill_ms``, ``stream.kv_bytes_per_token``,
-  ``stream.mismatches``, ``stream.errors``, ``stream.outputs_compared``,
-  ``stream.loadavg_max_before_phase``, ``stream.background_cores_max_before_phase`` (the
-  host's busy cores over 3 s before a phase, none of the run's servers up),
-  ``stream.phases``, ``stream.seconds``.
-"""
+"""KV streamed as it is computed: vLLM prefill and decode on two hosts, uncapped and capped links."""
 
 from __future__ import annotations
 
@@ -89,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.proccpu import busy_cores, host_busy_cores
+from benchmarks.common.proccpu import busy_cores
+from benchmarks.common.runner import Unavailable, phase_start
 from benchmarks.common.vllm_bench import (
     Reply,
     pct,
     root_cause,
-    run_and_report,
     stream_request,
     tokens,
 )
@@ -260,8 +186,7 @@ def phase(unit: str, rnd: int, s: Setup, a: argparse.Namespace, run: Run,
         [v for v in a.variants if v in PD and PD[v][1] == unit]
     tag = f"{unit}_r{rnd}"
     rec: dict[str, Any] = {"phase": unit, "round": rnd, "variants": variants,
-                           "loadavg_before": os.getloadavg(),
-                           "background_cores_before": round(host_busy_cores(3.0), 3)}
+                           **phase_start()}
     run.phases.append(rec)
     extra: dict[str, Any] = {}
     if unit != "colocated":
@@ -451,11 +376,7 @@ def run_all(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--quick", action="store_true",
-                    help="one round, one request per size alone and one batch of four")
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, help="phases per prefill mode (default 3; quick 1)")
     ap.add_argument("--requests", type=int,
                     help="requests per size, one at a time (default 3; quick 1)")
@@ -476,35 +397,39 @@ def main() -> int:
                     help="how long each phase's idle CPU is measured (default 5; quick 2)")
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds one request may take (default 600)")
-    a = ap.parse_args()
+
+
+def main(a: argparse.Namespace) -> dict[str, Any]:
     a.sizes = sorted({int(x) for x in a.sizes.split(",") if x.strip()})
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in a.variants:
         if v not in ALL:
-            ap.error(f"unknown variant {v!r}; known: {', '.join(ALL)}")
+            raise SystemExit(f"unknown variant {v!r}; known: {', '.join(ALL)}")
     if "colocated" not in a.variants:
-        ap.error("colocated is the reference: --variants must name it")
+        raise SystemExit("colocated is the reference: --variants must name it")
     if a.match_tokens is None:
         a.match_tokens = 2048 if 2048 in a.sizes else a.sizes[len(a.sizes) // 2]
     if a.match_tokens not in a.sizes:
-        ap.error("--match-tokens must be one of --sizes")
+        raise SystemExit("--match-tokens must be one of --sizes")
     a.rounds = a.rounds or (1 if a.quick else 3)
     a.requests = a.requests or (1 if a.quick else 3)
     a.batches = a.batches or (1 if a.quick else 2)
     a.idle_seconds = a.idle_seconds if a.idle_seconds is not None else (2.0 if a.quick else 5.0)
     why = root_reason()
     if why:
-        print(f"[bench_stream] error: {why}", file=sys.stderr)
-        return 2
-    res = run_and_report("bench_stream", lambda: run_all(a), a.json)
-    if res is None:
-        return 2
+        raise Unavailable(why)
+    return run_all(a)
+
+
+def passed(res: dict[str, Any]) -> bool:
     if res["stream.mismatches"] or res["stream.errors"]:
         log(f"FAIL: {res['stream.mismatches']} output(s) differ from colocated, "
             f"{res['stream.errors']} request(s) failed")
-        return 1
-    return 0
+        return False
+    return True
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from benchmarks.common import runner
+
+    sys.exit(runner.run(sys.modules[__name__]))

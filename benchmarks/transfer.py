@@ -1,26 +1,8 @@
-#!/usr/bin/env python
-"""pdxfer against raw Mooncake on the same work, and the machine's own limits, in one run.
-
-    python scripts/bench_transfer.py [--quick] [--only nixl] [--json out.json] [--plot docs/results/bench_transfer.png]
-
-Four agent processes: a pdxfer prefill and decode, and a raw-Mooncake "prefill" and "decode"
-holding the same pools. Compared variants alternate (A B A B ...) inside the run, because the
-same raw case drifts +-15-20 % between runs on a shared VM; figures are medians with min-max.
-Every timing is taken inside the agents with monotonic stamps. Bytes are checked against the
-source pattern for the first and last bulk transfer of each variant and for every entries case.
-
-Sections (keys of the flat JSON): ``bulk.*`` (one 2,048-token request, 32 layers, K+V, fp16,
-page 64, 8 heads x 128, pages scattered on both sides; plus smaller sizes for the plot),
-``small.*`` (128-token requests, 64 in flight, vs raw write + one ZMQ push), ``entries.*``,
-``limits.*`` (memcpy, loopback TCP socket), ``cpu.*``, and whatever ``scripts/bench_hetero.py``
-and ``scripts/bench_incremental.py`` measure when they exist.
-"""
+"""pdxfer against raw Mooncake on the same work, and the machine's own limits, in one run."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import os
 import socket
 import statistics
@@ -28,21 +10,19 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import hetero, incremental
+from benchmarks.common.fleet import BENCH_STATE as STATE
+from benchmarks.common.fleet import Fleet
+from benchmarks.common.runner import ROOT, load
+from pdxfer import plan as P
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 
-from pdxfer import plan as P  # noqa: E402
-from pdxfer.bootstrap import BootstrapServer  # noqa: E402
-from pdxfer.demo.harness import Agent  # noqa: E402
-from pdxfer.demo.patterns import PoolGeom  # noqa: E402
-
-STATE = "benchmarks.common.bench_agent:BenchState"
 LAYERS, HEADS, HEAD_DIM, PS = 32, 8, 128, 64
 PF_PAGES, DC_PAGES = 64, 160
 PAGE_BYTES = PS * HEADS * HEAD_DIM * 2  # one page of one buffer: 128 KiB
@@ -76,7 +56,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def loadavg() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
+    return load()[0]
 
 
 class Bench:
@@ -99,8 +79,8 @@ class Bench:
 
     # -- setup ---------------------------------------------------------------------------------
     def start(self) -> None:
-        self.srv = BootstrapServer("127.0.0.1", port=0).start()
-        self.nsrv = BootstrapServer("127.0.0.1", port=0).start()
+        self.fleet = Fleet()
+        self.srv, self.nsrv = self.fleet.bootstrap(), self.fleet.bootstrap()
         cfg = {"bootstrap": self.srv.address, "transfer_timeout_s": 60.0,
                "bootstrap_timeout_s": 60.0, "transport": "tcp"}
         nixl = {**cfg, "transport": "nixl"}
@@ -109,19 +89,17 @@ class Bench:
                  ("raw-decode", {}, DC_PAGES),
                  ("prefill", {**nixl, "bootstrap": self.nsrv.address}, PF_PAGES),
                  ("decode", nixl, DC_PAGES)]
-        with ThreadPoolExecutor(6) as ex:
-            futs = [ex.submit(Agent, role, c, geoms(n), state=STATE, start_timeout=600)
-                    for role, c, n in specs]
-            self.pf, self.dc, self.rpf, self.rdc, self.npf, self.ndc = (f.result()
-                                                                        for f in futs)
+        self.pf, self.dc, self.rpf, self.rdc, self.npf, self.ndc = self.fleet.agents(
+            [(role, c, geoms(n)) for role, c, n in specs], state=STATE, start_timeout=600)
         # one more NIXL pair per UCX transport list compared (UCX reads UCX_TLS when an agent
         # starts); started after the others, which must not inherit it while it is set
-        self.tls_srv = {v: BootstrapServer("127.0.0.1", port=0).start() for v in NIXL_VARIANTS}
         self.tls_pairs = {}
-        for tls, srv in self.tls_srv.items():
+        for tls in NIXL_VARIANTS:
+            srv = self.fleet.bootstrap()
             c = {**nixl, "bootstrap": srv.address}
             self.tls_pairs[tls] = (
-                *(Agent(role, c, geoms(n), state=STATE, start_timeout=600, env=NIXL_VARIANTS[tls][1])
+                *(self.fleet.agent(role, c, geoms(n), state=STATE, start_timeout=600,
+                                   env=NIXL_VARIANTS[tls][1])
                   for role, n in (("prefill", PF_PAGES), ("decode", DC_PAGES))), srv.address)
         # the pattern only where transfers read: the largest request's pages
         item = {"room": self.seed_room, "pages": {"kv": self.src_perm[:BULK_MAX // PS]},
@@ -138,17 +116,8 @@ class Bench:
         self.raw_once(128)
 
     def close(self) -> None:
-        for a in ("pf", "dc", "rpf", "rdc", "npf", "ndc"):
-            if hasattr(self, a):
-                getattr(self, a).close()
-        for pf, dc, _ in getattr(self, "tls_pairs", {}).values():
-            pf.close()
-            dc.close()
-        for srv in ("srv", "nsrv"):
-            if hasattr(self, srv):
-                getattr(self, srv).stop()
-        for srv in getattr(self, "tls_srv", {}).values():
-            srv.stop()
+        if hasattr(self, "fleet"):
+            self.fleet.close()
 
     # -- one transfer of each kind ---------------------------------------------------------------
     def pages_for(self, tokens: int) -> tuple[list[int], list[int]]:
@@ -567,16 +536,10 @@ class Bench:
 
     # -- 6. other helpers' figures -----------------------------------------------------------------
     def others(self) -> None:
-        for name in ("bench_hetero", "bench_incremental"):
-            path = ROOT / "scripts" / f"{name}.py"
-            if not path.exists():
-                continue
+        """The heterogeneous-TP and incremental benchmarks, their keys beside these."""
+        for name, mod in (("bench_hetero", hetero), ("bench_incremental", incremental)):
             self.mark_load(name)
             try:
-                spec = importlib.util.spec_from_file_location(f"_pdxfer_{name}", path)
-                assert spec and spec.loader
-                mod = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(mod)
                 self.out.update(mod.measure(quick=self.quick))
                 if "incremental.l2_copy_gbps" in self.out:
                     self.out["incremental.l2_copy_fraction_of_memcpy"] = (
@@ -717,17 +680,17 @@ def table(o: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="reduced run, under a minute")
-    ap.add_argument("--json", type=Path, help="write the flat JSON here")
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--md", type=Path, help="write the headline table as Markdown here")
     ap.add_argument("--only", choices=["nixl"], default=None,
                     help="run only this section (and memcpy, for nixl.fraction_of_memcpy)")
     ap.add_argument("--plot", type=Path, default=None,
-                    help="PNG of throughput against request size (default docs/results/bench_transfer.png "
-                         "for a full run, none for --quick)")
-    a = ap.parse_args(argv)
+                    help="PNG of throughput against request size (default "
+                         "docs/results/bench_transfer.png for a full run, none for --quick)")
+
+
+def main(a: argparse.Namespace) -> dict[str, Any]:
+    threading.current_thread().name = "bench"
     t0 = time.monotonic()
     b = Bench(a.quick)
     b.mark_load("start")
@@ -747,22 +710,22 @@ def main(argv: list[str] | None = None) -> int:
     if a.only is None:
         b.others()
     b.out["seconds_total"] = time.monotonic() - t0
-    text = json.dumps(b.out, indent=1, default=float)
-    print(text)
-    if a.json:
-        a.json.write_text(text + "\n")
     if a.md:
         a.md.write_text(table(b.out) + "\n")
     png = a.plot or (None if a.quick or a.only
                      else ROOT / "docs" / "results" / "bench_transfer.png")
     if png:
         plot(b.out, png)
-    ok = (b.out.get("bulk.bytes_wrong", 0) == 0 and b.out.get("nixl.bulk_bytes_wrong", 0) == 0
-          and b.out.get("entries.equal_to_runs", True)
-          and not any(k.endswith(".error") for k in b.out))  # a helper benchmark failed
-    return 0 if ok else 1
+    return b.out
+
+
+def passed(res: dict[str, Any]) -> bool:
+    return (res.get("bulk.bytes_wrong", 0) == 0 and res.get("nixl.bulk_bytes_wrong", 0) == 0
+            and res.get("entries.equal_to_runs", True)
+            and not any(k.endswith(".error") for k in res))  # a helper benchmark failed
 
 
 if __name__ == "__main__":
-    threading.current_thread().name = "bench"
-    sys.exit(main())
+    from benchmarks.common import runner
+
+    sys.exit(runner.run(sys.modules[__name__]))

@@ -1,98 +1,4 @@
-"""pdxfer's vLLM connector against colocated vLLM and vLLM's own connectors, fairly: real
-``vllm serve`` servers on CPU, each variant measured with only its own servers running.
-
-    python scripts/bench_vllm.py --json bench_vllm.json [--quick]
-    python scripts/bench_vllm.py --quick --rounds 1 --convs 2 --turns 2   # a smoke run
-
-Phases: a variant's servers are started (vLLM's connectors' one at a time, each waiting for
-the previous to answer ``/health``: two NixlConnector servers started together can collide on
-one port; a pdxfer pair's together, which saves one start-up a phase), measured, and stopped;
-the variants alternate phase by phase, in ``--rounds`` rounds (the order rotates each round),
-so drift on the host cancels. Each phase's wall time is recorded step by step (``seconds`` in
-``vllm.phases``: background, startup, warmup, idle, alone, contended, stop; and how much of a
-section went to its requests' first tokens, ``first_tokens_s_<section>``), each variant's sum
-as ``vllm.phase_seconds.<variant>``. A server not ready by its start-up
-deadline (``--startup-timeout``) ends the run with an error naming it (exit status 2); every
-wait is bounded and every process is killed by pid. Before each phase, with none of the
-run's servers up, the host's busy cores over 3 s are recorded (``background_cores_before`` in
-``vllm.phases``, the run's maximum in ``vllm.background_cores_max_before_phase``) beside the
-load average (which still shows the phase just stopped: it decays over a minute). A run whose
-background exceeds the core count says little. A request that gets no complete answer within
-``--request-timeout`` (or whose stream is dropped) is recorded (``failed_<section>`` in its
-phase, ``vllm.failed_requests.*``, ``vllm.failed_requests_total``) and counts in the TTFT
-percentiles as the time it took to fail, a lower bound; its conversation's later turns in
-that phase are skipped (``vllm.skipped_requests.*``), and the run goes on.
-
-Each phase, with the servers up and no requests: their idle CPU (``vllm.idle_cpu_cores.*``:
-CPU seconds per second of the servers' process trees, from /proc, over ``--idle-seconds``).
-Then the workload alone, then the same workload shape (fresh prompts) beside a fixed CPU load
-(one spinning process per core: ``*.contended`` keys; ``--no-contended`` leaves it out).
-
-Variants (``--variants``, comma-separated):
-
-- ``colocated``: one vLLM server (the reference: its TTFT, and a prefill leg of the prefill's
-  own request shape, see below);
-- ``pdxfer_tcp``, ``pdxfer_nixl``: a prefill and a decode with PdxferConnector over the
-  Mooncake TCP or the NIXL transport;
-- ``pdxfer_reuse``: pdxfer's default transport, the decode with decode-side tiers (L2);
-- ``builtin``: vLLM's NixlConnector pair on CPU memory (``kv_buffer_device: cpu``; vLLM
-  imports ``nixl._api`` and ``nixl-cu12`` installs as ``nixl_cu12``, so these processes get
-  ``scripts/nixl_shim`` on their PYTHONPATH; ``kv_lease_duration`` 300 s);
-- ``mooncake``: vLLM's MooncakeConnector (``mooncake_protocol: tcp``). It is tried once; if
-  its server does not start, ``vllm.unsupported.mooncake`` records why (the first exception
-  in its log and the vLLM frame that raised it: on a CPU-only host its worker asks torch for
-  the current accelerator) and the run goes on without it. Should it start, it is left out
-  too (the front door does not speak its protocol), and the JSON says so.
-
-Requests: every variant sends the same prompts, ``--convs`` conversations of ``--turns``
-turns per phase and section, but NixlConnector, which sends ``builtin_convs`` of them per
-phase (``--builtin-requests``, default 24 per section over the run: 2 of the full run's 6
-conversations, the next 2 each round, so each one once; all 4 of ``--quick``'s). Its
-requests are the slow part of a run (2 s and more to the first token, up to minutes beside
-the load): in run 1, 72 requests per section, its three phases took 87 of the run's 108
-minutes, 27 of them to first tokens and most of the rest to the answers' other tokens.
-Whole conversations keep every turn's share; a section's first request computes the
-conversations' shared system prefix cold, so a round whose NixlConnector conversations do
-not start with the first one sends its prefill that conversation's first turn, untimed,
-first (``untimed_first``): one timed request in 24 is cold, as in run 1 (3 in 72). Its
-answers are compared over the requests it sent; ``vllm.kv_mib_per_request.*`` compares
-the KV moved across variants that sent different numbers of requests.
-
-Model: ``pdxfer.demo.hf_model`` shape ``kv32k`` (8 layers, 8 KV heads of 128) in float32:
-64 KiB of KV per token. Workload: conversations of several turns, every prompt opening with
-one long system prefix shared by all conversations, each turn repeating its conversation's
-history and adding a question. vLLM's prefix cache is on in prefills (and the colocated
-server) and off in decodes, so decodes differ only in what pdxfer's tiers restore. Requests
-run one at a time, streamed; TTFT is the time to the first streamed token. Every request goes
-through a front door (``benchmarks.common.vllm_proxy``): a pair's follows vLLM's proxy protocol
-and the door times its prefill leg (the prefill's one-token, non-streamed answer, read whole),
-the decode leg being the rest of the TTFT; colocated's is passed through as it is, the door
-timing it to its first streamed chunk (``first_chunk``). After each colocated request the
-door also sends the colocated server that request's prefill leg as a pair's prefill is sent
-(``FrontDoor.prefill_leg``: the same body through ``prefill_body``, one token, not streamed,
-no ``kv_transfer_params``), timed at the same place, on a prompt that makes it compute what a
-pair's prefill computes (``reference_leg``: a prefill's cache holds the conversation's
-previous prompt, not the answer its decode computed, so the prompt's tokens after the
-previous prompt are replaced by as many others): colocated's ``prefill_leg``. Until 2026-11-26 colocated's
-``prefill_leg`` was its first streamed chunk, a different request (run 1 in
-``docs/performance.md``). Outputs must equal colocated's token for token.
-
-Keys (``.contended`` appended for the loaded half): per variant ``vllm.ttft_p50_ms.*``,
-``ttft_p90_ms``, ``prefill_leg_p50_ms`` / ``p90``, ``decode_leg_p50_ms`` / ``p90``,
-``kv_ready_ms_mean``, ``kv_mib`` (in all) and ``kv_mib_per_request``, ``busy_cpu_cores``
-(CPU seconds per second of the variant's servers while its requests ran), colocated's
-``first_chunk_p50_ms`` / ``p90``; ``requests_ms`` per request (a pair's TTFT and prefill
-leg; colocated's TTFT, first chunk and reference leg); ``vllm.idle_cpu_cores.<variant>``;
-``vllm.prefill_leg_p50_ratio_vs_colocated`` (pdxfer's default transport's prefill leg over
-colocated's of the same request shape, both timed by the door; ``..._vs_colocated_stream``:
-over colocated's first streamed chunk, the figure run 1 reported),
-``vllm.ttft_p50_ratio_vs_builtin`` (pdxfer's default transport over NixlConnector),
-``vllm.ttft_p50_ratio_decode_reuse`` and ``vllm.kv_ready_ratio_decode_reuse`` (reuse over
-the default transport without it; the second is the connector's own time until the KV is in
-place), each ratio also per pdxfer variant (``<key>.<variant>``);
-``vllm.outputs_identical``; ``vllm.default_transport`` and ``vllm.default_variant`` (the
-variant the headline ratios read: ``auto`` on one host is NIXL where it is installed).
-"""
+"""pdxfer's vLLM connector against colocated vLLM and vLLM's own connectors, each phase alone."""
 
 from __future__ import annotations
 
@@ -112,12 +18,12 @@ from typing import Any
 
 import openai
 
-from benchmarks.common.proccpu import TreeClock, busy_cores, host_busy_cores
+from benchmarks.common.proccpu import TreeClock, busy_cores
+from benchmarks.common.runner import phase_start
 from benchmarks.common.vllm_bench import (
     pct,
     request_body,
     root_cause,
-    run_and_report,
     tokens,
     ttft,
 )
@@ -420,9 +326,7 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
           log: list[dict[str, Any]]) -> None:
     tag = f"{v}_r{rnd}"
     lap = Laps()
-    rec: dict[str, Any] = {"variant": v, "round": rnd, "loadavg_before": os.getloadavg(),
-                           "background_cores_before": round(host_busy_cores(3.0), 3),
-                           "seconds": lap.seconds}
+    rec: dict[str, Any] = {"variant": v, "round": rnd, **phase_start(), "seconds": lap.seconds}
     log.append(rec)
     lap("background")
     mk, cfg = makers(v, setup, tag)
@@ -692,12 +596,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         boot.stop()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--quick", action="store_true",
-                    help="2 rounds of 4 conversations x 3 turns (24 requests per variant, "
-                         "alone and contended each)")
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, help="phases per variant (default 3; quick 2)")
     ap.add_argument("--convs", type=int, help="conversations per phase (default 6; quick 4)")
     ap.add_argument("--turns", type=int, help="turns per conversation (default 4; quick 3)")
@@ -714,12 +613,17 @@ def main() -> int:
                     help="how long each phase's idle CPU is measured (default 10)")
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds one request may take (default 600)")
-    a = ap.parse_args()
-    res = run_and_report("bench_vllm", lambda: run(a), a.json)
-    if res is None:
-        return 2
-    return 0 if res["vllm.outputs_identical"] and "vllm.error" not in res else 1
+
+
+def main(a: argparse.Namespace) -> dict[str, Any]:
+    return run(a)
+
+
+def passed(res: dict[str, Any]) -> bool:
+    return bool(res["vllm.outputs_identical"]) and "vllm.error" not in res
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from benchmarks.common import runner
+
+    sys.exit(runner.run(sys.modules[__name__]))

@@ -33,7 +33,11 @@ def _transfer_demo(a: argparse.Namespace) -> int:
 
 
 def _bench(a: argparse.Namespace) -> int:
-    from .serving.toy.demo import bench
+    if a.rest and not a.rest[0].startswith("-"):  # a benchmark of the checkout: NAME
+        from .checkout import run_benchmark
+
+        return run_benchmark(a.rest[0], a.rest[1:])
+    from .serving.toy.demo import bench  # no NAME: the toy cluster's, shipped in the wheel
 
     return bench(a.rest)
 
@@ -105,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False).set_defaults(fn=_demo)
     sub.add_parser("transfer-demo", help="move one request's KV between two processes",
                    add_help=False).set_defaults(fn=_transfer_demo)
-    sub.add_parser("bench", help="serving throughput/latency through the router (JSON)",
+    sub.add_parser("bench", help="serving throughput/latency through the router (JSON); "
+                                 "`pdxfer bench NAME`: a benchmark of a checkout's benchmarks/",
                    add_help=False).set_defaults(fn=_bench)
     return ap
 
