@@ -8,7 +8,7 @@ What ``small.fixed_cost_ms`` is made of, and which threads the 64-in-flight loop
 
 A pdxfer prefill and decode on Mooncake TCP (the bench geometry: 128-token requests, 64
 buffers of 128 KiB pages, integrity ``sampled``) serve requests one at a time, the decode's
-request already at the prefill, as ``scripts/bench_transfer.py``'s fixed cost does. Both
+request already at the prefill, as ``benchmarks/transfer.py``'s fixed cost does. Both
 agents stamp the functions a request passes through (``benchmarks.common.trace``; one clock,
 ``CLOCK_MONOTONIC``, for both processes) and this script prints the median of each segment
 in microseconds (flat JSON keys ``trace.<segment>_us``), each stamp costing ~1-2 us.

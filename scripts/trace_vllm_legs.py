@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The vLLM prefill leg against colocated vLLM, request shape by request shape, interleaved:
-what ``scripts/bench_vllm.py``'s ``vllm.prefill_leg_p50_ratio_vs_colocated`` compares, and
+what ``benchmarks/vllm.py``'s ``vllm.prefill_leg_p50_ratio_vs_colocated`` compares, and
 where the difference goes.
 
     python scripts/trace_vllm_legs.py [--quick] [--json trace_legs.json] [--no-stamps]

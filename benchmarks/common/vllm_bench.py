@@ -1,4 +1,4 @@
-"""What the vLLM benchmarks (``scripts/bench_vllm.py``, ``scripts/bench_stream.py``) share:
+"""What the vLLM benchmarks (``benchmarks/vllm.py``, ``benchmarks/stream.py``) share:
 one streamed request timed to its first token, deterministic prompts, percentiles, and the
 one-line reason a server did not start. Kept here so both measure the same way."""
 

@@ -1,6 +1,6 @@
 """A minimal front door for a vLLM prefill/decode pair, following vLLM's proxy protocol.
 
-For tests and benchmarks (``scripts/bench_vllm.py``): each request goes to the prefill with
+For tests and benchmarks (``benchmarks/vllm.py``): each request goes to the prefill with
 ``max_tokens=1``, no stream, and ``kv_transfer_params`` naming a fresh room and the decode
 instance, then to the decode with the params the prefill returned, its answer relayed as it
 comes. ``connector="nixl"`` speaks vLLM's NixlConnector protocol (the prefill's params copied

@@ -229,11 +229,12 @@ class AgentState:
         return {r: KVPoll((e.rx.get(r) or e.tx[r]).poll()).name for r in rooms}
 
     def cmd_ext(self, fn: str, **kw: Any) -> Any:
-        """Run ``fn`` (``module:function``, inside pdxfer) with this state: lets feature
-        modules add agent commands without growing this file."""
+        """Run ``fn`` (``module:function`` of pdxfer, the test harness or the benchmarks)
+        with this state: lets them add agent commands without growing this file."""
         mod, _, name = fn.partition(":")
-        if not mod.startswith("pdxfer."):
-            raise ValueError(f"agent extension {fn!r} is not a pdxfer module")
+        if not mod.startswith(("pdxfer.", "tests.harness.", "benchmarks.")):
+            raise ValueError(f"agent extension {fn!r} is not a pdxfer, harness or benchmark "
+                             "module")
         return getattr(importlib.import_module(mod), name)(self, **kw)
 
     def cmd_set_faults(self, spec: str) -> None:

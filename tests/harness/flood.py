@@ -1,4 +1,4 @@
-"""A control-plane flood for the trust tests and ``scripts/bench_flood.py``.
+"""A control-plane flood for the trust tests and ``benchmarks/flood.py``.
 
 A secured prefill and decode (real processes, one shared secret) serve legitimate requests
 while a thread of the driver process floods both control ports with what a third party can
