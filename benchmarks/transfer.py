@@ -18,7 +18,7 @@ import numpy as np
 from benchmarks import hetero, incremental
 from benchmarks.common.fleet import BENCH_STATE as STATE
 from benchmarks.common.fleet import Fleet
-from benchmarks.common.runner import ROOT, load
+from benchmarks.common.runner import ROOT, load, log
 from pdxfer import plan as P
 from pdxfer.demo.harness import Agent
 from pdxfer.demo.patterns import PoolGeom
@@ -74,8 +74,7 @@ class Bench:
 
     def mark_load(self, section: str) -> None:
         self.out[f"load.before_{section}"] = loadavg()
-        print(f"[bench] {time.strftime('%H:%M:%S')} {section} (load {loadavg()})",
-              file=sys.stderr, flush=True)
+        log("transfer", section)
 
     # -- setup ---------------------------------------------------------------------------------
     def start(self) -> None:

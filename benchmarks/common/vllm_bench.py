@@ -1,10 +1,9 @@
-"""What the vLLM benchmarks (``benchmarks/vllm.py``, ``benchmarks/stream.py``) share:
+"""What the vLLM benchmarks (``vllm``, ``stream``, ``models``) and traces share:
 one streamed request timed to its first token, deterministic prompts, percentiles, and the
 one-line reason a server did not start. Kept here so both measure the same way."""
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import statistics
@@ -17,6 +16,7 @@ from typing import Any
 
 from openai import OpenAI
 
+from benchmarks.common.runner import emit
 from pdxfer.demo.vllm_procs import ServerNotReady
 
 
@@ -115,19 +115,16 @@ def root_cause(log: Path) -> str:
 
 def run_and_report(name: str, run: Callable[[], dict[str, Any]],
                    json_path: str | None) -> dict[str, Any] | None:
-    """A benchmark's ending, the same for every one: SIGTERM unwinds like Ctrl-C (every
-    server is stopped by pid in the run's ``finally``), a server not ready by its deadline
-    is one line on stderr (the caller exits 2), and the results are printed as JSON and
-    written to ``json_path`` when given. Returns the results, or None if a server did not
-    start."""
+    """The trace scripts' ending, as ``runner.run`` ends a benchmark: SIGTERM unwinds like
+    Ctrl-C (every server is stopped by pid in the run's ``finally``), a server not ready by
+    its deadline is one line on stderr (the caller exits 2), and the results are printed as
+    JSON and written to ``json_path`` when given. Returns the results, or None if a server
+    did not start."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         res = run()
     except ServerNotReady as e:
         print(f"[{name}] error: {e}", file=sys.stderr)
         return None
-    text = json.dumps(res, indent=1, sort_keys=True)
-    print(text)
-    if json_path:
-        Path(json_path).write_text(text + "\n")
+    emit(res, Path(json_path) if json_path else None)
     return res
