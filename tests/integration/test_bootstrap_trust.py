@@ -16,8 +16,8 @@ import pytest
 
 from pdxfer import BootstrapClient, BootstrapServer, Endpoint, EndpointConfig, auth
 from pdxfer.bootstrap import Registration
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.transport import MemoryTransport
 
 SECRET = "bootstrap-secret-for-tests-0123456789"

@@ -32,9 +32,9 @@ from pdxfer import (
     layout_signature,
     wire,
 )
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.patterns import PoolGeom
-from pdxfer.testing.zmqctx import context
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
+from tests.harness.zmqctx import context
 
 N = 2000
 FUZZ = settings(max_examples=N, deadline=None, database=None,

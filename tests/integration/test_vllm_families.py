@@ -1,7 +1,7 @@
 """The model families people serve with PD, on real vLLM: MLA (DeepSeek-V2), every layer
 sliding (Mistral-style), sliding beside full (Gemma 3, gpt-oss), attention beside Mamba2
 (Nemotron-H) and beside Gated DeltaNet (Qwen3-Next), each a tiny random model built here
-(``pdxfer.testing.hf_families``).
+(``tests.harness.hf_families``).
 
 Per family, one ``vllm serve`` prefill and one decode loading ``PdxferConnector`` with
 vLLM's hybrid KV cache manager on (its default), behind ``pdxfer router --engine vllm``,
@@ -25,16 +25,16 @@ from pathlib import Path
 import pytest
 
 from pdxfer import BootstrapServer
+from pdxfer.demo.vllm_procs import VllmServer, kv_config, read_stats, start_all
 from pdxfer.serving.procs import Proc
-from pdxfer.testing.hf_families import FAMILIES, WINDOW, Family, build_family
-from pdxfer.testing.vllm_procs import VllmServer, kv_config, read_stats, start_all
+from tests.harness.hf_families import FAMILIES, WINDOW, Family, build_family
 
 from .vllm_helpers import complete, stream_ids, wait
 
 pytestmark = pytest.mark.timeout(900)
 
 SERVED = ("gemma3", "mistral_swa", "nemotron_h")
-"""The families this module serves (``scripts/bench_models.py`` tries every one). Left out, with why
+"""The families this module serves (``benchmarks/models.py`` tries every one). Left out, with why
 (docs/vllm.md, model families): DeepSeek-V2 and Qwen3-Next run only in bf16 here, whose CPU
 kernels part ways with colocated vLLM after the first token or two (a DeepSeek prompt served
 twice from vLLM's own prefix cache differs too); gpt-oss's decode dies in vLLM's CPU

@@ -26,7 +26,7 @@ import openai
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.vllm_procs import VllmServer, kv_config
+from pdxfer.demo.vllm_procs import VllmServer, kv_config
 
 from . import vllm_helpers as vh
 from .vllm_helpers import client, complete, kv_usage, metric, stream_ids, text, wait

@@ -27,8 +27,8 @@ import pytest
 from openai import OpenAI
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.hf_model import SHAPES
-from pdxfer.testing.vllm_procs import VllmServer, kv_config, start_all
+from pdxfer.demo.hf_model import SHAPES
+from pdxfer.demo.vllm_procs import VllmServer, kv_config, start_all
 
 from . import vllm_helpers as vh
 from .vllm_helpers import (

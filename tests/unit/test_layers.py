@@ -71,13 +71,13 @@ PUBLIC = ("pdxfer", "pdxfer.tiers")
 """What a user of pdxfer (``serving``, ``integrations``) may import from it."""
 
 FORBIDDEN = {
-    "plan": {"endpoint", "transport", "tiers", "serving", "testing", "wire", "bootstrap",
+    "plan": {"endpoint", "transport", "tiers", "serving", "demo", "wire", "bootstrap",
              "metrics", "auth", "faults", "cli", "integrations"},
-    "transport": {"endpoint", "plan", "tiers", "serving", "testing", "cli", "integrations"},
-    "endpoint": {"tiers", "serving", "testing", "cli", "integrations"},
-    "tiers": {"serving", "testing", "cli", "integrations"},
-    "serving": {"testing", "cli", "integrations"},
-    "integrations": {"testing", "cli", "serving"},
+    "transport": {"endpoint", "plan", "tiers", "serving", "demo", "cli", "integrations"},
+    "endpoint": {"tiers", "serving", "demo", "cli", "integrations"},
+    "tiers": {"serving", "demo", "cli", "integrations"},
+    "serving": {"demo", "cli", "integrations"},
+    "integrations": {"demo", "cli", "serving"},
 }
 
 
@@ -90,9 +90,28 @@ def test_arrows_run_only_downward() -> None:
     assert not bad, "forbidden imports:\n" + "\n".join(sorted(bad))
 
 
-def test_only_cli_and_testing_import_the_test_harness() -> None:
+def test_only_cli_imports_the_demo() -> None:
     bad = [f"{m} -> {d}" for m, deps in _graph().items() for d in deps
-           if _layer(d) == "testing" and _layer(m) not in ("testing", "cli")]
+           if _layer(d) == "demo" and _layer(m) not in ("demo", "cli")]
+    assert not bad, bad
+
+
+def _top_imports(path: Path) -> set[str]:
+    """Top-level packages ``path`` imports absolutely (``import x.y``/``from x.y import z``)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_the_wheel_never_imports_the_checkout() -> None:
+    """``tests`` (the harness) and ``benchmarks`` are not in the wheel: the library, the
+    demo included, must run without them (``pdxfer bench`` imports ``benchmarks`` by name)."""
+    bad = [f"{_module(p)} imports {sorted(_top_imports(p) & {'tests', 'benchmarks'})}"
+           for p in ROOT.rglob("*.py") if _top_imports(p) & {"tests", "benchmarks"}]
     assert not bad, bad
 
 

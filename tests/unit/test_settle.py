@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer, Endpoint, EndpointConfig, KVPoll, TransportError
+from pdxfer.demo import patterns as pat
 from pdxfer.endpoint.settler import Settler
-from pdxfer.testing import patterns as pat
 from pdxfer.transport import MemoryFabric, MemoryTransport
 
 from .test_state_machines import FAST, GEOMS, Pair, stranded_room, until, wait

@@ -27,8 +27,8 @@ from pdxfer import (
     PlanError,
     wire,
 )
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.transport import MemoryFabric, MemoryTransport
 
 GEOMS = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=4, heads=2, head_dim=8),
