@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from pdxfer import BootstrapServer
+from pdxfer.demo.hf_model import build_model
+from pdxfer.demo.vllm_procs import VllmServer, free_port, kv_config, start_all
 from pdxfer.serving.procs import Proc
-from pdxfer.testing.hf_model import build_model
-from pdxfer.testing.vllm_procs import VllmServer, free_port, kv_config, start_all
 
 from .vllm_helpers import client, wait
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import zmq
 from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
 
+from pdxfer.demo.vllm_procs import free_port
 from pdxfer.serving.router.kv_feed import FeedSpec, KvFeeds
-from pdxfer.testing.vllm_procs import free_port
 
 BS = 16
 W = "http://127.0.0.1:8100"
