@@ -113,7 +113,7 @@ from typing import Any
 import openai
 
 from pdxfer import BootstrapServer
-from pdxfer.integrations.vllm.config import ConnectorConfig
+from pdxfer.integrations.vllm.config import default as connector_default
 from pdxfer.testing.hf_model import SHAPES, build_model
 from pdxfer.testing.proccpu import TreeClock, busy_cores, host_busy_cores
 from pdxfer.testing.vllm_bench import (
@@ -150,8 +150,7 @@ modulo 700 draw the same ids (``tokens``), and the questions' seeds are 2-5 modu
 
 def default_transport() -> str:
     """What a user who sets no ``transport`` gets (the connector's own default)."""
-    return str(next(f.default for f in dataclasses.fields(ConnectorConfig)
-                    if f.name == "transport"))
+    return str(connector_default("transport"))
 
 
 def default_variant() -> str:
