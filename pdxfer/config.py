@@ -285,7 +285,7 @@ class EndpointConfig:
     trusted_bootstraps: tuple[str, ...] = setting(
         (), "a decode's trusted bootstrap servers (``host:port``): ``receiver()`` refuses any "
         "other address before connecting (``UntrustedBootstrap``); engines' decodes require "
-        "it (SGLang's decodes read it from this variable, ``host:port,...``)",
+        "it (SGLang's decodes read it from ``PDXFER_TRUSTED_BOOTSTRAPS``, ``host:port,...``)",
         env="PDXFER_TRUSTED_BOOTSTRAPS")
     endpoint_id: str = setting(help="this endpoint's id (default: a fresh random one)",
                                factory=lambda: uuid.uuid4().hex[:16])

@@ -22,7 +22,8 @@ def add_setting_args(ap: argparse.ArgumentParser | Any, *names: str) -> None:
     known = endpoint_settings()
     for name in names:
         s = known[name]
-        kw: dict[str, Any] = {"default": s.default, "help": s.help.replace("%", "%%")}
+        kw: dict[str, Any] = {"default": s.default,
+                              "help": s.help.replace("``", "").replace("%", "%%")}
         if s.kind == "bool":
             kw["action"] = "store_false" if s.default else "store_true"
         else:
@@ -33,7 +34,9 @@ def add_setting_args(ap: argparse.ArgumentParser | Any, *names: str) -> None:
 
 
 def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
-    add_setting_args(ap, "host", "advertise")  # --host binds the HTTP server too
+    add_setting_args(ap.add_argument_group("addresses", "the HTTP server binds --host too, and "
+                                           "prints --advertise in its ready line"),
+                     "host", "advertise")
     ap.add_argument("--port", type=int, default=0, help="HTTP port (0: pick a free one)")
     ap.add_argument("--bootstrap", default=None, required=role == "prefill",
                     help="bootstrap server host:port to register with" if role == "prefill"
