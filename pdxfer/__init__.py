@@ -1,6 +1,6 @@
 """pdxfer: move KV cache from prefill to decode over Mooncake Transfer Engine.
 
-Reading order: ``errors`` -> ``config`` -> ``pools`` (geometry) -> ``plan/`` (pure address
+Reading order: ``errors`` -> ``setting``/``config`` -> ``pools`` (geometry) -> ``plan/`` (pure address
 math) -> ``wire`` (messages) -> ``transport/`` -> ``bootstrap`` -> ``endpoint/`` (one rank) ->
 ``tiers/`` (decode-side L2/L3) -> ``serving/`` (router and toy workers, users of this API) -> ``integrations/`` (vLLM, SGLang).
 """
