@@ -40,7 +40,7 @@ from pdxfer.demo.vllm_procs import (
     start_one_by_one,
     start_together,
 )
-from pdxfer.integrations.vllm.config import ConnectorConfig
+from pdxfer.integrations.vllm.config import default as connector_default
 from pdxfer.transport.auto import pick
 from pdxfer.transport.nixl import installed as nixl_installed
 
@@ -56,8 +56,7 @@ modulo 700 draw the same ids (``tokens``), and the questions' seeds are 2-5 modu
 
 def default_transport() -> str:
     """What a user who sets no ``transport`` gets (the connector's own default)."""
-    return str(next(f.default for f in dataclasses.fields(ConnectorConfig)
-                    if f.name == "transport"))
+    return str(connector_default("transport"))
 
 
 def default_variant() -> str:

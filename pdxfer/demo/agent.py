@@ -24,7 +24,7 @@ class _Ep:
     def __init__(self, role: str, config: dict[str, Any], geoms: list[PoolGeom]) -> None:
         specs, self.tensors = pat.build(geoms)
         self.specs: dict[str, PoolSpec] = {s.name: s for s in specs}
-        self.ep = Endpoint(EndpointConfig(role=role, **config), specs)
+        self.ep = Endpoint(EndpointConfig.from_flat(role=role, **config), specs)
         self.tx: dict[int, KVSender] = {}
         self.rx: dict[int, KVReceiver] = {}
         self.released: dict[int, list[float]] = {}

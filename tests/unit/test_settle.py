@@ -43,7 +43,7 @@ def test_a_decode_whose_proof_hangs_holds_back_no_other_decodes_messages(
     hangs (proven one after the other, it waited for that step, past its deadline)."""
     p = Pair(srv, transfer_timeout_s=LONG)
     ds, _ = pat.build(GEOMS)
-    other = Endpoint(EndpointConfig(role="decode", bootstrap=srv.address,
+    other = Endpoint(EndpointConfig.from_flat(role="decode", bootstrap=srv.address,
                                     **{**FAST, "transfer_timeout_s": LONG}),
                      ds, transport=MemoryTransport(p.fabric))
     released: dict[int, float] = {}

@@ -51,9 +51,9 @@ class Pair:
         self.dspecs, self.dt = pat.build(GEOMS)
         pat.fill_sentinel(self.dt)
         conf = {**FAST, **cfg}
-        self.pf = Endpoint(EndpointConfig(role="prefill", bootstrap=srv.address, **conf),
+        self.pf = Endpoint(EndpointConfig.from_flat(role="prefill", bootstrap=srv.address, **conf),
                            self.pspecs, transport=self.ptx)
-        self.dc = Endpoint(EndpointConfig(role="decode", bootstrap=srv.address, **conf),
+        self.dc = Endpoint(EndpointConfig.from_flat(role="decode", bootstrap=srv.address, **conf),
                            self.dspecs, transport=self.dtx)
         self.released: collections.Counter[int] = collections.Counter()
         self.rng = np.random.default_rng(3)

@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
-from pdxfer import step_pace
-
 from . import params as P
 from .config import ConnectorConfig
 from .groups import Group, backoff, streams, tiered
@@ -110,9 +108,8 @@ class PdxferScheduler:
         """Decode requests refused for naming an untrusted bootstrap (counted once)."""
         self._interval: dict[str, int] = {}
         """Counters since vLLM last asked (``take_interval``; ``stats.COUNTERS``)."""
-        self.pace = step_pace()
-        """Seconds each step that schedules work is held (``PDXFER_FAULTS`` ``pace``, a test
-        fault; 0 in service)."""
+        self.pace = cfg.step_pace_s
+        """Seconds each step that schedules work is held (``step_pace_s``; 0 in service)."""
 
     def _decode_ask(self, request: Request) -> P.DecodeAsk | None:
         """The request's load, if it asks for one from a bootstrap this decode trusts. A

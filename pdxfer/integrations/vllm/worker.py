@@ -264,7 +264,7 @@ class PdxferWorker:
         if c.l3 == "mooncake":
             from pdxfer.tiers import MooncakeStoreStorage
 
-            return MooncakeStoreStorage(c.l3_mooncake, c.l3_mooncake_metadata, host=c.host,
+            return MooncakeStoreStorage(c.l3_mooncake, c.l3_mooncake_metadata, host=c.get("host"),
                                         segment_bytes=c.l3_mooncake_segment_mb << 20)
         return None
 
@@ -585,12 +585,12 @@ class PdxferWorker:
             out.owned = True
             return
         del self._sends[a.req_id]
-        end = time.monotonic() + self.cfg.abort_timeout_s
+        end = time.monotonic() + self.cfg.get("abort_timeout_s")
         while _reading(out) and time.monotonic() < end:
             time.sleep(0.001)
         if _reading(out):
             log.warning("room %d (request %s): writes still read its blocks %.1f s after "
-                        "its preemption", out.room, a.req_id, self.cfg.abort_timeout_s)
+                        "its preemption", out.room, a.req_id, self.cfg.get("abort_timeout_s"))
 
     def _load(self, o: LoadOrder) -> None:
         assert self.ep is not None

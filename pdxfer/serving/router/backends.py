@@ -24,7 +24,13 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from pdxfer import BootstrapClient, PdxferError, http_headers, parse_hostport
+from pdxfer import (
+    BootstrapClient,
+    PdxferError,
+    endpoint_settings,
+    http_headers,
+    parse_hostport,
+)
 
 from ..errors import BadRequest
 from . import openai_api as oa
@@ -56,7 +62,7 @@ def hit(history: collections.OrderedDict[str, None], keys: list[str]) -> int:
 class Prefill:
     url: str
     bootstrap: str
-    instance: str = "default"
+    instance: str = endpoint_settings()["instance"].default  # a worker's, unless it names one
     outstanding: int = 0
     healthy: bool = True
     used: int = 0

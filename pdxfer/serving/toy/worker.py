@@ -25,6 +25,7 @@ from pdxfer import (
     Endpoint,
     EndpointConfig,
     PoolSpec,
+    endpoint_settings,
     load_secret,
     parse_hostport,
     parse_hostports,
@@ -68,18 +69,22 @@ class LayerIds:
         return self.target, self.total
 
 
+_DEFAULT = {k: s.default for k, s in endpoint_settings().items()}
+"""The endpoint settings a worker passes on keep their defaults (and help) in ``pdxfer``."""
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """One worker's settings, validated at construction."""
 
     role: str
-    host: str = "127.0.0.1"
-    advertise: str = ""
+    host: str = _DEFAULT["host"]
+    advertise: str = _DEFAULT["advertise"]
     """The address other hosts reach this worker at (default ``host``; see ``pdxfer``'s
     ``EndpointConfig.advertise``)."""
     port: int = 0
     bootstrap: str | None = None
-    instance: str = "default"
+    instance: str = _DEFAULT["instance"]
     pages: int = 1024
     aux_slots: int = 64
     seed: int = 0
@@ -94,18 +99,17 @@ class WorkerConfig:
     l3_mooncake_metadata: str = ""
     l3_mooncake_segment_bytes: int = 256 << 20
     kv_landing: str = "device"
-    integrity: str = "sampled"
-    integrity_retry: bool = False
-    transport: str = "auto"
-    device: str = ""
-    """The NIC for ``transport="rdma"`` (``--device``)."""
+    integrity: str = _DEFAULT["integrity"]
+    integrity_retry: bool = _DEFAULT["integrity_retry"]
+    transport: str = _DEFAULT["transport"]
+    device: str = _DEFAULT["device"]
     torch_device: str = "cpu"
     """Where the toy model computes and its KV pools live (``--torch-device``): ``cpu``, or
     ``cuda:N``, whose pools the transport registers as device memory (a host landing's pool
     stays on the host; the aux rows and a ballast always do)."""
-    bootstrap_timeout_s: float = 30.0
-    transfer_timeout_s: float = 60.0
-    heartbeat_s: float = 0.5
+    bootstrap_timeout_s: float = _DEFAULT["bootstrap_timeout_s"]
+    transfer_timeout_s: float = _DEFAULT["transfer_timeout_s"]
+    heartbeat_s: float = _DEFAULT["heartbeat_s"]
     threads: int = 1
     max_waiting: int = 256
     admission_timeout_s: float = 20.0
@@ -371,7 +375,7 @@ class ModelHost:
         # ... while what one rank holds is its heads: its tier keys (L2, and L3 objects a
         # fleet may share) name the TP size and rank, so no rank reads another's shard
         self.fingerprint = f"{self.model_id} tp={cfg.tp}/{tp_rank}"
-        self.endpoint = Endpoint(EndpointConfig(
+        self.endpoint = Endpoint(EndpointConfig.from_flat(
             model_id=self.model_id,
             role=cfg.role, bootstrap=(cfg.trusted or (cfg.bootstrap,))[0],
             trusted_bootstraps=cfg.trusted, instance=cfg.instance, host=cfg.host,

@@ -1,5 +1,5 @@
-"""The ``pace`` fault: each vLLM engine step that schedules work sleeps that long, so a test
-can rely on a request of N tokens taking at least N steps (its client leaves first)."""
+"""The connector's ``step_pace_s``: each vLLM engine step that schedules work sleeps that long,
+so a test can rely on a request of N tokens taking at least N steps (its client leaves first)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from pdxfer.faults import Faults
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def test_pace_is_parsed_and_replaced_like_the_other_delays() -> None:
-    f = Faults.parse("pace=0.05,delay_write=1")
-    assert f.pace == 0.05 and f.delay_write == 1.0
-    f.update("drop=0.1")
-    assert f.pace == 0.0
-    with pytest.raises(ConfigError):
-        Faults.parse("pace=fast")
+def test_step_pace_is_a_checked_connector_key_not_a_fault() -> None:
+    from pdxfer.integrations.vllm import config as C
+
+    assert C.parse("kv_producer", {"bootstrap": "127.0.0.1:9", "step_pace_s": 0.05}
+                   ).step_pace_s == 0.05
+    with pytest.raises(ConfigError, match="step_pace_s"):
+        C.parse("kv_producer", {"bootstrap": "127.0.0.1:9", "step_pace_s": -1})
+    with pytest.raises(ConfigError, match="unknown fault 'pace'"):
+        Faults.parse("pace=0.05")
 
 
 @pytest.mark.parametrize("side", ["kv_producer", "kv_consumer"])
@@ -32,9 +34,9 @@ def test_a_paced_step_sleeps_once_and_only_when_it_schedules_work(
 
     slept: list[float] = []
     monkeypatch.setattr(S.time, "sleep", slept.append)
-    sch = S.PdxferScheduler(C.parse(side, {"bootstrap": "127.0.0.1:9"}, "m"), 32)
-    assert sch.pace == 0.0  # off unless PDXFER_FAULTS names it
-    sch.pace = 0.05
+    assert S.PdxferScheduler(C.parse(side, {"bootstrap": "127.0.0.1:9"}, "m"), 32).pace == 0.0
+    sch = S.PdxferScheduler(C.parse(side, {"bootstrap": "127.0.0.1:9", "step_pace_s": 0.05},
+                                    "m"), 32)
 
     def step(tokens: int) -> Any:
         return SimpleNamespace(total_num_scheduled_tokens=tokens, num_scheduled_tokens={},
