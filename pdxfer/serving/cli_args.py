@@ -141,6 +141,11 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                     choices=["auto", "round_robin", "least_outstanding", "kv_aware"],
                     help="pairing policy (auto: kv_aware with several decodes, else "
                          "round_robin)")
+    ap.add_argument("--max-image-bytes", type=int, default=4 << 20, metavar="N",
+                    help="largest image (decoded bytes) a chat request's data URL may carry")
+    ap.add_argument("--allow-remote-images", action="store_true",
+                    help="forward http(s) image URLs to the workers (each fetches them; off: "
+                         "a 400 asks for a data URL)")
     ap.add_argument("--expose-cache-stats", action="store_true",
                     help="show clients how many prompt tokens came from the decode's cache "
                          "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import itertools
 import json
 import logging
@@ -48,6 +49,8 @@ from .backends import (
     parse_prefill,
     registered,
 )
+from .media import DEFAULT as MEDIA
+from .media import MediaPolicy
 
 log = logging.getLogger("pdxfer.serving.router")
 POLICIES = ("round_robin", "least_outstanding", "kv_aware")
@@ -84,7 +87,7 @@ class Router:
     def __init__(self, prefills: list[Prefill], decodes: list[Decode],
                  policy: str = "auto", timeout_s: float = 120.0,
                  expose_cache_stats: bool = False, api_keys: dict[str, str] | None = None,
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None, media: MediaPolicy = MEDIA) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
         self.auto_policy = policy == "auto"
@@ -102,6 +105,8 @@ class Router:
         self.api_keys = (parse_api_keys(knobs().api_keys) if api_keys is None else api_keys)
         self.secret = load_secret()
         self.backend: Backend = backend or ToyBackend()
+        self.media = media
+        """What chat requests may carry in ``image_url`` parts (``media.py``)."""
         self._rr_p = itertools.count()
         self._rr_d = itertools.count()
         self.counters = collections.Counter[str]()
@@ -267,7 +272,7 @@ class Router:
         return await self._serve(request, oa.parse_completion)
 
     async def h_chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, oa.parse_chat)
+        return await self._serve(request, functools.partial(oa.parse_chat, media=self.media))
 
     async def _serve(self, request: web.Request, parse: Any) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -531,6 +536,8 @@ def run(a: argparse.Namespace) -> int:
     decodes = [parse_decode(s) for s in a.decode]
     check_reachable(prefills, decodes)
     router = Router(prefills, decodes, a.policy, a.timeout,
-                    expose_cache_stats=a.expose_cache_stats, backend=make_backend(a))
+                    expose_cache_stats=a.expose_cache_stats, backend=make_backend(a),
+                    media=MediaPolicy(max_image_bytes=getattr(a, "max_image_bytes", 4 << 20),
+                                      allow_remote=getattr(a, "allow_remote_images", False)))
     log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), router.policy)
     return serve(router.app(), a.host, a.port, advertise=a.advertise, what="router")
