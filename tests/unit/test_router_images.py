@@ -124,3 +124,24 @@ def test_the_routers_view_of_an_image_chat_has_one_image_token_per_image(
     assert ask.prompts[0].count(image_id) == 2
     text = parse_chat({"messages": [{"role": "user", "content": "what is this?"}]}, tok)
     assert image_id not in text.prompts[0] and text.messages is None
+
+
+def test_both_vllm_legs_get_the_clients_messages_and_text_keeps_token_ids() -> None:
+    from pdxfer.serving.router.backends import Attempt, Decode, Prefill
+    from pdxfer.serving.router.vllm import VllmBackend, _chat_logprobs, _path
+
+    b = VllmBackend()
+    body = chat(image(data_url(png())))
+    sent = copy.deepcopy(body["messages"])
+    ask = parse_chat(body)
+    job = Attempt(ask, ask.prompts[0], 7, Prefill("http://p", "127.0.0.1:1"),
+                  Decode("http://d"), 1)
+    leg = b._sampling(job)
+    assert leg["messages"] == sent and "prompt" not in leg
+    assert _path(job) == "/v1/chat/completions"
+    text = parse_chat({"messages": [{"role": "user", "content": "hi"}]})
+    tjob = Attempt(text, text.prompts[0], 7, job.pf, job.dc, 2)
+    assert b._sampling(tjob)["prompt"] == text.prompts[0] and _path(tjob) == "/v1/completions"
+    lp = {"content": [{"token": "token_id:5", "logprob": -0.5, "top_logprobs": [
+        {"token": "token_id:5", "logprob": -0.5}, {"token": "token_id:9", "logprob": -1.5}]}]}
+    assert _chat_logprobs(lp) == [{"token_id": 5, "logprob": -0.5, "top": {5: -0.5, 9: -1.5}}]
