@@ -33,7 +33,7 @@ from .vllm_helpers import client, token_ids, wait
 
 pytestmark = pytest.mark.timeout(900)
 
-BS = 16
+BS = 32
 MAX_TOKENS = 12
 ARGS = ("--max-model-len", "2048", "--limit-mm-per-prompt", '{"image": 2}')
 
