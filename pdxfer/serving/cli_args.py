@@ -155,6 +155,11 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-load-weight", type=float, default=0.5,
                     help="kv_aware: how many prompts' worth of tokens one outstanding request "
                          "on a worker weighs against the prefix it holds")
+    ap.add_argument("--max-image-bytes", type=int, default=4 << 20, metavar="N",
+                    help="largest image (decoded bytes) a chat request's data URL may carry")
+    ap.add_argument("--allow-remote-images", action="store_true",
+                    help="forward http(s) image URLs to the workers (each fetches them; off: "
+                         "a 400 asks for a data URL)")
     ap.add_argument("--expose-cache-stats", action="store_true",
                     help="show clients how many prompt tokens came from the decode's cache "
                          "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)")

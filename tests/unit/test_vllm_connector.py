@@ -465,3 +465,49 @@ def test_the_step_after_a_prefill_finished_lets_its_answer_go_out_first() -> Non
         assert [s.req_id for s in meta.sends] == [f"r{i}"]
         firsts += order[0] == "answer"
     assert firsts > 0  # without the pause: never (the woken thread waits for the GIL)
+
+
+def test_decode_tier_keys_of_a_prompt_with_images_depend_on_the_images() -> None:
+    """An image's prompt tokens are one placeholder id repeated, whatever the image. L2/L3
+    pages keyed by token ids alone would restore, for a second image shown with the same
+    text, the KV the first image left there: the load's and the write-back's scope must
+    name the images (content hash and place); a text-only prompt keeps its tenant's."""
+    from types import SimpleNamespace
+
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.v1.request import RequestStatus
+
+    from pdxfer.integrations.vllm import config as C
+    from pdxfer.integrations.vllm.scheduler import PdxferScheduler
+
+    boot = "127.0.0.1:9"
+    sch = PdxferScheduler(C.parse("kv_consumer", {"bootstrap": boot, "l2_pages": 16}, "m"), BS)
+    tokens = [7] * 10 + [99] * 64 + [8] * 30  # text, 64 image placeholders, text
+    params = {"do_remote_prefill": True, "pdxfer_room": 5, "pdxfer_bootstrap": boot,
+              "pdxfer_instance": "p0"}
+
+    def scopes(rid: str, image: str | None, at: int = 10, salt: str | None = None
+               ) -> tuple[str, str]:
+        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=image,
+                                    mm_position=PlaceholderRange(offset=at, length=64))
+              ] if image else None
+        r = Request(rid, list(tokens), SamplingParams(
+            max_tokens=1, extra_args={"kv_transfer_params": dict(params)}), None,
+            mm_features=mm, cache_salt=salt)
+        blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
+        sch.update_state_after_alloc(r, blocks, len(tokens))  # type: ignore[arg-type]
+        (load,) = sch.build_connector_meta().loads
+        assert load.tokens == tuple(tokens)
+        r.num_computed_tokens = len(tokens)
+        r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        assert sch.request_finished(r, ([1, 2, 3, 4],))[0]
+        (wb,) = sch.build_connector_meta().writebacks
+        assert wb.scope == load.scope, "a prompt's pages are written where they are looked up"
+        return load.scope, wb.scope
+
+    a, b = scopes("a", "hash-of-image-a")[0], scopes("b", "hash-of-image-b")[0]
+    assert a != b, "two images behind the same placeholder ids share L2 pages"
+    assert scopes("a2", "hash-of-image-a")[0] == a, "the same image, the same pages"
+    assert scopes("a3", "hash-of-image-a", at=11)[0] != a, "the image moved"
+    assert scopes("t", None)[0] == "" and scopes("s", None, salt="x")[0] == "x"
+    assert scopes("as", "hash-of-image-a", salt="x")[0] not in (a, "x")

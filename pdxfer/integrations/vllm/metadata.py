@@ -95,7 +95,7 @@ class LoadOrder:
     """Decode: fill ``block_ids`` (all of the request's blocks; the first ``l1_len`` tokens
     are already in vLLM's prefix cache) with tokens ``[l1_len, num_tokens)`` of ``room``
     from the prefill behind ``bootstrap``. ``tokens`` (with decode-side tiers only) key the
-    L2/L3 lookup; ``scope`` is the request's cache salt."""
+    L2/L3 lookup; ``scope``: ``scheduler.tier_scope`` (the cache salt; a prompt's images)."""
 
     req_id: str
     room: int

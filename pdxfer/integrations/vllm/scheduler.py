@@ -17,6 +17,7 @@ docs/failure-semantics.md; the protocol: ``params.py``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -161,7 +162,7 @@ class PdxferScheduler:
             req_id=request.request_id, room=ask.room, bootstrap=ask.bootstrap,
             instance=ask.instance, block_ids=tuple(every[0]), l1_len=n - num_external_tokens,
             num_tokens=n, tokens=tuple(prompt[:n]) if self.tiers else (),
-            scope=request.cache_salt or "", early=ask.early,
+            scope=tier_scope(request), early=ask.early,
             groups=tuple(tuple(b) for b in every) if self.hybrid else ()))
 
     # -- prefill -------------------------------------------------------------------------------
@@ -348,8 +349,24 @@ class PdxferScheduler:
         kept = tuple(tuple(every[g.index][:full]) if g in self.tiered else ()
                      for g in self.groups) if self.hybrid else ()
         self._writebacks.append(WritebackOrder(rid, tokens, tuple(every[0][:full]),
-                                               request.cache_salt or "", groups=kept))
+                                               tier_scope(request), groups=kept))
         return True, None
+
+
+def tier_scope(request: Request) -> str:
+    """What L2/L3 page keys are scoped by besides the token ids: the tenant (vLLM's
+    ``cache_salt``) and, for a prompt with images, each image's content hash and place. An
+    image's tokens are one placeholder id repeated, whatever the image: keyed by ids alone,
+    a prompt's pages would restore the KV of another image shown with the same text."""
+    salt = request.cache_salt or ""
+    mm = getattr(request, "mm_features", None)
+    if not mm:
+        return salt
+    h = hashlib.sha256()
+    for f in mm:
+        pos = f.mm_position
+        h.update(f"{f.modality}|{f.identifier}|{pos.offset}|{pos.length}\n".encode())
+    return f"{salt}|mm:{h.hexdigest()[:32]}"
 
 
 def layer_order(rid: str, st: Streamed, end: int, block_ids: list[int] | None, bs: int

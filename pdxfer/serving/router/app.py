@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import itertools
 import json
 import logging
@@ -52,6 +53,8 @@ from .backends import (
 )
 from .kv_feed import FeedSpec, KvFeeds
 from .kv_policy import LOAD_WEIGHT, Held, choose
+from .media import DEFAULT as MEDIA
+from .media import MediaPolicy
 
 log = logging.getLogger("pdxfer.serving.router")
 POLICIES = ("round_robin", "least_outstanding", "kv_aware")
@@ -89,7 +92,8 @@ class Router:
                  policy: str = "auto", timeout_s: float = 120.0,
                  expose_cache_stats: bool = False, api_keys: dict[str, str] | None = None,
                  backend: Backend | None = None, kv: KvFeeds | None = None,
-                 load_weight: float = LOAD_WEIGHT) -> None:
+                 load_weight: float = LOAD_WEIGHT,
+                 media: MediaPolicy = MEDIA) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
         self.auto_policy = policy == "auto"
@@ -110,6 +114,8 @@ class Router:
         self.kv = kv
         """The workers' KV event feeds and their index (None: history only)."""
         self.load_weight = load_weight
+        self.media = media
+        """What chat requests may carry in ``image_url`` parts (``media.py``)."""
         self._rr_p = itertools.count()
         self._rr_d = itertools.count()
         self.counters = collections.Counter[str]()
@@ -320,7 +326,7 @@ class Router:
         return await self._serve(request, oa.parse_completion)
 
     async def h_chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, oa.parse_chat)
+        return await self._serve(request, functools.partial(oa.parse_chat, media=self.media))
 
     async def _serve(self, request: web.Request, parse: Any) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -608,6 +614,8 @@ def run(a: argparse.Namespace) -> int:
     kv = KvFeeds(specs) if specs else None
     router = Router(prefills, decodes, a.policy, a.timeout,
                     expose_cache_stats=a.expose_cache_stats, backend=make_backend(a), kv=kv,
-                    load_weight=a.kv_load_weight)
+                    load_weight=a.kv_load_weight,
+                    media=MediaPolicy(max_image_bytes=a.max_image_bytes,
+                                      allow_remote=a.allow_remote_images))
     log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), router.policy)
     return serve(router.app(), a.host, a.port, advertise=a.advertise, what="router")

@@ -277,7 +277,7 @@ class ToyBackend:
         return None
 
     def check(self, ask: oa.Ask) -> None:
-        return None
+        refuse(ask, self.name, images=ask.messages is not None)
 
     async def probe(self, http: Http, w: Prefill | Decode) -> dict[str, Any] | None:
         info = await http.get_json(f"{w.url}/health")

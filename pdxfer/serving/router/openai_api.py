@@ -9,7 +9,9 @@ text, chunks and responses.
   ``suffix``) is refused with a 400 that says so instead of being ignored.
 - Text is decoded incrementally: an incomplete UTF-8 sequence is held back until its last
   byte arrives, so the joined stream equals the non-streamed text.
-- Chat: the tokenizer's template (the toy's is documented in docs/serving.md).
+- Chat: the tokenizer's template (the toy's is documented in docs/serving.md). Image parts
+  are checked by ``media.py`` and kept as the client sent them (``Ask.messages``), for the
+  engine to render; text-only chat is rendered here.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BadRequest
+from .media import DEFAULT as MEDIA
+from .media import MediaPolicy, parse_parts
 from .tokenizers import TOY_MODEL, ByteTokenizer, Detok, Tokenizer, chat_prompt, encode
 
 MODEL = TOY_MODEL
@@ -57,6 +61,10 @@ class Ask:
     """Whose request this is (from the API key): scopes prefix reuse."""
     tok: Tokenizer = BYTES
     """The served model's tokenizer: prompts were encoded with it, output is rendered by it."""
+    messages: list[dict[str, Any]] | None = None
+    """A chat with images: its messages as the client sent them (content parts unchanged),
+    for the engine to render on both legs. ``prompts`` then holds the router's rendering with
+    one image token per image (for routing, not for the engine). None: text only."""
 
 
 class _Body:
@@ -160,32 +168,44 @@ def parse_completion(body: dict[str, Any], tok: Tokenizer = BYTES) -> Ask:
     return Ask(False, prompts, texts, logprobs=lp, echo=echo, **c)
 
 
-def parse_chat(body: dict[str, Any], tok: Tokenizer = BYTES) -> Ask:
+def parse_chat(body: dict[str, Any], tok: Tokenizer = BYTES,
+               media: MediaPolicy = MEDIA) -> Ask:
     b = _Body(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("'messages' must be a non-empty list")
-    clean = []
+    clean, parts, images = [], [], 0
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise BadRequest(f"messages[{i}] must be an object with a role in {ROLES}")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(x, dict) and x.get("type") == "text"
-                       and isinstance(x.get("text"), str) for x in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported")
-            content = "".join(x["text"] for x in content)
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string")
+        if isinstance(content, list):  # content parts: text, and images (media.py)
+            shown, k = parse_parts(content, f"messages[{i}].content", media)
+            images += k
+            parts.append({"role": m["role"], "content": shown})
+            content = "".join(x["text"] for x in shown if x["type"] == "text")
+        elif isinstance(content, str):
+            parts.append({"role": m["role"], "content": content})
+        else:
+            raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
         clean.append({"role": m["role"], "content": content})
+    if images > media.max_images:
+        raise BadRequest(f"at most {media.max_images} images per request, got {images}")
     c = _common(b, chat=True, tok=tok)
     want = b.get("logprobs", (bool,), False, "a boolean")
     top = b.int_in("top_logprobs", None, 0, MAX_LOGPROBS)
     try:
         text, ids = tok.chat(clean), tok.chat_ids(clean)
+        if images:  # the router's view (one image token per image), if the template can
+            try:
+                text, ids = tok.chat(parts), tok.chat_ids(parts)
+            except Exception:  # noqa: BLE001 - a template without parts: the text view
+                pass
     except Exception as e:  # a template may refuse a conversation (roles out of order)
         raise BadRequest(f"'messages': the chat template refused them: {e}") from None
-    return Ask(True, [ids], [text], logprobs=(top or 0) if want else None, **c)
+    return Ask(True, [ids], [text], logprobs=(top or 0) if want else None,
+               messages=[{"role": m["role"], "content": m.get("content")} for m in msgs]
+               if images else None, **c)
 
 
 def _is_ids(x: Any, vocab: int) -> bool:
@@ -264,6 +284,9 @@ def chat_logprobs(tok: Tokenizer, lps: list[dict[str, Any]]) -> dict[str, Any]:
 
 def usage(ask: Ask, choices: list[Choice]) -> dict[str, Any]:
     prompt = sum(len(p) for p in ask.prompts)
+    engine = [int(c.stats["prompt_tokens"]) for c in choices if "prompt_tokens" in c.stats]
+    if ask.messages is not None and engine:  # images: the engine's count (their tokens too)
+        prompt = engine[0]
     done = sum(len(c.token_ids) for c in choices)
     cached = sum(int(c.stats.get("restored_tokens", 0)) for c in choices if c.index % ask.n == 0)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,

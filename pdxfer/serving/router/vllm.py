@@ -8,7 +8,9 @@ decode's request repeats the ``kv_transfer_params`` the prefill answered. pdxfer
 will give (the protocol's early form), so it allocates and asks while the prefill computes.
 A tenant becomes vLLM's ``cache_salt`` on both sides. No vLLM import: workers are spoken to
 over HTTP. The tokenizer comes from the served model's folder, so the router sends token ids
-and KV-aware routing hashes pages of them at the decode's block size.
+and KV-aware routing hashes pages of them at the decode's block size. A chat with images
+goes to both legs' ``/v1/chat/completions`` as the client's messages (checked by
+``media.py``): each leg renders it with the model's processor, so both compute one prompt.
 """
 
 from __future__ import annotations
@@ -139,8 +141,12 @@ class VllmBackend:
 
     def _sampling(self, job: Attempt) -> dict[str, Any]:
         ask = job.ask
-        out = {"model": self.served, "prompt": job.ids, "temperature": ask.temperature,
-               "top_p": ask.top_p, "seed": job.seed}
+        out: dict[str, Any] = {"model": self.served, "temperature": ask.temperature,
+                               "top_p": ask.top_p, "seed": job.seed}
+        if ask.messages is not None:  # images: each leg renders the client's messages
+            out["messages"] = ask.messages
+        else:
+            out["prompt"] = job.ids
         salt = self.cache_salt(ask.tenant)
         if salt:  # clients never set it: the router builds every vLLM request itself
             out["cache_salt"] = salt
@@ -156,7 +162,7 @@ class VllmBackend:
             params["pdxfer_decode"] = dc.peer
         payload = {**self._sampling(job), "max_tokens": 1, "stream": False,
                    "kv_transfer_params": params}
-        url = f"{pf.url}/v1/completions"
+        url = f"{pf.url}{_path(job)}"
         try:
             async with http.session.post(url, **http.signed(url, payload)) as r:
                 body = await json_or_text(r)
@@ -226,10 +232,15 @@ class VllmBackend:
             **self._sampling(job), "max_tokens": ask.max_tokens, "stream": True,
             "ignore_eos": ask.ignore_eos, "return_token_ids": True,
             "kv_transfer_params": kv}
+        chat = ask.messages is not None
         if ask.logprobs is not None:
-            payload["logprobs"] = ask.logprobs
+            payload.update({"logprobs": True, "top_logprobs": ask.logprobs} if chat
+                           else {"logprobs": ask.logprobs})
             payload["return_tokens_as_token_ids"] = True
-        url = f"{dc.url}/v1/completions"
+        if chat:
+            payload["stream_options"] = {"include_usage": True}
+        url = f"{dc.url}{_path(job)}"
+        prompt_tokens: int | None = None
         finish: str | None = None
         first: float | None = None
         try:
@@ -240,18 +251,27 @@ class VllmBackend:
                 async for ev in sse_events(r):
                     if "error" in ev:
                         raise AttemptFailed(502, f"decode {dc.url}: {message(ev)}")
+                    usage = ev.get("usage")
+                    if chat and isinstance(usage, dict) and "prompt_tokens" in usage:
+                        prompt_tokens = int(usage["prompt_tokens"])
                     for ch in ev.get("choices") or []:
                         ids = [int(t) for t in ch.get("token_ids") or []]
                         if ids and first is None:
                             first = time.perf_counter()
-                        yield Tokens(ids, _logprobs(ch.get("logprobs")), ch.get("text") or "")
+                        if chat:
+                            text = (ch.get("delta") or {}).get("content") or ""
+                            lps = _chat_logprobs(ch.get("logprobs"))
+                        else:
+                            text, lps = ch.get("text") or "", _logprobs(ch.get("logprobs"))
+                        yield Tokens(ids, lps, text)
                         finish = ch.get("finish_reason") or finish
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise AttemptFailed(502, f"decode {dc.url}: {type(e).__name__}: {e}") from None
         if finish is None:
             raise AttemptFailed(502, f"decode {dc.url} ended the stream without a finish "
                                      f"reason")
-        yield Done(finish, {"first": first})
+        yield Done(finish, {"first": first} if prompt_tokens is None
+                   else {"first": first, "prompt_tokens": prompt_tokens})
 
 
 async def _until_failed(events: AsyncIterator[Tokens | Done], pf_task: asyncio.Future[Any]
@@ -294,6 +314,11 @@ def _failed(t: asyncio.Future[Any]) -> bool:
     return not t.cancelled() and t.exception() is not None
 
 
+def _path(job: Attempt) -> str:
+    """Which of a worker's endpoints serves the attempt: chat when it carries images."""
+    return "/v1/completions" if job.ask.messages is None else "/v1/chat/completions"
+
+
 def _token_id(s: str) -> int:
     """``token_id:123`` (vLLM's ``return_tokens_as_token_ids``) -> 123."""
     return int(s.rpartition(":")[2])
@@ -307,3 +332,13 @@ def _logprobs(lp: Any) -> list[dict[str, Any]]:
     return [{"token_id": _token_id(t), "logprob": float(v if v is not None else 0.0),
              "top": {_token_id(k): float(x) for k, x in (top or {}).items()}}
             for t, v, top in zip(lp["tokens"], lp.get("token_logprobs") or [], tops)]
+
+
+def _chat_logprobs(lp: Any) -> list[dict[str, Any]]:
+    """vLLM's chat logprobs (``content``: per token, its top list) -> the router's own."""
+    if not isinstance(lp, dict) or not isinstance(lp.get("content"), list):
+        return []
+    return [{"token_id": _token_id(x["token"]), "logprob": float(x.get("logprob") or 0.0),
+             "top": {_token_id(t["token"]): float(t.get("logprob") or 0.0)
+                     for t in x.get("top_logprobs") or []}}
+            for x in lp["content"] if isinstance(x, dict) and "token" in x]

@@ -1,0 +1,99 @@
+"""Images in OpenAI chat content parts: validated and bounded at the front door.
+
+A chat message's content may hold ``image_url`` parts. The router forwards them unchanged to
+both legs (the engine decodes the image), so it checks here, before anything reaches a
+worker, what a hostile body could abuse: at most ``max_images`` per request; a data URL of
+an image type whose base64 is well formed and decodes to at most ``max_image_bytes``, and
+whose bytes start as that type says; a remote ``http(s)`` URL only when the operator allowed
+it (each worker would fetch it, a server-side request the client steers); nothing else.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import BadRequest
+
+_DATA = re.compile(r"data:(image/[a-z0-9.+-]+);base64,", re.I)
+_MAGIC: dict[str, tuple[bytes, ...]] = {
+    "image/png": (b"\x89PNG\r\n\x1a\n",),
+    "image/jpeg": (b"\xff\xd8\xff",),
+    "image/jpg": (b"\xff\xd8\xff",),
+    "image/gif": (b"GIF87a", b"GIF89a"),
+    "image/webp": (b"RIFF",),
+}
+"""The image types accepted in data URLs, by the bytes each file starts with."""
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPolicy:
+    """What the front door accepts in ``image_url`` parts."""
+
+    max_images: int = 8
+    max_image_bytes: int = 4 << 20
+    """Decoded bytes of one image (the router's body limit bounds the request as a whole)."""
+    allow_remote: bool = False
+    """Whether ``http(s)://`` image URLs may be forwarded (each worker fetches them)."""
+
+
+DEFAULT = MediaPolicy()
+
+
+def check_image_part(part: dict[str, Any], where: str, policy: MediaPolicy) -> None:
+    """Refuse (``BadRequest``, a 400) an ``image_url`` part the workers must not get."""
+    iu = part.get("image_url")
+    url = iu.get("url") if isinstance(iu, dict) else None
+    if not isinstance(url, str) or not url:
+        raise BadRequest(f"{where}: 'image_url' must be an object with a 'url' string")
+    detail = iu.get("detail")  # type: ignore[union-attr]
+    if detail is not None and detail not in ("auto", "low", "high"):
+        raise BadRequest(f"{where}: 'image_url.detail' must be auto, low or high")
+    low = url[:8].lower()
+    if low.startswith(("http://", "https://")):
+        if not policy.allow_remote:
+            raise BadRequest(f"{where}: remote image URLs are not accepted by this router "
+                             f"(send the image as a data URL: data:image/png;base64,...)")
+        return
+    m = _DATA.match(url)
+    if m is None:
+        raise BadRequest(f"{where}: an image URL must be a data URL "
+                         f"(data:image/<type>;base64,...)")
+    mime = m.group(1).lower()
+    if mime not in _MAGIC:
+        raise BadRequest(f"{where}: image type {mime} is not accepted "
+                         f"({', '.join(sorted(_MAGIC))})")
+    b64 = url[m.end():]
+    if len(b64) > 4 * (-(-policy.max_image_bytes // 3)):  # before decoding anything
+        raise BadRequest(f"{where}: image over {policy.max_image_bytes} bytes")
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"{where}: the data URL's base64 is malformed") from None
+    if not raw or len(raw) > policy.max_image_bytes:
+        raise BadRequest(f"{where}: image is empty or over {policy.max_image_bytes} bytes")
+    if not raw.startswith(_MAGIC[mime]) or mime == "image/webp" and raw[8:12] != b"WEBP":
+        raise BadRequest(f"{where}: the data is not a {mime} image")
+
+
+def parse_parts(content: list[Any], where: str, policy: MediaPolicy
+                ) -> tuple[list[dict[str, Any]], int]:
+    """A message's content parts, checked: (the parts for the chat template, text as it is
+    and each image as ``{"type": "image"}``; how many images)."""
+    out: list[dict[str, Any]] = []
+    images = 0
+    for j, x in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = x.get("type") if isinstance(x, dict) else None
+        if kind == "text" and isinstance(x.get("text"), str):  # type: ignore[union-attr]
+            out.append({"type": "text", "text": x["text"]})  # type: ignore[index]
+        elif kind == "image_url":
+            check_image_part(x, at, policy)  # type: ignore[arg-type]
+            images += 1
+            out.append({"type": "image"})
+        else:
+            raise BadRequest(f"{at}: a content part must be text or image_url")
+    return out, images
