@@ -158,6 +158,78 @@ def test_host_destination_lands_that_request_in_the_host_buffers(procs: Procs) -
                  host=True)
 
 
+# -- sliding window (SGLang's SWAKVPool) -----------------------------------------------------
+
+WINDOW = 12
+SWA_ROOMS = [{"room": 601, "n": 7, "prefix": 0},  # shorter than the window
+             {"room": 602, "n": 37, "prefix": 0},  # longer: the window starts at token 24
+             {"room": 603, "n": 50, "prefix": 8},  # a decode prefix, before the window
+             {"room": 604, "n": 30, "prefix": 24}]  # a decode prefix inside the window
+
+
+def run_swa(procs: Procs, rooms: list[dict], **cfg: object) -> dict:
+    """One config of ``pd_swa``: the prefill serves ``rooms`` while the decode asks."""
+    conf = {"port": free_port(), "window_prefill": WINDOW, "window_decode": WINDOW,
+            "rooms": rooms, **cfg}
+    procs.prefill.call("pd_swa.prefill_start", cfg=conf)
+    try:
+        dec = procs.decode.call("pd_swa.decode", cfg=conf, wait_s=180)
+    finally:
+        pre = procs.prefill.call("pd_swa.prefill_finish", cfg=conf, wait_s=90)
+    return {"decode": dec, "prefill": pre}
+
+
+@pytest.fixture(scope="module")
+def swa(procs: Procs) -> dict:
+    return run_swa(procs, SWA_ROOMS)
+
+
+def test_swa_window_and_full_pages_land_byte_exact_in_sglangs_swa_pool(swa: dict) -> None:
+    d = swa["decode"]
+    assert d["pools"] == ["aux", "kv", "swa"]
+    for i, room in d["rooms"].items():
+        assert room["state"] == 4, (i, room)
+        assert room["bad"] == 0, room["first_bad"]
+    # SGLang's window of the last prompt token: page-aligned max(prefix, n - window)
+    assert [d["rooms"][str(i)]["window_start"] for i in range(4)] == [0, 24, 36, 24]
+    # no page outside the requests' full and window pages changed (pages the prefill
+    # freed and reused, or the decode's SWA pages before the window, included)
+    assert d["untouched_bad"] == {"kv": 0, "swa": 0}
+    assert swa["prefill"]["states"] == {str(i): 4 for i in range(4)}
+    assert swa["prefill"]["prefix"] == {str(i): r["prefix"] for i, r in enumerate(SWA_ROOMS)}
+
+
+def test_swa_moves_the_window_not_the_prompt(swa: dict) -> None:
+    d = swa["decode"]
+    for i, r in enumerate(SWA_ROOMS):
+        room = d["rooms"][str(i)]
+        ws = room["window_start"]
+        assert room["bytes"]["swa"] == -(-(r["n"] - ws) // 4) * d["swa_item_bytes"], room
+        # the full-attention room: every page past the prefix, and the aux row (16 int32)
+        assert room["bytes"]["kv"] == -(-(r["n"] - r["prefix"]) // 4) * d["kv_item_bytes"] + 64
+
+
+def test_swa_window_size_mismatch_fails_the_request_naming_both_windows(procs: Procs
+                                                                        ) -> None:
+    """A decode whose sliding window is 8 tokens, the prefill's 12: a prompt shorter than
+    both still moves, a longer one fails on both sides with a message naming each window."""
+    r = run_swa(procs, SWA_ROOMS[:2], window_decode=8)
+    ok, bad = r["decode"]["rooms"]["0"], r["decode"]["rooms"]["1"]
+    assert ok["state"] == 4 and ok["bad"] == 0, ok
+    assert bad["state"] == 0, bad
+    assert "sliding-window mismatch" in bad["failure"], bad
+    assert "[24, 40)" in bad["failure"] and "[28, 40)" in bad["failure"], bad
+    assert r["decode"]["untouched_bad"]["swa"] == 0  # the failed room's window never landed
+    assert r["prefill"]["states"] == {"0": 4, "1": 0}
+
+
+def test_a_decode_without_the_swa_pool_is_refused_at_pairing(procs: Procs) -> None:
+    r = run_swa(procs, SWA_ROOMS[1:2], decode_swa=False)
+    room = r["decode"]["rooms"]["0"]
+    assert room["state"] == 0 and room["cause"] == "LayoutMismatch", room
+    assert "pool 'swa' exists on prefill but not on decode" in room["failure"], room
+
+
 # -- SGLang's own queues ---------------------------------------------------------------------
 
 PREFIX_OWNER = 77
