@@ -148,6 +148,10 @@ def test_prefill_tp2_into_decode_tp1(procs: Procs, attn: str) -> None:
     r = run_pair(procs, prefill_tp=2, attn=attn, state=False, draft=attn == "mha")
     assert len(r["prefill"]) == 2
     assert_exact(r, ["aux", "draft_kv", "kv"] if attn == "mha" else ["aux", "kv"])
+    # each decode page and slot is written once: MLA's replicated latent (and the aux row)
+    # by one prefill rank, MHA's heads half by each
+    for room in r["decode"]["rooms"].values():
+        assert room["bytes"] == room["one_copy"], room
 
 
 def test_host_destination_lands_that_request_in_the_host_buffers(procs: Procs) -> None:
