@@ -171,16 +171,20 @@ SWA_ROOMS = [{"room": 601, "n": 7, "prefix": 0},  # shorter than the window
              {"room": 604, "n": 30, "prefix": 24}]  # a decode prefix inside the window
 
 
-def run_swa(procs: Procs, rooms: list[dict], **cfg: object) -> dict:
-    """One config of ``pd_swa``: the prefill serves ``rooms`` while the decode asks."""
+def run_swa(procs: Procs, rooms: list[dict], prefill_tp: int = 1, **cfg: object) -> dict:
+    """One config of ``pd_swa``: the prefill rank(s) serve ``rooms`` while the decode asks;
+    ``prefill`` is rank 0's view."""
     conf = {"port": free_port(), "window_prefill": WINDOW, "window_decode": WINDOW,
-            "rooms": rooms, **cfg}
-    procs.prefill.call("pd_swa.prefill_start", cfg=conf)
+            "rooms": rooms, "prefill_tp": prefill_tp, **cfg}
+    ranks = [procs.prefill, procs.prefill1][:prefill_tp]
+    for r, p in enumerate(ranks):
+        p.call("pd_swa.prefill_start", cfg=conf, tp_rank=r)
     try:
         dec = procs.decode.call("pd_swa.decode", cfg=conf, wait_s=180)
     finally:
-        pre = procs.prefill.call("pd_swa.prefill_finish", cfg=conf, wait_s=90)
-    return {"decode": dec, "prefill": pre}
+        pre = [p.call("pd_swa.prefill_finish", cfg=conf, tp_rank=r, wait_s=90)
+               for r, p in enumerate(ranks)]
+    return {"decode": dec, "prefill": pre[0], "ranks": pre}
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +203,9 @@ def test_swa_window_and_full_pages_land_byte_exact_in_sglangs_swa_pool(swa: dict
     # no page outside the requests' full and window pages changed (pages the prefill
     # freed and reused, or the decode's SWA pages before the window, included)
     assert d["untouched_bad"] == {"kv": 0, "swa": 0}
-    assert swa["prefill"]["states"] == {str(i): 4 for i in range(4)}
-    assert swa["prefill"]["prefix"] == {str(i): r["prefix"] for i, r in enumerate(SWA_ROOMS)}
+    for p in swa["ranks"]:
+        assert p["states"] == {str(i): 4 for i in range(4)}
+        assert p["prefix"] == {str(i): r["prefix"] for i, r in enumerate(SWA_ROOMS)}
 
 
 def test_swa_moves_the_window_not_the_prompt(swa: dict) -> None:
@@ -225,6 +230,17 @@ def test_swa_window_size_mismatch_fails_the_request_naming_both_windows(procs: P
     assert "[24, 40)" in bad["failure"] and "[28, 40)" in bad["failure"], bad
     assert r["decode"]["untouched_bad"]["swa"] == 0  # the failed room's window never landed
     assert r["prefill"]["states"] == {"0": 4, "1": 0}
+
+
+def test_swa_between_different_tp_sizes_is_refused_before_any_request(procs: Procs) -> None:
+    """Prefill TP 2 (each rank half the heads of both sub-pools) into a TP 1 decode: not
+    moved yet (the prefill ranks never see a request, and stop waiting after 3 s)."""
+    r = run_swa(procs, SWA_ROOMS[1:2], prefill_tp=2, prefill_wait_s=3)
+    room = r["decode"]["rooms"]["0"]
+    assert room["state"] == 0, room
+    assert "equal attention TP sizes only" in room["failure"], room
+    assert "attn_tp_size 2, this decode 1" in room["failure"], room
+    assert r["decode"]["untouched_bad"] == {"kv": 0, "swa": 0}
 
 
 def test_a_decode_without_the_swa_pool_is_refused_at_pairing(procs: Procs) -> None:

@@ -30,28 +30,29 @@ SIZE, SIZE_SWA = 512, 192  # tokens of the full and the SWA sub-pool
 SWA_LAYERS, FULL_LAYERS = [0, 2], [1]
 
 
-def _pool() -> tuple[Any, Any]:
+def _pool(heads: int = HEADS) -> tuple[Any, Any]:
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     pool = SWAKVPool(size=SIZE, size_swa=SIZE_SWA, page_size=PAGE, dtype=torch.float16,
-                     head_num=HEADS, head_dim=HEAD_DIM, swa_attention_layer_ids=SWA_LAYERS,
+                     head_num=heads, head_dim=HEAD_DIM, swa_attention_layer_ids=SWA_LAYERS,
                      full_attention_layer_ids=FULL_LAYERS, device="cpu")
     alloc = SWATokenToKVPoolAllocator(SIZE, SIZE_SWA, PAGE, torch.float16, "cpu", pool,
                                       need_sort=False)
     return pool, alloc
 
 
-def _kv_args(pool: Any, aux: torch.Tensor, swa: bool) -> Any:
+def _kv_args(pool: Any, aux: torch.Tensor, swa: bool, tp_rank: int = 0) -> Any:
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import setup_state_kv_args
 
     a = KVArgs()
-    a.engine_rank = a.pp_rank = a.system_dp_rank = a.prefill_start_layer = a.gpu_id = 0
+    a.pp_rank = a.system_dp_rank = a.prefill_start_layer = a.gpu_id = 0
+    a.engine_rank = tp_rank
     a.kv_cache_dtype_str, a.kv_layout, a.ib_device = "float16", None, ""
     a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = pool.get_contiguous_buf_infos()
     a.kv_layer_ids, a.num_draft_entries, a.page_size = [], 0, PAGE
-    a.kv_head_num = a.total_kv_head_num = HEADS
+    a.kv_head_num, a.total_kv_head_num = pool.head_num, HEADS
     a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.data_ptr()], [aux.nbytes], [
         aux[0].nbytes]
     setup_state_kv_args(a, pool)  # SGLang's own: state "swa" over the SWA sub-pool
@@ -95,13 +96,16 @@ def _specs(mgr: Any) -> dict[str, Any]:
 # -- prefill ---------------------------------------------------------------------------------
 
 
-def prefill_start(state: dict, cfg: dict) -> dict:
-    sa = C.publish("prefill", cfg["port"])
+def prefill_start(state: dict, cfg: dict, tp_rank: int = 0) -> dict:
+    """One prefill rank (``cfg["prefill_tp"]`` ranks hold the heads in equal shares; they
+    allocate in lockstep, as SGLang's TP ranks do, so their page ids agree)."""
+    tp = cfg.get("prefill_tp", 1)
+    sa = C.publish("prefill", cfg["port"], tp_size=tp, tp_rank=tp_rank)
     cls = C.classes()
-    server = cls["bootstrap_server"]("127.0.0.1", cfg["port"])
-    pool, alloc = _pool()
+    server = cls["bootstrap_server"]("127.0.0.1", cfg["port"]) if tp_rank == 0 else None
+    pool, alloc = _pool(HEADS // tp)
     aux = torch.zeros(8, 16, dtype=torch.int32)
-    mgr = cls["manager"](_kv_args(pool, aux, True), _mode("PREFILL"), sa, False)
+    mgr = cls["manager"](_kv_args(pool, aux, True, tp_rank), _mode("PREFILL"), sa, False)
     specs, ts = _specs(mgr), _tensors(pool)
     window = cfg["window_prefill"]
     locs, senders = {}, {}
@@ -127,7 +131,7 @@ def prefill_start(state: dict, cfg: dict) -> dict:
     run["thread"] = threading.Thread(target=_prefill_loop, args=(cfg, run, alloc, locs),
                                      daemon=True)
     run["thread"].start()
-    state[("swa", cfg["port"])] = run
+    state[("swa", cfg["port"], tp_rank)] = run
     return {"pools": sorted(specs), "swa": _describe(specs["swa"]), "kv": _describe(specs["kv"])}
 
 
@@ -147,7 +151,7 @@ def _prefill_loop(cfg: dict, run: dict, alloc: Any, locs: dict) -> None:
 def _prefill_run(cfg: dict, senders: dict, alloc: Any, locs: dict) -> dict:
     done: dict[int, int] = {}
     started: dict[int, int] = {}
-    end = time.monotonic() + 60
+    end = time.monotonic() + cfg.get("prefill_wait_s", 60)
     while len(done) < len(senders) and time.monotonic() < end:
         for i, s in senders.items():
             if i in done:
@@ -184,13 +188,14 @@ def _send(cfg: dict, s: Any, alloc: Any, loc: torch.Tensor, i: int) -> int:
     return prefix
 
 
-def prefill_finish(state: dict, cfg: dict) -> dict:
-    run = state.pop(("swa", cfg["port"]))
+def prefill_finish(state: dict, cfg: dict, tp_rank: int = 0) -> dict:
+    run = state.pop(("swa", cfg["port"], tp_rank))
     try:
         run["thread"].join(60)
     finally:
         run["mgr"].close()
-        run["server"].close()
+        if run["server"] is not None:
+            run["server"].close()
     if isinstance(run["result"], BaseException):
         raise run["result"]
     if run["result"] is None:

@@ -286,6 +286,17 @@ class PdxferKVManager(CommonKVManager):
         self.pdxfer_bootstrap[bootstrap_addr] = found["address"]
         return True
 
+    def refuses_window_tp(self, bootstrap_addr: str) -> str | None:
+        """Why this decode will not load an SWA model from a prefill of another attention TP
+        size (pdxfer moves SWA windows between equal TP sizes only), or None."""
+        info = self.prefill_info_table.get(bootstrap_addr)
+        tp = getattr(info, "attn_tp_size", None)
+        if self.swa_index is None or tp is None or int(tp) == self.attn_tp_size:
+            return None
+        return (f"sliding-window (SWA) pools move between equal attention TP sizes only: "
+                f"prefill {bootstrap_addr} has attn_tp_size {int(tp)}, this decode "
+                f"{self.attn_tp_size}")
+
     def refuses(self, bootstrap_addr: str) -> str | None:
         """Why this decode will not load from ``bootstrap_addr`` (not trusted, or not a
         host:port), or None."""
@@ -340,8 +351,11 @@ class PdxferKVManager(CommonKVManager):
         return h
 
     def kv_page_size(self, host: bool = False) -> int:
+        return self.page_size(KV, host)
+
+    def page_size(self, pool: str, host: bool = False) -> int:
         return next(p.page_size for p in (self.host_pools if host else self.pools)
-                    if p.name == KV)
+                    if p.name == pool)
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """SGLang's deferred release asks whether a held room's pages are safe: pdxfer's
@@ -448,7 +462,7 @@ class PdxferKVSender(CommonKVSender):
         if want is None:
             return False
         swa, start = self._swa
-        ps = self.kv_mgr.kv_page_size()
+        ps = self.kv_mgr.page_size(SWA)
         if want != start * ps:
             raise ConfigError(mismatch(self.bootstrap_room, start, want, ps, start + swa.size))
         return True
@@ -562,6 +576,13 @@ class PdxferKVReceiver(CommonKVReceiver):
         super().init(prefill_dp_rank)
         if self.conclude_state == KVPoll.Failed or self.kv_mgr.endpoint is None:
             return
+        why = self.kv_mgr.refuses_window_tp(self.bootstrap_addr)
+        if why is not None:  # before any request reaches the prefill
+            log.warning("room %s refused: %s", self.bootstrap_room, why)
+            self.kv_mgr.record_failure(self.bootstrap_room, f"pdxfer: {why}")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
+            return
         # WaitingForInput (SGLang's): send_metadata may come. pdxfer's receiver is made then,
         # on the endpoint of the destination it names; it looks the room up and pairs with
         # the prefill ranks once it has the request.
@@ -578,6 +599,8 @@ class PdxferKVReceiver(CommonKVReceiver):
         host = destination == KVTransferDestination.HOST
         if not host and destination != KVTransferDestination.DEVICE:
             raise NotImplementedError(f"pdxfer: KV destination {destination!r}")
+        if self.conclude_state == KVPoll.Failed:  # refused already: keep its reason
+            return
         mgr = self.kv_mgr
         ep = mgr.host_endpoint if host else mgr.endpoint
         if self._dp is None or ep is None or self.rx is not None:
@@ -599,7 +622,8 @@ class PdxferKVReceiver(CommonKVReceiver):
                 swa = swa_pages(state_indices, mgr.swa_index)
                 if swa is None:
                     raise ConfigError(f"room {room}: SGLang gave no SWA pages")
-                swa_start = start_page(-(-n // ps), swa.size, room) * ps
+                sps = mgr.page_size(SWA)  # SGLang's page size (the KV's may be remapped)
+                swa_start = start_page(-(-n // sps), swa.size, room) * sps
             self.rx = ep.receiver(room, bootstrap=bootstrap, dp=self._dp)
             if swa is not None:
                 self.swa_rx = ep.receiver(window_room(room), bootstrap=bootstrap, dp=self._dp)
@@ -636,14 +660,15 @@ class PdxferKVReceiver(CommonKVReceiver):
         rooms = self._rooms()
         state = min(r.poll() for r in rooms)
         if state == PdxPoll.Failed or self.kv_mgr.request_status.get(room) == KVPoll.Failed:
-            failed = [r for r in rooms if r.poll() == PdxPoll.Failed]
+            if self._cause is None:  # the first room's failure, before the others' aborts
+                self._cause = next((r.failure for r in rooms if r.poll() == PdxPoll.Failed),
+                                   None)
             for r in rooms:  # one room failed: the request did
                 if not r.poll().terminal:
                     r.abort(f"another room of request {room} failed")
             if not self.is_abort_release_safe():
                 return KVPoll.Transferring  # its pages may still be written: hold them
-            failure = failed[0].failure if failed else None
-            self._cause = failure or self._cause
+            failure = self._cause
             if failure is not None or room not in self.kv_mgr.failure_records:
                 self.kv_mgr.record_failure(room, describe(failure))
             self.kv_mgr.update_status(room, KVPoll.Failed)
