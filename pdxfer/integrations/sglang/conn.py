@@ -286,17 +286,6 @@ class PdxferKVManager(CommonKVManager):
         self.pdxfer_bootstrap[bootstrap_addr] = found["address"]
         return True
 
-    def refuses_window_tp(self, bootstrap_addr: str) -> str | None:
-        """Why this decode will not load an SWA model from a prefill of another attention TP
-        size (pdxfer moves SWA windows between equal TP sizes only), or None."""
-        info = self.prefill_info_table.get(bootstrap_addr)
-        tp = getattr(info, "attn_tp_size", None)
-        if self.swa_index is None or tp is None or int(tp) == self.attn_tp_size:
-            return None
-        return (f"sliding-window (SWA) pools move between equal attention TP sizes only: "
-                f"prefill {bootstrap_addr} has attn_tp_size {int(tp)}, this decode "
-                f"{self.attn_tp_size}")
-
     def refuses(self, bootstrap_addr: str) -> str | None:
         """Why this decode will not load from ``bootstrap_addr`` (not trusted, or not a
         host:port), or None."""
@@ -575,13 +564,6 @@ class PdxferKVReceiver(CommonKVReceiver):
             self.kv_mgr.try_ensure_parallel_info(self.bootstrap_addr)
         super().init(prefill_dp_rank)
         if self.conclude_state == KVPoll.Failed or self.kv_mgr.endpoint is None:
-            return
-        why = self.kv_mgr.refuses_window_tp(self.bootstrap_addr)
-        if why is not None:  # before any request reaches the prefill
-            log.warning("room %s refused: %s", self.bootstrap_room, why)
-            self.kv_mgr.record_failure(self.bootstrap_room, f"pdxfer: {why}")
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            self.conclude_state = KVPoll.Failed
             return
         # WaitingForInput (SGLang's): send_metadata may come. pdxfer's receiver is made then,
         # on the endpoint of the destination it names; it looks the room up and pairs with

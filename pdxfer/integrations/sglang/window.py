@@ -17,8 +17,10 @@ import numpy as np
 
 from pdxfer import ConfigError
 
-UNREAD = -1
-"""The page id the prefill gives SWA pages before its window (pdxfer refuses to read it)."""
+UNREAD = 0
+"""The page id the prefill gives the pages before its window: never read, as the main room's
+prefix pages (the decode asks from the window's start, checked first; a -1 would trip the
+head-slice planner's range check, which covers the whole chunk)."""
 
 
 def window_room(room: int) -> int:
