@@ -421,8 +421,9 @@ class DecodeSide:
         for name, (lo, hi) in heads.items():
             pool = self.ep.pool(name)
             sh, other = pool.sharding, theirs.get(name)
-            if pool.location != "cpu" or other is None or sh.kind != "heads":
-                continue
+            if (pool.location != "cpu" or other is None or sh.kind != "heads"
+                    or (pool.indices_from or name) not in st.dst):
+                continue  # only pools this room writes (a room may ask for some pools)
             osh = other.sharding
             if (lo, hi) == (sh.first_head, sh.first_head + sh.rank_heads) == (
                     osh.first_head, osh.first_head + osh.rank_heads):

@@ -148,6 +148,10 @@ def test_prefill_tp2_into_decode_tp1(procs: Procs, attn: str) -> None:
     r = run_pair(procs, prefill_tp=2, attn=attn, state=False, draft=attn == "mha")
     assert len(r["prefill"]) == 2
     assert_exact(r, ["aux", "draft_kv", "kv"] if attn == "mha" else ["aux", "kv"])
+    # each decode page and slot is written once: MLA's replicated latent (and the aux row)
+    # by one prefill rank, MHA's heads half by each
+    for room in r["decode"]["rooms"].values():
+        assert room["bytes"] == room["one_copy"], room
 
 
 def test_host_destination_lands_that_request_in_the_host_buffers(procs: Procs) -> None:
@@ -156,6 +160,84 @@ def test_host_destination_lands_that_request_in_the_host_buffers(procs: Procs) -
     device ones, all through one manager; each room's bytes are checked where it asked."""
     assert_exact(run_pair(procs, state=False, host_rooms=[1, 2]), ["aux", "draft_kv", "kv"],
                  host=True)
+
+
+# -- sliding window (SGLang's SWAKVPool) -----------------------------------------------------
+
+WINDOW = 12
+SWA_ROOMS = [{"room": 601, "n": 7, "prefix": 0},  # shorter than the window
+             {"room": 602, "n": 37, "prefix": 0},  # longer: the window starts at token 24
+             {"room": 603, "n": 50, "prefix": 8},  # a decode prefix, before the window
+             {"room": 604, "n": 30, "prefix": 24}]  # a decode prefix inside the window
+
+
+def run_swa(procs: Procs, rooms: list[dict], prefill_tp: int = 1, **cfg: object) -> dict:
+    """One config of ``pd_swa``: the prefill rank(s) serve ``rooms`` while the decode asks;
+    ``prefill`` is rank 0's view."""
+    conf = {"port": free_port(), "window_prefill": WINDOW, "window_decode": WINDOW,
+            "rooms": rooms, "prefill_tp": prefill_tp, **cfg}
+    ranks = [procs.prefill, procs.prefill1][:prefill_tp]
+    for r, p in enumerate(ranks):
+        p.call("pd_swa.prefill_start", cfg=conf, tp_rank=r)
+    try:
+        dec = procs.decode.call("pd_swa.decode", cfg=conf, wait_s=180)
+    finally:
+        pre = [p.call("pd_swa.prefill_finish", cfg=conf, tp_rank=r, wait_s=90)
+               for r, p in enumerate(ranks)]
+    return {"decode": dec, "prefill": pre[0], "ranks": pre}
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["prefill_tp1", "prefill_tp2"])
+def swa(procs: Procs, request: pytest.FixtureRequest) -> dict:
+    """Prefill TP 1 or 2 (each rank half the heads of both sub-pools) into a TP 1 decode."""
+    return run_swa(procs, SWA_ROOMS, prefill_tp=request.param)
+
+
+def test_swa_window_and_full_pages_land_byte_exact_in_sglangs_swa_pool(swa: dict) -> None:
+    d = swa["decode"]
+    assert d["pools"] == ["aux", "kv", "swa"]
+    for i, room in d["rooms"].items():
+        assert room["state"] == 4, (i, room)
+        assert room["bad"] == 0, room["first_bad"]
+    # SGLang's window of the last prompt token: page-aligned max(prefix, n - window)
+    assert [d["rooms"][str(i)]["window_start"] for i in range(4)] == [0, 24, 36, 24]
+    # no page outside the requests' full and window pages changed (pages the prefill
+    # freed and reused, or the decode's SWA pages before the window, included)
+    assert d["untouched_bad"] == {"kv": 0, "swa": 0}
+    for p in swa["ranks"]:
+        assert p["states"] == {str(i): 4 for i in range(4)}
+        assert p["prefix"] == {str(i): r["prefix"] for i, r in enumerate(SWA_ROOMS)}
+
+
+def test_swa_moves_the_window_not_the_prompt(swa: dict) -> None:
+    d = swa["decode"]
+    for i, r in enumerate(SWA_ROOMS):
+        room = d["rooms"][str(i)]
+        ws = room["window_start"]
+        assert room["bytes"]["swa"] == -(-(r["n"] - ws) // 4) * d["swa_item_bytes"], room
+        # the full-attention room: every page past the prefix, and the aux row (16 int32)
+        assert room["bytes"]["kv"] == -(-(r["n"] - r["prefix"]) // 4) * d["kv_item_bytes"] + 64
+
+
+def test_swa_window_size_mismatch_fails_the_request_naming_both_windows(procs: Procs
+                                                                        ) -> None:
+    """A decode whose sliding window is 8 tokens, the prefill's 12: a prompt shorter than
+    both still moves, a longer one fails on both sides with a message naming each window."""
+    r = run_swa(procs, SWA_ROOMS[:2], window_decode=8)
+    ok, bad = r["decode"]["rooms"]["0"], r["decode"]["rooms"]["1"]
+    assert ok["state"] == 4 and ok["bad"] == 0, ok
+    assert bad["state"] == 0, bad
+    assert "sliding-window mismatch" in bad["failure"], bad
+    assert "[24, 40)" in bad["failure"] and "[28, 40)" in bad["failure"], bad
+    assert r["decode"]["untouched_bad"]["swa"] == 0  # the failed room's window never landed
+    assert r["prefill"]["states"] == {"0": 4, "1": 0}
+
+
+def test_a_decode_without_the_swa_pool_is_refused_at_pairing(procs: Procs) -> None:
+    r = run_swa(procs, SWA_ROOMS[1:2], decode_swa=False)
+    room = r["decode"]["rooms"]["0"]
+    assert room["state"] == 0 and room["cause"] == "LayoutMismatch", room
+    assert "pool 'swa' exists on prefill but not on decode" in room["failure"], room
 
 
 # -- SGLang's own queues ---------------------------------------------------------------------

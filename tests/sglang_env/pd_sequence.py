@@ -221,6 +221,12 @@ def _decode_run(cfg: dict, cls: dict, side: C.Side, mgr: Any) -> dict:
                     seen.setdefault(spec.name, []).append(slot)
                 res["bad"] += bad
                 res["first_bad"] = res["first_bad"] or why
+            # what landed, counted by pdxfer, and one copy of the room's pages and slots
+            res["bytes"] = rxs[i].rx.stats()["bytes"]
+            res["one_copy"] = sum(
+                (-(-(r["n"] - r["prefix"]) // spec.page_size) if spec.kind == "paged" else 1)
+                * spec.item_bytes * len(spec.buffers)
+                for spec in (mgr.host_pools if host else mgr.pools))
         else:
             try:
                 rxs[i].failure_exception()

@@ -7,7 +7,14 @@ from types import SimpleNamespace
 import pytest
 
 from pdxfer import ConfigError
-from pdxfer.integrations.sglang.pools import DRAFT_LAYER_BASE, Heads, pools_of, state_slots
+from pdxfer.integrations.sglang.pools import (
+    DRAFT_LAYER_BASE,
+    SWA_LAYER_BASE,
+    Heads,
+    pools_of,
+    state_slots,
+)
+from pdxfer.integrations.sglang.window import start_page, swa_pages, window_room
 
 
 def args(**kw: object) -> SimpleNamespace:
@@ -39,11 +46,59 @@ def test_host_pool_of_another_page_size_is_remapped() -> None:
     assert pools["kv"].page_size == 1 and pools["kv"].page_remap
 
 
-def test_window_states_are_refused_by_name() -> None:
-    a = args(state_types=["swa"], state_data_ptrs=[[1 << 41]], state_data_lens=[[512]],
-             state_item_lens=[[64]], state_layer_ids=[[0]])
-    with pytest.raises(ConfigError, match="'swa'"):
-        pools_of(a, is_mla=True, heads=None)
+def swa_args(item: int = 4 * 2 * 16, **kw: object) -> SimpleNamespace:
+    """Two sliding layers (K0 K1 V0 V1) in SGLang's SWA sub-pool, state ``swa``."""
+    return args(state_types=["swa"], state_data_ptrs=[[(i + 9) << 20 for i in range(4)]],
+                state_data_lens=[[item * 6] * 4], state_item_lens=[[item] * 4],
+                state_layer_ids=[[]], **kw)
+
+
+def test_sglangs_swa_state_is_a_pool_of_its_own_sharded_as_the_kv() -> None:
+    heads = Heads.of_rank(4, 2, 16, tp_rank=1, tp_size=2)
+    swa = {p.name: p for p in pools_of(swa_args(), is_mla=False, heads=heads)}["swa"]
+    assert swa.kind == "paged" and swa.indices_from is None  # its own (window) page ids
+    assert [(b.layer_id - SWA_LAYER_BASE, b.role) for b in swa.buffers] == [
+        (0, "k"), (1, "k"), (0, "v"), (1, "v")]
+    assert (swa.sharding.total_heads, swa.sharding.first_head) == (4, 2)
+    assert swa.num_items == 6 and swa.page_size == 4
+
+
+def test_mla_swa_state_is_one_replicated_latent_per_layer() -> None:
+    swa = {p.name: p for p in pools_of(swa_args(), is_mla=True, heads=None)}["swa"]
+    assert swa.sharding.kind == "replicated" and len({b.layer_id for b in swa.buffers}) == 4
+
+
+@pytest.mark.parametrize(("kw", "words"), [
+    ({"swa_kv_cache_layout": "hnd"}, "layout 'hnd'"),
+    ({"state_item_lens": [[128, 128, 64, 64]]}, "one page size"),
+    ({"state_types": ["swa_ring"]}, "'swa_ring'"),
+    ({"state_types": ["swa", "swa"], "state_data_ptrs": [[1], [2]], "state_data_lens": [[1], [1]],
+      "state_item_lens": [[1], [1]]}, "2 SWA states"),
+])
+def test_window_states_pdxfer_cannot_move_are_refused_by_name(kw: dict, words: str) -> None:
+    a = swa_args()
+    vars(a).update(kw)
+    with pytest.raises(ConfigError, match=words):
+        pools_of(a, is_mla=False, heads=Heads(2, 2, 0, 16))
+
+
+def test_the_window_ends_at_the_last_prompt_page() -> None:
+    assert start_page(10, 3, room=1) == 7 and start_page(2, 2, room=1) == 0
+    with pytest.raises(ConfigError, match="4 SWA pages for a prompt of 3 pages"):
+        start_page(3, 4, room=1)
+    with pytest.raises(ConfigError):
+        start_page(3, 0, room=1)  # a prompt has at least one page in its window
+
+
+def test_swa_pages_read_sglangs_state_indices_and_get_a_room_of_their_own() -> None:
+    import numpy as np
+
+    assert swa_pages([np.array([3, 1, 2])], 0).tolist() == [3, 1, 2]
+    assert swa_pages([None, [np.array([5]), np.array([6])]], 1).tolist() == [5, 6]
+    assert swa_pages(None, 0) is None and swa_pages([np.array([1])], None) is None
+    rooms = [1, 2, 12345, (1 << 63) - 1]
+    assert len({window_room(r) for r in rooms} | set(rooms)) == 2 * len(rooms)
+    assert all(0 <= window_room(r) < 1 << 63 for r in rooms)
 
 
 def test_mamba_slot_comes_from_sglangs_state_indices() -> None:

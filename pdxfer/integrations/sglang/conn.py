@@ -9,8 +9,9 @@ prefill's KV head geometry. ``KVPoll`` is pdxfer's state: a decode reports ``Fai
 once no write can land in its pages, so SGLang may free them at once, and
 ``failure_exception()`` raises SGLang's ``KVTransferError`` chained to pdxfer's typed error.
 SGLang's prefill sends only pages past ``decode_prefix_len``; pdxfer counts from token 0, so
-the prefix goes as pages never read. A decode whose ``KVArgs`` name host buffers gets a second
-endpoint over them (``send_metadata(destination=HOST)``). Guide: docs/sglang.md.
+the prefix goes as pages never read. SGLang's SWA pool moves in a second room per request
+(``window.py``). A decode whose ``KVArgs`` name host buffers gets a second endpoint over them
+(``send_metadata(destination=HOST)``). Guide: docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from pdxfer import (
 )
 from pdxfer import KVPoll as PdxPoll
 
-from .pools import KV, Heads, aux_slots, pools_of, state_slots
+from .pools import KV, SWA, Heads, aux_slots, pools_of, state_slots, swa_state
+from .window import UNREAD, mismatch, start_page, swa_pages, window_room
 
 log = logging.getLogger("pdxfer.sglang")
 
@@ -161,6 +163,8 @@ class PdxferKVManager(CommonKVManager):
                  server_args: Any, is_mla_backend: bool | None = False) -> None:
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.is_mla = bool(is_mla_backend)
+        self.swa_index = swa_state(args)
+        """Where SGLang's SWA pool sits in ``state_types`` (None: no sliding window)."""
         self.endpoint: Endpoint | None = None
         self.pools: list[Any] = []
         self.host_endpoint: Endpoint | None = None  # decode: over host_kv_data_* (if any)
@@ -338,8 +342,11 @@ class PdxferKVManager(CommonKVManager):
         return h
 
     def kv_page_size(self, host: bool = False) -> int:
+        return self.page_size(KV, host)
+
+    def page_size(self, pool: str, host: bool = False) -> int:
         return next(p.page_size for p in (self.host_pools if host else self.pools)
-                    if p.name == KV)
+                    if p.name == pool)
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """SGLang's deferred release asks whether a held room's pages are safe: pdxfer's
@@ -383,11 +390,16 @@ class PdxferKVSender(CommonKVSender):
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         self.tx = None
+        self.swa_tx = None  # the SWA pool's room (``window.py``)
         self._started = False
+        self._pages = 0  # KV pages handed to pdxfer so far, the decode's prefix included
+        self._swa: tuple[np.ndarray, int] | None = None  # SWA pages and their first page
         if self.conclude_state is None and mgr.endpoint is not None:
             # SGLang's prefill never learns which decode a room is for (the router tells
             # each side only the room and the prefill's bootstrap): nothing to bind to
             self.tx = mgr.endpoint.sender(int(bootstrap_room))
+            if mgr.swa_index is not None:
+                self.swa_tx = mgr.endpoint.sender(window_room(int(bootstrap_room)))
 
     def pop_decode_prefix_len(self) -> int:
         self.kv_mgr.req_to_decode_prefix_len.pop(self.bootstrap_room, None)
@@ -413,10 +425,53 @@ class PdxferKVSender(CommonKVSender):
             if is_last:
                 slots = {**aux_slots(self.kv_mgr.pools, self.aux_index),
                          **state_slots(self.kv_mgr.kv_args, state_indices)}
+                if self.swa_tx is not None:
+                    self._take_swa(state_indices, self._pages + pages.size)
             self.tx.send({KV: pages}, slots=slots, last=is_last)
+            self._pages += pages.size
+            self._flush_swa()
         except PdxferError as e:
-            self.tx.abort(str(e))
+            self._abort_rooms(str(e))
         self._record_transfer_indices(pages, state_indices if is_last else None)
+
+    def _take_swa(self, state_indices: Any, total_pages: int) -> None:
+        """The SWA pages SGLang gave with the last chunk: the window of the last prompt
+        token, ending at the prompt's last page; a decode that asked for another window is
+        refused before any KV of the last chunk goes."""
+        swa = swa_pages(state_indices, self.kv_mgr.swa_index)
+        if swa is None:
+            raise ConfigError(f"room {self.bootstrap_room}: SGLang gave no SWA pages with "
+                              "the last chunk")
+        self._swa = (swa, start_page(total_pages, swa.size, self.bootstrap_room))
+        self._check_window()
+
+    def _check_window(self) -> bool:
+        """Whether the decode's SWA request arrived (``PdxferError`` when it asks for a
+        window that starts elsewhere than this prefill's)."""
+        assert self.swa_tx is not None and self._swa is not None
+        want = self.swa_tx.prefix_len
+        if want is None:
+            return False
+        swa, start = self._swa
+        ps = self.kv_mgr.page_size(SWA)
+        if want != start * ps:
+            raise ConfigError(mismatch(self.bootstrap_room, start, want, ps, start + swa.size))
+        return True
+
+    def _flush_swa(self) -> None:
+        """Send the SWA room's pages once the decode's request for them is here (else the
+        next ``poll()`` does): the window's pages after its first page's worth of unread ones."""
+        if self._swa is None or self.swa_tx is None or not self._check_window():
+            return
+        swa, start = self._swa
+        self._swa = None
+        self.swa_tx.send({SWA: np.concatenate((np.full(start, UNREAD, dtype=np.int64), swa))},
+                         last=True)
+
+    def _abort_rooms(self, why: str) -> None:
+        for tx in (self.tx, self.swa_tx):
+            if tx is not None:
+                tx.abort(why)
 
     def _send_prefix(self) -> None:
         """Pages for the decode's prefix, which pdxfer skips: SGLang sends only the rest."""
@@ -427,6 +482,7 @@ class PdxferKVSender(CommonKVSender):
                               f"multiple of the prefill page size {ps}")
         if prefix:
             self.tx.send({KV: np.zeros(prefix // ps, dtype=np.int64)})
+            self._pages += prefix // ps
 
     def poll(self) -> int:
         if self.conclude_state is not None:
@@ -436,8 +492,17 @@ class PdxferKVSender(CommonKVSender):
             self._conclude(KVPoll.Failed, None)
             return KVPoll.Failed
         state = self.tx.poll()
+        if self.swa_tx is not None and state != PdxPoll.Failed:
+            try:
+                self._flush_swa()
+            except PdxferError as e:
+                self._abort_rooms(str(e))
+            state = min(state, self.swa_tx.poll())
         if state == PdxPoll.Failed:
-            self._conclude(KVPoll.Failed, self.tx.failure)
+            failed = next(t for t in (self.tx, self.swa_tx)
+                          if t is not None and t.poll() == PdxPoll.Failed)
+            self._abort_rooms(f"another room of request {room} failed")
+            self._conclude(KVPoll.Failed, failed.failure)
             return KVPoll.Failed
         self.kv_mgr.update_status(room, int(state))
         if state == PdxPoll.Success:
@@ -461,8 +526,7 @@ class PdxferKVSender(CommonKVSender):
 
     def abort(self) -> None:
         super().abort()
-        if self.tx is not None:
-            self.tx.abort("aborted by SGLang (AbortReq)")
+        self._abort_rooms("aborted by SGLang (AbortReq)")
 
 
 # -- receiver --------------------------------------------------------------------------------
@@ -476,6 +540,7 @@ class PdxferKVReceiver(CommonKVReceiver):
     def __init__(self, mgr: PdxferKVManager, bootstrap_addr: str,
                  bootstrap_room: int | None = None) -> None:
         self.rx = None
+        self.swa_rx = None  # the SWA pool's room (``window.py``)
         self._dp: int | None = None
         self._requested = False
         self._cause: BaseException | None = None
@@ -518,6 +583,8 @@ class PdxferKVReceiver(CommonKVReceiver):
         host = destination == KVTransferDestination.HOST
         if not host and destination != KVTransferDestination.DEVICE:
             raise NotImplementedError(f"pdxfer: KV destination {destination!r}")
+        if self.conclude_state == KVPoll.Failed:  # refused already: keep its reason
+            return
         mgr = self.kv_mgr
         ep = mgr.host_endpoint if host else mgr.endpoint
         if self._dp is None or ep is None or self.rx is not None:
@@ -527,29 +594,46 @@ class PdxferKVReceiver(CommonKVReceiver):
             mgr.record_failure(self.bootstrap_room, f"pdxfer: {why}")
             mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             return
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        prefix = int(decode_prefix_len or 0)
+        ps = mgr.kv_page_size(host)
+        n = prefix + pages.size * ps
+        room = int(self.bootstrap_room)
+        bootstrap = mgr.pdxfer_bootstrap[self.bootstrap_addr]
         try:
-            self.rx = ep.receiver(int(self.bootstrap_room),
-                                  bootstrap=mgr.pdxfer_bootstrap[self.bootstrap_addr],
-                                  dp=self._dp)
+            swa = None
+            if mgr.swa_index is not None:  # the window of the last prompt token
+                swa = swa_pages(state_indices, mgr.swa_index)
+                if swa is None:
+                    raise ConfigError(f"room {room}: SGLang gave no SWA pages")
+                sps = mgr.page_size(SWA)  # SGLang's page size (the KV's may be remapped)
+                swa_start = start_page(-(-n // sps), swa.size, room) * sps
+            self.rx = ep.receiver(room, bootstrap=bootstrap, dp=self._dp)
+            if swa is not None:
+                self.swa_rx = ep.receiver(window_room(room), bootstrap=bootstrap, dp=self._dp)
         except PdxferError as e:  # e.g. the room is still open on this rank: Failed, not raised
+            if self.rx is not None:
+                self.rx.abort(str(e))
             mgr.record_failure(self.bootstrap_room, describe(e))
             mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             self._cause = e
             return
-        pages = np.asarray(kv_indices, dtype=np.int64)
-        prefix = int(decode_prefix_len or 0)
-        n = prefix + pages.size * mgr.kv_page_size(host)
         slots = {**aux_slots(mgr.pools, aux_index), **state_slots(mgr.kv_args, state_indices)}
         self._requested = True
         try:
             self.rx.request({KV: pages}, slots=slots, prefix_len=prefix, num_tokens=n)
+            if self.swa_rx is not None:
+                self.swa_rx.request({SWA: swa}, prefix_len=swa_start, num_tokens=n)
         except PdxferError as e:  # the receiver is Failed with this reason; poll() says so
             log.info("room %s: request refused: %s", self.bootstrap_room, e)
         self.init_time = time.time()
 
+    def _rooms(self) -> list[Any]:
+        return [r for r in (self.rx, self.swa_rx) if r is not None]
+
     def is_abort_release_safe(self) -> bool:
         """No write can land in this request's pages any more."""
-        return self.rx is None or not self._requested or self.rx.released
+        return self.rx is None or not self._requested or all(r.released for r in self._rooms())
 
     def poll(self) -> int:
         if self.conclude_state is not None:
@@ -557,13 +641,20 @@ class PdxferKVReceiver(CommonKVReceiver):
         if self.rx is None or not self._requested:
             return super().poll()
         room = self.bootstrap_room
-        state = self.rx.poll()
+        rooms = self._rooms()
+        state = min(r.poll() for r in rooms)
         if state == PdxPoll.Failed or self.kv_mgr.request_status.get(room) == KVPoll.Failed:
+            if self._cause is None:  # the first room's failure, before the others' aborts
+                self._cause = next((r.failure for r in rooms if r.poll() == PdxPoll.Failed),
+                                   None)
+            for r in rooms:  # one room failed: the request did
+                if not r.poll().terminal:
+                    r.abort(f"another room of request {room} failed")
             if not self.is_abort_release_safe():
                 return KVPoll.Transferring  # its pages may still be written: hold them
-            self._cause = self.rx.failure or self._cause
-            if self.rx.failure is not None or room not in self.kv_mgr.failure_records:
-                self.kv_mgr.record_failure(room, describe(self.rx.failure))
+            failure = self._cause
+            if failure is not None or room not in self.kv_mgr.failure_records:
+                self.kv_mgr.record_failure(room, describe(failure))
             self.kv_mgr.update_status(room, KVPoll.Failed)
             self.conclude_state = KVPoll.Failed
             return KVPoll.Failed
@@ -573,7 +664,7 @@ class PdxferKVReceiver(CommonKVReceiver):
         return int(state)
 
     def failure_exception(self) -> None:
-        cause = self._cause or (self.rx.failure if self.rx else None)
+        cause = self._cause or next((r.failure for r in self._rooms() if r.failure), None)
         try:
             super().failure_exception()
         except KVTransferError as e:
@@ -597,8 +688,8 @@ class PdxferKVReceiver(CommonKVReceiver):
                 force_arm or self.init_time is not None):
             self._abort_generation = self.kv_mgr.register_deferred_abort_room(
                 self.bootstrap_room)
-        if self.rx is not None:
-            self.rx.abort("aborted by SGLang (AbortReq)")
+        for r in self._rooms():
+            r.abort("aborted by SGLang (AbortReq)")
 
     def _clear(self) -> None:
         super()._clear()

@@ -3,7 +3,8 @@
 SGLang describes a rank's transfer buffers as flat address lists (``disaggregation/base/
 conn.py``); pdxfer wants named pools with a geometry both sides check at pairing.
 ``pools_of`` maps one to the other (its docstring gives the mapping): target KV, draft KV,
-metadata rows, and states, of which window-indexed ones are refused.
+metadata rows, states, and SGLang's sliding-window pool (``window.py`` says which of its
+pages a request moves); rings, tails and other window-indexed states are refused.
 """
 
 from __future__ import annotations
@@ -14,10 +15,15 @@ from typing import Any
 
 from pdxfer import BufferSpec, ConfigError, PoolSpec, Sharding
 
-KV, DRAFT, AUX = "kv", "draft_kv", "aux"
+KV, DRAFT, AUX, SWA = "kv", "draft_kv", "aux", "swa"
 DRAFT_LAYER_BASE = 1_000_000
 """Draft layers number from zero like the target's: their pdxfer layer ids are offset so the
 two never collide (both sides apply the same offset)."""
+SWA_LAYER_BASE = 2_000_000
+"""The SWA pool's layers number from zero too (SGLang gives them no ids): offset likewise."""
+SWA_STATE = "swa"
+SWA_LAYOUTS = (None, "nhd")
+"""SWA sub-pool layouts pdxfer moves (SGLang's MHA pools are token-major, NHD)."""
 
 SLOT_STATES = frozenset({"mamba", "request_row"})
 KV_PAGED_STATES = frozenset({"dsa", "qsa_compressed", "minimax_dense_kv", "block_scale"})
@@ -67,10 +73,10 @@ def _paged(name: str, bufs: tuple[BufferSpec, ...], item: int, page_size: int, l
 
 def _kv_pools(ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], ids: Sequence[int],
               n_draft: int, is_mla: bool, page_size: int, heads: Heads | None, location: str,
-              remap: bool) -> list[PoolSpec]:
+              remap: bool, name: str = KV) -> list[PoolSpec]:
     out: list[PoolSpec] = []
     n = len(ptrs)
-    groups = [(KV, 0, n - n_draft, None)] + ([(DRAFT, n - n_draft, n, KV)] if n_draft else [])
+    groups = [(name, 0, n - n_draft, None)] + ([(DRAFT, n - n_draft, n, KV)] if n_draft else [])
     for name, a, b, follows in groups:
         p, ln, it, li = ptrs[a:b], lens[a:b], items[a:b], ids[a:b]
         if len(set(it)) != 1:
@@ -144,13 +150,16 @@ def pools_of(args: Any, *, is_mla: bool, heads: Heads | None, location: str = "c
       ids).
     - ``aux_data_*``: the metadata rows (first token, logprobs, ...): slot pool ``aux``, one
       buffer per row array.
-    - ``state_*``, per ``state_types`` entry, named ``state<i>_<type>``: request-scoped states
+    - ``state_*`` of type ``swa`` (SGLang's ``SWAKVPool``: the sliding-window layers' own
+      KV, K layers then V, addressed by window-translated page ids): pool ``swa``, laid out
+      and sharded as the target KV, with its own page indices (it moves in a room of its
+      own, ``window.py``).
+    - other ``state_*``, per ``state_types`` entry, named ``state<i>_<type>``: request-scoped states
       (``mamba``, ``request_row``: one row per request) are slot pools; states SGLang indexes
       with the KV's own page ids (``dsa``, ``qsa_compressed``, ``minimax_dense_kv``,
       ``block_scale``: its prefill and decode both pass ``req_to_token`` pages) are paged pools
-      following ``kv``, so they move exactly the KV's token range. Window-indexed states (SWA,
-      rings, tails) are refused: pdxfer moves one token range per request and those pools cover
-      another.
+      following ``kv``, so they move exactly the KV's token range. Other window-indexed states
+      (SWA rings, DSA tails, the SWA pool's block scales) are refused.
     - A decode whose KV buffers hold fewer tokens per item than ``page_size`` (HiSparse: the
       transfer lands in a host pool of its own page size) gets a ``page_remap`` KV pool, mapped
       token by token from any prefill page size.
@@ -175,16 +184,51 @@ def pools_of(args: Any, *, is_mla: bool, heads: Heads | None, location: str = "c
                 pools.append(PoolSpec(name=f"{AUX}{j}", kind="slot",
                                       buffers=(BufferSpec(int(p), int(n), 0, "row"),),
                                       item_bytes=int(it), num_items=int(n) // int(it)))
-    pools += _state_pools(args, page_size, location)
+    pools += _state_pools(args, page_size, location, is_mla, heads)
     return pools
 
 
-def _state_pools(args: Any, page_size: int, location: str) -> list[PoolSpec]:
+def swa_state(args: Any) -> int | None:
+    """The position of SGLang's ``swa`` state in ``state_types`` (at most one), or None."""
+    found = [i for i, st in enumerate(getattr(args, "state_types", None) or [])
+             if getattr(st, "value", st) == SWA_STATE]
+    if len(found) > 1:
+        raise ConfigError(f"SGLang KVArgs name {len(found)} SWA states; pdxfer moves one")
+    return found[0] if found else None
+
+
+def _swa_pool(args: Any, i: int, page_size: int, location: str, is_mla: bool,
+              heads: Heads | None) -> PoolSpec:
+    """SGLang's SWA sub-pool (``SWAKVPool.get_state_buf_infos``: its own K and V buffers per
+    sliding layer, or one latent per layer for MLA) as pool ``swa``."""
+    layout = getattr(args, "swa_kv_cache_layout", None)
+    if layout not in SWA_LAYOUTS:
+        raise ConfigError(f"SGLang SWA pool layout {layout!r}: pdxfer moves NHD (token-major) "
+                          "SWA pools only")
+    ptrs = [int(x) for x in args.state_data_ptrs[i]]
+    lens = [int(x) for x in args.state_data_lens[i]]
+    items = [int(x) for x in args.state_item_lens[i]]
+    if not ptrs or len(set(items)) != 1:
+        raise ConfigError(f"SGLang SWA state of {len(ptrs)} entries of sizes {sorted(set(items))}: "
+                          "pdxfer moves an SWA pool of KV buffers of one page size (not "
+                          "DeepSeek-V4's mixed SWA state)")
+    n = len(ptrs)
+    ids = [SWA_LAYER_BASE + (j if is_mla else j % (n // 2 or 1)) for j in range(n)]
+    return _kv_pools(ptrs, lens, items, ids, 0, is_mla, page_size, heads, location,
+                     False, name=SWA)[0]
+
+
+def _state_pools(args: Any, page_size: int, location: str, is_mla: bool,
+                 heads: Heads | None) -> list[PoolSpec]:
     out: list[PoolSpec] = []
     types = list(getattr(args, "state_types", None) or [])
+    swa = swa_state(args)
     for i, st in enumerate(types):
         kind = getattr(st, "value", st)
         name = state_name(i, st)
+        if i == swa:
+            out.append(_swa_pool(args, i, page_size, location, is_mla, heads))
+            continue
         ptrs = list(args.state_data_ptrs[i])
         lens = list(args.state_data_lens[i])
         items = list(args.state_item_lens[i])
@@ -206,8 +250,9 @@ def _state_pools(args: Any, page_size: int, location: str) -> list[PoolSpec]:
                                   item, page_size, location, Sharding(), KV))
         else:
             raise ConfigError(
-                f"SGLang state {kind!r} (state_types[{i}]) is indexed by a window of its own, "
-                "not by the request's token range: the pdxfer backend does not move it yet")
+                f"SGLang state {kind!r} (state_types[{i}]) is indexed by a window or ring of "
+                "its own: the pdxfer backend does not move it yet (it moves SGLang's SWA pool, "
+                "state 'swa')")
     return out
 
 
