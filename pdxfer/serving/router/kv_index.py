@@ -16,8 +16,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
+from .kv_kernels import chain_blocks, msgpack_ints
 from .u64map import U64Map, fix_keys
 
 M64 = (1 << 64) - 1
@@ -106,6 +108,28 @@ def _engine_keys(hashes: Sequence[int | bytes], worker: int) -> np.ndarray:
                      for x in hashes), np.uint64, len(hashes))
     return fix_keys(fmix(h ^ fmix(np.uint64(((worker + 1) * P) & M64))))
 
+
+def _h64(x: int | bytes) -> int:
+    return (x if isinstance(x, int) else int.from_bytes(x[:8], "big")) & M64
+
+
+def _wmix(ws: np.ndarray) -> np.ndarray:
+    return fmix((ws.astype(np.uint64) + np.uint64(1)) * np.uint64(P))
+
+
+def _engine_keys_w(hashes: np.ndarray, ws: np.ndarray) -> np.ndarray:
+    """``_engine_keys`` with a worker per hash."""
+    return fix_keys(fmix(hashes ^ _wmix(ws)))
+
+
+def _raw(x: Any) -> bytes | memoryview:
+    """A field as msgpack bytes: a ``msgspec.Raw`` as it came, a list encoded."""
+    return memoryview(x) if isinstance(x, msgspec.Raw) else msgspec.msgpack.encode(x)
+
+
+Op = tuple[Any, ...]
+"""An event for ``KvIndex.ingest``: ``("s", worker, hashes, parent, token_ids, extras)``
+(hashes and token ids as lists or ``msgspec.Raw``), ``("r", worker, hashes)``, ``("c", worker)``."""
 
 Stored = tuple[Sequence[int | bytes], "int | bytes | None", Sequence[int], "Sequence[Any] | None"]
 """A ``BlockStored``'s hashes, parent hash, token ids and extra keys."""
@@ -235,8 +259,6 @@ class KvIndex:
         keys = np.unique(keys)
         slots = self.holders.find(keys)
         new = slots < 0
-        if new.any():
-            self.holders.put_absent(keys[new], w=np.full(int(new.sum()), w, np.uint16))
         old = np.flatnonzero(~new)
         if len(old):
             cur = self.holders.cols["w"][slots[old]]
@@ -247,6 +269,8 @@ class KvIndex:
                 self.multi[k] = self.multi.get(k, 0) if v == MULTI else 1 << int(v)
                 self.multi[k] |= 1 << w
                 self.holders.cols["w"][s] = MULTI
+        if new.any():  # last: growing the map moves every slot
+            self.holders.put_absent(keys[new], w=np.full(int(new.sum()), w, np.uint16))
 
     def removed(self, name: str, hashes: Sequence[int | bytes]) -> int:
         """A ``BlockRemoved``: returns how many indexed blocks it removed."""
@@ -287,6 +311,190 @@ class KvIndex:
             else:
                 self.holders.delete_slots(np.array([s]))
         return len(slots)
+
+    # -- a burst of events -------------------------------------------------------------------
+    def ingest(self, ops: Sequence[Op]) -> np.ndarray:
+        """Many workers' events at once, in the order given per worker: returns per worker
+        id the blocks stored and removed. Each worker's events split into runs of one kind
+        (stores, removes, a clear); the k-th runs of all workers are applied together, as
+        events of different workers commute. A store whose parent is stored in the same run
+        waits for it (waves); one whose parent the index does not know is an orphan."""
+        rounds: list[tuple[list[Op], list[Op], list[int]]] = []
+        run: dict[int, tuple[str, int]] = {}
+        for op in ops:
+            kind, w = op[0], op[1]
+            cur = run.get(w)
+            if cur is None:
+                r = 0
+            elif cur[0] != kind or kind == "c":
+                r = cur[1] + 1
+            else:
+                r = cur[1]
+            run[w] = (kind, r)
+            if r == len(rounds):
+                rounds.append(([], [], []))
+            if kind == "s":
+                rounds[r][0].append(op)
+            elif kind == "r":
+                rounds[r][1].append(op)
+            else:
+                rounds[r][2].append(w)
+        counts = np.zeros(len(self.names), np.int64)
+        for st, rm, cl in rounds:
+            if st:
+                counts += self._store_ops(st)
+            if rm:
+                counts += self._remove_ops(rm)
+            if cl:
+                live = self.blocks.live_slots()
+                sel = live[np.isin(self.blocks.cols["w"][live], np.array(cl, np.uint16))]
+                counts += self._release_many(sel)
+        return counts
+
+    def _store_ops(self, ops: Sequence[Op]) -> np.ndarray:
+        bs = self.block_size
+        nw = len(self.names)
+        hashes, hc = msgpack_ints([_raw(o[2]) for o in ops], False, 1 << 16)
+        tokens, tc = msgpack_ints([_raw(o[4]) for o in ops], True, 1 << 22)
+        ok = (hc >= 1) & (tc == hc * bs)
+        hn, tn = np.maximum(hc, 0), np.maximum(tc, 0)
+        if not ok.all():
+            hashes, tokens = hashes[np.repeat(ok, hn)], tokens[np.repeat(ok, tn)]
+            ops = [o for o, k in zip(ops, ok.tolist()) if k]
+            hn = hn[ok]
+        if not ops:
+            return np.zeros(nw, np.int64)
+        ev_w = np.fromiter((o[1] for o in ops), np.int64, len(ops))
+        bw = np.repeat(ev_w, hn)
+        ekeys = _engine_keys_w(hashes, bw)
+        bstart = np.cumsum(hn) - hn
+        xor = np.zeros(len(hashes), np.uint64)
+        for e, o in enumerate(ops):
+            if o[5]:
+                for i, x in enumerate(o[5][:int(hn[e])]):
+                    if x:
+                        xor[bstart[e] + i] = np.uint64(extra_hash(x))
+        hp = np.fromiter((o[3] is not None for o in ops), bool, len(ops))
+        pkeys = np.zeros(len(ops), np.uint64)
+        if hp.any():
+            ph = np.fromiter((_h64(o[3]) for o in ops if o[3] is not None), np.uint64)
+            pkeys[hp] = _engine_keys_w(ph, ev_w[hp])
+        counts = np.zeros(nw, np.int64)
+        todo = np.arange(len(ops))
+        while len(todo):
+            parent = np.zeros(len(todo), np.uint64)
+            known = ~hp[todo]
+            sub = np.flatnonzero(hp[todo])
+            if len(sub):
+                slots = self.blocks.find(pkeys[todo[sub]])
+                found = slots >= 0
+                parent[sub[found]] = self.blocks.cols["state"][slots[found]]
+                known[sub[found]] = True
+            wait = np.zeros(len(todo), bool)
+            if not known.all():  # parents unknown so far: stored in this run, or orphans
+                left = np.flatnonzero(~known)
+                pend = np.repeat(np.isin(np.arange(len(ops)), todo), hn)
+                wait[left] = np.isin(pkeys[todo[left]], ekeys[pend])
+                orphan = left[~wait[left]]
+                self.orphans += int(hn[todo[orphan]].sum())
+            ready = known
+            if ready.any():
+                ev = todo[ready]
+                sel = (slice(None) if len(ev) == len(ops)
+                       else np.repeat(np.isin(np.arange(len(ops)), ev), hn))
+                states = chain_blocks(tokens.reshape(-1, bs)[sel].ravel(), hn[ev], parent[ready],
+                                      xor[sel], _TOK[:bs], bs)
+                # reversed: of one block stored twice in a run, the last store wins
+                self.blocks.put(ekeys[sel][::-1], state=states[::-1],
+                                w=bw[sel][::-1].astype(np.uint16))
+                self._hold_many(block_keys(states), bw[sel])
+                counts += np.bincount(bw[sel], minlength=nw)
+            elif wait.all():
+                break  # a cycle (hostile): what is left is not indexed
+            todo = todo[wait]
+        return counts
+
+    def _hold_many(self, keys: np.ndarray, ws: np.ndarray) -> None:
+        """``_hold`` with a worker per key."""
+        o = np.argsort(keys)
+        k, w = keys[o], ws[o]
+        first = np.empty(len(k), bool)
+        first[:1] = True
+        np.not_equal(k[1:], k[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        uk = k[starts]
+        wmin, wmax = np.minimum.reduceat(w, starts), np.maximum.reduceat(w, starts)
+        slots = self.holders.find(uk)
+        single = wmin == wmax
+        new = (slots < 0) & single
+        cur = np.where(slots >= 0, self.holders.cols["w"][np.maximum(slots, 0)], -1)
+        slow = np.flatnonzero(~new & ~(single & (cur == wmin)))
+        add = np.concatenate([np.flatnonzero(new), slow[slots[slow] < 0]])
+        if len(add):  # may grow the map: slots found before are stale after
+            self.holders.put_absent(uk[add], w=np.where(new[add], wmin[add], MULTI).astype(
+                np.uint16))
+        if not len(slow):
+            return
+        slots = self.holders.find(uk[slow])
+        ends = np.append(starts[1:], len(k))
+        for i, s in zip(slow.tolist(), slots.tolist()):  # shared blocks: the slow path
+            key = int(uk[i])
+            m = 0
+            for x in set(w[starts[i]:ends[i]].tolist()):
+                m |= 1 << x
+            v = int(self.holders.cols["w"][s])
+            m |= self.multi.get(key, 0) if v == MULTI else 1 << v
+            if m & (m - 1):
+                self.multi[key] = m
+                self.holders.cols["w"][s] = MULTI
+            else:
+                self.holders.cols["w"][s] = m.bit_length() - 1
+
+    def _remove_ops(self, ops: Sequence[Op]) -> np.ndarray:
+        hs = [_h64(h) for o in ops for h in o[2]]
+        if not hs:
+            return np.zeros(len(self.names), np.int64)
+        ws = np.repeat(np.fromiter((o[1] for o in ops), np.int64, len(ops)),
+                       [len(o[2]) for o in ops])
+        slots = self.blocks.find(_engine_keys_w(np.array(hs, np.uint64), ws))
+        return self._release_many(np.unique(slots[slots >= 0]))
+
+    def _release_many(self, slots: np.ndarray) -> np.ndarray:
+        """``_release`` of slots of any workers; returns per worker how many."""
+        counts = np.zeros(len(self.names), np.int64)
+        if not len(slots):
+            return counts
+        keys = block_keys(self.blocks.cols["state"][slots])
+        ws = self.blocks.cols["w"][slots].astype(np.int64)
+        counts += np.bincount(ws, minlength=len(self.names))
+        self.blocks.delete_slots(slots)
+        pair = np.unique(np.stack([keys, ws.astype(np.uint64)], 1), axis=0) if len(
+            slots) > 1 else np.stack([keys, ws.astype(np.uint64)], 1)
+        keys, ws = pair[:, 0], pair[:, 1].astype(np.int64)
+        hs = self.holders.find(keys)
+        ok = hs >= 0
+        keys, ws, hs = keys[ok], ws[ok], hs[ok]
+        cur = self.holders.cols["w"][hs].astype(np.int64)
+        self.holders.delete_slots(hs[cur == ws])
+        for i in np.flatnonzero(cur == MULTI).tolist():
+            k, s, w = int(keys[i]), hs[i], int(ws[i])
+            if self.holders.keys[s] != keys[i]:
+                continue
+            v = int(self.holders.cols["w"][s])
+            if v != MULTI:  # another worker's release in this batch left one holder
+                if v == w:
+                    self.holders.delete_slots(np.array([s]))
+                continue
+            m = self.multi.get(k, 0) & ~(1 << w)
+            if m & (m - 1):
+                self.multi[k] = m
+                continue
+            self.multi.pop(k, None)
+            if m:
+                self.holders.cols["w"][s] = m.bit_length() - 1
+            else:
+                self.holders.delete_slots(np.array([s]))
+        return counts
 
     # -- lookups ----------------------------------------------------------------------------
     def prompt_keys(self, ids: Sequence[int], salt: str | None = None) -> np.ndarray:

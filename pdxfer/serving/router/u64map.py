@@ -75,6 +75,7 @@ class U64Map:
         if len(new):
             if self.used + len(new) > MAX_LOAD * self.capacity:
                 self._grow(self.live + len(new))
+                slots = self.find(keys)  # every slot moved
             slots[new] = self._insert(keys[new])
         for k, v in values.items():
             self.cols[k][slots] = v
