@@ -404,9 +404,7 @@ class KvIndex:
                        else np.repeat(np.isin(np.arange(len(ops)), ev), hn))
                 states = chain_blocks(tokens.reshape(-1, bs)[sel].ravel(), hn[ev], parent[ready],
                                       xor[sel], _TOK[:bs], bs)
-                # reversed: of one block stored twice in a run, the last store wins
-                self.blocks.put(ekeys[sel][::-1], state=states[::-1],
-                                w=bw[sel][::-1].astype(np.uint16))
+                self.blocks.put(ekeys[sel], state=states, w=bw[sel].astype(np.uint16))
                 self._hold_many(block_keys(states), bw[sel])
                 counts += np.bincount(bw[sel], minlength=nw)
             elif wait.all():

@@ -1,14 +1,15 @@
 """An open-addressing hash map from 64-bit keys to fixed-width value columns, in numpy.
 
-Every operation takes a batch of keys and runs vectorized: buckets of ``WAYS`` slots read as
-one row, probing on (by a stride of the key's own) only past a full bucket. So the KV index
-ingests blocks at numpy speed and costs a few bytes per entry instead of a Python dict's
+Every operation takes a batch of keys, in one compiled loop (numba): buckets of ``WAYS``
+slots, probing on (by a stride of the key's own) only past a full bucket. So the KV index
+ingests blocks at compiled speed and costs a few bytes per entry instead of a Python dict's
 ~100. Keys must already be well mixed (callers hash them); 0 and 1 are reserved (empty,
 deleted) and are remapped.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 EMPTY, DELETED = np.uint64(0), np.uint64(1)
@@ -25,11 +26,72 @@ def fix_keys(keys: np.ndarray) -> np.ndarray:
     return np.where(keys < 2, keys + np.uint64(2), keys)
 
 
-def _probe(keys: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray]:
-    """A key's first bucket and its odd stride to the next (double hashing: no clusters)."""
-    b = (keys >> np.uint64(32)).astype(np.int64) & (nb - 1)
-    step = ((keys >> np.uint64(8)).astype(np.int64) & (nb - 1)) | 1
-    return b, step
+@numba.njit(cache=True, nogil=True)
+def _find(table: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
+    nb = len(table) // WAYS
+    m = nb - 1
+    for i in range(len(keys)):
+        k = keys[i]
+        b = int(k >> np.uint64(32)) & m
+        step = (int(k >> np.uint64(8)) & m) | 1
+        out[i] = -1
+        for _ in range(nb):
+            empty = False
+            for j in range(WAYS):
+                x = table[b * WAYS + j]
+                if x == k:
+                    out[i] = b * WAYS + j
+                    empty = True
+                    break
+                if x == EMPTY:
+                    empty = True
+            if empty:
+                break
+            b = (b + step) & m
+
+
+@numba.njit(cache=True, nogil=True)
+def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool
+            ) -> tuple[int, int]:
+    """Each key's slot, placing the absent ones (in the first free way of their probe
+    chain); ``absent``: the caller knows none is present. Returns how many it placed, and
+    how many of those took an EMPTY slot (not a DELETED one)."""
+    nb = len(table) // WAYS
+    m = nb - 1
+    used = 0
+    placed = 0
+    for i in range(len(keys)):
+        k = keys[i]
+        b = int(k >> np.uint64(32)) & m
+        step = (int(k >> np.uint64(8)) & m) | 1
+        free = -1
+        out[i] = -1
+        for _ in range(nb):
+            empty = False
+            for j in range(WAYS):
+                s = b * WAYS + j
+                x = table[s]
+                if x == k and not absent:
+                    out[i] = s
+                    empty = True
+                    break
+                if x <= DELETED:
+                    if free < 0:
+                        free = s
+                    if x == EMPTY:
+                        empty = True
+                        if absent:
+                            break
+            if empty or (absent and free >= 0):
+                break
+            b = (b + step) & m
+        if out[i] < 0:
+            if table[free] == EMPTY:
+                used += 1
+            table[free] = k
+            out[i] = free
+            placed += 1
+    return placed, used
 
 
 class U64Map:
@@ -50,33 +112,21 @@ class U64Map:
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Per key its slot, or -1 when absent (``keys`` as ``fix_keys`` returns them)."""
-        out = np.full(len(keys), -1, np.int64)
-        nb = self.capacity // WAYS
-        todo = np.arange(len(keys))
-        b, step = _probe(keys, nb)
-        grid = self.keys.reshape(nb, WAYS)
-        while len(todo):
-            rows = grid[b]
-            eq = rows == keys[todo, None]
-            hit = eq.any(axis=1)
-            out[todo[hit]] = b[hit] * WAYS + eq[hit].argmax(axis=1)
-            go = ~hit & ~(rows == EMPTY).any(axis=1)  # a full bucket: the key may be further
-            todo, b, step = todo[go], (b[go] + step[go]) & (nb - 1), step[go]
+        out = np.empty(len(keys), np.int64)
+        _find(self.keys, np.ascontiguousarray(keys, np.uint64), out)
         return out
 
     def put(self, keys: np.ndarray, **values: np.ndarray) -> np.ndarray:
         """Set (insert or overwrite) the keys' values; returns their slots. Duplicate keys
-        in one batch: the first wins."""
-        if len(keys) > 1:
-            keys, first = np.unique(keys, return_index=True)
-            values = {k: np.asarray(v)[first] for k, v in values.items()}
-        slots = self.find(keys)
-        new = np.flatnonzero(slots < 0)
-        if len(new):
-            if self.used + len(new) > MAX_LOAD * self.capacity:
-                self._grow(self.live + len(new))
-                slots = self.find(keys)  # every slot moved
-            slots[new] = self._insert(keys[new])
+        in one batch: the last wins (as one put after another)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        new = int((self.find(keys) < 0).sum())
+        if self.used + new > MAX_LOAD * self.capacity:
+            self._grow(self.live + new)
+        slots = np.empty(len(keys), np.int64)
+        placed, used = _upsert(self.keys, keys, slots, False)
+        self.live += placed
+        self.used += used
         for k, v in values.items():
             self.cols[k][slots] = v
         return slots
@@ -85,38 +135,16 @@ class U64Map:
         """``put`` for distinct keys known to be absent (the caller just looked)."""
         if self.used + len(keys) > MAX_LOAD * self.capacity:
             self._grow(self.live + len(keys))
-        slots = self._insert(keys)
+        slots = self._insert(np.ascontiguousarray(keys, np.uint64))
         for k, v in values.items():
             self.cols[k][slots] = v
         return slots
 
     def _insert(self, keys: np.ndarray) -> np.ndarray:
-        """Place keys known to be absent: each in the first free way of its bucket (or of
-        the next bucket with one)."""
-        nb = self.capacity // WAYS
-        grid = self.keys.reshape(nb, WAYS)
         out = np.empty(len(keys), np.int64)
-        todo = np.arange(len(keys))
-        b, step = _probe(keys, nb)
-        while len(todo):
-            free = grid[b] <= DELETED
-            has = free.any(axis=1)
-            slot = b * WAYS + free.argmax(axis=1)
-            cand = np.flatnonzero(has)
-            if len(cand):
-                _, win = np.unique(slot[cand], return_index=True)
-                win = cand[win]
-                s = slot[win]
-                self.used += int((self.keys[s] == EMPTY).sum())
-                self.keys[s] = keys[todo[win]]
-                out[todo[win]] = s
-                keep = np.ones(len(todo), bool)
-                keep[win] = False
-                b = np.where(has, b, (b + step) & (nb - 1))[keep]
-                todo, step = todo[keep], step[keep]
-            else:
-                b = (b + step) & (nb - 1)
-        self.live += len(keys)
+        placed, used = _upsert(self.keys, keys, out, True)
+        self.live += placed
+        self.used += used
         return out
 
     def delete_slots(self, slots: np.ndarray) -> None:
