@@ -34,7 +34,7 @@ from ..kv_events import (
     RawStored,
     parse_frame,
 )
-from .kv_index import KvIndex, Op
+from .kv_index import KvIndex, Op, warm
 
 log = logging.getLogger("pdxfer.serving.router.kv")
 REPLAY_TIMEOUT_S = 2.0
@@ -78,6 +78,8 @@ class KvFeeds:
     def __init__(self, specs: Sequence[FeedSpec] = ()) -> None:
         self.indexes: dict[int, KvIndex] = {}
         self.feeds = {s.worker: FeedState(s) for s in specs}
+        if specs:
+            warm()
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._inbox: list[tuple[FeedState, int, KVEventBatch | RawBatch]] = []

@@ -122,9 +122,13 @@ def _engine_keys_w(hashes: np.ndarray, ws: np.ndarray) -> np.ndarray:
     return fix_keys(fmix(hashes ^ _wmix(ws)))
 
 
-def _raw(x: Any) -> bytes | memoryview:
-    """A field as msgpack bytes: a ``msgspec.Raw`` as it came, a list encoded."""
-    return memoryview(x) if isinstance(x, msgspec.Raw) else msgspec.msgpack.encode(x)
+def _fields(ops: Sequence[Op], i: int) -> list[Any]:
+    """Field ``i`` of each store as msgpack bytes: a ``msgspec.Raw`` as it came (a buffer),
+    a list encoded."""
+    out = [o[i] for o in ops]
+    if not all(type(x) is msgspec.Raw for x in out):
+        out = [x if type(x) is msgspec.Raw else msgspec.msgpack.encode(x) for x in out]
+    return out
 
 
 Op = tuple[Any, ...]
@@ -354,8 +358,8 @@ class KvIndex:
     def _store_ops(self, ops: Sequence[Op]) -> np.ndarray:
         bs = self.block_size
         nw = len(self.names)
-        hashes, hc = msgpack_ints([_raw(o[2]) for o in ops], False, 1 << 16)
-        tokens, tc = msgpack_ints([_raw(o[4]) for o in ops], True, 1 << 22)
+        hashes, hc = msgpack_ints(_fields(ops, 2), False, 1 << 16)
+        tokens, tc = msgpack_ints(_fields(ops, 4), True, 1 << 22)
         ok = (hc >= 1) & (tc == hc * bs)
         hn, tn = np.maximum(hc, 0), np.maximum(tc, 0)
         if not ok.all():
@@ -541,3 +545,12 @@ class KvIndex:
     def cached_tokens(self, ids: Sequence[int], salt: str | None = None) -> dict[str, int]:
         """Per worker: how many leading tokens of ``ids`` it holds in its cache."""
         return {w: t for t, ws in self.cached_groups(ids, salt) for w in ws}
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) the ingest loops now, not on a first frame."""
+    ix = KvIndex(4)
+    w = ix.worker("warm")
+    raw = msgspec.Raw(msgspec.msgpack.encode(list(range(4))))
+    ix.ingest([("s", w, msgspec.Raw(msgspec.msgpack.encode([7])), None, raw, None),
+               ("r", w, [7]), ("c", w)])

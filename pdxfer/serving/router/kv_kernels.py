@@ -8,6 +8,8 @@ of at most ``max_items`` allowed items is marked invalid (-1), never read past i
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 
@@ -95,10 +97,10 @@ def _ints(buf: np.ndarray, offs: np.ndarray, tokens: bool, max_items: int,
     return o
 
 
-def msgpack_ints(fields: list[bytes | memoryview], tokens: bool, max_items: int
+def msgpack_ints(fields: list[Any], tokens: bool, max_items: int
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Many msgpack arrays (raw field bytes) -> (their valid items concatenated, per field
-    its count or -1)."""
+    """Many msgpack arrays (buffers of raw field bytes) -> (their valid items concatenated,
+    per field its count or -1)."""
     lens = np.fromiter((len(f) for f in fields), np.int64, len(fields))
     offs = np.zeros(len(fields) + 1, np.int64)
     np.cumsum(lens, out=offs[1:])
