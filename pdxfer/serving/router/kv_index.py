@@ -417,40 +417,19 @@ class KvIndex:
         return counts
 
     def _hold_many(self, keys: np.ndarray, ws: np.ndarray) -> None:
-        """``_hold`` with a worker per key."""
-        o = np.argsort(keys)
-        k, w = keys[o], ws[o]
-        first = np.empty(len(k), bool)
-        first[:1] = True
-        np.not_equal(k[1:], k[:-1], out=first[1:])
-        starts = np.flatnonzero(first)
-        uk = k[starts]
-        wmin, wmax = np.minimum.reduceat(w, starts), np.maximum.reduceat(w, starts)
-        slots = self.holders.find(uk)
-        single = wmin == wmax
-        new = (slots < 0) & single
-        cur = np.where(slots >= 0, self.holders.cols["w"][np.maximum(slots, 0)], -1)
-        slow = np.flatnonzero(~new & ~(single & (cur == wmin)))
-        add = np.concatenate([np.flatnonzero(new), slow[slots[slow] < 0]])
-        if len(add):  # may grow the map: slots found before are stale after
-            self.holders.put_absent(uk[add], w=np.where(new[add], wmin[add], MULTI).astype(
-                np.uint16))
-        if not len(slow):
-            return
-        slots = self.holders.find(uk[slow])
-        ends = np.append(starts[1:], len(k))
-        for i, s in zip(slow.tolist(), slots.tolist()):  # shared blocks: the slow path
-            key = int(uk[i])
-            m = 0
-            for x in set(w[starts[i]:ends[i]].tolist()):
-                m |= 1 << x
-            v = int(self.holders.cols["w"][s])
-            m |= self.multi.get(key, 0) if v == MULTI else 1 << v
-            if m & (m - 1):
-                self.multi[key] = m
-                self.holders.cols["w"][s] = MULTI
-            else:
-                self.holders.cols["w"][s] = m.bit_length() - 1
+        """``_hold`` with a worker per key: one probe per key; a key another worker holds
+        too (or several in this batch) takes the slow path, on the side."""
+        slots, new = self.holders.upsert(keys)
+        col = self.holders.cols["w"]
+        col[slots[new]] = ws[new]
+        slow = np.flatnonzero(~new & (col[slots] != ws))
+        for k, s, w in zip(keys[slow].tolist(), slots[slow].tolist(), ws[slow].tolist()):
+            v = int(col[s])
+            if v == w:
+                continue
+            m = self.multi.get(k, 0) if v == MULTI else 1 << v
+            self.multi[k] = m | 1 << w
+            col[s] = MULTI
 
     def _remove_ops(self, ops: Sequence[Op]) -> np.ndarray:
         hs = [_h64(h) for o in ops for h in o[2]]

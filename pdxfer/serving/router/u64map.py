@@ -51,11 +51,11 @@ def _find(table: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
-def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool
-            ) -> tuple[int, int]:
+def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
+            new: np.ndarray) -> tuple[int, int]:
     """Each key's slot, placing the absent ones (in the first free way of their probe
-    chain); ``absent``: the caller knows none is present. Returns how many it placed, and
-    how many of those took an EMPTY slot (not a DELETED one)."""
+    chain; ``new`` marks them); ``absent``: the caller knows none is present. Returns how
+    many it placed, and how many of those took an EMPTY slot (not a DELETED one)."""
     nb = len(table) // WAYS
     m = nb - 1
     used = 0
@@ -66,6 +66,7 @@ def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool
         step = (int(k >> np.uint64(8)) & m) | 1
         free = -1
         out[i] = -1
+        new[i] = False
         for _ in range(nb):
             empty = False
             for j in range(WAYS):
@@ -90,6 +91,7 @@ def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool
                 used += 1
             table[free] = k
             out[i] = free
+            new[i] = True
             placed += 1
     return placed, used
 
@@ -119,17 +121,23 @@ class U64Map:
     def put(self, keys: np.ndarray, **values: np.ndarray) -> np.ndarray:
         """Set (insert or overwrite) the keys' values; returns their slots. Duplicate keys
         in one batch: the last wins (as one put after another)."""
-        keys = np.ascontiguousarray(keys, np.uint64)
-        new = int((self.find(keys) < 0).sum())
-        if self.used + new > MAX_LOAD * self.capacity:
-            self._grow(self.live + new)
-        slots = np.empty(len(keys), np.int64)
-        placed, used = _upsert(self.keys, keys, slots, False)
-        self.live += placed
-        self.used += used
+        slots, _ = self.upsert(keys)
         for k, v in values.items():
             self.cols[k][slots] = v
         return slots
+
+    def upsert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each key's slot, placing the absent ones (their values left to the caller), and
+        which were placed (a key twice in ``keys``: placed the first time)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        if self.used + len(keys) > MAX_LOAD * self.capacity:  # as if all were new
+            self._grow(self.live + len(keys))
+        slots = np.empty(len(keys), np.int64)
+        new = np.empty(len(keys), bool)
+        placed, used = _upsert(self.keys, keys, slots, False, new)
+        self.live += placed
+        self.used += used
+        return slots, new
 
     def put_absent(self, keys: np.ndarray, **values: np.ndarray) -> np.ndarray:
         """``put`` for distinct keys known to be absent (the caller just looked)."""
@@ -142,7 +150,7 @@ class U64Map:
 
     def _insert(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), np.int64)
-        placed, used = _upsert(self.keys, keys, out, True)
+        placed, used = _upsert(self.keys, keys, out, True, np.empty(len(keys), bool))
         self.live += placed
         self.used += used
         return out
