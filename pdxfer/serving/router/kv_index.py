@@ -422,7 +422,22 @@ class KvIndex:
         slots, new = self.holders.upsert(keys)
         col = self.holders.cols["w"]
         col[slots[new]] = ws[new]
-        slow = np.flatnonzero(~new & (col[slots] != ws))
+        cur = col[slots]
+        slow = np.flatnonzero(~new & (cur != ws))
+        if not len(slow):
+            return
+        # the common case, vectorized: a key one other worker held, once in this batch
+        _, first, n = np.unique(slots[slow], return_index=True, return_counts=True)
+        easy = np.zeros(len(slow), bool)
+        easy[first[n == 1]] = True
+        easy &= cur[slow] != MULTI
+        e = slow[easy]
+        if len(e):
+            one = (1).__lshift__
+            self.multi.update(zip(keys[e].tolist(), map(int.__or__, map(one, cur[e].tolist()),
+                                                        map(one, ws[e].tolist()))))
+            col[slots[e]] = MULTI
+            slow = slow[~easy]
         for k, s, w in zip(keys[slow].tolist(), slots[slow].tolist(), ws[slow].tolist()):
             v = int(col[s])
             if v == w:

@@ -18,6 +18,8 @@ GROWN_LOAD = 0.55
 """At most this full after a rehash (so a grown map is 0.27 to 0.75 full)."""
 WAYS = 8
 """Slots per bucket: a lookup reads a key's bucket at once, and rarely the next."""
+AHEAD = 16
+"""Keys whose buckets are loaded together before they are probed one by one."""
 
 
 def fix_keys(keys: np.ndarray) -> np.ndarray:
@@ -27,10 +29,23 @@ def fix_keys(keys: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
-def _find(table: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
+def _touch(table: np.ndarray, keys: np.ndarray, i: int, m: int) -> np.uint64:
+    """Load the first buckets of keys ``i`` to ``i + AHEAD`` at once: independent loads,
+    so their cache misses overlap instead of one probe waiting for the last."""
+    acc = np.uint64(0)
+    for t in range(i, min(i + AHEAD, len(keys))):
+        acc ^= table[(int(keys[t] >> np.uint64(32)) & m) * WAYS]
+    return acc
+
+
+@numba.njit(cache=True, nogil=True)
+def _find(table: np.ndarray, keys: np.ndarray, out: np.ndarray) -> np.uint64:
     nb = len(table) // WAYS
     m = nb - 1
+    sink = np.uint64(0)
     for i in range(len(keys)):
+        if i % AHEAD == 0:
+            sink ^= _touch(table, keys, i, m)
         k = keys[i]
         b = int(k >> np.uint64(32)) & m
         step = (int(k >> np.uint64(8)) & m) | 1
@@ -48,6 +63,7 @@ def _find(table: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
             if empty:
                 break
             b = (b + step) & m
+    return sink
 
 
 @numba.njit(cache=True, nogil=True)
@@ -60,7 +76,10 @@ def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
     m = nb - 1
     used = 0
     placed = 0
+    sink = np.uint64(0)
     for i in range(len(keys)):
+        if i % AHEAD == 0:
+            sink ^= _touch(table, keys, i, m)
         k = keys[i]
         b = int(k >> np.uint64(32)) & m
         step = (int(k >> np.uint64(8)) & m) | 1
@@ -93,7 +112,7 @@ def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
             out[i] = free
             new[i] = True
             placed += 1
-    return placed, used
+    return placed, used + int(sink & np.uint64(0))
 
 
 class U64Map:
