@@ -197,7 +197,40 @@ def test_a_raw_frame_decodes_to_raw_stores() -> None:
 
 def test_a_put_that_grows_the_map_sets_old_and_new_keys() -> None:
     m = U64Map({"v": np.int64}, capacity=32)
-    keys = fix_keys(np.arange(1, 21, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-    m.put(keys[:10], v=np.arange(10))
-    m.put(keys, v=np.arange(100, 120))  # 10 present, 10 new: grows
-    assert m.cols["v"][m.find(keys)].tolist() == list(range(100, 120))
+    keys = fix_keys(np.arange(1, 31, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    m.put(keys[:20], v=np.arange(20))
+    m.put(keys, v=np.arange(100, 130))  # 20 present, 10 new: grows
+    assert m.cols["v"][m.find(keys)].tolist() == list(range(100, 130))
+
+
+def test_a_burst_of_frames_defers_a_workers_frames_from_its_gap_on() -> None:
+    from pdxfer.serving.kv_events import KVEventBatch
+    from pdxfer.serving.router.kv_feed import FeedSpec, KvFeeds
+
+    w1, w2 = "http://w1", "http://w2"
+    feeds = KvFeeds([FeedSpec(w1, "tcp://127.0.0.1:1"), FeedSpec(w2, "tcp://127.0.0.1:2")])
+    f1, f2 = feeds.feeds[w1], feeds.feeds[w2]
+    a, b, c = list(range(8)), list(range(100, 108)), list(range(200, 208))
+
+    def st(ids: list[int], h: int) -> KVEventBatch:
+        return KVEventBatch(0.0, [BlockStored([h, h + 1], None, ids, BS)])
+
+    rest = feeds.on_frames([(f1, 0, st(a, 10)), (f2, 0, st(b, 20)), (f1, 2, st(c, 30)),
+                            (f1, 3, st(c, 40)), (f2, 1, st(c, 50))])
+    assert [(f.spec.worker, s, gap) for f, s, _, gap in rest] == [(w1, 2, True), (w1, 3, False)]
+    assert feeds.cached(a) == {w1: 8} and feeds.cached(c) == {w2: 8}
+    assert f1.next_seq == 1 and f2.next_seq == 2 and f2.counters["blocks"] == 4
+    # w1 starts over (seq 0 again): cleared first, then what the new stream says
+    assert not feeds.on_frames([(f2, 2, st(a, 60)), (f1, 0, st(b, 70))])
+    assert feeds.cached(a) == {w2: 8} and feeds.cached(b) == {w1: 8, w2: 8}
+    assert f1.counters["resets"] == 1
+
+
+def test_a_store_that_grows_the_holders_map_keeps_shared_blocks_shared() -> None:
+    ix = KvIndex(BS, capacity=32)
+    ids = list(range(BS * 20))
+    ix.stored("a", list(range(1, 21)), None, ids)
+    more = ids + list(range(1000, 1000 + BS * 40))  # 20 shared, 40 new: the map grows
+    ix.stored("b", list(range(101, 161)), None, more)
+    assert ix.cached_tokens(ids) == {"a": len(ids), "b": len(ids)}
+    assert ix.cached_tokens(more) == {"a": len(ids), "b": len(more)}
