@@ -419,10 +419,8 @@ class KvIndex:
     def _hold_many(self, keys: np.ndarray, ws: np.ndarray) -> None:
         """``_hold`` with a worker per key: one probe per key; a key another worker holds
         too (or several in this batch) takes the slow path, on the side."""
-        slots, new = self.holders.upsert(keys)
+        slots, new, cur = self.holders.upsert_col("w", keys, ws)
         col = self.holders.cols["w"]
-        col[slots[new]] = ws[new]
-        cur = col[slots]
         slow = np.flatnonzero(~new & (cur != ws))
         if not len(slow):
             return

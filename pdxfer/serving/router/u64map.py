@@ -115,6 +115,29 @@ def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
     return placed, used + int(sink & np.uint64(0))
 
 
+@numba.njit(cache=True, nogil=True)
+def _upsert_col(table: np.ndarray, col: np.ndarray, keys: np.ndarray, vals: np.ndarray,
+                slots: np.ndarray, new: np.ndarray, cur: np.ndarray) -> tuple[int, int]:
+    """``_upsert`` that also sets ``col`` of each placed key to its value and reads it for
+    the others (into ``cur``), the bucket and its column loaded ahead together."""
+    nb = len(table) // WAYS
+    m = nb - 1
+    sink = np.uint64(0)
+    placed = used = 0
+    for a in range(0, len(keys), AHEAD):
+        for t in range(a, min(a + AHEAD, len(keys))):
+            b = (int(keys[t] >> np.uint64(32)) & m) * WAYS
+            sink ^= table[b] ^ np.uint64(col[b])
+        p, u = _upsert(table, keys[a:a + AHEAD], slots[a:a + AHEAD], False, new[a:a + AHEAD])
+        placed += p
+        used += u
+        for t in range(a, min(a + AHEAD, len(keys))):
+            if new[t]:
+                col[slots[t]] = vals[t]
+            cur[t] = col[slots[t]]
+    return placed, used + int(sink & np.uint64(0))
+
+
 class U64Map:
     def __init__(self, columns: dict[str, np.dtype | type], capacity: int = 1024) -> None:
         cap = 1 << max(5, (capacity - 1).bit_length())
@@ -157,6 +180,22 @@ class U64Map:
         self.live += placed
         self.used += used
         return slots, new
+
+    def upsert_col(self, name: str, keys: np.ndarray, vals: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``upsert``, column ``name`` set to ``vals`` for the placed keys; returns the
+        slots, which were placed, and every key's ``name`` after."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        if self.used + len(keys) > MAX_LOAD * self.capacity:
+            self._grow(self.live + len(keys))
+        col = self.cols[name]
+        n = len(keys)
+        slots, new, cur = np.empty(n, np.int64), np.empty(n, bool), np.empty(n, col.dtype)
+        placed, used = _upsert_col(self.keys, col, keys, np.ascontiguousarray(vals, col.dtype),
+                                   slots, new, cur)
+        self.live += placed
+        self.used += used
+        return slots, new, cur
 
     def put_absent(self, keys: np.ndarray, **values: np.ndarray) -> np.ndarray:
         """``put`` for distinct keys known to be absent (the caller just looked)."""
