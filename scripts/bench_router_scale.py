@@ -5,8 +5,9 @@ Per fleet size (10, 100, 1,000 workers) a stream of vLLM-schema event batches (m
 frames, as the ZMQ feed receives them) stores conversations on the workers until the index
 holds ``--blocks`` (worker, block) pairs: a shared system prompt on every worker, each
 conversation on one worker (10% also on a second), 5% of events removing a conversation's
-tail. Ingest time counts frame decoding and indexing (``events_per_s``: blocks stored or
-removed per second). Then requests (half follow a stored conversation, half are new) are
+tail. Each round's frames are applied as one burst (as the feed's applier takes what its
+sockets queued). Ingest time counts frame decoding and indexing (``events_per_s``: blocks
+stored or removed per second). Then requests (half follow a stored conversation, half are new) are
 each decided: the prompt's cached prefix per worker, then the KV-aware choice against random
 loads (``decision_*_ms``; ``*_cpu_*``: the same on the thread's CPU time, which a
 shared, loaded machine inflates less than wall time). ``bytes_per_block``: the index's arrays per indexed pair. The
@@ -94,10 +95,12 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
                 sample.append((n, sys_tokens + toks))
         batch = flush(force=False)
         t0, c0 = time.perf_counter(), time.thread_time()
+        burst = []
         for n, parts in batch:
-            seq, b = parse_frame(parts)
+            seq, b = parse_frame(parts, raw=True)
             assert b is not None
-            feeds.on_frame(states[n], seq, b)
+            burst.append((states[n], seq, b))
+        assert not feeds.on_frames(burst)
         ingest_s += time.perf_counter() - t0
         ingest_cpu_s += time.thread_time() - c0
         frames += len(batch)

@@ -60,6 +60,9 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
                     help="host-DRAM prefix cache (L2, pdxfer.tiers) in pages (0: off): the "
                          "decode restores a cached prefix instead of receiving it, the "
                          "prefill instead of recomputing it")
+    ap.add_argument("--kv-events", default="", metavar="ENDPOINT[,REPLAY]",
+                    help="publish the L2 prefix cache's KV events (vLLM's schema, ZMQ PUB) "
+                         "here, e.g. tcp://127.0.0.1:5557; a second endpoint serves replays")
     if role == "decode":
         ap.add_argument("--l3-dir", default="",
                         help="L3 (storage) folder: prefixes survive a decode restart "

@@ -57,7 +57,30 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     data_parallel_rank: int | None = None
 
 
+class RawStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
+    """``BlockStored`` as the router decodes it: hashes and token ids left as their msgpack
+    bytes, read by one compiled pass over a burst (``router.kv_kernels``)."""
+
+    block_hashes: msgspec.Raw
+    parent_block_hash: BlockHash | None
+    token_ids: msgspec.Raw
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any | None] | None = None
+    group_idx: int | None = None
+
+
+class RawBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: Annotated[list[RawStored | BlockRemoved | AllBlocksCleared],
+                      msgspec.Meta(max_length=1 << 16)]
+    data_parallel_rank: int | None = None
+
+
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_raw_decoder = msgspec.msgpack.Decoder(RawBatch)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -65,8 +88,10 @@ class BadFrame(ValueError):
     """A frame that is not a well-formed, bounded event batch."""
 
 
-def parse_frame(parts: list[bytes]) -> tuple[int, KVEventBatch | None]:
-    """``(topic, seq, payload)`` -> (seq, batch); the replay's end marker -> (-1, None)."""
+def parse_frame(parts: list[bytes], raw: bool = False
+                ) -> tuple[int, KVEventBatch | RawBatch | None]:
+    """``(topic, seq, payload)`` -> (seq, batch); the replay's end marker -> (-1, None).
+    ``raw``: stores as ``RawStored`` (their arrays checked when read)."""
     if len(parts) != 3:
         raise BadFrame(f"{len(parts)} parts, want 3")
     topic, seq_b, payload = parts
@@ -75,7 +100,7 @@ def parse_frame(parts: list[bytes]) -> tuple[int, KVEventBatch | None]:
     if seq_b == END_SEQ:
         return -1, None
     try:
-        return int.from_bytes(seq_b, "big"), _decoder.decode(payload)
+        return int.from_bytes(seq_b, "big"), (_raw_decoder if raw else _decoder).decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise BadFrame(str(e)) from None
 

@@ -9,6 +9,7 @@ from .cache import Match, TieredCache
 from .errors import CapacityError, RestoreFailed, StorageError
 from .host import HostCache
 from .keys import page_keys, pool_key
+from .observer import CacheObserver
 from .restore import RestoreState, RestoringReceiver
 from .storage import FileStorage, StorageBackend, prefix_hits
 
@@ -21,6 +22,6 @@ def __getattr__(name: str) -> object:
         return getattr(mooncake_store, name)
     raise AttributeError(f"module 'pdxfer.tiers' has no attribute {name!r}")
 
-__all__ = ["CapacityError", "FileStorage", "HostCache", "Match", "RestoreFailed", "RestoreState",
+__all__ = ["CacheObserver", "CapacityError", "FileStorage", "HostCache", "Match", "RestoreFailed", "RestoreState",
            "RestoringReceiver", "StorageBackend", "StorageError", "TieredCache", "page_keys",
            "pool_key", "prefix_hits"]

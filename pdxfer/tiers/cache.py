@@ -29,6 +29,7 @@ from .copy import Copier, default_copier
 from .errors import CapacityError
 from .host import Entry, HostCache, Register
 from .keys import page_keys, pool_key
+from .observer import CacheObserver
 from .storage import NO_DIGEST, StorageBackend, prefix_hits
 
 log = logging.getLogger("pdxfer.tiers")
@@ -444,11 +445,37 @@ class TieredCache:
         self.host.pin(new)
         self.host.commit(new)
         self._count("l2_writebacks", len(new))
+        if new and self.host.observer is not None:
+            self._tell_stored(keys, idx, np.asarray(tokens), scope)
         fut = self._writer.submit(self._put, new)
         with self._lock:
             self._pending.add(fut)
         fut.add_done_callback(self._done)
         return fut
+
+    @property
+    def observer(self) -> CacheObserver | None:
+        """Told of the pages a write-back stores in L2 and of those that leave it."""
+        return self.host.observer
+
+    @observer.setter
+    def observer(self, obs: CacheObserver | None) -> None:
+        self.host.observer = obs
+
+    def _tell_stored(self, keys: list[str], idx: list[int], tokens: np.ndarray,
+                     scope: str) -> None:
+        """The new pages, as runs of consecutive pages after the page before each run."""
+        assert self.host.observer is not None
+        ps = self.page_size
+        a = 0
+        while a < len(idx):
+            b = a
+            while b + 1 < len(idx) and idx[b + 1] == idx[b] + 1:
+                b += 1
+            lo, hi = idx[a], idx[b] + 1
+            self.host.observer.stored(keys[lo:hi], keys[lo - 1] if lo else None,
+                                      tokens[lo * ps:hi * ps], ps, scope)
+            a = b + 1
 
     def _done(self, fut: Future[Any]) -> None:
         with self._lock:

@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..pools import PoolSpec
 from .errors import CapacityError
+from .observer import CacheObserver
 
 log = logging.getLogger("pdxfer.tiers.host")
 
@@ -91,6 +92,8 @@ class HostCache:
         if not self.pools:
             raise ConfigError("host cache: the pool group has no paged data pool")
         self.lock = threading.RLock()
+        self.observer: CacheObserver | None = None
+        """Told of ready entries that leave (evicted, cleared)."""
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.stats = HostStats()
         if register is not None:
@@ -158,6 +161,8 @@ class HostCache:
             if e.pins == 0 and e.ready:
                 self._drop(e)
                 self.stats.evictions += 1
+                if self.observer is not None:
+                    self.observer.removed([e.key])
                 return True
         return False
 
@@ -201,6 +206,8 @@ class HostCache:
             gone = [e for e in self.entries.values() if e.pins == 0]
             for e in gone:
                 self._drop(e)
+            if self.observer is not None and gone:
+                self.observer.removed([e.key for e in gone if e.ready])
             return len(gone)
 
     # -- invariants ----------------------------------------------------------------------------

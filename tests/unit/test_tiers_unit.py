@@ -218,3 +218,34 @@ def test_the_torch_copier_moves_the_same_bytes_as_the_host_copier() -> None:
             assert torch.equal(rows[back], olds[l1]) and torch.equal(
                 rows[[i for i in range(16) if i not in back]],
                 olds[[i for i in range(16) if i not in back]])
+
+
+class _Seen:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def stored(self, keys, parent, tokens, page_size, scope) -> None:  # noqa: ANN001
+        self.events.append(("s", list(keys), parent, list(tokens), page_size, scope))
+
+    def removed(self, keys) -> None:  # noqa: ANN001
+        self.events.append(("r", list(keys)))
+
+
+def test_an_observer_sees_l2_stores_as_chained_runs_and_evictions() -> None:
+    specs, _ = build(V4)
+    cache = TieredCache(specs, host_pages=4, model_id="v4-pattern")
+    seen = _Seen()
+    cache.observer = seen
+    toks = list(range(16))
+    keys = cache.keys(toks)
+    cache.write_back(toks[:8], {"c4": [0, 1]}, 8).result(timeout=30)
+    cache.write_back(toks, {"c4": [0, 1, 2, 3]}, 16, scope="").result(timeout=30)
+    assert seen.events == [("s", keys[:2], None, toks[:8], 4, ""),
+                           ("s", keys[2:], keys[1], toks[8:], 4, "")]
+    other = list(range(100, 104))
+    cache.write_back(other, {"c4": [5]}, 4).result(timeout=30)  # L2 full: the LRU page goes
+    assert seen.events[-2:] == [("r", [keys[0]]), ("s", cache.keys(other), None, other, 4, "")]
+    assert cache.flush()
+    cache.host.clear()
+    assert seen.events[-1][0] == "r" and len(seen.events[-1][1]) == 4
+    cache.close()

@@ -1,8 +1,9 @@
 """The router's subscriptions to its workers' KV event streams, feeding one ``KvIndex`` per
 block size.
 
-Per worker a ZMQ SUB socket; each frame is bounded and decoded (``kv_events``), then applied
-in sequence order. A gap (a sequence number skipped) asks the worker's replay endpoint for
+Per worker a ZMQ SUB socket; each frame is bounded and decoded (``kv_events``) and queued;
+one applier takes all queued frames as a burst (``KvIndex.ingest``), in sequence order per
+worker. A gap (a sequence number skipped) asks the worker's replay endpoint for
 the missing batches; a worker whose numbers go back (it restarted) or whose gap the replay
 cannot fill (none, or its buffer moved on) has its entries cleared and is indexed again from
 that frame on: what the index says a worker holds is then a subset of what it holds, never
@@ -18,6 +19,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -28,13 +30,18 @@ from ..kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    RawBatch,
+    RawStored,
     parse_frame,
 )
-from .kv_index import KvIndex
+from .kv_index import KvIndex, Op, warm
 
 log = logging.getLogger("pdxfer.serving.router.kv")
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAY_FRAMES = 100_000
+MAX_INBOX = 50_000
+"""Frames decoded and waiting for the applier; the sockets wait past this."""
+_CLEARED = KVEventBatch(0.0, [AllBlocksCleared()])
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +78,12 @@ class KvFeeds:
     def __init__(self, specs: Sequence[FeedSpec] = ()) -> None:
         self.indexes: dict[int, KvIndex] = {}
         self.feeds = {s.worker: FeedState(s) for s in specs}
+        if specs:
+            warm()
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._inbox: list[tuple[FeedState, int, KVEventBatch | RawBatch]] = []
+        self._wake = asyncio.Event()
 
     # -- what the policy reads ----------------------------------------------------------------
     def synced(self, worker: str) -> bool:
@@ -105,61 +116,107 @@ class KvFeeds:
             ix.cleared(worker)
 
     # -- applying events ----------------------------------------------------------------------
-    def apply(self, worker: str, batch: KVEventBatch) -> int:
-        """Apply one batch; returns the blocks stored and removed. Consecutive stores of one
-        block size go to the index together (one vectorized pass)."""
-        n = 0
-        run: list[BlockStored] = []
+    def _index(self, bs: int) -> KvIndex:
+        ix = self.indexes.get(bs)
+        if ix is None:
+            ix = self.indexes[bs] = KvIndex(bs)
+        return ix
 
-        def flush() -> int:
-            if not run:
-                return 0
-            bs = run[0].block_size
-            ix = self.indexes.get(bs)
-            if ix is None:
-                ix = self.indexes[bs] = KvIndex(bs)
-            got = ix.stored_many(worker, [(e.block_hashes, e.parent_block_hash, e.token_ids,
-                                           e.extra_keys) for e in run])
-            run.clear()
-            return got
+    def apply(self, worker: str, batch: KVEventBatch | RawBatch) -> int:
+        """Apply one batch; returns the blocks stored and removed."""
+        return self.apply_many([(worker, batch)]).get(worker, 0)
 
-        for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                if ev.group_idx not in (None, 0) or ev.medium not in (None, "GPU"):
-                    continue
-                if run and run[0].block_size != ev.block_size:
-                    n += flush()
-                run.append(ev)
+    def apply_many(self, items: Sequence[tuple[str, KVEventBatch | RawBatch]]) -> dict[str, int]:
+        """Many workers' batches in one pass per index (each worker's events in order);
+        returns per worker the blocks stored and removed."""
+        ops: dict[int, list[Op]] = {bs: [] for bs in self.indexes}
+        for worker, batch in items:
+            for ev in batch.events:
+                if isinstance(ev, (BlockStored, RawStored)):
+                    if ev.group_idx not in (None, 0) or ev.medium not in (None, "GPU"):
+                        continue
+                    ix = self._index(ev.block_size)
+                    ops.setdefault(ev.block_size, []).append(
+                        ("s", ix.worker(worker), ev.block_hashes, ev.parent_block_hash,
+                         ev.token_ids, ev.extra_keys))
+                elif isinstance(ev, BlockRemoved):
+                    if ev.group_idx not in (None, 0) or ev.medium not in (None, "GPU"):
+                        continue
+                    for bs, ix in self.indexes.items():
+                        ops[bs].append(("r", ix.worker(worker), ev.block_hashes))
+                elif isinstance(ev, AllBlocksCleared):
+                    for bs, ix in self.indexes.items():
+                        ops[bs].append(("c", ix.worker(worker)))
+        out: dict[str, int] = {}
+        for bs, todo in ops.items():
+            if not todo:
                 continue
-            n += flush()
-            if isinstance(ev, BlockRemoved):
-                if ev.group_idx not in (None, 0) or ev.medium not in (None, "GPU"):
-                    continue
-                for ix in self.indexes.values():
-                    n += ix.removed(worker, ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
-                self.forget(worker)
-        return n + flush()
+            ix = self.indexes[bs]
+            counts = ix.ingest(todo)
+            for w in np.flatnonzero(counts).tolist():
+                out[ix.names[w]] = out.get(ix.names[w], 0) + int(counts[w])
+        return out
 
-    def on_frame(self, f: FeedState, seq: int, batch: KVEventBatch) -> str:
-        """One live frame, in order: ``apply``, ``dup``, or ``gap`` (the caller then replays
-        from ``f.next_seq`` or calls ``restart``)."""
+    def _sequence(self, f: FeedState, seq: int) -> str:
+        """Where a live frame stands: ``apply``, ``reset`` (apply after clearing the
+        worker), ``dup`` or ``gap`` (the caller replays from ``f.next_seq``)."""
         if f.next_seq is not None and seq < f.next_seq:
             if seq == 0 or not f.synced:
-                self.restart(f, "its sequence went back")
-            else:
-                f.counters["duplicates"] += 1
-                return "dup"
-        elif f.next_seq is not None and seq > f.next_seq:
+                log.info("kv events of %s: its sequence went back; its entries are cleared",
+                         f.spec.worker)
+                f.counters["resets"] += 1
+                return "reset"
+            f.counters["duplicates"] += 1
+            return "dup"
+        if f.next_seq is not None and seq > f.next_seq:
             f.counters["gaps"] += 1
             return "gap"
-        elif f.next_seq is None and seq > 0 and f.spec.replay:
+        if f.next_seq is None and seq > 0 and f.spec.replay:
             f.next_seq = 0
             return "gap"  # joined late: fetch what the replay buffer still has
-        self._take(f, seq, batch)
         return "apply"
 
-    def _take(self, f: FeedState, seq: int, batch: KVEventBatch) -> None:
+    def on_frame(self, f: FeedState, seq: int, batch: KVEventBatch | RawBatch) -> str:
+        """One live frame, in order: ``apply``, ``dup``, or ``gap`` (the caller then replays
+        from ``f.next_seq`` or calls ``restart``)."""
+        a = self._sequence(f, seq)
+        if a == "reset":
+            self.forget(f.spec.worker)
+            a = "apply"
+        if a == "apply":
+            self._take(f, seq, batch)
+        return a
+
+    def on_frames(self, frames: Sequence[tuple[FeedState, int, KVEventBatch | RawBatch]]
+                  ) -> list[tuple[FeedState, int, KVEventBatch | RawBatch, bool]]:
+        """Live frames in arrival order: those in sequence applied as one burst. Returns
+        the rest, in order, for one at a time: a worker's gap (flagged: replay it) and its
+        frames after the gap."""
+        burst: list[tuple[str, KVEventBatch | RawBatch]] = []
+        rest: list[tuple[FeedState, int, KVEventBatch | RawBatch, bool]] = []
+        held: set[str] = set()
+        for f, seq, batch in frames:
+            w = f.spec.worker
+            if w in held:
+                rest.append((f, seq, batch, False))
+                continue
+            a = self._sequence(f, seq)
+            if a == "gap":
+                held.add(w)
+                rest.append((f, seq, batch, True))
+                continue
+            if a == "dup":
+                continue
+            if a == "reset":
+                burst.append((w, _CLEARED))
+            burst.append((w, batch))
+            f.counters["batches"] += 1
+            f.next_seq, f.synced = seq + 1, True
+        for w, n in self.apply_many(burst).items():
+            self.feeds[w].counters["blocks"] += n
+        return rest
+
+    def _take(self, f: FeedState, seq: int, batch: KVEventBatch | RawBatch) -> None:
         f.counters["blocks"] += self.apply(f.spec.worker, batch)
         f.counters["batches"] += 1
         f.next_seq, f.synced = seq + 1, True
@@ -170,8 +227,8 @@ class KvFeeds:
         self.forget(f.spec.worker)
         f.next_seq, f.synced = None, True
 
-    def fill(self, f: FeedState, frames: list[tuple[int, KVEventBatch]], upto: int,
-             batch: KVEventBatch) -> None:
+    def fill(self, f: FeedState, frames: list[tuple[int, KVEventBatch | RawBatch]], upto: int,
+             batch: KVEventBatch | RawBatch) -> None:
         """Frames from the replay (ascending) to close the gap before live frame ``upto``."""
         want = f.next_seq
         got = [(s, b) for s, b in frames if want is not None and want <= s < upto]
@@ -187,7 +244,9 @@ class KvFeeds:
     # -- the sockets ----------------------------------------------------------------------------
     def start(self) -> None:
         self._ctx = zmq.asyncio.Context.instance()
+        self._wake = asyncio.Event()
         self._tasks = [asyncio.ensure_future(self._run(f)) for f in self.feeds.values()]
+        self._tasks.append(asyncio.ensure_future(self._applier()))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -195,6 +254,7 @@ class KvFeeds:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _run(self, f: FeedState) -> None:
+        """One worker's socket: frames bounded, decoded, and queued for the applier."""
         assert self._ctx is not None
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -205,27 +265,48 @@ class KvFeeds:
             while True:
                 parts = await sub.recv_multipart()
                 try:
-                    seq, batch = parse_frame(parts)
+                    seq, batch = parse_frame(parts, raw=True)
                 except BadFrame as e:
                     f.counters["bad_frames"] += 1
                     log.warning("kv events of %s: a bad frame dropped: %s", f.spec.worker, e)
                     continue
                 if batch is None:
                     continue
-                try:
-                    await self._frame(f, seq, batch)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # noqa: BLE001 - one bad batch must not end the feed
-                    f.counters["bad_frames"] += 1
-                    log.exception("kv events of %s: a batch failed", f.spec.worker)
-                    self.restart(f, "a batch it could not apply")
+                while len(self._inbox) >= MAX_INBOX:
+                    await asyncio.sleep(0.005)
+                self._inbox.append((f, seq, batch))
+                self._wake.set()
         finally:
             sub.close(0)
 
-    async def _frame(self, f: FeedState, seq: int, batch: KVEventBatch) -> None:
-        if self.on_frame(f, seq, batch) != "gap":
-            return
+    async def _applier(self) -> None:
+        """All the frames queued since it last ran, applied as one burst; gaps after."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            frames, self._inbox = self._inbox, []
+            try:
+                rest = self.on_frames(frames)
+            except Exception:  # noqa: BLE001 - one bad batch must not end the feeds
+                log.exception("kv events: a burst of %d frames failed", len(frames))
+                for f in {id(x[0]): x[0] for x in frames}.values():
+                    f.counters["bad_frames"] += 1
+                    self.restart(f, "a batch it could not apply")
+                continue
+            for f, seq, batch, gap in rest:
+                try:
+                    await (self._gap(f, seq, batch) if gap else self._frame(f, seq, batch))
+                except Exception:  # noqa: BLE001
+                    f.counters["bad_frames"] += 1
+                    log.exception("kv events of %s: a batch failed", f.spec.worker)
+                    self.restart(f, "a batch it could not apply")
+
+    async def _frame(self, f: FeedState, seq: int, batch: KVEventBatch | RawBatch) -> None:
+        if self.on_frame(f, seq, batch) == "gap":
+            await self._gap(f, seq, batch)
+
+    async def _gap(self, f: FeedState, seq: int, batch: KVEventBatch | RawBatch) -> None:
+        """Live frame ``seq`` after a gap from ``f.next_seq``: replay, else restart."""
         if not f.spec.replay:
             self.restart(f, "a gap and no replay endpoint")
             self._take(f, seq, batch)
@@ -233,14 +314,15 @@ class KvFeeds:
         f.synced = False
         self.fill(f, await self._replay(f, f.next_seq or 0), seq, batch)
 
-    async def _replay(self, f: FeedState, start: int) -> list[tuple[int, KVEventBatch]]:
+    async def _replay(self, f: FeedState, start: int
+                      ) -> list[tuple[int, KVEventBatch | RawBatch]]:
         """The replay buffer's frames from ``start`` on ([] when it does not answer)."""
         assert self._ctx is not None and f.spec.replay
         f.counters["replays"] += 1
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-        out: list[tuple[int, KVEventBatch]] = []
+        out: list[tuple[int, KVEventBatch | RawBatch]] = []
         try:
             sock.connect(f.spec.replay)
             await sock.send_multipart((b"", start.to_bytes(8, "big")))
@@ -249,7 +331,7 @@ class KvFeeds:
                 if len(parts) == 4 and parts[2] == END_SEQ:
                     return out
                 try:
-                    seq, batch = parse_frame(parts[1:])
+                    seq, batch = parse_frame(parts[1:], raw=True)
                 except BadFrame:
                     f.counters["bad_frames"] += 1
                     return []

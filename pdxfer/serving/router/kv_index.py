@@ -16,8 +16,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
+from .kv_kernels import chain_blocks, msgpack_ints
 from .u64map import U64Map, fix_keys
 
 M64 = (1 << 64) - 1
@@ -106,6 +108,32 @@ def _engine_keys(hashes: Sequence[int | bytes], worker: int) -> np.ndarray:
                      for x in hashes), np.uint64, len(hashes))
     return fix_keys(fmix(h ^ fmix(np.uint64(((worker + 1) * P) & M64))))
 
+
+def _h64(x: int | bytes) -> int:
+    return (x if isinstance(x, int) else int.from_bytes(x[:8], "big")) & M64
+
+
+def _wmix(ws: np.ndarray) -> np.ndarray:
+    return fmix((ws.astype(np.uint64) + np.uint64(1)) * np.uint64(P))
+
+
+def _engine_keys_w(hashes: np.ndarray, ws: np.ndarray) -> np.ndarray:
+    """``_engine_keys`` with a worker per hash."""
+    return fix_keys(fmix(hashes ^ _wmix(ws)))
+
+
+def _fields(ops: Sequence[Op], i: int) -> list[Any]:
+    """Field ``i`` of each store as msgpack bytes: a ``msgspec.Raw`` as it came (a buffer),
+    a list encoded."""
+    out = [o[i] for o in ops]
+    if not all(type(x) is msgspec.Raw for x in out):
+        out = [x if type(x) is msgspec.Raw else msgspec.msgpack.encode(x) for x in out]
+    return out
+
+
+Op = tuple[Any, ...]
+"""An event for ``KvIndex.ingest``: ``("s", worker, hashes, parent, token_ids, extras)``
+(hashes and token ids as lists or ``msgspec.Raw``), ``("r", worker, hashes)``, ``("c", worker)``."""
 
 Stored = tuple[Sequence[int | bytes], "int | bytes | None", Sequence[int], "Sequence[Any] | None"]
 """A ``BlockStored``'s hashes, parent hash, token ids and extra keys."""
@@ -235,8 +263,6 @@ class KvIndex:
         keys = np.unique(keys)
         slots = self.holders.find(keys)
         new = slots < 0
-        if new.any():
-            self.holders.put_absent(keys[new], w=np.full(int(new.sum()), w, np.uint16))
         old = np.flatnonzero(~new)
         if len(old):
             cur = self.holders.cols["w"][slots[old]]
@@ -247,6 +273,8 @@ class KvIndex:
                 self.multi[k] = self.multi.get(k, 0) if v == MULTI else 1 << int(v)
                 self.multi[k] |= 1 << w
                 self.holders.cols["w"][s] = MULTI
+        if new.any():  # last: growing the map moves every slot
+            self.holders.put_absent(keys[new], w=np.full(int(new.sum()), w, np.uint16))
 
     def removed(self, name: str, hashes: Sequence[int | bytes]) -> int:
         """A ``BlockRemoved``: returns how many indexed blocks it removed."""
@@ -287,6 +315,180 @@ class KvIndex:
             else:
                 self.holders.delete_slots(np.array([s]))
         return len(slots)
+
+    # -- a burst of events -------------------------------------------------------------------
+    def ingest(self, ops: Sequence[Op]) -> np.ndarray:
+        """Many workers' events at once, in the order given per worker: returns per worker
+        id the blocks stored and removed. Each worker's events split into runs of one kind
+        (stores, removes, a clear); the k-th runs of all workers are applied together, as
+        events of different workers commute. A store whose parent is stored in the same run
+        waits for it (waves); one whose parent the index does not know is an orphan."""
+        rounds: list[tuple[list[Op], list[Op], list[int]]] = []
+        run: dict[int, tuple[str, int]] = {}
+        for op in ops:
+            kind, w = op[0], op[1]
+            cur = run.get(w)
+            if cur is None:
+                r = 0
+            elif cur[0] != kind or kind == "c":
+                r = cur[1] + 1
+            else:
+                r = cur[1]
+            run[w] = (kind, r)
+            if r == len(rounds):
+                rounds.append(([], [], []))
+            if kind == "s":
+                rounds[r][0].append(op)
+            elif kind == "r":
+                rounds[r][1].append(op)
+            else:
+                rounds[r][2].append(w)
+        counts = np.zeros(len(self.names), np.int64)
+        for st, rm, cl in rounds:
+            if st:
+                counts += self._store_ops(st)
+            if rm:
+                counts += self._remove_ops(rm)
+            if cl:
+                live = self.blocks.live_slots()
+                sel = live[np.isin(self.blocks.cols["w"][live], np.array(cl, np.uint16))]
+                counts += self._release_many(sel)
+        return counts
+
+    def _store_ops(self, ops: Sequence[Op]) -> np.ndarray:
+        bs = self.block_size
+        nw = len(self.names)
+        hashes, hc = msgpack_ints(_fields(ops, 2), False, 1 << 16)
+        tokens, tc = msgpack_ints(_fields(ops, 4), True, 1 << 22)
+        ok = (hc >= 1) & (tc == hc * bs)
+        hn, tn = np.maximum(hc, 0), np.maximum(tc, 0)
+        if not ok.all():
+            hashes, tokens = hashes[np.repeat(ok, hn)], tokens[np.repeat(ok, tn)]
+            ops = [o for o, k in zip(ops, ok.tolist()) if k]
+            hn = hn[ok]
+        if not ops:
+            return np.zeros(nw, np.int64)
+        ev_w = np.fromiter((o[1] for o in ops), np.int64, len(ops))
+        bw = np.repeat(ev_w, hn)
+        ekeys = _engine_keys_w(hashes, bw)
+        bstart = np.cumsum(hn) - hn
+        xor = np.zeros(len(hashes), np.uint64)
+        for e, o in enumerate(ops):
+            if o[5]:
+                for i, x in enumerate(o[5][:int(hn[e])]):
+                    if x:
+                        xor[bstart[e] + i] = np.uint64(extra_hash(x))
+        hp = np.fromiter((o[3] is not None for o in ops), bool, len(ops))
+        pkeys = np.zeros(len(ops), np.uint64)
+        if hp.any():
+            ph = np.fromiter((_h64(o[3]) for o in ops if o[3] is not None), np.uint64)
+            pkeys[hp] = _engine_keys_w(ph, ev_w[hp])
+        counts = np.zeros(nw, np.int64)
+        todo = np.arange(len(ops))
+        while len(todo):
+            parent = np.zeros(len(todo), np.uint64)
+            known = ~hp[todo]
+            sub = np.flatnonzero(hp[todo])
+            if len(sub):
+                slots = self.blocks.find(pkeys[todo[sub]])
+                found = slots >= 0
+                parent[sub[found]] = self.blocks.cols["state"][slots[found]]
+                known[sub[found]] = True
+            wait = np.zeros(len(todo), bool)
+            if not known.all():  # parents unknown so far: stored in this run, or orphans
+                left = np.flatnonzero(~known)
+                pend = np.repeat(np.isin(np.arange(len(ops)), todo), hn)
+                wait[left] = np.isin(pkeys[todo[left]], ekeys[pend])
+                orphan = left[~wait[left]]
+                self.orphans += int(hn[todo[orphan]].sum())
+            ready = known
+            if ready.any():
+                ev = todo[ready]
+                sel = (slice(None) if len(ev) == len(ops)
+                       else np.repeat(np.isin(np.arange(len(ops)), ev), hn))
+                states = chain_blocks(tokens.reshape(-1, bs)[sel].ravel(), hn[ev], parent[ready],
+                                      xor[sel], _TOK[:bs], bs)
+                self.blocks.put(ekeys[sel], state=states, w=bw[sel].astype(np.uint16))
+                self._hold_many(block_keys(states), bw[sel])
+                counts += np.bincount(bw[sel], minlength=nw)
+            elif wait.all():
+                break  # a cycle (hostile): what is left is not indexed
+            todo = todo[wait]
+        return counts
+
+    def _hold_many(self, keys: np.ndarray, ws: np.ndarray) -> None:
+        """``_hold`` with a worker per key: one probe per key; a key another worker holds
+        too (or several in this batch) takes the slow path, on the side."""
+        slots, new, cur = self.holders.upsert_col("w", keys, ws)
+        col = self.holders.cols["w"]
+        slow = np.flatnonzero(~new & (cur != ws))
+        if not len(slow):
+            return
+        # the common case, vectorized: a key one other worker held, once in this batch
+        _, first, n = np.unique(slots[slow], return_index=True, return_counts=True)
+        easy = np.zeros(len(slow), bool)
+        easy[first[n == 1]] = True
+        easy &= cur[slow] != MULTI
+        e = slow[easy]
+        if len(e):
+            one = (1).__lshift__
+            self.multi.update(zip(keys[e].tolist(), map(int.__or__, map(one, cur[e].tolist()),
+                                                        map(one, ws[e].tolist()))))
+            col[slots[e]] = MULTI
+            slow = slow[~easy]
+        for k, s, w in zip(keys[slow].tolist(), slots[slow].tolist(), ws[slow].tolist()):
+            v = int(col[s])
+            if v == w:
+                continue
+            m = self.multi.get(k, 0) if v == MULTI else 1 << v
+            self.multi[k] = m | 1 << w
+            col[s] = MULTI
+
+    def _remove_ops(self, ops: Sequence[Op]) -> np.ndarray:
+        hs = [_h64(h) for o in ops for h in o[2]]
+        if not hs:
+            return np.zeros(len(self.names), np.int64)
+        ws = np.repeat(np.fromiter((o[1] for o in ops), np.int64, len(ops)),
+                       [len(o[2]) for o in ops])
+        slots = self.blocks.find(_engine_keys_w(np.array(hs, np.uint64), ws))
+        return self._release_many(np.unique(slots[slots >= 0]))
+
+    def _release_many(self, slots: np.ndarray) -> np.ndarray:
+        """``_release`` of slots of any workers; returns per worker how many."""
+        counts = np.zeros(len(self.names), np.int64)
+        if not len(slots):
+            return counts
+        keys = block_keys(self.blocks.cols["state"][slots])
+        ws = self.blocks.cols["w"][slots].astype(np.int64)
+        counts += np.bincount(ws, minlength=len(self.names))
+        self.blocks.delete_slots(slots)
+        pair = np.unique(np.stack([keys, ws.astype(np.uint64)], 1), axis=0) if len(
+            slots) > 1 else np.stack([keys, ws.astype(np.uint64)], 1)
+        keys, ws = pair[:, 0], pair[:, 1].astype(np.int64)
+        hs = self.holders.find(keys)
+        ok = hs >= 0
+        keys, ws, hs = keys[ok], ws[ok], hs[ok]
+        cur = self.holders.cols["w"][hs].astype(np.int64)
+        self.holders.delete_slots(hs[cur == ws])
+        for i in np.flatnonzero(cur == MULTI).tolist():
+            k, s, w = int(keys[i]), hs[i], int(ws[i])
+            if self.holders.keys[s] != keys[i]:
+                continue
+            v = int(self.holders.cols["w"][s])
+            if v != MULTI:  # another worker's release in this batch left one holder
+                if v == w:
+                    self.holders.delete_slots(np.array([s]))
+                continue
+            m = self.multi.get(k, 0) & ~(1 << w)
+            if m & (m - 1):
+                self.multi[k] = m
+                continue
+            self.multi.pop(k, None)
+            if m:
+                self.holders.cols["w"][s] = m.bit_length() - 1
+            else:
+                self.holders.delete_slots(np.array([s]))
+        return counts
 
     # -- lookups ----------------------------------------------------------------------------
     def prompt_keys(self, ids: Sequence[int], salt: str | None = None) -> np.ndarray:
@@ -335,3 +537,12 @@ class KvIndex:
     def cached_tokens(self, ids: Sequence[int], salt: str | None = None) -> dict[str, int]:
         """Per worker: how many leading tokens of ``ids`` it holds in its cache."""
         return {w: t for t, ws in self.cached_groups(ids, salt) for w in ws}
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) the ingest loops now, not on a first frame."""
+    ix = KvIndex(4)
+    w = ix.worker("warm")
+    raw = msgspec.Raw(msgspec.msgpack.encode(list(range(4))))
+    ix.ingest([("s", w, msgspec.Raw(msgspec.msgpack.encode([7])), None, raw, None),
+               ("r", w, [7]), ("c", w)])

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pdxfer import RequestHandle, advertised
 from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredCache
 
+from .kvpub import KvEventsObserver
 from .worker import ModelHost, WorkerConfig
 
 log = logging.getLogger("pdxfer.serving.toy.tiered")
@@ -58,6 +59,10 @@ def make_cache(cfg: WorkerConfig, host: ModelHost) -> TieredCache | None:
                         model_id=host.fingerprint)
     log.info("%s tiers: L2 %d pages, L3 %s", cfg.role, l2,
              {"file": cfg.l3_dir, "mooncake": cfg.l3_mooncake}.get(cfg.l3, "off"))
+    if cfg.kv_events and host.tp_rank == 0:
+        ep, _, replay = cfg.kv_events.partition(",")
+        cache.observer = KvEventsObserver(ep, replay or None)
+        log.info("%s KV events on %s", cfg.role, cfg.kv_events)
     return cache
 
 

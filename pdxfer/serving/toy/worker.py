@@ -121,6 +121,8 @@ class WorkerConfig:
     """Which of those groups this worker is."""
     min_step_s: float = 0.0
     """Decode only: a floor on each step of the generation loop (``--min-step-s``)."""
+    kv_events: str = ""
+    """Where the L2 cache's KV events are published (``ENDPOINT[,REPLAY]``; "": nowhere)."""
     kv_ballast_bytes_per_token: int = 0
     """A benchmark device (``ballast.py``): a sidecar pool of this many bytes per token that
     moves, tiers and is checked with the KV (0: none). Prefill and decode must agree."""
@@ -236,7 +238,7 @@ def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
         transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat, threads=a.threads,
         max_waiting=a.max_waiting, admission_timeout_s=a.admission_timeout,
         min_step_s=a.min_step_s if dec else 0.0,
-        kv_ballast_bytes_per_token=a.kv_ballast_bytes_per_token)
+        kv_ballast_bytes_per_token=a.kv_ballast_bytes_per_token, kv_events=a.kv_events)
 
 
 class SlotAllocator:

@@ -1,0 +1,107 @@
+"""The toy workers publish their L2 prefix cache as KV events (vLLM's schema, real ZMQ) and
+the router learns from them: a conversation's second turn goes to the prefill that holds its
+first, which really reuses it, token for token with the reference. A prefill restarted (its
+stream starts over) is cleared from the index, and what the router claims a worker holds is
+never more than the worker reused."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from pdxfer.serving.procs import stop_all
+from pdxfer.serving.toy import EOS_ID, ToyConfig, ToyModel, encode
+from pdxfer.serving.toy.cluster import Cluster
+
+torch.set_num_threads(1)
+MODEL = ToyModel(ToyConfig())
+WORKER = ["--bootstrap-timeout", "10", "--transfer-timeout", "60", "--heartbeat", "0.25",
+          "--pages", "256"]
+TURN1 = "a conversation the router follows by the prefills' own KV events: " * 4
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def greedy(prompt: str, n: int) -> list[int]:
+    out = MODEL.generate(encode(prompt), n)
+    return out[:out.index(EOS_ID)] if EOS_ID in out else out
+
+
+def ask(c: Cluster, prompt: str, n: int = 8) -> dict[str, Any]:
+    status, body = c.complete({"prompt": prompt, "max_tokens": n, "temperature": 0},
+                              timeout=120)
+    assert status == 200, body
+    out = body["pdxfer"]
+    assert out["token_ids"] == greedy(prompt, n)
+    return out
+
+
+def router_kv(c: Cluster, name: str) -> float:
+    return sum(v for k, v in c.metrics("router").items() if k.endswith(f"kv_{name}"))
+
+
+def until(cond: Any, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    eps = [f"tcp://127.0.0.1:{_port()}" for _ in range(2)]
+    c = Cluster(worker_args=WORKER, prefills=2, decodes=1,
+                each_prefill=[["--kv-events", e] for e in eps])
+    c.start()
+    try:
+        urls = [p.url for p in c.prefills if p is not None]
+        feeds = [a for u, e in zip(urls, eps) for a in ("--kv-events", f"{u}={e}")]
+        plain, c.router = c.router, c.add_router([0, 1], [0], ["--policy", "kv_aware", *feeds])
+        c.routers = [plain]  # stopped with the cluster; requests go to the KV-aware one
+        yield c
+    finally:
+        c.stop()
+
+
+def test_the_second_turn_goes_to_the_prefill_that_holds_the_first(cluster: Cluster) -> None:
+    c = cluster
+    a = ask(c, TURN1 + "first?")
+    pages = (len(encode(TURN1 + "first?")) - 1) // 16
+    until(lambda: router_kv(c, "indexed_blocks") >= pages)  # learnt from the events
+    b = ask(c, TURN1 + "first? and then a second question?")
+    assert b["prefill_cached_tokens"] >= (len(encode(TURN1)) // 16 - 1) * 16, b
+    assert b["prefill_reused_tokens"] >= b["prefill_cached_tokens"], (a, b)
+
+
+def test_a_restarted_prefill_is_cleared_never_claimed(cluster: Cluster) -> None:
+    c = cluster
+    held = ask(c, "conversation 0: " + TURN1)["prefill"]
+    i = [p.url if p else "" for p in c.prefills].index(held)
+    until(lambda: router_kv(c, "indexed_blocks") >= 16)
+    resets = router_kv(c, "events_resets")
+    old = c.prefills[i]
+    assert old is not None
+    stop_all([old])
+    c.start_prefill(port=old.port, i=i)
+    assert c.router is not None
+    with urllib.request.urlopen(f"{c.router.url}/health", timeout=10) as r:
+        r.read()  # the router sees the prefill back now
+    went = []
+    for k in range(40):  # new prompts (no page in common) until the restarted stream has
+        # published
+        went.append(ask(c, f"{k:03d} after the restart: " + TURN1)["prefill"])
+        if router_kv(c, "events_resets") > resets:
+            break
+    assert router_kv(c, "events_resets") > resets, went
+    b = ask(c, "conversation 0: " + TURN1 + "again?")  # its holder restarted: not claimed
+    assert b["prefill_cached_tokens"] <= b["prefill_reused_tokens"], b

@@ -1,0 +1,236 @@
+"""The KV index's burst path (``KvIndex.ingest``): many workers' events, applied in
+vectorized runs, leave the index exactly as applying them one at a time does; events of one
+worker keep their order (a store then a remove, a clear mid-burst); hostile arrays in raw
+frames are dropped whole."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import numpy as np
+import pytest
+
+from pdxfer.serving.kv_events import BlockStored, RawBatch, encode_batch
+from pdxfer.serving.router.kv_index import KvIndex, chain_states
+from pdxfer.serving.router.kv_kernels import chain_blocks, msgpack_ints
+from pdxfer.serving.router.u64map import U64Map, fix_keys
+
+BS = 4
+TOK = KvIndex.__init__.__globals__["_TOK"]
+
+
+def _state(ix: KvIndex) -> tuple[list[tuple[int, int]], dict[int, list[str]], int]:
+    live = ix.blocks.live_slots()
+    pairs = sorted(zip(ix.blocks.cols["state"][live].tolist(),
+                       ix.blocks.cols["w"][live].tolist()))
+    hl = ix.holders.live_slots()
+    hold = {}
+    for k, v in zip(ix.holders.keys[hl].tolist(), ix.holders.cols["w"][hl].tolist()):
+        if v == 0xFFFF:
+            m = ix.multi[k]
+            hold[k] = sorted(ix.names[i] for i in range(m.bit_length()) if m >> i & 1)
+        else:
+            hold[k] = [ix.names[v]]
+    return pairs, hold, ix.orphans
+
+
+def _one(ix: KvIndex, name: str, op: tuple) -> None:
+    if op[0] == "s":
+        ix.stored(name, op[1], op[2], op[3], op[4])
+    elif op[0] == "r":
+        ix.removed(name, op[1])
+    else:
+        ix.cleared(name)
+
+
+def _burst(ix: KvIndex, ops: list[tuple[str, tuple]], raw: bool) -> np.ndarray:
+    out = []
+    for name, op in ops:
+        w = ix.worker(name)
+        if op[0] == "s":
+            h, t = op[1], op[3]
+            if raw:
+                h, t = msgspec.Raw(msgspec.msgpack.encode(h)), msgspec.Raw(
+                    msgspec.msgpack.encode(t))
+            out.append(("s", w, h, op[2], t, op[4]))
+        elif op[0] == "r":
+            out.append(("r", w, op[1]))
+        else:
+            out.append(("c", w))
+    return ix.ingest(out)
+
+
+def _random_ops(rng: random.Random, n: int) -> list[tuple[str, tuple]]:
+    prompts = [[rng.randrange(50) for _ in range(BS * 6)] for _ in range(8)]
+    made: dict[str, list[int]] = {w: [] for w in "abcd"}
+    alive: dict[str, set[int]] = {w: set() for w in "abcd"}  # parents only from these
+    ops = []
+    for _ in range(n):
+        w = rng.choice("abcd")
+        x = rng.random()
+        if x < 0.6:
+            p = rng.choice(prompts)
+            a = rng.randrange(0, 3)
+            k = rng.randrange(1, 4)
+            h = [hash((w, tuple(p[:(a + i + 1) * BS]))) & ((1 << 64) - 1) for i in range(k)]
+            parent = (hash((w, tuple(p[:a * BS]))) & ((1 << 64) - 1)) if a else None
+            if parent is not None and parent not in alive[w] and rng.random() < 0.8:
+                continue
+            extras = [["salt"]] + [None] * (k - 1) if rng.random() < 0.1 else None
+            ops.append((w, ("s", h, parent, p[a * BS:(a + k) * BS], extras)))
+            if parent is None or parent in alive[w]:
+                made[w] += h
+                alive[w] |= set(h)
+        elif x < 0.9:
+            gone = rng.sample(made[w], min(len(made[w]), 2)) + [rng.randrange(1 << 60)]
+            ops.append((w, ("r", gone)))
+            alive[w] -= set(gone)
+        else:
+            ops.append((w, ("c",)))
+            alive[w].clear()
+    return ops
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_a_burst_leaves_the_index_as_one_event_at_a_time_does(raw: bool) -> None:
+    rng = random.Random(11)
+    for trial in range(6):
+        ops = _random_ops(rng, 120)
+        one, many = KvIndex(BS, capacity=32), KvIndex(BS, capacity=32)
+        for w in "abcd":
+            one.worker(w), many.worker(w)
+        for name, op in ops:
+            _one(one, name, op)
+        for a in range(0, len(ops), 17 + trial * 9):
+            _burst(many, ops[a:a + 17 + trial * 9], raw)
+        assert _state(one) == _state(many)
+
+
+def test_a_store_then_a_remove_in_one_burst_ends_removed_and_back() -> None:
+    ix = KvIndex(BS)
+    ids = list(range(8))
+    got = _burst(ix, [("a", ("s", [1, 2], None, ids, None)), ("a", ("r", [2])),
+                      ("b", ("s", [1, 2], None, ids, None))], raw=True)
+    assert got.tolist() == [3, 2] and ix.cached_tokens(ids) == {"a": 4, "b": 8}
+    _burst(ix, [("a", ("r", [1])), ("a", ("s", [1], None, ids[:4], None))], raw=True)
+    assert ix.cached_tokens(ids) == {"a": 4, "b": 8}
+
+
+def test_a_remove_of_an_unknown_block_changes_nothing() -> None:
+    ix = KvIndex(BS)
+    ids = list(range(8))
+    got = _burst(ix, [("a", ("s", [1, 2], None, ids, None)), ("a", ("r", [99, b"\x07"])),
+                      ("c", ("r", [1]))], raw=True)
+    assert got.tolist() == [2, 0] and ix.cached_tokens(ids) == {"a": 8}
+
+
+def test_a_clear_mid_burst_forgets_only_what_came_before_it() -> None:
+    ix = KvIndex(BS)
+    ids = list(range(12))
+    _burst(ix, [("a", ("s", [1, 2], None, ids[:8], None)), ("b", ("s", [5], None, ids[:4], None)),
+                ("a", ("c",)), ("a", ("s", [1], None, ids[:4], None)),
+                ("b", ("s", [6], 5, ids[4:8], None))], raw=True)
+    assert ix.cached_tokens(ids) == {"a": 4, "b": 8}
+    _burst(ix, [("a", ("s", [2], 1, ids[4:8], None)), ("a", ("c",))], raw=True)
+    assert ix.cached_tokens(ids) == {"b": 8} and len(ix) == 2
+
+
+def test_a_parent_stored_later_in_the_same_burst_chains() -> None:
+    ix = KvIndex(BS)
+    ids = list(range(12))
+    _burst(ix, [("a", ("s", [3], 2, ids[8:], None)), ("a", ("s", [1, 2], None, ids[:8], None))],
+           raw=True)
+    assert ix.cached_tokens(ids) == {"a": 12} and ix.orphans == 0
+    _burst(ix, [("a", ("s", [9], 8, ids[:4], None))], raw=True)
+    assert ix.orphans == 1
+
+
+@pytest.mark.parametrize("bad", [
+    b"\xc0",  # nil, not an array
+    b"\x93\x01\x02",  # says 3 items, has 2
+    b"\x92\x01\xa1x",  # a string item
+    b"\x91\xd0\xff",  # a negative token
+    b"\x91\xce\x80\x00\x00\x00",  # a token >= 2**31
+    b"\xdd\xff\xff\xff\xff\x01",  # a huge count
+    b"\x92\x01\x02\x03",  # trailing bytes
+])
+def test_a_hostile_token_array_drops_its_event_only(bad: bytes) -> None:
+    ix = KvIndex(BS)
+    ids = list(range(8))
+    ix.worker("a")
+    ix.ingest([("s", 0, msgspec.Raw(msgspec.msgpack.encode([1])), None, msgspec.Raw(bad), None),
+               ("s", 0, msgspec.Raw(msgspec.msgpack.encode([2, 3])), None,
+                msgspec.Raw(msgspec.msgpack.encode(ids)), None)])
+    assert ix.cached_tokens(ids) == {"a": 8} and len(ix) == 2
+
+
+def test_msgpack_ints_reads_what_msgspec_writes() -> None:
+    rng = np.random.default_rng(0)
+    toks = [rng.integers(0, 1 << 31, int(rng.integers(0, 40))).tolist() for _ in range(50)]
+    toks += [[0, 127, 128, 255, 256, 65535, 65536, (1 << 31) - 1]]
+    flat, counts = msgpack_ints([msgspec.msgpack.encode(t) for t in toks], True, 1 << 22)
+    assert counts.tolist() == [len(t) for t in toks]
+    assert flat.tolist() == [x for t in toks for x in t]
+    hashes = [-1, -200, -(1 << 63), (1 << 64) - 1, 5, b"\x01\x02", bytes(range(32)), b""]
+    flat, counts = msgpack_ints([msgspec.msgpack.encode(hashes)], False, 1 << 16)
+    want = [(x if isinstance(x, int) else int.from_bytes(x[:8], "big")) & ((1 << 64) - 1)
+            for x in hashes]
+    assert counts.tolist() == [len(hashes)] and flat.tolist() == want
+
+
+def test_the_compiled_chain_equals_the_vectorized_one() -> None:
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 1 << 31, 16 * 40)
+    want = chain_states(12345, ids, 16, [["x"]] + [None] * 39)
+    xor = np.zeros(40, np.uint64)
+    xor[0] = np.uint64(KvIndex.__init__.__globals__["extra_hash"](["x"]))
+    got = chain_blocks(ids, np.array([40]), np.array([12345], np.uint64), xor, TOK[:16], 16)
+    assert (got == want).all()
+
+
+def test_a_raw_frame_decodes_to_raw_stores() -> None:
+    p = encode_batch([BlockStored([1, 2], None, list(range(8)), BS)])
+    b = msgspec.msgpack.decode(p, type=RawBatch)
+    assert isinstance(b.events[0].token_ids, msgspec.Raw)
+
+
+def test_a_put_that_grows_the_map_sets_old_and_new_keys() -> None:
+    m = U64Map({"v": np.int64}, capacity=32)
+    keys = fix_keys(np.arange(1, 31, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    m.put(keys[:20], v=np.arange(20))
+    m.put(keys, v=np.arange(100, 130))  # 20 present, 10 new: grows
+    assert m.cols["v"][m.find(keys)].tolist() == list(range(100, 130))
+
+
+def test_a_burst_of_frames_defers_a_workers_frames_from_its_gap_on() -> None:
+    from pdxfer.serving.kv_events import KVEventBatch
+    from pdxfer.serving.router.kv_feed import FeedSpec, KvFeeds
+
+    w1, w2 = "http://w1", "http://w2"
+    feeds = KvFeeds([FeedSpec(w1, "tcp://127.0.0.1:1"), FeedSpec(w2, "tcp://127.0.0.1:2")])
+    f1, f2 = feeds.feeds[w1], feeds.feeds[w2]
+    a, b, c = list(range(8)), list(range(100, 108)), list(range(200, 208))
+
+    def st(ids: list[int], h: int) -> KVEventBatch:
+        return KVEventBatch(0.0, [BlockStored([h, h + 1], None, ids, BS)])
+
+    rest = feeds.on_frames([(f1, 0, st(a, 10)), (f2, 0, st(b, 20)), (f1, 2, st(c, 30)),
+                            (f1, 3, st(c, 40)), (f2, 1, st(c, 50))])
+    assert [(f.spec.worker, s, gap) for f, s, _, gap in rest] == [(w1, 2, True), (w1, 3, False)]
+    assert feeds.cached(a) == {w1: 8} and feeds.cached(c) == {w2: 8}
+    assert f1.next_seq == 1 and f2.next_seq == 2 and f2.counters["blocks"] == 4
+    # w1 starts over (seq 0 again): cleared first, then what the new stream says
+    assert not feeds.on_frames([(f2, 2, st(a, 60)), (f1, 0, st(b, 70))])
+    assert feeds.cached(a) == {w2: 8} and feeds.cached(b) == {w1: 8, w2: 8}
+    assert f1.counters["resets"] == 1
+
+
+def test_a_store_that_grows_the_holders_map_keeps_shared_blocks_shared() -> None:
+    ix = KvIndex(BS, capacity=32)
+    ids = list(range(BS * 20))
+    ix.stored("a", list(range(1, 21)), None, ids)
+    more = ids + list(range(1000, 1000 + BS * 40))  # 20 shared, 40 new: the map grows
+    ix.stored("b", list(range(101, 161)), None, more)
+    assert ix.cached_tokens(ids) == {"a": len(ids), "b": len(ids)}
+    assert ix.cached_tokens(more) == {"a": len(ids), "b": len(more)}
