@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
 from pdxfer import BootstrapServer
@@ -39,7 +38,7 @@ from pdxfer.serving.procs import Proc
 from pdxfer.testing.hf_families import FAMILIES, WINDOW, Family, build_family
 from pdxfer.testing.vllm_procs import VllmServer, kv_config, read_stats, start_all
 
-from .vllm_helpers import complete, stream_ids, wait
+from .vllm_helpers import complete, right_or_clean_error, stream_ids, wait
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -229,19 +228,6 @@ def _registered(boot: BootstrapServer, instance: str) -> bool:
         return False
 
 
-def _right_or_clean_error(url: str, p: list[int], stream: bool, want: list[int]) -> str:
-    """``ok`` (colocated tokens) or ``error`` (an OpenAI error with a JSON body); wrong
-    tokens or a stream cut short fail the test."""
-    try:
-        got = stream_ids(url, p) if stream else complete(url, p)
-    except openai.APIStatusError as e:
-        assert isinstance(e.body, dict) and e.body.get("message"), \
-            f"an error without an OpenAI JSON body: {e.status_code} {e.body!r}"
-        return "error"
-    assert got == want, f"{'stream' if stream else 'plain'}: {got} != colocated {want}"
-    return "ok"
-
-
 def test_a_prefill_killed_mid_request_leaves_right_answers_or_clean_errors(pair: Pair) -> None:
     """A second prefill (its own instance and router) holds its writes back (the
     ``delay_write`` fault); two requests, one streamed, go through it, the decode engages a
@@ -263,7 +249,7 @@ def test_a_prefill_killed_mid_request_leaves_right_answers_or_clean_errors(pair:
                                       f"{pair.decode.url},d0"], timeout=180)
         loads0 = int(pair.d().get("loads", 0))
         with cf.ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(_right_or_clean_error, router.url, p, i == 1, r)
+            futs = [ex.submit(right_or_clean_error, router.url, p, i == 1, r)
                     for i, (p, r) in enumerate(zip(prompts, refs))]
             wait("the decode's loads", lambda: int(pair.d().get("loads", 0)) - loads0 >= 2,
                  timeout=120)
