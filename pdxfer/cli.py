@@ -27,13 +27,17 @@ def _bootstrap(a: argparse.Namespace) -> int:
 
 
 def _transfer_demo(a: argparse.Namespace) -> int:
-    from .testing.transfer_demo import main as demo
+    from .demo.transfer_demo import main as demo
 
     return demo(a.rest)
 
 
 def _bench(a: argparse.Namespace) -> int:
-    from .serving.toy.demo import bench
+    if a.rest and not a.rest[0].startswith("-"):  # a benchmark of the checkout: NAME
+        from .checkout import run_benchmark
+
+        return run_benchmark(a.rest[0], a.rest[1:])
+    from .serving.toy.demo import bench  # no NAME: the toy cluster's, shipped in the wheel
 
     return bench(a.rest)
 
@@ -43,7 +47,7 @@ def _demo(a: argparse.Namespace) -> int:
     pick.add_argument("--engine", choices=["toy", "vllm"], default="toy")
     engine, rest = pick.parse_known_args(a.rest)
     if engine.engine == "vllm":  # real vLLM (the `vllm` extra) behind the router
-        from .testing.vllm_demo import main as vllm_demo
+        from .demo.vllm_demo import main as vllm_demo
 
         return vllm_demo(rest)
     from .serving.toy.demo import main as demo
@@ -105,16 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False).set_defaults(fn=_demo)
     sub.add_parser("transfer-demo", help="move one request's KV between two processes",
                    add_help=False).set_defaults(fn=_transfer_demo)
-    sub.add_parser("bench", help="serving throughput/latency through the router (JSON)",
+    sub.add_parser("bench", help="serving throughput/latency through the router (JSON); "
+                                 "`pdxfer bench NAME`: a benchmark of a checkout's benchmarks/",
                    add_help=False).set_defaults(fn=_bench)
     return ap
 
 
 def pass_through_parsers() -> dict[str, argparse.ArgumentParser]:
     """The parsers of the subcommands that parse their own options."""
+    from .demo.transfer_demo import parser as transfer_parser
+    from .demo.vllm_demo import parser as vllm_parser
     from .serving.toy.demo import parser as demo_parser
-    from .testing.transfer_demo import parser as transfer_parser
-    from .testing.vllm_demo import parser as vllm_parser
 
     return {"demo": demo_parser("pdxfer demo"), "demo --engine vllm": vllm_parser(),
             "transfer-demo": transfer_parser(), "bench": demo_parser("pdxfer bench")}

@@ -47,9 +47,6 @@ class Faults:
       served toy's KV ballast, which the decode checks against the prompt's tokens).
     - ``once=1``: page faults strike each room at most once (a transient fault: what is sent
       again, by an ``integrity_retry`` or a repair, arrives intact).
-    - ``pace``: seconds an engine integration holds each step that runs requests (whatever
-      ``rooms`` says; read with ``step_pace()``): a decode then cannot finish a long request
-      before a test's client has left, on however fast a machine.
     """
 
     delay_write: float = 0.0
@@ -63,7 +60,6 @@ class Faults:
     once: bool = False
     pool: str = ""
     seed: int = 0
-    pace: float = 0.0
     strand: float = 0.0
     _struck: set[int] = field(default_factory=set, repr=False)
     _held: dict[int | None, int] = field(default_factory=dict, repr=False)
@@ -89,7 +85,7 @@ class Faults:
                 if key == "rooms":
                     f.rooms = frozenset(int(r) for r in val.split(";") if r)
                 elif key in ("delay_write", "drop", "delay_msg", "corrupt", "skip_write",
-                             "shift_write", "pace", "strand"):
+                             "shift_write", "strand"):
                     setattr(f, key, float(val))
                 elif key == "seed":
                     f.seed = int(val)
@@ -113,7 +109,7 @@ class Faults:
         new = Faults.parse(spec)
         with self._lock:
             for name in ("delay_write", "rooms", "drop", "delay_msg", "corrupt", "skip_write",
-                         "shift_write", "at", "once", "pool", "seed", "pace", "strand"):
+                         "shift_write", "at", "once", "pool", "seed", "strand"):
                 setattr(self, name, getattr(new, name))
             self._rng.seed(new.seed)
             self._struck.clear()
@@ -209,9 +205,3 @@ def faults() -> Faults:
     if _FAULTS is None:
         _FAULTS = Faults.parse(knobs().faults)
     return _FAULTS
-
-
-def step_pace() -> float:
-    """Seconds an engine step is held by injected faults (``pace``; 0 when unset): the one
-    fault an engine integration applies itself, since only it sees the engine's steps."""
-    return faults().pace

@@ -9,8 +9,9 @@ Sources, each the one place its settings are defined:
   that every ``PDXFER_`` name in the repository is registered there);
 - command-line flags: the argparse parsers of every ``pdxfer`` subcommand
   (``pdxfer.cli.build_parser`` and ``pass_through_parsers``), walked action by action;
-- ``kv_connector_extra_config``: the fields of the vLLM connector's ``ConnectorConfig`` and the
-  bullets of its docstring (a field no bullet names is an error here);
+- ``EndpointConfig`` and its ``Limits``: their fields' metadata (``pdxfer.endpoint_settings``);
+- ``kv_connector_extra_config``: the vLLM connector's keys (``ConnectorConfig``'s own fields and
+  its ``ENDPOINT_KEYS``), each with the help written on its field;
 - the SGLang backend: the ``envs.SGLANG_*`` settings and ``KVArgs`` attributes its manager
   reads (found in its source; each must have a line in ``SGLANG_MEANING`` below).
 """
@@ -21,15 +22,16 @@ import argparse
 import difflib
 import re
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pdxfer.cli import build_parser, pass_through_parsers  # noqa: E402
-from pdxfer.config import ENV_VARS  # noqa: E402
-from pdxfer.integrations.vllm.config import ConnectorConfig  # noqa: E402
+from pdxfer.config import ENV_VARS, EndpointConfig, Limits  # noqa: E402
+from pdxfer.integrations.vllm import config as connector  # noqa: E402
+from pdxfer.setting import Setting, settings_of  # noqa: E402
 
 OUT = ROOT / "docs" / "configuration.md"
 SGLANG_CONN = ROOT / "pdxfer" / "integrations" / "sglang" / "conn.py"
@@ -51,9 +53,10 @@ HEADER = """# Configuration reference
      Regenerate with: python scripts/gen_config_docs.py -->
 
 Every setting pdxfer reads, generated from the code that reads it: the environment variables
-(`pdxfer.config.ENV_VARS`), the flags of every `pdxfer` command (their argparse parsers), the
-vLLM connector's `kv_connector_extra_config` keys (`ConnectorConfig`) and what the SGLang
-backend takes from SGLang. Guides: [vLLM](vllm.md), [SGLang](sglang.md),
+(`pdxfer.config.ENV_VARS`), the engine API's `EndpointConfig` and `Limits`, the flags of every
+`pdxfer` command (their argparse parsers), the vLLM connector's `kv_connector_extra_config`
+keys (`ConnectorConfig`) and what the SGLang backend takes from SGLang. Each default and help
+text is written once, on its dataclass field; flags and keys are generated from it. Guides: [vLLM](vllm.md), [SGLang](sglang.md),
 [serving](serving.md), [deployment](deployment.md).
 """
 
@@ -131,47 +134,41 @@ def cli_section() -> list[str]:
     return out
 
 
-def _connector_bullets() -> list[tuple[list[str], str]]:
-    """``ConnectorConfig``'s docstring bullets, each with the fields it names (in order)."""
-    doc = ConnectorConfig.__doc__ or ""
-    body = doc.split("\n\n", 1)[1]
-    out = []
-    for b in re.split(r"^\s*- ", body, flags=re.M):
-        b = b.strip()
-        if b:
-            out.append((re.findall(r"``([a-z0-9_]+)``", b), b))
+def _default(v: object) -> str:
+    return "–" if v in (MISSING, None, "", ()) else f"`{v}`"
+
+
+def _kind(s: Setting) -> str:
+    return " or ".join(f"`{c}`" for c in s.choices) if s.choices else s.kind.replace(" | ", " or ")
+
+
+def endpoint_section() -> list[str]:
+    out = ["## Engine API: `EndpointConfig`", "",
+           "`EndpointConfig(role=..., ..., limits=Limits(...))`: the fields users set, then "
+           "`Limits`, the deadlines, table caps and rarely touched knobs. "
+           "See [the engine API](engine-api.md).", ""]
+    for cls in (EndpointConfig, Limits):
+        out += [f"### `{cls.__name__}`", "", "| field | type | default | meaning |",
+                "|---|---|---|---|"]
+        out += [f"| `{s.name}` | {_kind(s)} | {_default(s.default) if not s.required else 'required'}"
+                f" | {cell(s.help)} |" for s in settings_of(cls).values()]
+        out.append("")
     return out
 
 
 def vllm_section() -> list[str]:
-    known = {f.name: f for f in fields(ConnectorConfig) if f.name != "role"}
     out = ["## vLLM: `kv_connector_extra_config`", "",
            "Validated when vLLM builds the connector (at start-up): an unknown key, a wrong "
-           "type or a value out of range is a `ConfigError` naming the key. "
+           "type or a value out of range is a `ConfigError` naming the key. Keys marked "
+           "*endpoint* set the `EndpointConfig` field of the same name. "
            "See [vLLM](vllm.md).", "",
            "| key | type | default | meaning |", "|---|---|---|---|"]
-    done: set[str] = set()
-    for names, text in _connector_bullets():
-        keys = [n for n in names if n in known and n not in done]
-        if not keys:
-            continue
-        done |= set(keys)
-        col = []
-        for part in ("name", "type", "default"):
-            vals = []
-            for k in keys:
-                f = known[k]
-                if part == "name":
-                    vals.append(f"`{k}`")
-                elif part == "type":
-                    vals.append(str(f.type).replace(" | ", " or "))
-                else:
-                    vals.append("–" if f.default in (MISSING, None, "") else f"`{f.default}`")
-            col.append("<br>".join(vals))
-        out.append(f"| {col[0]} | {col[1]} | {col[2]} | {cell(text)} |")
-    missing = sorted(set(known) - done)
-    if missing:
-        raise SystemExit(f"ConnectorConfig fields no docstring bullet names: {missing}")
+    for key, kind in connector.KEYS.items():
+        s = connector.ENDPOINT.get(key)
+        typ = _kind(s) if s else kind.replace(" | ", " or ")
+        where = " (*endpoint*)" if s else ""
+        out.append(f"| `{key}`{where} | {typ} | {_default(connector.default(key))} | "
+                   f"{cell(connector.help_of(key))} |")
     return out + [""]
 
 
@@ -195,7 +192,8 @@ def sglang_section() -> list[str]:
 
 
 def render() -> str:
-    lines = [HEADER, *env_section(), *cli_section(), *vllm_section(), *sglang_section()]
+    lines = [HEADER, *env_section(), *endpoint_section(), *cli_section(), *vllm_section(),
+             *sglang_section()]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -51,15 +51,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's helpers
 
 from pdxfer.bootstrap import BootstrapServer  # noqa: E402
-from pdxfer.testing.harness import Agent  # noqa: E402
-from pdxfer.testing.patterns import PoolGeom  # noqa: E402
+from pdxfer.demo.harness import Agent  # noqa: E402
+from pdxfer.demo.patterns import PoolGeom  # noqa: E402
 from tests.integration.conftest import FAST  # noqa: E402
 from tests.integration.helpers import Factory, decode_items, run, verify  # noqa: E402
 from tests.integration.hetero import Group, run_groups, tp_group  # noqa: E402
 from tests.integration.test_transfer import GEOMS  # noqa: E402
 from tests.integration.tiers_helpers import MODEL, Family, X, finish, start, write_back  # noqa: E402
 
-STATE = "pdxfer.testing.bench_agent:BenchState"
+STATE = "benchmarks.common.bench_agent:BenchState"
 CONF = {**FAST, "bootstrap_timeout_s": 30.0, "transfer_timeout_s": 60.0, "heartbeat_s": 2.0}
 """The suite's short deadlines, but room for a starved host: no check here is about a
 deadline or liveness (on 2 cores at a load of 40-60, a NIXL HelloAck took over 5 s, and a

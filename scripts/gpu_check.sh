@@ -3,6 +3,7 @@
 # Mooncake TCP and NIXL, checked byte for byte, plus GB/s beside torch's own copies.
 #
 #   bash scripts/gpu_check.sh OUTDIR [--cpu] [--transport both|tcp|nixl] [--scale N]
+#                                    [--budget SECONDS]
 #
 # On a CUDA machine with python3 + PyTorch (CUDA 13) it installs the wheels that
 # scripts/gpu_wheels.sh put in .whl/ (no network needed) into a work folder and puts them on
@@ -10,8 +11,10 @@
 # empty .whl/ is fine. --cpu runs the same steps on host memory with the packages already
 # installed (the suite runs it: tests/integration/test_gpu_check.py).
 #
-# Steps, each timed and bounded by `timeout` (limits sum to 8 minutes; --scale N multiplies
-# them):
+# Steps, each timed and bounded by `timeout` (limits sum to 9 minutes; --scale N multiplies
+# them), and all of them by --budget (default 500 s, times --scale): a step gets at most what
+# is left of it, none starts with under 10 s left, so the whole run ends inside 9 minutes
+# (a device lent for one 10-minute command keeps a minute to spare):
 #   wheels           install .whl/, import everything the check loads
 #   probe            scripts/gpu_probe.py: the raw paths with no pdxfer endpoint, 512 MiB
 #                    (--cpu: 32 MiB) as 32 KiB / 512 KiB / 32 MiB descriptors: NIXL at 1-8
@@ -27,30 +30,40 @@
 #                    shape, torch device-to-device and pinned host-to-device; pdxfer's best
 #                    against the best raw path (bulk.pdxfer_ratio_vs_best_raw) and the
 #                    device copy
-# Writes OUTDIR/gpu_check.json (flat dotted keys: every verdict and figure, `all_passed`)
-# and OUTDIR/log, nothing else there (a device tool may bring back only a few files); the
+#   stream           scripts/gpu_stream.py: toy prefill and decode workers computing on the
+#                    device (--torch-device: two processes on one GPU) behind the router,
+#                    the prefill streaming KV layer by layer, against a colocated toy on the
+#                    same device: TTFT at 2k and 8k tokens (--cpu: 128 and 512),
+#                    stream.ttft_ms_pd_8k, stream.ttft_ratio_vs_colocated_8k, ...; every
+#                    output equal to colocated's
+# Writes OUTDIR/gpu_check.json (flat dotted keys: every verdict and figure, each step's
+# <step>.step_s and <step>.limit_s, `all_passed`), again after every step (a run cut short
+# leaves what it measured, `complete` false), and OUTDIR/log, nothing else there (a device
+# tool may bring back only a few files); the
 # installed wheels and the steps' parts live in a work folder ($GPU_CHECK_WORK, else under
 # /tmp). Exits 0 only if every step passed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-OUTDIR="${1:?usage: $0 OUTDIR [--cpu] [--transport both|tcp|nixl] [--scale N]}"
+OUTDIR="${1:?usage: $0 OUTDIR [--cpu] [--transport both|tcp|nixl] [--scale N] [--budget S]}"
 shift
-CPU=0 TRANSPORT=both SCALE=1
+CPU=0 TRANSPORT=both SCALE=1 BUDGET=500
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) CPU=1; shift ;;
     --transport) TRANSPORT="$2"; shift 2 ;;
     --scale) SCALE="$2"; shift 2 ;;
+    --budget) BUDGET="$2"; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
 case "$TRANSPORT" in both) TRANSPORTS="tcp nixl" ;; tcp|nixl) TRANSPORTS="$TRANSPORT" ;;
   *) echo "bad --transport $TRANSPORT" >&2; exit 2 ;; esac
 case "$TRANSPORT" in
-  both) PATHS=nixl,mooncake,ipc; BULK=tcp,nixl,nvlink,tcp_pack,nixl_pack,nvlink_pack ;;
-  tcp) PATHS=mooncake,ipc; BULK=tcp,nvlink,tcp_pack,nvlink_pack ;;
-  nixl) PATHS=nixl,ipc; BULK=nixl,nixl_pack ;; esac
+  both) PATHS=nixl,mooncake,ipc; BULK=tcp,nixl,nvlink,tcp_pack,nixl_pack,nvlink_pack
+    STREAM_T=nixl,tcp ;;
+  tcp) PATHS=mooncake,ipc; BULK=tcp,nvlink,tcp_pack,nvlink_pack; STREAM_T=tcp ;;
+  nixl) PATHS=nixl,ipc; BULK=nixl,nixl_pack; STREAM_T=nixl ;; esac
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 WORK="${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/pdxfer-gpu-check.XXXXXX")}"
@@ -65,17 +78,30 @@ if [ "$CPU" = 1 ]; then
   PY=python3
   [ -x .venv/bin/python ] && PY=.venv/bin/python
   BULK_ARGS=(--quick)
+  STREAM_ARGS=(--sizes 128,512 --rounds 1)
 else
   DEVICE=cuda:0
   PY=python3
   BULK_ARGS=()
+  STREAM_ARGS=(--sizes 2048,8192 --rounds 3)
 fi
+START=$(date +%s)
+END=$(( START + BUDGET * SCALE ))
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-# step NAME LIMIT_S COMMAND...: run it bounded, record (name, rc, seconds); a shell function
-# runs in this shell (its exports must stay) and bounds its own commands with $LIMIT
+# step NAME LIMIT_S COMMAND...: run it bounded (by its limit and what is left of the
+# budget), record (name, rc, seconds, limit), write the JSON so far; a shell function runs in
+# this shell (its exports must stay) and bounds its own commands with $LIMIT
 step() {
   local name="$1" limit=$(( $2 * SCALE )); shift 2
+  local left=$(( END - $(date +%s) ))
+  if [ "$left" -lt 10 ]; then
+    echo "=== $name: SKIPPED, ${left}s of the budget left"
+    printf '%s\t%s\t%s\t%s\n' "$name" 125 0 0 >> "$WORK/steps.tsv"
+    fold 0
+    return
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
   echo "=== $name (limit ${limit}s): $*"
   local t0; t0=$(date +%s%N)
   if declare -F "$1" >/dev/null; then
@@ -88,7 +114,43 @@ step() {
   local secs="$((ms / 1000)).$(printf %03d $((ms % 1000)))"
   [ "$rc" = 124 ] && echo "=== $name: TIMED OUT after ${limit}s"
   echo "=== $name: rc=$rc in ${secs}s"
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$secs" >> "$WORK/steps.tsv"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$limit" >> "$WORK/steps.tsv"
+  fold 0
+}
+
+# fold FINAL: every part and step record into one flat JSON (plain python: works when
+# nothing imports); FINAL=1 at the end (then `complete`, and the exit status), 0 after a step
+fold() {
+  "$PY" - "$WORK" "$OUTDIR" "$1" "$START" "$((BUDGET * SCALE))" <<'EOF'
+import json, pathlib, sys, time
+d, final = pathlib.Path(sys.argv[1]), sys.argv[3] == "1"
+out = json.loads((d / "info.json").read_text()) if (d / "info.json").exists() else {}
+ok, names = True, []
+for line in filter(None, (d / "steps.tsv").read_text().split("\n")):
+    name, rc, secs, limit = line.split("\t")
+    names.append(name)
+    part = d / "parts" / f"{name}.json"
+    try:
+        body = json.loads(part.read_text()) if part.exists() else {}
+    except ValueError:
+        body = {}
+    out.update({f"{name}.{k}": v for k, v in body.items()})
+    passed = rc == "0" and body.get("ok", True) is True
+    out.update({f"{name}.rc": int(rc), f"{name}.step_s": float(secs),
+                f"{name}.limit_s": int(limit), f"{name}.passed": passed})
+    ok = ok and passed
+out.update(complete=final, budget_s=int(sys.argv[5]),
+           total_s=round(time.time() - int(sys.argv[4]), 1))
+out["all_passed"] = ok and final and len(names) > 1
+(pathlib.Path(sys.argv[2]) / "gpu_check.json").write_text(json.dumps(out, indent=1, sort_keys=True))
+if final:
+    for k in sorted(out):
+        if (k.endswith((".passed", ".step_s", "ratio_vs_best_raw", "fraction_of_d2d", ".path"))
+                or ".gb_per_s" in k or k.startswith("stream.ttft")
+                or k in ("gpu", "all_passed", "total_s")):
+            print(f"{k} = {out[k]}")
+sys.exit(0 if out["all_passed"] else 1)
+EOF
 }
 
 wheels() {
@@ -145,6 +207,13 @@ json.dump(info, open(path, "w"))
 EOF
 }
 
+# the stream step: no round starts in its last 30 s (teardown, and a round that overruns)
+stream() {
+  timeout -k 10 "$LIMIT" "$PY" scripts/gpu_stream.py --device "$DEVICE" --transport "$STREAM_T" \
+    --budget-s $(( LIMIT > 60 ? LIMIT - 30 : LIMIT / 2 )) --json "$WORK/parts/stream.json" \
+    "${STREAM_ARGS[@]}"
+}
+
 step wheels 40 wheels
 # (stop here if nothing imports: every later step would only time out)
 if [ "$(tail -1 "$WORK/steps.tsv" | cut -f2)" = 0 ]; then
@@ -157,30 +226,9 @@ if [ "$(tail -1 "$WORK/steps.tsv" | cut -f2)" = 0 ]; then
   done
   step bulk 90 "$PY" scripts/gpu_check.py bulk --device "$DEVICE" --transport "$BULK" \
     --raw "$WORK/parts/probe.json" --json "$WORK/parts/bulk.json" "${BULK_ARGS[@]}"
+  step stream 150 stream
 fi
-# every part and step record into one flat JSON (plain python: works when nothing imports)
-"$PY" - "$WORK" "$OUTDIR" <<'EOF'
-import json, pathlib, sys
-d = pathlib.Path(sys.argv[1])
-out = json.loads((d / "info.json").read_text()) if (d / "info.json").exists() else {}
-ok, names = True, []
-for line in filter(None, (d / "steps.tsv").read_text().split("\n")):
-    name, rc, secs = line.split("\t")
-    names.append(name)
-    part = d / "parts" / f"{name}.json"
-    body = json.loads(part.read_text()) if part.exists() else {}
-    out.update({f"{name}.{k}": v for k, v in body.items()})
-    passed = rc == "0" and body.get("ok", True) is True
-    out.update({f"{name}.rc": int(rc), f"{name}.seconds": float(secs), f"{name}.passed": passed})
-    ok = ok and passed
-out["all_passed"] = ok and len(names) > 1
-(pathlib.Path(sys.argv[2]) / "gpu_check.json").write_text(json.dumps(out, indent=1, sort_keys=True))
-for k in sorted(out):
-    if (k.endswith((".passed", ".seconds", "ratio_vs_best_raw", "fraction_of_d2d", ".path"))
-            or ".gb_per_s" in k or k in ("gpu", "all_passed")):
-        print(f"{k} = {out[k]}")
-sys.exit(0 if out["all_passed"] else 1)
-EOF
+fold 1
 rc=$?
 echo "=== gpu_check: $([ $rc = 0 ] && echo ALL PASSED || echo FAILED); $OUTDIR/gpu_check.json"
 [ -z "${GPU_CHECK_WORK:-}" ] && rm -rf "$WORK"

@@ -5,7 +5,7 @@
 
 A pdxfer prefill and decode on Mooncake TCP (the bench geometry: 128-token requests, 64
 buffers of 128 KiB pages, integrity ``sampled``) serve requests one at a time, the decode's
-request already at the prefill, as ``scripts/bench_transfer.py``'s fixed cost does. py-spy
+request already at the prefill, as ``benchmarks/transfer.py``'s fixed cost does. py-spy
 samples both agent processes without stopping them (Python frames only; idle threads left
 out) and writes ``<out>_prefill.svg`` and ``<out>_decode.svg``, plus a text summary
 (``<out>.txt``): per side, the share of active samples under each pdxfer function.
@@ -26,10 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-import bench_transfer as B  # noqa: E402
-
+from benchmarks import transfer as B  # noqa: E402
 from pdxfer.bootstrap import BootstrapServer  # noqa: E402
-from pdxfer.testing.harness import Agent  # noqa: E402
+from pdxfer.demo.harness import Agent  # noqa: E402
 
 
 def _spy(pid: int, fmt: str, path: Path, rate: int) -> subprocess.Popen[bytes]:

@@ -13,7 +13,7 @@ PIPLOG="$ROOT/.venv/pip-install.log"  # every pip run's full output
 
 need_apt=()
 # gcc builds pdxfer's optional streaming page copier (pdxfer/tiers/_ntcopy.c); iproute2 (ip,
-# tc) builds the network namespaces the tests across hosts run on (pdxfer/testing/hosts.py)
+# tc) builds the network namespaces the tests across hosts run on (tests/harness/hosts.py)
 for pkg in libibverbs1 libnuma1 libcurl4 gcc iproute2; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done

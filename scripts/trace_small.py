@@ -8,8 +8,8 @@ What ``small.fixed_cost_ms`` is made of, and which threads the 64-in-flight loop
 
 A pdxfer prefill and decode on Mooncake TCP (the bench geometry: 128-token requests, 64
 buffers of 128 KiB pages, integrity ``sampled``) serve requests one at a time, the decode's
-request already at the prefill, as ``scripts/bench_transfer.py``'s fixed cost does. Both
-agents stamp the functions a request passes through (``pdxfer.testing.trace``; one clock,
+request already at the prefill, as ``benchmarks/transfer.py``'s fixed cost does. Both
+agents stamp the functions a request passes through (``benchmarks.common.trace``; one clock,
 ``CLOCK_MONOTONIC``, for both processes) and this script prints the median of each segment
 in microseconds (flat JSON keys ``trace.<segment>_us``), each stamp costing ~1-2 us.
 """
@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-import bench_transfer as B  # noqa: E402
 import profile_small as PS  # noqa: E402
 
+from benchmarks import transfer as B  # noqa: E402
 from pdxfer.bootstrap import BootstrapServer  # noqa: E402
-from pdxfer.testing.harness import Agent  # noqa: E402
+from pdxfer.demo.harness import Agent  # noqa: E402
 
 TRANSFER = [
     # (segment, from, to): the first stamp named ``to`` after ``from``
@@ -111,7 +111,7 @@ def closed_loop(b: B.Bench, seconds: float, spy: Path | None = None) -> dict[str
             raw = spy.with_name(f"{spy.name}_{side}.raw")
             spies.append((PS._spy(x.proc.pid, "raw", raw, 500), raw, side))
         time.sleep(1.5)  # attached
-    names = {x: x.call("ext", fn="pdxfer.testing.trace:threads") for x in (b.pf, b.dc)}
+    names = {x: x.call("ext", fn="benchmarks.common.trace:threads") for x in (b.pf, b.dc)}
     before = {x: thread_cpu(x.proc.pid) for x in (b.pf, b.dc)}
     first = b.next_room()
     b.room += 1 << 20
@@ -167,11 +167,11 @@ def stop_pair(b: B.Bench) -> None:
 def traced_once(b: B.Bench) -> tuple[float, dict[str, float]]:
     """One request, the fixed cost (s) and its segments (us)."""
     for x in (b.pf, b.dc):
-        x.call("ext", fn="pdxfer.testing.trace:collect")
+        x.call("ext", fn="benchmarks.common.trace:collect")
     dst = b.rng.choice(B.DC_PAGES, 2, replace=False).tolist()
     own = b.pdx_send_once(128, b.src_perm[:2], dst) - b.last_write_s
     ev = sorted(((n, t) for x in (b.pf, b.dc)
-                 for n, t, _ in x.call("ext", fn="pdxfer.testing.trace:collect")),
+                 for n, t, _ in x.call("ext", fn="benchmarks.common.trace:collect")),
                 key=lambda e: e[1])
     seg = segments(ev, REQUEST, "D:request.in")
     seg.update(segments(ev, TRANSFER, "P:send.in"))
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             pace = {k[7:]: float(v) for k, v in env.items() if k.startswith("pacing:")}
             bs[name] = start_pair({k: v for k, v in env.items() if not k.startswith("pacing:")})
             if pace:  # a RateEstimate field, set on the prefill once its peer exists
-                assert bs[name].pf.call("ext", fn="pdxfer.testing.trace:set_pacing", **pace)
+                assert bs[name].pf.call("ext", fn="benchmarks.common.trace:set_pacing", **pace)
         for r in range(a.rounds if a.loop else 0):
             for name, b in bs.items():
                 spy = a.spy.with_name(f"{a.spy.name}_{name}") if a.spy and not r else None
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.untraced:
             for b in bs.values():
                 for x, side in ((b.pf, "P:"), (b.dc, "D:")):
-                    x.call("ext", fn="pdxfer.testing.trace:install", side=side)
+                    x.call("ext", fn="benchmarks.common.trace:install", side=side)
         own: dict[str, list[float]] = {n: [] for n in bs}
         per: dict[str, list[dict[str, float]]] = {n: [] for n in bs}
         for _ in range(a.requests):

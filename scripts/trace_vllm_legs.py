@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """The vLLM prefill leg against colocated vLLM, request shape by request shape, interleaved:
-what ``scripts/bench_vllm.py``'s ``vllm.prefill_leg_p50_ratio_vs_colocated`` compares, and
+what ``benchmarks/vllm.py``'s ``vllm.prefill_leg_p50_ratio_vs_colocated`` compares, and
 where the difference goes.
 
     python scripts/trace_vllm_legs.py [--quick] [--json trace_legs.json] [--no-stamps]
 
 A colocated server and a pdxfer pair (pdxfer's default transport, ``bench_vllm``'s
 ``vllm.default_variant``) are up together (they sleep when idle: 0.02-0.04 cores a pair), each
-behind its own front door (``pdxfer.testing.vllm_proxy``). The workload is bench_vllm's:
+behind its own front door (``benchmarks.common.vllm_proxy``). The workload is bench_vllm's:
 conversations whose prompts open with one shared system prefix (cached in the colocated server
 and the prefill), the conversation's history and a new question; the answers are greedy. For
 every turn, in an order that rotates turn by turn, four requests:
@@ -55,22 +55,23 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks, tests
 
-from bench_vllm import BS, Setup, default_variant, makers, reference_leg  # noqa: E402
 from trace_vllm_prefill import timeline  # noqa: E402
 
-from pdxfer import BootstrapServer  # noqa: E402
-from pdxfer.testing.hf_model import SHAPES, build_model  # noqa: E402
-from pdxfer.testing.proccpu import host_busy_cores  # noqa: E402
-from pdxfer.testing.vllm_bench import (  # noqa: E402
+from benchmarks.common.proccpu import host_busy_cores  # noqa: E402
+from benchmarks.common.vllm_bench import (  # noqa: E402
     pct,
     request_body,
     run_and_report,
     stream_request,
     tokens,
 )
-from pdxfer.testing.vllm_procs import start_one_by_one  # noqa: E402
-from pdxfer.testing.vllm_proxy import FrontDoor  # noqa: E402
+from benchmarks.common.vllm_proxy import FrontDoor  # noqa: E402
+from benchmarks.vllm import BS, Setup, default_variant, makers, reference_leg  # noqa: E402
+from pdxfer import BootstrapServer  # noqa: E402
+from pdxfer.demo.hf_model import SHAPES, build_model  # noqa: E402
+from pdxfer.demo.vllm_procs import start_one_by_one  # noqa: E402
 
 CASES = ("colocated_stream", "colocated_one", "pdxfer_leg", "pdxfer_one")
 SOLO = "pdxfer_one_solo"

@@ -43,14 +43,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks, tests
 
-from bench_vllm import BS, Setup, makers, prom_sum, tokens, ttft  # noqa: E402
-
+from benchmarks.common.vllm_bench import run_and_report  # noqa: E402
+from benchmarks.common.vllm_proxy import FrontDoor  # noqa: E402
+from benchmarks.vllm import BS, Setup, makers, prom_sum, tokens, ttft  # noqa: E402
 from pdxfer import BootstrapServer  # noqa: E402
-from pdxfer.testing.hf_model import SHAPES, build_model  # noqa: E402
-from pdxfer.testing.vllm_bench import run_and_report  # noqa: E402
-from pdxfer.testing.vllm_procs import Server, start_one_by_one  # noqa: E402
-from pdxfer.testing.vllm_proxy import FrontDoor  # noqa: E402
+from pdxfer.demo.hf_model import SHAPES, build_model  # noqa: E402
+from pdxfer.demo.vllm_procs import Server, start_one_by_one  # noqa: E402
 
 HIST = {"e2e": "vllm:e2e_request_latency_seconds", "queue": "vllm:request_queue_time_seconds",
         "prefill": "vllm:request_prefill_time_seconds",

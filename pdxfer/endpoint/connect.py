@@ -191,7 +191,7 @@ class Connector:
         prefill that died while no room waited on it (so no heartbeat watched it) and came
         back as a new process must not be reached at its dead address. A route looked up
         again whose prefill is still the same endpoint is not handshaken again."""
-        return time.monotonic() - self._vouched.get(key, 0.0) > self.cfg.route_fresh_s
+        return time.monotonic() - self._vouched.get(key, 0.0) > self.cfg.limits.route_fresh_s
 
     def cached(self, key: RouteKey) -> Resolved | None:
         """A resolution every peer of which is still the live, acknowledged peer: then a

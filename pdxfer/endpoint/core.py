@@ -62,7 +62,7 @@ class Core:
         self.ctrl_addr = ""
         check_local(config.address)  # peers must be able to dial what this rank advertises
         self.transport = transport or make_transport(
-            config.transport, config.address, config.device, config.transfer_timeout_s)
+            config.transport, config.address, config.device, config.limits.transfer_timeout_s)
         self.regions: list[tuple[int, int]] = []
         for p in pools:
             for b in p.buffers:
@@ -70,7 +70,7 @@ class Core:
                     continue  # pools may share memory (an engine's groups over one tensor)
                 self.transport.register(b.addr, b.nbytes, p.location, p.item_bytes)
                 self.regions.append((b.addr, b.nbytes))
-        self.workers = Workers(config.workers, name=f"pdxfer-{config.role}")
+        self.workers = Workers(config.limits.workers, name=f"pdxfer-{config.role}")
 
     def start_control(self, on_tick: Callable[[], None]) -> None:
         self.control = Control(self.config.host, self._on_frame, on_tick,

@@ -167,7 +167,7 @@ class DecodePeers:
         with self.ep.lock:
             old = self.table.pop(msg.endpoint_id, None)
             if old is None and not self._make_room_for_peer():
-                why = f"too many decode peers ({self.cfg.max_peers})"
+                why = f"too many decode peers ({self.cfg.limits.max_peers})"
                 self.ep.reject("table_full", f"Hello from {msg.endpoint_id}: {why}")
                 return
             self.table[msg.endpoint_id] = peer
@@ -191,7 +191,7 @@ class DecodePeers:
     def _make_room_for_peer(self) -> bool:
         """Evict the least recently used idle peer when the table is full (under the lock);
         False when every peer is in use."""
-        if len(self.table) < self.cfg.max_peers:
+        if len(self.table) < self.cfg.limits.max_peers:
             return True
         busy = self._in_use()
         for eid, p in self.table.items():

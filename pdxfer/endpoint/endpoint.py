@@ -236,7 +236,7 @@ class Endpoint:
         self.close()
 
     def _reregister(self) -> None:
-        while not self._stop_reg.wait(self.config.register_interval_s):
+        while not self._stop_reg.wait(self.config.limits.register_interval_s):
             try:
                 assert self._bootstrap is not None
                 self._bootstrap.register(self.registration())

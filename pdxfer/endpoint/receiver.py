@@ -120,7 +120,7 @@ class DecodeSide:
         self.staging = Staging(n) if n else None
         if self.staging is not None:
             ep.transport.register(self.staging.addr, n, "cpu")
-        self.packing = staging_for(ep.pools, self.cfg.pack)  # leases of packed requests
+        self.packing = staging_for(ep.pools, self.cfg.limits.pack)  # leases of packed requests
         if self.packing is not None:
             ep.transport.register(self.packing.addr, self.packing.nbytes, self.packing.location)
         extra = ((self.staging.spec(),) if self.staging else ()) + (
@@ -128,7 +128,7 @@ class DecodeSide:
         self.connector = Connector(ep, extra)
         self.peers = self.connector.peers
         self.checks = IntegrityChecks(ep, self.rooms, self.peers)
-        self.liveness = Liveness(self.cfg.heartbeat_s, self._watched, ep.transport.probe,
+        self.liveness = Liveness(self.cfg.limits.heartbeat_s, self._watched, ep.transport.probe,
                                  self._peer_lost)
 
     # -- engine calls -------------------------------------------------------------------------
@@ -142,7 +142,7 @@ class DecodeSide:
                 raise DuplicateRoom(f"room {room} is already active on decode endpoint "
                                     f"{self.ep.endpoint_id}")
             st = RecvRoom(room, bootstrap, instance, dp, ReleaseOnce(room, release),
-                          time.monotonic() + self.cfg.bootstrap_timeout_s, early=early)
+                          time.monotonic() + self.cfg.limits.bootstrap_timeout_s, early=early)
             self.rooms[room] = st
             self.ep.count("requests")
         return KVReceiver(self, st)
@@ -165,7 +165,8 @@ class DecodeSide:
             st.requested = True
             st.dst, st.slots = arrays, {k: int(v) for k, v in slots.items()}
             st.prefix_len, st.num_tokens = prefix_len, num_tokens
-            if self.cfg.integrity_retry and self.integrity != "off" and not st.hold_for_repair:
+            retry = self.cfg.limits.integrity_retry
+            if retry and self.integrity != "off" and not st.hold_for_repair:
                 st.hold_for_repair = st.auto_hold = True
         c = self.connector.cached(route_key(st))
         if c is None:
@@ -223,7 +224,7 @@ class DecodeSide:
                 return
             st.state = KVPoll.Failed
             st.failure = err
-            st.abort_deadline = time.monotonic() + self.cfg.abort_timeout_s
+            st.abort_deadline = time.monotonic() + self.cfg.limits.abort_timeout_s
             self.ep.timeline.observe("failed", time.monotonic() - st.t_created)
             self.ep.count_failure(err)
             log.info("room %d failed: %s", st.room, err)
@@ -271,14 +272,14 @@ class DecodeSide:
             st.targets = [p for p, a in zip(peers, plan) if not a.silent]
             st.outstanding = {p.endpoint_id for p in st.targets}
             st.state = KVPoll.WaitingForInput
-            st.deadline = now + self.cfg.transfer_timeout_s
+            st.deadline = now + self.cfg.limits.transfer_timeout_s
             st.t_request = now
             req = wire.TransferRequest(
                 room=st.room, nonce=st.nonce, endpoint_id=self.ep.endpoint_id,
                 dst={k: wire.pack_indices(v) for k, v in st.dst.items()}, slots=st.slots,
                 prefix_len=st.prefix_len, num_tokens=st.num_tokens,
                 expected_senders=max(1, len(st.targets)), decode_peers=npeers,
-                deadline_s=self.cfg.transfer_timeout_s, hold_for_repair=st.hold_for_repair,
+                deadline_s=self.cfg.limits.transfer_timeout_s, hold_for_repair=st.hold_for_repair,
                 integrity=st.integrity, early=st.early)
             # Queued under the lock: an abort (which takes the lock) either sees the room
             # terminal before this, or queues its Abort behind the request on the same socket.
@@ -451,7 +452,7 @@ class DecodeSide:
             other = theirs.get(pool.name)
             if (other is None or pool.name in done or pool.name in a.skip or anchor not in st.dst
                     or pool.location != self.packing.location or ntok <= 0
-                    or not wanted(self.cfg.pack, pool, other, a.heads.get(pool.name),
+                    or not wanted(self.cfg.limits.pack, pool, other, a.heads.get(pool.name),
                                   int(st.dst[anchor].size), k.pack_min_pages,
                                   int(k.pack_max_page_kb * 1024))):
                 continue
@@ -507,7 +508,7 @@ class DecodeSide:
                         log.warning("room %d: pages quarantined, senders %s have not confirmed "
                                     "that their writes drained", st.room, sorted(st.outstanding))
                     # the Abort (or its ack) may have been lost: ask again until answered
-                    st.abort_deadline = now + self.cfg.abort_timeout_s
+                    st.abort_deadline = now + self.cfg.limits.abort_timeout_s
                     msg = wire.Abort(room=st.room, nonce=st.nonce, reason="retransmit",
                                      endpoint_id=self.ep.endpoint_id)
                     resend += [(self._current(p), msg) for p in st.targets

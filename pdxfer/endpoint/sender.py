@@ -99,24 +99,25 @@ class PrefillSide:
     def __init__(self, ep: Core) -> None:
         self.ep = ep
         self.cfg = cfg = ep.config
+        lim = cfg.limits
         self.rooms: dict[int, SenderRoom] = {}
-        self.pending = PendingRequests(cfg.max_pending, cfg.max_pending_bytes)
-        self.tombstones = Tombstones(cfg.max_tombstones, cfg.bootstrap_timeout_s, ep.count)
+        self.pending = PendingRequests(lim.max_pending, lim.max_pending_bytes)
+        self.tombstones = Tombstones(lim.max_tombstones, lim.bootstrap_timeout_s, ep.count)
         """Rooms that ended here, or that a decode aborted before its request came: a late
         request for them is refused at once (``tombstones.py``)."""
-        self.expected = Expected(cfg.max_tombstones, cfg.bootstrap_timeout_s)
+        self.expected = Expected(lim.max_tombstones, lim.bootstrap_timeout_s)
         """Rooms the engine received but has not opened (``expect``): a request for one waits
         until the bootstrap deadline, not only ``room_grace_s`` (``expected.py``)."""
         self.refused: OrderedDict[int, str] = OrderedDict()
         """Rooms whose decode's handshake this rank refused (the room fails on creation)."""
         self.peers = DecodePeers(ep, self._peers_in_use, self._handshake_refused)
-        self.settler = Settler(ep.transport, ep.count, cfg.transfer_timeout_s)
+        self.settler = Settler(ep.transport, ep.count, cfg.limits.transfer_timeout_s)
         """Holds what tells a decode a room's writes are over while a failed write to it may
         still land (``settler.py``)."""
         self.writer = Writer(ep, self.settler, self.fail, self._end_or_hold)
         self.page_sizes = {p.name: p.page_size for p in ep.pools}
         self.layers_of = C.pool_layers({p.name: p for p in ep.pools})
-        self.liveness = Liveness(cfg.heartbeat_s, self._holders, ep.transport.probe,
+        self.liveness = Liveness(cfg.limits.heartbeat_s, self._holders, ep.transport.probe,
                                  self._holder_lost, name="pdxfer-hold-heartbeat")
 
     def tables(self) -> dict[str, int]:
@@ -177,7 +178,7 @@ class PrefillSide:
             st = self.rooms.get(msg.room)
             if st is None:
                 self.refused[msg.room] = why
-                while len(self.refused) > self.cfg.max_tombstones:
+                while len(self.refused) > self.cfg.limits.max_tombstones:
                     self.refused.popitem(last=False)
                 return
             if (st.targets or st.state.terminal
@@ -195,7 +196,7 @@ class PrefillSide:
                                     f"{self.ep.endpoint_id}")
             self.tombstones.forget(room)
             self.expected.pop(room)
-            st = SenderRoom(room, now + self.cfg.bootstrap_timeout_s, bound=peer)
+            st = SenderRoom(room, now + self.cfg.limits.bootstrap_timeout_s, bound=peer)
             self.rooms[room] = st
             self.ep.count("requests")
             for p in self.pending.take(room):
@@ -321,12 +322,12 @@ class PrefillSide:
         one a decode asks for early (at dispatch: the request may still be on its way here),
         waits until the bootstrap deadline."""
         e = self.expected.get(req.room)
-        grace = min(self.cfg.room_grace_s, self.cfg.bootstrap_timeout_s)
+        grace = min(self.cfg.limits.room_grace_s, self.cfg.limits.bootstrap_timeout_s)
         exp = self.pending.deadline(req.room)
         if exp is None:
             exp = e.deadline if e else now + grace
         if req.early and not e:
-            exp = max(exp, now + self.cfg.bootstrap_timeout_s)
+            exp = max(exp, now + self.cfg.limits.bootstrap_timeout_s)
         if self.pending.has(req.room, peer.endpoint_id):
             self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
                          "duplicate_room")
@@ -403,7 +404,7 @@ class PrefillSide:
         if st.state == KVPoll.Success and any(x.req.hold_for_repair and not x.released
                                               for x in st.targets):
             if not st.hold_until:
-                st.hold_until = time.monotonic() + self.cfg.transfer_timeout_s
+                st.hold_until = time.monotonic() + self.cfg.limits.transfer_timeout_s
             return
         st.hold_until = 0.0
         self._forget(st)
@@ -433,7 +434,8 @@ class PrefillSide:
         self.ep.count("repairs")
         st.targets.append(Target(req, peer, dst))
         if st.hold_until:
-            st.hold_until = time.monotonic() + min(req.deadline_s, self.cfg.transfer_timeout_s)
+            st.hold_until = time.monotonic() + min(req.deadline_s,
+                                                   self.cfg.limits.transfer_timeout_s)
         self.writer.pump(st)
 
     def tick(self, now: float) -> None:
@@ -442,14 +444,14 @@ class PrefillSide:
             for st in self.rooms.values():
                 if not st.state.terminal and now > st.deadline:
                     expired.append(st)
-            grace = min(self.cfg.room_grace_s, self.cfg.bootstrap_timeout_s)
+            grace = min(self.cfg.limits.room_grace_s, self.cfg.limits.bootstrap_timeout_s)
             for room, parked in self.pending.take_expired(now):
                 kind, why = (("deadline", f"expected by this prefill's engine, which did "
-                              f"not open it within {self.cfg.bootstrap_timeout_s} s")
+                              f"not open it within {self.cfg.limits.bootstrap_timeout_s} s")
                              if self.expected.pop(room) else
                              ("deadline", f"asked for at dispatch, and this prefill's "
                               f"engine did not open it within "
-                              f"{self.cfg.bootstrap_timeout_s} s")
+                              f"{self.cfg.limits.bootstrap_timeout_s} s")
                              if any(p.req.early for p in parked) else
                              ("unknown_room", f"unknown to this prefill (its engine did not "
                               f"open it within {grace} s)"))
@@ -502,14 +504,14 @@ class PrefillSide:
         st.targets.append(Target(req, peer, dst))
         st.t_request = st.t_request or now
         st.expected = req.decode_peers
-        st.deadline = now + min(req.deadline_s, self.cfg.transfer_timeout_s)
+        st.deadline = now + min(req.deadline_s, self.cfg.limits.transfer_timeout_s)
         if decodes(st) >= st.expected:
             st.state = KVPoll.Transferring if st.last_given else KVPoll.WaitingForInput
         self.writer.pump(st)
 
     def _unbound(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer) -> bool:
         """Refuse (and count) a request from a decode the room does not belong to."""
-        why = st.why_unbound(peer, self.cfg.fan_out)
+        why = st.why_unbound(peer, self.cfg.limits.fan_out)
         if not why:
             return False
         self.ep.count("rejected_not_bound")

@@ -56,7 +56,7 @@ class Writer:
         self.staging = Staging(n) if n else None  # gathers head slices into few big writes
         if self.staging is not None:
             ep.transport.register(self.staging.addr, n, "cpu")
-        ps = staging_for(ep.pools, self.cfg.pack)  # gathers packed requests' rows
+        ps = staging_for(ep.pools, self.cfg.limits.pack)  # gathers packed requests' rows
         self.packer = Packer(ps) if ps is not None else None
         if ps is not None:
             ep.transport.register(ps.addr, ps.nbytes, ps.location)
@@ -111,7 +111,7 @@ class Writer:
         """Whether a chunk is small enough to start in ``send()`` (``_start`` decides)."""
         chunk = st.chunks[ci]
         pages = sum(a.size for a in chunk.pages.values())
-        return not (not self.cfg.start_in_send or st.state == KVPoll.Failed or t.finished
+        return not (not self.cfg.limits.start_in_send or st.state == KVPoll.Failed or t.finished
                     or t.req.silent or pages > P.FEW_PAGES or bool(t.req.pack)
                     # more entries than one batch at most (no merged runs): not worth planning
                     or pages * sum(len(pr) for pr in t.peer.pairings.values())

@@ -1,35 +1,53 @@
-"""Command-line options of the serving subcommands (kept apart so ``--help`` stays cheap)."""
+"""Command-line options of the serving subcommands (kept apart so ``--help`` stays cheap).
+
+The flags that set an endpoint setting are generated from its field (``add_setting_args``):
+default, type, choices and help come from ``pdxfer.endpoint_settings``, written once there.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+from pdxfer import endpoint_settings
+
+
+def flag_of(name: str) -> str:
+    """An endpoint setting's flag: ``bootstrap_timeout_s`` -> ``--bootstrap-timeout``."""
+    return "--" + name.removesuffix("_s").replace("_", "-")
+
+
+def add_setting_args(ap: argparse.ArgumentParser | Any, *names: str) -> None:
+    """One flag per endpoint setting, everything about it taken from its field."""
+    known = endpoint_settings()
+    for name in names:
+        s = known[name]
+        kw: dict[str, Any] = {"default": s.default,
+                              "help": s.help.replace("``", "").replace("%", "%%")}
+        if s.kind == "bool":
+            kw["action"] = "store_false" if s.default else "store_true"
+        else:
+            kw["type"] = {"int": int, "float": float}.get(s.kind, str)
+        if s.choices:
+            kw["choices"] = list(s.choices)
+        ap.add_argument(flag_of(name), **kw)
 
 
 def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
-    ap.add_argument("--host", default="127.0.0.1",
-                    help="address the HTTP server and the control socket bind (0.0.0.0: "
-                         "every interface, then --advertise is needed)")
-    ap.add_argument("--advertise", default="", metavar="ADDRESS",
-                    help="address other hosts reach this worker at (its control socket, "
-                         "its transport session, its ready line); default: --host")
+    add_setting_args(ap.add_argument_group("addresses", "the HTTP server binds --host too, and "
+                                           "prints --advertise in its ready line"),
+                     "host", "advertise")
     ap.add_argument("--port", type=int, default=0, help="HTTP port (0: pick a free one)")
     ap.add_argument("--bootstrap", default=None, required=role == "prefill",
                     help="bootstrap server host:port to register with" if role == "prefill"
                     else "the bootstrap servers this decode trusts (host:port, several "
                          "separated by commas; required): it loads KV only from prefills "
                          "found through them, and refuses a request naming any other")
-    add_insecure_arg(ap)
-    ap.add_argument("--instance", default="default",
-                    help="instance name (a prefill's route on its bootstrap; a decode's name, "
-                         "which rooms are bound to at --tp > 1: default a fresh one)")
-    ap.add_argument("--transport", choices=["auto", "tcp", "rdma", "nvlink", "nixl"],
-                    default="auto",
-                    help="how KV moves: auto (default: the fastest both sides run, picked at "
-                         "pairing: NIXL on one host, Mooncake TCP across hosts), Mooncake TCP "
-                         "or RDMA, Mooncake nvlink_intra (nvlink: device pools on one node), "
-                         "or NIXL (UCX: shared memory on one host, UCX_TLS=tcp across "
-                         "hosts, RDMA on clusters); an explicit one must match on both sides")
-    ap.add_argument("--device", default="", help="RDMA device for --transport rdma")
+    add_setting_args(ap, "insecure", "instance", "transport", "device")
+    ap.add_argument("--torch-device", default="cpu", metavar="DEVICE",
+                    help="where the toy model computes and its KV pools live: cpu (default) "
+                         "or cuda[:N] (the forward on that GPU, the pools registered with the "
+                         "transport as device memory; needs --tp 1)")
     ap.add_argument("--pages", type=int, default=1024, help="KV pages in the pool")
     ap.add_argument("--aux-slots", type=int, default=64, help="aux rows (concurrent requests)")
     ap.add_argument("--seed", type=int, default=0, help="toy model seed (same on both sides)")
@@ -61,12 +79,7 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
                         help="host: receive into a token-granular host pool (page size 1, "
                              "HiSparse-style) and decode from it; pairs with a prefill of any "
                              "page size")
-        ap.add_argument("--integrity", choices=["sampled", "full", "off"], default="sampled",
-                        help="how received KV is checked before decoding from it (sampled: "
-                             "a fixed sample of every page; full: every byte)")
-        ap.add_argument("--integrity-retry", action="store_true",
-                        help="on a digest mismatch ask the prefill for the range once more "
-                             "before failing the request")
+        add_setting_args(ap, "integrity", "integrity_retry")
     ap.add_argument("--kv-ballast-bytes-per-token", type=int, default=0, metavar="N",
                     help="benchmark device: a sidecar pool of N bytes per token (a multiple "
                          "of 8) that is transferred, tiered and checked with the KV, so the "
@@ -88,13 +101,7 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
                              "this on any machine; tests that must outlast a client use it)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (the toy model's ops are tiny: more threads only spin)")
-    ap.add_argument("--bootstrap-timeout", type=float, default=30.0,
-                    help="seconds a prefill waits for the decode's request, and a decode for "
-                         "its bootstrap lookup and handshake")
-    ap.add_argument("--transfer-timeout", type=float, default=60.0,
-                    help="seconds from the decode's request to the last write")
-    ap.add_argument("--heartbeat", type=float, default=0.5,
-                    help="seconds between liveness probes of the peers a request waits on")
+    add_setting_args(ap, "bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_s")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests that may wait for pages; more get 503 with Retry-After")
     ap.add_argument("--admission-timeout", type=float, default=20.0,
@@ -103,11 +110,8 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
                          "decode to admit a request)")
 
 
-
 def add_insecure_arg(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--insecure", action="store_true",
-                    help="serve non-loopback peers without a shared secret (PDXFER_INSECURE=1); "
-                         "without a secret, pdxfer otherwise serves loopback peers only")
+    add_setting_args(ap, "insecure")
 
 
 def add_router_args(ap: argparse.ArgumentParser) -> None:
@@ -141,6 +145,16 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                     choices=["auto", "round_robin", "least_outstanding", "kv_aware"],
                     help="pairing policy (auto: kv_aware with several decodes, else "
                          "round_robin)")
+    ap.add_argument("--kv-events", action="append", default=[],
+                    metavar="WORKER_URL=ENDPOINT[,REPLAY]",
+                    help="kv_aware: a worker's KV event stream (vLLM --kv-events-config "
+                         "publisher zmq: its endpoint and replay_endpoint, e.g. "
+                         "http://10.0.0.1:8100=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558); "
+                         "workers without one are judged by the router's own history "
+                         "(repeat for more)")
+    ap.add_argument("--kv-load-weight", type=float, default=0.5,
+                    help="kv_aware: how many prompts' worth of tokens one outstanding request "
+                         "on a worker weighs against the prefix it holds")
     ap.add_argument("--expose-cache-stats", action="store_true",
                     help="show clients how many prompt tokens came from the decode's cache "
                          "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)")

@@ -83,8 +83,8 @@ class RestoringReceiver(RequestHandle):
         self._repair_released = False
         self._rx_released = False
         cfg = endpoint.config
-        self.deadline = time.monotonic() + cfg.bootstrap_timeout_s + cfg.transfer_timeout_s
-        self._restore_deadline = time.monotonic() + (restore_timeout_s or cfg.transfer_timeout_s)
+        self.deadline = time.monotonic() + cfg.limits.bootstrap_timeout_s + cfg.limits.transfer_timeout_s
+        self._restore_deadline = time.monotonic() + (restore_timeout_s or cfg.limits.transfer_timeout_s)
         self.t0 = time.monotonic()
         self.t_ready: float | None = None
         self.t_local: float | None = None

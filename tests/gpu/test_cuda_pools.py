@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.integrity import Span, digests, slot_digests
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.patterns import PoolGeom
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (none on this machine)")

@@ -2,7 +2,7 @@
 
 The frame helpers also speak the protocol before frame authentication (version 1), so every
 attack test can be run against the old code to see it fail there (``run it with PYTHONPATH``
-pointing at an old checkout, with this tree's ``pdxfer/testing/zmqctx.py`` copied into it).
+pointing at an old checkout, with this tree's ``tests/harness/zmqctx.py`` copied into it).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import msgspec
 import zmq
 
 from pdxfer import wire
-from pdxfer.testing.zmqctx import context
+from tests.harness.zmqctx import context
 
 NEW = hasattr(wire, "frame")
 KINDS = {k.__name__: k for k in getattr(wire, "KINDS", ())}

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 
 FAST = {"bootstrap_timeout_s": 5.0, "transfer_timeout_s": 10.0, "abort_timeout_s": 2.0,
         "heartbeat_s": 0.25}

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 
 _rooms = itertools.count(1000)
 

@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 
 from .conftest import FAST
 from .helpers import decode_items, prefill_items

@@ -8,7 +8,7 @@ import pytest
 
 from pdxfer.serving.procs import Proc
 from pdxfer.serving.toy.cluster import RemoteBootstrap
-from pdxfer.testing.hosts import Host, root_reason
+from tests.harness.hosts import Host, root_reason
 
 SECRET = "a-secret-shared-by-the-hosts-of-a-test-network"
 NET_ENV = {"PDXFER_SECRET": SECRET}

@@ -12,9 +12,9 @@ import zmq
 
 from pdxfer import BootstrapClient, BootstrapError, BootstrapServer, layout_signature, wire
 from pdxfer.bootstrap import Registration
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
-from pdxfer.testing.zmqctx import context
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
+from tests.harness.zmqctx import context
 
 from .conftest import FAST
 from .helpers import Factory, run, verify

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 
 from .conftest import FAST
 from .helpers import Factory, run, verify
@@ -22,7 +22,7 @@ from .helpers import Factory, run, verify
 GEOMS = [PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=2, head_dim=16,
                   dtype="float16"),
          PoolGeom("aux", "slots", layers=1, pages=16, dim=8, dtype="int32")]
-EXT = "pdxfer.testing.transport_cmds:choices"
+EXT = "tests.harness.transport_cmds:choices"
 
 
 @pytest.fixture()

@@ -16,11 +16,11 @@ import pytest
 import zmq
 
 from pdxfer import BootstrapServer, layout_signature, wire
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
-from pdxfer.testing.zmqctx import context
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.transport import MooncakeTransport
+from tests.harness.zmqctx import context
 
 from .conftest import start_pair
 

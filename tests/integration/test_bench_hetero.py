@@ -1,16 +1,16 @@
-"""``scripts/bench_hetero.py`` as ``bench_transfer.py`` runs it: its repetitions are requests
+"""``benchmarks/hetero.py`` as ``benchmarks/transfer.py`` runs it: its repetitions are requests
 of their own. It once sent every repetition to one room; once a prefill began refusing a
 second request for a room that had succeeded (a room is single-use), every run lost its
-``hetero_tp.*`` figures, and ``bench_transfer.py`` still exited 0."""
+``hetero_tp.*`` figures, and ``benchmarks/transfer.py`` still exited 0."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.harness.benchrun import run_bench
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -18,8 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_repetition_of_bench_hetero_is_a_request_of_its_own_and_succeeds() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_hetero.py"), "--quick"],
-                          capture_output=True, text=True, timeout=540)
+    proc = run_bench("hetero", "--quick", timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["hetero_tp.repetitions"] >= 2

@@ -1,17 +1,16 @@
-"""``scripts/bench_models.py --quick`` on one sliding-window family: the JSON names each
+"""``python -m benchmarks.models --quick`` on one sliding-window family: the JSON names each
 figure, the family is served token-exact, and a request moves about the window (the
 decode's received bytes), not the prompt."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from pdxfer.testing.hf_families import FAMILIES, WINDOW
+from tests.harness.benchrun import run_bench
+from tests.harness.hf_families import FAMILIES, WINDOW
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -19,9 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_models_quick_prints_each_family_figure_as_json() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_models.py"), "--quick",
-                           "--families", "mistral_swa", "--variants", "pdxfer"],
-                          capture_output=True, text=True, timeout=540)
+    proc = run_bench("models", "--quick", "--families", "mistral_swa", "--variants", "pdxfer",
+                     timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     key = "models.mistral_swa.pdxfer"

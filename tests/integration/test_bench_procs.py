@@ -1,4 +1,4 @@
-"""What scripts/bench_vllm.py relies on to be fair and never hang: a server that never
+"""What benchmarks/vllm.py relies on to be fair and never hang: a server that never
 answers ready ends the start-up with an error naming it, within its deadline; the idle CPU
 of a process tree is measured from /proc (a spinning tree costs cores, a sleeping one none);
 and colocated's reference for the prefill leg is the request a pair's prefill is sent."""
@@ -19,16 +19,17 @@ from typing import Any
 
 import pytest
 
-from pdxfer.testing.proccpu import busy_cores, host_busy_cores, tree_pids
-from pdxfer.testing.vllm_bench import stream_request
-from pdxfer.testing.vllm_procs import (
+from benchmarks.common.proccpu import busy_cores, host_busy_cores, tree_pids
+from benchmarks.common.vllm_bench import stream_request
+from benchmarks.common.vllm_proxy import FrontDoor
+from pdxfer.demo.vllm_procs import (
     Server,
     ServerNotReady,
     free_port,
     start_one_by_one,
     start_together,
 )
-from pdxfer.testing.vllm_proxy import FrontDoor
+from tests.harness.benchrun import run_bench
 
 HEALTHY = """
 import http.server, sys
@@ -140,10 +141,8 @@ def test_bench_vllm_ends_with_an_error_naming_a_server_not_ready_by_its_deadline
         tmp_path: Path) -> None:
     # a real vLLM server cannot answer /health within 2 s (its imports alone take longer)
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_vllm.py"),
-                        "--variants", "colocated", "--rounds", "1", "--startup-timeout", "2",
-                        "--json", str(tmp_path / "out.json")],
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    r = run_bench("vllm", "--variants", "colocated", "--rounds", "1", "--startup-timeout", "2",
+                  "--json", str(tmp_path / "out.json"), timeout=600, cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "server 'colocated_r0_colocated'" in r.stderr
     assert "not ready within 2 s" in r.stderr
@@ -155,8 +154,7 @@ def test_a_server_that_did_not_start_is_explained_by_the_frame_that_raised(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    bench = importlib.import_module("bench_vllm")
+    bench = importlib.import_module("benchmarks.vllm")
     log = tmp_path / "p.log"
     pre = "(EngineCore pid=1) ERROR 11-26 01:58:48 [core.py:1510] "
     log.write_text("\n".join([
@@ -183,8 +181,7 @@ def test_the_headline_ratios_read_the_variant_a_user_gets_with_no_transport_set(
 
     from pdxfer.transport.auto import pick
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    bench = importlib.import_module("bench_vllm")
+    bench = importlib.import_module("benchmarks.vllm")
     assert bench.default_transport() == "auto"
     assert importlib.util.find_spec("nixl_cu12") is not None  # the cpu extra installs it
     assert pick(["tcp", "nixl"], ["tcp", "nixl"], same_host=True) == "nixl"
@@ -242,8 +239,7 @@ def test_colocated_reference_leg_is_the_request_a_pairs_prefill_is_sent(
     request shape, computing what the prefill computes, sent and timed by the same door."""
     import importlib
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    bench = importlib.import_module("bench_vllm")
+    bench = importlib.import_module("benchmarks.vllm")
     url, bodies = completions
     prev = bench.tokens(1, 64)  # the conversation's previous prompt, and its answer
     prompt = prev + [411] * 24 + bench.tokens(2, 32)
@@ -278,8 +274,7 @@ def test_the_prefill_leg_ratio_reads_colocated_s_leg_of_the_same_request_shape(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    bench = importlib.import_module("bench_vllm")
+    bench = importlib.import_module("benchmarks.vllm")
     colo = bench.Samples(ttft=[0.1, 0.1], prefill=[0.08, 0.08], first_chunk=[0.06, 0.06])
     pdx = bench.Samples(ttft=[0.2, 0.2], prefill=[0.084, 0.084])
     res = bench.summary({("colocated", "alone"): colo, ("pdxfer_nixl", "alone"): pdx}, [],

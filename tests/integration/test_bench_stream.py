@@ -1,4 +1,4 @@
-"""scripts/bench_stream.py works end to end: on a tiny configuration (the small model, prompts
+"""benchmarks/stream.py works end to end: on a tiny configuration (the small model, prompts
 of 64 and 128 tokens, one round) it starts real ``vllm serve`` processes on two network
 namespaces behind ``pdxfer router --engine vllm``, caps the link, and writes every figure it
 promises, with every output equal to colocated vLLM's. Its figures are not asserted (speed is
@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from pdxfer.integrations.vllm.config import KEYS
+from tests.harness.benchrun import run_bench
 
 from .netconf import needs_root
 
@@ -29,11 +28,7 @@ VARIANTS = ["colocated", "sequential", "concurrent_request", "concurrent_layer"]
 
 
 def bench() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        return importlib.import_module("bench_stream")
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    return importlib.import_module("benchmarks.stream")
 
 
 @needs_root
@@ -41,11 +36,9 @@ def bench() -> ModuleType:
 def test_bench_stream_quick_reports_every_figure_with_outputs_equal_to_colocated(
         tmp_path: Path) -> None:
     out = tmp_path / "stream.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_stream.py"), "--quick",
-                        "--shape", "small", "--sizes", "64,128", "--answer", "4",
-                        "--idle-seconds", "1", "--variants", ",".join(VARIANTS),
-                        "--json", str(out)],
-                       capture_output=True, text=True, timeout=1700, cwd=tmp_path)
+    r = run_bench("stream", "--quick", "--shape", "small", "--sizes", "64,128", "--answer", "4",
+                  "--idle-seconds", "1", "--variants", ",".join(VARIANTS), "--json", str(out),
+                  timeout=1700, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["stream.mismatches"] == 0 and res["stream.errors"] == 0, res

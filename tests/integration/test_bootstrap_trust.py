@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdxfer import BootstrapClient, BootstrapServer, Endpoint, EndpointConfig, auth
+from pdxfer import BootstrapClient, BootstrapServer, Endpoint, EndpointConfig, Limits, auth
 from pdxfer.bootstrap import Registration
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.transport import MemoryTransport
 
 SECRET = "bootstrap-secret-for-tests-0123456789"
@@ -75,7 +75,7 @@ def test_a_live_slot_is_not_taken_over_and_a_dead_one_is(server: BootstrapServer
 def test_a_prefill_registers_again_so_a_lost_route_heals(server: BootstrapServer) -> None:
     specs, tensors = pat.build(GEOMS)
     ep = Endpoint(EndpointConfig(role="prefill", bootstrap=server.address, instance="heal",
-                                 secret=SECRET, register_interval_s=0.2), specs,
+                                 secret=SECRET, limits=Limits(register_interval_s=0.2)), specs,
                   transport=MemoryTransport())
     try:
         client = BootstrapClient(server.address, secret=SECRET, retries=0)

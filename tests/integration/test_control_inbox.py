@@ -17,7 +17,7 @@ import zmq
 from pdxfer import wire
 from pdxfer.endpoint import inbox as I
 from pdxfer.endpoint.control import Control
-from pdxfer.testing.zmqctx import context
+from tests.harness.zmqctx import context
 
 GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
 

@@ -99,7 +99,7 @@ def test_launch_scripts_are_valid_bash() -> None:
 # -- the one-host vLLM scripts, on the small local model ------------------------------------
 
 def _start_one_host(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
-    from pdxfer.testing.vllm_procs import QUIET_ENV, free_port
+    from pdxfer.demo.vllm_procs import QUIET_ENV, free_port
 
     ports = {k: free_port() for k in ("ROUTER_PORT", "PREFILL_PORT", "DECODE_PORT",
                                       "BOOTSTRAP_PORT")}
@@ -129,7 +129,7 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.mark.timeout(1800)  # two vLLM servers start on a shared CPU machine
 def test_vllm_one_host_scripts_serve_the_colocated_tokens(tmp_path: Path) -> None:
-    from pdxfer.testing.hf_model import build_model
+    from pdxfer.demo.hf_model import build_model
     from tests.integration.vllm_helpers import complete
 
     model = build_model(tmp_path / "llama")

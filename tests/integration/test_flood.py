@@ -4,7 +4,7 @@ legitimate requests flow: every legitimate request is byte-exact, every flood fr
 oversized Hellos in a row leave the prefill's memory where it was.
 
 Runs 10 s by default; ``PDXFER_FLOOD_S=30`` gives the issue's 30 s. Latency under flood is
-measured by ``scripts/bench_flood.py``, not asserted here.
+measured by ``benchmarks/flood.py``, not asserted here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdxfer.testing import flood as F
+from tests.harness import flood as F
 
 
 @pytest.fixture(scope="module")

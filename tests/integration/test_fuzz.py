@@ -27,14 +27,15 @@ from pdxfer import (
     BootstrapServer,
     Endpoint,
     EndpointConfig,
+    Limits,
     WireError,
     auth,
     layout_signature,
     wire,
 )
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.patterns import PoolGeom
-from pdxfer.testing.zmqctx import context
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
+from tests.harness.zmqctx import context
 
 N = 2000
 FUZZ = settings(max_examples=N, deadline=None, database=None,
@@ -121,7 +122,7 @@ def live() -> Iterator[tuple[Endpoint, Endpoint, dict]]:
     ps, pt = pat.build(GEOMS)
     ds, dt = pat.build(GEOMS)
     pat.fill_sentinel(dt)
-    pf = Endpoint(EndpointConfig(role="prefill", bootstrap_timeout_s=0.5), ps)
+    pf = Endpoint(EndpointConfig(role="prefill", limits=Limits(bootstrap_timeout_s=0.5)), ps)
     dc = Endpoint(EndpointConfig(role="decode"), ds)
     hello = wire.Hello(endpoint_id=dc.endpoint_id, ctrl_addr=dc.ctrl_addr,
                        session=dc.transport.session_id, tp_rank=0, tp_size=1,
@@ -211,7 +212,7 @@ class Forger:
 def secured_live() -> Iterator[tuple[Endpoint, Forger]]:
     ps, pt = pat.build(GEOMS)
     ds, _ = pat.build(GEOMS)
-    pf = Endpoint(EndpointConfig(role="prefill", bootstrap_timeout_s=0.5,
+    pf = Endpoint(EndpointConfig(role="prefill", limits=Limits(bootstrap_timeout_s=0.5),
                                  secret=SECRET.decode()), ps)
     try:
         f = Forger(pf, ds)

@@ -6,7 +6,10 @@ with the pools on ``cpu`` and the transports already installed (no ``.whl/``, no
 the check stays runnable; this test reads the JSON it wrote and wants every step, and every
 check inside the transfer steps, passed; the raw probe's every path byte-exact, with its
 figures and pdxfer's comparison keys present and numeric (never a speed: this is no GPU), the
-packed bulk paths byte-exact.
+packed bulk paths byte-exact; the stream step's toy workers (``--torch-device cpu`` here)
+streaming by layer through the router with every output equal to the colocated toy's, its
+TTFT keys present. A second run with a budget too small for the steps ends inside it and
+still writes what it measured.
 """
 
 from __future__ import annotations
@@ -20,13 +23,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gpu_stream import label  # noqa: E402
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the script's python: this one (its dependencies and transports are installed)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    return env
 
 
 @pytest.mark.timeout(3600)
 def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    # the script's python: this one (its dependencies and transports are installed)
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env = _env()
     # limits x6: they only bound a hang, and this 2-core machine runs the suite beside other
     # work (at a load of 40-60 a transfer step took 4 to 8 minutes here)
     p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "--cpu",
@@ -37,7 +48,8 @@ def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(tmp_path: Path)
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = {k.rsplit(".", 1)[0] for k in r if k.endswith(".passed")}
     assert steps == {"wheels", "probe", "pytest_gpu", "transfers.tcp", "transfers.nixl",
-                     "bulk"}, r
+                     "bulk", "stream"}, r
+    assert r["complete"] is True and r["total_s"] <= r["budget_s"] + 30
     failed = sorted(k for k, v in r.items() if k.endswith((".passed", ".ok")) and v is not True)
     assert not failed and r["all_passed"] and p.returncode == 0, (failed, log[-4000:])
     for t in ("tcp", "nixl"):
@@ -85,5 +97,39 @@ def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(tmp_path: Path)
     assert r["bulk.pdxfer_fraction_of_d2d"] > 0
     for k in paths:
         assert isinstance(r[f"bulk.ratio_vs_raw.{k}"], float)
+    # the stream step: PD through the router, layer by layer, against the colocated toy
+    assert r["stream.torch_device"] == "cpu" and r["stream.transport"] == "nixl"
+    assert r["stream.errors"] == [] and r["stream.mismatches"] == 0
+    assert r["stream.outputs_compared"] == 3  # the warm-up and one prompt per size
+    assert r["stream.sizes"] == [128, 512]
+    for n in (128, 512):
+        k = label(n)
+        assert r[f"stream.tokens_{k}"] == n and r[f"stream.rounds_{k}"] == 1
+        assert r[f"stream.pd_layer_sends_{k}"] >= 4 * n // 64  # each layer of each chunk
+        for key in ("ttft_ms_pd", "ttft_ms_colocated", "ttft_ratio_vs_colocated",
+                    "pd_prefill_ms"):
+            assert isinstance(r[f"stream.{key}_{k}"], float) and r[f"stream.{key}_{k}"] > 0
+    assert (label(2048), label(8192)) == ("2k", "8k")  # the GPU run's keys, the issue's goal
     for name in steps:
-        assert isinstance(r[f"{name}.seconds"], float)
+        assert isinstance(r[f"{name}.step_s"], float) and r[f"{name}.limit_s"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_the_gpu_check_ends_inside_its_budget_and_keeps_what_it_measured(
+        tmp_path: Path) -> None:
+    """A device is lent for one bounded command: a run whose budget runs out bounds the step
+    in flight by what is left, skips the rest, and still writes its JSON."""
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "--cpu",
+                        "--transport", "tcp", "--budget", "25"], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=280)
+    log = (tmp_path / "log").read_text() if (tmp_path / "log").exists() else p.stdout
+    assert p.returncode != 0, log[-4000:]
+    r = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert r["complete"] is True and r["all_passed"] is False, r
+    assert r["total_s"] < 25 + 20, r  # the budget, the kill grace, the folds
+    assert r["wheels.passed"] is True, log[-4000:]
+    cut = [s for s in ("probe", "pytest_gpu", "transfers.tcp", "bulk", "stream")
+           if r[f"{s}.rc"] in (124, 125)]
+    assert cut and r[f"{cut[-1]}.rc"] == 125, r  # the last steps never started
+    for s in ("probe", "pytest_gpu", "transfers.tcp", "bulk", "stream"):
+        assert r[f"{s}.limit_s"] <= 25, r

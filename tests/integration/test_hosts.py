@@ -1,4 +1,4 @@
-"""The hosts harness itself (``pdxfer.testing.hosts``): what the network tests lean on does
+"""The hosts harness itself (``tests.harness.hosts``): what the network tests lean on does
 what it says, and leaves nothing behind, even when the test using it fails."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pdxfer.testing.hosts import Network, ns_pids, sweep_stale
+from tests.harness.hosts import Network, ns_pids, sweep_stale
 
 from .netconf import needs_root
 
@@ -99,7 +99,7 @@ def test_namespaces_left_by_a_killed_run_are_swept_by_the_next() -> None:
     """A test run killed outright cannot clean up: its namespaces carry its pid, and the
     next network removes them (with what still runs there) once that pid is gone."""
     code = ("import sys, time\nsys.path.insert(0, sys.argv[1])\n"
-            "from pdxfer.testing.hosts import Network\n"
+            "from tests.harness.hosts import Network\n"
             "net = Network(['z']).start()\n"
             "print(net['z'].ns, flush=True)\ntime.sleep(60)\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,6 +1,6 @@
 """Multi-host configurations that cannot work fail at once, naming the address, instead of a
 request waiting out its deadline for an answer that can never come (hosts are network
-namespaces, ``pdxfer.testing.hosts``). Without these checks each case below ends in a
+namespaces, ``tests.harness.hosts``). Without these checks each case below ends in a
 ``DeadlineExceeded`` after the whole bootstrap deadline (or a worker that starts and never
 serves)."""
 
@@ -14,11 +14,11 @@ import pytest
 
 from pdxfer import BootstrapClient, BootstrapError
 from pdxfer.bootstrap import Registration
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.serving.procs import Proc
 from pdxfer.serving.toy.cluster import RemoteBootstrap
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.hosts import Network
-from pdxfer.testing.patterns import PoolGeom
+from tests.harness.hosts import Network
 
 from .conftest import FAST
 from .helpers import Factory, decode_items
@@ -56,7 +56,7 @@ def boot(net: Network) -> Iterator[RemoteBootstrap]:
 def dc(net: Network) -> Iterator[Agent]:
     """A decode on its host's address; its endpoint ``lo`` binds and advertises loopback."""
     a = Agent("decode", {**FAST, "bootstrap_timeout_s": DEADLINE, "host": net["decode"].addr},
-              GEOMS, netns=net["decode"].ns, env=NET_ENV)
+              GEOMS, setup=net["decode"].entry, env=NET_ENV)
     try:
         a.call("add_endpoint", name="lo", role="decode",
                config={**FAST, "bootstrap_timeout_s": DEADLINE}, geoms=GEOMS)
@@ -95,7 +95,7 @@ def test_a_prefill_registered_on_loopback_is_refused_by_a_decode_on_another_host
     loopback too: fine on that host, unreachable from the decode's."""
     local = f"127.0.0.1:{boot.port}"
     pf = Agent("prefill", {**FAST, "bootstrap": local, "instance": "colocated"}, GEOMS,
-               netns=net["boot"].ns, env=NET_ENV)
+               setup=net["boot"].entry, env=NET_ENV)
     try:
         why = fails_at_once(dc, boot.address, instance="colocated")
         assert f"loopback control address {pf.info['ctrl_addr']}" in why, why

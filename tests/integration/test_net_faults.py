@@ -1,5 +1,5 @@
 """The network fails under a transfer: a prefill, a decode and a bootstrap server, each on a
-host of its own (network namespaces on one bridge, ``pdxfer.testing.hosts``), over Mooncake
+host of its own (network namespaces on one bridge, ``tests.harness.hosts``), over Mooncake
 TCP between the hosts' own addresses, never loopback.
 
 Each test also shows that the network did what it meant to do (a connection attempt that
@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.serving.toy.cluster import RemoteBootstrap
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.hosts import Network
-from pdxfer.testing.patterns import PoolGeom
 from pdxfer.transport import tcpstate
+from tests.harness.hosts import Network
 
 from .conftest import FAST
 from .helpers import Factory, decode_items, prefill_items, verify, wait_written
@@ -53,10 +53,10 @@ class Net:
         n = self.net
         self.boot = bootstrap_on(n["boot"])
         self.pf = Agent("prefill", {**FAST, "bootstrap": self.boot.address,
-                                    "host": n["prefill"].addr}, GEOMS, netns=n["prefill"].ns,
+                                    "host": n["prefill"].addr}, GEOMS, setup=n["prefill"].entry,
                         env=NET_ENV)
         self.dc = Agent("decode", {**FAST, "host": n["decode"].addr}, GEOMS,
-                        netns=n["decode"].ns, env=NET_ENV)
+                        setup=n["decode"].entry, env=NET_ENV)
         self.dc.call("sentinel")
         return self
 

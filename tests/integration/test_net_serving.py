@@ -1,6 +1,6 @@
 """Serving across hosts: the bootstrap and the router on one host, a prefill on each of two
 more, the decode on a fourth and the client on a fifth (network namespaces on one bridge,
-``pdxfer.testing.hosts``), each process bound to and advertising its host's address. The
+``tests.harness.hosts``), each process bound to and advertising its host's address. The
 official ``openai`` client's answers, streamed or not, equal the colocated reference token
 for token, over Mooncake TCP and over NIXL (UCX over TCP); the decode's link counters show
 the KV crossed the network. Then the network fails under the served system: a prefill's
@@ -21,7 +21,7 @@ import torch
 from pdxfer.serving.router.openai_api import chat_prompt
 from pdxfer.serving.toy import EOS_ID, ToyConfig, ToyModel, encode
 from pdxfer.serving.toy.cluster import Cluster
-from pdxfer.testing.hosts import Network
+from tests.harness.hosts import Network
 
 from .netconf import needs_root
 

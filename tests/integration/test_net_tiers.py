@@ -15,8 +15,8 @@ import torch
 
 from pdxfer.serving.toy import EOS_ID, ToyConfig, ToyModel, encode
 from pdxfer.serving.toy.cluster import Cluster
-from pdxfer.testing.hosts import Network
 from pdxfer.tiers import MooncakeMaster
+from tests.harness.hosts import Network
 
 from .netconf import needs_root
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer, PeerLost, TransportError
-from pdxfer.testing.harness import Agent
+from pdxfer.demo.harness import Agent
 from pdxfer.transport.nixl import NixlTransport
 
 from .conftest import FAST
@@ -345,7 +345,7 @@ def test_a_write_split_across_ucx_threads_lands_byte_exact(bootstrap, threads) -
     dc = None
     try:
         dc = Agent("decode", {**FAST, "transport": "nixl"}, GEOMS)
-        got = pf.call("ext", fn="pdxfer.testing.transport_cmds:nixl_threads")
+        got = pf.call("ext", fn="tests.harness.transport_cmds:nixl_threads")
         assert got["threads"] == int(threads)
         assert got["ucx"].get("num_threads", "0") == ("2" if threads == "2" else "0"), got
         f = Factory(GEOMS, GEOMS, seed=11)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.harness import Agent
+from pdxfer.demo.harness import Agent
 
 from .conftest import start_pair
 from .helpers import Factory, destinations, run, verify

@@ -1,7 +1,7 @@
 """Protected mode (issue 31, item 1): without a shared secret every pdxfer listener serves
 loopback peers only.
 
-A peer on another host (a network namespace, ``pdxfer.testing.hosts``) is refused by each
+A peer on another host (a network namespace, ``tests.harness.hosts``) is refused by each
 no-secret listener even when it is bound to ``0.0.0.0`` (the bootstrap server, an endpoint's
 control socket, a worker's and the router's HTTP servers), while loopback peers on the same
 host are served. A process asked to bind or advertise a non-loopback address without a
@@ -24,11 +24,11 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapServer, ConfigError, Endpoint, EndpointConfig
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.serving.procs import Proc
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.hosts import Host, Network
-from pdxfer.testing.patterns import PoolGeom
 from pdxfer.transport import MemoryTransport
+from tests.harness.hosts import Host, Network
 
 from .netconf import needs_root
 

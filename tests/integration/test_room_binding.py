@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 
 from .conftest import FAST
 from .helpers import Factory, decode_items, prefill_items
@@ -128,7 +128,7 @@ def test_a_second_decode_group_is_refused_the_room_and_gets_no_byte(
         env.pf.call("prepare", items=prep)
         env.pf.call("send", items=send)
         ask(env, r, owner)
-        wait_for(lambda: env.pf.call("ext", fn="pdxfer.testing.attack:states",
+        wait_for(lambda: env.pf.call("ext", fn="tests.harness.attack:states",
                                      rooms=[r["room"]])[r["room"]] != "Bootstrapping")
         ask(env, r, other)
     refused(env, r, other)

@@ -10,7 +10,7 @@ import os
 import time
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo.patterns import PoolGeom
 
 from .conftest import start_pair
 from .helpers import Factory, run, verify

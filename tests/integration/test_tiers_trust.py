@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.tiers import FileStorage, TieredCache
 from pdxfer.tiers.mooncake_store import MooncakeMaster, MooncakeStoreStorage
 

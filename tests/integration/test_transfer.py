@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 
 from .conftest import start_pair
 from .helpers import Factory, decode_items, destinations, run, verify

@@ -16,9 +16,9 @@ import pytest
 
 from pdxfer import BootstrapClient, BootstrapServer, layout_signature
 from pdxfer.bootstrap import Registration
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 
 from . import attack as A
 from .conftest import FAST
@@ -77,7 +77,7 @@ def c() -> Iterator[Cluster]:
 
 
 def now(agent: Agent, room: int, ep: str = "main") -> str:
-    return str(agent.call("ext", fn="pdxfer.testing.attack:states", rooms=[room], ep=ep)[room])
+    return str(agent.call("ext", fn="tests.harness.attack:states", rooms=[room], ep=ep)[room])
 
 
 def metric(agent: Agent, name: str, ep: str = "main") -> int:
@@ -120,7 +120,7 @@ def test_forged_hello_ack_cannot_get_a_live_prefill_declared_dead(c: Cluster) ->
     c.pf.call("send", items=send)
     lost = metric(c.dc, "peers_lost") + metric(c.dc, "peers_hung")
     refused = metric(c.dc, "rejected_unsigned")
-    sessions = c.dc.call("ext", fn="pdxfer.testing.attack:peer_sessions")
+    sessions = c.dc.call("ext", fn="tests.harness.attack:peer_sessions")
     ack = {"type": "HelloAck", "endpoint_id": c.pf.info["endpoint_id"], "ok": True,
            "session": "127.0.0.1:1", "tp_rank": 0, "tp_size": 1, "pools": []}
     for _ in range(3):
@@ -130,7 +130,7 @@ def test_forged_hello_ack_cannot_get_a_live_prefill_declared_dead(c: Cluster) ->
     assert out["state"] == "Success", out
     assert verify(c.dc, [r])[r["room"]][0] == 0
     assert metric(c.dc, "peers_lost") + metric(c.dc, "peers_hung") == lost
-    assert c.dc.call("ext", fn="pdxfer.testing.attack:peer_sessions") == sessions
+    assert c.dc.call("ext", fn="tests.harness.attack:peer_sessions") == sessions
 
 
 @pytest.mark.parametrize("secured", [True, False])
@@ -209,9 +209,9 @@ def test_forged_transfer_done_cannot_make_the_decode_report_success_early(c: Clu
     prep, send = prefill_items([r])
     c.pf.call("prepare", items=prep)
     c.dc.call("recv", items=decode_items([r]), bootstrap=c.srv.address)
-    assert A.wait_for(lambda: c.dc.call("ext", fn="pdxfer.testing.attack:room_nonce",
+    assert A.wait_for(lambda: c.dc.call("ext", fn="tests.harness.attack:room_nonce",
                                         room=r["room"]) != 0)
-    nonce = c.dc.call("ext", fn="pdxfer.testing.attack:room_nonce", room=r["room"])
+    nonce = c.dc.call("ext", fn="tests.harness.attack:room_nonce", room=r["room"])
     refused = metric(c.dc, "rejected_unsigned")
     c.pf.call("send", items=send)
     c.raw.send(c.dc.info["ctrl_addr"], A.plain({

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer, layout_signature, wire
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.harness import Agent, AgentError
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.harness import Agent, AgentError
+from pdxfer.demo.patterns import PoolGeom
 
 from . import attack as A
 from .conftest import FAST, start_pair
@@ -59,7 +59,7 @@ def metrics(agent: Agent, ep: str = "main") -> dict:
 
 
 def now(agent: Agent, room: int, ep: str = "main") -> str:
-    return str(agent.call("ext", fn="pdxfer.testing.attack:states", rooms=[room], ep=ep)[room])
+    return str(agent.call("ext", fn="tests.harness.attack:states", rooms=[room], ep=ep)[room])
 
 
 @pytest.fixture()

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.harness import Agent, wait_until
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo.harness import Agent, wait_until
+from pdxfer.demo.patterns import PoolGeom
 
 from .conftest import start_pair
 from .helpers import Factory, decode_items, prefill_items, run, verify

@@ -1,7 +1,7 @@
 """The model families people serve with PD, on real vLLM: MLA (DeepSeek-V2), every layer
 sliding (Mistral-style), sliding beside full (Gemma 3), attention beside Mamba2 (Nemotron-H)
 and beside Gated DeltaNet (Qwen3-Next), each a tiny random model built here
-(``pdxfer.testing.hf_families``).
+(``tests.harness.hf_families``).
 
 Per family, one ``vllm serve`` prefill and one decode loading ``PdxferConnector`` with
 vLLM's hybrid KV cache manager on (its default), behind ``pdxfer router --engine vllm``,
@@ -11,7 +11,9 @@ through the router equals it token for token: prompts shorter than a block, past
 sliding window, several thousand tokens, and several at once, streamed and not. A sliding
 window family moves the window, not the prompt (bytes the decode received). The decode
 checks every byte it loads against the prefill's (``integrity: full``). A prefill killed
-with requests in flight leaves right answers or clean errors, and the decode serves on.
+with requests in flight leaves right answers or clean errors, and the decode serves on. The
+prefill computes ``STEP`` tokens a step and sends by layer: full and window groups stream,
+a state goes at the request's end.
 
 bf16 families (DeepSeek-V2, Qwen3-Next) are judged where colocated vLLM computes a prompt's
 last token as the decode does, a one-token step (``Family.exact_args``, prompts of k blocks
@@ -34,22 +36,28 @@ from typing import Any
 import pytest
 
 from pdxfer import BootstrapServer
+from pdxfer.demo.vllm_procs import VllmServer, kv_config, read_stats, start_all
 from pdxfer.serving.procs import Proc
-from pdxfer.testing.hf_families import FAMILIES, WINDOW, Family, build_family
-from pdxfer.testing.vllm_procs import VllmServer, kv_config, read_stats, start_all
+from tests.harness.hf_families import FAMILIES, WINDOW, Family, build_family
 
 from .vllm_helpers import complete, right_or_clean_error, stream_ids, wait
 
 pytestmark = pytest.mark.timeout(900)
 
 SERVED = ("gemma3", "mistral_swa", "nemotron_h", "deepseek_v2", "qwen3_next")
-"""The families this module serves (``scripts/bench_models.py`` tries every one). Left out:
+"""The families this module serves (``benchmarks/models.py`` tries every one). Left out:
 gpt-oss, whose decode dies in vLLM's CPU attention kernel (illegal instruction) on its first
 loaded request, with NixlConnector too (docs/vllm.md, model families)."""
 BS = 32
 MAX_LEN = 4096
 LONG = 3000
 """Several thousand prompt tokens (the model's context is ``MAX_LEN``)."""
+L2 = 256
+"""The decode's L2 pages (decode-side tiers: full-attention groups only)."""
+STEP = 96
+"""The prefill's tokens per step (``--max-num-batched-tokens``), under the window: a long
+prompt spans many steps, and the window's blocks more than one (bf16 families: one block,
+``Family.exact_args``, on both sides)."""
 HELD_S = 600.0
 """A held prefill's writes wait this long: far past its kill."""
 
@@ -63,6 +71,7 @@ class Pair:
     decode: VllmServer
     router: Proc
     d_stats: Path
+    p_stats: Path
     tmp: Path
 
     def d(self) -> dict[str, Any]:
@@ -82,6 +91,10 @@ class Pair:
         (float32 families; bf16 rounds differently with the batch's shape)."""
         return self.family.dtype == "float32"
 
+    def exact(self, n: int) -> int:
+        """``n`` tokens, or for a bf16 family the nearest k blocks + 1 at or below."""
+        return (n - 1) // BS * BS + 1 if self.family.exact_args else n
+
     def lengths(self) -> tuple[int, int, int]:
         """Prompt lengths: shorter than a block (one block + 1 for bf16 families), past
         the window, several thousand tokens."""
@@ -92,8 +105,13 @@ class Pair:
 
 def _server(f: Family, model: Path, tmp: Path, name: str, extra: dict[str, object] | None,
             role: str, env: dict[str, str] | None = None) -> VllmServer:
-    args = [*f.vllm_args, *f.exact_args, "--max-model-len", str(MAX_LEN)]
+    args = [*f.vllm_args, "--max-model-len", str(MAX_LEN)]
+    if role == "kv_producer":
+        args += ["--max-num-batched-tokens", str(STEP)]
+    args += f.exact_args  # after STEP: the last one given counts
     more = {"kv_load_failure_policy": "recompute"} if role == "kv_consumer" else {}
+    if role == "kv_consumer":  # a repeated prompt is restored from L2, not vLLM's cache
+        args.append("--no-enable-prefix-caching")
     return VllmServer(name, model, tmp, dtype=f.dtype, block_size=BS, args=args,
                       kv_cache_bytes=512 << 20, env=env,
                       kv_transfer_config=kv_config(role, extra, **more) if extra else None)
@@ -106,21 +124,23 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     tmp = tmp_path_factory.mktemp(f.name)
     model = build_family(tmp / "model", f.name)
     boot = BootstrapServer("127.0.0.1", 0).start()
-    d_stats = tmp / "d.json"
+    d_stats, p_stats = tmp / "d.json", tmp / "p.json"
     servers: list[VllmServer] = []
     router = None
     try:
         servers = [
-            _server(f, model, tmp, "prefill", {"bootstrap": boot.address, "instance": "p0"},
+            _server(f, model, tmp, "prefill", {"bootstrap": boot.address, "instance": "p0",
+                                               "stats_file": str(p_stats), "send_by": "layer"},
                     "kv_producer"),
             _server(f, model, tmp, "decode", {"bootstrap": boot.address, "instance": "d0",
-                                              "stats_file": str(d_stats), "integrity": "full"},
+                                              "stats_file": str(d_stats), "l2_pages": L2,
+                                              "integrity": "full"},
                     "kv_consumer")]
         start_all(servers)
         router = Proc("router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
                                  f"{servers[0].url},{boot.address},p0", "--decode",
                                  f"{servers[1].url},d0"], timeout=180)
-        yield Pair(f, model, boot, servers[0], servers[1], router, d_stats, tmp)
+        yield Pair(f, model, boot, servers[0], servers[1], router, d_stats, p_stats, tmp)
     finally:
         if router is not None:
             router.stop()
@@ -218,6 +238,61 @@ def test_a_load_that_fails_is_recomputed_and_the_decode_serves_on(pair: Pair) ->
     assert int(pair.d().get("load_failures", 0)) == before + 1
     q = prompt(pair.lengths()[1], 78)
     assert complete(pair.router.url, q) == complete(pair.prefill.url, q)
+
+
+def test_by_layer_attention_groups_leave_before_the_prompts_last_step(pair: Pair) -> None:
+    """``send_by: layer`` on a hybrid model: each step hands its full groups' layers (and
+    the window's blocks no later step frees) to the sender, so all but the last of a long
+    prompt's steps went out before its end; a state group goes once, at the end. The
+    decode loads every group without a failure, token for token as colocated."""
+    p = prompt(pair.exact(LONG - 17), 31)
+    d0, p0 = read_stats(pair.d_stats), read_stats(pair.p_stats)
+    got = complete(pair.router.url, p)  # first: the reference would fill the prefix cache
+    assert got == complete(pair.prefill.url, p)
+    wait("the prefill's send", lambda: read_stats(pair.p_stats).get("sends", 0) > p0["sends"]
+         and read_stats(pair.p_stats).get("in_flight_sends", 1) == 0, timeout=60)
+    d, st = read_stats(pair.d_stats), read_stats(pair.p_stats)
+    assert d["load_failures"] == d0["load_failures"] and d["loads"] == d0["loads"] + 1
+    steps = -(-len(p) // STEP)
+    early = st["step_chunks"] - p0["step_chunks"]
+    # a step hands the blocks it completes: every step but the last here (STEP is whole
+    # blocks), but only some where vLLM grew the attention blocks to a Mamba state's page;
+    # a model whose every layer slides only the steps in the last token's window (STEP is
+    # under the window: at least one before the last)
+    f = pair.family
+    stateful = any(k.startswith(("mamba", "linear")) for k in f.config)
+    every_slides = bool(f.window) and "full_attention" not in (f.config.get("layer_types") or ())
+    want = 1 if stateful or every_slides else steps - 1
+    assert early >= want, f"{pair.family.name}: {early} of {steps} steps went before the last"
+    assert st["layer_sends"] > p0["layer_sends"] and st["send_failures"] == p0["send_failures"]
+
+
+def test_decode_tiers_restore_full_groups_and_the_rest_comes_from_the_prefill(
+        pair: Pair) -> None:
+    """A prompt served twice: the second time the decode restores its full-attention
+    groups' pages from L2 (written back after the first) and loads window and state groups
+    from the prefill, token for token as colocated. A model whose every layer slides keeps
+    nothing in L2 (``groups.tiered``)."""
+    f = pair.family
+    every_slides = bool(f.window) and "full_attention" not in (f.config.get("layer_types") or ())
+    p = prompt(pair.exact(2000), 42)
+    ref = complete(pair.prefill.url, p)
+    d0 = read_stats(pair.d_stats)
+    assert complete(pair.router.url, p) == ref
+    wait("the write-back", lambda: read_stats(pair.d_stats).get("writebacks", 0)
+         + read_stats(pair.d_stats).get("writeback_failures", 0) > d0["writebacks"]
+         + d0["writeback_failures"] or every_slides, timeout=30)
+    assert complete(pair.router.url, p) == ref
+    wait("the second load", lambda: read_stats(pair.d_stats).get("loads", 0)
+         >= d0["loads"] + 2, timeout=30)
+    d = read_stats(pair.d_stats)
+    restored = d["restored_pages"] - d0["restored_pages"]
+    assert d["load_failures"] == d0["load_failures"]
+    assert d["writeback_failures"] == d0["writeback_failures"]
+    if every_slides:
+        assert restored == 0 and "tiers" not in d
+    else:
+        assert restored > 0, f"{f.name}: nothing restored from L2"
 
 
 def _registered(boot: BootstrapServer, instance: str) -> bool:

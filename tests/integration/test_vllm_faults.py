@@ -5,7 +5,7 @@ decode (``PdxferConnector``), a colocated vLLM for reference, pdxfer's router in
 One cluster per module (engines start once; the tests run in file order and each leaves the
 cluster serving for the next). The decode runs with L2/L3 (file) tiers, vLLM's own prefix
 cache off (a repeated prefix is restored by pdxfer) and ``kv_load_failure_policy:
-recompute``, and with the ``pace`` fault: each engine step that schedules work sleeps
+recompute``, and with the ``step_pace_s`` key: each engine step that schedules work sleeps
 ``PACE_S``, so a request of N tokens cannot end before N steps, however fast the machine (a
 client that leaves mid-stream always leaves first). Nothing here asserts a duration: every
 "in flight" is a state the test waits for (the decode's stats, vLLM's /metrics), and a
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.vllm_procs import VllmServer, kv_config
+from pdxfer.demo.vllm_procs import VllmServer, kv_config
 
 from . import vllm_helpers as vh
 from .vllm_helpers import (
@@ -55,7 +55,7 @@ def _ids(base: int, n: int) -> list[int]:
 
 
 class Cluster(vh.Cluster):
-    """The decode with L2/L3 (file) tiers, ``recompute`` and the ``pace`` fault; prefills of
+    """The decode with L2/L3 (file) tiers, ``recompute`` and ``step_pace_s``; prefills of
     any instance; the bootstrap server's port kept across its restarts; colocated tokens
     computed once per prompt."""
 
@@ -89,14 +89,13 @@ class Cluster(vh.Cluster):
         extra = {"bootstrap": f"127.0.0.1:{self.port}", "instance": DECODE,
                  "stats_file": str(self.d_stats), "l2_pages": 256, "l3": "file",
                  "l3_dir": str(self.tmp / "l3"), "bootstrap_timeout_s": DEADLINE_S,
-                 "transfer_timeout_s": TRANSFER_S}
+                 "transfer_timeout_s": TRANSFER_S, "step_pace_s": PACE_S}
         self.d_stats.unlink(missing_ok=True)  # the next figures are the new process's
         return VllmServer(
             "decode", self.model, self.tmp, port=port, log_stats=True,
             args=["--no-enable-prefix-caching"],
             kv_transfer_config=kv_config("kv_consumer", extra,
-                                         kv_load_failure_policy="recompute"),
-            env={"PDXFER_FAULTS": f"pace={PACE_S}"})
+                                         kv_load_failure_policy="recompute"))
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ catch it). Issue 34's required tests, each against colocated vLLM, in file order
 many steps, a prefix cached on the prefill, a decode asking late and early, a corrupted
 layer (both forms), a client that leaves while the prefill computes, a prefill killed
 mid-stream under each ``kv_load_failure_policy`` (``docs/testing.md`` maps them). Each
-prefill step is held ``PACE_S`` and each decode step ``DECODE_PACE_S`` (the ``pace``
-fault), so a long prompt is still being computed, and a long answer still being generated,
+prefill step is held ``PACE_S`` and each decode step ``DECODE_PACE_S`` (``step_pace_s``),
+so a long prompt is still being computed, and a long answer still being generated,
 when a client leaves, however fast the machine.
 
 One cluster per module; the tests run in file order, each leaving it serving for the next.
@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from pdxfer.testing.hf_model import SHAPES
-from pdxfer.testing.vllm_procs import VllmServer, kv_config
+from pdxfer.demo.hf_model import SHAPES
+from pdxfer.demo.vllm_procs import VllmServer, kv_config
 
 from . import vllm_helpers as vh
 from .vllm_helpers import client, complete, kv_usage, metric, wait
@@ -53,7 +53,7 @@ LOADED = {"late": 5301, "early": 5302}
 DECODE, PREFILL = "vllm-ld0", "vllm-lp0"
 DEADLINE_S = 20.0
 PACE_S = 0.1
-"""The prefill's shortest step (the ``pace`` fault): a prompt of N steps computes for at least
+"""The prefill's shortest step (``step_pace_s``): a prompt of N steps computes for at least
 N * PACE_S, however fast the machine (a client can leave while it computes)."""
 DECODE_PACE_S = 0.02
 """The decode's shortest step: ``LONG`` tokens take at least 20 s."""
@@ -71,12 +71,12 @@ class Cluster(vh.Cluster):
     def prefill_server(self, port: int | None = None) -> VllmServer:
         extra = {"bootstrap": self.boot.address, "instance": PREFILL,
                  "stats_file": str(self.p_stats), "send_by": "layer",
-                 "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S}
+                 "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S,
+                 "step_pace_s": PACE_S}
         return VllmServer("prefill", self.model, self.tmp, port=port, log_stats=True,
                           args=["--max-num-batched-tokens", str(STEP)],
                           kv_transfer_config=kv_config("kv_producer", extra),
-                          env={"PDXFER_FAULTS": f"delay_write=8,rooms={_rooms(SLOW)},"
-                                                f"pace={PACE_S}"})
+                          env={"PDXFER_FAULTS": f"delay_write=8,rooms={_rooms(SLOW)}"})
 
     policy = "recompute"
     """The decode's ``kv_load_failure_policy`` (the last test restarts it with ``fail``)."""
@@ -84,13 +84,13 @@ class Cluster(vh.Cluster):
     def decode_server(self, port: int | None = None) -> VllmServer:
         extra = {"bootstrap": self.boot.address, "instance": DECODE,
                  "stats_file": str(self.d_stats), "integrity": "sampled",
-                 "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S}
+                 "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S,
+                 "step_pace_s": DECODE_PACE_S}
         return VllmServer("decode", self.model, self.tmp, port=port,
                           args=["--no-enable-prefix-caching"], log_stats=True,
                           kv_transfer_config=kv_config("kv_consumer", extra,
                                                        kv_load_failure_policy=self.policy),
-                          env={"PDXFER_FAULTS": f"corrupt=1,rooms={_rooms(CORRUPT)},"
-                                                f"pace={DECODE_PACE_S}"})
+                          env={"PDXFER_FAULTS": f"corrupt=1,rooms={_rooms(CORRUPT)}"})
 
 
 def _rooms(by: dict[str, int]) -> str:

@@ -11,7 +11,7 @@ and vLLM's own prefix cache off, so a repeated prefix is restored by pdxfer, and
 ``kv_load_failure_policy: recompute``. Faults are set per room from the start:
 room ``ROOM_SLOW`` is written late by the prefill (to kill it mid-transfer), room
 ``ROOM_CORRUPT`` is damaged on the decode after it arrived (integrity must catch it). Each
-decode step that runs requests is held ``PACE_S`` (the ``pace`` fault), so a long request
+decode step that runs requests is held ``PACE_S`` (``step_pace_s``), so a long request
 cannot end before a client that leaves has left, however fast the machine.
 
 The tests run in file order: each leaves the cluster serving for the next.
@@ -27,8 +27,8 @@ import pytest
 from openai import OpenAI
 
 from pdxfer import BootstrapServer
-from pdxfer.testing.hf_model import SHAPES
-from pdxfer.testing.vllm_procs import VllmServer, kv_config, start_all
+from pdxfer.demo.hf_model import SHAPES
+from pdxfer.demo.vllm_procs import VllmServer, kv_config, start_all
 
 from . import vllm_helpers as vh
 from .vllm_helpers import (
@@ -75,12 +75,12 @@ class Cluster(vh.Cluster):
         extra = {"bootstrap": self.boot.address, "instance": DECODE,
                  "stats_file": str(self.d_stats), "l2_pages": 256, "l3": "file",
                  "l3_dir": str(self.tmp / "l3"), "bootstrap_timeout_s": DEADLINE_S,
-                 "transfer_timeout_s": DEADLINE_S}
+                 "transfer_timeout_s": DEADLINE_S, "step_pace_s": PACE_S}
         return VllmServer("decode", self.model, self.tmp, port=port,
                           args=["--no-enable-prefix-caching"], log_stats=True,
                           kv_transfer_config=kv_config("kv_consumer", extra,
                                                        kv_load_failure_policy="recompute"),
-                          env={"PDXFER_FAULTS": f"corrupt=1,rooms={ROOM_CORRUPT},pace={PACE_S}"})
+                          env={"PDXFER_FAULTS": f"corrupt=1,rooms={ROOM_CORRUPT}"})
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer.testing.harness import Agent
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 
 from .helpers import Pages
 
-X = "pdxfer.testing.tier_cmds:"
+X = "tests.harness.tier_cmds:"
 MODEL = "model=pattern-a"
 """The model the tier tests' byte patterns stand for (L3 keys are salted with it)."""
 _rooms = itertools.count(50_000)

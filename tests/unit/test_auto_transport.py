@@ -124,15 +124,17 @@ def test_a_user_who_sets_no_transport_gets_auto_everywhere() -> None:
     import dataclasses
 
     from pdxfer import EndpointConfig
-    from pdxfer.integrations.vllm.config import ConnectorConfig
+    from pdxfer.integrations.vllm import config as C
     from pdxfer.serving.cli_args import add_worker_args
     from pdxfer.serving.toy.worker import WorkerConfig
 
     ap = argparse.ArgumentParser()
     add_worker_args(ap, "decode")
-    for cls in (EndpointConfig, ConnectorConfig, WorkerConfig):
+    for cls in (EndpointConfig, WorkerConfig):
         assert {f.name: f.default for f in dataclasses.fields(cls)}["transport"] == "auto", cls
     assert ap.get_default("transport") == "auto"
+    assert C.default("transport") == "auto"
+    assert C.parse("kv_consumer", {"bootstrap": "127.0.0.1:9"}).get("transport") == "auto"
 
 
 # -- device pools: NVLink on one node, RDMA across nodes, host pools unchanged ------------------

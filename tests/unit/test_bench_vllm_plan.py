@@ -1,4 +1,4 @@
-"""scripts/bench_vllm.py's schedule: which requests each variant sends in a phase, the order
+"""benchmarks/vllm.py's schedule: which requests each variant sends in a phase, the order
 of the phases, and how answers are compared, so a shorter run stays comparable with run 1
 (``docs/performance.md``): every variant but NixlConnector sends run 1's 72 requests per
 section, and NixlConnector a subset of the same prompts with every turn's share kept."""
@@ -18,8 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     import importlib
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    return importlib.import_module("bench_vllm")
+    return importlib.import_module("benchmarks.vllm")
 
 
 def shape(bench: ModuleType, rounds: int, convs: int, turns: int, requests: int = 24) -> object:

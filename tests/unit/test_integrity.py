@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.integrity import (
     IntegrityUnsupported,
     Span,
@@ -19,8 +21,6 @@ from pdxfer.integrity import (
     slot_digests,
     supported,
 )
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.patterns import PoolGeom
 
 ROOM = 41
 TOKENS = (5, 93)  # not page aligned on purpose

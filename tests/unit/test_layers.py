@@ -71,13 +71,13 @@ PUBLIC = ("pdxfer", "pdxfer.tiers")
 """What a user of pdxfer (``serving``, ``integrations``) may import from it."""
 
 FORBIDDEN = {
-    "plan": {"endpoint", "transport", "tiers", "serving", "testing", "wire", "bootstrap",
+    "plan": {"endpoint", "transport", "tiers", "serving", "demo", "wire", "bootstrap",
              "metrics", "auth", "faults", "cli", "integrations"},
-    "transport": {"endpoint", "plan", "tiers", "serving", "testing", "cli", "integrations"},
-    "endpoint": {"tiers", "serving", "testing", "cli", "integrations"},
-    "tiers": {"serving", "testing", "cli", "integrations"},
-    "serving": {"testing", "cli", "integrations"},
-    "integrations": {"testing", "cli", "serving"},
+    "transport": {"endpoint", "plan", "tiers", "serving", "demo", "cli", "integrations"},
+    "endpoint": {"tiers", "serving", "demo", "cli", "integrations"},
+    "tiers": {"serving", "demo", "cli", "integrations"},
+    "serving": {"demo", "cli", "integrations"},
+    "integrations": {"demo", "cli", "serving"},
 }
 
 
@@ -90,9 +90,28 @@ def test_arrows_run_only_downward() -> None:
     assert not bad, "forbidden imports:\n" + "\n".join(sorted(bad))
 
 
-def test_only_cli_and_testing_import_the_test_harness() -> None:
+def test_only_cli_imports_the_demo() -> None:
     bad = [f"{m} -> {d}" for m, deps in _graph().items() for d in deps
-           if _layer(d) == "testing" and _layer(m) not in ("testing", "cli")]
+           if _layer(d) == "demo" and _layer(m) not in ("demo", "cli")]
+    assert not bad, bad
+
+
+def _top_imports(path: Path) -> set[str]:
+    """Top-level packages ``path`` imports absolutely (``import x.y``/``from x.y import z``)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_the_wheel_never_imports_the_checkout() -> None:
+    """``tests`` (the harness) and ``benchmarks`` are not in the wheel: the library, the
+    demo included, must run without them (``pdxfer bench`` imports ``benchmarks`` by name)."""
+    bad = [f"{_module(p)} imports {sorted(_top_imports(p) & {'tests', 'benchmarks'})}"
+           for p in ROOT.rglob("*.py") if _top_imports(p) & {"tests", "benchmarks"}]
     assert not bad, bad
 
 
@@ -104,9 +123,48 @@ def test_serving_uses_only_the_public_api() -> None:
 
 
 def test_integrations_use_only_the_public_api() -> None:
-    """An engine integration is a user of pdxfer like ``serving``: public names only."""
+    """An engine integration is a user of pdxfer like ``serving``: the modules in ``PUBLIC``
+    and, from ``pdxfer`` itself, only the names in its ``__all__``."""
     bad = [f"{m} -> {d}" for m, deps in _graph().items() if _layer(m) == "integrations"
            for d in deps if _layer(d) != "integrations" and d not in PUBLIC]
+    assert not bad, bad
+    taken = {n for p in (ROOT / "integrations").rglob("*.py") for n in _names_from_pdxfer(p)}
+    assert "Endpoint" in taken  # the walk sees the integrations' imports at all
+    assert taken <= _public_names(), sorted(taken - _public_names())
+
+
+def _public_names() -> set[str]:
+    """``pdxfer.__all__``, read from the source."""
+    tree = ast.parse((ROOT / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("pdxfer/__init__.py has no __all__")
+
+
+def _names_from_pdxfer(path: Path) -> set[str]:
+    """The names ``path`` takes from the package itself (``from pdxfer import X``), submodules
+    (``from pdxfer import wire``) left out."""
+    subs = {p.stem for p in ROOT.glob("*.py")} | {p.name for p in ROOT.iterdir() if p.is_dir()}
+    return {a.name for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ImportFrom) and node.module == "pdxfer" and not node.level
+            for a in node.names if a.name not in subs}
+
+
+USERS = ("pdxfer", "tests", "scripts", "examples", "benchmarks")
+"""Where code that imports pdxfer lives. The test harness, tests, scripts and benchmarks may
+import any internal submodule (``from pdxfer.faults import Faults``); only the layers above
+hold the library itself to its arrows."""
+
+
+def test_names_taken_from_the_package_itself_are_public() -> None:
+    """``from pdxfer import X`` means X is public: internals are reached through their
+    submodule, so ``__all__`` never widens for the harness's sake."""
+    public = _public_names()
+    bad = [f"{p.relative_to(ROOT.parent)}: {sorted(_names_from_pdxfer(p) - public)}"
+           for top in USERS for p in (ROOT.parent / top).rglob("*.py")
+           if _names_from_pdxfer(p) - public]
     assert not bad, bad
 
 

@@ -17,12 +17,12 @@ import torch
 
 from pdxfer import BootstrapServer, KVPoll, wire
 from pdxfer import plan as P
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.endpoint.pack import MAX_ENTRY, Packer, merged, unpack
 from pdxfer.endpoint.staging import Lease, Staging
 from pdxfer.plan.chunk import Ask, check_ask, plan_chunk
 from pdxfer.plan.pack import PACK_POOL, Pack, pack_bytes, pack_error, plan_pack, wanted
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.patterns import PoolGeom
 
 from .test_state_machines import Pair, transfer, until, wait
 

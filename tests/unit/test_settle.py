@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer, Endpoint, EndpointConfig, KVPoll, TransportError
+from pdxfer.demo import patterns as pat
 from pdxfer.endpoint.settler import Settler
-from pdxfer.testing import patterns as pat
 from pdxfer.transport import MemoryFabric, MemoryTransport
 
 from .test_state_machines import FAST, GEOMS, Pair, stranded_room, until, wait
@@ -43,7 +43,7 @@ def test_a_decode_whose_proof_hangs_holds_back_no_other_decodes_messages(
     hangs (proven one after the other, it waited for that step, past its deadline)."""
     p = Pair(srv, transfer_timeout_s=LONG)
     ds, _ = pat.build(GEOMS)
-    other = Endpoint(EndpointConfig(role="decode", bootstrap=srv.address,
+    other = Endpoint(EndpointConfig.from_flat(role="decode", bootstrap=srv.address,
                                     **{**FAST, "transfer_timeout_s": LONG}),
                      ds, transport=MemoryTransport(p.fabric))
     released: dict[int, float] = {}

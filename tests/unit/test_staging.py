@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from pdxfer import plan as P
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.endpoint.staging import Lease, Staging, bounce, scatter
 from pdxfer.plan.heads import lease_bytes, lease_error, plan_staged
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.patterns import PoolGeom
 
 
 def apply(blocks: P.Blocks) -> None:

@@ -27,8 +27,8 @@ from pdxfer import (
     PlanError,
     wire,
 )
-from pdxfer.testing import patterns as pat
-from pdxfer.testing.patterns import PoolGeom
+from pdxfer.demo import patterns as pat
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.transport import MemoryFabric, MemoryTransport
 
 GEOMS = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=4, heads=2, head_dim=8),
@@ -51,9 +51,9 @@ class Pair:
         self.dspecs, self.dt = pat.build(GEOMS)
         pat.fill_sentinel(self.dt)
         conf = {**FAST, **cfg}
-        self.pf = Endpoint(EndpointConfig(role="prefill", bootstrap=srv.address, **conf),
+        self.pf = Endpoint(EndpointConfig.from_flat(role="prefill", bootstrap=srv.address, **conf),
                            self.pspecs, transport=self.ptx)
-        self.dc = Endpoint(EndpointConfig(role="decode", bootstrap=srv.address, **conf),
+        self.dc = Endpoint(EndpointConfig.from_flat(role="decode", bootstrap=srv.address, **conf),
                            self.dspecs, transport=self.dtx)
         self.released: collections.Counter[int] = collections.Counter()
         self.rng = np.random.default_rng(3)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer, KVPoll, PlanError, wire
-from pdxfer.testing import patterns as pat
+from pdxfer.demo import patterns as pat
 
 from .test_state_machines import Pair, _rooms, until, wait
 

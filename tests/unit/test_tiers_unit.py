@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
+from pdxfer.demo.patterns import PoolGeom, build
 from pdxfer.errors import ConfigError
-from pdxfer.testing.patterns import PoolGeom, build
 from pdxfer.tiers import CapacityError, FileStorage, HostCache, TieredCache, page_keys
 from pdxfer.tiers.keys import pool_key
 from pdxfer.tiers.storage import NO_DIGEST

@@ -3,6 +3,8 @@ that a cache dtype mismatch is refused when the two sides pair, naming both."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from pdxfer.endpoint.sender import model_diff
@@ -49,6 +51,41 @@ def test_the_decode_asks_from_its_first_real_block_and_refuses_a_hole() -> None:
     assert G.window_start(SLIDE, [0, 5, 0, 6], 0, 128) is None
 
 
+def _skipped(window: int, computed: int) -> int:
+    """vLLM's own rule: tokens a sliding-window group no longer keeps after ``computed``."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    me = types.SimpleNamespace(sliding_window=window, extra_retained_tokens=0)
+    return SlidingWindowManager.get_num_skipped_tokens(me, computed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("window", [32, 100, 128])
+def test_a_streamed_window_block_is_never_freed_and_covers_what_the_decode_holds(
+        window: int) -> None:
+    """While the prefill runs vLLM frees blocks below ``skipped(c) // bs`` for the tokens
+    ``c < n`` it computed; the decode holds from ``skipped(n) // bs``. Streamed blocks start
+    at ``window_first``: never freed before the request ends, none the decode holds left out."""
+    g = Group(1, "window", 32, ("a",), window=window)
+    for n in range(1, 700, 7):
+        first = G.window_first(g, n)
+        freed = max((_skipped(window, c) // 32 for c in range(n)), default=0)
+        assert first >= freed, (n, first, freed)
+        assert first <= _skipped(window, n) // 32, (n, first)
+
+
+def test_a_step_hands_only_window_blocks_no_step_frees() -> None:
+    n = 300  # window 128: blocks from (300 - 128) // 32 = 5 on are never freed
+    assert G.window_first(SLIDE, n) == 5
+    ids = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert G.stream_pages(SLIDE, ids, 0, 224, n) == [-1, -1, -1, -1, -1, 8, 9]
+    assert G.stream_pages(SLIDE, ids, 224, 300, n) == [10, 11, 12]
+    assert G.stream_pages(FULL, ids, 64, 128, n) == [5, 6]
+    assert G.stream_start(G.parts([FULL, SLIDE])[1], n) == 160
+    assert G.stream_start(G.parts([FULL, SLIDE])[0], n) == 0
+    with pytest.raises(ValueError, match="blocks for tokens"):
+        G.stream_pages(FULL, ids[:2], 0, 96, n)
+
+
 @pytest.mark.parametrize(("blocks", "spec", "slot"), [
     ([0, 0, 17], 0, 17), ([17], 0, 17), ([0, 17, 30, 31], 2, 17), ([0], 0, None), ([], 0, None)])
 def test_the_state_block_is_the_running_one(blocks: list[int], spec: int,
@@ -62,3 +99,10 @@ def test_a_cache_dtype_mismatch_names_both_sides() -> None:
     why = model_diff(p, d)
     assert "cache_dtype: prefill fp8, decode auto" in why
     assert "dtype: prefill float8_e4m3fn, decode float32" in why
+
+
+def test_tiers_keep_full_groups_only_and_none_of_a_model_whose_every_layer_slides() -> None:
+    assert G.tiered([FULL, SLIDE, SLIDE2, STATE]) == (FULL,)
+    assert G.tiered([FULL, STATE]) == (FULL,)
+    assert G.tiered([FULL]) == (FULL,)
+    assert G.tiered([SLIDE]) == () and G.tiered([STATE]) == ()

@@ -231,16 +231,15 @@ def parse_send_by(extra: dict[str, Any]) -> str:
     return C.parse("kv_producer", {"bootstrap": "127.0.0.1:1", **extra}).send_by
 
 
-def test_send_by_keeps_the_older_send_per_step_key() -> None:
+def test_send_by_is_the_one_key_for_when_kv_leaves() -> None:
     import pytest
 
     from pdxfer import ConfigError
 
     assert parse_send_by({}) == "layer"
-    assert parse_send_by({"send_per_step": True}) == "step"
-    assert parse_send_by({"send_per_step": False}) == "request"
+    assert parse_send_by({"send_by": "step"}) == "step"
     assert parse_send_by({"send_by": "request"}) == "request"
     with pytest.raises(ConfigError, match="send_by"):
         parse_send_by({"send_by": "token"})
-    with pytest.raises(ConfigError, match="send_by only"):
-        parse_send_by({"send_by": "layer", "send_per_step": True})
+    with pytest.raises(ConfigError, match="unknown key.*send_per_step"):
+        parse_send_by({"send_per_step": True})  # no aliases before 1.0

@@ -84,10 +84,10 @@ def test_the_scheduler_orders_each_steps_blocks_and_answers_the_room_it_opened(
         "the answer names the room the workers opened (the one drawn at scheduling)"
 
 
-def test_send_per_step_off_orders_the_whole_prompt_once(
+def test_send_by_request_orders_the_whole_prompt_once(
         model: Path, server: BootstrapServer) -> None:
     pair = make_pair(model, server, name="whole", batched=STEP,
-                     prefill_extra={"send_per_step": False})
+                     prefill_extra={"send_by": "request"})
     p = pair.p
     tokens = [(i * 7) % 900 + 10 for i in range(150)]
     p.add("w", tokens, 1, prefill_params(77, "d-whole"))

@@ -1,4 +1,4 @@
-"""``pdxfer.testing.zmqctx``: a test's context closes even with messages nobody will take."""
+"""``tests.harness.zmqctx``: a test's context closes even with messages nobody will take."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import zmq
 
-from pdxfer.testing.zmqctx import context
+from tests.harness.zmqctx import context
 
 
 def _dead_port() -> int:
@@ -50,7 +50,8 @@ def test_tests_and_the_harness_make_their_contexts_in_one_place() -> None:
     root = Path(__file__).resolve().parents[2]
     files = [*root.joinpath("tests").rglob("*.py"), *root.joinpath("scripts").rglob("*.py"),
              *root.joinpath("examples").rglob("*.py"),
-             *root.joinpath("pdxfer", "testing").rglob("*.py")]
+             *root.joinpath("benchmarks").rglob("*.py"),
+             *root.joinpath("pdxfer", "demo").rglob("*.py")]
     bad = [str(p.relative_to(root)) for p in files
            if p.name not in ("zmqctx.py", "test_zmqctx.py")
            and re.search(r"\bContext\s*\(", p.read_text())]

@@ -44,6 +44,7 @@ from pdxfer import (
     ConfigError,
     Endpoint,
     EndpointConfig,
+    Limits,
     PdxferError,
     trusted_bootstrap,
     trusted_from_env,
@@ -186,8 +187,9 @@ class PdxferKVManager(CommonKVManager):
             dp_size=dp_size, pp_rank=self.pp_rank if role == "prefill" else 0,
             pp_size=self.pp_size if role == "prefill" else 1,
             transport="rdma" if ib else "auto", device=ib,
-            bootstrap_timeout_s=float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
-            transfer_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()))
+            limits=Limits(
+                bootstrap_timeout_s=float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
+                transfer_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())))
 
     def _location(self) -> str:
         gpu = getattr(self.kv_args, "gpu_id", None)

@@ -1,108 +1,95 @@
 """The connector's settings: ``kv_connector_extra_config`` parsed and validated in one place.
 
-Every key is listed in ``FIELDS`` with its type; an unknown key, a wrong type or a value out of
-range is a ``ConfigError`` that names the key, raised when vLLM builds the connector (at
-start-up, not at the first request).
+The keys are ``ConnectorConfig``'s own fields and ``ENDPOINT_KEYS``, endpoint settings whose
+default and help live on pdxfer's ``EndpointConfig`` (``pdxfer.endpoint_settings``): each is
+written once. An unknown key, a wrong type or a value out of range is a ``ConfigError`` that
+names the key, raised when vLLM builds the connector (at start-up, not at the first request).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pdxfer import ConfigError, EndpointConfig, parse_hostport, parse_hostports, require_trusted
+from pdxfer import (
+    ConfigError,
+    EndpointConfig,
+    endpoint_settings,
+    parse_hostport,
+    parse_hostports,
+    require_trusted,
+)
 
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
-TRANSPORTS = ("auto", "tcp", "rdma", "nixl", "nvlink")
-INTEGRITY = ("off", "sampled", "full")
 L3_KINDS = ("off", "file", "mooncake")
 SEND_BY = ("request", "step", "layer")
+ENDPOINT_KEYS = ("host", "transport", "device", "insecure", "integrity", "integrity_retry",
+                 "bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s",
+                 "room_grace_s")
+"""Keys that set the endpoint's field of the same name (its default and help)."""
+ENDPOINT = {k: endpoint_settings()[k] for k in ENDPOINT_KEYS}
+
+
+def _key(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
-    """One vLLM instance's pdxfer settings (``kv_connector_extra_config``).
-
-    - ``bootstrap``: ``host:port`` of the pdxfer bootstrap server. A prefill registers there
-      and names it in its responses. A decode (required) trusts these bootstrap servers
-      only (one, or several separated by commas): a request whose ``pdxfer_bootstrap`` names
-      any other is served as if it had no pdxfer params (logged, counted in
-      ``vllm:pdxfer_untrusted_refused``), so a client never chooses where KV comes from.
-    - ``instance``: this instance's name. A decode's name is what a router puts in
-      ``pdxfer_decode`` so the prefill binds the room to it; a prefill's name is how its
-      ranks register. Default ``vllm-prefill`` / ``vllm-decode`` (set it when several
-      instances share a bootstrap server).
-    - ``host``: the address peers reach this instance's ranks at (default 127.0.0.1).
-    - ``transport`` (``auto``, ``tcp``, ``rdma``, ``nixl``) and ``device`` (the RDMA NIC):
-      ``auto`` (default) picks at pairing the fastest transport both sides run (NIXL on one
-      host, Mooncake TCP across hosts); an explicit one must be the same on both sides.
-    - ``secret_file``: a file holding the shared secret (>= 16 bytes): every control frame
-      and bootstrap request is authenticated (``PDXFER_SECRET``/``PDXFER_SECRET_FILE`` in
-      the environment do the same). Without a secret, every pdxfer listener serves loopback
-      peers only and a non-loopback ``host`` is refused at start, unless ``insecure`` (true;
-      or ``PDXFER_INSECURE=1``) opts in to serving other hosts unauthenticated.
-    - ``integrity``: how the decode checks what arrived (``sampled``, ``full``, ``off``);
-      ``integrity_retry`` asks the prefill once more on a mismatch.
-    - ``l2_pages`` (decode): host pages (vLLM blocks) of decode-side prefix cache; 0 is off.
-      ``l3``: ``off``, ``file`` (``l3_dir``, ``l3_max_gb``) or ``mooncake``
-      (``l3_mooncake`` master ``host:port``, ``l3_mooncake_metadata`` URL,
-      ``l3_mooncake_segment_mb``).
-    - ``model_id``: the served model's identity (name and revision). It salts every L2/L3
-      key and is checked when a prefill and a decode pair, so two models never share KV.
-      Default: the served model name and ``--revision``.
-    - deadlines in seconds: ``bootstrap_timeout_s`` (a prefill waits this long for the
-      decode's request after its prefill finished), ``transfer_timeout_s``,
-      ``abort_timeout_s``, ``heartbeat_s``; ``room_grace_s`` (prefill): how long a decode's
-      request for a room this prefill has not received is held (a request vLLM has queued
-      is expected: its decode waits up to ``bootstrap_timeout_s``).
-    - ``send_by`` (prefill): when computed KV goes to the sender. ``layer`` (default): as
-      each attention layer of a step finishes (``save_kv_layer``), that layer's blocks for
-      the tokens the step computed (a block the step fills in part is written for those
-      tokens and completed by the next step where the cache's blocks are addressable by
-      token, as on a GPU; vLLM's CPU backend packs each block per ISA, so there a block goes
-      once it is complete); a hand-off, the forward never waits on the
-      network, and a decode that already asked receives layer 0 while the step computes the
-      later layers. ``step``: after each step, the full blocks it computed. ``request``: all
-      of a request's KV once its prompt is computed. A decode that asks late gets what was
-      handed over at once, the rest as it comes. Layer by layer is the default because it
-      starts each byte's transfer earliest at the same bytes moved (the ideal time to first
-      token is the prefill plus one layer's transfer) and costs the forward only the hand-off;
-      ``step`` is the fallback where ``save_kv_layer`` is not called (a layer it misses is
-      handed over after the step all the same).
-    - ``send_per_step`` (prefill, the older form of ``send_by``): true is ``step``, false is
-      ``request``; refused together with ``send_by``.
-    - ``stats_file``: a JSON file each worker rewrites with its counters (bytes sent and
-      received, restored pages, failures) whenever a request's KV moved (``.tpN`` is
-      appended per rank when TP > 1).
-    """
+    """One vLLM instance's pdxfer settings: the connector's own keys (each field's help), and
+    the endpoint keys the user set (``endpoint``; ``get`` falls back to their defaults)."""
 
     role: str
-    bootstrap: str | None = None
-    instance: str = ""
-    host: str = "127.0.0.1"
-    transport: str = "auto"
-    device: str = ""
-    secret_file: str | None = None
-    insecure: bool = False
-    integrity: str = "sampled"
-    integrity_retry: bool = False
-    l2_pages: int = 0
-    l3: str = "off"
-    l3_dir: str = ""
-    l3_max_gb: float = 0.0
-    l3_mooncake: str = ""
-    l3_mooncake_metadata: str = ""
-    l3_mooncake_segment_mb: int = 64
-    model_id: str = ""
-    bootstrap_timeout_s: float = 30.0
-    transfer_timeout_s: float = 60.0
-    abort_timeout_s: float = 5.0
-    heartbeat_s: float = 0.5
-    room_grace_s: float = 5.0
-    stats_file: str = ""
-    send_by: str = "layer"
-    send_per_step: bool | None = None
+    """vLLM's ``kv_role``: ``kv_producer`` (prefill) or ``kv_consumer`` (decode)."""
+    bootstrap: str | None = _key(
+        None, "``host:port`` of the pdxfer bootstrap server: a prefill registers there and "
+        "names it in its responses. A decode (required) trusts these bootstrap servers only "
+        "(one, or several separated by commas): a request whose ``pdxfer_bootstrap`` names "
+        "any other is served as if it had no pdxfer params (logged, counted in "
+        "``vllm:pdxfer_untrusted_refused``), so a client never chooses where KV comes from")
+    instance: str = _key(
+        "", "this instance's name: a decode's is what a router puts in ``pdxfer_decode`` so "
+        "the prefill binds the room to it; a prefill's is how its ranks register. Default "
+        "``vllm-prefill`` / ``vllm-decode`` (set it when several instances share a bootstrap "
+        "server)")
+    secret_file: str | None = _key(
+        None, "a file holding the shared secret (>= 16 bytes): every control frame and "
+        "bootstrap request is authenticated (``PDXFER_SECRET``/``PDXFER_SECRET_FILE`` do the "
+        "same). Without a secret every pdxfer listener serves loopback peers only, unless "
+        "``insecure``")
+    l2_pages: int = _key(0, "(decode) host pages (vLLM blocks) of decode-side prefix cache "
+                         "(0: off)")
+    l3: str = _key("off", "(decode) storage tier under L2: ``off``, ``file`` (``l3_dir``, "
+                   "``l3_max_gb``) or ``mooncake`` (``l3_mooncake``...)")
+    l3_dir: str = _key("", "``l3='file'``: the folder (one subfolder per TP rank)")
+    l3_max_gb: float = _key(0.0, "``l3='file'``: size bound of the folder (0: none)")
+    l3_mooncake: str = _key("", "``l3='mooncake'``: the Mooncake Store master's ``host:port``")
+    l3_mooncake_metadata: str = _key("", "``l3='mooncake'``: the store's metadata URL")
+    l3_mooncake_segment_mb: int = _key(
+        64, "``l3='mooncake'``: store memory this decode contributes (0: none)")
+    model_id: str = _key(
+        "", "the served model's identity (name and revision): it salts every L2/L3 key and is "
+        "checked when a prefill and a decode pair, so two models never share KV. Default: "
+        "the served model name and ``--revision``")
+    stats_file: str = _key(
+        "", "a JSON file each worker rewrites with its counters (bytes sent and received, "
+        "restored pages, failures) whenever a request's KV moved (``.tpN`` appended per rank "
+        "when TP > 1)")
+    send_by: str = _key(
+        "layer", "(prefill) when computed KV goes to the sender: ``layer``, as each attention "
+        "layer of a step finishes (``save_kv_layer``; the forward only hands over, and a "
+        "decode that already asked receives layer 0 while later layers compute); ``step``, "
+        "after each step, the full blocks it computed (the fallback where ``save_kv_layer`` "
+        "is not called); ``request``, all of a request's KV once its prompt is computed "
+        "(docs/vllm.md)")
+    step_pace_s: float = _key(
+        0.0, "seconds each engine step that schedules work is held (an emulated slower "
+        "model: a request of N tokens then takes at least N times this; tests that must "
+        "outlast a client use it); 0: off")
+    endpoint: Mapping[str, Any] = field(default_factory=dict)
+    """The ``ENDPOINT_KEYS`` the user set (the rest keep ``EndpointConfig``'s defaults)."""
 
     @property
     def trusted(self) -> tuple[str, ...]:
@@ -114,6 +101,10 @@ class ConnectorConfig:
         """pdxfer's word for the role: ``prefill`` or ``decode``."""
         return ROLES[self.role]
 
+    def get(self, key: str) -> Any:
+        """An endpoint key's value: the user's, else the endpoint's default."""
+        return self.endpoint.get(key, ENDPOINT[key].default)
+
     def endpoint_config(self, tp_rank: int, tp_size: int, fingerprint: str) -> EndpointConfig:
         secret = None
         if self.secret_file:
@@ -122,25 +113,29 @@ class ConnectorConfig:
                     secret = f.read().strip().decode()
             except OSError as e:
                 raise ConfigError(f"kv_connector_extra_config.secret_file: {e}") from None
-        return EndpointConfig(
-            role=self.side,  # type: ignore[arg-type]
-            bootstrap=self.bootstrap if self.side == "prefill" else None,
-            trusted_bootstraps=self.trusted, insecure=self.insecure,
-            instance=self.instance, host=self.host, tp_rank=tp_rank, tp_size=tp_size,
-            transport=self.transport, device=self.device,
-            bootstrap_timeout_s=self.bootstrap_timeout_s,
-            transfer_timeout_s=self.transfer_timeout_s, abort_timeout_s=self.abort_timeout_s,
-            heartbeat_s=self.heartbeat_s, room_grace_s=self.room_grace_s, integrity=self.integrity,  # type: ignore[arg-type]
-            integrity_retry=self.integrity_retry, model_id=fingerprint, secret=secret)
+        return EndpointConfig.from_flat(
+            role=self.side, bootstrap=self.bootstrap if self.side == "prefill" else None,
+            trusted_bootstraps=self.trusted, instance=self.instance, tp_rank=tp_rank,
+            tp_size=tp_size, model_id=fingerprint, secret=secret, **self.endpoint)
 
 
-KEYS = {f.name: f.type for f in fields(ConnectorConfig) if f.name != "role"}
+OWN = {f.name: f for f in fields(ConnectorConfig) if "help" in f.metadata}
+KEYS = {**{k: str(f.type) for k, f in OWN.items()}, **{k: s.kind for k, s in ENDPOINT.items()}}
+"""Every key, with its type."""
+
+
+def default(key: str) -> Any:
+    """What a key is when the user does not set it."""
+    return OWN[key].default if key in OWN else ENDPOINT[key].default
+
+
+def help_of(key: str) -> str:
+    return OWN[key].metadata["help"] if key in OWN else ENDPOINT[key].help
 
 
 def _typed(key: str, value: Any, kind: str) -> Any:
     ok = {"str": isinstance(value, str), "str | None": value is None or isinstance(value, str),
           "bool": isinstance(value, bool),
-          "bool | None": value is None or isinstance(value, bool),
           "int": isinstance(value, int) and not isinstance(value, bool),
           "float": isinstance(value, (int, float)) and not isinstance(value, bool)}[kind]
     if not ok:
@@ -160,17 +155,13 @@ def parse(kv_role: str | None, extra: dict[str, Any] | None, model_name: str = "
     if unknown:
         raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: "
                           f"{sorted(KEYS)}")
-    vals = {k: _typed(k, v, str(KEYS[k])) for k, v in extra.items()}
-    if vals.get("send_per_step") is not None:
-        if "send_by" in vals:
-            raise ConfigError("kv_connector_extra_config: send_per_step is the older form of "
-                              "send_by; set send_by only")
-        vals["send_by"] = "step" if vals["send_per_step"] else "request"
+    vals = {k: _typed(k, v, KEYS[k]) for k, v in extra.items()}
+    endpoint = {k: vals.pop(k) for k in ENDPOINT_KEYS if k in vals}
     side = ROLES[kv_role]
     vals.setdefault("instance", f"vllm-{side}")
     if not vals.get("model_id"):
         vals["model_id"] = f"{model_name}@{revision or 'local'}"
-    cfg = ConnectorConfig(role=kv_role, **vals)
+    cfg = ConnectorConfig(role=kv_role, endpoint=endpoint, **vals)
     _check(cfg)
     return cfg
 
@@ -184,10 +175,11 @@ def _check(c: ConnectorConfig) -> None:
                   "host:port")
     if not c.instance or len(c.instance) > 128:
         raise bad("instance", "must be 1-128 characters")
-    if c.transport not in TRANSPORTS:
-        raise bad("transport", f"one of {TRANSPORTS}, got {c.transport!r}")
-    if c.integrity not in INTEGRITY:
-        raise bad("integrity", f"one of {INTEGRITY}, got {c.integrity!r}")
+    for key, s in ENDPOINT.items():
+        if s.choices and c.get(key) not in s.choices:
+            raise bad(key, f"one of {s.choices}, got {c.get(key)!r}")
+        if s.kind == "float" and c.get(key) <= 0:
+            raise bad(key, "must be > 0")
     if c.send_by not in SEND_BY:
         raise bad("send_by", f"one of {SEND_BY}, got {c.send_by!r}")
     if c.l3 not in L3_KINDS:
@@ -206,10 +198,8 @@ def _check(c: ConnectorConfig) -> None:
                   "l3_mooncake_metadata (URL)")
     if c.l3_max_gb < 0 or c.l3_mooncake_segment_mb < 0:
         raise bad("l3_max_gb", "sizes must be >= 0")
-    for key in ("bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s",
-                "room_grace_s"):
-        if getattr(c, key) <= 0:
-            raise bad(key, "must be > 0")
+    if c.step_pace_s < 0:
+        raise bad("step_pace_s", "must be >= 0")
     if c.secret_file and not os.path.isfile(c.secret_file):
         raise bad("secret_file", f"no such file: {c.secret_file!r}")
     if c.side == "prefill":

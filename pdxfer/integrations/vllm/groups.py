@@ -5,7 +5,8 @@ block table (one block pool shared by all groups, so block ids never collide):
 
 - ``full``: full attention and MLA. Every block of the prompt moves; it may stream.
 - ``window``: sliding-window attention. vLLM frees blocks that left the window (its table
-  then holds the null block 0), so only the window's tail moves, once, at the end.
+  then holds the null block 0), so only the window's tail moves; with ``send_by: layer``
+  the blocks no step can free (``window_first``) stream as they are computed.
 - ``state``: Mamba2 / Gated DeltaNet state: one state block per request, final after the
   prefill's last chunk. It moves as a pdxfer slot; the prefill stops one token short and
   the decode computes the last prompt token itself (the state must not see it twice).
@@ -84,9 +85,24 @@ def parts(groups: Sequence[Group]) -> tuple[Part, ...]:
 
 
 def streams(groups: Sequence[Group]) -> bool:
-    """Whether blocks may go out step by step: only when every group keeps every block (a
-    window group frees blocks while the prefill runs; a state is final only at the end)."""
+    """Whether the model takes the plain path, one pool streamed in every ``send_by`` mode:
+    every group full attention. A hybrid model streams by layer only (``stream_pages``; a
+    state goes at the request's end), and with ``send_by: step | request`` once, at its end."""
     return all(g.kind == "full" for g in groups)
+
+
+def tiered(groups: Sequence[Group]) -> tuple[Group, ...]:
+    """The groups decode-side tiers (L2/L3) restore: the full-attention groups of the
+    request's own room. A full group's page is a function of the tokens before it, so a
+    page saved from any request serves any other with that prefix. Window and state groups
+    always load from the prefill, which computed the whole prompt: a window block is kept by
+    nobody once the window passed it, and a state is sound only at the position it was
+    taken (a vLLM ``align`` checkpoint), so none is saved. A model whose request room holds
+    a window group (every layer sliding) has none."""
+    first = parts(groups)[0].groups if groups else ()
+    if any(g.kind == "window" for g in first):
+        return ()
+    return tuple(g for g in first if g.kind == "full")
 
 
 def backoff(groups: Sequence[Group]) -> int:
@@ -111,6 +127,35 @@ def state_slot(g: Group, blocks: Sequence[int]) -> int:
     if slot is None:
         raise ValueError(f"no state block for {g.pool} in {list(blocks)}")
     return slot
+
+
+def window_first(g: Group, num_tokens: int) -> int:
+    """The first block of window group ``g`` that no step of a ``num_tokens`` prefill frees:
+    vLLM frees blocks below ``(c - window + 1) // block_size`` for ``c`` computed tokens, and
+    ``c`` stays below ``num_tokens`` while the request runs. The decode holds from
+    ``(num_tokens - window + 1) // block_size`` on (never earlier)."""
+    return max(0, num_tokens - g.window) // g.block_size
+
+
+def stream_pages(g: Group, blocks: Sequence[int], t0: int, t1: int, num_tokens: int
+                 ) -> list[int]:
+    """The pages of ``g`` holding tokens ``[t0, t1)`` that a step may hand over before the
+    request ends: every block of a full group; of a window group, -1 (never read) below
+    ``window_first`` (vLLM may free those before the request ends)."""
+    lo = window_first(g, num_tokens) if g.kind == "window" else 0
+    ids = list(blocks)
+    if len(ids) < -(-t1 // g.block_size):
+        raise ValueError(f"{g.pool}: {len(ids)} blocks for tokens [{t0}, {t1})")
+    return [-1 if k < lo or ids[k] == NULL_BLOCK else int(ids[k])
+            for k in range(t0 // g.block_size, -(-t1 // g.block_size))]
+
+
+def stream_start(part: Part, num_tokens: int) -> int:
+    """The token before which a step hands nothing of ``part`` (its window groups' earliest
+    block that no step frees; 0 for a part of full groups)."""
+    wins = [window_first(g, num_tokens) * g.block_size for g in part.groups
+            if g.kind == "window"]
+    return min(wins) if wins else 0
 
 
 def source_pages(g: Group, blocks: Sequence[int], num_tokens: int) -> list[int]:

@@ -71,6 +71,12 @@ class LayerOrder:
     start: int
     end: int
     last: bool
+    groups: tuple[tuple[int, ...], ...] = ()
+    """A hybrid model (``block_ids`` then empty): each transfer group's blocks from the
+    prompt's first token to ``end`` as vLLM holds them now (empty for a state group); the
+    worker picks each part's pages (``groups.stream_pages``)."""
+    num_tokens: int = 0
+    """A hybrid model: the prompt's tokens (where a window ends)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +121,9 @@ class WritebackOrder:
     tokens: tuple[int, ...]
     block_ids: tuple[int, ...]
     scope: str = ""
+    groups: tuple[tuple[int, ...], ...] = ()
+    """A hybrid model: each transfer group's blocks of ``tokens`` (empty for a group tiers
+    do not keep, ``groups.tiered``)."""
 
 
 @dataclass(eq=False)

@@ -4,7 +4,9 @@ Prefill (``kv_producer``): a request's room is expected from its arrival and ope
 vLLM schedules it, so a decode that asks early is attached; each step hands the sender what
 the step computed (``send_by``: per layer, per step's full blocks, or the whole request at
 its end); a finished request keeps its blocks until every worker reports its send over.
-A hybrid model (``groups.py``) sends every group once, at the request's end.
+A hybrid model (``groups.py``) streams by layer (``send_by: layer``: full groups, and the
+window's blocks no step frees) and sends the rest (Mamba state) at the request's end; with
+another ``send_by`` it sends every group once, at the end.
 
 Decode (``kv_consumer``): a request carrying a prefill's answer loads every prompt token
 vLLM's prefix cache does not hold, asynchronously; the workers decide what comes from L2/L3
@@ -22,11 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
-from pdxfer import step_pace
-
 from . import params as P
 from .config import ConnectorConfig
-from .groups import Group, backoff, streams
+from .groups import Group, backoff, streams, tiered
 from .metadata import (
     AbortOrder,
     ExpectOrder,
@@ -80,13 +80,17 @@ class PdxferScheduler:
         self.groups = groups or (Group(0, "full", block_size, ()),)
         self.block_size = self.groups[0].block_size
         self.hybrid = not streams(self.groups)
-        """More than one group, or one that is not full attention: each request's KV goes in
-        one send at its end, every group clipped by the worker (``groups.py``)."""
+        """More than one group, or one that is not full attention: the worker clips every
+        group (``groups.py``); what was not streamed goes in one send at the request's end."""
+        self.hybrid_layers = self.hybrid and cfg.send_by == "layer"
+        """A hybrid model streaming by layer (its state groups still go at the end)."""
         self.backoff = backoff(self.groups)
         self.select: Any = None
         """vLLM's ``select_transfer_block_ids`` (every group's blocks -> the transfer
         groups'), set by the connector where vLLM has groups it does not transfer."""
-        self.tiers = cfg.l2_pages > 0 and not self.hybrid
+        self.tiered = tiered(self.groups)
+        """The groups decode-side tiers restore and keep (``groups.tiered``)."""
+        self.tiers = cfg.l2_pages > 0 and bool(self.tiered)
         self.streams: dict[str, Streamed] = {}
         """Prefill requests by id, from scheduling to ``request_finished``."""
         self._opens: list[OpenOrder] = []
@@ -104,9 +108,8 @@ class PdxferScheduler:
         """Decode requests refused for naming an untrusted bootstrap (counted once)."""
         self._interval: dict[str, int] = {}
         """Counters since vLLM last asked (``take_interval``; ``stats.COUNTERS``)."""
-        self.pace = step_pace()
-        """Seconds each step that schedules work is held (``PDXFER_FAULTS`` ``pace``, a test
-        fault; 0 in service)."""
+        self.pace = cfg.step_pace_s
+        """Seconds each step that schedules work is held (``step_pace_s``; 0 in service)."""
 
     def _decode_ask(self, request: Request) -> P.DecodeAsk | None:
         """The request's load, if it asks for one from a bootstrap this decode trusts. A
@@ -213,7 +216,8 @@ class PdxferScheduler:
         n = len(request.prompt_token_ids or ())
         if ask is None or n == 0:
             return
-        self.streams[rid] = Streamed(ask.room, ask.decode, n, last=self.hybrid)
+        self.streams[rid] = Streamed(ask.room, ask.decode, n,
+                                     last=self.hybrid and not self.hybrid_layers)
         self._opens.append(OpenOrder(rid, ask.room, ask.decode))
 
     def _step_chunks(self, so: SchedulerOutput) -> tuple[list[SendOrder], list[LayerOrder]]:
@@ -241,6 +245,13 @@ class PdxferScheduler:
             end = min(before[rid] + k, st.num_tokens)
             last = end >= st.num_tokens
             ids = state.get_block_ids(rid)
+            if self.hybrid_layers:
+                o = hybrid_order(rid, st, end, self._transfer(ids) if ids else None,
+                                 self.groups)
+                if o is not None:
+                    lay.append(o)
+                    st.tokens, st.blocks, st.last = end, -(-end // bs), last
+                continue
             if mode == "layer":
                 o = layer_order(rid, st, end, ids[0] if ids else None, bs)
                 if o is not None:
@@ -280,7 +291,7 @@ class PdxferScheduler:
         block_ids = self._transfer(block_ids)
         if self.cfg.side == "prefill":
             return self._prefill_finished(request, block_ids)
-        return self._decode_finished(request, list(block_ids[0]) if block_ids else [])
+        return self._decode_finished(request, block_ids)
 
     def _prefill_finished(self, request: Request, every: tuple[list[int], ...]
                           ) -> tuple[bool, dict[str, Any] | None]:
@@ -317,7 +328,7 @@ class PdxferScheduler:
             self._sends.append(SendOrder(rid, st.room, st.peer, (), n))  # already all handed
         return True, answer
 
-    def _decode_finished(self, request: Request, block_ids: list[int]
+    def _decode_finished(self, request: Request, every: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._asked.discard(rid)
@@ -328,12 +339,16 @@ class PdxferScheduler:
         if not self.tiers or request.status not in DONE:
             return False, None
         n = min(request.num_computed_tokens, len(request.all_token_ids))
-        full = n // self.block_size
-        if full == 0 or len(block_ids) < full:
+        bs = self.tiered[0].block_size
+        full = n // bs
+        if full == 0 or any(len(every[g.index]) < full for g in self.tiered
+                            if g.index < len(every)) or len(every) < len(self.groups):
             return False, None
-        tokens = tuple(request.all_token_ids[:full * self.block_size])
-        self._writebacks.append(WritebackOrder(rid, tokens, tuple(block_ids[:full]),
-                                               request.cache_salt or ""))
+        tokens = tuple(request.all_token_ids[:full * bs])
+        kept = tuple(tuple(every[g.index][:full]) if g in self.tiered else ()
+                     for g in self.groups) if self.hybrid else ()
+        self._writebacks.append(WritebackOrder(rid, tokens, tuple(every[0][:full]),
+                                               request.cache_salt or "", groups=kept))
         return True, None
 
 
@@ -349,3 +364,23 @@ def layer_order(rid: str, st: Streamed, end: int, block_ids: list[int] | None, b
         return None
     return LayerOrder(rid, st.room, st.peer, tuple(block_ids[first:stop]), st.tokens, end,
                       end >= st.num_tokens)
+
+
+def hybrid_order(rid: str, st: Streamed, end: int, every: tuple[Any, ...] | None,
+                 groups: tuple[Group, ...]) -> LayerOrder | None:
+    """``layer_order`` for a hybrid model: each group's blocks up to ``end`` (a state group's
+    none: its state goes at the request's end); None when there is nothing new or a group's
+    blocks are not known."""
+    if end <= st.tokens or every is None or len(every) != len(groups):
+        return None
+    out: list[tuple[int, ...]] = []
+    for g, ids in zip(groups, every):
+        if g.kind == "state":
+            out.append(())
+            continue
+        stop = -(-end // g.block_size)
+        if len(ids) < stop:
+            return None
+        out.append(tuple(ids[:stop]))
+    return LayerOrder(rid, st.room, st.peer, (), st.tokens, end, end >= st.num_tokens,
+                      groups=tuple(out), num_tokens=st.num_tokens)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -23,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdxfer import Endpoint, KVPoll, KVSender, RequestHandle
+from pdxfer import ConfigError, Endpoint, KVPoll, KVSender, RequestHandle
 from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredCache
 
 from . import groups as G
@@ -80,6 +81,10 @@ class _Out:
     in ``finished_sending`` once no write reads them."""
     others: list[KVSender] = field(default_factory=list)
     """A hybrid model's rooms after the first (``groups.Part``), in part order."""
+    part_tokens: list[int] = field(default_factory=list)
+    """A hybrid model: tokens every streamed layer of each part was handed, in part order."""
+    part_last: list[bool] = field(default_factory=list)
+    """A hybrid model: the parts whose room got its last send."""
 
     def senders(self) -> list[KVSender]:
         return ([self.tx] if self.tx is not None else []) + self.others
@@ -125,6 +130,8 @@ class PdxferWorker:
         self._post: PdxferMetadata | None = None
         self.partial_blocks = False
         """Whether a block filled in part is sent for its tokens (set at registration)."""
+        self.tiered: tuple[str, ...] = ()
+        """A hybrid model's pools kept in and restored from L2/L3 (``groups.tiered``)."""
         self._layer_of: dict[str, int] = {}
         """vLLM's layer name -> its layer id in the pool (``layout.layer_order``)."""
         self._layer_ids: tuple[int, ...] = ()
@@ -200,18 +207,53 @@ class PdxferWorker:
             kinds.append(f"{g.pool}={g.kind}:{g.window}:{g.block_size}:{kind}:{pool.dtype}")
         self.layout = Layout(pools[0], "hybrid", sum(p.item_bytes * len(p.buffers)
                                                      for p in pools))
+        self._stream_layers()
         ident = self.cfg.model_id.replace(" ", "_")
         fingerprint = f"model={ident} groups={','.join(kinds)} cache_dtype={r.cache_dtype}"
-        if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
-            log.warning("pdxfer: decode-side tiers (l2_pages) are not used for this model: "
-                        "its KV cache has %s, and tiers restore full-attention groups only",
-                        ", ".join(g.describe() for g in self.groups))
         self.ep = Endpoint(self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
                            pools, transport=self.transport)
+        if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
+            self._group_tiers(dict(zip((g.pool for g in self.groups), pools)), fingerprint)
         log.info("pdxfer %s rank %d/%d: groups %s; rooms per request %d; endpoint %s",
                  self.cfg.side, r.tp_rank, r.tp_size, "; ".join(g.describe() for g in
                                                                self.groups),
                  len(self.parts), self.ep.endpoint_id)
+
+    def _group_tiers(self, pools: dict[str, Any], fingerprint: str) -> None:
+        """Decode-side tiers for a hybrid model: its full-attention groups only
+        (``groups.tiered`` says why the others always come from the prefill)."""
+        r, keep = self.rank, G.tiered(self.groups)
+        rest = ", ".join(g.describe() for g in self.groups if g not in keep)
+        if keep:
+            try:
+                self.cache = TieredCache([pools[g.pool] for g in keep],
+                                         host_pages=self.cfg.l2_pages, storage=self._storage(),
+                                         model_id=fingerprint, salt=f"tp{r.tp_rank}/{r.tp_size}")
+            except ConfigError as e:
+                log.warning("pdxfer: decode-side tiers (l2_pages) are not used for this "
+                            "model: %s", e)
+                return
+            self.tiered = tuple(g.pool for g in keep)
+        log.log(logging.INFO if keep else logging.WARNING,
+                "pdxfer: decode-side tiers restore %s; %s always load from the prefill (a "
+                "window block is not kept once the window passed it; a Mamba/linear state "
+                "is sound only at a position the prefill checkpointed, so none is saved)",
+                ", ".join(g.describe() for g in keep) or "no group of this model", rest)
+
+    def _stream_layers(self) -> None:
+        """A hybrid model's layers that stream (``send_by: layer``): those of its full and
+        window groups, each layer id naming one pool. Where ids collide across pools
+        (layer names without one number), nothing streams: each request goes at its end."""
+        of: dict[str, int] = {}
+        for g in self.groups:
+            if g.kind != "state":
+                of.update({n: i for i, n in layer_order(list(g.layers))})
+        if len(set(of.values())) != len(of):
+            log.info("pdxfer: layer ids of this model's groups collide; hybrid requests are "
+                     "sent at their end, not layer by layer")
+            return
+        self._layer_of = of
+        self._layer_ids = tuple(sorted(of.values()))
 
     def _storage(self) -> StorageBackend | None:
         c, r = self.cfg, self.rank
@@ -222,7 +264,7 @@ class PdxferWorker:
         if c.l3 == "mooncake":
             from pdxfer.tiers import MooncakeStoreStorage
 
-            return MooncakeStoreStorage(c.l3_mooncake, c.l3_mooncake_metadata, host=c.host,
+            return MooncakeStoreStorage(c.l3_mooncake, c.l3_mooncake_metadata, host=c.get("host"),
                                         segment_bytes=c.l3_mooncake_segment_mb << 20)
         return None
 
@@ -320,6 +362,8 @@ class PdxferWorker:
     def _give(self, o: LayerOrder, a: int, b: int) -> None:
         """Hand the sender layers ``[a, b)`` of ``o``; the room's last send is the one that
         completes every layer of the prompt's last tokens."""
+        if o.groups:
+            return self._give_groups(o, a, b)
         out = self._sends.get(o.req_id)
         if out is None:
             out = self._open(OpenOrder(o.req_id, o.room, o.peer))
@@ -359,6 +403,63 @@ class PdxferWorker:
             self._add("sends")
             self._add("sent_tokens", o.end)
         elif t1 > t0:
+            self._add("step_chunks")
+
+    def _give_groups(self, o: LayerOrder, a: int, b: int) -> None:
+        """``_give`` for a hybrid model: each room (``groups.Part``) gets the pages of its
+        groups that hold layers ``[a, b)``, for the tokens the step computed (a window
+        group's only from ``groups.stream_start``: blocks vLLM may free before the request
+        ends never go). A room of full and window groups ends with the prompt's last step;
+        one with a state group at the request's end (``_hand_groups``: the state is final
+        only after the whole forward of the last step)."""
+        out = self._sends.get(o.req_id)
+        if out is None:
+            out = self._open(OpenOrder(o.req_id, o.room, o.peer))
+        given = self._given.setdefault(o.req_id, set())
+        ids = [x for x in self._layer_ids if a <= x < b and x not in given]
+        if out.tx is None or out.last or not ids:
+            return
+        first = not given
+        given.update(ids)
+        done = len(given) == len(self._layer_ids)
+        mine = set(ids)
+        moved: list[tuple[int, int, bool]] = []
+        try:
+            for i, (part, tx) in enumerate(zip(self.parts, out.senders())):
+                if out.part_last[i]:
+                    continue
+                t0, t1 = out.part_tokens[i], _part_end(part, o)
+                last = o.last and done and not any(g.kind == "state" for g in part.groups)
+                real = t1 > t0 and t1 > G.stream_start(part, o.num_tokens)
+                moved.append((i, t1 if real else t0, last))
+                pools = [g for g in part.groups if g.kind != "state"
+                         and any(self._layer_of.get(n) in mine for n in g.layers)]
+                if real and pools:
+                    pages = {g.pool: G.stream_pages(g, o.groups[g.index], t0, t1, o.num_tokens)
+                             for g in pools}
+                    tx.send(pages, layers=(ids[0], ids[-1] + 1), last=last,
+                            tokens=None if o.last else (t0, t1))
+                    self._add("layer_sends")
+                elif last:
+                    tx.send({}, last=True)  # its pools' layers were all given before
+        except Exception as e:  # noqa: BLE001 - one bad room fails that request only
+            log.warning("room %d (request %s): cannot send: %s", o.room, o.req_id, e)
+            for tx in out.senders():
+                tx.abort(f"cannot send: {e}")
+            out.last = True
+            return
+        if first and o.req_id in self._live:
+            self._add("streamed_steps")
+        if not done:
+            return
+        advanced = any(t > out.part_tokens[i] for i, t, _ in moved)
+        for i, t, last in moved:
+            out.part_tokens[i], out.part_last[i] = t, last
+        out.last = all(out.part_last)
+        if out.last:
+            self._add("sends")
+            self._add("sent_tokens", o.end)
+        elif advanced:
             self._add("step_chunks")
 
     def _rest(self, o: LayerOrder) -> None:
@@ -402,7 +503,9 @@ class PdxferWorker:
                 if t is not None:
                     t.abort(f"cannot open: {e}")
             tx, others = None, []
-        out = self._sends[o.req_id] = _Out(o.room, tx, others=others)
+        n = len(self.parts)
+        out = self._sends[o.req_id] = _Out(o.room, tx, others=others,
+                                           part_tokens=[0] * n, part_last=[False] * n)
         return out
 
     def _hand(self, s: SendOrder, owned: bool) -> None:
@@ -432,21 +535,29 @@ class PdxferWorker:
             self._add("sent_tokens", s.num_tokens)
 
     def _hand_groups(self, out: _Out, s: SendOrder) -> None:
-        """A hybrid model's one send: each room (``groups.Part``) gets its groups' pages,
-        clipped (``groups.source_pages``), and its state slots."""
+        """A hybrid model's send at the request's end: each room (``groups.Part``) not ended
+        by the stream gets its groups' pages from where the stream stopped, clipped
+        (``groups.source_pages``), and its state slots."""
         if out.tx is None or out.last:
             return
         out.last = True
         try:
-            for part, tx in zip(self.parts, out.senders()):
+            for i, (part, tx) in enumerate(zip(self.parts, out.senders())):
+                if out.part_last[i]:
+                    continue
+                out.part_last[i] = True
+                t0 = out.part_tokens[i]
                 pages: dict[str, list[int]] = {}
                 slots: dict[str, int] = {}
                 for g in part.groups:
                     ids = s.groups[g.index]
                     if g.kind == "state":
                         slots[g.pool] = G.state_slot(g, ids)
+                    elif t0 < s.num_tokens:
+                        pages[g.pool] = G.source_pages(g, ids, s.num_tokens)[
+                            t0 // g.block_size:]
                     else:
-                        pages[g.pool] = G.source_pages(g, ids, s.num_tokens)
+                        pages[g.pool] = []  # streamed whole: the state slot ends the room
                 tx.send(pages, slots=slots, last=True)
         except Exception as e:  # noqa: BLE001 - one bad room fails that request only
             log.warning("room %d (request %s): cannot send: %s", s.room, s.req_id, e)
@@ -474,12 +585,12 @@ class PdxferWorker:
             out.owned = True
             return
         del self._sends[a.req_id]
-        end = time.monotonic() + self.cfg.abort_timeout_s
+        end = time.monotonic() + self.cfg.get("abort_timeout_s")
         while _reading(out) and time.monotonic() < end:
             time.sleep(0.001)
         if _reading(out):
             log.warning("room %d (request %s): writes still read its blocks %.1f s after "
-                        "its preemption", out.room, a.req_id, self.cfg.abort_timeout_s)
+                        "its preemption", out.room, a.req_id, self.cfg.get("abort_timeout_s"))
 
     def _load(self, o: LoadOrder) -> None:
         assert self.ep is not None
@@ -560,6 +671,16 @@ class PdxferWorker:
         joined = _Joined(o.room, len(plans))
         try:
             for part, pages, slots, start in plans:
+                rx: Any
+                if part.key == 0 and self.cache is not None and o.tokens and self.tiered:
+                    # its full groups' prefix from L2/L3, the rest (and the state) over the
+                    # network; the other rooms (windows) always over the network
+                    rx = RestoringReceiver(self.cache, self.ep, o.room, o.bootstrap, o.tokens,
+                                           pages, slots, num_tokens=o.num_tokens,
+                                           l1_len=start, release=joined.release_one,
+                                           instance=o.instance, scope=o.scope, early=o.early)
+                    joined.parts.append(rx)
+                    continue
                 rx = self.ep.receiver(part.room(o.room), o.bootstrap, instance=o.instance,
                                       release=joined.release_one, early=o.early)
                 joined.parts.append(rx)
@@ -572,9 +693,13 @@ class PdxferWorker:
         self._loads[o.req_id] = rec
 
     def _write_back(self, w: WritebackOrder) -> None:
+        if self.cache is None:  # a hybrid model's tiers refused at start-up (logged then)
+            self._written.add(w.req_id)
+            return
         try:
-            assert self.cache is not None
-            self.cache.write_back(w.tokens, {POOL: list(w.block_ids)}, len(w.tokens), w.scope)
+            pages = {POOL: list(w.block_ids)} if not w.groups else \
+                {g.pool: list(w.groups[g.index]) for g in self.groups if g.pool in self.tiered}
+            self.cache.write_back(w.tokens, pages, len(w.tokens), w.scope)
             self._add("writebacks")
         except Exception as e:  # noqa: BLE001 - a cache problem never fails a request
             self._add("writeback_failures")
@@ -642,19 +767,23 @@ class PdxferWorker:
     def _loaded(self, rec: _Load) -> None:
         add = self._add
         add("loaded_tokens", rec.order.num_tokens - rec.order.l1_len)
-        st = rec.rx.stats()
-        if isinstance(rec.rx, RestoringReceiver):
-            good, l2 = rec.rx.restored_pages, int(st["l2_pages"])
-            add("restored_pages", good)
-            add("restored_l2_pages", min(good, l2))
-            add("restored_l3_pages", max(0, good - l2))
-            add("repaired_tokens", int(st["repaired_tokens"]))
-            net = int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0)
-            net_s, ready_s = st["net_seconds"] or 0, st["seconds"] or 0
-            add("restore_us", int((st["local_seconds"] or 0) * 1e6))
-        else:
-            net, net_s = int(st.get("bytes") or 0), st.get("seconds") or 0
-            ready_s = net_s
+        net, net_s, ready_s = 0, 0.0, 0.0
+        for rx in rec.rx.parts if isinstance(rec.rx, _Joined) else [rec.rx]:
+            st = rx.stats()
+            if isinstance(rx, RestoringReceiver):
+                good, l2 = rx.restored_pages, int(st["l2_pages"])
+                add("restored_pages", good)
+                add("restored_l2_pages", min(good, l2))
+                add("restored_l3_pages", max(0, good - l2))
+                add("repaired_tokens", int(st["repaired_tokens"]))
+                net += int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0)
+                net_s = max(net_s, st["net_seconds"] or 0)
+                ready_s = max(ready_s, st["seconds"] or 0)
+                add("restore_us", int((st["local_seconds"] or 0) * 1e6))
+            else:
+                net += int(st.get("bytes") or 0)
+                net_s = max(net_s, st.get("seconds") or 0)
+                ready_s = max(ready_s, st.get("seconds") or 0)
         add("net_bytes", net)
         add("net_us", int(net_s * 1e6))
         add("ready_us", int(ready_s * 1e6))
@@ -786,6 +915,16 @@ class _Joined:
         secs = [x.get("seconds") for x in st if x.get("seconds") is not None]
         return {"bytes": sum(int(x.get("bytes") or 0) for x in st),
                 "seconds": max(secs) if secs else None}
+
+
+def _part_end(part: Part, o: LayerOrder) -> int:
+    """The token up to which a step hands ``part`` over: the prompt's end at its last step,
+    else the last token of a block complete in every group of the part (vLLM's CPU tiles
+    are packed per ISA: a block moves whole)."""
+    if o.last:
+        return o.end
+    step = math.lcm(*(g.block_size for g in part.groups if g.kind != "state"), 1)
+    return o.end // step * step
 
 
 def _send_over(out: _Out) -> KVPoll | None:

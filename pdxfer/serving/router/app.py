@@ -6,9 +6,11 @@ streaming token events back (always: so a stop string or a client that leaves en
 request on the workers at once). Text, chunks and responses follow OpenAI (``openai_api``).
 
 Pairing policies: ``round_robin`` (prefill and decode each in turn), ``least_outstanding``,
-and ``kv_aware`` (the default with several decodes): the decode that holds the longest cached
-prefix of the prompt (the router keeps, per decode, the page keys of the prompts it sent
-there: the same hash chain as ``pdxfer.tiers``), then the least loaded. A pair that fails
+and ``kv_aware`` (the default with several decodes): on each leg the worker whose cached
+prefix of the prompt, weighed against its load, leaves the least to do (``kv_policy``). What
+a worker holds comes from its KV events where it publishes them (``kv_feed``, ``--kv-events``),
+else from the router's history of the prompts it sent there (the same hash chain as
+``pdxfer.tiers``). A pair that fails
 before the first token is left for another; a full worker (503) sends the choice to another
 pair, and the client gets 503 (never 502) when every pair is full.
 """
@@ -48,6 +50,8 @@ from .backends import (
     parse_prefill,
     registered,
 )
+from .kv_feed import FeedSpec, KvFeeds
+from .kv_policy import LOAD_WEIGHT, Held, choose
 
 log = logging.getLogger("pdxfer.serving.router")
 POLICIES = ("round_robin", "least_outstanding", "kv_aware")
@@ -84,7 +88,8 @@ class Router:
     def __init__(self, prefills: list[Prefill], decodes: list[Decode],
                  policy: str = "auto", timeout_s: float = 120.0,
                  expose_cache_stats: bool = False, api_keys: dict[str, str] | None = None,
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None, kv: KvFeeds | None = None,
+                 load_weight: float = LOAD_WEIGHT) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
         self.auto_policy = policy == "auto"
@@ -102,6 +107,9 @@ class Router:
         self.api_keys = (parse_api_keys(knobs().api_keys) if api_keys is None else api_keys)
         self.secret = load_secret()
         self.backend: Backend = backend or ToyBackend()
+        self.kv = kv
+        """The workers' KV event feeds and their index (None: history only)."""
+        self.load_weight = load_weight
         self._rr_p = itertools.count()
         self._rr_d = itertools.count()
         self.counters = collections.Counter[str]()
@@ -129,6 +137,8 @@ class Router:
             total=self.timeout_s, sock_connect=5.0))
         self._http = Http(self.session, self.secret)
         await self.backend.setup(self._http, self.decodes)
+        if self.kv is not None:
+            self.kv.start()
         self._watch = asyncio.ensure_future(self._watch_down())
 
     @property
@@ -137,6 +147,8 @@ class Router:
         return self._http
 
     async def _stop(self, app: web.Application) -> None:
+        if self.kv is not None:
+            await self.kv.stop()
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
@@ -173,29 +185,54 @@ class Router:
 
     # -- pairing ------------------------------------------------------------------------------
     def pick(self, ids: list[int], avoid_p: set[str], avoid_d: set[str], tenant: str = ""
-             ) -> tuple[Prefill, Decode]:
+             ) -> tuple[Prefill, Decode, int, int]:
+        """A (prefill, decode) pair, and how many leading prompt tokens each holds as far
+        as the router knows (0 but under ``kv_aware``)."""
         def usable(xs: list[Any], avoid: set[str]) -> list[Any]:
             return ([x for x in xs if x.key not in avoid and x.healthy]
                     or [x for x in xs if x.key not in avoid] or xs)
 
         ps, ds = usable(self.prefills, avoid_p), usable(self.decodes, avoid_d)
+        pf_held = dc_held = 0
         # ties go to the worker used least, so an idle fleet is still spread
         if self.policy == "least_outstanding":
             pf = min(ps, key=lambda x: (x.outstanding, x.used))
             dc = min(ds, key=lambda x: (x.outstanding, x.used))
         elif self.policy == "kv_aware":
-            pf = min(ps, key=lambda x: (x.outstanding, x.used))
-            keys: dict[int, list[str]] = {}
-            for d in ds:
-                if d.page_size not in keys:
-                    keys[d.page_size] = page_keys(ids, d.page_size, tenant)
-            dc = max(ds, key=lambda d: (d.hit(keys[d.page_size]), -d.outstanding, -d.used))
+            cached = self._cached(ids, tenant)  # KV events: workers in sync
+            pf, pf_held = choose(ps, self._held(ps, ids, tenant, cached), len(ids),
+                                 self.load_weight)
+            dc, dc_held = choose(ds, self._held(ds, ids, tenant, cached), len(ids),
+                                 self.load_weight)
         else:
             pf = ps[next(self._rr_p) % len(ps)]
             dc = ds[next(self._rr_d) % len(ds)]
         pf.used += 1
         dc.used += 1
-        return pf, dc
+        return pf, dc, pf_held, dc_held
+
+    def _cached(self, ids: list[int], tenant: str) -> Held:
+        """Workers whose KV event feed is in sync, by the prompt's leading tokens held."""
+        if self.kv is None:
+            return []
+        salt_of = getattr(self.backend, "cache_salt", None)
+        return self.kv.cached_groups(ids, salt_of(tenant) if salt_of else None)
+
+    def _held(self, ws: list[Any], ids: list[int], tenant: str, cached: Held) -> Held:
+        """What each of ``ws`` holds of the prompt: from its KV events while its feed is in
+        sync (``cached``), else from the router's own history (at the decodes' page size)."""
+        out = list(cached)
+        keys: dict[int, list[str]] = {}
+        for w in ws:
+            if self.kv is not None and self.kv.synced(w.key):
+                continue
+            size = getattr(w, "page_size", self.decodes[0].page_size)
+            if size not in keys:
+                keys[size] = page_keys(ids, size, tenant)
+            h = w.hit(keys[size]) * size
+            if h:
+                out.append((h, [w.key]))
+        return out
 
     # -- plain handlers -------------------------------------------------------------------------
     async def h_models(self, request: web.Request) -> web.Response:
@@ -210,6 +247,7 @@ class Router:
         pf_info = await asyncio.gather(*(probe(self.http, p) for p in self.prefills))
         reg = await asyncio.gather(*(registered(p) for p in self.prefills))
         for p, info, ok in zip(self.prefills, pf_info, reg):
+            self._down_forgets(p, info is not None and ok)
             p.healthy = info is not None and ok
             out[p.url] = ("ok" if p.healthy else "down" if info is None
                           else f"not registered with bootstrap {p.bootstrap}")
@@ -224,6 +262,7 @@ class Router:
                 info = groups[d.dp] if d.dp < len(groups) else None
                 if info and info.get("status", "ok") != "ok":
                     info = None
+            self._down_forgets(d, info is not None)
             d.healthy = info is not None
             out[d.key] = "ok" if d.healthy else "down"
             if info:
@@ -232,6 +271,14 @@ class Router:
                 d.page_size = int(info.get("page_size", d.page_size))
         self._health, self._health_at = out, now
         return out
+
+    def _down_forgets(self, w: Prefill | Decode, healthy: bool) -> None:
+        """A worker going down may come back empty (a restart): what its events said it
+        held is forgotten, and its history with it."""
+        if w.healthy and not healthy:
+            w.keys.clear()
+            if self.kv is not None:
+                self.kv.forget(w.key)
 
     def _expand_groups(self, infos: dict[str, Any]) -> None:
         """A decode URL that answers with DP ``groups`` becomes one record per group (each
@@ -260,6 +307,12 @@ class Router:
         vals["outstanding"] = sum(d.outstanding for d in self.decodes)
         vals["healthy_prefills"] = sum(p.healthy for p in self.prefills)
         vals["healthy_decodes"] = sum(d.healthy for d in self.decodes)
+        if self.kv is not None:
+            feeds = self.kv.feeds.values()
+            vals["kv_feeds_synced"] = sum(f.synced for f in feeds)
+            vals["kv_indexed_blocks"] = sum(len(ix) for ix in self.kv.indexes.values())
+            for k in ("batches", "gaps", "resets", "replays", "replayed", "bad_frames"):
+                vals[f"kv_events_{k}"] = sum(f.counters[k] for f in feeds)
         return web.Response(text=metrics_text("pdxfer_router", vals))
 
     # -- the API --------------------------------------------------------------------------------
@@ -305,6 +358,7 @@ class Router:
         for ext in [obj.get("pdxfer"), *(obj.get("pdxfer") or {}).get("choices", [])]:
             if isinstance(ext, dict):
                 for k in ("restored_tokens", "restored_l2_tokens", "restored_l3_tokens",
+                          "prefill_cached_tokens", "decode_cached_tokens",
                           "prefill_reused_tokens", "prefill_layer_sends", "bytes",
                           "decode_ttft_s",
                           "repaired_tokens", "ranks", "kv_wait_s", "kv_local_s",
@@ -414,7 +468,7 @@ class Router:
         err: AttemptFailed | None = None
         tries = max(2, len(self.prefills) * len(self.decodes))
         for attempt in range(tries):
-            pf, dc = self.pick(ids, avoid_p, avoid_d, ask.tenant)
+            pf, dc, pf_held, dc_held = self.pick(ids, avoid_p, avoid_d, ask.tenant)
             c = oa.Choice(index)
             if attempt:
                 self.counters["retries"] += 1
@@ -423,6 +477,8 @@ class Router:
                 await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta)
                 if self.policy == "kv_aware":
                     dc.remember(page_keys(ids, dc.page_size, ask.tenant))
+                    pf.remember(page_keys(ids, self.decodes[0].page_size, ask.tenant))
+                    self._report(c, ids, pf, dc, pf_held, dc_held)
                 return c
             except AttemptFailed as e:
                 err = e
@@ -440,6 +496,20 @@ class Router:
                 await self.refresh_health(force=True)
         assert err is not None
         raise err
+
+    def _report(self, c: oa.Choice, ids: list[int], pf: Prefill, dc: Decode, pf_held: int,
+                dc_held: int) -> None:
+        """Which workers a choice went to and how much of its prompt each held (as the
+        router saw it when it chose): in the ``pdxfer`` extension, the metrics and the log."""
+        c.stats["prefill_cached_tokens"] = pf_held
+        c.stats["decode_cached_tokens"] = dc_held
+        self.counters["kv_prompt_tokens"] += len(ids)
+        self.counters["kv_prefill_cached_tokens"] += pf_held
+        self.counters["kv_decode_cached_tokens"] += dc_held
+        log.info("routed %d prompt tokens: prefill %s (held %d, events %s), decode %s "
+                 "(held %d, events %s)", len(ids), pf.key, pf_held,
+                 self.kv is not None and self.kv.synced(pf.key), dc.key, dc_held,
+                 self.kv is not None and self.kv.synced(dc.key))
 
     def _later(self, coro: Any) -> None:
         later(self._bg, coro)
@@ -530,7 +600,14 @@ def run(a: argparse.Namespace) -> int:
     prefills = [parse_prefill(s) for s in a.prefill]
     decodes = [parse_decode(s) for s in a.decode]
     check_reachable(prefills, decodes)
+    specs = [FeedSpec.parse(s) for s in a.kv_events]
+    known = {p.url for p in prefills} | {d.url for d in decodes}
+    for spec in specs:
+        if spec.worker not in known:
+            raise ValueError(f"--kv-events {spec.worker}: not a --prefill or --decode URL")
+    kv = KvFeeds(specs) if specs else None
     router = Router(prefills, decodes, a.policy, a.timeout,
-                    expose_cache_stats=a.expose_cache_stats, backend=make_backend(a))
+                    expose_cache_stats=a.expose_cache_stats, backend=make_backend(a), kv=kv,
+                    load_weight=a.kv_load_weight)
     log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), router.policy)
     return serve(router.app(), a.host, a.port, advertise=a.advertise, what="router")

@@ -24,7 +24,13 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from pdxfer import BootstrapClient, PdxferError, http_headers, parse_hostport
+from pdxfer import (
+    BootstrapClient,
+    PdxferError,
+    endpoint_settings,
+    http_headers,
+    parse_hostport,
+)
 
 from ..errors import BadRequest
 from . import openai_api as oa
@@ -33,18 +39,45 @@ from .tokenizers import ByteTokenizer, Tokenizer
 MAX_KEYS = 1 << 17
 
 
+def remember(history: collections.OrderedDict[str, None], keys: list[str]) -> None:
+    """Note the page keys of a prompt sent to a worker (the oldest go past ``MAX_KEYS``)."""
+    for k in keys:
+        history[k] = None
+        history.move_to_end(k)
+    while len(history) > MAX_KEYS:
+        history.popitem(last=False)
+
+
+def hit(history: collections.OrderedDict[str, None], keys: list[str]) -> int:
+    """How many leading page keys a worker's history holds (its cached prefix, in pages)."""
+    n = 0
+    for k in keys:
+        if k not in history:
+            break
+        n += 1
+    return n
+
+
 @dataclass(slots=True)
 class Prefill:
     url: str
     bootstrap: str
-    instance: str = "default"
+    instance: str = endpoint_settings()["instance"].default  # a worker's, unless it names one
     outstanding: int = 0
     healthy: bool = True
     used: int = 0
+    keys: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
+    """The page keys of the prompts the router sent here (KV-aware routing's history)."""
 
     @property
     def key(self) -> str:
         return self.url
+
+    def remember(self, keys: list[str]) -> None:
+        remember(self.keys, keys)
+
+    def hit(self, keys: list[str]) -> int:
+        return hit(self.keys, keys)
 
 
 @dataclass(slots=True)
@@ -77,20 +110,10 @@ class Decode:
         return self.url if self.dp is None else f"{self.url}#dp{self.dp}"
 
     def remember(self, keys: list[str]) -> None:
-        for k in keys:
-            self.keys[k] = None
-            self.keys.move_to_end(k)
-        while len(self.keys) > MAX_KEYS:
-            self.keys.popitem(last=False)
+        remember(self.keys, keys)
 
     def hit(self, keys: list[str]) -> int:
-        """How many leading page keys this decode holds (its cached prefix, in pages)."""
-        n = 0
-        for k in keys:
-            if k not in self.keys:
-                break
-            n += 1
-        return n
+        return hit(self.keys, keys)
 
 
 def parse_prefill(spec: str) -> Prefill:

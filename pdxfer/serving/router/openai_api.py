@@ -279,7 +279,7 @@ def extension(c: Choice) -> dict[str, Any]:
            "decode_ttft_s": s.get("ttft_s"), "seconds": s.get("seconds")}
     for k in ("queued_steps", "end_step", "restored_l2_tokens", "restored_l3_tokens",
               "prefill_reused_tokens", "prefill_layer_sends", "repaired_tokens", "ranks",
-              "decode_dp", "prefill_s",
+              "decode_dp", "prefill_s", "prefill_cached_tokens", "decode_cached_tokens",
               "dispatch",
               "kv_wait_s", "kv_local_s", "kv_net_s"):
         if k in s:

@@ -95,6 +95,12 @@ class VllmBackend:
                                    f"{self.setup_timeout_s:.0f} s: {[d.url for d in decodes]}")
             await asyncio.sleep(1.0)
 
+    @staticmethod
+    def cache_salt(tenant: str) -> str | None:
+        """A tenant's vLLM ``cache_salt`` (an extra key of the first block's hash)."""
+        return (hashlib.sha256(f"pdxfer-tenant|{tenant}".encode()).hexdigest() if tenant
+                else None)
+
     def check(self, ask: oa.Ask) -> None:
         refuse(ask, self.name, speculative_k=bool(ask.spec_k))
 
@@ -135,9 +141,9 @@ class VllmBackend:
         ask = job.ask
         out = {"model": self.served, "prompt": job.ids, "temperature": ask.temperature,
                "top_p": ask.top_p, "seed": job.seed}
-        if ask.tenant:  # clients never set it: the router builds every vLLM request itself
-            out["cache_salt"] = hashlib.sha256(f"pdxfer-tenant|{ask.tenant}".encode()
-                                               ).hexdigest()
+        salt = self.cache_salt(ask.tenant)
+        if salt:  # clients never set it: the router builds every vLLM request itself
+            out["cache_salt"] = salt
         return out
 
     async def _prefill(self, http: Http, job: Attempt) -> dict[str, Any]:

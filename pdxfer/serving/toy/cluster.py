@@ -22,7 +22,7 @@ from ..procs import Proc, stop_all
 
 class Place(Protocol):
     """Where a process runs: a command prefix that runs it there, and the address it binds
-    and advertises (``pdxfer.testing.hosts.Host`` is one)."""
+    and advertises (``tests.harness.hosts.Host`` is one)."""
 
     prefix: list[str]
     addr: str

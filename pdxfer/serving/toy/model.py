@@ -126,6 +126,14 @@ def _as_index(page_table: PageTable) -> torch.Tensor:
     return torch.as_tensor(np.asarray(page_table, dtype=np.int64))
 
 
+def _sync(kv: KVPool) -> None:
+    """Wait for this process's device work when the pool is on a GPU: its pages are then
+    written for whatever reads them next (a transfer, another stream)."""
+    dev = kv.tensors[0].device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 Gather = Callable[[torch.Tensor], torch.Tensor]
 """TP: every rank's ``[tokens, own heads x head_dim]`` in, ``[tokens, all heads x head_dim]``
 (ranks concatenated in rank order) out, on every rank."""
@@ -173,12 +181,19 @@ class ToyModel:
     """Seeded weights plus paged prefill/decode; holds no per-request state.
 
     ``tp_rank``/``tp_size``/``gather``: one rank of a tensor-parallel group (module notes);
-    its pools hold only its KV heads. Every rank holds every weight (the same seed)."""
+    its pools hold only its KV heads. Every rank holds every weight (the same seed).
+    ``device``: where the weights live and the forward computes (``cuda:N``: on that GPU;
+    the weights are drawn on the host, so every device holds the same ones); the pools may
+    live elsewhere (a host landing), what attention reads is brought here."""
 
     def __init__(self, config: ToyConfig, *, tp_rank: int = 0, tp_size: int = 1,
-                 gather: Gather | None = None) -> None:
+                 gather: Gather | None = None, device: str | torch.device = "cpu") -> None:
         self.config = config
         c = config
+        self.device = torch.device(device)
+        if tp_size > 1 and self.device.type != "cpu":
+            raise ValueError("the toy's TP ranks gather over gloo on the host: TP > 1 runs "
+                             "on the CPU")
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.shard = head_shard(c, tp_rank, tp_size)
         if tp_size > 1 and gather is None:
@@ -219,6 +234,17 @@ class ToyModel:
         self.final_norm = 1.0 + randn(c.d_model, std=0.1)
         self.w_out = randn(c.d_model, c.vocab_size, std=c.d_model**-0.5)
         self._scale = _SHARPNESS * c.head_dim**-0.5
+        if self.device.type != "cpu":
+            self._move(self.device)
+
+    def _move(self, device: torch.device) -> None:
+        self.tok_emb, self.pos_emb = self.tok_emb.to(device), self.pos_emb.to(device)
+        self.final_norm, self.w_out = self.final_norm.to(device), self.w_out.to(device)
+        for layer in self.layers:
+            for name in _Layer.__slots__:
+                t = getattr(layer, name)
+                if t is not None:
+                    setattr(layer, name, t.to(device))
 
     # -- weights ---------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -237,7 +263,7 @@ class ToyModel:
         h = hashlib.sha256()
         for name, t in self.named_weights():
             h.update(name.encode())
-            h.update(t.contiguous().numpy().tobytes())
+            h.update(t.contiguous().cpu().numpy().tobytes())
         return h.hexdigest()
 
     @property
@@ -249,13 +275,15 @@ class ToyModel:
         return c.kv_token_shape
 
     def new_kv_pool(
-        self, num_pages: int, *, allocator: PageAllocator | None = None, device: str = "cpu"
+        self, num_pages: int, *, allocator: PageAllocator | None = None,
+        device: str | torch.device | None = None,
     ) -> KVPool:
-        """A pool shaped for this model; pass another pool's allocator to share its page ids."""
+        """A pool shaped for this model (on the model's device unless told); pass another
+        pool's allocator to share its page ids."""
         c = self.config
         return KVPool(kind=c.attention, num_layers=c.n_layers, num_pages=num_pages,
                       page_size=c.page_size, token_shape=self.kv_token_shape, dtype=c.kv_dtype,
-                      allocator=allocator, device=device)
+                      allocator=allocator, device=self.device if device is None else device)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.page_size)
@@ -270,7 +298,9 @@ class ToyModel:
         pages for ``[0, start)``, write their KV, and return float32 logits for the
         ``"last"`` token, ``"all"`` tokens or ``"none"`` (a non-final prefill chunk).
         ``on_layer(li)`` runs once layer ``li``'s KV of these tokens is in the pages (a
-        prefill ships it while the next layers compute)."""
+        prefill ships it while the next layers compute). On a GPU the pages are written when
+        ``on_layer`` runs and when this returns (the device is synchronised), so a transfer
+        that reads them then reads this forward's KV; the logits are on the host."""
         c = self.config
         n, end = len(tokens), start + len(tokens)
         self._check(kv, page_table, start, end)
@@ -279,6 +309,7 @@ class ToyModel:
             raise ValueError(f"need 1+ tokens in [0, {c.vocab_size}), got {ids.tolist()}")
         if self.mirror is not None:
             self.mirror(self, tokens, start, page_table, kv, logits_for)
+        ids = ids.to(self.device)
         pos = torch.arange(end)
         pages = _as_index(page_table)[pos // c.page_size].to(kv.tensors[0].device)
         slots = (pos % c.page_size).to(pages.device)
@@ -293,6 +324,7 @@ class ToyModel:
             cached = self._attention_view(
                 self._write_and_gather(kv.layer(li), torch.stack(fresh), pages, slots, start))
             if on_layer is not None:
+                _sync(kv)
                 on_layer(li)
             # a query at position start+i sees the keys of positions 0..start+i
             attn = [self._attend(layer, queries[i], cached, start + i + 1) for i in range(n)]
@@ -305,8 +337,11 @@ class ToyModel:
                 h[i] = x + _matvec(m, layer.w2)
         rows = {"last": h[-1:], "all": h, "none": []}[logits_for]
         if not rows:
+            _sync(kv)
             return torch.empty(0, c.vocab_size)
-        return torch.stack([_matvec(_rms(x, self.final_norm), self.w_out) for x in rows])
+        logits = torch.stack([_matvec(_rms(x, self.final_norm), self.w_out) for x in rows])
+        _sync(kv)
+        return logits.cpu()
 
     def _own_kv(self, fresh: torch.Tensor) -> torch.Tensor:
         """The part of one token's fresh K/V (or latent) this rank stores."""
@@ -329,7 +364,7 @@ class ToyModel:
         out = []
         for tensor, part in zip(pool, parts, strict=True):
             tensor[new_p, new_s] = part.to(device=tensor.device, dtype=tensor.dtype)
-            out.append(tensor[pages, slots].to(device="cpu", dtype=torch.float32))
+            out.append(tensor[pages, slots].to(device=self.device, dtype=torch.float32))
         return out
 
     def _attention_view(self, cached: list[torch.Tensor]) -> list[torch.Tensor]:

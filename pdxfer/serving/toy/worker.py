@@ -25,6 +25,7 @@ from pdxfer import (
     Endpoint,
     EndpointConfig,
     PoolSpec,
+    endpoint_settings,
     load_secret,
     parse_hostport,
     parse_hostports,
@@ -68,18 +69,22 @@ class LayerIds:
         return self.target, self.total
 
 
+_DEFAULT = {k: s.default for k, s in endpoint_settings().items()}
+"""The endpoint settings a worker passes on keep their defaults (and help) in ``pdxfer``."""
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """One worker's settings, validated at construction."""
 
     role: str
-    host: str = "127.0.0.1"
-    advertise: str = ""
+    host: str = _DEFAULT["host"]
+    advertise: str = _DEFAULT["advertise"]
     """The address other hosts reach this worker at (default ``host``; see ``pdxfer``'s
     ``EndpointConfig.advertise``)."""
     port: int = 0
     bootstrap: str | None = None
-    instance: str = "default"
+    instance: str = _DEFAULT["instance"]
     pages: int = 1024
     aux_slots: int = 64
     seed: int = 0
@@ -94,13 +99,17 @@ class WorkerConfig:
     l3_mooncake_metadata: str = ""
     l3_mooncake_segment_bytes: int = 256 << 20
     kv_landing: str = "device"
-    integrity: str = "sampled"
-    integrity_retry: bool = False
-    transport: str = "auto"
-    device: str = ""
-    bootstrap_timeout_s: float = 30.0
-    transfer_timeout_s: float = 60.0
-    heartbeat_s: float = 0.5
+    integrity: str = _DEFAULT["integrity"]
+    integrity_retry: bool = _DEFAULT["integrity_retry"]
+    transport: str = _DEFAULT["transport"]
+    device: str = _DEFAULT["device"]
+    torch_device: str = "cpu"
+    """Where the toy model computes and its KV pools live (``--torch-device``): ``cpu``, or
+    ``cuda:N``, whose pools the transport registers as device memory (a host landing's pool
+    stays on the host; the aux rows and a ballast always do)."""
+    bootstrap_timeout_s: float = _DEFAULT["bootstrap_timeout_s"]
+    transfer_timeout_s: float = _DEFAULT["transfer_timeout_s"]
+    heartbeat_s: float = _DEFAULT["heartbeat_s"]
     threads: int = 1
     max_waiting: int = 256
     admission_timeout_s: float = 20.0
@@ -151,6 +160,15 @@ class WorkerConfig:
         if self.dp > 1 and self.role != "decode":
             raise ValueError("--dp is a decode option (a prefill scales as more instances)")
         ballast.validate(self.kv_ballast_bytes_per_token)
+        try:
+            dev = torch.device(self.torch_device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"torch_device {self.torch_device!r}: {e}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"torch_device must be cpu or cuda[:N], got {self.torch_device!r}")
+        if dev.type == "cuda" and self.tp > 1:
+            raise ValueError("--torch-device cuda needs --tp 1 (the toy's TP ranks gather over "
+                             "gloo on the host)")
         if self.kv_ballast_bytes_per_token and self.tp > 1:
             raise ValueError("--kv-ballast-bytes-per-token needs --tp 1 (the ballast is not "
                              "sharded by heads)")
@@ -211,6 +229,7 @@ def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
         l3_mooncake_metadata=a.l3_mooncake_metadata if dec else "",
         l3_mooncake_segment_bytes=int(a.l3_mooncake_segment_mb) << 20 if dec else 0,
         kv_landing=a.kv_landing if dec else "device", transport=a.transport, device=a.device,
+        torch_device=a.torch_device,
         integrity=a.integrity if dec else "sampled",
         integrity_retry=a.integrity_retry if dec else False,
         bootstrap_timeout_s=a.bootstrap_timeout,
@@ -311,10 +330,15 @@ class ModelHost:
         self.tp_rank = tp_rank
         self.ranks: Any = None
         torch.set_num_threads(cfg.threads)
-        self.model = ToyModel(cfg.toy(), tp_rank=tp_rank, tp_size=cfg.tp, gather=gather)
+        if cfg.torch_device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"--torch-device {cfg.torch_device}: torch sees no CUDA device")
+        self.model = ToyModel(cfg.toy(), tp_rank=tp_rank, tp_size=cfg.tp, gather=gather,
+                              device=cfg.torch_device)
         self.draft = make_draft(self.model)
-        self.kv: KVPool = self.model.new_kv_pool(cfg.pool_pages)
-        self.draft_kv: KVPool = self.draft.new_kv_pool(cfg.pool_pages,
+        # the pools the forward writes live on its device; a host landing's on the host
+        where = "cpu" if cfg.token_granular else cfg.torch_device
+        self.kv: KVPool = self.model.new_kv_pool(cfg.pool_pages, device=where)
+        self.draft_kv: KVPool = self.draft.new_kv_pool(cfg.pool_pages, device=where,
                                                        allocator=self.kv.allocator)
         self.aux = torch.zeros((cfg.aux_slots, AUX_WIDTH), dtype=torch.int32)
         self.slots = SlotAllocator(cfg.aux_slots)
@@ -351,7 +375,7 @@ class ModelHost:
         # ... while what one rank holds is its heads: its tier keys (L2, and L3 objects a
         # fleet may share) name the TP size and rank, so no rank reads another's shard
         self.fingerprint = f"{self.model_id} tp={cfg.tp}/{tp_rank}"
-        self.endpoint = Endpoint(EndpointConfig(
+        self.endpoint = Endpoint(EndpointConfig.from_flat(
             model_id=self.model_id,
             role=cfg.role, bootstrap=(cfg.trusted or (cfg.bootstrap,))[0],
             trusted_bootstraps=cfg.trusted, instance=cfg.instance, host=cfg.host,
@@ -371,7 +395,7 @@ class ModelHost:
                 "kv_landing": self.cfg.kv_landing,
                 "free_pages": self.kv.allocator.num_free, "pages": self.cfg.pool_pages,
                 "weights": self.weights, "fingerprint": self.fingerprint,
-                "tp": self.cfg.tp, "pid": os.getpid()}
+                "tp": self.cfg.tp, "torch_device": self.cfg.torch_device, "pid": os.getpid()}
 
 
 class RoomWorker:

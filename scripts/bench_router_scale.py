@@ -1,0 +1,230 @@
+"""The router at fleet scale, by simulation: its KV index and KV-aware choice under synthetic
+event streams, and the bootstrap server with 1,000 registered ranks.
+
+Per fleet size (10, 100, 1,000 workers) a stream of vLLM-schema event batches (msgpack
+frames, as the ZMQ feed receives them) stores conversations on the workers until the index
+holds ``--blocks`` (worker, block) pairs: a shared system prompt on every worker, each
+conversation on one worker (10% also on a second), 5% of events removing a conversation's
+tail. Ingest time counts frame decoding and indexing (``events_per_s``: blocks stored or
+removed per second). Then requests (half follow a stored conversation, half are new) are
+each decided: the prompt's cached prefix per worker, then the KV-aware choice against random
+loads (``decision_*_ms``; ``*_cpu_*``: the same on the thread's CPU time, which a
+shared, loaded machine inflates less than wall time). ``bytes_per_block``: the index's arrays per indexed pair. The
+top-level ``router_scale.*`` figures are the largest fleet's. The bootstrap server runs as
+its own process (``pdxfer bootstrap``); 125 instances of 8 TP ranks register over HTTP, and
+concurrent keep-alive clients look routes up.
+
+    python scripts/bench_router_scale.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from pdxfer import BootstrapClient
+from pdxfer.bootstrap import Registration
+from pdxfer.serving.kv_events import BlockRemoved, BlockStored, encode_batch, parse_frame
+from pdxfer.serving.router.backends import Prefill
+from pdxfer.serving.router.kv_feed import FeedSpec, FeedState, KvFeeds
+from pdxfer.serving.router.kv_policy import choose
+
+BS = 16
+SYS_BLOCKS = 8
+CONV_BLOCKS = 24
+EVENTS_PER_BATCH = 16
+VOCAB = 32000
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    names = [f"http://w{i}:8000" for i in range(workers)]
+    feeds = KvFeeds([FeedSpec(n, "tcp://127.0.0.1:1") for n in names])
+    states: dict[str, FeedState] = feeds.feeds
+    seqs = dict.fromkeys(names, 0)
+    sys_tokens = rng.integers(0, VOCAB, SYS_BLOCKS * BS).tolist()
+    sys_hashes = [int(x) for x in rng.integers(1, 1 << 62, SYS_BLOCKS)]
+    tails: dict[str, list[list[int]]] = {n: [] for n in names}  # each conversation's last
+    # four block hashes (what an eviction removes)
+    sample: list[tuple[str, list[int]]] = []
+    pending: dict[str, list[Any]] = {n: [BlockStored(sys_hashes, None, sys_tokens, BS,
+                                                     medium="GPU")] for n in names}
+    ingest_s = ingest_cpu_s = 0.0
+    frames = 0
+    total = 0
+
+    def flush(force: bool) -> list[tuple[str, list[bytes]]]:
+        out = []
+        for n, evs in pending.items():
+            if evs and (force or len(evs) >= EVENTS_PER_BATCH):
+                out.append((n, [b"", seqs[n].to_bytes(8, "big"), encode_batch(evs)]))
+                seqs[n] += 1
+                pending[n] = []
+        return out
+
+    while total < blocks:
+        for n in names:  # a round: one new conversation per worker
+            toks = rng.integers(0, VOCAB, CONV_BLOCKS * BS).tolist()
+            hashes = [int(x) for x in rng.integers(1, 1 << 62, CONV_BLOCKS)]
+            ev = BlockStored(hashes, sys_hashes[-1], toks, BS, medium="GPU")
+            pending[n].append(ev)
+            tails[n].append(hashes[-4:])
+            if rng.random() < 0.1:  # also on a second worker
+                other = names[int(rng.integers(workers))]
+                pending[other].append(ev)
+            if rng.random() < 0.05 and len(tails[n]) > 1:  # an eviction of an older tail
+                old = tails[n][int(rng.integers(len(tails[n]) - 1))]
+                pending[n].append(BlockRemoved(old, medium="GPU"))
+            if len(sample) < requests and rng.random() < 0.2:
+                sample.append((n, sys_tokens + toks))
+        batch = flush(force=False)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        for n, parts in batch:
+            seq, b = parse_frame(parts)
+            assert b is not None
+            feeds.on_frame(states[n], seq, b)
+        ingest_s += time.perf_counter() - t0
+        ingest_cpu_s += time.thread_time() - c0
+        frames += len(batch)
+        total = sum(len(ix) for ix in feeds.indexes.values())
+    block_events = sum(states[n].counters["blocks"] for n in names)
+    ix = feeds.indexes[BS]
+    assert sum(st.counters["gaps"] for st in states.values()) == 0
+
+    pool = [Prefill(n, "127.0.0.1:1") for n in names]
+    for p in pool:
+        p.outstanding = int(rng.integers(0, 4))
+    lat, cpu = [], []
+    hits = 0
+    follow = 0
+    for i in range(requests):
+        if i % 2 == 0 and sample:
+            owner, toks = sample[int(rng.integers(len(sample)))]
+            ids = toks + rng.integers(0, VOCAB, 8 * BS + 5).tolist()
+            follow += 1
+        else:
+            owner, ids = "", sys_tokens + rng.integers(0, VOCAB, CONV_BLOCKS * BS).tolist()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        _, held = choose(pool, feeds.cached_groups(ids), len(ids))
+        lat.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+        hits += owner != "" and held > SYS_BLOCKS * BS
+    a, ac = np.asarray(lat) * 1000, np.asarray(cpu) * 1000
+    return {"workers": workers, "indexed_blocks": len(ix), "unique_blocks": ix.holders.live,
+            "shared_blocks": len(ix.multi), "frames": frames,
+            "events_per_s": block_events / ingest_s, "frames_per_s": frames / ingest_s,
+            "events_per_cpu_s": block_events / ingest_cpu_s,
+            "ingest_s": ingest_s, "bytes_per_block": ix.nbytes() / max(len(ix), 1),
+            "decision_p50_ms": float(np.percentile(a, 50)),
+            "decision_p99_ms": float(np.percentile(a, 99)),
+            "decision_max_ms": float(a.max()), "requests": requests,
+            "decision_cpu_p50_ms": float(np.percentile(ac, 50)),
+            "decision_cpu_p99_ms": float(np.percentile(ac, 99)),
+            "followups_routed_to_a_holder": hits / max(follow, 1),
+            "rss_peak_mb": _rss_mb()}
+
+
+def _bootstrap() -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "pdxfer.cli", "bootstrap", "--port", "0"],
+                         stdout=subprocess.PIPE, text=True, env=env)
+    assert p.stdout is not None
+    for line in p.stdout:
+        if line.startswith("PDXFER_READY "):
+            return p, line.split()[1].removeprefix("http://")
+    raise RuntimeError("the bootstrap server did not start")
+
+
+async def _lookups(addr: str, instances: int, n: int, conc: int) -> list[float]:
+    lat: list[float] = []
+    left = iter(range(n))
+
+    async def client(s: aiohttp.ClientSession) -> None:
+        for i in left:
+            t0 = time.perf_counter()
+            async with s.get(f"http://{addr}/route",
+                             params={"room": str(i), "instance": f"inst{i % instances}"}) as r:
+                body = await r.json()
+                assert r.status == 200 and len(body["endpoints"]) == 8, body
+            lat.append(time.perf_counter() - t0)
+
+    conn = aiohttp.TCPConnector(limit=conc)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        await asyncio.gather(*(client(s) for _ in range(conc)))
+    return lat
+
+
+def bootstrap_bench(ranks: int, lookups: int, conc: int) -> dict[str, Any]:
+    proc, addr = _bootstrap()
+    try:
+        tp = 8
+        instances = ranks // tp
+        cli = BootstrapClient(addr, retries=2)
+        t0 = time.perf_counter()
+        for i in range(instances):
+            for r in range(tp):
+                cli.register(Registration(f"inst{i}", f"ep-{i}-{r}", f"10.0.{i % 250}.{r}:9000",
+                                          f"s{i}", "sig", tp_rank=r, tp_size=tp))
+        reg_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lat = asyncio.run(_lookups(addr, instances, lookups, conc))
+        wall = time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    a = np.asarray(lat) * 1000
+    return {"bootstrap_ranks": instances * tp, "bootstrap_registrations_per_s":
+            instances * tp / reg_s, "bootstrap_lookups": len(lat),
+            "bootstrap_clients": conc, "bootstrap_lookups_per_s": len(lat) / wall,
+            "bootstrap_lookup_p50_ms": float(np.percentile(a, 50)),
+            "bootstrap_lookup_p99_ms": float(np.percentile(a, 99))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small fleets and streams")
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="indexed (worker, block) pairs per fleet (default 10M; quick 20k)")
+    ap.add_argument("--workers", default=None, help="fleet sizes, comma separated")
+    ap.add_argument("--json", type=Path, help="write the flat JSON here")
+    a = ap.parse_args()
+    blocks = a.blocks or (20_000 if a.quick else 10_000_000)
+    fleets = [int(x) for x in (a.workers or ("10,100" if a.quick else "10,100,1000")).split(",")]
+    requests = 300 if a.quick else 5000
+    out: dict[str, Any] = {"router_scale.block_size": BS, "router_scale.target_blocks": blocks,
+                           "router_scale.load_1m": os.getloadavg()[0]}
+    last: dict[str, Any] = {}
+    for w in fleets:
+        last = simulate(w, blocks, requests)
+        out.update({f"router_scale.w{w}.{k}": v for k, v in last.items()})
+        print(json.dumps({k: v for k, v in out.items() if k.startswith(f"router_scale.w{w}.")}),
+              file=sys.stderr, flush=True)
+    for k in ("decision_p50_ms", "decision_p99_ms", "bytes_per_block", "events_per_s",
+              "decision_cpu_p99_ms", "events_per_cpu_s", "workers", "indexed_blocks"):
+        out[f"router_scale.{k}"] = last[k]
+    b = bootstrap_bench(1000, 2000 if a.quick else 20000, 8)
+    out.update({f"router_scale.{k}": v for k, v in b.items()})
+    out["router_scale.load_1m_end"] = os.getloadavg()[0]
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.json:
+        a.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""KV-aware pairing from KV events: each leg goes to the worker holding the longest prefix,
+weighed against load; a worker whose feed is out of sync is judged by the router's history,
+and one whose entries were dropped counts as holding nothing (least loaded wins)."""
+
+from __future__ import annotations
+
+from pdxfer.serving.kv_events import BlockStored, KVEventBatch
+from pdxfer.serving.router.app import Router
+from pdxfer.serving.router.backends import Decode, Prefill
+from pdxfer.serving.router.kv_feed import FeedSpec, KvFeeds
+from pdxfer.tiers import page_keys
+
+BS = 16
+P0, P1 = "http://p0:1", "http://p1:1"
+D0, D1 = "http://d0:1", "http://d1:1"
+PROMPT = list(range(1000, 1100))  # 6 full blocks
+
+
+def _router() -> tuple[Router, KvFeeds]:
+    kv = KvFeeds([FeedSpec(u, "tcp://127.0.0.1:1") for u in (P0, P1, D0, D1)])
+    r = Router([Prefill(P0, "127.0.0.1:1"), Prefill(P1, "127.0.0.1:1")],
+               [Decode(D0, page_size=BS), Decode(D1, page_size=BS)], "kv_aware", kv=kv,
+               api_keys={})
+    for f in kv.feeds.values():  # every feed in sync, holding nothing
+        kv.on_frame(f, 0, KVEventBatch(0.0, []))
+    return r, kv
+
+
+def _holds(kv: KvFeeds, worker: str, blocks: int, seq: int = 1) -> None:
+    ev = BlockStored(list(range(7, 7 + blocks)), None, PROMPT[:blocks * BS], BS)
+    assert kv.on_frame(kv.feeds[worker], seq, KVEventBatch(0.0, [ev])) == "apply"
+
+
+def test_each_leg_goes_to_the_worker_whose_events_show_the_longest_prefix() -> None:
+    r, kv = _router()
+    _holds(kv, P1, 4)
+    _holds(kv, P0, 1)
+    _holds(kv, D0, 6)
+    for _ in range(3):  # the choice is stable, not a round robin in disguise
+        pf, dc, pf_held, dc_held = r.pick(PROMPT, set(), set())
+        assert (pf.url, dc.url, pf_held, dc_held) == (P1, D0, 64, 96)
+
+
+def test_a_holder_loaded_enough_loses_to_an_idle_worker() -> None:
+    r, kv = _router()
+    _holds(kv, P1, 1)
+    r.prefills[1].outstanding = 3
+    assert r.pick(PROMPT, set(), set())[0].url == P0
+
+
+def test_a_feed_out_of_sync_falls_back_to_the_routers_history() -> None:
+    r, kv = _router()
+    _holds(kv, P0, 1)
+    kv.feeds[P1].synced = False  # a replay under way: its index entries are not trusted
+    r.prefills[1].remember(page_keys(PROMPT, BS, ""))  # the router sent it there before
+    pf, _, pf_held, _ = r.pick(PROMPT, set(), set())
+    assert (pf.url, pf_held) == (P1, 96)
+
+
+def test_a_dropped_worker_holds_nothing_so_load_decides() -> None:
+    r, kv = _router()
+    _holds(kv, P1, 6)
+    kv.restart(kv.feeds[P1], "a gap and no replay endpoint")
+    r.prefills[1].outstanding = 1
+    pf, _, pf_held, _ = r.pick(PROMPT, set(), set())
+    assert (pf.url, pf_held) == (P0, 0)

@@ -1,0 +1,197 @@
+"""A hybrid model streamed by layer (``send_by: layer``), worker to worker over pdxfer's
+in-memory transport: a full group, a sliding-window group and a Mamba-style state group, as
+vLLM's hybrid KV cache manager hands them over (its null block 0 for window blocks it
+freed). The prefill worker gets one ``LayerOrder`` a step and the request-end ``SendOrder``,
+the decode one ``LoadOrder``, as the scheduler side writes them.
+
+- The full group's blocks reach the decode's blocks before the prompt's last step; the
+  window's only from ``groups.window_first`` on, as they are computed; the load ends only
+  once the state page came too, after the request's end.
+- The decode ends with the prefill's bytes: every full block, the window blocks it holds,
+  the state page; the window blocks it does not hold are never written.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from pdxfer import BootstrapServer
+from pdxfer.integrations.vllm import config as C
+from pdxfer.integrations.vllm import groups as G
+from pdxfer.integrations.vllm import worker as W
+from pdxfer.integrations.vllm.groups import Group
+from pdxfer.integrations.vllm.metadata import (
+    LayerOrder,
+    LoadOrder,
+    OpenOrder,
+    PdxferMetadata,
+    SendOrder,
+)
+from pdxfer.transport import MemoryFabric, MemoryTransport
+
+BS, NB, H, D = 16, 40, 2, 8
+WINDOW, PAGE = 64, 4096
+N, STEP = 150, 48
+"""Prompt tokens and tokens a step: steps [0, 48), [48, 96), [96, 144), [144, 150)."""
+ROOM = 4242
+FULL_L, WIN_L, STATE_L = "model.layers.2.attn", ("model.layers.0.attn",
+                                                 "model.layers.1.attn"), "model.layers.3.mixer"
+GROUPS = (Group(0, "full", BS, (FULL_L,)), Group(1, "window", BS, WIN_L, window=WINDOW),
+          Group(2, "state", BS, (STATE_L,), page_bytes=PAGE))
+
+
+class Side:
+    def __init__(self, role: str, fabric: MemoryFabric, boot: str) -> None:
+        extra = {"bootstrap": boot, "instance": "p0" if role == "kv_producer" else "d0",
+                 "send_by": "layer"}
+        self.w = W.PdxferWorker(C.parse(role, extra, "hybrid"), W.RankInfo(0, 1, BS, H),
+                                GROUPS)
+        self.w.transport = MemoryTransport(fabric)
+        self.kv = {n: torch.zeros(NB, H, BS, D) for n in (FULL_L, *WIN_L)}
+        self.state = torch.zeros(NB, PAGE // 4)
+        self.w.register_kv_caches({**self.kv, STATE_L: self.state})
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Side, Side]]:
+    boot = BootstrapServer("127.0.0.1", 0).start()
+    fabric = MemoryFabric()
+    p, d = Side("kv_producer", fabric, boot.address), Side("kv_consumer", fabric, boot.address)
+    try:
+        yield p, d
+    finally:
+        p.w.close()
+        d.w.close()
+        boot.stop()
+
+
+def wait(what: str, cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+P_FULL = list(range(1, 11))
+P_WIN = list(range(11, 21))
+P_STATE = 21
+D_FULL = list(range(22, 32))
+D_WIN_START = (N - WINDOW + 1) // BS  # vLLM's decode holds the window from here
+D_WIN = [0] * D_WIN_START + list(range(32, 32 + 10 - D_WIN_START))
+D_STATE = 39
+
+
+def _win_table(t0: int) -> tuple[int, ...]:
+    """The prefill's window table at a step starting at ``t0``: vLLM freed the blocks below
+    ``(t0 - window + 1) // block_size`` (the null block), and may have reused them."""
+    freed = max(0, t0 - WINDOW + 1) // BS
+    return tuple(0 if i < freed else b for i, b in enumerate(P_WIN))
+
+
+def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side, Side]) -> None:
+    p, d = pair
+    p.w.take(PdxferMetadata(opens=[OpenOrder("a", ROOM, None)]))
+    d.w.take(PdxferMetadata(loads=[LoadOrder(
+        "a-d", ROOM, p.w.cfg.bootstrap or "", "p0", tuple(D_FULL), 0, N,
+        groups=(tuple(D_FULL), tuple(D_WIN), (D_STATE,)))]))
+    first = G.window_first(GROUPS[1], N)
+    for t0 in range(0, N, STEP):
+        t1 = min(N, t0 + STEP)
+        for k in range(t0 // BS, -(-t1 // BS)):  # the step computes these blocks' tokens
+            p.kv[FULL_L][P_FULL[k]] = torch.randn(H, BS, D)
+            for n in WIN_L:
+                p.kv[n][P_WIN[k]] = torch.randn(H, BS, D)
+        for i in range(max(0, t0 - WINDOW + 1) // BS):  # freed window blocks get reused
+            for n in WIN_L:
+                p.kv[n][P_WIN[i]] = -7.0
+        last = t1 == N
+        if last:
+            # the full group's complete blocks crossed before the last step was computed
+            done = t0 // BS
+            wait("the streamed full blocks", lambda done=done: all(
+                torch.equal(d.kv[FULL_L][D_FULL[k]], p.kv[FULL_L][P_FULL[k]])
+                for k in range(done)))
+            assert not d.w.get_finished([])[1], "the load ends only with every group"
+        o = LayerOrder("a", ROOM, None, (), t0, t1, last, num_tokens=N,
+                       groups=(tuple(P_FULL[:-(-t1 // BS)]), _win_table(t0)[:-(-t1 // BS)],
+                               ()))
+        meta = PdxferMetadata(layers=[o])
+        p.w.take(meta)
+        for n in (*WIN_L, FULL_L):
+            p.w.save_layer(meta, n, p.kv[n])
+        p.w.after_forward(meta)
+    p.state[P_STATE] = torch.randn(PAGE // 4)
+    # every step went before the request's end (the last one too: the state is still to go)
+    assert p.w.counters["step_chunks"] == 4 and p.w.counters["sends"] == 0
+    assert p.w.counters["send_failures"] == 0
+    time.sleep(0.05)
+    assert not d.w.get_finished([])[1], "no load ends before the state page was sent"
+    p.w.take(PdxferMetadata(sends=[SendOrder("a", ROOM, None, tuple(P_FULL), N, groups=(
+        tuple(P_FULL), _win_table(144), (0, P_STATE)))]))
+    got: set[str] = set()
+    wait("the load", lambda: bool(got.update(d.w.get_finished([])[1]) or got))
+    assert got == {"a-d"} and d.w.counters["load_failures"] == 0
+    for k in range(10):
+        assert torch.equal(d.kv[FULL_L][D_FULL[k]], p.kv[FULL_L][P_FULL[k]]), k
+        for n in WIN_L:
+            if k >= D_WIN_START:
+                assert torch.equal(d.kv[n][D_WIN[k]], p.kv[n][P_WIN[k]]), (n, k)
+    assert first <= D_WIN_START
+    for n in WIN_L:  # blocks the decode does not hold (its null block 0 among them): untouched
+        assert not d.kv[n][0].any() and not d.kv[n][39].any()
+    assert torch.equal(d.state[D_STATE], p.state[P_STATE])
+    wait("the send's end", lambda: "a" in p.w.get_finished(["a"])[0])
+
+
+def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_all() -> None:
+    """Full and window groups only (Gemma 3's shape): the last step's layers end both rooms,
+    so the load ends before the request does; a decode that asks only then still gets every
+    block it holds, and the request-end send adds nothing."""
+    groups = GROUPS[:2]
+    boot = BootstrapServer("127.0.0.1", 0).start()
+    fabric = MemoryFabric()
+    sides = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            extra = {"bootstrap": boot.address, "instance": "p0" if role == "kv_producer"
+                     else "d0"}
+            w = W.PdxferWorker(C.parse(role, extra, "hybrid"), W.RankInfo(0, 1, BS, H), groups)
+            w.transport = MemoryTransport(fabric)
+            kv = {n: torch.zeros(NB, H, BS, D) for n in (FULL_L, *WIN_L)}
+            w.register_kv_caches(kv)
+            sides.append((w, kv))
+        (p, pkv), (d, dkv) = sides
+        p.take(PdxferMetadata(opens=[OpenOrder("b", ROOM, None)]))
+        for t0 in range(0, N, STEP):
+            t1 = min(N, t0 + STEP)
+            for k in range(t0 // BS, -(-t1 // BS)):
+                for n in pkv:
+                    pkv[n][[P_FULL, P_WIN][n in WIN_L][k]] = torch.randn(H, BS, D)
+            o = LayerOrder("b", ROOM, None, (), t0, t1, t1 == N, num_tokens=N,
+                           groups=(tuple(P_FULL[:-(-t1 // BS)]), _win_table(t0)[:-(-t1 // BS)]))
+            meta = PdxferMetadata(layers=[o])
+            p.take(meta)
+            p.after_forward(meta)
+        assert p.counters["sends"] == 1 and p.counters["step_chunks"] == 3
+        d.take(PdxferMetadata(loads=[LoadOrder("b-d", ROOM, boot.address, "p0", tuple(D_FULL),
+                                                0, N, groups=(tuple(D_FULL), tuple(D_WIN)))]))
+        got: set[str] = set()
+        wait("the load", lambda: bool(got.update(d.get_finished([])[1]) or got))
+        assert got == {"b-d"} and d.counters["load_failures"] == 0
+        p.take(PdxferMetadata(sends=[SendOrder("b", ROOM, None, tuple(P_FULL), N, groups=(
+            tuple(P_FULL), _win_table(144)))]))
+        assert p.counters["sends"] == 1
+        for k in range(10):
+            assert torch.equal(dkv[FULL_L][D_FULL[k]], pkv[FULL_L][P_FULL[k]]), k
+            for n in WIN_L:
+                if k >= D_WIN_START:
+                    assert torch.equal(dkv[n][D_WIN[k]], pkv[n][P_WIN[k]]), (n, k)
+        wait("the send's end", lambda: "b" in p.get_finished(["b"])[0])
+    finally:
+        for w, _ in sides:
+            w.close()
+        boot.stop()
