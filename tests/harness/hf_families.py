@@ -77,6 +77,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
             "num_experts_per_tok": 2, "moe_intermediate_size": 128,
             "shared_expert_intermediate_size": 128},
+           # prefix caching sets its block size (544 on, 4096 off): the same on every side
+           vllm_args=("--no-enable-prefix-caching",),
            exact_args=("--max-num-batched-tokens", "32", "--max-num-seqs", "32")),
     Family("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM", "float32",
            {**_COMMON, "layers_block_type": ["linear_attention", "mlp", "full_attention",
