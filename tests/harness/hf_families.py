@@ -39,6 +39,10 @@ class Family:
     """Arguments colocated vLLM needs for it here (and so every side of a pair)."""
     window: int = 0
     """Its sliding window (0: none)."""
+    exact_args: tuple[str, ...] = ()
+    """What makes colocated vLLM compute a prompt of k blocks + 1 token as a pair does
+    (bf16 families, whose CPU kernels round differently per step shape): chunks of one
+    32-token block (the tests' block size), so colocated's last prompt token is a one-token step, as the decode's is."""
 
 
 _COMMON = {"vocab_size": VOCAB, "hidden_size": 256, "num_attention_heads": 4,
@@ -64,14 +68,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
             "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
             "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
             "moe_intermediate_size": 128, "first_k_dense_replace": 2,
-            "topk_method": "greedy", "n_group": 1, "topk_group": 1}),
+            "topk_method": "greedy", "n_group": 1, "topk_group": 1},
+           exact_args=("--max-num-batched-tokens", "32", "--max-num-seqs", "32")),
     Family("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "bfloat16",
            {**_COMMON, "num_hidden_layers": 4, "intermediate_size": 512,
             "layer_types": ["linear_attention"] * 3 + ["full_attention"],
             "linear_key_head_dim": 128, "linear_value_head_dim": 128,
             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
             "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-            "shared_expert_intermediate_size": 128}),
+            "shared_expert_intermediate_size": 128},
+           # prefix caching sets its block size (544 on, 4096 off): the same on every side
+           vllm_args=("--no-enable-prefix-caching",),
+           exact_args=("--max-num-batched-tokens", "32", "--max-num-seqs", "32")),
     Family("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM", "float32",
            {**_COMMON, "layers_block_type": ["linear_attention", "mlp", "full_attention",
                                              "mlp"],

@@ -135,10 +135,18 @@ def test_mla_two_to_one_second_rank_writes_nothing(cluster, bootstrap) -> None:
     outs = run_case(cluster, bootstrap.address, "mp2", "md1", MLA)
     after = [m["transport_bytes"] for m in cluster["mp2"].each("metrics")]
     assert after[0] > before[0] and after[1] == before[1]
+    got = sum(o["stats"]["bytes"] for o in outs[0].values())
+    assert after[0] - before[0] == got, "the latent once, not once per prefill rank"
     assert all(o["stats"]["senders"] == 1 for o in outs[0].values())
     assert all(t["rooms"] == 0 for t in cluster["mp2"].each("tables"))
 
 
-def test_mla_one_to_two_every_decode_rank_gets_the_latent(cluster, bootstrap) -> None:
+def test_mla_one_to_two_every_decode_rank_gets_the_latent_once(cluster, bootstrap) -> None:
+    """Each decode rank receives every room's latent (and slots) once: the same bytes on
+    both ranks, from one sender, and the prefill sent exactly their sum."""
+    before = counters(cluster["mp1"], "transport_bytes")[0]
     outs = run_case(cluster, bootstrap.address, "mp1", "md2", MLA)
+    sent = counters(cluster["mp1"], "transport_bytes")[0] - before
     assert all(o["stats"]["senders"] == 1 for out in outs for o in out.values())
+    got = [sum(o["stats"]["bytes"] for o in out.values()) for out in outs]
+    assert got[0] == got[1] > 0 and sent == sum(got), (got, sent)

@@ -22,14 +22,22 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 
 from pdxfer import BootstrapServer
 from pdxfer.demo.vllm_procs import VllmServer, kv_config
 
 from . import vllm_helpers as vh
-from .vllm_helpers import client, complete, kv_usage, metric, stream_ids, text, wait
+from .vllm_helpers import (
+    client,
+    complete,
+    kv_usage,
+    metric,
+    right_or_clean_error,
+    stream_ids,
+    text,
+    wait,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -103,21 +111,6 @@ def front_door(cluster: Cluster) -> Iterator[str]:
 
 def _ask(url: str, prompt: str | list[int], stream: bool) -> list[int]:
     return stream_ids(url, prompt) if stream else complete(url, prompt)
-
-
-def _right_or_clean_error(url: str, prompt: str | list[int], stream: bool, want: list[int]
-                          ) -> str:
-    """One request's verdict: ``ok`` (colocated tokens) or ``error`` (an OpenAI-shaped error
-    status with a JSON body). Wrong tokens, a stream cut short (no final chunk) or an error
-    inside a started stream fail the test."""
-    try:
-        got = _ask(url, prompt, stream)
-    except openai.APIStatusError as e:
-        assert isinstance(e.body, dict) and e.body.get("message"), \
-            f"an error without an OpenAI JSON body: {e.status_code} {e.body!r}"
-        return "error"
-    assert got == want, f"{'stream' if stream else 'plain'} {str(prompt)[:40]!r}: {got} != {want}"
-    return "ok"
 
 
 def test_64_concurrent_requests_streamed_and_not_equal_colocated(
@@ -209,7 +202,7 @@ def test_a_bootstrap_restarted_under_traffic_serves_new_requests_once_back(
         while not stop.is_set():
             q = prompts[i % len(prompts)]
             now = phase[0]
-            verdicts.append((now, _right_or_clean_error(front_door, q, i % 2 == 0,
+            verdicts.append((now, right_or_clean_error(front_door, q, i % 2 == 0,
                                                         cluster.want(q))))
             i += 2
 
@@ -264,7 +257,7 @@ def test_a_prefill_killed_with_8_requests_in_flight_leaves_clean_answers_and_no_
         router = cluster.router("router-held", prefill_url=servers[0].url, instance=HELD)
         loads0 = cluster.d().get("loads", 0)
         with cf.ThreadPoolExecutor(8) as pool:
-            futs = [pool.submit(_right_or_clean_error, router.url, q, i % 2 == 0,
+            futs = [pool.submit(right_or_clean_error, router.url, q, i % 2 == 0,
                                 cluster.want(q)) for i, q in enumerate(prompts)]
             wait("the decode's loads for all 8",
                  lambda: cluster.d().get("loads", 0) - loads0 >= 8, timeout=120)

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+import openai
 from openai import OpenAI
 
 from pdxfer import BootstrapServer
@@ -130,6 +131,21 @@ def complete(url: str, prompt: str | list[int], timeout: float = CLIENT_TIMEOUT_
         model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})}, **kw)
     return token_ids(r.choices[0], r)
+
+
+def right_or_clean_error(url: str, prompt: str | list[int], stream: bool, want: list[int]
+                         ) -> str:
+    """One request's verdict: ``ok`` (colocated tokens) or ``error`` (an OpenAI-shaped error
+    status with a JSON body). Wrong tokens, a stream cut short (no final chunk) or an error
+    inside a started stream fail the test."""
+    try:
+        got = stream_ids(url, prompt) if stream else complete(url, prompt)
+    except openai.APIStatusError as e:
+        assert isinstance(e.body, dict) and e.body.get("message"), \
+            f"an error without an OpenAI JSON body: {e.status_code} {e.body!r}"
+        return "error"
+    assert got == want, f"{'stream' if stream else 'plain'} {str(prompt)[:40]!r}: {got} != {want}"
+    return "ok"
 
 
 def chat_stream(url: str, text: str, timeout: float = CLIENT_TIMEOUT_S

@@ -148,3 +148,31 @@ def test_k_and_v_apart_are_two_buffers_per_layer_with_heads_addressable() -> Non
     assert [b.addr for b in p.buffers] == [t[i, j].data_ptr() for i in range(L) for j in (0, 1)]
     assert p.item_bytes == N * H * D * 2 and p.sharding.head_bytes == D * 2
     assert p.sharding.first_head == H and lay.block_bytes == 2 * L * p.item_bytes
+
+
+def test_an_mla_latent_is_one_replicated_pool_that_one_prefill_rank_writes_per_decode_rank(
+) -> None:
+    """DeepSeek-V2's cache as vLLM hands it (per layer ``[blocks, block_size, 512 + 64]``)
+    on every rank of TP 1 and 2: whatever the config's KV heads (4), each rank's pool is the
+    same replicated latent, and the planner has exactly one prefill rank write it to each
+    decode rank, P TP 2 -> D TP 1 and 1 -> 2 (so each decode rank gets it once)."""
+    from pdxfer.plan.topology import assign, contacts
+
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(B, N, 576, dtype=torch.bfloat16)
+              for i in range(2)}
+
+    def pool(rank: int, tp: int, latent: bool = True):  # noqa: ANN202
+        return describe(caches, block_size=N, total_kv_heads=4, tp_rank=rank, tp_size=tp,
+                        latent=latent).pool
+
+    pools = [pool(0, 1), pool(0, 2), pool(1, 2)]
+    for p in pools:
+        assert p.sharding.kind == "replicated" and p.item_bytes == N * 576 * 2
+    assert pool(0, 2, latent=False) == pools[1]  # a 3-dim cache is a latent either way
+    plan = assign({"kv": pools[0]}, [(0, {"kv": pools[1]}), (0, {"kv": pools[2]})])
+    assert not isinstance(plan, str)
+    assert [a.silent for a in plan] == [False, True]  # 2 -> 1: rank 0 writes, rank 1 nothing
+    for d in range(2):  # 1 -> 2: each decode rank asks the one prefill rank, which writes
+        assert contacts(1, 2, d) == [0]
+        plan = assign({"kv": pools[1 + d]}, [(0, {"kv": pools[0]})])
+        assert not isinstance(plan, str) and not plan[0].silent and plan[0].skip == ()
