@@ -44,7 +44,7 @@ from .vllm_helpers import complete, right_or_clean_error, stream_ids, wait
 
 pytestmark = pytest.mark.timeout(900)
 
-SERVED = ("gemma3", "mistral_swa", "nemotron_h", "deepseek_v2", "qwen3_next")
+SERVED = ("gemma3", "mistral_swa", "nemotron_h", "deepseek_v2", "qwen3_next", "gpt_oss")
 """The families this module serves (``benchmarks/models.py`` tries every one). Left out:
 gpt-oss, whose decode dies in vLLM's CPU attention kernel (illegal instruction) on its first
 loaded request, with NixlConnector too (docs/vllm.md, model families)."""
@@ -207,7 +207,7 @@ def test_a_sliding_window_group_moves_the_window_not_the_prompt(pair: Pair) -> N
     elt = 4 if f.dtype == "float32" else 2
     per_layer_token = 2 * int(f.config["num_key_value_heads"]) * int(  # type: ignore[call-overload]
         f.config["head_dim"]) * elt  # type: ignore[call-overload]
-    n = LONG + 11
+    n = pair.exact(LONG + 11)
     p = prompt(n, 99)
     before = pair.loaded_bytes()
     assert complete(pair.router.url, p) == complete(pair.prefill.url, p)

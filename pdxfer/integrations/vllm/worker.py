@@ -29,6 +29,7 @@ from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredC
 
 from . import groups as G
 from .config import ConnectorConfig
+from .cpu import hold_amx_tiles
 from .groups import Group, Part
 from .layout import POOL, Layout, describe, describe_state, layer_order
 from .metadata import (
@@ -160,6 +161,8 @@ class PdxferWorker:
     # -- start ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         r = self.rank
+        if all(str(t.device) == "cpu" for t in kv_caches.values()):
+            hold_amx_tiles()  # before a decode's first step, a loaded one: cpu.py says why
         if self.hybrid:
             return self._register_groups(kv_caches)
         g0 = self.groups[0]
