@@ -1,4 +1,6 @@
-"""What the prefill and decode workers share: model and pools, config, HTTP plumbing.
+"""What the prefill and decode workers share: model and pools, HTTP plumbing.
+
+Their settings are ``WorkerConfig`` (``config.py``, re-exported here).
 
 A worker process hosts the toy model (target plus draft) with paged KV pools and one pdxfer
 ``Endpoint`` for its tensor-parallel rank. At ``--tp N`` the worker's front is rank 0 and
