@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pdxfer import endpoint_settings
-from pdxfer.cli import build_parser, pass_through_parsers
+from pdxfer.cli import CliOptions, build_parser, pass_through_parsers
 from pdxfer.config import ENV_VARS, Knobs
 from pdxfer.integrations.vllm import config as connector
 from pdxfer.serving import cli_args
@@ -119,7 +119,7 @@ def test_every_flag_key_and_setting_has_help() -> None:
 
 
 CONSUMERS = {"prefill": (WorkerConfig,), "decode": (WorkerConfig,),
-             "router": (RouterSettings, MediaPolicy)}
+             "router": (RouterSettings, MediaPolicy), "bootstrap": (CliOptions,)}
 """The dataclasses whose fields each serving command's flags are generated from (beside
 ``EndpointConfig``'s)."""
 
@@ -144,12 +144,13 @@ def _expected_default(a: argparse.Action, s: Setting) -> object:
 
 @pytest.mark.parametrize("command", sorted(CONSUMERS))
 def test_serving_flags_are_generated_from_their_fields(command: str) -> None:
-    """Every flag of ``pdxfer prefill``, ``decode`` and ``router`` has the default and help of
-    the field that consumes it: none is declared on its own."""
-    fields_ = _by_flag(*CONSUMERS[command])
-    actions = [a for a in _subparser(command)._actions
-               if not isinstance(a, argparse._HelpAction)]
-    assert len(actions) >= 15
+    """Every flag of ``pdxfer prefill``, ``decode``, ``router`` and ``bootstrap`` (and
+    ``pdxfer``'s own) has the default and help of the field that consumes it: none is
+    declared on its own."""
+    fields_ = _by_flag(*CONSUMERS[command]) | {("--log-level",): settings_of(CliOptions)["log_level"]}
+    actions = [a for a in (*_subparser(command)._actions, *build_parser()._actions)
+               if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+    assert len(actions) >= 5
     orphans = [a.option_strings for a in actions if tuple(a.option_strings) not in fields_]
     assert not orphans, f"flags of pdxfer {command} declared outside a field: {orphans}"
     for a in actions:
