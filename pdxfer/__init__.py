@@ -38,6 +38,8 @@ from .protect import (
     trusted_bootstrap,
     trusted_from_env,
 )
+from .setting import setting as setting_field
+from .setting import settings_of
 
 __version__ = "0.1.0"
 
@@ -48,7 +50,7 @@ __all__ = [
     # pools and layouts
     "BufferSpec", "PoolSpec", "Sharding", "layout_signature",
     # settings (each field's default and help, for generated flags and keys)
-    "endpoint_settings", "knobs",
+    "endpoint_settings", "knobs", "setting_field", "settings_of",
     # errors
     "Aborted", "BootstrapError", "ConfigError", "DeadlineExceeded", "DuplicateRoom",
     "IntegrityError", "LayoutMismatch", "PdxferError", "PeerLost", "PlanError", "ProtocolError",

@@ -8,6 +8,21 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
+
+from .setting import setting
+
+
+@dataclass(frozen=True, slots=True)
+class CliOptions:
+    """``pdxfer``'s own options: ``--log-level`` (every command) and ``pdxfer bootstrap``'s."""
+
+    log_level: str = setting("WARNING", "DEBUG, INFO, WARNING, ERROR")
+    host: str = setting("127.0.0.1", "address to bind (0.0.0.0: all)")
+    advertise: str = setting(
+        "", "address prefills and decodes reach it at (its ready line); default: --host",
+        metavar="ADDRESS")
+    port: int = setting(8998, "HTTP port")
 
 
 def _bootstrap(a: argparse.Namespace) -> int:
@@ -83,16 +98,13 @@ PASS_THROUGH = ("demo", "transfer-demo", "bench")
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line (docs/configuration.md is generated from it)."""
     ap = argparse.ArgumentParser(prog="pdxfer", description="KV-cache transfer for PD serving")
-    ap.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    from .serving.cli_args import add_field_args, add_insecure_arg, add_router_args, add_worker_args
+
+    add_field_args(ap, CliOptions, "log_level")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    from .serving.cli_args import add_insecure_arg, add_router_args, add_worker_args
 
     b = sub.add_parser("bootstrap", help="run a standalone bootstrap server")
-    b.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
-    b.add_argument("--advertise", default="", metavar="ADDRESS",
-                   help="address prefills and decodes reach it at (its ready line); "
-                        "default: --host")
-    b.add_argument("--port", type=int, default=8998, help="HTTP port")
+    add_field_args(b, CliOptions, "host", "advertise", "port")
     add_insecure_arg(b)
     b.set_defaults(fn=_bootstrap)
 

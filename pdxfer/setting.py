@@ -15,13 +15,16 @@ from typing import Any, Literal
 
 
 def setting(default: Any = MISSING, help: str = "", *, env: str = "",
-            choices: tuple[str, ...] = (), shown: str = "",
-            factory: Callable[[], Any] | None = None, repr: bool = True) -> Any:
+            choices: tuple[str, ...] = (), shown: str = "", flags: tuple[str, ...] = (),
+            metavar: str = "", factory: Callable[[], Any] | None = None,
+            repr: bool = True) -> Any:
     """A dataclass field with its metadata: ``help`` (one text for flags, keys and docs),
     ``env`` (the ``PDXFER_*`` variable that sets it, if any), ``choices`` (the values a user may
-    name where the type does not say) and ``shown`` (how the docs print the default when
-    the value itself would mislead, e.g. ``min(4, cores)`` for 0)."""
-    meta = {"help": help, "env": env, "choices": choices, "shown": shown}
+    name where the type does not say), ``shown`` (how the docs print the default when
+    the value itself would mislead, e.g. ``min(4, cores)`` for 0), and for its command-line
+    flag ``flags`` (the option strings, when not the field's name) and ``metavar``."""
+    meta = {"help": help, "env": env, "choices": choices, "shown": shown, "flags": flags,
+            "metavar": metavar}
     if factory is not None:
         return field(default_factory=factory, metadata=meta, repr=repr)
     return field(default=default, metadata=meta, repr=repr)
@@ -40,6 +43,8 @@ class Setting:
     env: str = ""
     choices: tuple[str, ...] = ()
     shown: str = ""
+    flags: tuple[str, ...] = ()
+    metavar: str = ""
 
     @property
     def required(self) -> bool:
@@ -55,11 +60,11 @@ def settings_of(cls: type) -> dict[str, Setting]:
         if "help" not in f.metadata:
             continue
         hint = hints[f.name]
-        meta = {"env": "", "choices": (), "shown": "", **f.metadata}
+        meta = {"env": "", "choices": (), "shown": "", "flags": (), "metavar": "", **f.metadata}
         kind, choices = str(f.type), tuple(meta["choices"])
         if typing.get_origin(hint) is Literal:
             kind, choices = "str", choices or typing.get_args(hint)
         default = f.default if f.default_factory is MISSING else None  # type: ignore[misc]
         out[f.name] = Setting(f.name, kind, default, meta["help"], meta["env"], choices,
-                              meta["shown"])
+                              meta["shown"], tuple(meta["flags"]), meta["metavar"])
     return out

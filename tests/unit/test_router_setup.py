@@ -10,6 +10,7 @@ import pytest
 from pdxfer.cli import build_parser
 from pdxfer.serving.router.app import make_backend
 from pdxfer.serving.router.backends import Decode, Http
+from pdxfer.serving.router.settings import RouterSettings
 from pdxfer.serving.router.vllm import SETUP_TIMEOUT_S, VllmBackend
 
 
@@ -17,7 +18,7 @@ def _backend(*more: str) -> VllmBackend:
     a = build_parser().parse_args(["router", "--engine", "vllm", "--prefill",
                                    "http://127.0.0.1:1,127.0.0.1:2", "--decode",
                                    "http://127.0.0.1:3", *more])
-    b = make_backend(a)
+    b = make_backend(RouterSettings.from_args(a))
     assert isinstance(b, VllmBackend)
     return b
 

@@ -3,7 +3,8 @@
 The CLI flags and the vLLM connector's keys that set an endpoint setting are generated from
 ``pdxfer.endpoint_settings()``; no other module may restate such a default (a dataclass field,
 a parameter or an ``add_argument`` of the same name with a literal), and every flag and key
-has a help text.
+has a help text. The toy workers' and the router's flags come from the fields that consume
+them (``WorkerConfig``, ``RouterSettings``, ``MediaPolicy``) the same way.
 """
 
 from __future__ import annotations
@@ -12,12 +13,18 @@ import argparse
 import ast
 from pathlib import Path
 
+import pytest
+
 from pdxfer import endpoint_settings
-from pdxfer.cli import build_parser, pass_through_parsers
+from pdxfer.cli import CliOptions, build_parser, pass_through_parsers
 from pdxfer.config import ENV_VARS, Knobs
 from pdxfer.integrations.vllm import config as connector
+from pdxfer.serving import cli_args
 from pdxfer.serving.cli_args import add_worker_args, flag_of
-from pdxfer.setting import settings_of
+from pdxfer.serving.router.media import MediaPolicy
+from pdxfer.serving.router.settings import RouterSettings
+from pdxfer.serving.toy.config import WorkerConfig
+from pdxfer.setting import Setting, settings_of
 
 ROOT = Path(__file__).resolve().parents[2] / "pdxfer"
 OWN = ("host", "advertise", "bootstrap")
@@ -109,3 +116,92 @@ def test_every_flag_key_and_setting_has_help() -> None:
     assert not [s.name for s in (*SETTINGS.values(), *settings_of(Knobs).values())
                 if not s.help.strip()]
     assert not [v.name for v in ENV_VARS if not v.help.strip()]
+
+
+CONSUMERS = {"prefill": (WorkerConfig,), "decode": (WorkerConfig,),
+             "router": (RouterSettings, MediaPolicy), "bootstrap": (CliOptions,)}
+"""The dataclasses whose fields each serving command's flags are generated from (beside
+``EndpointConfig``'s)."""
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _by_flag(*classes: type) -> dict[tuple[str, ...], Setting]:
+    out = {}
+    for known in (endpoint_settings(), *(settings_of(c) for c in classes)):
+        out |= {s.flags or (flag_of(n),): s for n, s in known.items()}
+    return out
+
+
+def _expected_default(a: argparse.Action, s: Setting) -> object:
+    if s.required:
+        return None
+    return list(s.default) if isinstance(a, argparse._AppendAction) else s.default
+
+
+@pytest.mark.parametrize("command", sorted(CONSUMERS))
+def test_serving_flags_are_generated_from_their_fields(command: str) -> None:
+    """Every flag of ``pdxfer prefill``, ``decode``, ``router`` and ``bootstrap`` (and
+    ``pdxfer``'s own) has the default and help of the field that consumes it: none is
+    declared on its own."""
+    fields_ = _by_flag(*CONSUMERS[command]) | {("--log-level",): settings_of(CliOptions)["log_level"]}
+    actions = [a for a in (*_subparser(command)._actions, *build_parser()._actions)
+               if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+    assert len(actions) >= 5
+    orphans = [a.option_strings for a in actions if tuple(a.option_strings) not in fields_]
+    assert not orphans, f"flags of pdxfer {command} declared outside a field: {orphans}"
+    for a in actions:
+        s = fields_[tuple(a.option_strings)]
+        assert a.default == _expected_default(a, s), (a.option_strings, a.default, s.default)
+        assert a.help == s.help.replace("``", "").replace("%", "%%"), a.option_strings
+
+
+def _literal_flag_args(path: Path) -> list[str]:
+    """``add_argument`` calls in ``path`` that write a default or a help text themselves."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument"):
+            out += [f"{path.name}:{node.lineno} {k.arg}=" for k in node.keywords
+                    if k.arg in ("default", "help") and not isinstance(k.value, ast.Name)]
+    return out
+
+
+def test_serving_cli_args_write_no_default_or_help() -> None:
+    assert not _literal_flag_args(Path(cli_args.__file__))
+
+
+def test_the_flag_check_sees_a_literal(tmp_path: Path) -> None:
+    src = tmp_path / "flags.py"
+    src.write_text("ap.add_argument('--pages', type=int, default=1024, help='KV pages')\n"
+                   "ap.add_argument(*flags, **(kw | over))\n")
+    assert len(_literal_flag_args(src)) == 2
+
+
+def _serving_defaults() -> dict[str, list[object]]:
+    out: dict[str, list[object]] = {}
+    for cls in (WorkerConfig, RouterSettings, MediaPolicy):
+        for n, s in settings_of(cls).items():
+            if s.default not in TRIVIAL:
+                out.setdefault(n, []).append(s.default)
+    return out
+
+
+def test_no_parameter_restates_a_serving_default() -> None:
+    """``Router(timeout_s=120.0)`` beside ``--timeout``'s 120.0 would be two copies."""
+    known = _serving_defaults()
+    bad = []
+    for p in (ROOT / "serving").rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            f = node.args
+            args = f.posonlyargs + f.args
+            pairs = list(zip(args[len(args) - len(f.defaults):], f.defaults))
+            pairs += [(a, d) for a, d in zip(f.kwonlyargs, f.kw_defaults) if d]
+            bad += [f"{p.name}:{node.lineno} {a.arg}={d.value!r}" for a, d in pairs
+                    if isinstance(d, ast.Constant) and d.value in known.get(a.arg, ())]
+    assert not bad, bad

@@ -52,9 +52,10 @@ from .backends import (
     registered,
 )
 from .kv_feed import FeedSpec, KvFeeds
-from .kv_policy import LOAD_WEIGHT, Held, choose
+from .kv_policy import Held, choose
 from .media import DEFAULT as MEDIA
 from .media import MediaPolicy
+from .settings import DEFAULT, RouterSettings
 
 log = logging.getLogger("pdxfer.serving.router")
 POLICIES = ("round_robin", "least_outstanding", "kv_aware")
@@ -89,10 +90,11 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
 
 class Router:
     def __init__(self, prefills: list[Prefill], decodes: list[Decode],
-                 policy: str = "auto", timeout_s: float = 120.0,
-                 expose_cache_stats: bool = False, api_keys: dict[str, str] | None = None,
+                 policy: str = DEFAULT["policy"], timeout_s: float = DEFAULT["timeout_s"],
+                 expose_cache_stats: bool = DEFAULT["expose_cache_stats"],
+                 api_keys: dict[str, str] | None = None,
                  backend: Backend | None = None, kv: KvFeeds | None = None,
-                 load_weight: float = LOAD_WEIGHT,
+                 load_weight: float = DEFAULT["kv_load_weight"],
                  media: MediaPolicy = MEDIA) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
@@ -579,12 +581,12 @@ class Router:
             await on_delta(c.index, text, lps)
 
 
-def make_backend(a: argparse.Namespace) -> Backend:
-    if a.engine == "vllm":
+def make_backend(s: RouterSettings) -> Backend:
+    if s.engine == "vllm":
         from .vllm import SETUP_TIMEOUT_S, VllmBackend
 
-        return VllmBackend(a.tokenizer, a.page_size, getattr(a, "dispatch", "concurrent"),
-                           max(SETUP_TIMEOUT_S, a.timeout))
+        return VllmBackend(s.tokenizer, s.page_size, s.dispatch,
+                           max(SETUP_TIMEOUT_S, s.timeout_s))
     return ToyBackend()
 
 
@@ -603,19 +605,20 @@ def check_reachable(prefills: list[Prefill], decodes: list[Decode]) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    prefills = [parse_prefill(s) for s in a.prefill]
-    decodes = [parse_decode(s) for s in a.decode]
+    s = RouterSettings.from_args(a)
+    prefills = [parse_prefill(p) for p in s.prefill]
+    decodes = [parse_decode(d) for d in s.decode]
     check_reachable(prefills, decodes)
-    specs = [FeedSpec.parse(s) for s in a.kv_events]
+    specs = [FeedSpec.parse(e) for e in s.kv_events]
     known = {p.url for p in prefills} | {d.url for d in decodes}
     for spec in specs:
         if spec.worker not in known:
             raise ValueError(f"--kv-events {spec.worker}: not a --prefill or --decode URL")
     kv = KvFeeds(specs) if specs else None
-    router = Router(prefills, decodes, a.policy, a.timeout,
-                    expose_cache_stats=a.expose_cache_stats, backend=make_backend(a), kv=kv,
-                    load_weight=a.kv_load_weight,
+    router = Router(prefills, decodes, s.policy, s.timeout_s,
+                    expose_cache_stats=s.expose_cache_stats, backend=make_backend(s), kv=kv,
+                    load_weight=s.kv_load_weight,
                     media=MediaPolicy(max_image_bytes=a.max_image_bytes,
                                       allow_remote=a.allow_remote_images))
-    log.info("router: %d prefill, %d decode, %s", len(a.prefill), len(a.decode), router.policy)
-    return serve(router.app(), a.host, a.port, advertise=a.advertise, what="router")
+    log.info("router: %d prefill, %d decode, %s", len(prefills), len(decodes), router.policy)
+    return serve(router.app(), s.host, s.port, advertise=s.advertise, what="router")

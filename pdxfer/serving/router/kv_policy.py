@@ -13,8 +13,6 @@ import operator
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-LOAD_WEIGHT = 0.5
-
 
 class Loaded(Protocol):
     @property
@@ -33,7 +31,7 @@ Held = Sequence[tuple[int, Sequence[str]]]
 
 
 def choose(workers: Sequence[W], held: Held, n_tokens: int,
-           load_weight: float = LOAD_WEIGHT) -> tuple[W, int]:
+           load_weight: float) -> tuple[W, int]:
     """The cheapest worker and how many leading prompt tokens it holds (workers ``held``
     does not name hold none). Per group of equal holdings the least loaded is the
     cheapest, so a fleet is looked at group by group, not worker by worker."""

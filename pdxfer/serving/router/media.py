@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pdxfer import setting_field
+
 from ..errors import BadRequest
 
 _DATA = re.compile(r"data:(image/[a-z0-9.+-]+);base64,", re.I)
@@ -34,10 +36,12 @@ class MediaPolicy:
     """What the front door accepts in ``image_url`` parts."""
 
     max_images: int = 8
-    max_image_bytes: int = 4 << 20
-    """Decoded bytes of one image (the router's body limit bounds the request as a whole)."""
-    allow_remote: bool = False
-    """Whether ``http(s)://`` image URLs may be forwarded (each worker fetches them)."""
+    max_image_bytes: int = setting_field(
+        4 << 20, "largest image (decoded bytes) a chat request's data URL may carry (the "
+        "router's body limit bounds the request as a whole)", metavar="N")
+    allow_remote: bool = setting_field(
+        False, "forward http(s) image URLs to the workers (each fetches them; off: a 400 asks "
+        "for a data URL)", flags=("--allow-remote-images",))
 
 
 DEFAULT = MediaPolicy()

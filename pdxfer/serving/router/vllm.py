@@ -39,6 +39,7 @@ from .backends import (
     refuse,
     sse_events,
 )
+from .settings import DEFAULT
 from .tokenizers import HFTokenizer, Tokenizer
 
 log = logging.getLogger("pdxfer.serving.router.vllm")
@@ -59,7 +60,7 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, tokenizer: str | None = None, page_size: int | None = None,
-                 dispatch: str = "concurrent", setup_timeout_s: float = SETUP_TIMEOUT_S
+                 dispatch: str = DEFAULT["dispatch"], setup_timeout_s: float = SETUP_TIMEOUT_S
                  ) -> None:
         if dispatch not in DISPATCH:
             raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")

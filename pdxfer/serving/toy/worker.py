@@ -1,4 +1,6 @@
-"""What the prefill and decode workers share: model and pools, config, HTTP plumbing.
+"""What the prefill and decode workers share: model and pools, HTTP plumbing.
+
+Their settings are ``WorkerConfig`` (``config.py``, re-exported here).
 
 A worker process hosts the toy model (target plus draft) with paged KV pools and one pdxfer
 ``Endpoint`` for its tensor-parallel rank. At ``--tp N`` the worker's front is rank 0 and
@@ -9,11 +11,9 @@ model's own tensors, so a transfer writes straight into the pages attention read
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
-import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +25,7 @@ from pdxfer import (
     Endpoint,
     EndpointConfig,
     PoolSpec,
-    endpoint_settings,
     load_secret,
-    parse_hostport,
-    parse_hostports,
-    require_trusted,
 )
 
 from ..errors import BadRequest, OutOfCapacity
@@ -46,8 +42,9 @@ from ..http import (  # noqa: F401  (re-exported for the worker modules)
     token_list,
 )
 from . import ballast
+from .config import WorkerConfig, config_from_args, default_l3_dir  # noqa: F401  (re-exported)
 from .kv import KVPool, OutOfPagesError
-from .model import Gather, ToyConfig, ToyModel, head_shard, make_draft
+from .model import Gather, ToyModel, make_draft
 
 log = logging.getLogger("pdxfer.serving")
 
@@ -67,178 +64,6 @@ class LayerIds:
     @property
     def rest(self) -> tuple[int, int]:
         return self.target, self.total
-
-
-_DEFAULT = {k: s.default for k, s in endpoint_settings().items()}
-"""The endpoint settings a worker passes on keep their defaults (and help) in ``pdxfer``."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    """One worker's settings, validated at construction."""
-
-    role: str
-    host: str = _DEFAULT["host"]
-    advertise: str = _DEFAULT["advertise"]
-    """The address other hosts reach this worker at (default ``host``; see ``pdxfer``'s
-    ``EndpointConfig.advertise``)."""
-    port: int = 0
-    bootstrap: str | None = None
-    instance: str = _DEFAULT["instance"]
-    pages: int = 1024
-    aux_slots: int = 64
-    seed: int = 0
-    page_size: int = 16
-    max_seq_len: int = 1024
-    chunk_size: int = 64
-    l2_pages: int = 512
-    l3: str = "file"
-    l3_dir: str = ""
-    l3_max_bytes: int = 4 << 30
-    l3_mooncake: str = ""
-    l3_mooncake_metadata: str = ""
-    l3_mooncake_segment_bytes: int = 256 << 20
-    kv_landing: str = "device"
-    integrity: str = _DEFAULT["integrity"]
-    integrity_retry: bool = _DEFAULT["integrity_retry"]
-    transport: str = _DEFAULT["transport"]
-    device: str = _DEFAULT["device"]
-    torch_device: str = "cpu"
-    """Where the toy model computes and its KV pools live (``--torch-device``): ``cpu``, or
-    ``cuda:N``, whose pools the transport registers as device memory (a host landing's pool
-    stays on the host; the aux rows and a ballast always do)."""
-    bootstrap_timeout_s: float = _DEFAULT["bootstrap_timeout_s"]
-    transfer_timeout_s: float = _DEFAULT["transfer_timeout_s"]
-    heartbeat_s: float = _DEFAULT["heartbeat_s"]
-    threads: int = 1
-    max_waiting: int = 256
-    admission_timeout_s: float = 20.0
-    tp: int = 1
-    """Tensor-parallel ranks: one process each, the front being rank 0."""
-    dp: int = 1
-    """Decode only: independent decode groups behind one address (``dp.py``)."""
-    dp_rank: int = 0
-    """Which of those groups this worker is."""
-    min_step_s: float = 0.0
-    """Decode only: a floor on each step of the generation loop (``--min-step-s``)."""
-    kv_events: str = ""
-    """Where the L2 cache's KV events are published (``ENDPOINT[,REPLAY]``; "": nowhere)."""
-    kv_ballast_bytes_per_token: int = 0
-    """A benchmark device (``ballast.py``): a sidecar pool of this many bytes per token that
-    moves, tiers and is checked with the KV (0: none). Prefill and decode must agree."""
-
-    def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
-        if self.role == "prefill" and not self.bootstrap:
-            raise ValueError("a prefill worker needs --bootstrap (host:port of the bootstrap)")
-        if self.role == "prefill":
-            parse_hostport(self.bootstrap, "--bootstrap")
-        else:
-            require_trusted(self.bootstrap, "--bootstrap")
-        for name in ("pages", "aux_slots", "page_size", "max_seq_len", "chunk_size", "threads"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port out of range: {self.port}")
-        if self.l2_pages < 0:
-            raise ValueError(f"l2_pages must be >= 0, got {self.l2_pages}")
-        if self.l3 not in ("file", "mooncake", "off"):
-            raise ValueError(f"l3 must be file, mooncake or off, got {self.l3!r}")
-        if self.l3 == "mooncake" and not (self.l3_mooncake and self.l3_mooncake_metadata):
-            raise ValueError("Mooncake Store as L3 needs the master (--l3-mooncake HOST:PORT) "
-                             "and its metadata URL (--l3-mooncake-metadata)")
-        if self.integrity not in ("sampled", "full", "off"):
-            raise ValueError(f"integrity must be sampled, full or off, got {self.integrity!r}")
-        if self.kv_landing not in ("device", "host"):
-            raise ValueError(f"kv_landing must be device or host, got {self.kv_landing!r}")
-        if self.kv_landing == "host" and self.role != "decode":
-            raise ValueError("--kv-landing host is a decode option")
-        if not 1 <= self.tp <= 64:
-            raise ValueError(f"tp must be in [1, 64], got {self.tp}")
-        if not 1 <= self.dp <= 64 or not 0 <= self.dp_rank < self.dp:
-            raise ValueError(f"dp must be in [1, 64] and dp_rank in [0, dp), got "
-                             f"{self.dp_rank} of {self.dp}")
-        if self.dp > 1 and self.role != "decode":
-            raise ValueError("--dp is a decode option (a prefill scales as more instances)")
-        ballast.validate(self.kv_ballast_bytes_per_token)
-        try:
-            dev = torch.device(self.torch_device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"torch_device {self.torch_device!r}: {e}") from None
-        if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"torch_device must be cpu or cuda[:N], got {self.torch_device!r}")
-        if dev.type == "cuda" and self.tp > 1:
-            raise ValueError("--torch-device cuda needs --tp 1 (the toy's TP ranks gather over "
-                             "gloo on the host)")
-        if self.kv_ballast_bytes_per_token and self.tp > 1:
-            raise ValueError("--kv-ballast-bytes-per-token needs --tp 1 (the ballast is not "
-                             "sharded by heads)")
-        head_shard(self.toy(), 0, self.tp)  # a TP size that does not split the heads fails here
-
-    @property
-    def trusted(self) -> tuple[str, ...]:
-        """A decode's trusted bootstrap servers (``--bootstrap``, comma-separated): the only
-        ones a request may name (``pdxfer.trusted_bootstrap``)."""
-        return parse_hostports(self.bootstrap) if self.role == "decode" else ()
-
-    @property
-    def peer_by_instance(self) -> bool:
-        """Whether rooms are bound to this decode by its instance name (which all its TP ranks
-        share) rather than by its one endpoint id."""
-        return self.tp > 1
-    @property
-    def token_granular(self) -> bool:
-        """Host landing: the pool is token-granular (page size 1) with the same capacity,
-        and accepts a prefill of any page size (``page_remap``)."""
-        return self.kv_landing == "host"
-
-    @property
-    def pool_page_size(self) -> int:
-        return 1 if self.token_granular else self.page_size
-
-    @property
-    def pool_pages(self) -> int:
-        return self.pages * self.page_size if self.token_granular else self.pages
-
-    def toy(self) -> ToyConfig:
-        return ToyConfig(seed=self.seed, page_size=self.pool_page_size,
-                         max_seq_len=self.max_seq_len)
-
-
-def default_l3_dir() -> str:
-    """Where a decode keeps L3 files unless told (``$XDG_CACHE_HOME/pdxfer/l3``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pdxfer", "l3")
-
-
-def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
-    dec = role == "decode"
-    l3 = ("off" if not dec or a.no_l3 else "mooncake" if a.l3_mooncake else "file")
-    instance = a.instance
-    if dec and instance == "default" and (a.tp > 1 or a.dp > 1):
-        # rooms bind to a TP decode by its instance name: make it this decode's own
-        instance = f"decode-{secrets.token_hex(4)}"
-    return WorkerConfig(
-        role=role, host=a.host, advertise=a.advertise, port=a.port, bootstrap=a.bootstrap,
-        instance=instance, tp=a.tp, dp=a.dp if dec else 1,
-        pages=a.pages, aux_slots=a.aux_slots, seed=a.seed, page_size=a.page_size,
-        max_seq_len=a.max_seq_len, chunk_size=a.chunk_size,
-        l2_pages=a.l2_pages, l3=l3,
-        l3_dir=(a.l3_dir or default_l3_dir()) if dec else "",
-        l3_max_bytes=int(a.l3_max_gb * (1 << 30)) if dec else 0,
-        l3_mooncake=a.l3_mooncake if dec else "",
-        l3_mooncake_metadata=a.l3_mooncake_metadata if dec else "",
-        l3_mooncake_segment_bytes=int(a.l3_mooncake_segment_mb) << 20 if dec else 0,
-        kv_landing=a.kv_landing if dec else "device", transport=a.transport, device=a.device,
-        torch_device=a.torch_device,
-        integrity=a.integrity if dec else "sampled",
-        integrity_retry=a.integrity_retry if dec else False,
-        bootstrap_timeout_s=a.bootstrap_timeout,
-        transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat, threads=a.threads,
-        max_waiting=a.max_waiting, admission_timeout_s=a.admission_timeout,
-        min_step_s=a.min_step_s if dec else 0.0,
-        kv_ballast_bytes_per_token=a.kv_ballast_bytes_per_token, kv_events=a.kv_events)
 
 
 class SlotAllocator:

@@ -1,22 +1,4 @@
-"""The router at fleet scale, by simulation: its KV index and KV-aware choice under synthetic
-event streams, and the bootstrap server with 1,000 registered ranks.
-
-Per fleet size (10, 100, 1,000 workers) a stream of vLLM-schema event batches (msgpack
-frames, as the ZMQ feed receives them) stores conversations on the workers until the index
-holds ``--blocks`` (worker, block) pairs: a shared system prompt on every worker, each
-conversation on one worker (10% also on a second), 5% of events removing a conversation's
-tail. Each round's frames are applied as one burst (as the feed's applier takes what its
-sockets queued). Ingest time counts frame decoding and indexing (``events_per_s``: blocks
-stored or removed per second). Then requests (half follow a stored conversation, half are new) are
-each decided: the prompt's cached prefix per worker, then the KV-aware choice against random
-loads (``decision_*_ms``; ``*_cpu_*``: the same on the thread's CPU time, which a
-shared, loaded machine inflates less than wall time). ``bytes_per_block``: the index's arrays per indexed pair. The
-top-level ``router_scale.*`` figures are the largest fleet's. The bootstrap server runs as
-its own process (``pdxfer bootstrap``); 125 instances of 8 TP ranks register over HTTP, and
-concurrent keep-alive clients look routes up.
-
-    python scripts/bench_router_scale.py [--quick] [--json out.json]
-"""
+"""The router at fleet scale, by simulation: KV index and choice, and 1,000 bootstrap ranks."""
 
 from __future__ import annotations
 
@@ -25,21 +7,22 @@ import asyncio
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
 
+from benchmarks.common.runner import log
 from pdxfer import BootstrapClient
 from pdxfer.bootstrap import Registration
 from pdxfer.serving.kv_events import BlockRemoved, BlockStored, encode_batch, parse_frame
+from pdxfer.serving.procs import Proc
 from pdxfer.serving.router.backends import Prefill
 from pdxfer.serving.router.kv_feed import FeedSpec, FeedState, KvFeeds
 from pdxfer.serving.router.kv_policy import choose
+from pdxfer.serving.router.settings import DEFAULT
 
 BS = 16
 SYS_BLOCKS = 8
@@ -123,7 +106,7 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
         else:
             owner, ids = "", sys_tokens + rng.integers(0, VOCAB, CONV_BLOCKS * BS).tolist()
         t0, c0 = time.perf_counter(), time.thread_time()
-        _, held = choose(pool, feeds.cached_groups(ids), len(ids))
+        _, held = choose(pool, feeds.cached_groups(ids), len(ids), DEFAULT["kv_load_weight"])
         lat.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
         hits += owner != "" and held > SYS_BLOCKS * BS
@@ -140,17 +123,6 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
             "decision_cpu_p99_ms": float(np.percentile(ac, 99)),
             "followups_routed_to_a_holder": hits / max(follow, 1),
             "rss_peak_mb": _rss_mb()}
-
-
-def _bootstrap() -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "pdxfer.cli", "bootstrap", "--port", "0"],
-                         stdout=subprocess.PIPE, text=True, env=env)
-    assert p.stdout is not None
-    for line in p.stdout:
-        if line.startswith("PDXFER_READY "):
-            return p, line.split()[1].removeprefix("http://")
-    raise RuntimeError("the bootstrap server did not start")
 
 
 async def _lookups(addr: str, instances: int, n: int, conc: int) -> list[float]:
@@ -173,7 +145,8 @@ async def _lookups(addr: str, instances: int, n: int, conc: int) -> list[float]:
 
 
 def bootstrap_bench(ranks: int, lookups: int, conc: int) -> dict[str, Any]:
-    proc, addr = _bootstrap()
+    proc = Proc("bootstrap", ["bootstrap", "--port", "0"])
+    addr = proc.url.removeprefix("http://")
     try:
         tp = 8
         instances = ranks // tp
@@ -188,8 +161,7 @@ def bootstrap_bench(ranks: int, lookups: int, conc: int) -> dict[str, Any]:
         lat = asyncio.run(_lookups(addr, instances, lookups, conc))
         wall = time.perf_counter() - t0
     finally:
-        proc.terminate()
-        proc.wait(10)
+        proc.stop()
     a = np.asarray(lat) * 1000
     return {"bootstrap_ranks": instances * tp, "bootstrap_registrations_per_s":
             instances * tp / reg_s, "bootstrap_lookups": len(lat),
@@ -198,14 +170,14 @@ def bootstrap_bench(ranks: int, lookups: int, conc: int) -> dict[str, Any]:
             "bootstrap_lookup_p99_ms": float(np.percentile(a, 99))}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small fleets and streams")
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--blocks", type=int, default=None,
-                    help="indexed (worker, block) pairs per fleet (default 10M; quick 20k)")
-    ap.add_argument("--workers", default=None, help="fleet sizes, comma separated")
-    ap.add_argument("--json", type=Path, help="write the flat JSON here")
-    a = ap.parse_args()
+                    help="indexed (worker, block) pairs per fleet (default 10M; --quick 20k)")
+    ap.add_argument("--workers", default=None,
+                    help="fleet sizes, comma separated (default 10,100,1000; --quick 10,100)")
+
+
+def main(a: argparse.Namespace) -> dict[str, Any]:
     blocks = a.blocks or (20_000 if a.quick else 10_000_000)
     fleets = [int(x) for x in (a.workers or ("10,100" if a.quick else "10,100,1000")).split(",")]
     requests = 300 if a.quick else 5000
@@ -215,19 +187,18 @@ def main() -> None:
     for w in fleets:
         last = simulate(w, blocks, requests)
         out.update({f"router_scale.w{w}.{k}": v for k, v in last.items()})
-        print(json.dumps({k: v for k, v in out.items() if k.startswith(f"router_scale.w{w}.")}),
-              file=sys.stderr, flush=True)
+        log("router_scale", json.dumps({k: v for k, v in out.items()
+                                        if k.startswith(f"router_scale.w{w}.")}))
     for k in ("decision_p50_ms", "decision_p99_ms", "bytes_per_block", "events_per_s",
               "decision_cpu_p99_ms", "events_per_cpu_s", "workers", "indexed_blocks"):
         out[f"router_scale.{k}"] = last[k]
     b = bootstrap_bench(1000, 2000 if a.quick else 20000, 8)
     out.update({f"router_scale.{k}": v for k, v in b.items()})
     out["router_scale.load_1m_end"] = os.getloadavg()[0]
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.json:
-        a.json.write_text(text + "\n")
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.common import runner
+
+    sys.exit(runner.run(sys.modules[__name__]))

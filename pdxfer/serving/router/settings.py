@@ -1,0 +1,74 @@
+"""``RouterSettings``: the router's settings, each field carrying its flag's default and help.
+
+``pdxfer router`` generates its flags from these fields (and from ``MediaPolicy``'s, for what
+chat requests may carry); ``Router`` takes its defaults from them. Nothing heavy is imported
+here, so ``pdxfer --help`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Literal
+
+from pdxfer import setting_field, settings_of
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterSettings:
+    """What ``pdxfer router`` is told: its address, its workers and how it pairs them."""
+
+    host: str = setting_field("127.0.0.1", "address to bind (0.0.0.0: all)")
+    advertise: str = setting_field(
+        "", "address clients reach the router at (its ready line); default: --host",
+        metavar="ADDRESS")
+    port: int = setting_field(8000, "HTTP port (0: pick a free one)")
+    prefill: tuple[str, ...] = setting_field(
+        help="a prefill instance: its HTTP URL, its bootstrap host:port and optionally its "
+        "instance name (repeat for more)", metavar="URL,BOOTSTRAP[,INST]")
+    decode: tuple[str, ...] = setting_field(
+        help="a decode instance's HTTP URL and optionally its instance name, which rooms are "
+        "bound to (repeat for more)", metavar="URL[,INSTANCE]")
+    engine: Literal["toy", "vllm"] = setting_field(
+        "toy", "what the workers run: pdxfer's toy workers, or `vllm serve` with "
+        "PdxferConnector")
+    tokenizer: str | None = setting_field(
+        None, "--engine vllm: the served model's folder for the tokenizer (default: the root "
+        "the decode's /v1/models names)", metavar="PATH")
+    page_size: int | None = setting_field(
+        None, "--engine vllm: the decodes' block size for KV-aware routing (default: read "
+        "from their /metrics)")
+    dispatch: Literal["concurrent", "sequential"] = setting_field(
+        "concurrent", "--engine vllm: send the decode its request at the same time as the "
+        "prefill's (concurrent: the decode allocates and asks while the prefill computes), "
+        "or after the prefill answered (sequential: vLLM's own proxy protocol)")
+    policy: Literal["auto", "round_robin", "least_outstanding", "kv_aware"] = setting_field(
+        "auto", "pairing policy (auto: kv_aware with several decodes, else round_robin)")
+    kv_events: tuple[str, ...] = setting_field(
+        (), "kv_aware: a worker's KV event stream (vLLM --kv-events-config publisher zmq: its "
+        "endpoint and replay_endpoint, e.g. "
+        "http://10.0.0.1:8100=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558); workers without one "
+        "are judged by the router's own history (repeat for more)",
+        metavar="WORKER_URL=ENDPOINT[,REPLAY]")
+    kv_load_weight: float = setting_field(
+        0.5, "kv_aware: how many prompts' worth of tokens one outstanding request on a worker "
+        "weighs against the prefix it holds")
+    expose_cache_stats: bool = setting_field(
+        False, "show clients how many prompt tokens came from the decode's cache "
+        "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)")
+    timeout_s: float = setting_field(
+        120.0, "per-request deadline towards the workers (seconds); --engine vllm: also how "
+        "long the start waits for a decode to answer (at least 120 s)")
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> RouterSettings:
+        return cls(host=a.host, advertise=a.advertise, port=a.port, prefill=tuple(a.prefill),
+                   decode=tuple(a.decode), engine=a.engine, tokenizer=a.tokenizer,
+                   page_size=a.page_size, dispatch=getattr(a, "dispatch", DEFAULT["dispatch"]),
+                   policy=a.policy, kv_events=tuple(a.kv_events),
+                   kv_load_weight=a.kv_load_weight, expose_cache_stats=a.expose_cache_stats,
+                   timeout_s=a.timeout)
+
+
+DEFAULT = {k: s.default for k, s in settings_of(RouterSettings).items()}
+"""Each setting's default, for ``Router``'s parameters."""
