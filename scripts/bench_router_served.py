@@ -66,6 +66,8 @@ router.restart.*: the same in the restart phases (prefill 1 SIGKILLed after a sh
   requests, started again on the same port and event endpoints while traffic goes on).
 router.restart.recovery_s: from the restarted prefill answering /health again until the
   router sends it a request it reports reuse for (prefill_cached_tokens > 0).
+router.kv_aware_baseline.* (with --baseline-tree): the KV-aware router of another
+  checkout, same prompts, in the steady phases.
 router.outputs_mismatched: sampled requests whose token ids differ from colocated vLLM
   (prefill 0 serving the prompt alone), of router.outputs_compared.
 """
@@ -176,7 +178,7 @@ class Fleet:
     def prefills(self) -> list[VllmServer]:
         return self.servers[:2]
 
-    def start_routers(self) -> None:
+    def start_routers(self, baseline: str | None = None) -> None:
         base = ["--log-level", "WARNING", "router", "--engine", "vllm", "--port", "0",
                 "--expose-cache-stats", "--decode", f"{self.servers[2].url},d0"]
         for i, p in enumerate(self.prefills):
@@ -187,6 +189,10 @@ class Fleet:
         self.routers["kv_aware"] = Proc("router-kv", [*base, *kv], timeout=180)
         self.routers["round_robin"] = Proc("router-rr", [*base, "--policy", "round_robin"],
                                            timeout=180)
+        if baseline:  # the same KV-aware router, another checkout's code
+            self.routers["kv_aware_baseline"] = Proc(
+                "router-base", [*base, *kv], timeout=180,
+                env={"PYTHONPATH": str(Path(baseline).resolve())})
 
     def reset_caches(self) -> int:
         """Empty every engine's prefix cache (vLLM refuses while blocks are still held, e.g.
@@ -347,7 +353,7 @@ def p50(xs: list[float]) -> float:
 def summarize(phases: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     ttft: dict[str, float] = {}
-    for v in VARIANTS:
+    for v in dict.fromkeys(p["variant"] for p in phases):
         ps = [p for p in phases if p["variant"] == v]
         reqs = [r for p in ps for r in p["reqs"]]
         ok = [r for r in reqs if not r.error]
@@ -373,7 +379,7 @@ def summarize(phases: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
         out[f"{k}.seconds"] = round(sum(p["seconds"] for p in ps), 2)
         out[f"{k}.load_before"] = round(ps[0]["load_before"][0], 2) if ps else 0.0
         out[f"{k}.load_after"] = round(ps[-1]["load_after"][0], 2) if ps else 0.0
-        if v == "kv_aware" and ps:
+        if v.startswith("kv_aware") and ps:
             m = ps[-1]["metrics"]
             out[f"{k}.kv_events_gaps"] = m.get("kv_events_gaps", 0)
             out[f"{k}.kv_events_bad_frames"] = m.get("kv_events_bad_frames", 0)
@@ -381,6 +387,9 @@ def summarize(phases: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
         out[f"{prefix}.kv_aware.prefill_reused_fraction_of_possible"]
     out[f"{prefix}.ttft_p50_ratio_kv_aware_vs_round_robin"] = (
         round(ttft["kv_aware"] / ttft["round_robin"], 4) if ttft["round_robin"] else 0.0)
+    if "kv_aware_baseline" in ttft:
+        out[f"{prefix}.ttft_p50_ratio_kv_aware_baseline_vs_round_robin"] = round(
+            ttft["kv_aware_baseline"] / ttft["round_robin"], 4) if ttft["round_robin"] else 0.0
     return out
 
 
@@ -424,11 +433,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         t0 = time.monotonic()
         fleet = Fleet(Path(tmp), a.quick)
         try:
-            fleet.start_routers()
+            fleet.start_routers(a.baseline_tree)
+            variants = list(fleet.routers)
             res["router.startup_s"] = round(time.monotonic() - t0, 1)
             steady: list[dict[str, Any]] = []
             for rnd in range(plan.rounds):
-                for v in (VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]):
+                for v in (variants if rnd % 2 == 0 else variants[::-1]):
                     steady.append(phase(fleet, v, plan, restart=False))
             res.update(summarize(steady, "router"))
             restarts = [phase(fleet, v, plan, restart=True) for v in VARIANTS]
@@ -459,6 +469,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a short run (the test's)")
     ap.add_argument("--workdir", help="keep the model, server logs and requests.jsonl in a "
                     "new folder here (default: a temporary folder, removed)")
+    ap.add_argument("--baseline-tree", help="also run the KV-aware router from this "
+                    "checkout (e.g. main) in the steady phases: variant kv_aware_baseline")
     ap.add_argument("--describe", action="store_true", help="what each figure means")
     a = ap.parse_args()
     if a.describe:
