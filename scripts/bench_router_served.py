@@ -42,7 +42,13 @@ from openai import OpenAI  # noqa: E402
 from pdxfer import BootstrapServer  # noqa: E402
 from pdxfer.serving.procs import Proc  # noqa: E402
 from pdxfer.testing.hf_model import build_model  # noqa: E402
-from pdxfer.testing.vllm_procs import VllmServer, free_port, kv_config, start_all  # noqa: E402
+from pdxfer.testing.vllm_procs import (  # noqa: E402
+    ServerNotReady,
+    VllmServer,
+    free_port,
+    kv_config,
+    start_all,
+)
 
 BS = 32
 VARIANTS = ("kv_aware", "round_robin")
@@ -163,7 +169,11 @@ class Fleet:
                               "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{rep}"})
             self.events.append((cfg, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"))
         self.servers = [self.make(i) for i in range(3)]
-        start_all(self.servers, timeout=600)
+        try:
+            start_all(self.servers, timeout=600)
+        except BaseException:
+            self.boot.stop()
+            raise
 
     def make(self, i: int, port: int | None = None) -> VllmServer:
         role, inst = ("kv_producer", f"p{i}") if i < 2 else ("kv_consumer", "d0")
@@ -431,7 +441,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     with (contextlib.nullcontext(keep) if keep
           else tempfile.TemporaryDirectory(prefix="bench_router_served_")) as tmp:
         t0 = time.monotonic()
-        fleet = Fleet(Path(tmp), a.quick)
+        for attempt in range(3):  # a port picked free may be taken before vLLM binds it
+            try:
+                fleet = Fleet(Path(tmp), a.quick)
+                break
+            except ServerNotReady:
+                if attempt == 2:
+                    raise
         try:
             fleet.start_routers(a.baseline_tree)
             variants = list(fleet.routers)
