@@ -94,7 +94,7 @@ class Plan:
     compare: int
 
 
-FULL = Plan(convs=6, turns=4, system=1024, doc=1536, question=64, answer=8, concurrency=3,
+FULL = Plan(convs=6, turns=4, system=1024, doc=2560, question=64, answer=8, concurrency=3,
             rounds=2, kill_after=0.3, after_return_s=20.0, compare=12)
 QUICK = Plan(convs=4, turns=3, system=256, doc=512, question=32, answer=4, concurrency=2,
              rounds=1, kill_after=0.3, after_return_s=8.0, compare=4)

@@ -474,8 +474,7 @@ class Router:
                 self.counters["retries"] += 1
                 log.info("retrying on %s + %s after: %s", pf.url, dc.url, err)
             try:
-                await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta,
-                                    pf_work=len(ids) - pf_held)
+                await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta)
                 if self.policy == "kv_aware":
                     dc.remember(page_keys(ids, dc.page_size, ask.tenant))
                     pf.remember(page_keys(ids, self.decodes[0].page_size, ask.tenant))
@@ -516,11 +515,10 @@ class Router:
         later(self._bg, coro)
 
     async def _attempt(self, ask: oa.Ask, ids: list[int], seed: int, pf: Prefill, dc: Decode,
-                       c: oa.Choice, t0: float, on_delta: Any, pf_work: int = 0) -> None:
+                       c: oa.Choice, t0: float, on_delta: Any) -> None:
         room = secrets.randbits(63)
         pf.outstanding += 1
         dc.outstanding += 1
-        pf.pending += pf_work  # until the first token: the prefill's part is done by then
         finished, rendered = False, False
         detok, stops = ask.tok.detokenizer(), oa.StopText(ask.stop)
         events = self.backend.stream(self.http, Attempt(ask, ids, seed, pf, dc, room))
@@ -535,9 +533,6 @@ class Router:
                             c.stats["decode_dp"] = dc.dp
                         finished = True
                         break
-                    if pf_work and ev.token_ids:
-                        pf.pending -= pf_work
-                        pf_work = 0
                     c.token_ids += ev.token_ids
                     c.logprobs += ev.logprobs
                     rendered |= ev.text is not None
@@ -566,7 +561,6 @@ class Router:
         finally:
             pf.outstanding -= 1
             dc.outstanding -= 1
-            pf.pending -= pf_work
             if stops.stopped:
                 self._later(self.backend.abort(self.http, pf.url, room, "stop string reached"))
 

@@ -58,10 +58,6 @@ class Prefill:
     bootstrap: str
     instance: str = "default"
     outstanding: int = 0
-    pending: int = 0
-    """Prompt tokens the requests sent here still have to compute (each counts from its
-    choice until its first token: the decode cannot emit one before the prefill is done),
-    the prefill's load under ``kv_aware``; ``outstanding`` also counts requests decoding."""
     healthy: bool = True
     used: int = 0
     keys: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
