@@ -1,0 +1,508 @@
+"""Served benchmark of the router's prefill choice on real vLLM: KV-aware (the engines' own KV
+events) against round robin.
+
+Two ``vllm serve`` prefills and one decode loading ``PdxferConnector`` (a tiny Llama built
+here), each publishing KV events over ZMQ, behind two ``pdxfer router --engine vllm``
+processes: ``--policy kv_aware --kv-events ...`` and ``--policy round_robin`` (no events).
+Multi-turn conversations sharing one system prompt are driven through a router with the
+official ``openai`` client (streaming, several conversations at once). The variants run alone,
+interleaved, on the same prompts, every engine's prefix cache emptied before each phase. The
+restart phases kill one prefill by pid mid-run and start it again on the same port and event
+endpoints. A sample of outputs is compared token for token with colocated vLLM.
+
+    flock /tmp/engine.lock python scripts/bench_router_served.py [--quick] [--json PATH]
+    python scripts/bench_router_served.py --describe    # what each figure means
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+
+from openai import OpenAI  # noqa: E402
+
+from pdxfer import BootstrapServer  # noqa: E402
+from pdxfer.serving.procs import Proc  # noqa: E402
+from pdxfer.testing.hf_model import build_model  # noqa: E402
+from pdxfer.testing.vllm_procs import (  # noqa: E402
+    ServerNotReady,
+    VllmServer,
+    free_port,
+    kv_config,
+    start_all,
+)
+
+BS = 32
+VARIANTS = ("kv_aware", "round_robin")
+
+DESCRIBE = """\
+Per phase (one variant alone, every engine's prefix cache emptied first), per request:
+  possible  = the most leading prompt tokens any prefill held when the request was sent;
+  reused    = the leading prompt tokens the prefill it went to held then.
+What a prefill holds is tracked by this script from what it served (vLLM's prefix cache: the
+full 32-token blocks of each prompt it prefilled, matched block by block from the start,
+at most all but the prompt's last token; a restarted prefill holds nothing). A request
+counts as sent to the prefill the router's answer names (``pdxfer.prefill``) and is counted
+once it finished (turns of one conversation are sequential).
+router.prefill_reused_fraction_of_possible = sum(reused) / sum(possible), KV-aware phases.
+router.round_robin.prefill_reused_fraction_of_possible: the same under round robin.
+router.kv_aware.router_reported_fraction: the router's own per-request prefill_cached_tokens
+  (from the index, at choice time) over sum(possible).
+router.ttft_p50_ratio_kv_aware_vs_round_robin = p50 time to the first streamed token through
+  the router, KV-aware over round robin, over all requests of the phases.
+router.restart.*: the same in the restart phases (prefill 1 SIGKILLed after a share of the
+  requests, started again on the same port and event endpoints while traffic goes on).
+router.restart.recovery_s: from the restarted prefill answering /health again until the
+  router sends it a request it reports reuse for (prefill_cached_tokens > 0).
+router.kv_aware_baseline.* (with --baseline-tree): the KV-aware router of another
+  checkout, same prompts, in the steady phases.
+router.outputs_mismatched: sampled requests whose token ids differ from colocated vLLM
+  (prefill 0 serving the prompt alone), of router.outputs_compared.
+"""
+
+
+@dataclass(frozen=True)
+class Plan:
+    convs: int
+    turns: int
+    system: int
+    doc: int
+    question: int
+    answer: int
+    concurrency: int
+    rounds: int
+    kill_after: float
+    after_return_s: float
+    compare: int
+
+
+FULL = Plan(convs=6, turns=4, system=1024, doc=2560, question=64, answer=8, concurrency=3,
+            rounds=2, kill_after=0.3, after_return_s=20.0, compare=12)
+QUICK = Plan(convs=4, turns=3, system=256, doc=512, question=32, answer=4, concurrency=2,
+             rounds=1, kill_after=0.3, after_return_s=8.0, compare=4)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    """Deterministic token ids (in the model's ordinary vocabulary)."""
+    return [(seed * 7919 + 37 * i + (i * i) % 13) % 700 + 300 for i in range(n)]
+
+
+@dataclass
+class Req:
+    conv: int
+    turn: int
+    prompt: list[int]
+    t_send: float = 0.0
+    ttft: float = 0.0
+    prefill: str = ""
+    out: list[int] = field(default_factory=list)
+    reported: int = 0
+    possible: int = 0
+    reused: int = 0
+    error: str = ""
+
+
+class Caches:
+    """What each prefill's prefix cache holds, from what it served (block hashes as tuples
+    of the chain's token prefixes would be large: the key is the prefix's Python hash)."""
+
+    def __init__(self, prefills: list[str]) -> None:
+        self.blocks = {p: set[int]() for p in prefills}
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _chain(prompt: list[int]) -> list[int]:
+        full = (len(prompt) - 1) // BS  # the last token is always computed
+        return [hash(tuple(prompt[:(i + 1) * BS])) for i in range(full)]
+
+    def held(self, p: str, prompt: list[int]) -> int:
+        n = 0
+        for h in self._chain(prompt):
+            if h not in self.blocks[p]:
+                break
+            n += BS
+        return n
+
+    def snapshot(self, prompt: list[int]) -> dict[str, int]:
+        with self.lock:
+            return {p: self.held(p, prompt) for p in self.blocks}
+
+    def served(self, p: str, prompt: list[int]) -> None:
+        with self.lock:
+            self.blocks[p].update(hash(tuple(prompt[:(i + 1) * BS]))
+                                  for i in range(len(prompt) // BS))
+
+    def clear(self, p: str) -> None:
+        with self.lock:
+            self.blocks[p].clear()
+
+
+class Fleet:
+    def __init__(self, tmp: Path, quick: bool) -> None:
+        self.tmp = tmp
+        self.model = build_model(tmp / "model", "small")
+        self.boot = BootstrapServer("127.0.0.1", 0).start()
+        self.servers: list[VllmServer] = []
+        self.events: list[tuple[str, str, str]] = []  # (cfg, pub, replay) per server
+        self.routers: dict[str, Proc] = {}
+        for _ in range(3):
+            pub, rep = free_port(), free_port()
+            cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                              "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{rep}"})
+            self.events.append((cfg, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"))
+        self.servers = [self.make(i) for i in range(3)]
+        try:
+            start_all(self.servers, timeout=600)
+        except BaseException:
+            self.boot.stop()
+            raise
+
+    def make(self, i: int, port: int | None = None) -> VllmServer:
+        role, inst = ("kv_producer", f"p{i}") if i < 2 else ("kv_consumer", "d0")
+        return VllmServer(
+            f"prefill{i}" if i < 2 else "decode", self.model, self.tmp, block_size=BS,
+            port=port, kv_cache_bytes=512 << 20, args=["--kv-events-config", self.events[i][0]],
+            env={"VLLM_SERVER_DEV_MODE": "1"},
+            kv_transfer_config=kv_config(role, {"bootstrap": self.boot.address,
+                                                "instance": inst}))
+
+    @property
+    def prefills(self) -> list[VllmServer]:
+        return self.servers[:2]
+
+    def start_routers(self, baseline: str | None = None) -> None:
+        base = ["--log-level", "WARNING", "router", "--engine", "vllm", "--port", "0",
+                "--expose-cache-stats", "--decode", f"{self.servers[2].url},d0"]
+        for i, p in enumerate(self.prefills):
+            base += ["--prefill", f"{p.url},{self.boot.address},p{i}"]
+        kv = ["--policy", "kv_aware"]
+        for s, (_, pub, rep) in zip(self.servers, self.events):
+            kv += ["--kv-events", f"{s.url}={pub},{rep}"]
+        self.routers["kv_aware"] = Proc("router-kv", [*base, *kv], timeout=180)
+        self.routers["round_robin"] = Proc("router-rr", [*base, "--policy", "round_robin"],
+                                           timeout=180)
+        if baseline:  # the same KV-aware router, another checkout's code
+            self.routers["kv_aware_baseline"] = Proc(
+                "router-base", [*base, *kv], timeout=180,
+                env={"PYTHONPATH": str(Path(baseline).resolve())})
+
+    def reset_caches(self) -> int:
+        """Empty every engine's prefix cache (vLLM refuses while blocks are still held, e.g.
+        until the decode has pulled them: retried), then wait for the KV-aware router's
+        index to drop them. Returns the refused tries."""
+        refused = 0
+        for s in self.servers:
+            end = time.monotonic() + 120
+            while True:
+                req = urllib.request.Request(f"{s.url}/reset_prefix_cache", method="POST")
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    if json.loads(r.read() or b"{}").get("success", True):
+                        break
+                refused += 1
+                if time.monotonic() > end:
+                    raise RuntimeError(f"{s.name} refused to reset its prefix cache")
+                time.sleep(0.5)
+        for p in self.prefills:  # vLLM publishes the AllBlocksCleared at its next step
+            OpenAI(base_url=f"{p.url}/v1", api_key="none", timeout=120,
+                   max_retries=0).completions.create(model="llama", prompt=[300], max_tokens=1)
+        end = time.monotonic() + 10
+        while any(metrics(r.url).get("kv_indexed_blocks", 0) > 0
+                  for v, r in self.routers.items() if v.startswith("kv_aware")):
+            if time.monotonic() > end:  # the decode's entries: it steps with the next request
+                break
+            time.sleep(0.2)
+        return refused
+
+    def stop(self) -> None:
+        for r in self.routers.values():
+            r.stop()
+        for s in self.servers:
+            s.stop()
+        self.boot.stop()
+
+
+def metrics(url: str) -> dict[str, float]:
+    import re
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r"^pdxfer_router_(\w+?)(?:_total)? ([0-9.e+-]+)$", text, re.M)}
+
+
+def stream(client: OpenAI, prompt: list[int], answer: int) -> tuple[float, list[int], dict[str, Any]]:
+    t0 = time.perf_counter()
+    ttft, ext = 0.0, {}
+    for ch in client.completions.create(model="llama", prompt=prompt, max_tokens=answer,
+                                        temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True}):
+        if not ttft and ch.choices and ch.choices[0].text:
+            ttft = time.perf_counter() - t0
+        ext = (ch.model_extra or {}).get("pdxfer") or ext
+    return ttft, list(ext.get("token_ids") or []), ext
+
+
+def conversation(c: int, plan: Plan, system: list[int]) -> tuple[list[int], Callable[..., list[int]]]:
+    """The first prompt, and how a next prompt follows from a prompt and its answer."""
+    first = system + ids(1000 + c, plan.doc)
+
+    def nxt(prompt: list[int], out: list[int], turn: int) -> list[int]:
+        return prompt + out + ids(5000 + 97 * c + turn, plan.question)
+
+    return first, nxt
+
+
+def phase(fleet: Fleet, variant: str, plan: Plan, restart: bool) -> dict[str, Any]:
+    """One variant alone; the restart flavour runs conversations until the killed prefill
+    has been back for ``after_return_s``."""
+    refused = fleet.reset_caches()
+    url = fleet.routers[variant].url
+    caches = Caches([p.url for p in fleet.prefills])
+    system = ids(7, plan.system)
+    reqs: list[Req] = []
+    lock = threading.Lock()
+    nxt_conv = iter(range(10_000))
+    done = threading.Event()
+    finished = [0]
+    total = plan.convs * plan.turns
+    info: dict[str, Any] = {}
+
+    def worker() -> None:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
+        while True:
+            with lock:
+                c = next(nxt_conv)
+            if (not restart and c >= plan.convs) or (restart and done.is_set()):
+                return
+            prompt, follow = conversation(c, plan, system)
+            for t in range(plan.turns):
+                r = Req(c, t, prompt)
+                held = caches.snapshot(prompt)
+                r.possible = max(held.values())
+                r.t_send = time.monotonic()
+                try:
+                    r.ttft, r.out, ext = stream(client, prompt, plan.answer)
+                except Exception as e:  # noqa: BLE001 - counted in the figures
+                    r.error = f"{type(e).__name__}: {e}"
+                    with lock:
+                        reqs.append(r)
+                        finished[0] += 1
+                    break
+                r.prefill = str(ext.get("prefill", ""))
+                r.reported = int(ext.get("prefill_cached_tokens", 0))
+                r.reused = held.get(r.prefill, 0)
+                caches.served(r.prefill, prompt)
+                with lock:
+                    reqs.append(r)
+                    finished[0] += 1
+                prompt = follow(prompt, r.out, t + 1)
+
+    def restarter() -> None:
+        while finished[0] < plan.kill_after * total:
+            time.sleep(0.05)
+        victim = fleet.servers[1]
+        port = victim.port
+        info["killed_at"] = time.monotonic()
+        victim.kill()
+        caches.clear(victim.url)
+        while time.monotonic() - info["killed_at"] < 30:  # its port is free again
+            with socket.socket() as sk:
+                if sk.connect_ex(("127.0.0.1", port)):
+                    break
+            time.sleep(0.1)
+        again = fleet.make(1, port=port)
+        fleet.servers[1] = again
+        again.wait_ready(600)
+        info["returned_at"] = time.monotonic()
+        end = info["returned_at"] + plan.after_return_s
+        while time.monotonic() < end:
+            time.sleep(0.1)
+        done.set()
+
+    load0 = os.getloadavg()
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker) for _ in range(plan.concurrency)]
+    if restart:
+        threads.append(threading.Thread(target=restarter))
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    rec: dict[str, Any] = {"variant": variant, "restart": restart, "reqs": reqs,
+                           "seconds": time.monotonic() - t0, "load_before": load0,
+                           "load_after": os.getloadavg(), "metrics": metrics(url),
+                           "prefill0": fleet.prefills[0].url, "reset_refused": refused, **info}
+    if restart and "returned_at" in info:
+        p1 = fleet.servers[1].url
+        back = [r for r in sorted(reqs, key=lambda r: r.t_send)
+                if r.t_send >= info["returned_at"] and r.prefill == p1 and r.reported > 0]
+        rec["recovery_s"] = back[0].t_send - info["returned_at"] if back else None
+        rec["to_restarted_after_return"] = sum(
+            1 for r in reqs if r.t_send >= info["returned_at"] and r.prefill == p1)
+    return rec
+
+
+def p50(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def summarize(phases: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ttft: dict[str, float] = {}
+    for v in dict.fromkeys(p["variant"] for p in phases):
+        ps = [p for p in phases if p["variant"] == v]
+        reqs = [r for p in ps for r in p["reqs"]]
+        ok = [r for r in reqs if not r.error]
+        possible = sum(r.possible for r in ok)
+        k = f"{prefix}.{v}"
+        out[f"{k}.requests"] = len(reqs)
+        out[f"{k}.errors"] = len(reqs) - len(ok)
+        out[f"{k}.prompt_tokens"] = sum(len(r.prompt) for r in ok)
+        out[f"{k}.possible_tokens"] = possible
+        out[f"{k}.reused_tokens"] = sum(r.reused for r in ok)
+        out[f"{k}.to_prefill0_share"] = round(
+            sum(r.prefill == ps[0]["prefill0"] for r in ok) / len(ok), 3) if ok else 0.0
+        out[f"{k}.prefill_reused_fraction_of_possible"] = (
+            round(sum(r.reused for r in ok) / possible, 4) if possible else 0.0)
+        out[f"{k}.router_reported_fraction"] = (
+            round(sum(r.reported for r in ok) / possible, 4) if possible else 0.0)
+        ttft[v] = p50([r.ttft for r in ok])
+        out[f"{k}.ttft_p50_ms"] = round(ttft[v] * 1e3, 2)
+        out[f"{k}.ttft_p90_ms"] = round(
+            statistics.quantiles([r.ttft for r in ok], n=10)[-1] * 1e3, 2) if len(ok) > 1 else 0.0
+        follow = [r.ttft for r in ok if r.turn > 0]
+        out[f"{k}.ttft_followup_p50_ms"] = round(p50(follow) * 1e3, 2)
+        out[f"{k}.seconds"] = round(sum(p["seconds"] for p in ps), 2)
+        out[f"{k}.load_before"] = round(ps[0]["load_before"][0], 2) if ps else 0.0
+        out[f"{k}.load_after"] = round(ps[-1]["load_after"][0], 2) if ps else 0.0
+        if v.startswith("kv_aware") and ps:
+            m = ps[-1]["metrics"]
+            out[f"{k}.kv_events_gaps"] = m.get("kv_events_gaps", 0)
+            out[f"{k}.kv_events_bad_frames"] = m.get("kv_events_bad_frames", 0)
+    out[f"{prefix}.prefill_reused_fraction_of_possible"] = \
+        out[f"{prefix}.kv_aware.prefill_reused_fraction_of_possible"]
+    out[f"{prefix}.ttft_p50_ratio_kv_aware_vs_round_robin"] = (
+        round(ttft["kv_aware"] / ttft["round_robin"], 4) if ttft["round_robin"] else 0.0)
+    if "kv_aware_baseline" in ttft:
+        out[f"{prefix}.ttft_p50_ratio_kv_aware_baseline_vs_round_robin"] = round(
+            ttft["kv_aware_baseline"] / ttft["round_robin"], 4) if ttft["round_robin"] else 0.0
+    return out
+
+
+def compare(fleet: Fleet, phases: list[dict[str, Any]], n: int, answer: int) -> dict[str, Any]:
+    """Token for token against prefill 0 serving the prompt alone (colocated vLLM)."""
+    reqs = [r for p in phases for r in p["reqs"] if not r.error]
+    step = max(1, len(reqs) // n)
+    sample = reqs[::step][:n]
+    client = OpenAI(base_url=f"{fleet.prefills[0].url}/v1", api_key="none", timeout=600,
+                    max_retries=0)
+    bad = 0
+    for r in sample:
+        ref = client.completions.create(model="llama", prompt=r.prompt, max_tokens=answer,
+                                        temperature=0,
+                                        extra_body={"return_token_ids": True,
+                                                    "ignore_eos": True})
+        bad += list(getattr(ref.choices[0], "token_ids", None) or []) != r.out
+    return {"router.outputs_compared": len(sample), "router.outputs_mismatched": bad}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    plan = QUICK if a.quick else FULL
+    res: dict[str, Any] = {"router.commit": commit(), "router.quick": a.quick,
+                           "router.load_before": round(os.getloadavg()[0], 2),
+                           "router.convs": plan.convs, "router.turns": plan.turns,
+                           "router.concurrency": plan.concurrency,
+                           "router.system_tokens": plan.system, "router.doc_tokens": plan.doc,
+                           "router.question_tokens": plan.question,
+                           "router.answer_tokens": plan.answer, "router.rounds": plan.rounds}
+    keep = tempfile.mkdtemp(prefix="bench_router_served_", dir=a.workdir) if a.workdir else None
+    with (contextlib.nullcontext(keep) if keep
+          else tempfile.TemporaryDirectory(prefix="bench_router_served_")) as tmp:
+        t0 = time.monotonic()
+        for attempt in range(3):  # a port picked free may be taken before vLLM binds it
+            try:
+                fleet = Fleet(Path(tmp), a.quick)
+                break
+            except ServerNotReady:
+                if attempt == 2:
+                    raise
+        try:
+            fleet.start_routers(a.baseline_tree)
+            variants = list(fleet.routers)
+            res["router.startup_s"] = round(time.monotonic() - t0, 1)
+            steady: list[dict[str, Any]] = []
+            for rnd in range(plan.rounds):
+                for v in (variants if rnd % 2 == 0 else variants[::-1]):
+                    steady.append(phase(fleet, v, plan, restart=False))
+            res.update(summarize(steady, "router"))
+            restarts = [phase(fleet, v, plan, restart=True) for v in VARIANTS]
+            res.update(summarize(restarts, "router.restart"))
+            kv = restarts[0]
+            res["router.restart.recovery_s"] = (round(kv["recovery_s"], 3)
+                                                if kv.get("recovery_s") is not None else -1.0)
+            res["router.restart.down_s"] = round(kv["returned_at"] - kv["killed_at"], 2)
+            res["router.restart.to_restarted_after_return"] = kv["to_restarted_after_return"]
+            res.update(compare(fleet, steady + restarts, plan.compare, plan.answer))
+            if keep:
+                with open(Path(keep) / "requests.jsonl", "w") as f:
+                    for p in steady + restarts:
+                        for r in p["reqs"]:
+                            f.write(json.dumps({"variant": p["variant"],
+                                                "restart": p["restart"], **{
+                                k: v for k, v in vars(r).items() if k not in ("prompt", "out")},
+                                "len": len(r.prompt)}) + "\n")
+        finally:
+            fleet.stop()
+    res["router.load_after"] = round(os.getloadavg()[0], 2)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="a short run (the test's)")
+    ap.add_argument("--workdir", help="keep the model, server logs and requests.jsonl in a "
+                    "new folder here (default: a temporary folder, removed)")
+    ap.add_argument("--baseline-tree", help="also run the KV-aware router from this "
+                    "checkout (e.g. main) in the steady phases: variant kv_aware_baseline")
+    ap.add_argument("--describe", action="store_true", help="what each figure means")
+    a = ap.parse_args()
+    if a.describe:
+        print(DESCRIBE)
+        return 0
+    res = run(a)
+    text = json.dumps(res, indent=1, sort_keys=True)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
