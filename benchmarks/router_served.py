@@ -1,18 +1,4 @@
-"""Served benchmark of the router's prefill choice on real vLLM: KV-aware (the engines' own KV
-events) against round robin.
-
-Two ``vllm serve`` prefills and one decode loading ``PdxferConnector`` (a tiny Llama built
-here), each publishing KV events over ZMQ, behind two ``pdxfer router --engine vllm``
-processes: ``--policy kv_aware --kv-events ...`` and ``--policy round_robin`` (no events).
-Multi-turn conversations sharing one system prompt are driven through a router with the
-official ``openai`` client (streaming, several conversations at once). The variants run alone,
-interleaved, on the same prompts, every engine's prefix cache emptied before each phase. The
-restart phases kill one prefill by pid mid-run and start it again on the same port and event
-endpoints. A sample of outputs is compared token for token with colocated vLLM.
-
-    flock /tmp/engine.lock python scripts/bench_router_served.py [--quick] [--json PATH]
-    python scripts/bench_router_served.py --describe    # what each figure means
-"""
+"""Served on vLLM: the router's prefill choice from KV events against round robin."""
 
 from __future__ import annotations
 
@@ -22,7 +8,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,50 +18,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+from openai import OpenAI
 
-from openai import OpenAI  # noqa: E402
-
-from pdxfer import BootstrapServer  # noqa: E402
-from pdxfer.serving.procs import Proc  # noqa: E402
-from pdxfer.testing.hf_model import build_model  # noqa: E402
-from pdxfer.testing.vllm_procs import (  # noqa: E402
+from pdxfer import BootstrapServer
+from pdxfer.demo.hf_model import build_model
+from pdxfer.demo.vllm_procs import (
     ServerNotReady,
     VllmServer,
     free_port,
     kv_config,
     start_all,
 )
+from pdxfer.serving.procs import Proc
 
 BS = 32
 VARIANTS = ("kv_aware", "round_robin")
 
-DESCRIBE = """\
-Per phase (one variant alone, every engine's prefix cache emptied first), per request:
-  possible  = the most leading prompt tokens any prefill held when the request was sent;
-  reused    = the leading prompt tokens the prefill it went to held then.
-What a prefill holds is tracked by this script from what it served (vLLM's prefix cache: the
-full 32-token blocks of each prompt it prefilled, matched block by block from the start,
-at most all but the prompt's last token; a restarted prefill holds nothing). A request
-counts as sent to the prefill the router's answer names (``pdxfer.prefill``) and is counted
-once it finished (turns of one conversation are sequential).
-router.prefill_reused_fraction_of_possible = sum(reused) / sum(possible), KV-aware phases.
-router.round_robin.prefill_reused_fraction_of_possible: the same under round robin.
-router.kv_aware.router_reported_fraction: the router's own per-request prefill_cached_tokens
-  (from the index, at choice time) over sum(possible).
-router.ttft_p50_ratio_kv_aware_vs_round_robin = p50 time to the first streamed token through
-  the router, KV-aware over round robin, over all requests of the phases.
-router.restart.*: the same in the restart phases (prefill 1 SIGKILLed after a share of the
-  requests, started again on the same port and event endpoints while traffic goes on).
-router.restart.recovery_s: from the restarted prefill answering /health again until the
-  router sends it a request it reports reuse for (prefill_cached_tokens > 0).
-router.kv_aware_baseline.* (with --baseline-tree): the KV-aware router of another
-  checkout, same prompts, in the steady phases.
-router.outputs_mismatched: sampled requests whose token ids differ from colocated vLLM
-  (prefill 0 serving the prompt alone), of router.outputs_compared.
-"""
 
 
 @dataclass(frozen=True)
@@ -424,17 +381,9 @@ def compare(fleet: Fleet, phases: list[dict[str, Any]], n: int, answer: int) -> 
     return {"router.outputs_compared": len(sample), "router.outputs_mismatched": bad}
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def run(a: argparse.Namespace) -> dict[str, Any]:
     plan = QUICK if a.quick else FULL
-    res: dict[str, Any] = {"router.commit": commit(), "router.quick": a.quick,
+    res: dict[str, Any] = {"router.quick": a.quick,
                            "router.load_before": round(os.getloadavg()[0], 2),
                            "router.convs": plan.convs, "router.turns": plan.turns,
                            "router.concurrency": plan.concurrency,
@@ -483,26 +432,25 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--quick", action="store_true", help="a short run (the test's)")
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workdir", help="keep the model, server logs and requests.jsonl in a "
                     "new folder here (default: a temporary folder, removed)")
     ap.add_argument("--baseline-tree", help="also run the KV-aware router from this "
                     "checkout (e.g. main) in the steady phases: variant kv_aware_baseline")
-    ap.add_argument("--describe", action="store_true", help="what each figure means")
-    a = ap.parse_args()
-    if a.describe:
-        print(DESCRIBE)
-        return 0
-    res = run(a)
-    text = json.dumps(res, indent=1, sort_keys=True)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
-    return 0
+
+
+def main(a: argparse.Namespace) -> dict[str, Any]:
+    return run(a)
+
+
+def passed(res: dict[str, Any]) -> bool:
+    """No request failed and the sampled outputs equal colocated vLLM's."""
+    return (res.get("router.outputs_mismatched", 1) == 0
+            and res.get("router.kv_aware.errors", 1) == 0
+            and res.get("router.round_robin.errors", 1) == 0)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from benchmarks.common import runner
+
+    sys.exit(runner.run(sys.modules[__name__]))

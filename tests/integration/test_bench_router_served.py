@@ -1,4 +1,4 @@
-"""``scripts/bench_router_served.py --quick``: two real vLLM prefills and a decode behind the
+"""``python -m benchmarks.router_served --quick``: two real vLLM prefills and a decode behind the
 KV-aware and the round-robin router, one prefill restarted mid-run. Every figure is in the
 JSON, no request fails, the sampled outputs equal colocated vLLM token for token, and the
 KV-aware router's prefill choices reuse what the prefills hold. Timings are reported, not
@@ -7,14 +7,12 @@ asserted."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.harness.benchrun import run_bench
+
 pytestmark = pytest.mark.timeout(900)
 
 FIGURES = ("prefill_reused_fraction_of_possible", "ttft_p50_ratio_kv_aware_vs_round_robin")
@@ -25,14 +23,11 @@ PER_VARIANT = ("requests", "errors", "possible_tokens", "reused_tokens", "ttft_p
 
 def test_bench_router_served_quick_reports_every_figure_token_exact(tmp_path: Path) -> None:
     out = tmp_path / "served.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_router_served.py"),
-                        "--quick", "--json", str(out)], capture_output=True, text=True,
-                       timeout=880, cwd=tmp_path, env=env)
+    r = run_bench("router_served", "--quick", "--json", str(out), timeout=880, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(out.read_text())
     assert json.loads(r.stdout) == res
-    assert len(res["router.commit"]) == 40
+    assert len(res["run.commit"].split("+")[0]) == 40
     for prefix in ("router", "router.restart"):
         for k in FIGURES:
             assert res[f"{prefix}.{k}"] > 0, (prefix, k)
