@@ -554,7 +554,7 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
                     help="run only this section (and memcpy, for nixl.fraction_of_memcpy)")
     ap.add_argument("--plot", type=Path, default=None,
                     help="PNG of throughput against request size (default "
-                         "docs/results/bench_transfer.png for a full run, none for --quick)")
+                         "docs/assets/bench_transfer.png for a full run, none for --quick)")
 
 
 def main(a: argparse.Namespace) -> dict[str, Any]:
@@ -581,7 +581,7 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
     if a.md:
         a.md.write_text(table(b.out) + "\n")
     png = a.plot or (None if a.quick or a.only
-                     else ROOT / "docs" / "results" / "bench_transfer.png")
+                     else ROOT / "docs" / "assets" / "bench_transfer.png")
     if png:
         plot(b.out, png)
     return b.out

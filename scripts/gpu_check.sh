@@ -41,7 +41,8 @@
 # leaves what it measured, `complete` false), and OUTDIR/log, nothing else there (a device
 # tool may bring back only a few files); the
 # installed wheels and the steps' parts live in a work folder ($GPU_CHECK_WORK, else under
-# /tmp). Exits 0 only if every step passed.
+# /tmp). Exits 0 only if every step passed. A run the docs quote is committed as
+# benchmarks/results/gpu_check.json, with its row in benchmarks/results/README.md.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Flame graphs of one small request at a time, both sides (what ``small.fixed_cost_ms`` is).
 
-    python scripts/profile_small.py [--requests 1000] [--out docs/results/profile_small]
+    python scripts/profile_small.py [--requests 1000] [--out docs/assets/profile_small]
+        [--summary benchmarks/results/profile_small.txt]
 
 A pdxfer prefill and decode on Mooncake TCP (the bench geometry: 128-token requests, 64
 buffers of 128 KiB pages, integrity ``sampled``) serve requests one at a time, the decode's
 request already at the prefill, as ``benchmarks/transfer.py``'s fixed cost does. py-spy
 samples both agent processes without stopping them (Python frames only; idle threads left
-out) and writes ``<out>_prefill.svg`` and ``<out>_decode.svg``, plus a text summary
-(``<out>.txt``): per side, the share of active samples under each pdxfer function.
+out) and writes ``<out>_prefill.svg`` and ``<out>_decode.svg`` (pages link them), plus a
+text summary (``--summary``): per side, the share of active samples under each pdxfer function.
 """
 
 from __future__ import annotations
@@ -69,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--rate", type=int, default=1000, help="py-spy samples per second")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "profile_small")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "assets" / "profile_small",
+                    help="prefix of the two flame graphs (<out>_prefill.svg, <out>_decode.svg)")
+    ap.add_argument("--summary", type=Path,
+                    default=ROOT / "benchmarks" / "results" / "profile_small.txt",
+                    help="the text summary: each side's share of samples per function")
     a = ap.parse_args(argv)
     b = B.Bench(False)
     b.srv = BootstrapServer("127.0.0.1", port=0).start()
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                       *summary(raw)]
             raw.unlink()
     text = "\n".join(lines) + "\n"
-    a.out.with_suffix(".txt").write_text(text)
+    a.summary.write_text(text)
     print(text)
     return 0
 

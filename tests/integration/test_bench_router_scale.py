@@ -33,6 +33,6 @@ def test_bench_router_scale_quick_reports_every_figure(tmp_path: Path) -> None:
     assert res["run.benchmark"] == "router_scale" and res["run.commit"]
     # every key of the recorded full run (scripts/bench_router_scale.py's, before the
     # package), its third fleet's aside
-    recorded = json.loads((ROOT / "docs" / "results" / "bench_router_scale.json").read_text())
+    recorded = json.loads((ROOT / "benchmarks" / "results" / "bench_router_scale.json").read_text())
     assert set(figures) == {k for k in recorded if not k.startswith("router_scale.w1000.")}
 
