@@ -21,7 +21,7 @@ import pytest
 from pdxfer import cli, endpoint_settings
 from pdxfer.cli import CliOptions, build_parser, engine_pick, pass_through_parsers
 from pdxfer.config import ENV_VARS, Knobs
-from pdxfer.demo import transfer_demo, vllm_demo
+from pdxfer.demo import hf_model, transfer_demo, vllm_demo
 from pdxfer.demo.transfer_demo import TransferDemoOptions
 from pdxfer.demo.vllm_demo import VllmDemoOptions
 from pdxfer.integrations.vllm import config as connector
@@ -180,7 +180,7 @@ def _literal_flag_args(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("module", [cli_args, cli, toy_demo, vllm_demo, transfer_demo],
-                         ids=lambda m: m.__name__)
+                         ids=lambda m: m.__name__)  # hf_model: only its positional's help
 def test_option_parsers_write_no_default_or_help(module: object) -> None:
     """The serving flags' module, ``pdxfer``'s dispatcher and the demos' own parsers leave
     every default and help text to a field."""
@@ -190,22 +190,28 @@ def test_option_parsers_write_no_default_or_help(module: object) -> None:
 PASS_THROUGH = {"demo": DemoOptions, "bench": DemoOptions, "demo --engine vllm": VllmDemoOptions,
                 "transfer-demo": TransferDemoOptions}
 """The dataclass whose fields each self-parsing subcommand's flags are generated from."""
+OTHERS = {"demo's --engine pick": (engine_pick, CliOptions),
+          "python -m pdxfer.demo.hf_model": (hf_model.parser, hf_model.BuildOptions)}
 
 
-@pytest.mark.parametrize("command", [*sorted(PASS_THROUGH), "demo's --engine pick"])
+@pytest.mark.parametrize("command", [*sorted(PASS_THROUGH), *OTHERS])
 def test_demo_flags_are_generated_from_their_fields(command: str) -> None:
-    """``pdxfer demo``, ``bench``, ``transfer-demo``, ``demo --engine vllm`` and the
-    ``--engine`` pick before them: every flag's default and help are its field's."""
+    """``pdxfer demo``, ``bench``, ``transfer-demo``, ``demo --engine vllm``, the
+    ``--engine`` pick before them and the model builder's: every flag's default and help are
+    its field's."""
     if command in PASS_THROUGH:
-        ap = pass_through_parsers()[command]
-        known = {s.flags or (flag_of(n),): s for n, s in settings_of(PASS_THROUGH[command]).items()}
+        ap, cls = pass_through_parsers()[command], PASS_THROUGH[command]
     else:
-        ap, known = engine_pick(), {("--engine",): settings_of(CliOptions)["engine"]}
-    actions = [a for a in ap._actions if not isinstance(a, argparse._HelpAction)]
+        make, cls = OTHERS[command]
+        ap = make()
+    known = {s.flags or (flag_of(n),): s for n, s in settings_of(cls).items()}
+    actions = [a for a in ap._actions
+               if a.option_strings and not isinstance(a, argparse._HelpAction)]
     assert actions
     orphans = [a.option_strings for a in actions if tuple(a.option_strings) not in known]
-    assert not orphans, f"flags of pdxfer {command} declared outside a field: {orphans}"
-    assert len(actions) == len(known)
+    assert not orphans, f"flags of {command} declared outside a field: {orphans}"
+    if command in PASS_THROUGH:  # and every field of theirs is a flag
+        assert len(actions) == len(known)
     for a in actions:
         s = known[tuple(a.option_strings)]
         assert a.default == _expected_default(a, s), (a.option_strings, a.default, s.default)
