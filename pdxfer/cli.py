@@ -9,13 +9,15 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Literal
 
 from .setting import setting
 
 
 @dataclass(frozen=True, slots=True)
 class CliOptions:
-    """``pdxfer``'s own options: ``--log-level`` (every command) and ``pdxfer bootstrap``'s."""
+    """``pdxfer``'s own options: ``--log-level`` (every command), ``pdxfer bootstrap``'s and
+    ``pdxfer demo``'s ``--engine``."""
 
     log_level: str = setting("WARNING", "DEBUG, INFO, WARNING, ERROR")
     host: str = setting("127.0.0.1", "address to bind (0.0.0.0: all)")
@@ -23,6 +25,17 @@ class CliOptions:
         "", "address prefills and decodes reach it at (its ready line); default: --host",
         metavar="ADDRESS")
     port: int = setting(8998, "HTTP port")
+    engine: Literal["toy", "vllm"] = setting(
+        "toy", "pdxfer demo's engine: the toy model, or real vLLM (needs the vllm extra)")
+
+
+def engine_pick() -> argparse.ArgumentParser:
+    """``pdxfer demo``'s ``--engine``, read before the chosen demo parses the rest."""
+    from .serving.cli_args import add_field_args
+
+    pick = argparse.ArgumentParser(add_help=False)
+    add_field_args(pick, CliOptions, "engine")
+    return pick
 
 
 def _bootstrap(a: argparse.Namespace) -> int:
@@ -58,9 +71,7 @@ def _bench(a: argparse.Namespace) -> int:
 
 
 def _demo(a: argparse.Namespace) -> int:
-    pick = argparse.ArgumentParser(add_help=False)
-    pick.add_argument("--engine", choices=["toy", "vllm"], default="toy")
-    engine, rest = pick.parse_known_args(a.rest)
+    engine, rest = engine_pick().parse_known_args(a.rest)
     if engine.engine == "vllm":  # real vLLM (the `vllm` extra) behind the router
         from .demo.vllm_demo import main as vllm_demo
 

@@ -20,6 +20,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ..setting import setting, settings_of
+
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|system|>", "<|user|>",
             "<|assistant|>"]
 BOS, EOS = 0, 1
@@ -92,6 +94,26 @@ SHAPES = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class BuildOptions:
+    """``python -m pdxfer.demo.hf_model``'s options (its flags are generated from these
+    fields); ``build_model`` defaults to the same shape and seed."""
+
+    shape: str = setting("small", "the shape to start from", choices=tuple(sorted(SHAPES)))
+    seed: int = setting(0, "weight seed (the same seed, the same bytes)")
+    layers: int | None = setting(None, "override the shape's decoder layers")
+    hidden: int | None = setting(None, "override the shape's hidden size")
+    heads: int | None = setting(None, "override the shape's attention heads")
+    kv_heads: int | None = setting(None, "override the shape's KV heads")
+    head_size: int | None = setting(None, "override the shape's head size")
+    intermediate: int | None = setting(None, "override the shape's MLP size")
+    vocab: int | None = setting(None, "override the shape's vocabulary size")
+
+
+_BUILD = {n: s.default for n, s in settings_of(BuildOptions).items()}
+_OVERRIDES = tuple(n for n in _BUILD if n not in ("shape", "seed"))
+
+
 def _tokenizer_json(vocab: int) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -160,8 +182,8 @@ def write_tokenizer(root: Path, vocab: int, max_len: int) -> None:
         {"bos_token_id": BOS, "eos_token_id": EOS}, indent=1, sort_keys=True))
 
 
-def build_model(path: str | os.PathLike[str], shape: Shape | str = "small", seed: int = 0,
-                name: str = "pdxfer-llama") -> Path:
+def build_model(path: str | os.PathLike[str], shape: Shape | str = _BUILD["shape"],
+                seed: int = _BUILD["seed"], name: str = "pdxfer-llama") -> Path:
     """Write the model folder (idempotent: an existing folder built with the same arguments
     is kept as it is). Returns the folder."""
     from safetensors.torch import save_file
@@ -190,17 +212,20 @@ def fingerprint(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """``python -m pdxfer.demo.hf_model``'s options: the folder, then ``BuildOptions``."""
+    from ..serving.cli_args import add_field_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("path")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    ap.add_argument("--seed", type=int, default=0)
-    for f in ("layers", "hidden", "heads", "kv_heads", "head_size", "intermediate", "vocab"):
-        ap.add_argument(f"--{f.replace('_', '-')}", type=int, default=None)
-    a = ap.parse_args(argv)
-    s = replace(SHAPES[a.shape], **{f: getattr(a, f) for f in (
-        "layers", "hidden", "heads", "kv_heads", "head_size", "intermediate", "vocab")
-        if getattr(a, f) is not None})
+    ap.add_argument("path", help="the folder to write the model to")
+    add_field_args(ap, BuildOptions, *_BUILD)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    s = replace(SHAPES[a.shape], **{f: getattr(a, f) for f in _OVERRIDES
+                                    if getattr(a, f) is not None})
     root = build_model(a.path, s, a.seed)
     print(f"{root} ({s.kv_bytes_per_token} bytes of KV per token, {fingerprint(root)})")
     return 0

@@ -13,24 +13,34 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..bootstrap import BootstrapServer
+from ..serving.cli_args import add_field_args
+from ..setting import setting, settings_of
 from .harness import Agent
 from .patterns import PoolGeom
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDemoOptions:
+    """The options of ``pdxfer transfer-demo`` (its flags are generated from these fields)."""
+
+    tokens: int = setting(4096, "tokens in the request")
+    layers: int = setting(8, "model layers")
+    heads: int = setting(8, "KV heads")
+    head_dim: int = setting(128, "head dimension")
+    page_size: int = setting(64, "tokens per page")
+    chunks: int = setting(4, "prefill chunks sent as they finish")
+    json: bool = setting(False, "print the summary as JSON only")
 
 
 def parser() -> argparse.ArgumentParser:
     """The options of ``pdxfer transfer-demo``."""
     ap = argparse.ArgumentParser(prog="pdxfer transfer-demo", description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens in the request")
-    ap.add_argument("--layers", type=int, default=8, help="model layers")
-    ap.add_argument("--heads", type=int, default=8, help="KV heads")
-    ap.add_argument("--head-dim", type=int, default=128, help="head dimension")
-    ap.add_argument("--page-size", type=int, default=64, help="tokens per page")
-    ap.add_argument("--chunks", type=int, default=4, help="prefill chunks sent as they finish")
-    ap.add_argument("--json", action="store_true", help="print the summary as JSON only")
+    add_field_args(ap, TransferDemoOptions, *settings_of(TransferDemoOptions))
     return ap
 
 

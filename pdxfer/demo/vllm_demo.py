@@ -21,10 +21,12 @@ import time
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdxfer import BootstrapServer
+from pdxfer import BootstrapServer, setting_field, settings_of
+from pdxfer.serving.cli_args import add_field_args
 from pdxfer.serving.procs import Proc
 from pdxfer.serving.toy.cluster import post
 
@@ -35,19 +37,27 @@ PREFILL, DECODE = "demo-prefill", "demo-decode"
 WORDS = CORPUS.split()
 
 
+@dataclass(frozen=True, slots=True)
+class VllmDemoOptions:
+    """The options of ``pdxfer demo --engine vllm`` (its flags are generated from these
+    fields)."""
+
+    requests: int = setting_field(12, "requests in the first batch")
+    max_tokens: int = setting_field(12, "tokens generated per request")
+    concurrency: int = setting_field(4, "requests in flight")
+    seed: int = setting_field(0, "prompt seed")
+    stream: bool = setting_field(False, "use SSE streaming responses")
+    no_restart: bool = setting_field(
+        False, "skip the decode restart (and the L3 round after it)")
+    keep: bool = setting_field(
+        False, "keep the model, vLLM logs and L3 folder (printed at the end)")
+
+
 def parser() -> argparse.ArgumentParser:
     """The options of ``pdxfer demo --engine vllm``."""
     ap = argparse.ArgumentParser(prog="pdxfer demo --engine vllm",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=12, help="requests in the first batch")
-    ap.add_argument("--max-tokens", type=int, default=12, help="tokens generated per request")
-    ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
-    ap.add_argument("--seed", type=int, default=0, help="prompt seed")
-    ap.add_argument("--stream", action="store_true", help="use SSE streaming responses")
-    ap.add_argument("--no-restart", action="store_true",
-                    help="skip the decode restart (and the L3 round after it)")
-    ap.add_argument("--keep", action="store_true",
-                    help="keep the model, vLLM logs and L3 folder (printed at the end)")
+    add_field_args(ap, VllmDemoOptions, *settings_of(VllmDemoOptions))
     return ap
 
 

@@ -4,7 +4,10 @@ The CLI flags and the vLLM connector's keys that set an endpoint setting are gen
 ``pdxfer.endpoint_settings()``; no other module may restate such a default (a dataclass field,
 a parameter or an ``add_argument`` of the same name with a literal), and every flag and key
 has a help text. The toy workers' and the router's flags come from the fields that consume
-them (``WorkerConfig``, ``RouterSettings``, ``MediaPolicy``) the same way.
+them (``WorkerConfig``, ``RouterSettings``, ``MediaPolicy``) the same way, and so do the
+demos' own parsers (``DemoOptions``, ``VllmDemoOptions``, ``TransferDemoOptions``) and
+``pdxfer demo``'s ``--engine`` pick (``CliOptions``); no parameter or field restates a serving
+default (``ToyConfig``'s shape takes the toy worker's).
 """
 
 from __future__ import annotations
@@ -15,15 +18,21 @@ from pathlib import Path
 
 import pytest
 
-from pdxfer import endpoint_settings
-from pdxfer.cli import CliOptions, build_parser, pass_through_parsers
+from pdxfer import cli, endpoint_settings
+from pdxfer.cli import CliOptions, build_parser, engine_pick, pass_through_parsers
 from pdxfer.config import ENV_VARS, Knobs
+from pdxfer.demo import hf_model, transfer_demo, vllm_demo
+from pdxfer.demo.transfer_demo import TransferDemoOptions
+from pdxfer.demo.vllm_demo import VllmDemoOptions
 from pdxfer.integrations.vllm import config as connector
 from pdxfer.serving import cli_args
 from pdxfer.serving.cli_args import add_worker_args, flag_of
 from pdxfer.serving.router.media import MediaPolicy
 from pdxfer.serving.router.settings import RouterSettings
+from pdxfer.serving.toy import demo as toy_demo
 from pdxfer.serving.toy.config import WorkerConfig
+from pdxfer.serving.toy.demo import DemoOptions
+from pdxfer.serving.toy.model import ToyConfig
 from pdxfer.setting import Setting, settings_of
 
 ROOT = Path(__file__).resolve().parents[2] / "pdxfer"
@@ -170,8 +179,43 @@ def _literal_flag_args(path: Path) -> list[str]:
     return out
 
 
-def test_serving_cli_args_write_no_default_or_help() -> None:
-    assert not _literal_flag_args(Path(cli_args.__file__))
+@pytest.mark.parametrize("module", [cli_args, cli, toy_demo, vllm_demo, transfer_demo],
+                         ids=lambda m: m.__name__)  # hf_model: only its positional's help
+def test_option_parsers_write_no_default_or_help(module: object) -> None:
+    """The serving flags' module, ``pdxfer``'s dispatcher and the demos' own parsers leave
+    every default and help text to a field."""
+    assert not _literal_flag_args(Path(module.__file__))
+
+
+PASS_THROUGH = {"demo": DemoOptions, "bench": DemoOptions, "demo --engine vllm": VllmDemoOptions,
+                "transfer-demo": TransferDemoOptions}
+"""The dataclass whose fields each self-parsing subcommand's flags are generated from."""
+OTHERS = {"demo's --engine pick": (engine_pick, CliOptions),
+          "python -m pdxfer.demo.hf_model": (hf_model.parser, hf_model.BuildOptions)}
+
+
+@pytest.mark.parametrize("command", [*sorted(PASS_THROUGH), *OTHERS])
+def test_demo_flags_are_generated_from_their_fields(command: str) -> None:
+    """``pdxfer demo``, ``bench``, ``transfer-demo``, ``demo --engine vllm``, the
+    ``--engine`` pick before them and the model builder's: every flag's default and help are
+    its field's."""
+    if command in PASS_THROUGH:
+        ap, cls = pass_through_parsers()[command], PASS_THROUGH[command]
+    else:
+        make, cls = OTHERS[command]
+        ap = make()
+    known = {s.flags or (flag_of(n),): s for n, s in settings_of(cls).items()}
+    actions = [a for a in ap._actions
+               if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    assert actions
+    orphans = [a.option_strings for a in actions if tuple(a.option_strings) not in known]
+    assert not orphans, f"flags of {command} declared outside a field: {orphans}"
+    if command in PASS_THROUGH:  # and every field of theirs is a flag
+        assert len(actions) == len(known)
+    for a in actions:
+        s = known[tuple(a.option_strings)]
+        assert a.default == _expected_default(a, s), (a.option_strings, a.default, s.default)
+        assert a.help == s.help.replace("``", "").replace("%", "%%"), a.option_strings
 
 
 def test_the_flag_check_sees_a_literal(tmp_path: Path) -> None:
@@ -190,18 +234,41 @@ def _serving_defaults() -> dict[str, list[object]]:
     return out
 
 
-def test_no_parameter_restates_a_serving_default() -> None:
-    """``Router(timeout_s=120.0)`` beside ``--timeout``'s 120.0 would be two copies."""
-    known = _serving_defaults()
-    bad = []
-    for p in (ROOT / "serving").rglob("*.py"):
-        for node in ast.walk(ast.parse(p.read_text(), str(p))):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
+def _restates_serving(path: Path, known: dict[str, list[object]]) -> list[str]:
+    """Parameters and dataclass fields in ``path`` whose literal default equals a serving
+    setting's of the same name."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        pairs: list[tuple[str, ast.expr]] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             f = node.args
             args = f.posonlyargs + f.args
-            pairs = list(zip(args[len(args) - len(f.defaults):], f.defaults))
-            pairs += [(a, d) for a, d in zip(f.kwonlyargs, f.kw_defaults) if d]
-            bad += [f"{p.name}:{node.lineno} {a.arg}={d.value!r}" for a, d in pairs
-                    if isinstance(d, ast.Constant) and d.value in known.get(a.arg, ())]
+            pairs = [(a.arg, d) for a, d in zip(args[len(args) - len(f.defaults):], f.defaults)]
+            pairs += [(a.arg, d) for a, d in zip(f.kwonlyargs, f.kw_defaults) if d]
+        elif (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+              and node.value is not None):
+            pairs = [(node.target.id, node.value)]
+        out += [f"{path.name}:{node.lineno} {n}={d.value!r}" for n, d in pairs
+                if isinstance(d, ast.Constant) and d.value in known.get(n, ())]
+    return out
+
+
+def test_no_parameter_or_field_restates_a_serving_default() -> None:
+    """``Router(timeout_s=120.0)`` beside ``--timeout``'s 120.0 would be two copies, and so
+    would ``ToyConfig.page_size = 16`` beside ``--page-size``'s 16."""
+    known = _serving_defaults()
+    bad = [hit for p in (ROOT / "serving").rglob("*.py") for hit in _restates_serving(p, known)]
     assert not bad, bad
+
+
+def test_the_toy_model_takes_the_workers_shape_defaults() -> None:
+    worker = settings_of(WorkerConfig)
+    assert ToyConfig().page_size == worker["page_size"].default
+    assert ToyConfig().max_seq_len == worker["max_seq_len"].default
+
+
+def test_the_serving_check_sees_a_restated_field_and_parameter(tmp_path: Path) -> None:
+    src = tmp_path / "restated.py"
+    src.write_text("class C:\n    page_size: int = 16\n    max_seq_len: int = 1024\n\n"
+                   "def f(timeout_s=120.0): ...\n")
+    assert len(_restates_serving(src, _serving_defaults())) == 3

@@ -30,13 +30,17 @@ from pdxfer import (
     endpoint_settings,
     http_headers,
     parse_hostport,
+    settings_of,
 )
 
 from ..errors import BadRequest
+from ..toy.config import WorkerConfig
 from . import openai_api as oa
 from .tokenizers import ByteTokenizer, Tokenizer
 
 MAX_KEYS = 1 << 17
+_PAGE_SIZE: int = settings_of(WorkerConfig)["page_size"].default
+"""A decode's page size until its health reports one: a toy worker's default."""
 
 
 def remember(history: collections.OrderedDict[str, None], keys: list[str]) -> None:
@@ -91,7 +95,7 @@ class Decode:
     instance name a TP decode's ranks share; else its ``endpoint`` id)."""
     outstanding: int = 0
     max_seq_len: int | None = None
-    page_size: int = 16
+    page_size: int = _PAGE_SIZE
     healthy: bool = True
     used: int = 0
     keys: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)

@@ -21,6 +21,8 @@ from pdxfer import (
     setting_field,
 )
 
+from .shape import MAX_SEQ_LEN, PAGE_SIZE
+
 if TYPE_CHECKING:
     from .model import ToyConfig
 
@@ -50,8 +52,8 @@ class WorkerConfig:
     pages: int = setting_field(1024, "KV pages in the pool")
     aux_slots: int = setting_field(64, "aux rows (concurrent requests)")
     seed: int = setting_field(0, "toy model seed (same on both sides)")
-    page_size: int = setting_field(16, "tokens per KV page")
-    max_seq_len: int = setting_field(1024, "longest prompt plus output, in tokens")
+    page_size: int = setting_field(PAGE_SIZE, "tokens per KV page")
+    max_seq_len: int = setting_field(MAX_SEQ_LEN, "longest prompt plus output, in tokens")
     chunk_size: int = setting_field(64, "prefill chunk (tokens)")
     l2_pages: int = setting_field(
         512, "host-DRAM prefix cache (L2, pdxfer.tiers) in pages (0: off): the decode restores "

@@ -19,10 +19,14 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
+from pdxfer import setting_field, settings_of
+
+from ..cli_args import add_field_args
 from .cluster import Cluster
 from .model import EOS_ID, ToyConfig, ToyModel, encode, make_draft, speculative_generate
 
@@ -57,31 +61,39 @@ def reference(cfg: ToyConfig, prompt: str, max_tokens: int, spec_k: int) -> list
     return out[:out.index(EOS_ID)] if EOS_ID in out else out
 
 
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """The options of ``pdxfer demo`` and ``pdxfer bench`` (their flags are generated from
+    these fields)."""
+
+    requests: int = setting_field(24, "requests in the first batch")
+    max_tokens: int = setting_field(16, "tokens generated per request")
+    concurrency: int = setting_field(4, "requests in flight")
+    spec_k: int = setting_field(0, "speculative decoding draft length")
+    seed: int = setting_field(0, "prompt seed")
+    stream: bool = setting_field(False, "use SSE streaming responses")
+    l3: Literal["file", "mooncake"] = setting_field(
+        "file", "the decode's L3: files in a fresh folder, or Mooncake Store (a "
+        "mooncake_master started for the demo)")
+    landing: Literal["device", "host"] = setting_field(
+        "device", "host: the decode lands KV in a token-granular host pool")
+    prefill_tp: int = setting_field(
+        1, "tensor-parallel ranks of the prefill (its KV heads split over them)")
+    decode_tp: int = setting_field(
+        1, "tensor-parallel ranks of the decode (any size the prefill's divides or that "
+        "divides it)")
+    no_restart: bool = setting_field(
+        False, "skip the decode restart (and the L3 round after it)")
+    log_level: str = setting_field("ERROR", "log level of the child processes")
+    verbose: bool = setting_field(False, "show the children's stderr")
+
+
 def parser(prog: str) -> argparse.ArgumentParser:
     """The options of ``pdxfer demo`` and ``pdxfer bench``."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                  epilog="pdxfer demo --engine vllm [--help]: the same path "
                                         "on real vLLM (needs the vllm extra)")
-    ap.add_argument("--requests", type=int, default=24, help="requests in the first batch")
-    ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
-    ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
-    ap.add_argument("--spec-k", type=int, default=0, help="speculative decoding draft length")
-    ap.add_argument("--seed", type=int, default=0, help="prompt seed")
-    ap.add_argument("--stream", action="store_true", help="use SSE streaming responses")
-    ap.add_argument("--l3", choices=["file", "mooncake"], default="file",
-                    help="the decode's L3: files in a fresh folder, or Mooncake Store (a "
-                         "mooncake_master started for the demo)")
-    ap.add_argument("--landing", choices=["device", "host"], default="device",
-                    help="host: the decode lands KV in a token-granular host pool")
-    ap.add_argument("--prefill-tp", type=int, default=1,
-                    help="tensor-parallel ranks of the prefill (its KV heads split over them)")
-    ap.add_argument("--decode-tp", type=int, default=1,
-                    help="tensor-parallel ranks of the decode (any size the prefill's divides "
-                         "or that divides it)")
-    ap.add_argument("--no-restart", action="store_true",
-                    help="skip the decode restart (and the L3 round after it)")
-    ap.add_argument("--log-level", default="ERROR", help="log level of the child processes")
-    ap.add_argument("--verbose", action="store_true", help="show the children's stderr")
+    add_field_args(ap, DemoOptions, *settings_of(DemoOptions))
     return ap
 
 

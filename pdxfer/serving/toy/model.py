@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .kv import AttentionKind, KVPool, PageAllocator, PageTable
+from .shape import MAX_SEQ_LEN, PAGE_SIZE
 
 EOS_ID = 256
 """Bytes are tokens 0..255; the one extra id ends a generation."""
@@ -63,8 +64,8 @@ class ToyConfig:
     n_kv_heads: int = 2
     head_dim: int = 16
     d_ff: int = 256
-    max_seq_len: int = 1024
-    page_size: int = 16
+    max_seq_len: int = MAX_SEQ_LEN
+    page_size: int = PAGE_SIZE
     kv_dtype: torch.dtype = torch.float16
     attention: AttentionKind = "mha"
     kv_lora_rank: int = 32
