@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.vllm_bench import pct, root_cause, stream_request, tokens
+from benchmarks.common.vllm_bench import NIXL_SHIM, pct, root_cause, stream_request, tokens
 from benchmarks.common.vllm_proxy import FrontDoor
 from pdxfer import BootstrapServer
 from pdxfer.demo.vllm_procs import (
@@ -72,7 +72,7 @@ def nixl_pair(fam: str, model: Path, tmp: Path) -> Iterator[tuple[str, str, Call
     door = None
     try:
         for name, role in (("p", "kv_producer"), ("d", "kv_consumer")):
-            cfg, env = nixl_connector(role, ROOT / "nixl_shim")
+            cfg, env = nixl_connector(role, NIXL_SHIM)
             up.append(_server(fam, model, tmp, name, cfg, env))
             start_all([up[-1]])
         door = FrontDoor(up[0].url, up[1].url, connector="nixl", timeout=TIMEOUT).start()

@@ -21,6 +21,7 @@ import openai
 from benchmarks.common.proccpu import TreeClock, busy_cores
 from benchmarks.common.runner import phase_start
 from benchmarks.common.vllm_bench import (
+    NIXL_SHIM,
     pct,
     request_body,
     root_cause,
@@ -118,7 +119,7 @@ def makers(v: str, s: Setup, tag: str) -> tuple[list[Maker], dict[str, Any]]:
     if v == "builtin":
         def nixl(name: str, role: str, args: list[str]) -> Maker:
             def make() -> Server:  # built once the server before it is up (its port)
-                cfg, env = nixl_connector(role, ROOT / "nixl_shim")
+                cfg, env = nixl_connector(role, NIXL_SHIM)
                 return vllm(name, args, cfg, env, log_stats=role == "kv_consumer")()
             return make
         return [nixl("d", "kv_consumer", nocache), nixl("p", "kv_producer", lim)], \

@@ -19,6 +19,9 @@ from openai import OpenAI
 from benchmarks.common.runner import emit
 from pdxfer.demo.vllm_procs import ServerNotReady
 
+NIXL_SHIM = Path(__file__).resolve().parent / "nixl_shim"
+"""Put on a vLLM process's PYTHONPATH so NixlConnector imports ``nixl`` (``nixl-cu12``)."""
+
 
 @dataclass(frozen=True)
 class Reply:
