@@ -304,17 +304,21 @@ class KvIndex:
         cur = self.holders.cols["w"][hs]
         self.holders.delete_slots(hs[cur == w])
         for i in np.flatnonzero(cur == MULTI).tolist():
-            k, s = int(keys[i]), hs[i]
-            m = self.multi.get(k, 0) & ~(1 << w)
-            if m & (m - 1):
-                self.multi[k] = m
-                continue
-            self.multi.pop(k, None)
-            if m:
-                self.holders.cols["w"][s] = m.bit_length() - 1
-            else:
-                self.holders.delete_slots(np.array([s]))
+            self._drop_holder(int(keys[i]), hs[i], w)
         return len(slots)
+
+    def _drop_holder(self, k: int, s: int, w: int) -> None:
+        """Take worker ``w`` from key ``k``'s several holders (holder slot ``s``): the set
+        shrinks, or one holder is left in the slot, or none and the slot goes."""
+        m = self.multi.get(k, 0) & ~(1 << w)
+        if m & (m - 1):
+            self.multi[k] = m
+            return
+        self.multi.pop(k, None)
+        if m:
+            self.holders.cols["w"][s] = m.bit_length() - 1
+        else:
+            self.holders.delete_slots(np.array([s]))
 
     # -- a burst of events -------------------------------------------------------------------
     def ingest(self, ops: Sequence[Op]) -> np.ndarray:
@@ -479,15 +483,7 @@ class KvIndex:
                 if v == w:
                     self.holders.delete_slots(np.array([s]))
                 continue
-            m = self.multi.get(k, 0) & ~(1 << w)
-            if m & (m - 1):
-                self.multi[k] = m
-                continue
-            self.multi.pop(k, None)
-            if m:
-                self.holders.cols["w"][s] = m.bit_length() - 1
-            else:
-                self.holders.delete_slots(np.array([s]))
+            self._drop_holder(k, s, w)
         return counts
 
     # -- lookups ----------------------------------------------------------------------------
