@@ -362,21 +362,31 @@ class PdxferWorker:
             self._pending.pop(0)
             self._give(o, lid, lid + 1)
 
-    def _give(self, o: LayerOrder, a: int, b: int) -> None:
-        """Hand the sender layers ``[a, b)`` of ``o``; the room's last send is the one that
-        completes every layer of the prompt's last tokens."""
-        if o.groups:
-            return self._give_groups(o, a, b)
+    def _take_layers(self, o: LayerOrder, a: int, b: int
+                     ) -> tuple[_Out, list[int], bool, bool] | None:
+        """Mark layers ``[a, b)`` of ``o`` given, opening its room if need be: its sender
+        record, the layers new to it, whether they are its first and whether every layer is
+        now given; None when there is nothing to send (no sender, ended, nothing new)."""
         out = self._sends.get(o.req_id)
         if out is None:
             out = self._open(OpenOrder(o.req_id, o.room, o.peer))
         given = self._given.setdefault(o.req_id, set())
         ids = [x for x in self._layer_ids if a <= x < b and x not in given]
         if out.tx is None or out.last or not ids:
-            return
+            return None
         first = not given
         given.update(ids)
-        done = len(given) == len(self._layer_ids)
+        return out, ids, first, len(given) == len(self._layer_ids)
+
+    def _give(self, o: LayerOrder, a: int, b: int) -> None:
+        """Hand the sender layers ``[a, b)`` of ``o``; the room's last send is the one that
+        completes every layer of the prompt's last tokens."""
+        if o.groups:
+            return self._give_groups(o, a, b)
+        taken = self._take_layers(o, a, b)
+        if taken is None:
+            return
+        out, ids, first, done = taken
         bs = self.rank.block_size
         t0 = out.tokens
         # a block the step fills in part: its tokens, where a block's interior is addressable
@@ -415,16 +425,10 @@ class PdxferWorker:
         ends never go). A room of full and window groups ends with the prompt's last step;
         one with a state group at the request's end (``_hand_groups``: the state is final
         only after the whole forward of the last step)."""
-        out = self._sends.get(o.req_id)
-        if out is None:
-            out = self._open(OpenOrder(o.req_id, o.room, o.peer))
-        given = self._given.setdefault(o.req_id, set())
-        ids = [x for x in self._layer_ids if a <= x < b and x not in given]
-        if out.tx is None or out.last or not ids:
+        taken = self._take_layers(o, a, b)
+        if taken is None:
             return
-        first = not given
-        given.update(ids)
-        done = len(given) == len(self._layer_ids)
+        out, ids, first, done = taken
         mine = set(ids)
         moved: list[tuple[int, int, bool]] = []
         try:
