@@ -5,9 +5,8 @@ math) -> ``wire`` (messages) -> ``transport/`` -> ``bootstrap`` -> ``endpoint/``
 ``tiers/`` (decode-side L2/L3) -> ``serving/`` (router and toy workers, users of this API) -> ``integrations/`` (vLLM, SGLang).
 """
 
-from .auth import ReplayGuard, check_http, http_headers, load_secret
 from .bootstrap import BootstrapClient, BootstrapServer
-from .config import EndpointConfig, Limits, endpoint_settings, knobs
+from .config import EndpointConfig, Limits, endpoint_settings
 from .endpoint import Endpoint, KVPoll, KVReceiver, KVSender, RequestHandle
 from .errors import (
     Aborted,
@@ -28,18 +27,9 @@ from .errors import (
     UntrustedBootstrap,
     WireError,
 )
-from .metrics import prometheus_text
-from .netaddr import advertised, host_of, parse_hostport, parse_hostports, unreachable_from
-from .pools import BufferSpec, PoolSpec, Sharding, layout_signature
-from .protect import (
-    check_serving,
-    peer_allowed,
-    require_trusted,
-    trusted_bootstrap,
-    trusted_from_env,
-)
-from .setting import setting as setting_field
-from .setting import settings_of
+from .netaddr import parse_hostport, parse_hostports
+from .pools import BufferSpec, PoolSpec, Sharding
+from .protect import require_trusted, trusted_bootstrap, trusted_from_env
 
 __version__ = "0.1.0"
 
@@ -48,22 +38,18 @@ __all__ = [
     "Endpoint", "EndpointConfig", "Limits", "KVPoll", "KVReceiver", "KVSender", "RequestHandle",
     "BootstrapClient", "BootstrapServer",
     # pools and layouts
-    "BufferSpec", "PoolSpec", "Sharding", "layout_signature",
-    # settings (each field's default and help, for generated flags and keys)
-    "endpoint_settings", "knobs", "setting_field", "settings_of",
+    "BufferSpec", "PoolSpec", "Sharding",
+    # the endpoint's settings (default, help, key), for an engine's generated keys
+    "endpoint_settings",
     # errors
     "Aborted", "BootstrapError", "ConfigError", "DeadlineExceeded", "DuplicateRoom",
     "IntegrityError", "LayoutMismatch", "PdxferError", "PeerLost", "PlanError", "ProtocolError",
     "RemoteFailure", "TransportError", "TransportUnavailable", "UnknownRoom",
     "UntrustedBootstrap", "WireError",
-    # trust and addresses: who may connect, where a server may load from
-    "ReplayGuard", "check_http", "check_serving", "http_headers", "load_secret", "peer_allowed",
-    "require_trusted", "trusted_bootstrap", "trusted_from_env", "advertised", "host_of",
-    "parse_hostport", "parse_hostports", "unreachable_from",
-    # metrics
-    "prometheus_text",
+    # trust and addresses: which bootstraps a decode may follow
+    "require_trusted", "trusted_bootstrap", "trusted_from_env", "parse_hostport", "parse_hostports",
     "__version__",
 ]
-"""What an engine integration (and ``serving``, a user like any engine) may import. The test
-harness, scripts and benchmarks reach internals through their submodules (``pdxfer.faults``,
-``pdxfer.wire``...), never through this list."""
+"""What an engine integration may import. ``serving`` adds the server helpers (``SERVER_API``
+in ``tests/unit/test_layers.py``); the test harness, scripts and benchmarks reach internals
+through their submodules (``pdxfer.faults``, ``pdxfer.wire``...), never through this list."""

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdxfer import BootstrapServer, setting_field, settings_of
+from pdxfer import BootstrapServer
 from pdxfer.serving.cli_args import add_field_args
 from pdxfer.serving.procs import Proc
 from pdxfer.serving.toy.cluster import post
+from pdxfer.setting import setting as setting_field
+from pdxfer.setting import settings_of
 
 from .hf_model import CORPUS, build_model
 from .vllm_procs import VllmServer, kv_config, read_stats, start_all

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdxfer import endpoint_settings, settings_of
+from pdxfer import endpoint_settings
+from pdxfer.setting import settings_of
 
 from .router.media import MediaPolicy
 from .router.settings import RouterSettings

@@ -13,15 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
-from pdxfer import (
-    ReplayGuard,
-    advertised,
-    check_http,
-    check_serving,
-    load_secret,
-    peer_allowed,
-    prometheus_text,
-)
+from pdxfer.auth import ReplayGuard, check_http, load_secret
+from pdxfer.metrics import prometheus_text
+from pdxfer.netaddr import advertised
+from pdxfer.protect import check_serving, peer_allowed
 
 from .errors import BadRequest, ServingError
 

@@ -10,10 +10,11 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from pdxfer import BootstrapClient, BootstrapError, BootstrapServer, layout_signature, wire
+from pdxfer import BootstrapClient, BootstrapError, BootstrapServer, wire
 from pdxfer.bootstrap import Registration
 from pdxfer.demo.harness import Agent
 from pdxfer.demo.patterns import PoolGeom
+from pdxfer.pools import layout_signature
 from tests.harness.zmqctx import context
 
 from .conftest import FAST

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import zmq
 
-from pdxfer import BootstrapServer, layout_signature, wire
+from pdxfer import BootstrapServer, wire
 from pdxfer.demo import patterns as pat
 from pdxfer.demo.harness import Agent
 from pdxfer.demo.patterns import PoolGeom
+from pdxfer.pools import layout_signature
 from pdxfer.transport import MooncakeTransport
 from tests.harness.zmqctx import context
 

@@ -23,18 +23,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdxfer import (
-    BootstrapServer,
-    Endpoint,
-    EndpointConfig,
-    Limits,
-    WireError,
-    auth,
-    layout_signature,
-    wire,
-)
+from pdxfer import BootstrapServer, Endpoint, EndpointConfig, Limits, WireError, auth, wire
 from pdxfer.demo import patterns as pat
 from pdxfer.demo.patterns import PoolGeom
+from pdxfer.pools import layout_signature
 from tests.harness.zmqctx import context
 
 N = 2000

@@ -14,11 +14,12 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from pdxfer import BootstrapClient, BootstrapServer, layout_signature
+from pdxfer import BootstrapClient, BootstrapServer
 from pdxfer.bootstrap import Registration
 from pdxfer.demo import patterns as pat
 from pdxfer.demo.harness import Agent
 from pdxfer.demo.patterns import PoolGeom
+from pdxfer.pools import layout_signature
 
 from . import attack as A
 from .conftest import FAST

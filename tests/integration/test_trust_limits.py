@@ -13,10 +13,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from pdxfer import BootstrapServer, layout_signature, wire
+from pdxfer import BootstrapServer, wire
 from pdxfer.demo import patterns as pat
 from pdxfer.demo.harness import Agent, AgentError
 from pdxfer.demo.patterns import PoolGeom
+from pdxfer.pools import layout_signature
 
 from . import attack as A
 from .conftest import FAST, start_pair

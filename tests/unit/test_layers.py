@@ -70,6 +70,11 @@ ENGINES = frozenset({"sglang", "vllm"})
 PUBLIC = ("pdxfer", "pdxfer.tiers")
 """What a user of pdxfer (``serving``, ``integrations``) may import from it."""
 
+SERVER_API = ("pdxfer.auth", "pdxfer.config", "pdxfer.metrics", "pdxfer.netaddr",
+              "pdxfer.protect", "pdxfer.setting")
+"""What ``serving`` adds to ``PUBLIC``: signed HTTP, metrics text, addresses, protected mode
+and the settings machinery its flags are generated from. Engines serve no HTTP of pdxfer's."""
+
 FORBIDDEN = {
     "plan": {"endpoint", "transport", "tiers", "serving", "demo", "wire", "bootstrap",
              "metrics", "auth", "faults", "cli", "integrations"},
@@ -116,9 +121,9 @@ def test_the_wheel_never_imports_the_checkout() -> None:
 
 
 def test_serving_uses_only_the_public_api() -> None:
-    """``serving`` is a user of pdxfer like any engine: ``pdxfer`` and ``pdxfer.tiers``."""
+    """``serving`` is a user of pdxfer like any engine, plus the server helpers."""
     bad = [f"{m} -> {d}" for m, deps in _graph().items() if _layer(m) == "serving"
-           for d in deps if _layer(d) != "serving" and d not in ("pdxfer", "pdxfer.tiers")]
+           for d in deps if _layer(d) != "serving" and d not in PUBLIC + SERVER_API]
     assert not bad, bad
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pdxfer import BufferSpec, ConfigError, PoolSpec, WireError, layout_signature, wire
-from pdxfer.pools import check_pair, check_pools
+from pdxfer import BufferSpec, ConfigError, PoolSpec, WireError, wire
+from pdxfer.pools import check_pair, check_pools, layout_signature
 
 # -- wire ---------------------------------------------------------------------------------
 

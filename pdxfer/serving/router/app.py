@@ -31,7 +31,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdxfer import host_of, knobs, load_secret, unreachable_from
+from pdxfer.auth import load_secret
+from pdxfer.config import knobs
+from pdxfer.netaddr import host_of, unreachable_from
 from pdxfer.tiers import page_keys
 
 from ..errors import BadRequest, OutOfCapacity, ServingError, UpstreamError

@@ -24,14 +24,9 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from pdxfer import (
-    BootstrapClient,
-    PdxferError,
-    endpoint_settings,
-    http_headers,
-    parse_hostport,
-    settings_of,
-)
+from pdxfer import BootstrapClient, PdxferError, endpoint_settings, parse_hostport
+from pdxfer.auth import http_headers
+from pdxfer.setting import settings_of
 
 from ..errors import BadRequest
 from ..toy.config import WorkerConfig

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdxfer import setting_field
+from pdxfer.setting import setting as setting_field
 
 from ..errors import BadRequest
 

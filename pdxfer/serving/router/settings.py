@@ -11,7 +11,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Literal
 
-from pdxfer import setting_field, settings_of
+from pdxfer.setting import setting as setting_field
+from pdxfer.setting import settings_of
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,13 +13,8 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pdxfer import (
-    endpoint_settings,
-    parse_hostport,
-    parse_hostports,
-    require_trusted,
-    setting_field,
-)
+from pdxfer import endpoint_settings, parse_hostport, parse_hostports, require_trusted
+from pdxfer.setting import setting as setting_field
 
 from .shape import MAX_SEQ_LEN, PAGE_SIZE
 

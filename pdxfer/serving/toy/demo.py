@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 import torch
 
-from pdxfer import setting_field, settings_of
+from pdxfer.setting import setting as setting_field
+from pdxfer.setting import settings_of
 
 from ..cli_args import add_field_args
 from .cluster import Cluster

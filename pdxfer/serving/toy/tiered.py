@@ -18,7 +18,8 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 
-from pdxfer import RequestHandle, advertised
+from pdxfer import RequestHandle
+from pdxfer.netaddr import advertised
 from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredCache
 
 from .kvpub import KvEventsObserver

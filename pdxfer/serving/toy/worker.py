@@ -21,12 +21,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from pdxfer import (
-    Endpoint,
-    EndpointConfig,
-    PoolSpec,
-    load_secret,
-)
+from pdxfer import Endpoint, EndpointConfig, PoolSpec
+from pdxfer.auth import load_secret
 
 from ..errors import BadRequest, OutOfCapacity
 from ..http import (  # noqa: F401  (re-exported for the worker modules)
