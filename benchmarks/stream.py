@@ -30,6 +30,7 @@ from pdxfer.demo.vllm_procs import (
     Server,
     ServerNotReady,
     VllmServer,
+    add_startup_timeout_arg,
     kv_config,
     start_one_by_one,
 )
@@ -391,8 +392,7 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
                     help="pdxfer.demo.hf_model shape (kv32k: 64 KiB of KV per token in "
                          "float32)")
     ap.add_argument("--variants", default=",".join(ALL), help=f"of {', '.join(ALL)}")
-    ap.add_argument("--startup-timeout", type=float, default=600.0,
-                    help="seconds each server has to answer /health (default 600)")
+    add_startup_timeout_arg(ap)
     ap.add_argument("--idle-seconds", type=float, default=None,
                     help="how long each phase's idle CPU is measured (default 5; quick 2)")
     ap.add_argument("--request-timeout", type=float, default=600.0,

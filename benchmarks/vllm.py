@@ -35,6 +35,7 @@ from pdxfer.demo.vllm_procs import (
     Server,
     ServerNotReady,
     VllmServer,
+    add_startup_timeout_arg,
     kv_config,
     nixl_connector,
     read_stats,
@@ -607,8 +608,7 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
                          "run's 6 conversations a round, each once; all of --quick's 4)")
     ap.add_argument("--no-contended", dest="contended", action="store_false",
                     help="leave out the half measured beside a CPU load")
-    ap.add_argument("--startup-timeout", type=float, default=600.0,
-                    help="seconds each server has to answer /health (default 600)")
+    add_startup_timeout_arg(ap)
     ap.add_argument("--idle-seconds", type=float, default=10.0,
                     help="how long each phase's idle CPU is measured (default 10)")
     ap.add_argument("--request-timeout", type=float, default=600.0,

@@ -71,7 +71,7 @@ from benchmarks.common.vllm_proxy import FrontDoor  # noqa: E402
 from benchmarks.vllm import BS, Setup, default_variant, makers, reference_leg  # noqa: E402
 from pdxfer import BootstrapServer  # noqa: E402
 from pdxfer.demo.hf_model import SHAPES, build_model  # noqa: E402
-from pdxfer.demo.vllm_procs import start_one_by_one  # noqa: E402
+from pdxfer.demo.vllm_procs import add_startup_timeout_arg, start_one_by_one  # noqa: E402
 
 CASES = ("colocated_stream", "colocated_one", "pdxfer_leg", "pdxfer_one")
 SOLO = "pdxfer_one_solo"
@@ -214,7 +214,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 conversations x 3 turns, shorter")
     ap.add_argument("--convs", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    add_startup_timeout_arg(ap)
     ap.add_argument("--no-stamps", dest="stamps", action="store_false",
                     help="leave out scripts/trace_hooks (the stamps cost microseconds a call)")
     ap.add_argument("--solo", action="store_true",

@@ -50,7 +50,7 @@ from benchmarks.common.vllm_proxy import FrontDoor  # noqa: E402
 from benchmarks.vllm import BS, Setup, makers, prom_sum, tokens, ttft  # noqa: E402
 from pdxfer import BootstrapServer  # noqa: E402
 from pdxfer.demo.hf_model import SHAPES, build_model  # noqa: E402
-from pdxfer.demo.vllm_procs import Server, start_one_by_one  # noqa: E402
+from pdxfer.demo.vllm_procs import Server, add_startup_timeout_arg, start_one_by_one  # noqa: E402
 
 HIST = {"e2e": "vllm:e2e_request_latency_seconds", "queue": "vllm:request_queue_time_seconds",
         "prefill": "vllm:request_prefill_time_seconds",
@@ -247,7 +247,7 @@ def main() -> int:
     ap.add_argument("--cases", default="colocated_stream,colocated_one,pdxfer_idle,pdxfer_leg")
     ap.add_argument("--no-stamps", dest="stamps", action="store_false",
                     help="leave out scripts/trace_hooks (the stamps cost microseconds a call)")
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    add_startup_timeout_arg(ap)
     ap.add_argument("--json")
     a = ap.parse_args()
     return 0 if run_and_report("trace_vllm", lambda: run(a), a.json) is not None else 2

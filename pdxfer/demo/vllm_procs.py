@@ -25,6 +25,16 @@ from pathlib import Path
 from typing import Any
 
 Enter = Callable[[], AbstractContextManager[Any]]
+
+STARTUP_TIMEOUT_S = 600.0
+"""How long a benchmark's or trace's server has to answer ``/health`` (a loaded 2-core machine
+can take minutes); the tests' clusters use ``start_all``'s shorter default."""
+
+
+def add_startup_timeout_arg(ap: Any) -> None:
+    """``--startup-timeout``: the one flag every script that starts vLLM servers shares."""
+    ap.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
+                    help=f"seconds each server has to answer /health (default {STARTUP_TIMEOUT_S:g})")
 """A host's ``enter`` (``tests.harness.hosts.Host.enter``): the calling thread's sockets,
 opened inside, live on that host."""
 
