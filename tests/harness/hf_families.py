@@ -123,8 +123,9 @@ def build_family(path: str | os.PathLike[str], family: str, seed: int = 0) -> Pa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("path")
-    ap.add_argument("families", nargs="*", default=sorted(FAMILIES))
+    ap.add_argument("path", help="the folder each family's model is written under")
+    ap.add_argument("families", nargs="*", default=sorted(FAMILIES),
+                    help=f"which to build (default: all of {', '.join(sorted(FAMILIES))})")
     a = ap.parse_args(argv)
     for name in a.families:
         print(build_family(Path(a.path) / name, name))

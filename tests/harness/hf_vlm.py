@@ -91,8 +91,8 @@ def build_vlm(path: str | os.PathLike[str], seed: int = 0) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("path")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("path", help="the folder to write the model to")
+    ap.add_argument("--seed", type=int, default=0, help="weight seed (the same seed, the same bytes)")
     a = ap.parse_args(argv)
     print(build_vlm(a.path, a.seed))
     return 0
