@@ -27,8 +27,8 @@ from typing import Any
 Enter = Callable[[], AbstractContextManager[Any]]
 
 STARTUP_TIMEOUT_S = 600.0
-"""How long a benchmark's or trace's server has to answer ``/health`` (a loaded 2-core machine
-can take minutes); the tests' clusters use ``start_all``'s shorter default."""
+"""How long a benchmark's or trace's server has to answer ``/health``: generous, since a busy
+small host can take minutes; the tests' clusters use ``start_all``'s shorter default."""
 
 
 def add_startup_timeout_arg(ap: Any) -> None:

@@ -327,8 +327,8 @@ class PdxferWorker:
 
         Only for rooms a decode has asked for: a layer handed to a room nobody asked for yet
         cannot leave before the forward ends anyway, and each hand-off costs the engine
-        thread ~0.1 ms inside the forward (8 layers: ~1 ms on a loaded 2-core host, while
-        the request's answer waits for the step). Under vLLM's own proxy the decode asks
+        thread time inside the forward while the request's answer waits for the step
+        (measured: docs/performance-history.md#where-the-layer-by-layer-time-went-traced-2026-11-26). Under vLLM's own proxy the decode asks
         only after the prefill's answer, so every room is such a room: its layers go after
         the forward, in one hand-off (``after_forward``). Layers computed on a device are
         still handed over one by one, once their kernels are done."""
