@@ -9,10 +9,9 @@ Pairing policies: ``round_robin`` (prefill and decode each in turn), ``least_out
 and ``kv_aware`` (the default with several decodes): on each leg the worker whose cached
 prefix of the prompt, weighed against its load, leaves the least to do (``kv_policy``). What
 a worker holds comes from its KV events where it publishes them (``kv_feed``, ``--kv-events``),
-else from the router's history of the prompts it sent there (the same hash chain as
-``pdxfer.tiers``). A pair that fails
-before the first token is left for another; a full worker (503) sends the choice to another
-pair, and the client gets 503 (never 502) when every pair is full.
+else from the router's history of the prompts it sent there (``pdxfer.tiers``' hash chain).
+A pair that fails before the first token is left for another; a full worker (503) sends the
+choice to another pair, and the client gets 503 (never 502) when every pair is full.
 """
 
 from __future__ import annotations
