@@ -71,6 +71,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             cfg, pub, rep = _events(tmp)
             servers.append(VllmServer(
                 f"decode{i}", model, tmp, block_size=BS, args=["--kv-events-config", cfg],
+                log_stats=True,  # its prefix cache hits
                 kv_transfer_config=kv_config("kv_consumer", {"bootstrap": boot.address,
                                                              "instance": f"d{i}"})))
             feeds.append((servers[-1].url, pub, rep))
