@@ -22,7 +22,7 @@ from prometheus_client.core import (
 GAUGES = frozenset({"active_rooms", "pending_requests", "quarantined_pages", "peers",
                     "instances", "in_flight", "inflight", "free_pages", "outstanding",
                     "running", "waiting", "tombstones", "push_sockets", "healthy_prefills",
-                    "healthy_decodes"})
+                    "healthy_decodes", "kv_feed_synced"})
 """Values that go up and down (everything else is a monotonic counter)."""
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
            10.0, 30.0, 60.0)

@@ -1,10 +1,12 @@
-"""KV-aware routing from vLLM's own KV events: two ``vllm serve`` prefills and one decode
-loading ``PdxferConnector``, each publishing its KV events over ZMQ (``--kv-events-config``,
-with a replay endpoint), behind ``pdxfer router --engine vllm --kv-events ...``.
+"""KV-aware routing from vLLM's own KV events, on both legs: two ``vllm serve`` prefills and
+two decodes loading ``PdxferConnector``, each publishing its KV events over ZMQ
+(``--kv-events-config``, with a replay endpoint), behind ``pdxfer router --engine vllm
+--kv-events ...``.
 
-The router's index learns a prefill's blocks from its events (a first turn the router never
-saw), and the second turn of the conversation goes to the prefill that holds the first,
-where the router's own history and tie-break would send it to the other one. Outputs equal
+The router's index learns a worker's blocks from its events (a first turn the router never
+saw), and the second turn of the conversation goes to the prefill, and to the decode, that
+holds the first, where the router's own history and tie-break would send it to the other
+one. A decode's events show the blocks it loaded through the connector. Outputs equal
 colocated vLLM token for token. One cluster for the module.
 """
 
@@ -25,7 +27,7 @@ from pdxfer.demo.hf_model import build_model
 from pdxfer.demo.vllm_procs import VllmServer, free_port, kv_config, start_all
 from pdxfer.serving.procs import Proc
 
-from .vllm_helpers import client, wait
+from .vllm_helpers import client, metric, wait
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -37,7 +39,7 @@ MAX_TOKENS = 8
 class Cluster:
     boot: BootstrapServer
     prefills: list[VllmServer]
-    decode: VllmServer
+    decodes: list[VllmServer]
     router: Proc
 
 
@@ -65,22 +67,25 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 kv_transfer_config=kv_config("kv_producer", {"bootstrap": boot.address,
                                                              "instance": f"p{i}"})))
             feeds.append((servers[-1].url, pub, rep))
-        cfg, pub, rep = _events(tmp)
-        servers.append(VllmServer(
-            "decode", model, tmp, block_size=BS, args=["--kv-events-config", cfg],
-            kv_transfer_config=kv_config("kv_consumer", {"bootstrap": boot.address,
-                                                         "instance": "d0"})))
-        feeds.append((servers[-1].url, pub, rep))
+        for i in range(2):
+            cfg, pub, rep = _events(tmp)
+            servers.append(VllmServer(
+                f"decode{i}", model, tmp, block_size=BS, args=["--kv-events-config", cfg],
+                log_stats=True,  # its prefix cache hits
+                kv_transfer_config=kv_config("kv_consumer", {"bootstrap": boot.address,
+                                                             "instance": f"d{i}"})))
+            feeds.append((servers[-1].url, pub, rep))
         start_all(servers)
         args = ["--log-level", "INFO", "router", "--engine", "vllm", "--port", "0",
-                "--policy", "kv_aware", "--expose-cache-stats",
-                "--decode", f"{servers[2].url},d0"]
+                "--policy", "kv_aware", "--expose-cache-stats"]
         for i, p in enumerate(servers[:2]):
             args += ["--prefill", f"{p.url},{boot.address},p{i}"]
+        for i, d in enumerate(servers[2:]):
+            args += ["--decode", f"{d.url},d{i}"]
         for url, pub, rep in feeds:
             args += ["--kv-events", f"{url}={pub},{rep}"]
         router = Proc("router", args, timeout=180)
-        yield Cluster(boot, servers[:2], servers[2], router)
+        yield Cluster(boot, servers[:2], servers[2:], router)
     finally:
         if router is not None:
             router.stop()
@@ -103,6 +108,15 @@ def _metrics(c: Cluster) -> dict[str, float]:
         text = r.read().decode()
     return {m.group(1): float(m.group(2))
             for m in re.finditer(r"^pdxfer_router_(\w+?)(?:_total)? ([0-9.e+-]+)$", text, re.M)}
+
+
+def _feed_blocks(c: Cluster, worker: str) -> float:
+    """The blocks one worker's events stored and removed in the router's index."""
+    with urllib.request.urlopen(f"{c.router.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf'^pdxfer_router_kv_feed_blocks_total{{worker="{re.escape(worker)}"}} '
+                  rf'([0-9.e+-]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def _ids(base: int, n: int) -> list[int]:
@@ -134,3 +148,41 @@ def test_the_second_turn_goes_to_the_prefill_whose_events_show_the_first(
     for prompt, got in turns:
         ref, _ = _complete(cluster.prefills[0].url, prompt)
         assert got == ref
+
+
+def test_the_second_turn_goes_to_the_decode_whose_events_show_the_first(
+        cluster: Cluster) -> None:
+    """The router sends a conversation's opening (two blocks) to a decode X, so its own
+    history says X holds that much. The first turn (the opening and four blocks more) then
+    reaches the other decode, Y, through a second router the main one never hears of: Y
+    loads it through ``PdxferConnector``, and only Y's events tell the main router. The
+    second turn goes to Y (by its history alone, to X), the router's report shows Y's
+    cached tokens, and Y's own prefix cache serves them."""
+    opening = _ids(7, 2 * BS + 5)
+    _, ext = _complete(cluster.router.url, opening)
+    x = ext["decode"]
+    i, y = next((i, d) for i, d in enumerate(cluster.decodes) if d.url != x)
+    first = opening + _ids(300, 4 * BS + 2)
+    full = BS * (len(first) // BS)
+    before = _feed_blocks(cluster, y.url)
+    side = Proc("side-router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
+                                f"{cluster.prefills[0].url},{cluster.boot.address},p0",
+                                "--decode", f"{y.url},d{i}"], timeout=180)
+    try:
+        out, ext = _complete(side.url, first)
+        assert ext["decode"] == y.url, ext
+    finally:
+        side.stop()
+    wait("decode Y's loaded blocks in the router's index, from its events",
+         lambda: _feed_blocks(cluster, y.url) >= before + full // BS, timeout=60,
+         show=lambda: _feed_blocks(cluster, y.url))
+    second = first + out + _ids(950, 20)
+    hits = metric(y, "vllm:prefix_cache_hits_total")
+    got, ext = _complete(cluster.router.url, second)
+    assert ext["decode"] == y.url, (x, ext)
+    assert ext["decode_cached_tokens"] >= full, ext
+    assert metric(y, "vllm:prefix_cache_hits_total") - hits >= full
+    m = _metrics(cluster)
+    assert m["kv_events_gaps"] == 0 and m["kv_events_bad_frames"] == 0, m
+    for prompt, served in ((first, out), (second, got)):  # token for token as colocated
+        assert _complete(cluster.prefills[0].url, prompt)[0] == served

@@ -1,8 +1,13 @@
 """KV-aware pairing from KV events: each leg goes to the worker holding the longest prefix,
 weighed against load; a worker whose feed is out of sync is judged by the router's history,
-and one whose entries were dropped counts as holding nothing (least loaded wins)."""
+and one whose entries were dropped counts as holding nothing (least loaded wins). Both legs
+alike: a gapped or dropped stream never does worse than round robin."""
 
 from __future__ import annotations
+
+import asyncio
+
+import pytest
 
 from pdxfer.serving.kv_events import BlockStored, KVEventBatch
 from pdxfer.serving.router.app import Router
@@ -48,19 +53,57 @@ def test_a_holder_loaded_enough_loses_to_an_idle_worker() -> None:
     assert r.pick(PROMPT, set(), set())[0].url == P0
 
 
-def test_a_feed_out_of_sync_falls_back_to_the_routers_history() -> None:
-    r, kv = _router()
-    _holds(kv, P0, 1)
-    kv.feeds[P1].synced = False  # a replay under way: its index entries are not trusted
-    r.prefills[1].remember(page_keys(PROMPT, BS, ""))  # the router sent it there before
-    pf, _, pf_held, _ = r.pick(PROMPT, set(), set())
-    assert (pf.url, pf_held) == (P1, 96)
+LEGS = {"prefill": (P0, P1, 0), "decode": (D0, D1, 1)}
+"""Per leg: its first and second worker, and where ``pick`` answers its choice."""
 
 
-def test_a_dropped_worker_holds_nothing_so_load_decides() -> None:
+def _workers(r: Router, leg: str) -> list[Prefill] | list[Decode]:
+    return r.prefills if leg == "prefill" else r.decodes
+
+
+@pytest.mark.parametrize("leg", LEGS)
+def test_a_feed_out_of_sync_falls_back_to_the_routers_history(leg: str) -> None:
+    first, second, at = LEGS[leg]
     r, kv = _router()
-    _holds(kv, P1, 6)
-    kv.restart(kv.feeds[P1], "a gap and no replay endpoint")
-    r.prefills[1].outstanding = 1
-    pf, _, pf_held, _ = r.pick(PROMPT, set(), set())
-    assert (pf.url, pf_held) == (P0, 0)
+    _holds(kv, first, 1)
+    kv.feeds[second].synced = False  # a replay under way: its index entries are not trusted
+    _workers(r, leg)[1].remember(page_keys(PROMPT, BS, ""))  # the router sent it there before
+    picked = r.pick(PROMPT, set(), set())
+    assert (picked[at].url, picked[2 + at]) == (second, 96)
+
+
+@pytest.mark.parametrize("leg", LEGS)
+def test_a_gapped_feed_is_not_trusted_for_what_it_said_before(leg: str) -> None:
+    """A worker whose feed gapped (a replay under way) is judged by the router's history,
+    never by its stale entries: a prefix it may have evicted in the gap does not draw the
+    request to it."""
+    first, second, at = LEGS[leg]
+    r, kv = _router()
+    _holds(kv, second, 6)
+    kv.feeds[second].synced = False
+    for _ in range(4):  # nothing known: the two alternate, as round robin would
+        picked = [r.pick(PROMPT, set(), set())[at].url for _ in range(2)]
+        assert sorted(picked) == sorted([first, second]), picked
+
+
+@pytest.mark.parametrize("leg", LEGS)
+def test_a_dropped_worker_holds_nothing_so_load_decides(leg: str) -> None:
+    first, second, at = LEGS[leg]
+    r, kv = _router()
+    _holds(kv, second, 6)
+    kv.restart(kv.feeds[second], "a gap and no replay endpoint")
+    _workers(r, leg)[1].outstanding = 1
+    picked = r.pick(PROMPT, set(), set())
+    assert (picked[at].url, picked[2 + at]) == (first, 0)
+
+
+def test_each_feed_shows_in_the_metrics_labelled_by_its_worker() -> None:
+    r, kv = _router()
+    _holds(kv, D1, 6)
+    kv.feeds[P1].synced = False
+    text = asyncio.run(r.h_metrics(None)).text  # type: ignore[arg-type]
+    assert f'pdxfer_router_kv_feed_blocks_total{{worker="{D1}"}} 6.0' in text
+    assert f'pdxfer_router_kv_feed_blocks_total{{worker="{D0}"}} 0.0' in text
+    assert f'pdxfer_router_kv_feed_synced{{worker="{P1}"}} 0.0' in text
+    assert f'pdxfer_router_kv_feed_synced{{worker="{P0}"}} 1.0' in text
+    assert "pdxfer_router_kv_indexed_blocks_total 6.0" in text

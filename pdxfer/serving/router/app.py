@@ -36,7 +36,7 @@ from pdxfer.netaddr import host_of, unreachable_from
 from pdxfer.tiers import page_keys
 
 from ..errors import BadRequest, OutOfCapacity, ServingError, UpstreamError
-from ..http import error_body, error_response, metrics_text, read_json, serve
+from ..http import error_body, error_response, merge_metrics, metrics_text, read_json, serve
 from . import openai_api as oa
 from .backends import (
     Attempt,
@@ -322,7 +322,12 @@ class Router:
             vals["kv_indexed_blocks"] = sum(len(ix) for ix in self.kv.indexes.values())
             for k in ("batches", "gaps", "resets", "replays", "replayed", "bad_frames"):
                 vals[f"kv_events_{k}"] = sum(f.counters[k] for f in feeds)
-        return web.Response(text=metrics_text("pdxfer_router", vals))
+        text = metrics_text("pdxfer_router", vals)
+        if self.kv is not None:  # and each worker's feed, labelled by the worker
+            text = merge_metrics([(text, {}), *(
+                (metrics_text("pdxfer_router", v), {"worker": w})
+                for w, v in self.kv.per_worker().items())])
+        return web.Response(text=text)
 
     # -- the API --------------------------------------------------------------------------------
     async def h_completions(self, request: web.Request) -> web.StreamResponse:

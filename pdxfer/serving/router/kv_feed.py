@@ -42,6 +42,8 @@ MAX_REPLAY_FRAMES = 100_000
 MAX_INBOX = 50_000
 """Frames decoded and waiting for the applier; the sockets wait past this."""
 _CLEARED = KVEventBatch(0.0, [AllBlocksCleared()])
+FEED_COUNTERS = ("batches", "blocks", "gaps", "resets", "replays", "replayed", "bad_frames")
+"""What ``/metrics`` shows per worker's feed (``kv_feed_*{worker=URL}``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,13 @@ class KvFeeds:
                 if ws:
                     out.append((n, ws))
         return out
+
+    def per_worker(self) -> dict[str, dict[str, int]]:
+        """Per worker: whether its feed is in sync and its counters (``blocks``: the blocks
+        its events stored and removed in the index), for ``/metrics`` labelled by worker."""
+        return {w: {"kv_feed_synced": int(f.synced),
+                    **{f"kv_feed_{k}": f.counters[k] for k in FEED_COUNTERS}}
+                for w, f in self.feeds.items()}
 
     def forget(self, worker: str) -> None:
         """The worker is down or restarted: it holds nothing we know of."""
