@@ -14,6 +14,7 @@ import hashlib
 import json
 import sys
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -125,10 +126,20 @@ def _engine_keys_w(hashes: np.ndarray, ws: np.ndarray) -> np.ndarray:
 def _fields(ops: Sequence[Op], i: int) -> list[Any]:
     """Field ``i`` of each store as msgpack bytes: a ``msgspec.Raw`` as it came (a buffer),
     a list encoded."""
-    out = [o[i] for o in ops]
-    if not all(type(x) is msgspec.Raw for x in out):
+    out = list(map(itemgetter(i), ops))
+    if set(map(type, out)) != {msgspec.Raw}:
         out = [x if type(x) is msgspec.Raw else msgspec.msgpack.encode(x) for x in out]
     return out
+
+
+def _hashes64(hs: list[Any]) -> np.ndarray:
+    """Block hashes (ints, or bytes: their first 8) as uint64."""
+    if set(map(type, hs)) <= {int}:  # the common case: ints, negative ones wrapped
+        try:
+            return np.fromiter(hs, np.uint64, len(hs))
+        except OverflowError:
+            pass
+    return np.fromiter(map(_h64, hs), np.uint64, len(hs))
 
 
 Op = tuple[Any, ...]
@@ -372,20 +383,25 @@ class KvIndex:
             hn = hn[ok]
         if not ops:
             return np.zeros(nw, np.int64)
-        ev_w = np.fromiter((o[1] for o in ops), np.int64, len(ops))
+        ev_w = np.fromiter(map(itemgetter(1), ops), np.int64, len(ops))
         bw = np.repeat(ev_w, hn)
         ekeys = _engine_keys_w(hashes, bw)
-        bstart = np.cumsum(hn) - hn
         xor = np.zeros(len(hashes), np.uint64)
-        for e, o in enumerate(ops):
-            if o[5]:
-                for i, x in enumerate(o[5][:int(hn[e])]):
+        extras = list(map(itemgetter(5), ops))
+        if any(extras):
+            bstart = np.cumsum(hn) - hn
+            for e, x5 in enumerate(extras):
+                for i, x in enumerate((x5 or [])[:int(hn[e])]):
                     if x:
                         xor[bstart[e] + i] = np.uint64(extra_hash(x))
-        hp = np.fromiter((o[3] is not None for o in ops), bool, len(ops))
+        parents = list(map(itemgetter(3), ops))
+        if None in parents:
+            hp = np.array([p is not None for p in parents], bool)
+            ph = _hashes64([p for p in parents if p is not None])
+        else:
+            hp, ph = np.ones(len(ops), bool), _hashes64(parents)
         pkeys = np.zeros(len(ops), np.uint64)
-        if hp.any():
-            ph = np.fromiter((_h64(o[3]) for o in ops if o[3] is not None), np.uint64)
+        if len(ph):
             pkeys[hp] = _engine_keys_w(ph, ev_w[hp])
         counts = np.zeros(nw, np.int64)
         todo = np.arange(len(ops))
@@ -449,12 +465,12 @@ class KvIndex:
             col[s] = MULTI
 
     def _remove_ops(self, ops: Sequence[Op]) -> np.ndarray:
-        hs = [_h64(h) for o in ops for h in o[2]]
+        hs = [h for o in ops for h in o[2]]
         if not hs:
             return np.zeros(len(self.names), np.int64)
-        ws = np.repeat(np.fromiter((o[1] for o in ops), np.int64, len(ops)),
+        ws = np.repeat(np.fromiter(map(itemgetter(1), ops), np.int64, len(ops)),
                        [len(o[2]) for o in ops])
-        slots = self.blocks.find(_engine_keys_w(np.array(hs, np.uint64), ws))
+        slots = self.blocks.find(_engine_keys_w(_hashes64(hs), ws))
         return self._release_many(np.unique(slots[slots >= 0]))
 
     def _release_many(self, slots: np.ndarray) -> np.ndarray:

@@ -101,7 +101,7 @@ def msgpack_ints(fields: list[Any], tokens: bool, max_items: int
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Many msgpack arrays (buffers of raw field bytes) -> (their valid items concatenated,
     per field its count or -1)."""
-    lens = np.fromiter((len(f) for f in fields), np.int64, len(fields))
+    lens = np.fromiter(map(len, fields), np.int64, len(fields))
     offs = np.zeros(len(fields) + 1, np.int64)
     np.cumsum(lens, out=offs[1:])
     buf = np.frombuffer(b"".join(fields), np.uint8)
