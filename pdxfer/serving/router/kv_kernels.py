@@ -57,6 +57,8 @@ def _ints(buf: np.ndarray, offs: np.ndarray, tokens: bool, max_items: int,
             neg = False
             if b <= 0x7F:
                 v, i = np.uint64(b), i + 1
+            elif b == 0xCD and i + 3 <= end:  # uint16: most token ids
+                v, i = (np.uint64(buf[i + 1]) << np.uint64(8)) | np.uint64(buf[i + 2]), i + 3
             elif b >= 0xE0:
                 v, i, neg = np.uint64(b) | np.uint64(0xFFFFFFFFFFFFFF00), i + 1, True
             elif 0xCC <= b <= 0xCF or 0xD0 <= b <= 0xD3:

@@ -9,6 +9,8 @@ deleted) and are remapped.
 
 from __future__ import annotations
 
+import mmap
+
 import numba
 import numpy as np
 
@@ -20,6 +22,26 @@ WAYS = 8
 """Slots per bucket: a lookup reads a key's bucket at once, and rarely the next."""
 AHEAD = 16
 """How many keys ahead a key's bucket is loaded, before it is probed."""
+
+
+HUGE = 4 << 20
+"""Arrays from this size on are mapped on their own, asking for transparent huge pages."""
+
+
+def zeros(n: int, dtype: np.dtype | type) -> np.ndarray:
+    """``np.zeros``; a large array on huge pages where the kernel gives them: a map grows
+    into fresh memory, and faulting it in 4 KiB at a time costs more than filling it."""
+    dt = np.dtype(dtype)
+    size = n * dt.itemsize
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if size < HUGE or advise is None:
+        return np.zeros(n, dt)
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(advise)
+    except OSError:
+        pass
+    return np.frombuffer(m, dt, n)  # anonymous memory is zeroed; the array keeps the map
 
 
 def fix_keys(keys: np.ndarray) -> np.ndarray:
@@ -166,8 +188,8 @@ class U64Map:
     def __init__(self, columns: dict[str, np.dtype | type], capacity: int = 1024) -> None:
         cap = 1 << max(5, (capacity - 1).bit_length())
         self._dtypes = {k: np.dtype(v) for k, v in columns.items()}
-        self.keys = np.zeros(cap, np.uint64)
-        self.cols = {k: np.zeros(cap, d) for k, d in self._dtypes.items()}
+        self.keys = zeros(cap, np.uint64)
+        self.cols = {k: zeros(cap, d) for k, d in self._dtypes.items()}
         self.live = 0
         self.used = 0  # live + deleted slots
 
@@ -268,8 +290,8 @@ class U64Map:
         cap = self.capacity
         while need > GROWN_LOAD * cap:
             cap *= 2
-        self.keys = np.zeros(cap, np.uint64)
-        self.cols = {k: np.zeros(cap, d) for k, d in self._dtypes.items()}
+        self.keys = zeros(cap, np.uint64)
+        self.cols = {k: zeros(cap, d) for k, d in self._dtypes.items()}
         self.live = self.used = 0
         slots = self._insert(keys)
         for k, v in vals.items():
