@@ -174,6 +174,13 @@ def _scatter(col: np.ndarray, slots: np.ndarray, vals: np.ndarray) -> np.uint64:
 
 
 @numba.njit(cache=True, nogil=True)
+def _move(src: np.ndarray, dst: np.ndarray, frm: np.ndarray, to: np.ndarray) -> None:
+    """``dst[to] = src[frm]`` without the gathered copy between."""
+    for i in range(len(frm)):
+        dst[to[i]] = src[frm[i]]
+
+
+@numba.njit(cache=True, nogil=True)
 def _gather(col: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
     """``out = col[slots]``; the loads are independent, so they overlap as they are."""
     for i in range(len(slots)):
@@ -285,14 +292,14 @@ class U64Map:
 
     def _grow(self, need: int) -> None:
         live = self.live_slots()
-        keys = self.keys[live]
-        vals = {k: c[live] for k, c in self.cols.items()}
-        cap = self.capacity
+        old_cols = self.cols
+        keys = self.keys[live]  # in slot order: bucket b goes to b or b + capacity / WAYS,
+        cap = self.capacity  # so the new table fills as two streams, not at random
         while need > GROWN_LOAD * cap:
             cap *= 2
         self.keys = zeros(cap, np.uint64)
         self.cols = {k: zeros(cap, d) for k, d in self._dtypes.items()}
         self.live = self.used = 0
         slots = self._insert(keys)
-        for k, v in vals.items():
-            _scatter(self.cols[k], slots, v)
+        for k, c in old_cols.items():
+            _move(c, self.cols[k], live, slots)
