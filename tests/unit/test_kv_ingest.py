@@ -265,3 +265,24 @@ def test_holders_agree_with_a_set_model_as_blocks_gain_and_lose_workers(seed: in
         _state(ix)  # no holder slot is left without holders
         assert ix.shared() == sum(len(h) > 1 for h in model.values())
         assert len(ix.multi) == sum(len(h) > 2 for h in model.values())
+
+
+def test_warm_compiles_every_kernel_a_growing_burst_uses() -> None:
+    """The first frames must not wait for numba: ``warm`` reaches every signature."""
+    import numba
+
+    from pdxfer.serving.router import kv_kernels, u64map
+    from pdxfer.serving.router.kv_index import warm
+
+    kernels = [getattr(m, n) for m in (u64map, kv_kernels) for n in dir(m)
+               if isinstance(getattr(m, n), numba.core.registry.CPUDispatcher)]
+    warm()
+    before = [set(k.signatures) for k in kernels]
+    ix = KvIndex(BS, capacity=32)
+    rng = random.Random(5)
+    ops = [(w, ("s", list(range(1 + 100 * i, 31 + 100 * i)), None,
+                [rng.randrange(1000) for _ in range(30 * BS)], None))
+           for i, w in enumerate("abc")]
+    _burst(ix, ops + [("b", ("r", [101, 102])), ("c", ("c",))], raw=True)
+    ix.cached_tokens(list(range(3 * BS)))
+    assert [set(k.signatures) - b for k, b in zip(kernels, before)] == [set()] * len(kernels)

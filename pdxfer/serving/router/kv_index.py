@@ -561,8 +561,8 @@ class KvIndex:
 
 def warm() -> None:
     """Compile (or load from numba's cache) the ingest loops now, not on a first frame."""
-    ix = KvIndex(4)
+    ix = KvIndex(4, capacity=32)
     w = ix.worker("warm")
-    raw = msgspec.Raw(msgspec.msgpack.encode(list(range(4))))
-    ix.ingest([("s", w, msgspec.Raw(msgspec.msgpack.encode([7])), None, raw, None),
-               ("r", w, [7]), ("c", w)])
+    raw = msgspec.Raw(msgspec.msgpack.encode(list(range(4 * 40))))
+    hashes = msgspec.Raw(msgspec.msgpack.encode(list(range(1, 41))))  # 40: both maps grow
+    ix.ingest([("s", w, hashes, None, raw, None), ("r", w, [7]), ("c", w)])
