@@ -112,7 +112,7 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
         hits += owner != "" and held > SYS_BLOCKS * BS
     a, ac = np.asarray(lat) * 1000, np.asarray(cpu) * 1000
     return {"workers": workers, "indexed_blocks": len(ix), "unique_blocks": ix.holders.live,
-            "shared_blocks": len(ix.multi), "frames": frames,
+            "shared_blocks": ix.shared(), "frames": frames,
             "events_per_s": block_events / ingest_s, "frames_per_s": frames / ingest_s,
             "events_per_cpu_s": block_events / ingest_cpu_s,
             "ingest_s": ingest_s, "bytes_per_block": ix.nbytes() / max(len(ix), 1),

@@ -71,7 +71,7 @@ def test_removed_block_cuts_the_prefix_there_and_clear_forgets_the_worker() -> N
     assert ix.cached_tokens(ids) == {"a": 12, "b": 24}
     ix.cleared("b")
     assert ix.cached_tokens(ids) == {"a": 12}
-    assert ix.blocks_of("b") == 0 and ix.blocks_of("a") == 5 and not ix.multi
+    assert ix.blocks_of("b") == 0 and ix.blocks_of("a") == 5 and ix.shared() == 0
 
 
 def test_a_block_whose_parent_is_unknown_is_not_indexed() -> None:

@@ -26,12 +26,10 @@ def _state(ix: KvIndex) -> tuple[list[tuple[int, int]], dict[int, list[str]], in
                        ix.blocks.cols["w"][live].tolist()))
     hl = ix.holders.live_slots()
     hold = {}
-    for k, v in zip(ix.holders.keys[hl].tolist(), ix.holders.cols["w"][hl].tolist()):
-        if v == 0xFFFF:
-            m = ix.multi[k]
-            hold[k] = sorted(ix.names[i] for i in range(m.bit_length()) if m >> i & 1)
-        else:
-            hold[k] = [ix.names[v]]
+    for k, s in zip(ix.holders.keys[hl].tolist(), hl.tolist()):
+        m = ix.holder_mask(k, s)
+        hold[k] = sorted(ix.names[i] for i in range(m.bit_length()) if m >> i & 1)
+        assert hold[k], "a holder slot without holders"
     return pairs, hold, ix.orphans
 
 
@@ -234,3 +232,57 @@ def test_a_store_that_grows_the_holders_map_keeps_shared_blocks_shared() -> None
     ix.stored("b", list(range(101, 161)), None, more)
     assert ix.cached_tokens(ids) == {"a": len(ids), "b": len(ids)}
     assert ix.cached_tokens(more) == {"a": len(ids), "b": len(more)}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_holders_agree_with_a_set_model_as_blocks_gain_and_lose_workers(seed: int) -> None:
+    """One, two (the second holder column) and three or more holders (the bitmask on the
+    side), in bursts where several workers store and release the same blocks, and with the
+    holders map growing and reusing deleted slots."""
+    rng = random.Random(seed)
+    blocks = [[rng.randrange(1000) for _ in range(BS)] for _ in range(40)]
+    names = [f"w{i}" for i in range(7)]
+    model: dict[int, set[str]] = {b: set() for b in range(len(blocks))}
+    ix = KvIndex(BS, capacity=32)
+    for _ in range(60):
+        ops: list[tuple[str, tuple]] = []
+        for _ in range(rng.randrange(1, 40)):
+            w, b = rng.choice(names), rng.randrange(len(blocks))
+            x = rng.random()
+            if x < 0.55:
+                ops.append((w, ("s", [b + 1], None, blocks[b], None)))
+                model[b].add(w)
+            elif x < 0.97:
+                ops.append((w, ("r", [b + 1])))
+                model[b].discard(w)
+            else:
+                ops.append((w, ("c",)))
+                for held in model.values():
+                    held.discard(w)
+        _burst(ix, ops, raw=rng.random() < 0.5)
+        for b, ids in enumerate(blocks):
+            assert ix.cached_tokens(ids) == dict.fromkeys(sorted(model[b]), BS), b
+        _state(ix)  # no holder slot is left without holders
+        assert ix.shared() == sum(len(h) > 1 for h in model.values())
+        assert len(ix.multi) == sum(len(h) > 2 for h in model.values())
+
+
+def test_warm_compiles_every_kernel_a_growing_burst_uses() -> None:
+    """The first frames must not wait for numba: ``warm`` reaches every signature."""
+    import numba
+
+    from pdxfer.serving.router import kv_kernels, u64map
+    from pdxfer.serving.router.kv_index import warm
+
+    kernels = [getattr(m, n) for m in (u64map, kv_kernels) for n in dir(m)
+               if isinstance(getattr(m, n), numba.core.registry.CPUDispatcher)]
+    warm()
+    before = [set(k.signatures) for k in kernels]
+    ix = KvIndex(BS, capacity=32)
+    rng = random.Random(5)
+    ops = [(w, ("s", list(range(1 + 100 * i, 31 + 100 * i)), None,
+                [rng.randrange(1000) for _ in range(30 * BS)], None))
+           for i, w in enumerate("abc")]
+    _burst(ix, ops + [("b", ("r", [101, 102])), ("c", ("c",))], raw=True)
+    ix.cached_tokens(list(range(3 * BS)))
+    assert [set(k.signatures) - b for k, b in zip(kernels, before)] == [set()] * len(kernels)

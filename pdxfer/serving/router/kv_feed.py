@@ -140,20 +140,25 @@ class KvFeeds:
         returns per worker the blocks stored and removed."""
         ops: dict[int, list[Op]] = {bs: [] for bs in self.indexes}
         for worker, batch in items:
+            ids: dict[int, int] = {}  # per block size, this worker's id in its index
             for ev in batch.events:
-                if isinstance(ev, (BlockStored, RawStored)):
+                t = type(ev)
+                if t is RawStored or t is BlockStored:
                     if ev.group_idx not in (None, 0) or ev.medium not in (None, "GPU"):
                         continue
-                    ix = self._index(ev.block_size)
-                    ops.setdefault(ev.block_size, []).append(
-                        ("s", ix.worker(worker), ev.block_hashes, ev.parent_block_hash,
-                         ev.token_ids, ev.extra_keys))
-                elif isinstance(ev, BlockRemoved):
+                    bs = ev.block_size
+                    w = ids.get(bs)
+                    if w is None:
+                        w = ids[bs] = self._index(bs).worker(worker)
+                        ops.setdefault(bs, [])
+                    ops[bs].append(("s", w, ev.block_hashes, ev.parent_block_hash,
+                                    ev.token_ids, ev.extra_keys))
+                elif t is BlockRemoved:
                     if ev.group_idx not in (None, 0) or ev.medium not in (None, "GPU"):
                         continue
                     for bs, ix in self.indexes.items():
                         ops[bs].append(("r", ix.worker(worker), ev.block_hashes))
-                elif isinstance(ev, AllBlocksCleared):
+                elif t is AllBlocksCleared:
                     for bs, ix in self.indexes.items():
                         ops[bs].append(("c", ix.worker(worker)))
         out: dict[str, int] = {}

@@ -4,8 +4,9 @@
 Blocks are keyed by a chain hash the index computes itself from the token ids each event
 carries (parent's chain state * P + hash of the block's tokens and extra keys), so it matches
 whatever hash algorithm and seed the engine uses; the engine's own block hashes only name
-blocks for removal and as parents. Two numpy maps hold it all: block key -> holder (a worker
-id, or "several": a bitmask on the side), and (worker, engine hash) -> chain state.
+blocks for removal and as parents. Two numpy maps hold it all: block key -> holders (a worker
+id and a second one, or "several": a bitmask on the side), and (worker, engine hash) -> chain
+state.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import json
 import sys
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -125,10 +127,20 @@ def _engine_keys_w(hashes: np.ndarray, ws: np.ndarray) -> np.ndarray:
 def _fields(ops: Sequence[Op], i: int) -> list[Any]:
     """Field ``i`` of each store as msgpack bytes: a ``msgspec.Raw`` as it came (a buffer),
     a list encoded."""
-    out = [o[i] for o in ops]
-    if not all(type(x) is msgspec.Raw for x in out):
+    out = list(map(itemgetter(i), ops))
+    if set(map(type, out)) != {msgspec.Raw}:
         out = [x if type(x) is msgspec.Raw else msgspec.msgpack.encode(x) for x in out]
     return out
+
+
+def _hashes64(hs: list[Any]) -> np.ndarray:
+    """Block hashes (ints, or bytes: their first 8) as uint64."""
+    if set(map(type, hs)) <= {int}:  # the common case: ints, negative ones wrapped
+        try:
+            return np.fromiter(hs, np.uint64, len(hs))
+        except OverflowError:
+            pass
+    return np.fromiter(map(_h64, hs), np.uint64, len(hs))
 
 
 Op = tuple[Any, ...]
@@ -157,9 +169,12 @@ class KvIndex:
 
     def __init__(self, block_size: int, capacity: int = 1024) -> None:
         self.block_size = block_size
-        self.holders = U64Map({"w": np.uint16}, capacity)
+        self.holders = U64Map({"w": np.uint16, "w2": np.uint16}, capacity)
+        """Per block key its holder ``w`` (``MULTI``: several, in ``multi``) and a second
+        one, ``w2`` (its id + 1; 0: none)."""
         self.blocks = U64Map({"state": np.uint64, "w": np.uint16}, capacity)
         self.multi: dict[int, int] = {}
+        """Block keys of three holders or more -> their bitmask."""
         self.ids: dict[str, int] = {}
         self.names: list[str] = []
         self.orphans = 0
@@ -187,6 +202,11 @@ class KvIndex:
         side = sys.getsizeof(self.multi) + sum(sys.getsizeof(k) + sys.getsizeof(v)
                                                for k, v in self.multi.items())
         return self.holders.nbytes() + self.blocks.nbytes() + side
+
+    def shared(self) -> int:
+        """Blocks more than one worker holds."""
+        live = self.holders.live_slots()
+        return int((self.holders.cols["w2"][live] > 0).sum()) + len(self.multi)
 
     def __len__(self) -> int:
         """Indexed (worker, block) pairs."""
@@ -261,20 +281,35 @@ class KvIndex:
 
     def _hold(self, keys: np.ndarray, w: int) -> None:
         keys = np.unique(keys)
-        slots = self.holders.find(keys)
-        new = slots < 0
-        old = np.flatnonzero(~new)
-        if len(old):
-            cur = self.holders.cols["w"][slots[old]]
-            other = old[cur != w]
-            for i in other.tolist():  # shared blocks: the slow path, on the side
-                k, s = int(keys[i]), slots[i]
-                v = self.holders.cols["w"][s]
-                self.multi[k] = self.multi.get(k, 0) if v == MULTI else 1 << int(v)
-                self.multi[k] |= 1 << w
-                self.holders.cols["w"][s] = MULTI
-        if new.any():  # last: growing the map moves every slot
-            self.holders.put_absent(keys[new], w=np.full(int(new.sum()), w, np.uint16))
+        self._hold_many(keys, np.full(len(keys), w, np.int64))
+
+    def holder_mask(self, k: int, s: int) -> int:
+        """The bitmask of the workers holding block key ``k`` (in holder slot ``s``)."""
+        h = int(self.holders.cols["w"][s])
+        if h == MULTI:
+            return self.multi.get(k, 0)
+        h2 = int(self.holders.cols["w2"][s])
+        return 1 << h | (1 << h2 - 1 if h2 else 0)
+
+    def _set_holders(self, k: int, s: int, m: int) -> None:
+        """Block key ``k``'s holders (slot ``s``) set to bitmask ``m``; none: the slot goes."""
+        col, col2 = self.holders.cols["w"], self.holders.cols["w2"]
+        rest = m & (m - 1)
+        if rest & (rest - 1):
+            self.multi[k] = m
+            col[s], col2[s] = MULTI, 0
+            return
+        self.multi.pop(k, None)
+        if not m:
+            self._drop_slots(np.array([s]))
+            return
+        col[s] = (m & -m).bit_length() - 1
+        col2[s] = rest.bit_length()  # the second holder + 1, or 0
+
+    def _drop_slots(self, hs: np.ndarray) -> None:
+        """Holder slots deleted (their second holder cleared for the next key there)."""
+        self.holders.cols["w2"][hs] = 0
+        self.holders.delete_slots(hs)
 
     def removed(self, name: str, hashes: Sequence[int | bytes]) -> int:
         """A ``BlockRemoved``: returns how many indexed blocks it removed."""
@@ -294,31 +329,7 @@ class KvIndex:
         return self._release(live[self.blocks.cols["w"][live] == w], w)
 
     def _release(self, slots: np.ndarray, w: int) -> int:
-        if not len(slots):
-            return 0
-        keys = np.unique(block_keys(self.blocks.cols["state"][slots]))
-        self.blocks.delete_slots(slots)
-        hs = self.holders.find(keys)
-        ok = hs >= 0
-        keys, hs = keys[ok], hs[ok]
-        cur = self.holders.cols["w"][hs]
-        self.holders.delete_slots(hs[cur == w])
-        for i in np.flatnonzero(cur == MULTI).tolist():
-            self._drop_holder(int(keys[i]), hs[i], w)
-        return len(slots)
-
-    def _drop_holder(self, k: int, s: int, w: int) -> None:
-        """Take worker ``w`` from key ``k``'s several holders (holder slot ``s``): the set
-        shrinks, or one holder is left in the slot, or none and the slot goes."""
-        m = self.multi.get(k, 0) & ~(1 << w)
-        if m & (m - 1):
-            self.multi[k] = m
-            return
-        self.multi.pop(k, None)
-        if m:
-            self.holders.cols["w"][s] = m.bit_length() - 1
-        else:
-            self.holders.delete_slots(np.array([s]))
+        return int(self._release_many(np.unique(slots)).sum())
 
     # -- a burst of events -------------------------------------------------------------------
     def ingest(self, ops: Sequence[Op]) -> np.ndarray:
@@ -372,20 +383,25 @@ class KvIndex:
             hn = hn[ok]
         if not ops:
             return np.zeros(nw, np.int64)
-        ev_w = np.fromiter((o[1] for o in ops), np.int64, len(ops))
+        ev_w = np.fromiter(map(itemgetter(1), ops), np.int64, len(ops))
         bw = np.repeat(ev_w, hn)
         ekeys = _engine_keys_w(hashes, bw)
-        bstart = np.cumsum(hn) - hn
         xor = np.zeros(len(hashes), np.uint64)
-        for e, o in enumerate(ops):
-            if o[5]:
-                for i, x in enumerate(o[5][:int(hn[e])]):
+        extras = list(map(itemgetter(5), ops))
+        if any(extras):
+            bstart = np.cumsum(hn) - hn
+            for e, x5 in enumerate(extras):
+                for i, x in enumerate((x5 or [])[:int(hn[e])]):
                     if x:
                         xor[bstart[e] + i] = np.uint64(extra_hash(x))
-        hp = np.fromiter((o[3] is not None for o in ops), bool, len(ops))
+        parents = list(map(itemgetter(3), ops))
+        if None in parents:
+            hp = np.array([p is not None for p in parents], bool)
+            ph = _hashes64([p for p in parents if p is not None])
+        else:
+            hp, ph = np.ones(len(ops), bool), _hashes64(parents)
         pkeys = np.zeros(len(ops), np.uint64)
-        if hp.any():
-            ph = np.fromiter((_h64(o[3]) for o in ops if o[3] is not None), np.uint64)
+        if len(ph):
             pkeys[hp] = _engine_keys_w(ph, ev_w[hp])
         counts = np.zeros(nw, np.int64)
         todo = np.arange(len(ops))
@@ -421,40 +437,36 @@ class KvIndex:
         return counts
 
     def _hold_many(self, keys: np.ndarray, ws: np.ndarray) -> None:
-        """``_hold`` with a worker per key: one probe per key; a key another worker holds
-        too (or several in this batch) takes the slow path, on the side."""
+        """Worker ``ws[i]`` holds block key ``keys[i]``: one probe per key; a key one other
+        worker holds takes the second holder column (vectorized); a key of three holders
+        or more, or several times in this batch, takes the slow path, on the side."""
         slots, new, cur = self.holders.upsert_col("w", keys, ws)
-        col = self.holders.cols["w"]
         slow = np.flatnonzero(~new & (cur != ws))
         if not len(slow):
             return
-        # the common case, vectorized: a key one other worker held, once in this batch
-        _, first, n = np.unique(slots[slow], return_index=True, return_counts=True)
-        easy = np.zeros(len(slow), bool)
-        easy[first[n == 1]] = True
-        easy &= cur[slow] != MULTI
-        e = slow[easy]
-        if len(e):
-            one = (1).__lshift__
-            self.multi.update(zip(keys[e].tolist(), map(int.__or__, map(one, cur[e].tolist()),
-                                                        map(one, ws[e].tolist()))))
-            col[slots[e]] = MULTI
-            slow = slow[~easy]
-        for k, s, w in zip(keys[slow].tolist(), slots[slow].tolist(), ws[slow].tolist()):
-            v = int(col[s])
-            if v == w:
-                continue
-            m = self.multi.get(k, 0) if v == MULTI else 1 << v
-            self.multi[k] = m | 1 << w
-            col[s] = MULTI
+        col2 = self.holders.cols["w2"]
+        ss = slots[slow]
+        _, first, n = np.unique(ss, return_index=True, return_counts=True)
+        once = np.zeros(len(slow), bool)
+        once[first[n == 1]] = True
+        sec = col2[ss].astype(np.int64)
+        once &= cur[slow] != MULTI
+        done = once & (sec == ws[slow] + 1)  # already its second holder
+        pair = once & (sec == 0)
+        col2[ss[pair]] = ws[slow[pair]] + 1
+        for k, s, w in zip(keys[slow[~(done | pair)]].tolist(), ss[~(done | pair)].tolist(),
+                           ws[slow[~(done | pair)]].tolist()):
+            m = self.holder_mask(k, s)
+            if not m >> w & 1:
+                self._set_holders(k, s, m | 1 << w)
 
     def _remove_ops(self, ops: Sequence[Op]) -> np.ndarray:
-        hs = [_h64(h) for o in ops for h in o[2]]
+        hs = [h for o in ops for h in o[2]]
         if not hs:
             return np.zeros(len(self.names), np.int64)
-        ws = np.repeat(np.fromiter((o[1] for o in ops), np.int64, len(ops)),
+        ws = np.repeat(np.fromiter(map(itemgetter(1), ops), np.int64, len(ops)),
                        [len(o[2]) for o in ops])
-        slots = self.blocks.find(_engine_keys_w(np.array(hs, np.uint64), ws))
+        slots = self.blocks.find(_engine_keys_w(_hashes64(hs), ws))
         return self._release_many(np.unique(slots[slots >= 0]))
 
     def _release_many(self, slots: np.ndarray) -> np.ndarray:
@@ -472,18 +484,25 @@ class KvIndex:
         hs = self.holders.find(keys)
         ok = hs >= 0
         keys, ws, hs = keys[ok], ws[ok], hs[ok]
+        _, first, n = np.unique(hs, return_index=True, return_counts=True)
+        once = np.zeros(len(hs), bool)
+        once[first[n == 1]] = True
         cur = self.holders.cols["w"][hs].astype(np.int64)
-        self.holders.delete_slots(hs[cur == ws])
-        for i in np.flatnonzero(cur == MULTI).tolist():
-            k, s, w = int(keys[i]), hs[i], int(ws[i])
+        col, col2 = self.holders.cols["w"], self.holders.cols["w2"]
+        sec = col2[hs].astype(np.int64)
+        gone = once & (cur == ws) & (sec == 0)  # its only holder
+        first2 = once & (cur == ws) & (sec > 0)  # the first of two: the second moves up
+        second = once & (cur != MULTI) & (sec == ws + 1)  # the second of two
+        col[hs[first2]] = sec[first2] - 1
+        col2[hs[first2 | second]] = 0
+        self._drop_slots(hs[gone])
+        for i in np.flatnonzero(~(gone | first2 | second) & (~once | (cur == MULTI))).tolist():
+            k, s, w = int(keys[i]), int(hs[i]), int(ws[i])
             if self.holders.keys[s] != keys[i]:
-                continue
-            v = int(self.holders.cols["w"][s])
-            if v != MULTI:  # another worker's release in this batch left one holder
-                if v == w:
-                    self.holders.delete_slots(np.array([s]))
-                continue
-            self._drop_holder(k, s, w)
+                continue  # another worker's release in this batch removed the key
+            m = self.holder_mask(k, s)
+            if m >> w & 1:
+                self._set_holders(k, s, m & ~(1 << w))
         return counts
 
     # -- lookups ----------------------------------------------------------------------------
@@ -505,10 +524,15 @@ class KvIndex:
         if n == 0:
             return []
         hold = self.holders.cols["w"][slots[:n]].tolist()
+        hold2 = self.holders.cols["w2"][slots[:n]].tolist()
         groups: list[tuple[int, int]] = []  # (workers' bitmask, how many blocks they hold)
         mask = -1
         for i, h in enumerate(hold):
-            m = self.multi.get(int(keys[i]), 0) if h == MULTI else 1 << h
+            if h == MULTI:
+                m = self.multi.get(int(keys[i]), 0)
+            else:
+                h2 = hold2[i]
+                m = 1 << h | (1 << h2 - 1 if h2 else 0)
             new = mask & m
             if i and mask != new:
                 groups.append((mask & ~new, i))
@@ -537,8 +561,8 @@ class KvIndex:
 
 def warm() -> None:
     """Compile (or load from numba's cache) the ingest loops now, not on a first frame."""
-    ix = KvIndex(4)
+    ix = KvIndex(4, capacity=32)
     w = ix.worker("warm")
-    raw = msgspec.Raw(msgspec.msgpack.encode(list(range(4))))
-    ix.ingest([("s", w, msgspec.Raw(msgspec.msgpack.encode([7])), None, raw, None),
-               ("r", w, [7]), ("c", w)])
+    raw = msgspec.Raw(msgspec.msgpack.encode(list(range(4 * 40))))
+    hashes = msgspec.Raw(msgspec.msgpack.encode(list(range(1, 41))))  # 40: both maps grow
+    ix.ingest([("s", w, hashes, None, raw, None), ("r", w, [7]), ("c", w)])

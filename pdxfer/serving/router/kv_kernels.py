@@ -57,6 +57,8 @@ def _ints(buf: np.ndarray, offs: np.ndarray, tokens: bool, max_items: int,
             neg = False
             if b <= 0x7F:
                 v, i = np.uint64(b), i + 1
+            elif b == 0xCD and i + 3 <= end:  # uint16: most token ids
+                v, i = (np.uint64(buf[i + 1]) << np.uint64(8)) | np.uint64(buf[i + 2]), i + 3
             elif b >= 0xE0:
                 v, i, neg = np.uint64(b) | np.uint64(0xFFFFFFFFFFFFFF00), i + 1, True
             elif 0xCC <= b <= 0xCF or 0xD0 <= b <= 0xD3:
@@ -101,7 +103,7 @@ def msgpack_ints(fields: list[Any], tokens: bool, max_items: int
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Many msgpack arrays (buffers of raw field bytes) -> (their valid items concatenated,
     per field its count or -1)."""
-    lens = np.fromiter((len(f) for f in fields), np.int64, len(fields))
+    lens = np.fromiter(map(len, fields), np.int64, len(fields))
     offs = np.zeros(len(fields) + 1, np.int64)
     np.cumsum(lens, out=offs[1:])
     buf = np.frombuffer(b"".join(fields), np.uint8)

@@ -9,6 +9,8 @@ deleted) and are remapped.
 
 from __future__ import annotations
 
+import mmap
+
 import numba
 import numpy as np
 
@@ -19,7 +21,27 @@ GROWN_LOAD = 0.55
 WAYS = 8
 """Slots per bucket: a lookup reads a key's bucket at once, and rarely the next."""
 AHEAD = 16
-"""Keys whose buckets are loaded together before they are probed one by one."""
+"""How many keys ahead a key's bucket is loaded, before it is probed."""
+
+
+HUGE = 4 << 20
+"""Arrays from this size on are mapped on their own, asking for transparent huge pages."""
+
+
+def zeros(n: int, dtype: np.dtype | type) -> np.ndarray:
+    """``np.zeros``; a large array on huge pages where the kernel gives them: a map grows
+    into fresh memory, and faulting it in 4 KiB at a time costs more than filling it."""
+    dt = np.dtype(dtype)
+    size = n * dt.itemsize
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if size < HUGE or advise is None:
+        return np.zeros(n, dt)
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(advise)
+    except OSError:
+        pass
+    return np.frombuffer(m, dt, n)  # anonymous memory is zeroed; the array keeps the map
 
 
 def fix_keys(keys: np.ndarray) -> np.ndarray:
@@ -28,122 +50,153 @@ def fix_keys(keys: np.ndarray) -> np.ndarray:
     return np.where(keys < 2, keys + np.uint64(2), keys)
 
 
-@numba.njit(cache=True, nogil=True)
-def _touch(table: np.ndarray, keys: np.ndarray, i: int, m: int) -> np.uint64:
-    """Load the first buckets of keys ``i`` to ``i + AHEAD`` at once: independent loads,
-    so their cache misses overlap instead of one probe waiting for the last."""
-    acc = np.uint64(0)
-    for t in range(i, min(i + AHEAD, len(keys))):
-        acc ^= table[(int(keys[t] >> np.uint64(32)) & m) * WAYS]
-    return acc
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bucket(k: np.uint64, m: int) -> int:
+    return int(k >> np.uint64(32)) & m
 
 
 @numba.njit(cache=True, nogil=True)
 def _find(table: np.ndarray, keys: np.ndarray, out: np.ndarray) -> np.uint64:
+    """Each key's slot or -1. The bucket of the key ``AHEAD`` on is loaded first: the
+    loads' cache misses overlap instead of one probe waiting for the last. (The loads
+    feed the returned sink, so the compiler cannot drop them.)"""
     nb = len(table) // WAYS
     m = nb - 1
+    n = len(keys)
     sink = np.uint64(0)
-    for i in range(len(keys)):
-        if i % AHEAD == 0:
-            sink ^= _touch(table, keys, i, m)
+    for t in range(min(AHEAD, n)):
+        sink ^= table[_bucket(keys[t], m) * WAYS]
+    for i in range(n):
+        if i + AHEAD < n:
+            sink ^= table[_bucket(keys[i + AHEAD], m) * WAYS]
         k = keys[i]
-        b = int(k >> np.uint64(32)) & m
+        b = _bucket(k, m)
         step = (int(k >> np.uint64(8)) & m) | 1
-        out[i] = -1
+        o = -1
         for _ in range(nb):
-            empty = False
+            end = False
+            base = b * WAYS
             for j in range(WAYS):
-                x = table[b * WAYS + j]
+                x = table[base + j]
                 if x == k:
-                    out[i] = b * WAYS + j
-                    empty = True
+                    o = base + j
+                    end = True
                     break
-                if x == EMPTY:
-                    empty = True
-            if empty:
+                if x == EMPTY:  # ways fill in order: none past an empty one
+                    end = True
+                    break
+            if end:
                 break
             b = (b + step) & m
+        out[i] = o
     return sink
 
 
 @numba.njit(cache=True, nogil=True)
 def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
-            new: np.ndarray) -> tuple[int, int]:
+            new: np.ndarray, col: np.ndarray, vals: np.ndarray, cur: np.ndarray
+            ) -> tuple[int, int, np.uint64]:
     """Each key's slot, placing the absent ones (in the first free way of their probe
-    chain; ``new`` marks them); ``absent``: the caller knows none is present. Returns how
-    many it placed, and how many of those took an EMPTY slot (not a DELETED one)."""
+    chain; ``new`` marks them); ``absent``: the caller knows none is present. ``col``
+    (when not empty): set to ``vals`` for the placed keys, read into ``cur`` for all.
+    Buckets (and their ``col``) are loaded ``AHEAD`` keys early, as in ``_find``.
+    Returns how many it placed, how many of those took an EMPTY slot (not a DELETED
+    one), and the sink."""
     nb = len(table) // WAYS
     m = nb - 1
-    used = 0
-    placed = 0
+    n = len(keys)
+    has_col = len(col) > 0
+    used = placed = 0
     sink = np.uint64(0)
-    for i in range(len(keys)):
-        if i % AHEAD == 0:
-            sink ^= _touch(table, keys, i, m)
+    for t in range(min(AHEAD, n)):
+        b = _bucket(keys[t], m) * WAYS
+        sink ^= table[b]
+        if has_col:
+            sink ^= np.uint64(col[b])
+    for i in range(n):
+        if i + AHEAD < n:
+            b = _bucket(keys[i + AHEAD], m) * WAYS
+            sink ^= table[b]
+            if has_col:
+                sink ^= np.uint64(col[b])
         k = keys[i]
-        b = int(k >> np.uint64(32)) & m
+        b = _bucket(k, m)
         step = (int(k >> np.uint64(8)) & m) | 1
         free = -1
-        out[i] = -1
-        new[i] = False
+        o = -1
         for _ in range(nb):
-            empty = False
+            end = False
+            base = b * WAYS
             for j in range(WAYS):
-                s = b * WAYS + j
-                x = table[s]
+                x = table[base + j]
                 if x == k and not absent:
-                    out[i] = s
-                    empty = True
+                    o = base + j
+                    end = True
                     break
                 if x <= DELETED:
                     if free < 0:
-                        free = s
-                    if x == EMPTY:
-                        empty = True
-                        if absent:
-                            break
-            if empty or (absent and free >= 0):
+                        free = base + j
+                    if x == EMPTY or absent:
+                        end = True
+                        break
+            if end:
                 break
             b = (b + step) & m
-        if out[i] < 0:
+        if o < 0:
             if table[free] == EMPTY:
                 used += 1
             table[free] = k
-            out[i] = free
+            o = free
             new[i] = True
             placed += 1
-    return placed, used + int(sink & np.uint64(0))
+            if has_col:
+                col[o] = vals[i]
+        else:
+            new[i] = False
+        out[i] = o
+        if has_col:
+            cur[i] = col[o]
+    return placed, used, sink
 
 
 @numba.njit(cache=True, nogil=True)
-def _upsert_col(table: np.ndarray, col: np.ndarray, keys: np.ndarray, vals: np.ndarray,
-                slots: np.ndarray, new: np.ndarray, cur: np.ndarray) -> tuple[int, int]:
-    """``_upsert`` that also sets ``col`` of each placed key to its value and reads it for
-    the others (into ``cur``), the bucket and its column loaded ahead together."""
-    nb = len(table) // WAYS
-    m = nb - 1
+def _scatter(col: np.ndarray, slots: np.ndarray, vals: np.ndarray) -> np.uint64:
+    """``col[slots] = vals`` (in order: the last of a slot wins), loading ahead."""
+    n = len(slots)
     sink = np.uint64(0)
-    placed = used = 0
-    for a in range(0, len(keys), AHEAD):
-        for t in range(a, min(a + AHEAD, len(keys))):
-            b = (int(keys[t] >> np.uint64(32)) & m) * WAYS
-            sink ^= table[b] ^ np.uint64(col[b])
-        p, u = _upsert(table, keys[a:a + AHEAD], slots[a:a + AHEAD], False, new[a:a + AHEAD])
-        placed += p
-        used += u
-        for t in range(a, min(a + AHEAD, len(keys))):
-            if new[t]:
-                col[slots[t]] = vals[t]
-            cur[t] = col[slots[t]]
-    return placed, used + int(sink & np.uint64(0))
+    for t in range(min(AHEAD, n)):
+        sink ^= np.uint64(col[slots[t]])
+    for i in range(n):
+        if i + AHEAD < n:
+            sink ^= np.uint64(col[slots[i + AHEAD]])
+        col[slots[i]] = vals[i]
+    return sink
+
+
+@numba.njit(cache=True, nogil=True)
+def _move(src: np.ndarray, dst: np.ndarray, frm: np.ndarray, to: np.ndarray) -> None:
+    """``dst[to] = src[frm]`` without the gathered copy between."""
+    for i in range(len(frm)):
+        dst[to[i]] = src[frm[i]]
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather(col: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+    """``out = col[slots]``; the loads are independent, so they overlap as they are."""
+    for i in range(len(slots)):
+        out[i] = col[slots[i]]
+
+
+_NONE = np.empty(0, np.uint16)
+"""No value column (for ``_upsert``)."""
 
 
 class U64Map:
     def __init__(self, columns: dict[str, np.dtype | type], capacity: int = 1024) -> None:
         cap = 1 << max(5, (capacity - 1).bit_length())
         self._dtypes = {k: np.dtype(v) for k, v in columns.items()}
-        self.keys = np.zeros(cap, np.uint64)
-        self.cols = {k: np.zeros(cap, d) for k, d in self._dtypes.items()}
+        self.keys = zeros(cap, np.uint64)
+        self.cols = {k: zeros(cap, d) for k, d in self._dtypes.items()}
         self.live = 0
         self.used = 0  # live + deleted slots
 
@@ -160,23 +213,40 @@ class U64Map:
         _find(self.keys, np.ascontiguousarray(keys, np.uint64), out)
         return out
 
+    def get(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """Column ``name`` at ``slots`` (all valid)."""
+        col = self.cols[name]
+        out = np.empty(len(slots), col.dtype)
+        _gather(col, np.ascontiguousarray(slots, np.int64), out)
+        return out
+
+    def set(self, name: str, slots: np.ndarray, vals: np.ndarray) -> None:
+        """Column ``name`` at ``slots`` (all valid) set to ``vals`` (a scalar, or one
+        value per slot: the last of a slot wins)."""
+        col = self.cols[name]
+        v = np.broadcast_to(np.asarray(vals, col.dtype), (len(slots),))
+        _scatter(col, np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(v))
+
     def put(self, keys: np.ndarray, **values: np.ndarray) -> np.ndarray:
         """Set (insert or overwrite) the keys' values; returns their slots. Duplicate keys
         in one batch: the last wins (as one put after another)."""
         slots, _ = self.upsert(keys)
         for k, v in values.items():
-            self.cols[k][slots] = v
+            self.set(k, slots, v)
         return slots
+
+    def _room(self, n: int) -> None:
+        if self.used + n > MAX_LOAD * self.capacity:  # as if all were new
+            self._grow(self.live + n)
 
     def upsert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each key's slot, placing the absent ones (their values left to the caller), and
         which were placed (a key twice in ``keys``: placed the first time)."""
         keys = np.ascontiguousarray(keys, np.uint64)
-        if self.used + len(keys) > MAX_LOAD * self.capacity:  # as if all were new
-            self._grow(self.live + len(keys))
+        self._room(len(keys))
         slots = np.empty(len(keys), np.int64)
         new = np.empty(len(keys), bool)
-        placed, used = _upsert(self.keys, keys, slots, False, new)
+        placed, used, _ = _upsert(self.keys, keys, slots, False, new, _NONE, _NONE, _NONE)
         self.live += placed
         self.used += used
         return slots, new
@@ -186,29 +256,28 @@ class U64Map:
         """``upsert``, column ``name`` set to ``vals`` for the placed keys; returns the
         slots, which were placed, and every key's ``name`` after."""
         keys = np.ascontiguousarray(keys, np.uint64)
-        if self.used + len(keys) > MAX_LOAD * self.capacity:
-            self._grow(self.live + len(keys))
+        self._room(len(keys))
         col = self.cols[name]
         n = len(keys)
         slots, new, cur = np.empty(n, np.int64), np.empty(n, bool), np.empty(n, col.dtype)
-        placed, used = _upsert_col(self.keys, col, keys, np.ascontiguousarray(vals, col.dtype),
-                                   slots, new, cur)
+        placed, used, _ = _upsert(self.keys, keys, slots, False, new, col,
+                                  np.ascontiguousarray(vals, col.dtype), cur)
         self.live += placed
         self.used += used
         return slots, new, cur
 
     def put_absent(self, keys: np.ndarray, **values: np.ndarray) -> np.ndarray:
         """``put`` for distinct keys known to be absent (the caller just looked)."""
-        if self.used + len(keys) > MAX_LOAD * self.capacity:
-            self._grow(self.live + len(keys))
+        self._room(len(keys))
         slots = self._insert(np.ascontiguousarray(keys, np.uint64))
         for k, v in values.items():
-            self.cols[k][slots] = v
+            self.set(k, slots, v)
         return slots
 
     def _insert(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), np.int64)
-        placed, used = _upsert(self.keys, keys, out, True, np.empty(len(keys), bool))
+        placed, used, _ = _upsert(self.keys, keys, out, True, np.empty(len(keys), bool),
+                                  _NONE, _NONE, _NONE)
         self.live += placed
         self.used += used
         return out
@@ -223,14 +292,14 @@ class U64Map:
 
     def _grow(self, need: int) -> None:
         live = self.live_slots()
-        keys = self.keys[live]
-        vals = {k: c[live] for k, c in self.cols.items()}
-        cap = self.capacity
+        old_cols = self.cols
+        keys = self.keys[live]  # in slot order: bucket b goes to b or b + capacity / WAYS,
+        cap = self.capacity  # so the new table fills as two streams, not at random
         while need > GROWN_LOAD * cap:
             cap *= 2
-        self.keys = np.zeros(cap, np.uint64)
-        self.cols = {k: np.zeros(cap, d) for k, d in self._dtypes.items()}
+        self.keys = zeros(cap, np.uint64)
+        self.cols = {k: zeros(cap, d) for k, d in self._dtypes.items()}
         self.live = self.used = 0
         slots = self._insert(keys)
-        for k, v in vals.items():
-            self.cols[k][slots] = v
+        for k, c in old_cols.items():
+            _move(c, self.cols[k], live, slots)
