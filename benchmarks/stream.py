@@ -33,6 +33,7 @@ from pdxfer.demo.vllm_procs import (
     add_startup_timeout_arg,
     kv_config,
     start_one_by_one,
+    start_together,
 )
 from pdxfer.integrations.vllm.config import parse as parse_connector_config
 from pdxfer.serving.procs import Proc, ProcessStartError
@@ -99,24 +100,26 @@ class Run:
     unavailable: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def servers_for(unit: str, s: Setup, tag: str, extra: dict[str, Any]) -> list[Callable[[], Server]]:
-    """A phase's servers, in start order (the decode before the prefill)."""
+def servers_for(unit: str, s: Setup, tag: str, extra: dict[str, Any], dtag: str
+                ) -> list[Callable[[], Server]]:
+    """A phase's servers, in start order (the decode, tagged ``dtag``, before the prefill)."""
     lim = ["--max-model-len", str(s.max_len), "--no-enable-prefix-caching"]
     net_env = {"PDXFER_SECRET": s.secret}
 
-    def vllm(name: str, host: Host, addr: str, cfg: str | None, env: dict[str, str]
-             ) -> Callable[[], Server]:
-        return lambda: VllmServer(f"{tag}_{name}", s.model, s.tmp, kv_cache_bytes=s.kv_bytes,
+    def vllm(name: str, host: Host, addr: str, cfg: str | None, env: dict[str, str],
+             t: str = tag) -> Callable[[], Server]:
+        return lambda: VllmServer(f"{t}_{name}", s.model, s.tmp, kv_cache_bytes=s.kv_bytes,
                                   args=lim, kv_transfer_config=cfg, env=env, start=False,
                                   addr=addr, prefix=host.prefix, enter=host.enter)
 
     if unit == "colocated":
         return [vllm("colocated", s.d, "127.0.0.1", None, {})]
     common = {"bootstrap": s.boot, "bootstrap_timeout_s": 120.0, "transfer_timeout_s": 120.0}
-    d_cfg = kv_config("kv_consumer", {**common, "instance": f"{tag}-d", "host": s.d.addr})
+    d_cfg = kv_config("kv_consumer", {**common, "instance": f"{dtag}-d", "host": s.d.addr})
     p_cfg = kv_config("kv_producer", {**common, **extra, "instance": f"{tag}-p",
                                       "host": s.p.addr})
-    return [vllm("d", s.d, s.d.addr, d_cfg, net_env), vllm("p", s.p, s.p.addr, p_cfg, net_env)]
+    return [vllm("d", s.d, s.d.addr, d_cfg, net_env, dtag),
+            vllm("p", s.p, s.p.addr, p_cfg, net_env)]
 
 
 def ask_all(s: Setup, url: str, prompts: list[list[int]], conc: int, answer: int,
@@ -162,9 +165,9 @@ def warm(s: Setup, url: str, a: argparse.Namespace) -> None:
 
 def calibrate(s: Setup, url: str, a: argparse.Namespace) -> float:
     """The colocated prefill of a fresh ``--match-tokens`` prompt (TTFT of one token,
-    median of three), in seconds."""
+    median of three; quick: of one), in seconds."""
     got = []
-    for i in range(3):
+    for i in range(1 if a.quick else 3):
         r = ask_all(s, url, [tokens(5_000_000 + i, a.match_tokens)], 1, 1,
                     a.request_timeout)[0]
         if isinstance(r, Exception):
@@ -181,13 +184,16 @@ def set_link(s: Setup, link: str, mbit: float) -> None:
 
 
 def phase(unit: str, rnd: int, s: Setup, a: argparse.Namespace, run: Run,
-          cal: dict[str, float]) -> None:
-    """One prefill mode's servers up, its variants measured on both links, then down."""
+          cal: dict[str, float], kept: dict[str, Server]) -> None:
+    """One prefill mode's servers up, its variants measured on both links (one router per
+    variant, for both), then down. A PD pair starts together: its two hosts are two network
+    namespaces, so no port either picks can collide with the other's. ``--quick``: the
+    round's PD phases share one decode, kept in ``kept`` (the caller stops it)."""
     variants = ["colocated"] if unit == "colocated" else \
         [v for v in a.variants if v in PD and PD[v][1] == unit]
     tag = f"{unit}_r{rnd}"
     rec: dict[str, Any] = {"phase": unit, "round": rnd, "variants": variants,
-                           **phase_start()}
+                           **phase_start(min(3.0, a.idle_seconds))}
     run.phases.append(rec)
     extra: dict[str, Any] = {}
     if unit != "colocated":
@@ -200,9 +206,19 @@ def phase(unit: str, rnd: int, s: Setup, a: argparse.Namespace, run: Run,
             return
         extra = got
         rec["prefill_extra"] = extra
+    keep = a.quick and unit != "colocated"
+    dtag = f"pd_r{rnd}" if keep else tag
+    makers = servers_for(unit, s, tag, extra, dtag)
     t0 = time.monotonic()
     try:
-        servers = start_one_by_one(servers_for(unit, s, tag, extra), a.startup_timeout)
+        if unit == "colocated":
+            servers = start_one_by_one(makers, a.startup_timeout)
+        elif dtag in kept:
+            servers = [kept[dtag], *start_together(makers[1:], a.startup_timeout)]
+        else:
+            servers = start_together(makers, a.startup_timeout)
+            if keep:
+                kept[dtag] = servers[0]
     except ServerNotReady as e:
         if unit != "layer":
             raise
@@ -212,7 +228,7 @@ def phase(unit: str, rnd: int, s: Setup, a: argparse.Namespace, run: Run,
             run.unavailable[v] = f"its prefill did not start: {why}"
         log(f"{unit}: its servers did not start: {why}")
         return
-    routers: list[Proc] = []
+    routers: dict[str, Proc] = {}
     try:
         rec["startup_s"] = round(time.monotonic() - t0, 1)
         links = LINKS if rnd % 2 == 0 else LINKS[::-1]
@@ -234,35 +250,33 @@ def phase(unit: str, rnd: int, s: Setup, a: argparse.Namespace, run: Run,
         for i, link in enumerate(links):
             set_link(s, link, cal["mbit"])
             for v in variants if i % 2 == 0 else variants[::-1]:
-                dispatch = PD[v][0]
-                router = Proc("router", [
-                    "router", "--engine", "vllm", "--port", "0", "--dispatch", dispatch,
-                    "--tokenizer", str(s.model), "--timeout", str(a.request_timeout),
-                    "--prefill", f"{p.url},{s.boot},{tag}-p", "--decode", f"{d.url},{tag}-d"],
-                    prefix=s.d.prefix, timeout=180, env={"PDXFER_SECRET": s.secret})
-                routers.append(router)
-                try:
-                    warm(s, router.url, a)
-                    if "idle_cpu_cores" not in rec:
-                        time.sleep(1.0)
-                        rec["idle_cpu_cores"] = round(busy_cores(
-                            [x.pid for x in servers], a.idle_seconds), 4)
-                    rec[f"loadavg_{v}_{link}"] = os.getloadavg()
-                    shaped0 = s.p.shaped()
-                    measure(v, link, router.url, s, a, rnd, run)
-                    if link == "capped":
-                        shaped1 = s.p.shaped()
-                        rec[f"capped_overlimits_{v}"] = \
-                            shaped1["overlimits"] - shaped0["overlimits"]
-                finally:
-                    router.stop()
-                    routers.remove(router)
+                if v not in routers:
+                    routers[v] = Proc("router", [
+                        "router", "--engine", "vllm", "--port", "0", "--dispatch", PD[v][0],
+                        "--tokenizer", str(s.model), "--timeout", str(a.request_timeout),
+                        "--prefill", f"{p.url},{s.boot},{tag}-p",
+                        "--decode", f"{d.url},{dtag}-d"],
+                        prefix=s.d.prefix, timeout=180, env={"PDXFER_SECRET": s.secret})
+                router = routers[v]
+                warm(s, router.url, a)
+                if "idle_cpu_cores" not in rec:
+                    time.sleep(1.0)
+                    rec["idle_cpu_cores"] = round(busy_cores(
+                        [x.pid for x in servers], a.idle_seconds), 4)
+                rec[f"loadavg_{v}_{link}"] = os.getloadavg()
+                shaped0 = s.p.shaped()
+                measure(v, link, router.url, s, a, rnd, run)
+                if link == "capped":
+                    shaped1 = s.p.shaped()
+                    rec[f"capped_overlimits_{v}"] = \
+                        shaped1["overlimits"] - shaped0["overlimits"]
     finally:
         s.p.uncap()
-        for r in routers:
+        for r in routers.values():
             r.stop()
         for srv in reversed(servers):
-            srv.stop()
+            if all(srv is not k for k in kept.values()):
+                srv.stop()
         log(f"round {rnd} {unit}: up in {rec.get('startup_s')} s, idle "
             f"{rec.get('idle_cpu_cores')} cores, load before {rec['loadavg_before'][0]:.2f}")
 
@@ -343,20 +357,26 @@ def run_all(a: argparse.Namespace) -> dict[str, Any]:
             log(f"variants {a.variants}, sizes {a.sizes}, {a.rounds} round(s); logs in {tmp}")
             for rnd in range(a.rounds):
                 k = rnd % len(units)
-                for unit in units[k:] + units[:k]:
-                    if unit != "colocated" and "mbit" not in cal:
-                        raise SystemExit("the colocated phase must run first (it sets the cap)")
-                    try:
-                        phase(unit, rnd, s, a, run, cal)
-                    except (RuntimeError, ProcessStartError) as e:
-                        if unit == "colocated" or isinstance(e, ServerNotReady):
-                            raise  # no reference, or a server that never came up: no run
-                        # e.g. an engine killed mid-phase (the OOM killer on a full host):
-                        # the phase is recorded as failed, the other phases still count
-                        why = f"{unit} phase, round {rnd}: {type(e).__name__}: {e}"[:500]
-                        run.phases[-1]["failed"] = why
-                        run.errors.append(why)
-                        log(f"phase failed: {why}")
+                kept: dict[str, Server] = {}
+                try:
+                    for unit in units[k:] + units[:k]:
+                        if unit != "colocated" and "mbit" not in cal:
+                            raise SystemExit("the colocated phase must run first (it sets "
+                                             "the cap)")
+                        try:
+                            phase(unit, rnd, s, a, run, cal, kept)
+                        except (RuntimeError, ProcessStartError) as e:
+                            if unit == "colocated" or isinstance(e, ServerNotReady):
+                                raise  # no reference, or a server that never came up: no run
+                            # e.g. an engine killed mid-phase (the OOM killer on a full
+                            # host): the phase is recorded as failed, the others still count
+                            why = f"{unit} phase, round {rnd}: {type(e).__name__}: {e}"[:500]
+                            run.phases[-1]["failed"] = why
+                            run.errors.append(why)
+                            log(f"phase failed: {why}")
+                finally:
+                    for srv in kept.values():
+                        srv.stop()
         finally:
             boot.stop()
     bad, n = compare(run)

@@ -9,15 +9,19 @@ figures and pdxfer's comparison keys present and numeric (never a speed: this is
 packed bulk paths byte-exact; the stream step's toy workers (``--torch-device cpu`` here)
 streaming by layer through the router with every output equal to the colocated toy's, its
 TTFT keys present. A second run with a budget too small for the steps ends inside it and
-still writes what it measured.
+still writes what it measured; it runs beside the first (its length is its budget's, not the
+CPU's), started by a module fixture.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,8 +39,44 @@ def _env() -> dict[str, str]:
     return env
 
 
+BUDGET_S = 25
+
+
+@dataclass(frozen=True)
+class BudgetRun:
+    """``gpu_check.sh --cpu --transport tcp --budget 25`` under way in ``out``."""
+
+    popen: subprocess.Popen[str]
+    out: Path
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        """Its exit status and its log (its stdout if it wrote no log)."""
+        stdout, _ = self.popen.communicate(timeout=timeout)
+        log = self.out / "log"
+        return self.popen.returncode, log.read_text() if log.exists() else stdout
+
+
+@pytest.fixture(scope="module")
+def budget_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BudgetRun]:
+    """The short-budget run, started as soon as either test asks for it: it ends at its
+    budget however busy the CPU is, so it runs beside the full run rather than after it."""
+    out = tmp_path_factory.mktemp("gpu_check_budget")
+    p = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--cpu",
+                          "--transport", "tcp", "--budget", str(BUDGET_S)], cwd=ROOT,
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    try:
+        yield BudgetRun(p, out)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)  # its own session: the script and its steps
+            p.communicate()
+
+
 @pytest.mark.timeout(3600)
-def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(tmp_path: Path) -> None:
+def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(
+        tmp_path: Path, budget_run: BudgetRun) -> None:
+    del budget_run  # started first, so that it runs beside this run (the next test reads it)
     env = _env()
     # limits x6: they only bound a hang, and this 2-core machine runs the suite beside other
     # work (at a load of 40-60 a transfer step took 4 to 8 minutes here)
@@ -116,20 +156,17 @@ def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(tmp_path: Path)
 
 @pytest.mark.timeout(300)
 def test_the_gpu_check_ends_inside_its_budget_and_keeps_what_it_measured(
-        tmp_path: Path) -> None:
+        budget_run: BudgetRun) -> None:
     """A device is lent for one bounded command: a run whose budget runs out bounds the step
     in flight by what is left, skips the rest, and still writes its JSON."""
-    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "--cpu",
-                        "--transport", "tcp", "--budget", "25"], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=280)
-    log = (tmp_path / "log").read_text() if (tmp_path / "log").exists() else p.stdout
-    assert p.returncode != 0, log[-4000:]
-    r = json.loads((tmp_path / "gpu_check.json").read_text())
+    rc, log = budget_run.wait(timeout=280)
+    assert rc != 0, log[-4000:]
+    r = json.loads((budget_run.out / "gpu_check.json").read_text())
     assert r["complete"] is True and r["all_passed"] is False, r
-    assert r["total_s"] < 25 + 20, r  # the budget, the kill grace, the folds
+    assert r["total_s"] < BUDGET_S + 20, r  # the budget, the kill grace, the folds
     assert r["wheels.passed"] is True, log[-4000:]
     cut = [s for s in ("probe", "pytest_gpu", "transfers.tcp", "bulk", "stream")
            if r[f"{s}.rc"] in (124, 125)]
     assert cut and r[f"{cut[-1]}.rc"] == 125, r  # the last steps never started
     for s in ("probe", "pytest_gpu", "transfers.tcp", "bulk", "stream"):
-        assert r[f"{s}.limit_s"] <= 25, r
+        assert r[f"{s}.limit_s"] <= BUDGET_S, r
