@@ -124,7 +124,7 @@ def test_a_worker_whose_events_never_show_what_it_served_gets_its_feed_suspected
     first, second, at, _ = LEGS[leg]
     r, kv, clock = _router()
     _holds(kv, second, 1)  # what it said before its publisher hung
-    for i in range(LIMITS.misses):
+    for _ in range(LIMITS.misses):
         assert _serve(r, leg, 16) == (second, 16)  # it holds what it claimed: no miss here
         clock.t += LIMITS.deadline_s + 0.1
     r.pick(PROMPT, set(), set())  # the router looks at what is overdue as it routes
@@ -231,3 +231,21 @@ def test_a_suspected_feed_asks_the_replay_for_what_it_missed_and_resyncs() -> No
             pub.close()
 
     asyncio.run(main())
+
+
+def test_a_vllm_prefills_cached_count_is_read_only_when_well_formed() -> None:
+    from pdxfer.serving.router.vllm import _cached_tokens
+
+    assert _cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": 64}}}) == 64
+    for bad in (None, [], {"usage": None}, {"usage": {"prompt_tokens_details": None}},
+                {"usage": {"prompt_tokens_details": {"cached_tokens": "64"}}},
+                {"usage": {"prompt_tokens_details": {"cached_tokens": -1}}},
+                {"usage": {"prompt_tokens_details": {"cached_tokens": True}}}):
+        assert _cached_tokens(bad) is None, bad
+
+
+@pytest.mark.parametrize("bad", [{"misses": 0}, {"window_s": 0.0}, {"tolerance_blocks": -1},
+                                 {"deadline_s": 0.0}, {"deadline_s": 61.0}])
+def test_stale_limits_that_make_no_sense_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="kv-stale"):
+        StaleLimits(**bad)  # type: ignore[arg-type]

@@ -31,6 +31,12 @@ class StaleLimits:
     tolerance_blocks: int = DEFAULT["kv_stale_tolerance_blocks"]
     deadline_s: float = DEFAULT["kv_stale_deadline_s"]
 
+    def __post_init__(self) -> None:
+        if self.misses < 1 or self.window_s <= 0 or self.tolerance_blocks < 0 or not (
+                0 < self.deadline_s <= self.window_s):
+            raise ValueError(f"--kv-stale-*: misses >= 1, window > 0, tolerance >= 0 and "
+                             f"0 < deadline <= window, got {self}")
+
 
 LIMITS = StaleLimits()
 """The defaults."""
