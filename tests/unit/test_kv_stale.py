@@ -249,3 +249,15 @@ def test_a_vllm_prefills_cached_count_is_read_only_when_well_formed() -> None:
 def test_stale_limits_that_make_no_sense_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="kv-stale"):
         StaleLimits(**bad)  # type: ignore[arg-type]
+
+
+def test_the_blocks_awaited_are_bounded_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdxfer.serving.router import kv_stale
+
+    monkeypatch.setattr(kv_stale, "MAX_PENDING_TOKENS", 3 * BS)
+    r, kv, _ = _router()
+    _holds(kv, P0, 0)  # the index exists, and holds nothing
+    for _ in range(10):
+        _serve(r, "prefill", None)  # each leaves a block's worth of prompt awaited per leg
+    assert r.stale is not None and len(r.stale._pending) == 3
+    assert r.stale._pending_tokens == sum(len(e.head) for e in r.stale._pending) == 3 * BS

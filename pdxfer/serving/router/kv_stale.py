@@ -15,11 +15,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .kv_feed import KvFeeds
 from .settings import DEFAULT
 
-MAX_PENDING = 10_000
-"""Served requests whose blocks are awaited; past this the oldest expectations are dropped."""
+MAX_PENDING_TOKENS = 4_000_000
+"""Prompt tokens kept for the blocks awaited (8 bytes each); past this the oldest
+expectations are dropped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +61,7 @@ class Served:
 class _Expect:
     due: float
     worker: str
-    head: tuple[int, ...]  # the prompt up to the first block it should have stored
+    head: np.ndarray  # the prompt up to the first block it should have stored (int64)
     salt: str | None
     held: int
 
@@ -70,7 +73,8 @@ class StaleCheck:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.kv, self.limits, self.clock = kv, limits, clock
         self._misses: dict[str, collections.deque[float]] = {}
-        self._pending: collections.deque[_Expect] = collections.deque(maxlen=MAX_PENDING)
+        self._pending: collections.deque[_Expect] = collections.deque()
+        self._pending_tokens = 0
 
     def served(self, ids: Sequence[int], salt: str | None, legs: Sequence[Served]) -> None:
         """A request was served: judge each leg's claim, and expect the blocks it lacked."""
@@ -87,9 +91,12 @@ class StaleCheck:
                 self._miss(leg.worker, "misses", now)
             full = len(ids) // bs * bs
             if full > leg.claimed:  # the worker computed full blocks: its events should say
-                head = tuple(ids[:leg.claimed + bs])
+                head = np.asarray(ids[:leg.claimed + bs], np.int64)
                 self._pending.append(_Expect(now + self.limits.deadline_s, leg.worker, head,
                                              salt, leg.claimed))
+                self._pending_tokens += len(head)
+        while self._pending_tokens > MAX_PENDING_TOKENS:
+            self._pending_tokens -= len(self._pending.popleft().head)
         self.sweep()
 
     def sweep(self) -> None:
@@ -98,6 +105,7 @@ class StaleCheck:
         now = self.clock()
         while self._pending and self._pending[0].due <= now:
             e = self._pending.popleft()
+            self._pending_tokens -= len(e.head)
             if not self.kv.synced(e.worker):
                 continue
             if self.kv.cached(e.head, e.salt).get(e.worker, 0) <= e.held:
@@ -111,7 +119,7 @@ class StaleCheck:
             q.popleft()
         if len(q) >= self.limits.misses:
             q.clear()
-            self._pending = collections.deque((e for e in self._pending if e.worker != worker),
-                                              maxlen=MAX_PENDING)
+            self._pending = collections.deque(e for e in self._pending if e.worker != worker)
+            self._pending_tokens = sum(len(e.head) for e in self._pending)
             self.kv.suspect(worker, f"{self.limits.misses} requests within "
                                     f"{self.limits.window_s:g} s contradicted its events")
