@@ -65,7 +65,8 @@ def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
     add_field_args(ap, WorkerConfig, "bootstrap", required=role == "prefill")
     add_setting_args(ap, "insecure", "instance", "transport", "device")
     add_field_args(ap, WorkerConfig, "torch_device", "pages", "aux_slots", "seed", "page_size",
-                   "max_seq_len", "chunk_size", "l2_pages", "kv_events")
+                   "max_seq_len", "chunk_size", "l2_pages", "kv_events",
+                   "kv_events_mute")
     if role == "decode":
         add_field_args(ap, WorkerConfig, "l3_dir", "l3_max_gb", "l3_mooncake",
                        "l3_mooncake_metadata", "l3_mooncake_segment_mb", "no_l3", "kv_landing")
@@ -86,6 +87,7 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     add_field_args(ap, RouterSettings, "host", "advertise", "port")
     add_insecure_arg(ap)
     add_field_args(ap, RouterSettings, "prefill", "decode", "engine", "tokenizer", "page_size",
-                   "dispatch", "policy", "kv_events", "kv_load_weight")
+                   "dispatch", "policy", "kv_events", "kv_load_weight", "kv_stale_misses",
+                   "kv_stale_window_s", "kv_stale_tolerance_blocks", "kv_stale_deadline_s")
     add_field_args(ap, MediaPolicy, "max_image_bytes", "allow_remote")
     add_field_args(ap, RouterSettings, "expose_cache_stats", "timeout_s")

@@ -9,7 +9,8 @@ Pairing policies: ``round_robin`` (prefill and decode each in turn), ``least_out
 and ``kv_aware`` (the default with several decodes): on each leg the worker whose cached
 prefix of the prompt, weighed against its load, leaves the least to do (``kv_policy``). What
 a worker holds comes from its KV events where it publishes them (``kv_feed``, ``--kv-events``),
-else from the router's history of the prompts it sent there (``pdxfer.tiers``' hash chain).
+else from the router's history of the prompts it sent there (``pdxfer.tiers``' hash chain);
+a feed its worker's answers contradict is taken as out of sync (``kv_stale``).
 A pair that fails before the first token is left for another; a full worker (503) sends the
 choice to another pair, and the client gets 503 (never 502) when every pair is full.
 """
@@ -54,6 +55,8 @@ from .backends import (
 )
 from .kv_feed import FeedSpec, KvFeeds
 from .kv_policy import Held, choose
+from .kv_stale import LIMITS as STALE
+from .kv_stale import Served, StaleCheck, StaleLimits
 from .media import DEFAULT as MEDIA
 from .media import MediaPolicy
 from .settings import DEFAULT, RouterSettings
@@ -96,7 +99,7 @@ class Router:
                  api_keys: dict[str, str] | None = None,
                  backend: Backend | None = None, kv: KvFeeds | None = None,
                  load_weight: float = DEFAULT["kv_load_weight"],
-                 media: MediaPolicy = MEDIA) -> None:
+                 media: MediaPolicy = MEDIA, stale: StaleLimits = STALE) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
         self.auto_policy = policy == "auto"
@@ -116,6 +119,8 @@ class Router:
         self.backend: Backend = backend or ToyBackend()
         self.kv = kv
         """The workers' KV event feeds and their index (None: history only)."""
+        self.stale = StaleCheck(kv, stale) if kv is not None else None
+        """What the workers' answers say of their feeds (a stale feed is suspected)."""
         self.load_weight = load_weight
         self.media = media
         """What chat requests may carry in ``image_url`` parts (``media.py``)."""
@@ -208,6 +213,8 @@ class Router:
             pf = min(ps, key=lambda x: (x.outstanding, x.used))
             dc = min(ds, key=lambda x: (x.outstanding, x.used))
         elif self.policy == "kv_aware":
+            if self.stale is not None:
+                self.stale.sweep()
             cached = self._cached(ids, tenant)  # KV events: workers in sync
             pf, pf_held = choose(ps, self._held(ps, ids, tenant, cached), len(ids),
                                  self.load_weight)
@@ -220,12 +227,15 @@ class Router:
         dc.used += 1
         return pf, dc, pf_held, dc_held
 
+    def _salt(self, tenant: str) -> str | None:
+        salt_of = getattr(self.backend, "cache_salt", None)
+        return salt_of(tenant) if salt_of else None
+
     def _cached(self, ids: list[int], tenant: str) -> Held:
         """Workers whose KV event feed is in sync, by the prompt's leading tokens held."""
         if self.kv is None:
             return []
-        salt_of = getattr(self.backend, "cache_salt", None)
-        return self.kv.cached_groups(ids, salt_of(tenant) if salt_of else None)
+        return self.kv.cached_groups(ids, self._salt(tenant))
 
     def _held(self, ws: list[Any], ids: list[int], tenant: str, cached: Held) -> Held:
         """What each of ``ws`` holds of the prompt: from its KV events while its feed is in
@@ -317,10 +327,13 @@ class Router:
         vals["healthy_prefills"] = sum(p.healthy for p in self.prefills)
         vals["healthy_decodes"] = sum(d.healthy for d in self.decodes)
         if self.kv is not None:
+            if self.stale is not None:
+                self.stale.sweep()
             feeds = self.kv.feeds.values()
             vals["kv_feeds_synced"] = sum(f.synced for f in feeds)
             vals["kv_indexed_blocks"] = sum(len(ix) for ix in self.kv.indexes.values())
-            for k in ("batches", "gaps", "resets", "replays", "replayed", "bad_frames"):
+            for k in ("batches", "gaps", "resets", "replays", "replayed", "bad_frames",
+                      "misses", "unpublished", "stale"):
                 vals[f"kv_events_{k}"] = sum(f.counters[k] for f in feeds)
         text = metrics_text("pdxfer_router", vals)
         if self.kv is not None:  # and each worker's feed, labelled by the worker
@@ -483,6 +496,8 @@ class Router:
         tries = max(2, len(self.prefills) * len(self.decodes))
         for attempt in range(tries):
             pf, dc, pf_held, dc_held = self.pick(ids, avoid_p, avoid_d, ask.tenant)
+            evs = (self.kv is not None and self.kv.synced(pf.key),
+                   self.kv is not None and self.kv.synced(dc.key))
             c = oa.Choice(index)
             if attempt:
                 self.counters["retries"] += 1
@@ -493,6 +508,8 @@ class Router:
                     dc.remember(page_keys(ids, dc.page_size, ask.tenant))
                     pf.remember(page_keys(ids, self.decodes[0].page_size, ask.tenant))
                     self._report(c, ids, pf, dc, pf_held, dc_held)
+                    self.judge(ids, ask.tenant, c.stats, (pf.key, pf_held, evs[0]),
+                               (dc.key, dc_held, evs[1]))
                 return c
             except AttemptFailed as e:
                 err = e
@@ -524,6 +541,19 @@ class Router:
                  "(held %d, events %s)", len(ids), pf.key, pf_held,
                  self.kv is not None and self.kv.synced(pf.key), dc.key, dc_held,
                  self.kv is not None and self.kv.synced(dc.key))
+
+    def judge(self, ids: list[int], tenant: str, stats: dict[str, Any],
+              pf: tuple[str, int, bool], dc: tuple[str, int, bool]) -> None:
+        """A served choice as evidence on its workers' feeds: per leg, its worker, what the
+        router credited it with and whether that came from its events, against what the
+        worker reported it held (the prefill's reused prompt tokens, the decode's restored
+        ones; either may be absent)."""
+        if self.stale is None:
+            return
+        got = [stats.get("prefill_reused_tokens"), stats.get("restored_tokens")]
+        self.stale.served(ids, self._salt(tenant), [
+            Served(w, held, ev, int(a) if isinstance(a, (int, float)) else None)
+            for (w, held, ev), a in zip((pf, dc), got)])
 
     def _later(self, coro: Any) -> None:
         later(self._bg, coro)
@@ -624,6 +654,8 @@ def run(a: argparse.Namespace) -> int:
     router = Router(prefills, decodes, s.policy, s.timeout_s,
                     expose_cache_stats=s.expose_cache_stats, backend=make_backend(s), kv=kv,
                     load_weight=s.kv_load_weight,
+                    stale=StaleLimits(s.kv_stale_misses, s.kv_stale_window_s,
+                                      s.kv_stale_tolerance_blocks, s.kv_stale_deadline_s),
                     media=MediaPolicy(max_image_bytes=a.max_image_bytes,
                                       allow_remote=a.allow_remote_images))
     log.info("router: %d prefill, %d decode, %s", len(prefills), len(decodes), router.policy)

@@ -8,7 +8,9 @@ the missing batches; a worker whose numbers go back (it restarted) or whose gap 
 cannot fill (none, or its buffer moved on) has its entries cleared and is indexed again from
 that frame on: what the index says a worker holds is then a subset of what it holds, never
 more. While a replay is under way the worker is not ``synced`` and the router falls back to
-its own history for it.
+its own history for it. A feed whose worker contradicts it (``kv_stale``) is ``suspect``:
+cleared, not synced, its subscription opened again and a replay asked for; the next frame
+in sequence (replayed or live) syncs it again.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ MAX_REPLAY_FRAMES = 100_000
 MAX_INBOX = 50_000
 """Frames decoded and waiting for the applier; the sockets wait past this."""
 _CLEARED = KVEventBatch(0.0, [AllBlocksCleared()])
-FEED_COUNTERS = ("batches", "blocks", "gaps", "resets", "replays", "replayed", "bad_frames")
+FEED_COUNTERS = ("batches", "blocks", "gaps", "resets", "replays", "replayed", "bad_frames",
+                 "misses", "unpublished", "stale")
 """What ``/metrics`` shows per worker's feed (``kv_feed_*{worker=URL}``)."""
 
 
@@ -84,6 +87,8 @@ class KvFeeds:
             warm()
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._subs: dict[str, asyncio.Task[None]] = {}
+        self._bg: set[asyncio.Task[None]] = set()
         self._inbox: list[tuple[FeedState, int, KVEventBatch | RawBatch]] = []
         self._wake = asyncio.Event()
 
@@ -112,6 +117,11 @@ class KvFeeds:
                     out.append((n, ws))
         return out
 
+    def block_size(self) -> int | None:
+        """The block size the events use (the smallest, if workers differ; None: no events
+        yet)."""
+        return min(self.indexes) if self.indexes else None
+
     def per_worker(self) -> dict[str, dict[str, int]]:
         """Per worker: whether its feed is in sync and its counters (``blocks``: the blocks
         its events stored and removed in the index), for ``/metrics`` labelled by worker."""
@@ -123,6 +133,34 @@ class KvFeeds:
         """The worker is down or restarted: it holds nothing we know of."""
         for ix in self.indexes.values():
             ix.cleared(worker)
+
+    def suspect(self, worker: str, why: str) -> None:
+        """The worker's feed is stale (its events no longer match what it holds): what it
+        said is cleared and not trusted until the feed resynchronises."""
+        f = self.feeds[worker]
+        log.warning("kv events of %s: out of sync (%s); history decides until it resyncs",
+                    worker, why)
+        f.counters["stale"] += 1
+        self.forget(worker)
+        f.synced = False
+        if self._ctx is not None:
+            t = asyncio.ensure_future(self._resync(f))
+            self._bg.add(t)
+            t.add_done_callback(self._bg.discard)
+
+    def refill(self, f: FeedState, frames: Sequence[tuple[int, KVEventBatch | RawBatch]]
+               ) -> bool:
+        """A suspect feed's replayed frames from ``f.next_seq`` on, applied when they follow
+        on without a hole (its entries were cleared, so what they add is held); whether the
+        feed is in sync again."""
+        got = [(s, b) for s, b in frames if f.next_seq is not None and s >= f.next_seq]
+        if f.synced or not got or got[0][0] != f.next_seq or any(
+                b[0] != a[0] + 1 for a, b in zip(got, got[1:])):
+            return f.synced
+        f.counters["replayed"] += len(got)
+        for s, b in got:
+            self._take(f, s, b)
+        return True
 
     # -- applying events ----------------------------------------------------------------------
     def _index(self, bs: int) -> KvIndex:
@@ -259,13 +297,26 @@ class KvFeeds:
     def start(self) -> None:
         self._ctx = zmq.asyncio.Context.instance()
         self._wake = asyncio.Event()
-        self._tasks = [asyncio.ensure_future(self._run(f)) for f in self.feeds.values()]
-        self._tasks.append(asyncio.ensure_future(self._applier()))
+        self._subs = {w: asyncio.ensure_future(self._run(f)) for w, f in self.feeds.items()}
+        self._tasks = [asyncio.ensure_future(self._applier())]
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._subs.values(), *self._bg]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _resync(self, f: FeedState) -> None:
+        """A suspect feed: its subscription opened again (one may die silently) and its
+        replay, where it has one, asked for what followed the last frame applied."""
+        w = f.spec.worker
+        old = self._subs.get(w)
+        if old is not None:
+            old.cancel()
+            await asyncio.gather(old, return_exceptions=True)
+        self._subs[w] = asyncio.ensure_future(self._run(f))
+        if f.spec.replay and f.next_seq is not None and not f.synced:
+            self.refill(f, await self._replay(f, f.next_seq))
 
     async def _run(self, f: FeedState) -> None:
         """One worker's socket: frames bounded, decoded, and queued for the applier."""

@@ -54,6 +54,19 @@ class RouterSettings:
     kv_load_weight: float = setting_field(
         0.5, "kv_aware: how many prompts' worth of tokens one outstanding request on a worker "
         "weighs against the prefix it holds")
+    kv_stale_misses: int = setting_field(
+        3, "kv_aware: requests that contradict a worker's KV events (it held less than they "
+        "claimed, or they never showed blocks it stored) within --kv-stale-window before "
+        "its feed is taken as out of sync: history decides for it until the feed resyncs")
+    kv_stale_window_s: float = setting_field(
+        60.0, "kv_aware: the window (seconds) in which --kv-stale-misses contradictions count")
+    kv_stale_tolerance_blocks: int = setting_field(
+        1, "kv_aware: blocks a worker may hold fewer of than its events claimed without that "
+        "counting as a contradiction (one evicted between choice and arrival, or the last "
+        "block an engine computes again)")
+    kv_stale_deadline_s: float = setting_field(
+        5.0, "kv_aware: seconds after a worker served a prompt by which its KV events should "
+        "show the blocks it lacked; none by then counts as a contradiction")
     expose_cache_stats: bool = setting_field(
         False, "show clients how many prompt tokens came from the decode's cache "
         "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)")
@@ -67,7 +80,11 @@ class RouterSettings:
                    decode=tuple(a.decode), engine=a.engine, tokenizer=a.tokenizer,
                    page_size=a.page_size, dispatch=getattr(a, "dispatch", DEFAULT["dispatch"]),
                    policy=a.policy, kv_events=tuple(a.kv_events),
-                   kv_load_weight=a.kv_load_weight, expose_cache_stats=a.expose_cache_stats,
+                   kv_load_weight=a.kv_load_weight, kv_stale_misses=a.kv_stale_misses,
+                   kv_stale_window_s=a.kv_stale_window,
+                   kv_stale_tolerance_blocks=a.kv_stale_tolerance_blocks,
+                   kv_stale_deadline_s=a.kv_stale_deadline,
+                   expose_cache_stats=a.expose_cache_stats,
                    timeout_s=a.timeout)
 
 

@@ -153,9 +153,11 @@ class VllmBackend:
             out["cache_salt"] = salt
         return out
 
-    async def _prefill(self, http: Http, job: Attempt) -> dict[str, Any]:
+    async def _prefill(self, http: Http, job: Attempt) -> tuple[dict[str, Any], int | None]:
         """The prefill's leg: the prompt with ``max_tokens=1``; its answer's
-        ``kv_transfer_params`` (the sequential form hands them to the decode)."""
+        ``kv_transfer_params`` (the sequential form hands them to the decode), and the prompt
+        tokens its prefix cache held (``usage.prompt_tokens_details.cached_tokens``, with
+        ``--enable-prompt-tokens-details``; else None)."""
         pf, dc = job.pf, job.dc
         params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
                                   "pdxfer_room": job.room}
@@ -179,7 +181,7 @@ class VllmBackend:
         if kv.get("pdxfer_room") != job.room:
             raise AttemptFailed(502, f"prefill {pf.url} answered room "
                                      f"{kv.get('pdxfer_room')!r}, not {job.room}")
-        return kv
+        return kv, _cached_tokens(body)
 
     @staticmethod
     def early_params(job: Attempt) -> dict[str, Any]:
@@ -198,10 +200,12 @@ class VllmBackend:
         both legs: vLLM aborts a request whose connection closed."""
         t0 = time.perf_counter()
         took: list[float] = []
+        held: list[int] = []
 
         async def prefill() -> dict[str, Any]:
-            kv = await self._prefill(http, job)
+            kv, cached = await self._prefill(http, job)
             took.append(time.perf_counter() - t0)
+            held.extend([] if cached is None else [cached])
             return kv
 
         pf_task = asyncio.ensure_future(prefill())
@@ -219,6 +223,8 @@ class VllmBackend:
                                      else None, "ttft_s": ev.stats["first"] - t1
                                      if ev.stats.get("first") is not None else None})
                     ev.stats.pop("first", None)
+                    if held:
+                        ev.stats["prefill_reused_tokens"] = held[0]
                 yield ev
         finally:
             if not pf_task.done():  # the client left or the decode failed: end the prefill
@@ -313,6 +319,14 @@ async def _until_failed(events: AsyncIterator[Tokens | Done], pf_task: asyncio.F
 
 def _failed(t: asyncio.Future[Any]) -> bool:
     return not t.cancelled() and t.exception() is not None
+
+
+def _cached_tokens(body: Any) -> int | None:
+    """An answer's ``usage.prompt_tokens_details.cached_tokens`` (None: not there)."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
 def _path(job: Attempt) -> str:

@@ -57,6 +57,10 @@ class WorkerConfig:
     kv_events: str = setting_field(
         "", "publish the L2 prefix cache's KV events (vLLM's schema, ZMQ PUB) here, e.g. "
         "tcp://127.0.0.1:5557; a second endpoint serves replays", metavar="ENDPOINT[,REPLAY]")
+    kv_events_mute: str = setting_field(
+        "", "fault injection (tests): after AFTER batches the KV event publisher drops the "
+        "next COUNT, sending and numbering none, as a hung publisher would",
+        metavar="AFTER:COUNT")
     l3_dir: str = setting_field(
         "", "L3 (storage) folder: prefixes survive a decode restart (default: "
         "$XDG_CACHE_HOME/pdxfer/l3)")
@@ -239,4 +243,5 @@ def config_from_args(a: argparse.Namespace, role: str) -> WorkerConfig:
         transfer_timeout_s=a.transfer_timeout, heartbeat_s=a.heartbeat, threads=a.threads,
         max_waiting=a.max_waiting, admission_timeout_s=a.admission_timeout,
         min_step_s=a.min_step_s if dec else 0.0,
-        kv_ballast_bytes_per_token=a.kv_ballast_bytes_per_token, kv_events=a.kv_events)
+        kv_ballast_bytes_per_token=a.kv_ballast_bytes_per_token, kv_events=a.kv_events,
+        kv_events_mute=a.kv_events_mute)

@@ -62,7 +62,7 @@ def make_cache(cfg: WorkerConfig, host: ModelHost) -> TieredCache | None:
              {"file": cfg.l3_dir, "mooncake": cfg.l3_mooncake}.get(cfg.l3, "off"))
     if cfg.kv_events and host.tp_rank == 0:
         ep, _, replay = cfg.kv_events.partition(",")
-        cache.observer = KvEventsObserver(ep, replay or None)
+        cache.observer = KvEventsObserver(ep, replay or None, mute=cfg.kv_events_mute)
         log.info("%s KV events on %s", cfg.role, cfg.kv_events)
     return cache
 
