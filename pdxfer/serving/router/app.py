@@ -52,7 +52,7 @@ from .backends import (
     registered,
 )
 from .kv_feed import FeedSpec, KvFeeds
-from .kv_policy import Held, choose
+from .kv_policy import Held, choose, pending_tokens, per_request
 from .media import DEFAULT as MEDIA
 from .media import MediaPolicy
 from .settings import DEFAULT, RouterSettings
@@ -209,9 +209,9 @@ class Router:
         elif self.policy == "kv_aware":
             cached = self._cached(ids, tenant)  # KV events: workers in sync
             pf, pf_held = choose(ps, self._held(ps, ids, tenant, cached), len(ids),
-                                 self.load_weight)
+                                 pending_tokens)
             dc, dc_held = choose(ds, self._held(ds, ids, tenant, cached), len(ids),
-                                 self.load_weight)
+                                 per_request(self.load_weight, len(ids)))
         else:
             pf = ps[next(self._rr_p) % len(ps)]
             dc = ds[next(self._rr_d) % len(ds)]
@@ -482,7 +482,8 @@ class Router:
                 self.counters["retries"] += 1
                 log.info("retrying on %s + %s after: %s", pf.url, dc.url, err)
             try:
-                await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta)
+                await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta,
+                                    len(ids) - pf_held)
                 if self.policy == "kv_aware":
                     dc.remember(page_keys(ids, dc.page_size, ask.tenant))
                     pf.remember(page_keys(ids, self.decodes[0].page_size, ask.tenant))
@@ -523,10 +524,13 @@ class Router:
         later(self._bg, coro)
 
     async def _attempt(self, ask: oa.Ask, ids: list[int], seed: int, pf: Prefill, dc: Decode,
-                       c: oa.Choice, t0: float, on_delta: Any) -> None:
+                       c: oa.Choice, t0: float, on_delta: Any, pf_work: int = 0) -> None:
+        """One try on a pair; ``pf_work``: the prompt tokens the prefill has to compute
+        (its ``pending`` until the first token: the prefill is done by then)."""
         room = secrets.randbits(63)
         pf.outstanding += 1
         dc.outstanding += 1
+        pf.pending += pf_work
         finished, rendered = False, False
         detok, stops = ask.tok.detokenizer(), oa.StopText(ask.stop)
         events = self.backend.stream(self.http, Attempt(ask, ids, seed, pf, dc, room))
@@ -541,6 +545,9 @@ class Router:
                             c.stats["decode_dp"] = dc.dp
                         finished = True
                         break
+                    if pf_work and ev.token_ids:
+                        pf.pending -= pf_work
+                        pf_work = 0
                     c.token_ids += ev.token_ids
                     c.logprobs += ev.logprobs
                     rendered |= ev.text is not None
@@ -569,6 +576,7 @@ class Router:
         finally:
             pf.outstanding -= 1
             dc.outstanding -= 1
+            pf.pending -= pf_work
             if stops.stopped:
                 self._later(self.backend.abort(self.http, pf.url, room, "stop string reached"))
 

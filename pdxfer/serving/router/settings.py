@@ -51,8 +51,9 @@ class RouterSettings:
         "are judged by the router's own history (repeat for more)",
         metavar="WORKER_URL=ENDPOINT[,REPLAY]")
     kv_load_weight: float = setting_field(
-        0.5, "kv_aware: how many prompts' worth of tokens one outstanding request on a worker "
-        "weighs against the prefix it holds")
+        0.5, "kv_aware: how many prompts' worth of tokens one outstanding request on a decode "
+        "weighs against the prefix it holds (a prefill's load is the prompt tokens it still "
+        "has to compute)")
     expose_cache_stats: bool = setting_field(
         False, "show clients how many prompt tokens came from the decode's cache "
         "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)")
