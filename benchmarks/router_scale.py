@@ -94,7 +94,7 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
     pool = [Prefill(n, "127.0.0.1:1") for n in names]
     for p in pool:
         p.outstanding = int(rng.integers(0, 4))
-        p.pending = p.outstanding * CONV_BLOCKS * BS  # prompt tokens still to compute
+        p.pending = p.outstanding * CONV_BLOCKS * BS // 2  # prompt tokens still to compute
     lat, cpu = [], []
     hits = 0
     follow = 0
