@@ -22,7 +22,8 @@ PER_VARIANT = ("requests", "errors", "possible_tokens", "reused_tokens", "ttft_p
                "load_before", "load_after")
 PHASES = ("before_kill", "while_down", "after_return")
 FULL_ONLY = ("router.restart.round_robin.", "router.restart.ttft_p50_ratio_",
-             "router.kv_aware_baseline.", "router.ttft_p50_ratio_kv_aware_baseline_")
+             "router.kv_aware_baseline.", "router.ttft_p50_ratio_kv_aware_baseline_",
+             "router.commit")  # the last: scripts/bench_router_served.py's, now run.commit
 
 
 def test_bench_router_served_quick_reports_every_figure_token_exact(tmp_path: Path) -> None:
