@@ -297,8 +297,8 @@ def phase(fleet: Fleet, variant: str, plan: Plan, restart: bool) -> dict[str, An
             victim = fleet.servers[1]
             port = victim.port
             info["killed_at"] = time.monotonic()
+            caches.clear(victim.url)  # first: a request sent from now on finds it empty
             victim.kill()
-            caches.clear(victim.url)
             while time.monotonic() - info["killed_at"] < 30:  # its port is free again
                 with socket.socket() as sk:
                     if sk.connect_ex(("127.0.0.1", port)):
