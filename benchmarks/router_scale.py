@@ -21,8 +21,7 @@ from pdxfer.serving.kv_events import BlockRemoved, BlockStored, encode_batch, pa
 from pdxfer.serving.procs import Proc
 from pdxfer.serving.router.backends import Prefill
 from pdxfer.serving.router.kv_feed import FeedSpec, FeedState, KvFeeds
-from pdxfer.serving.router.kv_policy import choose
-from pdxfer.serving.router.settings import DEFAULT
+from pdxfer.serving.router.kv_policy import choose, pending_tokens
 
 BS = 16
 SYS_BLOCKS = 8
@@ -95,6 +94,7 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
     pool = [Prefill(n, "127.0.0.1:1") for n in names]
     for p in pool:
         p.outstanding = int(rng.integers(0, 4))
+        p.pending = p.outstanding * CONV_BLOCKS * BS // 2  # prompt tokens still to compute
     lat, cpu = [], []
     hits = 0
     follow = 0
@@ -106,7 +106,7 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
         else:
             owner, ids = "", sys_tokens + rng.integers(0, VOCAB, CONV_BLOCKS * BS).tolist()
         t0, c0 = time.perf_counter(), time.thread_time()
-        _, held = choose(pool, feeds.cached_groups(ids), len(ids), DEFAULT["kv_load_weight"])
+        _, held = choose(pool, feeds.cached_groups(ids), len(ids), pending_tokens)
         lat.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
         hits += owner != "" and held > SYS_BLOCKS * BS

@@ -35,7 +35,6 @@ BS = 32
 VARIANTS = ("kv_aware", "round_robin")
 
 
-
 @dataclass(frozen=True)
 class Plan:
     convs: int
@@ -46,15 +45,27 @@ class Plan:
     answer: int
     concurrency: int
     rounds: int
-    kill_after: float
-    after_return_s: float
     compare: int
+    before_convs: int
+    """Restart phase: conversations that may start before prefill 1 is back (those not
+    started by the kill run while it is down)."""
+    kill_at: int
+    """Restart phase: prefill 1 is killed once this many requests have finished."""
+    after_convs: int
+    """Restart phase: conversations that start only once it is back."""
+    restart_variants: tuple[str, ...] = VARIANTS
+
+    def __post_init__(self) -> None:
+        if not 0 < self.kill_at < self.before_convs * self.turns:
+            raise ValueError("the kill must come while the first conversations run")
 
 
 FULL = Plan(convs=6, turns=4, system=1024, doc=2560, question=64, answer=8, concurrency=3,
-            rounds=2, kill_after=0.3, after_return_s=20.0, compare=12)
+            rounds=2, compare=12, before_convs=6, kill_at=8, after_convs=9)
 QUICK = Plan(convs=4, turns=3, system=256, doc=512, question=32, answer=4, concurrency=2,
-             rounds=1, kill_after=0.3, after_return_s=8.0, compare=4)
+             rounds=1, compare=4, before_convs=2, kill_at=2, after_convs=4,
+             restart_variants=("kv_aware",))
+PHASES = ("before_kill", "while_down", "after_return")
 
 
 def ids(seed: int, n: int) -> list[int]:
@@ -75,6 +86,7 @@ class Req:
     possible: int = 0
     reused: int = 0
     error: str = ""
+    phase: str = ""
 
 
 class Caches:
@@ -177,13 +189,13 @@ class Fleet:
                 if time.monotonic() > end:
                     raise RuntimeError(f"{s.name} refused to reset its prefix cache")
                 time.sleep(0.5)
-        for p in self.prefills:  # vLLM publishes the AllBlocksCleared at its next step
-            OpenAI(base_url=f"{p.url}/v1", api_key="none", timeout=120,
+        for s in self.servers:  # vLLM publishes the AllBlocksCleared at its next step
+            OpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=120,
                    max_retries=0).completions.create(model="llama", prompt=[300], max_tokens=1)
         end = time.monotonic() + 10
         while any(metrics(r.url).get("kv_indexed_blocks", 0) > 0
                   for v, r in self.routers.items() if v.startswith("kv_aware")):
-            if time.monotonic() > end:  # the decode's entries: it steps with the next request
+            if time.monotonic() > end:  # a one-token prompt holds no full block: none left
                 break
             time.sleep(0.2)
         return refused
@@ -211,7 +223,9 @@ def stream(client: OpenAI, prompt: list[int], answer: int) -> tuple[float, list[
     for ch in client.completions.create(model="llama", prompt=prompt, max_tokens=answer,
                                         temperature=0, stream=True,
                                         extra_body={"ignore_eos": True}):
-        if not ttft and ch.choices and ch.choices[0].text:
+        # the first chunk: the router sends one per token that renders as text, else the
+        # last (a first token that renders as nothing is not counted as no wait at all)
+        if not ttft and ch.choices:
             ttft = time.perf_counter() - t0
         ext = (ch.model_extra or {}).get("pdxfer") or ext
     return ttft, list(ext.get("token_ids") or []), ext
@@ -228,8 +242,10 @@ def conversation(c: int, plan: Plan, system: list[int]) -> tuple[list[int], Call
 
 
 def phase(fleet: Fleet, variant: str, plan: Plan, restart: bool) -> dict[str, Any]:
-    """One variant alone; the restart flavour runs conversations until the killed prefill
-    has been back for ``after_return_s``."""
+    """One variant alone on a fixed list of conversations. The restart flavour kills
+    prefill 1 once ``kill_at`` requests have finished and starts it again; conversations
+    from ``before_convs`` on start only once it is back, so every variant gets the same
+    requests and the same kill/return schedule whatever the restart takes."""
     refused = fleet.reset_caches()
     url = fleet.routers[variant].url
     caches = Caches([p.url for p in fleet.prefills])
@@ -237,9 +253,9 @@ def phase(fleet: Fleet, variant: str, plan: Plan, restart: bool) -> dict[str, An
     reqs: list[Req] = []
     lock = threading.Lock()
     nxt_conv = iter(range(10_000))
-    done = threading.Event()
+    back = threading.Event()
     finished = [0]
-    total = plan.convs * plan.turns
+    n_convs = plan.before_convs + plan.after_convs if restart else plan.convs
     info: dict[str, Any] = {}
 
     def worker() -> None:
@@ -247,8 +263,10 @@ def phase(fleet: Fleet, variant: str, plan: Plan, restart: bool) -> dict[str, An
         while True:
             with lock:
                 c = next(nxt_conv)
-            if (not restart and c >= plan.convs) or (restart and done.is_set()):
+            if c >= n_convs:
                 return
+            if restart and c >= plan.before_convs:
+                back.wait()
             prompt, follow = conversation(c, plan, system)
             for t in range(plan.turns):
                 r = Req(c, t, prompt)
@@ -273,26 +291,27 @@ def phase(fleet: Fleet, variant: str, plan: Plan, restart: bool) -> dict[str, An
                 prompt = follow(prompt, r.out, t + 1)
 
     def restarter() -> None:
-        while finished[0] < plan.kill_after * total:
-            time.sleep(0.05)
-        victim = fleet.servers[1]
-        port = victim.port
-        info["killed_at"] = time.monotonic()
-        victim.kill()
-        caches.clear(victim.url)
-        while time.monotonic() - info["killed_at"] < 30:  # its port is free again
-            with socket.socket() as sk:
-                if sk.connect_ex(("127.0.0.1", port)):
-                    break
-            time.sleep(0.1)
-        again = fleet.make(1, port=port)
-        fleet.servers[1] = again
-        again.wait_ready(600)
-        info["returned_at"] = time.monotonic()
-        end = info["returned_at"] + plan.after_return_s
-        while time.monotonic() < end:
-            time.sleep(0.1)
-        done.set()
+        try:
+            while finished[0] < plan.kill_at:
+                time.sleep(0.02)
+            victim = fleet.servers[1]
+            port = victim.port
+            info["killed_at"] = time.monotonic()
+            caches.clear(victim.url)  # first: a request sent from now on finds it empty
+            victim.kill()
+            while time.monotonic() - info["killed_at"] < 30:  # its port is free again
+                with socket.socket() as sk:
+                    if sk.connect_ex(("127.0.0.1", port)):
+                        break
+                time.sleep(0.1)
+            again = fleet.make(1, port=port)
+            fleet.servers[1] = again
+            again.wait_ready(600)
+            info["returned_at"] = time.monotonic()
+        except BaseException as e:  # noqa: BLE001 - raised once the workers are done
+            info["restart_error"] = e
+        finally:
+            back.set()
 
     load0 = os.getloadavg()
     t0 = time.monotonic()
@@ -303,17 +322,23 @@ def phase(fleet: Fleet, variant: str, plan: Plan, restart: bool) -> dict[str, An
         th.start()
     for th in threads:
         th.join()
+    if "restart_error" in info:
+        raise info["restart_error"]
     rec: dict[str, Any] = {"variant": variant, "restart": restart, "reqs": reqs,
                            "seconds": time.monotonic() - t0, "load_before": load0,
                            "load_after": os.getloadavg(), "metrics": metrics(url),
                            "prefill0": fleet.prefills[0].url, "reset_refused": refused, **info}
-    if restart and "returned_at" in info:
+    if restart:
         p1 = fleet.servers[1].url
-        back = [r for r in sorted(reqs, key=lambda r: r.t_send)
-                if r.t_send >= info["returned_at"] and r.prefill == p1 and r.reported > 0]
-        rec["recovery_s"] = back[0].t_send - info["returned_at"] if back else None
+        for r in reqs:
+            r.phase = ("before_kill" if r.t_send < info["killed_at"] else
+                       "while_down" if r.t_send < info["returned_at"] else "after_return")
+        back_reqs = [r for r in sorted(reqs, key=lambda r: r.t_send)
+                     if r.phase == "after_return" and r.prefill == p1 and r.reported > 0]
+        rec["recovery_s"] = back_reqs[0].t_send - info["returned_at"] if back_reqs else None
         rec["to_restarted_after_return"] = sum(
-            1 for r in reqs if r.t_send >= info["returned_at"] and r.prefill == p1)
+            1 for r in reqs if r.phase == "after_return" and r.prefill == p1)
+        rec["down_s"] = info["returned_at"] - info["killed_at"]
     return rec
 
 
@@ -323,45 +348,75 @@ def p50(xs: list[float]) -> float:
 
 def summarize(phases: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    ttft: dict[str, float] = {}
+    ttft: dict[tuple[str, str], float] = {}
     for v in dict.fromkeys(p["variant"] for p in phases):
         ps = [p for p in phases if p["variant"] == v]
         reqs = [r for p in ps for r in p["reqs"]]
-        ok = [r for r in reqs if not r.error]
-        possible = sum(r.possible for r in ok)
         k = f"{prefix}.{v}"
-        out[f"{k}.requests"] = len(reqs)
-        out[f"{k}.errors"] = len(reqs) - len(ok)
-        out[f"{k}.prompt_tokens"] = sum(len(r.prompt) for r in ok)
-        out[f"{k}.possible_tokens"] = possible
-        out[f"{k}.reused_tokens"] = sum(r.reused for r in ok)
-        out[f"{k}.to_prefill0_share"] = round(
-            sum(r.prefill == ps[0]["prefill0"] for r in ok) / len(ok), 3) if ok else 0.0
-        out[f"{k}.prefill_reused_fraction_of_possible"] = (
-            round(sum(r.reused for r in ok) / possible, 4) if possible else 0.0)
-        out[f"{k}.router_reported_fraction"] = (
-            round(sum(r.reported for r in ok) / possible, 4) if possible else 0.0)
-        ttft[v] = p50([r.ttft for r in ok])
-        out[f"{k}.ttft_p50_ms"] = round(ttft[v] * 1e3, 2)
-        out[f"{k}.ttft_p90_ms"] = round(
-            statistics.quantiles([r.ttft for r in ok], n=10)[-1] * 1e3, 2) if len(ok) > 1 else 0.0
-        follow = [r.ttft for r in ok if r.turn > 0]
-        out[f"{k}.ttft_followup_p50_ms"] = round(p50(follow) * 1e3, 2)
+        out.update(figures(k, reqs, ps[0]["prefill0"]))
+        ttft[v, ""] = p50([r.ttft for r in reqs if not r.error])
+        if ps[0]["restart"]:
+            for ph in PHASES:
+                part = [r for r in reqs if r.phase == ph]
+                ok = [r for r in part if not r.error]
+                ttft[v, ph] = p50([r.ttft for r in ok])
+                out[f"{k}.requests.{ph}"] = len(part)
+                out[f"{k}.ttft_p50_ms.{ph}"] = round(ttft[v, ph] * 1e3, 2)
+                out[f"{k}.to_prefill0_share.{ph}"] = share(ok, ps[0]["prefill0"])
+                out[f"{k}.prefill_reused_fraction_of_possible.{ph}"] = reuse(ok)
+            rec = ps[-1]
+            out[f"{k}.down_s"] = round(rec["down_s"], 2)
+            out[f"{k}.recovery_s"] = (round(rec["recovery_s"], 3)
+                                      if rec.get("recovery_s") is not None else -1.0)
+            out[f"{k}.to_restarted_after_return"] = rec["to_restarted_after_return"]
         out[f"{k}.seconds"] = round(sum(p["seconds"] for p in ps), 2)
-        out[f"{k}.load_before"] = round(ps[0]["load_before"][0], 2) if ps else 0.0
-        out[f"{k}.load_after"] = round(ps[-1]["load_after"][0], 2) if ps else 0.0
-        if v.startswith("kv_aware") and ps:
+        out[f"{k}.load_before"] = round(ps[0]["load_before"][0], 2)
+        out[f"{k}.load_after"] = round(ps[-1]["load_after"][0], 2)
+        if v.startswith("kv_aware"):
             m = ps[-1]["metrics"]
             out[f"{k}.kv_events_gaps"] = m.get("kv_events_gaps", 0)
             out[f"{k}.kv_events_bad_frames"] = m.get("kv_events_bad_frames", 0)
     out[f"{prefix}.prefill_reused_fraction_of_possible"] = \
         out[f"{prefix}.kv_aware.prefill_reused_fraction_of_possible"]
-    out[f"{prefix}.ttft_p50_ratio_kv_aware_vs_round_robin"] = (
-        round(ttft["kv_aware"] / ttft["round_robin"], 4) if ttft["round_robin"] else 0.0)
-    if "kv_aware_baseline" in ttft:
-        out[f"{prefix}.ttft_p50_ratio_kv_aware_baseline_vs_round_robin"] = round(
-            ttft["kv_aware_baseline"] / ttft["round_robin"], 4) if ttft["round_robin"] else 0.0
+    for ph in ("", *PHASES):
+        rr = ttft.get(("round_robin", ph))
+        tail = f".{ph}" if ph else ""
+        for v in ("kv_aware", "kv_aware_baseline"):
+            if rr and (v, ph) in ttft:
+                out[f"{prefix}.ttft_p50_ratio_{v}_vs_round_robin{tail}"] = round(
+                    ttft[v, ph] / rr, 4)
     return out
+
+
+def share(reqs: list[Req], prefill0: str) -> float:
+    return round(sum(r.prefill == prefill0 for r in reqs) / len(reqs), 3) if reqs else 0.0
+
+
+def reuse(reqs: list[Req]) -> float:
+    possible = sum(r.possible for r in reqs)
+    return round(sum(r.reused for r in reqs) / possible, 4) if possible else 0.0
+
+
+def figures(k: str, reqs: list[Req], prefill0: str) -> dict[str, Any]:
+    """One variant's figures over ``reqs`` (its phases' requests)."""
+    ok = [r for r in reqs if not r.error]
+    possible = sum(r.possible for r in ok)
+    t = [r.ttft for r in ok]
+    return {
+        f"{k}.requests": len(reqs),
+        f"{k}.errors": len(reqs) - len(ok),
+        f"{k}.prompt_tokens": sum(len(r.prompt) for r in ok),
+        f"{k}.possible_tokens": possible,
+        f"{k}.reused_tokens": sum(r.reused for r in ok),
+        f"{k}.to_prefill0_share": share(ok, prefill0),
+        f"{k}.prefill_reused_fraction_of_possible": reuse(ok),
+        f"{k}.router_reported_fraction": (
+            round(sum(r.reported for r in ok) / possible, 4) if possible else 0.0),
+        f"{k}.ttft_p50_ms": round(p50(t) * 1e3, 2),
+        f"{k}.ttft_p90_ms": round(statistics.quantiles(t, n=10)[-1] * 1e3, 2)
+        if len(t) > 1 else 0.0,
+        f"{k}.ttft_followup_p50_ms": round(p50([r.ttft for r in ok if r.turn > 0]) * 1e3, 2),
+    }
 
 
 def compare(fleet: Fleet, phases: list[dict[str, Any]], n: int, answer: int) -> dict[str, Any]:
@@ -389,7 +444,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                            "router.concurrency": plan.concurrency,
                            "router.system_tokens": plan.system, "router.doc_tokens": plan.doc,
                            "router.question_tokens": plan.question,
-                           "router.answer_tokens": plan.answer, "router.rounds": plan.rounds}
+                           "router.answer_tokens": plan.answer, "router.rounds": plan.rounds,
+                           "router.restart.before_convs": plan.before_convs,
+                           "router.restart.kill_at_requests": plan.kill_at,
+                           "router.restart.after_convs": plan.after_convs,
+                           "router.restart.variants": ",".join(plan.restart_variants)}
     keep = tempfile.mkdtemp(prefix="bench_router_served_", dir=a.workdir) if a.workdir else None
     with (contextlib.nullcontext(keep) if keep
           else tempfile.TemporaryDirectory(prefix="bench_router_served_")) as tmp:
@@ -410,20 +469,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 for v in (variants if rnd % 2 == 0 else variants[::-1]):
                     steady.append(phase(fleet, v, plan, restart=False))
             res.update(summarize(steady, "router"))
-            restarts = [phase(fleet, v, plan, restart=True) for v in VARIANTS]
+            restarts = [phase(fleet, v, plan, restart=True) for v in plan.restart_variants]
             res.update(summarize(restarts, "router.restart"))
-            kv = restarts[0]
-            res["router.restart.recovery_s"] = (round(kv["recovery_s"], 3)
-                                                if kv.get("recovery_s") is not None else -1.0)
-            res["router.restart.down_s"] = round(kv["returned_at"] - kv["killed_at"], 2)
-            res["router.restart.to_restarted_after_return"] = kv["to_restarted_after_return"]
+            for k in ("recovery_s", "down_s", "to_restarted_after_return"):
+                res[f"router.restart.{k}"] = res[f"router.restart.kv_aware.{k}"]
             res.update(compare(fleet, steady + restarts, plan.compare, plan.answer))
             if keep:
                 with open(Path(keep) / "requests.jsonl", "w") as f:
                     for p in steady + restarts:
                         for r in p["reqs"]:
                             f.write(json.dumps({"variant": p["variant"],
-                                                "restart": p["restart"], **{
+                                                "restart": p["restart"],
+                                                "killed_at": p.get("killed_at"),
+                                                "returned_at": p.get("returned_at"), **{
                                 k: v for k, v in vars(r).items() if k not in ("prompt", "out")},
                                 "len": len(r.prompt)}) + "\n")
         finally:

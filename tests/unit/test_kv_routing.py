@@ -1,17 +1,21 @@
 """KV-aware pairing from KV events: each leg goes to the worker holding the longest prefix,
-weighed against load; a worker whose feed is out of sync is judged by the router's history,
-and one whose entries were dropped counts as holding nothing (least loaded wins). Both legs
-alike: a gapped or dropped stream never does worse than round robin."""
+weighed against load (a prefill's: the prompt tokens it still has to compute); a worker
+whose feed is out of sync is judged by the router's history, and one whose entries were
+dropped counts as holding nothing (least loaded wins). Both legs alike: a gapped or dropped
+stream never does worse than round robin."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from pdxfer.serving.kv_events import BlockStored, KVEventBatch
+from pdxfer.serving.router import openai_api as oa
 from pdxfer.serving.router.app import Router
-from pdxfer.serving.router.backends import Decode, Prefill
+from pdxfer.serving.router.backends import Attempt, Decode, Done, Prefill, Tokens, ToyBackend
 from pdxfer.serving.router.kv_feed import FeedSpec, KvFeeds
 from pdxfer.tiers import page_keys
 
@@ -49,8 +53,73 @@ def test_each_leg_goes_to_the_worker_whose_events_show_the_longest_prefix() -> N
 def test_a_holder_loaded_enough_loses_to_an_idle_worker() -> None:
     r, kv = _router()
     _holds(kv, P1, 1)
-    r.prefills[1].outstanding = 3
+    r.prefills[1].outstanding, r.prefills[1].pending = 3, 300
     assert r.pick(PROMPT, set(), set())[0].url == P0
+
+
+def test_a_holder_whose_requests_are_past_their_prefill_keeps_the_follow_up() -> None:
+    """Requests a prefill has finished computing (decoding now) cost it nothing: counting
+    them as load sent a conversation's next turn to a prefill that had to compute the
+    whole history again (the served benchmark saw it after a prefill came back)."""
+    r, kv = _router()
+    _holds(kv, P1, 5)
+    r.prefills[1].outstanding = 2  # both decoding: nothing pending
+    pf, _, pf_held, _ = r.pick(PROMPT, set(), set())
+    assert (pf.url, pf_held) == (P1, 80)
+
+
+def test_a_holder_whose_queued_cached_turns_are_short_keeps_the_follow_up() -> None:
+    """Two follow-ups queued on the holder that each compute a few tokens weigh those few
+    tokens, not two whole prompts."""
+    r, kv = _router()
+    _holds(kv, P1, 5)
+    r.prefills[1].outstanding, r.prefills[1].pending = 2, 2 * 20
+    assert r.pick(PROMPT, set(), set())[0].url == P1
+
+
+def test_a_holder_with_more_prefill_queued_than_it_saves_loses() -> None:
+    r, kv = _router()
+    _holds(kv, P1, 5)
+    r.prefills[1].outstanding, r.prefills[1].pending = 1, 100
+    assert r.pick(PROMPT, set(), set())[0].url == P0
+
+
+class _Stream(ToyBackend):
+    """A backend whose attempt yields one token when told to, then finishes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+        self.first = asyncio.Event()
+
+    async def stream(self, http: Any, job: Attempt) -> AsyncIterator[Tokens | Done]:
+        await self.go.wait()
+        yield Tokens([65])
+        self.first.set()
+        await self.go.wait()
+        yield Done("length")
+
+
+def test_a_prefill_counts_what_it_computes_from_choice_to_first_token() -> None:
+    r, kv = _router()
+    _holds(kv, P1, 5)
+    be = r.backend = _Stream()
+    r._http = object()  # type: ignore[assignment]  # the stub backend makes no calls
+    ask = oa.Ask(chat=False, prompts=[PROMPT], prompt_texts=[""], max_tokens=2)
+
+    async def main() -> list[int]:
+        seen = []
+        c = asyncio.ensure_future(r._choice(ask, PROMPT, 0, 0, 0.0, None))
+        await asyncio.sleep(0)
+        seen.append(r.prefills[1].pending)  # chosen (holds 80 of 100): 20 to compute
+        be.go.set()
+        await be.first.wait()
+        seen.append(r.prefills[1].pending)  # first token out: the prefill is done
+        await c
+        seen += [r.prefills[1].pending, r.prefills[1].outstanding]
+        return seen
+
+    assert asyncio.run(main()) == [20, 0, 0, 0]
 
 
 LEGS = {"prefill": (P0, P1, 0), "decode": (D0, D1, 1)}

@@ -54,7 +54,7 @@ from .backends import (
     registered,
 )
 from .kv_feed import FeedSpec, KvFeeds
-from .kv_policy import Held, choose
+from .kv_policy import Held, choose, pending_tokens, per_request
 from .kv_stale import LIMITS as STALE
 from .kv_stale import Served, StaleCheck, StaleLimits
 from .media import DEFAULT as MEDIA
@@ -217,9 +217,9 @@ class Router:
                 self.stale.sweep()
             cached = self._cached(ids, tenant)  # KV events: workers in sync
             pf, pf_held = choose(ps, self._held(ps, ids, tenant, cached), len(ids),
-                                 self.load_weight)
+                                 pending_tokens)
             dc, dc_held = choose(ds, self._held(ds, ids, tenant, cached), len(ids),
-                                 self.load_weight)
+                                 per_request(self.load_weight, len(ids)))
         else:
             pf = ps[next(self._rr_p) % len(ps)]
             dc = ds[next(self._rr_d) % len(ds)]
@@ -503,7 +503,8 @@ class Router:
                 self.counters["retries"] += 1
                 log.info("retrying on %s + %s after: %s", pf.url, dc.url, err)
             try:
-                await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta)
+                await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta,
+                                    len(ids) - pf_held)
                 if self.policy == "kv_aware":
                     dc.remember(page_keys(ids, dc.page_size, ask.tenant))
                     pf.remember(page_keys(ids, self.decodes[0].page_size, ask.tenant))
@@ -559,10 +560,13 @@ class Router:
         later(self._bg, coro)
 
     async def _attempt(self, ask: oa.Ask, ids: list[int], seed: int, pf: Prefill, dc: Decode,
-                       c: oa.Choice, t0: float, on_delta: Any) -> None:
+                       c: oa.Choice, t0: float, on_delta: Any, pf_work: int = 0) -> None:
+        """One try on a pair; ``pf_work``: the prompt tokens the prefill has to compute
+        (its ``pending`` until the first token: the prefill is done by then)."""
         room = secrets.randbits(63)
         pf.outstanding += 1
         dc.outstanding += 1
+        pf.pending += pf_work
         finished, rendered = False, False
         detok, stops = ask.tok.detokenizer(), oa.StopText(ask.stop)
         events = self.backend.stream(self.http, Attempt(ask, ids, seed, pf, dc, room))
@@ -577,6 +581,9 @@ class Router:
                             c.stats["decode_dp"] = dc.dp
                         finished = True
                         break
+                    if pf_work and ev.token_ids:
+                        pf.pending -= pf_work
+                        pf_work = 0
                     c.token_ids += ev.token_ids
                     c.logprobs += ev.logprobs
                     rendered |= ev.text is not None
@@ -605,6 +612,7 @@ class Router:
         finally:
             pf.outstanding -= 1
             dc.outstanding -= 1
+            pf.pending -= pf_work
             if stops.stopped:
                 self._later(self.backend.abort(self.http, pf.url, room, "stop string reached"))
 

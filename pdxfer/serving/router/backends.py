@@ -63,6 +63,10 @@ class Prefill:
     bootstrap: str
     instance: str = endpoint_settings()["instance"].default  # a worker's, unless it names one
     outstanding: int = 0
+    pending: int = 0
+    """Prompt tokens the requests sent here still have to compute (each from its choice
+    until its first token): the prefill's load under ``kv_aware``. ``outstanding`` also
+    counts the requests past their prefill, decoding."""
     healthy: bool = True
     used: int = 0
     keys: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)

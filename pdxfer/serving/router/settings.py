@@ -52,8 +52,9 @@ class RouterSettings:
         "are judged by the router's own history (repeat for more)",
         metavar="WORKER_URL=ENDPOINT[,REPLAY]")
     kv_load_weight: float = setting_field(
-        0.5, "kv_aware: how many prompts' worth of tokens one outstanding request on a worker "
-        "weighs against the prefix it holds")
+        0.5, "kv_aware: how many prompts' worth of tokens one outstanding request on a decode "
+        "weighs against the prefix it holds (a prefill's load is the prompt tokens it still "
+        "has to compute)")
     kv_stale_misses: int = setting_field(
         3, "kv_aware: requests that contradict a worker's KV events (it held less than they "
         "claimed, or they never showed blocks it stored) within --kv-stale-window before "
