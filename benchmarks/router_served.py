@@ -374,8 +374,9 @@ def summarize(phases: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
         out[f"{k}.load_after"] = round(ps[-1]["load_after"][0], 2)
         if v.startswith("kv_aware"):
             m = ps[-1]["metrics"]
-            out[f"{k}.kv_events_gaps"] = m.get("kv_events_gaps", 0)
-            out[f"{k}.kv_events_bad_frames"] = m.get("kv_events_bad_frames", 0)
+            for c in ("gaps", "bad_frames", "resets", "replays", "misses", "unpublished",
+                      "stale"):  # stale: feeds the router stopped trusting (kv_stale.py)
+                out[f"{k}.kv_events_{c}"] = m.get(f"kv_events_{c}", 0)
     out[f"{prefix}.prefill_reused_fraction_of_possible"] = \
         out[f"{prefix}.kv_aware.prefill_reused_fraction_of_possible"]
     for ph in ("", *PHASES):

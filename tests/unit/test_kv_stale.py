@@ -1,8 +1,9 @@
 """A KV event feed that goes quiet without a gap is caught by what its worker does: a worker
-holding less than its events claimed, or whose events never show the blocks of a prompt it
-served, scores misses; enough of them in a window and the feed is suspected (cleared, history
-decides, a replay asked for) until it resyncs. Both legs alike: a stale stream never draws
-requests somewhere worse than round robin."""
+holding less than its events claimed, or whose feed applies no batch after it served a prompt
+it had to store blocks for, scores misses; enough of them in a window and the feed is
+suspected (history decides, a replay asked for; wrong entries cleared) until it resyncs. Both
+legs alike: a stale stream never draws requests somewhere worse than round robin, and a
+worker whose events flow is never suspected for what its engine evicted."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pdxfer.serving.kv_events import BlockStored, EventPublisher, KVEventBatch
+from pdxfer.serving.kv_events import BlockRemoved, BlockStored, EventPublisher, KVEventBatch
 from pdxfer.serving.router.app import Router
 from pdxfer.serving.router.backends import Decode, Prefill
 from pdxfer.serving.router.kv_feed import FeedSpec, KvFeeds
@@ -62,10 +63,10 @@ def _serve(r: Router, leg: str, reported: int | None) -> tuple[str, int]:
     kv = r.kv
     assert kv is not None
     picked = r.pick(PROMPT, set(), set())
-    evs = [kv.synced(picked[0].key), kv.synced(picked[1].key)]
+    marks = [kv.mark(picked[0].key), kv.mark(picked[1].key)]
     stats = {} if reported is None else {stat: reported}
-    r.judge(PROMPT, "", stats, (picked[0].key, picked[2], evs[0]),
-            (picked[1].key, picked[3], evs[1]))
+    r.judge(len(PROMPT), stats, (picked[0].key, picked[2], marks[0]),
+            (picked[1].key, picked[3], marks[1]))
     return picked[at].key, picked[2 + at]
 
 
@@ -132,6 +133,31 @@ def test_a_worker_whose_events_never_show_what_it_served_gets_its_feed_suspected
     assert f.counters["unpublished"] == 3 and f.counters["misses"] == 0
     assert not kv.synced(second) and f.counters["stale"] == 1
     _alternates(r, leg)
+    # silent, not wrong: what it said stays, credited again once its next frame comes
+    assert kv.on_frame(f, f.next_seq, KVEventBatch(0.0, [])) == "apply"
+    picked = r.pick(PROMPT, set(), set())
+    assert kv.synced(second) and (picked[at].url, picked[2 + at]) == (second, 16)
+
+
+@pytest.mark.parametrize("leg", LEGS)
+def test_a_worker_that_evicts_what_it_held_while_its_events_flow_stays_trusted(
+        leg: str) -> None:
+    """An engine evicts a chain's blocks as it pleases (vLLM under memory pressure frees the
+    blocks of finished requests): the blocks a served prompt stored may be gone, or unfindable
+    from the chain's start, by the deadline. Its feed moved, so it is not silent."""
+    first, second, at, _ = LEGS[leg]
+    r, kv, clock = _router()
+    _holds(kv, second, 2)
+    f = kv.feeds[second]
+    for i in range(LIMITS.misses + 2):
+        assert _serve(r, leg, None)[0] == second
+        # its events: the served blocks stored, then the chain's first blocks evicted
+        kv.on_frame(f, f.next_seq, KVEventBatch(0.0, [
+            BlockStored([100 + i], 8, PROMPT[32:48], BS), BlockRemoved([7, 8])]))
+        clock.t += LIMITS.deadline_s + 0.1
+        r.pick(PROMPT, set(), set())
+        _holds(kv, second, 2)  # stored again, as the next request computes them
+    assert kv.synced(second) and f.counters["unpublished"] == f.counters["stale"] == 0
 
 
 @pytest.mark.parametrize("leg", LEGS)
@@ -151,7 +177,8 @@ def test_a_claim_from_history_is_never_held_against_the_feed() -> None:
     r, kv, clock = _router()
     kv.feeds[P1].synced = False  # a replay under way: history decided
     for _ in range(LIMITS.misses + 1):
-        r.judge(PROMPT, "", {"prefill_reused_tokens": 0}, (P1, 96, False), (D0, 0, True))
+        r.judge(len(PROMPT), {"prefill_reused_tokens": 0}, (P1, 96, None),
+                (D0, 0, kv.mark(D0)))
         clock.t += LIMITS.deadline_s + 1
         r.stale.sweep()  # type: ignore[union-attr]
     assert kv.feeds[P1].counters["misses"] == kv.feeds[P1].counters["stale"] == 0
@@ -254,10 +281,9 @@ def test_stale_limits_that_make_no_sense_are_refused(bad: dict[str, float]) -> N
 def test_the_blocks_awaited_are_bounded_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     from pdxfer.serving.router import kv_stale
 
-    monkeypatch.setattr(kv_stale, "MAX_PENDING_TOKENS", 3 * BS)
+    monkeypatch.setattr(kv_stale, "MAX_PENDING", 3)
     r, kv, _ = _router()
     _holds(kv, P0, 0)  # the index exists, and holds nothing
     for _ in range(10):
-        _serve(r, "prefill", None)  # each leaves a block's worth of prompt awaited per leg
+        _serve(r, "prefill", None)  # each leaves a batch awaited per leg
     assert r.stale is not None and len(r.stale._pending) == 3
-    assert r.stale._pending_tokens == sum(len(e.head) for e in r.stale._pending) == 3 * BS

@@ -496,8 +496,8 @@ class Router:
         tries = max(2, len(self.prefills) * len(self.decodes))
         for attempt in range(tries):
             pf, dc, pf_held, dc_held = self.pick(ids, avoid_p, avoid_d, ask.tenant)
-            evs = (self.kv is not None and self.kv.synced(pf.key),
-                   self.kv is not None and self.kv.synced(dc.key))
+            marks = ((self.kv.mark(pf.key), self.kv.mark(dc.key)) if self.kv is not None
+                     else (None, None))
             c = oa.Choice(index)
             if attempt:
                 self.counters["retries"] += 1
@@ -509,8 +509,8 @@ class Router:
                     dc.remember(page_keys(ids, dc.page_size, ask.tenant))
                     pf.remember(page_keys(ids, self.decodes[0].page_size, ask.tenant))
                     self._report(c, ids, pf, dc, pf_held, dc_held)
-                    self.judge(ids, ask.tenant, c.stats, (pf.key, pf_held, evs[0]),
-                               (dc.key, dc_held, evs[1]))
+                    self.judge(len(ids), c.stats, (pf.key, pf_held, marks[0]),
+                               (dc.key, dc_held, marks[1]))
                 return c
             except AttemptFailed as e:
                 err = e
@@ -543,16 +543,16 @@ class Router:
                  self.kv is not None and self.kv.synced(pf.key), dc.key, dc_held,
                  self.kv is not None and self.kv.synced(dc.key))
 
-    def judge(self, ids: list[int], tenant: str, stats: dict[str, Any],
-              pf: tuple[str, int, bool], dc: tuple[str, int, bool]) -> None:
+    def judge(self, n_tokens: int, stats: dict[str, Any], pf: tuple[str, int, int | None],
+              dc: tuple[str, int, int | None]) -> None:
         """A served choice as evidence on its workers' feeds: per leg, its worker, what the
-        router credited it with and whether that came from its events, against what the
-        worker reported it held (the prefill's reused prompt tokens, the decode's restored
-        ones; either may be absent)."""
+        router credited it with and its feed's mark at the choice (None: the credit did not
+        come from its events), against what the worker reported it held (the prefill's
+        reused prompt tokens, the decode's restored ones; either may be absent)."""
         if self.stale is None:
             return
         got = [stats.get("prefill_reused_tokens"), stats.get("restored_tokens")]
-        self.stale.served(ids, self._salt(tenant), [
+        self.stale.served(n_tokens, [
             Served(w, held, ev, int(a) if isinstance(a, (int, float)) else None)
             for (w, held, ev), a in zip((pf, dc), got)])
 

@@ -97,6 +97,12 @@ class KvFeeds:
         f = self.feeds.get(worker)
         return f is not None and f.synced
 
+    def mark(self, worker: str) -> int | None:
+        """The batches the worker's feed has applied, if it is in sync (None otherwise):
+        taken at a choice, a later mark tells whether its events moved since."""
+        f = self.feeds.get(worker)
+        return f.counters["batches"] if f is not None and f.synced else None
+
     def cached(self, ids: Sequence[int], salt: str | None = None) -> dict[str, int]:
         """Per synced worker: the leading tokens of ``ids`` it holds (absent: none)."""
         out: dict[str, int] = {}
@@ -134,14 +140,17 @@ class KvFeeds:
         for ix in self.indexes.values():
             ix.cleared(worker)
 
-    def suspect(self, worker: str, why: str) -> None:
-        """The worker's feed is stale (its events no longer match what it holds): what it
-        said is cleared and not trusted until the feed resynchronises."""
+    def suspect(self, worker: str, why: str, clear: bool = True) -> None:
+        """The worker's feed is stale: not trusted until it resynchronises (its
+        subscription reopened, its replay asked for what followed). ``clear``: its entries
+        are wrong (it held less than they said), so they go too; a feed that was only
+        silent keeps them (a frame lost meanwhile shows as a gap when the next one comes)."""
         f = self.feeds[worker]
         log.warning("kv events of %s: out of sync (%s); history decides until it resyncs",
                     worker, why)
         f.counters["stale"] += 1
-        self.forget(worker)
+        if clear:
+            self.forget(worker)
         f.synced = False
         if self._ctx is not None:
             t = asyncio.ensure_future(self._resync(f))
@@ -151,8 +160,8 @@ class KvFeeds:
     def refill(self, f: FeedState, frames: Sequence[tuple[int, KVEventBatch | RawBatch]]
                ) -> bool:
         """A suspect feed's replayed frames from ``f.next_seq`` on, applied when they follow
-        on without a hole (its entries were cleared, so what they add is held); whether the
-        feed is in sync again."""
+        on without a hole (onto its entries as they are: cleared, or kept for a feed that was
+        only silent); whether the feed is in sync again."""
         got = [(s, b) for s, b in frames if f.next_seq is not None and s >= f.next_seq]
         if f.synced or not got or got[0][0] != f.next_seq or any(
                 b[0] != a[0] + 1 for a, b in zip(got, got[1:])):

@@ -1,11 +1,14 @@
 """A KV event feed that went quiet without a gap, caught by what its worker did.
 
 Silence proves nothing (an idle worker sends no events, vLLM no heartbeats), so each served
-request is the evidence: a worker that held fewer prompt tokens than its feed claimed
-(beyond ``tolerance_blocks``), or whose feed never showed the blocks it must have stored for
-a prompt it served (within ``deadline_s``), scores a miss. ``misses`` of them within
-``window_s`` and its feed is suspected (``KvFeeds.suspect``): the router falls back to its
-history for it until the feed resynchronises.
+request is the evidence. A worker that held fewer prompt tokens than its feed claimed
+(beyond ``tolerance_blocks``) scores a ``misses``: its entries are wrong. One that computed
+or loaded full blocks it did not hold, while its feed applied no batch at all from the
+choice to ``deadline_s`` after the answer, scores an ``unpublished``: its stream is silent.
+(Not "its blocks are not in the index": an engine evicts a chain's blocks as it pleases.)
+``misses`` of them within ``window_s`` and its feed is suspected (``KvFeeds.suspect``): the
+router falls back to its history for it until the feed resynchronises; only wrong entries
+are cleared.
 """
 
 from __future__ import annotations
@@ -15,14 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from .kv_feed import KvFeeds
 from .settings import DEFAULT
 
-MAX_PENDING_TOKENS = 4_000_000
-"""Prompt tokens kept for the blocks awaited (8 bytes each); past this the oldest
-expectations are dropped."""
+MAX_PENDING = 1_000_000
+"""Served legs awaiting a batch of their worker's events; past this the oldest are dropped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +47,13 @@ LIMITS = StaleLimits()
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """One leg of a served request: its worker, what the index claimed it held (``claimed``,
-    with ``from_events``: the claim came from its feed) and what it reported (None: not
-    reported)."""
+    """One leg of a served request: its worker, what the index claimed it held, the batches
+    its feed had applied when the router chose (``seen``, ``KvFeeds.mark``; None: the claim
+    did not come from its feed) and what it reported (None: not reported)."""
 
     worker: str
     claimed: int
-    from_events: bool
+    seen: int | None
     actual: int | None
 
 
@@ -61,9 +61,7 @@ class Served:
 class _Expect:
     due: float
     worker: str
-    head: np.ndarray  # the prompt up to the first block it should have stored (int64)
-    salt: str | None
-    held: int
+    seen: int
 
 
 class StaleCheck:
@@ -74,41 +72,36 @@ class StaleCheck:
         self.kv, self.limits, self.clock = kv, limits, clock
         self._misses: dict[str, collections.deque[float]] = {}
         self._pending: collections.deque[_Expect] = collections.deque()
-        self._pending_tokens = 0
 
-    def served(self, ids: Sequence[int], salt: str | None, legs: Sequence[Served]) -> None:
-        """A request was served: judge each leg's claim, and expect the blocks it lacked."""
+    def served(self, n_tokens: int, legs: Sequence[Served]) -> None:
+        """A request of ``n_tokens`` prompt tokens was served: judge each leg's claim, and
+        expect a batch of events from a worker that stored blocks it lacked."""
         bs = self.kv.block_size()
         if bs is None:
             return
         now = self.clock()
         for leg in legs:
             f = self.kv.feeds.get(leg.worker)
-            if f is None or not leg.from_events or not f.synced:
+            if f is None or leg.seen is None or not f.synced:
                 continue  # no feed, or its claim did not come from it: nothing to judge
             if (leg.actual is not None
                     and leg.actual + self.limits.tolerance_blocks * bs < leg.claimed):
                 self._miss(leg.worker, "misses", now)
-            full = len(ids) // bs * bs
-            if full > leg.claimed:  # the worker computed full blocks: its events should say
-                head = np.asarray(ids[:leg.claimed + bs], np.int64)
-                self._pending.append(_Expect(now + self.limits.deadline_s, leg.worker, head,
-                                             salt, leg.claimed))
-                self._pending_tokens += len(head)
-        while self._pending_tokens > MAX_PENDING_TOKENS:
-            self._pending_tokens -= len(self._pending.popleft().head)
+            if n_tokens // bs * bs > leg.claimed:  # it stored full blocks: its events say so
+                self._pending.append(_Expect(now + self.limits.deadline_s, leg.worker,
+                                             leg.seen))
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popleft()
         self.sweep()
 
     def sweep(self) -> None:
-        """Expectations past their deadline: a worker whose feed (still in sync) shows none
-        of the blocks scores a miss."""
+        """Expectations past their deadline: a worker whose feed (still in sync) applied no
+        batch since the choice scores a miss."""
         now = self.clock()
         while self._pending and self._pending[0].due <= now:
             e = self._pending.popleft()
-            self._pending_tokens -= len(e.head)
-            if not self.kv.synced(e.worker):
-                continue
-            if self.kv.cached(e.head, e.salt).get(e.worker, 0) <= e.held:
+            mark = self.kv.mark(e.worker)
+            if mark is not None and mark <= e.seen:
                 self._miss(e.worker, "unpublished", now)
 
     def _miss(self, worker: str, kind: str, now: float) -> None:
@@ -120,6 +113,6 @@ class StaleCheck:
         if len(q) >= self.limits.misses:
             q.clear()
             self._pending = collections.deque(e for e in self._pending if e.worker != worker)
-            self._pending_tokens = sum(len(e.head) for e in self._pending)
             self.kv.suspect(worker, f"{self.limits.misses} requests within "
-                                    f"{self.limits.window_s:g} s contradicted its events")
+                                    f"{self.limits.window_s:g} s contradicted its events",
+                            clear=kind == "misses")
