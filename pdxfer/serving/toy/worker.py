@@ -11,6 +11,7 @@ model's own tensors, so a transfer writes straight into the pages attention read
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import os
@@ -221,11 +222,12 @@ class ModelHost:
                 "tp": self.cfg.tp, "torch_device": self.cfg.torch_device, "pid": os.getpid()}
 
 
-class RoomWorker:
+class RoomWorker(abc.ABC):
     """What both workers share: ``/abort`` by room and ``/metrics``.
 
-    Subclasses name their live request handles (``_handles``) and their own numbers
-    (``_metric_values``); the endpoint's metrics (failures by kind, phase timelines) follow.
+    Subclasses serve ``/generate`` and ``/health`` and name their live request handles
+    (``_handles``) and their own numbers (``_metric_values``); the endpoint's metrics
+    (failures by kind, phase timelines) follow.
     """
 
     metrics_prefix = "pdxfer_worker"
@@ -235,17 +237,23 @@ class RoomWorker:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=8 << 20,
                               middlewares=[router_only(load_secret())])
-        app.router.add_post("/generate", self.h_generate)  # type: ignore[attr-defined]
+        app.router.add_post("/generate", self.h_generate)
         app.router.add_post("/abort", self.h_abort)
-        app.router.add_get("/health", self.h_health)  # type: ignore[attr-defined]
+        app.router.add_get("/health", self.h_health)
         app.router.add_get("/metrics", self.h_metrics)
         return app
 
-    def _handles(self) -> Any:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def h_generate(self, request: web.Request) -> web.StreamResponse: ...
 
-    def _metric_values(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def h_health(self, request: web.Request) -> web.Response: ...
+
+    @abc.abstractmethod
+    def _handles(self) -> Any: ...
+
+    @abc.abstractmethod
+    def _metric_values(self) -> dict[str, Any]: ...
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         text = (metrics_text(self.metrics_prefix, self._metric_values())
