@@ -39,7 +39,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 def router_only(secret: bytes | None) -> Any:
     """Middleware for the workers: with a shared secret, every request but ``/health`` and
-    ``/metrics`` must carry the router's signature (``pdxfer.http_headers``), so a client that
+    ``/metrics`` must carry the router's signature (``pdxfer.auth.http_headers``), so a client that
     reaches a worker directly can neither generate, nor abort, nor name a bootstrap server.
     Without a secret (loopback and trusted networks) nothing is checked."""
 

@@ -118,7 +118,7 @@ def live() -> Iterator[tuple[Endpoint, Endpoint, dict]]:
     dc = Endpoint(EndpointConfig(role="decode"), ds)
     hello = wire.Hello(endpoint_id=dc.endpoint_id, ctrl_addr=dc.ctrl_addr,
                        session=dc.transport.session_id, tp_rank=0, tp_size=1,
-                       signature=__import__("pdxfer").layout_signature(ds), pools=tuple(ds))
+                       signature=layout_signature(ds), pools=tuple(ds))
     pf.core._on_frame(wire.encode(hello))
     yield pf, dc, {"specs": ds, "tensors": dt, "keep": (pt, ps)}
     pf.close()
