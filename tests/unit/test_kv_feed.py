@@ -16,6 +16,7 @@ from pdxfer.serving.kv_events import (
     BlockRemoved,
     BlockStored,
     EventPublisher,
+    KVEventBatch,
     parse_frame,
 )
 from pdxfer.serving.router.kv_feed import FeedSpec, KvFeeds
@@ -151,3 +152,18 @@ def test_kv_events_flags_are_checked_at_start() -> None:
                                    "http://127.0.0.1:9=tcp://127.0.0.1:5557"])
     with pytest.raises(ValueError, match="not a --prefill or --decode"):
         run(a)
+
+
+def test_a_replay_that_stops_short_of_the_live_frame_clears_the_worker() -> None:
+    """Frames 1-2 replayed for a gap before live frame 4: frame 3 is still missing, so what
+    the worker holds is unknown and its entries go (never a superset of what it holds)."""
+    feeds = KvFeeds([FeedSpec(W, "tcp://127.0.0.1:1")])
+    f = feeds.feeds[W]
+    a, b, c = list(range(100, 104)), list(range(200, 204)), list(range(300, 304))
+    assert feeds.on_frame(f, 0, KVEventBatch(0.0, [_stored(a, 10)])) == "apply"
+    assert feeds.on_frame(f, 4, KVEventBatch(0.0, [_stored(c, 30)])) == "gap"
+    feeds.fill(f, [(1, KVEventBatch(0.0, [_stored(b, 20)])), (2, KVEventBatch(0.0, []))], 4,
+               KVEventBatch(0.0, [_stored(c, 30)]))
+    assert f.counters["resets"] == 1 and f.counters["replayed"] == 0
+    assert feeds.cached(a) == {} and feeds.cached(b) == {} and feeds.cached(c) == {W: 4}
+    assert f.synced and f.next_seq == 5

@@ -44,9 +44,21 @@ MAX_REPLAY_FRAMES = 100_000
 MAX_INBOX = 50_000
 """Frames decoded and waiting for the applier; the sockets wait past this."""
 _CLEARED = KVEventBatch(0.0, [AllBlocksCleared()])
+Frames = list[tuple[int, KVEventBatch | RawBatch]]
+"""Replayed frames: (sequence number, batch), ascending."""
 FEED_COUNTERS = ("batches", "blocks", "gaps", "resets", "replays", "replayed", "bad_frames",
                  "misses", "unpublished", "stale")
 """What ``/metrics`` shows per worker's feed (``kv_feed_*{worker=URL}``)."""
+
+
+def _run_from(frames: Sequence[tuple[int, KVEventBatch | RawBatch]], start: int,
+              upto: int | None = None) -> Frames | None:
+    """The replayed frames from ``start`` on (and below ``upto``, reaching ``upto - 1``),
+    if they follow on without a hole; None otherwise."""
+    got = [(s, b) for s, b in frames if start <= s and (upto is None or s < upto)]
+    if not got or got[0][0] != start or any(b[0] != a[0] + 1 for a, b in zip(got, got[1:])):
+        return None
+    return got if upto is None or got[-1][0] == upto - 1 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,13 +174,10 @@ class KvFeeds:
         """A suspect feed's replayed frames from ``f.next_seq`` on, applied when they follow
         on without a hole (onto its entries as they are: cleared, or kept for a feed that was
         only silent); whether the feed is in sync again."""
-        got = [(s, b) for s, b in frames if f.next_seq is not None and s >= f.next_seq]
-        if f.synced or not got or got[0][0] != f.next_seq or any(
-                b[0] != a[0] + 1 for a, b in zip(got, got[1:])):
+        got = None if f.synced or f.next_seq is None else _run_from(frames, f.next_seq)
+        if got is None:
             return f.synced
-        f.counters["replayed"] += len(got)
-        for s, b in got:
-            self._take(f, s, b)
+        self._replayed(f, got)
         return True
 
     # -- applying events ----------------------------------------------------------------------
@@ -291,16 +300,17 @@ class KvFeeds:
     def fill(self, f: FeedState, frames: list[tuple[int, KVEventBatch | RawBatch]], upto: int,
              batch: KVEventBatch | RawBatch) -> None:
         """Frames from the replay (ascending) to close the gap before live frame ``upto``."""
-        want = f.next_seq
-        got = [(s, b) for s, b in frames if want is not None and want <= s < upto]
-        if want is None or not got or got[0][0] != want or any(
-                b[0] != a[0] + 1 for a, b in zip(got, got[1:])) or got[-1][0] != upto - 1:
+        got = None if f.next_seq is None else _run_from(frames, f.next_seq, upto)
+        if got is None:
             self.restart(f, "a gap the replay could not fill")
         else:
-            f.counters["replayed"] += len(got)
-            for s, b in got:
-                self._take(f, s, b)
+            self._replayed(f, got)
         self._take(f, upto, batch)
+
+    def _replayed(self, f: FeedState, got: Frames) -> None:
+        f.counters["replayed"] += len(got)
+        for s, b in got:
+            self._take(f, s, b)
 
     # -- the sockets ----------------------------------------------------------------------------
     def start(self) -> None:

@@ -164,6 +164,11 @@ def _bits(m: int) -> list[int]:
     return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
 
 
+def _pair_mask(h: int, h2: int) -> int:
+    """The bitmask of a block's holder ``h`` and its second one ``h2`` (its id + 1; 0: none)."""
+    return 1 << h | (1 << h2 - 1 if h2 else 0)
+
+
 class KvIndex:
     """One block size's index over many workers (names -> small ids)."""
 
@@ -288,8 +293,7 @@ class KvIndex:
         h = int(self.holders.cols["w"][s])
         if h == MULTI:
             return self.multi.get(k, 0)
-        h2 = int(self.holders.cols["w2"][s])
-        return 1 << h | (1 << h2 - 1 if h2 else 0)
+        return _pair_mask(h, int(self.holders.cols["w2"][s]))
 
     def _set_holders(self, k: int, s: int, m: int) -> None:
         """Block key ``k``'s holders (slot ``s``) set to bitmask ``m``; none: the slot goes."""
@@ -528,11 +532,7 @@ class KvIndex:
         groups: list[tuple[int, int]] = []  # (workers' bitmask, how many blocks they hold)
         mask = -1
         for i, h in enumerate(hold):
-            if h == MULTI:
-                m = self.multi.get(int(keys[i]), 0)
-            else:
-                h2 = hold2[i]
-                m = 1 << h | (1 << h2 - 1 if h2 else 0)
+            m = self.multi.get(int(keys[i]), 0) if h == MULTI else _pair_mask(h, hold2[i])
             new = mask & m
             if i and mask != new:
                 groups.append((mask & ~new, i))
