@@ -145,29 +145,3 @@ def test_both_vllm_legs_get_the_clients_messages_and_text_keeps_token_ids() -> N
     lp = {"content": [{"token": "token_id:5", "logprob": -0.5, "top_logprobs": [
         {"token": "token_id:5", "logprob": -0.5}, {"token": "token_id:9", "logprob": -1.5}]}]}
     assert _chat_logprobs(lp) == [{"token_id": 5, "logprob": -0.5, "top": {5: -0.5, 9: -1.5}}]
-
-
-def png_header(w: int, h: int) -> bytes:
-    """A PNG that declares ``w`` x ``h`` pixels in a few dozen bytes (its pixel data cut
-    short: the header is what the front door reads)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (len(data).to_bytes(4, "big") + kind + data
-                + zlib.crc32(kind + data).to_bytes(4, "big"))
-    ihdr = w.to_bytes(4, "big") + h.to_bytes(4, "big") + b"\x08\x02\x00\x00\x00"
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
-            + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b""))
-
-
-@pytest.mark.parametrize("w,h", [(4097, 4096), (50_000, 50_000), (1, 1 << 30)])
-def test_an_image_declaring_more_pixels_than_allowed_is_refused_before_any_worker(
-        w: int, h: int) -> None:
-    """A few bytes of PNG can declare a billion pixels, which every worker would decode."""
-    assert "pixels" in refused(chat(image(data_url(png_header(w, h)))))
-
-
-def test_the_pixel_cap_is_a_setting_and_a_header_that_cannot_be_read_is_refused() -> None:
-    small = MediaPolicy(max_image_pixels=15)
-    assert "pixels" in refused(chat(image(data_url(png(4, 4)))), small)
-    parse_chat(chat(image(data_url(png(3, 5)))), media=small)
-    broken = b"\x89PNG\r\n\x1a\n" + b"\x00" * 40  # the signature, then no header
-    assert "header" in refused(chat(image(data_url(broken))))
