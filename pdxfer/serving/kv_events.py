@@ -4,7 +4,9 @@ big-endian sequence number, payload; a ROUTER replay socket answering a start se
 the buffered frames and an end marker), and a publisher of the same for pdxfer's own workers.
 
 Frames come from the network: each part is bounded before it is decoded, and decoding is
-typed (``msgspec``), so a hostile frame is dropped, never half-applied.
+typed (``msgspec``), so a hostile frame is dropped, never half-applied. Events are not
+tracked by the garbage collector (``gc=False``: decoded data holds no cycles), so a burst of
+thousands does not set off collections.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Hashes = Annotated[list[BlockHash], msgspec.Meta(max_length=1 << 16)]
 
 
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     block_hashes: Hashes
     parent_block_hash: BlockHash | None
     token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=1 << 22)]
@@ -38,26 +40,26 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
     group_idx: int | None = None
 
 
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     block_hashes: Hashes
     medium: str | None = None
     group_idx: int | None = None
 
 
-class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     pass
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: Annotated[list[Event], msgspec.Meta(max_length=1 << 16)]
     data_parallel_rank: int | None = None
 
 
-class RawStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
+class RawStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
     """``BlockStored`` as the router decodes it: hashes and token ids left as their msgpack
     bytes, read by one compiled pass over a burst (``router.kv_kernels``)."""
 
@@ -72,7 +74,7 @@ class RawStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
     group_idx: int | None = None
 
 
-class RawBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+class RawBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: Annotated[list[RawStored | BlockRemoved | AllBlocksCleared],
                       msgspec.Meta(max_length=1 << 16)]
