@@ -37,7 +37,8 @@ def _rss_mb() -> float:
 def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     names = [f"http://w{i}:8000" for i in range(workers)]
-    feeds = KvFeeds([FeedSpec(n, "tcp://127.0.0.1:1") for n in names])
+    # sized as a router is told its fleet's KV cache blocks (--kv-index-blocks)
+    feeds = KvFeeds([FeedSpec(n, "tcp://127.0.0.1:1") for n in names], index_blocks=blocks)
     states: dict[str, FeedState] = feeds.feeds
     seqs = dict.fromkeys(names, 0)
     sys_tokens = rng.integers(0, VOCAB, SYS_BLOCKS * BS).tolist()

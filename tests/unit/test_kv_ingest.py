@@ -201,6 +201,55 @@ def test_a_put_that_grows_the_map_sets_old_and_new_keys() -> None:
     assert m.cols["v"][m.find(keys)].tolist() == list(range(100, 130))
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_put_of_two_columns_agrees_with_a_dict_and_the_last_value_of_a_key_wins(
+        seed: int) -> None:
+    """Both columns in one pass: keys new, present, repeated in a batch, and placed in
+    deleted slots, as the map grows."""
+    rng = np.random.default_rng(seed)
+    m = U64Map({"a": np.uint64, "b": np.uint16}, capacity=32)
+    model: dict[int, tuple[int, int]] = {}
+    pool = fix_keys(rng.integers(2, 1 << 63, 300, dtype=np.uint64))
+    for _ in range(40):
+        keys = pool[rng.integers(0, len(pool), int(rng.integers(1, 60)))]
+        a = rng.integers(0, 1 << 63, len(keys), dtype=np.uint64)
+        b = rng.integers(0, 1 << 16, len(keys)).astype(np.uint16)
+        slots = m.put(keys, a=a, b=b)
+        assert (m.keys[slots] == keys).all()
+        model.update(zip(keys.tolist(), zip(a.tolist(), b.tolist())))
+        gone = pool[rng.integers(0, len(pool), 10)]
+        m.delete_slots(m.find(gone))
+        for k in gone.tolist():
+            model.pop(k, None)
+        assert m.live == len(model)
+    got = m.find(np.array(list(model), np.uint64))
+    assert (got >= 0).all()
+    assert list(zip(m.cols["a"][got].tolist(), m.cols["b"][got].tolist())) == list(
+        model.values())
+
+
+def test_an_index_sized_for_its_blocks_does_not_grow_and_indexes_the_same() -> None:
+    from pdxfer.serving.kv_events import KVEventBatch
+    from pdxfer.serving.router.kv_feed import FeedSpec, KvFeeds
+
+    rng = random.Random(3)
+    names = [f"http://w{i}" for i in range(4)]
+    frames = [(n, KVEventBatch(0.0, [BlockStored(list(range(1000 * i + 1, 1000 * i + 251)),
+                                                 None, [rng.randrange(500)
+                                                        for _ in range(250 * BS)], BS)]))
+              for i, n in enumerate(names)]
+    sized, grown = (KvFeeds([FeedSpec(n, "tcp://127.0.0.1:1") for n in names], index_blocks=b)
+                    for b in (1000, 0))
+    for feeds in (sized, grown):
+        feeds.apply_many(frames)
+    ix, ix0 = sized.indexes[BS], grown.indexes[BS]
+    assert ix.blocks.capacity == ix.holders.capacity == sized.index_slots and len(ix) == 1000
+    assert ix0.blocks.capacity > grown.index_slots  # unsized, the same blocks grow the map
+    assert _state(ix) == _state(ix0)
+    ids = frames[2][1].events[0].token_ids
+    assert ix.cached_tokens(ids) == ix0.cached_tokens(ids) == {names[2]: len(ids)}
+
+
 def test_a_burst_of_frames_defers_a_workers_frames_from_its_gap_on() -> None:
     from pdxfer.serving.kv_events import KVEventBatch
     from pdxfer.serving.router.kv_feed import FeedSpec, KvFeeds

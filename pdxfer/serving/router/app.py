@@ -658,7 +658,7 @@ def run(a: argparse.Namespace) -> int:
     for spec in specs:
         if spec.worker not in known:
             raise ValueError(f"--kv-events {spec.worker}: not a --prefill or --decode URL")
-    kv = KvFeeds(specs) if specs else None
+    kv = KvFeeds(specs, s.kv_index_blocks) if specs else None
     router = Router(prefills, decodes, s.policy, s.timeout_s,
                     expose_cache_stats=s.expose_cache_stats, backend=make_backend(s), kv=kv,
                     load_weight=s.kv_load_weight,

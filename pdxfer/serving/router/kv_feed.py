@@ -37,6 +37,7 @@ from ..kv_events import (
     parse_frame,
 )
 from .kv_index import KvIndex, Op, warm
+from .u64map import slots_for
 
 log = logging.getLogger("pdxfer.serving.router.kv")
 REPLAY_TIMEOUT_S = 2.0
@@ -92,8 +93,12 @@ class FeedState:
 class KvFeeds:
     """The index, and the workers feeding it."""
 
-    def __init__(self, specs: Sequence[FeedSpec] = ()) -> None:
+    def __init__(self, specs: Sequence[FeedSpec] = (), index_blocks: int = 0) -> None:
+        """``index_blocks``: the (worker, block) pairs each index is sized for up front (the
+        fleet's KV cache blocks), so it does not grow while they stream in; 0: it starts
+        small and grows (either way it grows past that when it must)."""
         self.indexes: dict[int, KvIndex] = {}
+        self.index_slots = max(1024, slots_for(index_blocks))
         self.feeds = {s.worker: FeedState(s) for s in specs}
         if specs:
             warm()
@@ -184,7 +189,7 @@ class KvFeeds:
     def _index(self, bs: int) -> KvIndex:
         ix = self.indexes.get(bs)
         if ix is None:
-            ix = self.indexes[bs] = KvIndex(bs)
+            ix = self.indexes[bs] = KvIndex(bs, self.index_slots)
         return ix
 
     def apply(self, worker: str, batch: KVEventBatch | RawBatch) -> int:

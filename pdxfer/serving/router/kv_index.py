@@ -173,6 +173,7 @@ class KvIndex:
     """One block size's index over many workers (names -> small ids)."""
 
     def __init__(self, block_size: int, capacity: int = 1024) -> None:
+        """``capacity``: each map's slots to start with (they grow past 3/4 full)."""
         self.block_size = block_size
         self.holders = U64Map({"w": np.uint16, "w2": np.uint16}, capacity)
         """Per block key its holder ``w`` (``MULTI``: several, in ``multi``) and a second

@@ -68,6 +68,11 @@ class RouterSettings:
     kv_stale_deadline_s: float = setting_field(
         5.0, "kv_aware: seconds after a worker served a prompt by which its KV events should "
         "show the blocks it lacked; none by then counts as a contradiction")
+    kv_index_blocks: int = setting_field(
+        0, "kv_aware: the (worker, block) pairs the KV index is sized for at the start: the "
+        "fleet's KV cache blocks (each worker's num_gpu_blocks, summed), so it does not grow "
+        "while events stream in (about 50 bytes each); 0: it starts small and grows. It "
+        "grows past this when it must", metavar="N")
     expose_cache_stats: bool = setting_field(
         False, "show clients how many prompt tokens came from the decode's cache "
         "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)")
@@ -85,6 +90,7 @@ class RouterSettings:
                    kv_stale_window_s=a.kv_stale_window,
                    kv_stale_tolerance_blocks=a.kv_stale_tolerance_blocks,
                    kv_stale_deadline_s=a.kv_stale_deadline,
+                   kv_index_blocks=a.kv_index_blocks,
                    expose_cache_stats=a.expose_cache_stats,
                    timeout_s=a.timeout)
 

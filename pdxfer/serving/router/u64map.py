@@ -44,6 +44,11 @@ def zeros(n: int, dtype: np.dtype | type) -> np.ndarray:
     return np.frombuffer(m, dt, n)  # anonymous memory is zeroed; the array keeps the map
 
 
+def slots_for(entries: int) -> int:
+    """The capacity (slots) that holds ``entries`` without growing."""
+    return 1 << max(5, (int(np.ceil(entries / MAX_LOAD)) - 1).bit_length())
+
+
 def fix_keys(keys: np.ndarray) -> np.ndarray:
     """Keys as the map stores them (the two reserved values moved)."""
     keys = np.asarray(keys, dtype=np.uint64)
@@ -160,6 +165,58 @@ def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
 
 
 @numba.njit(cache=True, nogil=True)
+def _put2(table: np.ndarray, keys: np.ndarray, out: np.ndarray, c1: np.ndarray,
+          v1: np.ndarray, c2: np.ndarray, v2: np.ndarray) -> tuple[int, int, np.uint64]:
+    """``_upsert``, and two columns set for every key (placed or found: the last of a key
+    wins) in the same pass, their lines loaded ``AHEAD`` with the key's bucket."""
+    nb = len(table) // WAYS
+    m = nb - 1
+    n = len(keys)
+    used = placed = 0
+    sink = np.uint64(0)
+    for t in range(min(AHEAD, n)):
+        b = _bucket(keys[t], m) * WAYS
+        sink ^= table[b] ^ np.uint64(c1[b]) ^ np.uint64(c2[b])
+    for i in range(n):
+        if i + AHEAD < n:
+            b = _bucket(keys[i + AHEAD], m) * WAYS
+            sink ^= table[b] ^ np.uint64(c1[b]) ^ np.uint64(c2[b])
+        k = keys[i]
+        b = _bucket(k, m)
+        step = (int(k >> np.uint64(8)) & m) | 1
+        free = -1
+        o = -1
+        for _ in range(nb):
+            end = False
+            base = b * WAYS
+            for j in range(WAYS):
+                x = table[base + j]
+                if x == k:
+                    o = base + j
+                    end = True
+                    break
+                if x <= DELETED:
+                    if free < 0:
+                        free = base + j
+                    if x == EMPTY:
+                        end = True
+                        break
+            if end:
+                break
+            b = (b + step) & m
+        if o < 0:
+            if table[free] == EMPTY:
+                used += 1
+            table[free] = k
+            o = free
+            placed += 1
+        out[i] = o
+        c1[o] = v1[i]
+        c2[o] = v2[i]
+    return placed, used, sink
+
+
+@numba.njit(cache=True, nogil=True)
 def _scatter(col: np.ndarray, slots: np.ndarray, vals: np.ndarray) -> np.uint64:
     """``col[slots] = vals`` (in order: the last of a slot wins), loading ahead."""
     n = len(slots)
@@ -230,6 +287,16 @@ class U64Map:
     def put(self, keys: np.ndarray, **values: np.ndarray) -> np.ndarray:
         """Set (insert or overwrite) the keys' values; returns their slots. Duplicate keys
         in one batch: the last wins (as one put after another)."""
+        if len(values) == 2:  # one pass: keys and both columns
+            keys = np.ascontiguousarray(keys, np.uint64)
+            self._room(len(keys))
+            (a, va), (b, vb) = ((k, np.ascontiguousarray(np.broadcast_to(
+                np.asarray(v, self.cols[k].dtype), (len(keys),)))) for k, v in values.items())
+            slots = np.empty(len(keys), np.int64)
+            placed, used, _ = _put2(self.keys, keys, slots, self.cols[a], va, self.cols[b], vb)
+            self.live += placed
+            self.used += used
+            return slots
         slots, _ = self.upsert(keys)
         for k, v in values.items():
             self.set(k, slots, v)
