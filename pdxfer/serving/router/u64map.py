@@ -14,6 +14,8 @@ import mmap
 import numba
 import numpy as np
 
+from .prefetch import prefetch
+
 EMPTY, DELETED = np.uint64(0), np.uint64(1)
 MAX_LOAD = 0.75
 GROWN_LOAD = 0.55
@@ -21,7 +23,7 @@ GROWN_LOAD = 0.55
 WAYS = 8
 """Slots per bucket: a lookup reads a key's bucket at once, and rarely the next."""
 AHEAD = 16
-"""How many keys ahead a key's bucket is loaded, before it is probed."""
+"""How many keys ahead a key's bucket is prefetched, before it is probed."""
 
 
 HUGE = 4 << 20
@@ -61,19 +63,17 @@ def _bucket(k: np.uint64, m: int) -> int:
 
 
 @numba.njit(cache=True, nogil=True)
-def _find(table: np.ndarray, keys: np.ndarray, out: np.ndarray) -> np.uint64:
-    """Each key's slot or -1. The bucket of the key ``AHEAD`` on is loaded first: the
-    loads' cache misses overlap instead of one probe waiting for the last. (The loads
-    feed the returned sink, so the compiler cannot drop them.)"""
+def _find(table: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
+    """Each key's slot or -1. The bucket of the key ``AHEAD`` on is prefetched first: the
+    cache misses overlap instead of one probe waiting for the last."""
     nb = len(table) // WAYS
     m = nb - 1
     n = len(keys)
-    sink = np.uint64(0)
     for t in range(min(AHEAD, n)):
-        sink ^= table[_bucket(keys[t], m) * WAYS]
+        prefetch(table, _bucket(keys[t], m) * WAYS)
     for i in range(n):
         if i + AHEAD < n:
-            sink ^= table[_bucket(keys[i + AHEAD], m) * WAYS]
+            prefetch(table, _bucket(keys[i + AHEAD], m) * WAYS)
         k = keys[i]
         b = _bucket(k, m)
         step = (int(k >> np.uint64(8)) & m) | 1
@@ -94,36 +94,34 @@ def _find(table: np.ndarray, keys: np.ndarray, out: np.ndarray) -> np.uint64:
                 break
             b = (b + step) & m
         out[i] = o
-    return sink
 
 
 @numba.njit(cache=True, nogil=True)
 def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
             new: np.ndarray, col: np.ndarray, vals: np.ndarray, cur: np.ndarray
-            ) -> tuple[int, int, np.uint64]:
+            ) -> tuple[int, int]:
     """Each key's slot, placing the absent ones (in the first free way of their probe
     chain; ``new`` marks them); ``absent``: the caller knows none is present. ``col``
     (when not empty): set to ``vals`` for the placed keys, read into ``cur`` for all.
-    Buckets (and their ``col``) are loaded ``AHEAD`` keys early, as in ``_find``.
-    Returns how many it placed, how many of those took an EMPTY slot (not a DELETED
-    one), and the sink."""
+    Buckets (and their ``col``) are prefetched ``AHEAD`` keys early, as in ``_find``.
+    Returns how many it placed, and how many of those took an EMPTY slot (not a DELETED
+    one)."""
     nb = len(table) // WAYS
     m = nb - 1
     n = len(keys)
     has_col = len(col) > 0
     used = placed = 0
-    sink = np.uint64(0)
     for t in range(min(AHEAD, n)):
         b = _bucket(keys[t], m) * WAYS
-        sink ^= table[b]
+        prefetch(table, b)
         if has_col:
-            sink ^= np.uint64(col[b])
+            prefetch(col, b)
     for i in range(n):
         if i + AHEAD < n:
             b = _bucket(keys[i + AHEAD], m) * WAYS
-            sink ^= table[b]
+            prefetch(table, b)
             if has_col:
-                sink ^= np.uint64(col[b])
+                prefetch(col, b)
         k = keys[i]
         b = _bucket(k, m)
         step = (int(k >> np.uint64(8)) & m) | 1
@@ -161,26 +159,29 @@ def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
         out[i] = o
         if has_col:
             cur[i] = col[o]
-    return placed, used, sink
+    return placed, used
 
 
 @numba.njit(cache=True, nogil=True)
 def _put2(table: np.ndarray, keys: np.ndarray, out: np.ndarray, c1: np.ndarray,
-          v1: np.ndarray, c2: np.ndarray, v2: np.ndarray) -> tuple[int, int, np.uint64]:
+          v1: np.ndarray, c2: np.ndarray, v2: np.ndarray) -> tuple[int, int]:
     """``_upsert``, and two columns set for every key (placed or found: the last of a key
-    wins) in the same pass, their lines loaded ``AHEAD`` with the key's bucket."""
+    wins) in the same pass, their lines prefetched ``AHEAD`` with the key's bucket."""
     nb = len(table) // WAYS
     m = nb - 1
     n = len(keys)
     used = placed = 0
-    sink = np.uint64(0)
     for t in range(min(AHEAD, n)):
         b = _bucket(keys[t], m) * WAYS
-        sink ^= table[b] ^ np.uint64(c1[b]) ^ np.uint64(c2[b])
+        prefetch(table, b)
+        prefetch(c1, b)
+        prefetch(c2, b)
     for i in range(n):
         if i + AHEAD < n:
             b = _bucket(keys[i + AHEAD], m) * WAYS
-            sink ^= table[b] ^ np.uint64(c1[b]) ^ np.uint64(c2[b])
+            prefetch(table, b)
+            prefetch(c1, b)
+            prefetch(c2, b)
         k = keys[i]
         b = _bucket(k, m)
         step = (int(k >> np.uint64(8)) & m) | 1
@@ -213,21 +214,19 @@ def _put2(table: np.ndarray, keys: np.ndarray, out: np.ndarray, c1: np.ndarray,
         out[i] = o
         c1[o] = v1[i]
         c2[o] = v2[i]
-    return placed, used, sink
+    return placed, used
 
 
 @numba.njit(cache=True, nogil=True)
-def _scatter(col: np.ndarray, slots: np.ndarray, vals: np.ndarray) -> np.uint64:
-    """``col[slots] = vals`` (in order: the last of a slot wins), loading ahead."""
+def _scatter(col: np.ndarray, slots: np.ndarray, vals: np.ndarray) -> None:
+    """``col[slots] = vals`` (in order: the last of a slot wins), prefetching ahead."""
     n = len(slots)
-    sink = np.uint64(0)
     for t in range(min(AHEAD, n)):
-        sink ^= np.uint64(col[slots[t]])
+        prefetch(col, slots[t])
     for i in range(n):
         if i + AHEAD < n:
-            sink ^= np.uint64(col[slots[i + AHEAD]])
+            prefetch(col, slots[i + AHEAD])
         col[slots[i]] = vals[i]
-    return sink
 
 
 @numba.njit(cache=True, nogil=True)
@@ -293,7 +292,7 @@ class U64Map:
             (a, va), (b, vb) = ((k, np.ascontiguousarray(np.broadcast_to(
                 np.asarray(v, self.cols[k].dtype), (len(keys),)))) for k, v in values.items())
             slots = np.empty(len(keys), np.int64)
-            placed, used, _ = _put2(self.keys, keys, slots, self.cols[a], va, self.cols[b], vb)
+            placed, used = _put2(self.keys, keys, slots, self.cols[a], va, self.cols[b], vb)
             self.live += placed
             self.used += used
             return slots
@@ -313,7 +312,7 @@ class U64Map:
         self._room(len(keys))
         slots = np.empty(len(keys), np.int64)
         new = np.empty(len(keys), bool)
-        placed, used, _ = _upsert(self.keys, keys, slots, False, new, _NONE, _NONE, _NONE)
+        placed, used = _upsert(self.keys, keys, slots, False, new, _NONE, _NONE, _NONE)
         self.live += placed
         self.used += used
         return slots, new
@@ -327,7 +326,7 @@ class U64Map:
         col = self.cols[name]
         n = len(keys)
         slots, new, cur = np.empty(n, np.int64), np.empty(n, bool), np.empty(n, col.dtype)
-        placed, used, _ = _upsert(self.keys, keys, slots, False, new, col,
+        placed, used = _upsert(self.keys, keys, slots, False, new, col,
                                   np.ascontiguousarray(vals, col.dtype), cur)
         self.live += placed
         self.used += used
@@ -343,7 +342,7 @@ class U64Map:
 
     def _insert(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), np.int64)
-        placed, used, _ = _upsert(self.keys, keys, out, True, np.empty(len(keys), bool),
+        placed, used = _upsert(self.keys, keys, out, True, np.empty(len(keys), bool),
                                   _NONE, _NONE, _NONE)
         self.live += placed
         self.used += used
