@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pdxfer.serving.kv_events import BlockStored, RawBatch, encode_batch
-from pdxfer.serving.router.kv_index import KvIndex, chain_states
-from pdxfer.serving.router.kv_kernels import chain_blocks, msgpack_ints
+from pdxfer.serving.router.kv_index import KvIndex, block_keys, chain_states
+from pdxfer.serving.router.kv_kernels import chain_blocks, msgpack_ints, token_blocks
 from pdxfer.serving.router.u64map import U64Map, fix_keys
 
 BS = 4
@@ -152,6 +152,8 @@ def test_a_parent_stored_later_in_the_same_burst_chains() -> None:
     b"\x91\xce\x80\x00\x00\x00",  # a token >= 2**31
     b"\xdd\xff\xff\xff\xff\x01",  # a huge count
     b"\x92\x01\x02\x03",  # trailing bytes
+    b"\x96\x01\x02\x03\x04\x05\x06",  # a block and a half
+    b"\x98\x01\x02\x03\x04\x05\x06\x07\x08",  # two blocks for one hash
 ])
 def test_a_hostile_token_array_drops_its_event_only(bad: bytes) -> None:
     ix = KvIndex(BS)
@@ -161,6 +163,19 @@ def test_a_hostile_token_array_drops_its_event_only(bad: bytes) -> None:
                ("s", 0, msgspec.Raw(msgspec.msgpack.encode([2, 3])), None,
                 msgspec.Raw(msgspec.msgpack.encode(ids)), None)])
     assert ix.cached_tokens(ids) == {"a": 8} and len(ix) == 2
+
+
+def test_a_block_size_past_4096_tokens_indexes_in_a_burst_as_alone() -> None:
+    """Every block size the schema allows has its token weights (none read past them)."""
+    bs = 5000
+    ids = [i % 997 for i in range(2 * bs)]
+    one, many = KvIndex(bs), KvIndex(bs)
+    one.stored("a", [1, 2], None, ids)
+    many.worker("a")
+    many.ingest([("s", 0, msgspec.Raw(msgspec.msgpack.encode([1, 2])), None,
+                  msgspec.Raw(msgspec.msgpack.encode(ids)), None)])
+    assert _state(one) == _state(many)
+    assert many.cached_tokens(ids + [5]) == {"a": 2 * bs}
 
 
 def test_msgpack_ints_reads_what_msgspec_writes() -> None:
@@ -183,8 +198,10 @@ def test_the_compiled_chain_equals_the_vectorized_one() -> None:
     want = chain_states(12345, ids, 16, [["x"]] + [None] * 39)
     xor = np.zeros(40, np.uint64)
     xor[0] = np.uint64(KvIndex.__init__.__globals__["extra_hash"](["x"]))
-    got = chain_blocks(ids, np.array([40]), np.array([12345], np.uint64), xor, TOK[:16], 16)
-    assert (got == want).all()
+    th, counts = token_blocks([msgspec.msgpack.encode(ids.tolist())], 16, TOK, 1 << 22)
+    assert counts.tolist() == [16 * 40] and len(th) == 40
+    got, keys = chain_blocks(th, np.array([40]), np.array([12345], np.uint64), xor)
+    assert (got == want).all() and (keys == block_keys(want)).all()
 
 
 def test_a_raw_frame_decodes_to_raw_stores() -> None:

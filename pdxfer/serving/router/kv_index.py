@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .kv_kernels import chain_blocks, msgpack_ints
+from .kv_kernels import chain_blocks, msgpack_ints, token_blocks
 from .u64map import U64Map, fix_keys
 
 M64 = (1 << 64) - 1
@@ -34,16 +34,15 @@ MAX_WORKERS = 0xFFFE
 
 
 def _powers(base: int, n: int) -> np.ndarray:
-    out = np.empty(n, np.uint64)
-    x = 1
-    for i in range(n):
-        out[i] = x
-        x = (x * base) & M64
+    """``base ** i`` mod 2**64 for i < n (uint64 products wrap)."""
+    out = np.ones(n, np.uint64)
+    out[1:] = np.cumprod(np.full(n - 1, base, np.uint64), dtype=np.uint64)
     return out
 
 
 _PP, _PINV = _powers(P, CHUNK), _powers(P_INV, CHUNK)
-_TOK = _powers(0xC2B2AE3D27D4EB4F, 4096)
+_TOK = _powers(0xC2B2AE3D27D4EB4F, 1 << 16)
+"""A token's weight by its place in its block (any block size the schema allows)."""
 
 
 def fmix(x: np.ndarray) -> np.ndarray:
@@ -379,11 +378,11 @@ class KvIndex:
         bs = self.block_size
         nw = len(self.names)
         hashes, hc = msgpack_ints(_fields(ops, 2), False, 1 << 16)
-        tokens, tc = msgpack_ints(_fields(ops, 4), True, 1 << 22)
+        th, tc = token_blocks(_fields(ops, 4), bs, _TOK, 1 << 22)  # per block, its tokens' hash
         ok = (hc >= 1) & (tc == hc * bs)
-        hn, tn = np.maximum(hc, 0), np.maximum(tc, 0)
+        hn = np.maximum(hc, 0)
         if not ok.all():
-            hashes, tokens = hashes[np.repeat(ok, hn)], tokens[np.repeat(ok, tn)]
+            hashes, th = hashes[np.repeat(ok, hn)], th[np.repeat(ok, np.maximum(tc, 0) // bs)]
             ops = [o for o, k in zip(ops, ok.tolist()) if k]
             hn = hn[ok]
         if not ops:
@@ -431,10 +430,9 @@ class KvIndex:
                 ev = todo[ready]
                 sel = (slice(None) if len(ev) == len(ops)
                        else np.repeat(np.isin(np.arange(len(ops)), ev), hn))
-                states = chain_blocks(tokens.reshape(-1, bs)[sel].ravel(), hn[ev], parent[ready],
-                                      xor[sel], _TOK[:bs], bs)
+                states, keys = chain_blocks(th[sel], hn[ev], parent[ready], xor[sel])
                 self.blocks.put(ekeys[sel], state=states, w=bw[sel].astype(np.uint16))
-                self._hold_many(block_keys(states), bw[sel])
+                self._hold_many(keys, bw[sel])
                 counts += np.bincount(bw[sel], minlength=nw)
             elif wait.all():
                 break  # a cycle (hostile): what is left is not indexed
