@@ -481,9 +481,12 @@ class KvIndex:
         ws = self.blocks.cols["w"][slots].astype(np.int64)
         counts += np.bincount(ws, minlength=len(self.names))
         self.blocks.delete_slots(slots)
-        pair = np.unique(np.stack([keys, ws.astype(np.uint64)], 1), axis=0) if len(
-            slots) > 1 else np.stack([keys, ws.astype(np.uint64)], 1)
-        keys, ws = pair[:, 0], pair[:, 1].astype(np.int64)
+        if len(slots) > 1:  # each (block key, worker) once
+            order = np.lexsort((ws, keys))
+            keys, ws = keys[order], ws[order]
+            once = np.ones(len(keys), bool)
+            once[1:] = (keys[1:] != keys[:-1]) | (ws[1:] != ws[:-1])
+            keys, ws = keys[once], ws[once]
         hs = self.holders.find(keys)
         ok = hs >= 0
         keys, ws, hs = keys[ok], ws[ok], hs[ok]
