@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .kv_kernels import chain_blocks, msgpack_ints, token_blocks
+from .kv_kernels import chain_blocks, engine_keys, msgpack_ints, token_blocks
 from .u64map import U64Map, fix_keys
 
 M64 = (1 << 64) - 1
@@ -114,13 +114,9 @@ def _h64(x: int | bytes) -> int:
     return (x if isinstance(x, int) else int.from_bytes(x[:8], "big")) & M64
 
 
-def _wmix(ws: np.ndarray) -> np.ndarray:
-    return fmix((ws.astype(np.uint64) + np.uint64(1)) * np.uint64(P))
-
-
 def _engine_keys_w(hashes: np.ndarray, ws: np.ndarray) -> np.ndarray:
-    """``_engine_keys`` with a worker per hash."""
-    return fix_keys(fmix(hashes ^ _wmix(ws)))
+    """``_engine_keys`` with a worker per hash (compiled)."""
+    return engine_keys(hashes, ws)
 
 
 def _fields(ops: Sequence[Op], i: int) -> list[Any]:

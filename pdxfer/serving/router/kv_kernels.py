@@ -216,3 +216,20 @@ def chain_blocks(th: np.ndarray, lens: np.ndarray, parents: np.ndarray, xor: np.
     _chain(th, lens.astype(np.int64, copy=False), parents.astype(np.uint64, copy=False), xor,
            out, keys)
     return out, keys
+
+
+@numba.njit(cache=True, nogil=True)
+def _engine_keys(hashes: np.ndarray, ws: np.ndarray, out: np.ndarray) -> None:
+    p = np.uint64(P)
+    for i in range(len(hashes)):
+        x = _fmix(hashes[i] ^ _fmix((np.uint64(ws[i]) + np.uint64(1)) * p))
+        out[i] = x + np.uint64(2) if x < np.uint64(2) else x
+
+
+def engine_keys(hashes: np.ndarray, ws: np.ndarray) -> np.ndarray:
+    """Per block, the key of (its worker ``ws[i]``, its engine hash): ``fmix(hash ^
+    fmix((w + 1) * P))``, reserved values moved (as ``kv_index._engine_keys``)."""
+    out = np.empty(len(hashes), np.uint64)
+    _engine_keys(np.ascontiguousarray(hashes, np.uint64), np.ascontiguousarray(ws, np.int64),
+                 out)
+    return out
