@@ -265,6 +265,8 @@ def test_an_index_sized_for_its_blocks_does_not_grow_and_indexes_the_same() -> N
     assert _state(ix) == _state(ix0)
     ids = frames[2][1].events[0].token_ids
     assert ix.cached_tokens(ids) == ix0.cached_tokens(ids) == {names[2]: len(ids)}
+    with pytest.raises(ValueError):
+        KvFeeds([], index_blocks=-1)
 
 
 def test_a_burst_of_frames_defers_a_workers_frames_from_its_gap_on() -> None:

@@ -97,6 +97,8 @@ class KvFeeds:
         """``index_blocks``: the (worker, block) pairs each index is sized for up front (the
         fleet's KV cache blocks), so it does not grow while they stream in; 0: it starts
         small and grows (either way it grows past that when it must)."""
+        if index_blocks < 0:
+            raise ValueError(f"index_blocks {index_blocks}: 0 or more")
         self.indexes: dict[int, KvIndex] = {}
         self.index_slots = max(1024, slots_for(index_blocks))
         self.feeds = {s.worker: FeedState(s) for s in specs}
