@@ -134,6 +134,14 @@ def test_a_jpeg_whose_segment_runs_past_the_end_or_whose_markers_go_wrong_is_ref
     refuses(b"\xff\xd8" + b"junk" + good[2:], "no marker")
     refuses(jpeg(8, 8, before=b"\xff" * 100)[:104], "cut short")  # fill bytes, then nothing
     refuses(jpeg(0, 8), "0x8")  # a height or width of 0 (DNL) libjpeg does not support
+    big = jpeg_segment(0xC0, b"\x08\xea\x60\xea\x60\x01\x01\x11\x00")  # 60000x60000
+    # a frame header Pillow takes from where it reads JPGn as having no length (it then
+    # scans on byte by byte), or from DHP
+    refuses(jpeg(8, 8).replace(b"\xff\xc4", jpeg_segment(0xF0, big) + b"\xff\xc4", 1),
+            "0xf0 has no place")
+    refuses(jpeg(8, 8, before=b"\xff\xc8" + big), "0xc8 has no place")
+    refuses(jpeg(8, 8, before=jpeg_segment(0xDE, big[4:])), "second")
+    refuses(jpeg(8, 8, before=jpeg_segment(0x02, b"")), "0x02 has no place")
 
 
 def test_an_endless_marker_chain_is_refused_within_a_bounded_walk() -> None:

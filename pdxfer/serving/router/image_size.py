@@ -6,8 +6,7 @@ bounded by the data and every walk by a step budget; no imaging library runs on 
 body. Each reader walks the file to where its pixel data starts, as a decoder does, and
 takes the size the decoder allocates: PNG's one IHDR; GIF's screen grown to fit every
 frame (Pillow grows its canvas so); WebP's VP8 or VP8L frame or VP8X canvas; JPEG's one
-SOFn before SOS. Anything else, cut short or malformed, raises ``BadHeader``.
-"""
+frame header before SOS, past known markers only. Anything else raises ``BadHeader``."""
 
 from __future__ import annotations
 
@@ -46,10 +45,15 @@ _WEBP_CHUNK = struct.Struct("<4sI")
 _VP8_DIMS = struct.Struct("<HH")
 _SOF_DIMS = struct.Struct(">BHH")
 _FILL = re.compile(rb"\xff+")
-_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-"""SOF0-SOF15, less DHT (C4), JPG (C8) and DAC (CC), which share the range."""
+_JPEG_FRAME = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC} | {0xDE}
+"""SOF0-SOF15 (less DHT C4, JPG C8 and DAC CC, which share the range) and DHP, which Pillow
+reads as a frame header too."""
 _JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xD9)})
 """Markers without a length: TEM, RST0-RST7, SOI."""
+_JPEG_SEGMENT = frozenset({0xC4, 0xCC, 0xDB, 0xDC, 0xDD, 0xDF, *range(0xE0, 0xF0), 0xFE})
+"""Other markers a header holds, each with a length: DHT, DAC, DQT, DNL, DRI, EXP, APPn,
+COM. The rest (JPG C8 and JPGn F0-FD, which Pillow reads as having no length, and the
+reserved ones) are refused: a decoder could read past them differently."""
 
 
 def _read(fmt: struct.Struct, raw: bytes, at: int, what: str) -> tuple[int, ...]:
@@ -165,8 +169,8 @@ def _webp(raw: bytes) -> tuple[int, int]:
 
 def _jpeg(raw: bytes) -> tuple[int, int]:
     """The frame header (SOFn) among the markers before the first scan (SOS); fill bytes and
-    standalone markers skipped, other segments by their length. A second SOFn is refused
-    (Pillow would take the last, libjpeg refuses it)."""
+    standalone markers skipped, other segments by their length. A second frame header is
+    refused (Pillow would take the last, libjpeg refuses it)."""
     at, size, steps = 2, None, _Steps(raw)
     while True:
         steps.take()
@@ -181,10 +185,12 @@ def _jpeg(raw: bytes) -> tuple[int, int]:
             continue
         if m in (0x00, 0xD9):
             raise BadHeader("JPEG data ends, or holds a stuffed byte, before its first scan")
+        if m not in _JPEG_FRAME and m not in _JPEG_SEGMENT and m != 0xDA:
+            raise BadHeader(f"JPEG marker 0x{m:02x} has no place in a header")
         (length,) = _read(_BE16, raw, at, f"JPEG marker 0x{m:02x}'s length")
         if length < 2 or at + length > len(raw):
             raise BadHeader(f"JPEG segment 0x{m:02x} runs past the end of the data")
-        if m in _JPEG_SOF:
+        if m in _JPEG_FRAME:
             if size is not None or length < 8:
                 raise BadHeader("a second or short JPEG frame header")
             _, h, w = _read(_SOF_DIMS, raw, at + 2, "the JPEG frame header")
