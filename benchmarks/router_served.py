@@ -25,10 +25,10 @@ from pdxfer.demo.hf_model import build_model
 from pdxfer.demo.vllm_procs import (
     ServerNotReady,
     VllmServer,
-    free_port,
     kv_config,
     start_all,
 )
+from pdxfer.netaddr import free_port
 from pdxfer.serving.procs import Proc
 
 BS = 32

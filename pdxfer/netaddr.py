@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import random
 import socket
 import urllib.parse
 
@@ -139,3 +140,43 @@ def parse_hostports(value: object, what: str = "addresses") -> tuple[str, ...]:
         raise ConfigError(f"{what} must be 'host:port' strings, got {type(value).__name__}")
     out = [parse_hostport(v, what) for v in items if not (isinstance(v, str) and not v.strip())]
     return tuple(dict.fromkeys(out))
+
+
+_HANDED_OUT: set[int] = set()
+LOWEST_PORT = 20000
+"""Ports ``free_port`` picks lie from here up to the kernel's ephemeral range: above the
+ports Mooncake's transfer engine picks at random for itself (15000 to 17000)."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port for a process started now that binds it later (a server told ``--port``).
+
+    Picked at random below the kernel's ephemeral range and checked bindable on every
+    address, so no port the kernel hands another process meanwhile (a bind to port 0, an
+    outgoing connection's own end) can take it, and never one this process picked before:
+    servers started together each get their own. ``host`` is where it is checked."""
+    top = _ephemeral_low()
+    if top - LOWEST_PORT < 1000:  # no room below the ephemeral range: the kernel picks
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return int(s.getsockname()[1])
+    for _ in range(1000):
+        port = random.randrange(LOWEST_PORT, top)
+        if port in _HANDED_OUT:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("" if is_loopback(host) else host, port))
+        except OSError:
+            continue
+        _HANDED_OUT.add(port)
+        return port
+    raise OSError(f"no free port in [{LOWEST_PORT}, {top}) on {host}")

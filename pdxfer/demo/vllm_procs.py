@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from ..netaddr import free_port
+
 Enter = Callable[[], AbstractContextManager[Any]]
+"""A host's ``enter`` (``tests.harness.hosts.Host.enter``): the calling thread's sockets,
+opened inside, live on that host."""
 
 STARTUP_TIMEOUT_S = 600.0
 """How long a benchmark's or trace's server has to answer ``/health``: generous, since a busy
@@ -35,8 +38,6 @@ def add_startup_timeout_arg(ap: Any) -> None:
     """``--startup-timeout``: the one flag every script that starts vLLM servers shares."""
     ap.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
                     help=f"seconds each server has to answer /health (default {STARTUP_TIMEOUT_S:g})")
-"""A host's ``enter`` (``tests.harness.hosts.Host.enter``): the calling thread's sockets,
-opened inside, live on that host."""
 
 QUIET_ENV = {
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -44,12 +45,6 @@ QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false", "MC_LOG_LEVEL": "ERROR",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kv_config(role: str, extra: dict[str, Any], connector: str = "PdxferConnector",
@@ -98,7 +93,8 @@ class Server:
         self.log = Path(log_dir) / f"{name}.log"
         self.argv = [*prefix, *argv]
         self._enter = enter or contextlib.nullcontext
-        self.env = {**os.environ, **(env or {})}
+        # SIGABRT prints every thread's stack (see _stacks)
+        self.env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Server:
@@ -131,15 +127,32 @@ class Server:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+        stacks = self._stacks()
         self.stop()
         raise ServerNotReady(f"server {self.name!r} (pid {self.pid}) not ready within "
-                             f"{timeout:.0f} s; log {self.log}, last lines:\n{self.tail()}")
+                             f"{timeout:.0f} s; log {self.log}, where it hung:\n{stacks}")
+
+    def _stacks(self, wait: float = 5.0) -> str:
+        """SIGABRT to the group of a server that hangs: with ``PYTHONFAULTHANDLER`` set, each
+        Python process (the server, its engine core) prints every thread's stack to the log
+        before it dies. The log's tail, read before the shutdown's noise is appended."""
+        try:
+            os.killpg(self.pid, signal.SIGABRT)
+            self.popen.wait(timeout=wait)  # type: ignore[union-attr]
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        time.sleep(0.5)  # the engine core's dump, after its parent's
+        return self.tail(120)
 
     def tail(self, n: int = 30) -> str:
+        """The log's last ``n`` lines, without the shutdown noise libraries print at exit
+        (nanobind's leak report, resource_tracker warnings)."""
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+            lines = self.log.read_text(errors="replace").splitlines()
         except OSError:
             return ""
+        noise = ("leaked", "nanobind", "resource_tracker", "warnings.warn(")
+        return "\n".join([ln for ln in lines if not any(w in ln for w in noise)][-n:])
 
     @property
     def pid(self) -> int:

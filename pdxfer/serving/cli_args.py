@@ -90,5 +90,5 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                    "dispatch", "policy", "kv_events", "kv_load_weight", "kv_stale_misses",
                    "kv_stale_window_s", "kv_stale_tolerance_blocks", "kv_stale_deadline_s",
                    "kv_index_blocks")
-    add_field_args(ap, MediaPolicy, "max_image_bytes", "allow_remote")
+    add_field_args(ap, MediaPolicy, "max_image_bytes", "max_image_pixels", "allow_remote")
     add_field_args(ap, RouterSettings, "expose_cache_stats", "timeout_s")

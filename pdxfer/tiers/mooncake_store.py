@@ -22,18 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..auth import load_secret
+from ..netaddr import free_port
 from .errors import StorageError
 from .storage import NO_DIGEST, TAG_BYTES, Sealer, _buf
 
 log = logging.getLogger("pdxfer.tiers.mooncake")
 
 MiB = 1 << 20
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:

@@ -13,7 +13,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -24,12 +23,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 PY = ROOT / ".venv-sglang" / "bin" / "python"
 SCRIPTS = ROOT / "tests" / "sglang_env"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sglang_env(**extra: str) -> dict[str, str]:

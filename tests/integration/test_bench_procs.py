@@ -25,10 +25,10 @@ from benchmarks.common.vllm_proxy import FrontDoor
 from pdxfer.demo.vllm_procs import (
     Server,
     ServerNotReady,
-    free_port,
     start_one_by_one,
     start_together,
 )
+from pdxfer.netaddr import free_port
 from tests.harness.benchrun import run_bench
 
 HEALTHY = """
@@ -64,11 +64,13 @@ def test_a_server_never_ready_ends_the_start_up_naming_it_and_stops_the_others(
 
     t0 = time.monotonic()
     # 10 s: time enough for the healthy one to start on a loaded host
-    with pytest.raises(ServerNotReady, match="'mute_prefill'.*not ready within 10 s"):
+    with pytest.raises(ServerNotReady, match="'mute_prefill'.*not ready within 10 s") as e:
         start_one_by_one([lambda: make("ok_decode", HEALTHY),
                           lambda: make("mute_prefill", SILENT),
                           lambda: make("never_built", HEALTHY)], timeout=10.0)
     assert time.monotonic() - t0 < 2 * 10.0 + 30.0  # bounded: no hang on the silent one
+    # the error shows where it hung: the silent server's stack, line by line
+    assert 'in accept\n  File "<string>", line 6 in <module>' in str(e.value)
     assert [s.name for s in made] == ["ok_decode", "mute_prefill"]  # the third never started
     for s in made:  # every process started is gone, killed by pid
         assert s.popen is not None and s.popen.poll() is not None

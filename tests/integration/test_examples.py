@@ -99,7 +99,8 @@ def test_launch_scripts_are_valid_bash() -> None:
 # -- the one-host vLLM scripts, on the small local model ------------------------------------
 
 def _start_one_host(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
-    from pdxfer.demo.vllm_procs import QUIET_ENV, free_port
+    from pdxfer.demo.vllm_procs import QUIET_ENV
+    from pdxfer.netaddr import free_port
 
     ports = {k: free_port() for k in ("ROUTER_PORT", "PREFILL_PORT", "DECODE_PORT",
                                       "BOOTSTRAP_PORT")}

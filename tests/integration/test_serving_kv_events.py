@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from pdxfer.netaddr import free_port
 from pdxfer.serving.procs import stop_all
 from pdxfer.serving.toy import EOS_ID, ToyConfig, ToyModel, encode
 from pdxfer.serving.toy.cluster import Cluster
@@ -30,12 +30,6 @@ TURN1 = "a conversation the router follows by the prefills' own KV events: " * 4
 STALE_DEADLINE_S = 1.0
 MUTED = 8
 SHORT = TURN1[:80]  # four pages: the silent-publisher test asks many prompts
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def greedy(prompt: str, n: int) -> list[int]:
@@ -73,7 +67,7 @@ def until(cond: Any, timeout: float = 20.0) -> None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    eps = [f"tcp://127.0.0.1:{_port()}" for _ in range(2)]
+    eps = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     c = Cluster(worker_args=WORKER, prefills=2, decodes=1,
                 each_prefill=[["--kv-events", e] for e in eps])
     c.start()

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from .sglang_helpers import SglangError, SglangProc, free_port
+from pdxfer.netaddr import free_port
+
+from .sglang_helpers import SglangError, SglangProc
 
 
 @dataclass

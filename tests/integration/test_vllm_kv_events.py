@@ -24,7 +24,8 @@ import pytest
 
 from pdxfer import BootstrapServer
 from pdxfer.demo.hf_model import build_model
-from pdxfer.demo.vllm_procs import VllmServer, free_port, kv_config, start_all
+from pdxfer.demo.vllm_procs import VllmServer, kv_config, start_all
+from pdxfer.netaddr import free_port
 from pdxfer.serving.procs import Proc
 
 from .vllm_helpers import client, metric, wait

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import zmq
 from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
 
-from pdxfer.demo.vllm_procs import free_port
+from pdxfer.netaddr import free_port
 from pdxfer.serving.router.kv_feed import FeedSpec, KvFeeds
 
 BS = 16

@@ -117,3 +117,28 @@ def test_a_decode_trusts_exactly_its_configured_bootstraps() -> None:
         assert ep.core.counters["untrusted_bootstraps_refused"] == 1
     finally:
         ep.close()
+
+
+def test_free_ports_lie_below_the_ephemeral_range_each_bindable_and_never_twice() -> None:
+    """Servers started together are each told a port they bind seconds later: no port the
+    kernel hands out meanwhile (port 0 binds, outgoing connections) may be one of them, and
+    no two of them may be the same (vLLM's KV event publisher failed to bind otherwise)."""
+    import socket
+
+    from pdxfer.netaddr import LOWEST_PORT, _ephemeral_low, free_port
+
+    held = []
+    try:
+        for _ in range(30):  # the kernel's own picks, held while free_port picks
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+        ports = [free_port() for _ in range(300)]
+        assert len(set(ports)) == len(ports)
+        assert all(LOWEST_PORT <= p < _ephemeral_low() for p in ports)
+        for p in ports[:20]:  # each is free on every address
+            with socket.socket() as s:
+                s.bind(("", p))
+    finally:
+        for s in held:
+            s.close()

@@ -1,13 +1,12 @@
 """Images at the router's front door: ``image_url`` parts are checked and bounded before any
-worker sees them (size, base64, type, count; remote URLs only when allowed), forwarded as
-the client sent them, and a text-only chat is parsed as before."""
+worker sees them (size, base64, type, pixels as the header declares them, count; remote URLs
+only when allowed), forwarded as the client sent them, and a text-only chat is parsed as
+before. (``test_router_image_size.py``: the header reader itself.)"""
 
 from __future__ import annotations
 
 import base64
 import copy
-import random
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +16,7 @@ from pdxfer.serving.errors import BadRequest
 from pdxfer.serving.router.backends import ToyBackend
 from pdxfer.serving.router.media import DEFAULT, MediaPolicy
 from pdxfer.serving.router.openai_api import parse_chat
-
-
-def png(w: int = 4, h: int = 4, seed: int = 0) -> bytes:
-    """A real PNG file (RGB, ``w`` x ``h``), made without an imaging library."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (len(data).to_bytes(4, "big") + kind + data
-                + zlib.crc32(kind + data).to_bytes(4, "big"))
-    rng = random.Random(seed)  # noise: it does not compress
-    rows = b"".join(b"\x00" + rng.randbytes(3 * w) for _ in range(h))
-    ihdr = w.to_bytes(4, "big") + h.to_bytes(4, "big") + b"\x08\x02\x00\x00\x00"
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows))
-            + chunk(b"IEND", b""))
+from tests.harness.images import WEBP_LOSSY, gif, jpeg, png, riff_webp, webp_lossless
 
 
 def data_url(raw: bytes, mime: str = "image/png") -> str:
@@ -145,3 +133,55 @@ def test_both_vllm_legs_get_the_clients_messages_and_text_keeps_token_ids() -> N
     lp = {"content": [{"token": "token_id:5", "logprob": -0.5, "top_logprobs": [
         {"token": "token_id:5", "logprob": -0.5}, {"token": "token_id:9", "logprob": -1.5}]}]}
     assert _chat_logprobs(lp) == [{"token_id": 5, "logprob": -0.5, "top": {5: -0.5, 9: -1.5}}]
+
+
+def _lossy(w: int, h: int) -> bytes:
+    """``WEBP_LOSSY`` with its VP8 frame header declaring ``w`` x ``h``."""
+    return WEBP_LOSSY[:26] + w.to_bytes(2, "little") + h.to_bytes(2, "little") + WEBP_LOSSY[30:]
+
+
+BOMBS = {
+    "png 50000x50000": (png(50_000, 50_000, pixels=False), "image/png"),
+    "png 1x2^30": (png(1, 1 << 30, pixels=False), "image/png"),
+    "gif screen 65535x65535": (gif(65_535, 65_535, frames=((0, 0, 1, 1),)), "image/gif"),
+    "gif 1x1 screen, frame reaching 65536x65536": (
+        gif(1, 1, frames=((0, 0, 1, 1), (65_535, 65_535, 1, 1))), "image/gif"),
+    "webp lossless 16384x16384, a real bomb": (webp_lossless(16_384, 16_384), "image/webp"),
+    "webp lossy 16383x16383": (_lossy(16_383, 16_383), "image/webp"),
+    "webp canvas 2^24x2^24": (riff_webp((b"VP8X", b"\x00" * 4 + b"\xff" * 6)), "image/webp"),
+    "jpeg 65535x65535": (jpeg(65_535, 65_535, scan=False), "image/jpeg"),
+    "jpeg 4097x4096": (jpeg(4097, 4096, scan=False), "image/jpeg"),
+}
+"""Files of a few bytes to a few KiB declaring more pixels than the default cap."""
+
+
+@pytest.mark.parametrize("name", list(BOMBS))
+def test_an_image_declaring_more_pixels_than_allowed_is_refused_before_any_worker(
+        name: str) -> None:
+    """A few bytes can declare a billion pixels, which every worker would decode."""
+    raw, mime = BOMBS[name]
+    assert len(raw) < 4096
+    assert "pixels" in refused(chat(image(data_url(raw, mime))))
+
+
+@pytest.mark.parametrize("make,mime", [(png, "image/png"), (gif, "image/gif"),
+                                       (webp_lossless, "image/webp"), (jpeg, "image/jpeg")])
+def test_the_pixel_cap_is_a_setting_and_images_within_it_pass(make: Any, mime: str) -> None:
+    small = MediaPolicy(max_image_pixels=15)
+    assert "over 15 pixels (4x4)" in refused(chat(image(data_url(make(4, 4), mime))), small)
+    parse_chat(chat(image(data_url(make(3, 5), mime))), media=small)
+
+
+@pytest.mark.parametrize("make,mime", [(webp_lossless, "image/webp"), (jpeg, "image/jpeg")])
+def test_a_real_image_of_exactly_the_default_cap_passes_one_row_more_does_not(
+        make: Any, mime: str) -> None:
+    assert DEFAULT.max_image_pixels == 4096 * 4096
+    parse_chat(chat(image(data_url(make(4096, 4096), mime))))
+    assert "(4096x4097)" in refused(chat(image(data_url(make(4096, 4097), mime))))
+
+
+def test_a_header_that_cannot_be_read_is_refused() -> None:
+    broken = b"\x89PNG\r\n\x1a\n" + b"\x00" * 40  # the signature, then no IHDR
+    assert "header cannot be read" in refused(chat(image(data_url(broken))))
+    cut = jpeg(8, 8)[:40]
+    assert "header cannot be read" in refused(chat(image(data_url(cut, "image/jpeg"))))

@@ -665,6 +665,7 @@ def run(a: argparse.Namespace) -> int:
                     stale=StaleLimits(s.kv_stale_misses, s.kv_stale_window_s,
                                       s.kv_stale_tolerance_blocks, s.kv_stale_deadline_s),
                     media=MediaPolicy(max_image_bytes=a.max_image_bytes,
+                                      max_image_pixels=a.max_image_pixels,
                                       allow_remote=a.allow_remote_images))
     log.info("router: %d prefill, %d decode, %s", len(prefills), len(decodes), router.policy)
     return serve(router.app(), s.host, s.port, advertise=s.advertise, what="router")

@@ -3,9 +3,12 @@
 A chat message's content may hold ``image_url`` parts. The router forwards them unchanged to
 both legs (the engine decodes the image), so it checks here, before anything reaches a
 worker, what a hostile body could abuse: at most ``max_images`` per request; a data URL of
-an image type whose base64 is well formed and decodes to at most ``max_image_bytes``, and
-whose bytes start as that type says; a remote ``http(s)`` URL only when the operator allowed
-it (each worker would fetch it, a server-side request the client steers); nothing else.
+an image type whose base64 is well formed and decodes to at most ``max_image_bytes``, whose
+bytes start as that type says, and whose header (read by hand, ``image_size.py``: no pixel
+decoded, no imaging library run) declares at most ``max_image_pixels`` (a few dozen bytes
+can declare a billion pixels, which each worker would decode); a remote ``http(s)`` URL only
+when the operator allowed it (each worker would fetch it, a server-side request the client
+steers); nothing else.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 from pdxfer.setting import setting as setting_field
 
 from ..errors import BadRequest
+from .image_size import BadHeader, image_size
 
 _DATA = re.compile(r"data:(image/[a-z0-9.+-]+);base64,", re.I)
 _MAGIC: dict[str, tuple[bytes, ...]] = {
@@ -39,6 +43,11 @@ class MediaPolicy:
     max_image_bytes: int = setting_field(
         4 << 20, "largest image (decoded bytes) a chat request's data URL may carry (the "
         "router's body limit bounds the request as a whole)", metavar="N")
+    max_image_pixels: int = setting_field(
+        4096 * 4096, "largest image (width x height, as its header declares) a chat request "
+        "may carry", metavar="N")
+    """4096 x 4096 (16.8 MP): above 4K screens (8.3 MP) and phone photos (12 MP), 48 MiB of
+    RGB per decoded image, a fifth of Pillow's own bomb threshold (89.5 MP)."""
     allow_remote: bool = setting_field(
         False, "forward http(s) image URLs to the workers (each fetches them; off: a 400 asks "
         "for a data URL)", flags=("--allow-remote-images",))
@@ -81,6 +90,13 @@ def check_image_part(part: dict[str, Any], where: str, policy: MediaPolicy) -> N
         raise BadRequest(f"{where}: image is empty or over {policy.max_image_bytes} bytes")
     if not raw.startswith(_MAGIC[mime]) or mime == "image/webp" and raw[8:12] != b"WEBP":
         raise BadRequest(f"{where}: the data is not a {mime} image")
+    try:
+        size = image_size(raw)
+    except BadHeader as e:
+        raise BadRequest(f"{where}: the image's header cannot be read ({e})") from None
+    if size.pixels > policy.max_image_pixels:
+        raise BadRequest(f"{where}: image over {policy.max_image_pixels} pixels "
+                         f"({size.width}x{size.height})")
 
 
 def parse_parts(content: list[Any], where: str, policy: MediaPolicy
