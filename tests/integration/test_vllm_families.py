@@ -310,7 +310,10 @@ def test_a_prefill_killed_mid_request_leaves_right_answers_or_clean_errors(pair:
     ``delay_write`` fault); two requests, one streamed, go through it, the decode engages a
     load for each, and the prefill is SIGKILLed. Each client gets colocated's tokens (the
     decode recomputed) or a clean error, never wrong tokens or a hang; the decode ends both
-    loads and serves on."""
+    loads and serves on, having loaded nothing the held prefill never sent. bf16 families:
+    the decode may compute both prompts in one batch where colocated computed each alone,
+    and their tokens may then differ (``exact_alone``); that nothing was loaded shows those
+    answers came from vLLM's own compute."""
     f = pair.family
     prompts = [prompt(n, 300 + i) for i, n in enumerate(pair.lengths()[:2])]
     refs = [complete(pair.prefill.url, p) for p in prompts]
@@ -324,9 +327,9 @@ def test_a_prefill_killed_mid_request_leaves_right_answers_or_clean_errors(pair:
         router = Proc("router-held", ["router", "--engine", "vllm", "--port", "0", "--prefill",
                                       f"{held.url},{pair.boot.address},p-held", "--decode",
                                       f"{pair.decode.url},d0"], timeout=180)
-        loads0 = int(pair.d().get("loads", 0))
+        loads0, loaded0 = int(pair.d().get("loads", 0)), pair.d().get("loaded_tokens", 0)
         with cf.ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(right_or_clean_error, router.url, p, i == 1, r)
+            futs = [ex.submit(right_or_clean_error, router.url, p, i == 1, r, pair.exact_alone)
                     for i, (p, r) in enumerate(zip(prompts, refs))]
             wait("the decode's loads", lambda: int(pair.d().get("loads", 0)) - loads0 >= 2,
                  timeout=120)
@@ -336,6 +339,7 @@ def test_a_prefill_killed_mid_request_leaves_right_answers_or_clean_errors(pair:
         assert len(verdicts) == 2
         wait("the decode to end both loads", lambda: pair.d().get("in_flight_loads") == 0,
              timeout=60)
+        assert pair.d().get("loaded_tokens", 0) == loaded0, verdicts
     finally:
         if router is not None:
             router.stop()

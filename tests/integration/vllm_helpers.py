@@ -133,17 +133,21 @@ def complete(url: str, prompt: str | list[int], timeout: float = CLIENT_TIMEOUT_
     return token_ids(r.choices[0], r)
 
 
-def right_or_clean_error(url: str, prompt: str | list[int], stream: bool, want: list[int]
-                         ) -> str:
+def right_or_clean_error(url: str, prompt: str | list[int], stream: bool, want: list[int],
+                         exact: bool = True) -> str:
     """One request's verdict: ``ok`` (colocated tokens) or ``error`` (an OpenAI-shaped error
     status with a JSON body). Wrong tokens, a stream cut short (no final chunk) or an error
-    inside a started stream fail the test."""
+    inside a started stream fail the test. ``exact=False`` (a bf16 model whose tokens change
+    with the batch it is computed in): a full answer of other tokens is ``other``, for the
+    caller to account for."""
     try:
         got = stream_ids(url, prompt) if stream else complete(url, prompt)
     except openai.APIStatusError as e:
         assert isinstance(e.body, dict) and e.body.get("message"), \
             f"an error without an OpenAI JSON body: {e.status_code} {e.body!r}"
         return "error"
+    if not exact and got != want and len(got) == len(want):
+        return "other"
     assert got == want, f"{'stream' if stream else 'plain'} {str(prompt)[:40]!r}: {got} != {want}"
     return "ok"
 
