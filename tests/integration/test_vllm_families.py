@@ -74,6 +74,11 @@ class Pair:
     d_stats: Path
     p_stats: Path
     tmp: Path
+    held: VllmServer
+    """A second prefill whose writes wait ``HELD_S``: the kill test's (started with the
+    pair, as their start-ups overlap)."""
+    held_router: Proc
+    """A router from ``held`` to the pair's decode."""
 
     def d(self) -> dict[str, Any]:
         return read_stats(self.d_stats)
@@ -127,7 +132,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     boot = BootstrapServer("127.0.0.1", 0).start()
     d_stats, p_stats = tmp / "d.json", tmp / "p.json"
     servers: list[VllmServer] = []
-    router = None
+    routers: list[Proc] = []
     try:
         servers = [
             _server(f, model, tmp, "prefill", {"bootstrap": boot.address, "instance": "p0",
@@ -136,15 +141,22 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             _server(f, model, tmp, "decode", {"bootstrap": boot.address, "instance": "d0",
                                               "stats_file": str(d_stats), "l2_pages": L2,
                                               "integrity": "full"},
-                    "kv_consumer")]
+                    "kv_consumer"),
+            _server(f, model, tmp, "held", {"bootstrap": boot.address, "instance": "p-held"},
+                    "kv_producer", env={"PDXFER_FAULTS": f"delay_write={HELD_S}"})]
         start_all(servers)
-        router = Proc("router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
-                                 f"{servers[0].url},{boot.address},p0", "--decode",
-                                 f"{servers[1].url},d0"], timeout=180)
-        yield Pair(f, model, boot, servers[0], servers[1], router, d_stats, p_stats, tmp)
+        prefill, decode, held = servers
+        routers.append(Proc("router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
+                                       f"{prefill.url},{boot.address},p0", "--decode",
+                                       f"{decode.url},d0"], timeout=180))
+        routers.append(Proc("router-held", [
+            "router", "--engine", "vllm", "--port", "0", "--prefill",
+            f"{held.url},{boot.address},p-held", "--decode", f"{decode.url},d0"], timeout=180))
+        yield Pair(f, model, boot, prefill, decode, routers[0], d_stats, p_stats, tmp, held,
+                   routers[1])
     finally:
-        if router is not None:
-            router.stop()
+        for r in routers:
+            r.stop()
         for s in servers:
             s.stop()
         boot.stop()
@@ -314,22 +326,15 @@ def test_a_prefill_killed_mid_request_leaves_right_answers_or_clean_errors(pair:
     the decode may compute both prompts in one batch where colocated computed each alone,
     and their tokens may then differ (``exact_alone``); that nothing was loaded shows those
     answers came from vLLM's own compute."""
-    f = pair.family
     prompts = [prompt(n, 300 + i) for i, n in enumerate(pair.lengths()[:2])]
     refs = [complete(pair.prefill.url, p) for p in prompts]
-    held = _server(f, pair.model, pair.tmp, "held", {"bootstrap": pair.boot.address,
-                                                    "instance": "p-held"}, "kv_producer",
-                   env={"PDXFER_FAULTS": f"delay_write={HELD_S}"})
-    router = None
+    held = pair.held
     try:
-        held.wait_ready(300)
         wait("the held prefill's registration", lambda: _registered(pair.boot, "p-held"))
-        router = Proc("router-held", ["router", "--engine", "vllm", "--port", "0", "--prefill",
-                                      f"{held.url},{pair.boot.address},p-held", "--decode",
-                                      f"{pair.decode.url},d0"], timeout=180)
         loads0, loaded0 = int(pair.d().get("loads", 0)), pair.d().get("loaded_tokens", 0)
         with cf.ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(right_or_clean_error, router.url, p, i == 1, r, pair.exact_alone)
+            futs = [ex.submit(right_or_clean_error, pair.held_router.url, p, i == 1, r,
+                              pair.exact_alone)
                     for i, (p, r) in enumerate(zip(prompts, refs))]
             wait("the decode's loads", lambda: int(pair.d().get("loads", 0)) - loads0 >= 2,
                  timeout=120)
@@ -341,8 +346,6 @@ def test_a_prefill_killed_mid_request_leaves_right_answers_or_clean_errors(pair:
              timeout=60)
         assert pair.d().get("loaded_tokens", 0) == loaded0, verdicts
     finally:
-        if router is not None:
-            router.stop()
         held.stop()
     q = prompt(pair.lengths()[0], 310)
     assert complete(pair.router.url, q) == complete(pair.prefill.url, q)
