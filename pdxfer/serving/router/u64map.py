@@ -96,6 +96,33 @@ def _find(table: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
         out[i] = o
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _place(table: np.ndarray, k: np.uint64, m: int, nb: int, absent: bool) -> tuple[int, int]:
+    """Key ``k``'s slot, placed in the first free way of its probe chain when absent
+    (``absent``: the caller knows it is); and what that took: 0 (found), 1 (a DELETED way),
+    2 (an EMPTY one)."""
+    b = _bucket(k, m)
+    step = (int(k >> np.uint64(8)) & m) | 1
+    free = -1
+    for _ in range(nb):
+        base = b * WAYS
+        for j in range(WAYS):
+            x = table[base + j]
+            if x == k and not absent:
+                return base + j, 0
+            if x <= DELETED:
+                if free < 0:
+                    free = base + j
+                if x == EMPTY or absent:
+                    took = 2 if table[free] == EMPTY else 1
+                    table[free] = k
+                    return free, took
+        b = (b + step) & m
+    took = 2 if table[free] == EMPTY else 1  # every bucket probed (never: the map grows first)
+    table[free] = k
+    return free, took
+
+
 @numba.njit(cache=True, nogil=True)
 def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
             new: np.ndarray, col: np.ndarray, vals: np.ndarray, cur: np.ndarray
@@ -122,40 +149,12 @@ def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
             prefetch(table, b)
             if has_col:
                 prefetch(col, b)
-        k = keys[i]
-        b = _bucket(k, m)
-        step = (int(k >> np.uint64(8)) & m) | 1
-        free = -1
-        o = -1
-        for _ in range(nb):
-            end = False
-            base = b * WAYS
-            for j in range(WAYS):
-                x = table[base + j]
-                if x == k and not absent:
-                    o = base + j
-                    end = True
-                    break
-                if x <= DELETED:
-                    if free < 0:
-                        free = base + j
-                    if x == EMPTY or absent:
-                        end = True
-                        break
-            if end:
-                break
-            b = (b + step) & m
-        if o < 0:
-            if table[free] == EMPTY:
-                used += 1
-            table[free] = k
-            o = free
-            new[i] = True
-            placed += 1
-            if has_col:
-                col[o] = vals[i]
-        else:
-            new[i] = False
+        o, took = _place(table, keys[i], m, nb, absent)
+        placed += took > 0
+        used += took == 2
+        new[i] = took > 0
+        if took and has_col:
+            col[o] = vals[i]
         out[i] = o
         if has_col:
             cur[i] = col[o]
@@ -182,35 +181,9 @@ def _put2(table: np.ndarray, keys: np.ndarray, out: np.ndarray, c1: np.ndarray,
             prefetch(table, b)
             prefetch(c1, b)
             prefetch(c2, b)
-        k = keys[i]
-        b = _bucket(k, m)
-        step = (int(k >> np.uint64(8)) & m) | 1
-        free = -1
-        o = -1
-        for _ in range(nb):
-            end = False
-            base = b * WAYS
-            for j in range(WAYS):
-                x = table[base + j]
-                if x == k:
-                    o = base + j
-                    end = True
-                    break
-                if x <= DELETED:
-                    if free < 0:
-                        free = base + j
-                    if x == EMPTY:
-                        end = True
-                        break
-            if end:
-                break
-            b = (b + step) & m
-        if o < 0:
-            if table[free] == EMPTY:
-                used += 1
-            table[free] = k
-            o = free
-            placed += 1
+        o, took = _place(table, keys[i], m, nb, False)
+        placed += took > 0
+        used += took == 2
         out[i] = o
         c1[o] = v1[i]
         c2[o] = v2[i]
