@@ -103,20 +103,15 @@ def block_keys(states: np.ndarray) -> np.ndarray:
     return fix_keys(fmix(states))
 
 
-def _engine_keys(hashes: Sequence[int | bytes], worker: int) -> np.ndarray:
-    """(worker, engine block hash) -> a map key; byte hashes use their first 8 bytes."""
-    h = np.fromiter(((x if isinstance(x, int) else int.from_bytes(x[:8], "big")) & M64
-                     for x in hashes), np.uint64, len(hashes))
-    return fix_keys(fmix(h ^ fmix(np.uint64(((worker + 1) * P) & M64))))
-
-
 def _h64(x: int | bytes) -> int:
     return (x if isinstance(x, int) else int.from_bytes(x[:8], "big")) & M64
 
 
-def _engine_keys_w(hashes: np.ndarray, ws: np.ndarray) -> np.ndarray:
-    """``_engine_keys`` with a worker per hash (compiled)."""
-    return engine_keys(hashes, ws)
+def _engine_keys(hashes: Sequence[int | bytes], worker: int) -> np.ndarray:
+    """(worker, engine block hash) -> a map key (``engine_keys``); byte hashes use their
+    first 8 bytes."""
+    h = np.fromiter(map(_h64, hashes), np.uint64, len(hashes))
+    return engine_keys(h, np.full(len(h), worker, np.int64))
 
 
 def _fields(ops: Sequence[Op], i: int) -> list[Any]:
@@ -385,7 +380,7 @@ class KvIndex:
             return np.zeros(nw, np.int64)
         ev_w = np.fromiter(map(itemgetter(1), ops), np.int64, len(ops))
         bw = np.repeat(ev_w, hn)
-        ekeys = _engine_keys_w(hashes, bw)
+        ekeys = engine_keys(hashes, bw)
         xor = np.zeros(len(hashes), np.uint64)
         extras = list(map(itemgetter(5), ops))
         if any(extras):
@@ -402,7 +397,7 @@ class KvIndex:
             hp, ph = np.ones(len(ops), bool), _hashes64(parents)
         pkeys = np.zeros(len(ops), np.uint64)
         if len(ph):
-            pkeys[hp] = _engine_keys_w(ph, ev_w[hp])
+            pkeys[hp] = engine_keys(ph, ev_w[hp])
         counts = np.zeros(nw, np.int64)
         todo = np.arange(len(ops))
         while len(todo):
@@ -465,7 +460,7 @@ class KvIndex:
             return np.zeros(len(self.names), np.int64)
         ws = np.repeat(np.fromiter(map(itemgetter(1), ops), np.int64, len(ops)),
                        [len(o[2]) for o in ops])
-        slots = self.blocks.find(_engine_keys_w(_hashes64(hs), ws))
+        slots = self.blocks.find(engine_keys(_hashes64(hs), ws))
         return self._release_many(np.unique(slots[slots >= 0]))
 
     def _release_many(self, slots: np.ndarray) -> np.ndarray:

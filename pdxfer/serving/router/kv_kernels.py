@@ -82,42 +82,12 @@ def _int(buf: np.ndarray, i: int, end: int, tokens: bool) -> tuple[bool, np.uint
 
 
 @numba.njit(cache=True, nogil=True)
-def _ints(buf: np.ndarray, offs: np.ndarray, tokens: bool, max_items: int,
-          out: np.ndarray, counts: np.ndarray) -> int:
+def _ints(buf: np.ndarray, offs: np.ndarray, tokens: bool, max_items: int, bs: int,
+          weights: np.ndarray, out: np.ndarray, counts: np.ndarray) -> int:
     """Each field ``buf[offs[j]:offs[j + 1]]`` (one msgpack array) into ``out``; its item
-    count into ``counts[j]`` (-1: not a valid array of allowed items, ``_int``)."""
-    o = 0
-    for j in range(len(offs) - 1):
-        i, end = offs[j], offs[j + 1]
-        counts[j] = -1
-        if i >= end:
-            continue
-        n, i = _header(buf, i, end)
-        if n < 0 or n > max_items or n > end - i:
-            continue
-        start, ok = o, True
-        for _ in range(n):
-            if i >= end:
-                ok = False
-                break
-            ok, v, i = _int(buf, i, end, tokens)
-            if not ok:
-                break
-            out[o] = v
-            o += 1
-        if ok and i == end:
-            counts[j] = n
-        else:
-            o = start
-    return o
-
-
-@numba.njit(cache=True, nogil=True)
-def _token_blocks(buf: np.ndarray, offs: np.ndarray, max_items: int, bs: int,
-                  weights: np.ndarray, out: np.ndarray, counts: np.ndarray) -> int:
-    """``_ints`` of token arrays, each full block of ``bs`` tokens hashed as it is read
-    (``_fmix(sum(token * weight) + bs)``) into ``out``, so the tokens are never stored;
-    ``counts[j]``: field ``j``'s token count, or -1."""
+    count into ``counts[j]`` (-1: not a valid array of allowed items, ``_int``). ``bs`` > 0
+    (token arrays): not the items but each full block of ``bs`` hashed as it is read
+    (``_fmix(sum(token * weight) + bs)``), so the tokens are never stored."""
     o = 0
     for j in range(len(offs) - 1):
         i, end = offs[j], offs[j + 1]
@@ -134,9 +104,13 @@ def _token_blocks(buf: np.ndarray, offs: np.ndarray, max_items: int, bs: int,
             if i >= end:
                 ok = False
                 break
-            ok, v, i = _int(buf, i, end, True)
+            ok, v, i = _int(buf, i, end, tokens)
             if not ok:
                 break
+            if bs == 0:
+                out[o] = v
+                o += 1
+                continue
             acc += v * weights[t]
             t += 1
             if t == bs:
@@ -149,6 +123,9 @@ def _token_blocks(buf: np.ndarray, offs: np.ndarray, max_items: int, bs: int,
         else:
             o = start
     return o
+
+
+_NO_WEIGHTS = np.empty(0, np.uint64)
 
 
 def _buffers(fields: list[Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -166,21 +143,20 @@ def msgpack_ints(fields: list[Any], tokens: bool, max_items: int
     buf, offs = _buffers(fields)
     out = np.empty(len(buf), np.uint64)
     counts = np.empty(len(fields), np.int64)
-    o = _ints(buf, offs, tokens, max_items, out, counts)
+    o = _ints(buf, offs, tokens, max_items, 0, _NO_WEIGHTS, out, counts)
     return out[:o], counts
 
 
 def token_blocks(fields: list[Any], bs: int, weights: np.ndarray, max_items: int
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Many msgpack token arrays -> (the token hash of each full block of each valid one,
-    per field its token count or -1); ``weights``: at least ``bs`` of them."""
+    per field its token count or -1); ``weights``: at least ``bs`` of them (``_ints``)."""
     if not 1 <= bs <= len(weights):
         raise ValueError(f"block size {bs}: 1 to {len(weights)}")
     buf, offs = _buffers(fields)
     out = np.empty(len(buf) // bs + 1, np.uint64)  # a token takes a byte at least
     counts = np.empty(len(fields), np.int64)
-    o = _token_blocks(buf, offs, max_items, bs, weights.astype(np.uint64, copy=False), out,
-                      counts)
+    o = _ints(buf, offs, True, max_items, bs, weights.astype(np.uint64, copy=False), out, counts)
     return out[:o], counts
 
 
@@ -189,6 +165,13 @@ def _fmix(x: np.uint64) -> np.uint64:
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _map_key(x: np.uint64) -> np.uint64:
+    """``_fmix(x)`` as a map key: the two reserved values moved (``u64map.fix_keys``)."""
+    k = _fmix(x)
+    return k + np.uint64(2) if k < np.uint64(2) else k
 
 
 @numba.njit(cache=True, nogil=True)
@@ -201,8 +184,7 @@ def _chain(th: np.ndarray, lens: np.ndarray, parents: np.ndarray, xor: np.ndarra
         for _ in range(lens[e]):
             s = s * p + (th[k] ^ xor[k])
             out[k] = s
-            x = _fmix(s)
-            keys[k] = x + np.uint64(2) if x < np.uint64(2) else x
+            keys[k] = _map_key(s)
             k += 1
 
 
@@ -222,13 +204,12 @@ def chain_blocks(th: np.ndarray, lens: np.ndarray, parents: np.ndarray, xor: np.
 def _engine_keys(hashes: np.ndarray, ws: np.ndarray, out: np.ndarray) -> None:
     p = np.uint64(P)
     for i in range(len(hashes)):
-        x = _fmix(hashes[i] ^ _fmix((np.uint64(ws[i]) + np.uint64(1)) * p))
-        out[i] = x + np.uint64(2) if x < np.uint64(2) else x
+        out[i] = _map_key(hashes[i] ^ _fmix((np.uint64(ws[i]) + np.uint64(1)) * p))
 
 
 def engine_keys(hashes: np.ndarray, ws: np.ndarray) -> np.ndarray:
     """Per block, the key of (its worker ``ws[i]``, its engine hash): ``fmix(hash ^
-    fmix((w + 1) * P))``, reserved values moved (as ``kv_index._engine_keys``)."""
+    fmix((w + 1) * P))``, reserved values moved."""
     out = np.empty(len(hashes), np.uint64)
     _engine_keys(np.ascontiguousarray(hashes, np.uint64), np.ascontiguousarray(ws, np.int64),
                  out)
