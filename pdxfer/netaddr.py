@@ -148,6 +148,7 @@ LOWEST_PORT = 20000
 ports Mooncake's transfer engine picks at random for itself (15000 to 17000)."""
 
 
+@functools.cache
 def _ephemeral_low() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
