@@ -14,9 +14,13 @@ from tests.harness import flood as F
 
 def _stats(prefix: str, lat: list[float]) -> dict[str, Any]:
     a = np.asarray(lat) * 1000
-    return {f"{prefix}.requests": len(lat), f"{prefix}.p50_ms": float(np.percentile(a, 50)),
-            f"{prefix}.p90_ms": float(np.percentile(a, 90)),
-            f"{prefix}.p99_ms": float(np.percentile(a, 99)), f"{prefix}.max_ms": float(a.max())}
+    return {
+        f"{prefix}.requests": len(lat),
+        f"{prefix}.p50_ms": float(np.percentile(a, 50)),
+        f"{prefix}.p90_ms": float(np.percentile(a, 90)),
+        f"{prefix}.p99_ms": float(np.percentile(a, 99)),
+        f"{prefix}.max_ms": float(a.max()),
+    }
 
 
 def measure(seconds: float) -> dict[str, Any]:
@@ -58,8 +62,9 @@ def measure(seconds: float) -> dict[str, Any]:
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--seconds", type=float, default=None,
-                    help="seconds per phase (default 30; --quick 5)")
+    ap.add_argument(
+        "--seconds", type=float, default=None, help="seconds per phase (default 30; --quick 5)"
+    )
 
 
 def main(a: argparse.Namespace) -> dict[str, Any]:

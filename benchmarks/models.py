@@ -30,12 +30,22 @@ BS, MAX_LEN, MAX_TOKENS, TIMEOUT = 32, 4096, 8, 300.0
 VARIANTS = ("pdxfer", "nixl")
 
 
-def _server(fam: str, model: Path, tmp: Path, name: str, cfg: str,
-            env: dict[str, str] | None = None) -> VllmServer:
+def _server(
+    fam: str, model: Path, tmp: Path, name: str, cfg: str, env: dict[str, str] | None = None
+) -> VllmServer:
     f = FAMILIES[fam]
-    return VllmServer(name, model, tmp, dtype=f.dtype, block_size=BS, kv_cache_bytes=512 << 20,
-                      args=[*f.vllm_args, "--max-model-len", str(MAX_LEN)],
-                      kv_transfer_config=cfg, env=env, log_stats=False)
+    return VllmServer(
+        name,
+        model,
+        tmp,
+        dtype=f.dtype,
+        block_size=BS,
+        kv_cache_bytes=512 << 20,
+        args=[*f.vllm_args, "--max-model-len", str(MAX_LEN)],
+        kv_transfer_config=cfg,
+        env=env,
+        log_stats=False,
+    )
 
 
 @contextmanager
@@ -43,16 +53,40 @@ def pdxfer_pair(fam: str, model: Path, tmp: Path) -> Iterator[tuple[str, str, Ca
     """(front door URL, colocated URL, bytes the decode received so far)."""
     boot = BootstrapServer("127.0.0.1", 0).start()
     stats = tmp / "d.json"
-    p = _server(fam, model, tmp, "p", kv_config("kv_producer", {"bootstrap": boot.address,
-                                                                "instance": "p0"}))
-    d = _server(fam, model, tmp, "d", kv_config("kv_consumer", {
-        "bootstrap": boot.address, "instance": "d0", "stats_file": str(stats)}))
+    p = _server(
+        fam,
+        model,
+        tmp,
+        "p",
+        kv_config("kv_producer", {"bootstrap": boot.address, "instance": "p0"}),
+    )
+    d = _server(
+        fam,
+        model,
+        tmp,
+        "d",
+        kv_config(
+            "kv_consumer", {"bootstrap": boot.address, "instance": "d0", "stats_file": str(stats)}
+        ),
+    )
     router = None
     try:
         start_all([p, d])
-        router = Proc("router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
-                                 f"{p.url},{boot.address},p0", "--decode", f"{d.url},d0"],
-                      timeout=180)
+        router = Proc(
+            "router",
+            [
+                "router",
+                "--engine",
+                "vllm",
+                "--port",
+                "0",
+                "--prefill",
+                f"{p.url},{boot.address},p0",
+                "--decode",
+                f"{d.url},d0",
+            ],
+            timeout=180,
+        )
         yield router.url, p.url, lambda: int(read_stats(stats).get("net_bytes", 0))
     finally:
         try:
@@ -86,8 +120,9 @@ def nixl_pair(fam: str, model: Path, tmp: Path) -> Iterator[tuple[str, str, Call
                 s.stop()
 
 
-def phase(fam: str, variant: str, model: Path, tmp: Path, prompts: list[list[int]]
-          ) -> dict[str, Any]:
+def phase(
+    fam: str, variant: str, model: Path, tmp: Path, prompts: list[list[int]]
+) -> dict[str, Any]:
     pair = pdxfer_pair if variant == "pdxfer" else nixl_pair
     t0 = time.monotonic()
     try:
@@ -100,16 +135,19 @@ def phase(fam: str, variant: str, model: Path, tmp: Path, prompts: list[list[int
             same = 0
             for i, p in enumerate(prompts):
                 order = (colocated, front) if i % 2 == 0 else (front, colocated)
-                got = {url: stream_request(url, p, MAX_TOKENS, TIMEOUT, logprobs=0)
-                       for url in order}
+                got = {
+                    url: stream_request(url, p, MAX_TOKENS, TIMEOUT, logprobs=0) for url in order
+                }
                 ttft.append(got[front].ttft)
                 ref_ttft.append(got[colocated].ttft)
                 same += got[front].ids == got[colocated].ids
             out: dict[str, Any] = {
-                "served": 1, "token_exact": same / len(prompts),
+                "served": 1,
+                "token_exact": same / len(prompts),
                 "ttft_p50_ms": round(pct(ttft, 0.5) * 1e3, 2),
                 "colocated_ttft_p50_ms": round(pct(ref_ttft, 0.5) * 1e3, 2),
-                "ttft_ratio_vs_colocated": round(pct(ttft, 0.5) / pct(ref_ttft, 0.5), 3)}
+                "ttft_ratio_vs_colocated": round(pct(ttft, 0.5) / pct(ref_ttft, 0.5), 3),
+            }
             if variant == "pdxfer":
                 time.sleep(1.0)  # the decode's stats file is rewritten after its last load
                 out["bytes_per_request"] = (moved() - start) // len(prompts)
@@ -136,11 +174,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 tmp = Path(d) / fam / v
                 tmp.mkdir(parents=True)
                 print(f"[bench_models] {fam} {v}", file=sys.stderr, flush=True)
-                res.update({f"models.{fam}.{v}.{k}": x
-                            for k, x in phase(fam, v, model, tmp, prompts).items()})
+                res.update(
+                    {
+                        f"models.{fam}.{v}.{k}": x
+                        for k, x in phase(fam, v, model, tmp, prompts).items()
+                    }
+                )
     for v in variants:
-        res[f"models.served.{v}"] = sorted(f for f in fams if res.get(
-            f"models.{f}.{v}.token_exact") == 1)
+        res[f"models.served.{v}"] = sorted(
+            f for f in fams if res.get(f"models.{f}.{v}.token_exact") == 1
+        )
     return res
 
 

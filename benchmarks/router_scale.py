@@ -46,8 +46,9 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
     tails: dict[str, list[list[int]]] = {n: [] for n in names}  # each conversation's last
     # four block hashes (what an eviction removes)
     sample: list[tuple[str, list[int]]] = []
-    pending: dict[str, list[Any]] = {n: [BlockStored(sys_hashes, None, sys_tokens, BS,
-                                                     medium="GPU")] for n in names}
+    pending: dict[str, list[Any]] = {
+        n: [BlockStored(sys_hashes, None, sys_tokens, BS, medium="GPU")] for n in names
+    }
     ingest_s = ingest_cpu_s = 0.0
     frames = 0
     total = 0
@@ -112,18 +113,26 @@ def simulate(workers: int, blocks: int, requests: int, seed: int = 0) -> dict[st
         cpu.append(time.thread_time() - c0)
         hits += owner != "" and held > SYS_BLOCKS * BS
     a, ac = np.asarray(lat) * 1000, np.asarray(cpu) * 1000
-    return {"workers": workers, "indexed_blocks": len(ix), "unique_blocks": ix.holders.live,
-            "shared_blocks": ix.shared(), "frames": frames,
-            "events_per_s": block_events / ingest_s, "frames_per_s": frames / ingest_s,
-            "events_per_cpu_s": block_events / ingest_cpu_s,
-            "ingest_s": ingest_s, "bytes_per_block": ix.nbytes() / max(len(ix), 1),
-            "decision_p50_ms": float(np.percentile(a, 50)),
-            "decision_p99_ms": float(np.percentile(a, 99)),
-            "decision_max_ms": float(a.max()), "requests": requests,
-            "decision_cpu_p50_ms": float(np.percentile(ac, 50)),
-            "decision_cpu_p99_ms": float(np.percentile(ac, 99)),
-            "followups_routed_to_a_holder": hits / max(follow, 1),
-            "rss_peak_mb": _rss_mb()}
+    return {
+        "workers": workers,
+        "indexed_blocks": len(ix),
+        "unique_blocks": ix.holders.live,
+        "shared_blocks": ix.shared(),
+        "frames": frames,
+        "events_per_s": block_events / ingest_s,
+        "frames_per_s": frames / ingest_s,
+        "events_per_cpu_s": block_events / ingest_cpu_s,
+        "ingest_s": ingest_s,
+        "bytes_per_block": ix.nbytes() / max(len(ix), 1),
+        "decision_p50_ms": float(np.percentile(a, 50)),
+        "decision_p99_ms": float(np.percentile(a, 99)),
+        "decision_max_ms": float(a.max()),
+        "requests": requests,
+        "decision_cpu_p50_ms": float(np.percentile(ac, 50)),
+        "decision_cpu_p99_ms": float(np.percentile(ac, 99)),
+        "followups_routed_to_a_holder": hits / max(follow, 1),
+        "rss_peak_mb": _rss_mb(),
+    }
 
 
 async def _lookups(addr: str, instances: int, n: int, conc: int) -> list[float]:
@@ -133,8 +142,9 @@ async def _lookups(addr: str, instances: int, n: int, conc: int) -> list[float]:
     async def client(s: aiohttp.ClientSession) -> None:
         for i in left:
             t0 = time.perf_counter()
-            async with s.get(f"http://{addr}/route",
-                             params={"room": str(i), "instance": f"inst{i % instances}"}) as r:
+            async with s.get(
+                f"http://{addr}/route", params={"room": str(i), "instance": f"inst{i % instances}"}
+            ) as r:
                 body = await r.json()
                 assert r.status == 200 and len(body["endpoints"]) == 8, body
             lat.append(time.perf_counter() - t0)
@@ -155,8 +165,17 @@ def bootstrap_bench(ranks: int, lookups: int, conc: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         for i in range(instances):
             for r in range(tp):
-                cli.register(Registration(f"inst{i}", f"ep-{i}-{r}", f"10.0.{i % 250}.{r}:9000",
-                                          f"s{i}", "sig", tp_rank=r, tp_size=tp))
+                cli.register(
+                    Registration(
+                        f"inst{i}",
+                        f"ep-{i}-{r}",
+                        f"10.0.{i % 250}.{r}:9000",
+                        f"s{i}",
+                        "sig",
+                        tp_rank=r,
+                        tp_size=tp,
+                    )
+                )
         reg_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         lat = asyncio.run(_lookups(addr, instances, lookups, conc))
@@ -164,34 +183,58 @@ def bootstrap_bench(ranks: int, lookups: int, conc: int) -> dict[str, Any]:
     finally:
         proc.stop()
     a = np.asarray(lat) * 1000
-    return {"bootstrap_ranks": instances * tp, "bootstrap_registrations_per_s":
-            instances * tp / reg_s, "bootstrap_lookups": len(lat),
-            "bootstrap_clients": conc, "bootstrap_lookups_per_s": len(lat) / wall,
-            "bootstrap_lookup_p50_ms": float(np.percentile(a, 50)),
-            "bootstrap_lookup_p99_ms": float(np.percentile(a, 99))}
+    return {
+        "bootstrap_ranks": instances * tp,
+        "bootstrap_registrations_per_s": instances * tp / reg_s,
+        "bootstrap_lookups": len(lat),
+        "bootstrap_clients": conc,
+        "bootstrap_lookups_per_s": len(lat) / wall,
+        "bootstrap_lookup_p50_ms": float(np.percentile(a, 50)),
+        "bootstrap_lookup_p99_ms": float(np.percentile(a, 99)),
+    }
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--blocks", type=int, default=None,
-                    help="indexed (worker, block) pairs per fleet (default 10M; --quick 20k)")
-    ap.add_argument("--workers", default=None,
-                    help="fleet sizes, comma separated (default 10,100,1000; --quick 10,100)")
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        default=None,
+        help="indexed (worker, block) pairs per fleet (default 10M; --quick 20k)",
+    )
+    ap.add_argument(
+        "--workers",
+        default=None,
+        help="fleet sizes, comma separated (default 10,100,1000; --quick 10,100)",
+    )
 
 
 def main(a: argparse.Namespace) -> dict[str, Any]:
     blocks = a.blocks or (20_000 if a.quick else 10_000_000)
     fleets = [int(x) for x in (a.workers or ("10,100" if a.quick else "10,100,1000")).split(",")]
     requests = 300 if a.quick else 5000
-    out: dict[str, Any] = {"router_scale.block_size": BS, "router_scale.target_blocks": blocks,
-                           "router_scale.load_1m": os.getloadavg()[0]}
+    out: dict[str, Any] = {
+        "router_scale.block_size": BS,
+        "router_scale.target_blocks": blocks,
+        "router_scale.load_1m": os.getloadavg()[0],
+    }
     last: dict[str, Any] = {}
     for w in fleets:
         last = simulate(w, blocks, requests)
         out.update({f"router_scale.w{w}.{k}": v for k, v in last.items()})
-        log("router_scale", json.dumps({k: v for k, v in out.items()
-                                        if k.startswith(f"router_scale.w{w}.")}))
-    for k in ("decision_p50_ms", "decision_p99_ms", "bytes_per_block", "events_per_s",
-              "decision_cpu_p99_ms", "events_per_cpu_s", "workers", "indexed_blocks"):
+        log(
+            "router_scale",
+            json.dumps({k: v for k, v in out.items() if k.startswith(f"router_scale.w{w}.")}),
+        )
+    for k in (
+        "decision_p50_ms",
+        "decision_p99_ms",
+        "bytes_per_block",
+        "events_per_s",
+        "decision_cpu_p99_ms",
+        "events_per_cpu_s",
+        "workers",
+        "indexed_blocks",
+    ):
         out[f"router_scale.{k}"] = last[k]
     b = bootstrap_bench(1000, 2000 if a.quick else 20000, 8)
     out.update({f"router_scale.{k}": v for k, v in b.items()})

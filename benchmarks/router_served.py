@@ -60,11 +60,35 @@ class Plan:
             raise ValueError("the kill must come while the first conversations run")
 
 
-FULL = Plan(convs=6, turns=4, system=1024, doc=2560, question=64, answer=8, concurrency=3,
-            rounds=2, compare=12, before_convs=6, kill_at=8, after_convs=9)
-QUICK = Plan(convs=4, turns=3, system=256, doc=512, question=32, answer=4, concurrency=2,
-             rounds=1, compare=4, before_convs=2, kill_at=2, after_convs=4,
-             restart_variants=("kv_aware",))
+FULL = Plan(
+    convs=6,
+    turns=4,
+    system=1024,
+    doc=2560,
+    question=64,
+    answer=8,
+    concurrency=3,
+    rounds=2,
+    compare=12,
+    before_convs=6,
+    kill_at=8,
+    after_convs=9,
+)
+QUICK = Plan(
+    convs=4,
+    turns=3,
+    system=256,
+    doc=512,
+    question=32,
+    answer=4,
+    concurrency=2,
+    rounds=1,
+    compare=4,
+    before_convs=2,
+    kill_at=2,
+    after_convs=4,
+    restart_variants=("kv_aware",),
+)
 PHASES = ("before_kill", "while_down", "after_return")
 
 
@@ -100,7 +124,7 @@ class Caches:
     @staticmethod
     def _chain(prompt: list[int]) -> list[int]:
         full = (len(prompt) - 1) // BS  # the last token is always computed
-        return [hash(tuple(prompt[:(i + 1) * BS])) for i in range(full)]
+        return [hash(tuple(prompt[: (i + 1) * BS])) for i in range(full)]
 
     def held(self, p: str, prompt: list[int]) -> int:
         n = 0
@@ -116,8 +140,9 @@ class Caches:
 
     def served(self, p: str, prompt: list[int]) -> None:
         with self.lock:
-            self.blocks[p].update(hash(tuple(prompt[:(i + 1) * BS]))
-                                  for i in range(len(prompt) // BS))
+            self.blocks[p].update(
+                hash(tuple(prompt[: (i + 1) * BS])) for i in range(len(prompt) // BS)
+            )
 
     def clear(self, p: str) -> None:
         with self.lock:
@@ -134,8 +159,14 @@ class Fleet:
         self.routers: dict[str, Proc] = {}
         for _ in range(3):
             pub, rep = free_port(), free_port()
-            cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                              "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{rep}"})
+            cfg = json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://*:{pub}",
+                    "replay_endpoint": f"tcp://*:{rep}",
+                }
+            )
             self.events.append((cfg, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"))
         self.servers = [self.make(i) for i in range(3)]
         try:
@@ -147,31 +178,50 @@ class Fleet:
     def make(self, i: int, port: int | None = None) -> VllmServer:
         role, inst = ("kv_producer", f"p{i}") if i < 2 else ("kv_consumer", "d0")
         return VllmServer(
-            f"prefill{i}" if i < 2 else "decode", self.model, self.tmp, block_size=BS,
-            port=port, kv_cache_bytes=512 << 20, args=["--kv-events-config", self.events[i][0]],
+            f"prefill{i}" if i < 2 else "decode",
+            self.model,
+            self.tmp,
+            block_size=BS,
+            port=port,
+            kv_cache_bytes=512 << 20,
+            args=["--kv-events-config", self.events[i][0]],
             env={"VLLM_SERVER_DEV_MODE": "1"},
-            kv_transfer_config=kv_config(role, {"bootstrap": self.boot.address,
-                                                "instance": inst}))
+            kv_transfer_config=kv_config(role, {"bootstrap": self.boot.address, "instance": inst}),
+        )
 
     @property
     def prefills(self) -> list[VllmServer]:
         return self.servers[:2]
 
     def start_routers(self, baseline: str | None = None) -> None:
-        base = ["--log-level", "WARNING", "router", "--engine", "vllm", "--port", "0",
-                "--expose-cache-stats", "--decode", f"{self.servers[2].url},d0"]
+        base = [
+            "--log-level",
+            "WARNING",
+            "router",
+            "--engine",
+            "vllm",
+            "--port",
+            "0",
+            "--expose-cache-stats",
+            "--decode",
+            f"{self.servers[2].url},d0",
+        ]
         for i, p in enumerate(self.prefills):
             base += ["--prefill", f"{p.url},{self.boot.address},p{i}"]
         kv = ["--policy", "kv_aware"]
         for s, (_, pub, rep) in zip(self.servers, self.events):
             kv += ["--kv-events", f"{s.url}={pub},{rep}"]
         self.routers["kv_aware"] = Proc("router-kv", [*base, *kv], timeout=180)
-        self.routers["round_robin"] = Proc("router-rr", [*base, "--policy", "round_robin"],
-                                           timeout=180)
+        self.routers["round_robin"] = Proc(
+            "router-rr", [*base, "--policy", "round_robin"], timeout=180
+        )
         if baseline:  # the same KV-aware router, another checkout's code
             self.routers["kv_aware_baseline"] = Proc(
-                "router-base", [*base, *kv], timeout=180,
-                env={"PYTHONPATH": str(Path(baseline).resolve())})
+                "router-base",
+                [*base, *kv],
+                timeout=180,
+                env={"PYTHONPATH": str(Path(baseline).resolve())},
+            )
 
     def reset_caches(self) -> int:
         """Empty every engine's prefix cache (vLLM refuses while blocks are still held, e.g.
@@ -190,11 +240,15 @@ class Fleet:
                     raise RuntimeError(f"{s.name} refused to reset its prefix cache")
                 time.sleep(0.5)
         for s in self.servers:  # vLLM publishes the AllBlocksCleared at its next step
-            OpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=120,
-                   max_retries=0).completions.create(model="llama", prompt=[300], max_tokens=1)
+            OpenAI(
+                base_url=f"{s.url}/v1", api_key="none", timeout=120, max_retries=0
+            ).completions.create(model="llama", prompt=[300], max_tokens=1)
         end = time.monotonic() + 10
-        while any(metrics(r.url).get("kv_indexed_blocks", 0) > 0
-                  for v, r in self.routers.items() if v.startswith("kv_aware")):
+        while any(
+            metrics(r.url).get("kv_indexed_blocks", 0) > 0
+            for v, r in self.routers.items()
+            if v.startswith("kv_aware")
+        ):
             if time.monotonic() > end:  # a one-token prompt holds no full block: none left
                 break
             time.sleep(0.2)
@@ -213,16 +267,25 @@ def metrics(url: str) -> dict[str, float]:
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r"^pdxfer_router_(\w+?)(?:_total)? ([0-9.e+-]+)$", text, re.M)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^pdxfer_router_(\w+?)(?:_total)? ([0-9.e+-]+)$", text, re.M)
+    }
 
 
-def stream(client: OpenAI, prompt: list[int], answer: int) -> tuple[float, list[int], dict[str, Any]]:
+def stream(
+    client: OpenAI, prompt: list[int], answer: int
+) -> tuple[float, list[int], dict[str, Any]]:
     t0 = time.perf_counter()
     ttft, ext = 0.0, {}
-    for ch in client.completions.create(model="llama", prompt=prompt, max_tokens=answer,
-                                        temperature=0, stream=True,
-                                        extra_body={"ignore_eos": True}):
+    for ch in client.completions.create(
+        model="llama",
+        prompt=prompt,
+        max_tokens=answer,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
         # the first chunk: the router sends one per token that renders as text, else the
         # last (a first token that renders as nothing is not counted as no wait at all)
         if not ttft and ch.choices:
@@ -231,7 +294,9 @@ def stream(client: OpenAI, prompt: list[int], answer: int) -> tuple[float, list[
     return ttft, list(ext.get("token_ids") or []), ext
 
 
-def conversation(c: int, plan: Plan, system: list[int]) -> tuple[list[int], Callable[..., list[int]]]:
+def conversation(
+    c: int, plan: Plan, system: list[int]
+) -> tuple[list[int], Callable[..., list[int]]]:
     """The first prompt, and how a next prompt follows from a prompt and its answer."""
     first = system + ids(1000 + c, plan.doc)
 
@@ -324,20 +389,37 @@ def phase(fleet: Fleet, variant: str, plan: Plan, restart: bool) -> dict[str, An
         th.join()
     if "restart_error" in info:
         raise info["restart_error"]
-    rec: dict[str, Any] = {"variant": variant, "restart": restart, "reqs": reqs,
-                           "seconds": time.monotonic() - t0, "load_before": load0,
-                           "load_after": os.getloadavg(), "metrics": metrics(url),
-                           "prefill0": fleet.prefills[0].url, "reset_refused": refused, **info}
+    rec: dict[str, Any] = {
+        "variant": variant,
+        "restart": restart,
+        "reqs": reqs,
+        "seconds": time.monotonic() - t0,
+        "load_before": load0,
+        "load_after": os.getloadavg(),
+        "metrics": metrics(url),
+        "prefill0": fleet.prefills[0].url,
+        "reset_refused": refused,
+        **info,
+    }
     if restart:
         p1 = fleet.servers[1].url
         for r in reqs:
-            r.phase = ("before_kill" if r.t_send < info["killed_at"] else
-                       "while_down" if r.t_send < info["returned_at"] else "after_return")
-        back_reqs = [r for r in sorted(reqs, key=lambda r: r.t_send)
-                     if r.phase == "after_return" and r.prefill == p1 and r.reported > 0]
+            r.phase = (
+                "before_kill"
+                if r.t_send < info["killed_at"]
+                else "while_down"
+                if r.t_send < info["returned_at"]
+                else "after_return"
+            )
+        back_reqs = [
+            r
+            for r in sorted(reqs, key=lambda r: r.t_send)
+            if r.phase == "after_return" and r.prefill == p1 and r.reported > 0
+        ]
         rec["recovery_s"] = back_reqs[0].t_send - info["returned_at"] if back_reqs else None
         rec["to_restarted_after_return"] = sum(
-            1 for r in reqs if r.phase == "after_return" and r.prefill == p1)
+            1 for r in reqs if r.phase == "after_return" and r.prefill == p1
+        )
         rec["down_s"] = info["returned_at"] - info["killed_at"]
     return rec
 
@@ -366,26 +448,36 @@ def summarize(phases: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
                 out[f"{k}.prefill_reused_fraction_of_possible.{ph}"] = reuse(ok)
             rec = ps[-1]
             out[f"{k}.down_s"] = round(rec["down_s"], 2)
-            out[f"{k}.recovery_s"] = (round(rec["recovery_s"], 3)
-                                      if rec.get("recovery_s") is not None else -1.0)
+            out[f"{k}.recovery_s"] = (
+                round(rec["recovery_s"], 3) if rec.get("recovery_s") is not None else -1.0
+            )
             out[f"{k}.to_restarted_after_return"] = rec["to_restarted_after_return"]
         out[f"{k}.seconds"] = round(sum(p["seconds"] for p in ps), 2)
         out[f"{k}.load_before"] = round(ps[0]["load_before"][0], 2)
         out[f"{k}.load_after"] = round(ps[-1]["load_after"][0], 2)
         if v.startswith("kv_aware"):
             m = ps[-1]["metrics"]
-            for c in ("gaps", "bad_frames", "resets", "replays", "misses", "unpublished",
-                      "stale"):  # stale: feeds the router stopped trusting (kv_stale.py)
+            for c in (
+                "gaps",
+                "bad_frames",
+                "resets",
+                "replays",
+                "misses",
+                "unpublished",
+                "stale",
+            ):  # stale: feeds the router stopped trusting (kv_stale.py)
                 out[f"{k}.kv_events_{c}"] = m.get(f"kv_events_{c}", 0)
-    out[f"{prefix}.prefill_reused_fraction_of_possible"] = \
-        out[f"{prefix}.kv_aware.prefill_reused_fraction_of_possible"]
+    out[f"{prefix}.prefill_reused_fraction_of_possible"] = out[
+        f"{prefix}.kv_aware.prefill_reused_fraction_of_possible"
+    ]
     for ph in ("", *PHASES):
         rr = ttft.get(("round_robin", ph))
         tail = f".{ph}" if ph else ""
         for v in ("kv_aware", "kv_aware_baseline"):
             if rr and (v, ph) in ttft:
                 out[f"{prefix}.ttft_p50_ratio_{v}_vs_round_robin{tail}"] = round(
-                    ttft[v, ph] / rr, 4)
+                    ttft[v, ph] / rr, 4
+                )
     return out
 
 
@@ -412,10 +504,12 @@ def figures(k: str, reqs: list[Req], prefill0: str) -> dict[str, Any]:
         f"{k}.to_prefill0_share": share(ok, prefill0),
         f"{k}.prefill_reused_fraction_of_possible": reuse(ok),
         f"{k}.router_reported_fraction": (
-            round(sum(r.reported for r in ok) / possible, 4) if possible else 0.0),
+            round(sum(r.reported for r in ok) / possible, 4) if possible else 0.0
+        ),
         f"{k}.ttft_p50_ms": round(p50(t) * 1e3, 2),
         f"{k}.ttft_p90_ms": round(statistics.quantiles(t, n=10)[-1] * 1e3, 2)
-        if len(t) > 1 else 0.0,
+        if len(t) > 1
+        else 0.0,
         f"{k}.ttft_followup_p50_ms": round(p50([r.ttft for r in ok if r.turn > 0]) * 1e3, 2),
     }
 
@@ -425,34 +519,46 @@ def compare(fleet: Fleet, phases: list[dict[str, Any]], n: int, answer: int) -> 
     reqs = [r for p in phases for r in p["reqs"] if not r.error]
     step = max(1, len(reqs) // n)
     sample = reqs[::step][:n]
-    client = OpenAI(base_url=f"{fleet.prefills[0].url}/v1", api_key="none", timeout=600,
-                    max_retries=0)
+    client = OpenAI(
+        base_url=f"{fleet.prefills[0].url}/v1", api_key="none", timeout=600, max_retries=0
+    )
     bad = 0
     for r in sample:
-        ref = client.completions.create(model="llama", prompt=r.prompt, max_tokens=answer,
-                                        temperature=0,
-                                        extra_body={"return_token_ids": True,
-                                                    "ignore_eos": True})
+        ref = client.completions.create(
+            model="llama",
+            prompt=r.prompt,
+            max_tokens=answer,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
         bad += list(getattr(ref.choices[0], "token_ids", None) or []) != r.out
     return {"router.outputs_compared": len(sample), "router.outputs_mismatched": bad}
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     plan = QUICK if a.quick else FULL
-    res: dict[str, Any] = {"router.quick": a.quick,
-                           "router.load_before": round(os.getloadavg()[0], 2),
-                           "router.convs": plan.convs, "router.turns": plan.turns,
-                           "router.concurrency": plan.concurrency,
-                           "router.system_tokens": plan.system, "router.doc_tokens": plan.doc,
-                           "router.question_tokens": plan.question,
-                           "router.answer_tokens": plan.answer, "router.rounds": plan.rounds,
-                           "router.restart.before_convs": plan.before_convs,
-                           "router.restart.kill_at_requests": plan.kill_at,
-                           "router.restart.after_convs": plan.after_convs,
-                           "router.restart.variants": ",".join(plan.restart_variants)}
+    res: dict[str, Any] = {
+        "router.quick": a.quick,
+        "router.load_before": round(os.getloadavg()[0], 2),
+        "router.convs": plan.convs,
+        "router.turns": plan.turns,
+        "router.concurrency": plan.concurrency,
+        "router.system_tokens": plan.system,
+        "router.doc_tokens": plan.doc,
+        "router.question_tokens": plan.question,
+        "router.answer_tokens": plan.answer,
+        "router.rounds": plan.rounds,
+        "router.restart.before_convs": plan.before_convs,
+        "router.restart.kill_at_requests": plan.kill_at,
+        "router.restart.after_convs": plan.after_convs,
+        "router.restart.variants": ",".join(plan.restart_variants),
+    }
     keep = tempfile.mkdtemp(prefix="bench_router_served_", dir=a.workdir) if a.workdir else None
-    with (contextlib.nullcontext(keep) if keep
-          else tempfile.TemporaryDirectory(prefix="bench_router_served_")) as tmp:
+    with (
+        contextlib.nullcontext(keep)
+        if keep
+        else tempfile.TemporaryDirectory(prefix="bench_router_served_")
+    ) as tmp:
         t0 = time.monotonic()
         for attempt in range(3):  # a port picked free may be taken before vLLM binds it
             try:
@@ -467,7 +573,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             res["router.startup_s"] = round(time.monotonic() - t0, 1)
             steady: list[dict[str, Any]] = []
             for rnd in range(plan.rounds):
-                for v in (variants if rnd % 2 == 0 else variants[::-1]):
+                for v in variants if rnd % 2 == 0 else variants[::-1]:
                     steady.append(phase(fleet, v, plan, restart=False))
             res.update(summarize(steady, "router"))
             restarts = [phase(fleet, v, plan, restart=True) for v in plan.restart_variants]
@@ -479,12 +585,23 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 with open(Path(keep) / "requests.jsonl", "w") as f:
                     for p in steady + restarts:
                         for r in p["reqs"]:
-                            f.write(json.dumps({"variant": p["variant"],
-                                                "restart": p["restart"],
-                                                "killed_at": p.get("killed_at"),
-                                                "returned_at": p.get("returned_at"), **{
-                                k: v for k, v in vars(r).items() if k not in ("prompt", "out")},
-                                "len": len(r.prompt)}) + "\n")
+                            f.write(
+                                json.dumps(
+                                    {
+                                        "variant": p["variant"],
+                                        "restart": p["restart"],
+                                        "killed_at": p.get("killed_at"),
+                                        "returned_at": p.get("returned_at"),
+                                        **{
+                                            k: v
+                                            for k, v in vars(r).items()
+                                            if k not in ("prompt", "out")
+                                        },
+                                        "len": len(r.prompt),
+                                    }
+                                )
+                                + "\n"
+                            )
         finally:
             fleet.stop()
     res["router.load_after"] = round(os.getloadavg()[0], 2)
@@ -492,10 +609,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--workdir", help="keep the model, server logs and requests.jsonl in a "
-                    "new folder here (default: a temporary folder, removed)")
-    ap.add_argument("--baseline-tree", help="also run the KV-aware router from this "
-                    "checkout (e.g. main) in the steady phases: variant kv_aware_baseline")
+    ap.add_argument(
+        "--workdir",
+        help="keep the model, server logs and requests.jsonl in a "
+        "new folder here (default: a temporary folder, removed)",
+    )
+    ap.add_argument(
+        "--baseline-tree",
+        help="also run the KV-aware router from this "
+        "checkout (e.g. main) in the steady phases: variant kv_aware_baseline",
+    )
 
 
 def main(a: argparse.Namespace) -> dict[str, Any]:
@@ -504,9 +627,11 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
 
 def passed(res: dict[str, Any]) -> bool:
     """No request failed and the sampled outputs equal colocated vLLM's."""
-    return (res.get("router.outputs_mismatched", 1) == 0
-            and res.get("router.kv_aware.errors", 1) == 0
-            and res.get("router.round_robin.errors", 1) == 0)
+    return (
+        res.get("router.outputs_mismatched", 1) == 0
+        and res.get("router.kv_aware.errors", 1) == 0
+        and res.get("router.round_robin.errors", 1) == 0
+    )
 
 
 if __name__ == "__main__":

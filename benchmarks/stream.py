@@ -40,8 +40,12 @@ from pdxfer.serving.procs import Proc, ProcessStartError
 from tests.harness.hosts import Host, Network, root_reason
 
 BS = 32
-PD = {"sequential": ("sequential", "request"), "concurrent_request": ("concurrent", "request"),
-      "concurrent_step": ("concurrent", "step"), "concurrent_layer": ("concurrent", "layer")}
+PD = {
+    "sequential": ("sequential", "request"),
+    "concurrent_request": ("concurrent", "request"),
+    "concurrent_step": ("concurrent", "step"),
+    "concurrent_layer": ("concurrent", "layer"),
+}
 """A PD variant's router dispatch and its prefill's send mode."""
 ALL = ("colocated", *PD)
 LINKS = ("uncapped", "capped")
@@ -92,40 +96,54 @@ class Run:
     """Everything measured so far."""
 
     ttft: dict[tuple[str, str, int, int], list[float]] = dataclasses.field(default_factory=dict)
-    prefill: dict[tuple[str, str, int, int], list[float]] = dataclasses.field(
-        default_factory=dict)
+    prefill: dict[tuple[str, str, int, int], list[float]] = dataclasses.field(default_factory=dict)
     outs: dict[tuple[str, str, Key], list[int]] = dataclasses.field(default_factory=dict)
     errors: list[str] = dataclasses.field(default_factory=list)
     phases: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     unavailable: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def servers_for(unit: str, s: Setup, tag: str, extra: dict[str, Any], dtag: str
-                ) -> list[Callable[[], Server]]:
+def servers_for(
+    unit: str, s: Setup, tag: str, extra: dict[str, Any], dtag: str
+) -> list[Callable[[], Server]]:
     """A phase's servers, in start order (the decode, tagged ``dtag``, before the prefill)."""
     lim = ["--max-model-len", str(s.max_len), "--no-enable-prefix-caching"]
     net_env = {"PDXFER_SECRET": s.secret}
 
-    def vllm(name: str, host: Host, addr: str, cfg: str | None, env: dict[str, str],
-             t: str = tag) -> Callable[[], Server]:
-        return lambda: VllmServer(f"{t}_{name}", s.model, s.tmp, kv_cache_bytes=s.kv_bytes,
-                                  args=lim, kv_transfer_config=cfg, env=env, start=False,
-                                  addr=addr, prefix=host.prefix, enter=host.enter)
+    def vllm(
+        name: str, host: Host, addr: str, cfg: str | None, env: dict[str, str], t: str = tag
+    ) -> Callable[[], Server]:
+        return lambda: VllmServer(
+            f"{t}_{name}",
+            s.model,
+            s.tmp,
+            kv_cache_bytes=s.kv_bytes,
+            args=lim,
+            kv_transfer_config=cfg,
+            env=env,
+            start=False,
+            addr=addr,
+            prefix=host.prefix,
+            enter=host.enter,
+        )
 
     if unit == "colocated":
         return [vllm("colocated", s.d, "127.0.0.1", None, {})]
     common = {"bootstrap": s.boot, "bootstrap_timeout_s": 120.0, "transfer_timeout_s": 120.0}
     d_cfg = kv_config("kv_consumer", {**common, "instance": f"{dtag}-d", "host": s.d.addr})
-    p_cfg = kv_config("kv_producer", {**common, **extra, "instance": f"{tag}-p",
-                                      "host": s.p.addr})
-    return [vllm("d", s.d, s.d.addr, d_cfg, net_env, dtag),
-            vllm("p", s.p, s.p.addr, p_cfg, net_env)]
+    p_cfg = kv_config("kv_producer", {**common, **extra, "instance": f"{tag}-p", "host": s.p.addr})
+    return [
+        vllm("d", s.d, s.d.addr, d_cfg, net_env, dtag),
+        vllm("p", s.p, s.p.addr, p_cfg, net_env),
+    ]
 
 
-def ask_all(s: Setup, url: str, prompts: list[list[int]], conc: int, answer: int,
-            timeout: float) -> list[Reply | Exception]:
+def ask_all(
+    s: Setup, url: str, prompts: list[list[int]], conc: int, answer: int, timeout: float
+) -> list[Reply | Exception]:
     """``prompts`` sent from host ``d``, ``conc`` at a time (a batch of ``conc`` goes out at
     once)."""
+
     def one(p: list[int]) -> Reply | Exception:
         with s.d.enter():
             try:
@@ -137,14 +155,17 @@ def ask_all(s: Setup, url: str, prompts: list[list[int]], conc: int, answer: int
         return list(pool.map(one, prompts))
 
 
-def measure(variant: str, link: str, url: str, s: Setup, a: argparse.Namespace, rnd: int,
-            run: Run) -> None:
+def measure(
+    variant: str, link: str, url: str, s: Setup, a: argparse.Namespace, rnd: int, run: Run
+) -> None:
     for conc in (1, 4):
         n = a.requests if conc == 1 else 4 * a.batches
         for size in a.sizes:
             keys: list[Key] = [(rnd, conc, size, i) for i in range(n)]
-            prompts = [tokens(1 + rnd * 100_000 + conc * 10_000 + size + 7 * i, size)
-                       for (_, _, _, i) in keys]
+            prompts = [
+                tokens(1 + rnd * 100_000 + conc * 10_000 + size + 7 * i, size)
+                for (_, _, _, i) in keys
+            ]
             for k, r in zip(keys, ask_all(s, url, prompts, conc, a.answer, a.request_timeout)):
                 if isinstance(r, Exception):
                     run.errors.append(f"{variant} {link} {k}: {type(r).__name__}: {r}"[:500])
@@ -152,7 +173,8 @@ def measure(variant: str, link: str, url: str, s: Setup, a: argparse.Namespace, 
                 run.ttft.setdefault((variant, link, size, conc), []).append(r.ttft)
                 if r.ext.get("prefill_s") is not None:
                     run.prefill.setdefault((variant, link, size, conc), []).append(
-                        float(r.ext["prefill_s"]))
+                        float(r.ext["prefill_s"])
+                    )
                 run.outs[(variant, link, k)] = r.ids
 
 
@@ -168,8 +190,7 @@ def calibrate(s: Setup, url: str, a: argparse.Namespace) -> float:
     median of three; quick: of one), in seconds."""
     got = []
     for i in range(1 if a.quick else 3):
-        r = ask_all(s, url, [tokens(5_000_000 + i, a.match_tokens)], 1, 1,
-                    a.request_timeout)[0]
+        r = ask_all(s, url, [tokens(5_000_000 + i, a.match_tokens)], 1, 1, a.request_timeout)[0]
         if isinstance(r, Exception):
             raise RuntimeError(f"the calibration request failed: {r}")
         got.append(r.ttft)
@@ -183,17 +204,31 @@ def set_link(s: Setup, link: str, mbit: float) -> None:
         s.p.uncap()
 
 
-def phase(unit: str, rnd: int, s: Setup, a: argparse.Namespace, run: Run,
-          cal: dict[str, float], kept: dict[str, Server]) -> None:
+def phase(
+    unit: str,
+    rnd: int,
+    s: Setup,
+    a: argparse.Namespace,
+    run: Run,
+    cal: dict[str, float],
+    kept: dict[str, Server],
+) -> None:
     """One prefill mode's servers up, its variants measured on both links (one router per
     variant, for both), then down. A PD pair starts together: its two hosts are two network
     namespaces, so no port either picks can collide with the other's. ``--quick``: the
     round's PD phases share one decode, kept in ``kept`` (the caller stops it)."""
-    variants = ["colocated"] if unit == "colocated" else \
-        [v for v in a.variants if v in PD and PD[v][1] == unit]
+    variants = (
+        ["colocated"]
+        if unit == "colocated"
+        else [v for v in a.variants if v in PD and PD[v][1] == unit]
+    )
     tag = f"{unit}_r{rnd}"
-    rec: dict[str, Any] = {"phase": unit, "round": rnd, "variants": variants,
-                           **phase_start(min(3.0, a.idle_seconds))}
+    rec: dict[str, Any] = {
+        "phase": unit,
+        "round": rnd,
+        "variants": variants,
+        **phase_start(min(3.0, a.idle_seconds)),
+    }
     run.phases.append(rec)
     extra: dict[str, Any] = {}
     if unit != "colocated":
@@ -238,11 +273,12 @@ def phase(unit: str, rnd: int, s: Setup, a: argparse.Namespace, run: Run,
             if "prefill_s" not in cal:
                 cal["prefill_s"] = calibrate(s, url, a)
                 cal["mbit"] = a.kv_per_token * a.match_tokens * 8 / cal["prefill_s"] / 1e6
-                log(f"colocated prefill of {a.match_tokens} tokens: "
-                    f"{1e3 * cal['prefill_s']:.0f} ms; cap {cal['mbit']:.1f} Mbit/s")
+                log(
+                    f"colocated prefill of {a.match_tokens} tokens: "
+                    f"{1e3 * cal['prefill_s']:.0f} ms; cap {cal['mbit']:.1f} Mbit/s"
+                )
             time.sleep(1.0)
-            rec["idle_cpu_cores"] = round(busy_cores([x.pid for x in servers],
-                                                     a.idle_seconds), 4)
+            rec["idle_cpu_cores"] = round(busy_cores([x.pid for x in servers], a.idle_seconds), 4)
             rec["loadavg_measured"] = os.getloadavg()
             measure("colocated", "", url, s, a, rnd, run)
             return
@@ -251,25 +287,42 @@ def phase(unit: str, rnd: int, s: Setup, a: argparse.Namespace, run: Run,
             set_link(s, link, cal["mbit"])
             for v in variants if i % 2 == 0 else variants[::-1]:
                 if v not in routers:
-                    routers[v] = Proc("router", [
-                        "router", "--engine", "vllm", "--port", "0", "--dispatch", PD[v][0],
-                        "--tokenizer", str(s.model), "--timeout", str(a.request_timeout),
-                        "--prefill", f"{p.url},{s.boot},{tag}-p",
-                        "--decode", f"{d.url},{dtag}-d"],
-                        prefix=s.d.prefix, timeout=180, env={"PDXFER_SECRET": s.secret})
+                    routers[v] = Proc(
+                        "router",
+                        [
+                            "router",
+                            "--engine",
+                            "vllm",
+                            "--port",
+                            "0",
+                            "--dispatch",
+                            PD[v][0],
+                            "--tokenizer",
+                            str(s.model),
+                            "--timeout",
+                            str(a.request_timeout),
+                            "--prefill",
+                            f"{p.url},{s.boot},{tag}-p",
+                            "--decode",
+                            f"{d.url},{dtag}-d",
+                        ],
+                        prefix=s.d.prefix,
+                        timeout=180,
+                        env={"PDXFER_SECRET": s.secret},
+                    )
                 router = routers[v]
                 warm(s, router.url, a)
                 if "idle_cpu_cores" not in rec:
                     time.sleep(1.0)
-                    rec["idle_cpu_cores"] = round(busy_cores(
-                        [x.pid for x in servers], a.idle_seconds), 4)
+                    rec["idle_cpu_cores"] = round(
+                        busy_cores([x.pid for x in servers], a.idle_seconds), 4
+                    )
                 rec[f"loadavg_{v}_{link}"] = os.getloadavg()
                 shaped0 = s.p.shaped()
                 measure(v, link, router.url, s, a, rnd, run)
                 if link == "capped":
                     shaped1 = s.p.shaped()
-                    rec[f"capped_overlimits_{v}"] = \
-                        shaped1["overlimits"] - shaped0["overlimits"]
+                    rec[f"capped_overlimits_{v}"] = shaped1["overlimits"] - shaped0["overlimits"]
     finally:
         s.p.uncap()
         for r in routers.values():
@@ -277,8 +330,10 @@ def phase(unit: str, rnd: int, s: Setup, a: argparse.Namespace, run: Run,
         for srv in reversed(servers):
             if all(srv is not k for k in kept.values()):
                 srv.stop()
-        log(f"round {rnd} {unit}: up in {rec.get('startup_s')} s, idle "
-            f"{rec.get('idle_cpu_cores')} cores, load before {rec['loadavg_before'][0]:.2f}")
+        log(
+            f"round {rnd} {unit}: up in {rec.get('startup_s')} s, idle "
+            f"{rec.get('idle_cpu_cores')} cores, load before {rec['loadavg_before'][0]:.2f}"
+        )
 
 
 def p50(xs: list[float] | None) -> float | None:
@@ -302,18 +357,24 @@ def summary(run: Run, a: argparse.Namespace) -> dict[str, Any]:
         return x / y if x is not None and y else None
 
     for conc, sfx in ((1, ""), (4, ".concurrency_4")):
+
         def t(v: str, link: str = "capped", c: int = conc) -> float | None:
             return p50(run.ttft.get((v, "" if v == "colocated" else link, m, c)))
 
         col, lay, seq = t("colocated"), t(LAYERWISE), t(SEQUENTIAL)
         res[f"stream.ttft_p50_ratio_vs_colocated{sfx}"] = div(lay, col)
         res[f"stream.ttft_p50_ratio_vs_colocated_loopback{sfx}"] = div(
-            t(LAYERWISE, "uncapped"), col)
-        res[f"stream.hidden_fraction{sfx}"] = div(seq - lay, seq - col) \
-            if seq is not None and lay is not None and col is not None else None
+            t(LAYERWISE, "uncapped"), col
+        )
+        res[f"stream.hidden_fraction{sfx}"] = (
+            div(seq - lay, seq - col)
+            if seq is not None and lay is not None and col is not None
+            else None
+        )
         res[f"stream.prefill_step_ratio{sfx}"] = div(
             p50(run.prefill.get((LAYERWISE, "capped", m, conc))),
-            p50(run.prefill.get((WHOLE, "capped", m, conc))))
+            p50(run.prefill.get((WHOLE, "capped", m, conc))),
+        )
     return res
 
 
@@ -335,25 +396,42 @@ def run_all(a: argparse.Namespace) -> dict[str, Any]:
     shape = dataclasses.replace(shape, max_len=max(shape.max_len, max_len))
     a.kv_per_token = shape.layers * 2 * shape.kv_heads * shape.head_size * 4  # float32
     units = ["colocated"] if "colocated" in a.variants else []
-    units += [m for m in ("request", "step", "layer")
-              if any(PD[v][1] == m for v in a.variants if v in PD)]
+    units += [
+        m for m in ("request", "step", "layer") if any(PD[v][1] == m for v in a.variants if v in PD)
+    ]
     tmp = Path(tempfile.mkdtemp(prefix="pdxfer-bench-stream-"))
-    res: dict[str, Any] = {"stream.quick": a.quick, "stream.cores": os.cpu_count(),
-                           "stream.shape": a.shape, "stream.sizes": a.sizes,
-                           "stream.match_tokens": a.match_tokens, "stream.answer": a.answer,
-                           "stream.variants": a.variants,
-                           "stream.kv_bytes_per_token": a.kv_per_token}
+    res: dict[str, Any] = {
+        "stream.quick": a.quick,
+        "stream.cores": os.cpu_count(),
+        "stream.shape": a.shape,
+        "stream.sizes": a.sizes,
+        "stream.match_tokens": a.match_tokens,
+        "stream.answer": a.answer,
+        "stream.variants": a.variants,
+        "stream.kv_bytes_per_token": a.kv_per_token,
+    }
     secret = secrets.token_hex(24)
     t_start = time.monotonic()
     run = Run()
     cal: dict[str, float] = {}
     with Network(["p", "d"]) as net:
-        boot = Proc("bootstrap", ["bootstrap", "--host", net["p"].addr, "--port", "0"],
-                    prefix=net["p"].prefix, timeout=60, env={"PDXFER_SECRET": secret})
+        boot = Proc(
+            "bootstrap",
+            ["bootstrap", "--host", net["p"].addr, "--port", "0"],
+            prefix=net["p"].prefix,
+            timeout=60,
+            env={"PDXFER_SECRET": secret},
+        )
         try:
-            s = Setup(tmp, build_model(tmp / "model", shape), net,
-                      boot.url.removeprefix("http://"), secret,
-                      kv_bytes=(4 + 1) * max_len * a.kv_per_token, max_len=max_len)
+            s = Setup(
+                tmp,
+                build_model(tmp / "model", shape),
+                net,
+                boot.url.removeprefix("http://"),
+                secret,
+                kv_bytes=(4 + 1) * max_len * a.kv_per_token,
+                max_len=max_len,
+            )
             log(f"variants {a.variants}, sizes {a.sizes}, {a.rounds} round(s); logs in {tmp}")
             for rnd in range(a.rounds):
                 k = rnd % len(units)
@@ -361,8 +439,7 @@ def run_all(a: argparse.Namespace) -> dict[str, Any]:
                 try:
                     for unit in units[k:] + units[:k]:
                         if unit != "colocated" and "mbit" not in cal:
-                            raise SystemExit("the colocated phase must run first (it sets "
-                                             "the cap)")
+                            raise SystemExit("the colocated phase must run first (it sets the cap)")
                         try:
                             phase(unit, rnd, s, a, run, cal, kept)
                         except (RuntimeError, ProcessStartError) as e:
@@ -391,7 +468,8 @@ def run_all(a: argparse.Namespace) -> dict[str, Any]:
     res["stream.phases"] = run.phases
     res["stream.loadavg_max_before_phase"] = max(r["loadavg_before"][0] for r in run.phases)
     res["stream.background_cores_max_before_phase"] = max(
-        r["background_cores_before"] for r in run.phases)
+        r["background_cores_before"] for r in run.phases
+    )
     res["stream.seconds"] = time.monotonic() - t_start
     res["stream.logs"] = str(tmp)
     return res
@@ -399,24 +477,41 @@ def run_all(a: argparse.Namespace) -> dict[str, Any]:
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, help="phases per prefill mode (default 3; quick 1)")
-    ap.add_argument("--requests", type=int,
-                    help="requests per size, one at a time (default 3; quick 1)")
-    ap.add_argument("--batches", type=int,
-                    help="batches of four per size at concurrency 4 (default 2; quick 1)")
+    ap.add_argument(
+        "--requests", type=int, help="requests per size, one at a time (default 3; quick 1)"
+    )
+    ap.add_argument(
+        "--batches", type=int, help="batches of four per size at concurrency 4 (default 2; quick 1)"
+    )
     ap.add_argument("--sizes", default="1024,2048,4096", help="prompt lengths in tokens")
-    ap.add_argument("--match-tokens", type=int, default=None,
-                    help="the prompt length the cap is matched at and the figures are read at "
-                         "(default 2048, or the middle of --sizes)")
+    ap.add_argument(
+        "--match-tokens",
+        type=int,
+        default=None,
+        help="the prompt length the cap is matched at and the figures are read at "
+        "(default 2048, or the middle of --sizes)",
+    )
     ap.add_argument("--answer", type=int, default=8, help="tokens generated per request")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="kv32k",
-                    help="pdxfer.demo.hf_model shape (kv32k: 64 KiB of KV per token in "
-                         "float32)")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="kv32k",
+        help="pdxfer.demo.hf_model shape (kv32k: 64 KiB of KV per token in float32)",
+    )
     ap.add_argument("--variants", default=",".join(ALL), help=f"of {', '.join(ALL)}")
     add_startup_timeout_arg(ap)
-    ap.add_argument("--idle-seconds", type=float, default=None,
-                    help="how long each phase's idle CPU is measured (default 5; quick 2)")
-    ap.add_argument("--request-timeout", type=float, default=600.0,
-                    help="seconds one request may take (default 600)")
+    ap.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=None,
+        help="how long each phase's idle CPU is measured (default 5; quick 2)",
+    )
+    ap.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds one request may take (default 600)",
+    )
 
 
 def main(a: argparse.Namespace) -> dict[str, Any]:
@@ -443,8 +538,10 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
 
 def passed(res: dict[str, Any]) -> bool:
     if res["stream.mismatches"] or res["stream.errors"]:
-        log(f"FAIL: {res['stream.mismatches']} output(s) differ from colocated, "
-            f"{res['stream.errors']} request(s) failed")
+        log(
+            f"FAIL: {res['stream.mismatches']} output(s) differ from colocated, "
+            f"{res['stream.errors']} request(s) failed"
+        )
         return False
     return True
 

@@ -41,8 +41,18 @@ thread alone, as before ``PDXFER_NIXL_THREADS``."""
 
 
 def geoms(pages: int) -> list[PoolGeom]:
-    return [PoolGeom("kv", "mha", layers=LAYERS, pages=pages, page_size=PS, heads=HEADS,
-                     head_dim=HEAD_DIM, dtype="float16")]
+    return [
+        PoolGeom(
+            "kv",
+            "mha",
+            layers=LAYERS,
+            pages=pages,
+            page_size=PS,
+            heads=HEADS,
+            head_dim=HEAD_DIM,
+            dtype="float16",
+        )
+    ]
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -80,16 +90,24 @@ class Bench:
     def start(self) -> None:
         self.fleet = Fleet()
         self.srv, self.nsrv = self.fleet.bootstrap(), self.fleet.bootstrap()
-        cfg = {"bootstrap": self.srv.address, "transfer_timeout_s": 60.0,
-               "bootstrap_timeout_s": 60.0, "transport": "tcp"}
+        cfg = {
+            "bootstrap": self.srv.address,
+            "transfer_timeout_s": 60.0,
+            "bootstrap_timeout_s": 60.0,
+            "transport": "tcp",
+        }
         nixl = {**cfg, "transport": "nixl"}
-        specs = [("prefill", {"bootstrap": self.srv.address, **cfg}, PF_PAGES),
-                 ("decode", cfg, DC_PAGES), ("raw-prefill", {}, PF_PAGES),
-                 ("raw-decode", {}, DC_PAGES),
-                 ("prefill", {**nixl, "bootstrap": self.nsrv.address}, PF_PAGES),
-                 ("decode", nixl, DC_PAGES)]
+        specs = [
+            ("prefill", {"bootstrap": self.srv.address, **cfg}, PF_PAGES),
+            ("decode", cfg, DC_PAGES),
+            ("raw-prefill", {}, PF_PAGES),
+            ("raw-decode", {}, DC_PAGES),
+            ("prefill", {**nixl, "bootstrap": self.nsrv.address}, PF_PAGES),
+            ("decode", nixl, DC_PAGES),
+        ]
         self.pf, self.dc, self.rpf, self.rdc, self.npf, self.ndc = self.fleet.agents(
-            [(role, c, geoms(n)) for role, c, n in specs], state=STATE, start_timeout=600)
+            [(role, c, geoms(n)) for role, c, n in specs], state=STATE, start_timeout=600
+        )
         # one more NIXL pair per UCX transport list compared (UCX reads UCX_TLS when an agent
         # starts); started after the others, which must not inherit it while it is set
         self.tls_pairs = {}
@@ -97,12 +115,20 @@ class Bench:
             srv = self.fleet.bootstrap()
             c = {**nixl, "bootstrap": srv.address}
             self.tls_pairs[tls] = (
-                *(self.fleet.agent(role, c, geoms(n), state=STATE, start_timeout=600,
-                                   env=NIXL_VARIANTS[tls][1])
-                  for role, n in (("prefill", PF_PAGES), ("decode", DC_PAGES))), srv.address)
+                *(
+                    self.fleet.agent(
+                        role, c, geoms(n), state=STATE, start_timeout=600, env=NIXL_VARIANTS[tls][1]
+                    )
+                    for role, n in (("prefill", PF_PAGES), ("decode", DC_PAGES))
+                ),
+                srv.address,
+            )
         # the pattern only where transfers read: the largest request's pages
-        item = {"room": self.seed_room, "pages": {"kv": self.src_perm[:BULK_MAX // PS]},
-                "num_tokens": BULK_MAX}
+        item = {
+            "room": self.seed_room,
+            "pages": {"kv": self.src_perm[: BULK_MAX // PS]},
+            "num_tokens": BULK_MAX,
+        }
         for a in (self.pf, self.rpf, self.npf, *(p[0] for p in self.tls_pairs.values())):
             a.call("prepare", items=[item])
         for a in (self.dc, self.rdc, self.ndc, *(p[1] for p in self.tls_pairs.values())):
@@ -136,8 +162,7 @@ class Bench:
             return self.tls_pairs[transport[5:]]
         return self.pf, self.dc, self.srv.address
 
-    def pdx_once(self, tokens: int, verify: bool = False, transport: str = "tcp"
-                 ) -> dict[str, Any]:
+    def pdx_once(self, tokens: int, verify: bool = False, transport: str = "tcp") -> dict[str, Any]:
         pf, dc, boot = self.pair(transport)
         src, dst = self.pages_for(tokens)
         room = self.next_room()
@@ -152,23 +177,44 @@ class Bench:
         if r["state"] != "Success":
             raise RuntimeError(f"pdxfer transfer failed: {r['failure']}")
         bad = self.verify(dc, room, dst, tokens) if verify else None
-        return {"seconds": r["t_done"] - t0, "bytes": r["bytes"], "entries": r["blocks"],
-                "cpu": cpu, "bad": bad}
+        return {
+            "seconds": r["t_done"] - t0,
+            "bytes": r["bytes"],
+            "entries": r["blocks"],
+            "cpu": cpu,
+            "bad": bad,
+        }
 
     def raw_once(self, tokens: int, verify: bool = False) -> dict[str, Any]:
         src, dst = self.pages_for(tokens)
         c0 = self.cpu(self.rpf, self.rdc)
-        r = self.rpf.call("raw_write", peer=self.rdc.info["session"], pools=self.rdc.info["pools"],
-                          src=src, dst=dst, tokens=tokens)
+        r = self.rpf.call(
+            "raw_write",
+            peer=self.rdc.info["session"],
+            pools=self.rdc.info["pools"],
+            src=src,
+            dst=dst,
+            tokens=tokens,
+        )
         cpu = self.cpu(self.rpf, self.rdc) - c0
         bad = self.verify(self.rdc, 0, dst, tokens) if verify else None
-        return {"seconds": r["seconds"][0], "bytes": r["bytes"], "entries": r["entries"],
-                "cpu": cpu, "bad": bad}
+        return {
+            "seconds": r["seconds"][0],
+            "bytes": r["bytes"],
+            "entries": r["entries"],
+            "cpu": cpu,
+            "bad": bad,
+        }
 
-    def verify(self, agent: Agent, room: int, dst: list[int], tokens: int,
-               seed: int | None = None) -> int:
-        item = {"room": room, "dst": {"kv": dst}, "num_tokens": tokens,
-                "seed": self.seed_room if seed is None else seed}
+    def verify(
+        self, agent: Agent, room: int, dst: list[int], tokens: int, seed: int | None = None
+    ) -> int:
+        item = {
+            "room": room,
+            "dst": {"kv": dst},
+            "num_tokens": tokens,
+            "seed": self.seed_room if seed is None else seed,
+        }
         bad, first = agent.call("verify", items=[item])[room]
         if bad:
             print(f"  VERIFY FAILED: {bad} bytes wrong: {first}", file=sys.stderr)
@@ -182,8 +228,9 @@ class Bench:
         res: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for rnd in range(rounds):
             for tokens in sizes:
-                check = tokens == sizes[-1] and rnd in ((rounds - 1,) if self.quick
-                                                        else (0, rounds - 1))
+                check = tokens == sizes[-1] and rnd in (
+                    (rounds - 1,) if self.quick else (0, rounds - 1)
+                )
                 for name, fn in (("raw", self.raw_once), ("pdxfer", self.pdx_once)):
                     res.setdefault((name, tokens), []).append(fn(tokens, verify=check))
         self.bulk_res = res
@@ -198,8 +245,10 @@ class Bench:
                 row[f"{name}_entries"] = rs[0]["entries"]
                 row["bytes"] = rs[0]["bytes"]
             # ratio per round (interleaved pairs), then the median of the ratios
-            ratios = [p["bytes"] / p["seconds"] / (r["bytes"] / r["seconds"])
-                      for p, r in zip(res[("pdxfer", tokens)], res[("raw", tokens)])]
+            ratios = [
+                p["bytes"] / p["seconds"] / (r["bytes"] / r["seconds"])
+                for p, r in zip(res[("pdxfer", tokens)], res[("raw", tokens)])
+            ]
             row["ratio"] = stats(ratios)
             curve.append(row)
         self.out["bulk.curve"] = curve
@@ -244,17 +293,35 @@ class Bench:
         for _ in range(rounds):
             first = self.next_room()
             self.room += 1 << 20
-            pl = self.rpf.call("raw_push_loop", timeout=seg + 120, peer=self.rdc.info["session"],
-                          pools=self.rdc.info["pools"], pull=self.rdc.info["pull"], src=src,
-                          dst_free=dst_free, tokens=tokens, conc=conc, duration=seg, threads=4,
-                          first_room=first)
+            pl = self.rpf.call(
+                "raw_push_loop",
+                timeout=seg + 120,
+                peer=self.rdc.info["session"],
+                pools=self.rdc.info["pools"],
+                pull=self.rdc.info["pull"],
+                src=src,
+                dst_free=dst_free,
+                tokens=tokens,
+                conc=conc,
+                duration=seg,
+                threads=4,
+                first_room=first,
+            )
             window(self.rdc.call("raw_collect", first_room=first), pl["start"], seg, "raw")
             first = self.next_room()
             self.room += 1 << 20
             self.pf.call("bench_serve", first_room=first, src=src, ahead=conc + 32)
-            r = self.dc.call("bench_closed_loop", timeout=seg + 120, bootstrap=self.srv.address,
-                             first_room=first, dst_free=dst_free, per=per, tokens=tokens,
-                             conc=conc, duration=seg)
+            r = self.dc.call(
+                "bench_closed_loop",
+                timeout=seg + 120,
+                bootstrap=self.srv.address,
+                first_room=first,
+                dst_free=dst_free,
+                per=per,
+                tokens=tokens,
+                conc=conc,
+                duration=seg,
+            )
             self.pf.call("bench_serve_stop")
             window(r["stamps"], r["start"], seg, "pdxfer")
             failed += r["failed"]
@@ -265,22 +332,25 @@ class Bench:
             o[f"small.{k}_p99_ms"] = pct(lat[k], 99) * 1e3
             o[f"small.{k}_completed"] = len(lat[k])
         o["small.p50_ratio_vs_baseline"] = o["small.pdxfer_p50_ms"] / o["small.raw_p50_ms"]
-        o["small.rate_ratio_vs_baseline"] = (o["small.pdxfer_rooms_per_s"]
-                                             / o["small.raw_rooms_per_s"])
+        o["small.rate_ratio_vs_baseline"] = (
+            o["small.pdxfer_rooms_per_s"] / o["small.raw_rooms_per_s"]
+        )
         o["small.concurrency"] = conc
         o["small.seconds_per_variant"] = seg * rounds
         o["small.failed"] = len(failed)
         self.fixed_cost(tokens, per)
 
-    def pdx_send_once(self, tokens: int, src: list[int], dst: list[int],
-                      transport: str = "tcp") -> float:
+    def pdx_send_once(
+        self, tokens: int, src: list[int], dst: list[int], transport: str = "tcp"
+    ) -> float:
         """One request whose decode side asked first (as in PD serving, where the decode's
         request goes out while the prefill computes): seconds from the prefill's ``send`` to
         Success on the decode."""
         pf, dc, boot = self.pair(transport)
         room = self.next_room()
-        dc.call("recv", items=[{"room": room, "dst": {"kv": dst}, "num_tokens": tokens}],
-                bootstrap=boot)
+        dc.call(
+            "recv", items=[{"room": room, "dst": {"kv": dst}, "num_tokens": tokens}], bootstrap=boot
+        )
         if not pf.call("bench_wait_pending", rooms=[room]):
             raise RuntimeError("the decode's request never reached the prefill")
         s = pf.call("bench_send", room=room, pages=src, wait=True)
@@ -308,9 +378,15 @@ class Bench:
         own: list[float] = []
         for _ in range(pairs):
             dst = self.rng.choice(DC_PAGES, per, replace=False).tolist()
-            raw += self.rpf.call("raw_write", peer=self.rdc.info["session"],
-                                 pools=self.rdc.info["pools"], src=src, dst=dst, tokens=tokens,
-                                 reps=1)["seconds"]
+            raw += self.rpf.call(
+                "raw_write",
+                peer=self.rdc.info["session"],
+                pools=self.rdc.info["pools"],
+                src=src,
+                dst=dst,
+                tokens=tokens,
+                reps=1,
+            )["seconds"]
             dst = self.rng.choice(DC_PAGES, per, replace=False).tolist()
             pdx.append(self.pdx_send_once(tokens, src, dst))
             own.append(pdx[-1] - self.last_write_s)
@@ -319,15 +395,28 @@ class Bench:
         raw_blk: list[float] = []
         for _ in range(rounds):
             dst = self.rng.choice(DC_PAGES, per, replace=False).tolist()
-            raw_blk += self.rpf.call("raw_write", peer=self.rdc.info["session"],
-                                     pools=self.rdc.info["pools"], src=src, dst=dst,
-                                     tokens=tokens, reps=k)["seconds"]
+            raw_blk += self.rpf.call(
+                "raw_write",
+                peer=self.rdc.info["session"],
+                pools=self.rdc.info["pools"],
+                src=src,
+                dst=dst,
+                tokens=tokens,
+                reps=k,
+            )["seconds"]
             first = self.next_room()
             self.room += 1 << 20
             self.pf.call("bench_serve", first_room=first, src=src, ahead=4)
-            r = self.dc.call("bench_closed_loop", bootstrap=self.srv.address, first_room=first,
-                             dst_free=self.rng.permutation(DC_PAGES).tolist(), per=per,
-                             tokens=tokens, conc=1, count=k)
+            r = self.dc.call(
+                "bench_closed_loop",
+                bootstrap=self.srv.address,
+                first_room=first,
+                dst_free=self.rng.permutation(DC_PAGES).tolist(),
+                per=per,
+                tokens=tokens,
+                conc=1,
+                count=k,
+            )
             self.pf.call("bench_serve_stop")
             req += [t1 - t0 for t0, t1 in r["stamps"]]
         o = self.out
@@ -336,10 +425,13 @@ class Bench:
         o["small.serial_pdxfer_ms"] = med(pdx) * 1e3
         o["small.serial_raw_write_ms"] = med(raw) * 1e3
         o["small.fixed_cost_ms"] = med(own) * 1e3
-        o["small.fixed_cost_ms_p25_p75"] = [float(np.percentile(own, 25) * 1e3),
-                                            float(np.percentile(own, 75) * 1e3)]
-        o["small.fixed_cost_vs_baseline_ms"] = (o["small.serial_pdxfer_ms"]
-                                                - o["small.serial_raw_write_ms"])
+        o["small.fixed_cost_ms_p25_p75"] = [
+            float(np.percentile(own, 25) * 1e3),
+            float(np.percentile(own, 75) * 1e3),
+        ]
+        o["small.fixed_cost_vs_baseline_ms"] = (
+            o["small.serial_pdxfer_ms"] - o["small.serial_raw_write_ms"]
+        )
         o["small.serial_from_request_ms"] = med(req) * 1e3
         o["small.fixed_cost_from_request_ms"] = (med(req) - med(raw_blk)) * 1e3
 
@@ -375,8 +467,7 @@ class Bench:
         o["integrity.bulk_off_ms"] = med(bulk["off"]) * 1e3
         o["integrity.small_fixed_cost_off_ms"] = med(own["off"]) * 1e3
         o["integrity.small_fixed_cost_delta_ms"] = (med(own["sampled"]) - med(own["off"])) * 1e3
-        o["integrity.small_fixed_cost_full_delta_ms"] = (med(own["full"])
-                                                         - med(own["off"])) * 1e3
+        o["integrity.small_fixed_cost_full_delta_ms"] = (med(own["full"]) - med(own["off"])) * 1e3
         o["integrity.rounds"] = rounds
 
     # -- 3. entries ---------------------------------------------------------------------------------
@@ -390,18 +481,22 @@ class Bench:
         rand_d = self.rng.choice(DC_PAGES, n, replace=False)
         half_s = np.concatenate([[2 * i * 3, 2 * i * 3 + 1] for i in range(n // 2)])
         half_d = np.concatenate([[100 + 2 * i * 5, 100 + 2 * i * 5 + 1] for i in range(n // 2)])
-        cases = {"random": (rand_s, rand_d),
-                 "contiguous": (np.arange(base, base + n), np.arange(dbase, dbase + n)),
-                 "half_contiguous": (half_s, half_d)}
+        cases = {
+            "random": (rand_s, rand_d),
+            "contiguous": (np.arange(base, base + n), np.arange(dbase, dbase + n)),
+            "half_contiguous": (half_s, half_d),
+        }
         ok = True
         for name, (s, d) in cases.items():
             s, d = [int(x) for x in s], [int(x) for x in d]
             room = self.next_room()
-            self.pf.call("prepare", items=[{"room": room, "pages": {"kv": s},
-                                            "num_tokens": tokens}])
+            self.pf.call(
+                "prepare", items=[{"room": room, "pages": {"kv": s}, "num_tokens": tokens}]
+            )
             item = {"room": room, "dst": {"kv": d}, "num_tokens": tokens}
-            self.dc.call("recv", items=[item], bootstrap=getattr(self, "_entries_boot",
-                                                                  self.srv.address))
+            self.dc.call(
+                "recv", items=[item], bootstrap=getattr(self, "_entries_boot", self.srv.address)
+            )
             self.pf.call("bench_wait_pending", rooms=[room])
             e0 = self.pf.call("metrics")["transport_entries"]
             self.pf.call("bench_send", room=room, pages=s)
@@ -418,9 +513,16 @@ class Bench:
         self.out["entries.buffers"] = BUFFERS
         self.out["entries.equal_to_runs"] = bool(ok)
         # the source pattern of the bulk pages was overwritten: restore it
-        self.pf.call("prepare", items=[{"room": self.seed_room,
-                                        "pages": {"kv": self.src_perm[:BULK_MAX // PS]},
-                                        "num_tokens": BULK_MAX}])
+        self.pf.call(
+            "prepare",
+            items=[
+                {
+                    "room": self.seed_room,
+                    "pages": {"kv": self.src_perm[: BULK_MAX // PS]},
+                    "num_tokens": BULK_MAX,
+                }
+            ],
+        )
 
     # -- 3b. NIXL against Mooncake -----------------------------------------------------------
     def nixl(self) -> None:
@@ -456,7 +558,8 @@ class Bench:
             if gb[v]:
                 o[f"{key}.bulk_gbps"] = statistics.median(gb[v])
                 o[f"{key}.ratio_vs_default"] = statistics.median(
-                    a / b for a, b in zip(gb[v], gb["nixl"]))
+                    a / b for a, b in zip(gb[v], gb["nixl"])
+                )
         o["nixl.bulk_gbps"] = statistics.median(gb["nixl"])
         o["nixl.bulk_mooncake_gbps"] = statistics.median(gb["tcp"])
         o["nixl.bulk_ratio_vs_mooncake"] = statistics.median(ratios)
@@ -529,9 +632,11 @@ class Bench:
         per = [(p["cpu"] / p["bytes"] - r["cpu"] / r["bytes"]) * 1e9 for p, r in zip(pdx, raw)]
         self.out["cpu.seconds_per_gb"] = statistics.median(per)
         self.out["cpu.pdxfer_total_seconds_per_gb"] = statistics.median(
-            p["cpu"] / p["bytes"] * 1e9 for p in pdx)
+            p["cpu"] / p["bytes"] * 1e9 for p in pdx
+        )
         self.out["cpu.raw_total_seconds_per_gb"] = statistics.median(
-            r["cpu"] / r["bytes"] * 1e9 for r in raw)
+            r["cpu"] / r["bytes"] * 1e9 for r in raw
+        )
 
     # -- 6. other helpers' figures -----------------------------------------------------------------
     def others(self) -> None:
@@ -542,7 +647,8 @@ class Bench:
                 self.out.update(mod.measure(quick=self.quick))
                 if "incremental.l2_copy_gbps" in self.out:
                     self.out["incremental.l2_copy_fraction_of_memcpy"] = (
-                        self.out["incremental.l2_copy_gbps"] / self.out["limits.memcpy_gbps"])
+                        self.out["incremental.l2_copy_gbps"] / self.out["limits.memcpy_gbps"]
+                    )
             except Exception as e:  # noqa: BLE001 - their failure must not lose our figures
                 self.out[f"{name}.error"] = f"{type(e).__name__}: {e}"
                 print(f"[bench] {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -550,11 +656,19 @@ class Bench:
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--md", type=Path, help="write the headline table as Markdown here")
-    ap.add_argument("--only", choices=["nixl"], default=None,
-                    help="run only this section (and memcpy, for nixl.fraction_of_memcpy)")
-    ap.add_argument("--plot", type=Path, default=None,
-                    help="PNG of throughput against request size (default "
-                         "docs/assets/bench_transfer.png for a full run, none for --quick)")
+    ap.add_argument(
+        "--only",
+        choices=["nixl"],
+        default=None,
+        help="run only this section (and memcpy, for nixl.fraction_of_memcpy)",
+    )
+    ap.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="PNG of throughput against request size (default "
+        "docs/assets/bench_transfer.png for a full run, none for --quick)",
+    )
 
 
 def main(a: argparse.Namespace) -> dict[str, Any]:
@@ -580,17 +694,19 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
     b.out["seconds_total"] = time.monotonic() - t0
     if a.md:
         a.md.write_text(table(b.out) + "\n")
-    png = a.plot or (None if a.quick or a.only
-                     else ROOT / "docs" / "assets" / "bench_transfer.png")
+    png = a.plot or (None if a.quick or a.only else ROOT / "docs" / "assets" / "bench_transfer.png")
     if png:
         plot(b.out, png)
     return b.out
 
 
 def passed(res: dict[str, Any]) -> bool:
-    return (res.get("bulk.bytes_wrong", 0) == 0 and res.get("nixl.bulk_bytes_wrong", 0) == 0
-            and res.get("entries.equal_to_runs", True)
-            and not any(k.endswith(".error") for k in res))  # a helper benchmark failed
+    return (
+        res.get("bulk.bytes_wrong", 0) == 0
+        and res.get("nixl.bulk_bytes_wrong", 0) == 0
+        and res.get("entries.equal_to_runs", True)
+        and not any(k.endswith(".error") for k in res)
+    )  # a helper benchmark failed
 
 
 if __name__ == "__main__":

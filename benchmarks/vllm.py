@@ -95,16 +95,31 @@ def makers(v: str, s: Setup, tag: str) -> tuple[list[Maker], dict[str, Any]]:
     nocache = [*lim, "--no-enable-prefix-caching"]
     common = {"bootstrap_timeout_s": 120.0, "transfer_timeout_s": 120.0}
 
-    def vllm(name: str, args: list[str], cfg: str | None, env: dict[str, str] | None = None,
-             log_stats: bool = False) -> Maker:
+    def vllm(
+        name: str,
+        args: list[str],
+        cfg: str | None,
+        env: dict[str, str] | None = None,
+        log_stats: bool = False,
+    ) -> Maker:
         if s.trace_dir is not None and env is None:
             (s.trace_dir / f"{tag}_{name}").mkdir(parents=True, exist_ok=True)
-            env = {"PDXFER_TRACE_VLLM": str(s.trace_dir / f"{tag}_{name}"),
-                   "PYTHONPATH": f"{ROOT / 'trace_hooks'}{os.pathsep}"
-                                 f"{os.environ.get('PYTHONPATH', '')}"}
-        return lambda: VllmServer(f"{tag}_{name}", s.model, s.tmp, kv_cache_bytes=s.kv_bytes,
-                                  args=args, kv_transfer_config=cfg, env=env,
-                                  log_stats=log_stats or s.log_stats, start=False)
+            env = {
+                "PDXFER_TRACE_VLLM": str(s.trace_dir / f"{tag}_{name}"),
+                "PYTHONPATH": f"{ROOT / 'trace_hooks'}{os.pathsep}"
+                f"{os.environ.get('PYTHONPATH', '')}",
+            }
+        return lambda: VllmServer(
+            f"{tag}_{name}",
+            s.model,
+            s.tmp,
+            kv_cache_bytes=s.kv_bytes,
+            args=args,
+            kv_transfer_config=cfg,
+            env=env,
+            log_stats=log_stats or s.log_stats,
+            start=False,
+        )
 
     if v == "colocated":
         return [vllm("colocated", lim, None)], {}
@@ -114,37 +129,51 @@ def makers(v: str, s: Setup, tag: str) -> tuple[list[Maker], dict[str, Any]]:
         d_extra = {**extra, "instance": f"{tag}-d", "stats_file": str(s.tmp / f"{tag}_d.json")}
         if v == "pdxfer_reuse":
             d_extra["l2_pages"] = s.l2_pages
-        return [vllm("d", nocache, kv_config("kv_consumer", d_extra)),
-                vllm("p", lim, kv_config("kv_producer", {**extra, "instance": f"{tag}-p"}))], \
-            {"decode_instance": f"{tag}-d", "stats": s.tmp / f"{tag}_d.json", "together": True}
+        return [
+            vllm("d", nocache, kv_config("kv_consumer", d_extra)),
+            vllm("p", lim, kv_config("kv_producer", {**extra, "instance": f"{tag}-p"})),
+        ], {"decode_instance": f"{tag}-d", "stats": s.tmp / f"{tag}_d.json", "together": True}
     if v == "builtin":
+
         def nixl(name: str, role: str, args: list[str]) -> Maker:
             def make() -> Server:  # built once the server before it is up (its port)
                 cfg, env = nixl_connector(role, NIXL_SHIM)
                 return vllm(name, args, cfg, env, log_stats=role == "kv_consumer")()
+
             return make
-        return [nixl("d", "kv_consumer", nocache), nixl("p", "kv_producer", lim)], \
-            {"connector": "nixl"}
+
+        return [nixl("d", "kv_consumer", nocache), nixl("p", "kv_producer", lim)], {
+            "connector": "nixl"
+        }
     if v == "mooncake":
+
         def mc(role: str) -> str:
-            return kv_config(role, {"mooncake_protocol": "tcp"}, connector="MooncakeConnector",
-                             module=None)
-        return [vllm("p", lim, mc("kv_producer")), vllm("d", nocache, mc("kv_consumer"))], \
-            {"connector": "mooncake"}
+            return kv_config(
+                role, {"mooncake_protocol": "tcp"}, connector="MooncakeConnector", module=None
+            )
+
+        return [vllm("p", lim, mc("kv_producer")), vllm("d", nocache, mc("kv_consumer"))], {
+            "connector": "mooncake"
+        }
     raise ValueError(f"unknown variant {v!r}; known: {ALL}")
 
 
 def prom_sum(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 class Burners:
     """A fixed CPU load: one spinning process per core, each killed by pid."""
 
     def __init__(self, n: int) -> None:
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                       start_new_session=True) for _ in range(n)]
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(n)
+        ]
 
     def stop(self) -> None:
         for p in self.procs:
@@ -217,8 +246,11 @@ def asks(shape: Shape, v: str, rnd: int, section: str) -> list[Ask]:
     the conversations in turn). Every variant sends the same prompts (a conversation's seeds
     depend on the round, the section and the conversation only), so answers compare request
     by request; NixlConnector sends its conversations' (``convs_of``)."""
-    return [Ask(c, t, salt(section) + 1000 * rnd + 100 * c + t + 2)
-            for t in range(shape.turns) for c in convs_of(shape, v, rnd)]
+    return [
+        Ask(c, t, salt(section) + 1000 * rnd + 100 * c + t + 2)
+        for t in range(shape.turns)
+        for c in convs_of(shape, v, rnd)
+    ]
 
 
 def untimed_first(shape: Shape, v: str, rnd: int, section: str) -> Ask | None:
@@ -265,9 +297,13 @@ class Samples:
     """Later turns of a conversation whose request failed (each turn needs the last answer)."""
 
 
-def converse(sent: list[Ask], opening: list[int], question: int,
-             ask: Callable[[Ask, list[int]], list[int]], s: Samples
-             ) -> Iterator[tuple[Ask, float, Exception]]:
+def converse(
+    sent: list[Ask],
+    opening: list[int],
+    question: int,
+    ask: Callable[[Ask, list[int]], list[int]],
+    s: Samples,
+) -> Iterator[tuple[Ask, float, Exception]]:
     """Send ``sent`` in order, each prompt its conversation's history (``opening``, then
     each turn's prompt and answer) plus the turn's question, through ``ask`` (which returns
     the answer's ids). A request that gets no complete answer (``openai.APIError``: a
@@ -293,8 +329,9 @@ def converse(sent: list[Ask], opening: list[int], question: int,
         hist[q.conv] = prompt + ids
 
 
-def reference_leg(door: FrontDoor, prompt: list[int], held: int, seed: int, answer: int,
-                  timeout: float) -> float:
+def reference_leg(
+    door: FrontDoor, prompt: list[int], held: int, seed: int, answer: int, timeout: float
+) -> float:
     """Colocated's prefill leg of a pair's request shape, computing what a pair's prefill
     computes: after a conversation's turn, the door sends the colocated server what a
     pair's prefill gets for it (one token, not streamed, read whole), timed where a pair's
@@ -308,23 +345,33 @@ def reference_leg(door: FrontDoor, prompt: list[int], held: int, seed: int, answ
     return door.prefill_leg(request_body(probe, answer), timeout=timeout)[0]
 
 
-def kv_counters(door: FrontDoor | None, cfg: dict[str, Any],
-                servers: list[Server]) -> tuple[float, float, float]:
+def kv_counters(
+    door: FrontDoor | None, cfg: dict[str, Any], servers: list[Server]
+) -> tuple[float, float, float]:
     """(bytes received, seconds until KV in place summed, loads) as the connector counts."""
     if "stats" in cfg:
         st = read_stats(cfg["stats"])
         return float(st.get("net_bytes", 0)), st.get("ready_us", 0) / 1e6, float(st.get("loads", 0))
     if cfg.get("connector") == "nixl":
         m = servers[0].metrics_text()  # the decode, started first
-        return (prom_sum(m, "vllm:nixl_bytes_transferred_sum"),
-                prom_sum(m, "vllm:nixl_xfer_time_seconds_sum"),
-                prom_sum(m, "vllm:nixl_xfer_time_seconds_count"))
+        return (
+            prom_sum(m, "vllm:nixl_bytes_transferred_sum"),
+            prom_sum(m, "vllm:nixl_xfer_time_seconds_sum"),
+            prom_sum(m, "vllm:nixl_xfer_time_seconds_count"),
+        )
     return 0.0, 0.0, 0.0
 
 
-def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
-          got: dict[tuple[str, str], Samples], outs: dict[tuple[str, Any], list[int]],
-          log: list[dict[str, Any]]) -> None:
+def phase(
+    v: str,
+    rnd: int,
+    setup: Setup,
+    shape: Shape,
+    a: argparse.Namespace,
+    got: dict[tuple[str, str], Samples],
+    outs: dict[tuple[str, Any], list[int]],
+    log: list[dict[str, Any]],
+) -> None:
     tag = f"{v}_r{rnd}"
     lap = Laps()
     rec: dict[str, Any] = {"variant": v, "round": rnd, **phase_start(), "seconds": lap.seconds}
@@ -333,21 +380,29 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
     mk, cfg = makers(v, setup, tag)
     try:
         servers = (start_together if cfg.get("together") else start_one_by_one)(
-            mk, a.startup_timeout)
+            mk, a.startup_timeout
+        )
     finally:  # a start-up that failed took its time too (MooncakeConnector's try)
         rec["startup_s"] = lap("startup")
     door = None
     try:
         if cfg.get("connector") == "mooncake":
-            raise NotImplementedError("MooncakeConnector started, but this front door does not "
-                                      "speak its protocol (not measured)")
+            raise NotImplementedError(
+                "MooncakeConnector started, but this front door does not "
+                "speak its protocol (not measured)"
+            )
         if len(servers) == 2:
-            door = FrontDoor(servers[1].url, servers[0].url, cfg.get("decode_instance"),
-                             connector=cfg.get("connector", "pdxfer"),
-                             timeout=a.request_timeout).start()
+            door = FrontDoor(
+                servers[1].url,
+                servers[0].url,
+                cfg.get("decode_instance"),
+                connector=cfg.get("connector", "pdxfer"),
+                timeout=a.request_timeout,
+            ).start()
         else:  # the same proxy in front: the same hops, its leg timed at the same place
-            door = FrontDoor(servers[0].url, "", connector="colocated",
-                             timeout=a.request_timeout).start()
+            door = FrontDoor(
+                servers[0].url, "", connector="colocated", timeout=a.request_timeout
+            ).start()
         url = door.url
         ttft(url, tokens(999, 2 * BS + 5), 2, a.request_timeout)  # one-time costs
         if len(servers) == 1:  # and those of the reference leg's request shape
@@ -366,15 +421,21 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
                 warm = untimed_first(shape, v, rnd, section)
                 if warm is not None:  # to the prefill alone: what it caches is what matters
                     try:
-                        door.prefill_leg(request_body(sys_prefix + tokens(warm.seed,
-                                                                          shape.question),
-                                                      shape.answer), timeout=a.request_timeout)
+                        door.prefill_leg(
+                            request_body(
+                                sys_prefix + tokens(warm.seed, shape.question), shape.answer
+                            ),
+                            timeout=a.request_timeout,
+                        )
                     except Exception as e:  # noqa: BLE001 - untimed: recorded, the half goes on
                         # a full run (2026-11-26) lost 55 minutes to NixlConnector's cold
                         # prefill beside the load taking over 600 s here
                         rec[f"untimed_failed_{section}"] = f"{type(e).__name__}: {e}"[:300]
-                        print(f"[bench_vllm] round {rnd} {v} {section}: the untimed first "
-                              f"turn failed ({type(e).__name__}: {e})", file=sys.stderr)
+                        print(
+                            f"[bench_vllm] round {rnd} {v} {section}: the untimed first "
+                            f"turn failed ({type(e).__name__}: {e})",
+                            file=sys.stderr,
+                        )
                 k0 = kv_counters(door, cfg, servers)
                 clock = TreeClock([p.pid for p in servers])
                 s = got.setdefault((v, section), Samples())
@@ -382,28 +443,48 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
                 sent = asks(shape, v, rnd, section)
                 t_n0, f_n0 = len(s.ttft), len(s.failed)
 
-                def ask(q: Ask, prompt: list[int], s: Samples = s, section: str = section,
-                        held: dict[int, int] = held) -> list[int]:
+                def ask(
+                    q: Ask,
+                    prompt: list[int],
+                    s: Samples = s,
+                    section: str = section,
+                    held: dict[int, int] = held,
+                ) -> list[int]:
                     dt, ids = ttft(url, prompt, shape.answer, a.request_timeout)
                     s.ttft.append(dt)
                     if len(servers) == 2:
                         s.prefill.append(door.prefill_seconds[-1])
                     else:
                         s.first_chunk.append(door.prefill_seconds[-1])
-                        s.prefill.append(reference_leg(door, prompt,
-                                                       held.get(q.conv, shape.system), q.seed,
-                                                       shape.answer, a.request_timeout))
+                        s.prefill.append(
+                            reference_leg(
+                                door,
+                                prompt,
+                                held.get(q.conv, shape.system),
+                                q.seed,
+                                shape.answer,
+                                a.request_timeout,
+                            )
+                        )
                     outs[(v, (rnd, section, q.conv, q.turn))] = ids
                     held[q.conv] = len(prompt)
                     return ids
 
                 for q, secs, e in converse(sent, sys_prefix, shape.question, ask, s):
                     rec.setdefault(f"failed_{section}", []).append(
-                        {"conv": q.conv, "turn": q.turn, "seconds": round(secs, 1),
-                         "error": f"{type(e).__name__}: {e}"[:300]})
-                    print(f"[bench_vllm] round {rnd} {v} {section}: conversation {q.conv} "
-                          f"turn {q.turn} failed after {secs:.0f} s ({type(e).__name__}: "
-                          f"{e}); its later turns are skipped", file=sys.stderr)
+                        {
+                            "conv": q.conv,
+                            "turn": q.turn,
+                            "seconds": round(secs, 1),
+                            "error": f"{type(e).__name__}: {e}"[:300],
+                        }
+                    )
+                    print(
+                        f"[bench_vllm] round {rnd} {v} {section}: conversation {q.conv} "
+                        f"turn {q.turn} failed after {secs:.0f} s ({type(e).__name__}: "
+                        f"{e}); its later turns are skipped",
+                        file=sys.stderr,
+                    )
                 rec[f"busy_cpu_cores_{section}"] = round(clock.cores(), 3)
                 k1 = kv_counters(door, cfg, servers)
                 s.kv_bytes += k1[0] - k0[0]
@@ -423,14 +504,18 @@ def phase(v: str, rnd: int, setup: Setup, shape: Shape, a: argparse.Namespace,
             srv.stop()
         lap("stop")
     alone = got[(v, "alone")]
-    print(f"[bench_vllm] round {rnd} {v}: up in {rec['startup_s']} s, idle "
-          f"{rec['idle_cpu_cores']} cores, TTFT p50 "
-          f"{1e3 * statistics.median(alone.ttft + alone.failed):.0f} ms alone; "
-          f"seconds {lap.seconds}", file=sys.stderr)
+    print(
+        f"[bench_vllm] round {rnd} {v}: up in {rec['startup_s']} s, idle "
+        f"{rec['idle_cpu_cores']} cores, TTFT p50 "
+        f"{1e3 * statistics.median(alone.ttft + alone.failed):.0f} ms alone; "
+        f"seconds {lap.seconds}",
+        file=sys.stderr,
+    )
 
 
-def compare_outputs(outs: dict[tuple[str, Any], list[int]], ref: str, others: list[str]
-                    ) -> tuple[bool, str]:
+def compare_outputs(
+    outs: dict[tuple[str, Any], list[int]], ref: str, others: list[str]
+) -> tuple[bool, str]:
     """Whether every variant's answers equal ``ref``'s, request by request, over the requests
     it sent (NixlConnector sends a subset: ``asks``), and what was compared. A variant that
     answered nothing, or a request ``ref`` never sent, fails it."""
@@ -439,14 +524,14 @@ def compare_outputs(outs: dict[tuple[str, Any], list[int]], ref: str, others: li
     counts = []
     for v in others:
         mine = [k for (w, k) in outs if w == v]
-        ok = ok and bool(mine) and all(k in keys and outs[(v, k)] == outs[(ref, k)]
-                                       for k in mine)
+        ok = ok and bool(mine) and all(k in keys and outs[(v, k)] == outs[(ref, k)] for k in mine)
         counts.append(f"{v} {len(mine)}")
     return ok, f"{', '.join(counts)} requests vs {ref} ({len(keys)})"
 
 
-def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],
-            variants: list[str]) -> dict[str, Any]:
+def summary(
+    got: dict[tuple[str, str], Samples], log: list[dict[str, Any]], variants: list[str]
+) -> dict[str, Any]:
     res: dict[str, Any] = {}
     for (v, section), s in got.items():
         sfx = "" if section == "alone" else f".{section}"
@@ -468,27 +553,33 @@ def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],
             # per request, in order (turn by turn): TTFT, first chunk, the reference leg
             res[f"vllm.requests_ms.{v}{sfx}"] = [
                 [round(1e3 * t), round(1e3 * c), round(1e3 * p)]
-                for t, c, p in zip(s.ttft, s.first_chunk, s.prefill)]
+                for t, c, p in zip(s.ttft, s.first_chunk, s.prefill)
+            ]
         if s.prefill and v != "colocated":
             dec = [t - p for t, p in zip(s.ttft, s.prefill)]
             res[f"vllm.decode_leg_p50_ms.{v}{sfx}"] = 1e3 * pct(dec, 0.5)
             res[f"vllm.decode_leg_p90_ms.{v}{sfx}"] = 1e3 * pct(dec, 0.9)
-            res[f"vllm.requests_ms.{v}{sfx}"] = [[round(1e3 * t), round(1e3 * p)]
-                                                 for t, p in zip(s.ttft, s.prefill)]
+            res[f"vllm.requests_ms.{v}{sfx}"] = [
+                [round(1e3 * t), round(1e3 * p)] for t, p in zip(s.ttft, s.prefill)
+            ]
         if s.loads:
             res[f"vllm.kv_ready_ms_mean.{v}{sfx}"] = 1e3 * s.ready_s / s.loads
             res[f"vllm.kv_mib.{v}{sfx}"] = s.kv_bytes / 2**20
             # comparable across variants that sent different numbers of requests
             res[f"vllm.kv_mib_per_request.{v}{sfx}"] = s.kv_bytes / 2**20 / len(s.ttft)
     for v in variants:
-        res[f"vllm.phase_seconds.{v}"] = round(sum(sum(r["seconds"].values()) for r in log
-                                                   if r["variant"] == v and "seconds" in r), 1)
+        res[f"vllm.phase_seconds.{v}"] = round(
+            sum(sum(r["seconds"].values()) for r in log if r["variant"] == v and "seconds" in r), 1
+        )
         idle = [r["idle_cpu_cores"] for r in log if r["variant"] == v and "idle_cpu_cores" in r]
         if idle:
             res[f"vllm.idle_cpu_cores.{v}"] = statistics.median(idle)
         for section in SECTIONS:
-            busy = [r[f"busy_cpu_cores_{section}"] for r in log
-                    if r["variant"] == v and f"busy_cpu_cores_{section}" in r]
+            busy = [
+                r[f"busy_cpu_cores_{section}"]
+                for r in log
+                if r["variant"] == v and f"busy_cpu_cores_{section}" in r
+            ]
             if busy:
                 sfx = "" if section == "alone" else f".{section}"
                 res[f"vllm.busy_cpu_cores.{v}{sfx}"] = statistics.median(busy)
@@ -505,20 +596,39 @@ def summary(got: dict[tuple[str, str], Samples], log: list[dict[str, Any]],
 
     for v in variants:
         if v.startswith("pdxfer"):
-            ratio("prefill_leg_p50_ratio_vs_colocated", v, "prefill_leg_p50_ms.colocated",
-                  "prefill_leg_p50_ms")
-            ratio("prefill_leg_p50_ratio_vs_colocated_stream", v,
-                  "first_chunk_p50_ms.colocated", "prefill_leg_p50_ms")
+            ratio(
+                "prefill_leg_p50_ratio_vs_colocated",
+                v,
+                "prefill_leg_p50_ms.colocated",
+                "prefill_leg_p50_ms",
+            )
+            ratio(
+                "prefill_leg_p50_ratio_vs_colocated_stream",
+                v,
+                "first_chunk_p50_ms.colocated",
+                "prefill_leg_p50_ms",
+            )
             ratio("ttft_p50_ratio_vs_builtin", v, "ttft_p50_ms.builtin")
     ratio("ttft_p50_ratio_decode_reuse", "pdxfer_reuse", f"ttft_p50_ms.{dflt}")
-    ratio("kv_ready_ratio_decode_reuse", "pdxfer_reuse", f"kv_ready_ms_mean.{dflt}",
-          "kv_ready_ms_mean")
+    ratio(
+        "kv_ready_ratio_decode_reuse",
+        "pdxfer_reuse",
+        f"kv_ready_ms_mean.{dflt}",
+        "kv_ready_ms_mean",
+    )
     return res
 
 
-def all_phases(shape: Shape, setup: Setup, a: argparse.Namespace, active: list[str],
-               got: dict[tuple[str, str], Samples], outs: dict[tuple[str, Any], list[int]],
-               log: list[dict[str, Any]], res: dict[str, Any]) -> None:
+def all_phases(
+    shape: Shape,
+    setup: Setup,
+    a: argparse.Namespace,
+    active: list[str],
+    got: dict[tuple[str, str], Samples],
+    outs: dict[tuple[str, Any], list[int]],
+    log: list[dict[str, Any]],
+    res: dict[str, Any],
+) -> None:
     """Every phase of the run, in order; a MooncakeConnector that cannot run is recorded
     (``vllm.unsupported.mooncake``) and left out of ``active``."""
     for rnd in range(shape.rounds):
@@ -534,17 +644,22 @@ def all_phases(shape: Shape, setup: Setup, a: argparse.Namespace, active: list[s
                 res["vllm.unsupported.mooncake_log"] = str(log_file)
                 log[-1]["failed"] = str(e).splitlines()[0]
                 active.remove(v)
-                print(f"[bench_vllm] mooncake left out: {str(e).splitlines()[0]}",
-                      file=sys.stderr)
+                print(f"[bench_vllm] mooncake left out: {str(e).splitlines()[0]}", file=sys.stderr)
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     q = a.quick
     rounds, convs = a.rounds or (2 if q else 3), a.convs or (4 if q else 6)
     turns = a.turns or (3 if q else 4)
-    shape = Shape(rounds=rounds, convs=convs, turns=turns, system=1024 if q else 1536,
-                  question=96 if q else 128, answer=16 if q else 24,
-                  builtin_convs=builtin_convs(convs, rounds, turns, a.builtin_requests))
+    shape = Shape(
+        rounds=rounds,
+        convs=convs,
+        turns=turns,
+        system=1024 if q else 1536,
+        question=96 if q else 128,
+        answer=16 if q else 24,
+        builtin_convs=builtin_convs(convs, rounds, turns, a.builtin_requests),
+    )
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in variants:
         if v not in ALL:
@@ -559,15 +674,23 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     got: dict[tuple[str, str], Samples] = {}
     outs: dict[tuple[str, Any], list[int]] = {}
     log: list[dict[str, Any]] = []
-    res: dict[str, Any] = {"vllm.default_transport": default_transport(),
-                           "vllm.default_variant": default_variant(),
-                           "vllm.cores": os.cpu_count(), "vllm.quick": q,
-                           "vllm.shape": dataclasses.asdict(shape),
-                           "vllm.kv_bytes_per_token": kv_per_token}
+    res: dict[str, Any] = {
+        "vllm.default_transport": default_transport(),
+        "vllm.default_variant": default_variant(),
+        "vllm.cores": os.cpu_count(),
+        "vllm.quick": q,
+        "vllm.shape": dataclasses.asdict(shape),
+        "vllm.kv_bytes_per_token": kv_per_token,
+    }
     try:
-        setup = Setup(tmp, build_model(tmp / "model", "kv32k"), boot.address,
-                      3 * max_len * kv_per_token,
-                      2 * shape.convs * -(-longest // BS) + 64, max_len)
+        setup = Setup(
+            tmp,
+            build_model(tmp / "model", "kv32k"),
+            boot.address,
+            3 * max_len * kv_per_token,
+            2 * shape.convs * -(-longest // BS) + 64,
+            max_len,
+        )
         print(f"[bench_vllm] {shape}; variants {variants}; logs in {tmp}", file=sys.stderr)
         active = list(variants)
         try:
@@ -579,18 +702,24 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             # kept, the run says why it ended (and exits 1)
             traceback.print_exc()
             res["vllm.error"] = f"{type(e).__name__}: {e}"[:2000]
-            res["vllm.error_phase"] = f"{log[-1]['variant']} round {log[-1]['round']}" \
-                if log else "before the first phase"
+            res["vllm.error_phase"] = (
+                f"{log[-1]['variant']} round {log[-1]['round']}"
+                if log
+                else "before the first phase"
+            )
         ref = "colocated" if "colocated" in variants else (active[0] if active else "")
         res["vllm.outputs_identical"], res["vllm.outputs_compared"] = compare_outputs(
-            outs, ref, [v for v in active if v != ref])
+            outs, ref, [v for v in active if v != ref]
+        )
         res.update(summary(got, log, active))
         res["vllm.failed_requests_total"] = sum(len(s.failed) for s in got.values())
         res["vllm.phases"] = log
-        res["vllm.loadavg_max_before_phase"] = max((r["loadavg_before"][0] for r in log),
-                                                   default=None)
+        res["vllm.loadavg_max_before_phase"] = max(
+            (r["loadavg_before"][0] for r in log), default=None
+        )
         res["vllm.background_cores_max_before_phase"] = max(
-            (r["background_cores_before"] for r in log), default=None)
+            (r["background_cores_before"] for r in log), default=None
+        )
         res["vllm.seconds"] = time.monotonic() - t_start
         return res
     finally:
@@ -602,17 +731,33 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--convs", type=int, help="conversations per phase (default 6; quick 4)")
     ap.add_argument("--turns", type=int, help="turns per conversation (default 4; quick 3)")
     ap.add_argument("--variants", default=",".join(ALL), help=f"of {', '.join(ALL)}")
-    ap.add_argument("--builtin-requests", type=int, default=24,
-                    help="NixlConnector's requests per section over the run, in whole "
-                         "conversations, at most the others' (default 24: 2 of the full "
-                         "run's 6 conversations a round, each once; all of --quick's 4)")
-    ap.add_argument("--no-contended", dest="contended", action="store_false",
-                    help="leave out the half measured beside a CPU load")
+    ap.add_argument(
+        "--builtin-requests",
+        type=int,
+        default=24,
+        help="NixlConnector's requests per section over the run, in whole "
+        "conversations, at most the others' (default 24: 2 of the full "
+        "run's 6 conversations a round, each once; all of --quick's 4)",
+    )
+    ap.add_argument(
+        "--no-contended",
+        dest="contended",
+        action="store_false",
+        help="leave out the half measured beside a CPU load",
+    )
     add_startup_timeout_arg(ap)
-    ap.add_argument("--idle-seconds", type=float, default=10.0,
-                    help="how long each phase's idle CPU is measured (default 10)")
-    ap.add_argument("--request-timeout", type=float, default=600.0,
-                    help="seconds one request may take (default 600)")
+    ap.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=10.0,
+        help="how long each phase's idle CPU is measured (default 10)",
+    )
+    ap.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds one request may take (default 600)",
+    )
 
 
 def main(a: argparse.Namespace) -> dict[str, Any]:

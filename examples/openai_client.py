@@ -23,24 +23,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     a = ap.parse_args(argv)
     client = OpenAI(base_url=a.base_url, api_key=a.api_key)
-    model = client.models.list().data[0].id         # the served model's name
+    model = client.models.list().data[0].id  # the served model's name
 
     # not streamed: one response with the whole text
-    r = client.completions.create(model=model, prompt="The capital of France is",
-                                  max_tokens=a.max_tokens, temperature=0)
+    r = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=a.max_tokens, temperature=0
+    )
     print(f"completion: {r.choices[0].text!r} (finish: {r.choices[0].finish_reason})")
     print(f"usage: {r.usage.prompt_tokens} prompt + {r.usage.completion_tokens} completion tokens")
     extra = (r.model_extra or {}).get("pdxfer", {})  # pdxfer's extension field
-    print("pdxfer:", {k: extra[k] for k in ("prefill", "decode", "bytes", "restored_tokens")
-                      if k in extra})
+    print(
+        "pdxfer:",
+        {k: extra[k] for k in ("prefill", "decode", "bytes", "restored_tokens") if k in extra},
+    )
 
     # streamed: one delta per chunk, then the usage chunk
     print("chat (streamed): ", end="", flush=True)
     finish = None
     for chunk in client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Say hello."}],
-            max_tokens=a.max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}):
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=a.max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if chunk.choices:
             print(chunk.choices[0].delta.content or "", end="", flush=True)
             finish = chunk.choices[0].finish_reason or finish

@@ -35,19 +35,45 @@ __version__ = "0.1.0"
 
 __all__ = [
     # endpoints and what they move
-    "Endpoint", "EndpointConfig", "Limits", "KVPoll", "KVReceiver", "KVSender", "RequestHandle",
-    "BootstrapClient", "BootstrapServer",
+    "Endpoint",
+    "EndpointConfig",
+    "Limits",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "RequestHandle",
+    "BootstrapClient",
+    "BootstrapServer",
     # pools and layouts
-    "BufferSpec", "PoolSpec", "Sharding",
+    "BufferSpec",
+    "PoolSpec",
+    "Sharding",
     # the endpoint's settings (default, help, key), for an engine's generated keys
     "endpoint_settings",
     # errors
-    "Aborted", "BootstrapError", "ConfigError", "DeadlineExceeded", "DuplicateRoom",
-    "IntegrityError", "LayoutMismatch", "PdxferError", "PeerLost", "PlanError", "ProtocolError",
-    "RemoteFailure", "TransportError", "TransportUnavailable", "UnknownRoom",
-    "UntrustedBootstrap", "WireError",
+    "Aborted",
+    "BootstrapError",
+    "ConfigError",
+    "DeadlineExceeded",
+    "DuplicateRoom",
+    "IntegrityError",
+    "LayoutMismatch",
+    "PdxferError",
+    "PeerLost",
+    "PlanError",
+    "ProtocolError",
+    "RemoteFailure",
+    "TransportError",
+    "TransportUnavailable",
+    "UnknownRoom",
+    "UntrustedBootstrap",
+    "WireError",
     # trust and addresses: which bootstraps a decode may follow
-    "require_trusted", "trusted_bootstrap", "trusted_from_env", "parse_hostport", "parse_hostports",
+    "require_trusted",
+    "trusted_bootstrap",
+    "trusted_from_env",
+    "parse_hostport",
+    "parse_hostports",
     "__version__",
 ]
 """What an engine integration may import. ``serving`` adds the server helpers (``SERVER_API``

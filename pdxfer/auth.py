@@ -76,7 +76,8 @@ class ReplayGuard:
                 return False
             if len(self._seen) >= self.limit:
                 for k in [k for k, t in self._seen.items() if t < now] or list(self._seen)[
-                        :self.limit // 10]:
+                    : self.limit // 10
+                ]:
                     del self._seen[k]
             self._seen[nonce] = now + 2 * MAX_SKEW_S
             return True
@@ -88,13 +89,23 @@ def http_headers(secret: bytes | None, method: str, path: str, body: bytes) -> d
         return {}
     ts = f"{time.time():.3f}"
     nonce = secrets.token_hex(12)
-    return {"X-Pdxfer-Time": ts, "X-Pdxfer-Nonce": nonce,
-            "X-Pdxfer-Signature": sign(secret, method, path, body, ts, nonce)}
+    return {
+        "X-Pdxfer-Time": ts,
+        "X-Pdxfer-Nonce": nonce,
+        "X-Pdxfer-Signature": sign(secret, method, path, body, ts, nonce),
+    }
 
 
-def check_http(secret: bytes | None, method: str, path: str, body: bytes, ts: str | None,
-               tag: str | None, nonce: str | None = None,
-               replay: ReplayGuard | None = None) -> str:
+def check_http(
+    secret: bytes | None,
+    method: str,
+    path: str,
+    body: bytes,
+    ts: str | None,
+    tag: str | None,
+    nonce: str | None = None,
+    replay: ReplayGuard | None = None,
+) -> str:
     """Why a signed HTTP request is not authorised ("" when it is). The signature covers
     method, path, body, timestamp and a nonce; ``replay`` refuses a nonce seen before."""
     if secret is None:
@@ -131,11 +142,14 @@ def ack_key(secret: bytes, pair: bytes) -> bytes:
     return _hkdf(secret, pair, b"pdxfer/2 helloack")
 
 
-def session_keys(secret: bytes, pair: bytes, prefill_nonce: bytes, decode_id: str,
-                 prefill_id: str) -> tuple[bytes, bytes]:
+def session_keys(
+    secret: bytes, pair: bytes, prefill_nonce: bytes, decode_id: str, prefill_id: str
+) -> tuple[bytes, bytes]:
     """(decode->prefill, prefill->decode) MAC keys of one pair's session: bound to both
     nonces and both endpoint ids, one key per direction so a frame cannot be reflected."""
     salt = pair + prefill_nonce
     ids = len(decode_id).to_bytes(2, "little") + decode_id.encode() + prefill_id.encode()
-    return (_hkdf(secret, salt, b"pdxfer/2 d2p " + ids),
-            _hkdf(secret, salt, b"pdxfer/2 p2d " + ids))
+    return (
+        _hkdf(secret, salt, b"pdxfer/2 d2p " + ids),
+        _hkdf(secret, salt, b"pdxfer/2 p2d " + ids),
+    )

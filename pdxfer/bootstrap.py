@@ -54,8 +54,11 @@ class Registration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pp_size: Small = 1
 
     def __post_init__(self) -> None:
-        for r, s, what in ((self.tp_rank, self.tp_size, "tp"), (self.dp_rank, self.dp_size, "dp"),
-                           (self.pp_rank, self.pp_size, "pp")):
+        for r, s, what in (
+            (self.tp_rank, self.tp_size, "tp"),
+            (self.dp_rank, self.dp_size, "dp"),
+            (self.pp_rank, self.pp_size, "pp"),
+        ):
             if r >= s:
                 raise ValueError(f"{what}_rank {r} must be < {what}_size {s}")
 
@@ -79,9 +82,15 @@ class _Instance:
 class BootstrapServer:
     """The registry of prefill instances. ``start()`` returns once it listens."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 secret: str | bytes | None = None, *, advertise: str = "",
-                 insecure: bool = False) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: str | bytes | None = None,
+        *,
+        advertise: str = "",
+        insecure: bool = False,
+    ) -> None:
         """``secret`` (or ``PDXFER_SECRET`` / ``PDXFER_SECRET_FILE``) turns on HMAC
         authentication of every request but ``/health``. Without one it serves loopback
         peers only, unless ``insecure`` (or ``PDXFER_INSECURE``) opts in (``protect``): a
@@ -90,7 +99,8 @@ class BootstrapServer:
         self.port = port
         self._secret = auth.load_secret(secret)
         self.loopback_only = protect.check_serving(
-            "bootstrap server", host, advertise, secret=self._secret, opt_in=insecure)
+            "bootstrap server", host, advertise, secret=self._secret, opt_in=insecure
+        )
         self._replay = auth.ReplayGuard()
         self._server: asyncio.base_events.Server | None = None
         self._instances: dict[str, _Instance] = {}
@@ -100,9 +110,15 @@ class BootstrapServer:
         self._runner: web.AppRunner | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self.counters: dict[str, int] = {"registrations": 0, "conflicts": 0, "lookups": 0,
-                                         "not_ready": 0, "bad_requests": 0, "auth_failures": 0,
-                                         "peers_refused": 0}
+        self.counters: dict[str, int] = {
+            "registrations": 0,
+            "conflicts": 0,
+            "lookups": 0,
+            "not_ready": 0,
+            "bad_requests": 0,
+            "auth_failures": 0,
+            "peers_refused": 0,
+        }
 
     @property
     def address(self) -> str:
@@ -138,10 +154,16 @@ class BootstrapServer:
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path != "/health":
             body = await request.read()
-            why = auth.check_http(self._secret, request.method, request.raw_path, body,
-                                  request.headers.get("X-Pdxfer-Time"),
-                                  request.headers.get("X-Pdxfer-Signature"),
-                                  request.headers.get("X-Pdxfer-Nonce"), self._replay)
+            why = auth.check_http(
+                self._secret,
+                request.method,
+                request.raw_path,
+                body,
+                request.headers.get("X-Pdxfer-Time"),
+                request.headers.get("X-Pdxfer-Signature"),
+                request.headers.get("X-Pdxfer-Nonce"),
+                self._replay,
+            )
             if why:
                 self.counters["auth_failures"] += 1
                 return web.json_response({"error": why}, status=401)
@@ -159,10 +181,16 @@ class BootstrapServer:
         await self._runner.setup()
         server = self._runner.server
         assert server is not None
-        guard = _Guard(asyncio.get_running_loop(), MAX_CONNECTIONS, HEADER_TIMEOUT_S,
-                       self.counters, self.loopback_only)
+        guard = _Guard(
+            asyncio.get_running_loop(),
+            MAX_CONNECTIONS,
+            HEADER_TIMEOUT_S,
+            self.counters,
+            self.loopback_only,
+        )
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: guard.wrap(server()), self.host, self.port)
+            lambda: guard.wrap(server()), self.host, self.port
+        )
         self.port = self._server.sockets[0].getsockname()[1]
 
     def stop(self) -> None:
@@ -198,25 +226,39 @@ class BootstrapServer:
             shape = (reg.dp_size, reg.pp_size, reg.tp_size)
             if shape != inst.shape:
                 self.counters["conflicts"] += 1
-                return 409, (f"instance {reg.instance!r} has dp/pp/tp {inst.shape}, "
-                             f"registration says {shape}")
+                return 409, (
+                    f"instance {reg.instance!r} has dp/pp/tp {inst.shape}, "
+                    f"registration says {shape}"
+                )
             if reg.signature != inst.signature:
                 self.counters["conflicts"] += 1
-                return 409, (f"instance {reg.instance!r} has layout signature {inst.signature}, "
-                             f"registration says {reg.signature}")
+                return 409, (
+                    f"instance {reg.instance!r} has layout signature {inst.signature}, "
+                    f"registration says {reg.signature}"
+                )
             for slot, other in inst.slots.items():
                 if other.endpoint_id == reg.endpoint_id and slot != reg.slot:
                     self.counters["conflicts"] += 1
                     return 409, f"endpoint {reg.endpoint_id} already registered at {slot}"
             old = inst.slots.get(reg.slot)
-            if (old is not None and old.endpoint_id != reg.endpoint_id
-                    and old.endpoint_id == live_holder):
+            if (
+                old is not None
+                and old.endpoint_id != reg.endpoint_id
+                and old.endpoint_id == live_holder
+            ):
                 self.counters["conflicts"] += 1
-                return 409, (f"instance {reg.instance!r} slot {reg.slot} is held by live "
-                             f"endpoint {old.endpoint_id} at {old.ctrl_addr}")
+                return 409, (
+                    f"instance {reg.instance!r} slot {reg.slot} is held by live "
+                    f"endpoint {old.endpoint_id} at {old.ctrl_addr}"
+                )
             if old is not None and old.endpoint_id != reg.endpoint_id:
-                log.info("instance %s slot %s: endpoint %s replaces %s (restart)",
-                         reg.instance, reg.slot, reg.endpoint_id, old.endpoint_id)
+                log.info(
+                    "instance %s slot %s: endpoint %s replaces %s (restart)",
+                    reg.instance,
+                    reg.slot,
+                    reg.endpoint_id,
+                    old.endpoint_id,
+                )
             inst.slots[reg.slot] = reg
             self.counters["registrations"] += 1
             return 200, "registered"
@@ -238,8 +280,10 @@ class BootstrapServer:
             if instance is None:
                 if len(self._instances) != 1:
                     return (404 if not self._instances else 400), (
-                        "no instance registered" if not self._instances else
-                        f"several instances registered ({sorted(self._instances)}): name one")
+                        "no instance registered"
+                        if not self._instances
+                        else f"several instances registered ({sorted(self._instances)}): name one"
+                    )
                 instance = next(iter(self._instances))
             inst = self._instances.get(instance)
             if inst is None:
@@ -247,18 +291,26 @@ class BootstrapServer:
             if not inst.complete:
                 self.counters["not_ready"] += 1
                 dp_, pp_, tp_ = inst.shape
-                return 503, (f"instance {instance!r} has {len(inst.slots)} of {dp_ * pp_ * tp_} "
-                             f"ranks registered")
+                return 503, (
+                    f"instance {instance!r} has {len(inst.slots)} of {dp_ * pp_ * tp_} "
+                    f"ranks registered"
+                )
             dp_size, pp_size, tp_size = inst.shape
             if dp is None:
                 dp = (room or 0) % dp_size
             if not 0 <= dp < dp_size:
                 return 400, f"dp {dp} out of range [0, {dp_size})"
-            eps = sorted((r for r in inst.slots.values() if r.dp_rank == dp),
-                         key=lambda r: (r.pp_rank, r.tp_rank))
+            eps = sorted(
+                (r for r in inst.slots.values() if r.dp_rank == dp),
+                key=lambda r: (r.pp_rank, r.tp_rank),
+            )
             return 200, {
-                "instance": instance, "dp_rank": dp, "dp_size": dp_size, "pp_size": pp_size,
-                "tp_size": tp_size, "signature": inst.signature,
+                "instance": instance,
+                "dp_rank": dp,
+                "dp_size": dp_size,
+                "pp_size": pp_size,
+                "tp_size": tp_size,
+                "signature": inst.signature,
                 "endpoints": [msgspec.to_builtins(r) for r in eps],
             }
 
@@ -279,8 +331,10 @@ class BootstrapServer:
         old = self.holder(reg)
         live = old is not None and await asyncio.to_thread(_answers, old.ctrl_addr)
         status, msg = self.register(reg, old.endpoint_id if live and old else None)
-        return web.json_response({"ok": status == 200, "message": msg} if status == 200
-                                 else {"error": msg}, status=status)
+        return web.json_response(
+            {"ok": status == 200, "message": msg} if status == 200 else {"error": msg},
+            status=status,
+        )
 
     async def _unreachable(self, reg: Registration, remote: str) -> str | None:
         """Why decodes could not dial the control address a registration advertises, or
@@ -291,21 +345,26 @@ class BootstrapServer:
         host = host_of(reg.ctrl_addr)
         if is_loopback(host):
             if remote and not is_loopback(remote) and is_local(remote) is False:
-                return (f"registration of {reg.endpoint_id} advertises the loopback control "
-                        f"address {reg.ctrl_addr} but comes from {remote}: decodes on other "
-                        f"hosts cannot reach it (bind and advertise an address they reach: "
-                        f"--host/--advertise)")
+                return (
+                    f"registration of {reg.endpoint_id} advertises the loopback control "
+                    f"address {reg.ctrl_addr} but comes from {remote}: decodes on other "
+                    f"hosts cannot reach it (bind and advertise an address they reach: "
+                    f"--host/--advertise)"
+                )
             return None
         with self._lock:
             inst = self._instances.get(reg.instance)
-            known = inst is not None and any(r.endpoint_id == reg.endpoint_id
-                                             and r.ctrl_addr == reg.ctrl_addr
-                                             for r in inst.slots.values())
+            known = inst is not None and any(
+                r.endpoint_id == reg.endpoint_id and r.ctrl_addr == reg.ctrl_addr
+                for r in inst.slots.values()
+            )
         if not known and not await asyncio.to_thread(_answers, reg.ctrl_addr, 2.0):
             self.counters["unreachable"] = self.counters.get("unreachable", 0) + 1
-            return (f"registration of {reg.endpoint_id}: this bootstrap server cannot connect "
-                    f"to its control address {reg.ctrl_addr}, so decodes could not either "
-                    f"(advertise an address of that host that others reach: --advertise)")
+            return (
+                f"registration of {reg.endpoint_id}: this bootstrap server cannot connect "
+                f"to its control address {reg.ctrl_addr}, so decodes could not either "
+                f"(advertise an address of that host that others reach: --advertise)"
+            )
         return None
 
     async def _h_deregister(self, request: web.Request) -> web.Response:
@@ -345,8 +404,14 @@ class BootstrapServer:
 
     async def _h_instances(self, request: web.Request) -> web.Response:
         with self._lock:
-            body = {name: {"shape": inst.shape, "registered": len(inst.slots),
-                           "complete": inst.complete} for name, inst in self._instances.items()}
+            body = {
+                name: {
+                    "shape": inst.shape,
+                    "registered": len(inst.slots),
+                    "complete": inst.complete,
+                }
+                for name, inst in self._instances.items()
+            }
         return web.json_response(body)
 
 
@@ -371,8 +436,11 @@ class _Conn(asyncio.Protocol):
             peer = transport.get_extra_info("peername")
             if not protect.peer_allowed(peer[0] if peer else None):
                 self.guard.counters["peers_refused"] += 1
-                log.warning("bootstrap server: refused %s: no shared secret is set, so only "
-                            "loopback peers are served", peer[0])
+                log.warning(
+                    "bootstrap server: refused %s: no shared secret is set, so only "
+                    "loopback peers are served",
+                    peer[0],
+                )
                 self.refused = True
                 transport.abort()
                 return
@@ -420,8 +488,14 @@ class _Conn(asyncio.Protocol):
 class _Guard:
     """Caps open connections (evicting the oldest) and closes idle ones."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int, timeout_s: float,
-                 counters: dict[str, int], loopback_only: bool = False) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        limit: int,
+        timeout_s: float,
+        counters: dict[str, int],
+        loopback_only: bool = False,
+    ) -> None:
         self.loop, self.limit, self.timeout_s, self.counters = loop, limit, timeout_s, counters
         self.loopback_only = loopback_only
         self.conns: dict[_Conn, None] = {}
@@ -467,10 +541,16 @@ def _opt_int(v: str | None, name: str, lo: int, hi: int) -> int | None:
 class BootstrapClient:
     """Talks to a bootstrap server with timeouts and retries with backoff."""
 
-    def __init__(self, address: str, timeout: float = 5.0, retries: int = 5,
-                 backoff: float = 0.05, max_backoff: float = 2.0,
-                 secret: str | bytes | None = None,
-                 stop: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 5.0,
+        retries: int = 5,
+        backoff: float = 0.05,
+        max_backoff: float = 2.0,
+        secret: str | bytes | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
         """``stop``: set it to end any retry wait at once (an endpoint closing)."""
         self._secret = auth.load_secret(secret)
         self._stop = stop or threading.Event()
@@ -482,17 +562,21 @@ class BootstrapClient:
         self.backoff = backoff
         self.max_backoff = max_backoff
 
-    def _call(self, method: str, path: str, body: bytes | None = None,
-              deadline: float | None = None) -> Any:
+    def _call(
+        self, method: str, path: str, body: bytes | None = None, deadline: float | None = None
+    ) -> Any:
         """One request with retries on connection errors and 5xx; 4xx raise at once."""
         delay = self.backoff
         attempt = 0
         while True:
             attempt += 1
-            headers = {"Content-Type": "application/json",
-                       **auth.http_headers(self._secret, method, path, body or b"")}
-            req = urllib.request.Request(self.base + path, data=body, method=method,
-                                         headers=headers)
+            headers = {
+                "Content-Type": "application/json",
+                **auth.http_headers(self._secret, method, path, body or b""),
+            }
+            req = urllib.request.Request(
+                self.base + path, data=body, method=method, headers=headers
+            )
             not_ready = False
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as r:
@@ -526,8 +610,13 @@ class BootstrapClient:
         q = urllib.parse.urlencode({"endpoint_id": endpoint_id})
         self._call("DELETE", f"/register?{q}")
 
-    def route(self, room: int, instance: str | None = None, dp: int | None = None,
-              deadline: float | None = None) -> dict[str, Any]:
+    def route(
+        self,
+        room: int,
+        instance: str | None = None,
+        dp: int | None = None,
+        deadline: float | None = None,
+    ) -> dict[str, Any]:
         """Who serves ``room``; waits (retrying 503) until the instance is complete or
         ``deadline`` (monotonic) passes."""
         q: dict[str, Any] = {"room": room}

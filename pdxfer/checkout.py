@@ -29,14 +29,19 @@ def _find() -> bool:
 def run_benchmark(name: str, argv: list[str]) -> int:
     """``python -m benchmarks.NAME ARGV``, from the ``pdxfer`` command."""
     if not _find():
-        print("pdxfer bench: error: the benchmarks package is not importable; it is in a "
-              "pdxfer checkout, not the wheel: run from the checkout's root (or put it on "
-              "PYTHONPATH)", file=sys.stderr)
+        print(
+            "pdxfer bench: error: the benchmarks package is not importable; it is in a "
+            "pdxfer checkout, not the wheel: run from the checkout's root (or put it on "
+            "PYTHONPATH)",
+            file=sys.stderr,
+        )
         return 2
     names = importlib.import_module("benchmarks").NAMES
     if name not in names:
-        print(f"pdxfer bench: error: no benchmark {name!r}; known: {', '.join(names)}",
-              file=sys.stderr)
+        print(
+            f"pdxfer bench: error: no benchmark {name!r}; known: {', '.join(names)}",
+            file=sys.stderr,
+        )
         return 2
     runner = importlib.import_module("benchmarks.common.runner")
     return int(runner.run(importlib.import_module(f"benchmarks.{name}"), argv))

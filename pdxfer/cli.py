@@ -22,11 +22,14 @@ class CliOptions:
     log_level: str = setting("WARNING", "DEBUG, INFO, WARNING, ERROR")
     host: str = setting("127.0.0.1", "address to bind (0.0.0.0: all)")
     advertise: str = setting(
-        "", "address prefills and decodes reach it at (its ready line); default: --host",
-        metavar="ADDRESS")
+        "",
+        "address prefills and decodes reach it at (its ready line); default: --host",
+        metavar="ADDRESS",
+    )
     port: int = setting(8998, "HTTP port")
     engine: Literal["toy", "vllm"] = setting(
-        "toy", "pdxfer demo's engine: the toy model, or real vLLM (needs the vllm extra)")
+        "toy", "pdxfer demo's engine: the toy model, or real vLLM (needs the vllm extra)"
+    )
 
 
 def engine_pick() -> argparse.ArgumentParser:
@@ -128,13 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="run the OpenAI-style router over prefill/decode pairs")
     add_router_args(r)
     r.set_defaults(fn=_router)
-    sub.add_parser("demo", help="serve a batch through router, prefill and decode; verify",
-                   add_help=False).set_defaults(fn=_demo)
-    sub.add_parser("transfer-demo", help="move one request's KV between two processes",
-                   add_help=False).set_defaults(fn=_transfer_demo)
-    sub.add_parser("bench", help="serving throughput/latency through the router (JSON); "
-                                 "`pdxfer bench NAME`: a benchmark of a checkout's benchmarks/",
-                   add_help=False).set_defaults(fn=_bench)
+    sub.add_parser(
+        "demo", help="serve a batch through router, prefill and decode; verify", add_help=False
+    ).set_defaults(fn=_demo)
+    sub.add_parser(
+        "transfer-demo", help="move one request's KV between two processes", add_help=False
+    ).set_defaults(fn=_transfer_demo)
+    sub.add_parser(
+        "bench",
+        help="serving throughput/latency through the router (JSON); "
+        "`pdxfer bench NAME`: a benchmark of a checkout's benchmarks/",
+        add_help=False,
+    ).set_defaults(fn=_bench)
     return ap
 
 
@@ -144,8 +152,12 @@ def pass_through_parsers() -> dict[str, argparse.ArgumentParser]:
     from .demo.vllm_demo import parser as vllm_parser
     from .serving.toy.demo import parser as demo_parser
 
-    return {"demo": demo_parser("pdxfer demo"), "demo --engine vllm": vllm_parser(),
-            "transfer-demo": transfer_parser(), "bench": demo_parser("pdxfer bench")}
+    return {
+        "demo": demo_parser("pdxfer demo"),
+        "demo --engine vllm": vllm_parser(),
+        "transfer-demo": transfer_parser(),
+        "bench": demo_parser("pdxfer bench"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     a.rest = rest
     if getattr(a, "insecure", False):  # before any knob is read; child processes inherit it
         os.environ["PDXFER_INSECURE"] = "1"
-    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=a.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     from .errors import BootstrapError, ConfigError
 
     try:

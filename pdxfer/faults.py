@@ -69,8 +69,9 @@ class Faults:
 
     @property
     def active(self) -> bool:
-        return bool(self.delay_write or self.drop or self.delay_msg or self.page_faults
-                    or self.strand)
+        return bool(
+            self.delay_write or self.drop or self.delay_msg or self.page_faults or self.strand
+        )
 
     @property
     def page_faults(self) -> bool:
@@ -84,8 +85,15 @@ class Faults:
             try:
                 if key == "rooms":
                     f.rooms = frozenset(int(r) for r in val.split(";") if r)
-                elif key in ("delay_write", "drop", "delay_msg", "corrupt", "skip_write",
-                             "shift_write", "strand"):
+                elif key in (
+                    "delay_write",
+                    "drop",
+                    "delay_msg",
+                    "corrupt",
+                    "skip_write",
+                    "shift_write",
+                    "strand",
+                ):
                     setattr(f, key, float(val))
                 elif key == "seed":
                     f.seed = int(val)
@@ -108,8 +116,20 @@ class Faults:
         """Replace every setting in place (the hooks hold this object), e.g. between tests."""
         new = Faults.parse(spec)
         with self._lock:
-            for name in ("delay_write", "rooms", "drop", "delay_msg", "corrupt", "skip_write",
-                         "shift_write", "at", "once", "pool", "seed", "strand"):
+            for name in (
+                "delay_write",
+                "rooms",
+                "drop",
+                "delay_msg",
+                "corrupt",
+                "skip_write",
+                "shift_write",
+                "at",
+                "once",
+                "pool",
+                "seed",
+                "strand",
+            ):
                 setattr(self, name, getattr(new, name))
             self._rng.seed(new.seed)
             self._struck.clear()
@@ -149,8 +169,11 @@ class Faults:
         """Which page fault to inject into ``room``'s destination after a sender's write was
         reported done, or after a restore's copy (``at``): ``corrupt``, ``skip_write``,
         ``shift_write``, or None."""
-        if (not self.page_faults or at != self.at
-                or (self.rooms is not None and room not in self.rooms)):
+        if (
+            not self.page_faults
+            or at != self.at
+            or (self.rooms is not None and room not in self.rooms)
+        ):
             return None
         with self._lock:
             if self.once and room in self._struck:
@@ -180,8 +203,14 @@ class Faults:
             return self._rng.random() < self.drop
 
 
-def damage(rows: Any, kind: str, page: int, neighbour: int | None, stale: int | None,
-           cols: Any = slice(None)) -> None:
+def damage(
+    rows: Any,
+    kind: str,
+    page: int,
+    neighbour: int | None,
+    stale: int | None,
+    cols: Any = slice(None),
+) -> None:
     """Apply one page fault to ``rows[page]`` (``rows``: ``[pages, bytes]`` uint8, ``cols``
     the bytes the faulty write covered): ``corrupt`` flips them, ``shift_write`` puts them on
     page ``neighbour`` instead, ``skip_write`` (or a shift with no neighbour) leaves the page

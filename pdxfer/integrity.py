@@ -81,8 +81,7 @@ def sample_stride(a: PoolSpec, b: PoolSpec) -> Sampling:
     return Sampling(max(1, min(a.page_size, b.page_size)), (a.page_size, b.page_size))
 
 
-def sampled_tokens(start: int, end: int, stride: int, pages: tuple[int, ...] = ()
-                   ) -> np.ndarray:
+def sampled_tokens(start: int, end: int, stride: int, pages: tuple[int, ...] = ()) -> np.ndarray:
     """Token positions a sampled digest reads: every position ``stride-1`` modulo ``stride``
     in ``[start, end)``, and the range's own first and last token (sorted, unique) unless,
     on every side (page sizes ``pages``), the page holding it holds a sampled token already:
@@ -104,15 +103,17 @@ def sampled_tokens(start: int, end: int, stride: int, pages: tuple[int, ...] = (
     return t
 
 
-def _units(pool: PoolSpec, span: Span, tokens: np.ndarray, heads: np.ndarray | None
-           ) -> tuple[np.ndarray, int]:
+def _units(
+    pool: PoolSpec, span: Span, tokens: np.ndarray, heads: np.ndarray | None
+) -> tuple[np.ndarray, int]:
     """Byte offsets (inside one buffer) of each logical unit, in logical order, and the unit's
     size: one head of one token for head-sharded pools, else one token's row."""
     ps = pool.page_size
     rel = tokens - span.first
     if rel.size and (int(rel.min()) < 0 or int(rel.max()) >= span.pages.size * ps):
-        raise ConfigError(f"pool {pool.name!r}: pages do not cover tokens "
-                          f"[{span.start}, {span.end})")
+        raise ConfigError(
+            f"pool {pool.name!r}: pages do not cover tokens [{span.start}, {span.end})"
+        )
     page = span.pages[rel // ps].astype(np.int64)
     within = rel % ps
     base = page * pool.item_bytes
@@ -148,8 +149,13 @@ class _CudaMemory:
     __slots__ = ("__cuda_array_interface__",)
 
     def __init__(self, addr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (addr, False), "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (addr, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def torch_bytes(addr: int, nbytes: int, location: str) -> Any:
@@ -180,10 +186,10 @@ class _Bases:
             import torch
 
             self.view = torch_bytes(lo, span, pool.location)
-            self.words = self.view[:span - span % 8].view(torch.int64) if aligned else None
+            self.words = self.view[: span - span % 8].view(torch.int64) if aligned else None
         else:
             self.view = _host_view(lo, span)
-            self.words = self.view[:span - span % 8].view(np.uint64) if aligned else None
+            self.words = self.view[: span - span % 8].view(np.uint64) if aligned else None
 
 
 _BASES: dict[tuple[int, bool], tuple[PoolSpec, _Bases]] = {}
@@ -252,9 +258,21 @@ def _gather_at(b: _Bases, byte_idx: Any, k: int) -> Any:
 
 
 @functools.lru_cache(maxsize=4096)
-def _sample_points(start: int, end: int, stride: int, pages: tuple[int, ...], first: int,
-                   ps: int, token_bytes: int, hb: int, lo: int, hi: int, token_major: bool,
-                   tail: bool, k: int) -> tuple[np.ndarray, np.ndarray]:
+def _sample_points(
+    start: int,
+    end: int,
+    stride: int,
+    pages: tuple[int, ...],
+    first: int,
+    ps: int,
+    token_bytes: int,
+    hb: int,
+    lo: int,
+    hi: int,
+    token_major: bool,
+    tail: bool,
+    k: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """The sample's reads, in order: the page of each (relative to the span's first page) and
     the byte offset inside that page where it starts. Per sampled token: ``k`` bytes at the
     start of head ``lo`` and, with ``tail``, the last ``k`` bytes of head ``hi`` (``hb`` 0: a
@@ -281,8 +299,7 @@ def _sample_points(start: int, end: int, stride: int, pages: tuple[int, ...], fi
     return pidx, offs
 
 
-def _sample_plan(pool: PoolSpec, span: Span, sampling: int | Sampling
-                 ) -> tuple[np.ndarray, int]:
+def _sample_plan(pool: PoolSpec, span: Span, sampling: int | Sampling) -> tuple[np.ndarray, int]:
     """Byte offsets (inside one buffer) where each read of the sample starts, and its size
     ``k`` (8 bytes, or the whole unit when smaller). The tail of the last head is read only
     for a head slice (part of the model's heads), whose edges a misplaced slice would move."""
@@ -298,13 +315,26 @@ def _sample_plan(pool: PoolSpec, span: Span, sampling: int | Sampling
             raise ConfigError(f"pool {pool.name!r}: heads [{span.lo}, {span.hi}) not held here")
         tail = (span.lo, span.hi) != (0, sh.total_heads)
     k = min(SAMPLE_BYTES, hb or pool.token_bytes)
-    pidx, offs = _sample_points(span.start, span.end, s.stride, s.pages, span.first,
-                                pool.page_size, pool.token_bytes, hb, lo, hi,
-                                pool.token_major, tail, k)
+    pidx, offs = _sample_points(
+        span.start,
+        span.end,
+        s.stride,
+        s.pages,
+        span.first,
+        pool.page_size,
+        pool.token_bytes,
+        hb,
+        lo,
+        hi,
+        pool.token_major,
+        tail,
+        k,
+    )
     pages = np.asarray(span.pages)
     if pidx.size and (int(pidx[0]) < 0 or int(pidx[-1]) >= pages.size):
-        raise ConfigError(f"pool {pool.name!r}: pages do not cover tokens "
-                          f"[{span.start}, {span.end})")
+        raise ConfigError(
+            f"pool {pool.name!r}: pages do not cover tokens [{span.start}, {span.end})"
+        )
     return pages[pidx].astype(np.int64) * pool.item_bytes + offs, k
 
 
@@ -316,12 +346,15 @@ def _hash_rows(rows: np.ndarray) -> Digests:
     if step == 0:
         return Digests([xxhash.xxh3_64_intdigest(b"") & MASK for _ in range(rows.shape[0])])
     h = xxhash.xxh3_64_intdigest
-    return Digests([h(r) & MASK for r in rows.reshape(rows.shape[0], -1).view(f"V{step}")
-                    .ravel().tolist()], rows.nbytes)
+    return Digests(
+        [h(r) & MASK for r in rows.reshape(rows.shape[0], -1).view(f"V{step}").ravel().tolist()],
+        rows.nbytes,
+    )
 
 
-def _sampled(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases,
-             base: np.ndarray) -> Digests:
+def _sampled(
+    pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases, base: np.ndarray
+) -> Digests:
     """Sampled digests (the bytes read: module notes), one per buffer offset in ``base``."""
     starts, k = _sample_plan(pool, span, sampling)
     if b.words is not None and k == SAMPLE_BYTES and not (starts % 8).any():
@@ -346,8 +379,9 @@ class Prepared:
         return _hash_rows(self.words[self.idx])
 
 
-def prepare(pool: PoolSpec, span: Span, stride: int | Sampling = 1,
-            buffers: Sequence[int] | None = None) -> Prepared | None:
+def prepare(
+    pool: PoolSpec, span: Span, stride: int | Sampling = 1, buffers: Sequence[int] | None = None
+) -> Prepared | None:
     """``digests(pool, span, "sampled", stride, buffers)`` planned ahead (``Prepared``), or
     None where only ``digests`` computes it (device pools, unaligned memory or samples)."""
     if pool.location != "cpu":
@@ -360,8 +394,9 @@ def prepare(pool: PoolSpec, span: Span, stride: int | Sampling = 1,
     return Prepared(b.words, (base >> 3)[:, None] + (starts >> 3)[None, :])
 
 
-def _sampled_portable(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases,
-                      base: np.ndarray) -> Digests:
+def _sampled_portable(
+    pool: PoolSpec, span: Span, sampling: int | Sampling, b: _Bases, base: np.ndarray
+) -> Digests:
     """The portable digest of the same sample, gathered and mixed on the pool's device."""
     offs, k = _sample_plan(pool, span, sampling)
     x = _gather_values(b, offs[None, :] + base[:, None], k)
@@ -370,15 +405,24 @@ def _sampled_portable(pool: PoolSpec, span: Span, sampling: int | Sampling, b: _
 
 def _check_location(pool: PoolSpec, portable: bool) -> None:
     if not supported(pool.location):
-        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: only host "
-                                   f"and CUDA pools can be digested (integrity='off')")
+        raise IntegrityUnsupported(
+            f"pool {pool.name!r} is on {pool.location}: only host "
+            f"and CUDA pools can be digested (integrity='off')"
+        )
     if pool.location != "cpu" and not portable:
-        raise IntegrityUnsupported(f"pool {pool.name!r} is on {pool.location}: device pools "
-                                   f"take the portable digest")
+        raise IntegrityUnsupported(
+            f"pool {pool.name!r} is on {pool.location}: device pools take the portable digest"
+        )
 
 
-def digests(pool: PoolSpec, span: Span, mode: str, stride: int | Sampling = 1,
-            buffers: Sequence[int] | None = None, portable: bool = False) -> Digests:
+def digests(
+    pool: PoolSpec,
+    span: Span,
+    mode: str,
+    stride: int | Sampling = 1,
+    buffers: Sequence[int] | None = None,
+    portable: bool = False,
+) -> Digests:
     """One digest per buffer of ``pool`` (or per index in ``buffers``) over ``span``; with
     ``portable`` (a device pool on either side: ``portable()``) the torch digest."""
     if mode == "off":
@@ -404,7 +448,7 @@ def digests(pool: PoolSpec, span: Span, mode: str, stride: int | Sampling = 1,
     for o in base.tolist():
         h = xxhash.xxh3_64()
         for a, e in runs:
-            h.update(b.view[o + a:o + e])
+            h.update(b.view[o + a : o + e])
         out.append(h.intdigest() & MASK)
     return Digests(out, offs.size * unit * base.size)
 
@@ -435,8 +479,13 @@ def _full_portable(b: _Bases, base: np.ndarray, offs: np.ndarray, unit: int) -> 
     return _mix_finish(sums, n)
 
 
-def slot_digests(pool: PoolSpec, slot: int, mode: str,
-                 buffers: Sequence[int] | None = None, portable: bool = False) -> Digests:
+def slot_digests(
+    pool: PoolSpec,
+    slot: int,
+    mode: str,
+    buffers: Sequence[int] | None = None,
+    portable: bool = False,
+) -> Digests:
     """One digest per buffer of a slot pool's row ``slot`` (rows are small: always whole)."""
     if mode == "off":
         return Digests()
@@ -453,7 +502,7 @@ def slot_digests(pool: PoolSpec, slot: int, mode: str,
     for i in idx:
         view = _host_view(pool.buffers[i].addr, pool.num_items * pool.item_bytes)
         off = slot * pool.item_bytes
-        out.append(xxhash.xxh3_64_intdigest(view[off:off + pool.item_bytes].tobytes()) & MASK)
+        out.append(xxhash.xxh3_64_intdigest(view[off : off + pool.item_bytes].tobytes()) & MASK)
     return Digests(out, pool.item_bytes * len(idx))
 
 
@@ -487,8 +536,9 @@ def l1_page_digests(pool: PoolSpec, pages: np.ndarray) -> list[int]:
     b = _bases(pool, dev)
     if b.words is None or item % 8:
         if dev:
-            raise IntegrityUnsupported(f"pool {pool.name!r}: pages of a device pool must be "
-                                       f"8-byte aligned to be checked")
+            raise IntegrityUnsupported(
+                f"pool {pool.name!r}: pages of a device pool must be 8-byte aligned to be checked"
+            )
         return [page_digest(l1_page_rows(pool, int(p))) for p in pages.tolist()]
     cols = np.arange(0, item // 8, PAGE_SAMPLE_WORDS, dtype=np.int64)
     idx = ((b.offsets[None, :, None] + (pages * item)[:, None, None]) >> 3) + cols
@@ -504,8 +554,9 @@ def l1_page_digests(pool: PoolSpec, pages: np.ndarray) -> list[int]:
 
 def l1_page_rows(pool: PoolSpec, page: int) -> np.ndarray:
     """``[buffers, item_bytes]`` of one L1 page of a host pool (a gather, for ``page_digest``)."""
-    return np.stack([_host_view(b.addr + page * pool.item_bytes, pool.item_bytes)
-                     for b in pool.buffers])
+    return np.stack(
+        [_host_view(b.addr + page * pool.item_bytes, pool.item_bytes) for b in pool.buffers]
+    )
 
 
 def covers(ranges: Sequence[tuple[int, int]], start: int, end: int) -> bool:

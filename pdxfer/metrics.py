@@ -19,13 +19,45 @@ from prometheus_client.core import (
     Metric,
 )
 
-GAUGES = frozenset({"active_rooms", "pending_requests", "quarantined_pages", "peers",
-                    "instances", "in_flight", "inflight", "free_pages", "outstanding",
-                    "running", "waiting", "tombstones", "push_sockets", "healthy_prefills",
-                    "healthy_decodes", "kv_feed_synced"})
+GAUGES = frozenset(
+    {
+        "active_rooms",
+        "pending_requests",
+        "quarantined_pages",
+        "peers",
+        "instances",
+        "in_flight",
+        "inflight",
+        "free_pages",
+        "outstanding",
+        "running",
+        "waiting",
+        "tombstones",
+        "push_sockets",
+        "healthy_prefills",
+        "healthy_decodes",
+        "kv_feed_synced",
+    }
+)
 """Values that go up and down (everything else is a monotonic counter)."""
-BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-           10.0, 30.0, 60.0)
+BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -48,14 +80,20 @@ class Timeline:
 
 
 class _Collector:
-    def __init__(self, prefix: str, values: Callable[[], Mapping[str, float]],
-                 labels: Mapping[str, str], timeline: Timeline | None) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        values: Callable[[], Mapping[str, float]],
+        labels: Mapping[str, str],
+        timeline: Timeline | None,
+    ) -> None:
         self.prefix, self.values, self.labels, self.timeline = prefix, values, labels, timeline
 
     def collect(self) -> Iterable[Metric]:
         names, vals = list(self.labels), list(self.labels.values())
-        failures = CounterMetricFamily(f"{self.prefix}_failures", "failed requests by kind",
-                                       labels=[*names, "kind"])
+        failures = CounterMetricFamily(
+            f"{self.prefix}_failures", "failed requests by kind", labels=[*names, "kind"]
+        )
         for key, v in sorted(self.values().items()):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
@@ -63,15 +101,20 @@ class _Collector:
                 failures.add_metric([*vals, key.removeprefix("failures_")], v)
                 continue
             name = f"{self.prefix}_{key}"
-            fam: Metric = (GaugeMetricFamily(name, key.replace("_", " "), labels=names)
-                           if key in GAUGES else
-                           CounterMetricFamily(name, key.replace("_", " "), labels=names))
+            fam: Metric = (
+                GaugeMetricFamily(name, key.replace("_", " "), labels=names)
+                if key in GAUGES
+                else CounterMetricFamily(name, key.replace("_", " "), labels=names)
+            )
             fam.add_metric(vals, v)
             yield fam
         yield failures
         if self.timeline is not None:
-            h = HistogramMetricFamily(f"{self.prefix}_request_phase_seconds",
-                                      "request phase durations", labels=[*names, "phase"])
+            h = HistogramMetricFamily(
+                f"{self.prefix}_request_phase_seconds",
+                "request phase durations",
+                labels=[*names, "phase"],
+            )
             for phase, (counts, total) in sorted(self.timeline.snapshot().items()):
                 cum, acc = [], 0
                 for b, c in zip([*map(str, BUCKETS), "+Inf"], counts):
@@ -81,9 +124,12 @@ class _Collector:
             yield h
 
 
-def prometheus_text(prefix: str, values: Callable[[], Mapping[str, float]],
-                    labels: Mapping[str, str] | None = None,
-                    timeline: Timeline | None = None) -> bytes:
+def prometheus_text(
+    prefix: str,
+    values: Callable[[], Mapping[str, float]],
+    labels: Mapping[str, str] | None = None,
+    timeline: Timeline | None = None,
+) -> bytes:
     """Prometheus text for a counter snapshot (names ``<prefix>_<key>``)."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(_Collector(prefix, values, dict(labels or {}), timeline))  # type: ignore[arg-type]

@@ -76,13 +76,17 @@ def advertised(host: str, advertise: str = "") -> str:
     needs an explicit ``advertise`` (peers cannot dial ``0.0.0.0``)."""
     if advertise:
         if is_wildcard(advertise):
-            raise ConfigError(f"cannot advertise the wildcard address {advertise!r}: name the "
-                              f"address peers reach this process at")
+            raise ConfigError(
+                f"cannot advertise the wildcard address {advertise!r}: name the "
+                f"address peers reach this process at"
+            )
         return advertise
     if is_wildcard(host):
-        raise ConfigError(f"host {host!r} binds every interface, so it cannot be advertised: "
-                          f"also give the address peers reach this process at (advertise, "
-                          f"--advertise)")
+        raise ConfigError(
+            f"host {host!r} binds every interface, so it cannot be advertised: "
+            f"also give the address peers reach this process at (advertise, "
+            f"--advertise)"
+        )
     return host
 
 
@@ -90,19 +94,28 @@ def check_local(addr: str, what: str = "advertised address") -> None:
     """Refuse an IP address that is not one of this machine's (a typo, another host's
     address): peers would dial somebody else, or nobody."""
     if is_local(addr) is False:
-        raise ConfigError(f"{what} {addr} is not an address of this host: peers dialling it "
-                          f"would never reach this process")
+        raise ConfigError(
+            f"{what} {addr} is not an address of this host: peers dialling it "
+            f"would never reach this process"
+        )
 
 
 def unreachable_from(own: str, peer: str) -> str | None:
     """Why a peer at ``peer`` cannot reach this process advertised at ``own`` (None when no
     reason is known): a loopback address told to a process on another host."""
     peer_host = host_of(peer)
-    if (is_loopback(own) and peer_host and not is_loopback(peer_host)
-            and not is_wildcard(peer_host) and is_local(peer_host) is False):
-        return (f"this process advertises the loopback address {own}, but {peer} is on "
-                f"another host, which can never reach it: bind and advertise an address "
-                f"that host can reach (host/advertise, --host/--advertise)")
+    if (
+        is_loopback(own)
+        and peer_host
+        and not is_loopback(peer_host)
+        and not is_wildcard(peer_host)
+        and is_local(peer_host) is False
+    ):
+        return (
+            f"this process advertises the loopback address {own}, but {peer} is on "
+            f"another host, which can never reach it: bind and advertise an address "
+            f"that host can reach (host/advertise, --host/--advertise)"
+        )
     return None
 
 
@@ -122,7 +135,9 @@ def parse_hostport(value: object, what: str = "address") -> str:
         sep = sep if host.count(":") == 0 else ""
         shown = host
     if not sep or port is None or not host:
-        raise ConfigError(f"{what} {value!r} is not 'host:port' (a host and a port are both needed)")
+        raise ConfigError(
+            f"{what} {value!r} is not 'host:port' (a host and a port are both needed)"
+        )
     if any(c.isspace() or c in "/@?#[]" for c in host) or len(host) > 253:
         raise ConfigError(f"{what} {value!r}: {host!r} is not a host name or address")
     if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:

@@ -81,10 +81,16 @@ class BufferSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         # msgspec checks the Meta bounds when a spec is decoded, not when code builds one:
         # an engine's own spec is held to the same bounds before anything is planned on it
-        if not (0 <= self.addr < 1 << 63 and 0 < self.nbytes <= 1 << 62
-                and 0 <= self.layer_id <= 1 << 62 and 0 < len(self.role) <= 32):
-            raise ValueError(f"buffer layer {self.layer_id} {self.role!r}: address "
-                             f"{self.addr:#x} / {self.nbytes} bytes out of bounds")
+        if not (
+            0 <= self.addr < 1 << 63
+            and 0 < self.nbytes <= 1 << 62
+            and 0 <= self.layer_id <= 1 << 62
+            and 0 < len(self.role) <= 32
+        ):
+            raise ValueError(
+                f"buffer layer {self.layer_id} {self.role!r}: address "
+                f"{self.addr:#x} / {self.nbytes} bytes out of bounds"
+            )
 
 
 class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -110,10 +116,15 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     page_remap: bool = False
 
     def __post_init__(self) -> None:
-        if not (0 <= self.item_bytes <= 1 << 62 and 0 <= self.num_items <= 1 << 62
-                and 0 < self.page_size <= 1 << 62):
-            raise ValueError(f"pool {self.name!r}: item_bytes {self.item_bytes}, num_items "
-                             f"{self.num_items} or page_size {self.page_size} out of bounds")
+        if not (
+            0 <= self.item_bytes <= 1 << 62
+            and 0 <= self.num_items <= 1 << 62
+            and 0 < self.page_size <= 1 << 62
+        ):
+            raise ValueError(
+                f"pool {self.name!r}: item_bytes {self.item_bytes}, num_items "
+                f"{self.num_items} or page_size {self.page_size} out of bounds"
+            )
         if len(self.buffers) > MAX_BUFFERS:
             raise ValueError(f"pool {self.name!r}: {len(self.buffers)} buffers > {MAX_BUFFERS}")
         if self.kind == "slot" and self.page_size != 1:
@@ -242,7 +253,10 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @staticmethod
     def slots(
-        name: str, rows: Sequence[Any], *, layer_ids: Sequence[int] | None = None,
+        name: str,
+        rows: Sequence[Any],
+        *,
+        layer_ids: Sequence[int] | None = None,
         optional: bool = False,
     ) -> PoolSpec:
         """A per-request pool (aux rows, Mamba-like state): tensors ``[num_slots, ...]``."""
@@ -252,8 +266,12 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ids = list(layer_ids) if layer_ids is not None else list(range(len(ts)))
         # with explicit layer ids the layer names the row, so PP stages pair by layer alone
         bufs = [
-            BufferSpec(int(t.data_ptr()), int(t.numel() * t.element_size()), i,
-                       "row" if layer_ids is not None else f"row{j}")
+            BufferSpec(
+                int(t.data_ptr()),
+                int(t.numel() * t.element_size()),
+                i,
+                "row" if layer_ids is not None else f"row{j}",
+            )
             for j, (t, i) in enumerate(zip(ts, ids))
         ]
         _check_tensors(name, ts)
@@ -273,7 +291,12 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def logical(name: str, *, num_pages: int, page_size: int) -> PoolSpec:
         """An anchor pool that only owns page indices (no bytes); data pools follow it."""
         return _build(
-            PoolSpec, name=name, kind="paged", buffers=(), item_bytes=0, num_items=num_pages,
+            PoolSpec,
+            name=name,
+            kind="paged",
+            buffers=(),
+            item_bytes=0,
+            num_items=num_pages,
             page_size=page_size,
         )
 
@@ -298,8 +321,10 @@ def _check_tensors(name: str, ts: list[Any]) -> None:
 def _buffers(name: str, ts: list[Any], ids: list[int], role: str) -> list[BufferSpec]:
     if len(ids) != len(ts):
         raise ConfigError(f"pool {name!r}: {len(ids)} layer ids for {len(ts)} buffers")
-    return [BufferSpec(int(t.data_ptr()), int(t.numel() * t.element_size()), int(i), role)
-            for t, i in zip(ts, ids)]
+    return [
+        BufferSpec(int(t.data_ptr()), int(t.numel() * t.element_size()), int(i), role)
+        for t, i in zip(ts, ids)
+    ]
 
 
 def _pool(
@@ -370,26 +395,34 @@ def check_pair(src: PoolSpec, dst: PoolSpec) -> str | None:
         return None
     if src.kind == "slot":
         if src.item_bytes != dst.item_bytes:
-            return f"pool {n!r}: slot size mismatch: prefill {src.item_bytes}, decode {dst.item_bytes}"
+            return (
+                f"pool {n!r}: slot size mismatch: prefill {src.item_bytes}, decode {dst.item_bytes}"
+            )
     else:
         a, b = src.sharding, dst.sharding
         if a.kind != b.kind:
             return f"pool {n!r}: sharding {a.kind} on prefill, {b.kind} on decode"
         if a.kind == "heads":
             if a.head_bytes != b.head_bytes:
-                return (f"pool {n!r}: head size mismatch (head dim x dtype): prefill "
-                        f"{a.head_bytes} bytes per head, decode {b.head_bytes}")
+                return (
+                    f"pool {n!r}: head size mismatch (head dim x dtype): prefill "
+                    f"{a.head_bytes} bytes per head, decode {b.head_bytes}"
+                )
             if a.total_heads != b.total_heads:
                 return f"pool {n!r}: total heads mismatch: prefill {a.total_heads}, decode {b.total_heads}"
             if a.layout != b.layout:
                 return f"pool {n!r}: layout mismatch: prefill {a.layout}, decode {b.layout}"
         elif src.token_bytes != dst.token_bytes:
-            return (f"pool {n!r}: bytes per token mismatch: prefill {src.token_bytes}, "
-                    f"decode {dst.token_bytes}")
+            return (
+                f"pool {n!r}: bytes per token mismatch: prefill {src.token_bytes}, "
+                f"decode {dst.token_bytes}"
+            )
         if src.page_size != dst.page_size:
             if not (src.page_remap or dst.page_remap):
-                return (f"pool {n!r}: page_size mismatch: prefill {src.page_size}, decode "
-                        f"{dst.page_size} (mark the decode pool page_remap=True to map tokens)")
+                return (
+                    f"pool {n!r}: page_size mismatch: prefill {src.page_size}, decode "
+                    f"{dst.page_size} (mark the decode pool page_remap=True to map tokens)"
+                )
             if not (src.token_major and dst.token_major):
                 return f"pool {n!r}: different page sizes need a token-major (NHD) layout"
     dst_keys = {(b.layer_id, b.role) for b in dst.buffers}

@@ -23,11 +23,13 @@ from .netaddr import is_loopback, is_wildcard, parse_hostport, parse_hostports
 
 log = logging.getLogger("pdxfer.protect")
 
-HOW = ("set a shared secret of 16 bytes or more, the same on every pdxfer process "
-       "(PDXFER_SECRET=..., or PDXFER_SECRET_FILE=/path; vLLM: secret_file in "
-       "kv_connector_extra_config), or serve loopback only (--host 127.0.0.1); to serve "
-       "other hosts without a secret anyway, opt in with --insecure (PDXFER_INSECURE=1, "
-       "vLLM: insecure: true)")
+HOW = (
+    "set a shared secret of 16 bytes or more, the same on every pdxfer process "
+    "(PDXFER_SECRET=..., or PDXFER_SECRET_FILE=/path; vLLM: secret_file in "
+    "kv_connector_extra_config), or serve loopback only (--host 127.0.0.1); to serve "
+    "other hosts without a secret anyway, opt in with --insecure (PDXFER_INSECURE=1, "
+    "vLLM: insecure: true)"
+)
 
 _warned: set[tuple[str, str]] = set()
 
@@ -37,8 +39,9 @@ def insecure(explicit: bool = False) -> bool:
     return explicit or knobs().insecure
 
 
-def check_serving(what: str, host: str, advertise: str = "", *, secret: bytes | None,
-                  opt_in: bool = False) -> bool:
+def check_serving(
+    what: str, host: str, advertise: str = "", *, secret: bytes | None, opt_in: bool = False
+) -> bool:
     """Check a listener about to start: returns True when it must refuse non-loopback peers
     (protected mode), False when it may serve anyone (a secret, or the opt-in, which then
     logs one warning). Raises ConfigError for a non-loopback bind or advertised address with
@@ -47,16 +50,23 @@ def check_serving(what: str, host: str, advertise: str = "", *, secret: bytes | 
         return False
     exposed = [a for a in (host, advertise) if a and not is_wildcard(a) and not is_loopback(a)]
     if insecure(opt_in):
-        shown = ", ".join(dict.fromkeys(exposed)) or ("every interface" if is_wildcard(host)
-                                                     else "")
+        shown = ", ".join(dict.fromkeys(exposed)) or (
+            "every interface" if is_wildcard(host) else ""
+        )
         if shown and (what, shown) not in _warned:
             _warned.add((what, shown))
-            log.warning("INSECURE: %s serves %s with no shared secret (opted in): anyone who "
-                        "reaches it can use it unauthenticated", what, shown)
+            log.warning(
+                "INSECURE: %s serves %s with no shared secret (opted in): anyone who "
+                "reaches it can use it unauthenticated",
+                what,
+                shown,
+            )
         return False
     if exposed:
-        raise ConfigError(f"{what} would serve {exposed[0]} without a shared secret, so any "
-                          f"host that reaches it could use it unauthenticated: {HOW}")
+        raise ConfigError(
+            f"{what} would serve {exposed[0]} without a shared secret, so any "
+            f"host that reaches it could use it unauthenticated: {HOW}"
+        )
     return True
 
 
@@ -71,9 +81,11 @@ def require_trusted(value: object, what_to_set: str) -> tuple[str, ...]:
     a list), or ConfigError naming ``what_to_set`` when there is none."""
     trusted = parse_hostports(value, "trusted bootstrap")
     if not trusted:
-        raise ConfigError(f"a decode needs the bootstrap servers it trusts: set {what_to_set} "
-                          f"(host:port, several separated by commas); it loads KV only from "
-                          f"prefills registered there")
+        raise ConfigError(
+            f"a decode needs the bootstrap servers it trusts: set {what_to_set} "
+            f"(host:port, several separated by commas); it loads KV only from "
+            f"prefills registered there"
+        )
     return trusted
 
 
@@ -93,6 +105,8 @@ def trusted_bootstrap(addr: object, trusted: tuple[str, ...], what: str = "boots
     connection is made)."""
     a = parse_hostport(addr, what)
     if a not in trusted:
-        raise UntrustedBootstrap(f"{what} {a} is not one of this decode's trusted bootstrap "
-                                 f"servers ({', '.join(trusted) or 'none'})")
+        raise UntrustedBootstrap(
+            f"{what} {a} is not one of this decode's trusted bootstrap "
+            f"servers ({', '.join(trusted) or 'none'})"
+        )
     return a

@@ -14,17 +14,31 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 
-def setting(default: Any = MISSING, help: str = "", *, env: str = "",
-            choices: tuple[str, ...] = (), shown: str = "", flags: tuple[str, ...] = (),
-            metavar: str = "", factory: Callable[[], Any] | None = None,
-            repr: bool = True) -> Any:
+def setting(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    env: str = "",
+    choices: tuple[str, ...] = (),
+    shown: str = "",
+    flags: tuple[str, ...] = (),
+    metavar: str = "",
+    factory: Callable[[], Any] | None = None,
+    repr: bool = True,
+) -> Any:
     """A dataclass field with its metadata: ``help`` (one text for flags, keys and docs),
     ``env`` (the ``PDXFER_*`` variable that sets it, if any), ``choices`` (the values a user may
     name where the type does not say), ``shown`` (how the docs print the default when
     the value itself would mislead, e.g. ``min(4, cores)`` for 0), and for its command-line
     flag ``flags`` (the option strings, when not the field's name) and ``metavar``."""
-    meta = {"help": help, "env": env, "choices": choices, "shown": shown, "flags": flags,
-            "metavar": metavar}
+    meta = {
+        "help": help,
+        "env": env,
+        "choices": choices,
+        "shown": shown,
+        "flags": flags,
+        "metavar": metavar,
+    }
     if factory is not None:
         return field(default_factory=factory, metadata=meta, repr=repr)
     return field(default=default, metadata=meta, repr=repr)
@@ -65,6 +79,15 @@ def settings_of(cls: type) -> dict[str, Setting]:
         if typing.get_origin(hint) is Literal:
             kind, choices = "str", choices or typing.get_args(hint)
         default = f.default if f.default_factory is MISSING else None  # type: ignore[misc]
-        out[f.name] = Setting(f.name, kind, default, meta["help"], meta["env"], choices,
-                              meta["shown"], tuple(meta["flags"]), meta["metavar"])
+        out[f.name] = Setting(
+            f.name,
+            kind,
+            default,
+            meta["help"],
+            meta["env"],
+            choices,
+            meta["shown"],
+            tuple(meta["flags"]),
+            meta["metavar"],
+        )
     return out

@@ -51,8 +51,10 @@ HEADER_LEN = _HDR.size
 Room = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Str = Annotated[str, msgspec.Meta(max_length=256)]
 Reason = Annotated[str, msgspec.Meta(max_length=4096)]
-Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=256,
-                                    pattern=r"^tcp://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")]
+Addr = Annotated[
+    str,
+    msgspec.Meta(min_length=1, max_length=256, pattern=r"^tcp://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$"),
+]
 """A control address: replies only ever go to ``tcp://host:port``."""
 Session = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 """A transport session name (``host:port`` for Mooncake)."""
@@ -189,7 +191,9 @@ class TransferRequest(Msg, omit_defaults=True):
             raise ValueError("too many pools")
         for name, packed in self.dst.items():
             if len(packed) % 4:
-                raise ValueError(f"dst[{name!r}]: packed indices length {len(packed)} not a multiple of 4")
+                raise ValueError(
+                    f"dst[{name!r}]: packed indices length {len(packed)} not a multiple of 4"
+                )
         if len(self.heads) > MAX_POOLS:
             raise ValueError("too many pools")
         for name in self.stage:
@@ -248,11 +252,17 @@ class Release(Msg):
 
 
 Message = Union[Hello, HelloAck, TransferRequest, TransferDone, Abort, AbortAck, Release]
-KINDS: tuple[type[Msg], ...] = (Hello, HelloAck, TransferRequest, TransferDone, Abort,
-                                AbortAck, Release)
+KINDS: tuple[type[Msg], ...] = (
+    Hello,
+    HelloAck,
+    TransferRequest,
+    TransferDone,
+    Abort,
+    AbortAck,
+    Release,
+)
 _KIND = {t: i for i, t in enumerate(KINDS)}
-_CAP = {Hello: MAX_HELLO, HelloAck: MAX_HELLO, TransferRequest: MAX_FRAME,
-        TransferDone: MAX_DONE}
+_CAP = {Hello: MAX_HELLO, HelloAck: MAX_HELLO, TransferRequest: MAX_FRAME, TransferDone: MAX_DONE}
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -280,18 +290,25 @@ def cap(kind: type[Msg]) -> int:
     return _CAP.get(kind, MAX_SMALL)
 
 
-def frame(payload: bytes, kind: type[Msg], mode: int = PLAIN, pair: bytes = ZERO_PAIR,
-          counter: int = 0, key: bytes | None = None) -> bytes:
+def frame(
+    payload: bytes,
+    kind: type[Msg],
+    mode: int = PLAIN,
+    pair: bytes = ZERO_PAIR,
+    counter: int = 0,
+    key: bytes | None = None,
+) -> bytes:
     """A frame around an encoded payload; with ``key``, its MAC covers header and payload."""
-    head = _HDR.pack(MAGIC, PROTOCOL_VERSION, _KIND[kind], mode, len(payload), pair, counter,
-                     bytes(32))
+    head = _HDR.pack(
+        MAGIC, PROTOCOL_VERSION, _KIND[kind], mode, len(payload), pair, counter, bytes(32)
+    )
     if key is None:
         return head + payload
     return head[:-32] + mac(key, head, payload) + payload
 
 
 def mac(key: bytes, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
-    m = hmac.new(key, head[:HEADER_LEN - 32], hashlib.sha256)
+    m = hmac.new(key, head[: HEADER_LEN - 32], hashlib.sha256)
     m.update(payload)
     return m.digest()
 
@@ -319,8 +336,10 @@ def header(f: bytes | bytearray | memoryview, size: int | None = None) -> Header
     if len(f) < 4 or bytes(f[:3]) != MAGIC:
         raise Rejected("malformed", "not a pdxfer frame (bad magic)")
     if f[3] != PROTOCOL_VERSION:
-        raise Rejected("version", f"protocol version {f[3]} not supported (this side speaks "
-                                  f"{PROTOCOL_VERSION})")
+        raise Rejected(
+            "version",
+            f"protocol version {f[3]} not supported (this side speaks {PROTOCOL_VERSION})",
+        )
     if len(f) < HEADER_LEN:
         raise Rejected("malformed", f"frame of {len(f)} bytes is shorter than its header")
     _, _, k, mode, length, pair, counter, tag = _HDR.unpack_from(f)
@@ -329,8 +348,9 @@ def header(f: bytes | bytearray | memoryview, size: int | None = None) -> Header
     kind = KINDS[k]
     total = len(f) if size is None else size
     if length != total - HEADER_LEN:
-        raise Rejected("malformed", f"header says {length} payload bytes, {total - HEADER_LEN}"
-                                    " arrived")
+        raise Rejected(
+            "malformed", f"header says {length} payload bytes, {total - HEADER_LEN} arrived"
+        )
     if length > cap(kind):
         raise Rejected("oversized", f"{kind.__name__} of {length} bytes exceeds {cap(kind)}")
     return Header(kind, mode, length, bytes(pair), counter, bytes(tag))
@@ -350,8 +370,10 @@ def body(f: bytes | memoryview, h: Header) -> Message:
     except msgspec.DecodeError as e:
         raise Rejected("malformed", f"malformed message: {e}") from None
     if type(msg) is not h.kind:
-        raise Rejected("invalid", f"invalid message: header says {h.kind.__name__}, payload "
-                                  f"is {type(msg).__name__}")
+        raise Rejected(
+            "invalid",
+            f"invalid message: header says {h.kind.__name__}, payload is {type(msg).__name__}",
+        )
     return msg
 
 
@@ -374,4 +396,3 @@ def unpack_indices(b: bytes) -> np.ndarray:
     if len(b) % 4:
         raise WireError("packed indices length not a multiple of 4")
     return np.frombuffer(b, dtype="<i4").astype(np.int64)
-

@@ -36,14 +36,11 @@ from pdxfer.setting import Setting, settings_of  # noqa: E402
 OUT = ROOT / "docs" / "configuration.md"
 SGLANG_CONN = ROOT / "pdxfer" / "integrations" / "sglang" / "conn.py"
 SGLANG_MEANING = {
-    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT":
-        "becomes ``bootstrap_timeout_s``: how long a prefill waits for its decode's request "
-        "and a decode for its lookup and handshake",
-    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT":
-        "becomes ``transfer_timeout_s``: from the decode's request to the last write",
-    "ib_device":
-        "``--disaggregation-ib-device``: set, pdxfer moves KV over Mooncake RDMA on that NIC; "
-        "unset, over Mooncake TCP",
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "becomes ``bootstrap_timeout_s``: how long a prefill waits for its decode's request "
+    "and a decode for its lookup and handshake",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "becomes ``transfer_timeout_s``: from the decode's request to the last write",
+    "ib_device": "``--disaggregation-ib-device``: set, pdxfer moves KV over Mooncake RDMA on that NIC; "
+    "unset, over Mooncake TCP",
     "gpu_id": "the device the KV pools live on (``cuda:N``; ``cpu`` without CUDA)",
 }
 
@@ -68,18 +65,27 @@ def cell(text: str) -> str:
 
 
 def env_section() -> list[str]:
-    out = ["## Environment variables", "",
-           "Read once, on first use, by `pdxfer.config.knobs()` (never at import), and "
-           "validated there. Mooncake reads its own `MC_*` variables; pdxfer sets defaults "
-           "for `MC_TRANSFER_TIMEOUT`, `MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_LOG_LEVEL` and "
-           "`MC_TCP_LANES_PER_PEER` (`config.mooncake_env_defaults`) and never overrides a "
-           "value you exported.", ""]
-    for scope, title in (("library", "Read by every pdxfer process"),
-                         ("engine", "Read by an engine integration when it starts"),
-                         ("tools", "Read by the set-up scripts, tests and benchmarks")):
+    out = [
+        "## Environment variables",
+        "",
+        "Read once, on first use, by `pdxfer.config.knobs()` (never at import), and "
+        "validated there. Mooncake reads its own `MC_*` variables; pdxfer sets defaults "
+        "for `MC_TRANSFER_TIMEOUT`, `MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_LOG_LEVEL` and "
+        "`MC_TCP_LANES_PER_PEER` (`config.mooncake_env_defaults`) and never overrides a "
+        "value you exported.",
+        "",
+    ]
+    for scope, title in (
+        ("library", "Read by every pdxfer process"),
+        ("engine", "Read by an engine integration when it starts"),
+        ("tools", "Read by the set-up scripts, tests and benchmarks"),
+    ):
         out += [f"### {title}", "", "| variable | default | meaning |", "|---|---|---|"]
-        out += [f"| `{v.name}` | {cell(v.default)} | {cell(v.help)} |"
-                for v in ENV_VARS if v.scope == scope]
+        out += [
+            f"| `{v.name}` | {cell(v.default)} | {cell(v.help)} |"
+            for v in ENV_VARS
+            if v.scope == scope
+        ]
         out.append("")
     return out
 
@@ -115,9 +121,15 @@ def parser_table(ap: argparse.ArgumentParser) -> list[str]:
 
 def cli_section() -> list[str]:
     ap = build_parser()
-    out = ["## Command line", "",
-           "`pdxfer [--log-level LEVEL] COMMAND [options]`; `pdxfer COMMAND --help` prints "
-           "the same.", "", "### `pdxfer` (every command)", "", *parser_table(ap)]
+    out = [
+        "## Command line",
+        "",
+        "`pdxfer [--log-level LEVEL] COMMAND [options]`; `pdxfer COMMAND --help` prints the same.",
+        "",
+        "### `pdxfer` (every command)",
+        "",
+        *parser_table(ap),
+    ]
     sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
     helps = {c.dest: c.help for c in sub._choices_actions}
     own = pass_through_parsers()
@@ -128,9 +140,13 @@ def cli_section() -> list[str]:
         else:
             out += parser_table(p)
         if name == "demo":
-            out += ["### `pdxfer demo --engine vllm`", "",
-                    "The same path on real vLLM (needs the `vllm` extra).", "",
-                    *parser_table(own["demo --engine vllm"])]
+            out += [
+                "### `pdxfer demo --engine vllm`",
+                "",
+                "The same path on real vLLM (needs the `vllm` extra).",
+                "",
+                *parser_table(own["demo --engine vllm"]),
+            ]
     return out
 
 
@@ -143,32 +159,50 @@ def _kind(s: Setting) -> str:
 
 
 def endpoint_section() -> list[str]:
-    out = ["## Engine API: `EndpointConfig`", "",
-           "`EndpointConfig(role=..., ..., limits=Limits(...))`: the fields users set, then "
-           "`Limits`, the deadlines, table caps and rarely touched knobs. "
-           "See [the engine API](engine-api.md).", ""]
+    out = [
+        "## Engine API: `EndpointConfig`",
+        "",
+        "`EndpointConfig(role=..., ..., limits=Limits(...))`: the fields users set, then "
+        "`Limits`, the deadlines, table caps and rarely touched knobs. "
+        "See [the engine API](engine-api.md).",
+        "",
+    ]
     for cls in (EndpointConfig, Limits):
-        out += [f"### `{cls.__name__}`", "", "| field | type | default | meaning |",
-                "|---|---|---|---|"]
-        out += [f"| `{s.name}` | {_kind(s)} | {_default(s.default) if not s.required else 'required'}"
-                f" | {cell(s.help)} |" for s in settings_of(cls).values()]
+        out += [
+            f"### `{cls.__name__}`",
+            "",
+            "| field | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
+        out += [
+            f"| `{s.name}` | {_kind(s)} | {_default(s.default) if not s.required else 'required'}"
+            f" | {cell(s.help)} |"
+            for s in settings_of(cls).values()
+        ]
         out.append("")
     return out
 
 
 def vllm_section() -> list[str]:
-    out = ["## vLLM: `kv_connector_extra_config`", "",
-           "Validated when vLLM builds the connector (at start-up): an unknown key, a wrong "
-           "type or a value out of range is a `ConfigError` naming the key. Keys marked "
-           "*endpoint* set the `EndpointConfig` field of the same name. "
-           "See [vLLM](vllm.md).", "",
-           "| key | type | default | meaning |", "|---|---|---|---|"]
+    out = [
+        "## vLLM: `kv_connector_extra_config`",
+        "",
+        "Validated when vLLM builds the connector (at start-up): an unknown key, a wrong "
+        "type or a value out of range is a `ConfigError` naming the key. Keys marked "
+        "*endpoint* set the `EndpointConfig` field of the same name. "
+        "See [vLLM](vllm.md).",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
     for key, kind in connector.KEYS.items():
         s = connector.ENDPOINT.get(key)
         typ = _kind(s) if s else kind.replace(" | ", " or ")
         where = " (*endpoint*)" if s else ""
-        out.append(f"| `{key}`{where} | {typ} | {_default(connector.default(key))} | "
-                   f"{cell(connector.help_of(key))} |")
+        out.append(
+            f"| `{key}`{where} | {typ} | {_default(connector.default(key))} | "
+            f"{cell(connector.help_of(key))} |"
+        )
     return out + [""]
 
 
@@ -178,38 +212,60 @@ def sglang_section() -> list[str]:
     attrs = sorted(set(re.findall(r'getattr\(self\.kv_args, "([a-z_]+)"', src)))
     missing = [n for n in names + attrs if n not in SGLANG_MEANING]
     if missing:
-        raise SystemExit(f"SGLang settings read in {SGLANG_CONN.name} without a line in "
-                         f"SGLANG_MEANING: {missing}")
-    out = ["## SGLang backend", "",
-           "The backend has no settings of its own: it is chosen with "
-           "`--disaggregation-transfer-backend pdxfer` and takes the rest from SGLang "
-           "(`SGLANG_PLUGINS=pdxfer` keeps other plugins out; the `PDXFER_*` variables above "
-           "apply too). See [SGLang](sglang.md).", "",
-           "| SGLang setting | what pdxfer does with it |", "|---|---|"]
+        raise SystemExit(
+            f"SGLang settings read in {SGLANG_CONN.name} without a line in "
+            f"SGLANG_MEANING: {missing}"
+        )
+    out = [
+        "## SGLang backend",
+        "",
+        "The backend has no settings of its own: it is chosen with "
+        "`--disaggregation-transfer-backend pdxfer` and takes the rest from SGLang "
+        "(`SGLANG_PLUGINS=pdxfer` keeps other plugins out; the `PDXFER_*` variables above "
+        "apply too). See [SGLang](sglang.md).",
+        "",
+        "| SGLang setting | what pdxfer does with it |",
+        "|---|---|",
+    ]
     out += [f"| `{n}` | {cell(SGLANG_MEANING[n])} |" for n in names]
     out += [f"| `KVArgs.{n}` | {cell(SGLANG_MEANING[n])} |" for n in attrs]
     return out + [""]
 
 
 def render() -> str:
-    lines = [HEADER, *env_section(), *endpoint_section(), *cli_section(), *vllm_section(),
-             *sglang_section()]
+    lines = [
+        HEADER,
+        *env_section(),
+        *endpoint_section(),
+        *cli_section(),
+        *vllm_section(),
+        *sglang_section(),
+    ]
     return "\n".join(lines).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true",
-                    help="exit 1 when docs/configuration.md differs from what would be written")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when docs/configuration.md differs from what would be written",
+    )
     a = ap.parse_args(argv)
     text = render()
     if a.check:
         old = OUT.read_text() if OUT.exists() else ""
         if old != text:
-            sys.stdout.writelines(difflib.unified_diff(
-                old.splitlines(True), text.splitlines(True), str(OUT), "generated"))
-            print(f"\n{OUT.relative_to(ROOT)} is stale: run python scripts/gen_config_docs.py "
-                  "and commit the result", file=sys.stderr)
+            sys.stdout.writelines(
+                difflib.unified_diff(
+                    old.splitlines(True), text.splitlines(True), str(OUT), "generated"
+                )
+            )
+            print(
+                f"\n{OUT.relative_to(ROOT)} is stale: run python scripts/gen_config_docs.py "
+                "and commit the result",
+                file=sys.stderr,
+            )
             return 1
         return 0
     OUT.write_text(text)

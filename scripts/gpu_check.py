@@ -78,8 +78,10 @@ def agents(*specs: tuple[str, dict[str, Any], list[PoolGeom]]) -> Iterator[list[
     teardown). Mooncake's log level comes from this process's environment (``main``):
     ``Agent(env=...)`` would set it around each start, not safe from threads."""
     with ThreadPoolExecutor(len(specs)) as pool:
-        futs = [pool.submit(Agent, role, {**CONF, **conf}, geoms, state=STATE)
-                for role, conf, geoms in specs]
+        futs = [
+            pool.submit(Agent, role, {**CONF, **conf}, geoms, state=STATE)
+            for role, conf, geoms in specs
+        ]
         done = [f.exception() is None for f in futs]
         out = [f.result() for f, ok in zip(futs, done) if ok]
         try:
@@ -116,9 +118,14 @@ def _exact(outs: dict[int, Any], checks: dict[int, Any]) -> dict[str, Any]:
     wrong = sum(c[0] for c in checks.values())
     first = next((c[1] for c in checks.values() if c[0]), "")
     fails = [o["failure"] for o in outs.values() if o["state"] != "Success"]
-    return {"requests": len(states), "success": states.count("Success"), "bytes_wrong": wrong,
-            "first_wrong": first, "first_failure": fails[0] if fails else "",
-            "ok": states.count("Success") == len(states) and wrong == 0}
+    return {
+        "requests": len(states),
+        "success": states.count("Success"),
+        "bytes_wrong": wrong,
+        "first_wrong": first,
+        "first_failure": fails[0] if fails else "",
+        "ok": states.count("Success") == len(states) and wrong == 0,
+    }
 
 
 SIZES = [(16, 1), (17, 1), (100, 3), (257, 4), (500, 7), (64, 2), (1, 1), (333, 5)]
@@ -132,9 +139,11 @@ def check_pages(rig: Rig) -> dict[str, Any]:
     f = Factory(g, g, seed=7)
     reqs = [f.make(n, chunks=c) for n, c in SIZES]
     res = _exact(run(pf, dc, rig.boot, reqs), verify(dc, reqs))
-    exclude = {"kv": [p for r in reqs for p in r["dst"]["kv"]],
-               "mla": [p for r in reqs for p in r["dst"]["mla"]],
-               "aux": [r["dst_slots"]["aux"] for r in reqs]}
+    exclude = {
+        "kv": [p for r in reqs for p in r["dst"]["kv"]],
+        "mla": [p for r in reqs for p in r["dst"]["mla"]],
+        "aux": [r["dst_slots"]["aux"] for r in reqs],
+    }
     res["untouched_bytes_changed"] = dc.call("untouched", exclude=exclude)
     res["bytes"] = dc.call("metrics").get("bytes", 0)
     res["ok"] = res["ok"] and res["untouched_bytes_changed"] == 0
@@ -149,16 +158,17 @@ def check_landing_host(rig: Rig) -> dict[str, Any]:
     reqs = [f.make(n, chunks=c) for n, c in SIZES]
     outs = run_groups(Group(rig.pf, ["main"]), dg, rig.boot, reqs, timeout=60)
     res = _exact(outs[0], dg.each("verify", items=decode_items(reqs))[0])
-    exclude = {"kv": [p for r in reqs for p in r["dst"]["kv"]],
-               "mla": [p for r in reqs for p in r["dst"]["mla"]],
-               "aux": [r["dst_slots"]["aux"] for r in reqs]}
+    exclude = {
+        "kv": [p for r in reqs for p in r["dst"]["kv"]],
+        "mla": [p for r in reqs for p in r["dst"]["mla"]],
+        "aux": [r["dst_slots"]["aux"] for r in reqs],
+    }
     res["untouched_bytes_changed"] = rig.dc.call("untouched", exclude=exclude, ep="host")
     res["ok"] = res["ok"] and res["untouched_bytes_changed"] == 0
     return res
 
 
-KV = PoolGeom("kv", "mha", layers=2, pages=512, page_size=16, heads=4, head_dim=16,
-              total_heads=4)
+KV = PoolGeom("kv", "mha", layers=2, pages=512, page_size=16, heads=4, head_dim=16, total_heads=4)
 AUX = PoolGeom("aux", "slots", layers=1, pages=256, dim=8, dtype="int32")
 
 
@@ -184,8 +194,10 @@ def check_integrity(rig: Rig) -> dict[str, Any]:
     pages corrupted on the host decode (after the write, before the check) are caught."""
     src = on([KV, AUX], rig.dev)
     pg = rig.endpoint(rig.pf, "ik", src)
-    decodes = {"device": rig.endpoint(rig.dc, "idev", src),
-               "host": rig.endpoint(rig.dc, "ihost", on([KV, AUX], "cpu"))}
+    decodes = {
+        "device": rig.endpoint(rig.dc, "idev", src),
+        "host": rig.endpoint(rig.dc, "ihost", on([KV, AUX], "cpu")),
+    }
     res: dict[str, Any] = {}
     ok = True
     for mode in ("sampled", "full"):
@@ -216,8 +228,10 @@ def check_integrity(rig: Rig) -> dict[str, Any]:
     return res
 
 
-TIER = [PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=2, head_dim=16),
-        PoolGeom("aux", "slots", layers=1, pages=64, dim=8, dtype="int32")]
+TIER = [
+    PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=2, head_dim=16),
+    PoolGeom("aux", "slots", layers=1, pages=64, dim=8, dtype="int32"),
+]
 N, SHARED = 320, 288
 
 
@@ -237,18 +251,37 @@ def check_l2_restore(rig: Rig) -> dict[str, Any]:
     promised = start(rig.pf, rig.dc, rig.boot, [b], ep="tier", instance="tier")[b["room"]]
     rb = finish(rig.dc, [b], ep="tier")[b["room"]]
     st = rb.get("stats", {})
-    ok = (first == 0 and ra["state"] == "Success" and not ra["bad"][0]
-          and promised == SHARED and rb["state"] == "Success"
-          and not rb["bad"][0] and st.get("l2_pages") == SHARED // 16)
-    return {"first.state": ra["state"], "first.bytes_wrong": ra["bad"][0],
-            "l3_pages_written": wrote[0] if wrote else 0, "promised_tokens": promised,
-            "state": rb["state"], "failure": rb.get("failure") or "",
-            "bytes_wrong": rb["bad"][0], "first_wrong": rb["bad"][1],
-            "l2_pages": st.get("l2_pages"), "net_bytes": st.get("net_bytes"), "ok": ok}
+    ok = (
+        first == 0
+        and ra["state"] == "Success"
+        and not ra["bad"][0]
+        and promised == SHARED
+        and rb["state"] == "Success"
+        and not rb["bad"][0]
+        and st.get("l2_pages") == SHARED // 16
+    )
+    return {
+        "first.state": ra["state"],
+        "first.bytes_wrong": ra["bad"][0],
+        "l3_pages_written": wrote[0] if wrote else 0,
+        "promised_tokens": promised,
+        "state": rb["state"],
+        "failure": rb.get("failure") or "",
+        "bytes_wrong": rb["bad"][0],
+        "first_wrong": rb["bad"][1],
+        "l2_pages": st.get("l2_pages"),
+        "net_bytes": st.get("net_bytes"),
+        "ok": ok,
+    }
 
 
-CHECKS = {"pages": check_pages, "landing_host": check_landing_host, "hetero": check_hetero,
-          "integrity": check_integrity, "l2_restore": check_l2_restore}
+CHECKS = {
+    "pages": check_pages,
+    "landing_host": check_landing_host,
+    "hetero": check_hetero,
+    "integrity": check_integrity,
+    "l2_restore": check_l2_restore,
+}
 
 
 def step_transfers(dev: str, transport: str) -> dict[str, Any]:
@@ -256,9 +289,13 @@ def step_transfers(dev: str, transport: str) -> dict[str, Any]:
     the next one runs."""
     res: dict[str, Any] = {}
     g = on(GEOMS, dev)
-    with BootstrapServer("127.0.0.1", 0).start() as srv, agents(
+    with (
+        BootstrapServer("127.0.0.1", 0).start() as srv,
+        agents(
             ("prefill", {"bootstrap": srv.address, "transport": transport}, g),
-            ("decode", {"transport": transport}, g)) as (pf, dc):
+            ("decode", {"transport": transport}, g),
+        ) as (pf, dc),
+    ):
         rig = Rig(dev, transport, srv.address, pf, dc)
         for name, fn in CHECKS.items():
             t0 = time.monotonic()
@@ -268,8 +305,11 @@ def step_transfers(dev: str, transport: str) -> dict[str, Any]:
                 r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             r["seconds"] = round(time.monotonic() - t0, 2)
             why = r.get("error") or r.get("first_failure") or r.get("first_wrong") or ""
-            print(f"{transport} {name}: {'ok' if r['ok'] else 'FAILED'} in {r['seconds']} s "
-                  f"{why}", file=sys.stderr, flush=True)
+            print(
+                f"{transport} {name}: {'ok' if r['ok'] else 'FAILED'} in {r['seconds']} s {why}",
+                file=sys.stderr,
+                flush=True,
+            )
             res.update({f"{name}.{k}": v for k, v in r.items()})
     res["ok"] = all(res[f"{n}.ok"] for n in CHECKS)
     return res
@@ -318,17 +358,26 @@ def compare(res: dict[str, Any], raw: dict[str, Any], transports: list[str]) -> 
     res["best_raw.gb_per_s"], res["best_raw.path"] = top, raw.get("best_raw.path", "")
     res["pdxfer_ratio_vs_best_raw"] = round(mine.get(best, 0.0) / top, 4) if top else 0.0
     for t, v in mine.items():  # each pdxfer path against its own raw path, same shape
-        key = {"nixl": "nixl.t1.d32k_batch4096", "tcp": "mooncake.tcp.d32k",
-               "nvlink": "mooncake.nvlink_intra.d32k", "nixl_pack": "nixl.t1.dbuf",
-               "tcp_pack": "mooncake.tcp.dbuf", "nvlink_pack": "mooncake.nvlink_intra.dbuf",
-               }.get(t, "")
+        key = {
+            "nixl": "nixl.t1.d32k_batch4096",
+            "tcp": "mooncake.tcp.d32k",
+            "nvlink": "mooncake.nvlink_intra.d32k",
+            "nixl_pack": "nixl.t1.dbuf",
+            "tcp_pack": "mooncake.tcp.dbuf",
+            "nvlink_pack": "mooncake.nvlink_intra.dbuf",
+        }.get(t, "")
         r = float(raw.get(f"{key}.gb_per_s", 0.0) or 0.0)
         if r:
             res[f"ratio_vs_raw.{t}"] = round(v / r, 4)
 
 
-def _bulk_pairs(stack: contextlib.ExitStack, srv: BootstrapServer, paths: list[str],
-                g: list[PoolGeom], res: dict[str, Any]) -> dict[str, tuple[Agent, Agent, str]]:
+def _bulk_pairs(
+    stack: contextlib.ExitStack,
+    srv: BootstrapServer,
+    paths: list[str],
+    g: list[PoolGeom],
+    res: dict[str, Any],
+) -> dict[str, tuple[Agent, Agent, str]]:
     """Per path its (prefill, decode, endpoint name): one agent pair per transport whose
     ``main`` endpoints never pack; a ``_pack`` path adds ``pack`` endpoints that always do.
     A transport that cannot start is recorded; the others run."""
@@ -336,9 +385,12 @@ def _bulk_pairs(stack: contextlib.ExitStack, srv: BootstrapServer, paths: list[s
     for t in dict.fromkeys(base(p) for p in paths):
         conf = {"transport": t, "integrity": "off", "pack": "off"}
         try:
-            pf, dc = stack.enter_context(agents(
-                ("prefill", {**conf, "bootstrap": srv.address, "instance": t}, g),
-                ("decode", conf, g)))
+            pf, dc = stack.enter_context(
+                agents(
+                    ("prefill", {**conf, "bootstrap": srv.address, "instance": t}, g),
+                    ("decode", conf, g),
+                )
+            )
         except Exception as e:  # noqa: BLE001
             for p in paths:
                 if base(p) == t:
@@ -351,15 +403,19 @@ def _bulk_pairs(stack: contextlib.ExitStack, srv: BootstrapServer, paths: list[s
                 out[p] = (pf, dc, "main")
                 continue
             cfg = {**CONF, **conf, "pack": "on"}
-            pf.call("add_endpoint", name="pack", role="prefill", geoms=g,
-                    config={**cfg, "bootstrap": srv.address, "instance": p})
+            pf.call(
+                "add_endpoint",
+                name="pack",
+                role="prefill",
+                geoms=g,
+                config={**cfg, "bootstrap": srv.address, "instance": p},
+            )
             dc.call("add_endpoint", name="pack", role="decode", geoms=g, config=cfg)
             out[p] = (pf, dc, "pack")
     return out
 
 
-def step_bulk(dev: str, paths: list[str], quick: bool, raw: Path | None = None
-              ) -> dict[str, Any]:
+def step_bulk(dev: str, paths: list[str], quick: bool, raw: Path | None = None) -> dict[str, Any]:
     """One request of ``tokens`` x 8 layers x K,V x 8 heads x 128 (fp16) per path (a
     transport, or ``<transport>_pack``), best of ``reps``, a packed path's last landing
     checked byte for byte (``bytes_wrong.<path>``); torch copies of as many bytes, interleaved with them; with
@@ -368,8 +424,18 @@ def step_bulk(dev: str, paths: list[str], quick: bool, raw: Path | None = None
     import torch
 
     tokens, reps = (1024, 2) if quick else (16384, 4)
-    g = [PoolGeom("kv", "mha", layers=8, pages=2 * tokens // 16, page_size=16, heads=8,
-                  head_dim=128, device=dev)]
+    g = [
+        PoolGeom(
+            "kv",
+            "mha",
+            layers=8,
+            pages=2 * tokens // 16,
+            page_size=16,
+            heads=8,
+            head_dim=128,
+            device=dev,
+        )
+    ]
     nbytes = tokens * 8 * 2 * 8 * 128 * 2
     # the pack staging: the whole request in one piece (a piece is at most half of it)
     os.environ["PDXFER_PACK_MB"] = str(2 * (nbytes >> 20) + 64)
@@ -387,17 +453,26 @@ def step_bulk(dev: str, paths: list[str], quick: bool, raw: Path | None = None
         room = [int(rng.integers(1, 1 << 40))]
         landed: dict[str, dict[str, Any]] = {}
         for pf, _, ep in pairs.values():
-            pf.call("prepare", ep=ep,
-                    items=[{"room": 0, "pages": {"kv": src}, "num_tokens": tokens}])
+            pf.call(
+                "prepare", ep=ep, items=[{"room": 0, "pages": {"kv": src}, "num_tokens": tokens}]
+            )
 
         def transfer(t: str) -> tuple[int, float]:
             pf, dc, ep = pairs[t]
             room[0] += 1
             dst = rng.permutation(2 * pages)[:pages].tolist()
-            dc.call("recv", items=[{"room": room[0], "dst": {"kv": dst}, "num_tokens": tokens}],
-                    bootstrap=srv.address, instance=t if ep == "pack" else base(t), ep=ep)
-            pf.call("send", ep=ep, items=[{"room": room[0], "chunks": [
-                {"pages": {"kv": src}, "last": True}]}])
+            dc.call(
+                "recv",
+                items=[{"room": room[0], "dst": {"kv": dst}, "num_tokens": tokens}],
+                bootstrap=srv.address,
+                instance=t if ep == "pack" else base(t),
+                ep=ep,
+            )
+            pf.call(
+                "send",
+                ep=ep,
+                items=[{"room": room[0], "chunks": [{"pages": {"kv": src}, "last": True}]}],
+            )
             out = dc.call("wait", rooms=[room[0]], timeout=120, ep=ep)[room[0]]
             if out["state"] != "Success":
                 raise RuntimeError(f"{t}: {out['failure']}")
@@ -429,8 +504,9 @@ def step_bulk(dev: str, paths: list[str], quick: bool, raw: Path | None = None
                 except RuntimeError as e:
                     res[f"error.{t}"], best[t] = str(e), 0.0
             best["torch_d2d"] = max(best.get("torch_d2d", 0.0), _best_gbps(lambda: timed(b, a), 1))
-            best["torch_pinned_h2d"] = max(best.get("torch_pinned_h2d", 0.0),
-                                           _best_gbps(lambda: timed(a, pinned), 1))
+            best["torch_pinned_h2d"] = max(
+                best.get("torch_pinned_h2d", 0.0), _best_gbps(lambda: timed(a, pinned), 1)
+            )
         ok = bool(torch.equal(a, pinned.to(d)))
         for t, item in landed.items():  # the last packed landing, byte for byte
             _, dc, ep = pairs[t]
@@ -441,8 +517,11 @@ def step_bulk(dev: str, paths: list[str], quick: bool, raw: Path | None = None
             res[f"gb_per_s.{k}"] = v
         if raw is not None:
             compare(res, json.loads(raw.read_text()) if raw.exists() else {}, paths)
-        res["ok"] = (ok and all(best[t] > 0 for t in paths)
-                     and all(res.get(f"bytes_wrong.{t}", 1) == 0 for t in paths if PACK in t))
+        res["ok"] = (
+            ok
+            and all(best[t] > 0 for t in paths)
+            and all(res.get(f"bytes_wrong.{t}", 1) == 0 for t in paths if PACK in t)
+        )
         return res
     finally:
         stack.close()
@@ -453,8 +532,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("step", choices=STEPS)
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--transport", default="tcp",
-                    help="tcp, nixl, or both (bulk: paths, e.g. tcp,nixl,nixl_pack)")
+    ap.add_argument(
+        "--transport",
+        default="tcp",
+        help="tcp, nixl, or both (bulk: paths, e.g. tcp,nixl,nixl_pack)",
+    )
     ap.add_argument("--json", type=Path, help="write the step's result here")
     ap.add_argument("--quick", action="store_true", help="bulk: a small request, 2 reps")
     ap.add_argument("--raw", type=Path, help="bulk: gpu_probe.py's JSON, to compare with")

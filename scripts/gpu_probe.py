@@ -37,8 +37,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 KiB, MiB = 1 << 10, 1 << 20
 THREADS = (1, 2, 4, 8)
 SEED = 45
-UCX_TLS_NAMES = ("cuda_ipc", "cuda_copy", "gdr_copy", "cma", "posix", "sysv", "xpmem", "tcp",
-                 "rc_mlx5", "dc_mlx5", "ud_mlx5", "rc_verbs", "self", "knem")
+UCX_TLS_NAMES = (
+    "cuda_ipc",
+    "cuda_copy",
+    "gdr_copy",
+    "cma",
+    "posix",
+    "sysv",
+    "xpmem",
+    "tcp",
+    "rc_mlx5",
+    "dc_mlx5",
+    "ud_mlx5",
+    "rc_verbs",
+    "self",
+    "knem",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +154,16 @@ def _target(conn: Any, dev: str, s: Shape, protos: list[str], with_nixl: bool) -
         engines[p] = _engine(p, logs)
         rc = engines[p].register_memory(dst.data_ptr(), s.held, dev if d.type == "cuda" else "*")
         assert rc == 0, f"mooncake {p} register_memory returned {rc}"
-    conn.send({"md": md, "addr": dst.data_ptr(),
-               "sessions": {p: f"127.0.0.1:{e.get_rpc_port()}" for p, e in engines.items()},
-               "dst": dst, "stage": stage, "logs": logs})
+    conn.send(
+        {
+            "md": md,
+            "addr": dst.data_ptr(),
+            "sessions": {p: f"127.0.0.1:{e.get_rpc_port()}" for p, e in engines.items()},
+            "dst": dst,
+            "stage": stage,
+            "logs": logs,
+        }
+    )
     sync = torch.cuda.synchronize if d.type == "cuda" else (lambda: None)
     while (m := conn.recv())[0] != "stop":
         if m[0] == "zero":
@@ -154,8 +175,9 @@ def _target(conn: Any, dev: str, s: Shape, protos: list[str], with_nixl: bool) -
             src_slots, dst_slots = placement(s, desc)
             w = desc // 8
             got = dst.view(torch.int64).view(-1, w)[torch.from_numpy(dst_slots).to(d)]
-            want = (torch.from_numpy(src_slots).to(d)[:, None] * w
-                    + torch.arange(w, device=d)[None, :])
+            want = (
+                torch.from_numpy(src_slots).to(d)[:, None] * w + torch.arange(w, device=d)[None, :]
+            )
             conn.send(int((got != want).sum()))
         elif m[0] == "scatter":  # the staged IPC path's last step, on this side
             desc = m[1]
@@ -167,8 +189,13 @@ def _target(conn: Any, dev: str, s: Shape, protos: list[str], with_nixl: bool) -
     conn.send("stopped")
 
 
-INSTALLED = (("Intra-Node NVLink", "nvlink_intra"), ("cross-node NVLink", "nvlink"),
-             ("RDMA transport", "rdma"), ("type=rdma", "rdma"), ("TcpTransport:", "tcp"))
+INSTALLED = (
+    ("Intra-Node NVLink", "nvlink_intra"),
+    ("cross-node NVLink", "nvlink"),
+    ("RDMA transport", "rdma"),
+    ("type=rdma", "rdma"),
+    ("TcpTransport:", "tcp"),
+)
 """Mooncake's log lines at initialisation, and the transport each names."""
 
 
@@ -183,8 +210,7 @@ def _engine(proto: str, logs: list[str]) -> Any:
     NICs found, not only on the protocol string (``nvlink_intra`` needs
     ``MC_INTRANODE_NVLINK``; an engine without it must not see it). The log level is read
     when the library loads: imported here, after it is set."""
-    env = {"MC_INTRANODE_NVLINK": "1" if proto == "nvlink_intra" else None,
-           "MC_LOG_LEVEL": "INFO"}
+    env = {"MC_INTRANODE_NVLINK": "1" if proto == "nvlink_intra" else None, "MC_LOG_LEVEL": "INFO"}
     old = {k: os.environ.get(k) for k in env}
     for k, v in env.items():
         if v is None:
@@ -197,16 +223,20 @@ def _engine(proto: str, logs: list[str]) -> Any:
 
         with captured(out):
             e = TransferEngine()
-            rc = e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp" if proto == "tcp" else
-                              "nvlink_intra", "")
+            rc = e.initialize(
+                "127.0.0.1", "P2PHANDSHAKE", "tcp" if proto == "tcp" else "nvlink_intra", ""
+            )
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    logs.extend(f"{proto}: {line}" for line in out[0].splitlines()
-                if re.search(r"(?i)transport|nvlink", line))
+    logs.extend(
+        f"{proto}: {line}"
+        for line in out[0].splitlines()
+        if re.search(r"(?i)transport|nvlink", line)
+    )
     if rc != 0:
         raise RuntimeError(f"mooncake initialize({proto}) returned {rc}")
     return e
@@ -228,9 +258,14 @@ class Probe:
         if self.dev.type == "cuda":
             torch.cuda.set_device(self.dev)
         self.gpu = self.dev.type == "cuda"
-        self.res: dict[str, Any] = {"device": dev, "bytes": s.moved, "buffers": s.buffers,
-                                    "per_buffer": s.per_buffer, "reps": s.reps,
-                                    "split_entries": 0}
+        self.res: dict[str, Any] = {
+            "device": dev,
+            "bytes": s.moved,
+            "buffers": s.buffers,
+            "per_buffer": s.per_buffer,
+            "reps": s.reps,
+            "split_entries": 0,
+        }
         self.protos = ["tcp"] if "mooncake" in paths else []
         built, why = mooncake_has_nvlink_intra()
         if not self.gpu:
@@ -244,8 +279,9 @@ class Probe:
         self.stage = torch.empty(s.moved, dtype=torch.uint8, device=self.dev)
         ctx = mp.get_context("spawn")
         self.conn, there = ctx.Pipe()
-        self.proc = ctx.Process(target=_target, args=(there, dev, s, self.protos,
-                                                      "nixl" in paths), daemon=True)
+        self.proc = ctx.Process(
+            target=_target, args=(there, dev, s, self.protos, "nixl" in paths), daemon=True
+        )
         self.proc.start()
         self.peer = self.conn.recv()
         self.res["mooncake.log"] = self.peer["logs"]
@@ -294,8 +330,9 @@ class Probe:
 
         def rows(base: int, desc: int) -> np.ndarray:
             n = self.s.held // desc
-            return np.stack([base + np.arange(n, dtype=np.int64) * desc, np.full(n, desc),
-                             np.full(n, did)], 1).astype(np.uint64)
+            return np.stack(
+                [base + np.arange(n, dtype=np.int64) * desc, np.full(n, desc), np.full(n, did)], 1
+            ).astype(np.uint64)
 
         def wait(ag: Any, hs: list[Any]) -> None:
             for h in hs:
@@ -315,8 +352,15 @@ class Probe:
                 lh = ag.prep_xfer_dlist("NIXL_INIT_AGENT", rows(src, desc), mem)
                 rh = ag.prep_xfer_dlist("probe-target", rows(dst, desc), mem)
 
-                def prepped(lo: int = 0, hi: int = si.size, lh: Any = lh, rh: Any = rh,
-                            si: np.ndarray = si, di: np.ndarray = di, ag: Any = ag) -> Any:
+                def prepped(
+                    lo: int = 0,
+                    hi: int = si.size,
+                    lh: Any = lh,
+                    rh: Any = rh,
+                    si: np.ndarray = si,
+                    di: np.ndarray = di,
+                    ag: Any = ag,
+                ) -> Any:
                     return ag.make_prepped_xfer("WRITE", lh, si[lo:hi], rh, di[lo:hi])
 
                 def one(prepped: Callable[..., Any] = prepped, ag: Any = ag) -> None:
@@ -326,8 +370,10 @@ class Probe:
 
                 self.measure(f"nixl.t{t}.{label}", desc, one)
                 if t == 1 and label == "d32k":
-                    def batched(prepped: Callable[..., Any] = prepped, ag: Any = ag,
-                                n: int = si.size) -> None:
+
+                    def batched(
+                        prepped: Callable[..., Any] = prepped, ag: Any = ag, n: int = si.size
+                    ) -> None:
                         for lo in range(0, n, 4096):  # pdxfer's batches, one after another
                             h = prepped(lo, min(n, lo + 4096))
                             wait(ag, [h])
@@ -335,12 +381,16 @@ class Probe:
 
                     ls_all, rs_all = rows(src, desc)[si], rows(dst, desc)[di]
 
-                    def per_call(ag: Any = ag, ls_all: np.ndarray = ls_all,
-                                 rs_all: np.ndarray = rs_all) -> None:
+                    def per_call(
+                        ag: Any = ag, ls_all: np.ndarray = ls_all, rs_all: np.ndarray = rs_all
+                    ) -> None:
                         for lo in range(0, len(ls_all), 4096):  # pdxfer's GPU path until now
                             h = ag.initialize_xfer(
-                                "WRITE", ag.get_xfer_descs(ls_all[lo:lo + 4096], mem),
-                                ag.get_xfer_descs(rs_all[lo:lo + 4096], mem), "probe-target")
+                                "WRITE",
+                                ag.get_xfer_descs(ls_all[lo : lo + 4096], mem),
+                                ag.get_xfer_descs(rs_all[lo : lo + 4096], mem),
+                                "probe-target",
+                            )
                             wait(ag, [h])
                             ag.release_xfer_handle(h)
 
@@ -368,12 +418,18 @@ class Probe:
                 sl = (self.src.data_ptr() + si * desc).tolist()
                 dl = (self.peer["addr"] + di * desc).tolist()
 
-                def write(sl: list[int] = sl, dl: list[int] = dl, desc: int = desc,
-                          e: Any = e, peer: str = peer) -> None:
+                def write(
+                    sl: list[int] = sl,
+                    dl: list[int] = dl,
+                    desc: int = desc,
+                    e: Any = e,
+                    peer: str = peer,
+                ) -> None:
                     for lo in range(0, len(sl), 1024):  # more per peer can wedge its lane
-                        n = len(sl[lo:lo + 1024])
-                        rc = e.batch_transfer_sync_write(peer, sl[lo:lo + 1024],
-                                                         dl[lo:lo + 1024], [desc] * n)
+                        n = len(sl[lo : lo + 1024])
+                        rc = e.batch_transfer_sync_write(
+                            peer, sl[lo : lo + 1024], dl[lo : lo + 1024], [desc] * n
+                        )
                         if rc != 0:
                             raise RuntimeError(f"batch_transfer_sync_write returned {rc}")
 
@@ -381,7 +437,8 @@ class Probe:
         every = logs + self.res["mooncake.log"]
         for p in self.protos:  # what each engine says it installed, here and at the target
             self.res[f"mooncake.{p}.installed"] = installed(
-                [x for x in every if x.startswith(f"{p}: ")])
+                [x for x in every if x.startswith(f"{p}: ")]
+            )
         self.res["mooncake.log"] = every[-12:]
 
     # -- torch IPC ----------------------------------------------------------------------------
@@ -415,8 +472,11 @@ class Probe:
 
 def best_raw(res: dict[str, Any]) -> tuple[str, float]:
     """The fastest raw path in pdxfer's shape (32 KiB pages): ``(key, GB/s)``."""
-    figs = {k[: -len(".gb_per_s")]: v for k, v in res.items()
-            if k.endswith(".gb_per_s") and ".d32k" in k and isinstance(v, (int, float))}
+    figs = {
+        k[: -len(".gb_per_s")]: v
+        for k, v in res.items()
+        if k.endswith(".gb_per_s") and ".d32k" in k and isinstance(v, (int, float))
+    }
     if not figs:
         return "", 0.0
     k = max(figs, key=lambda x: figs[x])

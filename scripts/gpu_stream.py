@@ -59,8 +59,14 @@ class Colocated:
     the draft pass after each (as ``prefill.py`` computes it), then greedy decode steps."""
 
     def __init__(self, device: str, max_seq_len: int, chunk: int, pages: int) -> None:
-        cfg = WorkerConfig(role="prefill", bootstrap="127.0.0.1:1", max_seq_len=max_seq_len,
-                           page_size=PAGE, chunk_size=chunk, torch_device=device)
+        cfg = WorkerConfig(
+            role="prefill",
+            bootstrap="127.0.0.1:1",
+            max_seq_len=max_seq_len,
+            page_size=PAGE,
+            chunk_size=chunk,
+            torch_device=device,
+        )
         self.model = ToyModel(cfg.toy(), device=device)
         self.draft = make_draft(self.model)
         self.kv = self.model.new_kv_pool(pages)
@@ -72,6 +78,7 @@ class Colocated:
         m, d = self.model, self.draft
         pt = self.kv.allocator.alloc(m.pages_for(len(tokens) + answer))
         try:
+
             def on_chunk(a: int, b: int) -> None:
                 d.forward(tokens[a:b], a, pt, self.draft_kv, logits_for="none")
 
@@ -88,10 +95,20 @@ class Colocated:
 def stream(url: str, tokens: list[int], answer: int, timeout: float) -> tuple[float, dict]:
     """One streamed completion through the router: seconds to the first token event, and the
     last event's ``pdxfer`` extension (token ids, the prefill's leg and layer sends)."""
-    body = {"model": "toy", "prompt": tokens, "max_tokens": answer, "temperature": 0,
-            "ignore_eos": True, "stream": True, "logprobs": 0}  # logprobs: every token shows
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": "toy",
+        "prompt": tokens,
+        "max_tokens": answer,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+    }  # logprobs: every token shows
+    req = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     t0 = time.perf_counter()
     first, ext = 0.0, {}
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -130,13 +147,36 @@ class Run:
 
 
 def cluster(a: argparse.Namespace, transport: str, pages: int) -> Cluster:
-    worker = ["--torch-device", a.device, "--transport", transport, "--pages", str(pages),
-              "--max-seq-len", str(a.max_seq_len), "--page-size", str(PAGE),
-              "--chunk-size", str(a.chunk_size), "--l2-pages", "0",  # every prompt computed
-              "--heartbeat", "2", "--bootstrap-timeout", "60", "--transfer-timeout", "300",
-              "--admission-timeout", "60"]
-    return Cluster(worker_args=worker, decode_args=["--no-l3", "--integrity", "sampled"],
-                   router_args=["--timeout", "300"], timeout=120.0)  # stats exposed
+    worker = [
+        "--torch-device",
+        a.device,
+        "--transport",
+        transport,
+        "--pages",
+        str(pages),
+        "--max-seq-len",
+        str(a.max_seq_len),
+        "--page-size",
+        str(PAGE),
+        "--chunk-size",
+        str(a.chunk_size),
+        "--l2-pages",
+        "0",  # every prompt computed
+        "--heartbeat",
+        "2",
+        "--bootstrap-timeout",
+        "60",
+        "--transfer-timeout",
+        "300",
+        "--admission-timeout",
+        "60",
+    ]
+    return Cluster(
+        worker_args=worker,
+        decode_args=["--no-l3", "--integrity", "sampled"],
+        router_args=["--timeout", "300"],
+        timeout=120.0,
+    )  # stats exposed
 
 
 def measure(a: argparse.Namespace, run: Run) -> None:
@@ -181,7 +221,8 @@ def measure(a: argparse.Namespace, run: Run) -> None:
                         res[f"rounds_{k}"] = rnd + 1
                         res[f"tokens_{k}"] = n
                         res[f"ttft_ratio_vs_colocated_{k}"] = round(
-                            res[f"ttft_ms_pd_{k}"] / res[f"ttft_ms_colocated_{k}"], 4)
+                            res[f"ttft_ms_pd_{k}"] / res[f"ttft_ms_colocated_{k}"], 4
+                        )
                         compare(n, want, ext)
                         run.save()
                     spent = time.monotonic() - r0
@@ -199,15 +240,22 @@ def measure(a: argparse.Namespace, run: Run) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda:0", help="the torch device of both sides")
-    ap.add_argument("--transport", default="nixl,tcp",
-                    help="worker transports to try in order, the first that serves is used")
+    ap.add_argument(
+        "--transport",
+        default="nixl,tcp",
+        help="worker transports to try in order, the first that serves is used",
+    )
     ap.add_argument("--sizes", default="2048,8192", help="prompt sizes in tokens")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--answer", type=int, default=8, help="tokens generated per request")
     ap.add_argument("--chunk-size", type=int, default=64, help="the prefill's chunk")
-    ap.add_argument("--budget-s", type=float, default=100.0,
-                    help="seconds from the start: no round starts that would end past them, "
-                         "by the last round's time (the first always runs)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=100.0,
+        help="seconds from the start: no round starts that would end past them, "
+        "by the last round's time (the first always runs)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the step's result here")
     a = ap.parse_args(argv)
@@ -216,9 +264,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # as the workers (--threads 1)
     t0 = time.monotonic()
     a.deadline = t0 + a.budget_s
-    run = Run(a.json, {"sizes": a.sizes, "rounds": a.rounds, "answer_tokens": a.answer,
-                       "chunk_size": a.chunk_size, "torch_device": a.device,
-                       "mismatches": 0, "outputs_compared": 0, "errors": [], "ok": False})
+    run = Run(
+        a.json,
+        {
+            "sizes": a.sizes,
+            "rounds": a.rounds,
+            "answer_tokens": a.answer,
+            "chunk_size": a.chunk_size,
+            "torch_device": a.device,
+            "mismatches": 0,
+            "outputs_compared": 0,
+            "errors": [],
+            "ok": False,
+        },
+    )
     run.save()
 
     def stop(signum: int, frame: Any) -> None:
@@ -232,9 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         res["errors"].append("stopped by SIGTERM (the step's limit)")
     finally:
         ks = [label(n) for n in a.sizes]
-        res["ok"] = (not res["errors"] and res["mismatches"] == 0
-                     and all(f"ttft_ratio_vs_colocated_{k}" in res for k in ks)
-                     and all(res.get(f"pd_layer_sends_{k}", 0) > 0 for k in ks))
+        res["ok"] = (
+            not res["errors"]
+            and res["mismatches"] == 0
+            and all(f"ttft_ratio_vs_colocated_{k}" in res for k in ks)
+            and all(res.get(f"pd_layer_sends_{k}", 0) > 0 for k in ks)
+        )
         res["wall_s"] = round(time.monotonic() - t0, 2)
         run.save()
         print(json.dumps(res, indent=1, sort_keys=True, default=str))

@@ -61,15 +61,19 @@ def _target(conn: Any, pages: int) -> None:
     conn.send((os.getpid(), dst.ctypes.data, agent.get_agent_metadata()))
     while (m := conn.recv()) != "stop":
         idx, first = m  # page idx of the destination must hold first's pattern
-        conn.send(bool((dst[idx * PAGE:(idx + 1) * PAGE] == first % 251).all()))
+        conn.send(bool((dst[idx * PAGE : (idx + 1) * PAGE] == first % 251).all()))
 
 
 def _idle(tick_default: bool, seconds: float) -> float:
     """Cores one idle agent burns (this process's other threads are idle meanwhile)."""
     nixl = pnixl._load()
     if tick_default:
-        a = nixl.nixl_agent(f"idle-{time.monotonic_ns()}", nixl.nixl_agent_config(
-            backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+        a = nixl.nixl_agent(
+            f"idle-{time.monotonic_ns()}",
+            nixl.nixl_agent_config(
+                backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            ),
+        )
     else:
         a = pnixl._agent(nixl, f"idle-{time.monotonic_ns()}", ("UCX",), 1)
     time.sleep(0.5)
@@ -87,8 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     n = 2048
     rounds = 5 if a.quick else 15
-    out: dict[str, Any] = {"quick": a.quick, "cpus": os.cpu_count(), "pages": n,
-                           "page_bytes": PAGE, "load.before": os.getloadavg()[0]}
+    out: dict[str, Any] = {
+        "quick": a.quick,
+        "cpus": os.cpu_count(),
+        "pages": n,
+        "page_bytes": PAGE,
+        "load.before": os.getloadavg()[0],
+    }
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(there, n), daemon=True)
@@ -97,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     total = n * PAGE
     src = np.empty(total, np.uint8)
     for i in range(n):
-        src[i * PAGE:(i + 1) * PAGE] = i % 251
+        src[i * PAGE : (i + 1) * PAGE] = i % 251
     rng = np.random.default_rng(0)
     sp = rng.permutation(n)  # source page of the i-th write
     dp = rng.permutation(2 * n)[:n]  # its destination page
@@ -110,16 +119,29 @@ def main(argv: list[str] | None = None) -> int:
     def cma(lo: int, hi: int) -> None:
         for b in range(lo, hi, 1024):  # IOV_MAX
             k = min(1024, hi - b)
-            got = libc.process_vm_writev(pid, ctypes.byref(liov, b * 16), k,
-                                         ctypes.byref(riov, b * 16), k, 0)
+            got = libc.process_vm_writev(
+                pid, ctypes.byref(liov, b * 16), k, ctypes.byref(riov, b * 16), k, 0
+            )
             if got != k * PAGE:
                 raise OSError(ctypes.get_errno(), "process_vm_writev")
 
     nixl = pnixl._load()
-    ld = np.stack([src.ctypes.data + np.arange(n, dtype=np.int64) * PAGE,
-                   np.full(n, PAGE), np.zeros(n, np.int64)], 1).astype(np.uint64)
-    rd = np.stack([daddr + np.arange(2 * n, dtype=np.int64) * PAGE,
-                   np.full(2 * n, PAGE), np.zeros(2 * n, np.int64)], 1).astype(np.uint64)
+    ld = np.stack(
+        [
+            src.ctypes.data + np.arange(n, dtype=np.int64) * PAGE,
+            np.full(n, PAGE),
+            np.zeros(n, np.int64),
+        ],
+        1,
+    ).astype(np.uint64)
+    rd = np.stack(
+        [
+            daddr + np.arange(2 * n, dtype=np.int64) * PAGE,
+            np.full(2 * n, PAGE),
+            np.zeros(2 * n, np.int64),
+        ],
+        1,
+    ).astype(np.uint64)
 
     def nixl_writer(threads: int) -> Any:
         ag = pnixl._agent(nixl, f"writer{threads}", ("UCX",), threads)
@@ -139,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             ag.release_xfer_handle(h)
             if st != "DONE":
                 raise RuntimeError(f"NIXL write ended {st}")
+
         return write
 
     variants = {

@@ -47,8 +47,11 @@ TRANSFER = [
     ("status_to_finish", "P:te.status.out", "P:finish.in"),
     ("finish_to_ctl_send", "P:finish.in", "P:ctl.send.in"),
     ("ctl_send_call", "P:ctl.send.in", "P:ctl.send.out"),
-    ("ctl_send_to_decode_read (zmq io thread, tcp, epoll wake)", "P:ctl.send.in",
-     "D:inbox.read.in"),
+    (
+        "ctl_send_to_decode_read (zmq io thread, tcp, epoll wake)",
+        "P:ctl.send.in",
+        "D:inbox.read.in",
+    ),
     ("decode_read_to_frame", "D:inbox.read.in", "D:frame.in"),
     ("frame_to_on_done (header, mac, decode)", "D:frame.in", "D:TransferDone.in"),
     ("on_done_to_check", "D:TransferDone.in", "D:check.in"),
@@ -70,8 +73,9 @@ def first_after(ev: list[tuple[str, int]], name: str, after: int) -> int | None:
     return next((t for n, t in ev if n == name and t >= after), None)
 
 
-def segments(ev: list[tuple[str, int]], table: list[tuple[str, str, str]], start: str
-             ) -> dict[str, float]:
+def segments(
+    ev: list[tuple[str, int]], table: list[tuple[str, str, str]], start: str
+) -> dict[str, float]:
     """Each segment of ``table`` in us, chained from the first ``start`` stamp."""
     t0 = first_after(ev, start, 0)
     out: dict[str, float] = {}
@@ -93,8 +97,8 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
             stat = (task / "stat").read_text()
         except OSError:
             continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        f = stat[stat.rindex(")") + 2:].split()
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        f = stat[stat.rindex(")") + 2 :].split()
         out[int(task.name)] = (comm, (int(f[11]) + int(f[12])) / 100)
     return out
 
@@ -116,9 +120,17 @@ def closed_loop(b: B.Bench, seconds: float, spy: Path | None = None) -> dict[str
     first = b.next_room()
     b.room += 1 << 20
     b.pf.call("bench_serve", first_room=first, src=src, ahead=96)
-    r = b.dc.call("bench_closed_loop", timeout=seconds + 120, bootstrap=b.srv.address,
-                  first_room=first, dst_free=b.rng.permutation(B.DC_PAGES).tolist(), per=2,
-                  tokens=128, conc=64, duration=seconds)
+    r = b.dc.call(
+        "bench_closed_loop",
+        timeout=seconds + 120,
+        bootstrap=b.srv.address,
+        first_room=first,
+        dst_free=b.rng.permutation(B.DC_PAGES).tolist(),
+        per=2,
+        tokens=128,
+        conc=64,
+        duration=seconds,
+    )
     b.pf.call("bench_serve_stop")
     for proc, raw, _ in spies:
         proc.send_signal(signal.SIGINT)
@@ -127,15 +139,22 @@ def closed_loop(b: B.Bench, seconds: float, spy: Path | None = None) -> dict[str
             raw.with_suffix(".txt").write_text("\n".join(PS.summary(raw, 40)) + "\n")
             raw.unlink()
     wall = max(t1 for _, t1 in r["stamps"]) - r["start"]
-    out = {"loop.rooms_per_s": len(r["stamps"]) / wall, "loop.failed": len(r["failed"]),
-           "loop.load": B.loadavg(),
-           "loop.p50_ms": 1e3 * statistics.median([t1 - t0 for t0, t1 in r["stamps"]])}
+    out = {
+        "loop.rooms_per_s": len(r["stamps"]) / wall,
+        "loop.failed": len(r["failed"]),
+        "loop.load": B.loadavg(),
+        "loop.p50_ms": 1e3 * statistics.median([t1 - t0 for t0, t1 in r["stamps"]]),
+    }
     for x, side in ((b.pf, "prefill"), (b.dc, "decode")):
         after = thread_cpu(x.proc.pid)
         per: dict[str, float] = {}
         for tid, (comm, cpu) in after.items():
             name = names[x].get(tid, comm)
-            name = name.split("-")[0] + "-*" if name.startswith(("pdxfer-prefill-", "pdxfer-decode-")) and name[-1].isdigit() else name
+            name = (
+                name.split("-")[0] + "-*"
+                if name.startswith(("pdxfer-prefill-", "pdxfer-decode-")) and name[-1].isdigit()
+                else name
+            )
             per[name] = per.get(name, 0.0) + (cpu - before[x].get(tid, (comm, 0.0))[1]) / wall
         for name, v in sorted(per.items(), key=lambda kv: -kv[1]):
             if v >= 0.005:
@@ -146,8 +165,12 @@ def closed_loop(b: B.Bench, seconds: float, spy: Path | None = None) -> dict[str
 def start_pair(env: dict[str, str]) -> B.Bench:
     b = B.Bench(False)
     b.srv = BootstrapServer("127.0.0.1", port=0).start()
-    cfg = {"bootstrap": b.srv.address, "transfer_timeout_s": 60.0, "bootstrap_timeout_s": 60.0,
-           "transport": "tcp"}
+    cfg = {
+        "bootstrap": b.srv.address,
+        "transfer_timeout_s": 60.0,
+        "bootstrap_timeout_s": 60.0,
+        "transport": "tcp",
+    }
     b.pf = Agent("prefill", cfg, B.geoms(B.PF_PAGES), state=B.STATE, env=env)
     b.dc = Agent("decode", cfg, B.geoms(B.DC_PAGES), state=B.STATE, env=env)
     src = b.src_perm[:2]
@@ -170,9 +193,14 @@ def traced_once(b: B.Bench) -> tuple[float, dict[str, float]]:
         x.call("ext", fn="benchmarks.common.trace:collect")
     dst = b.rng.choice(B.DC_PAGES, 2, replace=False).tolist()
     own = b.pdx_send_once(128, b.src_perm[:2], dst) - b.last_write_s
-    ev = sorted(((n, t) for x in (b.pf, b.dc)
-                 for n, t, _ in x.call("ext", fn="benchmarks.common.trace:collect")),
-                key=lambda e: e[1])
+    ev = sorted(
+        (
+            (n, t)
+            for x in (b.pf, b.dc)
+            for n, t, _ in x.call("ext", fn="benchmarks.common.trace:collect")
+        ),
+        key=lambda e: e[1],
+    )
     seg = segments(ev, REQUEST, "D:request.in")
     seg.update(segments(ev, TRANSFER, "P:send.in"))
     return own, seg
@@ -182,18 +210,32 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--loop", type=float, default=0.0,
-                    help="also run the closed loop at concurrency 64 for this many seconds "
-                         "and report each thread's CPU share (untraced)")
-    ap.add_argument("--ab", default="",
-                    help="VAR=VALUE: a second pair started with this environment variable "
-                         "(or pacing:FIELD=VALUE: a RateEstimate field set on its prefill); "
-                         "requests (and closed-loop rounds) alternate between the pairs")
+    ap.add_argument(
+        "--loop",
+        type=float,
+        default=0.0,
+        help="also run the closed loop at concurrency 64 for this many seconds "
+        "and report each thread's CPU share (untraced)",
+    )
+    ap.add_argument(
+        "--ab",
+        default="",
+        help="VAR=VALUE: a second pair started with this environment variable "
+        "(or pacing:FIELD=VALUE: a RateEstimate field set on its prefill); "
+        "requests (and closed-loop rounds) alternate between the pairs",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="closed-loop rounds per pair")
-    ap.add_argument("--spy", type=Path, help="py-spy both agents during the first loop round "
-                    "(writes <spy>_prefill.txt and <spy>_decode.txt)")
-    ap.add_argument("--untraced", action="store_true",
-                    help="leave the stamps out (fixed cost only, as the bench measures it)")
+    ap.add_argument(
+        "--spy",
+        type=Path,
+        help="py-spy both agents during the first loop round "
+        "(writes <spy>_prefill.txt and <spy>_decode.txt)",
+    )
+    ap.add_argument(
+        "--untraced",
+        action="store_true",
+        help="leave the stamps out (fixed cost only, as the bench measures it)",
+    )
     a = ap.parse_args(argv)
     pairs: dict[str, dict[str, str]] = {"a": {}}
     if a.ab:
@@ -246,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
                 out[f"{name}.trace.{seg.split(' ')[0]}_us"] = statistics.median(xs)
                 print(f"{statistics.median(xs):9.1f} us  {seg}  (n={len(xs)})")
         if own[name]:
-            print(f"fixed cost (send to Success minus the write), median: "
-                  f"{out[f'{name}.trace.fixed_cost_us']:.1f} us")
+            print(
+                f"fixed cost (send to Success minus the write), median: "
+                f"{out[f'{name}.trace.fixed_cost_us']:.1f} us"
+            )
     print(f"load {out['trace.load_before']} -> {out['trace.load_after']}")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1) + "\n")

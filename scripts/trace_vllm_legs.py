@@ -75,9 +75,13 @@ from pdxfer.demo.vllm_procs import add_startup_timeout_arg, start_one_by_one  # 
 
 CASES = ("colocated_stream", "colocated_one", "pdxfer_leg", "pdxfer_one")
 SOLO = "pdxfer_one_solo"
-DIFFS = (("colocated_one", "colocated_stream"), ("pdxfer_leg", "colocated_one"),
-         ("pdxfer_leg", "colocated_stream"), ("pdxfer_one", "colocated_one"),
-         ("pdxfer_leg", "pdxfer_one"))
+DIFFS = (
+    ("colocated_one", "colocated_stream"),
+    ("pdxfer_leg", "colocated_one"),
+    ("pdxfer_leg", "colocated_stream"),
+    ("pdxfer_one", "colocated_one"),
+    ("pdxfer_leg", "pdxfer_one"),
+)
 SOLO_DIFFS = (("pdxfer_one", SOLO), (SOLO, "colocated_one"))
 SOLO_SEED = 50_000
 """Added to a turn's seed for ``pdxfer_one_solo``'s probe: it goes to the same prefill as
@@ -119,19 +123,33 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     max_len = -(-(longest + 64) // BS) * BS
     tmp = Path(tempfile.mkdtemp(prefix="pdxfer-trace-legs-"))
     cases = (*CASES, SOLO) if a.solo else CASES
-    res: dict[str, Any] = {"legs.shape": {"convs": convs, "turns": turns, "system": system,
-                                          "question": question, "answer": answer},
-                           "legs.solo": a.solo,
-                           "legs.variant": default_variant(), "legs.cores": os.cpu_count(),
-                           "legs.background_cores_before": round(host_busy_cores(3.0), 3),
-                           "legs.loadavg_before": os.getloadavg()}
+    res: dict[str, Any] = {
+        "legs.shape": {
+            "convs": convs,
+            "turns": turns,
+            "system": system,
+            "question": question,
+            "answer": answer,
+        },
+        "legs.solo": a.solo,
+        "legs.variant": default_variant(),
+        "legs.cores": os.cpu_count(),
+        "legs.background_cores_before": round(host_busy_cores(3.0), 3),
+        "legs.loadavg_before": os.getloadavg(),
+    }
     boot = BootstrapServer("127.0.0.1", 0).start()
     doors: list[FrontDoor] = []
     servers: list[Any] = []
     try:
-        setup = Setup(tmp, build_model(tmp / "model", "kv32k"), boot.address,
-                      3 * max_len * kv_per_token, 0, max_len,
-                      trace_dir=tmp / "stamps" if a.stamps else None)
+        setup = Setup(
+            tmp,
+            build_model(tmp / "model", "kv32k"),
+            boot.address,
+            3 * max_len * kv_per_token,
+            0,
+            max_len,
+            trace_dir=tmp / "stamps" if a.stamps else None,
+        )
         mk_c, _ = makers("colocated", setup, "legs")
         mk_p, cfg = makers(res["legs.variant"], setup, "legs")
         servers = start_one_by_one([*mk_c, *mk_p], a.startup_timeout)
@@ -158,7 +176,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 seed = 100 * c + t + 2
                 prompt = hist[c] + tokens(seed, question)
                 got: dict[str, list[int]] = {}
-                order = cases[k % len(cases):] + cases[:k % len(cases)]
+                order = cases[k % len(cases) :] + cases[: k % len(cases)]
                 turn_of.append(t)
                 k += 1
                 for case in order:
@@ -166,9 +184,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     stop = [pid[n] for n in paused_for(case)] if a.solo else []
                     with paused(stop):
                         if "_one" in case:  # the solo probe's own tokens: uncached
-                            legs[case].append(reference_leg(
-                                door, prompt, held[c], seed + SOLO_SEED * (case == SOLO),
-                                answer, 600))
+                            legs[case].append(
+                                reference_leg(
+                                    door,
+                                    prompt,
+                                    held[c],
+                                    seed + SOLO_SEED * (case == SOLO),
+                                    answer,
+                                    600,
+                                )
+                            )
                         else:
                             r = stream_request(door.url, prompt, answer, 600)
                             legs[case].append(door.prefill_seconds[-1])
@@ -192,12 +217,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         res[f"legs.{case}.mean_ms"] = 1e3 * statistics.fmean(legs[case])
         res[f"legs.{case}.by_turn_p50_ms"] = [
             round(1e3 * statistics.median([x for x, u in zip(legs[case], turn_of) if u == t]), 1)
-            for t in range(turns)]
+            for t in range(turns)
+        ]
     for who, xs in ttft.items():
         res[f"legs.ttft_p50_ms.{who}"] = 1e3 * pct(xs, 0.5)
     for x, y in (*DIFFS, *SOLO_DIFFS) if a.solo else DIFFS:
         res[f"legs.diff_p50_ms.{x}_minus_{y}"] = 1e3 * statistics.median(
-            [p - q for p, q in zip(legs[x], legs[y])])
+            [p - q for p, q in zip(legs[x], legs[y])]
+        )
         res[f"legs.ratio_p50.{x}_vs_{y}"] = pct(legs[x], 0.5) / pct(legs[y], 0.5)
     if setup.trace_dir is not None:
         for case in cases[1:]:  # a streamed request's handler returns before its answer
@@ -215,11 +242,18 @@ def main() -> int:
     ap.add_argument("--convs", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
     add_startup_timeout_arg(ap)
-    ap.add_argument("--no-stamps", dest="stamps", action="store_false",
-                    help="leave out scripts/trace_hooks (the stamps cost microseconds a call)")
-    ap.add_argument("--solo", action="store_true",
-                    help="pause (SIGSTOP) the servers a case does not use around it, as "
-                         "bench_vllm's phases run alone; adds pdxfer_one_solo (decode paused)")
+    ap.add_argument(
+        "--no-stamps",
+        dest="stamps",
+        action="store_false",
+        help="leave out scripts/trace_hooks (the stamps cost microseconds a call)",
+    )
+    ap.add_argument(
+        "--solo",
+        action="store_true",
+        help="pause (SIGSTOP) the servers a case does not use around it, as "
+        "bench_vllm's phases run alone; adds pdxfer_one_solo (decode paused)",
+    )
     ap.add_argument("--json")
     a = ap.parse_args()
     return 0 if run_and_report("trace_vllm_legs", lambda: run(a), a.json) is not None else 2

@@ -52,9 +52,12 @@ from pdxfer import BootstrapServer  # noqa: E402
 from pdxfer.demo.hf_model import SHAPES, build_model  # noqa: E402
 from pdxfer.demo.vllm_procs import Server, add_startup_timeout_arg, start_one_by_one  # noqa: E402
 
-HIST = {"e2e": "vllm:e2e_request_latency_seconds", "queue": "vllm:request_queue_time_seconds",
-        "prefill": "vllm:request_prefill_time_seconds",
-        "ttft": "vllm:time_to_first_token_seconds"}
+HIST = {
+    "e2e": "vllm:e2e_request_latency_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "ttft": "vllm:time_to_first_token_seconds",
+}
 
 
 def with_env(s: Server, env: dict[str, str]) -> Server:
@@ -63,12 +66,18 @@ def with_env(s: Server, env: dict[str, str]) -> Server:
 
 
 def one_token(url: str, prompt: list[int], params: dict[str, Any] | None = None) -> float:
-    body: dict[str, Any] = {"model": "llama", "prompt": prompt, "max_tokens": 1,
-                            "temperature": 0, "stream": False}
+    body: dict[str, Any] = {
+        "model": "llama",
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": False,
+    }
     if params:
         body["kv_transfer_params"] = params
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as r:
         r.read()
@@ -101,10 +110,23 @@ def calls(ev: list[tuple[str, str, int, int]], name: str) -> list[tuple[int, int
     return out
 
 
-PARTS = ("exec.model", "exec.sample", "sched.schedule", "sched.update", "sched.conn_finished",
-         "pdx.request_finished", "pdx.build_meta", "pdx.start_load_kv", "pdx.wait_for_save",
-         "pdx.get_finished", "pdx.save_layer", "pdx.give", "pdx.open", "pdx.hand",
-         "pdx.write_stats")
+PARTS = (
+    "exec.model",
+    "exec.sample",
+    "sched.schedule",
+    "sched.update",
+    "sched.conn_finished",
+    "pdx.request_finished",
+    "pdx.build_meta",
+    "pdx.start_load_kv",
+    "pdx.wait_for_save",
+    "pdx.get_finished",
+    "pdx.save_layer",
+    "pdx.give",
+    "pdx.open",
+    "pdx.hand",
+    "pdx.write_stats",
+)
 """Stamped calls summed per request: in the steps until the answer, and after it."""
 
 
@@ -120,10 +142,10 @@ def timeline(folder: Path, spans: list[tuple[int, int]]) -> dict[str, list[float
     for t0, t1 in spans:
         w = [e for e in ev if t0 <= e[2] <= t1]
 
-        def first(name: str, kind: str = "in", after: int = 0,
-                  w: list[tuple[str, str, int, int]] = w) -> int | None:
-            return next((e[2] for e in w if e[0] == name and e[1] == kind and e[2] >= after),
-                        None)
+        def first(
+            name: str, kind: str = "in", after: int = 0, w: list[tuple[str, str, int, int]] = w
+        ) -> int | None:
+            return next((e[2] for e in w if e[0] == name and e[1] == kind and e[2] >= after), None)
 
         h_in, add = first("api.handler"), first("core.add_request")
         out_in = first("api.outputs", after=add or t0)
@@ -167,8 +189,9 @@ def hists(server: Server) -> dict[str, tuple[float, float]]:
     return {k: (prom_sum(m, v + "_sum"), prom_sum(m, v + "_count")) for k, v in HIST.items()}
 
 
-def case(name: str, setup: Setup, n: int, ntok: int, seed: int, startup_timeout: float
-         ) -> dict[str, float]:
+def case(
+    name: str, setup: Setup, n: int, ntok: int, seed: int, startup_timeout: float
+) -> dict[str, float]:
     variant = "colocated" if name.startswith("colocated") else "pdxfer_tcp"
     mk, cfg = makers(variant, setup, f"trace_{name}")
     if name.endswith("_nopause"):
@@ -204,8 +227,10 @@ def case(name: str, setup: Setup, n: int, ntok: int, seed: int, startup_timeout:
             door.close()
         for s in reversed(servers):
             s.stop()
-    out = {"client_p50_ms": 1e3 * statistics.median(client),
-           "client_mean_ms": 1e3 * statistics.fmean(client)}
+    out = {
+        "client_p50_ms": 1e3 * statistics.median(client),
+        "client_mean_ms": 1e3 * statistics.fmean(client),
+    }
     if setup.trace_dir is not None and spans:
         for k, v in timeline(setup.trace_dir / pre.name, spans).items():
             if any(v):
@@ -225,9 +250,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     boot = BootstrapServer("127.0.0.1", 0).start()
     res: dict[str, Any] = {}
     try:
-        setup = Setup(tmp, build_model(tmp / "model", "kv32k"), boot.address,
-                      3 * max_len * kv_per_token, 0, max_len, log_stats=True,
-                      trace_dir=tmp / "stamps" if a.stamps else None)
+        setup = Setup(
+            tmp,
+            build_model(tmp / "model", "kv32k"),
+            boot.address,
+            3 * max_len * kv_per_token,
+            0,
+            max_len,
+            log_stats=True,
+            trace_dir=tmp / "stamps" if a.stamps else None,
+        )
         for r in range(a.rounds):
             for name in a.cases.split(","):
                 got = case(name, setup, a.requests, a.tokens, 10_000 * (r + 1), a.startup_timeout)
@@ -245,8 +277,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1536)
     ap.add_argument("--rounds", type=int, default=1, help="times each case is repeated")
     ap.add_argument("--cases", default="colocated_stream,colocated_one,pdxfer_idle,pdxfer_leg")
-    ap.add_argument("--no-stamps", dest="stamps", action="store_false",
-                    help="leave out scripts/trace_hooks (the stamps cost microseconds a call)")
+    ap.add_argument(
+        "--no-stamps",
+        dest="stamps",
+        action="store_false",
+        help="leave out scripts/trace_hooks (the stamps cost microseconds a call)",
+    )
     add_startup_timeout_arg(ap)
     ap.add_argument("--json")
     a = ap.parse_args()

@@ -65,11 +65,15 @@ def closure(root: Path, names: list[str], roots: list[str]) -> tuple[set[str], s
         keep.add(name)
         needed, rpath = _dynamic(root / name)
         here = posixpath.dirname(name)
-        dirs = [posixpath.normpath(d.replace("$ORIGIN", here).replace("${ORIGIN}", here))
-                for d in rpath if "$ORIGIN" in d or "${ORIGIN}" in d] + [here]
+        dirs = [
+            posixpath.normpath(d.replace("$ORIGIN", here).replace("${ORIGIN}", here))
+            for d in rpath
+            if "$ORIGIN" in d or "${ORIGIN}" in d
+        ] + [here]
         for lib in needed:
-            hit = next((posixpath.join(d, lib) for d in dirs
-                        if posixpath.join(d, lib) in have), None)
+            hit = next(
+                (posixpath.join(d, lib) for d in dirs if posixpath.join(d, lib) in have), None
+            )
             if hit is None:
                 system.add(lib)
             else:
@@ -89,8 +93,13 @@ def trim(wheel: Path, out_dir: Path, roots: list[str], drop: list[str]) -> Path:
         z.extractall(t)
         names = [i.filename for i in z.infolist() if not i.is_dir()]
         info = next(n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info"))
-        root_names = [n for n in names if any(re.fullmatch(r, n) for r in roots)
-                      and _is_elf(t / n) and not any(d.search(n) for d in dropped)]
+        root_names = [
+            n
+            for n in names
+            if any(re.fullmatch(r, n) for r in roots)
+            and _is_elf(t / n)
+            and not any(d.search(n) for d in dropped)
+        ]
         if not root_names:
             raise SystemExit(f"{wheel.name}: no file matches the roots {roots}")
         libs, system = closure(t, names, root_names)
@@ -118,12 +127,18 @@ def trim(wheel: Path, out_dir: Path, roots: list[str], drop: list[str]) -> Path:
                 w.writestr(zi, data, compresslevel=9)
                 lines.append(_record_line(n, data))
             lines.append(f"{record},,")
-            w.writestr(zipfile.ZipInfo(record, date_time=(2020, 1, 1, 0, 0, 0)),
-                       "\n".join(lines) + "\n", compress_type=zipfile.ZIP_DEFLATED)
+            w.writestr(
+                zipfile.ZipInfo(record, date_time=(2020, 1, 1, 0, 0, 0)),
+                "\n".join(lines) + "\n",
+                compress_type=zipfile.ZIP_DEFLATED,
+            )
     mib = out.stat().st_size / 2**20
-    print(f"{wheel.name}: {len(names)} files, {wheel.stat().st_size / 2**20:.1f} MiB -> "
-          f"{len(keep)} files, {mib:.1f} MiB; system libraries it needs: "
-          f"{' '.join(sorted(system))}", file=sys.stderr)
+    print(
+        f"{wheel.name}: {len(names)} files, {wheel.stat().st_size / 2**20:.1f} MiB -> "
+        f"{len(keep)} files, {mib:.1f} MiB; system libraries it needs: "
+        f"{' '.join(sorted(system))}",
+        file=sys.stderr,
+    )
     return out
 
 
@@ -131,10 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("wheel", type=Path)
     ap.add_argument("out_dir", type=Path)
-    ap.add_argument("--root", action="append", default=[], required=True,
-                    help="regular expression (whole archive name) of an ELF file to keep")
-    ap.add_argument("--drop", action="append", default=[],
-                    help="regular expression (searched) of archive names to leave out")
+    ap.add_argument(
+        "--root",
+        action="append",
+        default=[],
+        required=True,
+        help="regular expression (whole archive name) of an ELF file to keep",
+    )
+    ap.add_argument(
+        "--drop",
+        action="append",
+        default=[],
+        help="regular expression (searched) of archive names to leave out",
+    )
     a = ap.parse_args(argv)
     trim(a.wheel, a.out_dir, a.root, a.drop)
     return 0

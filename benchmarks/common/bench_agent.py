@@ -85,14 +85,18 @@ class BenchState(AgentState):
         self.raw: _RawEp | None = None
         self._serve_stop = threading.Event()
 
-    def cmd_add_endpoint(self, name: str, role: str, config: dict[str, Any],
-                         geoms: list[PoolGeom]) -> dict[str, Any]:
+    def cmd_add_endpoint(
+        self, name: str, role: str, config: dict[str, Any], geoms: list[PoolGeom]
+    ) -> dict[str, Any]:
         if not role.startswith("raw"):
             return super().cmd_add_endpoint(name, role, config, geoms)
         self.raw = _RawEp(role, geoms)
         self.eps[name] = self.raw  # type: ignore[assignment] - prepare/verify/sentinel work
-        return {"session": self.raw.session, "pull": self.raw.pull_addr,
-                "pools": msgspec.to_builtins(list(self.raw.specs.values()))}
+        return {
+            "session": self.raw.session,
+            "pull": self.raw.pull_addr,
+            "pools": msgspec.to_builtins(list(self.raw.specs.values())),
+        }
 
     def close(self) -> None:
         if self.raw is not None:
@@ -123,8 +127,15 @@ class BenchState(AgentState):
             if rc != 0:
                 raise RuntimeError(f"raw write failed rc={rc}")
 
-    def cmd_raw_write(self, peer: str, pools: list[dict[str, Any]], src: list[int],
-                      dst: list[int], tokens: int, reps: int = 1) -> dict[str, Any]:
+    def cmd_raw_write(
+        self,
+        peer: str,
+        pools: list[dict[str, Any]],
+        src: list[int],
+        dst: list[int],
+        tokens: int,
+        reps: int = 1,
+    ) -> dict[str, Any]:
         """Write the blocks pdxfer would plan, ``reps`` times; seconds per rep and CPU."""
         assert self.raw is not None
         d = msgspec.convert(pools, list[PoolSpec])[0]
@@ -136,9 +147,19 @@ class BenchState(AgentState):
             out.append(time.monotonic() - t)
         return {"seconds": out, "entries": len(b), "bytes": b.total_bytes}
 
-    def cmd_raw_push_loop(self, peer: str, pools: list[dict[str, Any]], pull: str,
-                          src: list[int], dst_free: list[int], tokens: int, conc: int,
-                          duration: float, threads: int, first_room: int) -> dict[str, Any]:
+    def cmd_raw_push_loop(
+        self,
+        peer: str,
+        pools: list[dict[str, Any]],
+        pull: str,
+        src: list[int],
+        dst_free: list[int],
+        tokens: int,
+        conc: int,
+        duration: float,
+        threads: int,
+        first_room: int,
+    ) -> dict[str, Any]:
         """Closed loop at ``conc`` in flight: ``threads`` workers each do a raw write then push
         one ZMQ message to the decode, which stamps its arrival."""
         assert self.raw is not None
@@ -151,7 +172,7 @@ class BenchState(AgentState):
         enc = msgspec.msgpack.Encoder()
         free: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         for i in range(0, len(dst_free) - per + 1, per):
-            free.put(dst_free[i:i + per])
+            free.put(dst_free[i : i + per])
         jobs: queue.SimpleQueue[tuple[int, float, list[int]] | None] = queue.SimpleQueue()
         slots = threading.Semaphore(conc)
         done = [0]
@@ -241,7 +262,9 @@ class BenchState(AgentState):
             nxt = first_room
             base = e.ep.core.counters["success"] + e.ep.core.counters["failures_transport"]
             while not self._serve_stop.is_set():
-                finished = e.ep.core.counters["success"] + e.ep.core.counters["failures_transport"] - base
+                finished = (
+                    e.ep.core.counters["success"] + e.ep.core.counters["failures_transport"] - base
+                )
                 while nxt - first_room < finished + ahead:
                     e.tx[nxt] = e.ep.sender(nxt)
                     e.tx[nxt].send({"kv": pages}, last=True)
@@ -268,19 +291,31 @@ class BenchState(AgentState):
         out = {}
         for r in rooms:
             rx = e.rx.pop(r)
-            out[r] = {"state": KVPoll(rx.poll()).name, "t_done": rx._st.t_done,
-                      "failure": str(rx.failure) if rx.failure else None,
-                      "blocks": rx._st.blocks, "bytes": rx._st.bytes}
+            out[r] = {
+                "state": KVPoll(rx.poll()).name,
+                "t_done": rx._st.t_done,
+                "failure": str(rx.failure) if rx.failure else None,
+                "blocks": rx._st.blocks,
+                "bytes": rx._st.bytes,
+            }
         return out
 
-    def cmd_bench_closed_loop(self, bootstrap: str, first_room: int, dst_free: list[int],
-                              per: int, tokens: int, conc: int, duration: float = 0.0,
-                              count: int = 0) -> dict[str, Any]:
+    def cmd_bench_closed_loop(
+        self,
+        bootstrap: str,
+        first_room: int,
+        dst_free: list[int],
+        per: int,
+        tokens: int,
+        conc: int,
+        duration: float = 0.0,
+        count: int = 0,
+    ) -> dict[str, Any]:
         """Keep ``conc`` requests in flight for ``duration`` s (or ``count`` requests); each
         latency is request() to the stamp at which Success arrived; returns the (request,
         Success) stamps of every room."""
         e = self.eps["main"]
-        free = [dst_free[i:i + per] for i in range(0, len(dst_free) - per + 1, per)]
+        free = [dst_free[i : i + per] for i in range(0, len(dst_free) - per + 1, per)]
         live: dict[int, tuple[KVReceiver, float, list[int]]] = {}
         stamps: list[tuple[float, float]] = []
         failed: list[str] = []
@@ -313,5 +348,4 @@ class BenchState(AgentState):
                 failed.append("closed loop did not drain")
                 break
             time.sleep(0.0005)
-        return {"stamps": stamps, "failed": failed, "issued": issued, "start": t_start,
-                "end": end}
+        return {"stamps": stamps, "failed": failed, "issued": issued, "start": t_start, "end": end}

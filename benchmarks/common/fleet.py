@@ -29,14 +29,14 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         self._stack.callback(srv.stop)
         return srv
 
-    def agent(self, role: str, config: dict[str, Any], geoms: list[PoolGeom],
-              **kw: Any) -> Agent:
+    def agent(self, role: str, config: dict[str, Any], geoms: list[PoolGeom], **kw: Any) -> Agent:
         a = Agent(role, config, geoms, **kw)
         self._stack.callback(a.close)
         return a
 
-    def agents(self, specs: list[tuple[str, dict[str, Any], list[PoolGeom]]],
-               **kw: Any) -> list[Agent]:
+    def agents(
+        self, specs: list[tuple[str, dict[str, Any], list[PoolGeom]]], **kw: Any
+    ) -> list[Agent]:
         """One agent per ``(role, config, geoms)``, started together; ``kw`` for each."""
         with ThreadPoolExecutor(max(1, len(specs))) as ex:
             futs = [ex.submit(Agent, role, cfg, g, **kw) for role, cfg, g in specs]

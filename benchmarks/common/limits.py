@@ -25,8 +25,9 @@ def socket_stream(total: int) -> float:
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
-    p = subprocess.Popen([sys.executable, "-c", _SOCK_SENDER, str(srv.getsockname()[1]),
-                          str(total)])
+    p = subprocess.Popen(
+        [sys.executable, "-c", _SOCK_SENDER, str(srv.getsockname()[1]), str(total)]
+    )
     conn, _ = srv.accept()
     buf = memoryview(bytearray(4 << 20))
     got = 0

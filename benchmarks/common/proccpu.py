@@ -18,7 +18,7 @@ def _stat(pid: int) -> tuple[int, float] | None:
             raw = f.read().decode(errors="replace")
     except OSError:
         return None
-    rest = raw[raw.rindex(")") + 2:].split()  # the name may hold spaces and parentheses
+    rest = raw[raw.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
     # fields after the name: state ppid ... utime(12th) stime(13th), counting state as 1st
     return int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK
 

@@ -45,9 +45,11 @@ def method(name: str) -> str:
 
 def parser(mod: ModuleType) -> argparse.ArgumentParser:
     name = name_of(mod)
-    ap = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}",
-                                 description=(mod.__doc__ or name).strip().splitlines()[0],
-                                 epilog="--describe prints the method.")
+    ap = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{name}",
+        description=(mod.__doc__ or name).strip().splitlines()[0],
+        epilog="--describe prints the method.",
+    )
     ap.add_argument("--quick", action="store_true", help="a reduced run (minutes at most)")
     ap.add_argument("--json", type=Path, default=None, help="also write the JSON here")
     ap.add_argument("--describe", action="store_true", help="print the method and exit")
@@ -57,9 +59,12 @@ def parser(mod: ModuleType) -> argparse.ArgumentParser:
 
 def commit() -> str:
     """The checkout's commit, ``+dirty`` when tracked files differ from it."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True,
-                              text=True, timeout=30).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+
     try:
         head = git("rev-parse", "HEAD")
         return f"{head}+dirty" if head and git("status", "--porcelain", "-uno") else head or "?"
@@ -78,8 +83,10 @@ def machine() -> str:
         mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
     except (OSError, ValueError, IndexError):
         mem = 0.0
-    return (f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"{mem:.0f} GiB, {platform.system()} {platform.release()}")
+    return (
+        f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{mem:.0f} GiB, {platform.system()} {platform.release()}"
+    )
 
 
 def load() -> list[float]:
@@ -93,17 +100,25 @@ def phase_start(window_s: float = 3.0) -> dict[str, Any]:
     at a time)."""
     from .proccpu import host_busy_cores
 
-    return {"loadavg_before": os.getloadavg(),
-            "background_cores_before": round(host_busy_cores(window_s), 3)}
+    return {
+        "loadavg_before": os.getloadavg(),
+        "background_cores_before": round(host_busy_cores(window_s), 3),
+    }
 
 
 def record(name: str, argv: list[str], before: list[float], seconds: float) -> dict[str, Any]:
     """The ``run.*`` keys every benchmark's JSON carries."""
-    return {"run.benchmark": name, "run.argv": " ".join(argv), "run.commit": commit(),
-            "run.machine": machine(), "run.python": platform.python_version(),
-            "run.loadavg_before": before, "run.loadavg_after": load(),
-            "run.seconds": round(seconds, 3), "run.date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                         time.gmtime())}
+    return {
+        "run.benchmark": name,
+        "run.argv": " ".join(argv),
+        "run.commit": commit(),
+        "run.machine": machine(),
+        "run.python": platform.python_version(),
+        "run.loadavg_before": before,
+        "run.loadavg_after": load(),
+        "run.seconds": round(seconds, 3),
+        "run.date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def emit(res: dict[str, Any], path: Path | None) -> None:
@@ -139,9 +154,23 @@ def run(mod: ModuleType, argv: list[str] | None = None) -> int:
 
 def log(name: str, msg: str) -> None:
     """A progress line on stderr (stdout holds only the JSON)."""
-    print(f"[{name}] {time.strftime('%H:%M:%S')} {msg} (load {load()[0]})", file=sys.stderr,
-          flush=True)
+    print(
+        f"[{name}] {time.strftime('%H:%M:%S')} {msg} (load {load()[0]})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
-__all__ = ["Unavailable", "emit", "load", "log", "machine", "method", "name_of", "parser", "phase_start",
-           "record", "run"]
+__all__ = [
+    "Unavailable",
+    "emit",
+    "load",
+    "log",
+    "machine",
+    "method",
+    "name_of",
+    "parser",
+    "phase_start",
+    "record",
+    "run",
+]

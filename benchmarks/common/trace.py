@@ -51,9 +51,11 @@ class _Engine:
 
     def __init__(self, engine: Any) -> None:
         self._e = engine
-        for method, tag in (("batch_transfer_async_write", "submit"),
-                            ("get_batch_transfer_status", "status"),
-                            ("batch_transfer_sync_write", "sync")):
+        for method, tag in (
+            ("batch_transfer_async_write", "submit"),
+            ("get_batch_transfer_status", "status"),
+            ("batch_transfer_sync_write", "sync"),
+        ):
             setattr(self, method, _named(getattr(engine, method), f"te.{tag}"))
 
     def __getattr__(self, name: str) -> Any:
@@ -67,14 +69,19 @@ def install(state: Any, side: str = "") -> None:
     if not _installed:
         _installed = True
         for owner, attr, name in (
-                (sender.KVSender, "send", "send"), (writer.Writer, "_plan", "plan"),
-                (writer.Writer, "_await", "await"), (writer.Writer, "_write", "write"),
-                (writer.Writer, "_digest", "digest"), (writer.Writer, "finish", "finish"),
-                (sender.PrefillSide, "on_request", "on_request"),
-                (receiver.KVReceiver, "request", "request"),
-                (receiver.DecodeSide, "on_done", "on_done"),
-                (integrity_checks.IntegrityChecks, "check", "check"),
-                (control.Control, "send", "ctl.send"), (inbox.Inbox, "_read", "inbox.read")):
+            (sender.KVSender, "send", "send"),
+            (writer.Writer, "_plan", "plan"),
+            (writer.Writer, "_await", "await"),
+            (writer.Writer, "_write", "write"),
+            (writer.Writer, "_digest", "digest"),
+            (writer.Writer, "finish", "finish"),
+            (sender.PrefillSide, "on_request", "on_request"),
+            (receiver.KVReceiver, "request", "request"),
+            (receiver.DecodeSide, "on_done", "on_done"),
+            (integrity_checks.IntegrityChecks, "check", "check"),
+            (control.Control, "send", "ctl.send"),
+            (inbox.Inbox, "_read", "inbox.read"),
+        ):
             _wrap(owner, attr, name)
     for e in state.eps.values():
         c = e.ep.core
@@ -90,7 +97,7 @@ def install(state: Any, side: str = "") -> None:
 def collect(state: Any) -> list[tuple[str, int, str]]:
     """The stamps recorded since the last call (name, ns, thread), oldest first."""
     out = list(_events)
-    del _events[:len(out)]
+    del _events[: len(out)]
     return out
 
 

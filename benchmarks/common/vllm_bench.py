@@ -33,8 +33,14 @@ class Reply:
     ext: dict[str, Any] = field(default_factory=dict)
 
 
-def stream_request(url: str, prompt: list[int], max_tokens: int, timeout: float,
-                   model: str = "llama", logprobs: int | None = None) -> Reply:
+def stream_request(
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    timeout: float,
+    model: str = "llama",
+    logprobs: int | None = None,
+) -> Reply:
     """Greedy, ``ignore_eos``, streamed through the official client. The first token is the
     first chunk that carries one: a vLLM server's chunks carry ``token_ids``; pdxfer's router
     sends a chunk per token only when it has text or logprobs (ask ``logprobs=0`` through it,
@@ -46,8 +52,14 @@ def stream_request(url: str, prompt: list[int], max_tokens: int, timeout: float,
     ids: list[int] = []
     ext: dict[str, Any] = {}
     for chunk in client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            logprobs=logprobs, extra_body={"return_token_ids": True, "ignore_eos": True}):
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        logprobs=logprobs,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    ):
         extra = chunk.model_extra or {}
         if isinstance(extra.get("pdxfer"), dict):
             ext = extra["pdxfer"]
@@ -68,8 +80,15 @@ def stream_request(url: str, prompt: list[int], max_tokens: int, timeout: float,
 def request_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """The body ``stream_request`` sends (without ``logprobs``): what a front door is given
     for one benchmark request, and what it reshapes into a prefill's request."""
-    return {"model": "llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "return_token_ids": True, "ignore_eos": True}
+    return {
+        "model": "llama",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
 
 
 def ttft(url: str, prompt: list[int], max_tokens: int, timeout: float) -> tuple[float, list[int]]:
@@ -111,13 +130,16 @@ def root_cause(log: Path) -> str:
         where = re.search(r'File "([^"]+)", line (\d+), in (\S+)', lines[f])
         code = lines[f + 1].split("]", 1)[-1].strip() if f + 1 < i else ""
         assert where is not None
-        return (f"{Path(where.group(1)).name}:{where.group(2)} in {where.group(3)}: {code}: "
-                f"{m.group(0)}")
+        return (
+            f"{Path(where.group(1)).name}:{where.group(2)} in {where.group(3)}: {code}: "
+            f"{m.group(0)}"
+        )
     return ""
 
 
-def run_and_report(name: str, run: Callable[[], dict[str, Any]],
-                   json_path: str | None) -> dict[str, Any] | None:
+def run_and_report(
+    name: str, run: Callable[[], dict[str, Any]], json_path: str | None
+) -> dict[str, Any] | None:
     """The trace scripts' ending, as ``runner.run`` ends a benchmark: SIGTERM unwinds like
     Ctrl-C (every server is stopped by pid in the run's ``finally``), a server not ready by
     its deadline is one line on stderr (the caller exits 2), and the results are printed as

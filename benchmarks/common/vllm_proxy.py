@@ -24,8 +24,7 @@ import aiohttp
 from aiohttp import web
 
 
-def prefill_body(body: dict[str, Any], params: dict[str, Any] | None = None
-                 ) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], params: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a prefill is sent for a client's ``body``, as vLLM's own disaggregated proxy sends
     it: one token (``max_tokens``, and ``max_completion_tokens`` where given), not streamed
     (``stream_options`` dropped), with ``params`` as its ``kv_transfer_params`` (none: the
@@ -41,9 +40,16 @@ def prefill_body(body: dict[str, Any], params: dict[str, Any] | None = None
 
 
 class FrontDoor:
-    def __init__(self, prefill: str, decode: str, decode_instance: str | None = None,
-                 connector: str = "pdxfer", port: int = 0,
-                 early: tuple[str, str] | None = None, timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        prefill: str,
+        decode: str,
+        decode_instance: str | None = None,
+        connector: str = "pdxfer",
+        port: int = 0,
+        early: tuple[str, str] | None = None,
+        timeout: float = 600.0,
+    ) -> None:
         self.prefill, self.decode = prefill.rstrip("/"), decode.rstrip("/")
         self.timeout = timeout
         """Seconds one relayed request may take, its answer streamed to the end."""
@@ -90,16 +96,25 @@ class FrontDoor:
 
     async def _models(self, request: web.Request) -> web.Response:
         async with self._session.get(f"{self.decode}/v1/models") as r:
-            return web.Response(body=await r.read(), status=r.status,
-                                content_type="application/json")
+            return web.Response(
+                body=await r.read(), status=r.status, content_type="application/json"
+            )
 
     def _prefill_params(self) -> dict[str, Any]:
         if self.connector == "nixl":
-            return {"do_remote_decode": True, "do_remote_prefill": False,
-                    "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
-                    "remote_port": None}
-        p: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
-                             "pdxfer_room": secrets.randbits(63)}
+            return {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            }
+        p: dict[str, Any] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "pdxfer_room": secrets.randbits(63),
+        }
         if self.decode_instance:
             p["pdxfer_decode"] = self.decode_instance
         return p
@@ -111,9 +126,13 @@ class FrontDoor:
             return await self._relay(request, self.prefill + path, body, timed=True)
         ask = self._prefill_params()
         if self.early is not None:
-            params = {"do_remote_prefill": True, "do_remote_decode": False,
-                      "pdxfer_room": ask["pdxfer_room"], "pdxfer_bootstrap": self.early[0],
-                      "pdxfer_instance": self.early[1]}
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "pdxfer_room": ask["pdxfer_room"],
+                "pdxfer_bootstrap": self.early[0],
+                "pdxfer_instance": self.early[1],
+            }
             # runs beside the decode's leg
             self._bg.add(asyncio.ensure_future(self._prefill(path, body, ask)))
             self._bg = {t for t in self._bg if not t.done()}
@@ -123,11 +142,13 @@ class FrontDoor:
                 return web.Response(body=raw, status=status, content_type="application/json")
             params = answer.get("kv_transfer_params")
         self.last_params = params
-        return await self._relay(request, self.decode + path,
-                                 {**body, "kv_transfer_params": params})
+        return await self._relay(
+            request, self.decode + path, {**body, "kv_transfer_params": params}
+        )
 
-    async def _prefill(self, path: str, body: dict[str, Any], params: dict[str, Any] | None
-                       ) -> tuple[int, bytes, Any, float]:
+    async def _prefill(
+        self, path: str, body: dict[str, Any], params: dict[str, Any] | None
+    ) -> tuple[int, bytes, Any, float]:
         """The prefill leg: ``body`` in the prefill's shape to ``prefill``, timed from before
         the request until its answer is read whole (a pair's leg, or ``prefill_leg``'s).
         Returns the status, the answer raw and parsed (when 200), and the leg's seconds."""
@@ -138,8 +159,9 @@ class FrontDoor:
         leg = self._leg(t0)
         return r.status, raw, (json.loads(raw) if r.status == 200 else None), leg
 
-    def prefill_leg(self, body: dict[str, Any], path: str = "/v1/completions",
-                    timeout: float = 600.0) -> tuple[float, Any]:
+    def prefill_leg(
+        self, body: dict[str, Any], path: str = "/v1/completions", timeout: float = 600.0
+    ) -> tuple[float, Any]:
         """From another thread: ``body`` sent to ``prefill`` as a pair's prefill leg is (the
         same shape, without ``kv_transfer_params``), timed at the same place. Returns the
         leg's seconds and the parsed answer (a colocated server's reference leg)."""
@@ -149,8 +171,9 @@ class FrontDoor:
             raise RuntimeError(f"prefill leg: HTTP {status}: {raw[:500]!r}")
         return leg, answer
 
-    async def _relay(self, request: web.Request, url: str, body: dict[str, Any],
-                     timed: bool = False) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.Request, url: str, body: dict[str, Any], timed: bool = False
+    ) -> web.StreamResponse:
         """``body`` to ``url``, its answer (or stream) relayed as it comes; ``timed``: the time
         to its first chunk is this request's prefill leg (a colocated server)."""
         t0 = time.perf_counter_ns()
@@ -159,10 +182,11 @@ class FrontDoor:
                 data = await r.read()
                 if timed:
                     self._leg(t0)
-                return web.Response(body=data, status=r.status,
-                                    content_type="application/json")
-            out = web.StreamResponse(status=r.status, headers={
-                "Content-Type": r.headers.get("Content-Type", "text/event-stream")})
+                return web.Response(body=data, status=r.status, content_type="application/json")
+            out = web.StreamResponse(
+                status=r.status,
+                headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream")},
+            )
             await out.prepare(request)
             try:
                 async for chunk in r.content.iter_any():

@@ -54,11 +54,15 @@ class AgentState:
     def __init__(self) -> None:
         self.eps: dict[str, _Ep] = {}
 
-    def cmd_add_endpoint(self, name: str, role: str, config: dict[str, Any],
-                         geoms: list[PoolGeom]) -> dict[str, Any]:
+    def cmd_add_endpoint(
+        self, name: str, role: str, config: dict[str, Any], geoms: list[PoolGeom]
+    ) -> dict[str, Any]:
         e = self.eps[name] = _Ep(role, config, geoms)
-        return {"ctrl_addr": e.ep.ctrl_addr, "session": e.ep.transport.session_id,
-                "endpoint_id": e.ep.endpoint_id}
+        return {
+            "ctrl_addr": e.ep.ctrl_addr,
+            "session": e.ep.transport.session_id,
+            "endpoint_id": e.ep.endpoint_id,
+        }
 
     def cmd_close_endpoint(self, name: str) -> None:
         self.eps.pop(name).ep.close()
@@ -77,8 +81,9 @@ class AgentState:
                 if spec.kind == "paged":
                     pages = e.anchor_pages(name, it["pages"])
                     if pages is not None:
-                        pat.fill_tokens(spec, e.tensors[name], it["room"], pages, 0, 0,
-                                        it["num_tokens"])
+                        pat.fill_tokens(
+                            spec, e.tensors[name], it["room"], pages, 0, 0, it["num_tokens"]
+                        )
                 elif name in it.get("slots", {}):
                     pat.fill_slot(spec, e.tensors[name], it["room"], it["slots"][name])
 
@@ -91,8 +96,11 @@ class AgentState:
             if not it.get("open", True):
                 tx = e.tx[it["room"]]
             else:
-                tx = e.tx[it["room"]] = (e.ep.sender(it["room"], it["peer"]) if it.get("peer")
-                                         else e.ep.sender(it["room"]))
+                tx = e.tx[it["room"]] = (
+                    e.ep.sender(it["room"], it["peer"])
+                    if it.get("peer")
+                    else e.ep.sender(it["room"])
+                )
             chunks = it["chunks"]
             delay = it.get("delay_s", 0.0)
             if delay:
@@ -116,20 +124,28 @@ class AgentState:
     def cmd_sentinel(self, ep: str = "main") -> None:
         pat.fill_sentinel(self.eps[ep].tensors)
 
-    def cmd_recv(self, items: list[dict[str, Any]], bootstrap: str, ep: str = "main",
-                 instance: str | None = None, early: bool = False) -> None:
+    def cmd_recv(
+        self,
+        items: list[dict[str, Any]],
+        bootstrap: str,
+        ep: str = "main",
+        instance: str | None = None,
+        early: bool = False,
+    ) -> None:
         e = self.eps[ep]
         for it in items:
             room = it["room"]
 
-            def release(d: Any, s: Any, room: int = room, scrub: bool = it.get("scrub", False)
-                        ) -> None:
+            def release(
+                d: Any, s: Any, room: int = room, scrub: bool = it.get("scrub", False)
+            ) -> None:
                 if scrub:  # reused at once, as an engine may: a late write would show
                     e.scrub(d, s)
                 e.released.setdefault(room, []).append(time.monotonic())
 
-            rx = e.ep.receiver(room, bootstrap, instance=instance, dp=it.get("dp"),
-                               release=release, early=early)
+            rx = e.ep.receiver(
+                room, bootstrap, instance=instance, dp=it.get("dp"), release=release, early=early
+            )
             e.rx[room] = rx
             rx.request(it["dst"], it.get("slots"), it.get("prefix_len", 0), it.get("num_tokens"))
 
@@ -145,11 +161,19 @@ class AgentState:
                     pages = e.anchor_pages(name, it["dst"])
                     if pages is None:
                         continue
-                    n, f = pat.check_tokens(spec, e.tensors[name], it.get("seed", room), pages,
-                                            prefix, prefix, it["num_tokens"])
+                    n, f = pat.check_tokens(
+                        spec,
+                        e.tensors[name],
+                        it.get("seed", room),
+                        pages,
+                        prefix,
+                        prefix,
+                        it["num_tokens"],
+                    )
                 elif name in it.get("slots", {}):
-                    n, f = pat.check_slot(spec, e.tensors[name], it.get("seed", room),
-                                          it["slots"][name])
+                    n, f = pat.check_slot(
+                        spec, e.tensors[name], it.get("seed", room), it["slots"][name]
+                    )
                 else:
                     continue
                 bad += n
@@ -157,13 +181,13 @@ class AgentState:
             out[room] = (bad, first)
         return out
 
-    def cmd_dirty(self, dst: dict[str, list[int]], slots: dict[str, int], ep: str = "main"
-                  ) -> int:
+    def cmd_dirty(self, dst: dict[str, list[int]], slots: dict[str, int], ep: str = "main") -> int:
         """Non-sentinel bytes in one request's pages and slots (after a scrubbing release:
         bytes that landed once the pages were handed back)."""
         e = self.eps[ep]
-        return sum(pat.dirty(e.specs[n], e.tensors[n], items)
-                   for n, items in e.items(dst, slots).items())
+        return sum(
+            pat.dirty(e.specs[n], e.tensors[n], items) for n, items in e.items(dst, slots).items()
+        )
 
     def cmd_untouched(self, exclude: dict[str, list[int]], ep: str = "main") -> int:
         """Non-sentinel bytes outside ``exclude`` (pages or slots per pool)."""
@@ -196,8 +220,9 @@ class AgentState:
                 h.abort()
 
     # -- both ---------------------------------------------------------------------------------
-    def cmd_wait(self, rooms: list[int], timeout: float = 60.0, ep: str = "main"
-                 ) -> dict[int, dict[str, Any]]:
+    def cmd_wait(
+        self, rooms: list[int], timeout: float = 60.0, ep: str = "main"
+    ) -> dict[int, dict[str, Any]]:
         """Poll until every room is terminal or ``timeout``; report each room's outcome."""
         e = self.eps[ep]
         handles = {r: (e.rx.get(r) or e.tx.get(r)) for r in rooms}
@@ -217,8 +242,12 @@ class AgentState:
                 out[r] = {"state": "Unknown", "failure": None, "kind": None}
                 continue
             f = h.failure
-            out[r] = {"state": KVPoll(h.poll()).name, "failure": str(f) if f else None,
-                      "kind": f.kind if f else None, "seconds": done_at.get(r)}
+            out[r] = {
+                "state": KVPoll(h.poll()).name,
+                "failure": str(f) if f else None,
+                "kind": f.kind if f else None,
+                "seconds": done_at.get(r),
+            }
             if isinstance(h, KVReceiver):
                 out[r]["stats"] = h.stats()
         return out
@@ -233,8 +262,7 @@ class AgentState:
         with this state: lets them add agent commands without growing this file."""
         mod, _, name = fn.partition(":")
         if not mod.startswith(("pdxfer.", "tests.harness.", "benchmarks.")):
-            raise ValueError(f"agent extension {fn!r} is not a pdxfer, harness or benchmark "
-                             "module")
+            raise ValueError(f"agent extension {fn!r} is not a pdxfer, harness or benchmark module")
         return getattr(importlib.import_module(mod), name)(self, **kw)
 
     def cmd_set_faults(self, spec: str) -> None:
@@ -267,7 +295,10 @@ class AgentState:
         gc.collect()
         with open("/proc/self/statm") as f:
             rss_pages = int(f.read().split()[1])
-        return {"fds": len(os.listdir("/proc/self/fd")), "rss": rss_pages * os.sysconf("SC_PAGE_SIZE")}
+        return {
+            "fds": len(os.listdir("/proc/self/fd")),
+            "rss": rss_pages * os.sysconf("SC_PAGE_SIZE"),
+        }
 
     def cmd_forget(self, rooms: list[int], ep: str = "main") -> None:
         """Drop the agent's own handles (an engine forgets finished requests)."""
@@ -286,7 +317,12 @@ class AgentState:
 
     def cmd_peek(self, pool: str, page: int, ep: str = "main") -> list[int]:
         e = self.eps[ep]
-        return e.tensors[pool][0].view(torch.uint8).view(e.specs[pool].num_items, -1)[page][:16].tolist()
+        return (
+            e.tensors[pool][0]
+            .view(torch.uint8)
+            .view(e.specs[pool].num_items, -1)[page][:16]
+            .tolist()
+        )
 
     def cmd_random_pages(self, n: int, seed: int, pool: str = "kv", ep: str = "main") -> list[int]:
         rng = np.random.default_rng(seed)
@@ -308,8 +344,14 @@ def _send(tx: KVSender, c: dict[str, Any]) -> None:
     tx.send(c["pages"], c.get("slots"), c.get("last", False), **kw)
 
 
-def layers_landed(state: AgentState, room: int, dst: dict[str, Any], num_tokens: int,
-                  layers: int, ep: str = "main") -> bool:
+def layers_landed(
+    state: AgentState,
+    room: int,
+    dst: dict[str, Any],
+    num_tokens: int,
+    layers: int,
+    ep: str = "main",
+) -> bool:
     """Whether every token of ``room`` is in place in the buffers of layers ``[0, layers)``
     of each paged pool (``cmd_ext``: a partial-layer stream, checked part way)."""
     e = state.eps[ep]
@@ -319,8 +361,9 @@ def layers_landed(state: AgentState, room: int, dst: dict[str, Any], num_tokens:
             continue
         keep = [i for i, b in enumerate(spec.buffers) if b.layer_id < layers]
         sub = spec.with_(buffers=tuple(spec.buffers[i] for i in keep))
-        bad, _ = pat.check_tokens(sub, [e.tensors[name][i] for i in keep], room, pages, 0, 0,
-                                  num_tokens)
+        bad, _ = pat.check_tokens(
+            sub, [e.tensors[name][i] for i in keep], room, pages, 0, 0, num_tokens
+        )
         if bad:
             return False
     return True

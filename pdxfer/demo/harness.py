@@ -28,19 +28,28 @@ class AgentError(RuntimeError):
 class Agent:
     """A pdxfer endpoint in its own process."""
 
-    def __init__(self, role: str, config: dict[str, Any], geoms: list[PoolGeom],
-                 env: dict[str, str] | None = None, start_timeout: float = 120.0,
-                 state: str = "pdxfer.demo.agent:AgentState",
-                 setup: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        config: dict[str, Any],
+        geoms: list[PoolGeom],
+        env: dict[str, str] | None = None,
+        start_timeout: float = 120.0,
+        state: str = "pdxfer.demo.agent:AgentState",
+        setup: Callable[[], object] | None = None,
+    ) -> None:
         """``state`` names the ``module:Class`` whose ``cmd_*`` methods the agent serves (the
         benchmarks add commands in ``benchmarks.common.bench_agent``); ``setup``: a picklable
         callable the agent runs first, before anything opens a socket (a test host's
         ``Host.entry`` moves it into that host's network namespace)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_agent_main,
-                                args=(child, role, config, geoms, env or {}, state, setup),
-                                daemon=True, name=f"pdxfer-{role}-agent")
+        self.proc = ctx.Process(
+            target=_agent_main,
+            args=(child, role, config, geoms, env or {}, state, setup),
+            daemon=True,
+            name=f"pdxfer-{role}-agent",
+        )
         # The child inherits os.environ at spawn, before it imports pdxfer (some settings,
         # like PDXFER_FAULTS, are read at import): set the extra variables around start().
         saved = {k: os.environ.get(k) for k in (env or {})}
@@ -101,16 +110,25 @@ class Agent:
         self._conn.close()
 
 
-def _agent_main(conn: Any, role: str, config: dict[str, Any], geoms: list[PoolGeom],
-                env: dict[str, str], state_cls: str = "pdxfer.demo.agent:AgentState",
-                setup: Callable[[], object] | None = None) -> None:
+def _agent_main(
+    conn: Any,
+    role: str,
+    config: dict[str, Any],
+    geoms: list[PoolGeom],
+    env: dict[str, str],
+    state_cls: str = "pdxfer.demo.agent:AgentState",
+    setup: Callable[[], object] | None = None,
+) -> None:
     if setup is not None:
         setup()  # before any thread or socket (e.g. entering a host's network namespace)
     os.environ.update(env)
     from ..config import knobs
 
-    logging.basicConfig(level=knobs().log_level, stream=sys.stderr,
-                        format=f"[{role} %(process)d] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=knobs().log_level,
+        stream=sys.stderr,
+        format=f"[{role} %(process)d] %(levelname)s %(name)s: %(message)s",
+    )
     try:
         import importlib
 

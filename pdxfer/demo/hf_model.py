@@ -22,13 +22,14 @@ from pathlib import Path
 
 from ..setting import setting, settings_of
 
-SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|system|>", "<|user|>",
-            "<|assistant|>"]
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|system|>", "<|user|>", "<|assistant|>"]
 BOS, EOS = 0, 1
 
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
-                 "{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 # The tokenizer's training text (shipped with the code, so every machine trains the same
 # vocabulary). Any text works: byte-level BPE encodes every string; these merges only make
@@ -89,8 +90,7 @@ class Shape:
 
 SHAPES = {
     "small": Shape(),
-    "kv32k": Shape(layers=8, hidden=256, heads=8, kv_heads=8, head_size=128,
-                   intermediate=512),
+    "kv32k": Shape(layers=8, hidden=256, heads=8, kv_heads=8, head_size=128, intermediate=512),
 }
 
 
@@ -120,8 +120,12 @@ def _tokenizer_json(vocab: int) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
     return tok.to_str()
 
@@ -140,50 +144,81 @@ def _weights(s: Shape, seed: int) -> dict[str, object]:
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": w(s.vocab, h, std=1.0)}
     for i in range(s.layers):
         p = f"model.layers.{i}."
-        out[p + "self_attn.q_proj.weight"] = w(s.heads * hd, h, std=h ** -0.5)
-        out[p + "self_attn.k_proj.weight"] = w(s.kv_heads * hd, h, std=h ** -0.5)
-        out[p + "self_attn.v_proj.weight"] = w(s.kv_heads * hd, h, std=h ** -0.5)
+        out[p + "self_attn.q_proj.weight"] = w(s.heads * hd, h, std=h**-0.5)
+        out[p + "self_attn.k_proj.weight"] = w(s.kv_heads * hd, h, std=h**-0.5)
+        out[p + "self_attn.v_proj.weight"] = w(s.kv_heads * hd, h, std=h**-0.5)
         out[p + "self_attn.o_proj.weight"] = w(h, s.heads * hd, std=(s.heads * hd) ** -0.5)
-        out[p + "mlp.gate_proj.weight"] = w(s.intermediate, h, std=h ** -0.5)
-        out[p + "mlp.up_proj.weight"] = w(s.intermediate, h, std=h ** -0.5)
-        out[p + "mlp.down_proj.weight"] = w(h, s.intermediate, std=s.intermediate ** -0.5)
+        out[p + "mlp.gate_proj.weight"] = w(s.intermediate, h, std=h**-0.5)
+        out[p + "mlp.up_proj.weight"] = w(s.intermediate, h, std=h**-0.5)
+        out[p + "mlp.down_proj.weight"] = w(h, s.intermediate, std=s.intermediate**-0.5)
         out[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         out[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
     out["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-    out["lm_head.weight"] = w(s.vocab, h, std=4 * h ** -0.5)
+    out["lm_head.weight"] = w(s.vocab, h, std=4 * h**-0.5)
     return out
 
 
 def _config(s: Shape) -> dict[str, object]:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": s.hidden, "intermediate_size": s.intermediate,
-        "num_hidden_layers": s.layers, "num_attention_heads": s.heads,
-        "num_key_value_heads": s.kv_heads, "head_dim": s.head_size,
-        "vocab_size": s.vocab, "max_position_embeddings": s.max_len,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "bos_token_id": BOS, "eos_token_id": EOS,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_size,
+        "vocab_size": s.vocab,
+        "max_position_embeddings": s.max_len,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
     }
 
 
 def write_tokenizer(root: Path, vocab: int, max_len: int) -> None:
     """The tokenizer files every model built here shares (a byte-level BPE on ``CORPUS``)."""
     (root / "tokenizer.json").write_text(_tokenizer_json(vocab))
-    (root / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[BOS],
-        "eos_token": SPECIALS[EOS], "pad_token": SPECIALS[EOS], "add_bos_token": False,
-        "model_max_length": max_len, "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE}, indent=1, sort_keys=True))
-    (root / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": SPECIALS[BOS], "eos_token": SPECIALS[EOS],
-         "pad_token": SPECIALS[EOS]}, indent=1, sort_keys=True))
-    (root / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": BOS, "eos_token_id": EOS}, indent=1, sort_keys=True))
+    (root / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": SPECIALS[BOS],
+                "eos_token": SPECIALS[EOS],
+                "pad_token": SPECIALS[EOS],
+                "add_bos_token": False,
+                "model_max_length": max_len,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=1,
+            sort_keys=True,
+        )
+    )
+    (root / "special_tokens_map.json").write_text(
+        json.dumps(
+            {"bos_token": SPECIALS[BOS], "eos_token": SPECIALS[EOS], "pad_token": SPECIALS[EOS]},
+            indent=1,
+            sort_keys=True,
+        )
+    )
+    (root / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": BOS, "eos_token_id": EOS}, indent=1, sort_keys=True)
+    )
 
 
-def build_model(path: str | os.PathLike[str], shape: Shape | str = _BUILD["shape"],
-                seed: int = _BUILD["seed"], name: str = "pdxfer-llama") -> Path:
+def build_model(
+    path: str | os.PathLike[str],
+    shape: Shape | str = _BUILD["shape"],
+    seed: int = _BUILD["seed"],
+    name: str = "pdxfer-llama",
+) -> Path:
     """Write the model folder (idempotent: an existing folder built with the same arguments
     is kept as it is). Returns the folder."""
     from safetensors.torch import save_file
@@ -191,8 +226,7 @@ def build_model(path: str | os.PathLike[str], shape: Shape | str = _BUILD["shape
     s = SHAPES[shape] if isinstance(shape, str) else shape
     root = Path(path)
     stamp = json.dumps({"shape": asdict(s), "seed": seed, "name": name}, sort_keys=True)
-    if (root / "pdxfer_build.json").is_file() and \
-            (root / "pdxfer_build.json").read_text() == stamp:
+    if (root / "pdxfer_build.json").is_file() and (root / "pdxfer_build.json").read_text() == stamp:
         return root
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(_config(s), indent=1, sort_keys=True))
@@ -224,8 +258,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    s = replace(SHAPES[a.shape], **{f: getattr(a, f) for f in _OVERRIDES
-                                    if getattr(a, f) is not None})
+    s = replace(
+        SHAPES[a.shape], **{f: getattr(a, f) for f in _OVERRIDES if getattr(a, f) is not None}
+    )
     root = build_model(a.path, s, a.seed)
     print(f"{root} ({s.kv_bytes_per_token} bytes of KV per token, {fingerprint(root)})")
     return 0

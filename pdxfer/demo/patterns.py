@@ -19,8 +19,14 @@ from ..pools import PoolSpec
 
 SENTINEL = 0xA5
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-           "int32": torch.int32, "uint8": torch.uint8, "int64": torch.int64}
+_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "int64": torch.int64,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +64,9 @@ class PoolGeom:
             raise ValueError("layers must be >= 1")
 
 
-def build(geoms: list[PoolGeom], device: str | None = None
-          ) -> tuple[list[PoolSpec], dict[str, list[torch.Tensor]]]:
+def build(
+    geoms: list[PoolGeom], device: str | None = None
+) -> tuple[list[PoolSpec], dict[str, list[torch.Tensor]]]:
     """Allocate zeroed tensors for each geometry (on ``device`` if given, else on the
     geometry's own) and describe them as PoolSpecs.
 
@@ -73,20 +80,42 @@ def build(geoms: list[PoolGeom], device: str | None = None
         dt = _DTYPES[g.dtype]
         ids = list(range(g.first_layer, g.first_layer + g.layers))
         if g.kind == "mha":
-            shape = ((g.pages, g.page_size, g.heads, g.head_dim) if g.layout == "NHD"
-                     else (g.pages, g.heads, g.page_size, g.head_dim))
+            shape = (
+                (g.pages, g.page_size, g.heads, g.head_dim)
+                if g.layout == "NHD"
+                else (g.pages, g.heads, g.page_size, g.head_dim)
+            )
             k = [torch.zeros(shape, dtype=dt, device=device) for _ in ids]
             v = [torch.zeros(shape, dtype=dt, device=device) for _ in ids]
-            specs.append(PoolSpec.mha(g.name, k, v, page_size=g.page_size, layout=g.layout,
-                                      total_heads=g.total_heads, first_head=g.first_head,
-                                      layer_ids=ids, indices_from=g.indices_from,
-                                      optional=g.optional, page_remap=g.page_remap))
+            specs.append(
+                PoolSpec.mha(
+                    g.name,
+                    k,
+                    v,
+                    page_size=g.page_size,
+                    layout=g.layout,
+                    total_heads=g.total_heads,
+                    first_head=g.first_head,
+                    layer_ids=ids,
+                    indices_from=g.indices_from,
+                    optional=g.optional,
+                    page_remap=g.page_remap,
+                )
+            )
             tensors[g.name] = k + v
         elif g.kind == "paged":
             ts = [torch.zeros(g.pages, g.page_size, g.dim, dtype=dt, device=device) for _ in ids]
-            specs.append(PoolSpec.paged(g.name, ts, page_size=g.page_size, layer_ids=ids,
-                                        indices_from=g.indices_from, optional=g.optional,
-                                        page_remap=g.page_remap))
+            specs.append(
+                PoolSpec.paged(
+                    g.name,
+                    ts,
+                    page_size=g.page_size,
+                    layer_ids=ids,
+                    indices_from=g.indices_from,
+                    optional=g.optional,
+                    page_remap=g.page_remap,
+                )
+            )
             tensors[g.name] = ts
         elif g.kind == "slots":
             ts = [torch.zeros(g.pages, g.dim, dtype=dt, device=device) for _ in ids]
@@ -113,8 +142,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 31)
 
 
-def pattern(room: int, pool: int, layer: int, role: int, positions: torch.Tensor, width: int,
-            byte0: int = 0) -> torch.Tensor:
+def pattern(
+    room: int, pool: int, layer: int, role: int, positions: torch.Tensor, width: int, byte0: int = 0
+) -> torch.Tensor:
     """``[len(positions), width]`` uint8 derived from every coordinate.
 
     Two per-token hashes and one per-byte hash, combined with two uint8 operations (cheap on
@@ -139,8 +169,9 @@ def _token_rows(spec: PoolSpec, t: torch.Tensor) -> torch.Tensor:
     return u8.view(spec.num_items, spec.page_size, spec.token_bytes)
 
 
-def _slots_of(spec: PoolSpec, pages: np.ndarray, first: int, start: int, end: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _slots_of(
+    spec: PoolSpec, pages: np.ndarray, first: int, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pos = torch.arange(start, end, dtype=torch.int64)
     rel = pos - first
     pg = torch.as_tensor(np.asarray(pages, dtype=np.int64))[rel // spec.page_size]
@@ -158,8 +189,15 @@ def _byte0(spec: PoolSpec) -> int:
     return sh.first_head * sh.head_bytes if sh.kind == "heads" else 0
 
 
-def fill_tokens(spec: PoolSpec, tensors: list[torch.Tensor], room: int, pages: Any,
-                first: int, start: int, end: int) -> None:
+def fill_tokens(
+    spec: PoolSpec,
+    tensors: list[torch.Tensor],
+    room: int,
+    pages: Any,
+    first: int,
+    start: int,
+    end: int,
+) -> None:
     """Write the pattern of tokens ``[start, end)`` into ``pages`` (covering from ``first``)."""
     if end <= start or spec.item_bytes == 0:
         return
@@ -171,8 +209,15 @@ def fill_tokens(spec: PoolSpec, tensors: list[torch.Tensor], room: int, pages: A
         rows[_on(pg, t), _on(off, t)] = _on(pat.view(-1, *rows.shape[2:]), t)
 
 
-def check_tokens(spec: PoolSpec, tensors: list[torch.Tensor], room: int, pages: Any,
-                 first: int, start: int, end: int) -> tuple[int, str]:
+def check_tokens(
+    spec: PoolSpec,
+    tensors: list[torch.Tensor],
+    room: int,
+    pages: Any,
+    first: int,
+    start: int,
+    end: int,
+) -> tuple[int, str]:
     """Count bytes of tokens ``[start, end)`` that differ from the pattern; describe the first."""
     if end <= start or spec.item_bytes == 0:
         return 0, ""
@@ -186,8 +231,10 @@ def check_tokens(spec: PoolSpec, tensors: list[torch.Tensor], room: int, pages: 
         n = int(diff.sum())
         if n and not first_bad:
             r, c = (int(x) for x in diff.nonzero()[0])
-            first_bad = (f"pool {spec.name} layer {layer} {spec.buffers[i].role} token "
-                         f"{int(pos[r])} byte {c}: got {int(got[r, c])}, want {int(pat[r, c])}")
+            first_bad = (
+                f"pool {spec.name} layer {layer} {spec.buffers[i].role} token "
+                f"{int(pos[r])} byte {c}: got {int(got[r, c])}, want {int(pat[r, c])}"
+            )
         bad += n
     return bad, first_bad
 
@@ -199,13 +246,16 @@ def fill_slot(spec: PoolSpec, tensors: list[torch.Tensor], room: int, slot: int)
         row[slot] = _on(pattern(room, pid, layer, role, torch.zeros(1), spec.item_bytes)[0], t)
 
 
-def check_slot(spec: PoolSpec, tensors: list[torch.Tensor], room: int, slot: int
-               ) -> tuple[int, str]:
+def check_slot(
+    spec: PoolSpec, tensors: list[torch.Tensor], room: int, slot: int
+) -> tuple[int, str]:
     bad = 0
     for i, t in enumerate(tensors):
         pid, layer, role = _ids(spec, i)
         row = t.view(torch.uint8).view(spec.num_items, spec.item_bytes)[slot].cpu()
-        bad += int((row != pattern(room, pid, layer, role, torch.zeros(1), spec.item_bytes)[0]).sum())
+        bad += int(
+            (row != pattern(room, pid, layer, role, torch.zeros(1), spec.item_bytes)[0]).sum()
+        )
     return bad, (f"slot pool {spec.name} slot {slot}: {bad} bytes differ" if bad else "")
 
 
@@ -226,8 +276,10 @@ def scrub(spec: PoolSpec, tensors: list[torch.Tensor], items: Any) -> None:
 def dirty(spec: PoolSpec, tensors: list[torch.Tensor], items: Any) -> int:
     """Bytes of ``items`` that are no longer the sentinel."""
     idx = torch.as_tensor(np.asarray(list(items), dtype=np.int64))
-    return sum(int((t.view(torch.uint8).view(spec.num_items, -1)[_on(idx, t)] != SENTINEL).sum())
-               for t in tensors)
+    return sum(
+        int((t.view(torch.uint8).view(spec.num_items, -1)[_on(idx, t)] != SENTINEL).sum())
+        for t in tensors
+    )
 
 
 def untouched(spec: PoolSpec, tensors: list[torch.Tensor], exclude: Any) -> int:

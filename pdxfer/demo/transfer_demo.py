@@ -48,17 +48,29 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
 
     pages = -(-a.tokens // a.page_size)
-    geoms = [PoolGeom("kv", "mha", layers=a.layers, pages=pages * 2, page_size=a.page_size,
-                      heads=a.heads, head_dim=a.head_dim, dtype="float16"),
-             PoolGeom("aux", "slots", layers=1, pages=4, dim=64, dtype="int32")]
+    geoms = [
+        PoolGeom(
+            "kv",
+            "mha",
+            layers=a.layers,
+            pages=pages * 2,
+            page_size=a.page_size,
+            heads=a.heads,
+            head_dim=a.head_dim,
+            dtype="float16",
+        ),
+        PoolGeom("aux", "slots", layers=1, pages=4, dim=64, dtype="int32"),
+    ]
     say = (lambda *x: None) if a.json else (lambda *x: print(*x, flush=True))
     rng = np.random.default_rng(0)
     src = rng.permutation(pages * 2)[:pages].tolist()
     dst = rng.permutation(pages * 2)[:pages].tolist()
     room = int(rng.integers(1, 1 << 62))
     cuts = np.linspace(0, pages, a.chunks + 1).astype(int)
-    chunks = [{"pages": {"kv": src[x:y]}, "last": i == a.chunks - 1}
-              for i, (x, y) in enumerate(zip(cuts, cuts[1:]))]
+    chunks = [
+        {"pages": {"kv": src[x:y]}, "last": i == a.chunks - 1}
+        for i, (x, y) in enumerate(zip(cuts, cuts[1:]))
+    ]
     chunks[-1]["slots"] = {"aux": 1}
 
     with BootstrapServer().start() as srv:
@@ -66,11 +78,19 @@ def main(argv: list[str] | None = None) -> int:
         pf = Agent("prefill", {"bootstrap": srv.address}, geoms)
         dc = Agent("decode", {}, geoms)
         try:
-            pf.call("prepare", items=[{"room": room, "pages": {"kv": src}, "slots": {"aux": 1},
-                                       "num_tokens": a.tokens}])
+            pf.call(
+                "prepare",
+                items=[
+                    {
+                        "room": room,
+                        "pages": {"kv": src},
+                        "slots": {"aux": 1},
+                        "num_tokens": a.tokens,
+                    }
+                ],
+            )
             dc.call("sentinel")
-            item = {"room": room, "dst": {"kv": dst}, "slots": {"aux": 2},
-                    "num_tokens": a.tokens}
+            item = {"room": room, "dst": {"kv": dst}, "slots": {"aux": 2}, "num_tokens": a.tokens}
             t0 = time.perf_counter()
             dc.call("recv", items=[item], bootstrap=srv.address)
             pf.call("send", items=[{"room": room, "chunks": chunks}])
@@ -85,10 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = out.get("stats", {}).get("bytes", 0)
     secs = out.get("stats", {}).get("seconds") or wall
     summary = {
-        "state": out["state"], "failure": out["failure"], "tokens": a.tokens,
-        "layers": a.layers, "bytes": nbytes, "transport_entries": m["transport_entries"],
-        "transport_calls": m["transport_calls"], "chunks": a.chunks,
-        "seconds_request_to_success": round(secs, 4), "gb_per_s": round(nbytes / secs / 1e9, 3),
+        "state": out["state"],
+        "failure": out["failure"],
+        "tokens": a.tokens,
+        "layers": a.layers,
+        "bytes": nbytes,
+        "transport_entries": m["transport_entries"],
+        "transport_calls": m["transport_calls"],
+        "chunks": a.chunks,
+        "seconds_request_to_success": round(secs, 4),
+        "gb_per_s": round(nbytes / secs / 1e9, 3),
         "bytes_wrong": bad,
     }
     if a.json:
@@ -96,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         say("")
         say(f"request {room}: {out['state']}" + (f" ({out['failure']})" if out["failure"] else ""))
-        say(f"  moved     {nbytes / 2**20:.1f} MiB of KV ({a.tokens} tokens x {a.layers} layers "
-            f"x K,V, {pages} scattered pages of {a.page_size}) + 1 aux row")
-        say(f"  entries   {m['transport_entries']} transport entries in "
-            f"{m['transport_calls']} calls ({a.chunks} chunks)")
-        say(f"  time      {secs * 1e3:.1f} ms from request to Success "
-            f"({summary['gb_per_s']} GB/s)")
+        say(
+            f"  moved     {nbytes / 2**20:.1f} MiB of KV ({a.tokens} tokens x {a.layers} layers "
+            f"x K,V, {pages} scattered pages of {a.page_size}) + 1 aux row"
+        )
+        say(
+            f"  entries   {m['transport_entries']} transport entries in "
+            f"{m['transport_calls']} calls ({a.chunks} chunks)"
+        )
+        say(f"  time      {secs * 1e3:.1f} ms from request to Success ({summary['gb_per_s']} GB/s)")
         say(f"  verified  {'every byte right' if bad == 0 else f'{bad} bytes WRONG: {first}'}")
     return 0 if out["state"] == "Success" and bad == 0 else 1
 

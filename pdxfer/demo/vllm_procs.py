@@ -36,22 +36,40 @@ small host can take minutes; the tests' clusters use ``start_all``'s shorter def
 
 def add_startup_timeout_arg(ap: Any) -> None:
     """``--startup-timeout``: the one flag every script that starts vLLM servers shares."""
-    ap.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
-                    help=f"seconds each server has to answer /health (default {STARTUP_TIMEOUT_S:g})")
+    ap.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=STARTUP_TIMEOUT_S,
+        help=f"seconds each server has to answer /health (default {STARTUP_TIMEOUT_S:g})",
+    )
+
 
 QUIET_ENV = {
-    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: starts in ~10 s, SIGKILL ends it all
-    "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false", "MC_LOG_LEVEL": "ERROR",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "MC_LOG_LEVEL": "ERROR",
 }
 
 
-def kv_config(role: str, extra: dict[str, Any], connector: str = "PdxferConnector",
-              module: str | None = "pdxfer.integrations.vllm", **more: Any) -> str:
+def kv_config(
+    role: str,
+    extra: dict[str, Any],
+    connector: str = "PdxferConnector",
+    module: str | None = "pdxfer.integrations.vllm",
+    **more: Any,
+) -> str:
     """The ``--kv-transfer-config`` JSON for one role (``kv_producer`` / ``kv_consumer``)."""
-    cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": role,
-                           "kv_connector_extra_config": extra, **more}
+    cfg: dict[str, Any] = {
+        "kv_connector": connector,
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+        **more,
+    }
     if module:
         cfg["kv_connector_module_path"] = module
     return json.dumps(cfg)
@@ -61,11 +79,19 @@ def nixl_connector(role: str, shim: str | os.PathLike[str]) -> tuple[str, dict[s
     """vLLM's own NixlConnector on CPU memory for one server: its ``--kv-transfer-config``
     and environment (``shim`` on the path, quiet logs, a side-channel port picked now: build
     each server only once the one before it is up, or two picks can race for one port)."""
-    env = {"PYTHONPATH": f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "WARN",
-           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-    cfg = kv_config(role, {"kv_lease_duration": 300}, connector="NixlConnector", module=None,
-                    kv_buffer_device="cpu")
+    env = {
+        "PYTHONPATH": f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "UCX_LOG_LEVEL": "error",
+        "NIXL_LOG_LEVEL": "WARN",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+    }
+    cfg = kv_config(
+        role,
+        {"kv_lease_duration": 300},
+        connector="NixlConnector",
+        module=None,
+        kv_buffer_device="cpu",
+    )
     return cfg, env
 
 
@@ -85,9 +111,18 @@ class Server:
 
     health = "/health"
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: str | os.PathLike[str], *,
-                 port: int, env: dict[str, str] | None = None, addr: str = "127.0.0.1",
-                 prefix: Sequence[str] = (), enter: Enter | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_dir: str | os.PathLike[str],
+        *,
+        port: int,
+        env: dict[str, str] | None = None,
+        addr: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+        enter: Enter | None = None,
+    ) -> None:
         self.name, self.port, self.addr = name, port, addr
         self.url = f"http://{addr}:{self.port}"
         self.log = Path(log_dir) / f"{name}.log"
@@ -100,8 +135,9 @@ class Server:
     def start(self) -> Server:
         with open(self.log, "ab") as f:
             f.write(f"\n=== start {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
-            self.popen = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT,
-                                          env=self.env, start_new_session=True)
+            self.popen = subprocess.Popen(
+                self.argv, stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         return self
 
     def wait_ready(self, timeout: float = 240.0) -> Server:
@@ -115,13 +151,18 @@ class Server:
                 raise ServerNotReady(
                     f"server {self.name!r} exited "
                     f"({self.popen.returncode if self.popen else 'never started'}) before it was "
-                    f"ready; log {self.log}, last lines:\n{self.tail()}")
+                    f"ready; log {self.log}, last lines:\n{self.tail()}"
+                )
             left = end - time.monotonic()
             if left <= 0:
                 break
             try:
-                with self._enter(), urllib.request.urlopen(
-                        f"{self.url}{self.health}", timeout=min(2.0, max(0.1, left))) as r:
+                with (
+                    self._enter(),
+                    urllib.request.urlopen(
+                        f"{self.url}{self.health}", timeout=min(2.0, max(0.1, left))
+                    ) as r,
+                ):
                     if r.status == 200:
                         return self
             except (urllib.error.URLError, OSError):
@@ -129,8 +170,10 @@ class Server:
             time.sleep(min(0.5, max(0.0, end - time.monotonic())))
         stacks = self._stacks()
         self.stop()
-        raise ServerNotReady(f"server {self.name!r} (pid {self.pid}) not ready within "
-                             f"{timeout:.0f} s; log {self.log}, where it hung:\n{stacks}")
+        raise ServerNotReady(
+            f"server {self.name!r} (pid {self.pid}) not ready within "
+            f"{timeout:.0f} s; log {self.log}, where it hung:\n{stacks}"
+        )
 
     def _stacks(self, wait: float = 5.0) -> str:
         """SIGABRT to the group of a server that hangs: with ``PYTHONFAULTHANDLER`` set, each
@@ -195,31 +238,71 @@ class Server:
 class VllmServer(Server):
     """One OpenAI-compatible vLLM server on 127.0.0.1."""
 
-    def __init__(self, name: str, model: str | os.PathLike[str], log_dir: str | os.PathLike[str],
-                 *, kv_transfer_config: str | None = None, args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, port: int | None = None,
-                 block_size: int = 32, kv_cache_bytes: int = 256 << 20,
-                 served_name: str = "llama", dtype: str = "float32",
-                 log_stats: bool = False, start: bool = True, addr: str = "127.0.0.1",
-                 prefix: Sequence[str] = (), enter: Enter | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: str | os.PathLike[str],
+        log_dir: str | os.PathLike[str],
+        *,
+        kv_transfer_config: str | None = None,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        block_size: int = 32,
+        kv_cache_bytes: int = 256 << 20,
+        served_name: str = "llama",
+        dtype: str = "float32",
+        log_stats: bool = False,
+        start: bool = True,
+        addr: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+        enter: Enter | None = None,
+    ) -> None:
         """``dtype`` defaults to float32: with bf16, a greedy token near a tie can flip with
         the batch's shape (CPU matmuls round differently for different row counts), so a
         disaggregated run and a colocated one may part ways for reasons that have nothing
         to do with the KV that moved; float32 keeps those rounding differences ~10^4 times
         smaller than any logit gap. ``addr``, ``prefix``, ``enter``: on a host (``Server``)."""
         port = port or free_port()
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(model), "--served-model-name", served_name,
-                "--host", addr, "--port", str(port), "--enforce-eager",
-                "--dtype", dtype, "--block-size", str(block_size),
-                "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0",
-                "--uvicorn-log-level", "warning", *args]
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            served_name,
+            "--host",
+            addr,
+            "--port",
+            str(port),
+            "--enforce-eager",
+            "--dtype",
+            dtype,
+            "--block-size",
+            str(block_size),
+            "--kv-cache-memory-bytes",
+            str(kv_cache_bytes),
+            "--seed",
+            "0",
+            "--uvicorn-log-level",
+            "warning",
+            *args,
+        ]
         if not log_stats:
             argv.append("--disable-log-stats")
         if kv_transfer_config:
             argv += ["--kv-transfer-config", kv_transfer_config]
-        super().__init__(name, argv, log_dir, port=port, env={**QUIET_ENV, **(env or {})},
-                         addr=addr, prefix=prefix, enter=enter)
+        super().__init__(
+            name,
+            argv,
+            log_dir,
+            port=port,
+            env={**QUIET_ENV, **(env or {})},
+            addr=addr,
+            prefix=prefix,
+            enter=enter,
+        )
         if start:
             self.start()
 

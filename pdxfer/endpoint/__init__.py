@@ -11,5 +11,13 @@ from .handles import KVPoll, Release, ReleaseOnce, RequestHandle
 from .receiver import KVReceiver
 from .sender import KVSender
 
-__all__ = ["Endpoint", "KVPoll", "KVReceiver", "KVSender", "Release", "ReleaseOnce", "RequestHandle",
-           "validate_pools"]
+__all__ = [
+    "Endpoint",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "Release",
+    "ReleaseOnce",
+    "RequestHandle",
+    "validate_pools",
+]

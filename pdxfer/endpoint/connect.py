@@ -81,12 +81,13 @@ def _cannot_meet(own: str, bootstrap: str, ctrl: str) -> str | None:
     if why:
         return why
     boot = host_of(bootstrap)
-    if (is_loopback(host_of(ctrl)) and not is_loopback(boot)
-            and is_local(boot) is False):
-        return (f"it registered the loopback control address {ctrl} with bootstrap "
-                f"{bootstrap}, which is on another host: only its own host can reach that "
-                f"address (start the prefill with --host/--advertise an address this host "
-                f"can reach)")
+    if is_loopback(host_of(ctrl)) and not is_loopback(boot) and is_local(boot) is False:
+        return (
+            f"it registered the loopback control address {ctrl} with bootstrap "
+            f"{bootstrap}, which is on another host: only its own host can reach that "
+            f"address (start the prefill with --host/--advertise an address this host "
+            f"can reach)"
+        )
     return None
 
 
@@ -108,10 +109,16 @@ class Connector:
         self._closing = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-connect")
 
-    def connect(self, key: RouteKey, room: int, deadline: float,
-                on_ok: Callable[[Resolved], None],
-                on_fail: Callable[[PdxferError | Exception], None]) -> None:
+    def connect(
+        self,
+        key: RouteKey,
+        room: int,
+        deadline: float,
+        on_ok: Callable[[Resolved], None],
+        on_fail: Callable[[PdxferError | Exception], None],
+    ) -> None:
         """Resolve on a connector thread; exactly one callback runs there."""
+
         def job() -> None:
             try:
                 out = self.resolve(key, room, deadline)
@@ -136,8 +143,11 @@ class Connector:
                     del self._handshakes[p.sess.pair]
             else:
                 self._forget_session(p)
-            self._routes = {k: v for k, v in self._routes.items()
-                            if all(e.get("endpoint_id") != p.endpoint_id for e in v["endpoints"])}
+            self._routes = {
+                k: v
+                for k, v in self._routes.items()
+                if all(e.get("endpoint_id") != p.endpoint_id for e in v["endpoints"])
+            }
 
     def close(self) -> None:
         """Stop every lookup and handshake wait, and join the connector threads."""
@@ -154,26 +164,36 @@ class Connector:
         ranks = T.contacts(int(route["tp_size"]), self.cfg.tp_size, self.cfg.tp_rank)
         if isinstance(ranks, str):
             raise LayoutMismatch(f"prefill instance {route['instance']!r}: {ranks}")
-        eps = sorted((e for e in route["endpoints"] if e["tp_rank"] in ranks),
-                     key=lambda e: (int(e.get("pp_rank", 0)), int(e["tp_rank"])))
+        eps = sorted(
+            (e for e in route["endpoints"] if e["tp_rank"] in ranks),
+            key=lambda e: (int(e.get("pp_rank", 0)), int(e["tp_rank"])),
+        )
         if len(eps) != len(ranks) * int(route.get("pp_size", 1)):
-            raise BootstrapError(f"prefill instance {route['instance']!r} has not "
-                                 f"registered every endpoint of tp ranks {ranks}")
+            raise BootstrapError(
+                f"prefill instance {route['instance']!r} has not "
+                f"registered every endpoint of tp ranks {ranks}"
+            )
         for e in eps:
             why = _cannot_meet(self.cfg.address, key[0], str(e["ctrl_addr"]))
             if why:
-                raise ConfigError(f"room {room}: prefill endpoint {e['endpoint_id']} "
-                                  f"(instance {route['instance']!r}): {why}")
+                raise ConfigError(
+                    f"room {room}: prefill endpoint {e['endpoint_id']} "
+                    f"(instance {route['instance']!r}): {why}"
+                )
         peers = [self._handshake(e, deadline, room) for e in eps]
-        plan = T.assign({p.name: p for p in self.ep.pools},
-                        [(int(e.get("pp_rank", 0)), p.pools) for e, p in zip(eps, peers)])
+        plan = T.assign(
+            {p.name: p for p in self.ep.pools},
+            [(int(e.get("pp_rank", 0)), p.pools) for e, p in zip(eps, peers)],
+        )
         if isinstance(plan, str):
             raise LayoutMismatch(f"prefill instance {route['instance']!r}: {plan}")
         need = {p.name for p in self.ep.pools if p.item_bytes and not p.optional}
         held = {n for p in peers for n, q in p.pools.items() if q.item_bytes}
         if need and not need & held:
-            raise LayoutMismatch(f"prefill instance {route['instance']!r} holds none of this "
-                                 f"decode's pools {sorted(need)}")
+            raise LayoutMismatch(
+                f"prefill instance {route['instance']!r} holds none of this "
+                f"decode's pools {sorted(need)}"
+            )
         out = (peers, plan, T.decode_peers(int(route["tp_size"]), self.cfg.tp_size))
         if route.get("dp_size") == 1:
             with self.ep.lock:
@@ -201,8 +221,13 @@ class Connector:
             if c is None or self._stale(key):
                 return None
             for p in c[0]:
-                if (self.peers.get(p.endpoint_id) is not p or p.dead or p.hung or p.refused
-                        or not p.ready.is_set()):
+                if (
+                    self.peers.get(p.endpoint_id) is not p
+                    or p.dead
+                    or p.hung
+                    or p.refused
+                    or not p.ready.is_set()
+                ):
                     return None
             return c
 
@@ -213,7 +238,8 @@ class Connector:
             client = self._clients.get(bootstrap)
             if client is None:
                 client = self._clients[bootstrap] = BootstrapClient(
-                    bootstrap, secret=self.ep.secret, stop=self._closing)
+                    bootstrap, secret=self.ep.secret, stop=self._closing
+                )
         if cached is not None and cached["dp_size"] == 1:
             return cached
         route = client.route(room, instance, dp, deadline=deadline)
@@ -249,17 +275,28 @@ class Connector:
                 peer = self.peers[eid] = PrefillPeer(eid, str(e["ctrl_addr"]), int(e["tp_rank"]))
                 pair = new_nonce()
                 secret = self.ep.secret
-                peer.sess = Session(pair, peer, ack_key=auth.ack_key(secret, pair) if secret else None)
+                peer.sess = Session(
+                    pair, peer, ack_key=auth.ack_key(secret, pair) if secret else None
+                )
                 self._handshakes[pair] = peer
                 if secret is not None:
                     self.ep.trust.add(peer.sess)
                 hello = wire.Hello(
-                    endpoint_id=self.ep.endpoint_id, ctrl_addr=self.ep.ctrl_addr,
-                    session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
-                    tp_size=self.cfg.tp_size, signature=layout_signature(self.ep.pools),
-                    pools=tuple(self.ep.pools) + self.extra_pools, ts=time.time(), room=room,
-                    instance=self.cfg.instance, to=eid, model=self.cfg.model_id,
-                    transport=self.ep.transport.name, agent=self.ep.transport.peer_info())
+                    endpoint_id=self.ep.endpoint_id,
+                    ctrl_addr=self.ep.ctrl_addr,
+                    session=self.ep.transport.session_id,
+                    tp_rank=self.cfg.tp_rank,
+                    tp_size=self.cfg.tp_size,
+                    signature=layout_signature(self.ep.pools),
+                    pools=tuple(self.ep.pools) + self.extra_pools,
+                    ts=time.time(),
+                    room=room,
+                    instance=self.cfg.instance,
+                    to=eid,
+                    model=self.cfg.model_id,
+                    transport=self.ep.transport.name,
+                    agent=self.ep.transport.peer_info(),
+                )
                 frame = self.ep.hello_frame(hello, pair)
         assert peer is not None
         t0 = time.monotonic()
@@ -275,10 +312,15 @@ class Connector:
                     if self.peers.get(eid) is peer:
                         del self.peers[eid]
                     self._forget_session(peer)
-                hint = (" (or it needs the shared secret, which this endpoint does not have)"
-                        if self.ep.secret is None else " (or it has another shared secret)")
-                raise DeadlineExceeded(f"no HelloAck from prefill endpoint {eid} at "
-                                       f"{peer.ctrl_addr} before the deadline{hint}")
+                hint = (
+                    " (or it needs the shared secret, which this endpoint does not have)"
+                    if self.ep.secret is None
+                    else " (or it has another shared secret)"
+                )
+                raise DeadlineExceeded(
+                    f"no HelloAck from prefill endpoint {eid} at "
+                    f"{peer.ctrl_addr} before the deadline{hint}"
+                )
             if fresh and refuses(peer.ctrl_addr, HELLO_RETRY_S):
                 # an unanswered Hello to a port nothing listens on: the prefill is gone (its
                 # registration outlived it); waiting for the deadline would wait for the dead
@@ -288,16 +330,20 @@ class Connector:
                     self._forget_session(peer)
                     peer.dead = True
                 peer.ready.set()  # rooms waiting on this handshake learn it at once
-                raise PeerLost(f"prefill endpoint {eid} at {peer.ctrl_addr} is gone (its "
-                               f"control port refuses connections)")
+                raise PeerLost(
+                    f"prefill endpoint {eid} at {peer.ctrl_addr} is gone (its "
+                    f"control port refuses connections)"
+                )
             if fresh:
                 self.ep.count("hello_retransmits")
                 self.ep.send_raw(peer.ctrl_addr, frame)
         if fresh:
             self.ep.gauge_max("hello_wait_max_ms", (time.monotonic() - t0) * 1e3)
         if peer.dead and not peer.session:
-            raise PeerLost(f"prefill endpoint {eid} at {peer.ctrl_addr} is gone (its control "
-                           f"port refuses connections)")
+            raise PeerLost(
+                f"prefill endpoint {eid} at {peer.ctrl_addr} is gone (its control "
+                f"port refuses connections)"
+            )
         if peer.refused:
             raise LayoutMismatch(f"prefill endpoint {eid} refused the handshake: {peer.refused}")
         return peer
@@ -332,7 +378,8 @@ class Connector:
                 if secret is not None and peer.sess is not None:
                     s = peer.sess
                     s.send_key, s.recv_key = auth.session_keys(
-                        secret, s.pair, msg.nonce, self.ep.endpoint_id, peer.endpoint_id)
+                        secret, s.pair, msg.nonce, self.ep.endpoint_id, peer.endpoint_id
+                    )
                     s.ack_key = None
             else:
                 peer.refused = msg.reason or "refused"

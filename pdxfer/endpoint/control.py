@@ -62,9 +62,14 @@ class Control:
             raise ConfigError(f"PDXFER_CONTROL_SEND must be 'direct' or 'zmq', got {mode!r}")
         self._ctx = zmq.Context() if mode == "zmq" else None
         self._outbox = Outbox(MAX_PEER_SOCKETS, name=f"{name}-out") if mode == "direct" else None
-        self._inbox = Inbox(host, self._deliver, screen or (lambda head, size: True),
-                            reject or (lambda reason, text: log.warning("%s: %s", reason, text)),
-                            max_frame, loopback_only)
+        self._inbox = Inbox(
+            host,
+            self._deliver,
+            screen or (lambda head, size: True),
+            reject or (lambda reason, text: log.warning("%s: %s", reason, text)),
+            max_frame,
+            loopback_only,
+        )
         self.address = f"tcp://{advertise or host}:{self._inbox.port}"
         self._on_frame = on_frame
         self._on_tick = on_tick
@@ -93,10 +98,15 @@ class Control:
                 used, proc = time.process_time() - proc, time.process_time()
                 if late >= LATE_S and now - logged >= 1.0:
                     logged = now
-                    log.warning("%s: the control thread ran %.1f s late (in handlers, or "
-                                "without a CPU or the GIL); its process used %.2f s of CPU in "
-                                "those %.1f s", self._thread.name, late, used,
-                                late + self._tick_s)
+                    log.warning(
+                        "%s: the control thread ran %.1f s late (in handlers, or "
+                        "without a CPU or the GIL); its process used %.2f s of CPU in "
+                        "those %.1f s",
+                        self._thread.name,
+                        late,
+                        used,
+                        late + self._tick_s,
+                    )
                 self._guard(self._on_tick)
                 self._inbox.expire(now)
                 next_tick = time.monotonic() + self._tick_s

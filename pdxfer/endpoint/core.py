@@ -40,17 +40,22 @@ class Core:
     """Shared state of one rank. Built before its side; ``start_control`` opens the control
     socket once the side has registered its message handlers."""
 
-    def __init__(self, config: EndpointConfig, pools: Sequence[PoolSpec],
-                 transport: Transport | None = None) -> None:
+    def __init__(
+        self, config: EndpointConfig, pools: Sequence[PoolSpec], transport: Transport | None = None
+    ) -> None:
         self.config = config
         self.pools: tuple[PoolSpec, ...] = tuple(pools)
         self.pool_names = frozenset(p.name for p in pools)
         self._by_name = {p.name: p for p in pools}
         self.endpoint_id = config.endpoint_id
         self.secret = auth.load_secret(config.secret)
-        self.loopback_only = check_serving(f"{config.role} endpoint (control socket)",
-                                           config.host, config.advertise, secret=self.secret,
-                                           opt_in=config.insecure)
+        self.loopback_only = check_serving(
+            f"{config.role} endpoint (control socket)",
+            config.host,
+            config.advertise,
+            secret=self.secret,
+            opt_in=config.insecure,
+        )
         self.trust = Trust(self.secret)
         self.lock = TimedLock(SLOW_S)
         """Guards the side's tables and the counters (timed: ``timed_lock.py``)."""
@@ -62,7 +67,8 @@ class Core:
         self.ctrl_addr = ""
         check_local(config.address)  # peers must be able to dial what this rank advertises
         self.transport = transport or make_transport(
-            config.transport, config.address, config.device, config.limits.transfer_timeout_s)
+            config.transport, config.address, config.device, config.limits.transfer_timeout_s
+        )
         self.regions: list[tuple[int, int]] = []
         for p in pools:
             for b in p.buffers:
@@ -73,11 +79,17 @@ class Core:
         self.workers = Workers(config.limits.workers, name=f"pdxfer-{config.role}")
 
     def start_control(self, on_tick: Callable[[], None]) -> None:
-        self.control = Control(self.config.host, self._on_frame, on_tick,
-                               max_frame=wire.MAX_FRAME + wire.HEADER_LEN,
-                               name=f"pdxfer-{self.config.role}-control",
-                               screen=self._screen, reject=self.reject,
-                               advertise=self.config.address, loopback_only=self.loopback_only)
+        self.control = Control(
+            self.config.host,
+            self._on_frame,
+            on_tick,
+            max_frame=wire.MAX_FRAME + wire.HEADER_LEN,
+            name=f"pdxfer-{self.config.role}-control",
+            screen=self._screen,
+            reject=self.reject,
+            advertise=self.config.address,
+            loopback_only=self.loopback_only,
+        )
         self.ctrl_addr = self.control.address
 
     def pool(self, name: str) -> PoolSpec:
@@ -102,14 +114,16 @@ class Core:
     def hello_frame(self, hello: wire.Hello, pair: bytes) -> bytes:
         """A Hello under the secret's Hello key, ``pair`` its fresh nonce."""
         key = self.trust.hello_key
-        return wire.frame(wire.payload(hello), wire.Hello, wire.HELLO if key else wire.PLAIN,
-                          pair, 0, key)
+        return wire.frame(
+            wire.payload(hello), wire.Hello, wire.HELLO if key else wire.PLAIN, pair, 0, key
+        )
 
     def ack_frame(self, ack: wire.HelloAck, pair: bytes) -> bytes:
         """A HelloAck under the key bound to the Hello's nonce ``pair``."""
         key = auth.ack_key(self.secret, pair) if self.secret else None
-        return wire.frame(wire.payload(ack), wire.HelloAck, wire.ACK if key else wire.PLAIN,
-                          pair, 0, key)
+        return wire.frame(
+            wire.payload(ack), wire.HelloAck, wire.ACK if key else wire.PLAIN, pair, 0, key
+        )
 
     def send_raw(self, addr: str, frame: bytes) -> bool:
         """Send a frame as it is (a Hello or HelloAck, sealed by ``hello_frame``/``ack_frame``)."""
@@ -150,8 +164,9 @@ class Core:
     def _handler(self, h: wire.Header) -> Handler:
         handler = self.handlers.get(h.kind)
         if handler is None:
-            raise wire.Rejected("unexpected", f"{self.config.role} endpoint does not take "
-                                              f"{h.kind.__name__}")
+            raise wire.Rejected(
+                "unexpected", f"{self.config.role} endpoint does not take {h.kind.__name__}"
+            )
         return handler
 
     def _on_frame(self, frame: bytes | memoryview) -> bool:
@@ -184,9 +199,15 @@ class Core:
             if now - self._logged.get("slow_handler", 0.0) < 1.0:
                 return
             self._logged["slow_handler"] = now
-        log.warning("%s endpoint %s: the control thread spent %.1f s in %s (it answered no "
-                    "other message meanwhile): %s", self.config.role, self.endpoint_id,
-                    seconds, what, c.explain())
+        log.warning(
+            "%s endpoint %s: the control thread spent %.1f s in %s (it answered no "
+            "other message meanwhile): %s",
+            self.config.role,
+            self.endpoint_id,
+            seconds,
+            what,
+            c.explain(),
+        )
 
     def reject(self, reason: str, text: str) -> None:
         """Count a refused frame by reason; log it at most once a second per reason (a flood

@@ -62,8 +62,10 @@ class DecodePeer:
         if hit is None:
             if len(self.subsets) >= 1024:  # the engine's own ranges; bounded all the same
                 self.subsets.clear()
-            sub = {n: pr if pr.src.kind == "slot" else P.layer_subset(pr, *layers)
-                   for n, pr in self.pairings.items()}
+            sub = {
+                n: pr if pr.src.kind == "slot" else P.layer_subset(pr, *layers)
+                for n, pr in self.pairings.items()
+            }
             hit = self.subsets[layers] = {n: pr for n, pr in sub.items() if pr is not None}
         return hit
 
@@ -79,8 +81,9 @@ class DecodePeers:
     evicted). ``refused``: called with a refused ``Hello`` and the reason, for the room that
     started the handshake."""
 
-    def __init__(self, ep: Core, in_use: Callable[[], set[int]],
-                 refused: Callable[[wire.Hello, str], None]) -> None:
+    def __init__(
+        self, ep: Core, in_use: Callable[[], set[int]], refused: Callable[[wire.Hello, str], None]
+    ) -> None:
         self.ep = ep
         self.cfg = ep.config
         self.table: OrderedDict[str, DecodePeer] = OrderedDict()
@@ -105,9 +108,14 @@ class DecodePeers:
             return
         with self.ep.lock:
             old = self.table.get(msg.endpoint_id)
-        if (old is not None and old.sess is not None and old.sess.pair == h.pair
-                and any(h.pair) and old.ctrl_addr == msg.ctrl_addr
-                and old.session == msg.session):
+        if (
+            old is not None
+            and old.sess is not None
+            and old.sess.pair == h.pair
+            and any(h.pair)
+            and old.ctrl_addr == msg.ctrl_addr
+            and old.session == msg.session
+        ):
             # the Hello this peer was paired with, again (without a secret the trust table
             # keeps no nonces, so it is known here by its nonce): answered with the same ack,
             # not paired anew. A decode retransmits while its ack is late (``connect.py``), so
@@ -144,11 +152,16 @@ class DecodePeers:
                 pairings[p.name] = pr
         nonce = new_nonce()
         ack = wire.HelloAck(
-            endpoint_id=self.ep.endpoint_id, ok=not reason, reason=reason,
-            session=self.ep.transport.session_id, tp_rank=self.cfg.tp_rank,
-            tp_size=self.cfg.tp_size, pools=() if reason else tuple(mine),
+            endpoint_id=self.ep.endpoint_id,
+            ok=not reason,
+            reason=reason,
+            session=self.ep.transport.session_id,
+            tp_rank=self.cfg.tp_rank,
+            tp_size=self.cfg.tp_size,
+            pools=() if reason else tuple(mine),
             nonce=b"" if reason else nonce,
-            agent=b"" if reason else self.ep.transport.peer_info())
+            agent=b"" if reason else self.ep.transport.peer_info(),
+        )
         frame = self.ep.ack_frame(ack, h.pair)
         if reason:
             log.warning("refused Hello from %s: %s", msg.endpoint_id, reason)
@@ -159,10 +172,20 @@ class DecodePeers:
         sess = Session(h.pair, None, ack=frame)
         if self.ep.secret is not None:
             sess.recv_key, sess.send_key = auth.session_keys(
-                self.ep.secret, h.pair, nonce, msg.endpoint_id, self.ep.endpoint_id)
-        peer = DecodePeer(msg.endpoint_id, msg.ctrl_addr, msg.session, peer_pools, pairings,
-                          [(b.addr, b.nbytes) for q in msg.pools for b in q.buffers], sess,
-                          msg.instance, msg.tp_rank, msg.tp_size)
+                self.ep.secret, h.pair, nonce, msg.endpoint_id, self.ep.endpoint_id
+            )
+        peer = DecodePeer(
+            msg.endpoint_id,
+            msg.ctrl_addr,
+            msg.session,
+            peer_pools,
+            pairings,
+            [(b.addr, b.nbytes) for q in msg.pools for b in q.buffers],
+            sess,
+            msg.instance,
+            msg.tp_rank,
+            msg.tp_size,
+        )
         sess.peer = peer
         with self.ep.lock:
             old = self.table.pop(msg.endpoint_id, None)
@@ -209,7 +232,9 @@ class DecodePeers:
         with self.ep.lock:
             if sess is not None:
                 peer = sess.peer
-                if not isinstance(peer, DecodePeer) or (endpoint_id and endpoint_id != peer.endpoint_id):
+                if not isinstance(peer, DecodePeer) or (
+                    endpoint_id and endpoint_id != peer.endpoint_id
+                ):
                     peer = None
                     reason = "wrong_pair"
                 elif self.table.get(peer.endpoint_id) is not peer:
@@ -220,8 +245,11 @@ class DecodePeers:
             if peer is not None:
                 self.table.move_to_end(peer.endpoint_id)
                 return peer
-        self.ep.reject(reason, f"{what} from {endpoint_id or 'an unnamed endpoint'}: no Hello "
-                               "from it (no answer is sent)")
+        self.ep.reject(
+            reason,
+            f"{what} from {endpoint_id or 'an unnamed endpoint'}: no Hello "
+            "from it (no answer is sent)",
+        )
         return None
 
 

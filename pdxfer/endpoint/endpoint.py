@@ -48,24 +48,28 @@ def validate_pools(pools: Sequence[PoolSpec]) -> str | None:
         if a.indices_from is not None or a.kind != "paged" or p.kind != "paged":
             return f"pool {p.name!r} must follow a paged anchor pool"
         if a.page_size != p.page_size or a.num_items > p.num_items:
-            return (f"pool {p.name!r} shares the indices of {a.name!r} but has page size "
-                    f"{p.page_size} and {p.num_items} pages (anchor: {a.page_size}, {a.num_items})")
+            return (
+                f"pool {p.name!r} shares the indices of {a.name!r} but has page size "
+                f"{p.page_size} and {p.num_items} pages (anchor: {a.page_size}, {a.num_items})"
+            )
     return None
 
 
 class Endpoint:
     """One prefill or decode rank. ``close()`` drains, deregisters and joins its threads."""
 
-    def __init__(self, config: EndpointConfig, pools: Sequence[PoolSpec],
-                 transport: Transport | None = None) -> None:
+    def __init__(
+        self, config: EndpointConfig, pools: Sequence[PoolSpec], transport: Transport | None = None
+    ) -> None:
         why = validate_pools(pools)
         if why:
             raise ConfigError(why)
         if config.bootstrap:  # the prefills it names are dialled from other hosts
             why = unreachable_from(config.address, config.bootstrap)
             if why:
-                raise ConfigError(f"{config.role} endpoint with bootstrap {config.bootstrap}: "
-                                  f"{why}")
+                raise ConfigError(
+                    f"{config.role} endpoint with bootstrap {config.bootstrap}: {why}"
+                )
         self.config = config
         self.pools: tuple[PoolSpec, ...] = tuple(pools)
         self.endpoint_id = config.endpoint_id
@@ -78,21 +82,29 @@ class Endpoint:
         try:
             if config.role == "prefill":
                 self.prefill = p_side = PrefillSide(core)
-                core.handlers = {wire.Hello: p_side.peers.on_hello,
-                                 wire.TransferRequest: p_side.on_request,
-                                 wire.Abort: p_side.on_abort, wire.Release: p_side.on_release}
+                core.handlers = {
+                    wire.Hello: p_side.peers.on_hello,
+                    wire.TransferRequest: p_side.on_request,
+                    wire.Abort: p_side.on_abort,
+                    wire.Release: p_side.on_release,
+                }
             else:
                 self.decode = d_side = DecodeSide(core)
-                core.handlers = {wire.HelloAck: d_side.on_hello_ack,
-                                 wire.TransferDone: d_side.on_done,
-                                 wire.AbortAck: d_side.on_abort_ack, wire.Abort: d_side.on_abort}
+                core.handlers = {
+                    wire.HelloAck: d_side.on_hello_ack,
+                    wire.TransferDone: d_side.on_done,
+                    wire.AbortAck: d_side.on_abort_ack,
+                    wire.Abort: d_side.on_abort,
+                }
             core.start_control(self._on_tick)
             if config.role == "prefill" and config.bootstrap:
-                self._bootstrap = BootstrapClient(config.bootstrap, secret=core.secret,
-                                                  stop=self._stop_reg)
+                self._bootstrap = BootstrapClient(
+                    config.bootstrap, secret=core.secret, stop=self._stop_reg
+                )
                 self._bootstrap.register(self.registration())
-                threading.Thread(target=self._reregister, daemon=True,
-                                 name="pdxfer-register").start()
+                threading.Thread(
+                    target=self._reregister, daemon=True, name="pdxfer-register"
+                ).start()
         except BaseException:
             self.close()
             raise
@@ -109,10 +121,18 @@ class Endpoint:
     def registration(self) -> Registration:
         c = self.config
         return Registration(
-            instance=c.instance, endpoint_id=self.endpoint_id, ctrl_addr=self.ctrl_addr,
-            session=self.transport.session_id, signature=layout_signature(self.pools),
-            tp_rank=c.tp_rank, tp_size=c.tp_size, dp_rank=c.dp_rank, dp_size=c.dp_size,
-            pp_rank=c.pp_rank, pp_size=c.pp_size)
+            instance=c.instance,
+            endpoint_id=self.endpoint_id,
+            ctrl_addr=self.ctrl_addr,
+            session=self.transport.session_id,
+            signature=layout_signature(self.pools),
+            tp_rank=c.tp_rank,
+            tp_size=c.tp_size,
+            dp_rank=c.dp_rank,
+            dp_size=c.dp_size,
+            pp_rank=c.pp_rank,
+            pp_size=c.pp_size,
+        )
 
     def sender(self, room: int, peer: str | None = None) -> KVSender:
         """A sender for ``room``. ``peer`` binds the room to the decode chosen for it (its
@@ -138,9 +158,16 @@ class Endpoint:
             raise ConfigError("withdraw() needs a prefill endpoint")
         self.prefill.withdraw(room, reason)
 
-    def receiver(self, room: int, bootstrap: str | None = None, *, instance: str | None = None,
-                 dp: int | None = None, release: Release | None = None,
-                 early: bool = False) -> KVReceiver:
+    def receiver(
+        self,
+        room: int,
+        bootstrap: str | None = None,
+        *,
+        instance: str | None = None,
+        dp: int | None = None,
+        release: Release | None = None,
+        early: bool = False,
+    ) -> KVReceiver:
         """A receiver for ``room``. ``release(dst, slots)`` is called once, from a pdxfer
         thread, when a failed request's pages can be reused without risk of a late write.
         ``early``: the request reached this decode at dispatch, maybe before the prefill got
@@ -171,11 +198,18 @@ class Endpoint:
         """Sizes of the tables a rank keeps per room and peer (leak checks, metrics)."""
         with self.core.lock:
             if self.prefill is not None:
-                return {**self.prefill.tables(), "sessions": len(self.core.trust),
-                        "push_sockets": self.core.push_sockets()}
+                return {
+                    **self.prefill.tables(),
+                    "sessions": len(self.core.trust),
+                    "push_sockets": self.core.push_sockets(),
+                }
             assert self.decode is not None
-            return {"rooms": len(self.decode.rooms), "peers": len(self.decode.peers),
-                    "sessions": len(self.core.trust), "push_sockets": self.core.push_sockets()}
+            return {
+                "rooms": len(self.decode.rooms),
+                "peers": len(self.decode.peers),
+                "sessions": len(self.core.trust),
+                "push_sockets": self.core.push_sockets(),
+            }
 
     def metrics(self) -> dict[str, Any]:
         core = self.core
@@ -188,22 +222,32 @@ class Endpoint:
                 m["pending_requests"] = self.prefill.pending.count
             if self.decode:
                 m["quarantined_pages"] = self.decode.quarantined_pages()
-        m.update(lock_wait_max_ms=round(core.lock.wait_max_s * 1e3, 3),
-                 lock_hold_max_ms=round(core.lock.hold_max_s * 1e3, 3))
+        m.update(
+            lock_wait_max_ms=round(core.lock.wait_max_s * 1e3, 3),
+            lock_hold_max_ms=round(core.lock.hold_max_s * 1e3, 3),
+        )
         if core.control is not None:
             m["control_late_max_ms"] = round(core.control.late_max_s * 1e3, 3)
         s = core.transport.stats
-        m.update(transport_calls=s.calls, transport_entries=s.entries,
-                 transport_bytes=s.bytes, transport_failures=s.failures,
-                 transport_retries=s.retries, transport_taints=s.taints,
-                 control_handler_errors=core.control.handler_errors if core.control else 0,
-                 control_connections=core.control.connections() if core.control else 0)
+        m.update(
+            transport_calls=s.calls,
+            transport_entries=s.entries,
+            transport_bytes=s.bytes,
+            transport_failures=s.failures,
+            transport_retries=s.retries,
+            transport_taints=s.taints,
+            control_handler_errors=core.control.handler_errors if core.control else 0,
+            control_connections=core.control.connections() if core.control else 0,
+        )
         return m
 
     def prometheus(self) -> bytes:
         """``metrics()`` and the request-phase histograms as Prometheus text."""
-        labels = {"role": self.config.role, "endpoint": self.endpoint_id,
-                  "tp_rank": str(self.config.tp_rank)}
+        labels = {
+            "role": self.config.role,
+            "endpoint": self.endpoint_id,
+            "tp_rank": str(self.config.tp_rank),
+        }
         return prometheus_text("pdxfer_endpoint", self.metrics, labels, self.core.timeline)
 
     def close(self) -> None:

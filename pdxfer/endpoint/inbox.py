@@ -50,8 +50,13 @@ def zmtp_hello(socket_type: bytes) -> bytes:
     """A ZMTP 3.0 NULL-mechanism greeting and the READY command naming ``socket_type``: what
     each side of a connection sends first (``outbox`` as PUSH, this receiver as PULL)."""
     greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
-    ready = (b"\x05READY" + bytes([11]) + b"Socket-Type" + len(socket_type).to_bytes(4, "big")
-             + socket_type)
+    ready = (
+        b"\x05READY"
+        + bytes([11])
+        + b"Socket-Type"
+        + len(socket_type).to_bytes(4, "big")
+        + socket_type
+    )
     return greeting + bytes([0x04, len(ready)]) + ready
 
 
@@ -85,7 +90,8 @@ class RecvPool:
     def fits(self, n: int, trusted: bool) -> bool:
         cost = self.cost(n)
         return self.used + cost <= self.budget and (
-            trusted or self.used_untrusted + cost <= self.untrusted)
+            trusted or self.used_untrusted + cost <= self.untrusted
+        )
 
     def take(self, n: int, trusted: bool) -> memoryview | None:
         cost = self.cost(n)
@@ -197,8 +203,15 @@ class Inbox:
       admitted frame is closed for a new one), and a handshake or a frame holding a buffer
       must complete within its deadline, so a stalled sender cannot hold memory."""
 
-    def __init__(self, host: str, deliver: Deliver, screen: Screen, reject: Callable[[str, str], None],
-                 max_frame: int, loopback_only: bool = False) -> None:
+    def __init__(
+        self,
+        host: str,
+        deliver: Deliver,
+        screen: Screen,
+        reject: Callable[[str, str], None],
+        max_frame: int,
+        loopback_only: bool = False,
+    ) -> None:
         """``loopback_only``: protected mode (``pdxfer.protect``, no secret): a peer on another
         host is closed on accept, before a byte is read or sent."""
         self._deliver, self._screen, self._reject = deliver, screen, reject
@@ -233,8 +246,13 @@ class Inbox:
         idle receive buffers."""
         self.pool.trim(now)
         for c in list(self._conns.values()):
-            limit = (HANDSHAKE_S if c.state in (GREETING, READY)
-                     else FRAME_S if c.state == BODY or c.waiting else 0.0)
+            limit = (
+                HANDSHAKE_S
+                if c.state in (GREETING, READY)
+                else FRAME_S
+                if c.state == BODY or c.waiting
+                else 0.0
+            )
             if limit and now - c.since > limit:
                 self._close(c, "deadline")
 
@@ -256,8 +274,11 @@ class Inbox:
                 return
             if self.loopback_only and not peer_allowed(peer[0]):
                 s.close()
-                self._reject("peer_not_loopback", f"refused {peer[0]}: no shared secret is "
-                             f"set, so only loopback peers are served")
+                self._reject(
+                    "peer_not_loopback",
+                    f"refused {peer[0]}: no shared secret is "
+                    f"set, so only loopback peers are served",
+                )
                 continue
             if len(self._conns) >= MAX_CONNECTIONS:
                 old = next((c for c in self._conns.values() if not c.trusted), None)
@@ -299,13 +320,13 @@ class Inbox:
             try:
                 if c.state == BODY:
                     assert c.buf is not None
-                    n = c.sock.recv_into(c.buf[c.got:c.size])
+                    n = c.sock.recv_into(c.buf[c.got : c.size])
                 elif c.state == SKIP:
                     n = c.sock.recv_into(self._sink, min(c.skip, SINK))
                 else:
                     k = len(c.tail)
                     self._scratch[:k] = c.tail
-                    n = c.sock.recv_into(memoryview(self._scratch)[k:k + READ_AHEAD])
+                    n = c.sock.recv_into(memoryview(self._scratch)[k : k + READ_AHEAD])
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -323,7 +344,7 @@ class Inbox:
                 if not c.skip:
                     c.state, c.since = FRAMES, time.monotonic()
             else:
-                data = memoryview(self._scratch)[:len(c.tail) + n]
+                data = memoryview(self._scratch)[: len(c.tail) + n]
                 c.tail = b""
                 self._parse(c, data)
             if c.sock.fileno() not in self._conns or c.waiting:
@@ -336,8 +357,13 @@ class Inbox:
             if c.state == GREETING:
                 if end - pos < 64:
                     break
-                g = data[pos:pos + 64]
-                if g[0] != 0xFF or not g[9] & 1 or g[10] < 3 or bytes(g[12:32]).rstrip(b"\0") != b"NULL":
+                g = data[pos : pos + 64]
+                if (
+                    g[0] != 0xFF
+                    or not g[9] & 1
+                    or g[10] < 3
+                    or bytes(g[12:32]).rstrip(b"\0") != b"NULL"
+                ):
                     self._close(c, "not a ZMTP 3 peer with the NULL mechanism")
                     return
                 pos += 64
@@ -350,7 +376,7 @@ class Inbox:
                     self._close(c, "bad ZMTP frame flags")
                     return
                 break
-            size = int.from_bytes(data[pos + 1:pos + 9], "big") if flags & LONG else data[pos + 1]
+            size = int.from_bytes(data[pos + 1 : pos + 9], "big") if flags & LONG else data[pos + 1]
             body = pos + p
             avail = end - body
             if flags & COMMAND or c.state == READY:
@@ -360,15 +386,17 @@ class Inbox:
                 if avail < size:
                     break
                 if c.state == READY:
-                    if not _ready_from_push(data[body:body + size]):
+                    if not _ready_from_push(data[body : body + size]):
                         self._close(c, "the peer is not a ZMQ PUSH socket")
                         return
                     c.state, c.since = FRAMES, time.monotonic()
                 pos = body + size  # later commands (PING and the like) are ignored
                 continue
             if size > self.max_frame:
-                self._reject("oversized", f"control frame of {size} bytes exceeds "
-                                          f"{self.max_frame}: connection closed")
+                self._reject(
+                    "oversized",
+                    f"control frame of {size} bytes exceeds {self.max_frame}: connection closed",
+                )
                 self._close(c, "oversized frame")
                 return
             multi = c.more or bool(flags & MORE)
@@ -381,14 +409,14 @@ class Inbox:
                 pos = body + size
                 continue
             if avail >= size:
-                self._hand_over(c, data[body:body + size])
+                self._hand_over(c, data[body : body + size])
                 if c.sock.fileno() not in self._conns:
                     return
                 pos = body + size
                 continue
             if avail < wire.HEADER_LEN or size + p <= READ_AHEAD:
                 break  # the header (or a small frame) completes with the next read
-            if not self._screen(data[body:body + wire.HEADER_LEN], size):
+            if not self._screen(data[body : body + wire.HEADER_LEN], size):
                 self._skip(c, size, avail)
                 return
             if not self._start_body(c, size, data[body:end]):
@@ -408,7 +436,7 @@ class Inbox:
         buf = self.pool.take(size, c.trusted)
         if buf is None:
             return False
-        buf[:len(have)] = have
+        buf[: len(have)] = have
         c.buf, c.size, c.got, c.pool_trusted = buf, size, len(have), c.trusted
         c.state, c.since = BODY, time.monotonic()
         return True
@@ -418,7 +446,7 @@ class Inbox:
         buf, c.buf = c.buf, None
         c.state, c.since = FRAMES, time.monotonic()
         try:
-            self._hand_over(c, buf[:c.size])
+            self._hand_over(c, buf[: c.size])
         finally:
             self.pool.give(c.size, c.pool_trusted, buf)
 
@@ -450,12 +478,12 @@ def _ready_from_push(cmd: memoryview) -> bool:
     pos, end = 6, len(cmd)
     while pos < end:
         n = cmd[pos]
-        name = bytes(cmd[pos + 1:pos + 1 + n])
+        name = bytes(cmd[pos + 1 : pos + 1 + n])
         pos += 1 + n
         if pos + 4 > end:
             return False
-        vlen = int.from_bytes(cmd[pos:pos + 4], "big")
-        value = bytes(cmd[pos + 4:pos + 4 + vlen])
+        vlen = int.from_bytes(cmd[pos : pos + 4], "big")
+        value = bytes(cmd[pos + 4 : pos + 4 + vlen])
         pos += 4 + vlen
         if name == b"Socket-Type":
             return value == b"PUSH"
@@ -466,8 +494,9 @@ def _listen(host: str) -> tuple[socket.socket, int]:
     """A non-blocking listening TCP socket on ``host`` (``*``: every address), random port."""
     h = host.strip("[]")
     h = "0.0.0.0" if h in ("*", "") else h
-    fam, kind, proto, _, addr = socket.getaddrinfo(h, 0, type=socket.SOCK_STREAM,
-                                                    flags=socket.AI_PASSIVE)[0]
+    fam, kind, proto, _, addr = socket.getaddrinfo(
+        h, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
     s = socket.socket(fam, kind, proto)
     try:
         s.bind(addr)

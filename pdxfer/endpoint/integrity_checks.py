@@ -44,8 +44,9 @@ def _head_bytes(pool: PoolSpec, heads: tuple[int, int] | None) -> slice | np.nda
         return slice(None)
     hb, ps = sh.head_bytes, pool.page_size
     if pool.token_major:
-        return (np.arange(ps)[:, None] * pool.token_bytes
-                + np.arange(lo * hb, hi * hb)[None, :]).reshape(-1)
+        return (
+            np.arange(ps)[:, None] * pool.token_bytes + np.arange(lo * hb, hi * hb)[None, :]
+        ).reshape(-1)
     return np.arange(lo * ps * hb, hi * ps * hb)
 
 
@@ -61,16 +62,14 @@ class IntegrityChecks:
     """The decode side's integrity checks, over its ``rooms`` and handshaken ``peers``
     (read under the core's lock)."""
 
-    def __init__(self, ep: Core, rooms: dict[int, RecvRoom],
-                 peers: dict[str, PrefillPeer]) -> None:
+    def __init__(self, ep: Core, rooms: dict[int, RecvRoom], peers: dict[str, PrefillPeer]) -> None:
         self.ep = ep
         self.rooms = rooms
         self.peers = peers
         self.faults: Faults = faults()
         self._bufmaps: dict[int, _BufferMap] = {}
 
-    def prepare(self, st: RecvRoom, peers: list[PrefillPeer], plan: list[T.Assignment]
-                 ) -> None:
+    def prepare(self, st: RecvRoom, peers: list[PrefillPeer], plan: list[T.Assignment]) -> None:
         """Plan the sampled check of what each sender will report for a request it writes in
         one chunk (tokens ``[prefix_len, num_tokens)``, the heads it was asked for or all it
         holds), after the request went out: the check then only gathers and hashes. A digest
@@ -86,18 +85,29 @@ class IntegrityChecks:
                         continue
                     pool = self.ep.pool(name)
                     pages = st.dst.get(pool.indices_from or name)
-                    if (pages is None or pool.kind != "paged" or not pool.item_bytes
-                            or I.portable(pool, theirs) or not theirs.item_bytes):
+                    if (
+                        pages is None
+                        or pool.kind != "paged"
+                        or not pool.item_bytes
+                        or I.portable(pool, theirs)
+                        or not theirs.item_bytes
+                    ):
                         continue
                     osh = theirs.sharding
-                    lo, hi = (0, 0) if pool.sharding.kind != "heads" else a.heads.get(
-                        name, (osh.first_head, osh.first_head + osh.rank_heads))
+                    lo, hi = (
+                        (0, 0)
+                        if pool.sharding.kind != "heads"
+                        else a.heads.get(name, (osh.first_head, osh.first_head + osh.rank_heads))
+                    )
                     idx = self._buffer_map(pool, theirs)
                     if None in idx:
                         continue
-                    prep = I.prepare(pool, I.Span(pages, st.prefix_len, st.prefix_len,
-                                                  st.num_tokens, lo, hi),
-                                     I.sample_stride(theirs, pool), idx)  # type: ignore[arg-type]
+                    prep = I.prepare(
+                        pool,
+                        I.Span(pages, st.prefix_len, st.prefix_len, st.num_tokens, lo, hi),
+                        I.sample_stride(theirs, pool),
+                        idx,
+                    )  # type: ignore[arg-type]
                     if prep is not None:
                         out[(p.endpoint_id, name, st.prefix_len, st.num_tokens, lo, hi)] = prep
         except Exception:  # noqa: BLE001 - the check's full path reports what is wrong
@@ -110,8 +120,13 @@ class IntegrityChecks:
         the prefill serves as a repair of the room it still holds. False: fail as usual."""
         frame = st.asks.get(sender)
         peer = next((p for p in st.targets if p.endpoint_id == sender), None)
-        if (not isinstance(err, IntegrityError) or frame is None or peer is None
-                or sender in st.retried or st.state.terminal):
+        if (
+            not isinstance(err, IntegrityError)
+            or frame is None
+            or peer is None
+            or sender in st.retried
+            or st.state.terminal
+        ):
             return False
         st.retried.add(sender)
         st.outstanding.add(sender)
@@ -146,8 +161,13 @@ class IntegrityChecks:
             return None
         return IntegrityError(f"room {st.room}: from prefill endpoint {msg.endpoint_id}: {why}")
 
-    def _verify(self, st: RecvRoom, peer: PrefillPeer, digests: tuple[wire.Digest, ...],
-                skip: tuple[str, ...]) -> str:
+    def _verify(
+        self,
+        st: RecvRoom,
+        peer: PrefillPeer,
+        digests: tuple[wire.Digest, ...],
+        skip: tuple[str, ...],
+    ) -> str:
         """Every digest matches what landed, and together they cover every token of every
         layer of every pool this sender writes (a sender that streamed its layers sends one
         digest per layer range and token range)."""
@@ -164,9 +184,13 @@ class IntegrityChecks:
             if name not in self.ep.pool_names or name in skip:
                 continue
             pool = self.ep.pool(name)
-            if (pool.kind != "paged" or not pool.item_bytes or not theirs.item_bytes
-                    or not I.supported(theirs.location)
-                    or (pool.indices_from or name) not in st.dst):
+            if (
+                pool.kind != "paged"
+                or not pool.item_bytes
+                or not theirs.item_bytes
+                or not I.supported(theirs.location)
+                or (pool.indices_from or name) not in st.dst
+            ):
                 continue
             why = _uncovered(covered.get(name, []), theirs, st.prefix_len, st.num_tokens)
             if why:
@@ -185,8 +209,10 @@ class IntegrityChecks:
                 return f"digest of slot pool {d.pool!r} names layers"
             sel = [i for i, b in enumerate(theirs.buffers) if d.l0 <= b.layer_id < d.l1]
             if not sel:
-                return (f"digest of pool {d.pool!r} claims layers [{d.l0}, {d.l1}) the "
-                        f"sender's pool does not hold")
+                return (
+                    f"digest of pool {d.pool!r} claims layers [{d.l0}, {d.l1}) the "
+                    f"sender's pool does not hold"
+                )
             idx = [idx[i] for i in sel]
         if len(d.values) != len(idx) or None in idx:
             return f"digest of pool {d.pool!r} does not match the sender's buffers"
@@ -195,36 +221,60 @@ class IntegrityChecks:
                 slot = st.slots.get(d.pool)
                 if slot is None:
                     return f"digest for slot pool {d.pool!r} this request did not name"
-                got = I.slot_digests(pool, slot, mode, idx,  # type: ignore[arg-type]
-                                     portable=I.portable(pool, theirs))
+                got = I.slot_digests(
+                    pool,
+                    slot,
+                    mode,
+                    idx,  # type: ignore[arg-type]
+                    portable=I.portable(pool, theirs),
+                )
             else:
                 pages = st.dst.get(pool.indices_from or d.pool)
                 if pages is None or d.start < st.prefix_len or d.end > st.num_tokens:
-                    return (f"digest of pool {d.pool!r} tokens [{d.start}, {d.end}) outside "
-                            f"the request")
-                prep = (st.prepared.get((peer.endpoint_id, d.pool, d.start, d.end, d.lo, d.hi))
-                        if mode == "sampled" and d.l1 == d.l0 else None)
-                got = prep.digests() if prep is not None else I.digests(
-                    pool, I.Span(pages, st.prefix_len, d.start, d.end, d.lo, d.hi), mode,
-                    I.sample_stride(theirs, pool), idx,  # type: ignore[arg-type]
-                    portable=I.portable(pool, theirs))
+                    return (
+                        f"digest of pool {d.pool!r} tokens [{d.start}, {d.end}) outside the request"
+                    )
+                prep = (
+                    st.prepared.get((peer.endpoint_id, d.pool, d.start, d.end, d.lo, d.hi))
+                    if mode == "sampled" and d.l1 == d.l0
+                    else None
+                )
+                got = (
+                    prep.digests()
+                    if prep is not None
+                    else I.digests(
+                        pool,
+                        I.Span(pages, st.prefix_len, d.start, d.end, d.lo, d.hi),
+                        mode,
+                        I.sample_stride(theirs, pool),
+                        idx,  # type: ignore[arg-type]
+                        portable=I.portable(pool, theirs),
+                    )
+                )
         except PdxferError as e:
             return f"cannot check pool {d.pool!r}: {e}"
         except Exception as e:  # noqa: BLE001 - e.g. a device the portable digest cannot read
             log.exception("room %d: cannot digest pool %r", st.room, d.pool)
-            return (f"cannot check pool {d.pool!r}: {type(e).__name__}: {e} (integrity='off' "
-                    f"turns the check off)")
+            return (
+                f"cannot check pool {d.pool!r}: {type(e).__name__}: {e} (integrity='off' "
+                f"turns the check off)"
+            )
         self.ep.count("integrity_bytes", got.nbytes)
         if got == list(d.values):
             return ""
         for i, (g, w) in enumerate(zip(got, d.values)):
             if g != w:
                 b = theirs.buffers[sel[i]]
-                where = (f"slot {st.slots.get(d.pool)}" if pool.kind == "slot"
-                         else f"tokens [{d.start}, {d.end})")
+                where = (
+                    f"slot {st.slots.get(d.pool)}"
+                    if pool.kind == "slot"
+                    else f"tokens [{d.start}, {d.end})"
+                )
                 self.ep.count("integrity_mismatches")
-                return (f"pool {d.pool!r} layer {b.layer_id} {b.role} {where}: received KV "
-                        f"does not match the sender's digest ({mode})")
+                return (
+                    f"pool {d.pool!r} layer {b.layer_id} {b.role} {where}: received KV "
+                    f"does not match the sender's digest ({mode})"
+                )
         return ""
 
     def _buffer_map(self, pool: PoolSpec, theirs: PoolSpec) -> list[int | None]:
@@ -236,7 +286,8 @@ class IntegrityChecks:
                 self._bufmaps.clear()
             mine = {(b.layer_id, b.role): i for i, b in enumerate(pool.buffers)}
             hit = self._bufmaps[id(theirs)] = _BufferMap(
-                theirs, [mine.get((b.layer_id, b.role)) for b in theirs.buffers])
+                theirs, [mine.get((b.layer_id, b.role)) for b in theirs.buffers]
+            )
         return hit.index
 
     def _inject(self, st: RecvRoom, kind: str, sender: str) -> None:
@@ -244,23 +295,32 @@ class IntegrityChecks:
         injection, tests only): the bytes of its own heads, as its own misdirected or lost
         write would."""
         skip = st.skips.get(sender, ())
-        pools = [p for p in self.ep.pools if p.kind == "paged" and p.item_bytes
-                 and p.location == "cpu" and (p.indices_from or p.name) in st.dst
-                 and p.name not in skip and self.faults.pools([p.name])]
+        pools = [
+            p
+            for p in self.ep.pools
+            if p.kind == "paged"
+            and p.item_bytes
+            and p.location == "cpu"
+            and (p.indices_from or p.name) in st.dst
+            and p.name not in skip
+            and self.faults.pools([p.name])
+        ]
         if not pools:
             return
         pool = pools[self.faults.pick(len(pools))]
         pages = st.dst[pool.indices_from or pool.name]
-        used = -(-(st.num_tokens - st.prefix_len + st.prefix_len % pool.page_size)
-                 // pool.page_size)
+        used = -(
+            -(st.num_tokens - st.prefix_len + st.prefix_len % pool.page_size) // pool.page_size
+        )
         if used <= 0:
             return
         i = self.faults.pick(min(used, int(pages.size)))
         page = int(pages[i])
         buf = pool.buffers[self.faults.pick(len(pool.buffers))]
         item = pool.item_bytes
-        view = np.ctypeslib.as_array((ctypes.c_uint8 * (pool.num_items * item)).from_address(
-            buf.addr)).reshape(pool.num_items, item)
+        view = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * (pool.num_items * item)).from_address(buf.addr)
+        ).reshape(pool.num_items, item)
         cols = _head_bytes(pool, st.heads.get(sender, {}).get(pool.name))
         j = i + 1 if i + 1 < used else i - 1  # the next page (a lone page has none)
         taken = set(pages.tolist())
@@ -269,8 +329,9 @@ class IntegrityChecks:
         self.ep.count(f"faults_injected_{kind}")
 
 
-def _uncovered(entries: list[tuple[int, int, int, int]], theirs: PoolSpec, start: int,
-               end: int) -> str:
+def _uncovered(
+    entries: list[tuple[int, int, int, int]], theirs: PoolSpec, start: int, end: int
+) -> str:
     """What of tokens ``[start, end)`` no digest covers ("" when all is covered), layer by
     layer of the sender's pool when some digest covers only some layers: ``entries`` are
     ``(l0, l1, start, end)`` (``l0 == l1``: every layer)."""

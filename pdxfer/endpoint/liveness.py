@@ -72,10 +72,16 @@ class Liveness(Generic[P]):
     that is no evidence against the peer: it is then looked at again on the next beats,
     which a live peer's answer reaches first."""
 
-    def __init__(self, interval_s: float, watched: Callable[[], dict[str, P]],
-                 probe: Callable[[str], bool], on_lost: Callable[[P, bool], None],
-                 name: str = "pdxfer-heartbeat", clock: Callable[[], float] = time.monotonic,
-                 start: bool = True) -> None:
+    def __init__(
+        self,
+        interval_s: float,
+        watched: Callable[[], dict[str, P]],
+        probe: Callable[[str], bool],
+        on_lost: Callable[[P, bool], None],
+        name: str = "pdxfer-heartbeat",
+        clock: Callable[[], float] = time.monotonic,
+        start: bool = True,
+    ) -> None:
         """``clock`` and ``start=False`` (then ``beat()`` by hand) are for tests."""
         self.interval_s = interval_s
         self.hang_s = max(1.0, 2 * interval_s)
@@ -112,8 +118,11 @@ class Liveness(Generic[P]):
         """One heartbeat: probe the watched peers, judge the answers that came back, and
         count the unanswered probes' time (see the class notes)."""
         now = self._clock()
-        seen = self.interval_s if self._last_beat is None else \
-            min(now - self._last_beat, self.interval_s)
+        seen = (
+            self.interval_s
+            if self._last_beat is None
+            else min(now - self._last_beat, self.interval_s)
+        )
         self._last_beat = now
         for eid, p in self._watched().items():
             if eid not in self._pending:

@@ -55,8 +55,7 @@ class _Peer:
     where: tuple[str, int]
     lock: threading.Lock = field(default_factory=threading.Lock)
     sock: socket.socket | None = None
-    queue: collections.deque[tuple[bytes, memoryview]] = field(
-        default_factory=collections.deque)
+    queue: collections.deque[tuple[bytes, memoryview]] = field(default_factory=collections.deque)
     """Unsent frames in order (header, body); the first may be partly sent (``sent``
     bytes). ``HELLO`` stands first on a new connection as ``(HELLO, empty)``."""
     sent: int = 0
@@ -125,8 +124,9 @@ class Outbox:
                 return False
             if peer.queued + size > MAX_QUEUED:
                 self.failures += 1
-                log.warning("control frames to %s: %d bytes queued, frame dropped", addr,
-                            peer.queued)
+                log.warning(
+                    "control frames to %s: %d bytes queued, frame dropped", addr, peer.queued
+                )
                 return False
             if peer.sock is not None and peer.ready and not peer.queue:  # the usual case
                 try:
@@ -252,7 +252,7 @@ class Outbox:
             k = peer.sent
             if k:  # the first frame went out in part
                 h = len(views[0])
-                views[0], views[1] = (views[0][k:], views[1]) if k < h else (b"", views[1][k - h:])
+                views[0], views[1] = (views[0][k:], views[1]) if k < h else (b"", views[1][k - h :])
             try:
                 n = s.sendmsg(views)
             except (BlockingIOError, InterruptedError):
@@ -321,8 +321,12 @@ class Outbox:
                     with p.lock:
                         if p.sock is not key.fileobj:
                             continue
-                        if (ev & selectors.EVENT_READ and not self._read(p)
-                                or ev & selectors.EVENT_WRITE and not self._flush(p)):
+                        if (
+                            ev & selectors.EVENT_READ
+                            and not self._read(p)
+                            or ev & selectors.EVENT_WRITE
+                            and not self._flush(p)
+                        ):
                             self._broken(p)
                 with self._dirty_lock:
                     touched |= self._dirty
@@ -339,8 +343,9 @@ class Outbox:
             self._wake_r.close()
             self._wake_w.close()
 
-    def _update(self, p: _Peer, reg: dict[_Peer, tuple[socket.socket, int]],
-                waiting: set[_Peer], now: float) -> None:
+    def _update(
+        self, p: _Peer, reg: dict[_Peer, tuple[socket.socket, int]], waiting: set[_Peer], now: float
+    ) -> None:
         """Bring a peer's registration in line with its state (flusher thread)."""
         with p.lock:
             dead, p.dead = p.dead, []

@@ -44,8 +44,12 @@ def staging_for(pools: tuple[PoolSpec, ...], mode: str) -> Staging | None:
     try:
         return Staging(n, devices[0] if devices else "cpu")
     except Exception as e:  # noqa: BLE001 - e.g. out of device memory: run without packing
-        log.warning("no pack staging (%d MiB on %s): requests are not packed: %s", n >> 20,
-                    devices[0] if devices else "cpu", e)
+        log.warning(
+            "no pack staging (%d MiB on %s): requests are not packed: %s",
+            n >> 20,
+            devices[0] if devices else "cpu",
+            e,
+        )
         return None
 
 
@@ -91,8 +95,11 @@ def merged(src: list[int], dst: list[int], nb: list[int]) -> Blocks:
         else:
             out.append([s, d, n])
     cut = [(s + o, d + o, min(MAX_ENTRY, n - o)) for s, d, n in out for o in range(0, n, MAX_ENTRY)]
-    return Blocks(np.array([c[0] for c in cut], _U64), np.array([c[1] for c in cut], _U64),
-                  np.array([c[2] for c in cut], _U64))
+    return Blocks(
+        np.array([c[0] for c in cut], _U64),
+        np.array([c[1] for c in cut], _U64),
+        np.array([c[2] for c in cut], _U64),
+    )
 
 
 class Packer:
@@ -155,8 +162,14 @@ def _take(view: Any, idx: Any, out: Any) -> None:
         torch.index_select(view, 0, idx, out=out)
 
 
-def unpack(pool: PoolSpec, lease: Lease, pages: np.ndarray, prefix_len: int, num_tokens: int,
-           layers: set[tuple[int, str]]) -> None:
+def unpack(
+    pool: PoolSpec,
+    lease: Lease,
+    pages: np.ndarray,
+    prefix_len: int,
+    num_tokens: int,
+    layers: set[tuple[int, str]],
+) -> None:
     """Scatter a pack lease into ``pool``'s pages (covering tokens from ``prefix_len``) for
     the buffers ``layers`` the sender wrote: per buffer one indexed copy of the token rows."""
     ntok = num_tokens - prefix_len

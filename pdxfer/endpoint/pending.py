@@ -91,6 +91,7 @@ class PendingRequests:
         w = self.rooms.get(room)
         if w is None:
             return False
+
         def match(p: Parked) -> bool:
             return p.req.nonce == nonce and p.peer.endpoint_id == endpoint_id
 

@@ -65,9 +65,14 @@ class KVReceiver(RoomHandle):
     _side: DecodeSide
     _st: RecvRoom
 
-    def request(self, dst: Mapping[str, object], slots: Mapping[str, int] | None = None,
-                prefix_len: int = 0, num_tokens: int | None = None,
-                hold_for_repair: bool = False) -> None:
+    def request(
+        self,
+        dst: Mapping[str, object],
+        slots: Mapping[str, int] | None = None,
+        prefix_len: int = 0,
+        num_tokens: int | None = None,
+        hold_for_repair: bool = False,
+    ) -> None:
         """Ask the prefill for tokens ``[prefix_len, num_tokens)`` into ``dst`` (page indices
         per anchor pool, covering tokens from ``prefix_len``) and slot rows ``slots``.
         ``num_tokens`` defaults to what the first pool's pages cover. ``hold_for_repair``
@@ -96,8 +101,12 @@ class KVReceiver(RoomHandle):
 
     def stats(self) -> dict[str, Any]:
         st = self._st
-        return {"bytes": st.bytes, "blocks": st.blocks, "senders": len(st.targets),
-                "seconds": (st.t_done - st.t_request) if st.t_done else None}
+        return {
+            "bytes": st.bytes,
+            "blocks": st.blocks,
+            "senders": len(st.targets),
+            "seconds": (st.t_done - st.t_request) if st.t_done else None,
+        }
 
     def abort(self, reason: str = "aborted by decode engine") -> None:
         self._side.fail(self._st, Aborted(f"room {self._st.room}: {reason}"))
@@ -109,12 +118,15 @@ class DecodeSide:
     def __init__(self, ep: Core) -> None:
         self.ep = ep
         self.cfg = ep.config
-        odd = sorted({p.location for p in ep.pools if p.item_bytes
-                      and not I.supported(p.location)})
+        odd = sorted({p.location for p in ep.pools if p.item_bytes and not I.supported(p.location)})
         self.integrity = self.cfg.integrity if not odd else "off"
         if self.cfg.integrity != "off" and odd:
-            log.warning("integrity=%s: pools on %s cannot be digested (host and CUDA pools "
-                        "can): received KV is not checked", self.cfg.integrity, odd)
+            log.warning(
+                "integrity=%s: pools on %s cannot be digested (host and CUDA pools "
+                "can): received KV is not checked",
+                self.cfg.integrity,
+                odd,
+            )
         self.rooms: dict[int, RecvRoom] = {}
         n = Staging.wanted(ep.pools)
         self.staging = Staging(n) if n else None
@@ -124,31 +136,54 @@ class DecodeSide:
         if self.packing is not None:
             ep.transport.register(self.packing.addr, self.packing.nbytes, self.packing.location)
         extra = ((self.staging.spec(),) if self.staging else ()) + (
-            (self.packing.spec(PACK_POOL),) if self.packing else ())
+            (self.packing.spec(PACK_POOL),) if self.packing else ()
+        )
         self.connector = Connector(ep, extra)
         self.peers = self.connector.peers
         self.checks = IntegrityChecks(ep, self.rooms, self.peers)
-        self.liveness = Liveness(self.cfg.limits.heartbeat_s, self._watched, ep.transport.probe,
-                                 self._peer_lost)
+        self.liveness = Liveness(
+            self.cfg.limits.heartbeat_s, self._watched, ep.transport.probe, self._peer_lost
+        )
 
     # -- engine calls -------------------------------------------------------------------------
 
-    def create(self, room: int, bootstrap: str, instance: str | None, dp: int | None,
-               release: Release | None, early: bool = False) -> KVReceiver:
+    def create(
+        self,
+        room: int,
+        bootstrap: str,
+        instance: str | None,
+        dp: int | None,
+        release: Release | None,
+        early: bool = False,
+    ) -> KVReceiver:
         if not 0 <= room < 1 << 63:
             raise PlanError(f"room {room} out of range [0, 2^63)")
         with self.ep.lock:
             if room in self.rooms:
-                raise DuplicateRoom(f"room {room} is already active on decode endpoint "
-                                    f"{self.ep.endpoint_id}")
-            st = RecvRoom(room, bootstrap, instance, dp, ReleaseOnce(room, release),
-                          time.monotonic() + self.cfg.limits.bootstrap_timeout_s, early=early)
+                raise DuplicateRoom(
+                    f"room {room} is already active on decode endpoint {self.ep.endpoint_id}"
+                )
+            st = RecvRoom(
+                room,
+                bootstrap,
+                instance,
+                dp,
+                ReleaseOnce(room, release),
+                time.monotonic() + self.cfg.limits.bootstrap_timeout_s,
+                early=early,
+            )
             self.rooms[room] = st
             self.ep.count("requests")
         return KVReceiver(self, st)
 
-    def request(self, st: RecvRoom, dst: Mapping[str, object], slots: dict[str, int],
-                prefix_len: int, num_tokens: int | None) -> None:
+    def request(
+        self,
+        st: RecvRoom,
+        dst: Mapping[str, object],
+        slots: dict[str, int],
+        prefix_len: int,
+        num_tokens: int | None,
+    ) -> None:
         """Validate the engine's request, then send it; a request that raises leaves the room
         Failed at once with that reason (no receiver lingers until its deadline)."""
         if st.requested:
@@ -170,15 +205,24 @@ class DecodeSide:
                 st.hold_for_repair = st.auto_hold = True
         c = self.connector.cached(route_key(st))
         if c is None:
-            self.connector.connect(route_key(st), st.room, st.deadline,
-                                   lambda r: self._connected(st, r),
-                                   lambda e: self._connect_failed(st, e))
+            self.connector.connect(
+                route_key(st),
+                st.room,
+                st.deadline,
+                lambda r: self._connected(st, r),
+                lambda e: self._connect_failed(st, e),
+            )
         else:
             self._connected(st, c)  # nothing left that blocks: no hop through the connector
 
-    def _check_request(self, st: RecvRoom, dst: Mapping[str, object], slots: dict[str, int],
-                       prefix_len: int, num_tokens: int | None
-                       ) -> tuple[dict[str, np.ndarray], int]:
+    def _check_request(
+        self,
+        st: RecvRoom,
+        dst: Mapping[str, object],
+        slots: dict[str, int],
+        prefix_len: int,
+        num_tokens: int | None,
+    ) -> tuple[dict[str, np.ndarray], int]:
         """The destination arrays and token count, or ``PlanError``: indices in range and
         distinct (a page named twice would lose half its tokens), ``prefix_len`` on a page
         boundary of every pool (the first destination page starts at ``prefix_len``)."""
@@ -191,15 +235,20 @@ class DecodeSide:
             if isinstance(a, str):
                 raise PlanError(a)
             if a.size and (int(a.min()) < 0 or int(a.max()) >= pool.num_items):
-                raise PlanError(f"room {st.room}: destination index out of range [0, "
-                                f"{pool.num_items}) for pool {name!r}")
+                raise PlanError(
+                    f"room {st.room}: destination index out of range [0, "
+                    f"{pool.num_items}) for pool {name!r}"
+                )
             if np.unique(a).size != a.size:
-                raise PlanError(f"room {st.room}: pool {name!r} names a destination page more "
-                                f"than once")
+                raise PlanError(
+                    f"room {st.room}: pool {name!r} names a destination page more than once"
+                )
             if prefix_len % pool.page_size:
-                raise PlanError(f"room {st.room}: prefix_len {prefix_len} is not a multiple of "
-                                f"pool {name!r}'s page size {pool.page_size} (the decode's "
-                                f"pages start at prefix_len; round it down to a page)")
+                raise PlanError(
+                    f"room {st.room}: prefix_len {prefix_len} is not a multiple of "
+                    f"pool {name!r}'s page size {pool.page_size} (the decode's "
+                    f"pages start at prefix_len; round it down to a page)"
+                )
             arrays[name] = a
         for name, slot in slots.items():
             pool = self.ep.pool(name)
@@ -207,14 +256,17 @@ class DecodeSide:
                 raise PlanError(f"room {st.room}: bad slot {slot} for pool {name!r}")
         if num_tokens is None:
             first = next(iter(arrays.items()), None)
-            num_tokens = prefix_len + (first[1].size * self.ep.pool(first[0]).page_size
-                                       if first else 0)
+            num_tokens = prefix_len + (
+                first[1].size * self.ep.pool(first[0]).page_size if first else 0
+            )
         if not 0 <= prefix_len <= num_tokens:
             raise PlanError(f"room {st.room}: need 0 <= prefix_len <= num_tokens")
         for name, a in arrays.items():
             if a.size * self.ep.pool(name).page_size < num_tokens - prefix_len:
-                raise PlanError(f"room {st.room}: pool {name!r} pages cover fewer than "
-                                f"{num_tokens - prefix_len} tokens")
+                raise PlanError(
+                    f"room {st.room}: pool {name!r} pages cover fewer than "
+                    f"{num_tokens - prefix_len} tokens"
+                )
         return arrays, num_tokens
 
     def fail(self, st: RecvRoom, err: PdxferError) -> None:
@@ -231,8 +283,13 @@ class DecodeSide:
             targets = [p for p in st.targets if p.endpoint_id in st.outstanding]
             finished = [p for p in st.targets if p.endpoint_id not in st.outstanding]
         for p in targets:
-            self.ep.send(p.ctrl_addr, wire.Abort(room=st.room, nonce=st.nonce, reason=str(err),
-                                                 endpoint_id=self.ep.endpoint_id), p.sess)
+            self.ep.send(
+                p.ctrl_addr,
+                wire.Abort(
+                    room=st.room, nonce=st.nonce, reason=str(err), endpoint_id=self.ep.endpoint_id
+                ),
+                p.sess,
+            )
         if st.auto_hold and finished:
             self.release_sources(st, finished)
         self._maybe_release(st)
@@ -256,8 +313,14 @@ class DecodeSide:
             e = BootstrapError(f"room {st.room}: {e}")
         self.fail(st, e)
 
-    def _post(self, st: RecvRoom, peers: list[PrefillPeer], plan: list[T.Assignment],
-              npeers: int, leases: list[list[Lease]]) -> None:
+    def _post(
+        self,
+        st: RecvRoom,
+        peers: list[PrefillPeer],
+        plan: list[T.Assignment],
+        npeers: int,
+        leases: list[list[Lease]],
+    ) -> None:
         """Send the room's TransferRequest to every peer (never blocks)."""
         now = time.monotonic()
         with self.ep.lock:
@@ -275,21 +338,35 @@ class DecodeSide:
             st.deadline = now + self.cfg.limits.transfer_timeout_s
             st.t_request = now
             req = wire.TransferRequest(
-                room=st.room, nonce=st.nonce, endpoint_id=self.ep.endpoint_id,
-                dst={k: wire.pack_indices(v) for k, v in st.dst.items()}, slots=st.slots,
-                prefix_len=st.prefix_len, num_tokens=st.num_tokens,
-                expected_senders=max(1, len(st.targets)), decode_peers=npeers,
-                deadline_s=self.cfg.limits.transfer_timeout_s, hold_for_repair=st.hold_for_repair,
-                integrity=st.integrity, early=st.early)
+                room=st.room,
+                nonce=st.nonce,
+                endpoint_id=self.ep.endpoint_id,
+                dst={k: wire.pack_indices(v) for k, v in st.dst.items()},
+                slots=st.slots,
+                prefix_len=st.prefix_len,
+                num_tokens=st.num_tokens,
+                expected_senders=max(1, len(st.targets)),
+                decode_peers=npeers,
+                deadline_s=self.cfg.limits.transfer_timeout_s,
+                hold_for_repair=st.hold_for_repair,
+                integrity=st.integrity,
+                early=st.early,
+            )
             # Queued under the lock: an abort (which takes the lock) either sees the room
             # terminal before this, or queues its Abort behind the request on the same socket.
             for p, a in zip(peers, plan):
-                frame = wire.encode(msgspec.structs.replace(
-                    req, heads=a.heads, skip=a.skip, silent=a.silent,
-                    stage={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])
-                           if not x.packed},
-                    pack={x.pool: x.addr for x in st.leases.get(p.endpoint_id, [])
-                          if x.packed}))
+                frame = wire.encode(
+                    msgspec.structs.replace(
+                        req,
+                        heads=a.heads,
+                        skip=a.skip,
+                        silent=a.silent,
+                        stage={
+                            x.pool: x.addr for x in st.leases.get(p.endpoint_id, []) if not x.packed
+                        },
+                        pack={x.pool: x.addr for x in st.leases.get(p.endpoint_id, []) if x.packed},
+                    )
+                )
                 if st.auto_hold and not a.silent:
                     st.asks[p.endpoint_id] = frame
                 self.ep.send_frame(p.ctrl_addr, frame, p.sess)
@@ -297,8 +374,12 @@ class DecodeSide:
             self.checks.prepare(st, peers, plan)
         if not st.targets:  # every asked rank is silent: nothing this decode needs is there
             if any(p.item_bytes and not p.optional for p in self.ep.pools):
-                self.fail(st, LayoutMismatch(f"room {st.room}: no prefill endpoint writes any "
-                                             f"of this decode's pools"))
+                self.fail(
+                    st,
+                    LayoutMismatch(
+                        f"room {st.room}: no prefill endpoint writes any of this decode's pools"
+                    ),
+                )
                 return
             with self.ep.lock:
                 if not st.state.terminal:
@@ -307,17 +388,19 @@ class DecodeSide:
 
     # -- messages ----------------------------------------------------------------------------
 
-    def _settle(self, msg: wire.TransferDone | wire.AbortAck, sess: Session | None
-                ) -> RecvRoom | None:
+    def _settle(
+        self, msg: wire.TransferDone | wire.AbortAck, sess: Session | None
+    ) -> RecvRoom | None:
         """The room a sender's terminal message belongs to, now that sender is no longer
         outstanding; None (counted as stale) for an unknown room, old nonce or repeat, or a
         message whose session is not that sender's."""
         st = self.rooms.get(msg.room)
-        if sess is not None and not (isinstance(sess.peer, PrefillPeer)
-                                     and sess.peer.endpoint_id == msg.endpoint_id
-                                     and st is not None
-                                     and any(p.endpoint_id == msg.endpoint_id
-                                             for p in st.targets)):
+        if sess is not None and not (
+            isinstance(sess.peer, PrefillPeer)
+            and sess.peer.endpoint_id == msg.endpoint_id
+            and st is not None
+            and any(p.endpoint_id == msg.endpoint_id for p in st.targets)
+        ):
             self.ep.count("rejected_wrong_pair")
             return None
         if st is None or st.nonce != msg.nonce or msg.endpoint_id not in st.outstanding:
@@ -357,16 +440,24 @@ class DecodeSide:
         if bad is not None:
             self.fail(st, bad)
         elif not msg.ok:
-            self.fail(st, from_kind(msg.kind, f"room {msg.room}: prefill endpoint "
-                                              f"{msg.endpoint_id} failed: {msg.reason}"))
+            self.fail(
+                st,
+                from_kind(
+                    msg.kind,
+                    f"room {msg.room}: prefill endpoint {msg.endpoint_id} failed: {msg.reason}",
+                ),
+            )
         self._maybe_release(st)
 
     def release_sources(self, st: RecvRoom, targets: list[PrefillPeer]) -> None:
         """Let senders that hold the room for a repair free its pages (the engine's
         ``release_source``, or this side itself for ``integrity_retry``)."""
         for p in targets:
-            self.ep.send(p.ctrl_addr, wire.Release(room=st.room, nonce=st.nonce,
-                                                  endpoint_id=self.ep.endpoint_id), p.sess)
+            self.ep.send(
+                p.ctrl_addr,
+                wire.Release(room=st.room, nonce=st.nonce, endpoint_id=self.ep.endpoint_id),
+                p.sess,
+            )
 
     def on_hello_ack(self, msg: wire.HelloAck, sess: Session | None, h: wire.Header) -> None:
         self.connector.on_hello_ack(msg, sess, h)
@@ -374,8 +465,11 @@ class DecodeSide:
     def on_abort_ack(self, msg: wire.AbortAck, sess: Session | None, _: wire.Header) -> None:
         with self.ep.lock:
             st = self._settle(msg, sess)
-            peer = None if st is None else next(
-                (p for p in st.targets if p.endpoint_id == msg.endpoint_id), None)
+            peer = (
+                None
+                if st is None
+                else next((p for p in st.targets if p.endpoint_id == msg.endpoint_id), None)
+            )
         if st is not None:
             if st.auto_hold and peer is not None:  # it may hold the room for a repair
                 self.release_sources(st, [peer])
@@ -410,8 +504,9 @@ class DecodeSide:
 
     # -- staging (head slices, see staging.py) ------------------------------------------------
 
-    def _stage(self, st: RecvRoom, heads: Mapping[str, tuple[int, int]],
-               theirs: Mapping[str, PoolSpec]) -> list[Lease]:
+    def _stage(
+        self, st: RecvRoom, heads: Mapping[str, tuple[int, int]], theirs: Mapping[str, PoolSpec]
+    ) -> list[Lease]:
         """Leases for the host pools a sender writes as a head slice: part of this rank's
         heads, or part of its own (then its pages are not ours: in place that is one entry
         per token or page and buffer). Whole pages on both sides (1:1) stay direct."""
@@ -421,12 +516,19 @@ class DecodeSide:
         for name, (lo, hi) in heads.items():
             pool = self.ep.pool(name)
             sh, other = pool.sharding, theirs.get(name)
-            if (pool.location != "cpu" or other is None or sh.kind != "heads"
-                    or (pool.indices_from or name) not in st.dst):
+            if (
+                pool.location != "cpu"
+                or other is None
+                or sh.kind != "heads"
+                or (pool.indices_from or name) not in st.dst
+            ):
                 continue  # only pools this room writes (a room may ask for some pools)
             osh = other.sharding
-            if (lo, hi) == (sh.first_head, sh.first_head + sh.rank_heads) == (
-                    osh.first_head, osh.first_head + osh.rank_heads):
+            if (
+                (lo, hi)
+                == (sh.first_head, sh.first_head + sh.rank_heads)
+                == (osh.first_head, osh.first_head + osh.rank_heads)
+            ):
                 continue
             n = lease_bytes(pool, st.num_tokens - st.prefix_len, lo, hi)
             addr = self.staging.alloc(n) if n else None
@@ -438,8 +540,9 @@ class DecodeSide:
             out.append(Lease(name, addr, n, lo, hi))
         return out
 
-    def _pack(self, st: RecvRoom, a: T.Assignment, theirs: Mapping[str, PoolSpec],
-              staged: list[Lease]) -> list[Lease]:
+    def _pack(
+        self, st: RecvRoom, a: T.Assignment, theirs: Mapping[str, PoolSpec], staged: list[Lease]
+    ) -> list[Lease]:
         """Leases of the pack staging for the pools a sender writes as whole token rows and
         ``plan.pack.wanted`` picks (a full staging leaves that pool direct)."""
         out: list[Lease] = []
@@ -451,11 +554,23 @@ class DecodeSide:
         for pool in self.ep.pools:
             anchor = pool.indices_from or pool.name
             other = theirs.get(pool.name)
-            if (other is None or pool.name in done or pool.name in a.skip or anchor not in st.dst
-                    or pool.location != self.packing.location or ntok <= 0
-                    or not wanted(self.cfg.limits.pack, pool, other, a.heads.get(pool.name),
-                                  int(st.dst[anchor].size), k.pack_min_pages,
-                                  int(k.pack_max_page_kb * 1024))):
+            if (
+                other is None
+                or pool.name in done
+                or pool.name in a.skip
+                or anchor not in st.dst
+                or pool.location != self.packing.location
+                or ntok <= 0
+                or not wanted(
+                    self.cfg.limits.pack,
+                    pool,
+                    other,
+                    a.heads.get(pool.name),
+                    int(st.dst[anchor].size),
+                    k.pack_min_pages,
+                    int(k.pack_max_page_kb * 1024),
+                )
+            ):
                 continue
             n = pack_bytes(pool, ntok)
             addr = self.packing.alloc(n)
@@ -484,14 +599,30 @@ class DecodeSide:
         for x in leases:
             pool = self.ep.pool(x.pool)
             theirs = peer.pools.get(x.pool) if peer is not None else None
-            layers = ({(b.layer_id, b.role) for b in theirs.buffers} if theirs is not None
-                      else {(b.layer_id, b.role) for b in pool.buffers})
+            layers = (
+                {(b.layer_id, b.role) for b in theirs.buffers}
+                if theirs is not None
+                else {(b.layer_id, b.role) for b in pool.buffers}
+            )
             if x.packed:
-                unpack(pool, x, st.dst[pool.indices_from or x.pool], st.prefix_len,
-                       st.num_tokens, layers)
+                unpack(
+                    pool,
+                    x,
+                    st.dst[pool.indices_from or x.pool],
+                    st.prefix_len,
+                    st.num_tokens,
+                    layers,
+                )
                 continue
-            scatter(pool, x, st.dst[pool.indices_from or x.pool], st.prefix_len,
-                    st.num_tokens, layers, self.staging.executor if self.staging else None)
+            scatter(
+                pool,
+                x,
+                st.dst[pool.indices_from or x.pool],
+                st.prefix_len,
+                st.num_tokens,
+                layers,
+                self.staging.executor if self.staging else None,
+            )
 
     # -- periodic ----------------------------------------------------------------------------
 
@@ -506,49 +637,76 @@ class DecodeSide:
                     if not st.quarantined:
                         st.quarantined = True
                         self.ep.count("quarantined_requests")
-                        log.warning("room %d: pages quarantined, senders %s have not confirmed "
-                                    "that their writes drained", st.room, sorted(st.outstanding))
+                        log.warning(
+                            "room %d: pages quarantined, senders %s have not confirmed "
+                            "that their writes drained",
+                            st.room,
+                            sorted(st.outstanding),
+                        )
                     # the Abort (or its ack) may have been lost: ask again until answered
                     st.abort_deadline = now + self.cfg.limits.abort_timeout_s
-                    msg = wire.Abort(room=st.room, nonce=st.nonce, reason="retransmit",
-                                     endpoint_id=self.ep.endpoint_id)
-                    resend += [(self._current(p), msg) for p in st.targets
-                               if p.endpoint_id in st.outstanding]
+                    msg = wire.Abort(
+                        room=st.room,
+                        nonce=st.nonce,
+                        reason="retransmit",
+                        endpoint_id=self.ep.endpoint_id,
+                    )
+                    resend += [
+                        (self._current(p), msg)
+                        for p in st.targets
+                        if p.endpoint_id in st.outstanding
+                    ]
         for p, msg in resend:
             self.ep.count("abort_retransmits")
             self.ep.send(p.ctrl_addr, msg, p.sess)
         for st in expired:
-            what = (f"bootstrap lookup ({st.bootstrap}"
-                    f"{', instance ' + st.instance if st.instance else ''}) or handshake"
-                    if st.state == KVPoll.Bootstrapping else
-                    f"transfer (state {st.state.name}, waiting for {sorted(st.outstanding)})")
-            self.fail(st, DeadlineExceeded(f"room {st.room}: {what} did not finish before its "
-                                           f"deadline"))
+            what = (
+                f"bootstrap lookup ({st.bootstrap}"
+                f"{', instance ' + st.instance if st.instance else ''}) or handshake"
+                if st.state == KVPoll.Bootstrapping
+                else f"transfer (state {st.state.name}, waiting for {sorted(st.outstanding)})"
+            )
+            self.fail(
+                st, DeadlineExceeded(f"room {st.room}: {what} did not finish before its deadline")
+            )
 
     def _current(self, p: PrefillPeer) -> PrefillPeer:
         """Where a retransmitted Abort goes (under the lock): the room's peer, or the one
         that replaced it after a new handshake with the same endpoint (the prefill dropped
         the old pair on that Hello, so only the new session still reaches it)."""
         cur = self.peers.get(p.endpoint_id)
-        if (cur is not None and cur is not p and cur.ready.is_set() and cur.session
-                and not (cur.dead or cur.refused)):
+        if (
+            cur is not None
+            and cur is not p
+            and cur.ready.is_set()
+            and cur.session
+            and not (cur.dead or cur.refused)
+        ):
             return cur
         return p
 
     def quarantined_pages(self) -> int:
         with self.ep.lock:
-            return sum(int(a.size) for st in self.rooms.values() if st.quarantined
-                       for a in st.dst.values())
+            return sum(
+                int(a.size) for st in self.rooms.values() if st.quarantined for a in st.dst.values()
+            )
 
     def _watched(self) -> dict[str, PrefillPeer]:
         """The prefill endpoints that rooms wait on (the heartbeat probes these)."""
         with self.ep.lock:
-            return {p.endpoint_id: p for st in self.rooms.values() for p in st.targets
-                    if p.endpoint_id in st.outstanding and p.session}
+            return {
+                p.endpoint_id: p
+                for st in self.rooms.values()
+                for p in st.targets
+                if p.endpoint_id in st.outstanding and p.session
+            }
 
     def _peer_lost(self, p: PrefillPeer, dead: bool) -> None:
-        what = ("stopped answering" if dead else
-                "is not responding (hung, or the network to it is down)")
+        what = (
+            "stopped answering"
+            if dead
+            else "is not responding (hung, or the network to it is down)"
+        )
         log.warning("prefill endpoint %s (%s) %s", p.endpoint_id, p.session, what)
         self.ep.count("peers_lost" if dead else "peers_hung")
         self.connector.drop_peer(p, keep_session=not dead)
@@ -558,8 +716,10 @@ class DecodeSide:
         if dead:
             self.ep.forget(p.ctrl_addr)
         for st in hit:
-            self.fail(st, PeerLost(f"room {st.room}: prefill endpoint {p.endpoint_id} "
-                                   f"({p.session}) {what}"))
+            self.fail(
+                st,
+                PeerLost(f"room {st.room}: prefill endpoint {p.endpoint_id} ({p.session}) {what}"),
+            )
             if dead:
                 with self.ep.lock:
                     # A dead process cannot write any more: its pages are safe.

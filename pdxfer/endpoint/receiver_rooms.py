@@ -60,8 +60,7 @@ class RecvRoom:
     """Senders asked a second time after a digest mismatch."""
     heads: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     """Per sender, the global heads it writes of each head-sliced pool (fault injection)."""
-    prepared: dict[tuple[str, str, int, int, int, int], I.Prepared] = field(
-        default_factory=dict)
+    prepared: dict[tuple[str, str, int, int, int, int], I.Prepared] = field(default_factory=dict)
     """Sampled checks planned when the request went out, by (sender, pool, start, end, lo,
     hi): the digest a one-chunk sender reports for each pool (``IntegrityChecks.prepare``)."""
 

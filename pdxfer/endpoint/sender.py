@@ -55,9 +55,15 @@ class KVSender(RoomHandle):
     _side: PrefillSide
     _st: SenderRoom
 
-    def send(self, pages: Mapping[str, object], slots: Mapping[str, int] | None = None,
-             last: bool = False, *, layers: tuple[int, int] | None = None,
-             tokens: tuple[int, int] | None = None) -> None:
+    def send(
+        self,
+        pages: Mapping[str, object],
+        slots: Mapping[str, int] | None = None,
+        last: bool = False,
+        *,
+        layers: tuple[int, int] | None = None,
+        tokens: tuple[int, int] | None = None,
+    ) -> None:
         """Hand over a finished prefill chunk: page indices per pool (anchors only), in prompt
         order. The last chunk also names the slot of each slot pool. A chunk given before the
         decode's request arrived waits for it.
@@ -117,16 +123,26 @@ class PrefillSide:
         self.writer = Writer(ep, self.settler, self.fail, self._end_or_hold)
         self.page_sizes = {p.name: p.page_size for p in ep.pools}
         self.layers_of = C.pool_layers({p.name: p for p in ep.pools})
-        self.liveness = Liveness(cfg.limits.heartbeat_s, self._holders, ep.transport.probe,
-                                 self._holder_lost, name="pdxfer-hold-heartbeat")
+        self.liveness = Liveness(
+            cfg.limits.heartbeat_s,
+            self._holders,
+            ep.transport.probe,
+            self._holder_lost,
+            name="pdxfer-hold-heartbeat",
+        )
 
     def tables(self) -> dict[str, int]:
         """Sizes of this side's tables (leak checks, metrics; under the lock)."""
-        return {"rooms": len(self.rooms), "pending": len(self.pending),
-                "pending_bytes": self.pending.bytes,
-                "held": sum(1 for s in self.rooms.values() if s.hold_until),
-                "tombstones": len(self.tombstones), "refused": len(self.refused),
-                "expected": len(self.expected.rooms), "peers": len(self.peers)}
+        return {
+            "rooms": len(self.rooms),
+            "pending": len(self.pending),
+            "pending_bytes": self.pending.bytes,
+            "held": sum(1 for s in self.rooms.values() if s.hold_until),
+            "tombstones": len(self.tombstones),
+            "refused": len(self.refused),
+            "expected": len(self.expected.rooms),
+            "peers": len(self.peers),
+        }
 
     def close(self) -> None:
         self.liveness.close()
@@ -135,21 +151,29 @@ class PrefillSide:
     def _holders(self) -> dict[str, DecodePeer]:
         """Decodes that hold rooms here for a repair and have not released them."""
         with self.ep.lock:
-            return {t.peer.endpoint_id: t.peer for st in self.rooms.values() if st.hold_until
-                    for t in st.targets if t.req.hold_for_repair and not t.released
-                    and t.peer.session}
+            return {
+                t.peer.endpoint_id: t.peer
+                for st in self.rooms.values()
+                if st.hold_until
+                for t in st.targets
+                if t.req.hold_for_repair and not t.released and t.peer.session
+            }
 
     def _holder_lost(self, p: DecodePeer, dead: bool) -> None:
         """A decode that holds rooms stopped answering: if it is gone its Release will never
         come, so its holds end now (the engine gets its pages back). A hung one keeps them:
         it may wake up and ask for a repair; the hold deadline bounds that."""
         if not dead:
-            log.info("decode endpoint %s (%s) holding rooms is not responding", p.endpoint_id,
-                     p.session)
+            log.info(
+                "decode endpoint %s (%s) holding rooms is not responding", p.endpoint_id, p.session
+            )
             return
         with self.ep.lock:
-            held = [st for st in self.rooms.values() if st.hold_until
-                    and any(t.peer.endpoint_id == p.endpoint_id for t in st.targets)]
+            held = [
+                st
+                for st in self.rooms.values()
+                if st.hold_until and any(t.peer.endpoint_id == p.endpoint_id for t in st.targets)
+            ]
             for st in held:
                 for t in st.targets:
                     if t.peer.endpoint_id == p.endpoint_id:
@@ -159,8 +183,12 @@ class PrefillSide:
             p.probe_failures = 0
         if held:
             self.ep.count("holds_dropped", len(held))
-            log.warning("decode endpoint %s (%s) is gone: %d rooms held for its repairs end",
-                        p.endpoint_id, p.session, len(held))
+            log.warning(
+                "decode endpoint %s (%s) is gone: %d rooms held for its repairs end",
+                p.endpoint_id,
+                p.session,
+                len(held),
+            )
 
     def _peers_in_use(self) -> set[int]:
         """Peers the rooms and parked requests refer to (the peer table keeps them)."""
@@ -172,8 +200,7 @@ class PrefillSide:
         request that cannot come (only a room not bound to another decode)."""
         if msg.room is None:
             return
-        why = (f"room {msg.room}: handshake from decode endpoint {msg.endpoint_id} refused: "
-               f"{reason}")
+        why = f"room {msg.room}: handshake from decode endpoint {msg.endpoint_id} refused: {reason}"
         with self.ep.lock:
             st = self.rooms.get(msg.room)
             if st is None:
@@ -181,8 +208,12 @@ class PrefillSide:
                 while len(self.refused) > self.cfg.limits.max_tombstones:
                     self.refused.popitem(last=False)
                 return
-            if (st.targets or st.state.terminal
-                    or st.bound and st.bound not in (msg.endpoint_id, msg.instance)):
+            if (
+                st.targets
+                or st.state.terminal
+                or st.bound
+                and st.bound not in (msg.endpoint_id, msg.instance)
+            ):
                 return
         self.fail(st, LayoutMismatch(why))
 
@@ -192,8 +223,9 @@ class PrefillSide:
         now = time.monotonic()
         with self.ep.lock:
             if room in self.rooms:
-                raise DuplicateRoom(f"room {room} is already active on prefill endpoint "
-                                    f"{self.ep.endpoint_id}")
+                raise DuplicateRoom(
+                    f"room {room} is already active on prefill endpoint {self.ep.endpoint_id}"
+                )
             self.tombstones.forget(room)
             self.expected.pop(room)
             st = SenderRoom(room, now + self.cfg.limits.bootstrap_timeout_s, bound=peer)
@@ -232,17 +264,25 @@ class PrefillSide:
             for p in self.pending.take(room):
                 self._refuse(p.req, p.peer, f"room {room} {why}", "aborted")
 
-    def add_chunk(self, st: SenderRoom, pages: Mapping[str, object], slots: dict[str, int],
-                  last: bool, layers: tuple[int, int] | None = None,
-                  tokens: tuple[int, int] | None = None) -> None:
+    def add_chunk(
+        self,
+        st: SenderRoom,
+        pages: Mapping[str, object],
+        slots: dict[str, int],
+        last: bool,
+        layers: tuple[int, int] | None = None,
+        tokens: tuple[int, int] | None = None,
+    ) -> None:
         if st.last_given:
             raise PlanError(f"room {st.room}: send() after the last chunk")
         arrays: dict[str, np.ndarray] = {}
         for name, idx in pages.items():
             pool = self.ep.pool(name)
             if pool.kind != "paged" or pool.indices_from is not None:
-                raise PlanError(f"room {st.room}: pool {name!r} takes no page indices in send() "
-                                f"(slot pool, or follows {pool.indices_from!r})")
+                raise PlanError(
+                    f"room {st.room}: pool {name!r} takes no page indices in send() "
+                    f"(slot pool, or follows {pool.indices_from!r})"
+                )
             a = P.as_indices(idx, f"room {st.room} pool {name!r}")
             if isinstance(a, str):
                 raise PlanError(a)
@@ -254,8 +294,15 @@ class PrefillSide:
             with self.ep.lock:
                 if st.state.terminal:
                     return
-                c = C.claim(st.room, arrays, self.page_sizes, self.layers_of, st.layer_cursor,
-                            layers, tokens)
+                c = C.claim(
+                    st.room,
+                    arrays,
+                    self.page_sizes,
+                    self.layers_of,
+                    st.layer_cursor,
+                    layers,
+                    tokens,
+                )
                 if isinstance(c, str):
                     raise PlanError(c)
                 st.layer_cursor.update(c.cursors)
@@ -280,8 +327,7 @@ class PrefillSide:
             log.info("room %d failed: %s", st.room, err)
             self.tombstones.ended(st.room, f"already failed on prefill: {err}")
             for t in st.targets:
-                self.ep.workers.submit(st.room,
-                                       lambda t=t: self.writer.finish(st, t, False, err))
+                self.ep.workers.submit(st.room, lambda t=t: self.writer.finish(st, t, False, err))
             if not st.targets:
                 self.rooms.pop(st.room, None)
 
@@ -329,8 +375,12 @@ class PrefillSide:
         if req.early and not e:
             exp = max(exp, now + self.cfg.limits.bootstrap_timeout_s)
         if self.pending.has(req.room, peer.endpoint_id):
-            self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
-                         "duplicate_room")
+            self._refuse(
+                req,
+                peer,
+                f"duplicate room {req.room} from the same decode endpoint",
+                "duplicate_room",
+            )
             return
         self.pending.park(Parked(req, peer, pending_size(req)), exp)
 
@@ -339,8 +389,13 @@ class PrefillSide:
         if self.pending.fits(pending_size(req)):
             return True
         self.ep.count("rejected_pending_full")
-        self._refuse(req, peer, f"too many requests waiting for their room on this prefill "
-                                f"({self.pending.count}, {self.pending.bytes} bytes)", "busy")
+        self._refuse(
+            req,
+            peer,
+            f"too many requests waiting for their room on this prefill "
+            f"({self.pending.count}, {self.pending.bytes} bytes)",
+            "busy",
+        )
         return False
 
     def on_abort(self, msg: wire.Abort, sess: Session | None, _: wire.Header) -> None:
@@ -350,33 +405,50 @@ class PrefillSide:
         with self.ep.lock:
             st = self.rooms.get(msg.room)
             # a repair shares its first request's nonce: the unfinished one is the one to stop
-            mine = [] if st is None else [t for t in st.targets if t.req.nonce == msg.nonce
-                                          and t.peer.endpoint_id == peer.endpoint_id]
+            mine = (
+                []
+                if st is None
+                else [
+                    t
+                    for t in st.targets
+                    if t.req.nonce == msg.nonce and t.peer.endpoint_id == peer.endpoint_id
+                ]
+            )
             target = next((t for t in mine if not t.finished), mine[-1] if mine else None)
             if target is None:
                 known = self.pending.drop(msg.room, msg.nonce, peer.endpoint_id)
                 if not known and msg.room not in self.rooms:
                     # the request may still be on its way: refuse it when it comes
-                    self.tombstones.aborted(msg.room, peer.endpoint_id, msg.nonce,
-                                            "already failed on prefill: aborted by decode "
-                                            "before its request arrived")
+                    self.tombstones.aborted(
+                        msg.room,
+                        peer.endpoint_id,
+                        msg.nonce,
+                        "already failed on prefill: aborted by decode before its request arrived",
+                    )
                 if not known and self.ep.transport.tainted(peer.session):
                     # a room that ended here while a failed write to this decode may still
                     # land: its ack waits for the proof (the decode asks again)
                     self.ep.count("abort_acks_held")
                     self.settler.kick(peer.session)
                     return
-                self.ep.send(peer.ctrl_addr, wire.AbortAck(
-                    room=msg.room, nonce=msg.nonce, endpoint_id=self.ep.endpoint_id,
-                    rank=self.cfg.tp_rank, known=known), peer.sess)
+                self.ep.send(
+                    peer.ctrl_addr,
+                    wire.AbortAck(
+                        room=msg.room,
+                        nonce=msg.nonce,
+                        endpoint_id=self.ep.endpoint_id,
+                        rank=self.cfg.tp_rank,
+                        known=known,
+                    ),
+                    peer.sess,
+                )
                 return
             target.aborted = True
             if st.state == KVPoll.Success and not target.finished:
                 # a repair of a room that succeeded: stop that one target once its writes
                 # have drained (its worker job runs after them), the room stays held
                 err = Aborted(f"room {msg.room}: repair aborted by decode")
-                self.ep.workers.submit(st.room,
-                                       lambda: self.writer.finish(st, target, False, err))
+                self.ep.workers.submit(st.room, lambda: self.writer.finish(st, target, False, err))
                 return
         self.fail(st, Aborted(f"room {msg.room}: aborted by decode ({msg.reason or 'no reason'})"))
 
@@ -387,8 +459,10 @@ class PrefillSide:
             return
         with self.ep.lock:
             st = self.rooms.get(msg.room)
-            if st is None or not any(t.req.nonce == msg.nonce and t.peer.endpoint_id == peer.endpoint_id
-                                     for t in st.targets):
+            if st is None or not any(
+                t.req.nonce == msg.nonce and t.peer.endpoint_id == peer.endpoint_id
+                for t in st.targets
+            ):
                 self.ep.count("stale_messages")
                 return
             for t in st.targets:
@@ -401,8 +475,9 @@ class PrefillSide:
         """A room whose writes all finished leaves the table, unless it succeeded for a
         decode that may still ask for a repair (it asked ``hold_for_repair`` and has not sent
         ``Release``): then it is held until those Releases or its deadline."""
-        if st.state == KVPoll.Success and any(x.req.hold_for_repair and not x.released
-                                              for x in st.targets):
+        if st.state == KVPoll.Success and any(
+            x.req.hold_for_repair and not x.released for x in st.targets
+        ):
             if not st.hold_until:
                 st.hold_until = time.monotonic() + self.cfg.limits.transfer_timeout_s
             return
@@ -414,28 +489,47 @@ class PrefillSide:
         already is), so that a late request for it is refused at once (``UnknownRoom``)."""
         self.rooms.pop(st.room, None)
         if st.state == KVPoll.Success:
-            self.tombstones.ended(st.room, "already ended on this prefill (it succeeded and "
-                                  "its pages are released)", "unknown_room")
+            self.tombstones.ended(
+                st.room,
+                "already ended on this prefill (it succeeded and its pages are released)",
+                "unknown_room",
+            )
 
-    def _repair(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer,
-                dst: dict[str, np.ndarray]) -> None:
+    def _repair(
+        self,
+        st: SenderRoom,
+        req: wire.TransferRequest,
+        peer: DecodePeer,
+        dst: dict[str, np.ndarray],
+    ) -> None:
         """A decode that held this room asks for a range again (its local restore failed,
         or a digest did not match): write the range from the pages still held (called under
         the lock)."""
-        if not any(t.peer.endpoint_id == peer.endpoint_id and t.req.hold_for_repair
-                   and not t.released for t in st.targets):
-            self._refuse(req, peer, f"room {req.room} is not held for decode {req.endpoint_id}",
-                         "duplicate_room")
+        if not any(
+            t.peer.endpoint_id == peer.endpoint_id and t.req.hold_for_repair and not t.released
+            for t in st.targets
+        ):
+            self._refuse(
+                req,
+                peer,
+                f"room {req.room} is not held for decode {req.endpoint_id}",
+                "duplicate_room",
+            )
             return
         if any(t.peer.endpoint_id == peer.endpoint_id and not t.finished for t in st.targets):
-            self._refuse(req, peer, f"room {req.room}: a repair for decode {req.endpoint_id} "
-                                    f"is already running", "duplicate_room")
+            self._refuse(
+                req,
+                peer,
+                f"room {req.room}: a repair for decode {req.endpoint_id} is already running",
+                "duplicate_room",
+            )
             return
         self.ep.count("repairs")
         st.targets.append(Target(req, peer, dst))
         if st.hold_until:
-            st.hold_until = time.monotonic() + min(req.deadline_s,
-                                                   self.cfg.limits.transfer_timeout_s)
+            st.hold_until = time.monotonic() + min(
+                req.deadline_s, self.cfg.limits.transfer_timeout_s
+            )
         self.writer.pump(st)
 
     def tick(self, now: float) -> None:
@@ -446,55 +540,91 @@ class PrefillSide:
                     expired.append(st)
             grace = min(self.cfg.limits.room_grace_s, self.cfg.limits.bootstrap_timeout_s)
             for room, parked in self.pending.take_expired(now):
-                kind, why = (("deadline", f"expected by this prefill's engine, which did "
-                              f"not open it within {self.cfg.limits.bootstrap_timeout_s} s")
-                             if self.expected.pop(room) else
-                             ("deadline", f"asked for at dispatch, and this prefill's "
-                              f"engine did not open it within "
-                              f"{self.cfg.limits.bootstrap_timeout_s} s")
-                             if any(p.req.early for p in parked) else
-                             ("unknown_room", f"unknown to this prefill (its engine did not "
-                              f"open it within {grace} s)"))
+                kind, why = (
+                    (
+                        "deadline",
+                        f"expected by this prefill's engine, which did "
+                        f"not open it within {self.cfg.limits.bootstrap_timeout_s} s",
+                    )
+                    if self.expected.pop(room)
+                    else (
+                        "deadline",
+                        f"asked for at dispatch, and this prefill's "
+                        f"engine did not open it within "
+                        f"{self.cfg.limits.bootstrap_timeout_s} s",
+                    )
+                    if any(p.req.early for p in parked)
+                    else (
+                        "unknown_room",
+                        f"unknown to this prefill (its engine did not open it within {grace} s)",
+                    )
+                )
                 for p in parked:
                     self._refuse(p.req, p.peer, f"room {room} is {why}", kind)
             self.expected.expire(now)
             self.tombstones.expire(now)
-            for st in [x for x in self.rooms.values() if x.hold_until and now > x.hold_until
-                       and all(t.finished for t in x.targets)]:
+            for st in [
+                x
+                for x in self.rooms.values()
+                if x.hold_until and now > x.hold_until and all(t.finished for t in x.targets)
+            ]:
                 log.info("room %d: no Release from the decode before the hold deadline", st.room)
                 st.hold_until = 0.0
                 self._forget(st)
         for st in expired:
-            what = ("no request from the decode" if st.state == KVPoll.Bootstrapping
-                    else f"not finished (state {st.state.name})")
+            what = (
+                "no request from the decode"
+                if st.state == KVPoll.Bootstrapping
+                else f"not finished (state {st.state.name})"
+            )
             self.fail(st, DeadlineExceeded(f"room {st.room}: {what} before its deadline"))
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _refuse(self, req: wire.TransferRequest, peer: DecodePeer, reason: str,
-                kind: str) -> None:
+    def _refuse(self, req: wire.TransferRequest, peer: DecodePeer, reason: str, kind: str) -> None:
         log.info("refused request for room %d: %s", req.room, reason)
         self.ep.count(f"refused_{kind}")
-        self.ep.send(peer.ctrl_addr, wire.TransferDone(
-            room=req.room, nonce=req.nonce, endpoint_id=self.ep.endpoint_id,
-            rank=self.cfg.tp_rank, ok=False, reason=reason, kind=kind), peer.sess)
+        self.ep.send(
+            peer.ctrl_addr,
+            wire.TransferDone(
+                room=req.room,
+                nonce=req.nonce,
+                endpoint_id=self.ep.endpoint_id,
+                rank=self.cfg.tp_rank,
+                ok=False,
+                reason=reason,
+                kind=kind,
+            ),
+            peer.sess,
+        )
 
-    def _validate(self, req: wire.TransferRequest, peer: DecodePeer
-                  ) -> tuple[str, dict[str, np.ndarray]]:
+    def _validate(
+        self, req: wire.TransferRequest, peer: DecodePeer
+    ) -> tuple[str, dict[str, np.ndarray]]:
         dst = {name: wire.unpack_indices(packed) for name, packed in req.dst.items()}
         why = C.check_ask(C.ask_of(req, dst), peer.pools, peer.pairings, self.ep.pool_names)
         return (why, {}) if why else ("", dst)
 
-    def _attach(self, st: SenderRoom, req: wire.TransferRequest, peer: DecodePeer, now: float,
-                dst: dict[str, np.ndarray] | None = None) -> None:
+    def _attach(
+        self,
+        st: SenderRoom,
+        req: wire.TransferRequest,
+        peer: DecodePeer,
+        now: float,
+        dst: dict[str, np.ndarray] | None = None,
+    ) -> None:
         if st.state.terminal:
             self._refuse(req, peer, f"room {req.room} already ended on prefill", "remote")
             return
         if self._unbound(st, req, peer):
             return
         if any(t.peer.endpoint_id == peer.endpoint_id for t in st.targets):
-            self._refuse(req, peer, f"duplicate room {req.room} from the same decode endpoint",
-                         "duplicate_room")
+            self._refuse(
+                req,
+                peer,
+                f"duplicate room {req.room} from the same decode endpoint",
+                "duplicate_room",
+            )
             return
         if dst is None:
             why, dst = self._validate(req, peer)

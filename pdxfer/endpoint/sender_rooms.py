@@ -115,8 +115,10 @@ class SenderRoom:
         misrouted or curious one) gets no byte. ``EndpointConfig.fan_out`` lets several
         decode groups ask for the same room."""
         if self.bound and not peer.is_(self.bound):
-            return (f"room {self.room} is bound to decode {self.bound!r}, not decode endpoint "
-                    f"{peer.endpoint_id} (instance {peer.instance!r})")
+            return (
+                f"room {self.room} is bound to decode {self.bound!r}, not decode endpoint "
+                f"{peer.endpoint_id} (instance {peer.instance!r})"
+            )
         if fan_out:
             return ""
         others = [t for t in self.targets if t.peer.endpoint_id != peer.endpoint_id]
@@ -124,17 +126,23 @@ class SenderRoom:
             return ""
         first = others[0]
         owner = first.peer
-        whose = (f"room {self.room} is bound to the decode group that asked first (instance "
-                 f"{owner.instance!r}, TP size {owner.tp_size}, endpoint {owner.endpoint_id})")
+        whose = (
+            f"room {self.room} is bound to the decode group that asked first (instance "
+            f"{owner.instance!r}, TP size {owner.tp_size}, endpoint {owner.endpoint_id})"
+        )
         if peer.instance != owner.instance or peer.tp_size != owner.tp_size:
-            return (f"{whose}, not decode endpoint {peer.endpoint_id} (instance "
-                    f"{peer.instance!r}, TP size {peer.tp_size}); EndpointConfig.fan_out "
-                    f"serves one room to several decode groups")
+            return (
+                f"{whose}, not decode endpoint {peer.endpoint_id} (instance "
+                f"{peer.instance!r}, TP size {peer.tp_size}); EndpointConfig.fan_out "
+                f"serves one room to several decode groups"
+            )
         ranks = {t.peer.endpoint_id: t.peer.tp_rank for t in others}
         if peer.tp_rank in ranks.values() or len(ranks) >= first.req.decode_peers:
-            return (f"{whose}: its TP rank {peer.tp_rank} (or all {first.req.decode_peers} "
-                    f"of its ranks that ask this prefill rank) already asked, so decode "
-                    f"endpoint {peer.endpoint_id} is not one of them")
+            return (
+                f"{whose}: its TP rank {peer.tp_rank} (or all {first.req.decode_peers} "
+                f"of its ranks that ask this prefill rank) already asked, so decode "
+                f"endpoint {peer.endpoint_id} is not one of them"
+            )
         return ""
 
     def repairable(self, peer: DecodePeer) -> bool:
@@ -146,8 +154,11 @@ class SenderRoom:
         if self.hold_until:
             return True
         mine = [t for t in self.targets if t.peer.endpoint_id == peer.endpoint_id]
-        return bool(mine) and all(t.finished and t.ok for t in mine) and any(
-            t.req.hold_for_repair and not t.released for t in mine)
+        return (
+            bool(mine)
+            and all(t.finished and t.ok for t in mine)
+            and any(t.req.hold_for_repair and not t.released for t in mine)
+        )
 
 
 def decodes(st: SenderRoom) -> int:

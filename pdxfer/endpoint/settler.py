@@ -55,8 +55,9 @@ class Settler:
     like any other. A prover with nothing held and no recent ask stops (a decode that is
     gone keeps no thread); the taint stays, and the next message held starts a new one."""
 
-    def __init__(self, transport: Transport, count: Callable[[str, int], None],
-                 give_up_s: float) -> None:
+    def __init__(
+        self, transport: Transport, count: Callable[[str, int], None], give_up_s: float
+    ) -> None:
         self.transport = transport
         self.count = count
         self.give_up_s = give_up_s
@@ -69,19 +70,20 @@ class Settler:
         self._stop = threading.Event()
         self.timer: threading.Thread | None = None
 
-    def hold(self, session: str, run: Callable[[], None], give_up: Callable[[], None]
-             ) -> None:
+    def hold(self, session: str, run: Callable[[], None], give_up: Callable[[], None]) -> None:
         """Call ``run`` once ``session`` is proven quiet, or ``give_up`` if that takes more
         than ``give_up_s`` (both on this object's threads: they should only queue work)."""
         with self.cv:
             if self.closed:
                 return
             self.held.setdefault(session, []).append(
-                Held(run, give_up, time.monotonic() + self.give_up_s))
+                Held(run, give_up, time.monotonic() + self.give_up_s)
+            )
             self._prove(session)
             if self.timer is None:
-                self.timer = threading.Thread(target=self._time, name="pdxfer-settle-timer",
-                                              daemon=True)
+                self.timer = threading.Thread(
+                    target=self._time, name="pdxfer-settle-timer", daemon=True
+                )
                 self.timer.start()
             self.cv.notify_all()
 
@@ -99,8 +101,9 @@ class Settler:
         if session in self.provers:
             return
         self.provers.add(session)
-        threading.Thread(target=self._prover, args=(session,), name="pdxfer-settle",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._prover, args=(session,), name="pdxfer-settle", daemon=True
+        ).start()
 
     def _prover(self, s: str) -> None:
         period = PERIOD_S
@@ -154,9 +157,11 @@ class Settler:
                     nxt = min((h.at for hs in self.held.values() for h in hs), default=None)
                     self.cv.wait(None if nxt is None else nxt - now)
                     continue
-            log.warning("%d rooms gave up waiting for a quiet path to their decode: they end "
-                        "without a message (their decodes keep the pages until it is proven)",
-                        len(late))
+            log.warning(
+                "%d rooms gave up waiting for a quiet path to their decode: they end "
+                "without a message (their decodes keep the pages until it is proven)",
+                len(late),
+            )
             self.count("settle_given_up", len(late))
             for h in late:
                 h.give_up()

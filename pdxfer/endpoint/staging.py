@@ -90,8 +90,9 @@ class Staging:
         """Threads that split large scatters; started on first use, joined by ``close``."""
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=SCATTER_WORKERS,
-                                                    thread_name_prefix="pdxfer-scatter")
+                self._executor = ThreadPoolExecutor(
+                    max_workers=SCATTER_WORKERS, thread_name_prefix="pdxfer-scatter"
+                )
             return self._executor
 
     def close(self) -> None:
@@ -109,8 +110,15 @@ class Staging:
         return int(knobs().staging_mb * (1 << 20))
 
     def spec(self, name: str = POOL_NAME) -> PoolSpec:
-        return PoolSpec(name, "slot", (BufferSpec(self.addr, self.nbytes, 0, "stage"),),
-                        self.nbytes, 1, location=self.location, optional=True)
+        return PoolSpec(
+            name,
+            "slot",
+            (BufferSpec(self.addr, self.nbytes, 0, "stage"),),
+            self.nbytes,
+            1,
+            location=self.location,
+            optional=True,
+        )
 
     def alloc(self, n: int) -> int | None:
         """Address of ``n`` free bytes (64-byte aligned), or None when full."""
@@ -147,8 +155,15 @@ releases the GIL, and one core's copy does not saturate memory bandwidth. The sc
 between a sender's last byte landing and the request's Success, so its time is latency."""
 
 
-def scatter(pool: PoolSpec, lease: Lease, pages: np.ndarray, prefix_len: int, num_tokens: int,
-            layers: set[tuple[int, str]], executor: ThreadPoolExecutor | None = None) -> None:
+def scatter(
+    pool: PoolSpec,
+    lease: Lease,
+    pages: np.ndarray,
+    prefix_len: int,
+    num_tokens: int,
+    layers: set[tuple[int, str]],
+    executor: ThreadPoolExecutor | None = None,
+) -> None:
     """Copy a lease's packed head slice into ``pool`` for the buffers ``layers`` the sender
     wrote (``pages`` cover tokens from ``prefix_len``): per buffer, one fancy-indexed copy of
     the packed units into their rows (tokens, or whole pages for HND), no per-unit loop."""
@@ -166,17 +181,26 @@ def scatter(pool: PoolSpec, lease: Lease, pages: np.ndarray, prefix_len: int, nu
         row_bytes, off = pool.item_bytes, off * pool.page_size
         idx = np.asarray(pages[:count], dtype=np.int64)
     stage = _host(lease.addr, lease.nbytes)
-    jobs = [(_host(b.addr, pool.num_items * pool.item_bytes).reshape(-1, row_bytes),
-             stage[j * count * unit:(j + 1) * count * unit].reshape(count, unit))
-            for j, b in enumerate(pool.buffers) if (b.layer_id, b.role) in layers]
+    jobs = [
+        (
+            _host(b.addr, pool.num_items * pool.item_bytes).reshape(-1, row_bytes),
+            stage[j * count * unit : (j + 1) * count * unit].reshape(count, unit),
+        )
+        for j, b in enumerate(pool.buffers)
+        if (b.layer_id, b.role) in layers
+    ]
 
     def run(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
         for rows, src in part:
-            rows[idx, off:off + unit] = src
+            rows[idx, off : off + unit] = src
 
-    parts = 1 if executor is None else min(SCATTER_WORKERS, len(jobs),
-                                               max(1, len(jobs) * count * unit
-                                                   // SCATTER_SPLIT_BYTES))
+    parts = (
+        1
+        if executor is None
+        else min(
+            SCATTER_WORKERS, len(jobs), max(1, len(jobs) * count * unit // SCATTER_SPLIT_BYTES)
+        )
+    )
     if parts <= 1:
         run(jobs)
         return

@@ -73,9 +73,13 @@ class TimedLock:
             self._logged = time.monotonic()
         self._lock.release()
         if slow:
-            log.warning("the endpoint lock was held %.1f s by %s on thread %s (every other "
-                        "thread that needed it waited)", held, site,
-                        threading.current_thread().name)
+            log.warning(
+                "the endpoint lock was held %.1f s by %s on thread %s (every other "
+                "thread that needed it waited)",
+                held,
+                site,
+                threading.current_thread().name,
+            )
 
 
 class Clocks:
@@ -93,15 +97,20 @@ class Clocks:
     @staticmethod
     def now(lock: TimedLock) -> Clocks:
         """The clocks' readings now (``since`` turns them into a run's figures)."""
-        return Clocks(time.perf_counter(), time.thread_time(), lock.waited(),
-                      time.process_time())
+        return Clocks(time.perf_counter(), time.thread_time(), lock.waited(), time.process_time())
 
     def since(self, lock: TimedLock) -> Clocks:
-        return Clocks(time.perf_counter() - self.wall, time.thread_time() - self.cpu,
-                      lock.waited() - self.waited, time.process_time() - self.proc)
+        return Clocks(
+            time.perf_counter() - self.wall,
+            time.thread_time() - self.cpu,
+            lock.waited() - self.waited,
+            time.process_time() - self.proc,
+        )
 
     def explain(self) -> str:
         rest = max(0.0, self.wall - self.cpu - self.waited)
-        return (f"{self.cpu:.3f} s its own CPU, {self.waited:.3f} s waiting for the endpoint "
-                f"lock, {rest:.3f} s waiting for a CPU or the GIL (the process used "
-                f"{self.proc:.3f} s of CPU meanwhile)")
+        return (
+            f"{self.cpu:.3f} s its own CPU, {self.waited:.3f} s waiting for the endpoint "
+            f"lock, {rest:.3f} s waiting for a CPU or the GIL (the process used "
+            f"{self.proc:.3f} s of CPU meanwhile)"
+        )

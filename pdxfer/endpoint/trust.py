@@ -39,7 +39,9 @@ class ReplayWindow:
             return False
         if c > self.top:
             shift = c - self.top
-            self.mask = ((self.mask << shift) | 1) & ((1 << self.SIZE) - 1) if shift < self.SIZE else 1
+            self.mask = (
+                ((self.mask << shift) | 1) & ((1 << self.SIZE) - 1) if shift < self.SIZE else 1
+            )
             self.top = c
             return True
         d = self.top - c
@@ -134,7 +136,7 @@ class Trust:
         return sess, sess.recv_key
 
     def fresh_hello(self, h: Header, ts: float) -> str:
-        """"" for a new Hello, "again" for a retransmission of one already answered, or the
+        """ "" for a new Hello, "again" for a retransmission of one already answered, or the
         rejection reason (stale timestamp, replayed nonce, too many nonces)."""
         if self.secret is None:
             return ""

@@ -42,9 +42,13 @@ class Writer:
     message. ``fail(room, err)`` fails a room; ``ended(room)`` is called (under the lock)
     when every target of a room finished, to take it out of the table or hold it."""
 
-    def __init__(self, ep: Core, settler: Settler,
-                 fail: Callable[[SenderRoom, PdxferError], None],
-                 ended: Callable[[SenderRoom], None]) -> None:
+    def __init__(
+        self,
+        ep: Core,
+        settler: Settler,
+        fail: Callable[[SenderRoom, PdxferError], None],
+        ended: Callable[[SenderRoom], None],
+    ) -> None:
         self.ep = ep
         self.cfg = ep.config
         self.settler = settler
@@ -111,12 +115,18 @@ class Writer:
         """Whether a chunk is small enough to start in ``send()`` (``_start`` decides)."""
         chunk = st.chunks[ci]
         pages = sum(a.size for a in chunk.pages.values())
-        return not (not self.cfg.limits.start_in_send or st.state == KVPoll.Failed or t.finished
-                    or t.req.silent or pages > P.FEW_PAGES or bool(t.req.pack)
-                    # more entries than one batch at most (no merged runs): not worth planning
-                    or pages * sum(len(pr) for pr in t.peer.pairings.values())
-                    > self.ep.transport.batch_entries
-                    or (self.staging is not None and sliced(t)))
+        return not (
+            not self.cfg.limits.start_in_send
+            or st.state == KVPoll.Failed
+            or t.finished
+            or t.req.silent
+            or pages > P.FEW_PAGES
+            or bool(t.req.pack)
+            # more entries than one batch at most (no merged runs): not worth planning
+            or pages * sum(len(pr) for pr in t.peer.pairings.values())
+            > self.ep.transport.batch_entries
+            or (self.staging is not None and sliced(t))
+        )
 
     def _start(self, st: SenderRoom, t: Target, ci: int) -> Callable[[], None] | None:
         """Plan a small chunk and start its write now (the lock not held), returning the
@@ -142,26 +152,34 @@ class Writer:
         self.ep.count("started_writes")
         return lambda: self._await(st, t, chunk, blocks, started, t0)
 
-    def _await(self, st: SenderRoom, t: Target, chunk: Chunk, blocks: P.Blocks,
-               started: Started, t0: float) -> None:
+    def _await(
+        self, st: SenderRoom, t: Target, chunk: Chunk, blocks: P.Blocks, started: Started, t0: float
+    ) -> None:
         """The worker's half of a started write: wait for it (even if the room failed
         meanwhile: the write is in flight and must drain), then as ``_write``. The success
         message of a last chunk is encoded while the write runs, off the request's path."""
         frame = None
         self._digest(t, chunk)  # while the write runs
         if chunk.last and not t.aborted:
-            frame = wire.encode(wire.TransferDone(
-                room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
-                rank=self.cfg.tp_rank, ok=True, bytes=t.bytes + blocks.total_bytes,
-                blocks=t.blocks + len(blocks), seconds=t.seconds + time.perf_counter() - t0,
-                digests=tuple(t.digests)))
+            frame = wire.encode(
+                wire.TransferDone(
+                    room=st.room,
+                    nonce=t.req.nonce,
+                    endpoint_id=self.ep.endpoint_id,
+                    rank=self.cfg.tp_rank,
+                    ok=True,
+                    bytes=t.bytes + blocks.total_bytes,
+                    blocks=t.blocks + len(blocks),
+                    seconds=t.seconds + time.perf_counter() - t0,
+                    digests=tuple(t.digests),
+                )
+            )
         try:
             self.ep.transport.finish(t.peer.session, started)
         except TransportError as e:
             self._write_failed(st, t, e)
             return
-        self._wrote(st, t, chunk, blocks, len(blocks), t0, started.submitted,
-                    frame)
+        self._wrote(st, t, chunk, blocks, len(blocks), t0, started.submitted, frame)
 
     def _digest(self, t: Target, chunk: Chunk) -> None:
         """Digest what this chunk writes to ``t``, in the mode its decode asked for (over the
@@ -175,9 +193,14 @@ class Writer:
             self._digest_chunk(t, chunk, mode)
         except Exception:  # noqa: BLE001 - e.g. a device the portable digest cannot read
             self.ep.count("integrity_digest_errors")
-            log.exception("room %d: cannot digest what is sent to decode %s (integrity=%s; "
-                          "the decode will fail the request; integrity='off' on the decode "
-                          "turns the check off)", t.req.room, t.peer.endpoint_id, mode)
+            log.exception(
+                "room %d: cannot digest what is sent to decode %s (integrity=%s; "
+                "the decode will fail the request; integrity='off' on the decode "
+                "turns the check off)",
+                t.req.room,
+                t.peer.endpoint_id,
+                mode,
+            )
 
     def _digest_chunk(self, t: Target, chunk: Chunk, mode: str) -> None:
         t0 = time.perf_counter()
@@ -185,27 +208,33 @@ class Writer:
         ask = C.ask_of(t.req, t.dst)
         pairings = t.peer.layer_pairings(chunk.layers)
         l0, l1 = chunk.layers or (0, 0)
-        for w in C.written(ask, pairings, chunk.pages, chunk.first, self.page_sizes,
-                           chunk.span):
+        for w in C.written(ask, pairings, chunk.pages, chunk.first, self.page_sizes, chunk.span):
             pr = pairings[w.pool]
             if not (I.supported(pr.src.location) and I.supported(pr.dst.location)):
                 continue  # memory that cannot be digested (the decode does not expect it)
             span = I.Span(w.pages, w.first, w.start, w.end, w.lo, w.hi)
-            vals = I.digests(pr.src, span, mode, I.sample_stride(pr.src, pr.dst),
-                             portable=I.portable(pr.src, pr.dst))
-            t.digests.append(wire.Digest(w.pool, w.start, w.end, w.lo, w.hi, tuple(vals),
-                                         l0, l1))
+            vals = I.digests(
+                pr.src,
+                span,
+                mode,
+                I.sample_stride(pr.src, pr.dst),
+                portable=I.portable(pr.src, pr.dst),
+            )
+            t.digests.append(wire.Digest(w.pool, w.start, w.end, w.lo, w.hi, tuple(vals), l0, l1))
             n += len(vals)
             nb += vals.nbytes
         if chunk.last:
             for name, _ in t.req.slots.items():
                 pr = t.peer.pairings.get(name)
                 sslot = chunk.slots.get(name)
-                if (pr is None or name in t.req.skip or sslot is None
-                        or not (I.supported(pr.src.location) and I.supported(pr.dst.location))):
+                if (
+                    pr is None
+                    or name in t.req.skip
+                    or sslot is None
+                    or not (I.supported(pr.src.location) and I.supported(pr.dst.location))
+                ):
                     continue
-                vals = I.slot_digests(pr.src, int(sslot), mode,
-                                      portable=I.portable(pr.src, pr.dst))
+                vals = I.slot_digests(pr.src, int(sslot), mode, portable=I.portable(pr.src, pr.dst))
                 t.digests.append(wire.Digest(name, 0, 0, 0, 0, tuple(vals)))
                 n += len(vals)
                 nb += vals.nbytes
@@ -213,12 +242,23 @@ class Writer:
         self.ep.count("integrity_bytes", nb)
         self.ep.count("integrity_seconds", time.perf_counter() - t0)
 
-    def _plan(self, t: Target, chunk: Chunk, cursor: dict[str, int],
-              packs: list[Pack] | None = None) -> P.Blocks | str:
-        return C.plan_chunk(C.ask_of(t.req, t.dst), t.peer.layer_pairings(chunk.layers),
-                            chunk.pages, chunk.first, chunk.slots, chunk.last, cursor,
-                            self.page_sizes, self.ep.regions, t.peer.regions, chunk.span,
-                            packs)
+    def _plan(
+        self, t: Target, chunk: Chunk, cursor: dict[str, int], packs: list[Pack] | None = None
+    ) -> P.Blocks | str:
+        return C.plan_chunk(
+            C.ask_of(t.req, t.dst),
+            t.peer.layer_pairings(chunk.layers),
+            chunk.pages,
+            chunk.first,
+            chunk.slots,
+            chunk.last,
+            cursor,
+            self.page_sizes,
+            self.ep.regions,
+            t.peer.regions,
+            chunk.span,
+            packs,
+        )
 
     def _write(self, st: SenderRoom, t: Target, ci: int) -> None:
         if st.state == KVPoll.Failed or t.finished:
@@ -242,17 +282,19 @@ class Writer:
             if got is None:
                 return
             packed = got
-        gathered = (bounce(blocks, self.staging)
-                    if self.staging is not None and sliced(t) else None)
+        gathered = bounce(blocks, self.staging) if self.staging is not None and sliced(t) else None
         wire_blocks = gathered.blocks if gathered is not None else blocks
         if gathered is not None:
             self.ep.count("gathered_writes")
         tw = time.perf_counter()
         try:
             self.ep.transport.write(
-                t.peer.session, *wire_blocks.lists(),
-                deadline=st.deadline, should_stop=lambda: st.state == KVPoll.Failed,
-                tag=st.room)
+                t.peer.session,
+                *wire_blocks.lists(),
+                deadline=st.deadline,
+                should_stop=lambda: st.state == KVPoll.Failed,
+                tag=st.room,
+            )
         except TransportError as e:
             self._write_failed(st, t, e)
             return
@@ -261,8 +303,7 @@ class Writer:
                 self.staging.release(gathered.addr, gathered.nbytes)  # type: ignore[union-attr]
         self._wrote(st, t, chunk, blocks, len(wire_blocks) + packed[1], t0, tw, packed=packed[0])
 
-    def _write_packed(self, st: SenderRoom, t: Target, packs: list[Pack]
-                      ) -> tuple[int, int] | None:
+    def _write_packed(self, st: SenderRoom, t: Target, packs: list[Pack]) -> tuple[int, int] | None:
         """Write a chunk's packed pools into the decode's leases: gathered into the pack
         staging piece by piece (``pack.py``), else straight from the pages. ``(bytes,
         entries)`` written, or None when a write failed (the room is failed)."""
@@ -274,13 +315,16 @@ class Writer:
             try:
                 g = self.packer.gather(part)
             except Exception:  # noqa: BLE001 - the direct write is always correct
-                log.exception("room %d: gathering packed rows failed; writing them directly",
-                              st.room)
+                log.exception(
+                    "room %d: gathering packed rows failed; writing them directly", st.room
+                )
                 self.ep.count("pack_gather_errors")
                 g = None
             if g is None:
-                loose += [Pack(p.location, (p.src[i],), (p.dst[i],), p.rows, p.row_bytes,
-                               p.src_rows) for p, i in part]
+                loose += [
+                    Pack(p.location, (p.src[i],), (p.dst[i],), p.rows, p.row_bytes, p.src_rows)
+                    for p, i in part
+                ]
                 continue
             self.ep.count("packed_writes")
             try:
@@ -302,20 +346,35 @@ class Writer:
         """One write to ``t``'s decode; False (the room failed) when it failed."""
         try:
             self.ep.transport.write(
-                t.peer.session, *b.lists(), deadline=st.deadline,
-                should_stop=lambda: st.state == KVPoll.Failed, tag=st.room)
+                t.peer.session,
+                *b.lists(),
+                deadline=st.deadline,
+                should_stop=lambda: st.state == KVPoll.Failed,
+                tag=st.room,
+            )
         except TransportError as e:
             self._write_failed(st, t, e)
             return False
         return True
 
     def _write_failed(self, st: SenderRoom, t: Target, e: TransportError) -> None:
-        self._fail(st, TransportError(
-            f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}"))
+        self._fail(
+            st, TransportError(f"room {st.room}: write to decode {t.peer.endpoint_id} failed: {e}")
+        )
         self.finish(st, t, False, st.failure)
 
-    def _wrote(self, st: SenderRoom, t: Target, chunk: Chunk, blocks: P.Blocks, entries: int,
-               t0: float, tw: float, frame: bytes | None = None, packed: int = 0) -> None:
+    def _wrote(
+        self,
+        st: SenderRoom,
+        t: Target,
+        chunk: Chunk,
+        blocks: P.Blocks,
+        entries: int,
+        t0: float,
+        tw: float,
+        frame: bytes | None = None,
+        packed: int = 0,
+    ) -> None:
         now = time.perf_counter()
         t.bytes += blocks.total_bytes + packed
         t.blocks += entries
@@ -328,13 +387,25 @@ class Writer:
         """A target whose decode's path was not proven quiet before the transfer deadline:
         the room fails here and the target ends without a message (its decode keeps the
         pages until an ``AbortAck``, which waits for the proof)."""
-        self._fail(st, TransportError(
-            f"room {st.room}: a failed write to decode {t.peer.endpoint_id} was not proven "
-            f"drained before the deadline"))
+        self._fail(
+            st,
+            TransportError(
+                f"room {st.room}: a failed write to decode {t.peer.endpoint_id} was not proven "
+                f"drained before the deadline"
+            ),
+        )
         self.finish(st, t, False, st.failure, settled=True, send=False)
 
-    def finish(self, st: SenderRoom, t: Target, ok: bool, err: PdxferError | None,
-               frame: bytes | None = None, settled: bool = False, send: bool = True) -> None:
+    def finish(
+        self,
+        st: SenderRoom,
+        t: Target,
+        ok: bool,
+        err: PdxferError | None,
+        frame: bytes | None = None,
+        settled: bool = False,
+        send: bool = True,
+    ) -> None:
         """Send the target its one terminal message; runs on the room's worker thread.
 
         The outcome is decided under the lock (an abort decided first turns it into a
@@ -351,16 +422,22 @@ class Writer:
         deadline ends without a message (``send=False``)."""
         if t.finished:
             return
-        if (not settled and t.scheduled and not t.req.silent
-                and self.ep.transport.tainted(t.peer.session)):
+        if (
+            not settled
+            and t.scheduled
+            and not t.req.silent
+            and self.ep.transport.tainted(t.peer.session)
+        ):
             if not t.settling:
                 t.settling = True
                 self.ep.count("settle_waits")
                 self.settler.hold(
                     t.peer.session,
                     lambda: self.ep.workers.submit(
-                        st.room, lambda: self.finish(st, t, ok, err, frame, settled=True)),
-                    lambda: self.ep.workers.submit(st.room, lambda: self._give_up(st, t)))
+                        st.room, lambda: self.finish(st, t, ok, err, frame, settled=True)
+                    ),
+                    lambda: self.ep.workers.submit(st.room, lambda: self._give_up(st, t)),
+                )
             return
         now = time.monotonic()
         success = False
@@ -374,17 +451,32 @@ class Writer:
             t.ok = ok
             if not (t.req.silent and not t.aborted):  # a silent sender's decode does not wait
                 if t.aborted:
-                    out = wire.encode(wire.AbortAck(
-                        room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
-                        rank=self.cfg.tp_rank))
+                    out = wire.encode(
+                        wire.AbortAck(
+                            room=st.room,
+                            nonce=t.req.nonce,
+                            endpoint_id=self.ep.endpoint_id,
+                            rank=self.cfg.tp_rank,
+                        )
+                    )
                 elif ok and frame is not None:
                     out = frame
                 else:
-                    out = wire.encode(wire.TransferDone(
-                        room=st.room, nonce=t.req.nonce, endpoint_id=self.ep.endpoint_id,
-                        rank=self.cfg.tp_rank, ok=ok, reason=str(err) if err else "",
-                        kind=err.kind if err else "", bytes=t.bytes, blocks=t.blocks,
-                        seconds=t.seconds, digests=tuple(t.digests) if ok else ()))
+                    out = wire.encode(
+                        wire.TransferDone(
+                            room=st.room,
+                            nonce=t.req.nonce,
+                            endpoint_id=self.ep.endpoint_id,
+                            rank=self.cfg.tp_rank,
+                            ok=ok,
+                            reason=str(err) if err else "",
+                            kind=err.kind if err else "",
+                            bytes=t.bytes,
+                            blocks=t.blocks,
+                            seconds=t.seconds,
+                            digests=tuple(t.digests) if ok else (),
+                        )
+                    )
             all_done = decodes(st) >= st.expected and all(x.finished for x in st.targets)
             if ok and all_done and not st.state.terminal:
                 st.state = KVPoll.Success

@@ -21,5 +21,16 @@ from .paged import (
     runs,
 )
 
-__all__ = ["FEW_PAGES", "MAX_BATCH_ENTRIES", "Blocks", "BufferPairing", "as_indices",
-           "check_bounds", "layer_subset", "pair_buffers", "plan_paged", "plan_slots", "runs"]
+__all__ = [
+    "FEW_PAGES",
+    "MAX_BATCH_ENTRIES",
+    "Blocks",
+    "BufferPairing",
+    "as_indices",
+    "check_bounds",
+    "layer_subset",
+    "pair_buffers",
+    "plan_paged",
+    "plan_slots",
+    "runs",
+]

@@ -35,12 +35,25 @@ class Ask:
 
 def ask_of(req: Any, dst: Mapping[str, np.ndarray]) -> Ask:
     """An ``Ask`` from a decoded ``wire.TransferRequest`` and its unpacked indices."""
-    return Ask(req.room, req.prefix_len, req.num_tokens, dst, req.slots, tuple(req.skip),
-               req.heads, req.stage, req.pack)
+    return Ask(
+        req.room,
+        req.prefix_len,
+        req.num_tokens,
+        dst,
+        req.slots,
+        tuple(req.skip),
+        req.heads,
+        req.stage,
+        req.pack,
+    )
 
 
-def check_ask(ask: Ask, peer_pools: Mapping[str, PoolSpec],
-              pairings: Mapping[str, BufferPairing], mine: frozenset[str]) -> str:
+def check_ask(
+    ask: Ask,
+    peer_pools: Mapping[str, PoolSpec],
+    pairings: Mapping[str, BufferPairing],
+    mine: frozenset[str],
+) -> str:
     """Why an ask cannot be served ("" when it can): unknown pools, indices out of range,
     too few pages, bad head ranges, staging leases outside the peer's staging, bad slots."""
     span = ask.num_tokens - ask.prefix_len
@@ -51,11 +64,14 @@ def check_ask(ask: Ask, peer_pools: Mapping[str, PoolSpec],
         if q.kind != "paged" or q.indices_from is not None:
             return f"room {ask.room}: pool {name!r} takes no destination indices"
         if idx.size and int(idx.max()) >= q.num_items:
-            return (f"room {ask.room}: destination index {int(idx.max())} out of range "
-                    f"[0, {q.num_items}) for pool {name!r}")
+            return (
+                f"room {ask.room}: destination index {int(idx.max())} out of range "
+                f"[0, {q.num_items}) for pool {name!r}"
+            )
         if idx.size * q.page_size < span:
-            return (f"room {ask.room}: pool {name!r} has {idx.size} destination pages for "
-                    f"{span} tokens")
+            return (
+                f"room {ask.room}: pool {name!r} has {idx.size} destination pages for {span} tokens"
+            )
     for name in ask.skip:
         if name not in peer_pools or name not in mine:
             return f"room {ask.room}: skip names unknown pool {name!r}"
@@ -69,8 +85,13 @@ def check_ask(ask: Ask, peer_pools: Mapping[str, PoolSpec],
             return f"room {ask.room}: {why}"
     for name, addr in (ask.pack or {}).items():
         pr = pairings.get(name)
-        why = f"pool {name!r} unknown" if pr is None or name in ask.skip else pack_error(
-            pr.dst, pr.src, (ask.heads or {}).get(name), peer_pools.get(PACK_POOL), addr, span)
+        why = (
+            f"pool {name!r} unknown"
+            if pr is None or name in ask.skip
+            else pack_error(
+                pr.dst, pr.src, (ask.heads or {}).get(name), peer_pools.get(PACK_POOL), addr, span
+            )
+        )
         if why:
             return f"room {ask.room}: {why}"
     for name, slot in ask.slots.items():
@@ -78,8 +99,10 @@ def check_ask(ask: Ask, peer_pools: Mapping[str, PoolSpec],
         if q is None or q.kind != "slot" or name not in mine:
             return f"room {ask.room}: slot pool {name!r} unknown"
         if slot >= q.num_items:
-            return (f"room {ask.room}: destination slot {slot} out of range "
-                    f"[0, {q.num_items}) for pool {name!r}")
+            return (
+                f"room {ask.room}: destination slot {slot} out of range "
+                f"[0, {q.num_items}) for pool {name!r}"
+            )
     return ""
 
 
@@ -117,9 +140,15 @@ class Claim:
     cursors: dict[str, Cursor]
 
 
-def claim(room: int, pages: Mapping[str, np.ndarray], page_sizes: Mapping[str, int],
-          layers_of: Mapping[str, tuple[int, ...]], cursors: Mapping[str, Cursor],
-          layers: tuple[int, int] | None, tokens: tuple[int, int] | None) -> Claim | str:
+def claim(
+    room: int,
+    pages: Mapping[str, np.ndarray],
+    page_sizes: Mapping[str, int],
+    layers_of: Mapping[str, tuple[int, ...]],
+    cursors: Mapping[str, Cursor],
+    layers: tuple[int, int] | None,
+    tokens: tuple[int, int] | None,
+) -> Claim | str:
     """Check one chunk against the room's per-layer token cursors, or say why it is refused.
 
     Each layer of each anchor pool is given in token order, with no gap and no overlap: a
@@ -152,8 +181,10 @@ def claim(room: int, pages: Mapping[str, np.ndarray], page_sizes: Mapping[str, i
         ps = page_sizes[name]
         if tokens is None:
             if len(at) > 1:
-                return (f"room {room}: pool {name!r}: the chunk's layers stopped at different "
-                        f"tokens {sorted(at)}: name the tokens it carries")
+                return (
+                    f"room {room}: pool {name!r}: the chunk's layers stopped at different "
+                    f"tokens {sorted(at)}: name the tokens it carries"
+                )
             t0 = at.pop()
             f0 = t0 - t0 % ps
             t1 = max(t0, f0 + idx.size * ps)
@@ -163,12 +194,16 @@ def claim(room: int, pages: Mapping[str, np.ndarray], page_sizes: Mapping[str, i
             wrong = sorted(x for x in at if x != t0)
             if wrong and ids:
                 how = "overlaps tokens already given" if wrong[-1] > t0 else "leaves a gap"
-                return (f"room {room}: pool {name!r}: tokens [{t0}, {t1}) {how} (its layers "
-                        f"stopped at {wrong})")
+                return (
+                    f"room {room}: pool {name!r}: tokens [{t0}, {t1}) {how} (its layers "
+                    f"stopped at {wrong})"
+                )
             need = -(-t1 // ps) - t0 // ps
             if idx.size != need:
-                return (f"room {room}: pool {name!r}: {idx.size} pages for tokens [{t0}, "
-                        f"{t1}), which span {need}")
+                return (
+                    f"room {room}: pool {name!r}: {idx.size} pages for tokens [{t0}, "
+                    f"{t1}), which span {need}"
+                )
         first[name], span[name] = f0, (t0, t1)
         if whole:
             out[name] = t1 if ids else max(t1, low(cur))
@@ -179,8 +214,7 @@ def claim(room: int, pages: Mapping[str, np.ndarray], page_sizes: Mapping[str, i
     return Claim(first, span, layers, out)
 
 
-def heads_to_write(pairing: BufferPairing, asked: tuple[int, int] | None
-                   ) -> tuple[int, int] | None:
+def heads_to_write(pairing: BufferPairing, asked: tuple[int, int] | None) -> tuple[int, int] | None:
     """The head range to write, or None when whole tokens (pages) pair one to one: the decode's
     choice, else the heads both sides hold."""
     a, b = pairing.src.sharding, pairing.dst.sharding
@@ -194,12 +228,17 @@ def heads_to_write(pairing: BufferPairing, asked: tuple[int, int] | None
         return (lo, hi)
     if same:
         return None
-    return (max(a.first_head, b.first_head),
-            min(a.first_head + a.rank_heads, b.first_head + b.rank_heads))
+    return (
+        max(a.first_head, b.first_head),
+        min(a.first_head + a.rank_heads, b.first_head + b.rank_heads),
+    )
 
 
-def sliced(pairings: Mapping[str, BufferPairing], heads: Mapping[str, tuple[int, int]],
-           stage: Mapping[str, int]) -> bool:
+def sliced(
+    pairings: Mapping[str, BufferPairing],
+    heads: Mapping[str, tuple[int, int]],
+    stage: Mapping[str, int],
+) -> bool:
     """Whether a peer gets head slices (heterogeneous TP): only then are sources gathered
     through staging; 1:1 pages keep the direct path."""
     if stage:
@@ -227,8 +266,14 @@ class Written:
     hi: int
 
 
-def _tokens(ask: Ask, anchor: str, src: np.ndarray, f0: int, page_sizes: Mapping[str, int],
-            span: Mapping[str, tuple[int, int]] | None) -> tuple[int, int]:
+def _tokens(
+    ask: Ask,
+    anchor: str,
+    src: np.ndarray,
+    f0: int,
+    page_sizes: Mapping[str, int],
+    span: Mapping[str, tuple[int, int]] | None,
+) -> tuple[int, int]:
     """The request's tokens one chunk carries for one anchor pool: its ``span`` (tokens the
     engine computed, possibly part of a page at either end), else every token of its pages,
     within ``[prefix_len, num_tokens)``."""
@@ -236,9 +281,14 @@ def _tokens(ask: Ask, anchor: str, src: np.ndarray, f0: int, page_sizes: Mapping
     return max(a, ask.prefix_len), min(b, ask.num_tokens)
 
 
-def written(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[str, np.ndarray],
-            first: Mapping[str, int], page_sizes: Mapping[str, int],
-            span: Mapping[str, tuple[int, int]] | None = None) -> list[Written]:
+def written(
+    ask: Ask,
+    pairings: Mapping[str, BufferPairing],
+    pages: Mapping[str, np.ndarray],
+    first: Mapping[str, int],
+    page_sizes: Mapping[str, int],
+    span: Mapping[str, tuple[int, int]] | None = None,
+) -> list[Written]:
     """The ranges ``plan_chunk`` moves for this chunk, pool by pool (paged pools only)."""
     out: list[Written] = []
     heads_asked = ask.heads or {}
@@ -259,18 +309,28 @@ def written(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[str,
             out.append(Written(name, src, f0, lo, hi, 0, 0))
             continue
         h = heads_to_write(pairing, heads_asked.get(name)) or (
-            sh.first_head, sh.first_head + sh.rank_heads)
+            sh.first_head,
+            sh.first_head + sh.rank_heads,
+        )
         if h[0] < h[1]:
             out.append(Written(name, src, f0, lo, hi, h[0], h[1]))
     return out
 
 
-def plan_chunk(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[str, np.ndarray],
-               first: Mapping[str, int], slots: Mapping[str, int], last: bool,
-               cursor: Mapping[str, int], page_sizes: Mapping[str, int],
-               src_regions: list[tuple[int, int]], dst_regions: list[tuple[int, int]],
-               span: Mapping[str, tuple[int, int]] | None = None,
-               packs: list[Pack] | None = None) -> Blocks | str:
+def plan_chunk(
+    ask: Ask,
+    pairings: Mapping[str, BufferPairing],
+    pages: Mapping[str, np.ndarray],
+    first: Mapping[str, int],
+    slots: Mapping[str, int],
+    last: bool,
+    cursor: Mapping[str, int],
+    page_sizes: Mapping[str, int],
+    src_regions: list[tuple[int, int]],
+    dst_regions: list[tuple[int, int]],
+    span: Mapping[str, tuple[int, int]] | None = None,
+    packs: list[Pack] | None = None,
+) -> Blocks | str:
     """The blocks that move one chunk (``pages`` per anchor pool covering tokens from
     ``first``; ``span``: the tokens it carries, when not all of its pages' tokens) to one
     decode peer, or why it cannot be planned. ``cursor``: tokens given so far per anchor, in
@@ -292,8 +352,10 @@ def plan_chunk(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[s
         if dst is None:
             continue
         if last and cursor.get(anchor, 0) < ask.num_tokens:
-            return (f"room {ask.room}: prefill gave pool {anchor!r} pages for "
-                    f"{cursor.get(anchor, 0)} tokens, decode expects {ask.num_tokens}")
+            return (
+                f"room {ask.room}: prefill gave pool {anchor!r} pages for "
+                f"{cursor.get(anchor, 0)} tokens, decode expects {ask.num_tokens}"
+            )
         src = pages.get(anchor)
         if src is None:
             continue
@@ -303,8 +365,16 @@ def plan_chunk(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[s
             continue
         exact = hi < ask.num_tokens  # a later chunk writes the rest of a partial last page
         if name in packed:
-            pk = plan_pack(pairing, packed[name], ask.num_tokens - ask.prefix_len, src, f0,
-                           ask.prefix_len, lo, hi)
+            pk = plan_pack(
+                pairing,
+                packed[name],
+                ask.num_tokens - ask.prefix_len,
+                src,
+                f0,
+                ask.prefix_len,
+                lo,
+                hi,
+            )
             if isinstance(pk, str):
                 return f"room {ask.room}: {pk}"
             if packs is not None:  # checked by construction: rows in range, lease checked
@@ -320,12 +390,21 @@ def plan_chunk(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[s
             continue
         elif name in stage:
             proven = False
-            b = plan_staged(pairing, stage[name], ask.num_tokens - ask.prefix_len, src, f0,
-                            ask.prefix_len, lo, hi, *heads, exact=exact)
+            b = plan_staged(
+                pairing,
+                stage[name],
+                ask.num_tokens - ask.prefix_len,
+                src,
+                f0,
+                ask.prefix_len,
+                lo,
+                hi,
+                *heads,
+                exact=exact,
+            )
         else:
             proven = False
-            b = plan_head_slice(pairing, src, f0, dst, ask.prefix_len, lo, hi, *heads,
-                                exact=exact)
+            b = plan_head_slice(pairing, src, f0, dst, ask.prefix_len, lo, hi, *heads, exact=exact)
         if isinstance(b, str):
             return f"room {ask.room}: {b}"
         parts.append(b)
@@ -349,5 +428,8 @@ def plan_chunk(ask: Ask, pairings: Mapping[str, BufferPairing], pages: Mapping[s
         # block lies inside a buffer that is a registered region on its side. Checking again
         # per block would cost as much as the plan on the hot path.
         return blocks
-    return (check_bounds(blocks, src_regions, "src")
-            or check_bounds(blocks, dst_regions, "dst") or blocks)
+    return (
+        check_bounds(blocks, src_regions, "src")
+        or check_bounds(blocks, dst_regions, "dst")
+        or blocks
+    )

@@ -39,20 +39,39 @@ def head_range_error(pairing: BufferPairing, lo: int, hi: int) -> str | None:
     return None
 
 
-def _offsets(pairing: BufferPairing, s: np.ndarray, d: np.ndarray, s_unit: int, d_unit: int,
-             s_off: int, d_off: int, nbytes: int) -> Blocks:
+def _offsets(
+    pairing: BufferPairing,
+    s: np.ndarray,
+    d: np.ndarray,
+    s_unit: int,
+    d_unit: int,
+    s_off: int,
+    d_off: int,
+    nbytes: int,
+) -> Blocks:
     """One block of ``nbytes`` per (buffer, index pair), buffer-major."""
-    src = (pairing.src_base[:, None] + s.astype(_U64)[None, :] * _U64(s_unit)
-           + _U64(s_off)).reshape(-1)
-    dst = (pairing.dst_base[:, None] + d.astype(_U64)[None, :] * _U64(d_unit)
-           + _U64(d_off)).reshape(-1)
+    src = (
+        pairing.src_base[:, None] + s.astype(_U64)[None, :] * _U64(s_unit) + _U64(s_off)
+    ).reshape(-1)
+    dst = (
+        pairing.dst_base[:, None] + d.astype(_U64)[None, :] * _U64(d_unit) + _U64(d_off)
+    ).reshape(-1)
     nb = np.full(src.shape[0], nbytes, dtype=_U64)
     return Blocks(src, dst, nb)
 
 
-def plan_head_slice(pairing: BufferPairing, src_pages: np.ndarray, src_first: int,
-                    dst_pages: np.ndarray, dst_first: int, start: int, end: int,
-                    lo: int, hi: int, exact: bool = False) -> Blocks | str:
+def plan_head_slice(
+    pairing: BufferPairing,
+    src_pages: np.ndarray,
+    src_first: int,
+    dst_pages: np.ndarray,
+    dst_first: int,
+    start: int,
+    end: int,
+    lo: int,
+    hi: int,
+    exact: bool = False,
+) -> Blocks | str:
     """Blocks moving heads ``[lo, hi)`` of tokens ``[start, end)`` (see ``plan.plan_paged``;
     HND slices move whole pages, so their chunks must start and, when ``exact``, end on a
     page boundary)."""
@@ -62,8 +81,7 @@ def plan_head_slice(pairing: BufferPairing, src_pages: np.ndarray, src_first: in
         return why
     ss, ds = src.sharding, dst.sharding
     if (lo, hi) == _span(ss.first_head, ss.rank_heads) == _span(ds.first_head, ds.rank_heads):
-        return plan_paged(pairing, src_pages, src_first, dst_pages, dst_first, start, end,
-                          exact)
+        return plan_paged(pairing, src_pages, src_first, dst_pages, dst_first, start, end, exact)
     if end <= start:
         return Blocks.empty()
     ps_s, ps_d, hb = src.page_size, dst.page_size, ss.head_bytes
@@ -74,18 +92,25 @@ def plan_head_slice(pairing: BufferPairing, src_pages: np.ndarray, src_first: in
     s_off, d_off = (lo - ss.first_head) * hb, (lo - ds.first_head) * hb
     width = (hi - lo) * hb
     if not (src.token_major and dst.token_major):
-        if (ps_s != ps_d or (start - src_first) % ps_s or (start - dst_first) % ps_d
-                or exact and (end - src_first) % ps_s):
-            return (f"pool {src.name!r}: HND head slices need equal page sizes and "
-                    f"page-aligned chunks")
+        if (
+            ps_s != ps_d
+            or (start - src_first) % ps_s
+            or (start - dst_first) % ps_d
+            or exact
+            and (end - src_first) % ps_s
+        ):
+            return (
+                f"pool {src.name!r}: HND head slices need equal page sizes and page-aligned chunks"
+            )
         i0, j0 = (start - src_first) // ps_s, (start - dst_first) // ps_d
         count = -(-(end - start) // ps_s)
-        s, d = src_pages[i0:i0 + count], dst_pages[j0:j0 + count]
+        s, d = src_pages[i0 : i0 + count], dst_pages[j0 : j0 + count]
         why = check_pages(pairing, s, d)
         if why:
             return why
-        return _offsets(pairing, s, d, src.item_bytes, dst.item_bytes, s_off * ps_s,
-                        d_off * ps_d, width * ps_s)
+        return _offsets(
+            pairing, s, d, src.item_bytes, dst.item_bytes, s_off * ps_s, d_off * ps_d, width * ps_s
+        )
     why = check_pages(pairing, src_pages, dst_pages)
     if why:
         return why
@@ -93,15 +118,26 @@ def plan_head_slice(pairing: BufferPairing, src_pages: np.ndarray, src_first: in
     if width == src.token_bytes == dst.token_bytes:
         s0, d0, n = runs(s, d)
         blocks = _offsets(pairing, s0, d0, width, width, 0, 0, 0)
-        nb = np.broadcast_to(n.astype(_U64)[None, :] * _U64(width),
-                             (len(pairing), n.size)).reshape(-1)
+        nb = np.broadcast_to(n.astype(_U64)[None, :] * _U64(width), (len(pairing), n.size)).reshape(
+            -1
+        )
         return Blocks(blocks.src, blocks.dst, nb)
     return _offsets(pairing, s, d, src.token_bytes, dst.token_bytes, s_off, d_off, width)
 
 
-def plan_staged(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.ndarray,
-                src_first: int, prefix_len: int, start: int, end: int, lo: int, hi: int,
-                exact: bool = False) -> Blocks | str:
+def plan_staged(
+    pairing: BufferPairing,
+    stage: int,
+    ntok: int,
+    src_pages: np.ndarray,
+    src_first: int,
+    prefix_len: int,
+    start: int,
+    end: int,
+    lo: int,
+    hi: int,
+    exact: bool = False,
+) -> Blocks | str:
     """Blocks writing heads ``[lo, hi)`` of tokens ``[start, end)`` packed into a decode
     staging lease at ``stage`` (layout in ``staging``) for a request of ``ntok`` tokens from
     ``prefix_len``: one block per token, or per page for HND; one block per run of source
@@ -118,10 +154,12 @@ def plan_staged(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.nda
         return f"pool {src.name!r}: tokens [{start}, {end}) outside the staged request"
     if not src.token_major:
         if exact and (end - src_first) % src.page_size:
-            return (f"pool {src.name!r}: HND head slices need equal page sizes and "
-                    f"page-aligned chunks")
-        return _plan_staged_pages(pairing, stage, ntok, src_pages, src_first, prefix_len,
-                                  start, end, lo, hi)
+            return (
+                f"pool {src.name!r}: HND head slices need equal page sizes and page-aligned chunks"
+            )
+        return _plan_staged_pages(
+            pairing, stage, ntok, src_pages, src_first, prefix_len, start, end, lo, hi
+        )
     if end - src_first > src_pages.size * src.page_size:
         return f"pool {src.name!r}: source indices do not cover tokens up to {end}"
     why = check_pages(pairing, src_pages, None)
@@ -140,7 +178,7 @@ def plan_staged(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.nda
     else:
         s0, k0 = s, k
         nb = np.full((len(pairing), s.size), width, dtype=_U64)
-    srca = (pairing.src_base[:, None] + s0.astype(_U64)[None, :] * _U64(tb) + _U64(s_off))
+    srca = pairing.src_base[:, None] + s0.astype(_U64)[None, :] * _U64(tb) + _U64(s_off)
     dsta = base[:, None] + k0.astype(_U64)[None, :] * _U64(width)
     return Blocks(srca.reshape(-1), dsta.reshape(-1), nb.reshape(-1))
 
@@ -153,21 +191,29 @@ def _staging_bases(pairing: BufferPairing, stage: int, per_buffer: int) -> np.nd
     return _U64(stage) + j * _U64(per_buffer)
 
 
-def _plan_staged_pages(pairing: BufferPairing, stage: int, ntok: int, src_pages: np.ndarray,
-                       src_first: int, prefix_len: int, start: int, end: int, lo: int,
-                       hi: int) -> Blocks | str:
+def _plan_staged_pages(
+    pairing: BufferPairing,
+    stage: int,
+    ntok: int,
+    src_pages: np.ndarray,
+    src_first: int,
+    prefix_len: int,
+    start: int,
+    end: int,
+    lo: int,
+    hi: int,
+) -> Blocks | str:
     """HND half of ``plan_staged``: inside a source page heads ``[lo, hi)`` are one block at
     ``(lo - first_head)*page_size*head_bytes``; request page ``k`` of the lease takes it."""
     src, dst = pairing.src, pairing.dst
     ps = src.page_size
     if ps != dst.page_size or (start - src_first) % ps or (start - prefix_len) % ps:
-        return (f"pool {src.name!r}: HND head slices need equal page sizes and "
-                f"page-aligned starts")
+        return f"pool {src.name!r}: HND head slices need equal page sizes and page-aligned starts"
     i0, k0 = (start - src_first) // ps, (start - prefix_len) // ps
     count = -(-(end - start) // ps)
     if i0 + count > src_pages.size:
         return f"pool {src.name!r}: source indices do not cover tokens up to {end}"
-    s = src_pages[i0:i0 + count]
+    s = src_pages[i0 : i0 + count]
     why = check_pages(pairing, s, None)
     if why:
         return why
@@ -206,8 +252,9 @@ def lease_bytes(pool: PoolSpec, ntok: int, lo: int, hi: int) -> int:
     return len(pool.buffers) * count * unit
 
 
-def lease_error(pool: PoolSpec, staging: PoolSpec | None, addr: int, ntok: int, lo: int,
-                hi: int) -> str | None:
+def lease_error(
+    pool: PoolSpec, staging: PoolSpec | None, addr: int, ntok: int, lo: int, hi: int
+) -> str | None:
     """Why a lease at ``addr`` for ``pool`` is not wholly inside the peer's staging pool, or
     None. Checked by the sender before it plans: a decode may only lend its staging, never
     point the packed layout (which ignores its page indices) at its own pools."""
@@ -218,6 +265,8 @@ def lease_error(pool: PoolSpec, staging: PoolSpec | None, addr: int, ntok: int, 
     n = lease_bytes(pool, ntok, lo, hi)
     b = staging.buffers[0]
     if not (b.addr <= addr and addr + n <= b.addr + b.nbytes):
-        return (f"pool {pool.name!r}: staging lease {addr:#x}+{n} outside the decode's "
-                f"staging {b.addr:#x}+{b.nbytes}")
+        return (
+            f"pool {pool.name!r}: staging lease {addr:#x}+{n} outside the decode's "
+            f"staging {b.addr:#x}+{b.nbytes}"
+        )
     return None

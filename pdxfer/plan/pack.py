@@ -43,16 +43,27 @@ def whole_rows(mine: PoolSpec, theirs: PoolSpec, heads: tuple[int, int] | None =
     return span == (b.first_head, b.first_head + b.rank_heads) and heads in (None, span)
 
 
-def wanted(mode: str, mine: PoolSpec, theirs: PoolSpec, heads: tuple[int, int] | None,
-           pages: int, min_pages: int, max_page_bytes: int) -> bool:
+def wanted(
+    mode: str,
+    mine: PoolSpec,
+    theirs: PoolSpec,
+    heads: tuple[int, int] | None,
+    pages: int,
+    min_pages: int,
+    max_page_bytes: int,
+) -> bool:
     """Whether a request packs pool ``mine`` (the decode's) written from ``theirs``: the rule
     in the module docstring (``pages``: the request's destination pages of the pool)."""
     if mode == "off" or not whole_rows(mine, theirs, heads):
         return False
     if mode == "on":
         return True
-    return (mine.location != "cpu" and theirs.location != "cpu"
-            and mine.item_bytes <= max_page_bytes and pages >= min_pages)
+    return (
+        mine.location != "cpu"
+        and theirs.location != "cpu"
+        and mine.item_bytes <= max_page_bytes
+        and pages >= min_pages
+    )
 
 
 def pack_bytes(pool: PoolSpec, ntok: int) -> int:
@@ -60,8 +71,14 @@ def pack_bytes(pool: PoolSpec, ntok: int) -> int:
     return len(pool.buffers) * ntok * pool.token_bytes
 
 
-def pack_error(pool: PoolSpec, theirs: PoolSpec, heads: tuple[int, int] | None,
-               staging: PoolSpec | None, addr: int, ntok: int) -> str | None:
+def pack_error(
+    pool: PoolSpec,
+    theirs: PoolSpec,
+    heads: tuple[int, int] | None,
+    staging: PoolSpec | None,
+    addr: int,
+    ntok: int,
+) -> str | None:
     """Why a pack lease at ``addr`` for decode pool ``pool`` cannot be served, or None: the
     pool must pair whole rows, and the lease lie wholly inside the decode's pack staging."""
     if not whole_rows(pool, theirs, heads):
@@ -70,8 +87,10 @@ def pack_error(pool: PoolSpec, theirs: PoolSpec, heads: tuple[int, int] | None,
         return f"pool {pool.name!r}: packed but the decode advertised no pack staging"
     n, b = pack_bytes(pool, ntok), staging.buffers[0]
     if not (b.addr <= addr and addr + n <= b.addr + b.nbytes):
-        return (f"pool {pool.name!r}: pack lease {addr:#x}+{n} outside the decode's pack "
-                f"staging {b.addr:#x}+{b.nbytes}")
+        return (
+            f"pool {pool.name!r}: pack lease {addr:#x}+{n} outside the decode's pack "
+            f"staging {b.addr:#x}+{b.nbytes}"
+        )
     return None
 
 
@@ -107,8 +126,16 @@ class Pack:
         return Blocks(src, dst, nb)
 
 
-def plan_pack(pairing: BufferPairing, lease: int, ntok: int, src_pages: np.ndarray,
-              src_first: int, prefix_len: int, start: int, end: int) -> Pack | str:
+def plan_pack(
+    pairing: BufferPairing,
+    lease: int,
+    ntok: int,
+    src_pages: np.ndarray,
+    src_first: int,
+    prefix_len: int,
+    start: int,
+    end: int,
+) -> Pack | str:
     """Tokens ``[start, end)`` of the source pages (covering tokens from ``src_first``) packed
     into the lease at ``lease`` of a request of ``ntok`` tokens from ``prefix_len``."""
     src, dst = pairing.src, pairing.dst
@@ -129,5 +156,6 @@ def plan_pack(pairing: BufferPairing, lease: int, ntok: int, src_pages: np.ndarr
     index = {(b.layer_id, b.role): j for j, b in enumerate(dst.buffers)}
     k0 = start - prefix_len
     dsts = tuple(lease + (index[(b.layer_id, b.role)] * ntok + k0) * tb for b in src.buffers)
-    return Pack(src.location, tuple(int(a) for a in pairing.src_base), dsts, rows, tb,
-                src.num_items * ps)
+    return Pack(
+        src.location, tuple(int(a) for a in pairing.src_base), dsts, rows, tb, src.num_items * ps
+    )

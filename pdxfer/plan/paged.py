@@ -55,8 +55,11 @@ class Blocks:
     def _arrays(self) -> None:
         assert self._lists is not None
         s, d, n = self._lists
-        self._src, self._dst, self._nb = (np.array(s, dtype=_U64), np.array(d, dtype=_U64),
-                                          np.array(n, dtype=_U64))
+        self._src, self._dst, self._nb = (
+            np.array(s, dtype=_U64),
+            np.array(d, dtype=_U64),
+            np.array(n, dtype=_U64),
+        )
 
     @property
     def src(self) -> np.ndarray:
@@ -155,8 +158,9 @@ def pair_buffers(src: PoolSpec, dst: PoolSpec) -> BufferPairing | str:
             return f"pool {src.name!r}: no destination buffer for layer {b.layer_id} {b.role}"
         sb.append(b.addr)
         db.append(d.addr)
-    return BufferPairing(src, dst, np.array(sb, dtype=_U64), np.array(db, dtype=_U64),
-                         tuple(sb), tuple(db))
+    return BufferPairing(
+        src, dst, np.array(sb, dtype=_U64), np.array(db, dtype=_U64), tuple(sb), tuple(db)
+    )
 
 
 def layer_subset(pairing: BufferPairing, lo: int, hi: int) -> BufferPairing | None:
@@ -208,26 +212,34 @@ def _range_error(lo: int, hi: int, limit: int, what: str) -> str | None:
     return None
 
 
-def check_pages(pairing: BufferPairing, src_pages: np.ndarray, dst_pages: np.ndarray | None
-                ) -> str | None:
+def check_pages(
+    pairing: BufferPairing, src_pages: np.ndarray, dst_pages: np.ndarray | None
+) -> str | None:
     """Why a source or destination page index is out of its pool's range, or None
     (``dst_pages`` None: the destination is staging, checked as a lease)."""
     src, dst = pairing.src, pairing.dst
-    return (_check_range(src_pages, src.num_items, f"pool {src.name!r} source page")
-            or (None if dst_pages is None else _check_range(
-                dst_pages, dst.num_items, f"pool {src.name!r} destination page")))
+    return _check_range(src_pages, src.num_items, f"pool {src.name!r} source page") or (
+        None
+        if dst_pages is None
+        else _check_range(dst_pages, dst.num_items, f"pool {src.name!r} destination page")
+    )
 
 
-def token_rows(pairing: BufferPairing, src_pages: np.ndarray, src_first: int,
-               dst_pages: np.ndarray, dst_first: int, start: int, end: int
-               ) -> tuple[np.ndarray, np.ndarray]:
+def token_rows(
+    pairing: BufferPairing,
+    src_pages: np.ndarray,
+    src_first: int,
+    dst_pages: np.ndarray,
+    dst_first: int,
+    start: int,
+    end: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """Global token rows ``(page * page_size + offset)`` of tokens ``[start, end)`` on each
     side: the page-size remap, one row per token."""
     ps_s, ps_d = pairing.src.page_size, pairing.dst.page_size
     pos = np.arange(start, end, dtype=np.int64)
     ps_, pd_ = pos - src_first, pos - dst_first
-    return (src_pages[ps_ // ps_s] * ps_s + ps_ % ps_s,
-            dst_pages[pd_ // ps_d] * ps_d + pd_ % ps_d)
+    return (src_pages[ps_ // ps_s] * ps_s + ps_ % ps_s, dst_pages[pd_ // ps_d] * ps_d + pd_ % ps_d)
 
 
 def _check_range(idx: np.ndarray, limit: int, what: str) -> str | None:
@@ -275,16 +287,24 @@ def _expand_few(pairing: BufferPairing, rr: list[tuple[int, int, int]], unit: in
     return Blocks.from_lists(src, dst, nb)
 
 
-def _partial_page(pairing: BufferPairing, src_pages: np.ndarray, src_first: int,
-                  dst_pages: np.ndarray, dst_first: int, start: int, end: int) -> Blocks | str:
+def _partial_page(
+    pairing: BufferPairing,
+    src_pages: np.ndarray,
+    src_first: int,
+    dst_pages: np.ndarray,
+    dst_first: int,
+    start: int,
+    end: int,
+) -> Blocks | str:
     """Tokens ``[start, end)`` inside one page (equal page sizes, aligned page grids): what a
     chunk computed of a page that another chunk fills too. Token-major: one block per buffer;
     HND: one block per head and buffer (a head's tokens are contiguous inside the page)."""
     src, dst = pairing.src, pairing.dst
     ps = src.page_size
     sp, dp = int(src_pages[(start - src_first) // ps]), int(dst_pages[(start - dst_first) // ps])
-    why = (_range_error(sp, sp, src.num_items, f"pool {src.name!r} source page")
-           or _range_error(dp, dp, dst.num_items, f"pool {src.name!r} destination page"))
+    why = _range_error(sp, sp, src.num_items, f"pool {src.name!r} source page") or _range_error(
+        dp, dp, dst.num_items, f"pool {src.name!r} destination page"
+    )
     if why:
         return why
     off = (start - src_first) % ps
@@ -294,11 +314,14 @@ def _partial_page(pairing: BufferPairing, src_pages: np.ndarray, src_first: int,
         s_at, d_at = sp * src.item_bytes + off * tb, dp * dst.item_bytes + off * tb
     else:
         hb = src.sharding.head_bytes
-        rows, unit, width = np.arange(src.sharding.rank_heads, dtype=np.int64), ps * hb, \
-            (end - start) * hb
+        rows, unit, width = (
+            np.arange(src.sharding.rank_heads, dtype=np.int64),
+            ps * hb,
+            (end - start) * hb,
+        )
         s_at, d_at = sp * src.item_bytes + off * hb, dp * dst.item_bytes + off * hb
-    s = (pairing.src_base[:, None] + _U64(s_at) + rows.astype(_U64)[None, :] * _U64(unit))
-    d = (pairing.dst_base[:, None] + _U64(d_at) + rows.astype(_U64)[None, :] * _U64(unit))
+    s = pairing.src_base[:, None] + _U64(s_at) + rows.astype(_U64)[None, :] * _U64(unit)
+    d = pairing.dst_base[:, None] + _U64(d_at) + rows.astype(_U64)[None, :] * _U64(unit)
     nb = np.full(s.size, width, dtype=_U64)
     return Blocks(s.reshape(-1), d.reshape(-1), nb)
 
@@ -328,20 +351,31 @@ def plan_paged(
     if start < src_first or start < dst_first:
         return f"pool {src.name!r}: token {start} precedes the indices' first token"
     if end - src_first > src_pages.size * ps_s:
-        return (f"pool {src.name!r}: source indices cover {src_pages.size * ps_s} tokens from "
-                f"{src_first}, need up to token {end}")
+        return (
+            f"pool {src.name!r}: source indices cover {src_pages.size * ps_s} tokens from "
+            f"{src_first}, need up to token {end}"
+        )
     if end - dst_first > dst_pages.size * ps_d:
-        return (f"pool {src.name!r}: destination indices cover {dst_pages.size * ps_d} tokens "
-                f"from {dst_first}, need up to token {end}")
-    if ps_s == ps_d and (src_first - dst_first) % ps_s == 0 and (
-            (start - src_first) % ps_s or exact and (end - src_first) % ps_s):
+        return (
+            f"pool {src.name!r}: destination indices cover {dst_pages.size * ps_d} tokens "
+            f"from {dst_first}, need up to token {end}"
+        )
+    if (
+        ps_s == ps_d
+        and (src_first - dst_first) % ps_s == 0
+        and ((start - src_first) % ps_s or exact and (end - src_first) % ps_s)
+    ):
         a = min(end, start + (src_first - start) % ps_s)  # the first page boundary
         b = max(a, end - (end - src_first) % ps_s if exact else end)
-        parts = [_partial_page(pairing, src_pages, src_first, dst_pages, dst_first, start, a)
-                 if a > start else Blocks.empty(),
-                 plan_paged(pairing, src_pages, src_first, dst_pages, dst_first, a, b),
-                 _partial_page(pairing, src_pages, src_first, dst_pages, dst_first, b, end)
-                 if end > b else Blocks.empty()]
+        parts = [
+            _partial_page(pairing, src_pages, src_first, dst_pages, dst_first, start, a)
+            if a > start
+            else Blocks.empty(),
+            plan_paged(pairing, src_pages, src_first, dst_pages, dst_first, a, b),
+            _partial_page(pairing, src_pages, src_first, dst_pages, dst_first, b, end)
+            if end > b
+            else Blocks.empty(),
+        ]
         bad = next((x for x in parts if isinstance(x, str)), None)
         return bad if bad is not None else Blocks.concat(parts)  # type: ignore[arg-type]
     if ps_s == ps_d and (start - src_first) % ps_s == 0 and (start - dst_first) % ps_d == 0:
@@ -353,8 +387,10 @@ def plan_paged(
             sl, dl = s.tolist(), d.tolist()
             why = sl and (
                 _range_error(min(sl), max(sl), src.num_items, f"pool {src.name!r} source page")
-                or _range_error(min(dl), max(dl), dst.num_items,
-                                f"pool {src.name!r} destination page"))
+                or _range_error(
+                    min(dl), max(dl), dst.num_items, f"pool {src.name!r} destination page"
+                )
+            )
             return why or _expand_few(pairing, _runs_few(sl, dl), src.item_bytes)
         why = check_pages(pairing, s, d)
         if why:
@@ -410,6 +446,8 @@ def check_bounds(blocks: Blocks, regions: list[tuple[int, int]], side: str) -> s
     bad |= addrs + blocks.nbytes > ends[kk]
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        return (f"{side} block {i} at {int(addrs[i]):#x}+{int(blocks.nbytes[i])} lies outside "
-                f"every registered buffer")
+        return (
+            f"{side} block {i} at {int(addrs[i]):#x}+{int(blocks.nbytes[i])} lies outside "
+            f"every registered buffer"
+        )
     return None

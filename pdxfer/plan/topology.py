@@ -60,15 +60,17 @@ def _heads_range(p: PoolSpec) -> tuple[int, int]:
     return sh.first_head, sh.first_head + sh.rank_heads
 
 
-def assign(mine: Mapping[str, PoolSpec],
-           peers: Sequence[tuple[int, Mapping[str, PoolSpec]]]) -> list[Assignment] | str:
+def assign(
+    mine: Mapping[str, PoolSpec], peers: Sequence[tuple[int, Mapping[str, PoolSpec]]]
+) -> list[Assignment] | str:
     """Split the decode's pools ``mine`` over the asked endpoints ``peers``
     (``(pp_rank, that endpoint's pools)``, in ascending TP rank within a stage).
 
     Returns one ``Assignment`` per peer, or why the peers cannot fill the decode's pools.
     """
     out: dict[int, tuple[dict[str, tuple[int, int]], list[str]]] = {
-        i: ({}, []) for i in range(len(peers))}
+        i: ({}, []) for i in range(len(peers))
+    }
     stages: dict[int, list[int]] = {}
     for i, (pp, _) in enumerate(peers):
         stages.setdefault(pp, []).append(i)
@@ -86,16 +88,20 @@ def assign(mine: Mapping[str, PoolSpec],
                     s_lo, s_hi = _heads_range(peers[i][1][name])
                     a, b = max(cur, s_lo), min(hi, s_hi)
                     if a > cur and b > a:
-                        return (f"pool {name!r}: stage {pp} leaves decode heads [{cur}, {a}) "
-                                f"unheld by any asked prefill rank")
+                        return (
+                            f"pool {name!r}: stage {pp} leaves decode heads [{cur}, {a}) "
+                            f"unheld by any asked prefill rank"
+                        )
                     if b > a:
                         out[i][0][name] = (a, b)
                         cur = b
                     else:
                         out[i][1].append(name)
                 if cur < hi:
-                    return (f"pool {name!r}: no asked prefill rank of stage {pp} holds decode "
-                            f"heads [{cur}, {hi})")
+                    return (
+                        f"pool {name!r}: no asked prefill rank of stage {pp} holds decode "
+                        f"heads [{cur}, {hi})"
+                    )
             else:
                 for i in holders[1:]:
                     out[i][1].append(name)

@@ -26,8 +26,9 @@ def flag_of(name: str) -> str:
     return "--" + name.removesuffix("_s").replace("_", "-")
 
 
-def add_field_args(ap: argparse.ArgumentParser | Any, cls: type | None, *names: str,
-                   **over: Any) -> None:
+def add_field_args(
+    ap: argparse.ArgumentParser | Any, cls: type | None, *names: str, **over: Any
+) -> None:
     """One flag per named field of ``cls`` (None: ``EndpointConfig`` and its ``Limits``),
     everything about it taken from the field; ``over`` replaces what differs by command
     (e.g. ``required``)."""
@@ -58,18 +59,43 @@ def add_setting_args(ap: argparse.ArgumentParser | Any, *names: str) -> None:
 
 
 def add_worker_args(ap: argparse.ArgumentParser, role: str) -> None:
-    add_setting_args(ap.add_argument_group("addresses", "the HTTP server binds --host too, and "
-                                           "prints --advertise in its ready line"),
-                     "host", "advertise")
+    add_setting_args(
+        ap.add_argument_group(
+            "addresses",
+            "the HTTP server binds --host too, and prints --advertise in its ready line",
+        ),
+        "host",
+        "advertise",
+    )
     add_field_args(ap, WorkerConfig, "port")
     add_field_args(ap, WorkerConfig, "bootstrap", required=role == "prefill")
     add_setting_args(ap, "insecure", "instance", "transport", "device")
-    add_field_args(ap, WorkerConfig, "torch_device", "pages", "aux_slots", "seed", "page_size",
-                   "max_seq_len", "chunk_size", "l2_pages", "kv_events",
-                   "kv_events_mute")
+    add_field_args(
+        ap,
+        WorkerConfig,
+        "torch_device",
+        "pages",
+        "aux_slots",
+        "seed",
+        "page_size",
+        "max_seq_len",
+        "chunk_size",
+        "l2_pages",
+        "kv_events",
+        "kv_events_mute",
+    )
     if role == "decode":
-        add_field_args(ap, WorkerConfig, "l3_dir", "l3_max_gb", "l3_mooncake",
-                       "l3_mooncake_metadata", "l3_mooncake_segment_mb", "no_l3", "kv_landing")
+        add_field_args(
+            ap,
+            WorkerConfig,
+            "l3_dir",
+            "l3_max_gb",
+            "l3_mooncake",
+            "l3_mooncake_metadata",
+            "l3_mooncake_segment_mb",
+            "no_l3",
+            "kv_landing",
+        )
         add_setting_args(ap, "integrity", "integrity_retry")
     add_field_args(ap, WorkerConfig, "kv_ballast_bytes_per_token", "tp")
     if role == "decode":
@@ -86,9 +112,23 @@ def add_insecure_arg(ap: argparse.ArgumentParser) -> None:
 def add_router_args(ap: argparse.ArgumentParser) -> None:
     add_field_args(ap, RouterSettings, "host", "advertise", "port")
     add_insecure_arg(ap)
-    add_field_args(ap, RouterSettings, "prefill", "decode", "engine", "tokenizer", "page_size",
-                   "dispatch", "policy", "kv_events", "kv_load_weight", "kv_stale_misses",
-                   "kv_stale_window_s", "kv_stale_tolerance_blocks", "kv_stale_deadline_s",
-                   "kv_index_blocks")
+    add_field_args(
+        ap,
+        RouterSettings,
+        "prefill",
+        "decode",
+        "engine",
+        "tokenizer",
+        "page_size",
+        "dispatch",
+        "policy",
+        "kv_events",
+        "kv_load_weight",
+        "kv_stale_misses",
+        "kv_stale_window_s",
+        "kv_stale_tolerance_blocks",
+        "kv_stale_deadline_s",
+        "kv_index_blocks",
+    )
     add_field_args(ap, MediaPolicy, "max_image_bytes", "max_image_pixels", "allow_remote")
     add_field_args(ap, RouterSettings, "expose_cache_stats", "timeout_s")

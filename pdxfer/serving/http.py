@@ -49,10 +49,16 @@ def router_only(secret: bytes | None) -> Any:
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
         if secret is not None and request.path not in OPEN_PATHS:
             body = await request.read()
-            why = check_http(secret, request.method, request.raw_path, body,
-                             request.headers.get("X-Pdxfer-Time"),
-                             request.headers.get("X-Pdxfer-Signature"),
-                             request.headers.get("X-Pdxfer-Nonce"), replay)
+            why = check_http(
+                secret,
+                request.method,
+                request.raw_path,
+                body,
+                request.headers.get("X-Pdxfer-Time"),
+                request.headers.get("X-Pdxfer-Signature"),
+                request.headers.get("X-Pdxfer-Nonce"),
+                replay,
+            )
             if why:
                 return web.json_response(error_body(why, "unauthorized", 401), status=401)
         return await handler(request)
@@ -65,11 +71,16 @@ async def loopback_only(request: web.Request, handler: Any) -> web.StreamRespons
     """Protected mode (``pdxfer.protect``): with no shared secret, a peer on another host is
     refused whatever the server is bound to."""
     if not peer_allowed(request.remote):
-        log.warning("refused a request from %s: no shared secret is set, so only loopback "
-                    "peers are served", request.remote)
-        return web.json_response(error_body(
-            "this server has no shared secret and serves loopback peers only", "forbidden",
-            403), status=403)
+        log.warning(
+            "refused a request from %s: no shared secret is set, so only loopback peers are served",
+            request.remote,
+        )
+        return web.json_response(
+            error_body(
+                "this server has no shared secret and serves loopback peers only", "forbidden", 403
+            ),
+            status=403,
+        )
     return await handler(request)
 
 
@@ -92,8 +103,15 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def field(body: dict[str, Any], name: str, kind: type, *, default: Any = ...,
-          lo: int | None = None, hi: int | None = None) -> Any:
+def field(
+    body: dict[str, Any],
+    name: str,
+    kind: type,
+    *,
+    default: Any = ...,
+    lo: int | None = None,
+    hi: int | None = None,
+) -> Any:
     """One typed field; bools are not ints here (JSON ``true`` is not a token count)."""
     if name not in body:
         if default is ...:
@@ -116,8 +134,7 @@ def token_list(body: dict[str, Any], name: str, vocab: int) -> list[int]:
     return v
 
 
-def metrics_text(prefix: str, values: dict[str, Any],
-                 labels: dict[str, str] | None = None) -> str:
+def metrics_text(prefix: str, values: dict[str, Any], labels: dict[str, str] | None = None) -> str:
     """Prometheus text (via prometheus_client) for a flat snapshot of numeric values."""
     return prometheus_text(prefix, lambda: values, labels).decode()
 
@@ -135,8 +152,7 @@ def merge_metrics(parts: list[tuple[str, dict[str, str]]]) -> str:
             into = fams.get(f.name)
             if into is None:
                 into = fams[f.name] = Metric(f.name, f.documentation, f.type)
-            into.samples += [smp._replace(labels={**smp.labels, **labels})
-                             for smp in f.samples]
+            into.samples += [smp._replace(labels={**smp.labels, **labels}) for smp in f.samples]
 
     class _Merged:
         def collect(self) -> Any:
@@ -160,8 +176,15 @@ async def poll_until_terminal(handle: Any, deadline_s: float) -> None:
         delay = min(delay * 2, 0.01)
 
 
-def serve(app: web.Application, host: str, port: int, on_stop: Any = None,
-          advertise: str = "", announce: Any = None, what: str = "HTTP server") -> int:
+def serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    on_stop: Any = None,
+    advertise: str = "",
+    announce: Any = None,
+    what: str = "HTTP server",
+) -> int:
     """Run ``app`` until SIGINT/SIGTERM; print the ready line with the URL peers use (the
     ``advertise`` address, else ``host``: a wildcard bind without one is refused), or hand
     that URL to ``announce`` (a worker behind a front that is not its launcher's).
@@ -184,8 +207,9 @@ def serve(app: web.Application, host: str, port: int, on_stop: Any = None,
         await runner.setup()
         # one socket: a wildcard left to aiohttp binds IPv4 and IPv6 apart, each on its own
         # random port, and the ready line could name the one a client does not dial
-        site = web.TCPSite(runner, "0.0.0.0" if host in ("", "*") else host, port,
-                           shutdown_timeout=1.0)
+        site = web.TCPSite(
+            runner, "0.0.0.0" if host in ("", "*") else host, port, shutdown_timeout=1.0
+        )
         await site.start()
         bound = runner.addresses[0][1]
         if announce is not None:

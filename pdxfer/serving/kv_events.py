@@ -22,8 +22,7 @@ import zmq
 MAX_PAYLOAD = 32 << 20
 MAX_TOPIC = 256
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-BlockHash = int | Annotated[
-    bytes, msgspec.Meta(max_length=64)]  # msgpack ints are 64-bit at most
+BlockHash = int | Annotated[bytes, msgspec.Meta(max_length=64)]  # msgpack ints are 64-bit at most
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Hashes = Annotated[list[BlockHash], msgspec.Meta(max_length=1 << 16)]
 
@@ -76,8 +75,9 @@ class RawStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False)
 
 class RawBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: Annotated[list[RawStored | BlockRemoved | AllBlocksCleared],
-                      msgspec.Meta(max_length=1 << 16)]
+    events: Annotated[
+        list[RawStored | BlockRemoved | AllBlocksCleared], msgspec.Meta(max_length=1 << 16)
+    ]
     data_parallel_rank: int | None = None
 
 
@@ -90,8 +90,9 @@ class BadFrame(ValueError):
     """A frame that is not a well-formed, bounded event batch."""
 
 
-def parse_frame(parts: list[bytes], raw: bool = False
-                ) -> tuple[int, KVEventBatch | RawBatch | None]:
+def parse_frame(
+    parts: list[bytes], raw: bool = False
+) -> tuple[int, KVEventBatch | RawBatch | None]:
     """``(topic, seq, payload)`` -> (seq, batch); the replay's end marker -> (-1, None).
     ``raw``: stores as ``RawStored`` (their arrays checked when read)."""
     if len(parts) != 3:
@@ -115,8 +116,13 @@ class EventPublisher:
     """vLLM's ZMQ publisher protocol for pdxfer's workers: PUB ``endpoint``, and a replay
     ROUTER at ``replay_endpoint`` over the last ``buffer`` batches. Thread-safe."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None,
-                 topic: str = "", buffer: int = 10_000) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer: int = 10_000,
+    ) -> None:
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -134,8 +140,9 @@ class EventPublisher:
             self._rep.setsockopt(zmq.LINGER, 0)
             self._rep.bind(replay_endpoint)
             self.replay_endpoint = self._rep.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._thread = threading.Thread(target=self._serve_replay, daemon=True,
-                                            name="pdxfer-kv-replay")
+            self._thread = threading.Thread(
+                target=self._serve_replay, daemon=True, name="pdxfer-kv-replay"
+            )
             self._thread.start()
 
     def publish(self, events: list[Event], skip: bool = False) -> int:

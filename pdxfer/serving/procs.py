@@ -28,17 +28,29 @@ class ProcessStartError(ServingError):
 class Proc:
     """One serving process; ``url`` is what it reported ready on."""
 
-    def __init__(self, name: str, args: Sequence[str], *, timeout: float = 120.0,
-                 env: dict[str, str] | None = None, quiet: bool = True,
-                 wait: bool = True, prefix: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        quiet: bool = True,
+        wait: bool = True,
+        prefix: Sequence[str] = (),
+    ) -> None:
         """``prefix``: a command that runs the process elsewhere and execs it (``ip netns
         exec NS``: on another host), so ``pid`` is still the process's own."""
         self.name, self.args = name, list(args)
         full_env = {**os.environ, **(env or {})}
         full_env.setdefault("MC_LOG_LEVEL", "ERROR")
         self.popen = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "pdxfer.cli", *self.args], stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL if quiet else None, env=full_env, text=True)
+            [*prefix, sys.executable, "-m", "pdxfer.cli", *self.args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL if quiet else None,
+            env=full_env,
+            text=True,
+        )
         self.timeout = timeout
         lines: queue.Queue[str | None] = queue.Queue()
         self._lines = lines
@@ -62,11 +74,14 @@ class Proc:
             except queue.Empty:
                 self.stop()
                 raise ProcessStartError(
-                    f"{self.name} did not report ready in {self.timeout} s") from None
+                    f"{self.name} did not report ready in {self.timeout} s"
+                ) from None
             if line is None:
                 rc = self.popen.wait()
-                raise ProcessStartError(f"{self.name} exited with {rc} before it was ready "
-                                        f"(args: {' '.join(self.args)})")
+                raise ProcessStartError(
+                    f"{self.name} exited with {rc} before it was ready "
+                    f"(args: {' '.join(self.args)})"
+                )
             if line.startswith(READY):
                 self.url = line.split()[1]
         return self

@@ -22,6 +22,20 @@ def __getattr__(name: str) -> object:
         return getattr(mooncake_store, name)
     raise AttributeError(f"module 'pdxfer.tiers' has no attribute {name!r}")
 
-__all__ = ["CacheObserver", "CapacityError", "FileStorage", "HostCache", "Match", "RestoreFailed", "RestoreState",
-           "RestoringReceiver", "StorageBackend", "StorageError", "TieredCache", "page_keys",
-           "pool_key", "prefix_hits"]
+
+__all__ = [
+    "CacheObserver",
+    "CapacityError",
+    "FileStorage",
+    "HostCache",
+    "Match",
+    "RestoreFailed",
+    "RestoreState",
+    "RestoringReceiver",
+    "StorageBackend",
+    "StorageError",
+    "TieredCache",
+    "page_keys",
+    "pool_key",
+    "prefix_hits",
+]

@@ -93,16 +93,25 @@ def _need_model_id(storage: StorageBackend | None, model_id: str) -> None:
         raise ConfigError(
             "TieredCache with L3 storage needs model_id (the model's weights and config, e.g. "
             "a digest of them): without it L3 keys are salted only by the KV layout, and "
-            "another model with the same KV shape would restore this model's pages as its own")
+            "another model with the same KV shape would restore this model's pages as its own"
+        )
 
 
 class TieredCache:
     """One decode rank's L2 and L3 over its pool group. Thread-safe."""
 
-    def __init__(self, pools: Sequence[PoolSpec], *, host_pages: int | Mapping[str, int],
-                 storage: StorageBackend | None = None, register: Register | None = None,
-                 copier: Copier | None = None, salt: str = "", model_id: str = "",
-                 verify: bool = True) -> None:
+    def __init__(
+        self,
+        pools: Sequence[PoolSpec],
+        *,
+        host_pages: int | Mapping[str, int],
+        storage: StorageBackend | None = None,
+        register: Register | None = None,
+        copier: Copier | None = None,
+        salt: str = "",
+        model_id: str = "",
+        verify: bool = True,
+    ) -> None:
         """``model_id`` names the engine's model (weights and config): with the pools' layout
         signature it salts every key, so two models whose KV has the same shape never read
         each other's objects. L3 outlives the process and is shared by a fleet, so it needs
@@ -121,8 +130,9 @@ class TieredCache:
         self.salt = f"{layout_signature(list(pools))}|{model_id}|{salt}"
         self.host = HostCache(pools, host_pages, register)
         self.verify = verify
-        self.l1_specs = {p.name: p for p in paged if p.item_bytes
-                         and integrity.supported(p.location)}
+        self.l1_specs = {
+            p.name: p for p in paged if p.item_bytes and integrity.supported(p.location)
+        }
         self.restore_check_seconds = 0.0
         self.l1_copy_seconds = 0.0
         self.l1_copy_bytes = 0
@@ -132,22 +142,28 @@ class TieredCache:
         self.set_storage(storage)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdxfer-writeback")
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdxfer-restore")
-        self._loaders = ThreadPoolExecutor(max_workers=knobs().copy_workers,
-                                           thread_name_prefix="pdxfer-load")
+        self._loaders = ThreadPoolExecutor(
+            max_workers=knobs().copy_workers, thread_name_prefix="pdxfer-load"
+        )
         self._page_bytes = sum(hp.page_bytes for hp in self.host.pools.values())
         self._pending: set[Future[Any]] = set()
         self._lock = threading.Lock()
         self.after_match: Callable[[Match], None] | None = None
         """Test hook run at the start of ``load`` (fault injection between match and load)."""
-        self.counters: dict[str, int] = {"l3_puts": 0, "l3_put_failures": 0, "l3_gets": 0,
-                                         "l3_get_misses": 0, "l2_writebacks": 0,
-                                         "writeback_skipped": 0,
-                                         "integrity_restore_checks": 0,
-                                         "integrity_restore_mismatches": 0,
-                                         "integrity_l3_mismatches": 0,
-                                         "faults_injected_corrupt": 0,
-                                         "faults_injected_skip_write": 0,
-                                         "faults_injected_shift_write": 0}
+        self.counters: dict[str, int] = {
+            "l3_puts": 0,
+            "l3_put_failures": 0,
+            "l3_gets": 0,
+            "l3_get_misses": 0,
+            "l2_writebacks": 0,
+            "writeback_skipped": 0,
+            "integrity_restore_checks": 0,
+            "integrity_restore_mismatches": 0,
+            "integrity_l3_mismatches": 0,
+            "faults_injected_corrupt": 0,
+            "faults_injected_skip_write": 0,
+            "faults_injected_shift_write": 0,
+        }
 
     def set_storage(self, storage: StorageBackend | None) -> None:
         """Use another L3 backend from now on (its host pages get registered with it)."""
@@ -168,19 +184,21 @@ class TieredCache:
             self.counters[name] += n
 
     # -- restore -------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int] | np.ndarray, num_tokens: int, l1_len: int = 0,
-              scope: str = "") -> Match:
+    def match(
+        self, tokens: Sequence[int] | np.ndarray, num_tokens: int, l1_len: int = 0, scope: str = ""
+    ) -> Match:
         """Decide and pin the prefix this request gets locally. At least one token is left
         to the network (the engine needs the last token's KV computed fresh)."""
         if not 0 <= l1_len <= num_tokens <= len(tokens):
-            raise ConfigError(f"need 0 <= l1_len {l1_len} <= num_tokens {num_tokens} <= "
-                              f"{len(tokens)} tokens")
+            raise ConfigError(
+                f"need 0 <= l1_len {l1_len} <= num_tokens {num_tokens} <= {len(tokens)} tokens"
+            )
         ps = self.page_size
         l1p = l1_len // ps
         keys = self.keys(np.asarray(tokens)[:num_tokens], scope)
         cap = max(l1p, (num_tokens - 1) // ps)
         l2 = self.host.match_and_pin(keys[l1p:cap])
-        rest = keys[l1p + len(l2):cap]
+        rest = keys[l1p + len(l2) : cap]
         l3: list[Entry] = []
         if rest and self.storage is not None:
             try:
@@ -196,8 +214,13 @@ class TieredCache:
                     log.info("no L2 room to prefetch %d L3 pages (%s): transferring them", n3, e)
         return Match(keys, ps, l1p, l2, l3)
 
-    def load(self, m: Match, dst: Mapping[str, np.ndarray], deadline: float | None = None,
-             tag: int | None = None) -> int:
+    def load(
+        self,
+        m: Match,
+        dst: Mapping[str, np.ndarray],
+        deadline: float | None = None,
+        tag: int | None = None,
+    ) -> int:
         """Bring the promised pages into ``dst`` (L1 pages per anchor, covering tokens from
         ``l1_len``): L3 to L2, then L2 to L1. Returns how many pages are right in ``dst``;
         the rest (an L3 object gone or corrupt, the deadline passed) must be repaired.
@@ -215,14 +238,18 @@ class TieredCache:
         if not entries:
             m.good_l3 = 0
             return 0
-        l1 = {pool: np.asarray(dst[self.anchor[pool]], dtype=np.int64)[:len(entries)]
-              for pool in self.data_pools}
+        l1 = {
+            pool: np.asarray(dst[self.anchor[pool]], dtype=np.int64)[: len(entries)]
+            for pool in self.data_pools
+        }
         span = _Span()
         stop = threading.Event()
         per = max(1, min(L3_BATCH, LOAD_BATCH_BYTES // max(1, self._page_bytes)))
         batches = [(lo, min(lo + per, len(l3))) for lo in range(0, len(l3), per)]
-        futs = [self._loaders.submit(self._load_l3, l3[a:b], l1, len(m.l2) + a, deadline,
-                                     stop, span) for a, b in batches]
+        futs = [
+            self._loaders.submit(self._load_l3, l3[a:b], l1, len(m.l2) + a, deadline, stop, span)
+            for a, b in batches
+        ]
         try:
             if m.l2:
                 self._to_l1(m.l2, l1, 0, span)
@@ -250,8 +277,15 @@ class TieredCache:
                 self._damage(kind, len(entries), dst, f)
         return self._verify_l1(entries, dst) if entries else 0
 
-    def _load_l3(self, batch: list[Entry], l1: Mapping[str, np.ndarray], at: int,
-                 deadline: float | None, stop: threading.Event, span: _Span) -> int:
+    def _load_l3(
+        self,
+        batch: list[Entry],
+        l1: Mapping[str, np.ndarray],
+        at: int,
+        deadline: float | None,
+        stop: threading.Event,
+        span: _Span,
+    ) -> int:
         """One batch of L3 pages: read into their L2 pages, check, copy into L1 pages from
         ``at``; how many leading pages made it. A miss stops the batches not yet started."""
         if stop.is_set():
@@ -268,21 +302,31 @@ class TieredCache:
             self._to_l1(batch[:n], l1, at, span)
         return n
 
-    def _to_l1(self, entries: list[Entry], l1: Mapping[str, np.ndarray], at: int,
-               span: _Span) -> None:
+    def _to_l1(
+        self, entries: list[Entry], l1: Mapping[str, np.ndarray], at: int, span: _Span
+    ) -> None:
         """Copy L2 entries into the L1 pages from index ``at`` of ``l1``."""
         t0 = time.perf_counter()
         for pool in self.data_pools:
             hp = self.host.pools[pool]
-            self.copier.to_l1(pool, hp, np.array([e.pages[pool] for e in entries]),
-                              l1[pool][at:at + len(entries)])
+            self.copier.to_l1(
+                pool,
+                hp,
+                np.array([e.pages[pool] for e in entries]),
+                l1[pool][at : at + len(entries)],
+            )
         span.add(t0, time.perf_counter(), len(entries) * self._page_bytes)
 
     def _damage(self, kind: str, n: int, dst: Mapping[str, np.ndarray], f: Faults) -> None:
         """Fault injection (tests only): damage one restored L1 page of one buffer as a bad
         copy would (``faults.py``: ``corrupt``, ``skip_write``, ``shift_write``)."""
-        pools = f.pools([p for p in self.data_pools if p in self.l1_specs
-                         and self.l1_specs[p].location == "cpu"])
+        pools = f.pools(
+            [
+                p
+                for p in self.data_pools
+                if p in self.l1_specs and self.l1_specs[p].location == "cpu"
+            ]
+        )
         if not pools:
             return
         spec = self.l1_specs[pools[f.pick(len(pools))]]
@@ -295,8 +339,14 @@ class TieredCache:
         neighbour = int(pages[i + 1 if i + 1 < n else i - 1]) if n > 1 else None
         # stale bytes that differ (a page holding this very prefix is no fault at all)
         taken = set(pages[:n].tolist())
-        stale = next((q for q in range(spec.num_items) if q not in taken
-                      and not np.array_equal(view[q], view[page])), None)
+        stale = next(
+            (
+                q
+                for q in range(spec.num_items)
+                if q not in taken and not np.array_equal(view[q], view[page])
+            ),
+            None,
+        )
         damage(view, kind, page, neighbour, stale)
         self._count(f"faults_injected_{kind}")
 
@@ -319,8 +369,9 @@ class TieredCache:
         if not self.verify:
             return
         for pool in self.data_pools:
-            e.digests[pool] = integrity.page_digest(self.host.pools[pool].per_buffer()[
-                e.pages[pool]])
+            e.digests[pool] = integrity.page_digest(
+                self.host.pools[pool].per_buffer()[e.pages[pool]]
+            )
 
     def _verify_l1(self, entries: list[Entry], dst: Mapping[str, np.ndarray]) -> int:
         """How many leading pages reached L1 as recorded; the first that did not (a page
@@ -342,8 +393,13 @@ class TieredCache:
                     break
         if good < len(entries):
             self._count("integrity_restore_mismatches")
-            log.warning("restored page %d (%s) does not match its L2 digest: repairing %d "
-                        "pages from the prefill", good, entries[good].key, len(entries) - good)
+            log.warning(
+                "restored page %d (%s) does not match its L2 digest: repairing %d "
+                "pages from the prefill",
+                good,
+                entries[good].key,
+                len(entries) - good,
+            )
         self._count("integrity_restore_checks", len(entries))
         with self._lock:
             self.restore_check_seconds += time.perf_counter() - t0
@@ -374,10 +430,10 @@ class TieredCache:
         n = len(self.data_pools)
         self._count("l3_gets", len(keys))
         self._count("l3_get_misses", got.count(False))
-        ok = [all(got[i * n:(i + 1) * n]) for i in range(len(batch))]
+        ok = [all(got[i * n : (i + 1) * n]) for i in range(len(batch))]
         for i, e in enumerate(batch):
             if ok[i] and self.verify:
-                ok[i] = self._check_sealed(e, sealed[i * n:(i + 1) * n])
+                ok[i] = self._check_sealed(e, sealed[i * n : (i + 1) * n])
         return ok
 
     def _check_sealed(self, e: Entry, sealed: Sequence[int]) -> bool:
@@ -389,8 +445,12 @@ class TieredCache:
         for pool, want in zip(self.data_pools, sealed):
             if want != NO_DIGEST and e.digests.get(pool) != want:
                 self._count("integrity_l3_mismatches")
-                log.warning("L3 page %s (%s) does not match the digest it was stored with: "
-                            "a miss, repaired from the prefill", e.key, pool)
+                log.warning(
+                    "L3 page %s (%s) does not match the digest it was stored with: "
+                    "a miss, repaired from the prefill",
+                    e.key,
+                    pool,
+                )
                 return False
         return True
 
@@ -402,12 +462,17 @@ class TieredCache:
                 return
             m.finished = True
             self.host.unpin(m.l2)
-            self.host.commit(m.l3[:m.good_l3])
-            self.host.discard(m.l3[m.good_l3:])
+            self.host.commit(m.l3[: m.good_l3])
+            self.host.discard(m.l3[m.good_l3 :])
 
     # -- write-back ----------------------------------------------------------------------------
-    def write_back(self, tokens: Sequence[int] | np.ndarray, pages: Mapping[str, Any],
-                   num_tokens: int, scope: str = "") -> Future[int]:
+    def write_back(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        pages: Mapping[str, Any],
+        num_tokens: int,
+        scope: str = "",
+    ) -> Future[int]:
         """Store a finished request's full pages: L1 to L2 now (the engine may reuse its
         pages when this returns), L2 to L3 in the background. The future says how many
         pages reached L3; a full L3 is a logged miss."""
@@ -462,8 +527,7 @@ class TieredCache:
     def observer(self, obs: CacheObserver | None) -> None:
         self.host.observer = obs
 
-    def _tell_stored(self, keys: list[str], idx: list[int], tokens: np.ndarray,
-                     scope: str) -> None:
+    def _tell_stored(self, keys: list[str], idx: list[int], tokens: np.ndarray, scope: str) -> None:
         """The new pages, as runs of consecutive pages after the page before each run."""
         assert self.host.observer is not None
         ps = self.page_size
@@ -473,8 +537,9 @@ class TieredCache:
             while b + 1 < len(idx) and idx[b + 1] == idx[b] + 1:
                 b += 1
             lo, hi = idx[a], idx[b] + 1
-            self.host.observer.stored(keys[lo:hi], keys[lo - 1] if lo else None,
-                                      tokens[lo * ps:hi * ps], ps, scope)
+            self.host.observer.stored(
+                keys[lo:hi], keys[lo - 1] if lo else None, tokens[lo * ps : hi * ps], ps, scope
+            )
             a = b + 1
 
     def _done(self, fut: Future[Any]) -> None:
@@ -495,7 +560,7 @@ class TieredCache:
             self._count("l3_puts", ok.count(True))
             self._count("l3_put_failures", ok.count(False))
             n = len(self.data_pools)
-            return sum(all(ok[i * n:(i + 1) * n]) for i in range(len(entries)))
+            return sum(all(ok[i * n : (i + 1) * n]) for i in range(len(entries)))
         finally:
             self.host.unpin(entries)
 

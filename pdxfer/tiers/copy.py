@@ -26,11 +26,13 @@ from .host import HostPool
 
 
 class Copier(Protocol):
-    def to_host(self, pool: str, l1_pages: np.ndarray, host: HostPool,
-                host_pages: np.ndarray) -> None: ...
+    def to_host(
+        self, pool: str, l1_pages: np.ndarray, host: HostPool, host_pages: np.ndarray
+    ) -> None: ...
 
-    def to_l1(self, pool: str, host: HostPool, host_pages: np.ndarray,
-              l1_pages: np.ndarray) -> None: ...
+    def to_l1(
+        self, pool: str, host: HostPool, host_pages: np.ndarray, l1_pages: np.ndarray
+    ) -> None: ...
 
     def close(self) -> None:
         """Join any threads the copier started (``TieredCache.close`` calls it)."""
@@ -62,29 +64,37 @@ class CpuCopier:
                 continue
             if p.location != "cpu":
                 raise ConfigError(f"pool {p.name!r} is on {p.location}: pass a Copier for it")
-            self.bases[p.name] = (np.array([b.addr for b in p.buffers], dtype=np.int64),
-                                  p.item_bytes)
+            self.bases[p.name] = (
+                np.array([b.addr for b in p.buffers], dtype=np.int64),
+                p.item_bytes,
+            )
             self.num_items[p.name] = p.num_items
 
-    def _pairs(self, pool: str, l1_pages: np.ndarray, host: HostPool, host_pages: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray, int]:
+    def _pairs(
+        self, pool: str, l1_pages: np.ndarray, host: HostPool, host_pages: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         bases, item = self.bases[pool]
         if item != host.item_bytes or len(bases) != host.nbuf:
             raise ConfigError(f"pool {pool!r}: host pool geometry differs from L1")
         pages = np.asarray(l1_pages, dtype=np.int64)
         _check_pages(pool, pages, self.num_items[pool])
         l1 = bases[None, :] + np.asarray(l1_pages, dtype=np.int64)[:, None] * item
-        hp = (host.addr + np.asarray(host_pages, dtype=np.int64)[:, None] * host.page_bytes
-              + np.arange(host.nbuf, dtype=np.int64)[None, :] * item)
+        hp = (
+            host.addr
+            + np.asarray(host_pages, dtype=np.int64)[:, None] * host.page_bytes
+            + np.arange(host.nbuf, dtype=np.int64)[None, :] * item
+        )
         return l1.ravel(), hp.ravel(), item
 
-    def to_host(self, pool: str, l1_pages: np.ndarray, host: HostPool,
-                host_pages: np.ndarray) -> None:
+    def to_host(
+        self, pool: str, l1_pages: np.ndarray, host: HostPool, host_pages: np.ndarray
+    ) -> None:
         l1, hp, item = self._pairs(pool, l1_pages, host, host_pages)
         self.threads.copy(hp, l1, item)
 
-    def to_l1(self, pool: str, host: HostPool, host_pages: np.ndarray,
-              l1_pages: np.ndarray) -> None:
+    def to_l1(
+        self, pool: str, host: HostPool, host_pages: np.ndarray, l1_pages: np.ndarray
+    ) -> None:
         l1, hp, item = self._pairs(pool, l1_pages, host, host_pages)
         self.threads.copy(l1, hp, item)
 
@@ -112,8 +122,10 @@ class TorchCopier:
             if not integrity.supported(p.location):
                 raise ConfigError(f"pool {p.name!r} is on {p.location}: pass a Copier for it")
             n = p.num_items * p.item_bytes
-            self.views[p.name] = [integrity.torch_bytes(b.addr, n, p.location)
-                                  .view(p.num_items, p.item_bytes) for b in p.buffers]
+            self.views[p.name] = [
+                integrity.torch_bytes(b.addr, n, p.location).view(p.num_items, p.item_bytes)
+                for b in p.buffers
+            ]
             self.item[p.name] = p.item_bytes
             self.device[p.name] = torch.device(p.location)
 
@@ -129,14 +141,16 @@ class TorchCopier:
         if self.device[pool].type == "cuda":
             self._torch.cuda.synchronize(self.device[pool])
 
-    def to_host(self, pool: str, l1_pages: np.ndarray, host: HostPool,
-                host_pages: np.ndarray) -> None:
+    def to_host(
+        self, pool: str, l1_pages: np.ndarray, host: HostPool, host_pages: np.ndarray
+    ) -> None:
         idx = self._index(pool, host, l1_pages)
         got = self._torch.stack([v.index_select(0, idx) for v in self.views[pool]], dim=1)
         host.per_buffer()[np.asarray(host_pages, dtype=np.int64)] = got.cpu().numpy()
 
-    def to_l1(self, pool: str, host: HostPool, host_pages: np.ndarray,
-              l1_pages: np.ndarray) -> None:
+    def to_l1(
+        self, pool: str, host: HostPool, host_pages: np.ndarray, l1_pages: np.ndarray
+    ) -> None:
         idx = self._index(pool, host, l1_pages)
         src = host.per_buffer()[np.asarray(host_pages, dtype=np.int64)]  # [n, nbuf, item]
         moved = self._torch.from_numpy(src).to(self.device[pool])
@@ -185,8 +199,11 @@ def _native() -> Any:
 
 def _run(dst: np.ndarray, src: np.ndarray, item: int, native: Any) -> None:
     if native is not None:  # the whole list in one call, GIL released
-        native.copy(np.ascontiguousarray(dst).view(np.uint64),
-                    np.ascontiguousarray(src).view(np.uint64), item)
+        native.copy(
+            np.ascontiguousarray(dst).view(np.uint64),
+            np.ascontiguousarray(src).view(np.uint64),
+            item,
+        )
         return
     for d, s in zip(dst.tolist(), src.tolist()):
         ctypes.memmove(d, s, item)
@@ -209,13 +226,15 @@ class _Threads:
             return
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.workers,
-                                                thread_name_prefix="pdxfer-copy",
-                                                initializer=_nicer)
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.workers, thread_name_prefix="pdxfer-copy", initializer=_nicer
+                )
             pool = self._pool
         bounds = np.linspace(0, n, parts + 1).astype(int)
-        futs = [pool.submit(_run, dst[a:b], src[a:b], item, self.native)
-                for a, b in zip(bounds, bounds[1:])]
+        futs = [
+            pool.submit(_run, dst[a:b], src[a:b], item, self.native)
+            for a, b in zip(bounds, bounds[1:])
+        ]
         for f in futs:
             f.result()
 

@@ -81,8 +81,12 @@ class HostStats:
 class HostCache:
     """The L2 index and its pools. Thread-safe; every method returns at once."""
 
-    def __init__(self, pools: Sequence[PoolSpec], capacity: int | Mapping[str, int],
-                 register: Register | None = None) -> None:
+    def __init__(
+        self,
+        pools: Sequence[PoolSpec],
+        capacity: int | Mapping[str, int],
+        register: Register | None = None,
+    ) -> None:
         self.pools: dict[str, HostPool] = {}
         for p in pools:
             if p.kind != "paged" or p.item_bytes == 0:
@@ -148,7 +152,8 @@ class HostCache:
                 while not hp.free:
                     if not self._evict_one():
                         raise CapacityError(
-                            f"host pool {name!r}: all {hp.capacity} pages are pinned or in use")
+                            f"host pool {name!r}: all {hp.capacity} pages are pinned or in use"
+                        )
                 got[name] = hp.free.pop()
         except CapacityError:
             for name, pg in got.items():
@@ -221,8 +226,10 @@ class HostCache:
                     return f"pool {name!r}: an entry has no page"
                 allp = sorted([*owned, *hp.free])  # type: ignore[list-item]
                 if allp != list(range(hp.capacity)):
-                    return (f"pool {name!r}: {len(owned)} owned + {len(hp.free)} free pages do "
-                            f"not partition [0, {hp.capacity})")
+                    return (
+                        f"pool {name!r}: {len(owned)} owned + {len(hp.free)} free pages do "
+                        f"not partition [0, {hp.capacity})"
+                    )
             return None
 
     def pinned(self) -> int:
@@ -232,8 +239,14 @@ class HostCache:
     def snapshot(self) -> dict[str, int]:
         with self.lock:
             s = self.stats
-            return {"entries": len(self.entries), "pinned": self.pinned(),
-                    "not_ready": sum(1 for e in self.entries.values() if not e.ready),
-                    "hits": s.hits, "misses": s.misses, "evictions": s.evictions,
-                    "inserts": s.inserts, "alloc_failures": s.alloc_failures,
-                    **{f"free.{n}": len(hp.free) for n, hp in self.pools.items()}}
+            return {
+                "entries": len(self.entries),
+                "pinned": self.pinned(),
+                "not_ready": sum(1 for e in self.entries.values() if not e.ready),
+                "hits": s.hits,
+                "misses": s.misses,
+                "evictions": s.evictions,
+                "inserts": s.inserts,
+                "alloc_failures": s.alloc_failures,
+                **{f"free.{n}": len(hp.free) for n, hp in self.pools.items()},
+            }

@@ -31,7 +31,7 @@ def page_keys(tokens: Sequence[int] | np.ndarray, page_size: int, salt: str = ""
     out: list[str] = []
     for i in range(a.size // page_size):
         h = hashlib.sha256(prev)
-        h.update(raw[i * page_size:(i + 1) * page_size].tobytes())
+        h.update(raw[i * page_size : (i + 1) * page_size].tobytes())
         prev = h.digest()
         out.append(prev.hex()[:40])
     return out

@@ -42,8 +42,9 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
 class MooncakeMaster:
     """A ``mooncake_master`` with its HTTP metadata server, on free loopback ports."""
 
-    def __init__(self, host: str = "127.0.0.1", start_timeout: float = 30.0,
-                 log_path: str | None = None) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", start_timeout: float = 30.0, log_path: str | None = None
+    ) -> None:
         import mooncake
 
         binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
@@ -51,14 +52,23 @@ class MooncakeMaster:
             raise StorageError(f"mooncake_master not found at {binary}")
         self.host = host
         self.rpc_port, self.http_port, self.metrics_port = (free_port(host) for _ in range(3))
-        args = [binary, f"--rpc_port={self.rpc_port}", f"--rpc_address={host}",
-                "--enable_http_metadata_server=true", f"--http_metadata_server_host={host}",
-                f"--http_metadata_server_port={self.http_port}",
-                f"--metrics_port={self.metrics_port}", f"--metrics_host={host}",
-                "--default_kv_lease_ttl=200", "--client_ttl=10", "--logtostderr=1"]
+        args = [
+            binary,
+            f"--rpc_port={self.rpc_port}",
+            f"--rpc_address={host}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={host}",
+            f"--http_metadata_server_port={self.http_port}",
+            f"--metrics_port={self.metrics_port}",
+            f"--metrics_host={host}",
+            "--default_kv_lease_ttl=200",
+            "--client_ttl=10",
+            "--logtostderr=1",
+        ]
         self._log = open(log_path or os.devnull, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=self._log,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=self._log, start_new_session=True
+        )
         end = time.monotonic() + start_timeout
         while not (port_open(host, self.rpc_port) and port_open(host, self.http_port)):
             if self.proc.poll() is not None or time.monotonic() > end:
@@ -105,9 +115,17 @@ def _codes(rc: Any, n: int) -> list[int]:
 class MooncakeStoreStorage:
     """A store client; this process also contributes ``segment_bytes`` of store memory."""
 
-    def __init__(self, master_addr: str, metadata_url: str, *, host: str = "127.0.0.1",
-                 segment_bytes: int = 256 * MiB, local_buffer_bytes: int = 16 * MiB,
-                 setup_timeout_s: float = 30.0, secret: str | bytes | None = None) -> None:
+    def __init__(
+        self,
+        master_addr: str,
+        metadata_url: str,
+        *,
+        host: str = "127.0.0.1",
+        segment_bytes: int = 256 * MiB,
+        local_buffer_bytes: int = 16 * MiB,
+        setup_timeout_s: float = 30.0,
+        secret: str | bytes | None = None,
+    ) -> None:
         # every object's page digest and tag (``Sealer``) are stored beside it as
         # ``<key>.tag`` (8 + 32 bytes): a client without the secret that upserts a key
         # cannot supply KV (or a digest) that passes the check
@@ -122,8 +140,17 @@ class MooncakeStoreStorage:
 
         def setup() -> None:
             try:
-                result.append(self.store.setup(host, metadata_url, segment_bytes,
-                                               local_buffer_bytes, "tcp", "", master_addr))
+                result.append(
+                    self.store.setup(
+                        host,
+                        metadata_url,
+                        segment_bytes,
+                        local_buffer_bytes,
+                        "tcp",
+                        "",
+                        master_addr,
+                    )
+                )
             except Exception as e:  # noqa: BLE001 - reported below
                 result.append(e)
 
@@ -131,8 +158,9 @@ class MooncakeStoreStorage:
         t.start()
         t.join(setup_timeout_s)
         if t.is_alive():
-            raise StorageError(f"Mooncake Store setup with {master_addr} did not finish "
-                               f"within {setup_timeout_s} s")
+            raise StorageError(
+                f"Mooncake Store setup with {master_addr} did not finish within {setup_timeout_s} s"
+            )
         if result[0] != 0:
             raise StorageError(f"Mooncake Store setup with {master_addr} failed: {result[0]}")
         self.put_failures = 0
@@ -154,8 +182,13 @@ class MooncakeStoreStorage:
         n = len(keys)
         return [both[i] == 1 and both[n + i] == 1 for i in range(n)]
 
-    def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
-                 digests: list[int] | None = None) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        digests: list[int] | None = None,
+    ) -> list[bool]:
         if not keys:
             return []
         got = self.store.batch_get_into(list(keys), list(addrs), list(sizes))
@@ -164,8 +197,9 @@ class MooncakeStoreStorage:
         for i, (k, a, s) in enumerate(zip(keys, addrs, sizes)):
             meta = bytes(tags[i] or b"")
             d = int.from_bytes(meta[:8], "little", signed=True) if len(meta) >= 8 else 0
-            if ok[i] and not (len(meta) == 8 + TAG_BYTES
-                              and self.sealer.check(k, _buf(a, s), meta[8:], d)):
+            if ok[i] and not (
+                len(meta) == 8 + TAG_BYTES and self.sealer.check(k, _buf(a, s), meta[8:], d)
+            ):
                 ok[i] = False
                 log.info("Mooncake Store object %s: tag mismatch (corrupt or forged)", k)
             if digests is not None:
@@ -173,29 +207,44 @@ class MooncakeStoreStorage:
         bad = ok.count(False)
         if bad:
             self.misses += bad
-            log.info("Mooncake Store: %d of %d gets missed (%s)", bad, len(keys),
-                     sorted({int(g) for g, o in zip(got, ok) if not o}))
+            log.info(
+                "Mooncake Store: %d of %d gets missed (%s)",
+                bad,
+                len(keys),
+                sorted({int(g) for g, o in zip(got, ok) if not o}),
+            )
         return ok
 
-    def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
-                 digests: Sequence[int] | None = None) -> list[bool]:
+    def put_from(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        digests: Sequence[int] | None = None,
+    ) -> list[bool]:
         if not keys:
             return []
         ds = digests if digests is not None else [NO_DIGEST] * len(keys)
         rcs = self.store.batch_upsert_from(list(keys), list(addrs), list(sizes))
         ok = [int(r) == 0 for r in rcs]
-        stored = [(k, d.to_bytes(8, "little", signed=True) + self.sealer.tag(k, _buf(a, s), d))
-                  for k, a, s, d, o in zip(keys, addrs, sizes, ds, ok) if o]
+        stored = [
+            (k, d.to_bytes(8, "little", signed=True) + self.sealer.tag(k, _buf(a, s), d))
+            for k, a, s, d, o in zip(keys, addrs, sizes, ds, ok)
+            if o
+        ]
         if stored:
-            trc = self.store.upsert_batch([_tag_key(k) for k, _ in stored],
-                                          [t for _, t in stored])
+            trc = self.store.upsert_batch([_tag_key(k) for k, _ in stored], [t for _, t in stored])
             failed = {k for (k, _), r in zip(stored, _codes(trc, len(stored))) if r != 0}
             ok = [o and k not in failed for k, o in zip(keys, ok)]
         bad = ok.count(False)
         if bad:
             self.put_failures += bad
-            log.warning("Mooncake Store: %d of %d puts failed (%s); those pages are L3 misses",
-                        bad, len(keys), sorted({int(r) for r in rcs if int(r) != 0}))
+            log.warning(
+                "Mooncake Store: %d of %d puts failed (%s); those pages are L3 misses",
+                bad,
+                len(keys),
+                sorted({int(r) for r in rcs if int(r) != 0}),
+            )
         return ok
 
     def remove(self, key: str) -> int:

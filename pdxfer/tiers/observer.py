@@ -12,8 +12,14 @@ import numpy as np
 
 
 class CacheObserver(Protocol):
-    def stored(self, keys: Sequence[str], parent: str | None, tokens: np.ndarray,
-               page_size: int, scope: str) -> None:
+    def stored(
+        self,
+        keys: Sequence[str],
+        parent: str | None,
+        tokens: np.ndarray,
+        page_size: int,
+        scope: str,
+    ) -> None:
         """Pages ``keys`` (consecutive, after page ``parent`` or first) entered L2, holding
         ``tokens`` (``len(keys) * page_size``); ``scope``: the request's key scope."""
 

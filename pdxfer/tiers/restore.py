@@ -51,12 +51,25 @@ class RestoringReceiver(RequestHandle):
     reused. Every call returns at once.
     """
 
-    def __init__(self, cache: TieredCache, endpoint: Endpoint, room: int, bootstrap: str | None,
-                 tokens: Sequence[int] | np.ndarray, dst: Mapping[str, Any],
-                 slots: Mapping[str, int] | None = None, *, num_tokens: int | None = None,
-                 l1_len: int = 0, release: Release | None = None, instance: str | None = None,
-                 dp: int | None = None, restore_timeout_s: float | None = None,
-                 scope: str = "", early: bool = False) -> None:
+    def __init__(
+        self,
+        cache: TieredCache,
+        endpoint: Endpoint,
+        room: int,
+        bootstrap: str | None,
+        tokens: Sequence[int] | np.ndarray,
+        dst: Mapping[str, Any],
+        slots: Mapping[str, int] | None = None,
+        *,
+        num_tokens: int | None = None,
+        l1_len: int = 0,
+        release: Release | None = None,
+        instance: str | None = None,
+        dp: int | None = None,
+        restore_timeout_s: float | None = None,
+        scope: str = "",
+        early: bool = False,
+    ) -> None:
         self.cache, self.ep = cache, endpoint
         self.tokens = np.asarray(tokens, dtype=np.int64)
         self.num_tokens = int(len(self.tokens) if num_tokens is None else num_tokens)
@@ -64,8 +77,10 @@ class RestoringReceiver(RequestHandle):
         self.dst = {a: np.asarray(p, dtype=np.int64) for a, p in dst.items()}
         for a, p in self.dst.items():
             if p.size * cache.page_size < self.num_tokens - self.l1_len:
-                raise PlanError(f"room {room}: pool {a!r} pages cover fewer than "
-                                f"{self.num_tokens - self.l1_len} tokens")
+                raise PlanError(
+                    f"room {room}: pool {a!r} pages cover fewer than "
+                    f"{self.num_tokens - self.l1_len} tokens"
+                )
         self.slots = dict(slots or {})
         self.scope = scope
         self._release = ReleaseOnce(room, release)
@@ -83,16 +98,21 @@ class RestoringReceiver(RequestHandle):
         self._repair_released = False
         self._rx_released = False
         cfg = endpoint.config
-        self.deadline = time.monotonic() + cfg.limits.bootstrap_timeout_s + cfg.limits.transfer_timeout_s
-        self._restore_deadline = time.monotonic() + (restore_timeout_s or cfg.limits.transfer_timeout_s)
+        self.deadline = (
+            time.monotonic() + cfg.limits.bootstrap_timeout_s + cfg.limits.transfer_timeout_s
+        )
+        self._restore_deadline = time.monotonic() + (
+            restore_timeout_s or cfg.limits.transfer_timeout_s
+        )
         self.t0 = time.monotonic()
         self.t_ready: float | None = None
         self.t_local: float | None = None
         self.t_match: float | None = None
         self.t_requested: float | None = None
         self._early = early  # asked at dispatch (``Endpoint.receiver``), repairs too
-        self.rx = endpoint.receiver(room, bootstrap, instance=instance, dp=dp,
-                                    release=self._on_rx_release, early=early)
+        self.rx = endpoint.receiver(
+            room, bootstrap, instance=instance, dp=dp, release=self._on_rx_release, early=early
+        )
         cache.executor.submit(self._run)
 
     # -- the restore thread --------------------------------------------------------------------
@@ -103,12 +123,20 @@ class RestoringReceiver(RequestHandle):
             self.match = m
             self.t_match = time.monotonic()
             pp = m.promised_pages
-            self.rx.request({a: p[pp:] for a, p in self.dst.items()}, self.slots,
-                            prefix_len=m.prefix_len, num_tokens=self.num_tokens,
-                            hold_for_repair=pp > 0)
+            self.rx.request(
+                {a: p[pp:] for a, p in self.dst.items()},
+                self.slots,
+                prefix_len=m.prefix_len,
+                num_tokens=self.num_tokens,
+                hold_for_repair=pp > 0,
+            )
             self.t_requested = time.monotonic()
-            good = self.cache.load(m, {a: p[:pp] for a, p in self.dst.items()},
-                                   self._restore_deadline, tag=self.rx.room)
+            good = self.cache.load(
+                m,
+                {a: p[:pp] for a, p in self.dst.items()},
+                self._restore_deadline,
+                tag=self.rx.room,
+            )
         except Exception as e:  # noqa: BLE001 - any failure fails this request, not the engine
             log.exception("restore of room %d failed", self.rx.room)
             err = e if isinstance(e, PdxferError) else RestoreFailed(f"room {self.rx.room}: {e}")
@@ -127,8 +155,12 @@ class RestoringReceiver(RequestHandle):
             self._local_done = True
             self.restore = RestoreState.READY if good == pp else RestoreState.FAILED
         if good < pp:
-            log.info("room %d: restored %d of %d promised pages; repairing the rest from the "
-                     "prefill", self.rx.room, good, pp)
+            log.info(
+                "room %d: restored %d of %d promised pages; repairing the rest from the prefill",
+                self.rx.room,
+                good,
+                pp,
+            )
         self.poll()
 
     # -- engine calls --------------------------------------------------------------------------
@@ -157,9 +189,12 @@ class RestoringReceiver(RequestHandle):
         if net == KVPoll.Failed:
             return self._fail_locked(self.rx.failure or RestoreFailed("network part failed"))
         if time.monotonic() > self.deadline:
-            return self._fail_locked(DeadlineExceeded(
-                f"room {self.room}: not ready before its deadline (restore "
-                f"{self.restore.value}, network {net.name})"))
+            return self._fail_locked(
+                DeadlineExceeded(
+                    f"room {self.room}: not ready before its deadline (restore "
+                    f"{self.restore.value}, network {net.name})"
+                )
+            )
         if not self._local_done or net != KVPoll.Success:
             return min(net, KVPoll.Transferring)
         assert self.match is not None
@@ -170,9 +205,12 @@ class RestoringReceiver(RequestHandle):
             return KVPoll.Transferring
         rp = self._repair.poll()
         if rp == KVPoll.Failed:
-            return self._fail_locked(RestoreFailed(
-                f"room {self.room}: repair of tokens {self._repair_range} failed: "
-                f"{self._repair.failure}"))
+            return self._fail_locked(
+                RestoreFailed(
+                    f"room {self.room}: repair of tokens {self._repair_range} failed: "
+                    f"{self._repair.failure}"
+                )
+            )
         if rp == KVPoll.Success:
             return self._succeed()
         return KVPoll.Transferring
@@ -184,22 +222,34 @@ class RestoringReceiver(RequestHandle):
         lo = self.l1_len + good * ps
         self._repair_range = (lo, self.match.prefix_len)
         try:
-            rx = self.ep.receiver(self.room, self._bootstrap, instance=self._instance,
-                                  dp=self._dp, release=self._on_repair_release,
-                                  early=self._early)
+            rx = self.ep.receiver(
+                self.room,
+                self._bootstrap,
+                instance=self._instance,
+                dp=self._dp,
+                release=self._on_repair_release,
+                early=self._early,
+            )
         except DuplicateRoom:
             return  # the first request's room is being dropped; next poll retries
         self.ep.count("repairs")
-        rx.request({a: p[good:pp] for a, p in self.dst.items()}, {}, prefix_len=lo,
-                   num_tokens=self.match.prefix_len)
+        rx.request(
+            {a: p[good:pp] for a, p in self.dst.items()},
+            {},
+            prefix_len=lo,
+            num_tokens=self.match.prefix_len,
+        )
         self._repair = rx
 
     def _succeed(self) -> KVPoll:
         self._state = KVPoll.Success
         # Ready when the last part finished, not when somebody polled: the engine may poll
         # seldom, and its poll interval is not the transfer's latency.
-        parts = [self.t_local, self.rx.done_at,
-                 self._repair.done_at if self._repair is not None else None]
+        parts = [
+            self.t_local,
+            self.rx.done_at,
+            self._repair.done_at if self._repair is not None else None,
+        ]
         self.t_ready = max((t for t in parts if t is not None), default=time.monotonic())
         self._send_release()
         return self._state
@@ -257,8 +307,12 @@ class RestoringReceiver(RequestHandle):
 
     def _maybe_release(self) -> None:
         with self._lock:
-            if (self._state != KVPoll.Failed or self._release.done or not self._quiet()
-                    or not self._release.claim()):
+            if (
+                self._state != KVPoll.Failed
+                or self._release.done
+                or not self._quiet()
+                or not self._release.claim()
+            ):
                 return
         self._release.fire(self.dst, self.slots)
 
@@ -270,14 +324,19 @@ class RestoringReceiver(RequestHandle):
         m = self.match
         net = self.rx.stats()
         rep = self._repair.stats() if self._repair is not None else {"bytes": 0}
-        return {"prefix_len": m.prefix_len if m else None,
-                "l1_pages": m.l1_pages if m else 0, "l2_pages": len(m.l2) if m else 0,
-                "l3_pages": len(m.l3) if m else 0, "restored_pages": self.restored_pages,
-                "restore": self.restore.value, "net_bytes": net["bytes"],
-                "repair_bytes": rep["bytes"],
-                "repaired_tokens": self._repair_range[1] - self._repair_range[0],
-                "seconds": (self.t_ready - self.t0) if self.t_ready else None,
-                "local_seconds": (self.t_local - self.t0) if self.t_local else None,
-                "match_seconds": (self.t_match - self.t0) if self.t_match else None,
-                "request_seconds": (self.t_requested - self.t0) if self.t_requested else None,
-                "net_seconds": net["seconds"]}
+        return {
+            "prefix_len": m.prefix_len if m else None,
+            "l1_pages": m.l1_pages if m else 0,
+            "l2_pages": len(m.l2) if m else 0,
+            "l3_pages": len(m.l3) if m else 0,
+            "restored_pages": self.restored_pages,
+            "restore": self.restore.value,
+            "net_bytes": net["bytes"],
+            "repair_bytes": rep["bytes"],
+            "repaired_tokens": self._repair_range[1] - self._repair_range[0],
+            "seconds": (self.t_ready - self.t0) if self.t_ready else None,
+            "local_seconds": (self.t_local - self.t0) if self.t_local else None,
+            "match_seconds": (self.t_match - self.t0) if self.t_match else None,
+            "request_seconds": (self.t_requested - self.t0) if self.t_requested else None,
+            "net_seconds": net["seconds"],
+        }

@@ -49,15 +49,22 @@ class Sealer:
 
     def __init__(self, secret: bytes | None) -> None:
         self.secret = secret
-        self._key = (None if secret is None
-                     else blake3.blake3(secret, derive_key_context=self.CONTEXT).digest())
+        self._key = (
+            None
+            if secret is None
+            else blake3.blake3(secret, derive_key_context=self.CONTEXT).digest()
+        )
 
     def hasher(self, key: str, digest: int = NO_DIGEST) -> blake3.blake3:
         """A hash over the object's header fields; ``update`` it with the payload."""
         k = key.encode()
         h = blake3.blake3() if self._key is None else blake3.blake3(key=self._key)
-        h.update(b"pdxfer-l3-v4|" + len(k).to_bytes(4, "little") + k
-                 + digest.to_bytes(8, "little", signed=True))
+        h.update(
+            b"pdxfer-l3-v4|"
+            + len(k).to_bytes(4, "little")
+            + k
+            + digest.to_bytes(8, "little", signed=True)
+        )
         return h
 
     def tag(self, key: str, payload: memoryview | bytes, digest: int = NO_DIGEST) -> bytes:
@@ -69,8 +76,9 @@ class Sealer:
     def same(tag: bytes, want: bytes) -> bool:
         return len(tag) == TAG_BYTES and hmac.compare_digest(tag, want)
 
-    def check(self, key: str, payload: memoryview | bytes, tag: bytes,
-              digest: int = NO_DIGEST) -> bool:
+    def check(
+        self, key: str, payload: memoryview | bytes, tag: bytes, digest: int = NO_DIGEST
+    ) -> bool:
         return self.same(tag, self.tag(key, payload, digest))
 
 
@@ -83,15 +91,25 @@ class StorageBackend(Protocol):
 
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
 
-    def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
-                 digests: list[int] | None = None) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        digests: list[int] | None = None,
+    ) -> list[bool]:
         """Read each object into ``addr``; True only when exactly ``size`` good bytes came.
         ``digests`` (a list as long as ``keys``) gets the digest each good object was stored
         with (sealed with it), ``NO_DIGEST`` for the rest."""
         ...
 
-    def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
-                 digests: Sequence[int] | None = None) -> list[bool]:
+    def put_from(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        digests: Sequence[int] | None = None,
+    ) -> list[bool]:
         """Store (overwrite) each object, sealed with its page digest (``NO_DIGEST`` when
         ``digests`` is None); False is a miss to log (full, unreachable)."""
         ...
@@ -107,7 +125,7 @@ def prefix_hits(backend: StorageBackend, page_keys: Sequence[str], pools: Sequen
     have = backend.exists(keys)
     n = len(pools)
     for i in range(len(page_keys)):
-        if not all(have[i * n:(i + 1) * n]):
+        if not all(have[i * n : (i + 1) * n]):
             return i
     return len(page_keys)
 
@@ -126,8 +144,9 @@ _NOFOLLOW = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 class FileStorage:
     """Objects as files under ``root`` (two-level fan-out by key prefix)."""
 
-    def __init__(self, root: str, max_bytes: int | None = None,
-                 secret: str | bytes | None = None) -> None:
+    def __init__(
+        self, root: str, max_bytes: int | None = None, secret: str | bytes | None = None
+    ) -> None:
         self.root = os.path.abspath(root)
         self.max_bytes = max_bytes
         self.sealer = Sealer(load_secret(secret))
@@ -218,8 +237,13 @@ class FileStorage:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [self._size_ok(k) for k in keys]
 
-    def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
-                 digests: list[int] | None = None) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        digests: list[int] | None = None,
+    ) -> list[bool]:
         out = []
         for i, (k, a, s) in enumerate(zip(keys, addrs, sizes)):
             d = self._get(k, a, s)
@@ -246,7 +270,7 @@ class FileStorage:
             h = self.sealer.hasher(key, digest)
             got = 0
             while got < size:
-                part = dst[got:got + READ_CHUNK]
+                part = dst[got : got + READ_CHUNK]
                 k = os.preadv(fd, [part], _HEAD.size + got)
                 if k <= 0:
                     break
@@ -268,8 +292,13 @@ class FileStorage:
         log.info("L3 file %s is a miss: %s", key, why)
         return None
 
-    def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
-                 digests: Sequence[int] | None = None) -> list[bool]:
+    def put_from(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        digests: Sequence[int] | None = None,
+    ) -> list[bool]:
         ds = digests if digests is not None else [NO_DIGEST] * len(keys)
         return [self._put(k, a, s, d) for k, a, s, d in zip(keys, addrs, sizes, ds)]
 

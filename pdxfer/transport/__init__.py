@@ -14,8 +14,7 @@ from .memory import MemoryFabric, MemoryTransport
 from .mooncake import MooncakeTransport
 
 
-def make_transport(kind: str, host: str, device: str = "", timeout_s: float = 30.0
-                   ) -> Transport:
+def make_transport(kind: str, host: str, device: str = "", timeout_s: float = 30.0) -> Transport:
     """The transport an endpoint config names: ``auto`` (every one this process can run, one
     picked per peer at pairing), ``tcp``, ``rdma`` or ``nvlink`` (Mooncake; ``nvlink`` is its
     ``nvlink_intra``: device pools on one node), ``nixl``, ``memory``."""
@@ -33,5 +32,12 @@ def make_transport(kind: str, host: str, device: str = "", timeout_s: float = 30
     return MooncakeTransport(host=host, protocol=protocol, device=device, timeout_s=timeout_s)
 
 
-__all__ = ["MemoryFabric", "MemoryTransport", "MooncakeTransport", "Started", "Transport",
-           "TransportStats", "make_transport"]
+__all__ = [
+    "MemoryFabric",
+    "MemoryTransport",
+    "MooncakeTransport",
+    "Started",
+    "Transport",
+    "TransportStats",
+    "make_transport",
+]

@@ -43,8 +43,9 @@ def preference(same_host: bool, device: bool = False) -> tuple[str, ...]:
     return ("nixl", "tcp", "rdma") if same_host else ("tcp", "nixl", "rdma")
 
 
-def pick(mine: Sequence[str], theirs: Sequence[str], same_host: bool, device: bool = False
-         ) -> str | None:
+def pick(
+    mine: Sequence[str], theirs: Sequence[str], same_host: bool, device: bool = False
+) -> str | None:
     """The pair's transport: the first of ``preference`` both sides offer. Symmetric in
     ``mine`` and ``theirs``, so both sides of a pair pick the same one."""
     return next((k for k in preference(same_host, device) if k in mine and k in theirs), None)
@@ -88,8 +89,11 @@ def mismatch(mine: str, theirs: str) -> str:
     """Why a prefill on ``mine`` refuses a decode on ``theirs`` ("" when they can pair)."""
     if not theirs or theirs == mine:
         return ""
-    hint = ("set the transport on both sides, or on neither (auto)" if "auto" in (mine, theirs)
-            else "start both with the same --transport")
+    hint = (
+        "set the transport on both sides, or on neither (auto)"
+        if "auto" in (mine, theirs)
+        else "start both with the same --transport"
+    )
     return f"transport differs: prefill uses {mine!r}, decode uses {theirs!r} ({hint})"
 
 
@@ -116,14 +120,21 @@ class AutoTransport:
 
     name = "auto"
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0,
-                 kinds: Sequence[str] | None = None,
-                 make: Callable[[str], Transport] | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        timeout_s: float = 30.0,
+        kinds: Sequence[str] | None = None,
+        make: Callable[[str], Transport] | None = None,
+    ) -> None:
         from . import make_transport
 
         kinds = kinds_here() if kinds is None else kinds
-        build = make or (lambda k: make_transport(
-            k, host, ",".join(rdma_devices()) if k == "rdma" else "", timeout_s))
+        build = make or (
+            lambda k: make_transport(
+                k, host, ",".join(rdma_devices()) if k == "rdma" else "", timeout_s
+            )
+        )
         self.inner: dict[str, Transport] = {}
         why: dict[str, str] = {}
         for k in kinds:
@@ -155,14 +166,22 @@ class AutoTransport:
 
     def offered(self) -> list[str]:
         """The kinds this side offers now: those running and fit for its memory."""
-        return [k for k in self.inner if k not in self._unfit
-                and (k != "nvlink" or self.device_only())]
+        return [
+            k for k in self.inner if k not in self._unfit and (k != "nvlink" or self.device_only())
+        ]
 
     # -- pairing -------------------------------------------------------------------------------
     def peer_info(self) -> bytes:
-        return msgspec.msgpack.encode(_Info(self.host, [
-            _Offer(k, self.inner[k].session_id, self.inner[k].peer_info())
-            for k in self.offered()], self.device_only()))
+        return msgspec.msgpack.encode(
+            _Info(
+                self.host,
+                [
+                    _Offer(k, self.inner[k].session_id, self.inner[k].peer_info())
+                    for k in self.offered()
+                ],
+                self.device_only(),
+            )
+        )
 
     def add_peer(self, peer: str, info: bytes) -> None:
         """Pick the pair's transport (``pick``) and pair that transport with the peer's. A
@@ -170,9 +189,11 @@ class AutoTransport:
         peers ran Mooncake TCP, which finds a peer by its session alone, so it gets ``tcp``."""
         if not info:
             if "tcp" not in self.inner:
-                raise TransportError(f"{peer} offers no transport (a peer that predates "
-                                     f"'auto' runs Mooncake TCP), and this side cannot run "
-                                     f"it{self._why()}")
+                raise TransportError(
+                    f"{peer} offers no transport (a peer that predates "
+                    f"'auto' runs Mooncake TCP), and this side cannot run "
+                    f"it{self._why()}"
+                )
             self.inner["tcp"].add_peer(peer, b"")
             self._routes[peer] = ("tcp", peer)
             log.info("auto transport: tcp with %s (it offers none)", peer)
@@ -180,24 +201,31 @@ class AutoTransport:
         try:
             parsed = msgspec.msgpack.decode(bytes(info), type=_Info)
         except msgspec.DecodeError as e:
-            raise TransportError(f"transport offers of {peer} are malformed (is it on "
-                                 f"transport 'auto'?): {e}") from None
+            raise TransportError(
+                f"transport offers of {peer} are malformed (is it on transport 'auto'?): {e}"
+            ) from None
         theirs = {o.kind: o for o in parsed.offers}
-        kind = pick(self.offered(), list(theirs), parsed.host == self.host,
-                    self.device_only() and parsed.device)
+        kind = pick(
+            self.offered(),
+            list(theirs),
+            parsed.host == self.host,
+            self.device_only() and parsed.device,
+        )
         if kind is None:
             raise TransportError(
                 f"no transport in common with {peer}: this side runs {sorted(self.offered())}"
                 f"{self._why()}, the peer offers {sorted(theirs)} (install the same on both, "
-                f"or set one transport explicitly on both sides)")
+                f"or set one transport explicitly on both sides)"
+            )
         offer = theirs[kind]
         self.inner[kind].add_peer(offer.session, offer.info)
         self._routes[peer] = (kind, offer.session)
         log.info("auto transport: %s with %s", kind, peer)
 
     def _why(self) -> str:
-        return "".join(f"; {k} unavailable: {w}" for k, w in
-                       {**self.unavailable, **self._unfit}.items())
+        return "".join(
+            f"; {k} unavailable: {w}" for k, w in {**self.unavailable, **self._unfit}.items()
+        )
 
     def chosen(self) -> dict[str, str]:
         """The transport picked for each paired peer (metrics, tests)."""
@@ -210,8 +238,7 @@ class AutoTransport:
         return self.inner[r[0]], r[1]
 
     # -- memory --------------------------------------------------------------------------------
-    def register(self, addr: int, nbytes: int, location: str = "cpu",
-                 item_bytes: int = 0) -> None:
+    def register(self, addr: int, nbytes: int, location: str = "cpu", item_bytes: int = 0) -> None:
         """Registered with every transport; ``nvlink`` skips host memory (and is then no
         longer offered), and a device kind that cannot register it is dropped from the
         offers (``_unfit``) rather than failing the endpoint."""
@@ -235,14 +262,29 @@ class AutoTransport:
             t.deregister(addr)
 
     # -- writes --------------------------------------------------------------------------------
-    def write(self, peer: str, src: np.ndarray | list[int], dst: np.ndarray | list[int],
-              nbytes: np.ndarray | list[int], *, deadline: float | None = None,
-              should_stop: Callable[[], bool] | None = None, tag: int | None = None) -> None:
+    def write(
+        self,
+        peer: str,
+        src: np.ndarray | list[int],
+        dst: np.ndarray | list[int],
+        nbytes: np.ndarray | list[int],
+        *,
+        deadline: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        tag: int | None = None,
+    ) -> None:
         t, s = self._route(peer)
         t.write(s, src, dst, nbytes, deadline=deadline, should_stop=should_stop, tag=tag)
 
-    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int], *,
-              tag: int | None = None) -> Started | None:
+    def start(
+        self,
+        peer: str,
+        src: list[int],
+        dst: list[int],
+        nbytes: list[int],
+        *,
+        tag: int | None = None,
+    ) -> Started | None:
         t, s = self._route(peer)
         return t.start(s, src, dst, nbytes, tag=tag)
 

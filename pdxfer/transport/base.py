@@ -23,8 +23,15 @@ class TransportStats:
     """Failed batches whose bytes may still land (``Transport.tainted``)."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, calls: int = 0, entries: int = 0, nbytes: int = 0, failures: int = 0,
-            retries: int = 0, taints: int = 0) -> None:
+    def add(
+        self,
+        calls: int = 0,
+        entries: int = 0,
+        nbytes: int = 0,
+        failures: int = 0,
+        retries: int = 0,
+        taints: int = 0,
+    ) -> None:
         with self.lock:
             self.calls += calls
             self.entries += entries
@@ -65,8 +72,7 @@ class Transport(Protocol):
         """Take a peer's ``peer_info`` before writing to it (or raise ``TransportError``)."""
         ...
 
-    def register(self, addr: int, nbytes: int, location: str = "cpu",
-                 item_bytes: int = 0) -> None:
+    def register(self, addr: int, nbytes: int, location: str = "cpu", item_bytes: int = 0) -> None:
         """Make ``[addr, addr + nbytes)`` writable by peers (or a source of writes).
         ``item_bytes``: the buffer's page (item) size when it holds pages, a hint a
         transport may use to prepare page-granular descriptors once (NIXL)."""
@@ -74,17 +80,32 @@ class Transport(Protocol):
 
     def deregister(self, addr: int) -> None: ...
 
-    def write(self, peer: str, src: np.ndarray | list[int], dst: np.ndarray | list[int],
-              nbytes: np.ndarray | list[int], *, deadline: float | None = None,
-              should_stop: Callable[[], bool] | None = None, tag: int | None = None) -> None:
+    def write(
+        self,
+        peer: str,
+        src: np.ndarray | list[int],
+        dst: np.ndarray | list[int],
+        nbytes: np.ndarray | list[int],
+        *,
+        deadline: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        tag: int | None = None,
+    ) -> None:
         """Write every block, or raise ``TransportError``. Blocking; call it off the engine
         loop. ``deadline`` (monotonic) and ``should_stop`` stop new submissions; whatever is
         already in flight is awaited before this returns or raises ("stopped" means
         "drained"). ``tag`` (the room) only selects injected faults."""
         ...
 
-    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int], *,
-              tag: int | None = None) -> Started | None:
+    def start(
+        self,
+        peer: str,
+        src: list[int],
+        dst: list[int],
+        nbytes: list[int],
+        *,
+        tag: int | None = None,
+    ) -> Started | None:
         """Submit a small write without blocking, or None (then use ``write``); a started
         write must be passed to ``finish``."""
         ...

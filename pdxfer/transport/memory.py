@@ -92,8 +92,9 @@ class MemoryTransport(FindsPeersBySession):
 
     name = "memory"
 
-    def __init__(self, fabric: MemoryFabric | None = None, batch_entries: int = 512,
-                 max_inflight: int = 1024) -> None:
+    def __init__(
+        self, fabric: MemoryFabric | None = None, batch_entries: int = 512, max_inflight: int = 1024
+    ) -> None:
         self.fabric = fabric or MemoryFabric.default()
         self.session_id = f"mem:{next(_ids)}"
         self.stats = TransportStats()
@@ -108,8 +109,7 @@ class MemoryTransport(FindsPeersBySession):
         self.fabric.join(self)
 
     # -- memory ---------------------------------------------------------------------------
-    def register(self, addr: int, nbytes: int, location: str = "cpu",
-                 item_bytes: int = 0) -> None:
+    def register(self, addr: int, nbytes: int, location: str = "cpu", item_bytes: int = 0) -> None:
         if location != "cpu":
             raise TransportError(f"the memory transport moves host memory only, not {location}")
         with self._lock:
@@ -144,13 +144,15 @@ class MemoryTransport(FindsPeersBySession):
             if not self.inside(s, n):
                 raise TransportError(f"source block {s:#x}+{n} is not registered here")
             if not t.inside(d, n):
-                raise TransportError(f"destination block {d:#x}+{n} is outside {t.session_id}'s "
-                                     f"registered memory")
+                raise TransportError(
+                    f"destination block {d:#x}+{n} is outside {t.session_id}'s registered memory"
+                )
         for s, d, n in zip(src, dst, nb):
             ctypes.memmove(d, s, n)
 
-    def _batch(self, peer: str, src: list[int], dst: list[int], nb: list[int],
-               deadline: float | None) -> None:
+    def _batch(
+        self, peer: str, src: list[int], dst: list[int], nb: list[int], deadline: float | None
+    ) -> None:
         credits = self.credits(peer)
         total = sum(nb)
         credits.acquire(len(src), deadline, total)
@@ -161,8 +163,9 @@ class MemoryTransport(FindsPeersBySession):
             if f.strand_s:
                 self._strand(peer, src, dst, nb)
                 self.stats.add(calls=1, failures=1, taints=1)
-                raise TransportError(f"injected failure of a batch to {peer} that lands "
-                                     f"{f.strand_s} s later")
+                raise TransportError(
+                    f"injected failure of a batch to {peer} that lands {f.strand_s} s later"
+                )
             if f.fail_after_batches is not None and f.batches >= f.fail_after_batches:
                 self.stats.add(calls=1, failures=1)
                 raise TransportError(f"injected failure after {f.batches} batches to {peer}")
@@ -172,9 +175,17 @@ class MemoryTransport(FindsPeersBySession):
         finally:
             credits.release(len(src), total)
 
-    def write(self, peer: str, src: np.ndarray | list[int], dst: np.ndarray | list[int],
-              nbytes: np.ndarray | list[int], *, deadline: float | None = None,
-              should_stop: Callable[[], bool] | None = None, tag: int | None = None) -> None:
+    def write(
+        self,
+        peer: str,
+        src: np.ndarray | list[int],
+        dst: np.ndarray | list[int],
+        nbytes: np.ndarray | list[int],
+        *,
+        deadline: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        tag: int | None = None,
+    ) -> None:
         sl = src.tolist() if isinstance(src, np.ndarray) else list(src)
         dl = dst.tolist() if isinstance(dst, np.ndarray) else list(dst)
         nl = nbytes.tolist() if isinstance(nbytes, np.ndarray) else list(nbytes)
@@ -184,15 +195,27 @@ class MemoryTransport(FindsPeersBySession):
                 raise TransportError("stopped before all blocks were written")
             if deadline is not None and time.monotonic() > deadline:
                 raise TransportError("deadline passed before all blocks were written")
-            self._batch(peer, sl[i:i + step], dl[i:i + step], nl[i:i + step], deadline)
+            self._batch(peer, sl[i : i + step], dl[i : i + step], nl[i : i + step], deadline)
 
-    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int], *,
-              tag: int | None = None) -> _Started | None:
+    def start(
+        self,
+        peer: str,
+        src: list[int],
+        dst: list[int],
+        nbytes: list[int],
+        *,
+        tag: int | None = None,
+    ) -> _Started | None:
         """Copies at once (a fast network); ``finish`` only reports the outcome. Writes that a
         test delays or fails go through ``write`` instead, as Mooncake's do."""
         f = self.faults
-        if (self._closed or not 0 < len(src) <= self.batch_entries or f.delay_s
-                or f.fail_after_batches is not None or f.strand_s):
+        if (
+            self._closed
+            or not 0 < len(src) <= self.batch_entries
+            or f.delay_s
+            or f.fail_after_batches is not None
+            or f.strand_s
+        ):
             return None
         t0 = time.perf_counter()
         self._batch(peer, list(src), list(dst), list(nbytes), None)

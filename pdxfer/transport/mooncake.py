@@ -171,9 +171,11 @@ class MooncakeTransport(FindsPeersBySession):
         self.protocol = protocol
         self._ipc = nvlink.Allocations() if protocol == "nvlink_intra" else None
         if self._ipc is not None and not nvlink.built():
-            raise TransportUnavailable("Mooncake's nvlink_intra transport is not in this build "
-                                       "(mooncake-transfer-engine-cuda13 has it; the CPU wheel "
-                                       "does not): use transport 'nixl' or 'tcp'")
+            raise TransportUnavailable(
+                "Mooncake's nvlink_intra transport is not in this build "
+                "(mooncake-transfer-engine-cuda13 has it; the CPU wheel "
+                "does not): use transport 'nixl' or 'tcp'"
+            )
         self._engine = engine_cls()
         with nvlink.intranode_env(protocol == "nvlink_intra"):
             rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
@@ -196,8 +198,7 @@ class MooncakeTransport(FindsPeersBySession):
         self._closed = False
 
     # -- memory ---------------------------------------------------------------------------
-    def register(self, addr: int, nbytes: int, location: str = "cpu",
-                 item_bytes: int = 0) -> None:
+    def register(self, addr: int, nbytes: int, location: str = "cpu", item_bytes: int = 0) -> None:
         loc = location if location.startswith(("cuda", "npu")) else "*"
         if self._ipc is not None:
             self._register_ipc(addr, nbytes, location)
@@ -215,9 +216,11 @@ class MooncakeTransport(FindsPeersBySession):
         peer by the allocation's start): each is registered once, from its start, however
         many buffers it holds (``nvlink.Allocations``)."""
         if not location.startswith("cuda"):
-            raise ConfigError(f"transport 'nvlink' (Mooncake nvlink_intra) moves device memory "
-                              f"only, and a buffer at {addr:#x} is on {location!r}: use "
-                              f"transport 'nixl', 'tcp' or 'auto' for host pools")
+            raise ConfigError(
+                f"transport 'nvlink' (Mooncake nvlink_intra) moves device memory "
+                f"only, and a buffer at {addr:#x} is on {location!r}: use "
+                f"transport 'nixl', 'tcp' or 'auto' for host pools"
+            )
         assert self._ipc is not None
         with self._lock:
             if addr in self._regions:
@@ -227,8 +230,10 @@ class MooncakeTransport(FindsPeersBySession):
                 rc = self._engine.register_memory(int(base), int(size), location)
                 if rc != 0:
                     self._ipc.remove(addr)
-                    raise TransportError(f"register_memory({base:#x}, {size}, {location}) "
-                                         f"returned {rc} (nvlink_intra)")
+                    raise TransportError(
+                        f"register_memory({base:#x}, {size}, {location}) "
+                        f"returned {rc} (nvlink_intra)"
+                    )
             self._regions[addr] = nbytes
 
     def deregister(self, addr: int) -> None:
@@ -322,12 +327,14 @@ class MooncakeTransport(FindsPeersBySession):
                     if ahead is not None:  # acquired for a batch that will not be sent
                         credits.release(len(b.src), b.total)
                     break
-                b.ahead = ahead if ahead is not None else credits.acquire(
-                    len(b.src), deadline, b.total)
+                b.ahead = (
+                    ahead if ahead is not None else credits.acquire(len(b.src), deadline, b.total)
+                )
                 if self.completion == "paced" and _pollable(b):
                     self._submit_parts(peer, b)
-                elif self.completion == "paced" and (n > step or b.ahead > b.total
-                                                     or b.total > LONE_SYNC_MAX_BYTES):
+                elif self.completion == "paced" and (
+                    n > step or b.ahead > b.total or b.total > LONE_SYNC_MAX_BYTES
+                ):
                     b.submitted = time.perf_counter()
                     b.bid = self._engine.batch_transfer_async_write(peer, b.src, b.dst, b.len)
                 inflight.append(b)
@@ -337,8 +344,15 @@ class MooncakeTransport(FindsPeersBySession):
         if error:
             raise TransportError(error)
 
-    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int], *,
-              tag: int | None = None) -> _Batch | None:
+    def start(
+        self,
+        peer: str,
+        src: list[int],
+        dst: list[int],
+        nbytes: list[int],
+        *,
+        tag: int | None = None,
+    ) -> _Batch | None:
         """Submit a small write without waiting for it, or None when it cannot start at once.
 
         For a caller that must not block (the engine's ``send()``): one batch of at most 32 MiB
@@ -354,9 +368,13 @@ class MooncakeTransport(FindsPeersBySession):
         most ``batch_entries`` (half the cap), every other batch fits once the writes that
         workers are running return, so such a job always gets through."""
         n = len(src)
-        if (self._closed or self.completion != "paced" or not 0 < n <= self.batch_entries
-                or self._faults.active and (self._faults.delays(tag)
-                                            or self._faults.strands(tag))):
+        if (
+            self._closed
+            or self.completion != "paced"
+            or not 0 < n <= self.batch_entries
+            or self._faults.active
+            and (self._faults.delays(tag) or self._faults.strands(tag))
+        ):
             return None
         total = sum(nbytes)
         if total > LONE_SYNC_MAX_BYTES:
@@ -385,8 +403,9 @@ class MooncakeTransport(FindsPeersBySession):
         if error:
             raise TransportError(error)
 
-    def _await(self, peer: str, b: _Batch, credits: Credits, rate: RateEstimate,
-               pace: bool = True) -> str:
+    def _await(
+        self, peer: str, b: _Batch, credits: Credits, rate: RateEstimate, pace: bool = True
+    ) -> str:
         """Complete one batch (waiting for it, or writing it now when it was not submitted);
         retry a failed batch once. Returns why it failed, or ""."""
         try:
@@ -413,8 +432,10 @@ class MooncakeTransport(FindsPeersBySession):
     def _submit_parts(self, peer: str, b: _Batch) -> None:
         """Submit each entry of ``b`` as a one-entry Mooncake batch (``_poll`` awaits them)."""
         b.submitted = time.perf_counter()
-        b.parts = [int(self._engine.transfer_submit_write(peer, s, d, n))
-                   for s, d, n in zip(b.src, b.dst, b.len)]
+        b.parts = [
+            int(self._engine.transfer_submit_write(peer, s, d, n))
+            for s, d, n in zip(b.src, b.dst, b.len)
+        ]
 
     def _poll(self, b: _Batch, rate: RateEstimate) -> list[int]:
         """Wait for ``b``'s parts without spinning: sleep through most of the batch's expected
@@ -448,8 +469,12 @@ class MooncakeTransport(FindsPeersBySession):
             pause = min(2 * pause, POLL_MAX_S)
         rate.observe(b.ahead, b.submitted, first, now)
         if left:
-            log.warning("%d of %d entries still pending %.0f s after their submit",
-                        len(left), len(b.src), now - b.submitted)
+            log.warning(
+                "%d of %d entries still pending %.0f s after their submit",
+                len(left),
+                len(b.src),
+                now - b.submitted,
+            )
         return sorted(bad + left)
 
     def _ended(self, peer: str, b: _Batch, failed: Sequence[int]) -> str:
@@ -465,8 +490,11 @@ class MooncakeTransport(FindsPeersBySession):
                 rc = self._engine.batch_transfer_sync_write(peer, b.src, b.dst, b.len)
             else:
                 rc = self._engine.batch_transfer_sync_write(
-                    peer, [b.src[i] for i in failed], [b.dst[i] for i in failed],
-                    [b.len[i] for i in failed])
+                    peer,
+                    [b.src[i] for i in failed],
+                    [b.dst[i] for i in failed],
+                    [b.len[i] for i in failed],
+                )
             if rc != 0:
                 self._taint(peer, b)  # the retry's other tasks may be queued too
                 self.stats.add(calls=1, failures=1)
@@ -528,8 +556,11 @@ class MooncakeTransport(FindsPeersBySession):
                 return False
             gen, fence, need = t.gen, t.fence, t.fenced < t.gen
         if need:
-            if self._closed or self._engine.batch_transfer_sync_write(
-                    peer, [fence[0]], [fence[1]], [fence[2]]) != 0:
+            if (
+                self._closed
+                or self._engine.batch_transfer_sync_write(peer, [fence[0]], [fence[1]], [fence[2]])
+                != 0
+            ):
                 return False
             with self._lock:
                 t.fenced, t.fenced_at, t.quiet = gen, time.monotonic(), 0

@@ -95,7 +95,8 @@ def _load() -> Any:
             errors.append(f"{name}: {e}")
     raise TransportUnavailable(
         "NIXL is not installed: pip install 'pdxfer[nixl]' (nixl-cu12; no CUDA needed), or "
-        f"nixl-cu13 on a CUDA 13 machine; original errors: {'; '.join(errors)}") from None
+        f"nixl-cu13 on a CUDA 13 machine; original errors: {'; '.join(errors)}"
+    ) from None
 
 
 _BUILDS = ("nixl_cu12", "nixl_cu13")
@@ -118,16 +119,18 @@ def _agent(nixl: Any, name: str, backends: tuple[str, ...], threads: int) -> Any
         def __setattr__(self, key: str, value: Any) -> None:
             super().__setattr__(key, tick if key == "pthrDelay" else value)
 
-    conf = nixl.nixl_agent_config(backends=[],
-                                  sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    conf = nixl.nixl_agent_config(
+        backends=[], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    )
     with _AGENT_LOCK:
         api.nixlBind.nixlAgentConfig = _Config
         try:
             agent = nixl.nixl_agent(name, conf)
         finally:
             api.nixlBind.nixlAgentConfig = base
-    params = {"num_threads": str(threads), "split_batch_size": str(SPLIT_ENTRIES)} \
-        if threads > 1 else {}
+    params = (
+        {"num_threads": str(threads), "split_batch_size": str(SPLIT_ENTRIES)} if threads > 1 else {}
+    )
     for b in backends:
         if b in agent.get_plugin_list():
             agent.create_backend(b, params if b == "UCX" else {})
@@ -196,8 +199,9 @@ class _Mems:
         return np.where(inside, self.dev[rc], DRAM)
 
 
-def split_by_memory(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, src_dev: np.ndarray,
-                    dst_dev: np.ndarray) -> list[tuple[str, np.ndarray, str, np.ndarray]]:
+def split_by_memory(
+    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, src_dev: np.ndarray, dst_dev: np.ndarray
+) -> list[tuple[str, np.ndarray, str, np.ndarray]]:
     """Blocks as NIXL descriptor rows ``(addr, len, device)``, one group per pair of memory
     types: ``[(src_mem, src_rows, dst_mem, dst_rows), ...]`` (a NIXL list has one type)."""
     out = []
@@ -207,12 +211,20 @@ def split_by_memory(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, src_de
             if not m.any():
                 continue
             n = nbytes[m].astype(np.uint64)
-            out.append(("VRAM" if s_vram else "DRAM",
-                        np.stack([src[m].astype(np.uint64), n,
-                                  np.maximum(src_dev[m], 0).astype(np.uint64)], 1),
-                        "VRAM" if d_vram else "DRAM",
-                        np.stack([dst[m].astype(np.uint64), n,
-                                  np.maximum(dst_dev[m], 0).astype(np.uint64)], 1)))
+            out.append(
+                (
+                    "VRAM" if s_vram else "DRAM",
+                    np.stack(
+                        [src[m].astype(np.uint64), n, np.maximum(src_dev[m], 0).astype(np.uint64)],
+                        1,
+                    ),
+                    "VRAM" if d_vram else "DRAM",
+                    np.stack(
+                        [dst[m].astype(np.uint64), n, np.maximum(dst_dev[m], 0).astype(np.uint64)],
+                        1,
+                    ),
+                )
+            )
     return out
 
 
@@ -232,8 +244,9 @@ class _Info(msgspec.Struct, frozen=True):
     a release before device pages were prepared)."""
 
 
-def page_regions(regions: list[tuple[int, int, int]], devices: list[int], items: list[int]
-                 ) -> dict[str, list[tuple[int, int, int, int]]]:
+def page_regions(
+    regions: list[tuple[int, int, int]], devices: list[int], items: list[int]
+) -> dict[str, list[tuple[int, int, int, int]]]:
     """A peer's (or this side's) regions as ``(addr, nbytes, item_bytes, device)`` per memory
     type (``DRAM``/``VRAM``), each with the page size it prepares (``_Info.items`` where
     given, else ``regions``' own: device pages then stay unprepared)."""
@@ -251,8 +264,11 @@ class _Layout:
     ``(addr, nbytes, item_bytes[, device])``."""
 
     def __init__(self, regions: list[tuple[int, ...]], mem: str = "DRAM") -> None:
-        regs = sorted((r[0], r[1], r[2], r[3] if len(r) > 3 else 0) for r in regions
-                      if r[2] > 0 and r[1] >= r[2])
+        regs = sorted(
+            (r[0], r[1], r[2], r[3] if len(r) > 3 else 0)
+            for r in regions
+            if r[2] > 0 and r[1] >= r[2]
+        )
         self.mem = mem
         self.addr = np.array([a for a, _, _, _ in regs], dtype=np.int64)
         self.end = np.array([a + n - n % it for a, n, it, _ in regs], dtype=np.int64)
@@ -265,12 +281,22 @@ class _Layout:
 
     def descs(self) -> np.ndarray:
         """``[total, 3]`` (addr, len, device) rows, region by region."""
-        rows = [np.stack([np.arange(a, e, it, dtype=np.int64), np.full((e - a) // it, it),
-                          np.full((e - a) // it, d, dtype=np.int64)], axis=1)
-                for a, e, it, d in zip(self.addr.tolist(), self.end.tolist(),
-                                       self.item.tolist(), self.dev.tolist())]
-        return (np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.int64)
-                ).astype(np.uint64)
+        rows = [
+            np.stack(
+                [
+                    np.arange(a, e, it, dtype=np.int64),
+                    np.full((e - a) // it, it),
+                    np.full((e - a) // it, d, dtype=np.int64),
+                ],
+                axis=1,
+            )
+            for a, e, it, d in zip(
+                self.addr.tolist(), self.end.tolist(), self.item.tolist(), self.dev.tolist()
+            )
+        ]
+        return (np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.int64)).astype(
+            np.uint64
+        )
 
     def locate(self, addr: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per block: its first descriptor and its item size, or -1 where the block is not
@@ -279,8 +305,13 @@ class _Layout:
         rc = np.maximum(r, 0)
         item = self.item[rc]
         off = addr - self.addr[rc]
-        ok = ((r >= 0) & (addr + nbytes <= self.end[rc]) & (nbytes > 0)
-              & (off % item == 0) & (nbytes % item == 0))
+        ok = (
+            (r >= 0)
+            & (addr + nbytes <= self.end[rc])
+            & (nbytes > 0)
+            & (off % item == 0)
+            & (nbytes % item == 0)
+        )
         return np.where(ok, self.first[rc] + off // item, -1), np.where(ok, item, 0)
 
 
@@ -289,9 +320,14 @@ class NixlTransport(FinalFailures):
 
     name = "nixl"
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0,
-                 max_batch: int = 4096, backends: tuple[str, ...] = ("UCX",),
-                 threads: int | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        timeout_s: float = 30.0,
+        max_batch: int = 4096,
+        backends: tuple[str, ...] = ("UCX",),
+        threads: int | None = None,
+    ) -> None:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         nixl = _load()
@@ -353,15 +389,15 @@ class NixlTransport(FinalFailures):
         regions = [(a, n, it if d == DRAM else 0) for a, (_, n, it, d) in self._regions.items()]
         devices = [d for (_, _, _, d) in self._regions.values()]
         items = [it for (_, _, it, _) in self._regions.values()]
-        return msgspec.msgpack.encode(_Info(bytes(self._agent.get_agent_metadata()), regions,
-                                            devices, items))
+        return msgspec.msgpack.encode(
+            _Info(bytes(self._agent.get_agent_metadata()), regions, devices, items)
+        )
 
     def add_peer(self, peer: str, info: bytes) -> None:
         """Load ``peer``'s metadata so writes to it can be built; a peer that re-paired
         (new registrations) replaces its old metadata."""
         if not info:
-            raise TransportError(f"peer {peer} sent no NIXL metadata (is it on --transport "
-                                 f"nixl?)")
+            raise TransportError(f"peer {peer} sent no NIXL metadata (is it on --transport nixl?)")
         try:
             parsed = msgspec.msgpack.decode(bytes(info), type=_Info)
         except msgspec.DecodeError as e:
@@ -383,18 +419,22 @@ class NixlTransport(FinalFailures):
             lays: dict[str, _Layout] | None = None
             try:
                 if len(devices) == len(parsed.regions):
-                    lays = {m: _Layout(r, m) for m, r in page_regions(
-                        parsed.regions, devices, parsed.items).items()}
+                    lays = {
+                        m: _Layout(r, m)
+                        for m, r in page_regions(parsed.regions, devices, parsed.items).items()
+                    }
             except (OverflowError, ValueError):  # regions past the end of memory
                 lays = None
             if lays is None or sum(x.total for x in lays.values()) > MAX_PEER_PAGES:
                 self._agent.remove_remote_agent(name)
-                raise TransportError(f"NIXL peer {peer} names impossible regions or more than "
-                                     f"{MAX_PEER_PAGES} pages")
+                raise TransportError(
+                    f"NIXL peer {peer} names impossible regions or more than {MAX_PEER_PAGES} pages"
+                )
             self._peers[peer] = bytes(info)
             self._remote[peer] = lays
-            self._remote_mems[peer] = _Mems([(a, n, d) for (a, n, _), d
-                                             in zip(parsed.regions, devices)])
+            self._remote_mems[peer] = _Mems(
+                [(a, n, d) for (a, n, _), d in zip(parsed.regions, devices)]
+            )
 
     def _forget(self, peer: str) -> None:
         """Drop a peer's metadata and prepared list (under the lock)."""
@@ -440,20 +480,26 @@ class NixlTransport(FinalFailures):
                     try:
                         if local.handle is None:
                             local.handle = self._agent.prep_xfer_dlist(
-                                "NIXL_INIT_AGENT", local.descs(), lm)
+                                "NIXL_INIT_AGENT", local.descs(), lm
+                            )
                         if rem.handle is None:
                             rem.handle = self._agent.prep_xfer_dlist(peer, rem.descs(), rm)
                     except Exception as e:  # noqa: BLE001 - then described per call
-                        log.warning("NIXL prep_xfer_dlist (%s to %s of %s) failed (%s): those "
-                                    "writes are described per call", lm, rm, peer, e)
+                        log.warning(
+                            "NIXL prep_xfer_dlist (%s to %s of %s) failed (%s): those "
+                            "writes are described per call",
+                            lm,
+                            rm,
+                            peer,
+                            e,
+                        )
                         (local if local.handle is None else rem).total = 0
                         continue
                     out.append((local, rem))
             return out
 
     # -- memory --------------------------------------------------------------------------------
-    def register(self, addr: int, nbytes: int, location: str = "cpu",
-                 item_bytes: int = 0) -> None:
+    def register(self, addr: int, nbytes: int, location: str = "cpu", item_bytes: int = 0) -> None:
         code = _device(location)
         mem = "DRAM" if code == DRAM else "VRAM"
         with self._lock:
@@ -461,10 +507,12 @@ class NixlTransport(FinalFailures):
                 return
             try:
                 descs = self._agent.register_memory(
-                    [(int(addr), int(nbytes), max(code, 0), "")], mem)
+                    [(int(addr), int(nbytes), max(code, 0), "")], mem
+                )
             except Exception as e:  # noqa: BLE001
-                raise TransportError(f"NIXL register_memory({addr:#x}, {nbytes}, {mem}) "
-                                     f"failed: {e}") from None
+                raise TransportError(
+                    f"NIXL register_memory({addr:#x}, {nbytes}, {mem}) failed: {e}"
+                ) from None
             self._regions[addr] = (descs, nbytes, item_bytes, code)
             self._local_mems = self._mems()
             self._drop_local()  # prepared again with the new region on the next write
@@ -514,19 +562,26 @@ class NixlTransport(FinalFailures):
                     step = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
                     lidx = (np.repeat(lf[whole], k) + step).astype(np.int32)
                     ridx = (np.repeat(rf[whole], k) + step).astype(np.int32)
-                    reqs.append(self._agent.make_prepped_xfer(
-                        "WRITE", local.handle, lidx, remote.handle, ridx))
+                    reqs.append(
+                        self._agent.make_prepped_xfer(
+                            "WRITE", local.handle, lidx, remote.handle, ridx
+                        )
+                    )
                     self.stats_prepped += int(k.sum())
                     rest &= ~whole
             if rest.any():
                 with self._lock:
                     lm, rm = self._local_mems, self._remote_mems.get(peer, _Mems([]))
                 sr, dr = s[rest], d[rest]
-                for lmem, ls, rmem, rs in split_by_memory(sr, dr, n[rest], lm.of(sr),
-                                                          rm.of(dr)):
-                    reqs.append(self._agent.initialize_xfer(
-                        "WRITE", self._agent.get_xfer_descs(ls, lmem),
-                        self._agent.get_xfer_descs(rs, rmem), peer))
+                for lmem, ls, rmem, rs in split_by_memory(sr, dr, n[rest], lm.of(sr), rm.of(dr)):
+                    reqs.append(
+                        self._agent.initialize_xfer(
+                            "WRITE",
+                            self._agent.get_xfer_descs(ls, lmem),
+                            self._agent.get_xfer_descs(rs, rmem),
+                            peer,
+                        )
+                    )
         except Exception as e:  # noqa: BLE001
             for h in reqs:
                 self._release_handle(h)
@@ -546,8 +601,7 @@ class NixlTransport(FinalFailures):
             self._agent.release_xfer_handle(h)
             return True
         except Exception as e:  # noqa: BLE001 - an active write NIXL cannot cancel
-            log.warning("NIXL could not release a write in flight (%s): it may still land",
-                        e)
+            log.warning("NIXL could not release a write in flight (%s): it may still land", e)
             return False
 
     def _release(self, x: _Xfer) -> bool:
@@ -564,16 +618,17 @@ class NixlTransport(FinalFailures):
             if deadline is not None and not cancelled and time.monotonic() > deadline:
                 if self._release(x):
                     self.stats.add(failures=1)
-                    raise TransportError(f"NIXL write to {peer} passed its deadline "
-                                         f"(cancelled)")
+                    raise TransportError(f"NIXL write to {peer} passed its deadline (cancelled)")
                 cancelled = True  # it cannot be recalled: wait until it is over
             if self._closed:
                 raise TransportError("transport closed while a write was in flight")
             time.sleep(delay)
             delay = min(delay * 1.5, _POLL_MAX_S)
             try:
-                x.states = [st if st != "PROC" else self._agent.check_xfer_state(h)
-                            for h, st in zip(x.handles, x.states)]
+                x.states = [
+                    st if st != "PROC" else self._agent.check_xfer_state(h)
+                    for h, st in zip(x.handles, x.states)
+                ]
             except Exception as e:  # noqa: BLE001
                 err = self._error(peer, "write", e)
                 self._release(x)
@@ -586,9 +641,17 @@ class NixlTransport(FinalFailures):
         if cancelled:
             raise TransportError(f"NIXL write to {peer} finished after its deadline")
 
-    def write(self, peer: str, src: np.ndarray | list[int], dst: np.ndarray | list[int],
-              nbytes: np.ndarray | list[int], *, deadline: float | None = None,
-              should_stop: Callable[[], bool] | None = None, tag: int | None = None) -> None:
+    def write(
+        self,
+        peer: str,
+        src: np.ndarray | list[int],
+        dst: np.ndarray | list[int],
+        nbytes: np.ndarray | list[int],
+        *,
+        deadline: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        tag: int | None = None,
+    ) -> None:
         total = len(src)
         f = self._faults
         if deadline is None:  # NIXL has none of its own: never wait without one
@@ -597,28 +660,35 @@ class NixlTransport(FinalFailures):
             if should_stop is not None and should_stop():
                 raise TransportError(f"write to {peer} stopped after {lo} of {total} blocks")
             if time.monotonic() > deadline:
-                raise TransportError(f"write to {peer} passed its deadline after {lo} of "
-                                     f"{total} blocks")
+                raise TransportError(
+                    f"write to {peer} passed its deadline after {lo} of {total} blocks"
+                )
             if f.active:
                 f.before_batch(tag)
             hi = min(total, lo + self.batch_entries)
-            self._wait(peer, self._post(peer, src[lo:hi], dst[lo:hi], nbytes[lo:hi]),
-                       deadline)
+            self._wait(peer, self._post(peer, src[lo:hi], dst[lo:hi], nbytes[lo:hi]), deadline)
 
-    def start(self, peer: str, src: list[int], dst: list[int], nbytes: list[int], *,
-              tag: int | None = None) -> _Pending | None:
+    def start(
+        self,
+        peer: str,
+        src: list[int],
+        dst: list[int],
+        nbytes: list[int],
+        *,
+        tag: int | None = None,
+    ) -> _Pending | None:
         """Hand a small write to the post thread and return at once: over shared memory
         UCX copies inside the post, so posting here would block the engine's ``send()`` for
         the whole copy (and the sender's digest could not overlap it)."""
-        if len(src) > self.batch_entries or (self._faults.active
-                                             and self._faults.delays(tag)):
+        if len(src) > self.batch_entries or (self._faults.active and self._faults.delays(tag)):
             return None
         with self._lock:
             if self._closed:
                 return None
             if self._poster is None:
-                self._poster = ThreadPoolExecutor(max_workers=2,
-                                                  thread_name_prefix="pdxfer-nixl-post")
+                self._poster = ThreadPoolExecutor(
+                    max_workers=2, thread_name_prefix="pdxfer-nixl-post"
+                )
             poster = self._poster
         return _Pending(poster.submit(self._post, peer, src, dst, nbytes), time.perf_counter())
 

@@ -103,8 +103,11 @@ class Allocations:
         found = self._lookup(addr)
         if found is None or not found[0] <= addr < addr + nbytes <= found[0] + found[1]:
             if found is None:
-                log.warning("nvlink_intra: no allocation found for %#x: registered as is "
-                            "(right only if the buffer starts its allocation)", addr)
+                log.warning(
+                    "nvlink_intra: no allocation found for %#x: registered as is "
+                    "(right only if the buffer starts its allocation)",
+                    addr,
+                )
             found = (addr, nbytes)
         base, size = found
         self._of[addr] = base

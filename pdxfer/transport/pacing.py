@@ -77,8 +77,9 @@ class Credits:
             while self.used + n > self.limit:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TransportError("deadline passed waiting for the peer's in-flight "
-                                         "entries to drain")
+                    raise TransportError(
+                        "deadline passed waiting for the peer's in-flight entries to drain"
+                    )
                 self.cond.wait(0.5 if left is None else min(left, 0.5))
             self.used += n
             self.bytes += nbytes

@@ -48,7 +48,7 @@ def _addr(hexaddr: str) -> tuple[str, int]:
     h, _, p = hexaddr.partition(":")
     raw = bytes.fromhex(h)
     # the kernel prints each 32-bit word in host (little-endian) order
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return _plain(ipaddress.ip_address(raw)), int(p, 16)
 
 

@@ -25,26 +25,36 @@ _events: list[tuple] = []
 
 TARGETS = {
     "vllm.entrypoints.openai.completion.serving": [
-        ("OpenAIServingCompletion", "create_completion", "api.handler")],
+        ("OpenAIServingCompletion", "create_completion", "api.handler")
+    ],
     "vllm.v1.engine.output_processor": [("OutputProcessor", "process_outputs", "api.outputs")],
-    "vllm.v1.engine.core": [("EngineCore", "add_request", "core.add_request"),
-                            ("EngineCore", "step", "core.step")],
-    "vllm.v1.core.sched.scheduler": [("Scheduler", "schedule", "sched.schedule"),
-                                     ("Scheduler", "update_from_output", "sched.update"),
-                                     ("Scheduler", "_connector_finished", "sched.conn_finished")],
-    "vllm.v1.executor.uniproc_executor": [("UniProcExecutor", "execute_model", "exec.model"),
-                                          ("UniProcExecutor", "sample_tokens", "exec.sample")],
+    "vllm.v1.engine.core": [
+        ("EngineCore", "add_request", "core.add_request"),
+        ("EngineCore", "step", "core.step"),
+    ],
+    "vllm.v1.core.sched.scheduler": [
+        ("Scheduler", "schedule", "sched.schedule"),
+        ("Scheduler", "update_from_output", "sched.update"),
+        ("Scheduler", "_connector_finished", "sched.conn_finished"),
+    ],
+    "vllm.v1.executor.uniproc_executor": [
+        ("UniProcExecutor", "execute_model", "exec.model"),
+        ("UniProcExecutor", "sample_tokens", "exec.sample"),
+    ],
     "pdxfer.integrations.vllm.connector": [
         ("PdxferConnector", "request_finished", "pdx.request_finished"),
         ("PdxferConnector", "build_connector_meta", "pdx.build_meta"),
         ("PdxferConnector", "start_load_kv", "pdx.start_load_kv"),
         ("PdxferConnector", "wait_for_save", "pdx.wait_for_save"),
         ("PdxferConnector", "get_finished", "pdx.get_finished"),
-        ("PdxferConnector", "save_kv_layer", "pdx.save_layer")],
-    "pdxfer.integrations.vllm.worker": [("PdxferWorker", "_hand", "pdx.hand"),
-                                        ("PdxferWorker", "_give", "pdx.give"),
-                                        ("PdxferWorker", "_open", "pdx.open"),
-                                        ("PdxferWorker", "_write_stats", "pdx.write_stats")],
+        ("PdxferConnector", "save_kv_layer", "pdx.save_layer"),
+    ],
+    "pdxfer.integrations.vllm.worker": [
+        ("PdxferWorker", "_hand", "pdx.hand"),
+        ("PdxferWorker", "_give", "pdx.give"),
+        ("PdxferWorker", "_open", "pdx.open"),
+        ("PdxferWorker", "_write_stats", "pdx.write_stats"),
+    ],
 }
 
 
@@ -52,6 +62,7 @@ def _wrap(fn, name):
     if getattr(fn, "_pdxfer_traced", False):
         return fn
     if _is_coro(fn):
+
         @functools.wraps(fn)
         async def traced_async(*a, **kw):
             _events.append((name, "in", time.perf_counter_ns(), time.thread_time_ns()))
@@ -59,6 +70,7 @@ def _wrap(fn, name):
                 return await fn(*a, **kw)
             finally:
                 _events.append((name, "out", time.perf_counter_ns(), time.thread_time_ns()))
+
         traced_async._pdxfer_traced = True
         return traced_async
 
@@ -69,12 +81,14 @@ def _wrap(fn, name):
             return fn(*a, **kw)
         finally:
             _events.append((name, "out", time.perf_counter_ns(), time.thread_time_ns()))
+
     traced._pdxfer_traced = True
     return traced
 
 
 def _is_coro(fn):
     import inspect
+
     return inspect.iscoroutinefunction(fn)
 
 

@@ -16,22 +16,33 @@ from pdxfer.demo import patterns as pat
 from pdxfer.demo.patterns import PoolGeom
 from pdxfer.integrity import Span, digests, slot_digests
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA device (none on this machine)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"
+)
 ROOM = 7
 TOKENS = (3, 77)
 
 
 def _pool(ps: int, layout: str, device: str):
-    g = PoolGeom("kv", "mha", layers=2, pages=128, page_size=ps, heads=4, head_dim=32,
-                 layout=layout, total_heads=4)
+    g = PoolGeom(
+        "kv",
+        "mha",
+        layers=2,
+        pages=128,
+        page_size=ps,
+        heads=4,
+        head_dim=32,
+        layout=layout,
+        total_heads=4,
+    )
     specs, ts = pat.build([g], device=device)
     return specs[0], ts["kv"]
 
 
 @pytest.mark.parametrize("mode", ["sampled", "full"])
-@pytest.mark.parametrize("host,dev", [((16, "NHD"), (16, "NHD")), ((16, "HND"), (4, "NHD")),
-                                      ((1, "NHD"), (32, "HND"))])
+@pytest.mark.parametrize(
+    "host,dev", [((16, "NHD"), (16, "NHD")), ((16, "HND"), (4, "NHD")), ((1, "NHD"), (32, "HND"))]
+)
 def test_a_device_pool_digests_like_the_same_kv_in_host_memory(mode: str, host, dev) -> None:
     hs, ht = _pool(*host, "cpu")
     ds, dt = _pool(*dev, "cuda:0")
@@ -63,8 +74,7 @@ def test_a_device_slot_row_digests_like_the_host_row() -> None:
         h.copy_(torch.arange(h.numel(), dtype=torch.int32).view_as(h) * (i + 3))
         d.copy_(h)
     torch.cuda.synchronize()
-    assert slot_digests(ds, 5, "full", portable=True) == slot_digests(hs, 5, "full",
-                                                                       portable=True)
+    assert slot_digests(ds, 5, "full", portable=True) == slot_digests(hs, 5, "full", portable=True)
 
 
 def test_the_allocation_holding_a_device_buffer_is_found_from_inside_it() -> None:
@@ -74,7 +84,7 @@ def test_the_allocation_holding_a_device_buffer_is_found_from_inside_it() -> Non
     from pdxfer.transport.nvlink import cuda_allocation
 
     t = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")
-    inner = t[3 << 20:]
+    inner = t[3 << 20 :]
     found = cuda_allocation(inner.data_ptr())
     assert found is not None
     start, size = found

@@ -14,8 +14,9 @@ import torch
 
 from pdxfer.serving.toy.model import ToyConfig, ToyModel, make_draft
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA device (none on this machine)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"
+)
 PROMPT = [(7 * i + 3) % 256 for i in range(150)]
 
 

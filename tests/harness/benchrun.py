@@ -20,8 +20,13 @@ def checkout_env() -> dict[str, str]:
 
 def run_bench(name: str, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     """``python -m benchmarks.NAME ARGS``; ``kw`` goes to ``subprocess.run``."""
-    return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args],
-                          capture_output=True, text=True, env=checkout_env(), **kw)
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", *args],
+        capture_output=True,
+        text=True,
+        env=checkout_env(),
+        **kw,
+    )
 
 
 __all__ = ["checkout_env", "run_bench"]

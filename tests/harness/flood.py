@@ -30,10 +30,16 @@ from pdxfer.pools import layout_signature
 from .zmqctx import context
 
 SECRET = "flood test shared secret, 16+ bytes"
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=2, head_dim=32),
-         PoolGeom("aux", "slots", layers=1, pages=64, dim=8, dtype="int32")]
-CONF = {"bootstrap_timeout_s": 10.0, "transfer_timeout_s": 20.0, "abort_timeout_s": 2.0,
-        "heartbeat_s": 0.25}
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=2, head_dim=32),
+    PoolGeom("aux", "slots", layers=1, pages=64, dim=8, dtype="int32"),
+]
+CONF = {
+    "bootstrap_timeout_s": 10.0,
+    "transfer_timeout_s": 20.0,
+    "abort_timeout_s": 2.0,
+    "heartbeat_s": 0.25,
+}
 
 
 @dataclass
@@ -64,19 +70,30 @@ def legit(c: Cluster, n_tokens: int = 96, seed: int = 0) -> tuple[float, int]:
     src = rng.choice(256, pages, replace=False).tolist()
     dst = rng.choice(256, pages, replace=False).tolist()
     ss, ds = int(rng.integers(64)), int(rng.integers(64))
-    c.pf.call("prepare", items=[{"room": room, "pages": {"kv": src}, "slots": {"aux": ss},
-                                 "num_tokens": n_tokens}])
+    c.pf.call(
+        "prepare",
+        items=[{"room": room, "pages": {"kv": src}, "slots": {"aux": ss}, "num_tokens": n_tokens}],
+    )
     t0 = time.perf_counter()
-    c.dc.call("recv", items=[{"room": room, "dst": {"kv": dst}, "slots": {"aux": ds},
-                              "num_tokens": n_tokens}], bootstrap=c.srv.address)
-    c.pf.call("send", items=[{"room": room, "chunks": [
-        {"pages": {"kv": src}, "slots": {"aux": ss}, "last": True}]}])
+    c.dc.call(
+        "recv",
+        items=[{"room": room, "dst": {"kv": dst}, "slots": {"aux": ds}, "num_tokens": n_tokens}],
+        bootstrap=c.srv.address,
+    )
+    c.pf.call(
+        "send",
+        items=[
+            {"room": room, "chunks": [{"pages": {"kv": src}, "slots": {"aux": ss}, "last": True}]}
+        ],
+    )
     out = c.dc.call("wait", rooms=[room])[room]
     dt = time.perf_counter() - t0
     if out["state"] != "Success":
         raise AssertionError(f"legitimate room {room} failed: {out['failure']}")
-    bad = c.dc.call("verify", items=[{"room": room, "dst": {"kv": dst}, "slots": {"aux": ds},
-                                      "num_tokens": n_tokens}])[room][0]
+    bad = c.dc.call(
+        "verify",
+        items=[{"room": room, "dst": {"kv": dst}, "slots": {"aux": ds}, "num_tokens": n_tokens}],
+    )[room][0]
     c.pf.call("forget", rooms=[room])
     c.dc.call("forget", rooms=[room])
     return dt, int(bad)
@@ -102,29 +119,91 @@ class Flooder:
         specs, _ = pat.build(GEOMS[:1])
         rnd = os.urandom
         small = [
-            ("unsigned", wire.encode(wire.TransferRequest(
-                room=1, nonce=1, endpoint_id="x", dst={"kv": wire.pack_indices([1])},
-                slots={}, prefix_len=0, num_tokens=16))),
+            (
+                "unsigned",
+                wire.encode(
+                    wire.TransferRequest(
+                        room=1,
+                        nonce=1,
+                        endpoint_id="x",
+                        dst={"kv": wire.pack_indices([1])},
+                        slots={},
+                        prefix_len=0,
+                        num_tokens=16,
+                    )
+                ),
+            ),
             ("unsigned", wire.encode(wire.Abort(room=2, nonce=2, endpoint_id="x"))),
-            ("forged_mac", wire.frame(wire.payload(wire.Release(room=3, nonce=3)), wire.Release,
-                                      wire.SESSION, rnd(16), 7, rnd(32))),
-            ("forged_hello", wire.frame(wire.payload(wire.Hello(
-                endpoint_id="x", ctrl_addr="tcp://127.0.0.1:1", session="127.0.0.1:1",
-                tp_rank=0, tp_size=1, signature=layout_signature(specs), pools=tuple(specs))),
-                wire.Hello, wire.HELLO, rnd(16), 0, rnd(32))),
+            (
+                "forged_mac",
+                wire.frame(
+                    wire.payload(wire.Release(room=3, nonce=3)),
+                    wire.Release,
+                    wire.SESSION,
+                    rnd(16),
+                    7,
+                    rnd(32),
+                ),
+            ),
+            (
+                "forged_hello",
+                wire.frame(
+                    wire.payload(
+                        wire.Hello(
+                            endpoint_id="x",
+                            ctrl_addr="tcp://127.0.0.1:1",
+                            session="127.0.0.1:1",
+                            tp_rank=0,
+                            tp_size=1,
+                            signature=layout_signature(specs),
+                            pools=tuple(specs),
+                        )
+                    ),
+                    wire.Hello,
+                    wire.HELLO,
+                    rnd(16),
+                    0,
+                    rnd(32),
+                ),
+            ),
         ]
         out = [(k, self._pf, f) for k, f in small]
-        out += [("unsigned", self._dc, wire.encode(wire.TransferDone(
-                    room=4, nonce=4, endpoint_id=pf_id, rank=0, ok=True))),
-                ("forged_mac", self._dc, wire.frame(wire.payload(wire.AbortAck(room=5, nonce=5)),
-                                                    wire.AbortAck, wire.SESSION, rnd(16), 9,
-                                                    rnd(32))),
-                ("forged_ack", self._dc, wire.frame(wire.payload(wire.HelloAck(
-                    endpoint_id=pf_id, ok=True, session="127.0.0.1:1")), wire.HelloAck,
-                    wire.ACK, rnd(16), 0, rnd(32)))]
+        out += [
+            (
+                "unsigned",
+                self._dc,
+                wire.encode(wire.TransferDone(room=4, nonce=4, endpoint_id=pf_id, rank=0, ok=True)),
+            ),
+            (
+                "forged_mac",
+                self._dc,
+                wire.frame(
+                    wire.payload(wire.AbortAck(room=5, nonce=5)),
+                    wire.AbortAck,
+                    wire.SESSION,
+                    rnd(16),
+                    9,
+                    rnd(32),
+                ),
+            ),
+            (
+                "forged_ack",
+                self._dc,
+                wire.frame(
+                    wire.payload(wire.HelloAck(endpoint_id=pf_id, ok=True, session="127.0.0.1:1")),
+                    wire.HelloAck,
+                    wire.ACK,
+                    rnd(16),
+                    0,
+                    rnd(32),
+                ),
+            ),
+        ]
         big = wire.frame(b"\0" * (wire.MAX_HELLO + 1), wire.Hello)
-        out += [("oversized", self._pf, big),
-                ("oversized", self._dc, wire.frame(b"\0" * (wire.MAX_HELLO + 1), wire.HelloAck))]
+        out += [
+            ("oversized", self._pf, big),
+            ("oversized", self._dc, wire.frame(b"\0" * (wire.MAX_HELLO + 1), wire.HelloAck)),
+        ]
         out += [("replayed", self._pf, f) for f in self._captured(pf_id)]
         return out
 
@@ -141,18 +220,38 @@ class Flooder:
         specs, keep = pat.build(GEOMS)
         self._keep = keep
         try:
-            hello = wire.Hello(endpoint_id="replayer", ctrl_addr=addr, session="127.0.0.1:1",
-                               tp_rank=0, tp_size=1, signature=layout_signature(specs),
-                               pools=tuple(specs), ts=time.time(), to=pf_id)
-            push.send(wire.frame(wire.payload(hello), wire.Hello, wire.HELLO, pair, 0,
-                                 auth.hello_key(key)))
+            hello = wire.Hello(
+                endpoint_id="replayer",
+                ctrl_addr=addr,
+                session="127.0.0.1:1",
+                tp_rank=0,
+                tp_size=1,
+                signature=layout_signature(specs),
+                pools=tuple(specs),
+                ts=time.time(),
+                to=pf_id,
+            )
+            push.send(
+                wire.frame(
+                    wire.payload(hello), wire.Hello, wire.HELLO, pair, 0, auth.hello_key(key)
+                )
+            )
             assert pull.poll(5000), "no HelloAck for the replay session"
             ack = pull.recv()
             msg = wire.body(ack, wire.header(ack))
             assert isinstance(msg, wire.HelloAck) and msg.ok, msg
             d2p, _ = auth.session_keys(key, pair, msg.nonce, "replayer", msg.endpoint_id)
-            frames = [wire.frame(wire.payload(wire.Release(room=9, nonce=9, endpoint_id="replayer")),
-                                 wire.Release, wire.SESSION, pair, i + 1, d2p) for i in range(4)]
+            frames = [
+                wire.frame(
+                    wire.payload(wire.Release(room=9, nonce=9, endpoint_id="replayer")),
+                    wire.Release,
+                    wire.SESSION,
+                    pair,
+                    i + 1,
+                    d2p,
+                )
+                for i in range(4)
+            ]
             for f in frames:
                 push.send(f)
             return frames
@@ -214,8 +313,9 @@ def flood_run(c: Cluster, seconds: float) -> dict[str, Any]:
     out: dict[str, Any] = {"latencies": lat, "bad_bytes": bad, "sent": sent}
     for n, a in (("pf", c.pf), ("dc", c.dc)):
         out[f"rss_growth_{n}"] = a.call("proc_stats")["rss"] - rss0[n]
-        out[f"rejected_{n}"] = {k: v for k, v in a.call("metrics").items()
-                                if k.startswith("rejected_")}
+        out[f"rejected_{n}"] = {
+            k: v for k, v in a.call("metrics").items() if k.startswith("rejected_")
+        }
     return out
 
 
@@ -223,8 +323,9 @@ def _metric(a: Agent, name: str) -> int:
     return int(a.call("metrics").get(name, 0))
 
 
-def hello_floods(c: Cluster, floods: int = 8, frames: int = 80, size: int = 2 << 20
-                 ) -> dict[str, Any]:
+def hello_floods(
+    c: Cluster, floods: int = 8, frames: int = 80, size: int = 2 << 20
+) -> dict[str, Any]:
     """``floods`` floods in a row of ``frames`` unauthenticated Hellos of ``size`` bytes each
     (over the Hello cap, under the frame cap) at the prefill, each flood followed by one
     legitimate request once the prefill refused all of it. Reports the prefill's RSS (read
@@ -257,6 +358,12 @@ def hello_floods(c: Cluster, floods: int = 8, frames: int = 80, size: int = 2 <<
     finally:
         ctx.destroy()
     seconds = time.perf_counter() - t0
-    return {"rss_before": rss0, "rss_after": rss(), "rss_peak": peak,
-            "bytes": floods * frames * len(big), "seconds": seconds, "latencies": lat,
-            "bad_bytes": bad}
+    return {
+        "rss_before": rss0,
+        "rss_after": rss(),
+        "rss_peak": peak,
+        "bytes": floods * frames * len(big),
+        "seconds": seconds,
+        "latencies": lat,
+        "bad_bytes": bad,
+    }

@@ -45,50 +45,133 @@ class Family:
     32-token block (the tests' block size), so colocated's last prompt token is a one-token step, as the decode's is."""
 
 
-_COMMON = {"vocab_size": VOCAB, "hidden_size": 256, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": MAX_LEN,
-           "tie_word_embeddings": False, "bos_token_id": BOS, "eos_token_id": EOS,
-           "pad_token_id": EOS, "initializer_range": 0.1}
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": MAX_LEN,
+    "tie_word_embeddings": False,
+    "bos_token_id": BOS,
+    "eos_token_id": EOS,
+    "pad_token_id": EOS,
+    "initializer_range": 0.1,
+}
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("mistral_swa", "MistralConfig", "MistralForCausalLM", "float32",
-           {**_COMMON, "num_hidden_layers": 4, "intermediate_size": 512,
-            "sliding_window": WINDOW}, window=WINDOW),
-    Family("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", "float32",
-           {**_COMMON, "num_hidden_layers": 6, "intermediate_size": 512,
-            "sliding_window": WINDOW, "query_pre_attn_scalar": 64,
-            "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}, window=WINDOW),
-    Family("gpt_oss", "GptOssConfig", "GptOssForCausalLM", "bfloat16",
-           {**_COMMON, "num_hidden_layers": 4, "intermediate_size": 256,
-            "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
-            "layer_types": ["sliding_attention", "full_attention"] * 2}, window=WINDOW,
-           exact_args=("--max-num-batched-tokens", "32", "--max-num-seqs", "32")),
-    Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM", "bfloat16",
-           {**_COMMON, "num_hidden_layers": 2, "intermediate_size": 512,
-            "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None,
-            "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
-            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-            "moe_intermediate_size": 128, "first_k_dense_replace": 2,
-            "topk_method": "greedy", "n_group": 1, "topk_group": 1},
-           exact_args=("--max-num-batched-tokens", "32", "--max-num-seqs", "32")),
-    Family("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "bfloat16",
-           {**_COMMON, "num_hidden_layers": 4, "intermediate_size": 512,
-            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
-            "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-            "shared_expert_intermediate_size": 128},
-           # prefix caching sets its block size (544 on, 4096 off): the same on every side
-           vllm_args=("--no-enable-prefix-caching",),
-           exact_args=("--max-num-batched-tokens", "32", "--max-num-seqs", "32")),
-    Family("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM", "float32",
-           {**_COMMON, "layers_block_type": ["linear_attention", "mlp", "full_attention",
-                                             "mlp"],
-            "intermediate_size": 512, "mamba_num_heads": 8, "mamba_head_dim": 64,
-            "n_groups": 1, "ssm_state_size": 64, "chunk_size": 128, "expand": 2},
-           # vLLM's CPU Mamba2 path fails with prefix caching on
-           vllm_args=("--no-enable-prefix-caching",)),
-)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "mistral_swa",
+            "MistralConfig",
+            "MistralForCausalLM",
+            "float32",
+            {**_COMMON, "num_hidden_layers": 4, "intermediate_size": 512, "sliding_window": WINDOW},
+            window=WINDOW,
+        ),
+        Family(
+            "gemma3",
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            "float32",
+            {
+                **_COMMON,
+                "num_hidden_layers": 6,
+                "intermediate_size": 512,
+                "sliding_window": WINDOW,
+                "query_pre_attn_scalar": 64,
+                "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+            },
+            window=WINDOW,
+        ),
+        Family(
+            "gpt_oss",
+            "GptOssConfig",
+            "GptOssForCausalLM",
+            "bfloat16",
+            {
+                **_COMMON,
+                "num_hidden_layers": 4,
+                "intermediate_size": 256,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "sliding_window": WINDOW,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+            },
+            window=WINDOW,
+            exact_args=("--max-num-batched-tokens", "32", "--max-num-seqs", "32"),
+        ),
+        Family(
+            "deepseek_v2",
+            "DeepseekV2Config",
+            "DeepseekV2ForCausalLM",
+            "bfloat16",
+            {
+                **_COMMON,
+                "num_hidden_layers": 2,
+                "intermediate_size": 512,
+                "num_key_value_heads": 4,
+                "kv_lora_rank": 512,
+                "q_lora_rank": None,
+                "qk_rope_head_dim": 64,
+                "qk_nope_head_dim": 64,
+                "v_head_dim": 64,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_shared_experts": 1,
+                "moe_intermediate_size": 128,
+                "first_k_dense_replace": 2,
+                "topk_method": "greedy",
+                "n_group": 1,
+                "topk_group": 1,
+            },
+            exact_args=("--max-num-batched-tokens", "32", "--max-num-seqs", "32"),
+        ),
+        Family(
+            "qwen3_next",
+            "Qwen3NextConfig",
+            "Qwen3NextForCausalLM",
+            "bfloat16",
+            {
+                **_COMMON,
+                "num_hidden_layers": 4,
+                "intermediate_size": 512,
+                "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 128,
+                "shared_expert_intermediate_size": 128,
+            },
+            # prefix caching sets its block size (544 on, 4096 off): the same on every side
+            vllm_args=("--no-enable-prefix-caching",),
+            exact_args=("--max-num-batched-tokens", "32", "--max-num-seqs", "32"),
+        ),
+        Family(
+            "nemotron_h",
+            "NemotronHConfig",
+            "NemotronHForCausalLM",
+            "float32",
+            {
+                **_COMMON,
+                "layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"],
+                "intermediate_size": 512,
+                "mamba_num_heads": 8,
+                "mamba_head_dim": 64,
+                "n_groups": 1,
+                "ssm_state_size": 64,
+                "chunk_size": 128,
+                "expand": 2,
+            },
+            # vLLM's CPU Mamba2 path fails with prefix caching on
+            vllm_args=("--no-enable-prefix-caching",),
+        ),
+    )
+}
 
 LOGIT_SCALE = 4.0
 """How much the output head is scaled over its initialisation (std 0.1: every later token
@@ -102,10 +185,12 @@ def build_family(path: str | os.PathLike[str], family: str, seed: int = 0) -> Pa
 
     f = FAMILIES[family]
     root = Path(path)
-    stamp = json.dumps({"family": family, "seed": seed, "config": f.config,
-                        "scale": LOGIT_SCALE}, sort_keys=True, default=str)
-    if (root / "pdxfer_build.json").is_file() and \
-            (root / "pdxfer_build.json").read_text() == stamp:
+    stamp = json.dumps(
+        {"family": family, "seed": seed, "config": f.config, "scale": LOGIT_SCALE},
+        sort_keys=True,
+        default=str,
+    )
+    if (root / "pdxfer_build.json").is_file() and (root / "pdxfer_build.json").read_text() == stamp:
         return root
     root.mkdir(parents=True, exist_ok=True)
     cfg = getattr(transformers, f.config_class)(**f.config)
@@ -124,8 +209,12 @@ def build_family(path: str | os.PathLike[str], family: str, seed: int = 0) -> Pa
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("path", help="the folder each family's model is written under")
-    ap.add_argument("families", nargs="*", default=sorted(FAMILIES),
-                    help=f"which to build (default: all of {', '.join(sorted(FAMILIES))})")
+    ap.add_argument(
+        "families",
+        nargs="*",
+        default=sorted(FAMILIES),
+        help=f"which to build (default: all of {', '.join(sorted(FAMILIES))})",
+    )
     a = ap.parse_args(argv)
     for name in a.families:
         print(build_family(Path(a.path) / name, name))

@@ -61,8 +61,9 @@ def _ip(*args: str, check: bool = True) -> str:
 
 
 def _tc(ns: str, *args: str, check: bool = True) -> str:
-    r = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True,
-                       text=True, timeout=30)
+    r = subprocess.run(
+        ["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=30
+    )
     if check and r.returncode != 0:
         raise NetError(f"tc {' '.join(args)} (in {ns}): {r.stderr.strip() or r.returncode}")
     return r.stdout
@@ -99,8 +100,10 @@ def _gone(pid: int) -> bool:
             status = dict(line.split(":", 1) for line in f if ":" in line)
     except (FileNotFoundError, ProcessLookupError):
         return True
-    return status.get("State", "").strip().startswith("Z") and \
-        int(status.get("Threads", "1").strip() or 1) <= 1
+    return (
+        status.get("State", "").strip().startswith("Z")
+        and int(status.get("Threads", "1").strip() or 1) <= 1
+    )
 
 
 def _kill_ns(ns: str, timeout: float = 10.0) -> list[int]:
@@ -174,8 +177,9 @@ class Host:
         """What ``Agent(setup=...)`` calls first in its process to run it on this host."""
         return functools.partial(enter_netns, self.ns)
 
-    def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-              **kw: Any) -> subprocess.Popen[Any]:
+    def popen(
+        self, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw: Any
+    ) -> subprocess.Popen[Any]:
         """Start ``argv`` on this host (``env`` added to this process's environment); its pid
         is the command's own (``ip netns exec`` execs it)."""
         p = subprocess.Popen([*self.prefix, *argv], env={**os.environ, **(env or {})}, **kw)
@@ -239,8 +243,21 @@ class Host:
         """Limit this host's link to ``mbit`` Mbit/s each way (tbf on its interface for what
         it sends, on its switch port for what it receives)."""
         for ns, dev in ((self.ns, "eth0"), (self.net.bridge_ns, self.port)):
-            _tc(ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-                "burst", f"{burst_kb}kb", "latency", f"{latency_ms}ms")
+            _tc(
+                ns,
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{mbit}mbit",
+                "burst",
+                f"{burst_kb}kb",
+                "latency",
+                f"{latency_ms}ms",
+            )
         self.capped_mbit = mbit
 
     def block(self, addr: str, keep: Sequence[int] = ()) -> None:
@@ -249,21 +266,112 @@ class Host:
         opened, while the data connections stall). ``unblock()`` ends it."""
         # htb (no prio qdisc or drop action in every kernel): kept traffic goes to a fast
         # class, the rest to one of 8 bit/s whose one-packet queue drops all that follows
-        _tc(self.ns, "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "htb",
-            "default", "1", "r2q", "1000")
-        _tc(self.ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb",
-            "rate", "10gbit")
-        _tc(self.ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:2", "htb",
-            "rate", "8bit", "ceil", "8bit")
-        _tc(self.ns, "qdisc", "add", "dev", "eth0", "parent", "1:2", "handle", "2:", "pfifo",
-            "limit", "1")
+        _tc(
+            self.ns,
+            "qdisc",
+            "replace",
+            "dev",
+            "eth0",
+            "root",
+            "handle",
+            "1:",
+            "htb",
+            "default",
+            "1",
+            "r2q",
+            "1000",
+        )
+        _tc(
+            self.ns,
+            "class",
+            "add",
+            "dev",
+            "eth0",
+            "parent",
+            "1:",
+            "classid",
+            "1:1",
+            "htb",
+            "rate",
+            "10gbit",
+        )
+        _tc(
+            self.ns,
+            "class",
+            "add",
+            "dev",
+            "eth0",
+            "parent",
+            "1:",
+            "classid",
+            "1:2",
+            "htb",
+            "rate",
+            "8bit",
+            "ceil",
+            "8bit",
+        )
+        _tc(
+            self.ns,
+            "qdisc",
+            "add",
+            "dev",
+            "eth0",
+            "parent",
+            "1:2",
+            "handle",
+            "2:",
+            "pfifo",
+            "limit",
+            "1",
+        )
         for port in keep:
             for field in ("dport", "sport"):
-                _tc(self.ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip",
-                    "prio", "1", "u32", "match", "ip", "dst", f"{addr}/32", "match", "ip",
-                    field, str(port), "0xffff", "flowid", "1:1")
-        _tc(self.ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio",
-            "2", "u32", "match", "ip", "dst", f"{addr}/32", "flowid", "1:2")
+                _tc(
+                    self.ns,
+                    "filter",
+                    "add",
+                    "dev",
+                    "eth0",
+                    "parent",
+                    "1:",
+                    "protocol",
+                    "ip",
+                    "prio",
+                    "1",
+                    "u32",
+                    "match",
+                    "ip",
+                    "dst",
+                    f"{addr}/32",
+                    "match",
+                    "ip",
+                    field,
+                    str(port),
+                    "0xffff",
+                    "flowid",
+                    "1:1",
+                )
+        _tc(
+            self.ns,
+            "filter",
+            "add",
+            "dev",
+            "eth0",
+            "parent",
+            "1:",
+            "protocol",
+            "ip",
+            "prio",
+            "2",
+            "u32",
+            "match",
+            "ip",
+            "dst",
+            f"{addr}/32",
+            "flowid",
+            "1:2",
+        )
 
     def blocked(self) -> int:
         """Packets the ``block`` filters dropped so far."""
@@ -285,17 +393,23 @@ class Host:
         """Bytes and packets this host's interface sent and received (kernel counters)."""
         out = json.loads(_ip("-n", self.ns, "-s", "-j", "link", "show", "eth0"))[0]
         s = out["stats64"]
-        return {"rx_bytes": s["rx"]["bytes"], "tx_bytes": s["tx"]["bytes"],
-                "rx_packets": s["rx"]["packets"], "tx_packets": s["tx"]["packets"]}
+        return {
+            "rx_bytes": s["rx"]["bytes"],
+            "tx_bytes": s["tx"]["bytes"],
+            "rx_packets": s["rx"]["packets"],
+            "tx_packets": s["tx"]["packets"],
+        }
 
     def shaped(self) -> dict[str, int]:
         """The host's egress token bucket: bytes it passed and times it held traffic back
         (``overlimits``: non-zero only when the cap was what limited the traffic)."""
         for q in json.loads(_tc(self.ns, "-s", "-j", "qdisc", "show", "dev", "eth0")):
             if q.get("kind") == "tbf":
-                return {"bytes": int(q.get("bytes", 0)),
-                        "overlimits": int(q.get("overlimits", 0)),
-                        "drops": int(q.get("drops", 0))}
+                return {
+                    "bytes": int(q.get("bytes", 0)),
+                    "overlimits": int(q.get("overlimits", 0)),
+                    "drops": int(q.get("drops", 0)),
+                }
         return {"bytes": 0, "overlimits": 0, "drops": 0}
 
     def reach(self, addr: str, port: int, timeout: float = 1.0) -> str:
@@ -313,8 +427,11 @@ class Host:
                 except TimeoutError:
                     result.append("timeout")
                 except OSError as e:
-                    result.append("unreachable" if e.errno in (
-                        errno.ENETUNREACH, errno.EHOSTUNREACH) else f"error: {e}")
+                    result.append(
+                        "unreachable"
+                        if e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH)
+                        else f"error: {e}"
+                    )
 
         t = threading.Thread(target=attempt, name=f"reach-{self.name}")
         t.start()  # its own thread: the caller's stays where it is
@@ -354,8 +471,20 @@ class Network:
                 _ip("-n", h.ns, "link", "set", "lo", "up")
                 # created inside the host and the switch at once: no name in the machine's
                 # own namespace, so runs side by side cannot collide
-                _ip("-n", h.ns, "link", "add", "eth0", "type", "veth", "peer", "name", h.port,
-                    "netns", self.bridge_ns)
+                _ip(
+                    "-n",
+                    h.ns,
+                    "link",
+                    "add",
+                    "eth0",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    h.port,
+                    "netns",
+                    self.bridge_ns,
+                )
                 _ip("-n", self.bridge_ns, "link", "set", h.port, "master", "br0")
                 _ip("-n", self.bridge_ns, "link", "set", h.port, "up")
                 _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", "eth0")
@@ -390,5 +519,14 @@ class Network:
         self.close()
 
 
-__all__ = ["FIRST", "SUBNET", "Host", "NetError", "Network", "enter_netns", "ns_pids",
-           "root_reason", "sweep_stale"]
+__all__ = [
+    "FIRST",
+    "SUBNET",
+    "Host",
+    "NetError",
+    "Network",
+    "enter_netns",
+    "ns_pids",
+    "root_reason",
+    "sweep_stale",
+]

@@ -15,24 +15,27 @@ import zlib
 
 WEBP_LOSSY = bytes.fromhex(
     "52494646320000005745425056503820260000007001009d012a0300020007409625a0027401400000"
-    "fee40175c5cd91147f337e147c9d400000")
+    "fee40175c5cd91147f337e147c9d400000"
+)
 """3x2 pixels of one colour: ``Image.new("RGB", (3, 2)).save(f, "WEBP", quality=10)``."""
 
 
 def png_chunk(kind: bytes, data: bytes) -> bytes:
-    return (len(data).to_bytes(4, "big") + kind + data
-            + zlib.crc32(kind + data).to_bytes(4, "big"))
+    return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
 
 
 def png(w: int = 4, h: int = 4, seed: int = 0, pixels: bool = True) -> bytes:
     """An RGB PNG of ``w`` x ``h`` noise (it does not compress); ``pixels=False``: one
     short IDAT instead, for a header declaring more than a test should build."""
     rng = random.Random(seed)
-    rows = (b"".join(b"\x00" + rng.randbytes(3 * w) for _ in range(h)) if pixels
-            else b"\x00" * 64)
+    rows = b"".join(b"\x00" + rng.randbytes(3 * w) for _ in range(h)) if pixels else b"\x00" * 64
     ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr)
-            + png_chunk(b"IDAT", zlib.compress(rows)) + png_chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + png_chunk(b"IHDR", ihdr)
+        + png_chunk(b"IDAT", zlib.compress(rows))
+        + png_chunk(b"IEND", b"")
+    )
 
 
 def _lzw_literals(indices: bytes) -> bytes:
@@ -41,7 +44,7 @@ def _lzw_literals(indices: bytes) -> bytes:
     clear, end = 256, 257
     codes = [clear]
     for i in range(0, len(indices), 250):
-        codes += [*indices[i:i + 250], clear]
+        codes += [*indices[i : i + 250], clear]
     codes.append(end)
     acc = nbits = 0
     out = bytearray()
@@ -58,12 +61,20 @@ def _lzw_literals(indices: bytes) -> bytes:
 
 
 def _sub_blocks(data: bytes) -> bytes:
-    return b"".join(bytes([len(data[i:i + 255])]) + data[i:i + 255]
-                    for i in range(0, len(data), 255)) + b"\x00"
+    return (
+        b"".join(
+            bytes([len(data[i : i + 255])]) + data[i : i + 255] for i in range(0, len(data), 255)
+        )
+        + b"\x00"
+    )
 
 
-def gif(w: int = 4, h: int = 4, frames: tuple[tuple[int, int, int, int], ...] | None = None,
-        seed: int = 0) -> bytes:
+def gif(
+    w: int = 4,
+    h: int = 4,
+    frames: tuple[tuple[int, int, int, int], ...] | None = None,
+    seed: int = 0,
+) -> bytes:
     """A GIF89a whose logical screen is ``w`` x ``h``, with a 256-grey palette and one frame
     per ``(x, y, width, height)`` (default: one frame filling the screen), each of noise."""
     rng = random.Random(seed)
@@ -85,8 +96,10 @@ def _bits(fields: list[tuple[int, int]]) -> bytes:
 
 
 def riff_webp(*chunks: tuple[bytes, bytes]) -> bytes:
-    body = b"".join(kind + struct.pack("<I", len(data)) + data + b"\x00" * (len(data) & 1)
-                    for kind, data in chunks)
+    body = b"".join(
+        kind + struct.pack("<I", len(data)) + data + b"\x00" * (len(data) & 1)
+        for kind, data in chunks
+    )
     return b"RIFF" + struct.pack("<I", 4 + len(body)) + b"WEBP" + body
 
 
@@ -95,8 +108,24 @@ def vp8l(w: int, h: int) -> bytes:
     no meta codes, and five single-symbol ("simple") prefix codes, which spend no bit on a
     pixel."""
     zero = [(1, 1), (0, 1), (0, 1), (0, 1)]  # simple code, 1 symbol, 1-bit symbol: 0
-    fields = [(0x2F, 8), (w - 1, 14), (h - 1, 14), (0, 1), (0, 3), (0, 1), (0, 1), (0, 1),
-              *zero, *zero, *zero, (1, 1), (0, 1), (1, 1), (255, 8), *zero]  # alpha: 255
+    fields = [
+        (0x2F, 8),
+        (w - 1, 14),
+        (h - 1, 14),
+        (0, 1),
+        (0, 3),
+        (0, 1),
+        (0, 1),
+        (0, 1),
+        *zero,
+        *zero,
+        *zero,
+        (1, 1),
+        (0, 1),
+        (1, 1),
+        (255, 8),
+        *zero,
+    ]  # alpha: 255
     return _bits(fields)
 
 

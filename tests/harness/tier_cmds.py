@@ -41,12 +41,18 @@ def storage(state: Any, name: str, kind: str, **kw: Any) -> None:
     if kind == "file":
         _storages[name] = FileStorage(kw["root"], kw.get("max_bytes"))
     else:
-        _storages[name] = MooncakeStoreStorage(kw["master"], kw["metadata"],
-                                               segment_bytes=kw.get("segment_bytes", 64 << 20))
+        _storages[name] = MooncakeStoreStorage(
+            kw["master"], kw["metadata"], segment_bytes=kw.get("segment_bytes", 64 << 20)
+        )
 
 
-def setup(state: Any, host_pages: int | dict[str, int], model_id: str,
-          use: str | None = None, ep: str = "main") -> None:
+def setup(
+    state: Any,
+    host_pages: int | dict[str, int],
+    model_id: str,
+    use: str | None = None,
+    ep: str = "main",
+) -> None:
     """A tiered cache for endpoint ``ep``; ``model_id`` names what the test's patterns stand
     for (two ids: two models whose KV has the same shape)."""
     e = state.eps[ep]
@@ -55,9 +61,13 @@ def setup(state: Any, host_pages: int | dict[str, int], model_id: str,
     old = state.tiers.get(ep)
     if old is not None:
         old.cache.close()
-    cache = TieredCache(list(e.specs.values()), host_pages=host_pages,
-                        storage=_storages[use] if use else None,
-                        register=e.ep.transport.register, model_id=model_id)
+    cache = TieredCache(
+        list(e.specs.values()),
+        host_pages=host_pages,
+        storage=_storages[use] if use else None,
+        register=e.ep.transport.register,
+        model_id=model_id,
+    )
     state.tiers[ep] = _Tiers(cache)
 
 
@@ -78,8 +88,14 @@ def prepare(state: Any, items: list[dict[str, Any]], ep: str = "main") -> None:
                 pat.fill_slot(spec, e.tensors[name], it["room"], it["slots"][name])
 
 
-def recv(state: Any, items: list[dict[str, Any]], bootstrap: str, ep: str = "main",
-         instance: str | None = None, fault: dict[str, Any] | None = None) -> dict[int, int]:
+def recv(
+    state: Any,
+    items: list[dict[str, Any]],
+    bootstrap: str,
+    ep: str = "main",
+    instance: str | None = None,
+    fault: dict[str, Any] | None = None,
+) -> dict[int, int]:
     """Decode: start a RestoringReceiver per request; answer each promised prefix_len."""
     e, t = state.eps[ep], _t(state, ep)
     t.cache.after_match = None if fault is None else (lambda m: _inject(t.cache, m, fault))
@@ -87,10 +103,19 @@ def recv(state: Any, items: list[dict[str, Any]], bootstrap: str, ep: str = "mai
     for it in items:
         room = it["room"]
         t.rx[room] = RestoringReceiver(
-            t.cache, e.ep, room, bootstrap, it["tokens"], it["dst"], it.get("slots"),
-            num_tokens=it["num_tokens"], instance=instance, l1_len=it.get("l1_len", 0),
+            t.cache,
+            e.ep,
+            room,
+            bootstrap,
+            it["tokens"],
+            it["dst"],
+            it.get("slots"),
+            num_tokens=it["num_tokens"],
+            instance=instance,
+            l1_len=it.get("l1_len", 0),
             restore_timeout_s=it.get("restore_timeout_s"),
-            release=lambda d, s, room=room: t.released.add(room))
+            release=lambda d, s, room=room: t.released.add(room),
+        )
     for it in items:
         rx = t.rx[it["room"]]
         end = time.monotonic() + 30
@@ -117,8 +142,9 @@ def _inject(cache: TieredCache, m: Match, fault: dict[str, Any]) -> None:
         st.remove(key)
 
 
-def wait(state: Any, rooms: list[int], timeout: float = 60.0, ep: str = "main"
-         ) -> dict[int, dict[str, Any]]:
+def wait(
+    state: Any, rooms: list[int], timeout: float = 60.0, ep: str = "main"
+) -> dict[int, dict[str, Any]]:
     t = _t(state, ep)
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -129,8 +155,11 @@ def wait(state: Any, rooms: list[int], timeout: float = 60.0, ep: str = "main"
     for r in rooms:
         rx = t.rx[r]
         f = rx.failure
-        out[r] = {"state": KVPoll(rx.poll()).name, "failure": str(f) if f else None,
-                  "stats": rx.stats()}
+        out[r] = {
+            "state": KVPoll(rx.poll()).name,
+            "failure": str(f) if f else None,
+            "stats": rx.stats(),
+        }
     t.cache.after_match = None
     return out
 
@@ -171,8 +200,9 @@ def suffix_bytes(state: Any, start: int, end: int, slots: list[str], ep: str = "
     return total
 
 
-def write_back(state: Any, items: list[dict[str, Any]], ep: str = "main",
-               flush: bool = True) -> list[int]:
+def write_back(
+    state: Any, items: list[dict[str, Any]], ep: str = "main", flush: bool = True
+) -> list[int]:
     t = _t(state, ep)
     futs = [t.cache.write_back(it["tokens"], it["dst"], it["num_tokens"]) for it in items]
     return [f.result(timeout=60) for f in futs] if flush else []
@@ -207,8 +237,13 @@ def report(state: Any, ep: str = "main") -> dict[str, Any]:
     t.cache.flush()
     x = state.eps[ep].ep
     rooms = x.tables()["rooms"]
-    return {"check": t.cache.check(), "stats": t.cache.stats(), "rooms": rooms,
-            "released": sorted(t.released), "metrics": x.metrics()}
+    return {
+        "check": t.cache.check(),
+        "stats": t.cache.stats(),
+        "rooms": rooms,
+        "released": sorted(t.released),
+        "metrics": x.metrics(),
+    }
 
 
 def prefill_tables(state: Any, ep: str = "main") -> dict[str, int]:
@@ -218,7 +253,6 @@ def prefill_tables(state: Any, ep: str = "main") -> dict[str, int]:
 
 def transport_bytes(state: Any, ep: str = "main") -> int:
     return int(state.eps[ep].ep.transport.stats.bytes)
-
 
 
 def abort(state: Any, rooms: list[int], ep: str = "main") -> None:

@@ -10,8 +10,11 @@ def choices(state: Any, ep: str = "main") -> dict[str, Any]:
     peer (``{"name": ..., "runs": [...], "chosen": {peer: kind}}``)."""
     t = state.eps[ep].ep.transport
     inner = getattr(t, "inner", None)
-    return {"name": t.name, "runs": sorted(inner) if inner is not None else [t.name],
-            "chosen": t.chosen() if hasattr(t, "chosen") else {}}
+    return {
+        "name": t.name,
+        "runs": sorted(inner) if inner is not None else [t.name],
+        "chosen": t.chosen() if hasattr(t, "chosen") else {},
+    }
 
 
 def nixl_threads(state: Any, ep: str = "main") -> dict[str, Any]:

@@ -37,7 +37,7 @@ def plain(msg: dict[str, Any]) -> bytes:
 
 
 def payload(frame: bytes) -> bytes:
-    return frame[wire.HEADER_LEN:] if NEW else frame[4:]
+    return frame[wire.HEADER_LEN :] if NEW else frame[4:]
 
 
 def pair_of(frame: bytes) -> bytes:
@@ -50,7 +50,7 @@ def reframe(frame: bytes, new_payload: bytes) -> bytes:
         return frame[:4] + new_payload
     h = wire.header(frame)
     head = wire.frame(new_payload, h.kind, h.mode, h.pair, h.counter)
-    return head[:wire.HEADER_LEN - 32] + h.mac + new_payload
+    return head[: wire.HEADER_LEN - 32] + h.mac + new_payload
 
 
 def answer(frame: bytes, msg: dict[str, Any]) -> bytes:

@@ -10,8 +10,12 @@ from pdxfer import BootstrapServer
 from pdxfer.demo.harness import Agent
 from pdxfer.demo.patterns import PoolGeom
 
-FAST = {"bootstrap_timeout_s": 5.0, "transfer_timeout_s": 10.0, "abort_timeout_s": 2.0,
-        "heartbeat_s": 0.25}
+FAST = {
+    "bootstrap_timeout_s": 5.0,
+    "transfer_timeout_s": 10.0,
+    "abort_timeout_s": 2.0,
+    "heartbeat_s": 0.25,
+}
 """Short deadlines so failure tests end in seconds."""
 
 
@@ -22,13 +26,22 @@ def bootstrap() -> Iterator[BootstrapServer]:
     srv.stop()
 
 
-def start_pair(bootstrap: BootstrapServer, geoms: list[PoolGeom],
-               dgeoms: list[PoolGeom] | None = None, instance: str = "default",
-               prefill_env: dict[str, str] | None = None, **cfg: object) -> tuple[Agent, Agent]:
+def start_pair(
+    bootstrap: BootstrapServer,
+    geoms: list[PoolGeom],
+    dgeoms: list[PoolGeom] | None = None,
+    instance: str = "default",
+    prefill_env: dict[str, str] | None = None,
+    **cfg: object,
+) -> tuple[Agent, Agent]:
     """A prefill process registered with ``bootstrap`` and a decode process."""
     conf = {**FAST, **cfg}
-    pf = Agent("prefill", {**conf, "bootstrap": bootstrap.address, "instance": instance}, geoms,
-               env=prefill_env)
+    pf = Agent(
+        "prefill",
+        {**conf, "bootstrap": bootstrap.address, "instance": instance},
+        geoms,
+        env=prefill_env,
+    )
     try:
         dc = Agent("decode", dict(conf), dgeoms or geoms)
     except Exception:

@@ -45,12 +45,15 @@ class Factory:
         self.ps_dst = {g.name: g.page_size for g in self.anchors}
         self.rng = np.random.default_rng(seed)
 
-    def make(self, num_tokens: int, prefix_len: int = 0, chunks: int = 1,
-             room: int | None = None) -> dict[str, Any]:
+    def make(
+        self, num_tokens: int, prefix_len: int = 0, chunks: int = 1, room: int | None = None
+    ) -> dict[str, Any]:
         room = next(_rooms) if room is None else room
         src = {n: self.src[n].take(-(-num_tokens // ps)) for n, ps in self.ps_src.items()}
-        dst = {n: self.dst[n].take(-(-(num_tokens - prefix_len) // ps))
-               for n, ps in self.ps_dst.items()}
+        dst = {
+            n: self.dst[n].take(-(-(num_tokens - prefix_len) // ps))
+            for n, ps in self.ps_dst.items()
+        }
         ss = {g.name: self.src[g.name].take(1)[0] for g in self.slots}
         ds = {g.name: self.dst[g.name].take(1)[0] for g in self.slots}
         # chunk boundaries in tokens; each pool sends the whole pages finished by then
@@ -60,12 +63,22 @@ class Factory:
         for i, b in enumerate(bounds[1:]):
             last = i == len(bounds) - 2
             a = bounds[i]
-            pages = {n: p[a // self.ps_src[n] if i else 0:
-                          len(p) if last else b // self.ps_src[n]] for n, p in src.items()}
+            pages = {
+                n: p[a // self.ps_src[n] if i else 0 : len(p) if last else b // self.ps_src[n]]
+                for n, p in src.items()
+            }
             chunk_list.append({"pages": pages, "last": last})
         chunk_list[-1]["slots"] = ss
-        return {"room": room, "num_tokens": num_tokens, "prefix_len": prefix_len,
-                "src": src, "dst": dst, "src_slots": ss, "dst_slots": ds, "chunks": chunk_list}
+        return {
+            "room": room,
+            "num_tokens": num_tokens,
+            "prefix_len": prefix_len,
+            "src": src,
+            "dst": dst,
+            "src_slots": ss,
+            "dst_slots": ds,
+            "chunks": chunk_list,
+        }
 
     def free(self, r: dict[str, Any]) -> None:
         for n, p in r["src"].items():
@@ -79,21 +92,44 @@ class Factory:
 
 
 def prefill_items(reqs: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
-    prep = [{"room": r["room"], "pages": r["src"], "slots": r["src_slots"],
-             "num_tokens": r["num_tokens"]} for r in reqs]
-    send = [{"room": r["room"], "chunks": r["chunks"], "delay_s": r.get("delay_s", 0.0)}
-            for r in reqs]
+    prep = [
+        {
+            "room": r["room"],
+            "pages": r["src"],
+            "slots": r["src_slots"],
+            "num_tokens": r["num_tokens"],
+        }
+        for r in reqs
+    ]
+    send = [
+        {"room": r["room"], "chunks": r["chunks"], "delay_s": r.get("delay_s", 0.0)} for r in reqs
+    ]
     return prep, send
 
 
 def decode_items(reqs: list[dict[str, Any]]) -> list[dict]:
-    return [{"room": r["room"], "dst": r["dst"], "slots": r["dst_slots"],
-             "prefix_len": r["prefix_len"], "num_tokens": r["num_tokens"], "dp": r.get("dp"),
-             "scrub": r.get("scrub", False)} for r in reqs]
+    return [
+        {
+            "room": r["room"],
+            "dst": r["dst"],
+            "slots": r["dst_slots"],
+            "prefix_len": r["prefix_len"],
+            "num_tokens": r["num_tokens"],
+            "dp": r.get("dp"),
+            "scrub": r.get("scrub", False),
+        }
+        for r in reqs
+    ]
 
 
-def run(pf: Agent, dc: Agent, bootstrap: str, reqs: list[dict[str, Any]],
-        decode_first: bool = True, timeout: float = 60.0) -> dict[int, dict[str, Any]]:
+def run(
+    pf: Agent,
+    dc: Agent,
+    bootstrap: str,
+    reqs: list[dict[str, Any]],
+    decode_first: bool = True,
+    timeout: float = 60.0,
+) -> dict[int, dict[str, Any]]:
     """Start every request on both sides, wait for the decode, return outcomes by room."""
     prep, send = prefill_items(reqs)
     pf.call("prepare", items=prep)
@@ -109,9 +145,11 @@ def run(pf: Agent, dc: Agent, bootstrap: str, reqs: list[dict[str, Any]],
 def destinations(reqs: list[dict[str, Any]]) -> dict[str, list[int]]:
     """Every page and slot ``reqs`` write on the decode, per pool (of the six-pool geometry
     the transfer tests share): what the decode's ``untouched`` check must exclude."""
-    return {"kv": [p for r in reqs for p in r["dst"]["kv"]],
-            "mla": [p for r in reqs for p in r["dst"]["mla"]],
-            "aux": [r["dst_slots"]["aux"] for r in reqs]}
+    return {
+        "kv": [p for r in reqs for p in r["dst"]["kv"]],
+        "mla": [p for r in reqs for p in r["dst"]["mla"]],
+        "aux": [r["dst_slots"]["aux"] for r in reqs],
+    }
 
 
 def verify(dc: Agent, reqs: list[dict[str, Any]]) -> dict[int, Any]:

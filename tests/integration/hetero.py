@@ -41,9 +41,16 @@ class Group:
         return [self.agent.call(cmd, ep=n, **kw) for n in self.names]
 
 
-def add_group(agent: Agent, role: str, prefix: str, n: int,
-              geoms_of: Callable[[int], list[PoolGeom]], cfg_of: Callable[[int], dict[str, Any]],
-              bootstrap: str = "", instance: str = "default") -> Group:
+def add_group(
+    agent: Agent,
+    role: str,
+    prefix: str,
+    n: int,
+    geoms_of: Callable[[int], list[PoolGeom]],
+    cfg_of: Callable[[int], dict[str, Any]],
+    bootstrap: str = "",
+    instance: str = "default",
+) -> Group:
     """``n`` endpoints ``prefix:i`` with pools ``geoms_of(i)`` and config ``cfg_of(i)``."""
     names = []
     for i in range(n):
@@ -59,14 +66,30 @@ def add_group(agent: Agent, role: str, prefix: str, n: int,
     return g
 
 
-def tp_group(agent: Agent, role: str, prefix: str, geoms: list[PoolGeom], tp: int,
-             bootstrap: str = "", instance: str = "default") -> Group:
-    return add_group(agent, role, prefix, tp, lambda r: rank_geoms(geoms, tp, r),
-                     lambda r: {"tp_rank": r, "tp_size": tp}, bootstrap, instance)
+def tp_group(
+    agent: Agent,
+    role: str,
+    prefix: str,
+    geoms: list[PoolGeom],
+    tp: int,
+    bootstrap: str = "",
+    instance: str = "default",
+) -> Group:
+    return add_group(
+        agent,
+        role,
+        prefix,
+        tp,
+        lambda r: rank_geoms(geoms, tp, r),
+        lambda r: {"tp_rank": r, "tp_size": tp},
+        bootstrap,
+        instance,
+    )
 
 
-def run_groups(pf: Group, dc: Group, bootstrap: str, reqs: list[dict[str, Any]],
-               timeout: float = 60.0) -> list[dict[int, dict[str, Any]]]:
+def run_groups(
+    pf: Group, dc: Group, bootstrap: str, reqs: list[dict[str, Any]], timeout: float = 60.0
+) -> list[dict[int, dict[str, Any]]]:
     """Every prefill rank prepares and sends every request; every decode rank receives it."""
     prep, send = prefill_items(reqs)
     pf.each("prepare", items=prep)

@@ -19,8 +19,15 @@ needs_root = pytest.mark.skipif(root_reason() is not None, reason=root_reason() 
 
 def bootstrap_on(host: Host) -> RemoteBootstrap:
     """A ``pdxfer bootstrap`` process on ``host``, bound to and advertising its address."""
-    return RemoteBootstrap(Proc("bootstrap", ["bootstrap", "--host", host.addr, "--port", "0"],
-                                prefix=host.prefix, timeout=60, env=NET_ENV))
+    return RemoteBootstrap(
+        Proc(
+            "bootstrap",
+            ["bootstrap", "--host", host.addr, "--port", "0"],
+            prefix=host.prefix,
+            timeout=60,
+            env=NET_ENV,
+        )
+    )
 
 
 def port_of(addr: str) -> int:

@@ -27,22 +27,25 @@ SCRIPTS = ROOT / "tests" / "sglang_env"
 
 def sglang_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        "SGLANG_HOST_IP": "127.0.0.1",  # else SGLang may probe a route off this machine
-        "SGLANG_PLUGINS": "pdxfer",
-        "PYTHONWARNINGS": "ignore",  # SGLang warns at import that it has no GPU kernels
-        "MC_LOG_LEVEL": "ERROR",
-        # the scripts, then this tree's pdxfer (a script's own folder comes first on sys.path,
-        # so without ROOT the environment's installed pdxfer would be tested instead)
-        "PYTHONPATH": os.pathsep.join((str(SCRIPTS), str(ROOT))),
-    })
+    env.update(
+        {
+            "SGLANG_HOST_IP": "127.0.0.1",  # else SGLang may probe a route off this machine
+            "SGLANG_PLUGINS": "pdxfer",
+            "PYTHONWARNINGS": "ignore",  # SGLang warns at import that it has no GPU kernels
+            "MC_LOG_LEVEL": "ERROR",
+            # the scripts, then this tree's pdxfer (a script's own folder comes first on sys.path,
+            # so without ROOT the environment's installed pdxfer would be tested instead)
+            "PYTHONPATH": os.pathsep.join((str(SCRIPTS), str(ROOT))),
+        }
+    )
     env.update(extra)
     return env
 
 
 def need_env() -> None:
-    assert PY.exists(), (f"{PY} is missing: run `bash scripts/setup_sglang.sh` "
-                         "(scripts/test.sh does)")
+    assert PY.exists(), (
+        f"{PY} is missing: run `bash scripts/setup_sglang.sh` (scripts/test.sh does)"
+    )
 
 
 class SglangError(AssertionError):
@@ -56,9 +59,13 @@ class SglangProc:
         need_env()
         self.name = name
         self._err = tempfile.TemporaryFile(mode="w+b")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([str(PY), str(SCRIPTS / "sgl_server.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, env=sglang_env(**env))
+        self.proc = subprocess.Popen(
+            [str(PY), str(SCRIPTS / "sgl_server.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            env=sglang_env(**env),
+        )
         self._lines: queue.Queue[bytes] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -84,8 +91,7 @@ class SglangProc:
             self.proc.stdin.write((json.dumps({"cmd": cmd, "args": args}) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as e:
-            raise SglangError(f"{self.name} is gone ({e}); stderr:\n{self.stderr_tail()}"
-                              ) from None
+            raise SglangError(f"{self.name} is gone ({e}); stderr:\n{self.stderr_tail()}") from None
         self._pending += 1
 
     def result(self, wait_s: float = 120.0) -> Any:
@@ -95,17 +101,21 @@ class SglangProc:
             if self.proc.poll() is None:  # where it is stuck: every thread's stack
                 os.kill(self.proc.pid, signal.SIGUSR1)
                 time.sleep(1.0)
-            raise SglangError(f"{self.name}: no answer within {wait_s} s; stderr:\n"
-                              f"{self.stderr_tail(20000)}") from None
+            raise SglangError(
+                f"{self.name}: no answer within {wait_s} s; stderr:\n{self.stderr_tail(20000)}"
+            ) from None
         if not line:
             self._lines.put(b"")
-            raise SglangError(f"{self.name} exited ({self.proc.poll()}); stderr:\n"
-                              f"{self.stderr_tail()}")
+            raise SglangError(
+                f"{self.name} exited ({self.proc.poll()}); stderr:\n{self.stderr_tail()}"
+            )
         self._pending -= 1
         reply = json.loads(line)
         if not reply["ok"]:
-            raise SglangError(f"{self.name}: {reply['error']}\n{reply['traceback']}\n"
-                              f"stderr:\n{self.stderr_tail()}")
+            raise SglangError(
+                f"{self.name}: {reply['error']}\n{reply['traceback']}\n"
+                f"stderr:\n{self.stderr_tail()}"
+            )
         return reply["value"]
 
     def call(self, cmd: str, wait_s: float = 120.0, **args: Any) -> Any:

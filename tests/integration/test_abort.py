@@ -22,16 +22,20 @@ from .helpers import Factory, decode_items, prefill_items, run, verify
 
 SLOW = (777, 778, 779, 780)
 DELAY = 1.5
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=128, page_size=16, heads=2, head_dim=16),
-         PoolGeom("aux", "slots", layers=1, pages=16, dim=8, dtype="int32")]
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=128, page_size=16, heads=2, head_dim=16),
+    PoolGeom("aux", "slots", layers=1, pages=16, dim=8, dtype="int32"),
+]
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
-def pair(bootstrap: BootstrapServer, request: pytest.FixtureRequest
-         ) -> Iterator[tuple[Agent, Agent]]:
+def pair(
+    bootstrap: BootstrapServer, request: pytest.FixtureRequest
+) -> Iterator[tuple[Agent, Agent]]:
     faults = f"delay_write={DELAY},rooms={';'.join(map(str, SLOW))}"
-    pf, dc = start_pair(bootstrap, GEOMS, prefill_env={"PDXFER_FAULTS": faults},
-                        transport=request.param)
+    pf, dc = start_pair(
+        bootstrap, GEOMS, prefill_env={"PDXFER_FAULTS": faults}, transport=request.param
+    )
     dc.call("sentinel")
     yield pf, dc
     pf.close()
@@ -105,7 +109,8 @@ def test_decode_abort_before_the_request_is_sent_releases_once(pair, bootstrap, 
 
 
 def test_decode_abort_mid_transfer_waits_for_the_drain_then_releases_once(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     r = factory.make(48, room=778)
     start(pf, dc, bootstrap.address, [r])
@@ -118,7 +123,8 @@ def test_decode_abort_mid_transfer_waits_for_the_drain_then_releases_once(
 
 
 def test_prefill_abort_mid_transfer_fails_the_decode_and_releases_once(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     r = factory.make(48, room=779)
     start(pf, dc, bootstrap.address, [r])
@@ -165,7 +171,8 @@ def test_tables_are_empty_after_every_abort(pair) -> None:
 
 
 def test_prefill_abort_right_after_a_started_write_drains_it_then_fails_the_decode(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     # A small chunk's write starts inside send() (EndpointConfig.start_in_send) and is only
     # awaited on the room's worker: an abort right behind it must still be answered after the
     # write returned, the decode must fail once and release once, and the next request works.

@@ -21,15 +21,16 @@ from .conftest import FAST
 from .helpers import Factory, run, verify
 
 SECRET = "correct horse battery staple"
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=16),
-         PoolGeom("aux", "slots", layers=1, pages=8, dim=8, dtype="int32")]
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=16),
+    PoolGeom("aux", "slots", layers=1, pages=8, dim=8, dtype="int32"),
+]
 
 
 @pytest.fixture(scope="module")
 def secured() -> Iterator[tuple[BootstrapServer, Agent, Agent]]:
     srv = BootstrapServer(secret=SECRET).start()
-    pf = Agent("prefill", {**FAST, "bootstrap": srv.address}, GEOMS,
-               env={"PDXFER_SECRET": SECRET})
+    pf = Agent("prefill", {**FAST, "bootstrap": srv.address}, GEOMS, env={"PDXFER_SECRET": SECRET})
     dc = Agent("decode", {**FAST, "secret": SECRET}, GEOMS)
     yield srv, pf, dc
     pf.close()
@@ -38,14 +39,22 @@ def secured() -> Iterator[tuple[BootstrapServer, Agent, Agent]]:
 
 
 def reg(eid: str) -> Registration:
-    return Registration(instance="x", endpoint_id=eid, ctrl_addr="tcp://127.0.0.1:1",
-                        session="127.0.0.1:1", signature="s")
+    return Registration(
+        instance="x",
+        endpoint_id=eid,
+        ctrl_addr="tcp://127.0.0.1:1",
+        session="127.0.0.1:1",
+        signature="s",
+    )
 
 
-@pytest.mark.parametrize("secret,needle", [(None, "authentication required"),
-                                           ("a wrong secret, 16+ bytes", "wrong signature")])
+@pytest.mark.parametrize(
+    "secret,needle",
+    [(None, "authentication required"), ("a wrong secret, 16+ bytes", "wrong signature")],
+)
 def test_bootstrap_refuses_registration_and_lookup_without_the_secret(
-        secured, secret: str | None, needle: str) -> None:
+    secured, secret: str | None, needle: str
+) -> None:
     srv = secured[0]
     c = BootstrapClient(srv.address, secret=secret)
     with pytest.raises(BootstrapError, match=f"401.*{needle}"):
@@ -78,20 +87,28 @@ def test_authorised_pair_transfers_every_byte(secured) -> None:
 def test_decode_without_the_secret_is_refused_with_a_clear_error(secured) -> None:
     srv, _, dc = secured
     dc.call("add_endpoint", name="nosecret", role="decode", config=dict(FAST), geoms=GEOMS)
-    dc.call("recv", items=[{"room": 5, "dst": {"kv": [1]}, "slots": {"aux": 1}}],
-            bootstrap=srv.address, ep="nosecret")
+    dc.call(
+        "recv",
+        items=[{"room": 5, "dst": {"kv": [1]}, "slots": {"aux": 1}}],
+        bootstrap=srv.address,
+        ep="nosecret",
+    )
     out = dc.call("wait", rooms=[5], ep="nosecret", timeout=10)[5]
     assert out["state"] == "Failed" and out["kind"] == "bootstrap"
     assert "authentication required" in out["failure"]
     dc.call("close_endpoint", name="nosecret")
 
 
-@pytest.mark.parametrize("mode,key,reason", [
-    (wire.PLAIN, None, "unsigned"),
-    (wire.HELLO, b"k" * 32, "bad_mac"),
-])
+@pytest.mark.parametrize(
+    "mode,key,reason",
+    [
+        (wire.PLAIN, None, "unsigned"),
+        (wire.HELLO, b"k" * 32, "bad_mac"),
+    ],
+)
 def test_prefill_drops_a_hello_without_a_valid_mac_unanswered_and_counted(
-        secured, mode: int, key: bytes | None, reason: str) -> None:
+    secured, mode: int, key: bytes | None, reason: str
+) -> None:
     _, pf, _ = secured
     with context() as ctx:
         pull = ctx.socket(zmq.PULL)
@@ -99,8 +116,15 @@ def test_prefill_drops_a_hello_without_a_valid_mac_unanswered_and_counted(
         push = ctx.socket(zmq.PUSH)
         push.connect(pf.info["ctrl_addr"])
         before = pf.call("metrics")
-        hello = wire.Hello(endpoint_id="intruder", ctrl_addr=addr, session="127.0.0.1:1",
-                           tp_rank=0, tp_size=1, signature=layout_signature([]), pools=())
+        hello = wire.Hello(
+            endpoint_id="intruder",
+            ctrl_addr=addr,
+            session="127.0.0.1:1",
+            tp_rank=0,
+            tp_size=1,
+            signature=layout_signature([]),
+            pools=(),
+        )
         push.send(wire.frame(wire.payload(hello), wire.Hello, mode, b"n" * 16, 0, key))
         assert not pull.poll(500)  # nothing about the prefill is disclosed, not even a refusal
         after = pf.call("metrics")
@@ -113,15 +137,19 @@ def test_metrics_are_prometheus_text_with_failures_by_kind_and_phases(secured) -
     f = Factory(GEOMS, GEOMS, seed=9)
     ok = f.make(20)
     assert run(pf, dc, srv.address, [ok])[ok["room"]]["state"] == "Success"
-    dc.call("recv", items=[{"room": 6, "dst": {"kv": [9]}, "slots": {"aux": 2}}],
-            bootstrap="127.0.0.1:1")  # nothing listens there
+    dc.call(
+        "recv",
+        items=[{"room": 6, "dst": {"kv": [9]}, "slots": {"aux": 2}}],
+        bootstrap="127.0.0.1:1",
+    )  # nothing listens there
     assert dc.call("wait", rooms=[6], timeout=15)[6]["kind"] == "bootstrap"
     text = dc.call("prometheus")
-    assert 'pdxfer_endpoint_success_total{' in text
-    assert 'pdxfer_endpoint_request_phase_seconds_bucket{' in text and 'phase="transfer"' in text
-    assert 'pdxfer_endpoint_failures_total{' in text and 'kind="bootstrap"' in text
+    assert "pdxfer_endpoint_success_total{" in text
+    assert "pdxfer_endpoint_request_phase_seconds_bucket{" in text and 'phase="transfer"' in text
+    assert "pdxfer_endpoint_failures_total{" in text and 'kind="bootstrap"' in text
     assert "pdxfer_endpoint_quarantined_pages{" in text
     from prometheus_client.parser import text_string_to_metric_families
+
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert fams["pdxfer_endpoint_success"].samples[0].value >= 1
     req = urllib.request.Request(f"http://{srv.address}/metrics")

@@ -19,9 +19,10 @@ from pdxfer.demo.patterns import PoolGeom
 from .conftest import FAST
 from .helpers import Factory, run, verify
 
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=2, head_dim=16,
-                  dtype="float16"),
-         PoolGeom("aux", "slots", layers=1, pages=16, dim=8, dtype="int32")]
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=2, head_dim=16, dtype="float16"),
+    PoolGeom("aux", "slots", layers=1, pages=16, dim=8, dtype="int32"),
+]
 EXT = "tests.harness.transport_cmds:choices"
 
 
@@ -45,20 +46,30 @@ def without_nixl(tmp: Path) -> dict[str, str]:
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] == 'nixl_cu12':\n"
         "            raise ImportError('nixl_cu12 hidden by the test')\n"
-        "sys.meta_path.insert(0, _NoNixl())\n")
-    return {"PYTHONPATH": os.pathsep.join(
-        [str(d), *filter(None, [os.environ.get("PYTHONPATH", "")])])}
+        "sys.meta_path.insert(0, _NoNixl())\n"
+    )
+    return {
+        "PYTHONPATH": os.pathsep.join([str(d), *filter(None, [os.environ.get("PYTHONPATH", "")])])
+    }
 
 
 START_S = 300.0
 """Each side starts NIXL and Mooncake: on a loaded 2-core VM that took over 120 s."""
 
 
-def start_pair(bootstrap: BootstrapServer, prefill: dict | None = None,
-               decode: dict | None = None, prefill_env: dict[str, str] | None = None
-               ) -> tuple[Agent, Agent]:
-    pf = Agent("prefill", {**FAST, "bootstrap": bootstrap.address, **(prefill or {})}, GEOMS,
-               env=prefill_env, start_timeout=START_S)
+def start_pair(
+    bootstrap: BootstrapServer,
+    prefill: dict | None = None,
+    decode: dict | None = None,
+    prefill_env: dict[str, str] | None = None,
+) -> tuple[Agent, Agent]:
+    pf = Agent(
+        "prefill",
+        {**FAST, "bootstrap": bootstrap.address, **(prefill or {})},
+        GEOMS,
+        env=prefill_env,
+        start_timeout=START_S,
+    )
     try:
         return pf, Agent("decode", {**FAST, **(decode or {})}, GEOMS, start_timeout=START_S)
     except Exception:
@@ -79,7 +90,8 @@ def chosen(a: Agent) -> set[str]:
 
 
 def test_a_pair_with_no_transport_set_moves_its_kv_over_nixl_on_one_host(
-        bootstrap: BootstrapServer) -> None:
+    bootstrap: BootstrapServer,
+) -> None:
     pf, dc = start_pair(bootstrap)
     try:
         assert pf.call("ext", fn=EXT)["name"] == "auto"
@@ -93,7 +105,8 @@ def test_a_pair_with_no_transport_set_moves_its_kv_over_nixl_on_one_host(
 
 
 def test_a_side_without_nixl_makes_the_pair_fall_back_to_mooncake_tcp(
-        bootstrap: BootstrapServer, tmp_path: Path) -> None:
+    bootstrap: BootstrapServer, tmp_path: Path
+) -> None:
     pf, dc = start_pair(bootstrap, prefill_env=without_nixl(tmp_path))
     try:
         assert pf.call("ext", fn=EXT)["runs"] == ["tcp"]
@@ -107,10 +120,14 @@ def test_a_side_without_nixl_makes_the_pair_fall_back_to_mooncake_tcp(
 
 @pytest.mark.parametrize("explicit", ["prefill", "decode"])
 def test_an_explicit_transport_on_one_side_only_is_refused_naming_both(
-        bootstrap: BootstrapServer, explicit: str) -> None:
+    bootstrap: BootstrapServer, explicit: str
+) -> None:
     tcp = {"transport": "tcp"}
-    pf, dc = (start_pair(bootstrap, prefill=tcp) if explicit == "prefill"
-              else start_pair(bootstrap, decode=tcp))
+    pf, dc = (
+        start_pair(bootstrap, prefill=tcp)
+        if explicit == "prefill"
+        else start_pair(bootstrap, decode=tcp)
+    )
     try:
         f = Factory(GEOMS, GEOMS, seed=4)
         reqs = [f.make(20)]

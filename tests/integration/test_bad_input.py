@@ -63,17 +63,39 @@ class Hostile:
         return wire.decode(self.pull.recv())
 
     def hello(self) -> wire.Message:
-        self.send(wire.Hello(endpoint_id="hostile", ctrl_addr=self.addr,
-                             session=self.t.session_id, tp_rank=0, tp_size=1,
-                             signature=layout_signature(self.specs), pools=tuple(self.specs)))
+        self.send(
+            wire.Hello(
+                endpoint_id="hostile",
+                ctrl_addr=self.addr,
+                session=self.t.session_id,
+                tp_rank=0,
+                tp_size=1,
+                signature=layout_signature(self.specs),
+                pools=tuple(self.specs),
+            )
+        )
         return self.recv()
 
-    def request(self, room: int, pages: list[int], num_tokens: int, slot: int = 0,
-                nonce: int = 1, endpoint_id: str = "hostile") -> None:
-        self.send(wire.TransferRequest(
-            room=room, nonce=nonce, endpoint_id=endpoint_id,
-            dst={"kv": wire.pack_indices(pages)}, slots={"aux": slot}, prefix_len=0,
-            num_tokens=num_tokens))
+    def request(
+        self,
+        room: int,
+        pages: list[int],
+        num_tokens: int,
+        slot: int = 0,
+        nonce: int = 1,
+        endpoint_id: str = "hostile",
+    ) -> None:
+        self.send(
+            wire.TransferRequest(
+                room=room,
+                nonce=nonce,
+                endpoint_id=endpoint_id,
+                dst={"kv": wire.pack_indices(pages)},
+                slots={"aux": slot},
+                prefix_len=0,
+                num_tokens=num_tokens,
+            )
+        )
 
     def close(self) -> None:
         self.ctx.destroy()
@@ -92,27 +114,42 @@ def hostile(pair: tuple[Agent, Agent]) -> Iterator[Hostile]:
 
 
 def give_chunks(pf: Agent, room: int, pages: list[int], n: int) -> None:
-    pf.call("prepare", items=[{"room": room, "pages": {"kv": pages}, "slots": {"aux": 2},
-                               "num_tokens": n}])
-    pf.call("send", items=[{"room": room, "chunks": [
-        {"pages": {"kv": pages}, "slots": {"aux": 2}, "last": True}]}])
+    pf.call(
+        "prepare",
+        items=[{"room": room, "pages": {"kv": pages}, "slots": {"aux": 2}, "num_tokens": n}],
+    )
+    pf.call(
+        "send",
+        items=[
+            {"room": room, "chunks": [{"pages": {"kv": pages}, "slots": {"aux": 2}, "last": True}]}
+        ],
+    )
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"head_dim": 32}, "head size"),
-    ({"dtype": "bfloat16"}, "dtype"),
-    ({"page_size": 32, "pages": 32}, "page_size"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"head_dim": 32}, "head size"),
+        ({"dtype": "bfloat16"}, "dtype"),
+        ({"page_size": 32, "pages": 32}, "page_size"),
+    ],
+)
 def test_mismatched_layout_is_refused_at_hello_naming_the_mismatch(
-        pair, bootstrap, change: dict, needle: str) -> None:
+    pair, bootstrap, change: dict, needle: str
+) -> None:
     pf, dc = pair
     name = "mm_" + next(iter(change))
     geoms = [dataclasses.replace(GEOMS[0], **change), GEOMS[1]]
-    dc.call("add_endpoint", name=name, role="decode", config={"bootstrap_timeout_s": 5.0},
-            geoms=geoms)
+    dc.call(
+        "add_endpoint", name=name, role="decode", config={"bootstrap_timeout_s": 5.0}, geoms=geoms
+    )
     dc.call("sentinel", ep=name)
-    dc.call("recv", items=[{"room": 77, "dst": {"kv": [0, 1]}, "slots": {"aux": 0}}],
-            bootstrap=bootstrap.address, ep=name)
+    dc.call(
+        "recv",
+        items=[{"room": 77, "dst": {"kv": [0, 1]}, "slots": {"aux": 0}}],
+        bootstrap=bootstrap.address,
+        ep=name,
+    )
     out = dc.call("wait", rooms=[77], ep=name, timeout=10)[77]
     assert out["state"] == "Failed" and out["kind"] == "layout_mismatch"
     assert needle in out["failure"], out["failure"]
@@ -136,8 +173,14 @@ def test_destination_index_out_of_range_is_refused_before_any_write(pair, hostil
 def test_garbage_frames_are_dropped_and_the_next_request_still_works(pair, hostile) -> None:
     pf, _ = pair
     before = pf.call("metrics").get("wire_rejected", 0)
-    for junk in [b"", b"PDX", b"PDX\x01\xff\xff", b"\x00" * 1000, wire.MAGIC + b"\x02abc",
-                 wire.MAGIC + b"\x01" + b"\x92\xa5Abort\x01"]:
+    for junk in [
+        b"",
+        b"PDX",
+        b"PDX\x01\xff\xff",
+        b"\x00" * 1000,
+        wire.MAGIC + b"\x02abc",
+        wire.MAGIC + b"\x01" + b"\x92\xa5Abort\x01",
+    ]:
         hostile.send(junk)
     give_chunks(pf, 502, [7, 8], 20)
     hostile.request(502, [10, 11], 20, slot=3)
@@ -178,8 +221,10 @@ def test_request_without_hello_is_dropped_unanswered_and_counted(pair) -> None:
         h.request(504, [1], 5, endpoint_id="stranger")
         assert not h.pull.poll(300)
         t0 = time.monotonic()
-        while (pf.call("metrics").get("rejected_unknown_peer", 0) == before
-               and time.monotonic() - t0 < 30):
+        while (
+            pf.call("metrics").get("rejected_unknown_peer", 0) == before
+            and time.monotonic() - t0 < 30
+        ):
             time.sleep(0.05)
         assert pf.call("metrics")["rejected_unknown_peer"] == before + 1
     finally:
@@ -190,9 +235,18 @@ def test_hello_whose_pools_lie_about_their_size_gets_no_pairing(pair) -> None:
     pf, _ = pair
     h = Hostile(pair[0].info["ctrl_addr"])
     try:
-        hello = msgspec.to_builtins(wire.Hello(
-            endpoint_id="liar", ctrl_addr=h.addr, session="x:1", tp_rank=0, tp_size=1,
-            signature="0", pools=(h.specs[0],)), builtin_types=(bytes,))
+        hello = msgspec.to_builtins(
+            wire.Hello(
+                endpoint_id="liar",
+                ctrl_addr=h.addr,
+                session="x:1",
+                tp_rank=0,
+                tp_size=1,
+                signature="0",
+                pools=(h.specs[0],),
+            ),
+            builtin_types=(bytes,),
+        )
         hello["type"] = "Hello"
         hello["pools"][0]["num_items"] *= 4  # buffers claim 4x more pages than they hold
         frame = wire.frame(msgspec.msgpack.encode(hello), wire.Hello)
@@ -214,5 +268,8 @@ def test_index_arrays_are_validated_in_the_engine_call(pair, bootstrap) -> None:
     with pytest.raises(Exception, match="unknown pool"):
         dc.call("recv", items=[{"room": 506, "dst": {"nope": [1]}}], bootstrap=bootstrap.address)
     with pytest.raises(Exception, match="integers"):
-        dc.call("recv", items=[{"room": 507, "dst": {"kv": np.array([1.5])}}],
-                bootstrap=bootstrap.address)
+        dc.call(
+            "recv",
+            items=[{"room": 507, "dst": {"kv": np.array([1.5])}}],
+            bootstrap=bootstrap.address,
+        )

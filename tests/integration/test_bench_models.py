@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_models_quick_prints_each_family_figure_as_json() -> None:
-    proc = run_bench("models", "--quick", "--families", "mistral_swa", "--variants", "pdxfer",
-                     timeout=540)
+    proc = run_bench(
+        "models", "--quick", "--families", "mistral_swa", "--variants", "pdxfer", timeout=540
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     key = "models.mistral_swa.pdxfer"
@@ -29,7 +30,8 @@ def test_bench_models_quick_prints_each_family_figure_as_json() -> None:
     for k in ("ttft_p50_ms", "colocated_ttft_p50_ms", "ttft_ratio_vs_colocated"):
         assert out[f"{key}.{k}"] > 0
     c = FAMILIES["mistral_swa"].config
-    per_token = 4 * 2 * int(c["num_key_value_heads"]) * int(c["head_dim"]) \
-        * int(c["num_hidden_layers"])  # float32 K and V, every layer
+    per_token = (
+        4 * 2 * int(c["num_key_value_heads"]) * int(c["head_dim"]) * int(c["num_hidden_layers"])
+    )  # float32 K and V, every layer
     (n,) = out["models.prompt_tokens"]
     assert 0 < out[f"{key}.bytes_per_request"] <= (WINDOW + 2 * 32) * per_token < n * per_token

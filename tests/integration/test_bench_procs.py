@@ -55,7 +55,8 @@ def server(name: str, code: str, tmp: Path) -> Server:
 
 
 def test_a_server_never_ready_ends_the_start_up_naming_it_and_stops_the_others(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     made: list[Server] = []
 
     def make(name: str, code: str) -> Server:
@@ -65,9 +66,14 @@ def test_a_server_never_ready_ends_the_start_up_naming_it_and_stops_the_others(
     t0 = time.monotonic()
     # 10 s: time enough for the healthy one to start on a loaded host
     with pytest.raises(ServerNotReady, match="'mute_prefill'.*not ready within 10 s") as e:
-        start_one_by_one([lambda: make("ok_decode", HEALTHY),
-                          lambda: make("mute_prefill", SILENT),
-                          lambda: make("never_built", HEALTHY)], timeout=10.0)
+        start_one_by_one(
+            [
+                lambda: make("ok_decode", HEALTHY),
+                lambda: make("mute_prefill", SILENT),
+                lambda: make("never_built", HEALTHY),
+            ],
+            timeout=10.0,
+        )
     assert time.monotonic() - t0 < 2 * 10.0 + 30.0  # bounded: no hang on the silent one
     # the error shows where it hung: the silent server's stack, line by line
     assert 'in accept\n  File "<string>", line 6 in <module>' in str(e.value)
@@ -77,15 +83,18 @@ def test_a_server_never_ready_ends_the_start_up_naming_it_and_stops_the_others(
 
 
 def test_servers_started_together_end_the_start_up_naming_one_never_ready_and_all_stop(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """bench_vllm starts a pdxfer pair together: the same deadline, naming the server that
     missed it, and no process left behind (the healthy one included)."""
     made = [server("ok_decode", HEALTHY, tmp_path), server("mute_prefill", SILENT, tmp_path)]
     with pytest.raises(ServerNotReady, match="'mute_prefill'.*not ready within 10 s"):
         start_together([lambda s=s: s for s in made], timeout=10.0)
     assert all(s.popen is not None and s.popen.poll() is not None for s in made)
-    up = start_together([lambda: server("a", HEALTHY, tmp_path),
-                         lambda: server("b", HEALTHY, tmp_path)], timeout=30.0)
+    up = start_together(
+        [lambda: server("a", HEALTHY, tmp_path), lambda: server("b", HEALTHY, tmp_path)],
+        timeout=30.0,
+    )
     try:
         assert [s.name for s in up] == ["a", "b"] and all(s.alive() for s in up)
     finally:
@@ -103,8 +112,9 @@ def test_idle_cpu_of_a_spinning_tree_is_cores_and_of_a_sleeping_tree_nothing() -
     # each parent's work happens in a grandchild, so the measure must follow the tree
     spin = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'while True: pass'])"
     nap = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(600)'])"
-    procs = [subprocess.Popen([sys.executable, "-c", c], start_new_session=True)
-             for c in (spin, nap)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", c], start_new_session=True) for c in (spin, nap)
+    ]
     try:
         end = time.monotonic() + 60
         while any(len(tree_pids([p.pid])) < 2 for p in procs):  # both grandchildren started
@@ -120,7 +130,6 @@ def test_idle_cpu_of_a_spinning_tree_is_cores_and_of_a_sleeping_tree_nothing() -
     # a share of a few percent of a core on a loaded host, many
     assert sleeping <= 0.01
     assert spinning >= 0.03
-
 
 
 def test_the_hosts_busy_cores_count_a_spinner_and_never_exceed_the_cores() -> None:
@@ -140,11 +149,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_vllm_ends_with_an_error_naming_a_server_not_ready_by_its_deadline(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     # a real vLLM server cannot answer /health within 2 s (its imports alone take longer)
     t0 = time.monotonic()
-    r = run_bench("vllm", "--variants", "colocated", "--rounds", "1", "--startup-timeout", "2",
-                  "--json", str(tmp_path / "out.json"), timeout=600, cwd=tmp_path)
+    r = run_bench(
+        "vllm",
+        "--variants",
+        "colocated",
+        "--rounds",
+        "1",
+        "--startup-timeout",
+        "2",
+        "--json",
+        str(tmp_path / "out.json"),
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert "server 'colocated_r0_colocated'" in r.stderr
     assert "not ready within 2 s" in r.stderr
@@ -153,29 +174,38 @@ def test_bench_vllm_ends_with_an_error_naming_a_server_not_ready_by_its_deadline
 
 
 def test_a_server_that_did_not_start_is_explained_by_the_frame_that_raised(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import importlib
 
     bench = importlib.import_module("benchmarks.vllm")
     log = tmp_path / "p.log"
     pre = "(EngineCore pid=1) ERROR 11-26 01:58:48 [core.py:1510] "
-    log.write_text("\n".join([
-        "(APIServer pid=1) WARNING 11-26 [x.py:1] limit: `OSError: [Errno 24] Too many files`",
-        pre + 'File "/v/site-packages/vllm/distributed/mooncake_connector.py", line 1186, in '
-              "__init__",
-        pre + "    self.device_id = torch.accelerator.current_device_index()",
-        pre + 'File "/v/site-packages/torch/accelerator/__init__.py", line 140, in current',
-        pre + "    return torch._C._accelerator_getDeviceIndex()",
-        pre + "RuntimeError: Cannot access accelerator device when none is available.",
-        "RuntimeError: Engine core initialization failed. See root cause above."]))
+    log.write_text(
+        "\n".join(
+            [
+                "(APIServer pid=1) WARNING 11-26 [x.py:1] limit: `OSError: [Errno 24] Too many files`",
+                pre
+                + 'File "/v/site-packages/vllm/distributed/mooncake_connector.py", line 1186, in '
+                "__init__",
+                pre + "    self.device_id = torch.accelerator.current_device_index()",
+                pre + 'File "/v/site-packages/torch/accelerator/__init__.py", line 140, in current',
+                pre + "    return torch._C._accelerator_getDeviceIndex()",
+                pre + "RuntimeError: Cannot access accelerator device when none is available.",
+                "RuntimeError: Engine core initialization failed. See root cause above.",
+            ]
+        )
+    )
     assert bench.root_cause(log) == (
         "mooncake_connector.py:1186 in __init__: self.device_id = "
         "torch.accelerator.current_device_index(): RuntimeError: Cannot access accelerator "
-        "device when none is available.")
+        "device when none is available."
+    )
 
 
 def test_the_headline_ratios_read_the_variant_a_user_gets_with_no_transport_set(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``auto`` on one host runs NIXL where it is installed (as it is in this project's
     environment): the benchmark's default-transport ratios must read ``pdxfer_nixl``, not
     Mooncake TCP's variant (they did, in the first fair run)."""
@@ -200,10 +230,20 @@ class _Completions(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.bodies.append(body)
-        choice = {"index": 0, "text": "a", "token_ids": [400], "logprobs": None,
-                  "finish_reason": None if body.get("stream") else "length"}
-        answer = {"id": "c", "object": "text_completion", "created": 0, "model": "llama",
-                  "choices": [choice]}
+        choice = {
+            "index": 0,
+            "text": "a",
+            "token_ids": [400],
+            "logprobs": None,
+            "finish_reason": None if body.get("stream") else "length",
+        }
+        answer = {
+            "id": "c",
+            "object": "text_completion",
+            "created": 0,
+            "model": "llama",
+            "choices": [choice],
+        }
         self.send_response(200)
         if body.get("stream"):
             self.send_header("Content-Type", "text/event-stream")
@@ -233,8 +273,8 @@ def completions() -> Iterator[tuple[str, list[dict[str, Any]]]]:
 
 
 def test_colocated_reference_leg_is_the_request_a_pairs_prefill_is_sent(
-        completions: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
-        ) -> None:
+    completions: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Run 1 compared a pair's prefill leg (one token, not streamed, read whole) with
     colocated's first streamed chunk of a 24-token request, which also found the previous
     answer in its cache: unlike requests. Colocated's reference is now the prefill's own
@@ -259,8 +299,11 @@ def test_colocated_reference_leg_is_the_request_a_pairs_prefill_is_sent(
     assert "kv_transfer_params" in to_prefill and "kv_transfer_params" not in reference
 
     def shape_of(b: dict[str, Any]) -> dict[str, Any]:  # None is what vLLM takes as unset
-        return {k: v for k, v in b.items()
-                if v is not None and k not in ("prompt", "kv_transfer_params")}
+        return {
+            k: v
+            for k, v in b.items()
+            if v is not None and k not in ("prompt", "kv_transfer_params")
+        }
 
     assert shape_of(reference) == shape_of(to_prefill)
     assert reference["max_tokens"] == 1 and reference["stream"] is False
@@ -268,23 +311,26 @@ def test_colocated_reference_leg_is_the_request_a_pairs_prefill_is_sent(
     # it computes (it never saw the answer, which a colocated server holds): other ones,
     # so the conversation's next turn finds its cache as it left it
     ref_prompt = reference["prompt"]
-    assert len(ref_prompt) == len(prompt) and ref_prompt[:len(prev)] == prev
+    assert len(ref_prompt) == len(prompt) and ref_prompt[: len(prev)] == prev
     assert ref_prompt[len(prev)] != prompt[len(prev)]
 
 
 def test_the_prefill_leg_ratio_reads_colocated_s_leg_of_the_same_request_shape(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import importlib
 
     bench = importlib.import_module("benchmarks.vllm")
     colo = bench.Samples(ttft=[0.1, 0.1], prefill=[0.08, 0.08], first_chunk=[0.06, 0.06])
     pdx = bench.Samples(ttft=[0.2, 0.2], prefill=[0.084, 0.084])
-    res = bench.summary({("colocated", "alone"): colo, ("pdxfer_nixl", "alone"): pdx}, [],
-                        ["colocated", "pdxfer_nixl"])
+    res = bench.summary(
+        {("colocated", "alone"): colo, ("pdxfer_nixl", "alone"): pdx},
+        [],
+        ["colocated", "pdxfer_nixl"],
+    )
     assert res["vllm.prefill_leg_p50_ms.colocated"] == pytest.approx(80)
     assert res["vllm.first_chunk_p50_ms.colocated"] == pytest.approx(60)
     assert res["vllm.prefill_leg_p50_ratio_vs_colocated.pdxfer_nixl"] == pytest.approx(1.05)
-    assert res["vllm.prefill_leg_p50_ratio_vs_colocated_stream.pdxfer_nixl"] == \
-        pytest.approx(1.4)
+    assert res["vllm.prefill_leg_p50_ratio_vs_colocated_stream.pdxfer_nixl"] == pytest.approx(1.4)
     assert "vllm.decode_leg_p50_ms.colocated" not in res
     assert res["vllm.requests_ms.colocated"] == [[100, 60, 80]] * 2

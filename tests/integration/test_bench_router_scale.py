@@ -9,8 +9,14 @@ from pathlib import Path
 
 from tests.harness.benchrun import ROOT, run_bench
 
-KEYS = ("decision_p50_ms", "decision_p99_ms", "bytes_per_block", "events_per_s",
-        "bootstrap_lookups_per_s", "bootstrap_lookup_p99_ms")
+KEYS = (
+    "decision_p50_ms",
+    "decision_p99_ms",
+    "bytes_per_block",
+    "events_per_s",
+    "bootstrap_lookups_per_s",
+    "bootstrap_lookup_p99_ms",
+)
 
 
 def test_bench_router_scale_quick_reports_every_figure(tmp_path: Path) -> None:
@@ -33,6 +39,8 @@ def test_bench_router_scale_quick_reports_every_figure(tmp_path: Path) -> None:
     assert res["run.benchmark"] == "router_scale" and res["run.commit"]
     # every figure of the recorded full run, its third fleet's aside
     recorded = json.loads((ROOT / "benchmarks" / "results" / "bench_router_scale.json").read_text())
-    assert set(figures) == {k for k in recorded if k.startswith("router_scale.")
-                            and not k.startswith("router_scale.w1000.")}
-
+    assert set(figures) == {
+        k
+        for k in recorded
+        if k.startswith("router_scale.") and not k.startswith("router_scale.w1000.")
+    }

@@ -17,13 +17,25 @@ from tests.harness.benchrun import ROOT, run_bench
 pytestmark = pytest.mark.timeout(900)
 
 FIGURES = ("prefill_reused_fraction_of_possible", "ttft_p50_ratio_kv_aware_vs_round_robin")
-PER_VARIANT = ("requests", "errors", "possible_tokens", "reused_tokens", "ttft_p50_ms",
-               "prefill_reused_fraction_of_possible", "router_reported_fraction",
-               "load_before", "load_after")
+PER_VARIANT = (
+    "requests",
+    "errors",
+    "possible_tokens",
+    "reused_tokens",
+    "ttft_p50_ms",
+    "prefill_reused_fraction_of_possible",
+    "router_reported_fraction",
+    "load_before",
+    "load_after",
+)
 PHASES = ("before_kill", "while_down", "after_return")
-FULL_ONLY = ("router.restart.round_robin.", "router.restart.ttft_p50_ratio_",
-             "router.kv_aware_baseline.", "router.ttft_p50_ratio_kv_aware_baseline_",
-             "router.commit")  # the last: scripts/bench_router_served.py's, now run.commit
+FULL_ONLY = (
+    "router.restart.round_robin.",
+    "router.restart.ttft_p50_ratio_",
+    "router.kv_aware_baseline.",
+    "router.ttft_p50_ratio_kv_aware_baseline_",
+    "router.commit",
+)  # the last: scripts/bench_router_served.py's, now run.commit
 
 
 def test_bench_router_served_quick_reports_every_figure_token_exact(tmp_path: Path) -> None:
@@ -34,8 +46,9 @@ def test_bench_router_served_quick_reports_every_figure_token_exact(tmp_path: Pa
     assert json.loads(r.stdout) == res
     assert len(res["run.commit"].split("+")[0]) == 40
     # every key of the recorded full run but the round-robin restart's (full runs only)
-    recorded = json.loads((ROOT / "benchmarks" / "results" /
-                           "bench_router_served.json").read_text())
+    recorded = json.loads(
+        (ROOT / "benchmarks" / "results" / "bench_router_served.json").read_text()
+    )
     want = {k for k in recorded if k.startswith("router.") and not k.startswith(FULL_ONLY)}
     assert want <= set(res), sorted(want - set(res))
     assert res["router.restart.variants"] == "kv_aware"
@@ -49,14 +62,20 @@ def test_bench_router_served_quick_reports_every_figure_token_exact(tmp_path: Pa
     for k in PER_VARIANT:
         assert isinstance(res[f"{kv}.{k}"], (int, float)), k
     # the restart run: a fixed list of conversations, split by the kill and the return
-    assert res[f"{kv}.requests"] == sum(res[f"{kv}.requests.{ph}"] for ph in PHASES) == (
-        (res["router.restart.before_convs"] + res["router.restart.after_convs"])
-        * res["router.turns"])
+    assert (
+        res[f"{kv}.requests"]
+        == sum(res[f"{kv}.requests.{ph}"] for ph in PHASES)
+        == (
+            (res["router.restart.before_convs"] + res["router.restart.after_convs"])
+            * res["router.turns"]
+        )
+    )
     for ph in PHASES:
         assert isinstance(res[f"{kv}.ttft_p50_ms.{ph}"], (int, float)), ph
     assert res[f"{kv}.requests.before_kill"] >= res["router.restart.kill_at_requests"]
-    assert res[f"{kv}.requests.after_return"] >= (res["router.restart.after_convs"]
-                                                  * res["router.turns"])
+    assert res[f"{kv}.requests.after_return"] >= (
+        res["router.restart.after_convs"] * res["router.turns"]
+    )
     assert res[f"{kv}.errors"] == 0
     # the steady phases: no request fails; the conversations' prefixes were reusable
     assert res["router.kv_aware.possible_tokens"] > 0

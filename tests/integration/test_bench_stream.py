@@ -20,10 +20,16 @@ from tests.harness.benchrun import run_bench
 from .netconf import needs_root
 
 ROOT = Path(__file__).resolve().parents[2]
-FIGURES = [f"stream.{k}{sfx}" for k in ("ttft_p50_ratio_vs_colocated", "hidden_fraction",
-                                        "ttft_p50_ratio_vs_colocated_loopback",
-                                        "prefill_step_ratio")
-           for sfx in ("", ".concurrency_4")]
+FIGURES = [
+    f"stream.{k}{sfx}"
+    for k in (
+        "ttft_p50_ratio_vs_colocated",
+        "hidden_fraction",
+        "ttft_p50_ratio_vs_colocated_loopback",
+        "prefill_step_ratio",
+    )
+    for sfx in ("", ".concurrency_4")
+]
 VARIANTS = ["colocated", "sequential", "concurrent_request", "concurrent_layer"]
 
 
@@ -34,11 +40,27 @@ def bench() -> ModuleType:
 @needs_root
 @pytest.mark.timeout(1800)
 def test_bench_stream_quick_reports_every_figure_with_outputs_equal_to_colocated(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "stream.json"
-    r = run_bench("stream", "--quick", "--shape", "small", "--sizes", "64,128", "--answer", "4",
-                  "--idle-seconds", "1", "--variants", ",".join(VARIANTS), "--json", str(out),
-                  timeout=1700, cwd=tmp_path)
+    r = run_bench(
+        "stream",
+        "--quick",
+        "--shape",
+        "small",
+        "--sizes",
+        "64,128",
+        "--answer",
+        "4",
+        "--idle-seconds",
+        "1",
+        "--variants",
+        ",".join(VARIANTS),
+        "--json",
+        str(out),
+        timeout=1700,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["stream.mismatches"] == 0 and res["stream.errors"] == 0, res

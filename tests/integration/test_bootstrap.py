@@ -23,16 +23,31 @@ def server() -> Iterator[BootstrapServer]:
     s.stop()
 
 
-def reg(tp_rank: int = 0, tp_size: int = 2, eid: str | None = None, sig: str = "abc",
-        instance: str = "p0", dp_rank: int = 0, dp_size: int = 1) -> Registration:
-    return Registration(instance=instance, endpoint_id=eid or f"ep{dp_rank}{tp_rank}",
-                        ctrl_addr=f"tcp://127.0.0.1:{1000 + tp_rank}", session="127.0.0.1:1",
-                        signature=sig, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
-                        dp_size=dp_size)
+def reg(
+    tp_rank: int = 0,
+    tp_size: int = 2,
+    eid: str | None = None,
+    sig: str = "abc",
+    instance: str = "p0",
+    dp_rank: int = 0,
+    dp_size: int = 1,
+) -> Registration:
+    return Registration(
+        instance=instance,
+        endpoint_id=eid or f"ep{dp_rank}{tp_rank}",
+        ctrl_addr=f"tcp://127.0.0.1:{1000 + tp_rank}",
+        session="127.0.0.1:1",
+        signature=sig,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )
 
 
-def http(server: BootstrapServer, method: str, path: str, body: bytes | None = None
-         ) -> tuple[int, dict]:
+def http(
+    server: BootstrapServer, method: str, path: str, body: bytes | None = None
+) -> tuple[int, dict]:
     req = urllib.request.Request(f"http://{server.address}{path}", data=body, method=method)
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
@@ -145,23 +160,41 @@ def test_restarted_rank_replaces_its_old_registration(server: BootstrapServer) -
     assert c.route(1)["endpoints"][0]["endpoint_id"] == "new"
 
 
-@pytest.mark.parametrize("path,code,needle", [
-    ("/route?room=abc", 400, "integer"),
-    ("/route?room=-1", 400, "out of range"),
-    ("/route?room=1&instance=nope", 404, "unknown instance"),
-    ("/route?room=1&dp=7", 400, "dp 7"),
-])
-def test_bad_queries_get_4xx_with_a_message(server: BootstrapServer, path: str, code: int,
-                                            needle: str) -> None:
+@pytest.mark.parametrize(
+    "path,code,needle",
+    [
+        ("/route?room=abc", 400, "integer"),
+        ("/route?room=-1", 400, "out of range"),
+        ("/route?room=1&instance=nope", 404, "unknown instance"),
+        ("/route?room=1&dp=7", 400, "dp 7"),
+    ],
+)
+def test_bad_queries_get_4xx_with_a_message(
+    server: BootstrapServer, path: str, code: int, needle: str
+) -> None:
     BootstrapClient(server.address).register(reg(0, tp_size=1))
     got, body = http(server, "GET", path)
     assert got == code and needle in body["error"]
 
 
-@pytest.mark.parametrize("body", [b"not json", b"{}", b'{"instance": "x"}',
-                                  json.dumps({**json.loads(b'{"instance":"p","endpoint_id":"e",'
-                                              b'"ctrl_addr":"a","session":"s","signature":"x"}'),
-                                              "tp_rank": 3, "tp_size": 2}).encode()])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"{}",
+        b'{"instance": "x"}',
+        json.dumps(
+            {
+                **json.loads(
+                    b'{"instance":"p","endpoint_id":"e",'
+                    b'"ctrl_addr":"a","session":"s","signature":"x"}'
+                ),
+                "tp_rank": 3,
+                "tp_size": 2,
+            }
+        ).encode(),
+    ],
+)
 def test_bad_registrations_get_400(server: BootstrapServer, body: bytes) -> None:
     code, resp = http(server, "PUT", "/register", body)
     assert code == 400 and resp["error"]

@@ -31,10 +31,12 @@ def server() -> Iterator[BootstrapServer]:
     s.stop()
 
 
-def raw(server: BootstrapServer, method: str, path: str, body: bytes,
-        headers: dict[str, str]) -> int:
-    req = urllib.request.Request(f"http://{server.address}{path}", data=body or None,
-                                 method=method, headers=headers)
+def raw(
+    server: BootstrapServer, method: str, path: str, body: bytes, headers: dict[str, str]
+) -> int:
+    req = urllib.request.Request(
+        f"http://{server.address}{path}", data=body or None, method=method, headers=headers
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status
@@ -43,15 +45,25 @@ def raw(server: BootstrapServer, method: str, path: str, body: bytes,
 
 
 def reg(eid: str, addr: str) -> Registration:
-    return Registration(instance="inst", endpoint_id=eid, ctrl_addr=addr, session="s:1",
-                        signature="sig")
+    return Registration(
+        instance="inst", endpoint_id=eid, ctrl_addr=addr, session="s:1", signature="sig"
+    )
 
 
 def test_a_replayed_signed_registration_is_refused(server: BootstrapServer) -> None:
-    body = json.dumps({"instance": "inst", "endpoint_id": "e1", "ctrl_addr": "tcp://127.0.0.1:9",
-                       "session": "s:1", "signature": "sig"}).encode()
-    headers = {"Content-Type": "application/json",
-               **auth.http_headers(SECRET.encode(), "PUT", "/register", body)}
+    body = json.dumps(
+        {
+            "instance": "inst",
+            "endpoint_id": "e1",
+            "ctrl_addr": "tcp://127.0.0.1:9",
+            "session": "s:1",
+            "signature": "sig",
+        }
+    ).encode()
+    headers = {
+        "Content-Type": "application/json",
+        **auth.http_headers(SECRET.encode(), "PUT", "/register", body),
+    }
     assert raw(server, "PUT", "/register", body, headers) == 200
     assert raw(server, "PUT", "/register", body, headers) == 401  # the same capture again
 
@@ -74,9 +86,17 @@ def test_a_live_slot_is_not_taken_over_and_a_dead_one_is(server: BootstrapServer
 
 def test_a_prefill_registers_again_so_a_lost_route_heals(server: BootstrapServer) -> None:
     specs, tensors = pat.build(GEOMS)
-    ep = Endpoint(EndpointConfig(role="prefill", bootstrap=server.address, instance="heal",
-                                 secret=SECRET, limits=Limits(register_interval_s=0.2)), specs,
-                  transport=MemoryTransport())
+    ep = Endpoint(
+        EndpointConfig(
+            role="prefill",
+            bootstrap=server.address,
+            instance="heal",
+            secret=SECRET,
+            limits=Limits(register_interval_s=0.2),
+        ),
+        specs,
+        transport=MemoryTransport(),
+    )
     try:
         client = BootstrapClient(server.address, secret=SECRET, retries=0)
         client.deregister(ep.endpoint_id)  # the route is lost (bootstrap restart, bad actor)
@@ -98,8 +118,10 @@ def test_a_prefill_registers_again_so_a_lost_route_heals(server: BootstrapServer
 def test_a_malformed_signature_header_is_a_401(server: BootstrapServer, sig: str) -> None:
     s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     nonce = "0" * 24
-    req = (f"GET /route?room=1 HTTP/1.1\r\nHost: x\r\nX-Pdxfer-Time: {time.time():.3f}\r\n"
-           f"X-Pdxfer-Nonce: {nonce}\r\nX-Pdxfer-Signature: {sig}\r\nConnection: close\r\n\r\n")
+    req = (
+        f"GET /route?room=1 HTTP/1.1\r\nHost: x\r\nX-Pdxfer-Time: {time.time():.3f}\r\n"
+        f"X-Pdxfer-Nonce: {nonce}\r\nX-Pdxfer-Signature: {sig}\r\nConnection: close\r\n\r\n"
+    )
     s.sendall(req.encode("utf-8"))
     head = s.recv(100).decode("latin-1")
     s.close()

@@ -20,23 +20,31 @@ from pdxfer.demo.patterns import PoolGeom
 
 from .helpers import Factory, decode_items, prefill_items, verify
 
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=1024, page_size=16, heads=2, head_dim=16),
-         PoolGeom("aux", "slots", layers=1, pages=128, dim=8, dtype="int32")]
-CONF = {"bootstrap_timeout_s": 3.0, "transfer_timeout_s": 3.0, "abort_timeout_s": 0.5,
-        "heartbeat_s": 0.2}
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=1024, page_size=16, heads=2, head_dim=16),
+    PoolGeom("aux", "slots", layers=1, pages=128, dim=8, dtype="int32"),
+]
+CONF = {
+    "bootstrap_timeout_s": 3.0,
+    "transfer_timeout_s": 3.0,
+    "abort_timeout_s": 0.5,
+    "heartbeat_s": 0.2,
+}
 FAULTS = {"PDXFER_FAULTS": "drop=0.01,delay_msg=0.0005,seed=5"}
 TOTAL, WAVE = 500, 50
 
 
 def start_prefill(bootstrap: BootstrapServer, seed: int, transport: str) -> Agent:
     env = {"PDXFER_FAULTS": f"drop=0.01,seed={seed}"}
-    return Agent("prefill", {**CONF, "bootstrap": bootstrap.address, "transport": transport},
-                 GEOMS, env=env)
+    return Agent(
+        "prefill", {**CONF, "bootstrap": bootstrap.address, "transport": transport}, GEOMS, env=env
+    )
 
 
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_chaos_every_request_ends_right_or_failed_with_a_reason_and_nothing_leaks(
-        bootstrap: BootstrapServer, transport: str) -> None:
+    bootstrap: BootstrapServer, transport: str
+) -> None:
     rng = random.Random(42)
     pf = start_prefill(bootstrap, 1, transport)
     dc = Agent("decode", {**CONF, "transport": transport}, GEOMS, env=FAULTS)
@@ -48,8 +56,10 @@ def test_chaos_every_request_ends_right_or_failed_with_a_reason_and_nothing_leak
         base = dc.call("proc_stats")["fds"]
         kill_waves = {3, 7}
         for wave in range(TOTAL // WAVE):
-            reqs = [f.make(rng.choice([16, 40, 100, 250]), chunks=rng.randint(1, 3))
-                    for _ in range(WAVE)]
+            reqs = [
+                f.make(rng.choice([16, 40, 100, 250]), chunks=rng.randint(1, 3))
+                for _ in range(WAVE)
+            ]
             prep, send = prefill_items(reqs)
             pf.call("prepare", items=prep)
             dc.call("recv", items=decode_items(reqs), bootstrap=bootstrap.address)
@@ -63,15 +73,17 @@ def test_chaos_every_request_ends_right_or_failed_with_a_reason_and_nothing_leak
             out = dc.call("wait", rooms=rooms, timeout=30)
             good = [r for r in reqs if out[r["room"]]["state"] == "Success"]
             bad = [r for r in reqs if out[r["room"]]["state"] != "Success"]
-            assert all(out[r["room"]]["state"] == "Failed" and out[r["room"]]["failure"]
-                       for r in bad), [out[r["room"]] for r in bad]
+            assert all(
+                out[r["room"]]["state"] == "Failed" and out[r["room"]]["failure"] for r in bad
+            ), [out[r["room"]] for r in bad]
             # a hang detector, not a stopwatch: twice both deadlines back to back plus slack
             # (a loaded machine runs late; a room no deadline ends runs to wait()'s 30 s)
             limit = 2 * (CONF["bootstrap_timeout_s"] + CONF["transfer_timeout_s"]) + 10.0
             assert all(o["seconds"] is not None and o["seconds"] < limit for o in out.values())
             checks = verify(dc, good)
-            assert all(checks[r["room"]][0] == 0 for r in good), \
-                [checks[r["room"]] for r in good if checks[r["room"]][0]]
+            assert all(checks[r["room"]][0] == 0 for r in good), [
+                checks[r["room"]] for r in good if checks[r["room"]][0]
+            ]
             ok, failed = ok + len(good), failed + len(bad)
             for r in good:
                 f.free(r)
@@ -83,8 +95,9 @@ def test_chaos_every_request_ends_right_or_failed_with_a_reason_and_nothing_leak
         assert ok + failed == TOTAL and ok > TOTAL * 0.6, (ok, failed)
         # afterwards: every failed request's pages came back exactly once, tables are empty
         end = time.monotonic() + 15
-        while time.monotonic() < end and (set(held) - set(dc.call("released"))
-                                          or dc.call("tables")["rooms"]):
+        while time.monotonic() < end and (
+            set(held) - set(dc.call("released")) or dc.call("tables")["rooms"]
+        ):
             time.sleep(0.2)
         assert not set(held) - set(dc.call("released")), "pages never handed back"
         assert all(n == 1 for n in dc.call("release_counts").values())

@@ -37,9 +37,14 @@ class Box:
     def __init__(self) -> None:
         self.got: list[bytes] = []
         self.rejected: collections.Counter[str] = collections.Counter()
-        self.c = Control("127.0.0.1", self._frame, lambda: None, screen=self._screen,
-                         reject=lambda reason, text: self.rejected.update([reason]),
-                         max_frame=wire.MAX_FRAME + wire.HEADER_LEN)
+        self.c = Control(
+            "127.0.0.1",
+            self._frame,
+            lambda: None,
+            screen=self._screen,
+            reject=lambda reason, text: self.rejected.update([reason]),
+            max_frame=wire.MAX_FRAME + wire.HEADER_LEN,
+        )
         self.pool = self.c._inbox.pool
         self.ctx = context()
 
@@ -114,12 +119,13 @@ def test_a_refused_frame_costs_its_header_not_its_body(box: Box) -> None:
 
 
 def test_frames_before_authentication_hold_at_most_their_share_and_then_give_it_back(
-        box: Box, monkeypatch) -> None:
+    box: Box, monkeypatch
+) -> None:
     """Raw peers that never delivered an admitted frame each start an 8 MiB frame and stall:
     together they hold at most the untrusted share; a peer whose frames were admitted still
     gets its large frame through; the stalled ones are cut at their deadline."""
     size = 8 << 20
-    head = frame(wire.TransferRequest, size - wire.HEADER_LEN)[:wire.HEADER_LEN + 1024]
+    head = frame(wire.TransferRequest, size - wire.HEADER_LEN)[: wire.HEADER_LEN + 1024]
     stalled = [box.raw() for _ in range(4)]
     for s in stalled:
         s.sendall(prefix(size) + head)
@@ -165,14 +171,17 @@ def test_only_zmq_push_peers_are_served_and_multipart_messages_are_dropped(box: 
     assert box.c.connections() == 1  # the dealer's connection was closed
 
 
-def test_connections_past_the_cap_evict_the_oldest_unauthenticated_one(box: Box,
-                                                                       monkeypatch) -> None:
+def test_connections_past_the_cap_evict_the_oldest_unauthenticated_one(
+    box: Box, monkeypatch
+) -> None:
     monkeypatch.setattr(I, "MAX_CONNECTIONS", 4)
     p = box.push()
     p.send(frame(wire.Release, 10))
     until(lambda: len(box.got) == 1)  # an authenticated connection
-    strangers = [socket.create_connection(("127.0.0.1", int(box.c.address.rsplit(":", 1)[1])))
-                 for _ in range(10)]
+    strangers = [
+        socket.create_connection(("127.0.0.1", int(box.c.address.rsplit(":", 1)[1])))
+        for _ in range(10)
+    ]
     until(lambda: box.c._inbox.closed_connections >= 7)
     assert box.c.connections() <= 4
     p.send(frame(wire.Release, 11))
@@ -183,14 +192,16 @@ def test_connections_past_the_cap_evict_the_oldest_unauthenticated_one(box: Box,
 
 # -- the send side (``endpoint.outbox``): what Control.send writes from the calling thread ------
 
-def test_frames_sent_by_a_control_arrive_whole_and_in_order_past_a_full_socket(box: Box
-                                                                              ) -> None:
+
+def test_frames_sent_by_a_control_arrive_whole_and_in_order_past_a_full_socket(box: Box) -> None:
     """Small frames go out in the caller's ``sendmsg``; 3 MiB ones overflow the socket's
     buffer, so the rest goes out from the flusher thread, and later frames queue behind it."""
     peer = Box()
     try:
-        frames = [frame(wire.TransferRequest, (3 << 20) if i % 7 == 3 else 10 + i, fill=i)
-                  for i in range(40)]
+        frames = [
+            frame(wire.TransferRequest, (3 << 20) if i % 7 == 3 else 10 + i, fill=i)
+            for i in range(40)
+        ]
         for f in frames:
             assert peer.c.send(box.c.address, f)
         until(lambda: len(box.got) == len(frames))

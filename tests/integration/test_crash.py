@@ -14,13 +14,16 @@ from .conftest import FAST, start_pair
 from .helpers import Factory, decode_items, prefill_items, run, verify, wait_written
 
 # 8 layers x K,V x 16 tokens x 8 heads x 128 dims x fp16 = 512 KiB per page across buffers
-GEOMS = [PoolGeom("kv", "mha", layers=8, pages=384, page_size=16, heads=8, head_dim=128),
-         PoolGeom("aux", "slots", layers=1, pages=8, dim=16, dtype="int32")]
+GEOMS = [
+    PoolGeom("kv", "mha", layers=8, pages=384, page_size=16, heads=8, head_dim=128),
+    PoolGeom("aux", "slots", layers=1, pages=8, dim=16, dtype="int32"),
+]
 
 
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill_serves(
-        bootstrap: BootstrapServer, transport: str) -> None:
+    bootstrap: BootstrapServer, transport: str
+) -> None:
     pf, dc = start_pair(bootstrap, GEOMS, transport=transport)
     pf2 = None
     try:
@@ -56,14 +59,16 @@ def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill
         # (two at once: the one waiting on the other's handshake learns it as well)
         ghosts = [f.make(16 * 4), f.make(16 * 4)]
         dc.call("recv", items=decode_items(ghosts), bootstrap=bootstrap.address)
-        outs = dc.call("wait", rooms=[g["room"] for g in ghosts],
-                       timeout=FAST["bootstrap_timeout_s"] + 5)
+        outs = dc.call(
+            "wait", rooms=[g["room"] for g in ghosts], timeout=FAST["bootstrap_timeout_s"] + 5
+        )
         for out in outs.values():
             assert out["state"] == "Failed" and out["kind"] == "peer_lost", outs
 
         # a new prefill process registers in the dead one's place and serves the next request
-        pf2 = Agent("prefill", {**FAST, "bootstrap": bootstrap.address, "transport": transport},
-                    GEOMS)
+        pf2 = Agent(
+            "prefill", {**FAST, "bootstrap": bootstrap.address, "transport": transport}, GEOMS
+        )
         small = f.make(16 * 20, chunks=3)
         res = run(pf2, dc, bootstrap.address, [small], timeout=20)
         assert res[small["room"]]["state"] == "Success", res
@@ -74,8 +79,7 @@ def test_prefill_killed_mid_transfer_fails_fast_releases_pages_and_a_new_prefill
                 a.close()
 
 
-def freeze_mid_transfer(pf: Agent, dc: Agent, f: Factory, bootstrap: str,
-                        instance: str) -> dict:
+def freeze_mid_transfer(pf: Agent, dc: Agent, f: Factory, bootstrap: str, instance: str) -> dict:
     """Start one big request (20 chunks, 0.1 s each) and SIGSTOP the prefill once it has
     written some of it: the decode's room is then mid-transfer with a frozen prefill."""
     import os
@@ -95,15 +99,15 @@ def freeze_mid_transfer(pf: Agent, dc: Agent, f: Factory, bootstrap: str,
 
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_frozen_prefill_fails_requests_but_keeps_pages_until_it_acknowledges(
-        bootstrap: BootstrapServer, transport: str) -> None:
+    bootstrap: BootstrapServer, transport: str
+) -> None:
     """SIGSTOP the prefill mid-transfer: a frozen writer may wake up and write, so its
     requests fail but their pages stay quarantined until it acknowledges; after SIGCONT the
     pages come back and the same prefill serves new requests without any restart."""
     import os
     import signal
 
-    pf, dc = start_pair(bootstrap, GEOMS, instance=f"frozen-{transport}",
-                        transport=transport)
+    pf, dc = start_pair(bootstrap, GEOMS, instance=f"frozen-{transport}", transport=transport)
     try:
         f = Factory(GEOMS, GEOMS, seed=4)
         big = freeze_mid_transfer(pf, dc, f, bootstrap.address, f"frozen-{transport}")
@@ -126,8 +130,12 @@ def test_frozen_prefill_fails_requests_but_keeps_pages_until_it_acknowledges(
         small = f.make(16 * 10, chunks=2)
         prep, send = prefill_items([small])
         pf.call("prepare", items=prep)
-        dc.call("recv", items=decode_items([small]), bootstrap=bootstrap.address,
-                instance=f"frozen-{transport}")
+        dc.call(
+            "recv",
+            items=decode_items([small]),
+            bootstrap=bootstrap.address,
+            instance=f"frozen-{transport}",
+        )
         pf.call("send", items=send)
         res = dc.call("wait", rooms=[small["room"]], timeout=20)
         assert res[small["room"]]["state"] == "Success", res
@@ -165,8 +173,7 @@ def test_frozen_prefill_with_a_secret_releases_pages_after_it_wakes_and_rehandsh
             assert dc.call("metrics")["quarantined_pages"] > 0
             assert big["room"] not in dc.call("released"), "released while the writer was frozen"
             # a new request to the frozen prefill: its Hello waits for the prefill to wake
-            dc.call("recv", items=decode_items([small]), bootstrap=srv.address,
-                    instance="frozen-s")
+            dc.call("recv", items=decode_items([small]), bootstrap=srv.address, instance="frozen-s")
         finally:
             os.kill(pf.pid, signal.SIGCONT)
         prep, send = prefill_items([small])
@@ -188,7 +195,8 @@ def test_frozen_prefill_with_a_secret_releases_pages_after_it_wakes_and_rehandsh
 
 
 def test_a_prefill_that_died_idle_and_came_back_serves_the_very_next_request(
-        bootstrap: BootstrapServer) -> None:
+    bootstrap: BootstrapServer,
+) -> None:
     """A prefill killed while no room waited on it (so no heartbeat watched it), and a new
     process registered under the same instance: the decode's next request, made after its
     route went unconfirmed for ``route_fresh_s``, looks the instance up again and lands
@@ -201,8 +209,9 @@ def test_a_prefill_that_died_idle_and_came_back_serves_the_very_next_request(
         first = f.make(16 * 3)
         assert run(pf, dc, bootstrap.address, [first])[first["room"]]["state"] == "Success"
         pf.kill()
-        pf2 = Agent("prefill", {**FAST, "bootstrap": bootstrap.address,
-                                "instance": "default"}, small)
+        pf2 = Agent(
+            "prefill", {**FAST, "bootstrap": bootstrap.address, "instance": "default"}, small
+        )
         time.sleep(1.5)  # at least route_fresh_s since the last success: a lower bound only
         nxt = f.make(16 * 5)
         out = run(pf2, dc, bootstrap.address, [nxt], timeout=30)[nxt["room"]]

@@ -37,9 +37,22 @@ def table(out: str) -> list[tuple[str, ...]]:
 def runs() -> dict[str, str]:
     out = {}
     for p_tp, d_tp in ((2, 1), (1, 2)):
-        r = subprocess.run([sys.executable, "-m", "pdxfer.cli", "demo", "--prefill-tp",
-                            str(p_tp), "--decode-tp", str(d_tp), *ARGS],
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdxfer.cli",
+                "demo",
+                "--prefill-tp",
+                str(p_tp),
+                "--decode-tp",
+                str(d_tp),
+                *ARGS,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         out[f"{p_tp}->{d_tp}"] = r.stdout
     return out

@@ -25,14 +25,20 @@ def cluster() -> Iterator[F.Cluster]:
 
 
 def test_flood_of_forged_oversized_and_replayed_frames_corrupts_nothing_and_stays_bounded(
-        cluster: F.Cluster) -> None:
+    cluster: F.Cluster,
+) -> None:
     for i in range(3):  # warm: handshake done, allocator settled
         assert F.legit(cluster, seed=100 + i)[1] == 0
     out = F.flood_run(cluster, float(os.environ.get("PDXFER_FLOOD_S", "10")))
     assert len(out["latencies"]) >= 3, out
     assert out["bad_bytes"] == 0
-    assert set(out["sent"]) >= {"unsigned", "forged_mac", "forged_hello", "oversized",
-                                "replayed"}, out["sent"]
+    assert set(out["sent"]) >= {
+        "unsigned",
+        "forged_mac",
+        "forged_hello",
+        "oversized",
+        "replayed",
+    }, out["sent"]
     pf, dc = out["rejected_pf"], out["rejected_dc"]
     for reason in ("unsigned", "bad_mac", "unknown_pair", "oversized", "replay"):
         assert pf.get(f"rejected_{reason}", 0) > 0, (reason, pf)
@@ -51,6 +57,8 @@ def test_eight_floods_of_oversized_hellos_leave_no_memory_behind(cluster: F.Clus
     assert out["bytes"] > 1 << 30
     assert len(out["latencies"]) == 8 and out["bad_bytes"] == 0, out
     grew = out["rss_after"] - out["rss_before"]
-    assert abs(grew) < 64 << 20, (f"RSS {out['rss_before'] >> 20} MB before the first flood, "
-                                  f"{out['rss_after'] >> 20} MB after the last "
-                                  f"(peak {out['rss_peak'] >> 20} MB)")
+    assert abs(grew) < 64 << 20, (
+        f"RSS {out['rss_before'] >> 20} MB before the first flood, "
+        f"{out['rss_after'] >> 20} MB after the last "
+        f"(peak {out['rss_peak'] >> 20} MB)"
+    )

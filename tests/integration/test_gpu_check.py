@@ -61,10 +61,24 @@ def budget_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BudgetRun]:
     """The short-budget run, started as soon as either test asks for it: it ends at its
     budget however busy the CPU is, so it runs beside the full run rather than after it."""
     out = tmp_path_factory.mktemp("gpu_check_budget")
-    p = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--cpu",
-                          "--transport", "tcp", "--budget", str(BUDGET_S)], cwd=ROOT,
-                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            "bash",
+            str(ROOT / "scripts" / "gpu_check.sh"),
+            str(out),
+            "--cpu",
+            "--transport",
+            "tcp",
+            "--budget",
+            str(BUDGET_S),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         yield BudgetRun(p, out)
     finally:
@@ -75,20 +89,33 @@ def budget_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BudgetRun]:
 
 @pytest.mark.timeout(3600)
 def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(
-        tmp_path: Path, budget_run: BudgetRun) -> None:
+    tmp_path: Path, budget_run: BudgetRun
+) -> None:
     del budget_run  # started first, so that it runs beside this run (the next test reads it)
     env = _env()
     # limits x6: they only bound a hang, and this 2-core machine runs the suite beside other
     # work (at a load of 40-60 a transfer step took 4 to 8 minutes here)
-    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "--cpu",
-                        "--scale", "6"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=3500)
+    p = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "--cpu", "--scale", "6"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3500,
+    )
     log = (tmp_path / "log").read_text() if (tmp_path / "log").exists() else p.stdout
     assert (tmp_path / "gpu_check.json").exists(), log[-4000:]
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = {k.rsplit(".", 1)[0] for k in r if k.endswith(".passed")}
-    assert steps == {"wheels", "probe", "pytest_gpu", "transfers.tcp", "transfers.nixl",
-                     "bulk", "stream"}, r
+    assert steps == {
+        "wheels",
+        "probe",
+        "pytest_gpu",
+        "transfers.tcp",
+        "transfers.nixl",
+        "bulk",
+        "stream",
+    }, r
     assert r["complete"] is True and r["total_s"] <= r["budget_s"] + 30
     failed = sorted(k for k, v in r.items() if k.endswith((".passed", ".ok")) and v is not True)
     assert not failed and r["all_passed"] and p.returncode == 0, (failed, log[-4000:])
@@ -106,12 +133,18 @@ def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(
     # the raw probe: every path it runs here moved its bytes word for word
     assert r["probe.words_wrong"] == 0 and r["probe.errors"] == [], r
     raw = {k for k in r if k.startswith("probe.") and k.endswith(".gb_per_s")}
-    want = {f"probe.nixl.t{t}.{d}.gb_per_s" for t in (1, 2, 4, 8)
-            for d in ("d32k", "d512k", "dbuf")}
-    want |= {"probe.nixl.t1.d32k_batch4096.gb_per_s", "probe.nixl.t1.d32k_per_call.gb_per_s",
-             "probe.mooncake.tcp.d32k.gb_per_s", "probe.mooncake.tcp.dbuf.gb_per_s",
-             "probe.ipc.staged.d32k.gb_per_s", "probe.ipc.direct.d32k.gb_per_s",
-             "probe.best_raw.gb_per_s"}
+    want = {
+        f"probe.nixl.t{t}.{d}.gb_per_s" for t in (1, 2, 4, 8) for d in ("d32k", "d512k", "dbuf")
+    }
+    want |= {
+        "probe.nixl.t1.d32k_batch4096.gb_per_s",
+        "probe.nixl.t1.d32k_per_call.gb_per_s",
+        "probe.mooncake.tcp.d32k.gb_per_s",
+        "probe.mooncake.tcp.dbuf.gb_per_s",
+        "probe.ipc.staged.d32k.gb_per_s",
+        "probe.ipc.direct.d32k.gb_per_s",
+        "probe.best_raw.gb_per_s",
+    }
     assert want <= raw, want - raw
     for k in want:
         assert isinstance(r[k], float) and r[k] > 0, k
@@ -146,8 +179,7 @@ def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(
         k = label(n)
         assert r[f"stream.tokens_{k}"] == n and r[f"stream.rounds_{k}"] == 1
         assert r[f"stream.pd_layer_sends_{k}"] >= 4 * n // 64  # each layer of each chunk
-        for key in ("ttft_ms_pd", "ttft_ms_colocated", "ttft_ratio_vs_colocated",
-                    "pd_prefill_ms"):
+        for key in ("ttft_ms_pd", "ttft_ms_colocated", "ttft_ratio_vs_colocated", "pd_prefill_ms"):
             assert isinstance(r[f"stream.{key}_{k}"], float) and r[f"stream.{key}_{k}"] > 0
     assert (label(2048), label(8192)) == ("2k", "8k")  # the GPU run's keys, the issue's goal
     for name in steps:
@@ -156,7 +188,8 @@ def test_the_gpu_check_runs_every_step_to_its_end_on_host_memory(
 
 @pytest.mark.timeout(300)
 def test_the_gpu_check_ends_inside_its_budget_and_keeps_what_it_measured(
-        budget_run: BudgetRun) -> None:
+    budget_run: BudgetRun,
+) -> None:
     """A device is lent for one bounded command: a run whose budget runs out bounds the step
     in flight by what is left, skips the rest, and still writes its JSON."""
     rc, log = budget_run.wait(timeout=280)
@@ -165,8 +198,11 @@ def test_the_gpu_check_ends_inside_its_budget_and_keeps_what_it_measured(
     assert r["complete"] is True and r["all_passed"] is False, r
     assert r["total_s"] < BUDGET_S + 20, r  # the budget, the kill grace, the folds
     assert r["wheels.passed"] is True, log[-4000:]
-    cut = [s for s in ("probe", "pytest_gpu", "transfers.tcp", "bulk", "stream")
-           if r[f"{s}.rc"] in (124, 125)]
+    cut = [
+        s
+        for s in ("probe", "pytest_gpu", "transfers.tcp", "bulk", "stream")
+        if r[f"{s}.rc"] in (124, 125)
+    ]
     assert cut and r[f"{cut[-1]}.rc"] == 125, r  # the last steps never started
     for s in ("probe", "pytest_gpu", "transfers.tcp", "bulk", "stream"):
         assert r[f"{s}.limit_s"] <= BUDGET_S, r

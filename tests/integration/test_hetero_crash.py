@@ -13,13 +13,25 @@ from .helpers import Factory, decode_items, prefill_items, wait_written
 from .hetero import rank_geoms, tp_group
 
 # 8 layers x K,V x 16 tokens x 8 heads x 64 dims x fp16: 256 KiB per page across buffers
-GEOMS = [PoolGeom("kv", "mha", layers=8, pages=256, page_size=16, heads=8, total_heads=8,
-                  head_dim=64, layout="HND"),
-         PoolGeom("aux", "slots", layers=1, pages=8, dim=16, dtype="int32")]
+GEOMS = [
+    PoolGeom(
+        "kv",
+        "mha",
+        layers=8,
+        pages=256,
+        page_size=16,
+        heads=8,
+        total_heads=8,
+        head_dim=64,
+        layout="HND",
+    ),
+    PoolGeom("aux", "slots", layers=1, pages=8, dim=16, dtype="int32"),
+]
 
 
 def test_dead_prefill_rank_fails_every_decode_rank_it_fed_and_no_other(
-        bootstrap: BootstrapServer) -> None:
+    bootstrap: BootstrapServer,
+) -> None:
     b = bootstrap.address
     cfg = {**FAST, "bootstrap": b, "instance": "crash", "tp_size": 2}
     ranks: list[Agent] = []
@@ -53,7 +65,8 @@ def test_dead_prefill_rank_fails_every_decode_rank_it_fed_and_no_other(
         assert [c[big["room"]][0] for c in checks[:2]] == [0, 0]
         t0 = time.monotonic()
         while time.monotonic() - t0 < 30 and not all(
-                big["room"] in x for x in d.each("released")[2:]):
+            big["room"] in x for x in d.each("released")[2:]
+        ):
             time.sleep(0.05)
         assert [big["room"] in x for x in d.each("released")] == [False, False, True, True]
     finally:

@@ -22,14 +22,37 @@ from .hetero import Group, assert_success_and_exact, rank_geoms, run_groups, tp_
 
 GEOMS = [
     PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=4, total_heads=4, head_dim=8),
-    PoolGeom("kvh", "mha", layers=2, pages=256, page_size=16, heads=4, total_heads=4, head_dim=8,
-             layout="HND", first_layer=10),
-    PoolGeom("gqa", "mha", layers=1, pages=256, page_size=16, heads=2, total_heads=2, head_dim=8,
-             layout="HND", indices_from="kv", first_layer=20),
+    PoolGeom(
+        "kvh",
+        "mha",
+        layers=2,
+        pages=256,
+        page_size=16,
+        heads=4,
+        total_heads=4,
+        head_dim=8,
+        layout="HND",
+        first_layer=10,
+    ),
+    PoolGeom(
+        "gqa",
+        "mha",
+        layers=1,
+        pages=256,
+        page_size=16,
+        heads=2,
+        total_heads=2,
+        head_dim=8,
+        layout="HND",
+        indices_from="kv",
+        first_layer=20,
+    ),
     PoolGeom("aux", "slots", layers=1, pages=32, dim=8, dtype="int32"),
 ]
-MLA = [PoolGeom("mla", "paged", layers=2, pages=128, page_size=16, dim=32),
-       PoolGeom("aux", "slots", layers=1, pages=32, dim=8, dtype="int32")]
+MLA = [
+    PoolGeom("mla", "paged", layers=2, pages=128, page_size=16, dim=32),
+    PoolGeom("aux", "slots", layers=1, pages=32, dim=8, dtype="int32"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +92,14 @@ SIZES = [(16, 1), (45, 2), (200, 3), (129, 4)]
 """(tokens, chunks) per request: partial pages, several chunks."""
 
 
-def run_case(cluster: dict[str, Group], bootstrap: str, pf: str, dc: str,
-             geoms: list[PoolGeom], sizes: list[tuple[int, int]] = SIZES) -> list[dict]:
+def run_case(
+    cluster: dict[str, Group],
+    bootstrap: str,
+    pf: str,
+    dc: str,
+    geoms: list[PoolGeom],
+    sizes: list[tuple[int, int]] = SIZES,
+) -> list[dict]:
     f = Factory(geoms, geoms, seed=len(pf) * 10 + len(dc))
     reqs = [f.make(n, chunks=c) for n, c in sizes]
     p, d = cluster[pf], cluster[dc]
@@ -92,8 +121,7 @@ def test_every_head_lands_once_in_nhd_hnd_and_gqa_pools(cluster, bootstrap, tp_p
     full = counters(d, "staging_full")
     gathered = counters(p, "gathered_writes")
     # the last request is big enough (64 pages in 2 chunks) for the senders to gather
-    outs = run_case(cluster, bootstrap.address, f"p{tp_p}", f"d{tp_d}", GEOMS,
-                    [*SIZES, (BIG, 2)])
+    outs = run_case(cluster, bootstrap.address, f"p{tp_p}", f"d{tp_d}", GEOMS, [*SIZES, (BIG, 2)])
     # every prefill rank finished its rooms (silent or not): nothing is left waiting
     assert all(t["rooms"] == 0 and t["pending"] == 0 for t in p.each("tables"))
     # The HND pool went through staging: each decode rank lent every sender of its "kvh"

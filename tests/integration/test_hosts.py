@@ -17,16 +17,18 @@ from .netconf import needs_root
 
 pytestmark = needs_root
 
-LISTEN = ("import socket, threading, time\n"
-          "s = socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen()\n"
-          "def drain():\n"
-          "    while True:\n"
-          "        c, _ = s.accept()\n"
-          "        while c.recv(1 << 16): pass\n"
-          "        c.close()\n"
-          "threading.Thread(target=drain, daemon=True).start()\n"
-          "for _ in range(4): threading.Thread(target=time.sleep, args=(60,)).start()\n"
-          "print('up', flush=True); time.sleep(60)\n")
+LISTEN = (
+    "import socket, threading, time\n"
+    "s = socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen()\n"
+    "def drain():\n"
+    "    while True:\n"
+    "        c, _ = s.accept()\n"
+    "        while c.recv(1 << 16): pass\n"
+    "        c.close()\n"
+    "threading.Thread(target=drain, daemon=True).start()\n"
+    "for _ in range(4): threading.Thread(target=time.sleep, args=(60,)).start()\n"
+    "print('up', flush=True); time.sleep(60)\n"
+)
 """A server on port 7000 that reads what it is sent, with a few more threads (a killed
 process's threads outlive its main one for a moment: ``kill_all`` waits for them too)."""
 
@@ -98,13 +100,14 @@ def test_two_networks_at_once_do_not_see_each_other() -> None:
 def test_namespaces_left_by_a_killed_run_are_swept_by_the_next() -> None:
     """A test run killed outright cannot clean up: its namespaces carry its pid, and the
     next network removes them (with what still runs there) once that pid is gone."""
-    code = ("import sys, time\nsys.path.insert(0, sys.argv[1])\n"
-            "from tests.harness.hosts import Network\n"
-            "net = Network(['z']).start()\n"
-            "print(net['z'].ns, flush=True)\ntime.sleep(60)\n")
+    code = (
+        "import sys, time\nsys.path.insert(0, sys.argv[1])\n"
+        "from tests.harness.hosts import Network\n"
+        "net = Network(['z']).start()\n"
+        "print(net['z'].ns, flush=True)\ntime.sleep(60)\n"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.Popen([sys.executable, "-c", code, root], stdout=subprocess.PIPE,
-                           text=True)
+    run = subprocess.Popen([sys.executable, "-c", code, root], stdout=subprocess.PIPE, text=True)
     assert run.stdout is not None
     ns = run.stdout.readline().strip()
     assert ns in namespaces()

@@ -19,8 +19,7 @@ from .conftest import FAST
 from .helpers import Factory, decode_items
 from .hetero import Group, add_group, assert_success_and_exact, rank_geoms, run_groups, tp_group
 
-KV = PoolGeom("kv", "mha", layers=2, pages=512, page_size=16, heads=4, head_dim=16,
-              total_heads=4)
+KV = PoolGeom("kv", "mha", layers=2, pages=512, page_size=16, heads=4, head_dim=16, total_heads=4)
 AUX = PoolGeom("aux", "slots", layers=1, pages=256, dim=8, dtype="int32")
 NHD = KV
 KINDS = ("corrupt", "skip_write", "shift_write")
@@ -38,14 +37,17 @@ def cluster(bootstrap: BootstrapServer) -> Iterator[dict[str, Group]]:
     dc = None
     try:
         dc = Agent("decode", dict(FAST), [NHD, AUX])
-        g = {"p1": Group(pf, ["main"], "one"),
-             "p2": tp_group(pf, "prefill", "tp2", [KV, AUX], 2, b, "two"),
-             "d16": Group(dc, ["main"])}
+        g = {
+            "p1": Group(pf, ["main"], "one"),
+            "p2": tp_group(pf, "prefill", "tp2", [KV, AUX], 2, b, "two"),
+            "d16": Group(dc, ["main"]),
+        }
         g["d1"] = add_group(dc, "decode", "host1", 1, lambda i: [_host(1), AUX], lambda i: {})
         g["d4"] = add_group(dc, "decode", "host4", 1, lambda i: [_host(4), AUX], lambda i: {})
         g["d2"] = tp_group(dc, "decode", "dtp2", [NHD, AUX], 2)
-        g["off"] = add_group(dc, "decode", "off", 1, lambda i: [NHD, AUX],
-                             lambda i: {"integrity": "off"})
+        g["off"] = add_group(
+            dc, "decode", "off", 1, lambda i: [NHD, AUX], lambda i: {"integrity": "off"}
+        )
         yield g
     finally:
         pf.close()
@@ -63,8 +65,7 @@ CASES = {  # name: (prefill group, decode group, decode geometry of rank 0, tp o
 
 
 def _reqs(f: Factory, n: int) -> list[dict]:
-    return [f.make(int(t), chunks=1 + i % 3) for i, t in enumerate(
-        f.rng.integers(1, 120, n))]
+    return [f.make(int(t), chunks=1 + i % 3) for i, t in enumerate(f.rng.integers(1, 120, n))]
 
 
 def _inject(dc: Agent, kind: str, rooms: list[int], seed: int) -> None:
@@ -78,7 +79,8 @@ def _injected(g: Group, kind: str) -> int:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_injected_page_fault_fails_the_request_with_integrity_error(
-        cluster, bootstrap, case: str, kind: str) -> None:
+    cluster, bootstrap, case: str, kind: str
+) -> None:
     pname, dname, dgeom, tp = CASES[case]
     pf, dc = cluster[pname], cluster[dname]
     f = Factory([KV, AUX], [dgeom, AUX], seed=hash((case, kind)) % 1000)
@@ -92,8 +94,7 @@ def test_every_injected_page_fault_fails_the_request_with_integrity_error(
     # one fault per (room, sender): every one of them is caught, by its own room
     assert _injected(dc, kind) - before >= PER_CASE
     for out in outs:
-        bad = {r: o for r, o in out.items()
-               if o["state"] != "Failed" or o["kind"] != "integrity"}
+        bad = {r: o for r, o in out.items() if o["state"] != "Failed" or o["kind"] != "integrity"}
         assert not bad, bad
     one = next(iter(outs[0].values()))["failure"]
     assert "pool 'kv'" in one and "layer" in one and "tokens [" in one, one
@@ -103,7 +104,8 @@ def test_every_injected_page_fault_fails_the_request_with_integrity_error(
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_with_integrity_off_the_same_faults_pass_silently_with_wrong_kv(
-        cluster, bootstrap, kind: str) -> None:
+    cluster, bootstrap, kind: str
+) -> None:
     pf, dc = cluster["p1"], cluster["off"]
     f = Factory([KV, AUX], [NHD, AUX], seed=77)
     reqs = _reqs(f, 20)
@@ -139,8 +141,14 @@ def test_no_false_positive_without_faults(cluster, bootstrap) -> None:
 
 def test_full_mode_passes_clean_transfers_and_catches_corrupt_pages(cluster, bootstrap) -> None:
     pf = cluster["p1"]
-    dc = add_group(cluster["d16"].agent, "decode", "full", 1, lambda i: [NHD, AUX],
-                   lambda i: {"integrity": "full"})
+    dc = add_group(
+        cluster["d16"].agent,
+        "decode",
+        "full",
+        1,
+        lambda i: [NHD, AUX],
+        lambda i: {"integrity": "full"},
+    )
     f = Factory([KV, AUX], [NHD, AUX], seed=8)
     clean = _reqs(f, 10)
     outs = run_groups(pf, dc, bootstrap.address, clean, timeout=60)
@@ -167,8 +175,13 @@ def _retry_group(cluster: dict[str, Group], tp: int) -> Group:
     key = f"retry{tp}"
     if key not in cluster:
         cluster[key] = add_group(
-            cluster["d16"].agent, "decode", key, tp, lambda r: rank_geoms([NHD, AUX], tp, r),
-            lambda r: {"tp_rank": r, "tp_size": tp, "integrity_retry": True})
+            cluster["d16"].agent,
+            "decode",
+            key,
+            tp,
+            lambda r: rank_geoms([NHD, AUX], tp, r),
+            lambda r: {"tp_rank": r, "tp_size": tp, "integrity_retry": True},
+        )
     return cluster[key]
 
 
@@ -176,8 +189,7 @@ def _metric(g: Group, name: str) -> int:
     return sum(int(m.get(name, 0)) for m in g.each("metrics"))
 
 
-def _run_faulted(pf: Group, dc: Group, bootstrap: str, reqs: list[dict], spec: str
-                 ) -> list[dict]:
+def _run_faulted(pf: Group, dc: Group, bootstrap: str, reqs: list[dict], spec: str) -> list[dict]:
     """``run_groups`` with page faults ``spec`` on the requests' rooms (cleared after)."""
     rooms = ";".join(str(r["room"]) for r in reqs)
     dc.agent.call("set_faults", spec=f"{spec},rooms={rooms}")
@@ -190,15 +202,17 @@ def _run_faulted(pf: Group, dc: Group, bootstrap: str, reqs: list[dict], spec: s
 def _nothing_held(pf: Group) -> None:
     """The decode's Release is one-way: wait for it (bounded), then the prefill must hold no
     room (a retry's hold never outlives its request)."""
-    ok = wait_until(lambda: all(t["rooms"] == 0 and t["pending"] == 0
-                                for t in pf.each("tables")), 5.0)
+    ok = wait_until(
+        lambda: all(t["rooms"] == 0 and t["pending"] == 0 for t in pf.each("tables")), 5.0
+    )
     assert ok, pf.each("tables")
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", sorted(RETRY_CASES))
 def test_with_integrity_retry_a_transient_page_fault_is_sent_again_once_and_arrives_exact(
-        cluster, bootstrap, case: str, kind: str) -> None:
+    cluster, bootstrap, case: str, kind: str
+) -> None:
     pname, tp = RETRY_CASES[case]
     pf, dc = cluster[pname], _retry_group(cluster, tp)
     dgeom = rank_geoms([NHD], tp, 0)[0]
@@ -216,14 +230,14 @@ def test_with_integrity_retry_a_transient_page_fault_is_sent_again_once_and_arri
 
 
 def test_with_integrity_retry_a_persistent_fault_fails_after_exactly_one_retry(
-        cluster, bootstrap) -> None:
+    cluster, bootstrap
+) -> None:
     pf, dc = cluster["p1"], _retry_group(cluster, 1)
     f = Factory([KV, AUX], [NHD, AUX], seed=31)
     reqs = _reqs(f, 10)
     before = _metric(dc, "integrity_retries")
     outs = _run_faulted(pf, dc, bootstrap.address, reqs, "corrupt=1,seed=5")
-    assert all(o["state"] == "Failed" and o["kind"] == "integrity"
-               for o in outs[0].values()), outs
+    assert all(o["state"] == "Failed" and o["kind"] == "integrity" for o in outs[0].values()), outs
     assert _metric(dc, "integrity_retries") - before == len(reqs)
     _nothing_held(pf)
     # the failed rooms' pages went back to the engine (nothing quarantined)
@@ -233,7 +247,8 @@ def test_with_integrity_retry_a_persistent_fault_fails_after_exactly_one_retry(
 
 
 def test_without_integrity_retry_a_transient_fault_still_fails_the_request(
-        cluster, bootstrap) -> None:
+    cluster, bootstrap
+) -> None:
     pf, dc = cluster["p1"], cluster["d16"]
     f = Factory([KV, AUX], [NHD, AUX], seed=32)
     reqs = _reqs(f, 6)

@@ -31,7 +31,9 @@ from pdxfer.serving.toy import (
     speculative_generate,
 )
 
-PROMPT = encode("Disaggregated serving moves the KV cache from prefill to decode, page by page. " * 3)[:200]
+PROMPT = encode(
+    "Disaggregated serving moves the KV cache from prefill to decode, page by page. " * 3
+)[:200]
 N_NEW = 16
 VARIANTS = {
     "mha-fp16": ToyConfig(),
@@ -93,8 +95,16 @@ def test_bytes_round_trip_and_eos_is_not_text() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"n_heads": 3}, {"kv_dtype": torch.int8}, {"attention": "gqa"}, {"page_size": 0},
-     {"vocab_size": 256}, {"seed": -1}, {"d_model": 64.0}, {"n_layers": True}],
+    [
+        {"n_heads": 3},
+        {"kv_dtype": torch.int8},
+        {"attention": "gqa"},
+        {"page_size": 0},
+        {"vocab_size": 256},
+        {"seed": -1},
+        {"d_model": 64.0},
+        {"n_layers": True},
+    ],
 )
 def test_config_rejects_inconsistent_shapes(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -117,8 +127,9 @@ def test_same_seed_same_weights_across_processes() -> None:
         f"print(m.weights_digest()); print(m.generate({prompt!r}, 6))\n"
     )
     # the other process computes while this one does (it uses one core of two)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     here = ToyModel(ToyConfig(seed=7))
     # One thread there, two here: the tokens must not depend on the thread count.
     threads = torch.get_num_threads()
@@ -281,7 +292,9 @@ def test_allocator_never_hands_out_a_page_twice_across_threads() -> None:
     assert alloc.num_free == 64
 
 
-def spec_pools(target: ToyModel, draft: ToyModel, n_new: int, k: int) -> tuple[KVPool, KVPool, list[int]]:
+def spec_pools(
+    target: ToyModel, draft: ToyModel, n_new: int, k: int
+) -> tuple[KVPool, KVPool, list[int]]:
     n = target.pages_for(len(PROMPT) + n_new + k)
     kv = target.new_kv_pool(3 * n)
     draft_kv = draft.new_kv_pool(kv.num_pages, allocator=kv.allocator)
@@ -334,15 +347,26 @@ def test_corrupt_draft_kv_drops_accept_length(variant: str, corruption: str) -> 
             for t in rdkv.tensors:
                 noise = torch.randn(t[rtable[:n]].shape, generator=g).to(t.dtype)
                 t[rtable[:n]] = torch.zeros_like(noise) if corruption == "zero" else noise
-        return speculative_generate(target, draft, PROMPT, 48, k=4, kv=rkv, draft_kv=rdkv,
-                                    page_table=rtable, first_token=first)
+        return speculative_generate(
+            target,
+            draft,
+            PROMPT,
+            48,
+            k=4,
+            kv=rkv,
+            draft_kv=rdkv,
+            page_table=rtable,
+            first_token=first,
+        )
 
     intact, damaged = decode_side(corrupt=False), decode_side(corrupt=True)
     fresh = speculative_generate(target, draft, PROMPT, 48, k=4)
     assert intact.accepted == fresh.accepted  # transferred draft KV is as good as local
     assert tuple(intact.tokens) == tuple(damaged.tokens) == reference(variant, 48)
     assert damaged.mean_accept_length < 0.5 * intact.mean_accept_length, (
-        intact.accepted, damaged.accepted)
+        intact.accepted,
+        damaged.accepted,
+    )
 
 
 def test_draft_pool_is_separate_but_indexed_by_the_same_pages() -> None:

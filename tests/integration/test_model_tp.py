@@ -38,6 +38,7 @@ class ThreadGather:
             out = torch.cat([s for s in self.slots if s is not None], dim=1)
             self.barrier.wait()  # nobody overwrites a slot before everyone read it
             return out
+
         return gather
 
 
@@ -95,7 +96,7 @@ def test_each_rank_equals_tp1_bit_for_bit(name: str, tp: int) -> None:
         sh = head_shard(cfg, r, tp)
         for mine, full in zip(kv, ref_kv, strict=True):  # this rank's KV heads, as TP 1's
             assert mine.shape[2] == sh.kv_heads
-            assert torch.equal(mine, full[:, :, sh.kv_lo:sh.kv_hi]), r
+            assert torch.equal(mine, full[:, :, sh.kv_lo : sh.kv_hi]), r
 
 
 def test_gqa_replication_gives_ranks_sharing_a_kv_head_the_same_kv() -> None:
@@ -119,7 +120,7 @@ def test_speculative_decoding_at_tp2_equals_tp1() -> None:
         sd = SpecDecoder(m, d, PROMPT, first, kv, dkv, pages, 3)
         while len(sd.seq) - len(PROMPT) < N_NEW:
             sd.step()
-        return sd.seq[len(PROMPT):], sd.accepted
+        return sd.seq[len(PROMPT) :], sd.accepted
 
     ref = spec(ToyModel(cfg))
     assert run_ranks(cfg, 2, spec) == [ref, ref]

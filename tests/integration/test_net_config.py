@@ -26,8 +26,10 @@ from .netconf import NET_ENV, SECRET, needs_root
 
 pytestmark = needs_root
 
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=32, page_size=16, heads=2, head_dim=32),
-         PoolGeom("aux", "slots", layers=1, pages=8, dim=16, dtype="int32")]
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=32, page_size=16, heads=2, head_dim=32),
+    PoolGeom("aux", "slots", layers=1, pages=8, dim=16, dtype="int32"),
+]
 DEADLINE = 10.0
 """The bootstrap deadline of these decodes: a wrong configuration must fail well before."""
 
@@ -43,9 +45,14 @@ def boot(net: Network) -> Iterator[RemoteBootstrap]:
     """Bound to every interface of its host (so a prefill there can use loopback), and
     advertising the host's address."""
     h = net["boot"]
-    b = RemoteBootstrap(Proc("bootstrap", ["bootstrap", "--host", "0.0.0.0", "--advertise",
-                                           h.addr, "--port", "0"], prefix=h.prefix,
-                                      env=NET_ENV))
+    b = RemoteBootstrap(
+        Proc(
+            "bootstrap",
+            ["bootstrap", "--host", "0.0.0.0", "--advertise", h.addr, "--port", "0"],
+            prefix=h.prefix,
+            env=NET_ENV,
+        )
+    )
     try:
         yield b
     finally:
@@ -55,18 +62,27 @@ def boot(net: Network) -> Iterator[RemoteBootstrap]:
 @pytest.fixture(scope="module")
 def dc(net: Network) -> Iterator[Agent]:
     """A decode on its host's address; its endpoint ``lo`` binds and advertises loopback."""
-    a = Agent("decode", {**FAST, "bootstrap_timeout_s": DEADLINE, "host": net["decode"].addr},
-              GEOMS, setup=net["decode"].entry, env=NET_ENV)
+    a = Agent(
+        "decode",
+        {**FAST, "bootstrap_timeout_s": DEADLINE, "host": net["decode"].addr},
+        GEOMS,
+        setup=net["decode"].entry,
+        env=NET_ENV,
+    )
     try:
-        a.call("add_endpoint", name="lo", role="decode",
-               config={**FAST, "bootstrap_timeout_s": DEADLINE}, geoms=GEOMS)
+        a.call(
+            "add_endpoint",
+            name="lo",
+            role="decode",
+            config={**FAST, "bootstrap_timeout_s": DEADLINE},
+            geoms=GEOMS,
+        )
         yield a
     finally:
         a.close()
 
 
-def fails_at_once(dc: Agent, bootstrap: str, instance: str | None = None,
-                  ep: str = "main") -> str:
+def fails_at_once(dc: Agent, bootstrap: str, instance: str | None = None, ep: str = "main") -> str:
     """Fails as a configuration error: the cause, checked before any wait (a room that had
     waited would fail as ``deadline``), whatever the machine's speed."""
     r = Factory(GEOMS, GEOMS).make(16 * 2)
@@ -77,25 +93,33 @@ def fails_at_once(dc: Agent, bootstrap: str, instance: str | None = None,
     return str(out["failure"])
 
 
-def test_bootstrap_bound_everywhere_advertises_its_host(net: Network,
-                                                        boot: RemoteBootstrap) -> None:
+def test_bootstrap_bound_everywhere_advertises_its_host(
+    net: Network, boot: RemoteBootstrap
+) -> None:
     assert boot.address == f"{net['boot'].addr}:{boot.port}"
     assert net["decode"].reach(net["boot"].addr, boot.port) == "ok"
 
 
 def test_a_decode_advertising_loopback_fails_its_first_request_at_once(
-        dc: Agent, boot: RemoteBootstrap) -> None:
+    dc: Agent, boot: RemoteBootstrap
+) -> None:
     why = fails_at_once(dc, boot.address, ep="lo")
     assert "loopback address 127.0.0.1" in why and boot.address in why, why
 
 
 def test_a_prefill_registered_on_loopback_is_refused_by_a_decode_on_another_host(
-        net: Network, boot: RemoteBootstrap, dc: Agent) -> None:
+    net: Network, boot: RemoteBootstrap, dc: Agent
+) -> None:
     """The prefill shares the bootstrap's host and reaches it on loopback, advertising
     loopback too: fine on that host, unreachable from the decode's."""
     local = f"127.0.0.1:{boot.port}"
-    pf = Agent("prefill", {**FAST, "bootstrap": local, "instance": "colocated"}, GEOMS,
-               setup=net["boot"].entry, env=NET_ENV)
+    pf = Agent(
+        "prefill",
+        {**FAST, "bootstrap": local, "instance": "colocated"},
+        GEOMS,
+        setup=net["boot"].entry,
+        env=NET_ENV,
+    )
     try:
         why = fails_at_once(dc, boot.address, instance="colocated")
         assert f"loopback control address {pf.info['ctrl_addr']}" in why, why
@@ -105,26 +129,51 @@ def test_a_prefill_registered_on_loopback_is_refused_by_a_decode_on_another_host
 
 
 def test_bootstrap_refuses_a_loopback_control_address_from_another_host(
-        net: Network, boot: RemoteBootstrap) -> None:
-    reg = Registration(instance="liar", endpoint_id="e1", ctrl_addr="tcp://127.0.0.1:5",
-                       session="127.0.0.1:6", signature="s")
+    net: Network, boot: RemoteBootstrap
+) -> None:
+    reg = Registration(
+        instance="liar",
+        endpoint_id="e1",
+        ctrl_addr="tcp://127.0.0.1:5",
+        session="127.0.0.1:6",
+        signature="s",
+    )
     with net["decode"].enter(), pytest.raises(BootstrapError) as e:
         BootstrapClient(boot.address, retries=0, secret=SECRET).register(reg)
     assert "400" in str(e.value) and f"comes from {net['decode'].addr}" in str(e.value)
 
 
 def test_a_prefill_advertising_an_address_nobody_reaches_stops_at_start_naming_it(
-        net: Network, boot: RemoteBootstrap) -> None:
+    net: Network, boot: RemoteBootstrap
+) -> None:
     """``--advertise`` names an address of the prefill's host that no other host can route
     to (one on its loopback device, as a container's bridge address would be): the bootstrap
     cannot connect to it, refuses the registration, and the worker exits saying so."""
     h = net["prefill"]
     hidden = "10.214.0.1"
     subprocess.run(["ip", "-n", h.ns, "addr", "add", f"{hidden}/32", "dev", "lo"], check=True)
-    p = h.popen([sys.executable, "-m", "pdxfer.cli", "prefill", "--host", "0.0.0.0",
-                 "--advertise", hidden, "--bootstrap", boot.address, "--port", "0",
-                 "--pages", "16"], env=NET_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True)
+    p = h.popen(
+        [
+            sys.executable,
+            "-m",
+            "pdxfer.cli",
+            "prefill",
+            "--host",
+            "0.0.0.0",
+            "--advertise",
+            hidden,
+            "--bootstrap",
+            boot.address,
+            "--port",
+            "0",
+            "--pages",
+            "16",
+        ],
+        env=NET_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = p.communicate(timeout=120)
     assert p.returncode == 2, (out, err)
     assert "PDXFER_READY" not in out

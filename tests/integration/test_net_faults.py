@@ -31,8 +31,10 @@ from .netconf import NET_ENV, bootstrap_on, needs_root, port_of
 pytestmark = needs_root
 
 # 8 layers x K,V x 16 tokens x 8 heads x 128 dims x fp16 = 512 KiB per page across buffers
-GEOMS = [PoolGeom("kv", "mha", layers=8, pages=320, page_size=16, heads=8, head_dim=128),
-         PoolGeom("aux", "slots", layers=1, pages=64, dim=16, dtype="int32")]
+GEOMS = [
+    PoolGeom("kv", "mha", layers=8, pages=320, page_size=16, heads=8, head_dim=128),
+    PoolGeom("aux", "slots", layers=1, pages=64, dim=16, dtype="int32"),
+]
 PAGE = 512 << 10
 LONG_S = 120.0
 """A deadline no test here should reach: a failure that comes well before it came from the
@@ -52,11 +54,20 @@ class Net:
     def start(self) -> Net:
         n = self.net
         self.boot = bootstrap_on(n["boot"])
-        self.pf = Agent("prefill", {**FAST, "bootstrap": self.boot.address,
-                                    "host": n["prefill"].addr}, GEOMS, setup=n["prefill"].entry,
-                        env=NET_ENV)
-        self.dc = Agent("decode", {**FAST, "host": n["decode"].addr}, GEOMS,
-                        setup=n["decode"].entry, env=NET_ENV)
+        self.pf = Agent(
+            "prefill",
+            {**FAST, "bootstrap": self.boot.address, "host": n["prefill"].addr},
+            GEOMS,
+            setup=n["prefill"].entry,
+            env=NET_ENV,
+        )
+        self.dc = Agent(
+            "decode",
+            {**FAST, "host": n["decode"].addr},
+            GEOMS,
+            setup=n["decode"].entry,
+            env=NET_ENV,
+        )
         self.dc.call("sentinel")
         return self
 
@@ -69,8 +80,9 @@ class Net:
         self.net.close()
 
     # -- requests ---------------------------------------------------------------------------
-    def start_request(self, tokens: int, chunks: int, delay_s: float = 0.0,
-                      ep: str = "main") -> dict[str, Any]:
+    def start_request(
+        self, tokens: int, chunks: int, delay_s: float = 0.0, ep: str = "main"
+    ) -> dict[str, Any]:
         """A request under way; if it fails, the decode refills its pages with the sentinel
         the moment they are handed back (``clean_after_release`` then sees a late write)."""
         assert self.pf is not None and self.dc is not None and self.boot is not None
@@ -106,8 +118,11 @@ class Net:
         assert self.pf is not None and self.dc is not None
         end = time.monotonic() + timeout
         while True:
-            state = (self.dc.call("tables", ep=ep), self.pf.call("tables"),
-                     self.dc.call("metrics", ep=ep)["quarantined_pages"])
+            state = (
+                self.dc.call("tables", ep=ep),
+                self.pf.call("tables"),
+                self.dc.call("metrics", ep=ep)["quarantined_pages"],
+            )
             if state == ({"rooms": 0}, {"rooms": 0, "pending": 0}, 0):
                 return
             assert time.monotonic() < end, f"leaked: decode, prefill tables, quarantined {state}"
@@ -158,7 +173,8 @@ def test_processes_bind_and_advertise_their_hosts_addresses(net: Net) -> None:
 
 @pytest.mark.parametrize("side, at", [("decode", "host"), ("prefill", "switch")])
 def test_partition_mid_transfer_fails_with_peer_lost_and_quarantines_until_healed(
-        net: Net, side: str, at: str) -> None:
+    net: Net, side: str, at: str
+) -> None:
     """Cut one end of a transfer in flight: the decode fails the request with PeerLost
     within its heartbeat budget (two probes), keeps its pages while a write could still land
     (the prefill lives, and TCP delivers what it holds once the link heals), and releases
@@ -187,8 +203,9 @@ def test_partition_mid_transfer_fails_with_peer_lost_and_quarantines_until_heale
         while net.dc.call("metrics")["quarantined_pages"] == 0 and time.monotonic() < end:
             time.sleep(0.1)
         assert net.dc.call("metrics")["quarantined_pages"] > 0
-        assert big["room"] not in net.dc.call("released"), \
+        assert big["room"] not in net.dc.call("released"), (
             "pages released while the prefill could still write into them"
+        )
         # one verdict for the whole partition, however many probes it lasts
         assert net.dc.call("metrics").get("peers_hung", 0) == lost + 1
     finally:
@@ -208,8 +225,7 @@ def test_flapping_link_ends_each_request_byte_exact_or_cleanly_failed(net: Net) 
     next transfer starts while earlier ones may still recover). Every request ends in
     Success with exact bytes, or fails and gets its pages back exactly once; none leaks."""
     assert net.dc is not None
-    sides = [("prefill", "switch"), ("decode", "switch"), ("prefill", "host"),
-             ("decode", "host")]
+    sides = [("prefill", "switch"), ("decode", "switch"), ("prefill", "host"), ("decode", "host")]
     live: list[tuple[int, dict[str, Any]]] = []
     outcomes: dict[str, int] = {}
     failed: list[dict[str, Any]] = []
@@ -259,8 +275,9 @@ def owed(host: Any, addr: str) -> int:
     """Sockets on ``host`` that still owe ``addr`` bytes while orphaned or backed off."""
     total = 0
     for path in tcpstate.PATHS:
-        text = subprocess.run([*host.prefix, "cat", path], capture_output=True, text=True,
-                              check=False).stdout
+        text = subprocess.run(
+            [*host.prefix, "cat", path], capture_output=True, text=True, check=False
+        ).stdout
         total += sum(1 for o in tcpstate.parse(text) if o.remote == addr)
     return total
 
@@ -292,8 +309,9 @@ def test_a_write_mooncake_dropped_lands_late_and_the_pages_wait_for_it(net: Net)
         out = net.wait(big, LONG_S)
         assert out["state"] == "Failed", out
         # the control path works: a failure message would have released the pages by now
-        assert not net.released(big, 3.0), \
+        assert not net.released(big, 3.0), (
             "pages handed back while a dropped connection still held bytes for them"
+        )
     finally:
         pf_host.unblock()
     assert net.released(big, 60), "pages still held after the link carried the bytes again"
@@ -317,8 +335,7 @@ def wait_blocked(host: Any, timeout: float = 30.0) -> bool:
     return True
 
 
-def test_slow_link_delivers_within_deadline_and_too_short_deadline_fails_cleanly(
-        net: Net) -> None:
+def test_slow_link_delivers_within_deadline_and_too_short_deadline_fails_cleanly(net: Net) -> None:
     """The prefill's link is capped at 200 Mbit/s: a 64 MiB request (~2.7 s at that rate)
     arrives byte-exact within its 10 s deadline; a decode endpoint whose deadline is 1 s
     fails the same request with DeadlineExceeded naming the state it was in, and nothing
@@ -326,8 +343,13 @@ def test_slow_link_delivers_within_deadline_and_too_short_deadline_fails_cleanly
     assert net.dc is not None
     host = net.net["prefill"]
     dec = net.net["decode"]
-    net.dc.call("add_endpoint", name="short", role="decode",
-                config={**FAST, "transfer_timeout_s": 1.0, "host": dec.addr}, geoms=GEOMS)
+    net.dc.call(
+        "add_endpoint",
+        name="short",
+        role="decode",
+        config={**FAST, "transfer_timeout_s": 1.0, "host": dec.addr},
+        geoms=GEOMS,
+    )
     host.cap(200)
     try:
         before = host.shaped()
@@ -345,8 +367,9 @@ def test_slow_link_delivers_within_deadline_and_too_short_deadline_fails_cleanly
         out = net.wait(r, 30, ep="short")
         assert out["state"] == "Failed", out
         assert out["kind"] == "deadline", out
-        assert re.search(r"transfer \(state (WaitingForInput|Transferring), waiting for",
-                         out["failure"]), out
+        assert re.search(
+            r"transfer \(state (WaitingForInput|Transferring), waiting for", out["failure"]
+        ), out
         assert net.released(r, 30, ep="short")
         assert net.dc.call("release_counts", ep="short")[r["room"]] == 1
         net.settle(ep="short")
@@ -358,8 +381,7 @@ def test_slow_link_delivers_within_deadline_and_too_short_deadline_fails_cleanly
     ok_request(net)
 
 
-def test_bootstrap_unreachable_keeps_pairs_working_and_lookups_fail_naming_it(
-        net: Net) -> None:
+def test_bootstrap_unreachable_keeps_pairs_working_and_lookups_fail_naming_it(net: Net) -> None:
     """The bootstrap's host drops off the network: the pair already connected keeps
     serving (its route is known), and a lookup nobody made before fails at the request's
     own deadline (2 s: tries that time out are tried again until then), with a message
@@ -368,10 +390,18 @@ def test_bootstrap_unreachable_keeps_pairs_working_and_lookups_fail_naming_it(
     ok_request(net)  # the route is fresh
     boot = net.net["boot"]
     # the transfer's own deadline far off: only the lookup's 2 s can end the room in time
-    net.dc.call("add_endpoint", name="fresh", role="decode",
-                config={**FAST, "bootstrap_timeout_s": 2.0, "transfer_timeout_s": LONG_S,
-                        "host": net.net["decode"].addr},
-                geoms=GEOMS)
+    net.dc.call(
+        "add_endpoint",
+        name="fresh",
+        role="decode",
+        config={
+            **FAST,
+            "bootstrap_timeout_s": 2.0,
+            "transfer_timeout_s": LONG_S,
+            "host": net.net["decode"].addr,
+        },
+        geoms=GEOMS,
+    )
     boot.cut()
     try:
         got = net.net["decode"].reach(boot.addr, net.boot.port, timeout=0.5)

@@ -29,15 +29,23 @@ pytestmark = needs_root
 
 torch.set_num_threads(1)
 MODEL = ToyModel(ToyConfig())
-WORKER = ["--bootstrap-timeout", "10", "--transfer-timeout", "60", "--heartbeat", "0.25",
-          "--pages", "512"]
+WORKER = [
+    "--bootstrap-timeout",
+    "10",
+    "--transfer-timeout",
+    "60",
+    "--heartbeat",
+    "0.25",
+    "--pages",
+    "512",
+]
 HOSTS = ["front", "p0", "p1", "d0", "client"]
 ROUTER_TIMEOUT_S = 60
 
 
 def greedy(prompt: str | list[int], n: int) -> list[int]:
     out = MODEL.generate(encode(prompt) if isinstance(prompt, str) else prompt, n)
-    return out[:out.index(EOS_ID)] if EOS_ID in out else out
+    return out[: out.index(EOS_ID)] if EOS_ID in out else out
 
 
 def text_of(ids: list[int]) -> str:
@@ -48,12 +56,21 @@ def start(net: Network, transport: str, bind_all: bool = False) -> Cluster:
     """Bootstrap and router on ``front``, prefills on ``p0`` and ``p1``, the decode on ``d0``;
     ``bind_all``: each binds 0.0.0.0 and advertises its host's address."""
     env = {"UCX_TLS": "tcp"} if transport == "nixl" else None  # else UCX takes shared memory
-    return Cluster(worker_args=[*WORKER, "--transport", transport], prefills=2,
-                   bind_all=bind_all, router_args=["--timeout", str(ROUTER_TIMEOUT_S)],
-                   env=env, client=net["client"].enter,
-                   hosts={"bootstrap": net["front"], "router": net["front"],
-                          "prefill": net["p0"], "prefill1": net["p1"],
-                          "decode": net["d0"]}).start()
+    return Cluster(
+        worker_args=[*WORKER, "--transport", transport],
+        prefills=2,
+        bind_all=bind_all,
+        router_args=["--timeout", str(ROUTER_TIMEOUT_S)],
+        env=env,
+        client=net["client"].enter,
+        hosts={
+            "bootstrap": net["front"],
+            "router": net["front"],
+            "prefill": net["p0"],
+            "prefill1": net["p1"],
+            "decode": net["d0"],
+        },
+    ).start()
 
 
 @pytest.fixture(scope="module")
@@ -73,41 +90,47 @@ def cluster(net: Network) -> Iterator[Cluster]:
 
 def client_for(c: Cluster) -> openai.OpenAI:
     assert c.router is not None
-    return openai.OpenAI(base_url=f"{c.router.url}/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return openai.OpenAI(base_url=f"{c.router.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def served_identically(net: Network, c: Cluster) -> int:
     """Completions (plain and streamed) and a streamed chat through the official client, each
     equal to the colocated reference; returns the KV bytes the decode received."""
-    prompts = [f"request {i} from the client host, across the bridge: " + "w" * (40 * i)
-               for i in range(4)]
+    prompts = [
+        f"request {i} from the client host, across the bridge: " + "w" * (40 * i) for i in range(4)
+    ]
     kv_bytes = 0
     used: set[str] = set()
     with net["client"].enter():
         client = client_for(c)
         for p in prompts:
-            r = client.completions.create(model="pdxfer-toy", prompt=p, max_tokens=12,
-                                          temperature=0)
+            r = client.completions.create(
+                model="pdxfer-toy", prompt=p, max_tokens=12, temperature=0
+            )
             ext = r.model_extra["pdxfer"]
             assert ext["token_ids"] == greedy(p, 12), p
             assert r.choices[0].text == text_of(ext["token_ids"])
             kv_bytes += ext["bytes"]
             used.add(ext["prefill"])
-            chunks = list(client.completions.create(model="pdxfer-toy", prompt=p,
-                                                    max_tokens=12, temperature=0,
-                                                    stream=True))
-            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == \
-                r.choices[0].text
+            chunks = list(
+                client.completions.create(
+                    model="pdxfer-toy", prompt=p, max_tokens=12, temperature=0, stream=True
+                )
+            )
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
             last = [ch.model_extra["pdxfer"] for ch in chunks if "pdxfer" in ch.model_extra]
             assert len(last) == 1 and last[0]["token_ids"] == ext["token_ids"]
             used.add(last[0]["prefill"])
         msgs = [{"role": "user", "content": "hello from another host"}]
-        chunks = list(client.chat.completions.create(
-            model="pdxfer-toy", messages=msgs, max_tokens=10, temperature=0, stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                model="pdxfer-toy", messages=msgs, max_tokens=10, temperature=0, stream=True
+            )
+        )
         ids = greedy(chat_prompt(msgs), 10)
-        assert "".join(ch.choices[0].delta.content or "" for ch in chunks
-                       if ch.choices) == text_of(ids)
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text_of(
+            ids
+        )
     assert used == {p.url for p in c.prefills if p is not None}, used  # both prefill hosts
     return kv_bytes
 
@@ -116,10 +139,12 @@ def restores_l2(net: Network, c: Cluster) -> None:
     prefix = "a long system prompt shared by two requests, " * 9  # 405 tokens: 25 pages
     with net["client"].enter():
         client = client_for(c)
-        first = client.completions.create(model="pdxfer-toy", prompt=prefix + "one?",
-                                          max_tokens=8, temperature=0)
-        second = client.completions.create(model="pdxfer-toy", prompt=prefix + "two!",
-                                           max_tokens=8, temperature=0)
+        first = client.completions.create(
+            model="pdxfer-toy", prompt=prefix + "one?", max_tokens=8, temperature=0
+        )
+        second = client.completions.create(
+            model="pdxfer-toy", prompt=prefix + "two!", max_tokens=8, temperature=0
+        )
     a, b = first.model_extra["pdxfer"], second.model_extra["pdxfer"]
     assert a["token_ids"] == greedy(prefix + "one?", 8)
     assert b["token_ids"] == greedy(prefix + "two!", 8)
@@ -128,11 +153,16 @@ def restores_l2(net: Network, c: Cluster) -> None:
 
 
 def test_openai_client_across_hosts_matches_colocated_over_mooncake_tcp(
-        net: Network, cluster: Cluster) -> None:
+    net: Network, cluster: Cluster
+) -> None:
     """Every process of this cluster binds 0.0.0.0 and advertises its host's address."""
     assert cluster.router is not None and cluster.bootstrap is not None
-    for proc, host in ((cluster.router, "front"), (cluster.prefills[0], "p0"),
-                       (cluster.prefills[1], "p1"), (cluster.decode, "d0")):
+    for proc, host in (
+        (cluster.router, "front"),
+        (cluster.prefills[0], "p0"),
+        (cluster.prefills[1], "p1"),
+        (cluster.decode, "d0"),
+    ):
         assert proc is not None and proc.url.startswith(f"http://{net[host].addr}:"), proc.url
     assert cluster.bootstrap.address.startswith(f"{net['front'].addr}:")
     before = net["d0"].link_stats()["rx_bytes"]
@@ -173,8 +203,10 @@ def _hold_writes(c: Cluster, seconds: float) -> None:
 def _slow_requests(c: Cluster, n: int) -> tuple[list[str], Any]:
     prompts = [f"slow request {i}: " + "z" * 900 for i in range(n)]
     pool = ThreadPoolExecutor(n)
-    futs = [pool.submit(c.complete, {"prompt": p, "max_tokens": 4, "temperature": 0}, 120)
-            for p in prompts]
+    futs = [
+        pool.submit(c.complete, {"prompt": p, "max_tokens": 4, "temperature": 0}, 120)
+        for p in prompts
+    ]
     pool.shutdown(wait=False)
     return prompts, futs
 
@@ -188,8 +220,11 @@ def _wait_inflight(c: Cluster, which: str) -> None:
 
 def _deadline_failures(c: Cluster) -> float:
     """Rooms the decode failed at their deadline (its endpoint's failures of kind deadline)."""
-    return sum(v for k, v in c.metrics("decode").items()
-               if k.startswith("pdxfer_endpoint_failures{") and "kind=deadline" in k)
+    return sum(
+        v
+        for k, v in c.metrics("decode").items()
+        if k.startswith("pdxfer_endpoint_failures{") and "kind=deadline" in k
+    )
 
 
 def _answered(prompts: list[str], results: list[tuple[int, Any]]) -> int:
@@ -231,7 +266,8 @@ def _pages_come_back(c: Cluster, timeout: float = 40.0) -> None:
 
 
 def test_prefill_link_cut_mid_request_router_retries_on_the_other_pair(
-        net: Network, cluster: Cluster) -> None:
+    net: Network, cluster: Cluster
+) -> None:
     """A prefill's switch port goes down while it computes and ships a request: the decode
     fails that request with PeerLost in about a second, the router (the failure came before
     the first token) sends it to the other prefill, so the client gets the right answer (an
@@ -252,14 +288,16 @@ def test_prefill_link_cut_mid_request_router_retries_on_the_other_pair(
     finally:
         net["p0"].heal()
     _answered(prompts, results)
-    assert cluster.metrics("router")["pdxfer_router_retries"] > retries, \
+    assert cluster.metrics("router")["pdxfer_router_retries"] > retries, (
         "no request was caught by the cut"
+    )
     _served_by(cluster, p0.url)  # the router noticed by itself that it is back
     _pages_come_back(cluster)
 
 
 def test_prefill_host_dies_new_requests_go_to_the_other_then_it_returns(
-        net: Network, cluster: Cluster) -> None:
+    net: Network, cluster: Cluster
+) -> None:
     """Every process on a prefill's host is killed during traffic: requests in flight there
     get an answer at once (the other prefill's, or an OpenAI-shaped error), new ones go to
     the other prefill; a prefill started again on that host registers and serves. Its

@@ -30,7 +30,7 @@ PREFIX = "a system prompt that two decodes on two hosts share through the store,
 
 def greedy(prompt: str, n: int) -> list[int]:
     out = MODEL.generate(encode(prompt), n)
-    return out[:out.index(EOS_ID)] if EOS_ID in out else out
+    return out[: out.index(EOS_ID)] if EOS_ID in out else out
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +47,28 @@ def cluster(net: Network) -> Iterator[Cluster]:
     try:
         # round robin alternates the decodes, so a repeat lands on the decode that did not
         # see the prompt: its L2 has nothing, the store has it all
-        c = Cluster(worker_args=["--bootstrap-timeout", "10", "--transfer-timeout", "60",
-                                 "--pages", "512"],
-                    decode_args=["--l3-mooncake", master.master_addr,
-                                 "--l3-mooncake-metadata", master.metadata_url,
-                                 "--l3-mooncake-segment-mb", "64"],
-                    decodes=2, bind_all=True, client=net["client"].enter,
-                    router_args=["--timeout", "60", "--policy", "round_robin"],
-                    hosts={"bootstrap": net["front"], "router": net["front"],
-                           "prefill": net["p0"], "decode": net["d0"],
-                           "decode1": net["d1"]}).start()
+        c = Cluster(
+            worker_args=["--bootstrap-timeout", "10", "--transfer-timeout", "60", "--pages", "512"],
+            decode_args=[
+                "--l3-mooncake",
+                master.master_addr,
+                "--l3-mooncake-metadata",
+                master.metadata_url,
+                "--l3-mooncake-segment-mb",
+                "64",
+            ],
+            decodes=2,
+            bind_all=True,
+            client=net["client"].enter,
+            router_args=["--timeout", "60", "--policy", "round_robin"],
+            hosts={
+                "bootstrap": net["front"],
+                "router": net["front"],
+                "prefill": net["p0"],
+                "decode": net["d0"],
+                "decode1": net["d1"],
+            },
+        ).start()
         yield c
     finally:
         if c is not None:
@@ -65,17 +77,18 @@ def cluster(net: Network) -> Iterator[Cluster]:
 
 
 def test_decodes_on_two_hosts_restore_each_others_prompts_from_mooncake_store(
-        net: Network, cluster: Cluster) -> None:
+    net: Network, cluster: Cluster
+) -> None:
     assert cluster.router is not None
     pages = (len(encode(PREFIX)) // 16) * 16
     with net["client"].enter():
-        client = openai.OpenAI(base_url=f"{cluster.router.url}/v1", api_key="unused",
-                               max_retries=0, timeout=60)
+        client = openai.OpenAI(
+            base_url=f"{cluster.router.url}/v1", api_key="unused", max_retries=0, timeout=60
+        )
         got = []
         for i in range(4):  # round robin: d0, d1, d0, d1 (which decode goes first is not ours)
             p = PREFIX + f"question {i}?"
-            r = client.completions.create(model="pdxfer-toy", prompt=p, max_tokens=8,
-                                          temperature=0)
+            r = client.completions.create(model="pdxfer-toy", prompt=p, max_tokens=8, temperature=0)
             ext = r.model_extra["pdxfer"]
             assert ext["token_ids"] == greedy(p, 8), p
             got.append(ext)
@@ -88,4 +101,3 @@ def test_decodes_on_two_hosts_restore_each_others_prompts_from_mooncake_store(
     assert got[1]["restored_l3_tokens"] >= pages - 16, got[1]
     for g in got[2:]:
         assert g["restored_tokens"] >= pages - 16, g
-

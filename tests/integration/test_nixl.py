@@ -150,8 +150,11 @@ def bootstrap() -> Iterator[BootstrapServer]:
 
 
 def test_a_prefill_and_a_decode_on_different_transports_refuse_each_other(bootstrap) -> None:
-    pf = Agent("prefill", {**FAST, "bootstrap": bootstrap.address, "instance": "mixed",
-                           "transport": "nixl"}, GEOMS)
+    pf = Agent(
+        "prefill",
+        {**FAST, "bootstrap": bootstrap.address, "instance": "mixed", "transport": "nixl"},
+        GEOMS,
+    )
     dc = None
     try:
         dc = Agent("decode", {**FAST, "transport": "tcp"}, GEOMS)
@@ -159,8 +162,7 @@ def test_a_prefill_and_a_decode_on_different_transports_refuse_each_other(bootst
         reqs = [f.make(40)]
         prep, send = prefill_items(reqs)
         pf.call("prepare", items=prep)
-        dc.call("recv", items=decode_items(reqs), bootstrap=bootstrap.address,
-                instance="mixed")
+        dc.call("recv", items=decode_items(reqs), bootstrap=bootstrap.address, instance="mixed")
         pf.call("send", items=send)
         o = dc.call("wait", rooms=[reqs[0]["room"]], timeout=30)[reqs[0]["room"]]
         assert o["state"] == "Failed", o
@@ -182,17 +184,33 @@ def test_heterogeneous_tp_over_nixl_lands_every_head_once(bootstrap, tp_p, tp_d)
 
     b = bootstrap.address
     nixl = {"transport": "nixl"}
-    pf = Agent("prefill", {**FAST, **nixl, "bootstrap": b, "instance": f"nx{tp_p}{tp_d}"},
-               rank_geoms(TP_GEOMS, 1, 0))
+    pf = Agent(
+        "prefill",
+        {**FAST, **nixl, "bootstrap": b, "instance": f"nx{tp_p}{tp_d}"},
+        rank_geoms(TP_GEOMS, 1, 0),
+    )
     dc = None
     try:
         dc = Agent("decode", {**FAST, **nixl}, rank_geoms(TP_GEOMS, 1, 0))
         groups = {
-            "p": add_group(pf, "prefill", "p", tp_p, lambda r: rank_geoms(TP_GEOMS, tp_p, r),
-                           lambda r: {"tp_rank": r, "tp_size": tp_p, **nixl}, b,
-                           f"nxg{tp_p}{tp_d}"),
-            "d": add_group(dc, "decode", "d", tp_d, lambda r: rank_geoms(TP_GEOMS, tp_d, r),
-                           lambda r: {"tp_rank": r, "tp_size": tp_d, **nixl}),
+            "p": add_group(
+                pf,
+                "prefill",
+                "p",
+                tp_p,
+                lambda r: rank_geoms(TP_GEOMS, tp_p, r),
+                lambda r: {"tp_rank": r, "tp_size": tp_p, **nixl},
+                b,
+                f"nxg{tp_p}{tp_d}",
+            ),
+            "d": add_group(
+                dc,
+                "decode",
+                "d",
+                tp_d,
+                lambda r: rank_geoms(TP_GEOMS, tp_d, r),
+                lambda r: {"tp_rank": r, "tp_size": tp_d, **nixl},
+            ),
         }
         run_case(groups, b, "p", "d", TP_GEOMS, [(16, 1), (45, 2), (200, 3), (1024, 2)])
     finally:
@@ -211,8 +229,9 @@ def test_host_landing_over_nixl_remaps_every_token_exactly(bootstrap) -> None:
 
     host = dataclasses.replace(KV, page_size=1, pages=8192, page_remap=True)
     nixl = {"transport": "nixl"}
-    pf = Agent("prefill", {**FAST, **nixl, "bootstrap": bootstrap.address, "instance": "nxh"},
-               [KV, AUX])
+    pf = Agent(
+        "prefill", {**FAST, **nixl, "bootstrap": bootstrap.address, "instance": "nxh"}, [KV, AUX]
+    )
     dc = None
     try:
         dc = Agent("decode", {**FAST, **nixl}, [host, AUX])
@@ -235,8 +254,7 @@ def test_a_restore_from_l2_with_its_suffix_over_nixl_is_byte_exact(bootstrap) ->
     from .tiers_helpers import MODEL, Family, X, assert_right, finish, start, write_back
 
     nixl = {"transport": "nixl"}
-    pf = Agent("prefill", {**FAST, **nixl, "bootstrap": bootstrap.address, "instance": "nxr"},
-               STD)
+    pf = Agent("prefill", {**FAST, **nixl, "bootstrap": bootstrap.address, "instance": "nxr"}, STD)
     dc = None
     try:
         dc = Agent("decode", {**FAST, **nixl}, STD)
@@ -252,8 +270,7 @@ def test_a_restore_from_l2_with_its_suffix_over_nixl_is_byte_exact(bootstrap) ->
         res = finish(dc, [b])
         assert_right(res)
         moved = int(pf.call("ext", fn=X + "transport_bytes")) - before
-        suffix = int(dc.call("ext", fn=X + "suffix_bytes", start=SHARED, end=N,
-                             slots=["aux"]))
+        suffix = int(dc.call("ext", fn=X + "suffix_bytes", start=SHARED, end=N, slots=["aux"]))
         assert moved == suffix, (moved, suffix)
     finally:
         pf.close()
@@ -275,14 +292,18 @@ def test_whole_pages_go_through_prepared_lists_and_the_rest_per_call() -> None:
         a.add_peer(b.session_id, b.peer_info())
         s0, d0 = src.ctypes.data, dst.ctypes.data
         # pages 3..5 -> 40..42 (a run), page 9 -> 7, and half a page 11 -> 20 (sub-page)
-        a.write(b.session_id, [s0 + 3 * item, s0 + 9 * item, s0 + 11 * item],
-                [d0 + 40 * item, d0 + 7 * item, d0 + 20 * item], [3 * item, item, item // 2])
+        a.write(
+            b.session_id,
+            [s0 + 3 * item, s0 + 9 * item, s0 + 11 * item],
+            [d0 + 40 * item, d0 + 7 * item, d0 + 20 * item],
+            [3 * item, item, item // 2],
+        )
         assert a.stats_prepped == 4  # 3 + 1 page descriptors by index
         pg = src.reshape(64, item)
         got = dst.reshape(64, item)
         assert np.array_equal(got[40:43], pg[3:6]) and np.array_equal(got[7], pg[9])
-        assert np.array_equal(got[20, :item // 2], pg[11, :item // 2])
-        assert not got[20, item // 2:].any() and not got[0].any()
+        assert np.array_equal(got[20, : item // 2], pg[11, : item // 2])
+        assert not got[20, item // 2 :].any() and not got[0].any()
     finally:
         a.close()
         b.close()
@@ -340,8 +361,12 @@ def test_a_write_split_across_ucx_threads_lands_byte_exact(bootstrap, threads) -
     """``PDXFER_NIXL_THREADS``: a chunk of at least ``SPLIT_ENTRIES`` blocks is copied by
     that many UCX threads (``1``: the posting thread alone, as before); every byte lands."""
     inst = f"split{threads}"
-    pf = Agent("prefill", {**FAST, "bootstrap": bootstrap.address, "instance": inst,
-                           "transport": "nixl"}, GEOMS, env={"PDXFER_NIXL_THREADS": threads})
+    pf = Agent(
+        "prefill",
+        {**FAST, "bootstrap": bootstrap.address, "instance": inst, "transport": "nixl"},
+        GEOMS,
+        env={"PDXFER_NIXL_THREADS": threads},
+    )
     dc = None
     try:
         dc = Agent("decode", {**FAST, "transport": "nixl"}, GEOMS)
@@ -368,8 +393,12 @@ def _idle_agent(q: mp.Queue, nixl_default: bool) -> None:
     if nixl_default:
         import nixl_cu12 as nixl
 
-        agent = nixl.nixl_agent("pdxfer-test-default", nixl.nixl_agent_config(
-            backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+        agent = nixl.nixl_agent(
+            "pdxfer-test-default",
+            nixl.nixl_agent_config(
+                backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            ),
+        )
     else:
         agent = NixlTransport()
     q.put(bool(agent))
@@ -423,7 +452,7 @@ def test_a_process_that_ran_nixl_exits_cleanly(kind: str, close: str) -> None:
     the bundled one loaded first, its destructor faulted at exit (status -11 with an agent
     alone, or beside Mooncake in ``auto``). A process that used the transport, closed or left
     to exit, must end with status 0."""
-    r = subprocess.run([sys.executable, "-c", EXITS, kind, close], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0 and f"started {kind}" in r.stdout, (r.returncode,
-                                                                 r.stderr[-2000:])
+    r = subprocess.run(
+        [sys.executable, "-c", EXITS, kind, close], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and f"started {kind}" in r.stdout, (r.returncode, r.stderr[-2000:])

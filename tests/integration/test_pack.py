@@ -30,11 +30,13 @@ DELAY = 1.5
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
-def pair(bootstrap: BootstrapServer, request: pytest.FixtureRequest
-         ) -> Iterator[tuple[Agent, Agent]]:
+def pair(
+    bootstrap: BootstrapServer, request: pytest.FixtureRequest
+) -> Iterator[tuple[Agent, Agent]]:
     faults = f"delay_write={DELAY},rooms={';'.join(map(str, SLOW))}"
-    pf, dc = start_pair(bootstrap, GEOMS, prefill_env={"PDXFER_FAULTS": faults},
-                        transport=request.param, pack="on")
+    pf, dc = start_pair(
+        bootstrap, GEOMS, prefill_env={"PDXFER_FAULTS": faults}, transport=request.param, pack="on"
+    )
     dc.call("sentinel")
     yield pf, dc
     pf.close()
@@ -48,8 +50,10 @@ def factory(pair: tuple[Agent, Agent]) -> Factory:
 
 def test_packed_scattered_chunked_requests_land_byte_exact(pair, bootstrap, factory) -> None:
     pf, dc = pair
-    reqs = [factory.make(n, chunks=c) for n, c in
-            [(16, 1), (17, 1), (100, 3), (257, 4), (500, 7), (1, 1), (333, 5)]]
+    reqs = [
+        factory.make(n, chunks=c)
+        for n, c in [(16, 1), (17, 1), (100, 3), (257, 4), (500, 7), (1, 1), (333, 5)]
+    ]
     reqs.append(factory.make(200, prefix_len=64, chunks=3))  # a prefix the decode holds
     out = run(pf, dc, bootstrap.address, reqs)
     assert_all_right(out, verify(dc, reqs))
@@ -63,7 +67,8 @@ def test_packed_scattered_chunked_requests_land_byte_exact(pair, bootstrap, fact
 
 
 def test_a_packed_write_still_landing_keeps_pages_and_lease_until_it_drained(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     a = factory.make(64, room=881)
     start(pf, dc, bootstrap.address, [a])
@@ -80,7 +85,8 @@ def test_a_packed_write_still_landing_keeps_pages_and_lease_until_it_drained(
 
 
 def test_a_packed_request_that_fails_never_scatters_into_its_pages(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     dc.call("sentinel")
     r = factory.make(96, room=882)

@@ -127,12 +127,11 @@ def test_a_no_secret_bootstrap_bound_everywhere_serves_loopback_only(net: Networ
 
 
 def test_a_no_secret_control_socket_bound_everywhere_closes_a_peer_on_another_host(
-        net: Network) -> None:
+    net: Network,
+) -> None:
     srv, peer = net["srv"], net["peer"]
-    cfg = EndpointConfig(role="prefill", host="0.0.0.0", advertise="127.0.0.1",
-                         transport="memory")
-    ep = in_ns(srv, lambda: Endpoint(cfg, pools(),
-                                    MemoryTransport()))
+    cfg = EndpointConfig(role="prefill", host="0.0.0.0", advertise="127.0.0.1", transport="memory")
+    ep = in_ns(srv, lambda: Endpoint(cfg, pools(), MemoryTransport()))
     assert isinstance(ep, Endpoint)
     try:
         port = int(ep.ctrl_addr.rpartition(":")[2])
@@ -145,13 +144,21 @@ def test_a_no_secret_control_socket_bound_everywhere_closes_a_peer_on_another_ho
 
 @pytest.mark.parametrize("role", ["router", "decode"])
 def test_no_secret_http_servers_bound_everywhere_refuse_a_peer_on_another_host(
-        net: Network, role: str) -> None:
+    net: Network, role: str
+) -> None:
     srv, peer = net["srv"], net["peer"]
-    args = (["router", "--prefill", "http://127.0.0.1:9,127.0.0.1:9", "--decode",
-             "http://127.0.0.1:9"] if role == "router"
-            else ["decode", "--bootstrap", "127.0.0.1:9", "--pages", "16"])
-    p = Proc(role, [*args, "--host", "0.0.0.0", "--advertise", "127.0.0.1", "--port", "0"],
-             prefix=srv.prefix, env=NO_SECRET, timeout=120)
+    args = (
+        ["router", "--prefill", "http://127.0.0.1:9,127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
+        if role == "router"
+        else ["decode", "--bootstrap", "127.0.0.1:9", "--pages", "16"]
+    )
+    p = Proc(
+        role,
+        [*args, "--host", "0.0.0.0", "--advertise", "127.0.0.1", "--port", "0"],
+        prefix=srv.prefix,
+        env=NO_SECRET,
+        timeout=120,
+    )
     try:
         port = int(p.url.rpartition(":")[2])
         assert http_status(peer, f"http://{srv.addr}:{port}/metrics") == 403
@@ -160,18 +167,33 @@ def test_no_secret_http_servers_bound_everywhere_refuse_a_peer_on_another_host(
         p.stop()
 
 
-@pytest.mark.parametrize("cmd", [
-    ["bootstrap", "--port", "0"],
-    ["router", "--port", "0", "--prefill", "http://127.0.0.1:9,127.0.0.1:9", "--decode",
-     "http://127.0.0.1:9"],
-    ["decode", "--port", "0", "--bootstrap", "127.0.0.1:9", "--pages", "16"],
-])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["bootstrap", "--port", "0"],
+        [
+            "router",
+            "--port",
+            "0",
+            "--prefill",
+            "http://127.0.0.1:9,127.0.0.1:9",
+            "--decode",
+            "http://127.0.0.1:9",
+        ],
+        ["decode", "--port", "0", "--bootstrap", "127.0.0.1:9", "--pages", "16"],
+    ],
+)
 def test_serving_a_host_address_without_a_secret_stops_at_start_saying_how_to_set_one(
-        net: Network, cmd: list[str]) -> None:
+    net: Network, cmd: list[str]
+) -> None:
     srv = net["srv"]
-    r = subprocess.run([*srv.prefix, sys.executable, "-m", "pdxfer.cli", *cmd, "--host",
-                        srv.addr], env={**os.environ, **NO_SECRET}, capture_output=True, text=True,
-                       timeout=600)  # a hang detector: the decode's imports are slow when loaded
+    r = subprocess.run(
+        [*srv.prefix, sys.executable, "-m", "pdxfer.cli", *cmd, "--host", srv.addr],
+        env={**os.environ, **NO_SECRET},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # a hang detector: the decode's imports are slow when loaded
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "PDXFER_READY" not in r.stdout
     assert "without a shared secret" in r.stderr and "PDXFER_SECRET" in r.stderr, r.stderr
@@ -181,16 +203,33 @@ def test_serving_a_host_address_without_a_secret_stops_at_start_saying_how_to_se
 def test_an_endpoint_advertising_a_host_address_without_a_secret_is_refused() -> None:
     for kw in ({"host": "10.213.0.99"}, {"host": "0.0.0.0", "advertise": "10.213.0.99"}):
         with pytest.raises(ConfigError, match="without a shared secret.*PDXFER_SECRET"):
-            Endpoint(EndpointConfig(role="decode", transport="memory", **kw),  # type: ignore[arg-type]
-                     pools(), MemoryTransport())
+            Endpoint(
+                EndpointConfig(role="decode", transport="memory", **kw),  # type: ignore[arg-type]
+                pools(),
+                MemoryTransport(),
+            )
 
 
 def test_the_insecure_opt_in_serves_other_hosts_and_warns_once(net: Network) -> None:
     srv, peer = net["srv"], net["peer"]
-    p = subprocess.Popen([*srv.prefix, sys.executable, "-m", "pdxfer.cli", "bootstrap",
-                          "--port", "0", "--host", srv.addr, "--insecure"],
-                         env={**os.environ, **NO_SECRET}, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            *srv.prefix,
+            sys.executable,
+            "-m",
+            "pdxfer.cli",
+            "bootstrap",
+            "--port",
+            "0",
+            "--host",
+            srv.addr,
+            "--insecure",
+        ],
+        env={**os.environ, **NO_SECRET},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert p.stdout is not None
         line = ""
@@ -209,12 +248,13 @@ def test_the_insecure_opt_in_serves_other_hosts_and_warns_once(net: Network) -> 
 
 
 def test_an_insecure_endpoint_warns_once_naming_what_is_open(
-        caplog: pytest.LogCaptureFixture) -> None:
-    cfg = EndpointConfig(role="prefill", host="0.0.0.0", advertise="127.0.0.1",
-                         transport="memory", insecure=True)
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = EndpointConfig(
+        role="prefill", host="0.0.0.0", advertise="127.0.0.1", transport="memory", insecure=True
+    )
     with caplog.at_level(logging.WARNING, logger="pdxfer.protect"):
-        eps = [Endpoint(cfg, pools(), MemoryTransport())
-               for _ in range(2)]
+        eps = [Endpoint(cfg, pools(), MemoryTransport()) for _ in range(2)]
     for ep in eps:
         ep.close()
     lines = [r.getMessage() for r in caplog.records if "INSECURE" in r.getMessage()]

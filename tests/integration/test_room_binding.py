@@ -25,8 +25,10 @@ from .helpers import Factory, decode_items, prefill_items
 from .hetero import rank_geoms
 
 SECRET = "room binding tests' secret, 16+ bytes"
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=2, head_dim=16),
-         PoolGeom("aux", "slots", layers=1, pages=64, dim=8, dtype="int32")]
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=2, head_dim=16),
+    PoolGeom("aux", "slots", layers=1, pages=64, dim=8, dtype="int32"),
+]
 ONE = rank_geoms(GEOMS, 1, 0)
 CONF = {**FAST, "secret": SECRET}
 
@@ -37,17 +39,28 @@ class Env:
         b = self.srv.address
         self.pf = self.dc = None
         self.pf = Agent("prefill", {**CONF, "bootstrap": b, "instance": "pf"}, ONE)
-        self.pf.call("add_endpoint", name="fan", role="prefill", geoms=ONE,
-                     config={**CONF, "bootstrap": b, "instance": "pfan", "fan_out": True})
+        self.pf.call(
+            "add_endpoint",
+            name="fan",
+            role="prefill",
+            geoms=ONE,
+            config={**CONF, "bootstrap": b, "instance": "pfan", "fan_out": True},
+        )
         self.dc = Agent("decode", {**CONF, "instance": "dec-a"}, ONE)
         decodes: dict[str, tuple[dict[str, Any], list[PoolGeom]]] = {
             "b": ({"instance": "dec-b"}, ONE),
-            "x": ({}, ONE), "y": ({}, ONE),  # two decodes both left at the default instance
-            **{f"{g}:{r}": ({"tp_rank": r, "tp_size": 2}, rank_geoms(GEOMS, 2, r))
-               for g in "tu" for r in (0, 1)}}
+            "x": ({}, ONE),
+            "y": ({}, ONE),  # two decodes both left at the default instance
+            **{
+                f"{g}:{r}": ({"tp_rank": r, "tp_size": 2}, rank_geoms(GEOMS, 2, r))
+                for g in "tu"
+                for r in (0, 1)
+            },
+        }
         for name, (conf, geoms) in decodes.items():
-            self.dc.call("add_endpoint", name=name, role="decode", config={**CONF, **conf},
-                         geoms=geoms)
+            self.dc.call(
+                "add_endpoint", name=name, role="decode", config={**CONF, **conf}, geoms=geoms
+            )
         self.f = {"main": Factory(ONE, ONE, seed=27), "fan": Factory(ONE, ONE, seed=28)}
 
     def close(self) -> None:
@@ -79,12 +92,14 @@ def wait_for(cond: Any, timeout: float = 20.0) -> None:
 
 def ask(env: Env, r: dict[str, Any], ep: str, instance: str = "pf") -> None:
     env.dc.call("sentinel", ep=ep)
-    env.dc.call("recv", items=decode_items([r]), bootstrap=env.srv.address, ep=ep,
-                instance=instance)
+    env.dc.call(
+        "recv", items=decode_items([r]), bootstrap=env.srv.address, ep=ep, instance=instance
+    )
 
 
-def parked_in_order(env: Env, r: dict[str, Any], eps: list[str], pf_ep: str = "main",
-                    instance: str = "pf") -> None:
+def parked_in_order(
+    env: Env, r: dict[str, Any], eps: list[str], pf_ep: str = "main", instance: str = "pf"
+) -> None:
     """Each decode's request reaches the prefill (and waits for the room's sender) before the
     next one asks, then the prefill sends: the first asker is the first attached."""
     base = pf_metric(env, "pending_requests", pf_ep)
@@ -114,11 +129,13 @@ def refused(env: Env, r: dict[str, Any], ep: str) -> None:
     assert env.dc.call("untouched", exclude={}, ep=ep) == 0  # not one byte landed
 
 
-@pytest.mark.parametrize("owner,other", [("main", "b"), ("x", "y")],
-                         ids=["other_instance", "same_default_instance"])
+@pytest.mark.parametrize(
+    "owner,other", [("main", "b"), ("x", "y")], ids=["other_instance", "same_default_instance"]
+)
 @pytest.mark.parametrize("when", ["parked", "live"])
 def test_a_second_decode_group_is_refused_the_room_and_gets_no_byte(
-        env: Env, owner: str, other: str, when: str) -> None:
+    env: Env, owner: str, other: str, when: str
+) -> None:
     r = env.f["main"].make(100, chunks=3)
     before = pf_metric(env, "rejected_not_bound")
     if when == "parked":
@@ -128,8 +145,12 @@ def test_a_second_decode_group_is_refused_the_room_and_gets_no_byte(
         env.pf.call("prepare", items=prep)
         env.pf.call("send", items=send)
         ask(env, r, owner)
-        wait_for(lambda: env.pf.call("ext", fn="tests.harness.attack:states",
-                                     rooms=[r["room"]])[r["room"]] != "Bootstrapping")
+        wait_for(
+            lambda: (
+                env.pf.call("ext", fn="tests.harness.attack:states", rooms=[r["room"]])[r["room"]]
+                != "Bootstrapping"
+            )
+        )
         ask(env, r, other)
     refused(env, r, other)
     exact(env, r, owner)
@@ -137,7 +158,8 @@ def test_a_second_decode_group_is_refused_the_room_and_gets_no_byte(
 
 
 def test_tp_ranks_of_one_decode_group_share_a_room_and_another_groups_rank_is_refused(
-        env: Env) -> None:
+    env: Env,
+) -> None:
     """TP 1 -> 2 unbound: both ranks of group t ask prefill rank 0 and land their heads;
     rank 0 of group u (same default instance, same TP size) asks too and is refused."""
     r = env.f["main"].make(130, chunks=2)

@@ -25,8 +25,16 @@ from pdxfer.serving.toy import (
 from pdxfer.serving.toy.cluster import Cluster
 from pdxfer.serving.toy.demo import make_prompts
 
-FAST = ["--bootstrap-timeout", "10", "--transfer-timeout", "60", "--heartbeat", "0.25",
-        "--pages", "512"]
+FAST = [
+    "--bootstrap-timeout",
+    "10",
+    "--transfer-timeout",
+    "60",
+    "--heartbeat",
+    "0.25",
+    "--pages",
+    "512",
+]
 torch.set_num_threads(1)  # the toy model's ops are tiny; a second thread only spins
 MODEL = ToyModel(ToyConfig())
 DRAFT = make_draft(MODEL)
@@ -71,13 +79,15 @@ def detok(ids: list[int]) -> str:
 def greedy(prompt: str, n: int) -> list[int]:
     """The colocated reference, ending before EOS as a served request does."""
     out = MODEL.generate(encode(prompt), n)
-    return out[:out.index(EOS_ID)] if EOS_ID in out else out
+    return out[: out.index(EOS_ID)] if EOS_ID in out else out
 
 
 def test_fifty_requests_identical_to_colocated(cluster: Cluster) -> None:
     prompts = make_prompts(50, seed=1, prefix_words=10)
-    bodies = [{"prompt": p, "max_tokens": 6, "stream": i % 4 == 3, "temperature": 0}
-              for i, p in enumerate(prompts)]
+    bodies = [
+        {"prompt": p, "max_tokens": 6, "stream": i % 4 == 3, "temperature": 0}
+        for i, p in enumerate(prompts)
+    ]
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(cluster.complete, bodies))
     for p, (status, body) in zip(prompts, results):
@@ -85,7 +95,8 @@ def test_fifty_requests_identical_to_colocated(cluster: Cluster) -> None:
 
 
 def test_the_prefill_streams_each_layer_of_each_chunk_as_the_forward_writes_it(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     """TP 1: every target layer of every chunk is handed to the sender as soon as the forward
     wrote it, then the chunk's draft layers (one send); the output stays exact."""
     prompt = "layer by layer, every chunk of a prompt no cache has seen: " + "qz" * 90
@@ -102,10 +113,12 @@ def test_the_prefill_streams_each_layer_of_each_chunk_as_the_forward_writes_it(
 
 def test_repeated_long_prefix_is_restored_and_output_identical(cluster: Cluster) -> None:
     prefix = "the long shared system prompt, " * 12  # 372 tokens: 23 full pages
-    first = cluster.complete({"prompt": prefix + "first question?", "max_tokens": 8,
-                              "temperature": 0})
-    second = cluster.complete({"prompt": prefix + "another one!", "max_tokens": 8,
-                               "temperature": 0})
+    first = cluster.complete(
+        {"prompt": prefix + "first question?", "max_tokens": 8, "temperature": 0}
+    )
+    second = cluster.complete(
+        {"prompt": prefix + "another one!", "max_tokens": 8, "temperature": 0}
+    )
     for (status, body), tail in ((first, "first question?"), (second, "another one!")):
         assert ids_of(status, body) == greedy(prefix + tail, 8)
     info1, info2 = first[1]["pdxfer"], second[1]["pdxfer"]
@@ -121,7 +134,7 @@ def test_draft_kv_restored_with_target_keeps_accept_length(cluster: Cluster) -> 
     body = {"prompt": SPEC_PROMPT, "max_tokens": 24, "speculative_k": 4, "temperature": 0}
     fresh = cluster.complete(body)
     again = cluster.complete(body)
-    want = ref.tokens[:ref.tokens.index(EOS_ID)] if EOS_ID in ref.tokens else ref.tokens
+    want = ref.tokens[: ref.tokens.index(EOS_ID)] if EOS_ID in ref.tokens else ref.tokens
     assert ids_of(*fresh) == want and ids_of(*again) == want
     f, r = fresh[1]["pdxfer"], again[1]["pdxfer"]
     assert f["restored_tokens"] == 0 and r["restored_tokens"] > 300
@@ -137,25 +150,29 @@ def test_accept_length_check_detects_a_missing_draft_prefix() -> None:
     dkv = DRAFT.new_kv_pool(64, allocator=kv.allocator)
     pt = kv.allocator.alloc(40)
     first = MODEL.prefill(prompt, pt, kv)  # target KV only; the draft pool stays zero
-    bad = speculative_generate(MODEL, DRAFT, prompt, 24, k=4, kv=kv, draft_kv=dkv,
-                               page_table=pt, first_token=first)
+    bad = speculative_generate(
+        MODEL, DRAFT, prompt, 24, k=4, kv=kv, draft_kv=dkv, page_table=pt, first_token=first
+    )
     assert bad.tokens == good.tokens
     assert bad.mean_accept_length < 0.9 * good.mean_accept_length
 
 
-@pytest.mark.parametrize("raw, why", [
-    (b"{not json", "JSON"),
-    (b"[1, 2]", "object"),
-    (json.dumps({"prompt": "", "max_tokens": 4}).encode(), "empty"),
-    (json.dumps({"prompt": 42}).encode(), "prompt"),
-    (json.dumps({"prompt": [1, 999]}).encode(), "prompt"),
-    (json.dumps({"prompt": "hi", "max_tokens": "4"}).encode(), "max_tokens"),
-    (json.dumps({"prompt": "hi", "max_tokens": True}).encode(), "max_tokens"),
-    (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),
-    (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), "stream"),
-    (json.dumps({"prompt": "hi", "speculative_k": 99}).encode(), "speculative_k"),
-    (json.dumps({"prompt": "x" * 1020, "max_tokens": 16}).encode(), "exceeds"),
-])
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (b"{not json", "JSON"),
+        (b"[1, 2]", "object"),
+        (json.dumps({"prompt": "", "max_tokens": 4}).encode(), "empty"),
+        (json.dumps({"prompt": 42}).encode(), "prompt"),
+        (json.dumps({"prompt": [1, 999]}).encode(), "prompt"),
+        (json.dumps({"prompt": "hi", "max_tokens": "4"}).encode(), "max_tokens"),
+        (json.dumps({"prompt": "hi", "max_tokens": True}).encode(), "max_tokens"),
+        (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),
+        (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), "stream"),
+        (json.dumps({"prompt": "hi", "speculative_k": 99}).encode(), "speculative_k"),
+        (json.dumps({"prompt": "x" * 1020, "max_tokens": 16}).encode(), "exceeds"),
+    ],
+)
 def test_bad_request_gets_4xx_with_message(cluster: Cluster, raw: bytes, why: str) -> None:
     status, body = cluster.complete(None, raw=raw)
     assert 400 <= status < 500, body
@@ -163,9 +180,9 @@ def test_bad_request_gets_4xx_with_message(cluster: Cluster, raw: bytes, why: st
 
 
 def test_good_request_after_bad_ones_still_works(cluster: Cluster) -> None:
-    assert ids_of(*cluster.complete({"prompt": "still fine?", "max_tokens": 5,
-                                     "temperature": 0})) == \
-        greedy("still fine?", 5)
+    assert ids_of(
+        *cluster.complete({"prompt": "still fine?", "max_tokens": 5, "temperature": 0})
+    ) == greedy("still fine?", 5)
     assert cluster.metrics("router")["pdxfer_router_bad_requests"] >= 11
 
 
@@ -186,9 +203,10 @@ def test_killed_prefill_fails_inflight_requests_then_recovers(cluster: Cluster) 
     assert cluster.prefill is not None
     prompts = [f"slow request {i}: " + "z" * 900 for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
-        futs = [pool.submit(cluster.complete, {"prompt": p, "max_tokens": 4,
-                                               "temperature": 0}, 90)
-                for p in prompts]
+        futs = [
+            pool.submit(cluster.complete, {"prompt": p, "max_tokens": 4, "temperature": 0}, 90)
+            for p in prompts
+        ]
         deadline = time.monotonic() + 60
         while cluster.metrics("prefill").get("pdxfer_prefill_inflight", 0) < 1:
             assert time.monotonic() < deadline, "no request reached the prefill"
@@ -199,8 +217,9 @@ def test_killed_prefill_fails_inflight_requests_then_recovers(cluster: Cluster) 
         assert status >= 500 and body["error"]["message"], body
     cluster.start_prefill(port)
     for p in ("after the restart", "and once more, longer " * 10):
-        assert ids_of(*cluster.complete({"prompt": p, "max_tokens": 5, "temperature": 0})) == \
-            greedy(p, 5)
+        assert ids_of(
+            *cluster.complete({"prompt": p, "max_tokens": 5, "temperature": 0})
+        ) == greedy(p, 5)
     deadline = time.monotonic() + 30  # failed requests' pages come back (fail-closed release)
     while cluster.metrics("decode")["pdxfer_decode_free_pages"] < 512:
         assert time.monotonic() < deadline, cluster.metrics("decode")

@@ -27,14 +27,26 @@ MODEL = ToyModel(ToyConfig())
 PAGES = 4
 """Per worker: a prompt below takes 3 pages on the prefill (3 with 8 new tokens on the
 decode), so one request fits and a second waits."""
-WORKER = ["--pages", str(PAGES), "--admission-timeout", "20", "--bootstrap-timeout", "40",
-          "--transfer-timeout", "60", "--heartbeat", "0.25", "--max-waiting", "64"]
+WORKER = [
+    "--pages",
+    str(PAGES),
+    "--admission-timeout",
+    "20",
+    "--bootstrap-timeout",
+    "40",
+    "--transfer-timeout",
+    "60",
+    "--heartbeat",
+    "0.25",
+    "--max-waiting",
+    "64",
+]
 NEW = 8
 
 
 def greedy(ids: list[int], n: int) -> list[int]:
     out = MODEL.generate(ids, n)
-    return out[:out.index(EOS_ID)] if EOS_ID in out else out
+    return out[: out.index(EOS_ID)] if EOS_ID in out else out
 
 
 def prompt(i: int) -> str:
@@ -54,8 +66,7 @@ def test_prefill_and_decode_admitting_different_requests_do_not_deadlock(tp: int
     the decode's pages go to B while A's prefill is in, and B's prefill and A's decode
     arrive after them. Both requests are served, one after the other. At TP 2 (both
     workers) rank 0 decides admission for its ranks."""
-    with Cluster(worker_args=[*WORKER, "--tp", str(tp)],
-                 router_args=["--timeout", "120"]) as c:
+    with Cluster(worker_args=[*WORKER, "--tp", str(tp)], router_args=["--timeout", "120"]) as c:
         assert c.prefill is not None and c.decode is not None and c.bootstrap is not None
         pf, dc, boot = c.prefill.url, c.decode.url, c.bootstrap.address
         a, b = encode(prompt(1)), encode(prompt(2))
@@ -63,13 +74,23 @@ def test_prefill_and_decode_admitting_different_requests_do_not_deadlock(tp: int
         room_a, room_b = 1001, 1002
 
         def prefill(room: int, ids: list[int]) -> tuple[int, Any]:
-            return post(f"{pf}/generate", {"room": room, "prompt_ids": ids, "temperature": 0},
-                        timeout=120)
+            return post(
+                f"{pf}/generate", {"room": room, "prompt_ids": ids, "temperature": 0}, timeout=120
+            )
 
         def decode(room: int, ids: list[int]) -> tuple[int, Any]:
-            return post(f"{dc}/generate", {"room": room, "bootstrap": boot,
-                                           "instance": "default", "prompt_ids": ids,
-                                           "max_tokens": NEW, "temperature": 0}, timeout=120)
+            return post(
+                f"{dc}/generate",
+                {
+                    "room": room,
+                    "bootstrap": boot,
+                    "instance": "default",
+                    "prompt_ids": ids,
+                    "max_tokens": NEW,
+                    "temperature": 0,
+                },
+                timeout=120,
+            )
 
         with ThreadPoolExecutor(4) as ex:
             pa = ex.submit(prefill, room_a, a)
@@ -78,8 +99,15 @@ def test_prefill_and_decode_admitting_different_requests_do_not_deadlock(tp: int
             wait_until(lambda: c.metrics("decode")["pdxfer_decode_free_pages"] < PAGES)
             da = ex.submit(decode, room_a, a)
             pb = ex.submit(prefill, room_b, b)
-            got = {name: f.result() for name, f in
-                   (("prefill A", pa), ("decode A", da), ("prefill B", pb), ("decode B", db))}
+            got = {
+                name: f.result()
+                for name, f in (
+                    ("prefill A", pa),
+                    ("decode A", da),
+                    ("prefill B", pb),
+                    ("decode B", db),
+                )
+            }
         for name, (status, body) in got.items():
             assert status == 200, (name, status, body)
         assert got["decode A"][1]["token_ids"] == greedy(a, NEW)
@@ -95,13 +123,15 @@ def test_many_concurrent_requests_against_pools_that_fit_one_all_succeed() -> No
     first attempt; none is refused with 503 while they could be served one after another."""
     with Cluster(worker_args=WORKER, router_args=["--timeout", "120"]) as c:
         assert c.router is not None
-        client = openai.OpenAI(base_url=f"{c.router.url}/v1", api_key="none", max_retries=0,
-                               timeout=120)
+        client = openai.OpenAI(
+            base_url=f"{c.router.url}/v1", api_key="none", max_retries=0, timeout=120
+        )
         prompts = [prompt(i) for i in range(12)]
 
         def complete(p: str) -> list[int]:
-            r = client.completions.create(model="pdxfer-toy", prompt=p, max_tokens=NEW,
-                                          temperature=0)
+            r = client.completions.create(
+                model="pdxfer-toy", prompt=p, max_tokens=NEW, temperature=0
+            )
             return r.model_extra["pdxfer"]["token_ids"]  # type: ignore[index]
 
         with ThreadPoolExecutor(len(prompts)) as ex:

@@ -14,8 +14,9 @@ WORKER = ["--bootstrap-timeout", "5", "--transfer-timeout", "10", "--pages", "12
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(worker_args=WORKER, prefill_args=["--seed", "1"],
-                router_args=["--timeout", "30"]).start()
+    c = Cluster(
+        worker_args=WORKER, prefill_args=["--seed", "1"], router_args=["--timeout", "30"]
+    ).start()
     try:
         yield c
     finally:
@@ -23,8 +24,9 @@ def cluster() -> Iterator[Cluster]:
 
 
 def test_a_prefill_with_another_seed_is_refused_naming_the_seed(cluster: Cluster) -> None:
-    status, body = cluster.complete({"prompt": "which model are you?", "max_tokens": 4,
-                                     "temperature": 0}, timeout=60)
+    status, body = cluster.complete(
+        {"prompt": "which model are you?", "max_tokens": 4, "temperature": 0}, timeout=60
+    )
     assert status >= 400, body
     msg = body["error"]["message"]
     assert "model differs" in msg and "seed: prefill 1, decode 0" in msg, msg
@@ -36,16 +38,22 @@ def test_workers_on_nixl_serve_identical_text_and_refuse_a_mooncake_peer() -> No
     from pdxfer.serving.toy import EOS_ID, ToyConfig, ToyModel, encode
 
     out = ToyModel(ToyConfig()).generate(encode("over nixl"), 8)
-    want = out[:out.index(EOS_ID)] if EOS_ID in out else out
-    with Cluster(worker_args=[*WORKER, "--transport", "nixl"],
-                 router_args=["--timeout", "30"]) as c:
+    want = out[: out.index(EOS_ID)] if EOS_ID in out else out
+    with Cluster(
+        worker_args=[*WORKER, "--transport", "nixl"], router_args=["--timeout", "30"]
+    ) as c:
         status, body = c.complete({"prompt": "over nixl", "max_tokens": 8, "temperature": 0})
         assert status == 200, body
         assert body["pdxfer"]["token_ids"] == want
-    with Cluster(worker_args=WORKER, prefill_args=["--transport", "nixl"],
-                 decode_args=["--transport", "tcp"], router_args=["--timeout", "30"]) as c:
-        status, body = c.complete({"prompt": "mixed", "max_tokens": 4, "temperature": 0},
-                                  timeout=60)
+    with Cluster(
+        worker_args=WORKER,
+        prefill_args=["--transport", "nixl"],
+        decode_args=["--transport", "tcp"],
+        router_args=["--timeout", "30"],
+    ) as c:
+        status, body = c.complete(
+            {"prompt": "mixed", "max_tokens": 4, "temperature": 0}, timeout=60
+        )
         assert status >= 400, body
         msg = body["error"]["message"]
         assert "transport differs" in msg and "nixl" in msg and "mooncake" in msg, msg

@@ -19,14 +19,22 @@ from pdxfer.serving.toy.cluster import Cluster
 
 torch.set_num_threads(1)
 MODEL = ToyModel(ToyConfig())
-WORKER = ["--bootstrap-timeout", "15", "--transfer-timeout", "60", "--heartbeat", "0.25",
-          "--pages", "256"]
+WORKER = [
+    "--bootstrap-timeout",
+    "15",
+    "--transfer-timeout",
+    "60",
+    "--heartbeat",
+    "0.25",
+    "--pages",
+    "256",
+]
 N = 10
 
 
 def greedy(prompt: str) -> list[int]:
     out = MODEL.generate(encode(prompt), N)
-    return out[:out.index(EOS_ID)] if EOS_ID in out else out
+    return out[: out.index(EOS_ID)] if EOS_ID in out else out
 
 
 def get(url: str) -> Any:
@@ -37,8 +45,9 @@ def get(url: str) -> Any:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(worker_args=WORKER, router_args=["--timeout", "90"],
-                decode_args=["--dp", "2"]).start()
+    c = Cluster(
+        worker_args=WORKER, router_args=["--timeout", "90"], decode_args=["--dp", "2"]
+    ).start()
     try:
         yield c
     finally:
@@ -53,27 +62,31 @@ def test_each_group_is_its_own_decode_with_its_own_identity(cluster: Cluster) ->
     pids = {g["pid"] for g in h["groups"]}
     assert len(peers) == 2 and len(pids) == 2 and h["pid"] not in pids, h
     r = get(f"{cluster.router.url}/health")
-    assert sorted(r["workers"]) == sorted([f"{cluster.decode.url}#dp0",
-                                           f"{cluster.decode.url}#dp1",
-                                           cluster.prefill.url]), r  # type: ignore[union-attr]
+    assert sorted(r["workers"]) == sorted(
+        [f"{cluster.decode.url}#dp0", f"{cluster.decode.url}#dp1", cluster.prefill.url]
+    ), r  # type: ignore[union-attr]
     assert r["policy"] == "kv_aware", r
 
 
 def test_kv_aware_routing_sends_a_prefix_to_the_group_that_holds_it(cluster: Cluster) -> None:
     assert cluster.router is not None
-    client = openai.OpenAI(base_url=f"{cluster.router.url}/v1", api_key="unused",
-                           max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=f"{cluster.router.url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
 
     def ask(prompt: str) -> dict[str, Any]:
-        r = client.completions.create(model="pdxfer-toy", prompt=prompt, max_tokens=N,
-                                      temperature=0)
+        r = client.completions.create(
+            model="pdxfer-toy", prompt=prompt, max_tokens=N, temperature=0
+        )
         info = r.model_extra["pdxfer"]
         assert info["token_ids"] == greedy(prompt), prompt
         return info
 
     topics = ["alpha", "beta", "gamma", "delta"]
-    prefix = {t: f"{t}: " + " ".join(f"{t} page {i} of the shared history" for i in range(9))
-              for t in topics}
+    prefix = {
+        t: f"{t}: " + " ".join(f"{t} page {i} of the shared history" for i in range(9))
+        for t in topics
+    }
     first = {t: ask(prefix[t] + " | opening question") for t in topics}
     groups = {t: first[t]["decode_dp"] for t in topics}
     assert set(groups.values()) == {0, 1}, groups  # an idle fleet is spread over both

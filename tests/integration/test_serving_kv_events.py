@@ -24,8 +24,16 @@ from pdxfer.serving.toy.cluster import Cluster
 
 torch.set_num_threads(1)
 MODEL = ToyModel(ToyConfig())
-WORKER = ["--bootstrap-timeout", "10", "--transfer-timeout", "60", "--heartbeat", "0.25",
-          "--pages", "256"]
+WORKER = [
+    "--bootstrap-timeout",
+    "10",
+    "--transfer-timeout",
+    "60",
+    "--heartbeat",
+    "0.25",
+    "--pages",
+    "256",
+]
 TURN1 = "a conversation the router follows by the prefills' own KV events: " * 4
 STALE_DEADLINE_S = 1.0
 MUTED = 8
@@ -34,12 +42,11 @@ SHORT = TURN1[:80]  # four pages: the silent-publisher test asks many prompts
 
 def greedy(prompt: str, n: int) -> list[int]:
     out = MODEL.generate(encode(prompt), n)
-    return out[:out.index(EOS_ID)] if EOS_ID in out else out
+    return out[: out.index(EOS_ID)] if EOS_ID in out else out
 
 
 def ask(c: Cluster, prompt: str, n: int = 8) -> dict[str, Any]:
-    status, body = c.complete({"prompt": prompt, "max_tokens": n, "temperature": 0},
-                              timeout=120)
+    status, body = c.complete({"prompt": prompt, "max_tokens": n, "temperature": 0}, timeout=120)
     assert status == 200, body
     out = body["pdxfer"]
     assert out["token_ids"] == greedy(prompt, n)
@@ -48,8 +55,7 @@ def ask(c: Cluster, prompt: str, n: int = 8) -> dict[str, Any]:
 
 def route(c: Cluster, prompt: str) -> dict[str, Any]:
     """Where a prompt went and what was claimed and reused (``ask`` without the reference)."""
-    status, body = c.complete({"prompt": prompt, "max_tokens": 2, "temperature": 0},
-                              timeout=120)
+    status, body = c.complete({"prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=120)
     assert status == 200, body
     return dict(body["pdxfer"])
 
@@ -68,14 +74,21 @@ def until(cond: Any, timeout: float = 20.0) -> None:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     eps = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-    c = Cluster(worker_args=WORKER, prefills=2, decodes=1,
-                each_prefill=[["--kv-events", e] for e in eps])
+    c = Cluster(
+        worker_args=WORKER, prefills=2, decodes=1, each_prefill=[["--kv-events", e] for e in eps]
+    )
     c.start()
     try:
         urls = [p.url for p in c.prefills if p is not None]
         feeds = [a for u, e in zip(urls, eps) for a in ("--kv-events", f"{u}={e}")]
-        plain, c.router = c.router, c.add_router([0, 1], [0], ["--policy", "kv_aware", *feeds,
-                                                     "--kv-stale-deadline", str(STALE_DEADLINE_S)])
+        plain, c.router = (
+            c.router,
+            c.add_router(
+                [0, 1],
+                [0],
+                ["--policy", "kv_aware", *feeds, "--kv-stale-deadline", str(STALE_DEADLINE_S)],
+            ),
+        )
         c.routers = [plain]  # stopped with the cluster; requests go to the KV-aware one
         yield c
     finally:
@@ -126,7 +139,8 @@ def reached(cond: Any, timeout: float) -> bool:
 
 
 def test_a_silent_publisher_is_suspected_and_trusted_again_once_it_publishes(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     """Prefill 1 restarts with a publisher that, after its first batch, drops the next
     ``MUTED`` while the prefill serves (no gap: nothing is numbered). The prompts it computes
     never show up in its events, so the router suspects its feed (history decides for it;
@@ -155,8 +169,9 @@ def test_a_silent_publisher_is_suspected_and_trusted_again_once_it_publishes(
     stale, served = feed("stale"), 0
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         for b in range(8):  # rounds of new prompts, about half computed by prefill 1
-            outs = ex.map(lambda k: route(c, f"{k:03d} while silent: " + SHORT),
-                          range(4 * b, 4 * b + 4))
+            outs = ex.map(
+                lambda k: route(c, f"{k:03d} while silent: " + SHORT), range(4 * b, 4 * b + 4)
+            )
             served += sum(o["prefill"] == url for o in outs)
             if served > 3 and reached(lambda: feed("stale") > stale, 2 * STALE_DEADLINE_S):
                 break

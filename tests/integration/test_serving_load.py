@@ -21,8 +21,16 @@ from pdxfer.serving.toy.cluster import Cluster
 torch.set_num_threads(1)
 MODEL = ToyModel(ToyConfig())
 PAGES = 512
-WORKER = ["--bootstrap-timeout", "10", "--transfer-timeout", "60", "--heartbeat", "0.25",
-          "--pages", str(PAGES)]
+WORKER = [
+    "--bootstrap-timeout",
+    "10",
+    "--transfer-timeout",
+    "60",
+    "--heartbeat",
+    "0.25",
+    "--pages",
+    str(PAGES),
+]
 MIN_STEP_S = 0.02
 """The decode's floor per step (``--min-step-s``): the 900-token generations that clients
 leave last at least 18 s on any machine, so none can end on its own before its client left
@@ -32,13 +40,16 @@ makes them longer, never the verdict different."""
 
 def greedy(prompt: str, n: int) -> list[int]:
     out = MODEL.generate(encode(prompt), n)
-    return out[:out.index(EOS_ID)] if EOS_ID in out else out
+    return out[: out.index(EOS_ID)] if EOS_ID in out else out
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(worker_args=WORKER, decode_args=["--min-step-s", str(MIN_STEP_S)],
-                router_args=["--timeout", "120"]).start()
+    c = Cluster(
+        worker_args=WORKER,
+        decode_args=["--min-step-s", str(MIN_STEP_S)],
+        router_args=["--timeout", "120"],
+    ).start()
     try:
         yield c
     finally:
@@ -46,8 +57,9 @@ def cluster() -> Iterator[Cluster]:
 
 
 def complete(cluster: Cluster, prompt: str, n: int, **kw: object) -> list[int]:
-    status, body = cluster.complete({"prompt": prompt, "max_tokens": n, "temperature": 0,
-                                     **kw}, timeout=180)
+    status, body = cluster.complete(
+        {"prompt": prompt, "max_tokens": n, "temperature": 0, **kw}, timeout=180
+    )
     assert status == 200, body
     return body["pdxfer"]["token_ids"]
 
@@ -69,10 +81,20 @@ def test_dropped_streams_never_corrupt_other_requests(cluster: Cluster) -> None:
 
     def drop(i: int) -> None:
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({
-            "prompt": f"a client that will leave early {i}", "max_tokens": 900,
-            "temperature": 0, "stream": True, "ignore_eos": True}),
-            {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(
+                {
+                    "prompt": f"a client that will leave early {i}",
+                    "max_tokens": 900,
+                    "temperature": 0,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
+            ),
+            {"Content-Type": "application/json"},
+        )
         r = conn.getresponse()
         assert r.status == 200
         r.fp.readline()  # the first event arrived: the request is generating
@@ -102,9 +124,19 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_it(cluster: Cluster) 
     u = urllib.parse.urlparse(cluster.router.url)
     m0 = cluster.metrics("decode")
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({
-        "prompt": "nobody will wait for me", "max_tokens": 900, "temperature": 0,
-        "ignore_eos": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {
+                "prompt": "nobody will wait for me",
+                "max_tokens": 900,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        ),
+        {"Content-Type": "application/json"},
+    )
     end = time.monotonic() + 60
     seen: float | None = None  # the decode's step count once the request was running
     while True:  # wait until the decode runs it and has stepped it: work has started
@@ -119,8 +151,9 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_it(cluster: Cluster) 
     assert conn.sock is not None
     conn.sock.close()  # the client leaves without reading its answer
     end = time.monotonic() + 60
-    while (m := cluster.metrics("decode")).get("pdxfer_decode_cancelled", 0) \
-            < m0.get("pdxfer_decode_cancelled", 0) + 1:
+    while (m := cluster.metrics("decode")).get("pdxfer_decode_cancelled", 0) < m0.get(
+        "pdxfer_decode_cancelled", 0
+    ) + 1:
         assert time.monotonic() < end, "the abandoned request kept generating"
         time.sleep(0.1)
     assert m.get("pdxfer_decode_success", 0) == m0.get("pdxfer_decode_success", 0), m
@@ -130,8 +163,7 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_it(cluster: Cluster) 
 def test_sixty_four_concurrent_shared_prefix_requests_all_succeed(cluster: Cluster) -> None:
     """More pages asked for than the decode holds: requests wait for pages (admission)
     instead of failing, and every output is identical to the colocated reference."""
-    groups = [f"conversation {g}: " + "the shared part of a long history. " * 8
-              for g in range(4)]
+    groups = [f"conversation {g}: " + "the shared part of a long history. " * 8 for g in range(4)]
     prompts = [groups[i % 4] + f"turn {i}?" for i in range(64)]
     with ThreadPoolExecutor(64) as pool:
         outs = list(pool.map(lambda p: complete(cluster, p, 8), prompts))
@@ -149,9 +181,21 @@ def test_a_speculative_request_does_not_hold_up_a_short_one(cluster: Cluster) ->
     u = urllib.parse.urlparse(cluster.router.url)
     long_prompt = "a long speculative generation: " * 4
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=180)
-    conn.request("POST", "/v1/completions", json.dumps({
-        "prompt": long_prompt, "max_tokens": 850, "temperature": 0, "speculative_k": 4,
-        "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {
+                "prompt": long_prompt,
+                "max_tokens": 850,
+                "temperature": 0,
+                "speculative_k": 4,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ),
+        {"Content-Type": "application/json"},
+    )
     r = conn.getresponse()
     assert r.status == 200
     line = b"\n"
@@ -159,8 +203,11 @@ def test_a_speculative_request_does_not_hold_up_a_short_one(cluster: Cluster) ->
         line = r.readline()
         assert line, "the stream ended before its first event"
     status, short = cluster.complete({"prompt": "short", "max_tokens": 4, "temperature": 0})
-    events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
-              if line.startswith("data: ") and line[6:] != "[DONE]"]
+    events = [
+        json.loads(line[6:])
+        for line in r.read().decode().splitlines()
+        if line.startswith("data: ") and line[6:] != "[DONE]"
+    ]
     conn.close()
     s_ext = next(e["pdxfer"] for e in reversed(events) if (e.get("pdxfer") or {}).get("end_step"))
     assert status == 200, short

@@ -28,15 +28,23 @@ from pdxfer.tiers import MooncakeMaster, MooncakeStoreStorage
 torch.set_num_threads(1)
 MODEL = ToyModel(ToyConfig())
 DRAFT = make_draft(MODEL)
-WORKER = ["--bootstrap-timeout", "10", "--transfer-timeout", "60", "--heartbeat", "0.25",
-          "--pages", "256"]
+WORKER = [
+    "--bootstrap-timeout",
+    "10",
+    "--transfer-timeout",
+    "60",
+    "--heartbeat",
+    "0.25",
+    "--pages",
+    "256",
+]
 PREFIX = "a conversation that comes back after the decode restarted: " * 5  # ~300 tokens
 SPEC = "the draft KV comes back from storage with the target KV. " * 5 + "go:"
 
 
 def greedy(prompt: str, n: int) -> list[int]:
     out = MODEL.generate(encode(prompt), n)
-    return out[:out.index(EOS_ID)] if EOS_ID in out else out
+    return out[: out.index(EOS_ID)] if EOS_ID in out else out
 
 
 @functools.cache
@@ -45,8 +53,9 @@ def spec_reference() -> SpecResult:
 
 
 def ask(c: Cluster, prompt: str, n: int = 12, **kw: Any) -> dict[str, Any]:
-    status, body = c.complete({"prompt": prompt, "max_tokens": n, "temperature": 0, **kw},
-                              timeout=120)
+    status, body = c.complete(
+        {"prompt": prompt, "max_tokens": n, "temperature": 0, **kw}, timeout=120
+    )
     assert status == 200, body
     return body["pdxfer"]
 
@@ -77,7 +86,7 @@ def restart_round_trip(c: Cluster) -> None:
 def spec_round_trip(c: Cluster) -> None:
     """Accept length after a restore from L2 and from L3 is at least 0.9x fresh."""
     ref = spec_reference()
-    want = ref.tokens[:ref.tokens.index(EOS_ID)] if EOS_ID in ref.tokens else ref.tokens
+    want = ref.tokens[: ref.tokens.index(EOS_ID)] if EOS_ID in ref.tokens else ref.tokens
     body = {"speculative_k": 4}
     fresh = ask(c, SPEC, 24, **body)
     l2 = ask(c, SPEC, 24, **body)
@@ -102,7 +111,8 @@ def file_cluster() -> Iterator[Cluster]:
 
 
 def test_a_prompt_seen_before_a_decode_restart_is_restored_from_file_l3(
-        file_cluster: Cluster) -> None:
+    file_cluster: Cluster,
+) -> None:
     restart_round_trip(file_cluster)
 
 
@@ -118,11 +128,21 @@ def mooncake_cluster() -> Iterator[Cluster]:
     holder = None
     c = None
     try:
-        holder = MooncakeStoreStorage(master.master_addr, master.metadata_url,
-                                      segment_bytes=512 << 20)
-        c = Cluster(worker_args=WORKER, router_args=["--timeout", "60"], decode_args=[
-            "--l3-mooncake", master.master_addr, "--l3-mooncake-metadata",
-            master.metadata_url, "--l3-mooncake-segment-mb", "0"]).start()
+        holder = MooncakeStoreStorage(
+            master.master_addr, master.metadata_url, segment_bytes=512 << 20
+        )
+        c = Cluster(
+            worker_args=WORKER,
+            router_args=["--timeout", "60"],
+            decode_args=[
+                "--l3-mooncake",
+                master.master_addr,
+                "--l3-mooncake-metadata",
+                master.metadata_url,
+                "--l3-mooncake-segment-mb",
+                "0",
+            ],
+        ).start()
         yield c
     finally:
         if c is not None:
@@ -133,15 +153,20 @@ def mooncake_cluster() -> Iterator[Cluster]:
 
 
 def test_a_prompt_seen_before_a_decode_restart_is_restored_from_mooncake_l3(
-        mooncake_cluster: Cluster) -> None:
+    mooncake_cluster: Cluster,
+) -> None:
     restart_round_trip(mooncake_cluster)
 
 
 @pytest.fixture(scope="module")
 def host_landing_cluster() -> Iterator[Cluster]:
     """The decode lands KV in a token-granular host pool; the prefill pages by 8."""
-    c = Cluster(worker_args=WORKER, prefill_args=["--page-size", "8"],
-                decode_args=["--kv-landing", "host"], router_args=["--timeout", "60"]).start()
+    c = Cluster(
+        worker_args=WORKER,
+        prefill_args=["--page-size", "8"],
+        decode_args=["--kv-landing", "host"],
+        router_args=["--timeout", "60"],
+    ).start()
     try:
         yield c
     finally:
@@ -156,8 +181,9 @@ def test_host_landing_outputs_are_identical(host_landing_cluster: Cluster) -> No
         assert o["token_ids"] == greedy(p, 16), p
     # the repeated prefix comes from the token-granular L2: every token but the last
     assert outs[3]["restored_l2_tokens"] >= len(encode(PREFIX))
-    st, events = c.complete({"prompt": PREFIX + "stream?", "max_tokens": 16,
-                             "temperature": 0, "stream": True})
+    st, events = c.complete(
+        {"prompt": PREFIX + "stream?", "max_tokens": 16, "temperature": 0, "stream": True}
+    )
     assert st == 200
     final = [e["pdxfer"] for e in events if e.get("pdxfer")]
     assert final and final[0]["token_ids"] == greedy(PREFIX + "stream?", 16)

@@ -26,8 +26,16 @@ from pdxfer.serving.toy.model import speculative_generate
 
 torch.set_num_threads(1)
 MODEL = ToyModel(ToyConfig())
-WORKER = ["--bootstrap-timeout", "15", "--transfer-timeout", "60", "--heartbeat", "0.25",
-          "--pages", "256"]
+WORKER = [
+    "--bootstrap-timeout",
+    "15",
+    "--transfer-timeout",
+    "60",
+    "--heartbeat",
+    "0.25",
+    "--pages",
+    "256",
+]
 P_TP2, P_TP1 = 0, 1
 D_TP1, D_TP2, D_HOST = 0, 1, 2
 N = 12
@@ -36,21 +44,29 @@ N = 12
 @functools.cache
 def greedy(prompt: str, n: int = N) -> tuple[int, ...]:
     out = MODEL.generate(encode(prompt), n)
-    return tuple(out[:out.index(EOS_ID)] if EOS_ID in out else out)
+    return tuple(out[: out.index(EOS_ID)] if EOS_ID in out else out)
 
 
 def prompts(topic: str) -> list[str]:
     """Two prompts sharing a prefix of ~13 pages, and one of their own (~6 pages)."""
     prefix = f"{topic}: " + " ".join(f"{topic[:3]}{i} moves kv pages" for i in range(14))
-    return [prefix + " | first question?", prefix + " | second, other question?",
-            f"unrelated {topic} prompt " * 4]
+    return [
+        prefix + " | first question?",
+        prefix + " | second, other question?",
+        f"unrelated {topic} prompt " * 4,
+    ]
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(worker_args=WORKER, router_args=["--timeout", "90"], prefills=2, decodes=3,
-                each_prefill=[["--tp", "2"], []],
-                each_decode=[[], ["--tp", "2"], ["--kv-landing", "host"]]).start()
+    c = Cluster(
+        worker_args=WORKER,
+        router_args=["--timeout", "90"],
+        prefills=2,
+        decodes=3,
+        each_prefill=[["--tp", "2"], []],
+        each_decode=[[], ["--tp", "2"], ["--kv-landing", "host"]],
+    ).start()
     try:
         yield c
     finally:
@@ -59,16 +75,17 @@ def cluster() -> Iterator[Cluster]:
 
 def client_for(c: Cluster, prefill: int, decode: int) -> openai.OpenAI:
     router = c.add_router([prefill], [decode], ["--timeout", "90"])
-    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def complete(client: openai.OpenAI, prompt: str, **extra: Any) -> dict[str, Any]:
-    r = client.completions.create(model="pdxfer-toy", prompt=prompt, max_tokens=N,
-                                  temperature=0, extra_body=extra or None)
+    r = client.completions.create(
+        model="pdxfer-toy", prompt=prompt, max_tokens=N, temperature=0, extra_body=extra or None
+    )
     info = r.model_extra["pdxfer"]
     assert r.choices[0].text == bytes(t for t in info["token_ids"] if t < 256).decode(
-        "utf-8", errors="replace")
+        "utf-8", errors="replace"
+    )
     return info
 
 
@@ -105,10 +122,12 @@ def test_prefill_tp1_feeds_decode_tp2_every_rank_restoring_its_heads(cluster: Cl
 
 
 def test_tp2_to_tp2_restores_prefix_and_repairs_a_short_restore_on_its_rank(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     first, second, _ = check_pair(cluster, P_TP2, D_TP2, "two to two")
-    assert all(r["restored_tokens"] >= 12 * 16 and r["repaired_tokens"] == 0
-               for r in second["ranks"]), second
+    assert all(
+        r["restored_tokens"] >= 12 * 16 and r["repaired_tokens"] == 0 for r in second["ranks"]
+    ), second
     # after a restart the prefix is in L3 only; rank 1's copy is damaged on disk: rank 1's
     # restore comes up short and is repaired from its prefill rank, rank 0 restores in full
     cluster.restart_decode(D_TP2)
@@ -139,12 +158,11 @@ def test_speculative_decoding_across_tp_sizes_keeps_the_draft_kv(cluster: Cluste
     p = "speculative decoding over tensor-parallel ranks needs every draft head. " * 4
     ref = speculative_generate(MODEL, make_draft(MODEL), encode(p), N, k=3)
     info = complete(client_for(cluster, P_TP2, D_TP2), p, speculative_k=3)
-    assert info["token_ids"] == ref.tokens[:len(info["token_ids"])]
+    assert info["token_ids"] == ref.tokens[: len(info["token_ids"])]
     assert info["mean_accept_length"] == pytest.approx(ref.mean_accept_length)
 
 
-def test_prefill_tp2_feeds_a_host_landing_decode_tp1_of_page_size_one(
-        cluster: Cluster) -> None:
+def test_prefill_tp2_feeds_a_host_landing_decode_tp1_of_page_size_one(cluster: Cluster) -> None:
     h = health(cluster.decodes[D_HOST].url)
     assert h["page_size"] == 1 and h["kv_landing"] == "host", h
     check_pair(cluster, P_TP2, D_HOST, "host landing")

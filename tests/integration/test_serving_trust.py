@@ -35,13 +35,15 @@ def ask(c: Cluster, prompt: str, key: str | None) -> tuple[int, dict]:
 
 def test_the_router_needs_an_api_key(cluster: Cluster) -> None:
     assert cluster.router is not None
-    anon = openai.OpenAI(base_url=f"{cluster.router.url}/v1", api_key="wrong-key-000000000000",
-                         max_retries=0)
+    anon = openai.OpenAI(
+        base_url=f"{cluster.router.url}/v1", api_key="wrong-key-000000000000", max_retries=0
+    )
     with pytest.raises(openai.AuthenticationError):
         anon.completions.create(model="pdxfer-toy", prompt="hi", max_tokens=2)
     alice = openai.OpenAI(base_url=f"{cluster.router.url}/v1", api_key=ALICE, max_retries=0)
-    assert alice.completions.create(model="pdxfer-toy", prompt="hi", max_tokens=2,
-                                    temperature=0).choices
+    assert alice.completions.create(
+        model="pdxfer-toy", prompt="hi", max_tokens=2, temperature=0
+    ).choices
 
 
 def test_workers_accept_only_the_router(cluster: Cluster) -> None:
@@ -49,9 +51,10 @@ def test_workers_accept_only_the_router(cluster: Cluster) -> None:
     bootstrap server of its choosing, nor abort a room."""
     assert cluster.decode is not None and cluster.prefill is not None
     attacker_bootstrap = "127.0.0.1:9"
-    status, body = post(f"{cluster.decode.url}/generate", {
-        "room": 77, "bootstrap": attacker_bootstrap, "prompt_ids": [1, 2, 3],
-        "max_tokens": 2})
+    status, body = post(
+        f"{cluster.decode.url}/generate",
+        {"room": 77, "bootstrap": attacker_bootstrap, "prompt_ids": [1, 2, 3], "max_tokens": 2},
+    )
     assert status == 401, body
     status, body = post(f"{cluster.prefill.url}/abort", {"room": 77})
     assert status == 401, body
@@ -72,15 +75,28 @@ def test_prefix_reuse_is_scoped_per_tenant(cluster: Cluster) -> None:
 def test_cache_hits_are_hidden_unless_the_operator_shows_them(cluster: Cluster) -> None:
     assert cluster.bootstrap is not None and cluster.prefill is not None
     assert cluster.decode is not None
-    quiet = Proc("quiet-router", [
-        "--log-level", "WARNING", "router", "--port", "0", "--prefill",
-        f"{cluster.prefill.url},{cluster.bootstrap.address}", "--decode", cluster.decode.url],
-        env=ENV)
+    quiet = Proc(
+        "quiet-router",
+        [
+            "--log-level",
+            "WARNING",
+            "router",
+            "--port",
+            "0",
+            "--prefill",
+            f"{cluster.prefill.url},{cluster.bootstrap.address}",
+            "--decode",
+            cluster.decode.url,
+        ],
+        env=ENV,
+    )
     try:
         for _ in range(2):
-            status, body = post(f"{quiet.url}/v1/completions", {
-                "prompt": PREFIX + "pin 9999", "max_tokens": 4, "temperature": 0},
-                headers={"Authorization": f"Bearer {ALICE}"})
+            status, body = post(
+                f"{quiet.url}/v1/completions",
+                {"prompt": PREFIX + "pin 9999", "max_tokens": 4, "temperature": 0},
+                headers={"Authorization": f"Bearer {ALICE}"},
+            )
             assert status == 200, body
         assert "restored_tokens" not in body["pdxfer"] and "bytes" not in body["pdxfer"]
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -68,8 +68,11 @@ def test_get_kv_class_returns_pdxfer_classes_for_every_class_type(procs: Procs) 
     mod = "pdxfer.integrations.sglang.conn."
     assert r["classes"] == {
         "kvargs": "sglang.srt.disaggregation.base.conn.KVArgs",
-        "manager": mod + "PdxferKVManager", "sender": mod + "PdxferKVSender",
-        "receiver": mod + "PdxferKVReceiver", "bootstrap_server": mod + "PdxferKVBootstrapServer"}
+        "manager": mod + "PdxferKVManager",
+        "sender": mod + "PdxferKVSender",
+        "receiver": mod + "PdxferKVReceiver",
+        "bootstrap_server": mod + "PdxferKVBootstrapServer",
+    }
     assert all(r["subclass"].values()), r["subclass"]  # SGLang's CommonKV* classes
     assert r["parsed"] == "pdxfer"  # --disaggregation-transfer-backend pdxfer parses
     assert r["queues_see_it"] == ["pdxfer", "pdxfer"]  # prefill.py and decode.py's binding
@@ -79,16 +82,30 @@ def test_get_kv_class_returns_pdxfer_classes_for_every_class_type(procs: Procs) 
 
 # -- the documented sequence -----------------------------------------------------------------
 
-ROOMS = [{"room": 101, "n": 37, "prefix": 0}, {"room": 102, "n": 50, "prefix": 8},
-         {"room": 103, "n": 21, "prefix": 0}]
+ROOMS = [
+    {"room": 101, "n": 37, "prefix": 0},
+    {"room": 102, "n": 50, "prefix": 8},
+    {"room": 103, "n": 21, "prefix": 0},
+]
 ALL = ["aux", "draft_kv", "kv", "state0_mamba.0", "state0_mamba.1"]
 
 
 def run_pair(procs: Procs, prefill_tp: int = 1, **cfg: object) -> dict:
     """One config: the prefill rank(s) serve ``ROOMS`` while the decode asks for them."""
-    conf = {"port": free_port(), "attn": "mha", "layers": 2, "page_size": 4, "pages": 64,
-            "heads": 2, "head_dim": 8, "draft": True, "state": True, "prefill_tp": prefill_tp,
-            "rooms": ROOMS, **cfg}
+    conf = {
+        "port": free_port(),
+        "attn": "mha",
+        "layers": 2,
+        "page_size": 4,
+        "pages": 64,
+        "heads": 2,
+        "head_dim": 8,
+        "draft": True,
+        "state": True,
+        "prefill_tp": prefill_tp,
+        "rooms": ROOMS,
+        **cfg,
+    }
     ranks = [procs.prefill, procs.prefill1][:prefill_tp]
     started: list[int] = []
     dec, outs = None, []
@@ -100,8 +117,9 @@ def run_pair(procs: Procs, prefill_tp: int = 1, **cfg: object) -> dict:
     finally:
         for r in started:  # each rank closes its manager, whatever the decode saw
             try:
-                outs.append(ranks[r].call("pd_sequence.prefill_finish", cfg=conf, tp_rank=r,
-                                          wait_s=90))
+                outs.append(
+                    ranks[r].call("pd_sequence.prefill_finish", cfg=conf, tp_rank=r, wait_s=90)
+                )
             except SglangError:
                 if dec is not None:
                     raise
@@ -160,32 +178,43 @@ def test_host_destination_lands_that_request_in_the_host_buffers(procs: Procs) -
     """SGLang's decode host receive: ``send_metadata(destination=HOST)`` for rooms 102 and
     103 lands their KV (target and draft) in the rank's host KV buffers, room 101 in the
     device ones, all through one manager; each room's bytes are checked where it asked."""
-    assert_exact(run_pair(procs, state=False, host_rooms=[1, 2]), ["aux", "draft_kv", "kv"],
-                 host=True)
+    assert_exact(
+        run_pair(procs, state=False, host_rooms=[1, 2]), ["aux", "draft_kv", "kv"], host=True
+    )
 
 
 # -- sliding window (SGLang's SWAKVPool) -----------------------------------------------------
 
 WINDOW = 12
-SWA_ROOMS = [{"room": 601, "n": 7, "prefix": 0},  # shorter than the window
-             {"room": 602, "n": 37, "prefix": 0},  # longer: the window starts at token 24
-             {"room": 603, "n": 50, "prefix": 8},  # a decode prefix, before the window
-             {"room": 604, "n": 30, "prefix": 24}]  # a decode prefix inside the window
+SWA_ROOMS = [
+    {"room": 601, "n": 7, "prefix": 0},  # shorter than the window
+    {"room": 602, "n": 37, "prefix": 0},  # longer: the window starts at token 24
+    {"room": 603, "n": 50, "prefix": 8},  # a decode prefix, before the window
+    {"room": 604, "n": 30, "prefix": 24},
+]  # a decode prefix inside the window
 
 
 def run_swa(procs: Procs, rooms: list[dict], prefill_tp: int = 1, **cfg: object) -> dict:
     """One config of ``pd_swa``: the prefill rank(s) serve ``rooms`` while the decode asks;
     ``prefill`` is rank 0's view."""
-    conf = {"port": free_port(), "window_prefill": WINDOW, "window_decode": WINDOW,
-            "rooms": rooms, "prefill_tp": prefill_tp, **cfg}
+    conf = {
+        "port": free_port(),
+        "window_prefill": WINDOW,
+        "window_decode": WINDOW,
+        "rooms": rooms,
+        "prefill_tp": prefill_tp,
+        **cfg,
+    }
     ranks = [procs.prefill, procs.prefill1][:prefill_tp]
     for r, p in enumerate(ranks):
         p.call("pd_swa.prefill_start", cfg=conf, tp_rank=r)
     try:
         dec = procs.decode.call("pd_swa.decode", cfg=conf, wait_s=180)
     finally:
-        pre = [p.call("pd_swa.prefill_finish", cfg=conf, tp_rank=r, wait_s=90)
-               for r, p in enumerate(ranks)]
+        pre = [
+            p.call("pd_swa.prefill_finish", cfg=conf, tp_rank=r, wait_s=90)
+            for r, p in enumerate(ranks)
+        ]
     return {"decode": dec, "prefill": pre[0], "ranks": pre}
 
 
@@ -221,8 +250,7 @@ def test_swa_moves_the_window_not_the_prompt(swa: dict) -> None:
         assert room["bytes"]["kv"] == -(-(r["n"] - r["prefix"]) // 4) * d["kv_item_bytes"] + 64
 
 
-def test_swa_window_size_mismatch_fails_the_request_naming_both_windows(procs: Procs
-                                                                        ) -> None:
+def test_swa_window_size_mismatch_fails_the_request_naming_both_windows(procs: Procs) -> None:
     """A decode whose sliding window is 8 tokens, the prefill's 12: a prompt shorter than
     both still moves, a longer one fails on both sides with a message naming each window."""
     r = run_swa(procs, SWA_ROOMS[:2], window_decode=8)
@@ -258,10 +286,12 @@ def queues(procs: Procs) -> dict:
     dc.submit("pd_queues.decode_setup", gloo_port=free_port(), trusted=f"127.0.0.1:{port}")
     built = {"prefill": pf.result(120), "decode": dc.result(120)}
     shared = [(PREFIX_OWNER * 31 + i) % 1000 for i in range(40)]
-    cached = dc.call("pd_queues.decode_cache_prefix", owner_room=PREFIX_OWNER,
-                     prompt=shared[:16])
-    rooms = [{"room": 501, "n": 37}, {"room": 502, "n": 40, "prompt": shared,
-                                      "prefix_owner": PREFIX_OWNER}, {"room": 503, "n": 9}]
+    cached = dc.call("pd_queues.decode_cache_prefix", owner_room=PREFIX_OWNER, prompt=shared[:16])
+    rooms = [
+        {"room": 501, "n": 37},
+        {"room": 502, "n": 40, "prompt": shared, "prefix_owner": PREFIX_OWNER},
+        {"room": 503, "n": 9},
+    ]
     pf.call("pd_queues.prefill_serve", rooms=rooms)
     dec = dc.call("pd_queues.decode_run", port=port, rooms=rooms, wait_s=120)
     pre = pf.call("pd_queues.prefill_collect", wait_s=90)
@@ -279,8 +309,7 @@ def test_prefill_bootstrap_queue_builds_pdxfers_manager_from_real_pools(queues: 
     assert queues["built"]["decode"]["manager"] == "PdxferKVManager"
 
 
-def test_sglangs_queues_move_every_request_byte_exact_with_a_decode_prefix(queues: dict
-                                                                          ) -> None:
+def test_sglangs_queues_move_every_request_byte_exact_with_a_decode_prefix(queues: dict) -> None:
     from_vocab = 1000
     d = queues["decode"]
     assert d["failed"] == [] and d["pending"] == [], d
@@ -299,16 +328,22 @@ def test_sglangs_queues_move_every_request_byte_exact_with_a_decode_prefix(queue
     assert d["untouched_bad"] == 0  # no slot outside the requests' pages changed
 
 
-def test_prefill_learns_the_decode_prefix_and_retires_requests_the_sglang_way(queues: dict
-                                                                             ) -> None:
+def test_prefill_learns_the_decode_prefix_and_retires_requests_the_sglang_way(queues: dict) -> None:
     p = queues["prefill"]
     assert {k: v["decode_prefix_len"] for k, v in p["rooms"].items()} == {
-        "501": 0, "502": 16, "503": 0}
+        "501": 0,
+        "502": 16,
+        "503": 0,
+    }
     for room, r in p["rooms"].items():
         # process_disagg_prefill_inflight_queue saw Success: the request finished, its KV
         # went back to the pool and its metadata slot was freed
-        assert r == {"finished": "FINISH_LENGTH", "decode_prefix_len": r["decode_prefix_len"],
-                     "kv_released": True, "metadata_freed": True}, (room, r)
+        assert r == {
+            "finished": "FINISH_LENGTH",
+            "decode_prefix_len": r["decode_prefix_len"],
+            "kv_released": True,
+            "metadata_freed": True,
+        }, (room, r)
     assert p["streamed"] == ["room-501", "room-502", "room-503"]
     assert p["free_tokens"] == p["total_tokens"]
 
@@ -321,9 +356,15 @@ WAITING_TIMEOUT_S = 20  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT: what would end 
 
 @pytest.fixture(scope="module")
 def failures(procs: Procs) -> dict:
-    cfg = {"port_a": free_port(), "port_b": free_port(), "port_rogue": free_port(),
-           "env": {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
-                   "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)}}
+    cfg = {
+        "port_a": free_port(),
+        "port_b": free_port(),
+        "port_rogue": free_port(),
+        "env": {
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S),
+        },
+    }
     procs.prefill.call("pd_failures.prefill", cfg=cfg, which="a")
     procs.prefill1.call("pd_failures.prefill", cfg=cfg, which="b")
     try:
@@ -366,7 +407,8 @@ def test_bootstrap_that_never_answers_fails_at_its_deadline(failures: dict) -> N
 
 
 def test_a_bootstrap_the_decode_does_not_trust_fails_at_once_without_a_lookup(
-        failures: dict) -> None:
+    failures: dict,
+) -> None:
     r = failures["untrusted"]
     assert r["poll"] == 0, r  # KVPoll.Failed, at construction
     assert "not one of this decode's trusted bootstrap servers" in r["failure"], r
@@ -374,6 +416,5 @@ def test_a_bootstrap_the_decode_does_not_trust_fails_at_once_without_a_lookup(
 
 
 def test_layout_mismatch_is_refused_naming_the_pool(failures: dict) -> None:
-    check(failures["203"], "LayoutMismatch",
-          "pool 'draft_kv' exists on prefill but not on decode")
+    check(failures["203"], "LayoutMismatch", "pool 'draft_kv' exists on prefill but not on decode")
     assert not failures["203"]["written"]

@@ -15,8 +15,10 @@ from pdxfer.demo.patterns import PoolGeom
 from .conftest import start_pair
 from .helpers import Factory, run, verify
 
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=512, page_size=16, heads=2, head_dim=16),
-         PoolGeom("aux", "slots", layers=1, pages=64, dim=8, dtype="int32")]
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=512, page_size=16, heads=2, head_dim=16),
+    PoolGeom("aux", "slots", layers=1, pages=64, dim=8, dtype="int32"),
+]
 FULL = os.environ.get("PDXFER_SOAK_FULL") == "1"
 TOTAL = 20_000 if FULL else 2_000
 BUDGET_S = 3600.0 if FULL else 30.0

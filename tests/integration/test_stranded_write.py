@@ -27,15 +27,16 @@ from .helpers import Factory, decode_items, prefill_items, run, verify
 
 STRANDED = (881, 882)
 STRAND_S = 2.0
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=128, page_size=16, heads=2, head_dim=16),
-         PoolGeom("aux", "slots", layers=1, pages=16, dim=8, dtype="int32")]
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=128, page_size=16, heads=2, head_dim=16),
+    PoolGeom("aux", "slots", layers=1, pages=16, dim=8, dtype="int32"),
+]
 
 
 @pytest.fixture(scope="module")
 def pair(bootstrap: BootstrapServer) -> Iterator[tuple[Agent, Agent]]:
     faults = f"strand={STRAND_S},rooms={';'.join(map(str, STRANDED))}"
-    pf, dc = start_pair(bootstrap, GEOMS, prefill_env={"PDXFER_FAULTS": faults},
-                        transport="tcp")
+    pf, dc = start_pair(bootstrap, GEOMS, prefill_env={"PDXFER_FAULTS": faults}, transport="tcp")
     dc.call("sentinel")
     yield pf, dc
     pf.close()
@@ -59,7 +60,8 @@ def released_at(dc: Agent, room: int, timeout: float = 60.0) -> float:
 
 
 def test_a_failed_write_still_on_its_way_lands_before_its_pages_come_back(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     r = {**factory.make(64, room=881), "scrub": True}  # refilled with the sentinel on release
     prep, send = prefill_items([r])
@@ -73,10 +75,12 @@ def test_a_failed_write_still_on_its_way_lands_before_its_pages_come_back(
     while not (landed := pf.call("strand_landings", room=881)):
         assert time.monotonic() < end, "the stranded batch never landed"
         time.sleep(0.05)
-    assert back >= landed[-1], \
+    assert back >= landed[-1], (
         f"pages handed back {landed[-1] - back:.2f} s before a failed write landed in them"
-    assert dc.call("dirty", dst=r["dst"], slots=r["dst_slots"]) == 0, \
+    )
+    assert dc.call("dirty", dst=r["dst"], slots=r["dst_slots"]) == 0, (
         "bytes landed in the pages after they were handed back"
+    )
     assert dc.call("release_counts")[881] == 1
     assert pf.call("metrics")["settle_waits"] >= 1
     factory.free(r)

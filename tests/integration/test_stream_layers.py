@@ -42,8 +42,13 @@ def factory(pair: tuple[Agent, Agent]) -> Factory:
     return Factory(GEOMS, GEOMS, seed=21)
 
 
-def grid(r: dict[str, Any], steps: list[int], groups: list[tuple[int, int]],
-         last: bool = True, layers_of: dict[str, range] | None = None) -> list[dict[str, Any]]:
+def grid(
+    r: dict[str, Any],
+    steps: list[int],
+    groups: list[tuple[int, int]],
+    last: bool = True,
+    layers_of: dict[str, range] | None = None,
+) -> list[dict[str, Any]]:
     """Chunks of ``r``: for each token step (cut at ``steps``), one chunk per layer group,
     each naming the pages (of the anchor pools holding those layers, ``layers_of``) that
     hold its tokens; the final one carries the slots."""
@@ -52,8 +57,11 @@ def grid(r: dict[str, Any], steps: list[int], groups: list[tuple[int, int]],
     out = []
     for t0, t1 in zip(bounds, bounds[1:]):
         for a, b in groups:
-            pages = {n: r["src"][n][t0 // PS: -(-t1 // PS)] for n, ids in layers_of.items()
-                     if any(a <= x < b for x in ids)}
+            pages = {
+                n: r["src"][n][t0 // PS : -(-t1 // PS)]
+                for n, ids in layers_of.items()
+                if any(a <= x < b for x in ids)
+            }
             out.append({"pages": pages, "layers": [a, b], "tokens": [t0, t1], "last": False})
     if last:
         out[-1]["last"] = True
@@ -61,8 +69,9 @@ def grid(r: dict[str, Any], steps: list[int], groups: list[tuple[int, int]],
     return out
 
 
-def start(pf: Agent, dc: Agent, bootstrap: str, r: dict[str, Any],
-          chunks: list[dict[str, Any]]) -> None:
+def start(
+    pf: Agent, dc: Agent, bootstrap: str, r: dict[str, Any], chunks: list[dict[str, Any]]
+) -> None:
     prep, _ = prefill_items([r])
     pf.call("prepare", items=prep)
     dc.call("recv", items=decode_items([r]), bootstrap=bootstrap)
@@ -71,8 +80,14 @@ def start(pf: Agent, dc: Agent, bootstrap: str, r: dict[str, Any],
 
 def _landed(dc: Agent, r: dict[str, Any], layers: int) -> bool:
     """Whether layers ``[0, layers)`` of every token of ``r`` are in the decode's pages."""
-    return dc.call("ext", fn="pdxfer.demo.agent:layers_landed", room=r["room"],
-                   dst=r["dst"], num_tokens=r["num_tokens"], layers=layers)
+    return dc.call(
+        "ext",
+        fn="pdxfer.demo.agent:layers_landed",
+        room=r["room"],
+        dst=r["dst"],
+        num_tokens=r["num_tokens"],
+        layers=layers,
+    )
 
 
 ONE_BY_ONE = [(x, x + 1) for x in range(LAYERS)]
@@ -82,9 +97,11 @@ ONE_BY_ONE = [(x, x + 1) for x in range(LAYERS)]
 def test_streamed_layers_land_byte_exact(pair, bootstrap, factory, shape: str) -> None:
     pf, dc = pair
     r = factory.make(101)  # the last page is partly used
-    steps, groups = {"layer_by_layer": ([], ONE_BY_ONE),
-                     "steps_by_layer": ([7, 40, 41, 90], ONE_BY_ONE),
-                     "steps_by_groups": ([23, 64], [(0, 3), (3, 4)])}[shape]
+    steps, groups = {
+        "layer_by_layer": ([], ONE_BY_ONE),
+        "steps_by_layer": ([7, 40, 41, 90], ONE_BY_ONE),
+        "steps_by_groups": ([23, 64], [(0, 3), (3, 4)]),
+    }[shape]
     start(pf, dc, bootstrap.address, r, grid(r, steps, groups))
     out = dc.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]
     assert out["state"] == "Success", out
@@ -105,8 +122,16 @@ def test_the_room_succeeds_only_once_its_last_layer_landed(pair, bootstrap, fact
     assert pf.call("states", rooms=[r["room"]])[r["room"]] == "WaitingForInput"
     assert dc.call("states", rooms=[r["room"]])[r["room"]] == "WaitingForInput"
     assert verify(dc, [r])[r["room"]][0] > 0  # layer 3's last tokens are not there yet
-    pf.call("send", items=[{"room": r["room"], "open": False,
-                            "chunks": [{**held_back, "last": True, "slots": r["src_slots"]}]}])
+    pf.call(
+        "send",
+        items=[
+            {
+                "room": r["room"],
+                "open": False,
+                "chunks": [{**held_back, "last": True, "slots": r["src_slots"]}],
+            }
+        ],
+    )
     out = dc.call("wait", rooms=[r["room"]], timeout=WAIT)[r["room"]]
     assert out["state"] == "Success", out
     assert verify(dc, [r])[r["room"]][0] == 0
@@ -114,7 +139,8 @@ def test_the_room_succeeds_only_once_its_last_layer_landed(pair, bootstrap, fact
 
 
 def test_a_last_send_with_a_layer_missing_fails_the_room_and_writes_nothing_past_it(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     r = factory.make(48)
     chunks = grid(r, [], [(0, 3)])  # layer 3 never given, yet the send says last
@@ -125,7 +151,8 @@ def test_a_last_send_with_a_layer_missing_fails_the_room_and_writes_nothing_past
 
 
 def test_sampled_integrity_over_streamed_layers_catches_a_corrupted_page(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     rooms = []
     reqs = [factory.make(90) for _ in range(4)]
@@ -144,11 +171,22 @@ def test_sampled_integrity_over_streamed_layers_catches_a_corrupted_page(
         factory.free(r)
 
 
-HETERO = [PoolGeom("kv", "mha", layers=2, pages=256, page_size=PS, heads=4, total_heads=4,
-                   head_dim=8),
-          PoolGeom("kvh", "mha", layers=2, pages=256, page_size=PS, heads=4, total_heads=4,
-                   head_dim=8, layout="HND", first_layer=10),
-          AUX]
+HETERO = [
+    PoolGeom("kv", "mha", layers=2, pages=256, page_size=PS, heads=4, total_heads=4, head_dim=8),
+    PoolGeom(
+        "kvh",
+        "mha",
+        layers=2,
+        pages=256,
+        page_size=PS,
+        heads=4,
+        total_heads=4,
+        head_dim=8,
+        layout="HND",
+        first_layer=10,
+    ),
+    AUX,
+]
 HETERO_LAYERS = {"kv": range(0, 2), "kvh": range(10, 12)}
 
 
@@ -157,22 +195,26 @@ def test_streamed_layers_land_byte_exact_across_tp_sizes(pair, bootstrap, tp_p, 
     """Head slices per sender, layer by layer: every decode rank counts each sender's layers
     (HND slices need page-aligned steps; the NHD pool alone takes a mid-page one)."""
     pf, dc = pair
-    p = tp_group(pf, "prefill", f"sp{tp_p}{tp_d}", HETERO, tp_p, bootstrap.address,
-                 f"stream{tp_p}{tp_d}")
+    p = tp_group(
+        pf, "prefill", f"sp{tp_p}{tp_d}", HETERO, tp_p, bootstrap.address, f"stream{tp_p}{tp_d}"
+    )
     d = tp_group(dc, "decode", f"sd{tp_p}{tp_d}", HETERO, tp_d)
     f = Factory(HETERO, HETERO, seed=tp_p * 10 + tp_d)
     reqs = [f.make(101), f.make(77)]
     groups = [(0, 1), (1, 2), (10, 11), (11, 12)]
-    chunks = {reqs[0]["room"]: grid(reqs[0], [32, 64], groups, layers_of=HETERO_LAYERS),
-              reqs[1]["room"]: grid(reqs[1], [16], groups, layers_of=HETERO_LAYERS)}
+    chunks = {
+        reqs[0]["room"]: grid(reqs[0], [32, 64], groups, layers_of=HETERO_LAYERS),
+        reqs[1]["room"]: grid(reqs[1], [16], groups, layers_of=HETERO_LAYERS),
+    }
     prep, _ = prefill_items(reqs)
     p.each("prepare", items=prep)
     d.each("recv", items=decode_items(reqs), bootstrap=bootstrap.address, instance=p.instance)
     p.each("send", items=[{"room": r["room"], "chunks": chunks[r["room"]]} for r in reqs])
     outs = d.each("wait", rooms=[r["room"] for r in reqs], timeout=WAIT)
     assert_success_and_exact(outs, d.each("verify", items=decode_items(reqs)))
-    assert wait_until(lambda: all(t["rooms"] == 0 and t["pending"] == 0 for t in _tables(p)),
-                      timeout=WAIT)
+    assert wait_until(
+        lambda: all(t["rooms"] == 0 and t["pending"] == 0 for t in _tables(p)), timeout=WAIT
+    )
 
 
 def _tables(g: Group) -> list[dict[str, int]]:

@@ -11,9 +11,16 @@ from pdxfer.tiers import page_keys
 
 def test_prefix_keys_are_stable_across_processes() -> None:
     keys = page_keys(list(range(100, 164)), 16)
-    code = ("from pdxfer.tiers import page_keys; "
-            "print(','.join(page_keys(list(range(100, 164)), 16)))")
+    code = (
+        "from pdxfer.tiers import page_keys; print(','.join(page_keys(list(range(100, 164)), 16)))"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True, timeout=60).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
     assert out.split(",") == keys

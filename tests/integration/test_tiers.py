@@ -27,18 +27,44 @@ from .conftest import FAST
 from .tiers_helpers import MODEL, Family, X, assert_right, finish, start, write_back
 
 STD = [
-    PoolGeom("kv", "mha", layers=2, pages=768, page_size=16, heads=2, head_dim=16,
-             dtype="float16"),
-    PoolGeom("draft", "mha", layers=1, pages=768, page_size=16, heads=1, head_dim=16,
-             dtype="bfloat16", indices_from="kv", first_layer=50),
+    PoolGeom("kv", "mha", layers=2, pages=768, page_size=16, heads=2, head_dim=16, dtype="float16"),
+    PoolGeom(
+        "draft",
+        "mha",
+        layers=1,
+        pages=768,
+        page_size=16,
+        heads=1,
+        head_dim=16,
+        dtype="bfloat16",
+        indices_from="kv",
+        first_layer=50,
+    ),
     PoolGeom("aux", "slots", layers=1, pages=128, dim=8, dtype="int32"),
 ]
 V4 = [  # DeepSeek-V4 style: a logical anchor, data in two sidecars of different item sizes
     PoolGeom("c4", "logical", pages=256, page_size=16),
-    PoolGeom("c4_kv", "paged", layers=2, pages=256, page_size=16, dim=40, dtype="bfloat16",
-             indices_from="c4"),
-    PoolGeom("c4_idx", "paged", layers=2, pages=256, page_size=16, dim=6, dtype="float32",
-             indices_from="c4", first_layer=10),
+    PoolGeom(
+        "c4_kv",
+        "paged",
+        layers=2,
+        pages=256,
+        page_size=16,
+        dim=40,
+        dtype="bfloat16",
+        indices_from="c4",
+    ),
+    PoolGeom(
+        "c4_idx",
+        "paged",
+        layers=2,
+        pages=256,
+        page_size=16,
+        dim=6,
+        dtype="float32",
+        indices_from="c4",
+        first_layer=10,
+    ),
 ]
 N, SHARED = 320, 288  # 20 pages; B shares A's first 18 (90%)
 MODEL_B = "model=pattern-b"
@@ -50,25 +76,44 @@ class Setup:
         conf = dict(FAST)
         self.pf = self.d1 = self.d2 = None
         self.pf = Agent("prefill", {**conf, "bootstrap": bootstrap}, STD)
-        self.pf.call("add_endpoint", name="v4", role="prefill",
-                     config={**conf, "bootstrap": bootstrap, "instance": "v4"}, geoms=V4)
-        self.pf.call("add_endpoint", name="mb", role="prefill",
-                     config={**conf, "bootstrap": bootstrap, "instance": "mb"}, geoms=STD)
+        self.pf.call(
+            "add_endpoint",
+            name="v4",
+            role="prefill",
+            config={**conf, "bootstrap": bootstrap, "instance": "v4"},
+            geoms=V4,
+        )
+        self.pf.call(
+            "add_endpoint",
+            name="mb",
+            role="prefill",
+            config={**conf, "bootstrap": bootstrap, "instance": "mb"},
+            geoms=STD,
+        )
         self.d1 = Agent("decode", conf, STD)
         self.d1.call("add_endpoint", name="v4", role="decode", config=conf, geoms=V4)
         self.d2 = Agent("decode", conf, STD)
         self.d2.call("add_endpoint", name="mb", role="decode", config=conf, geoms=STD)
-        mc = {"kind": "mooncake", "master": master.master_addr, "metadata": master.metadata_url,
-              "segment_bytes": 64 << 20}
+        mc = {
+            "kind": "mooncake",
+            "master": master.master_addr,
+            "metadata": master.metadata_url,
+            "segment_bytes": 64 << 20,
+        }
         for d in (self.d1, self.d2):
             d.call("ext", fn=X + "storage", name="file", kind="file", root=root)
             d.call("ext", fn=X + "storage", name="mc", **mc)
             d.call("ext", fn=X + "setup", host_pages=256, model_id=MODEL, use="file")
         # another model whose KV has exactly STD's shape, on the same L3 folder
-        self.d2.call("ext", fn=X + "setup", ep="mb", host_pages=256, model_id=MODEL_B,
-                     use="file")
-        self.d1.call("ext", fn=X + "setup", ep="v4", model_id="v4", use="file",
-                     host_pages={"c4_kv": 128, "c4_idx": 96})
+        self.d2.call("ext", fn=X + "setup", ep="mb", host_pages=256, model_id=MODEL_B, use="file")
+        self.d1.call(
+            "ext",
+            fn=X + "setup",
+            ep="v4",
+            model_id="v4",
+            use="file",
+            host_pages={"c4_kv": 128, "c4_idx": 96},
+        )
         self.std = Family(STD, seed=11)
         self.v4 = Family(V4, seed=12)
 
@@ -98,14 +143,17 @@ def pf_bytes(env: Setup, ep: str = "main") -> int:
     return int(env.pf.call("ext", fn=X + "transport_bytes", ep=ep))
 
 
-def suffix_bytes(dc: Agent, start_tok: int, end: int, ep: str = "main",
-                 slots: tuple[str, ...] = ("aux",)) -> int:
-    return int(dc.call("ext", fn=X + "suffix_bytes", start=start_tok, end=end,
-                       slots=list(slots), ep=ep))
+def suffix_bytes(
+    dc: Agent, start_tok: int, end: int, ep: str = "main", slots: tuple[str, ...] = ("aux",)
+) -> int:
+    return int(
+        dc.call("ext", fn=X + "suffix_bytes", start=start_tok, end=end, slots=list(slots), ep=ep)
+    )
 
 
-def parent(env: Setup, fam: Family, dc: Agent, ep: str = "main", inst: str | None = None
-           ) -> dict[str, Any]:
+def parent(
+    env: Setup, fam: Family, dc: Agent, ep: str = "main", inst: str | None = None
+) -> dict[str, Any]:
     """Transfer a fresh request in full and write it back (L2 and L3)."""
     a = fam.make(fam.tokens(N))
     promised = start(env.pf, dc, env.bootstrap, [a], ep=ep, instance=inst)
@@ -115,9 +163,15 @@ def parent(env: Setup, fam: Family, dc: Agent, ep: str = "main", inst: str | Non
     return a
 
 
-def child_run(env: Setup, fam: Family, a: dict[str, Any], dc: Agent, ep: str = "main",
-              inst: str | None = None, fault: dict[str, Any] | None = None
-              ) -> tuple[dict[str, Any], int, dict[str, Any]]:
+def child_run(
+    env: Setup,
+    fam: Family,
+    a: dict[str, Any],
+    dc: Agent,
+    ep: str = "main",
+    inst: str | None = None,
+    fault: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], int, dict[str, Any]]:
     b = fam.child(a, SHARED, N)
     before = pf_bytes(env, ep)
     promised = start(env.pf, dc, env.bootstrap, [b], ep=ep, instance=inst, fault=fault)
@@ -215,7 +269,8 @@ def test_a_page_corrupted_in_l2_is_caught_after_the_copy_and_repaired(env: Setup
 @pytest.mark.parametrize("store", ["file", "mc"])
 @pytest.mark.parametrize("kind", ["corrupt", "shift_write"])
 def test_a_page_damaged_in_l2_before_its_write_back_is_caught_when_it_comes_back_from_l3(
-        env: Setup, store: str, kind: str) -> None:
+    env: Setup, store: str, kind: str
+) -> None:
     """The page digest recorded when a page entered L2 is sealed into its L3 object: a page
     damaged in host memory between that moment and its write-back is stored with a valid tag
     over wrong bytes, and only the sealed digest tells. The restore from L3 treats it as a
@@ -270,10 +325,12 @@ def test_logical_anchor_with_two_sidecars_round_trips_through_l3(env: Setup) -> 
     no_leaks(env, env.d1, ep="v4")
 
 
-@pytest.mark.parametrize("fault", [{"kind": "delete", "page": 3},
-                                   {"kind": "truncate", "page": 7, "pool": "draft"}])
+@pytest.mark.parametrize(
+    "fault", [{"kind": "delete", "page": 3}, {"kind": "truncate", "page": 7, "pool": "draft"}]
+)
 def test_restore_failure_after_the_promise_is_repaired_by_the_prefill(
-        env: Setup, fault: dict[str, Any]) -> None:
+    env: Setup, fault: dict[str, Any]
+) -> None:
     a = parent(env, env.std, env.d1)
     env.d1.call("ext", fn=X + "clear_l2")
     b, promised, res = child_run(env, env.std, a, env.d1, fault=fault)
@@ -344,7 +401,8 @@ def test_two_decodes_share_one_mooncake_store(env: Setup) -> None:
 
 
 def test_hundred_mixed_requests_with_failing_l3_leave_no_pin_no_reservation_and_a_consistent_index(
-        env: Setup) -> None:
+    env: Setup,
+) -> None:
     fam, dc = env.std, env.d1
     rng = np.random.default_rng(5)
     parents: list[dict[str, Any]] = []
@@ -409,8 +467,10 @@ def _restores(env: Setup, tier: str, n: int, spec: str) -> tuple[list[dict[str, 
     try:
         for _ in range(0, n, batch):
             kids = [env.std.child(a, SHARED, N) for _ in range(batch)]
-            env.d1.call("set_faults", spec=f"{spec},at=restore,rooms="
-                        + ";".join(str(k["room"]) for k in kids))
+            env.d1.call(
+                "set_faults",
+                spec=f"{spec},at=restore,rooms=" + ";".join(str(k["room"]) for k in kids),
+            )
             if tier == "l3":
                 env.d1.call("ext", fn=X + "clear_l2")
             promised = start(env.pf, env.d1, env.bootstrap, kids)
@@ -428,8 +488,9 @@ def _restores(env: Setup, tier: str, n: int, spec: str) -> tuple[list[dict[str, 
 
 @pytest.mark.parametrize("tier", ["l2", "l3"])
 @pytest.mark.parametrize("kind", ["corrupt", "skip_write", "shift_write"])
-def test_every_fault_in_a_restored_page_is_caught_and_repaired(env: Setup, tier: str,
-                                                              kind: str) -> None:
+def test_every_fault_in_a_restored_page_is_caught_and_repaired(
+    env: Setup, tier: str, kind: str
+) -> None:
     """A page damaged right after its L2 -> L1 copy (from L2, or from L3 through L2) never
     reaches the engine: the check against the digest recorded when it entered L2 catches
     it, and it and the pages after it come from the prefill instead."""

@@ -52,10 +52,10 @@ def master() -> Iterator[MooncakeMaster]:
 
 
 def test_mooncake_store_objects_carry_a_tag_a_secretless_writer_cannot_forge(master) -> None:
-    ours = MooncakeStoreStorage(master.master_addr, master.metadata_url, secret=SECRET,
-                                segment_bytes=64 << 20)
-    theirs = MooncakeStoreStorage(master.master_addr, master.metadata_url,
-                                  segment_bytes=64 << 20)
+    ours = MooncakeStoreStorage(
+        master.master_addr, master.metadata_url, secret=SECRET, segment_bytes=64 << 20
+    )
+    theirs = MooncakeStoreStorage(master.master_addr, master.metadata_url, segment_bytes=64 << 20)
     try:
         a, evil, dst = _page(5), _page(6), np.zeros(SIZE, np.uint8)
         for st, buf in ((ours, a), (ours, dst), (theirs, evil)):
@@ -72,8 +72,9 @@ def test_mooncake_store_objects_carry_a_tag_a_secretless_writer_cannot_forge(mas
 
 
 def test_two_models_with_the_same_kv_shape_never_share_keys() -> None:
-    specs, tensors = pat.build([PoolGeom("kv", "mha", layers=1, pages=8, page_size=4,
-                                         heads=1, head_dim=8)])
+    specs, tensors = pat.build(
+        [PoolGeom("kv", "mha", layers=1, pages=8, page_size=4, heads=1, head_dim=8)]
+    )
     one = TieredCache(specs, host_pages=4, model_id="model=a")
     two = TieredCache(specs, host_pages=4, model_id="model=b")
     try:

@@ -21,14 +21,33 @@ AUX = PoolGeom("aux", "slots", layers=1, pages=32, dim=8, dtype="int32")
 # several pools in one request: draft KV sharing the target's pages, a sidecar with a quarter
 # of the bytes per page (kv: 16 tok x 2 heads x 16 dims x fp16 = 1 KiB/page per buffer), a
 # sliding-window pool with its own indices, a Mamba-like state slot and aux rows
-MULTI = [KV,
-         PoolGeom("draft", "mha", layers=1, pages=256, page_size=16, heads=1, head_dim=32,
-                  indices_from="kv", first_layer=50),
-         PoolGeom("sidecar", "paged", layers=4, pages=256, page_size=16, dim=8,
-                  indices_from="kv", first_layer=60),
-         PoolGeom("window", "paged", layers=2, pages=128, page_size=32, dim=24, first_layer=70),
-         PoolGeom("state", "slots", layers=2, pages=16, dim=100, dtype="float32", first_layer=80),
-         AUX]
+MULTI = [
+    KV,
+    PoolGeom(
+        "draft",
+        "mha",
+        layers=1,
+        pages=256,
+        page_size=16,
+        heads=1,
+        head_dim=32,
+        indices_from="kv",
+        first_layer=50,
+    ),
+    PoolGeom(
+        "sidecar",
+        "paged",
+        layers=4,
+        pages=256,
+        page_size=16,
+        dim=8,
+        indices_from="kv",
+        first_layer=60,
+    ),
+    PoolGeom("window", "paged", layers=2, pages=128, page_size=32, dim=24, first_layer=70),
+    PoolGeom("state", "slots", layers=2, pages=16, dim=100, dtype="float32", first_layer=80),
+    AUX,
+]
 
 
 def stage(g: PoolGeom, pp: int, of: int) -> PoolGeom:
@@ -46,18 +65,34 @@ def cluster(bootstrap: BootstrapServer) -> Iterator[dict[str, Group]]:
         dc = Agent("decode", dict(FAST), MULTI)
         dc.call("sentinel")
         g = {"pmulti": Group(pf, ["main"], "multi"), "dmulti": Group(dc, ["main"])}
-        g["pdp"] = add_group(pf, "prefill", "dp", 2, lambda i: [KV, AUX],
-                             lambda i: {"dp_rank": i, "dp_size": 2}, b, "dp")
+        g["pdp"] = add_group(
+            pf,
+            "prefill",
+            "dp",
+            2,
+            lambda i: [KV, AUX],
+            lambda i: {"dp_rank": i, "dp_size": 2},
+            b,
+            "dp",
+        )
         g["ddp"] = add_group(dc, "decode", "ddp", 1, lambda i: [KV, AUX], lambda i: {})
         aux2 = dataclasses.replace(AUX, layers=2)
-        g["ppp"] = add_group(pf, "prefill", "pp", 2,
-                             lambda i: [stage(KV, i, 2), stage(aux2, i, 2)],
-                             lambda i: {"pp_rank": i, "pp_size": 2}, b, "pp")
+        g["ppp"] = add_group(
+            pf,
+            "prefill",
+            "pp",
+            2,
+            lambda i: [stage(KV, i, 2), stage(aux2, i, 2)],
+            lambda i: {"pp_rank": i, "pp_size": 2},
+            b,
+            "pp",
+        )
         g["dpp"] = add_group(dc, "decode", "dpp", 1, lambda i: [KV, aux2], lambda i: {})
         for ps in (1, 4):
             host = dataclasses.replace(KV, page_size=ps, pages=4096 // ps, page_remap=True)
-            g[f"dhost{ps}"] = add_group(dc, "decode", f"host{ps}", 1,
-                                        lambda i, h=host: [h, AUX], lambda i: {})
+            g[f"dhost{ps}"] = add_group(
+                dc, "decode", f"host{ps}", 1, lambda i, h=host: [h, AUX], lambda i: {}
+            )
         yield g
     finally:
         pf.close()
@@ -73,8 +108,12 @@ def test_rooms_route_to_both_dp_groups_and_land_exactly(cluster, bootstrap) -> N
     groups = [r["dp"] if "dp" in r else r["room"] % 2 for r in reqs]
     assert set(groups) == {0, 1}
     prep, send = prefill_items(reqs)
-    dc.each("recv", items=[{**d, "dp": r.get("dp")} for d, r in zip(decode_items(reqs), reqs)],
-            bootstrap=bootstrap.address, instance="dp")
+    dc.each(
+        "recv",
+        items=[{**d, "dp": r.get("dp")} for d, r in zip(decode_items(reqs), reqs)],
+        bootstrap=bootstrap.address,
+        instance="dp",
+    )
     for i, name in enumerate(pf.names):
         mine = [k for k, gi in enumerate(groups) if gi == i]
         pf.agent.call("prepare", ep=name, items=[prep[k] for k in mine])
@@ -107,16 +146,19 @@ def test_host_pool_with_small_pages_receives_every_token(cluster, bootstrap, ps)
     contiguous["dst"]["kv"] = run
     reqs.append(contiguous)
     dc.each("sentinel")
-    outs = run_groups(Group(cluster["pmulti"].agent, ["dp:0"], "dp"), dc, bootstrap.address,
-                      [dict(r, dp=0) for r in reqs])
+    outs = run_groups(
+        Group(cluster["pmulti"].agent, ["dp:0"], "dp"),
+        dc,
+        bootstrap.address,
+        [dict(r, dp=0) for r in reqs],
+    )
     assert_success_and_exact(outs, dc.each("verify", items=decode_items(reqs)))
     blocks = outs[0][contiguous["room"]]["stats"]["blocks"]
     src_pages = len(contiguous["src"]["kv"])
     assert blocks <= 8 * src_pages + 1  # 8 buffers x source page runs, + the aux row
 
 
-def test_one_request_carries_target_draft_sidecar_window_state_and_aux(cluster, bootstrap
-                                                                       ) -> None:
+def test_one_request_carries_target_draft_sidecar_window_state_and_aux(cluster, bootstrap) -> None:
     pf, dc = cluster["pmulti"], cluster["dmulti"]
     f = Factory(MULTI, MULTI, seed=9)
     reqs = [f.make(n, chunks=c) for n, c in ((64, 1), (129, 3), (250, 4))]
@@ -133,23 +175,34 @@ def test_one_request_carries_target_draft_sidecar_window_state_and_aux(cluster, 
     assert dc.each("untouched", exclude=excl) == [0]
 
 
-def test_pool_missing_on_one_side_is_refused_by_name_unless_optional(cluster, bootstrap
-                                                                     ) -> None:
+def test_pool_missing_on_one_side_is_refused_by_name_unless_optional(cluster, bootstrap) -> None:
     pf, dc = cluster["pmulti"], cluster["dmulti"]
-    dc.agent.call("add_endpoint", name="nosidecar", role="decode", config=dict(FAST),
-                  geoms=[g for g in MULTI if g.name != "sidecar"])
+    dc.agent.call(
+        "add_endpoint",
+        name="nosidecar",
+        role="decode",
+        config=dict(FAST),
+        geoms=[g for g in MULTI if g.name != "sidecar"],
+    )
     f = Factory(MULTI, MULTI, seed=11)
     r = f.make(32)
     d = decode_items([r])[0]
     d["dst"] = {k: v for k, v in d["dst"].items() if k != "sidecar"}
-    dc.agent.call("recv", ep="nosidecar", items=[d], bootstrap=bootstrap.address,
-                  instance="multi")
+    dc.agent.call("recv", ep="nosidecar", items=[d], bootstrap=bootstrap.address, instance="multi")
     out = dc.agent.call("wait", ep="nosidecar", rooms=[r["room"]], timeout=20)[r["room"]]
     assert out["state"] == "Failed" and "'sidecar'" in out["failure"], out
     # the same decode pools against a prefill that declares its sidecar optional: served
     opt = [dataclasses.replace(g, optional=True) if g.name == "sidecar" else g for g in MULTI]
-    p2 = add_group(pf.agent, "prefill", "optsidecar", 1, lambda i: opt, lambda i: {},
-                   bootstrap.address, "optsidecar")
+    p2 = add_group(
+        pf.agent,
+        "prefill",
+        "optsidecar",
+        1,
+        lambda i: opt,
+        lambda i: {},
+        bootstrap.address,
+        "optsidecar",
+    )
     r2 = f.make(100, chunks=2)
     for c in r2["chunks"]:
         c["pages"].pop("sidecar", None)

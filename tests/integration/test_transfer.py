@@ -20,21 +20,52 @@ from .conftest import start_pair
 from .helpers import Factory, decode_items, destinations, run, verify
 
 GEOMS = [
-    PoolGeom("kv", "mha", layers=4, pages=1024, page_size=16, heads=2, head_dim=16, dtype="float16"),
-    PoolGeom("kv_bf16", "mha", layers=2, pages=1024, page_size=16, heads=1, head_dim=8,
-             dtype="bfloat16", indices_from="kv", first_layer=100),
-    PoolGeom("kv_fp32", "mha", layers=1, pages=1024, page_size=16, heads=2, head_dim=4,
-             dtype="float32", indices_from="kv", first_layer=200),
+    PoolGeom(
+        "kv", "mha", layers=4, pages=1024, page_size=16, heads=2, head_dim=16, dtype="float16"
+    ),
+    PoolGeom(
+        "kv_bf16",
+        "mha",
+        layers=2,
+        pages=1024,
+        page_size=16,
+        heads=1,
+        head_dim=8,
+        dtype="bfloat16",
+        indices_from="kv",
+        first_layer=100,
+    ),
+    PoolGeom(
+        "kv_fp32",
+        "mha",
+        layers=1,
+        pages=1024,
+        page_size=16,
+        heads=2,
+        head_dim=4,
+        dtype="float32",
+        indices_from="kv",
+        first_layer=200,
+    ),
     PoolGeom("mla", "paged", layers=3, pages=512, page_size=32, dim=36, dtype="bfloat16"),
-    PoolGeom("mla_fp32", "paged", layers=2, pages=512, page_size=32, dim=12, dtype="float32",
-             indices_from="mla"),
+    PoolGeom(
+        "mla_fp32",
+        "paged",
+        layers=2,
+        pages=512,
+        page_size=32,
+        dim=12,
+        dtype="float32",
+        indices_from="mla",
+    ),
     PoolGeom("aux", "slots", layers=2, pages=64, dim=24, dtype="int32"),
 ]
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
-def pair(bootstrap: BootstrapServer, request: pytest.FixtureRequest
-         ) -> Iterator[tuple[Agent, Agent]]:
+def pair(
+    bootstrap: BootstrapServer, request: pytest.FixtureRequest
+) -> Iterator[tuple[Agent, Agent]]:
     pf, dc = start_pair(bootstrap, GEOMS, transport=request.param)
     dc.call("sentinel")
     yield pf, dc
@@ -56,8 +87,10 @@ def assert_all_right(outcomes: dict, checks: dict) -> None:
 
 def test_scattered_chunked_requests_land_byte_exact(pair, bootstrap, factory) -> None:
     pf, dc = pair
-    reqs = [factory.make(n, chunks=c) for n, c in
-            [(16, 1), (17, 1), (100, 3), (257, 4), (500, 7), (64, 2), (1, 1), (333, 5)]]
+    reqs = [
+        factory.make(n, chunks=c)
+        for n, c in [(16, 1), (17, 1), (100, 3), (257, 4), (500, 7), (64, 2), (1, 1), (333, 5)]
+    ]
     out = run(pf, dc, bootstrap.address, reqs)
     assert_all_right(out, verify(dc, reqs))
     assert dc.call("untouched", exclude=destinations(reqs)) == 0
@@ -82,7 +115,7 @@ def test_prefix_held_by_decode_is_not_sent(pair, bootstrap, factory) -> None:
     out = run(pf, dc, bootstrap.address, reqs)
     assert_all_right(out, verify(dc, reqs))
     moved = dc.call("metrics")["bytes"] - before
-    per_token = (4 * 2 * 2 * 16 * 2 + 2 * 2 * 8 * 2 + 2 * 2 * 4 * 4 + 3 * 36 * 2 + 2 * 12 * 4)
+    per_token = 4 * 2 * 2 * 16 * 2 + 2 * 2 * 8 * 2 + 2 * 2 * 4 * 4 + 3 * 36 * 2 + 2 * 12 * 4
     aux = 2 * 24 * 4
     # suffix 204 tokens -> kv pages ceil(204/16)=13, mla pages ceil(204/32)=7 (whole pages)
     assert moved < (300 * per_token) and moved >= 204 * per_token + 2 * aux
@@ -120,8 +153,17 @@ def test_duplicate_room_is_refused_on_both_sides(pair, bootstrap, factory) -> No
     pf.call("send", items=[{"room": r["room"], "chunks": []}])
     with pytest.raises(Exception, match="DuplicateRoom"):
         pf.call("send", items=[{"room": r["room"], "chunks": []}])
-    pf.call("prepare", items=[{"room": r["room"], "pages": r["src"], "slots": r["src_slots"],
-                               "num_tokens": r["num_tokens"]}])
+    pf.call(
+        "prepare",
+        items=[
+            {
+                "room": r["room"],
+                "pages": r["src"],
+                "slots": r["src_slots"],
+                "num_tokens": r["num_tokens"],
+            }
+        ],
+    )
     # the prefill sender from above is still live: give it the chunks directly
     pf.call("abort", rooms=[r["room"]])
     out = dc.call("wait", rooms=[r["room"]], timeout=10)
@@ -131,8 +173,15 @@ def test_duplicate_room_is_refused_on_both_sides(pair, bootstrap, factory) -> No
 
 def test_sender_whose_decode_never_asks_fails_at_its_deadline(pair) -> None:
     pf, _ = pair
-    pf.call("send", items=[{"room": 999_999, "chunks": [{"pages": {"kv": [1], "mla": [1]},
-                                                        "last": True, "slots": {"aux": 1}}]}])
+    pf.call(
+        "send",
+        items=[
+            {
+                "room": 999_999,
+                "chunks": [{"pages": {"kv": [1], "mla": [1]}, "last": True, "slots": {"aux": 1}}],
+            }
+        ],
+    )
     out = pf.call("wait", rooms=[999_999], timeout=15)[999_999]
     assert out["state"] == "Failed" and out["kind"] == "deadline"
     assert "no request from the decode" in out["failure"]
@@ -140,7 +189,8 @@ def test_sender_whose_decode_never_asks_fails_at_its_deadline(pair) -> None:
 
 
 def test_decode_whose_prefill_never_sends_fails_at_its_deadline_and_releases(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     r = factory.make(48)
     dc.call("recv", items=decode_items([r]), bootstrap=bootstrap.address)

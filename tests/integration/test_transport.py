@@ -46,8 +46,9 @@ def test_write_outside_the_peer_registration_raises_and_the_next_write_works(eng
     a, b, src, dst = engines
     one = np.ones(1, dtype=np.uint64)
     with pytest.raises(TransportError, match="failed"):
-        a.write(b.session_id, one * src.ctypes.data, one * (dst.ctypes.data + dst.nbytes),
-                one * 4096)
+        a.write(
+            b.session_id, one * src.ctypes.data, one * (dst.ctypes.data + dst.nbytes), one * 4096
+        )
     dst[:4096] = 0
     a.write(b.session_id, one * src.ctypes.data, one * dst.ctypes.data, one * 4096)
     assert (dst[:4096] == src[:4096]).all()
@@ -91,19 +92,25 @@ def test_a_started_write_never_holds_up_a_workers_write(engines) -> None:
     m = 2 * n
     s2 = (src.ctypes.data + (1 << 20) + np.arange(m) * sz).astype(np.uint64)
     d2 = (dst.ctypes.data + (1 << 20) + np.arange(m)[::-1] * sz).astype(np.uint64)
-    dst[1 << 20:(1 << 20) + m * sz] = 0
-    a.write(b.session_id, s2, d2, np.full(m, sz, dtype=np.uint64),
-            deadline=time.monotonic() + 10)  # raises on the deadline if it waited for `first`
+    dst[1 << 20 : (1 << 20) + m * sz] = 0
+    a.write(
+        b.session_id, s2, d2, np.full(m, sz, dtype=np.uint64), deadline=time.monotonic() + 10
+    )  # raises on the deadline if it waited for `first`
     a.finish(b.session_id, first)
-    got = dst[1 << 20:(1 << 20) + m * sz].reshape(m, sz)[::-1]
-    assert (got == src[1 << 20:(1 << 20) + m * sz].reshape(m, sz)).all()
+    got = dst[1 << 20 : (1 << 20) + m * sz].reshape(m, sz)[::-1]
+    assert (got == src[1 << 20 : (1 << 20) + m * sz].reshape(m, sz)).all()
     again = a.start(b.session_id, s[:1], d[:1], [sz])
     assert again is not None
     a.finish(b.session_id, again)
 
 
-SPINNING = {"batch_transfer_sync_write", "batch_transfer_sync", "get_batch_transfer_status",
-            "transfer_sync_write", "transfer_sync"}
+SPINNING = {
+    "batch_transfer_sync_write",
+    "batch_transfer_sync",
+    "get_batch_transfer_status",
+    "transfer_sync_write",
+    "transfer_sync",
+}
 """Mooncake's calls that spin on a core until their batch completes."""
 
 
@@ -119,7 +126,8 @@ class Recorder:
 
 
 def test_a_large_write_of_few_entries_is_awaited_without_a_spinning_call(
-        engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    engines, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A vLLM prefill streaming by layer writes each layer (16 MiB in a few entries in the
     streaming benchmark) while its forward computes on every core: a wait that spins took a
     core from the forward for each write's whole length. Such a write, lone (one blocking
@@ -174,14 +182,21 @@ def test_stop_request_halts_between_batches(engines) -> None:
     assert a._peer_state(b.session_id)[0].used == 0
 
 
-@pytest.mark.parametrize("message,needle", [
-    ("libibverbs.so.1: cannot open shared object file: No such file or directory", "libibverbs1"),
-    ("libnuma.so.1: cannot open shared object file", "libnuma1"),
-    ("libcurl.so.4: cannot open shared object file", "libcurl4"),
-    ("No module named 'mooncake'", "mooncake-transfer-engine"),
-])
-def test_missing_mooncake_names_the_package_or_library(monkeypatch, message: str,
-                                                       needle: str) -> None:
+@pytest.mark.parametrize(
+    "message,needle",
+    [
+        (
+            "libibverbs.so.1: cannot open shared object file: No such file or directory",
+            "libibverbs1",
+        ),
+        ("libnuma.so.1: cannot open shared object file", "libnuma1"),
+        ("libcurl.so.4: cannot open shared object file", "libcurl4"),
+        ("No module named 'mooncake'", "mooncake-transfer-engine"),
+    ],
+)
+def test_missing_mooncake_names_the_package_or_library(
+    monkeypatch, message: str, needle: str
+) -> None:
     real = builtins.__import__
 
     def fake(name: str, *args: object, **kw: object) -> object:
@@ -196,7 +211,8 @@ def test_missing_mooncake_names_the_package_or_library(monkeypatch, message: str
 
 @pytest.mark.parametrize("completion", ["paced", "sync"])
 def test_every_completion_mode_lands_every_byte_from_concurrent_writers(
-        engines, completion: str) -> None:
+    engines, completion: str
+) -> None:
     """Several threads writing to one peer at once: all bytes land, and the per-peer in-flight
     count never exceeds the limit (the peer would otherwise reject entries and wedge)."""
     import threading

@@ -27,8 +27,10 @@ from .helpers import Factory, decode_items, prefill_items, run, verify
 
 SECRET = "trust tests' shared secret, 16+ bytes"
 PAGES, SLOTS = 192, 64
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=PAGES, page_size=16, heads=2, head_dim=16),
-         PoolGeom("aux", "slots", layers=1, pages=SLOTS, dim=8, dtype="int32")]
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=PAGES, page_size=16, heads=2, head_dim=16),
+    PoolGeom("aux", "slots", layers=1, pages=SLOTS, dim=8, dtype="int32"),
+]
 
 
 class Cluster:
@@ -37,8 +39,11 @@ class Cluster:
         self.ghosts = BootstrapServer(secret=SECRET).start()
         """Routes to 'prefill endpoints' that are the attacker's sockets: what a man in the
         middle sees when the real prefill has not answered yet."""
-        self.pf = Agent("prefill", {**FAST, "bootstrap": self.srv.address, "instance": "pf",
-                                    "secret": SECRET}, GEOMS)
+        self.pf = Agent(
+            "prefill",
+            {**FAST, "bootstrap": self.srv.address, "instance": "pf", "secret": SECRET},
+            GEOMS,
+        )
         self.dc = Agent("decode", {**FAST, "secret": SECRET, "instance": "dec-a"}, GEOMS)
         self.raw = A.Raw()
         self.f = Factory(GEOMS, GEOMS, seed=13)
@@ -48,9 +53,15 @@ class Cluster:
     def ghost(self) -> tuple[str, str]:
         """A route (instance, endpoint id) whose prefill control address is the attacker's."""
         inst, eid = "ghost-" + A.rand_id(), "ghost-" + A.rand_id()
-        BootstrapClient(self.ghosts.address, secret=SECRET).register(Registration(
-            instance=inst, endpoint_id=eid, ctrl_addr=self.raw.addr, session="127.0.0.1:1",
-            signature=self.signature))
+        BootstrapClient(self.ghosts.address, secret=SECRET).register(
+            Registration(
+                instance=inst,
+                endpoint_id=eid,
+                ctrl_addr=self.raw.addr,
+                session="127.0.0.1:1",
+                signature=self.signature,
+            )
+        )
         return inst, eid
 
     def ok(self, n: int = 40) -> dict:
@@ -86,7 +97,8 @@ def metric(agent: Agent, name: str, ep: str = "main") -> int:
 
 
 def test_unsigned_request_naming_a_real_decode_cannot_write_a_live_room_into_its_pages(
-        c: Cluster) -> None:
+    c: Cluster,
+) -> None:
     """Finding 1."""
     done = c.ok()
     victim = c.f.make(40)
@@ -94,11 +106,22 @@ def test_unsigned_request_naming_a_real_decode_cannot_write_a_live_room_into_its
     c.pf.call("prepare", items=prep)
     c.pf.call("send", items=send)  # a live room, waiting for its decode's request
     before = metric(c.pf, "rejected_unsigned")
-    c.raw.send(c.pf.info["ctrl_addr"], A.plain({
-        "type": "TransferRequest", "room": victim["room"], "nonce": 1,
-        "endpoint_id": c.dc.info["endpoint_id"], "reply_to": c.dc.info["ctrl_addr"],
-        "dst": {"kv": A.wire.pack_indices(done["dst"]["kv"])}, "slots": done["dst_slots"],
-        "prefix_len": 0, "num_tokens": 40}))
+    c.raw.send(
+        c.pf.info["ctrl_addr"],
+        A.plain(
+            {
+                "type": "TransferRequest",
+                "room": victim["room"],
+                "nonce": 1,
+                "endpoint_id": c.dc.info["endpoint_id"],
+                "reply_to": c.dc.info["ctrl_addr"],
+                "dst": {"kv": A.wire.pack_indices(done["dst"]["kv"])},
+                "slots": done["dst_slots"],
+                "prefix_len": 0,
+                "num_tokens": 40,
+            }
+        ),
+    )
     # the forged request was handled (refused): waiting on that, not a fixed sleep, means
     # it was read before the room is looked at, however slow the machine
     assert A.wait_for(lambda: metric(c.pf, "rejected_unsigned") >= before + 1, 60)
@@ -106,7 +129,9 @@ def test_unsigned_request_naming_a_real_decode_cannot_write_a_live_room_into_its
     assert verify(c.dc, [done])[done["room"]][0] == 0  # the finished room's pages are intact
     assert metric(c.pf, "rejected_unsigned") == before + 1
     c.dc.call("recv", items=decode_items([victim]), bootstrap=c.srv.address)
-    assert c.dc.call("wait", rooms=[victim["room"]], timeout=20)[victim["room"]]["state"] == "Success"
+    assert (
+        c.dc.call("wait", rooms=[victim["room"]], timeout=20)[victim["room"]]["state"] == "Success"
+    )
     assert verify(c.dc, [victim])[victim["room"]][0] == 0
 
 
@@ -122,8 +147,15 @@ def test_forged_hello_ack_cannot_get_a_live_prefill_declared_dead(c: Cluster) ->
     lost = metric(c.dc, "peers_lost") + metric(c.dc, "peers_hung")
     refused = metric(c.dc, "rejected_unsigned")
     sessions = c.dc.call("ext", fn="tests.harness.attack:peer_sessions")
-    ack = {"type": "HelloAck", "endpoint_id": c.pf.info["endpoint_id"], "ok": True,
-           "session": "127.0.0.1:1", "tp_rank": 0, "tp_size": 1, "pools": []}
+    ack = {
+        "type": "HelloAck",
+        "endpoint_id": c.pf.info["endpoint_id"],
+        "ok": True,
+        "session": "127.0.0.1:1",
+        "tp_rank": 0,
+        "tp_size": 1,
+        "pools": [],
+    }
     for _ in range(3):
         c.raw.send(c.dc.info["ctrl_addr"], A.plain(ack))
     assert A.wait_for(lambda: metric(c.dc, "rejected_unsigned") >= refused + 3, 60)
@@ -136,32 +168,53 @@ def test_forged_hello_ack_cannot_get_a_live_prefill_declared_dead(c: Cluster) ->
 
 @pytest.mark.parametrize("secured", [True, False])
 def test_forged_empty_hello_ack_never_gives_success_and_is_not_cached(
-        c: Cluster, secured: bool) -> None:
+    c: Cluster, secured: bool
+) -> None:
     """Finding 3: the attacker answers the Hello first with ``ok=True`` and no pools. With
     the secret the ack is refused; without it, the empty pairing is a LayoutMismatch."""
     ep, boot, ctrl = "main", c.ghosts, c.dc.info["ctrl_addr"]
     if not secured:
         ep, boot = "open", BootstrapServer().start()
-        ctrl = c.dc.call("add_endpoint", name=ep, role="decode",
-                         config={**FAST, "bootstrap_timeout_s": 3.0}, geoms=GEOMS)["ctrl_addr"]
+        ctrl = c.dc.call(
+            "add_endpoint",
+            name=ep,
+            role="decode",
+            config={**FAST, "bootstrap_timeout_s": 3.0},
+            geoms=GEOMS,
+        )["ctrl_addr"]
     try:
         if secured:
             inst, eid = c.ghost()
         else:
             inst, eid = "ghost-open", "ghost-" + A.rand_id()
-            BootstrapClient(boot.address).register(Registration(
-                instance=inst, endpoint_id=eid, ctrl_addr=c.raw.addr, session="127.0.0.1:1",
-                signature=c.signature))
+            BootstrapClient(boot.address).register(
+                Registration(
+                    instance=inst,
+                    endpoint_id=eid,
+                    ctrl_addr=c.raw.addr,
+                    session="127.0.0.1:1",
+                    signature=c.signature,
+                )
+            )
         c.raw.drain()
         for i in range(3):
             r = c.f.make(32)
-            c.dc.call("recv", items=decode_items([r]), bootstrap=boot.address, instance=inst,
-                      ep=ep)
+            c.dc.call("recv", items=decode_items([r]), bootstrap=boot.address, instance=inst, ep=ep)
             if i == 0:  # later rooms reuse the (refused or empty) handshake
                 hello = c.raw.recv()
-                c.raw.send(ctrl, A.answer(hello, {"type": "HelloAck", "endpoint_id": eid,
-                                                  "ok": True, "session": "127.0.0.1:1",
-                                                  "pools": []}))
+                c.raw.send(
+                    ctrl,
+                    A.answer(
+                        hello,
+                        {
+                            "type": "HelloAck",
+                            "endpoint_id": eid,
+                            "ok": True,
+                            "session": "127.0.0.1:1",
+                            "pools": [],
+                        },
+                    ),
+                )
             out = c.dc.call("wait", rooms=[r["room"]], ep=ep, timeout=20)[r["room"]]
             assert out["state"] == "Failed", out
             assert out["kind"] == ("deadline" if secured else "layout_mismatch"), out
@@ -171,8 +224,7 @@ def test_forged_empty_hello_ack_never_gives_success_and_is_not_cached(
             boot.stop()
 
 
-def test_replayed_or_shifted_hello_is_refused_and_the_next_request_lands_right(
-        c: Cluster) -> None:
+def test_replayed_or_shifted_hello_is_refused_and_the_next_request_lands_right(c: Cluster) -> None:
     """Finding 4: a captured signed Hello, replayed as is and with its buffer addresses
     shifted by one page, to the prefill the decode is paired with."""
     c.ok()
@@ -210,14 +262,26 @@ def test_forged_transfer_done_cannot_make_the_decode_report_success_early(c: Clu
     prep, send = prefill_items([r])
     c.pf.call("prepare", items=prep)
     c.dc.call("recv", items=decode_items([r]), bootstrap=c.srv.address)
-    assert A.wait_for(lambda: c.dc.call("ext", fn="tests.harness.attack:room_nonce",
-                                        room=r["room"]) != 0)
+    assert A.wait_for(
+        lambda: c.dc.call("ext", fn="tests.harness.attack:room_nonce", room=r["room"]) != 0
+    )
     nonce = c.dc.call("ext", fn="tests.harness.attack:room_nonce", room=r["room"])
     refused = metric(c.dc, "rejected_unsigned")
     c.pf.call("send", items=send)
-    c.raw.send(c.dc.info["ctrl_addr"], A.plain({
-        "type": "TransferDone", "room": r["room"], "nonce": nonce,
-        "endpoint_id": c.pf.info["endpoint_id"], "rank": 0, "ok": True, "bytes": 1 << 20}))
+    c.raw.send(
+        c.dc.info["ctrl_addr"],
+        A.plain(
+            {
+                "type": "TransferDone",
+                "room": r["room"],
+                "nonce": nonce,
+                "endpoint_id": c.pf.info["endpoint_id"],
+                "rank": 0,
+                "ok": True,
+                "bytes": 1 << 20,
+            }
+        ),
+    )
     # the forgery was handled (a fixed sleep could end before it was read on a slow machine)
     assert A.wait_for(lambda: metric(c.dc, "rejected_unsigned") >= refused + 1, 60)
     assert now(c.dc, r["room"]) != "Success"
@@ -234,9 +298,19 @@ def test_unsigned_abort_before_a_room_exists_does_not_fail_it_later(c: Cluster) 
     refused = metric(c.pf, "rejected_unsigned")
     try:
         for nonce in range(4):
-            c.raw.send(c.pf.info["ctrl_addr"], A.plain({
-                "type": "Abort", "room": r["room"], "nonce": nonce, "reason": "forged",
-                "endpoint_id": c.dc.info["endpoint_id"], "reply_to": ear.addr}))
+            c.raw.send(
+                c.pf.info["ctrl_addr"],
+                A.plain(
+                    {
+                        "type": "Abort",
+                        "room": r["room"],
+                        "nonce": nonce,
+                        "reason": "forged",
+                        "endpoint_id": c.dc.info["endpoint_id"],
+                        "reply_to": ear.addr,
+                    }
+                ),
+            )
         # all four were handled before the room exists (a fixed sleep could end first)
         assert A.wait_for(lambda: metric(c.pf, "rejected_unsigned") >= refused + 4, 60)
         out = run(c.pf, c.dc, c.srv.address, [r], decode_first=True)
@@ -247,12 +321,16 @@ def test_unsigned_abort_before_a_room_exists_does_not_fail_it_later(c: Cluster) 
         ear.close()
 
 
-def test_room_bound_to_one_decode_is_refused_to_another_decode_with_the_secret(
-        c: Cluster) -> None:
+def test_room_bound_to_one_decode_is_refused_to_another_decode_with_the_secret(c: Cluster) -> None:
     """Finding 7: a second decode holding the secret asks for the first one's room."""
     c.ok()
-    c.dc.call("add_endpoint", name="thief", role="decode",
-              config={**FAST, "secret": SECRET, "instance": "dec-b"}, geoms=GEOMS)
+    c.dc.call(
+        "add_endpoint",
+        name="thief",
+        role="decode",
+        config={**FAST, "secret": SECRET, "instance": "dec-b"},
+        geoms=GEOMS,
+    )
     c.dc.call("sentinel", ep="thief")
     try:
         r = c.f.make(40)
@@ -274,7 +352,8 @@ def test_room_bound_to_one_decode_is_refused_to_another_decode_with_the_secret(
 
 @pytest.mark.parametrize("target", ["pf", "dc"])
 def test_oversized_unsigned_hellos_and_acks_are_dropped_undecoded_without_memory_growth(
-        c: Cluster, target: str) -> None:
+    c: Cluster, target: str
+) -> None:
     """Finding 8: unsigned 2 MB and 20 MB Hellos (HelloAcks to a decode) are refused on
     their header, before their payload is decoded."""
     c.ok()
@@ -282,9 +361,17 @@ def test_oversized_unsigned_hellos_and_acks_are_dropped_undecoded_without_memory
     kind = "Hello" if target == "pf" else "HelloAck"
     rss0 = agent.call("proc_stats")["rss"]
     before = metric(agent, "rejected_oversized")
-    big = {"type": kind, "endpoint_id": "x" * (2 << 20), "ctrl_addr": c.raw.addr, "ok": True,
-           "session": "127.0.0.1:1", "tp_rank": 0, "tp_size": 1, "signature": "s",
-           "pools": []}
+    big = {
+        "type": kind,
+        "endpoint_id": "x" * (2 << 20),
+        "ctrl_addr": c.raw.addr,
+        "ok": True,
+        "session": "127.0.0.1:1",
+        "tp_rank": 0,
+        "tp_size": 1,
+        "signature": "s",
+        "pools": [],
+    }
     two_mb = A.plain(big)
     big["endpoint_id"] = "x" * (20 << 20)
     twenty_mb = A.plain(big)

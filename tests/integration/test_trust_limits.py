@@ -23,10 +23,11 @@ from . import attack as A
 from .conftest import FAST, start_pair
 from .helpers import Factory, decode_items, prefill_items
 
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=16),
-         PoolGeom("aux", "slots", layers=1, pages=32, dim=8, dtype="int32")]
-CAPS = {"max_pending": 50, "max_pending_bytes": 8 << 20, "max_peers": 64,
-        "max_tombstones": 1000}
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=16),
+    PoolGeom("aux", "slots", layers=1, pages=32, dim=8, dtype="int32"),
+]
+CAPS = {"max_pending": 50, "max_pending_bytes": 8 << 20, "max_peers": 64, "max_tombstones": 1000}
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +49,18 @@ def raw() -> Iterator[A.Raw]:
 def hello(raw: A.Raw, eid: str) -> bytes:
     """A plain Hello from a decode whose control address is ``raw``'s."""
     specs, _ = pat.build(GEOMS)
-    msg = msgspec.to_builtins(wire.Hello(
-        endpoint_id=eid, ctrl_addr=raw.addr, session="127.0.0.1:1", tp_rank=0, tp_size=1,
-        signature=layout_signature(specs), pools=tuple(specs)), builtin_types=(bytes,))
+    msg = msgspec.to_builtins(
+        wire.Hello(
+            endpoint_id=eid,
+            ctrl_addr=raw.addr,
+            session="127.0.0.1:1",
+            tp_rank=0,
+            tp_size=1,
+            signature=layout_signature(specs),
+            pools=tuple(specs),
+        ),
+        builtin_types=(bytes,),
+    )
     msg["type"] = "Hello"
     return A.plain(msg)
 
@@ -68,18 +78,21 @@ def capped(pair: tuple[Agent, Agent]) -> Iterator[str]:
     pf, _ = pair
     conf = {**FAST, "bootstrap_timeout_s": 60.0}
     try:
-        addr = pf.call("add_endpoint", name="capped", role="prefill", config={**conf, **CAPS},
-                       geoms=GEOMS)["ctrl_addr"]
+        addr = pf.call(
+            "add_endpoint", name="capped", role="prefill", config={**conf, **CAPS}, geoms=GEOMS
+        )["ctrl_addr"]
     except AgentError as e:  # a build without caps (the old code): show its tables grow
         assert "max_pending" in str(e)
-        addr = pf.call("add_endpoint", name="capped", role="prefill", config=conf,
-                       geoms=GEOMS)["ctrl_addr"]
+        addr = pf.call("add_endpoint", name="capped", role="prefill", config=conf, geoms=GEOMS)[
+            "ctrl_addr"
+        ]
     yield addr
     pf.call("close_endpoint", name="capped")
 
 
 def test_requests_for_rooms_that_never_come_are_capped_in_count_and_bytes(
-        pair, capped: str, raw: A.Raw) -> None:
+    pair, capped: str, raw: A.Raw
+) -> None:
     """Finding 9: 4 MB requests and many small ones for rooms no sender will ever have."""
     pf, _ = pair
     raw.send(capped, hello(raw, "hoarder"))
@@ -87,15 +100,39 @@ def test_requests_for_rooms_that_never_come_are_capped_in_count_and_bytes(
     rss0 = pf.call("proc_stats")["rss"]
     huge = wire.pack_indices(np.arange(1 << 20) % 64)  # 4 MB of valid page ids
     for room in range(20):
-        raw.send(capped, A.plain({"type": "TransferRequest", "room": 10_000 + room, "nonce": 1,
-                                  "endpoint_id": "hoarder", "reply_to": raw.addr,
-                                  "dst": {"kv": huge}, "slots": {}, "prefix_len": 0,
-                                  "num_tokens": 16}))
+        raw.send(
+            capped,
+            A.plain(
+                {
+                    "type": "TransferRequest",
+                    "room": 10_000 + room,
+                    "nonce": 1,
+                    "endpoint_id": "hoarder",
+                    "reply_to": raw.addr,
+                    "dst": {"kv": huge},
+                    "slots": {},
+                    "prefix_len": 0,
+                    "num_tokens": 16,
+                }
+            ),
+        )
     for room in range(200):
-        raw.send(capped, A.plain({"type": "TransferRequest", "room": 20_000 + room, "nonce": 1,
-                                  "endpoint_id": "hoarder", "reply_to": raw.addr,
-                                  "dst": {"kv": wire.pack_indices([1])}, "slots": {},
-                                  "prefix_len": 0, "num_tokens": 16}))
+        raw.send(
+            capped,
+            A.plain(
+                {
+                    "type": "TransferRequest",
+                    "room": 20_000 + room,
+                    "nonce": 1,
+                    "endpoint_id": "hoarder",
+                    "reply_to": raw.addr,
+                    "dst": {"kv": wire.pack_indices([1])},
+                    "slots": {},
+                    "prefix_len": 0,
+                    "num_tokens": 16,
+                }
+            ),
+        )
     assert A.wait_for(lambda: metrics(pf, "capped").get("rejected_pending_full", 0) >= 170, 30)
     m = metrics(pf, "capped")
     assert m["pending_requests"] <= CAPS["max_pending"]
@@ -105,14 +142,25 @@ def test_requests_for_rooms_that_never_come_are_capped_in_count_and_bytes(
 
 
 def test_aborts_and_fresh_hellos_cannot_grow_tombstones_or_peers_past_their_caps(
-        pair, capped: str, raw: A.Raw) -> None:
+    pair, capped: str, raw: A.Raw
+) -> None:
     """Finding 10: 5,000 Aborts for distinct rooms, 300 Hellos with fresh endpoint ids."""
     pf, _ = pair
     raw.send(capped, hello(raw, "aborter"))
     raw.recv()
     for room in range(5000):
-        raw.send(capped, A.plain({"type": "Abort", "room": 30_000 + room, "nonce": 1,
-                                  "endpoint_id": "aborter", "reply_to": raw.addr}))
+        raw.send(
+            capped,
+            A.plain(
+                {
+                    "type": "Abort",
+                    "room": 30_000 + room,
+                    "nonce": 1,
+                    "endpoint_id": "aborter",
+                    "reply_to": raw.addr,
+                }
+            ),
+        )
     for i in range(300):
         raw.send(capped, hello(raw, f"fresh-{i}"))
     assert A.wait_for(lambda: metrics(pf, "capped").get("peers_evicted", 0) >= 300 - 64, 30)
@@ -131,9 +179,18 @@ def test_abort_reply_addresses_are_never_dialled(pair, raw: A.Raw) -> None:
     fds0 = pf.call("proc_stats")["fds"]
     socks0 = metrics(pf).get("table_push_sockets", 0)
     for port in range(300):
-        raw.send(pf.info["ctrl_addr"], A.plain({
-            "type": "Abort", "room": 40_000 + port, "nonce": 1, "endpoint_id": "dialler",
-            "reply_to": f"tcp://127.0.0.1:{port + 1}"}))
+        raw.send(
+            pf.info["ctrl_addr"],
+            A.plain(
+                {
+                    "type": "Abort",
+                    "room": 40_000 + port,
+                    "nonce": 1,
+                    "endpoint_id": "dialler",
+                    "reply_to": f"tcp://127.0.0.1:{port + 1}",
+                }
+            ),
+        )
     time.sleep(1.5)
     assert pf.call("proc_stats")["fds"] - fds0 < 30
     assert metrics(pf).get("table_push_sockets", 0) <= socks0 + 1
@@ -143,13 +200,18 @@ def _recv(dc: Agent, bootstrap: str, room: int, **kw: object) -> None:
     dc.call("recv", items=[{"room": room, "slots": {"aux": 3}, **kw}], bootstrap=bootstrap)
 
 
-@pytest.mark.parametrize("room,kw,needle", [
-    (50_001, {"dst": {"kv": [1, 2, 3]}, "prefix_len": 8, "num_tokens": 40}, "not a multiple"),
-    (50_002, {"dst": {"kv": [5, 5, 6]}, "num_tokens": 40}, "more than once"),
-    (50_003, {"dst": {"kv": [64]}, "num_tokens": 16}, "out of range"),
-], ids=["unaligned_prefix_21", "duplicate_pages_22", "out_of_range_23"])
+@pytest.mark.parametrize(
+    "room,kw,needle",
+    [
+        (50_001, {"dst": {"kv": [1, 2, 3]}, "prefix_len": 8, "num_tokens": 40}, "not a multiple"),
+        (50_002, {"dst": {"kv": [5, 5, 6]}, "num_tokens": 40}, "more than once"),
+        (50_003, {"dst": {"kv": [64]}, "num_tokens": 16}, "out of range"),
+    ],
+    ids=["unaligned_prefix_21", "duplicate_pages_22", "out_of_range_23"],
+)
 def test_bad_request_is_refused_with_a_clear_error_and_leaves_the_receiver_failed_at_once(
-        pair, bootstrap: BootstrapServer, room: int, kw: dict, needle: str) -> None:
+    pair, bootstrap: BootstrapServer, room: int, kw: dict, needle: str
+) -> None:
     """Findings 21 and 22 (refused, naming why) and 23 (the receiver is Failed at once, with
     that reason, instead of lingering into a DeadlineExceeded)."""
     _, dc = pair
@@ -163,12 +225,12 @@ def test_bad_request_is_refused_with_a_clear_error_and_leaves_the_receiver_faile
 
 @pytest.mark.parametrize("decode_first", [False, True])
 def test_refused_handshake_fails_the_prefill_room_too_with_the_reason(
-        pair, bootstrap: BootstrapServer, decode_first: bool) -> None:
+    pair, bootstrap: BootstrapServer, decode_first: bool
+) -> None:
     """Finding 24: the prefill hears why, instead of timing out on 'no request'."""
     pf, dc = pair
     name = f"mismatch{int(decode_first)}"
-    bad = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=32),
-           GEOMS[1]]
+    bad = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=32), GEOMS[1]]
     dc.call("add_endpoint", name=name, role="decode", config=dict(FAST), geoms=bad)
     try:
         r = Factory(GEOMS, GEOMS, seed=24 + decode_first).make(32)

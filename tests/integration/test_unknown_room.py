@@ -41,7 +41,8 @@ def factory(pair: tuple[Agent, Agent]) -> Factory:
 
 
 def test_a_room_the_prefill_never_opens_fails_as_unknown_long_before_the_deadline(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     r = factory.make(40)
     dc.call("recv", items=decode_items([r]), bootstrap=bootstrap.address)
@@ -51,7 +52,8 @@ def test_a_room_the_prefill_never_opens_fails_as_unknown_long_before_the_deadlin
 
 
 def test_a_room_that_already_succeeded_is_refused_at_once_when_asked_again(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     r = factory.make(40)
     assert run(pf, dc, bootstrap.address, [r])[r["room"]]["state"] == "Success"
@@ -65,7 +67,8 @@ def test_a_room_that_already_succeeded_is_refused_at_once_when_asked_again(
 
 
 def test_a_decode_that_asks_before_the_prefill_opened_the_room_still_gets_its_kv(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     r = factory.make(40)
     prep, send = prefill_items([r])
@@ -80,7 +83,8 @@ def test_a_decode_that_asks_before_the_prefill_opened_the_room_still_gets_its_kv
 
 
 def test_an_expected_room_waits_past_the_grace_then_its_bytes_land_exactly(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     """A prefill engine that holds the request but opens the room only later (vLLM: once it
     schedules the queued request) declares it: the decode that asked first waits past the
     grace, while a room nobody declared fails after it (the state that says the grace has
@@ -100,7 +104,8 @@ def test_an_expected_room_waits_past_the_grace_then_its_bytes_land_exactly(
 
 
 def test_an_expected_room_the_engine_withdraws_fails_its_decode_at_once(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     pf, dc = pair
     r = factory.make(24)
     pf.call("expect", rooms=[r["room"]])
@@ -113,7 +118,8 @@ def test_an_expected_room_the_engine_withdraws_fails_its_decode_at_once(
 
 
 def test_a_room_asked_for_at_dispatch_waits_past_the_grace_then_its_bytes_land_exactly(
-        pair, bootstrap, factory) -> None:
+    pair, bootstrap, factory
+) -> None:
     """The early form: a decode asks at dispatch, before the prefill's engine has even
     received the request (a loaded vLLM prefill may take longer than the grace to get there):
     the prefill holds the ask past its grace, while an ordinary ask for an unknown room fails

@@ -40,14 +40,29 @@ def _run(argv: list[str], timeout: float) -> tuple[int, str]:
 
 
 def test_the_vllm_demo_dispatches_both_sides_at_once_and_passes() -> None:
-    rc, out = _run([sys.executable, "-m", "pdxfer.cli", "demo", "--engine", "vllm",
-                    "--requests", str(N), "--no-restart"], timeout=780)
+    rc, out = _run(
+        [
+            sys.executable,
+            "-m",
+            "pdxfer.cli",
+            "demo",
+            "--engine",
+            "vllm",
+            "--requests",
+            str(N),
+            "--no-restart",
+        ],
+        timeout=780,
+    )
     assert rc == 0, out[-4000:]
     assert out.rstrip().endswith("PASS"), out[-4000:]
     assert f"{N}/{N} outputs identical to colocated vLLM" in out, out[-4000:]
     assert f"dispatch: concurrent for {N}/{N} requests" in out, out[-4000:]
-    hand_offs = re.search(r"KV streamed layer by layer from the prefill: (\d+) layer "
-                          r"hand-offs .* for (\d+) requests", out)
+    hand_offs = re.search(
+        r"KV streamed layer by layer from the prefill: (\d+) layer "
+        r"hand-offs .* for (\d+) requests",
+        out,
+    )
     assert hand_offs is not None, out[-4000:]
     # every request's KV was handed to the sender, at least once each. How many hand-offs
     # went layer by layer depends on a race the demo does not control: the decode asks at

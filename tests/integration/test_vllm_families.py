@@ -109,8 +109,15 @@ class Pair:
         return 7, WINDOW + 3 * BS + 5, LONG
 
 
-def _server(f: Family, model: Path, tmp: Path, name: str, extra: dict[str, object] | None,
-            role: str, env: dict[str, str] | None = None) -> VllmServer:
+def _server(
+    f: Family,
+    model: Path,
+    tmp: Path,
+    name: str,
+    extra: dict[str, object] | None,
+    role: str,
+    env: dict[str, str] | None = None,
+) -> VllmServer:
     args = [*f.vllm_args, "--max-model-len", str(MAX_LEN)]
     if role == "kv_producer":
         args += ["--max-num-batched-tokens", str(STEP)]
@@ -118,14 +125,23 @@ def _server(f: Family, model: Path, tmp: Path, name: str, extra: dict[str, objec
     more = {"kv_load_failure_policy": "recompute"} if role == "kv_consumer" else {}
     if role == "kv_consumer":  # a repeated prompt is restored from L2, not vLLM's cache
         args.append("--no-enable-prefix-caching")
-    return VllmServer(name, model, tmp, dtype=f.dtype, block_size=BS, args=args,
-                      kv_cache_bytes=512 << 20, env=env,
-                      kv_transfer_config=kv_config(role, extra, **more) if extra else None)
+    return VllmServer(
+        name,
+        model,
+        tmp,
+        dtype=f.dtype,
+        block_size=BS,
+        args=args,
+        kv_cache_bytes=512 << 20,
+        env=env,
+        kv_transfer_config=kv_config(role, extra, **more) if extra else None,
+    )
 
 
 @pytest.fixture(scope="module", params=SERVED)
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[Pair]:
+def pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pair]:
     f = FAMILIES[request.param]
     tmp = tmp_path_factory.mktemp(f.name)
     model = build_family(tmp / "model", f.name)
@@ -135,25 +151,82 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     routers: list[Proc] = []
     try:
         servers = [
-            _server(f, model, tmp, "prefill", {"bootstrap": boot.address, "instance": "p0",
-                                               "stats_file": str(p_stats), "send_by": "layer"},
-                    "kv_producer"),
-            _server(f, model, tmp, "decode", {"bootstrap": boot.address, "instance": "d0",
-                                              "stats_file": str(d_stats), "l2_pages": L2,
-                                              "integrity": "full"},
-                    "kv_consumer"),
-            _server(f, model, tmp, "held", {"bootstrap": boot.address, "instance": "p-held"},
-                    "kv_producer", env={"PDXFER_FAULTS": f"delay_write={HELD_S}"})]
+            _server(
+                f,
+                model,
+                tmp,
+                "prefill",
+                {
+                    "bootstrap": boot.address,
+                    "instance": "p0",
+                    "stats_file": str(p_stats),
+                    "send_by": "layer",
+                },
+                "kv_producer",
+            ),
+            _server(
+                f,
+                model,
+                tmp,
+                "decode",
+                {
+                    "bootstrap": boot.address,
+                    "instance": "d0",
+                    "stats_file": str(d_stats),
+                    "l2_pages": L2,
+                    "integrity": "full",
+                },
+                "kv_consumer",
+            ),
+            _server(
+                f,
+                model,
+                tmp,
+                "held",
+                {"bootstrap": boot.address, "instance": "p-held"},
+                "kv_producer",
+                env={"PDXFER_FAULTS": f"delay_write={HELD_S}"},
+            ),
+        ]
         start_all(servers)
         prefill, decode, held = servers
-        routers.append(Proc("router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
-                                       f"{prefill.url},{boot.address},p0", "--decode",
-                                       f"{decode.url},d0"], timeout=180))
-        routers.append(Proc("router-held", [
-            "router", "--engine", "vllm", "--port", "0", "--prefill",
-            f"{held.url},{boot.address},p-held", "--decode", f"{decode.url},d0"], timeout=180))
-        yield Pair(f, model, boot, prefill, decode, routers[0], d_stats, p_stats, tmp, held,
-                   routers[1])
+        routers.append(
+            Proc(
+                "router",
+                [
+                    "router",
+                    "--engine",
+                    "vllm",
+                    "--port",
+                    "0",
+                    "--prefill",
+                    f"{prefill.url},{boot.address},p0",
+                    "--decode",
+                    f"{decode.url},d0",
+                ],
+                timeout=180,
+            )
+        )
+        routers.append(
+            Proc(
+                "router-held",
+                [
+                    "router",
+                    "--engine",
+                    "vllm",
+                    "--port",
+                    "0",
+                    "--prefill",
+                    f"{held.url},{boot.address},p-held",
+                    "--decode",
+                    f"{decode.url},d0",
+                ],
+                timeout=180,
+            )
+        )
+        yield Pair(
+            f, model, boot, prefill, decode, routers[0], d_stats, p_stats, tmp, held, routers[1]
+        )
     finally:
         for r in routers:
             r.stop()
@@ -182,8 +255,7 @@ def test_the_decode_loads_the_prefills_kv_byte_for_byte(pair: Pair) -> None:
     before = pair.integrity()
     p = prompt(pair.lengths()[1], 41)
     assert complete(pair.router.url, p) == complete(pair.prefill.url, p)
-    wait("the decode's check", lambda: pair.integrity()["checks"] > before["checks"],
-         timeout=30)
+    wait("the decode's check", lambda: pair.integrity()["checks"] > before["checks"], timeout=30)
     after = pair.integrity()
     assert after["mismatches"] == 0, after
     assert after["bytes"] > before["bytes"], after
@@ -197,15 +269,20 @@ def test_concurrent_requests_streamed_and_not_equal_colocated(pair: Pair) -> Non
     refs = [complete(pair.prefill.url, p) for p in prompts]
     before = pair.integrity()
     with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        futs = [ex.submit(stream_ids if i % 2 else complete, pair.router.url, p)
-                for i, p in enumerate(prompts)]
+        futs = [
+            ex.submit(stream_ids if i % 2 else complete, pair.router.url, p)
+            for i, p in enumerate(prompts)
+        ]
         got = [f.result() for f in futs]
     if pair.exact_alone:
         assert got == refs
     else:
         assert [len(g) for g in got] == [len(r) for r in refs]
-    wait("the decode's checks", lambda: pair.integrity()["checks"] >= before["checks"] + 4,
-         timeout=30)
+    wait(
+        "the decode's checks",
+        lambda: pair.integrity()["checks"] >= before["checks"] + 4,
+        timeout=30,
+    )
     assert pair.integrity()["mismatches"] == 0
 
 
@@ -214,12 +291,19 @@ def test_a_sliding_window_group_moves_the_window_not_the_prompt(pair: Pair) -> N
     if not f.window:
         pytest.skip(f"{f.name} has no sliding window")  # the same module serves every family
     types = f.config.get("layer_types") or ["sliding_attention"] * int(
-        f.config["num_hidden_layers"])  # type: ignore[call-overload]
+        f.config["num_hidden_layers"]
+    )  # type: ignore[call-overload]
     sliding = sum(t == "sliding_attention" for t in types)
     full = len(types) - sliding
     elt = 4 if f.dtype == "float32" else 2
-    per_layer_token = 2 * int(f.config["num_key_value_heads"]) * int(  # type: ignore[call-overload]
-        f.config["head_dim"]) * elt  # type: ignore[call-overload]
+    per_layer_token = (
+        2
+        * int(f.config["num_key_value_heads"])
+        * int(  # type: ignore[call-overload]
+            f.config["head_dim"]
+        )
+        * elt
+    )  # type: ignore[call-overload]
     n = pair.exact(LONG + 11)
     p = prompt(n, 99)
     before = pair.loaded_bytes()
@@ -231,8 +315,10 @@ def test_a_sliding_window_group_moves_the_window_not_the_prompt(pair: Pair) -> N
     low = (full * blocks * BS + sliding * window_blocks[0] * BS) * per_layer_token
     high = (full * blocks * BS + sliding * window_blocks[1] * BS) * per_layer_token
     whole = len(types) * blocks * BS * per_layer_token
-    assert low <= moved <= high, (f"{f.name}: {moved} bytes moved for {n} tokens; the window "
-                                  f"is {low}-{high}, the whole prompt {whole}")
+    assert low <= moved <= high, (
+        f"{f.name}: {moved} bytes moved for {n} tokens; the window "
+        f"is {low}-{high}, the whole prompt {whole}"
+    )
 
 
 def test_a_load_that_fails_is_recomputed_and_the_decode_serves_on(pair: Pair) -> None:
@@ -242,10 +328,14 @@ def test_a_load_that_fails_is_recomputed_and_the_decode_serves_on(pair: Pair) ->
     hybrid model's failed load killed the decode's engine."""
     p = prompt(200, 77)
     ref = complete(pair.prefill.url, p)
-    bogus = {"do_remote_prefill": True, "do_remote_decode": False,
-             "pdxfer_room": random.Random(5).randrange(1 << 62),
-             "pdxfer_bootstrap": pair.boot.address, "pdxfer_instance": "p0",
-             "pdxfer_num_tokens": len(p)}
+    bogus = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "pdxfer_room": random.Random(5).randrange(1 << 62),
+        "pdxfer_bootstrap": pair.boot.address,
+        "pdxfer_instance": "p0",
+        "pdxfer_num_tokens": len(p),
+    }
     before = int(pair.d().get("load_failures", 0))
     assert complete(pair.decode.url, p, extra={"kv_transfer_params": bogus}) == ref
     assert int(pair.d().get("load_failures", 0)) == before + 1
@@ -263,8 +353,14 @@ def test_by_layer_attention_groups_leave_before_the_prompts_last_step(pair: Pair
     d0, p0 = Counter(read_stats(pair.d_stats)), Counter(read_stats(pair.p_stats))
     got = complete(pair.router.url, p)  # first: the reference would fill the prefix cache
     assert got == complete(pair.prefill.url, p)
-    wait("the prefill's send", lambda: read_stats(pair.p_stats).get("sends", 0) > p0["sends"]
-         and read_stats(pair.p_stats).get("in_flight_sends", 1) == 0, timeout=60)
+    wait(
+        "the prefill's send",
+        lambda: (
+            read_stats(pair.p_stats).get("sends", 0) > p0["sends"]
+            and read_stats(pair.p_stats).get("in_flight_sends", 1) == 0
+        ),
+        timeout=60,
+    )
     d, st = read_stats(pair.d_stats), read_stats(pair.p_stats)
     assert d["load_failures"] == d0["load_failures"] and d["loads"] == d0["loads"] + 1
     steps = -(-len(p) // STEP)
@@ -281,8 +377,7 @@ def test_by_layer_attention_groups_leave_before_the_prompts_last_step(pair: Pair
     assert st["layer_sends"] > p0["layer_sends"] and st["send_failures"] == p0["send_failures"]
 
 
-def test_decode_tiers_restore_full_groups_and_the_rest_comes_from_the_prefill(
-        pair: Pair) -> None:
+def test_decode_tiers_restore_full_groups_and_the_rest_comes_from_the_prefill(pair: Pair) -> None:
     """A prompt served twice: the second time the decode restores its full-attention
     groups' pages from L2 (written back after the first) and loads window and state groups
     from the prefill, token for token as colocated. A model whose every layer slides keeps
@@ -293,12 +388,22 @@ def test_decode_tiers_restore_full_groups_and_the_rest_comes_from_the_prefill(
     ref = complete(pair.prefill.url, p)
     d0 = read_stats(pair.d_stats)
     assert complete(pair.router.url, p) == ref
-    wait("the write-back", lambda: read_stats(pair.d_stats).get("writebacks", 0)
-         + read_stats(pair.d_stats).get("writeback_failures", 0) > d0["writebacks"]
-         + d0["writeback_failures"] or every_slides, timeout=30)
+    wait(
+        "the write-back",
+        lambda: (
+            read_stats(pair.d_stats).get("writebacks", 0)
+            + read_stats(pair.d_stats).get("writeback_failures", 0)
+            > d0["writebacks"] + d0["writeback_failures"]
+            or every_slides
+        ),
+        timeout=30,
+    )
     assert complete(pair.router.url, p) == ref
-    wait("the second load", lambda: read_stats(pair.d_stats).get("loads", 0)
-         >= d0["loads"] + 2, timeout=30)
+    wait(
+        "the second load",
+        lambda: read_stats(pair.d_stats).get("loads", 0) >= d0["loads"] + 2,
+        timeout=30,
+    )
     d = read_stats(pair.d_stats)
     restored = d["restored_pages"] - d0["restored_pages"]
     assert d["load_failures"] == d0["load_failures"]
@@ -333,17 +438,24 @@ def test_a_prefill_killed_mid_request_leaves_right_answers_or_clean_errors(pair:
         wait("the held prefill's registration", lambda: _registered(pair.boot, "p-held"))
         loads0, loaded0 = int(pair.d().get("loads", 0)), pair.d().get("loaded_tokens", 0)
         with cf.ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(right_or_clean_error, pair.held_router.url, p, i == 1, r,
-                              pair.exact_alone)
-                    for i, (p, r) in enumerate(zip(prompts, refs))]
-            wait("the decode's loads", lambda: int(pair.d().get("loads", 0)) - loads0 >= 2,
-                 timeout=120)
+            futs = [
+                ex.submit(
+                    right_or_clean_error, pair.held_router.url, p, i == 1, r, pair.exact_alone
+                )
+                for i, (p, r) in enumerate(zip(prompts, refs))
+            ]
+            wait(
+                "the decode's loads",
+                lambda: int(pair.d().get("loads", 0)) - loads0 >= 2,
+                timeout=120,
+            )
             assert not any(fu.done() for fu in futs), "a request ended while its KV was held"
             held.kill()
             verdicts = [fu.result(timeout=180) for fu in futs]
         assert len(verdicts) == 2
-        wait("the decode to end both loads", lambda: pair.d().get("in_flight_loads") == 0,
-             timeout=60)
+        wait(
+            "the decode to end both loads", lambda: pair.d().get("in_flight_loads") == 0, timeout=60
+        )
         assert pair.d().get("loaded_tokens", 0) == loaded0, verdicts
     finally:
         held.stop()

@@ -73,29 +73,55 @@ class Cluster(vh.Cluster):
             self.refs[key] = complete(self.ref.url, prompt)
         return self.refs[key]
 
-    def prefill_server(self, port: int | None = None, instance: str = PREFILL,
-                       faults: str = "", stats: Path | None = None) -> VllmServer:
+    def prefill_server(
+        self,
+        port: int | None = None,
+        instance: str = PREFILL,
+        faults: str = "",
+        stats: Path | None = None,
+    ) -> VllmServer:
         """A prefill registering as ``instance`` (started, not waited for)."""
         stats = stats or self.p_stats
         stats.unlink(missing_ok=True)
-        extra = {"bootstrap": f"127.0.0.1:{self.port}", "instance": instance,
-                 "stats_file": str(stats), "bootstrap_timeout_s": DEADLINE_S,
-                 "transfer_timeout_s": TRANSFER_S}
-        return VllmServer(instance, self.model, self.tmp, port=port, log_stats=True,
-                          kv_transfer_config=kv_config("kv_producer", extra),
-                          env={"PDXFER_FAULTS": faults} if faults else None)
+        extra = {
+            "bootstrap": f"127.0.0.1:{self.port}",
+            "instance": instance,
+            "stats_file": str(stats),
+            "bootstrap_timeout_s": DEADLINE_S,
+            "transfer_timeout_s": TRANSFER_S,
+        }
+        return VllmServer(
+            instance,
+            self.model,
+            self.tmp,
+            port=port,
+            log_stats=True,
+            kv_transfer_config=kv_config("kv_producer", extra),
+            env={"PDXFER_FAULTS": faults} if faults else None,
+        )
 
     def decode_server(self, port: int | None = None) -> VllmServer:
-        extra = {"bootstrap": f"127.0.0.1:{self.port}", "instance": DECODE,
-                 "stats_file": str(self.d_stats), "l2_pages": 256, "l3": "file",
-                 "l3_dir": str(self.tmp / "l3"), "bootstrap_timeout_s": DEADLINE_S,
-                 "transfer_timeout_s": TRANSFER_S, "step_pace_s": PACE_S}
+        extra = {
+            "bootstrap": f"127.0.0.1:{self.port}",
+            "instance": DECODE,
+            "stats_file": str(self.d_stats),
+            "l2_pages": 256,
+            "l3": "file",
+            "l3_dir": str(self.tmp / "l3"),
+            "bootstrap_timeout_s": DEADLINE_S,
+            "transfer_timeout_s": TRANSFER_S,
+            "step_pace_s": PACE_S,
+        }
         self.d_stats.unlink(missing_ok=True)  # the next figures are the new process's
         return VllmServer(
-            "decode", self.model, self.tmp, port=port, log_stats=True,
+            "decode",
+            self.model,
+            self.tmp,
+            port=port,
+            log_stats=True,
             args=["--no-enable-prefix-caching"],
-            kv_transfer_config=kv_config("kv_consumer", extra,
-                                         kv_load_failure_policy="recompute"))
+            kv_transfer_config=kv_config("kv_consumer", extra, kv_load_failure_policy="recompute"),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +140,8 @@ def _ask(url: str, prompt: str | list[int], stream: bool) -> list[int]:
 
 
 def test_64_concurrent_requests_streamed_and_not_equal_colocated(
-        cluster: Cluster, front_door: str) -> None:
+    cluster: Cluster, front_door: str
+) -> None:
     prompts = [f"{text(13 * i, 4 + i % 5)} {i}" for i in range(16)]
     want = {p: cluster.want(p) for p in prompts}
     jobs = [(prompts[k % 16], k % 2 == 0) for k in range(64)]  # each prompt 2x streamed, 2x not
@@ -129,11 +156,17 @@ def test_64_concurrent_requests_streamed_and_not_equal_colocated(
     assert d["load_failures"] == 0 and d["in_flight_loads"] == 0
 
 
-def _leave_after_first_text(url: str, prompt: list[int], got_text: threading.Barrier,
-                            leave: threading.Event) -> None:
+def _leave_after_first_text(
+    url: str, prompt: list[int], got_text: threading.Barrier, leave: threading.Event
+) -> None:
     stream = client(url).completions.create(
-        model="llama", prompt=prompt, max_tokens=LONG, temperature=0, stream=True,
-        extra_body={"ignore_eos": True})
+        model="llama",
+        prompt=prompt,
+        max_tokens=LONG,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             break
@@ -143,7 +176,8 @@ def _leave_after_first_text(url: str, prompt: list[int], got_text: threading.Bar
 
 
 def test_clients_that_leave_mid_stream_end_their_requests_on_both_sides(
-        cluster: Cluster, front_door: str) -> None:
+    cluster: Cluster, front_door: str
+) -> None:
     """Four streamed clients leave at once after their first text: vLLM aborts each request
     and both sides end with no request running and all their blocks back. vLLM 0.32 has no
     counter of client aborts (its front end drops an aborted request's state before the
@@ -155,8 +189,12 @@ def test_clients_that_leave_mid_stream_end_their_requests_on_both_sides(
     gen0 = metric(cluster.decode, "vllm:generation_tokens_total")
     got_text, leave = threading.Barrier(n + 1), threading.Event()
     with cf.ThreadPoolExecutor(n) as pool:
-        futs = [pool.submit(_leave_after_first_text, front_door, _ids(400 + 97 * i, 2 * BS + 9),
-                            got_text, leave) for i in range(n)]
+        futs = [
+            pool.submit(
+                _leave_after_first_text, front_door, _ids(400 + 97 * i, 2 * BS + 9), got_text, leave
+            )
+            for i in range(n)
+        ]
         got_text.wait(timeout=300)  # every client has text: all four are generating
         # PACE_S per step: none can have reached its LONG tokens by now, whatever the machine
         running = metric(cluster.decode, "vllm:num_requests_running")
@@ -165,12 +203,18 @@ def test_clients_that_leave_mid_stream_end_their_requests_on_both_sides(
             f.result(timeout=60)
     assert running == n, f"{running} requests running on the decode before the clients left"
     for s in (cluster.prefill, cluster.decode):
-        wait(f"{s.name} to end the requests and free their blocks",
-             lambda s=s: metric(s, "vllm:num_requests_running") == 0
-             and metric(s, "vllm:num_requests_waiting") == 0 and kv_usage(s) == base[s],
-             timeout=60)
-    assert metric(cluster.decode, "vllm:request_success_total") == ok0, \
+        wait(
+            f"{s.name} to end the requests and free their blocks",
+            lambda s=s: (
+                metric(s, "vllm:num_requests_running") == 0
+                and metric(s, "vllm:num_requests_waiting") == 0
+                and kv_usage(s) == base[s]
+            ),
+            timeout=60,
+        )
+    assert metric(cluster.decode, "vllm:request_success_total") == ok0, (
         "vLLM counted a request whose client left as finished"
+    )
     assert metric(cluster.decode, "vllm:generation_tokens_total") - gen0 < n * LONG
     # the decode is free for the next request (its blocks back, nothing stuck)
     p = _ids(999, BS + 3)
@@ -186,7 +230,8 @@ def _registered(boot_port: int, instance: str = PREFILL) -> bool:
 
 
 def test_a_bootstrap_restarted_under_traffic_serves_new_requests_once_back(
-        cluster: Cluster, front_door: str) -> None:
+    cluster: Cluster, front_door: str
+) -> None:
     """While two clients keep asking, the bootstrap server stops and a new one starts on
     its port: requests in the gap end with the right tokens or a clean error, the prefill
     registers with the new server by itself, and new requests then load from the prefill
@@ -202,8 +247,7 @@ def test_a_bootstrap_restarted_under_traffic_serves_new_requests_once_back(
         while not stop.is_set():
             q = prompts[i % len(prompts)]
             now = phase[0]
-            verdicts.append((now, right_or_clean_error(front_door, q, i % 2 == 0,
-                                                        cluster.want(q))))
+            verdicts.append((now, right_or_clean_error(front_door, q, i % 2 == 0, cluster.want(q))))
             i += 2
 
     def count(ph: str) -> int:
@@ -218,8 +262,11 @@ def test_a_bootstrap_restarted_under_traffic_serves_new_requests_once_back(
             wait("requests while the bootstrap is down", lambda: count("gap") >= 2, timeout=120)
             cluster.boot = BootstrapServer("127.0.0.1", cluster.port).start()
             phase[0] = "back"
-            wait("the prefill to register with the new bootstrap",
-                 lambda: _registered(cluster.port), timeout=60)
+            wait(
+                "the prefill to register with the new bootstrap",
+                lambda: _registered(cluster.port),
+                timeout=60,
+            )
             phase[0] = "registered"
             wait("requests after it is back", lambda: count("registered") >= 2, timeout=120)
         finally:
@@ -236,7 +283,8 @@ def test_a_bootstrap_restarted_under_traffic_serves_new_requests_once_back(
 
 
 def test_a_prefill_killed_with_8_requests_in_flight_leaves_clean_answers_and_no_blocks(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     """A second prefill (its own instance and router) holds its writes (``delay_write``:
     they cannot land before it dies); eight requests (half streamed) are dispatched through
     it and the decode has engaged a load for each; the prefill is SIGKILLed. Every client
@@ -248,8 +296,9 @@ def test_a_prefill_killed_with_8_requests_in_flight_leaves_clean_answers_and_no_
     for q in prompts:
         cluster.want(q)
     base = kv_usage(cluster.decode)
-    servers = [cluster.prefill_server(instance=HELD, faults=f"delay_write={HELD_S}",
-                                      stats=held_stats)]
+    servers = [
+        cluster.prefill_server(instance=HELD, faults=f"delay_write={HELD_S}", stats=held_stats)
+    ]
     router = None
     try:
         servers[0].wait_ready()
@@ -257,20 +306,29 @@ def test_a_prefill_killed_with_8_requests_in_flight_leaves_clean_answers_and_no_
         router = cluster.router("router-held", prefill_url=servers[0].url, instance=HELD)
         loads0 = cluster.d().get("loads", 0)
         with cf.ThreadPoolExecutor(8) as pool:
-            futs = [pool.submit(right_or_clean_error, router.url, q, i % 2 == 0,
-                                cluster.want(q)) for i, q in enumerate(prompts)]
-            wait("the decode's loads for all 8",
-                 lambda: cluster.d().get("loads", 0) - loads0 >= 8, timeout=120)
+            futs = [
+                pool.submit(right_or_clean_error, router.url, q, i % 2 == 0, cluster.want(q))
+                for i, q in enumerate(prompts)
+            ]
+            wait(
+                "the decode's loads for all 8",
+                lambda: cluster.d().get("loads", 0) - loads0 >= 8,
+                timeout=120,
+            )
             assert not any(f.done() for f in futs), "a request ended while its KV was held"
             servers[0].kill()
             verdicts = [f.result(timeout=180) for f in futs]
         assert len(verdicts) == 8
-        wait("the decode to end the loads and free their blocks",
-             lambda: cluster.d()["in_flight_loads"] == 0
-             and metric(cluster.decode, "vllm:num_requests_running") == 0
-             and kv_usage(cluster.decode) == base, timeout=60)
-        servers.append(cluster.prefill_server(servers[0].port, instance=HELD,
-                                              stats=held_stats))
+        wait(
+            "the decode to end the loads and free their blocks",
+            lambda: (
+                cluster.d()["in_flight_loads"] == 0
+                and metric(cluster.decode, "vllm:num_requests_running") == 0
+                and kv_usage(cluster.decode) == base
+            ),
+            timeout=60,
+        )
+        servers.append(cluster.prefill_server(servers[0].port, instance=HELD, stats=held_stats))
         servers[1].wait_ready()
         wait("the new prefill's registration", lambda: _registered(cluster.port, HELD))
         d0 = cluster.d()
@@ -287,7 +345,8 @@ def test_a_prefill_killed_with_8_requests_in_flight_leaves_clean_answers_and_no_
 
 
 def test_a_restarted_decode_restores_a_prefix_written_back_before_from_l3(
-        cluster: Cluster, front_door: str) -> None:
+    cluster: Cluster, front_door: str
+) -> None:
     """A prefix written back (L2, then L3 files in the background) just before the decode
     is restarted: the restart keeps it (a graceful stop waits for the L3 writes), and the
     next request for it restores those blocks from L3 and equals colocated."""

@@ -59,17 +59,49 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vlm]:
     router = None
     try:
         servers = [
-            VllmServer("prefill", model, tmp, block_size=BS, args=ARGS,
-                       kv_transfer_config=kv_config("kv_producer", {
-                           "bootstrap": boot.address, "instance": "p0"})),
-            VllmServer("decode", model, tmp, block_size=BS, args=ARGS,
-                       kv_transfer_config=kv_config("kv_consumer", {
-                           "bootstrap": boot.address, "instance": "d0", "l2_pages": 64,
-                           "stats_file": str(d_stats)}))]
+            VllmServer(
+                "prefill",
+                model,
+                tmp,
+                block_size=BS,
+                args=ARGS,
+                kv_transfer_config=kv_config(
+                    "kv_producer", {"bootstrap": boot.address, "instance": "p0"}
+                ),
+            ),
+            VllmServer(
+                "decode",
+                model,
+                tmp,
+                block_size=BS,
+                args=ARGS,
+                kv_transfer_config=kv_config(
+                    "kv_consumer",
+                    {
+                        "bootstrap": boot.address,
+                        "instance": "d0",
+                        "l2_pages": 64,
+                        "stats_file": str(d_stats),
+                    },
+                ),
+            ),
+        ]
         start_all(servers)
-        router = Proc("router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
-                                 f"{servers[0].url},{boot.address},p0", "--decode",
-                                 f"{servers[1].url},d0"], timeout=180)
+        router = Proc(
+            "router",
+            [
+                "router",
+                "--engine",
+                "vllm",
+                "--port",
+                "0",
+                "--prefill",
+                f"{servers[0].url},{boot.address},p0",
+                "--decode",
+                f"{servers[1].url},d0",
+            ],
+            timeout=180,
+        )
         yield Vlm(servers[0], servers[1], router, d_stats)
     finally:
         if router is not None:
@@ -97,15 +129,21 @@ QUESTION = "What is in the picture? Count the boats, the apples and the coins."
 def messages(*urls: str, text: str = QUESTION) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
     parts += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-    return [{"role": "system", "content": "Answer in one short line."},
-            {"role": "user", "content": parts}]
+    return [
+        {"role": "system", "content": "Answer in one short line."},
+        {"role": "user", "content": parts},
+    ]
 
 
 def ask(url: str, msgs: list[dict[str, Any]]) -> tuple[list[int], int]:
     """Greedy answer's token ids and the prompt's token count."""
     r = client(url).chat.completions.create(
-        model="llama", messages=msgs, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
-        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+        model="llama",
+        messages=msgs,
+        max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert r.usage is not None
     return token_ids(r.choices[0], r), r.usage.prompt_tokens
 
@@ -114,9 +152,13 @@ def ask_streamed(url: str, msgs: list[dict[str, Any]]) -> tuple[list[int], str]:
     ids: list[int] = []
     text = ""
     for chunk in client(url).chat.completions.create(
-            model="llama", messages=msgs, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
-            temperature=0, stream=True,
-            extra_body={"return_token_ids": True, "ignore_eos": True}):
+        model="llama",
+        messages=msgs,
+        max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    ):
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
         ext = (chunk.model_extra or {}).get("pdxfer")
@@ -134,12 +176,12 @@ def test_image_chats_through_the_router_equal_colocated_token_for_token(vlm: Vlm
         got, got_n = ask(vlm.router.url, m)
         assert got == ref, f"through the router {got} != colocated {ref}"
         assert got_n == n, f"usage.prompt_tokens {got_n} != colocated {n}"
-        wait("the decode's stats", lambda b=before: int(vlm.d().get("net_bytes", 0)) > b,
-             timeout=30)  # the decode loaded the prompt's KV, it did not compute it
+        wait(
+            "the decode's stats", lambda b=before: int(vlm.d().get("net_bytes", 0)) > b, timeout=30
+        )  # the decode loaded the prompt's KV, it did not compute it
 
 
-def test_the_second_image_behind_the_same_text_is_not_served_the_firsts_kv(vlm: Vlm
-                                                                          ) -> None:
+def test_the_second_image_behind_the_same_text_is_not_served_the_firsts_kv(vlm: Vlm) -> None:
     """The decode keeps every answered prompt's pages in L2, keyed by token ids: an image's
     ids are one placeholder repeated, whatever the image. (Here the second prompt's L2
     lookup missed even with the images left out of the keys, so this end-to-end check
@@ -151,19 +193,30 @@ def test_the_second_image_behind_the_same_text_is_not_served_the_firsts_kv(vlm: 
     assert ref_c != ref_d
     writebacks = int(vlm.d().get("writebacks", 0))
     assert ask(vlm.router.url, messages(c))[0] == ref_c
-    wait("the first image's write-back", lambda: int(vlm.d().get("writebacks", 0))
-         > writebacks, timeout=30, show=vlm.d)
+    wait(
+        "the first image's write-back",
+        lambda: int(vlm.d().get("writebacks", 0)) > writebacks,
+        timeout=30,
+        show=vlm.d,
+    )
     assert ask(vlm.router.url, messages(d))[0] == ref_d
 
 
 def test_concurrent_image_chats_streamed_and_not_equal_colocated(vlm: Vlm) -> None:
-    cases = [messages(A, text="Describe it."), messages(B, text="Describe it."),
-             [{"role": "user", "content": "Tell me about the river and the village."}],
-             messages(B, A, text="Compare them.")]
+    cases = [
+        messages(A, text="Describe it."),
+        messages(B, text="Describe it."),
+        [{"role": "user", "content": "Tell me about the river and the village."}],
+        messages(B, A, text="Compare them."),
+    ]
     refs = [ask(vlm.prefill.url, m)[0] for m in cases]
     with cf.ThreadPoolExecutor(len(cases)) as ex:
-        futs = [ex.submit(ask_streamed, vlm.router.url, m) if i % 2 == 0
-                else ex.submit(ask, vlm.router.url, m) for i, m in enumerate(cases)]
+        futs = [
+            ex.submit(ask_streamed, vlm.router.url, m)
+            if i % 2 == 0
+            else ex.submit(ask, vlm.router.url, m)
+            for i, m in enumerate(cases)
+        ]
         got = [f.result()[0] for f in futs]
     assert got == refs
 

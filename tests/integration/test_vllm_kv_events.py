@@ -47,8 +47,14 @@ class Cluster:
 def _events(tmp: Path) -> tuple[str, str, str]:
     """A server's ``--kv-events-config`` and the endpoints the router dials."""
     pub, rep = free_port(), free_port()
-    cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                      "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{rep}"})
+    cfg = json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{pub}",
+            "replay_endpoint": f"tcp://*:{rep}",
+        }
+    )
     return cfg, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"
 
 
@@ -63,22 +69,48 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         feeds = []
         for i in range(2):
             cfg, pub, rep = _events(tmp)
-            servers.append(VllmServer(
-                f"prefill{i}", model, tmp, block_size=BS, args=["--kv-events-config", cfg],
-                kv_transfer_config=kv_config("kv_producer", {"bootstrap": boot.address,
-                                                             "instance": f"p{i}"})))
+            servers.append(
+                VllmServer(
+                    f"prefill{i}",
+                    model,
+                    tmp,
+                    block_size=BS,
+                    args=["--kv-events-config", cfg],
+                    kv_transfer_config=kv_config(
+                        "kv_producer", {"bootstrap": boot.address, "instance": f"p{i}"}
+                    ),
+                )
+            )
             feeds.append((servers[-1].url, pub, rep))
         for i in range(2):
             cfg, pub, rep = _events(tmp)
-            servers.append(VllmServer(
-                f"decode{i}", model, tmp, block_size=BS, args=["--kv-events-config", cfg],
-                log_stats=True,  # its prefix cache hits
-                kv_transfer_config=kv_config("kv_consumer", {"bootstrap": boot.address,
-                                                             "instance": f"d{i}"})))
+            servers.append(
+                VllmServer(
+                    f"decode{i}",
+                    model,
+                    tmp,
+                    block_size=BS,
+                    args=["--kv-events-config", cfg],
+                    log_stats=True,  # its prefix cache hits
+                    kv_transfer_config=kv_config(
+                        "kv_consumer", {"bootstrap": boot.address, "instance": f"d{i}"}
+                    ),
+                )
+            )
             feeds.append((servers[-1].url, pub, rep))
         start_all(servers)
-        args = ["--log-level", "INFO", "router", "--engine", "vllm", "--port", "0",
-                "--policy", "kv_aware", "--expose-cache-stats"]
+        args = [
+            "--log-level",
+            "INFO",
+            "router",
+            "--engine",
+            "vllm",
+            "--port",
+            "0",
+            "--policy",
+            "kv_aware",
+            "--expose-cache-stats",
+        ]
         for i, p in enumerate(servers[:2]):
             args += ["--prefill", f"{p.url},{boot.address},p{i}"]
         for i, d in enumerate(servers[2:]):
@@ -97,8 +129,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def _complete(url: str, prompt: list[int]) -> tuple[list[int], dict[str, Any]]:
     r = client(url).completions.create(
-        model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"return_token_ids": True, "ignore_eos": True})
+        model="llama",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     ext = (r.model_extra or {}).get("pdxfer") or {}
     ids = ext.get("token_ids") or getattr(r.choices[0], "token_ids", None)
     return list(ids), ext
@@ -107,16 +143,22 @@ def _complete(url: str, prompt: list[int]) -> tuple[list[int], dict[str, Any]]:
 def _metrics(c: Cluster) -> dict[str, float]:
     with urllib.request.urlopen(f"{c.router.url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r"^pdxfer_router_(\w+?)(?:_total)? ([0-9.e+-]+)$", text, re.M)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^pdxfer_router_(\w+?)(?:_total)? ([0-9.e+-]+)$", text, re.M)
+    }
 
 
 def _feed_blocks(c: Cluster, worker: str) -> float:
     """The blocks one worker's events stored and removed in the router's index."""
     with urllib.request.urlopen(f"{c.router.url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    m = re.search(rf'^pdxfer_router_kv_feed_blocks_total{{worker="{re.escape(worker)}"}} '
-                  rf'([0-9.e+-]+)$', text, re.M)
+    m = re.search(
+        rf'^pdxfer_router_kv_feed_blocks_total{{worker="{re.escape(worker)}"}} '
+        rf"([0-9.e+-]+)$",
+        text,
+        re.M,
+    )
     return float(m.group(1)) if m else 0.0
 
 
@@ -124,8 +166,7 @@ def _ids(base: int, n: int) -> list[int]:
     return [(base + 37 * i) % 700 + 300 for i in range(n)]
 
 
-def test_the_second_turn_goes_to_the_prefill_whose_events_show_the_first(
-        cluster: Cluster) -> None:
+def test_the_second_turn_goes_to_the_prefill_whose_events_show_the_first(cluster: Cluster) -> None:
     """Each conversation's first turn is served by prefill 1 directly (colocated vLLM: the
     router never sees it, so its own history knows nothing); only prefill 1's events tell
     the router it holds the prefix. Without them the second turn would go to prefill 0
@@ -135,9 +176,12 @@ def test_the_second_turn_goes_to_the_prefill_whose_events_show_the_first(
     for n, first in enumerate([_ids(1, 6 * BS + 7), _ids(500, 5 * BS + 3)]):
         want = _metrics(cluster).get("kv_indexed_blocks", 0) + len(first) // BS
         out, _ = _complete(home, first)
-        wait("prefill 1's blocks in the router's index",
-             lambda w=want: _metrics(cluster).get("kv_indexed_blocks", 0) >= w, timeout=60,
-             show=lambda: _metrics(cluster))
+        wait(
+            "prefill 1's blocks in the router's index",
+            lambda w=want: _metrics(cluster).get("kv_indexed_blocks", 0) >= w,
+            timeout=60,
+            show=lambda: _metrics(cluster),
+        )
         second = first + out + _ids(900 + n, 20)
         got, ext = _complete(cluster.router.url, second)
         assert ext["prefill"] == home, (n, ext)
@@ -151,8 +195,7 @@ def test_the_second_turn_goes_to_the_prefill_whose_events_show_the_first(
         assert got == ref
 
 
-def test_the_second_turn_goes_to_the_decode_whose_events_show_the_first(
-        cluster: Cluster) -> None:
+def test_the_second_turn_goes_to_the_decode_whose_events_show_the_first(cluster: Cluster) -> None:
     """The router sends a conversation's opening (two blocks) to a decode X, so its own
     history says X holds that much. The first turn (the opening and four blocks more) then
     reaches the other decode, Y, through a second router the main one never hears of: Y
@@ -166,17 +209,32 @@ def test_the_second_turn_goes_to_the_decode_whose_events_show_the_first(
     first = opening + _ids(300, 4 * BS + 2)
     full = BS * (len(first) // BS)
     before = _feed_blocks(cluster, y.url)
-    side = Proc("side-router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
-                                f"{cluster.prefills[0].url},{cluster.boot.address},p0",
-                                "--decode", f"{y.url},d{i}"], timeout=180)
+    side = Proc(
+        "side-router",
+        [
+            "router",
+            "--engine",
+            "vllm",
+            "--port",
+            "0",
+            "--prefill",
+            f"{cluster.prefills[0].url},{cluster.boot.address},p0",
+            "--decode",
+            f"{y.url},d{i}",
+        ],
+        timeout=180,
+    )
     try:
         out, ext = _complete(side.url, first)
         assert ext["decode"] == y.url, ext
     finally:
         side.stop()
-    wait("decode Y's loaded blocks in the router's index, from its events",
-         lambda: _feed_blocks(cluster, y.url) >= before + full // BS, timeout=60,
-         show=lambda: _feed_blocks(cluster, y.url))
+    wait(
+        "decode Y's loaded blocks in the router's index, from its events",
+        lambda: _feed_blocks(cluster, y.url) >= before + full // BS,
+        timeout=60,
+        show=lambda: _feed_blocks(cluster, y.url),
+    )
     second = first + out + _ids(950, 20)
     hits = metric(y, "vllm:prefix_cache_hits_total")
     got, ext = _complete(cluster.router.url, second)

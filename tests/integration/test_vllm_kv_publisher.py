@@ -21,9 +21,15 @@ W = "http://127.0.0.1:8100"
 
 def _stored(ids: list[int], base: int) -> BlockStored:
     n = len(ids) // BS
-    return BlockStored(block_hashes=list(range(base, base + n)), parent_block_hash=None,
-                       token_ids=ids, block_size=BS, lora_id=None, medium="GPU",
-                       lora_name=None)
+    return BlockStored(
+        block_hashes=list(range(base, base + n)),
+        parent_block_hash=None,
+        token_ids=ids,
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
 
 
 async def _until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -40,8 +46,9 @@ def test_a_late_router_replays_what_vllm_published_and_a_restart_clears() -> Non
     def publisher() -> ZmqEventPublisher:
         for _ in range(100):  # the old one's sockets close in ZMQ's own time
             try:
-                return ZmqEventPublisher(0, endpoint=f"tcp://*:{pub_port}",
-                                         replay_endpoint=f"tcp://*:{rep_port}")
+                return ZmqEventPublisher(
+                    0, endpoint=f"tcp://*:{pub_port}", replay_endpoint=f"tcp://*:{rep_port}"
+                )
             except zmq.ZMQError:
                 time.sleep(0.1)
         raise AssertionError("the ports stayed in use")
@@ -50,8 +57,7 @@ def test_a_late_router_replays_what_vllm_published_and_a_restart_clears() -> Non
         pub = publisher()
         pub.publish(KVEventBatch(ts=time.time(), events=[_stored(a, 10)]))  # nobody listens
         time.sleep(0.5)
-        feeds = KvFeeds([FeedSpec(W, f"tcp://127.0.0.1:{pub_port}",
-                                  f"tcp://127.0.0.1:{rep_port}")])
+        feeds = KvFeeds([FeedSpec(W, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{rep_port}")])
         feeds.start()
         f = feeds.feeds[W]
         try:

@@ -69,28 +69,49 @@ class Cluster(vh.Cluster):
     prefill_instance, decode_instance = PREFILL, DECODE
 
     def prefill_server(self, port: int | None = None) -> VllmServer:
-        extra = {"bootstrap": self.boot.address, "instance": PREFILL,
-                 "stats_file": str(self.p_stats), "send_by": "layer",
-                 "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S,
-                 "step_pace_s": PACE_S}
-        return VllmServer("prefill", self.model, self.tmp, port=port, log_stats=True,
-                          args=["--max-num-batched-tokens", str(STEP)],
-                          kv_transfer_config=kv_config("kv_producer", extra),
-                          env={"PDXFER_FAULTS": f"delay_write=8,rooms={_rooms(SLOW)}"})
+        extra = {
+            "bootstrap": self.boot.address,
+            "instance": PREFILL,
+            "stats_file": str(self.p_stats),
+            "send_by": "layer",
+            "bootstrap_timeout_s": DEADLINE_S,
+            "transfer_timeout_s": DEADLINE_S,
+            "step_pace_s": PACE_S,
+        }
+        return VllmServer(
+            "prefill",
+            self.model,
+            self.tmp,
+            port=port,
+            log_stats=True,
+            args=["--max-num-batched-tokens", str(STEP)],
+            kv_transfer_config=kv_config("kv_producer", extra),
+            env={"PDXFER_FAULTS": f"delay_write=8,rooms={_rooms(SLOW)}"},
+        )
 
     policy = "recompute"
     """The decode's ``kv_load_failure_policy`` (the last test restarts it with ``fail``)."""
 
     def decode_server(self, port: int | None = None) -> VllmServer:
-        extra = {"bootstrap": self.boot.address, "instance": DECODE,
-                 "stats_file": str(self.d_stats), "integrity": "sampled",
-                 "bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S,
-                 "step_pace_s": DECODE_PACE_S}
-        return VllmServer("decode", self.model, self.tmp, port=port,
-                          args=["--no-enable-prefix-caching"], log_stats=True,
-                          kv_transfer_config=kv_config("kv_consumer", extra,
-                                                       kv_load_failure_policy=self.policy),
-                          env={"PDXFER_FAULTS": f"corrupt=1,rooms={_rooms(CORRUPT)}"})
+        extra = {
+            "bootstrap": self.boot.address,
+            "instance": DECODE,
+            "stats_file": str(self.d_stats),
+            "integrity": "sampled",
+            "bootstrap_timeout_s": DEADLINE_S,
+            "transfer_timeout_s": DEADLINE_S,
+            "step_pace_s": DECODE_PACE_S,
+        }
+        return VllmServer(
+            "decode",
+            self.model,
+            self.tmp,
+            port=port,
+            args=["--no-enable-prefix-caching"],
+            log_stats=True,
+            kv_transfer_config=kv_config("kv_consumer", extra, kv_load_failure_policy=self.policy),
+            env={"PDXFER_FAULTS": f"corrupt=1,rooms={_rooms(CORRUPT)}"},
+        )
 
 
 def _rooms(by: dict[str, int]) -> str:
@@ -114,16 +135,20 @@ def _ids(base: int, n: int) -> list[int]:
 
 
 def _settled(cluster: Cluster, loads: int) -> dict[str, Any]:
-    wait("the decode's loads", lambda: cluster.d().get("loads", 0) >= loads
-         and cluster.d().get("in_flight_loads", 1) == 0)
+    wait(
+        "the decode's loads",
+        lambda: cluster.d().get("loads", 0) >= loads and cluster.d().get("in_flight_loads", 1) == 0,
+    )
     wait("the prefill's sends", lambda: cluster.p().get("in_flight_sends", 1) == 0)
     return cluster.d()
 
 
 def test_a_prompt_of_many_steps_streams_by_layer_and_equals_colocated(
-        cluster: Cluster, front_door: str) -> None:
-    prompts = [_ids(100 * k, n) for k, n in enumerate((5 * STEP + 7, 9 * STEP, 3 * BS + 1,
-                                                       12 * STEP + 31))]
+    cluster: Cluster, front_door: str
+) -> None:
+    prompts = [
+        _ids(100 * k, n) for k, n in enumerate((5 * STEP + 7, 9 * STEP, 3 * BS + 1, 12 * STEP + 31))
+    ]
     want = [complete(cluster.ref.url, q) for q in prompts]
     with cf.ThreadPoolExecutor(2) as pool:
         got = list(pool.map(lambda q: complete(front_door, q), prompts))
@@ -135,8 +160,9 @@ def test_a_prompt_of_many_steps_streams_by_layer_and_equals_colocated(
     # two prompts at a time share a step's STEP tokens: each takes at least this many steps
     # (a lower bound: the scheduler may take more)
     steps = sum(-(-len(q) // STEP) for q in prompts)
-    assert p["step_chunks"] >= steps - len(prompts), \
+    assert p["step_chunks"] >= steps - len(prompts), (
         "every step before the prompt's end handed its tokens over"
+    )
     # a step computed once the decode's request had reached the prefill hands its layers
     # over one by one (``streamed_steps``); one computed before (nobody to receive a layer
     # yet) in one piece after its forward. How many steps are of each kind turns on how soon
@@ -145,8 +171,9 @@ def test_a_prompt_of_many_steps_streams_by_layer_and_equals_colocated(
     # asks first, and there every step streams)
     handed = p["step_chunks"] + p["sends"]  # steps that carried tokens
     assert 0 <= p["streamed_steps"] <= handed
-    assert p["layer_sends"] >= p["streamed_steps"] * S.layers + handed - p["streamed_steps"], \
+    assert p["layer_sends"] >= p["streamed_steps"] * S.layers + handed - p["streamed_steps"], (
         "a streamed step hands over each layer, any other step its layers at least at once"
+    )
     tokens = sum(len(q) for q in prompts)
     assert p["sent_tokens"] == tokens
     assert p["endpoint"]["transport_bytes"] == d["net_bytes"] > 0
@@ -154,7 +181,8 @@ def test_a_prompt_of_many_steps_streams_by_layer_and_equals_colocated(
 
 
 def test_a_prefix_cached_on_the_prefill_is_sent_with_the_first_step(
-        cluster: Cluster, front_door: str) -> None:
+    cluster: Cluster, front_door: str
+) -> None:
     prefix = _ids(4000, 6 * BS)
     a, b = prefix + _ids(4100, 40), prefix + _ids(4200, 75)
     hits0 = metric(cluster.prefill, "vllm:prefix_cache_hits_total")
@@ -162,8 +190,9 @@ def test_a_prefix_cached_on_the_prefill_is_sent_with_the_first_step(
     for q in (a, b):
         assert complete(front_door, q) == complete(cluster.ref.url, q)
     d = _settled(cluster, d0["loads"] + 2)
-    assert metric(cluster.prefill, "vllm:prefix_cache_hits_total") - hits0 >= 6 * BS, \
+    assert metric(cluster.prefill, "vllm:prefix_cache_hits_total") - hits0 >= 6 * BS, (
         "the second prompt's prefix needed no compute on the prefill"
+    )
     assert d["load_failures"] == d0["load_failures"], "both loads completed"
     sent = cluster.p()["endpoint"]["transport_bytes"] - sent0
     assert sent == d["net_bytes"] - d0["net_bytes"]
@@ -171,20 +200,33 @@ def test_a_prefix_cached_on_the_prefill_is_sent_with_the_first_step(
 
 
 def _prefill_params(room: int) -> dict[str, Any]:
-    return {"do_remote_decode": True, "do_remote_prefill": False, "pdxfer_room": room,
-            "pdxfer_decode": DECODE}
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "pdxfer_room": room,
+        "pdxfer_decode": DECODE,
+    }
 
 
 def _early_params(cluster: Cluster, room: int) -> dict[str, Any]:
     """The decode's request in the early form: the prefill's answer, known in advance."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room": room,
-            "pdxfer_bootstrap": cluster.boot.address, "pdxfer_instance": PREFILL}
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "pdxfer_room": room,
+        "pdxfer_bootstrap": cluster.boot.address,
+        "pdxfer_instance": PREFILL,
+    }
 
 
 def _ask_prefill(cluster: Cluster, prompt: list[int], room: int) -> Any:
     return client(cluster.prefill.url).completions.create(
-        model="llama", prompt=prompt, max_tokens=1, temperature=0,
-        extra_body={"kv_transfer_params": _prefill_params(room)})
+        model="llama",
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"kv_transfer_params": _prefill_params(room)},
+    )
 
 
 def _by_hand(cluster: Cluster, prompt: list[int], room: int, form: str) -> list[int]:
@@ -198,8 +240,12 @@ def _by_hand(cluster: Cluster, prompt: list[int], room: int, form: str) -> list[
         return complete(cluster.decode.url, prompt, extra={"kv_transfer_params": answer})
     loads = cluster.d().get("loads", 0)
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(complete, cluster.decode.url, prompt,
-                          extra={"kv_transfer_params": _early_params(cluster, room)})
+        fut = pool.submit(
+            complete,
+            cluster.decode.url,
+            prompt,
+            extra={"kv_transfer_params": _early_params(cluster, room)},
+        )
         wait("the decode to ask", lambda: cluster.d().get("loads", 0) > loads)
         assert not fut.done(), "the decode waits for the prefill's room"
         _ask_prefill(cluster, prompt, room)
@@ -211,7 +257,8 @@ FORMS = ["late", "early"]
 
 @pytest.mark.parametrize("form", FORMS)
 def test_a_decode_asking_after_the_prefill_finished_or_before_it_had_the_request_loads_all(
-        cluster: Cluster, form: str) -> None:
+    cluster: Cluster, form: str
+) -> None:
     """``late``: the prefill handed each step's layers to the sender after the step's
     forward (one hand-off: no decode had asked), with no decode attached; the decode asks
     after the prefill answered and gets all of it (blocks a step filled in part and the next
@@ -222,21 +269,28 @@ def test_a_decode_asking_after_the_prefill_finished_or_before_it_had_the_request
     d0, p0 = cluster.d(), cluster.p()
     assert _by_hand(cluster, prompt, LOADED[form], form) == want
     d = _settled(cluster, d0.get("loads", 0) + 1)
-    wait("the prefill's send", lambda: cluster.p().get("sends", 0) > p0.get("sends", 0)
-         and cluster.p()["in_flight_sends"] == 0)
+    wait(
+        "the prefill's send",
+        lambda: (
+            cluster.p().get("sends", 0) > p0.get("sends", 0) and cluster.p()["in_flight_sends"] == 0
+        ),
+    )
     p = cluster.p()
     assert d["load_failures"] == d0.get("load_failures", 0), "loaded, not recomputed"
     assert d["loads"] == d0.get("loads", 0) + 1 and p["sends"] == p0.get("sends", 0) + 1
     steps = -(-len(prompt) // STEP)
     if form == "early":
-        assert p["layer_sends"] - p0.get("layer_sends", 0) >= steps * S.layers, \
+        assert p["layer_sends"] - p0.get("layer_sends", 0) >= steps * S.layers, (
             "each step's layers went one by one"
+        )
         handed = sum(p[k] - p0.get(k, 0) for k in ("step_chunks", "sends"))
-        assert p["streamed_steps"] - p0.get("streamed_steps", 0) == handed >= steps, \
+        assert p["streamed_steps"] - p0.get("streamed_steps", 0) == handed >= steps, (
             "every step streamed: the decode asked first"
+        )
     else:
-        assert p["layer_sends"] - p0.get("layer_sends", 0) >= steps, \
+        assert p["layer_sends"] - p0.get("layer_sends", 0) >= steps, (
             "each step's layers went after its forward"
+        )
         assert p["streamed_steps"] == p0.get("streamed_steps", 0), "nobody asked: none streamed"
     sent = p["endpoint"]["transport_bytes"] - p0.get("endpoint", {}).get("transport_bytes", 0)
     assert sent == d["net_bytes"] - d0.get("net_bytes", 0) >= (len(prompt) - 1) * PER_TOKEN
@@ -244,7 +298,8 @@ def test_a_decode_asking_after_the_prefill_finished_or_before_it_had_the_request
 
 @pytest.mark.parametrize("form", FORMS)
 def test_a_corrupted_layer_is_caught_and_no_wrong_token_is_returned(
-        cluster: Cluster, form: str) -> None:
+    cluster: Cluster, form: str
+) -> None:
     """The decode damages one page of one layer's K or V after the prefill's last write of
     the room (the ``corrupt`` fault), before its sampled check: the digest of that layer's
     streamed range does not match, the load fails, and vLLM recomputes (the colocated
@@ -257,10 +312,18 @@ def test_a_corrupted_layer_is_caught_and_no_wrong_token_is_returned(
     d0, p0 = cluster.d(), cluster.p()
     assert _by_hand(cluster, prompt, CORRUPT[form], form) == want
     failures0 = d0.get("load_failures", 0)
-    wait("the decode's stats", lambda: cluster.d().get("load_failures", 0) > failures0
-         and cluster.d()["in_flight_loads"] == 0)
-    wait("the prefill's send", lambda: cluster.p().get("sends", 0) > p0.get("sends", 0)
-         and cluster.p()["in_flight_sends"] == 0)
+    wait(
+        "the decode's stats",
+        lambda: (
+            cluster.d().get("load_failures", 0) > failures0 and cluster.d()["in_flight_loads"] == 0
+        ),
+    )
+    wait(
+        "the prefill's send",
+        lambda: (
+            cluster.p().get("sends", 0) > p0.get("sends", 0) and cluster.p()["in_flight_sends"] == 0
+        ),
+    )
     d1, p1 = cluster.d(), cluster.p()
     ep0 = d0.get("endpoint", {})
     assert d1["endpoint"]["integrity_mismatches"] == ep0.get("integrity_mismatches", 0) + 1
@@ -269,11 +332,11 @@ def test_a_corrupted_layer_is_caught_and_no_wrong_token_is_returned(
     # digest values: one per buffer a digest covers (K and V of a layer at most 2), so a
     # request-wide digest has at most 2 per layer; the 7 steps' layer ranges have 7 times
     # what a layer holds
-    digests = (p1["endpoint"].get("integrity_digests", 0)
-               - p0.get("endpoint", {}).get("integrity_digests", 0))
+    digests = p1["endpoint"].get("integrity_digests", 0) - p0.get("endpoint", {}).get(
+        "integrity_digests", 0
+    )
     assert digests >= 4 * S.layers, f"{digests} digest values: not one per streamed range"
-    assert p1["layer_sends"] - p0.get("layer_sends", 0) >= 4 * (S.layers if form == "early"
-                                                                else 1)
+    assert p1["layer_sends"] - p0.get("layer_sends", 0) >= 4 * (S.layers if form == "early" else 1)
 
 
 LEAVER = """
@@ -290,7 +353,8 @@ its first token (the router starts its answer with the first text)."""
 
 
 def test_a_client_that_leaves_while_the_prefill_computes_ends_both_sides(
-        cluster: Cluster, front_door: str) -> None:
+    cluster: Cluster, front_door: str
+) -> None:
     """Through the router (concurrent dispatch), a prompt of 60 steps, which the paced
     prefill computes for at least 6 s: the client leaves once the decode asked and the
     prefill handed over its first layers. The router ends both legs: vLLM aborts the
@@ -304,23 +368,36 @@ def test_a_client_that_leaves_while_the_prefill_computes_ends_both_sides(
     gen0 = metric(cluster.decode, "vllm:generation_tokens_total")
     ok0 = metric(cluster.decode, "vllm:request_success_total")
     base = {s.name: kv_usage(s) for s in (cluster.prefill, cluster.decode)}
-    proc = subprocess.Popen([sys.executable, "-c", LEAVER, front_door,
-                             ",".join(map(str, prompt)), str(LONG)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LEAVER, front_door, ",".join(map(str, prompt)), str(LONG)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait("the decode to ask", lambda: cluster.d().get("loads", 0) > d0.get("loads", 0))
-        wait("the prefill to stream",
-             lambda: cluster.p().get("layer_sends", 0) > p0.get("layer_sends", 0))
+        wait(
+            "the prefill to stream",
+            lambda: cluster.p().get("layer_sends", 0) > p0.get("layer_sends", 0),
+        )
     finally:
         proc.kill()
         proc.wait(timeout=60)
     for s in (cluster.prefill, cluster.decode):
-        wait(f"{s.name} to end the request and free its blocks",
-             lambda s=s: metric(s, "vllm:num_requests_running") == 0
-             and metric(s, "vllm:num_requests_waiting") == 0 and kv_usage(s) == base[s.name])
-    wait("the decode's load to end", lambda: cluster.d()["in_flight_loads"] == 0
-         and cluster.d()["endpoint"].get("failures_aborted", 0)
-         > ep0.get("failures_aborted", 0))
+        wait(
+            f"{s.name} to end the request and free its blocks",
+            lambda s=s: (
+                metric(s, "vllm:num_requests_running") == 0
+                and metric(s, "vllm:num_requests_waiting") == 0
+                and kv_usage(s) == base[s.name]
+            ),
+        )
+    wait(
+        "the decode's load to end",
+        lambda: (
+            cluster.d()["in_flight_loads"] == 0
+            and cluster.d()["endpoint"].get("failures_aborted", 0) > ep0.get("failures_aborted", 0)
+        ),
+    )
     wait("the prefill's room to end", lambda: cluster.p()["in_flight_sends"] == 0)
     p, ep = cluster.p(), cluster.d()["endpoint"]
     assert p["sends"] == p0.get("sends", 0), "the prefill computed the whole prompt"
@@ -328,8 +405,9 @@ def test_a_client_that_leaves_while_the_prefill_computes_ends_both_sides(
     assert ep.get("failures_deadline", 0) == ep0.get("failures_deadline", 0)
     # the prefill's abort may reach the decode before its own: it then recomputes the
     # prompt (kv_load_failure_policy: recompute) and generates a token or so meanwhile
-    assert metric(cluster.decode, "vllm:request_success_total") == ok0, \
+    assert metric(cluster.decode, "vllm:request_success_total") == ok0, (
         "the decode finished the request of a client that left"
+    )
     assert metric(cluster.decode, "vllm:generation_tokens_total") - gen0 < LONG
     nxt = _ids(120, 3 * STEP + 1)
     assert complete(front_door, nxt) == complete(cluster.ref.url, nxt)
@@ -342,12 +420,18 @@ def _kill_mid_stream(cluster: Cluster, prompt: list[int], room: int) -> cf.Futur
     d0, p0 = cluster.d(), cluster.p()
     pool = cf.ThreadPoolExecutor(2)
     try:
-        fut = pool.submit(complete, cluster.decode.url, prompt,
-                          extra={"kv_transfer_params": _early_params(cluster, room)})
+        fut = pool.submit(
+            complete,
+            cluster.decode.url,
+            prompt,
+            extra={"kv_transfer_params": _early_params(cluster, room)},
+        )
         wait("the decode to ask", lambda: cluster.d().get("loads", 0) > d0.get("loads", 0))
         pre = pool.submit(_ask_prefill, cluster, prompt, room)
-        wait("the stream to start",
-             lambda: cluster.p().get("layer_sends", 0) > p0.get("layer_sends", 0))
+        wait(
+            "the stream to start",
+            lambda: cluster.p().get("layer_sends", 0) > p0.get("layer_sends", 0),
+        )
         assert kv_usage(cluster.decode) > 0, "the decode holds blocks for the load"
         cluster.prefill.kill()
         # its answer may have come before the kill (the writes are what was held back)
@@ -363,21 +447,29 @@ def _failed_with_nothing_left_to_land(cluster: Cluster, d0: dict[str, Any]) -> d
     none was quarantined (pages are handed back only once nothing can land:
     ``docs/failure-semantics.md``; the bytes themselves are checked in ``test_crash``,
     ``test_abort`` and ``test_stranded_write``). Its blocks come back."""
-    wait("the decode's stats", lambda: cluster.d().get("load_failures", 0)
-         == d0.get("load_failures", 0) + 1 and cluster.d()["in_flight_loads"] == 0)
+    wait(
+        "the decode's stats",
+        lambda: (
+            cluster.d().get("load_failures", 0) == d0.get("load_failures", 0) + 1
+            and cluster.d()["in_flight_loads"] == 0
+        ),
+    )
     d1 = cluster.d()
     ep0, ep1 = d0.get("endpoint", {}), d1["endpoint"]
-    assert ep1.get("quarantined_requests", 0) == ep0.get("quarantined_requests", 0), \
+    assert ep1.get("quarantined_requests", 0) == ep0.get("quarantined_requests", 0), (
         "the failure was reported with no write left that could land"
-    assert ep1.get("failures_deadline", 0) == ep0.get("failures_deadline", 0), \
+    )
+    assert ep1.get("failures_deadline", 0) == ep0.get("failures_deadline", 0), (
         "the kill was noticed, not waited out"
+    )
     assert ep1.get("quarantined_pages", 0) == 0
     wait("the decode's blocks to come back", lambda: kv_usage(cluster.decode) == 0.0)
     return d1
 
 
 def test_a_prefill_killed_mid_stream_fails_the_load_and_nothing_lands_after(
-        cluster: Cluster, front_door: str) -> None:
+    cluster: Cluster, front_door: str
+) -> None:
     """``kv_load_failure_policy: recompute``: the decode's load fails, vLLM recomputes the
     prompt, and the output equals colocated; a prefill back on the instance serves the
     next request."""
@@ -385,19 +477,21 @@ def test_a_prefill_killed_mid_stream_fails_the_load_and_nothing_lands_after(
     want = complete(cluster.ref.url, prompt)
     d0 = cluster.d()
     fut = _kill_mid_stream(cluster, prompt, SLOW["recompute"])
-    assert fut.result(timeout=0) == want, \
+    assert fut.result(timeout=0) == want, (
         "recomputed by the decode (kv_load_failure_policy: recompute)"
+    )
     d1 = _failed_with_nothing_left_to_land(cluster, d0)
     cluster.restart_prefill()
     nxt = _ids(650, 4 * STEP + 3)
     assert complete(front_door, nxt) == complete(cluster.ref.url, nxt)
-    wait("the decode's stats", lambda: cluster.d()["loads"] == d1["loads"] + 1
-         and cluster.d()["in_flight_loads"] == 0)
+    wait(
+        "the decode's stats",
+        lambda: cluster.d()["loads"] == d1["loads"] + 1 and cluster.d()["in_flight_loads"] == 0,
+    )
     assert cluster.d()["load_failures"] == d1["load_failures"]
 
 
-def test_under_policy_fail_a_prefill_killed_mid_stream_fails_the_request(
-        cluster: Cluster) -> None:
+def test_under_policy_fail_a_prefill_killed_mid_stream_fails_the_request(cluster: Cluster) -> None:
     """The decode restarted with ``kv_load_failure_policy: fail``: the same kill ends the
     request with vLLM's error (HTTP 500), never with tokens decoded from KV that did not
     arrive; the failure is reported with nothing left to land, the blocks come back, and
@@ -413,7 +507,8 @@ def test_under_policy_fail_a_prefill_killed_mid_stream_fails_the_request(
     want = complete(cluster.ref.url, prompt)
     fut = _kill_mid_stream(cluster, prompt, SLOW["fail"])
     err = fut.exception(timeout=0)
-    assert isinstance(err, openai.APIStatusError) and err.status_code == 500, \
+    assert isinstance(err, openai.APIStatusError) and err.status_code == 500, (
         f"the request was not failed (kv_load_failure_policy: fail): {err!r}"
+    )
     _failed_with_nothing_left_to_land(cluster, {})
     assert complete(cluster.decode.url, prompt) == want, "computed by the decode itself"

@@ -55,21 +55,45 @@ def pair(tmp: Path, model: Path, p_tp: int, d_tp: int) -> Iterator[tuple[str, Pa
     args = [*F.vllm_args, *F.exact_args, "--max-model-len", "4096"]
 
     def server(name: str, tp: int, role: str, extra: dict[str, Any]) -> VllmServer:
-        return VllmServer(f"{name}-tp{tp}", model, tmp, dtype=F.dtype, block_size=BS,
-                          env=TP2 if tp > 1 else None, kv_cache_bytes=256 << 20,
-                          args=[*args, "--tensor-parallel-size", str(tp)],
-                          kv_transfer_config=kv_config(role, {"bootstrap": boot.address,
-                                                              **extra}))
-    servers = [server("prefill", p_tp, "kv_producer", {"instance": "p0",
-                                                       "stats_file": str(ps)}),
-               server("decode", d_tp, "kv_consumer", {"instance": "d0", "stats_file": str(ds),
-                                                      "integrity": "full"})]
+        return VllmServer(
+            f"{name}-tp{tp}",
+            model,
+            tmp,
+            dtype=F.dtype,
+            block_size=BS,
+            env=TP2 if tp > 1 else None,
+            kv_cache_bytes=256 << 20,
+            args=[*args, "--tensor-parallel-size", str(tp)],
+            kv_transfer_config=kv_config(role, {"bootstrap": boot.address, **extra}),
+        )
+
+    servers = [
+        server("prefill", p_tp, "kv_producer", {"instance": "p0", "stats_file": str(ps)}),
+        server(
+            "decode",
+            d_tp,
+            "kv_consumer",
+            {"instance": "d0", "stats_file": str(ds), "integrity": "full"},
+        ),
+    ]
     router = None
     try:
         start_all(servers, timeout=600)
-        router = Proc("router", ["router", "--engine", "vllm", "--port", "0", "--prefill",
-                                 f"{servers[0].url},{boot.address},p0", "--decode",
-                                 f"{servers[1].url},d0"], timeout=300)
+        router = Proc(
+            "router",
+            [
+                "router",
+                "--engine",
+                "vllm",
+                "--port",
+                "0",
+                "--prefill",
+                f"{servers[0].url},{boot.address},p0",
+                "--decode",
+                f"{servers[1].url},d0",
+            ],
+            timeout=300,
+        )
         yield router.url, ps, ds
     finally:
         if router is not None:
@@ -81,23 +105,32 @@ def pair(tmp: Path, model: Path, p_tp: int, d_tp: int) -> Iterator[tuple[str, Pa
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
 def test_each_decode_rank_gets_the_latent_once_from_one_prefill_rank(
-        tmp_path: Path, model: Path, p_tp: int, d_tp: int) -> None:
+    tmp_path: Path, model: Path, p_tp: int, d_tp: int
+) -> None:
     n = 5 * BS + 1
     p = [random.Random(7).randrange(300, 1000) for _ in range(n)]
     with pair(tmp_path, model, p_tp, d_tp) as (url, ps, ds):
         assert len(complete(url, p, timeout=600)) == MAX_TOKENS
-        wait("every decode rank's check", lambda: all(
-            s.get("endpoint", {}).get("integrity_checks", 0) >= 1 for s in _stats(ds, d_tp)),
-             timeout=120)
-        wait("the prefill's sends", lambda: all(
-            s.get("in_flight_sends", 1) == 0 for s in _stats(ps, p_tp)), timeout=120)
+        wait(
+            "every decode rank's check",
+            lambda: all(
+                s.get("endpoint", {}).get("integrity_checks", 0) >= 1 for s in _stats(ds, d_tp)
+            ),
+            timeout=120,
+        )
+        wait(
+            "the prefill's sends",
+            lambda: all(s.get("in_flight_sends", 1) == 0 for s in _stats(ps, p_tp)),
+            timeout=120,
+        )
         d, pst = _stats(ds, d_tp), _stats(ps, p_tp)
     got = [int(s["net_bytes"]) for s in d]
     sent = [int(s.get("endpoint", {}).get("transport_bytes", 0)) for s in pst]
     assert all(s["endpoint"].get("integrity_mismatches", 0) == 0 for s in d), d
     # each decode rank: the prompt's latent (whole blocks), once
-    assert all(-(-(n - 1) // BS) * BS * LATENT_TOKEN <= g <= -(-n // BS) * BS * LATENT_TOKEN
-               for g in got), got
+    assert all(
+        -(-(n - 1) // BS) * BS * LATENT_TOKEN <= g <= -(-n // BS) * BS * LATENT_TOKEN for g in got
+    ), got
     assert len(set(got)) == 1, got
     # from one prefill rank: what the prefill ranks sent is the decode ranks' sum
     assert sum(sent) == sum(got), (sent, got)

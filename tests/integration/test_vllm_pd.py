@@ -63,24 +63,46 @@ class Cluster(vh.Cluster):
     prefill_instance, decode_instance = PREFILL, DECODE
 
     def prefill_server(self, port: int | None = None) -> VllmServer:
-        extra = {"bootstrap": self.boot.address, "instance": PREFILL,
-                 "stats_file": str(self.p_stats), "bootstrap_timeout_s": DEADLINE_S,
-                 "transfer_timeout_s": DEADLINE_S}
-        return VllmServer("prefill", self.model, self.tmp, port=port, log_stats=True,
-                          args=["--max-num-batched-tokens", str(STEP)],
-                          kv_transfer_config=kv_config("kv_producer", extra),
-                          env={"PDXFER_FAULTS": f"delay_write=8,rooms={ROOM_SLOW}"})
+        extra = {
+            "bootstrap": self.boot.address,
+            "instance": PREFILL,
+            "stats_file": str(self.p_stats),
+            "bootstrap_timeout_s": DEADLINE_S,
+            "transfer_timeout_s": DEADLINE_S,
+        }
+        return VllmServer(
+            "prefill",
+            self.model,
+            self.tmp,
+            port=port,
+            log_stats=True,
+            args=["--max-num-batched-tokens", str(STEP)],
+            kv_transfer_config=kv_config("kv_producer", extra),
+            env={"PDXFER_FAULTS": f"delay_write=8,rooms={ROOM_SLOW}"},
+        )
 
     def decode_server(self, port: int | None = None) -> VllmServer:
-        extra = {"bootstrap": self.boot.address, "instance": DECODE,
-                 "stats_file": str(self.d_stats), "l2_pages": 256, "l3": "file",
-                 "l3_dir": str(self.tmp / "l3"), "bootstrap_timeout_s": DEADLINE_S,
-                 "transfer_timeout_s": DEADLINE_S, "step_pace_s": PACE_S}
-        return VllmServer("decode", self.model, self.tmp, port=port,
-                          args=["--no-enable-prefix-caching"], log_stats=True,
-                          kv_transfer_config=kv_config("kv_consumer", extra,
-                                                       kv_load_failure_policy="recompute"),
-                          env={"PDXFER_FAULTS": f"corrupt=1,rooms={ROOM_CORRUPT}"})
+        extra = {
+            "bootstrap": self.boot.address,
+            "instance": DECODE,
+            "stats_file": str(self.d_stats),
+            "l2_pages": 256,
+            "l3": "file",
+            "l3_dir": str(self.tmp / "l3"),
+            "bootstrap_timeout_s": DEADLINE_S,
+            "transfer_timeout_s": DEADLINE_S,
+            "step_pace_s": PACE_S,
+        }
+        return VllmServer(
+            "decode",
+            self.model,
+            self.tmp,
+            port=port,
+            args=["--no-enable-prefix-caching"],
+            log_stats=True,
+            kv_transfer_config=kv_config("kv_consumer", extra, kv_load_failure_policy="recompute"),
+            env={"PDXFER_FAULTS": f"corrupt=1,rooms={ROOM_CORRUPT}"},
+        )
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +152,15 @@ def _ids(base: int, n: int) -> list[int]:
 
 
 def test_a_repeated_prefix_is_restored_from_l2_and_only_the_suffix_crosses(
-        cluster: Cluster, front_door: str) -> None:
+    cluster: Cluster, front_door: str
+) -> None:
     prefix = _ids(1, 8 * BS)
     a, b = prefix + _ids(900, 20), prefix + _ids(1900, 45)
     assert complete(front_door, a) == complete(cluster.ref.url, a)
-    wait("the write-back of the first request",
-          lambda: cluster.d().get("tiers", {}).get("l2_writebacks", 0) >= 8)
+    wait(
+        "the write-back of the first request",
+        lambda: cluster.d().get("tiers", {}).get("l2_writebacks", 0) >= 8,
+    )
     d0, sent0 = cluster.d(), cluster.p()["endpoint"]["transport_bytes"]
     assert complete(front_door, b) == complete(cluster.ref.url, b)
     wait("the prefill's send", lambda: cluster.p()["endpoint"]["transport_bytes"] > sent0)
@@ -145,8 +170,10 @@ def test_a_repeated_prefix_is_restored_from_l2_and_only_the_suffix_crosses(
     assert cluster.p()["endpoint"]["transport_bytes"] - sent0 == suffix
     assert d1["net_bytes"] - d0["net_bytes"] == suffix
     # the same figures in vLLM's own /metrics (worker -> engine core -> API server)
-    wait("the decode's /metrics", lambda: metric(cluster.decode, "vllm:pdxfer_net_bytes_total")
-          == cluster.d()["net_bytes"])
+    wait(
+        "the decode's /metrics",
+        lambda: metric(cluster.decode, "vllm:pdxfer_net_bytes_total") == cluster.d()["net_bytes"],
+    )
     d2 = cluster.d()
     for k in ("restored_l2_pages", "loads", "loaded_tokens", "load_failures"):
         assert metric(cluster.decode, f"vllm:pdxfer_{k}_total") == d2[k], k
@@ -159,23 +186,29 @@ KEY_A, KEY_B = "alice-key-0123456789", "bob-key-0123456789ab"
 def test_tenants_never_restore_each_others_prefix(cluster: Cluster) -> None:
     """With API keys the router turns each tenant into vLLM's cache_salt: the decode restores
     a tenant's own prefix from L2, never another tenant's (it crosses the wire instead)."""
-    router = cluster.router("router-keys",
-                            env={"PDXFER_API_KEYS": f"alice:{KEY_A},bob:{KEY_B}"})
+    router = cluster.router("router-keys", env={"PDXFER_API_KEYS": f"alice:{KEY_A},bob:{KEY_B}"})
     try:
         prefix = _ids(123, 6 * BS)
         a, b, c = (prefix + _ids(base, 10 + k) for k, base in enumerate((31, 57, 89)))
 
         def ask(key: str, prompt: list[int]) -> list[int]:
-            r = OpenAI(base_url=f"{router.url}/v1", api_key=key, max_retries=0,
-                       timeout=120).completions.create(
-                model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                extra_body={"ignore_eos": True})
+            r = OpenAI(
+                base_url=f"{router.url}/v1", api_key=key, max_retries=0, timeout=120
+            ).completions.create(
+                model="llama",
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             return token_ids(r.choices[0], r)
 
         w0 = cluster.d().get("tiers", {}).get("l2_writebacks", 0)
         assert ask(KEY_A, a) == complete(cluster.ref.url, a)
-        wait("alice's write-back",
-              lambda: cluster.d().get("tiers", {}).get("l2_writebacks", 0) >= w0 + 6)
+        wait(
+            "alice's write-back",
+            lambda: cluster.d().get("tiers", {}).get("l2_writebacks", 0) >= w0 + 6,
+        )
         r0 = cluster.d()["restored_l2_pages"]
         assert ask(KEY_B, b) == complete(cluster.ref.url, b)
         assert cluster.d()["restored_l2_pages"] == r0, "bob restored alice's prefix"
@@ -185,39 +218,58 @@ def test_tenants_never_restore_each_others_prefix(cluster: Cluster) -> None:
         router.stop()
 
 
-def _direct(cluster: Cluster, prompt: list[int], room: int, timeout: float = 120
-            ) -> list[int]:
+def _direct(cluster: Cluster, prompt: list[int], room: int, timeout: float = 120) -> list[int]:
     """The proxy protocol by hand, with a chosen room (the fault injection names rooms)."""
-    params = {"do_remote_decode": True, "do_remote_prefill": False, "pdxfer_room": room,
-              "pdxfer_decode": DECODE}
+    params = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "pdxfer_room": room,
+        "pdxfer_decode": DECODE,
+    }
     first = client(cluster.prefill.url).completions.create(
-        model="llama", prompt=prompt, max_tokens=1, temperature=0,
-        extra_body={"kv_transfer_params": params})
+        model="llama",
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"kv_transfer_params": params},
+    )
     answer = first.model_extra["kv_transfer_params"]  # type: ignore[index]
     assert answer["pdxfer_room"] == room
-    return complete(cluster.decode.url, prompt, extra={"kv_transfer_params": answer},
-                     timeout=timeout)
+    return complete(
+        cluster.decode.url, prompt, extra={"kv_transfer_params": answer}, timeout=timeout
+    )
 
 
 def test_a_rogue_prefill_named_in_kv_transfer_params_is_never_paired(
-        cluster: Cluster, front_door: str) -> None:
+    cluster: Cluster, front_door: str
+) -> None:
     """A client names a rogue prefill (a real ``vllm serve`` prefill with the connector, on a
     bootstrap of its own, holding the KV of another prompt) in the decode's
     ``kv_transfer_params``. The decode trusts only its configured bootstrap: it serves the
     request as if it had no pdxfer params (computing the prompt itself), never looks the rogue
     up, and counts the refusal; the victim's own request later gets the colocated tokens."""
     rogue_boot = BootstrapServer("127.0.0.1", 0).start()
-    rogue = VllmServer("rogue-prefill", cluster.model, cluster.tmp,
-                       kv_transfer_config=kv_config("kv_producer", {
-                           "bootstrap": rogue_boot.address, "instance": "rogue",
-                           "bootstrap_timeout_s": 5.0}))
+    rogue = VllmServer(
+        "rogue-prefill",
+        cluster.model,
+        cluster.tmp,
+        kv_transfer_config=kv_config(
+            "kv_producer",
+            {"bootstrap": rogue_boot.address, "instance": "rogue", "bootstrap_timeout_s": 5.0},
+        ),
+    )
     try:
         start_all([rogue])
         victim, evil = _ids(5000, 3 * BS + 5), _ids(7000, 3 * BS + 5)
         r = client(rogue.url).completions.create(
-            model="llama", prompt=evil, max_tokens=1, temperature=0,
-            extra_body={"kv_transfer_params": {"do_remote_decode": True,
-                                               "do_remote_prefill": False}})
+            model="llama",
+            prompt=evil,
+            max_tokens=1,
+            temperature=0,
+            extra_body={
+                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}
+            },
+        )
         params = (r.model_extra or {})["kv_transfer_params"]
         assert params["pdxfer_bootstrap"] == rogue_boot.address
         want = complete(cluster.ref.url, victim)
@@ -225,8 +277,10 @@ def test_a_rogue_prefill_named_in_kv_transfer_params_is_never_paired(
         loads = cluster.d().get("loads", 0)
         got = complete(cluster.decode.url, victim, extra={"kv_transfer_params": params})
         assert got == want, "the decode computed the prompt itself"
-        wait("the refusal in /metrics", lambda: metric(
-            cluster.decode, "vllm:pdxfer_untrusted_refused_total") == refused + 1)
+        wait(
+            "the refusal in /metrics",
+            lambda: metric(cluster.decode, "vllm:pdxfer_untrusted_refused_total") == refused + 1,
+        )
         assert rogue_boot.counters["lookups"] == 0, "the rogue's bootstrap was never asked"
         assert cluster.d().get("loads", 0) == loads
         assert complete(front_door, victim) == want  # the victim, through the front door
@@ -247,7 +301,8 @@ def test_a_corrupted_transfer_is_caught_and_no_wrong_token_is_returned(cluster: 
 
 
 def test_a_prefill_killed_mid_transfer_ends_the_request_by_its_policy_and_blocks_come_back(
-        cluster: Cluster, front_door: str) -> None:
+    cluster: Cluster, front_door: str
+) -> None:
     prompt = _ids(7000, 6 * BS + 3)
     want = complete(cluster.ref.url, prompt)
     d0 = cluster.d()
@@ -267,7 +322,8 @@ def test_a_prefill_killed_mid_transfer_ends_the_request_by_its_policy_and_blocks
     e0, e1 = d0.get("endpoint", {}), d1["endpoint"]
     assert e1.get("failures_deadline", 0) == e0.get("failures_deadline", 0), e1
     assert sum(v for k, v in e1.items() if k.startswith("failures_")) > sum(
-        v for k, v in e0.items() if k.startswith("failures_")), e1
+        v for k, v in e0.items() if k.startswith("failures_")
+    ), e1
     wait("the decode's blocks to come back", lambda: kv_usage(cluster.decode) == 0.0)
     cluster.restart_prefill()
     nxt = _ids(8000, 3 * BS + 5)
@@ -276,8 +332,9 @@ def test_a_prefill_killed_mid_transfer_ends_the_request_by_its_policy_and_blocks
     assert cluster.d()["load_failures"] == d1["load_failures"]
 
 
-def test_a_restarted_decode_restores_a_prefix_from_l3_files(cluster: Cluster,
-                                                            front_door: str) -> None:
+def test_a_restarted_decode_restores_a_prefix_from_l3_files(
+    cluster: Cluster, front_door: str
+) -> None:
     prefix = _ids(1, 8 * BS)  # written back by the L2 test above
     wait("L3 writes", lambda: cluster.d().get("tiers", {}).get("l3_puts", 0) >= 8)
     cluster.restart_decode()
@@ -293,7 +350,8 @@ def test_a_restarted_decode_restores_a_prefix_from_l3_files(cluster: Cluster,
 
 
 def test_concurrent_and_sequential_dispatch_stream_steps_and_equal_colocated(
-        cluster: Cluster, front_door: str) -> None:
+    cluster: Cluster, front_door: str
+) -> None:
     """Concurrent dispatch (the router's default), streamed and not, and the sequential
     form (the decode asks after the prefill finished): equal to colocated vLLM. Prompts span
     several prefill steps, whose blocks are handed over after each step; the later prompts
@@ -311,15 +369,19 @@ def test_concurrent_and_sequential_dispatch_stream_steps_and_equal_colocated(
         assert complete(seq.url, prompts[2]) == want[2]
         assert stream_ids(seq.url, prompts[3]) == want[3]
         r = client(front_door).completions.create(
-            model="llama", prompt=prompts[0], max_tokens=2, temperature=0)
+            model="llama", prompt=prompts[0], max_tokens=2, temperature=0
+        )
         assert r.model_extra["pdxfer"]["dispatch"] == "concurrent"  # type: ignore[index]
         r = client(seq.url).completions.create(
-            model="llama", prompt=prompts[0], max_tokens=2, temperature=0)
+            model="llama", prompt=prompts[0], max_tokens=2, temperature=0
+        )
         assert r.model_extra["pdxfer"]["dispatch"] == "sequential"  # type: ignore[index]
     finally:
         seq.stop()
-    wait("the prefill's sends", lambda: cluster.p()["sends"] >= p0["sends"] + 6
-         and cluster.p()["in_flight_sends"] == 0)
+    wait(
+        "the prefill's sends",
+        lambda: cluster.p()["sends"] >= p0["sends"] + 6 and cluster.p()["in_flight_sends"] == 0,
+    )
     p1 = cluster.p()
     assert p1["send_failures"] == p0["send_failures"]
     # the first prompt (232 tokens, nothing cached) takes four STEP-token steps: the first
@@ -335,27 +397,38 @@ def test_a_decode_that_asks_before_the_prefill_has_the_request(cluster: Cluster)
     prompt = _ids(9600, 7 * BS + 11)
     want = complete(cluster.ref.url, prompt)
     room = 77_000_001
-    early = {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room": room,
-             "pdxfer_bootstrap": cluster.boot.address, "pdxfer_instance": PREFILL}
+    early = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "pdxfer_room": room,
+        "pdxfer_bootstrap": cluster.boot.address,
+        "pdxfer_instance": PREFILL,
+    }
     d0 = {k: cluster.d().get(k, 0) for k in ("loads", "load_failures")}
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(complete, cluster.decode.url, prompt,
-                          extra={"kv_transfer_params": early})
+        fut = pool.submit(complete, cluster.decode.url, prompt, extra={"kv_transfer_params": early})
         wait("the decode to ask", lambda: cluster.d().get("loads", 0) > d0["loads"])
         time.sleep(0.5)
         assert not fut.done(), "the decode waits for the prefill's room"
-        params = {"do_remote_decode": True, "do_remote_prefill": False, "pdxfer_room": room,
-                  "pdxfer_decode": DECODE}
+        params = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "pdxfer_room": room,
+            "pdxfer_decode": DECODE,
+        }
         client(cluster.prefill.url).completions.create(
-            model="llama", prompt=prompt, max_tokens=1, temperature=0,
-            extra_body={"kv_transfer_params": params})
+            model="llama",
+            prompt=prompt,
+            max_tokens=1,
+            temperature=0,
+            extra_body={"kv_transfer_params": params},
+        )
         assert fut.result(timeout=120) == want
     wait("the decode's stats", lambda: cluster.d()["in_flight_loads"] == 0)
     assert cluster.d()["load_failures"] == d0["load_failures"]
 
 
-def test_a_failed_prefill_ends_the_engaged_decode_with_an_openai_error(
-        cluster: Cluster) -> None:
+def test_a_failed_prefill_ends_the_engaged_decode_with_an_openai_error(cluster: Cluster) -> None:
     """The router's 'prefill' is a worker that is no kv_producer (it answers without
     kv_transfer_params): the decode, engaged at dispatch, is aborted by the router (its load
     ends as aborted, not at its bootstrap deadline), its blocks come back, and the client
@@ -368,17 +441,22 @@ def test_a_failed_prefill_ends_the_engaged_decode_with_an_openai_error(
     ep0 = cluster.d().get("endpoint", {})
     try:
         with pytest.raises(openai.APIStatusError) as e:
-            client(bad.url).completions.create(model="llama", prompt=prompt, max_tokens=4,
-                                               temperature=0)
+            client(bad.url).completions.create(
+                model="llama", prompt=prompt, max_tokens=4, temperature=0
+            )
     finally:
         bad.stop()
     assert e.value.status_code == 502
     assert "kv_transfer_params" in str(e.value.body), e.value.body
-    wait("the decode's loads to end", lambda: cluster.d()["in_flight_loads"] == 0
-         and cluster.d()["loads"] >= loads0 + 2, timeout=60)
+    wait(
+        "the decode's loads to end",
+        lambda: cluster.d()["in_flight_loads"] == 0 and cluster.d()["loads"] >= loads0 + 2,
+        timeout=60,
+    )
     ep1 = cluster.d()["endpoint"]
-    assert ep1.get("failures_aborted", 0) - ep0.get("failures_aborted", 0) == 2, \
+    assert ep1.get("failures_aborted", 0) - ep0.get("failures_aborted", 0) == 2, (
         "each attempt's decode was engaged at dispatch and ended by the router's abort"
+    )
     assert ep1.get("failures_deadline", 0) == ep0.get("failures_deadline", 0)
     wait("the decode's blocks to come back", lambda: kv_usage(cluster.decode) == 0.0)
     assert complete(cluster.decode.url, prompt) == complete(cluster.ref.url, prompt)
@@ -391,15 +469,25 @@ def test_a_client_that_leaves_ends_both_sides(cluster: Cluster, front_door: str)
     prompt = _ids(9950, 3 * BS + 5)
     gen0 = metric(cluster.decode, "vllm:generation_tokens_total")
     stream = client(front_door).completions.create(
-        model="llama", prompt=prompt, max_tokens=400, temperature=0, stream=True,
-        extra_body={"ignore_eos": True})
+        model="llama",
+        prompt=prompt,
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             break
     stream.close()
-    wait("the decode to end the request",
-         lambda: metric(cluster.decode, "vllm:num_requests_running") == 0
-         and kv_usage(cluster.decode) == 0.0, timeout=60)
+    wait(
+        "the decode to end the request",
+        lambda: (
+            metric(cluster.decode, "vllm:num_requests_running") == 0
+            and kv_usage(cluster.decode) == 0.0
+        ),
+        timeout=60,
+    )
     assert metric(cluster.prefill, "vllm:num_requests_running") == 0
     gen = metric(cluster.decode, "vllm:generation_tokens_total")
     time.sleep(1.0)

@@ -105,8 +105,11 @@ class Pair:
         given) and none is in flight: only then are its ``transport_bytes`` final (its stats
         file is rewritten mid-send, and the decode may finish loading before the prefill
         writes its file again)."""
-        return all((s.get("sends", 0) - s0 == n if n is not None else s.get("sends", 0) > s0)
-                   and s.get("in_flight_sends", 1) == 0 for s, s0 in zip(self.p(), sends0))
+        return all(
+            (s.get("sends", 0) - s0 == n if n is not None else s.get("sends", 0) > s0)
+            and s.get("in_flight_sends", 1) == 0
+            for s, s0 in zip(self.p(), sends0)
+        )
 
     def sends(self) -> list[int]:
         return [s.get("sends", 0) for s in self.p()]
@@ -134,27 +137,54 @@ REF_ENV = {"VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": "0"}
 stall while the reference renders a chat would fail it. The router renders chats itself."""
 
 
-def _pair(name: str, tmp: Path, model: Path, boot: BootstrapServer, prefill_tp: int,
-          decode_tp: int) -> Pair:
+def _pair(
+    name: str, tmp: Path, model: Path, boot: BootstrapServer, prefill_tp: int, decode_tp: int
+) -> Pair:
     # these tests are about placement: every pdxfer deadline only ends a hang
-    timeouts = {"bootstrap_timeout_s": DEADLINE_S, "transfer_timeout_s": DEADLINE_S,
-                "heartbeat_s": HEARTBEAT_S}
+    timeouts = {
+        "bootstrap_timeout_s": DEADLINE_S,
+        "transfer_timeout_s": DEADLINE_S,
+        "heartbeat_s": HEARTBEAT_S,
+    }
     p_stats, d_stats = tmp / f"{name}-p.json", tmp / f"{name}-d.json"
     # the prefill streams by layer (send_by's default), STEP tokens a step: a prompt spans
     # several steps, each rank handing its heads of each layer over as the forward writes it
-    prefill = VllmServer(f"{name}-prefill-tp{prefill_tp}", model, tmp,
-                         args=["--tensor-parallel-size", str(prefill_tp),
-                               "--max-num-batched-tokens", str(STEP)], env=TP2,
-                         kv_transfer_config=kv_config("kv_producer", {
-                             "bootstrap": boot.address, "instance": f"{name}-p",
-                             "stats_file": str(p_stats), "send_by": "layer", **timeouts}))
-    decode = VllmServer(f"{name}-decode-tp{decode_tp}", model, tmp, env=TP2,
-                        args=["--no-enable-prefix-caching", "--tensor-parallel-size",
-                              str(decode_tp)],
-                        kv_transfer_config=kv_config("kv_consumer", {
-                            "bootstrap": boot.address, "instance": f"{name}-d", "stats_file": str(d_stats),
-                            "l2_pages": 128, "l3": "off", **timeouts},
-                            kv_load_failure_policy="fail"))
+    prefill = VllmServer(
+        f"{name}-prefill-tp{prefill_tp}",
+        model,
+        tmp,
+        args=["--tensor-parallel-size", str(prefill_tp), "--max-num-batched-tokens", str(STEP)],
+        env=TP2,
+        kv_transfer_config=kv_config(
+            "kv_producer",
+            {
+                "bootstrap": boot.address,
+                "instance": f"{name}-p",
+                "stats_file": str(p_stats),
+                "send_by": "layer",
+                **timeouts,
+            },
+        ),
+    )
+    decode = VllmServer(
+        f"{name}-decode-tp{decode_tp}",
+        model,
+        tmp,
+        env=TP2,
+        args=["--no-enable-prefix-caching", "--tensor-parallel-size", str(decode_tp)],
+        kv_transfer_config=kv_config(
+            "kv_consumer",
+            {
+                "bootstrap": boot.address,
+                "instance": f"{name}-d",
+                "stats_file": str(d_stats),
+                "l2_pages": 128,
+                "l3": "off",
+                **timeouts,
+            },
+            kv_load_failure_policy="fail",
+        ),
+    )
     return Pair(name, prefill, decode, p_stats, d_stats, prefill_tp, decode_tp)
 
 
@@ -180,11 +210,23 @@ def running(base: Base, name: str, prefill_tp: int, decode_tp: int) -> Iterator[
     router = None
     try:
         start_all([base.ref, pair.prefill, pair.decode])
-        router = Proc("router", ["router", "--engine", "vllm", "--port", "0", "--timeout",
-                                 str(ROUTER_S), "--prefill",
-                                 f"{pair.prefill.url},{base.boot.address},{name}-p",
-                                 "--decode", f"{pair.decode.url},{name}-d"],
-                      timeout=ROUTER_S + 60)
+        router = Proc(
+            "router",
+            [
+                "router",
+                "--engine",
+                "vllm",
+                "--port",
+                "0",
+                "--timeout",
+                str(ROUTER_S),
+                "--prefill",
+                f"{pair.prefill.url},{base.boot.address},{name}-p",
+                "--decode",
+                f"{pair.decode.url},{name}-d",
+            ],
+            timeout=ROUTER_S + 60,
+        )
         pair.url = router.url
         yield pair
     finally:
@@ -198,14 +240,17 @@ def evidence(pair: Pair) -> Iterator[None]:
     """The body's failure (a request that failed or timed out, a wait that did not end, a
     wrong token) comes back with both sides' stats, the servers' logs and, for a body past
     ``STACKS_AFTER_S``, the servers' Python stacks."""
-    with stacks_if_slow([pair.prefill, pair.decode], pair.prefill.log.parent,
-                        after_s=STACKS_AFTER_S, every_s=60.0) as stacks:
+    with stacks_if_slow(
+        [pair.prefill, pair.decode], pair.prefill.log.parent, after_s=STACKS_AFTER_S, every_s=60.0
+    ) as stacks:
         try:
             yield
         except Exception as e:
-            raise AssertionError(f"{pair.name}: {e!r}; prefill stats {pair.p()}; decode "
-                                 f"stats {pair.d()}; logs {pair.prefill.log}, "
-                                 f"{pair.decode.log}; stacks {stacks}") from e
+            raise AssertionError(
+                f"{pair.name}: {e!r}; prefill stats {pair.p()}; decode "
+                f"stats {pair.d()}; logs {pair.prefill.log}, "
+                f"{pair.decode.log}; stacks {stacks}"
+            ) from e
 
 
 def at_once(calls: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -227,8 +272,8 @@ def token_exact(pair: Pair, ref: VllmServer, prompts: list[str], chats: list[str
     calls += [lambda c=c: chat_stream(pair.url, c, timeout=t) for c in chats]
     outs = at_once(calls)
     n = len(prompts)
-    want, got = outs[:n], outs[n:2 * n]
-    want_chat, got_chat = outs[2 * n:2 * n + len(chats)], outs[2 * n + len(chats):]
+    want, got = outs[:n], outs[n : 2 * n]
+    want_chat, got_chat = outs[2 * n : 2 * n + len(chats)], outs[2 * n + len(chats) :]
     for p, g, w in zip(prompts, got, want):
         assert g == w, f"prompt {p[:40]!r}: {g} != colocated {w}"
     for c, g, w in zip(chats, got_chat, want_chat):
@@ -237,8 +282,12 @@ def token_exact(pair: Pair, ref: VllmServer, prompts: list[str], chats: list[str
 
 
 def same_as_ref(pair: Pair, ref: VllmServer, prompt: list[int]) -> None:
-    got, want = at_once([lambda: complete(pair.url, prompt, timeout=CLIENT_S),
-                         lambda: complete(ref.url, prompt, timeout=CLIENT_S)])
+    got, want = at_once(
+        [
+            lambda: complete(pair.url, prompt, timeout=CLIENT_S),
+            lambda: complete(ref.url, prompt, timeout=CLIENT_S),
+        ]
+    )
     assert got == want, f"{got} != colocated {want}"
 
 
@@ -257,14 +306,22 @@ def restores_a_repeated_prefix(pair: Pair, ref: VllmServer) -> None:
         same_as_ref(pair, ref, a)
         # the counters below start once a is over on both sides (its prefix written back on
         # every decode rank, its sends over on every prefill rank)
-        wait("the write-back and the prefill's sends",
-             lambda: all(w - w_ >= 6 for w, w_ in zip(written(), w0)) and pair.sent(sends_a),
-             timeout=WAIT_S, show=lambda: (w0, pair.d(), pair.p()))
+        wait(
+            "the write-back and the prefill's sends",
+            lambda: all(w - w_ >= 6 for w, w_ in zip(written(), w0)) and pair.sent(sends_a),
+            timeout=WAIT_S,
+            show=lambda: (w0, pair.d(), pair.p()),
+        )
         d0, sent0, sends0 = pair.d(), pair.p_bytes(), pair.sends()
         same_as_ref(pair, ref, b)
-        wait("the decode's loads and the prefill's sends",
-             lambda: all(s["loads"] > s0["loads"] for s, s0 in zip(pair.d(), d0))
-             and pair.sent(sends0), timeout=WAIT_S, show=lambda: (d0, pair.d(), pair.p()))
+        wait(
+            "the decode's loads and the prefill's sends",
+            lambda: (
+                all(s["loads"] > s0["loads"] for s, s0 in zip(pair.d(), d0)) and pair.sent(sends0)
+            ),
+            timeout=WAIT_S,
+            show=lambda: (d0, pair.d(), pair.p()),
+        )
     d1 = pair.d()
     for s, s0 in zip(d1, d0):
         assert s["restored_l2_pages"] - s0["restored_l2_pages"] == 6, s
@@ -289,48 +346,58 @@ def up(base: Base) -> Iterator[Pair]:
 
 
 class TestPrefillTP2DecodeTP1:
-    def test_token_exact_each_rank_sending_its_heads_half(self, base: Base, down: Pair
-                                                          ) -> None:
+    def test_token_exact_each_rank_sending_its_heads_half(self, base: Base, down: Pair) -> None:
         bytes0, sends0 = down.p_bytes(), down.sends()
         layers0 = [s.get("layer_sends", 0) for s in down.p()]
         loads0, net0 = down.d_sum("loads"), down.d_sum("net_bytes")
         with evidence(down):
-            n = token_exact(down, base.ref, ["Hello", "The river",
-                                             *[text(13 * i, 60 + 110 * i) for i in range(4)]],
-                            [f"Tell me about {text(5 * i, 4)}." for i in range(2)])
-            wait("the decode's loads and both prefill ranks' sends",
-                 lambda: down.d_sum("loads") - loads0 == n and down.sent(sends0, n),
-                 timeout=WAIT_S, show=lambda: (n, down.d(), down.p()))
+            n = token_exact(
+                down,
+                base.ref,
+                ["Hello", "The river", *[text(13 * i, 60 + 110 * i) for i in range(4)]],
+                [f"Tell me about {text(5 * i, 4)}." for i in range(2)],
+            )
+            wait(
+                "the decode's loads and both prefill ranks' sends",
+                lambda: down.d_sum("loads") - loads0 == n and down.sent(sends0, n),
+                timeout=WAIT_S,
+                show=lambda: (n, down.d(), down.p()),
+            )
         assert down.d_sum("load_failures") == 0
         # each layer as the forward wrote it once the decode's request had arrived, a step
         # computed before that in one piece (leg4: nobody could receive its layers yet)
-        assert all(s["layer_sends"] - l0 >= n for s, l0 in zip(down.p(), layers0)), \
+        assert all(s["layer_sends"] - l0 >= n for s, l0 in zip(down.p(), layers0)), (
             "each rank handed each request's layers over"
+        )
         sent = [b - b0 for b, b0 in zip(down.p_bytes(), bytes0)]
         # each rank holds one of the two KV heads: the same share of every block
         assert sent[0] == sent[1] > 0 and sum(sent) == down.d_sum("net_bytes") - net0, sent
 
     def test_the_decode_restores_a_prefix_from_l2_and_gets_the_suffix_from_both_ranks(
-            self, base: Base, down: Pair) -> None:
+        self, base: Base, down: Pair
+    ) -> None:
         restores_a_repeated_prefix(down, base.ref)
 
 
 class TestPrefillTP1DecodeTP2:
-    def test_token_exact_each_decode_rank_asking_for_its_head(self, base: Base, up: Pair
-                                                              ) -> None:
+    def test_token_exact_each_decode_rank_asking_for_its_head(self, base: Base, up: Pair) -> None:
         d0, bytes0, sends0 = up.d(), up.p_bytes(), up.sends()
         with evidence(up):
             n = token_exact(up, base.ref, ["Hello", text(40, 250)], ["Tell me about rivers."])
-            wait("both decode ranks' loads and the prefill's sends",
-                 lambda: all(s.get("loads", 0) - s0.get("loads", 0) == n
-                             for s, s0 in zip(up.d(), d0)) and up.sent(sends0, n),
-                 timeout=WAIT_S, show=lambda: (n, up.d(), up.p()))
+            wait(
+                "both decode ranks' loads and the prefill's sends",
+                lambda: (
+                    all(s.get("loads", 0) - s0.get("loads", 0) == n for s, s0 in zip(up.d(), d0))
+                    and up.sent(sends0, n)
+                ),
+                timeout=WAIT_S,
+                show=lambda: (n, up.d(), up.p()),
+            )
         d = up.d()
         assert all(s["load_failures"] == s0.get("load_failures", 0) for s, s0 in zip(d, d0))
         # each decode rank asked for its own head: half of what the prefill sent
         net = [s["net_bytes"] - s0.get("net_bytes", 0) for s, s0 in zip(d, d0)]
         assert net[0] == net[1] > 0 and sum(net) == up.p_bytes()[0] - bytes0[0], net
 
-    def test_each_decode_rank_restores_its_own_half_of_a_prefix(self, base: Base, up: Pair
-                                                                ) -> None:
+    def test_each_decode_rank_restores_its_own_half_of_a_prefix(self, base: Base, up: Pair) -> None:
         restores_a_repeated_prefix(up, base.ref)

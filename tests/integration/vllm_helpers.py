@@ -71,15 +71,34 @@ class Cluster:
         self.decode = self.decode_server(port=self.decode.port)
         self.decode.wait_ready()
 
-    def router(self, name: str = "router", *more: str, prefill_url: str | None = None,
-               instance: str | None = None, env: dict[str, str] | None = None) -> Proc:
+    def router(
+        self,
+        name: str = "router",
+        *more: str,
+        prefill_url: str | None = None,
+        instance: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
         """``pdxfer router --engine vllm`` in front of the pair (or of ``prefill_url``
         registered as ``instance``), as users run it."""
-        return Proc(name, ["router", "--engine", "vllm", "--port", "0", "--prefill",
-                           f"{prefill_url or self.prefill.url},{self.boot.address},"
-                           f"{instance or self.prefill_instance}",
-                           "--decode", f"{self.decode.url},{self.decode_instance}", *more],
-                    timeout=180, env=env)
+        return Proc(
+            name,
+            [
+                "router",
+                "--engine",
+                "vllm",
+                "--port",
+                "0",
+                "--prefill",
+                f"{prefill_url or self.prefill.url},{self.boot.address},"
+                f"{instance or self.prefill_instance}",
+                "--decode",
+                f"{self.decode.url},{self.decode_instance}",
+                *more,
+            ],
+            timeout=180,
+            env=env,
+        )
 
 
 C = TypeVar("C", bound=Cluster)
@@ -125,16 +144,23 @@ def client(url: str, timeout: float = CLIENT_TIMEOUT_S) -> OpenAI:
     return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
 
 
-def complete(url: str, prompt: str | list[int], timeout: float = CLIENT_TIMEOUT_S,
-             **kw: Any) -> list[int]:
+def complete(
+    url: str, prompt: str | list[int], timeout: float = CLIENT_TIMEOUT_S, **kw: Any
+) -> list[int]:
     r = client(url, timeout).completions.create(
-        model="llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})}, **kw)
+        model="llama",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})},
+        **kw,
+    )
     return token_ids(r.choices[0], r)
 
 
-def right_or_clean_error(url: str, prompt: str | list[int], stream: bool, want: list[int],
-                         exact: bool = True) -> str:
+def right_or_clean_error(
+    url: str, prompt: str | list[int], stream: bool, want: list[int], exact: bool = True
+) -> str:
     """One request's verdict: ``ok`` (colocated tokens) or ``error`` (an OpenAI-shaped error
     status with a JSON body). Wrong tokens, a stream cut short (no final chunk) or an error
     inside a started stream fail the test. ``exact=False`` (a bf16 model whose tokens change
@@ -143,8 +169,9 @@ def right_or_clean_error(url: str, prompt: str | list[int], stream: bool, want: 
     try:
         got = stream_ids(url, prompt) if stream else complete(url, prompt)
     except openai.APIStatusError as e:
-        assert isinstance(e.body, dict) and e.body.get("message"), \
+        assert isinstance(e.body, dict) and e.body.get("message"), (
             f"an error without an OpenAI JSON body: {e.status_code} {e.body!r}"
+        )
         return "error"
     if not exact and got != want and len(got) == len(want):
         return "other"
@@ -152,11 +179,15 @@ def right_or_clean_error(url: str, prompt: str | list[int], stream: bool, want: 
     return "ok"
 
 
-def chat_stream(url: str, text: str, timeout: float = CLIENT_TIMEOUT_S
-                ) -> tuple[str, list[int]]:
+def chat_stream(url: str, text: str, timeout: float = CLIENT_TIMEOUT_S) -> tuple[str, list[int]]:
     stream = client(url, timeout).chat.completions.create(
-        model="llama", messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
-        temperature=0, stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+        model="llama",
+        messages=[{"role": "user", "content": text}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     out, ids = "", []
     for chunk in stream:
         if chunk.choices:
@@ -168,11 +199,14 @@ def chat_stream(url: str, text: str, timeout: float = CLIENT_TIMEOUT_S
     return out, ids
 
 
-def ref_chat(url: str, text: str, timeout: float = CLIENT_TIMEOUT_S
-             ) -> tuple[str, list[int]]:
+def ref_chat(url: str, text: str, timeout: float = CLIENT_TIMEOUT_S) -> tuple[str, list[int]]:
     r = client(url, timeout).chat.completions.create(
-        model="llama", messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
-        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+        model="llama",
+        messages=[{"role": "user", "content": text}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     return r.choices[0].message.content or "", list(r.choices[0].token_ids)  # type: ignore[attr-defined]
 
 
@@ -182,8 +216,9 @@ def wait(what: str, cond: Any, timeout: float = 120.0, show: Any = None) -> None
     end = time.monotonic() + timeout
     while not cond():
         if time.monotonic() >= end:
-            raise AssertionError(f"timed out waiting for {what}"
-                                 + (f": {show()}" if show is not None else ""))
+            raise AssertionError(
+                f"timed out waiting for {what}" + (f": {show()}" if show is not None else "")
+            )
         time.sleep(0.1)
 
 
@@ -201,8 +236,11 @@ def kv_usage(server: VllmServer) -> float:
 def metric(server: VllmServer, name: str, label: str = "") -> float:
     """A metric's value in a server's /metrics (summed over its labels; only the series
     whose labels include ``label``, e.g. ``finished_reason="length"``, when given)."""
-    vals = [float(line.rsplit(" ", 1)[1]) for line in server.metrics_text().splitlines()
-            if line.startswith((name + "{", name + " ")) and label in line.split("}")[0]]
+    vals = [
+        float(line.rsplit(" ", 1)[1])
+        for line in server.metrics_text().splitlines()
+        if line.startswith((name + "{", name + " ")) and label in line.split("}")[0]
+    ]
     assert vals, f"no {name} {label} in {server.url}/metrics"
     return sum(vals)
 
@@ -212,8 +250,13 @@ def stream_ids(url: str, prompt: str | list[int], max_tokens: int = MAX_TOKENS) 
     every token id of the choice."""
     ids: list[int] = []
     for chunk in client(url).completions.create(
-            model="llama", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            extra_body={"return_token_ids": True, "ignore_eos": True}):
+        model="llama",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    ):
         ext = (chunk.model_extra or {}).get("pdxfer")
         if ext:
             ids = list(ext["token_ids"])
@@ -239,8 +282,9 @@ def _tree(pid: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def stacks_if_slow(servers: Sequence[VllmServer], out: Path, after_s: float = 60.0,
-                   every_s: float = 30.0) -> Iterator[list[Path]]:
+def stacks_if_slow(
+    servers: Sequence[VllmServer], out: Path, after_s: float = 60.0, every_s: float = 30.0
+) -> Iterator[list[Path]]:
     """While the body runs past ``after_s``, every ``every_s`` the Python stacks of each
     server's processes (py-spy, where installed: the ``bench`` extra) go to ``out``; the
     files are named in the list yielded. Diagnostics only: what a slow request was waiting
@@ -260,8 +304,13 @@ def stacks_if_slow(servers: Sequence[VllmServer], out: Path, after_s: float = 60
                 for pid in _tree(s.pid):
                     f = out / f"{s.name}-{pid}-stacks-{n}.txt"
                     with open(f, "w") as fh:
-                        subprocess.run([spy, "dump", "--pid", str(pid)], stdout=fh,
-                                       stderr=subprocess.STDOUT, timeout=20, check=False)
+                        subprocess.run(
+                            [spy, "dump", "--pid", str(pid)],
+                            stdout=fh,
+                            stderr=subprocess.STDOUT,
+                            timeout=20,
+                            check=False,
+                        )
                     files.append(f)
             n += 1
             done.wait(every_s)

@@ -34,9 +34,20 @@ from pdxfer.demo import patterns as P
 
 
 def side(cfg: dict, role: str, draft: bool = True) -> C.Side:
-    return C.make_side(attn="mha", layers=2, page_size=4, pages=64, heads=2, total_heads=2,
-                       head_dim=8, draft=draft, state=False, rows=8, tp_rank=0,
-                       set_heads=role == "prefill")
+    return C.make_side(
+        attn="mha",
+        layers=2,
+        page_size=4,
+        pages=64,
+        heads=2,
+        total_heads=2,
+        head_dim=8,
+        draft=draft,
+        state=False,
+        rows=8,
+        tp_rank=0,
+        set_heads=role == "prefill",
+    )
 
 
 def _mode(name: str):
@@ -79,8 +90,7 @@ def prefill_finish(state: dict) -> dict:
     """Once the decode is done: the senders' states, then close."""
     mgr, server, senders = state.pop("failures_prefill")
     try:
-        return {"role": "prefill", "states": {str(r): int(x.poll())
-                                              for r, x in senders.items()}}
+        return {"role": "prefill", "states": {str(r): int(x.poll()) for r, x in senders.items()}}
     finally:
         mgr.close()
         server.close()
@@ -98,8 +108,9 @@ def decode(state: dict, cfg: dict) -> dict:
     os.environ.update(cfg["env"])
     sa = C.publish("decode", cfg["port_a"])
     cls = C.classes()
-    C.trust(f"127.0.0.1:{cfg['port_a']}", f"127.0.0.1:{cfg['port_b']}",
-            f"localhost:{cfg['port_a']}")
+    C.trust(
+        f"127.0.0.1:{cfg['port_a']}", f"127.0.0.1:{cfg['port_b']}", f"localhost:{cfg['port_a']}"
+    )
     good, bad_side = side(cfg, "decode"), side(cfg, "decode", draft=False)
     for sd in (good, bad_side):
         for ts in sd.tensors.values():
@@ -116,17 +127,26 @@ def decode(state: dict, cfg: dict) -> dict:
         other.close()
 
 
-def _decode_run(cfg: dict, cls: dict, mgr, other, good: C.Side, bad_side: C.Side,
-                quiet_addr: str) -> dict:
+def _decode_run(
+    cfg: dict, cls: dict, mgr, other, good: C.Side, bad_side: C.Side, quiet_addr: str
+) -> dict:
     a, b = f"127.0.0.1:{cfg['port_a']}", f"127.0.0.1:{cfg['port_b']}"
     alias = f"localhost:{cfg['port_a']}"
     for m, addr in ((mgr, a), (mgr, b), (other, a), (mgr, alias)):
         C.wait(lambda m=m, addr=addr: m.try_ensure_parallel_info(addr), 60, f"{addr} ready")
     mgr.pdxfer_bootstrap[alias] = quiet_addr  # SGLang's front answers, pdxfer's never does
-    cases = {201: (mgr, a, good), 202: (mgr, alias, good), 203: (other, a, bad_side),
-             301: (mgr, b, good)}
-    dst = {201: np.arange(1, 11), 202: np.arange(11, 21), 203: np.arange(1, 11),
-           301: np.arange(21, 31)}
+    cases = {
+        201: (mgr, a, good),
+        202: (mgr, alias, good),
+        203: (other, a, bad_side),
+        301: (mgr, b, good),
+    }
+    dst = {
+        201: np.arange(1, 11),
+        202: np.arange(11, 21),
+        203: np.arange(1, 11),
+        301: np.arange(21, 31),
+    }
     # a bootstrap this decode does not trust: Failed at construction, before any connection
     rogue = cls["receiver"](mgr, f"127.0.0.1:{cfg['port_rogue']}", 401)
     try:
@@ -134,9 +154,12 @@ def _decode_run(cfg: dict, cls: dict, mgr, other, good: C.Side, bad_side: C.Side
         rogue_why = "no exception"
     except Exception as e:  # noqa: BLE001 - that is what is checked
         rogue_why = str(e)
-    untrusted = {"poll": int(rogue.poll()), "failure": rogue_why,
-                 "counted": mgr.untrusted_refused,
-                 "looked_up": f"127.0.0.1:{cfg['port_rogue']}" in mgr.prefill_info_table}
+    untrusted = {
+        "poll": int(rogue.poll()),
+        "failure": rogue_why,
+        "counted": mgr.untrusted_refused,
+        "looked_up": f"127.0.0.1:{cfg['port_rogue']}" in mgr.prefill_info_table,
+    }
     rxs, t0, made = {}, {}, {}
     for room, (m, addr, _) in cases.items():
         made[room] = time.monotonic()  # before any deadline of the room can have started
@@ -164,8 +187,12 @@ def _decode_run(cfg: dict, cls: dict, mgr, other, good: C.Side, bad_side: C.Side
                     why, cause = "no exception", ""
                 except Exception as e:  # noqa: BLE001 - that is what is checked
                     why, cause = str(e), type(e.__cause__).__name__ if e.__cause__ else ""
-                out[str(room)] = {"seconds": secs, "since_made": time.monotonic() - made[room],
-                                  "failure": why, "cause": cause}
+                out[str(room)] = {
+                    "seconds": secs,
+                    "since_made": time.monotonic() - made[room],
+                    "failure": why,
+                    "cause": cause,
+                }
             elif st == 4:
                 pending.discard(room)
                 out[str(room)] = {"success": True}

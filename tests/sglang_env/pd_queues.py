@@ -42,9 +42,16 @@ CHUNK = 12  # tokens per prefill chunk (a multiple of the page size, as SGLang's
 def _kv_pool(layers: int) -> Any:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    return MHATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS,
-                            head_dim=HEAD_DIM, layer_num=layers, device="cpu",
-                            enable_memory_saver=False)
+    return MHATokenToKVPool(
+        size=TOKENS,
+        page_size=PAGE,
+        dtype=torch.float16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
 
 
 def _allocator(pool: Any) -> Any:
@@ -58,16 +65,26 @@ def _tree_cache(rtp: Any, allocator: Any, enabled: bool) -> Any:
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    return UnifiedRadixCache(CacheInitParams(
-        disable=not enabled, req_to_token_pool=rtp, token_to_kv_pool_allocator=allocator,
-        page_size=PAGE, tree_components=(ComponentType.FULL,)))
+    return UnifiedRadixCache(
+        CacheInitParams(
+            disable=not enabled,
+            req_to_token_pool=rtp,
+            token_to_kv_pool_allocator=allocator,
+            page_size=PAGE,
+            tree_components=(ComponentType.FULL,),
+        )
+    )
 
 
 def _metadata() -> tuple[Any, Any]:
     from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
 
-    return (MetadataBuffers(16, hidden_size=16, hidden_states_dtype=torch.float32,
-                            max_sampling_mask_tokens=0), ReqToMetadataIdxAllocator(16))
+    return (
+        MetadataBuffers(
+            16, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=0
+        ),
+        ReqToMetadataIdxAllocator(16),
+    )
 
 
 def _gloo(port: int) -> Any:
@@ -75,14 +92,17 @@ def _gloo(port: int) -> Any:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     return dist.new_group([0], backend="gloo")
 
 
 def _model_config() -> Any:
-    return SimpleNamespace(num_hidden_layers=LAYERS, get_total_num_kv_heads=lambda: HEADS,
-                           hf_text_config=SimpleNamespace(), hf_config=SimpleNamespace())
+    return SimpleNamespace(
+        num_hidden_layers=LAYERS,
+        get_total_num_kv_heads=lambda: HEADS,
+        hf_text_config=SimpleNamespace(),
+        hf_config=SimpleNamespace(),
+    )
 
 
 class _Streamed:
@@ -103,8 +123,13 @@ def _token_specs(pool: Any, draft: Any) -> list[tuple[Any, list[torch.Tensor]]]:
     out = []
     for name, p, base in (("kv", pool, 0), ("draft_kv", draft, 100)):
         k, v = list(p.k_buffer), list(p.v_buffer)
-        spec = PoolSpec.mha(name, [t.unsqueeze(1) for t in k], [t.unsqueeze(1) for t in v],
-                            page_size=1, layer_ids=[base + i for i in range(len(k))])
+        spec = PoolSpec.mha(
+            name,
+            [t.unsqueeze(1) for t in k],
+            [t.unsqueeze(1) for t in v],
+            page_size=1,
+            layer_ids=[base + i for i in range(len(k))],
+        )
         out.append((spec, k + v))
     return out
 
@@ -113,8 +138,9 @@ def first_token(room: int) -> int:
     return (room * 7919) % VOCAB
 
 
-def _req(room: int, n: int, host: str, port: int, mode: str, prompt: list[int] | None = None
-         ) -> Any:
+def _req(
+    room: int, n: int, host: str, port: int, mode: str, prompt: list[int] | None = None
+) -> Any:
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -123,9 +149,17 @@ def _req(room: int, n: int, host: str, port: int, mode: str, prompt: list[int] |
     sp = SamplingParams(max_new_tokens=4)
     sp.normalize(None)
     sp.verify(VOCAB)
-    return Req(f"room-{room}", "", array("q", ids), sp, bootstrap_host=host,
-               bootstrap_port=port, bootstrap_room=room,
-               disagg_mode=getattr(DisaggregationMode, mode), vocab_size=VOCAB)
+    return Req(
+        f"room-{room}",
+        "",
+        array("q", ids),
+        sp,
+        bootstrap_host=host,
+        bootstrap_port=port,
+        bootstrap_room=room,
+        disagg_mode=getattr(DisaggregationMode, mode),
+        vocab_size=VOCAB,
+    )
 
 
 # -- prefill ---------------------------------------------------------------------------------
@@ -147,8 +181,7 @@ def prefill_setup(state: dict, port: int, gloo_port: int) -> dict:
     g = _gloo(gloo_port)
     pool, draft = _kv_pool(LAYERS), _kv_pool(DRAFT_LAYERS)
     allocator = _allocator(pool)
-    rtp = ReqToTokenPool(size=8, max_context_len=TOKENS, device="cpu",
-                         enable_memory_saver=False)
+    rtp = ReqToTokenPool(size=8, max_context_len=TOKENS, device="cpu", enable_memory_saver=False)
     mb, mb_alloc = _metadata()
 
     class PrefillScheduler(SchedulerDisaggregationPrefillMixin):
@@ -156,8 +189,12 @@ def prefill_setup(state: dict, port: int, gloo_port: int) -> dict:
 
     s = PrefillScheduler()
     s.server_args = sa
-    s.tp_worker = SimpleNamespace(is_hybrid_swa=False, model_runner=SimpleNamespace(
-        effective_logical_max_total_num_tokens=TOKENS, kv_cache_dtype_str="float16"))
+    s.tp_worker = SimpleNamespace(
+        is_hybrid_swa=False,
+        model_runner=SimpleNamespace(
+            effective_logical_max_total_num_tokens=TOKENS, kv_cache_dtype_str="float16"
+        ),
+    )
     s.kv_shard_widening = 1
     s.token_to_kv_pool_allocator = allocator
     s.req_to_token_pool = rtp
@@ -175,26 +212,35 @@ def prefill_setup(state: dict, port: int, gloo_port: int) -> dict:
     s.metrics_reporter = SimpleNamespace(enable_metrics=False)
     s.waiting_queue = []
     s.scheduler_stage_metrics = None
-    q = PrefillBootstrapQueue(pool, draft, mb_alloc, mb, 0, port, TOKENS, s, None,
-                              TransferBackend("pdxfer"))
+    q = PrefillBootstrapQueue(
+        pool, draft, mb_alloc, mb, 0, port, TOKENS, s, None, TransferBackend("pdxfer")
+    )
     s.disagg_prefill_bootstrap_queue = q
     state["closers"].append(q.kv_manager.close)
-    state["prefill"] = SimpleNamespace(s=s, q=q, specs=_token_specs(pool, draft), thread=None,
-                                       result=None, port=port)
+    state["prefill"] = SimpleNamespace(
+        s=s, q=q, specs=_token_specs(pool, draft), thread=None, result=None, port=port
+    )
     m = q.kv_manager
     kv = m.pools[0]
-    return {"manager": type(m).__name__, "pools": [p.name for p in m.pools],
-            "kv": {"buffers": len(kv.buffers), "page_size": kv.page_size,
-                   "heads": [kv.sharding.total_heads, kv.sharding.rank_heads],
-                   "item_bytes": kv.item_bytes},
-            "instance": m.endpoint.registration().instance}
+    return {
+        "manager": type(m).__name__,
+        "pools": [p.name for p in m.pools],
+        "kv": {
+            "buffers": len(kv.buffers),
+            "page_size": kv.page_size,
+            "heads": [kv.sharding.total_heads, kv.sharding.rank_heads],
+            "item_bytes": kv.item_bytes,
+        },
+        "instance": m.endpoint.registration().instance,
+    }
 
 
 def prefill_serve(state: dict, rooms: list[dict]) -> str:
     """Start serving ``rooms`` ({room, n, prompt?}) in the background: the scheduler loop."""
     pf = state["prefill"]
-    reqs = [_req(r["room"], r["n"], "127.0.0.1", pf.port, "PREFILL", r.get("prompt"))
-            for r in rooms]
+    reqs = [
+        _req(r["room"], r["n"], "127.0.0.1", pf.port, "PREFILL", r.get("prompt")) for r in rooms
+    ]
     pf.result = None
     pf.thread = threading.Thread(target=_prefill_loop, args=(pf, reqs), daemon=True)
     pf.thread.start()
@@ -235,14 +281,21 @@ def _prefill_run(pf: Any, reqs: list[Any]) -> dict:
         time.sleep(0.002)
     if len(done) < len(reqs):
         raise TimeoutError(f"prefill: {len(done)} of {len(reqs)} requests finished")
-    return {"rooms": {str(r.bootstrap_room): {
-        "finished": type(r.finished_reason).__name__,
-        # what finalize_bootstrap took from pop_decode_prefix_len() (sends start there)
-        "decode_prefix_len": r.disagg_decode_prefix_len,
-        "kv_released": r.kv.is_kv_released,
-        "metadata_freed": r.metadata_buffer_index == -1,
-    } for r in done.values()}, "streamed": sorted(r.rid for r in s.output_streamer.reqs),
-        "free_tokens": s.token_to_kv_pool_allocator.available_size(), "total_tokens": TOKENS}
+    return {
+        "rooms": {
+            str(r.bootstrap_room): {
+                "finished": type(r.finished_reason).__name__,
+                # what finalize_bootstrap took from pop_decode_prefix_len() (sends start there)
+                "decode_prefix_len": r.disagg_decode_prefix_len,
+                "kv_released": r.kv.is_kv_released,
+                "metadata_freed": r.metadata_buffer_index == -1,
+            }
+            for r in done.values()
+        },
+        "streamed": sorted(r.rid for r in s.output_streamer.reqs),
+        "free_tokens": s.token_to_kv_pool_allocator.available_size(),
+        "total_tokens": TOKENS,
+    }
 
 
 def _forward_chunk(pf: Any, req: Any) -> bool:
@@ -260,13 +313,12 @@ def _forward_chunk(pf: Any, req: Any) -> bool:
     new = -(-stop // PAGE) - -(-start // PAGE)
     loc = s.token_to_kv_pool_allocator.alloc(new * PAGE)
     assert loc is not None, "prefill KV pool exhausted"
-    rows[start:stop] = loc[:stop - start].to(rows.dtype)
+    rows[start:stop] = loc[: stop - start].to(rows.dtype)
     req.kv.kv_allocated_len = req.kv.kv_committed_len = stop
     req.prefix_len, req.extend_end = start, stop
     room = req.bootstrap_room
     for spec, ts in pf.specs:
-        P.fill_tokens(spec, ts, room, rows[start:stop].to(torch.int64).numpy(), start, start,
-                      stop)
+        P.fill_tokens(spec, ts, room, rows[start:stop].to(torch.int64).numpy(), start, start, stop)
     if stop < n:
         if s.check_bootstrap(req):
             s.send_kv_chunk(req)
@@ -302,35 +354,52 @@ def decode_setup(state: dict, gloo_port: int, trusted: str) -> dict:
     get_parallel().override_permanently(attn_tp_group=SimpleNamespace(cpu_group=g))
     pool, draft = _kv_pool(LAYERS), _kv_pool(DRAFT_LAYERS)
     allocator = _allocator(pool)
-    rtp = DecodeReqToTokenPool(size=8, max_context_len=TOKENS, device="cpu",
-                               enable_memory_saver=False, pre_alloc_size=8)
+    rtp = DecodeReqToTokenPool(
+        size=8, max_context_len=TOKENS, device="cpu", enable_memory_saver=False, pre_alloc_size=8
+    )
     tree = _tree_cache(rtp, allocator, enabled=True)
     mb, mb_alloc = _metadata()
     s = SimpleNamespace(
-        server_args=sa, enable_hisparse=False, enable_decode_hicache=False, enable_lora=False,
-        enable_overlap=False, enable_priority_scheduling=False, hisparse_coordinator=None,
-        tp_worker=SimpleNamespace(is_hybrid_swa=False, model_runner=SimpleNamespace(
-            kv_cache_dtype_str="float16", max_token_pool_size=TOKENS)),
-        running_batch=SimpleNamespace(reqs=[]), waiting_queue=[], last_batch=None,
-        sliding_window_size=None, model_config=_model_config(), random_seed=0,
-        metrics_reporter=SimpleNamespace(enable_metrics=False), output_streamer=_Streamed(),
+        server_args=sa,
+        enable_hisparse=False,
+        enable_decode_hicache=False,
+        enable_lora=False,
+        enable_overlap=False,
+        enable_priority_scheduling=False,
+        hisparse_coordinator=None,
+        tp_worker=SimpleNamespace(
+            is_hybrid_swa=False,
+            model_runner=SimpleNamespace(kv_cache_dtype_str="float16", max_token_pool_size=TOKENS),
+        ),
+        running_batch=SimpleNamespace(reqs=[]),
+        waiting_queue=[],
+        last_batch=None,
+        sliding_window_size=None,
+        model_config=_model_config(),
+        random_seed=0,
+        metrics_reporter=SimpleNamespace(enable_metrics=False),
+        output_streamer=_Streamed(),
         spec_algorithm=SpeculativeAlgorithm.NONE,
         batch_result_processor=SimpleNamespace(
-            _maybe_update_reasoning_tokens=lambda req, token: None),
-        kv_checksum_computer=None, disagg_decode_prealloc_queue=None)
+            _maybe_update_reasoning_tokens=lambda req, token: None
+        ),
+        kv_checksum_computer=None,
+        disagg_decode_prealloc_queue=None,
+    )
     tq = DecodeTransferQueue(mb_alloc, mb, s, tree)
-    pq = DecodePreallocQueue(rtp, allocator, draft, mb_alloc, mb, s, tq, tree, 0, 1, TOKENS,
-                             2, TransferBackend("pdxfer"))
+    pq = DecodePreallocQueue(
+        rtp, allocator, draft, mb_alloc, mb, s, tq, tree, 0, 1, TOKENS, 2, TransferBackend("pdxfer")
+    )
     s.disagg_decode_prealloc_queue = pq
     state.setdefault("closers", []).append(pq.kv_manager.close)
     specs = _token_specs(pool, draft)
     for _, ts in specs:
         for t in ts:
             t.view(torch.uint8).fill_(P.SENTINEL)
-    state["decode"] = SimpleNamespace(s=s, pq=pq, tq=tq, tree=tree, rtp=rtp, specs=specs,
-                                      owned=set())
-    return {"manager": type(pq.kv_manager).__name__,
-            "pools": [p.name for p in pq.kv_manager.pools]}
+    state["decode"] = SimpleNamespace(
+        s=s, pq=pq, tq=tq, tree=tree, rtp=rtp, specs=specs, owned=set()
+    )
+    return {"manager": type(pq.kv_manager).__name__, "pools": [p.name for p in pq.kv_manager.pools]}
 
 
 def decode_cache_prefix(state: dict, owner_room: int, prompt: list[int]) -> dict:
@@ -348,16 +417,14 @@ def decode_cache_prefix(state: dict, owner_room: int, prompt: list[int]) -> dict
         P.fill_tokens(spec, ts, owner_room, loc.to(torch.int64).numpy(), 0, 0, n)
     res = dc.tree.insert(InsertParams(key=RadixKey(array("q", prompt)), value=loc))
     dc.owned.update(loc.tolist())
-    return {"inserted": int(res.prefix_len) if res.prefix_len else 0,
-            "locations": loc.tolist()}
+    return {"inserted": int(res.prefix_len) if res.prefix_len else 0, "locations": loc.tolist()}
 
 
 def decode_run(state: dict, port: int, rooms: list[dict], timeout: float = 60.0) -> dict:
     """Add the requests to SGLang's prealloc queue and run its decode loop until the
     transfer queue handed every one over; then check every token of every request."""
     dc = state["decode"]
-    reqs = [_req(r["room"], r["n"], "127.0.0.1", port, "DECODE", r.get("prompt"))
-            for r in rooms]
+    reqs = [_req(r["room"], r["n"], "127.0.0.1", port, "DECODE", r.get("prompt")) for r in rooms]
     for r in reqs:
         dc.pq.add(r)
     handed: dict[int, Any] = {}
@@ -373,12 +440,23 @@ def decode_run(state: dict, port: int, rooms: list[dict], timeout: float = 60.0)
         for r in dc.tq.pop_transferred():
             handed[r.bootstrap_room] = r
         time.sleep(0.002)
-    out: dict[str, Any] = {"failed": failed, "stuck": [
-        {"room": d.req.bootstrap_room, "waiting_for_input": d.waiting_for_input,
-         "poll": int(d.kv_receiver.poll()) if d.kv_receiver else None}
-        for d in dc.pq.queue + dc.tq.queue], "pending": sorted(
-        r.bootstrap_room for r in reqs if r.bootstrap_room not in handed
-        and r.bootstrap_room not in failed), "rooms": {}}
+    out: dict[str, Any] = {
+        "failed": failed,
+        "stuck": [
+            {
+                "room": d.req.bootstrap_room,
+                "waiting_for_input": d.waiting_for_input,
+                "poll": int(d.kv_receiver.poll()) if d.kv_receiver else None,
+            }
+            for d in dc.pq.queue + dc.tq.queue
+        ],
+        "pending": sorted(
+            r.bootstrap_room
+            for r in reqs
+            if r.bootstrap_room not in handed and r.bootstrap_room not in failed
+        ),
+        "rooms": {},
+    }
     for spec_room in rooms:
         room = spec_room["room"]
         r = handed.get(room)
@@ -387,9 +465,15 @@ def decode_run(state: dict, port: int, rooms: list[dict], timeout: float = 60.0)
         n = len(r.origin_input_ids)
         prefix = prefix_sent[room]
         loc = dc.rtp.req_to_token[r.kv.req_pool_idx, :n].to(torch.int64).numpy()
-        res = {"n": n, "decode_prefix_len": prefix, "output_ids": list(r.output_ids),
-               "cached_tokens": int(r.cached_tokens), "bad": 0, "first_bad": "",
-               "checked_bytes": 0}
+        res = {
+            "n": n,
+            "decode_prefix_len": prefix,
+            "output_ids": list(r.output_ids),
+            "cached_tokens": int(r.cached_tokens),
+            "bad": 0,
+            "first_bad": "",
+            "checked_bytes": 0,
+        }
         for tspec, ts in dc.specs:
             owner = spec_room.get("prefix_owner")
             if prefix:
@@ -419,5 +503,6 @@ def _untouched_bad(dc: Any) -> int:
     sentinel): a write past a request's pages shows here."""
     free = torch.ones(dc.specs[0][1][0].shape[0], dtype=torch.bool)
     free[torch.tensor(sorted(dc.owned), dtype=torch.int64)] = False
-    return sum(int((t.view(torch.uint8)[free] != P.SENTINEL).sum())
-               for _, ts in dc.specs for t in ts)
+    return sum(
+        int((t.view(torch.uint8)[free] != P.SENTINEL).sum()) for _, ts in dc.specs for t in ts
+    )

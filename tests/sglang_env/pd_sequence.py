@@ -31,11 +31,21 @@ def geometry(cfg: dict, role: str, tp_rank: int) -> C.Side:
     tp = cfg["prefill_tp"] if role == "prefill" else 1
     total = cfg["heads"]
     return C.make_side(
-        attn=cfg["attn"], layers=cfg["layers"], page_size=cfg["page_size"],
-        pages=cfg["pages"], heads=total // tp, total_heads=total, head_dim=cfg["head_dim"],
-        draft=cfg["draft"], state=cfg["state"], rows=8, tp_rank=tp_rank,
+        attn=cfg["attn"],
+        layers=cfg["layers"],
+        page_size=cfg["page_size"],
+        pages=cfg["pages"],
+        heads=total // tp,
+        total_heads=total,
+        head_dim=cfg["head_dim"],
+        draft=cfg["draft"],
+        state=cfg["state"],
+        rows=8,
+        tp_rank=tp_rank,
         host_page=cfg.get("decode_host_page") if role == "decode" else None,
-        set_heads=role == "prefill", host_kv=role == "decode" and bool(cfg.get("host_rooms")))
+        set_heads=role == "prefill",
+        host_kv=role == "decode" and bool(cfg.get("host_rooms")),
+    )
 
 
 def src_pages(cfg: dict, i: int, n: int) -> np.ndarray:
@@ -50,7 +60,7 @@ def dst_pages(cfg: dict, rooms: list[dict], page: int) -> list[np.ndarray]:
     out, at = [], 0
     for r in rooms:
         k = -(-(r["n"] - r["prefix"]) // page)
-        out.append(perm[at:at + k].astype(np.int64))
+        out.append(perm[at : at + k].astype(np.int64))
         at += k
     return out
 
@@ -110,8 +120,11 @@ def _prefill_run(cfg: dict, senders: dict, info: dict) -> dict:
                 senders[i].failure_exception()
             except Exception as e:  # noqa: BLE001 - reported
                 fails[i] = str(e)
-    return {"states": {str(k): v for k, v in done.items()}, "failures": fails,
-            "prefix": {str(i): senders[i].pop_decode_prefix_len() for i in senders}}
+    return {
+        "states": {str(k): v for k, v in done.items()},
+        "failures": fails,
+        "prefix": {str(i): senders[i].pop_decode_prefix_len() for i in senders},
+    }
 
 
 def prefill_finish(state: dict, cfg: dict, tp_rank: int = 0) -> dict:
@@ -127,8 +140,7 @@ def prefill_finish(state: dict, cfg: dict, tp_rank: int = 0) -> dict:
         raise run["result"]
     if run["result"] is None:
         raise TimeoutError("prefill sequence still running")
-    return {"role": "prefill", "rank": tp_rank, "released": released(run["mgr"]),
-            **run["result"]}
+    return {"role": "prefill", "rank": tp_rank, "released": released(run["mgr"]), **run["result"]}
 
 
 def _slot_map(mgr, i: int) -> dict[str, int]:
@@ -138,7 +150,7 @@ def _slot_map(mgr, i: int) -> dict[str, int]:
 def _send_all(cfg: dict, s, n: int, pages: np.ndarray, i: int) -> None:
     prefix = s.pop_decode_prefix_len()
     ps = cfg["page_size"]
-    suffix = pages[prefix // ps:]
+    suffix = pages[prefix // ps :]
     s.init(len(suffix), (i + 3) % 8)
     chunks = np.array_split(suffix, min(3, len(suffix)))
     state = [[np.array([(i + 3) % 8])]] if cfg["state"] else None
@@ -172,8 +184,12 @@ def decode(state: dict, cfg: dict) -> dict:
 def released(mgr: Any) -> bool:
     """Nothing of the manager is left open: pdxfer's endpoints, SGLang's socket and context
     (a later garbage collection of a context with a live socket can hang the process)."""
-    return (mgr.endpoint is None and getattr(mgr, "host_endpoint", None) is None
-            and mgr.server_socket.closed and mgr._zmq_ctx.closed)
+    return (
+        mgr.endpoint is None
+        and getattr(mgr, "host_endpoint", None) is None
+        and mgr.server_socket.closed
+        and mgr._zmq_ctx.closed
+    )
 
 
 def _decode_run(cfg: dict, cls: dict, side: C.Side, mgr: Any) -> dict:
@@ -188,8 +204,7 @@ def _decode_run(cfg: dict, cls: dict, side: C.Side, mgr: Any) -> dict:
         rx = cls["receiver"](mgr, addr, r["room"])
         rx.init(0)
         rxs[i] = rx
-    C.wait(lambda: all(rx.poll() >= 2 or rx.poll() == 0 for rx in rxs.values()), 30,
-           "handshake")
+    C.wait(lambda: all(rx.poll() >= 2 or rx.poll() == 0 for rx in rxs.values()), 30, "handshake")
     # rooms the decode lands in its host KV buffers (SGLang's destination=HOST)
     host_rooms = set(cfg.get("host_rooms", []))
     for i, (r, d) in enumerate(zip(rooms, dst_pages(cfg, rooms, page))):
@@ -198,22 +213,28 @@ def _decode_run(cfg: dict, cls: dict, side: C.Side, mgr: Any) -> dict:
         where = KVTransferDestination.HOST if i in host_rooms else KVTransferDestination.DEVICE
         rxs[i].send_metadata(dsts[i], (i + 5) % 8, st_idx, r["prefix"], destination=where)
     C.wait(lambda: all(rx.poll() in (0, 4) for rx in rxs.values()), 60, "transfer")
-    out = {"role": "decode", "page": page, "rooms": {},
-           "supports_host": rxs[0].supports_host_destination}
+    out = {
+        "role": "decode",
+        "page": page,
+        "rooms": {},
+        "supports_host": rxs[0].supports_host_destination,
+    }
     seen: dict[str, list[int]] = {}
     for i, r in enumerate(rooms):
         st = rxs[i].poll()
         res = {"state": st, "bad": 0, "first_bad": "", "checked": 0}
         host = i in host_rooms
         if st == 4:
-            for spec in (mgr.host_pools if host else mgr.pools):
+            for spec in mgr.host_pools if host else mgr.pools:
                 ts = C.tensors_of(side, spec, host)
                 if spec.kind == "paged":
-                    bad, why = P.check_tokens(spec, ts, r["room"], dsts[i], r["prefix"],
-                                              r["prefix"], r["n"])
+                    bad, why = P.check_tokens(
+                        spec, ts, r["room"], dsts[i], r["prefix"], r["prefix"], r["n"]
+                    )
                     res["checked"] += (r["n"] - r["prefix"]) * spec.token_bytes * len(ts)
                     seen.setdefault(("host:" if host else "") + spec.name, []).extend(
-                        int(x) for x in dsts[i])
+                        int(x) for x in dsts[i]
+                    )
                 else:
                     slot = (i + 5) % 8
                     bad, why = P.check_slot(spec, ts, r["room"], slot)
@@ -225,8 +246,10 @@ def _decode_run(cfg: dict, cls: dict, side: C.Side, mgr: Any) -> dict:
             res["bytes"] = rxs[i].rx.stats()["bytes"]
             res["one_copy"] = sum(
                 (-(-(r["n"] - r["prefix"]) // spec.page_size) if spec.kind == "paged" else 1)
-                * spec.item_bytes * len(spec.buffers)
-                for spec in (mgr.host_pools if host else mgr.pools))
+                * spec.item_bytes
+                * len(spec.buffers)
+                for spec in (mgr.host_pools if host else mgr.pools)
+            )
         else:
             try:
                 rxs[i].failure_exception()
@@ -236,11 +259,13 @@ def _decode_run(cfg: dict, cls: dict, side: C.Side, mgr: Any) -> dict:
     follows = {p.name: p.indices_from for p in mgr.pools}
     out["untouched_bad"] = {
         p.name: P.untouched(p, C.tensors_of(side, p), seen.get(follows[p.name] or p.name, []))
-        for p in mgr.pools if p.item_bytes}
+        for p in mgr.pools
+        if p.item_bytes
+    }
     for p in mgr.host_pools:  # the host endpoint's own buffers (aux rows are shared)
         if p.kind == "paged":
             out["untouched_bad"]["host:" + p.name] = P.untouched(
-                p, C.tensors_of(side, p, True), seen.get("host:" + (follows[p.name] or p.name),
-                                                         []))
+                p, C.tensors_of(side, p, True), seen.get("host:" + (follows[p.name] or p.name), [])
+            )
     out["pools"] = sorted(p.name for p in mgr.pools)
     return out

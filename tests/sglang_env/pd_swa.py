@@ -34,11 +34,20 @@ def _pool(heads: int = HEADS) -> tuple[Any, Any]:
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
-    pool = SWAKVPool(size=SIZE, size_swa=SIZE_SWA, page_size=PAGE, dtype=torch.float16,
-                     head_num=heads, head_dim=HEAD_DIM, swa_attention_layer_ids=SWA_LAYERS,
-                     full_attention_layer_ids=FULL_LAYERS, device="cpu")
-    alloc = SWATokenToKVPoolAllocator(SIZE, SIZE_SWA, PAGE, torch.float16, "cpu", pool,
-                                      need_sort=False)
+    pool = SWAKVPool(
+        size=SIZE,
+        size_swa=SIZE_SWA,
+        page_size=PAGE,
+        dtype=torch.float16,
+        head_num=heads,
+        head_dim=HEAD_DIM,
+        swa_attention_layer_ids=SWA_LAYERS,
+        full_attention_layer_ids=FULL_LAYERS,
+        device="cpu",
+    )
+    alloc = SWATokenToKVPoolAllocator(
+        SIZE, SIZE_SWA, PAGE, torch.float16, "cpu", pool, need_sort=False
+    )
     return pool, alloc
 
 
@@ -53,8 +62,11 @@ def _kv_args(pool: Any, aux: torch.Tensor, swa: bool, tp_rank: int = 0) -> Any:
     a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = pool.get_contiguous_buf_infos()
     a.kv_layer_ids, a.num_draft_entries, a.page_size = [], 0, PAGE
     a.kv_head_num, a.total_kv_head_num = pool.head_num, HEADS
-    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.data_ptr()], [aux.nbytes], [
-        aux[0].nbytes]
+    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = (
+        [aux.data_ptr()],
+        [aux.nbytes],
+        [aux[0].nbytes],
+    )
     setup_state_kv_args(a, pool)  # SGLang's own: state "swa" over the SWA sub-pool
     if not swa:  # a decode serving a model without a sliding window
         a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
@@ -69,7 +81,7 @@ def _tensors(pool: Any) -> dict[str, list[torch.Tensor]]:
 
 def _alloc(alloc: Any, loc: torch.Tensor, start: int, stop: int) -> None:
     """``alloc_extend`` tokens ``[start, stop)`` of one request (``loc``: its row)."""
-    last = loc[start - 1:start].clone() if start else torch.tensor([-1], dtype=torch.int64)
+    last = loc[start - 1 : start].clone() if start else torch.tensor([-1], dtype=torch.int64)
     t = lambda x: torch.tensor([x], dtype=torch.int64)  # noqa: E731
     new = alloc.alloc_extend(t(start), t(start), t(stop), t(stop), last, stop - start)
     assert new is not None, "pool exhausted"
@@ -116,8 +128,7 @@ def prefill_start(state: dict, cfg: dict, tp_rank: int = 0) -> dict:
         for start in range(0, n, CHUNK):  # a chunked prefill: write, then drop the old window
             stop = min(n, start + CHUNK)
             _alloc(alloc, loc, start, stop)
-            P.fill_tokens(specs["kv"], ts["kv"], room, _pages(loc[start:stop]), start, start,
-                          stop)
+            P.fill_tokens(specs["kv"], ts["kv"], room, _pages(loc[start:stop]), start, start, stop)
             swa_loc = alloc.translate_loc_from_full_to_swa(loc[start:stop])
             P.fill_tokens(specs["swa"], ts["swa"], room, _pages(swa_loc), start, start, stop)
             drop = max(0, (stop - window) // PAGE * PAGE)
@@ -126,19 +137,29 @@ def prefill_start(state: dict, cfg: dict, tp_rank: int = 0) -> dict:
                 freed = drop
         locs[i] = loc
         senders[i] = cls["sender"](mgr, f"127.0.0.1:{cfg['port']}", room)
-    run = {"mgr": mgr, "server": server, "senders": senders, "result": None,
-           "keep": (pool, alloc, aux)}
-    run["thread"] = threading.Thread(target=_prefill_loop, args=(cfg, run, alloc, locs),
-                                     daemon=True)
+    run = {
+        "mgr": mgr,
+        "server": server,
+        "senders": senders,
+        "result": None,
+        "keep": (pool, alloc, aux),
+    }
+    run["thread"] = threading.Thread(
+        target=_prefill_loop, args=(cfg, run, alloc, locs), daemon=True
+    )
     run["thread"].start()
     state[("swa", cfg["port"], tp_rank)] = run
     return {"pools": sorted(specs), "swa": _describe(specs["swa"]), "kv": _describe(specs["kv"])}
 
 
 def _describe(p: Any) -> dict:
-    return {"buffers": len(p.buffers), "item_bytes": p.item_bytes, "page_size": p.page_size,
-            "indices_from": p.indices_from, "heads": [p.sharding.total_heads,
-                                                     p.sharding.rank_heads]}
+    return {
+        "buffers": len(p.buffers),
+        "item_bytes": p.item_bytes,
+        "page_size": p.page_size,
+        "indices_from": p.indices_from,
+        "heads": [p.sharding.total_heads, p.sharding.rank_heads],
+    }
 
 
 def _prefill_loop(cfg: dict, run: dict, alloc: Any, locs: dict) -> None:
@@ -169,8 +190,11 @@ def _prefill_run(cfg: dict, senders: dict, alloc: Any, locs: dict) -> dict:
                 senders[i].failure_exception()
             except Exception as e:  # noqa: BLE001 - reported
                 fails[str(i)] = str(e)
-    return {"states": {str(k): v for k, v in done.items()}, "failures": fails,
-            "prefix": {str(k): v for k, v in started.items()}}
+    return {
+        "states": {str(k): v for k, v in done.items()},
+        "failures": fails,
+        "prefix": {str(k): v for k, v in started.items()},
+    }
 
 
 def _send(cfg: dict, s: Any, alloc: Any, loc: torch.Tensor, i: int) -> int:
@@ -221,8 +245,9 @@ def decode(state: dict, cfg: dict) -> dict:
     ts = _tensors(pool)
     for t in [*ts["kv"], *ts["swa"]]:
         t.view(torch.uint8).fill_(P.SENTINEL)
-    mgr = cls["manager"](_kv_args(pool, aux, cfg.get("decode_swa", True)), _mode("DECODE"),
-                         sa, False)
+    mgr = cls["manager"](
+        _kv_args(pool, aux, cfg.get("decode_swa", True)), _mode("DECODE"), sa, False
+    )
     try:
         return _decode_run(cfg, cls, mgr, alloc, ts)
     finally:
@@ -236,8 +261,7 @@ def _decode_run(cfg: dict, cls: dict, mgr: Any, alloc: Any, ts: dict) -> dict:
     rxs = {i: cls["receiver"](mgr, addr, r["room"]) for i, r in enumerate(rooms)}
     for rx in rxs.values():
         rx.init(0)
-    C.wait(lambda: all(rx.poll() >= 2 or rx.poll() == 0 for rx in rxs.values()), 30,
-           "handshake")
+    C.wait(lambda: all(rx.poll() >= 2 or rx.poll() == 0 for rx in rxs.values()), 30, "handshake")
     throwaway = torch.zeros(8, dtype=torch.int64)
     _alloc(alloc, throwaway, 0, 8)  # the decode's ids differ from the prefill's
     dst: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
@@ -260,17 +284,21 @@ def _decode_run(cfg: dict, cls: dict, mgr: Any, alloc: Any, ts: dict) -> dict:
     seen: dict[str, list[int]] = {"kv": [], "swa": []}
     for i, r in enumerate(rooms):
         kv, swa, ws = dst[i]
-        res: dict[str, Any] = {"state": rxs[i].poll(), "window_start": ws, "bad": 0,
-                               "first_bad": ""}
+        res: dict[str, Any] = {
+            "state": rxs[i].poll(),
+            "window_start": ws,
+            "bad": 0,
+            "first_bad": "",
+        }
         if res["state"] == 4:
             for name, pages, first in (("kv", kv, r["prefix"]), ("swa", swa, ws)):
-                bad, why = P.check_tokens(specs[name], ts[name], r["room"], pages, first, first,
-                                          r["n"])
+                bad, why = P.check_tokens(
+                    specs[name], ts[name], r["room"], pages, first, first, r["n"]
+                )
                 res["bad"] += bad
                 res["first_bad"] = res["first_bad"] or why
                 seen[name] += [int(x) for x in pages]
-            res["bytes"] = {"kv": rxs[i].rx.stats()["bytes"],
-                            "swa": rxs[i].swa_rx.stats()["bytes"]}
+            res["bytes"] = {"kv": rxs[i].rx.stats()["bytes"], "swa": rxs[i].swa_rx.stats()["bytes"]}
         else:
             try:
                 rxs[i].failure_exception()
@@ -278,9 +306,11 @@ def _decode_run(cfg: dict, cls: dict, mgr: Any, alloc: Any, ts: dict) -> dict:
                 res["failure"] = str(e)
                 res["cause"] = type(e.__cause__).__name__
         out["rooms"][str(i)] = res
-    out["untouched_bad"] = {name: P.untouched(specs[name], ts[name], seen[name])
-                            for name in specs if name in ts}
-    out["swa_item_bytes"] = specs["swa"].item_bytes * len(specs["swa"].buffers) \
-        if "swa" in specs else 0
+    out["untouched_bad"] = {
+        name: P.untouched(specs[name], ts[name], seen[name]) for name in specs if name in ts
+    }
+    out["swa_item_bytes"] = (
+        specs["swa"].item_bytes * len(specs["swa"].buffers) if "swa" in specs else 0
+    )
     out["kv_item_bytes"] = specs["kv"].item_bytes * len(specs["kv"].buffers)
     return out

@@ -81,8 +81,9 @@ def _attr(owner: str, attr: str) -> Any:
     if attr[:1].isupper():
         cls = _classes.get(full)
         if cls is None:
-            cls = _classes[full] = _Meta(attr, (), {"__module__": owner,
-                                                    "__init__": lambda self, *a, **k: None})
+            cls = _classes[full] = _Meta(
+                attr, (), {"__module__": owner, "__init__": lambda self, *a, **k: None}
+            )
         return cls
     return _Value(full)
 

@@ -27,20 +27,33 @@ def registration(state: dict) -> dict:
 
     tb = utils.TransferBackend("pdxfer")
     classes = {ct.value: utils.get_kv_class(tb, ct) for ct in utils.KVClassType}
-    bases = {"manager": CommonKVManager, "sender": CommonKVSender,
-             "receiver": CommonKVReceiver, "bootstrap_server": CommonKVBootstrapServer}
+    bases = {
+        "manager": CommonKVManager,
+        "sender": CommonKVSender,
+        "receiver": CommonKVReceiver,
+        "bootstrap_server": CommonKVBootstrapServer,
+    }
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(["--model-path", "dummy", "--disaggregation-mode", "prefill",
-                            "--disaggregation-transfer-backend", "pdxfer"])
+    ns = parser.parse_args(
+        [
+            "--model-path",
+            "dummy",
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-transfer-backend",
+            "pdxfer",
+        ]
+    )
     return {
         "fresh_process": fresh,
         "classes": {k: f"{c.__module__}.{c.__qualname__}" for k, c in classes.items()},
         "subclass": {k: issubclass(classes[k], b) for k, b in bases.items()},
         "parsed": ns.disaggregation_transfer_backend,
         "queues_see_it": [m.TransferBackend("pdxfer").value for m in (prefill, decode)],
-        "fake": utils.get_kv_class(utils.TransferBackend("fake"),
-                                   utils.KVClassType.MANAGER).__name__,
+        "fake": utils.get_kv_class(
+            utils.TransferBackend("fake"), utils.KVClassType.MANAGER
+        ).__name__,
         "members": sorted(m.value for m in utils.TransferBackend),
     }
 
@@ -54,4 +67,5 @@ def warm(state: dict) -> str:
     import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401
 
     import pdxfer.integrations.sglang.conn  # noqa: F401
+
     return "warm"

@@ -19,10 +19,15 @@ def publish(mode: str, port: int, tp_size: int = 1, tp_rank: int = 0, **extra: A
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    sa = ServerArgs(model_path="dummy", disaggregation_mode=mode,
-                    disaggregation_transfer_backend="pdxfer",
-                    disaggregation_bootstrap_port=port, host="127.0.0.1", tp_size=tp_size,
-                    **extra)
+    sa = ServerArgs(
+        model_path="dummy",
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend="pdxfer",
+        disaggregation_bootstrap_port=port,
+        host="127.0.0.1",
+        tp_size=tp_size,
+        **extra,
+    )
     reset_context()
     publish(sa, role="test", ranks=SpawnRanks(world_rank=tp_rank))
     par = get_parallel()
@@ -59,10 +64,24 @@ class Side:
     tensors: dict[str, list[torch.Tensor]]
 
 
-def make_side(*, attn: str, layers: int, page_size: int, pages: int, heads: int,
-              total_heads: int, head_dim: int, draft: bool, state: bool, rows: int,
-              tp_rank: int, host_page: int | None = None, set_heads: bool = True,
-              dim: int = 32, host_kv: bool = False) -> Side:
+def make_side(
+    *,
+    attn: str,
+    layers: int,
+    page_size: int,
+    pages: int,
+    heads: int,
+    total_heads: int,
+    head_dim: int,
+    draft: bool,
+    state: bool,
+    rows: int,
+    tp_rank: int,
+    host_page: int | None = None,
+    set_heads: bool = True,
+    dim: int = 32,
+    host_kv: bool = False,
+) -> Side:
     """Buffers laid out as SGLang's pools lay them out (MHA: ``[tokens, heads, head_dim]``
     per layer, K then V; MLA: ``[tokens, 1, dim]``; draft appended; aux rows; a Mamba state
     of two tensors with rows of different sizes). ``host_page``: the KV lands in a host pool
@@ -80,9 +99,15 @@ def make_side(*, attn: str, layers: int, page_size: int, pages: int, heads: int,
     else:
         ts["kv"] = [torch.zeros(tokens, 1, dim, dtype=dt) for _ in range(layers)]
     if draft:
-        ts["draft_kv"] = ([torch.zeros(tokens, heads, head_dim, dtype=dt) for _ in range(2)]
-                          if attn == "mha" else [torch.zeros(tokens, 1, dim, dtype=dt)])
-    ts["aux"] = [torch.zeros(rows, 16, dtype=torch.int32), torch.zeros(rows, 16, dtype=torch.float32)]
+        ts["draft_kv"] = (
+            [torch.zeros(tokens, heads, head_dim, dtype=dt) for _ in range(2)]
+            if attn == "mha"
+            else [torch.zeros(tokens, 1, dim, dtype=dt)]
+        )
+    ts["aux"] = [
+        torch.zeros(rows, 16, dtype=torch.int32),
+        torch.zeros(rows, 16, dtype=torch.float32),
+    ]
     a = KVArgs()
     a.engine_rank = tp_rank
     a.pp_rank = 0
@@ -105,7 +130,10 @@ def make_side(*, attn: str, layers: int, page_size: int, pages: int, heads: int,
     a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
     a.state_layer_ids = []
     if state:
-        ts["mamba"] = [torch.zeros(rows, 4, 8, dtype=dt), torch.zeros(rows, 8, 8, dtype=torch.float32)]
+        ts["mamba"] = [
+            torch.zeros(rows, 4, 8, dtype=dt),
+            torch.zeros(rows, 8, 8, dtype=torch.float32),
+        ]
         a.state_types = [StateType.MAMBA]
         a.state_data_ptrs = [[t.data_ptr() for t in ts["mamba"]]]
         a.state_data_lens = [[t.nbytes for t in ts["mamba"]]]
@@ -134,8 +162,9 @@ def tensors_of(side: Side, spec: Any, host: bool = False) -> list[torch.Tensor]:
     return side.tensors[spec.name]
 
 
-def fill(side: Side, pools: list[Any], room: int, pages: np.ndarray, n: int,
-         slots: dict[str, int]) -> None:
+def fill(
+    side: Side, pools: list[Any], room: int, pages: np.ndarray, n: int, slots: dict[str, int]
+) -> None:
     for spec in pools:
         if spec.kind == "paged":
             P.fill_tokens(spec, tensors_of(side, spec), room, pages, 0, 0, n)

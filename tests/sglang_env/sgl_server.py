@@ -39,8 +39,11 @@ def main() -> None:
             value = getattr(importlib.import_module(mod), fn)(state, **req.get("args", {}))
             reply = {"ok": True, "value": value}
         except BaseException as e:  # noqa: BLE001 - reported to the driver
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                     "traceback": traceback.format_exc()}
+            reply = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            }
         results.write(json.dumps(reply) + "\n")
         if req["cmd"] == "sgl_server.exit":
             break
@@ -61,4 +64,3 @@ def exit(state: dict[str, Any]) -> str:  # noqa: A001 - the command's name
 
 if __name__ == "__main__":
     main()
-

@@ -17,8 +17,10 @@ from pdxfer.transport.memory import MemoryFabric, MemoryTransport
 
 
 @pytest.mark.parametrize("same_host", [True, False])
-@pytest.mark.parametrize("a,b", list(itertools.product(
-    [("nixl", "tcp"), ("tcp",), ("nixl",), ("tcp", "nixl")], repeat=2)))
+@pytest.mark.parametrize(
+    "a,b",
+    list(itertools.product([("nixl", "tcp"), ("tcp",), ("nixl",), ("tcp", "nixl")], repeat=2)),
+)
 def test_both_sides_pick_the_same_transport(a, b, same_host) -> None:
     assert pick(a, b, same_host) == pick(b, a, same_host)
 
@@ -50,6 +52,7 @@ class _Kinds:
             t = MemoryTransport(self.fabric)
             self.made.setdefault(k, []).append(t)
             return t
+
         return AutoTransport(kinds=kinds, make=make)
 
 
@@ -143,8 +146,14 @@ ALL = ("nixl", "tcp", "nvlink", "rdma")
 
 @pytest.mark.parametrize("same_host", [True, False])
 @pytest.mark.parametrize("device", [True, False])
-@pytest.mark.parametrize("a,b", list(itertools.product(
-    [ALL, ("nixl", "tcp"), ("tcp", "rdma"), ("nvlink",), ("nixl", "nvlink")], repeat=2)))
+@pytest.mark.parametrize(
+    "a,b",
+    list(
+        itertools.product(
+            [ALL, ("nixl", "tcp"), ("tcp", "rdma"), ("nvlink",), ("nixl", "nvlink")], repeat=2
+        )
+    ),
+)
 def test_both_sides_pick_the_same_transport_with_device_kinds(a, b, same_host, device) -> None:
     assert pick(a, b, same_host, device) == pick(b, a, same_host, device)
 
@@ -185,8 +194,7 @@ class _AnyMemory(MemoryTransport):
         super().__init__(fabric)
         self.locations: list[str] = []
 
-    def register(self, addr: int, nbytes: int, location: str = "cpu",
-                 item_bytes: int = 0) -> None:
+    def register(self, addr: int, nbytes: int, location: str = "cpu", item_bytes: int = 0) -> None:
         self.locations.append(location)
         super().register(addr, nbytes, "cpu", item_bytes)
 
@@ -197,6 +205,7 @@ class _DevKinds(_Kinds):
             t = _AnyMemory(self.fabric)
             self.made.setdefault(k, []).append(t)
             return t
+
         return AutoTransport(kinds=kinds, make=make)
 
 
@@ -237,8 +246,10 @@ def test_a_device_kind_that_cannot_register_is_dropped_not_fatal() -> None:
         def register(self, *a, **kw) -> None:
             raise TransportError("no GPUDirect here")
 
-    t = AutoTransport(kinds=("tcp", "rdma"),
-                      make=lambda kind: (Refuses if kind == "rdma" else _AnyMemory)(k.fabric))
+    t = AutoTransport(
+        kinds=("tcp", "rdma"),
+        make=lambda kind: (Refuses if kind == "rdma" else _AnyMemory)(k.fabric),
+    )
     buf = (ctypes.c_uint8 * 64)()
     t.register(ctypes.addressof(buf), 64, "cuda:0")
     assert t.offered() == ["tcp"] and "no GPUDirect" in t._why()

@@ -22,19 +22,29 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def shape(bench: ModuleType, rounds: int, convs: int, turns: int, requests: int = 24) -> object:
-    return bench.Shape(rounds=rounds, convs=convs, turns=turns, system=1536, question=128,
-                       answer=24, builtin_convs=bench.builtin_convs(convs, rounds, turns,
-                                                                    requests))
+    return bench.Shape(
+        rounds=rounds,
+        convs=convs,
+        turns=turns,
+        system=1536,
+        question=128,
+        answer=24,
+        builtin_convs=bench.builtin_convs(convs, rounds, turns, requests),
+    )
 
 
 def sent(bench: ModuleType, sh: object, v: str, section: str) -> list[tuple[int, int, int]]:
-    return [(rnd, q.conv, q.turn) for rnd in range(sh.rounds)  # type: ignore[attr-defined]
-            for q in bench.asks(sh, v, rnd, section)]
+    return [
+        (rnd, q.conv, q.turn)
+        for rnd in range(sh.rounds)  # type: ignore[attr-defined]
+        for q in bench.asks(sh, v, rnd, section)
+    ]
 
 
 @pytest.mark.parametrize("section", ["alone", "contended"])
 def test_the_full_run_sends_nixlconnector_24_of_run_1s_72_prompts_each_conversation_once(
-        bench: ModuleType, section: str) -> None:
+    bench: ModuleType, section: str
+) -> None:
     full = shape(bench, 3, 6, 4)
     assert full.builtin_convs == 2  # type: ignore[attr-defined]
     others = sent(bench, full, "pdxfer_nixl", section)
@@ -43,17 +53,25 @@ def test_the_full_run_sends_nixlconnector_24_of_run_1s_72_prompts_each_conversat
     assert set(builtin) <= set(others)
     # every conversation, whole: the same turns in the same proportion as the others'
     assert Counter((c, t) for _, c, t in builtin) == Counter(
-        (c, t) for c in range(6) for t in range(4))
+        (c, t) for c in range(6) for t in range(4)
+    )
     assert [bench.convs_of(full, "builtin", r) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
-    seeds = {(rnd, q.conv, q.turn): q.seed for rnd in range(3)
-             for q in bench.asks(full, "colocated", rnd, section)}
-    assert all(seeds[(rnd, q.conv, q.turn)] == q.seed for rnd in range(3)
-               for q in bench.asks(full, "builtin", rnd, section))
+    seeds = {
+        (rnd, q.conv, q.turn): q.seed
+        for rnd in range(3)
+        for q in bench.asks(full, "colocated", rnd, section)
+    }
+    assert all(
+        seeds[(rnd, q.conv, q.turn)] == q.seed
+        for rnd in range(3)
+        for q in bench.asks(full, "builtin", rnd, section)
+    )
 
 
 @pytest.mark.parametrize("section", ["alone", "contended"])
 def test_one_timed_request_in_24_computes_the_shared_prefix_cold_for_every_variant(
-        bench: ModuleType, section: str) -> None:
+    bench: ModuleType, section: str
+) -> None:
     """A section's first request computes its conversations' shared system prefix cold. In
     run 1 that was 3 of each variant's 72; NixlConnector's later rounds start with other
     conversations, so their prefill first gets conversation 0's first turn, untimed (the
@@ -77,7 +95,8 @@ def test_quick_sends_every_variant_at_least_24_requests_per_section(bench: Modul
 
 
 def test_nixlconnector_never_sends_more_than_the_others_nor_no_conversation(
-        bench: ModuleType) -> None:
+    bench: ModuleType,
+) -> None:
     assert bench.builtin_convs(2, 1, 2, 24) == 2  # a smoke run: all it has
     assert bench.builtin_convs(6, 3, 4, 0) == 1
     assert bench.builtin_convs(6, 3, 4, 25) == 3  # whole conversations, rounded up
@@ -85,15 +104,15 @@ def test_nixlconnector_never_sends_more_than_the_others_nor_no_conversation(
 
 
 def test_a_conversation_keeps_its_prompts_turn_by_turn_and_the_halves_differ(
-        bench: ModuleType) -> None:
+    bench: ModuleType,
+) -> None:
     full = shape(bench, 3, 6, 4)
     alone = bench.asks(full, "colocated", 1, "alone")
     assert [(q.turn, q.conv) for q in alone] == [(t, c) for t in range(4) for c in range(6)]
     assert len({q.seed for q in alone}) == 24
     loaded = {q.seed for q in bench.asks(full, "colocated", 1, "contended")}
     assert not loaded & {q.seed for q in alone}
-    assert not {q.seed for q in bench.asks(full, "colocated", 0, "alone")} & \
-        {q.seed for q in alone}
+    assert not {q.seed for q in bench.asks(full, "colocated", 0, "alone")} & {q.seed for q in alone}
 
 
 def test_each_round_rotates_the_phases_so_each_variant_leads_one(bench: ModuleType) -> None:
@@ -106,29 +125,44 @@ def test_each_round_rotates_the_phases_so_each_variant_leads_one(bench: ModuleTy
 
 def test_answers_are_compared_over_the_requests_each_variant_sent(bench: ModuleType) -> None:
     ref = {("colocated", (0, "alone", c, 0)): [c, 1] for c in range(3)}
-    ok, what = bench.compare_outputs({**ref, ("builtin", (0, "alone", 0, 0)): [0, 1],
-                                      ("pdxfer_nixl", (0, "alone", 2, 0)): [2, 1],
-                                      ("pdxfer_nixl", (0, "alone", 1, 0)): [1, 1]},
-                                     "colocated", ["pdxfer_nixl", "builtin"])
+    ok, what = bench.compare_outputs(
+        {
+            **ref,
+            ("builtin", (0, "alone", 0, 0)): [0, 1],
+            ("pdxfer_nixl", (0, "alone", 2, 0)): [2, 1],
+            ("pdxfer_nixl", (0, "alone", 1, 0)): [1, 1],
+        },
+        "colocated",
+        ["pdxfer_nixl", "builtin"],
+    )
     assert ok and what == "pdxfer_nixl 2, builtin 1 requests vs colocated (3)"
-    assert not bench.compare_outputs({**ref, ("builtin", (0, "alone", 0, 0)): [0, 2]},
-                                     "colocated", ["builtin"])[0]
+    assert not bench.compare_outputs(
+        {**ref, ("builtin", (0, "alone", 0, 0)): [0, 2]}, "colocated", ["builtin"]
+    )[0]
     assert not bench.compare_outputs(ref, "colocated", ["builtin"])[0]  # answered nothing
-    assert not bench.compare_outputs({**ref, ("builtin", (1, "alone", 0, 0)): [0, 1]},
-                                     "colocated", ["builtin"])[0]  # a request ref never sent
+    assert not bench.compare_outputs(
+        {**ref, ("builtin", (1, "alone", 0, 0)): [0, 1]}, "colocated", ["builtin"]
+    )[0]  # a request ref never sent
 
 
 def test_kv_moved_per_request_and_phase_time_compare_variants_of_unequal_request_counts(
-        bench: ModuleType) -> None:
+    bench: ModuleType,
+) -> None:
     """NixlConnector sends a third of the others' requests: its KV moved in all is a third,
     per request the same; a variant's phase seconds are its steps' sum over its phases."""
     mib = 96 * 2**20
-    got = {("pdxfer_nixl", "alone"): bench.Samples(ttft=[0.2] * 72, prefill=[0.1] * 72,
-                                                   kv_bytes=72 * mib, ready_s=1, loads=72),
-           ("builtin", "alone"): bench.Samples(ttft=[2.0] * 24, prefill=[1.5] * 24,
-                                               kv_bytes=24 * mib, ready_s=1, loads=24)}
-    log = [{"variant": "builtin", "round": r, "seconds": {"startup": 36.0, "alone": 100.0}}
-           for r in range(3)] + [{"variant": "builtin", "round": 0, "seconds": {}}]
+    got = {
+        ("pdxfer_nixl", "alone"): bench.Samples(
+            ttft=[0.2] * 72, prefill=[0.1] * 72, kv_bytes=72 * mib, ready_s=1, loads=72
+        ),
+        ("builtin", "alone"): bench.Samples(
+            ttft=[2.0] * 24, prefill=[1.5] * 24, kv_bytes=24 * mib, ready_s=1, loads=24
+        ),
+    }
+    log = [
+        {"variant": "builtin", "round": r, "seconds": {"startup": 36.0, "alone": 100.0}}
+        for r in range(3)
+    ] + [{"variant": "builtin", "round": 0, "seconds": {}}]
     res = bench.summary(got, log, ["pdxfer_nixl", "builtin"])
     assert res["vllm.kv_mib.builtin"] == 24 * 96 and res["vllm.kv_mib.pdxfer_nixl"] == 72 * 96
     assert res["vllm.kv_mib_per_request.builtin"] == 96
@@ -145,7 +179,8 @@ def _timeout() -> Exception:
 
 
 def test_a_request_without_an_answer_ends_its_conversation_and_the_run_goes_on(
-        bench: ModuleType) -> None:
+    bench: ModuleType,
+) -> None:
     """Run 2 of the full benchmark (2026-11-26) lost 40 minutes: one NixlConnector request
     beside the load got no answer in 600 s and the exception ended the whole run. Now it is
     recorded, counted, its conversation's later turns (which need its answer) skipped, and
@@ -170,15 +205,15 @@ def test_a_request_without_an_answer_ends_its_conversation_and_the_run_goes_on(
     for c in (0, 2):  # the others: each turn's prompt is the last prompt and its answer
         for t in (1, 2):
             last = prompts[(c, t - 1)]
-            assert prompts[(c, t)][:len(last) + 2] == last + [1000 + 10 * c + t - 1] * 2
+            assert prompts[(c, t)][: len(last) + 2] == last + [1000 + 10 * c + t - 1] * 2
 
 
 def test_a_failed_request_counts_in_the_ttft_percentiles_as_its_wait_and_is_reported(
-        bench: ModuleType) -> None:
+    bench: ModuleType,
+) -> None:
     """Left out, a stalled request would make its variant look faster than one that answers
     late: it counts as the time it took to fail (a lower bound of its TTFT)."""
-    s = bench.Samples(ttft=[0.1, 0.2, 0.3], prefill=[0.05, 0.1, 0.15], failed=[600.0],
-                      skipped=2)
+    s = bench.Samples(ttft=[0.1, 0.2, 0.3], prefill=[0.05, 0.1, 0.15], failed=[600.0], skipped=2)
     res = bench.summary({("builtin", "contended"): s}, [], [])
     assert res["vllm.failed_requests.builtin.contended"] == 1
     assert res["vllm.skipped_requests.builtin.contended"] == 2
@@ -188,28 +223,53 @@ def test_a_failed_request_counts_in_the_ttft_percentiles_as_its_wait_and_is_repo
 
 
 def test_a_run_that_breaks_mid_way_keeps_what_it_measured_and_says_why(
-        bench: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Two full runs (2026-11-26) each lost 40 minutes of measurements to one exception in
     a later phase. The phases done are reported, and the run names what ended it."""
     import argparse
 
-    def rounds(shape: object, setup: object, a: object, active: list[str], got: dict,
-               outs: dict, log: list, res: dict) -> None:
-        log.append({"variant": "colocated", "round": 0, "loadavg_before": (0.5, 0.5, 0.5),
-                    "background_cores_before": 0.01, "idle_cpu_cores": 0.02,
-                    "seconds": {"alone": 3.0}})
-        got[("colocated", "alone")] = bench.Samples(ttft=[0.1, 0.12], prefill=[0.07, 0.08],
-                                                    first_chunk=[0.09, 0.1])
+    def rounds(
+        shape: object,
+        setup: object,
+        a: object,
+        active: list[str],
+        got: dict,
+        outs: dict,
+        log: list,
+        res: dict,
+    ) -> None:
+        log.append(
+            {
+                "variant": "colocated",
+                "round": 0,
+                "loadavg_before": (0.5, 0.5, 0.5),
+                "background_cores_before": 0.01,
+                "idle_cpu_cores": 0.02,
+                "seconds": {"alone": 3.0},
+            }
+        )
+        got[("colocated", "alone")] = bench.Samples(
+            ttft=[0.1, 0.12], prefill=[0.07, 0.08], first_chunk=[0.09, 0.1]
+        )
         outs[("colocated", (0, "alone", 0, 0))] = [5, 6]
-        log.append({"variant": "pdxfer_tcp", "round": 0, "loadavg_before": (0.6, 0.5, 0.5),
-                    "background_cores_before": 0.02, "seconds": {}})
+        log.append(
+            {
+                "variant": "pdxfer_tcp",
+                "round": 0,
+                "loadavg_before": (0.6, 0.5, 0.5),
+                "background_cores_before": 0.02,
+                "seconds": {},
+            }
+        )
         raise RuntimeError("a server died")
 
     monkeypatch.setattr(bench, "all_phases", rounds)
     monkeypatch.setattr(bench, "build_model", lambda path, shape: path)
     monkeypatch.setattr(bench.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
-    a = argparse.Namespace(quick=True, rounds=1, convs=1, turns=1, builtin_requests=2,
-                           variants="colocated,pdxfer_tcp")
+    a = argparse.Namespace(
+        quick=True, rounds=1, convs=1, turns=1, builtin_requests=2, variants="colocated,pdxfer_tcp"
+    )
     res = bench.run(a)
     assert res["vllm.error"] == "RuntimeError: a server died"
     assert res["vllm.error_phase"] == "pdxfer_tcp round 0"

@@ -41,22 +41,33 @@ def _used_names() -> dict[str, set[Path]]:
 
 
 def test_configuration_page_is_what_the_generator_writes() -> None:
-    r = subprocess.run([sys.executable, "scripts/gen_config_docs.py", "--check"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "scripts/gen_config_docs.py", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0, (
         "docs/configuration.md differs from the code: regenerate it with "
-        "`python scripts/gen_config_docs.py` and commit the result.\n" + r.stdout[-4000:]
-        + r.stderr[-2000:])
+        "`python scripts/gen_config_docs.py` and commit the result.\n"
+        + r.stdout[-4000:]
+        + r.stderr[-2000:]
+    )
 
 
 def test_every_pdxfer_variable_used_in_the_repository_is_registered() -> None:
     registered = {v.name for v in ENV_VARS}
-    unknown = {n: sorted(str(p.relative_to(ROOT)) for p in ps)
-               for n, ps in _used_names().items()
-               if n not in registered and n not in NOT_VARIABLES}
-    assert not unknown, (f"PDXFER_ names used but not in pdxfer.config.ENV_VARS (add each "
-                         f"with its help text, then regenerate the docs): {unknown}")
+    unknown = {
+        n: sorted(str(p.relative_to(ROOT)) for p in ps)
+        for n, ps in _used_names().items()
+        if n not in registered and n not in NOT_VARIABLES
+    }
+    assert not unknown, (
+        f"PDXFER_ names used but not in pdxfer.config.ENV_VARS (add each "
+        f"with its help text, then regenerate the docs): {unknown}"
+    )
 
 
 def test_every_registered_variable_is_used_somewhere() -> None:

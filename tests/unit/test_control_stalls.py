@@ -42,7 +42,8 @@ def srv() -> Iterator[BootstrapServer]:
 
 
 def test_a_slow_pairing_on_the_control_thread_is_counted_and_named(
-        srv: BootstrapServer, caplog: pytest.LogCaptureFixture) -> None:
+    srv: BootstrapServer, caplog: pytest.LogCaptureFixture
+) -> None:
     p = Pair(srv, bootstrap_timeout_s=30.0, transfer_timeout_s=30.0)
     try:
         p.ptx.add_peer = slow_pairing  # type: ignore[method-assign]
@@ -58,8 +59,9 @@ def test_a_slow_pairing_on_the_control_thread_is_counted_and_named(
         # the control thread's tick waited behind the handler: its lateness is kept and
         # logged with the process's CPU meanwhile
         assert pm["control_late_max_ms"] >= (PAIRING_S - 0.05) * 1e3
-        assert any("ran" in r.getMessage() and "late" in r.getMessage()
-                   for r in caplog.records), caplog.text
+        assert any("ran" in r.getMessage() and "late" in r.getMessage() for r in caplog.records), (
+            caplog.text
+        )
     finally:
         p.close()
 
@@ -127,7 +129,8 @@ def hold_the_lock(core: Core, started: threading.Event) -> None:
 
 
 def test_a_handler_held_up_by_the_endpoint_lock_says_so_and_names_the_holder(
-        srv: BootstrapServer, caplog: pytest.LogCaptureFixture) -> None:
+    srv: BootstrapServer, caplog: pytest.LogCaptureFixture
+) -> None:
     """The TP 1 -> TP 2 stall left one 13.3 s Hello handler and no word of where the time
     went. Now the slow handler's line splits it (its own CPU, its wait for the endpoint
     lock, the rest without a CPU or the GIL), the lock's line names the function that held
@@ -147,8 +150,7 @@ def test_a_handler_held_up_by_the_endpoint_lock_says_so_and_names_the_holder(
         assert pm["lock_wait_max_ms"] > 0
         held = [r.getMessage() for r in caplog.records if "lock was held" in r.getMessage()]
         assert held and "by hold_the_lock" in held[0], caplog.text
-        slow = [r.getMessage() for r in caplog.records if "control thread spent" in
-                r.getMessage()]
+        slow = [r.getMessage() for r in caplog.records if "control thread spent" in r.getMessage()]
         assert slow, caplog.text
         waited = float(slow[0].split(" s waiting for the endpoint lock")[0].rsplit(", ", 1)[1])
         assert waited >= PAIRING_S, slow[0]
@@ -157,7 +159,8 @@ def test_a_handler_held_up_by_the_endpoint_lock_says_so_and_names_the_holder(
 
 
 def test_no_write_is_started_under_the_endpoint_lock_or_on_the_control_thread(
-        srv: BootstrapServer) -> None:
+    srv: BootstrapServer,
+) -> None:
     """A transport's ``start`` may wait on its peer (the first write to it can open the
     connection, and the caller's turn at the CPU under load is part of it): under the core
     lock every other thread, the control thread's Hello handler included, waited with it.
@@ -210,8 +213,9 @@ def test_neither_side_pairs_its_transport_under_the_endpoint_lock(srv: Bootstrap
     try:
         for side, tx in (("prefill", p.ptx), ("decode", p.dtx)):
             ep = p.pf if side == "prefill" else p.dc
-            tx.add_peer = (lambda peer, info, side=side, ep=ep:  # type: ignore[method-assign]
-                           owned.append((side, ep.core.lock.owned())))
+            tx.add_peer = lambda peer, info, side=side, ep=ep: (  # type: ignore[method-assign]
+                owned.append((side, ep.core.lock.owned()))
+            )
         _, rx, _, _ = transfer(p)
         assert wait(rx) == KVPoll.Success
         assert sorted(owned) == [("decode", False), ("prefill", False)], owned

@@ -15,9 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
-                           str(config), "-d", str(site)], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _copy(tmp: Path) -> Path:
@@ -33,18 +36,24 @@ def test_the_docs_site_builds_strictly(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "configuration" / "index.html").is_file()
 
 
-@pytest.mark.parametrize("damage", ["broken_link", "broken_anchor", "missing_page",
-                                    "page_not_in_nav"])
+@pytest.mark.parametrize(
+    "damage", ["broken_link", "broken_anchor", "missing_page", "page_not_in_nav"]
+)
 def test_a_broken_docs_site_fails_the_build(tmp_path: Path, damage: str) -> None:
     config = _copy(tmp_path)
     docs = tmp_path / "docs"
-    named = {"broken_link": "nope.md", "broken_anchor": "no-such-section",
-             "missing_page": "metrics.md", "page_not_in_nav": "orphan.md"}[damage]
+    named = {
+        "broken_link": "nope.md",
+        "broken_anchor": "no-such-section",
+        "missing_page": "metrics.md",
+        "page_not_in_nav": "orphan.md",
+    }[damage]
     if damage == "broken_link":
         (docs / "tiers.md").write_text((docs / "tiers.md").read_text() + "\n[x](nope.md)\n")
     elif damage == "broken_anchor":
-        (docs / "tiers.md").write_text((docs / "tiers.md").read_text()
-                                       + "\n[x](vllm.md#no-such-section)\n")
+        (docs / "tiers.md").write_text(
+            (docs / "tiers.md").read_text() + "\n[x](vllm.md#no-such-section)\n"
+        )
     elif damage == "missing_page":
         (docs / "metrics.md").unlink()
     else:
@@ -52,5 +61,5 @@ def test_a_broken_docs_site_fails_the_build(tmp_path: Path, damage: str) -> None
     r = _build(config, tmp_path / "site")
     out = r.stdout + r.stderr
     assert r.returncode != 0, f"{damage} did not fail the build:\n{out[-2000:]}"
-    warned = out[out.index("WARNING"):] if "WARNING" in out else ""
+    warned = out[out.index("WARNING") :] if "WARNING" in out else ""
     assert named in warned, out[-2000:]  # it failed for that reason

@@ -26,10 +26,27 @@ ROOM = 41
 TOKENS = (5, 93)  # not page aligned on purpose
 
 
-def _pool(name: str, page_size: int, layout: str = "NHD", heads: int = 8, first: int = 0,
-          total: int = 8, pages: int = 128):
-    g = PoolGeom(name, "mha", layers=2, pages=pages, page_size=page_size, heads=heads,
-                 head_dim=16, layout=layout, total_heads=total, first_head=first)
+def _pool(
+    name: str,
+    page_size: int,
+    layout: str = "NHD",
+    heads: int = 8,
+    first: int = 0,
+    total: int = 8,
+    pages: int = 128,
+):
+    g = PoolGeom(
+        name,
+        "mha",
+        layers=2,
+        pages=pages,
+        page_size=page_size,
+        heads=heads,
+        head_dim=16,
+        layout=layout,
+        total_heads=total,
+        first_head=first,
+    )
     specs, tensors = pat.build([g])
     return specs[0], tensors[name]
 
@@ -48,8 +65,15 @@ def _filled(ps: int, layout: str = "NHD", heads: int = 8, first: int = 0, seed: 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["xxh3", "portable"])
 @pytest.mark.parametrize("mode", ["sampled", "full"])
-@pytest.mark.parametrize("a,b", [((16, "NHD"), (1, "NHD")), ((16, "HND"), (4, "NHD")),
-                                 ((8, "HND"), (8, "HND")), ((64, "NHD"), (16, "HND"))])
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        ((16, "NHD"), (1, "NHD")),
+        ((16, "HND"), (4, "NHD")),
+        ((8, "HND"), (8, "HND")),
+        ((64, "NHD"), (16, "HND")),
+    ],
+)
 def test_digest_ignores_page_size_and_layout(mode: str, a, b, portable: bool) -> None:
     sa, ta, pa = _filled(*a, seed=1)  # keep the tensors: the specs only point at them
     sb, tb, pb = _filled(*b, seed=2)
@@ -65,17 +89,26 @@ def test_digest_of_a_head_slice_equals_across_tp_shards(mode: str, portable: boo
     whole, tw, pw = _filled(16, "HND", heads=8, first=0, seed=3)
     half, th, ph = _filled(4, "NHD", heads=4, first=4, seed=4)  # a decode rank holding 4..8
     s = sample_stride(whole, half)
-    assert (digests(whole, Span(pw, 0, *TOKENS, 4, 8), mode, s, portable=portable)
-            == digests(half, Span(ph, 0, *TOKENS, 4, 8), mode, s, portable=portable))
-    assert (digests(whole, Span(pw, 0, *TOKENS, 4, 6), mode, s, portable=portable)
-            != digests(whole, Span(pw, 0, *TOKENS, 4, 8), mode, s, portable=portable))
+    assert digests(whole, Span(pw, 0, *TOKENS, 4, 8), mode, s, portable=portable) == digests(
+        half, Span(ph, 0, *TOKENS, 4, 8), mode, s, portable=portable
+    )
+    assert digests(whole, Span(pw, 0, *TOKENS, 4, 6), mode, s, portable=portable) != digests(
+        whole, Span(pw, 0, *TOKENS, 4, 8), mode, s, portable=portable
+    )
 
 
 @pytest.mark.parametrize("known", [False, True], ids=["stride_only", "page_sizes"])
 def test_sample_touches_every_page_of_either_side(known: bool) -> None:
-    cases = [(5, 93, 4, (4, 16)), (0, 64, 1, (1, 64)), (3, 40, 8, (8, 24)), (20, 26, 16, (16, 24)),
-             (0, 128, 64, (64, 64)), (16, 100, 16, (16, 64)), (7, 9, 4, (4, 12)),
-             (0, 17, 16, (16, 16))]
+    cases = [
+        (5, 93, 4, (4, 16)),
+        (0, 64, 1, (1, 64)),
+        (3, 40, 8, (8, 24)),
+        (20, 26, 16, (16, 24)),
+        (0, 128, 64, (64, 64)),
+        (16, 100, 16, (16, 64)),
+        (7, 9, 4, (4, 12)),
+        (0, 17, 16, (16, 16)),
+    ]
     for start, end, s, pages_of in cases:
         t = set(sampled_tokens(start, end, s, pages_of if known else ()).tolist())
         for ps in pages_of:
@@ -127,14 +160,20 @@ def test_sampled_digest_catches_every_page_level_fault(fault: str, ps: int, port
             got = digests(dst, Span(pdst, 0, *TOKENS, 0, 8), "sampled", s, portable=portable)
             u8[pdst[i]] = keep
             assert got[b] != want[b], (fault, ps, i, b)
-            assert [g for j, g in enumerate(got) if j != b] == [w for j, w in enumerate(want)
-                                                                if j != b]
+            assert [g for j, g in enumerate(got) if j != b] == [
+                w for j, w in enumerate(want) if j != b
+            ]
 
 
-@pytest.mark.parametrize("a,b,heads", [((16, "HND", 8, 0), (4, "NHD", 8, 0), (0, 8)),
-                                        ((64, "NHD", 8, 0), (64, "NHD", 8, 0), (0, 8)),
-                                        ((16, "HND", 8, 0), (4, "NHD", 4, 4), (4, 8)),
-                                        ((8, "NHD", 8, 0), (1, "HND", 4, 0), (0, 4))])
+@pytest.mark.parametrize(
+    "a,b,heads",
+    [
+        ((16, "HND", 8, 0), (4, "NHD", 8, 0), (0, 8)),
+        ((64, "NHD", 8, 0), (64, "NHD", 8, 0), (0, 8)),
+        ((16, "HND", 8, 0), (4, "NHD", 4, 4), (4, 8)),
+        ((8, "NHD", 8, 0), (1, "HND", 4, 0), (0, 4)),
+    ],
+)
 def test_a_check_planned_ahead_reads_the_same_bytes_as_the_digest(a, b, heads) -> None:
     """The decode plans its sampled check when the request goes out (``prepare``) and gathers
     only when the digests arrive: same values as ``digests`` for the same buffers, and a page
@@ -154,7 +193,8 @@ def test_a_check_planned_ahead_reads_the_same_bytes_as_the_digest(a, b, heads) -
     bad = prep.digests()
     assert bad[order.index(1)] != want[1]
     assert [g for j, g in enumerate(bad) if j != order.index(1)] == [
-        want[i] for i in order if i != 1]
+        want[i] for i in order if i != 1
+    ]
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["xxh3", "portable"])
@@ -190,8 +230,9 @@ def test_portable_digest_is_the_same_whether_memory_is_word_aligned_or_not() -> 
     raw = [torch.zeros(t.numel() * t.element_size() + 1, dtype=torch.uint8) for t in ts]
     for r, t in zip(raw, ts):
         r[1:] = t.reshape(-1).view(torch.uint8)
-    bufs = tuple(msgspec.structs.replace(b, addr=r.data_ptr() + 1)
-                 for b, r in zip(spec.buffers, raw))
+    bufs = tuple(
+        msgspec.structs.replace(b, addr=r.data_ptr() + 1) for b, r in zip(spec.buffers, raw)
+    )
     odd = msgspec.structs.replace(spec, buffers=bufs)
     for m in ("sampled", "full"):
         assert digests(odd, span, m, 16, portable=True) == want[m], m
@@ -207,8 +248,7 @@ def test_portable_and_xxh3_digests_are_different_functions_of_the_same_bytes() -
     assert portable(spec, dev) and portable(dev, spec) and not portable(spec, spec)
     assert supported("cuda:3") and supported("cpu") and not supported("npu:0")
     with pytest.raises(IntegrityUnsupported):
-        digests(msgspec.structs.replace(spec, location="npu:0"), span, "sampled", 16,
-                portable=True)
+        digests(msgspec.structs.replace(spec, location="npu:0"), span, "sampled", 16, portable=True)
 
 
 @pytest.mark.parametrize("portable_", [False, True], ids=["xxh3", "portable"])
@@ -230,15 +270,26 @@ def test_slot_digest_changes_with_any_byte_of_the_row(portable_: bool) -> None:
 
 
 GOLDEN_FULL = {
-    (16, "NHD", 8, 0): [220383978460132820, 5550844213741517227, 97472494252136772,
-                        7468083472054760906],
-    (4, "HND", 8, 0): [220383978460132820, 5550844213741517227, 97472494252136772,
-                       7468083472054760906],
-    (16, "HND", 4, 2): [364552564673622122, 5337609156932799269, 1771317425649639457,
-                        5152158755802720397],
+    (16, "NHD", 8, 0): [
+        220383978460132820,
+        5550844213741517227,
+        97472494252136772,
+        7468083472054760906,
+    ],
+    (4, "HND", 8, 0): [
+        220383978460132820,
+        5550844213741517227,
+        97472494252136772,
+        7468083472054760906,
+    ],
+    (16, "HND", 4, 2): [
+        364552564673622122,
+        5337609156932799269,
+        1771317425649639457,
+        5152158755802720397,
+    ],
 }
-GOLDEN_BYTES = [7007303558894192594, 6858577253974152768, 642633986856136722,
-                65310315313490175]
+GOLDEN_BYTES = [7007303558894192594, 6858577253974152768, 642633986856136722, 65310315313490175]
 
 
 def test_the_full_portable_digest_keeps_its_values_since_its_index_moved_to_the_device() -> None:
@@ -249,10 +300,20 @@ def test_the_full_portable_digest_keeps_its_values_since_its_index_moved_to_the_
         spec, _, pages = _filled(ps, lay, heads, first, seed=3)
         span = Span(pages, 0, *TOKENS, first, first + heads)
         assert digests(spec, span, "full", ps, portable=True) == want
-    g = PoolGeom("kv", "mha", layers=2, pages=64, page_size=4, heads=3, head_dim=3,
-                 dtype="uint8", total_heads=3)  # 3-byte heads: digested byte by byte
+    g = PoolGeom(
+        "kv",
+        "mha",
+        layers=2,
+        pages=64,
+        page_size=4,
+        heads=3,
+        head_dim=3,
+        dtype="uint8",
+        total_heads=3,
+    )  # 3-byte heads: digested byte by byte
     specs, ts = pat.build([g])
     pages = np.arange(0, 64, 2, dtype=np.int64)[:25]
     pat.fill_tokens(specs[0], ts["kv"], 9, pages, 0, *TOKENS)
-    assert digests(specs[0], Span(pages, 0, *TOKENS, 0, 3), "full", 4,
-                   portable=True) == GOLDEN_BYTES
+    assert (
+        digests(specs[0], Span(pages, 0, *TOKENS, 0, 3), "full", 4, portable=True) == GOLDEN_BYTES
+    )

@@ -123,15 +123,35 @@ def test_bad_frames_are_dropped_and_counted() -> None:
 def test_parse_frame_bounds_parts_before_decoding() -> None:
     ok = msgspec.msgpack.encode([1.0, []])
     assert parse_frame([b"", (1).to_bytes(8, "big"), ok])[0] == 1
-    for parts in ([b"", (1).to_bytes(8, "big"), b"\x00" * (MAX_PAYLOAD + 1)],
-                  [b"x" * 300, (1).to_bytes(8, "big"), ok], [b"", b"\x01", ok],
-                  [b"", (1).to_bytes(8, "big")],
-                  [b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode(
-                      [1.0, [{"type": "BlockStored", "block_hashes": ["x"]}]])],
-                  [b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode(  # a token id past int64
-                      [1.0, [{"type": "BlockStored", "block_hashes": [1],
-                              "parent_block_hash": None, "token_ids": [(1 << 64) - 1],
-                              "block_size": 1}]])]):
+    for parts in (
+        [b"", (1).to_bytes(8, "big"), b"\x00" * (MAX_PAYLOAD + 1)],
+        [b"x" * 300, (1).to_bytes(8, "big"), ok],
+        [b"", b"\x01", ok],
+        [b"", (1).to_bytes(8, "big")],
+        [
+            b"",
+            (1).to_bytes(8, "big"),
+            msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": ["x"]}]]),
+        ],
+        [
+            b"",
+            (1).to_bytes(8, "big"),
+            msgspec.msgpack.encode(  # a token id past int64
+                [
+                    1.0,
+                    [
+                        {
+                            "type": "BlockStored",
+                            "block_hashes": [1],
+                            "parent_block_hash": None,
+                            "token_ids": [(1 << 64) - 1],
+                            "block_size": 1,
+                        }
+                    ],
+                ]
+            ),
+        ],
+    ):
         with pytest.raises(BadFrame):
             parse_frame(parts)
 
@@ -143,13 +163,25 @@ def test_kv_events_flags_are_checked_at_start() -> None:
     s = FeedSpec.parse("http://h:1/=tcp://h:5557,tcp://h:5558")
     assert (s.worker, s.endpoint, s.replay) == ("http://h:1", "tcp://h:5557", "tcp://h:5558")
     assert FeedSpec.parse("http://h:1=tcp://h:5557").replay is None
-    for bad in ("http://h:1", "h:1=tcp://h:1", "http://h:1=udp://h:1",
-                "http://h:1=tcp://a:1,tcp://b:2,tcp://c:3"):
+    for bad in (
+        "http://h:1",
+        "h:1=tcp://h:1",
+        "http://h:1=udp://h:1",
+        "http://h:1=tcp://a:1,tcp://b:2,tcp://c:3",
+    ):
         with pytest.raises(ValueError):
             FeedSpec.parse(bad)
-    a = build_parser().parse_args(["router", "--prefill", "http://127.0.0.1:1,127.0.0.1:2",
-                                   "--decode", "http://127.0.0.1:3", "--kv-events",
-                                   "http://127.0.0.1:9=tcp://127.0.0.1:5557"])
+    a = build_parser().parse_args(
+        [
+            "router",
+            "--prefill",
+            "http://127.0.0.1:1,127.0.0.1:2",
+            "--decode",
+            "http://127.0.0.1:3",
+            "--kv-events",
+            "http://127.0.0.1:9=tcp://127.0.0.1:5557",
+        ]
+    )
     with pytest.raises(ValueError, match="not a --prefill or --decode"):
         run(a)
 
@@ -162,8 +194,12 @@ def test_a_replay_that_stops_short_of_the_live_frame_clears_the_worker() -> None
     a, b, c = list(range(100, 104)), list(range(200, 204)), list(range(300, 304))
     assert feeds.on_frame(f, 0, KVEventBatch(0.0, [_stored(a, 10)])) == "apply"
     assert feeds.on_frame(f, 4, KVEventBatch(0.0, [_stored(c, 30)])) == "gap"
-    feeds.fill(f, [(1, KVEventBatch(0.0, [_stored(b, 20)])), (2, KVEventBatch(0.0, []))], 4,
-               KVEventBatch(0.0, [_stored(c, 30)]))
+    feeds.fill(
+        f,
+        [(1, KVEventBatch(0.0, [_stored(b, 20)])), (2, KVEventBatch(0.0, []))],
+        4,
+        KVEventBatch(0.0, [_stored(c, 30)]),
+    )
     assert f.counters["resets"] == 1 and f.counters["replayed"] == 0
     assert feeds.cached(a) == {} and feeds.cached(b) == {} and feeds.cached(c) == {W: 4}
     assert f.synced and f.next_seq == 5

@@ -12,13 +12,19 @@ from pdxfer.serving.router.u64map import U64Map, fix_keys
 BS = 4
 
 
-def _store(ix: KvIndex, name: str, ids: list[int], start_hash: int = 1000,
-           parent: int | None = None, salt: str | None = None) -> list[int]:
+def _store(
+    ix: KvIndex,
+    name: str,
+    ids: list[int],
+    start_hash: int = 1000,
+    parent: int | None = None,
+    salt: str | None = None,
+) -> list[int]:
     """Store ``ids``' full blocks as one event with hashes start_hash, start_hash+1, ..."""
     n = len(ids) // BS
     hashes = [start_hash + i for i in range(n)]
     extras = [[salt]] + [None] * (n - 1) if salt else None
-    ix.stored(name, hashes, parent, ids[:n * BS], extras)
+    ix.stored(name, hashes, parent, ids[: n * BS], extras)
     return hashes
 
 
@@ -99,10 +105,10 @@ def test_index_agrees_with_a_brute_force_model_under_random_events() -> None:
         p = rng.choice(prompts)
         k = rng.randrange(1, 7)
         if rng.random() < 0.6:
-            hashes = [hash((w, tuple(p[:(i + 1) * BS]))) & ((1 << 63) - 1) for i in range(k)]
-            ix.stored(w, hashes, None, p[:k * BS])
+            hashes = [hash((w, tuple(p[: (i + 1) * BS]))) & ((1 << 63) - 1) for i in range(k)]
+            ix.stored(w, hashes, None, p[: k * BS])
             for i, hh in enumerate(hashes):
-                held[w][hh] = tuple(p[:(i + 1) * BS])
+                held[w][hh] = tuple(p[: (i + 1) * BS])
         elif held[w]:
             gone = rng.sample(list(held[w]), min(len(held[w]), 3))
             ix.removed(w, gone)
@@ -116,7 +122,7 @@ def test_index_agrees_with_a_brute_force_model_under_random_events() -> None:
         for name, blocks in held.items():
             have = set(blocks.values())
             d = 0
-            while d < 6 and tuple(q[:(d + 1) * BS]) in have:
+            while d < 6 and tuple(q[: (d + 1) * BS]) in have:
                 d += 1
             if d:
                 want[name] = d * BS
@@ -139,7 +145,7 @@ def test_stored_many_agrees_with_one_event_at_a_time() -> None:
     for e in events:
         one.stored("a", *e)
     for a in range(0, len(events), 7):
-        many.stored_many("a", events[a:a + 7])
+        many.stored_many("a", events[a : a + 7])
     assert len(one) == len(many) and one.orphans == many.orphans
     s1 = np.sort(one.blocks.cols["state"][one.blocks.live_slots()])
     s2 = np.sort(many.blocks.cols["state"][many.blocks.live_slots()])

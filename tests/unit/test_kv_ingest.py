@@ -22,8 +22,7 @@ TOK = KvIndex.__init__.__globals__["_TOK"]
 
 def _state(ix: KvIndex) -> tuple[list[tuple[int, int]], dict[int, list[str]], int]:
     live = ix.blocks.live_slots()
-    pairs = sorted(zip(ix.blocks.cols["state"][live].tolist(),
-                       ix.blocks.cols["w"][live].tolist()))
+    pairs = sorted(zip(ix.blocks.cols["state"][live].tolist(), ix.blocks.cols["w"][live].tolist()))
     hl = ix.holders.live_slots()
     hold = {}
     for k, s in zip(ix.holders.keys[hl].tolist(), hl.tolist()):
@@ -49,8 +48,10 @@ def _burst(ix: KvIndex, ops: list[tuple[str, tuple]], raw: bool) -> np.ndarray:
         if op[0] == "s":
             h, t = op[1], op[3]
             if raw:
-                h, t = msgspec.Raw(msgspec.msgpack.encode(h)), msgspec.Raw(
-                    msgspec.msgpack.encode(t))
+                h, t = (
+                    msgspec.Raw(msgspec.msgpack.encode(h)),
+                    msgspec.Raw(msgspec.msgpack.encode(t)),
+                )
             out.append(("s", w, h, op[2], t, op[4]))
         elif op[0] == "r":
             out.append(("r", w, op[1]))
@@ -71,12 +72,12 @@ def _random_ops(rng: random.Random, n: int) -> list[tuple[str, tuple]]:
             p = rng.choice(prompts)
             a = rng.randrange(0, 3)
             k = rng.randrange(1, 4)
-            h = [hash((w, tuple(p[:(a + i + 1) * BS]))) & ((1 << 64) - 1) for i in range(k)]
-            parent = (hash((w, tuple(p[:a * BS]))) & ((1 << 64) - 1)) if a else None
+            h = [hash((w, tuple(p[: (a + i + 1) * BS]))) & ((1 << 64) - 1) for i in range(k)]
+            parent = (hash((w, tuple(p[: a * BS]))) & ((1 << 64) - 1)) if a else None
             if parent is not None and parent not in alive[w] and rng.random() < 0.8:
                 continue
             extras = [["salt"]] + [None] * (k - 1) if rng.random() < 0.1 else None
-            ops.append((w, ("s", h, parent, p[a * BS:(a + k) * BS], extras)))
+            ops.append((w, ("s", h, parent, p[a * BS : (a + k) * BS], extras)))
             if parent is None or parent in alive[w]:
                 made[w] += h
                 alive[w] |= set(h)
@@ -101,15 +102,22 @@ def test_a_burst_leaves_the_index_as_one_event_at_a_time_does(raw: bool) -> None
         for name, op in ops:
             _one(one, name, op)
         for a in range(0, len(ops), 17 + trial * 9):
-            _burst(many, ops[a:a + 17 + trial * 9], raw)
+            _burst(many, ops[a : a + 17 + trial * 9], raw)
         assert _state(one) == _state(many)
 
 
 def test_a_store_then_a_remove_in_one_burst_ends_removed_and_back() -> None:
     ix = KvIndex(BS)
     ids = list(range(8))
-    got = _burst(ix, [("a", ("s", [1, 2], None, ids, None)), ("a", ("r", [2])),
-                      ("b", ("s", [1, 2], None, ids, None))], raw=True)
+    got = _burst(
+        ix,
+        [
+            ("a", ("s", [1, 2], None, ids, None)),
+            ("a", ("r", [2])),
+            ("b", ("s", [1, 2], None, ids, None)),
+        ],
+        raw=True,
+    )
     assert got.tolist() == [3, 2] and ix.cached_tokens(ids) == {"a": 4, "b": 8}
     _burst(ix, [("a", ("r", [1])), ("a", ("s", [1], None, ids[:4], None))], raw=True)
     assert ix.cached_tokens(ids) == {"a": 4, "b": 8}
@@ -118,17 +126,28 @@ def test_a_store_then_a_remove_in_one_burst_ends_removed_and_back() -> None:
 def test_a_remove_of_an_unknown_block_changes_nothing() -> None:
     ix = KvIndex(BS)
     ids = list(range(8))
-    got = _burst(ix, [("a", ("s", [1, 2], None, ids, None)), ("a", ("r", [99, b"\x07"])),
-                      ("c", ("r", [1]))], raw=True)
+    got = _burst(
+        ix,
+        [("a", ("s", [1, 2], None, ids, None)), ("a", ("r", [99, b"\x07"])), ("c", ("r", [1]))],
+        raw=True,
+    )
     assert got.tolist() == [2, 0] and ix.cached_tokens(ids) == {"a": 8}
 
 
 def test_a_clear_mid_burst_forgets_only_what_came_before_it() -> None:
     ix = KvIndex(BS)
     ids = list(range(12))
-    _burst(ix, [("a", ("s", [1, 2], None, ids[:8], None)), ("b", ("s", [5], None, ids[:4], None)),
-                ("a", ("c",)), ("a", ("s", [1], None, ids[:4], None)),
-                ("b", ("s", [6], 5, ids[4:8], None))], raw=True)
+    _burst(
+        ix,
+        [
+            ("a", ("s", [1, 2], None, ids[:8], None)),
+            ("b", ("s", [5], None, ids[:4], None)),
+            ("a", ("c",)),
+            ("a", ("s", [1], None, ids[:4], None)),
+            ("b", ("s", [6], 5, ids[4:8], None)),
+        ],
+        raw=True,
+    )
     assert ix.cached_tokens(ids) == {"a": 4, "b": 8}
     _burst(ix, [("a", ("s", [2], 1, ids[4:8], None)), ("a", ("c",))], raw=True)
     assert ix.cached_tokens(ids) == {"b": 8} and len(ix) == 2
@@ -137,31 +156,47 @@ def test_a_clear_mid_burst_forgets_only_what_came_before_it() -> None:
 def test_a_parent_stored_later_in_the_same_burst_chains() -> None:
     ix = KvIndex(BS)
     ids = list(range(12))
-    _burst(ix, [("a", ("s", [3], 2, ids[8:], None)), ("a", ("s", [1, 2], None, ids[:8], None))],
-           raw=True)
+    _burst(
+        ix,
+        [("a", ("s", [3], 2, ids[8:], None)), ("a", ("s", [1, 2], None, ids[:8], None))],
+        raw=True,
+    )
     assert ix.cached_tokens(ids) == {"a": 12} and ix.orphans == 0
     _burst(ix, [("a", ("s", [9], 8, ids[:4], None))], raw=True)
     assert ix.orphans == 1
 
 
-@pytest.mark.parametrize("bad", [
-    b"\xc0",  # nil, not an array
-    b"\x93\x01\x02",  # says 3 items, has 2
-    b"\x92\x01\xa1x",  # a string item
-    b"\x91\xd0\xff",  # a negative token
-    b"\x91\xce\x80\x00\x00\x00",  # a token >= 2**31
-    b"\xdd\xff\xff\xff\xff\x01",  # a huge count
-    b"\x92\x01\x02\x03",  # trailing bytes
-    b"\x96\x01\x02\x03\x04\x05\x06",  # a block and a half
-    b"\x98\x01\x02\x03\x04\x05\x06\x07\x08",  # two blocks for one hash
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"\xc0",  # nil, not an array
+        b"\x93\x01\x02",  # says 3 items, has 2
+        b"\x92\x01\xa1x",  # a string item
+        b"\x91\xd0\xff",  # a negative token
+        b"\x91\xce\x80\x00\x00\x00",  # a token >= 2**31
+        b"\xdd\xff\xff\xff\xff\x01",  # a huge count
+        b"\x92\x01\x02\x03",  # trailing bytes
+        b"\x96\x01\x02\x03\x04\x05\x06",  # a block and a half
+        b"\x98\x01\x02\x03\x04\x05\x06\x07\x08",  # two blocks for one hash
+    ],
+)
 def test_a_hostile_token_array_drops_its_event_only(bad: bytes) -> None:
     ix = KvIndex(BS)
     ids = list(range(8))
     ix.worker("a")
-    ix.ingest([("s", 0, msgspec.Raw(msgspec.msgpack.encode([1])), None, msgspec.Raw(bad), None),
-               ("s", 0, msgspec.Raw(msgspec.msgpack.encode([2, 3])), None,
-                msgspec.Raw(msgspec.msgpack.encode(ids)), None)])
+    ix.ingest(
+        [
+            ("s", 0, msgspec.Raw(msgspec.msgpack.encode([1])), None, msgspec.Raw(bad), None),
+            (
+                "s",
+                0,
+                msgspec.Raw(msgspec.msgpack.encode([2, 3])),
+                None,
+                msgspec.Raw(msgspec.msgpack.encode(ids)),
+                None,
+            ),
+        ]
+    )
     assert ix.cached_tokens(ids) == {"a": 8} and len(ix) == 2
 
 
@@ -172,8 +207,18 @@ def test_a_block_size_past_4096_tokens_indexes_in_a_burst_as_alone() -> None:
     one, many = KvIndex(bs), KvIndex(bs)
     one.stored("a", [1, 2], None, ids)
     many.worker("a")
-    many.ingest([("s", 0, msgspec.Raw(msgspec.msgpack.encode([1, 2])), None,
-                  msgspec.Raw(msgspec.msgpack.encode(ids)), None)])
+    many.ingest(
+        [
+            (
+                "s",
+                0,
+                msgspec.Raw(msgspec.msgpack.encode([1, 2])),
+                None,
+                msgspec.Raw(msgspec.msgpack.encode(ids)),
+                None,
+            )
+        ]
+    )
     assert _state(one) == _state(many)
     assert many.cached_tokens(ids + [5]) == {"a": 2 * bs}
 
@@ -187,8 +232,10 @@ def test_msgpack_ints_reads_what_msgspec_writes() -> None:
     assert flat.tolist() == [x for t in toks for x in t]
     hashes = [-1, -200, -(1 << 63), (1 << 64) - 1, 5, b"\x01\x02", bytes(range(32)), b""]
     flat, counts = msgpack_ints([msgspec.msgpack.encode(hashes)], False, 1 << 16)
-    want = [(x if isinstance(x, int) else int.from_bytes(x[:8], "big")) & ((1 << 64) - 1)
-            for x in hashes]
+    want = [
+        (x if isinstance(x, int) else int.from_bytes(x[:8], "big")) & ((1 << 64) - 1)
+        for x in hashes
+    ]
     assert counts.tolist() == [len(hashes)] and flat.tolist() == want
 
 
@@ -220,7 +267,8 @@ def test_a_put_that_grows_the_map_sets_old_and_new_keys() -> None:
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_put_of_two_columns_agrees_with_a_dict_and_the_last_value_of_a_key_wins(
-        seed: int) -> None:
+    seed: int,
+) -> None:
     """Both columns in one pass: keys new, present, repeated in a batch, and placed in
     deleted slots, as the map grows."""
     rng = np.random.default_rng(seed)
@@ -241,8 +289,7 @@ def test_a_put_of_two_columns_agrees_with_a_dict_and_the_last_value_of_a_key_win
         assert m.live == len(model)
     got = m.find(np.array(list(model), np.uint64))
     assert (got >= 0).all()
-    assert list(zip(m.cols["a"][got].tolist(), m.cols["b"][got].tolist())) == list(
-        model.values())
+    assert list(zip(m.cols["a"][got].tolist(), m.cols["b"][got].tolist())) == list(model.values())
 
 
 def test_an_index_sized_for_its_blocks_does_not_grow_and_indexes_the_same() -> None:
@@ -251,12 +298,27 @@ def test_an_index_sized_for_its_blocks_does_not_grow_and_indexes_the_same() -> N
 
     rng = random.Random(3)
     names = [f"http://w{i}" for i in range(4)]
-    frames = [(n, KVEventBatch(0.0, [BlockStored(list(range(1000 * i + 1, 1000 * i + 251)),
-                                                 None, [rng.randrange(500)
-                                                        for _ in range(250 * BS)], BS)]))
-              for i, n in enumerate(names)]
-    sized, grown = (KvFeeds([FeedSpec(n, "tcp://127.0.0.1:1") for n in names], index_blocks=b)
-                    for b in (1000, 0))
+    frames = [
+        (
+            n,
+            KVEventBatch(
+                0.0,
+                [
+                    BlockStored(
+                        list(range(1000 * i + 1, 1000 * i + 251)),
+                        None,
+                        [rng.randrange(500) for _ in range(250 * BS)],
+                        BS,
+                    )
+                ],
+            ),
+        )
+        for i, n in enumerate(names)
+    ]
+    sized, grown = (
+        KvFeeds([FeedSpec(n, "tcp://127.0.0.1:1") for n in names], index_blocks=b)
+        for b in (1000, 0)
+    )
     for feeds in (sized, grown):
         feeds.apply_many(frames)
     ix, ix0 = sized.indexes[BS], grown.indexes[BS]
@@ -281,8 +343,15 @@ def test_a_burst_of_frames_defers_a_workers_frames_from_its_gap_on() -> None:
     def st(ids: list[int], h: int) -> KVEventBatch:
         return KVEventBatch(0.0, [BlockStored([h, h + 1], None, ids, BS)])
 
-    rest = feeds.on_frames([(f1, 0, st(a, 10)), (f2, 0, st(b, 20)), (f1, 2, st(c, 30)),
-                            (f1, 3, st(c, 40)), (f2, 1, st(c, 50))])
+    rest = feeds.on_frames(
+        [
+            (f1, 0, st(a, 10)),
+            (f2, 0, st(b, 20)),
+            (f1, 2, st(c, 30)),
+            (f1, 3, st(c, 40)),
+            (f2, 1, st(c, 50)),
+        ]
+    )
     assert [(f.spec.worker, s, gap) for f, s, _, gap in rest] == [(w1, 2, True), (w1, 3, False)]
     assert feeds.cached(a) == {w1: 8} and feeds.cached(c) == {w2: 8}
     assert f1.next_seq == 1 and f2.next_seq == 2 and f2.counters["blocks"] == 4
@@ -342,15 +411,29 @@ def test_warm_compiles_every_kernel_a_growing_burst_uses() -> None:
     from pdxfer.serving.router import kv_kernels, u64map
     from pdxfer.serving.router.kv_index import warm
 
-    kernels = [getattr(m, n) for m in (u64map, kv_kernels) for n in dir(m)
-               if isinstance(getattr(m, n), numba.core.registry.CPUDispatcher)]
+    kernels = [
+        getattr(m, n)
+        for m in (u64map, kv_kernels)
+        for n in dir(m)
+        if isinstance(getattr(m, n), numba.core.registry.CPUDispatcher)
+    ]
     warm()
     before = [set(k.signatures) for k in kernels]
     ix = KvIndex(BS, capacity=32)
     rng = random.Random(5)
-    ops = [(w, ("s", list(range(1 + 100 * i, 31 + 100 * i)), None,
-                [rng.randrange(1000) for _ in range(30 * BS)], None))
-           for i, w in enumerate("abc")]
+    ops = [
+        (
+            w,
+            (
+                "s",
+                list(range(1 + 100 * i, 31 + 100 * i)),
+                None,
+                [rng.randrange(1000) for _ in range(30 * BS)],
+                None,
+            ),
+        )
+        for i, w in enumerate("abc")
+    ]
     _burst(ix, ops + [("b", ("r", [101, 102])), ("c", ("c",))], raw=True)
     ix.cached_tokens(list(range(3 * BS)))
     assert [set(k.signatures) - b for k, b in zip(kernels, before)] == [set()] * len(kernels)

@@ -27,16 +27,20 @@ PROMPT = list(range(1000, 1100))  # 6 full blocks
 
 def _router() -> tuple[Router, KvFeeds]:
     kv = KvFeeds([FeedSpec(u, "tcp://127.0.0.1:1") for u in (P0, P1, D0, D1)])
-    r = Router([Prefill(P0, "127.0.0.1:1"), Prefill(P1, "127.0.0.1:1")],
-               [Decode(D0, page_size=BS), Decode(D1, page_size=BS)], "kv_aware", kv=kv,
-               api_keys={})
+    r = Router(
+        [Prefill(P0, "127.0.0.1:1"), Prefill(P1, "127.0.0.1:1")],
+        [Decode(D0, page_size=BS), Decode(D1, page_size=BS)],
+        "kv_aware",
+        kv=kv,
+        api_keys={},
+    )
     for f in kv.feeds.values():  # every feed in sync, holding nothing
         kv.on_frame(f, 0, KVEventBatch(0.0, []))
     return r, kv
 
 
 def _holds(kv: KvFeeds, worker: str, blocks: int, seq: int = 1) -> None:
-    ev = BlockStored(list(range(7, 7 + blocks)), None, PROMPT[:blocks * BS], BS)
+    ev = BlockStored(list(range(7, 7 + blocks)), None, PROMPT[: blocks * BS], BS)
     assert kv.on_frame(kv.feeds[worker], seq, KVEventBatch(0.0, [ev])) == "apply"
 
 

@@ -23,8 +23,7 @@ P0, P1 = "http://p0:1", "http://p1:1"
 D0, D1 = "http://d0:1", "http://d1:1"
 PROMPT = list(range(1000, 1100))  # 6 full blocks
 LIMITS = StaleLimits(misses=3, window_s=60.0, tolerance_blocks=1, deadline_s=5.0)
-LEGS = {"prefill": (P0, P1, 0, "prefill_reused_tokens"),
-        "decode": (D0, D1, 1, "restored_tokens")}
+LEGS = {"prefill": (P0, P1, 0, "prefill_reused_tokens"), "decode": (D0, D1, 1, "restored_tokens")}
 """Per leg: its first and second worker, where ``pick`` answers its choice, and the stat in
 which a worker reports the prompt tokens it held."""
 
@@ -39,9 +38,14 @@ class Clock:
 
 def _router() -> tuple[Router, KvFeeds, Clock]:
     kv = KvFeeds([FeedSpec(u, "tcp://127.0.0.1:1") for u in (P0, P1, D0, D1)])
-    r = Router([Prefill(P0, "127.0.0.1:1"), Prefill(P1, "127.0.0.1:1")],
-               [Decode(D0, page_size=BS), Decode(D1, page_size=BS)], "kv_aware", kv=kv,
-               api_keys={}, stale=LIMITS)
+    r = Router(
+        [Prefill(P0, "127.0.0.1:1"), Prefill(P1, "127.0.0.1:1")],
+        [Decode(D0, page_size=BS), Decode(D1, page_size=BS)],
+        "kv_aware",
+        kv=kv,
+        api_keys={},
+        stale=LIMITS,
+    )
     clock = Clock()
     assert r.stale is not None
     r.stale.clock = clock
@@ -52,7 +56,7 @@ def _router() -> tuple[Router, KvFeeds, Clock]:
 
 def _holds(kv: KvFeeds, worker: str, blocks: int, base: int = 7) -> None:
     f = kv.feeds[worker]
-    ev = BlockStored(list(range(base, base + blocks)), None, PROMPT[:blocks * BS], BS)
+    ev = BlockStored(list(range(base, base + blocks)), None, PROMPT[: blocks * BS], BS)
     assert kv.on_frame(f, f.next_seq or 0, KVEventBatch(0.0, [ev])) == "apply"
 
 
@@ -65,8 +69,12 @@ def _serve(r: Router, leg: str, reported: int | None) -> tuple[str, int]:
     picked = r.pick(PROMPT, set(), set())
     marks = [kv.mark(picked[0].key), kv.mark(picked[1].key)]
     stats = {} if reported is None else {stat: reported}
-    r.judge(len(PROMPT), stats, (picked[0].key, picked[2], marks[0]),
-            (picked[1].key, picked[3], marks[1]))
+    r.judge(
+        len(PROMPT),
+        stats,
+        (picked[0].key, picked[2], marks[0]),
+        (picked[1].key, picked[3], marks[1]),
+    )
     return picked[at].key, picked[2 + at]
 
 
@@ -118,8 +126,7 @@ def test_misses_further_apart_than_the_window_do_not_add_up(leg: str) -> None:
 
 
 @pytest.mark.parametrize("leg", LEGS)
-def test_a_worker_whose_events_never_show_what_it_served_gets_its_feed_suspected(
-        leg: str) -> None:
+def test_a_worker_whose_events_never_show_what_it_served_gets_its_feed_suspected(leg: str) -> None:
     """Its feed is in sync (no gap) but silent: each prompt it computed should have shown
     up in its events within the deadline."""
     first, second, at, _ = LEGS[leg]
@@ -140,8 +147,7 @@ def test_a_worker_whose_events_never_show_what_it_served_gets_its_feed_suspected
 
 
 @pytest.mark.parametrize("leg", LEGS)
-def test_a_worker_that_evicts_what_it_held_while_its_events_flow_stays_trusted(
-        leg: str) -> None:
+def test_a_worker_that_evicts_what_it_held_while_its_events_flow_stays_trusted(leg: str) -> None:
     """An engine evicts a chain's blocks as it pleases (vLLM under memory pressure frees the
     blocks of finished requests): the blocks a served prompt stored may be gone, or unfindable
     from the chain's start, by the deadline. Its feed moved, so it is not silent."""
@@ -152,8 +158,11 @@ def test_a_worker_that_evicts_what_it_held_while_its_events_flow_stays_trusted(
     for i in range(LIMITS.misses + 2):
         assert _serve(r, leg, None)[0] == second
         # its events: the served blocks stored, then the chain's first blocks evicted
-        kv.on_frame(f, f.next_seq, KVEventBatch(0.0, [
-            BlockStored([100 + i], 8, PROMPT[32:48], BS), BlockRemoved([7, 8])]))
+        kv.on_frame(
+            f,
+            f.next_seq,
+            KVEventBatch(0.0, [BlockStored([100 + i], 8, PROMPT[32:48], BS), BlockRemoved([7, 8])]),
+        )
         clock.t += LIMITS.deadline_s + 0.1
         r.pick(PROMPT, set(), set())
         _holds(kv, second, 2)  # stored again, as the next request computes them
@@ -177,8 +186,7 @@ def test_a_claim_from_history_is_never_held_against_the_feed() -> None:
     r, kv, clock = _router()
     kv.feeds[P1].synced = False  # a replay under way: history decided
     for _ in range(LIMITS.misses + 1):
-        r.judge(len(PROMPT), {"prefill_reused_tokens": 0}, (P1, 96, None),
-                (D0, 0, kv.mark(D0)))
+        r.judge(len(PROMPT), {"prefill_reused_tokens": 0}, (P1, 96, None), (D0, 0, kv.mark(D0)))
         clock.t += LIMITS.deadline_s + 1
         r.stale.sweep()  # type: ignore[union-attr]
     assert kv.feeds[P1].counters["misses"] == kv.feeds[P1].counters["stale"] == 0
@@ -229,6 +237,7 @@ def test_a_suspected_feed_asks_the_replay_for_what_it_missed_and_resyncs() -> No
     """Over real ZMQ: a batch lost with no frame after it (no gap seen, the stream silent);
     once suspected, the feed's entries are cleared and the replay brings it back in sync,
     holding what the lost batch stored."""
+
     async def main() -> None:
         pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
         feeds = KvFeeds([FeedSpec(W, pub.endpoint, pub.replay_endpoint)])
@@ -264,15 +273,28 @@ def test_a_vllm_prefills_cached_count_is_read_only_when_well_formed() -> None:
     from pdxfer.serving.router.vllm import _cached_tokens
 
     assert _cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": 64}}}) == 64
-    for bad in (None, [], {"usage": None}, {"usage": {"prompt_tokens_details": None}},
-                {"usage": {"prompt_tokens_details": {"cached_tokens": "64"}}},
-                {"usage": {"prompt_tokens_details": {"cached_tokens": -1}}},
-                {"usage": {"prompt_tokens_details": {"cached_tokens": True}}}):
+    for bad in (
+        None,
+        [],
+        {"usage": None},
+        {"usage": {"prompt_tokens_details": None}},
+        {"usage": {"prompt_tokens_details": {"cached_tokens": "64"}}},
+        {"usage": {"prompt_tokens_details": {"cached_tokens": -1}}},
+        {"usage": {"prompt_tokens_details": {"cached_tokens": True}}},
+    ):
         assert _cached_tokens(bad) is None, bad
 
 
-@pytest.mark.parametrize("bad", [{"misses": 0}, {"window_s": 0.0}, {"tolerance_blocks": -1},
-                                 {"deadline_s": 0.0}, {"deadline_s": 61.0}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"misses": 0},
+        {"window_s": 0.0},
+        {"tolerance_blocks": -1},
+        {"deadline_s": 0.0},
+        {"deadline_s": 61.0},
+    ],
+)
 def test_stale_limits_that_make_no_sense_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="kv-stale"):
         StaleLimits(**bad)  # type: ignore[arg-type]

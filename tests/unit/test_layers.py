@@ -40,7 +40,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
@@ -70,14 +70,32 @@ ENGINES = frozenset({"sglang", "vllm"})
 PUBLIC = ("pdxfer", "pdxfer.tiers")
 """What a user of pdxfer (``serving``, ``integrations``) may import from it."""
 
-SERVER_API = ("pdxfer.auth", "pdxfer.config", "pdxfer.metrics", "pdxfer.netaddr",
-              "pdxfer.protect", "pdxfer.setting")
+SERVER_API = (
+    "pdxfer.auth",
+    "pdxfer.config",
+    "pdxfer.metrics",
+    "pdxfer.netaddr",
+    "pdxfer.protect",
+    "pdxfer.setting",
+)
 """What ``serving`` adds to ``PUBLIC``: signed HTTP, metrics text, addresses, protected mode
 and the settings machinery its flags are generated from. Engines serve no HTTP of pdxfer's."""
 
 FORBIDDEN = {
-    "plan": {"endpoint", "transport", "tiers", "serving", "demo", "wire", "bootstrap",
-             "metrics", "auth", "faults", "cli", "integrations"},
+    "plan": {
+        "endpoint",
+        "transport",
+        "tiers",
+        "serving",
+        "demo",
+        "wire",
+        "bootstrap",
+        "metrics",
+        "auth",
+        "faults",
+        "cli",
+        "integrations",
+    },
     "transport": {"endpoint", "plan", "tiers", "serving", "demo", "cli", "integrations"},
     "endpoint": {"tiers", "serving", "demo", "cli", "integrations"},
     "tiers": {"serving", "demo", "cli", "integrations"},
@@ -96,8 +114,12 @@ def test_arrows_run_only_downward() -> None:
 
 
 def test_only_cli_imports_the_demo() -> None:
-    bad = [f"{m} -> {d}" for m, deps in _graph().items() for d in deps
-           if _layer(d) == "demo" and _layer(m) not in ("demo", "cli")]
+    bad = [
+        f"{m} -> {d}"
+        for m, deps in _graph().items()
+        for d in deps
+        if _layer(d) == "demo" and _layer(m) not in ("demo", "cli")
+    ]
     assert not bad, bad
 
 
@@ -115,23 +137,36 @@ def _top_imports(path: Path) -> set[str]:
 def test_the_wheel_never_imports_the_checkout() -> None:
     """``tests`` (the harness) and ``benchmarks`` are not in the wheel: the library, the
     demo included, must run without them (``pdxfer bench`` imports ``benchmarks`` by name)."""
-    bad = [f"{_module(p)} imports {sorted(_top_imports(p) & {'tests', 'benchmarks'})}"
-           for p in ROOT.rglob("*.py") if _top_imports(p) & {"tests", "benchmarks"}]
+    bad = [
+        f"{_module(p)} imports {sorted(_top_imports(p) & {'tests', 'benchmarks'})}"
+        for p in ROOT.rglob("*.py")
+        if _top_imports(p) & {"tests", "benchmarks"}
+    ]
     assert not bad, bad
 
 
 def test_serving_uses_only_the_public_api() -> None:
     """``serving`` is a user of pdxfer like any engine, plus the server helpers."""
-    bad = [f"{m} -> {d}" for m, deps in _graph().items() if _layer(m) == "serving"
-           for d in deps if _layer(d) != "serving" and d not in PUBLIC + SERVER_API]
+    bad = [
+        f"{m} -> {d}"
+        for m, deps in _graph().items()
+        if _layer(m) == "serving"
+        for d in deps
+        if _layer(d) != "serving" and d not in PUBLIC + SERVER_API
+    ]
     assert not bad, bad
 
 
 def test_integrations_use_only_the_public_api() -> None:
     """An engine integration is a user of pdxfer like ``serving``: the modules in ``PUBLIC``
     and, from ``pdxfer`` itself, only the names in its ``__all__``."""
-    bad = [f"{m} -> {d}" for m, deps in _graph().items() if _layer(m) == "integrations"
-           for d in deps if _layer(d) != "integrations" and d not in PUBLIC]
+    bad = [
+        f"{m} -> {d}"
+        for m, deps in _graph().items()
+        if _layer(m) == "integrations"
+        for d in deps
+        if _layer(d) != "integrations" and d not in PUBLIC
+    ]
     assert not bad, bad
     taken = {n for p in (ROOT / "integrations").rglob("*.py") for n in _names_from_pdxfer(p)}
     assert "Endpoint" in taken  # the walk sees the integrations' imports at all
@@ -143,7 +178,8 @@ def _public_names() -> set[str]:
     tree = ast.parse((ROOT / "__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
             return set(ast.literal_eval(node.value))
     raise AssertionError("pdxfer/__init__.py has no __all__")
 
@@ -152,9 +188,13 @@ def _names_from_pdxfer(path: Path) -> set[str]:
     """The names ``path`` takes from the package itself (``from pdxfer import X``), submodules
     (``from pdxfer import wire``) left out."""
     subs = {p.stem for p in ROOT.glob("*.py")} | {p.name for p in ROOT.iterdir() if p.is_dir()}
-    return {a.name for node in ast.walk(ast.parse(path.read_text(), str(path)))
-            if isinstance(node, ast.ImportFrom) and node.module == "pdxfer" and not node.level
-            for a in node.names if a.name not in subs}
+    return {
+        a.name
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ImportFrom) and node.module == "pdxfer" and not node.level
+        for a in node.names
+        if a.name not in subs
+    }
 
 
 USERS = ("pdxfer", "tests", "scripts", "examples", "benchmarks")
@@ -167,9 +207,12 @@ def test_names_taken_from_the_package_itself_are_public() -> None:
     """``from pdxfer import X`` means X is public: internals are reached through their
     submodule, so ``__all__`` never widens for the harness's sake."""
     public = _public_names()
-    bad = [f"{p.relative_to(ROOT.parent)}: {sorted(_names_from_pdxfer(p) - public)}"
-           for top in USERS for p in (ROOT.parent / top).rglob("*.py")
-           if _names_from_pdxfer(p) - public]
+    bad = [
+        f"{p.relative_to(ROOT.parent)}: {sorted(_names_from_pdxfer(p) - public)}"
+        for top in USERS
+        for p in (ROOT.parent / top).rglob("*.py")
+        if _names_from_pdxfer(p) - public
+    ]
     assert not bad, bad
 
 
@@ -184,8 +227,11 @@ def _engine_imports(path: Path) -> set[str]:
 
 
 def test_only_integrations_import_an_engine() -> None:
-    bad = [f"{_module(p)} imports {sorted(_engine_imports(p))}" for p in ROOT.rglob("*.py")
-           if _engine_imports(p) and _layer(_module(p)) != "integrations"]
+    bad = [
+        f"{_module(p)} imports {sorted(_engine_imports(p))}"
+        for p in ROOT.rglob("*.py")
+        if _engine_imports(p) and _layer(_module(p)) != "integrations"
+    ]
     assert not bad, bad
     # the walk sees engine imports at all (else this test could not fail)
     assert _engine_imports(ROOT / "integrations" / "vllm" / "connector.py") == {"vllm"}
@@ -202,7 +248,7 @@ def test_no_import_circles() -> None:
         stack.append(m)
         for d in sorted(graph[m]):
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 visit(d)
         stack.pop()
@@ -212,9 +258,14 @@ def test_no_import_circles() -> None:
         if m not in state:
             visit(m)
     # a package's __init__ re-exporting its own submodules is not a circle
-    real = [c for c in cycles
-            if not all(c[i + 1].startswith(c[i] + ".") or c[i].startswith(c[i + 1] + ".")
-                       for i in range(len(c) - 1))]
+    real = [
+        c
+        for c in cycles
+        if not all(
+            c[i + 1].startswith(c[i] + ".") or c[i].startswith(c[i + 1] + ".")
+            for i in range(len(c) - 1)
+        )
+    ]
     assert not real, "import circles:\n" + "\n".join(" -> ".join(c) for c in real)
 
 

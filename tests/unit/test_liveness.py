@@ -36,8 +36,14 @@ class Probes:
 
 def heartbeat(probes: Probes) -> tuple[Liveness[Peer], Peer, list[bool], list[float]]:
     peer, lost, clock = Peer(), [], [0.0]
-    lv = Liveness(INTERVAL, lambda: {"p": peer}, probes, lambda p, gone: lost.append(gone),
-                  clock=lambda: clock[0], start=False)
+    lv = Liveness(
+        INTERVAL,
+        lambda: {"p": peer},
+        probes,
+        lambda p, gone: lost.append(gone),
+        clock=lambda: clock[0],
+        start=False,
+    )
     return lv, peer, lost, clock
 
 

@@ -67,7 +67,8 @@ def transport(monkeypatch: pytest.MonkeyPatch) -> mooncake.MooncakeTransport:
 
 @pytest.mark.parametrize("fail_at", [1, 2, 3])
 def test_a_multi_batch_write_that_fails_gives_back_every_credit(
-        transport: mooncake.MooncakeTransport, fail_at: int) -> None:
+    transport: mooncake.MooncakeTransport, fail_at: int
+) -> None:
     transport._engine.fail_at = fail_at
     blocks = list(range(0, 20 * 64, 64))
     with pytest.raises(TransportError):
@@ -81,7 +82,8 @@ def test_a_multi_batch_write_that_fails_gives_back_every_credit(
 
 
 def test_a_started_write_that_fails_gives_back_its_credits(
-        transport: mooncake.MooncakeTransport) -> None:
+    transport: mooncake.MooncakeTransport,
+) -> None:
     transport._engine.fail_at = 1
     started = transport.start("peer", [0], [0], [64])
     assert started is not None and started.submitted > 0
@@ -91,7 +93,8 @@ def test_a_started_write_that_fails_gives_back_its_credits(
 
 
 def test_one_thread_at_a_time_spins_in_a_peers_completion_wait(
-        transport: mooncake.MooncakeTransport) -> None:
+    transport: mooncake.MooncakeTransport,
+) -> None:
     """Mooncake's completion wait spins: four writers to one peer waiting at once would take
     four cores' worth of spinning; they take turns instead (the others sleep on a lock)."""
     import threading
@@ -113,8 +116,10 @@ def test_one_thread_at_a_time_spins_in_a_peers_completion_wait(
 
     eng.get_batch_transfer_status = status
     blocks = list(range(0, 8 * 64, 64))  # two batches each: submitted, then awaited
-    ts = [threading.Thread(target=transport.write, args=("peer", blocks, blocks, [64] * 8))
-          for _ in range(4)]
+    ts = [
+        threading.Thread(target=transport.write, args=("peer", blocks, blocks, [64] * 8))
+        for _ in range(4)
+    ]
     for t in ts:
         t.start()
     for t in ts:
@@ -124,7 +129,8 @@ def test_one_thread_at_a_time_spins_in_a_peers_completion_wait(
 
 
 def test_a_failed_write_taints_its_peer_until_a_later_fence_and_a_quiet_kernel_prove_it(
-        transport: mooncake.MooncakeTransport, monkeypatch: pytest.MonkeyPatch) -> None:
+    transport: mooncake.MooncakeTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Mooncake reports a batch failed while parts of it may still be queued or buffered:
     the peer stays tainted until a fence written after the failure completed and the kernel
     then owes the peer's host nothing, three reads in a row; a failure after the fence needs
@@ -156,7 +162,8 @@ def test_a_failed_write_taints_its_peer_until_a_later_fence_and_a_quiet_kernel_p
 
 
 def test_a_polled_write_retries_only_its_failed_entries_and_taints_the_peer(
-        transport: mooncake.MooncakeTransport) -> None:
+    transport: mooncake.MooncakeTransport,
+) -> None:
     """A large write of few entries is awaited by polling one-entry batches: an entry that
     failed may still land later (the peer is tainted) and is retried alone, once."""
     eng = transport._engine

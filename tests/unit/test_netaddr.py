@@ -20,11 +20,17 @@ def pools() -> list[PoolSpec]:
     return [PoolSpec.slots("aux", [torch.zeros((4, 8), dtype=torch.int32)])]
 
 
-@pytest.mark.parametrize("addr, host", [
-    ("tcp://10.0.0.1:5000", "10.0.0.1"), ("http://h.example:80/x", "h.example"),
-    ("10.0.0.1:8998", "10.0.0.1"), ("[::1]:8998", "::1"), ("tcp://[fe80::1]:9", "fe80::1"),
-    ("localhost", "localhost"),
-])
+@pytest.mark.parametrize(
+    "addr, host",
+    [
+        ("tcp://10.0.0.1:5000", "10.0.0.1"),
+        ("http://h.example:80/x", "h.example"),
+        ("10.0.0.1:8998", "10.0.0.1"),
+        ("[::1]:8998", "::1"),
+        ("tcp://[fe80::1]:9", "fe80::1"),
+        ("localhost", "localhost"),
+    ],
+)
 def test_host_of_reads_every_address_form(addr: str, host: str) -> None:
     assert host_of(addr) == host
 
@@ -48,8 +54,9 @@ def test_wildcard_bind_needs_an_address_to_advertise() -> None:
 
 
 def test_an_advertised_address_that_is_not_this_hosts_is_refused_at_start() -> None:
-    cfg = EndpointConfig(role="decode", host="0.0.0.0", advertise=OTHER_HOST,
-                         transport="memory", insecure=True)
+    cfg = EndpointConfig(
+        role="decode", host="0.0.0.0", advertise=OTHER_HOST, transport="memory", insecure=True
+    )
     with pytest.raises(ConfigError, match=f"{OTHER_HOST} is not an address of this host"):
         Endpoint(cfg, pools())
 
@@ -64,12 +71,17 @@ def test_a_loopback_prefill_with_a_bootstrap_on_another_host_is_refused_at_start
 
 def test_router_refuses_a_loopback_bootstrap_that_remote_decodes_would_look_up() -> None:
     with pytest.raises(ValueError, match="loopback address, but decode"):
-        check_reachable([Prefill("http://127.0.0.1:8100", "127.0.0.1:8998")],
-                        [Decode(f"http://{OTHER_HOST}:8200")])
-    check_reachable([Prefill("http://127.0.0.1:8100", "127.0.0.1:8998")],
-                    [Decode("http://127.0.0.1:8200")])  # all on one host: fine
-    check_reachable([Prefill(f"http://{OTHER_HOST}:8100", f"{OTHER_HOST}:8998")],
-                    [Decode("http://10.213.0.78:8200")])
+        check_reachable(
+            [Prefill("http://127.0.0.1:8100", "127.0.0.1:8998")],
+            [Decode(f"http://{OTHER_HOST}:8200")],
+        )
+    check_reachable(
+        [Prefill("http://127.0.0.1:8100", "127.0.0.1:8998")], [Decode("http://127.0.0.1:8200")]
+    )  # all on one host: fine
+    check_reachable(
+        [Prefill(f"http://{OTHER_HOST}:8100", f"{OTHER_HOST}:8998")],
+        [Decode("http://10.213.0.78:8200")],
+    )
 
 
 def test_host_port_values_are_parsed_or_refused_as_malformed() -> None:
@@ -78,8 +90,19 @@ def test_host_port_values_are_parsed_or_refused_as_malformed() -> None:
     assert parse_hostport(" 10.0.0.1:8998 ") == "10.0.0.1:8998"
     assert parse_hostport("[::1]:80") == "[::1]:80"
     assert parse_hostports("a:1, b:2,,a:1") == ("a:1", "b:2")
-    for bad in ("10.0.0.1:x", "10.0.0.1:0", "10.0.0.1:65536", ":8998", "10.0.0.1", "::1:80",
-                "a b:1", "h:+1", "", None, 8998):
+    for bad in (
+        "10.0.0.1:x",
+        "10.0.0.1:0",
+        "10.0.0.1:65536",
+        ":8998",
+        "10.0.0.1",
+        "::1:80",
+        "a b:1",
+        "h:+1",
+        "",
+        None,
+        8998,
+    ):
         with pytest.raises(ConfigError):
             parse_hostport(bad)
 

@@ -29,8 +29,10 @@ def test_blocks_are_grouped_by_both_sides_memory_with_their_devices() -> None:
     n = np.array([1, 2, 3, 4, 5])
     sdev = np.array([DRAM, 1, 1, DRAM, 0])
     ddev = np.array([DRAM, DRAM, 3, 2, 3])
-    got = {(sm, dm): (s.tolist(), d.tolist())
-           for sm, s, dm, d in split_by_memory(src, dst, n, sdev, ddev)}
+    got = {
+        (sm, dm): (s.tolist(), d.tolist())
+        for sm, s, dm, d in split_by_memory(src, dst, n, sdev, ddev)
+    }
     assert got == {
         ("DRAM", "DRAM"): ([[10, 1, 0]], [[110, 1, 0]]),
         ("DRAM", "VRAM"): ([[40, 4, 0]], [[140, 4, 2]]),
@@ -45,8 +47,7 @@ def test_a_peer_that_names_no_devices_is_host_memory_and_bad_devices_are_refused
     old = msgspec.msgpack.encode({"md": b"x", "regions": [(4096, 4096, 0)]})
     assert msgspec.msgpack.decode(old, type=_Info).devices == []
     for bad in (-2, 1 << 20):
-        raw = msgspec.msgpack.encode({"md": b"x", "regions": [(4096, 4096, 0)],
-                                      "devices": [bad]})
+        raw = msgspec.msgpack.encode({"md": b"x", "regions": [(4096, 4096, 0)], "devices": [bad]})
         with pytest.raises(msgspec.ValidationError):
             msgspec.msgpack.decode(raw, type=_Info)
 
@@ -142,8 +143,12 @@ def _pair(made, old_peer: bool = False):
 
 def test_device_pages_are_written_through_prepared_lists_with_their_devices(fake_agents) -> None:
     a, b = _pair(fake_agents)
-    a.write(b.session_id, [0x100000 + 2 * P, 0x200000 + 3 * P, 0x100000 + 4 * P],
-            [0x900000 + 5 * P, 0x900000 + 6 * P, 0x900000 + 7 * P], [P, P, P // 2])
+    a.write(
+        b.session_id,
+        [0x100000 + 2 * P, 0x200000 + 3 * P, 0x100000 + 4 * P],
+        [0x900000 + 5 * P, 0x900000 + 6 * P, 0x900000 + 7 * P],
+        [P, P, P // 2],
+    )
     calls = a._agent.calls
     preps = {(c[1] == "NIXL_INIT_AGENT", c[2]): c for c in calls if c[0] == "prep"}
     assert set(preps) == {(True, "VRAM"), (True, "DRAM"), (False, "VRAM")}
@@ -151,8 +156,7 @@ def test_device_pages_are_written_through_prepared_lists_with_their_devices(fake
     assert preps[(False, "VRAM")][3][0] == [0x900000, P, 1]  # the peer's device, 1
     prepped = [c for c in calls if c[0] == "prepped"]
     by_list = {c[1]: (c[2], c[4]) for c in prepped}
-    assert by_list == {preps[(True, "VRAM")][4]: ([2], [5]),
-                       preps[(True, "DRAM")][4]: ([3], [6])}
+    assert by_list == {preps[(True, "VRAM")][4]: ([2], [5]), preps[(True, "DRAM")][4]: ([3], [6])}
     assert all(c[3] == preps[(False, "VRAM")][4] for c in prepped)
     (per_call,) = [c for c in calls if c[0] == "per_call"]  # the half page
     assert per_call[1] == ("VRAM", [[0x100000 + 4 * P, P // 2, 0]])
@@ -160,8 +164,7 @@ def test_device_pages_are_written_through_prepared_lists_with_their_devices(fake
     assert a.stats_prepped == 2
 
 
-def test_a_peer_that_sends_no_device_page_sizes_gets_its_device_pages_per_call(fake_agents
-                                                                                ) -> None:
+def test_a_peer_that_sends_no_device_page_sizes_gets_its_device_pages_per_call(fake_agents) -> None:
     a, b = _pair(fake_agents, old_peer=True)
     a.write(b.session_id, [0x100000], [0x900000], [P])
     assert a.stats_prepped == 0

@@ -46,8 +46,11 @@ def fake(monkeypatch):
     _Engine.seen_env.clear()
     # two allocations: [0x10000, +0x10000) and [0x40000, +0x8000)
     allocs = [(0x10000, 0x10000), (0x40000, 0x8000)]
-    monkeypatch.setattr(nvlink, "cuda_allocation", lambda a: next(
-        (x for x in allocs if x[0] <= a < x[0] + x[1]), None))
+    monkeypatch.setattr(
+        nvlink,
+        "cuda_allocation",
+        lambda a: next((x for x in allocs if x[0] <= a < x[0] + x[1]), None),
+    )
     return allocs
 
 
@@ -59,8 +62,7 @@ def test_the_nvlink_engine_starts_with_the_variable_and_others_without_it(fake) 
     assert os.environ[nvlink.ENV] == "user-value"  # and is back afterwards
 
 
-def test_whole_allocations_are_registered_once_and_released_with_their_last_buffer(fake
-                                                                                   ) -> None:
+def test_whole_allocations_are_registered_once_and_released_with_their_last_buffer(fake) -> None:
     t = make_transport("nvlink", "127.0.0.1")
     eng = t._engine
     t.register(0x10000, 0x4000, "cuda:0")  # the allocation's first buffer

@@ -32,10 +32,26 @@ def apply(blocks: P.Blocks) -> None:
         ctypes.memmove(d, s, n)
 
 
-def mha(ps: int = 4, pages: int = 32, layout: str = "NHD", heads: int = 2, first: int = 0,
-        total: int | None = None) -> PoolGeom:
-    return PoolGeom("kv", "mha", layers=3, pages=pages, page_size=ps, heads=heads, head_dim=8,
-                    layout=layout, first_head=first, total_heads=total or heads)
+def mha(
+    ps: int = 4,
+    pages: int = 32,
+    layout: str = "NHD",
+    heads: int = 2,
+    first: int = 0,
+    total: int | None = None,
+) -> PoolGeom:
+    return PoolGeom(
+        "kv",
+        "mha",
+        layers=3,
+        pages=pages,
+        page_size=ps,
+        heads=heads,
+        head_dim=8,
+        layout=layout,
+        first_head=first,
+        total_heads=total or heads,
+    )
 
 
 def spec(g: PoolGeom, location: str = "cpu") -> Any:
@@ -52,8 +68,9 @@ def test_the_rule_packs_small_many_device_pages_and_leaves_host_pools_alone() ->
     assert not wanted("auto", dev, host, None, 1000, 64, big)  # a host landing
     assert not wanted("auto", dev, dev, None, 63, 64, big)  # few pages: cheap already
     assert not wanted("auto", dev, dev, None, 1000, 64, dev.item_bytes - 1)  # large pages
-    assert wanted("on", host, host, None, 1, 64, big) and not wanted("off", dev, dev, None,
-                                                                     1000, 64, big)
+    assert wanted("on", host, host, None, 1, 64, big) and not wanted(
+        "off", dev, dev, None, 1000, 64, big
+    )
 
 
 def test_only_whole_token_rows_one_to_one_are_packed() -> None:
@@ -63,8 +80,9 @@ def test_only_whole_token_rows_one_to_one_are_packed() -> None:
     whole = spec(mha(heads=4, total=4))
     assert not wanted("on", whole, lo, None, 100, 1, 1 << 30)  # a head slice (hetero TP)
     assert not wanted("on", lo, lo, (0, 1), 100, 1, 1 << 30)  # asked for part of the heads
-    assert wanted("on", lo, lo, (0, 2), 100, 1, 1 << 30) and not wanted("on", lo, hi, None,
-                                                                       100, 1, 1 << 30)
+    assert wanted("on", lo, lo, (0, 2), 100, 1, 1 << 30) and not wanted(
+        "on", lo, hi, None, 100, 1, 1 << 30
+    )
     mla = spec(PoolGeom("mla", "paged", layers=2, pages=8, page_size=16, dim=36))
     assert wanted("on", mla, mla, None, 8, 1, 1 << 30)
 
@@ -90,7 +108,7 @@ def test_gather_and_unpack_land_every_row_and_nothing_else(ps_src: int, ps_dst: 
     cut = prefix + 5
     for lo, hi in ((prefix, cut), (cut, n)):  # two chunks: tokens from their pages
         first = lo - lo % ps_src
-        pages = sp[first // ps_src: -(-hi // ps_src)]
+        pages = sp[first // ps_src : -(-hi // ps_src)]
         pk = plan_pack(pr, lease, n - prefix, pages, first, prefix, lo, hi)
         assert isinstance(pk, Pack), pk
         assert P.check_bounds(pk.blocks(), [(lease, lease_n)], "dst") is None
@@ -99,8 +117,14 @@ def test_gather_and_unpack_land_every_row_and_nothing_else(ps_src: int, ps_dst: 
         assert g is not None and len(g.blocks) == len(pk.src)  # one entry per buffer
         apply(g.blocks)
         packer.release(g)
-    unpack(dst, Lease("kv", lease, lease_n, 0, 0, packed=True), dp, prefix, n,
-           {(b.layer_id, b.role) for b in dst.buffers})
+    unpack(
+        dst,
+        Lease("kv", lease, lease_n, 0, 0, packed=True),
+        dp,
+        prefix,
+        n,
+        {(b.layer_id, b.role) for b in dst.buffers},
+    )
     bad, first_wrong = pat.check_tokens(dst, dt["kv"], room, dp, prefix, prefix, n)
     assert bad == 0, first_wrong
     assert pat.untouched(dst, dt["kv"], dp.tolist()) == 0
@@ -108,8 +132,9 @@ def test_gather_and_unpack_land_every_row_and_nothing_else(ps_src: int, ps_dst: 
     tail = (n - prefix) % ps_dst
     if tail:
         rows = dt["kv"][0].view(torch.uint8).reshape(256, -1)
-        assert (rows[int(dp[-1]) * ps_dst + tail:(int(dp[-1]) + 1) * ps_dst]
-                == pat.SENTINEL).all()
+        assert (
+            rows[int(dp[-1]) * ps_dst + tail : (int(dp[-1]) + 1) * ps_dst] == pat.SENTINEL
+        ).all()
 
 
 def test_the_direct_blocks_and_the_gathered_ones_write_the_same_bytes() -> None:
@@ -146,8 +171,11 @@ def test_pieces_fit_half_the_staging_and_a_full_staging_gathers_nothing() -> Non
 
 def test_merged_joins_contiguous_runs_and_splits_at_the_entry_cap() -> None:
     b = merged([0, 10, 100], [1000, 1010, 5000], [10, 5, MAX_ENTRY + 1])
-    assert b.lists() == ([0, 100, 100 + MAX_ENTRY], [1000, 5000, 5000 + MAX_ENTRY],
-                         [15, MAX_ENTRY, 1])
+    assert b.lists() == (
+        [0, 100, 100 + MAX_ENTRY],
+        [1000, 5000, 5000 + MAX_ENTRY],
+        [15, MAX_ENTRY, 1],
+    )
 
 
 def test_a_lease_outside_the_pack_staging_or_of_a_slice_is_refused() -> None:
@@ -162,8 +190,7 @@ def test_a_lease_outside_the_pack_staging_or_of_a_slice_is_refused() -> None:
     pr = P.pair_buffers(dst, dst)
     assert not isinstance(pr, str)
     ask = Ask(5, 0, 10, {"kv": np.arange(3)}, {}, pack={"kv": base - 64})
-    assert "outside" in check_ask(ask, {"kv": dst, PACK_POOL: stage}, {"kv": pr},
-                                  frozenset({"kv"}))
+    assert "outside" in check_ask(ask, {"kv": dst, PACK_POOL: stage}, {"kv": pr}, frozenset({"kv"}))
 
 
 def test_a_plan_without_a_gatherer_writes_packed_pools_straight_into_the_lease() -> None:
@@ -172,8 +199,18 @@ def test_a_plan_without_a_gatherer_writes_packed_pools_straight_into_the_lease()
     assert not isinstance(pr, str)
     stage = Staging(1 << 16)
     ask = Ask(5, 0, 12, {"kv": np.arange(3)}, {}, pack={"kv": stage.addr})
-    args = (ask, {"kv": pr}, {"kv": np.array([7, 3, 9])}, {"kv": 0}, {}, True, {"kv": 12},
-            {"kv": 4}, [(b.addr, b.nbytes) for b in src.buffers], [(stage.addr, stage.nbytes)])
+    args = (
+        ask,
+        {"kv": pr},
+        {"kv": np.array([7, 3, 9])},
+        {"kv": 0},
+        {},
+        True,
+        {"kv": 12},
+        {"kv": 4},
+        [(b.addr, b.nbytes) for b in src.buffers],
+        [(stage.addr, stage.nbytes)],
+    )
     direct = plan_chunk(*args)
     packs: list[Pack] = []
     rest = plan_chunk(*args, packs=packs)
@@ -184,15 +221,25 @@ def test_a_plan_without_a_gatherer_writes_packed_pools_straight_into_the_lease()
 
 # -- wire ---------------------------------------------------------------------------------------
 def test_a_request_that_packs_nothing_encodes_as_before_and_pack_round_trips() -> None:
-    r = wire.TransferRequest(room=1, nonce=2, endpoint_id="a", dst={}, slots={}, prefix_len=0,
-                             num_tokens=4)
+    r = wire.TransferRequest(
+        room=1, nonce=2, endpoint_id="a", dst={}, slots={}, prefix_len=0, num_tokens=4
+    )
     assert b"pack" not in wire.encode(r)  # an older prefill decodes it
     p = msgspec.structs.replace(r, pack={"kv": 4096})
     assert wire.decode(wire.encode(p)).pack == {"kv": 4096}
     with pytest.raises(ValueError):
-        wire.TransferRequest(room=1, nonce=2, endpoint_id="a", dst={}, slots={}, prefix_len=0,
-                             num_tokens=4, heads={"kv": (0, 1)}, stage={"kv": 64},
-                             pack={"kv": 64})
+        wire.TransferRequest(
+            room=1,
+            nonce=2,
+            endpoint_id="a",
+            dst={},
+            slots={},
+            prefix_len=0,
+            num_tokens=4,
+            heads={"kv": (0, 1)},
+            stage={"kv": 64},
+            pack={"kv": 64},
+        )
 
 
 # -- endpoints over the in-memory transport -----------------------------------------------------
@@ -203,8 +250,7 @@ def srv() -> Iterator[BootstrapServer]:
     s.stop()
 
 
-def test_packed_requests_land_byte_exact_and_leave_other_pages_alone(
-        srv: BootstrapServer) -> None:
+def test_packed_requests_land_byte_exact_and_leave_other_pages_alone(srv: BootstrapServer) -> None:
     p = Pair(srv, pack="on")
     try:
         used: list[int] = []
@@ -234,7 +280,8 @@ def test_pack_auto_leaves_host_pools_on_the_direct_path(srv: BootstrapServer) ->
 
 
 def test_a_packed_write_failing_halfway_leaves_the_pages_untouched_and_releases_once(
-        srv: BootstrapServer) -> None:
+    srv: BootstrapServer,
+) -> None:
     p = Pair(srv, batch_entries=4, pack="on")
     try:
         p.ptx.faults.fail_after_batches = 0  # the packed write's first batch fails

@@ -11,14 +11,36 @@ from pdxfer.pools import BufferSpec, PoolSpec, Sharding
 TB = 32  # bytes per token
 
 
-def pool(name: str = "kv", page_size: int = 16, pages: int = 64, layers: int = 2,
-         base: int = 1 << 20, gap: int = 1 << 20, layout: str = "NHD") -> PoolSpec:
+def pool(
+    name: str = "kv",
+    page_size: int = 16,
+    pages: int = 64,
+    layers: int = 2,
+    base: int = 1 << 20,
+    gap: int = 1 << 20,
+    layout: str = "NHD",
+) -> PoolSpec:
     item = page_size * TB
-    bufs = tuple(BufferSpec(base + i * gap, pages * item, i // 2 if i % 2 == 0 else i // 2,
-                            "k" if i % 2 == 0 else "v") for i in range(2 * layers))
-    return PoolSpec(name=name, kind="paged", buffers=bufs, item_bytes=item, num_items=pages,
-                    page_size=page_size, dtype="float16",
-                    sharding=Sharding.heads(2, 2, 0, TB // 2, layout), page_remap=True)
+    bufs = tuple(
+        BufferSpec(
+            base + i * gap,
+            pages * item,
+            i // 2 if i % 2 == 0 else i // 2,
+            "k" if i % 2 == 0 else "v",
+        )
+        for i in range(2 * layers)
+    )
+    return PoolSpec(
+        name=name,
+        kind="paged",
+        buffers=bufs,
+        item_bytes=item,
+        num_items=pages,
+        page_size=page_size,
+        dtype="float16",
+        sharding=Sharding.heads(2, 2, 0, TB // 2, layout),
+        page_remap=True,
+    )
 
 
 def pair(src: PoolSpec, dst: PoolSpec) -> P.BufferPairing:
@@ -53,8 +75,10 @@ def expected(src_pages, ps_s, dst_pages, ps_d, start, end, src_first=0, dst_firs
 def test_every_token_lands_in_its_slot_for_any_page_size_pair(ps_s: int, ps_d: int) -> None:
     n_tokens = 200
     rng = np.random.default_rng(ps_s * 100 + ps_d)
-    src, dst = pool(page_size=ps_s, pages=4096 // ps_s), pool(page_size=ps_d, pages=4096 // ps_d,
-                                                            base=1 << 30)
+    src, dst = (
+        pool(page_size=ps_s, pages=4096 // ps_s),
+        pool(page_size=ps_d, pages=4096 // ps_d, base=1 << 30),
+    )
     sp = rng.permutation(src.num_items)[: -(-n_tokens // ps_s)]
     dp = rng.permutation(dst.num_items)[: -(-n_tokens // ps_d)]
     b = P.plan_paged(pair(src, dst), sp, 0, dp, 0, 0, n_tokens)
@@ -128,21 +152,31 @@ def test_too_few_indices_is_an_error() -> None:
 
 def test_check_bounds_catches_a_block_past_a_buffer_end() -> None:
     regions = [(1000, 100), (5000, 100)]
-    ok = P.Blocks(np.array([1000, 5050], dtype=np.uint64), np.zeros(2, dtype=np.uint64),
-                  np.array([100, 50], dtype=np.uint64))
+    ok = P.Blocks(
+        np.array([1000, 5050], dtype=np.uint64),
+        np.zeros(2, dtype=np.uint64),
+        np.array([100, 50], dtype=np.uint64),
+    )
     assert P.check_bounds(ok, regions, "src") is None
-    bad = P.Blocks(np.array([1050], dtype=np.uint64), np.zeros(1, dtype=np.uint64),
-                   np.array([51], dtype=np.uint64))
+    bad = P.Blocks(
+        np.array([1050], dtype=np.uint64),
+        np.zeros(1, dtype=np.uint64),
+        np.array([51], dtype=np.uint64),
+    )
     assert "outside" in (P.check_bounds(bad, regions, "src") or "")
-    below = P.Blocks(np.array([999], dtype=np.uint64), np.zeros(1, dtype=np.uint64),
-                     np.array([1], dtype=np.uint64))
+    below = P.Blocks(
+        np.array([999], dtype=np.uint64),
+        np.zeros(1, dtype=np.uint64),
+        np.array([1], dtype=np.uint64),
+    )
     assert "outside" in (P.check_bounds(below, regions, "src") or "")
 
 
 def test_batches_never_exceed_the_transport_limit() -> None:
     n = 5000
-    b = P.Blocks(np.arange(n, dtype=np.uint64), np.arange(n, dtype=np.uint64),
-                 np.ones(n, dtype=np.uint64))
+    b = P.Blocks(
+        np.arange(n, dtype=np.uint64), np.arange(n, dtype=np.uint64), np.ones(n, dtype=np.uint64)
+    )
     sizes = [len(x) for x in b.batches()]
     assert max(sizes) <= 1024 and sum(sizes) == n
 
@@ -150,8 +184,9 @@ def test_batches_never_exceed_the_transport_limit() -> None:
 def test_slot_plan_copies_one_row_per_buffer_and_checks_range() -> None:
     rows = tuple(BufferSpec(1 << 20 | (i << 16), 8 * 64, i, f"row{i}") for i in range(3))
     s = PoolSpec(name="aux", kind="slot", buffers=rows, item_bytes=64, num_items=8)
-    d = s.with_(buffers=tuple(BufferSpec(b.addr + (1 << 30), b.nbytes, b.layer_id, b.role)
-                              for b in rows))
+    d = s.with_(
+        buffers=tuple(BufferSpec(b.addr + (1 << 30), b.nbytes, b.layer_id, b.role) for b in rows)
+    )
     b = P.plan_slots(pair(s, d), 2, 5)
     assert not isinstance(b, str)
     assert len(b) == 3
@@ -161,9 +196,16 @@ def test_slot_plan_copies_one_row_per_buffer_and_checks_range() -> None:
 
 def test_pipeline_stage_pairs_only_its_layers() -> None:
     full = pool(layers=4, base=1 << 30)
-    stage = PoolSpec(name="kv", kind="paged", buffers=tuple(
-        b for b in pool(layers=4).buffers if b.layer_id >= 2), item_bytes=16 * TB, num_items=64,
-        page_size=16, dtype="float16", sharding=Sharding.heads(2, 2, 0, TB // 2))
+    stage = PoolSpec(
+        name="kv",
+        kind="paged",
+        buffers=tuple(b for b in pool(layers=4).buffers if b.layer_id >= 2),
+        item_bytes=16 * TB,
+        num_items=64,
+        page_size=16,
+        dtype="float16",
+        sharding=Sharding.heads(2, 2, 0, TB // 2),
+    )
     pr = pair(stage, full)
     assert len(pr) == 4
     assert isinstance(P.pair_buffers(full, stage), str)

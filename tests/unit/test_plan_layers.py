@@ -31,21 +31,32 @@ class Mem:
         self.arrays = []
         bufs = []
         for i in range(2 * LAYERS):
-            a = (np.random.default_rng(seed * 100 + i).integers(0, 255, PAGES * ITEM, np.uint8)
-                 if seed is not None else np.full(PAGES * ITEM, SENTINEL, np.uint8))
+            a = (
+                np.random.default_rng(seed * 100 + i).integers(0, 255, PAGES * ITEM, np.uint8)
+                if seed is not None
+                else np.full(PAGES * ITEM, SENTINEL, np.uint8)
+            )
             self.arrays.append(a)
             bufs.append(BufferSpec(a.ctypes.data, a.nbytes, i // 2, "kv"[i % 2]))
-        self.spec = PoolSpec(name=name, kind="paged", buffers=tuple(bufs), item_bytes=ITEM,
-                             num_items=PAGES, page_size=PS, dtype="uint8",
-                             sharding=Sharding.heads(HEADS, HEADS, 0, HB, layout))
+        self.spec = PoolSpec(
+            name=name,
+            kind="paged",
+            buffers=tuple(bufs),
+            item_bytes=ITEM,
+            num_items=PAGES,
+            page_size=PS,
+            dtype="uint8",
+            sharding=Sharding.heads(HEADS, HEADS, 0, HB, layout),
+        )
 
 
 def token_bytes(layout: str, page: int, off: int) -> np.ndarray:
     """Byte offsets, inside one buffer, of the token at offset ``off`` of ``page``."""
     if layout == "NHD":
         return page * ITEM + off * HEADS * HB + np.arange(HEADS * HB)
-    return np.concatenate([page * ITEM + h * PS * HB + off * HB + np.arange(HB)
-                           for h in range(HEADS)])
+    return np.concatenate(
+        [page * ITEM + h * PS * HB + off * HB + np.arange(HB) for h in range(HEADS)]
+    )
 
 
 def apply(blocks: P.Blocks) -> None:
@@ -53,8 +64,15 @@ def apply(blocks: P.Blocks) -> None:
         ctypes.memmove(d, s, n)
 
 
-def expect(src: Mem, dst: Mem, layout: str, sp: np.ndarray, dp: np.ndarray,
-           done: dict[int, int], end: int = 0) -> list[np.ndarray]:
+def expect(
+    src: Mem,
+    dst: Mem,
+    layout: str,
+    sp: np.ndarray,
+    dp: np.ndarray,
+    done: dict[int, int],
+    end: int = 0,
+) -> list[np.ndarray]:
     """The destination once each layer ``l`` holds tokens ``[0, done[l])``; a layer that
     reached the request's ``end`` got its last page whole (that page is the request's
     own: its tail past ``end`` is the source's, as for any whole-request send)."""
@@ -82,17 +100,28 @@ def test_layer_by_layer_token_chunks_land_exactly_and_nothing_else(layout: str) 
     cursors: dict[str, C.Cursor] = {}
     done: dict[int, int] = {}
     steps = [(0, 5), (5, 11), (11, 13)]  # tokens each prefill step computed
-    for (t0, t1) in steps:
+    for t0, t1 in steps:
         for layer in range(LAYERS):
-            pages = {"kv": sp[t0 // PS: -(-t1 // PS)]}
+            pages = {"kv": sp[t0 // PS : -(-t1 // PS)]}
             c = C.claim(7, pages, {"kv": PS}, layers_of, cursors, (layer, layer + 1), (t0, t1))
             assert not isinstance(c, str), c
             cursors.update(c.cursors)
             ask = C.Ask(7, 0, n, {"kv": dp}, {})
             subset = {"kv": P.layer_subset(pairing, layer, layer + 1)}
             cursor = {"kv": C.low(cursors["kv"])}
-            b = C.plan_chunk(ask, subset, pages, c.first, {}, (t1, layer) == (n, LAYERS - 1),
-                             cursor, {"kv": PS}, [], [], c.span)
+            b = C.plan_chunk(
+                ask,
+                subset,
+                pages,
+                c.first,
+                {},
+                (t1, layer) == (n, LAYERS - 1),
+                cursor,
+                {"kv": PS},
+                [],
+                [],
+                c.span,
+            )
             assert not isinstance(b, str), b
             apply(b)
             done[layer] = t1
@@ -122,7 +151,7 @@ def test_a_partial_page_is_written_for_its_tokens_alone_then_completed() -> None
     apply(first)
     want = expect(src, dst, "HND", sp, dp, {x: 3 for x in range(LAYERS)})
     assert all(np.array_equal(g, w) for g, w in zip(dst.arrays, want))
-    assert all((a[9 * ITEM:10 * ITEM] == SENTINEL).sum() == HEADS * HB for a in dst.arrays)
+    assert all((a[9 * ITEM : 10 * ITEM] == SENTINEL).sum() == HEADS * HB for a in dst.arrays)
     rest = P.plan_paged(pairing, sp, 0, dp, 0, 3, 4)  # type: ignore[arg-type]
     assert not isinstance(rest, str)
     apply(rest)
@@ -131,8 +160,15 @@ def test_a_partial_page_is_written_for_its_tokens_alone_then_completed() -> None
 
 
 def _claim(cursors, layers, tokens, pages=1, layers_of=None):
-    return C.claim(1, {"kv": np.arange(pages)}, {"kv": PS}, layers_of or {"kv": (0, 1, 2)},
-                   cursors, layers, tokens)
+    return C.claim(
+        1,
+        {"kv": np.arange(pages)},
+        {"kv": PS},
+        layers_of or {"kv": (0, 1, 2)},
+        cursors,
+        layers,
+        tokens,
+    )
 
 
 def test_claims_that_overlap_leave_gaps_or_name_missing_layers_are_refused() -> None:
@@ -146,10 +182,12 @@ def test_claims_that_overlap_leave_gaps_or_name_missing_layers_are_refused() -> 
     assert "not within" in _claim({}, (1, 1), (0, 3))  # an empty layer range
     assert "not within" in _claim({}, (-1, 1), (0, 3))
     assert "span" in _claim({}, (0, 1), (0, 5), pages=1)  # 5 tokens need 2 pages
-    assert "none of layers" in C.claim(1, {"kv": np.arange(1)}, {"kv": PS},
-                                       {"kv": (0,), "x": (5,)}, {}, (5, 6), (0, 3))
-    assert "not an anchor" in C.claim(1, {"nope": np.arange(1)}, {"kv": PS},
-                                      {"kv": (0,)}, {}, None, None)
+    assert "none of layers" in C.claim(
+        1, {"kv": np.arange(1)}, {"kv": PS}, {"kv": (0,), "x": (5,)}, {}, (5, 6), (0, 3)
+    )
+    assert "not an anchor" in C.claim(
+        1, {"nope": np.arange(1)}, {"kv": PS}, {"kv": (0,)}, {}, None, None
+    )
     assert "different tokens" in _claim(cur, None, None)
     whole = _claim({}, None, None, pages=2)  # whole-layer chunks keep one count per pool
     assert not isinstance(whole, str) and whole.cursors == {"kv": 8}
@@ -166,8 +204,19 @@ def test_the_last_chunk_is_refused_until_every_layer_holds_every_token() -> None
     sub = {"kv": P.layer_subset(pairing, 2, 3)}  # type: ignore[arg-type]
     ask = C.Ask(1, 0, 8, {"kv": np.arange(2)}, {})
     # layer 2 reaches token 8, but the room's cursor (its slowest layer) is still at 4
-    why = C.plan_chunk(ask, sub, {"kv": np.arange(1, 2)}, {"kv": 4}, {}, True, {"kv": 4},
-                       {"kv": PS}, [], [], {"kv": (4, 8)})
+    why = C.plan_chunk(
+        ask,
+        sub,
+        {"kv": np.arange(1, 2)},
+        {"kv": 4},
+        {},
+        True,
+        {"kv": 4},
+        {"kv": PS},
+        [],
+        [],
+        {"kv": (4, 8)},
+    )
     assert isinstance(why, str) and "expects 8" in why
 
 
@@ -194,5 +243,8 @@ def test_a_digest_with_a_reversed_layer_range_is_refused_on_decode() -> None:
     with pytest.raises(ValueError):
         wire.Digest("kv", 0, 4, 0, 0, (1,), 3, 2)
     ok = wire.Digest("kv", 0, 4, 0, 0, (1, 2), 1, 2)
-    assert wire.decode(wire.encode(wire.TransferDone(
-        room=1, nonce=1, endpoint_id="e", rank=0, ok=True, digests=(ok,)))).digests == (ok,)
+    assert wire.decode(
+        wire.encode(
+            wire.TransferDone(room=1, nonce=1, endpoint_id="e", rank=0, ok=True, digests=(ok,))
+        )
+    ).digests == (ok,)

@@ -12,16 +12,19 @@ IMAGES = {".png", ".svg", ".jpg", ".gif"}
 
 
 def _linked_from(page: Path) -> set[Path]:
-    return {(page.parent / t).resolve() for t in LINK.findall(page.read_text())
-            if "://" not in t}
+    return {(page.parent / t).resolve() for t in LINK.findall(page.read_text()) if "://" not in t}
 
 
 def test_docs_holds_only_pages_and_the_images_they_show() -> None:
     docs = ROOT / "docs"
     linked = set().union(*(_linked_from(p) for p in docs.rglob("*.md")))
-    strays = [str(f.relative_to(ROOT)) for f in sorted(docs.rglob("*"))
-              if f.is_file() and f.suffix != ".md"
-              and (f.suffix not in IMAGES or f.resolve() not in linked)]
+    strays = [
+        str(f.relative_to(ROOT))
+        for f in sorted(docs.rglob("*"))
+        if f.is_file()
+        and f.suffix != ".md"
+        and (f.suffix not in IMAGES or f.resolve() not in linked)
+    ]
     assert not strays, f"under docs/, neither a page nor an image a page shows: {strays}"
 
 

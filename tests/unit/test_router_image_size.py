@@ -35,9 +35,18 @@ MAKERS: dict[str, tuple[str, Callable[[int, int], bytes]]] = {
     "webp lossless": ("webp", webp_lossless),
     "webp extended": ("webp", webp_extended),
     "jpeg": ("jpeg", jpeg),
-    "jpeg, fill bytes and standalone markers first": ("jpeg", lambda w, h: jpeg(
-        w, h, before=b"\xff\xff\xff" + jpeg_segment(0xFE, b"made by hand") + b"\xff\xd0"
-        + b"\xff\x01" + jpeg_segment(0xE1, b"Exif\x00\x00" + bytes(40)))),
+    "jpeg, fill bytes and standalone markers first": (
+        "jpeg",
+        lambda w, h: jpeg(
+            w,
+            h,
+            before=b"\xff\xff\xff"
+            + jpeg_segment(0xFE, b"made by hand")
+            + b"\xff\xd0"
+            + b"\xff\x01"
+            + jpeg_segment(0xE1, b"Exif\x00\x00" + bytes(40)),
+        ),
+    ),
 }
 
 
@@ -66,7 +75,7 @@ def _header_end(name: str, raw: bytes) -> int:
     through the first IDAT, the GIF's last block, the first WebP chunk, JPEG's SOS."""
     if name == "png":
         at = raw.index(b"IDAT") - 4
-        return at + 12 + int.from_bytes(raw[at:at + 4], "big")
+        return at + 12 + int.from_bytes(raw[at : at + 4], "big")
     if name == "gif":
         return len(raw) - 1
     if name.startswith("webp"):
@@ -75,8 +84,7 @@ def _header_end(name: str, raw: bytes) -> int:
 
 
 @pytest.mark.parametrize("name", list(MAKERS))
-def test_every_prefix_short_of_the_header_is_refused_and_none_reads_another_size(
-        name: str) -> None:
+def test_every_prefix_short_of_the_header_is_refused_and_none_reads_another_size(name: str) -> None:
     kind, make = MAKERS[name]
     raw = make(17, 9)
     end = _header_end(name, raw)
@@ -105,8 +113,8 @@ def test_a_gif_without_a_frame_or_with_an_unknown_block_is_refused() -> None:
     screen = gif(4, 4, frames=())
     refuses(screen, "without an image")
     refuses(screen[:-1] + b"\x21\xfe\x03abc\x00" + b"\x3b", "without an image")
-    refuses(screen[:-1] + b"\x99" + gif(4, 4)[13 + 768:], "unknown GIF block 0x99")
-    refuses(gif(4, 4)[:13 + 768 + 5], "cut short")
+    refuses(screen[:-1] + b"\x99" + gif(4, 4)[13 + 768 :], "unknown GIF block 0x99")
+    refuses(gif(4, 4)[: 13 + 768 + 5], "cut short")
 
 
 def test_a_webp_with_an_unknown_first_chunk_or_a_bad_frame_header_is_refused() -> None:
@@ -121,13 +129,13 @@ def test_a_webp_with_an_unknown_first_chunk_or_a_bad_frame_header_is_refused() -
     refuses(WEBP_LOSSY[:26] + bytes(4) + WEBP_LOSSY[30:], "0x0")
 
 
-def test_a_jpeg_whose_segment_runs_past_the_end_or_whose_markers_go_wrong_is_refused(
-        ) -> None:
+def test_a_jpeg_whose_segment_runs_past_the_end_or_whose_markers_go_wrong_is_refused() -> None:
     good = jpeg(8, 8)
     refuses(b"\xff\xd8" + b"\xff\xe0\xff\xff" + bytes(100), "past the end")
     refuses(b"\xff\xd8" + b"\xff\xe0\x00\x01", "past the end")  # a length under 2
-    refuses(jpeg(8, 8, before=jpeg_segment(0xC2, b"\x08\x00\x01\x00\x01\x01\x01\x11\x00")),
-            "second")  # Pillow would take the second frame header; libjpeg refuses it
+    refuses(
+        jpeg(8, 8, before=jpeg_segment(0xC2, b"\x08\x00\x01\x00\x01\x01\x01\x11\x00")), "second"
+    )  # Pillow would take the second frame header; libjpeg refuses it
     refuses(good.replace(b"\xff\xc0", b"\xff\xfe"), "scan before any frame")
     refuses(b"\xff\xd8\xff\xd9", "ends")
     refuses(b"\xff\xd8\xff\x00", "stuffed")
@@ -137,8 +145,10 @@ def test_a_jpeg_whose_segment_runs_past_the_end_or_whose_markers_go_wrong_is_ref
     big = jpeg_segment(0xC0, b"\x08\xea\x60\xea\x60\x01\x01\x11\x00")  # 60000x60000
     # a frame header Pillow takes from where it reads JPGn as having no length (it then
     # scans on byte by byte), or from DHP
-    refuses(jpeg(8, 8).replace(b"\xff\xc4", jpeg_segment(0xF0, big) + b"\xff\xc4", 1),
-            "0xf0 has no place")
+    refuses(
+        jpeg(8, 8).replace(b"\xff\xc4", jpeg_segment(0xF0, big) + b"\xff\xc4", 1),
+        "0xf0 has no place",
+    )
     refuses(jpeg(8, 8, before=b"\xff\xc8" + big), "0xc8 has no place")
     refuses(jpeg(8, 8, before=jpeg_segment(0xDE, big[4:])), "second")
     refuses(jpeg(8, 8, before=jpeg_segment(0x02, b"")), "0x02 has no place")
@@ -151,15 +161,25 @@ def test_an_endless_marker_chain_is_refused_within_a_bounded_walk() -> None:
     raw = png(4, 4)
     refuses(raw[:33] + comments + raw[33:], "too many")
     tiny_blocks = b"\x21\xfe" + b"\x01x" * 100_000 + b"\x00"
-    refuses(gif(4, 4)[:13 + 768] + tiny_blocks + gif(4, 4)[13 + 768:], "too many")
+    refuses(gif(4, 4)[: 13 + 768] + tiny_blocks + gif(4, 4)[13 + 768 :], "too many")
     # as many markers as a real file has are walked
     many = b"".join(jpeg_segment(0xE2, bytes(60_000)) for _ in range(60))
     assert image_size(jpeg(8, 8, before=many)) == ImageSize("jpeg", 8, 8)
 
 
-@pytest.mark.parametrize("raw", [b"", b"BM" + bytes(60), b"II*\x00" + bytes(60),
-                                 b"\x00\x00\x01\x00" + bytes(60), b"<svg/>", b"\x89PNG",
-                                 b"GIF88a" + bytes(20), b"\xff\xd9\xff\xd8"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"BM" + bytes(60),
+        b"II*\x00" + bytes(60),
+        b"\x00\x00\x01\x00" + bytes(60),
+        b"<svg/>",
+        b"\x89PNG",
+        b"GIF88a" + bytes(20),
+        b"\xff\xd9\xff\xd8",
+    ],
+)
 def test_an_unknown_format_is_refused(raw: bytes) -> None:
     refuses(raw)
 
@@ -178,7 +198,7 @@ def _fuzzed(rng: random.Random) -> bytes:
         for _ in range(rng.randrange(1, 4)):
             raw[rng.randrange(min(len(raw), 64))] = rng.randrange(256)
     if rng.random() < 0.5:
-        raw = raw[:rng.randrange(1, len(raw) + 1)]
+        raw = raw[: rng.randrange(1, len(raw) + 1)]
     return bytes(raw)
 
 
@@ -199,14 +219,17 @@ def test_fuzzed_headers_are_read_or_refused_cleanly() -> None:
 def test_fuzzed_images_at_the_front_door_pass_within_the_cap_or_get_a_400() -> None:
     rng = random.Random(47)
     policy = MediaPolicy(max_image_pixels=64 * 64)
-    mime = {b"\x89P": "image/png", b"GI": "image/gif", b"RI": "image/webp",
-            b"\xff\xd8": "image/jpeg"}
+    mime = {
+        b"\x89P": "image/png",
+        b"GI": "image/gif",
+        b"RI": "image/webp",
+        b"\xff\xd8": "image/jpeg",
+    }
     passed = 0
     for _ in range(1500):
         raw = _fuzzed(rng)
         try:
-            parse_chat(chat(image(data_url(raw, mime.get(raw[:2], "image/png")))),
-                       media=policy)
+            parse_chat(chat(image(data_url(raw, mime.get(raw[:2], "image/png")))), media=policy)
         except BadRequest:
             continue
         assert image_size(raw).pixels <= policy.max_image_pixels

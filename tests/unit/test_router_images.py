@@ -24,9 +24,13 @@ def data_url(raw: bytes, mime: str = "image/png") -> str:
 
 
 def chat(*parts: dict[str, Any], text: str = "what is this?") -> dict[str, Any]:
-    return {"messages": [{"role": "system", "content": "be brief"},
-                         {"role": "user", "content": [{"type": "text", "text": text},
-                                                      *parts]}], "max_tokens": 4}
+    return {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": text}, *parts]},
+        ],
+        "max_tokens": 4,
+    }
 
 
 def image(url: str) -> dict[str, Any]:
@@ -48,8 +52,16 @@ def test_image_parts_are_forwarded_as_the_client_sent_them() -> None:
 
 
 def test_a_text_only_chat_is_parsed_as_before() -> None:
-    ask = parse_chat({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]})
+    ask = parse_chat(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
+                }
+            ]
+        }
+    )
     plain = parse_chat({"messages": [{"role": "user", "content": "hi there"}]})
     assert ask.messages is None and ask.prompts == plain.prompts
     assert ask.prompt_texts == ["<|user|>\nhi there\n<|assistant|>\n"]
@@ -90,8 +102,9 @@ def test_too_many_images_and_malformed_parts_are_refused() -> None:
     assert "at most 2 images" in refused(chat(one, one, one), MediaPolicy(max_images=2))
     assert "'url' string" in refused(chat({"type": "image_url", "image_url": "x"}))
     assert "text or image_url" in refused(chat({"type": "input_audio", "input_audio": {}}))
-    assert "detail" in refused(chat({"type": "image_url", "image_url": {
-        "url": data_url(png()), "detail": "ultra"}}))
+    assert "detail" in refused(
+        chat({"type": "image_url", "image_url": {"url": data_url(png()), "detail": "ultra"}})
+    )
 
 
 def test_the_toy_engine_refuses_images_with_a_400() -> None:
@@ -101,8 +114,7 @@ def test_the_toy_engine_refuses_images_with_a_400() -> None:
     ToyBackend().check(parse_chat({"messages": [{"role": "user", "content": "hi"}]}))
 
 
-def test_the_routers_view_of_an_image_chat_has_one_image_token_per_image(
-        tmp_path: Path) -> None:
+def test_the_routers_view_of_an_image_chat_has_one_image_token_per_image(tmp_path: Path) -> None:
     from pdxfer.serving.router.tokenizers import HFTokenizer
     from tests.harness.hf_vlm import IMAGE_TOKEN, build_vlm
 
@@ -122,16 +134,25 @@ def test_both_vllm_legs_get_the_clients_messages_and_text_keeps_token_ids() -> N
     body = chat(image(data_url(png())))
     sent = copy.deepcopy(body["messages"])
     ask = parse_chat(body)
-    job = Attempt(ask, ask.prompts[0], 7, Prefill("http://p", "127.0.0.1:1"),
-                  Decode("http://d"), 1)
+    job = Attempt(ask, ask.prompts[0], 7, Prefill("http://p", "127.0.0.1:1"), Decode("http://d"), 1)
     leg = b._sampling(job)
     assert leg["messages"] == sent and "prompt" not in leg
     assert _path(job) == "/v1/chat/completions"
     text = parse_chat({"messages": [{"role": "user", "content": "hi"}]})
     tjob = Attempt(text, text.prompts[0], 7, job.pf, job.dc, 2)
     assert b._sampling(tjob)["prompt"] == text.prompts[0] and _path(tjob) == "/v1/completions"
-    lp = {"content": [{"token": "token_id:5", "logprob": -0.5, "top_logprobs": [
-        {"token": "token_id:5", "logprob": -0.5}, {"token": "token_id:9", "logprob": -1.5}]}]}
+    lp = {
+        "content": [
+            {
+                "token": "token_id:5",
+                "logprob": -0.5,
+                "top_logprobs": [
+                    {"token": "token_id:5", "logprob": -0.5},
+                    {"token": "token_id:9", "logprob": -1.5},
+                ],
+            }
+        ]
+    }
     assert _chat_logprobs(lp) == [{"token_id": 5, "logprob": -0.5, "top": {5: -0.5, 9: -1.5}}]
 
 
@@ -145,7 +166,9 @@ BOMBS = {
     "png 1x2^30": (png(1, 1 << 30, pixels=False), "image/png"),
     "gif screen 65535x65535": (gif(65_535, 65_535, frames=((0, 0, 1, 1),)), "image/gif"),
     "gif 1x1 screen, frame reaching 65536x65536": (
-        gif(1, 1, frames=((0, 0, 1, 1), (65_535, 65_535, 1, 1))), "image/gif"),
+        gif(1, 1, frames=((0, 0, 1, 1), (65_535, 65_535, 1, 1))),
+        "image/gif",
+    ),
     "webp lossless 16384x16384, a real bomb": (webp_lossless(16_384, 16_384), "image/webp"),
     "webp lossy 16383x16383": (_lossy(16_383, 16_383), "image/webp"),
     "webp canvas 2^24x2^24": (riff_webp((b"VP8X", b"\x00" * 4 + b"\xff" * 6)), "image/webp"),
@@ -157,15 +180,18 @@ BOMBS = {
 
 @pytest.mark.parametrize("name", list(BOMBS))
 def test_an_image_declaring_more_pixels_than_allowed_is_refused_before_any_worker(
-        name: str) -> None:
+    name: str,
+) -> None:
     """A few bytes can declare a billion pixels, which every worker would decode."""
     raw, mime = BOMBS[name]
     assert len(raw) < 4096
     assert "pixels" in refused(chat(image(data_url(raw, mime))))
 
 
-@pytest.mark.parametrize("make,mime", [(png, "image/png"), (gif, "image/gif"),
-                                       (webp_lossless, "image/webp"), (jpeg, "image/jpeg")])
+@pytest.mark.parametrize(
+    "make,mime",
+    [(png, "image/png"), (gif, "image/gif"), (webp_lossless, "image/webp"), (jpeg, "image/jpeg")],
+)
 def test_the_pixel_cap_is_a_setting_and_images_within_it_pass(make: Any, mime: str) -> None:
     small = MediaPolicy(max_image_pixels=15)
     assert "over 15 pixels (4x4)" in refused(chat(image(data_url(make(4, 4), mime))), small)
@@ -174,7 +200,8 @@ def test_the_pixel_cap_is_a_setting_and_images_within_it_pass(make: Any, mime: s
 
 @pytest.mark.parametrize("make,mime", [(webp_lossless, "image/webp"), (jpeg, "image/jpeg")])
 def test_a_real_image_of_exactly_the_default_cap_passes_one_row_more_does_not(
-        make: Any, mime: str) -> None:
+    make: Any, mime: str
+) -> None:
     assert DEFAULT.max_image_pixels == 4096 * 4096
     parse_chat(chat(image(data_url(make(4096, 4096), mime))))
     assert "(4096x4097)" in refused(chat(image(data_url(make(4096, 4097), mime))))

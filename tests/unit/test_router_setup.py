@@ -15,9 +15,18 @@ from pdxfer.serving.router.vllm import SETUP_TIMEOUT_S, VllmBackend
 
 
 def _backend(*more: str) -> VllmBackend:
-    a = build_parser().parse_args(["router", "--engine", "vllm", "--prefill",
-                                   "http://127.0.0.1:1,127.0.0.1:2", "--decode",
-                                   "http://127.0.0.1:3", *more])
+    a = build_parser().parse_args(
+        [
+            "router",
+            "--engine",
+            "vllm",
+            "--prefill",
+            "http://127.0.0.1:1,127.0.0.1:2",
+            "--decode",
+            "http://127.0.0.1:3",
+            *more,
+        ]
+    )
     b = make_backend(RouterSettings.from_args(a))
     assert isinstance(b, VllmBackend)
     return b
@@ -36,6 +45,7 @@ def test_a_router_start_with_no_decode_answering_fails_at_its_deadline_naming_it
         async with aiohttp.ClientSession() as s:
             with pytest.raises(RuntimeError, match=r"within 0 s: \['http://127.0.0.1:1'\]"):
                 await VllmBackend(setup_timeout_s=0.2).setup(
-                    Http(s, None), [Decode("http://127.0.0.1:1")])  # nothing listens there
+                    Http(s, None), [Decode("http://127.0.0.1:1")]
+                )  # nothing listens there
 
     asyncio.run(run())

@@ -48,8 +48,12 @@ TRIVIAL = (None, "", 0, 1, False, True, ())
 def _same(name: str, node: ast.expr | None) -> bool:
     """``node`` is a literal equal to the setting ``name``'s (distinctive) default."""
     default = SETTINGS[name].default if name in SETTINGS else None
-    return (isinstance(node, ast.Constant) and default not in TRIVIAL
-            and type(node.value) is type(default) and node.value == default)
+    return (
+        isinstance(node, ast.Constant)
+        and default not in TRIVIAL
+        and type(node.value) is type(default)
+        and node.value == default
+    )
 
 
 def _restated(path: Path) -> list[str]:
@@ -58,20 +62,27 @@ def _restated(path: Path) -> list[str]:
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         where = f"{path.relative_to(ROOT.parent)}:{getattr(node, 'lineno', 0)}"
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and _same(node.target.id, node.value)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and _same(node.target.id, node.value)
+        ):
             out.append(f"{where} field {node.target.id} = {node.value.value!r}")
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             f = node.args
             args = f.posonlyargs + f.args
-            pairs = list(zip(args[len(args) - len(f.defaults):], f.defaults))
+            pairs = list(zip(args[len(args) - len(f.defaults) :], f.defaults))
             pairs += [(a, d) for a, d in zip(f.kwonlyargs, f.kw_defaults) if d]
-            out += [f"{where} parameter {a.arg}={d.value!r}" for a, d in pairs
-                    if _same(a.arg, d)]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "add_argument" and node.args
-              and isinstance(node.args[0], ast.Constant) and node.args[0].value in FLAGS
-              and any(k.arg == "default" for k in node.keywords)):
+            out += [f"{where} parameter {a.arg}={d.value!r}" for a, d in pairs if _same(a.arg, d)]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_argument"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and node.args[0].value in FLAGS
+            and any(k.arg == "default" for k in node.keywords)
+        ):
             out.append(f"{where} flag {node.args[0].value} with its own default")
     return out
 
@@ -84,9 +95,11 @@ def test_each_default_is_written_once() -> None:
 def test_the_check_sees_a_restated_default(tmp_path: Path) -> None:
     """What the walk above must catch (else it could not fail)."""
     src = ROOT / "restated_example.py"
-    src.write_text("class C:\n    bootstrap_timeout_s: float = 30.0\n\n"
-                   "def f(heartbeat_s=0.5): ...\n\n"
-                   "ap.add_argument('--transfer-timeout', type=float, default=60.0)\n")
+    src.write_text(
+        "class C:\n    bootstrap_timeout_s: float = 30.0\n\n"
+        "def f(heartbeat_s=0.5): ...\n\n"
+        "ap.add_argument('--transfer-timeout', type=float, default=60.0)\n"
+    )
     try:
         assert len(_restated(src)) == 3
     finally:
@@ -122,13 +135,18 @@ def test_every_flag_key_and_setting_has_help() -> None:
     assert len(actions) > 50
     assert not [a.option_strings or a.dest for a in actions if not (a.help or "").strip()]
     assert not [k for k in connector.KEYS if not connector.help_of(k).strip()]
-    assert not [s.name for s in (*SETTINGS.values(), *settings_of(Knobs).values())
-                if not s.help.strip()]
+    assert not [
+        s.name for s in (*SETTINGS.values(), *settings_of(Knobs).values()) if not s.help.strip()
+    ]
     assert not [v.name for v in ENV_VARS if not v.help.strip()]
 
 
-CONSUMERS = {"prefill": (WorkerConfig,), "decode": (WorkerConfig,),
-             "router": (RouterSettings, MediaPolicy), "bootstrap": (CliOptions,)}
+CONSUMERS = {
+    "prefill": (WorkerConfig,),
+    "decode": (WorkerConfig,),
+    "router": (RouterSettings, MediaPolicy),
+    "bootstrap": (CliOptions,),
+}
 """The dataclasses whose fields each serving command's flags are generated from (beside
 ``EndpointConfig``'s)."""
 
@@ -156,9 +174,14 @@ def test_serving_flags_are_generated_from_their_fields(command: str) -> None:
     """Every flag of ``pdxfer prefill``, ``decode``, ``router`` and ``bootstrap`` (and
     ``pdxfer``'s own) has the default and help of the field that consumes it: none is
     declared on its own."""
-    fields_ = _by_flag(*CONSUMERS[command]) | {("--log-level",): settings_of(CliOptions)["log_level"]}
-    actions = [a for a in (*_subparser(command)._actions, *build_parser()._actions)
-               if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+    fields_ = _by_flag(*CONSUMERS[command]) | {
+        ("--log-level",): settings_of(CliOptions)["log_level"]
+    }
+    actions = [
+        a
+        for a in (*_subparser(command)._actions, *build_parser()._actions)
+        if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+    ]
     assert len(actions) >= 5
     orphans = [a.option_strings for a in actions if tuple(a.option_strings) not in fields_]
     assert not orphans, f"flags of pdxfer {command} declared outside a field: {orphans}"
@@ -172,26 +195,39 @@ def _literal_flag_args(path: Path) -> list[str]:
     """``add_argument`` calls in ``path`` that write a default or a help text themselves."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "add_argument"):
-            out += [f"{path.name}:{node.lineno} {k.arg}=" for k in node.keywords
-                    if k.arg in ("default", "help") and not isinstance(k.value, ast.Name)]
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_argument"
+        ):
+            out += [
+                f"{path.name}:{node.lineno} {k.arg}="
+                for k in node.keywords
+                if k.arg in ("default", "help") and not isinstance(k.value, ast.Name)
+            ]
     return out
 
 
-@pytest.mark.parametrize("module", [cli_args, cli, toy_demo, vllm_demo, transfer_demo],
-                         ids=lambda m: m.__name__)  # hf_model: only its positional's help
+@pytest.mark.parametrize(
+    "module", [cli_args, cli, toy_demo, vllm_demo, transfer_demo], ids=lambda m: m.__name__
+)  # hf_model: only its positional's help
 def test_option_parsers_write_no_default_or_help(module: object) -> None:
     """The serving flags' module, ``pdxfer``'s dispatcher and the demos' own parsers leave
     every default and help text to a field."""
     assert not _literal_flag_args(Path(module.__file__))
 
 
-PASS_THROUGH = {"demo": DemoOptions, "bench": DemoOptions, "demo --engine vllm": VllmDemoOptions,
-                "transfer-demo": TransferDemoOptions}
+PASS_THROUGH = {
+    "demo": DemoOptions,
+    "bench": DemoOptions,
+    "demo --engine vllm": VllmDemoOptions,
+    "transfer-demo": TransferDemoOptions,
+}
 """The dataclass whose fields each self-parsing subcommand's flags are generated from."""
-OTHERS = {"demo's --engine pick": (engine_pick, CliOptions),
-          "python -m pdxfer.demo.hf_model": (hf_model.parser, hf_model.BuildOptions)}
+OTHERS = {
+    "demo's --engine pick": (engine_pick, CliOptions),
+    "python -m pdxfer.demo.hf_model": (hf_model.parser, hf_model.BuildOptions),
+}
 
 
 @pytest.mark.parametrize("command", [*sorted(PASS_THROUGH), *OTHERS])
@@ -205,8 +241,9 @@ def test_demo_flags_are_generated_from_their_fields(command: str) -> None:
         make, cls = OTHERS[command]
         ap = make()
     known = {s.flags or (flag_of(n),): s for n, s in settings_of(cls).items()}
-    actions = [a for a in ap._actions
-               if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    actions = [
+        a for a in ap._actions if a.option_strings and not isinstance(a, argparse._HelpAction)
+    ]
     assert actions
     orphans = [a.option_strings for a in actions if tuple(a.option_strings) not in known]
     assert not orphans, f"flags of {command} declared outside a field: {orphans}"
@@ -220,8 +257,10 @@ def test_demo_flags_are_generated_from_their_fields(command: str) -> None:
 
 def test_the_flag_check_sees_a_literal(tmp_path: Path) -> None:
     src = tmp_path / "flags.py"
-    src.write_text("ap.add_argument('--pages', type=int, default=1024, help='KV pages')\n"
-                   "ap.add_argument(*flags, **(kw | over))\n")
+    src.write_text(
+        "ap.add_argument('--pages', type=int, default=1024, help='KV pages')\n"
+        "ap.add_argument(*flags, **(kw | over))\n"
+    )
     assert len(_literal_flag_args(src)) == 2
 
 
@@ -243,13 +282,19 @@ def _restates_serving(path: Path, known: dict[str, list[object]]) -> list[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             f = node.args
             args = f.posonlyargs + f.args
-            pairs = [(a.arg, d) for a, d in zip(args[len(args) - len(f.defaults):], f.defaults)]
+            pairs = [(a.arg, d) for a, d in zip(args[len(args) - len(f.defaults) :], f.defaults)]
             pairs += [(a.arg, d) for a, d in zip(f.kwonlyargs, f.kw_defaults) if d]
-        elif (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-              and node.value is not None):
+        elif (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and node.value is not None
+        ):
             pairs = [(node.target.id, node.value)]
-        out += [f"{path.name}:{node.lineno} {n}={d.value!r}" for n, d in pairs
-                if isinstance(d, ast.Constant) and d.value in known.get(n, ())]
+        out += [
+            f"{path.name}:{node.lineno} {n}={d.value!r}"
+            for n, d in pairs
+            if isinstance(d, ast.Constant) and d.value in known.get(n, ())
+        ]
     return out
 
 
@@ -269,6 +314,8 @@ def test_the_toy_model_takes_the_workers_shape_defaults() -> None:
 
 def test_the_serving_check_sees_a_restated_field_and_parameter(tmp_path: Path) -> None:
     src = tmp_path / "restated.py"
-    src.write_text("class C:\n    page_size: int = 16\n    max_seq_len: int = 1024\n\n"
-                   "def f(timeout_s=120.0): ...\n")
+    src.write_text(
+        "class C:\n    page_size: int = 16\n    max_seq_len: int = 1024\n\n"
+        "def f(timeout_s=120.0): ...\n"
+    )
     assert len(_restates_serving(src, _serving_defaults())) == 3

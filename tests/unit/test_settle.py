@@ -36,24 +36,28 @@ def frozen_decode(p: Pair) -> None:
 
 
 def test_a_decode_whose_proof_hangs_holds_back_no_other_decodes_messages(
-        srv: BootstrapServer) -> None:
+    srv: BootstrapServer,
+) -> None:
     """Two decodes with failed writes still on their way: the path to the first cannot be
     proven (its fence hangs: a stopped process), the second's late bytes land at once.
     The second gets its TransferDone, and its pages back, while the first's proof still
     hangs (proven one after the other, it waited for that step, past its deadline)."""
     p = Pair(srv, transfer_timeout_s=LONG)
     ds, _ = pat.build(GEOMS)
-    other = Endpoint(EndpointConfig.from_flat(role="decode", bootstrap=srv.address,
-                                    **{**FAST, "transfer_timeout_s": LONG}),
-                     ds, transport=MemoryTransport(p.fabric))
+    other = Endpoint(
+        EndpointConfig.from_flat(
+            role="decode", bootstrap=srv.address, **{**FAST, "transfer_timeout_s": LONG}
+        ),
+        ds,
+        transport=MemoryTransport(p.fabric),
+    )
     released: dict[int, float] = {}
     try:
         frozen_decode(p)
         first, rx1, tx1 = stranded_room(p, LONG, released)
         assert until(lambda: p.pf.metrics().get("settle_waits", 0) == 1, LONG)
         second, rx2, _ = stranded_room(p, 0.3, released, dc=other)
-        assert wait(rx2, LONG) == KVPoll.Failed and rx2.failure.kind == "transport", \
-            rx2.failure
+        assert wait(rx2, LONG) == KVPoll.Failed and rx2.failure.kind == "transport", rx2.failure
         assert until(lambda: second in released, LONG)
         assert p.ptx.faults.landed, "the second room's stranded batch never landed"
         assert released[second] >= p.ptx.faults.landed[0]
@@ -65,7 +69,8 @@ def test_a_decode_whose_proof_hangs_holds_back_no_other_decodes_messages(
 
 
 def test_a_room_held_for_a_decode_whose_proof_hangs_is_given_up_at_its_deadline(
-        srv: BootstrapServer) -> None:
+    srv: BootstrapServer,
+) -> None:
     """The give-up at the transfer deadline (2 s) does not wait for a proof step that
     hangs: the room ends on the prefill (its engine gets the source pages back) while the
     decode, told nothing, keeps its pages."""

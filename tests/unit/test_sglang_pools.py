@@ -20,11 +20,23 @@ from pdxfer.integrations.sglang.window import start_page, swa_pages, window_room
 def args(**kw: object) -> SimpleNamespace:
     # 2 layers MHA (K0 K1 V0 V1) + a 1-layer draft (K V); page 4 tokens of 2 heads x 16 bytes
     item = 4 * 2 * 16
-    base = dict(kv_data_ptrs=[(i + 1) << 20 for i in range(6)], kv_data_lens=[item * 8] * 6,
-                kv_item_lens=[item] * 6, kv_layer_ids=[], num_draft_entries=2, page_size=4,
-                aux_data_ptrs=[1 << 40], aux_data_lens=[64 * 8], aux_item_lens=[64],
-                state_types=[], state_data_ptrs=[], state_data_lens=[], state_item_lens=[],
-                state_layer_ids=[], prefill_start_layer=0)
+    base = dict(
+        kv_data_ptrs=[(i + 1) << 20 for i in range(6)],
+        kv_data_lens=[item * 8] * 6,
+        kv_item_lens=[item] * 6,
+        kv_layer_ids=[],
+        num_draft_entries=2,
+        page_size=4,
+        aux_data_ptrs=[1 << 40],
+        aux_data_lens=[64 * 8],
+        aux_item_lens=[64],
+        state_types=[],
+        state_data_ptrs=[],
+        state_data_lens=[],
+        state_item_lens=[],
+        state_layer_ids=[],
+        prefill_start_layer=0,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -41,16 +53,20 @@ def test_mha_halves_heads_and_draft_following_kv() -> None:
 
 def test_host_pool_of_another_page_size_is_remapped() -> None:
     a = args(kv_item_lens=[2 * 16] * 6, kv_data_lens=[2 * 16 * 32] * 6)
-    pools = {p.name: p for p in pools_of(a, is_mla=False, heads=Heads(2, 2, 0, 16),
-                                        kv_page_size=1)}
+    pools = {p.name: p for p in pools_of(a, is_mla=False, heads=Heads(2, 2, 0, 16), kv_page_size=1)}
     assert pools["kv"].page_size == 1 and pools["kv"].page_remap
 
 
 def swa_args(item: int = 4 * 2 * 16, **kw: object) -> SimpleNamespace:
     """Two sliding layers (K0 K1 V0 V1) in SGLang's SWA sub-pool, state ``swa``."""
-    return args(state_types=["swa"], state_data_ptrs=[[(i + 9) << 20 for i in range(4)]],
-                state_data_lens=[[item * 6] * 4], state_item_lens=[[item] * 4],
-                state_layer_ids=[[]], **kw)
+    return args(
+        state_types=["swa"],
+        state_data_ptrs=[[(i + 9) << 20 for i in range(4)]],
+        state_data_lens=[[item * 6] * 4],
+        state_item_lens=[[item] * 4],
+        state_layer_ids=[[]],
+        **kw,
+    )
 
 
 def test_sglangs_swa_state_is_a_pool_of_its_own_sharded_as_the_kv() -> None:
@@ -58,7 +74,11 @@ def test_sglangs_swa_state_is_a_pool_of_its_own_sharded_as_the_kv() -> None:
     swa = {p.name: p for p in pools_of(swa_args(), is_mla=False, heads=heads)}["swa"]
     assert swa.kind == "paged" and swa.indices_from is None  # its own (window) page ids
     assert [(b.layer_id - SWA_LAYER_BASE, b.role) for b in swa.buffers] == [
-        (0, "k"), (1, "k"), (0, "v"), (1, "v")]
+        (0, "k"),
+        (1, "k"),
+        (0, "v"),
+        (1, "v"),
+    ]
     assert (swa.sharding.total_heads, swa.sharding.first_head) == (4, 2)
     assert swa.num_items == 6 and swa.page_size == 4
 
@@ -68,13 +88,23 @@ def test_mla_swa_state_is_one_replicated_latent_per_layer() -> None:
     assert swa.sharding.kind == "replicated" and len({b.layer_id for b in swa.buffers}) == 4
 
 
-@pytest.mark.parametrize(("kw", "words"), [
-    ({"swa_kv_cache_layout": "hnd"}, "layout 'hnd'"),
-    ({"state_item_lens": [[128, 128, 64, 64]]}, "one page size"),
-    ({"state_types": ["swa_ring"]}, "'swa_ring'"),
-    ({"state_types": ["swa", "swa"], "state_data_ptrs": [[1], [2]], "state_data_lens": [[1], [1]],
-      "state_item_lens": [[1], [1]]}, "2 SWA states"),
-])
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"swa_kv_cache_layout": "hnd"}, "layout 'hnd'"),
+        ({"state_item_lens": [[128, 128, 64, 64]]}, "one page size"),
+        ({"state_types": ["swa_ring"]}, "'swa_ring'"),
+        (
+            {
+                "state_types": ["swa", "swa"],
+                "state_data_ptrs": [[1], [2]],
+                "state_data_lens": [[1], [1]],
+                "state_item_lens": [[1], [1]],
+            },
+            "2 SWA states",
+        ),
+    ],
+)
 def test_window_states_pdxfer_cannot_move_are_refused_by_name(kw: dict, words: str) -> None:
     a = swa_args()
     vars(a).update(kw)
@@ -102,9 +132,13 @@ def test_swa_pages_read_sglangs_state_indices_and_get_a_room_of_their_own() -> N
 
 
 def test_mamba_slot_comes_from_sglangs_state_indices() -> None:
-    a = args(state_types=["mamba"], state_data_ptrs=[[1 << 41, 1 << 42]],
-             state_data_lens=[[512, 1024]], state_item_lens=[[64, 128]],
-             state_layer_ids=[[0, 0]])
+    a = args(
+        state_types=["mamba"],
+        state_data_ptrs=[[1 << 41, 1 << 42]],
+        state_data_lens=[[512, 1024]],
+        state_item_lens=[[64, 128]],
+        state_layer_ids=[[0, 0]],
+    )
     names = [p.name for p in pools_of(a, is_mla=True, heads=None)]
     assert "state0_mamba.0" in names and "state0_mamba.1" in names
     assert state_slots(a, [[[5]]]) == {"state0_mamba.0": 5, "state0_mamba.1": 5}

@@ -22,11 +22,21 @@ def apply(blocks: P.Blocks) -> None:
 
 
 def test_staged_slices_scatter_to_the_right_heads_of_every_token() -> None:
-    g = PoolGeom("kv", "mha", layers=2, pages=16, page_size=4, heads=2, total_heads=4,
-                 head_dim=8, first_head=2)
+    g = PoolGeom(
+        "kv",
+        "mha",
+        layers=2,
+        pages=16,
+        page_size=4,
+        heads=2,
+        total_heads=4,
+        head_dim=8,
+        first_head=2,
+    )
     (src,), st = pat.build([g])
-    (dst,), dt = pat.build([PoolGeom("kv", "mha", layers=2, pages=16, page_size=4, heads=4,
-                                     total_heads=4, head_dim=8)])
+    (dst,), dt = pat.build(
+        [PoolGeom("kv", "mha", layers=2, pages=16, page_size=4, heads=4, total_heads=4, head_dim=8)]
+    )
     pat.fill_sentinel(dt)
     room, n, prefix = 77, 13, 3
     sp, dp = np.array([5, 1, 9, 2]), np.array([7, 3, 12])
@@ -43,8 +53,14 @@ def test_staged_slices_scatter_to_the_right_heads_of_every_token() -> None:
         assert P.check_bounds(b, [(addr, size)], "dst") is None
         g2 = bounce(b, staging)
         apply(b if g2 is None else g2.blocks)
-    scatter(dst, Lease("kv", addr, size, 2, 4), dp, prefix, n,
-            {(x.layer_id, x.role) for x in src.buffers})
+    scatter(
+        dst,
+        Lease("kv", addr, size, 2, 4),
+        dp,
+        prefix,
+        n,
+        {(x.layer_id, x.role) for x in src.buffers},
+    )
     k = np.arange(prefix, n)
     stok = sp[k // 4] * 4 + k % 4
     dtok = dp[(k - prefix) // 4] * 4 + (k - prefix) % 4
@@ -69,7 +85,7 @@ def test_gathering_keeps_every_byte_and_saves_entries() -> None:
     assert out is not None and len(out.blocks) == 1
     apply(out.blocks)
     staging.release(out.addr, out.nbytes)
-    assert (dst[:128 * 256].reshape(128, 256) == src.reshape(256, 256)[pages]).all()
+    assert (dst[: 128 * 256].reshape(128, 256) == src.reshape(256, 256)[pages]).all()
     assert staging.alloc(1 << 16) == staging.addr  # released and merged back
 
 
@@ -88,12 +104,32 @@ PS, HD = 4, 8  # page size, head_dim (fp16: a head of a token is 16 bytes)
 
 
 def hnd(heads: int, first: int, pages: int = 16) -> PoolGeom:
-    return PoolGeom("kv", "mha", layers=2, pages=pages, page_size=PS, heads=heads,
-                    total_heads=4, head_dim=HD, first_head=first, layout="HND")
+    return PoolGeom(
+        "kv",
+        "mha",
+        layers=2,
+        pages=pages,
+        page_size=PS,
+        heads=heads,
+        total_heads=4,
+        head_dim=HD,
+        first_head=first,
+        layout="HND",
+    )
 
 
-def stage_hnd(src_g: PoolGeom, dst_spec, room: int, sp: np.ndarray, n: int, prefix: int,
-              lo: int, hi: int, staging: Staging, cuts: tuple[int, ...]) -> tuple[Lease, int]:
+def stage_hnd(
+    src_g: PoolGeom,
+    dst_spec,
+    room: int,
+    sp: np.ndarray,
+    n: int,
+    prefix: int,
+    lo: int,
+    hi: int,
+    staging: Staging,
+    cuts: tuple[int, ...],
+) -> tuple[Lease, int]:
     """Fill a sender's pages with the pattern, plan its staged writes chunk by chunk (``cuts``
     are page-aligned token boundaries), gather and apply them; return the lease and entries."""
     (src,), st = pat.build([src_g])
@@ -107,8 +143,7 @@ def stage_hnd(src_g: PoolGeom, dst_spec, room: int, sp: np.ndarray, n: int, pref
     bounds = [prefix, *cuts, n]
     for a, b in zip(bounds, bounds[1:]):
         first = a - a % PS if a > prefix else 0  # the chunk's pages cover from ``first``
-        blocks = plan_staged(pr, addr, n - prefix, sp[first // PS:], first, prefix, a, b,
-                             lo, hi)
+        blocks = plan_staged(pr, addr, n - prefix, sp[first // PS :], first, prefix, a, b, lo, hi)
         assert not isinstance(blocks, str), blocks
         assert P.check_bounds(blocks, [(addr, size)], "dst") is None
         g = bounce(blocks, staging)
@@ -137,10 +172,13 @@ def test_hnd_staged_plan_numbers() -> None:
     assert len(b) == 4 * 3  # 4 buffers x 3 pages (the sender holds more heads: no merging)
     base = np.array([x.addr for x in src.buffers], dtype=np.uint64)
     assert (b.nbytes == unit).all()
-    assert b.src.reshape(4, 3).tolist() == (
-        base[:, None] + np.array([5, 6, 9], dtype=np.uint64) * 256 + 128).tolist()
+    assert (
+        b.src.reshape(4, 3).tolist()
+        == (base[:, None] + np.array([5, 6, 9], dtype=np.uint64) * 256 + 128).tolist()
+    )
     assert b.dst.reshape(4, 3).tolist() == [
-        [stage + (j * 3 + k) * unit for k in range(3)] for j in range(4)]
+        [stage + (j * 3 + k) * unit for k in range(3)] for j in range(4)
+    ]
     lo_half = plan_staged(pr, stage, n - prefix, sp, 0, prefix, prefix + PS, n, 2, 3)
     assert not isinstance(lo_half, str)
     assert lo_half.nbytes.tolist()[0] == 16 * PS  # one head
@@ -158,19 +196,20 @@ def test_hnd_staged_plan_numbers() -> None:
     assert b2.src.tolist()[:2] == [base2[0] + 5 * unit, base2[0] + 9 * unit]
     assert b2.dst.tolist()[:2] == [stage, stage + 2 * unit]
     # misaligned or uncovered ranges are refused, never planned
-    assert isinstance(plan_staged(pr2, stage, n - prefix, sp, 0, prefix, prefix + 1, n, 2, 4),
-                      str)
-    assert isinstance(plan_staged(pr2, stage, n - prefix, sp[:2], 0, prefix, prefix, n, 2, 4),
-                      str)
+    assert isinstance(plan_staged(pr2, stage, n - prefix, sp, 0, prefix, prefix + 1, n, 2, 4), str)
+    assert isinstance(plan_staged(pr2, stage, n - prefix, sp[:2], 0, prefix, prefix, n, 2, 4), str)
     assert isinstance(plan_staged(pr2, stage, 4, sp, 0, prefix, prefix, n, 2, 4), str)
 
 
-@pytest.mark.parametrize(("senders", "dst_heads"), [
-    ([(2, 0), (2, 2)], (4, 0)),   # 2 -> 1: each sender's whole page is a slice
-    ([(1, 0), (1, 1), (1, 2), (1, 3)], (4, 0)),  # 4 -> 1
-    ([(4, 0)], (2, 2)),           # 1 -> 2, second decode rank: part of the sender's page
-    ([(2, 2)], (1, 3)),           # 2 -> 4, last decode rank
-])
+@pytest.mark.parametrize(
+    ("senders", "dst_heads"),
+    [
+        ([(2, 0), (2, 2)], (4, 0)),  # 2 -> 1: each sender's whole page is a slice
+        ([(1, 0), (1, 1), (1, 2), (1, 3)], (4, 0)),  # 4 -> 1
+        ([(4, 0)], (2, 2)),  # 1 -> 2, second decode rank: part of the sender's page
+        ([(2, 2)], (1, 3)),  # 2 -> 4, last decode rank
+    ],
+)
 def test_hnd_staged_slices_land_on_their_global_heads(senders, dst_heads) -> None:
     """Every sender stages its slice, the decode scatters each lease; every head of every
     token then matches the pattern of its GLOBAL head, and no other page changed."""
@@ -178,17 +217,16 @@ def test_hnd_staged_slices_land_on_their_global_heads(senders, dst_heads) -> Non
     pat.fill_sentinel(dt)
     room, prefix, n = 91, 8, 8 + 5 * PS + 3
     rng = np.random.default_rng(3)
-    sp = rng.permutation(14)[:-(-n // PS)]
+    sp = rng.permutation(14)[: -(-n // PS)]
     sp[3:5] = [14, 15]  # a run of contiguous source pages (14 and 15 are nowhere else)
-    dp = rng.permutation(32)[:-(-(n - prefix) // PS)]
+    dp = rng.permutation(32)[: -(-(n - prefix) // PS)]
     staging = Staging(1 << 20)
     d_lo, d_hi = dst_heads[1], dst_heads[1] + dst_heads[0]
     for heads, first in senders:
         lo, hi = max(first, d_lo), min(first + heads, d_hi)
         if lo >= hi:
             continue
-        lease, _ = stage_hnd(hnd(heads, first), dst, room, sp, n, prefix, lo, hi, staging,
-                             (16,))
+        lease, _ = stage_hnd(hnd(heads, first), dst, room, sp, n, prefix, lo, hi, staging, (16,))
         scatter(dst, lease, dp, prefix, n, {(b.layer_id, b.role) for b in dst.buffers})
         staging.release(lease.addr, lease.nbytes)
     assert pat.check_tokens(dst, dt["kv"], room, dp, prefix, prefix, n) == (0, "")
@@ -212,8 +250,10 @@ def test_hnd_scatter_only_the_buffers_the_sender_wrote() -> None:
     for j, (b, t) in enumerate(zip(dst.buffers, dt["kv"])):
         rows = t.view(torch.uint8).reshape(16, 4 * 16 * PS)
         if b.layer_id == 0:
-            assert (rows[[3, 1], :unit].numpy()
-                    == stage[j * 2 * unit:(j + 1) * 2 * unit].reshape(2, unit)).all()
+            assert (
+                rows[[3, 1], :unit].numpy()
+                == stage[j * 2 * unit : (j + 1) * 2 * unit].reshape(2, unit)
+            ).all()
             assert (rows[[3, 1], unit:] == pat.SENTINEL).all()
         else:
             assert (rows == pat.SENTINEL).all()

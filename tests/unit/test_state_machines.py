@@ -31,12 +31,18 @@ from pdxfer.demo import patterns as pat
 from pdxfer.demo.patterns import PoolGeom
 from pdxfer.transport import MemoryFabric, MemoryTransport
 
-GEOMS = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=4, heads=2, head_dim=8),
-         PoolGeom("aux", "slots", layers=1, pages=16, dim=4, dtype="int32")]
+GEOMS = [
+    PoolGeom("kv", "mha", layers=2, pages=64, page_size=4, heads=2, head_dim=8),
+    PoolGeom("aux", "slots", layers=1, pages=16, dim=4, dtype="int32"),
+]
 HOLD_S = 60.0
 """The hold deadline of the dead-decode test: the heartbeat must end the hold long before."""
-FAST = {"bootstrap_timeout_s": 1.5, "transfer_timeout_s": 2.0, "abort_timeout_s": 0.3,
-        "heartbeat_s": 0.1}
+FAST = {
+    "bootstrap_timeout_s": 1.5,
+    "transfer_timeout_s": 2.0,
+    "abort_timeout_s": 0.3,
+    "heartbeat_s": 0.1,
+}
 _rooms = itertools.count(1 << 30)
 
 
@@ -51,10 +57,16 @@ class Pair:
         self.dspecs, self.dt = pat.build(GEOMS)
         pat.fill_sentinel(self.dt)
         conf = {**FAST, **cfg}
-        self.pf = Endpoint(EndpointConfig.from_flat(role="prefill", bootstrap=srv.address, **conf),
-                           self.pspecs, transport=self.ptx)
-        self.dc = Endpoint(EndpointConfig.from_flat(role="decode", bootstrap=srv.address, **conf),
-                           self.dspecs, transport=self.dtx)
+        self.pf = Endpoint(
+            EndpointConfig.from_flat(role="prefill", bootstrap=srv.address, **conf),
+            self.pspecs,
+            transport=self.ptx,
+        )
+        self.dc = Endpoint(
+            EndpointConfig.from_flat(role="decode", bootstrap=srv.address, **conf),
+            self.dspecs,
+            transport=self.dtx,
+        )
         self.released: collections.Counter[int] = collections.Counter()
         self.rng = np.random.default_rng(3)
 
@@ -63,8 +75,10 @@ class Pair:
         self.pf.close()
 
     def pages(self, n: int) -> tuple[list[int], list[int]]:
-        return (self.rng.choice(64, n, replace=False).tolist(),
-                self.rng.choice(64, n, replace=False).tolist())
+        return (
+            self.rng.choice(64, n, replace=False).tolist(),
+            self.rng.choice(64, n, replace=False).tolist(),
+        )
 
     def receiver(self, room: int) -> Any:
         return self.dc.receiver(room, release=lambda d, s: self.released.update([room]))
@@ -75,8 +89,7 @@ class Pair:
         pat.fill_slot(self.pspecs[1], self.pt["aux"], room, 1)
 
     def wrong_bytes(self, room: int, dst: list[int], tokens: int) -> int:
-        bad, _ = pat.check_tokens(self.dspecs[0], self.dt["kv"], room, np.array(dst), 0, 0,
-                                  tokens)
+        bad, _ = pat.check_tokens(self.dspecs[0], self.dt["kv"], room, np.array(dst), 0, 0, tokens)
         sbad, _ = pat.check_slot(self.dspecs[1], self.dt["aux"], room, 2)
         return bad + sbad
 
@@ -122,7 +135,7 @@ def transfer(p: Pair, tokens: int = 24, chunks: int = 2) -> tuple[Any, Any, int,
     cut = n // chunks
     for i in range(chunks):
         last = i == chunks - 1
-        part = src[i * cut: n if last else (i + 1) * cut]
+        part = src[i * cut : n if last else (i + 1) * cut]
         tx.send({"kv": part}, {"aux": 1} if last else None, last=last)
     return tx, rx, room, dst
 
@@ -213,8 +226,9 @@ def test_pages_are_quarantined_until_a_delayed_write_drains(pair: Pair) -> None:
     assert pair.dc.metrics()["quarantined_pages"] == 0
 
 
-def stranded_room(p: Pair, strand_s: float, released: dict[int, float],
-                  dc: Endpoint | None = None) -> tuple[int, Any, Any]:
+def stranded_room(
+    p: Pair, strand_s: float, released: dict[int, float], dc: Endpoint | None = None
+) -> tuple[int, Any, Any]:
     """A room sent whole (to ``p.dc``, or ``dc``) while every batch fails at once and lands
     ``strand_s`` later: (room, its receiver, its sender); ``released`` gets the time its
     pages came back."""
@@ -223,7 +237,8 @@ def stranded_room(p: Pair, strand_s: float, released: dict[int, float],
     src, dst = p.pages(2)
     p.fill(room, src, 8)
     rx = (dc or p.dc).receiver(
-        room, release=lambda d, s: released.setdefault(room, time.monotonic()))
+        room, release=lambda d, s: released.setdefault(room, time.monotonic())
+    )
     rx.request({"kv": dst}, {"aux": 2}, 0, 8)
     tx = p.pf.sender(room)
     tx.send({"kv": src}, {"aux": 1}, last=True)
@@ -231,7 +246,8 @@ def stranded_room(p: Pair, strand_s: float, released: dict[int, float],
 
 
 def test_a_failed_write_still_on_its_way_keeps_the_pages_until_it_landed(
-        srv: BootstrapServer) -> None:
+    srv: BootstrapServer,
+) -> None:
     """Mooncake TCP reports a write failed while some of it is still queued or buffered on
     the way (a flapping link): the prefill tells the decode the room is over only once the
     transport proves nothing more lands, so the pages come back after the late bytes."""
@@ -243,8 +259,9 @@ def test_a_failed_write_still_on_its_way_keeps_the_pages_until_it_landed(
         assert wait(rx) == KVPoll.Failed and rx.failure.kind == "transport", rx.failure
         assert until(lambda: room in released)
         assert p.ptx.faults.landed, "the stranded batch never landed"
-        assert released[room] >= p.ptx.faults.landed[0], \
+        assert released[room] >= p.ptx.faults.landed[0], (
             "pages handed back while a failed write was still on its way"
+        )
         assert p.pf.metrics()["settle_waits"] >= 1
         p.ptx.faults.strand_s = 0.0
         tx, rx, room, dst = transfer(p)  # the proof is over: the next request is unaffected
@@ -254,7 +271,8 @@ def test_a_failed_write_still_on_its_way_keeps_the_pages_until_it_landed(
 
 
 def test_a_room_held_past_its_deadline_ends_and_its_abort_ack_still_waits(
-        srv: BootstrapServer) -> None:
+    srv: BootstrapServer,
+) -> None:
     """The failed write takes longer to land than the transfer deadline (2 s): the prefill
     gives the room up (its engine gets the source pages back) without telling the decode,
     whose own deadline fails it; its Abort then finds the room gone, and that ack too
@@ -267,8 +285,9 @@ def test_a_room_held_past_its_deadline_ends_and_its_abort_ack_still_waits(
         assert until(lambda: not tx.reading)  # given up: the source pages are the engine's
         assert p.pf.metrics()["settle_given_up"] == 1
         assert until(lambda: room in released)
-        assert p.ptx.faults.landed and released[room] >= p.ptx.faults.landed[0], \
+        assert p.ptx.faults.landed and released[room] >= p.ptx.faults.landed[0], (
             "pages handed back while a failed write was still on its way"
+        )
         assert p.pf.metrics()["abort_acks_held"] >= 1
     finally:
         p.close()
@@ -292,8 +311,15 @@ def test_late_or_repeated_transfer_done_changes_nothing(pair: Pair) -> None:
     stale = pair.dc.metrics().get("stale_messages", 0)
     side = pair.dc.decode
     assert side is not None
-    done = wire.TransferDone(room=room, nonce=1, endpoint_id=pair.pf.endpoint_id, rank=0,
-                             ok=False, reason="late", kind="transport")
+    done = wire.TransferDone(
+        room=room,
+        nonce=1,
+        endpoint_id=pair.pf.endpoint_id,
+        rank=0,
+        ok=False,
+        reason="late",
+        kind="transport",
+    )
     side.on_done(done, None, None)  # a stale nonce, for a room that already succeeded
     side.on_done(done, None, None)
     assert rx.poll() == KVPoll.Success and rx.failure is None
@@ -302,7 +328,8 @@ def test_late_or_repeated_transfer_done_changes_nothing(pair: Pair) -> None:
 
 
 def test_a_write_that_fails_halfway_fails_both_sides_releases_once_and_leaks_no_credit(
-        srv: BootstrapServer) -> None:
+    srv: BootstrapServer,
+) -> None:
     p = Pair(srv, batch_entries=4)  # many batches per write
     try:
         p.ptx.faults.fail_after_batches = 1  # the first batch lands, the second fails
@@ -350,7 +377,8 @@ def test_release_is_called_once_under_concurrent_aborts(pair: Pair) -> None:
 
 
 def test_a_digest_the_prefill_cannot_take_fails_that_request_not_its_worker(
-        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A pool the digest cannot read (say a device the portable digest does not support)
     must not kill the worker mid-room: the write completes, the decode fails the request
     for the range no digest covers, and the next request is served as usual."""
@@ -373,7 +401,8 @@ def test_a_digest_the_prefill_cannot_take_fails_that_request_not_its_worker(
 
 
 def test_a_dead_decodes_repair_holds_end_without_waiting_for_their_deadline(
-        srv: BootstrapServer) -> None:
+    srv: BootstrapServer,
+) -> None:
     """A prefill keeps a held room's pages for its decode's repair until that decode's
     Release; a decode that died will never send it, so the heartbeat ends its holds (the
     engine gets the pages back) long before the hold deadline (``transfer_timeout_s``)."""
@@ -399,7 +428,8 @@ def test_a_dead_decodes_repair_holds_end_without_waiting_for_their_deadline(
 
 
 def test_an_expected_room_waits_past_the_grace_and_an_unknown_one_does_not(
-        srv: BootstrapServer) -> None:
+    srv: BootstrapServer,
+) -> None:
     """Early dispatch: the decode asks before the prefill's engine opens the room. A room the
     engine declared (``expect``: it holds the request, queued) waits for it past
     ``room_grace_s``, whether declared before or after the decode asked; a room it never
@@ -436,7 +466,8 @@ def test_an_expected_room_waits_past_the_grace_and_an_unknown_one_does_not(
 
 
 def test_a_withdrawn_expected_room_fails_its_decode_at_once_as_aborted(
-        srv: BootstrapServer) -> None:
+    srv: BootstrapServer,
+) -> None:
     """An engine that aborts a queued request it declared withdraws the room: the decode
     waiting for it fails now (``aborted``), not at the bootstrap deadline, and so does a
     decode that asks later."""

@@ -36,15 +36,14 @@ def pair(srv: BootstrapServer) -> Iterator[Pair]:
 
 
 def _pages(src: list[int], t0: int, t1: int) -> list[int]:
-    return src[t0 // PS: -(-t1 // PS)]
+    return src[t0 // PS : -(-t1 // PS)]
 
 
 def _layer_landed(p: Pair, room: int, dst: list[int], tokens: int, layer: int) -> bool:
     spec = p.dspecs[0]
     keep = [i for i, b in enumerate(spec.buffers) if b.layer_id == layer]
     sub = spec.with_(buffers=tuple(spec.buffers[i] for i in keep))
-    bad, _ = pat.check_tokens(sub, [p.dt["kv"][i] for i in keep], room, np.array(dst), 0, 0,
-                              tokens)
+    bad, _ = pat.check_tokens(sub, [p.dt["kv"][i] for i in keep], room, np.array(dst), 0, 0, tokens)
     return bad == 0
 
 
@@ -70,19 +69,19 @@ def test_a_streamed_room_succeeds_only_after_its_last_layer_landed(pair: Pair) -
     assert pair.wrong_bytes(room, dst, 10) == 0
 
 
-def test_sends_that_break_a_layers_token_order_are_refused_before_any_write(
-        pair: Pair) -> None:
+def test_sends_that_break_a_layers_token_order_are_refused_before_any_write(pair: Pair) -> None:
     tx, rx, room, src, dst = _open(pair, 8)
     tx.send({"kv": _pages(src, 0, 5)}, layers=(0, 1), tokens=(0, 5))
-    for bad in [dict(layers=(0, 1), tokens=(0, 5)),  # the same layer and tokens again
-                dict(layers=(0, 2), tokens=(5, 8)),  # layer 1 has not started
-                dict(layers=(1, 2), tokens=(2, 8)),  # a gap in layer 1
-                dict(layers=(2, 3), tokens=(0, 5)),  # a layer the pools do not have
-                dict(layers=(1, 1), tokens=(0, 5)),
-                dict(layers=("a", 1), tokens=(0, 5))]:
+    for bad in [
+        dict(layers=(0, 1), tokens=(0, 5)),  # the same layer and tokens again
+        dict(layers=(0, 2), tokens=(5, 8)),  # layer 1 has not started
+        dict(layers=(1, 2), tokens=(2, 8)),  # a gap in layer 1
+        dict(layers=(2, 3), tokens=(0, 5)),  # a layer the pools do not have
+        dict(layers=(1, 1), tokens=(0, 5)),
+        dict(layers=("a", 1), tokens=(0, 5)),
+    ]:
         with pytest.raises(PlanError):
-            tx.send({"kv": _pages(src, *bad["tokens"]) if bad["tokens"][0] < 8 else []},
-                    **bad)  # type: ignore[arg-type]
+            tx.send({"kv": _pages(src, *bad["tokens"]) if bad["tokens"][0] < 8 else []}, **bad)  # type: ignore[arg-type]
     with pytest.raises(PlanError):  # the pages must be the ones holding the tokens
         tx.send({"kv": src}, layers=(1, 2), tokens=(0, 4))
     # nothing refused was queued: the room completes from the valid sends alone, exactly
@@ -93,7 +92,8 @@ def test_sends_that_break_a_layers_token_order_are_refused_before_any_write(
 
 
 def test_a_digest_claiming_layers_the_sender_lacks_fails_the_room(
-        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert pair.pf.prefill is not None
     side = pair.pf.prefill.writer
     real = side._digest_chunk

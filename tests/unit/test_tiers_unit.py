@@ -13,11 +13,29 @@ from pdxfer.tiers import CapacityError, FileStorage, HostCache, TieredCache, pag
 from pdxfer.tiers.keys import pool_key
 from pdxfer.tiers.storage import NO_DIGEST
 
-V4 = [PoolGeom("c4", "logical", pages=16, page_size=4),
-      PoolGeom("c4_kv", "paged", layers=2, pages=16, page_size=4, dim=10, dtype="bfloat16",
-               indices_from="c4"),
-      PoolGeom("c4_idx", "paged", layers=1, pages=16, page_size=4, dim=3, dtype="float32",
-               indices_from="c4")]
+V4 = [
+    PoolGeom("c4", "logical", pages=16, page_size=4),
+    PoolGeom(
+        "c4_kv",
+        "paged",
+        layers=2,
+        pages=16,
+        page_size=4,
+        dim=10,
+        dtype="bfloat16",
+        indices_from="c4",
+    ),
+    PoolGeom(
+        "c4_idx",
+        "paged",
+        layers=1,
+        pages=16,
+        page_size=4,
+        dim=3,
+        dtype="float32",
+        indices_from="c4",
+    ),
+]
 
 
 def test_prefix_keys_are_a_chain() -> None:
@@ -75,7 +93,9 @@ def test_the_page_digest_is_sealed_into_its_l3_object(tmp_path) -> None:
     src = np.arange(2048, dtype=np.uint32).view(np.uint8).copy()
     dst = np.zeros_like(src)
     a, d, n = src.ctypes.data, dst.ctypes.data, src.size
-    assert fs.put_from(["k1", "k2", "k3"], [a] * 3, [n] * 3, [123, 1 << 62, NO_DIGEST]) == [True] * 3
+    assert (
+        fs.put_from(["k1", "k2", "k3"], [a] * 3, [n] * 3, [123, 1 << 62, NO_DIGEST]) == [True] * 3
+    )
     got = [0, 0, 0]
     assert fs.get_into(["k1", "k2", "k3"], [d] * 3, [n] * 3, got) == [True] * 3
     assert got == [123, 1 << 62, NO_DIGEST] and (dst == src).all()
@@ -127,8 +147,12 @@ def test_full_l3_is_a_logged_miss_not_an_error(tmp_path) -> None:
     specs, tensors = build(V4)
     for t in tensors["c4_kv"] + tensors["c4_idx"]:
         t.fill_(1)
-    cache = TieredCache(specs, host_pages=8, storage=FileStorage(str(tmp_path), max_bytes=600),
-                        model_id="v4-pattern")
+    cache = TieredCache(
+        specs,
+        host_pages=8,
+        storage=FileStorage(str(tmp_path), max_bytes=600),
+        model_id="v4-pattern",
+    )
     toks = list(range(32))
     fut = cache.write_back(toks, {"c4": list(range(8))}, 32)
     assert fut.result(timeout=30) < 8
@@ -160,9 +184,10 @@ def test_streaming_page_copy_is_byte_exact_at_any_alignment_and_size() -> None:
                 s_at = [src.ctypes.data + s_off, src.ctypes.data + s_off + 2 * size]
                 threads.copy(np.array(d_at, dtype=np.int64), np.array(s_at, dtype=np.int64), size)
                 want = np.zeros_like(dst)
-                want[d_off:d_off + size] = src[s_off:s_off + size]
-                want[d_off + size + 17:d_off + 2 * size + 17] = src[s_off + 2 * size:
-                                                                    s_off + 3 * size]
+                want[d_off : d_off + size] = src[s_off : s_off + size]
+                want[d_off + size + 17 : d_off + 2 * size + 17] = src[
+                    s_off + 2 * size : s_off + 3 * size
+                ]
                 assert np.array_equal(dst, want), (size, s_off, d_off)
 
 
@@ -217,7 +242,8 @@ def test_the_torch_copier_moves_the_same_bytes_as_the_host_copier() -> None:
             rows, olds = t.view(torch.uint8).view(16, -1), old.view(torch.uint8).view(16, -1)
             assert torch.equal(rows[back], olds[l1]) and torch.equal(
                 rows[[i for i in range(16) if i not in back]],
-                olds[[i for i in range(16) if i not in back]])
+                olds[[i for i in range(16) if i not in back]],
+            )
 
 
 class _Seen:
@@ -240,8 +266,10 @@ def test_an_observer_sees_l2_stores_as_chained_runs_and_evictions() -> None:
     keys = cache.keys(toks)
     cache.write_back(toks[:8], {"c4": [0, 1]}, 8).result(timeout=30)
     cache.write_back(toks, {"c4": [0, 1, 2, 3]}, 16, scope="").result(timeout=30)
-    assert seen.events == [("s", keys[:2], None, toks[:8], 4, ""),
-                           ("s", keys[2:], keys[1], toks[8:], 4, "")]
+    assert seen.events == [
+        ("s", keys[:2], None, toks[:8], 4, ""),
+        ("s", keys[2:], keys[1], toks[8:], 4, ""),
+    ]
     other = list(range(100, 104))
     cache.write_back(other, {"c4": [5]}, 4).result(timeout=30)  # L2 full: the LRU page goes
     assert seen.events[-2:] == [("r", [keys[0]]), ("s", cache.keys(other), None, other, 4, "")]

@@ -12,12 +12,22 @@ from pdxfer.plan.topology import assign, contacts, decode_peers
 from pdxfer.pools import BufferSpec, PoolSpec, Sharding
 
 
-@pytest.mark.parametrize(("tp_p", "tp_d", "rank", "want", "peers"), [
-    (1, 1, 0, [0], 1), (2, 1, 0, [0, 1], 1), (4, 2, 1, [2, 3], 1), (4, 1, 0, [0, 1, 2, 3], 1),
-    (1, 2, 1, [0], 2), (2, 4, 3, [1], 2), (2, 4, 2, [1], 2), (1, 4, 2, [0], 4),
-])
-def test_every_prefill_rank_is_asked_by_exactly_decode_peers_ranks(tp_p, tp_d, rank, want,
-                                                                     peers) -> None:
+@pytest.mark.parametrize(
+    ("tp_p", "tp_d", "rank", "want", "peers"),
+    [
+        (1, 1, 0, [0], 1),
+        (2, 1, 0, [0, 1], 1),
+        (4, 2, 1, [2, 3], 1),
+        (4, 1, 0, [0, 1, 2, 3], 1),
+        (1, 2, 1, [0], 2),
+        (2, 4, 3, [1], 2),
+        (2, 4, 2, [1], 2),
+        (1, 4, 2, [0], 4),
+    ],
+)
+def test_every_prefill_rank_is_asked_by_exactly_decode_peers_ranks(
+    tp_p, tp_d, rank, want, peers
+) -> None:
     assert contacts(tp_p, tp_d, rank) == want
     assert decode_peers(tp_p, tp_d) == peers
     asked = [p for d in range(tp_d) for p in contacts(tp_p, tp_d, d)]
@@ -30,16 +40,29 @@ def test_tp_sizes_that_do_not_divide_are_refused() -> None:
     assert "bad TP" in contacts(2, 2, 2)
 
 
-def heads_pool(name: str, total: int, rank_heads: int, first: int, layout: str = "NHD",
-               ps: int = 4, hb: int = 8) -> PoolSpec:
+def heads_pool(
+    name: str,
+    total: int,
+    rank_heads: int,
+    first: int,
+    layout: str = "NHD",
+    ps: int = 4,
+    hb: int = 8,
+) -> PoolSpec:
     item = ps * rank_heads * hb
-    return PoolSpec(name, "paged", (BufferSpec(1 << 20, item * 8, 0, "k"),), item, 8,
-                    page_size=ps, sharding=Sharding.heads(total, rank_heads, first, hb, layout))
+    return PoolSpec(
+        name,
+        "paged",
+        (BufferSpec(1 << 20, item * 8, 0, "k"),),
+        item,
+        8,
+        page_size=ps,
+        sharding=Sharding.heads(total, rank_heads, first, hb, layout),
+    )
 
 
 def mla_pool(name: str = "mla") -> PoolSpec:
-    return PoolSpec(name, "paged", (BufferSpec(1 << 30, 64 * 8, 0, "latent"),), 64, 8,
-                    page_size=4)
+    return PoolSpec(name, "paged", (BufferSpec(1 << 30, 64 * 8, 0, "latent"),), 64, 8, page_size=4)
 
 
 def shard(total: int, tp: int, r: int) -> tuple[int, int]:
@@ -47,17 +70,30 @@ def shard(total: int, tp: int, r: int) -> tuple[int, int]:
     return (total // tp, r * total // tp) if total >= tp else (1, r * total // tp)
 
 
-@pytest.mark.parametrize(("total", "tp_p", "tp_d"), [
-    (4, 2, 1), (4, 1, 2), (4, 4, 2), (4, 2, 4), (4, 4, 1), (2, 4, 1), (2, 4, 2), (2, 1, 4),
-    (2, 2, 4), (8, 4, 4),
-])
+@pytest.mark.parametrize(
+    ("total", "tp_p", "tp_d"),
+    [
+        (4, 2, 1),
+        (4, 1, 2),
+        (4, 4, 2),
+        (4, 2, 4),
+        (4, 4, 1),
+        (2, 4, 1),
+        (2, 4, 2),
+        (2, 1, 4),
+        (2, 2, 4),
+        (8, 4, 4),
+    ],
+)
 def test_each_decode_head_is_written_by_exactly_one_prefill_rank(total, tp_p, tp_d) -> None:
     for d in range(tp_d):
         rh, fh = shard(total, tp_d, d)
         mine = {"kv": heads_pool("kv", total, rh, fh), "mla": mla_pool()}
         ranks = contacts(tp_p, tp_d, d)
-        peers = [(0, {"kv": heads_pool("kv", total, *shard(total, tp_p, p)), "mla": mla_pool()})
-                 for p in ranks]
+        peers = [
+            (0, {"kv": heads_pool("kv", total, *shard(total, tp_p, p)), "mla": mla_pool()})
+            for p in ranks
+        ]
         plan = assign(mine, peers)
         assert not isinstance(plan, str), plan
         written = [h for a in plan for h in range(*a.heads.get("kv", (0, 0)))]
@@ -86,10 +122,12 @@ def test_heads_no_asked_rank_holds_are_an_error() -> None:
     assert isinstance(plan, str) and "[2, 4)" in plan
 
 
-def _pair(total: int, s: tuple[int, int], d: tuple[int, int], layout: str, ps_s: int = 4,
-          ps_d: int = 4) -> P.BufferPairing:
-    pr = P.pair_buffers(heads_pool("kv", total, *s, layout, ps_s),
-                        heads_pool("kv", total, *d, layout, ps_d))
+def _pair(
+    total: int, s: tuple[int, int], d: tuple[int, int], layout: str, ps_s: int = 4, ps_d: int = 4
+) -> P.BufferPairing:
+    pr = P.pair_buffers(
+        heads_pool("kv", total, *s, layout, ps_s), heads_pool("kv", total, *d, layout, ps_d)
+    )
     assert not isinstance(pr, str)
     return pr
 

@@ -27,9 +27,13 @@ def legs(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def test_each_case_keeps_exactly_its_own_servers_running(legs: ModuleType) -> None:
-    uses = {"colocated_stream": {"colocated"}, "colocated_one": {"colocated"},
-            "pdxfer_leg": {"prefill", "decode"}, "pdxfer_one": {"prefill", "decode"},
-            legs.SOLO: {"prefill"}}
+    uses = {
+        "colocated_stream": {"colocated"},
+        "colocated_one": {"colocated"},
+        "pdxfer_leg": {"prefill", "decode"},
+        "pdxfer_one": {"prefill", "decode"},
+        legs.SOLO: {"prefill"},
+    }
     for case in (*legs.CASES, legs.SOLO):
         assert set(legs.paused_for(case)) == {"colocated", "prefill", "decode"} - uses[case]
 
@@ -39,10 +43,15 @@ def state(pid: int) -> str:
 
 
 def test_a_paused_server_group_child_included_is_stopped_and_resumed_even_on_error(
-        legs: ModuleType) -> None:
+    legs: ModuleType,
+) -> None:
     # a "server" that starts a child in its own group, as vLLM's API server does its core
-    p = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE,
-                         text=True, start_new_session=True)
+    p = subprocess.Popen(
+        ["sh", "-c", "sleep 60 & echo $!; wait"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert p.stdout is not None
         child = int(p.stdout.readline())

@@ -79,36 +79,61 @@ class Engine:
     real KV tensors (vLLM's CPU layout: all layers in one allocation, each layer
     ``[blocks, kv_heads, block_size, 2 * head_size]``)."""
 
-    def __init__(self, model: Path, role: str, extra: dict[str, Any], fabric: MemoryFabric,
-                 prefix_caching: bool = True, policy: str = "recompute",
-                 batched: int = 4096) -> None:
+    def __init__(
+        self,
+        model: Path,
+        role: str,
+        extra: dict[str, Any],
+        fabric: MemoryFabric,
+        prefix_caching: bool = True,
+        policy: str = "recompute",
+        batched: int = 4096,
+    ) -> None:
         vc = VllmConfig(
-            model_config=ModelConfig(model=str(model), dtype="bfloat16", seed=0,
-                                     served_model_name="m"),
-            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched,
-                                             max_model_len=4096, is_encoder_decoder=False),
+            model_config=ModelConfig(
+                model=str(model), dtype="bfloat16", seed=0, served_model_name="m"
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8,
+                max_num_batched_tokens=batched,
+                max_model_len=4096,
+                is_encoder_decoder=False,
+            ),
             cache_config=CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="PdxferConnector",
-                kv_connector_module_path="pdxfer.integrations.vllm", kv_role=role,
-                kv_connector_extra_config=extra, kv_load_failure_policy=policy))
+                kv_connector_module_path="pdxfer.integrations.vllm",
+                kv_role=role,
+                kv_connector_extra_config=extra,
+                kv_load_failure_policy=policy,
+            ),
+        )
         vc.cache_config.num_gpu_blocks = NUM_BLOCKS
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=S.kv_heads, head_size=S.head_size,
-                                 dtype=torch.bfloat16)
-        kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+        spec = FullAttentionSpec(
+            block_size=BS, num_kv_heads=S.kv_heads, head_size=S.head_size, dtype=torch.bfloat16
+        )
+        kcc = KVCacheConfig(
+            num_blocks=NUM_BLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
+        )
         self.vc = vc
-        self.sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
-                               structured_output_manager=StructuredOutputManager(vc),
-                               block_size=BS)
+        self.sched = Scheduler(
+            vllm_config=vc,
+            kv_cache_config=kcc,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=BS,
+        )
         hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(BS, hash_fn)
         self.conn = PdxferConnector(vc, KVConnectorRole.WORKER, kcc)
         assert self.conn.worker is not None
         self.conn.worker.transport = MemoryTransport(fabric)
-        self.kv = torch.zeros(S.layers, NUM_BLOCKS, S.kv_heads, BS, 2 * S.head_size,
-                              dtype=torch.bfloat16)
+        self.kv = torch.zeros(
+            S.layers, NUM_BLOCKS, S.kv_heads, BS, 2 * S.head_size, dtype=torch.bfloat16
+        )
         self.conn.register_kv_caches({n: self.kv[i] for i, n in enumerate(LAYERS)})
         self.outputs: dict[str, list[int]] = {}
         self.kv_stats: list[dict[str, Any]] = []
@@ -120,10 +145,15 @@ class Engine:
     def ep(self) -> Any:
         return self.conn.worker.ep  # type: ignore[union-attr]
 
-    def add(self, rid: str, tokens: list[int], max_tokens: int,
-            params: dict[str, Any] | None) -> Request:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                            extra_args={"kv_transfer_params": params} if params else None)
+    def add(
+        self, rid: str, tokens: list[int], max_tokens: int, params: dict[str, Any] | None
+    ) -> Request:
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": params} if params else None,
+        )
         r = Request(rid, tokens, sp, None, block_hasher=self.hasher)
         self.sched.add_request(r)
         return r
@@ -145,13 +175,17 @@ class Engine:
             r = self.sched.requests[rid]
             done = r.num_computed_tokens >= r.num_tokens  # the chunk reached the end
             sampled.append([SAMPLED] if done else [])
-        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled,
-                                kv_connector_output=KVConnectorOutput(
-                                    finished_sending=res.finished_sending or None,
-                                    finished_recving=res.finished_recving or None,
-                                    invalid_block_ids=errors,
-                                    kv_connector_stats=c.get_kv_connector_stats()))
+        out = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
+                finished_recving=res.finished_recving or None,
+                invalid_block_ids=errors,
+                kv_connector_stats=c.get_kv_connector_stats(),
+            ),
+        )
         for eco in self.sched.update_from_output(so, out).values():
             st = eco.scheduler_stats
             if st is not None and st.kv_connector_stats:
@@ -171,8 +205,7 @@ class Engine:
             (blocks,) = self.sched.kv_cache_manager.get_block_ids(rid)
             self.computed.setdefault(rid, []).append((first, n))
             for pos in range(first, first + n):
-                self.kv[:, blocks[pos // BS], :, pos % BS, :] = pattern(r.all_token_ids[pos],
-                                                                        pos)
+                self.kv[:, blocks[pos // BS], :, pos % BS, :] = pattern(r.all_token_ids[pos], pos)
 
     def blocks(self, rid: str) -> list[int]:
         return self.sched.kv_cache_manager.get_block_ids(rid)[0]
@@ -215,29 +248,57 @@ class Pair:
     server: BootstrapServer
 
 
-def make_pair(model: Path, server: BootstrapServer, *, decode_extra: dict[str, Any] | None = None,
-              prefix_caching: bool = True, policy: str = "recompute", name: str = "a",
-              timeouts: float = 10.0, batched: int = 4096, prefill_extra: dict[str, Any] | None = None
-              ) -> Pair:
+def make_pair(
+    model: Path,
+    server: BootstrapServer,
+    *,
+    decode_extra: dict[str, Any] | None = None,
+    prefix_caching: bool = True,
+    policy: str = "recompute",
+    name: str = "a",
+    timeouts: float = 10.0,
+    batched: int = 4096,
+    prefill_extra: dict[str, Any] | None = None,
+) -> Pair:
     fabric = MemoryFabric()
     dl = {"bootstrap_timeout_s": timeouts, "transfer_timeout_s": timeouts}
-    p = Engine(model, "kv_producer", {"bootstrap": server.address, "instance": f"p-{name}",
-                                      **dl, **(prefill_extra or {})}, fabric, batched=batched)
-    d = Engine(model, "kv_consumer", {"bootstrap": server.address, "instance": f"d-{name}",
-                                      **dl, **(decode_extra or {})},
-               fabric, prefix_caching=prefix_caching, policy=policy)
+    p = Engine(
+        model,
+        "kv_producer",
+        {"bootstrap": server.address, "instance": f"p-{name}", **dl, **(prefill_extra or {})},
+        fabric,
+        batched=batched,
+    )
+    d = Engine(
+        model,
+        "kv_consumer",
+        {"bootstrap": server.address, "instance": f"d-{name}", **dl, **(decode_extra or {})},
+        fabric,
+        prefix_caching=prefix_caching,
+        policy=policy,
+    )
     for e in (p, d):
         e.finished = {}
     return Pair(p, d, server)
 
 
-def prefill_then_decode(pair: Pair, rid: str, tokens: list[int], room: int,
-                        max_tokens: int = 3) -> dict[str, Any]:
+def prefill_then_decode(
+    pair: Pair, rid: str, tokens: list[int], room: int, max_tokens: int = 3
+) -> dict[str, Any]:
     """vLLM's proxy protocol through the two schedulers: the prefill with max_tokens=1 and
     do_remote_decode, then the decode with the params the prefill returned."""
     p, d = pair.p, pair.d
-    p.add(rid, tokens, 1, {"do_remote_decode": True, "do_remote_prefill": False,
-                           "pdxfer_room": room, "pdxfer_decode": d.conn.cfg.instance})
+    p.add(
+        rid,
+        tokens,
+        1,
+        {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "pdxfer_room": room,
+            "pdxfer_decode": d.conn.cfg.instance,
+        },
+    )
     run_until([p], lambda: rid in p.finished)
     params = p.finished[rid].kv_transfer_params
     assert params["pdxfer_room"] == room and params["do_remote_prefill"] is True
@@ -246,7 +307,8 @@ def prefill_then_decode(pair: Pair, rid: str, tokens: list[int], room: int,
 
 
 def test_prefill_holds_blocks_until_sent_and_decode_receives_exactly_what_was_computed(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     pair = make_pair(model, server, name="happy")
     p, d = pair.p, pair.d
     free_p, free_d = p.free_blocks(), d.free_blocks()
@@ -262,7 +324,8 @@ def test_prefill_holds_blocks_until_sent_and_decode_receives_exactly_what_was_co
 
 
 def test_decode_blocks_hold_the_prefill_kv_before_the_decode_computes(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     pair = make_pair(model, server, name="bytes")
     p, d = pair.p, pair.d
     tokens = [(i * 29) % 700 + 3 for i in range(200)]
@@ -274,7 +337,8 @@ def test_decode_blocks_hold_the_prefill_kv_before_the_decode_computes(
 
 
 def test_a_prefix_in_vllms_own_cache_is_not_asked_for_again(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     pair = make_pair(model, server, name="l1")
     p, d = pair.p, pair.d
     shared = [(i * 17) % 800 + 20 for i in range(128)]  # 4 full blocks
@@ -286,26 +350,27 @@ def test_a_prefix_in_vllms_own_cache_is_not_asked_for_again(
     prefill_then_decode(pair, "b", b, room=302)
     run_until([p, d], lambda: "b-d" in d.finished and "b" not in p.sched.requests)
     block = p.conn.worker.layout.block_bytes
-    assert p.ep.metrics()["transport_bytes"] - before == 1 * block, \
+    assert p.ep.metrics()["transport_bytes"] - before == 1 * block, (
         "4 blocks came from the decode's own prefix cache: only the 5th crosses"
+    )
     assert d.computed["b-d"][0] == (len(b) - 1, 1)
 
 
-def test_decode_tiers_restore_from_l2_and_write_back(model: Path, server: BootstrapServer
-                                                     ) -> None:
-    pair = make_pair(model, server, name="l2", decode_extra={"l2_pages": 32},
-                     prefix_caching=False)
+def test_decode_tiers_restore_from_l2_and_write_back(model: Path, server: BootstrapServer) -> None:
+    pair = make_pair(model, server, name="l2", decode_extra={"l2_pages": 32}, prefix_caching=False)
     p, d = pair.p, pair.d
     shared = [(i * 19) % 800 + 20 for i in range(128)]
     a, b = shared + list(range(30, 50)), shared + list(range(60, 90))
     prefill_then_decode(pair, "a", a, room=401)
     run_until([p, d], lambda: "a-d" in d.finished)
-    run_until([p, d], lambda: d.conn.worker.counters["writebacks"] == 1 and
-              "a-d" not in d.sched.requests)
+    run_until(
+        [p, d], lambda: d.conn.worker.counters["writebacks"] == 1 and "a-d" not in d.sched.requests
+    )
     before = p.ep.metrics()["transport_bytes"]
     prefill_then_decode(pair, "b", b, room=402, max_tokens=2)
-    run_until([p, d], lambda: d.conn.worker.counters["restored_l2_pages"] >= 4
-              and "b-d" in d.computed)
+    run_until(
+        [p, d], lambda: d.conn.worker.counters["restored_l2_pages"] >= 4 and "b-d" in d.computed
+    )
     assert torch.equal(held(d, "b-d", len(b) - 1), expected(b, len(b) - 1))
     run_until([p, d], lambda: "b-d" in d.finished and "b" not in p.sched.requests)
     assert p.ep.metrics()["transport_bytes"] - before == p.conn.worker.layout.block_bytes
@@ -313,17 +378,25 @@ def test_decode_tiers_restore_from_l2_and_write_back(model: Path, server: Bootst
 
 
 def test_the_connectors_figures_reach_vllms_log_line_and_prometheus(
-        model: Path, server: BootstrapServer, caplog: pytest.LogCaptureFixture) -> None:
+    model: Path, server: BootstrapServer, caplog: pytest.LogCaptureFixture
+) -> None:
     """Each step's figures go worker -> vLLM's scheduler stats -> its logger and Prometheus
     (vLLM's own classes), and add up to what moved."""
-    pair = make_pair(model, server, name="prom", decode_extra={"l2_pages": 32},
-                     prefix_caching=False)
+    pair = make_pair(
+        model, server, name="prom", decode_extra={"l2_pages": 32}, prefix_caching=False
+    )
     p, d = pair.p, pair.d
     shared = [(i * 23) % 700 + 20 for i in range(128)]
     before = p.ep.metrics()["transport_bytes"]
     prefill_then_decode(pair, "a", shared + [7, 8, 9], room=501)
-    run_until([p, d], lambda: "a-d" in d.finished
-              and d.conn.worker.counters["writebacks"] == 1 and "a" not in p.sched.requests)
+    run_until(
+        [p, d],
+        lambda: (
+            "a-d" in d.finished
+            and d.conn.worker.counters["writebacks"] == 1
+            and "a" not in p.sched.requests
+        ),
+    )
     prefill_then_decode(pair, "b", shared + [10, 11, 12, 13], room=502)
     run_until([p, d], lambda: "b-d" in d.finished and "b" not in p.sched.requests)
     sent = p.ep.metrics()["transport_bytes"] - before
@@ -346,8 +419,9 @@ def test_the_connectors_figures_reach_vllms_log_line_and_prometheus(
             logging_.observe(data)
         with caplog.at_level(logging.INFO):
             logging_.log(log_fn=logging.getLogger("test").info)
-        return caplog.records[-1].getMessage(), functools.partial(reg.get_sample_value,
-                                                                  labels=labels)
+        return caplog.records[-1].getMessage(), functools.partial(
+            reg.get_sample_value, labels=labels
+        )
 
     line, value = observed(p)
     assert "sends=2" in line, line
@@ -365,14 +439,20 @@ def test_the_connectors_figures_reach_vllms_log_line_and_prometheus(
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_failed_load_returns_its_blocks_and_follows_the_policy(
-        model: Path, server: BootstrapServer, policy: str) -> None:
+    model: Path, server: BootstrapServer, policy: str
+) -> None:
     pair = make_pair(model, server, name=f"f-{policy}", policy=policy, timeouts=1.0)
     d = pair.d
     free_d = d.free_blocks()
     tokens = list(range(100, 200))
     # a prefill answer for a room no prefill holds: the decode's request goes unanswered
-    params = {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room": 999,
-              "pdxfer_bootstrap": server.address, "pdxfer_instance": "p-nobody"}
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "pdxfer_room": 999,
+        "pdxfer_bootstrap": server.address,
+        "pdxfer_instance": "p-nobody",
+    }
     d.add("x", tokens, 2, params)
     run_until([d], lambda: "x" in d.finished or "x" in d.computed, timeout=30)
     assert d.conn.worker.counters["load_failures"] == 1
@@ -396,13 +476,15 @@ def test_the_plugin_registers_the_connector_by_name() -> None:
     assert eps and eps[0].value == "pdxfer.integrations.vllm:register"
     integration.register()
     integration.register()  # vLLM loads plugins in several places: twice is fine
-    cls = KVConnectorFactory.get_connector_class(KVTransferConfig(
-        kv_connector="PdxferConnector", kv_role="kv_consumer"))
+    cls = KVConnectorFactory.get_connector_class(
+        KVTransferConfig(kv_connector="PdxferConnector", kv_role="kv_consumer")
+    )
     assert cls is PdxferConnector
 
 
 def test_a_decode_never_loads_from_a_prefill_behind_a_bootstrap_it_does_not_trust(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     """A client names a rogue prefill (a real endpoint, on its own bootstrap, holding its own
     KV for the prompt): the decode serves the request as if it had no pdxfer params, computing
     the prompt itself, counts the refusal, and the rogue is never asked."""
@@ -442,9 +524,14 @@ def test_the_step_after_a_prefill_finished_lets_its_answer_go_out_first() -> Non
     sch = PdxferScheduler(C.parse("kv_producer", {"bootstrap": "127.0.0.1:9"}, "m"), BS)
     firsts = 0
     for i in range(20):
-        r = Request(f"r{i}", list(range(40)), SamplingParams(
-            max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
-            None)
+        r = Request(
+            f"r{i}",
+            list(range(40)),
+            SamplingParams(
+                max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+            ),
+            None,
+        )
         sch.update_state_after_alloc(r, None, 0)  # scheduled: its room opens
         sch.build_connector_meta()  # the step that computes it (no send yet)
         r.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -483,17 +570,36 @@ def test_decode_tier_keys_of_a_prompt_with_images_depend_on_the_images() -> None
     boot = "127.0.0.1:9"
     sch = PdxferScheduler(C.parse("kv_consumer", {"bootstrap": boot, "l2_pages": 16}, "m"), BS)
     tokens = [7] * 10 + [99] * 64 + [8] * 30  # text, 64 image placeholders, text
-    params = {"do_remote_prefill": True, "pdxfer_room": 5, "pdxfer_bootstrap": boot,
-              "pdxfer_instance": "p0"}
+    params = {
+        "do_remote_prefill": True,
+        "pdxfer_room": 5,
+        "pdxfer_bootstrap": boot,
+        "pdxfer_instance": "p0",
+    }
 
-    def scopes(rid: str, image: str | None, at: int = 10, salt: str | None = None
-               ) -> tuple[str, str]:
-        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=image,
-                                    mm_position=PlaceholderRange(offset=at, length=64))
-              ] if image else None
-        r = Request(rid, list(tokens), SamplingParams(
-            max_tokens=1, extra_args={"kv_transfer_params": dict(params)}), None,
-            mm_features=mm, cache_salt=salt)
+    def scopes(
+        rid: str, image: str | None, at: int = 10, salt: str | None = None
+    ) -> tuple[str, str]:
+        mm = (
+            [
+                MultiModalFeatureSpec(
+                    data=None,
+                    modality="image",
+                    identifier=image,
+                    mm_position=PlaceholderRange(offset=at, length=64),
+                )
+            ]
+            if image
+            else None
+        )
+        r = Request(
+            rid,
+            list(tokens),
+            SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(params)}),
+            None,
+            mm_features=mm,
+            cache_salt=salt,
+        )
         blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
         sch.update_state_after_alloc(r, blocks, len(tokens))  # type: ignore[arg-type]
         (load,) = sch.build_connector_meta().loads

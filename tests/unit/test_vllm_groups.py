@@ -19,8 +19,10 @@ STATE = Group(3, "state", 4096, ("model.layers.2.mixer",), page_bytes=1 << 16)
 
 def test_pools_that_start_at_different_tokens_travel_in_separate_rooms() -> None:
     ps = G.parts([FULL, SLIDE, SLIDE2, STATE])
-    assert [(p.key, [g.pool for g in p.groups]) for p in ps] == \
-        [(0, ["kv", "kv3"]), (128, ["kv1", "kv2"])]
+    assert [(p.key, [g.pool for g in p.groups]) for p in ps] == [
+        (0, ["kv", "kv3"]),
+        (128, ["kv1", "kv2"]),
+    ]
     room = 12345
     assert ps[0].room(room) == room
     other = ps[1].room(room)
@@ -61,7 +63,8 @@ def _skipped(window: int, computed: int) -> int:
 
 @pytest.mark.parametrize("window", [32, 100, 128])
 def test_a_streamed_window_block_is_never_freed_and_covers_what_the_decode_holds(
-        window: int) -> None:
+    window: int,
+) -> None:
     """While the prefill runs vLLM frees blocks below ``skipped(c) // bs`` for the tokens
     ``c < n`` it computed; the decode holds from ``skipped(n) // bs``. Streamed blocks start
     at ``window_first``: never freed before the request ends, none the decode holds left out."""
@@ -86,10 +89,11 @@ def test_a_step_hands_only_window_blocks_no_step_frees() -> None:
         G.stream_pages(FULL, ids[:2], 0, 96, n)
 
 
-@pytest.mark.parametrize(("blocks", "spec", "slot"), [
-    ([0, 0, 17], 0, 17), ([17], 0, 17), ([0, 17, 30, 31], 2, 17), ([0], 0, None), ([], 0, None)])
-def test_the_state_block_is_the_running_one(blocks: list[int], spec: int,
-                                            slot: int | None) -> None:
+@pytest.mark.parametrize(
+    ("blocks", "spec", "slot"),
+    [([0, 0, 17], 0, 17), ([17], 0, 17), ([0, 17, 30, 31], 2, 17), ([0], 0, None), ([], 0, None)],
+)
+def test_the_state_block_is_the_running_one(blocks: list[int], spec: int, slot: int | None) -> None:
     assert G.state_block(blocks, spec) == slot
 
 

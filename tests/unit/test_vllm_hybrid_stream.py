@@ -38,18 +38,26 @@ WINDOW, PAGE = 64, 4096
 N, STEP = 150, 48
 """Prompt tokens and tokens a step: steps [0, 48), [48, 96), [96, 144), [144, 150)."""
 ROOM = 4242
-FULL_L, WIN_L, STATE_L = "model.layers.2.attn", ("model.layers.0.attn",
-                                                 "model.layers.1.attn"), "model.layers.3.mixer"
-GROUPS = (Group(0, "full", BS, (FULL_L,)), Group(1, "window", BS, WIN_L, window=WINDOW),
-          Group(2, "state", BS, (STATE_L,), page_bytes=PAGE))
+FULL_L, WIN_L, STATE_L = (
+    "model.layers.2.attn",
+    ("model.layers.0.attn", "model.layers.1.attn"),
+    "model.layers.3.mixer",
+)
+GROUPS = (
+    Group(0, "full", BS, (FULL_L,)),
+    Group(1, "window", BS, WIN_L, window=WINDOW),
+    Group(2, "state", BS, (STATE_L,), page_bytes=PAGE),
+)
 
 
 class Side:
     def __init__(self, role: str, fabric: MemoryFabric, boot: str) -> None:
-        extra = {"bootstrap": boot, "instance": "p0" if role == "kv_producer" else "d0",
-                 "send_by": "layer"}
-        self.w = W.PdxferWorker(C.parse(role, extra, "hybrid"), W.RankInfo(0, 1, BS, H),
-                                GROUPS)
+        extra = {
+            "bootstrap": boot,
+            "instance": "p0" if role == "kv_producer" else "d0",
+            "send_by": "layer",
+        }
+        self.w = W.PdxferWorker(C.parse(role, extra, "hybrid"), W.RankInfo(0, 1, BS, H), GROUPS)
         self.w.transport = MemoryTransport(fabric)
         self.kv = {n: torch.zeros(NB, H, BS, D) for n in (FULL_L, *WIN_L)}
         self.state = torch.zeros(NB, PAGE // 4)
@@ -95,9 +103,22 @@ def _win_table(t0: int) -> tuple[int, ...]:
 def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side, Side]) -> None:
     p, d = pair
     p.w.take(PdxferMetadata(opens=[OpenOrder("a", ROOM, None)]))
-    d.w.take(PdxferMetadata(loads=[LoadOrder(
-        "a-d", ROOM, p.w.cfg.bootstrap or "", "p0", tuple(D_FULL), 0, N,
-        groups=(tuple(D_FULL), tuple(D_WIN), (D_STATE,)))]))
+    d.w.take(
+        PdxferMetadata(
+            loads=[
+                LoadOrder(
+                    "a-d",
+                    ROOM,
+                    p.w.cfg.bootstrap or "",
+                    "p0",
+                    tuple(D_FULL),
+                    0,
+                    N,
+                    groups=(tuple(D_FULL), tuple(D_WIN), (D_STATE,)),
+                )
+            ]
+        )
+    )
     first = G.window_first(GROUPS[1], N)
     for t0 in range(0, N, STEP):
         t1 = min(N, t0 + STEP)
@@ -112,13 +133,25 @@ def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side,
         if last:
             # the full group's complete blocks crossed before the last step was computed
             done = t0 // BS
-            wait("the streamed full blocks", lambda done=done: all(
-                torch.equal(d.kv[FULL_L][D_FULL[k]], p.kv[FULL_L][P_FULL[k]])
-                for k in range(done)))
+            wait(
+                "the streamed full blocks",
+                lambda done=done: all(
+                    torch.equal(d.kv[FULL_L][D_FULL[k]], p.kv[FULL_L][P_FULL[k]])
+                    for k in range(done)
+                ),
+            )
             assert not d.w.get_finished([])[1], "the load ends only with every group"
-        o = LayerOrder("a", ROOM, None, (), t0, t1, last, num_tokens=N,
-                       groups=(tuple(P_FULL[:-(-t1 // BS)]), _win_table(t0)[:-(-t1 // BS)],
-                               ()))
+        o = LayerOrder(
+            "a",
+            ROOM,
+            None,
+            (),
+            t0,
+            t1,
+            last,
+            num_tokens=N,
+            groups=(tuple(P_FULL[: -(-t1 // BS)]), _win_table(t0)[: -(-t1 // BS)], ()),
+        )
         meta = PdxferMetadata(layers=[o])
         p.w.take(meta)
         for n in (*WIN_L, FULL_L):
@@ -130,8 +163,20 @@ def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side,
     assert p.w.counters["send_failures"] == 0
     time.sleep(0.05)
     assert not d.w.get_finished([])[1], "no load ends before the state page was sent"
-    p.w.take(PdxferMetadata(sends=[SendOrder("a", ROOM, None, tuple(P_FULL), N, groups=(
-        tuple(P_FULL), _win_table(144), (0, P_STATE)))]))
+    p.w.take(
+        PdxferMetadata(
+            sends=[
+                SendOrder(
+                    "a",
+                    ROOM,
+                    None,
+                    tuple(P_FULL),
+                    N,
+                    groups=(tuple(P_FULL), _win_table(144), (0, P_STATE)),
+                )
+            ]
+        )
+    )
     got: set[str] = set()
     wait("the load", lambda: bool(got.update(d.w.get_finished([])[1]) or got))
     assert got == {"a-d"} and d.w.counters["load_failures"] == 0
@@ -157,8 +202,7 @@ def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_al
     sides = []
     try:
         for role in ("kv_producer", "kv_consumer"):
-            extra = {"bootstrap": boot.address, "instance": "p0" if role == "kv_producer"
-                     else "d0"}
+            extra = {"bootstrap": boot.address, "instance": "p0" if role == "kv_producer" else "d0"}
             w = W.PdxferWorker(C.parse(role, extra, "hybrid"), W.RankInfo(0, 1, BS, H), groups)
             w.transport = MemoryTransport(fabric)
             kv = {n: torch.zeros(NB, H, BS, D) for n in (FULL_L, *WIN_L)}
@@ -171,19 +215,49 @@ def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_al
             for k in range(t0 // BS, -(-t1 // BS)):
                 for n in pkv:
                     pkv[n][[P_FULL, P_WIN][n in WIN_L][k]] = torch.randn(H, BS, D)
-            o = LayerOrder("b", ROOM, None, (), t0, t1, t1 == N, num_tokens=N,
-                           groups=(tuple(P_FULL[:-(-t1 // BS)]), _win_table(t0)[:-(-t1 // BS)]))
+            o = LayerOrder(
+                "b",
+                ROOM,
+                None,
+                (),
+                t0,
+                t1,
+                t1 == N,
+                num_tokens=N,
+                groups=(tuple(P_FULL[: -(-t1 // BS)]), _win_table(t0)[: -(-t1 // BS)]),
+            )
             meta = PdxferMetadata(layers=[o])
             p.take(meta)
             p.after_forward(meta)
         assert p.counters["sends"] == 1 and p.counters["step_chunks"] == 3
-        d.take(PdxferMetadata(loads=[LoadOrder("b-d", ROOM, boot.address, "p0", tuple(D_FULL),
-                                                0, N, groups=(tuple(D_FULL), tuple(D_WIN)))]))
+        d.take(
+            PdxferMetadata(
+                loads=[
+                    LoadOrder(
+                        "b-d",
+                        ROOM,
+                        boot.address,
+                        "p0",
+                        tuple(D_FULL),
+                        0,
+                        N,
+                        groups=(tuple(D_FULL), tuple(D_WIN)),
+                    )
+                ]
+            )
+        )
         got: set[str] = set()
         wait("the load", lambda: bool(got.update(d.get_finished([])[1]) or got))
         assert got == {"b-d"} and d.counters["load_failures"] == 0
-        p.take(PdxferMetadata(sends=[SendOrder("b", ROOM, None, tuple(P_FULL), N, groups=(
-            tuple(P_FULL), _win_table(144)))]))
+        p.take(
+            PdxferMetadata(
+                sends=[
+                    SendOrder(
+                        "b", ROOM, None, tuple(P_FULL), N, groups=(tuple(P_FULL), _win_table(144))
+                    )
+                ]
+            )
+        )
         assert p.counters["sends"] == 1
         for k in range(10):
             assert torch.equal(dkv[FULL_L][D_FULL[k]], pkv[FULL_L][P_FULL[k]]), k

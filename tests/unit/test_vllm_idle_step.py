@@ -38,7 +38,9 @@ class Rx:
 
 @pytest.fixture
 def setup(monkeypatch: pytest.MonkeyPatch) -> tuple[W.PdxferWorker, Rx, list[float]]:
-    w = W.PdxferWorker(C.parse("kv_consumer", {"bootstrap": "127.0.0.1:9"}, "m"), W.RankInfo(0, 1, 16, 1))
+    w = W.PdxferWorker(
+        C.parse("kv_consumer", {"bootstrap": "127.0.0.1:9"}, "m"), W.RankInfo(0, 1, 16, 1)
+    )
     rx = Rx()
     order = LoadOrder("a", 7, "127.0.0.1:9", None, (1, 2), 0, 20)
     w._loads["a"] = W._Load(order, rx, [1, 2])  # type: ignore[arg-type]

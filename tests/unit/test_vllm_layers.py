@@ -43,8 +43,11 @@ __all__ = ["model", "server"]  # the fixtures, shared with test_vllm_connector
 STEP = 48  # tokens per step: a block and a half
 
 
-def layerwise(e: base.Engine, after: Callable[[int, str, int, int], None] | None = None,
-              report: Callable[[int], bool] = lambda i: True) -> None:
+def layerwise(
+    e: base.Engine,
+    after: Callable[[int, str, int, int], None] | None = None,
+    report: Callable[[int], bool] = lambda i: True,
+) -> None:
     """Give ``e`` a forward that computes one layer at a time and reports each to the
     connector (``save_kv_layer``), as vLLM's attention layers do; ``after(layer, rid, first,
     n)`` runs once a layer is reported; ``report(layer)`` False skips the call for it."""
@@ -59,8 +62,9 @@ def layerwise(e: base.Engine, after: Callable[[int, str, int, int], None] | None
         for i, name in enumerate(LAYERS):
             for _, r, first, n, blocks in steps:
                 for pos in range(first, first + n):
-                    self.kv[i, blocks[pos // BS], :, pos % BS, :] = \
-                        pattern(r.all_token_ids[pos], pos)[i]
+                    self.kv[i, blocks[pos // BS], :, pos % BS, :] = pattern(
+                        r.all_token_ids[pos], pos
+                    )[i]
             if report(i):
                 self.conn.save_kv_layer(name, self.kv[i], None)  # type: ignore[arg-type]
             for rid, _, first, n, _ in steps:
@@ -87,19 +91,25 @@ def test_a_step_order_names_the_tokens_it_computes_and_the_blocks_that_hold_them
         assert o is not None
         spans.append((o.start, o.end, o.block_ids, o.last))
         st.tokens = end
-    assert spans == [(0, 48, (10, 11), False), (48, 96, (11, 12), False),
-                     (96, 144, (13, 14), False), (144, 150, (14,), True)], \
-        "a block filled in part is named again by the step that completes it"
+    assert spans == [
+        (0, 48, (10, 11), False),
+        (48, 96, (11, 12), False),
+        (96, 144, (13, 14), False),
+        (144, 150, (14,), True),
+    ], "a block filled in part is named again by the step that completes it"
     assert layer_order("r", st, 150, ids, BS) is None, "nothing new"
-    assert layer_order("r", Streamed(1, None, 150), 64, ids[:1], BS) is None, \
+    assert layer_order("r", Streamed(1, None, 150), 64, ids[:1], BS) is None, (
         "blocks not all known: the end of the request sends them"
+    )
     hit = layer_order("r", Streamed(1, None, 150), 4 * BS + 16, ids, BS)
-    assert hit is not None and (hit.start, hit.block_ids) == (0, tuple(ids)), \
+    assert hit is not None and (hit.start, hit.block_ids) == (0, tuple(ids)), (
         "a prefix vLLM had cached goes with the first step"
+    )
 
 
 def test_the_scheduler_orders_each_steps_tokens_by_layer(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     pair = make_pair(model, server, name="lmeta", batched=STEP)
     p = pair.p
     assert p.conn.cfg.send_by == "layer", "layer by layer is the default"
@@ -109,13 +119,18 @@ def test_the_scheduler_orders_each_steps_tokens_by_layer(
     blocks = p.blocks("m")
     assert not [c for m in metas for c in m.chunks], "no whole-block orders"
     got = [(o.start, o.end, o.block_ids, o.last) for m in metas for o in m.layers]
-    assert got == [(0, 48, tuple(blocks[0:2]), False), (48, 96, tuple(blocks[1:3]), False),
-                   (96, 144, tuple(blocks[3:5]), False), (144, 150, tuple(blocks[4:5]), True)]
+    assert got == [
+        (0, 48, tuple(blocks[0:2]), False),
+        (48, 96, tuple(blocks[1:3]), False),
+        (96, 144, tuple(blocks[3:5]), False),
+        (144, 150, tuple(blocks[4:5]), True),
+    ]
     run_until([p], lambda: "m" in p.finished)
 
 
 def test_an_early_decode_holds_a_layer_before_the_prefill_computed_the_next(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     pair = make_pair(model, server, name="lwise", batched=STEP)
     p, d = pair.p, pair.d
     free_p, free_d = p.free_blocks(), d.free_blocks()
@@ -126,16 +141,18 @@ def test_an_early_decode_holds_a_layer_before_the_prefill_computed_the_next(
 
     def arrived(layer: int, first: int, n: int) -> bool:
         dst = d.blocks("l-d")
-        got = torch.stack([d.kv[layer, dst[q // BS], :, q % BS, :]
-                           for q in range(first, first + n)])
+        got = torch.stack(
+            [d.kv[layer, dst[q // BS], :, q % BS, :] for q in range(first, first + n)]
+        )
         return torch.equal(got, expected(tokens, first + n)[first:, layer])
 
     def after(layer: int, rid: str, first: int, n: int) -> None:
         if rid != "l" or layer + 1 >= S.layers or first + n >= len(tokens):
             return
         base.run_until([], lambda: arrived(layer, first, n))
-        assert not torch.any(p.kv[layer + 1, p.blocks("l")[(first + n - 1) // BS], :,
-                                  (first + n - 1) % BS, :]), "the next layer is not computed"
+        assert not torch.any(
+            p.kv[layer + 1, p.blocks("l")[(first + n - 1) // BS], :, (first + n - 1) % BS, :]
+        ), "the next layer is not computed"
         seen.append((layer, first))
 
     layerwise(p, after)
@@ -153,13 +170,15 @@ def test_an_early_decode_holds_a_layer_before_the_prefill_computed_the_next(
     w = p.conn.worker
     assert w.counters["layer_sends"] == 4 * S.layers and w.counters["sends"] == 1
     assert w.counters["streamed_steps"] == 4, "every step went as computed: the decode asked first"
-    assert p.ep.metrics()["transport_bytes"] == len(tokens) * w.layout.block_bytes // BS, \
+    assert p.ep.metrics()["transport_bytes"] == len(tokens) * w.layout.block_bytes // BS, (
         "each token's KV crosses once: a block filled in two steps goes in two parts"
+    )
     assert p.free_blocks() == free_p and d.free_blocks() == free_d
 
 
 def test_where_blocks_are_packed_a_block_filled_in_part_waits_to_be_complete(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     """vLLM's CPU backend packs each (block, head) tile per ISA: a token's KV there is not at
     a place pdxfer can address, so a block goes whole, once a step completed it."""
     pair = make_pair(model, server, name="lpack", batched=STEP)
@@ -182,7 +201,8 @@ def test_where_blocks_are_packed_a_block_filled_in_part_waits_to_be_complete(
 
 
 def test_a_layer_the_forward_does_not_report_is_sent_after_the_step(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     pair = make_pair(model, server, name="lskip", batched=STEP)
     p, d = pair.p, pair.d
     tokens = [(i * 29) % 900 + 10 for i in range(130)]
@@ -195,14 +215,16 @@ def test_a_layer_the_forward_does_not_report_is_sent_after_the_step(
     n = len(tokens) - 1
     assert torch.equal(base.held(d, "s-d", n), expected(tokens, n))
     assert d.conn.worker.counters["load_failures"] == 0
-    assert p.conn.worker.counters["layer_sends"] == 3 * S.layers, \
+    assert p.conn.worker.counters["layer_sends"] == 3 * S.layers, (
         "each of the 3 steps: the reported layers one by one, then layer 1 after the step"
+    )
     assert p.conn.worker.counters["streamed_steps"] == 3
     run_until([p, d], lambda: "s-d" in d.finished and "s" not in p.sched.requests)
 
 
 def test_a_room_no_decode_asked_for_gets_each_steps_layers_after_the_forward_at_once(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     """Under vLLM's proxy the decode asks after the prefill's answer, so while the forward
     runs nobody can receive a layer; a hand-off per layer only spent the engine thread's
     time inside the forward while the answer waited (issue 33: ~1 ms a request). Each step's

@@ -19,8 +19,11 @@ def _layers(order: str, tensor: torch.Tensor | None = None) -> dict[str, torch.T
     """Per-layer logical [B, H, N, C] views of one allocation laid out as ``order``
     (vLLM's ``KVCacheLayout`` names)."""
     dims = {"L": L, "B": B, "H": H, "N": N, "C": C2}
-    t = tensor if tensor is not None else torch.zeros([dims[c] for c in order],
-                                                      dtype=torch.bfloat16)
+    t = (
+        tensor
+        if tensor is not None
+        else torch.zeros([dims[c] for c in order], dtype=torch.bfloat16)
+    )
     logical = t.permute(*[order.index(c) for c in "LBHNC"])
     return {f"model.layers.{i}.self_attn.attn": logical[i] for i in range(L)}
 
@@ -31,8 +34,9 @@ def test_head_major_blocks_are_one_page_per_block_and_layer_with_addressable_hea
     p = lay.pool
     assert lay.kind == "HND" and p.sharding.layout == "HND" and p.sharding.rank_heads == H
     assert p.item_bytes == H * N * C2 * 2 and p.num_items == B and p.page_size == N
-    assert [b.addr for b in p.buffers] == [caches[f"model.layers.{i}.self_attn.attn"].data_ptr()
-                                           for i in range(L)]
+    assert [b.addr for b in p.buffers] == [
+        caches[f"model.layers.{i}.self_attn.attn"].data_ptr() for i in range(L)
+    ]
     assert p.sharding.head_bytes == C2 * 2 and lay.block_bytes == L * p.item_bytes
 
 
@@ -59,9 +63,12 @@ def test_blocks_strided_by_heads_are_refused_not_misaddressed() -> None:
 
 def test_padded_pages_are_opaque_items_of_the_padded_size() -> None:
     big = torch.zeros(L, B, H * N * C2 + 64, dtype=torch.bfloat16)
-    caches = {f"model.layers.{i}.self_attn.attn":
-              torch.as_strided(big[i], (B, H, N, C2), (H * N * C2 + 64, N * C2, C2, 1))
-              for i in range(L)}
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.as_strided(
+            big[i], (B, H, N, C2), (H * N * C2 + 64, N * C2, C2, 1)
+        )
+        for i in range(L)
+    }
     lay = describe(caches, block_size=N, total_kv_heads=H)
     assert lay.kind == "opaque-layer" and lay.pool.item_bytes == (H * N * C2 + 64) * 2
 
@@ -102,8 +109,17 @@ def test_extra_config_errors_name_the_key() -> None:
         C.parse("kv_consumer", {"l3": "file", "l3_dir": "/tmp/x"})
     with pytest.raises(ConfigError, match="transport"):
         C.parse("kv_consumer", {"transport": "udp"})
-    c = C.parse("kv_consumer", {"l2_pages": 64, "l3": "file", "l3_dir": "/tmp/x",
-                                "bootstrap": "10.0.0.1:8998, 10.0.0.2:8998"}, "m", "r1")
+    c = C.parse(
+        "kv_consumer",
+        {
+            "l2_pages": 64,
+            "l3": "file",
+            "l3_dir": "/tmp/x",
+            "bootstrap": "10.0.0.1:8998, 10.0.0.2:8998",
+        },
+        "m",
+        "r1",
+    )
     assert c.side == "decode" and c.instance == "vllm-decode" and c.model_id == "m@r1"
     assert c.trusted == ("10.0.0.1:8998", "10.0.0.2:8998")
 
@@ -144,26 +160,31 @@ def test_k_and_v_apart_are_two_buffers_per_layer_with_heads_addressable() -> Non
     lay = describe(caches, block_size=N, total_kv_heads=2 * H, tp_rank=1, tp_size=2)
     p = lay.pool
     assert lay.kind == "NHD" and [(b.layer_id, b.role) for b in p.buffers] == [
-        (i, r) for i in range(L) for r in ("k", "v")]
+        (i, r) for i in range(L) for r in ("k", "v")
+    ]
     assert [b.addr for b in p.buffers] == [t[i, j].data_ptr() for i in range(L) for j in (0, 1)]
     assert p.item_bytes == N * H * D * 2 and p.sharding.head_bytes == D * 2
     assert p.sharding.first_head == H and lay.block_bytes == 2 * L * p.item_bytes
 
 
-def test_an_mla_latent_is_one_replicated_pool_that_one_prefill_rank_writes_per_decode_rank(
-) -> None:
+def test_an_mla_latent_is_one_replicated_pool_that_one_prefill_rank_writes_per_decode_rank() -> (
+    None
+):
     """DeepSeek-V2's cache as vLLM hands it (per layer ``[blocks, block_size, 512 + 64]``)
     on every rank of TP 1 and 2: whatever the config's KV heads (4), each rank's pool is the
     same replicated latent, and the planner has exactly one prefill rank write it to each
     decode rank, P TP 2 -> D TP 1 and 1 -> 2 (so each decode rank gets it once)."""
     from pdxfer.plan.topology import assign, contacts
 
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(B, N, 576, dtype=torch.bfloat16)
-              for i in range(2)}
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(B, N, 576, dtype=torch.bfloat16)
+        for i in range(2)
+    }
 
     def pool(rank: int, tp: int, latent: bool = True):  # noqa: ANN202
-        return describe(caches, block_size=N, total_kv_heads=4, tp_rank=rank, tp_size=tp,
-                        latent=latent).pool
+        return describe(
+            caches, block_size=N, total_kv_heads=4, tp_rank=rank, tp_size=tp, latent=latent
+        ).pool
 
     pools = [pool(0, 1), pool(0, 2), pool(1, 2)]
     for p in pools:

@@ -30,8 +30,11 @@ STEP = 64  # tokens per step: two blocks
 
 
 def prefill_params(room: int | None, decode: str) -> dict[str, Any]:
-    p: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
-                         "pdxfer_decode": decode}
+    p: dict[str, Any] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "pdxfer_decode": decode,
+    }
     if room is not None:
         p["pdxfer_room"] = room
     return p
@@ -39,9 +42,13 @@ def prefill_params(room: int | None, decode: str) -> dict[str, Any]:
 
 def early_params(pair: base.Pair, room: int) -> dict[str, Any]:
     """What a front door gives the decode at dispatch (``VllmBackend.early_params``)."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room": room,
-            "pdxfer_bootstrap": pair.server.address,
-            "pdxfer_instance": pair.p.conn.cfg.instance}
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "pdxfer_room": room,
+        "pdxfer_bootstrap": pair.server.address,
+        "pdxfer_instance": pair.p.conn.cfg.instance,
+    }
 
 
 def orders(e: base.Engine) -> list[PdxferMetadata]:
@@ -63,9 +70,9 @@ def orders(e: base.Engine) -> list[PdxferMetadata]:
 
 
 def test_the_scheduler_orders_each_steps_blocks_and_answers_the_room_it_opened(
-        model: Path, server: BootstrapServer) -> None:
-    pair = make_pair(model, server, name="meta", batched=STEP,
-                     prefill_extra={"send_by": "step"})
+    model: Path, server: BootstrapServer
+) -> None:
+    pair = make_pair(model, server, name="meta", batched=STEP, prefill_extra={"send_by": "step"})
     p = pair.p
     tokens = [(i * 11) % 900 + 10 for i in range(150)]  # 5 blocks, the last one partial
     p.add("m", tokens, 1, prefill_params(None, "d-meta"))  # the prefill draws the room
@@ -77,17 +84,19 @@ def test_the_scheduler_orders_each_steps_blocks_and_answers_the_room_it_opened(
     assert [(c.block_ids, c.num_tokens, c.last) for c in chunks] == [
         (tuple(blocks[:2]), 2 * BS, False),
         (tuple(blocks[:4]), 4 * BS, False),
-        (tuple(blocks[:5]), 150, True)], "each step's blocks; the last step's all of them"
+        (tuple(blocks[:5]), 150, True),
+    ], "each step's blocks; the last step's all of them"
     assert all(c.room == opened.room and c.peer == "d-meta" for c in chunks)
     run_until([p], lambda: "m" in p.finished)
-    assert p.finished["m"].kv_transfer_params["pdxfer_room"] == opened.room, \
+    assert p.finished["m"].kv_transfer_params["pdxfer_room"] == opened.room, (
         "the answer names the room the workers opened (the one drawn at scheduling)"
+    )
 
 
-def test_send_by_request_orders_the_whole_prompt_once(
-        model: Path, server: BootstrapServer) -> None:
-    pair = make_pair(model, server, name="whole", batched=STEP,
-                     prefill_extra={"send_by": "request"})
+def test_send_by_request_orders_the_whole_prompt_once(model: Path, server: BootstrapServer) -> None:
+    pair = make_pair(
+        model, server, name="whole", batched=STEP, prefill_extra={"send_by": "request"}
+    )
     p = pair.p
     tokens = [(i * 7) % 900 + 10 for i in range(150)]
     p.add("w", tokens, 1, prefill_params(77, "d-whole"))
@@ -96,7 +105,8 @@ def test_send_by_request_orders_the_whole_prompt_once(
 
 
 def test_an_early_decode_holds_the_first_blocks_while_the_prefill_computes_the_rest(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     pair = make_pair(model, server, name="early", batched=STEP)
     p, d = pair.p, pair.d
     free_p, free_d = p.free_blocks(), d.free_blocks()
@@ -113,8 +123,9 @@ def test_an_early_decode_holds_the_first_blocks_while_the_prefill_computes_the_r
         return torch.equal(got, expected(tokens, k))
 
     base.run_until([], lambda: arrived(2 * BS))
-    assert "e" not in p.finished and p.sched.requests["e"].num_computed_tokens == STEP, \
+    assert "e" not in p.finished and p.sched.requests["e"].num_computed_tokens == STEP, (
         "two blocks are at the decode while the prefill has computed only them"
+    )
     run_until([p, d], lambda: "e-d" in d.finished and "e" not in p.sched.requests)
     assert d.computed["e-d"][0] == (len(tokens) - 1, 1), "only the last token recomputed"
     assert d.outputs["e-d"] == [SAMPLED] * 3
@@ -123,7 +134,8 @@ def test_an_early_decode_holds_the_first_blocks_while_the_prefill_computes_the_r
 
 
 def test_a_prefix_cache_hit_on_the_prefill_is_sent_with_the_first_step(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     # the decode has no prefix cache of its own: all of b's blocks cross, its cached ones too
     pair = make_pair(model, server, name="hit", batched=STEP, prefix_caching=False)
     p, d = pair.p, pair.d
@@ -133,8 +145,13 @@ def test_a_prefix_cache_hit_on_the_prefill_is_sent_with_the_first_step(
         d.add(f"{rid}-d", toks, 2, early_params(pair, room))
         d.step()
         p.add(rid, toks, 1, prefill_params(room, "d-hit"))
-        run_until([p, d], lambda rid=rid: f"{rid}-d" in d.finished  # type: ignore[misc]
-                  and rid not in p.sched.requests)
+        run_until(
+            [p, d],
+            lambda rid=rid: (
+                f"{rid}-d" in d.finished  # type: ignore[misc]
+                and rid not in p.sched.requests
+            ),
+        )
         assert d.computed[f"{rid}-d"][0] == (len(toks) - 1, 1)
     assert p.computed["b"][0][0] == 4 * BS, "the prefill computed only past its cached prefix"
     d_blocks = d.conn.worker.layout.block_bytes
@@ -142,7 +159,8 @@ def test_a_prefix_cache_hit_on_the_prefill_is_sent_with_the_first_step(
 
 
 def test_an_aborted_prefill_keeps_handed_blocks_until_no_write_reads_them(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     pair = make_pair(model, server, name="abort", batched=STEP, timeouts=2.0)
     p = pair.p
     free_p = p.free_blocks()
@@ -155,7 +173,6 @@ def test_an_aborted_prefill_keeps_handed_blocks_until_no_write_reads_them(
     assert not p.conn.worker._sends, "the room is gone"
 
 
-
 def keep_busy(p: base.Engine) -> None:
     """A busy prefill: one request runs at a time, and "busy" runs for hundreds of steps, so
     the next request waits in vLLM's queue."""
@@ -165,7 +182,8 @@ def keep_busy(p: base.Engine) -> None:
 
 
 def test_an_early_decode_waits_while_its_prefill_request_is_queued_past_the_grace(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     """The decode asks at dispatch; the prefill has the request but keeps it queued (one
     running request at a time, another one running) for longer than ``room_grace_s``. The
     prefill's engine expected the room on arrival, so the decode still loads exactly the
@@ -173,8 +191,9 @@ def test_an_early_decode_waits_while_its_prefill_request_is_queued_past_the_grac
     too; test_unknown_room tests an expected room asked for late); a room the prefill never
     received, asked for in the sequential form, fails after the grace (that failure is what
     says the grace has passed)."""
-    pair = make_pair(model, server, name="queued", batched=STEP,
-                     prefill_extra={"room_grace_s": 0.2})
+    pair = make_pair(
+        model, server, name="queued", batched=STEP, prefill_extra={"room_grace_s": 0.2}
+    )
     p, d = pair.p, pair.d
     keep_busy(p)
     tokens = [(i * 19) % 900 + 10 for i in range(150)]
@@ -189,8 +208,9 @@ def test_an_early_decode_waits_while_its_prefill_request_is_queued_past_the_grac
     assert p.sched.requests["q"].status == RequestStatus.WAITING
     assert p.ep.tables()["expected"] == 1 and p.ep.tables()["rooms"] == 0
     run_until([d], lambda: "u-d" in d.computed, timeout=30)
-    assert d.computed["u-d"][0] == (0, len(tokens)), \
+    assert d.computed["u-d"][0] == (0, len(tokens)), (
         "the unknown room failed after the grace and its decode recomputed it"
+    )
     assert d.conn.worker.counters["load_failures"] == 1
     assert "q-d" not in d.computed, "the queued request's decode still waits"
     p.sched.finish_requests("busy", RequestStatus.FINISHED_ABORTED)  # "q" runs now
@@ -203,11 +223,18 @@ def test_an_early_decode_waits_while_its_prefill_request_is_queued_past_the_grac
 
 
 def test_a_queued_prefill_request_that_is_aborted_fails_its_early_decode_at_once(
-        model: Path, server: BootstrapServer) -> None:
+    model: Path, server: BootstrapServer
+) -> None:
     """A request aborted while queued never opens its room: the expectation is withdrawn,
     and the decode waiting for it fails now (it recomputes), not at the bootstrap deadline."""
-    pair = make_pair(model, server, name="withdraw", batched=STEP, timeouts=60.0,
-                     prefill_extra={"room_grace_s": 0.2})
+    pair = make_pair(
+        model,
+        server,
+        name="withdraw",
+        batched=STEP,
+        timeouts=60.0,
+        prefill_extra={"room_grace_s": 0.2},
+    )
     p, d = pair.p, pair.d
     keep_busy(p)
     tokens = [(i * 23) % 900 + 10 for i in range(100)]

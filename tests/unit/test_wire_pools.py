@@ -14,21 +14,30 @@ from pdxfer.pools import check_pair, check_pools, layout_signature
 
 
 def req(**kw: object) -> wire.TransferRequest:
-    base = dict(room=42, nonce=7, endpoint_id="d0",
-                dst={"kv": wire.pack_indices([3, 1, 2])}, slots={"aux": 1}, prefix_len=0,
-                num_tokens=40)
+    base = dict(
+        room=42,
+        nonce=7,
+        endpoint_id="d0",
+        dst={"kv": wire.pack_indices([3, 1, 2])},
+        slots={"aux": 1},
+        prefix_len=0,
+        num_tokens=40,
+    )
     base.update(kw)
     return wire.TransferRequest(**base)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("msg", [
-    req(),
-    wire.TransferDone(room=1, nonce=2, endpoint_id="p", rank=0, ok=False, reason="x" * 100),
-    wire.Abort(room=(1 << 63) - 1, nonce=0, reason="r", endpoint_id="d"),
-    wire.AbortAck(room=5, nonce=6, known=False),
-    wire.Release(room=5, nonce=6),
-    wire.HelloAck(endpoint_id="p", ok=False, reason="nope"),
-])
+@pytest.mark.parametrize(
+    "msg",
+    [
+        req(),
+        wire.TransferDone(room=1, nonce=2, endpoint_id="p", rank=0, ok=False, reason="x" * 100),
+        wire.Abort(room=(1 << 63) - 1, nonce=0, reason="r", endpoint_id="d"),
+        wire.AbortAck(room=5, nonce=6, known=False),
+        wire.Release(room=5, nonce=6),
+        wire.HelloAck(endpoint_id="p", ok=False, reason="nope"),
+    ],
+)
 def test_every_message_round_trips(msg: wire.Msg) -> None:
     assert wire.decode(wire.encode(msg)) == msg
 
@@ -44,23 +53,30 @@ def _f(payload: bytes, kind: type = wire.Abort) -> bytes:
     return wire.frame(payload, kind)
 
 
-@pytest.mark.parametrize("frame,why", [
-    (b"", "magic"),
-    (b"XYZ\x01abc", "magic"),
-    (wire.MAGIC + b"\x09" + b"\x80", "version"),
-    (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + b"\x80", "shorter than its header"),
-    (_f(b"\xc1"), "malformed"),
-    (_f(msgspec.msgpack.encode({"type": "Nope"})), "invalid"),
-    (_f(msgspec.msgpack.encode({"type": "Abort", "room": -1, "nonce": 0})), "invalid"),
-    (_f(msgspec.msgpack.encode({"type": "Abort", "room": 1, "nonce": 0, "extra": 1})),
-     "invalid"),
-    (_f(msgspec.msgpack.encode({"type": "Abort", "room": "1", "nonce": 0})), "invalid"),
-    (_f(msgspec.msgpack.encode({"type": "Release", "room": 1, "nonce": 0})),
-     "header says Abort"),
-    (_f(msgspec.msgpack.encode({"type": "Abort", "room": 1, "nonce": 0}))[:-1], "arrived"),
-    (_f(b"\x00" * (wire.MAX_SMALL + 1)), "exceeds"),
-    (_f(b"\x00" * (wire.MAX_HELLO + 1), wire.Hello), "exceeds"),
-])
+@pytest.mark.parametrize(
+    "frame,why",
+    [
+        (b"", "magic"),
+        (b"XYZ\x01abc", "magic"),
+        (wire.MAGIC + b"\x09" + b"\x80", "version"),
+        (wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + b"\x80", "shorter than its header"),
+        (_f(b"\xc1"), "malformed"),
+        (_f(msgspec.msgpack.encode({"type": "Nope"})), "invalid"),
+        (_f(msgspec.msgpack.encode({"type": "Abort", "room": -1, "nonce": 0})), "invalid"),
+        (
+            _f(msgspec.msgpack.encode({"type": "Abort", "room": 1, "nonce": 0, "extra": 1})),
+            "invalid",
+        ),
+        (_f(msgspec.msgpack.encode({"type": "Abort", "room": "1", "nonce": 0})), "invalid"),
+        (
+            _f(msgspec.msgpack.encode({"type": "Release", "room": 1, "nonce": 0})),
+            "header says Abort",
+        ),
+        (_f(msgspec.msgpack.encode({"type": "Abort", "room": 1, "nonce": 0}))[:-1], "arrived"),
+        (_f(b"\x00" * (wire.MAX_SMALL + 1)), "exceeds"),
+        (_f(b"\x00" * (wire.MAX_HELLO + 1), wire.Hello), "exceeds"),
+    ],
+)
 def test_malformed_frames_are_rejected_with_a_reason(frame: bytes, why: str) -> None:
     with pytest.raises(WireError, match=why):
         wire.decode(frame)
@@ -68,7 +84,7 @@ def test_malformed_frames_are_rejected_with_a_reason(frame: bytes, why: str) -> 
 
 def test_request_with_prefix_beyond_tokens_is_rejected() -> None:
     frame = wire.encode(req())
-    raw = msgspec.msgpack.decode(frame[wire.HEADER_LEN:])
+    raw = msgspec.msgpack.decode(frame[wire.HEADER_LEN :])
     raw["prefix_len"] = 100
     with pytest.raises(WireError, match="prefix_len"):
         wire.decode(wire.frame(msgspec.msgpack.encode(raw), wire.TransferRequest))
@@ -76,7 +92,7 @@ def test_request_with_prefix_beyond_tokens_is_rejected() -> None:
 
 def test_request_with_torn_packed_indices_is_rejected() -> None:
     frame = wire.encode(req())
-    raw = msgspec.msgpack.decode(frame[wire.HEADER_LEN:])
+    raw = msgspec.msgpack.decode(frame[wire.HEADER_LEN :])
     raw["dst"] = {"kv": b"\x01\x02\x03"}
     with pytest.raises(WireError, match="multiple of 4"):
         wire.decode(wire.frame(msgspec.msgpack.encode(raw), wire.TransferRequest))
@@ -85,8 +101,14 @@ def test_request_with_torn_packed_indices_is_rejected() -> None:
 # -- pools --------------------------------------------------------------------------------
 
 
-def mha(heads: int = 2, dim: int = 8, dtype: torch.dtype = torch.float16, ps: int = 16,
-        layers: int = 2, **kw: object) -> PoolSpec:
+def mha(
+    heads: int = 2,
+    dim: int = 8,
+    dtype: torch.dtype = torch.float16,
+    ps: int = 16,
+    layers: int = 2,
+    **kw: object,
+) -> PoolSpec:
     k = [torch.zeros(8, ps, heads, dim, dtype=dtype) for _ in range(layers)]
     v = [torch.zeros_like(k[0]) for _ in range(layers)]
     spec = PoolSpec.mha("kv", k, v, page_size=ps, **kw)  # type: ignore[arg-type]
@@ -113,11 +135,14 @@ def test_layout_signature_is_stable_and_sensitive() -> None:
     assert layout_signature([a]) == layout_signature([mha(ps=1, page_remap=True)])
 
 
-@pytest.mark.parametrize("other,needle", [
-    (lambda: mha(dim=16), "head size"),
-    (lambda: mha(dtype=torch.bfloat16), "dtype"),
-    (lambda: mha(ps=32), "page_size"),
-])
+@pytest.mark.parametrize(
+    "other,needle",
+    [
+        (lambda: mha(dim=16), "head size"),
+        (lambda: mha(dtype=torch.bfloat16), "dtype"),
+        (lambda: mha(ps=32), "page_size"),
+    ],
+)
 def test_mismatch_names_what_differs(other, needle: str) -> None:
     why = check_pair(mha(), other())
     assert why is not None and needle in why
@@ -138,15 +163,27 @@ def test_inconsistent_specs_are_refused_at_construction() -> None:
     with pytest.raises(ConfigError):
         PoolSpec.mha("kv", [torch.zeros(8, 16, 2, 8)], [torch.zeros(8, 16, 2, 8)], page_size=8)
     with pytest.raises(msgspec.ValidationError):
-        msgspec.convert({"name": "kv", "kind": "paged", "buffers": [
-            {"addr": 4096, "nbytes": 10, "layer_id": 0, "role": "k"}], "item_bytes": 64,
-            "num_items": 4}, PoolSpec)
+        msgspec.convert(
+            {
+                "name": "kv",
+                "kind": "paged",
+                "buffers": [{"addr": 4096, "nbytes": 10, "layer_id": 0, "role": "k"}],
+                "item_bytes": 64,
+                "num_items": 4,
+            },
+            PoolSpec,
+        )
 
 
-@pytest.mark.parametrize("buf", [dict(addr=1 << 120, nbytes=64, layer_id=0, role="k"),
-                                 dict(addr=-1, nbytes=64, layer_id=0, role="k"),
-                                 dict(addr=4096, nbytes=0, layer_id=0, role="k"),
-                                 dict(addr=4096, nbytes=64, layer_id=-1, role="k")])
+@pytest.mark.parametrize(
+    "buf",
+    [
+        dict(addr=1 << 120, nbytes=64, layer_id=0, role="k"),
+        dict(addr=-1, nbytes=64, layer_id=0, role="k"),
+        dict(addr=4096, nbytes=0, layer_id=0, role="k"),
+        dict(addr=4096, nbytes=64, layer_id=-1, role="k"),
+    ],
+)
 def test_specs_built_in_code_are_held_to_the_wire_bounds(buf: dict) -> None:
     """An engine's own spec gets the bounds a decoded one gets (msgspec checks Meta only when
     it decodes): no address past 2^63, no empty buffer, no negative layer."""
@@ -175,8 +212,9 @@ def test_mac_covers_header_and_payload_and_keys_differ_per_direction_and_pair() 
     from pdxfer import auth
 
     key = b"k" * 32
-    f = wire.frame(wire.payload(wire.Release(room=1, nonce=2)), wire.Release, wire.SESSION,
-                   b"p" * 16, 7, key)
+    f = wire.frame(
+        wire.payload(wire.Release(room=1, nonce=2)), wire.Release, wire.SESSION, b"p" * 16, 7, key
+    )
     h = wire.header(f)
     assert wire.verify(f, key, h.mac)
     for i in (3, 6, 10, 30, len(f) - 1):  # mode, length, pair, counter, payload

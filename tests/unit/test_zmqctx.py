@@ -48,11 +48,17 @@ def test_tests_and_the_harness_make_their_contexts_in_one_place() -> None:
     """A new ``zmq.Context()`` in a test forgets the linger sooner or later: they all come
     from ``zmqctx.context`` (the library's own sockets each set linger 0 where made)."""
     root = Path(__file__).resolve().parents[2]
-    files = [*root.joinpath("tests").rglob("*.py"), *root.joinpath("scripts").rglob("*.py"),
-             *root.joinpath("examples").rglob("*.py"),
-             *root.joinpath("benchmarks").rglob("*.py"),
-             *root.joinpath("pdxfer", "demo").rglob("*.py")]
-    bad = [str(p.relative_to(root)) for p in files
-           if p.name not in ("zmqctx.py", "test_zmqctx.py")
-           and re.search(r"\bContext\s*\(", p.read_text())]
+    files = [
+        *root.joinpath("tests").rglob("*.py"),
+        *root.joinpath("scripts").rglob("*.py"),
+        *root.joinpath("examples").rglob("*.py"),
+        *root.joinpath("benchmarks").rglob("*.py"),
+        *root.joinpath("pdxfer", "demo").rglob("*.py"),
+    ]
+    bad = [
+        str(p.relative_to(root))
+        for p in files
+        if p.name not in ("zmqctx.py", "test_zmqctx.py")
+        and re.search(r"\bContext\s*\(", p.read_text())
+    ]
     assert not bad, bad

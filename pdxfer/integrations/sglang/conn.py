@@ -101,8 +101,9 @@ class PdxferKVBootstrapServer(CommonKVBootstrapServer):
         except ValueError as e:
             return web.json_response({"error": str(e)}, status=400)
         if self.geometry is not None and self.geometry != g:
-            return web.json_response({"error": f"geometry {g} differs from {self.geometry}"},
-                                     status=409)
+            return web.json_response(
+                {"error": f"geometry {g} differs from {self.geometry}"}, status=409
+            )
         self.geometry = g
         return web.json_response({"ok": True})
 
@@ -121,11 +122,11 @@ def _geometry(body: Any) -> dict[str, Any]:
     return dict(body)
 
 
-def _http(method: str, url: str, body: dict[str, Any] | None = None,
-          timeout: float = 5.0) -> Any:
+def _http(method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> Any:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read() or b"null")
 
@@ -139,14 +140,15 @@ def discover(bootstrap_addr: str, tries: int = 1, delay: float = 0.5) -> dict[st
             body = _http("GET", url)
             port = int(body["port"])
             host = NetworkAddress.parse(bootstrap_addr).host
-            return {"address": NetworkAddress(host, port).to_host_port_str(),
-                    "geometry": body.get("geometry")}
+            return {
+                "address": NetworkAddress(host, port).to_host_port_str(),
+                "geometry": body.get("geometry"),
+            }
         except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as e:
             last = e
             if attempt + 1 < tries:
-                time.sleep(min(delay * 2 ** attempt, 5.0))
-    raise BootstrapError(f"no pdxfer bootstrap behind SGLang's at {bootstrap_addr} "
-                         f"({url}): {last}")
+                time.sleep(min(delay * 2**attempt, 5.0))
+    raise BootstrapError(f"no pdxfer bootstrap behind SGLang's at {bootstrap_addr} ({url}): {last}")
 
 
 # -- manager ---------------------------------------------------------------------------------
@@ -159,8 +161,13 @@ class PdxferKVManager(CommonKVManager):
     # pdxfer knows exactly when a failed request's pages can no longer be written
     supports_deferred_decode_kv_release = True
 
-    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
-                 server_args: Any, is_mla_backend: bool | None = False) -> None:
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> None:
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.is_mla = bool(is_mla_backend)
         self.swa_index = swa_state(args)
@@ -177,8 +184,9 @@ class PdxferKVManager(CommonKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._start_prefill()
         else:  # a decode loads only from the SGLang bootstrap servers it was told to trust
-            self.trusted = trusted_from_env("PDXFER_TRUSTED_BOOTSTRAPS on the decode (the "
-                                            "prefills' SGLang bootstrap servers)")
+            self.trusted = trusted_from_env(
+                "PDXFER_TRUSTED_BOOTSTRAPS on the decode (the prefills' SGLang bootstrap servers)"
+            )
 
     # -- configuration ----------------------------------------------------------------------
     def _config(self, role: str, bootstrap: str | None = None) -> EndpointConfig:
@@ -186,14 +194,23 @@ class PdxferKVManager(CommonKVManager):
         dp_rank = self.system_dp_rank if self.system_dp_size > 1 else self.attn_dp_rank
         ib = getattr(self.kv_args, "ib_device", None) or ""
         return EndpointConfig(
-            role=role, bootstrap=bootstrap, instance=INSTANCE, host=self.local_ip,
-            tp_rank=self.attn_tp_rank, tp_size=self.attn_tp_size, dp_rank=dp_rank,
-            dp_size=dp_size, pp_rank=self.pp_rank if role == "prefill" else 0,
+            role=role,
+            bootstrap=bootstrap,
+            instance=INSTANCE,
+            host=self.local_ip,
+            tp_rank=self.attn_tp_rank,
+            tp_size=self.attn_tp_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            pp_rank=self.pp_rank if role == "prefill" else 0,
             pp_size=self.pp_size if role == "prefill" else 1,
-            transport="rdma" if ib else "auto", device=ib,
+            transport="rdma" if ib else "auto",
+            device=ib,
             limits=Limits(
                 bootstrap_timeout_s=float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
-                transfer_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())))
+                transfer_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
+            ),
+        )
 
     def _location(self) -> str:
         gpu = getattr(self.kv_args, "gpu_id", None)
@@ -213,8 +230,11 @@ class PdxferKVManager(CommonKVManager):
         if self.is_mla:
             return {"token_bytes": token, "total_heads": 0, "head_bytes": 0}
         heads = int(a.kv_head_num)
-        return {"token_bytes": token, "total_heads": int(a.total_kv_head_num),
-                "head_bytes": token // heads}
+        return {
+            "token_bytes": token,
+            "total_heads": int(a.total_kv_head_num),
+            "head_bytes": token // heads,
+        }
 
     def heads(self, geometry: dict[str, int]) -> Heads | None:
         if self.is_mla:
@@ -224,8 +244,9 @@ class PdxferKVManager(CommonKVManager):
         rank_heads = int(getattr(a, "kv_head_num", 0) or 0) or None
         if rank_heads is None:  # a decode's KVArgs names no heads: from its bytes per token
             rank_heads = self._page_bytes_per_token(geometry) // hb
-        return Heads.of_rank(geometry["total_heads"], rank_heads, hb, self.attn_tp_rank,
-                             self.attn_tp_size)
+        return Heads.of_rank(
+            geometry["total_heads"], rank_heads, hb, self.attn_tp_rank, self.attn_tp_size
+        )
 
     def _page_bytes_per_token(self, geometry: dict[str, int]) -> int:
         """This rank's KV bytes per token. A decode that lands on a host pool (HiSparse) has
@@ -249,10 +270,13 @@ class PdxferKVManager(CommonKVManager):
         try:
             _http("PUT", f"http://{front}{DISCOVERY}", geometry)
         except urllib.error.HTTPError as e:
-            raise BootstrapError(f"SGLang bootstrap {front} refused this rank's KV geometry: "
-                                 f"{e.read().decode(errors='replace')}") from None
-        self.pools = pools_of(self.kv_args, is_mla=self.is_mla, heads=self.heads(geometry),
-                              location=self._location())
+            raise BootstrapError(
+                f"SGLang bootstrap {front} refused this rank's KV geometry: "
+                f"{e.read().decode(errors='replace')}"
+            ) from None
+        self.pools = pools_of(
+            self.kv_args, is_mla=self.is_mla, heads=self.heads(geometry), location=self._location()
+        )
         self.endpoint = Endpoint(self._config("prefill", found["address"]), self.pools)
 
     def _front_bootstrap(self) -> str:
@@ -260,8 +284,9 @@ class PdxferKVManager(CommonKVManager):
         if self.dist_init_addr:
             host = NetworkAddress.parse(self.dist_init_addr).resolved().host
         else:
-            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bootstrap_host,
-                                                             self.bootstrap_host)
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(
+                self.bootstrap_host, self.bootstrap_host
+            )
         return NetworkAddress(host, self.bootstrap_port).to_host_port_str()
 
     # -- decode ------------------------------------------------------------------------------
@@ -306,13 +331,18 @@ class PdxferKVManager(CommonKVManager):
             page = item // per_token if per_token and item % per_token == 0 else None
             host = page is not None and page != int(self.kv_args.page_size)
             heads = self.heads(geometry)
-            self.pools = pools_of(self.kv_args, is_mla=self.is_mla, heads=heads,
-                                  location="cpu" if host else self._location(),
-                                  kv_page_size=page)
+            self.pools = pools_of(
+                self.kv_args,
+                is_mla=self.is_mla,
+                heads=heads,
+                location="cpu" if host else self._location(),
+                kv_page_size=page,
+            )
             host_args = self._host_args()
             if host_args is not None:
-                self.host_pools = pools_of(host_args, is_mla=self.is_mla, heads=heads,
-                                           location="cpu", kv_page_size=page)
+                self.host_pools = pools_of(
+                    host_args, is_mla=self.is_mla, heads=heads, location="cpu", kv_page_size=page
+                )
             self.endpoint = Endpoint(self._config("decode"), self.pools)
             if host_args is not None:
                 self.host_endpoint = Endpoint(self._config("decode"), self.host_pools)
@@ -324,10 +354,13 @@ class PdxferKVManager(CommonKVManager):
         no request-scoped states (they would need host state buffers too)."""
         a = self.kv_args
         ptrs = getattr(a, "host_kv_data_ptrs", None)
-        return (self.disaggregation_mode == DisaggregationMode.DECODE and bool(ptrs)
-                and len(ptrs) == len(a.kv_data_ptrs)
-                and len(getattr(a, "host_kv_data_lens", None) or []) == len(ptrs)
-                and not getattr(a, "state_types", None))
+        return (
+            self.disaggregation_mode == DisaggregationMode.DECODE
+            and bool(ptrs)
+            and len(ptrs) == len(a.kv_data_ptrs)
+            and len(getattr(a, "host_kv_data_lens", None) or []) == len(ptrs)
+            and not getattr(a, "state_types", None)
+        )
 
     def _host_args(self) -> KVArgs | None:
         """This rank's ``KVArgs`` with the host KV buffers in place of the device ones. SGLang
@@ -345,8 +378,9 @@ class PdxferKVManager(CommonKVManager):
         return self.page_size(KV, host)
 
     def page_size(self, pool: str, host: bool = False) -> int:
-        return next(p.page_size for p in (self.host_pools if host else self.pools)
-                    if p.name == pool)
+        return next(
+            p.page_size for p in (self.host_pools if host else self.pools) if p.name == pool
+        )
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """SGLang's deferred release asks whether a held room's pages are safe: pdxfer's
@@ -386,8 +420,13 @@ class PdxferKVSender(CommonKVSender):
 
     kv_mgr: PdxferKVManager
 
-    def __init__(self, mgr: PdxferKVManager, bootstrap_addr: str, bootstrap_room: int,
-                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+    def __init__(
+        self,
+        mgr: PdxferKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         self.tx = None
         self.swa_tx = None  # the SWA pool's room (``window.py``)
@@ -405,8 +444,13 @@ class PdxferKVSender(CommonKVSender):
         self.kv_mgr.req_to_decode_prefix_len.pop(self.bootstrap_room, None)
         return int(self.tx.prefix_len or 0) if self.tx is not None else 0
 
-    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None,
-             indices_event: Any = None) -> None:
+    def send(
+        self,
+        kv_indices: Any,
+        state_indices: Any = None,
+        num_kv_tokens: int | None = None,
+        indices_event: Any = None,
+    ) -> None:
         if self.conclude_state in (KVPoll.Success, KVPoll.Failed) or self.tx is None:
             return
         kv_indices, _, is_last, skip = self._prepare_send_indices(kv_indices, state_indices)
@@ -423,8 +467,10 @@ class PdxferKVSender(CommonKVSender):
                 self._send_prefix()
             slots: dict[str, int] = {}
             if is_last:
-                slots = {**aux_slots(self.kv_mgr.pools, self.aux_index),
-                         **state_slots(self.kv_mgr.kv_args, state_indices)}
+                slots = {
+                    **aux_slots(self.kv_mgr.pools, self.aux_index),
+                    **state_slots(self.kv_mgr.kv_args, state_indices),
+                }
                 if self.swa_tx is not None:
                     self._take_swa(state_indices, self._pages + pages.size)
             self.tx.send({KV: pages}, slots=slots, last=is_last)
@@ -440,8 +486,9 @@ class PdxferKVSender(CommonKVSender):
         refused before any KV of the last chunk goes."""
         swa = swa_pages(state_indices, self.kv_mgr.swa_index)
         if swa is None:
-            raise ConfigError(f"room {self.bootstrap_room}: SGLang gave no SWA pages with "
-                              "the last chunk")
+            raise ConfigError(
+                f"room {self.bootstrap_room}: SGLang gave no SWA pages with the last chunk"
+            )
         self._swa = (swa, start_page(total_pages, swa.size, self.bootstrap_room))
         self._check_window()
 
@@ -465,8 +512,9 @@ class PdxferKVSender(CommonKVSender):
             return
         swa, start = self._swa
         self._swa = None
-        self.swa_tx.send({SWA: np.concatenate((np.full(start, UNREAD, dtype=np.int64), swa))},
-                         last=True)
+        self.swa_tx.send(
+            {SWA: np.concatenate((np.full(start, UNREAD, dtype=np.int64), swa))}, last=True
+        )
 
     def _abort_rooms(self, why: str) -> None:
         for tx in (self.tx, self.swa_tx):
@@ -478,8 +526,10 @@ class PdxferKVSender(CommonKVSender):
         prefix = int(self.tx.prefix_len or 0)
         ps = self.kv_mgr.kv_page_size()
         if prefix % ps:
-            raise PdxferError(f"room {self.bootstrap_room}: decode prefix {prefix} is not a "
-                              f"multiple of the prefill page size {ps}")
+            raise PdxferError(
+                f"room {self.bootstrap_room}: decode prefix {prefix} is not a "
+                f"multiple of the prefill page size {ps}"
+            )
         if prefix:
             self.tx.send({KV: np.zeros(prefix // ps, dtype=np.int64)})
             self._pages += prefix // ps
@@ -499,8 +549,9 @@ class PdxferKVSender(CommonKVSender):
                 self._abort_rooms(str(e))
             state = min(state, self.swa_tx.poll())
         if state == PdxPoll.Failed:
-            failed = next(t for t in (self.tx, self.swa_tx)
-                          if t is not None and t.poll() == PdxPoll.Failed)
+            failed = next(
+                t for t in (self.tx, self.swa_tx) if t is not None and t.poll() == PdxPoll.Failed
+            )
             self._abort_rooms(f"another room of request {room} failed")
             self._conclude(KVPoll.Failed, failed.failure)
             return KVPoll.Failed
@@ -537,8 +588,9 @@ class PdxferKVReceiver(CommonKVReceiver):
 
     kv_mgr: PdxferKVManager
 
-    def __init__(self, mgr: PdxferKVManager, bootstrap_addr: str,
-                 bootstrap_room: int | None = None) -> None:
+    def __init__(
+        self, mgr: PdxferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None
+    ) -> None:
         self.rx = None
         self.swa_rx = None  # the SWA pool's room (``window.py``)
         self._dp: int | None = None
@@ -576,10 +628,15 @@ class PdxferKVReceiver(CommonKVReceiver):
         """pdxfer's ``Hello`` carries this rank's buffers; SGLang's REGISTER is not sent."""
         return self.bootstrap_infos is not None
 
-    def send_metadata(self, kv_indices: Any, aux_index: int | None = None,
-                      state_indices: Any = None, decode_prefix_len: int | None = None,
-                      destination: Any = KVTransferDestination.DEVICE,
-                      device_kv_indices: Any = None) -> None:
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        decode_prefix_len: int | None = None,
+        destination: Any = KVTransferDestination.DEVICE,
+        device_kv_indices: Any = None,
+    ) -> None:
         host = destination == KVTransferDestination.HOST
         if not host and destination != KVTransferDestination.DEVICE:
             raise NotImplementedError(f"pdxfer: KV destination {destination!r}")
@@ -588,9 +645,13 @@ class PdxferKVReceiver(CommonKVReceiver):
         mgr = self.kv_mgr
         ep = mgr.host_endpoint if host else mgr.endpoint
         if self._dp is None or ep is None or self.rx is not None:
-            why = ("a second send_metadata" if self.rx is not None
-                   else "this rank has no host KV buffers" if host and self._dp is not None
-                   else f"receiver was never initialised for {self.bootstrap_addr}")
+            why = (
+                "a second send_metadata"
+                if self.rx is not None
+                else "this rank has no host KV buffers"
+                if host and self._dp is not None
+                else f"receiver was never initialised for {self.bootstrap_addr}"
+            )
             mgr.record_failure(self.bootstrap_room, f"pdxfer: {why}")
             mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             return
@@ -645,8 +706,7 @@ class PdxferKVReceiver(CommonKVReceiver):
         state = min(r.poll() for r in rooms)
         if state == PdxPoll.Failed or self.kv_mgr.request_status.get(room) == KVPoll.Failed:
             if self._cause is None:  # the first room's failure, before the others' aborts
-                self._cause = next((r.failure for r in rooms if r.poll() == PdxPoll.Failed),
-                                   None)
+                self._cause = next((r.failure for r in rooms if r.poll() == PdxPoll.Failed), None)
             for r in rooms:  # one room failed: the request did
                 if not r.poll().terminal:
                     r.abort(f"another room of request {room} failed")
@@ -685,9 +745,9 @@ class PdxferKVReceiver(CommonKVReceiver):
 
     def _send_abort_notification(self, *, force_arm: bool = False) -> None:
         if self.kv_mgr.enable_deferred_decode_kv_release and (
-                force_arm or self.init_time is not None):
-            self._abort_generation = self.kv_mgr.register_deferred_abort_room(
-                self.bootstrap_room)
+            force_arm or self.init_time is not None
+        ):
+            self._abort_generation = self.kv_mgr.register_deferred_abort_room(self.bootstrap_room)
         for r in self._rooms():
             r.abort("aborted by SGLang (AbortReq)")
 

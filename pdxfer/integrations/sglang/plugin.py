@@ -36,9 +36,13 @@ def kv_class(class_type: Any) -> Any:
 
     from .conn import PdxferKVBootstrapServer, PdxferKVManager, PdxferKVReceiver, PdxferKVSender
 
-    return {KVClassType.KVARGS: KVArgs, KVClassType.MANAGER: PdxferKVManager,
-            KVClassType.SENDER: PdxferKVSender, KVClassType.RECEIVER: PdxferKVReceiver,
-            KVClassType.BOOTSTRAP_SERVER: PdxferKVBootstrapServer}[class_type]
+    return {
+        KVClassType.KVARGS: KVArgs,
+        KVClassType.MANAGER: PdxferKVManager,
+        KVClassType.SENDER: PdxferKVSender,
+        KVClassType.RECEIVER: PdxferKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: PdxferKVBootstrapServer,
+    }[class_type]
 
 
 def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
@@ -54,7 +58,11 @@ def register() -> None:
     from sglang.srt.server_args import add_disagg_transfer_backend_choices
 
     add_disagg_transfer_backend_choices([NAME])
-    HookRegistry.register("sglang.srt.disaggregation.utils.TransferBackend",
-                          transfer_backend_enum(utils.TransferBackend), HookType.REPLACE)
-    HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class,
-                          HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.disaggregation.utils.TransferBackend",
+        transfer_backend_enum(utils.TransferBackend),
+        HookType.REPLACE,
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND
+    )

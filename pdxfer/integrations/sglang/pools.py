@@ -40,8 +40,7 @@ class Heads:
     head_bytes: int
 
     @staticmethod
-    def of_rank(total: int, rank_heads: int, head_bytes: int, tp_rank: int,
-                tp_size: int) -> Heads:
+    def of_rank(total: int, rank_heads: int, head_bytes: int, tp_rank: int, tp_size: int) -> Heads:
         """SGLang's split: contiguous shares, or (fewer heads than ranks) each head replicated
         on ``tp_size / total`` consecutive ranks."""
         if rank_heads * tp_size >= total:
@@ -55,25 +54,52 @@ def state_name(i: int, state_type: Any) -> str:
     return f"state{i}_{getattr(state_type, 'value', state_type)}"
 
 
-def _bufs(ptrs: Sequence[int], lens: Sequence[int], ids: Sequence[int], role: str
-          ) -> tuple[BufferSpec, ...]:
+def _bufs(
+    ptrs: Sequence[int], lens: Sequence[int], ids: Sequence[int], role: str
+) -> tuple[BufferSpec, ...]:
     return tuple(BufferSpec(int(p), int(n), int(i), role) for p, n, i in zip(ptrs, lens, ids))
 
 
-def _paged(name: str, bufs: tuple[BufferSpec, ...], item: int, page_size: int, location: str,
-           sharding: Sharding, indices_from: str | None = None, remap: bool = False) -> PoolSpec:
+def _paged(
+    name: str,
+    bufs: tuple[BufferSpec, ...],
+    item: int,
+    page_size: int,
+    location: str,
+    sharding: Sharding,
+    indices_from: str | None = None,
+    remap: bool = False,
+) -> PoolSpec:
     try:
-        return PoolSpec(name=name, kind="paged", buffers=bufs, item_bytes=int(item),
-                        num_items=min(b.nbytes for b in bufs) // int(item), page_size=page_size,
-                        location=location, sharding=sharding, indices_from=indices_from,
-                        page_remap=remap)
+        return PoolSpec(
+            name=name,
+            kind="paged",
+            buffers=bufs,
+            item_bytes=int(item),
+            num_items=min(b.nbytes for b in bufs) // int(item),
+            page_size=page_size,
+            location=location,
+            sharding=sharding,
+            indices_from=indices_from,
+            page_remap=remap,
+        )
     except ValueError as e:
         raise ConfigError(f"SGLang pool {name!r}: {e}") from None
 
 
-def _kv_pools(ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], ids: Sequence[int],
-              n_draft: int, is_mla: bool, page_size: int, heads: Heads | None, location: str,
-              remap: bool, name: str = KV) -> list[PoolSpec]:
+def _kv_pools(
+    ptrs: Sequence[int],
+    lens: Sequence[int],
+    items: Sequence[int],
+    ids: Sequence[int],
+    n_draft: int,
+    is_mla: bool,
+    page_size: int,
+    heads: Heads | None,
+    location: str,
+    remap: bool,
+    name: str = KV,
+) -> list[PoolSpec]:
     out: list[PoolSpec] = []
     n = len(ptrs)
     groups = [(name, 0, n - n_draft, None)] + ([(DRAFT, n - n_draft, n, KV)] if n_draft else [])
@@ -83,8 +109,18 @@ def _kv_pools(ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], id
             raise ConfigError(f"SGLang pool {name!r}: buffers of different page sizes {set(it)}")
         item = it[0]
         if is_mla:
-            out.append(_paged(name, _bufs(p, ln, li, "latent"), item, page_size, location,
-                              Sharding(), follows, remap))
+            out.append(
+                _paged(
+                    name,
+                    _bufs(p, ln, li, "latent"),
+                    item,
+                    page_size,
+                    location,
+                    Sharding(),
+                    follows,
+                    remap,
+                )
+            )
             continue
         if len(p) % 2:
             raise ConfigError(f"SGLang MHA pool {name!r}: {len(p)} buffers, not K and V halves")
@@ -93,17 +129,26 @@ def _kv_pools(ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], id
         half = len(p) // 2
         token = item // page_size
         if token % heads.head_bytes:
-            raise ConfigError(f"SGLang MHA pool {name!r}: {token} bytes per token is not whole "
-                              f"heads of {heads.head_bytes} bytes")
+            raise ConfigError(
+                f"SGLang MHA pool {name!r}: {token} bytes per token is not whole "
+                f"heads of {heads.head_bytes} bytes"
+            )
         rank_heads = token // heads.head_bytes
         # a draft model may have its own head count: scale the target's split to it
         scale = rank_heads / heads.rank
         total = max(rank_heads, round(heads.total * scale))
         first = min(round(heads.first * scale), total - rank_heads)
-        sh = Sharding(kind="heads", total_heads=total, rank_heads=rank_heads, first_head=first,
-                      head_bytes=heads.head_bytes, layout="NHD")
-        bufs = _bufs(p[:half], ln[:half], li[:half], "k") + _bufs(p[half:], ln[half:],
-                                                                   li[half:], "v")
+        sh = Sharding(
+            kind="heads",
+            total_heads=total,
+            rank_heads=rank_heads,
+            first_head=first,
+            head_bytes=heads.head_bytes,
+            layout="NHD",
+        )
+        bufs = _bufs(p[:half], ln[:half], li[:half], "k") + _bufs(
+            p[half:], ln[half:], li[half:], "v"
+        )
         out.append(_paged(name, bufs, item, page_size, location, sh, follows, remap))
     return out
 
@@ -116,11 +161,12 @@ def layer_ids(args: Any) -> list[int]:
     n_draft = int(getattr(args, "num_draft_entries", 0) or 0)
     given = list(getattr(args, "kv_layer_ids", None) or [])
     if len(given) == n:
-        return [int(i) + (DRAFT_LAYER_BASE if j >= n - n_draft else 0)
-                for j, i in enumerate(given)]
+        return [int(i) + (DRAFT_LAYER_BASE if j >= n - n_draft else 0) for j, i in enumerate(given)]
     start = int(getattr(args, "prefill_start_layer", 0) or 0)
-    return [(DRAFT_LAYER_BASE + (j - (n - n_draft))) if j >= n - n_draft else start + j
-            for j in range(n)]
+    return [
+        (DRAFT_LAYER_BASE + (j - (n - n_draft))) if j >= n - n_draft else start + j
+        for j in range(n)
+    ]
 
 
 def _positional_mha_ids(args: Any, ids: list[int], is_mla: bool) -> list[int]:
@@ -132,12 +178,18 @@ def _positional_mha_ids(args: Any, ids: list[int], is_mla: bool) -> list[int]:
     out = list(ids)
     for a, b in ((0, n - n_draft), (n - n_draft, n)):
         half = (b - a) // 2
-        out[a + half:b] = out[a:a + half]
+        out[a + half : b] = out[a : a + half]
     return out
 
 
-def pools_of(args: Any, *, is_mla: bool, heads: Heads | None, location: str = "cpu",
-             kv_page_size: int | None = None) -> list[PoolSpec]:
+def pools_of(
+    args: Any,
+    *,
+    is_mla: bool,
+    heads: Heads | None,
+    location: str = "cpu",
+    kv_page_size: int | None = None,
+) -> list[PoolSpec]:
     """Every pool of one rank. ``kv_page_size``: tokens per KV item when it is not SGLang's
     ``page_size`` (a decode landing on a host pool of its own page size, as HiSparse does):
     the KV is then mapped token by token (``page_remap``). The mapping:
@@ -168,58 +220,89 @@ def pools_of(args: Any, *, is_mla: bool, heads: Heads | None, location: str = "c
     n_draft = int(getattr(args, "num_draft_entries", 0) or 0)
     page_size = int(args.page_size)
     kv_ps = int(kv_page_size or page_size)
-    pools = _kv_pools(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, ids, n_draft,
-                      is_mla, kv_ps, heads, location, kv_ps != page_size)
+    pools = _kv_pools(
+        args.kv_data_ptrs,
+        args.kv_data_lens,
+        args.kv_item_lens,
+        ids,
+        n_draft,
+        is_mla,
+        kv_ps,
+        heads,
+        location,
+        kv_ps != page_size,
+    )
     aux = list(zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens))
     if aux:
         if len({it for _, _, it in aux}) == 1:
             item = aux[0][2]
-            pools.append(PoolSpec(
-                name=AUX, kind="slot",
-                buffers=tuple(BufferSpec(int(p), int(n), 0, f"row{j}")
-                              for j, (p, n, _) in enumerate(aux)),
-                item_bytes=int(item), num_items=min(n for _, n, _ in aux) // int(item)))
+            pools.append(
+                PoolSpec(
+                    name=AUX,
+                    kind="slot",
+                    buffers=tuple(
+                        BufferSpec(int(p), int(n), 0, f"row{j}") for j, (p, n, _) in enumerate(aux)
+                    ),
+                    item_bytes=int(item),
+                    num_items=min(n for _, n, _ in aux) // int(item),
+                )
+            )
         else:  # rows of different widths: one pool per row array, paired by position
             for j, (p, n, it) in enumerate(aux):
-                pools.append(PoolSpec(name=f"{AUX}{j}", kind="slot",
-                                      buffers=(BufferSpec(int(p), int(n), 0, "row"),),
-                                      item_bytes=int(it), num_items=int(n) // int(it)))
+                pools.append(
+                    PoolSpec(
+                        name=f"{AUX}{j}",
+                        kind="slot",
+                        buffers=(BufferSpec(int(p), int(n), 0, "row"),),
+                        item_bytes=int(it),
+                        num_items=int(n) // int(it),
+                    )
+                )
     pools += _state_pools(args, page_size, location, is_mla, heads)
     return pools
 
 
 def swa_state(args: Any) -> int | None:
     """The position of SGLang's ``swa`` state in ``state_types`` (at most one), or None."""
-    found = [i for i, st in enumerate(getattr(args, "state_types", None) or [])
-             if getattr(st, "value", st) == SWA_STATE]
+    found = [
+        i
+        for i, st in enumerate(getattr(args, "state_types", None) or [])
+        if getattr(st, "value", st) == SWA_STATE
+    ]
     if len(found) > 1:
         raise ConfigError(f"SGLang KVArgs name {len(found)} SWA states; pdxfer moves one")
     return found[0] if found else None
 
 
-def _swa_pool(args: Any, i: int, page_size: int, location: str, is_mla: bool,
-              heads: Heads | None) -> PoolSpec:
+def _swa_pool(
+    args: Any, i: int, page_size: int, location: str, is_mla: bool, heads: Heads | None
+) -> PoolSpec:
     """SGLang's SWA sub-pool (``SWAKVPool.get_state_buf_infos``: its own K and V buffers per
     sliding layer, or one latent per layer for MLA) as pool ``swa``."""
     layout = getattr(args, "swa_kv_cache_layout", None)
     if layout not in SWA_LAYOUTS:
-        raise ConfigError(f"SGLang SWA pool layout {layout!r}: pdxfer moves NHD (token-major) "
-                          "SWA pools only")
+        raise ConfigError(
+            f"SGLang SWA pool layout {layout!r}: pdxfer moves NHD (token-major) SWA pools only"
+        )
     ptrs = [int(x) for x in args.state_data_ptrs[i]]
     lens = [int(x) for x in args.state_data_lens[i]]
     items = [int(x) for x in args.state_item_lens[i]]
     if not ptrs or len(set(items)) != 1:
-        raise ConfigError(f"SGLang SWA state of {len(ptrs)} entries of sizes {sorted(set(items))}: "
-                          "pdxfer moves an SWA pool of KV buffers of one page size (not "
-                          "DeepSeek-V4's mixed SWA state)")
+        raise ConfigError(
+            f"SGLang SWA state of {len(ptrs)} entries of sizes {sorted(set(items))}: "
+            "pdxfer moves an SWA pool of KV buffers of one page size (not "
+            "DeepSeek-V4's mixed SWA state)"
+        )
     n = len(ptrs)
     ids = [SWA_LAYER_BASE + (j if is_mla else j % (n // 2 or 1)) for j in range(n)]
-    return _kv_pools(ptrs, lens, items, ids, 0, is_mla, page_size, heads, location,
-                     False, name=SWA)[0]
+    return _kv_pools(
+        ptrs, lens, items, ids, 0, is_mla, page_size, heads, location, False, name=SWA
+    )[0]
 
 
-def _state_pools(args: Any, page_size: int, location: str, is_mla: bool,
-                 heads: Heads | None) -> list[PoolSpec]:
+def _state_pools(
+    args: Any, page_size: int, location: str, is_mla: bool, heads: Heads | None
+) -> list[PoolSpec]:
     out: list[PoolSpec] = []
     types = list(getattr(args, "state_types", None) or [])
     swa = swa_state(args)
@@ -237,22 +320,41 @@ def _state_pools(args: Any, page_size: int, location: str, is_mla: bool,
         if kind in SLOT_STATES:
             for j, (p, n, it) in enumerate(zip(ptrs, lens, items)):
                 # tensors of one state may differ in row size (conv vs ssm): one pool each
-                out.append(PoolSpec(name=f"{name}.{j}", kind="slot",
-                                    buffers=(BufferSpec(int(p), int(n), int(ids[j]), "row"),),
-                                    item_bytes=int(it), num_items=int(n) // int(it),
-                                    location=location))
+                out.append(
+                    PoolSpec(
+                        name=f"{name}.{j}",
+                        kind="slot",
+                        buffers=(BufferSpec(int(p), int(n), int(ids[j]), "row"),),
+                        item_bytes=int(it),
+                        num_items=int(n) // int(it),
+                        location=location,
+                    )
+                )
         elif kind in KV_PAGED_STATES:
             for item in sorted(set(items)):
                 sel = [j for j, it in enumerate(items) if it == item]
-                out.append(_paged(f"{name}.{item}", _bufs([ptrs[j] for j in sel],
-                                                          [lens[j] for j in sel],
-                                                          [ids[j] for j in sel], "state"),
-                                  item, page_size, location, Sharding(), KV))
+                out.append(
+                    _paged(
+                        f"{name}.{item}",
+                        _bufs(
+                            [ptrs[j] for j in sel],
+                            [lens[j] for j in sel],
+                            [ids[j] for j in sel],
+                            "state",
+                        ),
+                        item,
+                        page_size,
+                        location,
+                        Sharding(),
+                        KV,
+                    )
+                )
         else:
             raise ConfigError(
                 f"SGLang state {kind!r} (state_types[{i}]) is indexed by a window or ring of "
                 "its own: the pdxfer backend does not move it yet (it moves SGLang's SWA pool, "
-                "state 'swa')")
+                "state 'swa')"
+            )
     return out
 
 
@@ -272,8 +374,10 @@ def state_slots(args: Any, state_indices: Sequence[Any] | None) -> dict[str, int
             idx = idx[0]
         flat = [int(x) for x in _flat(idx)]
         if len(flat) != 1:
-            raise ConfigError(f"SGLang state {state_name(i, st)!r}: expected one slot per "
-                              f"request, got {len(flat)}")
+            raise ConfigError(
+                f"SGLang state {state_name(i, st)!r}: expected one slot per "
+                f"request, got {len(flat)}"
+            )
         for j in range(len(args.state_data_ptrs[i])):
             out[f"{state_name(i, st)}.{j}"] = flat[0]
     return out

@@ -34,8 +34,9 @@ def swa_pages(state_indices: Any, i: int | None) -> np.ndarray | None:
         return None
     x = state_indices[i]
     if isinstance(x, (list, tuple)):
-        parts = [np.asarray(getattr(v, "cpu", lambda v=v: v)(), dtype=np.int64).reshape(-1)
-                 for v in x]
+        parts = [
+            np.asarray(getattr(v, "cpu", lambda v=v: v)(), dtype=np.int64).reshape(-1) for v in x
+        ]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return np.asarray(getattr(x, "cpu", lambda: x)(), dtype=np.int64).reshape(-1)
 
@@ -43,14 +44,18 @@ def swa_pages(state_indices: Any, i: int | None) -> np.ndarray | None:
 def start_page(total_pages: int, window_pages: int, room: int) -> int:
     """The window's first page: the window ends at the prompt's last page."""
     if not 0 < window_pages <= total_pages:
-        raise ConfigError(f"room {room}: {window_pages} SWA pages for a prompt of "
-                          f"{total_pages} pages (SGLang's window ends at the last prompt page)")
+        raise ConfigError(
+            f"room {room}: {window_pages} SWA pages for a prompt of "
+            f"{total_pages} pages (SGLang's window ends at the last prompt page)"
+        )
     return total_pages - window_pages
 
 
 def mismatch(room: int, prefill_start: int, decode_start: int, page: int, n_pages: int) -> str:
     """Why a prefill refuses a decode that asks for another SWA window."""
-    return (f"room {room}: sliding-window mismatch: the prefill's SWA pages cover tokens "
-            f"[{prefill_start * page}, {n_pages * page}), the decode asks for "
-            f"[{decode_start}, {n_pages * page}); both sides must run the same sliding window "
-            f"size (SGLang's sliding_window_size)")
+    return (
+        f"room {room}: sliding-window mismatch: the prefill's SWA pages cover tokens "
+        f"[{prefill_start * page}, {n_pages * page}), the decode asks for "
+        f"[{decode_start}, {n_pages * page}); both sides must run the same sliding window "
+        f"size (SGLang's sliding_window_size)"
+    )

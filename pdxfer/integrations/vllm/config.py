@@ -25,9 +25,19 @@ from pdxfer import (
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 L3_KINDS = ("off", "file", "mooncake")
 SEND_BY = ("request", "step", "layer")
-ENDPOINT_KEYS = ("host", "transport", "device", "insecure", "integrity", "integrity_retry",
-                 "bootstrap_timeout_s", "transfer_timeout_s", "abort_timeout_s", "heartbeat_s",
-                 "room_grace_s")
+ENDPOINT_KEYS = (
+    "host",
+    "transport",
+    "device",
+    "insecure",
+    "integrity",
+    "integrity_retry",
+    "bootstrap_timeout_s",
+    "transfer_timeout_s",
+    "abort_timeout_s",
+    "heartbeat_s",
+    "room_grace_s",
+)
 """Keys that set the endpoint's field of the same name (its default and help)."""
 ENDPOINT = {k: endpoint_settings()[k] for k in ENDPOINT_KEYS}
 
@@ -44,50 +54,69 @@ class ConnectorConfig:
     role: str
     """vLLM's ``kv_role``: ``kv_producer`` (prefill) or ``kv_consumer`` (decode)."""
     bootstrap: str | None = _key(
-        None, "``host:port`` of the pdxfer bootstrap server: a prefill registers there and "
+        None,
+        "``host:port`` of the pdxfer bootstrap server: a prefill registers there and "
         "names it in its responses. A decode (required) trusts these bootstrap servers only "
         "(one, or several separated by commas): a request whose ``pdxfer_bootstrap`` names "
         "any other is served as if it had no pdxfer params (logged, counted in "
-        "``vllm:pdxfer_untrusted_refused``), so a client never chooses where KV comes from")
+        "``vllm:pdxfer_untrusted_refused``), so a client never chooses where KV comes from",
+    )
     instance: str = _key(
-        "", "this instance's name: a decode's is what a router puts in ``pdxfer_decode`` so "
+        "",
+        "this instance's name: a decode's is what a router puts in ``pdxfer_decode`` so "
         "the prefill binds the room to it; a prefill's is how its ranks register. Default "
         "``vllm-prefill`` / ``vllm-decode`` (set it when several instances share a bootstrap "
-        "server)")
+        "server)",
+    )
     secret_file: str | None = _key(
-        None, "a file holding the shared secret (>= 16 bytes): every control frame and "
+        None,
+        "a file holding the shared secret (>= 16 bytes): every control frame and "
         "bootstrap request is authenticated (``PDXFER_SECRET``/``PDXFER_SECRET_FILE`` do the "
         "same). Without a secret every pdxfer listener serves loopback peers only, unless "
-        "``insecure``")
-    l2_pages: int = _key(0, "(decode) host pages (vLLM blocks) of decode-side prefix cache "
-                         "(0: off)")
-    l3: str = _key("off", "(decode) storage tier under L2: ``off``, ``file`` (``l3_dir``, "
-                   "``l3_max_gb``) or ``mooncake`` (``l3_mooncake``...)")
+        "``insecure``",
+    )
+    l2_pages: int = _key(
+        0, "(decode) host pages (vLLM blocks) of decode-side prefix cache (0: off)"
+    )
+    l3: str = _key(
+        "off",
+        "(decode) storage tier under L2: ``off``, ``file`` (``l3_dir``, "
+        "``l3_max_gb``) or ``mooncake`` (``l3_mooncake``...)",
+    )
     l3_dir: str = _key("", "``l3='file'``: the folder (one subfolder per TP rank)")
     l3_max_gb: float = _key(0.0, "``l3='file'``: size bound of the folder (0: none)")
     l3_mooncake: str = _key("", "``l3='mooncake'``: the Mooncake Store master's ``host:port``")
     l3_mooncake_metadata: str = _key("", "``l3='mooncake'``: the store's metadata URL")
     l3_mooncake_segment_mb: int = _key(
-        64, "``l3='mooncake'``: store memory this decode contributes (0: none)")
+        64, "``l3='mooncake'``: store memory this decode contributes (0: none)"
+    )
     model_id: str = _key(
-        "", "the served model's identity (name and revision): it salts every L2/L3 key and is "
+        "",
+        "the served model's identity (name and revision): it salts every L2/L3 key and is "
         "checked when a prefill and a decode pair, so two models never share KV. Default: "
-        "the served model name and ``--revision``")
+        "the served model name and ``--revision``",
+    )
     stats_file: str = _key(
-        "", "a JSON file each worker rewrites with its counters (bytes sent and received, "
+        "",
+        "a JSON file each worker rewrites with its counters (bytes sent and received, "
         "restored pages, failures) whenever a request's KV moved (``.tpN`` appended per rank "
-        "when TP > 1)")
+        "when TP > 1)",
+    )
     send_by: str = _key(
-        "layer", "(prefill) when computed KV goes to the sender: ``layer``, as each attention "
+        "layer",
+        "(prefill) when computed KV goes to the sender: ``layer``, as each attention "
         "layer of a step finishes (``save_kv_layer``; the forward only hands over, and a "
         "decode that already asked receives layer 0 while later layers compute); ``step``, "
         "after each step, the full blocks it computed (the fallback where ``save_kv_layer`` "
         "is not called); ``request``, all of a request's KV once its prompt is computed "
-        "(docs/vllm.md)")
+        "(docs/vllm.md)",
+    )
     step_pace_s: float = _key(
-        0.0, "seconds each engine step that schedules work is held (an emulated slower "
+        0.0,
+        "seconds each engine step that schedules work is held (an emulated slower "
         "model: a request of N tokens then takes at least N times this; tests that must "
-        "outlast a client use it); 0: off")
+        "outlast a client use it); 0: off",
+    )
     endpoint: Mapping[str, Any] = field(default_factory=dict)
     """The ``ENDPOINT_KEYS`` the user set (the rest keep ``EndpointConfig``'s defaults)."""
 
@@ -114,9 +143,16 @@ class ConnectorConfig:
             except OSError as e:
                 raise ConfigError(f"kv_connector_extra_config.secret_file: {e}") from None
         return EndpointConfig.from_flat(
-            role=self.side, bootstrap=self.bootstrap if self.side == "prefill" else None,
-            trusted_bootstraps=self.trusted, instance=self.instance, tp_rank=tp_rank,
-            tp_size=tp_size, model_id=fingerprint, secret=secret, **self.endpoint)
+            role=self.side,
+            bootstrap=self.bootstrap if self.side == "prefill" else None,
+            trusted_bootstraps=self.trusted,
+            instance=self.instance,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            model_id=fingerprint,
+            secret=secret,
+            **self.endpoint,
+        )
 
 
 OWN = {f.name: f for f in fields(ConnectorConfig) if "help" in f.metadata}
@@ -134,27 +170,38 @@ def help_of(key: str) -> str:
 
 
 def _typed(key: str, value: Any, kind: str) -> Any:
-    ok = {"str": isinstance(value, str), "str | None": value is None or isinstance(value, str),
-          "bool": isinstance(value, bool),
-          "int": isinstance(value, int) and not isinstance(value, bool),
-          "float": isinstance(value, (int, float)) and not isinstance(value, bool)}[kind]
+    ok = {
+        "str": isinstance(value, str),
+        "str | None": value is None or isinstance(value, str),
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+    }[kind]
     if not ok:
-        raise ConfigError(f"kv_connector_extra_config.{key} must be {kind}, got "
-                          f"{type(value).__name__} {value!r}")
+        raise ConfigError(
+            f"kv_connector_extra_config.{key} must be {kind}, got {type(value).__name__} {value!r}"
+        )
     return float(value) if kind == "float" else value
 
 
-def parse(kv_role: str | None, extra: dict[str, Any] | None, model_name: str = "",
-          revision: str | None = None) -> ConnectorConfig:
+def parse(
+    kv_role: str | None,
+    extra: dict[str, Any] | None,
+    model_name: str = "",
+    revision: str | None = None,
+) -> ConnectorConfig:
     """``kv_transfer_config`` -> ``ConnectorConfig``, or a ``ConfigError`` naming the key."""
     if kv_role not in ROLES:
-        raise ConfigError(f"PdxferConnector needs kv_role 'kv_producer' (prefill) or "
-                          f"'kv_consumer' (decode), got {kv_role!r}")
+        raise ConfigError(
+            f"PdxferConnector needs kv_role 'kv_producer' (prefill) or "
+            f"'kv_consumer' (decode), got {kv_role!r}"
+        )
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(KEYS))
     if unknown:
-        raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: "
-                          f"{sorted(KEYS)}")
+        raise ConfigError(
+            f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(KEYS)}"
+        )
     vals = {k: _typed(k, v, KEYS[k]) for k, v in extra.items()}
     endpoint = {k: vals.pop(k) for k in ENDPOINT_KEYS if k in vals}
     side = ROLES[kv_role]
@@ -171,8 +218,9 @@ def _check(c: ConnectorConfig) -> None:
         return ConfigError(f"kv_connector_extra_config.{key}: {why}")
 
     if c.side == "prefill" and not c.bootstrap:
-        raise bad("bootstrap", "a prefill (kv_producer) needs the pdxfer bootstrap server's "
-                  "host:port")
+        raise bad(
+            "bootstrap", "a prefill (kv_producer) needs the pdxfer bootstrap server's host:port"
+        )
     if not c.instance or len(c.instance) > 128:
         raise bad("instance", "must be 1-128 characters")
     for key, s in ENDPOINT.items():
@@ -187,15 +235,20 @@ def _check(c: ConnectorConfig) -> None:
     if c.l2_pages < 0:
         raise bad("l2_pages", "must be >= 0")
     if c.side == "prefill" and (c.l2_pages or c.l3 != "off"):
-        raise bad("l2_pages", "decode-side prefix reuse is for kv_consumer instances (a "
-                  "prefill reuses prefixes through vLLM's own prefix cache)")
+        raise bad(
+            "l2_pages",
+            "decode-side prefix reuse is for kv_consumer instances (a "
+            "prefill reuses prefixes through vLLM's own prefix cache)",
+        )
     if c.l3 != "off" and not c.l2_pages:
         raise bad("l3", "L3 stages through L2: set l2_pages > 0")
     if c.l3 == "file" and not c.l3_dir:
         raise bad("l3_dir", "l3 'file' needs a folder")
     if c.l3 == "mooncake" and not (c.l3_mooncake and c.l3_mooncake_metadata):
-        raise bad("l3_mooncake", "l3 'mooncake' needs l3_mooncake (master host:port) and "
-                  "l3_mooncake_metadata (URL)")
+        raise bad(
+            "l3_mooncake",
+            "l3 'mooncake' needs l3_mooncake (master host:port) and l3_mooncake_metadata (URL)",
+        )
     if c.l3_max_gb < 0 or c.l3_mooncake_segment_mb < 0:
         raise bad("l3_max_gb", "sizes must be >= 0")
     if c.step_pace_s < 0:
@@ -205,6 +258,8 @@ def _check(c: ConnectorConfig) -> None:
     if c.side == "prefill":
         parse_hostport(c.bootstrap, "kv_connector_extra_config.bootstrap")
     else:
-        require_trusted(c.bootstrap, "kv_connector_extra_config.bootstrap on the decode (the "
-                        "bootstrap servers of the prefills it may load from)")
-
+        require_trusted(
+            c.bootstrap,
+            "kv_connector_extra_config.bootstrap on the decode (the "
+            "bootstrap servers of the prefills it may load from)",
+        )

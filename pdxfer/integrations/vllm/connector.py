@@ -51,16 +51,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def check_compatible(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
-                     ) -> tuple[Group, ...]:
+def check_compatible(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+) -> tuple[Group, ...]:
     """What pdxfer cannot serve is refused at start-up, with the reason; else the KV cache
     groups it moves."""
     par = vllm_config.parallel_config
-    for name, size in (("pipeline_parallel_size", par.pipeline_parallel_size),
-                       ("decode_context_parallel_size",
-                        getattr(par, "decode_context_parallel_size", 1)),
-                       ("prefill_context_parallel_size",
-                        getattr(par, "prefill_context_parallel_size", 1))):
+    for name, size in (
+        ("pipeline_parallel_size", par.pipeline_parallel_size),
+        ("decode_context_parallel_size", getattr(par, "decode_context_parallel_size", 1)),
+        ("prefill_context_parallel_size", getattr(par, "prefill_context_parallel_size", 1)),
+    ):
         if size != 1:
             raise ConfigError(f"PdxferConnector does not support {name}={size} yet")
     return groups_of(kv_cache_config, vllm_config.cache_config.block_size)
@@ -76,19 +77,34 @@ def groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[G
         spec, layers = g.kv_cache_spec, tuple(g.layer_names)
         if isinstance(spec, SlidingWindowSpec) and not isinstance(spec, MLAAttentionSpec):
             out.append(Group(i, "window", spec.block_size, layers, window=spec.sliding_window))
-        elif isinstance(spec, FullAttentionSpec) and type(spec) in (FullAttentionSpec,
-                                                                    MLAAttentionSpec):
-            out.append(Group(i, "full", spec.block_size, layers,
-                             mla=isinstance(spec, MLAAttentionSpec)))
+        elif isinstance(spec, FullAttentionSpec) and type(spec) in (
+            FullAttentionSpec,
+            MLAAttentionSpec,
+        ):
+            out.append(
+                Group(i, "full", spec.block_size, layers, mla=isinstance(spec, MLAAttentionSpec))
+            )
         elif isinstance(spec, MambaSpec) and spec.mamba_cache_mode in ("none", "align"):
-            out.append(Group(i, "state", spec.block_size, layers,
-                             spec_blocks=spec.num_speculative_blocks,
-                             page_bytes=spec.page_size_bytes))
+            out.append(
+                Group(
+                    i,
+                    "state",
+                    spec.block_size,
+                    layers,
+                    spec_blocks=spec.num_speculative_blocks,
+                    page_bytes=spec.page_size_bytes,
+                )
+            )
         else:
-            what = f"mamba_cache_mode={spec.mamba_cache_mode}" \
-                if isinstance(spec, MambaSpec) else type(spec).__name__
-            raise ConfigError(f"PdxferConnector cannot move KV cache group {i} "
-                              f"({what}, layers {', '.join(layers[:3])}...)")
+            what = (
+                f"mamba_cache_mode={spec.mamba_cache_mode}"
+                if isinstance(spec, MambaSpec)
+                else type(spec).__name__
+            )
+            raise ConfigError(
+                f"PdxferConnector cannot move KV cache group {i} "
+                f"({what}, layers {', '.join(layers[:3])}...)"
+            )
     return tuple(out)
 
 
@@ -110,8 +126,12 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.P2P
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         ktc = vllm_config.kv_transfer_config
         mc = vllm_config.model_config
@@ -119,8 +139,12 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         name = mc.served_model_name if mc is not None else ""
         if isinstance(name, list):
             name = name[0] if name else ""
-        self.cfg = C.parse(ktc.kv_role, ktc.kv_connector_extra_config, str(name or ""),
-                           mc.revision if mc is not None else None)
+        self.cfg = C.parse(
+            ktc.kv_role,
+            ktc.kv_connector_extra_config,
+            str(name or ""),
+            mc.revision if mc is not None else None,
+        )
         block_size = vllm_config.cache_config.block_size
         self.scheduler: PdxferScheduler | None = None
         self.worker: PdxferWorker | None = None
@@ -131,8 +155,11 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             kv_heads = mc.get_total_num_kv_heads() if mc is not None else 1
             cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
-            self.worker = PdxferWorker(self.cfg, RankInfo(*_tp(vllm_config), block_size,
-                                                          kv_heads, cache_dtype), self.groups)
+            self.worker = PdxferWorker(
+                self.cfg,
+                RankInfo(*_tp(vllm_config), block_size, kv_heads, cache_dtype),
+                self.groups,
+            )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -142,8 +169,9 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         return None if mc is None or mc.use_mla else "LBHNC"
 
     # -- scheduler side ------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -151,8 +179,9 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         self.scheduler.on_new_request(request)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -160,13 +189,15 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, tuple(block_ids))
 
@@ -198,8 +229,13 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         # layer of a step is the last moment before the forward writes blocks vLLM freed
         self._before_forward()
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
         # send_by "layer": the layer's part of this step's tokens goes to the sender now (a
         # hand-off); a layer never reported here (a CUDA graph replay skips this call) is
         # handed over after the step (wait_for_save)
@@ -219,20 +255,21 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(meta, PdxferMetadata):
                 self.worker.after_forward(meta)
 
-    def get_finished(self, finished_req_ids: set[str]
-                     ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         sending, recving = self.worker.get_finished(finished_req_ids)
         return sending or None, recving or None
 
-    def get_transfer_results(self, finished_req_ids: set[str]
-                             ) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Sends and loads that ended; a hybrid model's failed loads as request ids (vLLM
         refuses block-level load errors when it has several KV cache groups)."""
         assert self.worker is not None
         sending, recving = self.worker.get_finished(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=self.worker.failed_loads())
+        return KVConnectorTransferResults(
+            finished_sending=sending,
+            finished_recving=recving,
+            failed_recving=self.worker.failed_loads(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
@@ -243,8 +280,13 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- metrics (``stats.py``) ----------------------------------------------------------------
     def get_kv_connector_stats(self) -> PdxferStats | None:
-        data = (self.worker.take_interval() if self.worker is not None
-                else self.scheduler.take_interval() if self.scheduler is not None else None)
+        data = (
+            self.worker.take_interval()
+            if self.worker is not None
+            else self.scheduler.take_interval()
+            if self.scheduler is not None
+            else None
+        )
         return PdxferStats(data=data) if data else None
 
     @classmethod
@@ -252,8 +294,11 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         return PdxferStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]
-                           ) -> PdxferPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PdxferPromMetrics:
         return PdxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -26,6 +26,8 @@ def hold_amx_tiles() -> bool:
         return False
     ok = bool(init())
     if not ok:
-        log.warning("pdxfer: the kernel refused AMX tile permission; vLLM's AMX kernels may "
-                    "fail in a decode whose first step is a loaded request")
+        log.warning(
+            "pdxfer: the kernel refused AMX tile permission; vLLM's AMX kernels may "
+            "fail in a decode whose first step is a loaded request"
+        )
     return ok

@@ -51,8 +51,10 @@ class Group:
 
     def describe(self) -> str:
         extra = f" window {self.window}" if self.kind == "window" else ""
-        return f"{self.pool}: {self.kind}{' (MLA)' if self.mla else ''}{extra}, " \
-               f"{len(self.layers)} layers, block {self.block_size}"
+        return (
+            f"{self.pool}: {self.kind}{' (MLA)' if self.mla else ''}{extra}, "
+            f"{len(self.layers)} layers, block {self.block_size}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +118,7 @@ def state_block(blocks: Sequence[int], spec_blocks: int) -> int | None:
     and ``spec_blocks`` scratch blocks after it)."""
     live = list(blocks)
     if spec_blocks and len(live) > 1:
-        live = live[:-min(spec_blocks, len(live) - 1)]
+        live = live[: -min(spec_blocks, len(live) - 1)]
     return live[-1] if live and live[-1] != NULL_BLOCK else None
 
 
@@ -137,8 +139,7 @@ def window_first(g: Group, num_tokens: int) -> int:
     return max(0, num_tokens - g.window) // g.block_size
 
 
-def stream_pages(g: Group, blocks: Sequence[int], t0: int, t1: int, num_tokens: int
-                 ) -> list[int]:
+def stream_pages(g: Group, blocks: Sequence[int], t0: int, t1: int, num_tokens: int) -> list[int]:
     """The pages of ``g`` holding tokens ``[t0, t1)`` that a step may hand over before the
     request ends: every block of a full group; of a window group, -1 (never read) below
     ``window_first`` (vLLM may free those before the request ends)."""
@@ -146,15 +147,16 @@ def stream_pages(g: Group, blocks: Sequence[int], t0: int, t1: int, num_tokens: 
     ids = list(blocks)
     if len(ids) < -(-t1 // g.block_size):
         raise ValueError(f"{g.pool}: {len(ids)} blocks for tokens [{t0}, {t1})")
-    return [-1 if k < lo or ids[k] == NULL_BLOCK else int(ids[k])
-            for k in range(t0 // g.block_size, -(-t1 // g.block_size))]
+    return [
+        -1 if k < lo or ids[k] == NULL_BLOCK else int(ids[k])
+        for k in range(t0 // g.block_size, -(-t1 // g.block_size))
+    ]
 
 
 def stream_start(part: Part, num_tokens: int) -> int:
     """The token before which a step hands nothing of ``part`` (its window groups' earliest
     block that no step frees; 0 for a part of full groups)."""
-    wins = [window_first(g, num_tokens) * g.block_size for g in part.groups
-            if g.kind == "window"]
+    wins = [window_first(g, num_tokens) * g.block_size for g in part.groups if g.kind == "window"]
     return min(wins) if wins else 0
 
 

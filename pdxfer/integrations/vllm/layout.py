@@ -62,15 +62,24 @@ def _heads(total: int, rank_heads: int, tp_rank: int, tp_size: int) -> tuple[int
     """(total heads, first head of this rank); GQA replication when heads < TP size."""
     if total >= tp_size:
         if rank_heads * tp_size != total:
-            raise ConfigError(f"{total} KV heads over TP {tp_size}: this rank holds "
-                              f"{rank_heads}, expected {total // tp_size}")
+            raise ConfigError(
+                f"{total} KV heads over TP {tp_size}: this rank holds "
+                f"{rank_heads}, expected {total // tp_size}"
+            )
         return total, tp_rank * rank_heads
     return total, tp_rank * total // tp_size
 
 
-def describe(kv_caches: Mapping[str, Any], *, block_size: int, total_kv_heads: int,
-             tp_rank: int = 0, tp_size: int = 1, name: str = POOL,
-             latent: bool = False) -> Layout:
+def describe(
+    kv_caches: Mapping[str, Any],
+    *,
+    block_size: int,
+    total_kv_heads: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    name: str = POOL,
+    latent: bool = False,
+) -> Layout:
     """The pool for vLLM's ``register_kv_caches`` tensors (see the module docstring).
     ``latent``: MLA, one latent per token replicated on every TP rank (never head slices,
     whatever the model config says of its heads)."""
@@ -88,65 +97,93 @@ def describe(kv_caches: Mapping[str, Any], *, block_size: int, total_kv_heads: i
         roles = ["k", "v"] * (len(ts) // 2)
     t0 = ts[0]
     for t in ts:
-        if tuple(t.shape) != tuple(t0.shape) or t.stride() != t0.stride() \
-                or t.dtype != t0.dtype or t.device != t0.device:
-            raise ConfigError("vLLM's KV cache layers differ in shape, stride, dtype or device: "
-                              "pdxfer needs one layout for all layers (hybrid models: set "
-                              "--disable-hybrid-kv-cache-manager)")
+        if (
+            tuple(t.shape) != tuple(t0.shape)
+            or t.stride() != t0.stride()
+            or t.dtype != t0.dtype
+            or t.device != t0.device
+        ):
+            raise ConfigError(
+                "vLLM's KV cache layers differ in shape, stride, dtype or device: "
+                "pdxfer needs one layout for all layers (hybrid models: set "
+                "--disable-hybrid-kv-cache-manager)"
+            )
     if t0.dim() == 3:  # [B, N, C]: one latent per token (MLA)
         shape, stride = (t0.shape[0], 1, *t0.shape[1:]), (t0.stride(0), 0, *t0.stride()[1:])
     elif t0.dim() == 4:
         shape, stride = tuple(t0.shape), tuple(t0.stride())
     else:
-        raise ConfigError(f"unexpected KV cache tensor shape {tuple(t0.shape)}: expected "
-                          "[blocks, heads, block_size, content]")
+        raise ConfigError(
+            f"unexpected KV cache tensor shape {tuple(t0.shape)}: expected "
+            "[blocks, heads, block_size, content]"
+        )
     nb, h, n, c = shape
     if n != block_size:
-        raise ConfigError(f"KV cache tensor {tuple(t0.shape)}: dim 2 is not the block size "
-                          f"{block_size}")
+        raise ConfigError(
+            f"KV cache tensor {tuple(t0.shape)}: dim 2 is not the block size {block_size}"
+        )
     elt = t0.element_size()
     inner = h * n * c
     if not _dense(shape[1:], stride[1:]):
-        raise ConfigError(f"KV cache strides {stride} for shape {shape}: a (block, layer) is "
-                          "not one dense span (heads outermost across blocks?); pdxfer "
-                          "cannot address this layout")
+        raise ConfigError(
+            f"KV cache strides {stride} for shape {shape}: a (block, layer) is "
+            "not one dense span (heads outermost across blocks?); pdxfer "
+            "cannot address this layout"
+        )
     location = str(t0.device)
     dtype = str(t0.dtype).removeprefix("torch.")
     bases = sorted(int(t.data_ptr()) for t in ts)
     if stride[0] == inner and _apart(bases, nb * inner * elt):
-        bufs = [BufferSpec(int(t.data_ptr()), nb * inner * elt, i, r)
-                for t, i, r in zip(ts, ids, roles)]
-        kind, sharding = (("latent", Sharding()) if latent and h == 1 else
-                          _inner(shape, stride, elt, total_kv_heads, tp_rank, tp_size))
+        bufs = [
+            BufferSpec(int(t.data_ptr()), nb * inner * elt, i, r) for t, i, r in zip(ts, ids, roles)
+        ]
+        kind, sharding = (
+            ("latent", Sharding())
+            if latent and h == 1
+            else _inner(shape, stride, elt, total_kv_heads, tp_rank, tp_size)
+        )
         item = inner * elt
         per_block = item * len(ts)
-    elif stride[0] == inner * len(ts) and bases[-1] - bases[0] < stride[0] * elt \
-            and _apart(bases, inner * elt):
+    elif (
+        stride[0] == inner * len(ts)
+        and bases[-1] - bases[0] < stride[0] * elt
+        and _apart(bases, inner * elt)
+    ):
         # every layer of a block together: one span of all layers per block
         if tp_size > 1:
-            raise ConfigError("vLLM's KV cache keeps all layers of a block together; pdxfer "
-                              "moves that layout with TP 1 only")
+            raise ConfigError(
+                "vLLM's KV cache keeps all layers of a block together; pdxfer "
+                "moves that layout with TP 1 only"
+            )
         item = stride[0] * elt
         bufs = [BufferSpec(bases[0], nb * item, 0, "blocks")]
         kind, sharding, per_block = "opaque-blocks", Sharding(), item
     elif stride[0] > inner and _apart(bases, nb * stride[0] * elt):
         # padded pages, one layer each
         if tp_size > 1:
-            raise ConfigError("vLLM's KV cache pages are padded; pdxfer moves them with TP 1 "
-                              "only")
+            raise ConfigError("vLLM's KV cache pages are padded; pdxfer moves them with TP 1 only")
         item = stride[0] * elt
-        bufs = [BufferSpec(int(t.data_ptr()), nb * item, i, r)
-                for t, i, r in zip(ts, ids, roles)]
+        bufs = [BufferSpec(int(t.data_ptr()), nb * item, i, r) for t, i, r in zip(ts, ids, roles)]
         kind, sharding, per_block = "opaque-layer", Sharding(), item * len(ts)
     else:
-        raise ConfigError(f"KV cache layers overlap or blocks are strided ({stride[0]} "
-                          f"elements per block, {inner} per layer-block): unsupported layout")
+        raise ConfigError(
+            f"KV cache layers overlap or blocks are strided ({stride[0]} "
+            f"elements per block, {inner} per layer-block): unsupported layout"
+        )
     if item % block_size:
         raise ConfigError(f"a block is {item} bytes, not a multiple of its {block_size} tokens")
     try:
-        pool = PoolSpec(name=name, kind="paged", buffers=tuple(bufs), item_bytes=item,
-                        num_items=nb, page_size=block_size, location=location, dtype=dtype,
-                        sharding=sharding)
+        pool = PoolSpec(
+            name=name,
+            kind="paged",
+            buffers=tuple(bufs),
+            item_bytes=item,
+            num_items=nb,
+            page_size=block_size,
+            location=location,
+            dtype=dtype,
+            sharding=sharding,
+        )
     except ValueError as e:
         raise ConfigError(f"KV cache as a pdxfer pool: {e}") from None
     return Layout(pool, kind, per_block)
@@ -157,8 +194,9 @@ def _apart(bases: list[int], span: int) -> bool:
     return all(b - a >= span for a, b in zip(bases, bases[1:]))
 
 
-def _inner(shape: Sequence[int], stride: Sequence[int], elt: int, total: int, tp_rank: int,
-           tp_size: int) -> tuple[str, Sharding]:
+def _inner(
+    shape: Sequence[int], stride: Sequence[int], elt: int, total: int, tp_rank: int, tp_size: int
+) -> tuple[str, Sharding]:
     _, h, n, c = shape
     _, sh, sn, sc = stride
     if h == 1 and sh == 0 and sc == 1 and sn == c:  # [B, N, C]: one latent per token (MLA)
@@ -169,15 +207,18 @@ def _inner(shape: Sequence[int], stride: Sequence[int], elt: int, total: int, tp
         layout = "NHD"
     else:
         if tp_size > 1:
-            raise ConfigError(f"KV cache block interior with strides {tuple(stride)}: heads are "
-                              "not addressable, so TP > 1 is not supported")
+            raise ConfigError(
+                f"KV cache block interior with strides {tuple(stride)}: heads are "
+                "not addressable, so TP > 1 is not supported"
+            )
         return "opaque-layer", Sharding()
     total, first = _heads(total, h, tp_rank, tp_size)
     return layout, Sharding.heads(total, h, first, c * elt, layout)
 
 
-def describe_state(states: Mapping[str, Any], *, name: str, num_blocks: int,
-                   page_bytes: int) -> PoolSpec:
+def describe_state(
+    states: Mapping[str, Any], *, name: str, num_blocks: int, page_bytes: int
+) -> PoolSpec:
     """A slot pool for Mamba / linear-attention layers: vLLM hands each layer's state as
     tensors (conv, SSM) viewed over one page per block; a slot is the whole page (every
     state of the layer, padding included), so it moves without knowing the states' shapes."""
@@ -190,14 +231,23 @@ def describe_state(states: Mapping[str, Any], *, name: str, num_blocks: int,
         for t in ts:
             step = t.stride(0) * t.element_size()
             if step != page_bytes:
-                raise ConfigError(f"state of layer {n}: {step} bytes between blocks, expected "
-                                  f"one page of {page_bytes}")
+                raise ConfigError(
+                    f"state of layer {n}: {step} bytes between blocks, expected "
+                    f"one page of {page_bytes}"
+                )
             if int(t.data_ptr()) + t[0].numel() * t.element_size() > base + page_bytes:
                 raise ConfigError(f"state of layer {n} does not fit one page")
         location = str(ts[0].device)
         bufs.append(BufferSpec(base, num_blocks * page_bytes, lid, "state"))
     try:
-        return PoolSpec(name=name, kind="slot", buffers=tuple(bufs), item_bytes=page_bytes,
-                        num_items=num_blocks, location=location, dtype="uint8")
+        return PoolSpec(
+            name=name,
+            kind="slot",
+            buffers=tuple(bufs),
+            item_bytes=page_bytes,
+            num_items=num_blocks,
+            location=location,
+            dtype="uint8",
+        )
     except ValueError as e:
         raise ConfigError(f"state layers as a pdxfer pool: {e}") from None

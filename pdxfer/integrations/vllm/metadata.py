@@ -144,5 +144,13 @@ class PdxferMetadata(KVConnectorMetadata):
     def orders(self) -> bool:
         """Whether this step orders anything (not ``__bool__``: vLLM tests metadata for
         None, and an empty step's metadata must still count as present)."""
-        return bool(self.sends or self.loads or self.writebacks or self.opens or self.chunks
-                    or self.aborts or self.expects or self.layers)
+        return bool(
+            self.sends
+            or self.loads
+            or self.writebacks
+            or self.opens
+            or self.chunks
+            or self.aborts
+            or self.expects
+            or self.layers
+        )

@@ -80,12 +80,18 @@ def prefill_ask(params: dict[str, Any] | None) -> PrefillAsk | None:
     room = params.get("pdxfer_room")
     decode = params.get("pdxfer_decode")
     if room is not None and _room(room) is None:
-        log.warning("kv_transfer_params.pdxfer_room %r is not a 63-bit integer: ignored, "
-                    "the request is served without a remote decode", room)
+        log.warning(
+            "kv_transfer_params.pdxfer_room %r is not a 63-bit integer: ignored, "
+            "the request is served without a remote decode",
+            room,
+        )
         return None
     if decode is not None and _name(decode) is None:
-        log.warning("kv_transfer_params.pdxfer_decode %r is not an instance name: ignored, "
-                    "the request is served without a remote decode", decode)
+        log.warning(
+            "kv_transfer_params.pdxfer_decode %r is not an instance name: ignored, "
+            "the request is served without a remote decode",
+            decode,
+        )
         return None
     return PrefillAsk(draw_room() if room is None else room, decode)
 
@@ -98,15 +104,22 @@ def decode_ask(params: dict[str, Any] | None) -> DecodeAsk | None:
     inst = params.get("pdxfer_instance")
     if room is None or boot is None or (inst is not None and _name(inst) is None):
         if any(k.startswith("pdxfer_") for k in params):
-            log.warning("kv_transfer_params without a valid pdxfer_room / pdxfer_bootstrap "
-                        "(%r): the decode computes the prompt itself", params)
+            log.warning(
+                "kv_transfer_params without a valid pdxfer_room / pdxfer_bootstrap "
+                "(%r): the decode computes the prompt itself",
+                params,
+            )
         return None
     return DecodeAsk(room, boot, inst, early="pdxfer_num_tokens" not in params)
 
 
-def prefill_answer(room: int, bootstrap: str, instance: str, num_tokens: int
-                   ) -> dict[str, Any]:
+def prefill_answer(room: int, bootstrap: str, instance: str, num_tokens: int) -> dict[str, Any]:
     """What ``request_finished`` returns on the prefill (the router forwards it)."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room": room,
-            "pdxfer_bootstrap": bootstrap, "pdxfer_instance": instance,
-            "pdxfer_num_tokens": num_tokens}
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "pdxfer_room": room,
+        "pdxfer_bootstrap": bootstrap,
+        "pdxfer_instance": instance,
+        "pdxfer_num_tokens": num_tokens,
+    }

@@ -75,8 +75,9 @@ class Streamed:
 
 
 class PdxferScheduler:
-    def __init__(self, cfg: ConnectorConfig, block_size: int,
-                 groups: tuple[Group, ...] = ()) -> None:
+    def __init__(
+        self, cfg: ConnectorConfig, block_size: int, groups: tuple[Group, ...] = ()
+    ) -> None:
         self.cfg = cfg
         self.groups = groups or (Group(0, "full", block_size, ()),)
         self.block_size = self.groups[0].block_size
@@ -122,9 +123,13 @@ class PdxferScheduler:
         if request.request_id not in self._refused:
             self._refused.add(request.request_id)
             self._interval["untrusted_refused"] = self._interval.get("untrusted_refused", 0) + 1
-            log.warning("request %s names bootstrap %s, which this decode does not trust "
-                        "(kv_connector_extra_config.bootstrap: %s): served without pdxfer",
-                        request.request_id, ask.bootstrap, ", ".join(self.cfg.trusted))
+            log.warning(
+                "request %s names bootstrap %s, which this decode does not trust "
+                "(kv_connector_extra_config.bootstrap: %s): served without pdxfer",
+                request.request_id,
+                ask.bootstrap,
+                ", ".join(self.cfg.trusted),
+            )
         return None
 
     def take_interval(self) -> dict[str, int]:
@@ -134,8 +139,9 @@ class PdxferScheduler:
         return out
 
     # -- decode --------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         if self.cfg.side != "decode" or request.request_id in self._asked:
             return 0, False
         ask = self._decode_ask(request)
@@ -144,8 +150,9 @@ class PdxferScheduler:
         count = len(request.prompt_token_ids or ()) - self.backoff - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         if self.cfg.side == "prefill":
             self._scheduled(request)
             return
@@ -158,12 +165,21 @@ class PdxferScheduler:
         n = len(prompt) - self.backoff
         every = self._transfer(blocks.get_block_ids())
         self._asked.add(request.request_id)
-        self._loads.append(LoadOrder(
-            req_id=request.request_id, room=ask.room, bootstrap=ask.bootstrap,
-            instance=ask.instance, block_ids=tuple(every[0]), l1_len=n - num_external_tokens,
-            num_tokens=n, tokens=tuple(prompt[:n]) if self.tiers else (),
-            scope=tier_scope(request), early=ask.early,
-            groups=tuple(tuple(b) for b in every) if self.hybrid else ()))
+        self._loads.append(
+            LoadOrder(
+                req_id=request.request_id,
+                room=ask.room,
+                bootstrap=ask.bootstrap,
+                instance=ask.instance,
+                block_ids=tuple(every[0]),
+                l1_len=n - num_external_tokens,
+                num_tokens=n,
+                tokens=tuple(prompt[:n]) if self.tiers else (),
+                scope=tier_scope(request),
+                early=ask.early,
+                groups=tuple(tuple(b) for b in every) if self.hybrid else (),
+            )
+        )
 
     # -- prefill -------------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -197,8 +213,13 @@ class PdxferScheduler:
         prompt tokens (the decode computes them: a state must not see a token twice)."""
         params = request.kv_transfer_params
         k = self.backoff
-        if not k or not isinstance(params, dict) or params.get("_pdxfer_backed_off") \
-                or request.num_prompt_tokens <= k or request.prompt_token_ids is None:
+        if (
+            not k
+            or not isinstance(params, dict)
+            or params.get("_pdxfer_backed_off")
+            or request.num_prompt_tokens <= k
+            or request.prompt_token_ids is None
+        ):
             return
         del request.prompt_token_ids[-k:]
         if request._all_token_ids is not request.prompt_token_ids:
@@ -217,8 +238,9 @@ class PdxferScheduler:
         n = len(request.prompt_token_ids or ())
         if ask is None or n == 0:
             return
-        self.streams[rid] = Streamed(ask.room, ask.decode, n,
-                                     last=self.hybrid and not self.hybrid_layers)
+        self.streams[rid] = Streamed(
+            ask.room, ask.decode, n, last=self.hybrid and not self.hybrid_layers
+        )
         self._opens.append(OpenOrder(rid, ask.room, ask.decode))
 
     def _step_chunks(self, so: SchedulerOutput) -> tuple[list[SendOrder], list[LayerOrder]]:
@@ -247,8 +269,7 @@ class PdxferScheduler:
             last = end >= st.num_tokens
             ids = state.get_block_ids(rid)
             if self.hybrid_layers:
-                o = hybrid_order(rid, st, end, self._transfer(ids) if ids else None,
-                                 self.groups)
+                o = hybrid_order(rid, st, end, self._transfer(ids) if ids else None, self.groups)
                 if o is not None:
                     lay.append(o)
                     st.tokens, st.blocks, st.last = end, -(-end // bs), last
@@ -264,17 +285,33 @@ class PdxferScheduler:
                 continue
             if ids is None or len(ids[0]) < n_blocks:
                 continue  # not ours to read: the end of the request sends it
-            out.append(SendOrder(rid, st.room, st.peer, tuple(ids[0][:n_blocks]),
-                                 st.num_tokens if last else n_blocks * bs, last=last))
+            out.append(
+                SendOrder(
+                    rid,
+                    st.room,
+                    st.peer,
+                    tuple(ids[0][:n_blocks]),
+                    st.num_tokens if last else n_blocks * bs,
+                    last=last,
+                )
+            )
             st.blocks, st.last = n_blocks, last
         return out, lay
 
     # -- both ----------------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput | None = None) -> PdxferMetadata:
         chunks, lay = self._step_chunks(so) if so is not None and self.streams else ([], [])
-        meta = PdxferMetadata(self._sends, self._loads, self._writebacks, self._opens, chunks,
-                              self._aborts, self._expects, lay,
-                              idle=so is not None and not so.total_num_scheduled_tokens)
+        meta = PdxferMetadata(
+            self._sends,
+            self._loads,
+            self._writebacks,
+            self._opens,
+            chunks,
+            self._aborts,
+            self._expects,
+            lay,
+            idle=so is not None and not so.total_num_scheduled_tokens,
+        )
         self._sends, self._loads, self._writebacks = [], [], []
         self._opens, self._aborts, self._expects = [], [], []
         if meta.sends:
@@ -283,8 +320,9 @@ class PdxferScheduler:
             time.sleep(self.pace)
         return meta
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: one list per transfer group (vLLM's ``SupportsHMA`` form), or
         one group's list."""
         if block_ids and not isinstance(block_ids[0], (list, tuple)):
@@ -294,8 +332,9 @@ class PdxferScheduler:
             return self._prefill_finished(request, block_ids)
         return self._decode_finished(request, block_ids)
 
-    def _prefill_finished(self, request: Request, every: tuple[list[int], ...]
-                          ) -> tuple[bool, dict[str, Any] | None]:
+    def _prefill_finished(
+        self, request: Request, every: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         block_ids = list(every[0]) if every else []
         rid = request.request_id
         st = self.streams.pop(rid, None)
@@ -311,8 +350,11 @@ class PdxferScheduler:
         if st.dropped:  # preempted: its room was aborted, a decode that asks is refused
             return False, answer
         need = -(-n // self.block_size)
-        short = any(len(ids) < -(-n // g.block_size) for g, ids in zip(self.groups, every)
-                    if g.kind != "state")
+        short = any(
+            len(ids) < -(-n // g.block_size)
+            for g, ids in zip(self.groups, every)
+            if g.kind != "state"
+        )
         if request.status not in DONE or short:
             # aborted before its prefill was done: the room ends; blocks some of which were
             # handed to the sender are kept until no write reads them
@@ -321,16 +363,25 @@ class PdxferScheduler:
             self._aborts.append(AbortOrder(rid, held=held))
             return held, None
         if self.hybrid:
-            self._sends.append(SendOrder(rid, st.room, st.peer, tuple(block_ids[:need]), n,
-                                         groups=tuple(tuple(ids) for ids in every)))
+            self._sends.append(
+                SendOrder(
+                    rid,
+                    st.room,
+                    st.peer,
+                    tuple(block_ids[:need]),
+                    n,
+                    groups=tuple(tuple(ids) for ids in every),
+                )
+            )
         elif not st.last:
             self._sends.append(SendOrder(rid, st.room, st.peer, tuple(block_ids[:need]), n))
         else:
             self._sends.append(SendOrder(rid, st.room, st.peer, (), n))  # already all handed
         return True, answer
 
-    def _decode_finished(self, request: Request, every: tuple[list[int], ...]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def _decode_finished(
+        self, request: Request, every: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._asked.discard(rid)
         self._refused.discard(rid)
@@ -342,14 +393,21 @@ class PdxferScheduler:
         n = min(request.num_computed_tokens, len(request.all_token_ids))
         bs = self.tiered[0].block_size
         full = n // bs
-        if full == 0 or any(len(every[g.index]) < full for g in self.tiered
-                            if g.index < len(every)) or len(every) < len(self.groups):
+        if (
+            full == 0
+            or any(len(every[g.index]) < full for g in self.tiered if g.index < len(every))
+            or len(every) < len(self.groups)
+        ):
             return False, None
-        tokens = tuple(request.all_token_ids[:full * bs])
-        kept = tuple(tuple(every[g.index][:full]) if g in self.tiered else ()
-                     for g in self.groups) if self.hybrid else ()
-        self._writebacks.append(WritebackOrder(rid, tokens, tuple(every[0][:full]),
-                                               tier_scope(request), groups=kept))
+        tokens = tuple(request.all_token_ids[: full * bs])
+        kept = (
+            tuple(tuple(every[g.index][:full]) if g in self.tiered else () for g in self.groups)
+            if self.hybrid
+            else ()
+        )
+        self._writebacks.append(
+            WritebackOrder(rid, tokens, tuple(every[0][:full]), tier_scope(request), groups=kept)
+        )
         return True, None
 
 
@@ -369,8 +427,9 @@ def tier_scope(request: Request) -> str:
     return f"{salt}|mm:{h.hexdigest()[:32]}"
 
 
-def layer_order(rid: str, st: Streamed, end: int, block_ids: list[int] | None, bs: int
-                ) -> LayerOrder | None:
+def layer_order(
+    rid: str, st: Streamed, end: int, block_ids: list[int] | None, bs: int
+) -> LayerOrder | None:
     """The tokens ``[st.tokens, end)`` a step computes (with a prefix vLLM had cached, the
     first step's start at 0), in the blocks that hold them; None when there is nothing new or
     the blocks are not known (the end of the request then sends what is left)."""
@@ -379,12 +438,14 @@ def layer_order(rid: str, st: Streamed, end: int, block_ids: list[int] | None, b
     first, stop = st.tokens // bs, -(-end // bs)
     if len(block_ids) < stop:
         return None
-    return LayerOrder(rid, st.room, st.peer, tuple(block_ids[first:stop]), st.tokens, end,
-                      end >= st.num_tokens)
+    return LayerOrder(
+        rid, st.room, st.peer, tuple(block_ids[first:stop]), st.tokens, end, end >= st.num_tokens
+    )
 
 
-def hybrid_order(rid: str, st: Streamed, end: int, every: tuple[Any, ...] | None,
-                 groups: tuple[Group, ...]) -> LayerOrder | None:
+def hybrid_order(
+    rid: str, st: Streamed, end: int, every: tuple[Any, ...] | None, groups: tuple[Group, ...]
+) -> LayerOrder | None:
     """``layer_order`` for a hybrid model: each group's blocks up to ``end`` (a state group's
     none: its state goes at the request's end); None when there is nothing new or a group's
     blocks are not known."""
@@ -399,5 +460,14 @@ def hybrid_order(rid: str, st: Streamed, end: int, every: tuple[Any, ...] | None
         if len(ids) < stop:
             return None
         out.append(tuple(ids[:stop]))
-    return LayerOrder(rid, st.room, st.peer, (), st.tokens, end, end >= st.num_tokens,
-                      groups=tuple(out), num_tokens=st.num_tokens)
+    return LayerOrder(
+        rid,
+        st.room,
+        st.peer,
+        (),
+        st.tokens,
+        end,
+        end >= st.num_tokens,
+        groups=tuple(out),
+        num_tokens=st.num_tokens,
+    )

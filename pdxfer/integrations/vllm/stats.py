@@ -22,10 +22,10 @@ COUNTERS: dict[str, str] = {
     "sends": "requests whose KV this prefill sent",
     "send_failures": "sends that failed (the decode recomputes or fails the request)",
     "step_chunks": "steps whose computed KV was handed to the sender before the prompt's "
-                   "end (prefill)",
+    "end (prefill)",
     "layer_sends": "layer-wise hand-offs to the sender (prefill, send_by layer)",
     "streamed_steps": "steps whose layers went to the sender one by one as computed, the "
-                      "decode having asked before the step (prefill, send_by layer)",
+    "decode having asked before the step (prefill, send_by layer)",
     "sent_tokens": "prompt tokens whose KV this prefill sent",
     "loads": "requests whose KV this decode received or restored",
     "load_failures": "loads that failed (blocks reported to vLLM as load errors)",
@@ -37,13 +37,12 @@ COUNTERS: dict[str, str] = {
     "writebacks": "finished requests written back to the decode's tiers",
     "writeback_failures": "write-backs that failed (a later request misses them)",
     "untrusted_refused": "requests naming a bootstrap server this decode does not trust "
-                         "(served without pdxfer, never paired)",
+    "(served without pdxfer, never paired)",
 }
 """Counters carried per step (each also in the worker's cumulative ``stats()``)."""
 
 SERIES: dict[str, str] = {
-    "ready_seconds": "per load, from the decode's request to its KV in place (network "
-                     "and restore)",
+    "ready_seconds": "per load, from the decode's request to its KV in place (network and restore)",
     "load_bytes": "per load, KV bytes received over the network",
 }
 """Per-load observations, for histograms."""
@@ -78,22 +77,39 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
     """``vllm:pdxfer_<counter>_total`` for every counter, and histograms of the per-load
     time to KV in place and bytes received, labelled per engine as vLLM's own metrics."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters = {
-            k: create_metric_per_engine(self._counter_cls(
-                name=f"vllm:pdxfer_{k}", documentation=f"pdxfer: {doc}.",
-                labelnames=labelnames), per_engine_labelvalues)
-            for k, doc in COUNTERS.items()}
-        buckets = {"ready_seconds": [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                                     2.5, 5.0, 10.0],
-                   "load_bytes": [float(1 << s) for s in range(12, 36, 2)]}
+            k: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"vllm:pdxfer_{k}", documentation=f"pdxfer: {doc}.", labelnames=labelnames
+                ),
+                per_engine_labelvalues,
+            )
+            for k, doc in COUNTERS.items()
+        }
+        buckets = {
+            "ready_seconds": [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+            "load_bytes": [float(1 << s) for s in range(12, 36, 2)],
+        }
         self.series = {
-            k: create_metric_per_engine(self._histogram_cls(
-                name=f"vllm:pdxfer_{k}", documentation=f"pdxfer: {doc}.",
-                buckets=buckets[k], labelnames=labelnames), per_engine_labelvalues)
-            for k, doc in SERIES.items()}
+            k: create_metric_per_engine(
+                self._histogram_cls(
+                    name=f"vllm:pdxfer_{k}",
+                    documentation=f"pdxfer: {doc}.",
+                    buckets=buckets[k],
+                    labelnames=labelnames,
+                ),
+                per_engine_labelvalues,
+            )
+            for k, doc in SERIES.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in transfer_stats_data.items():

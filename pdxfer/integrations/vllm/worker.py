@@ -103,8 +103,9 @@ class RankInfo:
 
 
 class PdxferWorker:
-    def __init__(self, cfg: ConnectorConfig, rank: RankInfo,
-                 groups: tuple[Group, ...] = ()) -> None:
+    def __init__(
+        self, cfg: ConnectorConfig, rank: RankInfo, groups: tuple[Group, ...] = ()
+    ) -> None:
         self.cfg = cfg
         self.rank = rank
         self.groups = groups or (Group(0, "full", rank.block_size, ()),)
@@ -147,13 +148,26 @@ class PdxferWorker:
         """Layers computed on a device, waiting for their event (GPU kernels run ahead of
         Python: a layer is handed over once its writes are done, never before)."""
         self.counters: dict[str, int] = {
-            "sends": 0, "send_failures": 0, "step_chunks": 0, "layer_sends": 0,
+            "sends": 0,
+            "send_failures": 0,
+            "step_chunks": 0,
+            "layer_sends": 0,
             "streamed_steps": 0,
-            "sent_tokens": 0, "loads": 0,
+            "sent_tokens": 0,
+            "loads": 0,
             "load_failures": 0,
-            "loaded_tokens": 0, "net_bytes": 0, "net_us": 0, "ready_us": 0, "restore_us": 0,
-            "restored_pages": 0, "restored_l2_pages": 0, "restored_l3_pages": 0,
-            "repaired_tokens": 0, "writebacks": 0, "writeback_failures": 0}
+            "loaded_tokens": 0,
+            "net_bytes": 0,
+            "net_us": 0,
+            "ready_us": 0,
+            "restore_us": 0,
+            "restored_pages": 0,
+            "restored_l2_pages": 0,
+            "restored_l3_pages": 0,
+            "repaired_tokens": 0,
+            "writebacks": 0,
+            "writeback_failures": 0,
+        }
         self._interval: dict[str, Any] = {}
         """Counts and per-load figures since vLLM last asked (``take_interval``)."""
         self._changed = False
@@ -166,28 +180,52 @@ class PdxferWorker:
         if self.hybrid:
             return self._register_groups(kv_caches)
         g0 = self.groups[0]
-        self.layout = lay = describe(kv_caches, block_size=r.block_size,
-                                     total_kv_heads=r.total_kv_heads, tp_rank=r.tp_rank,
-                                     tp_size=r.tp_size, latent=g0.mla)
+        self.layout = lay = describe(
+            kv_caches,
+            block_size=r.block_size,
+            total_kv_heads=r.total_kv_heads,
+            tp_rank=r.tp_rank,
+            tp_size=r.tp_size,
+            latent=g0.mla,
+        )
         self._layer_of = {n: i for i, n in layer_order(list(kv_caches))}
         # a block's interior is addressable by token on a device (plain NHD/HND tiles); vLLM's
         # CPU backend packs each (block, head) tile per ISA, so a block moves whole there
-        self.partial_blocks = lay.kind in ("HND", "NHD", "latent") \
-            and not lay.pool.location.startswith("cpu")
+        self.partial_blocks = lay.kind in (
+            "HND",
+            "NHD",
+            "latent",
+        ) and not lay.pool.location.startswith("cpu")
         self._layer_ids = tuple(sorted(set(self._layer_of.values())))
         ident = self.cfg.model_id.replace(" ", "_")
-        fingerprint = (f"model={ident} block_size={r.block_size} kv_layout={lay.kind} "
-                       f"dtype={lay.pool.dtype} cache_dtype={r.cache_dtype}")
-        self.ep = Endpoint(self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
-                           [lay.pool], transport=self.transport)
+        fingerprint = (
+            f"model={ident} block_size={r.block_size} kv_layout={lay.kind} "
+            f"dtype={lay.pool.dtype} cache_dtype={r.cache_dtype}"
+        )
+        self.ep = Endpoint(
+            self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
+            [lay.pool],
+            transport=self.transport,
+        )
         if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
-            self.cache = TieredCache([lay.pool], host_pages=self.cfg.l2_pages,
-                                     storage=self._storage(), model_id=fingerprint,
-                                     salt=f"tp{r.tp_rank}/{r.tp_size}")
-        log.info("pdxfer %s rank %d/%d: %d-byte blocks (%s, %d buffers), endpoint %s%s",
-                 self.cfg.side, r.tp_rank, r.tp_size, lay.block_bytes, lay.kind,
-                 len(lay.pool.buffers), self.ep.endpoint_id,
-                 f", L2 {self.cfg.l2_pages} pages, L3 {self.cfg.l3}" if self.cache else "")
+            self.cache = TieredCache(
+                [lay.pool],
+                host_pages=self.cfg.l2_pages,
+                storage=self._storage(),
+                model_id=fingerprint,
+                salt=f"tp{r.tp_rank}/{r.tp_size}",
+            )
+        log.info(
+            "pdxfer %s rank %d/%d: %d-byte blocks (%s, %d buffers), endpoint %s%s",
+            self.cfg.side,
+            r.tp_rank,
+            r.tp_size,
+            lay.block_bytes,
+            lay.kind,
+            len(lay.pool.buffers),
+            self.ep.endpoint_id,
+            f", L2 {self.cfg.l2_pages} pages, L3 {self.cfg.l3}" if self.cache else "",
+        )
 
     def _register_groups(self, kv_caches: dict[str, Any]) -> None:
         """A hybrid model: one pool per group (``groups.py``), each from its own layers'
@@ -199,28 +237,43 @@ class PdxferWorker:
             if g.kind == "state":
                 first = next(iter(mine.values()))
                 t = first[0] if isinstance(first, (list, tuple)) else first
-                pool = describe_state(mine, name=g.pool, num_blocks=int(t.shape[0]),
-                                      page_bytes=g.page_bytes)
+                pool = describe_state(
+                    mine, name=g.pool, num_blocks=int(t.shape[0]), page_bytes=g.page_bytes
+                )
                 kind = "state"
             else:
-                lay = describe(mine, block_size=g.block_size, total_kv_heads=r.total_kv_heads,
-                               tp_rank=r.tp_rank, tp_size=r.tp_size, name=g.pool, latent=g.mla)
+                lay = describe(
+                    mine,
+                    block_size=g.block_size,
+                    total_kv_heads=r.total_kv_heads,
+                    tp_rank=r.tp_rank,
+                    tp_size=r.tp_size,
+                    name=g.pool,
+                    latent=g.mla,
+                )
                 pool, kind = lay.pool, lay.kind
             pools.append(pool)
             kinds.append(f"{g.pool}={g.kind}:{g.window}:{g.block_size}:{kind}:{pool.dtype}")
-        self.layout = Layout(pools[0], "hybrid", sum(p.item_bytes * len(p.buffers)
-                                                     for p in pools))
+        self.layout = Layout(pools[0], "hybrid", sum(p.item_bytes * len(p.buffers) for p in pools))
         self._stream_layers()
         ident = self.cfg.model_id.replace(" ", "_")
         fingerprint = f"model={ident} groups={','.join(kinds)} cache_dtype={r.cache_dtype}"
-        self.ep = Endpoint(self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
-                           pools, transport=self.transport)
+        self.ep = Endpoint(
+            self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
+            pools,
+            transport=self.transport,
+        )
         if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
             self._group_tiers(dict(zip((g.pool for g in self.groups), pools)), fingerprint)
-        log.info("pdxfer %s rank %d/%d: groups %s; rooms per request %d; endpoint %s",
-                 self.cfg.side, r.tp_rank, r.tp_size, "; ".join(g.describe() for g in
-                                                               self.groups),
-                 len(self.parts), self.ep.endpoint_id)
+        log.info(
+            "pdxfer %s rank %d/%d: groups %s; rooms per request %d; endpoint %s",
+            self.cfg.side,
+            r.tp_rank,
+            r.tp_size,
+            "; ".join(g.describe() for g in self.groups),
+            len(self.parts),
+            self.ep.endpoint_id,
+        )
 
     def _group_tiers(self, pools: dict[str, Any], fingerprint: str) -> None:
         """Decode-side tiers for a hybrid model: its full-attention groups only
@@ -229,19 +282,27 @@ class PdxferWorker:
         rest = ", ".join(g.describe() for g in self.groups if g not in keep)
         if keep:
             try:
-                self.cache = TieredCache([pools[g.pool] for g in keep],
-                                         host_pages=self.cfg.l2_pages, storage=self._storage(),
-                                         model_id=fingerprint, salt=f"tp{r.tp_rank}/{r.tp_size}")
+                self.cache = TieredCache(
+                    [pools[g.pool] for g in keep],
+                    host_pages=self.cfg.l2_pages,
+                    storage=self._storage(),
+                    model_id=fingerprint,
+                    salt=f"tp{r.tp_rank}/{r.tp_size}",
+                )
             except ConfigError as e:
-                log.warning("pdxfer: decode-side tiers (l2_pages) are not used for this "
-                            "model: %s", e)
+                log.warning(
+                    "pdxfer: decode-side tiers (l2_pages) are not used for this model: %s", e
+                )
                 return
             self.tiered = tuple(g.pool for g in keep)
-        log.log(logging.INFO if keep else logging.WARNING,
-                "pdxfer: decode-side tiers restore %s; %s always load from the prefill (a "
-                "window block is not kept once the window passed it; a Mamba/linear state "
-                "is sound only at a position the prefill checkpointed, so none is saved)",
-                ", ".join(g.describe() for g in keep) or "no group of this model", rest)
+        log.log(
+            logging.INFO if keep else logging.WARNING,
+            "pdxfer: decode-side tiers restore %s; %s always load from the prefill (a "
+            "window block is not kept once the window passed it; a Mamba/linear state "
+            "is sound only at a position the prefill checkpointed, so none is saved)",
+            ", ".join(g.describe() for g in keep) or "no group of this model",
+            rest,
+        )
 
     def _stream_layers(self) -> None:
         """A hybrid model's layers that stream (``send_by: layer``): those of its full and
@@ -252,8 +313,10 @@ class PdxferWorker:
             if g.kind != "state":
                 of.update({n: i for i, n in layer_order(list(g.layers))})
         if len(set(of.values())) != len(of):
-            log.info("pdxfer: layer ids of this model's groups collide; hybrid requests are "
-                     "sent at their end, not layer by layer")
+            log.info(
+                "pdxfer: layer ids of this model's groups collide; hybrid requests are "
+                "sent at their end, not layer by layer"
+            )
             return
         self._layer_of = of
         self._layer_ids = tuple(sorted(of.values()))
@@ -267,8 +330,12 @@ class PdxferWorker:
         if c.l3 == "mooncake":
             from pdxfer.tiers import MooncakeStoreStorage
 
-            return MooncakeStoreStorage(c.l3_mooncake, c.l3_mooncake_metadata, host=c.get("host"),
-                                        segment_bytes=c.l3_mooncake_segment_mb << 20)
+            return MooncakeStoreStorage(
+                c.l3_mooncake,
+                c.l3_mooncake_metadata,
+                host=c.get("host"),
+                segment_bytes=c.l3_mooncake_segment_mb << 20,
+            )
         return None
 
     # -- each step -----------------------------------------------------------------------------
@@ -362,8 +429,9 @@ class PdxferWorker:
             self._pending.pop(0)
             self._give(o, lid, lid + 1)
 
-    def _take_layers(self, o: LayerOrder, a: int, b: int
-                     ) -> tuple[_Out, list[int], bool, bool] | None:
+    def _take_layers(
+        self, o: LayerOrder, a: int, b: int
+    ) -> tuple[_Out, list[int], bool, bool] | None:
         """Mark layers ``[a, b)`` of ``o`` given, opening its room if need be: its sender
         record, the layers new to it, whether they are its first and whether every layer is
         now given; None when there is nothing to send (no sender, ended, nothing new)."""
@@ -394,12 +462,16 @@ class PdxferWorker:
         t1 = o.end if o.last or self.partial_blocks else o.end // bs * bs
         last = o.last and done
         if t1 > t0:
-            pages = list(o.block_ids[t0 // bs - o.start // bs: -(-t1 // bs) - o.start // bs])
+            pages = list(o.block_ids[t0 // bs - o.start // bs : -(-t1 // bs) - o.start // bs])
             # the last step's pages are sent whole (the tail of the last block too), as in
             # the other modes; earlier steps name the tokens they carry
             try:
-                out.tx.send({POOL: pages}, layers=(ids[0], ids[-1] + 1), last=last,
-                            tokens=None if o.last else (t0, t1))
+                out.tx.send(
+                    {POOL: pages},
+                    layers=(ids[0], ids[-1] + 1),
+                    last=last,
+                    tokens=None if o.last else (t0, t1),
+                )
             except Exception as e:  # noqa: BLE001 - one bad room fails that request only
                 log.warning("room %d (request %s): cannot send: %s", o.room, o.req_id, e)
                 out.tx.abort(f"cannot send: {e}")
@@ -439,13 +511,22 @@ class PdxferWorker:
                 last = o.last and done and not any(g.kind == "state" for g in part.groups)
                 real = t1 > t0 and t1 > G.stream_start(part, o.num_tokens)
                 moved.append((i, t1 if real else t0, last))
-                pools = [g for g in part.groups if g.kind != "state"
-                         and any(self._layer_of.get(n) in mine for n in g.layers)]
+                pools = [
+                    g
+                    for g in part.groups
+                    if g.kind != "state" and any(self._layer_of.get(n) in mine for n in g.layers)
+                ]
                 if real and pools:
-                    pages = {g.pool: G.stream_pages(g, o.groups[g.index], t0, t1, o.num_tokens)
-                             for g in pools}
-                    tx.send(pages, layers=(ids[0], ids[-1] + 1), last=last,
-                            tokens=None if o.last else (t0, t1))
+                    pages = {
+                        g.pool: G.stream_pages(g, o.groups[g.index], t0, t1, o.num_tokens)
+                        for g in pools
+                    }
+                    tx.send(
+                        pages,
+                        layers=(ids[0], ids[-1] + 1),
+                        last=last,
+                        tokens=None if o.last else (t0, t1),
+                    )
                     self._add("layer_sends")
                 elif last:
                     tx.send({}, last=True)  # its pools' layers were all given before
@@ -511,8 +592,9 @@ class PdxferWorker:
                     t.abort(f"cannot open: {e}")
             tx, others = None, []
         n = len(self.parts)
-        out = self._sends[o.req_id] = _Out(o.room, tx, others=others,
-                                           part_tokens=[0] * n, part_last=[False] * n)
+        out = self._sends[o.req_id] = _Out(
+            o.room, tx, others=others, part_tokens=[0] * n, part_last=[False] * n
+        )
         return out
 
     def _hand(self, s: SendOrder, owned: bool) -> None:
@@ -524,7 +606,7 @@ class PdxferWorker:
         if s.groups:
             self._hand_groups(out, s)
             return
-        new = list(s.block_ids[out.sent:])
+        new = list(s.block_ids[out.sent :])
         if out.tx is None or out.last or not (new or s.last):
             return
         try:
@@ -561,8 +643,7 @@ class PdxferWorker:
                     if g.kind == "state":
                         slots[g.pool] = G.state_slot(g, ids)
                     elif t0 < s.num_tokens:
-                        pages[g.pool] = G.source_pages(g, ids, s.num_tokens)[
-                            t0 // g.block_size:]
+                        pages[g.pool] = G.source_pages(g, ids, s.num_tokens)[t0 // g.block_size :]
                     else:
                         pages[g.pool] = []  # streamed whole: the state slot ends the room
                 tx.send(pages, slots=slots, last=True)
@@ -596,15 +677,19 @@ class PdxferWorker:
         while _reading(out) and time.monotonic() < end:
             time.sleep(0.001)
         if _reading(out):
-            log.warning("room %d (request %s): writes still read its blocks %.1f s after "
-                        "its preemption", out.room, a.req_id, self.cfg.get("abort_timeout_s"))
+            log.warning(
+                "room %d (request %s): writes still read its blocks %.1f s after its preemption",
+                out.room,
+                a.req_id,
+                self.cfg.get("abort_timeout_s"),
+            )
 
     def _load(self, o: LoadOrder) -> None:
         assert self.ep is not None
         if o.groups:
             return self._load_groups(o)
         bs = self.rank.block_size
-        blocks = list(o.block_ids[o.l1_len // bs: -(-o.num_tokens // bs)])
+        blocks = list(o.block_ids[o.l1_len // bs : -(-o.num_tokens // bs)])
         rec: _Load | None = None
 
         def release(*_: Any) -> None:
@@ -617,13 +702,24 @@ class PdxferWorker:
         try:
             rx: RequestHandle
             if self.cache is not None:
-                rx = RestoringReceiver(self.cache, self.ep, o.room, o.bootstrap, o.tokens,
-                                       {POOL: blocks}, num_tokens=o.num_tokens,
-                                       l1_len=o.l1_len, release=release, instance=o.instance,
-                                       scope=o.scope, early=o.early)
+                rx = RestoringReceiver(
+                    self.cache,
+                    self.ep,
+                    o.room,
+                    o.bootstrap,
+                    o.tokens,
+                    {POOL: blocks},
+                    num_tokens=o.num_tokens,
+                    l1_len=o.l1_len,
+                    release=release,
+                    instance=o.instance,
+                    scope=o.scope,
+                    early=o.early,
+                )
             else:
-                rx = self.ep.receiver(o.room, o.bootstrap, instance=o.instance, release=release,
-                                      early=o.early)
+                rx = self.ep.receiver(
+                    o.room, o.bootstrap, instance=o.instance, release=release, early=o.early
+                )
                 rx.request({POOL: blocks}, prefix_len=o.l1_len, num_tokens=o.num_tokens)
         except Exception as e:  # noqa: BLE001 - the request fails, vLLM recomputes it
             log.warning("room %d (request %s): cannot start the load: %s", o.room, o.req_id, e)
@@ -656,20 +752,23 @@ class PdxferWorker:
                     if g.kind == "window":
                         f = G.window_start(g, ids, f, o.num_tokens)  # type: ignore[assignment]
                         if f is None:
-                            raise ValueError(f"{g.pool}: a null block inside the window "
-                                             f"({list(ids)})")
+                            raise ValueError(
+                                f"{g.pool}: a null block inside the window ({list(ids)})"
+                            )
                     start = max(start, f * g.block_size)
                 for g in part.groups:
                     if g.kind != "state":
                         need = -(-o.num_tokens // g.block_size)
-                        pages[g.pool] = [int(b) for b in
-                                         o.groups[g.index][start // g.block_size:need]]
+                        pages[g.pool] = [
+                            int(b) for b in o.groups[g.index][start // g.block_size : need]
+                        ]
                 start = min(start, o.num_tokens)
                 plans.append((part, pages, slots, start))
                 blocks += [b for p in pages.values() for b in p] + list(slots.values())
         except Exception as e:  # noqa: BLE001 - the request fails, vLLM recomputes it
-            log.warning("room %d (request %s): cannot load this model's groups: %s", o.room,
-                        o.req_id, e)
+            log.warning(
+                "room %d (request %s): cannot load this model's groups: %s", o.room, o.req_id, e
+            )
             rec = _Load(o, _Refused(o.room, e), [])
             rec.released.set()
             self._add("loads")
@@ -682,14 +781,30 @@ class PdxferWorker:
                 if part.key == 0 and self.cache is not None and o.tokens and self.tiered:
                     # its full groups' prefix from L2/L3, the rest (and the state) over the
                     # network; the other rooms (windows) always over the network
-                    rx = RestoringReceiver(self.cache, self.ep, o.room, o.bootstrap, o.tokens,
-                                           pages, slots, num_tokens=o.num_tokens,
-                                           l1_len=start, release=joined.release_one,
-                                           instance=o.instance, scope=o.scope, early=o.early)
+                    rx = RestoringReceiver(
+                        self.cache,
+                        self.ep,
+                        o.room,
+                        o.bootstrap,
+                        o.tokens,
+                        pages,
+                        slots,
+                        num_tokens=o.num_tokens,
+                        l1_len=start,
+                        release=joined.release_one,
+                        instance=o.instance,
+                        scope=o.scope,
+                        early=o.early,
+                    )
                     joined.parts.append(rx)
                     continue
-                rx = self.ep.receiver(part.room(o.room), o.bootstrap, instance=o.instance,
-                                      release=joined.release_one, early=o.early)
+                rx = self.ep.receiver(
+                    part.room(o.room),
+                    o.bootstrap,
+                    instance=o.instance,
+                    release=joined.release_one,
+                    early=o.early,
+                )
                 joined.parts.append(rx)
                 rx.request(pages, slots=slots, prefix_len=start, num_tokens=o.num_tokens)
         except Exception as e:  # noqa: BLE001 - the request fails, vLLM recomputes it
@@ -704,8 +819,11 @@ class PdxferWorker:
             self._written.add(w.req_id)
             return
         try:
-            pages = {POOL: list(w.block_ids)} if not w.groups else \
-                {g.pool: list(w.groups[g.index]) for g in self.groups if g.pool in self.tiered}
+            pages = (
+                {POOL: list(w.block_ids)}
+                if not w.groups
+                else {g.pool: list(w.groups[g.index]) for g in self.groups if g.pool in self.tiered}
+            )
             self.cache.write_back(w.tokens, pages, len(w.tokens), w.scope)
             self._add("writebacks")
         except Exception as e:  # noqa: BLE001 - a cache problem never fails a request
@@ -716,8 +834,13 @@ class PdxferWorker:
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
         finished_req_ids = list(finished_req_ids)
         meta = self._bound
-        if (meta is not None and meta.idle and not finished_req_ids and not meta.orders()
-                and (self._loads or self._sends)):
+        if (
+            meta is not None
+            and meta.idle
+            and not finished_req_ids
+            and not meta.orders()
+            and (self._loads or self._sends)
+        ):
             self._idle_wait()
         for rid in finished_req_ids:
             rec = self._loads.get(rid)
@@ -744,9 +867,14 @@ class PdxferWorker:
             else:
                 self._add("load_failures")
                 if not rec.aborted:
-                    log.warning("request %s (room %d): KV load failed: %s; its %d blocks go "
-                                "back to vLLM as load errors", rid, rec.order.room,
-                                rec.rx.failure, len(rec.blocks))
+                    log.warning(
+                        "request %s (room %d): KV load failed: %s; its %d blocks go "
+                        "back to vLLM as load errors",
+                        rid,
+                        rec.order.room,
+                        rec.rx.failure,
+                        len(rec.blocks),
+                    )
                 if self.hybrid:
                     self._failed.add(rid)
                 else:
@@ -767,9 +895,13 @@ class PdxferWorker:
 
     def _reportable(self) -> bool:
         """Whether ``get_finished`` would report something now."""
-        return bool(self._written or self._errors or self._failed
-                    or any(_send_over(o) is not None for o in self._sends.values())
-                    or any(_load_over(r) is not None for r in self._loads.values()))
+        return bool(
+            self._written
+            or self._errors
+            or self._failed
+            or any(_send_over(o) is not None for o in self._sends.values())
+            or any(_load_over(r) is not None for r in self._loads.values())
+        )
 
     def _loaded(self, rec: _Load) -> None:
         add = self._add
@@ -819,10 +951,14 @@ class PdxferWorker:
 
     # -- introspection and end -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": self.cfg.side, "instance": self.cfg.instance,
-                               "tp_rank": self.rank.tp_rank, **self.counters,
-                               "in_flight_sends": len(self._sends),
-                               "in_flight_loads": len(self._loads)}
+        out: dict[str, Any] = {
+            "role": self.cfg.side,
+            "instance": self.cfg.instance,
+            "tp_rank": self.rank.tp_rank,
+            **self.counters,
+            "in_flight_sends": len(self._sends),
+            "in_flight_loads": len(self._loads),
+        }
         if self.ep is not None:
             out["endpoint"] = self.ep.metrics()
         if self.cache is not None:
@@ -906,8 +1042,7 @@ class _Joined:
         sts = [p.poll() for p in self.parts]
         if self.failure is not None or KVPoll.Failed in sts:
             if self.failure is None:
-                self.failure = next(p.failure for p in self.parts
-                                    if p.poll() == KVPoll.Failed)
+                self.failure = next(p.failure for p in self.parts if p.poll() == KVPoll.Failed)
                 self.abort(f"another room of the request failed: {self.failure}")
             return KVPoll.Failed
         return min(sts) if sts else KVPoll.Failed
@@ -920,8 +1055,10 @@ class _Joined:
     def stats(self) -> dict[str, Any]:
         st = [p.stats() for p in self.parts]
         secs = [x.get("seconds") for x in st if x.get("seconds") is not None]
-        return {"bytes": sum(int(x.get("bytes") or 0) for x in st),
-                "seconds": max(secs) if secs else None}
+        return {
+            "bytes": sum(int(x.get("bytes") or 0) for x in st),
+            "seconds": max(secs) if secs else None,
+        }
 
 
 def _part_end(part: Part, o: LayerOrder) -> int:

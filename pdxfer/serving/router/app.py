@@ -87,19 +87,31 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return web.json_response(error_body(f"{request.method} {request.path}: {e.reason}",
-                                            "not_found" if e.status == 404 else "invalid_request",
-                                            e.status), status=e.status)
+        return web.json_response(
+            error_body(
+                f"{request.method} {request.path}: {e.reason}",
+                "not_found" if e.status == 404 else "invalid_request",
+                e.status,
+            ),
+            status=e.status,
+        )
 
 
 class Router:
-    def __init__(self, prefills: list[Prefill], decodes: list[Decode],
-                 policy: str = DEFAULT["policy"], timeout_s: float = DEFAULT["timeout_s"],
-                 expose_cache_stats: bool = DEFAULT["expose_cache_stats"],
-                 api_keys: dict[str, str] | None = None,
-                 backend: Backend | None = None, kv: KvFeeds | None = None,
-                 load_weight: float = DEFAULT["kv_load_weight"],
-                 media: MediaPolicy = MEDIA, stale: StaleLimits = STALE) -> None:
+    def __init__(
+        self,
+        prefills: list[Prefill],
+        decodes: list[Decode],
+        policy: str = DEFAULT["policy"],
+        timeout_s: float = DEFAULT["timeout_s"],
+        expose_cache_stats: bool = DEFAULT["expose_cache_stats"],
+        api_keys: dict[str, str] | None = None,
+        backend: Backend | None = None,
+        kv: KvFeeds | None = None,
+        load_weight: float = DEFAULT["kv_load_weight"],
+        media: MediaPolicy = MEDIA,
+        stale: StaleLimits = STALE,
+    ) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
         self.auto_policy = policy == "auto"
@@ -114,7 +126,7 @@ class Router:
         """Whether clients see how much of their prompt came from the decode's cache
         (``cached_tokens``, ``restored_tokens``, bytes): off by default, since a hit tells
         a client what another one asked (caches are per tenant either way)."""
-        self.api_keys = (parse_api_keys(knobs().api_keys) if api_keys is None else api_keys)
+        self.api_keys = parse_api_keys(knobs().api_keys) if api_keys is None else api_keys
         self.secret = load_secret()
         self.backend: Backend = backend or ToyBackend()
         self.kv = kv
@@ -135,8 +147,9 @@ class Router:
         self._watch: asyncio.Future[None] | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=8 << 20,
-                              middlewares=[_json_errors, self._authenticate])
+        app = web.Application(
+            client_max_size=8 << 20, middlewares=[_json_errors, self._authenticate]
+        )
         app.router.add_post("/v1/completions", self.h_completions)
         app.router.add_post("/v1/chat/completions", self.h_chat)
         app.router.add_get("/v1/models", self.h_models)
@@ -147,8 +160,9 @@ class Router:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-            total=self.timeout_s, sock_connect=5.0))
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=5.0)
+        )
         self._http = Http(self.session, self.secret)
         await self.backend.setup(self._http, self.decodes)
         if self.kv is not None:
@@ -192,19 +206,25 @@ class Router:
             tenant = self.api_keys.get(auth.removeprefix("Bearer ").strip())
             if not auth.startswith("Bearer ") or tenant is None:
                 self.counters["unauthorized"] += 1
-                return web.json_response(error_body("invalid or missing API key",
-                                                    "invalid_api_key", 401), status=401)
+                return web.json_response(
+                    error_body("invalid or missing API key", "invalid_api_key", 401), status=401
+                )
             request["tenant"] = tenant
         return await handler(request)
 
     # -- pairing ------------------------------------------------------------------------------
-    def pick(self, ids: list[int], avoid_p: set[str], avoid_d: set[str], tenant: str = ""
-             ) -> tuple[Prefill, Decode, int, int]:
+    def pick(
+        self, ids: list[int], avoid_p: set[str], avoid_d: set[str], tenant: str = ""
+    ) -> tuple[Prefill, Decode, int, int]:
         """A (prefill, decode) pair, and how many leading prompt tokens each holds as far
         as the router knows (0 but under ``kv_aware``)."""
+
         def usable(xs: list[Any], avoid: set[str]) -> list[Any]:
-            return ([x for x in xs if x.key not in avoid and x.healthy]
-                    or [x for x in xs if x.key not in avoid] or xs)
+            return (
+                [x for x in xs if x.key not in avoid and x.healthy]
+                or [x for x in xs if x.key not in avoid]
+                or xs
+            )
 
         ps, ds = usable(self.prefills, avoid_p), usable(self.decodes, avoid_d)
         pf_held = dc_held = 0
@@ -216,10 +236,13 @@ class Router:
             if self.stale is not None:
                 self.stale.sweep()
             cached = self._cached(ids, tenant)  # KV events: workers in sync
-            pf, pf_held = choose(ps, self._held(ps, ids, tenant, cached), len(ids),
-                                 pending_tokens)
-            dc, dc_held = choose(ds, self._held(ds, ids, tenant, cached), len(ids),
-                                 per_request(self.load_weight, len(ids)))
+            pf, pf_held = choose(ps, self._held(ps, ids, tenant, cached), len(ids), pending_tokens)
+            dc, dc_held = choose(
+                ds,
+                self._held(ds, ids, tenant, cached),
+                len(ids),
+                per_request(self.load_weight, len(ids)),
+            )
         else:
             pf = ps[next(self._rr_p) % len(ps)]
             dc = ds[next(self._rr_d) % len(ds)]
@@ -268,11 +291,22 @@ class Router:
         for p, info, ok in zip(self.prefills, pf_info, reg):
             self._down_forgets(p, info is not None and ok)
             p.healthy = info is not None and ok
-            out[p.url] = ("ok" if p.healthy else "down" if info is None
-                          else f"not registered with bootstrap {p.bootstrap}")
+            out[p.url] = (
+                "ok"
+                if p.healthy
+                else "down"
+                if info is None
+                else f"not registered with bootstrap {p.bootstrap}"
+            )
         urls = list(dict.fromkeys(d.url for d in self.decodes))  # a DP front once
-        by_url = dict(zip(urls, await asyncio.gather(
-            *(probe(self.http, next(d for d in self.decodes if d.url == u)) for u in urls))))
+        by_url = dict(
+            zip(
+                urls,
+                await asyncio.gather(
+                    *(probe(self.http, next(d for d in self.decodes if d.url == u)) for u in urls)
+                ),
+            )
+        )
         self._expand_groups(by_url)
         for d in self.decodes:
             info = by_url.get(d.url)
@@ -317,9 +351,15 @@ class Router:
     async def h_health(self, request: web.Request) -> web.Response:
         workers = await self.refresh_health(force=True)
         ok = any(p.healthy for p in self.prefills) and any(d.healthy for d in self.decodes)
-        return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers,
-                                  "policy": self.policy, "engine": self.backend.name},
-                                 status=200 if ok else 503)
+        return web.json_response(
+            {
+                "status": "ok" if ok else "unavailable",
+                "workers": workers,
+                "policy": self.policy,
+                "engine": self.backend.name,
+            },
+            status=200 if ok else 503,
+        )
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         vals: dict[str, Any] = dict(self.counters)
@@ -332,14 +372,29 @@ class Router:
             feeds = self.kv.feeds.values()
             vals["kv_feeds_synced"] = sum(f.synced for f in feeds)
             vals["kv_indexed_blocks"] = sum(len(ix) for ix in self.kv.indexes.values())
-            for k in ("batches", "gaps", "resets", "replays", "replayed", "bad_frames",
-                      "misses", "unpublished", "stale"):
+            for k in (
+                "batches",
+                "gaps",
+                "resets",
+                "replays",
+                "replayed",
+                "bad_frames",
+                "misses",
+                "unpublished",
+                "stale",
+            ):
                 vals[f"kv_events_{k}"] = sum(f.counters[k] for f in feeds)
         text = metrics_text("pdxfer_router", vals)
         if self.kv is not None:  # and each worker's feed, labelled by the worker
-            text = merge_metrics([(text, {}), *(
-                (metrics_text("pdxfer_router", v), {"worker": w})
-                for w, v in self.kv.per_worker().items())])
+            text = merge_metrics(
+                [
+                    (text, {}),
+                    *(
+                        (metrics_text("pdxfer_router", v), {"worker": w})
+                        for w, v in self.kv.per_worker().items()
+                    ),
+                ]
+            )
         return web.Response(text=text)
 
     # -- the API --------------------------------------------------------------------------------
@@ -362,13 +417,17 @@ class Router:
             return error_response(e)
         rid = f"{'chatcmpl' if ask.chat else 'cmpl'}-{secrets.token_hex(8)}"
         base = ask.seed if ask.seed is not None else secrets.randbits(62)
-        jobs = [(i * ask.n + j, ids, (base + j) % (1 << 63))
-                for i, ids in enumerate(ask.prompts) for j in range(ask.n)]
+        jobs = [
+            (i * ask.n + j, ids, (base + j) % (1 << 63))
+            for i, ids in enumerate(ask.prompts)
+            for j in range(ask.n)
+        ]
         if ask.stream:
             return await self._stream(request, ask, rid, jobs, t0)
         try:
-            choices = await asyncio.gather(*(self._choice(ask, ids, idx, seed, t0, None)
-                                             for idx, ids, seed in jobs))
+            choices = await asyncio.gather(
+                *(self._choice(ask, ids, idx, seed, t0, None) for idx, ids, seed in jobs)
+            )
         except AttemptFailed as e:
             return self._failure(e)
         self.counters["success"] += 1
@@ -384,12 +443,22 @@ class Router:
             usage["prompt_tokens_details"]["cached_tokens"] = 0
         for ext in [obj.get("pdxfer"), *(obj.get("pdxfer") or {}).get("choices", [])]:
             if isinstance(ext, dict):
-                for k in ("restored_tokens", "restored_l2_tokens", "restored_l3_tokens",
-                          "prefill_cached_tokens", "decode_cached_tokens",
-                          "prefill_reused_tokens", "prefill_layer_sends", "bytes",
-                          "decode_ttft_s",
-                          "repaired_tokens", "ranks", "kv_wait_s", "kv_local_s",
-                          "kv_net_s"):
+                for k in (
+                    "restored_tokens",
+                    "restored_l2_tokens",
+                    "restored_l3_tokens",
+                    "prefill_cached_tokens",
+                    "decode_cached_tokens",
+                    "prefill_reused_tokens",
+                    "prefill_layer_sends",
+                    "bytes",
+                    "decode_ttft_s",
+                    "repaired_tokens",
+                    "ranks",
+                    "kv_wait_s",
+                    "kv_local_s",
+                    "kv_net_s",
+                ):
                     ext.pop(k, None)
         return obj
 
@@ -399,9 +468,11 @@ class Router:
         limits = [d.max_seq_len for d in self.decodes if d.max_seq_len]
         longest = max(len(p) for p in ask.prompts)
         if limits and longest + ask.max_tokens + ask.spec_k > min(limits):
-            raise BadRequest(f"prompt ({longest} tokens) + max_tokens ({ask.max_tokens}) + "
-                             f"speculative_k ({ask.spec_k}) exceeds the context of "
-                             f"{min(limits)} tokens")
+            raise BadRequest(
+                f"prompt ({longest} tokens) + max_tokens ({ask.max_tokens}) + "
+                f"speculative_k ({ask.spec_k}) exceeds the context of "
+                f"{min(limits)} tokens"
+            )
 
     def _failure(self, e: AttemptFailed) -> web.Response:
         self.counters["failures"] += 1
@@ -409,12 +480,19 @@ class Router:
             self.counters["capacity_rejections"] += 1
             return error_response(OutOfCapacity(str(e)))
         if e.client:
-            return web.json_response(error_body(str(e), "invalid_request", e.status),
-                                     status=e.status)
+            return web.json_response(
+                error_body(str(e), "invalid_request", e.status), status=e.status
+            )
         return error_response(UpstreamError(str(e)))
 
-    async def _stream(self, request: web.Request, ask: oa.Ask, rid: str,
-                      jobs: list[tuple[int, list[int], int]], t0: float) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        ask: oa.Ask,
+        rid: str,
+        jobs: list[tuple[int, list[int], int]],
+        t0: float,
+    ) -> web.StreamResponse:
         """Chunks of every choice as they come; the response starts with the first text, so a
         failure before it still gets a proper HTTP status."""
         created = int(time.time())
@@ -424,15 +502,18 @@ class Router:
         async def on_delta(index: int, text: str, lps: list[dict[str, Any]]) -> None:
             q.put_nowait((index, text, lps))
 
-        tasks = [asyncio.ensure_future(self._choice(ask, ids, idx, seed, t0, on_delta))
-                 for idx, ids, seed in jobs]
+        tasks = [
+            asyncio.ensure_future(self._choice(ask, ids, idx, seed, t0, on_delta))
+            for idx, ids, seed in jobs
+        ]
         started: set[int] = set()
 
         async def send(obj: Any) -> None:
             nonlocal resp
             if resp is None:
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                   "Cache-Control": "no-cache"})
+                resp = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
                 await resp.prepare(request)
             await resp.write(f"data: {json.dumps(self._redact(obj))}\n\n".encode())
 
@@ -450,8 +531,9 @@ class Router:
             done_choices: list[oa.Choice] = []
             while pending:
                 getter = asyncio.ensure_future(q.get())
-                done, _ = await asyncio.wait(pending | {getter},
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    pending | {getter}, return_when=asyncio.FIRST_COMPLETED
+                )
                 if not getter.done():
                     getter.cancel()
                     await asyncio.gather(getter, return_exceptions=True)
@@ -469,8 +551,15 @@ class Router:
                         continue
                     done_choices.append(c)
                     role = ask.chat and c.index not in started
-                    last = oa.chunk(ask, rid, created, c.index, None if ask.chat else "",
-                                    c.finish_reason, role=role)
+                    last = oa.chunk(
+                        ask,
+                        rid,
+                        created,
+                        c.index,
+                        None if ask.chat else "",
+                        c.finish_reason,
+                        role=role,
+                    )
                     last["pdxfer"] = oa.extension(c)
                     await send(last)
             if ask.include_usage:
@@ -488,29 +577,33 @@ class Router:
                     t.cancel()
 
     # -- one choice -----------------------------------------------------------------------------
-    async def _choice(self, ask: oa.Ask, ids: list[int], index: int, seed: int, t0: float,
-                      on_delta: Any) -> oa.Choice:
+    async def _choice(
+        self, ask: oa.Ask, ids: list[int], index: int, seed: int, t0: float, on_delta: Any
+    ) -> oa.Choice:
         avoid_p: set[str] = set()
         avoid_d: set[str] = set()
         err: AttemptFailed | None = None
         tries = max(2, len(self.prefills) * len(self.decodes))
         for attempt in range(tries):
             pf, dc, pf_held, dc_held = self.pick(ids, avoid_p, avoid_d, ask.tenant)
-            marks = ((self.kv.mark(pf.key), self.kv.mark(dc.key)) if self.kv is not None
-                     else (None, None))
+            marks = (
+                (self.kv.mark(pf.key), self.kv.mark(dc.key))
+                if self.kv is not None
+                else (None, None)
+            )
             c = oa.Choice(index)
             if attempt:
                 self.counters["retries"] += 1
                 log.info("retrying on %s + %s after: %s", pf.url, dc.url, err)
             try:
-                await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta,
-                                    len(ids) - pf_held)
+                await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta, len(ids) - pf_held)
                 if self.policy == "kv_aware":
                     dc.remember(page_keys(ids, dc.page_size, ask.tenant))
                     pf.remember(page_keys(ids, self.decodes[0].page_size, ask.tenant))
                     self._report(c, ids, pf, dc, pf_held, dc_held)
-                    self.judge(len(ids), c.stats, (pf.key, pf_held, marks[0]),
-                               (dc.key, dc_held, marks[1]))
+                    self.judge(
+                        len(ids), c.stats, (pf.key, pf_held, marks[0]), (dc.key, dc_held, marks[1])
+                    )
                 return c
             except AttemptFailed as e:
                 err = e
@@ -529,8 +622,9 @@ class Router:
         assert err is not None
         raise err
 
-    def _report(self, c: oa.Choice, ids: list[int], pf: Prefill, dc: Decode, pf_held: int,
-                dc_held: int) -> None:
+    def _report(
+        self, c: oa.Choice, ids: list[int], pf: Prefill, dc: Decode, pf_held: int, dc_held: int
+    ) -> None:
         """Which workers a choice went to and how much of its prompt each held (as the
         router saw it when it chose): in the ``pdxfer`` extension, the metrics and the log."""
         c.stats["prefill_cached_tokens"] = pf_held
@@ -538,13 +632,25 @@ class Router:
         self.counters["kv_prompt_tokens"] += len(ids)
         self.counters["kv_prefill_cached_tokens"] += pf_held
         self.counters["kv_decode_cached_tokens"] += dc_held
-        log.info("routed %d prompt tokens: prefill %s (held %d, events %s), decode %s "
-                 "(held %d, events %s)", len(ids), pf.key, pf_held,
-                 self.kv is not None and self.kv.synced(pf.key), dc.key, dc_held,
-                 self.kv is not None and self.kv.synced(dc.key))
+        log.info(
+            "routed %d prompt tokens: prefill %s (held %d, events %s), decode %s "
+            "(held %d, events %s)",
+            len(ids),
+            pf.key,
+            pf_held,
+            self.kv is not None and self.kv.synced(pf.key),
+            dc.key,
+            dc_held,
+            self.kv is not None and self.kv.synced(dc.key),
+        )
 
-    def judge(self, n_tokens: int, stats: dict[str, Any], pf: tuple[str, int, int | None],
-              dc: tuple[str, int, int | None]) -> None:
+    def judge(
+        self,
+        n_tokens: int,
+        stats: dict[str, Any],
+        pf: tuple[str, int, int | None],
+        dc: tuple[str, int, int | None],
+    ) -> None:
         """A served choice as evidence on its workers' feeds: per leg, its worker, what the
         router credited it with and its feed's mark at the choice (None: the credit did not
         come from its events), against what the worker reported it held (the prefill's
@@ -552,15 +658,29 @@ class Router:
         if self.stale is None:
             return
         got = [stats.get("prefill_reused_tokens"), stats.get("restored_tokens")]
-        self.stale.served(n_tokens, [
-            Served(w, held, ev, int(a) if isinstance(a, (int, float)) else None)
-            for (w, held, ev), a in zip((pf, dc), got)])
+        self.stale.served(
+            n_tokens,
+            [
+                Served(w, held, ev, int(a) if isinstance(a, (int, float)) else None)
+                for (w, held, ev), a in zip((pf, dc), got)
+            ],
+        )
 
     def _later(self, coro: Any) -> None:
         later(self._bg, coro)
 
-    async def _attempt(self, ask: oa.Ask, ids: list[int], seed: int, pf: Prefill, dc: Decode,
-                       c: oa.Choice, t0: float, on_delta: Any, pf_work: int = 0) -> None:
+    async def _attempt(
+        self,
+        ask: oa.Ask,
+        ids: list[int],
+        seed: int,
+        pf: Prefill,
+        dc: Decode,
+        c: oa.Choice,
+        t0: float,
+        on_delta: Any,
+        pf_work: int = 0,
+    ) -> None:
         """One try on a pair; ``pf_work``: the prompt tokens the prefill has to compute
         (its ``pending`` until the first token: the prefill is done by then)."""
         room = secrets.randbits(63)
@@ -575,8 +695,13 @@ class Router:
                 async for ev in events:
                     if isinstance(ev, Done):
                         c.finish_reason = ev.finish_reason
-                        c.stats = {**ev.stats, "room": room, "prefill": pf.url,
-                                   "decode": dc.url, "seconds": time.perf_counter() - t0}
+                        c.stats = {
+                            **ev.stats,
+                            "room": room,
+                            "prefill": pf.url,
+                            "decode": dc.url,
+                            "seconds": time.perf_counter() - t0,
+                        }
                         if dc.dp is not None:
                             c.stats["decode_dp"] = dc.dp
                         finished = True
@@ -587,13 +712,16 @@ class Router:
                     c.token_ids += ev.token_ids
                     c.logprobs += ev.logprobs
                     rendered |= ev.text is not None
-                    text = stops.feed(ev.text if ev.text is not None
-                                      else detok.feed(ev.token_ids))
+                    text = stops.feed(ev.text if ev.text is not None else detok.feed(ev.token_ids))
                     await self._emit(c, text, ev.logprobs, on_delta)
                     if stops.stopped:
                         c.finish_reason = "stop"
-                        c.stats = {"room": room, "prefill": pf.url, "decode": dc.url,
-                                   "seconds": time.perf_counter() - t0}
+                        c.stats = {
+                            "room": room,
+                            "prefill": pf.url,
+                            "decode": dc.url,
+                            "seconds": time.perf_counter() - t0,
+                        }
                         break  # leaving closes the stream: the decode stops generating
             finally:
                 await events.aclose()
@@ -616,8 +744,9 @@ class Router:
             if stops.stopped:
                 self._later(self.backend.abort(self.http, pf.url, room, "stop string reached"))
 
-    async def _emit(self, c: oa.Choice, text: str, lps: list[dict[str, Any]],
-                    on_delta: Any) -> None:
+    async def _emit(
+        self, c: oa.Choice, text: str, lps: list[dict[str, Any]], on_delta: Any
+    ) -> None:
         if not text and not lps:
             return
         c.text += text
@@ -629,8 +758,7 @@ def make_backend(s: RouterSettings) -> Backend:
     if s.engine == "vllm":
         from .vllm import SETUP_TIMEOUT_S, VllmBackend
 
-        return VllmBackend(s.tokenizer, s.page_size, s.dispatch,
-                           max(SETUP_TIMEOUT_S, s.timeout_s))
+        return VllmBackend(s.tokenizer, s.page_size, s.dispatch, max(SETUP_TIMEOUT_S, s.timeout_s))
     return ToyBackend()
 
 
@@ -642,10 +770,12 @@ def check_reachable(prefills: list[Prefill], decodes: list[Decode]) -> None:
         boot = host_of(p.bootstrap)
         for d in decodes:
             if unreachable_from(boot, d.url):
-                raise ValueError(f"--prefill {p.url}: its bootstrap {p.bootstrap} is a "
-                                 f"loopback address, but decode {d.url} is on another host "
-                                 f"and would look it up on its own host: name the bootstrap "
-                                 f"by an address the decodes reach")
+                raise ValueError(
+                    f"--prefill {p.url}: its bootstrap {p.bootstrap} is a "
+                    f"loopback address, but decode {d.url} is on another host "
+                    f"and would look it up on its own host: name the bootstrap "
+                    f"by an address the decodes reach"
+                )
 
 
 def run(a: argparse.Namespace) -> int:
@@ -659,13 +789,26 @@ def run(a: argparse.Namespace) -> int:
         if spec.worker not in known:
             raise ValueError(f"--kv-events {spec.worker}: not a --prefill or --decode URL")
     kv = KvFeeds(specs, s.kv_index_blocks) if specs else None
-    router = Router(prefills, decodes, s.policy, s.timeout_s,
-                    expose_cache_stats=s.expose_cache_stats, backend=make_backend(s), kv=kv,
-                    load_weight=s.kv_load_weight,
-                    stale=StaleLimits(s.kv_stale_misses, s.kv_stale_window_s,
-                                      s.kv_stale_tolerance_blocks, s.kv_stale_deadline_s),
-                    media=MediaPolicy(max_image_bytes=a.max_image_bytes,
-                                      max_image_pixels=a.max_image_pixels,
-                                      allow_remote=a.allow_remote_images))
+    router = Router(
+        prefills,
+        decodes,
+        s.policy,
+        s.timeout_s,
+        expose_cache_stats=s.expose_cache_stats,
+        backend=make_backend(s),
+        kv=kv,
+        load_weight=s.kv_load_weight,
+        stale=StaleLimits(
+            s.kv_stale_misses,
+            s.kv_stale_window_s,
+            s.kv_stale_tolerance_blocks,
+            s.kv_stale_deadline_s,
+        ),
+        media=MediaPolicy(
+            max_image_bytes=a.max_image_bytes,
+            max_image_pixels=a.max_image_pixels,
+            allow_remote=a.allow_remote_images,
+        ),
+    )
     log.info("router: %d prefill, %d decode, %s", len(prefills), len(decodes), router.policy)
     return serve(router.app(), s.host, s.port, advertise=s.advertise, what="router")

@@ -139,8 +139,9 @@ def parse_decode(spec: str) -> Decode:
 class AttemptFailed(Exception):
     """One attempt failed; ``client``: a 4xx no other pair can fix; ``capacity``: full."""
 
-    def __init__(self, status: int, message: str, client: bool = False,
-                 capacity: bool = False) -> None:
+    def __init__(
+        self, status: int, message: str, client: bool = False, capacity: bool = False
+    ) -> None:
         super().__init__(message)
         self.status, self.client, self.capacity = status, client, capacity
 
@@ -148,8 +149,12 @@ class AttemptFailed(Exception):
     def from_status(cls, status: int, message: str) -> AttemptFailed:
         """A worker's HTTP error: a 4xx other than timeouts and conflicts is the client's,
         429/503 mean full."""
-        return cls(status, message, client=400 <= status < 500 and status not in (408, 409, 429),
-                   capacity=status in (429, 503))
+        return cls(
+            status,
+            message,
+            client=400 <= status < 500 and status not in (408, 409, 429),
+            capacity=status in (429, 503),
+        )
 
 
 @dataclass(slots=True)
@@ -190,8 +195,10 @@ class Http:
     def signed(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
         """aiohttp arguments for a worker POST."""
         body = json.dumps(payload).encode()
-        headers = {"Content-Type": "application/json",
-                   **http_headers(self.secret, "POST", urllib.parse.urlsplit(url).path, body)}
+        headers = {
+            "Content-Type": "application/json",
+            **http_headers(self.secret, "POST", urllib.parse.urlsplit(url).path, body),
+        }
         return {"data": body, "headers": headers}
 
     async def get_json(self, url: str, timeout: float = 3.0) -> Any:
@@ -232,10 +239,12 @@ async def sse_events(r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]
 async def registered(p: Prefill) -> bool:
     """Whether the prefill's bootstrap can route to its instance (else every request to it
     fails however healthy the worker is)."""
+
     def look() -> bool:
         try:
             BootstrapClient(p.bootstrap, timeout=2.0, retries=0).route(
-                0, p.instance, deadline=time.monotonic())
+                0, p.instance, deadline=time.monotonic()
+            )
             return True
         except PdxferError:
             return False
@@ -288,23 +297,31 @@ class ToyBackend:
 
     async def abort(self, http: Http, url: str, room: int, why: str) -> None:
         try:
-            async with http.session.post(f"{url}/abort", **http.signed(
-                    f"{url}/abort", {"room": room, "reason": why}),
-                    timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with http.session.post(
+                f"{url}/abort",
+                **http.signed(f"{url}/abort", {"room": room, "reason": why}),
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as r:
                 await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError):
             pass  # RuntimeError: the session closed (the router is stopping)
 
     async def _prefill(self, http: Http, job: Attempt) -> tuple[int, str, Any]:
         ask, pf = job.ask, job.pf
-        payload: dict[str, Any] = {"room": job.room, "prompt_ids": job.ids,
-                                   "temperature": ask.temperature, "top_p": ask.top_p,
-                                   "seed": job.seed, "tenant": ask.tenant}
+        payload: dict[str, Any] = {
+            "room": job.room,
+            "prompt_ids": job.ids,
+            "temperature": ask.temperature,
+            "top_p": ask.top_p,
+            "seed": job.seed,
+            "tenant": ask.tenant,
+        }
         if job.dc.peer:  # the room is bound to the decode chosen for it
             payload["decode_peer"] = job.dc.peer
         try:
-            async with http.session.post(f"{pf.url}/generate",
-                                         **http.signed(f"{pf.url}/generate", payload)) as r:
+            async with http.session.post(
+                f"{pf.url}/generate", **http.signed(f"{pf.url}/generate", payload)
+            ) as r:
                 body = await json_or_text(r)
                 return r.status, message(body), body
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -316,20 +333,30 @@ class ToyBackend:
 
         def prefill_done(t: asyncio.Future[tuple[int, str, Any]]) -> None:
             if not t.cancelled() and t.result()[0] != 200:  # the decode would wait in vain
-                later(self._bg, self.abort(http, dc.url, room,
-                                           f"prefill failed: {t.result()[1]}"))
+                later(self._bg, self.abort(http, dc.url, room, f"prefill failed: {t.result()[1]}"))
 
         pf_task.add_done_callback(prefill_done)
-        payload = {"room": room, "bootstrap": pf.bootstrap, "instance": pf.instance,
-                   "prompt_ids": job.ids, "max_tokens": ask.max_tokens, "stream": True,
-                   "spec_k": ask.spec_k, "temperature": ask.temperature, "top_p": ask.top_p,
-                   "seed": job.seed, "ignore_eos": ask.ignore_eos, "logprobs": ask.logprobs,
-                   "tenant": ask.tenant}
+        payload = {
+            "room": room,
+            "bootstrap": pf.bootstrap,
+            "instance": pf.instance,
+            "prompt_ids": job.ids,
+            "max_tokens": ask.max_tokens,
+            "stream": True,
+            "spec_k": ask.spec_k,
+            "temperature": ask.temperature,
+            "top_p": ask.top_p,
+            "seed": job.seed,
+            "ignore_eos": ask.ignore_eos,
+            "logprobs": ask.logprobs,
+            "tenant": ask.tenant,
+        }
         if dc.dp is not None:
             payload["dp"] = dc.dp
         try:
-            async with http.session.post(f"{dc.url}/generate",
-                                         **http.signed(f"{dc.url}/generate", payload)) as r:
+            async with http.session.post(
+                f"{dc.url}/generate", **http.signed(f"{dc.url}/generate", payload)
+            ) as r:
                 if r.status != 200:
                     msg = message(await json_or_text(r))
                     if pf_task.done() and pf_task.result()[0] != 200:
@@ -350,8 +377,9 @@ class ToyBackend:
                                 stats["prefill_s"] = float(pb["compute_s"])
                         yield Done(ev.get("finish_reason") or "length", stats)
                         return
-                    yield Tokens([int(t) for t in ev.get("token_ids", [])],
-                                 ev.get("logprobs") or [])
+                    yield Tokens(
+                        [int(t) for t in ev.get("token_ids", [])], ev.get("logprobs") or []
+                    )
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise AttemptFailed(502, f"decode {dc.url}: {type(e).__name__}: {e}") from None
         finally:

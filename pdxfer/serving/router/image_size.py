@@ -86,8 +86,8 @@ def _png(raw: bytes) -> tuple[int, int]:
         end = at + 8 + length + 4
         if length > 0x7FFFFFFF or end > len(raw):
             raise BadHeader(f"PNG chunk {kind!r} runs past the end of the data")
-        data = memoryview(raw)[at + 8:end - 4]
-        if zlib.crc32(data, zlib.crc32(kind)) != int.from_bytes(raw[end - 4:end], "big"):
+        data = memoryview(raw)[at + 8 : end - 4]
+        if zlib.crc32(data, zlib.crc32(kind)) != int.from_bytes(raw[end - 4 : end], "big"):
             raise BadHeader(f"PNG chunk {kind!r} fails its CRC")
         if (kind == b"IHDR") != (size is None):
             raise BadHeader("a PNG's IHDR must be its first chunk, and its only one")
@@ -162,8 +162,7 @@ def _webp(raw: bytes) -> tuple[int, int]:
             raise BadHeader("VP8L data without its signature or of an unknown version")
         return (bits & 0x3FFF) + 1, (bits >> 14 & 0x3FFF) + 1
     if kind == b"VP8X" and length >= 10:
-        return (int.from_bytes(raw[24:27], "little") + 1,
-                int.from_bytes(raw[27:30], "little") + 1)
+        return (int.from_bytes(raw[24:27], "little") + 1, int.from_bytes(raw[27:30], "little") + 1)
     raise BadHeader(f"WebP chunk {kind!r} (length {length}) is not a VP8, VP8L or VP8X header")
 
 

@@ -47,13 +47,24 @@ MAX_INBOX = 50_000
 _CLEARED = KVEventBatch(0.0, [AllBlocksCleared()])
 Frames = list[tuple[int, KVEventBatch | RawBatch]]
 """Replayed frames: (sequence number, batch), ascending."""
-FEED_COUNTERS = ("batches", "blocks", "gaps", "resets", "replays", "replayed", "bad_frames",
-                 "misses", "unpublished", "stale")
+FEED_COUNTERS = (
+    "batches",
+    "blocks",
+    "gaps",
+    "resets",
+    "replays",
+    "replayed",
+    "bad_frames",
+    "misses",
+    "unpublished",
+    "stale",
+)
 """What ``/metrics`` shows per worker's feed (``kv_feed_*{worker=URL}``)."""
 
 
-def _run_from(frames: Sequence[tuple[int, KVEventBatch | RawBatch]], start: int,
-              upto: int | None = None) -> Frames | None:
+def _run_from(
+    frames: Sequence[tuple[int, KVEventBatch | RawBatch]], start: int, upto: int | None = None
+) -> Frames | None:
     """The replayed frames from ``start`` on (and below ``upto``, reaching ``upto - 1``),
     if they follow on without a hole; None otherwise."""
     got = [(s, b) for s, b in frames if start <= s and (upto is None or s < upto)]
@@ -75,10 +86,16 @@ class FeedSpec:
     def parse(cls, spec: str) -> FeedSpec:
         worker, sep, rest = spec.partition("=")
         eps = rest.split(",")
-        if not sep or not worker.startswith("http") or not 1 <= len(eps) <= 2 or not all(
-                e.startswith(("tcp://", "ipc://")) for e in eps):
-            raise ValueError(f"--kv-events wants WORKER_URL=tcp://HOST:PORT[,tcp://HOST:PORT] "
-                             f"(events, replay), got {spec!r}")
+        if (
+            not sep
+            or not worker.startswith("http")
+            or not 1 <= len(eps) <= 2
+            or not all(e.startswith(("tcp://", "ipc://")) for e in eps)
+        ):
+            raise ValueError(
+                f"--kv-events wants WORKER_URL=tcp://HOST:PORT[,tcp://HOST:PORT] "
+                f"(events, replay), got {spec!r}"
+            )
         return cls(worker.rstrip("/"), eps[0], eps[1] if len(eps) == 2 else None)
 
 
@@ -130,8 +147,9 @@ class KvFeeds:
                 out[w] = max(out.get(w, 0), n)
         return out
 
-    def cached_groups(self, ids: Sequence[int], salt: str | None = None
-                      ) -> list[tuple[int, list[str]]]:
+    def cached_groups(
+        self, ids: Sequence[int], salt: str | None = None
+    ) -> list[tuple[int, list[str]]]:
         """Synced workers holding leading tokens of ``ids``, grouped by how many."""
         feeds = self.feeds
         out = []
@@ -150,9 +168,13 @@ class KvFeeds:
     def per_worker(self) -> dict[str, dict[str, int]]:
         """Per worker: whether its feed is in sync and its counters (``blocks``: the blocks
         its events stored and removed in the index), for ``/metrics`` labelled by worker."""
-        return {w: {"kv_feed_synced": int(f.synced),
-                    **{f"kv_feed_{k}": f.counters[k] for k in FEED_COUNTERS}}
-                for w, f in self.feeds.items()}
+        return {
+            w: {
+                "kv_feed_synced": int(f.synced),
+                **{f"kv_feed_{k}": f.counters[k] for k in FEED_COUNTERS},
+            }
+            for w, f in self.feeds.items()
+        }
 
     def forget(self, worker: str) -> None:
         """The worker is down or restarted: it holds nothing we know of."""
@@ -165,8 +187,9 @@ class KvFeeds:
         are wrong (it held less than they said), so they go too; a feed that was only
         silent keeps them (a frame lost meanwhile shows as a gap when the next one comes)."""
         f = self.feeds[worker]
-        log.warning("kv events of %s: out of sync (%s); history decides until it resyncs",
-                    worker, why)
+        log.warning(
+            "kv events of %s: out of sync (%s); history decides until it resyncs", worker, why
+        )
         f.counters["stale"] += 1
         if clear:
             self.forget(worker)
@@ -176,8 +199,7 @@ class KvFeeds:
             self._bg.add(t)
             t.add_done_callback(self._bg.discard)
 
-    def refill(self, f: FeedState, frames: Sequence[tuple[int, KVEventBatch | RawBatch]]
-               ) -> bool:
+    def refill(self, f: FeedState, frames: Sequence[tuple[int, KVEventBatch | RawBatch]]) -> bool:
         """A suspect feed's replayed frames from ``f.next_seq`` on, applied when they follow
         on without a hole (onto its entries as they are: cleared, or kept for a feed that was
         only silent); whether the feed is in sync again."""
@@ -214,8 +236,9 @@ class KvFeeds:
                     if w is None:
                         w = ids[bs] = self._index(bs).worker(worker)
                         ops.setdefault(bs, [])
-                    ops[bs].append(("s", w, ev.block_hashes, ev.parent_block_hash,
-                                    ev.token_ids, ev.extra_keys))
+                    ops[bs].append(
+                        ("s", w, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.extra_keys)
+                    )
                 elif t is BlockRemoved:
                     if ev.group_idx not in (None, 0) or ev.medium not in (None, "GPU"):
                         continue
@@ -239,8 +262,10 @@ class KvFeeds:
         worker), ``dup`` or ``gap`` (the caller replays from ``f.next_seq``)."""
         if f.next_seq is not None and seq < f.next_seq:
             if seq == 0 or not f.synced:
-                log.info("kv events of %s: its sequence went back; its entries are cleared",
-                         f.spec.worker)
+                log.info(
+                    "kv events of %s: its sequence went back; its entries are cleared",
+                    f.spec.worker,
+                )
                 f.counters["resets"] += 1
                 return "reset"
             f.counters["duplicates"] += 1
@@ -264,8 +289,9 @@ class KvFeeds:
             self._take(f, seq, batch)
         return a
 
-    def on_frames(self, frames: Sequence[tuple[FeedState, int, KVEventBatch | RawBatch]]
-                  ) -> list[tuple[FeedState, int, KVEventBatch | RawBatch, bool]]:
+    def on_frames(
+        self, frames: Sequence[tuple[FeedState, int, KVEventBatch | RawBatch]]
+    ) -> list[tuple[FeedState, int, KVEventBatch | RawBatch, bool]]:
         """Live frames in arrival order: those in sequence applied as one burst. Returns
         the rest, in order, for one at a time: a worker's gap (flagged: replay it) and its
         frames after the gap."""
@@ -304,8 +330,13 @@ class KvFeeds:
         self.forget(f.spec.worker)
         f.next_seq, f.synced = None, True
 
-    def fill(self, f: FeedState, frames: list[tuple[int, KVEventBatch | RawBatch]], upto: int,
-             batch: KVEventBatch | RawBatch) -> None:
+    def fill(
+        self,
+        f: FeedState,
+        frames: list[tuple[int, KVEventBatch | RawBatch]],
+        upto: int,
+        batch: KVEventBatch | RawBatch,
+    ) -> None:
         """Frames from the replay (ascending) to close the gap before live frame ``upto``."""
         got = None if f.next_seq is None else _run_from(frames, f.next_seq, upto)
         if got is None:
@@ -405,8 +436,7 @@ class KvFeeds:
         f.synced = False
         self.fill(f, await self._replay(f, f.next_seq or 0), seq, batch)
 
-    async def _replay(self, f: FeedState, start: int
-                      ) -> list[tuple[int, KVEventBatch | RawBatch]]:
+    async def _replay(self, f: FeedState, start: int) -> list[tuple[int, KVEventBatch | RawBatch]]:
         """The replay buffer's frames from ``start`` on ([] when it does not answer)."""
         assert self._ctx is not None and f.spec.replay
         f.counters["replays"] += 1

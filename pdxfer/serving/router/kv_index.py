@@ -59,11 +59,12 @@ def extra_hash(extra: Any) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def chain_states(parent: int, tokens: np.ndarray, block_size: int,
-                 extras: Sequence[Any] | None = None) -> np.ndarray:
+def chain_states(
+    parent: int, tokens: np.ndarray, block_size: int, extras: Sequence[Any] | None = None
+) -> np.ndarray:
     """The chain state of each full block of ``tokens`` after ``parent`` (0: the first)."""
     n = len(tokens) // block_size
-    tok = np.asarray(tokens[:n * block_size], np.int64).astype(np.uint64).reshape(n, block_size)
+    tok = np.asarray(tokens[: n * block_size], np.int64).astype(np.uint64).reshape(n, block_size)
     th = fmix((tok * _TOK[:block_size]).sum(axis=1, dtype=np.uint64) + np.uint64(block_size))
     if extras:
         for i, e in enumerate(extras[:n]):
@@ -72,19 +73,24 @@ def chain_states(parent: int, tokens: np.ndarray, block_size: int,
     out = np.empty(n, np.uint64)
     s = parent
     for a in range(0, n, CHUNK):
-        part = th[a:a + CHUNK]
+        part = th[a : a + CHUNK]
         k = len(part)
         acc = np.cumsum(part * _PINV[:k], dtype=np.uint64) + np.uint64((s * P) & M64)
-        out[a:a + k] = acc * _PP[:k]
+        out[a : a + k] = acc * _PP[:k]
         s = int(out[a + k - 1])
     return out
 
 
-def chain_many(parents: np.ndarray, lens: np.ndarray, tokens: np.ndarray, block_size: int,
-               extras: Sequence[Any] | None = None) -> np.ndarray:
+def chain_many(
+    parents: np.ndarray,
+    lens: np.ndarray,
+    tokens: np.ndarray,
+    block_size: int,
+    extras: Sequence[Any] | None = None,
+) -> np.ndarray:
     """``chain_states`` of several chains at once (each at most ``CHUNK`` blocks)."""
     n = int(lens.sum())
-    tok = tokens[:n * block_size].astype(np.uint64).reshape(n, block_size)
+    tok = tokens[: n * block_size].astype(np.uint64).reshape(n, block_size)
     th = fmix((tok * _TOK[:block_size]).sum(axis=1, dtype=np.uint64) + np.uint64(block_size))
     if extras:
         for i, e in enumerate(extras[:n]):
@@ -195,8 +201,9 @@ class KvIndex:
 
     def nbytes(self) -> int:
         """The maps' arrays, and the shared blocks' dict with its int objects."""
-        side = sys.getsizeof(self.multi) + sum(sys.getsizeof(k) + sys.getsizeof(v)
-                                               for k, v in self.multi.items())
+        side = sys.getsizeof(self.multi) + sum(
+            sys.getsizeof(k) + sys.getsizeof(v) for k, v in self.multi.items()
+        )
         return self.holders.nbytes() + self.blocks.nbytes() + side
 
     def shared(self) -> int:
@@ -209,8 +216,14 @@ class KvIndex:
         return self.blocks.live
 
     # -- events -----------------------------------------------------------------------------
-    def stored(self, name: str, hashes: Sequence[int | bytes], parent: int | bytes | None,
-               tokens: Sequence[int] | np.ndarray, extras: Sequence[Any] | None = None) -> int:
+    def stored(
+        self,
+        name: str,
+        hashes: Sequence[int | bytes],
+        parent: int | bytes | None,
+        tokens: Sequence[int] | np.ndarray,
+        extras: Sequence[Any] | None = None,
+    ) -> int:
         """A ``BlockStored``: returns how many blocks were indexed (0 when its parent is
         unknown or its tokens do not fill exactly its blocks)."""
         w = self.worker(name)
@@ -225,8 +238,7 @@ class KvIndex:
                 return 0
             s0 = int(self.blocks.cols["state"][slot])
         states = chain_states(s0, np.asarray(tokens), self.block_size, extras)
-        self.blocks.put(_engine_keys(hashes, w), state=states,
-                        w=np.full(n, w, np.uint16))
+        self.blocks.put(_engine_keys(hashes, w), state=states, w=np.full(n, w, np.uint16))
         self._hold(block_keys(states), w)
         return n
 
@@ -235,8 +247,7 @@ class KvIndex:
         the events whose parents no event still waiting stores, in one vectorized pass."""
         w = self.worker(name)
         bs = self.block_size
-        todo = [e for e in events if e[0] and len(e[2]) == len(e[0]) * bs
-                and len(e[0]) <= CHUNK]
+        todo = [e for e in events if e[0] and len(e[2]) == len(e[0]) * bs and len(e[0]) <= CHUNK]
         n = 0
         while todo:
             made = {h for e in todo for h in e[0]}
@@ -267,11 +278,9 @@ class KvIndex:
         extras = None
         if any(e[3] for e, _ in keep):
             extras = [x for e, _ in keep for x in (e[3] or [None] * len(e[0]))]
-        states = chain_many(np.array([s for _, s in keep], np.uint64), lens, tokens, bs,
-                            extras)
+        states = chain_many(np.array([s for _, s in keep], np.uint64), lens, tokens, bs, extras)
         hashes = [h for e, _ in keep for h in e[0]]
-        self.blocks.put(_engine_keys(hashes, w), state=states,
-                        w=np.full(len(hashes), w, np.uint16))
+        self.blocks.put(_engine_keys(hashes, w), state=states, w=np.full(len(hashes), w, np.uint16))
         self._hold(block_keys(states), w)
         return len(hashes)
 
@@ -386,7 +395,7 @@ class KvIndex:
         if any(extras):
             bstart = np.cumsum(hn) - hn
             for e, x5 in enumerate(extras):
-                for i, x in enumerate((x5 or [])[:int(hn[e])]):
+                for i, x in enumerate((x5 or [])[: int(hn[e])]):
                     if x:
                         xor[bstart[e] + i] = np.uint64(extra_hash(x))
         parents = list(map(itemgetter(3), ops))
@@ -419,8 +428,11 @@ class KvIndex:
             ready = known
             if ready.any():
                 ev = todo[ready]
-                sel = (slice(None) if len(ev) == len(ops)
-                       else np.repeat(np.isin(np.arange(len(ops)), ev), hn))
+                sel = (
+                    slice(None)
+                    if len(ev) == len(ops)
+                    else np.repeat(np.isin(np.arange(len(ops)), ev), hn)
+                )
                 states, keys = chain_blocks(th[sel], hn[ev], parent[ready], xor[sel])
                 self.blocks.put(ekeys[sel], state=states, w=bw[sel].astype(np.uint16))
                 self._hold_many(keys, bw[sel])
@@ -448,8 +460,11 @@ class KvIndex:
         done = once & (sec == ws[slow] + 1)  # already its second holder
         pair = once & (sec == 0)
         col2[ss[pair]] = ws[slow[pair]] + 1
-        for k, s, w in zip(keys[slow[~(done | pair)]].tolist(), ss[~(done | pair)].tolist(),
-                           ws[slow[~(done | pair)]].tolist()):
+        for k, s, w in zip(
+            keys[slow[~(done | pair)]].tolist(),
+            ss[~(done | pair)].tolist(),
+            ws[slow[~(done | pair)]].tolist(),
+        ):
             m = self.holder_mask(k, s)
             if not m >> w & 1:
                 self._set_holders(k, s, m | 1 << w)
@@ -458,8 +473,9 @@ class KvIndex:
         hs = [h for o in ops for h in o[2]]
         if not hs:
             return np.zeros(len(self.names), np.int64)
-        ws = np.repeat(np.fromiter(map(itemgetter(1), ops), np.int64, len(ops)),
-                       [len(o[2]) for o in ops])
+        ws = np.repeat(
+            np.fromiter(map(itemgetter(1), ops), np.int64, len(ops)), [len(o[2]) for o in ops]
+        )
         slots = self.blocks.find(engine_keys(_hashes64(hs), ws))
         return self._release_many(np.unique(slots[slots >= 0]))
 
@@ -541,11 +557,13 @@ class KvIndex:
         """Per worker holding a prefix of ``keys``: how many leading blocks it holds."""
         return {w: d for d, ws in self.match_groups(keys) for w in ws}
 
-    def cached_groups(self, ids: Sequence[int], salt: str | None = None
-                      ) -> list[tuple[int, list[str]]]:
+    def cached_groups(
+        self, ids: Sequence[int], salt: str | None = None
+    ) -> list[tuple[int, list[str]]]:
         """Workers holding leading tokens of ``ids``, grouped by how many tokens."""
-        return [(d * self.block_size, ws)
-                for d, ws in self.match_groups(self.prompt_keys(ids, salt))]
+        return [
+            (d * self.block_size, ws) for d, ws in self.match_groups(self.prompt_keys(ids, salt))
+        ]
 
     def cached_tokens(self, ids: Sequence[int], salt: str | None = None) -> dict[str, int]:
         """Per worker: how many leading tokens of ``ids`` it holds in its cache."""

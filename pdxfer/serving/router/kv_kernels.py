@@ -82,8 +82,16 @@ def _int(buf: np.ndarray, i: int, end: int, tokens: bool) -> tuple[bool, np.uint
 
 
 @numba.njit(cache=True, nogil=True)
-def _ints(buf: np.ndarray, offs: np.ndarray, tokens: bool, max_items: int, bs: int,
-          weights: np.ndarray, out: np.ndarray, counts: np.ndarray) -> int:
+def _ints(
+    buf: np.ndarray,
+    offs: np.ndarray,
+    tokens: bool,
+    max_items: int,
+    bs: int,
+    weights: np.ndarray,
+    out: np.ndarray,
+    counts: np.ndarray,
+) -> int:
     """Each field ``buf[offs[j]:offs[j + 1]]`` (one msgpack array) into ``out``; its item
     count into ``counts[j]`` (-1: not a valid array of allowed items, ``_int``). ``bs`` > 0
     (token arrays): not the items but each full block of ``bs`` hashed as it is read
@@ -136,8 +144,7 @@ def _buffers(fields: list[Any]) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(b"".join(fields), np.uint8), offs
 
 
-def msgpack_ints(fields: list[Any], tokens: bool, max_items: int
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def msgpack_ints(fields: list[Any], tokens: bool, max_items: int) -> tuple[np.ndarray, np.ndarray]:
     """Many msgpack arrays (buffers of raw field bytes) -> (their valid items concatenated,
     per field its count or -1)."""
     buf, offs = _buffers(fields)
@@ -147,8 +154,9 @@ def msgpack_ints(fields: list[Any], tokens: bool, max_items: int
     return out[:o], counts
 
 
-def token_blocks(fields: list[Any], bs: int, weights: np.ndarray, max_items: int
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def token_blocks(
+    fields: list[Any], bs: int, weights: np.ndarray, max_items: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Many msgpack token arrays -> (the token hash of each full block of each valid one,
     per field its token count or -1); ``weights``: at least ``bs`` of them (``_ints``)."""
     if not 1 <= bs <= len(weights):
@@ -175,8 +183,14 @@ def _map_key(x: np.uint64) -> np.uint64:
 
 
 @numba.njit(cache=True, nogil=True)
-def _chain(th: np.ndarray, lens: np.ndarray, parents: np.ndarray, xor: np.ndarray,
-           out: np.ndarray, keys: np.ndarray) -> None:
+def _chain(
+    th: np.ndarray,
+    lens: np.ndarray,
+    parents: np.ndarray,
+    xor: np.ndarray,
+    out: np.ndarray,
+    keys: np.ndarray,
+) -> None:
     p = np.uint64(P)
     k = 0
     for e in range(len(lens)):
@@ -188,15 +202,17 @@ def _chain(th: np.ndarray, lens: np.ndarray, parents: np.ndarray, xor: np.ndarra
             k += 1
 
 
-def chain_blocks(th: np.ndarray, lens: np.ndarray, parents: np.ndarray, xor: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def chain_blocks(
+    th: np.ndarray, lens: np.ndarray, parents: np.ndarray, xor: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Each block's chain state, and its block key (``kv_index.block_keys``): ``lens[e]``
     blocks of event ``e`` after ``parents[e]``'s state, from their token hashes ``th``
     (``token_blocks``) XOR ``xor`` (their extra keys), as ``kv_index.chain_states``."""
     n = int(lens.sum())
     out, keys = np.empty(n, np.uint64), np.empty(n, np.uint64)
-    _chain(th, lens.astype(np.int64, copy=False), parents.astype(np.uint64, copy=False), xor,
-           out, keys)
+    _chain(
+        th, lens.astype(np.int64, copy=False), parents.astype(np.uint64, copy=False), xor, out, keys
+    )
     return out, keys
 
 
@@ -211,6 +227,5 @@ def engine_keys(hashes: np.ndarray, ws: np.ndarray) -> np.ndarray:
     """Per block, the key of (its worker ``ws[i]``, its engine hash): ``fmix(hash ^
     fmix((w + 1) * P))``, reserved values moved."""
     out = np.empty(len(hashes), np.uint64)
-    _engine_keys(np.ascontiguousarray(hashes, np.uint64), np.ascontiguousarray(ws, np.int64),
-                 out)
+    _engine_keys(np.ascontiguousarray(hashes, np.uint64), np.ascontiguousarray(ws, np.int64), out)
     return out

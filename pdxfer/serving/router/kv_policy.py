@@ -42,11 +42,11 @@ def pending_tokens(w: W) -> float:
     return float(w.pending)  # type: ignore[attr-defined]
 
 
-def choose(workers: Sequence[W], held: Held, n_tokens: int, load: Load[W]
-           ) -> tuple[W, int]:
+def choose(workers: Sequence[W], held: Held, n_tokens: int, load: Load[W]) -> tuple[W, int]:
     """The cheapest worker and how many leading prompt tokens it holds (workers ``held``
     does not name hold none). Per group of equal holdings the least loaded is the
     cheapest, so a fleet is looked at group by group, not worker by worker."""
+
     def order(w: W) -> tuple[float, int, int]:
         return load(w), w.outstanding, w.used
 

@@ -35,10 +35,16 @@ class StaleLimits:
     deadline_s: float = DEFAULT["kv_stale_deadline_s"]
 
     def __post_init__(self) -> None:
-        if self.misses < 1 or self.window_s <= 0 or self.tolerance_blocks < 0 or not (
-                0 < self.deadline_s <= self.window_s):
-            raise ValueError(f"--kv-stale-*: misses >= 1, window > 0, tolerance >= 0 and "
-                             f"0 < deadline <= window, got {self}")
+        if (
+            self.misses < 1
+            or self.window_s <= 0
+            or self.tolerance_blocks < 0
+            or not (0 < self.deadline_s <= self.window_s)
+        ):
+            raise ValueError(
+                f"--kv-stale-*: misses >= 1, window > 0, tolerance >= 0 and "
+                f"0 < deadline <= window, got {self}"
+            )
 
 
 LIMITS = StaleLimits()
@@ -67,8 +73,9 @@ class _Expect:
 class StaleCheck:
     """Per worker its recent misses, and the blocks it is expected to publish."""
 
-    def __init__(self, kv: KvFeeds, limits: StaleLimits = LIMITS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, kv: KvFeeds, limits: StaleLimits = LIMITS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.kv, self.limits, self.clock = kv, limits, clock
         self._misses: dict[str, collections.deque[float]] = {}
         self._pending: collections.deque[_Expect] = collections.deque()
@@ -84,12 +91,13 @@ class StaleCheck:
             f = self.kv.feeds.get(leg.worker)
             if f is None or leg.seen is None or not f.synced:
                 continue  # no feed, or its claim did not come from it: nothing to judge
-            if (leg.actual is not None
-                    and leg.actual + self.limits.tolerance_blocks * bs < leg.claimed):
+            if (
+                leg.actual is not None
+                and leg.actual + self.limits.tolerance_blocks * bs < leg.claimed
+            ):
                 self._miss(leg.worker, "misses", now)
             if n_tokens // bs * bs > leg.claimed:  # it stored full blocks: its events say so
-                self._pending.append(_Expect(now + self.limits.deadline_s, leg.worker,
-                                             leg.seen))
+                self._pending.append(_Expect(now + self.limits.deadline_s, leg.worker, leg.seen))
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()
         self.sweep()
@@ -113,6 +121,9 @@ class StaleCheck:
         if len(q) >= self.limits.misses:
             q.clear()
             self._pending = collections.deque(e for e in self._pending if e.worker != worker)
-            self.kv.suspect(worker, f"{self.limits.misses} requests within "
-                                    f"{self.limits.window_s:g} s contradicted its events",
-                            clear=kind == "misses")
+            self.kv.suspect(
+                worker,
+                f"{self.limits.misses} requests within "
+                f"{self.limits.window_s:g} s contradicted its events",
+                clear=kind == "misses",
+            )

@@ -41,16 +41,24 @@ class MediaPolicy:
 
     max_images: int = 8
     max_image_bytes: int = setting_field(
-        4 << 20, "largest image (decoded bytes) a chat request's data URL may carry (the "
-        "router's body limit bounds the request as a whole)", metavar="N")
+        4 << 20,
+        "largest image (decoded bytes) a chat request's data URL may carry (the "
+        "router's body limit bounds the request as a whole)",
+        metavar="N",
+    )
     max_image_pixels: int = setting_field(
-        4096 * 4096, "largest image (width x height, as its header declares) a chat request "
-        "may carry", metavar="N")
+        4096 * 4096,
+        "largest image (width x height, as its header declares) a chat request may carry",
+        metavar="N",
+    )
     """4096 x 4096 (16.8 MP): above 4K screens (8.3 MP) and phone photos (12 MP), 48 MiB of
     RGB per decoded image, a fifth of Pillow's own bomb threshold (89.5 MP)."""
     allow_remote: bool = setting_field(
-        False, "forward http(s) image URLs to the workers (each fetches them; off: a 400 asks "
-        "for a data URL)", flags=("--allow-remote-images",))
+        False,
+        "forward http(s) image URLs to the workers (each fetches them; off: a 400 asks "
+        "for a data URL)",
+        flags=("--allow-remote-images",),
+    )
 
 
 DEFAULT = MediaPolicy()
@@ -68,18 +76,20 @@ def check_image_part(part: dict[str, Any], where: str, policy: MediaPolicy) -> N
     low = url[:8].lower()
     if low.startswith(("http://", "https://")):
         if not policy.allow_remote:
-            raise BadRequest(f"{where}: remote image URLs are not accepted by this router "
-                             f"(send the image as a data URL: data:image/png;base64,...)")
+            raise BadRequest(
+                f"{where}: remote image URLs are not accepted by this router "
+                f"(send the image as a data URL: data:image/png;base64,...)"
+            )
         return
     m = _DATA.match(url)
     if m is None:
-        raise BadRequest(f"{where}: an image URL must be a data URL "
-                         f"(data:image/<type>;base64,...)")
+        raise BadRequest(f"{where}: an image URL must be a data URL (data:image/<type>;base64,...)")
     mime = m.group(1).lower()
     if mime not in _MAGIC:
-        raise BadRequest(f"{where}: image type {mime} is not accepted "
-                         f"({', '.join(sorted(_MAGIC))})")
-    b64 = url[m.end():]
+        raise BadRequest(
+            f"{where}: image type {mime} is not accepted ({', '.join(sorted(_MAGIC))})"
+        )
+    b64 = url[m.end() :]
     if len(b64) > 4 * (-(-policy.max_image_bytes // 3)):  # before decoding anything
         raise BadRequest(f"{where}: image over {policy.max_image_bytes} bytes")
     try:
@@ -95,12 +105,14 @@ def check_image_part(part: dict[str, Any], where: str, policy: MediaPolicy) -> N
     except BadHeader as e:
         raise BadRequest(f"{where}: the image's header cannot be read ({e})") from None
     if size.pixels > policy.max_image_pixels:
-        raise BadRequest(f"{where}: image over {policy.max_image_pixels} pixels "
-                         f"({size.width}x{size.height})")
+        raise BadRequest(
+            f"{where}: image over {policy.max_image_pixels} pixels ({size.width}x{size.height})"
+        )
 
 
-def parse_parts(content: list[Any], where: str, policy: MediaPolicy
-                ) -> tuple[list[dict[str, Any]], int]:
+def parse_parts(
+    content: list[Any], where: str, policy: MediaPolicy
+) -> tuple[list[dict[str, Any]], int]:
     """A message's content parts, checked: (the parts for the chat template, text as it is
     and each image as ``{"type": "image"}``; how many images)."""
     out: list[dict[str, Any]] = []

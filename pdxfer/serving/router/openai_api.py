@@ -73,14 +73,15 @@ class _Body:
     def __init__(self, body: dict[str, Any]) -> None:
         self.b = body
 
-    def get(self, name: str, kinds: tuple[type, ...], default: Any = None,
-            what: str = "") -> Any:
+    def get(self, name: str, kinds: tuple[type, ...], default: Any = None, what: str = "") -> Any:
         v = self.b.get(name)
         if v is None:
             return default
         if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
-            raise BadRequest(f"'{name}' must be {what or ' or '.join(k.__name__ for k in kinds)}"
-                             f", got {type(v).__name__}")
+            raise BadRequest(
+                f"'{name}' must be {what or ' or '.join(k.__name__ for k in kinds)}"
+                f", got {type(v).__name__}"
+            )
         return v
 
     def int_in(self, name: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -150,8 +151,10 @@ def parse_completion(body: dict[str, Any], tok: Tokenizer = BYTES) -> Ask:
         texts = None
         prompts = [list(p)]  # type: ignore[arg-type]
     else:
-        raise BadRequest(f"'prompt' must be a string, a list of strings, a list of token ids "
-                         f"in [0, {vocab}) or a list of such lists")
+        raise BadRequest(
+            f"'prompt' must be a string, a list of strings, a list of token ids "
+            f"in [0, {vocab}) or a list of such lists"
+        )
     if len(texts if texts is not None else prompts) > MAX_N:
         raise BadRequest(f"at most {MAX_N} prompts per request")
     if texts is None:
@@ -168,8 +171,7 @@ def parse_completion(body: dict[str, Any], tok: Tokenizer = BYTES) -> Ask:
     return Ask(False, prompts, texts, logprobs=lp, echo=echo, **c)
 
 
-def parse_chat(body: dict[str, Any], tok: Tokenizer = BYTES,
-               media: MediaPolicy = MEDIA) -> Ask:
+def parse_chat(body: dict[str, Any], tok: Tokenizer = BYTES, media: MediaPolicy = MEDIA) -> Ask:
     b = _Body(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -203,15 +205,24 @@ def parse_chat(body: dict[str, Any], tok: Tokenizer = BYTES,
                 pass
     except Exception as e:  # a template may refuse a conversation (roles out of order)
         raise BadRequest(f"'messages': the chat template refused them: {e}") from None
-    return Ask(True, [ids], [text], logprobs=(top or 0) if want else None,
-               messages=[{"role": m["role"], "content": m.get("content")} for m in msgs]
-               if images else None, **c)
+    return Ask(
+        True,
+        [ids],
+        [text],
+        logprobs=(top or 0) if want else None,
+        messages=[{"role": m["role"], "content": m.get("content")} for m in msgs]
+        if images
+        else None,
+        **c,
+    )
 
 
 def _is_ids(x: Any, vocab: int) -> bool:
-    return (isinstance(x, list) and bool(x)
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                    for t in x))
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in x)
+    )
 
 
 class StopText:
@@ -233,15 +244,15 @@ class StopText:
         if hits:
             self.stopped = True
             self._held = ""
-            return s[:min(hits)]
+            return s[: min(hits)]
         keep = 0
         for x in self.stops:
             for k in range(min(len(x) - 1, len(s)), 0, -1):
                 if s.endswith(x[:k]):
                     keep = max(keep, k)
                     break
-        self._held = s[len(s) - keep:] if keep else ""
-        return s[:len(s) - keep]
+        self._held = s[len(s) - keep :] if keep else ""
+        return s[: len(s) - keep]
 
     def flush(self) -> str:
         out, self._held = ("" if self.stopped else self._held), ""
@@ -260,26 +271,36 @@ class Choice:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def completion_logprobs(tok: Tokenizer, lps: list[dict[str, Any]], offset0: int = 0
-                        ) -> dict[str, Any]:
+def completion_logprobs(
+    tok: Tokenizer, lps: list[dict[str, Any]], offset0: int = 0
+) -> dict[str, Any]:
     token_text = tok.token_text
     tokens = [token_text(x["token_id"]) for x in lps]
     offsets, at = [], offset0
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": [x["logprob"] for x in lps],
-            "top_logprobs": [{token_text(int(k)): v for k, v in x["top"].items()}
-                             for x in lps], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [x["logprob"] for x in lps],
+        "top_logprobs": [{token_text(int(k)): v for k, v in x["top"].items()} for x in lps],
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(tok: Tokenizer, lps: list[dict[str, Any]]) -> dict[str, Any]:
     def one(t: int, lp: float) -> dict[str, Any]:
         return {"token": tok.token_text(t), "logprob": lp, "bytes": tok.token_bytes(t)}
 
-    return {"content": [{**one(x["token_id"], x["logprob"]),
-                         "top_logprobs": [one(int(k), v) for k, v in x["top"].items()]}
-                        for x in lps]}
+    return {
+        "content": [
+            {
+                **one(x["token_id"], x["logprob"]),
+                "top_logprobs": [one(int(k), v) for k, v in x["top"].items()],
+            }
+            for x in lps
+        ]
+    }
 
 
 def usage(ask: Ask, choices: list[Choice]) -> dict[str, Any]:
@@ -289,22 +310,46 @@ def usage(ask: Ask, choices: list[Choice]) -> dict[str, Any]:
         prompt = engine[0]
     done = sum(len(c.token_ids) for c in choices)
     cached = sum(int(c.stats.get("restored_tokens", 0)) for c in choices if c.index % ask.n == 0)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": done,
+        "total_tokens": prompt + done,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def extension(c: Choice) -> dict[str, Any]:
     """pdxfer's own per-choice figures (the documented ``pdxfer`` field)."""
     s = c.stats
-    out = {"room": s.get("room"), "prefill": s.get("prefill"), "decode": s.get("decode"),
-           "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-           "restored_tokens": s.get("restored_tokens", 0), "bytes": s.get("bytes", 0),
-           "decode_ttft_s": s.get("ttft_s"), "seconds": s.get("seconds")}
-    for k in ("queued_steps", "end_step", "restored_l2_tokens", "restored_l3_tokens",
-              "prefill_reused_tokens", "prefill_layer_sends", "repaired_tokens", "ranks",
-              "decode_dp", "prefill_s", "prefill_cached_tokens", "decode_cached_tokens",
-              "dispatch",
-              "kv_wait_s", "kv_local_s", "kv_net_s"):
+    out = {
+        "room": s.get("room"),
+        "prefill": s.get("prefill"),
+        "decode": s.get("decode"),
+        "token_ids": c.token_ids,
+        "finish_reason": c.finish_reason,
+        "restored_tokens": s.get("restored_tokens", 0),
+        "bytes": s.get("bytes", 0),
+        "decode_ttft_s": s.get("ttft_s"),
+        "seconds": s.get("seconds"),
+    }
+    for k in (
+        "queued_steps",
+        "end_step",
+        "restored_l2_tokens",
+        "restored_l3_tokens",
+        "prefill_reused_tokens",
+        "prefill_layer_sends",
+        "repaired_tokens",
+        "ranks",
+        "decode_dp",
+        "prefill_s",
+        "prefill_cached_tokens",
+        "decode_cached_tokens",
+        "dispatch",
+        "kv_wait_s",
+        "kv_local_s",
+        "kv_net_s",
+    ):
         if k in s:
             out[k] = s[k]
     if "accept_lengths" in s:
@@ -316,31 +361,57 @@ def extension(c: Choice) -> dict[str, Any]:
 def response(ask: Ask, rid: str, choices: list[Choice]) -> dict[str, Any]:
     created = int(time.time())
     if ask.chat:
-        body_choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "finish_reason": c.finish_reason,
-                         "logprobs": chat_logprobs(ask.tok, c.logprobs)
-                         if ask.logprobs is not None
-                         else None} for c in choices]
+        body_choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason,
+                "logprobs": chat_logprobs(ask.tok, c.logprobs)
+                if ask.logprobs is not None
+                else None,
+            }
+            for c in choices
+        ]
         obj = "chat.completion"
     else:
         body_choices = []
         for c in choices:
             echo = ask.prompt_texts[c.index // ask.n] if ask.echo else ""
-            body_choices.append({
-                "index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
-                "logprobs": completion_logprobs(ask.tok, c.logprobs, len(echo))
-                if ask.logprobs is not None else None})
+            body_choices.append(
+                {
+                    "index": c.index,
+                    "text": echo + c.text,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": completion_logprobs(ask.tok, c.logprobs, len(echo))
+                    if ask.logprobs is not None
+                    else None,
+                }
+            )
         obj = "text_completion"
     ext = extension(choices[0]) if choices else {}
     if len(choices) > 1:
         ext["choices"] = [extension(c) for c in choices]
-    return {"id": rid, "object": obj, "created": created, "model": ask.model,
-            "choices": body_choices, "usage": usage(ask, choices), "pdxfer": ext}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": ask.model,
+        "choices": body_choices,
+        "usage": usage(ask, choices),
+        "pdxfer": ext,
+    }
 
 
-def chunk(ask: Ask, rid: str, created: int, index: int, text: str | None,
-          finish_reason: str | None = None, logprobs: list[dict[str, Any]] | None = None,
-          role: bool = False) -> dict[str, Any]:
+def chunk(
+    ask: Ask,
+    rid: str,
+    created: int,
+    index: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
+    role: bool = False,
+) -> dict[str, Any]:
     """One streamed chunk of one choice (``text`` None: no text in it)."""
     if ask.chat:
         delta: dict[str, Any] = {}
@@ -348,23 +419,38 @@ def chunk(ask: Ask, rid: str, created: int, index: int, text: str | None,
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        ch: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason,
-                              "logprobs": chat_logprobs(ask.tok, logprobs) if logprobs
-                              else None}
+        ch: dict[str, Any] = {
+            "index": index,
+            "delta": delta,
+            "finish_reason": finish_reason,
+            "logprobs": chat_logprobs(ask.tok, logprobs) if logprobs else None,
+        }
         obj = "chat.completion.chunk"
     else:
-        ch = {"index": index, "text": text or "", "finish_reason": finish_reason,
-              "logprobs": completion_logprobs(ask.tok, logprobs) if logprobs else None}
+        ch = {
+            "index": index,
+            "text": text or "",
+            "finish_reason": finish_reason,
+            "logprobs": completion_logprobs(ask.tok, logprobs) if logprobs else None,
+        }
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": ask.model, "choices": [ch]}
 
 
 def usage_chunk(ask: Ask, rid: str, created: int, choices: list[Choice]) -> dict[str, Any]:
     obj = "chat.completion.chunk" if ask.chat else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": ask.model, "choices": [],
-            "usage": usage(ask, choices)}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": ask.model,
+        "choices": [],
+        "usage": usage(ask, choices),
+    }
 
 
 def models(name: str = MODEL) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                        "owned_by": "pdxfer"}]}
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdxfer"}],
+    }

@@ -23,11 +23,20 @@ def prefetch(typingctx: Any, arr: types.Array, i: types.Integer) -> Any:
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-            f"llvm.prefetch.{i8p.intrinsic_name}")
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+            f"llvm.prefetch.{i8p.intrinsic_name}",
+        )
         # a read (0), kept in all cache levels (3), of data (1)
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
-                          ir.Constant(i32, 1)])
+        builder.call(
+            fn,
+            [
+                builder.bitcast(ptr, i8p),
+                ir.Constant(i32, 0),
+                ir.Constant(i32, 3),
+                ir.Constant(i32, 1),
+            ],
+        )
         return context.get_dummy_value()
 
     return types.void(arr, i), codegen

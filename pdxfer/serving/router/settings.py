@@ -21,78 +21,120 @@ class RouterSettings:
 
     host: str = setting_field("127.0.0.1", "address to bind (0.0.0.0: all)")
     advertise: str = setting_field(
-        "", "address clients reach the router at (its ready line); default: --host",
-        metavar="ADDRESS")
+        "",
+        "address clients reach the router at (its ready line); default: --host",
+        metavar="ADDRESS",
+    )
     port: int = setting_field(8000, "HTTP port (0: pick a free one)")
     prefill: tuple[str, ...] = setting_field(
         help="a prefill instance: its HTTP URL, its bootstrap host:port and optionally its "
-        "instance name (repeat for more)", metavar="URL,BOOTSTRAP[,INST]")
+        "instance name (repeat for more)",
+        metavar="URL,BOOTSTRAP[,INST]",
+    )
     decode: tuple[str, ...] = setting_field(
         help="a decode instance's HTTP URL and optionally its instance name, which rooms are "
-        "bound to (repeat for more)", metavar="URL[,INSTANCE]")
+        "bound to (repeat for more)",
+        metavar="URL[,INSTANCE]",
+    )
     engine: Literal["toy", "vllm"] = setting_field(
-        "toy", "what the workers run: pdxfer's toy workers, or `vllm serve` with "
-        "PdxferConnector")
+        "toy", "what the workers run: pdxfer's toy workers, or `vllm serve` with PdxferConnector"
+    )
     tokenizer: str | None = setting_field(
-        None, "--engine vllm: the served model's folder for the tokenizer (default: the root "
-        "the decode's /v1/models names)", metavar="PATH")
+        None,
+        "--engine vllm: the served model's folder for the tokenizer (default: the root "
+        "the decode's /v1/models names)",
+        metavar="PATH",
+    )
     page_size: int | None = setting_field(
-        None, "--engine vllm: the decodes' block size for KV-aware routing (default: read "
-        "from their /metrics)")
+        None,
+        "--engine vllm: the decodes' block size for KV-aware routing (default: read "
+        "from their /metrics)",
+    )
     dispatch: Literal["concurrent", "sequential"] = setting_field(
-        "concurrent", "--engine vllm: send the decode its request at the same time as the "
+        "concurrent",
+        "--engine vllm: send the decode its request at the same time as the "
         "prefill's (concurrent: the decode allocates and asks while the prefill computes), "
-        "or after the prefill answered (sequential: vLLM's own proxy protocol)")
+        "or after the prefill answered (sequential: vLLM's own proxy protocol)",
+    )
     policy: Literal["auto", "round_robin", "least_outstanding", "kv_aware"] = setting_field(
-        "auto", "pairing policy (auto: kv_aware with several decodes, else round_robin)")
+        "auto", "pairing policy (auto: kv_aware with several decodes, else round_robin)"
+    )
     kv_events: tuple[str, ...] = setting_field(
-        (), "kv_aware: a worker's KV event stream (vLLM --kv-events-config publisher zmq: its "
+        (),
+        "kv_aware: a worker's KV event stream (vLLM --kv-events-config publisher zmq: its "
         "endpoint and replay_endpoint, e.g. "
         "http://10.0.0.1:8100=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558); workers without one "
         "are judged by the router's own history (repeat for more)",
-        metavar="WORKER_URL=ENDPOINT[,REPLAY]")
+        metavar="WORKER_URL=ENDPOINT[,REPLAY]",
+    )
     kv_load_weight: float = setting_field(
-        0.5, "kv_aware: how many prompts' worth of tokens one outstanding request on a decode "
+        0.5,
+        "kv_aware: how many prompts' worth of tokens one outstanding request on a decode "
         "weighs against the prefix it holds (a prefill's load is the prompt tokens it still "
-        "has to compute)")
+        "has to compute)",
+    )
     kv_stale_misses: int = setting_field(
-        3, "kv_aware: requests that contradict a worker's KV events (it held less than they "
+        3,
+        "kv_aware: requests that contradict a worker's KV events (it held less than they "
         "claimed, or they never showed blocks it stored) within --kv-stale-window before "
-        "its feed is taken as out of sync: history decides for it until the feed resyncs")
+        "its feed is taken as out of sync: history decides for it until the feed resyncs",
+    )
     kv_stale_window_s: float = setting_field(
-        60.0, "kv_aware: the window (seconds) in which --kv-stale-misses contradictions count")
+        60.0, "kv_aware: the window (seconds) in which --kv-stale-misses contradictions count"
+    )
     kv_stale_tolerance_blocks: int = setting_field(
-        1, "kv_aware: blocks a worker may hold fewer of than its events claimed without that "
+        1,
+        "kv_aware: blocks a worker may hold fewer of than its events claimed without that "
         "counting as a contradiction (one evicted between choice and arrival, or the last "
-        "block an engine computes again)")
+        "block an engine computes again)",
+    )
     kv_stale_deadline_s: float = setting_field(
-        5.0, "kv_aware: seconds after a worker served a prompt by which its KV events should "
-        "show the blocks it lacked; none by then counts as a contradiction")
+        5.0,
+        "kv_aware: seconds after a worker served a prompt by which its KV events should "
+        "show the blocks it lacked; none by then counts as a contradiction",
+    )
     kv_index_blocks: int = setting_field(
-        0, "kv_aware: the (worker, block) pairs the KV index is sized for at the start: the "
+        0,
+        "kv_aware: the (worker, block) pairs the KV index is sized for at the start: the "
         "fleet's KV cache blocks (each worker's num_gpu_blocks, summed), so it does not grow "
         "while events stream in (about 50 bytes each); 0: it starts small and grows. It "
-        "grows past this when it must", metavar="N")
+        "grows past this when it must",
+        metavar="N",
+    )
     expose_cache_stats: bool = setting_field(
-        False, "show clients how many prompt tokens came from the decode's cache "
-        "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)")
+        False,
+        "show clients how many prompt tokens came from the decode's cache "
+        "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)",
+    )
     timeout_s: float = setting_field(
-        120.0, "per-request deadline towards the workers (seconds); --engine vllm: also how "
-        "long the start waits for a decode to answer (at least 120 s)")
+        120.0,
+        "per-request deadline towards the workers (seconds); --engine vllm: also how "
+        "long the start waits for a decode to answer (at least 120 s)",
+    )
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> RouterSettings:
-        return cls(host=a.host, advertise=a.advertise, port=a.port, prefill=tuple(a.prefill),
-                   decode=tuple(a.decode), engine=a.engine, tokenizer=a.tokenizer,
-                   page_size=a.page_size, dispatch=getattr(a, "dispatch", DEFAULT["dispatch"]),
-                   policy=a.policy, kv_events=tuple(a.kv_events),
-                   kv_load_weight=a.kv_load_weight, kv_stale_misses=a.kv_stale_misses,
-                   kv_stale_window_s=a.kv_stale_window,
-                   kv_stale_tolerance_blocks=a.kv_stale_tolerance_blocks,
-                   kv_stale_deadline_s=a.kv_stale_deadline,
-                   kv_index_blocks=a.kv_index_blocks,
-                   expose_cache_stats=a.expose_cache_stats,
-                   timeout_s=a.timeout)
+        return cls(
+            host=a.host,
+            advertise=a.advertise,
+            port=a.port,
+            prefill=tuple(a.prefill),
+            decode=tuple(a.decode),
+            engine=a.engine,
+            tokenizer=a.tokenizer,
+            page_size=a.page_size,
+            dispatch=getattr(a, "dispatch", DEFAULT["dispatch"]),
+            policy=a.policy,
+            kv_events=tuple(a.kv_events),
+            kv_load_weight=a.kv_load_weight,
+            kv_stale_misses=a.kv_stale_misses,
+            kv_stale_window_s=a.kv_stale_window,
+            kv_stale_tolerance_blocks=a.kv_stale_tolerance_blocks,
+            kv_stale_deadline_s=a.kv_stale_deadline,
+            kv_index_blocks=a.kv_index_blocks,
+            expose_cache_stats=a.expose_cache_stats,
+            timeout_s=a.timeout,
+        )
 
 
 DEFAULT = {k: s.default for k, s in settings_of(RouterSettings).items()}

@@ -99,12 +99,12 @@ class _PrefixDetok:
         self.ids += ids
         text = self.tok.decode(self.ids)
         stable = len(text.rstrip("\ufffd"))
-        out, self.sent = text[self.sent:stable], max(self.sent, stable)
+        out, self.sent = text[self.sent : stable], max(self.sent, stable)
         return out
 
     def flush(self) -> str:
         text = self.tok.decode(self.ids)
-        out, self.sent = text[self.sent:], len(text)
+        out, self.sent = text[self.sent :], len(text)
         return out
 
 
@@ -136,8 +136,9 @@ class HFTokenizer:
         return str(self._t.decode(ids, skip_special_tokens=True))
 
     def chat(self, messages: list[dict[str, Any]]) -> str:
-        return str(self._t.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=True))
+        return str(
+            self._t.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The chat prompt's ids as the template makes them (its text already holds any BOS

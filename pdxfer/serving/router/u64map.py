@@ -124,9 +124,16 @@ def _place(table: np.ndarray, k: np.uint64, m: int, nb: int, absent: bool) -> tu
 
 
 @numba.njit(cache=True, nogil=True)
-def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
-            new: np.ndarray, col: np.ndarray, vals: np.ndarray, cur: np.ndarray
-            ) -> tuple[int, int]:
+def _upsert(
+    table: np.ndarray,
+    keys: np.ndarray,
+    out: np.ndarray,
+    absent: bool,
+    new: np.ndarray,
+    col: np.ndarray,
+    vals: np.ndarray,
+    cur: np.ndarray,
+) -> tuple[int, int]:
     """Each key's slot, placing the absent ones (in the first free way of their probe
     chain; ``new`` marks them); ``absent``: the caller knows none is present. ``col``
     (when not empty): set to ``vals`` for the placed keys, read into ``cur`` for all.
@@ -162,8 +169,15 @@ def _upsert(table: np.ndarray, keys: np.ndarray, out: np.ndarray, absent: bool,
 
 
 @numba.njit(cache=True, nogil=True)
-def _put2(table: np.ndarray, keys: np.ndarray, out: np.ndarray, c1: np.ndarray,
-          v1: np.ndarray, c2: np.ndarray, v2: np.ndarray) -> tuple[int, int]:
+def _put2(
+    table: np.ndarray,
+    keys: np.ndarray,
+    out: np.ndarray,
+    c1: np.ndarray,
+    v1: np.ndarray,
+    c2: np.ndarray,
+    v2: np.ndarray,
+) -> tuple[int, int]:
     """``_upsert``, and two columns set for every key (placed or found: the last of a key
     wins) in the same pass, their lines prefetched ``AHEAD`` with the key's bucket."""
     nb = len(table) // WAYS
@@ -262,8 +276,15 @@ class U64Map:
         if len(values) == 2:  # one pass: keys and both columns
             keys = np.ascontiguousarray(keys, np.uint64)
             self._room(len(keys))
-            (a, va), (b, vb) = ((k, np.ascontiguousarray(np.broadcast_to(
-                np.asarray(v, self.cols[k].dtype), (len(keys),)))) for k, v in values.items())
+            (a, va), (b, vb) = (
+                (
+                    k,
+                    np.ascontiguousarray(
+                        np.broadcast_to(np.asarray(v, self.cols[k].dtype), (len(keys),))
+                    ),
+                )
+                for k, v in values.items()
+            )
             slots = np.empty(len(keys), np.int64)
             placed, used = _put2(self.keys, keys, slots, self.cols[a], va, self.cols[b], vb)
             self.live += placed
@@ -290,8 +311,9 @@ class U64Map:
         self.used += used
         return slots, new
 
-    def upsert_col(self, name: str, keys: np.ndarray, vals: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def upsert_col(
+        self, name: str, keys: np.ndarray, vals: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``upsert``, column ``name`` set to ``vals`` for the placed keys; returns the
         slots, which were placed, and every key's ``name`` after."""
         keys = np.ascontiguousarray(keys, np.uint64)
@@ -299,8 +321,9 @@ class U64Map:
         col = self.cols[name]
         n = len(keys)
         slots, new, cur = np.empty(n, np.int64), np.empty(n, bool), np.empty(n, col.dtype)
-        placed, used = _upsert(self.keys, keys, slots, False, new, col,
-                                  np.ascontiguousarray(vals, col.dtype), cur)
+        placed, used = _upsert(
+            self.keys, keys, slots, False, new, col, np.ascontiguousarray(vals, col.dtype), cur
+        )
         self.live += placed
         self.used += used
         return slots, new, cur
@@ -315,8 +338,9 @@ class U64Map:
 
     def _insert(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), np.int64)
-        placed, used = _upsert(self.keys, keys, out, True, np.empty(len(keys), bool),
-                                  _NONE, _NONE, _NONE)
+        placed, used = _upsert(
+            self.keys, keys, out, True, np.empty(len(keys), bool), _NONE, _NONE, _NONE
+        )
         self.live += placed
         self.used += used
         return out

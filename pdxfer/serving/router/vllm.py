@@ -59,9 +59,13 @@ class VllmBackend:
 
     name = "vllm"
 
-    def __init__(self, tokenizer: str | None = None, page_size: int | None = None,
-                 dispatch: str = DEFAULT["dispatch"], setup_timeout_s: float = SETUP_TIMEOUT_S
-                 ) -> None:
+    def __init__(
+        self,
+        tokenizer: str | None = None,
+        page_size: int | None = None,
+        dispatch: str = DEFAULT["dispatch"],
+        setup_timeout_s: float = SETUP_TIMEOUT_S,
+    ) -> None:
         if dispatch not in DISPATCH:
             raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
         self.dispatch = dispatch
@@ -94,23 +98,25 @@ class VllmBackend:
                     log.info("vllm: serving %s, tokenizer from %s", self.served, path)
                     return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no vLLM decode answered /v1/models within "
-                                   f"{self.setup_timeout_s:.0f} s: {[d.url for d in decodes]}")
+                raise RuntimeError(
+                    f"no vLLM decode answered /v1/models within "
+                    f"{self.setup_timeout_s:.0f} s: {[d.url for d in decodes]}"
+                )
             await asyncio.sleep(1.0)
 
     @staticmethod
     def cache_salt(tenant: str) -> str | None:
         """A tenant's vLLM ``cache_salt`` (an extra key of the first block's hash)."""
-        return (hashlib.sha256(f"pdxfer-tenant|{tenant}".encode()).hexdigest() if tenant
-                else None)
+        return hashlib.sha256(f"pdxfer-tenant|{tenant}".encode()).hexdigest() if tenant else None
 
     def check(self, ask: oa.Ask) -> None:
         refuse(ask, self.name, speculative_k=bool(ask.spec_k))
 
     async def _block_size(self, http: Http, url: str) -> int | None:
         try:
-            async with http.session.get(f"{url}/metrics",
-                                        timeout=aiohttp.ClientTimeout(total=3)) as r:
+            async with http.session.get(
+                f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=3)
+            ) as r:
                 m = _BLOCK.search(await r.text()) if r.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
@@ -118,8 +124,9 @@ class VllmBackend:
 
     async def probe(self, http: Http, w: Prefill | Decode) -> dict[str, Any] | None:
         try:
-            async with http.session.get(f"{w.url}/health",
-                                        timeout=aiohttp.ClientTimeout(total=3)) as r:
+            async with http.session.get(
+                f"{w.url}/health", timeout=aiohttp.ClientTimeout(total=3)
+            ) as r:
                 if r.status != 200:
                     return None
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -142,8 +149,12 @@ class VllmBackend:
 
     def _sampling(self, job: Attempt) -> dict[str, Any]:
         ask = job.ask
-        out: dict[str, Any] = {"model": self.served, "temperature": ask.temperature,
-                               "top_p": ask.top_p, "seed": job.seed}
+        out: dict[str, Any] = {
+            "model": self.served,
+            "temperature": ask.temperature,
+            "top_p": ask.top_p,
+            "seed": job.seed,
+        }
         if ask.messages is not None:  # images: each leg renders the client's messages
             out["messages"] = ask.messages
         else:
@@ -159,36 +170,51 @@ class VllmBackend:
         tokens its prefix cache held (``usage.prompt_tokens_details.cached_tokens``, with
         ``--enable-prompt-tokens-details``; else None)."""
         pf, dc = job.pf, job.dc
-        params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                  "pdxfer_room": job.room}
+        params: dict[str, Any] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "pdxfer_room": job.room,
+        }
         if dc.peer:  # the prefill binds the room to the decode chosen for it
             params["pdxfer_decode"] = dc.peer
-        payload = {**self._sampling(job), "max_tokens": 1, "stream": False,
-                   "kv_transfer_params": params}
+        payload = {
+            **self._sampling(job),
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": params,
+        }
         url = f"{pf.url}{_path(job)}"
         try:
             async with http.session.post(url, **http.signed(url, payload)) as r:
                 body = await json_or_text(r)
                 if r.status != 200:
-                    raise AttemptFailed.from_status(r.status, f"prefill {pf.url}: "
-                                                    f"{message(body)}")
+                    raise AttemptFailed.from_status(r.status, f"prefill {pf.url}: {message(body)}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise AttemptFailed(502, f"prefill {pf.url}: {type(e).__name__}: {e}") from None
         kv = body.get("kv_transfer_params") if isinstance(body, dict) else None
         if not isinstance(kv, dict) or not kv.get("do_remote_prefill"):
-            raise AttemptFailed(502, f"prefill {pf.url} returned no kv_transfer_params: is "
-                                     f"it running PdxferConnector as kv_producer?")
+            raise AttemptFailed(
+                502,
+                f"prefill {pf.url} returned no kv_transfer_params: is "
+                f"it running PdxferConnector as kv_producer?",
+            )
         if kv.get("pdxfer_room") != job.room:
-            raise AttemptFailed(502, f"prefill {pf.url} answered room "
-                                     f"{kv.get('pdxfer_room')!r}, not {job.room}")
+            raise AttemptFailed(
+                502, f"prefill {pf.url} answered room {kv.get('pdxfer_room')!r}, not {job.room}"
+            )
         return kv, _cached_tokens(body)
 
     @staticmethod
     def early_params(job: Attempt) -> dict[str, Any]:
         """The decode's ``kv_transfer_params`` in the early form: what the prefill will answer
         (room, its bootstrap and instance), known before it computed anything."""
-        return {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room": job.room,
-                "pdxfer_bootstrap": job.pf.bootstrap, "pdxfer_instance": job.pf.instance}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "pdxfer_room": job.room,
+            "pdxfer_bootstrap": job.pf.bootstrap,
+            "pdxfer_instance": job.pf.instance,
+        }
 
     async def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
         """One attempt. ``concurrent``: the prefill's and the decode's requests go out at
@@ -219,9 +245,15 @@ class VllmBackend:
                 if isinstance(ev, Done):
                     if not pf_task.done():  # its answer may trail the decode's last token
                         await asyncio.wait([pf_task], timeout=5)
-                    ev.stats.update({"dispatch": self.dispatch, "prefill_s": took[0] if took
-                                     else None, "ttft_s": ev.stats["first"] - t1
-                                     if ev.stats.get("first") is not None else None})
+                    ev.stats.update(
+                        {
+                            "dispatch": self.dispatch,
+                            "prefill_s": took[0] if took else None,
+                            "ttft_s": ev.stats["first"] - t1
+                            if ev.stats.get("first") is not None
+                            else None,
+                        }
+                    )
                     ev.stats.pop("first", None)
                     if held:
                         ev.stats["prefill_reused_tokens"] = held[0]
@@ -231,18 +263,26 @@ class VllmBackend:
                 pf_task.cancel()
             await asyncio.gather(pf_task, return_exceptions=True)
 
-    async def _decode(self, http: Http, job: Attempt, kv: dict[str, Any]
-                      ) -> AsyncIterator[Tokens | Done]:
+    async def _decode(
+        self, http: Http, job: Attempt, kv: dict[str, Any]
+    ) -> AsyncIterator[Tokens | Done]:
         """The decode's leg: its stream as ``Tokens``, then ``Done``."""
         ask, dc = job.ask, job.dc
         payload: dict[str, Any] = {
-            **self._sampling(job), "max_tokens": ask.max_tokens, "stream": True,
-            "ignore_eos": ask.ignore_eos, "return_token_ids": True,
-            "kv_transfer_params": kv}
+            **self._sampling(job),
+            "max_tokens": ask.max_tokens,
+            "stream": True,
+            "ignore_eos": ask.ignore_eos,
+            "return_token_ids": True,
+            "kv_transfer_params": kv,
+        }
         chat = ask.messages is not None
         if ask.logprobs is not None:
-            payload.update({"logprobs": True, "top_logprobs": ask.logprobs} if chat
-                           else {"logprobs": ask.logprobs})
+            payload.update(
+                {"logprobs": True, "top_logprobs": ask.logprobs}
+                if chat
+                else {"logprobs": ask.logprobs}
+            )
             payload["return_tokens_as_token_ids"] = True
         if chat:
             payload["stream_options"] = {"include_usage": True}
@@ -254,7 +294,8 @@ class VllmBackend:
             async with http.session.post(url, **http.signed(url, payload)) as r:
                 if r.status != 200:
                     raise AttemptFailed.from_status(
-                        r.status, f"decode {dc.url}: {message(await json_or_text(r))}")
+                        r.status, f"decode {dc.url}: {message(await json_or_text(r))}"
+                    )
                 async for ev in sse_events(r):
                     if "error" in ev:
                         raise AttemptFailed(502, f"decode {dc.url}: {message(ev)}")
@@ -275,14 +316,18 @@ class VllmBackend:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise AttemptFailed(502, f"decode {dc.url}: {type(e).__name__}: {e}") from None
         if finish is None:
-            raise AttemptFailed(502, f"decode {dc.url} ended the stream without a finish "
-                                     f"reason")
-        yield Done(finish, {"first": first} if prompt_tokens is None
-                   else {"first": first, "prompt_tokens": prompt_tokens})
+            raise AttemptFailed(502, f"decode {dc.url} ended the stream without a finish reason")
+        yield Done(
+            finish,
+            {"first": first}
+            if prompt_tokens is None
+            else {"first": first, "prompt_tokens": prompt_tokens},
+        )
 
 
-async def _until_failed(events: AsyncIterator[Tokens | Done], pf_task: asyncio.Future[Any]
-                        ) -> AsyncIterator[Tokens | Done]:
+async def _until_failed(
+    events: AsyncIterator[Tokens | Done], pf_task: asyncio.Future[Any]
+) -> AsyncIterator[Tokens | Done]:
     """The decode's events, raced against its prefill until the first one: a prefill that
     fails (or times out) first raises its ``AttemptFailed`` at once, instead of leaving the
     decode waiting for KV that will not come until its own bootstrap deadline. A decode that
@@ -344,16 +389,29 @@ def _logprobs(lp: Any) -> list[dict[str, Any]]:
     if not isinstance(lp, dict) or not lp.get("tokens"):
         return []
     tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
-    return [{"token_id": _token_id(t), "logprob": float(v if v is not None else 0.0),
-             "top": {_token_id(k): float(x) for k, x in (top or {}).items()}}
-            for t, v, top in zip(lp["tokens"], lp.get("token_logprobs") or [], tops)]
+    return [
+        {
+            "token_id": _token_id(t),
+            "logprob": float(v if v is not None else 0.0),
+            "top": {_token_id(k): float(x) for k, x in (top or {}).items()},
+        }
+        for t, v, top in zip(lp["tokens"], lp.get("token_logprobs") or [], tops)
+    ]
 
 
 def _chat_logprobs(lp: Any) -> list[dict[str, Any]]:
     """vLLM's chat logprobs (``content``: per token, its top list) -> the router's own."""
     if not isinstance(lp, dict) or not isinstance(lp.get("content"), list):
         return []
-    return [{"token_id": _token_id(x["token"]), "logprob": float(x.get("logprob") or 0.0),
-             "top": {_token_id(t["token"]): float(t.get("logprob") or 0.0)
-                     for t in x.get("top_logprobs") or []}}
-            for x in lp["content"] if isinstance(x, dict) and "token" in x]
+    return [
+        {
+            "token_id": _token_id(x["token"]),
+            "logprob": float(x.get("logprob") or 0.0),
+            "top": {
+                _token_id(t["token"]): float(t.get("logprob") or 0.0)
+                for t in x.get("top_logprobs") or []
+            },
+        }
+        for x in lp["content"]
+        if isinstance(x, dict) and "token" in x
+    ]

@@ -10,8 +10,17 @@ import importlib
 from typing import Any
 
 _KV = ("AttentionKind", "KVPool", "OutOfPagesError", "PageAllocator", "PageTable", "copy_pages")
-_MODEL = ("EOS_ID", "KV_DTYPES", "SpecResult", "ToyConfig", "ToyModel", "decode", "encode",
-          "make_draft", "speculative_generate")
+_MODEL = (
+    "EOS_ID",
+    "KV_DTYPES",
+    "SpecResult",
+    "ToyConfig",
+    "ToyModel",
+    "decode",
+    "encode",
+    "make_draft",
+    "speculative_generate",
+)
 
 __all__ = sorted(_KV + _MODEL)
 

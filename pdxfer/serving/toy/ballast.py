@@ -39,8 +39,9 @@ class BallastMismatch(ValueError):
 
 def validate(nbytes: int) -> None:
     if nbytes < 0 or nbytes % WORD:
-        raise ValueError(f"kv_ballast_bytes_per_token must be a non-negative multiple of "
-                         f"{WORD}, got {nbytes}")
+        raise ValueError(
+            f"kv_ballast_bytes_per_token must be a non-negative multiple of {WORD}, got {nbytes}"
+        )
 
 
 class Ballast:
@@ -72,8 +73,9 @@ class Ballast:
         pos = np.arange(start, start + n, dtype=np.int64)
         return pt[pos // self.page_size] * self.page_size + pos % self.page_size
 
-    def expected(self, tokens: Sequence[int], start: int,
-                 cols: np.ndarray | None = None) -> np.ndarray:
+    def expected(
+        self, tokens: Sequence[int], start: int, cols: np.ndarray | None = None
+    ) -> np.ndarray:
         """The words of positions ``start..`` holding ``tokens`` (all words, or ``cols``)."""
         ramp = self._ramp if cols is None else self._ramp[cols]
         with np.errstate(over="ignore"):
@@ -103,4 +105,5 @@ class Ballast:
             p = int(bad[0])
             raise BallastMismatch(
                 f"KV ballast of {bad.size} prompt position(s) is not what the tokens give "
-                f"(first: position {p}, page {int(np.asarray(pages)[p // self.page_size])})")
+                f"(first: position {p}, page {int(np.asarray(pages)[p // self.page_size])})"
+            )

@@ -55,14 +55,26 @@ class Cluster:
     placed on hosts talk across a network, so they share a fresh secret (``PDXFER_SECRET``)
     unless ``env`` or this process names one: protected mode refuses them otherwise."""
 
-    def __init__(self, *, worker_args: Sequence[str] = (), prefill_args: Sequence[str] = (),
-                 decode_args: Sequence[str] = (), router_args: Sequence[str] = (),
-                 log_level: str = "WARNING", quiet: bool = True, timeout: float = 180.0,
-                 prefills: int = 1, decodes: int = 1, env: dict[str, str] | None = None,
-                 expose_cache_stats: bool = True, hosts: Mapping[str, Place] | None = None,
-                 client: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-                 bind_all: bool = False, each_prefill: Sequence[Sequence[str]] = (),
-                 each_decode: Sequence[Sequence[str]] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        worker_args: Sequence[str] = (),
+        prefill_args: Sequence[str] = (),
+        decode_args: Sequence[str] = (),
+        router_args: Sequence[str] = (),
+        log_level: str = "WARNING",
+        quiet: bool = True,
+        timeout: float = 180.0,
+        prefills: int = 1,
+        decodes: int = 1,
+        env: dict[str, str] | None = None,
+        expose_cache_stats: bool = True,
+        hosts: Mapping[str, Place] | None = None,
+        client: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        bind_all: bool = False,
+        each_prefill: Sequence[Sequence[str]] = (),
+        each_decode: Sequence[Sequence[str]] = (),
+    ) -> None:
         """``each_prefill[i]`` / ``each_decode[i]``: options of that worker alone (a TP size,
         a landing), after the shared ones."""
         self.worker_args, self.prefill_args = list(worker_args), list(prefill_args)
@@ -71,8 +83,10 @@ class Cluster:
         self.each_decode = [list(a) for a in each_decode]
         self.log_level, self.quiet, self.timeout = log_level, quiet, timeout
         self.n_prefills, self.n_decodes, self.env = prefills, decodes, env
-        if hosts and not ({**os.environ, **(env or {})}.get("PDXFER_SECRET")
-                          or {**os.environ, **(env or {})}.get("PDXFER_SECRET_FILE")):
+        if hosts and not (
+            {**os.environ, **(env or {})}.get("PDXFER_SECRET")
+            or {**os.environ, **(env or {})}.get("PDXFER_SECRET_FILE")
+        ):
             self.env = {**(env or {}), "PDXFER_SECRET": secrets.token_hex(16)}
         self.expose_cache_stats = expose_cache_stats  # the demo and tests show cache hits
         self.hosts = dict(hosts or {})
@@ -98,26 +112,52 @@ class Cluster:
     def decode(self) -> Proc | None:
         return self.decodes[0] if self.decodes else None
 
-    def _proc(self, name: str, args: list[str], wait: bool = True,
-              env: dict[str, str] | None = None) -> Proc:
+    def _proc(
+        self, name: str, args: list[str], wait: bool = True, env: dict[str, str] | None = None
+    ) -> Proc:
         place = self.hosts.get(name)
-        where = ([] if place is None else ["--host", place.addr] if not self.bind_all
-                 else ["--host", "0.0.0.0", "--advertise", place.addr])
-        return Proc(name, ["--log-level", self.log_level, *args, *where], timeout=self.timeout,
-                    quiet=self.quiet, wait=wait, env={**(self.env or {}), **(env or {})},
-                    prefix=place.prefix if place is not None else ())
+        where = (
+            []
+            if place is None
+            else ["--host", place.addr]
+            if not self.bind_all
+            else ["--host", "0.0.0.0", "--advertise", place.addr]
+        )
+        return Proc(
+            name,
+            ["--log-level", self.log_level, *args, *where],
+            timeout=self.timeout,
+            quiet=self.quiet,
+            wait=wait,
+            env={**(self.env or {}), **(env or {})},
+            prefix=place.prefix if place is not None else (),
+        )
 
     def _instance(self, i: int) -> str:
         return "default" if i == 0 else f"prefill{i}"
 
-    def start_prefill(self, port: int = 0, wait: bool = True, i: int = 0,
-                      env: dict[str, str] | None = None) -> Proc:
+    def start_prefill(
+        self, port: int = 0, wait: bool = True, i: int = 0, env: dict[str, str] | None = None
+    ) -> Proc:
         """``env``: more variables for this start alone (e.g. ``PDXFER_FAULTS``)."""
         assert self.bootstrap is not None
-        proc = self._proc(f"prefill{i or ''}", [
-            "prefill", "--port", str(port), "--bootstrap", self.bootstrap.address,
-            "--instance", self._instance(i), *self.worker_args, *self.prefill_args,
-            *(self.each_prefill[i] if i < len(self.each_prefill) else [])], wait, env)
+        proc = self._proc(
+            f"prefill{i or ''}",
+            [
+                "prefill",
+                "--port",
+                str(port),
+                "--bootstrap",
+                self.bootstrap.address,
+                "--instance",
+                self._instance(i),
+                *self.worker_args,
+                *self.prefill_args,
+                *(self.each_prefill[i] if i < len(self.each_prefill) else []),
+            ],
+            wait,
+            env,
+        )
         while len(self.prefills) <= i:
             self.prefills.append(None)
         self.prefills[i] = proc
@@ -127,10 +167,21 @@ class Cluster:
         l3 = ["--l3-dir", os.path.join(self.l3_dir, f"decode{i}")] if self.l3_dir else []
         own = self.each_decode[i] if i < len(self.each_decode) else []
         assert self.bootstrap is not None  # the decode trusts the cluster's bootstrap only
-        return self._proc(f"decode{i or ''}", ["decode", "--port", str(port), *l3,
-                                               "--bootstrap", self.bootstrap.address,
-                                               *self.worker_args, *self.decode_args, *own],
-                          wait)
+        return self._proc(
+            f"decode{i or ''}",
+            [
+                "decode",
+                "--port",
+                str(port),
+                *l3,
+                "--bootstrap",
+                self.bootstrap.address,
+                *self.worker_args,
+                *self.decode_args,
+                *own,
+            ],
+            wait,
+        )
 
     def restart_decode(self, i: int = 0) -> Proc:
         """Stop decode ``i`` and start it again on the same port (the router keeps its URL):
@@ -141,16 +192,16 @@ class Cluster:
         self.decodes[i] = self._decode(i, port, True)
         for router in (self.router, *self.routers):  # routers learn the new endpoint id now
             if router is not None:
-                with self.client(), urllib.request.urlopen(f"{router.url}/health",
-                                                            timeout=10) as r:
+                with self.client(), urllib.request.urlopen(f"{router.url}/health", timeout=10) as r:
                     r.read()
         return self.decodes[i]
 
     def start(self) -> Cluster:
         try:
             if "bootstrap" in self.hosts:
-                self.bootstrap = RemoteBootstrap(self._proc("bootstrap", [
-                    "bootstrap", "--port", "0"]))
+                self.bootstrap = RemoteBootstrap(
+                    self._proc("bootstrap", ["bootstrap", "--port", "0"])
+                )
             else:
                 self.bootstrap = BootstrapServer("127.0.0.1", 0).start()
             for i in range(self.n_prefills):
@@ -159,15 +210,17 @@ class Cluster:
             for p in [*self.prefills, *self.decodes]:
                 assert p is not None
                 p.wait_ready()
-            self.router = self._router(range(len(self.prefills)), range(len(self.decodes)),
-                                       self.router_args)
+            self.router = self._router(
+                range(len(self.prefills)), range(len(self.decodes)), self.router_args
+            )
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _router(self, prefills: Sequence[int], decodes: Sequence[int],
-                extra: Sequence[str]) -> Proc:
+    def _router(
+        self, prefills: Sequence[int], decodes: Sequence[int], extra: Sequence[str]
+    ) -> Proc:
         assert self.bootstrap is not None
         args = ["router", "--port", "0"]
         for i in prefills:
@@ -180,8 +233,9 @@ class Cluster:
             args.append("--expose-cache-stats")
         return self._proc("router", [*args, *extra])
 
-    def add_router(self, prefills: Sequence[int], decodes: Sequence[int],
-                   extra: Sequence[str] = ()) -> Proc:
+    def add_router(
+        self, prefills: Sequence[int], decodes: Sequence[int], extra: Sequence[str] = ()
+    ) -> Proc:
         """Another router, over only these prefills and decodes (one pair: its traffic goes
         exactly there); stopped with the cluster."""
         r = self._router(prefills, decodes, extra)
@@ -190,8 +244,9 @@ class Cluster:
 
     @property
     def procs(self) -> list[Proc]:
-        return [p for p in (*self.prefills, *self.decodes, self.router, *self.routers)
-                if p is not None]
+        return [
+            p for p in (*self.prefills, *self.decodes, self.router, *self.routers) if p is not None
+        ]
 
     def stop(self) -> None:
         stop_all(self.procs)
@@ -209,8 +264,13 @@ class Cluster:
         self.stop()
 
     # -- client helpers ----------------------------------------------------------------------
-    def complete(self, body: Any, timeout: float = 120.0, raw: bytes | None = None,
-                 headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    def complete(
+        self,
+        body: Any,
+        timeout: float = 120.0,
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any]:
         """POST to the router's /v1/completions; returns (status, parsed JSON or SSE events)."""
         assert self.router is not None
         with self.client():
@@ -235,19 +295,28 @@ class Cluster:
         return out
 
 
-def post(url: str, body: Any, timeout: float = 120.0, raw: bytes | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def post(
+    url: str,
+    body: Any,
+    timeout: float = 120.0,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
-                                                          **(headers or {})})
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, text, ctype = r.status, r.read().decode(), r.headers.get("Content-Type", "")
     except urllib.error.HTTPError as e:
         status, text, ctype = e.code, e.read().decode(), e.headers.get("Content-Type", "")
     if ctype.startswith("text/event-stream"):
-        events = [json.loads(line[6:]) for line in text.splitlines()
-                  if line.startswith("data: ") and line[6:] != "[DONE]"]
+        events = [
+            json.loads(line[6:])
+            for line in text.splitlines()
+            if line.startswith("data: ") and line[6:] != "[DONE]"
+        ]
         return status, events
     try:
         return status, json.loads(text)

@@ -98,10 +98,16 @@ class DecodeWorker(RoomWorker):
     async def h_health(self, request: web.Request) -> web.Response:
         # ``peer``: what rooms are bound to (the instance name its TP ranks share, or its
         # endpoint id); ``dp``: which of a ``--dp`` front's groups this is
-        return self.health({"endpoint": self.host.endpoint.endpoint_id,
-                            "peer": self.host.peer, "instance": self.cfg.instance,
-                            "dp": self.cfg.dp_rank, "running": self.scheduler.active,
-                            "waiting": self.admission.waiting})
+        return self.health(
+            {
+                "endpoint": self.host.endpoint.endpoint_id,
+                "peer": self.host.peer,
+                "instance": self.cfg.instance,
+                "dp": self.cfg.dp_rank,
+                "running": self.scheduler.active,
+                "waiting": self.admission.waiting,
+            }
+        )
 
     metrics_prefix = "pdxfer_decode"
 
@@ -109,13 +115,17 @@ class DecodeWorker(RoomWorker):
         return self.live
 
     def _metric_values(self) -> dict[str, Any]:
-        vals = {**self.counters, "inflight": len(self.live),
-                "free_pages": self.host.kv.allocator.num_free,
-                "running": self.scheduler.active, "waiting": self.admission.waiting,
-                "decode_steps": self.scheduler.steps, "rejected": self.admission.rejected}
+        vals = {
+            **self.counters,
+            "inflight": len(self.live),
+            "free_pages": self.host.kv.allocator.num_free,
+            "running": self.scheduler.active,
+            "waiting": self.admission.waiting,
+            "decode_steps": self.scheduler.steps,
+            "rejected": self.admission.rejected,
+        }
         if self.cache is not None:
-            vals.update({f"tiers_{k.replace('.', '_')}": v
-                         for k, v in self.cache.stats().items()})
+            vals.update({f"tiers_{k.replace('.', '_')}": v for k, v in self.cache.stats().items()})
         return vals
 
     def close(self) -> None:
@@ -133,8 +143,9 @@ class DecodeWorker(RoomWorker):
         p = {
             "room": field(body, "room", int, lo=0, hi=(1 << 63) - 1),
             "bootstrap": self._bootstrap(body),
-            "instance": field(body, "instance", str, default=None) if body.get("instance")
-            is not None else None,
+            "instance": field(body, "instance", str, default=None)
+            if body.get("instance") is not None
+            else None,
             "tokens": token_list(body, "prompt_ids", c.vocab_size),
             "max_tokens": field(body, "max_tokens", int, lo=1, hi=c.max_seq_len),
             "stream": field(body, "stream", bool, default=False),
@@ -148,9 +159,11 @@ class DecodeWorker(RoomWorker):
             raise BadRequest("speculative decoding is greedy only: use temperature 0")
         span = len(p["tokens"]) + p["max_tokens"] + p["spec_k"]
         if span > c.max_seq_len:
-            raise BadRequest(f"prompt ({len(p['tokens'])}) + max_tokens ({p['max_tokens']})"
-                             f" + spec_k ({p['spec_k']}) = {span} exceeds max_seq_len "
-                             f"{c.max_seq_len}")
+            raise BadRequest(
+                f"prompt ({len(p['tokens'])}) + max_tokens ({p['max_tokens']})"
+                f" + spec_k ({p['spec_k']}) = {span} exceeds max_seq_len "
+                f"{c.max_seq_len}"
+            )
         return p
 
     def _bootstrap(self, body: dict[str, Any]) -> str:
@@ -179,7 +192,8 @@ class DecodeWorker(RoomWorker):
                 raise TransferFailed(f"room {p['room']}: {self.aborted.pop(p['room'])}")
             h = self.host
             pages, slot = await self.admission.acquire(
-                h.model.pages_for(len(p["tokens"]) + p["max_tokens"] + p["spec_k"]))
+                h.model.pages_for(len(p["tokens"]) + p["max_tokens"] + p["spec_k"])
+            )
         except (PdxferError, ValueError) as e:
             return self._failed(e)
         req = _Req(h, pages, slot)
@@ -193,9 +207,17 @@ class DecodeWorker(RoomWorker):
         def emit(ev: dict[str, Any]) -> None:
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        g = Generation(p["room"], p["tokens"], stats["first"], p["max_tokens"], p["sampling"],
-                       req.pages, emit, lambda g: self._ended(g, p, req, stats),
-                       spec_k=p["spec_k"])
+        g = Generation(
+            p["room"],
+            p["tokens"],
+            stats["first"],
+            p["max_tokens"],
+            p["sampling"],
+            req.pages,
+            emit,
+            lambda g: self._ended(g, p, req, stats),
+            spec_k=p["spec_k"],
+        )
         self.live[p["room"]] = _Cancel(g, self.scheduler)
         self.scheduler.add(g)
         try:
@@ -211,8 +233,11 @@ class DecodeWorker(RoomWorker):
 
     def _failed(self, e: BaseException) -> web.Response:
         self.counters[f"failures_{getattr(e, 'kind', 'error')}"] += 1
-        log.log(logging.WARNING if isinstance(e, OutOfCapacity) else logging.INFO,
-                "decode request failed: %s", e)
+        log.log(
+            logging.WARNING if isinstance(e, OutOfCapacity) else logging.INFO,
+            "decode request failed: %s",
+            e,
+        )
         return error_response(e)
 
     async def _receive(self, p: dict[str, Any], req: _Req, t_arrive: float) -> dict[str, Any]:
@@ -222,16 +247,27 @@ class DecodeWorker(RoomWorker):
         n = len(tokens)
         t_request = time.perf_counter()
         try:
-            rx = open_receiver(h, self.cache, room, p["bootstrap"], p["instance"], tokens,
-                               req.pages[:h.model.pages_for(n)], req.slot, n, p["tenant"],
-                               req.free)
+            rx = open_receiver(
+                h,
+                self.cache,
+                room,
+                p["bootstrap"],
+                p["instance"],
+                tokens,
+                req.pages[: h.model.pages_for(n)],
+                req.slot,
+                n,
+                p["tenant"],
+                req.free,
+            )
         except BaseException:
             req.free()
             raise
         self.live[room] = rx
         try:
-            await poll_until_terminal(rx, self.cfg.bootstrap_timeout_s
-                                      + self.cfg.transfer_timeout_s)
+            await poll_until_terminal(
+                rx, self.cfg.bootstrap_timeout_s + self.cfg.transfer_timeout_s
+            )
         except BaseException:  # cancelled by a client that left
             if rx.poll() == KVPoll.Success:
                 req.free()  # the transfer is over: the pages are ours to free
@@ -248,23 +284,36 @@ class DecodeWorker(RoomWorker):
         st = rx.stats()
         if h.ballast is not None:
             self._check_ballast(room, tokens, req)
-        out = {"first": int(h.aux[req.slot, 0]), "restored_tokens": 0,
-               "restored_l2_tokens": 0, "restored_l3_tokens": 0,
-               "bytes": int(st.get("bytes") or 0), "ttft_s": time.perf_counter() - t_arrive,
-               "kv_wait_s": kv_wait_s}
+        out = {
+            "first": int(h.aux[req.slot, 0]),
+            "restored_tokens": 0,
+            "restored_l2_tokens": 0,
+            "restored_l3_tokens": 0,
+            "bytes": int(st.get("bytes") or 0),
+            "ttft_s": time.perf_counter() - t_arrive,
+            "kv_wait_s": kv_wait_s,
+        }
         for k in ("local", "net"):  # a RestoringReceiver's parts of the wait
             if st.get(f"{k}_seconds") is not None:
                 out[f"kv_{k}_s"] = float(st[f"{k}_seconds"])
         if self.cache is not None:  # a RestoringReceiver (on every rank: their minimum)
             ps = self.cache.page_size
             good, l2 = rx.restored_pages, int(st["l2_pages"])
-            out.update(restored_tokens=good * ps, restored_l2_tokens=min(good, l2) * ps,
-                       restored_l3_tokens=max(0, good - l2) * ps,
-                       bytes=int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0),
-                       repaired_tokens=int(st.get("repaired_tokens") or 0))
+            out.update(
+                restored_tokens=good * ps,
+                restored_l2_tokens=min(good, l2) * ps,
+                restored_l3_tokens=max(0, good - l2) * ps,
+                bytes=int(st["net_bytes"] or 0) + int(st["repair_bytes"] or 0),
+                repaired_tokens=int(st.get("repaired_tokens") or 0),
+            )
             if "ranks" in st:  # TP: what each rank restored and had repaired
-                out["ranks"] = [{"restored_tokens": r["restored_pages"] * ps,
-                                 "repaired_tokens": r["repaired_tokens"]} for r in st["ranks"]]
+                out["ranks"] = [
+                    {
+                        "restored_tokens": r["restored_pages"] * ps,
+                        "repaired_tokens": r["repaired_tokens"],
+                    }
+                    for r in st["ranks"]
+                ]
             self.counters["restored_l2_tokens"] += out["restored_l2_tokens"]
             self.counters["restored_l3_tokens"] += out["restored_l3_tokens"]
         return out
@@ -281,15 +330,15 @@ class DecodeWorker(RoomWorker):
             raise TransferFailed(f"room {room}: {e}") from None
         self.counters["ballast_checked_tokens"] += len(tokens)
 
-    def _ended(self, g: Generation, p: dict[str, Any], req: _Req,
-               stats: dict[str, Any]) -> None:
+    def _ended(self, g: Generation, p: dict[str, Any], req: _Req, stats: dict[str, Any]) -> None:
         """On the scheduler's loop, once it dropped the request: keep the prompt's pages in
         the tiers (L1 to L2 now, L2 to L3 in the background), free them, then tell the client
         how it ended."""
         if self.cache is not None and g.error is None:
             try:
-                write_back(self.host, self.cache, p["tokens"], req.pages, len(p["tokens"]),
-                           p["tenant"])
+                write_back(
+                    self.host, self.cache, p["tokens"], req.pages, len(p["tokens"]), p["tenant"]
+                )
             except Exception as e:  # noqa: BLE001 - a cache problem never fails a request
                 log.warning("prefix write-back failed: %s", e)
         req.free()
@@ -303,26 +352,32 @@ class DecodeWorker(RoomWorker):
             self.counters["success"] += 1
         g.emit({"done": True, **self._result(g, p, stats)})
 
-    def _result(self, g: Generation, p: dict[str, Any], stats: dict[str, Any]
-                ) -> dict[str, Any]:
+    def _result(self, g: Generation, p: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "room": g.room, "finish_reason": g.finish_reason, "prompt_tokens": len(g.prompt),
-            "completion_tokens": len(g.out), "restored_tokens": stats["restored_tokens"],
+            "room": g.room,
+            "finish_reason": g.finish_reason,
+            "prompt_tokens": len(g.prompt),
+            "completion_tokens": len(g.out),
+            "restored_tokens": stats["restored_tokens"],
             "restored_l2_tokens": stats["restored_l2_tokens"],
             "restored_l3_tokens": stats["restored_l3_tokens"],
-            "bytes": stats["bytes"], "ttft_s": stats["ttft_s"],
-            **{k: stats[k] for k in ("repaired_tokens", "ranks", "kv_wait_s", "kv_local_s",
-                                     "kv_net_s") if k in stats},
+            "bytes": stats["bytes"],
+            "ttft_s": stats["ttft_s"],
+            **{
+                k: stats[k]
+                for k in ("repaired_tokens", "ranks", "kv_wait_s", "kv_local_s", "kv_net_s")
+                if k in stats
+            },
             "queued_steps": (g.first_step - g.added_step) if g.first_step is not None else 0,
-            "end_step": g.end_step}
+            "end_step": g.end_step,
+        }
         if g.spec is not None:
             acc = g.spec.accepted
             out["accept_lengths"] = acc
             out["mean_accept_length"] = sum(acc) / len(acc) if acc else 0.0
         return out
 
-    async def _collect(self, g: Generation, events: asyncio.Queue[dict[str, Any]]
-                       ) -> web.Response:
+    async def _collect(self, g: Generation, events: asyncio.Queue[dict[str, Any]]) -> web.Response:
         tokens: list[int] = []
         logprobs: list[Any] = []
         while True:
@@ -338,10 +393,12 @@ class DecodeWorker(RoomWorker):
             tokens += ev["token_ids"]
             logprobs += ev.get("logprobs", [])
 
-    async def _stream(self, request: web.Request, events: asyncio.Queue[dict[str, Any]]
-                      ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+    async def _stream(
+        self, request: web.Request, events: asyncio.Queue[dict[str, Any]]
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         while True:
             ev = await events.get()
@@ -355,5 +412,11 @@ class DecodeWorker(RoomWorker):
 def run(a: argparse.Namespace) -> int:
     cfg = config_from_args(a, "decode")
     w = DecodeWorker(cfg)
-    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close, advertise=cfg.advertise,
-                 what=f"{cfg.role} worker")
+    return serve(
+        w.app(),
+        cfg.host,
+        cfg.port,
+        on_stop=w.close,
+        advertise=cfg.advertise,
+        what=f"{cfg.role} worker",
+    )

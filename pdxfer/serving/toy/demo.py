@@ -31,11 +31,33 @@ from ..cli_args import add_field_args
 from .cluster import Cluster
 from .model import EOS_ID, ToyConfig, ToyModel, encode, make_draft, speculative_generate
 
-WORDS = ["kv", "cache", "prefill", "decode", "page", "token", "layer", "head", "router", "room", "transfer", "bootstrap", "mooncake", "engine", "batch", "prefix", "draft", "verify", "stream", "chunk"]
+WORDS = [
+    "kv",
+    "cache",
+    "prefill",
+    "decode",
+    "page",
+    "token",
+    "layer",
+    "head",
+    "router",
+    "room",
+    "transfer",
+    "bootstrap",
+    "mooncake",
+    "engine",
+    "batch",
+    "prefix",
+    "draft",
+    "verify",
+    "stream",
+    "chunk",
+]
 
 
-def make_prompts(n: int, seed: int, prefix_words: int = 60, groups: int = 3,
-                 share: int | None = None) -> list[str]:
+def make_prompts(
+    n: int, seed: int, prefix_words: int = 60, groups: int = 3, share: int | None = None
+) -> list[str]:
     """``n`` prompts: about two thirds share one of ``groups`` long prefixes (those of
     ``make_prompts(..., seed=share)`` when given: a later round of the same conversations)."""
     prng = random.Random(seed if share is None else share)
@@ -55,11 +77,12 @@ def reference(cfg: ToyConfig, prompt: str, max_tokens: int, spec_k: int) -> list
     """The colocated greedy output, ending before EOS as a served request does."""
     model = ToyModel(cfg)
     if spec_k:
-        out = speculative_generate(model, make_draft(model), encode(prompt), max_tokens,
-                                   k=spec_k).tokens
+        out = speculative_generate(
+            model, make_draft(model), encode(prompt), max_tokens, k=spec_k
+        ).tokens
     else:
         out = model.generate(encode(prompt), max_tokens)
-    return out[:out.index(EOS_ID)] if EOS_ID in out else out
+    return out[: out.index(EOS_ID)] if EOS_ID in out else out
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,26 +97,32 @@ class DemoOptions:
     seed: int = setting_field(0, "prompt seed")
     stream: bool = setting_field(False, "use SSE streaming responses")
     l3: Literal["file", "mooncake"] = setting_field(
-        "file", "the decode's L3: files in a fresh folder, or Mooncake Store (a "
-        "mooncake_master started for the demo)")
+        "file",
+        "the decode's L3: files in a fresh folder, or Mooncake Store (a "
+        "mooncake_master started for the demo)",
+    )
     landing: Literal["device", "host"] = setting_field(
-        "device", "host: the decode lands KV in a token-granular host pool")
+        "device", "host: the decode lands KV in a token-granular host pool"
+    )
     prefill_tp: int = setting_field(
-        1, "tensor-parallel ranks of the prefill (its KV heads split over them)")
+        1, "tensor-parallel ranks of the prefill (its KV heads split over them)"
+    )
     decode_tp: int = setting_field(
-        1, "tensor-parallel ranks of the decode (any size the prefill's divides or that "
-        "divides it)")
-    no_restart: bool = setting_field(
-        False, "skip the decode restart (and the L3 round after it)")
+        1, "tensor-parallel ranks of the decode (any size the prefill's divides or that divides it)"
+    )
+    no_restart: bool = setting_field(False, "skip the decode restart (and the L3 round after it)")
     log_level: str = setting_field("ERROR", "log level of the child processes")
     verbose: bool = setting_field(False, "show the children's stderr")
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
     """The options of ``pdxfer demo`` and ``pdxfer bench``."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 epilog="pdxfer demo --engine vllm [--help]: the same path "
-                                        "on real vLLM (needs the vllm extra)")
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n")[0],
+        epilog="pdxfer demo --engine vllm [--help]: the same path "
+        "on real vLLM (needs the vllm extra)",
+    )
     add_field_args(ap, DemoOptions, *settings_of(DemoOptions))
     return ap
 
@@ -110,8 +139,15 @@ def _args(argv: list[str] | None, prog: str) -> argparse.Namespace:
 
 def _one(c: Cluster, prompt: str, a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
-    status, body = c.complete({"prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0,
-                               "stream": a.stream, "speculative_k": a.spec_k})
+    status, body = c.complete(
+        {
+            "prompt": prompt,
+            "max_tokens": a.max_tokens,
+            "temperature": 0,
+            "stream": a.stream,
+            "speculative_k": a.spec_k,
+        }
+    )
     wall = time.perf_counter() - t0
     if status != 200:
         return {"ok": False, "error": f"HTTP {status}: {body}", "wall": wall}
@@ -153,15 +189,21 @@ class _L3:
             from pdxfer.tiers import MooncakeMaster, MooncakeStoreStorage
 
             self.master = MooncakeMaster()
-            self.holder = MooncakeStoreStorage(self.master.master_addr,
-                                               self.master.metadata_url,
-                                               segment_bytes=512 << 20)
+            self.holder = MooncakeStoreStorage(
+                self.master.master_addr, self.master.metadata_url, segment_bytes=512 << 20
+            )
 
     def decode_args(self) -> list[str]:
         if self.master is None:
             return []
-        return ["--l3-mooncake", self.master.master_addr, "--l3-mooncake-metadata",
-                self.master.metadata_url, "--l3-mooncake-segment-mb", "0"]
+        return [
+            "--l3-mooncake",
+            self.master.master_addr,
+            "--l3-mooncake-metadata",
+            self.master.metadata_url,
+            "--l3-mooncake-segment-mb",
+            "0",
+        ]
 
     def close(self) -> None:
         if self.holder is not None:
@@ -170,8 +212,7 @@ class _L3:
             self.master.stop()
 
 
-def _send(c: Cluster, prompts: list[str], a: argparse.Namespace, tty: bool
-          ) -> list[dict[str, Any]]:
+def _send(c: Cluster, prompts: list[str], a: argparse.Namespace, tty: bool) -> list[dict[str, Any]]:
     results: list[dict[str, Any] | None] = [None] * len(prompts)
     with ThreadPoolExecutor(a.concurrency) as pool:
         futs = {pool.submit(_one, c, p, a): i for i, p in enumerate(prompts)}
@@ -194,15 +235,22 @@ def main(argv: list[str] | None = None) -> int:
     later = [] if a.no_restart else make_prompts(6, a.seed + 1000, groups=3, share=a.seed)
     # one per conversation: two requests for one prefix at once would share one L3 prefetch
     later = list({p.split(" | ")[0]: p for p in later if " | " in p}.values())
-    print(f"starting bootstrap, prefill (TP {a.prefill_tp}), decode (TP {a.decode_tp}) and "
-          f"router on 127.0.0.1 (toy model, {a.requests} requests, {a.max_tokens} tokens "
-          f"each, L3 {a.l3}, {a.landing} landing) ...", flush=True)
+    print(
+        f"starting bootstrap, prefill (TP {a.prefill_tp}), decode (TP {a.decode_tp}) and "
+        f"router on 127.0.0.1 (toy model, {a.requests} requests, {a.max_tokens} tokens "
+        f"each, L3 {a.l3}, {a.landing} landing) ...",
+        flush=True,
+    )
     l3: _L3 | None = None
     try:
         l3 = _L3(a.l3)
         dargs = [*l3.decode_args(), "--kv-landing", a.landing, "--tp", str(a.decode_tp)]
-        with Cluster(log_level=a.log_level, quiet=not a.verbose, decode_args=dargs,
-                     prefill_args=["--tp", str(a.prefill_tp)]) as c:
+        with Cluster(
+            log_level=a.log_level,
+            quiet=not a.verbose,
+            decode_args=dargs,
+            prefill_args=["--tp", str(a.prefill_tp)],
+        ) as c:
             assert c.router is not None
             print(f"router on {c.router.url}; sending ...", flush=True)
             t0 = time.perf_counter()
@@ -223,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ToyConfig()
     everything = prompts + later
     refs = [reference(cfg, p, a.max_tokens, a.spec_k) for p in everything]
-    print(f"\n{'req':>4} {'prompt':>7} {'L2':>5} {'L3':>5} {'reused':>7} {'KV bytes':>10} "
-          f"{'TTFT ms':>8} {'wall ms':>8}  verdict")
+    print(
+        f"\n{'req':>4} {'prompt':>7} {'L2':>5} {'L3':>5} {'reused':>7} {'KV bytes':>10} "
+        f"{'TTFT ms':>8} {'wall ms':>8}  verdict"
+    )
     bad = 0
     for i, (r, ref) in enumerate(zip(results, refs)):
         if i == len(prompts):
@@ -232,27 +282,35 @@ def main(argv: list[str] | None = None) -> int:
         n = len(encode(everything[i]))
         if not r["ok"]:
             bad += 1
-            print(f"{i:>4} {n:>7} {'-':>5} {'-':>5} {'-':>7} {'-':>10} {'-':>8} "
-                  f"{r['wall'] * 1e3:>8.0f}  {red}FAILED{off} {r['error']}")
+            print(
+                f"{i:>4} {n:>7} {'-':>5} {'-':>5} {'-':>7} {'-':>10} {'-':>8} "
+                f"{r['wall'] * 1e3:>8.0f}  {red}FAILED{off} {r['error']}"
+            )
             continue
         same = r["ids"] == ref
         bad += not same
         inf = r["info"]
-        print(f"{i:>4} {n:>7} {inf.get('restored_l2_tokens', 0):>5} "
-              f"{inf.get('restored_l3_tokens', 0):>5} {inf.get('prefill_reused_tokens', 0):>7} "
-              f"{inf['bytes']:>10} {(inf['decode_ttft_s'] or 0) * 1e3:>8.1f} "
-              f"{r['wall'] * 1e3:>8.0f}  "
-              + (f"{green}identical{off}" if same else f"{red}MISMATCH{off}"))
+        print(
+            f"{i:>4} {n:>7} {inf.get('restored_l2_tokens', 0):>5} "
+            f"{inf.get('restored_l3_tokens', 0):>5} {inf.get('prefill_reused_tokens', 0):>7} "
+            f"{inf['bytes']:>10} {(inf['decode_ttft_s'] or 0) * 1e3:>8.1f} "
+            f"{r['wall'] * 1e3:>8.0f}  "
+            + (f"{green}identical{off}" if same else f"{red}MISMATCH{off}")
+        )
     ok = [r["info"] for r in results if r["ok"]]
-    print(f"\n{len(everything) - bad}/{len(everything)} outputs identical to the colocated "
-          f"reference; prompt tokens restored on the decode from L2: "
-          f"{sum(i.get('restored_l2_tokens', 0) for i in ok)}, from L3: "
-          f"{sum(i.get('restored_l3_tokens', 0) for i in ok)}; reused on the prefill: "
-          f"{sum(i.get('prefill_reused_tokens', 0) for i in ok)}; {total:.1f} s for the batch")
+    print(
+        f"\n{len(everything) - bad}/{len(everything)} outputs identical to the colocated "
+        f"reference; prompt tokens restored on the decode from L2: "
+        f"{sum(i.get('restored_l2_tokens', 0) for i in ok)}, from L3: "
+        f"{sum(i.get('restored_l3_tokens', 0) for i in ok)}; reused on the prefill: "
+        f"{sum(i.get('prefill_reused_tokens', 0) for i in ok)}; {total:.1f} s for the batch"
+    )
     streamed = [i["prefill_layer_sends"] for i in ok if i.get("prefill_layer_sends")]
-    print(f"KV streamed layer by layer from the prefill: {len(streamed)}/{len(ok)} requests, "
-          f"{sum(streamed)} layer hand-offs (each layer of a chunk went to the decode while "
-          f"the prefill computed the next)")
+    print(
+        f"KV streamed layer by layer from the prefill: {len(streamed)}/{len(ok)} requests, "
+        f"{sum(streamed)} layer hand-offs (each layer of a chunk went to the decode while "
+        f"the prefill computed the next)"
+    )
     if bad:
         print(f"{red}FAIL{off}: {bad} request(s) failed or differ")
         return 1
@@ -277,12 +335,21 @@ def bench(argv: list[str] | None = None) -> int:
     def pct(xs: list[float], q: float) -> float | None:
         return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None
 
-    print(json.dumps({
-        "requests": len(prompts), "ok": len(ok), "seconds": round(total, 3),
-        "requests_per_s": round(len(ok) / total, 3),
-        "tokens_per_s": round(sum(len(r["ids"]) for r in ok) / total, 1),
-        "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
-        "latency_p50_s": pct(walls, 0.5), "latency_p99_s": pct(walls, 0.99),
-        "kv_bytes": sum(r["info"]["bytes"] for r in ok),
-        "restored_tokens": sum(r["info"]["restored_tokens"] for r in ok)}))
+    print(
+        json.dumps(
+            {
+                "requests": len(prompts),
+                "ok": len(ok),
+                "seconds": round(total, 3),
+                "requests_per_s": round(len(ok) / total, 3),
+                "tokens_per_s": round(sum(len(r["ids"]) for r in ok) / total, 1),
+                "ttft_p50_s": pct(ttft, 0.5),
+                "ttft_p99_s": pct(ttft, 0.99),
+                "latency_p50_s": pct(walls, 0.5),
+                "latency_p99_s": pct(walls, 0.99),
+                "kv_bytes": sum(r["info"]["bytes"] for r in ok),
+                "restored_tokens": sum(r["info"]["restored_tokens"] for r in ok),
+            }
+        )
+    )
     return 0 if len(ok) == len(prompts) else 1

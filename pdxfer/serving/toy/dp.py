@@ -40,8 +40,13 @@ MAX_BODY = 8 << 20
 
 
 def group_config(cfg: WorkerConfig, g: int) -> WorkerConfig:
-    return replace(cfg, dp_rank=g, port=0, instance=f"{cfg.instance}.dp{g}",
-                   l3_dir=os.path.join(cfg.l3_dir, f"dp{g}") if cfg.l3_dir else "")
+    return replace(
+        cfg,
+        dp_rank=g,
+        port=0,
+        instance=f"{cfg.instance}.dp{g}",
+        l3_dir=os.path.join(cfg.l3_dir, f"dp{g}") if cfg.l3_dir else "",
+    )
 
 
 def group_main(conn: Connection, cfg: WorkerConfig, log_level: str) -> None:
@@ -49,8 +54,9 @@ def group_main(conn: Connection, cfg: WorkerConfig, log_level: str) -> None:
     front is gone."""
     from .decode import DecodeWorker
 
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s dp{cfg.dp_rank} "
-                        "%(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s dp{cfg.dp_rank} %(name)s: %(message)s"
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which stops us
 
     def orphaned() -> None:
@@ -66,8 +72,14 @@ def group_main(conn: Connection, cfg: WorkerConfig, log_level: str) -> None:
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         os._exit(1)
     threading.Thread(target=orphaned, daemon=True, name="dp-front-watch").start()
-    serve(w.app(), cfg.host, 0, on_stop=w.close, advertise=cfg.advertise,
-          announce=lambda url: conn.send(("ready", url)))
+    serve(
+        w.app(),
+        cfg.host,
+        0,
+        on_stop=w.close,
+        advertise=cfg.advertise,
+        announce=lambda url: conn.send(("ready", url)),
+    )
 
 
 class Group:
@@ -83,8 +95,9 @@ class Group:
             kind, payload = self.conn.recv()
         except (EOFError, OSError):
             self.proc.join(5)
-            raise RuntimeError(f"decode group {self.g} exited with {self.proc.exitcode} "
-                               "while starting") from None
+            raise RuntimeError(
+                f"decode group {self.g} exited with {self.proc.exitcode} while starting"
+            ) from None
         if kind != "ready":
             raise RuntimeError(f"decode group {self.g} could not start: {payload}")
         self.url = payload
@@ -104,8 +117,11 @@ class DPFront:
         try:
             for g in range(cfg.dp):
                 mine, theirs = ctx.Pipe()
-                proc = ctx.Process(target=group_main, args=(theirs, group_config(cfg, g), level),
-                                   name=f"pdxfer-dp{g}")
+                proc = ctx.Process(
+                    target=group_main,
+                    args=(theirs, group_config(cfg, g), level),
+                    name=f"pdxfer-dp{g}",
+                )
                 proc.start()
                 theirs.close()
                 self.groups.append(Group(g, proc, mine))
@@ -127,16 +143,16 @@ class DPFront:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-            total=None, sock_connect=5.0))
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0)
+        )
 
     async def _stop(self, app: web.Application) -> None:
         if self.session is not None:
             await self.session.close()
 
     def _signed(self, path: str, body: bytes) -> dict[str, str]:
-        return {"Content-Type": "application/json",
-                **http_headers(self.secret, "POST", path, body)}
+        return {"Content-Type": "application/json", **http_headers(self.secret, "POST", path, body)}
 
     def _pick(self, body: bytes) -> Group:
         try:
@@ -145,8 +161,9 @@ class DPFront:
             dp = None  # the group answers the bad body
         if dp is not None:
             if isinstance(dp, bool) or not isinstance(dp, int) or not 0 <= dp < len(self.groups):
-                raise BadRequest(f"field 'dp' must be a decode group in [0, "
-                                 f"{len(self.groups)}), got {dp!r}")
+                raise BadRequest(
+                    f"field 'dp' must be a decode group in [0, {len(self.groups)}), got {dp!r}"
+                )
             return self.groups[dp]
         live = [g for g in self.groups if g.alive] or self.groups
         return min(live, key=lambda g: g.busy)
@@ -160,10 +177,14 @@ class DPFront:
         assert self.session is not None
         grp.busy += 1
         try:
-            async with self.session.post(f"{grp.url}/generate", data=body,
-                                         headers=self._signed("/generate", body)) as r:
-                headers = {k: v for k, v in r.headers.items()
-                           if k in ("Content-Type", "Retry-After", "Cache-Control")}
+            async with self.session.post(
+                f"{grp.url}/generate", data=body, headers=self._signed("/generate", body)
+            ) as r:
+                headers = {
+                    k: v
+                    for k, v in r.headers.items()
+                    if k in ("Content-Type", "Retry-After", "Cache-Control")
+                }
                 resp = web.StreamResponse(status=r.status, headers=headers)
                 await resp.prepare(request)
                 async for chunk in r.content.iter_any():
@@ -171,8 +192,9 @@ class DPFront:
                 await resp.write_eof()
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return error_response(UpstreamError(
-                f"decode group {grp.g} ({grp.url}): {type(e).__name__}: {e}"))
+            return error_response(
+                UpstreamError(f"decode group {grp.g} ({grp.url}): {type(e).__name__}: {e}")
+            )
         finally:
             grp.busy -= 1
 
@@ -186,8 +208,11 @@ class DPFront:
         async def one(grp: Group) -> bool:
             try:
                 async with self.session.post(  # type: ignore[union-attr]
-                        f"{grp.url}/abort", data=body, headers=self._signed("/abort", body),
-                        timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    f"{grp.url}/abort",
+                    data=body,
+                    headers=self._signed("/abort", body),
+                    timeout=aiohttp.ClientTimeout(total=5),
+                ) as r:
                     out = await r.json(content_type=None) if r.status == 200 else {}
                     return bool(out.get("found"))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
@@ -199,8 +224,9 @@ class DPFront:
     async def _get(self, grp: Group, path: str) -> tuple[int, Any]:
         assert self.session is not None
         try:
-            async with self.session.get(f"{grp.url}{path}",
-                                        timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with self.session.get(
+                f"{grp.url}{path}", timeout=aiohttp.ClientTimeout(total=5)
+            ) as r:
                 text = await r.text()
                 return r.status, text
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -222,16 +248,23 @@ class DPFront:
             groups.append({**info, "dp": grp.g, "url": grp.url, "status": state})
         ok = [g for g in groups if g["status"] == "ok"]
         first = ok[0] if ok else {}
-        body = {"status": "ok" if ok else "unavailable", "role": "decode",
-                "dp_size": len(self.groups), "groups": groups, "pid": os.getpid(),
-                **{k: first[k] for k in ("max_seq_len", "page_size", "kv_landing", "tp")
-                   if k in first}}
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "role": "decode",
+            "dp_size": len(self.groups),
+            "groups": groups,
+            "pid": os.getpid(),
+            **{k: first[k] for k in ("max_seq_len", "page_size", "kv_landing", "tp") if k in first},
+        }
         return web.json_response(body, status=200 if ok else 503)
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         answers = await self._each(lambda g: self._get(g, "/metrics"))
-        parts = [(text, {"dp": str(grp.g)})
-                 for grp, (status, text) in zip(self.groups, answers) if status == 200]
+        parts = [
+            (text, {"dp": str(grp.g)})
+            for grp, (status, text) in zip(self.groups, answers)
+            if status == 200
+        ]
         return web.Response(text=merge_metrics(parts))
 
     def close(self) -> None:
@@ -256,5 +289,11 @@ def run(a: argparse.Namespace) -> int:
     cfg = config_from_args(a, "decode")
     front = DPFront(cfg)
     log.info("decode front for %d groups: %s", cfg.dp, [g.url for g in front.groups])
-    return serve(front.app(), cfg.host, cfg.port, on_stop=front.close, advertise=cfg.advertise,
-                 what="decode worker")
+    return serve(
+        front.app(),
+        cfg.host,
+        cfg.port,
+        on_stop=front.close,
+        advertise=cfg.advertise,
+        what="decode worker",
+    )

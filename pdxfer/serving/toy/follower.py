@@ -38,12 +38,12 @@ COMPUTE_OPS = frozenset({"forward", "send", "reuse", "write_back", "open_receive
 WATCH_S = 0.001
 
 
-def main(conn: Connection, rank: int, cfg: WorkerConfig, store_port: int,
-         log_level: str) -> None:
+def main(conn: Connection, rank: int, cfg: WorkerConfig, store_port: int, log_level: str) -> None:
     """The rank's process: join the group, build the rank, serve rank 0 until told to stop
     or until rank 0 is gone."""
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp{rank} "
-                        "%(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s"
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     try:
@@ -54,8 +54,7 @@ def main(conn: Connection, rank: int, cfg: WorkerConfig, store_port: int,
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         os._exit(1)
     f = Follower(host, cache, conn)
-    conn.send(("ready", {"rank": rank, "pid": os.getpid(),
-                         "endpoint": host.endpoint.endpoint_id}))
+    conn.send(("ready", {"rank": rank, "pid": os.getpid(), "endpoint": host.endpoint.endpoint_id}))
     try:
         f.run()
     finally:
@@ -75,8 +74,10 @@ class Follower:
         self._send_lock = threading.Lock()
         self._added = threading.Event()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._compute, daemon=True, name="tp-compute"),
-                         threading.Thread(target=self._watch, daemon=True, name="tp-watch")]
+        self._threads = [
+            threading.Thread(target=self._compute, daemon=True, name="tp-compute"),
+            threading.Thread(target=self._watch, daemon=True, name="tp-watch"),
+        ]
         for t in self._threads:
             t.start()
 
@@ -159,8 +160,14 @@ class Follower:
             self.reported.add(room)
             f = h.failure
             stats = h.stats() if kind == "receiver" and st == KVPoll.Success else {}
-            self.emit("event", "state", room, int(st),
-                      None if f is None else f"{getattr(f, 'kind', 'error')}: {f}", dict(stats))
+            self.emit(
+                "event",
+                "state",
+                room,
+                int(st),
+                None if f is None else f"{getattr(f, 'kind', 'error')}: {f}",
+                dict(stats),
+            )
         if room in self.reported and not (kind == "sender" and h.holding):
             if kind == "sender":
                 self.emit("event", "unheld", room)
@@ -185,28 +192,39 @@ class Follower:
     def op_stats(self) -> dict[str, Any]:
         with self._lock:
             rooms = len(self.handles)
-        return {"rooms": rooms, "endpoint": self.host.endpoint.prometheus().decode(),
-                "tiers": self.cache.stats() if self.cache is not None else {}}
+        return {
+            "rooms": rooms,
+            "endpoint": self.host.endpoint.prometheus().decode(),
+            "tiers": self.cache.stats() if self.cache is not None else {},
+        }
 
     # -- compute ops (compute thread, rank 0's order) ----------------------------------------
-    def op_forward(self, model: str, pool: str, tokens: list[int], start: int,
-                   pages: list[int], logits_for: str) -> None:
+    def op_forward(
+        self,
+        model: str,
+        pool: str,
+        tokens: list[int],
+        start: int,
+        pages: list[int],
+        logits_for: str,
+    ) -> None:
         h = self.host
         m = h.model if model == "target" else h.draft
         with h.lock:
-            m.forward(tokens, start, pages, h.kv if pool == "kv" else h.draft_kv,
-                      logits_for=logits_for)  # type: ignore[arg-type]
+            m.forward(
+                tokens, start, pages, h.kv if pool == "kv" else h.draft_kv, logits_for=logits_for
+            )  # type: ignore[arg-type]
 
-    def op_send(self, room: int, pages: list[int], rows: dict[str, tuple[int, list[int]]],
-                last: bool) -> None:
+    def op_send(
+        self, room: int, pages: list[int], rows: dict[str, tuple[int, list[int]]], last: bool
+    ) -> None:
         with self._lock:
             entry = self.handles.get(room)
         if entry is None:
             return  # aborted and dropped already
         for name, (slot, values) in rows.items():
             getattr(self.host, name)[slot] = torch.tensor(values, dtype=torch.int32)
-        entry[0].send({"kv": pages}, slots={n: s for n, (s, _) in rows.items()} or None,
-                      last=last)
+        entry[0].send({"kv": pages}, slots={n: s for n, (s, _) in rows.items()} or None, last=last)
 
     def op_reuse(self, tokens: list[int], pages: list[int], tenant: str) -> int:
         if self.cache is None:
@@ -218,9 +236,17 @@ class Follower:
         if self.cache is not None:
             self.cache.write_back(tokens, {"kv": pages}, n, tenant)
 
-    def op_open_receiver(self, room: int, bootstrap: str, instance: str | None,
-                         tokens: list[int], dst: list[int], slot: int, n: int,
-                         tenant: str) -> None:
+    def op_open_receiver(
+        self,
+        room: int,
+        bootstrap: str,
+        instance: str | None,
+        tokens: list[int],
+        dst: list[int],
+        slot: int,
+        n: int,
+        tenant: str,
+    ) -> None:
         def release(*_: Any) -> None:
             self.emit("event", "released", room)
 
@@ -231,11 +257,28 @@ class Follower:
             release()
             return
         try:
-            rx = open_receiver(self.host, self.cache, room, bootstrap, instance, tokens, dst,
-                               slot, n, tenant, release)
+            rx = open_receiver(
+                self.host,
+                self.cache,
+                room,
+                bootstrap,
+                instance,
+                tokens,
+                dst,
+                slot,
+                n,
+                tenant,
+                release,
+            )
         except Exception as e:  # noqa: BLE001 - this rank's request fails; nothing was asked
-            self.emit("event", "state", room, int(KVPoll.Failed),
-                      f"{getattr(e, 'kind', 'error')}: {e}", {})
+            self.emit(
+                "event",
+                "state",
+                room,
+                int(KVPoll.Failed),
+                f"{getattr(e, 'kind', 'error')}: {e}",
+                {},
+            )
             release()
             return
         self._track(room, rx, "receiver")

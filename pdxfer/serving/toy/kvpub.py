@@ -17,8 +17,7 @@ from ..kv_events import BlockRemoved, BlockStored, EventPublisher
 class KvEventsObserver:
     """A ``pdxfer.tiers.CacheObserver`` that publishes each call as one batch."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None,
-                 mute: str = "") -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, mute: str = "") -> None:
         self.pub = EventPublisher(endpoint, replay_endpoint)
         after, _, count = mute.partition(":")
         self._after, self._count = (int(after), int(count)) if mute else (0, 0)
@@ -33,13 +32,26 @@ class KvEventsObserver:
                 return
         self.pub.publish(list(events))
 
-    def stored(self, keys: Sequence[str], parent: str | None, tokens: np.ndarray,
-               page_size: int, scope: str) -> None:
+    def stored(
+        self,
+        keys: Sequence[str],
+        parent: str | None,
+        tokens: np.ndarray,
+        page_size: int,
+        scope: str,
+    ) -> None:
         extras = [[scope]] + [None] * (len(keys) - 1) if scope and parent is None else None
-        self._publish([BlockStored([bytes.fromhex(k) for k in keys],
-                                   bytes.fromhex(parent) if parent else None,
-                                   np.asarray(tokens, np.int64).tolist(), page_size,
-                                   extra_keys=extras)])
+        self._publish(
+            [
+                BlockStored(
+                    [bytes.fromhex(k) for k in keys],
+                    bytes.fromhex(parent) if parent else None,
+                    np.asarray(tokens, np.int64).tolist(),
+                    page_size,
+                    extra_keys=extras,
+                )
+            ]
+        )
 
     def removed(self, keys: Sequence[str]) -> None:
         if keys:

@@ -73,15 +73,28 @@ class ToyConfig:
     draft_layers: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "d_ff", "max_seq_len", "page_size", "kv_lora_rank", "draft_layers"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "d_ff",
+            "max_seq_len",
+            "page_size",
+            "kv_lora_rank",
+            "draft_layers",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.vocab_size <= EOS_ID:
             raise ValueError(f"vocab_size must be > {EOS_ID} (bytes + EOS), got {self.vocab_size}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+            raise ValueError(
+                f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
+            )
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype}")
         if self.attention not in ("mha", "mla"):
@@ -168,8 +181,10 @@ def head_shard(config: ToyConfig, tp_rank: int, tp_size: int) -> HeadShard:
     if tp_size > 1 and c.attention != "mha":
         raise ValueError("tensor parallelism shards attention heads: the toy's MLA is TP 1")
     if c.n_heads % tp_size or (c.n_kv_heads % tp_size and tp_size % c.n_kv_heads):
-        raise ValueError(f"TP {tp_size} does not split {c.n_heads} query heads and "
-                         f"{c.n_kv_heads} KV heads evenly")
+        raise ValueError(
+            f"TP {tp_size} does not split {c.n_heads} query heads and "
+            f"{c.n_kv_heads} KV heads evenly"
+        )
     q = c.n_heads // tp_size
     if tp_size <= c.n_kv_heads:
         kv = c.n_kv_heads // tp_size
@@ -187,14 +202,22 @@ class ToyModel:
     the weights are drawn on the host, so every device holds the same ones); the pools may
     live elsewhere (a host landing), what attention reads is brought here."""
 
-    def __init__(self, config: ToyConfig, *, tp_rank: int = 0, tp_size: int = 1,
-                 gather: Gather | None = None, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        config: ToyConfig,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        gather: Gather | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
         self.config = config
         c = config
         self.device = torch.device(device)
         if tp_size > 1 and self.device.type != "cpu":
-            raise ValueError("the toy's TP ranks gather over gloo on the host: TP > 1 runs "
-                             "on the CPU")
+            raise ValueError(
+                "the toy's TP ranks gather over gloo on the host: TP > 1 runs on the CPU"
+            )
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.shard = head_shard(c, tp_rank, tp_size)
         if tp_size > 1 and gather is None:
@@ -215,8 +238,7 @@ class ToyModel:
         # this table, do not depend on max_seq_len (two workers with different context
         # lengths must not silently run different models)
         gp = torch.Generator().manual_seed((c.seed * 1_000_003 + 17) % (1 << 63))
-        self.pos_emb = torch.randn((c.max_seq_len, c.d_model), generator=gp,
-                                   dtype=torch.float32)
+        self.pos_emb = torch.randn((c.max_seq_len, c.d_model), generator=gp, dtype=torch.float32)
         self.layers: list[_Layer] = []
         for li in range(c.n_layers):
             scale = 1.0 if li < c.draft_layers else _REFINE_SCALE
@@ -276,22 +298,37 @@ class ToyModel:
         return c.kv_token_shape
 
     def new_kv_pool(
-        self, num_pages: int, *, allocator: PageAllocator | None = None,
+        self,
+        num_pages: int,
+        *,
+        allocator: PageAllocator | None = None,
         device: str | torch.device | None = None,
     ) -> KVPool:
         """A pool shaped for this model (on the model's device unless told); pass another
         pool's allocator to share its page ids."""
         c = self.config
-        return KVPool(kind=c.attention, num_layers=c.n_layers, num_pages=num_pages,
-                      page_size=c.page_size, token_shape=self.kv_token_shape, dtype=c.kv_dtype,
-                      allocator=allocator, device=self.device if device is None else device)
+        return KVPool(
+            kind=c.attention,
+            num_layers=c.n_layers,
+            num_pages=num_pages,
+            page_size=c.page_size,
+            token_shape=self.kv_token_shape,
+            dtype=c.kv_dtype,
+            allocator=allocator,
+            device=self.device if device is None else device,
+        )
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.page_size)
 
     # -- forward ---------------------------------------------------------------------------
     def forward(
-        self, tokens: Sequence[int], start: int, page_table: PageTable, kv: KVPool, *,
+        self,
+        tokens: Sequence[int],
+        start: int,
+        page_table: PageTable,
+        kv: KVPool,
+        *,
         logits_for: Literal["last", "all", "none"] = "last",
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
@@ -320,10 +357,11 @@ class ToyModel:
             queries, fresh = [], []
             for i in range(n):
                 y = _matvec(_rms(h[i], layer.norm1), layer.w_in)
-                queries.append(y[sh.q_lo * d:sh.q_hi * d])  # this rank's query heads
+                queries.append(y[sh.q_lo * d : sh.q_hi * d])  # this rank's query heads
                 fresh.append(self._own_kv(y[hd:]))
             cached = self._attention_view(
-                self._write_and_gather(kv.layer(li), torch.stack(fresh), pages, slots, start))
+                self._write_and_gather(kv.layer(li), torch.stack(fresh), pages, slots, start)
+            )
             if on_layer is not None:
                 _sync(kv)
                 on_layer(li)
@@ -349,11 +387,15 @@ class ToyModel:
         c, sh = self.config, self.shard
         if c.attention != "mha" or self.tp_size == 1:
             return fresh
-        return fresh.view(2, c.n_kv_heads, c.head_dim)[:, sh.kv_lo:sh.kv_hi].reshape(-1)
+        return fresh.view(2, c.n_kv_heads, c.head_dim)[:, sh.kv_lo : sh.kv_hi].reshape(-1)
 
     def _write_and_gather(
-        self, pool: tuple[torch.Tensor, ...], fresh: torch.Tensor, pages: torch.Tensor,
-        slots: torch.Tensor, start: int,
+        self,
+        pool: tuple[torch.Tensor, ...],
+        fresh: torch.Tensor,
+        pages: torch.Tensor,
+        slots: torch.Tensor,
+        start: int,
     ) -> list[torch.Tensor]:
         """Store the new tokens' KV, then read positions ``0..end`` back as float32."""
         c = self.config
@@ -379,8 +421,9 @@ class ToyModel:
         k, v = cached  # [T, own KV heads, D]
         return [k.permute(1, 0, 2).contiguous(), v.permute(1, 2, 0).contiguous()]
 
-    def _attend(self, layer: _Layer, q: torch.Tensor, cached: list[torch.Tensor], t: int
-                ) -> torch.Tensor:
+    def _attend(
+        self, layer: _Layer, q: torch.Tensor, cached: list[torch.Tensor], t: int
+    ) -> torch.Tensor:
         """One query over the keys of positions ``0..t-1``; shapes depend on the query's
         position and nothing else. Few torch calls: each one hands the GIL around, which a
         worker's other threads (HTTP, transfers) feel."""
@@ -416,8 +459,14 @@ class ToyModel:
 
     # -- serving entry points --------------------------------------------------------------
     def prefill(
-        self, tokens: Sequence[int], page_table: PageTable, kv: KVPool, *, start: int = 0,
-        chunk_size: int | None = None, on_chunk: Callable[[int, int], None] | None = None,
+        self,
+        tokens: Sequence[int],
+        page_table: PageTable,
+        kv: KVPool,
+        *,
+        start: int = 0,
+        chunk_size: int | None = None,
+        on_chunk: Callable[[int, int], None] | None = None,
         pick: Callable[[torch.Tensor, int], int] | None = None,
         on_layer: Callable[[int, int, int], None] | None = None,
     ) -> int:
@@ -436,10 +485,15 @@ class ToyModel:
         logits = torch.empty(0)
         for a in range(start, n, step):
             b = min(a + step, n)
-            hook = None if on_layer is None else (
-                lambda li, a=a, b=b: on_layer(li, a, b))  # type: ignore[misc]
-            logits = self.forward(tokens[a:b], a, page_table, kv,
-                                  logits_for="last" if b == n else "none", on_layer=hook)
+            hook = None if on_layer is None else (lambda li, a=a, b=b: on_layer(li, a, b))  # type: ignore[misc]
+            logits = self.forward(
+                tokens[a:b],
+                a,
+                page_table,
+                kv,
+                logits_for="last" if b == n else "none",
+                on_layer=hook,
+            )
             if on_chunk is not None:
                 on_chunk(a, b)
         return pick(logits[-1], n) if pick is not None else int(torch.argmax(logits[-1]))
@@ -449,8 +503,13 @@ class ToyModel:
         return int(torch.argmax(self.forward([token], position, page_table, kv)[-1]))
 
     def generate(
-        self, prompt_ids: Sequence[int], max_new_tokens: int, *, kv: KVPool | None = None,
-        page_table: PageTable | None = None, chunk_size: int | None = None,
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        kv: KVPool | None = None,
+        page_table: PageTable | None = None,
+        chunk_size: int | None = None,
         eos_id: int | None = None,
     ) -> list[int]:
         """Colocated greedy reference: prefill then decode in one process, own pool unless
@@ -504,9 +563,17 @@ class SpecDecoder:
     pools need pages for ``len(prompt) + max_new_tokens + k`` tokens, as verification writes
     ``k`` positions past the last accepted token."""
 
-    def __init__(self, target: ToyModel, draft: ToyModel, prompt_ids: Sequence[int],
-                 first_token: int, kv: KVPool, draft_kv: KVPool, page_table: PageTable,
-                 k: int) -> None:
+    def __init__(
+        self,
+        target: ToyModel,
+        draft: ToyModel,
+        prompt_ids: Sequence[int],
+        first_token: int,
+        kv: KVPool,
+        draft_kv: KVPool,
+        page_table: PageTable,
+        k: int,
+    ) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.target, self.draft, self.k = target, draft, k
@@ -520,8 +587,13 @@ class SpecDecoder:
         """One draft + verify round: the tokens it adds (1 to k+1)."""
         seq, k, pt = self.seq, self.k, self.pages
         last = len(seq) - 1  # position of the newest token, not yet in either pool
-        proposal = [int(torch.argmax(self.draft.forward(seq[self.draft_len:], self.draft_len,
-                                                        pt, self.draft_kv)[-1]))]
+        proposal = [
+            int(
+                torch.argmax(
+                    self.draft.forward(seq[self.draft_len :], self.draft_len, pt, self.draft_kv)[-1]
+                )
+            )
+        ]
         for i in range(1, k):
             proposal.append(self.draft.decode_step(proposal[-1], last + i, pt, self.draft_kv))
         logits = self.target.forward([seq[-1], *proposal], last, pt, self.kv, logits_for="all")
@@ -537,9 +609,16 @@ class SpecDecoder:
 
 
 def speculative_generate(
-    target: ToyModel, draft: ToyModel, prompt_ids: Sequence[int], max_new_tokens: int, *,
-    k: int = 4, kv: KVPool | None = None, draft_kv: KVPool | None = None,
-    page_table: PageTable | None = None, first_token: int | None = None,
+    target: ToyModel,
+    draft: ToyModel,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    k: int = 4,
+    kv: KVPool | None = None,
+    draft_kv: KVPool | None = None,
+    page_table: PageTable | None = None,
+    first_token: int | None = None,
     chunk_size: int | None = None,
 ) -> SpecResult:
     """Greedy speculative decoding whose tokens equal ``target.generate`` exactly.
@@ -567,4 +646,4 @@ def speculative_generate(
     dec = SpecDecoder(target, draft, prompt_ids, first_token, kv, draft_kv, page_table, k)
     while len(dec.seq) - len(prompt_ids) < max_new_tokens:
         dec.step()
-    return SpecResult(dec.seq[len(prompt_ids):][:max_new_tokens], dec.accepted)
+    return SpecResult(dec.seq[len(prompt_ids) :][:max_new_tokens], dec.accepted)

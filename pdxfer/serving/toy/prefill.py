@@ -69,8 +69,13 @@ class PrefillWorker(RoomWorker):
         self.host.endpoint.close()
 
     async def h_health(self, request: web.Request) -> web.Response:
-        return self.health({"endpoint": self.host.endpoint.endpoint_id,
-                            "inflight": len(self.senders), "computing": len(self._computing)})
+        return self.health(
+            {
+                "endpoint": self.host.endpoint.endpoint_id,
+                "inflight": len(self.senders),
+                "computing": len(self._computing),
+            }
+        )
 
     metrics_prefix = "pdxfer_prefill"
 
@@ -78,9 +83,13 @@ class PrefillWorker(RoomWorker):
         return self.senders
 
     def _metric_values(self) -> dict[str, Any]:
-        return {**self.counters, "inflight": len(self.senders),
-                "free_pages": self.host.kv.allocator.num_free,
-                "waiting": self.admission.waiting, "rejected": self.admission.rejected}
+        return {
+            **self.counters,
+            "inflight": len(self.senders),
+            "free_pages": self.host.kv.allocator.num_free,
+            "waiting": self.admission.waiting,
+            "rejected": self.admission.rejected,
+        }
 
     async def h_generate(self, request: web.Request) -> web.Response:
         self.counters["requests"] += 1
@@ -89,24 +98,38 @@ class PrefillWorker(RoomWorker):
             room = field(body, "room", int, lo=0, hi=(1 << 63) - 1)
             tokens = token_list(body, "prompt_ids", self.host.model.config.vocab_size)
             sampling = parse_sampling(body)
-            peer = field(body, "decode_peer", str, default=None) if body.get(
-                "decode_peer") is not None else None
+            peer = (
+                field(body, "decode_peer", str, default=None)
+                if body.get("decode_peer") is not None
+                else None
+            )
             tenant = field(body, "tenant", str, default="")
             check(self.host)
             if len(tokens) > self.host.model.config.max_seq_len:
-                raise BadRequest(f"prompt of {len(tokens)} tokens exceeds max_seq_len "
-                                 f"{self.host.model.config.max_seq_len}")
+                raise BadRequest(
+                    f"prompt of {len(tokens)} tokens exceeds max_seq_len "
+                    f"{self.host.model.config.max_seq_len}"
+                )
             out = await self._generate(room, tokens, sampling, peer, tenant)
         except (PdxferError, ValueError) as e:
             self.counters[f"failures_{getattr(e, 'kind', 'error')}"] += 1
-            log.log(logging.WARNING if isinstance(e, OutOfCapacity) else logging.INFO,
-                    "prefill request failed: %s", e)
+            log.log(
+                logging.WARNING if isinstance(e, OutOfCapacity) else logging.INFO,
+                "prefill request failed: %s",
+                e,
+            )
             return error_response(e)
         self.counters["success"] += 1
         return web.json_response(out)
 
-    async def _generate(self, room: int, tokens: list[int], sampling: Sampling,
-                        peer: str | None = None, tenant: str = "") -> dict[str, Any]:
+    async def _generate(
+        self,
+        room: int,
+        tokens: list[int],
+        sampling: Sampling,
+        peer: str | None = None,
+        tenant: str = "",
+    ) -> dict[str, Any]:
         h = self.host
         if room in self.aborted:
             raise TransferFailed(f"room {room}: {self.aborted.pop(room)}")
@@ -124,10 +147,12 @@ class PrefillWorker(RoomWorker):
                     raise TransferFailed(_about(room, tx.failure))
                 t0 = time.perf_counter()
                 first, reused, layer_sends = await asyncio.to_thread(
-                    self._compute, tx, tokens, pages, slot, sampling, tenant)
+                    self._compute, tx, tokens, pages, slot, sampling, tenant
+                )
                 compute_s = time.perf_counter() - t0
-                await poll_until_terminal(tx, self.cfg.bootstrap_timeout_s
-                                          + self.cfg.transfer_timeout_s)
+                await poll_until_terminal(
+                    tx, self.cfg.bootstrap_timeout_s + self.cfg.transfer_timeout_s
+                )
             except asyncio.CancelledError:  # the router's connection went away
                 tx.abort("the prefill's client went away")
                 raise
@@ -139,11 +164,18 @@ class PrefillWorker(RoomWorker):
             if tx.poll() != KVPoll.Success:
                 raise TransferFailed(_about(room, tx.failure))
             if self.cache is not None:
-                await asyncio.to_thread(write_back, h, self.cache, tokens, pages, len(tokens),
-                                        tenant)
-            return {"room": room, "prompt_tokens": len(tokens), "first_token": first,
-                    "compute_s": compute_s, "prefix_len": tx.prefix_len,
-                    "reused_tokens": reused, "layer_sends": layer_sends}
+                await asyncio.to_thread(
+                    write_back, h, self.cache, tokens, pages, len(tokens), tenant
+                )
+            return {
+                "room": room,
+                "prompt_tokens": len(tokens),
+                "first_token": first,
+                "compute_s": compute_s,
+                "prefix_len": tx.prefix_len,
+                "reused_tokens": reused,
+                "layer_sends": layer_sends,
+            }
         finally:
             # Source pages: a failed transfer's late reads can only spoil its own destination.
             # (A compute thread still running after a cancel stops at its next chunk; it
@@ -187,10 +219,15 @@ class PrefillWorker(RoomWorker):
             return tx is not None and tx.holding
 
         def stuck() -> None:
-            log.error("room %d: still held for a repair after %.0f s: its %d pages are not "
-                      "freed", tx.room if tx is not None else -1, limit, len(pages))
+            log.error(
+                "room %d: still held for a repair after %.0f s: its %d pages are not freed",
+                tx.room if tx is not None else -1,
+                limit,
+                len(pages),
+            )
 
         if busy is not None and not busy.is_set():
+
             def later() -> None:
                 busy.wait()
                 end = time.monotonic() + limit
@@ -200,6 +237,7 @@ class PrefillWorker(RoomWorker):
                         return
                     time.sleep(0.002)
                 free()
+
             threading.Thread(target=later, daemon=True).start()
             return
         if not held():
@@ -219,8 +257,15 @@ class PrefillWorker(RoomWorker):
         self._holds.add(task)
         task.add_done_callback(self._holds.discard)
 
-    def _compute(self, tx: Any, tokens: Sequence[int], pages: list[int], slot: int,
-                 sampling: Sampling, tenant: str = "") -> tuple[int, int, int]:
+    def _compute(
+        self,
+        tx: Any,
+        tokens: Sequence[int],
+        pages: list[int],
+        slot: int,
+        sampling: Sampling,
+        tenant: str = "",
+    ) -> tuple[int, int, int]:
         """Compute the prompt (restoring the prefix it computed before) and ship its KV as it
         is written: with TP 1, each target layer of a chunk as soon as the forward wrote it
         (the decode receives layer ``l`` while layer ``l + 1`` computes), the draft's layers
@@ -242,7 +287,7 @@ class PrefillWorker(RoomWorker):
         layer_sends = 0
 
         def span(a: int, b: int) -> dict[str, list[int]]:
-            return {"kv": pages[a // ps: -(-b // ps)]}
+            return {"kv": pages[a // ps : -(-b // ps)]}
 
         def on_layer(li: int, a: int, b: int) -> None:
             nonlocal layer_sends
@@ -269,15 +314,26 @@ class PrefillWorker(RoomWorker):
 
         try:
             with h.lock:
-                first = h.model.prefill(tokens, pages, h.kv, start=start,
-                                        chunk_size=self.cfg.chunk_size, on_chunk=on_chunk,
-                                        pick=lambda logits, pos: sample(logits, sampling, pos),
-                                        on_layer=on_layer if by_layer else None)
+                first = h.model.prefill(
+                    tokens,
+                    pages,
+                    h.kv,
+                    start=start,
+                    chunk_size=self.cfg.chunk_size,
+                    on_chunk=on_chunk,
+                    pick=lambda logits, pos: sample(logits, sampling, pos),
+                    on_layer=on_layer if by_layer else None,
+                )
             h.aux[slot, 0] = first
             h.aux[slot, 1] = n
             if by_layer:
-                tx.send(span(given, n), slots={"aux": slot}, last=True,
-                        layers=h.layer_ids.rest, tokens=(given, n))
+                tx.send(
+                    span(given, n),
+                    slots={"aux": slot},
+                    last=True,
+                    layers=h.layer_ids.rest,
+                    tokens=(given, n),
+                )
                 self.counters["layer_sends"] += layer_sends + 1
                 self.counters["layer_streamed"] += 1
                 return first, start, layer_sends + 1
@@ -291,7 +347,14 @@ class PrefillWorker(RoomWorker):
 def run(a: argparse.Namespace) -> int:
     cfg = config_from_args(a, "prefill")
     w = PrefillWorker(cfg)
-    log.info("prefill worker: endpoint %s registered with %s", w.host.endpoint.endpoint_id,
-             cfg.bootstrap)
-    return serve(w.app(), cfg.host, cfg.port, on_stop=w.close, advertise=cfg.advertise,
-                 what=f"{cfg.role} worker")
+    log.info(
+        "prefill worker: endpoint %s registered with %s", w.host.endpoint.endpoint_id, cfg.bootstrap
+    )
+    return serve(
+        w.app(),
+        cfg.host,
+        cfg.port,
+        on_stop=w.close,
+        advertise=cfg.advertise,
+        what=f"{cfg.role} worker",
+    )

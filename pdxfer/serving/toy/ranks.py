@@ -54,8 +54,9 @@ class Remote:
         return self.released or self.state == KVPoll.Success
 
     def done(self) -> bool:
-        return not self.holding if self.kind == "sender" else (
-            self.state.terminal and self.settled())
+        return (
+            not self.holding if self.kind == "sender" else (self.state.terminal and self.settled())
+        )
 
     def gone(self, why: str) -> None:
         """Its rank died: its memory went with it."""
@@ -67,8 +68,13 @@ class Remote:
 class Group(RequestHandle):
     """One room on every rank of the group, as one handle (module notes)."""
 
-    def __init__(self, ranks: Ranks, local: RequestHandle, kind: str,
-                 release: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        ranks: Ranks,
+        local: RequestHandle,
+        kind: str,
+        release: Callable[[], None] | None = None,
+    ) -> None:
         self.ranks, self.local, self.kind = ranks, local, kind
         self._release = release
         self._lock = threading.Lock()
@@ -87,13 +93,16 @@ class Group(RequestHandle):
 
     @property
     def holding(self) -> bool:
-        return bool(getattr(self.local, "holding", False)) or any(r.holding
-                                                                  for r in self.remotes)
+        return bool(getattr(self.local, "holding", False)) or any(r.holding for r in self.remotes)
 
     @property
     def restored_pages(self) -> int:
-        return min([int(getattr(self.local, "restored_pages", 0)),
-                    *(int(r.stats.get("restored_pages", 0)) for r in self.remotes)])
+        return min(
+            [
+                int(getattr(self.local, "restored_pages", 0)),
+                *(int(r.stats.get("restored_pages", 0)) for r in self.remotes),
+            ]
+        )
 
     def poll(self) -> KVPoll:
         mine = self.local.poll()
@@ -114,8 +123,7 @@ class Group(RequestHandle):
     def _first_failure(self) -> str:
         if self.local.poll() == KVPoll.Failed:
             return str(self.local.failure)
-        return next((r.failure or "failed" for r in self.remotes
-                     if r.state == KVPoll.Failed), "")
+        return next((r.failure or "failed" for r in self.remotes if r.state == KVPoll.Failed), "")
 
     @property
     def failure(self) -> Any:
@@ -133,15 +141,19 @@ class Group(RequestHandle):
             if not r.state.terminal:
                 self.ranks.links[r.rank].send("abort", room=self.room, reason=reason)
 
-    def send(self, dst: dict[str, Sequence[int]], slots: dict[str, int] | None = None,
-             last: bool = False) -> None:
+    def send(
+        self, dst: dict[str, Sequence[int]], slots: dict[str, int] | None = None, last: bool = False
+    ) -> None:
         """A prefill's chunk: this rank ships its heads, every other rank its own (with the
         slot rows' values, which only rank 0 computed)."""
         self.local.send(dst, slots=slots, last=last)  # type: ignore[attr-defined]
-        rows = {name: (slot, getattr(self.ranks.host, name)[slot].tolist())
-                for name, slot in (slots or {}).items()}
-        self.ranks.send("send", room=self.room, pages=[int(p) for p in dst["kv"]], rows=rows,
-                        last=last)
+        rows = {
+            name: (slot, getattr(self.ranks.host, name)[slot].tolist())
+            for name, slot in (slots or {}).items()
+        }
+        self.ranks.send(
+            "send", room=self.room, pages=[int(p) for p in dst["kv"]], rows=rows, last=last
+        )
 
     def stats(self) -> dict[str, Any]:
         """Rank 0's figures with the others': bytes summed, prefix figures their minimum;
@@ -158,8 +170,9 @@ class Group(RequestHandle):
                 elif k in _MIN_KEYS and out[k] is not None:
                     out[k] = min(out[k], v)
         keep = ("restored_pages", "repaired_tokens", "bytes", "net_bytes", "repair_bytes")
-        out["ranks"] = [{k: s.get(k, 0) for k in keep}
-                        for s in (mine, *(r.stats for r in self.remotes))]
+        out["ranks"] = [
+            {k: s.get(k, 0) for k in keep} for s in (mine, *(r.stats for r in self.remotes))
+        ]
         return out
 
     # -- page lifetime (decode) --------------------------------------------------------------
@@ -173,12 +186,17 @@ class Group(RequestHandle):
         if self._release is None:
             return
         with self._lock:
-            if self._released or not self._local_settled or not all(
-                    r.settled() for r in self.remotes):
+            if (
+                self._released
+                or not self._local_settled
+                or not all(r.settled() for r in self.remotes)
+            ):
                 return
             self._released = True
-        if not (self.local.poll() == KVPoll.Success
-                and all(r.state == KVPoll.Success for r in self.remotes)):
+        if not (
+            self.local.poll() == KVPoll.Success
+            and all(r.state == KVPoll.Success for r in self.remotes)
+        ):
             self._release()  # a success's pages are the engine's, not the release path's
 
 
@@ -243,15 +261,27 @@ class Ranks:
         for link in self.links.values():
             link.send(op, **kw)
 
-    def _mirror(self, m: ToyModel, tokens: Sequence[int], start: int, page_table: PageTable,
-                kv: KVPool, logits_for: str) -> None:
+    def _mirror(
+        self,
+        m: ToyModel,
+        tokens: Sequence[int],
+        start: int,
+        page_table: PageTable,
+        kv: KVPool,
+        logits_for: str,
+    ) -> None:
         self.check()
         h = self.host
         assert h is not None
-        self.send("forward", model="target" if m is h.model else "draft",
-                  pool="kv" if kv is h.kv else "draft_kv", tokens=[int(t) for t in tokens],
-                  start=start, pages=np.asarray(page_table, dtype=np.int64).tolist(),
-                  logits_for=logits_for)
+        self.send(
+            "forward",
+            model="target" if m is h.model else "draft",
+            pool="kv" if kv is h.kv else "draft_kv",
+            tokens=[int(t) for t in tokens],
+            start=start,
+            pages=np.asarray(page_table, dtype=np.int64).tolist(),
+            logits_for=logits_for,
+        )
 
     # -- rooms ---------------------------------------------------------------------------------
     def remote(self, rank: int, room: int, kind: str, group: Group) -> Remote:
@@ -302,9 +332,16 @@ class Ranks:
     def info(self) -> list[dict[str, Any]]:
         out = []
         for r, link in sorted(self.links.items()):
-            out.append({"rank": r, "pid": link.pid, "alive": link.dead is None,
-                        "endpoint": link.info.get("endpoint"), "rooms": self.unsettled(r),
-                        **({"error": link.dead} if link.dead else {})})
+            out.append(
+                {
+                    "rank": r,
+                    "pid": link.pid,
+                    "alive": link.dead is None,
+                    "endpoint": link.info.get("endpoint"),
+                    "rooms": self.unsettled(r),
+                    **({"error": link.dead} if link.dead else {}),
+                }
+            )
         return out
 
     def stats(self) -> dict[int, dict[str, Any]]:
@@ -361,14 +398,35 @@ def decode_asked(tx: Any) -> bool:
     return bool(local.poll() != KVPoll.Bootstrapping or tx.poll() == KVPoll.Failed)
 
 
-def open_receiver(host: ModelHost, cache: TieredCache | None, room: int, bootstrap: str,
-                  instance: str | None, tokens: Sequence[int], dst: Sequence[int], slot: int,
-                  n: int, tenant: str, release: Callable[[], None]) -> Any:
+def open_receiver(
+    host: ModelHost,
+    cache: TieredCache | None,
+    room: int,
+    bootstrap: str,
+    instance: str | None,
+    tokens: Sequence[int],
+    dst: Sequence[int],
+    slot: int,
+    n: int,
+    tenant: str,
+    release: Callable[[], None],
+) -> Any:
     """Every rank's receiver for the room; ``release()`` once a failed room's pages are free
     on every rank."""
     if host.ranks is None:
-        return open_local_receiver(host, cache, room, bootstrap, instance, tokens, dst, slot,
-                                   n, tenant, lambda *_: release())
+        return open_local_receiver(
+            host,
+            cache,
+            room,
+            bootstrap,
+            instance,
+            tokens,
+            dst,
+            slot,
+            n,
+            tenant,
+            lambda *_: release(),
+        )
     ranks = host.ranks
     seen: dict[str, Any] = {"released": False, "group": None}
 
@@ -377,36 +435,61 @@ def open_receiver(host: ModelHost, cache: TieredCache | None, room: int, bootstr
         if seen["group"] is not None:
             seen["group"].local_settled()
 
-    rx = open_local_receiver(host, cache, room, bootstrap, instance, tokens, dst, slot, n,
-                             tenant, local_release)
+    rx = open_local_receiver(
+        host, cache, room, bootstrap, instance, tokens, dst, slot, n, tenant, local_release
+    )
     g = seen["group"] = Group(ranks, rx, "receiver", release)
     if seen["released"]:  # released before the group existed
         g.local_settled()
-    ranks.send("open_receiver", room=room, bootstrap=bootstrap, instance=instance,
-               tokens=[int(t) for t in tokens], dst=[int(p) for p in dst], slot=slot, n=n,
-               tenant=tenant)
+    ranks.send(
+        "open_receiver",
+        room=room,
+        bootstrap=bootstrap,
+        instance=instance,
+        tokens=[int(t) for t in tokens],
+        dst=[int(p) for p in dst],
+        slot=slot,
+        n=n,
+        tenant=tenant,
+    )
     return g
 
 
-def reuse_prefix(host: ModelHost, cache: TieredCache, tokens: Sequence[int],
-                 pages: Sequence[int], tenant: str) -> int:
+def reuse_prefix(
+    host: ModelHost, cache: TieredCache, tokens: Sequence[int], pages: Sequence[int], tenant: str
+) -> int:
     """Load the longest prefix every rank holds; a rank that loaded more recomputes it
     (bit for bit the same KV)."""
     if host.ranks is None:
         return reuse(cache, tokens, pages, tenant)
     # the others load while this rank does
-    futs = [link.ask("reuse", tokens=[int(t) for t in tokens], pages=[int(p) for p in pages],
-                     tenant=tenant) for link in host.ranks.links.values()]
+    futs = [
+        link.ask(
+            "reuse", tokens=[int(t) for t in tokens], pages=[int(p) for p in pages], tenant=tenant
+        )
+        for link in host.ranks.links.values()
+    ]
     mine = reuse(cache, tokens, pages, tenant)
     return min([mine, *(int(f.result(60.0)) for f in futs)])
 
 
-def write_back(host: ModelHost, cache: TieredCache | None, tokens: Sequence[int],
-               pages: Sequence[int], n: int, tenant: str) -> None:
+def write_back(
+    host: ModelHost,
+    cache: TieredCache | None,
+    tokens: Sequence[int],
+    pages: Sequence[int],
+    n: int,
+    tenant: str,
+) -> None:
     """Keep a prompt's pages in every rank's tiers (each its own heads)."""
     if cache is None:
         return
     if host.ranks is not None:
-        host.ranks.send("write_back", tokens=[int(t) for t in tokens],
-                        pages=[int(p) for p in pages], n=n, tenant=tenant)
+        host.ranks.send(
+            "write_back",
+            tokens=[int(t) for t in tokens],
+            pages=[int(p) for p in pages],
+            n=n,
+            tenant=tenant,
+        )
     cache.write_back(tokens, {"kv": list(pages)}, n, tenant)

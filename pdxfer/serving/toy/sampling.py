@@ -100,5 +100,8 @@ def top_logprobs(logits: torch.Tensor, s: Sampling, token: int) -> dict[str, Any
     lp = torch.log_softmax(logits.to(torch.float64) / (s.temperature or 1.0), dim=-1)
     k = s.logprobs or 0
     top = torch.topk(lp, k) if k else None
-    return {"token_id": token, "logprob": float(lp[token]),
-            "top": {int(i): float(v) for v, i in zip(top.values, top.indices)} if top else {}}
+    return {
+        "token_id": token,
+        "logprob": float(lp[token]),
+        "top": {int(i): float(v) for v, i in zip(top.values, top.indices)} if top else {},
+    }

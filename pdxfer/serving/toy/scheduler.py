@@ -62,8 +62,7 @@ class Scheduler:
         self._new: list[Generation] = []
         self._cond = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="pdxfer-decode-loop",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="pdxfer-decode-loop", daemon=True)
         self._thread.start()
 
     def add(self, g: Generation) -> None:
@@ -131,8 +130,9 @@ class Scheduler:
         g.emit({"token_ids": [g.first]})
         if g.spec_k:
             h = self.host
-            g.spec = SpecDecoder(h.model, h.draft, g.prompt, g.first, h.kv, h.draft_kv,
-                                 g.pages, g.spec_k)
+            g.spec = SpecDecoder(
+                h.model, h.draft, g.prompt, g.first, h.kv, h.draft_kv, g.pages, g.spec_k
+            )
         if len(g.out) >= g.max_tokens:
             g.finish_reason = "length"
             self._end(g, "length")
@@ -159,7 +159,7 @@ class Scheduler:
             g.out += new
             ev: dict[str, Any] = {"token_ids": new}
             if s.logprobs is not None and g.spec is None:
-                ev["logprobs"] = g.logprobs[-len(new):]
+                ev["logprobs"] = g.logprobs[-len(new) :]
             g.emit(ev)
         if stop is not None:
             self._end(g, "stop")

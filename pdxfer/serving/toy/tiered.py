@@ -41,9 +41,12 @@ def make_storage(cfg: WorkerConfig, tp_rank: int = 0) -> StorageBackend | None:
         from pdxfer.tiers import MooncakeStoreStorage
 
         # the store registers this decode's segment under the address peers dial
-        return MooncakeStoreStorage(cfg.l3_mooncake, cfg.l3_mooncake_metadata,
-                                    host=advertised(cfg.host, cfg.advertise),
-                                    segment_bytes=cfg.l3_mooncake_segment_bytes)
+        return MooncakeStoreStorage(
+            cfg.l3_mooncake,
+            cfg.l3_mooncake_metadata,
+            host=advertised(cfg.host, cfg.advertise),
+            segment_bytes=cfg.l3_mooncake_segment_bytes,
+        )
     return None
 
 
@@ -56,10 +59,13 @@ def make_cache(cfg: WorkerConfig, host: ModelHost) -> TieredCache | None:
     storage = make_storage(cfg, host.tp_rank)
     # host landing: pages are tokens, so the same capacity is l2_pages * page_size of them
     l2 = cfg.l2_pages * (cfg.page_size if cfg.token_granular else 1)
-    cache = TieredCache(host.pools, host_pages=l2, storage=storage,
-                        model_id=host.fingerprint)
-    log.info("%s tiers: L2 %d pages, L3 %s", cfg.role, l2,
-             {"file": cfg.l3_dir, "mooncake": cfg.l3_mooncake}.get(cfg.l3, "off"))
+    cache = TieredCache(host.pools, host_pages=l2, storage=storage, model_id=host.fingerprint)
+    log.info(
+        "%s tiers: L2 %d pages, L3 %s",
+        cfg.role,
+        l2,
+        {"file": cfg.l3_dir, "mooncake": cfg.l3_mooncake}.get(cfg.l3, "off"),
+    )
     if cfg.kv_events and host.tp_rank == 0:
         ep, _, replay = cfg.kv_events.partition(",")
         cache.observer = KvEventsObserver(ep, replay or None, mute=cfg.kv_events_mute)
@@ -72,22 +78,42 @@ def reuse(cache: TieredCache, tokens: Sequence[int], pages: Sequence[int], scope
     last token is left to compute); returns how many tokens are now in place."""
     m = cache.match(tokens, len(tokens), 0, scope)
     try:
-        good = cache.load(m, {"kv": list(pages[:m.promised_pages])}) if m.promised_pages else 0
+        good = cache.load(m, {"kv": list(pages[: m.promised_pages])}) if m.promised_pages else 0
     finally:
         cache.finish(m)
     return good * cache.page_size
 
 
-def open_receiver(host: ModelHost, cache: TieredCache | None, room: int, bootstrap: str,
-                  instance: str | None, tokens: Sequence[int], dst: Sequence[int], slot: int,
-                  n: int, tenant: str, release: Callable[..., None]) -> RequestHandle:
+def open_receiver(
+    host: ModelHost,
+    cache: TieredCache | None,
+    room: int,
+    bootstrap: str,
+    instance: str | None,
+    tokens: Sequence[int],
+    dst: Sequence[int],
+    slot: int,
+    n: int,
+    tenant: str,
+    release: Callable[..., None],
+) -> RequestHandle:
     """One rank's receiver for a prompt's KV into pages ``dst``: restoring the prefix this
     rank holds (its own heads) while the network brings the rest, or the whole prompt from
     the network when the worker keeps no cache."""
     if cache is not None:
-        return RestoringReceiver(cache, host.endpoint, room, bootstrap, tokens, {"kv": dst},
-                                 {"aux": slot}, num_tokens=n, release=release,
-                                 instance=instance, scope=tenant)
+        return RestoringReceiver(
+            cache,
+            host.endpoint,
+            room,
+            bootstrap,
+            tokens,
+            {"kv": dst},
+            {"aux": slot},
+            num_tokens=n,
+            release=release,
+            instance=instance,
+            scope=tenant,
+        )
     rx = host.endpoint.receiver(room, bootstrap=bootstrap, instance=instance, release=release)
     rx.request({"kv": dst}, slots={"aux": slot}, num_tokens=n)
     return rx

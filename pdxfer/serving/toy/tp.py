@@ -43,16 +43,27 @@ COLLECTIVE_TIMEOUT_S = 120.0
 
 def open_store(size: int) -> dist.TCPStore:
     """Rank 0's rendezvous store on a free port (``store.port``)."""
-    return dist.TCPStore(GROUP_HOST, 0, size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    return dist.TCPStore(
+        GROUP_HOST,
+        0,
+        size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+    )
 
 
 def join(store_port: int, rank: int, size: int, store: dist.TCPStore | None = None) -> Gather:
     """Join the group; returns the all-gather the model calls (ranks concatenated in rank
     order along dim 1). A failed gather (a peer died) raises ``WorkerBroken``."""
     if store is None:
-        store = dist.TCPStore(GROUP_HOST, store_port, size, is_master=False,
-                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        store = dist.TCPStore(
+            GROUP_HOST,
+            store_port,
+            size,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+        )
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     gloo = dist.ProcessGroupGloo
     try:  # bind to loopback whatever the host name resolves to (a netns may not have it)
@@ -114,21 +125,24 @@ class Link:
     def wait_ready(self, timeout: float) -> None:
         """The rank's first message: ready (with its endpoint id), or why it could not start."""
         if not self.conn.poll(timeout):
-            raise RuntimeError(f"TP rank {self.rank} (pid {self.pid}) did not start in "
-                               f"{timeout:.0f} s")
+            raise RuntimeError(
+                f"TP rank {self.rank} (pid {self.pid}) did not start in {timeout:.0f} s"
+            )
         try:
             kind, payload = self.conn.recv()
         except (EOFError, OSError):
             self.proc.join(5)
-            raise RuntimeError(f"TP rank {self.rank} (pid {self.pid}) "
-                               f"{exit_reason(self.proc)} while starting") from None
+            raise RuntimeError(
+                f"TP rank {self.rank} (pid {self.pid}) {exit_reason(self.proc)} while starting"
+            ) from None
         if kind != "ready":
             raise RuntimeError(f"TP rank {self.rank} could not start: {payload}")
         self.info = dict(payload)
 
     def start(self) -> None:
-        self._reader = threading.Thread(target=self._read, daemon=True,
-                                        name=f"pdxfer-tp{self.rank}-link")
+        self._reader = threading.Thread(
+            target=self._read, daemon=True, name=f"pdxfer-tp{self.rank}-link"
+        )
         self._reader.start()
 
     def send(self, op: str, **kw: Any) -> None:

@@ -98,8 +98,10 @@ class Admission:
     def check(self, n_pages: int) -> None:
         """Refuse at once a request no wait could admit."""
         if n_pages > self.host.cfg.pool_pages:
-            raise BadRequest(f"the request needs {n_pages} pages; this worker has "
-                             f"{self.host.cfg.pool_pages} in all")
+            raise BadRequest(
+                f"the request needs {n_pages} pages; this worker has "
+                f"{self.host.cfg.pool_pages} in all"
+            )
 
     async def acquire(self, n_pages: int) -> tuple[list[int], int]:
         self.check(n_pages)
@@ -123,8 +125,7 @@ class Admission:
         finally:
             self.waiting -= 1
         self.rejected += 1
-        raise OutOfCapacity(f"no {n_pages} free pages and an aux slot within "
-                            f"{self.timeout_s} s")
+        raise OutOfCapacity(f"no {n_pages} free pages and an aux slot within {self.timeout_s} s")
 
     def _try(self, n_pages: int) -> tuple[list[int], int] | None:
         h = self.host
@@ -148,22 +149,23 @@ class ModelHost:
     are whole on every rank (a replicated slot pool, written by whichever rank the library
     asks). ``ranks`` is set on rank 0 of such a group (``ranks.Ranks``)."""
 
-    def __init__(self, cfg: WorkerConfig, tp_rank: int = 0, gather: Gather | None = None
-                 ) -> None:
+    def __init__(self, cfg: WorkerConfig, tp_rank: int = 0, gather: Gather | None = None) -> None:
         self.cfg = cfg
         self.tp_rank = tp_rank
         self.ranks: Any = None
         torch.set_num_threads(cfg.threads)
         if cfg.torch_device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"--torch-device {cfg.torch_device}: torch sees no CUDA device")
-        self.model = ToyModel(cfg.toy(), tp_rank=tp_rank, tp_size=cfg.tp, gather=gather,
-                              device=cfg.torch_device)
+        self.model = ToyModel(
+            cfg.toy(), tp_rank=tp_rank, tp_size=cfg.tp, gather=gather, device=cfg.torch_device
+        )
         self.draft = make_draft(self.model)
         # the pools the forward writes live on its device; a host landing's on the host
         where = "cpu" if cfg.token_granular else cfg.torch_device
         self.kv: KVPool = self.model.new_kv_pool(cfg.pool_pages, device=where)
-        self.draft_kv: KVPool = self.draft.new_kv_pool(cfg.pool_pages, device=where,
-                                                       allocator=self.kv.allocator)
+        self.draft_kv: KVPool = self.draft.new_kv_pool(
+            cfg.pool_pages, device=where, allocator=self.kv.allocator
+        )
         self.aux = torch.zeros((cfg.aux_slots, AUX_WIDTH), dtype=torch.int32)
         self.slots = SlotAllocator(cfg.aux_slots)
         self.lock = threading.Lock()
@@ -174,39 +176,70 @@ class ModelHost:
         # some layers (the prefill streams the target's layer by layer) names them apart
         nt, nd = len(self.kv.k_tensors), len(self.draft_kv.k_tensors)
         self.pools = [
-            PoolSpec.mha("kv", self.kv.k_tensors, self.kv.v_tensors, page_size=ps,
-                         page_remap=remap, **heads),
-            PoolSpec.mha("draft_kv", self.draft_kv.k_tensors, self.draft_kv.v_tensors,
-                         page_size=ps, indices_from="kv", page_remap=remap,
-                         layer_ids=range(nt, nt + nd), **heads),
+            PoolSpec.mha(
+                "kv", self.kv.k_tensors, self.kv.v_tensors, page_size=ps, page_remap=remap, **heads
+            ),
+            PoolSpec.mha(
+                "draft_kv",
+                self.draft_kv.k_tensors,
+                self.draft_kv.v_tensors,
+                page_size=ps,
+                indices_from="kv",
+                page_remap=remap,
+                layer_ids=range(nt, nt + nd),
+                **heads,
+            ),
             PoolSpec.slots("aux", [self.aux]),
         ]
         self.ballast: ballast.Ballast | None = None
         nb = cfg.kv_ballast_bytes_per_token
         if nb:
             self.ballast = ballast.Ballast(nb, cfg.pool_pages, ps)
-            self.pools.append(PoolSpec.paged("ballast", [self.ballast.tensor], page_size=ps,
-                                             role="ballast", indices_from="kv",
-                                             layer_ids=[nt + nd], page_remap=remap))
+            self.pools.append(
+                PoolSpec.paged(
+                    "ballast",
+                    [self.ballast.tensor],
+                    page_size=ps,
+                    role="ballast",
+                    indices_from="kv",
+                    layer_ids=[nt + nd],
+                    page_remap=remap,
+                )
+            )
         self.layer_ids = LayerIds(nt, nt + nd + (self.ballast is not None))
         pools = self.pools
         # what the model computes, not how its KV is paged or sharded: a prefill and a decode
         # with different page sizes (host landing) or TP sizes are the same model
         self.weights = self.model.weights_digest()[:16]
-        self.model_id = (f"model=toy seed={c.seed} max_seq_len={c.max_seq_len} "
-                         f"layers={c.n_layers} d_model={c.d_model} weights={self.weights}"
-                         + (f" kv_ballast={nb}" if nb else ""))
+        self.model_id = (
+            f"model=toy seed={c.seed} max_seq_len={c.max_seq_len} "
+            f"layers={c.n_layers} d_model={c.d_model} weights={self.weights}"
+            + (f" kv_ballast={nb}" if nb else "")
+        )
         # ... while what one rank holds is its heads: its tier keys (L2, and L3 objects a
         # fleet may share) name the TP size and rank, so no rank reads another's shard
         self.fingerprint = f"{self.model_id} tp={cfg.tp}/{tp_rank}"
-        self.endpoint = Endpoint(EndpointConfig.from_flat(
-            model_id=self.model_id,
-            role=cfg.role, bootstrap=(cfg.trusted or (cfg.bootstrap,))[0],
-            trusted_bootstraps=cfg.trusted, instance=cfg.instance, host=cfg.host,
-            advertise=cfg.advertise, bootstrap_timeout_s=cfg.bootstrap_timeout_s,
-            transfer_timeout_s=cfg.transfer_timeout_s, heartbeat_s=cfg.heartbeat_s,
-            transport=cfg.transport, device=cfg.device, integrity=cfg.integrity,  # type: ignore[arg-type]
-            integrity_retry=cfg.integrity_retry, tp_rank=tp_rank, tp_size=cfg.tp), pools)
+        self.endpoint = Endpoint(
+            EndpointConfig.from_flat(
+                model_id=self.model_id,
+                role=cfg.role,
+                bootstrap=(cfg.trusted or (cfg.bootstrap,))[0],
+                trusted_bootstraps=cfg.trusted,
+                instance=cfg.instance,
+                host=cfg.host,
+                advertise=cfg.advertise,
+                bootstrap_timeout_s=cfg.bootstrap_timeout_s,
+                transfer_timeout_s=cfg.transfer_timeout_s,
+                heartbeat_s=cfg.heartbeat_s,
+                transport=cfg.transport,
+                device=cfg.device,
+                integrity=cfg.integrity,  # type: ignore[arg-type]
+                integrity_retry=cfg.integrity_retry,
+                tp_rank=tp_rank,
+                tp_size=cfg.tp,
+            ),
+            pools,
+        )
 
     @property
     def peer(self) -> str:
@@ -215,11 +248,19 @@ class ModelHost:
 
     def info(self) -> dict[str, Any]:
         c = self.model.config
-        return {"role": self.cfg.role, "max_seq_len": c.max_seq_len, "page_size": c.page_size,
-                "kv_landing": self.cfg.kv_landing,
-                "free_pages": self.kv.allocator.num_free, "pages": self.cfg.pool_pages,
-                "weights": self.weights, "fingerprint": self.fingerprint,
-                "tp": self.cfg.tp, "torch_device": self.cfg.torch_device, "pid": os.getpid()}
+        return {
+            "role": self.cfg.role,
+            "max_seq_len": c.max_seq_len,
+            "page_size": c.page_size,
+            "kv_landing": self.cfg.kv_landing,
+            "free_pages": self.kv.allocator.num_free,
+            "pages": self.cfg.pool_pages,
+            "weights": self.weights,
+            "fingerprint": self.fingerprint,
+            "tp": self.cfg.tp,
+            "torch_device": self.cfg.torch_device,
+            "pid": os.getpid(),
+        }
 
 
 class RoomWorker(abc.ABC):
@@ -235,8 +276,7 @@ class RoomWorker(abc.ABC):
     aborted: Any
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=8 << 20,
-                              middlewares=[router_only(load_secret())])
+        app = web.Application(client_max_size=8 << 20, middlewares=[router_only(load_secret())])
         app.router.add_post("/generate", self.h_generate)
         app.router.add_post("/abort", self.h_abort)
         app.router.add_get("/health", self.h_health)
@@ -256,16 +296,26 @@ class RoomWorker(abc.ABC):
     def _metric_values(self) -> dict[str, Any]: ...
 
     async def h_metrics(self, request: web.Request) -> web.Response:
-        text = (metrics_text(self.metrics_prefix, self._metric_values())
-                + self.host.endpoint.prometheus().decode())
+        text = (
+            metrics_text(self.metrics_prefix, self._metric_values())
+            + self.host.endpoint.prometheus().decode()
+        )
         ranks = self.host.ranks
         if ranks is not None:  # every rank's endpoint (labelled tp_rank) and tiers
             parts = [(text, {})]
             for r, st in (await asyncio.to_thread(ranks.stats)).items():
                 tiers = {f"tiers_{k.replace('.', '_')}": v for k, v in st["tiers"].items()}
-                parts += [(st["endpoint"], {}),
-                          (metrics_text(self.metrics_prefix, {**tiers, "rooms": st["rooms"]},
-                                        {"tp_rank": str(r)}), {})]
+                parts += [
+                    (st["endpoint"], {}),
+                    (
+                        metrics_text(
+                            self.metrics_prefix,
+                            {**tiers, "rooms": st["rooms"]},
+                            {"tp_rank": str(r)},
+                        ),
+                        {},
+                    ),
+                ]
             text = merge_metrics(parts)
         return web.Response(text=text)
 
