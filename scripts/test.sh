@@ -8,5 +8,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PDXFER_EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench,nixl,vllm}" bash scripts/setup.sh
 bash scripts/setup_sglang.sh   # SGLang's code in .venv-sglang, for the SGLang backend's tests
 .venv/bin/ruff check pdxfer tests scripts examples benchmarks
+.venv/bin/ruff format --check pdxfer tests scripts examples benchmarks
 .venv/bin/mkdocs build --strict --quiet   # into site/ (ignored)
 exec .venv/bin/python -m pytest -q "$@"
