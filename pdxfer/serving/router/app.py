@@ -63,6 +63,14 @@ from .settings import DEFAULT, RouterSettings
 
 log = logging.getLogger("pdxfer.serving.router")
 POLICIES = ("round_robin", "least_outstanding", "kv_aware")
+
+
+def auto_policy(n_prefills: int, n_decodes: int) -> str:
+    """``auto``: KV-aware wherever a leg has a choice (several prefills or several decodes),
+    so configured KV events are used; round robin for a single pair, where nothing differs."""
+    return "kv_aware" if n_prefills > 1 or n_decodes > 1 else "round_robin"
+
+
 HEALTH_TTL_S = 1.0
 
 
@@ -115,9 +123,9 @@ class Router:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
         self.auto_policy = policy == "auto"
-        """Whether the policy follows the number of decodes (DP groups show up later)."""
+        """Whether the policy follows the number of workers (DP groups show up later)."""
         if policy == "auto":
-            policy = "kv_aware" if len(decodes) > 1 else "round_robin"
+            policy = auto_policy(len(prefills), len(decodes))
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES} or auto, got {policy!r}")
         self.prefills, self.decodes, self.policy = prefills, decodes, policy
@@ -346,7 +354,7 @@ class Router:
                 out.append(d)
         self.decodes[:] = out
         if self.auto_policy:
-            self.policy = "kv_aware" if len(out) > 1 else "round_robin"
+            self.policy = auto_policy(len(self.prefills), len(out))
 
     async def h_health(self, request: web.Request) -> web.Response:
         workers = await self.refresh_health(force=True)

@@ -57,7 +57,9 @@ class RouterSettings:
         "or after the prefill answered (sequential: vLLM's own proxy protocol)",
     )
     policy: Literal["auto", "round_robin", "least_outstanding", "kv_aware"] = setting_field(
-        "auto", "pairing policy (auto: kv_aware with several decodes, else round_robin)"
+        "auto",
+        "pairing policy (auto: kv_aware where a leg has a choice, several prefills or "
+        "several decodes, else round_robin)",
     )
     kv_events: tuple[str, ...] = setting_field(
         (),
