@@ -5,6 +5,7 @@ and colocated's reference for the prefill leg is the request a pair's prefill is
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -378,6 +379,7 @@ def test_a_benchmark_terminated_twice_still_stops_its_servers(tmp_path: Path) ->
     code = BENCH.format(code=STUBBORN)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     bench = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
+    pid = 0
     try:
         end = time.monotonic() + 120
         while not (tmp_path / "up").exists() or not (tmp_path / "pid").exists():
@@ -394,3 +396,6 @@ def test_a_benchmark_terminated_twice_still_stops_its_servers(tmp_path: Path) ->
         assert not os.path.exists(f"/proc/{pid}"), "the server outlived its benchmark"
     finally:
         bench.kill()
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
