@@ -97,6 +97,12 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
         "--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}"
     )
     ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write ITL p99 and attainment against rate, a line per variant (PNG)",
+    )
 
 
 def log(msg: str) -> None:
@@ -600,10 +606,46 @@ def summarize(
     return out
 
 
+def plot(res: dict[str, Any], path: Path) -> None:
+    """ITL p99 and each target's attainment against the rate, one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = res["goodput.rates"]
+    variants = [v for v in VARIANTS if f"goodput.{v}.r0.rate" in res]
+    fig, axes = plt.subplots(1, 1 + len(TARGETS), figsize=(5 * (1 + len(TARGETS)), 4))
+    for v in variants:
+        axes[0].plot(
+            rates, [res[f"goodput.{v}.r{k}.itl_p99_ms"] for k in range(len(rates))], "o-", label=v
+        )
+        for ax, t in zip(axes[1:], TARGETS):
+            att = [res[f"goodput.{v}.r{k}.attainment.{t}"] for k in range(len(rates))]
+            ax.plot(
+                rates, att, "o-", label=f"{v} (goodput {res[f'goodput.{v}.goodput_req_s.{t}']:.2f})"
+            )
+    axes[0].set(xlabel="request rate (req/s)", ylabel="ITL p99 (ms)", title="inter-token latency")
+    axes[0].set_yscale("log")
+    for ax, t in zip(axes[1:], TARGETS):
+        ax.axhline(ATTAINMENT, color="grey", ls="--", lw=0.8)
+        ax.set(xlabel="request rate (req/s)", ylabel="share meeting the target", title=t)
+        ax.set_ylim(0, 1.05)
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"goodput: pdxfer PD against colocated vLLM ({res['goodput.shape']} model)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(a: argparse.Namespace) -> dict[str, Any]:
     plan = QUICK if a.quick else FULL
     with tempfile.TemporaryDirectory(prefix="pdxfer-goodput-") as d:
-        return asyncio.run(measure(a, plan, Path(d)))
+        res = asyncio.run(measure(a, plan, Path(d)))
+    if a.plot:
+        plot(res, a.plot)
+    return res
 
 
 def passed(res: dict[str, Any]) -> bool:
