@@ -321,8 +321,8 @@ class PdxferScheduler:
 
     # -- both ----------------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput | None = None) -> PdxferMetadata:
-        if so is not None and self.cfg.side == "decode" and so.scheduled_spec_decode_tokens:
-            self._unpad_first_steps(so)
+        if self.cfg.side == "decode" and getattr(so, "scheduled_spec_decode_tokens", None):
+            self._unpad_first_steps(so)  # type: ignore[arg-type]
         chunks, lay = self._step_chunks(so) if so is not None and self.streams else ([], [])
         meta = PdxferMetadata(
             self._sends,
