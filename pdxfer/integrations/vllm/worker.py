@@ -100,6 +100,9 @@ class RankInfo:
     cache_dtype: str = "auto"
     """vLLM's ``--kv-cache-dtype``: both sides of a pair must agree (``fp8`` against
     ``auto`` is refused when they pair, naming both)."""
+    draft: str = "none"
+    """The drafter whose KV moves beside the target's (``spec.draft_id``): both sides of a
+    pair must agree (refused when they pair, naming both)."""
 
 
 class PdxferWorker:
@@ -200,7 +203,7 @@ class PdxferWorker:
         ident = self.cfg.model_id.replace(" ", "_")
         fingerprint = (
             f"model={ident} block_size={r.block_size} kv_layout={lay.kind} "
-            f"dtype={lay.pool.dtype} cache_dtype={r.cache_dtype}"
+            f"dtype={lay.pool.dtype} cache_dtype={r.cache_dtype} draft={r.draft}"
         )
         self.ep = Endpoint(
             self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
@@ -257,7 +260,9 @@ class PdxferWorker:
         self.layout = Layout(pools[0], "hybrid", sum(p.item_bytes * len(p.buffers) for p in pools))
         self._stream_layers()
         ident = self.cfg.model_id.replace(" ", "_")
-        fingerprint = f"model={ident} groups={','.join(kinds)} cache_dtype={r.cache_dtype}"
+        fingerprint = (
+            f"model={ident} groups={','.join(kinds)} cache_dtype={r.cache_dtype} draft={r.draft}"
+        )
         self.ep = Endpoint(
             self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
             pools,
