@@ -32,7 +32,7 @@ from .errors import BootstrapError
 from .netaddr import host_of, is_local, is_loopback
 from .pools import NonNeg
 
-log = logging.getLogger("pdxfer.bootstrap")
+log = logging.getLogger(__name__)
 
 Small = Annotated[int, msgspec.Meta(ge=1, le=4096)]
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]

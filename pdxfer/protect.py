@@ -21,7 +21,7 @@ from .config import knobs
 from .errors import ConfigError, UntrustedBootstrap
 from .netaddr import is_loopback, is_wildcard, parse_hostport, parse_hostports
 
-log = logging.getLogger("pdxfer.protect")
+log = logging.getLogger(__name__)
 
 HOW = (
     "set a shared secret of 16 bytes or more, the same on every pdxfer process "

@@ -25,7 +25,7 @@ from .control import Control, Workers
 from .timed_lock import Clocks, TimedLock
 from .trust import Session, Trust
 
-log = logging.getLogger("pdxfer.endpoint")
+log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, "Session | None", wire.Header], None]
 """A message handler: the decoded message, the session it was admitted under (None without a

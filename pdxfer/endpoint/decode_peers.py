@@ -26,7 +26,7 @@ from .trust import Session, new_nonce
 if TYPE_CHECKING:
     from .core import Core
 
-log = logging.getLogger("pdxfer.sender")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)

@@ -28,7 +28,7 @@ from .receiver import DecodeSide, KVReceiver
 from .sender import KVSender, PrefillSide
 from .timed_lock import Clocks
 
-log = logging.getLogger("pdxfer.endpoint")
+log = logging.getLogger(__name__)
 
 
 def validate_pools(pools: Sequence[PoolSpec]) -> str | None:

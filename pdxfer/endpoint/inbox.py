@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .. import wire
 from ..protect import peer_allowed
 
-log = logging.getLogger("pdxfer.control")
+log = logging.getLogger(__name__)
 
 READ_AHEAD = 4096
 """Bytes read at a frame boundary: most control frames arrive whole in one read."""

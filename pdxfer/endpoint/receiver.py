@@ -56,7 +56,7 @@ from .trust import Session
 if TYPE_CHECKING:
     from .core import Core
 
-log = logging.getLogger("pdxfer.receiver")
+log = logging.getLogger(__name__)
 
 
 class KVReceiver(RoomHandle):

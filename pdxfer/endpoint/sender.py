@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DecodePeer", "KVSender", "PrefillSide", "model_diff"]
 
-log = logging.getLogger("pdxfer.sender")
+log = logging.getLogger(__name__)
 
 
 class KVSender(RoomHandle):

@@ -20,7 +20,7 @@ from pdxfer.protect import check_serving, peer_allowed
 
 from .errors import BadRequest, ServingError
 
-log = logging.getLogger("pdxfer.serving")
+log = logging.getLogger(__name__)
 
 READY = "PDXFER_READY"
 """Printed on stdout with the server's URL once it serves: launchers wait for this line."""

@@ -26,7 +26,7 @@ from ..netaddr import free_port
 from .errors import StorageError
 from .storage import NO_DIGEST, TAG_BYTES, Sealer, _buf
 
-log = logging.getLogger("pdxfer.tiers.mooncake")
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 

@@ -32,7 +32,7 @@ import blake3
 from ..auth import load_secret
 from .keys import pool_key
 
-log = logging.getLogger("pdxfer.tiers.storage")
+log = logging.getLogger(__name__)
 
 _MAGIC = b"PDXL3v4\0"
 _HEAD = struct.Struct("<8sQq")

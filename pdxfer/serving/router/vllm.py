@@ -42,7 +42,7 @@ from .backends import (
 from .settings import DEFAULT
 from .tokenizers import HFTokenizer, Tokenizer
 
-log = logging.getLogger("pdxfer.serving.router.vllm")
+log = logging.getLogger(__name__)
 SETUP_TIMEOUT_S = 120.0
 """How long the router's start waits for a decode to answer ``/v1/models``, at least: never
 less than its per-request deadline (``--timeout``), since a decode that may take that long
