@@ -27,7 +27,7 @@ from typing import Annotated, Any
 import msgspec
 from aiohttp import web
 
-from . import auth, protect
+from . import trust
 from .errors import BootstrapError
 from .netaddr import host_of, is_local, is_loopback
 from .pools import NonNeg
@@ -93,15 +93,15 @@ class BootstrapServer:
     ) -> None:
         """``secret`` (or ``PDXFER_SECRET`` / ``PDXFER_SECRET_FILE``) turns on HMAC
         authentication of every request but ``/health``. Without one it serves loopback
-        peers only, unless ``insecure`` (or ``PDXFER_INSECURE``) opts in (``protect``): a
+        peers only, unless ``insecure`` (or ``PDXFER_INSECURE``) opts in (``trust``): a
         non-loopback ``host`` or ``advertise`` is then refused here."""
         self.host = host
         self.port = port
-        self._secret = auth.load_secret(secret)
-        self.loopback_only = protect.check_serving(
+        self._secret = trust.load_secret(secret)
+        self.loopback_only = trust.check_serving(
             "bootstrap server", host, advertise, secret=self._secret, opt_in=insecure
         )
-        self._replay = auth.ReplayGuard()
+        self._replay = trust.http_replay_guard()
         self._server: asyncio.base_events.Server | None = None
         self._instances: dict[str, _Instance] = {}
         self._lock = threading.Lock()
@@ -154,7 +154,7 @@ class BootstrapServer:
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path != "/health":
             body = await request.read()
-            why = auth.check_http(
+            why = trust.check_http(
                 self._secret,
                 request.method,
                 request.raw_path,
@@ -434,7 +434,7 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         if self.guard.loopback_only:  # protected mode: no secret, so no other host
             peer = transport.get_extra_info("peername")
-            if not protect.peer_allowed(peer[0] if peer else None):
+            if not trust.peer_allowed(peer[0] if peer else None):
                 self.guard.counters["peers_refused"] += 1
                 log.warning(
                     "bootstrap server: refused %s: no shared secret is set, so only "
@@ -552,7 +552,7 @@ class BootstrapClient:
         stop: threading.Event | None = None,
     ) -> None:
         """``stop``: set it to end any retry wait at once (an endpoint closing)."""
-        self._secret = auth.load_secret(secret)
+        self._secret = trust.load_secret(secret)
         self._stop = stop or threading.Event()
         if "://" not in address:
             address = "http://" + address
@@ -572,7 +572,7 @@ class BootstrapClient:
             attempt += 1
             headers = {
                 "Content-Type": "application/json",
-                **auth.http_headers(self._secret, method, path, body or b""),
+                **trust.http_headers(self._secret, method, path, body or b""),
             }
             req = urllib.request.Request(
                 self.base + path, data=body, method=method, headers=headers

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import blake3
 
-from ..auth import load_secret
+from ..trust import load_secret
 from .keys import pool_key
 
 log = logging.getLogger(__name__)

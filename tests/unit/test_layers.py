@@ -75,11 +75,13 @@ SERVER_API = (
     "pdxfer.config",
     "pdxfer.metrics",
     "pdxfer.netaddr",
-    "pdxfer.protect",
     "pdxfer.setting",
+    "pdxfer.trust",
 )
-"""What ``serving`` adds to ``PUBLIC``: signed HTTP, metrics text, addresses, protected mode
-and the settings machinery its flags are generated from. Engines serve no HTTP of pdxfer's."""
+"""What ``serving`` adds to ``PUBLIC``: signed HTTP and protected mode (``trust``), metrics
+text, addresses and the settings machinery its flags are generated from. Engines serve no
+HTTP of pdxfer's. (``pdxfer.auth`` re-exports ``load_secret`` from ``trust`` until the
+router's own modules import it from there.)"""
 
 FORBIDDEN = {
     "plan": {
@@ -92,6 +94,7 @@ FORBIDDEN = {
         "bootstrap",
         "metrics",
         "auth",
+        "trust",
         "faults",
         "cli",
         "integrations",

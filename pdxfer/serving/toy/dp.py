@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdxfer.auth import http_headers, load_secret
+from pdxfer.trust import http_headers, load_secret
 
 from ..errors import BadRequest, UpstreamError
 from ..http import error_response, merge_metrics, router_only, serve

@@ -23,7 +23,7 @@ import torch
 from aiohttp import web
 
 from pdxfer import Endpoint, EndpointConfig, PoolSpec
-from pdxfer.auth import load_secret
+from pdxfer.trust import load_secret
 
 from ..errors import BadRequest, OutOfCapacity
 from ..http import (  # noqa: F401  (re-exported for the worker modules)
