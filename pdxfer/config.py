@@ -216,10 +216,12 @@ Role = Literal["prefill", "decode"]
 ROLES: tuple[str, ...] = get_args(Role)
 
 
-def one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    """``ConfigError`` naming ``name``, the value and what is allowed, unless it is allowed."""
+def one_of(name: str, value: object, allowed: tuple[str, ...], note: str = "") -> None:
+    """``ConfigError`` naming ``name``, the value and what is allowed (and ``note``: what the
+    values mean), unless it is allowed."""
     if value not in allowed:
-        raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+        names = ", ".join(repr(a) for a in allowed)
+        raise ConfigError(f"{name} must be one of {names}{note}; got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,7 +435,13 @@ class EndpointConfig:
             "trusted_bootstraps",
             parse_hostports(self.trusted_bootstraps, "trusted bootstrap"),
         )
-        one_of("transport", self.transport, (*TRANSPORTS, "memory"))
+        one_of(
+            "transport",
+            self.transport,
+            (*TRANSPORTS, "memory"),
+            " (tcp, rdma, nvlink: Mooncake, nvlink for device pools on one node; "
+            "memory: in-process, for tests)",
+        )
 
 
 _LIMITS = frozenset(settings_of(Limits))
@@ -458,7 +466,7 @@ def _shown(s: Setting) -> str:
 TOOL_VARS = (
     EnvVar(
         "PDXFER_EXTRAS",
-        "cpu,test,bench,nixl",
+        "cpu,router,test,bench,nixl",
         "``scripts/setup.sh``: the extras of pdxfer to install (``scripts/test.sh`` adds ``vllm``)",
         "tools",
     ),
