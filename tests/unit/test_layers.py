@@ -240,6 +240,19 @@ def test_only_integrations_import_an_engine() -> None:
     assert _engine_imports(ROOT / "integrations" / "vllm" / "connector.py") == {"vllm"}
 
 
+def test_only_the_router_imports_numba() -> None:
+    """numba is the ``router`` extra (the KV index's compiled loops): the library, the
+    engines' connectors and the toy workers run without it."""
+    router = ROOT / "serving" / "router"
+    bad = [
+        _module(p)
+        for p in ROOT.rglob("*.py")
+        if {"numba", "llvmlite"} & _top_imports(p) and p != router / "jit.py"
+    ]
+    assert not bad, f"numba imported outside serving/router/jit.py: {bad}"
+    assert {"numba", "llvmlite"} <= _top_imports(router / "jit.py")  # the walk sees it
+
+
 def test_no_import_circles() -> None:
     graph = _graph()
     state: dict[str, int] = {}

@@ -90,3 +90,17 @@ def test_a_dispatch_or_policy_outside_its_list_is_refused() -> None:
     with pytest.raises(ConfigError, match="dispatch"):
         VllmBackend(dispatch="eventually")
     assert set(POLICIES) >= {"auto", "kv_aware"} and set(DISPATCHES) == {"concurrent", "sequential"}
+
+
+def test_without_numba_the_router_refuses_to_start_naming_its_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """numba is the ``router`` extra, not a base dependency: a router started without it
+    stops with a ``ConfigError`` (``pdxfer router: error: ...``) saying what to install."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "numba", None)  # what an install without numba sees
+    monkeypatch.delitem(sys.modules, "pdxfer.serving.router.jit", raising=False)
+    with pytest.raises(ConfigError, match=r"pdxfer\[router\]"):
+        importlib.import_module("pdxfer.serving.router.jit")
