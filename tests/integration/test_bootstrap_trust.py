@@ -1,4 +1,4 @@
-"""The bootstrap server under attack (the trust issue's findings 11-13): replayed signed
+"""The bootstrap server under attack: replayed signed
 requests, a second live endpoint claiming a slot, routes that must heal, malformed signature
 headers and stalled connections. Attacks come as raw HTTP from this process."""
 

@@ -1,4 +1,4 @@
-"""Protected mode (issue 31, item 1): without a shared secret every pdxfer listener serves
+"""Protected mode: without a shared secret every pdxfer listener serves
 loopback peers only.
 
 A peer on another host (a network namespace, ``tests.harness.hosts``) is refused by each
