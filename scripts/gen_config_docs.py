@@ -5,7 +5,7 @@
 
 Sources, each the one place its settings are defined:
 
-- environment variables: ``pdxfer.config.ENV_VARS`` (``tests/unit/test_config_docs.py`` checks
+- environment variables: ``pdxfer.config.ENV_VARS`` (``tests/integration/test_config_docs.py`` checks
   that every ``PDXFER_`` name in the repository is registered there);
 - command-line flags: the argparse parsers of every ``pdxfer`` subcommand
   (``pdxfer.cli.build_parser`` and ``pass_through_parsers``), walked action by action;
