@@ -227,7 +227,7 @@ def test_a_room_no_decode_asked_for_gets_each_steps_layers_after_the_forward_at_
 ) -> None:
     """Under vLLM's proxy the decode asks after the prefill's answer, so while the forward
     runs nobody can receive a layer; a hand-off per layer only spent the engine thread's
-    time inside the forward while the answer waited (issue 33: ~1 ms a request). Each step's
+    time inside the forward while the answer waited. Each step's
     layers go after its forward in one hand-off, and the decode that asks later receives
     exactly the prefill's KV."""
     pair = make_pair(model, server, name="lnone", batched=STEP)

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("pdxfer.integrations.vllm")
+log = logging.getLogger(__name__)
 
 DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 """A request that ended this way has the KV of every token it computed."""
