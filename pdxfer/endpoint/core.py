@@ -19,9 +19,8 @@ from ..errors import ConfigError, PdxferError
 from ..metrics import Timeline
 from ..netaddr import check_local
 from ..pools import PoolSpec
-from ..protect import check_serving
 from ..transport import Transport, make_transport
-from ..trust import Session, Trust
+from ..trust import Session, Trust, check_serving
 from .control import Control, Workers
 from .timed_lock import Clocks, TimedLock
 

@@ -71,7 +71,6 @@ PUBLIC = ("pdxfer", "pdxfer.tiers")
 """What a user of pdxfer (``serving``, ``integrations``) may import from it."""
 
 SERVER_API = (
-    "pdxfer.auth",
     "pdxfer.config",
     "pdxfer.metrics",
     "pdxfer.netaddr",
@@ -80,8 +79,7 @@ SERVER_API = (
 )
 """What ``serving`` adds to ``PUBLIC``: signed HTTP and protected mode (``trust``), metrics
 text, addresses and the settings machinery its flags are generated from. Engines serve no
-HTTP of pdxfer's. (``pdxfer.auth`` re-exports ``load_secret`` from ``trust`` until the
-router's own modules import it from there.)"""
+HTTP of pdxfer's."""
 
 FORBIDDEN = {
     "plan": {
@@ -93,7 +91,6 @@ FORBIDDEN = {
         "wire",
         "bootstrap",
         "metrics",
-        "auth",
         "trust",
         "faults",
         "cli",

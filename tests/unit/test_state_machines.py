@@ -85,7 +85,7 @@ def test_decode_abort_in_every_state_releases_exactly_once(pair: Pair) -> None:
     assert rx.poll() == KVPoll.Success and pair.released[room] == 0
     # every room is forgotten (its release claimed, if it failed): nothing is left that could
     # release again, so the counts below are final
-    assert until(lambda: pair.dc.tables()["rooms"] == 0), pair.dc.tables()
+    assert until(lambda: pair.dc.tables()["rooms"] == 0, timeout=120), pair.dc.tables()
     assert pair.released[room] == 0 and all(v == 1 for r, v in pair.released.items() if r != room)
 
 
@@ -264,7 +264,7 @@ def test_release_is_called_once_under_concurrent_aborts(pair: Pair) -> None:
     pair.ptx.faults.delay_s = 0.0
     assert until(lambda: all(pair.released[r] == 1 for _, _, r in held))
     # the decode forgot every room: no state is left that could release one again
-    assert until(lambda: pair.dc.tables()["rooms"] == 0), pair.dc.tables()
+    assert until(lambda: pair.dc.tables()["rooms"] == 0, timeout=120), pair.dc.tables()
     assert all(pair.released[r] == 1 for _, _, r in held)
 
 
