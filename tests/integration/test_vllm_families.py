@@ -1,7 +1,7 @@
 """The model families people serve with PD, on real vLLM: MLA (DeepSeek-V2), every layer
 sliding (Mistral-style), sliding beside full (Gemma 3), attention beside Mamba2 (Nemotron-H)
-and beside Gated DeltaNet (Qwen3-Next), each a tiny random model built here
-(``tests.harness.hf_families``).
+and beside Gated DeltaNet (Qwen3-Next), chunked local attention beside NoPE full attention
+with MoE (Llama 4), each a tiny random model built here (``tests.harness.hf_families``).
 
 Per family, one ``vllm serve`` prefill and one decode loading ``PdxferConnector`` with
 vLLM's hybrid KV cache manager on (its default), behind ``pdxfer router --engine vllm``,
@@ -39,13 +39,13 @@ import pytest
 from pdxfer import BootstrapServer
 from pdxfer.demo.vllm_procs import VllmServer, kv_config, read_stats, start_all
 from pdxfer.serving.procs import Proc
-from tests.harness.hf_families import FAMILIES, WINDOW, Family, build_family
+from tests.harness.hf_families import CHUNK, FAMILIES, WINDOW, Family, build_family
 
 from .vllm_helpers import complete, right_or_clean_error, stream_ids, wait
 
 pytestmark = pytest.mark.timeout(900)
 
-SERVED = ("gemma3", "mistral_swa", "nemotron_h", "deepseek_v2", "qwen3_next", "gpt_oss")
+SERVED = ("gemma3", "mistral_swa", "nemotron_h", "deepseek_v2", "qwen3_next", "gpt_oss", "llama4")
 """The families this module serves (``benchmarks/models.py`` tries every one). Left out:
 gpt-oss, whose decode dies in vLLM's CPU attention kernel (illegal instruction) on its first
 loaded request, with NixlConnector too (docs/vllm.md, model families)."""
@@ -461,3 +461,60 @@ def test_a_prefill_killed_mid_request_leaves_right_answers_or_clean_errors(pair:
         held.stop()
     q = prompt(pair.lengths()[0], 310)
     assert complete(pair.router.url, q) == complete(pair.prefill.url, q)
+
+
+def test_a_chunked_group_is_token_exact_on_and_around_chunk_boundaries(pair: Pair) -> None:
+    """Chunked local attention (Llama 4): prompts shorter than a chunk, exactly one chunk,
+    one token past, several chunks ending on a boundary and one token past (four at a
+    time), and thousands of tokens ending on a boundary and one past: each equals colocated
+    token for token, every load ended without a failure (none recomputed by vLLM) and every
+    byte matched the prefill's."""
+    f = pair.family
+    if not f.chunk:
+        pytest.skip(f"{f.name} has no chunked local attention")
+    short = (CHUNK - 5, CHUNK, CHUNK + 1, 5 * CHUNK, 5 * CHUNK + 1, 5 * CHUNK + 13)
+    long = (LONG // CHUNK * CHUNK, LONG // CHUNK * CHUNK + 1)
+    prompts = [prompt(n, 500 + i) for i, n in enumerate(short + long)]
+    d0, before = pair.d(), pair.integrity()
+    with cf.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda p: complete(pair.router.url, p), prompts[: len(short)]))
+    got += [complete(pair.router.url, p) for p in prompts[len(short) :]]
+    refs = [complete(pair.prefill.url, p) for p in prompts]
+    for p, g, r in zip(prompts, got, refs):
+        assert g == r, f"{len(p)} prompt tokens: {g} != colocated {r}"
+    wait(
+        "the decode's checks",
+        lambda: pair.integrity()["checks"] >= before["checks"] + len(prompts),
+        timeout=30,
+    )
+    d = pair.d()
+    assert d["loads"] - d0.get("loads", 0) == len(prompts)
+    assert d["load_failures"] == d0.get("load_failures", 0)
+    assert pair.integrity()["mismatches"] == 0
+
+
+def test_a_chunked_group_moves_the_last_tokens_chunk_not_the_prompt(pair: Pair) -> None:
+    """Of a chunked local attention group only the blocks of the chunk the last prompt
+    token attends to move (vLLM's decode holds no other); the full groups move every
+    block. The bytes the decode received are that, far below the whole prompt."""
+    f = pair.family
+    if not f.chunk:
+        pytest.skip(f"{f.name} has no chunked local attention")
+    layers = int(f.config["num_hidden_layers"])  # type: ignore[call-overload]
+    nope = int(f.config["no_rope_layer_interval"])  # type: ignore[call-overload]
+    full = sum((i + 1) % nope == 0 for i in range(layers))  # NoPE layers: full attention
+    page = BS * 2 * int(f.config["num_key_value_heads"]) * int(f.config["head_dim"]) * 4  # type: ignore[call-overload]
+    for n, seed in ((LONG + 11, 98), (LONG // CHUNK * CHUNK, 99)):
+        p = prompt(n, seed)
+        before = pair.loaded_bytes()
+        assert complete(pair.router.url, p) == complete(pair.prefill.url, p)
+        wait("the decode's stats", lambda b=before: pair.loaded_bytes() > b, timeout=30)
+        moved = pair.loaded_bytes() - before
+        blocks = -(-n // BS)
+        low = full * blocks * page
+        high = (full * blocks + (layers - full) * (CHUNK // BS + 1)) * page
+        whole = layers * blocks * page
+        assert low <= moved <= high, (
+            f"{n} tokens: {moved} bytes moved; the full layers and the chunk are "
+            f"{low}-{high}, the whole prompt {whole}"
+        )

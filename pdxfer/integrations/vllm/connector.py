@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -78,6 +79,8 @@ def groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[G
         spec, layers = g.kv_cache_spec, tuple(g.layer_names)
         if isinstance(spec, SlidingWindowSpec) and not isinstance(spec, MLAAttentionSpec):
             out.append(Group(i, "window", spec.block_size, layers, window=spec.sliding_window))
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            out.append(Group(i, "chunk", spec.block_size, layers, chunk=spec.attention_chunk_size))
         elif isinstance(spec, FullAttentionSpec) and type(spec) in (
             FullAttentionSpec,
             MLAAttentionSpec,

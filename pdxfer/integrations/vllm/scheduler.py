@@ -86,7 +86,8 @@ class PdxferScheduler:
         group (``groups.py``); what was not streamed goes in one send at the request's end."""
         self.hybrid_layers = self.hybrid and cfg.send_by == "layer"
         """A hybrid model streaming by layer (its state groups still go at the end)."""
-        self.backoff = backoff(self.groups)
+        self.backs_off = any(g.kind in ("state", "chunk") for g in self.groups)
+        """Whether some prompts leave tokens to the decode (``groups.backoff``)."""
         self.select: Any = None
         """vLLM's ``select_transfer_block_ids`` (every group's blocks -> the transfer
         groups'), set by the connector where vLLM has groups it does not transfer."""
@@ -147,7 +148,8 @@ class PdxferScheduler:
         ask = self._decode_ask(request)
         if ask is None:
             return 0, False
-        count = len(request.prompt_token_ids or ()) - self.backoff - num_computed_tokens
+        n = len(request.prompt_token_ids or ())
+        count = n - backoff(self.groups, n) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -162,7 +164,7 @@ class PdxferScheduler:
         if ask is None:
             return
         prompt = list(request.prompt_token_ids or ())
-        n = len(prompt) - self.backoff
+        n = len(prompt) - backoff(self.groups, len(prompt))
         every = self._transfer(blocks.get_block_ids())
         self._asked.add(request.request_id)
         self._loads.append(
@@ -191,7 +193,7 @@ class PdxferScheduler:
         if self.cfg.side != "prefill":
             return
         params = request.kv_transfer_params
-        if self.backoff and isinstance(params, dict) and P.prefill_ask(params) is not None:
+        if self.backs_off and isinstance(params, dict) and P.prefill_ask(params) is not None:
             self._back_off(request)
         if not isinstance(params, dict) or params.get("pdxfer_room") is None:
             return
@@ -209,10 +211,11 @@ class PdxferScheduler:
         return tuple(every)
 
     def _back_off(self, request: Request) -> None:
-        """A model with state groups: the prefill computes all but the last ``backoff``
-        prompt tokens (the decode computes them: a state must not see a token twice)."""
+        """A model with state groups, or a chunk group's prompt ending on a chunk boundary:
+        the prefill computes all but the last ``backoff`` prompt tokens (the decode computes
+        them: a state must not see a token twice; ``groups.backoff``)."""
         params = request.kv_transfer_params
-        k = self.backoff
+        k = backoff(self.groups, request.num_prompt_tokens)
         if (
             not k
             or not isinstance(params, dict)

@@ -256,7 +256,8 @@ class PdxferWorker:
                 )
                 pool, kind = lay.pool, lay.kind
             pools.append(pool)
-            kinds.append(f"{g.pool}={g.kind}:{g.window}:{g.block_size}:{kind}:{pool.dtype}")
+            span = g.window or g.chunk
+            kinds.append(f"{g.pool}={g.kind}:{span}:{g.block_size}:{kind}:{pool.dtype}")
         self.layout = Layout(pools[0], "hybrid", sum(p.item_bytes * len(p.buffers) for p in pools))
         self._stream_layers()
         ident = self.cfg.model_id.replace(" ", "_")
@@ -754,11 +755,11 @@ class PdxferWorker:
                         slots[g.pool] = G.state_slot(g, ids)
                         continue
                     f = o.l1_len // g.block_size
-                    if g.kind == "window":
+                    if g.kind in G.LOCAL:
                         f = G.window_start(g, ids, f, o.num_tokens)  # type: ignore[assignment]
                         if f is None:
                             raise ValueError(
-                                f"{g.pool}: a null block inside the window ({list(ids)})"
+                                f"{g.pool}: a null block inside the {g.kind} ({list(ids)})"
                             )
                     start = max(start, f * g.block_size)
                 for g in part.groups:
