@@ -103,8 +103,8 @@ def _win_table(t0: int) -> tuple[int, ...]:
 
 def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side, Side]) -> None:
     p, d = pair
-    p.w.take(PdxferMetadata(opens=[OpenOrder("a", ROOM, None)]))
-    d.w.take(
+    p.w.run_orders(PdxferMetadata(opens=[OpenOrder("a", ROOM, None)]))
+    d.w.run_orders(
         PdxferMetadata(
             loads=[
                 LoadOrder(
@@ -154,7 +154,7 @@ def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side,
             groups=(tuple(P_FULL[: -(-t1 // BS)]), _win_table(t0)[: -(-t1 // BS)], ()),
         )
         meta = PdxferMetadata(layers=[o])
-        p.w.take(meta)
+        p.w.run_orders(meta)
         for n in (*WIN_L, FULL_L):
             p.w.save_layer(meta, n, p.kv[n])
         p.w.after_forward(meta)
@@ -164,7 +164,7 @@ def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side,
     assert p.w.counters["send_failures"] == 0
     time.sleep(0.05)
     assert not d.w.get_finished([])[1], "no load ends before the state page was sent"
-    p.w.take(
+    p.w.run_orders(
         PdxferMetadata(
             sends=[
                 SendOrder(
@@ -210,7 +210,7 @@ def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_al
             w.register_kv_caches(kv)
             sides.append((w, kv))
         (p, pkv), (d, dkv) = sides
-        p.take(PdxferMetadata(opens=[OpenOrder("b", ROOM, None)]))
+        p.run_orders(PdxferMetadata(opens=[OpenOrder("b", ROOM, None)]))
         for t0 in range(0, N, STEP):
             t1 = min(N, t0 + STEP)
             for k in range(t0 // BS, -(-t1 // BS)):
@@ -228,10 +228,10 @@ def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_al
                 groups=(tuple(P_FULL[: -(-t1 // BS)]), _win_table(t0)[: -(-t1 // BS)]),
             )
             meta = PdxferMetadata(layers=[o])
-            p.take(meta)
+            p.run_orders(meta)
             p.after_forward(meta)
         assert p.counters["sends"] == 1 and p.counters["step_chunks"] == 3
-        d.take(
+        d.run_orders(
             PdxferMetadata(
                 loads=[
                     LoadOrder(
@@ -250,7 +250,7 @@ def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_al
         got: set[str] = set()
         wait("the load", lambda: bool(got.update(d.get_finished([])[1]) or got))
         assert got == {"b-d"} and d.counters["load_failures"] == 0
-        p.take(
+        p.run_orders(
             PdxferMetadata(
                 sends=[
                     SendOrder(
@@ -295,7 +295,7 @@ def test_a_chunk_group_streams_the_last_tokens_chunk_and_nothing_before_it() -> 
         held = G.chunk_first(groups[1], N)
         assert held == 8
         d_chunk = [0] * held + [32, 33]
-        d.take(
+        d.run_orders(
             PdxferMetadata(
                 loads=[
                     LoadOrder(
@@ -311,7 +311,7 @@ def test_a_chunk_group_streams_the_last_tokens_chunk_and_nothing_before_it() -> 
                 ]
             )
         )
-        p.take(PdxferMetadata(opens=[OpenOrder("c", ROOM, None)]))
+        p.run_orders(PdxferMetadata(opens=[OpenOrder("c", ROOM, None)]))
         for t0 in range(0, N, STEP):
             t1 = min(N, t0 + STEP)
             for k in range(t0 // BS, -(-t1 // BS)):
@@ -331,7 +331,7 @@ def test_a_chunk_group_streams_the_last_tokens_chunk_and_nothing_before_it() -> 
                 groups=(tuple(P_FULL[: -(-t1 // BS)]), table[: -(-t1 // BS)]),
             )
             meta = PdxferMetadata(layers=[o])
-            p.take(meta)
+            p.run_orders(meta)
             p.after_forward(meta)
         got: set[str] = set()
         wait("the load", lambda: bool(got.update(d.get_finished([])[1]) or got))

@@ -158,7 +158,7 @@ def test_an_early_decode_holds_a_layer_before_the_prefill_computed_the_next(
     layerwise(p, after)
     # the fake forward writes token by token into plain [heads, tokens, C] tiles (as a GPU
     # backend does): a block the step fills in part goes for its tokens
-    p.conn.worker.partial_blocks = True
+    p.conn.worker.sender.partial_blocks = True
     p.add("l", tokens, 1, prefill_params(7101, "d-lwise"))
     run_until([p, d], lambda: "l-d" in d.computed)
     assert {f for _, f in seen} == {0, 48, 96}, "each step's layers arrived inside its forward"
@@ -183,7 +183,7 @@ def test_where_blocks_are_packed_a_block_filled_in_part_waits_to_be_complete(
     a place pdxfer can address, so a block goes whole, once a step completed it."""
     pair = make_pair(model, server, name="lpack", batched=STEP)
     p, d = pair.p, pair.d
-    assert not p.conn.worker.partial_blocks, "CPU tensors: blocks move whole"
+    assert not p.conn.worker.sender.partial_blocks, "CPU tensors: blocks move whole"
     tokens = [(i * 31) % 900 + 10 for i in range(150)]
     layerwise(p)
     d.add("k-d", tokens, 2, early_params(pair, 7301))
