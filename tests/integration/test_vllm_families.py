@@ -199,6 +199,7 @@ def _server(
         args=args,
         kv_cache_bytes=512 << 20,
         env=env,
+        log_stats=role == "kv_producer",  # vLLM's steps (``prompt_steps``) in its /metrics
         kv_transfer_config=kv_config(role, extra, **more) if extra else None,
     )
 
