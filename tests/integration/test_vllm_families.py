@@ -26,7 +26,9 @@ token colocated vLLM answers after them (``Pair.case``): colocated computes that
 a one-token step over its k blocks, as the decode does, and the rest of its answer is what
 the pair owes. Those k blocks are computed in the prefill's own chunks (one block each,
 ``Family.exact_args``) or taken from the prefill's prefix cache, where vLLM chunks or
-caches. Their concurrent answers are judged by the bytes each load brought.
+caches; each pair asks vLLM whether its rows come out alike (``Pair.same_rows``). Where
+they do not (MLA without AMX), no colocated computation is the decode's and the bytes are
+the judge. Concurrent answers are judged by the bytes each load brought.
 """
 
 from __future__ import annotations
