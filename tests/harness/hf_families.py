@@ -45,9 +45,11 @@ class Family:
     chunk: int = 0
     """Its local attention chunk (0: none)."""
     exact_args: tuple[str, ...] = ()
-    """What makes colocated vLLM compute a prompt of k blocks + 1 token as a pair does
-    (bf16 families, whose CPU kernels round differently per step shape): chunks of one
-    32-token block (the tests' block size), so colocated's last prompt token is a one-token step, as the decode's is."""
+    """bf16 families, whose CPU kernels round differently per step shape: chunks of one
+    32-token block (the tests' block size), so that a prompt's first k blocks are computed
+    in the same chunks whether colocated vLLM serves them alone or a prefill serves them
+    with one token more (``test_vllm_families``, ``Pair.case``); vLLM ignores it where it
+    does not chunk (MLA on a CPU without AMX)."""
 
 
 _COMMON = {

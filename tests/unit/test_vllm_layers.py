@@ -195,6 +195,7 @@ def test_where_blocks_are_packed_a_block_filled_in_part_waits_to_be_complete(
     w = p.conn.worker
     # steps end at 48, 96, 144, 150: complete blocks 1, 3, 4, then the rest
     assert w.counters["step_chunks"] == 3 and w.counters["layer_sends"] == 4 * S.layers
+    assert sum(s.get("prompt_steps", 0) for s in p.kv_stats) == 4, "vLLM's steps, counted"
     assert w.counters["streamed_steps"] == 4
     assert p.ep.metrics()["transport_bytes"] == 5 * w.layout.block_bytes, "whole blocks"
     run_until([p, d], lambda: "k-d" in d.finished and "k" not in p.sched.requests)

@@ -322,10 +322,28 @@ class PdxferScheduler:
             so.num_scheduled_tokens[r.req_id] = 1
             so.total_num_scheduled_tokens -= len(drafts)
 
+    def _count_prompt_steps(self, so: SchedulerOutput) -> None:
+        """Count the requests to send whose prompt this step computes part of
+        (``prompt_steps``): how vLLM chunked them, which it decides (for MLA on a CPU
+        without AMX it does not chunk at all)."""
+        before = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens))
+        n = sum(
+            1
+            for rid in so.num_scheduled_tokens
+            if (st := self.streams.get(rid)) is not None
+            and before.get(rid, st.num_tokens) < st.num_tokens
+        )
+        if n:
+            self._interval["prompt_steps"] = self._interval.get("prompt_steps", 0) + n
+
     # -- both ----------------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput | None = None) -> PdxferMetadata:
         if self.cfg.side == "decode" and getattr(so, "scheduled_spec_decode_tokens", None):
             self._unpad_first_steps(so)  # type: ignore[arg-type]
+        if so is not None and self.streams:
+            self._count_prompt_steps(so)
         chunks, lay = self._step_chunks(so) if so is not None and self.streams else ([], [])
         meta = PdxferMetadata(
             self._sends,
