@@ -326,6 +326,8 @@ class PdxferWorker:
         if c.l3 == "file":
             # one folder per rank: each rank's pages hold its own heads
             root = os.path.join(c.l3_dir, f"tp{r.tp_rank}of{r.tp_size}")
+            if c.dp_size > 1:  # and per data-parallel rank: each is a decode of its own
+                root = os.path.join(c.l3_dir, f"dp{c.dp_rank}", f"tp{r.tp_rank}of{r.tp_size}")
             return FileStorage(root, max_bytes=int(c.l3_max_gb * (1 << 30)) or None)
         if c.l3 == "mooncake":
             from pdxfer.tiers import MooncakeStoreStorage
@@ -715,10 +717,16 @@ class PdxferWorker:
                     instance=o.instance,
                     scope=o.scope,
                     early=o.early,
+                    dp=o.dp,
                 )
             else:
                 rx = self.ep.receiver(
-                    o.room, o.bootstrap, instance=o.instance, release=release, early=o.early
+                    o.room,
+                    o.bootstrap,
+                    instance=o.instance,
+                    release=release,
+                    early=o.early,
+                    dp=o.dp,
                 )
                 rx.request({POOL: blocks}, prefix_len=o.l1_len, num_tokens=o.num_tokens)
         except Exception as e:  # noqa: BLE001 - the request fails, vLLM recomputes it
@@ -795,6 +803,7 @@ class PdxferWorker:
                         instance=o.instance,
                         scope=o.scope,
                         early=o.early,
+                        dp=o.dp,
                     )
                     joined.parts.append(rx)
                     continue
@@ -804,6 +813,7 @@ class PdxferWorker:
                     instance=o.instance,
                     release=joined.release_one,
                     early=o.early,
+                    dp=o.dp,
                 )
                 joined.parts.append(rx)
                 rx.request(pages, slots=slots, prefix_len=start, num_tokens=o.num_tokens)
@@ -955,6 +965,7 @@ class PdxferWorker:
             "role": self.cfg.side,
             "instance": self.cfg.instance,
             "tp_rank": self.rank.tp_rank,
+            "dp_rank": self.cfg.dp_rank,
             **self.counters,
             "in_flight_sends": len(self._sends),
             "in_flight_loads": len(self._loads),
@@ -971,6 +982,8 @@ class PdxferWorker:
         if not self.cfg.stats_file:
             return
         path = self.cfg.stats_file
+        if self.cfg.dp_size > 1:
+            path = f"{path}.dp{self.cfg.dp_rank}"
         if self.rank.tp_size > 1:
             path = f"{path}.tp{self.rank.tp_rank}"
         try:

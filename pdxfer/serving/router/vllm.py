@@ -177,6 +177,8 @@ class VllmBackend:
         }
         if dc.peer:  # the prefill binds the room to the decode chosen for it
             params["pdxfer_decode"] = dc.peer
+        if pf.dp is not None:  # the rank the decode will load from
+            params["pdxfer_dp"] = pf.dp
         payload = {
             **self._sampling(job),
             "max_tokens": 1,
@@ -185,7 +187,7 @@ class VllmBackend:
         }
         url = f"{pf.url}{_path(job)}"
         try:
-            async with http.session.post(url, **http.signed(url, payload)) as r:
+            async with http.session.post(url, **http.signed(url, payload, rank(pf.dp))) as r:
                 body = await json_or_text(r)
                 if r.status != 200:
                     raise AttemptFailed.from_status(r.status, f"prefill {pf.url}: {message(body)}")
@@ -208,13 +210,16 @@ class VllmBackend:
     def early_params(job: Attempt) -> dict[str, Any]:
         """The decode's ``kv_transfer_params`` in the early form: what the prefill will answer
         (room, its bootstrap and instance), known before it computed anything."""
-        return {
+        out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "pdxfer_room": job.room,
             "pdxfer_bootstrap": job.pf.bootstrap,
             "pdxfer_instance": job.pf.instance,
         }
+        if job.pf.dp is not None:
+            out["pdxfer_dp"] = job.pf.dp
+        return out
 
     async def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
         """One attempt. ``concurrent``: the prefill's and the decode's requests go out at
@@ -234,9 +239,12 @@ class VllmBackend:
             held.extend([] if cached is None else [cached])
             return kv
 
+        # a prefill whose DP ranks are not known yet goes first: its answer names the rank
+        unknown = job.pf.dp is None and job.pf.dp_size != 1
+        dispatch = "sequential" if unknown else self.dispatch
         pf_task = asyncio.ensure_future(prefill())
         try:
-            if self.dispatch == "sequential":
+            if dispatch == "sequential":
                 kv = await pf_task
             else:
                 kv = self.early_params(job)
@@ -247,7 +255,7 @@ class VllmBackend:
                         await asyncio.wait([pf_task], timeout=5)
                     ev.stats.update(
                         {
-                            "dispatch": self.dispatch,
+                            "dispatch": dispatch,
                             "prefill_s": took[0] if took else None,
                             "ttft_s": ev.stats["first"] - t1
                             if ev.stats.get("first") is not None
@@ -291,7 +299,7 @@ class VllmBackend:
         finish: str | None = None
         first: float | None = None
         try:
-            async with http.session.post(url, **http.signed(url, payload)) as r:
+            async with http.session.post(url, **http.signed(url, payload, rank(dc.dp))) as r:
                 if r.status != 200:
                     raise AttemptFailed.from_status(
                         r.status, f"decode {dc.url}: {message(await json_or_text(r))}"
@@ -323,6 +331,12 @@ class VllmBackend:
             if prompt_tokens is None
             else {"first": first, "prompt_tokens": prompt_tokens},
         )
+
+
+def rank(dp: int | None) -> dict[str, str]:
+    """The header that sends a request to one data-parallel rank of a vLLM server (its
+    engine core; else vLLM's own balancer picks one)."""
+    return {} if dp is None else {"X-data-parallel-rank": str(dp)}
 
 
 async def _until_failed(
