@@ -1,4 +1,5 @@
-"""The vLLM router's start: how long it waits for a decode to answer."""
+"""The vLLM router's start: how long it waits for a decode to answer, and what it reads of a
+server's data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pdxfer.cli import build_parser
 from pdxfer.serving.router.app import make_backend
 from pdxfer.serving.router.backends import Decode, Http
 from pdxfer.serving.router.settings import RouterSettings
-from pdxfer.serving.router.vllm import SETUP_TIMEOUT_S, VllmBackend
+from pdxfer.serving.router.vllm import SETUP_TIMEOUT_S, VllmBackend, data_parallel_size, rank
 
 
 def _backend(*more: str) -> VllmBackend:
@@ -49,3 +50,16 @@ def test_a_router_start_with_no_decode_answering_fails_at_its_deadline_naming_it
                 )  # nothing listens there
 
     asyncio.run(run())
+
+
+def test_a_vllm_servers_data_parallel_ranks_are_its_engine_labels_and_a_header_picks_one() -> None:
+    text = (
+        "# HELP vllm:num_requests_running x\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+        'vllm:cache_config_info{block_size="32",engine="1"} 1.0\n'
+        'process_open_fds{engine="7"} 3.0\n'
+    )
+    assert data_parallel_size(text) == 2
+    assert data_parallel_size("") == 1  # stats off: one rank as far as the router knows
+    assert rank(1) == {"X-data-parallel-rank": "1"} and rank(None) == {}

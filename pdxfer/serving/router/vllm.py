@@ -52,6 +52,7 @@ DISPATCH = ("concurrent", "sequential")
 PREFILL_CAUSE_S = 1.0
 """How long a failed decode waits for its prefill's answer, to report the cause."""
 _BLOCK = re.compile(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', re.M)
+_ENGINE = re.compile(r'^vllm:[^{\s]*\{[^}]*\bengine="(\d+)"', re.M)
 
 
 class VllmBackend:
@@ -112,15 +113,15 @@ class VllmBackend:
     def check(self, ask: oa.Ask) -> None:
         refuse(ask, self.name, speculative_k=bool(ask.spec_k))
 
-    async def _block_size(self, http: Http, url: str) -> int | None:
+    async def _metrics(self, http: Http, url: str) -> str:
+        """A worker's ``/metrics`` text ("" when it does not answer)."""
         try:
             async with http.session.get(
                 f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=3)
             ) as r:
-                m = _BLOCK.search(await r.text()) if r.status == 200 else None
+                return await r.text() if r.status == 200 else ""
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            return None
-        return int(m.group(1)) if m else None
+            return ""
 
     async def probe(self, http: Http, w: Prefill | Decode) -> dict[str, Any] | None:
         try:
@@ -137,9 +138,14 @@ class VllmBackend:
         m = await self._models(http, w.url)
         if m and m.get("max_model_len"):
             info["max_seq_len"] = int(m["max_model_len"])
-        size = self._page_size or await self._block_size(http, w.url)
+        text = await self._metrics(http, w.url)
+        block = _BLOCK.search(text)
+        size = self._page_size or (int(block.group(1)) if block else None)
         if size:
             info["page_size"] = size
+        ranks = data_parallel_size(text)
+        if ranks > 1:  # one record per rank: the router sends each request to one
+            info["groups"] = [dict(info) for _ in range(ranks)]
         return info
 
     async def abort(self, http: Http, url: str, room: int, why: str) -> None:
@@ -331,6 +337,13 @@ class VllmBackend:
             if prompt_tokens is None
             else {"first": first, "prompt_tokens": prompt_tokens},
         )
+
+
+def data_parallel_size(metrics: str) -> int:
+    """A vLLM server's data-parallel ranks as its ``/metrics`` shows them: one ``engine``
+    label per engine core (vLLM's stats are on by default; with ``--disable-log-stats``
+    there are none, and the server counts as one rank that vLLM balances itself)."""
+    return len(set(_ENGINE.findall(metrics))) or 1
 
 
 def rank(dp: int | None) -> dict[str, str]:
