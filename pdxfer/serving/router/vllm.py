@@ -210,6 +210,14 @@ class VllmBackend:
             raise AttemptFailed(
                 502, f"prefill {pf.url} answered room {kv.get('pdxfer_room')!r}, not {job.room}"
             )
+        if pf.dp is not None and kv.get("pdxfer_dp") != pf.dp:
+            # the decode was told to load from rank pf.dp, which never had the request
+            raise AttemptFailed(
+                502,
+                f"prefill {pf.url} computed room {job.room} on data-parallel rank "
+                f"{kv.get('pdxfer_dp')!r}, not on rank {pf.dp} it was sent to "
+                f"(X-data-parallel-rank)",
+            )
         return kv, _cached_tokens(body)
 
     @staticmethod
