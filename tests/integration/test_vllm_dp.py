@@ -42,6 +42,7 @@ pytestmark = pytest.mark.timeout(900)
 
 DP = ["--data-parallel-size", "2", "--api-server-count", "1"]
 DEADLINE_S = 60.0
+BS = 32
 START_S = 900.0
 """Only ends a hang: a DP-2 server is six processes, each importing vLLM (vLLM spawns
 them), and on this shared 2-core machine a start took 516-650 s at load averages 30-100."""
@@ -156,7 +157,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.boot.stop()
 
 
-def served(url: str, prompt: str) -> tuple[list[int], dict[str, Any]]:
+def served(url: str, prompt: str | list[int]) -> tuple[list[int], dict[str, Any]]:
     """One completion through a router: its token ids and the router's record of it."""
     r = client(url).completions.create(
         model="llama",
@@ -247,10 +248,13 @@ def test_data_parallel_on_both_sides_moves_kv_rank_to_rank_token_exact(cluster: 
 def test_each_leg_follows_the_kv_events_of_the_rank_holding_the_prefix(cluster: Cluster) -> None:
     """A first turn sent straight to one rank of each DP-2 server (the router never saw it):
     the second turn goes to that rank on both legs, as that rank's events say, where the
-    router's tie-break alone would pick rank 0 first. Each rank's feed is in sync."""
+    router's tie-break alone would pick rank 0 first. Prompts are token ids, so the router
+    hashes the blocks vLLM computed."""
     p2, d2 = cluster.servers["p2"], cluster.servers["d2"]
     url = cluster.routers["both"].url
-    firsts = {rank: text(3000 + 500 * rank, 160) for rank in (1, 0)}  # 5 full blocks each
+    firsts = {rank: _ids(3000 + 500 * rank, 5 * BS + 7) for rank in (1, 0)}
+    feeds = [f"{s.url}#dp{r}" for s in (p2, d2) for r in (0, 1)]
+    before = {w: _blocks(_router_metrics(url), w) for w in feeds}
     for rank, first in firsts.items():
         for s in (p2, d2):
             client(s.url).completions.create(
@@ -262,23 +266,31 @@ def test_each_leg_follows_the_kv_events_of_the_rank_holding_the_prefix(cluster: 
             )
     metrics = ""
 
-    def feeds_know() -> bool:
+    def indexed() -> bool:
         nonlocal metrics
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-            metrics = r.read().decode()
+        metrics = _router_metrics(url)
         return all(
-            f'pdxfer_router_kv_feed_synced{{worker="{s.url}#dp{r}"}} 1.0' in metrics
-            for s in (p2, d2)
-            for r in (0, 1)
-        ) and all(_blocks(metrics, f"{s.url}#dp{r}") >= 5 for s in (p2, d2) for r in (0, 1))
+            f'pdxfer_router_kv_feed_synced{{worker="{w}"}} 1.0' in metrics
+            and _blocks(metrics, w) >= before[w] + 5
+            for w in feeds
+        )
 
-    wait("each rank's events in the router", feeds_know, show=lambda: metrics[-3000:])
+    wait("each rank's events in the router's index", indexed, show=lambda: metrics[-3000:])
     for rank, first in firsts.items():  # rank 1's conversation first: no tie-break luck
-        second = f"{first} And then: {text(40 + rank, 12)}"
+        second = first + _ids(40 + rank, 20)
         ids, ext = served(url, second)
         assert ids == complete(cluster.servers["p1"].url, second)
         assert (ext["prefill_dp"], ext["decode_dp"]) == (rank, rank), ext
-        assert ext["prefill_cached_tokens"] >= 5 * 32 and ext["decode_cached_tokens"] >= 5 * 32
+        assert ext["prefill_cached_tokens"] >= 5 * BS and ext["decode_cached_tokens"] >= 5 * BS
+
+
+def _ids(base: int, n: int) -> list[int]:
+    return [(base + 37 * i) % 700 + 300 for i in range(n)]
+
+
+def _router_metrics(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return r.read().decode()
 
 
 def _blocks(metrics: str, worker: str) -> float:
