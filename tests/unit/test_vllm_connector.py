@@ -633,7 +633,8 @@ def test_each_data_parallel_rank_is_an_endpoint_and_the_decode_loads_from_the_on
     runs each as an independent engine and resets its DP size to 1) register as ranks 0 and
     1 of one instance. A request's KV comes from the rank that computed it: named in the
     prefill's answer (sequential) or given at dispatch (early form), where the bootstrap's
-    own choice (the room modulo the DP size) would be the other rank."""
+    own choice (the room modulo the DP size) would be the other rank. A rank's route is
+    looked up once, not per room."""
     fabric = MemoryFabric()
     dl = {"bootstrap_timeout_s": 10.0, "transfer_timeout_s": 10.0}
     ps = [
@@ -652,6 +653,7 @@ def test_each_data_parallel_rank_is_an_endpoint_and_the_decode_loads_from_the_on
     status, route = server.route("p-dp", None, 1)
     assert status == 200 and route["dp_size"] == 2 and route["dp_rank"] == 1
     assert [p.ep.registration().dp_rank for p in ps] == [0, 1]
+    lookups = server.counters["lookups"]
     for r, p in enumerate(ps):
         tokens = [(i * 7 + r * 101) % 900 + 10 for i in range(100)]
         room = 8000 + 2 * r + (1 - r)  # room % 2 names the other rank
@@ -678,4 +680,6 @@ def test_each_data_parallel_rank_is_an_endpoint_and_the_decode_loads_from_the_on
     run_until([*ps, d], lambda: "e-d" in d.computed)
     assert torch.equal(held(d, "e-d", len(tokens) - 1), expected(tokens, len(tokens) - 1))
     assert d.conn.worker.counters["load_failures"] == 0
+    # a route naming its rank holds for every room: looked up once per rank, not per room
+    assert server.counters["lookups"] - lookups == 2
     run_until([*ps, d], lambda: "e-d" in d.finished and "e" not in ps[1].sched.requests)
