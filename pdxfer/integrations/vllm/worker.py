@@ -79,7 +79,7 @@ class PdxferWorker:
         in-memory transport here before ``register_kv_caches``)."""
         self.counts = Counters()
         """What the sender and the loader counted (``counters.py``)."""
-        self.stats_file = StatsFile(cfg.stats_file, rank)
+        self.stats_file = StatsFile(cfg.stats_file, rank, cfg.dp_rank, cfg.dp_size)
         self.kv: RankKV | None = None
         """Set by ``register_kv_caches``, with the tiers and both halves."""
         self.tiers = DecodeTiers(None)
@@ -258,6 +258,7 @@ class PdxferWorker:
             "role": self.cfg.side,
             "instance": self.cfg.instance,
             "tp_rank": self.rank.tp_rank,
+            "dp_rank": self.cfg.dp_rank,
             **self.counts.totals,
             "in_flight_sends": self.sender.in_flight if self.sender is not None else 0,
             "in_flight_loads": self.loader.in_flight if self.loader is not None else 0,
