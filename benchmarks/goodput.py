@@ -314,7 +314,7 @@ class Fleet:
                         "--decode",
                         f"{d.url},d0",
                     ],
-                    timeout=180,
+                    timeout=timeout,
                 )
         except BaseException:
             self.stop()
