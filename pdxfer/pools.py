@@ -416,6 +416,19 @@ def _pool(
     )
 
 
+def segment_lanes(segs: Sequence[PageSegment], page_size: int) -> list[tuple[int, int, int]]:
+    """Each row of each segment (a lane), in page order: where its units start inside one
+    head's part of a page of ``page_size`` tokens (the page, unsharded), how many tokens a
+    unit holds and its bytes."""
+    out = []
+    off = 0
+    for g in segs:
+        step = page_size // g.tokens * g.nbytes
+        out += [(off + r * step, g.tokens, g.nbytes) for r in range(g.rows)]
+        off += g.rows * step
+    return out
+
+
 # -- compatibility ----------------------------------------------------------------------------
 
 

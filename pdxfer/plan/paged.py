@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..pools import PageSegment, PoolSpec
+from ..pools import PageSegment, PoolSpec, segment_lanes
 
 MAX_BATCH_ENTRIES = 1024
 """Mooncake's TCP transport rejects batches over ~2048 entries per peer and can wedge that
@@ -443,27 +443,14 @@ def _check_used(
 def _lanes(
     pool: PoolSpec, segs: tuple[PageSegment, ...]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every row of every segment of every head of one page of ``pool`` (a lane: where one
-    row's units start inside the page, how many tokens a unit holds, its bytes), in page
-    order."""
-    ps = pool.page_size
-    sh = pool.sharding
-    heads, head_bytes = (sh.rank_heads, sh.head_bytes) if sh.kind == "heads" else (1, 0)
-    at, tok, nb = [], [], []
-    for h in range(heads):
-        off = h * ps * head_bytes
-        for g in segs:
-            step = ps // g.tokens * g.nbytes
-            for r in range(g.rows):
-                at.append(off + r * step)
-                tok.append(g.tokens)
-                nb.append(g.nbytes)
-            off += g.rows * step
-    return (
-        np.array(at, dtype=np.int64),
-        np.array(tok, dtype=np.int64),
-        np.array(nb, dtype=np.int64),
-    )
+    """Every lane (``pools.segment_lanes``) of every head of one page of ``pool``: where its
+    units start inside the page, how many tokens a unit holds, its bytes; in page order."""
+    ps, sh = pool.page_size, pool.sharding
+    heads, per_head = (sh.rank_heads, ps * sh.head_bytes) if sh.kind == "heads" else (1, 0)
+    one = segment_lanes(segs, ps)
+    rows = [(h * per_head + at, tok, nb) for h in range(heads) for at, tok, nb in one]
+    at, tok, nb = (np.array(x, dtype=np.int64) for x in zip(*rows))
+    return at, tok, nb
 
 
 def plan_segments(

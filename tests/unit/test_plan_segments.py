@@ -5,6 +5,8 @@ them. No processes, no transport."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -153,3 +155,57 @@ def test_unused_freed_pages_outside_the_range_are_not_read() -> None:
         P.pair_buffers(src, dst), np.array([-1, -1, 4, 5]), 0, np.array([6, 7]), 0, 32, 128
     )
     assert isinstance(bad, str) and "out of range" in bad
+
+
+def _real(
+    ps: int, segs: tuple[PageSegment, ...], pages: int, hb: int
+) -> tuple[PoolSpec, list[np.ndarray]]:
+    """A pool over real memory (numpy buffers, kept alive by the caller)."""
+    item = HEADS * ps * hb
+    arrs = [np.zeros(pages * item, dtype=np.uint8) for _ in range(2)]
+    spec = PoolSpec(
+        name="kv",
+        kind="paged",
+        buffers=tuple(BufferSpec(a.ctypes.data, a.nbytes, i, "kv") for i, a in enumerate(arrs)),
+        item_bytes=item,
+        num_items=pages,
+        page_size=ps,
+        dtype="float32",
+        sharding=Sharding.heads(HEADS, HEADS, 0, hb, "HND"),
+        page_remap=True,
+        segments=segs,
+    )
+    return spec, arrs
+
+
+@pytest.mark.parametrize("mode", ["full", "sampled"])
+@pytest.mark.parametrize("segs", [VEC, AMX], ids=["vec", "amx"])
+@pytest.mark.parametrize("ps_s,ps_d", [(32, 64), (64, 32)])
+def test_digests_of_a_remapped_range_agree_and_a_wrong_unit_changes_them(
+    mode: str, segs: tuple[PageSegment, ...], ps_s: int, ps_d: int
+) -> None:
+    from pdxfer.integrity import Span, digests, sample_stride
+
+    hb = HEAD_BYTES if segs is VEC else 2 * DIM * 2
+    src, sa = _real(ps_s, segs, 512 // ps_s, hb)
+    dst, da = _real(ps_d, segs, 512 // ps_d, hb)
+    rng = np.random.default_rng(3)
+    for a in sa:
+        a[:] = rng.integers(0, 256, a.size, dtype=np.uint8)
+    n = 200
+    sp = rng.permutation(src.num_items)[: -(-n // ps_s)]
+    dp = rng.permutation(dst.num_items)[: -(-n // ps_d)]
+    b = P.plan_paged(P.pair_buffers(src, dst), sp, 0, dp, 0, 0, n)
+    assert not isinstance(b, str), b
+    for s, d, k in zip(b.src.tolist(), b.dst.tolist(), b.nbytes.tolist()):
+        ctypes.memmove(d, s, k)
+    stride = sample_stride(src, dst)
+    want = digests(src, Span(sp, 0, 0, n, 0, HEADS), mode, stride)
+    assert digests(dst, Span(dp, 0, 0, n, 0, HEADS), mode, stride) == want
+    # a wrong unit: the first lane's unit of the last sampled token (read by both modes)
+    t = n - 1
+    page, within = int(dp[t // ps_d]), t % ps_d
+    off, _ = where(dst, page, within, 0)[0]
+    da[1][off] ^= 0xFF
+    got = digests(dst, Span(dp, 0, 0, n, 0, HEADS), mode, stride)
+    assert got[0] == want[0] and got[1] != want[1]
