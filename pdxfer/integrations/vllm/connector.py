@@ -34,6 +34,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from pdxfer import ConfigError
 
 from . import config as C
+from . import tiles
 from .groups import Group
 from .metadata import PdxferMetadata
 from .scheduler import PdxferScheduler
@@ -159,6 +160,10 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
                 self.cfg,
                 RankInfo(*_tp(vllm_config), block_size, kv_heads, cache_dtype),
                 self.groups,
+            )
+            self.worker.interior = tiles.interior(
+                vllm_config.compilation_config.static_forward_context,
+                mc.dtype if mc is not None else None,
             )
 
     @classmethod

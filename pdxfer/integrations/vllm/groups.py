@@ -141,14 +141,14 @@ def window_first(g: Group, num_tokens: int) -> int:
 
 def stream_pages(g: Group, blocks: Sequence[int], t0: int, t1: int, num_tokens: int) -> list[int]:
     """The pages of ``g`` holding tokens ``[t0, t1)`` that a step may hand over before the
-    request ends: every block of a full group; of a window group, -1 (never read) below
-    ``window_first`` (vLLM may free those before the request ends)."""
+    request ends: every block of a full group; of a window group, the null block below
+    ``window_first`` (vLLM may free those before the request ends: ``source_pages``)."""
     lo = window_first(g, num_tokens) if g.kind == "window" else 0
     ids = list(blocks)
     if len(ids) < -(-t1 // g.block_size):
         raise ValueError(f"{g.pool}: {len(ids)} blocks for tokens [{t0}, {t1})")
     return [
-        -1 if k < lo or ids[k] == NULL_BLOCK else int(ids[k])
+        NULL_BLOCK if k < lo else int(ids[k])
         for k in range(t0 // g.block_size, -(-t1 // g.block_size))
     ]
 
@@ -161,11 +161,14 @@ def stream_start(part: Part, num_tokens: int) -> int:
 
 
 def source_pages(g: Group, blocks: Sequence[int], num_tokens: int) -> list[int]:
-    """A prefill's pages of ``g`` for tokens ``[0, num_tokens)``: blocks vLLM already freed
-    (the null block) are -1, pages pdxfer refuses to read (a decode that needs them fails
-    the load rather than get another block's bytes)."""
+    """A prefill's pages of ``g`` for tokens ``[0, num_tokens)``; blocks vLLM freed stay its
+    null block, which no request owns. A decode reads none of those tokens: it needs a
+    window group's tokens from ``num_tokens - window + 1`` on, and the prefill frees none
+    at or after ``window_first``. But a decode with larger blocks holds (and asks for) its
+    whole first block, which may begin before the prefill's first kept one: that part of
+    it is filled from the null block, never from another request's."""
     need = -(-num_tokens // g.block_size)
-    return [-1 if b == NULL_BLOCK else int(b) for b in list(blocks)[:need]]
+    return [int(b) for b in list(blocks)[:need]]
 
 
 def window_start(g: Group, blocks: Sequence[int], first: int, num_tokens: int) -> int | None:

@@ -14,13 +14,18 @@ per block moved as a slot (``describe_state``). Block 0, vLLM's null block, neve
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdxfer import BufferSpec, ConfigError, PoolSpec, Sharding
+from pdxfer import BufferSpec, ConfigError, PageSegment, PoolSpec, Sharding
 
 POOL = "kv"
+
+Interior = Callable[[str, Any, bool], "tuple[PageSegment, ...] | None"]
+"""``(layer name, its cache tensor, latent)``: how the kernel lays a block out by token
+(``tiles.py``), None where the strides say it all (plain tiles on a device), ``()`` where it
+is unknown (blocks then move whole, between equal block sizes only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +84,12 @@ def describe(
     tp_size: int = 1,
     name: str = POOL,
     latent: bool = False,
+    interior: Interior | None = None,
 ) -> Layout:
     """The pool for vLLM's ``register_kv_caches`` tensors (see the module docstring).
     ``latent``: MLA, one latent per token replicated on every TP rank (never head slices,
-    whatever the model config says of its heads)."""
+    whatever the model config says of its heads). ``interior``: how a block is laid out by
+    token, for a peer of another block size (without it, blocks move whole only)."""
     if not kv_caches:
         raise ConfigError("vLLM registered no KV cache tensors")
     order = layer_order(list(kv_caches))
@@ -172,6 +179,9 @@ def describe(
         )
     if item % block_size:
         raise ConfigError(f"a block is {item} bytes, not a multiple of its {block_size} tokens")
+    segments: tuple[PageSegment, ...] | None = ()
+    if kind in ("HND", "NHD", "latent") and interior is not None:
+        segments = interior(order[0][1], t0, kind == "latent")
     try:
         pool = PoolSpec(
             name=name,
@@ -183,6 +193,8 @@ def describe(
             location=location,
             dtype=dtype,
             sharding=sharding,
+            page_remap=segments != (),
+            segments=segments,
         )
     except ValueError as e:
         raise ConfigError(f"KV cache as a pdxfer pool: {e}") from None

@@ -31,7 +31,7 @@ from . import groups as G
 from .config import ConnectorConfig
 from .cpu import hold_amx_tiles
 from .groups import Group, Part
-from .layout import POOL, Layout, describe, describe_state, layer_order
+from .layout import POOL, Interior, Layout, describe, describe_state, layer_order
 from .metadata import (
     AbortOrder,
     ExpectOrder,
@@ -115,6 +115,9 @@ class PdxferWorker:
         self.transport: Any = None
         """The endpoint's transport (None: the configured one; unit tests put pdxfer's
         in-memory transport here before ``register_kv_caches``)."""
+        self.interior: Interior | None = None
+        """How the kernel lays a block out by token (``tiles.interior``, set by the
+        connector): with it, a peer of another block size maps blocks token by token."""
         self.layout: Layout | None = None
         self.cache: TieredCache | None = None
         self._sends: dict[str, _Out] = {}
@@ -187,6 +190,7 @@ class PdxferWorker:
             tp_rank=r.tp_rank,
             tp_size=r.tp_size,
             latent=g0.mla,
+            interior=self.interior,
         )
         self._layer_of = {n: i for i, n in layer_order(list(kv_caches))}
         # a block's interior is addressable by token on a device (plain NHD/HND tiles); vLLM's
@@ -198,9 +202,10 @@ class PdxferWorker:
         ) and not lay.pool.location.startswith("cpu")
         self._layer_ids = tuple(sorted(set(self._layer_of.values())))
         ident = self.cfg.model_id.replace(" ", "_")
+        # the block size is no part of pairing (the pools' page sizes say it; the planner
+        # maps blocks of different sizes), only of the decode's tier keys
         fingerprint = (
-            f"model={ident} block_size={r.block_size} kv_layout={lay.kind} "
-            f"dtype={lay.pool.dtype} cache_dtype={r.cache_dtype}"
+            f"model={ident} kv_layout={lay.kind} dtype={lay.pool.dtype} cache_dtype={r.cache_dtype}"
         )
         self.ep = Endpoint(
             self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
@@ -212,7 +217,7 @@ class PdxferWorker:
                 [lay.pool],
                 host_pages=self.cfg.l2_pages,
                 storage=self._storage(),
-                model_id=fingerprint,
+                model_id=f"{fingerprint} block_size={r.block_size}",
                 salt=f"tp{r.tp_rank}/{r.tp_size}",
             )
         log.info(
@@ -250,10 +255,13 @@ class PdxferWorker:
                     tp_size=r.tp_size,
                     name=g.pool,
                     latent=g.mla,
+                    interior=self.interior,
                 )
                 pool, kind = lay.pool, lay.kind
             pools.append(pool)
-            kinds.append(f"{g.pool}={g.kind}:{g.window}:{g.block_size}:{kind}:{pool.dtype}")
+            # no block size: a state's (its checkpoint interval) changes no byte of its slot
+            # (the slot sizes are compared), an attention group's the planner maps
+            kinds.append(f"{g.pool}={g.kind}:{g.window}:{kind}:{pool.dtype}")
         self.layout = Layout(pools[0], "hybrid", sum(p.item_bytes * len(p.buffers) for p in pools))
         self._stream_layers()
         ident = self.cfg.model_id.replace(" ", "_")
@@ -264,7 +272,10 @@ class PdxferWorker:
             transport=self.transport,
         )
         if self.cfg.side == "decode" and self.cfg.l2_pages > 0:
-            self._group_tiers(dict(zip((g.pool for g in self.groups), pools)), fingerprint)
+            sizes = ",".join(str(g.block_size) for g in self.groups)
+            self._group_tiers(
+                dict(zip((g.pool for g in self.groups), pools)), f"{fingerprint} blocks={sizes}"
+            )
         log.info(
             "pdxfer %s rank %d/%d: groups %s; rooms per request %d; endpoint %s",
             self.cfg.side,
