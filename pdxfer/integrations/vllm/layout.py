@@ -5,11 +5,13 @@ heads, tokens of a block, content; ``[2, B, N, H, D]`` is two of them) in one of
 memory orders. The layout is read from strides and data pointers, never assumed:
 - each layer's block one contiguous span: one buffer per layer, one page per block;
   ``[H, N, C]`` inside is ``HND``, ``[N, H, C]`` ``NHD`` (head slices for different TP);
-  vLLM's CPU tiles are packed per ISA, so pdxfer moves whole tiles and never reads one;
+  vLLM's CPU tiles are packed per ISA: whole tiles move between equal block sizes, and
+  between different ones unit by unit, as the kernel's packing (``tiles.py``) says;
 - every layer of a block together: one buffer, one page per block, opaque (TP 1);
 - anything else is refused with the reason.
 MLA is one latent per token (``latent``), replicated over TP; Mamba-like state is one page
-per block moved as a slot (``describe_state``). Block 0, vLLM's null block, never moves.
+per block moved as a slot (``describe_state``). Block 0, vLLM's null block, is read only as
+the filler of window tokens no decode reads (``groups.source_pages``), never written.
 """
 
 from __future__ import annotations
