@@ -507,14 +507,14 @@ def _remap_error(src: PoolSpec, dst: PoolSpec) -> str | None:
     """Why pages of ``src`` cannot be mapped into pages of another size in ``dst``, or None:
     both token-major, or both laid out by the same segments (``PageSegment``, one head's
     when sharded, the same heads on both sides) whose units tile both page sizes."""
-    if not (src.page_remap or dst.page_remap):
-        return "mark the decode pool page_remap=True to map tokens"
-    if src.token_major and dst.token_major:
-        return None
     a, b = src.page_segments, dst.page_segments
     if a is None or b is None:
         side = "prefill" if a is None else "decode"
         return f"the {side}'s page interior is opaque, so its pages move only whole"
+    if not (src.page_remap or dst.page_remap):
+        return "mark the decode pool page_remap=True to map tokens"
+    if src.token_major and dst.token_major:
+        return None
     if a != b:
         return f"page interiors differ (prefill {_segs(a)}, decode {_segs(b)})"
     sa, sb = src.sharding, dst.sharding

@@ -209,3 +209,15 @@ def test_digests_of_a_remapped_range_agree_and_a_wrong_unit_changes_them(
     da[1][off] ^= 0xFF
     got = digests(dst, Span(dp, 0, 0, n, 0, HEADS), mode, stride)
     assert got[0] == want[0] and got[1] != want[1]
+
+
+def test_different_page_sizes_with_different_head_shards_are_refused_at_pairing() -> None:
+    """A head slice of a packed tile goes whole: it needs equal page sizes (TP 2 -> 1)."""
+    src = pool(32, VEC, 8, 1 << 30).with_(
+        sharding=Sharding.heads(2 * HEADS, HEADS, 0, HEAD_BYTES, "HND")
+    )
+    dst = pool(64, VEC, 8, 1 << 34).with_(
+        sharding=Sharding.heads(2 * HEADS, HEADS, HEADS, HEAD_BYTES, "HND")
+    )
+    why = check_pair(src, dst) or ""
+    assert "page_size: prefill 32, decode 64" in why and "heads [0, 2) on the prefill" in why

@@ -67,3 +67,25 @@ def test_fit_finds_the_finest_rows_of_units() -> None:
     # does not share (``segments`` then calls it opaque)
     assert tiles.fit((t * d + k)[::-1].copy(), n, d) == (1, n, n * d)
     assert tiles.fit(np.zeros((n, d), dtype=np.int64), n, d) is None
+
+
+def _caches(n: int) -> dict[str, torch.Tensor]:
+    t = torch.zeros(2, 8, HEADS, n, 2 * DIM, dtype=torch.float32)  # [L, B, H, N, C]
+    return {f"model.layers.{i}.self_attn.attn": t[i] for i in range(2)}
+
+
+def test_a_learned_packing_pairs_blocks_of_two_sizes_and_an_unknown_one_is_refused_naming_both() -> (
+    None
+):
+    from pdxfer.integrations.vllm.layout import describe
+    from pdxfer.pools import check_pair
+
+    vec = (PageSegment(DIM, 1, 4), PageSegment(1, 1, DIM * 4))
+    a = describe(_caches(32), block_size=32, total_kv_heads=HEADS, interior=lambda *_: vec).pool
+    b = describe(_caches(64), block_size=64, total_kv_heads=HEADS, interior=lambda *_: vec).pool
+    assert a.segments == vec and a.page_remap and check_pair(a, b) is None
+    x = describe(_caches(32), block_size=32, total_kv_heads=HEADS, interior=lambda *_: ()).pool
+    y = describe(_caches(64), block_size=64, total_kv_heads=HEADS).pool
+    why = check_pair(x, y) or ""
+    assert "page_size: prefill 32, decode 64" in why and "opaque" in why
+    assert check_pair(x, describe(_caches(32), block_size=32, total_kv_heads=HEADS).pool) is None
