@@ -213,7 +213,7 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Whether one token's bytes are contiguous inside a page (needed to remap pages)."""
         if self.kind == "slot" or self.page_size == 1:
             return True
-        if self.segments is not None:
+        if self.segments:
             return self.segments == (PageSegment(1, 1, self.token_bytes),)
         return self.sharding.layout == "NHD"
 

@@ -413,6 +413,10 @@ def plan_paged(
             return why
         s0, d0, n = runs(s, d)
         return _expand(pairing, s0, d0, n, src.item_bytes)
+    if src.page_segments is None or dst.page_segments is None:
+        return (
+            f"pool {src.name!r}: an opaque page interior moves only whole, between equal page sizes"
+        )
     if not (src.token_major and dst.token_major):
         return plan_segments(pairing, src_pages, src_first, dst_pages, dst_first, start, end, exact)
     why = _check_used(pairing, src_pages, src_first, dst_pages, dst_first, start, end)
