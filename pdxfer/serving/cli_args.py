@@ -129,6 +129,8 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
         "kv_stale_tolerance_blocks",
         "kv_stale_deadline_s",
         "kv_index_blocks",
+        "prefill_queue_tokens",
+        "max_held",
     )
     add_field_args(ap, MediaPolicy, "max_image_bytes", "max_image_pixels", "allow_remote")
     add_field_args(ap, RouterSettings, "expose_cache_stats", "timeout_s")

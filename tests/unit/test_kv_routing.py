@@ -180,3 +180,27 @@ def test_each_feed_shows_in_the_metrics_labelled_by_its_worker() -> None:
     assert f'pdxfer_router_kv_feed_synced{{worker="{P1}"}} 0.0' in text
     assert f'pdxfer_router_kv_feed_synced{{worker="{P0}"}} 1.0' in text
     assert "pdxfer_router_kv_indexed_blocks_total 6.0" in text
+
+
+def test_auto_routes_by_kv_when_only_the_prefill_leg_has_a_choice() -> None:
+    """Two prefills and one decode under the default policy: the prefill holding the prompt's
+    prefix (by its KV events) gets it, every time, not a round robin's turn."""
+    kv = KvFeeds([FeedSpec(u, "tcp://127.0.0.1:1") for u in (P0, P1, D0)])
+    r = Router(
+        [Prefill(P0, "127.0.0.1:1"), Prefill(P1, "127.0.0.1:1")],
+        [Decode(D0, page_size=BS)],
+        kv=kv,
+        api_keys={},
+    )
+    for f in kv.feeds.values():
+        kv.on_frame(f, 0, KVEventBatch(0.0, []))
+    _holds(kv, P1, 5)
+    assert r.policy == "kv_aware"
+    for _ in range(3):
+        pf, dc, pf_held, _ = r.pick(PROMPT, set(), set())
+        assert (pf.url, dc.url, pf_held) == (P1, D0, 80)
+
+
+def test_auto_is_round_robin_for_a_single_pair() -> None:
+    r = Router([Prefill(P0, "127.0.0.1:1")], [Decode(D0, page_size=BS)], api_keys={})
+    assert r.policy == "round_robin"

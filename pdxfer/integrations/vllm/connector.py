@@ -38,6 +38,7 @@ from . import tiles
 from .groups import Group
 from .metadata import PdxferMetadata
 from .scheduler import PdxferScheduler
+from .spec import draft_id
 from .stats import PdxferPromMetrics, PdxferStats
 from .worker import PdxferWorker, RankInfo
 
@@ -158,7 +159,13 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
             self.worker = PdxferWorker(
                 self.cfg,
-                RankInfo(*_tp(vllm_config), block_size, kv_heads, cache_dtype),
+                RankInfo(
+                    *_tp(vllm_config),
+                    block_size,
+                    kv_heads,
+                    cache_dtype,
+                    draft_id(vllm_config.speculative_config),
+                ),
                 self.groups,
             )
             self.worker.interior = tiles.interior(

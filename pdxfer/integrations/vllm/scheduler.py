@@ -298,8 +298,31 @@ class PdxferScheduler:
             st.blocks, st.last = n_blocks, last
         return out, lay
 
+    def _unpad_first_steps(self, so: SchedulerOutput) -> None:
+        """A loaded request's first step computes its last prompt token alone; vLLM pads it
+        with placeholder drafts (``-1``, for a uniform batch shape), which are verified,
+        rejected and counted as drafts. Colocated, the same step is part of the prefill and
+        has none. The step is scheduled without them, so the decode's drafts, and its
+        acceptance counters, are what colocated vLLM's are (the drafter proposes after the
+        step from the draft KV this load brought)."""
+        spec = so.scheduled_spec_decode_tokens
+        for r in so.scheduled_new_reqs:
+            drafts = spec.get(r.req_id)
+            if (
+                r.req_id not in self._asked
+                or not drafts
+                or any(t >= 0 for t in drafts)
+                or so.num_scheduled_tokens.get(r.req_id) != 1 + len(drafts)
+            ):
+                continue
+            del spec[r.req_id]
+            so.num_scheduled_tokens[r.req_id] = 1
+            so.total_num_scheduled_tokens -= len(drafts)
+
     # -- both ----------------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput | None = None) -> PdxferMetadata:
+        if self.cfg.side == "decode" and getattr(so, "scheduled_spec_decode_tokens", None):
+            self._unpad_first_steps(so)  # type: ignore[arg-type]
         chunks, lay = self._step_chunks(so) if so is not None and self.streams else ([], [])
         meta = PdxferMetadata(
             self._sends,

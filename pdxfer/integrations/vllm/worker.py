@@ -100,6 +100,9 @@ class RankInfo:
     cache_dtype: str = "auto"
     """vLLM's ``--kv-cache-dtype``: both sides of a pair must agree (``fp8`` against
     ``auto`` is refused when they pair, naming both)."""
+    draft: str = "none"
+    """The drafter whose KV moves beside the target's (``spec.draft_id``): both sides of a
+    pair must agree (refused when they pair, naming both)."""
 
 
 class PdxferWorker:
@@ -205,7 +208,8 @@ class PdxferWorker:
         # the block size is no part of pairing (the pools' page sizes say it; the planner
         # maps blocks of different sizes), only of the decode's tier keys
         fingerprint = (
-            f"model={ident} kv_layout={lay.kind} dtype={lay.pool.dtype} cache_dtype={r.cache_dtype}"
+            f"model={ident} kv_layout={lay.kind} dtype={lay.pool.dtype} "
+            f"cache_dtype={r.cache_dtype} draft={r.draft}"
         )
         self.ep = Endpoint(
             self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
@@ -265,7 +269,9 @@ class PdxferWorker:
         self.layout = Layout(pools[0], "hybrid", sum(p.item_bytes * len(p.buffers) for p in pools))
         self._stream_layers()
         ident = self.cfg.model_id.replace(" ", "_")
-        fingerprint = f"model={ident} groups={','.join(kinds)} cache_dtype={r.cache_dtype}"
+        fingerprint = (
+            f"model={ident} groups={','.join(kinds)} cache_dtype={r.cache_dtype} draft={r.draft}"
+        )
         self.ep = Endpoint(
             self.cfg.endpoint_config(r.tp_rank, r.tp_size, fingerprint),
             pools,

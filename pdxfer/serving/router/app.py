@@ -53,6 +53,7 @@ from .backends import (
     parse_prefill,
     registered,
 )
+from .door import Door
 from .kv_feed import FeedSpec, KvFeeds
 from .kv_policy import Held, choose, pending_tokens, per_request
 from .kv_stale import LIMITS as STALE
@@ -63,6 +64,23 @@ from .settings import DEFAULT, RouterSettings
 
 log = logging.getLogger("pdxfer.serving.router")
 POLICIES = ("round_robin", "least_outstanding", "kv_aware")
+
+
+def usable(xs: list[Any], avoid: set[str]) -> list[Any]:
+    """The workers a choice may take: healthy ones not avoided, else any not avoided."""
+    return (
+        [x for x in xs if x.key not in avoid and x.healthy]
+        or [x for x in xs if x.key not in avoid]
+        or xs
+    )
+
+
+def auto_policy(n_prefills: int, n_decodes: int) -> str:
+    """``auto``: KV-aware wherever a leg has a choice (several prefills or several decodes),
+    so configured KV events are used; round robin for a single pair, where nothing differs."""
+    return "kv_aware" if n_prefills > 1 or n_decodes > 1 else "round_robin"
+
+
 HEALTH_TTL_S = 1.0
 
 
@@ -111,13 +129,14 @@ class Router:
         load_weight: float = DEFAULT["kv_load_weight"],
         media: MediaPolicy = MEDIA,
         stale: StaleLimits = STALE,
+        door: Door | None = None,
     ) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
         self.auto_policy = policy == "auto"
-        """Whether the policy follows the number of decodes (DP groups show up later)."""
+        """Whether the policy follows the number of workers (DP groups show up later)."""
         if policy == "auto":
-            policy = "kv_aware" if len(decodes) > 1 else "round_robin"
+            policy = auto_policy(len(prefills), len(decodes))
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES} or auto, got {policy!r}")
         self.prefills, self.decodes, self.policy = prefills, decodes, policy
@@ -136,6 +155,8 @@ class Router:
         self.load_weight = load_weight
         self.media = media
         """What chat requests may carry in ``image_url`` parts (``media.py``)."""
+        self.door = door or Door(DEFAULT["prefill_queue_tokens"], DEFAULT["max_held"])
+        """Where requests wait while every prefill's queue is full (``door.py``)."""
         self._rr_p = itertools.count()
         self._rr_d = itertools.count()
         self.counters = collections.Counter[str]()
@@ -218,13 +239,6 @@ class Router:
     ) -> tuple[Prefill, Decode, int, int]:
         """A (prefill, decode) pair, and how many leading prompt tokens each holds as far
         as the router knows (0 but under ``kv_aware``)."""
-
-        def usable(xs: list[Any], avoid: set[str]) -> list[Any]:
-            return (
-                [x for x in xs if x.key not in avoid and x.healthy]
-                or [x for x in xs if x.key not in avoid]
-                or xs
-            )
 
         ps, ds = usable(self.prefills, avoid_p), usable(self.decodes, avoid_d)
         pf_held = dc_held = 0
@@ -346,7 +360,7 @@ class Router:
                 out.append(d)
         self.decodes[:] = out
         if self.auto_policy:
-            self.policy = "kv_aware" if len(out) > 1 else "round_robin"
+            self.policy = auto_policy(len(self.prefills), len(out))
 
     async def h_health(self, request: web.Request) -> web.Response:
         workers = await self.refresh_health(force=True)
@@ -366,6 +380,9 @@ class Router:
         vals["outstanding"] = sum(d.outstanding for d in self.decodes)
         vals["healthy_prefills"] = sum(p.healthy for p in self.prefills)
         vals["healthy_decodes"] = sum(d.healthy for d in self.decodes)
+        vals["waiting"] = self.door.waiting
+        vals["held_at_door"] = self.door.held
+        vals["refused_at_door"] = self.door.refused
         if self.kv is not None:
             if self.stale is not None:
                 self.stale.sweep()
@@ -585,7 +602,8 @@ class Router:
         err: AttemptFailed | None = None
         tries = max(2, len(self.prefills) * len(self.decodes))
         for attempt in range(tries):
-            pf, dc, pf_held, dc_held = self.pick(ids, avoid_p, avoid_d, ask.tenant)
+            full = await self.door.enter(usable(self.prefills, avoid_p), len(ids), self.timeout_s)
+            pf, dc, pf_held, dc_held = self.pick(ids, avoid_p | full, avoid_d, ask.tenant)
             marks = (
                 (self.kv.mark(pf.key), self.kv.mark(dc.key))
                 if self.kv is not None
@@ -709,6 +727,7 @@ class Router:
                     if pf_work and ev.token_ids:
                         pf.pending -= pf_work
                         pf_work = 0
+                        self.door.released()
                     c.token_ids += ev.token_ids
                     c.logprobs += ev.logprobs
                     rendered |= ev.text is not None
@@ -740,7 +759,9 @@ class Router:
         finally:
             pf.outstanding -= 1
             dc.outstanding -= 1
-            pf.pending -= pf_work
+            if pf_work:
+                pf.pending -= pf_work
+                self.door.released()
             if stops.stopped:
                 self._later(self.backend.abort(self.http, pf.url, room, "stop string reached"))
 
@@ -798,6 +819,7 @@ def run(a: argparse.Namespace) -> int:
         backend=make_backend(s),
         kv=kv,
         load_weight=s.kv_load_weight,
+        door=Door(s.prefill_queue_tokens, s.max_held),
         stale=StaleLimits(
             s.kv_stale_misses,
             s.kv_stale_window_s,

@@ -57,7 +57,9 @@ class RouterSettings:
         "or after the prefill answered (sequential: vLLM's own proxy protocol)",
     )
     policy: Literal["auto", "round_robin", "least_outstanding", "kv_aware"] = setting_field(
-        "auto", "pairing policy (auto: kv_aware with several decodes, else round_robin)"
+        "auto",
+        "pairing policy (auto: kv_aware where a leg has a choice, several prefills or "
+        "several decodes, else round_robin)",
     )
     kv_events: tuple[str, ...] = setting_field(
         (),
@@ -106,6 +108,17 @@ class RouterSettings:
         "show clients how many prompt tokens came from the decode's cache "
         "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)",
     )
+    prefill_queue_tokens: int = setting_field(
+        16384,
+        "prompt tokens a prefill may have waiting to be computed, with a new request's: past "
+        "it, requests wait at the router (first come, first served) until a prefill has "
+        "room; an idle prefill takes any request (0: no limit)",
+    )
+    max_held: int = setting_field(
+        1024,
+        "requests that may wait at the router for a prefill with room; past it a request "
+        "is refused at once with 503",
+    )
     timeout_s: float = setting_field(
         120.0,
         "per-request deadline towards the workers (seconds); --engine vllm: also how "
@@ -133,6 +146,8 @@ class RouterSettings:
             kv_stale_deadline_s=a.kv_stale_deadline,
             kv_index_blocks=a.kv_index_blocks,
             expose_cache_stats=a.expose_cache_stats,
+            prefill_queue_tokens=a.prefill_queue_tokens,
+            max_held=a.max_held,
             timeout_s=a.timeout,
         )
 
