@@ -89,3 +89,25 @@ def test_a_learned_packing_pairs_blocks_of_two_sizes_and_an_unknown_one_is_refus
     why = check_pair(x, y) or ""
     assert "page_size: prefill 32, decode 64" in why and "opaque" in why
     assert check_pair(x, describe(_caches(32), block_size=32, total_kv_heads=HEADS).pool) is None
+
+
+@pytest.mark.parametrize("n", [32, 64])
+def test_vllms_cpu_mla_writes_one_plain_latent_row_per_token_at_any_block_size(n: int) -> None:
+    """What ``tiles.PLAIN_LATENT`` stands on: vLLM's reference CPU MLA backend writes token
+    ``t`` of block ``b`` at row ``b * n + t`` of the cache, so latent pages map token by token."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+
+    assert CPUMLABackend.get_name() in tiles.PLAIN_LATENT
+    lora, pe, blocks = 512, 64, 3
+    cache = torch.zeros(blocks, n, lora + pe, dtype=torch.bfloat16)
+    slots = torch.tensor([2 * n + 5, 7, n + 1], dtype=torch.int64)
+    kv_c = torch.arange(3 * lora, dtype=torch.float32).reshape(3, lora) % 97 + 1
+    k_pe = torch.arange(3 * pe, dtype=torch.float32).reshape(3, 1, pe) % 89 + 1
+    CPUMLAImpl.do_kv_cache_update(
+        None, kv_c.bfloat16(), k_pe.bfloat16(), cache, slots, "auto", None
+    )  # type: ignore[arg-type]
+    rows = cache.reshape(-1, lora + pe)
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(rows[s, :lora], kv_c[i].bfloat16())
+        assert torch.equal(rows[s, lora:], k_pe[i, 0].bfloat16())
+    assert int((rows != 0).any(dim=1).sum()) == 3
