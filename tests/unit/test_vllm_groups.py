@@ -96,8 +96,9 @@ def test_with_two_block_sizes_the_prefills_kept_blocks_hold_every_window_token_a
         held = reads // bs_d * bs_d  # the decode's first block starts here: it asks from it
         pages = G.stream_pages(p, ids, 0, n, n)
         for t in range(held, n):
-            real = pages[t // bs_p] != G.NULL_BLOCK
-            assert real or t < reads, (n, t)
+            page = pages[t // bs_p]
+            assert page >= 0, (n, t)  # every token the decode asks for can be planned
+            assert page != G.NULL_BLOCK or t < reads, (n, t)  # and it reads only real ones
 
 
 def test_a_step_hands_only_window_blocks_no_step_frees() -> None:
