@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .. import auth, wire
+from .. import trust, wire
 from ..bootstrap import BootstrapClient
 from ..errors import (
     BootstrapError,
@@ -30,8 +30,8 @@ from ..errors import (
 from ..netaddr import host_of, is_local, is_loopback, unreachable_from
 from ..plan import topology as T
 from ..pools import PoolSpec, layout_signature
+from ..trust import Session, new_nonce
 from .liveness import refuses
-from .trust import Session, new_nonce
 
 if TYPE_CHECKING:
     from .core import Core
@@ -276,7 +276,7 @@ class Connector:
                 pair = new_nonce()
                 secret = self.ep.secret
                 peer.sess = Session(
-                    pair, peer, ack_key=auth.ack_key(secret, pair) if secret else None
+                    pair, peer, ack_key=trust.ack_key(secret, pair) if secret else None
                 )
                 self._handshakes[pair] = peer
                 if secret is not None:
@@ -377,7 +377,7 @@ class Connector:
                 peer.pools = {p.name: p for p in msg.pools}
                 if secret is not None and peer.sess is not None:
                     s = peer.sess
-                    s.send_key, s.recv_key = auth.session_keys(
+                    s.send_key, s.recv_key = trust.session_keys(
                         secret, s.pair, msg.nonce, self.ep.endpoint_id, peer.endpoint_id
                     )
                     s.ack_key = None

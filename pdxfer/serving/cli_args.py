@@ -12,18 +12,13 @@ import argparse
 from typing import Any
 
 from pdxfer import endpoint_settings
-from pdxfer.setting import settings_of
+from pdxfer.setting import flag_of, settings_of
 
 from .router.media import MediaPolicy
 from .router.settings import RouterSettings
 from .toy.config import WorkerConfig
 
 _TYPES = {"int": int, "float": float, "int | None": int, "float | None": float}
-
-
-def flag_of(name: str) -> str:
-    """A setting's flag: ``bootstrap_timeout_s`` -> ``--bootstrap-timeout``."""
-    return "--" + name.removesuffix("_s").replace("_", "-")
 
 
 def add_field_args(

@@ -31,7 +31,7 @@ from . import nvlink, tcpstate
 from .base import FindsPeersBySession, TransportStats
 from .pacing import Credits, RateEstimate
 
-log = logging.getLogger("pdxfer.transport")
+log = logging.getLogger(__name__)
 
 _LIB_PACKAGES = {
     "libibverbs": "libibverbs1",

@@ -37,7 +37,7 @@ from ..errors import ConfigError, PeerLost, TransportError, TransportUnavailable
 from ..faults import faults
 from .base import FinalFailures, TransportStats
 
-log = logging.getLogger("pdxfer.transport.nixl")
+log = logging.getLogger(__name__)
 
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 500e-6

@@ -1,6 +1,6 @@
 """The control socket's receive side (``endpoint.inbox``) against real ZMQ PUSH peers and raw
 TCP peers speaking ZMTP by hand: what a frame costs before it is admitted, and that the memory
-comes back (issue 27, gap 3). In this process: the inbox's pool is inspected directly."""
+comes back. In this process: the inbox's pool is inspected directly."""
 
 from __future__ import annotations
 

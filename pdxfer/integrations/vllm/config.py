@@ -88,7 +88,7 @@ class ConnectorConfig:
     l3_mooncake: str = _key("", "``l3='mooncake'``: the Mooncake Store master's ``host:port``")
     l3_mooncake_metadata: str = _key("", "``l3='mooncake'``: the store's metadata URL")
     l3_mooncake_segment_mb: int = _key(
-        64, "``l3='mooncake'``: store memory this decode contributes (0: none)"
+        256, "``l3='mooncake'``: store memory this decode contributes (0: none)"
     )
     model_id: str = _key(
         "",

@@ -2,8 +2,8 @@
 
 vLLM builds the connector twice: once with the scheduler role (in the engine core) and once
 per worker rank. This facade checks the configuration first, then forwards each call to
-``PdxferScheduler`` (``scheduler.py``) or ``PdxferWorker`` (``worker.py``), which never import
-it back.
+``PdxferScheduler`` (``scheduler.py``) or ``PdxferWorker`` (``worker.py``: the rank's step,
+over its sender and loader halves), which never import it back.
 
 Load it by module path (no registration needed)::
 
@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -79,6 +80,8 @@ def groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[G
         spec, layers = g.kv_cache_spec, tuple(g.layer_names)
         if isinstance(spec, SlidingWindowSpec) and not isinstance(spec, MLAAttentionSpec):
             out.append(Group(i, "window", spec.block_size, layers, window=spec.sliding_window))
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            out.append(Group(i, "chunk", spec.block_size, layers, chunk=spec.attention_chunk_size))
         elif isinstance(spec, FullAttentionSpec) and type(spec) in (
             FullAttentionSpec,
             MLAAttentionSpec,
@@ -221,25 +224,25 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 
-    def _take(self) -> None:
+    def _step(self) -> tuple[PdxferWorker, PdxferMetadata] | None:
+        """On a worker, the worker and this step's orders."""
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, PdxferMetadata):
-                self.worker.take(meta)
+                return self.worker, meta
+        return None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._take()
-
-    def _before_forward(self) -> None:
-        if self.worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, PdxferMetadata):
-                self.worker.before_forward(meta)
+        if step := self._step():
+            worker, meta = step
+            worker.run_orders(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # loads are asynchronous (vLLM schedules a request once its KV arrived); the first
         # layer of a step is the last moment before the forward writes blocks vLLM freed
-        self._before_forward()
+        if step := self._step():
+            worker, meta = step
+            worker.before_forward(meta)
 
     def save_kv_layer(
         self,
@@ -251,21 +254,19 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         # send_by "layer": the layer's part of this step's tokens goes to the sender now (a
         # hand-off); a layer never reported here (a CUDA graph replay skips this call) is
         # handed over after the step (wait_for_save)
-        if self.worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, PdxferMetadata) and meta.layers:
-                self.worker.save_layer(meta, layer_name, kv_layer)
+        if step := self._step():
+            worker, meta = step
+            if meta.layers:
+                worker.save_layer(meta, layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         # waits for nothing on the network: a finished request's blocks stay with the sender
         # until get_finished reports it (request_finished returned True), and a preempted
         # one's writes drain before the next forward (before_forward); only device-computed
         # layers not yet handed over are waited for (their kernels' events)
-        self._take()
-        if self.worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, PdxferMetadata):
-                self.worker.after_forward(meta)
+        if step := self._step():
+            worker, meta = step
+            worker.after_forward(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None

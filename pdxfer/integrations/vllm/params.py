@@ -21,7 +21,7 @@ from typing import Any
 
 from pdxfer import ConfigError, parse_hostport
 
-log = logging.getLogger("pdxfer.integrations.vllm")
+log = logging.getLogger(__name__)
 
 ROOM_MAX = (1 << 63) - 1
 MAX_NAME = 128

@@ -31,10 +31,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdxfer.auth import load_secret
 from pdxfer.config import knobs
 from pdxfer.netaddr import host_of, unreachable_from
 from pdxfer.tiers import page_keys
+from pdxfer.trust import load_secret
 
 from ..errors import BadRequest, OutOfCapacity, ServingError, UpstreamError
 from ..http import error_body, error_response, merge_metrics, metrics_text, read_json, serve
@@ -61,9 +61,11 @@ from .kv_stale import Served, StaleCheck, StaleLimits
 from .media import DEFAULT as MEDIA
 from .media import MediaPolicy
 from .settings import DEFAULT, RouterSettings
+from .settings import POLICIES as SETTINGS_POLICIES
 
-log = logging.getLogger("pdxfer.serving.router")
-POLICIES = ("round_robin", "least_outstanding", "kv_aware")
+log = logging.getLogger(__name__)
+POLICIES = tuple(p for p in SETTINGS_POLICIES if p != "auto")
+"""The pairing policies ``auto`` resolves to."""
 
 
 def usable(xs: list[Any], avoid: set[str]) -> list[Any]:

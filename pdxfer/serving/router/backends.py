@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import aiohttp
 
 from pdxfer import BootstrapClient, PdxferError, endpoint_settings, parse_hostport
-from pdxfer.auth import http_headers
 from pdxfer.setting import settings_of
+from pdxfer.trust import http_headers
 
 from ..errors import BadRequest
 from ..toy.config import WorkerConfig

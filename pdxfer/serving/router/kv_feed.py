@@ -39,7 +39,7 @@ from ..kv_events import (
 from .kv_index import KvIndex, Op, warm
 from .u64map import slots_for
 
-log = logging.getLogger("pdxfer.serving.router.kv")
+log = logging.getLogger(__name__)
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAY_FRAMES = 100_000
 MAX_INBOX = 50_000

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
+from pdxfer.setting import from_namespace, settings_of
 from pdxfer.setting import setting as setting_field
-from pdxfer.setting import settings_of
+
+Policy = Literal["auto", "round_robin", "least_outstanding", "kv_aware"]
+"""How the router pairs workers (``auto``: kv_aware with several decodes, else round_robin)."""
+POLICIES: tuple[str, ...] = get_args(Policy)
+Dispatch = Literal["concurrent", "sequential"]
+"""When a vLLM decode gets its request (``RouterSettings.dispatch``)."""
+DISPATCHES: tuple[str, ...] = get_args(Dispatch)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,13 +57,13 @@ class RouterSettings:
         "--engine vllm: the decodes' block size for KV-aware routing (default: read "
         "from their /metrics)",
     )
-    dispatch: Literal["concurrent", "sequential"] = setting_field(
+    dispatch: Dispatch = setting_field(
         "concurrent",
         "--engine vllm: send the decode its request at the same time as the "
         "prefill's (concurrent: the decode allocates and asks while the prefill computes), "
         "or after the prefill answered (sequential: vLLM's own proxy protocol)",
     )
-    policy: Literal["auto", "round_robin", "least_outstanding", "kv_aware"] = setting_field(
+    policy: Policy = setting_field(
         "auto",
         "pairing policy (auto: kv_aware where a leg has a choice, several prefills or "
         "several decodes, else round_robin)",
@@ -127,29 +134,8 @@ class RouterSettings:
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> RouterSettings:
-        return cls(
-            host=a.host,
-            advertise=a.advertise,
-            port=a.port,
-            prefill=tuple(a.prefill),
-            decode=tuple(a.decode),
-            engine=a.engine,
-            tokenizer=a.tokenizer,
-            page_size=a.page_size,
-            dispatch=getattr(a, "dispatch", DEFAULT["dispatch"]),
-            policy=a.policy,
-            kv_events=tuple(a.kv_events),
-            kv_load_weight=a.kv_load_weight,
-            kv_stale_misses=a.kv_stale_misses,
-            kv_stale_window_s=a.kv_stale_window,
-            kv_stale_tolerance_blocks=a.kv_stale_tolerance_blocks,
-            kv_stale_deadline_s=a.kv_stale_deadline,
-            kv_index_blocks=a.kv_index_blocks,
-            expose_cache_stats=a.expose_cache_stats,
-            prefill_queue_tokens=a.prefill_queue_tokens,
-            max_held=a.max_held,
-            timeout_s=a.timeout,
-        )
+        """The settings ``pdxfer router``'s flags (generated from these fields) parsed into."""
+        return cls(**from_namespace(cls, a))
 
 
 DEFAULT = {k: s.default for k, s in settings_of(RouterSettings).items()}

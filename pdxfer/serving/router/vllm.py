@@ -25,6 +25,8 @@ from typing import Any
 
 import aiohttp
 
+from pdxfer.config import one_of
+
 from . import openai_api as oa
 from .backends import (
     Attempt,
@@ -39,16 +41,15 @@ from .backends import (
     refuse,
     sse_events,
 )
-from .settings import DEFAULT
+from .settings import DEFAULT, DISPATCHES
 from .tokenizers import HFTokenizer, Tokenizer
 
-log = logging.getLogger("pdxfer.serving.router.vllm")
+log = logging.getLogger(__name__)
 SETUP_TIMEOUT_S = 120.0
 """How long the router's start waits for a decode to answer ``/v1/models``, at least: never
 less than its per-request deadline (``--timeout``), since a decode that may take that long
 to answer a request may take that long to answer this one (a process stalled on a loaded
 host)."""
-DISPATCH = ("concurrent", "sequential")
 PREFILL_CAUSE_S = 1.0
 """How long a failed decode waits for its prefill's answer, to report the cause."""
 _BLOCK = re.compile(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', re.M)
@@ -66,8 +67,7 @@ class VllmBackend:
         dispatch: str = DEFAULT["dispatch"],
         setup_timeout_s: float = SETUP_TIMEOUT_S,
     ) -> None:
-        if dispatch not in DISPATCH:
-            raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
+        one_of("dispatch", dispatch, DISPATCHES)
         self.dispatch = dispatch
         self.setup_timeout_s = setup_timeout_s
         self._tokenizer_path = tokenizer
