@@ -156,7 +156,8 @@ class Connector:
 
     def resolve(self, key: RouteKey, room: int, deadline: float) -> Resolved:
         """Route, handshakes and pool assignment for a room (blocking: bootstrap lookup and
-        Hello). Cached per route while the route is room-independent (one DP group)."""
+        Hello). Cached per route while the route is room-independent (one DP group, or the
+        DP rank named)."""
         why = unreachable_from(self.cfg.address, key[0])
         if why:
             raise ConfigError(f"room {room}: bootstrap {key[0]}: {why}")
@@ -195,7 +196,7 @@ class Connector:
                 f"decode's pools {sorted(need)}"
             )
         out = (peers, plan, T.decode_peers(int(route["tp_size"]), self.cfg.tp_size))
-        if route.get("dp_size") == 1:
+        if _fixed(key, route):
             with self.ep.lock:
                 self._resolved[key] = out
         return out
@@ -240,7 +241,7 @@ class Connector:
                 client = self._clients[bootstrap] = BootstrapClient(
                     bootstrap, secret=self.ep.secret, stop=self._closing
                 )
-        if cached is not None and cached["dp_size"] == 1:
+        if cached is not None and _fixed(key, cached):
             return cached
         route = client.route(room, instance, dp, deadline=deadline)
         if not isinstance(route, dict) or not isinstance(route.get("endpoints"), list):
@@ -385,3 +386,9 @@ class Connector:
                 peer.refused = msg.reason or "refused"
                 self.ep.trust.drop(peer.sess)
             peer.ready.set()
+
+
+def _fixed(key: RouteKey, route: dict[str, Any]) -> bool:
+    """Whether a route holds for every room: the instance has one DP rank, or the key names
+    the rank (else the bootstrap picks one by room)."""
+    return route.get("dp_size") == 1 or key[2] is not None

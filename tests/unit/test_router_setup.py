@@ -1,4 +1,5 @@
-"""The router's start: its flags reach its settings; the vLLM router waits for a decode."""
+"""The router's start: its flags reach its settings; the vLLM router waits for a decode,
+and reads a server's data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pdxfer.cli import build_parser
 from pdxfer.serving.router.app import make_backend
 from pdxfer.serving.router.backends import Decode, Http
 from pdxfer.serving.router.settings import DISPATCHES, POLICIES, RouterSettings
-from pdxfer.serving.router.vllm import SETUP_TIMEOUT_S, VllmBackend
+from pdxfer.serving.router.vllm import SETUP_TIMEOUT_S, VllmBackend, data_parallel_size, rank
 from pdxfer.setting import dest_of, settings_of
 
 
@@ -104,3 +105,16 @@ def test_without_numba_the_router_refuses_to_start_naming_its_extra(
     monkeypatch.delitem(sys.modules, "pdxfer.serving.router.jit", raising=False)
     with pytest.raises(ConfigError, match=r"pdxfer\[router\]"):
         importlib.import_module("pdxfer.serving.router.jit")
+
+
+def test_a_vllm_servers_data_parallel_ranks_are_its_engine_labels_and_a_header_picks_one() -> None:
+    text = (
+        "# HELP vllm:num_requests_running x\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+        'vllm:cache_config_info{block_size="32",engine="1"} 1.0\n'
+        'process_open_fds{engine="7"} 3.0\n'
+    )
+    assert data_parallel_size(text) == 2
+    assert data_parallel_size("") == 1  # stats off: one rank as far as the router knows
+    assert rank(1) == {"X-data-parallel-rank": "1"} and rank(None) == {}

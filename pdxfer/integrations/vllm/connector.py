@@ -14,6 +14,7 @@ Load it by module path (no registration needed)::
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -113,6 +114,25 @@ def groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[G
     return tuple(out)
 
 
+def data_parallel(vllm_config: VllmConfig) -> tuple[int, int]:
+    """This engine core's (DP rank, DP size). vLLM runs each DP rank of a dense model as an
+    independent engine and resets its ``data_parallel_rank``/``_size`` to 0 and 1 there; the
+    rank stays in ``data_parallel_index`` and the size in ``elastic_ep_max_dp_size`` (the DP
+    size given at start unless elastic EP is on, which keeps the DP fields as they are). The
+    rank is what vLLM's own connectors name a DP rank by (its ports, ``engine_id``)."""
+    par = vllm_config.parallel_config
+    rank = int(getattr(par, "data_parallel_index", par.data_parallel_rank) or 0)
+    size = int(par.data_parallel_size or 1)
+    if size == 1 and not getattr(par, "enable_elastic_ep", False):
+        size = int(getattr(par, "elastic_ep_max_dp_size", None) or 1)
+    if not 0 <= rank < size:
+        raise ConfigError(
+            f"PdxferConnector: data-parallel rank {rank} is not in [0, {size}) "
+            f"(vLLM's data_parallel_index, data_parallel_size)"
+        )
+    return rank, size
+
+
 def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
     """This worker's (TP rank, TP size); outside a started worker (no process group yet,
     as in a conformance test) only TP 1 is possible."""
@@ -144,11 +164,16 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         name = mc.served_model_name if mc is not None else ""
         if isinstance(name, list):
             name = name[0] if name else ""
-        self.cfg = C.parse(
-            ktc.kv_role,
-            ktc.kv_connector_extra_config,
-            str(name or ""),
-            mc.revision if mc is not None else None,
+        dp_rank, dp_size = data_parallel(vllm_config)
+        self.cfg = replace(
+            C.parse(
+                ktc.kv_role,
+                ktc.kv_connector_extra_config,
+                str(name or ""),
+                mc.revision if mc is not None else None,
+            ),
+            dp_rank=dp_rank,
+            dp_size=dp_size,
         )
         block_size = vllm_config.cache_config.block_size
         self.scheduler: PdxferScheduler | None = None

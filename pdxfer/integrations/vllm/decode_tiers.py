@@ -87,6 +87,8 @@ def _storage(kv: RankKV) -> StorageBackend | None:
     if c.l3 == "file":
         # one folder per rank: each rank's pages hold its own heads
         root = os.path.join(c.l3_dir, f"tp{r.tp_rank}of{r.tp_size}")
+        if c.dp_size > 1:  # and per data-parallel rank: each is a decode of its own
+            root = os.path.join(c.l3_dir, f"dp{c.dp_rank}", f"tp{r.tp_rank}of{r.tp_size}")
         return FileStorage(root, max_bytes=int(c.l3_max_gb * (1 << 30)) or None)
     if c.l3 == "mooncake":
         from pdxfer.tiers import MooncakeStoreStorage

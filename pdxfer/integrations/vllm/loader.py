@@ -91,10 +91,16 @@ class DecodeLoader:
                     instance=o.instance,
                     scope=o.scope,
                     early=o.early,
+                    dp=o.dp,
                 )
             else:
                 rx = ep.receiver(
-                    o.room, o.bootstrap, instance=o.instance, release=release, early=o.early
+                    o.room,
+                    o.bootstrap,
+                    instance=o.instance,
+                    release=release,
+                    early=o.early,
+                    dp=o.dp,
                 )
                 rx.request({POOL: blocks}, prefix_len=o.l1_len, num_tokens=o.num_tokens)
         except Exception as e:  # noqa: BLE001 - the request fails, vLLM recomputes it
@@ -171,6 +177,7 @@ class DecodeLoader:
                         instance=o.instance,
                         scope=o.scope,
                         early=o.early,
+                        dp=o.dp,
                     )
                     joined.parts.append(rx)
                     continue
@@ -180,6 +187,7 @@ class DecodeLoader:
                     instance=o.instance,
                     release=joined.release_one,
                     early=o.early,
+                    dp=o.dp,
                 )
                 joined.parts.append(rx)
                 rx.request(pages, slots=slots, prefix_len=start, num_tokens=o.num_tokens)

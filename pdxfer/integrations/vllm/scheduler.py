@@ -180,6 +180,7 @@ class PdxferScheduler:
                 scope=tier_scope(request),
                 early=ask.early,
                 groups=tuple(tuple(b) for b in every) if self.hybrid else (),
+                dp=ask.dp,
             )
         )
 
@@ -241,6 +242,17 @@ class PdxferScheduler:
         n = len(request.prompt_token_ids or ())
         if ask is None or n == 0:
             return
+        if ask.dp is not None and ask.dp != self.cfg.dp_rank:
+            log.warning(
+                "request %s (room %d) was meant for data-parallel rank %d but runs on rank "
+                "%d: a decode told to load from rank %d will not find it (is vLLM's "
+                "X-data-parallel-rank header reaching the server?)",
+                rid,
+                ask.room,
+                ask.dp,
+                self.cfg.dp_rank,
+                ask.dp,
+            )
         self.streams[rid] = Streamed(
             ask.room, ask.decode, n, last=self.hybrid and not self.hybrid_layers
         )
@@ -390,7 +402,9 @@ class PdxferScheduler:
             return False, None  # no remote decode asked for (or no prompt)
         n = st.num_tokens
         assert self.cfg.bootstrap is not None  # checked in config for a prefill
-        answer = P.prefill_answer(st.room, self.cfg.bootstrap, self.cfg.instance, n)
+        answer = P.prefill_answer(
+            st.room, self.cfg.bootstrap, self.cfg.instance, n, self.cfg.dp_rank
+        )
         if st.dropped:  # preempted: its room was aborted, a decode that asks is refused
             return False, answer
         need = -(-n // self.block_size)

@@ -1,4 +1,4 @@
-"""A worker rank's stats as a JSON file (``stats_file``; ``.tp<rank>`` added under TP), for
+"""A worker rank's stats as a JSON file (``stats_file``; ``.dp<rank>`` added under DP, ``.tp<rank>`` under TP), for
 tests and tools that read a running server's figures without scraping ``/metrics``.
 
 Rewritten whole, through a temporary file and a rename: a reader never sees half of it.
@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class StatsFile:
-    def __init__(self, path: str, rank: RankInfo) -> None:
+    def __init__(self, path: str, rank: RankInfo, dp_rank: int = 0, dp_size: int = 1) -> None:
+        if path and dp_size > 1:  # each data-parallel rank is an engine of its own
+            path = f"{path}.dp{dp_rank}"
         self.path = f"{path}.tp{rank.tp_rank}" if path and rank.tp_size > 1 else path
         """Empty: no file is written."""
 

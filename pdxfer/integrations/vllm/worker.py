@@ -82,7 +82,7 @@ class PdxferWorker:
         connector): with it, a peer of another block size maps blocks token by token."""
         self.counts = Counters()
         """What the sender and the loader counted (``counters.py``)."""
-        self.stats_file = StatsFile(cfg.stats_file, rank)
+        self.stats_file = StatsFile(cfg.stats_file, rank, cfg.dp_rank, cfg.dp_size)
         self.kv: RankKV | None = None
         """Set by ``register_kv_caches``, with the tiers and both halves."""
         self.tiers = DecodeTiers(None)
@@ -263,6 +263,7 @@ class PdxferWorker:
             "role": self.cfg.side,
             "instance": self.cfg.instance,
             "tp_rank": self.rank.tp_rank,
+            "dp_rank": self.cfg.dp_rank,
             **self.counts.totals,
             "in_flight_sends": self.sender.in_flight if self.sender is not None else 0,
             "in_flight_loads": self.loader.in_flight if self.loader is not None else 0,

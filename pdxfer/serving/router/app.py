@@ -302,14 +302,22 @@ class Router:
             return self._health
         out: dict[str, Any] = {}
         probe = self.backend.probe
-        pf_info = await asyncio.gather(*(probe(self.http, p) for p in self.prefills))
-        reg = await asyncio.gather(*(registered(p) for p in self.prefills))
-        for p, info, ok in zip(self.prefills, pf_info, reg):
-            self._down_forgets(p, info is not None and ok)
-            p.healthy = info is not None and ok
-            out[p.url] = (
+        fronts = {_front(p): p for p in reversed(self.prefills)}  # a DP instance once
+        looked = await asyncio.gather(
+            asyncio.gather(*(probe(self.http, p) for p in fronts.values())),
+            asyncio.gather(*(registered(p) for p in fronts.values())),
+        )
+        by_front = dict(zip(fronts, zip(*looked)))
+        self._expand_ranks(by_front)
+        for p in self.prefills:
+            info, size = by_front[_front(p)]
+            ok = info is not None and size is not None
+            self._down_forgets(p, ok)
+            p.healthy = ok
+            p.dp_size = size or p.dp_size
+            out[p.key] = (
                 "ok"
-                if p.healthy
+                if ok
                 else "down"
                 if info is None
                 else f"not registered with bootstrap {p.bootstrap}"
@@ -351,18 +359,49 @@ class Router:
 
     def _expand_groups(self, infos: dict[str, Any]) -> None:
         """A decode URL that answers with DP ``groups`` becomes one record per group (each
-        with its own cache keys, load and health), in place of its single record."""
+        with its own cache keys, load and health), in place of its single record; its KV
+        event feed becomes one per group."""
         out: list[Decode] = []
         for d in self.decodes:
             groups = (infos.get(d.url) or {}).get("groups")
             if d.dp is None and isinstance(groups, list) and groups:
                 out += [Decode(d.url, d.instance, dp=g) for g in range(len(groups))]
                 log.info("decode %s fronts %d DP groups", d.url, len(groups))
+                if self.kv is not None:
+                    self.kv.ranks(d.url, len(groups))
             else:
                 out.append(d)
         self.decodes[:] = out
         if self.auto_policy:
             self.policy = auto_policy(len(self.prefills), len(out))
+
+    def _expand_ranks(self, fronts: dict[tuple[str, str, str], tuple[Any, int | None]]) -> None:
+        """A prefill instance whose bootstrap registration has several data-parallel ranks
+        becomes one record per rank (each with its own load, cache keys and KV event feed):
+        the router picks the rank, sends the request there and tells the decode to load
+        from it. A restart with another DP size rebuilds its records (those kept keep their
+        figures)."""
+        out: list[Prefill] = []
+        done: set[tuple[str, str, str]] = set()
+        for p in self.prefills:
+            f = _front(p)
+            size = fronts.get(f, (None, None))[1]
+            mine = [q for q in self.prefills if _front(q) == f]
+            want = [None] if size == 1 else list(range(size)) if size else None
+            if want is None or [q.dp for q in mine] == want:
+                out.append(p)
+                continue
+            if f in done:
+                continue
+            done.add(f)
+            old = {q.dp: q for q in mine}
+            out += [old.get(r) or Prefill(p.url, p.bootstrap, p.instance, dp=r) for r in want]
+            log.info("prefill %s (instance %s) runs %d DP ranks", p.url, p.instance, len(want))
+            if self.kv is not None:
+                self.kv.ranks(p.url, len(want))
+        self.prefills[:] = out
+        if self.auto_policy:  # a DP prefill's ranks are a choice, as several prefills are
+            self.policy = auto_policy(len(out), len(self.decodes))
 
     async def h_health(self, request: web.Request) -> web.Response:
         workers = await self.refresh_health(force=True)
@@ -482,7 +521,9 @@ class Router:
         return obj
 
     async def _check_context(self, ask: oa.Ask) -> None:
-        if any(d.max_seq_len is None for d in self.decodes):
+        if any(d.max_seq_len is None for d in self.decodes) or any(
+            p.dp_size is None for p in self.prefills
+        ):  # what the workers are (their limits, their DP ranks) before the first pick
             await self.refresh_health()
         limits = [d.max_seq_len for d in self.decodes if d.max_seq_len]
         longest = max(len(p) for p in ask.prompts)
@@ -724,6 +765,8 @@ class Router:
                         }
                         if dc.dp is not None:
                             c.stats["decode_dp"] = dc.dp
+                        if pf.dp is not None:
+                            c.stats["prefill_dp"] = pf.dp
                         finished = True
                         break
                     if pf_work and ev.token_ids:
@@ -775,6 +818,11 @@ class Router:
         c.text += text
         if on_delta is not None:
             await on_delta(c.index, text, lps)
+
+
+def _front(p: Prefill) -> tuple[str, str, str]:
+    """A prefill instance behind one URL (all its DP ranks' records share it)."""
+    return (p.url, p.bootstrap, p.instance)
 
 
 def make_backend(s: RouterSettings) -> Backend:

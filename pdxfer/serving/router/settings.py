@@ -35,12 +35,15 @@ class RouterSettings:
     port: int = setting_field(8000, "HTTP port (0: pick a free one)")
     prefill: tuple[str, ...] = setting_field(
         help="a prefill instance: its HTTP URL, its bootstrap host:port and optionally its "
-        "instance name (repeat for more)",
+        "instance name (repeat for more). An instance whose registration has several "
+        "data-parallel ranks (vLLM --data-parallel-size) is one record per rank",
         metavar="URL,BOOTSTRAP[,INST]",
     )
     decode: tuple[str, ...] = setting_field(
         help="a decode instance's HTTP URL and optionally its instance name, which rooms are "
-        "bound to (repeat for more)",
+        "bound to (repeat for more). A decode whose health shows several groups (pdxfer "
+        "decode --dp; vLLM: one engine label per data-parallel rank in its /metrics) is one "
+        "record per group",
         metavar="URL[,INSTANCE]",
     )
     engine: Literal["toy", "vllm"] = setting_field(
@@ -73,7 +76,9 @@ class RouterSettings:
         "kv_aware: a worker's KV event stream (vLLM --kv-events-config publisher zmq: its "
         "endpoint and replay_endpoint, e.g. "
         "http://10.0.0.1:8100=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558); workers without one "
-        "are judged by the router's own history (repeat for more)",
+        "are judged by the router's own history (repeat for more). A worker with several "
+        "data-parallel ranks gets one feed per rank at the given ports plus the rank, as "
+        "vLLM publishes them",
         metavar="WORKER_URL=ENDPOINT[,REPLAY]",
     )
     kv_load_weight: float = setting_field(
