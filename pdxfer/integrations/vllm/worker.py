@@ -238,7 +238,13 @@ class PdxferWorker:
                 first = next(iter(mine.values()))
                 t = first[0] if isinstance(first, (list, tuple)) else first
                 pool = describe_state(
-                    mine, name=g.pool, num_blocks=int(t.shape[0]), page_bytes=g.page_bytes
+                    mine,
+                    name=g.pool,
+                    num_blocks=int(t.shape[0]),
+                    page_bytes=g.page_bytes,
+                    split=g.split,
+                    tp_rank=r.tp_rank,
+                    tp_size=r.tp_size,
                 )
                 kind = "state"
             else:
