@@ -13,70 +13,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdxfer.integrations.vllm.state import pieces, splits
 from pdxfer.plan import pair_buffers
 from pdxfer.plan.pieces import plan_pieces, ranges_error
 from pdxfer.plan.topology import assign, contacts
 from pdxfer.pools import BufferSpec, PoolSpec, Sharding, check_pair
 
-SENTINEL = 0xA5
+from .state_pages import GDN, MAMBA2, SENTINEL, page, state_pieces
+
 SLOTS = 4
 LAYERS = (3, 7)
 SPACE = 1 << 20
 """Bytes of one rank's simulated address space (buffers at ``rank * SPACE`` on)."""
 
 
-def _m2_channels(h: int, hd: int, g: int, n: int, tp: int, r: int) -> list[int]:
-    """The global conv channels of Mamba2 rank ``r``: its x heads, then its B and C groups
-    (one group replicated on every rank when TP does not divide the group count)."""
-    x = list(range(r * h * hd // tp, (r + 1) * h * hd // tp))
-    gs = range(r * g // tp, (r + 1) * g // tp) if g % tp == 0 else range(g)
-    b = [10_000 + k * n + j for k in gs for j in range(n)]
-    return x + b + [20_000 + c - 10_000 for c in b]
-
-
-def _gdn_channels(kh: int, kd: int, vh: int, vd: int, tp: int, r: int) -> list[int]:
-    q = list(range(r * kh * kd // tp, (r + 1) * kh * kd // tp))
-    return (
-        q
-        + [10_000 + c for c in q]
-        + list(range(20_000 + r * vh * vd // tp, 20_000 + (r + 1) * vh * vd // tp))
-    )
-
-
-def page(model: dict, tp: int, r: int, layer: int, slot: int) -> tuple[bytes, int, list[int]]:
-    """One rank's page for one (layer, slot): the conv state then the temporal state, as the
-    engine computes them, plus the shapes it reports and the page's padded size."""
-    kind, ds, length = model["kind"], model["ds"], model["rows"]
-    if kind == "MAMBA2":
-        h, hd, g, n = model["h"], model["hd"], model["g"], model["n"]
-        ch = _m2_channels(h, hd, g, n, tp, r)
-        heads, inner = range(r * h // tp, (r + 1) * h // tp), hd * n
-        shapes = [(len(ch), length) if ds else (length, len(ch)), (h // tp, hd, n)]
-    else:
-        kh, kd, vh, vd = model["kh"], model["kd"], model["vh"], model["vd"]
-        ch = _gdn_channels(kh, kd, vh, vd, tp, r)
-        heads, inner = range(r * vh // tp, (r + 1) * vh // tp), vd * kd
-        shapes = [(len(ch), length) if ds else (length, len(ch)), (vh // tp, vd, kd)]
-    tag = (layer * 7 + slot) << 24
-    conv = np.array([[tag + c * 16 + k for k in range(length)] for c in ch], dtype=np.int32)
-    conv = conv if ds else conv.T.copy()
-    temporal = np.array(
-        [[tag + (1 << 23) + hh * 4096 + i for i in range(inner)] for hh in heads], dtype=np.int32
-    )
-    body = conv.tobytes() + temporal.tobytes()
-    padded = -(-len(body) // 256) * 256 + 64 * tp  # pages differ in size and padding per TP
-    return body + bytes([SENTINEL]) * (padded - len(body)), len(conv.tobytes()), shapes
-
-
 def rank_pool(model: dict, tp: int, r: int, mem: bytearray) -> PoolSpec:
     """Rank ``r``'s state pool over its page bytes in ``mem`` (``SLOTS`` slots per layer)."""
-    body, conv_bytes, shapes = page(model, tp, r, 0, 0)
-    item = len(body)
-    split = splits(
-        model["kind"], shapes, [4, 4], conv_ds=model["ds"], tp_size=tp, n_groups=model.get("g")
-    )
-    assert not isinstance(split, str), split
+    item = len(page(model, tp, r, 0, 0)[0])
     bufs = []
     for j, layer in enumerate(LAYERS):
         base = r * SPACE + j * item * SLOTS
@@ -89,7 +41,7 @@ def rank_pool(model: dict, tp: int, r: int, mem: bytearray) -> PoolSpec:
         tuple(bufs),
         item,
         SLOTS,
-        sharding=Sharding.sliced(pieces(split, [0, conv_bytes], r, tp)),
+        sharding=Sharding.sliced(state_pieces(model, tp, r)),
     )
 
 
@@ -129,10 +81,6 @@ def move(model: dict, tp_p: int, tp_d: int, sslot: int = 1, dslot: int = 2) -> N
 
 def first_diff(a: bytes, b: bytes) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-MAMBA2 = {"kind": "MAMBA2", "h": 4, "hd": 2, "n": 3, "rows": 3}
-GDN = {"kind": "GDN_ATTN", "kh": 2, "kd": 3, "vh": 4, "vd": 2, "rows": 3}
 
 
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 4)])
