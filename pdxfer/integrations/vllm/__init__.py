@@ -1,7 +1,8 @@
 """pdxfer's KV connector for vLLM (``PdxferConnector``).
 
 Reading order: ``params`` (the ``kv_transfer_params`` protocol) -> ``config`` (the extra
-config) -> ``layout`` (vLLM's cache tensors as a pool) -> ``metadata`` (scheduler -> worker
+config) -> ``groups`` and ``state`` (KV cache groups; how a state splits over TP) -> ``layout``
+(vLLM's cache tensors as a pool) -> ``metadata`` (scheduler -> worker
 orders) -> ``scheduler`` -> ``worker`` -> ``stats`` (its figures in vLLM's log and
 ``/metrics``) -> ``connector`` (the facade vLLM instantiates).
 
