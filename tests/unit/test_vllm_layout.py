@@ -237,6 +237,21 @@ def test_a_mamba2_state_page_is_described_as_tp_sharded_pieces() -> None:
     ]
     assert all(p.row_stride == 384 * 4 for p in pool.sharding.pieces[:3])
     assert [b.layer_id for b in pool.buffers] == [0, 4] and pool.item_bytes == page
+    # vLLM 0.32 hands the raw page instead, [blocks, 1, 1, state bytes] of int8, its states
+    # back to back from byte 0 (MambaBase.bind_kv_cache): the same pieces
+    content = (3 * 384 + 4 * 64 * 64) * 4
+    raw = torch.zeros(6 * page, dtype=torch.int8)
+    view = torch.as_strided(raw, (6, 1, 1, content), (page, content, content, 1))
+    packed = describe_state(
+        {"model.layers.0.mixer": view},
+        name="kv1",
+        num_blocks=6,
+        page_bytes=page,
+        split=split,
+        tp_rank=1,
+        tp_size=2,
+    )
+    assert packed.sharding == pool.sharding
     # tensors that are not what the split says: the page moves whole
     other = describe_state(
         {"model.layers.0.mixer": _mamba_page(6, page, [(3, 100), (4, 64, 64)])},

@@ -104,7 +104,7 @@ def _split(spec: MambaSpec, tp_size: int, n_groups: int | None) -> tuple[TensorS
         n_groups=n_groups,
     )
     if isinstance(got, str):
-        log.info("pdxfer: state moves whole (equal TP sizes only): %s", got)
+        log.warning("pdxfer: state moves whole (equal TP sizes only): %s", got)
         return ()
     return got
 
