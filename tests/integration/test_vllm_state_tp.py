@@ -41,10 +41,13 @@ TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 """Two ranks on a two-core machine (``test_vllm_tp``): unbound, one OpenMP thread each."""
 TIMEOUTS = {"bootstrap_timeout_s": 300.0, "transfer_timeout_s": 300.0, "heartbeat_s": 150.0}
 """Every pdxfer deadline only ends a hang on a loaded machine (``test_vllm_tp`` says why)."""
-STATE_TP1 = (640 * 3 + 8 * 64 * 64) * 4
-"""One request's state at TP 1 (its one Mamba layer): the conv state (x 512 + B 64 + C 64
-channels x 3 rows) and the SSM state (8 heads x 64 x 64), float32; the page's padding is
-not state and never moves between different TP sizes."""
+STATE = {1: (640 * 3 + 8 * 64 * 64) * 4, 2: (384 * 3 + 4 * 64 * 64) * 4}
+"""One request's state on one decode rank at TP 1 and 2 (its one Mamba layer): the conv
+state (x 512 + B 64 + C 64 channels x 3 rows at TP 1; x 256 and the one B/C group, which
+every rank holds, at TP 2) and the SSM state (8 heads x 64 x 64, or 4 heads), float32; the
+page's padding is not state and never moves between different TP sizes."""
+TOKEN = 1024
+"""Attention KV bytes of one token over every rank: K and V of 2 heads x 64, float32."""
 
 
 def _stats(path: Path, tp: int) -> list[dict[str, Any]]:
@@ -174,7 +177,8 @@ def test_state_moves_across_tp_sizes_token_exact_with_colocated(
     loaded = [int(s["net_bytes"]) for s in d]
     assert sum(sent) == sum(loaded), (sent, loaded)
     assert all(sent), sent  # every prefill rank wrote its share
-    # the attention KV moves in whole 1 KiB tokens (both heads, K and V, over all ranks):
-    # what is left is the state, each byte of it once
-    assert sum(loaded) % 1024 == len(prompts) * STATE_TP1 % 1024, loaded
+    # the prompt's attention blocks (the prefill computes all but the last token) and each
+    # decode rank's share of the state, each byte once, never a page's padding
+    attn = sum(-(-(n - 1) // BS) for n in LENGTHS) * BS * TOKEN
+    assert sum(loaded) == attn + len(prompts) * d_tp * STATE[d_tp], loaded
     assert len(set(loaded)) == 1, loaded  # each decode rank loaded its half alike
