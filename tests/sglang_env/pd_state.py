@@ -264,9 +264,15 @@ def _decode_run(
 
 
 def _state_bytes(mgr: Any) -> int:
-    """One copy of a request's state on this rank: its pieces in every buffer."""
+    """One copy of a request's slots on this rank: its state pieces and its aux row, in
+    every buffer."""
     return sum(
-        sum(q.width * q.rows for q in p.sharding.pieces) * len(p.buffers)
+        (
+            sum(q.width * q.rows for q in p.sharding.pieces)
+            if p.name.startswith("state")
+            else p.item_bytes
+        )
+        * len(p.buffers)
         for p in mgr.pools
-        if p.name.startswith("state")
+        if p.kind == "slot"
     )
