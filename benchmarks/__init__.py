@@ -2,6 +2,7 @@
 
 NAMES = (
     "flood",
+    "goodput",
     "hetero",
     "incremental",
     "models",

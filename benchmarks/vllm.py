@@ -428,8 +428,8 @@ def phase(
                             timeout=a.request_timeout,
                         )
                     except Exception as e:  # noqa: BLE001 - untimed: recorded, the half goes on
-                        # a full run (2026-11-26) lost 55 minutes to NixlConnector's cold
-                        # prefill beside the load taking over 600 s here
+                        # a cold NixlConnector prefill beside the load can take over 600 s
+                        # here: one such request must not end the run
                         rec[f"untimed_failed_{section}"] = f"{type(e).__name__}: {e}"[:300]
                         print(
                             f"[bench_vllm] round {rnd} {v} {section}: the untimed first "

@@ -1,8 +1,10 @@
 """pdxfer: move KV cache from prefill to decode over Mooncake Transfer Engine.
 
-Reading order: ``errors`` -> ``setting``/``config`` -> ``pools`` (geometry) -> ``plan/`` (pure address
-math) -> ``wire`` (messages) -> ``transport/`` -> ``bootstrap`` -> ``endpoint/`` (one rank) ->
-``tiers/`` (decode-side L2/L3) -> ``serving/`` (router and toy workers, users of this API) -> ``integrations/`` (vLLM, SGLang).
+Reading order: ``errors`` -> ``setting``/``config`` -> ``pools`` (geometry) -> ``plan/`` (pure
+address math) -> ``wire`` (messages) -> ``trust/`` (secret, signatures, replay, protected mode)
+-> ``transport/`` -> ``bootstrap`` -> ``endpoint/`` (one rank) -> ``tiers/`` (decode-side
+L2/L3) -> ``serving/`` (router and toy workers, users of this API) -> ``integrations/`` (vLLM,
+SGLang).
 """
 
 from .bootstrap import BootstrapClient, BootstrapServer
@@ -29,7 +31,7 @@ from .errors import (
 )
 from .netaddr import parse_hostport, parse_hostports
 from .pools import BufferSpec, Piece, PoolSpec, Sharding
-from .protect import require_trusted, trusted_bootstrap, trusted_from_env
+from .trust import require_trusted, trusted_bootstrap, trusted_from_env
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,7 @@ import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .errors import ConfigError
 from .netaddr import advertised, parse_hostports
@@ -205,6 +205,23 @@ def nixl_env_defaults() -> None:
 
 TRANSPORTS = ("auto", "tcp", "rdma", "nvlink", "nixl")
 """What a user may name (``memory``, the in-process transport, is for unit tests only)."""
+IntegrityMode = Literal["sampled", "full", "off"]
+"""How a decode checks received KV (``EndpointConfig.integrity``)."""
+INTEGRITY_MODES: tuple[str, ...] = get_args(IntegrityMode)
+PackMode = Literal["auto", "on", "off"]
+"""Whether a decode has pages packed (``Limits.pack``)."""
+PACK_MODES: tuple[str, ...] = get_args(PackMode)
+Role = Literal["prefill", "decode"]
+"""What an endpoint is (``EndpointConfig.role``)."""
+ROLES: tuple[str, ...] = get_args(Role)
+
+
+def one_of(name: str, value: object, allowed: tuple[str, ...], note: str = "") -> None:
+    """``ConfigError`` naming ``name``, the value and what is allowed (and ``note``: what the
+    values mean), unless it is allowed."""
+    if value not in allowed:
+        names = ", ".join(repr(a) for a in allowed)
+        raise ConfigError(f"{name} must be one of {names}{note}; got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +279,7 @@ class Limits:
         "before failing the request (the prefill then holds its pages until the decode's "
         "``Release``)",
     )
-    pack: Literal["auto", "on", "off"] = setting(
+    pack: PackMode = setting(
         "auto",
         "whether a decode has a request's pages packed into one large write "
         "(``plan/pack.py``): ``auto``, device pools with small, many pages "
@@ -309,8 +326,7 @@ class Limits:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
-        if self.pack not in ("auto", "on", "off"):
-            raise ConfigError(f"pack must be auto, on or off, got {self.pack!r}")
+        one_of("pack", self.pack, PACK_MODES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +334,7 @@ class EndpointConfig:
     """One rank's settings: where it is, whom it trusts, how it moves KV; ``limits`` holds
     the deadlines and caps. Every field's help is in its metadata (``endpoint_settings``)."""
 
-    role: Literal["prefill", "decode"] = setting(help="``prefill`` (sends) or ``decode``")
+    role: Role = setting(help="``prefill`` (sends) or ``decode``")
     bootstrap: str | None = setting(
         None,
         "``host:port`` of the bootstrap server a prefill registers with and a decode "
@@ -357,7 +373,7 @@ class EndpointConfig:
         choices=TRANSPORTS,
     )
     device: str = setting("", "the RDMA device (NIC) for ``transport='rdma'``")
-    integrity: Literal["sampled", "full", "off"] = setting(
+    integrity: IntegrityMode = setting(
         "sampled",
         "how a decode checks received KV before it reports Success (``sampled``: "
         "a fixed sample of every page; ``full``: every byte; ``off``)",
@@ -404,8 +420,7 @@ class EndpointConfig:
         return advertised(self.host, self.advertise)
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ConfigError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        one_of("role", self.role, ROLES)
         for r, s, what in (
             (self.tp_rank, self.tp_size, "tp"),
             (self.dp_rank, self.dp_size, "dp"),
@@ -413,20 +428,20 @@ class EndpointConfig:
         ):
             if s < 1 or not 0 <= r < s:
                 raise ConfigError(f"{what}_rank {r} must be in [0, {what}_size={s})")
-        if self.integrity not in ("off", "sampled", "full"):
-            raise ConfigError(f"integrity must be off, sampled or full, got {self.integrity!r}")
+        one_of("integrity", self.integrity, INTEGRITY_MODES)
         advertised(self.host, self.advertise)  # a wildcard needs an address to advertise
         object.__setattr__(
             self,
             "trusted_bootstraps",
             parse_hostports(self.trusted_bootstraps, "trusted bootstrap"),
         )
-        if self.transport not in (*TRANSPORTS, "memory"):
-            raise ConfigError(
-                f"transport must be 'auto', 'tcp', 'rdma' or 'nvlink' (Mooncake; "
-                f"nvlink: device pools on one node), 'nixl', or 'memory' "
-                f"(in-process, for tests), got {self.transport!r}"
-            )
+        one_of(
+            "transport",
+            self.transport,
+            (*TRANSPORTS, "memory"),
+            " (tcp, rdma, nvlink: Mooncake, nvlink for device pools on one node; "
+            "memory: in-process, for tests)",
+        )
 
 
 _LIMITS = frozenset(settings_of(Limits))
@@ -451,7 +466,7 @@ def _shown(s: Setting) -> str:
 TOOL_VARS = (
     EnvVar(
         "PDXFER_EXTRAS",
-        "cpu,test,bench,nixl",
+        "cpu,router,test,bench,nixl",
         "``scripts/setup.sh``: the extras of pdxfer to install (``scripts/test.sh`` adds ``vllm``)",
         "tools",
     ),

@@ -369,7 +369,7 @@ class Prepared:
     decode prepares them when it sends its request (the prefill computes meanwhile) and only
     gathers and hashes when the sender's digests arrive: planned right after a large write,
     the reads cost several times what they cost warm, on the request's path (measured:
-    docs/performance-history.md#what-each-lead-of-issue-24-bought-measured-alone)."""
+    docs/performance-history.md#what-each-transfer-lead-bought-measured-alone)."""
 
     words: np.ndarray
     idx: np.ndarray

@@ -65,6 +65,29 @@ class Setting:
         return self.default is MISSING
 
 
+def flag_of(name: str) -> str:
+    """A setting's flag: ``bootstrap_timeout_s`` -> ``--bootstrap-timeout``."""
+    return "--" + name.removesuffix("_s").replace("_", "-")
+
+
+def dest_of(s: Setting) -> str:
+    """The attribute argparse stores ``s``'s flag under (its first option string's)."""
+    return (s.flags or (flag_of(s.name),))[0].lstrip("-").replace("-", "_")
+
+
+def from_namespace(cls: type, a: Any) -> dict[str, Any]:
+    """``cls``'s settings as a parsed namespace holds them (each under its flag's
+    ``dest_of``; a repeated flag's list as a tuple), ready for ``cls(**...)``; a setting
+    the namespace lacks keeps its field's default."""
+    out: dict[str, Any] = {}
+    for name, s in settings_of(cls).items():
+        if not hasattr(a, dest_of(s)):
+            continue
+        v = getattr(a, dest_of(s))
+        out[name] = tuple(v) if s.kind.startswith("tuple[") and v is not None else v
+    return out
+
+
 def settings_of(cls: type) -> dict[str, Setting]:
     """``cls``'s fields that carry a help text (``setting(...)``, or a plain field with
     ``metadata={"help": ...}``), by name, in declaration order."""

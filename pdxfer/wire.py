@@ -18,11 +18,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Annotated, Literal, NamedTuple, Union
+from typing import Annotated, NamedTuple, Union
 
 import msgspec
 import numpy as np
 
+from .config import IntegrityMode
 from .errors import WireError
 from .pools import MAX_BUFFERS, MAX_PIECES, U64, Name, NonNeg, PoolSpec
 
@@ -61,7 +62,8 @@ Session = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Packed = Annotated[bytes, msgspec.Meta(max_length=64 << 20)]
 
 
-Mode = Literal["off", "sampled", "full"]
+Mode = IntegrityMode
+"""The integrity modes (``config.INTEGRITY_MODES``), as the wire carries them."""
 MAX_DIGESTS = 1 << 16
 
 

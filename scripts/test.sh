@@ -5,7 +5,7 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -k transfer -x
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PDXFER_EXTRAS="${PDXFER_EXTRAS:-cpu,test,bench,nixl,vllm}" bash scripts/setup.sh
+PDXFER_EXTRAS="${PDXFER_EXTRAS:-cpu,router,test,bench,nixl,vllm}" bash scripts/setup.sh
 bash scripts/setup_sglang.sh   # SGLang's code in .venv-sglang, for the SGLang backend's tests
 .venv/bin/ruff check pdxfer tests scripts examples benchmarks
 .venv/bin/ruff format --check pdxfer tests scripts examples benchmarks

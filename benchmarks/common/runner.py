@@ -129,6 +129,13 @@ def emit(res: dict[str, Any], path: Path | None) -> None:
         Path(path).write_text(text + "\n")
 
 
+def _terminated(*_: Any) -> None:
+    """SIGTERM unwinds (servers are stopped by pid); a second one, as ``timeout`` and a
+    shell both send, must not cut that cleanup short and orphan them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
+
+
 def run(mod: ModuleType, argv: list[str] | None = None) -> int:
     """Parse, run ``mod.main``, add the run's record, print and write the JSON. Exit status:
     0, 1 if ``mod.passed`` says the results are wrong, 2 if a server did not start or
@@ -139,7 +146,7 @@ def run(mod: ModuleType, argv: list[str] | None = None) -> int:
     if a.describe:
         print(method(name), end="")
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: servers stopped by pid
+    signal.signal(signal.SIGTERM, _terminated)
     before, t0 = load(), time.monotonic()
     try:
         res = mod.main(a)

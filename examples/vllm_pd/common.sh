@@ -1,6 +1,6 @@
 # Sourced by one_host.sh and two_hosts.sh: settings and helpers shared by both.
-# Needs: pdxfer with the vllm extra (CPU: `pip install torch==2.13.0 "pdxfer[cpu,vllm]"`;
-# GPU: `pip install vllm==0.32.0 "pdxfer[cuda]"`), in the same environment as vLLM.
+# Needs: pdxfer with the vllm extra (CPU: `pip install torch==2.13.0 "pdxfer[cpu,vllm,router]"`;
+# GPU: `pip install vllm==0.32.0 "pdxfer[cuda,router]"`), in the same environment as vLLM.
 
 : "${MODEL:?set MODEL to a model folder (to try it: python -m pdxfer.demo.hf_model /tmp/pdxfer-llama)}"
 PY="${PYTHON:-python}"

@@ -18,7 +18,7 @@ from typing import Any
 
 from .patterns import PoolGeom
 
-log = logging.getLogger("pdxfer.harness")
+log = logging.getLogger(__name__)
 
 
 class AgentError(RuntimeError):

@@ -91,6 +91,10 @@ class Shape:
 SHAPES = {
     "small": Shape(),
     "kv32k": Shape(layers=8, hidden=256, heads=8, kv_heads=8, head_size=128, intermediate=512),
+    # benchmarks/goodput.py: large enough that the forward, not Python, sets a step's time
+    "goodput": Shape(
+        layers=4, hidden=768, heads=12, kv_heads=4, head_size=64, intermediate=2048, max_len=9216
+    ),
 }
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .. import auth, wire
+from .. import trust, wire
 from ..bootstrap import BootstrapClient
 from ..errors import (
     BootstrapError,
@@ -30,8 +30,8 @@ from ..errors import (
 from ..netaddr import host_of, is_local, is_loopback, unreachable_from
 from ..plan import topology as T
 from ..pools import PoolSpec, layout_signature
+from ..trust import Session, new_nonce
 from .liveness import refuses
-from .trust import Session, new_nonce
 
 if TYPE_CHECKING:
     from .core import Core
@@ -156,7 +156,8 @@ class Connector:
 
     def resolve(self, key: RouteKey, room: int, deadline: float) -> Resolved:
         """Route, handshakes and pool assignment for a room (blocking: bootstrap lookup and
-        Hello). Cached per route while the route is room-independent (one DP group)."""
+        Hello). Cached per route while the route is room-independent (one DP group, or the
+        DP rank named)."""
         why = unreachable_from(self.cfg.address, key[0])
         if why:
             raise ConfigError(f"room {room}: bootstrap {key[0]}: {why}")
@@ -195,7 +196,7 @@ class Connector:
                 f"decode's pools {sorted(need)}"
             )
         out = (peers, plan, T.decode_peers(int(route["tp_size"]), self.cfg.tp_size))
-        if route.get("dp_size") == 1:
+        if _fixed(key, route):
             with self.ep.lock:
                 self._resolved[key] = out
         return out
@@ -240,7 +241,7 @@ class Connector:
                 client = self._clients[bootstrap] = BootstrapClient(
                     bootstrap, secret=self.ep.secret, stop=self._closing
                 )
-        if cached is not None and cached["dp_size"] == 1:
+        if cached is not None and _fixed(key, cached):
             return cached
         route = client.route(room, instance, dp, deadline=deadline)
         if not isinstance(route, dict) or not isinstance(route.get("endpoints"), list):
@@ -276,7 +277,7 @@ class Connector:
                 pair = new_nonce()
                 secret = self.ep.secret
                 peer.sess = Session(
-                    pair, peer, ack_key=auth.ack_key(secret, pair) if secret else None
+                    pair, peer, ack_key=trust.ack_key(secret, pair) if secret else None
                 )
                 self._handshakes[pair] = peer
                 if secret is not None:
@@ -377,7 +378,7 @@ class Connector:
                 peer.pools = {p.name: p for p in msg.pools}
                 if secret is not None and peer.sess is not None:
                     s = peer.sess
-                    s.send_key, s.recv_key = auth.session_keys(
+                    s.send_key, s.recv_key = trust.session_keys(
                         secret, s.pair, msg.nonce, self.ep.endpoint_id, peer.endpoint_id
                     )
                     s.ack_key = None
@@ -385,3 +386,9 @@ class Connector:
                 peer.refused = msg.reason or "refused"
                 self.ep.trust.drop(peer.sess)
             peer.ready.set()
+
+
+def _fixed(key: RouteKey, route: dict[str, Any]) -> bool:
+    """Whether a route holds for every room: the instance has one DP rank, or the key names
+    the rank (else the bootstrap picks one by room)."""
+    return route.get("dp_size") == 1 or key[2] is not None

@@ -27,7 +27,7 @@ from ..faults import faults
 from .inbox import Inbox, Screen
 from .outbox import Outbox
 
-log = logging.getLogger("pdxfer.control")
+log = logging.getLogger(__name__)
 
 MAX_PEER_SOCKETS = 1024
 """Peer sockets kept open; the least recently used is closed beyond this. Frames only ever go

@@ -13,19 +13,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import auth, wire
+from .. import trust, wire
 from ..config import EndpointConfig
 from ..errors import ConfigError, PdxferError
 from ..metrics import Timeline
 from ..netaddr import check_local
 from ..pools import PoolSpec
-from ..protect import check_serving
 from ..transport import Transport, make_transport
+from ..trust import Session, Trust, check_serving
 from .control import Control, Workers
 from .timed_lock import Clocks, TimedLock
-from .trust import Session, Trust
 
-log = logging.getLogger("pdxfer.endpoint")
+log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, "Session | None", wire.Header], None]
 """A message handler: the decoded message, the session it was admitted under (None without a
@@ -48,7 +47,7 @@ class Core:
         self.pool_names = frozenset(p.name for p in pools)
         self._by_name = {p.name: p for p in pools}
         self.endpoint_id = config.endpoint_id
-        self.secret = auth.load_secret(config.secret)
+        self.secret = trust.load_secret(config.secret)
         self.loopback_only = check_serving(
             f"{config.role} endpoint (control socket)",
             config.host,
@@ -120,7 +119,7 @@ class Core:
 
     def ack_frame(self, ack: wire.HelloAck, pair: bytes) -> bytes:
         """A HelloAck under the key bound to the Hello's nonce ``pair``."""
-        key = auth.ack_key(self.secret, pair) if self.secret else None
+        key = trust.ack_key(self.secret, pair) if self.secret else None
         return wire.frame(
             wire.payload(ack), wire.HelloAck, wire.ACK if key else wire.PLAIN, pair, 0, key
         )

@@ -16,17 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .. import auth, wire
 from .. import plan as P
+from .. import trust, wire
 from ..errors import LayoutMismatch, TransportError
 from ..pools import PoolSpec, check_pools, layout_signature
 from ..transport.auto import mismatch as transport_mismatch
-from .trust import Session, new_nonce
+from ..trust import Session, new_nonce
 
 if TYPE_CHECKING:
     from .core import Core
 
-log = logging.getLogger("pdxfer.sender")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -171,7 +171,7 @@ class DecodePeers:
             return
         sess = Session(h.pair, None, ack=frame)
         if self.ep.secret is not None:
-            sess.recv_key, sess.send_key = auth.session_keys(
+            sess.recv_key, sess.send_key = trust.session_keys(
                 self.ep.secret, h.pair, nonce, msg.endpoint_id, self.ep.endpoint_id
             )
         peer = DecodePeer(

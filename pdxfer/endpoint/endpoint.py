@@ -20,15 +20,15 @@ from ..errors import Aborted, ConfigError, PdxferError, UntrustedBootstrap
 from ..metrics import prometheus_text
 from ..netaddr import unreachable_from
 from ..pools import PoolSpec, layout_signature
-from ..protect import trusted_bootstrap
 from ..transport import Transport
+from ..trust import trusted_bootstrap
 from .core import Core
 from .handles import Release
 from .receiver import DecodeSide, KVReceiver
 from .sender import KVSender, PrefillSide
 from .timed_lock import Clocks
 
-log = logging.getLogger("pdxfer.endpoint")
+log = logging.getLogger(__name__)
 
 
 def validate_pools(pools: Sequence[PoolSpec]) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-log = logging.getLogger("pdxfer.endpoint")
+log = logging.getLogger(__name__)
 
 
 class KVPoll(enum.IntEnum):

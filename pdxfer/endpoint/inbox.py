@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
-from ..protect import peer_allowed
+from ..trust import peer_allowed
 
-log = logging.getLogger("pdxfer.control")
+log = logging.getLogger(__name__)
 
 READ_AHEAD = 4096
 """Bytes read at a frame boundary: most control frames arrive whole in one read."""
@@ -212,7 +212,7 @@ class Inbox:
         max_frame: int,
         loopback_only: bool = False,
     ) -> None:
-        """``loopback_only``: protected mode (``pdxfer.protect``, no secret): a peer on another
+        """``loopback_only``: protected mode (``pdxfer.trust``, no secret): a peer on another
         host is closed on accept, before a byte is read or sent."""
         self._deliver, self._screen, self._reject = deliver, screen, reject
         self.loopback_only = loopback_only

@@ -32,7 +32,7 @@ from .receiver_rooms import RecvRoom
 if TYPE_CHECKING:
     from .core import Core
 
-log = logging.getLogger("pdxfer.receiver")
+log = logging.getLogger(__name__)
 
 
 def _head_bytes(pool: PoolSpec, heads: tuple[int, int] | None) -> slice | np.ndarray:

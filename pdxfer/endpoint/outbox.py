@@ -26,7 +26,7 @@ from typing import Any
 
 from .inbox import zmtp_hello
 
-log = logging.getLogger("pdxfer.control")
+log = logging.getLogger(__name__)
 
 HELLO = zmtp_hello(b"PUSH")
 """A PUSH socket's greeting and READY command, sent first on every connection."""

@@ -26,7 +26,7 @@ from ..plan.pack import Pack
 from ..pools import PoolSpec
 from .staging import Lease, Staging
 
-log = logging.getLogger("pdxfer.pack")
+log = logging.getLogger(__name__)
 _U64 = np.uint64
 MAX_ENTRY = 64 << 20
 """Gathered runs are split into entries of at most this: a few per write, so a transport

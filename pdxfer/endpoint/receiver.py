@@ -44,6 +44,7 @@ from ..plan import topology as T
 from ..plan.heads import lease_bytes
 from ..plan.pack import PACK_POOL, pack_bytes, wanted
 from ..pools import PoolSpec
+from ..trust import Session
 from .connect import Connector, PrefillPeer, Resolved
 from .handles import KVPoll, Release, ReleaseOnce, RoomHandle
 from .integrity_checks import IntegrityChecks
@@ -51,12 +52,11 @@ from .liveness import Liveness
 from .pack import staging_for, unpack
 from .receiver_rooms import RecvRoom, route_key
 from .staging import Lease, Staging, scatter
-from .trust import Session
 
 if TYPE_CHECKING:
     from .core import Core
 
-log = logging.getLogger("pdxfer.receiver")
+log = logging.getLogger(__name__)
 
 
 class KVReceiver(RoomHandle):

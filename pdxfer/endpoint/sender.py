@@ -30,6 +30,7 @@ from ..errors import (
     PlanError,
 )
 from ..plan import chunk as C
+from ..trust import Session
 from .decode_peers import DecodePeer, DecodePeers, model_diff
 from .expected import Expected
 from .handles import KVPoll, RoomHandle
@@ -38,7 +39,6 @@ from .pending import Parked, PendingRequests, pending_size
 from .sender_rooms import Chunk, SenderRoom, Slot, Target, decodes
 from .settler import Settler
 from .tombstones import Tombstones
-from .trust import Session
 from .writer import Writer
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DecodePeer", "KVSender", "PrefillSide", "model_diff"]
 
-log = logging.getLogger("pdxfer.sender")
+log = logging.getLogger(__name__)
 
 
 class KVSender(RoomHandle):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..transport.base import Transport
 
-log = logging.getLogger("pdxfer.sender")
+log = logging.getLogger(__name__)
 
 PERIOD_S = 0.05
 """Between proof steps (the kernel samples of ``settle`` are this far apart)."""

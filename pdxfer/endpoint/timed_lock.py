@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-log = logging.getLogger("pdxfer.endpoint")
+log = logging.getLogger(__name__)
 
 
 class TimedLock:

@@ -36,7 +36,7 @@ from .staging import Staging, bounce
 if TYPE_CHECKING:
     from .core import Core
 
-log = logging.getLogger("pdxfer.sender")
+log = logging.getLogger(__name__)
 
 
 class Writer:

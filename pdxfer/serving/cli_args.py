@@ -12,18 +12,13 @@ import argparse
 from typing import Any
 
 from pdxfer import endpoint_settings
-from pdxfer.setting import settings_of
+from pdxfer.setting import flag_of, settings_of
 
 from .router.media import MediaPolicy
 from .router.settings import RouterSettings
 from .toy.config import WorkerConfig
 
 _TYPES = {"int": int, "float": float, "int | None": int, "float | None": float}
-
-
-def flag_of(name: str) -> str:
-    """A setting's flag: ``bootstrap_timeout_s`` -> ``--bootstrap-timeout``."""
-    return "--" + name.removesuffix("_s").replace("_", "-")
 
 
 def add_field_args(
@@ -129,6 +124,8 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
         "kv_stale_tolerance_blocks",
         "kv_stale_deadline_s",
         "kv_index_blocks",
+        "prefill_queue_tokens",
+        "max_held",
     )
     add_field_args(ap, MediaPolicy, "max_image_bytes", "max_image_pixels", "allow_remote")
     add_field_args(ap, RouterSettings, "expose_cache_stats", "timeout_s")

@@ -13,14 +13,13 @@ from typing import Any
 
 from aiohttp import web
 
-from pdxfer.auth import ReplayGuard, check_http, load_secret
 from pdxfer.metrics import prometheus_text
 from pdxfer.netaddr import advertised
-from pdxfer.protect import check_serving, peer_allowed
+from pdxfer.trust import check_http, check_serving, http_replay_guard, load_secret, peer_allowed
 
 from .errors import BadRequest, ServingError
 
-log = logging.getLogger("pdxfer.serving")
+log = logging.getLogger(__name__)
 
 READY = "PDXFER_READY"
 """Printed on stdout with the server's URL once it serves: launchers wait for this line."""
@@ -39,11 +38,11 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 def router_only(secret: bytes | None) -> Any:
     """Middleware for the workers: with a shared secret, every request but ``/health`` and
-    ``/metrics`` must carry the router's signature (``pdxfer.auth.http_headers``), so a client that
+    ``/metrics`` must carry the router's signature (``pdxfer.trust.http_headers``), so a client that
     reaches a worker directly can neither generate, nor abort, nor name a bootstrap server.
     Without a secret (loopback and trusted networks) nothing is checked."""
 
-    replay = ReplayGuard()
+    replay = http_replay_guard()
 
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -68,7 +67,7 @@ def router_only(secret: bytes | None) -> Any:
 
 @web.middleware
 async def loopback_only(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Protected mode (``pdxfer.protect``): with no shared secret, a peer on another host is
+    """Protected mode (``pdxfer.trust``): with no shared secret, a peer on another host is
     refused whatever the server is bound to."""
     if not peer_allowed(request.remote):
         log.warning(
@@ -194,7 +193,7 @@ def serve(
     supervisor's SIGTERM never turns into a hang.
 
     Without a shared secret it serves loopback peers only, and refuses to start on a
-    non-loopback address unless ``PDXFER_INSECURE`` opts in (``pdxfer.protect``)."""
+    non-loopback address unless ``PDXFER_INSECURE`` opts in (``pdxfer.trust``)."""
 
     shown = advertised(host, advertise)
     if check_serving(what, host, advertise, secret=load_secret()):

@@ -32,7 +32,7 @@ from .keys import page_keys, pool_key
 from .observer import CacheObserver
 from .storage import NO_DIGEST, StorageBackend, prefix_hits
 
-log = logging.getLogger("pdxfer.tiers")
+log = logging.getLogger(__name__)
 
 L3_BATCH = 32
 """Most pages per L3 call: big enough to batch, small enough to check the deadline between."""

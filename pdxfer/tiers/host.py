@@ -26,7 +26,7 @@ from ..pools import PoolSpec
 from .errors import CapacityError
 from .observer import CacheObserver
 
-log = logging.getLogger("pdxfer.tiers.host")
+log = logging.getLogger(__name__)
 
 Register = Callable[[int, int, str], None]
 

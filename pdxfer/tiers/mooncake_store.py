@@ -21,12 +21,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..auth import load_secret
 from ..netaddr import free_port
+from ..trust import load_secret
 from .errors import StorageError
 from .storage import NO_DIGEST, TAG_BYTES, Sealer, _buf
 
-log = logging.getLogger("pdxfer.tiers.mooncake")
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 

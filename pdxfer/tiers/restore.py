@@ -32,7 +32,7 @@ from .errors import RestoreFailed
 if TYPE_CHECKING:
     from ..endpoint import Endpoint
 
-log = logging.getLogger("pdxfer.tiers.restore")
+log = logging.getLogger(__name__)
 
 
 class RestoreState(enum.Enum):

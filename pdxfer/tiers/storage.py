@@ -9,7 +9,7 @@ the page from its first write-back to every restore; a short, torn, misplaced or
 is a miss, never bytes handed to a request. Reads go straight into the L2 page in large
 ``preadv`` chunks, each hashed while in cache, so a byte crosses memory once for the read and
 once for the tag (why BLAKE3:
-docs/performance-history.md#what-each-lead-of-issue-24-bought-measured-alone). Files are
+docs/performance-history.md#what-each-transfer-lead-bought-measured-alone). Files are
 opened relative to their folder's descriptor, never through a symlink. Object format v4;
 other formats are misses, rewritten by the next write-back.
 """
@@ -29,10 +29,10 @@ from typing import Protocol
 
 import blake3
 
-from ..auth import load_secret
+from ..trust import load_secret
 from .keys import pool_key
 
-log = logging.getLogger("pdxfer.tiers.storage")
+log = logging.getLogger(__name__)
 
 _MAGIC = b"PDXL3v4\0"
 _HEAD = struct.Struct("<8sQq")

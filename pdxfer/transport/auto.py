@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import ConfigError, TransportError, TransportUnavailable
 from .base import Started, Transport, TransportStats
 
-log = logging.getLogger("pdxfer.transport.auto")
+log = logging.getLogger(__name__)
 
 KINDS = ("nixl", "tcp")
 """What ``auto`` always tries to run, in the order it starts them."""

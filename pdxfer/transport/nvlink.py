@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-log = logging.getLogger("pdxfer.transport")
+log = logging.getLogger(__name__)
 
 ENV = "MC_INTRANODE_NVLINK"
 _ENV_LOCK = threading.Lock()

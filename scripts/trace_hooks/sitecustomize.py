@@ -49,12 +49,12 @@ TARGETS = {
         ("PdxferConnector", "get_finished", "pdx.get_finished"),
         ("PdxferConnector", "save_kv_layer", "pdx.save_layer"),
     ],
-    "pdxfer.integrations.vllm.worker": [
-        ("PdxferWorker", "_hand", "pdx.hand"),
-        ("PdxferWorker", "_give", "pdx.give"),
-        ("PdxferWorker", "_open", "pdx.open"),
-        ("PdxferWorker", "_write_stats", "pdx.write_stats"),
+    "pdxfer.integrations.vllm.sender": [
+        ("PrefillSender", "send_blocks", "pdx.hand"),
+        ("PrefillSender", "_send_layers", "pdx.give"),
+        ("PrefillSender", "open", "pdx.open"),
     ],
+    "pdxfer.integrations.vllm.stats_file": [("StatsFile", "write", "pdx.write_stats")],
 }
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from pdxfer import auth, wire
+from pdxfer import trust, wire
 from pdxfer.bootstrap import BootstrapServer
 from pdxfer.demo import patterns as pat
 from pdxfer.demo.harness import Agent
@@ -210,7 +210,7 @@ class Flooder:
     def _captured(self, pf_id: str) -> list[bytes]:
         """Frames with a valid MAC from a session opened with the secret: their replays must
         all be refused (the first copy of each is sent once, here)."""
-        key = auth.load_secret(SECRET)
+        key = trust.load_secret(SECRET)
         assert key is not None
         pull = self.ctx.socket(zmq.PULL)
         addr = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
@@ -233,14 +233,14 @@ class Flooder:
             )
             push.send(
                 wire.frame(
-                    wire.payload(hello), wire.Hello, wire.HELLO, pair, 0, auth.hello_key(key)
+                    wire.payload(hello), wire.Hello, wire.HELLO, pair, 0, trust.hello_key(key)
                 )
             )
             assert pull.poll(5000), "no HelloAck for the replay session"
             ack = pull.recv()
             msg = wire.body(ack, wire.header(ack))
             assert isinstance(msg, wire.HelloAck) and msg.ok, msg
-            d2p, _ = auth.session_keys(key, pair, msg.nonce, "replayer", msg.endpoint_id)
+            d2p, _ = trust.session_keys(key, pair, msg.nonce, "replayer", msg.endpoint_id)
             frames = [
                 wire.frame(
                     wire.payload(wire.Release(room=9, nonce=9, endpoint_id="replayer")),

@@ -25,6 +25,9 @@ VOCAB = 1024
 MAX_LEN = 8192
 WINDOW = 128
 """The sliding window of every sliding family: prompts in the tests run past it."""
+CHUNK = 64
+"""The attention chunk of every chunked-local family (two of the tests' 32-token blocks):
+prompts in the tests span many chunks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +42,14 @@ class Family:
     """Arguments colocated vLLM needs for it here (and so every side of a pair)."""
     window: int = 0
     """Its sliding window (0: none)."""
+    chunk: int = 0
+    """Its local attention chunk (0: none)."""
     exact_args: tuple[str, ...] = ()
-    """What makes colocated vLLM compute a prompt of k blocks + 1 token as a pair does
-    (bf16 families, whose CPU kernels round differently per step shape): chunks of one
-    32-token block (the tests' block size), so colocated's last prompt token is a one-token step, as the decode's is."""
+    """bf16 families, whose CPU kernels round differently per step shape: chunks of one
+    32-token block (the tests' block size), so that a prompt's first k blocks are computed
+    in the same chunks whether colocated vLLM serves them alone or a prefill serves them
+    with one token more (``test_vllm_families``, ``Pair.case``); vLLM ignores it where it
+    does not chunk (MLA on a CPU without AMX)."""
 
 
 _COMMON = {
@@ -169,6 +176,24 @@ FAMILIES: dict[str, Family] = {
             },
             # vLLM's CPU Mamba2 path fails with prefix caching on
             vllm_args=("--no-enable-prefix-caching",),
+        ),
+        Family(
+            "llama4",
+            "Llama4TextConfig",
+            "Llama4ForCausalLM",
+            "float32",
+            {
+                **_COMMON,
+                "num_hidden_layers": 4,
+                "intermediate_size": 256,
+                "intermediate_size_mlp": 512,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 1,
+                "interleave_moe_layer_step": 2,
+                "no_rope_layer_interval": 2,
+                "attention_chunk_size": CHUNK,
+            },
+            chunk=CHUNK,
         ),
     )
 }

@@ -5,6 +5,7 @@ and colocated's reference for the prefill leg is the request a pair's prefill is
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -334,3 +335,67 @@ def test_the_prefill_leg_ratio_reads_colocated_s_leg_of_the_same_request_shape(
     assert res["vllm.prefill_leg_p50_ratio_vs_colocated_stream.pdxfer_nixl"] == pytest.approx(1.4)
     assert "vllm.decode_leg_p50_ms.colocated" not in res
     assert res["vllm.requests_ms.colocated"] == [[100, 60, 80]] * 2
+
+
+STUBBORN = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it
+open(sys.argv[1], "w").write("up")
+while True:
+    time.sleep(1)
+"""
+
+BENCH = """
+import sys, time
+from pathlib import Path
+from benchmarks.common import runner
+from pdxfer.demo.vllm_procs import Server
+
+tmp = Path(sys.argv[1])
+
+
+def add_cli_args(ap):
+    pass
+
+
+def main(a):
+    s = Server("stubborn", [sys.executable, "-c", {code!r}, str(tmp / "up")], tmp, port=1)
+    s.start()
+    (tmp / "pid").write_text(str(s.pid))
+    try:
+        time.sleep(600)
+    finally:
+        s.stop(grace=2.0)
+    return {{}}
+
+
+sys.exit(runner.run(sys.modules[__name__], []))
+"""
+
+
+def test_a_benchmark_terminated_twice_still_stops_its_servers(tmp_path: Path) -> None:
+    """``timeout`` and a shell each send SIGTERM: the second must not cut the first's
+    cleanup short, or a server that needs SIGKILL outlives the benchmark."""
+    code = BENCH.format(code=STUBBORN)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    bench = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
+    pid = 0
+    try:
+        end = time.monotonic() + 120
+        while not (tmp_path / "up").exists() or not (tmp_path / "pid").exists():
+            assert bench.poll() is None and time.monotonic() < end, "the stub did not start"
+            time.sleep(0.05)
+        pid = int((tmp_path / "pid").read_text())
+        bench.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # inside the cleanup's grace period now
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 143
+        end = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}"), "the server outlived its benchmark"
+    finally:
+        bench.kill()
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""The bootstrap server under attack (the trust issue's findings 11-13): replayed signed
+"""The bootstrap server under attack: replayed signed
 requests, a second live endpoint claiming a slot, routes that must heal, malformed signature
 headers and stalled connections. Attacks come as raw HTTP from this process."""
 
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdxfer import BootstrapClient, BootstrapServer, Endpoint, EndpointConfig, Limits, auth
+from pdxfer import BootstrapClient, BootstrapServer, Endpoint, EndpointConfig, Limits, trust
 from pdxfer.bootstrap import Registration
 from pdxfer.demo import patterns as pat
 from pdxfer.demo.patterns import PoolGeom
@@ -62,7 +62,7 @@ def test_a_replayed_signed_registration_is_refused(server: BootstrapServer) -> N
     ).encode()
     headers = {
         "Content-Type": "application/json",
-        **auth.http_headers(SECRET.encode(), "PUT", "/register", body),
+        **trust.http_headers(SECRET.encode(), "PUT", "/register", body),
     }
     assert raw(server, "PUT", "/register", body, headers) == 200
     assert raw(server, "PUT", "/register", body, headers) == 401  # the same capture again

@@ -200,7 +200,7 @@ def test_a_prefill_that_died_idle_and_came_back_serves_the_very_next_request(
     """A prefill killed while no room waited on it (so no heartbeat watched it), and a new
     process registered under the same instance: the decode's next request, made after its
     route went unconfirmed for ``route_fresh_s``, looks the instance up again and lands
-    byte-exact from the new process (it used to go to the dead address and fail, PeerLost)."""
+    byte-exact from the new process, never dialling the dead address (``PeerLost``)."""
     small = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=16)]
     pf, dc = start_pair(bootstrap, small, route_fresh_s=1.0)
     pf2 = None

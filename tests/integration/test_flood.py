@@ -3,7 +3,7 @@ legitimate requests flow: every legitimate request is byte-exact, every flood fr
 (counted by reason), and neither process's memory grows by more than 64 MB. Eight floods of
 oversized Hellos in a row leave the prefill's memory where it was.
 
-Runs 10 s by default; ``PDXFER_FLOOD_S=30`` gives the issue's 30 s. Latency under flood is
+Runs 10 s by default; ``PDXFER_FLOOD_S=30`` floods for 30 s. Latency under flood is
 measured by ``benchmarks/flood.py``, not asserted here.
 """
 
@@ -49,7 +49,7 @@ def test_flood_of_forged_oversized_and_replayed_frames_corrupts_nothing_and_stay
 
 
 def test_eight_floods_of_oversized_hellos_leave_no_memory_behind(cluster: F.Cluster) -> None:
-    """Issue 27, gap 3: over 1 GiB of unauthenticated Hellos, each over the Hello cap, with a
+    """Over 1 GiB of unauthenticated Hellos, each over the Hello cap, with a
     secret set. Each is refused on its header, legitimate requests behind every flood land
     byte-exact, and the prefill's RSS after the last flood is within 64 MB of its RSS before
     the first (a ZMQ socket received each whole, and the allocator kept what it freed)."""

@@ -23,7 +23,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdxfer import BootstrapServer, Endpoint, EndpointConfig, Limits, WireError, auth, wire
+from pdxfer import BootstrapServer, Endpoint, EndpointConfig, Limits, WireError, trust, wire
 from pdxfer.demo import patterns as pat
 from pdxfer.demo.patterns import PoolGeom
 from pdxfer.pools import layout_signature
@@ -243,16 +243,16 @@ class Forger:
         )
         pf.core._on_frame(
             wire.frame(
-                wire.payload(hello), wire.Hello, wire.HELLO, self.pair, 0, auth.hello_key(SECRET)
+                wire.payload(hello), wire.Hello, wire.HELLO, self.pair, 0, trust.hello_key(SECRET)
             )
         )
         assert self.pull.poll(5000), "no HelloAck"
         ack = self.pull.recv()
         h = wire.header(ack)
-        assert wire.verify(ack, auth.ack_key(SECRET, self.pair), h.mac)
+        assert wire.verify(ack, trust.ack_key(SECRET, self.pair), h.mac)
         msg = wire.body(ack, h)
         assert isinstance(msg, wire.HelloAck) and msg.ok, msg
-        self.key, _ = auth.session_keys(SECRET, self.pair, msg.nonce, "forger", pf.endpoint_id)
+        self.key, _ = trust.session_keys(SECRET, self.pair, msg.nonce, "forger", pf.endpoint_id)
         self.counter = 0
 
     def seal(

@@ -1,4 +1,4 @@
-"""Protected mode (issue 31, item 1): without a shared secret every pdxfer listener serves
+"""Protected mode: without a shared secret every pdxfer listener serves
 loopback peers only.
 
 A peer on another host (a network namespace, ``tests.harness.hosts``) is refused by each
@@ -253,7 +253,7 @@ def test_an_insecure_endpoint_warns_once_naming_what_is_open(
     cfg = EndpointConfig(
         role="prefill", host="0.0.0.0", advertise="127.0.0.1", transport="memory", insecure=True
     )
-    with caplog.at_level(logging.WARNING, logger="pdxfer.protect"):
+    with caplog.at_level(logging.WARNING, logger="pdxfer.trust"):
         eps = [Endpoint(cfg, pools(), MemoryTransport()) for _ in range(2)]
     for ep in eps:
         ep.close()

@@ -1,4 +1,4 @@
-"""A room serves one decode group by default (issue 27, gap 1).
+"""A room serves one decode group by default.
 
 A secured prefill and decode endpoints of several groups in real processes (real bootstrap,
 Mooncake TCP, ZMQ): a decode that holds the secret and knows another decode's room id is

@@ -1,4 +1,4 @@
-"""The served system with access control on (the issue's findings 19 and 20): the router asks
+"""The served system with access control on: the router asks
 for an API key, the workers accept only the router, a client cannot name a bootstrap server,
 prefix reuse is scoped per tenant, and cache hits are shown only when the operator says so."""
 

@@ -1,5 +1,5 @@
 """L3 objects are bound to their key and pool, and the file store cannot be steered outside
-its root (the trust issue's findings 14-18). Real files and a real ``mooncake_master``."""
+its root. Real files and a real ``mooncake_master``."""
 
 from __future__ import annotations
 

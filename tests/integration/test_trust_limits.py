@@ -1,4 +1,5 @@
-"""Issue 13, findings 9-10 (pre-authentication tables stay bounded) and 21-24 (transfer API).
+"""Pre-authentication tables stay bounded, and a bad transfer request is refused at once,
+naming why, on both sides.
 
 No secret here: bounded tables matter most where anyone may say Hello. The attacker is this
 test process with raw ZMQ sockets; the endpoints are real processes.
@@ -6,7 +7,6 @@ test process with raw ZMQ sockets; the endpoints are real processes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import msgspec
@@ -93,7 +93,7 @@ def capped(pair: tuple[Agent, Agent]) -> Iterator[str]:
 def test_requests_for_rooms_that_never_come_are_capped_in_count_and_bytes(
     pair, capped: str, raw: A.Raw
 ) -> None:
-    """Finding 9: 4 MB requests and many small ones for rooms no sender will ever have."""
+    """4 MB requests and many small ones for rooms no sender will ever have."""
     pf, _ = pair
     raw.send(capped, hello(raw, "hoarder"))
     raw.recv()  # HelloAck
@@ -144,7 +144,7 @@ def test_requests_for_rooms_that_never_come_are_capped_in_count_and_bytes(
 def test_aborts_and_fresh_hellos_cannot_grow_tombstones_or_peers_past_their_caps(
     pair, capped: str, raw: A.Raw
 ) -> None:
-    """Finding 10: 5,000 Aborts for distinct rooms, 300 Hellos with fresh endpoint ids."""
+    """5,000 Aborts for distinct rooms, 300 Hellos with fresh endpoint ids."""
     pf, _ = pair
     raw.send(capped, hello(raw, "aborter"))
     raw.recv()
@@ -171,7 +171,7 @@ def test_aborts_and_fresh_hellos_cannot_grow_tombstones_or_peers_past_their_caps
 
 
 def test_abort_reply_addresses_are_never_dialled(pair, raw: A.Raw) -> None:
-    """Finding 10: Aborts whose reply_to names 300 dead ports open no socket (the answer
+    """Aborts whose reply_to names 300 dead ports open no socket (the answer
     goes to the registered peer only)."""
     pf, _ = pair
     raw.send(pf.info["ctrl_addr"], hello(raw, "dialler"))
@@ -191,7 +191,8 @@ def test_abort_reply_addresses_are_never_dialled(pair, raw: A.Raw) -> None:
                 }
             ),
         )
-    time.sleep(1.5)
+    for _ in range(300):  # each answered to the registered peer: all were handled
+        raw.recv(timeout=60)
     assert pf.call("proc_stats")["fds"] - fds0 < 30
     assert metrics(pf).get("table_push_sockets", 0) <= socks0 + 1
 
@@ -207,13 +208,13 @@ def _recv(dc: Agent, bootstrap: str, room: int, **kw: object) -> None:
         (50_002, {"dst": {"kv": [5, 5, 6]}, "num_tokens": 40}, "more than once"),
         (50_003, {"dst": {"kv": [64]}, "num_tokens": 16}, "out of range"),
     ],
-    ids=["unaligned_prefix_21", "duplicate_pages_22", "out_of_range_23"],
+    ids=["unaligned_prefix", "duplicate_pages", "out_of_range"],
 )
 def test_bad_request_is_refused_with_a_clear_error_and_leaves_the_receiver_failed_at_once(
     pair, bootstrap: BootstrapServer, room: int, kw: dict, needle: str
 ) -> None:
-    """Findings 21 and 22 (refused, naming why) and 23 (the receiver is Failed at once, with
-    that reason, instead of lingering into a DeadlineExceeded)."""
+    """A malformed request is refused naming why, and the receiver is Failed at once with
+    that reason instead of lingering into a DeadlineExceeded."""
     _, dc = pair
     with pytest.raises(AgentError, match=needle):
         _recv(dc, bootstrap.address, room, **kw)
@@ -227,7 +228,7 @@ def test_bad_request_is_refused_with_a_clear_error_and_leaves_the_receiver_faile
 def test_refused_handshake_fails_the_prefill_room_too_with_the_reason(
     pair, bootstrap: BootstrapServer, decode_first: bool
 ) -> None:
-    """Finding 24: the prefill hears why, instead of timing out on 'no request'."""
+    """The prefill hears why, instead of timing out on 'no request'."""
     pf, dc = pair
     name = f"mismatch{int(decode_first)}"
     bad = [PoolGeom("kv", "mha", layers=2, pages=64, page_size=16, heads=2, head_dim=32), GEOMS[1]]

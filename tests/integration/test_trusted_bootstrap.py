@@ -1,4 +1,4 @@
-"""A decode loads KV only from the bootstrap servers it was told to trust (issue 31, item 2).
+"""A decode loads KV only from the bootstrap servers it was told to trust.
 
 The attack: with no secret (the default), a caller that reaches a decode names its own
 bootstrap server, behind which a rogue prefill (a real pdxfer prefill, same model, on its own

@@ -1,4 +1,4 @@
-"""A decode that asks a live prefill for a room it does not hold fails fast (issue 31 item 3),
+"""A decode that asks a live prefill for a room it does not hold fails fast,
 while a decode that asks before the prefill's engine opened the room (early dispatch) still
 gets its KV.
 

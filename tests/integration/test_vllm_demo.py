@@ -1,6 +1,6 @@
 """``pdxfer demo --engine vllm`` as a user runs it: real ``vllm serve`` prefill, decode and
-colocated reference behind pdxfer's router, which dispatches both sides at once (issue 34:
-the demo uses concurrent dispatch and still prints PASS). The demo checks every output
+colocated reference behind pdxfer's router, which dispatches both sides at once
+(concurrent dispatch, and still PASS). The demo checks every output
 against the colocated reference itself; this test holds it to its verdict, to the dispatch
 the router reported for every request, and to the layers the prefill streamed.
 

@@ -1,7 +1,7 @@
 """The model families people serve with PD, on real vLLM: MLA (DeepSeek-V2), every layer
 sliding (Mistral-style), sliding beside full (Gemma 3), attention beside Mamba2 (Nemotron-H)
-and beside Gated DeltaNet (Qwen3-Next), each a tiny random model built here
-(``tests.harness.hf_families``).
+and beside Gated DeltaNet (Qwen3-Next), chunked local attention beside NoPE full attention
+with MoE (Llama 4), each a tiny random model built here (``tests.harness.hf_families``).
 
 Per family, one ``vllm serve`` prefill and one decode loading ``PdxferConnector`` with
 vLLM's hybrid KV cache manager on (its default), behind ``pdxfer router --engine vllm``,
@@ -15,16 +15,26 @@ with requests in flight leaves right answers or clean errors, and the decode ser
 prefill computes ``STEP`` tokens a step and sends by layer: full and window groups stream,
 a state goes at the request's end.
 
-bf16 families (DeepSeek-V2, Qwen3-Next) are judged where colocated vLLM computes a prompt's
-last token as the decode does, a one-token step (``Family.exact_args``, prompts of k blocks
-+ 1): their CPU kernels round differently per step shape and batch, so colocated vLLM parts
-ways with itself across chunkings, its prefix cache and concurrency (docs/vllm.md, model
-families). Their concurrent answers are judged by the bytes each load brought.
+bf16 families (DeepSeek-V2, Qwen3-Next, gpt-oss) are judged by what pdxfer owns, on any
+CPU: every byte the decode loaded equals the prefill's, and the answer equals what colocated
+vLLM computes from those bytes in the decode's step shape. In bf16 vLLM's CPU kernels round
+differently per step shape and batch, and which kernels run depends on the CPU (without AMX
+its MLA computes a prompt in one step: no chunks, no prefix cache), so a decode computing a
+prompt's last token as a one-token step over loaded KV may part ways with colocated vLLM
+computing that token inside its prompt's step. The prompt is therefore k blocks and the
+token colocated vLLM answers after them (``Pair.case``): colocated computes that token as
+a one-token step over its k blocks, as the decode does, and the rest of its answer is what
+the pair owes. Those k blocks are computed in the prefill's own chunks (one block each,
+``Family.exact_args``) or taken from the prefill's prefix cache, where vLLM chunks or
+caches; each pair asks vLLM whether its rows come out alike (``Pair.same_rows``). Where
+they do not (MLA without AMX), no colocated computation is the decode's and the bytes are
+the judge. Concurrent answers are judged by the bytes each load brought.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import json
 import random
 import urllib.request
@@ -39,13 +49,21 @@ import pytest
 from pdxfer import BootstrapServer
 from pdxfer.demo.vllm_procs import VllmServer, kv_config, read_stats, start_all
 from pdxfer.serving.procs import Proc
-from tests.harness.hf_families import FAMILIES, WINDOW, Family, build_family
+from tests.harness.hf_families import CHUNK, FAMILIES, WINDOW, Family, build_family
 
-from .vllm_helpers import complete, right_or_clean_error, stream_ids, wait
+from .vllm_helpers import (
+    MAX_TOKENS,
+    client,
+    complete,
+    metric,
+    right_or_clean_error,
+    stream_ids,
+    wait,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
-SERVED = ("gemma3", "mistral_swa", "nemotron_h", "deepseek_v2", "qwen3_next", "gpt_oss")
+SERVED = ("gemma3", "mistral_swa", "nemotron_h", "deepseek_v2", "qwen3_next", "gpt_oss", "llama4")
 """The families this module serves (``benchmarks/models.py`` tries every one). Left out:
 gpt-oss, whose decode dies in vLLM's CPU attention kernel (illegal instruction) on its first
 loaded request, with NixlConnector too (docs/vllm.md, model families)."""
@@ -97,14 +115,63 @@ class Pair:
         (float32 families; bf16 rounds differently with the batch's shape)."""
         return self.family.dtype == "float32"
 
+    @functools.cached_property
+    def same_rows(self) -> bool:
+        """Whether colocated vLLM computes a prompt's first k blocks alike served alone and
+        with one token more (what ``case`` leans on: the prefill computes the pair's prompt,
+        k blocks and a token, and colocated the k blocks alone). True where it computes them
+        in the same steps, one block each (``Family.exact_args``). Without AMX vLLM's MLA
+        computes a prompt in one step, no chunks, no prefix cache, and its bf16 rows then
+        change with the step's length: no colocated computation is the decode's, and the
+        decode's bytes are the judge. Asked of vLLM, on prompt logprobs, not assumed;
+        float32 families are exact without it."""
+        if self.exact_alone:
+            return True
+        for i, n in enumerate(self.lengths()):
+            head = prompt(n - 1, 900 + i)
+            alone = prompt_logprobs(self.prefill.url, head, "alone")
+            more = prompt_logprobs(self.prefill.url, [*head, head[0]], "more")
+            if alone != more[: len(head)]:
+                return False
+        return True
+
+    def owes(self, got: list[int], want: list[int], what: str) -> None:
+        """Judge ``got``, an answer through the pair, against ``want`` (``case``): token for
+        token where colocated vLLM computes the decode's step from the prefill's bytes
+        (``same_rows``); elsewhere a whole answer, and no byte the decode loaded unequal to
+        the prefill's (``integrity: full``)."""
+        if self.same_rows:
+            assert got == want, f"{self.family.name}, {what}: {got} != colocated {want}"
+        else:
+            assert len(got) == len(want), f"{self.family.name}, {what}: {got}"
+            assert self.integrity()["mismatches"] == 0, f"{what}: {self.integrity()}"
+
+    def case(self, n: int, seed: int, salt: str | None = None) -> tuple[list[int], list[int]]:
+        """A prompt of ``n`` tokens and the answer a pair owes it, from colocated vLLM (the
+        prefill serving without pdxfer params). float32 families: the prompt's own answer.
+        bf16 families (``n`` is k blocks + 1): the decode computes the last prompt token as
+        a one-token step over the loaded k blocks, and colocated vLLM does so too where
+        that token is its own greedy answer. So colocated serves the first k blocks and
+        answers one token more; the prompt is those blocks and that token, and the rest
+        of the answer is what the pair owes. ``salt`` keeps the reference out of the
+        prefill's prefix cache (vLLM's ``cache_salt``)."""
+        if self.exact_alone:
+            p = prompt(n, seed)
+            return p, complete(self.prefill.url, p)
+        assert n % BS == 1, f"{n} tokens: a bf16 family's prompt is k blocks + 1"
+        head = prompt(n - 1, seed)
+        extra = {"extra": {"cache_salt": salt}} if salt else {}
+        ref = complete(self.prefill.url, head, max_tokens=MAX_TOKENS + 1, **extra)
+        return head + ref[:1], ref[1:]
+
     def exact(self, n: int) -> int:
         """``n`` tokens, or for a bf16 family the nearest k blocks + 1 at or below."""
-        return (n - 1) // BS * BS + 1 if self.family.exact_args else n
+        return n if self.exact_alone else (n - 1) // BS * BS + 1
 
     def lengths(self) -> tuple[int, int, int]:
         """Prompt lengths: shorter than a block (one block + 1 for bf16 families), past
         the window, several thousand tokens."""
-        if self.family.exact_args:
+        if not self.exact_alone:
             return BS + 1, (WINDOW // BS + 1) * BS + 1, (LONG // BS) * BS + 1
         return 7, WINDOW + 3 * BS + 5, LONG
 
@@ -134,6 +201,7 @@ def _server(
         args=args,
         kv_cache_bytes=512 << 20,
         env=env,
+        log_stats=role == "kv_producer",  # vLLM's steps (``prompt_steps``) in its /metrics
         kv_transfer_config=kv_config(role, extra, **more) if extra else None,
     )
 
@@ -241,20 +309,31 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(300, 1000) for _ in range(n)]
 
 
+def prompt_logprobs(url: str, p: list[int], salt: str) -> list[Any]:
+    """Colocated vLLM's log-probability of each prompt token, computed afresh (``salt``:
+    none of the prefix cache's blocks, whoever computed them)."""
+    r = client(url).completions.create(
+        model="llama",
+        prompt=p,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"prompt_logprobs": 0, "cache_salt": salt},
+    )
+    return list(r.choices[0].model_extra["prompt_logprobs"])
+
+
 def test_outputs_equal_colocated_below_a_block_past_the_window_and_long(pair: Pair) -> None:
     for seed, n in enumerate(pair.lengths(), 1):
-        p = prompt(n, seed)
-        ref = complete(pair.prefill.url, p)
-        got = complete(pair.router.url, p)
-        assert got == ref, f"{pair.family.name}, {n} prompt tokens: {got} != colocated {ref}"
+        p, want = pair.case(n, seed)
+        pair.owes(complete(pair.router.url, p), want, f"{n} prompt tokens")
 
 
 def test_the_decode_loads_the_prefills_kv_byte_for_byte(pair: Pair) -> None:
     """pdxfer's invariant, whatever the kernels round: every byte of KV and state the decode
     loaded equals what the prefill computed (``integrity: full`` digests both sides)."""
     before = pair.integrity()
-    p = prompt(pair.lengths()[1], 41)
-    assert complete(pair.router.url, p) == complete(pair.prefill.url, p)
+    p, want = pair.case(pair.lengths()[1], 41)
+    pair.owes(complete(pair.router.url, p), want, f"{len(p)} prompt tokens")
     wait("the decode's check", lambda: pair.integrity()["checks"] > before["checks"], timeout=30)
     after = pair.integrity()
     assert after["mismatches"] == 0, after
@@ -305,9 +384,9 @@ def test_a_sliding_window_group_moves_the_window_not_the_prompt(pair: Pair) -> N
         * elt
     )  # type: ignore[call-overload]
     n = pair.exact(LONG + 11)
-    p = prompt(n, 99)
+    p, want = pair.case(n, 99)
     before = pair.loaded_bytes()
-    assert complete(pair.router.url, p) == complete(pair.prefill.url, p)
+    pair.owes(complete(pair.router.url, p), want, f"{n} prompt tokens")
     wait("the decode's stats", lambda: pair.loaded_bytes() > before, timeout=30)
     moved = pair.loaded_bytes() - before
     blocks = -(-n // BS)
@@ -339,20 +418,23 @@ def test_a_load_that_fails_is_recomputed_and_the_decode_serves_on(pair: Pair) ->
     before = int(pair.d().get("load_failures", 0))
     assert complete(pair.decode.url, p, extra={"kv_transfer_params": bogus}) == ref
     assert int(pair.d().get("load_failures", 0)) == before + 1
-    q = prompt(pair.lengths()[1], 78)
-    assert complete(pair.router.url, q) == complete(pair.prefill.url, q)
+    q, want = pair.case(pair.lengths()[1], 78)
+    pair.owes(complete(pair.router.url, q), want, "after the failed load")
 
 
 def test_by_layer_attention_groups_leave_before_the_prompts_last_step(pair: Pair) -> None:
     """``send_by: layer`` on a hybrid model: each step hands its full groups' layers (and
     the window's blocks no later step frees) to the sender, so all but the last of a long
     prompt's steps went out before its end; a state group goes once, at the end. The
-    decode loads every group without a failure, token for token as colocated."""
-    p = prompt(pair.exact(LONG - 17), 31)
+    decode loads every group without a failure, token for token as colocated. The steps
+    are vLLM's (``prompt_steps``): it chunks by ``--max-num-batched-tokens`` where it
+    chunks, and MLA on a CPU without AMX computes a prompt in one step."""
+    # salted: the prefill computes the whole prompt, not the reference's cached blocks
+    p, want = pair.case(pair.exact(LONG - 17), 31, salt="reference")
     # before a side's first request it has written no stats file yet: every count is 0
     d0, p0 = Counter(read_stats(pair.d_stats)), Counter(read_stats(pair.p_stats))
-    got = complete(pair.router.url, p)  # first: the reference would fill the prefix cache
-    assert got == complete(pair.prefill.url, p)
+    steps0 = metric(pair.prefill, "vllm:pdxfer_prompt_steps_total")
+    pair.owes(complete(pair.router.url, p), want, f"{len(p)} prompt tokens")
     wait(
         "the prefill's send",
         lambda: (
@@ -363,16 +445,18 @@ def test_by_layer_attention_groups_leave_before_the_prompts_last_step(pair: Pair
     )
     d, st = read_stats(pair.d_stats), read_stats(pair.p_stats)
     assert d["load_failures"] == d0["load_failures"] and d["loads"] == d0["loads"] + 1
-    steps = -(-len(p) // STEP)
+    steps = int(metric(pair.prefill, "vllm:pdxfer_prompt_steps_total") - steps0)
+    assert steps >= 1, "vLLM computed the prompt in no step"
     early = st["step_chunks"] - p0["step_chunks"]
-    # a step hands the blocks it completes: every step but the last here (STEP is whole
-    # blocks), but only some where vLLM grew the attention blocks to a Mamba state's page;
-    # a model whose every layer slides only the steps in the last token's window (STEP is
-    # under the window: at least one before the last)
+    # a step hands the blocks it completes: every step but the last here (a step is whole
+    # blocks: STEP, or one block for a bf16 family), but only some where vLLM grew the
+    # attention blocks to a Mamba state's page; a model whose every layer slides only the
+    # steps in the last token's window (a step is under the window: at least one before
+    # the last)
     f = pair.family
     stateful = any(k.startswith(("mamba", "linear")) for k in f.config)
     every_slides = bool(f.window) and "full_attention" not in (f.config.get("layer_types") or ())
-    want = 1 if stateful or every_slides else steps - 1
+    want = min(1, steps - 1) if stateful or every_slides else steps - 1
     assert early >= want, f"{pair.family.name}: {early} of {steps} steps went before the last"
     assert st["layer_sends"] > p0["layer_sends"] and st["send_failures"] == p0["send_failures"]
 
@@ -384,10 +468,9 @@ def test_decode_tiers_restore_full_groups_and_the_rest_comes_from_the_prefill(pa
     nothing in L2 (``groups.tiered``)."""
     f = pair.family
     every_slides = bool(f.window) and "full_attention" not in (f.config.get("layer_types") or ())
-    p = prompt(pair.exact(2000), 42)
-    ref = complete(pair.prefill.url, p)
+    p, ref = pair.case(pair.exact(2000), 42)
     d0 = read_stats(pair.d_stats)
-    assert complete(pair.router.url, p) == ref
+    pair.owes(complete(pair.router.url, p), ref, "first served")
     wait(
         "the write-back",
         lambda: (
@@ -398,7 +481,7 @@ def test_decode_tiers_restore_full_groups_and_the_rest_comes_from_the_prefill(pa
         ),
         timeout=30,
     )
-    assert complete(pair.router.url, p) == ref
+    pair.owes(complete(pair.router.url, p), ref, "served again, from L2")
     wait(
         "the second load",
         lambda: read_stats(pair.d_stats).get("loads", 0) >= d0["loads"] + 2,
@@ -459,5 +542,62 @@ def test_a_prefill_killed_mid_request_leaves_right_answers_or_clean_errors(pair:
         assert pair.d().get("loaded_tokens", 0) == loaded0, verdicts
     finally:
         held.stop()
-    q = prompt(pair.lengths()[0], 310)
-    assert complete(pair.router.url, q) == complete(pair.prefill.url, q)
+    q, want = pair.case(pair.lengths()[0], 310)
+    pair.owes(complete(pair.router.url, q), want, "after the kill")
+
+
+def test_a_chunked_group_is_token_exact_on_and_around_chunk_boundaries(pair: Pair) -> None:
+    """Chunked local attention (Llama 4): prompts shorter than a chunk, exactly one chunk,
+    one token past, several chunks ending on a boundary and one token past (four at a
+    time), and thousands of tokens ending on a boundary and one past: each equals colocated
+    token for token, every load ended without a failure (none recomputed by vLLM) and every
+    byte matched the prefill's."""
+    f = pair.family
+    if not f.chunk:
+        pytest.skip(f"{f.name} has no chunked local attention")
+    short = (CHUNK - 5, CHUNK, CHUNK + 1, 5 * CHUNK, 5 * CHUNK + 1, 5 * CHUNK + 13)
+    long = (LONG // CHUNK * CHUNK, LONG // CHUNK * CHUNK + 1)
+    prompts = [prompt(n, 500 + i) for i, n in enumerate(short + long)]
+    d0, before = pair.d(), pair.integrity()
+    with cf.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda p: complete(pair.router.url, p), prompts[: len(short)]))
+    got += [complete(pair.router.url, p) for p in prompts[len(short) :]]
+    refs = [complete(pair.prefill.url, p) for p in prompts]
+    for p, g, r in zip(prompts, got, refs):
+        assert g == r, f"{len(p)} prompt tokens: {g} != colocated {r}"
+    wait(
+        "the decode's checks",
+        lambda: pair.integrity()["checks"] >= before["checks"] + len(prompts),
+        timeout=30,
+    )
+    d = pair.d()
+    assert d["loads"] - d0.get("loads", 0) == len(prompts)
+    assert d["load_failures"] == d0.get("load_failures", 0)
+    assert pair.integrity()["mismatches"] == 0
+
+
+def test_a_chunked_group_moves_the_last_tokens_chunk_not_the_prompt(pair: Pair) -> None:
+    """Of a chunked local attention group only the blocks of the chunk the last prompt
+    token attends to move (vLLM's decode holds no other); the full groups move every
+    block. The bytes the decode received are that, far below the whole prompt."""
+    f = pair.family
+    if not f.chunk:
+        pytest.skip(f"{f.name} has no chunked local attention")
+    layers = int(f.config["num_hidden_layers"])  # type: ignore[call-overload]
+    nope = int(f.config["no_rope_layer_interval"])  # type: ignore[call-overload]
+    full = sum((i + 1) % nope == 0 for i in range(layers))  # NoPE layers: full attention
+    page = BS * 2 * int(f.config["num_key_value_heads"]) * int(f.config["head_dim"]) * 4  # type: ignore[call-overload]
+    for n, seed in ((LONG + 11, 98), (LONG // CHUNK * CHUNK, 99)):
+        p = prompt(n, seed)
+        before = pair.loaded_bytes()
+        assert complete(pair.router.url, p) == complete(pair.prefill.url, p)
+        wait("the decode's stats", lambda b=before: pair.loaded_bytes() > b, timeout=30)
+        moved = pair.loaded_bytes() - before
+        blocks = -(-n // BS)
+        low = full * blocks * page
+        high = (full * blocks + (layers - full) * (CHUNK // BS + 1)) * page
+        whole = layers * blocks * page
+        assert low <= moved <= high, (
+            f"{n} tokens: {moved} bytes moved; the full layers and the chunk are "
+            f"{low}-{high}, the whole prompt {whole}"
+        )

@@ -11,7 +11,7 @@ before that, a step's layers go after its forward in one hand-off). The decode r
 last test restarts it with ``kv_load_failure_policy: fail``. Faults are set per room from the
 start: the rooms ``SLOW``'s writes are held back on the prefill (it is killed while they are),
 the rooms ``CORRUPT``'s are damaged on the decode after their layers arrived (integrity must
-catch it). Issue 34's required tests, each against colocated vLLM, in file order: a prompt of
+catch it). The tests, each against colocated vLLM, in file order: a prompt of
 many steps, a prefix cached on the prefill, a decode asking late and early, a corrupted
 layer (both forms), a client that leaves while the prefill computes, a prefill killed
 mid-stream under each ``kv_load_failure_policy`` (``docs/testing.md`` maps them). Each

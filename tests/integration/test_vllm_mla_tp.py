@@ -6,8 +6,9 @@ The latent is one replicated pool: each decode rank gets it once, from one prefi
 (counted in the connectors' stats files, one per rank), and every byte it loaded equals the
 prefill's (``integrity: full``). Tokens are not compared with colocated vLLM here: TP splits
 the model's matmuls, so in bf16 a TP 2 server rounds differently from a TP 1 one and
-colocated vLLM at one TP size is no reference for a pair mixing two (at TP 1 the family is
-token-exact, ``test_vllm_families``).
+colocated vLLM at one TP size is no reference for a pair mixing two (at TP 1,
+``test_vllm_families`` judges the family's answers against colocated's computation of the
+decode's step, where vLLM can compute it colocated).
 """
 
 from __future__ import annotations

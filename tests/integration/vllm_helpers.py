@@ -145,12 +145,16 @@ def client(url: str, timeout: float = CLIENT_TIMEOUT_S) -> OpenAI:
 
 
 def complete(
-    url: str, prompt: str | list[int], timeout: float = CLIENT_TIMEOUT_S, **kw: Any
+    url: str,
+    prompt: str | list[int],
+    timeout: float = CLIENT_TIMEOUT_S,
+    max_tokens: int = MAX_TOKENS,
+    **kw: Any,
 ) -> list[int]:
     r = client(url, timeout).completions.create(
         model="llama",
         prompt=prompt,
-        max_tokens=MAX_TOKENS,
+        max_tokens=max_tokens,
         temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})},
         **kw,

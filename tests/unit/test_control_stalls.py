@@ -20,8 +20,7 @@ import pytest
 from pdxfer import BootstrapServer, KVPoll, wire
 from pdxfer.endpoint.core import SLOW_S, Core
 from pdxfer.endpoint.timed_lock import TimedLock
-
-from .test_state_machines import Pair, transfer, until, wait
+from tests.harness.memory_pair import Pair, transfer, until, wait
 
 PAIRING_S = SLOW_S + 0.3
 

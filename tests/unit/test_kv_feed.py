@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import msgspec
 import pytest
+import zmq
 
 from pdxfer.serving.kv_events import (
     MAX_PAYLOAD,
@@ -203,3 +204,52 @@ def test_a_replay_that_stops_short_of_the_live_frame_clears_the_worker() -> None
     assert f.counters["resets"] == 1 and f.counters["replayed"] == 0
     assert feeds.cached(a) == {} and feeds.cached(b) == {} and feeds.cached(c) == {W: 4}
     assert f.synced and f.next_seq == 5
+
+
+def _consecutive() -> tuple[EventPublisher, EventPublisher]:
+    """Publishers on two consecutive ports: vLLM's DP ranks 0 and 1 of one endpoint."""
+    for _ in range(50):
+        a = EventPublisher("tcp://127.0.0.1:0")
+        port = int(a.endpoint.rsplit(":", 1)[1])
+        try:
+            return a, EventPublisher(f"tcp://127.0.0.1:{port + 1}")
+        except zmq.ZMQError:
+            a.close()
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_each_data_parallel_rank_publishes_at_its_offset_port() -> None:
+    spec = FeedSpec(W, "tcp://h:5557", "tcp://h:5600")
+    assert spec.rank(0) == FeedSpec(f"{W}#dp0", "tcp://h:5557", "tcp://h:5600")
+    assert spec.rank(3) == FeedSpec(f"{W}#dp3", "tcp://h:5560", "tcp://h:5603")
+    assert FeedSpec(W, "ipc:///tmp/ev").rank(1).endpoint == "ipc:///tmp/ev_dp1"
+
+
+def test_a_worker_found_to_run_data_parallel_ranks_gets_one_feed_per_rank() -> None:
+    dp0, dp1 = f"{W}#dp0", f"{W}#dp1"
+
+    async def main() -> None:
+        pubs = _consecutive()
+        feeds = KvFeeds([FeedSpec(W, pubs[0].endpoint)])
+        feeds.start()
+        try:
+            feeds.ranks(W, 2)
+            assert sorted(feeds.feeds) == [dp0, dp1]
+            assert feeds.feeds[dp1].spec.endpoint.endswith(pubs[1].endpoint.rsplit(":", 1)[1])
+            for _ in range(200):  # both subscriptions joined (ZMQ's slow joiner)
+                for p in pubs:
+                    p.publish([])
+                await asyncio.sleep(0.02)
+                if feeds.synced(dp0) and feeds.synced(dp1):
+                    break
+            pubs[0].publish([_stored(A, 10)])
+            pubs[1].publish([_stored(B, 20)])
+            await _until(lambda: feeds.cached(A) == {dp0: 16} and feeds.cached(B) == {dp1: 16})
+            feeds.ranks(W, 1)  # restarted with one rank: one feed again, the ranks' gone
+            assert list(feeds.feeds) == [W] and feeds.cached(A) == feeds.cached(B) == {}
+        finally:
+            await feeds.stop()
+            for p in pubs:
+                p.close()
+
+    asyncio.run(main())

@@ -180,3 +180,57 @@ def test_each_feed_shows_in_the_metrics_labelled_by_its_worker() -> None:
     assert f'pdxfer_router_kv_feed_synced{{worker="{P1}"}} 0.0' in text
     assert f'pdxfer_router_kv_feed_synced{{worker="{P0}"}} 1.0' in text
     assert "pdxfer_router_kv_indexed_blocks_total 6.0" in text
+
+
+def test_auto_routes_by_kv_when_only_the_prefill_leg_has_a_choice() -> None:
+    """Two prefills and one decode under the default policy: the prefill holding the prompt's
+    prefix (by its KV events) gets it, every time, not a round robin's turn."""
+    kv = KvFeeds([FeedSpec(u, "tcp://127.0.0.1:1") for u in (P0, P1, D0)])
+    r = Router(
+        [Prefill(P0, "127.0.0.1:1"), Prefill(P1, "127.0.0.1:1")],
+        [Decode(D0, page_size=BS)],
+        kv=kv,
+        api_keys={},
+    )
+    for f in kv.feeds.values():
+        kv.on_frame(f, 0, KVEventBatch(0.0, []))
+    _holds(kv, P1, 5)
+    assert r.policy == "kv_aware"
+    for _ in range(3):
+        pf, dc, pf_held, _ = r.pick(PROMPT, set(), set())
+        assert (pf.url, dc.url, pf_held) == (P1, D0, 80)
+
+
+def test_auto_is_round_robin_for_a_single_pair() -> None:
+    r = Router([Prefill(P0, "127.0.0.1:1")], [Decode(D0, page_size=BS)], api_keys={})
+    assert r.policy == "round_robin"
+
+
+def test_data_parallel_ranks_are_one_record_each_chosen_by_their_own_events() -> None:
+    """A prefill instance registered with two DP ranks, and a decode whose health shows two
+    (``groups``): each becomes one record and one feed per rank (vLLM's ports: the given one
+    plus the rank), and each leg goes to the rank whose events hold the prompt's prefix."""
+    kv = KvFeeds([FeedSpec(u, "tcp://127.0.0.1:5557") for u in (P0, D0)])
+    r = Router(
+        [Prefill(P0, "127.0.0.1:1", "p")],
+        [Decode(D0, "d", page_size=BS)],
+        "kv_aware",
+        kv=kv,
+        api_keys={},
+    )
+    r._expand_ranks({(P0, "127.0.0.1:1", "p"): ({"status": "ok"}, 2)})
+    r._expand_groups({D0: {"groups": [{"status": "ok"}] * 2}})
+    assert [(p.key, p.dp) for p in r.prefills] == [(f"{P0}#dp0", 0), (f"{P0}#dp1", 1)]
+    assert [(d.key, d.dp) for d in r.decodes] == [(f"{D0}#dp0", 0), (f"{D0}#dp1", 1)]
+    assert kv.feeds[f"{P0}#dp1"].spec.endpoint == "tcp://127.0.0.1:5558"
+    assert sorted(kv.feeds) == sorted(p.key for p in [*r.prefills, *r.decodes])
+    for f in kv.feeds.values():
+        kv.on_frame(f, 0, KVEventBatch(0.0, []))
+    _holds(kv, f"{P0}#dp1", 5)
+    _holds(kv, f"{D0}#dp0", 6)
+    pf, dc, pf_held, dc_held = r.pick(PROMPT, set(), set())
+    assert (pf.dp, pf_held, dc.dp, dc_held) == (1, 5 * BS, 0, 6 * BS)
+    r._expand_ranks({(P0, "127.0.0.1:1", "p"): ({"status": "ok"}, 2)})  # known: kept
+    assert r.prefills[1] is pf
+    r._expand_ranks({(P0, "127.0.0.1:1", "p"): ({"status": "ok"}, 1)})  # back to one rank
+    assert [(p.key, p.dp) for p in r.prefills] == [(P0, None)] and P0 in kv.feeds

@@ -71,15 +71,15 @@ PUBLIC = ("pdxfer", "pdxfer.tiers")
 """What a user of pdxfer (``serving``, ``integrations``) may import from it."""
 
 SERVER_API = (
-    "pdxfer.auth",
     "pdxfer.config",
     "pdxfer.metrics",
     "pdxfer.netaddr",
-    "pdxfer.protect",
     "pdxfer.setting",
+    "pdxfer.trust",
 )
-"""What ``serving`` adds to ``PUBLIC``: signed HTTP, metrics text, addresses, protected mode
-and the settings machinery its flags are generated from. Engines serve no HTTP of pdxfer's."""
+"""What ``serving`` adds to ``PUBLIC``: signed HTTP and protected mode (``trust``), metrics
+text, addresses and the settings machinery its flags are generated from. Engines serve no
+HTTP of pdxfer's."""
 
 FORBIDDEN = {
     "plan": {
@@ -91,7 +91,7 @@ FORBIDDEN = {
         "wire",
         "bootstrap",
         "metrics",
-        "auth",
+        "trust",
         "faults",
         "cli",
         "integrations",
@@ -235,6 +235,19 @@ def test_only_integrations_import_an_engine() -> None:
     assert not bad, bad
     # the walk sees engine imports at all (else this test could not fail)
     assert _engine_imports(ROOT / "integrations" / "vllm" / "connector.py") == {"vllm"}
+
+
+def test_only_the_router_imports_numba() -> None:
+    """numba is the ``router`` extra (the KV index's compiled loops): the library, the
+    engines' connectors and the toy workers run without it."""
+    router = ROOT / "serving" / "router"
+    bad = [
+        _module(p)
+        for p in ROOT.rglob("*.py")
+        if {"numba", "llvmlite"} & _top_imports(p) and p != router / "jit.py"
+    ]
+    assert not bad, f"numba imported outside serving/router/jit.py: {bad}"
+    assert {"numba", "llvmlite"} <= _top_imports(router / "jit.py")  # the walk sees it
 
 
 def test_no_import_circles() -> None:

@@ -108,7 +108,7 @@ def test_host_port_values_are_parsed_or_refused_as_malformed() -> None:
 
 
 def test_protected_mode_refuses_a_host_address_without_a_secret_and_loopback_peers_pass() -> None:
-    from pdxfer.protect import check_serving, peer_allowed
+    from pdxfer.trust import check_serving, peer_allowed
 
     assert check_serving("x", "127.0.0.1", secret=None) is True
     assert check_serving("x", "0.0.0.0", "127.0.0.1", secret=None) is True  # accept-time check

@@ -23,8 +23,7 @@ from pdxfer.endpoint.pack import MAX_ENTRY, Packer, merged, unpack
 from pdxfer.endpoint.staging import Lease, Staging
 from pdxfer.plan.chunk import Ask, check_ask, plan_chunk
 from pdxfer.plan.pack import PACK_POOL, Pack, pack_bytes, pack_error, plan_pack, wanted
-
-from .test_state_machines import Pair, transfer, until, wait
+from tests.harness.memory_pair import Pair, transfer, until, wait
 
 
 def apply(blocks: P.Blocks) -> None:

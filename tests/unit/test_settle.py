@@ -14,8 +14,7 @@ from pdxfer import BootstrapServer, Endpoint, EndpointConfig, KVPoll, TransportE
 from pdxfer.demo import patterns as pat
 from pdxfer.endpoint.settler import Settler
 from pdxfer.transport import MemoryFabric, MemoryTransport
-
-from .test_state_machines import FAST, GEOMS, Pair, stranded_room, until, wait
+from tests.harness.memory_pair import FAST, GEOMS, Pair, stranded_room, until, wait
 
 LONG = 60.0
 """A bound on each wait (never a timing assertion: a loaded machine only makes it slower);

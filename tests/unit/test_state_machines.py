@@ -8,90 +8,30 @@ request that the engine's page lifetime depends on."""
 
 from __future__ import annotations
 
-import collections
-import itertools
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 
 from pdxfer import (
     BootstrapServer,
     DuplicateRoom,
-    Endpoint,
-    EndpointConfig,
     KVPoll,
     PlanError,
     wire,
 )
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.patterns import PoolGeom
-from pdxfer.transport import MemoryFabric, MemoryTransport
+from tests.harness.memory_pair import (
+    Pair,
+    rooms,
+    stranded_room,
+    transfer,
+    until,
+    wait,
+)
 
-GEOMS = [
-    PoolGeom("kv", "mha", layers=2, pages=64, page_size=4, heads=2, head_dim=8),
-    PoolGeom("aux", "slots", layers=1, pages=16, dim=4, dtype="int32"),
-]
 HOLD_S = 60.0
 """The hold deadline of the dead-decode test: the heartbeat must end the hold long before."""
-FAST = {
-    "bootstrap_timeout_s": 1.5,
-    "transfer_timeout_s": 2.0,
-    "abort_timeout_s": 0.3,
-    "heartbeat_s": 0.1,
-}
-_rooms = itertools.count(1 << 30)
-
-
-class Pair:
-    """A prefill and a decode endpoint on one memory fabric, with their tensors."""
-
-    def __init__(self, srv: BootstrapServer, batch_entries: int = 512, **cfg: Any) -> None:
-        self.fabric = MemoryFabric()
-        self.ptx = MemoryTransport(self.fabric, batch_entries=batch_entries)
-        self.dtx = MemoryTransport(self.fabric, batch_entries=batch_entries)
-        self.pspecs, self.pt = pat.build(GEOMS)
-        self.dspecs, self.dt = pat.build(GEOMS)
-        pat.fill_sentinel(self.dt)
-        conf = {**FAST, **cfg}
-        self.pf = Endpoint(
-            EndpointConfig.from_flat(role="prefill", bootstrap=srv.address, **conf),
-            self.pspecs,
-            transport=self.ptx,
-        )
-        self.dc = Endpoint(
-            EndpointConfig.from_flat(role="decode", bootstrap=srv.address, **conf),
-            self.dspecs,
-            transport=self.dtx,
-        )
-        self.released: collections.Counter[int] = collections.Counter()
-        self.rng = np.random.default_rng(3)
-
-    def close(self) -> None:
-        self.dc.close()
-        self.pf.close()
-
-    def pages(self, n: int) -> tuple[list[int], list[int]]:
-        return (
-            self.rng.choice(64, n, replace=False).tolist(),
-            self.rng.choice(64, n, replace=False).tolist(),
-        )
-
-    def receiver(self, room: int) -> Any:
-        return self.dc.receiver(room, release=lambda d, s: self.released.update([room]))
-
-    def fill(self, room: int, src: list[int], tokens: int) -> None:
-        spec = self.pspecs[0]
-        pat.fill_tokens(spec, self.pt["kv"], room, np.array(src), 0, 0, tokens)
-        pat.fill_slot(self.pspecs[1], self.pt["aux"], room, 1)
-
-    def wrong_bytes(self, room: int, dst: list[int], tokens: int) -> int:
-        bad, _ = pat.check_tokens(self.dspecs[0], self.dt["kv"], room, np.array(dst), 0, 0, tokens)
-        sbad, _ = pat.check_slot(self.dspecs[1], self.dt["aux"], room, 2)
-        return bad + sbad
 
 
 @pytest.fixture(scope="module")
@@ -108,38 +48,6 @@ def pair(srv: BootstrapServer) -> Iterator[Pair]:
     p.close()
 
 
-def wait(h: Any, timeout: float = 30.0) -> KVPoll:
-    """Until ``h`` is terminal: the bound only ends a hang (a loaded machine is slow)."""
-    end = time.monotonic() + timeout
-    while not h.poll().terminal and time.monotonic() < end:
-        time.sleep(0.002)
-    return h.poll()
-
-
-def until(cond: Any, timeout: float = 30.0) -> bool:
-    """Until ``cond()``: the bound only ends a hang (a loaded machine is slow)."""
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.005)
-    return bool(cond())
-
-
-def transfer(p: Pair, tokens: int = 24, chunks: int = 2) -> tuple[Any, Any, int, list[int]]:
-    room = next(_rooms)
-    n = -(-tokens // 4)
-    src, dst = p.pages(n)
-    p.fill(room, src, tokens)
-    rx = p.receiver(room)
-    rx.request({"kv": dst}, {"aux": 2}, 0, tokens)
-    tx = p.pf.sender(room)
-    cut = n // chunks
-    for i in range(chunks):
-        last = i == chunks - 1
-        part = src[i * cut : n if last else (i + 1) * cut]
-        tx.send({"kv": part}, {"aux": 1} if last else None, last=last)
-    return tx, rx, room, dst
-
-
 def test_bytes_land_exactly_with_scattered_pages_and_chunks(pair: Pair) -> None:
     for tokens, chunks in ((1, 1), (24, 2), (97, 3)):
         tx, rx, room, dst = transfer(pair, tokens, chunks)
@@ -150,12 +58,12 @@ def test_bytes_land_exactly_with_scattered_pages_and_chunks(pair: Pair) -> None:
 
 def test_decode_abort_in_every_state_releases_exactly_once(pair: Pair) -> None:
     # Bootstrapping: aborted before its request was sent
-    room = next(_rooms)
+    room = next(rooms)
     rx = pair.receiver(room)
     rx.abort("early")
     assert rx.poll() == KVPoll.Failed and until(lambda: pair.released[room] == 1)
     # WaitingForInput: the prefill never sends
-    room = next(_rooms)
+    room = next(rooms)
     rx = pair.receiver(room)
     rx.request({"kv": [1, 2]}, {"aux": 2}, 0, 8)
     assert until(lambda: rx.poll() == KVPoll.WaitingForInput)
@@ -175,12 +83,14 @@ def test_decode_abort_in_every_state_releases_exactly_once(pair: Pair) -> None:
     assert wait(rx) == KVPoll.Success
     rx.abort("too late")
     assert rx.poll() == KVPoll.Success and pair.released[room] == 0
-    time.sleep(0.1)
-    assert all(v == 1 for v in pair.released.values())
+    # every room is forgotten (its release claimed, if it failed): nothing is left that could
+    # release again, so the counts below are final
+    assert until(lambda: pair.dc.tables()["rooms"] == 0, timeout=120), pair.dc.tables()
+    assert pair.released[room] == 0 and all(v == 1 for r, v in pair.released.items() if r != room)
 
 
 def test_prefill_abort_fails_the_decode_and_releases_once(pair: Pair) -> None:
-    room = next(_rooms)
+    room = next(rooms)
     rx = pair.receiver(room)
     rx.request({"kv": [3, 4]}, {"aux": 2}, 0, 8)
     tx = pair.pf.sender(room)
@@ -192,18 +102,18 @@ def test_prefill_abort_fails_the_decode_and_releases_once(pair: Pair) -> None:
 
 def test_every_deadline_fails_with_its_reason(pair: Pair) -> None:
     # bootstrap: the decode asks for an instance nobody registered
-    room = next(_rooms)
+    room = next(rooms)
     rx = pair.dc.receiver(room, instance="nobody", release=lambda d, s: None)
     rx.request({"kv": [1]}, {"aux": 2}, 0, 4)
     assert wait(rx, 10) == KVPoll.Failed
     # prefill: the decode never asks
-    tx = pair.pf.sender(next(_rooms))
+    tx = pair.pf.sender(next(rooms))
     tx.send({"kv": [5]}, {"aux": 1}, last=True)
     assert wait(tx, 10) == KVPoll.Failed and tx.failure.kind == "deadline", tx.failure
     assert "no request from the decode" in str(tx.failure)
     # transfer: the prefill never opens the room; the decode fails at its deadline, or as
     # unknown_room if the prefill's grace for unknown rooms ran out first
-    room = next(_rooms)
+    room = next(rooms)
     rx = pair.receiver(room)
     rx.request({"kv": [6]}, {"aux": 2}, 0, 4)
     assert wait(rx, 10) == KVPoll.Failed, rx.failure
@@ -224,25 +134,6 @@ def test_pages_are_quarantined_until_a_delayed_write_drains(pair: Pair) -> None:
     pair.ptx.faults.delay_s = 0.0
     assert until(lambda: pair.released[room] == 1)
     assert pair.dc.metrics()["quarantined_pages"] == 0
-
-
-def stranded_room(
-    p: Pair, strand_s: float, released: dict[int, float], dc: Endpoint | None = None
-) -> tuple[int, Any, Any]:
-    """A room sent whole (to ``p.dc``, or ``dc``) while every batch fails at once and lands
-    ``strand_s`` later: (room, its receiver, its sender); ``released`` gets the time its
-    pages came back."""
-    p.ptx.faults.strand_s = strand_s
-    room = next(_rooms)
-    src, dst = p.pages(2)
-    p.fill(room, src, 8)
-    rx = (dc or p.dc).receiver(
-        room, release=lambda d, s: released.setdefault(room, time.monotonic())
-    )
-    rx.request({"kv": dst}, {"aux": 2}, 0, 8)
-    tx = p.pf.sender(room)
-    tx.send({"kv": src}, {"aux": 1}, last=True)
-    return room, rx, tx
 
 
 def test_a_failed_write_still_on_its_way_keeps_the_pages_until_it_landed(
@@ -294,7 +185,7 @@ def test_a_room_held_past_its_deadline_ends_and_its_abort_ack_still_waits(
 
 
 def test_duplicate_rooms_are_refused(pair: Pair) -> None:
-    room = next(_rooms)
+    room = next(rooms)
     rx = pair.receiver(room)
     with pytest.raises(DuplicateRoom):
         pair.dc.receiver(room)
@@ -349,7 +240,7 @@ def test_a_write_that_fails_halfway_fails_both_sides_releases_once_and_leaks_no_
 def test_remote_failure_kind_survives_the_wire(pair: Pair) -> None:
     """The prefill fails a room with a plan error (it was handed fewer pages than the decode
     asked for): the decode fails with the same class, not a generic remote failure."""
-    room = next(_rooms)
+    room = next(rooms)
     rx = pair.receiver(room)
     rx.request({"kv": [7, 8, 9]}, {"aux": 2}, 0, 12)
     tx = pair.pf.sender(room)
@@ -361,19 +252,20 @@ def test_remote_failure_kind_survives_the_wire(pair: Pair) -> None:
 
 def test_release_is_called_once_under_concurrent_aborts(pair: Pair) -> None:
     pair.ptx.faults.delay_s = 0.05
-    rooms = []
+    held = []
     for _ in range(10):
         tx, rx, room, dst = transfer(pair, 16, 2)
-        rooms.append((tx, rx, room))
-    threads = [threading.Thread(target=h.abort) for tx, rx, _ in rooms for h in (tx, rx)]
+        held.append((tx, rx, room))
+    threads = [threading.Thread(target=h.abort) for tx, rx, _ in held for h in (tx, rx)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     pair.ptx.faults.delay_s = 0.0
-    assert until(lambda: all(pair.released[r] == 1 for _, _, r in rooms))
-    time.sleep(0.2)
-    assert all(pair.released[r] == 1 for _, _, r in rooms)
+    assert until(lambda: all(pair.released[r] == 1 for _, _, r in held))
+    # the decode forgot every room: no state is left that could release one again
+    assert until(lambda: pair.dc.tables()["rooms"] == 0, timeout=120), pair.dc.tables()
+    assert all(pair.released[r] == 1 for _, _, r in held)
 
 
 def test_a_digest_the_prefill_cannot_take_fails_that_request_not_its_worker(
@@ -408,7 +300,7 @@ def test_a_dead_decodes_repair_holds_end_without_waiting_for_their_deadline(
     engine gets the pages back) long before the hold deadline (``transfer_timeout_s``)."""
     p = Pair(srv, transfer_timeout_s=HOLD_S)
     try:
-        room = next(_rooms)
+        room = next(rooms)
         src, dst = p.pages(4)
         p.fill(room, src, 16)
         rx = p.receiver(room)
@@ -436,7 +328,7 @@ def test_an_expected_room_waits_past_the_grace_and_an_unknown_one_does_not(
     declared still fails fast as ``unknown_room``. The late-opened rooms' bytes land exactly."""
     p = Pair(srv, room_grace_s=0.2, bootstrap_timeout_s=30.0, transfer_timeout_s=30.0)
     try:
-        before, after, unknown = next(_rooms), next(_rooms), next(_rooms)
+        before, after, unknown = next(rooms), next(rooms), next(rooms)
         p.pf.expect(before, decode=None)
         p.pf.expect(before)  # idempotent
         asked = {}
@@ -473,7 +365,7 @@ def test_a_withdrawn_expected_room_fails_its_decode_at_once_as_aborted(
     decode that asks later."""
     p = Pair(srv, room_grace_s=0.2, bootstrap_timeout_s=60.0, transfer_timeout_s=60.0)
     try:
-        room = next(_rooms)
+        room = next(rooms)
         p.pf.expect(room)
         rx = p.receiver(room)
         rx.request({"kv": [3]}, {"aux": 2}, 0, 4)

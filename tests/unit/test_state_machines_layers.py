@@ -13,8 +13,7 @@ import pytest
 
 from pdxfer import BootstrapServer, KVPoll, PlanError, wire
 from pdxfer.demo import patterns as pat
-
-from .test_state_machines import Pair, _rooms, until, wait
+from tests.harness.memory_pair import Pair, rooms, until, wait
 
 PS = 4
 LONG = 60.0
@@ -48,7 +47,7 @@ def _layer_landed(p: Pair, room: int, dst: list[int], tokens: int, layer: int) -
 
 
 def _open(p: Pair, tokens: int) -> tuple[Any, Any, int, list[int], list[int]]:
-    room = next(_rooms)
+    room = next(rooms)
     src, dst = p.pages(-(-tokens // PS))
     p.fill(room, src, tokens)
     rx = p.receiver(room)

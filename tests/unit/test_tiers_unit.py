@@ -193,7 +193,7 @@ def test_streaming_page_copy_is_byte_exact_at_any_alignment_and_size() -> None:
 
 def test_l3_without_model_id_is_a_config_error_that_says_why(tmp_path) -> None:
     """L3 outlives the process and is shared: keys salted by the layout alone would let a
-    second model with the same KV shape restore this one's pages (issue 27)."""
+    second model with the same KV shape restore this one's pages."""
     specs, tensors = build(V4)
     fs = FileStorage(str(tmp_path))
     with pytest.raises(ConfigError, match="needs model_id.*same KV shape"):

@@ -2,7 +2,8 @@
 
 The CPU stays the default and unchanged; a device name reaches the worker's config from the
 command line; a name torch cannot place, or a GPU with TP > 1 (the toy's ranks gather over
-gloo on the host), is refused at configuration, before any process starts. What runs on a
+gloo on the host), is refused at configuration with a ``ConfigError`` (as every config
+refuses), before any process starts. What runs on a
 GPU is in ``tests/gpu/test_toy_cuda.py`` and ``scripts/gpu_check.sh``'s stream step.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdxfer import ConfigError
 from pdxfer.cli import build_parser
 from pdxfer.serving.toy.model import ToyConfig, ToyModel
 from pdxfer.serving.toy.worker import WorkerConfig, config_from_args
@@ -29,12 +31,12 @@ def test_the_cpu_is_the_default_and_a_device_name_reaches_the_config() -> None:
 
 @pytest.mark.parametrize("bad", ["", "gpu", "cuda:x", "meta"])
 def test_a_device_torch_cannot_compute_on_is_refused(bad: str) -> None:
-    with pytest.raises(ValueError, match="torch_device"):
+    with pytest.raises(ConfigError, match="torch_device"):
         WorkerConfig(role="decode", bootstrap="127.0.0.1:8998", torch_device=bad)
 
 
 def test_a_gpu_worker_needs_tp_1() -> None:
-    with pytest.raises(ValueError, match="--tp 1"):
+    with pytest.raises(ConfigError, match="--tp 1"):
         WorkerConfig(role="decode", bootstrap="127.0.0.1:8998", torch_device="cuda:0", tp=2)
     WorkerConfig(role="decode", bootstrap="127.0.0.1:8998", torch_device="cuda", tp=1)
     with pytest.raises(ValueError, match="TP > 1"):

@@ -28,6 +28,7 @@ from vllm.config import (  # noqa: E402
     CacheConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -88,7 +89,9 @@ class Engine:
         prefix_caching: bool = True,
         policy: str = "recompute",
         batched: int = 4096,
+        dp: tuple[int, int] | None = None,
     ) -> None:
+        """``dp``: (rank, size), one engine core of ``vllm serve --data-parallel-size``."""
         vc = VllmConfig(
             model_config=ModelConfig(
                 model=str(model), dtype="bfloat16", seed=0, served_model_name="m"
@@ -107,7 +110,11 @@ class Engine:
                 kv_connector_extra_config=extra,
                 kv_load_failure_policy=policy,
             ),
+            parallel_config=ParallelConfig(data_parallel_size=dp[1] if dp else 1),
         )
+        if dp is not None:  # as vLLM's engine core process sets up a dense model's DP rank
+            vc.parallel_config.data_parallel_index = dp[0]
+            vc.parallel_config.reconfigure_for_independent_dp_rank()
         vc.cache_config.num_gpu_blocks = NUM_BLOCKS
         spec = FullAttentionSpec(
             block_size=BS, num_kv_heads=S.kv_heads, head_size=S.head_size, dtype=torch.bfloat16
@@ -617,3 +624,62 @@ def test_decode_tier_keys_of_a_prompt_with_images_depend_on_the_images() -> None
     assert scopes("a3", "hash-of-image-a", at=11)[0] != a, "the image moved"
     assert scopes("t", None)[0] == "" and scopes("s", None, salt="x")[0] == "x"
     assert scopes("as", "hash-of-image-a", salt="x")[0] not in (a, "x")
+
+
+def test_each_data_parallel_rank_is_an_endpoint_and_the_decode_loads_from_the_one_named(
+    model: Path, server: BootstrapServer
+) -> None:
+    """Two engine cores of one prefill (``--data-parallel-size 2`` of a dense model: vLLM
+    runs each as an independent engine and resets its DP size to 1) register as ranks 0 and
+    1 of one instance. A request's KV comes from the rank that computed it: named in the
+    prefill's answer (sequential) or given at dispatch (early form), where the bootstrap's
+    own choice (the room modulo the DP size) would be the other rank. A rank's route is
+    looked up once, not per room."""
+    fabric = MemoryFabric()
+    dl = {"bootstrap_timeout_s": 10.0, "transfer_timeout_s": 10.0}
+    ps = [
+        Engine(
+            model,
+            "kv_producer",
+            {"bootstrap": server.address, "instance": "p-dp", **dl},
+            fabric,
+            dp=(r, 2),
+        )
+        for r in (0, 1)
+    ]
+    d = Engine(model, "kv_consumer", {"bootstrap": server.address, "instance": "d-dp"}, fabric)
+    for e in (*ps, d):
+        e.finished = {}
+    status, route = server.route("p-dp", None, 1)
+    assert status == 200 and route["dp_size"] == 2 and route["dp_rank"] == 1
+    assert [p.ep.registration().dp_rank for p in ps] == [0, 1]
+    lookups = server.counters["lookups"]
+    for r, p in enumerate(ps):
+        tokens = [(i * 7 + r * 101) % 900 + 10 for i in range(100)]
+        room = 8000 + 2 * r + (1 - r)  # room % 2 names the other rank
+        params = prefill_then_decode(Pair(p, d, server), f"s{r}", tokens, room=room)
+        assert params["pdxfer_dp"] == r
+        run_until([*ps, d], lambda r=r: f"s{r}-d" in d.computed)
+        assert torch.equal(held(d, f"s{r}-d", len(tokens) - 1), expected(tokens, len(tokens) - 1))
+    tokens = [(i * 31) % 900 + 10 for i in range(90)]
+    early = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "pdxfer_room": 8100,  # even: the bootstrap alone would send the decode to rank 0
+        "pdxfer_bootstrap": server.address,
+        "pdxfer_instance": "p-dp",
+        "pdxfer_dp": 1,
+    }
+    d.add("e-d", tokens, 2, early)
+    ps[1].add(
+        "e",
+        tokens,
+        1,
+        {"do_remote_decode": True, "pdxfer_room": 8100, "pdxfer_decode": "d-dp", "pdxfer_dp": 1},
+    )
+    run_until([*ps, d], lambda: "e-d" in d.computed)
+    assert torch.equal(held(d, "e-d", len(tokens) - 1), expected(tokens, len(tokens) - 1))
+    assert d.conn.worker.counters["load_failures"] == 0
+    # a route naming its rank holds for every room: looked up once per rank, not per room
+    assert server.counters["lookups"] - lookups == 2
+    run_until([*ps, d], lambda: "e-d" in d.finished and "e" not in ps[1].sched.requests)

@@ -15,6 +15,7 @@ FULL = Group(0, "full", 32, ("model.layers.5.self_attn.attn",))
 SLIDE = Group(1, "window", 32, ("model.layers.0.self_attn.attn",), window=128)
 SLIDE2 = Group(2, "window", 32, ("model.layers.1.self_attn.attn",), window=128)
 STATE = Group(3, "state", 4096, ("model.layers.2.mixer",), page_bytes=1 << 16)
+CHUNK = Group(1, "chunk", 32, ("model.layers.0.self_attn.attn",), chunk=64)
 
 
 def test_pools_that_start_at_different_tokens_travel_in_separate_rooms() -> None:
@@ -34,11 +35,21 @@ def test_pools_that_start_at_different_tokens_travel_in_separate_rooms() -> None
 def test_a_model_whose_every_layer_slides_keeps_the_request_room() -> None:
     (p,) = G.parts([Group(0, "window", 32, ("a",), window=128)])
     assert p.room(77) == 77
+    (p,) = G.parts([Group(0, "chunk", 32, ("a",), chunk=128)])
+    assert p.room(77) == 77
+
+
+def test_a_chunk_group_travels_in_a_room_of_its_own_apart_from_a_window_of_its_size() -> None:
+    win64 = Group(2, "window", 32, ("model.layers.1.self_attn.attn",), window=64)
+    ps = G.parts([FULL, CHUNK, win64])
+    assert [[g.pool for g in p.groups] for p in ps] == [["kv"], ["kv2"], ["kv1"]]
+    assert ps[0].key == 0 and len({p.room(9) for p in ps}) == 3
 
 
 def test_only_a_single_full_group_streams_and_only_state_groups_back_off() -> None:
     assert G.streams([FULL]) and not G.streams([FULL, SLIDE]) and not G.streams([SLIDE])
-    assert G.backoff([FULL, STATE]) == 1 and G.backoff([FULL, SLIDE]) == 0
+    assert G.backoff([FULL, STATE], 100) == 1 and G.backoff([FULL, SLIDE], 100) == 0
+    assert G.backoff([FULL, CHUNK], 100) == 0 and G.backoff([FULL, CHUNK], 128) == 1
 
 
 def test_the_prefill_never_reads_a_block_vllm_freed() -> None:
@@ -76,6 +87,42 @@ def test_a_streamed_window_block_is_never_freed_and_covers_what_the_decode_holds
         assert first <= _skipped(window, n) // 32, (n, first)
 
 
+def _chunk_skipped(chunk: int, computed: int) -> int:
+    """vLLM's own rule: tokens a chunked local attention group no longer keeps."""
+    from vllm.v1.core.single_type_kv_cache_manager import ChunkedLocalAttentionManager
+
+    me = types.SimpleNamespace(attention_chunk_size=chunk)
+    return ChunkedLocalAttentionManager.get_num_skipped_tokens(me, computed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("chunk", [32, 64, 48])
+def test_the_decode_holds_the_chunk_its_last_prompt_token_attends_to(chunk: int) -> None:
+    """For every prompt length ``p``: the decode loads ``n = p - backoff`` tokens and holds
+    the blocks from ``skipped(n) // bs`` (vLLM's null block below), then computes token
+    ``p - 1``, which attends to its chunk from ``(p - 1) // chunk * chunk``: the decode holds
+    every block of it, and at least one block. The prefill streams exactly the blocks the
+    decode holds (``chunk_first``), none that a step of its own frees."""
+    g = Group(1, "chunk", 32, ("a",), chunk=chunk)
+    for p in range(2, 700):
+        n = p - G.backoff([FULL, g], p)
+        held = _chunk_skipped(chunk, n) // 32
+        assert held * 32 <= (p - 1) // chunk * chunk, (p, n, held)
+        assert held < -(-n // 32), (p, n, held)
+        assert G.chunk_first(g, n) == held
+        freed = max((_chunk_skipped(chunk, c) // 32 for c in range(n)), default=0)
+        assert G.chunk_first(g, n) >= freed, (p, n, freed)
+
+
+def test_a_step_hands_only_chunk_blocks_of_the_last_tokens_chunk() -> None:
+    n = 300  # chunk 64: token 299's chunk starts at 256, block 8
+    assert G.chunk_first(CHUNK, n) == 8
+    ids = [0, 0, 0, 0, 7, 8, 9, 10, 11, 12]  # vLLM freed the chunks before 128 already
+    assert G.stream_pages(CHUNK, ids, 0, 224, n) == [-1] * 7
+    assert G.stream_pages(CHUNK, ids, 224, 300, n) == [-1, 11, 12]
+    assert G.stream_start(G.parts([FULL, CHUNK])[1], n) == 256
+    assert G.source_pages(CHUNK, ids, n) == [-1, -1, -1, -1, 7, 8, 9, 10, 11, 12]
+
+
 def test_a_step_hands_only_window_blocks_no_step_frees() -> None:
     n = 300  # window 128: blocks from (300 - 128) // 32 = 5 on are never freed
     assert G.window_first(SLIDE, n) == 5
@@ -105,8 +152,9 @@ def test_a_cache_dtype_mismatch_names_both_sides() -> None:
     assert "dtype: prefill float8_e4m3fn, decode float32" in why
 
 
-def test_tiers_keep_full_groups_only_and_none_of_a_model_whose_every_layer_slides() -> None:
+def test_tiers_keep_full_groups_only_and_none_of_a_model_whose_every_layer_is_local() -> None:
     assert G.tiered([FULL, SLIDE, SLIDE2, STATE]) == (FULL,)
     assert G.tiered([FULL, STATE]) == (FULL,)
     assert G.tiered([FULL]) == (FULL,)
     assert G.tiered([SLIDE]) == () and G.tiered([STATE]) == ()
+    assert G.tiered([FULL, CHUNK]) == (FULL,) and G.tiered([CHUNK]) == ()

@@ -9,6 +9,7 @@ the decode one ``LoadOrder``, as the scheduler side writes them.
   once the state page came too, after the request's end.
 - The decode ends with the prefill's bytes: every full block, the window blocks it holds,
   the state page; the window blocks it does not hold are never written.
+- A chunked local attention group (Llama 4) moves the last prompt token's chunk only.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def _win_table(t0: int) -> tuple[int, ...]:
 
 def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side, Side]) -> None:
     p, d = pair
-    p.w.take(PdxferMetadata(opens=[OpenOrder("a", ROOM, None)]))
-    d.w.take(
+    p.w.run_orders(PdxferMetadata(opens=[OpenOrder("a", ROOM, None)]))
+    d.w.run_orders(
         PdxferMetadata(
             loads=[
                 LoadOrder(
@@ -153,7 +154,7 @@ def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side,
             groups=(tuple(P_FULL[: -(-t1 // BS)]), _win_table(t0)[: -(-t1 // BS)], ()),
         )
         meta = PdxferMetadata(layers=[o])
-        p.w.take(meta)
+        p.w.run_orders(meta)
         for n in (*WIN_L, FULL_L):
             p.w.save_layer(meta, n, p.kv[n])
         p.w.after_forward(meta)
@@ -161,9 +162,12 @@ def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side,
     # every step went before the request's end (the last one too: the state is still to go)
     assert p.w.counters["step_chunks"] == 4 and p.w.counters["sends"] == 0
     assert p.w.counters["send_failures"] == 0
-    time.sleep(0.05)
+    # a streamed room succeeds on the sender's one TransferDone, sent as its room ends: the
+    # sender's room is still open, so the load cannot have ended (nor can it later, unsent)
+    assert p.w.ep is not None and p.w.ep.prefill is not None
+    assert not p.w.ep.prefill.rooms[ROOM].state.terminal
     assert not d.w.get_finished([])[1], "no load ends before the state page was sent"
-    p.w.take(
+    p.w.run_orders(
         PdxferMetadata(
             sends=[
                 SendOrder(
@@ -209,7 +213,7 @@ def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_al
             w.register_kv_caches(kv)
             sides.append((w, kv))
         (p, pkv), (d, dkv) = sides
-        p.take(PdxferMetadata(opens=[OpenOrder("b", ROOM, None)]))
+        p.run_orders(PdxferMetadata(opens=[OpenOrder("b", ROOM, None)]))
         for t0 in range(0, N, STEP):
             t1 = min(N, t0 + STEP)
             for k in range(t0 // BS, -(-t1 // BS)):
@@ -227,10 +231,10 @@ def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_al
                 groups=(tuple(P_FULL[: -(-t1 // BS)]), _win_table(t0)[: -(-t1 // BS)]),
             )
             meta = PdxferMetadata(layers=[o])
-            p.take(meta)
+            p.run_orders(meta)
             p.after_forward(meta)
         assert p.counters["sends"] == 1 and p.counters["step_chunks"] == 3
-        d.take(
+        d.run_orders(
             PdxferMetadata(
                 loads=[
                     LoadOrder(
@@ -249,7 +253,7 @@ def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_al
         got: set[str] = set()
         wait("the load", lambda: bool(got.update(d.get_finished([])[1]) or got))
         assert got == {"b-d"} and d.counters["load_failures"] == 0
-        p.take(
+        p.run_orders(
             PdxferMetadata(
                 sends=[
                     SendOrder(
@@ -265,6 +269,85 @@ def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_al
                 if k >= D_WIN_START:
                     assert torch.equal(dkv[n][D_WIN[k]], pkv[n][P_WIN[k]]), (n, k)
         wait("the send's end", lambda: "b" in p.get_finished(["b"])[0])
+    finally:
+        for w, _ in sides:
+            w.close()
+        boot.stop()
+
+
+def test_a_chunk_group_streams_the_last_tokens_chunk_and_nothing_before_it() -> None:
+    """Full and chunked local attention groups (Llama 4's shape), chunk 64: vLLM's prefill
+    frees the blocks of each chunk before the one a step starts in, and its decode holds
+    only the last prompt token's chunk (blocks 8 and 9 of a 150-token prompt). The stream
+    ends both rooms with the last step: the decode has the prefill's bytes in every full
+    block and in the chunk's, and vLLM's null block is never written."""
+    chunk = 64
+    groups = (GROUPS[0], Group(1, "chunk", BS, WIN_L, chunk=chunk))
+    boot = BootstrapServer("127.0.0.1", 0).start()
+    fabric = MemoryFabric()
+    sides = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            extra = {"bootstrap": boot.address, "instance": "p0" if role == "kv_producer" else "d0"}
+            w = W.PdxferWorker(C.parse(role, extra, "llama4"), W.RankInfo(0, 1, BS, H), groups)
+            w.transport = MemoryTransport(fabric)
+            kv = {n: torch.zeros(NB, H, BS, D) for n in (FULL_L, *WIN_L)}
+            w.register_kv_caches(kv)
+            sides.append((w, kv))
+        (p, pkv), (d, dkv) = sides
+        held = G.chunk_first(groups[1], N)
+        assert held == 8
+        d_chunk = [0] * held + [32, 33]
+        d.run_orders(
+            PdxferMetadata(
+                loads=[
+                    LoadOrder(
+                        "c-d",
+                        ROOM,
+                        boot.address,
+                        "p0",
+                        tuple(D_FULL),
+                        0,
+                        N,
+                        groups=(tuple(D_FULL), tuple(d_chunk)),
+                    )
+                ]
+            )
+        )
+        p.run_orders(PdxferMetadata(opens=[OpenOrder("c", ROOM, None)]))
+        for t0 in range(0, N, STEP):
+            t1 = min(N, t0 + STEP)
+            for k in range(t0 // BS, -(-t1 // BS)):
+                for n in pkv:
+                    pkv[n][[P_FULL, P_WIN][n in WIN_L][k]] = torch.randn(H, BS, D)
+            freed = t0 // chunk * chunk // BS  # vLLM's null block below the step's chunk
+            table = tuple(0 if i < freed else b for i, b in enumerate(P_WIN))
+            o = LayerOrder(
+                "c",
+                ROOM,
+                None,
+                (),
+                t0,
+                t1,
+                t1 == N,
+                num_tokens=N,
+                groups=(tuple(P_FULL[: -(-t1 // BS)]), table[: -(-t1 // BS)]),
+            )
+            meta = PdxferMetadata(layers=[o])
+            p.run_orders(meta)
+            p.after_forward(meta)
+        got: set[str] = set()
+        wait("the load", lambda: bool(got.update(d.get_finished([])[1]) or got))
+        assert got == {"c-d"} and d.counters["load_failures"] == 0
+        assert p.counters["sends"] == 1
+        for k in range(10):
+            assert torch.equal(dkv[FULL_L][D_FULL[k]], pkv[FULL_L][P_FULL[k]]), k
+        for n in WIN_L:
+            for k in (8, 9):
+                assert torch.equal(dkv[n][d_chunk[k]], pkv[n][P_WIN[k]]), (n, k)
+            assert not dkv[n][0].any(), n  # the null block
+            written = [b for b in range(NB) if dkv[n][b].any()]
+            assert written == [32, 33], (n, written)
     finally:
         for w, _ in sides:
             w.close()

@@ -8,14 +8,18 @@ worker with a clock that only the wait's own sleeps advance (no wall-clock bound
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pdxfer import KVPoll
 from pdxfer.integrations.vllm import config as C
+from pdxfer.integrations.vllm import loader as L
 from pdxfer.integrations.vllm import worker as W
 from pdxfer.integrations.vllm.metadata import LoadOrder, PdxferMetadata
+from pdxfer.transport import MemoryFabric, MemoryTransport
 
 
 class Rx:
@@ -37,13 +41,16 @@ class Rx:
 
 
 @pytest.fixture
-def setup(monkeypatch: pytest.MonkeyPatch) -> tuple[W.PdxferWorker, Rx, list[float]]:
+def setup(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[W.PdxferWorker, Rx, list[float]]]:
     w = W.PdxferWorker(
         C.parse("kv_consumer", {"bootstrap": "127.0.0.1:9"}, "m"), W.RankInfo(0, 1, 16, 1)
     )
+    w.transport = MemoryTransport(MemoryFabric())
+    w.register_kv_caches({"model.layers.0.attn": torch.zeros(4, 1, 16, 8)})
+    assert w.loader is not None
     rx = Rx()
     order = LoadOrder("a", 7, "127.0.0.1:9", None, (1, 2), 0, 20)
-    w._loads["a"] = W._Load(order, rx, [1, 2])  # type: ignore[arg-type]
+    w.loader._loads["a"] = L._Load(order, rx, [1, 2])  # type: ignore[arg-type]
     slept: list[float] = []
     # a fake clock from 0: from the host's monotonic value (uptime, in seconds), adding 0.5 ms
     # steps rounds differently with the uptime, and the poll count with it
@@ -54,19 +61,20 @@ def setup(monkeypatch: pytest.MonkeyPatch) -> tuple[W.PdxferWorker, Rx, list[flo
         clock[0] += s
 
     monkeypatch.setattr(W, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep))
-    return w, rx, slept
+    yield w, rx, slept
+    w.close()
 
 
 def test_a_step_that_computes_something_never_waits_for_a_transfer(setup) -> None:
     w, rx, slept = setup
-    w._bound = PdxferMetadata()
+    w.run_orders(PdxferMetadata())
     assert w.get_finished([]) == (set(), set())
     assert slept == []
 
 
 def test_a_step_that_computes_nothing_waits_for_a_load_to_end(setup, monkeypatch) -> None:
     w, rx, slept = setup
-    w._bound = PdxferMetadata(idle=True)
+    w.run_orders(PdxferMetadata(idle=True))
     monkeypatch.setattr(W.time, "sleep", lambda s: (slept.append(s), setattr(rx, "done", True)))
     assert w.get_finished([]) == (set(), {"a"})  # reported in the step it ended in
     assert len(slept) == 1
@@ -74,7 +82,7 @@ def test_a_step_that_computes_nothing_waits_for_a_load_to_end(setup, monkeypatch
 
 def test_the_wait_of_a_step_that_computes_nothing_is_bounded(setup) -> None:
     w, rx, slept = setup
-    w._bound = PdxferMetadata(idle=True)
+    w.run_orders(PdxferMetadata(idle=True))
     assert w.get_finished([]) == (set(), set())
     # at least the bound, at most one poll more (float sums: a nanosecond of slack)
     assert W.IDLE_WAIT_S - 1e-9 <= sum(slept) <= W.IDLE_WAIT_S + W.IDLE_POLL_S + 1e-9

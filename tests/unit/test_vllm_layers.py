@@ -158,7 +158,7 @@ def test_an_early_decode_holds_a_layer_before_the_prefill_computed_the_next(
     layerwise(p, after)
     # the fake forward writes token by token into plain [heads, tokens, C] tiles (as a GPU
     # backend does): a block the step fills in part goes for its tokens
-    p.conn.worker.partial_blocks = True
+    p.conn.worker.sender.partial_blocks = True
     p.add("l", tokens, 1, prefill_params(7101, "d-lwise"))
     run_until([p, d], lambda: "l-d" in d.computed)
     assert {f for _, f in seen} == {0, 48, 96}, "each step's layers arrived inside its forward"
@@ -183,7 +183,7 @@ def test_where_blocks_are_packed_a_block_filled_in_part_waits_to_be_complete(
     a place pdxfer can address, so a block goes whole, once a step completed it."""
     pair = make_pair(model, server, name="lpack", batched=STEP)
     p, d = pair.p, pair.d
-    assert not p.conn.worker.partial_blocks, "CPU tensors: blocks move whole"
+    assert not p.conn.worker.sender.partial_blocks, "CPU tensors: blocks move whole"
     tokens = [(i * 31) % 900 + 10 for i in range(150)]
     layerwise(p)
     d.add("k-d", tokens, 2, early_params(pair, 7301))
@@ -195,6 +195,7 @@ def test_where_blocks_are_packed_a_block_filled_in_part_waits_to_be_complete(
     w = p.conn.worker
     # steps end at 48, 96, 144, 150: complete blocks 1, 3, 4, then the rest
     assert w.counters["step_chunks"] == 3 and w.counters["layer_sends"] == 4 * S.layers
+    assert sum(s.get("prompt_steps", 0) for s in p.kv_stats) == 4, "vLLM's steps, counted"
     assert w.counters["streamed_steps"] == 4
     assert p.ep.metrics()["transport_bytes"] == 5 * w.layout.block_bytes, "whole blocks"
     run_until([p, d], lambda: "k-d" in d.finished and "k" not in p.sched.requests)
@@ -227,7 +228,7 @@ def test_a_room_no_decode_asked_for_gets_each_steps_layers_after_the_forward_at_
 ) -> None:
     """Under vLLM's proxy the decode asks after the prefill's answer, so while the forward
     runs nobody can receive a layer; a hand-off per layer only spent the engine thread's
-    time inside the forward while the answer waited (issue 33: ~1 ms a request). Each step's
+    time inside the forward while the answer waited. Each step's
     layers go after its forward in one hand-off, and the decode that asks later receives
     exactly the prefill's KV."""
     pair = make_pair(model, server, name="lnone", batched=STEP)

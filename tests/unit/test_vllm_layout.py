@@ -147,14 +147,26 @@ def test_params_from_clients_are_checked_and_rooms_pair_the_two_sides() -> None:
     assert ask == P.PrefillAsk(7, "d1")
     answer = P.prefill_answer(7, "h:1", "p1", 100)
     d = P.decode_ask(answer)
-    assert d == P.DecodeAsk(7, "h:1", "p1") and not d.early  # sequential: after the answer
-    early = {k: v for k, v in answer.items() if k != "pdxfer_num_tokens"}
+    assert d == P.DecodeAsk(7, "h:1", "p1", dp=0) and not d.early  # sequential: the answer
+    early = {k: v for k, v in answer.items() if k not in ("pdxfer_num_tokens", "pdxfer_dp")}
     assert P.decode_ask(early) == P.DecodeAsk(7, "h:1", "p1", early=True)  # at dispatch
     assert P.decode_ask({**answer, "pdxfer_room": "7"}) is None
     assert P.decode_ask({**answer, "pdxfer_bootstrap": "x" * 500}) is None
     for bad in ("127.0.0.1:x", "127.0.0.1:0", "127.0.0.1:99999", ":8998", "h"):
         assert P.decode_ask({**answer, "pdxfer_bootstrap": bad}) is None, bad
     assert P.decode_ask({"do_remote_prefill": True}) is None
+
+
+def test_a_data_parallel_rank_in_params_is_checked_and_names_the_rank_holding_the_kv() -> None:
+    answer = P.prefill_answer(7, "h:1", "p1", 100, dp=3)
+    assert answer["pdxfer_dp"] == 3 and P.decode_ask(answer) == P.DecodeAsk(7, "h:1", "p1", dp=3)
+    early = {k: v for k, v in answer.items() if k != "pdxfer_num_tokens"}
+    assert P.decode_ask(early) == P.DecodeAsk(7, "h:1", "p1", early=True, dp=3)
+    ask = {"do_remote_decode": True, "pdxfer_room": 7, "pdxfer_dp": 1}
+    assert P.prefill_ask(ask) == P.PrefillAsk(7, None, 1)
+    for bad in (-1, True, "1", 1.0, P.DP_MAX):
+        assert P.decode_ask({**answer, "pdxfer_dp": bad}) is None, bad
+        assert P.prefill_ask({**ask, "pdxfer_dp": bad}) is None, bad
 
 
 def test_k_and_v_apart_are_two_buffers_per_layer_with_heads_addressable() -> None:

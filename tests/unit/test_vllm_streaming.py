@@ -170,7 +170,7 @@ def test_an_aborted_prefill_keeps_handed_blocks_until_no_write_reads_them(
     p.sched.finish_requests("x", RequestStatus.FINISHED_ABORTED)
     assert p.free_blocks() < free_p, "handed blocks are held until the worker lets go"
     run_until([p], lambda: p.free_blocks() == free_p)
-    assert not p.conn.worker._sends, "the room is gone"
+    assert p.conn.worker.sender.in_flight == 0, "the room is gone"
 
 
 def keep_busy(p: base.Engine) -> None:

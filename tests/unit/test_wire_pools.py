@@ -197,7 +197,7 @@ def test_specs_built_in_code_are_held_to_the_wire_bounds(buf: dict) -> None:
 
 
 def test_replay_window_accepts_each_counter_once_out_of_order_but_not_too_old() -> None:
-    from pdxfer.endpoint.trust import ReplayWindow
+    from pdxfer.trust import ReplayWindow
 
     w = ReplayWindow()
     assert not w.accept(0)  # counters start at 1
@@ -208,8 +208,32 @@ def test_replay_window_accepts_each_counter_once_out_of_order_but_not_too_old() 
     assert w.accept(10_000 - ReplayWindow.SIZE + 1)
 
 
+def test_the_replay_guard_accepts_each_nonce_once_within_its_window_and_stays_bounded() -> None:
+    """One guard serves signed HTTP requests (full: the oldest tenth go) and Hellos (full:
+    refused); a nonce is accepted once while its timestamp could still pass, and a nonce
+    seen with the same tag is a retransmission."""
+    from pdxfer.trust import MAX_SKEW_S, ReplayGuard
+
+    g = ReplayGuard(10, when_full="refuse")
+    assert g.check(b"n1", b"mac", now=0.0) == ""
+    assert g.check(b"n1", b"mac", now=1.0) == "again"
+    assert g.check(b"n1", b"other", now=1.0) == "replay"
+    assert g.check(b"n1", now=1.0) == "replay"  # no tag: never a retransmission
+    for i in range(2, 11):
+        assert g.check(b"n%d" % i, now=2.0) == ""
+    assert g.check(b"n11", now=3.0) == "table_full" and len(g) == 10
+    later = 2 * MAX_SKEW_S + 1.0  # n1 expired (its timestamp can no longer pass), n2.. not
+    assert g.check(b"n1", now=later) == "" and g.check(b"n11", now=later) == "table_full"
+
+    h = ReplayGuard(10, when_full="evict")
+    for i in range(10):
+        assert h.check(str(i), now=0.0) == ""
+    assert h.check("new", now=1.0) == "" and len(h) == 10  # the oldest went
+    assert h.check("0", now=1.0) == "" and h.check("5", now=1.0) == "replay"
+
+
 def test_mac_covers_header_and_payload_and_keys_differ_per_direction_and_pair() -> None:
-    from pdxfer import auth
+    from pdxfer import trust
 
     key = b"k" * 32
     f = wire.frame(
@@ -222,8 +246,8 @@ def test_mac_covers_header_and_payload_and_keys_differ_per_direction_and_pair() 
         g[i] ^= 1
         assert not wire.verify(bytes(g), key, h.mac), i
     s = b"a shared secret of 16+ bytes"
-    d2p, p2d = auth.session_keys(s, b"p" * 16, b"q" * 16, "d", "p")
+    d2p, p2d = trust.session_keys(s, b"p" * 16, b"q" * 16, "d", "p")
     assert d2p != p2d
-    assert auth.session_keys(s, b"x" * 16, b"q" * 16, "d", "p")[0] != d2p
-    assert auth.session_keys(s, b"p" * 16, b"q" * 16, "e", "p")[0] != d2p
-    assert auth.ack_key(s, b"p" * 16) != auth.ack_key(s, b"x" * 16)
+    assert trust.session_keys(s, b"x" * 16, b"q" * 16, "d", "p")[0] != d2p
+    assert trust.session_keys(s, b"p" * 16, b"q" * 16, "e", "p")[0] != d2p
+    assert trust.ack_key(s, b"p" * 16) != trust.ack_key(s, b"x" * 16)

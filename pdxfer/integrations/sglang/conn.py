@@ -55,7 +55,7 @@ from pdxfer import KVPoll as PdxPoll
 from .pools import KV, SWA, Heads, aux_slots, pools_of, state_slots, swa_state
 from .window import UNREAD, mismatch, start_page, swa_pages, window_room
 
-log = logging.getLogger("pdxfer.sglang")
+log = logging.getLogger(__name__)
 
 INSTANCE = "sglang"
 """One SGLang bootstrap server fronts one prefill instance, so one pdxfer instance name."""

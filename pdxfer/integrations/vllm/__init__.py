@@ -1,10 +1,12 @@
 """pdxfer's KV connector for vLLM (``PdxferConnector``).
 
 Reading order: ``params`` (the ``kv_transfer_params`` protocol) -> ``config`` (the extra
-config) -> ``groups`` and ``state`` (KV cache groups; how a state splits over TP) -> ``layout``
-(vLLM's cache tensors as a pool) -> ``metadata`` (scheduler -> worker
-orders) -> ``scheduler`` -> ``worker`` -> ``stats`` (its figures in vLLM's log and
-``/metrics``) -> ``connector`` (the facade vLLM instantiates).
+config) -> ``layout`` (vLLM's cache tensors as a pool) -> ``groups`` and ``state`` (a hybrid
+model's KV cache groups; how a state splits over TP) -> ``metadata`` (scheduler -> worker
+orders) -> ``scheduler`` -> ``rank`` (a worker rank's pools and endpoint) -> ``decode_tiers`` -> ``counters`` -> ``sender`` (the
+prefill half) -> ``loader`` (the decode half) -> ``stats_file`` -> ``worker`` (the step over
+both halves) -> ``stats`` (its figures in vLLM's log and ``/metrics``) -> ``connector`` (the
+facade vLLM instantiates).
 
 Importing this package is cheap: the connector (and vLLM) load when vLLM asks for
 ``PdxferConnector``. ``register`` is the ``vllm.general_plugins`` entry point: with pdxfer

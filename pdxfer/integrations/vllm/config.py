@@ -88,7 +88,7 @@ class ConnectorConfig:
     l3_mooncake: str = _key("", "``l3='mooncake'``: the Mooncake Store master's ``host:port``")
     l3_mooncake_metadata: str = _key("", "``l3='mooncake'``: the store's metadata URL")
     l3_mooncake_segment_mb: int = _key(
-        64, "``l3='mooncake'``: store memory this decode contributes (0: none)"
+        256, "``l3='mooncake'``: store memory this decode contributes (0: none)"
     )
     model_id: str = _key(
         "",
@@ -99,8 +99,8 @@ class ConnectorConfig:
     stats_file: str = _key(
         "",
         "a JSON file each worker rewrites with its counters (bytes sent and received, "
-        "restored pages, failures) whenever a request's KV moved (``.tpN`` appended per rank "
-        "when TP > 1)",
+        "restored pages, failures) whenever a request's KV moved (``.dpN`` appended per "
+        "data-parallel rank when DP > 1, then ``.tpN`` per TP rank when TP > 1)",
     )
     send_by: str = _key(
         "layer",
@@ -119,6 +119,11 @@ class ConnectorConfig:
     )
     endpoint: Mapping[str, Any] = field(default_factory=dict)
     """The ``ENDPOINT_KEYS`` the user set (the rest keep ``EndpointConfig``'s defaults)."""
+    dp_rank: int = 0
+    """This engine core's data-parallel rank (not a key: the connector reads it from vLLM,
+    ``connector.data_parallel``); each rank is an endpoint of its own at the bootstrap."""
+    dp_size: int = 1
+    """The instance's data-parallel size (not a key, as ``dp_rank``)."""
 
     @property
     def trusted(self) -> tuple[str, ...]:
@@ -149,6 +154,8 @@ class ConnectorConfig:
             instance=self.instance,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
             model_id=fingerprint,
             secret=secret,
             **self.endpoint,

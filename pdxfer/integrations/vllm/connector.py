@@ -2,8 +2,8 @@
 
 vLLM builds the connector twice: once with the scheduler role (in the engine core) and once
 per worker rank. This facade checks the configuration first, then forwards each call to
-``PdxferScheduler`` (``scheduler.py``) or ``PdxferWorker`` (``worker.py``), which never import
-it back.
+``PdxferScheduler`` (``scheduler.py``) or ``PdxferWorker`` (``worker.py``: the rank's step,
+over its sender and loader halves), which never import it back.
 
 Load it by module path (no registration needed)::
 
@@ -15,6 +15,7 @@ Load it by module path (no registration needed)::
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -40,6 +42,7 @@ from . import config as C
 from .groups import Group
 from .metadata import PdxferMetadata
 from .scheduler import PdxferScheduler
+from .spec import draft_id
 from .state import TensorSplit, splits
 from .stats import PdxferPromMetrics, PdxferStats
 from .worker import PdxferWorker, RankInfo
@@ -124,6 +127,8 @@ def groups_of(
         spec, layers = g.kv_cache_spec, tuple(g.layer_names)
         if isinstance(spec, SlidingWindowSpec) and not isinstance(spec, MLAAttentionSpec):
             out.append(Group(i, "window", spec.block_size, layers, window=spec.sliding_window))
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            out.append(Group(i, "chunk", spec.block_size, layers, chunk=spec.attention_chunk_size))
         elif isinstance(spec, FullAttentionSpec) and type(spec) in (
             FullAttentionSpec,
             MLAAttentionSpec,
@@ -154,6 +159,25 @@ def groups_of(
                 f"({what}, layers {', '.join(layers[:3])}...)"
             )
     return tuple(out)
+
+
+def data_parallel(vllm_config: VllmConfig) -> tuple[int, int]:
+    """This engine core's (DP rank, DP size). vLLM runs each DP rank of a dense model as an
+    independent engine and resets its ``data_parallel_rank``/``_size`` to 0 and 1 there; the
+    rank stays in ``data_parallel_index`` and the size in ``elastic_ep_max_dp_size`` (the DP
+    size given at start unless elastic EP is on, which keeps the DP fields as they are). The
+    rank is what vLLM's own connectors name a DP rank by (its ports, ``engine_id``)."""
+    par = vllm_config.parallel_config
+    rank = int(getattr(par, "data_parallel_index", par.data_parallel_rank) or 0)
+    size = int(par.data_parallel_size or 1)
+    if size == 1 and not getattr(par, "enable_elastic_ep", False):
+        size = int(getattr(par, "elastic_ep_max_dp_size", None) or 1)
+    if not 0 <= rank < size:
+        raise ConfigError(
+            f"PdxferConnector: data-parallel rank {rank} is not in [0, {size}) "
+            f"(vLLM's data_parallel_index, data_parallel_size)"
+        )
+    return rank, size
 
 
 def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
@@ -187,11 +211,16 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         name = mc.served_model_name if mc is not None else ""
         if isinstance(name, list):
             name = name[0] if name else ""
-        self.cfg = C.parse(
-            ktc.kv_role,
-            ktc.kv_connector_extra_config,
-            str(name or ""),
-            mc.revision if mc is not None else None,
+        dp_rank, dp_size = data_parallel(vllm_config)
+        self.cfg = replace(
+            C.parse(
+                ktc.kv_role,
+                ktc.kv_connector_extra_config,
+                str(name or ""),
+                mc.revision if mc is not None else None,
+            ),
+            dp_rank=dp_rank,
+            dp_size=dp_size,
         )
         block_size = vllm_config.cache_config.block_size
         self.scheduler: PdxferScheduler | None = None
@@ -205,7 +234,13 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
             self.worker = PdxferWorker(
                 self.cfg,
-                RankInfo(*_tp(vllm_config), block_size, kv_heads, cache_dtype),
+                RankInfo(
+                    *_tp(vllm_config),
+                    block_size,
+                    kv_heads,
+                    cache_dtype,
+                    draft_id(vllm_config.speculative_config),
+                ),
                 self.groups,
             )
 
@@ -257,25 +292,25 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 
-    def _take(self) -> None:
+    def _step(self) -> tuple[PdxferWorker, PdxferMetadata] | None:
+        """On a worker, the worker and this step's orders."""
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, PdxferMetadata):
-                self.worker.take(meta)
+                return self.worker, meta
+        return None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._take()
-
-    def _before_forward(self) -> None:
-        if self.worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, PdxferMetadata):
-                self.worker.before_forward(meta)
+        if step := self._step():
+            worker, meta = step
+            worker.run_orders(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # loads are asynchronous (vLLM schedules a request once its KV arrived); the first
         # layer of a step is the last moment before the forward writes blocks vLLM freed
-        self._before_forward()
+        if step := self._step():
+            worker, meta = step
+            worker.before_forward(meta)
 
     def save_kv_layer(
         self,
@@ -287,21 +322,19 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         # send_by "layer": the layer's part of this step's tokens goes to the sender now (a
         # hand-off); a layer never reported here (a CUDA graph replay skips this call) is
         # handed over after the step (wait_for_save)
-        if self.worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, PdxferMetadata) and meta.layers:
-                self.worker.save_layer(meta, layer_name, kv_layer)
+        if step := self._step():
+            worker, meta = step
+            if meta.layers:
+                worker.save_layer(meta, layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         # waits for nothing on the network: a finished request's blocks stay with the sender
         # until get_finished reports it (request_finished returned True), and a preempted
         # one's writes drain before the next forward (before_forward); only device-computed
         # layers not yet handed over are waited for (their kernels' events)
-        self._take()
-        if self.worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, PdxferMetadata):
-                self.worker.after_forward(meta)
+        if step := self._step():
+            worker, meta = step
+            worker.after_forward(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None

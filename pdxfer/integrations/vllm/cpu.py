@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-log = logging.getLogger("pdxfer.vllm")
+log = logging.getLogger(__name__)
 
 
 def hold_amx_tiles() -> bool:

@@ -7,13 +7,19 @@ block table (one block pool shared by all groups, so block ids never collide):
 - ``window``: sliding-window attention. vLLM frees blocks that left the window (its table
   then holds the null block 0), so only the window's tail moves; with ``send_by: layer``
   the blocks no step can free (``window_first``) stream as they are computed.
+- ``chunk``: chunked local attention (Llama 4). A token attends only to the tokens of its
+  own chunk, so vLLM frees the blocks of every chunk before the current one; only the last
+  prompt token's chunk moves, streamed like a window (``chunk_first``). A prompt that ends
+  on a chunk boundary backs off one token (``backoff``): vLLM's decode, holding all the
+  prompt, would keep no block of the chunk its last prompt token still attends to.
 - ``state``: Mamba2 / Gated DeltaNet state: one state block per request, final after the
   prefill's last chunk. It moves as a pdxfer slot (split into TP-sharded pieces, ``state.py``,
   when the two sides' TP differ); the prefill stops one token short and the decode computes
   the last prompt token itself (the state must not see it twice).
 
 Pools whose first token differs travel as separate pdxfer rooms (``Part``): the main room
-(full and state groups) and one derived room per window size. Pure: no vLLM import.
+(full and state groups) and one derived room per window size and per chunk size. Pure: no
+vLLM import.
 """
 
 from __future__ import annotations
@@ -30,7 +36,13 @@ NULL_BLOCK = 0
 POOL = "kv"
 """Group 0's pool (the only one of a plain attention model)."""
 
-Kind = Literal["full", "window", "state"]
+Kind = Literal["full", "window", "chunk", "state"]
+
+LOCAL: tuple[Kind, ...] = ("window", "chunk")
+"""Kinds whose earlier blocks vLLM frees while a request runs: only a tail moves."""
+
+CHUNK_KEY = 1 << 32
+"""A chunk group's ``Part`` key is this plus its chunk size (apart from every window's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +54,8 @@ class Group:
     layers: tuple[str, ...]
     window: int = 0
     """Tokens of the sliding window (``window`` groups)."""
+    chunk: int = 0
+    """Tokens of a local attention chunk (``chunk`` groups)."""
     spec_blocks: int = 0
     """Speculative scratch blocks vLLM appends after a state block (``state`` groups)."""
     page_bytes: int = 0
@@ -56,7 +70,13 @@ class Group:
         return POOL if self.index == 0 else f"{POOL}{self.index}"
 
     def describe(self) -> str:
-        extra = f" window {self.window}" if self.kind == "window" else ""
+        extra = (
+            f" window {self.window}"
+            if self.kind == "window"
+            else f" chunk {self.chunk}"
+            if self.kind == "chunk"
+            else ""
+        )
         return (
             f"{self.pool}: {self.kind}{' (MLA)' if self.mla else ''}{extra}, "
             f"{len(self.layers)} layers, block {self.block_size}"
@@ -68,7 +88,7 @@ class Part:
     """Pools that start at the same token travel in one pdxfer room."""
 
     key: int
-    """0: the request's own room; else the window size its room is derived from."""
+    """0: the request's own room; else what its room is derived from (``part_key``)."""
     groups: tuple[Group, ...]
 
     def room(self, room: int) -> int:
@@ -80,12 +100,23 @@ def derived_room(room: int, key: int) -> int:
     return (room * 0x9E3779B97F4A7C15 + key * 0x632BE59BD9B4E019 + 1) & ((1 << 63) - 1)
 
 
+def part_key(g: Group) -> int:
+    """Which room ``g`` travels in: 0 (the request's) for full and state groups, else one
+    per window size and one per chunk size."""
+    if g.kind == "window":
+        return g.window
+    if g.kind == "chunk":
+        return CHUNK_KEY + g.chunk
+    return 0
+
+
 def parts(groups: Sequence[Group]) -> tuple[Part, ...]:
-    """The request's rooms: full and state groups in the first, one per window size; a model
-    with no full group (every layer sliding) keeps its one window in the request's room."""
+    """The request's rooms: full and state groups in the first, one per window size and per
+    chunk size; a model with no full group (every layer sliding, or every layer chunked)
+    keeps its one local group in the request's room."""
     keys: dict[int, list[Group]] = {}
     for g in groups:
-        keys.setdefault(g.window if g.kind == "window" else 0, []).append(g)
+        keys.setdefault(part_key(g), []).append(g)
     out = [Part(k, tuple(gs)) for k, gs in sorted(keys.items())]
     if out and out[0].key != 0 and len(out) == 1:
         out[0] = Part(0, out[0].groups)
@@ -104,19 +135,28 @@ def tiered(groups: Sequence[Group]) -> tuple[Group, ...]:
     request's own room. A full group's page is a function of the tokens before it, so a
     page saved from any request serves any other with that prefix. Window and state groups
     always load from the prefill, which computed the whole prompt: a window block is kept by
-    nobody once the window passed it, and a state is sound only at the position it was
-    taken (a vLLM ``align`` checkpoint), so none is saved. A model whose request room holds
-    a window group (every layer sliding) has none."""
+    nobody once the window passed it, nor a chunk's once its chunk ended (a prefix's pages
+    would have holes), and a state is sound only at the position it was taken (a vLLM
+    ``align`` checkpoint), so none is saved. A model whose request room holds a window or
+    chunk group (every layer sliding or chunked) has none."""
     first = parts(groups)[0].groups if groups else ()
-    if any(g.kind == "window" for g in first):
+    if any(g.kind in LOCAL for g in first):
         return ()
     return tuple(g for g in first if g.kind == "full")
 
 
-def backoff(groups: Sequence[Group]) -> int:
-    """Prompt tokens the prefill leaves to the decode: a state group's state must be the one
-    before the last prompt token, which the decode then computes."""
-    return 1 if any(g.kind == "state" for g in groups) else 0
+def backoff(groups: Sequence[Group], num_tokens: int) -> int:
+    """Prompt tokens the prefill leaves to the decode, for a ``num_tokens`` prompt: a state
+    group's state must be the one before the last prompt token, which the decode then
+    computes. A chunk group's prompt that ends on a chunk boundary also leaves one: vLLM's
+    decode holding all ``n`` tokens keeps none of the chunk before ``n`` (``chunk_first``),
+    yet computes token ``n - 1`` again, which attends to that chunk; holding ``n - 1`` it
+    keeps that chunk."""
+    if any(g.kind == "state" for g in groups):
+        return 1
+    if any(g.kind == "chunk" and num_tokens > 1 and num_tokens % g.chunk == 0 for g in groups):
+        return 1
+    return 0
 
 
 def state_block(blocks: Sequence[int], spec_blocks: int) -> int | None:
@@ -145,11 +185,29 @@ def window_first(g: Group, num_tokens: int) -> int:
     return max(0, num_tokens - g.window) // g.block_size
 
 
+def chunk_first(g: Group, num_tokens: int) -> int:
+    """The first block of chunk group ``g`` a decode holding ``num_tokens`` keeps: vLLM
+    skips the tokens of every chunk before the one token ``num_tokens`` falls in. No step
+    of a ``num_tokens`` prefill frees it: with ``c < num_tokens`` computed, vLLM frees only
+    the blocks below the start of ``c``'s chunk."""
+    return num_tokens // g.chunk * g.chunk // g.block_size
+
+
+def local_first(g: Group, num_tokens: int) -> int:
+    """``window_first`` or ``chunk_first`` for a local group; 0 for any other."""
+    if g.kind == "window":
+        return window_first(g, num_tokens)
+    if g.kind == "chunk":
+        return chunk_first(g, num_tokens)
+    return 0
+
+
 def stream_pages(g: Group, blocks: Sequence[int], t0: int, t1: int, num_tokens: int) -> list[int]:
     """The pages of ``g`` holding tokens ``[t0, t1)`` that a step may hand over before the
-    request ends: every block of a full group; of a window group, -1 (never read) below
-    ``window_first`` (vLLM may free those before the request ends)."""
-    lo = window_first(g, num_tokens) if g.kind == "window" else 0
+    request ends: every block of a full group; of a window or chunk group, -1 (never read)
+    below ``local_first`` (vLLM may free those before the request ends, and the decode
+    holds none of them)."""
+    lo = local_first(g, num_tokens)
     ids = list(blocks)
     if len(ids) < -(-t1 // g.block_size):
         raise ValueError(f"{g.pool}: {len(ids)} blocks for tokens [{t0}, {t1})")
@@ -160,9 +218,9 @@ def stream_pages(g: Group, blocks: Sequence[int], t0: int, t1: int, num_tokens: 
 
 
 def stream_start(part: Part, num_tokens: int) -> int:
-    """The token before which a step hands nothing of ``part`` (its window groups' earliest
-    block that no step frees; 0 for a part of full groups)."""
-    wins = [window_first(g, num_tokens) * g.block_size for g in part.groups if g.kind == "window"]
+    """The token before which a step hands nothing of ``part`` (its window or chunk groups'
+    earliest block that no step frees; 0 for a part of full groups)."""
+    wins = [local_first(g, num_tokens) * g.block_size for g in part.groups if g.kind in LOCAL]
     return min(wins) if wins else 0
 
 
@@ -175,8 +233,9 @@ def source_pages(g: Group, blocks: Sequence[int], num_tokens: int) -> list[int]:
 
 
 def window_start(g: Group, blocks: Sequence[int], first: int, num_tokens: int) -> int | None:
-    """The first block a decode holds for ``g`` at or after block ``first`` (vLLM leaves the
-    null block where the window does not reach); None if a null block follows a real one."""
+    """The first block a decode holds for window or chunk group ``g`` at or after block
+    ``first`` (vLLM leaves the null block where the window, or the last token's chunk, does
+    not reach); None if a null block follows a real one."""
     need = -(-num_tokens // g.block_size)
     ids = list(blocks)[first:need]
     i = next((k for k, b in enumerate(ids) if b != NULL_BLOCK), len(ids))

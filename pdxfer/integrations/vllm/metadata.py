@@ -110,6 +110,8 @@ class LoadOrder:
     """The request came at dispatch (the early form; ``params.DecodeAsk.early``)."""
     groups: tuple[tuple[int, ...], ...] = ()
     """A hybrid model: every transfer group's blocks (``block_ids`` is group 0's)."""
+    dp: int | None = None
+    """The prefill's data-parallel rank that holds the room (None: the bootstrap picks)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("pdxfer.integrations.vllm")
+log = logging.getLogger(__name__)
 
 DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 """A request that ended this way has the KV of every token it computed."""
@@ -86,7 +86,8 @@ class PdxferScheduler:
         group (``groups.py``); what was not streamed goes in one send at the request's end."""
         self.hybrid_layers = self.hybrid and cfg.send_by == "layer"
         """A hybrid model streaming by layer (its state groups still go at the end)."""
-        self.backoff = backoff(self.groups)
+        self.backs_off = any(g.kind in ("state", "chunk") for g in self.groups)
+        """Whether some prompts leave tokens to the decode (``groups.backoff``)."""
         self.select: Any = None
         """vLLM's ``select_transfer_block_ids`` (every group's blocks -> the transfer
         groups'), set by the connector where vLLM has groups it does not transfer."""
@@ -147,7 +148,8 @@ class PdxferScheduler:
         ask = self._decode_ask(request)
         if ask is None:
             return 0, False
-        count = len(request.prompt_token_ids or ()) - self.backoff - num_computed_tokens
+        n = len(request.prompt_token_ids or ())
+        count = n - backoff(self.groups, n) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -162,7 +164,7 @@ class PdxferScheduler:
         if ask is None:
             return
         prompt = list(request.prompt_token_ids or ())
-        n = len(prompt) - self.backoff
+        n = len(prompt) - backoff(self.groups, len(prompt))
         every = self._transfer(blocks.get_block_ids())
         self._asked.add(request.request_id)
         self._loads.append(
@@ -178,6 +180,7 @@ class PdxferScheduler:
                 scope=tier_scope(request),
                 early=ask.early,
                 groups=tuple(tuple(b) for b in every) if self.hybrid else (),
+                dp=ask.dp,
             )
         )
 
@@ -191,7 +194,7 @@ class PdxferScheduler:
         if self.cfg.side != "prefill":
             return
         params = request.kv_transfer_params
-        if self.backoff and isinstance(params, dict) and P.prefill_ask(params) is not None:
+        if self.backs_off and isinstance(params, dict) and P.prefill_ask(params) is not None:
             self._back_off(request)
         if not isinstance(params, dict) or params.get("pdxfer_room") is None:
             return
@@ -209,10 +212,11 @@ class PdxferScheduler:
         return tuple(every)
 
     def _back_off(self, request: Request) -> None:
-        """A model with state groups: the prefill computes all but the last ``backoff``
-        prompt tokens (the decode computes them: a state must not see a token twice)."""
+        """A model with state groups, or a chunk group's prompt ending on a chunk boundary:
+        the prefill computes all but the last ``backoff`` prompt tokens (the decode computes
+        them: a state must not see a token twice; ``groups.backoff``)."""
         params = request.kv_transfer_params
-        k = self.backoff
+        k = backoff(self.groups, request.num_prompt_tokens)
         if (
             not k
             or not isinstance(params, dict)
@@ -238,6 +242,17 @@ class PdxferScheduler:
         n = len(request.prompt_token_ids or ())
         if ask is None or n == 0:
             return
+        if ask.dp is not None and ask.dp != self.cfg.dp_rank:
+            log.warning(
+                "request %s (room %d) was meant for data-parallel rank %d but runs on rank "
+                "%d: a decode told to load from rank %d will not find it (is vLLM's "
+                "X-data-parallel-rank header reaching the server?)",
+                rid,
+                ask.room,
+                ask.dp,
+                self.cfg.dp_rank,
+                ask.dp,
+            )
         self.streams[rid] = Streamed(
             ask.room, ask.decode, n, last=self.hybrid and not self.hybrid_layers
         )
@@ -298,8 +313,49 @@ class PdxferScheduler:
             st.blocks, st.last = n_blocks, last
         return out, lay
 
+    def _unpad_first_steps(self, so: SchedulerOutput) -> None:
+        """A loaded request's first step computes its last prompt token alone; vLLM pads it
+        with placeholder drafts (``-1``, for a uniform batch shape), which are verified,
+        rejected and counted as drafts. Colocated, the same step is part of the prefill and
+        has none. The step is scheduled without them, so the decode's drafts, and its
+        acceptance counters, are what colocated vLLM's are (the drafter proposes after the
+        step from the draft KV this load brought)."""
+        spec = so.scheduled_spec_decode_tokens
+        for r in so.scheduled_new_reqs:
+            drafts = spec.get(r.req_id)
+            if (
+                r.req_id not in self._asked
+                or not drafts
+                or any(t >= 0 for t in drafts)
+                or so.num_scheduled_tokens.get(r.req_id) != 1 + len(drafts)
+            ):
+                continue
+            del spec[r.req_id]
+            so.num_scheduled_tokens[r.req_id] = 1
+            so.total_num_scheduled_tokens -= len(drafts)
+
+    def _count_prompt_steps(self, so: SchedulerOutput) -> None:
+        """Count the requests to send whose prompt this step computes part of
+        (``prompt_steps``): how vLLM chunked them, which it decides (for MLA on a CPU
+        without AMX it does not chunk at all)."""
+        before = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens))
+        n = sum(
+            1
+            for rid in so.num_scheduled_tokens
+            if (st := self.streams.get(rid)) is not None
+            and before.get(rid, st.num_tokens) < st.num_tokens
+        )
+        if n:
+            self._interval["prompt_steps"] = self._interval.get("prompt_steps", 0) + n
+
     # -- both ----------------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput | None = None) -> PdxferMetadata:
+        if self.cfg.side == "decode" and getattr(so, "scheduled_spec_decode_tokens", None):
+            self._unpad_first_steps(so)  # type: ignore[arg-type]
+        if so is not None and self.streams:
+            self._count_prompt_steps(so)
         chunks, lay = self._step_chunks(so) if so is not None and self.streams else ([], [])
         meta = PdxferMetadata(
             self._sends,
@@ -346,7 +402,9 @@ class PdxferScheduler:
             return False, None  # no remote decode asked for (or no prompt)
         n = st.num_tokens
         assert self.cfg.bootstrap is not None  # checked in config for a prefill
-        answer = P.prefill_answer(st.room, self.cfg.bootstrap, self.cfg.instance, n)
+        answer = P.prefill_answer(
+            st.room, self.cfg.bootstrap, self.cfg.instance, n, self.cfg.dp_rank
+        )
         if st.dropped:  # preempted: its room was aborted, a decode that asks is refused
             return False, answer
         need = -(-n // self.block_size)

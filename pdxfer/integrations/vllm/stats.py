@@ -23,6 +23,8 @@ COUNTERS: dict[str, str] = {
     "send_failures": "sends that failed (the decode recomputes or fails the request)",
     "step_chunks": "steps whose computed KV was handed to the sender before the prompt's "
     "end (prefill)",
+    "prompt_steps": "steps that computed part of the prompt of a request to send, one per "
+    "request (prefill; how vLLM chunked them)",
     "layer_sends": "layer-wise hand-offs to the sender (prefill, send_by layer)",
     "streamed_steps": "steps whose layers went to the sender one by one as computed, the "
     "decode having asked before the step (prefill, send_by layer)",

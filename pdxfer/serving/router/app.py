@@ -31,10 +31,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdxfer.auth import load_secret
 from pdxfer.config import knobs
 from pdxfer.netaddr import host_of, unreachable_from
 from pdxfer.tiers import page_keys
+from pdxfer.trust import load_secret
 
 from ..errors import BadRequest, OutOfCapacity, ServingError, UpstreamError
 from ..http import error_body, error_response, merge_metrics, metrics_text, read_json, serve
@@ -53,6 +53,7 @@ from .backends import (
     parse_prefill,
     registered,
 )
+from .door import Door
 from .kv_feed import FeedSpec, KvFeeds
 from .kv_policy import Held, choose, pending_tokens, per_request
 from .kv_stale import LIMITS as STALE
@@ -60,9 +61,28 @@ from .kv_stale import Served, StaleCheck, StaleLimits
 from .media import DEFAULT as MEDIA
 from .media import MediaPolicy
 from .settings import DEFAULT, RouterSettings
+from .settings import POLICIES as SETTINGS_POLICIES
 
-log = logging.getLogger("pdxfer.serving.router")
-POLICIES = ("round_robin", "least_outstanding", "kv_aware")
+log = logging.getLogger(__name__)
+POLICIES = tuple(p for p in SETTINGS_POLICIES if p != "auto")
+"""The pairing policies ``auto`` resolves to."""
+
+
+def usable(xs: list[Any], avoid: set[str]) -> list[Any]:
+    """The workers a choice may take: healthy ones not avoided, else any not avoided."""
+    return (
+        [x for x in xs if x.key not in avoid and x.healthy]
+        or [x for x in xs if x.key not in avoid]
+        or xs
+    )
+
+
+def auto_policy(n_prefills: int, n_decodes: int) -> str:
+    """``auto``: KV-aware wherever a leg has a choice (several prefills or several decodes),
+    so configured KV events are used; round robin for a single pair, where nothing differs."""
+    return "kv_aware" if n_prefills > 1 or n_decodes > 1 else "round_robin"
+
+
 HEALTH_TTL_S = 1.0
 
 
@@ -111,13 +131,14 @@ class Router:
         load_weight: float = DEFAULT["kv_load_weight"],
         media: MediaPolicy = MEDIA,
         stale: StaleLimits = STALE,
+        door: Door | None = None,
     ) -> None:
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode")
         self.auto_policy = policy == "auto"
-        """Whether the policy follows the number of decodes (DP groups show up later)."""
+        """Whether the policy follows the number of workers (DP groups show up later)."""
         if policy == "auto":
-            policy = "kv_aware" if len(decodes) > 1 else "round_robin"
+            policy = auto_policy(len(prefills), len(decodes))
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES} or auto, got {policy!r}")
         self.prefills, self.decodes, self.policy = prefills, decodes, policy
@@ -136,6 +157,8 @@ class Router:
         self.load_weight = load_weight
         self.media = media
         """What chat requests may carry in ``image_url`` parts (``media.py``)."""
+        self.door = door or Door(DEFAULT["prefill_queue_tokens"], DEFAULT["max_held"])
+        """Where requests wait while every prefill's queue is full (``door.py``)."""
         self._rr_p = itertools.count()
         self._rr_d = itertools.count()
         self.counters = collections.Counter[str]()
@@ -219,13 +242,6 @@ class Router:
         """A (prefill, decode) pair, and how many leading prompt tokens each holds as far
         as the router knows (0 but under ``kv_aware``)."""
 
-        def usable(xs: list[Any], avoid: set[str]) -> list[Any]:
-            return (
-                [x for x in xs if x.key not in avoid and x.healthy]
-                or [x for x in xs if x.key not in avoid]
-                or xs
-            )
-
         ps, ds = usable(self.prefills, avoid_p), usable(self.decodes, avoid_d)
         pf_held = dc_held = 0
         # ties go to the worker used least, so an idle fleet is still spread
@@ -286,14 +302,22 @@ class Router:
             return self._health
         out: dict[str, Any] = {}
         probe = self.backend.probe
-        pf_info = await asyncio.gather(*(probe(self.http, p) for p in self.prefills))
-        reg = await asyncio.gather(*(registered(p) for p in self.prefills))
-        for p, info, ok in zip(self.prefills, pf_info, reg):
-            self._down_forgets(p, info is not None and ok)
-            p.healthy = info is not None and ok
-            out[p.url] = (
+        fronts = {_front(p): p for p in reversed(self.prefills)}  # a DP instance once
+        looked = await asyncio.gather(
+            asyncio.gather(*(probe(self.http, p) for p in fronts.values())),
+            asyncio.gather(*(registered(p) for p in fronts.values())),
+        )
+        by_front = dict(zip(fronts, zip(*looked)))
+        self._expand_ranks(by_front)
+        for p in self.prefills:
+            info, size = by_front[_front(p)]
+            ok = info is not None and size is not None
+            self._down_forgets(p, ok)
+            p.healthy = ok
+            p.dp_size = size or p.dp_size
+            out[p.key] = (
                 "ok"
-                if p.healthy
+                if ok
                 else "down"
                 if info is None
                 else f"not registered with bootstrap {p.bootstrap}"
@@ -335,18 +359,49 @@ class Router:
 
     def _expand_groups(self, infos: dict[str, Any]) -> None:
         """A decode URL that answers with DP ``groups`` becomes one record per group (each
-        with its own cache keys, load and health), in place of its single record."""
+        with its own cache keys, load and health), in place of its single record; its KV
+        event feed becomes one per group."""
         out: list[Decode] = []
         for d in self.decodes:
             groups = (infos.get(d.url) or {}).get("groups")
             if d.dp is None and isinstance(groups, list) and groups:
                 out += [Decode(d.url, d.instance, dp=g) for g in range(len(groups))]
                 log.info("decode %s fronts %d DP groups", d.url, len(groups))
+                if self.kv is not None:
+                    self.kv.ranks(d.url, len(groups))
             else:
                 out.append(d)
         self.decodes[:] = out
         if self.auto_policy:
-            self.policy = "kv_aware" if len(out) > 1 else "round_robin"
+            self.policy = auto_policy(len(self.prefills), len(out))
+
+    def _expand_ranks(self, fronts: dict[tuple[str, str, str], tuple[Any, int | None]]) -> None:
+        """A prefill instance whose bootstrap registration has several data-parallel ranks
+        becomes one record per rank (each with its own load, cache keys and KV event feed):
+        the router picks the rank, sends the request there and tells the decode to load
+        from it. A restart with another DP size rebuilds its records (those kept keep their
+        figures)."""
+        out: list[Prefill] = []
+        done: set[tuple[str, str, str]] = set()
+        for p in self.prefills:
+            f = _front(p)
+            size = fronts.get(f, (None, None))[1]
+            mine = [q for q in self.prefills if _front(q) == f]
+            want = [None] if size == 1 else list(range(size)) if size else None
+            if want is None or [q.dp for q in mine] == want:
+                out.append(p)
+                continue
+            if f in done:
+                continue
+            done.add(f)
+            old = {q.dp: q for q in mine}
+            out += [old.get(r) or Prefill(p.url, p.bootstrap, p.instance, dp=r) for r in want]
+            log.info("prefill %s (instance %s) runs %d DP ranks", p.url, p.instance, len(want))
+            if self.kv is not None:
+                self.kv.ranks(p.url, len(want))
+        self.prefills[:] = out
+        if self.auto_policy:  # a DP prefill's ranks are a choice, as several prefills are
+            self.policy = auto_policy(len(out), len(self.decodes))
 
     async def h_health(self, request: web.Request) -> web.Response:
         workers = await self.refresh_health(force=True)
@@ -366,6 +421,9 @@ class Router:
         vals["outstanding"] = sum(d.outstanding for d in self.decodes)
         vals["healthy_prefills"] = sum(p.healthy for p in self.prefills)
         vals["healthy_decodes"] = sum(d.healthy for d in self.decodes)
+        vals["waiting"] = self.door.waiting
+        vals["held_at_door"] = self.door.held
+        vals["refused_at_door"] = self.door.refused
         if self.kv is not None:
             if self.stale is not None:
                 self.stale.sweep()
@@ -463,7 +521,9 @@ class Router:
         return obj
 
     async def _check_context(self, ask: oa.Ask) -> None:
-        if any(d.max_seq_len is None for d in self.decodes):
+        if any(d.max_seq_len is None for d in self.decodes) or any(
+            p.dp_size is None for p in self.prefills
+        ):  # what the workers are (their limits, their DP ranks) before the first pick
             await self.refresh_health()
         limits = [d.max_seq_len for d in self.decodes if d.max_seq_len]
         longest = max(len(p) for p in ask.prompts)
@@ -585,7 +645,8 @@ class Router:
         err: AttemptFailed | None = None
         tries = max(2, len(self.prefills) * len(self.decodes))
         for attempt in range(tries):
-            pf, dc, pf_held, dc_held = self.pick(ids, avoid_p, avoid_d, ask.tenant)
+            full = await self.door.enter(usable(self.prefills, avoid_p), len(ids), self.timeout_s)
+            pf, dc, pf_held, dc_held = self.pick(ids, avoid_p | full, avoid_d, ask.tenant)
             marks = (
                 (self.kv.mark(pf.key), self.kv.mark(dc.key))
                 if self.kv is not None
@@ -704,11 +765,14 @@ class Router:
                         }
                         if dc.dp is not None:
                             c.stats["decode_dp"] = dc.dp
+                        if pf.dp is not None:
+                            c.stats["prefill_dp"] = pf.dp
                         finished = True
                         break
                     if pf_work and ev.token_ids:
                         pf.pending -= pf_work
                         pf_work = 0
+                        self.door.released()
                     c.token_ids += ev.token_ids
                     c.logprobs += ev.logprobs
                     rendered |= ev.text is not None
@@ -740,7 +804,9 @@ class Router:
         finally:
             pf.outstanding -= 1
             dc.outstanding -= 1
-            pf.pending -= pf_work
+            if pf_work:
+                pf.pending -= pf_work
+                self.door.released()
             if stops.stopped:
                 self._later(self.backend.abort(self.http, pf.url, room, "stop string reached"))
 
@@ -752,6 +818,11 @@ class Router:
         c.text += text
         if on_delta is not None:
             await on_delta(c.index, text, lps)
+
+
+def _front(p: Prefill) -> tuple[str, str, str]:
+    """A prefill instance behind one URL (all its DP ranks' records share it)."""
+    return (p.url, p.bootstrap, p.instance)
 
 
 def make_backend(s: RouterSettings) -> Backend:
@@ -798,6 +869,7 @@ def run(a: argparse.Namespace) -> int:
         backend=make_backend(s),
         kv=kv,
         load_weight=s.kv_load_weight,
+        door=Door(s.prefill_queue_tokens, s.max_held),
         stale=StaleLimits(
             s.kv_stale_misses,
             s.kv_stale_window_s,

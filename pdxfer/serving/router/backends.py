@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import aiohttp
 
 from pdxfer import BootstrapClient, PdxferError, endpoint_settings, parse_hostport
-from pdxfer.auth import http_headers
 from pdxfer.setting import settings_of
+from pdxfer.trust import http_headers
 
 from ..errors import BadRequest
 from ..toy.config import WorkerConfig
@@ -71,10 +71,18 @@ class Prefill:
     used: int = 0
     keys: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
     """The page keys of the prompts the router sent here (KV-aware routing's history)."""
+    dp: int | None = None
+    """One data-parallel rank of the instance behind ``url`` (vLLM ``--data-parallel-size``):
+    the router keeps a record per rank, sends the request to that rank and tells the decode
+    to load from it."""
+    dp_size: int | None = None
+    """The instance's data-parallel size as its bootstrap registration says (None: not
+    looked up yet)."""
 
     @property
     def key(self) -> str:
-        return self.url
+        """This record among the router's prefills (a URL, or a URL's DP rank)."""
+        return self.url if self.dp is None else f"{self.url}#dp{self.dp}"
 
     def remember(self, keys: list[str]) -> None:
         remember(self.keys, keys)
@@ -99,8 +107,9 @@ class Decode:
     used: int = 0
     keys: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
     dp: int | None = None
-    """One of several independent decode groups behind ``url`` (``pdxfer decode --dp``): the
-    router keeps a record per group, so KV-aware routing sees each group's cache."""
+    """One of several independent decode groups behind ``url`` (``pdxfer decode --dp``, or
+    a vLLM decode's data-parallel rank): the router keeps a record per group, so KV-aware
+    routing sees each group's cache."""
 
     @property
     def peer(self) -> str | None:
@@ -192,11 +201,14 @@ class Http:
     def __init__(self, session: aiohttp.ClientSession, secret: bytes | None) -> None:
         self.session, self.secret = session, secret
 
-    def signed(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """aiohttp arguments for a worker POST."""
+    def signed(
+        self, url: str, payload: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """aiohttp arguments for a worker POST (``headers``: more of them)."""
         body = json.dumps(payload).encode()
         headers = {
             "Content-Type": "application/json",
+            **(headers or {}),
             **http_headers(self.secret, "POST", urllib.parse.urlsplit(url).path, body),
         }
         return {"data": body, "headers": headers}
@@ -236,18 +248,20 @@ async def sse_events(r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]
         yield json.loads(line[6:])
 
 
-async def registered(p: Prefill) -> bool:
-    """Whether the prefill's bootstrap can route to its instance (else every request to it
-    fails however healthy the worker is)."""
+async def registered(p: Prefill) -> int | None:
+    """The data-parallel size of the prefill's instance if its bootstrap can route to it
+    (every rank registered), else None (every request to it would fail however healthy the
+    worker is)."""
 
-    def look() -> bool:
+    def look() -> int | None:
         try:
-            BootstrapClient(p.bootstrap, timeout=2.0, retries=0).route(
+            route = BootstrapClient(p.bootstrap, timeout=2.0, retries=0).route(
                 0, p.instance, deadline=time.monotonic()
             )
-            return True
         except PdxferError:
-            return False
+            return None
+        size = route.get("dp_size", 1) if isinstance(route, dict) else None
+        return size if isinstance(size, int) and size >= 1 else None
 
     return await asyncio.to_thread(look)
 

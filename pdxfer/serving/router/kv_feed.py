@@ -39,7 +39,7 @@ from ..kv_events import (
 from .kv_index import KvIndex, Op, warm
 from .u64map import slots_for
 
-log = logging.getLogger("pdxfer.serving.router.kv")
+log = logging.getLogger(__name__)
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAY_FRAMES = 100_000
 MAX_INBOX = 50_000
@@ -98,6 +98,28 @@ class FeedSpec:
             )
         return cls(worker.rstrip("/"), eps[0], eps[1] if len(eps) == 2 else None)
 
+    def rank(self, r: int) -> FeedSpec:
+        """Where data-parallel rank ``r`` of this worker publishes: vLLM offsets each rank's
+        TCP ports by its rank (``tcp://*:5557`` -> rank 1 on 5558, its replay likewise);
+        the feed is ``WORKER#dpR``, the router's record of that rank."""
+        return FeedSpec(
+            f"{self.worker}#dp{r}",
+            _offset(self.endpoint, r),
+            _offset(self.replay, r) if self.replay else None,
+            self.topic,
+        )
+
+
+def _offset(endpoint: str, r: int) -> str:
+    """vLLM's endpoint of data-parallel rank ``r`` (``ZmqEventPublisher``'s port offset;
+    an endpoint without a port number gets the ``_dpR`` suffix vLLM gives in-process ones)."""
+    base, sep, port = endpoint.rpartition(":")
+    if r == 0:
+        return endpoint
+    if endpoint.startswith("tcp://") and sep and port.isdigit() and int(port):
+        return f"{base}:{int(port) + r}"
+    return f"{endpoint}_dp{r}"
+
 
 @dataclass(slots=True)
 class FeedState:
@@ -119,6 +141,8 @@ class KvFeeds:
         self.indexes: dict[int, KvIndex] = {}
         self.index_slots = max(1024, slots_for(index_blocks))
         self.feeds = {s.worker: FeedState(s) for s in specs}
+        self._given = {s.worker: s for s in specs}
+        """Each worker's feed as given (``ranks`` splits it per data-parallel rank)."""
         if specs:
             warm()
         self._ctx: zmq.asyncio.Context | None = None
@@ -208,6 +232,32 @@ class KvFeeds:
             return f.synced
         self._replayed(f, got)
         return True
+
+    def ranks(self, worker: str, n: int) -> None:
+        """``worker`` runs ``n`` data-parallel ranks, each publishing its own events (vLLM's
+        ports: ``FeedSpec.rank``): its feed becomes one per rank, ``WORKER#dpR``, as the
+        router's records of it are (one feed ``WORKER`` again for ``n`` 1). Feeds it no
+        longer has are closed and their entries forgotten; new ones subscribe at once."""
+        given = self._given.get(worker)
+        if given is None:
+            return
+        want = {worker: given} if n == 1 else {s.worker: s for s in map(given.rank, range(n))}
+        mine = [w for w in self.feeds if w == worker or w.startswith(f"{worker}#dp")]
+        if sorted(mine) == sorted(want):
+            return
+        for w in mine:
+            if w not in want:
+                self.forget(w)
+                del self.feeds[w]
+                sub = self._subs.pop(w, None)
+                if sub is not None:
+                    sub.cancel()
+        for w, spec in want.items():
+            if w not in self.feeds:
+                f = self.feeds[w] = FeedState(spec)
+                if self._ctx is not None:
+                    self._subs[w] = asyncio.ensure_future(self._run(f))
+        log.info("kv events of %s: one feed per DP rank, %s", worker, sorted(want))
 
     # -- applying events ----------------------------------------------------------------------
     def _index(self, bs: int) -> KvIndex:
@@ -300,6 +350,8 @@ class KvFeeds:
         held: set[str] = set()
         for f, seq, batch in frames:
             w = f.spec.worker
+            if self.feeds.get(w) is not f:
+                continue  # its feed was closed since (``ranks``)
             if w in held:
                 rest.append((f, seq, batch, False))
                 continue

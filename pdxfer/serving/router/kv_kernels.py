@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
+
+from .jit import numba
 
 M64 = (1 << 64) - 1
 P = 0x9E3779B97F4A7C15

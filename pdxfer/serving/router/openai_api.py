@@ -342,6 +342,7 @@ def extension(c: Choice) -> dict[str, Any]:
         "repaired_tokens",
         "ranks",
         "decode_dp",
+        "prefill_dp",
         "prefill_s",
         "prefill_cached_tokens",
         "decode_cached_tokens",

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from .jit import ir, numba
+
+types, cgutils, intrinsic = numba.types, numba.core.cgutils, numba.extending.intrinsic
 
 
 @intrinsic

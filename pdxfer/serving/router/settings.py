@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
+from pdxfer.setting import from_namespace, settings_of
 from pdxfer.setting import setting as setting_field
-from pdxfer.setting import settings_of
+
+Policy = Literal["auto", "round_robin", "least_outstanding", "kv_aware"]
+"""How the router pairs workers (``auto``: kv_aware with several decodes, else round_robin)."""
+POLICIES: tuple[str, ...] = get_args(Policy)
+Dispatch = Literal["concurrent", "sequential"]
+"""When a vLLM decode gets its request (``RouterSettings.dispatch``)."""
+DISPATCHES: tuple[str, ...] = get_args(Dispatch)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -28,12 +35,15 @@ class RouterSettings:
     port: int = setting_field(8000, "HTTP port (0: pick a free one)")
     prefill: tuple[str, ...] = setting_field(
         help="a prefill instance: its HTTP URL, its bootstrap host:port and optionally its "
-        "instance name (repeat for more)",
+        "instance name (repeat for more). An instance whose registration has several "
+        "data-parallel ranks (vLLM --data-parallel-size) is one record per rank",
         metavar="URL,BOOTSTRAP[,INST]",
     )
     decode: tuple[str, ...] = setting_field(
         help="a decode instance's HTTP URL and optionally its instance name, which rooms are "
-        "bound to (repeat for more)",
+        "bound to (repeat for more). A decode whose health shows several groups (pdxfer "
+        "decode --dp; vLLM: one engine label per data-parallel rank in its /metrics) is one "
+        "record per group",
         metavar="URL[,INSTANCE]",
     )
     engine: Literal["toy", "vllm"] = setting_field(
@@ -50,21 +60,25 @@ class RouterSettings:
         "--engine vllm: the decodes' block size for KV-aware routing (default: read "
         "from their /metrics)",
     )
-    dispatch: Literal["concurrent", "sequential"] = setting_field(
+    dispatch: Dispatch = setting_field(
         "concurrent",
         "--engine vllm: send the decode its request at the same time as the "
         "prefill's (concurrent: the decode allocates and asks while the prefill computes), "
         "or after the prefill answered (sequential: vLLM's own proxy protocol)",
     )
-    policy: Literal["auto", "round_robin", "least_outstanding", "kv_aware"] = setting_field(
-        "auto", "pairing policy (auto: kv_aware with several decodes, else round_robin)"
+    policy: Policy = setting_field(
+        "auto",
+        "pairing policy (auto: kv_aware where a leg has a choice, several prefills or "
+        "several decodes, else round_robin)",
     )
     kv_events: tuple[str, ...] = setting_field(
         (),
         "kv_aware: a worker's KV event stream (vLLM --kv-events-config publisher zmq: its "
         "endpoint and replay_endpoint, e.g. "
         "http://10.0.0.1:8100=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558); workers without one "
-        "are judged by the router's own history (repeat for more)",
+        "are judged by the router's own history (repeat for more). A worker with several "
+        "data-parallel ranks gets one feed per rank at the given ports plus the rank, as "
+        "vLLM publishes them",
         metavar="WORKER_URL=ENDPOINT[,REPLAY]",
     )
     kv_load_weight: float = setting_field(
@@ -106,6 +120,17 @@ class RouterSettings:
         "show clients how many prompt tokens came from the decode's cache "
         "(usage.prompt_tokens_details.cached_tokens, pdxfer.restored_tokens)",
     )
+    prefill_queue_tokens: int = setting_field(
+        16384,
+        "prompt tokens a prefill may have waiting to be computed, with a new request's: past "
+        "it, requests wait at the router (first come, first served) until a prefill has "
+        "room; an idle prefill takes any request (0: no limit)",
+    )
+    max_held: int = setting_field(
+        1024,
+        "requests that may wait at the router for a prefill with room; past it a request "
+        "is refused at once with 503",
+    )
     timeout_s: float = setting_field(
         120.0,
         "per-request deadline towards the workers (seconds); --engine vllm: also how "
@@ -114,27 +139,8 @@ class RouterSettings:
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> RouterSettings:
-        return cls(
-            host=a.host,
-            advertise=a.advertise,
-            port=a.port,
-            prefill=tuple(a.prefill),
-            decode=tuple(a.decode),
-            engine=a.engine,
-            tokenizer=a.tokenizer,
-            page_size=a.page_size,
-            dispatch=getattr(a, "dispatch", DEFAULT["dispatch"]),
-            policy=a.policy,
-            kv_events=tuple(a.kv_events),
-            kv_load_weight=a.kv_load_weight,
-            kv_stale_misses=a.kv_stale_misses,
-            kv_stale_window_s=a.kv_stale_window,
-            kv_stale_tolerance_blocks=a.kv_stale_tolerance_blocks,
-            kv_stale_deadline_s=a.kv_stale_deadline,
-            kv_index_blocks=a.kv_index_blocks,
-            expose_cache_stats=a.expose_cache_stats,
-            timeout_s=a.timeout,
-        )
+        """The settings ``pdxfer router``'s flags (generated from these fields) parsed into."""
+        return cls(**from_namespace(cls, a))
 
 
 DEFAULT = {k: s.default for k, s in settings_of(RouterSettings).items()}

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import mmap
 
-import numba
 import numpy as np
 
+from .jit import numba
 from .prefetch import prefetch
 
 EMPTY, DELETED = np.uint64(0), np.uint64(1)

@@ -25,6 +25,8 @@ from typing import Any
 
 import aiohttp
 
+from pdxfer.config import one_of
+
 from . import openai_api as oa
 from .backends import (
     Attempt,
@@ -39,19 +41,19 @@ from .backends import (
     refuse,
     sse_events,
 )
-from .settings import DEFAULT
+from .settings import DEFAULT, DISPATCHES
 from .tokenizers import HFTokenizer, Tokenizer
 
-log = logging.getLogger("pdxfer.serving.router.vllm")
+log = logging.getLogger(__name__)
 SETUP_TIMEOUT_S = 120.0
 """How long the router's start waits for a decode to answer ``/v1/models``, at least: never
 less than its per-request deadline (``--timeout``), since a decode that may take that long
 to answer a request may take that long to answer this one (a process stalled on a loaded
 host)."""
-DISPATCH = ("concurrent", "sequential")
 PREFILL_CAUSE_S = 1.0
 """How long a failed decode waits for its prefill's answer, to report the cause."""
 _BLOCK = re.compile(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', re.M)
+_ENGINE = re.compile(r'^vllm:[^{\s]*\{[^}]*\bengine="(\d+)"', re.M)
 
 
 class VllmBackend:
@@ -66,8 +68,7 @@ class VllmBackend:
         dispatch: str = DEFAULT["dispatch"],
         setup_timeout_s: float = SETUP_TIMEOUT_S,
     ) -> None:
-        if dispatch not in DISPATCH:
-            raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
+        one_of("dispatch", dispatch, DISPATCHES)
         self.dispatch = dispatch
         self.setup_timeout_s = setup_timeout_s
         self._tokenizer_path = tokenizer
@@ -112,15 +113,15 @@ class VllmBackend:
     def check(self, ask: oa.Ask) -> None:
         refuse(ask, self.name, speculative_k=bool(ask.spec_k))
 
-    async def _block_size(self, http: Http, url: str) -> int | None:
+    async def _metrics(self, http: Http, url: str) -> str:
+        """A worker's ``/metrics`` text ("" when it does not answer)."""
         try:
             async with http.session.get(
                 f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=3)
             ) as r:
-                m = _BLOCK.search(await r.text()) if r.status == 200 else None
+                return await r.text() if r.status == 200 else ""
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            return None
-        return int(m.group(1)) if m else None
+            return ""
 
     async def probe(self, http: Http, w: Prefill | Decode) -> dict[str, Any] | None:
         try:
@@ -137,9 +138,14 @@ class VllmBackend:
         m = await self._models(http, w.url)
         if m and m.get("max_model_len"):
             info["max_seq_len"] = int(m["max_model_len"])
-        size = self._page_size or await self._block_size(http, w.url)
+        text = await self._metrics(http, w.url)
+        block = _BLOCK.search(text)
+        size = self._page_size or (int(block.group(1)) if block else None)
         if size:
             info["page_size"] = size
+        ranks = data_parallel_size(text)
+        if ranks > 1:  # one record per rank: the router sends each request to one
+            info["groups"] = [dict(info) for _ in range(ranks)]
         return info
 
     async def abort(self, http: Http, url: str, room: int, why: str) -> None:
@@ -177,6 +183,8 @@ class VllmBackend:
         }
         if dc.peer:  # the prefill binds the room to the decode chosen for it
             params["pdxfer_decode"] = dc.peer
+        if pf.dp is not None:  # the rank the decode will load from
+            params["pdxfer_dp"] = pf.dp
         payload = {
             **self._sampling(job),
             "max_tokens": 1,
@@ -185,7 +193,7 @@ class VllmBackend:
         }
         url = f"{pf.url}{_path(job)}"
         try:
-            async with http.session.post(url, **http.signed(url, payload)) as r:
+            async with http.session.post(url, **http.signed(url, payload, rank(pf.dp))) as r:
                 body = await json_or_text(r)
                 if r.status != 200:
                     raise AttemptFailed.from_status(r.status, f"prefill {pf.url}: {message(body)}")
@@ -202,19 +210,30 @@ class VllmBackend:
             raise AttemptFailed(
                 502, f"prefill {pf.url} answered room {kv.get('pdxfer_room')!r}, not {job.room}"
             )
+        if pf.dp is not None and kv.get("pdxfer_dp") != pf.dp:
+            # the decode was told to load from rank pf.dp, which never had the request
+            raise AttemptFailed(
+                502,
+                f"prefill {pf.url} computed room {job.room} on data-parallel rank "
+                f"{kv.get('pdxfer_dp')!r}, not on rank {pf.dp} it was sent to "
+                f"(X-data-parallel-rank)",
+            )
         return kv, _cached_tokens(body)
 
     @staticmethod
     def early_params(job: Attempt) -> dict[str, Any]:
         """The decode's ``kv_transfer_params`` in the early form: what the prefill will answer
         (room, its bootstrap and instance), known before it computed anything."""
-        return {
+        out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "pdxfer_room": job.room,
             "pdxfer_bootstrap": job.pf.bootstrap,
             "pdxfer_instance": job.pf.instance,
         }
+        if job.pf.dp is not None:
+            out["pdxfer_dp"] = job.pf.dp
+        return out
 
     async def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
         """One attempt. ``concurrent``: the prefill's and the decode's requests go out at
@@ -234,9 +253,12 @@ class VllmBackend:
             held.extend([] if cached is None else [cached])
             return kv
 
+        # a prefill whose DP ranks are not known yet goes first: its answer names the rank
+        unknown = job.pf.dp is None and job.pf.dp_size != 1
+        dispatch = "sequential" if unknown else self.dispatch
         pf_task = asyncio.ensure_future(prefill())
         try:
-            if self.dispatch == "sequential":
+            if dispatch == "sequential":
                 kv = await pf_task
             else:
                 kv = self.early_params(job)
@@ -247,7 +269,7 @@ class VllmBackend:
                         await asyncio.wait([pf_task], timeout=5)
                     ev.stats.update(
                         {
-                            "dispatch": self.dispatch,
+                            "dispatch": dispatch,
                             "prefill_s": took[0] if took else None,
                             "ttft_s": ev.stats["first"] - t1
                             if ev.stats.get("first") is not None
@@ -291,7 +313,7 @@ class VllmBackend:
         finish: str | None = None
         first: float | None = None
         try:
-            async with http.session.post(url, **http.signed(url, payload)) as r:
+            async with http.session.post(url, **http.signed(url, payload, rank(dc.dp))) as r:
                 if r.status != 200:
                     raise AttemptFailed.from_status(
                         r.status, f"decode {dc.url}: {message(await json_or_text(r))}"
@@ -323,6 +345,19 @@ class VllmBackend:
             if prompt_tokens is None
             else {"first": first, "prompt_tokens": prompt_tokens},
         )
+
+
+def data_parallel_size(metrics: str) -> int:
+    """A vLLM server's data-parallel ranks as its ``/metrics`` shows them: one ``engine``
+    label per engine core (vLLM's stats are on by default; with ``--disable-log-stats``
+    there are none, and the server counts as one rank that vLLM balances itself)."""
+    return len(set(_ENGINE.findall(metrics))) or 1
+
+
+def rank(dp: int | None) -> dict[str, str]:
+    """The header that sends a request to one data-parallel rank of a vLLM server (its
+    engine core; else vLLM's own balancer picks one)."""
+    return {} if dp is None else {"X-data-parallel-rank": str(dp)}
 
 
 async def _until_failed(

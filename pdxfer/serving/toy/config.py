@@ -11,9 +11,16 @@ import argparse
 import os
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
-from pdxfer import endpoint_settings, parse_hostport, parse_hostports, require_trusted
+from pdxfer import (
+    ConfigError,
+    endpoint_settings,
+    parse_hostport,
+    parse_hostports,
+    require_trusted,
+)
+from pdxfer.config import INTEGRITY_MODES, ROLES, TRANSPORTS, one_of
 from pdxfer.setting import setting as setting_field
 
 from .shape import MAX_SEQ_LEN, PAGE_SIZE
@@ -21,13 +28,26 @@ from .shape import MAX_SEQ_LEN, PAGE_SIZE
 if TYPE_CHECKING:
     from .model import ToyConfig
 
+Landing = Literal["device", "host"]
+"""Where a decode receives KV (``WorkerConfig.kv_landing``)."""
+LANDINGS: tuple[str, ...] = get_args(Landing)
+WHY_DEFAULTS_DIFFER = {
+    "l2_pages": "the toy workers exist to show and test the tiers, so their decode keeps a "
+    "small L2 (512 toy pages are a few MiB); a vLLM decode's L2 page is a vLLM block of every "
+    "layer (MiBs on a real model), host memory the operator sizes, so it is off until set",
+    "l3_max_gb": "a toy decode writes L3 files by default (under ``$XDG_CACHE_HOME``), so an "
+    "unattended demo is bounded; a vLLM decode has no L3 until the operator names "
+    "``l3='file'`` and its folder, and the bound is theirs to choose (0: none)",
+}
+"""Why a ``WorkerConfig`` default differs from the vLLM connector's key of the same name
+(printed in docs/configuration.md; the generator refuses a difference without a line here)."""
 _DEFAULT = {k: s.default for k, s in endpoint_settings().items()}
 """The endpoint settings a worker passes on keep their defaults (and help) in ``pdxfer``."""
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    """One worker's settings, validated at construction."""
+    """One worker's settings, validated at construction (``ConfigError``, as every config)."""
 
     role: str
     host: str = _DEFAULT["host"]
@@ -91,7 +111,7 @@ class WorkerConfig:
         "live in other clients' segments and survive this decode's restart)",
     )
     no_l3: bool = setting_field(False, "no L3: host DRAM only")
-    kv_landing: Literal["device", "host"] = setting_field(
+    kv_landing: Landing = setting_field(
         "device",
         "host: receive into a token-granular host pool (page size 1, HiSparse-style) "
         "and decode from it; pairs with a prefill of any page size",
@@ -144,40 +164,38 @@ class WorkerConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        one_of("role", self.role, ROLES)
         if self.role == "prefill" and not self.bootstrap:
-            raise ValueError("a prefill worker needs --bootstrap (host:port of the bootstrap)")
+            raise ConfigError("a prefill worker needs --bootstrap (host:port of the bootstrap)")
         if self.role == "prefill":
             parse_hostport(self.bootstrap, "--bootstrap")
         else:
             require_trusted(self.bootstrap, "--bootstrap")
         for name in ("pages", "aux_slots", "page_size", "max_seq_len", "chunk_size", "threads"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
-            raise ValueError(f"port out of range: {self.port}")
+            raise ConfigError(f"port out of range: {self.port}")
         if self.l2_pages < 0:
-            raise ValueError(f"l2_pages must be >= 0, got {self.l2_pages}")
+            raise ConfigError(f"l2_pages must be >= 0, got {self.l2_pages}")
         if self.l3 == "mooncake" and not self.l3_mooncake_metadata:
-            raise ValueError(
+            raise ConfigError(
                 "Mooncake Store as L3 needs the master (--l3-mooncake HOST:PORT) "
                 "and its metadata URL (--l3-mooncake-metadata)"
             )
-        if self.integrity not in ("sampled", "full", "off"):
-            raise ValueError(f"integrity must be sampled, full or off, got {self.integrity!r}")
-        if self.kv_landing not in ("device", "host"):
-            raise ValueError(f"kv_landing must be device or host, got {self.kv_landing!r}")
+        one_of("integrity", self.integrity, INTEGRITY_MODES)
+        one_of("transport", self.transport, TRANSPORTS)
+        one_of("kv_landing", self.kv_landing, LANDINGS)
         if self.kv_landing == "host" and self.role != "decode":
-            raise ValueError("--kv-landing host is a decode option")
+            raise ConfigError("--kv-landing host is a decode option")
         if not 1 <= self.tp <= 64:
-            raise ValueError(f"tp must be in [1, 64], got {self.tp}")
+            raise ConfigError(f"tp must be in [1, 64], got {self.tp}")
         if not 1 <= self.dp <= 64 or not 0 <= self.dp_rank < self.dp:
-            raise ValueError(
+            raise ConfigError(
                 f"dp must be in [1, 64] and dp_rank in [0, dp), got {self.dp_rank} of {self.dp}"
             )
         if self.dp > 1 and self.role != "decode":
-            raise ValueError("--dp is a decode option (a prefill scales as more instances)")
+            raise ConfigError("--dp is a decode option (a prefill scales as more instances)")
         self._check_device()
 
     def _check_device(self) -> None:
@@ -186,22 +204,28 @@ class WorkerConfig:
         from . import ballast
         from .model import head_shard
 
-        ballast.validate(self.kv_ballast_bytes_per_token)
+        try:
+            ballast.validate(self.kv_ballast_bytes_per_token)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         try:
             dev = torch.device(self.torch_device)
         except (RuntimeError, TypeError) as e:
-            raise ValueError(f"torch_device {self.torch_device!r}: {e}") from None
+            raise ConfigError(f"torch_device {self.torch_device!r}: {e}") from None
         if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"torch_device must be cpu or cuda[:N], got {self.torch_device!r}")
+            raise ConfigError(f"torch_device must be cpu or cuda[:N], got {self.torch_device!r}")
         if dev.type == "cuda" and self.tp > 1:
-            raise ValueError(
+            raise ConfigError(
                 "--torch-device cuda needs --tp 1 (the toy's TP ranks gather over gloo on the host)"
             )
         if self.kv_ballast_bytes_per_token and self.tp > 1:
-            raise ValueError(
+            raise ConfigError(
                 "--kv-ballast-bytes-per-token needs --tp 1 (the ballast is not sharded by heads)"
             )
-        head_shard(self.toy(), 0, self.tp)  # a TP size that does not split the heads fails here
+        try:  # a TP size that does not split the heads fails here
+            head_shard(self.toy(), 0, self.tp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def l3(self) -> str:

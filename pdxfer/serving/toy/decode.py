@@ -51,7 +51,7 @@ from .worker import (
     token_list,
 )
 
-log = logging.getLogger("pdxfer.serving.toy.decode")
+log = logging.getLogger(__name__)
 MAX_SPEC_K = 8
 
 

@@ -29,6 +29,7 @@ from pdxfer.setting import settings_of
 
 from ..cli_args import add_field_args
 from .cluster import Cluster
+from .config import Landing
 from .model import EOS_ID, ToyConfig, ToyModel, encode, make_draft, speculative_generate
 
 WORDS = [
@@ -101,7 +102,7 @@ class DemoOptions:
         "the decode's L3: files in a fresh folder, or Mooncake Store (a "
         "mooncake_master started for the demo)",
     )
-    landing: Literal["device", "host"] = setting_field(
+    landing: Landing = setting_field(
         "device", "host: the decode lands KV in a token-granular host pool"
     )
     prefill_tp: int = setting_field(

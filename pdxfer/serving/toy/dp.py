@@ -27,13 +27,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdxfer.auth import http_headers, load_secret
+from pdxfer.trust import http_headers, load_secret
 
 from ..errors import BadRequest, UpstreamError
 from ..http import error_response, merge_metrics, router_only, serve
 from .worker import WorkerConfig, config_from_args
 
-log = logging.getLogger("pdxfer.serving.toy.dp")
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 180.0
 MAX_BODY = 8 << 20

@@ -32,7 +32,7 @@ from .tiered import make_cache, open_receiver, reuse
 from .tp import join
 from .worker import ModelHost, WorkerConfig
 
-log = logging.getLogger("pdxfer.serving.toy.follower")
+log = logging.getLogger(__name__)
 
 COMPUTE_OPS = frozenset({"forward", "send", "reuse", "write_back", "open_receiver"})
 WATCH_S = 0.001

@@ -44,7 +44,7 @@ from .worker import (
     token_list,
 )
 
-log = logging.getLogger("pdxfer.serving.toy.prefill")
+log = logging.getLogger(__name__)
 
 
 class PrefillWorker(RoomWorker):

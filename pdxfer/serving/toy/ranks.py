@@ -31,7 +31,7 @@ from .tiered import open_receiver as open_local_receiver
 from .tiered import reuse
 from .worker import ModelHost, WorkerConfig
 
-log = logging.getLogger("pdxfer.serving.toy.ranks")
+log = logging.getLogger(__name__)
 
 _MIN_KEYS = ("l1_pages", "l2_pages", "l3_pages", "restored_pages", "prefix_len")
 """Per-rank figures a group reports as their minimum (what every rank has)."""

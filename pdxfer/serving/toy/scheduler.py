@@ -20,7 +20,7 @@ from typing import Any
 from .model import SpecDecoder
 from .sampling import Sampling, sample, top_logprobs
 
-log = logging.getLogger("pdxfer.serving.toy.scheduler")
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)

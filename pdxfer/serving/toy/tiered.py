@@ -25,7 +25,7 @@ from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredC
 from .kvpub import KvEventsObserver
 from .worker import ModelHost, WorkerConfig
 
-log = logging.getLogger("pdxfer.serving.toy.tiered")
+log = logging.getLogger(__name__)
 
 
 def rank_l3_dir(cfg: WorkerConfig, tp_rank: int) -> str:

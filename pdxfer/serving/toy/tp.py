@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..errors import WorkerBroken
 from .model import Gather
 
-log = logging.getLogger("pdxfer.serving.toy.tp")
+log = logging.getLogger(__name__)
 
 GROUP_HOST = "127.0.0.1"
 START_TIMEOUT_S = 120.0

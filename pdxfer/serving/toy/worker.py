@@ -23,7 +23,7 @@ import torch
 from aiohttp import web
 
 from pdxfer import Endpoint, EndpointConfig, PoolSpec
-from pdxfer.auth import load_secret
+from pdxfer.trust import load_secret
 
 from ..errors import BadRequest, OutOfCapacity
 from ..http import (  # noqa: F401  (re-exported for the worker modules)
@@ -43,7 +43,7 @@ from .config import WorkerConfig, config_from_args, default_l3_dir  # noqa: F401
 from .kv import KVPool, OutOfPagesError
 from .model import Gather, ToyModel, make_draft
 
-log = logging.getLogger("pdxfer.serving")
+log = logging.getLogger(__name__)
 
 AUX_WIDTH = 8
 """int32 words per aux row: [first token, prompt length, reserved...]."""

@@ -1,4 +1,4 @@
-"""Who a control frame comes from: per-pair sessions, replay windows and Hello freshness.
+"""Who a control frame comes from: per-pair sessions and Hello freshness.
 
 With a shared secret, a frame is admitted only when its header names a known pair (or is a
 ``Hello`` under the secret's Hello key) and its MAC verifies over the raw bytes, before any byte
@@ -12,43 +12,17 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import auth, wire
+from .. import wire
 from ..wire import Header, Rejected
+from .keys import hello_key
+from .replay import MAX_SKEW_S, ReplayGuard, ReplayWindow
 
 MAX_HELLO_NONCES = 65536
 """Hello nonces remembered for the freshness window; past this, new Hellos are refused (only
 holders of the secret can make them, so a legitimate cluster never gets near it)."""
-
-
-class ReplayWindow:
-    """Counters seen from one peer: a counter is accepted once, and only while it is newer
-    than the newest minus ``SIZE`` (frames from several sender threads may interleave)."""
-
-    SIZE = 4096
-
-    def __init__(self) -> None:
-        self.top = 0
-        self.mask = 0
-
-    def accept(self, c: int) -> bool:
-        if c <= 0:
-            return False
-        if c > self.top:
-            shift = c - self.top
-            self.mask = (
-                ((self.mask << shift) | 1) & ((1 << self.SIZE) - 1) if shift < self.SIZE else 1
-            )
-            self.top = c
-            return True
-        d = self.top - c
-        if d >= self.SIZE or (self.mask >> d) & 1:
-            return False
-        self.mask |= 1 << d
-        return True
 
 
 @dataclass(eq=False)
@@ -87,9 +61,9 @@ class Trust:
 
     def __init__(self, secret: bytes | None) -> None:
         self.secret = secret
-        self.hello_key = auth.hello_key(secret) if secret else None
+        self.hello_key = hello_key(secret) if secret else None
         self.sessions: dict[bytes, Session] = {}
-        self._nonces: OrderedDict[bytes, tuple[float, bytes]] = OrderedDict()
+        self._hellos = ReplayGuard(MAX_HELLO_NONCES, when_full="refuse")
         self.lock = threading.Lock()
 
     def admit(self, f: bytes | memoryview, h: Header) -> Session | None:
@@ -141,21 +115,9 @@ class Trust:
         if self.secret is None:
             return ""
         now = time.time()
-        if abs(now - ts) > auth.MAX_SKEW_S:
+        if abs(now - ts) > MAX_SKEW_S:
             return "stale_hello"
-        with self.lock:
-            while self._nonces:
-                k, (exp, _) = next(iter(self._nonces.items()))
-                if exp > now:
-                    break
-                del self._nonces[k]
-            seen = self._nonces.get(h.pair)
-            if seen is not None:
-                return "again" if seen[1] == h.mac else "replay"
-            if len(self._nonces) >= MAX_HELLO_NONCES:
-                return "table_full"
-            self._nonces[h.pair] = (now + 2 * auth.MAX_SKEW_S, h.mac)
-        return ""
+        return self._hellos.check(h.pair, h.mac, now)
 
     def add(self, sess: Session) -> None:
         with self.lock:

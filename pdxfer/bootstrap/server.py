@@ -1,82 +1,30 @@
-"""HTTP bootstrap: prefill endpoints register, decode endpoints look up who serves a room.
+"""The bootstrap server: prefill endpoints register, decode endpoints look up who serves a room.
 
-The server runs aiohttp on its own thread and event loop, so it can live inside a prefill
-process or stand alone (``pdxfer bootstrap``). It answers 503 until every rank of an
-instance has registered (a decode must never pair with half an instance), 409 to a
-registration that conflicts with the instance's topology or layout, and 400/404 with a
-message to a bad query.
-
-The client is synchronous (stdlib HTTP) with timeouts and retries with backoff; endpoints call
-it from their own threads, never from the engine loop.
+It runs aiohttp on its own thread and event loop, so it can live inside a prefill process or
+stand alone (``pdxfer bootstrap``). It answers 503 until every rank of an instance has
+registered (a decode must never pair with half an instance), 409 to a registration that
+conflicts with the instance's topology or layout, and 400/404 with a message to a bad query.
+Every connection passes the guard first (``guard.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import random
 import socket
 import threading
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from . import auth, protect
-from .errors import BootstrapError
-from .netaddr import host_of, is_local, is_loopback
-from .pools import NonNeg
+from .. import trust
+from ..errors import BootstrapError
+from ..netaddr import host_of, is_local, is_loopback
+from .guard import HEADER_TIMEOUT_S, MAX_CONNECTIONS, Guard
+from .registration import Instance, Registration
 
-log = logging.getLogger("pdxfer.bootstrap")
-
-Small = Annotated[int, msgspec.Meta(ge=1, le=4096)]
-Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-
-
-class Registration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One prefill endpoint (rank) of an instance."""
-
-    instance: Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[\w.:\-]+$")]
-    endpoint_id: Text
-    ctrl_addr: Text
-    session: Text
-    signature: Annotated[str, msgspec.Meta(max_length=64)]
-    tp_rank: NonNeg = 0
-    tp_size: Small = 1
-    dp_rank: NonNeg = 0
-    dp_size: Small = 1
-    pp_rank: NonNeg = 0
-    pp_size: Small = 1
-
-    def __post_init__(self) -> None:
-        for r, s, what in (
-            (self.tp_rank, self.tp_size, "tp"),
-            (self.dp_rank, self.dp_size, "dp"),
-            (self.pp_rank, self.pp_size, "pp"),
-        ):
-            if r >= s:
-                raise ValueError(f"{what}_rank {r} must be < {what}_size {s}")
-
-    @property
-    def slot(self) -> tuple[int, int, int]:
-        return (self.dp_rank, self.pp_rank, self.tp_rank)
-
-
-class _Instance:
-    def __init__(self, first: Registration) -> None:
-        self.shape = (first.dp_size, first.pp_size, first.tp_size)
-        self.signature = first.signature
-        self.slots: dict[tuple[int, int, int], Registration] = {}
-
-    @property
-    def complete(self) -> bool:
-        dp, pp, tp = self.shape
-        return len(self.slots) == dp * pp * tp
+log = logging.getLogger(__name__)
 
 
 class BootstrapServer:
@@ -93,17 +41,17 @@ class BootstrapServer:
     ) -> None:
         """``secret`` (or ``PDXFER_SECRET`` / ``PDXFER_SECRET_FILE``) turns on HMAC
         authentication of every request but ``/health``. Without one it serves loopback
-        peers only, unless ``insecure`` (or ``PDXFER_INSECURE``) opts in (``protect``): a
+        peers only, unless ``insecure`` (or ``PDXFER_INSECURE``) opts in (``trust``): a
         non-loopback ``host`` or ``advertise`` is then refused here."""
         self.host = host
         self.port = port
-        self._secret = auth.load_secret(secret)
-        self.loopback_only = protect.check_serving(
+        self._secret = trust.load_secret(secret)
+        self.loopback_only = trust.check_serving(
             "bootstrap server", host, advertise, secret=self._secret, opt_in=insecure
         )
-        self._replay = auth.ReplayGuard()
+        self._replay = trust.http_replay_guard()
         self._server: asyncio.base_events.Server | None = None
-        self._instances: dict[str, _Instance] = {}
+        self._instances: dict[str, Instance] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -154,7 +102,7 @@ class BootstrapServer:
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path != "/health":
             body = await request.read()
-            why = auth.check_http(
+            why = trust.check_http(
                 self._secret,
                 request.method,
                 request.raw_path,
@@ -181,7 +129,7 @@ class BootstrapServer:
         await self._runner.setup()
         server = self._runner.server
         assert server is not None
-        guard = _Guard(
+        guard = Guard(
             asyncio.get_running_loop(),
             MAX_CONNECTIONS,
             HEADER_TIMEOUT_S,
@@ -222,7 +170,7 @@ class BootstrapServer:
         with self._lock:
             inst = self._instances.get(reg.instance)
             if inst is None:
-                inst = self._instances[reg.instance] = _Instance(reg)
+                inst = self._instances[reg.instance] = Instance(reg)
             shape = (reg.dp_size, reg.pp_size, reg.tp_size)
             if shape != inst.shape:
                 self.counters["conflicts"] += 1
@@ -415,107 +363,6 @@ class BootstrapServer:
         return web.json_response(body)
 
 
-MAX_CONNECTIONS = 256
-"""Connections the bootstrap server keeps open; past it the oldest is closed for a new one."""
-HEADER_TIMEOUT_S = 5.0
-"""A connection that has not sent a complete request by then is closed (no slowloris)."""
-
-
-class _Conn(asyncio.Protocol):
-    """aiohttp's request handler behind a guard: counted, and closed when it idles."""
-
-    def __init__(self, guard: _Guard, inner: Any) -> None:
-        self.guard, self.inner = guard, inner
-        self.transport: asyncio.Transport | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.refused = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        if self.guard.loopback_only:  # protected mode: no secret, so no other host
-            peer = transport.get_extra_info("peername")
-            if not protect.peer_allowed(peer[0] if peer else None):
-                self.guard.counters["peers_refused"] += 1
-                log.warning(
-                    "bootstrap server: refused %s: no shared secret is set, so only "
-                    "loopback peers are served",
-                    peer[0],
-                )
-                self.refused = True
-                transport.abort()
-                return
-        self.guard.opened(self)
-        self.inner.connection_made(transport)
-        self.arm()
-
-    def arm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.timer = self.guard.loop.call_later(self.guard.timeout_s, self.expire)
-
-    def expire(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            c = self.guard.counters
-            c["idle_connections_closed"] = c.get("idle_connections_closed", 0) + 1
-            self.transport.close()
-
-    def data_received(self, data: bytes) -> None:
-        if self.refused:
-            return
-        self.arm()  # a request arriving byte by byte still has to finish in time
-        self.inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return None if self.refused else self.inner.eof_received()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.refused:  # aiohttp never saw it
-            return
-        if self.timer is not None:
-            self.timer.cancel()
-        self.guard.closed(self)
-        self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        if not self.refused:
-            self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if not self.refused:
-            self.inner.resume_writing()
-
-
-class _Guard:
-    """Caps open connections (evicting the oldest) and closes idle ones."""
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        limit: int,
-        timeout_s: float,
-        counters: dict[str, int],
-        loopback_only: bool = False,
-    ) -> None:
-        self.loop, self.limit, self.timeout_s, self.counters = loop, limit, timeout_s, counters
-        self.loopback_only = loopback_only
-        self.conns: dict[_Conn, None] = {}
-
-    def wrap(self, inner: Any) -> _Conn:
-        return _Conn(self, inner)
-
-    def opened(self, c: _Conn) -> None:
-        self.conns[c] = None
-        while len(self.conns) > self.limit:
-            oldest = next(iter(self.conns))
-            self.conns.pop(oldest)
-            self.counters["connections_evicted"] = self.counters.get("connections_evicted", 0) + 1
-            if oldest.transport is not None:
-                oldest.transport.close()
-
-    def closed(self, c: _Conn) -> None:
-        self.conns.pop(c, None)
-
-
 def _answers(ctrl_addr: str, timeout: float = 0.5) -> bool:
     """Whether an endpoint's control socket accepts a connection (a dead process's does not)."""
     host, _, port = ctrl_addr.removeprefix("tcp://").rpartition(":")
@@ -536,107 +383,3 @@ def _opt_int(v: str | None, name: str, lo: int, hi: int) -> int | None:
     if not lo <= x < hi:
         raise ValueError(f"{name} {x} out of range [{lo}, {hi})")
     return x
-
-
-class BootstrapClient:
-    """Talks to a bootstrap server with timeouts and retries with backoff."""
-
-    def __init__(
-        self,
-        address: str,
-        timeout: float = 5.0,
-        retries: int = 5,
-        backoff: float = 0.05,
-        max_backoff: float = 2.0,
-        secret: str | bytes | None = None,
-        stop: threading.Event | None = None,
-    ) -> None:
-        """``stop``: set it to end any retry wait at once (an endpoint closing)."""
-        self._secret = auth.load_secret(secret)
-        self._stop = stop or threading.Event()
-        if "://" not in address:
-            address = "http://" + address
-        self.base = address.rstrip("/")
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff = backoff
-        self.max_backoff = max_backoff
-
-    def _call(
-        self, method: str, path: str, body: bytes | None = None, deadline: float | None = None
-    ) -> Any:
-        """One request with retries on connection errors and 5xx; 4xx raise at once."""
-        delay = self.backoff
-        attempt = 0
-        while True:
-            attempt += 1
-            headers = {
-                "Content-Type": "application/json",
-                **auth.http_headers(self._secret, method, path, body or b""),
-            }
-            req = urllib.request.Request(
-                self.base + path, data=body, method=method, headers=headers
-            )
-            not_ready = False
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    return json.loads(r.read() or b"null")
-            except urllib.error.HTTPError as e:
-                msg = _error_text(e)
-                if e.code < 500:
-                    raise BootstrapError(f"bootstrap {method} {path} -> {e.code}: {msg}") from None
-                last, not_ready = f"{e.code}: {msg}", e.code == 503
-            except (urllib.error.URLError, OSError, TimeoutError) as e:
-                why = getattr(e, "reason", e)
-                last = f"unreachable: {why}"
-                # no answer in time: a server too busy to answer (a loaded host), or a network
-                # that lost it; neither is proof that it is gone, so wait as for a 503
-                not_ready = isinstance(why, TimeoutError)
-            # 503 means "not all ranks registered yet" and a timeout "not answering yet":
-            # worth waiting for up to the deadline. Anything else (a refused connection: no
-            # server there) gets the retry budget, so a dead server fails fast.
-            waiting = not_ready and deadline is not None
-            out_of_time = deadline is not None and time.monotonic() + delay > deadline
-            if out_of_time or (not waiting and attempt > self.retries):
-                raise BootstrapError(f"bootstrap {self.base}{path}: {last} (after {attempt} tries)")
-            if self._stop.wait(delay * (0.5 + random.random())):
-                raise BootstrapError(f"bootstrap {self.base}{path}: given up, client closing")
-            delay = min(delay * 2, self.max_backoff)
-
-    def register(self, reg: Registration) -> None:
-        self._call("PUT", "/register", msgspec.json.encode(reg))
-
-    def deregister(self, endpoint_id: str) -> None:
-        q = urllib.parse.urlencode({"endpoint_id": endpoint_id})
-        self._call("DELETE", f"/register?{q}")
-
-    def route(
-        self,
-        room: int,
-        instance: str | None = None,
-        dp: int | None = None,
-        deadline: float | None = None,
-    ) -> dict[str, Any]:
-        """Who serves ``room``; waits (retrying 503) until the instance is complete or
-        ``deadline`` (monotonic) passes."""
-        q: dict[str, Any] = {"room": room}
-        if instance:
-            q["instance"] = instance
-        if dp is not None:
-            q["dp"] = dp
-        return self._call("GET", "/route?" + urllib.parse.urlencode(q), deadline=deadline)
-
-    def health(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base + "/health", timeout=self.timeout) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError, TimeoutError):
-            return False
-
-
-def _error_text(e: urllib.error.HTTPError) -> str:
-    try:
-        body = json.loads(e.read() or b"{}")
-        return str(body.get("error") or body)
-    except (ValueError, OSError):
-        return e.reason if isinstance(e.reason, str) else str(e.reason)

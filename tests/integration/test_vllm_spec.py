@@ -1,0 +1,178 @@
+"""Speculative decoding through PdxferConnector, on real vLLM: a prefill and a decode with
+the same drafter (``draft_model``, a draft identical to the target, 3 speculative tokens)
+behind ``pdxfer router --engine vllm``, driven with the official ``openai`` client, against
+colocated vLLM with the same drafter.
+
+An identical draft makes the expected acceptance obvious: colocated vLLM accepts every
+draft. The decode's drafter reads the draft KV the prefill computed for the prompt (it moves
+beside the target's, in vLLM's KV cache), so its drafts, and vLLM's acceptance counters
+(``/metrics``), are colocated's: the same drafts proposed, the same accepted. A decode
+without the prefill's drafter is refused when the two pair, the log naming both values, and
+(``kv_load_failure_policy: recompute``) computes the prompt itself.
+
+One cluster per module: the prefill, the decode, the decode without a drafter and the
+colocated reference start together.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdxfer import BootstrapServer
+from pdxfer.demo.hf_model import SHAPES, build_model
+from pdxfer.demo.vllm_procs import VllmServer, kv_config, read_stats, start_all
+from pdxfer.serving.procs import Proc
+
+from .vllm_helpers import complete, metric
+
+pytestmark = pytest.mark.timeout(900)
+
+BS = 32
+K = 3
+PREFILL, DECODE, PLAIN = "vllm-spec-p", "vllm-spec-d", "vllm-plain-d"
+S = SHAPES["small"]
+BLOCK_BYTES = S.layers * S.kv_heads * BS * 2 * S.head_size * 4
+"""One block of the target's KV, every layer (float32); the draft's is as large."""
+LENGTHS = (7, 2 * BS + 1, 150)
+"""Prompt tokens: under a block, k blocks + 1 (the decode computes one token), several."""
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+DRAFTS = "vllm:spec_decode_num_draft_tokens_total"
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.model = build_model(tmp / "model", "small")
+        spec = {"method": "draft_model", "model": str(self.model), "num_speculative_tokens": K}
+        self.spec_args = ["--speculative-config", json.dumps(spec)]
+        self.boot = BootstrapServer("127.0.0.1", 0).start()
+        self.d_stats, self.plain_stats = tmp / "d.json", tmp / "plain.json"
+
+    def _extra(self, instance: str, stats: Path | None = None) -> dict[str, object]:
+        out: dict[str, object] = {"bootstrap": self.boot.address, "instance": instance}
+        return {**out, "stats_file": str(stats)} if stats else out
+
+    def start(self) -> None:
+        self.prefill = VllmServer(
+            "prefill",
+            self.model,
+            self.tmp,
+            args=self.spec_args,
+            kv_transfer_config=kv_config("kv_producer", self._extra(PREFILL)),
+        )
+        self.decode = VllmServer(
+            "decode",
+            self.model,
+            self.tmp,
+            args=[*self.spec_args, "--no-enable-prefix-caching"],
+            log_stats=True,
+            kv_transfer_config=kv_config("kv_consumer", self._extra(DECODE, self.d_stats)),
+        )
+        self.plain = VllmServer(
+            "decode-plain",
+            self.model,
+            self.tmp,
+            args=["--no-enable-prefix-caching"],
+            kv_transfer_config=kv_config(
+                "kv_consumer",
+                self._extra(PLAIN, self.plain_stats),
+                kv_load_failure_policy="recompute",
+            ),
+        )
+        self.ref = VllmServer(
+            "colocated",
+            self.model,
+            self.tmp,
+            args=[*self.spec_args, "--no-enable-prefix-caching"],
+            log_stats=True,
+        )
+        start_all([self.prefill, self.decode, self.plain, self.ref])
+
+    def router(self, decode: VllmServer, instance: str) -> Proc:
+        return Proc(
+            f"router-{instance}",
+            [
+                "router",
+                "--engine",
+                "vllm",
+                "--port",
+                "0",
+                "--prefill",
+                f"{self.prefill.url},{self.boot.address},{PREFILL}",
+                "--decode",
+                f"{decode.url},{instance}",
+            ],
+            timeout=180,
+        )
+
+    def stop(self) -> None:
+        for name in ("prefill", "decode", "plain", "ref"):
+            srv = getattr(self, name, None)
+            if srv is not None:
+                srv.stop()
+        self.boot.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("vllm_spec"))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids drawn from the model's ordinary vocabulary (no specials)."""
+    rng = random.Random(seed)
+    return [rng.randrange(300, 1000) for _ in range(n)]
+
+
+def acceptance(server: VllmServer) -> tuple[float, float]:
+    """vLLM's counters: drafts accepted, drafts proposed."""
+    return metric(server, ACCEPTED), metric(server, DRAFTS)
+
+
+def test_the_decodes_drafts_and_acceptance_equal_colocated(cluster: Cluster) -> None:
+    router = cluster.router(cluster.decode, DECODE)
+    try:
+        for seed, n in enumerate(LENGTHS, 1):
+            p = prompt(n, seed)
+            before = read_stats(cluster.d_stats)
+            ref = complete(cluster.ref.url, p)
+            got = complete(router.url, p)
+            assert got == ref, f"{n} prompt tokens: {got} != colocated {ref}"
+            after = read_stats(cluster.d_stats)
+            # the load brought the draft's KV beside the target's: two models' blocks
+            loaded = after["loaded_tokens"] - before.get("loaded_tokens", 0)
+            moved = after["net_bytes"] - before.get("net_bytes", 0)
+            assert moved == -(-loaded // BS) * BLOCK_BYTES * 2, (n, loaded, moved)
+    finally:
+        router.stop()
+    assert read_stats(cluster.d_stats)["load_failures"] == 0
+    accepted, drafts = acceptance(cluster.decode)
+    ref_accepted, ref_drafts = acceptance(cluster.ref)
+    assert ref_drafts > 0 and ref_accepted == ref_drafts, "an identical draft is always right"
+    assert (accepted, drafts) == (ref_accepted, ref_drafts), (
+        f"decode accepted {accepted:g} of {drafts:g} drafts, "
+        f"colocated {ref_accepted:g} of {ref_drafts:g}"
+    )
+
+
+def test_a_decode_without_the_prefills_drafter_is_refused_naming_both(cluster: Cluster) -> None:
+    router = cluster.router(cluster.plain, PLAIN)
+    try:
+        p = prompt(40, 7)
+        assert complete(router.url, p) == complete(cluster.ref.url, p)
+    finally:
+        router.stop()
+    assert read_stats(cluster.plain_stats)["load_failures"] >= 1
+    why = "model differs: draft: prefill draft_model:model, decode none"
+    assert why in cluster.plain.log.read_text(errors="replace")
+    assert why in cluster.prefill.log.read_text(errors="replace")

@@ -1,0 +1,49 @@
+"""benchmarks/goodput.py's figures: goodput is the highest rate that meets the attainment
+bar (interpolated to where it falls below), a prompt's TTFT bound scales with its length,
+and the workload is the same list for every variant, drawn from the seed."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.goodput import QUICK, Reference, Req, Result, draw, goodput
+
+
+def test_goodput_is_interpolated_where_attainment_falls_below_the_bar() -> None:
+    assert goodput([1, 2, 3], [1.0, 0.95, 0.5]) == pytest.approx(2 + (0.95 - 0.9) / 0.45)
+    assert goodput([1, 2, 3], [1.0, 1.0, 0.9]) == 3  # every rate meets it: the highest
+    assert goodput([1, 2, 3], [0.8, 1.0, 1.0]) == 0.0  # the lowest already fails
+    # a later recovery does not count: goodput is where it first falls below
+    assert goodput([1, 2, 3], [1.0, 0.0, 1.0]) == pytest.approx(1 + 0.1)
+
+
+def test_the_ttft_bound_follows_the_prompt_length_between_and_past_calibration_points() -> None:
+    ref = Reference([100, 200, 400], [0.1, 0.2, 0.6], step=0.01)
+    assert ref.ttft(50) == 0.1
+    assert ref.ttft(150) == pytest.approx(0.15)
+    assert ref.ttft(300) == pytest.approx(0.4)
+    assert ref.ttft(600) == pytest.approx(1.0)  # the last segment's slope, extended
+
+
+def test_a_request_meets_a_target_only_finished_within_both_bounds() -> None:
+    ref = Reference([100], [0.1], step=0.01)
+    req = Req(0, 0.0, 100, 3, 1)
+    ok = Result(req, ttft=0.25, times=[0.25, 0.265, 0.28], ids=[1, 2, 3])
+    assert ref.meets(ok, "ttft_strict") and ref.meets(ok, "tpot_strict")
+    slow_first = Result(req, ttft=0.35, times=[0.35, 0.36, 0.37], ids=[1, 2, 3])
+    assert not ref.meets(slow_first, "ttft_strict") and ref.meets(slow_first, "tpot_strict")
+    slow_steps = Result(req, ttft=0.1, times=[0.1, 0.13, 0.16], ids=[1, 2, 3])
+    assert ref.meets(slow_steps, "ttft_strict") and not ref.meets(slow_steps, "tpot_strict")
+    short = Result(req, ttft=0.1, times=[0.1, 0.11], ids=[1, 2])  # lost a token
+    assert not ref.meets(short, "ttft_strict")
+    failed = Result(req, error="503: full", status=503)
+    assert not ref.meets(failed, "tpot_strict")
+
+
+def test_the_workload_is_seeded_poisson_with_lengths_in_range() -> None:
+    a, b = draw(QUICK, 0, 2.0, 0), draw(QUICK, 0, 2.0, 0)
+    assert a == b and a != draw(QUICK, 1, 2.0, 0) and a != draw(QUICK, 0, 2.0, 1)
+    assert [r.at for r in a] == sorted(r.at for r in a)
+    assert all(QUICK.prompt_min <= r.prompt_len <= QUICK.prompt_max for r in a)
+    assert all(QUICK.out_min <= r.max_tokens <= QUICK.out_max for r in a)
+    assert a[0].prompt() == a[0].prompt() and a[0].prompt() != a[1].prompt()
