@@ -41,7 +41,15 @@ from pdxfer.demo.vllm_procs import VllmServer, kv_config, read_stats, start_all
 from pdxfer.serving.procs import Proc
 from tests.harness.hf_families import CHUNK, FAMILIES, WINDOW, Family, build_family
 
-from .vllm_helpers import complete, right_or_clean_error, stream_ids, wait
+from .vllm_helpers import (
+    MAX_TOKENS,
+    client,
+    complete,
+    right_or_clean_error,
+    stream_ids,
+    token_ids,
+    wait,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -59,6 +67,9 @@ STEP = 96
 """The prefill's tokens per step (``--max-num-batched-tokens``), under the window: a long
 prompt spans many steps, and the window's blocks more than one (bf16 families: one block,
 ``Family.exact_args``, on both sides)."""
+LOGPROB_TOL = 1e-3
+"""How far a float32 family's logprobs through the pair may stray from colocated's (step
+shapes and batches move them by about 1e-5; one key lost from a window by 3e-3 or more)."""
 HELD_S = 600.0
 """A held prefill's writes wait this long: far past its kill."""
 
@@ -247,6 +258,21 @@ def test_outputs_equal_colocated_below_a_block_past_the_window_and_long(pair: Pa
         ref = complete(pair.prefill.url, p)
         got = complete(pair.router.url, p)
         assert got == ref, f"{pair.family.name}, {n} prompt tokens: {got} != colocated {ref}"
+
+
+def answer(url: str, p: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs."""
+    r = client(url).completions.create(
+        model="llama",
+        prompt=p,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=1,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None
+    return token_ids(r.choices[0], r), [float(x) for x in lp.token_logprobs]
 
 
 def test_the_decode_loads_the_prefills_kv_byte_for_byte(pair: Pair) -> None:
@@ -518,3 +544,38 @@ def test_a_chunked_group_moves_the_last_tokens_chunk_not_the_prompt(pair: Pair) 
             f"{n} tokens: {moved} bytes moved; the full layers and the chunk are "
             f"{low}-{high}, the whole prompt {whole}"
         )
+
+
+def test_a_sliding_window_is_exact_where_its_first_token_opens_a_block(pair: Pair) -> None:
+    """Sliding window ``W``: the last of ``n`` prompt tokens attends back to token ``n - W``,
+    which opens a block where ``(n - W + 1) % BS == 0``; vLLM's decode holding all ``n``
+    tokens would keep none of that block. Such prompts (short, four at a time, and
+    thousands of tokens) and their neighbours equal colocated token for token and, float32
+    families, logprob for logprob (one lost key moves them, seldom the greedy token); every
+    load ended without a failure and every byte matched the prefill's."""
+    f = pair.family
+    if not f.window:
+        pytest.skip(f"{f.name} has no sliding window")
+    edge = WINDOW - 1 + BS  # (n - WINDOW + 1) % BS == 0
+    short = (edge, edge + 1, edge + BS, edge + BS + 1)
+    far = edge + (LONG - edge) // BS * BS
+    prompts = [prompt(n, 700 + i) for i, n in enumerate((*short, far, far + 1))]
+    d0, before = pair.d(), pair.integrity()
+    with cf.ThreadPoolExecutor(len(short)) as ex:
+        got = list(ex.map(lambda p: answer(pair.router.url, p), prompts[: len(short)]))
+    got += [answer(pair.router.url, p) for p in prompts[len(short) :]]
+    refs = [answer(pair.prefill.url, p) for p in prompts]
+    for p, (g, glp), (r, rlp) in zip(prompts, got, refs):
+        assert g == r or not pair.exact_alone, f"{len(p)} prompt tokens: {g} != colocated {r}"
+        if pair.exact_alone:
+            worst = max(abs(a - b) for a, b in zip(glp, rlp))
+            assert worst <= LOGPROB_TOL, f"{len(p)} prompt tokens: logprobs {glp} != {rlp}"
+    wait(
+        "the decode's checks",
+        lambda: pair.integrity()["checks"] >= before["checks"] + len(prompts),
+        timeout=30,
+    )
+    d = pair.d()
+    assert d["loads"] - d0.get("loads", 0) == len(prompts)
+    assert d["load_failures"] == d0.get("load_failures", 0)
+    assert pair.integrity()["mismatches"] == 0
