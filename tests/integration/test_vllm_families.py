@@ -331,19 +331,19 @@ def test_a_sliding_window_group_moves_the_window_not_the_prompt(pair: Pair) -> N
         * elt
     )  # type: ignore[call-overload]
     n = pair.exact(LONG + 11)
+    assert (n - WINDOW + 1) % BS, "a prompt the decode loads whole"
     p = prompt(n, 99)
     before = pair.loaded_bytes()
     assert complete(pair.router.url, p) == complete(pair.prefill.url, p)
     wait("the decode's stats", lambda: pair.loaded_bytes() > before, timeout=30)
     moved = pair.loaded_bytes() - before
     blocks = -(-n // BS)
-    window_blocks = (WINDOW // BS, WINDOW // BS + 2)  # the window's blocks, give or take
-    low = (full * blocks * BS + sliding * window_blocks[0] * BS) * per_layer_token
-    high = (full * blocks * BS + sliding * window_blocks[1] * BS) * per_layer_token
+    window_blocks = blocks - (n - WINDOW + 1) // BS  # vLLM's decode holds these
+    want = (full * blocks + sliding * window_blocks) * BS * per_layer_token
     whole = len(types) * blocks * BS * per_layer_token
-    assert low <= moved <= high, (
+    assert moved == want, (
         f"{f.name}: {moved} bytes moved for {n} tokens; the window "
-        f"is {low}-{high}, the whole prompt {whole}"
+        f"is {want}, the whole prompt {whole}"
     )
 
 
@@ -522,7 +522,8 @@ def test_a_chunked_group_is_token_exact_on_and_around_chunk_boundaries(pair: Pai
 def test_a_chunked_group_moves_the_last_tokens_chunk_not_the_prompt(pair: Pair) -> None:
     """Of a chunked local attention group only the blocks of the chunk the last prompt
     token attends to move (vLLM's decode holds no other); the full groups move every
-    block. The bytes the decode received are that, far below the whole prompt."""
+    block. The bytes the decode received are that, far below the whole prompt. A prompt
+    ending on a chunk boundary loads one token less (the decode computes the last)."""
     f = pair.family
     if not f.chunk:
         pytest.skip(f"{f.name} has no chunked local attention")
@@ -536,13 +537,14 @@ def test_a_chunked_group_moves_the_last_tokens_chunk_not_the_prompt(pair: Pair) 
         assert complete(pair.router.url, p) == complete(pair.prefill.url, p)
         wait("the decode's stats", lambda b=before: pair.loaded_bytes() > b, timeout=30)
         moved = pair.loaded_bytes() - before
-        blocks = -(-n // BS)
-        low = full * blocks * page
-        high = (full * blocks + (layers - full) * (CHUNK // BS + 1)) * page
+        loaded = n - 1 if n % CHUNK == 0 else n
+        blocks = -(-loaded // BS)
+        chunk_blocks = blocks - loaded // CHUNK * CHUNK // BS  # vLLM's decode holds these
+        want = (full * blocks + (layers - full) * chunk_blocks) * page
         whole = layers * blocks * page
-        assert low <= moved <= high, (
+        assert moved == want, (
             f"{n} tokens: {moved} bytes moved; the full layers and the chunk are "
-            f"{low}-{high}, the whole prompt {whole}"
+            f"{want}, the whole prompt {whole}"
         )
 
 
