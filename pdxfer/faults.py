@@ -64,6 +64,8 @@ class Faults:
     _struck: set[int] = field(default_factory=set, repr=False)
     _held: dict[int | None, int] = field(default_factory=dict, repr=False)
     _landed: dict[int | None, list[float]] = field(default_factory=dict, repr=False)
+    _began: dict[int | None, int] = field(default_factory=dict, repr=False)
+    _ended: dict[int | None, list[float]] = field(default_factory=dict, repr=False)
     _rng: random.Random = field(default_factory=random.Random, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -164,6 +166,22 @@ class Faults:
         on a slow machine)."""
         with self._lock:
             return self._held.get(room, 0)
+
+    def write_began(self, room: int | None) -> None:
+        with self._lock:
+            self._began[room] = self._began.get(room, 0) + 1
+
+    def write_ended(self, room: int | None) -> None:
+        with self._lock:
+            self._ended.setdefault(room, []).append(time.monotonic())
+
+    def writes(self, room: int | None) -> tuple[int, list[float]]:
+        """How many transport writes of ``room`` began while faults were on, and when
+        (``time.monotonic()``) each that ended did: a write has returned only once every byte
+        it posted landed or failed, so a test that sees them all ended knows no byte of the
+        room is still on its way (a fixed sleep could end first on a slow machine)."""
+        with self._lock:
+            return self._began.get(room, 0), list(self._ended.get(room, []))
 
     def page_fault(self, room: int, at: str = "network") -> str | None:
         """Which page fault to inject into ``room``'s destination after a sender's write was

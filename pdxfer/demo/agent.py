@@ -277,6 +277,14 @@ class AgentState:
 
         return faults().held(room)
 
+    def cmd_writes(self, room: int) -> dict[str, Any]:
+        """How many transport writes of ``room`` began in this process while faults were on,
+        and when (``time.monotonic()``) each that returned ended."""
+        from ..faults import faults
+
+        began, ended = faults().writes(room)
+        return {"began": began, "ended": ended}
+
     def cmd_strand_landings(self, room: int) -> list[float]:
         """When (``time.monotonic()``) each of ``room``'s batches that the ``strand`` fault
         reported failed landed after all, in this process."""

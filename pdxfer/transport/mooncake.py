@@ -294,6 +294,9 @@ class MooncakeTransport(FindsPeersBySession):
         window = self.window if self.completion == "paced" else 1
         inflight: collections.deque[_Batch] = collections.deque()
         error = ""
+        tracked = self._faults.active
+        if tracked:
+            self._faults.write_began(tag)
         try:
             for i in range(0, n, step):
                 while len(inflight) >= window and not error:
@@ -341,6 +344,8 @@ class MooncakeTransport(FindsPeersBySession):
         finally:
             while inflight:
                 error = self._await(peer, inflight.popleft(), credits, rate) or error
+            if tracked:  # every batch is awaited: nothing of this write is on its way
+                self._faults.write_ended(tag)
         if error:
             raise TransportError(error)
 

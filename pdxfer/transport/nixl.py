@@ -656,17 +656,24 @@ class NixlTransport(FinalFailures):
         f = self._faults
         if deadline is None:  # NIXL has none of its own: never wait without one
             deadline = time.monotonic() + self.timeout_s
-        for lo in range(0, total, self.batch_entries):
-            if should_stop is not None and should_stop():
-                raise TransportError(f"write to {peer} stopped after {lo} of {total} blocks")
-            if time.monotonic() > deadline:
-                raise TransportError(
-                    f"write to {peer} passed its deadline after {lo} of {total} blocks"
-                )
-            if f.active:
-                f.before_batch(tag)
-            hi = min(total, lo + self.batch_entries)
-            self._wait(peer, self._post(peer, src[lo:hi], dst[lo:hi], nbytes[lo:hi]), deadline)
+        tracked = f.active
+        if tracked:
+            f.write_began(tag)
+        try:
+            for lo in range(0, total, self.batch_entries):
+                if should_stop is not None and should_stop():
+                    raise TransportError(f"write to {peer} stopped after {lo} of {total} blocks")
+                if time.monotonic() > deadline:
+                    raise TransportError(
+                        f"write to {peer} passed its deadline after {lo} of {total} blocks"
+                    )
+                if f.active:
+                    f.before_batch(tag)
+                hi = min(total, lo + self.batch_entries)
+                self._wait(peer, self._post(peer, src[lo:hi], dst[lo:hi], nbytes[lo:hi]), deadline)
+        finally:
+            if tracked:  # each batch was awaited: nothing of this write is on its way
+                f.write_ended(tag)
 
     def start(
         self,

@@ -164,3 +164,19 @@ def wait_written(pf: Agent, before: int = 0, timeout: float = 60.0) -> None:
     while pf.call("metrics")["transport_bytes"] <= before:
         assert time.monotonic() < end, "the sender wrote nothing"
         time.sleep(0.02)
+
+
+def wait_drained(pf: Agent, room: int, timeout: float = 60.0) -> float:
+    """Until the sender ``pf`` ended ``room`` and every transport write of it returned
+    (``PDXFER_FAULTS`` on: the transports count them); when the last one ended. After it no
+    byte of the room is on its way, so a check that nothing landed late is bounded by that
+    event, not by a sleep a slow defect could outlast."""
+    out = pf.call("wait", rooms=[room], timeout=timeout)[room]
+    assert out["state"] in ("Success", "Failed"), f"room {room} never ended: {out}"
+    end = time.monotonic() + timeout
+    while True:
+        w = pf.call("writes", room=room)
+        if w["began"] and len(w["ended"]) == w["began"]:
+            return max(w["ended"])
+        assert time.monotonic() < end, f"room {room}: writes still running: {w}"
+        time.sleep(0.02)

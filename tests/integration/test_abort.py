@@ -18,7 +18,7 @@ from pdxfer.demo.harness import Agent
 from pdxfer.demo.patterns import PoolGeom
 
 from .conftest import start_pair
-from .helpers import Factory, decode_items, prefill_items, run, verify
+from .helpers import Factory, decode_items, prefill_items, run, verify, wait_drained
 
 SLOW = (777, 778, 779, 780)
 DELAY = 1.5
@@ -85,10 +85,11 @@ def test_late_write_never_lands_in_a_page_another_request_owns(pair, bootstrap, 
     b = {**factory.make(64), "dst": a["dst"], "dst_slots": a["dst_slots"]}
     out = run(pf, dc, bootstrap.address, [b])
     assert out[b["room"]]["state"] == "Success"
-    time.sleep(DELAY + 0.5)  # any write of A still in flight would have landed by now
+    drained = wait_drained(pf, 777)  # no byte of A is on its way any more
     assert verify(dc, [b])[b["room"]][0] == 0, "a late write of A overwrote B's KV"
     assert pf.call("wait", rooms=[777], timeout=5)[777]["state"] == "Failed"
     assert dc.call("release_counts")[777] == 1
+    assert dc.call("release_times")[777][0] >= drained, "released before A's write drained"
 
 
 def test_decode_abort_before_the_request_is_sent_releases_once(pair, bootstrap, factory) -> None:
@@ -100,9 +101,12 @@ def test_decode_abort_before_the_request_is_sent_releases_once(pair, bootstrap, 
     assert out["state"] == "Failed" and out["kind"] == "aborted"
     assert wait_released(dc, r["room"])
     # the prefill side, if the request reached it, must not write: it sees the abort first
+    calls = pf.call("metrics")["transport_calls"]
     pf.call("prepare", items=prefill_items([r])[0])
     pf.call("send", items=prefill_items([r])[1])
-    time.sleep(0.5)
+    out = pf.call("wait", rooms=[r["room"]], timeout=60)[r["room"]]
+    assert out["state"] == "Failed", out  # ended without a write: nothing is on its way
+    assert pf.call("metrics")["transport_calls"] == calls, "the prefill wrote an aborted request"
     assert verify(dc, [r])[r["room"]][0] > 0, "an aborted request's pages were written"
     pf.call("abort", rooms=[r["room"]])
     assert dc.call("release_counts")[r["room"]] == 1
@@ -120,6 +124,7 @@ def test_decode_abort_mid_transfer_waits_for_the_drain_then_releases_once(
     assert wait_released(dc, 778)
     assert pf.call("wait", rooms=[778], timeout=5)[778]["kind"] == "aborted"
     assert dc.call("release_counts")[778] == 1
+    assert dc.call("release_times")[778][0] >= wait_drained(pf, 778), "released before drained"
 
 
 def test_prefill_abort_mid_transfer_fails_the_decode_and_releases_once(

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -112,8 +111,7 @@ def test_namespaces_left_by_a_killed_run_are_swept_by_the_next() -> None:
     ns = run.stdout.readline().strip()
     assert ns in namespaces()
     run.kill()  # no atexit, no finally: the namespaces stay
-    run.wait()
-    time.sleep(0.1)
+    run.wait()  # gone: nothing of its own can remove them any more
     assert ns in namespaces()
     assert ns in sweep_stale() or ns not in namespaces()
     assert ns not in namespaces() and ns_pids(ns) == []

@@ -7,12 +7,13 @@ Every destination byte is checked against its pattern (a row one token, layer or
 off is caught) and pages outside the requests keep the decode's sentinel. The prefill
 delays every transport batch of the rooms in ``SLOW`` (``PDXFER_FAULTS``), so an abort
 lands while a packed write is committed: the lease and the pages stay held until it
-drained, and a request that fails never scatters into its pages.
+drained, and a request that fails never scatters into its pages. The checks that nothing
+landed late wait for the prefill's transport to report every write of the room returned
+(``wait_drained``), not for a fixed time.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -21,7 +22,7 @@ from pdxfer import BootstrapServer
 from pdxfer.demo.harness import Agent
 
 from .conftest import start_pair
-from .helpers import Factory, destinations, run, verify
+from .helpers import Factory, destinations, run, verify, wait_drained
 from .test_abort import start, wait_held, wait_released
 from .test_transfer import GEOMS, assert_all_right
 
@@ -79,9 +80,10 @@ def test_a_packed_write_still_landing_keeps_pages_and_lease_until_it_drained(
     b = {**factory.make(64), "dst": a["dst"], "dst_slots": a["dst_slots"]}
     out = run(pf, dc, bootstrap.address, [b])
     assert out[b["room"]]["state"] == "Success"
-    time.sleep(DELAY + 0.5)  # any write of A still in flight would have landed by now
+    drained = wait_drained(pf, 881)  # no byte of A is on its way any more
     assert verify(dc, [b])[b["room"]][0] == 0, "a late write of A overwrote B's KV"
     assert dc.call("release_counts")[881] == 1
+    assert dc.call("release_times")[881][0] >= drained, "released before A's write drained"
 
 
 def test_a_packed_request_that_fails_never_scatters_into_its_pages(
@@ -96,7 +98,8 @@ def test_a_packed_request_that_fails_never_scatters_into_its_pages(
     out = dc.call("wait", rooms=[882], timeout=10)[882]
     assert out["state"] == "Failed"
     assert wait_released(dc, 882)
-    time.sleep(DELAY + 0.5)
+    drained = wait_drained(pf, 882)  # no byte of the request is on its way any more
     # the packed rows went to the lease only: the pages never saw half a request
     assert dc.call("dirty", dst=r["dst"], slots={}) == 0
     assert dc.call("release_counts")[882] == 1
+    assert dc.call("release_times")[882][0] >= drained, "released before the write drained"

@@ -92,6 +92,11 @@ def now(agent: Agent, room: int, ep: str = "main") -> str:
     return str(agent.call("ext", fn="tests.harness.attack:states", rooms=[room], ep=ep)[room])
 
 
+def rejected(agent: Agent) -> int:
+    """Control messages ``agent`` refused, whatever the reason (``rejected_*``)."""
+    return sum(v for k, v in agent.call("metrics").items() if k.startswith("rejected_"))
+
+
 def metric(agent: Agent, name: str, ep: str = "main") -> int:
     return int(agent.call("metrics", ep=ep).get(name, 0))
 
@@ -240,9 +245,11 @@ def test_replayed_or_shifted_hello_is_refused_and_the_next_request_lands_right(c
             for b in pool["buffers"]:
                 b["addr"] += pool["item_bytes"]
     shifted = A.reframe(hello, msgspec.msgpack.encode(raw))
+    refused = rejected(c.pf)
     for frame in (hello, shifted):  # the shifted one last: it is the one that would stick
         c.raw.send(c.pf.info["ctrl_addr"], frame)
-    time.sleep(0.5)
+    # both were handled (refused) before the next request: a fixed sleep could end first
+    assert A.wait_for(lambda: rejected(c.pf) >= refused + 2, 60), "a replayed Hello was taken"
     r = c.ok(48)
     bad = c.dc.call("untouched", exclude={"kv": _all_dst(c), "aux": list(range(SLOTS))})
     assert bad == 0, "a write landed outside the requested pages"

@@ -20,7 +20,6 @@ The tests run in file order: each leaves the cluster serving for the next.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -404,11 +403,10 @@ def test_a_decode_that_asks_before_the_prefill_has_the_request(cluster: Cluster)
         "pdxfer_bootstrap": cluster.boot.address,
         "pdxfer_instance": PREFILL,
     }
-    d0 = {k: cluster.d().get(k, 0) for k in ("loads", "load_failures")}
+    d0 = {k: cluster.d().get(k, 0) for k in ("loads", "load_failures", "loaded_tokens")}
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(complete, cluster.decode.url, prompt, extra={"kv_transfer_params": early})
         wait("the decode to ask", lambda: cluster.d().get("loads", 0) > d0["loads"])
-        time.sleep(0.5)
         assert not fut.done(), "the decode waits for the prefill's room"
         params = {
             "do_remote_decode": True,
@@ -426,6 +424,9 @@ def test_a_decode_that_asks_before_the_prefill_has_the_request(cluster: Cluster)
         assert fut.result(timeout=120) == want
     wait("the decode's stats", lambda: cluster.d()["in_flight_loads"] == 0)
     assert cluster.d()["load_failures"] == d0["load_failures"]
+    # it waited, however long: its KV came from the prefill, which got the request only after
+    # it asked (a decode that went on alone would have loaded nothing)
+    assert cluster.d()["loaded_tokens"] > d0["loaded_tokens"]
 
 
 def test_a_failed_prefill_ends_the_engaged_decode_with_an_openai_error(cluster: Cluster) -> None:
@@ -468,6 +469,7 @@ def test_a_client_that_leaves_ends_both_sides(cluster: Cluster, front_door: str)
     paced decode needs at least 8 s for (its blocks come back)."""
     prompt = _ids(9950, 3 * BS + 5)
     gen0 = metric(cluster.decode, "vllm:generation_tokens_total")
+    ok0 = metric(cluster.decode, "vllm:request_success_total")
     stream = client(front_door).completions.create(
         model="llama",
         prompt=prompt,
@@ -484,12 +486,13 @@ def test_a_client_that_leaves_ends_both_sides(cluster: Cluster, front_door: str)
         "the decode to end the request",
         lambda: (
             metric(cluster.decode, "vllm:num_requests_running") == 0
+            and metric(cluster.decode, "vllm:num_requests_waiting") == 0
             and kv_usage(cluster.decode) == 0.0
         ),
         timeout=60,
     )
     assert metric(cluster.prefill, "vllm:num_requests_running") == 0
+    # nothing runs or waits on the decode: no token of the request can follow
+    assert metric(cluster.decode, "vllm:request_success_total") == ok0, "it finished"
     gen = metric(cluster.decode, "vllm:generation_tokens_total")
-    time.sleep(1.0)
-    assert metric(cluster.decode, "vllm:generation_tokens_total") == gen, "still generating"
     assert gen - gen0 < 400, "the decode generated every token: the request was not aborted"

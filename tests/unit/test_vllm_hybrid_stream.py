@@ -161,7 +161,10 @@ def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side,
     # every step went before the request's end (the last one too: the state is still to go)
     assert p.w.counters["step_chunks"] == 4 and p.w.counters["sends"] == 0
     assert p.w.counters["send_failures"] == 0
-    time.sleep(0.05)
+    # a streamed room succeeds on the sender's one TransferDone, sent as its room ends: the
+    # sender's room is still open, so the load cannot have ended (nor can it later, unsent)
+    assert p.w.ep is not None and p.w.ep.prefill is not None
+    assert not p.w.ep.prefill.rooms[ROOM].state.terminal
     assert not d.w.get_finished([])[1], "no load ends before the state page was sent"
     p.w.take(
         PdxferMetadata(
