@@ -2,7 +2,7 @@
 
 Each step runs in its own process (the shell bounds it with ``timeout``) and writes a JSON of
 flat dotted keys; the shell folds the parts and its step records into one file. The
-steps reuse the suite's harness: ``harness.Agent`` processes with patterned pools, the
+steps reuse the suite's harness: ``pdxfer.agents.process.Agent`` processes with patterned pools, the
 request factory of ``tests/integration/helpers.py``, the TP groups of ``hetero.py``, the tier
 commands of ``tiers_helpers.py``; the pools only move to ``--device`` (``cuda:0`` there,
 ``cpu`` for ``gpu_check.sh --cpu`` here, which keeps this file tested).
@@ -50,9 +50,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's helpers
 
+from pdxfer.agents.patterns import PoolGeom  # noqa: E402
+from pdxfer.agents.process import Agent  # noqa: E402
 from pdxfer.bootstrap import BootstrapServer  # noqa: E402
-from pdxfer.demo.harness import Agent  # noqa: E402
-from pdxfer.demo.patterns import PoolGeom  # noqa: E402
 from tests.integration.conftest import FAST  # noqa: E402
 from tests.integration.helpers import SIX_POOLS as GEOMS  # noqa: E402
 from tests.integration.helpers import Factory, decode_items, run, verify  # noqa: E402

@@ -350,4 +350,3 @@ def _send(tx: KVSender, c: dict[str, Any]) -> None:
     when it is a partial-layer chunk."""
     kw = {k: tuple(c[k]) for k in ("layers", "tokens") if c.get(k) is not None}
     tx.send(c["pages"], c.get("slots"), c.get("last", False), **kw)
-

@@ -3,7 +3,7 @@
 Every byte of a request's KV is a hash of (room, pool, layer, role, token position, byte of the
 token within the GLOBAL head range). A byte landing one token, one head, one layer or one
 request off therefore shows up as a mismatch, whatever the dtype, TP split or page layout.
-Used by the tests, the demo and the benchmarks; not needed by engines.
+Used by ``pdxfer transfer-demo``, the tests and the benchmarks; not needed by engines.
 """
 
 from __future__ import annotations

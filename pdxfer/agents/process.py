@@ -1,4 +1,4 @@
-"""Run endpoints in separate processes and drive them from tests, the demo and benchmarks.
+"""Run endpoints in separate processes and drive them from ``pdxfer transfer-demo``, tests and benchmarks.
 
 An ``Agent`` is a spawned process holding one or more endpoints with patterned pools; the
 driver sends it commands over a pipe. Every call has a timeout, and ``kill()`` / ``close()``

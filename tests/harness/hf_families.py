@@ -1,7 +1,7 @@
 """Tiny random models of the families people serve with PD, built here with ``transformers``
 (never downloaded): MLA (DeepSeek-V2), sliding window (Mistral-style, every layer; Gemma 3
 and gpt-oss, sliding beside full), and attention beside Mamba2 (Nemotron-H) or Gated
-DeltaNet (Qwen3-Next). Each shares ``hf_model``'s tokenizer.
+DeltaNet (Qwen3-Next). Each shares ``local_model``'s tokenizer.
 
 Weights come from ``transformers``' own initialisation under a fixed seed, wider than its
 default so outputs depend on the whole context; the output head is scaled up so greedy
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdxfer.demo.hf_model import BOS, EOS, write_tokenizer
+from pdxfer.serving.vllm.local_model import BOS, EOS, write_tokenizer
 
 VOCAB = 1024
 MAX_LEN = 8192

@@ -4,7 +4,7 @@ router. (vLLM 0.32's LLaVA and Qwen2-VL need ``torchvision``, which its CPU buil
 
 The folder holds the config, seeded weights (wider than ``transformers``' default and the
 output head scaled up, as in ``hf_families``, so the answer depends on the image and the
-text), ``hf_model``'s tokenizer plus Idefics3's image tokens, an image processor (one tile per
+text), ``local_model``'s tokenizer plus Idefics3's image tokens, an image processor (one tile per
 image: no splitting) and an ``Idefics3Processor`` saved with ``save_pretrained``, and a chat template that puts one
 ``<image>`` per image part (vLLM expands it to the image's feature tokens).
 
@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from pdxfer.demo.hf_model import BOS, EOS, write_tokenizer
+from pdxfer.serving.vllm.local_model import BOS, EOS, write_tokenizer
 
 from .hf_families import LOGIT_SCALE, VOCAB
 
@@ -38,7 +38,7 @@ CHAT_TEMPLATE = (
     "{% else %}" + IMAGE_TOKEN + "{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-"""``hf_model``'s template, with content parts: text as it is, an image as ``<image>``."""
+"""``local_model``'s template, with content parts: text as it is, an image as ``<image>``."""
 
 _TEXT = {
     "vocab_size": VOCAB + len(SPECIAL),

@@ -1,4 +1,4 @@
-"""Agent commands for the tiers (run inside a ``harness.Agent`` via ``cmd_ext``).
+"""Agent commands for the tiers (run inside a ``pdxfer.agents.process.Agent`` via ``cmd_ext``).
 
 Requests that share a prefix must carry the same bytes for it, so a request's pattern is
 given as ``segments``: ``[seed, start, end)`` ranges (the room that first computed a range is
@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any
 
-from pdxfer.demo import patterns as pat
+from pdxfer.agents import patterns as pat
 from pdxfer.endpoint.handles import KVPoll
 from pdxfer.tiers.cache import Match, TieredCache
 from pdxfer.tiers.mooncake_store import MooncakeStoreStorage
