@@ -341,7 +341,7 @@ class BootstrapServer:
         return web.json_response({"status": "ok", "instances": n})
 
     async def _h_metrics(self, request: web.Request) -> web.Response:
-        from .metrics import CONTENT_TYPE, prometheus_text
+        from ..metrics import CONTENT_TYPE, prometheus_text
 
         def values() -> dict[str, float]:
             with self._lock:
