@@ -683,3 +683,35 @@ def test_each_data_parallel_rank_is_an_endpoint_and_the_decode_loads_from_the_on
     # a route naming its rank holds for every room: looked up once per rank, not per room
     assert server.counters["lookups"] - lookups == 2
     run_until([*ps, d], lambda: "e-d" in d.finished and "e" not in ps[1].sched.requests)
+
+
+def test_both_sides_leave_a_window_prompts_last_token_where_its_first_key_opens_a_block() -> None:
+    """Window 128, blocks of 32: a 159-token prompt's last token attends back to token 31
+    (block 0), which a decode holding all 159 would not keep. The prefill computes 158 and
+    the decode asks for 158; a 160-token prompt moves whole."""
+    from pdxfer.integrations.vllm import config as C
+    from pdxfer.integrations.vllm.groups import Group
+    from pdxfer.integrations.vllm.scheduler import PdxferScheduler
+
+    boot = "127.0.0.1:9"
+    groups = (Group(0, "window", BS, ("model.layers.0.self_attn.attn",), window=128),)
+    pre = PdxferScheduler(C.parse("kv_producer", {"bootstrap": boot}, "m"), BS, groups)
+    dec = PdxferScheduler(C.parse("kv_consumer", {"bootstrap": boot}, "m"), BS, groups)
+    for i, (n, want) in enumerate(((159, 158), (160, 160), (191, 190))):
+        ask = {"do_remote_decode": True, "pdxfer_room": 7 + i}
+        r = Request(
+            f"p{i}",
+            list(range(n)),
+            SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": ask}),
+            None,
+        )
+        pre.on_new_request(r)
+        assert r.num_prompt_tokens == len(r.prompt_token_ids or ()) == want, n
+        answer = {"do_remote_prefill": True, "pdxfer_room": 7 + i, "pdxfer_bootstrap": boot}
+        d = Request(
+            f"d{i}",
+            list(range(n)),
+            SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": answer}),
+            None,
+        )
+        assert dec.get_num_new_matched_tokens(d, 0) == (want, True), n

@@ -46,9 +46,11 @@ def test_a_chunk_group_travels_in_a_room_of_its_own_apart_from_a_window_of_its_s
     assert ps[0].key == 0 and len({p.room(9) for p in ps}) == 3
 
 
-def test_only_a_single_full_group_streams_and_only_state_groups_back_off() -> None:
+def test_only_a_single_full_group_streams_and_local_groups_back_off_only_at_block_edges() -> None:
     assert G.streams([FULL]) and not G.streams([FULL, SLIDE]) and not G.streams([SLIDE])
-    assert G.backoff([FULL, STATE], 100) == 1 and G.backoff([FULL, SLIDE], 100) == 0
+    assert G.backoff([FULL, STATE], 100) == 1 and G.backoff([FULL], 128) == 0
+    assert G.backoff([FULL, SLIDE], 100) == 0 and G.backoff([FULL, SLIDE], 160) == 0
+    assert G.backoff([FULL, SLIDE], 159) == 1 and G.backoff([SLIDE], 191) == 1
     assert G.backoff([FULL, CHUNK], 100) == 0 and G.backoff([FULL, CHUNK], 128) == 1
 
 
@@ -87,6 +89,23 @@ def test_a_streamed_window_block_is_never_freed_and_covers_what_the_decode_holds
         assert first <= _skipped(window, n) // 32, (n, first)
 
 
+@pytest.mark.parametrize(("window", "bs"), [(128, 32), (100, 32), (32, 32), (127, 16), (64, 2)])
+def test_the_decode_holds_the_window_its_last_prompt_token_attends_to(window: int, bs: int) -> None:
+    """For every prompt length ``p``: the decode loads ``n = p - backoff`` tokens and holds
+    the blocks from ``skipped(n) // bs`` (vLLM's null block below), then computes token
+    ``p - 1``, which attends back to token ``max(0, p - window)``: the decode holds its
+    block. A prompt backs off only where the decode holding all of it would not. The prefill
+    streams exactly the blocks the decode holds (``window_first``)."""
+    g = Group(1, "window", bs, ("a",), window=window)
+    for p in range(2, 900):
+        n = p - G.backoff([FULL, g], p)
+        held = _skipped(window, n) // bs
+        assert held <= max(0, p - window) // bs, (p, n, held)
+        assert G.backoff([FULL, g], p) == 0 or _skipped(window, p) // bs > max(0, p - window) // bs
+        assert G.window_first(g, n) == held, (p, n, held)
+        assert G.skipped(g, n) == _skipped(window, n)
+
+
 def _chunk_skipped(chunk: int, computed: int) -> int:
     """vLLM's own rule: tokens a chunked local attention group no longer keeps."""
     from vllm.v1.core.single_type_kv_cache_manager import ChunkedLocalAttentionManager
@@ -111,6 +130,9 @@ def test_the_decode_holds_the_chunk_its_last_prompt_token_attends_to(chunk: int)
         assert G.chunk_first(g, n) == held
         freed = max((_chunk_skipped(chunk, c) // 32 for c in range(n)), default=0)
         assert G.chunk_first(g, n) >= freed, (p, n, freed)
+        assert G.skipped(g, n) == _chunk_skipped(chunk, n)
+        edge = _chunk_skipped(chunk, p) // 32 > (p - 1) // chunk * chunk // 32
+        assert G.backoff([FULL, g], p) == int(edge), p  # only where the decode would lose it
 
 
 def test_a_step_hands_only_chunk_blocks_of_the_last_tokens_chunk() -> None:

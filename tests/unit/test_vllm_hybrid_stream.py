@@ -268,6 +268,9 @@ def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_al
             for n in WIN_L:
                 if k >= D_WIN_START:
                     assert torch.equal(dkv[n][D_WIN[k]], pkv[n][P_WIN[k]]), (n, k)
+        # the decode counts what both rooms wrote: 10 full blocks and the window's a layer
+        held = (10 - D_WIN_START) * len(WIN_L)
+        assert d.counters["net_bytes"] == (10 + held) * H * BS * D * 4
         wait("the send's end", lambda: "b" in p.get_finished(["b"])[0])
     finally:
         for w, _ in sides:
@@ -348,6 +351,8 @@ def test_a_chunk_group_streams_the_last_tokens_chunk_and_nothing_before_it() -> 
             assert not dkv[n][0].any(), n  # the null block
             written = [b for b in range(NB) if dkv[n][b].any()]
             assert written == [32, 33], (n, written)
+        # the decode counts what both rooms wrote: 10 full blocks, 2 chunk blocks a layer
+        assert d.counters["net_bytes"] == (10 + 2 * len(WIN_L)) * H * BS * D * 4
     finally:
         for w, _ in sides:
             w.close()

@@ -9,9 +9,10 @@ block table (one block pool shared by all groups, so block ids never collide):
   the blocks no step can free (``window_first``) stream as they are computed.
 - ``chunk``: chunked local attention (Llama 4). A token attends only to the tokens of its
   own chunk, so vLLM frees the blocks of every chunk before the current one; only the last
-  prompt token's chunk moves, streamed like a window (``chunk_first``). A prompt that ends
-  on a chunk boundary backs off one token (``backoff``): vLLM's decode, holding all the
-  prompt, would keep no block of the chunk its last prompt token still attends to.
+  prompt token's chunk moves, streamed like a window (``chunk_first``).
+- A window or chunk prompt whose last token's first key opens a block backs off one token
+  (``backoff``): vLLM's decode, holding all the prompt, would keep no block of it
+  (``skipped``), yet computes the last prompt token again.
 - ``state``: Mamba2 / Gated DeltaNet state: one state block per request, final after the
   prefill's last chunk. It moves as a pdxfer slot; the prefill stops one token short and
   the decode computes the last prompt token itself (the state must not see it twice).
@@ -139,16 +140,34 @@ def tiered(groups: Sequence[Group]) -> tuple[Group, ...]:
     return tuple(g for g in first if g.kind == "full")
 
 
+def skipped(g: Group, computed: int) -> int:
+    """vLLM's rule: the tokens a window or chunk group no longer keeps once ``computed``
+    tokens are computed, those token ``computed`` does not attend to (it frees the blocks
+    below ``skipped // block_size``). A window of ``w`` tokens ends at the token itself, a
+    chunk starts at a multiple of ``chunk``; 0 for any other group."""
+    if g.kind == "window":
+        return max(0, computed - g.window + 1)
+    if g.kind == "chunk":
+        return computed // g.chunk * g.chunk
+    return 0
+
+
 def backoff(groups: Sequence[Group], num_tokens: int) -> int:
     """Prompt tokens the prefill leaves to the decode, for a ``num_tokens`` prompt: a state
     group's state must be the one before the last prompt token, which the decode then
-    computes. A chunk group's prompt that ends on a chunk boundary also leaves one: vLLM's
-    decode holding all ``n`` tokens keeps none of the chunk before ``n`` (``chunk_first``),
-    yet computes token ``n - 1`` again, which attends to that chunk; holding ``n - 1`` it
-    keeps that chunk."""
+    computes. A window or chunk group may need one too: vLLM's decode holding all ``n``
+    tokens keeps the blocks from ``skipped(n)`` on, yet computes token ``n - 1`` again,
+    which attends from ``skipped(n - 1)``. Where those lie in different blocks (a chunk
+    boundary at ``n``, or a window with ``(n - window + 1) % block_size == 0``) the decode
+    holds ``n - 1`` tokens, so the blocks token ``n - 1`` attends to."""
     if any(g.kind == "state" for g in groups):
         return 1
-    if any(g.kind == "chunk" and num_tokens > 1 and num_tokens % g.chunk == 0 for g in groups):
+    n = num_tokens
+    if n > 1 and any(
+        skipped(g, n) // g.block_size > skipped(g, n - 1) // g.block_size
+        for g in groups
+        if g.kind in LOCAL
+    ):
         return 1
     return 0
 
@@ -175,7 +194,7 @@ def window_first(g: Group, num_tokens: int) -> int:
     """The first block of window group ``g`` that no step of a ``num_tokens`` prefill frees:
     vLLM frees blocks below ``(c - window + 1) // block_size`` for ``c`` computed tokens, and
     ``c`` stays below ``num_tokens`` while the request runs. The decode holds from
-    ``(num_tokens - window + 1) // block_size`` on (never earlier)."""
+    ``(num_tokens - window + 1) // block_size`` on, the same block (``backoff``)."""
     return max(0, num_tokens - g.window) // g.block_size
 
 

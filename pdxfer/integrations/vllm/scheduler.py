@@ -27,7 +27,7 @@ from vllm.v1.request import RequestStatus
 
 from . import params as P
 from .config import ConnectorConfig
-from .groups import Group, backoff, streams, tiered
+from .groups import LOCAL, Group, backoff, streams, tiered
 from .metadata import (
     AbortOrder,
     ExpectOrder,
@@ -86,7 +86,7 @@ class PdxferScheduler:
         group (``groups.py``); what was not streamed goes in one send at the request's end."""
         self.hybrid_layers = self.hybrid and cfg.send_by == "layer"
         """A hybrid model streaming by layer (its state groups still go at the end)."""
-        self.backs_off = any(g.kind in ("state", "chunk") for g in self.groups)
+        self.backs_off = any(g.kind in ("state", *LOCAL) for g in self.groups)
         """Whether some prompts leave tokens to the decode (``groups.backoff``)."""
         self.select: Any = None
         """vLLM's ``select_transfer_block_ids`` (every group's blocks -> the transfer
@@ -212,9 +212,10 @@ class PdxferScheduler:
         return tuple(every)
 
     def _back_off(self, request: Request) -> None:
-        """A model with state groups, or a chunk group's prompt ending on a chunk boundary:
-        the prefill computes all but the last ``backoff`` prompt tokens (the decode computes
-        them: a state must not see a token twice; ``groups.backoff``)."""
+        """A model with state groups, or a window or chunk group's prompt whose last token
+        attends to a block the decode would not keep: the prefill computes all but the last
+        ``backoff`` prompt tokens and the decode computes them (a state must not see a token
+        twice; ``groups.backoff``)."""
         params = request.kv_transfer_params
         k = backoff(self.groups, request.num_prompt_tokens)
         if (
