@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 
 from .errors import ConfigError
-from .pools import PoolSpec
+from .pools import PoolSpec, segment_lanes
 
 MASK = (1 << 63) - 1
 """Digests keep 63 bits: they travel as non-negative int64 (msgpack, msgspec bounds)."""
@@ -114,6 +114,8 @@ def _units(
         raise ConfigError(
             f"pool {pool.name!r}: pages do not cover tokens [{span.start}, {span.end})"
         )
+    if pool.segments:
+        return _segment_units(pool, span, tokens, heads)
     page = span.pages[rel // ps].astype(np.int64)
     within = rel % ps
     base = page * pool.item_bytes
@@ -129,6 +131,41 @@ def _units(
     else:  # HND: a head's rows of a page are contiguous
         offs = base[:, None] + (local * ps * hb)[None, :] + (within * hb)[:, None]
     return offs.reshape(-1), hb
+
+
+def _segment_units(
+    pool: PoolSpec, span: Span, tokens: np.ndarray, heads: np.ndarray | None
+) -> tuple[np.ndarray, int]:
+    """``_units`` of a pool whose page interior is packed (``PoolSpec.segments``): the
+    tokens go by groups of every unit's tokens (a range is digested whole groups, as it is
+    copied), each group head by head, lane by lane (``pools.segment_lanes``), in pieces of
+    one size (the gcd of what each lane holds of a group)."""
+    ps, sh = pool.page_size, pool.sharding
+    lanes = segment_lanes(pool.segments or (), ps)
+    group = int(np.lcm.reduce([u for _, u, _ in lanes]))
+    sizes = [group // u * nb for _, u, nb in lanes]
+    piece = int(np.gcd.reduce(sizes))
+    starts = np.unique(tokens // group) * group - span.first
+    page = span.pages[starts // ps].astype(np.int64)
+    within = starts % ps
+    per_head = ps * sh.head_bytes if sh.kind == "heads" else 0
+    local = (
+        (heads - sh.first_head)
+        if heads is not None and sh.kind == "heads"
+        else np.zeros(1, np.int64)
+    )
+    # each lane's part of a group is contiguous: its pieces, and each piece's lane's unit
+    off = np.concatenate([at + np.arange(0, n, piece) for (at, _, _), n in zip(lanes, sizes)])
+    rep = [n // piece for n in sizes]
+    u = np.repeat(np.array([x[1] for x in lanes], dtype=np.int64), rep)
+    nb = np.repeat(np.array([x[2] for x in lanes], dtype=np.int64), rep)
+    offs = (
+        (page * pool.item_bytes)[:, None, None]
+        + (local * per_head)[None, :, None]
+        + off[None, None, :]
+        + ((within[:, None] // u[None, :]) * nb[None, :])[:, None, :]
+    )
+    return offs.reshape(-1), piece
 
 
 def _heads(pool: PoolSpec, span: Span) -> np.ndarray | None:
@@ -314,6 +351,8 @@ def _sample_plan(pool: PoolSpec, span: Span, sampling: int | Sampling) -> tuple[
         if lo < 0 or hi >= sh.rank_heads:
             raise ConfigError(f"pool {pool.name!r}: heads [{span.lo}, {span.hi}) not held here")
         tail = (span.lo, span.hi) != (0, sh.total_heads)
+    if pool.segments:
+        return _segment_samples(pool, span, s, hb, lo, hi, tail)
     k = min(SAMPLE_BYTES, hb or pool.token_bytes)
     pidx, offs = _sample_points(
         span.start,
@@ -330,6 +369,33 @@ def _sample_plan(pool: PoolSpec, span: Span, sampling: int | Sampling) -> tuple[
         tail,
         k,
     )
+    pages = np.asarray(span.pages)
+    if pidx.size and (int(pidx[0]) < 0 or int(pidx[-1]) >= pages.size):
+        raise ConfigError(
+            f"pool {pool.name!r}: pages do not cover tokens [{span.start}, {span.end})"
+        )
+    return pages[pidx].astype(np.int64) * pool.item_bytes + offs, k
+
+
+def _segment_samples(
+    pool: PoolSpec, span: Span, s: Sampling, hb: int, lo: int, hi: int, tail: bool
+) -> tuple[np.ndarray, int]:
+    """``_sample_plan`` of a pool whose page interior is packed (``PoolSpec.segments``): per
+    sampled token the first bytes of the unit of head ``lo``'s first lane holding it and,
+    with ``tail``, the last bytes of head ``hi``'s last lane's."""
+    ps = pool.page_size
+    lanes = segment_lanes(pool.segments or (), ps)
+    (a0, u0, n0), (a1, u1, n1) = lanes[0], lanes[-1]
+    k = min(SAMPLE_BYTES, n0, n1 if tail else n0)
+    rel = sampled_tokens(span.start, span.end, s.stride, s.pages) - span.first
+    pidx, within = np.divmod(rel, ps)
+    head = lo * ps * hb + a0 + within // u0 * n0
+    if tail:
+        last = hi * ps * hb + a1 + within // u1 * n1 + n1
+        pidx = np.repeat(pidx, 2)
+        offs = np.stack((head, last - k), axis=1).reshape(-1)
+    else:
+        offs = head
     pages = np.asarray(span.pages)
     if pidx.size and (int(pidx[0]) < 0 or int(pidx[-1]) >= pages.size):
         raise ConfigError(

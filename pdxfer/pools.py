@@ -93,13 +93,39 @@ class BufferSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
 
 
+class PageSegment(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One part of a page's interior, in a form that holds for any page size ``N``: ``rows``
+    rows one after the other, each ``N / tokens`` units of ``nbytes`` bytes, a unit holding
+    ``tokens`` consecutive tokens of that row (packed as the engine packs them; pdxfer never
+    reads inside a unit). A page is its segments one after the other.
+
+    Plain token-major pages are one segment ``(1, 1, token_bytes)``; head-major (HND) pages
+    ``(1, 1, head_bytes)`` per head. vLLM's CPU tiles put a head's keys dimension-major
+    (``(head_dim, 1, elt)``) and its values token-major, or pack 16 or 2 tokens per unit:
+    still segments, so pages of different sizes map unit by unit."""
+
+    rows: Positive
+    tokens: Positive
+    nbytes: Positive
+
+    def width(self) -> int:
+        """Bytes this segment holds per token (over all its rows)."""
+        return self.rows * self.nbytes // self.tokens
+
+
 class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything a peer needs to address one pool.
 
     ``item_bytes`` is one page (paged) or one slot (slot) of ONE buffer; ``num_items`` how many
     pages or slots each buffer holds. ``page_remap`` marks a pool that accepts a peer with a
     different page size (a token-granular host landing pool): the planner then maps tokens,
-    which needs a token-major layout on both sides.
+    which needs a token-major layout on both sides, or the same known page interior
+    (``segments``).
+
+    ``segments``: how one page is laid out by token (``PageSegment``), for a head of a
+    head-sharded pool (each head's part of a page is contiguous) or else the whole page.
+    None: as the sharding says (token-major, or ``HND``: one segment of ``head_bytes`` per
+    token). ``()``: opaque, pages move whole and only between equal page sizes.
     """
 
     name: Name
@@ -114,6 +140,7 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     indices_from: Name | None = None
     optional: bool = False
     page_remap: bool = False
+    segments: tuple[PageSegment, ...] | None = None
 
     def __post_init__(self) -> None:
         if not (
@@ -158,6 +185,23 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     f"pool {self.name!r}: rank_heads*head_bytes = {sh.rank_heads * sh.head_bytes}"
                     f" but one token is {token_bytes} bytes"
                 )
+        if self.segments:
+            if self.kind != "paged" or sh.kind == "heads" and sh.layout != "HND":
+                raise ValueError(
+                    f"pool {self.name!r}: segments describe paged HND or unsharded pools"
+                )
+            per = sh.head_bytes if sh.kind == "heads" else self.token_bytes
+            for g in self.segments:
+                if self.page_size % g.tokens or (g.rows * g.nbytes) % g.tokens:
+                    raise ValueError(
+                        f"pool {self.name!r}: segment {tuple(g)} does not tile a page of "
+                        f"{self.page_size} tokens"
+                    )
+            if sum(g.width() for g in self.segments) != per:
+                raise ValueError(
+                    f"pool {self.name!r}: segments hold {sum(g.width() for g in self.segments)} "
+                    f"bytes a token, the {'head' if sh.kind == 'heads' else 'page'} {per}"
+                )
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -167,7 +211,22 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def token_major(self) -> bool:
         """Whether one token's bytes are contiguous inside a page (needed to remap pages)."""
-        return self.kind == "slot" or self.sharding.layout == "NHD" or self.page_size == 1
+        if self.kind == "slot" or self.page_size == 1:
+            return True
+        if self.segments:
+            return self.segments == (PageSegment(1, 1, self.token_bytes),)
+        return self.sharding.layout == "NHD"
+
+    @property
+    def page_segments(self) -> tuple[PageSegment, ...] | None:
+        """How a page is laid out by token (``segments``, for one head of an HND pool), or
+        None where its interior is opaque."""
+        if self.segments is not None:
+            return self.segments or None
+        sh = self.sharding
+        if sh.kind == "heads" and sh.layout == "HND":
+            return (PageSegment(1, 1, sh.head_bytes),)
+        return (PageSegment(1, 1, self.token_bytes),)
 
     def with_(self, **changes: Any) -> PoolSpec:
         return msgspec.structs.replace(self, **changes)
@@ -357,6 +416,19 @@ def _pool(
     )
 
 
+def segment_lanes(segs: Sequence[PageSegment], page_size: int) -> list[tuple[int, int, int]]:
+    """Each row of each segment (a lane), in page order: where its units start inside one
+    head's part of a page of ``page_size`` tokens (the page, unsharded), how many tokens a
+    unit holds and its bytes."""
+    out = []
+    off = 0
+    for g in segs:
+        step = page_size // g.tokens * g.nbytes
+        out += [(off + r * step, g.tokens, g.nbytes) for r in range(g.rows)]
+        off += g.rows * step
+    return out
+
+
 # -- compatibility ----------------------------------------------------------------------------
 
 
@@ -370,7 +442,8 @@ def compat_key(p: PoolSpec) -> tuple[Any, ...]:
         unit = ("heads", sh.total_heads, sh.head_bytes, sh.layout)
     else:
         unit = ("token", p.token_bytes)
-    return (p.name, p.kind, p.dtype, unit, p.indices_from)
+    inside = p.page_segments if p.kind == "paged" else None
+    return (p.name, p.kind, p.dtype, unit, p.indices_from, inside)
 
 
 def layout_signature(pools: Sequence[PoolSpec]) -> str:
@@ -418,18 +491,44 @@ def check_pair(src: PoolSpec, dst: PoolSpec) -> str | None:
                 f"decode {dst.token_bytes}"
             )
         if src.page_size != dst.page_size:
-            if not (src.page_remap or dst.page_remap):
+            why = _remap_error(src, dst)
+            if why:
                 return (
-                    f"pool {n!r}: page_size mismatch: prefill {src.page_size}, decode "
-                    f"{dst.page_size} (mark the decode pool page_remap=True to map tokens)"
+                    f"pool {n!r}: page_size: prefill {src.page_size}, decode {dst.page_size}: {why}"
                 )
-            if not (src.token_major and dst.token_major):
-                return f"pool {n!r}: different page sizes need a token-major (NHD) layout"
     dst_keys = {(b.layer_id, b.role) for b in dst.buffers}
     for b in src.buffers:
         if (b.layer_id, b.role) not in dst_keys:
             return f"pool {n!r}: prefill buffer layer {b.layer_id} {b.role} has no decode buffer"
     return None
+
+
+def _remap_error(src: PoolSpec, dst: PoolSpec) -> str | None:
+    """Why pages of ``src`` cannot be mapped into pages of another size in ``dst``, or None:
+    both token-major, or both laid out by the same segments (``PageSegment``, one head's
+    when sharded, the same heads on both sides) whose units tile both page sizes."""
+    a, b = src.page_segments, dst.page_segments
+    if a is None or b is None:
+        side = "prefill" if a is None else "decode"
+        return f"the {side}'s page interior is opaque, so its pages move only whole"
+    if not (src.page_remap or dst.page_remap):
+        return "mark the decode pool page_remap=True to map tokens"
+    if src.token_major and dst.token_major:
+        return None
+    if a != b:
+        return f"page interiors differ (prefill {_segs(a)}, decode {_segs(b)})"
+    sa, sb = src.sharding, dst.sharding
+    if (sa.first_head, sa.rank_heads) != (sb.first_head, sb.rank_heads):
+        return (
+            f"heads [{sa.first_head}, {sa.first_head + sa.rank_heads}) on the prefill, "
+            f"[{sb.first_head}, {sb.first_head + sb.rank_heads}) on the decode: head slices "
+            "of pages that are not token-major need equal page sizes"
+        )
+    return None
+
+
+def _segs(segs: tuple[PageSegment, ...]) -> str:
+    return " ".join(f"{g.rows}x{g.tokens}t/{g.nbytes}B" for g in segs)
 
 
 def check_pools(src_pools: Sequence[PoolSpec], dst_pools: Sequence[PoolSpec]) -> str | None:

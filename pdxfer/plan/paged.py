@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..pools import PoolSpec
+from ..pools import PageSegment, PoolSpec, segment_lanes
 
 MAX_BATCH_ENTRIES = 1024
 """Mooncake's TCP transport rejects batches over ~2048 entries per peer and can wedge that
@@ -296,6 +296,22 @@ def _partial_page(
     start: int,
     end: int,
 ) -> Blocks | str:
+    """Tokens ``[start, end)`` inside one page: by lanes where the engine packs the page's
+    interior (``PoolSpec.segments``), else ``_partial_plain``."""
+    if pairing.src.segments:
+        return plan_segments(pairing, src_pages, src_first, dst_pages, dst_first, start, end, True)
+    return _partial_plain(pairing, src_pages, src_first, dst_pages, dst_first, start, end)
+
+
+def _partial_plain(
+    pairing: BufferPairing,
+    src_pages: np.ndarray,
+    src_first: int,
+    dst_pages: np.ndarray,
+    dst_first: int,
+    start: int,
+    end: int,
+) -> Blocks | str:
     """Tokens ``[start, end)`` inside one page (equal page sizes, aligned page grids): what a
     chunk computed of a page that another chunk fills too. Token-major: one block per buffer;
     HND: one block per head and buffer (a head's tokens are contiguous inside the page)."""
@@ -397,14 +413,112 @@ def plan_paged(
             return why
         s0, d0, n = runs(s, d)
         return _expand(pairing, s0, d0, n, src.item_bytes)
+    if src.page_segments is None or dst.page_segments is None:
+        return (
+            f"pool {src.name!r}: an opaque page interior moves only whole, between equal page sizes"
+        )
     if not (src.token_major and dst.token_major):
-        return f"pool {src.name!r}: page-size remapping needs token-major layouts"
-    why = check_pages(pairing, src_pages, dst_pages)
+        return plan_segments(pairing, src_pages, src_first, dst_pages, dst_first, start, end, exact)
+    why = _check_used(pairing, src_pages, src_first, dst_pages, dst_first, start, end)
     if why:
         return why
     s, d = token_rows(pairing, src_pages, src_first, dst_pages, dst_first, start, end)
     s0, d0, n = runs(s, d)
     return _expand(pairing, s0, d0, n, src.token_bytes)
+
+
+def _check_used(
+    pairing: BufferPairing,
+    src_pages: np.ndarray,
+    src_first: int,
+    dst_pages: np.ndarray,
+    dst_first: int,
+    start: int,
+    end: int,
+) -> str | None:
+    """``check_pages`` on the pages holding tokens ``[start, end)`` only (a list may name
+    pages no one reads, -1, outside them: a window's freed blocks)."""
+    ps_s, ps_d = pairing.src.page_size, pairing.dst.page_size
+    s = src_pages[(start - src_first) // ps_s : -(-(end - src_first) // ps_s)]
+    d = dst_pages[(start - dst_first) // ps_d : -(-(end - dst_first) // ps_d)]
+    return check_pages(pairing, s, d)
+
+
+def _lanes(
+    pool: PoolSpec, segs: tuple[PageSegment, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every lane (``pools.segment_lanes``) of every head of one page of ``pool``: where its
+    units start inside the page, how many tokens a unit holds, its bytes; in page order."""
+    ps, sh = pool.page_size, pool.sharding
+    heads, per_head = (sh.rank_heads, ps * sh.head_bytes) if sh.kind == "heads" else (1, 0)
+    one = segment_lanes(segs, ps)
+    rows = [(h * per_head + at, tok, nb) for h in range(heads) for at, tok, nb in one]
+    at, tok, nb = (np.array(x, dtype=np.int64) for x in zip(*rows))
+    return at, tok, nb
+
+
+def plan_segments(
+    pairing: BufferPairing,
+    src_pages: np.ndarray,
+    src_first: int,
+    dst_pages: np.ndarray,
+    dst_first: int,
+    start: int,
+    end: int,
+    exact: bool = False,
+) -> Blocks | str:
+    """Tokens ``[start, end)`` between pages of different sizes laid out by the same
+    segments (``PoolSpec.page_segments``): the tokens split into runs that lie in one page
+    on each side, and each run is one block per lane (a row of a segment of a head) and
+    buffer. A unit packs several tokens: runs start on a unit; the last is rounded up to
+    one (its page's own tail, on both sides), unless ``exact`` (a later chunk writes it)."""
+    src, dst = pairing.src, pairing.dst
+    segs = src.page_segments
+    if segs is None or segs != dst.page_segments:
+        return (
+            f"pool {src.name!r}: page-size remapping needs token-major layouts or the same "
+            "known page interior on both sides"
+        )
+    unit = int(np.lcm.reduce([g.tokens for g in segs]))
+    if (
+        (start - src_first) % unit
+        or (start - dst_first) % unit
+        or exact
+        and (end - src_first) % unit
+    ):
+        return (
+            f"pool {src.name!r}: tokens [{start}, {end}) do not start and end on a "
+            f"{unit}-token unit of the page interior"
+        )
+    why = _check_used(pairing, src_pages, src_first, dst_pages, dst_first, start, end)
+    if why:
+        return why
+    ps_s, ps_d = src.page_size, dst.page_size
+    cuts = np.union1d(
+        np.arange(start - (start - src_first) % ps_s + ps_s, end, ps_s, dtype=np.int64),
+        np.arange(start - (start - dst_first) % ps_d + ps_d, end, ps_d, dtype=np.int64),
+    )
+    a = np.concatenate(([start], cuts)).astype(np.int64)
+    b = np.concatenate((cuts, [end])).astype(np.int64)
+    b[-1] = min(b[-1] + (-(b[-1] - src_first)) % unit, b[-1] - (b[-1] - src_first) % ps_s + ps_s)
+    rs, rd = a - src_first, a - dst_first
+    sp, so = src_pages[rs // ps_s].astype(np.int64), rs % ps_s
+    dp, do = dst_pages[rd // ps_d].astype(np.int64), rd % ps_d
+    at_s, tok, nb = _lanes(src, segs)
+    at_d, _, _ = _lanes(dst, segs)
+    # [lane, run] byte offsets inside a buffer, and lengths
+    s_off = (
+        (sp * src.item_bytes)[None, :] + at_s[:, None] + (so[None, :] // tok[:, None]) * nb[:, None]
+    )
+    d_off = (
+        (dp * dst.item_bytes)[None, :] + at_d[:, None] + (do[None, :] // tok[:, None]) * nb[:, None]
+    )
+    length = -(-(b - a)[None, :] // tok[:, None]) * nb[:, None]
+    so_, do_, ln = (x.reshape(-1).astype(_U64) for x in (s_off, d_off, length))
+    src_a = (pairing.src_base[:, None] + so_[None, :]).reshape(-1)
+    dst_a = (pairing.dst_base[:, None] + do_[None, :]).reshape(-1)
+    nbytes = np.broadcast_to(ln[None, :], (len(pairing), ln.size)).reshape(-1)
+    return Blocks(src_a, dst_a, np.ascontiguousarray(nbytes))
 
 
 def plan_slots(pairing: BufferPairing, src_slot: int, dst_slot: int) -> Blocks | str:

@@ -55,8 +55,9 @@ def test_only_a_single_full_group_streams_and_local_groups_back_off_only_at_bloc
 
 
 def test_the_prefill_never_reads_a_block_vllm_freed() -> None:
-    # vLLM replaced the first two blocks (outside the window) by the null block 0
-    assert G.source_pages(SLIDE, [0, 0, 7, 9, 4, 11], 150) == [-1, -1, 7, 9, 4]
+    # vLLM replaced the first two blocks (outside the window) by the null block 0, which
+    # no request owns
+    assert G.source_pages(SLIDE, [0, 0, 7, 9, 4, 11], 150) == [0, 0, 7, 9, 4]
 
 
 def test_the_decode_asks_from_its_first_real_block_and_refuses_a_hole() -> None:
@@ -106,6 +107,30 @@ def test_the_decode_holds_the_window_its_last_prompt_token_attends_to(window: in
         assert G.skipped(g, n) == _skipped(window, n)
 
 
+@pytest.mark.parametrize(("bs_p", "bs_d"), [(32, 64), (64, 32), (32, 128)])
+def test_with_two_block_sizes_the_prefills_kept_blocks_hold_every_window_token_a_decode_reads(
+    bs_p: int, bs_d: int
+) -> None:
+    """The decode reads a window group's tokens from ``skipped(n)`` on; its first held block
+    may start before the prefill's first kept one (larger decode blocks), and the prefill
+    fills the rest of it from its null block. Every block it hands for a token the decode
+    reads is its own, never freed before the request ends."""
+    window = 128
+    p = Group(1, "window", bs_p, ("a",), window=window)
+    for n in range(1, 900, 11):
+        ids = list(range(100, 100 + -(-n // bs_p)))
+        first = G.window_first(p, n)
+        freed = max((_skipped(window, c) // bs_p for c in range(n)), default=0)
+        assert first >= freed  # never freed while the prefill runs
+        reads = _skipped(window, n)
+        held = reads // bs_d * bs_d  # the decode's first block starts here: it asks from it
+        pages = G.stream_pages(p, ids, 0, n, n)
+        for t in range(held, n):
+            page = pages[t // bs_p]
+            assert page >= 0, (n, t)  # every token the decode asks for can be planned
+            assert page != G.NULL_BLOCK or t < reads, (n, t)  # and it reads only real ones
+
+
 def _chunk_skipped(chunk: int, computed: int) -> int:
     """vLLM's own rule: tokens a chunked local attention group no longer keeps."""
     from vllm.v1.core.single_type_kv_cache_manager import ChunkedLocalAttentionManager
@@ -149,7 +174,7 @@ def test_a_step_hands_only_window_blocks_no_step_frees() -> None:
     n = 300  # window 128: blocks from (300 - 128) // 32 = 5 on are never freed
     assert G.window_first(SLIDE, n) == 5
     ids = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
-    assert G.stream_pages(SLIDE, ids, 0, 224, n) == [-1, -1, -1, -1, -1, 8, 9]
+    assert G.stream_pages(SLIDE, ids, 0, 224, n) == [0, 0, 0, 0, 0, 8, 9]
     assert G.stream_pages(SLIDE, ids, 224, 300, n) == [10, 11, 12]
     assert G.stream_pages(FULL, ids, 64, 128, n) == [5, 6]
     assert G.stream_start(G.parts([FULL, SLIDE])[1], n) == 160

@@ -36,6 +36,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from pdxfer import ConfigError
 
 from . import config as C
+from . import tiles
 from .groups import Group
 from .metadata import PdxferMetadata
 from .scheduler import PdxferScheduler
@@ -194,6 +195,10 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
                     draft_id(vllm_config.speculative_config),
                 ),
                 self.groups,
+            )
+            self.worker.interior = tiles.interior(
+                vllm_config.compilation_config.static_forward_context,
+                mc.dtype if mc is not None else None,
             )
 
     @classmethod

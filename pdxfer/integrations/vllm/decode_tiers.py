@@ -52,7 +52,7 @@ def _cache(kv: RankKV, pools: list) -> TieredCache:
         pools,
         host_pages=kv.cfg.l2_pages,
         storage=_storage(kv),
-        model_id=kv.fingerprint,
+        model_id=f"{kv.fingerprint} blocks={','.join(str(g.block_size) for g in kv.groups)}",
         salt=f"tp{r.tp_rank}/{r.tp_size}",
     )
 

@@ -215,17 +215,26 @@ def local_first(g: Group, num_tokens: int) -> int:
     return 0
 
 
+def freed(g: Group) -> int:
+    """What stands for a block vLLM freed (or may free) in a prefill's list of ``g``'s
+    pages: -1, a page pdxfer refuses to read (a decode that needs it fails the load rather
+    than get another block's bytes); for a window group its null block, which no request
+    owns (``source_pages`` says why)."""
+    return NULL_BLOCK if g.kind == "window" else -1
+
+
 def stream_pages(g: Group, blocks: Sequence[int], t0: int, t1: int, num_tokens: int) -> list[int]:
     """The pages of ``g`` holding tokens ``[t0, t1)`` that a step may hand over before the
-    request ends: every block of a full group; of a window or chunk group, -1 (never read)
-    below ``local_first`` (vLLM may free those before the request ends, and the decode
-    holds none of them)."""
+    request ends: every block of a full group; of a window or chunk group, ``freed`` below
+    ``local_first`` (vLLM may free those before the request ends; the decode reads none of
+    their tokens)."""
     lo = local_first(g, num_tokens)
     ids = list(blocks)
     if len(ids) < -(-t1 // g.block_size):
         raise ValueError(f"{g.pool}: {len(ids)} blocks for tokens [{t0}, {t1})")
+    gone = freed(g)
     return [
-        -1 if k < lo or ids[k] == NULL_BLOCK else int(ids[k])
+        gone if k < lo or ids[k] == NULL_BLOCK else int(ids[k])
         for k in range(t0 // g.block_size, -(-t1 // g.block_size))
     ]
 
@@ -239,10 +248,14 @@ def stream_start(part: Part, num_tokens: int) -> int:
 
 def source_pages(g: Group, blocks: Sequence[int], num_tokens: int) -> list[int]:
     """A prefill's pages of ``g`` for tokens ``[0, num_tokens)``: blocks vLLM already freed
-    (the null block) are -1, pages pdxfer refuses to read (a decode that needs them fails
-    the load rather than get another block's bytes)."""
+    (the null block) are ``freed``. A window group's stay its null block: a decode reads
+    none of those tokens (it needs them from ``num_tokens - window + 1`` on, and the prefill
+    frees none at or after ``window_first``), but a decode with larger blocks holds, and
+    asks for, its whole first block, which may begin before the prefill's first kept one;
+    that part of it is filled from the null block, never from another request's."""
     need = -(-num_tokens // g.block_size)
-    return [-1 if b == NULL_BLOCK else int(b) for b in list(blocks)[:need]]
+    gone = freed(g)
+    return [gone if b == NULL_BLOCK else int(b) for b in list(blocks)[:need]]
 
 
 def window_start(g: Group, blocks: Sequence[int], first: int, num_tokens: int) -> int | None:

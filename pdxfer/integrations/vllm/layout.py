@@ -5,22 +5,29 @@ heads, tokens of a block, content; ``[2, B, N, H, D]`` is two of them) in one of
 memory orders. The layout is read from strides and data pointers, never assumed:
 - each layer's block one contiguous span: one buffer per layer, one page per block;
   ``[H, N, C]`` inside is ``HND``, ``[N, H, C]`` ``NHD`` (head slices for different TP);
-  vLLM's CPU tiles are packed per ISA, so pdxfer moves whole tiles and never reads one;
+  vLLM's CPU tiles are packed per ISA: whole tiles move between equal block sizes, and
+  between different ones unit by unit, as the kernel's packing (``tiles.py``) says;
 - every layer of a block together: one buffer, one page per block, opaque (TP 1);
 - anything else is refused with the reason.
 MLA is one latent per token (``latent``), replicated over TP; Mamba-like state is one page
-per block moved as a slot (``describe_state``). Block 0, vLLM's null block, never moves.
+per block moved as a slot (``describe_state``). Block 0, vLLM's null block, is read only as
+the filler of window tokens no decode reads (``groups.source_pages``), never written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdxfer import BufferSpec, ConfigError, PoolSpec, Sharding
+from pdxfer import BufferSpec, ConfigError, PageSegment, PoolSpec, Sharding
 
 POOL = "kv"
+
+Interior = Callable[[str, Any, bool], "tuple[PageSegment, ...] | None"]
+"""``(layer name, its cache tensor, latent)``: how the kernel lays a block out by token
+(``tiles.py``), None where the strides say it all (plain tiles on a device), ``()`` where it
+is unknown (blocks then move whole, between equal block sizes only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +86,12 @@ def describe(
     tp_size: int = 1,
     name: str = POOL,
     latent: bool = False,
+    interior: Interior | None = None,
 ) -> Layout:
     """The pool for vLLM's ``register_kv_caches`` tensors (see the module docstring).
     ``latent``: MLA, one latent per token replicated on every TP rank (never head slices,
-    whatever the model config says of its heads)."""
+    whatever the model config says of its heads). ``interior``: how a block is laid out by
+    token, for a peer of another block size (without it, blocks move whole only)."""
     if not kv_caches:
         raise ConfigError("vLLM registered no KV cache tensors")
     order = layer_order(list(kv_caches))
@@ -172,6 +181,9 @@ def describe(
         )
     if item % block_size:
         raise ConfigError(f"a block is {item} bytes, not a multiple of its {block_size} tokens")
+    segments: tuple[PageSegment, ...] | None = ()
+    if kind in ("HND", "NHD", "latent") and interior is not None:
+        segments = interior(order[0][1], t0, kind == "latent")
     try:
         pool = PoolSpec(
             name=name,
@@ -183,6 +195,8 @@ def describe(
             location=location,
             dtype=dtype,
             sharding=sharding,
+            page_remap=segments != (),
+            segments=segments,
         )
     except ValueError as e:
         raise ConfigError(f"KV cache as a pdxfer pool: {e}") from None

@@ -18,7 +18,7 @@ from pdxfer import Endpoint, PoolSpec
 from . import groups as G
 from .config import ConnectorConfig
 from .groups import Group, Part
-from .layout import Layout, describe, describe_state, layer_order
+from .layout import Interior, Layout, describe, describe_state, layer_order
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ class RankKV:
     pools: Mapping[str, PoolSpec]
     """The registered pools by name (one per group)."""
     fingerprint: str
-    """What both sides of a pair must agree on (model, layout, dtypes); the tiers' model id."""
+    """What both sides of a pair must agree on (model, layout, dtypes); with the block sizes,
+    the tiers' model id."""
     layer_of: Mapping[str, int]
     """vLLM's layer name -> its layer id in the pool (``layout.layer_order``); a hybrid
     model's streamed layers only, none where their ids collide."""
@@ -73,10 +74,13 @@ def register(
     groups: tuple[Group, ...],
     kv_caches: dict[str, Any],
     transport: Any = None,
+    interior: Interior | None = None,
 ) -> RankKV:
-    """Describe ``kv_caches`` as pools and start this rank's endpoint on them."""
+    """Describe ``kv_caches`` as pools and start this rank's endpoint on them (``interior``:
+    how the kernel lays a block out by token, ``tiles.interior``; with it, a peer of another
+    block size maps blocks token by token)."""
     if not G.streams(groups):
-        return _register_groups(cfg, rank, groups, kv_caches, transport)
+        return _register_groups(cfg, rank, groups, kv_caches, transport, interior)
     g0 = groups[0]
     lay = describe(
         kv_caches,
@@ -85,15 +89,18 @@ def register(
         tp_rank=rank.tp_rank,
         tp_size=rank.tp_size,
         latent=g0.mla,
+        interior=interior,
     )
     layer_of = {n: i for i, n in layer_order(list(kv_caches))}
     # a block's interior is addressable by token on a device (plain NHD/HND tiles); vLLM's
     # CPU backend packs each (block, head) tile per ISA, so a block moves whole there
     partial = lay.kind in ("HND", "NHD", "latent") and not lay.pool.location.startswith("cpu")
     ident = cfg.model_id.replace(" ", "_")
+    # no block size: the pools' page sizes carry it, and the planner maps blocks of
+    # different sizes (the decode's tier keys add it: ``decode_tiers``)
     fingerprint = (
-        f"model={ident} block_size={rank.block_size} kv_layout={lay.kind} "
-        f"dtype={lay.pool.dtype} cache_dtype={rank.cache_dtype} draft={rank.draft}"
+        f"model={ident} kv_layout={lay.kind} dtype={lay.pool.dtype} "
+        f"cache_dtype={rank.cache_dtype} draft={rank.draft}"
     )
     ep = Endpoint(
         cfg.endpoint_config(rank.tp_rank, rank.tp_size, fingerprint),
@@ -121,6 +128,7 @@ def _register_groups(
     groups: tuple[Group, ...],
     kv_caches: dict[str, Any],
     transport: Any,
+    interior: Interior | None,
 ) -> RankKV:
     """A hybrid model: one pool per group (``groups.py``), each from its own layers'
     tensors (groups overlay one allocation; pdxfer registers each region once)."""
@@ -143,11 +151,14 @@ def _register_groups(
                 tp_size=rank.tp_size,
                 name=g.pool,
                 latent=g.mla,
+                interior=interior,
             )
             pool, kind = lay.pool, lay.kind
         pools.append(pool)
         span = g.window or g.chunk
-        kinds.append(f"{g.pool}={g.kind}:{span}:{g.block_size}:{kind}:{pool.dtype}")
+        # no block size: a state's (its checkpoint interval) changes no byte of its slot
+        # (the slot sizes are compared), an attention group's the planner maps
+        kinds.append(f"{g.pool}={g.kind}:{span}:{kind}:{pool.dtype}")
     layout = Layout(pools[0], "hybrid", sum(p.item_bytes * len(p.buffers) for p in pools))
     layer_of = _stream_layers(groups)
     ident = cfg.model_id.replace(" ", "_")

@@ -26,7 +26,7 @@ from .cpu import hold_amx_tiles
 from .decode_tiers import DecodeTiers
 from .decode_tiers import build as build_tiers
 from .groups import Group
-from .layout import Layout
+from .layout import Interior, Layout
 from .loader import DecodeLoader
 from .metadata import PdxferMetadata
 from .rank import RankInfo, RankKV, register
@@ -77,6 +77,9 @@ class PdxferWorker:
         self.transport: Any = None
         """The endpoint's transport (None: the configured one; unit tests put pdxfer's
         in-memory transport here before ``register_kv_caches``)."""
+        self.interior: Interior | None = None
+        """How the kernel lays a block out by token (``tiles.interior``, set by the
+        connector): with it, a peer of another block size maps blocks token by token."""
         self.counts = Counters()
         """What the sender and the loader counted (``counters.py``)."""
         self.stats_file = StatsFile(cfg.stats_file, rank, cfg.dp_rank, cfg.dp_size)
@@ -108,7 +111,9 @@ class PdxferWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if all(str(t.device) == "cpu" for t in kv_caches.values()):
             hold_amx_tiles()  # before a decode's first step, a loaded one: cpu.py says why
-        self.kv = kv = register(self.cfg, self.rank, self.groups, kv_caches, self.transport)
+        self.kv = kv = register(
+            self.cfg, self.rank, self.groups, kv_caches, self.transport, self.interior
+        )
         self.tiers = build_tiers(kv)
         self.sender = PrefillSender(kv, self.counts)
         self.loader = DecodeLoader(kv, self.tiers, self.counts)
