@@ -685,33 +685,69 @@ def test_each_data_parallel_rank_is_an_endpoint_and_the_decode_loads_from_the_on
     run_until([*ps, d], lambda: "e-d" in d.finished and "e" not in ps[1].sched.requests)
 
 
-def test_both_sides_leave_a_window_prompts_last_token_where_its_first_key_opens_a_block() -> None:
-    """Window 128, blocks of 32: a 159-token prompt's last token attends back to token 31
-    (block 0), which a decode holding all 159 would not keep. The prefill computes 158 and
-    the decode asks for 158; a 160-token prompt moves whole."""
+def _asked(
+    window: int, bs_p: int, bs_d: int, n: int, i: int, chunk: bool = False
+) -> tuple[int, int]:
+    """A ``n``-token prompt of a one-group model (window or chunk ``window``): the tokens
+    the prefill computes and those the decode asks it for."""
     from pdxfer.integrations.vllm import config as C
     from pdxfer.integrations.vllm.groups import Group
     from pdxfer.integrations.vllm.scheduler import PdxferScheduler
 
     boot = "127.0.0.1:9"
-    groups = (Group(0, "window", BS, ("model.layers.0.self_attn.attn",), window=128),)
-    pre = PdxferScheduler(C.parse("kv_producer", {"bootstrap": boot}, "m"), BS, groups)
-    dec = PdxferScheduler(C.parse("kv_consumer", {"bootstrap": boot}, "m"), BS, groups)
+    layer = ("model.layers.0.self_attn.attn",)
+
+    def g(bs: int) -> tuple[Group, ...]:
+        if chunk:
+            return (Group(0, "chunk", bs, layer, chunk=window),)
+        return (Group(0, "window", bs, layer, window=window),)
+
+    pre = PdxferScheduler(C.parse("kv_producer", {"bootstrap": boot}, "m"), bs_p, g(bs_p))
+    dec = PdxferScheduler(C.parse("kv_consumer", {"bootstrap": boot}, "m"), bs_d, g(bs_d))
+    ask = {"do_remote_decode": True, "pdxfer_room": 7 + i}
+    r = Request(
+        f"p{i}",
+        list(range(n)),
+        SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": ask}),
+        None,
+    )
+    pre.on_new_request(r)
+    assert r.num_prompt_tokens == len(r.prompt_token_ids or ())
+    answer = {"do_remote_prefill": True, "pdxfer_room": 7 + i, "pdxfer_bootstrap": boot}
+    d = Request(
+        f"d{i}",
+        list(range(n)),
+        SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": answer}),
+        None,
+    )
+    count, ok = dec.get_num_new_matched_tokens(d, 0)
+    assert ok
+    return r.num_prompt_tokens, count
+
+
+def test_the_decode_leaves_a_window_prompts_last_token_where_its_first_key_opens_a_block() -> None:
+    """Window 128, blocks of 32: a 159-token prompt's last token attends back to token 31
+    (block 0), which a decode holding all 159 would not keep: the decode asks for 158 and
+    computes the last token itself; a 160-token prompt moves whole. The prefill computes
+    every token (it keeps every one the decode reads)."""
     for i, (n, want) in enumerate(((159, 158), (160, 160), (191, 190))):
-        ask = {"do_remote_decode": True, "pdxfer_room": 7 + i}
-        r = Request(
-            f"p{i}",
-            list(range(n)),
-            SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": ask}),
-            None,
-        )
-        pre.on_new_request(r)
-        assert r.num_prompt_tokens == len(r.prompt_token_ids or ()) == want, n
-        answer = {"do_remote_prefill": True, "pdxfer_room": 7 + i, "pdxfer_bootstrap": boot}
-        d = Request(
-            f"d{i}",
-            list(range(n)),
-            SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": answer}),
-            None,
-        )
-        assert dec.get_num_new_matched_tokens(d, 0) == (want, True), n
+        assert _asked(128, BS, BS, n, i) == (n, want), n
+
+
+@pytest.mark.parametrize(("bs_p", "bs_d"), [(32, 64), (64, 32), (32, 32), (16, 64)])
+def test_a_decode_never_asks_for_a_prompt_token_the_prefill_left_uncomputed(
+    bs_p: int, bs_d: int
+) -> None:
+    """Whatever the two block sizes, for every prompt length: the decode asks for no more
+    tokens than the prefill computed (else its load fails), and backs off where its own
+    window blocks need it (window 128; chunks of 64 back off on both sides alike)."""
+    from pdxfer.integrations.vllm import groups as G
+
+    for n in range(2, 700):
+        computed, asked = _asked(128, bs_p, bs_d, n, n)
+        assert asked <= computed, (n, computed, asked)
+        dg = G.Group(0, "window", bs_d, ("a",), window=128)
+        assert asked == n - G.backoff([dg], n), n
+    for n in (63, 64, 65, 128, 129, 320):
+        computed, asked = _asked(64, bs_p, bs_d, n, n, chunk=True)
+        assert asked == computed == n - (n % 64 == 0), n

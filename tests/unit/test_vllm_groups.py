@@ -95,8 +95,9 @@ def test_the_decode_holds_the_window_its_last_prompt_token_attends_to(window: in
     """For every prompt length ``p``: the decode loads ``n = p - backoff`` tokens and holds
     the blocks from ``skipped(n) // bs`` (vLLM's null block below), then computes token
     ``p - 1``, which attends back to token ``max(0, p - window)``: the decode holds its
-    block. A prompt backs off only where the decode holding all of it would not. The prefill
-    streams exactly the blocks the decode holds (``window_first``)."""
+    block. A prompt backs off only where the decode holding all of it would not. The prefill,
+    which computes every token, streams exactly the blocks the decode holds
+    (``window_first``)."""
     g = Group(1, "window", bs, ("a",), window=window)
     for p in range(2, 900):
         n = p - G.backoff([FULL, g], p)
@@ -104,6 +105,8 @@ def test_the_decode_holds_the_window_its_last_prompt_token_attends_to(window: in
         assert held <= max(0, p - window) // bs, (p, n, held)
         assert G.backoff([FULL, g], p) == 0 or _skipped(window, p) // bs > max(0, p - window) // bs
         assert G.window_first(g, n) == held, (p, n, held)
+        computed = p - G.prefill_backoff([FULL, g], p)  # the prefill computes all of it
+        assert computed == p and G.window_first(g, computed) == held, (p, held)
         assert G.skipped(g, n) == _skipped(window, n)
 
 

@@ -12,7 +12,8 @@ block table (one block pool shared by all groups, so block ids never collide):
   prompt token's chunk moves, streamed like a window (``chunk_first``).
 - A window or chunk prompt whose last token's first key opens a block backs off one token
   (``backoff``): vLLM's decode, holding all the prompt, would keep no block of it
-  (``skipped``), yet computes the last prompt token again.
+  (``skipped``), yet computes the last prompt token again. A window's depends on the
+  decode's block size, so only the decode backs off for it (``prefill_backoff``).
 - ``state``: Mamba2 / Gated DeltaNet state: one state block per request, final after the
   prefill's last chunk. It moves as a pdxfer slot; the prefill stops one token short and
   the decode computes the last prompt token itself (the state must not see it twice).
@@ -159,7 +160,8 @@ def backoff(groups: Sequence[Group], num_tokens: int) -> int:
     tokens keeps the blocks from ``skipped(n)`` on, yet computes token ``n - 1`` again,
     which attends from ``skipped(n - 1)``. Where those lie in different blocks (a chunk
     boundary at ``n``, or a window with ``(n - window + 1) % block_size == 0``) the decode
-    holds ``n - 1`` tokens, so the blocks token ``n - 1`` attends to."""
+    holds ``n - 1`` tokens, so the blocks token ``n - 1`` attends to. This is the decode's
+    count, by its own block sizes; the prefill's is ``prefill_backoff``."""
     if any(g.kind == "state" for g in groups):
         return 1
     n = num_tokens
@@ -170,6 +172,19 @@ def backoff(groups: Sequence[Group], num_tokens: int) -> int:
     ):
         return 1
     return 0
+
+
+def prefill_backoff(groups: Sequence[Group], num_tokens: int) -> int:
+    """Prompt tokens the prefill leaves uncomputed, never more than any decode's
+    ``backoff`` (a decode asking for a token the prefill did not compute fails its load):
+    a state group's, and a chunk group's at a chunk boundary (the prefill holding all
+    ``n`` would keep none of the chunk before ``n``; a chunk boundary is one whatever the
+    block size). Never a window group's: where a decode's window blocks begin depends on
+    its block size, which the prefill does not know, and a prefill that computed all ``n``
+    keeps every token a decode asking for ``n`` or ``n - 1`` reads (``window_first``)."""
+    if any(g.kind == "state" for g in groups):
+        return 1
+    return backoff([g for g in groups if g.kind != "window"], num_tokens)
 
 
 def state_block(blocks: Sequence[int], spec_blocks: int) -> int | None:

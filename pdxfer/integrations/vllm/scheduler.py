@@ -27,7 +27,7 @@ from vllm.v1.request import RequestStatus
 
 from . import params as P
 from .config import ConnectorConfig
-from .groups import LOCAL, Group, backoff, streams, tiered
+from .groups import LOCAL, Group, backoff, prefill_backoff, streams, tiered
 from .metadata import (
     AbortOrder,
     ExpectOrder,
@@ -87,7 +87,8 @@ class PdxferScheduler:
         self.hybrid_layers = self.hybrid and cfg.send_by == "layer"
         """A hybrid model streaming by layer (its state groups still go at the end)."""
         self.backs_off = any(g.kind in ("state", *LOCAL) for g in self.groups)
-        """Whether some prompts leave tokens to the decode (``groups.backoff``)."""
+        """Whether some prompts leave tokens to the decode (``groups.backoff``; the
+        prefill's never more than a decode's, ``groups.prefill_backoff``)."""
         self.select: Any = None
         """vLLM's ``select_transfer_block_ids`` (every group's blocks -> the transfer
         groups'), set by the connector where vLLM has groups it does not transfer."""
@@ -212,12 +213,11 @@ class PdxferScheduler:
         return tuple(every)
 
     def _back_off(self, request: Request) -> None:
-        """A model with state groups, or a window or chunk group's prompt whose last token
-        attends to a block the decode would not keep: the prefill computes all but the last
-        ``backoff`` prompt tokens and the decode computes them (a state must not see a token
-        twice; ``groups.backoff``)."""
+        """A model with state groups, or a chunk group's prompt ending on a chunk boundary:
+        the prefill computes all but the last ``prefill_backoff`` prompt tokens and the decode computes them (a state must not see
+        a token twice; ``groups.backoff``)."""
         params = request.kv_transfer_params
-        k = backoff(self.groups, request.num_prompt_tokens)
+        k = prefill_backoff(self.groups, request.num_prompt_tokens)
         if (
             not k
             or not isinstance(params, dict)
