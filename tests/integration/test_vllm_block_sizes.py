@@ -1,25 +1,28 @@
 """A prefill and a decode of different ``--block-size`` on real vLLM, both ways (32 -> 64
-and 64 -> 32), through ``pdxfer router --engine vllm`` with the official client: a plain
-Llama (float32, the connector's one-pool path), Gemma 3 (float32: a full group beside
-sliding-window groups) and DeepSeek-V2 (MLA, bf16); and Qwen3-Next with prefix caching on
-the prefill and off on the decode, which vLLM then gives state groups of 544 and 4,096
-tokens (bf16).
+and 64 -> 32), through ``pdxfer router --engine vllm`` with the official client.
 
-Per shape, one module start: a prefill and a decode at each block size, and one router per
-direction. The reference is a prefill serving the prompt itself (colocated vLLM, same
-weights and kernels). float32 answers equal it token for token. bf16 answers are judged as
-the families module judges them: every byte the decode loaded equals the prefill's
-(``integrity: full``), and the answer is colocated's where colocated computes the prompt's
-last token as the decode does (Qwen3-Next: prompts of k blocks + 1 in one-block chunks).
-vLLM's CPU MLA without AMX computes a prompt in one step (no chunks, no prefix cache), so no
-colocated computation is a DeepSeek-V2 decode's: there the bytes are the judge, and where
-they sit in a block of either size is vLLM's own write (``test_vllm_tiles``). No load may
-fail: a recomputed request would give the right answer without pdxfer having moved anything.
+One rig of servers per model, shared by every case of that model:
+- Gemma 3 (float32): a full group beside sliding-window groups, so one model covers plain
+  attention and the window. Token-exact against colocated vLLM (the prefill serving the
+  prompt itself, same weights and kernels), concurrent requests streamed and not, the
+  window moved rather than the prompt, decode-side tiers restored in the decode's blocks.
+  A decode of TP 2 and another block size is the pair pdxfer cannot map on vLLM's CPU
+  backend (a head slice of a packed tile): refused at pairing, naming both block sizes,
+  and vLLM's ``recompute`` policy still answers the client.
+- DeepSeek-V2 (MLA, bf16), judged as the families module judges bf16: every byte the
+  decode loaded equal to the prefill's (``integrity: full``), and the answer colocated's
+  where colocated computes the decode's step (``Rig.same_rows``; prompts of k blocks + 1).
+- Qwen3-Next (bf16) with prefix caching on the prefill and off on the decode: vLLM sizes
+  the state groups' blocks 544 and 4,096 tokens, which changes no byte moved; it pairs and
+  moves, judged the same way.
+No load may fail where the pair maps: a recomputed request would give the right answer
+without pdxfer having moved anything.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,27 +32,28 @@ from typing import Any
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.hf_model import build_model
 from pdxfer.demo.vllm_procs import VllmServer, kv_config, read_stats, start_all
 from pdxfer.serving.procs import Proc
-from tests.harness.hf_families import FAMILIES, WINDOW, build_family
+from tests.harness.hf_families import FAMILIES, WINDOW, Family, build_family
 
-from .vllm_helpers import complete, stream_ids, wait
+from .vllm_helpers import MAX_TOKENS, client, complete, stream_ids, wait
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = pytest.mark.timeout(1500)
 
 SIZES = (32, 64)
 STEP = 96
-"""The prefill's tokens a step: a multiple of 32, not of 64 (a 64-token decode block is
-filled by two steps), and under the window (its blocks are freed while the prefill runs)."""
+"""The float32 prefill's tokens a step: a multiple of 32, not of 64 (a 64-token decode block
+is filled by two steps), and under the window (its blocks are freed while the prefill runs)."""
 L2 = 256
 START_S = 900.0
-"""Four vLLM servers start at once: on a loaded 2-core host that takes minutes."""
+"""Several vLLM servers start at once: on a loaded 2-core host that takes minutes."""
+TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+"""Two ranks on a two-core machine: unbound, one OpenMP thread each."""
 
 
 @dataclass
 class Way:
-    """One direction: a prefill, a decode of the other block size and their router."""
+    """A prefill, a decode and their router."""
 
     prefill: VllmServer
     decode: VllmServer
@@ -66,13 +70,51 @@ class Way:
     def name(self) -> str:
         return f"{self.prefill.name} -> {self.decode.name}"
 
+    @functools.cached_property
+    def same_rows(self) -> bool:
+        """Whether colocated vLLM (the prefill) computes a prompt's first k blocks alike
+        served alone and with one token more, as ``test_vllm_families``'s ``Pair`` asks:
+        then its one-token step over k blocks is the decode's, and its answer the pair's
+        to give. Without AMX vLLM's MLA computes a prompt in one step and its bf16 rows
+        change with the step's length: there the bytes are the judge."""
+        for i, n in enumerate((65, 257)):
+            head = prompt(n - 1, 900 + i)
+            alone = _prompt_logprobs(self.prefill.url, head, "alone")
+            more = _prompt_logprobs(self.prefill.url, [*head, head[0]], "more")
+            if alone != more[: len(head)]:
+                return False
+        return True
+
 
 @dataclass
-class Shape:
-    name: str
-    dtype: str
+class Rig:
+    family: Family
     ways: list[Way] = field(default_factory=list)
-    window: int = 0
+    refused: Way | None = None
+    """A pair pdxfer cannot map (Gemma 3 only)."""
+
+    @property
+    def float32(self) -> bool:
+        return self.family.dtype == "float32"
+
+    def case(self, w: Way, n: int, seed: int) -> tuple[list[int], list[int]]:
+        """A prompt of ``n`` tokens and the answer ``w`` owes it. float32: colocated's answer
+        to the prompt. bf16 (``n`` is k blocks + 1): colocated serves the k blocks and one
+        token more; the prompt is those and that token, the rest of the answer is owed
+        (``test_vllm_families``'s ``Pair.case``)."""
+        if self.float32:
+            p = prompt(n, seed)
+            return p, complete(w.prefill.url, p)
+        assert n % max(SIZES) == 1, f"{n} tokens: a bf16 prompt is k blocks + 1"
+        head = prompt(n - 1, seed)
+        ref = complete(w.prefill.url, head, max_tokens=MAX_TOKENS + 1, extra={"cache_salt": "r"})
+        return head + ref[:1], ref[1:]
+
+    def owes(self, w: Way, got: list[int], want: list[int], what: str) -> None:
+        if self.float32 or w.same_rows:
+            assert got == want, f"{self.family.name} {w.name()}, {what}: {got} != {want}"
+        else:
+            assert len(got) == len(want), f"{self.family.name} {w.name()}, {what}: {got}"
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -80,46 +122,71 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(300, 1000) for _ in range(n)]
 
 
-def _model(name: str, tmp: Path) -> tuple[Path, str, tuple[str, ...], int]:
-    if name == "llama":
-        return build_model(tmp / "model", "small"), "float32", (), 0
-    f = FAMILIES[name]
-    return build_family(tmp / "model", name), f.dtype, f.vllm_args, f.window
+def _prompt_logprobs(url: str, p: list[int], salt: str) -> list[Any]:
+    r = client(url).completions.create(
+        model="llama",
+        prompt=p,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"prompt_logprobs": 0, "cache_salt": salt},
+    )
+    return list(r.choices[0].model_extra["prompt_logprobs"])
 
 
-def _start(
-    name: str, tmp: Path, pairs: list[tuple[int, int, tuple[str, ...], tuple[str, ...]]]
-) -> Iterator[Shape]:
-    """Start a prefill and a decode per ``(prefill block size, decode block size, prefill
-    arguments, decode arguments)`` and a router for each pair; yield the shape."""
-    model, dtype, args, window = _model(name, tmp)
+def _pair_args(
+    f: Family, plain: bool
+) -> list[tuple[int, int, tuple[str, ...], tuple[str, ...], dict[str, str] | None]]:
+    """``(prefill block, decode block, prefill args, decode args, decode env)`` per pair."""
+    a, b = SIZES
+    nocache = ("--no-enable-prefix-caching",)  # a repeated prompt comes from L2
+    if f.name == "qwen3_next":
+        return [(a, a, ("--enable-prefix-caching", *f.exact_args), f.exact_args, None)]
+    pargs = ("--max-num-batched-tokens", str(STEP)) if plain else f.exact_args
+    dargs = nocache if plain else (*nocache, *f.exact_args)
+    pairs = [(a, b, pargs, dargs, None), (b, a, pargs, dargs, None)]
+    if plain:  # a decode of TP 2 and another block size: refused (the module docstring)
+        pairs.append((a, b, pargs, (*dargs, "--tensor-parallel-size", "2"), TP2))
+    return pairs
+
+
+@pytest.fixture(scope="module", params=["gemma3", "deepseek_v2", "qwen3_next"])
+def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    f = FAMILIES[request.param]
+    tmp = tmp_path_factory.mktemp(f.name)
+    model = build_family(tmp / "model", f.name)
+    plain = f.dtype == "float32"
     boot = BootstrapServer("127.0.0.1", 0).start()
     servers: list[VllmServer] = []
     routers: list[Proc] = []
-    shape = Shape(name, dtype, window=window)
+    rig = Rig(f)
+    ways: list[Way] = []
     try:
-        for i, (bp, bd, pargs, dargs) in enumerate(pairs):
-            common = [*args, "--max-model-len", "4096"]
-            p = VllmServer(
-                f"prefill{bp}-{i}",
-                model,
-                tmp,
-                dtype=dtype,
-                block_size=bp,
-                args=[*common, "--max-num-batched-tokens", str(STEP), *pargs],
-                kv_cache_bytes=256 << 20,
-                kv_transfer_config=kv_config(
-                    "kv_producer", {"bootstrap": boot.address, "instance": f"p{i}"}
-                ),
-            )
+        prefills: dict[tuple[int, tuple[str, ...]], VllmServer] = {}
+        for i, (bp, bd, pargs, dargs, denv) in enumerate(_pair_args(f, plain)):
+            common = [*f.vllm_args, "--max-model-len", "4096"]
+            if (bp, pargs) not in prefills:  # the refused pair reuses the 32-token prefill
+                prefills[bp, pargs] = VllmServer(
+                    f"prefill{bp}",
+                    model,
+                    tmp,
+                    dtype=f.dtype,
+                    block_size=bp,
+                    args=[*common, *pargs],
+                    kv_cache_bytes=256 << 20,
+                    kv_transfer_config=kv_config(
+                        "kv_producer", {"bootstrap": boot.address, "instance": f"p{bp}"}
+                    ),
+                )
+                servers.append(prefills[bp, pargs])
             d_stats = tmp / f"d{i}.json"
             d = VllmServer(
                 f"decode{bd}-{i}",
                 model,
                 tmp,
-                dtype=dtype,
+                dtype=f.dtype,
                 block_size=bd,
                 args=[*common, *dargs],
+                env=denv,
                 kv_cache_bytes=256 << 20,
                 kv_transfer_config=kv_config(
                     "kv_consumer",
@@ -133,10 +200,10 @@ def _start(
                     kv_load_failure_policy="recompute",
                 ),
             )
-            servers += [p, d]
-            shape.ways.append(Way(p, d, None, d_stats))  # type: ignore[arg-type]
+            servers.append(d)
+            ways.append(Way(prefills[bp, pargs], d, None, d_stats))  # type: ignore[arg-type]
         start_all(servers, timeout=START_S)
-        for i, w in enumerate(shape.ways):
+        for i, w in enumerate(ways):
             w.router = Proc(
                 f"router{i}",
                 [
@@ -146,14 +213,16 @@ def _start(
                     "--port",
                     "0",
                     "--prefill",
-                    f"{w.prefill.url},{boot.address},p{i}",
+                    f"{w.prefill.url},{boot.address},p{w.prefill.name.removeprefix('prefill')}",
                     "--decode",
                     f"{w.decode.url},d{i}",
                 ],
                 timeout=180,
             )
             routers.append(w.router)
-        yield shape
+        rig.ways = ways[:2]
+        rig.refused = ways[2] if len(ways) > 2 else None
+        yield rig
     finally:
         for r in routers:
             r.stop()
@@ -162,55 +231,46 @@ def _start(
         boot.stop()
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3", "deepseek_v2"])
-def shape(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Shape]:
-    name = request.param
-    dargs = ("--no-enable-prefix-caching",)  # a repeated prompt comes from L2, not vLLM's cache
-    a, b = SIZES
-    yield from _start(name, tmp_path_factory.mktemp(name), [(a, b, (), dargs), (b, a, (), dargs)])
+def _lengths(rig: Rig) -> tuple[int, ...]:
+    """float32: shorter than a block; where the last token's first window key opens a
+    32-token block but not a 64-token one (159) and where it opens both (191); past the
+    window over several prefill steps, where the 64-token decode's first window block
+    starts before the 32-token prefill's first kept one (736 - 128 is 9.5 blocks of 64).
+    bf16: k blocks of 64 + 1."""
+    if rig.float32:
+        return (7, WINDOW + 31, WINDOW + 63, 736)
+    return (65, 4 * 64 + 1, 16 * 64 + 1)
 
 
-def _judge(shape: Shape, w: Way, p: list[int], got: list[int], ref: list[int]) -> None:
-    """float32: colocated's tokens; bf16: what the decode computes from the loaded bytes."""
-    if shape.dtype == "float32":
-        assert got == ref, f"{shape.name} {w.name()}, {len(p)} tokens: {got} != colocated {ref}"
-        return
-    assert len(got) == len(ref), (shape.name, w.name(), got)  # the bytes judge: the caller
+def _no_failures(w: Way, d0: dict[str, Any], loads: int) -> None:
+    d = w.d()
+    assert d["load_failures"] == d0.get("load_failures", 0), (w.name(), d)
+    assert d["loads"] >= d0.get("loads", 0) + loads, (w.name(), d)
+    assert w.integrity()["mismatches"] == 0, (w.name(), w.integrity())
 
 
-def _lengths(shape: Shape) -> tuple[int, ...]:
-    """Shorter than a block, past the window over several prefill steps, long (bf16: k
-    blocks of 64 + 1, as the families module's)."""
-    if shape.dtype == "float32":
-        return (7, WINDOW + 3 * 32 + 5, 2000)
-    return (65, 4 * 64 + 1, 30 * 64 + 1)
-
-
-def test_answers_are_right_both_ways_and_every_loaded_byte_is_the_prefills(shape: Shape) -> None:
-    for k, w in enumerate(shape.ways):
+def test_answers_are_right_both_ways_and_every_loaded_byte_is_the_prefills(rig: Rig) -> None:
+    lengths = _lengths(rig)
+    m = len(lengths)
+    for k, w in enumerate(rig.ways):
         before, d0 = w.integrity(), w.d()
-        for seed, n in enumerate(_lengths(shape), 10 * k):
-            p = prompt(n, seed)
-            ref = complete(w.prefill.url, p)
-            _judge(shape, w, p, complete(w.router.url, p), ref)
+        for seed, n in enumerate(lengths, 10 * k):
+            p, want = rig.case(w, n, seed)
+            rig.owes(w, complete(w.router.url, p), want, f"{n} prompt tokens")
         wait(
             "the decode's checks",
-            lambda w=w, b=before: w.integrity()["checks"] >= b["checks"] + 3,
+            lambda w=w, b=before: w.integrity()["checks"] >= b["checks"] + m,
             timeout=60,
         )
-        after, d = w.integrity(), w.d()
-        assert after["mismatches"] == 0 and after["bytes"] > before["bytes"], (w.name(), after)
-        assert d["load_failures"] == d0.get("load_failures", 0), (w.name(), d)
-        assert d["loads"] >= d0.get("loads", 0) + 3
+        assert w.integrity()["bytes"] > before["bytes"], w.name()
+        _no_failures(w, d0, m)
 
 
-def test_concurrent_requests_streamed_and_not_are_right_both_ways(shape: Shape) -> None:
-    if shape.dtype != "float32":
+def test_concurrent_requests_streamed_and_not_are_right_both_ways(rig: Rig) -> None:
+    if not rig.float32:
         pytest.skip("bf16 answers change with the batch: judged one at a time")
-    for k, w in enumerate(shape.ways):
-        prompts = [prompt(n, 100 + 10 * k + i) for i, n in enumerate((40, 250, 600, 900))]
+    for k, w in enumerate(rig.ways):
+        prompts = [prompt(n, 100 + 10 * k + i) for i, n in enumerate((40, 250, 400, 600))]
         refs = [complete(w.prefill.url, p) for p in prompts]
         d0 = w.d()
         with cf.ThreadPoolExecutor(len(prompts)) as ex:
@@ -220,87 +280,77 @@ def test_concurrent_requests_streamed_and_not_are_right_both_ways(shape: Shape) 
             ]
             got = [f.result() for f in futs]
         assert got == refs, w.name()
-        assert w.d()["load_failures"] == d0.get("load_failures", 0)
+        _no_failures(w, d0, len(prompts))
 
 
-def test_a_sliding_window_group_moves_the_window_both_ways(shape: Shape) -> None:
-    """A long prompt over many prefill steps: the prefill frees window blocks as it goes,
-    and a decode with larger blocks holds a first block reaching before the prefill's first
+def test_a_sliding_window_group_moves_the_window_both_ways(rig: Rig) -> None:
+    """A prompt over several prefill steps: the prefill frees window blocks as it goes, and
+    a decode with larger blocks holds a first block reaching before the prefill's first
     kept one (filled from the prefill's null block, its tokens never read). What moved is
-    the window, not the prompt, and every loaded byte is the prefill's."""
-    if not shape.window:
-        pytest.skip(f"{shape.name} has no sliding window")
-    f = FAMILIES[shape.name]
-    types = f.config["layer_types"]
-    sliding = sum(t == "sliding_attention" for t in types)  # type: ignore[union-attr]
-    per_token = 2 * int(f.config["num_key_value_heads"]) * int(f.config["head_dim"]) * 4  # type: ignore[call-overload]
-    for k, w in enumerate(shape.ways):
-        # 3040 - 128 is 45 blocks of 64 and a half: the 64-token decode's first window block
-        # starts at 2880, the 32-token prefill's first kept one at 2912
-        n = 3040
+    the full layer's prompt and the sliding layers' window, every loaded byte the prefill's."""
+    if not rig.family.window:
+        pytest.skip(f"{rig.family.name} has no sliding window")
+    cfg = rig.family.config
+    types = list(cfg["layer_types"])  # type: ignore[call-overload]
+    sliding = sum(t == "sliding_attention" for t in types)
+    per_token = 2 * int(cfg["num_key_value_heads"]) * int(cfg["head_dim"]) * 4  # type: ignore[call-overload]
+    for k, w in enumerate(rig.ways):
+        n = 736
         p = prompt(n, 77 + k)
         ref = complete(w.prefill.url, p)
         before, d0 = w.d().get("net_bytes", 0), w.d()
         assert complete(w.router.url, p) == ref, w.name()
         wait("the decode's stats", lambda w=w, b=before: w.d().get("net_bytes", 0) > b, timeout=60)
         moved = w.d()["net_bytes"] - before
-        full = (len(types) - sliding) * n * per_token  # type: ignore[arg-type]
+        full = (len(types) - sliding) * n * per_token
         high = full + sliding * (WINDOW + 2 * max(SIZES)) * per_token
         assert full <= moved <= high, (w.name(), moved, full, high)
-        assert w.d()["load_failures"] == d0.get("load_failures", 0)
-        assert w.integrity()["mismatches"] == 0
+        _no_failures(w, d0, 1)
 
 
 def test_decode_tiers_restore_in_the_decodes_blocks_and_the_rest_comes_in_the_prefills(
-    shape: Shape,
+    rig: Rig,
 ) -> None:
-    """A prompt served twice: the second time the decode restores what it wrote back to L2
-    (its own block size) and loads the rest from the prefill (the other size), every byte
-    checked, the answer judged as above."""
-    for k, w in enumerate(shape.ways):
-        p = prompt(1500, 500 + k)
+    """A prompt, then a longer one sharing it: the decode restores what it wrote back to L2
+    (its own block size) and loads the rest from the prefill (the other size)."""
+    if not rig.float32:
+        pytest.skip("the bf16 rigs judge loads one prompt at a time")
+    for k, w in enumerate(rig.ways):
+        p = prompt(300, 500 + k)
         d0 = w.d()
-        _judge(shape, w, p, complete(w.router.url, p), complete(w.prefill.url, p))
+        assert complete(w.router.url, p) == complete(w.prefill.url, p), w.name()
         wait(
             "the write-back",
             lambda w=w, d0=d0: w.d().get("writebacks", 0) > d0.get("writebacks", 0),
             timeout=60,
         )
-        q = p + prompt(300, 600 + k)  # a longer prompt sharing the first one's blocks
-        _judge(shape, w, q, complete(w.router.url, q), complete(w.prefill.url, q))
+        q = p + prompt(100, 600 + k)
+        assert complete(w.router.url, q) == complete(w.prefill.url, q), w.name()
         wait(
             "the second load",
             lambda w=w, d0=d0: w.d().get("loads", 0) >= d0.get("loads", 0) + 2,
             timeout=60,
         )
-        d = w.d()
-        assert d["restored_pages"] > d0.get("restored_pages", 0), w.name()
-        assert d["load_failures"] == d0.get("load_failures", 0)
-        assert w.integrity()["mismatches"] == 0
+        assert w.d()["restored_pages"] > d0.get("restored_pages", 0), w.name()
+        _no_failures(w, d0, 2)
 
 
-@pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shape]:
-    f = FAMILIES["qwen3_next"]
-    yield from _start(
-        "qwen3_next",
-        tmp_path_factory.mktemp("qwen3_next"),
-        [(32, 32, ("--enable-prefix-caching", *f.exact_args), f.exact_args)],
+def test_a_pair_whose_blocks_cannot_be_mapped_is_refused_naming_both_sizes(rig: Rig) -> None:
+    """A decode of TP 2 and blocks of 64 behind a TP 1 prefill of 32 on vLLM's CPU backend:
+    a head slice of a packed tile moves only whole. The load is refused at pairing, naming
+    both block sizes; vLLM's ``recompute`` policy computes the prompt on the decode, so the
+    client still gets colocated's answer, never a 500."""
+    w = rig.refused
+    if w is None:
+        pytest.skip(f"{rig.family.name}: the refused pair is built on the float32 rig")
+    p = prompt(100, 4242)
+    d0 = w.d()
+    assert complete(w.router.url, p) == complete(w.prefill.url, p)
+    wait(
+        "the refused load",
+        lambda: w.d().get("load_failures", 0) > d0.get("load_failures", 0),
+        timeout=60,
     )
-
-
-def test_a_state_group_whose_checkpoint_interval_differs_pairs_and_moves(qwen3_next: Shape) -> None:
-    """Prefix caching on the prefill only: vLLM sizes the state groups' blocks 544 and 4,096
-    tokens, which changes no byte of a state; the pair loads every group without a failure,
-    every byte equal to the prefill's, the answers colocated's (prompts of k blocks + 1 in
-    one-block chunks, where colocated computes the last token as the decode does)."""
-    (w,) = qwen3_next.ways
-    before, d0 = w.integrity(), w.d()
-    for seed, n in enumerate((33, 161, 417)):
-        p = prompt(n, 900 + seed)
-        ref = complete(w.prefill.url, p)
-        assert complete(w.router.url, p) == ref, n
-    wait("the decode's checks", lambda: w.integrity()["checks"] >= before["checks"] + 3, timeout=60)
-    d = w.d()
-    assert d["load_failures"] == d0.get("load_failures", 0) and d["loads"] >= d0.get("loads", 0) + 3
-    assert w.integrity()["mismatches"] == 0
+    log = w.decode.log.read_text(errors="replace")
+    assert "page_size: prefill 32, decode 64" in log, w.decode.tail()
+    assert "need equal page sizes" in log
