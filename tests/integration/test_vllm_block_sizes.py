@@ -179,8 +179,6 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                 )
                 servers.append(prefills[bp, pargs])
             d_stats = tmp / f"d{i}.json"
-            if "--tensor-parallel-size" in dargs:  # one file a rank: rank 0's
-                d_stats = tmp / f"d{i}.json.tp0"
             d = VllmServer(
                 f"decode{bd}-{i}",
                 model,
@@ -203,6 +201,8 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                 ),
             )
             servers.append(d)
+            if "--tensor-parallel-size" in dargs:  # one file a rank: read rank 0's
+                d_stats = d_stats.with_name(f"{d_stats.name}.tp0")
             ways.append(Way(prefills[bp, pargs], d, None, d_stats))  # type: ignore[arg-type]
         start_all(servers, timeout=START_S)
         for i, w in enumerate(ways):
