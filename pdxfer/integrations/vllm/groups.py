@@ -176,10 +176,10 @@ def backoff(groups: Sequence[Group], num_tokens: int) -> int:
 
 def prefill_backoff(groups: Sequence[Group], num_tokens: int) -> int:
     """Prompt tokens the prefill leaves uncomputed, never more than any decode's
-    ``backoff`` (a decode asking for a token the prefill did not compute fails its load):
-    a state group's, and a chunk group's at a chunk boundary (the prefill holding all
-    ``n`` would keep none of the chunk before ``n``; a chunk boundary is one whatever the
-    block size). Never a window group's: where a decode's window blocks begin depends on
+    ``backoff``: a decode asking for a token the prefill did not compute would load a slot
+    nobody wrote (or fail, where that token opens a page): a state group's, and a chunk
+    group's at a chunk boundary (the prefill holding all ``n`` would keep none of the chunk
+    before ``n``; a chunk boundary is one whatever the block size). Never a window group's: where a decode's window blocks begin depends on
     its block size, which the prefill does not know, and a prefill that computed all ``n``
     keeps every token a decode asking for ``n`` or ``n - 1`` reads (``window_first``)."""
     if any(g.kind == "state" for g in groups):
