@@ -248,7 +248,7 @@ class DPFront:
             groups.append({**info, "dp": grp.g, "url": grp.url, "status": state})
         ok = [g for g in groups if g["status"] == "ok"]
         first = ok[0] if ok else {}
-        body = {
+        body: dict[str, Any] = {
             "status": "ok" if ok else "unavailable",
             "role": "decode",
             "dp_size": len(self.groups),

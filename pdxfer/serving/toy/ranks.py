@@ -288,8 +288,9 @@ class Ranks:
         r = Remote(self, rank, room, kind)
         r.group = group
         with self._lock:
-            if self.links[rank].dead is not None:
-                r.gone(self.links[rank].dead)
+            dead = self.links[rank].dead
+            if dead is not None:
+                r.gone(dead)
             else:
                 self._rooms[(rank, room)] = r
         return r
