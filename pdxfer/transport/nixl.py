@@ -115,7 +115,7 @@ def _agent(nixl: Any, name: str, backends: tuple[str, ...], threads: int) -> Any
     base = api.nixlBind.nixlAgentConfig
     tick = knobs().nixl_tick_us
 
-    class _Config(base):  # type: ignore[misc, valid-type]
+    class _Config(base):  # type: ignore[misc, valid-type]  # a base class known at run time
         def __setattr__(self, key: str, value: Any) -> None:
             super().__setattr__(key, tick if key == "pthrDelay" else value)
 
