@@ -196,10 +196,26 @@ class Attempt:
 
 class Http:
     """The router's client session towards its workers, signing requests when a secret is
-    set (the workers then accept only what the router sent)."""
+    set (the workers then accept only what the router sent). The router makes it before its
+    app runs and opens its session at start (an aiohttp session belongs to a running loop)."""
 
-    def __init__(self, session: aiohttp.ClientSession, secret: bytes | None) -> None:
-        self.session, self.secret = session, secret
+    def __init__(self, session: aiohttp.ClientSession | None, secret: bytes | None) -> None:
+        self._session, self.secret = session, secret
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "the router's app has not started"
+        return self._session
+
+    def open(self, timeout_s: float) -> None:
+        """A session whose requests each end within ``timeout_s``."""
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
 
     def signed(
         self, url: str, payload: dict[str, Any], headers: dict[str, str] | None = None
