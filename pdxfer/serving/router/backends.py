@@ -18,7 +18,7 @@ import collections
 import json
 import time
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -286,7 +286,10 @@ class Backend(Protocol):
     """An engine's workers as the router sees them."""
 
     name: str
-    tokenizer: Tokenizer
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer (known once ``setup`` has run)."""
 
     async def setup(self, http: Http, decodes: list[Decode]) -> None:
         """Learn what the engine serves (model, tokenizer) before the first request."""
@@ -299,8 +302,9 @@ class Backend(Protocol):
         (``endpoint`` or ``peer``, ``max_seq_len``, ``page_size``; ``groups``, one such dict
         per group, when it fronts independent DP groups)."""
 
-    def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
-        """Run one attempt: the decode's tokens as they come, then ``Done``."""
+    def stream(self, http: Http, job: Attempt) -> AsyncGenerator[Tokens | Done, None]:
+        """Run one attempt: the decode's tokens as they come, then ``Done``; closing the
+        generator ends the attempt on the workers."""
 
     async def abort(self, http: Http, url: str, room: int, why: str) -> None:
         """Best effort: end ``room`` on that worker (the router gave up on it)."""
@@ -357,7 +361,7 @@ class ToyBackend:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return 599, f"{pf.url}: {type(e).__name__}: {e}", None
 
-    async def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
+    async def stream(self, http: Http, job: Attempt) -> AsyncGenerator[Tokens | Done, None]:
         ask, pf, dc, room = job.ask, job.pf, job.dc, job.room
         pf_task = asyncio.ensure_future(self._prefill(http, job))
 

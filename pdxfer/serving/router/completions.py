@@ -183,7 +183,7 @@ class Completions:
                     await asyncio.gather(getter, return_exceptions=True)
                 got = [getter.result()] if getter.done() and not getter.cancelled() else []
                 await drain(got)
-                for t in done - {getter}:
+                for t in pending & done:  # the choices done (not the getter)
                     pending.discard(t)
                     try:
                         c = t.result()

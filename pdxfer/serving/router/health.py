@@ -60,7 +60,7 @@ class Health:
         request path, so a worker that does not answer never slows a request."""
         while True:
             await asyncio.sleep(HEALTH_TTL_S)
-            if all(x.healthy for x in (*self.prefills, *self.decodes)):
+            if all(p.healthy for p in self.prefills) and all(d.healthy for d in self.decodes):
                 continue
             try:
                 await self.refresh(force=True)
