@@ -131,7 +131,13 @@ def _register_groups(
             first = next(iter(mine.values()))
             t = first[0] if isinstance(first, (list, tuple)) else first
             pool = describe_state(
-                mine, name=g.pool, num_blocks=int(t.shape[0]), page_bytes=g.page_bytes
+                mine,
+                name=g.pool,
+                num_blocks=int(t.shape[0]),
+                page_bytes=g.page_bytes,
+                split=g.split,
+                tp_rank=rank.tp_rank,
+                tp_size=rank.tp_size,
             )
             kind = "state"
         else:
