@@ -4,12 +4,14 @@ prefill feeding a TP 2 decode, through pdxfer's router with the official ``opena
 
 Each rank holds its share of the state: the conv state's x by heads and its one B/C group
 replicated, the SSM state by heads. Each decode rank takes its share from the prefill ranks
-that hold it (``plan/pieces.py``), so every answer equals a colocated vLLM at TP 1 token for
-token (float32: TP's split matmuls round ~10^4 times below any logit gap), and every byte
-each decode rank loaded equals what its senders wrote (``integrity: full``).
+that hold it (``plan/pieces.py``), so every answer equals vLLM's own at TP 1 token for token
+(float32: TP's split matmuls round ~10^4 times below any logit gap), and every byte each
+decode rank loaded equals what its senders wrote (``integrity: full``).
 
 One pair at a time (a TP 2 server takes minutes to start here), each started once for its
-test, and one colocated reference for the module, started with the first pair.
+test. The reference is the pair's TP 1 server asked directly, before any transfer: a
+request without ``kv_transfer_params`` is computed there as colocated vLLM computes it, and
+with prefix caching off (``hf_families``) nothing of it is reused by the transfers after.
 """
 
 from __future__ import annotations
@@ -76,32 +78,18 @@ def _server(
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, VllmServer]]:
+def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("state_tp")
-    model = build_family(tmp / "model", F.name)
-    ref = _server(tmp, model, "colocated", 1)  # waited for with the first pair
-    try:
-        yield tmp, model, ref
-    finally:
-        ref.stop()
-
-
-_EXPECTED: list[list[int]] = []
-
-
-def expected(ref: VllmServer) -> list[list[int]]:
-    """Colocated vLLM's answers at TP 1 (asked once, when the first pair is up)."""
-    if not _EXPECTED:
-        _EXPECTED.extend(complete(ref.url, p, timeout=600) for p in _prompts())
-    return _EXPECTED
+    return tmp, build_family(tmp / "model", F.name)
 
 
 @contextlib.contextmanager
 def pair(
-    base: tuple[Path, Path, VllmServer], p_tp: int, d_tp: int
-) -> Iterator[tuple[str, Path, Path]]:
-    """(router URL, prefill stats, decode stats) of a pair at these TP sizes."""
-    tmp, model, ref = base
+    base: tuple[Path, Path], p_tp: int, d_tp: int
+) -> Iterator[tuple[str, VllmServer, Path, Path]]:
+    """(router URL, the pair's TP 1 server, prefill stats, decode stats) of a pair at these
+    TP sizes."""
+    tmp, model = base
     boot = BootstrapServer("127.0.0.1", 0).start()
     ps, ds = tmp / f"p{p_tp}{d_tp}.json", tmp / f"d{p_tp}{d_tp}.json"
     servers = [
@@ -117,7 +105,7 @@ def pair(
     ]  # fmt: skip
     router = None
     try:
-        start_all([ref, *servers], timeout=900)
+        start_all(servers, timeout=900)
         router = Proc(
             "router",
             [
@@ -135,7 +123,7 @@ def pair(
             ],
             timeout=460,
         )
-        yield router.url, ps, ds
+        yield router.url, servers[0] if p_tp == 1 else servers[1], ps, ds
     finally:
         if router is not None:
             router.stop()
@@ -146,11 +134,11 @@ def pair(
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
 def test_state_moves_across_tp_sizes_token_exact_with_colocated(
-    base: tuple[Path, Path, VllmServer], p_tp: int, d_tp: int
+    base: tuple[Path, Path], p_tp: int, d_tp: int
 ) -> None:
     prompts = _prompts()
-    with pair(base, p_tp, d_tp) as (url, ps, ds):
-        want = expected(base[2])
+    with pair(base, p_tp, d_tp) as (url, tp1, ps, ds):
+        want = [complete(tp1.url, p, timeout=600) for p in prompts]  # colocated, at TP 1
         got = [complete(url, p, timeout=600) for p in prompts]
         wait(
             "every decode rank's checks",
