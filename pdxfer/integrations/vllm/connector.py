@@ -146,6 +146,7 @@ def groups_of(
                     spec_blocks=spec.num_speculative_blocks,
                     page_bytes=spec.page_size_bytes,
                     split=_split(spec, tp_size, n_groups),
+                    replicated=spec.tp_replicated,
                 )
             )
         else:

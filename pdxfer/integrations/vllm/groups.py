@@ -65,6 +65,8 @@ class Group:
     split: tuple[TensorSplit, ...] = ()
     """How each state tensor splits over TP (``state`` groups, ``state.splits``; empty: the
     state's kind is not known, so its slot moves whole, between equal TP sizes)."""
+    replicated: bool = False
+    """The same state on every TP rank (``state`` groups: vLLM's ``tp_replicated``)."""
 
     @property
     def pool(self) -> str:
@@ -144,6 +146,15 @@ def tiered(groups: Sequence[Group]) -> tuple[Group, ...]:
     if any(g.kind in LOCAL for g in first):
         return ()
     return tuple(g for g in first if g.kind == "full")
+
+
+def whole_state_tp(groups: Sequence[Group], tp_size: int) -> str:
+    """The fingerprint's `` state_tp=N`` where a state group moves whole yet each TP rank
+    holds its own share (no ``split``, not replicated): such a page pairs only with the same
+    TP size, even where vLLM pads both sides' pages to one size; else ``""``."""
+    if any(g.kind == "state" and not g.split and not g.replicated for g in groups):
+        return f" state_tp={tp_size}"
+    return ""
 
 
 def skipped(g: Group, computed: int) -> int:

@@ -159,7 +159,7 @@ def _register_groups(
     ident = cfg.model_id.replace(" ", "_")
     fingerprint = (
         f"model={ident} groups={','.join(kinds)} cache_dtype={rank.cache_dtype} draft={rank.draft}"
-    )
+    ) + G.whole_state_tp(groups, rank.tp_size)
     ep = Endpoint(
         cfg.endpoint_config(rank.tp_rank, rank.tp_size, fingerprint),
         pools,
