@@ -30,7 +30,7 @@ from .errors import (
     WireError,
 )
 from .netaddr import parse_hostport, parse_hostports
-from .pools import BufferSpec, PageSegment, PoolSpec, Sharding
+from .pools import BufferSpec, PageSegment, Piece, PoolSpec, Sharding
 from .trust import require_trusted, trusted_bootstrap, trusted_from_env
 
 __version__ = "0.1.0"
@@ -49,6 +49,7 @@ __all__ = [
     # pools and layouts
     "BufferSpec",
     "PageSegment",
+    "Piece",
     "PoolSpec",
     "Sharding",
     # the endpoint's settings (default, help, key), for an engine's generated keys

@@ -551,25 +551,37 @@ def slot_digests(
     mode: str,
     buffers: Sequence[int] | None = None,
     portable: bool = False,
+    spans: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Digests:
-    """One digest per buffer of a slot pool's row ``slot`` (rows are small: always whole)."""
+    """One digest per buffer of a slot pool's row ``slot`` (rows are small: always whole);
+    ``spans``: only these ``(offsets, sizes)`` of the slot, in their order (a state slot's
+    pieces written across TP sizes, ``plan/pieces.py``)."""
     if mode == "off":
         return Digests()
     _check_location(pool, portable)
     idx = list(range(len(pool.buffers))) if buffers is None else list(buffers)
+    off, size = spans if spans is not None else (np.zeros(1, np.int64), np.full(1, pool.item_bytes))
+    nbytes = int(size.sum())
     if portable:
         b = _bases(pool, True)
-        k = 8 if pool.item_bytes % 8 == 0 else 1
-        row = np.arange(0, pool.item_bytes, k, dtype=np.int64) + slot * pool.item_bytes
+        k = 8 if not (off % 8).any() and not (size % 8).any() else 1
+        row = np.concatenate(
+            [np.arange(o, o + n, k, dtype=np.int64) for o, n in zip(off.tolist(), size.tolist())]
+            or [np.zeros(0, np.int64)]
+        )
+        row = row + slot * pool.item_bytes
         starts = b.offsets[np.asarray(idx, dtype=np.int64)][:, None] + row[None, :]
         x = _gather_values(b, starts, k)
-        return Digests(_mix_finish(_mix_sums(x), int(x.shape[-1])), pool.item_bytes * len(idx))
+        return Digests(_mix_finish(_mix_sums(x), int(x.shape[-1])), nbytes * len(idx))
     out = []
     for i in idx:
         view = _host_view(pool.buffers[i].addr, pool.num_items * pool.item_bytes)
-        off = slot * pool.item_bytes
-        out.append(xxhash.xxh3_64_intdigest(view[off : off + pool.item_bytes].tobytes()) & MASK)
-    return Digests(out, pool.item_bytes * len(idx))
+        base = slot * pool.item_bytes
+        data = b"".join(
+            view[base + o : base + o + n].tobytes() for o, n in zip(off.tolist(), size.tolist())
+        )
+        out.append(xxhash.xxh3_64_intdigest(data) & MASK)
+    return Digests(out, nbytes * len(idx))
 
 
 PAGE_SAMPLE_WORDS = 512

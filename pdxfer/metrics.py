@@ -101,7 +101,7 @@ class _Collector:
                 failures.add_metric([*vals, key.removeprefix("failures_")], v)
                 continue
             name = f"{self.prefix}_{key}"
-            fam: Metric = (
+            fam: GaugeMetricFamily | CounterMetricFamily = (
                 GaugeMetricFamily(name, key.replace("_", " "), labels=names)
                 if key in GAUGES
                 else CounterMetricFamily(name, key.replace("_", " "), labels=names)
@@ -132,5 +132,5 @@ def prometheus_text(
 ) -> bytes:
     """Prometheus text for a counter snapshot (names ``<prefix>_<key>``)."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(_Collector(prefix, values, dict(labels or {}), timeline))  # type: ignore[arg-type]
+    reg.register(_Collector(prefix, values, dict(labels or {}), timeline))
     return generate_latest(reg)

@@ -29,6 +29,60 @@ MAX_BUFFERS = 8192
 """More buffers than any real model has (layers x roles); bounds what a peer may send."""
 
 
+MAX_PIECES = 64
+"""More TP-sharded parts than any state slot has (a few per state tensor)."""
+MAX_PIECE_ROWS = 4096
+"""Rows of one piece (a conv state's kernel width when channels are innermost)."""
+
+
+class Piece(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One TP-sharded part of a slot: a sub-tensor of a Mamba / linear-attention state whose
+    leading axis is split by heads or channel groups (a conv state's x, B and C, or Q, K and
+    V, each split on its own; an SSM state's heads).
+
+    ``rows`` rows, ``row_stride`` bytes apart from byte ``offset`` of the slot; each row holds
+    ``rank_units`` units of ``unit_bytes`` (global units ``[first, first + rank_units)`` of
+    ``total``; fewer units than TP ranks: each replicated on consecutive ranks, as heads are).
+    """
+
+    offset: NonNeg
+    total: Positive
+    rank_units: Positive
+    first: NonNeg
+    unit_bytes: Positive
+    rows: Annotated[int, msgspec.Meta(ge=1, le=MAX_PIECE_ROWS)] = 1
+    row_stride: NonNeg = 0
+
+    def __post_init__(self) -> None:
+        if not (
+            self.first >= 0
+            and self.rank_units > 0
+            and self.first + self.rank_units <= self.total <= 1 << 40
+            and 0 < self.unit_bytes <= 1 << 40
+            and 1 <= self.rows <= MAX_PIECE_ROWS
+            and 0 <= self.offset <= 1 << 62
+        ):
+            raise ValueError(
+                f"piece: units [{self.first}, {self.first + self.rank_units}) of "
+                f"{self.total}, {self.rows} rows: out of bounds"
+            )
+        if self.rows > 1 and self.row_stride < self.rank_units * self.unit_bytes:
+            raise ValueError(
+                f"piece: rows {self.row_stride} bytes apart overlap their "
+                f"{self.rank_units * self.unit_bytes} bytes"
+            )
+
+    @property
+    def width(self) -> int:
+        """Bytes of one row on this rank."""
+        return self.rank_units * self.unit_bytes
+
+    @property
+    def end(self) -> int:
+        """One past the last byte of the slot it covers."""
+        return self.offset + (self.rows - 1) * self.row_stride + self.width
+
+
 class Sharding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How a pool is split over tensor-parallel ranks.
 
@@ -36,16 +90,23 @@ class Sharding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``heads``: each rank holds ``rank_heads`` heads starting at global head ``first_head`` of
     ``total_heads``; ``head_bytes`` is one head of one token. ``layout`` is ``NHD`` (token-major
     inside a page) or ``HND`` (head-major inside a page).
+    ``pieces`` (slot pools): each slot is ``pieces``, each split over TP on its own
+    (``Piece``); bytes of the slot outside every piece (padding) are not this rank's state.
     """
 
-    kind: Literal["replicated", "heads"] = "replicated"
+    kind: Literal["replicated", "heads", "pieces"] = "replicated"
     total_heads: Positive = 1
     rank_heads: Positive = 1
     first_head: NonNeg = 0
     head_bytes: NonNeg = 0
     layout: Literal["NHD", "HND"] = "NHD"
+    pieces: Annotated[tuple[Piece, ...], msgspec.Meta(max_length=MAX_PIECES)] = ()
 
     def __post_init__(self) -> None:
+        if (self.kind == "pieces") != bool(self.pieces):
+            raise ValueError("pieces sharding needs its pieces, and only it has any")
+        if len(self.pieces) > MAX_PIECES:
+            raise ValueError(f"{len(self.pieces)} pieces > {MAX_PIECES}")
         if self.kind == "heads":
             if self.head_bytes <= 0:
                 raise ValueError("heads sharding needs head_bytes > 0")
@@ -54,6 +115,11 @@ class Sharding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     f"heads [{self.first_head}, {self.first_head + self.rank_heads}) exceed "
                     f"total_heads {self.total_heads}"
                 )
+
+    @staticmethod
+    def sliced(pieces: Sequence[Piece]) -> Sharding:
+        """A slot whose state is split over TP piece by piece (``Piece``)."""
+        return _build(Sharding, kind="pieces", pieces=tuple(pieces))
 
     @staticmethod
     def heads(
@@ -178,6 +244,10 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"pool {self.name!r}: duplicate buffer {key}")
             seen.add(key)
         sh = self.sharding
+        if sh.kind == "pieces":
+            why = _pieces_error(self.kind, sh.pieces, self.item_bytes)
+            if why:
+                raise ValueError(f"pool {self.name!r}: {why}")
         if sh.kind == "heads":
             token_bytes = self.item_bytes // self.page_size
             if sh.rank_heads * sh.head_bytes != token_bytes:
@@ -360,6 +430,22 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         )
 
 
+def _pieces_error(kind: str, pieces: Sequence[Piece], item_bytes: int) -> str | None:
+    """Why ``pieces`` do not lie apart inside one ``item_bytes`` slot, or None."""
+    if kind != "slot":
+        return "pieces sharding is for slot pools"
+    spans: list[tuple[int, int]] = []
+    for p in pieces:
+        if p.end > item_bytes:
+            return f"a piece ends at byte {p.end} of a {item_bytes}-byte slot"
+        spans += [(p.offset + r * p.row_stride, p.width) for r in range(p.rows)]
+    spans.sort()
+    for (a, n), (b, _) in zip(spans, spans[1:]):
+        if a + n > b:
+            return f"pieces overlap at byte {b} of the slot"
+    return None
+
+
 def _build(cls: type, **fields: Any) -> Any:
     """Construct a Struct, turning validation errors into ConfigError for callers."""
     try:
@@ -436,14 +522,24 @@ def compat_key(p: PoolSpec) -> tuple[Any, ...]:
     """The part of a pool's geometry both sides must agree on, whatever their TP, PP and
     page size: kind, dtype and the bytes of one token (of one head, when sharded by heads)."""
     sh = p.sharding
-    if p.kind == "slot":
-        unit: tuple[Any, ...] = ("slot", p.item_bytes)
+    if p.kind == "slot" and sh.kind == "pieces":
+        unit: tuple[Any, ...] = ("pieces", piece_key(p))
+    elif p.kind == "slot":
+        unit = ("slot", p.item_bytes)
     elif sh.kind == "heads":
         unit = ("heads", sh.total_heads, sh.head_bytes, sh.layout)
     else:
         unit = ("token", p.token_bytes)
     inside = p.page_segments if p.kind == "paged" else None
     return (p.name, p.kind, p.dtype, unit, p.indices_from, inside)
+
+
+def piece_key(p: PoolSpec) -> tuple[tuple[int, int, int], ...] | str:
+    """What both sides' pieces must agree on whatever their TP: each piece's global units,
+    unit bytes and rows (``"whole"``: a slot not split into pieces)."""
+    if p.sharding.kind != "pieces":
+        return "whole"
+    return tuple((q.total, q.unit_bytes, q.rows) for q in p.sharding.pieces)
 
 
 def layout_signature(pools: Sequence[PoolSpec]) -> str:
@@ -467,7 +563,14 @@ def check_pair(src: PoolSpec, dst: PoolSpec) -> str | None:
     if src.item_bytes == 0:
         return None
     if src.kind == "slot":
-        if src.item_bytes != dst.item_bytes:
+        a, b = src.sharding, dst.sharding
+        if a.kind == "pieces" or b.kind == "pieces":
+            if piece_key(src) != piece_key(dst):
+                return (
+                    f"pool {n!r}: state pieces (total units, unit bytes, rows) differ: "
+                    f"prefill {piece_key(src)}, decode {piece_key(dst)}"
+                )
+        elif src.item_bytes != dst.item_bytes:
             return (
                 f"pool {n!r}: slot size mismatch: prefill {src.item_bytes}, decode {dst.item_bytes}"
             )

@@ -101,7 +101,7 @@ def settings_of(cls: type) -> dict[str, Setting]:
         kind, choices = str(f.type), tuple(meta["choices"])
         if typing.get_origin(hint) is Literal:
             kind, choices = "str", choices or typing.get_args(hint)
-        default = f.default if f.default_factory is MISSING else None  # type: ignore[misc]
+        default = f.default if f.default_factory is MISSING else None
         out[f.name] = Setting(
             f.name,
             kind,

@@ -25,7 +25,7 @@ import numpy as np
 
 from .config import IntegrityMode
 from .errors import WireError
-from .pools import MAX_BUFFERS, U64, Name, NonNeg, PoolSpec
+from .pools import MAX_BUFFERS, MAX_PIECES, U64, Name, NonNeg, PoolSpec
 
 PROTOCOL_VERSION = 5
 """4: a digest may cover some layers of a pool (partial-layer chunks); 3: sampled digests
@@ -185,6 +185,12 @@ class TransferRequest(Msg, omit_defaults=True):
     early form): a room it does not know yet waits up to the bootstrap deadline, not only
     ``room_grace_s``; only the sender's router, which ends both legs, can know it never comes."""
     pack: dict[Name, U64] = {}
+    pieces: dict[
+        Name, Annotated[tuple[tuple[NonNeg, NonNeg], ...], msgspec.Meta(max_length=MAX_PIECES)]
+    ] = {}
+    """Per slot pool split into pieces (a Mamba / linear-attention state over different TP),
+    the global units of each piece this sender writes (``lo == hi``: none); default: every
+    unit both sides hold (``plan/pieces.py``)."""
 
     def __post_init__(self) -> None:
         if self.prefix_len > self.num_tokens:
@@ -206,6 +212,11 @@ class TransferRequest(Msg, omit_defaults=True):
         for name, (lo, hi) in self.heads.items():
             if lo >= hi:
                 raise ValueError(f"heads[{name!r}]: empty head range [{lo}, {hi})")
+        if len(self.pieces) > MAX_POOLS:
+            raise ValueError("too many pools")
+        for name, ranges in self.pieces.items():
+            if any(lo > hi for lo, hi in ranges):
+                raise ValueError(f"pieces[{name!r}]: a unit range ends before it starts")
 
 
 class TransferDone(Msg):

@@ -27,7 +27,8 @@ class GuardedConn(asyncio.Protocol):
         self.refused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        assert isinstance(transport, asyncio.Transport)  # a stream server's connection
+        self.transport = transport
         if self.guard.loopback_only:  # protected mode: no secret, so no other host
             peer = transport.get_extra_info("peername")
             if not trust.peer_allowed(peer[0] if peer else None):

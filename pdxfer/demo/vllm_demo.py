@@ -116,7 +116,7 @@ def _ask(url: str, prompt: str, a: argparse.Namespace) -> dict[str, Any]:
                 "error": str(errors[0] if errors else "no final chunk"),
                 "wall": wall,
             }
-        usage = next((e["usage"] for e in body if e.get("usage")), {})
+        usage: dict[str, Any] = next((e["usage"] for e in body if e.get("usage")), {})
         return {
             "ok": True,
             "ids": final["pdxfer"]["token_ids"],

@@ -181,7 +181,8 @@ class Server:
         before it dies. The log's tail, read before the shutdown's noise is appended."""
         try:
             os.killpg(self.pid, signal.SIGABRT)
-            self.popen.wait(timeout=wait)  # type: ignore[union-attr]
+            if self.popen is not None:
+                self.popen.wait(timeout=wait)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         time.sleep(0.5)  # the engine core's dump, after its parent's

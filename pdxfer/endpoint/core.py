@@ -7,7 +7,6 @@ import the ``Endpoint`` front, which builds a core and one side and is the engin
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +34,14 @@ SLOW_S = 1.0
 the control thread answers nothing meanwhile (a Hello waits, its decode retransmits)."""
 
 
+class Counts(dict[str, float]):
+    """An endpoint's named counts and high-water marks (some are seconds or milliseconds, so
+    floats). A name never counted reads 0 without being added, as in ``collections.Counter``."""
+
+    def __missing__(self, key: str) -> float:
+        return 0
+
+
 class Core:
     """Shared state of one rank. Built before its side; ``start_control`` opens the control
     socket once the side has registered its message handlers."""
@@ -58,7 +65,7 @@ class Core:
         self.trust = Trust(self.secret)
         self.lock = TimedLock(SLOW_S)
         """Guards the side's tables and the counters (timed: ``timed_lock.py``)."""
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters = Counts()
         self.timeline = Timeline()
         self.handlers: dict[type, Handler] = {}
         self._logged: dict[str, float] = {}

@@ -262,11 +262,17 @@ class Endpoint:
                 self._bootstrap.deregister(self.endpoint_id)
             except PdxferError as e:
                 log.info("deregister from bootstrap failed: %s", e)
-        side = self.prefill or self.decode
+        why = f"{self.config.role} endpoint closing"
+        sender, receiver = self.prefill, self.decode
         with self.core.lock:
-            active = [st for st in side.rooms.values() if not st.state.terminal] if side else []
-        for st in active:
-            side.fail(st, Aborted(f"room {st.room}: {self.config.role} endpoint closing"))
+            sends = [s for s in sender.rooms.values() if not s.state.terminal] if sender else []
+            recvs = [r for r in receiver.rooms.values() if not r.state.terminal] if receiver else []
+        for s in sends:
+            assert sender is not None
+            sender.fail(s, Aborted(f"room {s.room}: {why}"))
+        for r in recvs:
+            assert receiver is not None
+            receiver.fail(r, Aborted(f"room {r.room}: {why}"))
         if self.decode is not None:
             self.decode.close()
         if self.prefill is not None:

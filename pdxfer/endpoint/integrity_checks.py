@@ -23,6 +23,8 @@ from .. import wire
 from ..errors import IntegrityError, PdxferError
 from ..faults import Faults, damage, faults
 from ..plan import topology as T
+from ..plan.pieces import spans as piece_spans
+from ..plan.pieces import written_ranges
 from ..pools import PoolSpec
 from .connect import PrefillPeer
 from .receiver_rooms import RecvRoom
@@ -221,12 +223,14 @@ class IntegrityChecks:
                 slot = st.slots.get(d.pool)
                 if slot is None:
                     return f"digest for slot pool {d.pool!r} this request did not name"
+                r = written_ranges(theirs, pool, st.pieces.get(peer.endpoint_id, {}).get(d.pool))
                 got = I.slot_digests(
                     pool,
                     slot,
                     mode,
                     idx,  # type: ignore[arg-type]
                     portable=I.portable(pool, theirs),
+                    spans=None if r is None else piece_spans(pool, r),
                 )
             else:
                 pages = st.dst.get(pool.indices_from or d.pool)

@@ -330,6 +330,7 @@ class DecodeSide:
             st.leases = {p.endpoint_id: ls for p, ls in zip(peers, leases) if ls}
             st.skips = {p.endpoint_id: tuple(a.skip) for p, a in zip(peers, plan)}
             st.heads = {p.endpoint_id: dict(a.heads) for p, a in zip(peers, plan) if a.heads}
+            st.pieces = {p.endpoint_id: dict(a.pieces) for p, a in zip(peers, plan) if a.pieces}
             st.integrity = self.integrity
             st.nonce = random.getrandbits(63)
             st.targets = [p for p, a in zip(peers, plan) if not a.silent]
@@ -359,6 +360,7 @@ class DecodeSide:
                     msgspec.structs.replace(
                         req,
                         heads=a.heads,
+                        pieces=a.pieces,
                         skip=a.skip,
                         silent=a.silent,
                         stage={

@@ -60,6 +60,9 @@ class RecvRoom:
     """Senders asked a second time after a digest mismatch."""
     heads: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     """Per sender, the global heads it writes of each head-sliced pool (fault injection)."""
+    pieces: dict[str, dict[str, tuple[tuple[int, int], ...]]] = field(default_factory=dict)
+    """Per sender, the units it writes of each piece of a sliced state slot (``plan/pieces``;
+    absent: every unit it shares with this rank), which its slot digests cover."""
     prepared: dict[tuple[str, str, int, int, int, int], I.Prepared] = field(default_factory=dict)
     """Sampled checks planned when the request went out, by (sender, pool, start, end, lo,
     hi): the digest a one-chunk sender reports for each pool (``IntegrityChecks.prepare``)."""

@@ -15,6 +15,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -327,7 +328,7 @@ class PrefillSide:
             log.info("room %d failed: %s", st.room, err)
             self.tombstones.ended(st.room, f"already failed on prefill: {err}")
             for t in st.targets:
-                self.ep.workers.submit(st.room, lambda t=t: self.writer.finish(st, t, False, err))
+                self.ep.workers.submit(st.room, partial(self.writer.finish, st, t, False, err))
             if not st.targets:
                 self.rooms.pop(st.room, None)
 
@@ -443,6 +444,7 @@ class PrefillSide:
                     peer.sess,
                 )
                 return
+            assert st is not None  # a target is one of the room's
             target.aborted = True
             if st.state == KVPoll.Success and not target.finished:
                 # a repair of a room that succeeded: stop that one target once its writes
@@ -654,7 +656,7 @@ def _pair(x: tuple[int, int] | None, what: str, room: int) -> tuple[int, int] | 
     if x is None:
         return None
     try:
-        a, b = (int(v) for v in x)  # type: ignore[union-attr]
+        a, b = (int(v) for v in x)
     except (TypeError, ValueError) as e:
         raise PlanError(f"room {room}: {what} must be two integers, got {x!r}") from e
     return a, b

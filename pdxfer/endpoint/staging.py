@@ -73,13 +73,15 @@ class Staging:
     def __init__(self, nbytes: int, location: str = "cpu") -> None:
         self.location = location
         if location == "cpu":
-            self.buf: object = np.empty(nbytes, dtype=np.uint8)
-            self.addr = int(self.buf.ctypes.data)  # type: ignore[attr-defined]
+            host = np.empty(nbytes, dtype=np.uint8)
+            self.buf: object = host
+            self.addr = int(host.ctypes.data)
         else:  # a device (``cuda:N``): the pack staging of device pools (``pack.py``)
             import torch
 
-            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=location)
-            self.addr = int(self.buf.data_ptr())  # type: ignore[attr-defined]
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=location)
+            self.buf = dev
+            self.addr = int(dev.data_ptr())
         self.nbytes = nbytes
         self._free: list[tuple[int, int]] = [(0, nbytes)]
         self._lock = threading.Lock()

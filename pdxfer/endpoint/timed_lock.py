@@ -38,7 +38,7 @@ class TimedLock:
 
     def owned(self) -> bool:
         """Whether the calling thread holds this lock."""
-        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]  # RLock's, not in stubs
 
     def waited(self) -> float:
         """Seconds the calling thread has waited for this lock so far (all its waits)."""

@@ -24,6 +24,8 @@ from ..config import knobs
 from ..errors import PdxferError, PlanError, TransportError
 from ..plan import chunk as C
 from ..plan.pack import Pack
+from ..plan.pieces import spans as piece_spans
+from ..plan.pieces import written_ranges
 from ..transport.base import Started
 from .handles import KVPoll
 from .pack import Packer, staging_for
@@ -234,7 +236,14 @@ class Writer:
                     or not (I.supported(pr.src.location) and I.supported(pr.dst.location))
                 ):
                     continue
-                vals = I.slot_digests(pr.src, int(sslot), mode, portable=I.portable(pr.src, pr.dst))
+                r = written_ranges(pr.src, pr.dst, t.req.pieces.get(name))
+                vals = I.slot_digests(
+                    pr.src,
+                    int(sslot),
+                    mode,
+                    portable=I.portable(pr.src, pr.dst),
+                    spans=None if r is None else piece_spans(pr.src, r),
+                )
                 t.digests.append(wire.Digest(name, 0, 0, 0, 0, tuple(vals)))
                 n += len(vals)
                 nb += vals.nbytes

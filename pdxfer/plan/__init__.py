@@ -1,7 +1,7 @@
 """Pure address math: which bytes go where. No process, no transport, no threads.
 
 Reading order: ``paged`` (blocks, runs, page-size mapping, bounds) -> ``heads`` (head slices
-and the staged layout) -> ``topology`` (which prefill rank a decode rank asks) -> ``chunk``
+and the staged layout) and ``pieces`` (state slots split over TP) -> ``topology`` (which prefill rank a decode rank asks) -> ``chunk``
 (one chunk's plan for one decode peer, TransferRequest validation, and the per-layer token
 order a partial-layer ``send()`` must keep: ``claim``).
 Imports only ``pools``, ``errors``, ``config`` and numpy.

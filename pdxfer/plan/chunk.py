@@ -16,6 +16,7 @@ from ..pools import PoolSpec
 from .heads import STAGING_POOL, head_range_error, lease_error, plan_head_slice, plan_staged
 from .pack import PACK_POOL, Pack, pack_error, plan_pack
 from .paged import Blocks, BufferPairing, check_bounds, plan_paged, plan_slots
+from .pieces import plan_pieces, ranges_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,7 @@ class Ask:
     heads: Mapping[str, tuple[int, int]] | None = None
     stage: Mapping[str, int] | None = None
     pack: Mapping[str, int] | None = None
+    pieces: Mapping[str, tuple[tuple[int, int], ...]] | None = None
 
 
 def ask_of(req: Any, dst: Mapping[str, np.ndarray]) -> Ask:
@@ -45,6 +47,7 @@ def ask_of(req: Any, dst: Mapping[str, np.ndarray]) -> Ask:
         req.heads,
         req.stage,
         req.pack,
+        req.pieces,
     )
 
 
@@ -103,6 +106,15 @@ def check_ask(
                 f"room {ask.room}: destination slot {slot} out of range "
                 f"[0, {q.num_items}) for pool {name!r}"
             )
+    for name, ranges in (ask.pieces or {}).items():
+        pr = pairings.get(name)
+        why = (
+            f"pool {name!r} unknown"
+            if pr is None or name not in ask.slots
+            else ranges_error(pr.src, pr.dst, ranges)
+        )
+        if why:
+            return f"room {ask.room}: {why}"
     return ""
 
 
@@ -416,7 +428,10 @@ def plan_chunk(
             sslot = slots.get(name)
             if sslot is None:
                 return f"room {ask.room}: last send() gave no slot for pool {name!r}"
-            b = plan_slots(pairing, int(sslot), dslot)
+            if pairing.src.sharding.kind == "pieces":
+                b = plan_pieces(pairing, int(sslot), dslot, (ask.pieces or {}).get(name))
+            else:
+                b = plan_slots(pairing, int(sslot), dslot)
             if isinstance(b, str):
                 return f"room {ask.room}: {b}"
             parts.append(b)

@@ -9,8 +9,9 @@ Planned once per (prefill instance route, decode rank) from TP sizes and the poo
   the routed DP group is asked the same way.
 - Assignment, per stage: a head-sharded pool's heads are split over the asked ranks, each head
   written by the first rank (lowest TP rank) that holds it, so GQA replication never writes a
-  head twice; a replicated pool (MLA latent, sidecar, slots) is written by the first asked rank
-  that holds it. A rank left with nothing to write is told so (``silent``) and the decode does
+  head twice; so are the units of each piece of a state slot split into pieces (``pieces.py``);
+  a replicated pool (MLA latent, sidecar, slots) is written by the first asked rank that
+  holds it. A rank left with nothing to write is told so (``silent``) and the decode does
   not wait for it.
 """
 
@@ -19,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..pools import PoolSpec
+from ..pools import PoolSpec, piece_key
+from .pieces import held, same_pieces
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,9 @@ class Assignment:
     """Pools it holds but must not write (another rank writes them)."""
     silent: bool = False
     """It writes nothing at all: it still gets the request, but needs not answer."""
+    pieces: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    """Slot pool split into pieces -> the global units of each piece it writes (``lo == hi``:
+    none), when not every unit it holds of a slot laid out as the decode's."""
 
 
 def contacts(prefill_tp: int, decode_tp: int, decode_rank: int) -> list[int] | str:
@@ -71,6 +76,7 @@ def assign(
     out: dict[int, tuple[dict[str, tuple[int, int]], list[str]]] = {
         i: ({}, []) for i in range(len(peers))
     }
+    cut: dict[int, dict[str, tuple[tuple[int, int], ...]]] = {i: {} for i in range(len(peers))}
     stages: dict[int, list[int]] = {}
     for i, (pp, _) in enumerate(peers):
         stages.setdefault(pp, []).append(i)
@@ -102,6 +108,15 @@ def assign(
                         f"pool {name!r}: no asked prefill rank of stage {pp} holds decode "
                         f"heads [{cur}, {hi})"
                     )
+            elif d.kind == "slot" and d.sharding.kind == "pieces":
+                got = _split_pieces(name, d, [(i, peers[i][1][name]) for i in holders], pp)
+                if isinstance(got, str):
+                    return got
+                for i, r in got.items():
+                    if r is None:
+                        out[i][1].append(name)
+                    elif r != held(peers[i][1][name]) or not same_pieces(peers[i][1][name], d):
+                        cut[i][name] = r
             else:
                 for i in holders[1:]:
                     out[i][1].append(name)
@@ -109,5 +124,39 @@ def assign(
     for i, (_, pools) in enumerate(peers):
         heads, skip = out[i]
         writes = [n for n, p in pools.items() if p.item_bytes and n in mine and n not in skip]
-        res.append(Assignment(i, heads, tuple(sorted(skip)), silent=not writes))
+        res.append(Assignment(i, heads, tuple(sorted(skip)), silent=not writes, pieces=cut[i]))
     return res
+
+
+def _split_pieces(
+    name: str, d: PoolSpec, holders: list[tuple[int, PoolSpec]], pp: int
+) -> dict[int, tuple[tuple[int, int], ...] | None] | str:
+    """Per holder (in TP order), the units of each piece of the decode's slot it writes, each
+    unit by the first holder that has it (None: it writes none); or why some go unheld."""
+    want = held(d)
+    cur = [lo for lo, _ in want]
+    got: dict[int, list[tuple[int, int]]] = {}
+    for i, s in holders:
+        if piece_key(s) != piece_key(d):
+            return f"pool {name!r}: stage {pp} prefill pieces {piece_key(s)} differ from decode's"
+        mine: list[tuple[int, int]] = []
+        for k, ((s_lo, s_hi), (_, hi)) in enumerate(zip(held(s), want)):
+            a, b = max(cur[k], s_lo), min(hi, s_hi)
+            if a > cur[k] and b > a:
+                return (
+                    f"pool {name!r}: stage {pp} leaves piece {k} units [{cur[k]}, {a}) "
+                    f"unheld by any asked prefill rank"
+                )
+            if b > a:
+                mine.append((a, b))
+                cur[k] = b
+            else:
+                mine.append((0, 0))
+        got[i] = mine
+    for k, ((_, hi), c) in enumerate(zip(want, cur)):
+        if c < hi:
+            return (
+                f"pool {name!r}: no asked prefill rank of stage {pp} holds piece {k} "
+                f"units [{c}, {hi})"
+            )
+    return {i: (tuple(r) if any(b > a for a, b in r) else None) for i, r in got.items()}

@@ -123,7 +123,7 @@ class EventPublisher:
         topic: str = "",
         buffer: int = 10_000,
     ) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(endpoint)

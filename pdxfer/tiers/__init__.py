@@ -5,6 +5,8 @@ either a plain ``KVReceiver`` or a ``RestoringReceiver`` (prefix from L1/L2/L3, 
 the network), and calls ``write_back`` when a request finishes.
 """
 
+from typing import TYPE_CHECKING
+
 from .cache import Match, TieredCache
 from .errors import CapacityError, RestoreFailed, StorageError
 from .host import HostCache
@@ -12,6 +14,10 @@ from .keys import page_keys, pool_key
 from .observer import CacheObserver
 from .restore import RestoreState, RestoringReceiver
 from .storage import FileStorage, StorageBackend, prefix_hits
+
+if TYPE_CHECKING:  # at run time ``__getattr__`` imports them on first use
+    from .mooncake_store import MooncakeMaster as MooncakeMaster
+    from .mooncake_store import MooncakeStoreStorage as MooncakeStoreStorage
 
 
 def __getattr__(name: str) -> object:

@@ -270,11 +270,11 @@ class TieredCache:
             self.l1_copy_seconds += span.seconds
             self.l1_copy_bytes += span.nbytes
         entries = m.l2 + l3[:good3]
-        f = faults()
-        if tag is not None and f.page_faults and entries:
-            kind = f.page_fault(tag, "restore")
+        fl = faults()
+        if tag is not None and fl.page_faults and entries:
+            kind = fl.page_fault(tag, "restore")
             if kind is not None:
-                self._damage(kind, len(entries), dst, f)
+                self._damage(kind, len(entries), dst, fl)
         return self._verify_l1(entries, dst) if entries else 0
 
     def _load_l3(
@@ -431,9 +431,9 @@ class TieredCache:
         self._count("l3_gets", len(keys))
         self._count("l3_get_misses", got.count(False))
         ok = [all(got[i * n : (i + 1) * n]) for i in range(len(batch))]
-        for i, e in enumerate(batch):
+        for i, entry in enumerate(batch):
             if ok[i] and self.verify:
-                ok[i] = self._check_sealed(e, sealed[i * n : (i + 1) * n])
+                ok[i] = self._check_sealed(entry, sealed[i * n : (i + 1) * n])
         return ok
 
     def _check_sealed(self, e: Entry, sealed: Sequence[int]) -> bool:
@@ -496,17 +496,17 @@ class TieredCache:
             for pool in self.data_pools if new else []:
                 hp = self.host.pools[pool]
                 l1 = arrays[self.anchor[pool]][idx]
-                self.copier.to_host(pool, l1, hp, np.array([e.pages[pool] for e in new]))
+                self.copier.to_host(pool, l1, hp, np.array([ent.pages[pool] for ent in new]))
         except Exception:
             self.host.discard(new)  # bad page indices: nothing half-written stays indexed
             raise
-        for e in new:
-            self._record(e)
-        f = faults()
-        if new and f.page_faults:
-            kind = f.page_fault(-1, "writeback")
+        for ent in new:
+            self._record(ent)
+        fl = faults()
+        if new and fl.page_faults:
+            kind = fl.page_fault(-1, "writeback")
             if kind is not None:
-                self._damage_l2(kind, new, f)
+                self._damage_l2(kind, new, fl)
         self.host.pin(new)
         self.host.commit(new)
         self._count("l2_writebacks", len(new))

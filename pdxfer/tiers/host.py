@@ -221,10 +221,11 @@ class HostCache:
         exactly one entry, in every pool."""
         with self.lock:
             for name, hp in self.pools.items():
-                owned = [e.pages.get(name) for e in self.entries.values()]
-                if any(p is None for p in owned):
+                got = [e.pages.get(name) for e in self.entries.values()]
+                owned = [p for p in got if p is not None]
+                if len(owned) != len(got):
                     return f"pool {name!r}: an entry has no page"
-                allp = sorted([*owned, *hp.free])  # type: ignore[list-item]
+                allp = sorted([*owned, *hp.free])
                 if allp != list(range(hp.capacity)):
                     return (
                         f"pool {name!r}: {len(owned)} owned + {len(hp.free)} free pages do "

@@ -258,14 +258,17 @@ class FileStorage:
         it is still in cache."""
         fd = self._open(key)
         if fd is None:
-            return self._miss(key, "absent")
+            self._miss(key, "absent")
+            return None
         try:
             head = os.pread(fd, _HEAD.size, 0)
             if len(head) != _HEAD.size:
-                return self._miss(key, "short header")
+                self._miss(key, "short header")
+                return None
             magic, n, digest = _HEAD.unpack(head)
             if magic != _MAGIC or n != size:
-                return self._miss(key, f"header says {n} bytes, want {size}")
+                self._miss(key, f"header says {n} bytes, want {size}")
+                return None
             dst = _buf(addr, size)
             h = self.sealer.hasher(key, digest)
             got = 0
@@ -278,19 +281,21 @@ class FileStorage:
                 got += k
             tag = os.pread(fd, TAG_BYTES + 1, _HEAD.size + size)
         except OSError as e:
-            return self._miss(key, str(e))
+            self._miss(key, str(e))
+            return None
         finally:
             os.close(fd)
         if got != size or len(tag) != TAG_BYTES:
-            return self._miss(key, f"torn: {got} of {size} bytes")
+            self._miss(key, f"torn: {got} of {size} bytes")
+            return None
         if not self.sealer.same(tag, h.digest(TAG_BYTES)):
-            return self._miss(key, "tag mismatch (corrupt, another key's object, or forged)")
+            self._miss(key, "tag mismatch (corrupt, another key's object, or forged)")
+            return None
         return digest
 
     def _miss(self, key: str, why: str) -> None:
         self.misses += 1
         log.info("L3 file %s is a miss: %s", key, why)
-        return None
 
     def put_from(
         self,

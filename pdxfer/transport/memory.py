@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import TransportError
-from .base import FindsPeersBySession, TransportStats
+from .base import FindsPeersBySession, Started, TransportStats
 from .pacing import Credits
 
 _ids = itertools.count(1)
@@ -221,7 +221,8 @@ class MemoryTransport(FindsPeersBySession):
         self._batch(peer, list(src), list(dst), list(nbytes), None)
         return _Started(peer, len(src), sum(nbytes), t0)
 
-    def finish(self, peer: str, started: _Started) -> None:  # type: ignore[override]
+    def finish(self, peer: str, started: Started) -> None:
+        assert isinstance(started, _Started), started
         return None
 
     # -- failed writes still on their way (``Faults.strand_s``) -------------------------------

@@ -28,7 +28,7 @@ from ..config import knobs, mooncake_env_defaults
 from ..errors import ConfigError, TransportError, TransportUnavailable
 from ..faults import faults
 from . import nvlink, tcpstate
-from .base import FindsPeersBySession, TransportStats
+from .base import FindsPeersBySession, Started, TransportStats
 from .pacing import Credits, RateEstimate
 
 log = logging.getLogger(__name__)
@@ -399,10 +399,12 @@ class MooncakeTransport(FindsPeersBySession):
             raise
         return b
 
-    def finish(self, peer: str, b: _Batch) -> None:  # type: ignore[override]
+    def finish(self, peer: str, started: Started) -> None:
         """Wait for a write begun by ``start`` (blocking: call it off the engine loop); retry
         it once if it failed, then raise ``TransportError``. A write with nothing else in
         flight to its peer is awaited without a pacing sleep (see the module notes)."""
+        b = started
+        assert isinstance(b, _Batch), b
         credits, rate = self._peer_state(peer)
         error = self._await(peer, b, credits, rate, pace=b.ahead > b.total)
         if error:

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -35,7 +35,7 @@ import numpy as np
 from ..config import knobs, nixl_env_defaults
 from ..errors import ConfigError, PeerLost, TransportError, TransportUnavailable
 from ..faults import faults
-from .base import FinalFailures, TransportStats
+from .base import FinalFailures, Started, TransportStats
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _agent(nixl: Any, name: str, backends: tuple[str, ...], threads: int) -> Any
     base = api.nixlBind.nixlAgentConfig
     tick = knobs().nixl_tick_us
 
-    class _Config(base):  # type: ignore[misc, valid-type]
+    class _Config(base):  # type: ignore[misc, valid-type]  # a base class known at run time
         def __setattr__(self, key: str, value: Any) -> None:
             super().__setattr__(key, tick if key == "pthrDelay" else value)
 
@@ -263,7 +263,7 @@ class _Layout:
     list: region ``r``'s page ``i`` is descriptor ``first[r] + i``. Regions are
     ``(addr, nbytes, item_bytes[, device])``."""
 
-    def __init__(self, regions: list[tuple[int, ...]], mem: str = "DRAM") -> None:
+    def __init__(self, regions: Sequence[tuple[int, ...]], mem: str = "DRAM") -> None:
         regs = sorted(
             (r[0], r[1], r[2], r[3] if len(r) > 3 else 0)
             for r in regions
@@ -699,7 +699,8 @@ class NixlTransport(FinalFailures):
             poster = self._poster
         return _Pending(poster.submit(self._post, peer, src, dst, nbytes), time.perf_counter())
 
-    def finish(self, peer: str, started: _Pending) -> None:  # type: ignore[override]
+    def finish(self, peer: str, started: Started) -> None:
+        assert isinstance(started, _Pending), started
         x = started.fut.result()  # a failed post raises its TransportError here
         self._wait(peer, x, time.monotonic() + self.timeout_s)
 

@@ -10,6 +10,7 @@ link is cut mid-request, and a prefill's host dies and comes back.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -200,8 +201,10 @@ def _hold_writes(c: Cluster, seconds: float) -> None:
     c.start_prefill(p0.port, i=0, env={"PDXFER_FAULTS": f"delay_write={seconds}"})
 
 
-def _slow_requests(c: Cluster, n: int) -> tuple[list[str], Any]:
-    prompts = [f"slow request {i}: " + "z" * 900 for i in range(n)]
+def _slow_requests(c: Cluster, n: int, tag: str) -> tuple[list[str], Any]:
+    """Prompts no prefill has seen (``tag`` names the test): a KV-aware router would send
+    prompts one prefill holds to that one, not to the prefill whose writes are held."""
+    prompts = [f"slow request {tag} {i}: " + "z" * 900 for i in range(n)]
     pool = ThreadPoolExecutor(n)
     futs = [
         pool.submit(c.complete, {"prompt": p, "max_tokens": 4, "temperature": 0}, 120)
@@ -243,11 +246,13 @@ def _answered(prompts: list[str], results: list[tuple[int, Any]]) -> int:
 
 def _served_by(c: Cluster, url: str, within_s: float = 30.0) -> float:
     """Requests (nobody asks the router's ``/health`` meanwhile) until the prefill at ``url``
-    serves one, each answer right; returns how long that took."""
+    serves one, each answer right; returns how long that took. Each prompt opens with
+    tokens of its own: a KV-aware router sends a prompt whose first page a prefill holds to
+    that prefill, and would never try the one that came back."""
     t0 = time.monotonic()
     i = 0
     while True:
-        p = f"after the trouble, request {i}"
+        p = f"{uuid.uuid4().hex} after the trouble, request {i}"
         status, body = c.complete({"prompt": p, "max_tokens": 5, "temperature": 0})
         assert status == 200, body
         assert body["pdxfer"]["token_ids"] == greedy(p, 5)
@@ -279,7 +284,7 @@ def test_prefill_link_cut_mid_request_router_retries_on_the_other_pair(
     p0 = cluster.prefills[0]
     assert p0 is not None
     retries = cluster.metrics("router").get("pdxfer_router_retries", 0)
-    prompts, futs = _slow_requests(cluster, 8)
+    prompts, futs = _slow_requests(cluster, 8, "cut")
     _wait_inflight(cluster, "prefill")
     net["p0"].cut()
     try:
@@ -307,7 +312,7 @@ def test_prefill_host_dies_new_requests_go_to_the_other_then_it_returns(
     assert p0 is not None and p1 is not None
     port = p0.port
     deadlines = _deadline_failures(cluster)
-    prompts, futs = _slow_requests(cluster, 8)
+    prompts, futs = _slow_requests(cluster, 8, "killed")
     _wait_inflight(cluster, "prefill")
     killed = net["p0"].kill_all()
     assert p0.pid in killed and net["p0"].pids() == []

@@ -183,6 +183,66 @@ def test_host_destination_lands_that_request_in_the_host_buffers(procs: Procs) -
     )
 
 
+# -- a Mamba state across TP sizes (SGLang's MambaPool) ---------------------------------------
+
+STATE_ROOMS = [
+    {"room": 701, "n": 9},
+    {"room": 702, "n": 30},
+    {"room": 703, "n": 50},
+]
+
+
+def run_state(procs: Procs, prefill_tp: int, decode_tp: int) -> dict:
+    """``pd_state``: prefill ranks of one attention TP size serve ``STATE_ROOMS`` to decode
+    ranks of another (the three processes take whichever ranks the config needs)."""
+    conf = {
+        "port": free_port(),
+        "page_size": 4,
+        "pages": 64,
+        "heads": 2,
+        "rooms": STATE_ROOMS,
+        "prefill_tp": prefill_tp,
+        "decode_tp": decode_tp,
+    }
+    pre = [procs.prefill, procs.prefill1][:prefill_tp]
+    dec = [procs.decode, procs.prefill1][:decode_tp]
+    started: list[int] = []
+    got: list[dict] = []
+    try:
+        for r, p in enumerate(pre):
+            p.call("pd_state.prefill_start", cfg=conf, tp_rank=r)
+            started.append(r)
+        for r, d in enumerate(dec):
+            d.submit("pd_state.decode", cfg=conf, tp_rank=r)
+        got = [d.result(240) for d in dec]
+    finally:
+        outs = [
+            pre[r].call("pd_state.prefill_finish", cfg=conf, tp_rank=r, wait_s=120) for r in started
+        ]
+    return {"decode": got, "prefill": outs}
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_gdn_state_lands_byte_exact_across_attention_tp_sizes(
+    procs: Procs, prefill_tp: int, decode_tp: int
+) -> None:
+    r = run_state(procs, prefill_tp, decode_tp)
+    assert len(r["decode"]) == decode_tp and len(r["prefill"]) == prefill_tp
+    for d in r["decode"]:
+        # SGLang's KVArgs describe the conv state's Q, K, V: each tensor is split into pieces
+        assert d["pieces"] and set(d["pieces"].values()) == {"pieces"}, d["pieces"]
+        for i, room in d["rooms"].items():
+            assert room["state"] == 4, (d["rank"], i, room)
+            assert room["bad_state"] == 0 and room["bad_kv"] == 0, (d["rank"], i, room)
+            # each byte of this rank's share once, from whichever prefill rank holds it
+            assert room["bytes"] == room["one_copy"], (d["rank"], i, room)
+        assert d["untouched_bad"] == 0
+        assert d["released"]
+    for p in r["prefill"]:
+        assert set(p["states"].values()) == {4}, p
+        assert p["released"]
+
+
 # -- sliding window (SGLang's SWAKVPool) -----------------------------------------------------
 
 WINDOW = 12

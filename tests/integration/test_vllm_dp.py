@@ -41,7 +41,13 @@ from .vllm_helpers import MAX_TOKENS, client, complete, text, wait
 pytestmark = pytest.mark.timeout(900)
 
 DP = ["--data-parallel-size", "2", "--api-server-count", "1"]
-DEADLINE_S = 60.0
+DEADLINE_S = 180.0
+"""The pairs' bootstrap and transfer deadlines: past the longest stall seen on this shared
+2-core machine (a DP-2 prefill's worker processes ran no code for 106 s, both ranks at once,
+while six engine processes and other work shared the cores); a load failed at its deadline
+would be retried on another rank pair, which this module's rank counts do not expect."""
+CLIENT_S = 2 * DEADLINE_S + 60
+"""The client's and the routers' deadline for one request: a deadline failure and a retry."""
 BS = 32
 START_S = 900.0
 """Only ends a hang: a DP-2 server is six processes, each importing vLLM (vLLM spawns
@@ -118,7 +124,7 @@ class Cluster:
             "--port",
             "0",
             "--timeout",
-            "240",
+            str(CLIENT_S),
             "--expose-cache-stats",
             "--prefill",
             f"{self.servers[prefill].url},{self.boot.address},{prefill}",
@@ -159,7 +165,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def served(url: str, prompt: str | list[int]) -> tuple[list[int], dict[str, Any]]:
     """One completion through a router: its token ids and the router's record of it."""
-    r = client(url).completions.create(
+    r = client(url, timeout=CLIENT_S).completions.create(
         model="llama",
         prompt=prompt,
         max_tokens=MAX_TOKENS,

@@ -65,9 +65,7 @@ from .vllm_helpers import (
 pytestmark = pytest.mark.timeout(900)
 
 SERVED = ("gemma3", "mistral_swa", "nemotron_h", "deepseek_v2", "qwen3_next", "gpt_oss", "llama4")
-"""The families this module serves (``benchmarks/models.py`` tries every one). Left out:
-gpt-oss, whose decode dies in vLLM's CPU attention kernel (illegal instruction) on its first
-loaded request, with NixlConnector too (docs/vllm.md, model families)."""
+"""The families this module serves (``benchmarks/models.py`` tries every one)."""
 BS = 32
 MAX_LEN = 4096
 LONG = 3000

@@ -50,7 +50,7 @@ def test_each_leg_goes_to_the_worker_whose_events_show_the_longest_prefix() -> N
     _holds(kv, P0, 1)
     _holds(kv, D0, 6)
     for _ in range(3):  # the choice is stable, not a round robin in disguise
-        pf, dc, pf_held, dc_held = r.pick(PROMPT, set(), set())
+        pf, dc, pf_held, dc_held = r.pairing.pick(PROMPT, set(), set())
         assert (pf.url, dc.url, pf_held, dc_held) == (P1, D0, 64, 96)
 
 
@@ -58,7 +58,7 @@ def test_a_holder_loaded_enough_loses_to_an_idle_worker() -> None:
     r, kv = _router()
     _holds(kv, P1, 1)
     r.prefills[1].outstanding, r.prefills[1].pending = 3, 300
-    assert r.pick(PROMPT, set(), set())[0].url == P0
+    assert r.pairing.pick(PROMPT, set(), set())[0].url == P0
 
 
 def test_a_holder_whose_requests_are_past_their_prefill_keeps_the_follow_up() -> None:
@@ -68,7 +68,7 @@ def test_a_holder_whose_requests_are_past_their_prefill_keeps_the_follow_up() ->
     r, kv = _router()
     _holds(kv, P1, 5)
     r.prefills[1].outstanding = 2  # both decoding: nothing pending
-    pf, _, pf_held, _ = r.pick(PROMPT, set(), set())
+    pf, _, pf_held, _ = r.pairing.pick(PROMPT, set(), set())
     assert (pf.url, pf_held) == (P1, 80)
 
 
@@ -78,14 +78,14 @@ def test_a_holder_whose_queued_cached_turns_are_short_keeps_the_follow_up() -> N
     r, kv = _router()
     _holds(kv, P1, 5)
     r.prefills[1].outstanding, r.prefills[1].pending = 2, 2 * 20
-    assert r.pick(PROMPT, set(), set())[0].url == P1
+    assert r.pairing.pick(PROMPT, set(), set())[0].url == P1
 
 
 def test_a_holder_with_more_prefill_queued_than_it_saves_loses() -> None:
     r, kv = _router()
     _holds(kv, P1, 5)
     r.prefills[1].outstanding, r.prefills[1].pending = 1, 100
-    assert r.pick(PROMPT, set(), set())[0].url == P0
+    assert r.pairing.pick(PROMPT, set(), set())[0].url == P0
 
 
 class _Stream(ToyBackend):
@@ -107,13 +107,12 @@ class _Stream(ToyBackend):
 def test_a_prefill_counts_what_it_computes_from_choice_to_first_token() -> None:
     r, kv = _router()
     _holds(kv, P1, 5)
-    be = r.backend = _Stream()
-    r._http = object()  # type: ignore[assignment]  # the stub backend makes no calls
+    be = r.dispatch.backend = _Stream()
     ask = oa.Ask(chat=False, prompts=[PROMPT], prompt_texts=[""], max_tokens=2)
 
     async def main() -> list[int]:
         seen = []
-        c = asyncio.ensure_future(r._choice(ask, PROMPT, 0, 0, 0.0, None))
+        c = asyncio.ensure_future(r.dispatch.choice(ask, PROMPT, 0, 0, 0.0, None))
         await asyncio.sleep(0)
         seen.append(r.prefills[1].pending)  # chosen (holds 80 of 100): 20 to compute
         be.go.set()
@@ -141,7 +140,7 @@ def test_a_feed_out_of_sync_falls_back_to_the_routers_history(leg: str) -> None:
     _holds(kv, first, 1)
     kv.feeds[second].synced = False  # a replay under way: its index entries are not trusted
     _workers(r, leg)[1].remember(page_keys(PROMPT, BS, ""))  # the router sent it there before
-    picked = r.pick(PROMPT, set(), set())
+    picked = r.pairing.pick(PROMPT, set(), set())
     assert (picked[at].url, picked[2 + at]) == (second, 96)
 
 
@@ -155,7 +154,7 @@ def test_a_gapped_feed_is_not_trusted_for_what_it_said_before(leg: str) -> None:
     _holds(kv, second, 6)
     kv.feeds[second].synced = False
     for _ in range(4):  # nothing known: the two alternate, as round robin would
-        picked = [r.pick(PROMPT, set(), set())[at].url for _ in range(2)]
+        picked = [r.pairing.pick(PROMPT, set(), set())[at].url for _ in range(2)]
         assert sorted(picked) == sorted([first, second]), picked
 
 
@@ -166,7 +165,7 @@ def test_a_dropped_worker_holds_nothing_so_load_decides(leg: str) -> None:
     _holds(kv, second, 6)
     kv.restart(kv.feeds[second], "a gap and no replay endpoint")
     _workers(r, leg)[1].outstanding = 1
-    picked = r.pick(PROMPT, set(), set())
+    picked = r.pairing.pick(PROMPT, set(), set())
     assert (picked[at].url, picked[2 + at]) == (first, 0)
 
 
@@ -195,15 +194,15 @@ def test_auto_routes_by_kv_when_only_the_prefill_leg_has_a_choice() -> None:
     for f in kv.feeds.values():
         kv.on_frame(f, 0, KVEventBatch(0.0, []))
     _holds(kv, P1, 5)
-    assert r.policy == "kv_aware"
+    assert r.pairing.policy == "kv_aware"
     for _ in range(3):
-        pf, dc, pf_held, _ = r.pick(PROMPT, set(), set())
+        pf, dc, pf_held, _ = r.pairing.pick(PROMPT, set(), set())
         assert (pf.url, dc.url, pf_held) == (P1, D0, 80)
 
 
 def test_auto_is_round_robin_for_a_single_pair() -> None:
     r = Router([Prefill(P0, "127.0.0.1:1")], [Decode(D0, page_size=BS)], api_keys={})
-    assert r.policy == "round_robin"
+    assert r.pairing.policy == "round_robin"
 
 
 def test_data_parallel_ranks_are_one_record_each_chosen_by_their_own_events() -> None:
@@ -218,8 +217,8 @@ def test_data_parallel_ranks_are_one_record_each_chosen_by_their_own_events() ->
         kv=kv,
         api_keys={},
     )
-    r._expand_ranks({(P0, "127.0.0.1:1", "p"): ({"status": "ok"}, 2)})
-    r._expand_groups({D0: {"groups": [{"status": "ok"}] * 2}})
+    r.health._expand_ranks({(P0, "127.0.0.1:1", "p"): ({"status": "ok"}, 2)})
+    r.health._expand_groups({D0: {"groups": [{"status": "ok"}] * 2}})
     assert [(p.key, p.dp) for p in r.prefills] == [(f"{P0}#dp0", 0), (f"{P0}#dp1", 1)]
     assert [(d.key, d.dp) for d in r.decodes] == [(f"{D0}#dp0", 0), (f"{D0}#dp1", 1)]
     assert kv.feeds[f"{P0}#dp1"].spec.endpoint == "tcp://127.0.0.1:5558"
@@ -228,9 +227,9 @@ def test_data_parallel_ranks_are_one_record_each_chosen_by_their_own_events() ->
         kv.on_frame(f, 0, KVEventBatch(0.0, []))
     _holds(kv, f"{P0}#dp1", 5)
     _holds(kv, f"{D0}#dp0", 6)
-    pf, dc, pf_held, dc_held = r.pick(PROMPT, set(), set())
+    pf, dc, pf_held, dc_held = r.pairing.pick(PROMPT, set(), set())
     assert (pf.dp, pf_held, dc.dp, dc_held) == (1, 5 * BS, 0, 6 * BS)
-    r._expand_ranks({(P0, "127.0.0.1:1", "p"): ({"status": "ok"}, 2)})  # known: kept
+    r.health._expand_ranks({(P0, "127.0.0.1:1", "p"): ({"status": "ok"}, 2)})  # known: kept
     assert r.prefills[1] is pf
-    r._expand_ranks({(P0, "127.0.0.1:1", "p"): ({"status": "ok"}, 1)})  # back to one rank
+    r.health._expand_ranks({(P0, "127.0.0.1:1", "p"): ({"status": "ok"}, 1)})  # back to one rank
     assert [(p.key, p.dp) for p in r.prefills] == [(P0, None)] and P0 in kv.feeds

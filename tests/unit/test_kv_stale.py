@@ -66,10 +66,10 @@ def _serve(r: Router, leg: str, reported: int | None) -> tuple[str, int]:
     at, stat = LEGS[leg][2], LEGS[leg][3]
     kv = r.kv
     assert kv is not None
-    picked = r.pick(PROMPT, set(), set())
+    picked = r.pairing.pick(PROMPT, set(), set())
     marks = [kv.mark(picked[0].key), kv.mark(picked[1].key)]
     stats = {} if reported is None else {stat: reported}
-    r.judge(
+    r.pairing.judge(
         len(PROMPT),
         stats,
         (picked[0].key, picked[2], marks[0]),
@@ -83,7 +83,7 @@ def _alternates(r: Router, leg: str) -> None:
     for w in (*r.prefills, *r.decodes):
         w.used = 0
     for _ in range(3):  # nothing trusted: the two alternate, as round robin would
-        picked = [r.pick(PROMPT, set(), set())[at].url for _ in range(2)]
+        picked = [r.pairing.pick(PROMPT, set(), set())[at].url for _ in range(2)]
         assert sorted(picked) == sorted([first, second]), picked
 
 
@@ -135,14 +135,14 @@ def test_a_worker_whose_events_never_show_what_it_served_gets_its_feed_suspected
     for _ in range(LIMITS.misses):
         assert _serve(r, leg, 16) == (second, 16)  # it holds what it claimed: no miss here
         clock.t += LIMITS.deadline_s + 0.1
-    r.pick(PROMPT, set(), set())  # the router looks at what is overdue as it routes
+    r.pairing.pick(PROMPT, set(), set())  # the router looks at what is overdue as it routes
     f = kv.feeds[second]
     assert f.counters["unpublished"] == 3 and f.counters["misses"] == 0
     assert not kv.synced(second) and f.counters["stale"] == 1
     _alternates(r, leg)
     # silent, not wrong: what it said stays, credited again once its next frame comes
     assert kv.on_frame(f, f.next_seq, KVEventBatch(0.0, [])) == "apply"
-    picked = r.pick(PROMPT, set(), set())
+    picked = r.pairing.pick(PROMPT, set(), set())
     assert kv.synced(second) and (picked[at].url, picked[2 + at]) == (second, 16)
 
 
@@ -164,7 +164,7 @@ def test_a_worker_that_evicts_what_it_held_while_its_events_flow_stays_trusted(l
             KVEventBatch(0.0, [BlockStored([100 + i], 8, PROMPT[32:48], BS), BlockRemoved([7, 8])]),
         )
         clock.t += LIMITS.deadline_s + 0.1
-        r.pick(PROMPT, set(), set())
+        r.pairing.pick(PROMPT, set(), set())
         _holds(kv, second, 2)  # stored again, as the next request computes them
     assert kv.synced(second) and f.counters["unpublished"] == f.counters["stale"] == 0
 
@@ -178,7 +178,7 @@ def test_a_worker_whose_events_show_what_it_served_in_time_stays_trusted(leg: st
     clock.t += LIMITS.deadline_s - 1
     _holds(kv, second, 6)  # its events follow the serve, within the deadline
     clock.t += 2
-    r.pick(PROMPT, set(), set())
+    r.pairing.pick(PROMPT, set(), set())
     assert kv.synced(second) and kv.feeds[second].counters["unpublished"] == 0
 
 
@@ -186,7 +186,9 @@ def test_a_claim_from_history_is_never_held_against_the_feed() -> None:
     r, kv, clock = _router()
     kv.feeds[P1].synced = False  # a replay under way: history decided
     for _ in range(LIMITS.misses + 1):
-        r.judge(len(PROMPT), {"prefill_reused_tokens": 0}, (P1, 96, None), (D0, 0, kv.mark(D0)))
+        r.pairing.judge(
+            len(PROMPT), {"prefill_reused_tokens": 0}, (P1, 96, None), (D0, 0, kv.mark(D0))
+        )
         clock.t += LIMITS.deadline_s + 1
         r.stale.sweep()  # type: ignore[union-attr]
     assert kv.feeds[P1].counters["misses"] == kv.feeds[P1].counters["stale"] == 0
@@ -201,7 +203,7 @@ def test_a_suspected_feed_is_trusted_again_once_it_resyncs(leg: str) -> None:
     _alternates(r, leg)
     _holds(kv, second, 6)  # its next frame in sequence: in sync again
     assert kv.synced(second)
-    picked = r.pick(PROMPT, set(), set())
+    picked = r.pairing.pick(PROMPT, set(), set())
     assert (picked[at].url, picked[2 + at]) == (second, 96)
 
 

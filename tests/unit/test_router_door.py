@@ -53,14 +53,13 @@ def _router(limit: int, max_held: int = 8, timeout_s: float = 30.0) -> tuple[Rou
         backend=be,
         door=Door(limit, max_held),
     )
-    r._http = object()  # type: ignore[assignment]  # the stub backend makes no calls
     return r, be
 
 
 def _choice(r: Router, n: int) -> asyncio.Future[oa.Choice]:
     ids = list(range(1000, 1000 + n))
     ask = oa.Ask(chat=False, prompts=[ids], prompt_texts=[""], max_tokens=1)
-    return asyncio.ensure_future(r._choice(ask, ids, 0, 0, 0.0, None))
+    return asyncio.ensure_future(r.dispatch.choice(ask, ids, 0, 0, 0.0, None))
 
 
 async def _settle() -> None:

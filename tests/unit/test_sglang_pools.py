@@ -15,6 +15,7 @@ from pdxfer.integrations.sglang.pools import (
     state_slots,
 )
 from pdxfer.integrations.sglang.window import start_page, swa_pages, window_room
+from pdxfer.pools import check_pair
 
 
 def args(**kw: object) -> SimpleNamespace:
@@ -142,3 +143,52 @@ def test_mamba_slot_comes_from_sglangs_state_indices() -> None:
     names = [p.name for p in pools_of(a, is_mla=True, heads=None)]
     assert "state0_mamba.0" in names and "state0_mamba.1" in names
     assert state_slots(a, [[[5]]]) == {"state0_mamba.0": 5, "state0_mamba.1": 5}
+
+
+def gdn_args(tp: int, **kw: object) -> SimpleNamespace:
+    """A GDN state as SGLang's MambaPool describes it at attention TP ``tp``: conv
+    ``[Q|K|V channels, 3]`` (Q, K 8 channels, V 16, bf16) and SSM ``[4 heads, 4, 4]`` fp32,
+    one entry per tensor (of one layer)."""
+    conv = (8 + 8 + 16) // tp
+    items = [conv * 3 * 2, 4 // tp * 16 * 4]
+    return args(
+        state_types=["mamba"],
+        state_data_ptrs=[[9 << 20, 10 << 20]],
+        state_data_lens=[[it * 8 for it in items]],
+        state_item_lens=[items],
+        state_layer_ids=[[5, 5]],
+        state_dim_per_tensor=[[conv, 4 // tp]],
+        state_slice_outer_counts=[[1, 1]],
+        **{"state_conv_shard_groups": [[[8, 8, 16], None]], **kw},
+    )
+
+
+def test_gdn_state_splits_q_k_v_and_heads_as_sglangs_kvargs_say() -> None:
+    pools = {
+        p.name: p for p in pools_of(gdn_args(2), is_mla=True, heads=None, tp_rank=1, tp_size=2)
+    }
+    conv, ssm = pools["state0_mamba.0"], pools["state0_mamba.1"]
+    # rank 1 holds Q [4, 8), K [4, 8), V [8, 16): 6 bytes a channel (3 rows x bf16)
+    assert [
+        (q.offset, q.total, q.first, q.rank_units, q.unit_bytes) for q in conv.sharding.pieces
+    ] == [
+        (0, 8, 4, 4, 6),
+        (24, 8, 4, 4, 6),
+        (48, 16, 8, 8, 6),
+    ]
+    assert [(q.offset, q.total, q.first, q.rank_units) for q in ssm.sharding.pieces] == [
+        (0, 4, 2, 2)
+    ]
+    whole = {p.name: p for p in pools_of(gdn_args(1), is_mla=True, heads=None)}
+    assert check_pair(conv, whole["state0_mamba.0"]) is None  # TP 2 and TP 1 pair
+
+
+def test_a_state_sglang_does_not_describe_in_sub_blocks_moves_whole() -> None:
+    # Mamba2: SGLang names no sub-blocks for its x | B | C conv state, so one contiguous
+    # slice would mix them: the slot moves whole, and another TP size is refused at pairing
+    a = gdn_args(2, state_conv_shard_groups=[[None, None]])
+    b = gdn_args(1, state_conv_shard_groups=[[None, None]])
+    pa = {p.name: p for p in pools_of(a, is_mla=True, heads=None, tp_rank=1, tp_size=2)}
+    pb = {p.name: p for p in pools_of(b, is_mla=True, heads=None)}
+    assert pa["state0_mamba.0"].sharding.kind == "replicated"
+    assert "slot size mismatch" in (check_pair(pa["state0_mamba.0"], pb["state0_mamba.0"]) or "")

@@ -4,12 +4,14 @@ that a cache dtype mismatch is refused when the two sides pair, naming both."""
 from __future__ import annotations
 
 import types
+from dataclasses import replace
 
 import pytest
 
 from pdxfer.endpoint.sender import model_diff
 from pdxfer.integrations.vllm import groups as G
 from pdxfer.integrations.vllm.groups import Group
+from pdxfer.integrations.vllm.state import Sub, TensorSplit
 
 FULL = Group(0, "full", 32, ("model.layers.5.self_attn.attn",))
 SLIDE = Group(1, "window", 32, ("model.layers.0.self_attn.attn",), window=128)
@@ -208,3 +210,16 @@ def test_tiers_keep_full_groups_only_and_none_of_a_model_whose_every_layer_is_lo
     assert G.tiered([FULL]) == (FULL,)
     assert G.tiered([SLIDE]) == () and G.tiered([STATE]) == ()
     assert G.tiered([FULL, CHUNK]) == (FULL,) and G.tiered([CHUNK]) == ()
+
+
+def test_a_per_rank_state_that_moves_whole_pairs_only_with_its_own_tp_size() -> None:
+    # a state of a kind pdxfer cannot split: each rank's page holds that rank's share, so
+    # another TP size is refused at the handshake, naming both, even where vLLM pads both
+    # sides' pages to one size
+    p, d = (f"model=m groups=kv=state:0:4096{G.whole_state_tp([FULL, STATE], tp)}" for tp in (2, 1))
+    assert "state_tp: prefill 2, decode 1" in model_diff(p, d)
+    # a state split into pieces, or the same on every rank, pairs at any TP size
+    split = replace(STATE, split=(TensorSplit(1, 64, 4, (Sub(4, 1, 8),)),))
+    assert G.whole_state_tp([FULL, split], 2) == G.whole_state_tp([FULL, split], 1) == ""
+    assert G.whole_state_tp([FULL, replace(STATE, replicated=True)], 2) == ""
+    assert G.whole_state_tp([FULL, SLIDE], 2) == ""

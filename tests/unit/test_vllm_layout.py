@@ -3,13 +3,16 @@ assumed), the extra config's validation, and the ``kv_transfer_params`` protocol
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from pdxfer import ConfigError
 from pdxfer.integrations.vllm import config as C
 from pdxfer.integrations.vllm import params as P
-from pdxfer.integrations.vllm.layout import describe
+from pdxfer.integrations.vllm.layout import describe, describe_state
+from pdxfer.integrations.vllm.state import splits
 
 L, B, H, N, D = 3, 8, 4, 32, 64
 C2 = 2 * D  # K and V of one head and token
@@ -209,3 +212,73 @@ def test_an_mla_latent_is_one_replicated_pool_that_one_prefill_rank_writes_per_d
         assert contacts(1, 2, d) == [0]
         plan = assign({"kv": pools[1 + d]}, [(0, {"kv": pools[0]})])
         assert not isinstance(plan, str) and not plan[0].silent and plan[0].skip == ()
+
+
+def _mamba_page(nb: int, page: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """One layer's state tensors as vLLM views them: every tensor of a block inside one
+    ``page``-byte page, one after the other (float32)."""
+    raw = torch.zeros(nb * page, dtype=torch.uint8).view(torch.float32)
+    out, off = [], 0
+    for shape in shapes:
+        inner = torch.empty(shape).stride()
+        out.append(torch.as_strided(raw, (nb, *shape), (page // 4, *inner), off // 4))
+        off += math.prod(shape) * 4
+    return out
+
+
+def test_a_mamba2_state_page_is_described_as_tp_sharded_pieces() -> None:
+    # Nemotron-H at TP 2, rank 1: conv (SD) 3 rows of x 256 | B 64 | C 64, SSM 4 heads of
+    # 64 x 64; one B/C group in the model, so both ranks hold it
+    shapes = [(3, 256 + 64 + 64), (4, 64, 64)]
+    split = splits("MAMBA2", shapes, [4, 4], conv_ds=False, tp_size=2, n_groups=1)
+    assert not isinstance(split, str)
+    page = 81920  # padded to the attention page
+    states = {f"model.layers.{i}.mixer": _mamba_page(6, page, shapes) for i in (0, 4)}
+    pool = describe_state(
+        states, name="kv1", num_blocks=6, page_bytes=page, split=split, tp_rank=1, tp_size=2
+    )
+    got = [
+        (p.offset, p.total, p.first, p.rank_units, p.unit_bytes, p.rows)
+        for p in pool.sharding.pieces
+    ]
+    assert got == [
+        (0, 8, 4, 4, 64 * 4, 3),  # x: heads [4, 8) of 8, 64 channels each, in each of 3 rows
+        (256 * 4, 1, 0, 1, 64 * 4, 3),  # B: the one group
+        (320 * 4, 1, 0, 1, 64 * 4, 3),  # C
+        (3 * 384 * 4, 8, 4, 4, 64 * 64 * 4, 1),  # SSM: heads [4, 8)
+    ]
+    assert all(p.row_stride == 384 * 4 for p in pool.sharding.pieces[:3])
+    assert [b.layer_id for b in pool.buffers] == [0, 4] and pool.item_bytes == page
+    # vLLM 0.32 hands the raw page instead, [blocks, 1, 1, state bytes] of int8, its states
+    # back to back from byte 0 (MambaBase.bind_kv_cache): the same pieces
+    content = (3 * 384 + 4 * 64 * 64) * 4
+    raw = torch.zeros(6 * page, dtype=torch.int8)
+    view = torch.as_strided(raw, (6, 1, 1, content), (page, content, content, 1))
+    packed = describe_state(
+        {"model.layers.0.mixer": view},
+        name="kv1",
+        num_blocks=6,
+        page_bytes=page,
+        split=split,
+        tp_rank=1,
+        tp_size=2,
+    )
+    assert packed.sharding == pool.sharding
+    # tensors that are not what the split says: the page moves whole
+    other = describe_state(
+        {"model.layers.0.mixer": _mamba_page(6, page, [(3, 100), (4, 64, 64)])},
+        name="kv1",
+        num_blocks=6,
+        page_bytes=page,
+        split=split,
+        tp_rank=1,
+        tp_size=2,
+    )
+    assert other.sharding.kind == "replicated"
+
+
+def test_mamba2_without_a_group_count_is_not_split_over_tp() -> None:
+    shapes = [(3, 384), (4, 64, 64)]
+    assert "group count" in splits("MAMBA2", shapes, [4, 4], conv_ds=False, tp_size=2)  # type: ignore[operator]
+    assert not isinstance(splits("MAMBA2", shapes, [4, 4], conv_ds=False, tp_size=1), str)
+    assert "state kind" in splits("KDA", shapes, [4, 4], conv_ds=False, tp_size=2)  # type: ignore[operator]

@@ -275,7 +275,12 @@ class PdxferKVManager(CommonKVManager):
                 f"{e.read().decode(errors='replace')}"
             ) from None
         self.pools = pools_of(
-            self.kv_args, is_mla=self.is_mla, heads=self.heads(geometry), location=self._location()
+            self.kv_args,
+            is_mla=self.is_mla,
+            heads=self.heads(geometry),
+            location=self._location(),
+            tp_rank=self.attn_tp_rank,
+            tp_size=self.attn_tp_size,
         )
         self.endpoint = Endpoint(self._config("prefill", found["address"]), self.pools)
 
@@ -337,11 +342,19 @@ class PdxferKVManager(CommonKVManager):
                 heads=heads,
                 location="cpu" if host else self._location(),
                 kv_page_size=page,
+                tp_rank=self.attn_tp_rank,
+                tp_size=self.attn_tp_size,
             )
             host_args = self._host_args()
             if host_args is not None:
                 self.host_pools = pools_of(
-                    host_args, is_mla=self.is_mla, heads=heads, location="cpu", kv_page_size=page
+                    host_args,
+                    is_mla=self.is_mla,
+                    heads=heads,
+                    location="cpu",
+                    kv_page_size=page,
+                    tp_rank=self.attn_tp_rank,
+                    tp_size=self.attn_tp_size,
                 )
             self.endpoint = Endpoint(self._config("decode"), self.pools)
             if host_args is not None:

@@ -23,7 +23,7 @@ def transfer_backend_enum(base: type[enum.Enum]) -> type[enum.Enum]:
     if NAME in members.values():
         return base
     members["PDXFER"] = NAME
-    new = enum.Enum(base.__name__, members)
+    new = enum.Enum(base.__name__, members)  # type: ignore[misc]  # mypy wants a literal name
     new.__module__ = base.__module__
     new.__qualname__ = base.__qualname__
     return new

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdxfer import BufferSpec, ConfigError, PoolSpec, Sharding
+from pdxfer import BufferSpec, ConfigError, Piece, PoolSpec, Sharding
 
 KV, DRAFT, AUX, SWA = "kv", "draft_kv", "aux", "swa"
 DRAFT_LAYER_BASE = 1_000_000
@@ -189,6 +189,8 @@ def pools_of(
     heads: Heads | None,
     location: str = "cpu",
     kv_page_size: int | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> list[PoolSpec]:
     """Every pool of one rank. ``kv_page_size``: tokens per KV item when it is not SGLang's
     ``page_size`` (a decode landing on a host pool of its own page size, as HiSparse does):
@@ -211,7 +213,10 @@ def pools_of(
       with the KV's own page ids (``dsa``, ``qsa_compressed``, ``minimax_dense_kv``,
       ``block_scale``: its prefill and decode both pass ``req_to_token`` pages) are paged pools
       following ``kv``, so they move exactly the KV's token range. Other window-indexed states
-      (SWA rings, DSA tails, the SWA pool's block scales) are refused.
+      (SWA rings, DSA tails, the SWA pool's block scales) are refused. A ``mamba`` state's
+      tensors are split over attention TP (``tp_rank`` of ``tp_size``) into pieces as its
+      ``KVArgs`` describe them (``state_pieces``), so a decode of another TP size takes its
+      share.
     - A decode whose KV buffers hold fewer tokens per item than ``page_size`` (HiSparse: the
       transfer lands in a host pool of its own page size) gets a ``page_remap`` KV pool, mapped
       token by token from any prefill page size.
@@ -258,7 +263,7 @@ def pools_of(
                         num_items=int(n) // int(it),
                     )
                 )
-    pools += _state_pools(args, page_size, location, is_mla, heads)
+    pools += _state_pools(args, page_size, location, is_mla, heads, tp_rank, tp_size)
     return pools
 
 
@@ -301,7 +306,13 @@ def _swa_pool(
 
 
 def _state_pools(
-    args: Any, page_size: int, location: str, is_mla: bool, heads: Heads | None
+    args: Any,
+    page_size: int,
+    location: str,
+    is_mla: bool,
+    heads: Heads | None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> list[PoolSpec]:
     out: list[PoolSpec] = []
     types = list(getattr(args, "state_types", None) or [])
@@ -318,18 +329,24 @@ def _state_pools(
         ids_given = list((getattr(args, "state_layer_ids", None) or [[]] * len(types))[i] or [])
         ids = ids_given if len(ids_given) == len(ptrs) else list(range(len(ptrs)))
         if kind in SLOT_STATES:
+            split = state_pieces(args, i, tp_rank, tp_size) if kind == "mamba" else None
             for j, (p, n, it) in enumerate(zip(ptrs, lens, items)):
                 # tensors of one state may differ in row size (conv vs ssm): one pool each
-                out.append(
-                    PoolSpec(
-                        name=f"{name}.{j}",
-                        kind="slot",
-                        buffers=(BufferSpec(int(p), int(n), int(ids[j]), "row"),),
-                        item_bytes=int(it),
-                        num_items=int(n) // int(it),
-                        location=location,
+                pieces = split[j] if split else ()
+                try:
+                    out.append(
+                        PoolSpec(
+                            name=f"{name}.{j}",
+                            kind="slot",
+                            buffers=(BufferSpec(int(p), int(n), int(ids[j]), "row"),),
+                            item_bytes=int(it),
+                            num_items=int(n) // int(it),
+                            location=location,
+                            sharding=Sharding.sliced(pieces) if pieces else Sharding(),
+                        )
                     )
-                )
+                except (ValueError, ConfigError) as e:
+                    raise ConfigError(f"SGLang state {name}.{j}: {e}") from None
         elif kind in KV_PAGED_STATES:
             for item in sorted(set(items)):
                 sel = [j for j, it in enumerate(items) if it == item]
@@ -355,6 +372,61 @@ def _state_pools(
                 "its own: the pdxfer backend does not move it yet (it moves SGLang's SWA pool, "
                 "state 'swa')"
             )
+    return out
+
+
+def state_pieces(args: Any, i: int, tp_rank: int, tp_size: int) -> list[tuple[Piece, ...]] | None:
+    """How each tensor of ``state_types[i]`` splits over attention TP, from what SGLang's
+    ``KVArgs`` say of it (as its own Mooncake backend reads them): ``state_dim_per_tensor``
+    (the rank's length of the sliced axis; 0: replicated, moved whole), the rows before that
+    axis (``state_slice_outer_counts``), and the conv state's sub-blocks, each split on its
+    own (``state_conv_shard_groups``: GDN's Q, K, V). None (the state moves whole, between
+    equal TP sizes only) when SGLang gives no dims, or no sub-blocks for any tensor: Mamba2's
+    conv state is x | B | C per rank, which SGLang's KVArgs do not describe, so one
+    contiguous slice of it would be wrong."""
+
+    def at(key: str) -> list[Any]:
+        v = list(getattr(args, key, None) or [])
+        return list(v[i] or []) if i < len(v) else []
+
+    n = len(args.state_data_ptrs[i])
+    dims, outer, groups = (
+        at("state_dim_per_tensor"),
+        at("state_slice_outer_counts"),
+        at("state_conv_shard_groups"),
+    )
+    if len(dims) != n or not any(groups):
+        return None
+    outer = outer if len(outer) == n else [1] * n
+    groups = groups if len(groups) == n else [None] * n
+    out: list[tuple[Piece, ...]] = []
+    for dim, rows, subs, item in zip(dims, outer, groups, args.state_item_lens[i]):
+        dim, rows, item = int(dim), int(rows or 1), int(item)
+        if dim == 0:
+            out.append(())
+            continue
+        if item % (dim * rows):
+            return None
+        unit = item // (dim * rows)
+        full = [int(g) for g in subs] if subs else [dim * tp_size]
+        if sum(full) != dim * tp_size or any(g % tp_size for g in full):
+            return None
+        ps, start = [], 0
+        for g in full:
+            local = g // tp_size
+            ps.append(
+                Piece(
+                    offset=start * unit,
+                    total=g,
+                    rank_units=local,
+                    first=tp_rank * local,
+                    unit_bytes=unit,
+                    rows=rows,
+                    row_stride=dim * unit if rows > 1 else 0,
+                )
+            )
+            start += local
+        out.append(tuple(ps))
     return out
 
 

@@ -1,9 +1,9 @@
 """pdxfer's KV connector for vLLM (``PdxferConnector``).
 
 Reading order: ``params`` (the ``kv_transfer_params`` protocol) -> ``config`` (the extra
-config) -> ``layout`` (vLLM's cache tensors as a pool) -> ``groups`` (a hybrid model's KV
-cache groups) -> ``metadata`` (scheduler -> worker orders) -> ``scheduler`` -> ``rank`` (a
-worker rank's pools and endpoint) -> ``decode_tiers`` -> ``counters`` -> ``sender`` (the
+config) -> ``layout`` (vLLM's cache tensors as a pool) -> ``groups`` and ``state`` (a hybrid
+model's KV cache groups; how a state splits over TP) -> ``metadata`` (scheduler -> worker
+orders) -> ``scheduler`` -> ``rank`` (a worker rank's pools and endpoint) -> ``decode_tiers`` -> ``counters`` -> ``sender`` (the
 prefill half) -> ``loader`` (the decode half) -> ``stats_file`` -> ``worker`` (the step over
 both halves) -> ``stats`` (its figures in vLLM's log and ``/metrics``) -> ``connector`` (the
 facade vLLM instantiates).

@@ -14,9 +14,11 @@ Load it by module path (no registration needed)::
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -24,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -41,11 +44,13 @@ from .groups import Group
 from .metadata import PdxferMetadata
 from .scheduler import PdxferScheduler
 from .spec import draft_id
+from .state import TensorSplit, splits
 from .stats import PdxferPromMetrics, PdxferStats
 from .worker import PdxferWorker, RankInfo
 
+log = logging.getLogger("pdxfer.integrations.vllm")
+
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -68,12 +73,54 @@ def check_compatible(
     ):
         if size != 1:
             raise ConfigError(f"PdxferConnector does not support {name}={size} yet")
-    return groups_of(kv_cache_config, vllm_config.cache_config.block_size)
+    return groups_of(
+        kv_cache_config,
+        vllm_config.cache_config.block_size,
+        par.tensor_parallel_size,
+        _n_groups(vllm_config.model_config),
+    )
 
 
-def groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[Group, ...]:
+N_GROUPS_KEYS = ("n_groups", "mamba_n_groups", "mamba_ngroups", "ngroups")
+"""Where model configs name Mamba2's B/C group count."""
+
+
+def _n_groups(model_config: Any) -> int | None:
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    for key in N_GROUPS_KEYS:
+        v = getattr(hf, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _split(spec: MambaSpec, tp_size: int, n_groups: int | None) -> tuple[TensorSplit, ...]:
+    """How ``spec``'s state splits over TP (``state.splits``); empty (and logged) when
+    unknown: the state then pairs only with an equal TP size."""
+    if spec.tp_replicated:
+        return ()
+    got = splits(
+        spec.mamba_type.name,
+        spec.shapes,
+        [torch.tensor([], dtype=d).element_size() for d in spec.dtypes],
+        conv_ds=is_conv_state_dim_first(),
+        tp_size=tp_size,
+        n_groups=n_groups,
+    )
+    if isinstance(got, str):
+        log.warning("pdxfer: state moves whole (equal TP sizes only): %s", got)
+        return ()
+    return got
+
+
+def groups_of(
+    kv_cache_config: KVCacheConfig | None,
+    block_size: int,
+    tp_size: int = 1,
+    n_groups: int | None = None,
+) -> tuple[Group, ...]:
     """vLLM's transfer groups as pdxfer ``Group``s (``groups.py``); a kind pdxfer cannot
-    move is refused, naming it."""
+    move is refused, naming it. ``tp_size``, ``n_groups``: how a state splits over TP."""
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         return (Group(0, "full", block_size, ()),)
     out = []
@@ -99,6 +146,8 @@ def groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[G
                     layers,
                     spec_blocks=spec.num_speculative_blocks,
                     page_bytes=spec.page_size_bytes,
+                    split=_split(spec, tp_size, n_groups),
+                    replicated=spec.tp_replicated,
                 )
             )
         else:

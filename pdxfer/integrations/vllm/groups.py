@@ -15,8 +15,9 @@ block table (one block pool shared by all groups, so block ids never collide):
   (``skipped``), yet computes the last prompt token again. A window's depends on the
   decode's block size, so only the decode backs off for it (``prefill_backoff``).
 - ``state``: Mamba2 / Gated DeltaNet state: one state block per request, final after the
-  prefill's last chunk. It moves as a pdxfer slot; the prefill stops one token short and
-  the decode computes the last prompt token itself (the state must not see it twice).
+  prefill's last chunk. It moves as a pdxfer slot (split into TP-sharded pieces, ``state.py``,
+  when the two sides' TP differ); the prefill stops one token short and the decode computes
+  the last prompt token itself (the state must not see it twice).
 
 Pools whose first token differs travel as separate pdxfer rooms (``Part``): the main room
 (full and state groups) and one derived room per window size and per chunk size. Pure: no
@@ -28,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from .state import TensorSplit
 
 NULL_BLOCK = 0
 """vLLM's null block: a table holds it for blocks a group no longer (or never) keeps."""
@@ -60,6 +63,11 @@ class Group:
     page_bytes: int = 0
     """Bytes of one state block (``state`` groups: the page every state of a layer fills)."""
     mla: bool = False
+    split: tuple[TensorSplit, ...] = ()
+    """How each state tensor splits over TP (``state`` groups, ``state.splits``; empty: the
+    state's kind is not known, so its slot moves whole, between equal TP sizes)."""
+    replicated: bool = False
+    """The same state on every TP rank (``state`` groups: vLLM's ``tp_replicated``)."""
 
     @property
     def pool(self) -> str:
@@ -139,6 +147,15 @@ def tiered(groups: Sequence[Group]) -> tuple[Group, ...]:
     if any(g.kind in LOCAL for g in first):
         return ()
     return tuple(g for g in first if g.kind == "full")
+
+
+def whole_state_tp(groups: Sequence[Group], tp_size: int) -> str:
+    """The fingerprint's `` state_tp=N`` where a state group moves whole yet each TP rank
+    holds its own share (no ``split``, not replicated): such a page pairs only with the same
+    TP size, even where vLLM pads both sides' pages to one size; else ``""``."""
+    if any(g.kind == "state" and not g.split and not g.replicated for g in groups):
+        return f" state_tp={tp_size}"
+    return ""
 
 
 def skipped(g: Group, computed: int) -> int:

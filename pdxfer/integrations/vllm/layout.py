@@ -10,19 +10,25 @@ memory orders. The layout is read from strides and data pointers, never assumed:
 - every layer of a block together: one buffer, one page per block, opaque (TP 1);
 - anything else is refused with the reason.
 MLA is one latent per token (``latent``), replicated over TP; Mamba-like state is one page
-per block moved as a slot (``describe_state``). Block 0, vLLM's null block, is read only as
-the filler of window tokens no decode reads (``groups.source_pages``), never written.
+per block moved as a slot, split into TP-sharded pieces where its kind is known
+(``describe_state``, ``state.py``). Block 0, vLLM's null block, is read only as the
+filler of window tokens no decode reads (``groups.source_pages``), never written.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdxfer import BufferSpec, ConfigError, PageSegment, PoolSpec, Sharding
 
+from .state import TensorSplit, pieces
+
 POOL = "kv"
+
+log = logging.getLogger(__name__)
 
 Interior = Callable[[str, Any, bool], "tuple[PageSegment, ...] | None"]
 """``(layer name, its cache tensor, latent)``: how the kernel lays a block out by token
@@ -230,18 +236,45 @@ def _inner(
     return layout, Sharding.heads(total, h, first, c * elt, layout)
 
 
+def _state_offsets(ts: Sequence[Any], split: Sequence[TensorSplit], base: int) -> tuple[int, ...]:
+    """Where each tensor of ``split`` starts in a layer's page: one view per state, or the
+    raw page holding them back to back; ``()`` when the tensors are neither."""
+    if not split:
+        return ()
+    sizes = [s.nbytes for s in split]
+    if len(ts) == len(split) and all(
+        t[0].numel() * t.element_size() == n for t, n in zip(ts, sizes)
+    ):
+        return tuple(int(t.data_ptr()) - base for t in ts)
+    if len(ts) == 1 and ts[0][0].numel() * ts[0].element_size() == sum(sizes):
+        return tuple(sum(sizes[:i]) for i in range(len(sizes)))
+    return ()
+
+
 def describe_state(
-    states: Mapping[str, Any], *, name: str, num_blocks: int, page_bytes: int
+    states: Mapping[str, Any],
+    *,
+    name: str,
+    num_blocks: int,
+    page_bytes: int,
+    split: Sequence[TensorSplit] = (),
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> PoolSpec:
     """A slot pool for Mamba / linear-attention layers: vLLM hands each layer's state as
-    tensors (conv, SSM) viewed over one page per block; a slot is the whole page (every
-    state of the layer, padding included), so it moves without knowing the states' shapes."""
+    tensors (conv, SSM) viewed over one page per block, or (0.32) as the raw page, its
+    states packed from byte 0 in ``MambaSpec.shapes`` order (``MambaBase.bind_kv_cache``);
+    a slot is the whole page (every state of the layer, padding included). With ``split``
+    (``state.splits``) the slot is also described as TP-sharded pieces, so another TP size
+    can take its share; without, it moves whole, between equal TP sizes."""
     order = layer_order(list(states))
     bufs = []
     location = "cpu"
+    offsets: set[tuple[int, ...]] = set()
     for lid, n in order:
         ts = states[n] if isinstance(states[n], (list, tuple)) else [states[n]]
         base = min(int(t.data_ptr()) for t in ts)
+        offsets.add(_state_offsets(ts, split, base))
         for t in ts:
             step = t.stride(0) * t.element_size()
             if step != page_bytes:
@@ -253,6 +286,19 @@ def describe_state(
                 raise ConfigError(f"state of layer {n} does not fit one page")
         location = str(ts[0].device)
         bufs.append(BufferSpec(base, num_blocks * page_bytes, lid, "state"))
+    sharding = Sharding()
+    if split and len(offsets) == 1 and () not in offsets:
+        sharding = Sharding.sliced(pieces(split, next(iter(offsets)), tp_rank, tp_size))
+    elif split:
+        first = states[order[0][1]]
+        ts = first if isinstance(first, (list, tuple)) else [first]
+        log.warning(
+            "pdxfer: state pool %r moves whole (equal TP sizes only): its tensors %s are not "
+            "the split %s",
+            name,
+            [(tuple(t.shape), t.stride(), str(t.dtype)) for t in ts],
+            split,
+        )
     try:
         return PoolSpec(
             name=name,
@@ -262,6 +308,7 @@ def describe_state(
             num_items=num_blocks,
             location=location,
             dtype="uint8",
+            sharding=sharding,
         )
     except ValueError as e:
         raise ConfigError(f"state layers as a pdxfer pool: {e}") from None

@@ -139,7 +139,13 @@ def _register_groups(
             first = next(iter(mine.values()))
             t = first[0] if isinstance(first, (list, tuple)) else first
             pool = describe_state(
-                mine, name=g.pool, num_blocks=int(t.shape[0]), page_bytes=g.page_bytes
+                mine,
+                name=g.pool,
+                num_blocks=int(t.shape[0]),
+                page_bytes=g.page_bytes,
+                split=g.split,
+                tp_rank=rank.tp_rank,
+                tp_size=rank.tp_size,
             )
             kind = "state"
         else:
@@ -164,7 +170,7 @@ def _register_groups(
     ident = cfg.model_id.replace(" ", "_")
     fingerprint = (
         f"model={ident} groups={','.join(kinds)} cache_dtype={rank.cache_dtype} draft={rank.draft}"
-    )
+    ) + G.whole_state_tp(groups, rank.tp_size)
     ep = Endpoint(
         cfg.endpoint_config(rank.tp_rank, rank.tp_size, fingerprint),
         pools,

@@ -18,7 +18,7 @@ import collections
 import json
 import time
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -196,10 +196,26 @@ class Attempt:
 
 class Http:
     """The router's client session towards its workers, signing requests when a secret is
-    set (the workers then accept only what the router sent)."""
+    set (the workers then accept only what the router sent). The router makes it before its
+    app runs and opens its session at start (an aiohttp session belongs to a running loop)."""
 
-    def __init__(self, session: aiohttp.ClientSession, secret: bytes | None) -> None:
-        self.session, self.secret = session, secret
+    def __init__(self, session: aiohttp.ClientSession | None, secret: bytes | None) -> None:
+        self._session, self.secret = session, secret
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "the router's app has not started"
+        return self._session
+
+    def open(self, timeout_s: float) -> None:
+        """A session whose requests each end within ``timeout_s``."""
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
 
     def signed(
         self, url: str, payload: dict[str, Any], headers: dict[str, str] | None = None
@@ -270,7 +286,10 @@ class Backend(Protocol):
     """An engine's workers as the router sees them."""
 
     name: str
-    tokenizer: Tokenizer
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer (known once ``setup`` has run)."""
 
     async def setup(self, http: Http, decodes: list[Decode]) -> None:
         """Learn what the engine serves (model, tokenizer) before the first request."""
@@ -283,8 +302,9 @@ class Backend(Protocol):
         (``endpoint`` or ``peer``, ``max_seq_len``, ``page_size``; ``groups``, one such dict
         per group, when it fronts independent DP groups)."""
 
-    def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
-        """Run one attempt: the decode's tokens as they come, then ``Done``."""
+    def stream(self, http: Http, job: Attempt) -> AsyncGenerator[Tokens | Done, None]:
+        """Run one attempt: the decode's tokens as they come, then ``Done``; closing the
+        generator ends the attempt on the workers."""
 
     async def abort(self, http: Http, url: str, room: int, why: str) -> None:
         """Best effort: end ``room`` on that worker (the router gave up on it)."""
@@ -341,7 +361,7 @@ class ToyBackend:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return 599, f"{pf.url}: {type(e).__name__}: {e}", None
 
-    async def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
+    async def stream(self, http: Http, job: Attempt) -> AsyncGenerator[Tokens | Done, None]:
         ask, pf, dc, room = job.ask, job.pf, job.dc, job.room
         pf_task = asyncio.ensure_future(self._prefill(http, job))
 

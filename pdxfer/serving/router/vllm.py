@@ -20,7 +20,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -235,7 +235,7 @@ class VllmBackend:
             out["pdxfer_dp"] = job.pf.dp
         return out
 
-    async def stream(self, http: Http, job: Attempt) -> AsyncIterator[Tokens | Done]:
+    async def stream(self, http: Http, job: Attempt) -> AsyncGenerator[Tokens | Done, None]:
         """One attempt. ``concurrent``: the prefill's and the decode's requests go out at
         once (the decode allocates and asks for the room while the prefill computes); a
         prefill that fails before the decode's first token ends the attempt at once, which

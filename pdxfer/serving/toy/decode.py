@@ -284,7 +284,7 @@ class DecodeWorker(RoomWorker):
         st = rx.stats()
         if h.ballast is not None:
             self._check_ballast(room, tokens, req)
-        out = {
+        out: dict[str, Any] = {
             "first": int(h.aux[req.slot, 0]),
             "restored_tokens": 0,
             "restored_l2_tokens": 0,

@@ -203,11 +203,12 @@ class DPFront:
 
     async def h_abort(self, request: web.Request) -> web.Response:
         body = await request.read()
-        assert self.session is not None
+        session = self.session
+        assert session is not None
 
         async def one(grp: Group) -> bool:
             try:
-                async with self.session.post(  # type: ignore[union-attr]
+                async with session.post(
                     f"{grp.url}/abort",
                     data=body,
                     headers=self._signed("/abort", body),
@@ -248,7 +249,7 @@ class DPFront:
             groups.append({**info, "dp": grp.g, "url": grp.url, "status": state})
         ok = [g for g in groups if g["status"] == "ok"]
         first = ok[0] if ok else {}
-        body = {
+        body: dict[str, Any] = {
             "status": "ok" if ok else "unavailable",
             "role": "decode",
             "dp_size": len(self.groups),

@@ -28,6 +28,7 @@ import torch
 
 from pdxfer import KVPoll
 
+from .model import LogitsFor
 from .tiered import make_cache, open_receiver, reuse
 from .tp import join
 from .worker import ModelHost, WorkerConfig
@@ -206,14 +207,14 @@ class Follower:
         tokens: list[int],
         start: int,
         pages: list[int],
-        logits_for: str,
+        logits_for: LogitsFor,
     ) -> None:
         h = self.host
         m = h.model if model == "target" else h.draft
         with h.lock:
             m.forward(
                 tokens, start, pages, h.kv if pool == "kv" else h.draft_kv, logits_for=logits_for
-            )  # type: ignore[arg-type]
+            )
 
     def op_send(
         self, room: int, pages: list[int], rows: dict[str, tuple[int, list[int]]], last: bool

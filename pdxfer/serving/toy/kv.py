@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import numpy as np
 import torch
 
 AttentionKind = Literal["mha", "mla"]
-PageTable = Sequence[int] | np.ndarray | torch.Tensor
+PageTable: TypeAlias = Sequence[int] | np.ndarray | torch.Tensor
 """Logical page ``i`` of a request lives in physical page ``page_table[i]``."""
 
 

@@ -153,7 +153,10 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 (ranks concatenated in rank order) out, on every rank."""
 
 
-Mirror = Callable[["ToyModel", Sequence[int], int, PageTable, KVPool, str], None]
+LogitsFor = Literal["last", "all", "none"]
+"""Which positions' logits a forward returns: the last one, all, or none (KV only)."""
+
+Mirror = Callable[["ToyModel", Sequence[int], int, PageTable, KVPool, LogitsFor], None]
 """TP rank 0: told of every forward (model, tokens, start, page table, pool, logits_for)."""
 
 
@@ -329,7 +332,7 @@ class ToyModel:
         page_table: PageTable,
         kv: KVPool,
         *,
-        logits_for: Literal["last", "all", "none"] = "last",
+        logits_for: LogitsFor = "last",
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run ``tokens`` at positions ``[start, start+len)`` on top of the KV already in the
@@ -485,7 +488,7 @@ class ToyModel:
         logits = torch.empty(0)
         for a in range(start, n, step):
             b = min(a + step, n)
-            hook = None if on_layer is None else (lambda li, a=a, b=b: on_layer(li, a, b))  # type: ignore[misc]
+            hook = None if on_layer is None else (lambda li, a=a, b=b: on_layer(li, a, b))
             logits = self.forward(
                 tokens[a:b],
                 a,

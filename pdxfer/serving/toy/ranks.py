@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer import KVPoll, RequestHandle
-from pdxfer.tiers import TieredCache
+from pdxfer import KVPoll, KVReceiver, KVSender, RequestHandle
+from pdxfer.tiers import RestoringReceiver, TieredCache
 
 from ..errors import TransferFailed, WorkerBroken
 from . import follower, tp
@@ -146,7 +146,8 @@ class Group(RequestHandle):
     ) -> None:
         """A prefill's chunk: this rank ships its heads, every other rank its own (with the
         slot rows' values, which only rank 0 computed)."""
-        self.local.send(dst, slots=slots, last=last)  # type: ignore[attr-defined]
+        assert isinstance(self.local, KVSender), "only a prefill's group sends"
+        self.local.send(dst, slots=slots, last=last)
         rows = {
             name: (slot, getattr(self.ranks.host, name)[slot].tolist())
             for name, slot in (slots or {}).items()
@@ -158,7 +159,8 @@ class Group(RequestHandle):
     def stats(self) -> dict[str, Any]:
         """Rank 0's figures with the others': bytes summed, prefix figures their minimum;
         ``ranks`` lists each rank's own."""
-        mine = dict(self.local.stats())  # type: ignore[attr-defined]
+        assert isinstance(self.local, (KVReceiver, RestoringReceiver)), "a decode's group"
+        mine = dict(self.local.stats())
         mine["restored_pages"] = int(getattr(self.local, "restored_pages", 0))
         out = dict(mine)
         for r in self.remotes:
@@ -288,8 +290,9 @@ class Ranks:
         r = Remote(self, rank, room, kind)
         r.group = group
         with self._lock:
-            if self.links[rank].dead is not None:
-                r.gone(self.links[rank].dead)
+            dead = self.links[rank].dead
+            if dead is not None:
+                r.gone(dead)
             else:
                 self._rooms[(rank, room)] = r
         return r

@@ -18,6 +18,8 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from pdxfer import RequestHandle
 from pdxfer.netaddr import advertised
 from pdxfer.tiers import FileStorage, RestoringReceiver, StorageBackend, TieredCache
@@ -78,7 +80,8 @@ def reuse(cache: TieredCache, tokens: Sequence[int], pages: Sequence[int], scope
     last token is left to compute); returns how many tokens are now in place."""
     m = cache.match(tokens, len(tokens), 0, scope)
     try:
-        good = cache.load(m, {"kv": list(pages[: m.promised_pages])}) if m.promised_pages else 0
+        want = np.asarray(pages[: m.promised_pages], dtype=np.int64)
+        good = cache.load(m, {"kv": want}) if m.promised_pages else 0
     finally:
         cache.finish(m)
     return good * cache.page_size

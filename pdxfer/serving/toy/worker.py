@@ -171,13 +171,19 @@ class ModelHost:
         self.lock = threading.Lock()
         ps, remap = cfg.pool_page_size, cfg.token_granular
         c, sh = self.model.config, self.model.shard
-        heads = {"total_heads": c.n_kv_heads, "first_head": sh.kv_lo}
+        total_heads, first_head = c.n_kv_heads, sh.kv_lo
         # layer ids: the target's layers, then the draft's, then the ballast, so a send of
         # some layers (the prefill streams the target's layer by layer) names them apart
         nt, nd = len(self.kv.k_tensors), len(self.draft_kv.k_tensors)
         self.pools = [
             PoolSpec.mha(
-                "kv", self.kv.k_tensors, self.kv.v_tensors, page_size=ps, page_remap=remap, **heads
+                "kv",
+                self.kv.k_tensors,
+                self.kv.v_tensors,
+                page_size=ps,
+                page_remap=remap,
+                total_heads=total_heads,
+                first_head=first_head,
             ),
             PoolSpec.mha(
                 "draft_kv",
@@ -187,7 +193,8 @@ class ModelHost:
                 indices_from="kv",
                 page_remap=remap,
                 layer_ids=range(nt, nt + nd),
-                **heads,
+                total_heads=total_heads,
+                first_head=first_head,
             ),
             PoolSpec.slots("aux", [self.aux]),
         ]
@@ -233,7 +240,7 @@ class ModelHost:
                 heartbeat_s=cfg.heartbeat_s,
                 transport=cfg.transport,
                 device=cfg.device,
-                integrity=cfg.integrity,  # type: ignore[arg-type]
+                integrity=cfg.integrity,
                 integrity_retry=cfg.integrity_retry,
                 tp_rank=tp_rank,
                 tp_size=cfg.tp,
@@ -302,7 +309,7 @@ class RoomWorker(abc.ABC):
         )
         ranks = self.host.ranks
         if ranks is not None:  # every rank's endpoint (labelled tp_rank) and tiers
-            parts = [(text, {})]
+            parts: list[tuple[str, dict[str, str]]] = [(text, {})]
             for r, st in (await asyncio.to_thread(ranks.stats)).items():
                 tiers = {f"tiers_{k.replace('.', '_')}": v for k, v in st["tiers"].items()}
                 parts += [
