@@ -54,9 +54,9 @@ from pdxfer.bootstrap import BootstrapServer  # noqa: E402
 from pdxfer.demo.harness import Agent  # noqa: E402
 from pdxfer.demo.patterns import PoolGeom  # noqa: E402
 from tests.integration.conftest import FAST  # noqa: E402
+from tests.integration.helpers import SIX_POOLS as GEOMS  # noqa: E402
 from tests.integration.helpers import Factory, decode_items, run, verify  # noqa: E402
 from tests.integration.hetero import Group, run_groups, tp_group  # noqa: E402
-from tests.integration.test_transfer import GEOMS  # noqa: E402
 from tests.integration.tiers_helpers import MODEL, Family, X, finish, start, write_back  # noqa: E402
 
 STATE = "benchmarks.common.bench_agent:BenchState"

@@ -9,9 +9,11 @@ libpng/libgif/libwebp/libjpeg as built (checked once with Pillow, outside the su
 
 from __future__ import annotations
 
+import base64
 import random
 import struct
 import zlib
+from typing import Any
 
 WEBP_LOSSY = bytes.fromhex(
     "52494646320000005745425056503820260000007001009d012a0300020007409625a0027401400000"
@@ -157,3 +159,25 @@ def jpeg(w: int = 4, h: int = 4, before: bytes = b"", scan: bool = True) -> byte
     nbits = 2 * blocks  # all zeros, the last byte padded with ones
     data = bytes(nbits // 8) + (bytes([0xFF >> (nbits % 8)]) if nbits % 8 else b"")
     return b"\xff\xd8" + before + dqt + sof + dht + sos + data + b"\xff\xd9"
+
+
+# -- chat bodies carrying them ----------------------------------------------------------
+def data_url(raw: bytes, mime: str = "image/png") -> str:
+    """``raw`` as a ``data:`` URL, as a client inlines an image."""
+    return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
+
+
+def chat(*parts: dict[str, Any], text: str = "what is this?") -> dict[str, Any]:
+    """An OpenAI chat body whose user message is ``text`` and then ``parts``."""
+    return {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": text}, *parts]},
+        ],
+        "max_tokens": 4,
+    }
+
+
+def image(url: str) -> dict[str, Any]:
+    """An OpenAI ``image_url`` content part."""
+    return {"type": "image_url", "image_url": {"url": url}}

@@ -13,6 +13,50 @@ from pdxfer.demo.patterns import PoolGeom
 
 _rooms = itertools.count(1000)
 
+SIX_POOLS = [
+    PoolGeom(
+        "kv", "mha", layers=4, pages=1024, page_size=16, heads=2, head_dim=16, dtype="float16"
+    ),
+    PoolGeom(
+        "kv_bf16",
+        "mha",
+        layers=2,
+        pages=1024,
+        page_size=16,
+        heads=1,
+        head_dim=8,
+        dtype="bfloat16",
+        indices_from="kv",
+        first_layer=100,
+    ),
+    PoolGeom(
+        "kv_fp32",
+        "mha",
+        layers=1,
+        pages=1024,
+        page_size=16,
+        heads=2,
+        head_dim=4,
+        dtype="float32",
+        indices_from="kv",
+        first_layer=200,
+    ),
+    PoolGeom("mla", "paged", layers=3, pages=512, page_size=32, dim=36, dtype="bfloat16"),
+    PoolGeom(
+        "mla_fp32",
+        "paged",
+        layers=2,
+        pages=512,
+        page_size=32,
+        dim=12,
+        dtype="float32",
+        indices_from="mla",
+    ),
+    PoolGeom("aux", "slots", layers=2, pages=64, dim=24, dtype="int32"),
+]
+"""Six pools of three kinds and four dtypes, two anchors and four that follow them: the
+geometry the transfer tests share (``destinations`` knows its anchors)."""
+
 
 class Pages:
     """A free list of page (or slot) ids, handed out in random order."""
@@ -142,6 +186,34 @@ def run(
     return dc.call("wait", rooms=[r["room"] for r in reqs], timeout=timeout)
 
 
+def start(pf: Agent, dc: Agent, bootstrap: str, reqs: list[dict]) -> None:
+    """Start every request on both sides (the decode first) without waiting for it."""
+    prep, send = prefill_items(reqs)
+    pf.call("prepare", items=prep)
+    dc.call("recv", items=decode_items(reqs), bootstrap=bootstrap)
+    pf.call("send", items=send)
+
+
+def wait_released(dc: Agent, room: int, timeout: float = 10.0) -> bool:
+    """Whether the decode ``dc`` handed ``room``'s pages back within ``timeout``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if room in dc.call("released"):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def wait_held(pf: Agent, room: int, timeout: float = 60.0) -> None:
+    """Until the prefill's transport holds a batch of ``room`` (``delay_write``): the write is
+    committed and lands ``delay_write`` s later, whatever the machine's speed (a fixed sleep could
+    come before the write started on a slow machine, and the abort would then stop it)."""
+    end = time.monotonic() + timeout
+    while pf.call("held_batches", room=room) == 0:
+        assert time.monotonic() < end, f"no write of room {room} started"
+        time.sleep(0.01)
+
+
 def destinations(reqs: list[dict[str, Any]]) -> dict[str, list[int]]:
     """Every page and slot ``reqs`` write on the decode, per pool (of the six-pool geometry
     the transfer tests share): what the decode's ``untouched`` check must exclude."""
@@ -150,6 +222,14 @@ def destinations(reqs: list[dict[str, Any]]) -> dict[str, list[int]]:
         "mla": [p for r in reqs for p in r["dst"]["mla"]],
         "aux": [r["dst_slots"]["aux"] for r in reqs],
     }
+
+
+def assert_all_right(outcomes: dict, checks: dict) -> None:
+    """Every request succeeded and every byte ``verify`` checked is right."""
+    bad = {r: o for r, o in outcomes.items() if o["state"] != "Success"}
+    assert not bad, bad
+    wrong = {r: c for r, c in checks.items() if c[0]}
+    assert not wrong, wrong
 
 
 def verify(dc: Agent, reqs: list[dict[str, Any]]) -> dict[int, Any]:

@@ -10,7 +10,7 @@ from pdxfer.demo.harness import Agent
 from pdxfer.demo.patterns import PoolGeom
 
 from .conftest import FAST
-from .helpers import decode_items, prefill_items
+from .helpers import Factory, decode_items, prefill_items
 
 
 def shard(total: int, tp: int, r: int) -> tuple[int, int]:
@@ -104,3 +104,72 @@ def assert_success_and_exact(outs: list[dict], checks: list[dict]) -> None:
         assert not bad, bad
         wrong = {r: c for r, c in chk.items() if c[0]}
         assert not wrong, wrong
+
+
+HEAD_POOLS = [
+    PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=4, total_heads=4, head_dim=8),
+    PoolGeom(
+        "kvh",
+        "mha",
+        layers=2,
+        pages=256,
+        page_size=16,
+        heads=4,
+        total_heads=4,
+        head_dim=8,
+        layout="HND",
+        first_layer=10,
+    ),
+    PoolGeom(
+        "gqa",
+        "mha",
+        layers=1,
+        pages=256,
+        page_size=16,
+        heads=2,
+        total_heads=2,
+        head_dim=8,
+        layout="HND",
+        indices_from="kv",
+        first_layer=20,
+    ),
+    PoolGeom("aux", "slots", layers=1, pages=32, dim=8, dtype="int32"),
+]
+"""Heads pools in NHD and HND layout and a GQA pool (fewer heads), and a slot pool: a
+head slice one head off lands on another head's bytes."""
+
+
+def exclude(reqs: list[dict]) -> dict[str, list[int]]:
+    """Every page and slot ``reqs`` write, per pool: what ``untouched`` must leave out."""
+    out: dict[str, list[int]] = {}
+    for r in reqs:
+        for n, p in r["dst"].items():
+            out.setdefault(n, []).extend(p)
+        for n, s in r["dst_slots"].items():
+            out.setdefault(n, []).append(s)
+    return out
+
+
+BIG = 1024
+SIZES = [(16, 1), (45, 2), (200, 3), (129, 4)]
+"""(tokens, chunks) per request: partial pages, several chunks."""
+
+
+def run_case(
+    cluster: dict[str, Group],
+    bootstrap: str,
+    pf: str,
+    dc: str,
+    geoms: list[PoolGeom],
+    sizes: list[tuple[int, int]] = SIZES,
+) -> list[dict]:
+    """Requests of ``sizes`` from group ``pf`` to group ``dc`` of ``cluster``: each one
+    succeeds on every decode rank with exact bytes, and nothing lands outside them."""
+    f = Factory(geoms, geoms, seed=len(pf) * 10 + len(dc))
+    reqs = [f.make(n, chunks=c) for n, c in sizes]
+    p, d = cluster[pf], cluster[dc]
+    d.each("sentinel")
+    outs = run_groups(p, d, bootstrap, reqs)
+    assert_success_and_exact(outs, d.each("verify", items=decode_items(reqs)))
+    assert d.each("untouched", exclude=exclude(reqs)) == [0] * len(d.names)
+    return outs

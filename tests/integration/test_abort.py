@@ -18,7 +18,17 @@ from pdxfer.demo.harness import Agent
 from pdxfer.demo.patterns import PoolGeom
 
 from .conftest import start_pair
-from .helpers import Factory, decode_items, prefill_items, run, verify, wait_drained
+from .helpers import (
+    Factory,
+    decode_items,
+    prefill_items,
+    run,
+    start,
+    verify,
+    wait_drained,
+    wait_held,
+    wait_released,
+)
 
 SLOW = (777, 778, 779, 780)
 DELAY = 1.5
@@ -45,32 +55,6 @@ def pair(
 @pytest.fixture(scope="module")
 def factory(pair: tuple[Agent, Agent]) -> Factory:  # one per pair: its pages are that pair's
     return Factory(GEOMS, GEOMS, seed=11)
-
-
-def start(pf: Agent, dc: Agent, bootstrap: str, reqs: list[dict]) -> None:
-    prep, send = prefill_items(reqs)
-    pf.call("prepare", items=prep)
-    dc.call("recv", items=decode_items(reqs), bootstrap=bootstrap)
-    pf.call("send", items=send)
-
-
-def wait_released(dc: Agent, room: int, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if room in dc.call("released"):
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def wait_held(pf: Agent, room: int, timeout: float = 60.0) -> None:
-    """Until the prefill's transport holds a batch of ``room`` (``delay_write``): the write is
-    committed and lands ``DELAY`` s later, whatever the machine's speed (a fixed sleep could
-    come before the write started on a slow machine, and the abort would then stop it)."""
-    end = time.monotonic() + timeout
-    while pf.call("held_batches", room=room) == 0:
-        assert time.monotonic() < end, f"no write of room {room} started"
-        time.sleep(0.01)
 
 
 def test_late_write_never_lands_in_a_page_another_request_owns(pair, bootstrap, factory) -> None:

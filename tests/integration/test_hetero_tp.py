@@ -18,37 +18,19 @@ from pdxfer.demo.patterns import PoolGeom
 
 from .conftest import FAST
 from .helpers import Factory, decode_items
-from .hetero import Group, assert_success_and_exact, rank_geoms, run_groups, tp_group
+from .hetero import (
+    BIG,
+    SIZES,
+    Group,
+    assert_success_and_exact,
+    exclude,
+    rank_geoms,
+    run_case,
+    run_groups,
+    tp_group,
+)
+from .hetero import HEAD_POOLS as GEOMS
 
-GEOMS = [
-    PoolGeom("kv", "mha", layers=2, pages=256, page_size=16, heads=4, total_heads=4, head_dim=8),
-    PoolGeom(
-        "kvh",
-        "mha",
-        layers=2,
-        pages=256,
-        page_size=16,
-        heads=4,
-        total_heads=4,
-        head_dim=8,
-        layout="HND",
-        first_layer=10,
-    ),
-    PoolGeom(
-        "gqa",
-        "mha",
-        layers=1,
-        pages=256,
-        page_size=16,
-        heads=2,
-        total_heads=2,
-        head_dim=8,
-        layout="HND",
-        indices_from="kv",
-        first_layer=20,
-    ),
-    PoolGeom("aux", "slots", layers=1, pages=32, dim=8, dtype="int32"),
-]
 MLA = [
     PoolGeom("mla", "paged", layers=2, pages=128, page_size=16, dim=32),
     PoolGeom("aux", "slots", layers=1, pages=32, dim=8, dtype="int32"),
@@ -75,39 +57,6 @@ def cluster(bootstrap: BootstrapServer) -> Iterator[dict[str, Group]]:
         pf.close()
         if dc is not None:
             dc.close()
-
-
-def exclude(reqs: list[dict]) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for r in reqs:
-        for n, p in r["dst"].items():
-            out.setdefault(n, []).extend(p)
-        for n, s in r["dst_slots"].items():
-            out.setdefault(n, []).append(s)
-    return out
-
-
-BIG = 1024
-SIZES = [(16, 1), (45, 2), (200, 3), (129, 4)]
-"""(tokens, chunks) per request: partial pages, several chunks."""
-
-
-def run_case(
-    cluster: dict[str, Group],
-    bootstrap: str,
-    pf: str,
-    dc: str,
-    geoms: list[PoolGeom],
-    sizes: list[tuple[int, int]] = SIZES,
-) -> list[dict]:
-    f = Factory(geoms, geoms, seed=len(pf) * 10 + len(dc))
-    reqs = [f.make(n, chunks=c) for n, c in sizes]
-    p, d = cluster[pf], cluster[dc]
-    d.each("sentinel")
-    outs = run_groups(p, d, bootstrap, reqs)
-    assert_success_and_exact(outs, d.each("verify", items=decode_items(reqs)))
-    assert d.each("untouched", exclude=exclude(reqs)) == [0] * len(d.names)
-    return outs
 
 
 def counters(g: Group, name: str) -> list[int]:

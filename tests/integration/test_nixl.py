@@ -17,11 +17,12 @@ import pytest
 
 from pdxfer import BootstrapServer, PeerLost, TransportError
 from pdxfer.demo.harness import Agent
+from pdxfer.demo.patterns import PoolGeom
 from pdxfer.transport.nixl import NixlTransport
 
 from .conftest import FAST
+from .helpers import SIX_POOLS as GEOMS
 from .helpers import Factory, decode_items, prefill_items
-from .test_transfer import GEOMS
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +179,8 @@ def test_a_prefill_and_a_decode_on_different_transports_refuse_each_other(bootst
 def test_heterogeneous_tp_over_nixl_lands_every_head_once(bootstrap, tp_p, tp_d) -> None:
     """TP 2->1 and 1->2 over NIXL: head slices (NHD, HND through staging, GQA) land exactly,
     and pages outside the requests keep the sentinel."""
-    from .hetero import add_group, rank_geoms
-    from .test_hetero_tp import GEOMS as TP_GEOMS
-    from .test_hetero_tp import run_case
+    from .hetero import HEAD_POOLS as TP_GEOMS
+    from .hetero import add_group, rank_geoms, run_case
 
     b = bootstrap.address
     nixl = {"transport": "nixl"}
@@ -225,8 +225,11 @@ def test_host_landing_over_nixl_remaps_every_token_exactly(bootstrap) -> None:
     import dataclasses
 
     from .hetero import Group, assert_success_and_exact, run_groups
-    from .test_integrity import AUX, KV
 
+    KV = PoolGeom(
+        "kv", "mha", layers=2, pages=512, page_size=16, heads=4, head_dim=16, total_heads=4
+    )
+    AUX = PoolGeom("aux", "slots", layers=1, pages=256, dim=8, dtype="int32")
     host = dataclasses.replace(KV, page_size=1, pages=8192, page_remap=True)
     nixl = {"transport": "nixl"}
     pf = Agent(
@@ -250,8 +253,18 @@ def test_host_landing_over_nixl_remaps_every_token_exactly(bootstrap) -> None:
 def test_a_restore_from_l2_with_its_suffix_over_nixl_is_byte_exact(bootstrap) -> None:
     """The decode restores 90% of a prompt from L2 while NIXL brings the suffix: the bytes
     are right and only the suffix crossed the wire."""
-    from .test_tiers import SHARED, STD, N
-    from .tiers_helpers import MODEL, Family, X, assert_right, finish, start, write_back
+    from .tiers_helpers import (
+        MODEL,
+        SHARED,
+        STD,
+        Family,
+        N,
+        X,
+        assert_right,
+        finish,
+        start,
+        write_back,
+    )
 
     nixl = {"transport": "nixl"}
     pf = Agent("prefill", {**FAST, **nixl, "bootstrap": bootstrap.address, "instance": "nxr"}, STD)

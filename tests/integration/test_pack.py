@@ -22,9 +22,18 @@ from pdxfer import BootstrapServer
 from pdxfer.demo.harness import Agent
 
 from .conftest import start_pair
-from .helpers import Factory, destinations, run, verify, wait_drained
-from .test_abort import start, wait_held, wait_released
-from .test_transfer import GEOMS, assert_all_right
+from .helpers import SIX_POOLS as GEOMS
+from .helpers import (
+    Factory,
+    assert_all_right,
+    destinations,
+    run,
+    start,
+    verify,
+    wait_drained,
+    wait_held,
+    wait_released,
+)
 
 SLOW = (881, 882)
 DELAY = 1.5

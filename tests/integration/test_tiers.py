@@ -24,24 +24,19 @@ from pdxfer.tiers.mooncake_store import MooncakeMaster
 from pdxfer.tiers.storage import FileStorage
 
 from .conftest import FAST
-from .tiers_helpers import MODEL, Family, X, assert_right, finish, start, write_back
+from .tiers_helpers import (
+    MODEL,
+    SHARED,
+    STD,
+    Family,
+    N,
+    X,
+    assert_right,
+    finish,
+    start,
+    write_back,
+)
 
-STD = [
-    PoolGeom("kv", "mha", layers=2, pages=768, page_size=16, heads=2, head_dim=16, dtype="float16"),
-    PoolGeom(
-        "draft",
-        "mha",
-        layers=1,
-        pages=768,
-        page_size=16,
-        heads=1,
-        head_dim=16,
-        dtype="bfloat16",
-        indices_from="kv",
-        first_layer=50,
-    ),
-    PoolGeom("aux", "slots", layers=1, pages=128, dim=8, dtype="int32"),
-]
 V4 = [  # DeepSeek-V4 style: a logical anchor, data in two sidecars of different item sizes
     PoolGeom("c4", "logical", pages=256, page_size=16),
     PoolGeom(
@@ -66,7 +61,6 @@ V4 = [  # DeepSeek-V4 style: a logical anchor, data in two sidecars of different
         first_layer=10,
     ),
 ]
-N, SHARED = 320, 288  # 20 pages; B shares A's first 18 (90%)
 MODEL_B = "model=pattern-b"
 
 

@@ -14,52 +14,10 @@ import pytest
 
 from pdxfer import BootstrapServer
 from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
 
 from .conftest import start_pair
-from .helpers import Factory, decode_items, destinations, run, verify
-
-GEOMS = [
-    PoolGeom(
-        "kv", "mha", layers=4, pages=1024, page_size=16, heads=2, head_dim=16, dtype="float16"
-    ),
-    PoolGeom(
-        "kv_bf16",
-        "mha",
-        layers=2,
-        pages=1024,
-        page_size=16,
-        heads=1,
-        head_dim=8,
-        dtype="bfloat16",
-        indices_from="kv",
-        first_layer=100,
-    ),
-    PoolGeom(
-        "kv_fp32",
-        "mha",
-        layers=1,
-        pages=1024,
-        page_size=16,
-        heads=2,
-        head_dim=4,
-        dtype="float32",
-        indices_from="kv",
-        first_layer=200,
-    ),
-    PoolGeom("mla", "paged", layers=3, pages=512, page_size=32, dim=36, dtype="bfloat16"),
-    PoolGeom(
-        "mla_fp32",
-        "paged",
-        layers=2,
-        pages=512,
-        page_size=32,
-        dim=12,
-        dtype="float32",
-        indices_from="mla",
-    ),
-    PoolGeom("aux", "slots", layers=2, pages=64, dim=24, dtype="int32"),
-]
+from .helpers import SIX_POOLS as GEOMS
+from .helpers import Factory, assert_all_right, decode_items, destinations, run, verify
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
@@ -76,13 +34,6 @@ def pair(
 @pytest.fixture(scope="module")
 def factory(pair: tuple[Agent, Agent]) -> Factory:  # one per pair: its pages are that pair's
     return Factory(GEOMS, GEOMS, seed=7)
-
-
-def assert_all_right(outcomes: dict, checks: dict) -> None:
-    bad = {r: o for r, o in outcomes.items() if o["state"] != "Success"}
-    assert not bad, bad
-    wrong = {r: c for r, c in checks.items() if c[0]}
-    assert not wrong, wrong
 
 
 def test_scattered_chunked_requests_land_byte_exact(pair, bootstrap, factory) -> None:

@@ -15,6 +15,26 @@ from .helpers import Pages
 X = "tests.harness.tier_cmds:"
 MODEL = "model=pattern-a"
 """The model the tier tests' byte patterns stand for (L3 keys are salted with it)."""
+
+STD = [
+    PoolGeom("kv", "mha", layers=2, pages=768, page_size=16, heads=2, head_dim=16, dtype="float16"),
+    PoolGeom(
+        "draft",
+        "mha",
+        layers=1,
+        pages=768,
+        page_size=16,
+        heads=1,
+        head_dim=16,
+        dtype="bfloat16",
+        indices_from="kv",
+        first_layer=50,
+    ),
+    PoolGeom("aux", "slots", layers=1, pages=128, dim=8, dtype="int32"),
+]
+"""A KV pool, a draft pool that follows it and a slot pool: the tiers tests' geometry."""
+N, SHARED = 320, 288  # 20 pages; B shares A's first 18 (90%)
+
 _rooms = itertools.count(50_000)
 
 

@@ -285,3 +285,21 @@ def test_no_import_circles() -> None:
 def test_the_walk_sees_the_package() -> None:
     g = _graph()
     assert "pdxfer.endpoint.sender" in g and "pdxfer.plan.paged" in g["pdxfer.plan.heads"]
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in ``tests/harness/`` or an integration ``*helpers.py``: a test
+    module imported by another runs its module-level set-up twice and hides its helpers."""
+    checkout = ROOT.parent
+    bad = []
+    for folder in ("tests", "benchmarks", "scripts", "examples"):
+        for p in (checkout / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+                names: list[str] = []
+                if isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""] + [a.name for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                if any(n.rpartition(".")[2].startswith("test_") for n in names):
+                    bad.append(f"{p.relative_to(checkout)}:{node.lineno}")
+    assert not bad, bad

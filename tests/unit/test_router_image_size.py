@@ -16,7 +16,10 @@ from pdxfer.serving.router.media import MediaPolicy
 from pdxfer.serving.router.openai_api import parse_chat
 from tests.harness.images import (
     WEBP_LOSSY,
+    chat,
+    data_url,
     gif,
+    image,
     jpeg,
     jpeg_segment,
     png,
@@ -25,8 +28,6 @@ from tests.harness.images import (
     webp_extended,
     webp_lossless,
 )
-
-from .test_router_images import chat, data_url, image
 
 SIZES = [(1, 1), (3, 5), (17, 9), (300, 2)]
 MAKERS: dict[str, tuple[str, Callable[[int, int], bytes]]] = {

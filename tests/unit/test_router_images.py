@@ -5,7 +5,6 @@ before. (``test_router_image_size.py``: the header reader itself.)"""
 
 from __future__ import annotations
 
-import base64
 import copy
 from pathlib import Path
 from typing import Any
@@ -16,25 +15,17 @@ from pdxfer.serving.errors import BadRequest
 from pdxfer.serving.router.backends import ToyBackend
 from pdxfer.serving.router.media import DEFAULT, MediaPolicy
 from pdxfer.serving.router.openai_api import parse_chat
-from tests.harness.images import WEBP_LOSSY, gif, jpeg, png, riff_webp, webp_lossless
-
-
-def data_url(raw: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
-
-
-def chat(*parts: dict[str, Any], text: str = "what is this?") -> dict[str, Any]:
-    return {
-        "messages": [
-            {"role": "system", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": text}, *parts]},
-        ],
-        "max_tokens": 4,
-    }
-
-
-def image(url: str) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": url}}
+from tests.harness.images import (
+    WEBP_LOSSY,
+    chat,
+    data_url,
+    gif,
+    image,
+    jpeg,
+    png,
+    riff_webp,
+    webp_lossless,
+)
 
 
 def refused(body: dict[str, Any], policy: MediaPolicy = DEFAULT) -> str:

@@ -22,23 +22,24 @@ import torch
 
 from pdxfer import BootstrapServer
 from pdxfer.integrations.vllm.scheduler import Streamed, layer_order
-
-from . import test_vllm_connector as base
-from .test_vllm_connector import (
+from tests.harness import vllm_engine as base
+from tests.harness.vllm_engine import (
     BS,
     LAYERS,
     SAMPLED,
     S,
+    early_params,
     expected,
     make_pair,
     model,
+    orders,
     pattern,
+    prefill_params,
     run_until,
     server,
 )
-from .test_vllm_streaming import early_params, orders, prefill_params
 
-__all__ = ["model", "server"]  # the fixtures, shared with test_vllm_connector
+__all__ = ["model", "server"]  # the fixtures
 
 STEP = 48  # tokens per step: a block and a half
 

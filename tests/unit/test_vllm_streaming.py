@@ -13,60 +13,28 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from vllm.v1.request import RequestStatus
 
 from pdxfer import BootstrapServer
-from pdxfer.integrations.vllm.metadata import PdxferMetadata
+from tests.harness import vllm_engine as base
+from tests.harness.vllm_engine import (
+    BS,
+    SAMPLED,
+    early_params,
+    expected,
+    make_pair,
+    model,
+    orders,
+    prefill_params,
+    run_until,
+    server,
+)
 
-from . import test_vllm_connector as base
-from .test_vllm_connector import BS, SAMPLED, expected, make_pair, model, run_until, server
-
-__all__ = ["model", "server"]  # the fixtures, shared with test_vllm_connector
+__all__ = ["model", "server"]  # the fixtures
 
 STEP = 64  # tokens per step: two blocks
-
-
-def prefill_params(room: int | None, decode: str) -> dict[str, Any]:
-    p: dict[str, Any] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "pdxfer_decode": decode,
-    }
-    if room is not None:
-        p["pdxfer_room"] = room
-    return p
-
-
-def early_params(pair: base.Pair, room: int) -> dict[str, Any]:
-    """What a front door gives the decode at dispatch (``VllmBackend.early_params``)."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "pdxfer_room": room,
-        "pdxfer_bootstrap": pair.server.address,
-        "pdxfer_instance": pair.p.conn.cfg.instance,
-    }
-
-
-def orders(e: base.Engine) -> list[PdxferMetadata]:
-    """Step ``e`` once and return the metadata its scheduler built (kept for inspection)."""
-    seen: list[PdxferMetadata] = []
-    build = e.sched.connector.build_connector_meta  # type: ignore[union-attr]
-
-    def spy(so: Any) -> Any:
-        meta = build(so)
-        seen.append(meta)
-        return meta
-
-    e.sched.connector.build_connector_meta = spy  # type: ignore[union-attr,method-assign]
-    try:
-        e.step()
-    finally:
-        e.sched.connector.build_connector_meta = build  # type: ignore[union-attr,method-assign]
-    return seen
 
 
 def test_the_scheduler_orders_each_steps_blocks_and_answers_the_room_it_opened(
