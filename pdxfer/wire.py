@@ -96,7 +96,7 @@ Agent = Annotated[bytes, msgspec.Meta(max_length=512 << 10)]
 """A transport's pairing metadata (``Transport.peer_info``), bounded below ``MAX_HELLO``."""
 
 
-class Hello(Msg):
+class Hello(Msg, frozen=True):
     """Decode endpoint -> prefill endpoint, once per pair: who I am and my pools.
 
     With a secret, the header's MAC covers every byte of this (every pool's addresses, sizes
@@ -127,7 +127,7 @@ class Hello(Msg):
     """The decode transport's ``peer_info`` (NIXL agent metadata: its registered memory)."""
 
 
-class HelloAck(Msg):
+class HelloAck(Msg, frozen=True):
     """Prefill -> decode: accepted (with the prefill's pools) or refused with a reason."""
 
     endpoint_id: Str
@@ -143,7 +143,7 @@ class HelloAck(Msg):
     """The prefill transport's ``peer_info`` (NIXL: what the decode's probes need)."""
 
 
-class TransferRequest(Msg, omit_defaults=True):
+class TransferRequest(Msg, frozen=True, omit_defaults=True):
     """Decode -> prefill: where to write a room's KV.
 
     ``dst`` holds packed int32 page (or token-slot) indices per pool, covering tokens
@@ -219,7 +219,7 @@ class TransferRequest(Msg, omit_defaults=True):
                 raise ValueError(f"pieces[{name!r}]: a unit range ends before it starts")
 
 
-class TransferDone(Msg):
+class TransferDone(Msg, frozen=True):
     """Prefill -> decode: every write of this room from this sender has completed (or failed)."""
 
     room: Room
@@ -235,7 +235,7 @@ class TransferDone(Msg):
     digests: Annotated[tuple[Digest, ...], msgspec.Meta(max_length=MAX_DIGESTS)] = ()
 
 
-class Abort(Msg):
+class Abort(Msg, frozen=True):
     """Either side -> peer: stop this room. The prefill answers ``AbortAck`` once no write of
     the room is still in flight, to the sender's registered address (never to an address
     named in a message)."""
@@ -246,7 +246,7 @@ class Abort(Msg):
     endpoint_id: Str = ""
 
 
-class AbortAck(Msg):
+class AbortAck(Msg, frozen=True):
     """Prefill -> decode: the room's writes have drained (``known`` false: never saw it)."""
 
     room: Room
@@ -256,7 +256,7 @@ class AbortAck(Msg):
     known: bool = True
 
 
-class Release(Msg):
+class Release(Msg, frozen=True):
     """Decode -> prefill: the prefill may free the room's source pages (repair no longer needed)."""
 
     room: Room

@@ -52,6 +52,12 @@ def _head_bytes(pool: PoolSpec, heads: tuple[int, int] | None) -> slice | np.nda
     return np.arange(lo * ps * hb, hi * ps * hb)
 
 
+def _complete(index: list[int | None]) -> list[int] | None:
+    """``index`` when each of the sender's buffers has one of ours, else None."""
+    out = [i for i in index if i is not None]
+    return out if len(out) == len(index) else None
+
+
 @dataclass(frozen=True, slots=True)
 class _BufferMap:
     theirs: PoolSpec
@@ -101,15 +107,15 @@ class IntegrityChecks:
                         if pool.sharding.kind != "heads"
                         else a.heads.get(name, (osh.first_head, osh.first_head + osh.rank_heads))
                     )
-                    idx = self._buffer_map(pool, theirs)
-                    if None in idx:
+                    idx = _complete(self._buffer_map(pool, theirs))
+                    if idx is None:
                         continue
                     prep = I.prepare(
                         pool,
                         I.Span(pages, st.prefix_len, st.prefix_len, st.num_tokens, lo, hi),
                         I.sample_stride(theirs, pool),
                         idx,
-                    )  # type: ignore[arg-type]
+                    )
                     if prep is not None:
                         out[(p.endpoint_id, name, st.prefix_len, st.num_tokens, lo, hi)] = prep
         except Exception:  # noqa: BLE001 - the check's full path reports what is wrong
@@ -204,7 +210,7 @@ class IntegrityChecks:
         if d.pool not in self.ep.pool_names or theirs is None:
             return f"digest for unknown pool {d.pool!r}"
         pool = self.ep.pool(d.pool)
-        idx = self._buffer_map(pool, theirs)
+        every = self._buffer_map(pool, theirs)
         sel = list(range(len(theirs.buffers)))
         if d.l1 > d.l0:  # a partial-layer chunk: the sender's buffers of those layers
             if pool.kind != "paged":
@@ -215,8 +221,9 @@ class IntegrityChecks:
                     f"digest of pool {d.pool!r} claims layers [{d.l0}, {d.l1}) the "
                     f"sender's pool does not hold"
                 )
-            idx = [idx[i] for i in sel]
-        if len(d.values) != len(idx) or None in idx:
+            every = [every[i] for i in sel]
+        idx = _complete(every)
+        if idx is None or len(d.values) != len(idx):
             return f"digest of pool {d.pool!r} does not match the sender's buffers"
         try:
             if pool.kind == "slot":
@@ -228,7 +235,7 @@ class IntegrityChecks:
                     pool,
                     slot,
                     mode,
-                    idx,  # type: ignore[arg-type]
+                    idx,
                     portable=I.portable(pool, theirs),
                     spans=None if r is None else piece_spans(pool, r),
                 )
@@ -251,7 +258,7 @@ class IntegrityChecks:
                         I.Span(pages, st.prefix_len, d.start, d.end, d.lo, d.hi),
                         mode,
                         I.sample_stride(theirs, pool),
-                        idx,  # type: ignore[arg-type]
+                        idx,
                         portable=I.portable(pool, theirs),
                     )
                 )

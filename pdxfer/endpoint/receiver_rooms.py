@@ -6,6 +6,7 @@ Plain data, read and changed under the core's lock by ``receiver.py`` and its pa
 
 from __future__ import annotations
 
+import builtins
 import time
 from dataclasses import dataclass, field
 
@@ -54,7 +55,7 @@ class RecvRoom:
     the engine asked: this receiver sends the ``Release`` itself once the room is over."""
     early: bool = False
     """Asked at dispatch (``Endpoint.receiver(early=True)``; ``TransferRequest.early``)."""
-    asks: dict[str, bytes] = field(default_factory=dict)
+    asks: dict[str, builtins.bytes] = field(default_factory=dict)
     """Per sender, the request frame sent to it (sent again, once, for an integrity retry)."""
     retried: set[str] = field(default_factory=set)
     """Senders asked a second time after a digest mismatch."""

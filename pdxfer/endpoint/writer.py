@@ -12,6 +12,7 @@ to their decode may still land.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -89,9 +90,9 @@ class Writer:
                 if start and self._startable(st, t, ci):
                     slot = Slot(st, t, ci)
                     slots.append(slot)
-                    self.ep.workers.submit(st.room, lambda s=slot: self._slotted(s))
+                    self.ep.workers.submit(st.room, functools.partial(self._slotted, slot))
                 else:
-                    self.ep.workers.submit(st.room, lambda t=t, ci=ci: self._write(st, t, ci))
+                    self.ep.workers.submit(st.room, functools.partial(self._write, st, t, ci))
         return slots
 
     def start_slots(self, slots: list[Slot]) -> None:
@@ -227,22 +228,22 @@ class Writer:
             nb += vals.nbytes
         if chunk.last:
             for name, _ in t.req.slots.items():
-                pr = t.peer.pairings.get(name)
+                spr = t.peer.pairings.get(name)
                 sslot = chunk.slots.get(name)
                 if (
-                    pr is None
+                    spr is None
                     or name in t.req.skip
                     or sslot is None
-                    or not (I.supported(pr.src.location) and I.supported(pr.dst.location))
+                    or not (I.supported(spr.src.location) and I.supported(spr.dst.location))
                 ):
                     continue
-                r = written_ranges(pr.src, pr.dst, t.req.pieces.get(name))
+                r = written_ranges(spr.src, spr.dst, t.req.pieces.get(name))
                 vals = I.slot_digests(
-                    pr.src,
+                    spr.src,
                     int(sslot),
                     mode,
-                    portable=I.portable(pr.src, pr.dst),
-                    spans=None if r is None else piece_spans(pr.src, r),
+                    portable=I.portable(spr.src, spr.dst),
+                    spans=None if r is None else piece_spans(spr.src, r),
                 )
                 t.digests.append(wire.Digest(name, 0, 0, 0, 0, tuple(vals)))
                 n += len(vals)

@@ -422,16 +422,16 @@ def plan_chunk(
         parts.append(b)
     if last:
         for name, dslot in ask.slots.items():
-            pairing = pairings.get(name)
-            if pairing is None or name in ask.skip:
+            spr = pairings.get(name)
+            if spr is None or name in ask.skip:
                 continue
             sslot = slots.get(name)
             if sslot is None:
                 return f"room {ask.room}: last send() gave no slot for pool {name!r}"
-            if pairing.src.sharding.kind == "pieces":
-                b = plan_pieces(pairing, int(sslot), dslot, (ask.pieces or {}).get(name))
+            if spr.src.sharding.kind == "pieces":
+                b = plan_pieces(spr, int(sslot), dslot, (ask.pieces or {}).get(name))
             else:
-                b = plan_slots(pairing, int(sslot), dslot)
+                b = plan_slots(spr, int(sslot), dslot)
             if isinstance(b, str):
                 return f"room {ask.room}: {b}"
             parts.append(b)

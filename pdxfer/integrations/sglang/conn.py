@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from aiohttp import web
@@ -45,6 +45,8 @@ from pdxfer import (
     ConfigError,
     Endpoint,
     EndpointConfig,
+    KVReceiver,
+    KVSender,
     Limits,
     PdxferError,
     trusted_bootstrap,
@@ -189,7 +191,9 @@ class PdxferKVManager(CommonKVManager):
             )
 
     # -- configuration ----------------------------------------------------------------------
-    def _config(self, role: str, bootstrap: str | None = None) -> EndpointConfig:
+    def _config(
+        self, role: Literal["prefill", "decode"], bootstrap: str | None = None
+    ) -> EndpointConfig:
         dp_size = self.system_dp_size if self.system_dp_size > 1 else self.attn_dp_size
         dp_rank = self.system_dp_rank if self.system_dp_size > 1 else self.attn_dp_rank
         ib = getattr(self.kv_args, "ib_device", None) or ""
@@ -361,12 +365,12 @@ class PdxferKVManager(CommonKVManager):
                 self.host_endpoint = Endpoint(self._config("decode"), self.host_pools)
 
     @property
-    def supports_host_destination(self) -> bool:  # type: ignore[override]
+    def supports_host_destination(self) -> bool:
         """SGLang asks before it lands a request in host memory: yes when this rank's
         ``KVArgs`` name host KV buffers laid out as its device ones (one per KV buffer) and
         no request-scoped states (they would need host state buffers too)."""
         a = self.kv_args
-        ptrs = getattr(a, "host_kv_data_ptrs", None)
+        ptrs = getattr(a, "host_kv_data_ptrs", None) or []
         return (
             self.disaggregation_mode == DisaggregationMode.DECODE
             and bool(ptrs)
@@ -432,6 +436,8 @@ class PdxferKVSender(CommonKVSender):
     """A prefill request: SGLang's chunk calls become pdxfer ``send()``s."""
 
     kv_mgr: PdxferKVManager
+    _early_send_wait_event: Any
+    """Set by SGLang's prefill: the event of the forward that writes an early send's pages."""
 
     def __init__(
         self,
@@ -441,8 +447,8 @@ class PdxferKVSender(CommonKVSender):
         req_has_disagg_prefill_dp_rank: bool = False,
     ) -> None:
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
-        self.tx = None
-        self.swa_tx = None  # the SWA pool's room (``window.py``)
+        self.tx: KVSender | None = None
+        self.swa_tx: KVSender | None = None  # the SWA pool's room (``window.py``)
         self._started = False
         self._pages = 0  # KV pages handed to pdxfer so far, the decode's prefix included
         self._swa: tuple[np.ndarray, int] | None = None  # SWA pages and their first page
@@ -477,7 +483,7 @@ class PdxferKVSender(CommonKVSender):
         try:
             if not self._started:
                 self._started = True
-                self._send_prefix()
+                self._send_prefix(self.tx)
             slots: dict[str, int] = {}
             if is_last:
                 slots = {
@@ -534,9 +540,9 @@ class PdxferKVSender(CommonKVSender):
             if tx is not None:
                 tx.abort(why)
 
-    def _send_prefix(self) -> None:
+    def _send_prefix(self, tx: KVSender) -> None:
         """Pages for the decode's prefix, which pdxfer skips: SGLang sends only the rest."""
-        prefix = int(self.tx.prefix_len or 0)
+        prefix = int(tx.prefix_len or 0)
         ps = self.kv_mgr.kv_page_size()
         if prefix % ps:
             raise PdxferError(
@@ -544,7 +550,7 @@ class PdxferKVSender(CommonKVSender):
                 f"multiple of the prefill page size {ps}"
             )
         if prefix:
-            self.tx.send({KV: np.zeros(prefix // ps, dtype=np.int64)})
+            tx.send({KV: np.zeros(prefix // ps, dtype=np.int64)})
             self._pages += prefix // ps
 
     def poll(self) -> int:
@@ -600,12 +606,13 @@ class PdxferKVReceiver(CommonKVReceiver):
     """A decode request: ``send_metadata`` becomes a pdxfer ``request()``."""
 
     kv_mgr: PdxferKVManager
+    conclude_state: KVPoll | None
 
-    def __init__(
-        self, mgr: PdxferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None
-    ) -> None:
-        self.rx = None
-        self.swa_rx = None  # the SWA pool's room (``window.py``)
+    def __init__(self, mgr: PdxferKVManager, bootstrap_addr: str, bootstrap_room: int) -> None:
+        # SGLang's scheduler refuses a disaggregated request without a room (but the fake
+        # backend's), so a pdxfer receiver always has one
+        self.rx: KVReceiver | None = None
+        self.swa_rx: KVReceiver | None = None  # the SWA pool's room (``window.py``)
         self._dp: int | None = None
         self._requested = False
         self._cause: BaseException | None = None

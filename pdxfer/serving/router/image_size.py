@@ -15,6 +15,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 class BadHeader(ValueError):
@@ -56,7 +57,7 @@ COM. The rest (JPG C8 and JPGn F0-FD, which Pillow reads as having no length, an
 reserved ones) are refused: a decoder could read past them differently."""
 
 
-def _read(fmt: struct.Struct, raw: bytes, at: int, what: str) -> tuple[int, ...]:
+def _read(fmt: struct.Struct, raw: bytes, at: int, what: str) -> tuple[Any, ...]:
     if at + fmt.size > len(raw):
         raise BadHeader(f"cut short in {what}")
     return fmt.unpack_from(raw, at)

@@ -277,8 +277,7 @@ class KvFeeds:
         for worker, batch in items:
             ids: dict[int, int] = {}  # per block size, this worker's id in its index
             for ev in batch.events:
-                t = type(ev)
-                if t is RawStored or t is BlockStored:
+                if isinstance(ev, (RawStored, BlockStored)):
                     if ev.group_idx not in (None, 0) or ev.medium not in (None, "GPU"):
                         continue
                     bs = ev.block_size
@@ -289,12 +288,12 @@ class KvFeeds:
                     ops[bs].append(
                         ("s", w, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.extra_keys)
                     )
-                elif t is BlockRemoved:
+                elif isinstance(ev, BlockRemoved):
                     if ev.group_idx not in (None, 0) or ev.medium not in (None, "GPU"):
                         continue
                     for bs, ix in self.indexes.items():
                         ops[bs].append(("r", ix.worker(worker), ev.block_hashes))
-                elif t is AllBlocksCleared:
+                elif isinstance(ev, AllBlocksCleared):
                     for bs, ix in self.indexes.items():
                         ops[bs].append(("c", ix.worker(worker)))
         out: dict[str, int] = {}

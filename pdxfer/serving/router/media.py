@@ -68,9 +68,9 @@ def check_image_part(part: dict[str, Any], where: str, policy: MediaPolicy) -> N
     """Refuse (``BadRequest``, a 400) an ``image_url`` part the workers must not get."""
     iu = part.get("image_url")
     url = iu.get("url") if isinstance(iu, dict) else None
-    if not isinstance(url, str) or not url:
+    if not isinstance(iu, dict) or not isinstance(url, str) or not url:
         raise BadRequest(f"{where}: 'image_url' must be an object with a 'url' string")
-    detail = iu.get("detail")  # type: ignore[union-attr]
+    detail = iu.get("detail")
     if detail is not None and detail not in ("auto", "low", "high"):
         raise BadRequest(f"{where}: 'image_url.detail' must be auto, low or high")
     low = url[:8].lower()
@@ -120,10 +120,10 @@ def parse_parts(
     for j, x in enumerate(content):
         at = f"{where}[{j}]"
         kind = x.get("type") if isinstance(x, dict) else None
-        if kind == "text" and isinstance(x.get("text"), str):  # type: ignore[union-attr]
-            out.append({"type": "text", "text": x["text"]})  # type: ignore[index]
+        if kind == "text" and isinstance(x.get("text"), str):
+            out.append({"type": "text", "text": x["text"]})
         elif kind == "image_url":
-            check_image_part(x, at, policy)  # type: ignore[arg-type]
+            check_image_part(x, at, policy)
             images += 1
             out.append({"type": "image"})
         else:

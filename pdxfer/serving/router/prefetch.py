@@ -14,7 +14,7 @@ types, cgutils, intrinsic = numba.types, numba.core.cgutils, numba.extending.int
 
 
 @intrinsic
-def prefetch(typingctx: Any, arr: types.Array, i: types.Integer) -> Any:
+def prefetch(typingctx: Any, arr: Any, i: Any) -> Any:
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         aty = sig.args[0]
         a = context.make_array(aty)(context, builder, args[0])

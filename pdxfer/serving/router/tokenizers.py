@@ -93,7 +93,8 @@ class _PrefixDetok:
     holding back a trailing replacement character (a multi-byte character still arriving)."""
 
     def __init__(self, tok: HFTokenizer) -> None:
-        self.tok, self.ids, self.sent = tok, [], 0
+        self.tok, self.sent = tok, 0
+        self.ids: list[int] = []
 
     def feed(self, ids: list[int]) -> str:
         self.ids += ids
