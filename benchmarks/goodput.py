@@ -21,9 +21,9 @@ from openai import APIStatusError, AsyncOpenAI
 from benchmarks.common.runner import log as _log
 from benchmarks.common.runner import phase_start
 from pdxfer import BootstrapServer
-from pdxfer.demo.hf_model import build_model
-from pdxfer.demo.vllm_procs import VllmServer, kv_config, read_stats, start_all
 from pdxfer.serving.procs import Proc
+from pdxfer.serving.vllm.local_model import build_model
+from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start_all
 
 NAME = "goodput"
 BS = 32

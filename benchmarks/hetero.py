@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common.fleet import Fleet
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 
 TOKENS, LAYERS, HEADS, HEAD_DIM, PAGE = 4096, 8, 8, 128, 16
 FAST = {"bootstrap_timeout_s": 20.0, "transfer_timeout_s": 60.0, "transport": "tcp"}

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common.fleet import Fleet
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 
 X = "tests.harness.tier_cmds:"
 

@@ -14,7 +14,8 @@ from typing import Any
 from benchmarks.common.vllm_bench import NIXL_SHIM, pct, root_cause, stream_request, tokens
 from benchmarks.common.vllm_proxy import FrontDoor
 from pdxfer import BootstrapServer
-from pdxfer.demo.vllm_procs import (
+from pdxfer.serving.procs import Proc
+from pdxfer.serving.vllm.servers import (
     ServerNotReady,
     VllmServer,
     kv_config,
@@ -22,7 +23,6 @@ from pdxfer.demo.vllm_procs import (
     read_stats,
     start_all,
 )
-from pdxfer.serving.procs import Proc
 from tests.harness.hf_families import FAMILIES, build_family
 
 ROOT = Path(__file__).resolve().parent

@@ -21,15 +21,15 @@ from typing import Any
 from openai import OpenAI
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.hf_model import build_model
-from pdxfer.demo.vllm_procs import (
+from pdxfer.netaddr import free_port
+from pdxfer.serving.procs import Proc
+from pdxfer.serving.vllm.local_model import build_model
+from pdxfer.serving.vllm.servers import (
     ServerNotReady,
     VllmServer,
     kv_config,
     start_all,
 )
-from pdxfer.netaddr import free_port
-from pdxfer.serving.procs import Proc
 
 BS = 32
 VARIANTS = ("kv_aware", "round_robin")

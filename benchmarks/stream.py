@@ -25,8 +25,10 @@ from benchmarks.common.vllm_bench import (
     tokens,
 )
 from pdxfer import ConfigError
-from pdxfer.demo.hf_model import SHAPES, build_model
-from pdxfer.demo.vllm_procs import (
+from pdxfer.integrations.vllm.config import parse as parse_connector_config
+from pdxfer.serving.procs import Proc, ProcessStartError
+from pdxfer.serving.vllm.local_model import SHAPES, build_model
+from pdxfer.serving.vllm.servers import (
     Server,
     ServerNotReady,
     VllmServer,
@@ -35,8 +37,6 @@ from pdxfer.demo.vllm_procs import (
     start_one_by_one,
     start_together,
 )
-from pdxfer.integrations.vllm.config import parse as parse_connector_config
-from pdxfer.serving.procs import Proc, ProcessStartError
 from tests.harness.hosts import Host, Network, root_reason
 
 BS = 32
@@ -496,7 +496,7 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
         "--shape",
         choices=sorted(SHAPES),
         default="kv32k",
-        help="pdxfer.demo.hf_model shape (kv32k: 64 KiB of KV per token in float32)",
+        help="pdxfer.serving.vllm.local_model shape (kv32k: 64 KiB of KV per token in float32)",
     )
     ap.add_argument("--variants", default=",".join(ALL), help=f"of {', '.join(ALL)}")
     add_startup_timeout_arg(ap)

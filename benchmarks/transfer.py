@@ -20,8 +20,8 @@ from benchmarks.common.limits import socket_stream
 from benchmarks.common.runner import ROOT, load, log
 from benchmarks.common.transfer_report import plot, table
 from pdxfer import plan as P
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 
 LAYERS, HEADS, HEAD_DIM, PS = 32, 8, 128, 64
 PF_PAGES, DC_PAGES = 64, 160

@@ -30,8 +30,9 @@ from benchmarks.common.vllm_bench import (
 )
 from benchmarks.common.vllm_proxy import FrontDoor
 from pdxfer import BootstrapServer
-from pdxfer.demo.hf_model import SHAPES, build_model
-from pdxfer.demo.vllm_procs import (
+from pdxfer.integrations.vllm.config import default as connector_default
+from pdxfer.serving.vllm.local_model import SHAPES, build_model
+from pdxfer.serving.vllm.servers import (
     Server,
     ServerNotReady,
     VllmServer,
@@ -42,7 +43,6 @@ from pdxfer.demo.vllm_procs import (
     start_one_by_one,
     start_together,
 )
-from pdxfer.integrations.vllm.config import default as connector_default
 from pdxfer.transport.auto import pick
 from pdxfer.transport.nixl import installed as nixl_installed
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from pdxfer.demo.transfer_demo import main
+from pdxfer.agents.transfer_demo import main
 
 sys.exit(main())

@@ -58,7 +58,7 @@ def _bootstrap(a: argparse.Namespace) -> int:
 
 
 def _transfer_demo(a: argparse.Namespace) -> int:
-    from .demo.transfer_demo import main as demo
+    from .agents.transfer_demo import main as demo
 
     return demo(a.rest)
 
@@ -76,7 +76,7 @@ def _bench(a: argparse.Namespace) -> int:
 def _demo(a: argparse.Namespace) -> int:
     engine, rest = engine_pick().parse_known_args(a.rest)
     if engine.engine == "vllm":  # real vLLM (the `vllm` extra) behind the router
-        from .demo.vllm_demo import main as vllm_demo
+        from .serving.vllm.demo import main as vllm_demo
 
         return vllm_demo(rest)
     from .serving.toy.demo import main as demo
@@ -148,9 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def pass_through_parsers() -> dict[str, argparse.ArgumentParser]:
     """The parsers of the subcommands that parse their own options."""
-    from .demo.transfer_demo import parser as transfer_parser
-    from .demo.vllm_demo import parser as vllm_parser
+    from .agents.transfer_demo import parser as transfer_parser
     from .serving.toy.demo import parser as demo_parser
+    from .serving.vllm.demo import parser as vllm_parser
 
     return {
         "demo": demo_parser("pdxfer demo"),

@@ -50,9 +50,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's helpers
 
+from pdxfer.agents.patterns import PoolGeom  # noqa: E402
+from pdxfer.agents.process import Agent  # noqa: E402
 from pdxfer.bootstrap import BootstrapServer  # noqa: E402
-from pdxfer.demo.harness import Agent  # noqa: E402
-from pdxfer.demo.patterns import PoolGeom  # noqa: E402
 from tests.integration.conftest import FAST  # noqa: E402
 from tests.integration.helpers import SIX_POOLS as GEOMS  # noqa: E402
 from tests.integration.helpers import Factory, decode_items, run, verify  # noqa: E402

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import transfer as B  # noqa: E402
+from pdxfer.agents.process import Agent  # noqa: E402
 from pdxfer.bootstrap import BootstrapServer  # noqa: E402
-from pdxfer.demo.harness import Agent  # noqa: E402
 
 
 def _spy(pid: int, fmt: str, path: Path, rate: int) -> subprocess.Popen[bytes]:

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 import profile_small as PS  # noqa: E402
 
 from benchmarks import transfer as B  # noqa: E402
+from pdxfer.agents.process import Agent  # noqa: E402
 from pdxfer.bootstrap import BootstrapServer  # noqa: E402
-from pdxfer.demo.harness import Agent  # noqa: E402
 
 TRANSFER = [
     # (segment, from, to): the first stamp named ``to`` after ``from``

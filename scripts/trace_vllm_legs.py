@@ -70,8 +70,8 @@ from benchmarks.common.vllm_bench import (  # noqa: E402
 from benchmarks.common.vllm_proxy import FrontDoor  # noqa: E402
 from benchmarks.vllm import BS, Setup, default_variant, makers, reference_leg  # noqa: E402
 from pdxfer import BootstrapServer  # noqa: E402
-from pdxfer.demo.hf_model import SHAPES, build_model  # noqa: E402
-from pdxfer.demo.vllm_procs import add_startup_timeout_arg, start_one_by_one  # noqa: E402
+from pdxfer.serving.vllm.local_model import SHAPES, build_model  # noqa: E402
+from pdxfer.serving.vllm.servers import add_startup_timeout_arg, start_one_by_one  # noqa: E402
 
 CASES = ("colocated_stream", "colocated_one", "pdxfer_leg", "pdxfer_one")
 SOLO = "pdxfer_one_solo"

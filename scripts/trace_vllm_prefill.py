@@ -49,8 +49,8 @@ from benchmarks.common.vllm_bench import run_and_report  # noqa: E402
 from benchmarks.common.vllm_proxy import FrontDoor  # noqa: E402
 from benchmarks.vllm import BS, Setup, makers, prom_sum, tokens, ttft  # noqa: E402
 from pdxfer import BootstrapServer  # noqa: E402
-from pdxfer.demo.hf_model import SHAPES, build_model  # noqa: E402
-from pdxfer.demo.vllm_procs import Server, add_startup_timeout_arg, start_one_by_one  # noqa: E402
+from pdxfer.serving.vllm.local_model import SHAPES, build_model  # noqa: E402
+from pdxfer.serving.vllm.servers import Server, add_startup_timeout_arg, start_one_by_one  # noqa: E402
 
 HIST = {
     "e2e": "vllm:e2e_request_latency_seconds",

@@ -22,9 +22,9 @@ import numpy as np
 import zmq
 
 from pdxfer import plan as P
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.agent import AgentState
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.commands import AgentState
+from pdxfer.agents.patterns import PoolGeom
 from pdxfer.endpoint.handles import KVPoll
 from pdxfer.endpoint.receiver import KVReceiver
 from pdxfer.pools import PoolSpec

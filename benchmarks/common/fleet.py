@@ -10,9 +10,9 @@ import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 from pdxfer.bootstrap import BootstrapServer
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
 
 BENCH_STATE = "benchmarks.common.bench_agent:BenchState"
 """The agent state with the benchmarks' commands (timing, raw writes, CPU time)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from pdxfer.demo.vllm_procs import ServerNotReady
+from pdxfer.serving.vllm.servers import ServerNotReady
 
 
 class Unavailable(RuntimeError):

@@ -17,7 +17,7 @@ from typing import Any
 from openai import OpenAI
 
 from benchmarks.common.runner import emit
-from pdxfer.demo.vllm_procs import ServerNotReady
+from pdxfer.serving.vllm.servers import ServerNotReady
 
 NIXL_SHIM = Path(__file__).resolve().parent / "nixl_shim"
 """Put on a vLLM process's PYTHONPATH so NixlConnector imports ``nixl`` (``nixl-cu12``)."""

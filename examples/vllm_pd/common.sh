@@ -2,7 +2,7 @@
 # Needs: pdxfer with the vllm extra (CPU: `pip install torch==2.13.0 "pdxfer[cpu,vllm,router]"`;
 # GPU: `pip install vllm==0.32.0 "pdxfer[cuda,router]"`), in the same environment as vLLM.
 
-: "${MODEL:?set MODEL to a model folder (to try it: python -m pdxfer.demo.hf_model /tmp/pdxfer-llama)}"
+: "${MODEL:?set MODEL to a model folder (to try it: python -m pdxfer.serving.vllm.local_model /tmp/pdxfer-llama)}"
 PY="${PYTHON:-python}"
 # Extra `vllm serve` options for both servers, e.g. on CPU:
 #   VLLM_ARGS="--enforce-eager --dtype float32 --kv-cache-memory-bytes 268435456"

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
 from pdxfer.integrity import Span, digests, slot_digests
 
 pytestmark = pytest.mark.skipif(

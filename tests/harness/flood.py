@@ -21,10 +21,10 @@ import numpy as np
 import zmq
 
 from pdxfer import trust, wire
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 from pdxfer.bootstrap import BootstrapServer
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
 from pdxfer.pools import layout_signature
 
 from .zmqctx import context

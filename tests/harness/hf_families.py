@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdxfer.demo.hf_model import BOS, EOS, write_tokenizer
+from pdxfer.serving.vllm.local_model import BOS, EOS, write_tokenizer
 
 VOCAB = 1024
 MAX_LEN = 8192

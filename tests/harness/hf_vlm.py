@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from pdxfer.demo.hf_model import BOS, EOS, write_tokenizer
+from pdxfer.serving.vllm.local_model import BOS, EOS, write_tokenizer
 
 from .hf_families import LOGIT_SCALE, VOCAB
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from pdxfer import BootstrapServer, Endpoint, EndpointConfig, KVPoll
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
 from pdxfer.transport import MemoryFabric, MemoryTransport
 
 GEOMS = [

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any
 
-from pdxfer.demo import patterns as pat
+from pdxfer.agents import patterns as pat
 from pdxfer.endpoint.handles import KVPoll
 from pdxfer.tiers.cache import Match, TieredCache
 from pdxfer.tiers.mooncake_store import MooncakeStoreStorage

@@ -45,9 +45,9 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from pdxfer import BootstrapServer  # noqa: E402
-from pdxfer.demo.hf_model import SHAPES, build_model  # noqa: E402
 from pdxfer.integrations.vllm.connector import PdxferConnector  # noqa: E402
 from pdxfer.integrations.vllm.metadata import PdxferMetadata  # noqa: E402
+from pdxfer.serving.vllm.local_model import SHAPES, build_model  # noqa: E402
 from pdxfer.transport import MemoryFabric, MemoryTransport  # noqa: E402
 
 BS = 32

@@ -12,9 +12,9 @@ import pytest
 import zmq
 
 from pdxfer import BootstrapClient, BootstrapError, BootstrapServer, wire
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 from pdxfer.bootstrap import Registration
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
 from pdxfer.pools import layout_signature
 from tests.harness.zmqctx import context
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 
 from .conftest import FAST
 from .helpers import Factory, run, verify

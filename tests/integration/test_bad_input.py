@@ -16,9 +16,9 @@ import pytest
 import zmq
 
 from pdxfer import BootstrapServer, wire
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 from pdxfer.pools import layout_signature
 from pdxfer.transport import MooncakeTransport
 from tests.harness.zmqctx import context

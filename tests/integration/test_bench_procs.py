@@ -23,13 +23,13 @@ import pytest
 from benchmarks.common.proccpu import busy_cores, host_busy_cores, tree_pids
 from benchmarks.common.vllm_bench import stream_request
 from benchmarks.common.vllm_proxy import FrontDoor
-from pdxfer.demo.vllm_procs import (
+from pdxfer.netaddr import free_port
+from pdxfer.serving.vllm.servers import (
     Server,
     ServerNotReady,
     start_one_by_one,
     start_together,
 )
-from pdxfer.netaddr import free_port
 from tests.harness.benchrun import run_bench
 
 HEALTHY = """
@@ -349,7 +349,7 @@ BENCH = """
 import sys, time
 from pathlib import Path
 from benchmarks.common import runner
-from pdxfer.demo.vllm_procs import Server
+from pdxfer.serving.vllm.servers import Server
 
 tmp = Path(sys.argv[1])
 

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapClient, BootstrapServer, Endpoint, EndpointConfig, Limits, trust
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
 from pdxfer.bootstrap import Registration
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.patterns import PoolGeom
 from pdxfer.transport import MemoryTransport
 
 SECRET = "bootstrap-secret-for-tests-0123456789"

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 
 from .conftest import FAST, start_pair
 from .helpers import Factory, decode_items, prefill_items, run, verify, wait_written

@@ -119,8 +119,8 @@ def test_launch_scripts_are_valid_bash() -> None:
 
 
 def _start_one_host(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
-    from pdxfer.demo.vllm_procs import QUIET_ENV
     from pdxfer.netaddr import free_port
+    from pdxfer.serving.vllm.servers import QUIET_ENV
 
     ports = {
         k: free_port() for k in ("ROUTER_PORT", "PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT")
@@ -161,7 +161,7 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.mark.timeout(1800)  # two vLLM servers start on a shared CPU machine
 def test_vllm_one_host_scripts_serve_the_colocated_tokens(tmp_path: Path) -> None:
-    from pdxfer.demo.hf_model import build_model
+    from pdxfer.serving.vllm.local_model import build_model
     from tests.integration.vllm_helpers import complete
 
     model = build_model(tmp_path / "llama")

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdxfer import BootstrapServer, Endpoint, EndpointConfig, Limits, WireError, trust, wire
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
 from pdxfer.pools import layout_signature
 from tests.harness.zmqctx import context
 

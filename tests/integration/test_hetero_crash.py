@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 
 from .conftest import FAST
 from .helpers import Factory, decode_items, prefill_items, wait_written

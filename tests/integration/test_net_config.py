@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapClient, BootstrapError
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 from pdxfer.bootstrap import Registration
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
 from pdxfer.serving.procs import Proc
 from pdxfer.serving.toy.cluster import RemoteBootstrap
 from tests.harness.hosts import Network

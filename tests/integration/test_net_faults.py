@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 from pdxfer.serving.toy.cluster import RemoteBootstrap
 from pdxfer.transport import tcpstate
 from tests.harness.hosts import Network

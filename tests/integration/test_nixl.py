@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer, PeerLost, TransportError
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 from pdxfer.transport.nixl import NixlTransport
 
 from .conftest import FAST

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.harness import Agent
+from pdxfer.agents.process import Agent
 
 from .conftest import start_pair
 from .helpers import SIX_POOLS as GEOMS

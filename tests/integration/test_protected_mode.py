@@ -24,8 +24,8 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapServer, ConfigError, Endpoint, EndpointConfig
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
 from pdxfer.serving.procs import Proc
 from pdxfer.transport import MemoryTransport
 from tests.harness.hosts import Host, Network

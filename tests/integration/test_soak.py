@@ -10,7 +10,7 @@ import os
 import time
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
 
 from .conftest import start_pair
 from .helpers import Factory, run, verify

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 
 from .conftest import start_pair
 from .helpers import Factory, decode_items, prefill_items, run, verify

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.harness import Agent, wait_until
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent, wait_until
 
 from .conftest import start_pair
 from .helpers import Factory, decode_items, prefill_items, verify
@@ -82,7 +82,7 @@ def _landed(dc: Agent, r: dict[str, Any], layers: int) -> bool:
     """Whether layers ``[0, layers)`` of every token of ``r`` are in the decode's pages."""
     return dc.call(
         "ext",
-        fn="pdxfer.demo.agent:layers_landed",
+        fn="tests.harness.transport_cmds:layers_landed",
         room=r["room"],
         dst=r["dst"],
         num_tokens=r["num_tokens"],

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 from pdxfer.tiers.keys import pool_key
 from pdxfer.tiers.mooncake_store import MooncakeMaster
 from pdxfer.tiers.storage import FileStorage

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
 from pdxfer.tiers import FileStorage, TieredCache
 from pdxfer.tiers.mooncake_store import MooncakeMaster, MooncakeStoreStorage
 

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from pdxfer.demo.harness import wait_until
+from pdxfer.agents.process import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,10 +15,10 @@ import msgspec
 import pytest
 
 from pdxfer import BootstrapClient, BootstrapServer
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 from pdxfer.bootstrap import Registration
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
 from pdxfer.pools import layout_signature
 
 from . import attack as A

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer, wire
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.harness import Agent, AgentError
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent, AgentError
 from pdxfer.pools import layout_signature
 
 from . import attack as A

@@ -32,9 +32,9 @@ from typing import Any
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.hf_model import build_model
-from pdxfer.demo.vllm_procs import VllmServer, kv_config, start_all
 from pdxfer.serving.procs import Proc
+from pdxfer.serving.vllm.local_model import build_model
+from pdxfer.serving.vllm.servers import VllmServer, kv_config, start_all
 
 from .vllm_helpers import MAX_TOKENS, client, complete, text, wait
 

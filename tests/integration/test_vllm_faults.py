@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.vllm_procs import VllmServer, kv_config
+from pdxfer.serving.vllm.servers import VllmServer, kv_config
 
 from . import vllm_helpers as vh
 from .vllm_helpers import (

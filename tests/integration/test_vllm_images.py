@@ -25,8 +25,8 @@ import openai
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.vllm_procs import VllmServer, kv_config, read_stats, start_all
 from pdxfer.serving.procs import Proc
+from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start_all
 from tests.harness.hf_vlm import build_vlm
 
 from .vllm_helpers import client, token_ids, wait

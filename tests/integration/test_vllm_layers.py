@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from pdxfer.demo.hf_model import SHAPES
-from pdxfer.demo.vllm_procs import VllmServer, kv_config
+from pdxfer.serving.vllm.local_model import SHAPES
+from pdxfer.serving.vllm.servers import VllmServer, kv_config
 
 from . import vllm_helpers as vh
 from .vllm_helpers import client, complete, kv_usage, metric, wait

@@ -26,8 +26,8 @@ import pytest
 from openai import OpenAI
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.hf_model import SHAPES
-from pdxfer.demo.vllm_procs import VllmServer, kv_config, start_all
+from pdxfer.serving.vllm.local_model import SHAPES
+from pdxfer.serving.vllm.servers import VllmServer, kv_config, start_all
 
 from . import vllm_helpers as vh
 from .vllm_helpers import (

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.vllm_procs import VllmServer, kv_config, read_stats, start_all
 from pdxfer.serving.procs import Proc
+from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start_all
 from tests.harness.hf_families import FAMILIES, build_family
 
 from .vllm_helpers import MAX_TOKENS, complete, wait

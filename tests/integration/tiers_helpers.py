@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer.demo.harness import Agent
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents.patterns import PoolGeom
+from pdxfer.agents.process import Agent
 
 from .helpers import Pages
 

@@ -19,9 +19,9 @@ import openai
 from openai import OpenAI
 
 from pdxfer import BootstrapServer
-from pdxfer.demo.hf_model import CORPUS, build_model
-from pdxfer.demo.vllm_procs import VllmServer, read_stats, start_all
 from pdxfer.serving.procs import Proc
+from pdxfer.serving.vllm.local_model import CORPUS, build_model
+from pdxfer.serving.vllm.servers import VllmServer, read_stats, start_all
 
 MAX_TOKENS = 12
 CLIENT_TIMEOUT_S = 120.0

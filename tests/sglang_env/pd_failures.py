@@ -30,7 +30,7 @@ import numpy as np
 import sgl_common as C
 import torch
 
-from pdxfer.demo import patterns as P
+from pdxfer.agents import patterns as P
 
 
 def side(cfg: dict, role: str, draft: bool = True) -> C.Side:

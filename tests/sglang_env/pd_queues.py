@@ -30,7 +30,7 @@ import numpy as np
 import sgl_common as C
 import torch
 
-from pdxfer.demo import patterns as P
+from pdxfer.agents import patterns as P
 
 PAGE = 4
 HEADS, HEAD_DIM, LAYERS, DRAFT_LAYERS = 2, 8, 2, 1

@@ -24,7 +24,7 @@ import numpy as np
 import sgl_common as C
 import torch
 
-from pdxfer.demo import patterns as P
+from pdxfer.agents import patterns as P
 
 
 def geometry(cfg: dict, role: str, tp_rank: int) -> C.Side:

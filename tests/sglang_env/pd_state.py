@@ -23,7 +23,7 @@ import sgl_common as C
 import torch
 from pd_sequence import _mode, released, src_pages
 
-from pdxfer.demo import patterns as P
+from pdxfer.agents import patterns as P
 
 KH, KD, VH, VD, KERNEL = 2, 4, 4, 4, 4
 """Key heads x dim, value heads x dim, conv kernel: conv channels Q 8 | K 8 | V 16."""

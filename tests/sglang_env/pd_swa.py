@@ -23,7 +23,7 @@ import numpy as np
 import sgl_common as C
 import torch
 
-from pdxfer.demo import patterns as P
+from pdxfer.agents import patterns as P
 
 PAGE, HEADS, HEAD_DIM, CHUNK = 4, 2, 8, 12
 SIZE, SIZE_SWA = 512, 192  # tokens of the full and the SWA sub-pool

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdxfer.demo import patterns as P
+from pdxfer.agents import patterns as P
 
 
 def publish(mode: str, port: int, tp_size: int = 1, tp_rank: int = 0, **extra: Any) -> Any:

@@ -87,7 +87,7 @@ FORBIDDEN = {
         "transport",
         "tiers",
         "serving",
-        "demo",
+        "agents",
         "wire",
         "bootstrap",
         "metrics",
@@ -96,11 +96,11 @@ FORBIDDEN = {
         "cli",
         "integrations",
     },
-    "transport": {"endpoint", "plan", "tiers", "serving", "demo", "cli", "integrations"},
-    "endpoint": {"tiers", "serving", "demo", "cli", "integrations"},
-    "tiers": {"serving", "demo", "cli", "integrations"},
-    "serving": {"demo", "cli", "integrations"},
-    "integrations": {"demo", "cli", "serving"},
+    "transport": {"endpoint", "plan", "tiers", "serving", "agents", "cli", "integrations"},
+    "endpoint": {"tiers", "serving", "agents", "cli", "integrations"},
+    "tiers": {"serving", "agents", "cli", "integrations"},
+    "serving": {"agents", "cli", "integrations"},
+    "integrations": {"agents", "cli", "serving"},
 }
 
 
@@ -113,12 +113,13 @@ def test_arrows_run_only_downward() -> None:
     assert not bad, "forbidden imports:\n" + "\n".join(sorted(bad))
 
 
-def test_only_cli_imports_the_demo() -> None:
+def test_only_cli_imports_the_agents() -> None:
+    """The agents (``pdxfer transfer-demo``'s processes) are no part of the library."""
     bad = [
         f"{m} -> {d}"
         for m, deps in _graph().items()
         for d in deps
-        if _layer(d) == "demo" and _layer(m) not in ("demo", "cli")
+        if _layer(d) == "agents" and _layer(m) not in ("agents", "cli")
     ]
     assert not bad, bad
 
@@ -136,7 +137,7 @@ def _top_imports(path: Path) -> set[str]:
 
 def test_the_wheel_never_imports_the_checkout() -> None:
     """``tests`` (the harness) and ``benchmarks`` are not in the wheel: the library, the
-    demo included, must run without them (``pdxfer bench`` imports ``benchmarks`` by name)."""
+    demos included, must run without them (``pdxfer bench`` imports ``benchmarks`` by name)."""
     bad = [
         f"{_module(p)} imports {sorted(_top_imports(p) & {'tests', 'benchmarks'})}"
         for p in ROOT.rglob("*.py")

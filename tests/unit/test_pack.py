@@ -17,8 +17,8 @@ import torch
 
 from pdxfer import BootstrapServer, KVPoll, wire
 from pdxfer import plan as P
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
 from pdxfer.endpoint.pack import MAX_ENTRY, Packer, merged, unpack
 from pdxfer.endpoint.staging import Lease, Staging
 from pdxfer.plan.chunk import Ask, check_ask, plan_chunk

@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 
 from pdxfer import cli, endpoint_settings
+from pdxfer.agents import transfer_demo
+from pdxfer.agents.transfer_demo import TransferDemoOptions
 from pdxfer.cli import CliOptions, build_parser, engine_pick, pass_through_parsers
 from pdxfer.config import ENV_VARS, Knobs
-from pdxfer.demo import hf_model, transfer_demo, vllm_demo
-from pdxfer.demo.transfer_demo import TransferDemoOptions
-from pdxfer.demo.vllm_demo import VllmDemoOptions
 from pdxfer.integrations.vllm import config as connector
 from pdxfer.serving import cli_args
 from pdxfer.serving.cli_args import add_worker_args, flag_of
@@ -33,6 +32,9 @@ from pdxfer.serving.toy import demo as toy_demo
 from pdxfer.serving.toy.config import WorkerConfig
 from pdxfer.serving.toy.demo import DemoOptions
 from pdxfer.serving.toy.model import ToyConfig
+from pdxfer.serving.vllm import demo as vllm_demo
+from pdxfer.serving.vllm import local_model
+from pdxfer.serving.vllm.demo import VllmDemoOptions
 from pdxfer.setting import Setting, settings_of
 
 ROOT = Path(__file__).resolve().parents[2] / "pdxfer"
@@ -210,7 +212,7 @@ def _literal_flag_args(path: Path) -> list[str]:
 
 @pytest.mark.parametrize(
     "module", [cli_args, cli, toy_demo, vllm_demo, transfer_demo], ids=lambda m: m.__name__
-)  # hf_model: only its positional's help
+)  # local_model: only its positional's help
 def test_option_parsers_write_no_default_or_help(module: object) -> None:
     """The serving flags' module, ``pdxfer``'s dispatcher and the demos' own parsers leave
     every default and help text to a field."""
@@ -226,7 +228,7 @@ PASS_THROUGH = {
 """The dataclass whose fields each self-parsing subcommand's flags are generated from."""
 OTHERS = {
     "demo's --engine pick": (engine_pick, CliOptions),
-    "python -m pdxfer.demo.hf_model": (hf_model.parser, hf_model.BuildOptions),
+    "python -m pdxfer.serving.vllm.local_model": (local_model.parser, local_model.BuildOptions),
 }
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer, Endpoint, EndpointConfig, KVPoll, TransportError
-from pdxfer.demo import patterns as pat
+from pdxfer.agents import patterns as pat
 from pdxfer.endpoint.settler import Settler
 from pdxfer.transport import MemoryFabric, MemoryTransport
 from tests.harness.memory_pair import FAST, GEOMS, Pair, stranded_room, until, wait

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pdxfer import plan as P
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
 from pdxfer.endpoint.staging import Lease, Staging, bounce, scatter
 from pdxfer.plan.heads import lease_bytes, lease_error, plan_staged
 

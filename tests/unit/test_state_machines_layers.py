@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pdxfer import BootstrapServer, KVPoll, PlanError, wire
-from pdxfer.demo import patterns as pat
+from pdxfer.agents import patterns as pat
 from tests.harness.memory_pair import Pair, rooms, until, wait
 
 PS = 4

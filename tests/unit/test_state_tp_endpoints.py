@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pdxfer import BootstrapServer, BufferSpec, Endpoint, EndpointConfig, KVPoll, PoolSpec, Sharding
-from pdxfer.demo import patterns as pat
-from pdxfer.demo.patterns import PoolGeom
+from pdxfer.agents import patterns as pat
+from pdxfer.agents.patterns import PoolGeom
 from pdxfer.transport import MemoryFabric, MemoryTransport
 
 from .state_pages import MAMBA2, SENTINEL, page, state_pieces

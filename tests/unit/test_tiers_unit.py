@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from pdxfer.demo.patterns import PoolGeom, build
+from pdxfer.agents.patterns import PoolGeom, build
 from pdxfer.errors import ConfigError
 from pdxfer.tiers import CapacityError, FileStorage, HostCache, TieredCache, page_keys
 from pdxfer.tiers.keys import pool_key

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pdxfer import plan as P
-from pdxfer.demo.patterns import PoolGeom, build
+from pdxfer.agents.patterns import PoolGeom, build
 from pdxfer.plan.heads import plan_head_slice
 from pdxfer.plan.topology import assign, contacts, decode_peers
 from pdxfer.pools import BufferSpec, PoolSpec, Sharding

@@ -8,7 +8,7 @@ give the same bytes, so a prefill and a decode that each build the folder run th
 ``small`` (4 layers, GQA: fast engines for the tests) and ``kv32k`` (32 KiB of KV per token in
 bf16, 64 KiB served in float32, so moving KV is a real share of a request's time).
 
-    python -m pdxfer.demo.hf_model /tmp/llama-small [--shape small] [--layers 4 ...]
+    python -m pdxfer.serving.vllm.local_model /tmp/llama-small [--shape small] [--layers 4 ...]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..setting import setting, settings_of
+from ...setting import setting, settings_of
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|system|>", "<|user|>", "<|assistant|>"]
 BOS, EOS = 0, 1
@@ -100,7 +100,7 @@ SHAPES = {
 
 @dataclass(frozen=True, slots=True)
 class BuildOptions:
-    """``python -m pdxfer.demo.hf_model``'s options (its flags are generated from these
+    """``python -m pdxfer.serving.vllm.local_model``'s options (its flags are generated from these
     fields); ``build_model`` defaults to the same shape and seed."""
 
     shape: str = setting("small", "the shape to start from", choices=tuple(sorted(SHAPES)))
@@ -251,8 +251,8 @@ def fingerprint(path: str | os.PathLike[str]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    """``python -m pdxfer.demo.hf_model``'s options: the folder, then ``BuildOptions``."""
-    from ..serving.cli_args import add_field_args
+    """``python -m pdxfer.serving.vllm.local_model``'s options: the folder, then ``BuildOptions``."""
+    from ..cli_args import add_field_args
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("path", help="the folder to write the model to")

@@ -32,8 +32,8 @@ from pdxfer.serving.toy.cluster import post
 from pdxfer.setting import setting as setting_field
 from pdxfer.setting import settings_of
 
-from .hf_model import CORPUS, build_model
-from .vllm_procs import VllmServer, kv_config, read_stats, start_all
+from .local_model import CORPUS, build_model
+from .servers import VllmServer, kv_config, read_stats, start_all
 
 PREFILL, DECODE = "demo-prefill", "demo-decode"
 WORDS = CORPUS.split()

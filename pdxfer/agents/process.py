@@ -35,7 +35,7 @@ class Agent:
         geoms: list[PoolGeom],
         env: dict[str, str] | None = None,
         start_timeout: float = 120.0,
-        state: str = "pdxfer.demo.agent:AgentState",
+        state: str = "pdxfer.agents.commands:AgentState",
         setup: Callable[[], object] | None = None,
     ) -> None:
         """``state`` names the ``module:Class`` whose ``cmd_*`` methods the agent serves (the
@@ -116,7 +116,7 @@ def _agent_main(
     config: dict[str, Any],
     geoms: list[PoolGeom],
     env: dict[str, str],
-    state_cls: str = "pdxfer.demo.agent:AgentState",
+    state_cls: str = "pdxfer.agents.commands:AgentState",
     setup: Callable[[], object] | None = None,
 ) -> None:
     if setup is not None:

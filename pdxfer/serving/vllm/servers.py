@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from ..netaddr import free_port
+from ...netaddr import free_port
 
 Enter = Callable[[], AbstractContextManager[Any]]
 """A host's ``enter`` (``tests.harness.hosts.Host.enter``): the calling thread's sockets,

@@ -4,7 +4,7 @@ A bootstrap server runs here; the prefill and decode endpoints run in two separa
 and talk over real ZMQ sockets and Mooncake Transfer Engine (TCP, loopback). Every byte that
 lands on the decode side is checked against the pattern the prefill wrote.
 
-    pdxfer transfer-demo --tokens 4096 --layers 8      (or: python -m pdxfer.demo.transfer_demo ...)
+    pdxfer transfer-demo --tokens 4096 --layers 8      (or: python -m pdxfer.agents.transfer_demo ...)
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 from ..bootstrap import BootstrapServer
 from ..serving.cli_args import add_field_args
 from ..setting import setting, settings_of
-from .harness import Agent
 from .patterns import PoolGeom
+from .process import Agent
 
 
 @dataclass(frozen=True, slots=True)
