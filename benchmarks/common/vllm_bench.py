@@ -98,7 +98,7 @@ def ttft(url: str, prompt: list[int], max_tokens: int, timeout: float) -> tuple[
 
 
 def tokens(seed: int, n: int) -> list[int]:
-    """``n`` prompt ids drawn from ``seed`` (inside the ``hf_model`` vocabulary, no specials):
+    """``n`` prompt ids drawn from ``seed`` (inside the ``local_model`` vocabulary, no specials):
     different seeds give prompts that share no prefix block."""
     return [(seed * 7919 + 37 * i) % 700 + 300 for i in range(n)]
 

@@ -1,6 +1,6 @@
 """``pdxfer demo --engine vllm``: real vLLM behind pdxfer's router, checked token for token.
 
-Builds a small Llama here (``hf_model``: no download), starts a bootstrap server, a ``vllm
+Builds a small Llama here (``local_model``: no download), starts a bootstrap server, a ``vllm
 serve`` prefill and decode each loading ``PdxferConnector``, a colocated ``vllm serve`` without
 a connector as the reference, and ``pdxfer router --engine vllm`` in front of the pair, which
 dispatches both sides at once (the decode asks while the prefill computes and streams each
