@@ -3,8 +3,9 @@ the same drafter (3 speculative tokens) behind ``pdxfer router --engine vllm``, 
 the official ``openai`` client, against colocated vLLM with the same drafter. Two drafters:
 ``draft_model`` (a draft identical to the target: colocated vLLM accepts every draft) and
 ``eagle`` (a head that replays the target shifted by one token,
-``tests/harness/hf_drafters.py``: it accepts most drafts, and its drafts depend on its own KV
-of the whole prompt).
+``tests/harness/hf_drafters.py``: most of its drafts are accepted, and they depend on its own
+KV of the whole prompt) and ``eagle3`` (a random head: drafts right only by chance, so the
+check there is the count of drafts and the tokens).
 
 The decode's drafter reads the draft KV the prefill computed for the prompt (it moves beside
 the target's, in vLLM's KV cache), so its drafts, and vLLM's acceptance counters
@@ -29,7 +30,7 @@ from pdxfer import BootstrapServer
 from pdxfer.demo.hf_model import SHAPES, build_model
 from pdxfer.demo.vllm_procs import VllmServer, kv_config, read_stats, start_all
 from pdxfer.serving.procs import Proc
-from tests.harness.hf_drafters import build_eagle
+from tests.harness.hf_drafters import build_eagle, build_eagle3
 
 from .vllm_helpers import complete, metric
 
@@ -41,7 +42,8 @@ PREFILL, DECODE, PLAIN = "vllm-spec-p", "vllm-spec-d", "vllm-plain-d"
 S = SHAPES["small"]
 LAYER_BLOCK_BYTES = S.kv_heads * BS * 2 * S.head_size * 4
 """One block of one layer's KV (float32), the target's and its drafters' alike."""
-DRAFT_LAYERS = {"draft_model": S.layers, "eagle": S.layers + 1}
+DRAFT_LAYERS = {"draft_model": S.layers, "eagle": S.layers + 1, "eagle3": 1}
+BUILD = {"eagle": build_eagle, "eagle3": build_eagle3}
 LENGTHS = (7, 2 * BS + 1, 150)
 """Prompt tokens: under a block, k blocks + 1 (the decode computes one token), several."""
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -52,9 +54,8 @@ class Cluster:
     def __init__(self, tmp: Path, method: str) -> None:
         self.tmp, self.method = tmp, method
         self.model = build_model(tmp / "model", "small")
-        self.draft = (
-            self.model if method == "draft_model" else build_eagle(self.model, tmp / "eagle")
-        )
+        build = BUILD.get(method)
+        self.draft = build(self.model, tmp / method) if build else self.model
         spec = {"method": method, "model": str(self.draft), "num_speculative_tokens": K}
         self.spec_args = ["--speculative-config", json.dumps(spec)]
         self.boot = BootstrapServer("127.0.0.1", 0).start()
@@ -170,7 +171,7 @@ def test_the_decodes_drafts_and_acceptance_equal_colocated(cluster: Cluster) -> 
     ref_accepted, ref_drafts = acceptance(cluster.ref)
     if cluster.method == "draft_model":
         assert ref_drafts > 0 and ref_accepted == ref_drafts, "an identical draft is always right"
-    else:  # the replaying head is right far more often than chance (1 in ~700 tokens)
+    elif cluster.method == "eagle":  # it replays the target: right far more often than chance
         assert ref_accepted > ref_drafts / 3, (ref_accepted, ref_drafts)
     assert (accepted, drafts) == (ref_accepted, ref_drafts), (
         f"decode accepted {accepted:g} of {drafts:g} drafts, "
