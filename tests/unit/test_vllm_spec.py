@@ -41,6 +41,16 @@ def test_a_drafter_with_kv_is_named_by_method_and_draft_folder(tmp_path) -> None
     assert draft_id(Spec("mtp", str(d), kv_cache_dtype="fp8")) == "mtp:tiny-draft:kv=fp8"
 
 
+def test_eagle_eagle3_mtp_and_a_draft_model_in_one_folder_are_distinct_drafters(tmp_path) -> None:
+    d = tmp_path / "head"
+    d.mkdir()
+    ids = {draft_id(Spec(m, str(d))) for m in ("draft_model", "eagle", "eagle3", "mtp")}
+    assert ids == {"draft_model:head", "eagle:head", "eagle3:head", "mtp:head"}
+    p = f"model=m draft={draft_id(Spec('eagle', str(d)))}"
+    dd = f"model=m draft={draft_id(Spec('eagle3', str(d)))}"
+    assert model_diff(p, dd) == "draft: prefill eagle:head, decode eagle3:head"
+
+
 def test_no_drafter_or_a_model_free_one_needs_nothing_from_the_prefill() -> None:
     assert draft_id(None) == "none"
     assert draft_id(Spec("ngram")) == "none"

@@ -1,0 +1,112 @@
+"""Tiny speculative drafters for a model built by ``pdxfer.serving.vllm.local_model``, made here from the
+target's own weights (never downloaded), so that the acceptance they get says something.
+
+``build_eagle(target, path)``: an EAGLE head (vLLM's ``method: eagle``, ``EagleLlamaForCausalLM``)
+that replays the target. vLLM's EAGLE layer 0 has no input norm, so layer 0 here is a pass
+(its attention output and MLP are zero: the residual stream leaves it as the embedding), and
+layers 1.. are the target's layers. ``fc`` takes the embedding half of its input and drops
+the target's hidden state. At position ``i`` the head reads token ``i + 1``, so it runs the
+target shifted by one position; rotary attention depends on relative positions only, so
+its drafts are the target's next tokens (up to rounding), acceptance near 1. Its attention
+reads its own KV of the whole prompt: a decode whose drafter lacked the prompt's draft KV
+would draft other tokens. The head shares the target's embedding and output head (vLLM
+shares them when the checkpoint has none).
+
+``build_eagle3(target, path)``: an EAGLE3 head (``method: eagle3``, ``Eagle3LlamaForCausalLM``)
+with seeded random weights, reading the target's hidden states after layers 1, 2 and 3. Its
+layer 0 sees the next token's embedding only through attention (beside the target's hidden
+states), so no weights make it replay the target simply: its drafts are right only by
+chance, but they are a function of its own KV of the prompt all the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_eagle(target: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+    """Write the EAGLE head replaying ``target`` to ``path`` (kept when already built from the
+    same target)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, root = Path(target), Path(path)
+    stamp = (src / "pdxfer_build.json").read_text() + "|eagle-replay"
+    if (root / "pdxfer_build.json").is_file() and (root / "pdxfer_build.json").read_text() == stamp:
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    layers, h = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+    w = load_file(str(src / "model.safetensors"))
+    dt = w["model.embed_tokens.weight"].dtype
+    out: dict[str, torch.Tensor] = {}
+    for name, t in w.items():
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers.") :].split(".", 1)
+            out[f"layers.{int(i) + 1}.{rest}"] = t
+    for name, t in w.items():  # layer 0: the same shapes, a pass
+        if name.startswith("model.layers.0.") and "input_layernorm" not in name:
+            rest = name[len("model.layers.0.") :]
+            zero = ("o_proj" in rest) or ("down_proj" in rest)
+            out[f"layers.0.{rest}"] = torch.zeros_like(t) if zero else t.clone()
+    out["fc.weight"] = torch.cat(
+        [torch.eye(h, dtype=dt), torch.zeros(h, h, dtype=dt)], dim=1
+    ).contiguous()
+    save_file(out, str(root / "model.safetensors"), metadata={"format": "pt"})
+    (root / "config.json").write_text(
+        json.dumps({**cfg, "num_hidden_layers": layers + 1}, indent=1, sort_keys=True)
+    )
+    for f in TOKENIZER_FILES:
+        shutil.copy(src / f, root / f)
+    (root / "pdxfer_build.json").write_text(stamp)
+    return root
+
+
+def build_eagle3(target: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+    """Write a seeded random EAGLE3 head for ``target`` to ``path`` (kept when already built
+    from the same target)."""
+    import torch
+    from safetensors.torch import save_file
+
+    src, root = Path(target), Path(path)
+    stamp = (src / "pdxfer_build.json").read_text() + "|eagle3-random"
+    if (root / "pdxfer_build.json").is_file() and (root / "pdxfer_build.json").read_text() == stamp:
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    h, hd = int(cfg["hidden_size"]), int(cfg["head_dim"])
+    heads, kv, mlp = (
+        int(cfg[k]) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    )
+    aux = [1, 2, 3]
+    g = torch.Generator().manual_seed(0)
+
+    def w(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) * cols**-0.5).to(torch.bfloat16)
+
+    p = "midlayer."
+    out = {
+        p + "self_attn.q_proj.weight": w(heads * hd, 2 * h),
+        p + "self_attn.k_proj.weight": w(kv * hd, 2 * h),
+        p + "self_attn.v_proj.weight": w(kv * hd, 2 * h),
+        p + "self_attn.o_proj.weight": w(h, heads * hd),
+        p + "mlp.gate_proj.weight": w(mlp, h),
+        p + "mlp.up_proj.weight": w(mlp, h),
+        p + "mlp.down_proj.weight": w(h, mlp),
+        "fc.weight": w(h, len(aux) * h),
+    }
+    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        out[f"{p}{n}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    out["norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    save_file(out, str(root / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {**cfg, "num_hidden_layers": 1, "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}}
+    (root / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
+    for f in TOKENIZER_FILES:
+        shutil.copy(src / f, root / f)
+    (root / "pdxfer_build.json").write_text(stamp)
+    return root
