@@ -264,7 +264,7 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             for g in self.segments:
                 if self.page_size % g.tokens or (g.rows * g.nbytes) % g.tokens:
                     raise ValueError(
-                        f"pool {self.name!r}: segment {tuple(g)} does not tile a page of "
+                        f"pool {self.name!r}: segment {(g.rows, g.tokens, g.nbytes)} does not tile a page of "
                         f"{self.page_size} tokens"
                     )
             if sum(g.width() for g in self.segments) != per:
@@ -599,10 +599,12 @@ def check_pair(src: PoolSpec, dst: PoolSpec) -> str | None:
                 return (
                     f"pool {n!r}: page_size: prefill {src.page_size}, decode {dst.page_size}: {why}"
                 )
-    dst_keys = {(b.layer_id, b.role) for b in dst.buffers}
-    for b in src.buffers:
-        if (b.layer_id, b.role) not in dst_keys:
-            return f"pool {n!r}: prefill buffer layer {b.layer_id} {b.role} has no decode buffer"
+    dst_keys = {(buf.layer_id, buf.role) for buf in dst.buffers}
+    for buf in src.buffers:
+        if (buf.layer_id, buf.role) not in dst_keys:
+            return (
+                f"pool {n!r}: prefill buffer layer {buf.layer_id} {buf.role} has no decode buffer"
+            )
     return None
 
 

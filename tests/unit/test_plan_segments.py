@@ -221,3 +221,10 @@ def test_different_page_sizes_with_different_head_shards_are_refused_at_pairing(
     )
     why = check_pair(src, dst) or ""
     assert "page_size: prefill 32, decode 64" in why and "heads [0, 2) on the prefill" in why
+
+
+def test_segments_that_do_not_tile_a_page_are_refused_with_their_values() -> None:
+    """A segment whose units do not divide the page is a ValueError naming the segment and
+    the page size, not an error from formatting the message."""
+    with pytest.raises(ValueError, match=r"segment \(1, 3, 32\) does not tile a page of 32"):
+        pool(32, (PageSegment(1, 3, 32),), 8, 1 << 30)
