@@ -264,8 +264,8 @@ class PoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             for g in self.segments:
                 if self.page_size % g.tokens or (g.rows * g.nbytes) % g.tokens:
                     raise ValueError(
-                        f"pool {self.name!r}: segment {(g.rows, g.tokens, g.nbytes)} does not tile a page of "
-                        f"{self.page_size} tokens"
+                        f"pool {self.name!r}: segment {(g.rows, g.tokens, g.nbytes)} does not "
+                        f"tile a page of {self.page_size} tokens"
                     )
             if sum(g.width() for g in self.segments) != per:
                 raise ValueError(
