@@ -595,7 +595,7 @@ def page_digest(rows: np.ndarray) -> int:
     same page gathered from L1's buffers): equal bytes in equal order give equal digests."""
     if rows.shape[1] % 8 == 0:
         rows = np.ascontiguousarray(rows).view(np.uint64)[:, ::PAGE_SAMPLE_WORDS]
-    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(rows))) & MASK
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(rows).data) & MASK
 
 
 def host_rows(addr: int, num_items: int, item_bytes: int) -> np.ndarray:
@@ -627,7 +627,7 @@ def l1_page_digests(pool: PoolSpec, pages: np.ndarray) -> list[int]:
     else:
         words = b.words[idx]  # [pages, buffers, sampled words]
     h = xxhash.xxh3_64_intdigest
-    return [h(memoryview(np.ascontiguousarray(w))) & MASK for w in words]
+    return [h(np.ascontiguousarray(w).data) & MASK for w in words]
 
 
 def l1_page_rows(pool: PoolSpec, page: int) -> np.ndarray:
