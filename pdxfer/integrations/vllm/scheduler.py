@@ -353,8 +353,12 @@ class PdxferScheduler:
 
     # -- both ----------------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput | None = None) -> PdxferMetadata:
-        if self.cfg.side == "decode" and getattr(so, "scheduled_spec_decode_tokens", None):
-            self._unpad_first_steps(so)  # type: ignore[arg-type]
+        if (
+            so is not None
+            and self.cfg.side == "decode"
+            and getattr(so, "scheduled_spec_decode_tokens", None)
+        ):
+            self._unpad_first_steps(so)
         if so is not None and self.streams:
             self._count_prompt_steps(so)
         chunks, lay = self._step_chunks(so) if so is not None and self.streams else ([], [])
@@ -378,16 +382,15 @@ class PdxferScheduler:
         return meta
 
     def request_finished(
-        self, request: Request, block_ids: tuple[list[int], ...]
+        self, request: Request, block_ids: tuple[list[int], ...] | list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: one list per transfer group (vLLM's ``SupportsHMA`` form), or
         one group's list."""
-        if block_ids and not isinstance(block_ids[0], (list, tuple)):
-            block_ids = (list(block_ids),)  # type: ignore[arg-type]
-        block_ids = self._transfer(block_ids)
+        flat = bool(block_ids) and not isinstance(block_ids[0], (list, tuple))
+        every = self._transfer((list(block_ids),) if flat else block_ids)
         if self.cfg.side == "prefill":
-            return self._prefill_finished(request, block_ids)
-        return self._decode_finished(request, block_ids)
+            return self._prefill_finished(request, every)
+        return self._decode_finished(request, every)
 
     def _prefill_finished(
         self, request: Request, every: tuple[list[int], ...]
