@@ -206,7 +206,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         mc = vllm_config.model_config
         self.groups = check_compatible(vllm_config, kv_cache_config)
