@@ -27,7 +27,7 @@ class DecodeTiers:
     tiered: tuple[str, ...] = ()
     """A hybrid model's pools kept in and restored from L2/L3 (``groups.tiered``)."""
 
-    def stats(self) -> dict[str, object] | None:
+    def stats(self) -> dict[str, int] | None:
         return self.cache.stats() if self.cache is not None else None
 
     def close(self) -> None:

@@ -53,7 +53,7 @@ SERIES: dict[str, str] = {
 @dataclass
 class PdxferStats(KVConnectorStats):
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> PdxferStats:
         for k, v in other.data.items():
