@@ -15,9 +15,9 @@ import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from pdxfer import KVPoll, RequestHandle
+from pdxfer import KVPoll
 from pdxfer.tiers import RestoringReceiver
 
 from . import groups as G
@@ -31,10 +31,24 @@ from .rank import RankKV
 log = logging.getLogger(__name__)
 
 
+class _Handle(Protocol):
+    """What a load needs of its handle: a pdxfer receiver, a restoring one, or one of ours
+    below (``_Refused``, ``_Joined``)."""
+
+    @property
+    def failure(self) -> Any: ...
+
+    def poll(self) -> KVPoll: ...
+
+    def abort(self, reason: str = ...) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
 @dataclass(eq=False)
 class _Load:
     order: LoadOrder
-    rx: RequestHandle
+    rx: _Handle
     blocks: list[int]
     """The blocks this load writes (from ``l1_len``): reported on failure."""
     released: threading.Event = field(default_factory=threading.Event)
@@ -76,7 +90,7 @@ class DecodeLoader:
 
         early = threading.Event()
         try:
-            rx: RequestHandle
+            rx: _Handle
             if cache is not None:
                 rx = RestoringReceiver(
                     cache,
@@ -132,11 +146,12 @@ class DecodeLoader:
                         continue
                     f = o.l1_len // g.block_size
                     if g.kind in G.LOCAL:
-                        f = G.window_start(g, ids, f, o.num_tokens)  # type: ignore[assignment]
-                        if f is None:
+                        w = G.window_start(g, ids, f, o.num_tokens)
+                        if w is None:
                             raise ValueError(
                                 f"{g.pool}: a null block inside the {g.kind} ({list(ids)})"
                             )
+                        f = w
                     start = max(start, f * g.block_size)
                 for g in part.groups:
                     if g.kind != "state":
@@ -159,7 +174,7 @@ class DecodeLoader:
         joined = _Joined(o.room, len(plans))
         try:
             for part, pages, slots, start in plans:
-                rx: Any
+                rx: _Handle
                 if part.key == 0 and cache is not None and o.tokens and self.tiers.tiered:
                     # its full groups' prefix from L2/L3, the rest (and the state) over the
                     # network; the other rooms (windows) always over the network
@@ -341,7 +356,7 @@ class _Joined:
 
     def __init__(self, room: int, count: int) -> None:
         self.room = room
-        self.parts: list[Any] = []
+        self.parts: list[_Handle] = []
         self.failure: Exception | None = None
         self.released = threading.Event()
         self._left = count
@@ -376,7 +391,7 @@ class _Joined:
 
     def stats(self) -> dict[str, Any]:
         st = [p.stats() for p in self.parts]
-        secs = [x.get("seconds") for x in st if x.get("seconds") is not None]
+        secs = [t for x in st if (t := x.get("seconds")) is not None]
         return {
             "bytes": sum(int(x.get("bytes") or 0) for x in st),
             "seconds": max(secs) if secs else None,
