@@ -52,32 +52,25 @@ class Blocks:
         b._lists = (src, dst, nbytes)
         return b
 
-    def _arrays(self) -> None:
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Make the arrays from the lists (all three at once) and return them."""
         assert self._lists is not None
         s, d, n = self._lists
-        self._src, self._dst, self._nb = (
-            np.array(s, dtype=_U64),
-            np.array(d, dtype=_U64),
-            np.array(n, dtype=_U64),
-        )
+        out = (np.array(s, dtype=_U64), np.array(d, dtype=_U64), np.array(n, dtype=_U64))
+        self._src, self._dst, self._nb = out
+        return out
 
     @property
     def src(self) -> np.ndarray:
-        if self._src is None:
-            self._arrays()
-        return self._src  # type: ignore[return-value]
+        return self._src if self._src is not None else self._arrays()[0]
 
     @property
     def dst(self) -> np.ndarray:
-        if self._dst is None:
-            self._arrays()
-        return self._dst  # type: ignore[return-value]
+        return self._dst if self._dst is not None else self._arrays()[1]
 
     @property
     def nbytes(self) -> np.ndarray:
-        if self._nb is None:
-            self._arrays()
-        return self._nb  # type: ignore[return-value]
+        return self._nb if self._nb is not None else self._arrays()[2]
 
     def lists(self) -> tuple[list[int], list[int], list[int]]:
         """The three columns as Python int lists (what the transport takes)."""
@@ -393,7 +386,9 @@ def plan_paged(
             else Blocks.empty(),
         ]
         bad = next((x for x in parts if isinstance(x, str)), None)
-        return bad if bad is not None else Blocks.concat(parts)  # type: ignore[arg-type]
+        if bad is not None:
+            return bad
+        return Blocks.concat([x for x in parts if isinstance(x, Blocks)])
     if ps_s == ps_d and (start - src_first) % ps_s == 0 and (start - dst_first) % ps_d == 0:
         i0, j0 = (start - src_first) // ps_s, (start - dst_first) // ps_d
         count = -(-(end - start) // ps_s)
