@@ -350,28 +350,3 @@ def _send(tx: KVSender, c: dict[str, Any]) -> None:
     when it is a partial-layer chunk."""
     kw = {k: tuple(c[k]) for k in ("layers", "tokens") if c.get(k) is not None}
     tx.send(c["pages"], c.get("slots"), c.get("last", False), **kw)
-
-
-def layers_landed(
-    state: AgentState,
-    room: int,
-    dst: dict[str, Any],
-    num_tokens: int,
-    layers: int,
-    ep: str = "main",
-) -> bool:
-    """Whether every token of ``room`` is in place in the buffers of layers ``[0, layers)``
-    of each paged pool (``cmd_ext``: a partial-layer stream, checked part way)."""
-    e = state.eps[ep]
-    for name, spec in e.specs.items():
-        pages = e.anchor_pages(name, dst) if spec.kind == "paged" else None
-        if pages is None:
-            continue
-        keep = [i for i, b in enumerate(spec.buffers) if b.layer_id < layers]
-        sub = spec.with_(buffers=tuple(spec.buffers[i] for i in keep))
-        bad, _ = pat.check_tokens(
-            sub, [e.tensors[name][i] for i in keep], room, pages, 0, 0, num_tokens
-        )
-        if bad:
-            return False
-    return True
