@@ -48,7 +48,7 @@ from .state import TensorSplit, splits
 from .stats import PdxferPromMetrics, PdxferStats
 from .worker import PdxferWorker, RankInfo
 
-log = logging.getLogger("pdxfer.integrations.vllm")
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

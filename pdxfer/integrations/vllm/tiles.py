@@ -23,7 +23,7 @@ from pdxfer import PageSegment
 
 from .layout import Interior
 
-log = logging.getLogger("pdxfer.integrations.vllm")
+log = logging.getLogger(__name__)
 
 Writer = Callable[[Any, Any, Any, Any], None]
 """``(key, value, kv_cache, slot_mapping)``: a layer's own cache write."""
