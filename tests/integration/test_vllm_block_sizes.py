@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,8 @@ from pdxfer.serving.procs import Proc
 from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start_all
 from tests.harness.hf_families import FAMILIES, WINDOW, Family, build_family
 
-from .vllm_helpers import MAX_TOKENS, client, complete, stream_ids, wait
+from .vllm_helpers import MAX_TOKENS, complete, prompt_logprobs, stream_ids, wait
+from .vllm_helpers import token_prompt as prompt
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -79,8 +79,8 @@ class Way:
         change with the step's length: there the bytes are the judge."""
         for i, n in enumerate((65, 257)):
             head = prompt(n - 1, 900 + i)
-            alone = _prompt_logprobs(self.prefill.url, head, "alone")
-            more = _prompt_logprobs(self.prefill.url, [*head, head[0]], "more")
+            alone = prompt_logprobs(self.prefill.url, head, "alone")
+            more = prompt_logprobs(self.prefill.url, [*head, head[0]], "more")
             if alone != more[: len(head)]:
                 return False
         return True
@@ -115,22 +115,6 @@ class Rig:
             assert got == want, f"{self.family.name} {w.name()}, {what}: {got} != {want}"
         else:
             assert len(got) == len(want), f"{self.family.name} {w.name()}, {what}: {got}"
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(300, 1000) for _ in range(n)]
-
-
-def _prompt_logprobs(url: str, p: list[int], salt: str) -> list[Any]:
-    r = client(url).completions.create(
-        model="llama",
-        prompt=p,
-        max_tokens=1,
-        temperature=0,
-        extra_body={"prompt_logprobs": 0, "cache_salt": salt},
-    )
-    return list(r.choices[0].model_extra["prompt_logprobs"])
 
 
 def _pair_args(

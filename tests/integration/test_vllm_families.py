@@ -56,10 +56,14 @@ from .vllm_helpers import (
     client,
     complete,
     metric,
+    prompt_logprobs,
     right_or_clean_error,
     stream_ids,
     token_ids,
     wait,
+)
+from .vllm_helpers import (
+    token_prompt as prompt,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -303,25 +307,6 @@ def pair(
         for s in servers:
             s.stop()
         boot.stop()
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    """``n`` token ids drawn from the model's ordinary vocabulary (no specials)."""
-    rng = random.Random(seed)
-    return [rng.randrange(300, 1000) for _ in range(n)]
-
-
-def prompt_logprobs(url: str, p: list[int], salt: str) -> list[Any]:
-    """Colocated vLLM's log-probability of each prompt token, computed afresh (``salt``:
-    none of the prefix cache's blocks, whoever computed them)."""
-    r = client(url).completions.create(
-        model="llama",
-        prompt=p,
-        max_tokens=1,
-        temperature=0,
-        extra_body={"prompt_logprobs": 0, "cache_salt": salt},
-    )
-    return list(r.choices[0].model_extra["prompt_logprobs"])
 
 
 def test_outputs_equal_colocated_below_a_block_past_the_window_and_long(pair: Pair) -> None:

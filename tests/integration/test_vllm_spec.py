@@ -20,7 +20,6 @@ reference start together; the next drafter's start once the first's are stopped.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start
 from tests.harness.hf_drafters import build_eagle, build_eagle3
 
 from .vllm_helpers import complete, metric
+from .vllm_helpers import token_prompt as prompt
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -136,12 +136,6 @@ def cluster(
         yield c
     finally:
         c.stop()
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    """``n`` token ids drawn from the model's ordinary vocabulary (no specials)."""
-    rng = random.Random(seed)
-    return [rng.randrange(300, 1000) for _ in range(n)]
 
 
 def acceptance(server: VllmServer) -> tuple[float, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -326,3 +327,23 @@ def stacks_if_slow(
     finally:
         done.set()
         t.join(timeout=30)
+
+
+def token_prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids drawn from ``seed`` in the small models' ordinary vocabulary (no
+    specials)."""
+    rng = random.Random(seed)
+    return [rng.randrange(300, 1000) for _ in range(n)]
+
+
+def prompt_logprobs(url: str, p: list[int], salt: str) -> list[Any]:
+    """vLLM's log-probability of each prompt token, computed afresh (``salt``: none of the
+    prefix cache's blocks, whoever computed them)."""
+    r = client(url).completions.create(
+        model="llama",
+        prompt=p,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"prompt_logprobs": 0, "cache_salt": salt},
+    )
+    return list(r.choices[0].model_extra["prompt_logprobs"])
