@@ -38,14 +38,19 @@ from pdxfer.serving.vllm.servers import VllmServer, kv_config, start_all
 
 from .vllm_helpers import MAX_TOKENS, client, complete, text, wait
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 DP = ["--data-parallel-size", "2", "--api-server-count", "1"]
+UNBOUND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+"""A DP-2 server's environment. vLLM's CPU worker binds each rank's threads to the cores of
+"its" NUMA node; on a one-node host every rank of every DP server gets the same core (seen:
+all four workers here on core 0 of 2, two threads each), and the processes so crowded went
+without any CPU for up to 224 s at a time, failing loads at their deadline
+(docs/vllm.md#data-parallel)."""
 DEADLINE_S = 180.0
-"""The pairs' bootstrap and transfer deadlines: past the longest stall seen on this shared
-2-core machine (a DP-2 prefill's worker processes ran no code for 106 s, both ranks at once,
-while six engine processes and other work shared the cores); a load failed at its deadline
-would be retried on another rank pair, which this module's rank counts do not expect."""
+"""The pairs' bootstrap and transfer deadlines, generous for a shared 2-core machine: a load
+failed at its deadline would be retried on another rank pair, which this module's rank
+counts do not expect."""
 CLIENT_S = 2 * DEADLINE_S + 60
 """The client's and the routers' deadline for one request: a deadline failure and a retry."""
 BS = 32
@@ -108,6 +113,7 @@ class Cluster:
             self.tmp / "model",
             self.tmp,
             args=args,
+            env=UNBOUND if dp else None,
             log_stats=True,  # per-engine counters in /metrics: what the router reads of DP
             kv_transfer_config=kv_config(
                 role, extra, **({"kv_load_failure_policy": "fail"} if role == "kv_consumer" else {})
