@@ -11,4 +11,16 @@ bash scripts/setup_sglang.sh   # SGLang's code in .venv-sglang, for the SGLang b
 .venv/bin/ruff format --check pdxfer tests scripts examples benchmarks
 .venv/bin/mypy   # pdxfer/, configured in pyproject.toml ([tool.mypy]); cache in .mypy_cache
 .venv/bin/mkdocs build --strict --quiet   # into site/ (ignored)
-exec .venv/bin/python -m pytest -q "$@"
+# pytest in two phases: the tests that start no engine side by side (their time is mostly
+# waiting: deadlines, restarts, network shaping), then those that start vLLM or SGLang
+# (marked `engine`), one module at a time, as each needs the machine's cores and memory.
+# A phase that selects nothing (exit 5) is not a failure; both phases always run.
+JOBS="${PDXFER_TEST_JOBS:-3}"
+rc=0
+.venv/bin/python -m pytest -q -m "not engine" -n "$JOBS" --dist loadfile "$@" || rc=$?
+[ "$rc" = 5 ] && rc=0
+rc2=0
+.venv/bin/python -m pytest -q -m engine "$@" || rc2=$?
+[ "$rc2" = 5 ] && rc2=0
+[ "$rc" = 0 ] && rc=$rc2
+exit "$rc"

@@ -12,7 +12,7 @@ import pytest
 from tests.harness.benchrun import run_bench
 from tests.harness.hf_families import FAMILIES, WINDOW
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.engine]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -32,6 +32,8 @@ from pdxfer.serving.vllm.servers import (
 )
 from tests.harness.benchrun import run_bench
 
+pytestmark = pytest.mark.engine
+
 HEALTHY = """
 import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):

@@ -14,7 +14,7 @@ import pytest
 
 from tests.harness.benchrun import ROOT, run_bench
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 FIGURES = ("prefill_reused_fraction_of_possible", "ttft_p50_ratio_kv_aware_vs_round_robin")
 PER_VARIANT = (

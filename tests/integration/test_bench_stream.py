@@ -19,6 +19,8 @@ from tests.harness.benchrun import run_bench
 
 from .netconf import needs_root
 
+pytestmark = pytest.mark.engine
+
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = [
     f"stream.{k}{sfx}"

@@ -21,6 +21,8 @@ import yaml
 
 from pdxfer.serving.toy.cluster import Cluster
 
+pytestmark = pytest.mark.engine
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

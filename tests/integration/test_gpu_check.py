@@ -31,6 +31,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from gpu_stream import label  # noqa: E402
 
+pytestmark = pytest.mark.engine
+
 
 def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

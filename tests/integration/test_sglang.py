@@ -31,6 +31,8 @@ from pdxfer.netaddr import free_port
 
 from .sglang_helpers import SglangError, SglangProc
 
+pytestmark = pytest.mark.engine
+
 
 @dataclass
 class Procs:

@@ -38,7 +38,7 @@ from tests.harness.hf_families import FAMILIES, WINDOW, Family, build_family
 from .vllm_helpers import MAX_TOKENS, complete, prompt_logprobs, stream_ids, wait
 from .vllm_helpers import token_prompt as prompt
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.engine]
 
 SIZES = (32, 64)
 STEP = 96

@@ -66,7 +66,7 @@ from .vllm_helpers import (
     token_prompt as prompt,
 )
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 SERVED = ("gemma3", "mistral_swa", "nemotron_h", "deepseek_v2", "qwen3_next", "gpt_oss", "llama4")
 """The families this module serves (``benchmarks/models.py`` tries every one)."""

@@ -39,7 +39,7 @@ from .vllm_helpers import (
     wait,
 )
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 BS = 32
 DECODE, PREFILL, HELD = "vllm-d0", "vllm-p0", "vllm-p-held"

@@ -31,7 +31,7 @@ from tests.harness.hf_vlm import build_vlm
 
 from .vllm_helpers import client, token_ids, wait
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 BS = 32
 MAX_TOKENS = 12

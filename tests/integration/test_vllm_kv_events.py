@@ -30,7 +30,7 @@ from pdxfer.serving.vllm.servers import VllmServer, kv_config, start_all
 
 from .vllm_helpers import client, metric, wait
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 BS = 32
 MAX_TOKENS = 8

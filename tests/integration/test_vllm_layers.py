@@ -40,7 +40,7 @@ from pdxfer.serving.vllm.servers import VllmServer, kv_config
 from . import vllm_helpers as vh
 from .vllm_helpers import client, complete, kv_usage, metric, wait
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 BS = 32
 STEP = 48  # the prefill's tokens per step: a block and a half

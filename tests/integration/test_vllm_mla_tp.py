@@ -28,7 +28,7 @@ from tests.harness.hf_families import FAMILIES, build_family
 
 from .vllm_helpers import MAX_TOKENS, complete, wait
 
-pytestmark = [pytest.mark.timeout(1200), pytest.mark.vllm_tp]
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.vllm_tp, pytest.mark.engine]
 
 F = FAMILIES["deepseek_v2"]
 BS = 32

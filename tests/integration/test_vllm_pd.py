@@ -44,7 +44,7 @@ from .vllm_helpers import (
     wait,
 )
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 BS = 32
 ROOM_SLOW, ROOM_CORRUPT = 4242, 4343

@@ -34,7 +34,7 @@ from tests.harness.hf_drafters import build_eagle, build_eagle3
 from .vllm_helpers import complete, metric
 from .vllm_helpers import token_prompt as prompt
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 BS = 32
 K = 3

@@ -31,7 +31,7 @@ from tests.harness.hf_families import FAMILIES, build_family
 
 from .vllm_helpers import MAX_TOKENS, complete, wait
 
-pytestmark = [pytest.mark.timeout(1800), pytest.mark.vllm_tp]
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.vllm_tp, pytest.mark.engine]
 
 F = FAMILIES["nemotron_h"]
 BS = 160

@@ -59,7 +59,7 @@ WAIT_S = 240.0
 STACKS_AFTER_S = 120.0
 """A body running longer than this dumps the servers' Python stacks (every minute after)."""
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_tp]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_tp, pytest.mark.engine]
 """The per-test guard (fixtures included: the first test of a class starts its pair) only
 ends what no bound above ends. A class's first test took 1-3 minutes here, its pair's
 start nearly all of it (the module 1.5-5 minutes at load averages up to 18; 5-10 minutes
