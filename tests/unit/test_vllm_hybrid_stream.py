@@ -14,6 +14,7 @@ the decode one ``LoadOrder``, as the scheduler side writes them.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -52,30 +53,67 @@ GROUPS = (
 
 
 class Side:
-    def __init__(self, role: str, fabric: MemoryFabric, boot: str) -> None:
-        extra = {
-            "bootstrap": boot,
-            "instance": "p0" if role == "kv_producer" else "d0",
-            "send_by": "layer",
-        }
-        self.w = W.PdxferWorker(C.parse(role, extra, "hybrid"), W.RankInfo(0, 1, BS, H), GROUPS)
+    def __init__(
+        self,
+        role: str,
+        fabric: MemoryFabric,
+        boot: str,
+        groups: tuple[Group, ...] = GROUPS,
+        model: str = "hybrid",
+        by_layer: bool = True,
+    ) -> None:
+        extra = {"bootstrap": boot, "instance": "p0" if role == "kv_producer" else "d0"}
+        if by_layer:
+            extra["send_by"] = "layer"
+        self.boot = boot
+        self.w = W.PdxferWorker(C.parse(role, extra, model), W.RankInfo(0, 1, BS, H), groups)
         self.w.transport = MemoryTransport(fabric)
         self.kv = {n: torch.zeros(NB, H, BS, D) for n in (FULL_L, *WIN_L)}
         self.state = torch.zeros(NB, PAGE // 4)
-        self.w.register_kv_caches({**self.kv, STATE_L: self.state})
+        states = {STATE_L: self.state} if any(g.kind == "state" for g in groups) else {}
+        self.w.register_kv_caches({**self.kv, **states})
+
+
+@contextlib.contextmanager
+def sides(
+    groups: tuple[Group, ...] = GROUPS, model: str = "hybrid", by_layer: bool = True
+) -> Iterator[tuple[Side, Side]]:
+    """A prefill and a decode worker of ``groups`` on one in-memory fabric and bootstrap
+    (``by_layer``: ``send_by: layer``, else the per-step default)."""
+    boot = BootstrapServer("127.0.0.1", 0).start()
+    fabric = MemoryFabric()
+    made: list[Side] = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            made.append(Side(role, fabric, boot.address, groups, model, by_layer))
+        yield made[0], made[1]
+    finally:
+        for x in made:
+            x.w.close()
+        boot.stop()
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Side, Side]]:
-    boot = BootstrapServer("127.0.0.1", 0).start()
-    fabric = MemoryFabric()
-    p, d = Side("kv_producer", fabric, boot.address), Side("kv_consumer", fabric, boot.address)
-    try:
-        yield p, d
-    finally:
-        p.w.close()
-        d.w.close()
-        boot.stop()
+    with sides() as both:
+        yield both
+
+
+def load(d: Side, name: str, tables: tuple[tuple[int, ...], ...]) -> None:
+    """Give the decode its one ``LoadOrder``: the whole prompt, into ``tables`` (a group
+    each), from instance p0."""
+    order = LoadOrder(name, ROOM, d.boot, "p0", tables[0], 0, N, groups=tables)
+    d.w.run_orders(PdxferMetadata(loads=[order]))
+
+
+def step(name: str, t0: int, tables: tuple[tuple[int, ...], ...]) -> PdxferMetadata:
+    """The prefill's ``LayerOrder`` for the step computing ``[t0, t0 + STEP)``: each group's
+    table cut to the blocks the step reaches."""
+    t1 = min(N, t0 + STEP)
+    cut = tuple(t[: -(-t1 // BS)] for t in tables)
+    return PdxferMetadata(
+        layers=[LayerOrder(name, ROOM, None, (), t0, t1, t1 == N, num_tokens=N, groups=cut)]
+    )
 
 
 def wait(what: str, cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -104,22 +142,7 @@ def _win_table(t0: int) -> tuple[int, ...]:
 def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side, Side]) -> None:
     p, d = pair
     p.w.run_orders(PdxferMetadata(opens=[OpenOrder("a", ROOM, None)]))
-    d.w.run_orders(
-        PdxferMetadata(
-            loads=[
-                LoadOrder(
-                    "a-d",
-                    ROOM,
-                    p.w.cfg.bootstrap or "",
-                    "p0",
-                    tuple(D_FULL),
-                    0,
-                    N,
-                    groups=(tuple(D_FULL), tuple(D_WIN), (D_STATE,)),
-                )
-            ]
-        )
-    )
+    load(d, "a-d", (tuple(D_FULL), tuple(D_WIN), (D_STATE,)))
     first = G.window_first(GROUPS[1], N)
     for t0 in range(0, N, STEP):
         t1 = min(N, t0 + STEP)
@@ -142,18 +165,7 @@ def test_full_groups_stream_and_the_load_ends_with_every_group(pair: tuple[Side,
                 ),
             )
             assert not d.w.get_finished([])[1], "the load ends only with every group"
-        o = LayerOrder(
-            "a",
-            ROOM,
-            None,
-            (),
-            t0,
-            t1,
-            last,
-            num_tokens=N,
-            groups=(tuple(P_FULL[: -(-t1 // BS)]), _win_table(t0)[: -(-t1 // BS)], ()),
-        )
-        meta = PdxferMetadata(layers=[o])
+        meta = step("a", t0, (tuple(P_FULL), _win_table(t0), ()))
         p.w.run_orders(meta)
         for n in (*WIN_L, FULL_L):
             p.w.save_layer(meta, n, p.kv[n])
@@ -200,82 +212,32 @@ def test_without_a_state_the_stream_ends_every_room_and_a_late_decode_gets_it_al
     """Full and window groups only (Gemma 3's shape): the last step's layers end both rooms,
     so the load ends before the request does; a decode that asks only then still gets every
     block it holds, and the request-end send adds nothing."""
-    groups = GROUPS[:2]
-    boot = BootstrapServer("127.0.0.1", 0).start()
-    fabric = MemoryFabric()
-    sides = []
-    try:
-        for role in ("kv_producer", "kv_consumer"):
-            extra = {"bootstrap": boot.address, "instance": "p0" if role == "kv_producer" else "d0"}
-            w = W.PdxferWorker(C.parse(role, extra, "hybrid"), W.RankInfo(0, 1, BS, H), groups)
-            w.transport = MemoryTransport(fabric)
-            kv = {n: torch.zeros(NB, H, BS, D) for n in (FULL_L, *WIN_L)}
-            w.register_kv_caches(kv)
-            sides.append((w, kv))
-        (p, pkv), (d, dkv) = sides
-        p.run_orders(PdxferMetadata(opens=[OpenOrder("b", ROOM, None)]))
+    with sides(GROUPS[:2], by_layer=False) as (p, d):
+        p.w.run_orders(PdxferMetadata(opens=[OpenOrder("b", ROOM, None)]))
         for t0 in range(0, N, STEP):
-            t1 = min(N, t0 + STEP)
-            for k in range(t0 // BS, -(-t1 // BS)):
-                for n in pkv:
-                    pkv[n][[P_FULL, P_WIN][n in WIN_L][k]] = torch.randn(H, BS, D)
-            o = LayerOrder(
-                "b",
-                ROOM,
-                None,
-                (),
-                t0,
-                t1,
-                t1 == N,
-                num_tokens=N,
-                groups=(tuple(P_FULL[: -(-t1 // BS)]), _win_table(t0)[: -(-t1 // BS)]),
-            )
-            meta = PdxferMetadata(layers=[o])
-            p.run_orders(meta)
-            p.after_forward(meta)
-        assert p.counters["sends"] == 1 and p.counters["step_chunks"] == 3
-        d.run_orders(
-            PdxferMetadata(
-                loads=[
-                    LoadOrder(
-                        "b-d",
-                        ROOM,
-                        boot.address,
-                        "p0",
-                        tuple(D_FULL),
-                        0,
-                        N,
-                        groups=(tuple(D_FULL), tuple(D_WIN)),
-                    )
-                ]
-            )
-        )
+            for k in range(t0 // BS, -(-min(N, t0 + STEP) // BS)):
+                for n in p.kv:
+                    p.kv[n][[P_FULL, P_WIN][n in WIN_L][k]] = torch.randn(H, BS, D)
+            meta = step("b", t0, (tuple(P_FULL), _win_table(t0)))
+            p.w.run_orders(meta)
+            p.w.after_forward(meta)
+        assert p.w.counters["sends"] == 1 and p.w.counters["step_chunks"] == 3
+        load(d, "b-d", (tuple(D_FULL), tuple(D_WIN)))
         got: set[str] = set()
-        wait("the load", lambda: bool(got.update(d.get_finished([])[1]) or got))
-        assert got == {"b-d"} and d.counters["load_failures"] == 0
-        p.run_orders(
-            PdxferMetadata(
-                sends=[
-                    SendOrder(
-                        "b", ROOM, None, tuple(P_FULL), N, groups=(tuple(P_FULL), _win_table(144))
-                    )
-                ]
-            )
-        )
-        assert p.counters["sends"] == 1
+        wait("the load", lambda: bool(got.update(d.w.get_finished([])[1]) or got))
+        assert got == {"b-d"} and d.w.counters["load_failures"] == 0
+        tables = (tuple(P_FULL), _win_table(144))
+        p.w.run_orders(PdxferMetadata(sends=[SendOrder("b", ROOM, None, tables[0], N, tables)]))
+        assert p.w.counters["sends"] == 1
         for k in range(10):
-            assert torch.equal(dkv[FULL_L][D_FULL[k]], pkv[FULL_L][P_FULL[k]]), k
+            assert torch.equal(d.kv[FULL_L][D_FULL[k]], p.kv[FULL_L][P_FULL[k]]), k
             for n in WIN_L:
                 if k >= D_WIN_START:
-                    assert torch.equal(dkv[n][D_WIN[k]], pkv[n][P_WIN[k]]), (n, k)
+                    assert torch.equal(d.kv[n][D_WIN[k]], p.kv[n][P_WIN[k]]), (n, k)
         # the decode counts what both rooms wrote: 10 full blocks and the window's a layer
         held = (10 - D_WIN_START) * len(WIN_L)
-        assert d.counters["net_bytes"] == (10 + held) * H * BS * D * 4
-        wait("the send's end", lambda: "b" in p.get_finished(["b"])[0])
-    finally:
-        for w, _ in sides:
-            w.close()
-        boot.stop()
+        assert d.w.counters["net_bytes"] == (10 + held) * H * BS * D * 4
+        wait("the send's end", lambda: "b" in p.w.get_finished(["b"])[0])
 
 
 def test_a_chunk_group_streams_the_last_tokens_chunk_and_nothing_before_it() -> None:
@@ -286,74 +248,32 @@ def test_a_chunk_group_streams_the_last_tokens_chunk_and_nothing_before_it() -> 
     block and in the chunk's, and vLLM's null block is never written."""
     chunk = 64
     groups = (GROUPS[0], Group(1, "chunk", BS, WIN_L, chunk=chunk))
-    boot = BootstrapServer("127.0.0.1", 0).start()
-    fabric = MemoryFabric()
-    sides = []
-    try:
-        for role in ("kv_producer", "kv_consumer"):
-            extra = {"bootstrap": boot.address, "instance": "p0" if role == "kv_producer" else "d0"}
-            w = W.PdxferWorker(C.parse(role, extra, "llama4"), W.RankInfo(0, 1, BS, H), groups)
-            w.transport = MemoryTransport(fabric)
-            kv = {n: torch.zeros(NB, H, BS, D) for n in (FULL_L, *WIN_L)}
-            w.register_kv_caches(kv)
-            sides.append((w, kv))
-        (p, pkv), (d, dkv) = sides
+    with sides(groups, "llama4", by_layer=False) as (p, d):
         held = G.chunk_first(groups[1], N)
         assert held == 8
         d_chunk = [0] * held + [32, 33]
-        d.run_orders(
-            PdxferMetadata(
-                loads=[
-                    LoadOrder(
-                        "c-d",
-                        ROOM,
-                        boot.address,
-                        "p0",
-                        tuple(D_FULL),
-                        0,
-                        N,
-                        groups=(tuple(D_FULL), tuple(d_chunk)),
-                    )
-                ]
-            )
-        )
-        p.run_orders(PdxferMetadata(opens=[OpenOrder("c", ROOM, None)]))
+        load(d, "c-d", (tuple(D_FULL), tuple(d_chunk)))
+        p.w.run_orders(PdxferMetadata(opens=[OpenOrder("c", ROOM, None)]))
         for t0 in range(0, N, STEP):
-            t1 = min(N, t0 + STEP)
-            for k in range(t0 // BS, -(-t1 // BS)):
-                for n in pkv:
-                    pkv[n][[P_FULL, P_WIN][n in WIN_L][k]] = torch.randn(H, BS, D)
+            for k in range(t0 // BS, -(-min(N, t0 + STEP) // BS)):
+                for n in p.kv:
+                    p.kv[n][[P_FULL, P_WIN][n in WIN_L][k]] = torch.randn(H, BS, D)
             freed = t0 // chunk * chunk // BS  # vLLM's null block below the step's chunk
             table = tuple(0 if i < freed else b for i, b in enumerate(P_WIN))
-            o = LayerOrder(
-                "c",
-                ROOM,
-                None,
-                (),
-                t0,
-                t1,
-                t1 == N,
-                num_tokens=N,
-                groups=(tuple(P_FULL[: -(-t1 // BS)]), table[: -(-t1 // BS)]),
-            )
-            meta = PdxferMetadata(layers=[o])
-            p.run_orders(meta)
-            p.after_forward(meta)
+            meta = step("c", t0, (tuple(P_FULL), table))
+            p.w.run_orders(meta)
+            p.w.after_forward(meta)
         got: set[str] = set()
-        wait("the load", lambda: bool(got.update(d.get_finished([])[1]) or got))
-        assert got == {"c-d"} and d.counters["load_failures"] == 0
-        assert p.counters["sends"] == 1
+        wait("the load", lambda: bool(got.update(d.w.get_finished([])[1]) or got))
+        assert got == {"c-d"} and d.w.counters["load_failures"] == 0
+        assert p.w.counters["sends"] == 1
         for k in range(10):
-            assert torch.equal(dkv[FULL_L][D_FULL[k]], pkv[FULL_L][P_FULL[k]]), k
+            assert torch.equal(d.kv[FULL_L][D_FULL[k]], p.kv[FULL_L][P_FULL[k]]), k
         for n in WIN_L:
             for k in (8, 9):
-                assert torch.equal(dkv[n][d_chunk[k]], pkv[n][P_WIN[k]]), (n, k)
-            assert not dkv[n][0].any(), n  # the null block
-            written = [b for b in range(NB) if dkv[n][b].any()]
+                assert torch.equal(d.kv[n][d_chunk[k]], p.kv[n][P_WIN[k]]), (n, k)
+            assert not d.kv[n][0].any(), n  # the null block
+            written = [b for b in range(NB) if d.kv[n][b].any()]
             assert written == [32, 33], (n, written)
         # the decode counts what both rooms wrote: 10 full blocks, 2 chunk blocks a layer
-        assert d.counters["net_bytes"] == (10 + 2 * len(WIN_L)) * H * BS * D * 4
-    finally:
-        for w, _ in sides:
-            w.close()
-        boot.stop()
+        assert d.w.counters["net_bytes"] == (10 + 2 * len(WIN_L)) * H * BS * D * 4
