@@ -35,7 +35,7 @@ from pdxfer.serving.procs import Proc
 from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start_all
 from tests.harness.hf_families import FAMILIES, WINDOW, Family, build_family
 
-from .vllm_helpers import MAX_TOKENS, complete, prompt_logprobs, stream_ids, wait
+from .vllm_helpers import MAX_TOKENS, complete, rows_alike, stream_ids, wait
 from .vllm_helpers import token_prompt as prompt
 
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.engine]
@@ -77,13 +77,7 @@ class Way:
         then its one-token step over k blocks is the decode's, and its answer the pair's
         to give. Without AMX vLLM's MLA computes a prompt in one step and its bf16 rows
         change with the step's length: there the bytes are the judge."""
-        for i, n in enumerate((65, 257)):
-            head = prompt(n - 1, 900 + i)
-            alone = prompt_logprobs(self.prefill.url, head, "alone")
-            more = prompt_logprobs(self.prefill.url, [*head, head[0]], "more")
-            if alone != more[: len(head)]:
-                return False
-        return True
+        return rows_alike(self.prefill.url, (65, 257))
 
 
 @dataclass

@@ -56,8 +56,8 @@ from .vllm_helpers import (
     client,
     complete,
     metric,
-    prompt_logprobs,
     right_or_clean_error,
+    rows_alike,
     stream_ids,
     token_ids,
     wait,
@@ -133,13 +133,7 @@ class Pair:
         float32 families are exact without it."""
         if self.exact_alone:
             return True
-        for i, n in enumerate(self.lengths()):
-            head = prompt(n - 1, 900 + i)
-            alone = prompt_logprobs(self.prefill.url, head, "alone")
-            more = prompt_logprobs(self.prefill.url, [*head, head[0]], "more")
-            if alone != more[: len(head)]:
-                return False
-        return True
+        return rows_alike(self.prefill.url, self.lengths())
 
     def owes(self, got: list[int], want: list[int], what: str) -> None:
         """Judge ``got``, an answer through the pair, against ``want`` (``case``): token for

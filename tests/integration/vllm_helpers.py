@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -347,3 +347,18 @@ def prompt_logprobs(url: str, p: list[int], salt: str) -> list[Any]:
         extra_body={"prompt_logprobs": 0, "cache_salt": salt},
     )
     return list(r.choices[0].model_extra["prompt_logprobs"])
+
+
+def rows_alike(url: str, lengths: Iterable[int]) -> bool:
+    """Whether the server at ``url`` computes a prompt's first tokens alike served alone and
+    with one token more, for prompts of each of ``lengths`` (their prompt logprobs equal):
+    then its one-token step over a held prefix is what a decode computes from moved KV. Not
+    so without AMX for vLLM's bf16 MLA, which computes a prompt in one step whose rows change
+    with the step's length."""
+    for i, n in enumerate(lengths):
+        head = token_prompt(n - 1, 900 + i)
+        alone = prompt_logprobs(url, head, "alone")
+        more = prompt_logprobs(url, [*head, head[0]], "more")
+        if alone != more[: len(head)]:
+            return False
+    return True
