@@ -110,3 +110,73 @@ def build_eagle3(target: str | os.PathLike[str], path: str | os.PathLike[str]) -
         shutil.copy(src / f, root / f)
     (root / "pdxfer_build.json").write_text(stamp)
     return root
+
+
+def build_mtp(target: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+    """Write ``target`` as a MiMo model with one seeded random MTP layer to ``path`` (kept when
+    already built from the same target): vLLM's ``method: mtp`` on ``MiMoForCausalLM``, the
+    one MTP model of a plain dense decoder (Qwen2's). Qwen2's attention has q/k/v biases:
+    zero here, so the main model computes exactly what ``target`` does. The MTP layer reads
+    the target's last hidden state and the next token's embedding; random, its drafts are
+    right only by chance, but it keeps KV of its own for the prompt (its one decoder layer),
+    which the decode's drafter reads."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, root = Path(target), Path(path)
+    stamp = (src / "pdxfer_build.json").read_text() + "|mimo-mtp-random"
+    if (root / "pdxfer_build.json").is_file() and (root / "pdxfer_build.json").read_text() == stamp:
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    h, hd = int(cfg["hidden_size"]), int(cfg["head_dim"])
+    heads, kv, mlp = (
+        int(cfg[k]) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    )
+    out = load_file(str(src / "model.safetensors"))
+    dt = out["model.embed_tokens.weight"].dtype
+    for i in range(int(cfg["num_hidden_layers"])):
+        for x, n in (("q", heads), ("k", kv), ("v", kv)):
+            out[f"model.layers.{i}.self_attn.{x}_proj.bias"] = torch.zeros(n * hd, dtype=dt)
+    g = torch.Generator().manual_seed(0)
+
+    def w(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) * cols**-0.5).to(dt)
+
+    p = "model.mtp_layers.0."
+    out.update(
+        {
+            p + "input_proj.weight": w(h, 2 * h),
+            p + "self_attn.q_proj.weight": w(heads * hd, h),
+            p + "self_attn.k_proj.weight": w(kv * hd, h),
+            p + "self_attn.v_proj.weight": w(kv * hd, h),
+            p + "self_attn.o_proj.weight": w(h, heads * hd),
+            p + "mlp.gate_proj.weight": w(mlp, h),
+            p + "mlp.up_proj.weight": w(mlp, h),
+            p + "mlp.down_proj.weight": w(h, mlp),
+        }
+    )
+    for x, n in (("q", heads), ("k", kv), ("v", kv)):
+        out[f"{p}self_attn.{x}_proj.bias"] = torch.zeros(n * hd, dtype=dt)
+    for n in (
+        "token_layernorm",
+        "hidden_layernorm",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "final_layernorm",
+    ):
+        out[f"{p}{n}.weight"] = torch.ones(h, dtype=dt)
+    save_file(out, str(root / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {
+        **cfg,
+        "architectures": ["MiMoForCausalLM"],
+        "model_type": "qwen2",
+        "num_nextn_predict_layers": 1,
+        "use_sliding_window": False,
+    }
+    (root / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
+    for f in (*TOKENIZER_FILES, "generation_config.json"):
+        if (src / f).is_file():
+            shutil.copy(src / f, root / f)
+    (root / "pdxfer_build.json").write_text(stamp)
+    return root

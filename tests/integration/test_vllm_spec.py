@@ -1,11 +1,12 @@
 """Speculative decoding through PdxferConnector, on real vLLM: a prefill and a decode with
-the same drafter (3 speculative tokens) behind ``pdxfer router --engine vllm``, driven with
-the official ``openai`` client, against colocated vLLM with the same drafter. Two drafters:
-``draft_model`` (a draft identical to the target: colocated vLLM accepts every draft) and
+the same drafter (3 speculative tokens; MTP 1) behind ``pdxfer router --engine vllm``, driven
+with the official ``openai`` client, against colocated vLLM with the same drafter. Four
+drafters: ``draft_model`` (a draft identical to the target: colocated vLLM accepts every draft) and
 ``eagle`` (a head that replays the target shifted by one token,
 ``tests/harness/hf_drafters.py``: most of its drafts are accepted, and they depend on its own
-KV of the whole prompt) and ``eagle3`` (a random head: drafts right only by chance, so the
-check there is the count of drafts and the tokens).
+KV of the whole prompt), ``eagle3`` (a random head: drafts right only by chance, so the
+check there is the count of drafts and the tokens) and ``mtp`` (the target as a MiMo model
+with a random MTP layer: vLLM's one MTP model of a plain dense decoder; one token a step).
 
 The decode's drafter reads the draft KV the prefill computed for the prompt (it moves beside
 the target's, in vLLM's KV cache), so its drafts, and vLLM's acceptance counters
@@ -29,7 +30,7 @@ from pdxfer import BootstrapServer
 from pdxfer.serving.procs import Proc
 from pdxfer.serving.vllm.local_model import SHAPES, build_model
 from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start_all
-from tests.harness.hf_drafters import build_eagle, build_eagle3
+from tests.harness.hf_drafters import build_eagle, build_eagle3, build_mtp
 
 from .vllm_helpers import complete, metric
 from .vllm_helpers import token_prompt as prompt
@@ -37,12 +38,13 @@ from .vllm_helpers import token_prompt as prompt
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 BS = 32
-K = 3
+K = {"draft_model": 3, "eagle": 3, "eagle3": 3, "mtp": 1}
+"""Speculative tokens a step (MiMo's MTP layer predicts one)."""
 PREFILL, DECODE, PLAIN = "vllm-spec-p", "vllm-spec-d", "vllm-plain-d"
 S = SHAPES["small"]
 LAYER_BLOCK_BYTES = S.kv_heads * BS * 2 * S.head_size * 4
 """One block of one layer's KV (float32), the target's and its drafters' alike."""
-DRAFT_LAYERS = {"draft_model": S.layers, "eagle": S.layers + 1, "eagle3": 1}
+DRAFT_LAYERS = {"draft_model": S.layers, "eagle": S.layers + 1, "eagle3": 1, "mtp": 1}
 BUILD = {"eagle": build_eagle, "eagle3": build_eagle3}
 LENGTHS = (7, 2 * BS + 1, 150)
 """Prompt tokens: under a block, k blocks + 1 (the decode computes one token), several."""
@@ -54,9 +56,11 @@ class Cluster:
     def __init__(self, tmp: Path, method: str) -> None:
         self.tmp, self.method = tmp, method
         self.model = build_model(tmp / "model", "small")
+        if method == "mtp":  # the target carries its drafter: every server serves it
+            self.model = build_mtp(self.model, tmp / "mimo")
         build = BUILD.get(method)
         self.draft = build(self.model, tmp / method) if build else self.model
-        spec = {"method": method, "model": str(self.draft), "num_speculative_tokens": K}
+        spec = {"method": method, "model": str(self.draft), "num_speculative_tokens": K[method]}
         self.spec_args = ["--speculative-config", json.dumps(spec)]
         self.boot = BootstrapServer("127.0.0.1", 0).start()
         self.d_stats, self.plain_stats = tmp / "d.json", tmp / "plain.json"
