@@ -241,6 +241,7 @@ def test_answers_are_right_both_ways_and_every_loaded_byte_is_the_prefills(rig: 
             "the decode's checks",
             lambda w=w, b=before: w.integrity()["checks"] >= b["checks"] + m,
             timeout=60,
+            show=lambda w=w, b=before: (w.name(), b, w.integrity(), w.d()),
         )
         assert w.integrity()["bytes"] > before["bytes"], w.name()
         _no_failures(w, d0, m)
