@@ -12,6 +12,7 @@ One rig of servers per model, shared by every case of that model:
 - DeepSeek-V2 (MLA, bf16), judged as the families module judges bf16: every byte the
   decode loaded equal to the prefill's (``integrity: full``), and the answer colocated's
   where colocated computes the decode's step (``Rig.same_rows``; prompts of k blocks + 1).
+  Both sides run vLLM's reference MLA backend (``MLA_ARGS``) on every host.
 - Qwen3-Next (bf16) with prefix caching on the prefill and off on the decode: vLLM sizes
   the state groups' blocks 544 and 4,096 tokens, which changes no byte moved; it pairs and
   moves, judged the same way.
@@ -48,6 +49,11 @@ L2 = 256
 START_S = 900.0
 """Several vLLM servers start at once: on a loaded 2-core host that takes minutes."""
 TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+MLA_ARGS = ("--attention-backend", "CPU_MLA")
+"""vLLM's reference CPU MLA backend, one plain latent row per token, which pdxfer maps
+across block sizes. On a CPU with AMX vLLM picks AMX_MLA instead, whose blocks pack the
+latent in a layout pdxfer does not map: there a pair whose block sizes differ is refused at
+pairing, naming both (docs/vllm.md#block-sizes-that-differ)."""
 """Two ranks on a two-core machine: unbound, one OpenMP thread each."""
 
 
@@ -119,8 +125,9 @@ def _pair_args(
     nocache = ("--no-enable-prefix-caching",)  # a repeated prompt comes from L2
     if f.name == "qwen3_next":
         return [(a, a, ("--enable-prefix-caching", *f.exact_args), f.exact_args, None)]
-    pargs = ("--max-num-batched-tokens", str(STEP)) if plain else f.exact_args
-    dargs = nocache if plain else (*nocache, *f.exact_args)
+    mla = MLA_ARGS if f.name == "deepseek_v2" else ()
+    pargs = ("--max-num-batched-tokens", str(STEP)) if plain else (*f.exact_args, *mla)
+    dargs = nocache if plain else (*nocache, *f.exact_args, *mla)
     pairs = [(a, b, pargs, dargs, None), (b, a, pargs, dargs, None)]
     if plain:  # a decode of TP 2 and another block size: refused (the module docstring)
         pairs.append((a, b, pargs, (*dargs, "--tensor-parallel-size", "2"), TP2))
