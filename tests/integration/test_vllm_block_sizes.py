@@ -36,7 +36,7 @@ from pdxfer.serving.procs import Proc
 from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start_all
 from tests.harness.hf_families import FAMILIES, WINDOW, Family, build_family
 
-from .vllm_helpers import MAX_TOKENS, complete, rows_alike, stream_ids, wait
+from .vllm_helpers import MAX_TOKENS, UNBOUND, complete, rows_alike, stream_ids, wait
 from .vllm_helpers import token_prompt as prompt
 
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.engine]
@@ -48,13 +48,11 @@ is filled by two steps), and under the window (its blocks are freed while the pr
 L2 = 256
 START_S = 900.0
 """Several vLLM servers start at once: on a loaded 2-core host that takes minutes."""
-TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 MLA_ARGS = ("--attention-backend", "CPU_MLA")
 """vLLM's reference CPU MLA backend, one plain latent row per token, which pdxfer maps
 across block sizes. On a CPU with AMX vLLM picks AMX_MLA instead, whose blocks pack the
 latent in a layout pdxfer does not map: there a pair whose block sizes differ is refused at
 pairing, naming both (docs/vllm.md#block-sizes-that-differ)."""
-"""Two ranks on a two-core machine: unbound, one OpenMP thread each."""
 
 
 @dataclass
@@ -130,7 +128,7 @@ def _pair_args(
     dargs = nocache if plain else (*nocache, *f.exact_args, *mla)
     pairs = [(a, b, pargs, dargs, None), (b, a, pargs, dargs, None)]
     if plain:  # a decode of TP 2 and another block size: refused (the module docstring)
-        pairs.append((a, b, pargs, (*dargs, "--tensor-parallel-size", "2"), TP2))
+        pairs.append((a, b, pargs, (*dargs, "--tensor-parallel-size", "2"), UNBOUND))
     return pairs
 
 

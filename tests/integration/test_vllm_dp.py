@@ -36,17 +36,11 @@ from pdxfer.serving.procs import Proc
 from pdxfer.serving.vllm.local_model import build_model
 from pdxfer.serving.vllm.servers import VllmServer, kv_config, start_all
 
-from .vllm_helpers import MAX_TOKENS, client, complete, text, wait
+from .vllm_helpers import MAX_TOKENS, UNBOUND, client, complete, text, wait
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
 DP = ["--data-parallel-size", "2", "--api-server-count", "1"]
-UNBOUND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-"""A DP-2 server's environment. vLLM's CPU worker binds each rank's threads to the cores of
-"its" NUMA node; on a one-node host every rank of every DP server gets the same core (seen:
-all four workers here on core 0 of 2, two threads each), and the processes so crowded went
-without any CPU for up to 224 s at a time, failing loads at their deadline
-(docs/vllm.md#data-parallel)."""
 DEADLINE_S = 180.0
 """The pairs' bootstrap and transfer deadlines, generous for a shared 2-core machine: a load
 failed at its deadline would be retried on another rank pair, which this module's rank

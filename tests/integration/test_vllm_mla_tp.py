@@ -26,14 +26,12 @@ from pdxfer.serving.procs import Proc
 from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start_all
 from tests.harness.hf_families import FAMILIES, build_family
 
-from .vllm_helpers import MAX_TOKENS, complete, wait
+from .vllm_helpers import MAX_TOKENS, UNBOUND, complete, wait
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.vllm_tp, pytest.mark.engine]
 
 F = FAMILIES["deepseek_v2"]
 BS = 32
-TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-"""Two ranks on a two-core machine (``test_vllm_tp``): unbound, one OpenMP thread each."""
 LATENT_TOKEN = 2 * (512 + 64) * 2
 """Bytes of one token's latent over the model's two layers (bf16)."""
 
@@ -62,7 +60,7 @@ def pair(tmp: Path, model: Path, p_tp: int, d_tp: int) -> Iterator[tuple[str, Pa
             tmp,
             dtype=F.dtype,
             block_size=BS,
-            env=TP2 if tp > 1 else None,
+            env=UNBOUND if tp > 1 else None,
             kv_cache_bytes=256 << 20,
             args=[*args, "--tensor-parallel-size", str(tp)],
             kv_transfer_config=kv_config(role, {"bootstrap": boot.address, **extra}),

@@ -1,8 +1,8 @@
 """Speculative decoding through PdxferConnector, on real vLLM: a prefill and a decode with
 the same drafter (3 speculative tokens; MTP 1) behind ``pdxfer router --engine vllm``, driven
 with the official ``openai`` client, against colocated vLLM with the same drafter. Four
-drafters: ``draft_model`` (a draft identical to the target: colocated vLLM accepts every draft) and
-``eagle`` (a head that replays the target shifted by one token,
+drafters: ``draft_model`` (a draft identical to the target: colocated vLLM accepts every
+draft), ``eagle`` (a head that replays the target shifted by one token,
 ``tests/harness/hf_drafters.py``: most of its drafts are accepted, and they depend on its own
 KV of the whole prompt), ``eagle3`` (a random head: drafts right only by chance, so the
 check there is the count of drafts and the tokens) and ``mtp`` (the target as a MiMo model

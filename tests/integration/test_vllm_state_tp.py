@@ -29,7 +29,7 @@ from pdxfer.serving.procs import Proc
 from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start_all
 from tests.harness.hf_families import FAMILIES, build_family
 
-from .vllm_helpers import MAX_TOKENS, complete, wait
+from .vllm_helpers import MAX_TOKENS, UNBOUND, complete, wait
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.vllm_tp, pytest.mark.engine]
 
@@ -39,8 +39,6 @@ BS = 160
 until an attention page holds a Mamba page)."""
 LENGTHS = (7, BS + 1, 2 * BS + 97)
 """Prompts below one block, one block and a token, and several blocks."""
-TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-"""Two ranks on a two-core machine (``test_vllm_tp``): unbound, one OpenMP thread each."""
 TIMEOUTS = {"bootstrap_timeout_s": 300.0, "transfer_timeout_s": 300.0, "heartbeat_s": 150.0}
 """Every pdxfer deadline only ends a hang on a loaded machine (``test_vllm_tp`` says why)."""
 STATE = {1: (640 * 3 + 8 * 64 * 64) * 4, 2: (384 * 3 + 4 * 64 * 64) * 4}
@@ -71,7 +69,7 @@ def _server(
         tmp,
         dtype=F.dtype,
         block_size=32,
-        env=TP2 if tp > 1 else None,
+        env=UNBOUND if tp > 1 else None,
         args=[*F.vllm_args, "--max-model-len", "4096", "--tensor-parallel-size", str(tp)],
         kv_transfer_config=kv_config(kv, extra) if kv else None,
     )

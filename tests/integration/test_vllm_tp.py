@@ -36,7 +36,7 @@ from pdxfer.serving.procs import Proc
 from pdxfer.serving.vllm.local_model import SHAPES, build_model
 from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start_all
 
-from .vllm_helpers import chat_stream, complete, ref_chat, stacks_if_slow, text, wait
+from .vllm_helpers import UNBOUND, chat_stream, complete, ref_chat, stacks_if_slow, text, wait
 
 DEADLINE_S = 300.0
 """pdxfer's bootstrap and transfer deadlines on both sides: a request stalled for two
@@ -128,10 +128,6 @@ class Base:
 STEP = 64
 """The prefill's tokens per step (``--max-num-batched-tokens``): two blocks."""
 
-TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-"""Two ranks on a two-core machine: unbound, one OpenMP thread each (with one thread per core
-each, the ranks' spinning OpenMP threads starved the other processes' threads for seconds)."""
-
 REF_ENV = {"VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": "0"}
 """vLLM bounds a chat template's rendering at 30 s of wall time (in a thread): a machine
 stall while the reference renders a chat would fail it. The router renders chats itself."""
@@ -154,7 +150,7 @@ def _pair(
         model,
         tmp,
         args=["--tensor-parallel-size", str(prefill_tp), "--max-num-batched-tokens", str(STEP)],
-        env=TP2,
+        env=UNBOUND,
         kv_transfer_config=kv_config(
             "kv_producer",
             {
@@ -170,7 +166,7 @@ def _pair(
         f"{name}-decode-tp{decode_tp}",
         model,
         tmp,
-        env=TP2,
+        env=UNBOUND,
         args=["--no-enable-prefix-caching", "--tensor-parallel-size", str(decode_tp)],
         kv_transfer_config=kv_config(
             "kv_consumer",

@@ -362,3 +362,11 @@ def rows_alike(url: str, lengths: Iterable[int]) -> bool:
         if alone != more[: len(head)]:
             return False
     return True
+
+
+UNBOUND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+"""The environment of a server with several worker processes (TP or DP ranks) on this
+2-core host: unbound, one OpenMP thread each. vLLM's CPU worker otherwise binds each rank's
+threads to the cores of "its" NUMA node, the same cores for every rank on a one-node host,
+and the ranks' spinning OpenMP threads starve every other process there (a DP rank went up
+to 224 s without CPU: docs/vllm.md#data-parallel)."""
