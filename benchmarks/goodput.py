@@ -32,6 +32,8 @@ VARIANTS = ("pd", "colocated", "colocated_x2")
 on both cores; colocated_x2: one server per core, least-outstanding dispatch."""
 ATTAINMENT = 0.9
 """Goodput counts a rate while at least this share of its requests meets the target."""
+CALIB_TOKENS = 24
+"""Answer length of a calibration request (its median inter-token time is the step)."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,8 @@ FULL = Plan(
     prompt_max=8192,
     out_min=32,
     out_max=512,
-    requests=32,
-    load=(0.25, 0.5, 0.75, 1.0, 1.3),
+    requests=24,
+    load=(0.1, 0.2, 0.35, 0.6, 1.0),
     calib_lens=(256, 1024, 2048, 4096, 8192),
     kv_cache_mb=1536,
     exact_sample=1000,
@@ -376,50 +378,54 @@ def pct(xs: Sequence[float], q: float) -> float:
 
 
 class Reference:
-    """Unloaded figures on colocated vLLM (both cores): a prompt's time to first token, by
-    linear interpolation over the calibrated lengths, and one decode step."""
+    """Unloaded figures of one variant (one request at a time): a prompt's time to first
+    token and its answer's decode step, each by linear interpolation over the calibrated
+    prompt lengths (a step over an 8k-token context costs more than over 256 tokens)."""
 
-    def __init__(self, lens: Sequence[int], ttfts: Sequence[float], step: float) -> None:
-        self.lens, self.ttfts, self.step = list(lens), list(ttfts), step
+    def __init__(self, lens: Sequence[int], ttfts: Sequence[float], steps: Sequence[float]) -> None:
+        self.lens, self.ttfts, self.steps = list(lens), list(ttfts), list(steps)
 
     def ttft(self, n: int) -> float:
-        xs, ys = self.lens, self.ttfts
-        if n <= xs[0]:
-            return ys[0]
-        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-            if n <= x1:
-                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1] / xs[-1]
-        return ys[-1] + slope * (n - xs[-1])
+        return interpolate(self.lens, self.ttfts, n)
+
+    def step(self, n: int) -> float:
+        return interpolate(self.lens, self.steps, n)
 
     def meets(self, r: Result, target: str) -> bool:
         f_ttft, f_tpot = TARGETS[target]
-        return (
-            r.ok and r.ttft <= f_ttft * self.ttft(r.req.prompt_len) and r.tpot <= f_tpot * self.step
-        )
+        n = r.req.prompt_len
+        return r.ok and r.ttft <= f_ttft * self.ttft(n) and r.tpot <= f_tpot * self.step(n)
+
+
+def interpolate(xs: Sequence[int], ys: Sequence[float], n: int) -> float:
+    """``ys`` at ``n``: linear between the calibrated points, extended past the last."""
+    if n <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if n <= x1:
+            return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1] / xs[-1]
+    return ys[-1] + slope * (n - xs[-1])
 
 
 async def calibrate(target: Target, plan: Plan, seed: int) -> tuple[Reference, dict[str, Any]]:
-    """One request at a time: the TTFT at each calibration length (the best of two) and the
-    decode step of a long answer."""
-    ttfts = []
+    """One request at a time, at each calibration length: the time to first token and the
+    median inter-token time of a ``CALIB_TOKENS``-token answer, each the best of two."""
+    ttfts, steps = [], []
     for k, n in enumerate(plan.calib_lens):
-        best = math.inf
+        best, step = math.inf, math.inf
         for rep in range(2):
-            r = await target.send(Req(0, 0.0, n, 1, seed * 1000 + 10 * k + rep + 7))
+            r = await target.send(Req(0, 0.0, n, CALIB_TOKENS, seed * 1000 + 10 * k + rep + 7))
             if r.error:
                 raise RuntimeError(f"calibration request failed: {r.error}")
-            best = min(best, r.ttft)
+            best, step = min(best, r.ttft), min(step, statistics.median(r.itls()))
         ttfts.append(best)
-    steps = []
-    for rep in range(2):
-        r = await target.send(Req(0, 0.0, plan.prompt_min, 64, seed * 1000 + 900 + rep))
-        if r.error:
-            raise RuntimeError(f"calibration request failed: {r.error}")
-        steps.append(statistics.median(r.itls()))
-    ref = Reference(plan.calib_lens, ttfts, min(steps))
-    rec = {f"unloaded.ttft_ms.{n}": round(1e3 * t, 2) for n, t in zip(plan.calib_lens, ttfts)}
-    rec["unloaded.decode_step_ms"] = round(1e3 * ref.step, 2)
+        steps.append(step)
+    ref = Reference(plan.calib_lens, ttfts, steps)
+    rec: dict[str, Any] = {}
+    for n, t, st in zip(plan.calib_lens, ttfts, steps):
+        rec[f"unloaded.ttft_ms.{n}"] = round(1e3 * t, 2)
+        rec[f"unloaded.decode_step_ms.{n}"] = round(1e3 * st, 2)
     return ref, rec
 
 
@@ -487,6 +493,10 @@ async def measure(a: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, Any
         targets = fleet.targets(variants)
         ref, calib = await calibrate(targets["colocated"], plan, a.seed)
         res.update({f"goodput.{k}": v for k, v in calib.items()})
+        for v in variants:  # the others' unloaded figures: what their layout costs alone
+            if v != "colocated":
+                _, own = await calibrate(targets[v], plan, a.seed)
+                res.update({f"goodput.{v}.{k}": val for k, val in own.items()})
         prefill_s = statistics.fmean(
             ref.ttft(r.prompt_len) for r in draw(plan, a.seed, 1.0, 10_000)
         )

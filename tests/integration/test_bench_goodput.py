@@ -65,7 +65,10 @@ def test_bench_goodput_quick_reports_every_figure_token_exact(tmp_path: Path) ->
     assert res["goodput.failed"] == res["goodput.recomputed"] == 0
     assert res["goodput.outputs_checked"] == 12
     assert res["goodput.outputs_mismatched"] == 0
-    assert res["goodput.unloaded.decode_step_ms"] > 0
+    for pre in ("goodput.", *(f"goodput.{v}." for v in VARIANTS if v != "colocated")):
+        for n in (64, 768):  # each variant's own unloaded figures, at each calibrated length
+            assert res[f"{pre}unloaded.ttft_ms.{n}"] > 0, (pre, n)
+            assert res[f"{pre}unloaded.decode_step_ms.{n}"] > 0, (pre, n)
     # the workload file replays: every variant got these requests, in this order
     workload = json.loads(wl.read_text())
     assert [float(k) for k in workload] == rates
