@@ -7,7 +7,7 @@ server's connection cap, header deadline and protected mode) -> ``client``
 """
 
 from .client import BootstrapClient
-from .registration import Registration
+from .registration import Refusal, Registration
 from .server import BootstrapServer
 
-__all__ = ["BootstrapClient", "BootstrapServer", "Registration"]
+__all__ = ["BootstrapClient", "BootstrapServer", "Refusal", "Registration"]

@@ -109,6 +109,16 @@ class BootstrapClient:
             q["dp"] = dp
         return self._call("GET", "/route?" + urllib.parse.urlencode(q), deadline=deadline)
 
+    def refusals(self, instance: str | None = None) -> dict[str, str]:
+        """The decodes ``instance`` (None: the only one) refused to pair with, and why
+        (``{decode: reason}``)."""
+        q = urllib.parse.urlencode({"instance": instance} if instance else {})
+        body = self._call("GET", f"/refusals?{q}" if q else "/refusals")
+        out = body.get("refused") if isinstance(body, dict) else None
+        if not isinstance(out, dict):
+            return {}
+        return {str(k): str(v) for k, v in out.items()}
+
     def health(self) -> bool:
         try:
             with urllib.request.urlopen(self.base + "/health", timeout=self.timeout) as r:

@@ -14,6 +14,17 @@ from ..pools import NonNeg
 
 Small = Annotated[int, msgspec.Meta(ge=1, le=4096)]
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+MAX_REFUSALS = 16
+"""Refused decodes a registration carries (the most recent ones)."""
+
+
+class Refusal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A decode whose handshake this prefill rank refused, and why (naming both sides'
+    values): what a router tells a client whose request that pair could not serve."""
+
+    decode: Text
+    """The decode's instance name (else its endpoint id)."""
+    reason: Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
 
 
 class Registration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -30,6 +41,7 @@ class Registration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dp_size: Small = 1
     pp_rank: NonNeg = 0
     pp_size: Small = 1
+    refused: Annotated[tuple[Refusal, ...], msgspec.Meta(max_length=MAX_REFUSALS)] = ()
 
     def __post_init__(self) -> None:
         for r, s, what in (

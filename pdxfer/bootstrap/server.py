@@ -124,6 +124,7 @@ class BootstrapServer:
         app.router.add_get("/route", self._h_route)
         app.router.add_get("/health", self._h_health)
         app.router.add_get("/instances", self._h_instances)
+        app.router.add_get("/refusals", self._h_refusals)
         app.router.add_get("/metrics", self._h_metrics)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -259,8 +260,20 @@ class BootstrapServer:
                 "pp_size": pp_size,
                 "tp_size": tp_size,
                 "signature": inst.signature,
-                "endpoints": [msgspec.to_builtins(r) for r in eps],
+                "endpoints": [
+                    {k: v for k, v in msgspec.to_builtins(r).items() if k != "refused"} for r in eps
+                ],
             }
+
+    def refusals(self, instance: str | None) -> dict[str, str]:
+        """The decodes ``instance``'s ranks refused to pair with, and why (any rank's; no
+        instance: the only one registered)."""
+        with self._lock:
+            if instance is None and len(self._instances) == 1:
+                instance = next(iter(self._instances))
+            inst = self._instances.get(instance) if instance is not None else None
+            regs = list(inst.slots.values()) if inst is not None else []
+        return {r.decode: r.reason for reg in regs for r in reg.refused}
 
     # -- HTTP handlers ----------------------------------------------------------------------
     def _bad(self, status: int, msg: str) -> web.Response:
@@ -334,6 +347,10 @@ class BootstrapServer:
         if status != 200:
             return self._bad(status, body)
         return web.json_response(body)
+
+    async def _h_refusals(self, request: web.Request) -> web.Response:
+        instance = request.query.get("instance") or None
+        return web.json_response({"instance": instance, "refused": self.refusals(instance)})
 
     async def _h_health(self, request: web.Request) -> web.Response:
         with self._lock:

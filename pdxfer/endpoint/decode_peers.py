@@ -78,17 +78,17 @@ class DecodePeers:
     """The decode peers of a prefill rank, by endpoint id (under the core's lock).
 
     ``in_use``: ids (``id()``) of the peers rooms or parked requests still refer to (never
-    evicted). ``refused``: called with a refused ``Hello`` and the reason, for the room that
-    started the handshake."""
+    evicted). ``verdict``: called with each ``Hello`` and the reason it was refused ("" when
+    accepted): for the room that started the handshake, and the rank's list of refusals."""
 
     def __init__(
-        self, ep: Core, in_use: Callable[[], set[int]], refused: Callable[[wire.Hello, str], None]
+        self, ep: Core, in_use: Callable[[], set[int]], verdict: Callable[[wire.Hello, str], None]
     ) -> None:
         self.ep = ep
         self.cfg = ep.config
         self.table: OrderedDict[str, DecodePeer] = OrderedDict()
         self._in_use = in_use
-        self._refused = refused
+        self._verdict = verdict
 
     def __len__(self) -> int:
         return len(self.table)
@@ -166,7 +166,7 @@ class DecodePeers:
         if reason:
             log.warning("refused Hello from %s: %s", msg.endpoint_id, reason)
             self.ep.count_failure(LayoutMismatch(reason))
-            self._refused(msg, reason)
+            self._verdict(msg, reason)
             self.ep.send_raw(msg.ctrl_addr, frame)
             return
         sess = Session(h.pair, None, ack=frame)
@@ -201,6 +201,7 @@ class DecodePeers:
         if self.ep.secret is not None:
             self.ep.trust.add(sess)
         self.ep.send_raw(msg.ctrl_addr, frame)
+        self._verdict(msg, "")
 
     def _check_hello(self, msg: wire.Hello) -> str:
         if msg.signature != layout_signature(msg.pools):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import wire
-from ..bootstrap import BootstrapClient, Registration
+from ..bootstrap import BootstrapClient, Refusal, Registration
 from ..config import EndpointConfig
 from ..errors import Aborted, ConfigError, PdxferError, UntrustedBootstrap
 from ..metrics import prometheus_text
@@ -132,7 +132,14 @@ class Endpoint:
             dp_size=c.dp_size,
             pp_rank=c.pp_rank,
             pp_size=c.pp_size,
+            refused=self._refused(),
         )
+
+    def _refused(self) -> tuple[Refusal, ...]:
+        if self.prefill is None:
+            return ()
+        with self.core.lock:
+            return tuple(Refusal(d, why) for d, why in self.prefill.refusals.items())
 
     def sender(self, room: int, peer: str | None = None) -> KVSender:
         """A sender for ``room``. ``peer`` binds the room to the decode chosen for it (its
@@ -257,6 +264,8 @@ class Endpoint:
             return
         self._closed = True
         self._stop_reg.set()
+        if self.prefill is not None:
+            self.prefill.refusals_changed.set()
         if self._bootstrap is not None:
             try:
                 self._bootstrap.deregister(self.endpoint_id)
@@ -286,7 +295,14 @@ class Endpoint:
         self.close()
 
     def _reregister(self) -> None:
-        while not self._stop_reg.wait(self.config.limits.register_interval_s):
+        """Register again every ``register_interval_s``, and at once when the rank refused
+        (or accepted again) a decode's handshake, so a router finds why at the bootstrap."""
+        changed = self.prefill.refusals_changed if self.prefill else threading.Event()
+        while True:
+            changed.wait(self.config.limits.register_interval_s)
+            if self._stop_reg.is_set():
+                return
+            changed.clear()
             try:
                 assert self._bootstrap is not None
                 self._bootstrap.register(self.registration())

@@ -12,6 +12,7 @@ what it shares: ``DecodePeers`` (``decode_peers.py``: handshakes and the peer ta
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ import numpy as np
 
 from .. import plan as P
 from .. import wire
+from ..bootstrap.registration import MAX_REFUSALS
 from ..errors import (
     Aborted,
     DeadlineExceeded,
@@ -117,7 +119,12 @@ class PrefillSide:
         until the bootstrap deadline, not only ``room_grace_s`` (``expected.py``)."""
         self.refused: OrderedDict[int, str] = OrderedDict()
         """Rooms whose decode's handshake this rank refused (the room fails on creation)."""
-        self.peers = DecodePeers(ep, self._peers_in_use, self._handshake_refused)
+        self.refusals: OrderedDict[str, str] = OrderedDict()
+        """Decodes whose handshake this rank refused last, and why (the newest
+        ``MAX_REFUSALS``): carried in its registration, so a router can tell a client why
+        that pair cannot serve it (``BootstrapServer.refusals``)."""
+        self.refusals_changed = threading.Event()
+        self.peers = DecodePeers(ep, self._peers_in_use, self._verdict)
         self.settler = Settler(ep.transport, ep.count, cfg.limits.transfer_timeout_s)
         """Holds what tells a decode a room's writes are over while a failed write to it may
         still land (``settler.py``)."""
@@ -196,10 +203,20 @@ class PrefillSide:
         busy = {id(t.peer) for st in self.rooms.values() for t in st.targets}
         return busy | self.pending.peers()
 
-    def _handshake_refused(self, msg: wire.Hello, reason: str) -> None:
-        """Tell the room that started a refused handshake, so the prefill does not wait for a
-        request that cannot come (only a room not bound to another decode)."""
-        if msg.room is None:
+    def _verdict(self, msg: wire.Hello, reason: str) -> None:
+        """A decode's handshake was refused (``reason``) or accepted (""): kept in the rank's
+        refusals, and a refused one fails the room that started it, so the prefill does not
+        wait for a request that cannot come (only a room not bound to another decode)."""
+        who = (msg.instance or msg.endpoint_id)[:256]
+        with self.ep.lock:
+            if who and self.refusals.get(who, "") != reason[:2048]:
+                self.refusals.pop(who, None)
+                if reason:
+                    self.refusals[who] = reason[:2048]
+                    while len(self.refusals) > MAX_REFUSALS:
+                        self.refusals.popitem(last=False)
+                self.refusals_changed.set()
+        if not reason or msg.room is None:
             return
         why = f"room {msg.room}: handshake from decode endpoint {msg.endpoint_id} refused: {reason}"
         with self.ep.lock:

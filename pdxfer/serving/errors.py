@@ -49,6 +49,15 @@ class WorkerBroken(ServingError):
     status = 503
 
 
+class Unpaired(ServingError):
+    """The prefill and the decode chosen for a request refused to pair (their models or
+    layouts differ; the message names both values): only a change of configuration, or
+    another pair, can serve it."""
+
+    kind = "unpaired"
+    status = 409
+
+
 class UpstreamError(ServingError):
     """A worker behind the router failed or could not be reached."""
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import zmq
 
-from pdxfer import BootstrapServer, wire
+from pdxfer import BootstrapClient, BootstrapServer, wire
 from pdxfer.agents import patterns as pat
 from pdxfer.agents.patterns import PoolGeom
 from pdxfer.agents.process import Agent
@@ -140,9 +141,8 @@ def test_mismatched_layout_is_refused_at_hello_naming_the_mismatch(
     pf, dc = pair
     name = "mm_" + next(iter(change))
     geoms = [dataclasses.replace(GEOMS[0], **change), GEOMS[1]]
-    dc.call(
-        "add_endpoint", name=name, role="decode", config={"bootstrap_timeout_s": 5.0}, geoms=geoms
-    )
+    config = {"bootstrap_timeout_s": 5.0, "instance": name}
+    dc.call("add_endpoint", name=name, role="decode", config=config, geoms=geoms)
     dc.call("sentinel", ep=name)
     dc.call(
         "recv",
@@ -155,6 +155,43 @@ def test_mismatched_layout_is_refused_at_hello_naming_the_mismatch(
     assert needle in out["failure"], out["failure"]
     assert dc.call("untouched", exclude={}, ep=name) == 0
     dc.call("close_endpoint", name=name)
+    # the prefill's registration says why, so a router can tell the client (a 409)
+    why = _refusal(bootstrap, name, lambda r: r is not None)
+    assert why is not None and needle in why, why
+
+
+def _refusal(bootstrap: BootstrapServer, decode: str, until: Any) -> str | None:
+    """The prefill instance's recorded refusal of ``decode``, once ``until`` holds for it."""
+    client = BootstrapClient(bootstrap.address)
+    deadline = time.monotonic() + 15
+    while True:
+        why = client.refusals("default").get(decode)
+        if until(why) or time.monotonic() > deadline:
+            return why
+        time.sleep(0.05)
+
+
+def test_a_decode_that_pairs_after_a_refusal_clears_the_prefills_record(pair, bootstrap) -> None:
+    pf, dc = pair
+    name = "mm_then_fixed"
+    config = {"bootstrap_timeout_s": 3.0, "instance": name}
+    bad = [dataclasses.replace(GEOMS[0], head_dim=32), GEOMS[1]]
+    for room, geoms in ((81, bad), (82, GEOMS)):
+        dc.call("add_endpoint", name=name, role="decode", config=config, geoms=geoms)
+        dc.call(
+            "recv",
+            items=[{"room": room, "dst": {"kv": [0, 1]}, "slots": {"aux": 0}}],
+            bootstrap=bootstrap.address,
+            ep=name,
+        )
+        if room == 81:
+            assert dc.call("wait", rooms=[81], ep=name, timeout=10)[81]["kind"] == (
+                "layout_mismatch"
+            )
+            assert _refusal(bootstrap, name, lambda r: r is not None) is not None
+        else:  # the same decode, its layout fixed: its handshake is accepted
+            assert _refusal(bootstrap, name, lambda r: r is None) is None
+        dc.call("close_endpoint", name=name)
 
 
 def test_destination_index_out_of_range_is_refused_before_any_write(pair, hostile) -> None:

@@ -10,10 +10,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 
 from pdxfer import BootstrapClient, BootstrapError, BootstrapServer
-from pdxfer.bootstrap import Registration
+from pdxfer.bootstrap import Refusal, Registration
+from pdxfer.bootstrap.registration import MAX_REFUSALS
 
 
 @pytest.fixture()
@@ -206,6 +208,41 @@ def test_dp_groups_route_by_room(server: BootstrapServer) -> None:
         c.register(reg(0, tp_size=1, dp_rank=dp, dp_size=2))
     assert c.route(4)["dp_rank"] == 0 and c.route(5)["dp_rank"] == 1
     assert c.route(5, dp=0)["endpoints"][0]["dp_rank"] == 0
+
+
+def test_refusals_are_read_per_instance_over_its_ranks_and_kept_out_of_routes(
+    server: BootstrapServer,
+) -> None:
+    """What a prefill's ranks refused (a router's 409 says why), merged over the ranks; a
+    decode's route lookup does not carry them."""
+    c = BootstrapClient(server.address)
+    why = "model differs: block_size: prefill 32, decode 64"
+    c.register(reg(0, tp_size=2))
+    c.register(msgspec.structs.replace(reg(1, tp_size=2), refused=(Refusal("d0", why),)))
+    c.register(reg(0, tp_size=1, instance="other"))
+    assert c.refusals("p0") == {"d0": why}
+    assert c.refusals("other") == {} and c.refusals("nobody") == {}
+    assert all("refused" not in e for e in c.route(1, "p0")["endpoints"])
+    c.register(reg(1, tp_size=2))  # the rank paired with d0 since: its record is gone
+    assert c.refusals("p0") == {}
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        [{"decode": f"d{i}", "reason": "x"} for i in range(MAX_REFUSALS + 1)],
+        [{"decode": "d0", "reason": "x" * 2049}],
+        [{"decode": "", "reason": "x"}],
+        [{"decode": "d0", "reason": "x", "extra": 1}],
+    ],
+)
+def test_a_registration_with_unbounded_refusals_gets_400(
+    server: BootstrapServer, refused: list[dict]
+) -> None:
+    body = {**msgspec.to_builtins(reg(0, tp_size=1)), "refused": refused}
+    code, resp = http(server, "PUT", "/register", json.dumps(body).encode())
+    assert code == 400 and "refused" in resp["error"], resp
+    assert BootstrapClient(server.address).refusals("p0") == {}
 
 
 def test_health_and_unreachable_server() -> None:

@@ -7,8 +7,8 @@ One rig of servers per model, shared by every case of that model:
   prompt itself, same weights and kernels), concurrent requests streamed and not, the
   window moved rather than the prompt, decode-side tiers restored in the decode's blocks.
   A decode of TP 2 and another block size is the pair pdxfer cannot map on vLLM's CPU
-  backend (a head slice of a packed tile): refused at pairing, naming both block sizes,
-  and vLLM's ``recompute`` policy still answers the client.
+  backend (a head slice of a packed tile): refused at pairing, and the client gets the
+  router's 409 naming both block sizes (vLLM's default ``fail`` policy on that decode).
 - DeepSeek-V2 (MLA, bf16), judged as the families module judges bf16: every byte the
   decode loaded equal to the prefill's (``integrity: full``), and the answer colocated's
   where colocated computes the decode's step (``Rig.same_rows``; prompts of k blocks + 1).
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from pdxfer import BootstrapServer
@@ -180,7 +181,8 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                         "l2_pages": L2,
                         "integrity": "full",
                     },
-                    kv_load_failure_policy="recompute",
+                    # the refused pair keeps vLLM's default: its client gets the router's 409
+                    kv_load_failure_policy="fail" if denv else "recompute",
                 ),
             )
             servers.append(d)
@@ -324,19 +326,22 @@ def test_decode_tiers_restore_in_the_decodes_blocks_and_the_rest_comes_in_the_pr
 def test_a_pair_whose_blocks_cannot_be_mapped_is_refused_naming_both_sizes(rig: Rig) -> None:
     """A decode of TP 2 and blocks of 64 behind a TP 1 prefill of 32 on vLLM's CPU backend:
     a head slice of a packed tile moves only whole. The load is refused at pairing, naming
-    both block sizes; vLLM's ``recompute`` policy computes the prompt on the decode, so the
-    client still gets colocated's answer, never a 500."""
+    both block sizes. With vLLM's default ``kv_load_failure_policy: fail`` the decode fails
+    the request with a bare 500; the client gets the router's 409 naming both sizes, read
+    from the prefill's bootstrap registration (``recompute`` computes the prompt on the
+    decode instead: ``test_vllm_spec``)."""
     w = rig.refused
     if w is None:
         pytest.skip(f"{rig.family.name}: the refused pair is built on the float32 rig")
-    p = prompt(100, 4242)
-    d0 = w.d()
-    assert complete(w.router.url, p) == complete(w.prefill.url, p)
-    wait(
-        "the refused load",
-        lambda: w.d().get("load_failures", 0) > d0.get("load_failures", 0),
-        timeout=60,
-    )
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as e:
+            if stream:
+                stream_ids(w.router.url, prompt(100, 4243))
+            else:
+                complete(w.router.url, prompt(100, 4242))
+        assert e.value.status_code == 409, e.value
+        msg = str(e.value.message)
+        assert "page_size: prefill 32, decode 64" in msg and "need equal page sizes" in msg, msg
+        assert w.prefill.url in msg and w.decode.url in msg, msg
     log = w.decode.log.read_text(errors="replace")
     assert "refused the handshake: pool 'kv': page_size: prefill 32, decode 64" in log, log[-3000:]
-    assert "need equal page sizes" in log

@@ -146,13 +146,20 @@ def parse_decode(spec: str) -> Decode:
 
 
 class AttemptFailed(Exception):
-    """One attempt failed; ``client``: a 4xx no other pair can fix; ``capacity``: full."""
+    """One attempt failed; ``client``: a 4xx no other pair can fix; ``capacity``: full;
+    ``unpaired``: the pair refused to pair (another pair may serve it)."""
 
     def __init__(
-        self, status: int, message: str, client: bool = False, capacity: bool = False
+        self,
+        status: int,
+        message: str,
+        client: bool = False,
+        capacity: bool = False,
+        unpaired: bool = False,
     ) -> None:
         super().__init__(message)
         self.status, self.client, self.capacity = status, client, capacity
+        self.unpaired = unpaired
 
     @classmethod
     def from_status(cls, status: int, message: str) -> AttemptFailed:
@@ -280,6 +287,21 @@ async def registered(p: Prefill) -> int | None:
         return size if isinstance(size, int) and size >= 1 else None
 
     return await asyncio.to_thread(look)
+
+
+async def refusal(p: Prefill, d: Decode) -> str | None:
+    """Why ``p``'s instance refused to pair with decode ``d`` (by its instance name or
+    endpoint id), as the prefill's registration at its bootstrap says, or None."""
+    names = [n for n in (d.instance, d.endpoint_id) if n]
+
+    def look() -> str | None:
+        try:
+            got = BootstrapClient(p.bootstrap, timeout=2.0, retries=0).refusals(p.instance)
+        except PdxferError:
+            return None
+        return next((got[n] for n in names if n in got), None)
+
+    return await asyncio.to_thread(look) if names else None
 
 
 class Backend(Protocol):

@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..errors import BadRequest, OutOfCapacity, ServingError, UpstreamError
+from ..errors import BadRequest, OutOfCapacity, ServingError, Unpaired, UpstreamError
 from ..http import error_body, error_response, read_json
 from . import openai_api as oa
 from .backends import AttemptFailed, Backend, Decode, Prefill
@@ -127,6 +127,8 @@ class Completions:
             return web.json_response(
                 error_body(str(e), "invalid_request", e.status), status=e.status
             )
+        if e.unpaired:
+            return error_response(Unpaired(str(e)))
         return error_response(UpstreamError(str(e)))
 
     async def _stream(

@@ -27,6 +27,7 @@ import aiohttp
 
 from pdxfer.config import one_of
 
+from ..errors import Unpaired
 from . import openai_api as oa
 from .backends import (
     Attempt,
@@ -38,6 +39,7 @@ from .backends import (
     Tokens,
     json_or_text,
     message,
+    refusal,
     refuse,
     sse_events,
 )
@@ -263,7 +265,7 @@ class VllmBackend:
             else:
                 kv = self.early_params(job)
             t1 = time.perf_counter()
-            async for ev in _until_failed(self._decode(http, job, kv), pf_task):
+            async for ev in _unpaired(_until_failed(self._decode(http, job, kv), pf_task), job):
                 if isinstance(ev, Done):
                     if not pf_task.done():  # its answer may trail the decode's last token
                         await asyncio.wait([pf_task], timeout=5)
@@ -395,6 +397,30 @@ async def _until_failed(
             yield ev
     finally:
         await it.aclose()  # type: ignore[attr-defined]
+
+
+async def _unpaired(
+    events: AsyncIterator[Tokens | Done], job: Attempt
+) -> AsyncIterator[Tokens | Done]:
+    """The decode's events; a server error before the first token, where the prefill
+    refused this decode's handshake (its bootstrap registration says why), becomes a 409
+    naming both sides' values instead of vLLM's bare 500 (``kv_load_failure_policy: fail``:
+    vLLM passes no reason on)."""
+    first = True
+    try:
+        async for ev in events:
+            first = False
+            yield ev
+    except AttemptFailed as e:
+        why = await refusal(job.pf, job.dc) if first and e.status >= 500 else None
+        if why:
+            raise AttemptFailed(
+                Unpaired.status,
+                f"prefill {job.pf.url} (instance {job.pf.instance}) refused to pair with "
+                f"decode {job.dc.url} ({job.dc.peer}): {why}",
+                unpaired=True,
+            ) from None
+        raise
 
 
 def _failed(t: asyncio.Future[Any]) -> bool:
