@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import tempfile
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 from openai import APIStatusError, AsyncOpenAI
 
 from benchmarks.common.runner import log as _log
@@ -246,10 +248,24 @@ class Target:
             await c.close()
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of a server's processes (API server, engine core, and the connector's
+    transfer threads; threads started later inherit it) on ``cores``: a side's KV sending
+    or receiving then costs its own core, as on a host of its own, not the other side's."""
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    for proc in procs:
+        for t in proc.threads():
+            try:
+                os.sched_setaffinity(t.id, cores)
+            except (ProcessLookupError, PermissionError):
+                pass  # a thread that ended meanwhile
+
+
 class Fleet:
     """Every variant's servers, up together (idle servers cost little), so variants can run
     interleaved rate by rate. Cores: the prefill and one replica on core 0, the decode and
-    the other replica on core 1, colocated on both (``VLLM_CPU_OMP_THREADS_BIND``)."""
+    the other replica on core 1, colocated on both (``VLLM_CPU_OMP_THREADS_BIND`` for the
+    forward's threads, ``pin`` for every other thread of the server)."""
 
     def __init__(self, tmp: Path, plan: Plan, variants: Sequence[str], timeout: float) -> None:
         self.tmp = tmp
@@ -260,7 +276,11 @@ class Fleet:
         self.router: Proc | None = None
         kv = plan.kv_cache_mb << 20
 
+        self.cores: dict[str, set[int]] = {}
+
         def server(name: str, cores: str, cfg: str | None = None) -> None:
+            lo, _, hi = cores.partition("-")
+            self.cores[name] = set(range(int(lo), int(hi or lo) + 1))
             self.servers[name] = VllmServer(
                 name,
                 self.model,
@@ -268,7 +288,11 @@ class Fleet:
                 block_size=BS,
                 kv_cache_bytes=kv,
                 kv_transfer_config=cfg,
-                env={"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_SERVER_DEV_MODE": "1"},
+                env={
+                    "VLLM_CPU_OMP_THREADS_BIND": cores,
+                    "OMP_NUM_THREADS": str(len(self.cores[name])),
+                    "VLLM_SERVER_DEV_MODE": "1",
+                },
             )
 
         try:
@@ -297,6 +321,9 @@ class Fleet:
                 server("replica0", "0")
                 server("replica1", "1")
             start_all(list(self.servers.values()), timeout=timeout)
+            for name, srv in self.servers.items():
+                if len(self.cores[name]) == 1:  # colocated keeps vLLM's thread-per-core binding
+                    pin(srv.pid, self.cores[name])
             if "pd" in variants:
                 p, d = self.servers["prefill"], self.servers["decode"]
                 self.router = Proc(
