@@ -17,16 +17,26 @@ def test_goodput_is_interpolated_where_attainment_falls_below_the_bar() -> None:
     assert goodput([1, 2, 3], [1.0, 0.0, 1.0]) == pytest.approx(1 + 0.1)
 
 
-def test_the_ttft_bound_follows_the_prompt_length_between_and_past_calibration_points() -> None:
-    ref = Reference([100, 200, 400], [0.1, 0.2, 0.6], step=0.01)
+def test_both_bounds_follow_the_prompt_length_between_and_past_calibration_points() -> None:
+    ref = Reference([100, 200, 400], [0.1, 0.2, 0.6], [0.01, 0.012, 0.02])
     assert ref.ttft(50) == 0.1
     assert ref.ttft(150) == pytest.approx(0.15)
     assert ref.ttft(300) == pytest.approx(0.4)
     assert ref.ttft(600) == pytest.approx(1.0)  # the last segment's slope, extended
+    assert ref.step(50) == 0.01
+    assert ref.step(300) == pytest.approx(0.016)
+    assert ref.step(600) == pytest.approx(0.028)
+    # a request over a long prompt may step slower than a short one and still meet it
+    long = Req(0, 0.0, 400, 3, 1)
+    steady = Result(long, ttft=0.6, times=[0.6, 0.635, 0.67], ids=[1, 2, 3])
+    assert ref.meets(steady, "tpot_strict")
+    assert not ref.meets(
+        Result(Req(0, 0.0, 100, 3, 1), 0.1, [0.1, 0.135, 0.17], [1, 2, 3]), "tpot_strict"
+    )
 
 
 def test_a_request_meets_a_target_only_finished_within_both_bounds() -> None:
-    ref = Reference([100], [0.1], step=0.01)
+    ref = Reference([100], [0.1], [0.01])
     req = Req(0, 0.0, 100, 3, 1)
     ok = Result(req, ttft=0.25, times=[0.25, 0.265, 0.28], ids=[1, 2, 3])
     assert ref.meets(ok, "ttft_strict") and ref.meets(ok, "tpot_strict")
