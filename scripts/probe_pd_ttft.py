@@ -13,30 +13,10 @@ import argparse
 import asyncio
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchmarks.goodput as g  # noqa: E402
-
-
-async def first_token(client: AsyncOpenAI, prompt: list[int]) -> float:
-    t0 = time.perf_counter()
-    it = await client.completions.create(
-        model="llama",
-        prompt=prompt,
-        max_tokens=4,
-        temperature=0,
-        stream=True,
-        extra_body={"return_token_ids": True, "ignore_eos": True},
-    )
-    first = None
-    async for ch in it:
-        if first is None and ch.choices and ch.choices[0].text:
-            first = time.perf_counter() - t0
-    return first if first is not None else time.perf_counter() - t0
 
 
 async def main(lens: list[int], reps: int) -> None:
@@ -44,24 +24,25 @@ async def main(lens: list[int], reps: int) -> None:
         fleet = g.Fleet(Path(d), g.FULL, ["pd"], 600)
         try:
             assert fleet.router is not None
-            urls = {
-                "pd": fleet.router.url,
-                "prefill_alone": fleet.servers["prefill"].url,
-                "decode_alone": fleet.servers["decode"].url,
-            }
-            clients = {
-                k: AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=600)
-                for k, u in urls.items()
-            }
-            await first_token(clients["pd"], g.Req(0, 0, 300, 4, 1).prompt())  # warm-up
+            targets = [
+                g.Target("pd", [fleet.router.url]),
+                g.Target("prefill_alone", [fleet.servers["prefill"].url]),
+                g.Target("decode_alone", [fleet.servers["decode"].url]),
+            ]
+            await targets[0].send(g.Req(0, 0.0, 300, 4, 1))  # warm-up
             for n in lens:
                 for rep in range(reps):
-                    p = g.Req(0, 0, n, 4, 1000 * n + rep).prompt()
+                    req = g.Req(0, 0.0, n, 4, 1000 * n + rep)
                     out = []
-                    for k, c in clients.items():
+                    for t in targets:
                         fleet.reset_caches()
-                        out.append(f"{k} {await first_token(c, p):.3f} s")
+                        r = await t.send(req)
+                        out.append(
+                            f"{t.name} {r.ttft:.3f} s" + (f" ({r.error})" if r.error else "")
+                        )
                     print(f"{n} tokens, rep {rep}: " + ", ".join(out), flush=True)
+            for t in targets:
+                await t.close()
         finally:
             fleet.stop()
 
