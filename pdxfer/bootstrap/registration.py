@@ -13,7 +13,9 @@ import msgspec
 from ..pools import NonNeg
 
 Small = Annotated[int, msgspec.Meta(ge=1, le=4096)]
-Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+TEXT_CHARS = 256
+REASON_CHARS = 2048
+Text = Annotated[str, msgspec.Meta(min_length=1, max_length=TEXT_CHARS)]
 MAX_REFUSALS = 16
 """Refused decodes a registration carries (the most recent ones)."""
 
@@ -24,7 +26,7 @@ class Refusal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     decode: Text
     """The decode's instance name (else its endpoint id)."""
-    reason: Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
+    reason: Annotated[str, msgspec.Meta(min_length=1, max_length=REASON_CHARS)]
 
 
 class Registration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import plan as P
 from .. import wire
-from ..bootstrap.registration import MAX_REFUSALS
+from ..bootstrap.registration import MAX_REFUSALS, REASON_CHARS, TEXT_CHARS
 from ..errors import (
     Aborted,
     DeadlineExceeded,
@@ -207,12 +207,12 @@ class PrefillSide:
         """A decode's handshake was refused (``reason``) or accepted (""): kept in the rank's
         refusals, and a refused one fails the room that started it, so the prefill does not
         wait for a request that cannot come (only a room not bound to another decode)."""
-        who = (msg.instance or msg.endpoint_id)[:256]
+        who, kept = (msg.instance or msg.endpoint_id)[:TEXT_CHARS], reason[:REASON_CHARS]
         with self.ep.lock:
-            if who and self.refusals.get(who, "") != reason[:2048]:
+            if who and self.refusals.get(who, "") != kept:
                 self.refusals.pop(who, None)
-                if reason:
-                    self.refusals[who] = reason[:2048]
+                if kept:
+                    self.refusals[who] = kept
                     while len(self.refusals) > MAX_REFUSALS:
                         self.refusals.popitem(last=False)
                 self.refusals_changed.set()
