@@ -242,6 +242,7 @@ def test_gdn_state_lands_byte_exact_across_attention_tp_sizes(
         assert d["released"]
     for p in r["prefill"]:
         assert set(p["states"].values()) == {4}, p
+        assert p["src_bad"] == 0, p
         assert p["released"]
 
 

@@ -71,6 +71,8 @@ def prefill(state: dict, cfg: dict, which: str) -> str:
     for r in rooms:
         C.fill(s, mgr.pools, r, PAGES, 40, {p.name: 1 for p in mgr.pools if p.kind == "slot"})
         senders[r] = cls["sender"](mgr, f"127.0.0.1:{port}", r)
+    # ``s`` owns the tensors the manager reads by address: kept as long as the manager is
+    state["failures_side_" + which] = s
     if which == "b":
         threading.Thread(target=_send_and_die, args=(senders[301],), daemon=True).start()
         return "sending"
@@ -94,6 +96,7 @@ def prefill_finish(state: dict) -> dict:
     finally:
         mgr.close()
         server.close()
+        state.pop("failures_side_a")  # after the manager that read it
 
 
 def silent_listener() -> tuple[socket.socket, str]:

@@ -158,7 +158,10 @@ def prefill_start(state: dict, cfg: dict, tp_rank: int = 0) -> str:
         _fill(pool, tp, tp_rank, r["room"], (i + 3) % SLOTS)
         senders[i] = cls["sender"](mgr, f"127.0.0.1:{cfg['port']}", r["room"])
         info[i] = pages
-    run = {"mgr": mgr, "server": server, "senders": senders, "result": None, "pool": pool}
+    # the side owns the KV tensors the manager reads by address: it lives as long as the
+    # manager (dropped, its memory goes back to malloc, whose chunk headers then cross the wire)
+    run = {"mgr": mgr, "server": server, "senders": senders, "result": None}
+    run |= {"pool": pool, "side": s, "pages": info}
     run["thread"] = threading.Thread(target=_prefill_loop, args=(cfg, run, info), daemon=True)
     run["thread"].start()
     state[("state", cfg["port"], tp_rank)] = run
@@ -202,7 +205,12 @@ def prefill_finish(state: dict, cfg: dict, tp_rank: int = 0) -> dict:
         raise run["result"]
     if run["result"] is None:
         raise TimeoutError("prefill still running")
-    return {"rank": tp_rank, "released": released(run["mgr"]), **run["result"]}
+    kv = next(p for p in run["mgr"].pools if p.name == "kv")
+    src_bad = sum(  # sending reads the source and never writes it
+        P.check_tokens(kv, run["side"].tensors["kv"], r["room"], run["pages"][i], 0, 0, r["n"])[0]
+        for i, r in enumerate(cfg["rooms"])
+    )
+    return {"rank": tp_rank, "released": released(run["mgr"]), "src_bad": src_bad, **run["result"]}
 
 
 def decode(state: dict, cfg: dict, tp_rank: int = 0) -> dict:
