@@ -32,6 +32,8 @@ BS = 32
 VARIANTS = ("pd", "colocated", "colocated_x2")
 """pd: prefill on core 0, decode on core 1, behind ``pdxfer router``; colocated: one server
 on both cores; colocated_x2: one server per core, least-outstanding dispatch."""
+PREFILLERS = {"pd": 1, "colocated": 1, "colocated_x2": 2}
+"""Servers that prefill, per variant (the queue model's servers)."""
 ATTAINMENT = 0.9
 """Goodput counts a rate while at least this share of its requests meets the target."""
 CALIB_TOKENS = 24
@@ -97,6 +99,13 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
         "drawing them from --seed",
     )
     ap.add_argument("--workload-out", type=Path, default=None, help="write the requests here")
+    ap.add_argument(
+        "--requests-out",
+        type=Path,
+        default=None,
+        help="write every request's outcome here (JSON lines: variant, rate, the request, "
+        "ttft, tpot, the pd router's prefill leg, error)",
+    )
     ap.add_argument(
         "--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}"
     )
@@ -164,6 +173,9 @@ class Result:
     ids: list[int] = field(default_factory=list)
     error: str = ""
     status: int = 0
+    prefill_s: float | None = None
+    """pd: the prefill leg as the router timed it (its ``pdxfer`` extension's ``prefill_s``),
+    from the router's receipt of the request to the prefill's answer."""
 
     @property
     def ok(self) -> bool:
@@ -218,6 +230,8 @@ async def stream(client: AsyncOpenAI, req: Req) -> Result:
         return res
     if not res.ids and ext.get("token_ids") is not None:
         res.ids = [int(t) for t in ext["token_ids"]]
+    if isinstance(ext.get("prefill_s"), (int, float)):
+        res.prefill_s = float(ext["prefill_s"])
     return res
 
 
@@ -371,6 +385,18 @@ class Fleet:
                     raise RuntimeError(f"{srv.name} refused to reset its prefix cache")
                 time.sleep(0.5)
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time used so far by this process (the benchmark's client) and the router:
+        unpinned, they share the cores with the engines."""
+
+        def used(pid: int) -> float:
+            t = psutil.Process(pid).cpu_times()
+            return t.user + t.system
+
+        out = {"client": used(os.getpid())}
+        out["router"] = used(self.router.pid) if self.router is not None else 0.0
+        return out
+
     def decode_stats(self) -> dict[str, Any]:
         return read_stats(self.stats)
 
@@ -456,6 +482,47 @@ async def calibrate(target: Target, plan: Plan, seed: int) -> tuple[Reference, d
     return ref, rec
 
 
+def unloaded(res: dict[str, Any], variant: str, lens: Sequence[int]) -> Reference:
+    """A variant's own unloaded figures, as recorded in ``res``."""
+    pre = "goodput." if variant == "colocated" else f"goodput.{variant}."
+    return Reference(
+        lens,
+        [res[f"{pre}unloaded.ttft_ms.{n}"] / 1e3 for n in lens],
+        [res[f"{pre}unloaded.decode_step_ms.{n}"] / 1e3 for n in lens],
+    )
+
+
+def fifo_ttfts(reqs: Sequence[Req], own: Reference, servers: int) -> list[float]:
+    """Each request's time to first token had its variant's ``servers`` prefilled one
+    request at a time, first come first served (the earliest free server next), each in its
+    own unloaded time: what queueing for the prefill alone costs, with nothing else (decodes,
+    transfers, the router) slowing a prefill."""
+    free = [0.0] * servers
+    out = []
+    for r in sorted(reqs, key=lambda r: r.at):
+        i = min(range(servers), key=lambda j: free[j])
+        free[i] = max(r.at, free[i]) + own.ttft(r.prompt_len)
+        out.append(free[i] - r.at)
+    return out
+
+
+def queue_model(res: dict[str, Any], variant: str, k: int, reqs: Sequence[Req]) -> dict[str, Any]:
+    """``goodput.VARIANT.rK.fifo_model.*``: the FIFO queue model's TTFT for that phase."""
+    own = unloaded(res, variant, [int(n) for n in _calib_lens(res)])
+    tt = fifo_ttfts(reqs, own, PREFILLERS[variant])
+    pre = f"goodput.{variant}.r{k}.fifo_model."
+    return {
+        pre + "ttft_p50_ms": round(1e3 * pct(tt, 50), 3),
+        pre + "ttft_p99_ms": round(1e3 * pct(tt, 99), 3),
+    }
+
+
+def _calib_lens(res: dict[str, Any]) -> list[int]:
+    return sorted(
+        int(k.rsplit(".", 1)[1]) for k in res if k.startswith("goodput.unloaded.ttft_ms.")
+    )
+
+
 def attainment(results: Sequence[Result], ref: Reference, target: str) -> float:
     return sum(ref.meets(r, target) for r in results) / len(results) if results else 0.0
 
@@ -491,6 +558,11 @@ def figures(results: Sequence[Result], ref: Reference) -> dict[str, Any]:
         "itl_p50_ms": 1e3 * pct(itl, 50),
         "itl_p99_ms": 1e3 * pct(itl, 99),
     }
+    legs = [r for r in ok if r.prefill_s is not None]
+    if legs:  # pd: its TTFT split at the prefill's answer
+        out["prefill_leg_p50_ms"] = 1e3 * pct([r.prefill_s or 0.0 for r in legs], 50)
+        out["after_prefill_p50_ms"] = 1e3 * pct([r.ttft - (r.prefill_s or 0.0) for r in legs], 50)
+        out["after_prefill_p99_ms"] = 1e3 * pct([r.ttft - (r.prefill_s or 0.0) for r in legs], 99)
     for t in TARGETS:
         out[f"attainment.{t}"] = attainment(results, ref, t)
     out["ttft_met_share"] = (
@@ -552,8 +624,16 @@ async def measure(a: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, Any
                 fleet.reset_caches()
                 before = fleet.decode_stats()
                 ph = phase_start(1.0)
+                cpu0 = fleet.cpu_seconds()
                 out, secs = await run_phase(targets[v], reqs)
+                cpu = {k: x - cpu0[k] for k, x in fleet.cpu_seconds().items()}
                 per[v][rate] = out
+                if a.requests_out:
+                    with a.requests_out.open("a") as f:
+                        for x in out:
+                            row = {"variant": v, "rate": rate, **asdict(x.req)}
+                            row |= {"ttft": x.ttft, "tpot": x.tpot, "prefill_s": x.prefill_s}
+                            f.write(json.dumps(row | {"error": x.error}) + "\n")
                 rec = figures(out, ref)
                 log(
                     f"rate {rate:.3f} {v}: {rec['finished']}/{rec['requests']} in {secs:.0f} s, "
@@ -565,6 +645,9 @@ async def measure(a: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, Any
                 res[pre + "seconds"] = round(secs, 2)
                 res[pre + "loadavg_before"] = round(ph["loadavg_before"][0], 2)
                 res[pre + "background_cores_before"] = ph["background_cores_before"]
+                res[pre + "client_cpu_s"] = round(cpu["client"], 2)
+                if v == "pd":
+                    res[pre + "router_cpu_s"] = round(cpu["router"], 2)
                 if v == "pd":
                     after = fleet.decode_stats()
                     moved[rate] = {
@@ -573,6 +656,9 @@ async def measure(a: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, Any
                     }
                     res[pre + "recomputed"] = moved[rate]["load_failures"]
                     res[pre + "kv_bytes"] = moved[rate]["net_bytes"]
+        for v in variants:
+            for k, rate in enumerate(rates):
+                res.update(queue_model(res, v, k, [r.req for r in per[v][rate]]))
         res.update(summarize(per, rates, ref, variants, plan))
         res["goodput.rates"] = rates
         res["goodput.capacity_estimate_req_s"] = round(capacity, 4)

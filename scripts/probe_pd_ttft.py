@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Unloaded time to first token of one prompt through ``benchmarks/goodput.py``'s PD pair
 (the router, a one-core prefill, a one-core decode), against the same prefill server and
-the decode server answering it alone (a plain request, no transfer), interleaved, prefix
-caches emptied before each: what the PD path adds to its one-core prefill.
+the decode server answering it alone (a plain request, no transfer), and through the pair
+again while the decode streams another request's answer, interleaved, prefix caches emptied
+before each: what the PD path adds to its one-core prefill, and whether a busy decode (its
+tokens relayed by the router to the client, both unpinned) slows the prefill.
 
     python scripts/probe_pd_ttft.py [--lens 1024,4096,8000] [--reps 2]
 """
@@ -40,11 +42,24 @@ async def main(lens: list[int], reps: int) -> None:
                         out.append(
                             f"{t.name} {r.ttft:.3f} s" + (f" ({r.error})" if r.error else "")
                         )
+                    fleet.reset_caches()
+                    r, itl = await while_decoding(targets[0], req)
+                    out.append(f"pd_while_decoding {r.ttft:.3f} s (its step {1e3 * itl:.0f} ms)")
                     print(f"{n} tokens, rep {rep}: " + ", ".join(out), flush=True)
             for t in targets:
                 await t.close()
         finally:
             fleet.stop()
+
+
+async def while_decoding(pd: g.Target, req: g.Req) -> tuple[g.Result, float]:
+    """``req`` through the pair once another request (256 tokens, a 300-token answer) is
+    decoding; the other's median inter-token time."""
+    other = asyncio.ensure_future(pd.send(g.Req(1, 0.0, 256, 300, req.seed + 1)))
+    await asyncio.sleep(1.5)  # its prefill done: the decode streams its answer
+    r = await pd.send(req)
+    itls = sorted((await other).itls())
+    return r, itls[len(itls) // 2] if itls else 0.0
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ PER_PHASE = (
     "attainment.ttft_strict",
     "rate",
     "loadavg_before",
+    "client_cpu_s",
+    "fifo_model.ttft_p50_ms",
+    "fifo_model.ttft_p99_ms",
 )
 
 
@@ -42,6 +45,8 @@ def test_bench_goodput_quick_reports_every_figure_token_exact(tmp_path: Path) ->
         str(out),
         "--workload-out",
         str(wl),
+        "--requests-out",
+        str(tmp_path / "requests.jsonl"),
         timeout=1150,
         cwd=tmp_path,
     )
@@ -60,6 +65,13 @@ def test_bench_goodput_quick_reports_every_figure_token_exact(tmp_path: Path) ->
     for k in range(len(rates)):  # every PD request's KV moved, none recomputed
         assert res[f"goodput.pd.r{k}.recomputed"] == 0
         assert res[f"goodput.pd.r{k}.kv_bytes"] > 0
+        # PD's TTFT split at the prefill's answer, as the router timed its legs
+        assert 0 < res[f"goodput.pd.r{k}.prefill_leg_p50_ms"] <= res[f"goodput.pd.r{k}.ttft_p99_ms"]
+        assert res[f"goodput.pd.r{k}.router_cpu_s"] > 0
+    rows = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 * len(rates) * len(VARIANTS)  # every request's outcome, once
+    assert all(r["prefill_s"] is not None for r in rows if r["variant"] == "pd")
+    assert all(r["prefill_s"] is None and not r["error"] for r in rows if r["variant"] != "pd")
     for key in ("goodput_ratio_tpot_strict", "goodput_ratio_ttft_strict", "failed", "recomputed"):
         assert isinstance(res[f"goodput.{key}"], (int, float)), key
     assert res["goodput.failed"] == res["goodput.recomputed"] == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.goodput import QUICK, Reference, Req, Result, draw, goodput
+from benchmarks.goodput import QUICK, Reference, Req, Result, draw, fifo_ttfts, goodput, queue_model
 
 
 def test_goodput_is_interpolated_where_attainment_falls_below_the_bar() -> None:
@@ -57,3 +57,22 @@ def test_the_workload_is_seeded_poisson_with_lengths_in_range() -> None:
     assert all(QUICK.prompt_min <= r.prompt_len <= QUICK.prompt_max for r in a)
     assert all(QUICK.out_min <= r.max_tokens <= QUICK.out_max for r in a)
     assert a[0].prompt() == a[0].prompt() and a[0].prompt() != a[1].prompt()
+
+
+def test_the_queue_model_waits_behind_the_prompts_ahead_on_each_server() -> None:
+    ref = Reference([100, 1000], [1.0, 10.0], [0.01, 0.01])
+    reqs = [Req(0, 0.0, 1000, 4, 1), Req(1, 1.0, 100, 4, 2), Req(2, 20.0, 100, 4, 3)]
+    # one server: the short prompt waits for the long one (done at 10 s), the last finds it free
+    assert fifo_ttfts(reqs, ref, 1) == pytest.approx([10.0, 10.0, 1.0])
+    # two: the short one has the second server to itself
+    assert fifo_ttfts(reqs, ref, 2) == pytest.approx([10.0, 1.0, 1.0])
+    res = {"goodput.pd.unloaded.ttft_ms.100": 1000.0, "goodput.pd.unloaded.ttft_ms.1000": 1e4}
+    res |= {"goodput.unloaded.ttft_ms.100": 1.0, "goodput.unloaded.ttft_ms.1000": 2.0}
+    res |= {
+        f"goodput{v}.unloaded.decode_step_ms.{n}": 10.0 for v in ("", ".pd") for n in (100, 1000)
+    }
+    got = queue_model(res, "pd", 3, reqs)  # the variant's own unloaded figures, not colocated's
+    assert got == {
+        "goodput.pd.r3.fifo_model.ttft_p50_ms": 10000.0,
+        "goodput.pd.r3.fifo_model.ttft_p99_ms": 10000.0,
+    }
