@@ -4,6 +4,8 @@ layout that is no rows-of-units arrangement is opaque, never guessed."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -32,7 +34,16 @@ def kernel(isa: str):
         ("vec", torch.float32, (PageSegment(DIM, 1, 4), PageSegment(1, 1, DIM * 4))),
         ("vec16", torch.float32, (PageSegment(DIM, 1, 4), PageSegment(1, 1, DIM * 4))),
         ("vec", torch.bfloat16, (PageSegment(DIM, 1, 2), PageSegment(1, 1, DIM * 2))),
-        ("amx", torch.bfloat16, (PageSegment(1, 16, 16 * DIM * 2), PageSegment(DIM // 16, 2, 64))),
+        pytest.param(
+            "amx",
+            torch.bfloat16,
+            (PageSegment(1, 16, 16 * DIM * 2), PageSegment(DIM // 16, 2, 64)),
+            # vLLM's amx kernel runs only on such a CPU (a VNNI-packed layout is fitted on
+            # any CPU: test_fit_finds_the_finest_rows_of_units)
+            marks=pytest.mark.skipif(
+                not torch.cpu._is_amx_tile_supported(), reason="this CPU has no AMX"
+            ),
+        ),
     ],
 )
 def test_each_isas_packing_is_found_as_the_same_segments_at_two_block_sizes(
@@ -91,23 +102,61 @@ def test_a_learned_packing_pairs_blocks_of_two_sizes_and_an_unknown_one_is_refus
     assert check_pair(x, describe(_caches(32), block_size=32, total_kv_heads=HEADS).pool) is None
 
 
-@pytest.mark.parametrize("n", [32, 64])
-def test_vllms_cpu_mla_writes_one_plain_latent_row_per_token_at_any_block_size(n: int) -> None:
-    """What ``tiles.PLAIN_LATENT`` stands on: vLLM's reference CPU MLA backend writes token
-    ``t`` of block ``b`` at row ``b * n + t`` of the cache, so latent pages map token by token."""
-    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+def _mla_layer(impl_cls: type, lora: int = 512, pe: int = 64) -> SimpleNamespace:
+    impl = object.__new__(impl_cls)  # its cache write reads nothing of the instance
+    impl.kv_lora_rank, impl.qk_rope_head_dim = lora, pe
+    return SimpleNamespace(impl=impl)
 
-    assert CPUMLABackend.get_name() in tiles.PLAIN_LATENT
-    lora, pe, blocks = 512, 64, 3
-    cache = torch.zeros(blocks, n, lora + pe, dtype=torch.bfloat16)
-    slots = torch.tensor([2 * n + 5, 7, n + 1], dtype=torch.int64)
-    kv_c = torch.arange(3 * lora, dtype=torch.float32).reshape(3, lora) % 97 + 1
-    k_pe = torch.arange(3 * pe, dtype=torch.float32).reshape(3, 1, pe) % 89 + 1
-    CPUMLAImpl.do_kv_cache_update(
-        None, kv_c.bfloat16(), k_pe.bfloat16(), cache, slots, "auto", None
-    )  # type: ignore[arg-type]
-    rows = cache.reshape(-1, lora + pe)
-    for i, s in enumerate(slots.tolist()):
-        assert torch.equal(rows[s, :lora], kv_c[i].bfloat16())
-        assert torch.equal(rows[s, lora:], k_pe[i, 0].bfloat16())
-    assert int((rows != 0).any(dim=1).sum()) == 3
+
+def _mla_impl(backend: str) -> type:
+    if backend == "CPU_MLA":
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+        return CPUMLAImpl
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
+
+    return AMXMLAImpl
+
+
+AMX = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="this CPU has no AMX")
+"""vLLM's AMX kernels run only on a CPU with AMX (where vLLM picks AMX_MLA by default)."""
+
+
+@pytest.mark.parametrize("n", [32, 64])
+@pytest.mark.parametrize("backend", ["CPU_MLA", pytest.param("AMX_MLA", marks=AMX)])
+def test_vllms_mla_writes_are_found_to_be_one_latent_row_per_token(backend: str, n: int) -> None:
+    """vLLM's CPU MLA backends (the reference one and the AMX one) write token ``t`` of
+    block ``b`` at row ``b * n + t``: the probe, through their real writes, says so, so
+    latent pages of two block sizes map token by token."""
+    like = torch.zeros(3, n, 576, dtype=torch.bfloat16)
+    layer = _mla_layer(_mla_impl(backend))
+    assert tiles.latent_rows(layer, like)
+    assert tiles.interior({"mla": layer}, torch.bfloat16)("mla", like, True) is None
+
+
+class _PeFirst:
+    """An MLA write that puts ``k_pe`` before ``kv_c`` in each row."""
+
+    def do_kv_cache_update(self, kv_c, k_pe, cache, slots, dtype, scale) -> None:
+        flat = cache.view(-1, cache.shape[-1])
+        flat[slots] = torch.cat((k_pe.squeeze(1), kv_c), dim=-1).to(cache.dtype)
+
+
+class _Blocked:
+    """An MLA write that keeps a block's latents dimension-major (a packed tile)."""
+
+    def do_kv_cache_update(self, kv_c, k_pe, cache, slots, dtype, scale) -> None:
+        n = cache.shape[1]
+        rows = torch.cat((kv_c, k_pe.squeeze(1)), dim=-1).to(cache.dtype)
+        for i, s in enumerate(slots.tolist()):
+            cache[s // n].view(-1, n)[:, s % n] = rows[i]
+
+
+@pytest.mark.parametrize("impl", [_PeFirst, _Blocked])
+def test_an_mla_write_of_any_other_layout_leaves_the_blocks_opaque(impl: type) -> None:
+    like = torch.zeros(3, 32, 576, dtype=torch.bfloat16)
+    assert not tiles.latent_rows(_mla_layer(impl), like)
+    assert tiles.interior({"mla": _mla_layer(impl)}, torch.bfloat16)("mla", like, True) == ()
+    # no write, or sizes that do not add up to the cache's row: opaque, never guessed
+    assert not tiles.latent_rows(SimpleNamespace(), like)
+    assert not tiles.latent_rows(_mla_layer(impl, lora=500), like)

@@ -8,7 +8,9 @@ units, values in 16-dimension columns of token pairs). pdxfer never assumes one:
 own kernel (``impl.do_kv_cache_update``) writes bit patterns that name every (token, head,
 dimension) into scratch blocks of two block sizes, and ``fit`` finds rows of units that
 explain every element at both sizes. A layout it cannot explain is opaque: its blocks move
-whole, between equal block sizes only (the pairing says so, naming both sizes).
+whole, between equal block sizes only (the pairing says so, naming both sizes). An MLA
+layer's latent cache is probed the same way, through its own write: one row per token (vLLM's
+reference ``CPU_MLA`` and the ``AMX_MLA`` backend alike) maps token by token.
 """
 
 from __future__ import annotations
@@ -159,25 +161,58 @@ def probe(
     return segs
 
 
-PLAIN_LATENT = ("CPU_MLA",)
-"""CPU MLA backends whose cache is one plain latent row per token (vLLM's reference
-backend writes ``flat[slot] = latent``); another (AMX MLA packs its own) stays opaque."""
+def latent_rows(layer: Any, like: Any) -> bool:
+    """Whether an MLA layer's own cache write (``impl.do_kv_cache_update``) puts token
+    ``slot``'s latent (``kv_c`` then ``k_pe``) in row ``slot`` of its cache viewed as
+    ``[rows, head_size]``, nothing else written: learned by writing distinct rows into every
+    slot of two scratch blocks shaped like ``like``, in a shuffled order. False (opaque)
+    where the layer has no such write, its sizes do not add up, or it writes otherwise."""
+    import torch
+
+    impl = getattr(layer, "impl", None)
+    lora = getattr(impl, "kv_lora_rank", getattr(layer, "kv_lora_rank", None))
+    rope = getattr(impl, "qk_rope_head_dim", getattr(layer, "qk_rope_head_dim", None))
+    if impl is None or not hasattr(impl, "do_kv_cache_update") or lora is None or rope is None:
+        return False
+    n, width = int(like.shape[1]), int(like.shape[-1])
+    if like.dim() != 3 or lora + rope != width or not like.dtype.is_floating_point:
+        return False
+    rows = 2 * n
+    # small integers, exact in any float dtype; row i's differ from every other row's
+    vals = (torch.arange(rows)[:, None] * 7 + torch.arange(width)[None, :]) % 251 - 125
+    vals = vals.to(like.dtype)
+    slots = torch.from_numpy(np.random.default_rng(rows).permutation(rows))
+    scratch = torch.zeros((2, n, width), dtype=like.dtype)
+    try:
+        impl.do_kv_cache_update(
+            vals[:, :lora].clone(),
+            vals[:, lora:].reshape(rows, 1, rope).clone(),
+            scratch,
+            slots,
+            "auto",
+            torch.ones((), dtype=torch.float32),
+        )
+    except Exception as e:  # noqa: BLE001 - any failure leaves the blocks opaque
+        log.info("pdxfer: cannot probe the MLA cache write (%s): its blocks move whole", e)
+        return False
+    flat = scratch.reshape(rows, width)
+    return bool(torch.equal(flat[slots], vals))
 
 
 def interior(layers: dict[str, Any], dtype: Any) -> Interior:
     """``layout.describe``'s ``interior`` for a worker whose attention layers are ``layers``
     (vLLM's ``static_forward_context``): a device's blocks are what their strides say; on
-    CPU, attention tiles are probed (``probe``) and an MLA latent is plain only for the
-    backends known to write it so."""
+    CPU, attention tiles are probed (``probe``) and so is an MLA latent (``latent_rows``)."""
 
     def of(name: str, like: Any, latent: bool) -> tuple[PageSegment, ...] | None:
         if like.device.type != "cpu":
             return None
         if latent:
-            backend = getattr(layers.get(name), "attn_backend", None)
-            plain = backend is not None and backend.get_name() in PLAIN_LATENT
+            plain = latent_rows(layers.get(name), like)
             if not plain:
-                log.info("pdxfer: %s's MLA cache layout is not known: its blocks move whole", name)
+                log.info(
+                    "pdxfer: %s's MLA cache is not one row per token: its blocks move whole", name
+                )
             return None if plain else ()
         return probe(layers, name, like, int(like.shape[2]), dtype)
 
