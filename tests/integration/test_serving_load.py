@@ -22,8 +22,12 @@ torch.set_num_threads(1)
 MODEL = ToyModel(ToyConfig())
 PAGES = 512
 WORKER = [
+    # more pages asked for than the decode holds: a request may wait long for pages on a
+    # slow host, and its prefill waits for the decode's ask longer still
+    "--admission-timeout",
+    "60",
     "--bootstrap-timeout",
-    "10",
+    "90",
     "--transfer-timeout",
     "60",
     "--heartbeat",

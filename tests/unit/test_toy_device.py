@@ -41,3 +41,13 @@ def test_a_gpu_worker_needs_tp_1() -> None:
     WorkerConfig(role="decode", bootstrap="127.0.0.1:8998", torch_device="cuda", tp=1)
     with pytest.raises(ValueError, match="TP > 1"):
         ToyModel(ToyConfig(), tp_rank=0, tp_size=2, gather=lambda x: x, device="cuda:0")
+
+
+def test_a_decode_admitting_longer_than_its_prefill_waits_is_warned_about(caplog) -> None:
+    """A request waiting for the decode's pages longer than the prefill waits for the
+    decode's ask fails at the prefill (a 502) before the decode's own 503: said at start."""
+    caplog.set_level("WARNING", logger="pdxfer.serving.toy.config")
+    WorkerConfig(role="decode", bootstrap="127.0.0.1:8998", bootstrap_timeout_s=30.0)
+    assert not caplog.records  # the defaults keep the order (20 s under 30 s)
+    WorkerConfig(role="decode", bootstrap="127.0.0.1:8998", bootstrap_timeout_s=10.0)
+    assert "not under --bootstrap-timeout 10.0 s" in caplog.text

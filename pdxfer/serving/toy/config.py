@@ -8,6 +8,7 @@ Torch is imported only when a config is validated, so ``pdxfer --help`` stays ch
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import secrets
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from pdxfer.config import INTEGRITY_MODES, ROLES, TRANSPORTS, one_of
 from pdxfer.setting import setting as setting_field
 
 from .shape import MAX_SEQ_LEN, PAGE_SIZE
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .model import ToyConfig
@@ -196,6 +199,15 @@ class WorkerConfig:
             )
         if self.dp > 1 and self.role != "decode":
             raise ConfigError("--dp is a decode option (a prefill scales as more instances)")
+        if self.role == "decode" and self.admission_timeout_s >= self.bootstrap_timeout_s:
+            log.warning(
+                "--admission-timeout %s s is not under --bootstrap-timeout %s s: a request "
+                "that waits that long for this decode's pages is failed by its prefill first "
+                "(which waits --bootstrap-timeout for the decode's ask), a 502 instead of "
+                "this decode's 503",
+                self.admission_timeout_s,
+                self.bootstrap_timeout_s,
+            )
         self._check_device()
 
     def _check_device(self) -> None:
