@@ -213,7 +213,10 @@ def check_ranks(
     wait(
         f"{server.name}'s per-engine counters",
         lambda: all(delta(per_engine(server, n), before[n]) == counted for n in names),
-        show=lambda: {n: delta(per_engine(server, n), before[n]) for n in names},
+        show=lambda: {
+            "router": counted,
+            **{n: delta(per_engine(server, n), before[n]) for n in names},
+        },
     )
 
 

@@ -54,6 +54,12 @@ to answer a request may take that long to answer this one (a process stalled on 
 host)."""
 PREFILL_CAUSE_S = 1.0
 """How long a failed decode waits for its prefill's answer, to report the cause."""
+PREFILL_STATS_S = 5.0
+"""How long a finished decode waits for its prefill's answer, for the prefill's figures
+(``prefill_s``, reused tokens). The answer can trail the decode's tokens on a loaded host
+(the prefill's front end is starved); once the decode has a token the prefill's answer is
+never cancelled, only not waited for: vLLM would count a request whose KV went out as
+aborted, not as a success."""
 _BLOCK = re.compile(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', re.M)
 _ENGINE = re.compile(r'^vllm:[^{\s]*\{[^}]*\bengine="(\d+)"', re.M)
 
@@ -77,6 +83,7 @@ class VllmBackend:
         self._page_size = page_size
         self._tok: Tokenizer | None = None
         self.served = ""
+        self._trailing: set[asyncio.Task[Any]] = set()
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -259,6 +266,7 @@ class VllmBackend:
         unknown = job.pf.dp is None and job.pf.dp_size != 1
         dispatch = "sequential" if unknown else self.dispatch
         pf_task = asyncio.ensure_future(prefill())
+        decoding = False  # the decode's first token came: its KV is in, or recomputed
         try:
             if dispatch == "sequential":
                 kv = await pf_task
@@ -266,9 +274,10 @@ class VllmBackend:
                 kv = self.early_params(job)
             t1 = time.perf_counter()
             async for ev in _unpaired(_until_failed(self._decode(http, job, kv), pf_task), job):
+                decoding |= isinstance(ev, Done) or bool(ev.token_ids)
                 if isinstance(ev, Done):
                     if not pf_task.done():  # its answer may trail the decode's last token
-                        await asyncio.wait([pf_task], timeout=5)
+                        await asyncio.wait([pf_task], timeout=PREFILL_STATS_S)
                     ev.stats.update(
                         {
                             "dispatch": dispatch,
@@ -283,9 +292,13 @@ class VllmBackend:
                         ev.stats["prefill_reused_tokens"] = held[0]
                 yield ev
         finally:
-            if not pf_task.done():  # the client left or the decode failed: end the prefill
-                pf_task.cancel()
-            await asyncio.gather(pf_task, return_exceptions=True)
+            if decoding and not pf_task.done():  # its work is done: let its answer come
+                self._trailing.add(pf_task)
+                pf_task.add_done_callback(_forget(self._trailing))
+            else:
+                if not pf_task.done():  # the client left or the decode failed: end it
+                    pf_task.cancel()
+                await asyncio.gather(pf_task, return_exceptions=True)
 
     async def _decode(
         self, http: Http, job: Attempt, kv: dict[str, Any]
@@ -421,6 +434,17 @@ async def _unpaired(
                 unpaired=True,
             ) from None
         raise
+
+
+def _forget(tasks: set[asyncio.Task[Any]]) -> Any:
+    """A done callback: drop the task from ``tasks``, its failure logged, not raised."""
+
+    def done(t: asyncio.Task[Any]) -> None:
+        tasks.discard(t)
+        if _failed(t):
+            log.info("a prefill's answer after its decode finished: %s", t.exception())
+
+    return done
 
 
 def _failed(t: asyncio.Future[Any]) -> bool:

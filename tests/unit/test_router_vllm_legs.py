@@ -1,0 +1,104 @@
+"""The vLLM backend's two legs over real HTTP, against workers that speak vLLM's
+disaggregated protocol (aiohttp servers here: the router's side of the protocol is what is
+tested; real vLLM workers are in ``tests/integration/test_vllm_*.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from pdxfer.serving.router import openai_api as oa
+from pdxfer.serving.router import vllm as V
+from pdxfer.serving.router.backends import Attempt, Decode, Done, Http, Prefill, Tokens
+
+
+class Workers:
+    """A prefill whose answer comes only ``lag_s`` after the decode's last token (a starved
+    front end), and a decode that streams three tokens: what each leg's client saw."""
+
+    def __init__(self, lag_s: float) -> None:
+        self.lag_s = lag_s
+        self.decoded = asyncio.Event()
+        self.prefill_client_left: bool | None = None
+
+    async def prefill(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        await self.decoded.wait()
+        await asyncio.sleep(self.lag_s)
+        tr = request.transport
+        self.prefill_client_left = tr is None or tr.is_closing()
+        params = {**body["kv_transfer_params"], "do_remote_prefill": True}
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+
+    async def decode(self, request: web.Request) -> web.StreamResponse:
+        await request.json()
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        for i, t in enumerate((5, 6, 7)):
+            finish = "length" if i == 2 else None
+            ev = {"choices": [{"text": "", "token_ids": [t], "finish_reason": finish}]}
+            await r.write(f"data: {json.dumps(ev)}\n\n".encode())
+        await r.write(b"data: [DONE]\n\n")
+        self.decoded.set()
+        return r
+
+
+async def _serve(handler: Any) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _one_request(w: Workers) -> list[Tokens | Done]:
+    pr, purl = await _serve(w.prefill)
+    dr, durl = await _serve(w.decode)
+    http = Http(None, None)
+    http.open(20.0)
+    backend = V.VllmBackend()
+    backend.served = "m"
+    ask = oa.parse_completion({"prompt": [1, 2, 3], "max_tokens": 3})
+    job = Attempt(ask, [1, 2, 3], 0, Prefill(purl, "127.0.0.1:1", dp_size=1), Decode(durl), 42)
+    try:
+        events = [ev async for ev in backend.stream(http, job)]
+        for _ in range(200):  # the prefill's answer, now unwaited, still arrives
+            if w.prefill_client_left is not None:
+                break
+            await asyncio.sleep(0.05)
+        return events
+    finally:
+        await http.close()
+        await pr.cleanup()
+        await dr.cleanup()
+
+
+def test_a_prefill_answer_trailing_the_decode_is_never_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decode's tokens are the answer; a prefill whose own answer comes after the
+    router's wait for it is left to answer: cancelling it, vLLM would count a request whose
+    KV went out as aborted instead of served."""
+    monkeypatch.setattr(V, "PREFILL_STATS_S", 0.1)
+    w = Workers(lag_s=0.5)
+    events = asyncio.run(_one_request(w))
+    assert [t for ev in events if isinstance(ev, Tokens) for t in ev.token_ids] == [5, 6, 7]
+    done = events[-1]
+    assert isinstance(done, Done) and done.finish_reason == "length"
+    assert done.stats["prefill_s"] is None  # not waited for past the bound
+    assert w.prefill_client_left is False, "the router cancelled the prefill's request"
+
+
+def test_a_prefill_answer_within_the_wait_gives_its_figures() -> None:
+    w = Workers(lag_s=0.0)
+    events = asyncio.run(_one_request(w))
+    done = events[-1]
+    assert isinstance(done, Done) and done.stats["prefill_s"] is not None
+    assert w.prefill_client_left is False
