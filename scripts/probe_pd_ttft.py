@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,8 +44,12 @@ async def main(lens: list[int], reps: int) -> None:
                             f"{t.name} {r.ttft:.3f} s" + (f" ({r.error})" if r.error else "")
                         )
                     fleet.reset_caches()
-                    r, itl = await while_decoding(targets[0], req)
-                    out.append(f"pd_while_decoding {r.ttft:.3f} s (its step {1e3 * itl:.0f} ms)")
+                    r, step, gap, at = await while_decoding(targets[0], req)
+                    out.append(
+                        f"pd_while_decoding {r.ttft:.3f} s (the other answer's step "
+                        f"{1e3 * step:.0f} ms, its longest gap {1e3 * gap:.0f} ms ending "
+                        f"{1e3 * at:+.0f} ms from this one's first token)"
+                    )
                     print(f"{n} tokens, rep {rep}: " + ", ".join(out), flush=True)
             for t in targets:
                 await t.close()
@@ -52,14 +57,22 @@ async def main(lens: list[int], reps: int) -> None:
             fleet.stop()
 
 
-async def while_decoding(pd: g.Target, req: g.Req) -> tuple[g.Result, float]:
+async def while_decoding(pd: g.Target, req: g.Req) -> tuple[g.Result, float, float, float]:
     """``req`` through the pair once another request (256 tokens, a 300-token answer) is
-    decoding; the other's median inter-token time."""
+    decoding: ``req``'s result, the other's median inter-token time, its longest gap, and
+    when that gap ended relative to ``req``'s first token (near 0: the decode stalled as
+    ``req``'s KV arrived)."""
+    t0 = time.perf_counter()
     other = asyncio.ensure_future(pd.send(g.Req(1, 0.0, 256, 300, req.seed + 1)))
     await asyncio.sleep(1.5)  # its prefill done: the decode streams its answer
+    sent = time.perf_counter() - t0
     r = await pd.send(req)
-    itls = sorted((await other).itls())
-    return r, itls[len(itls) // 2] if itls else 0.0
+    o = await other
+    itls = o.itls()
+    if not itls:
+        return r, 0.0, 0.0, 0.0
+    k = max(range(len(itls)), key=itls.__getitem__)
+    return r, sorted(itls)[len(itls) // 2], itls[k], o.times[k + 1] - (sent + r.ttft)
 
 
 if __name__ == "__main__":
