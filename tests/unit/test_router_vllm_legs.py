@@ -102,3 +102,42 @@ def test_a_prefill_answer_within_the_wait_gives_its_figures() -> None:
     done = events[-1]
     assert isinstance(done, Done) and done.stats["prefill_s"] is not None
     assert w.prefill_client_left is False
+
+
+def test_the_workers_session_holds_more_open_legs_than_any_pool_cap() -> None:
+    """Each request holds two legs open at once (the decode waits for KV that the prefill's
+    leg brings): a session that queued legs behind a connection cap would hold a decode's
+    leg open while its prefill's waited for a connection, until one side's deadline.
+    ``LEGS`` requests that each answer only once all are connected must all be answered."""
+    LEGS = 160
+
+    async def run() -> int:
+        connected, everyone = 0, asyncio.Event()
+
+        async def hold(request: web.Request) -> web.Response:
+            nonlocal connected
+            connected += 1
+            if connected >= LEGS:
+                everyone.set()
+            await everyone.wait()
+            return web.json_response({"ok": True})
+
+        runner, url = await _serve(hold)
+        http = Http(None, None)
+        http.open(20.0)
+
+        async def one() -> int:
+            async with http.session.post(f"{url}/v1/completions", json={}) as r:
+                return r.status
+
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*[one() for _ in range(LEGS)]), 15)
+            return sum(s == 200 for s in done)
+        except asyncio.TimeoutError:
+            return connected
+        finally:
+            everyone.set()  # the handlers end, so the server stops at once
+            await http.close()
+            await runner.cleanup()
+
+    assert asyncio.run(run()) == LEGS

@@ -215,9 +215,14 @@ class Http:
         return self._session
 
     def open(self, timeout_s: float) -> None:
-        """A session whose requests each end within ``timeout_s``."""
+        """A session whose requests each end within ``timeout_s``. No cap on its open
+        connections: a request holds both legs open at once, and a decode's leg waits for
+        KV its prefill's leg brings, so legs queued behind a cap (aiohttp's default, 100)
+        would hold decodes open for prefills that never start: a cap here splits pairs
+        rather than bounding the load (the router's door and the workers' admission do)."""
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0),
         )
 
     async def close(self) -> None:

@@ -143,8 +143,9 @@ class DPFront:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0)
+        self.session = aiohttp.ClientSession(  # no cap on connections: see ``Http.open``
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
         )
 
     async def _stop(self, app: web.Application) -> None:
