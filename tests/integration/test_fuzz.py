@@ -307,46 +307,53 @@ def test_authenticated_frames_with_a_wrong_mac_counter_or_pair_change_nothing(
     except (OverflowError, TypeError):
         return
     kind = KIND.get(msg.get("type"), wire.Release)
-    before = pf.metrics()
-    tables = pf.tables()
     if how == "valid_mac":  # garbage under a valid MAC: decoded, then refused or handled
         pf.core._on_frame(f.seal(payload, kind))
         assert pf.core.control.handler_errors == 0
         assert pf.transport.stats.calls == 0
         return
-    if how in ("replay", "old_counter"):
-        ok = f.seal(wire.payload(wire.Release(room=1, nonce=1, endpoint_id="forger")), wire.Release)
-        pf.core._on_frame(ok)  # admitted (a stale Release), then replayed or outrun
+    # under the endpoint's lock: its own timers (an earlier example's parked ask
+    # expiring) cannot change the tables between the two looks; only the frame could
+    with pf.core.lock:
         before = pf.metrics()
-        frame = ok if how == "replay" else f.seal(payload, kind, counter=max(1, f.counter - 5000))
-        if how == "old_counter":
-            f.counter += 5000  # the window has moved on: anything 4096 behind is old
-            pf.core._on_frame(f.seal(wire.payload(wire.Release(room=1, nonce=1)), wire.Release))
+        tables = pf.tables()
+        if how in ("replay", "old_counter"):
+            ok = f.seal(
+                wire.payload(wire.Release(room=1, nonce=1, endpoint_id="forger")), wire.Release
+            )
+            pf.core._on_frame(ok)  # admitted (a stale Release), then replayed or outrun
             before = pf.metrics()
-            frame = f.seal(payload, kind, counter=f.counter - 4097)
-    elif how == "wrong_mac":
-        frame = f.seal(payload, kind, key=os.urandom(32))
-    elif how == "wrong_pair":
-        frame = f.seal(payload, kind, pair=os.urandom(16))
-    else:
-        frame = wire.frame(payload, kind)
-    pf.core._on_frame(frame)
-    after = pf.metrics()
-    reason = {
-        "wrong_mac": "bad_mac",
-        "old_counter": "replay",
-        "replay": "replay",
-        "wrong_pair": "unknown_pair",
-        "unsigned": "unsigned",
-    }[how]
-    if how != "replay" and kind not in pf.core.handlers:  # refused on its kind first
-        reason = "unexpected"
-    if how != "replay" and len(payload) > wire.cap(kind):
-        reason = "oversized"
-    assert after.get(f"rejected_{reason}", 0) == before.get(f"rejected_{reason}", 0) + 1, how
-    assert after["wire_rejected"] == before.get("wire_rejected", 0) + 1
-    assert pf.tables() == tables
-    assert pf.transport.stats.calls == 0
+            frame = (
+                ok if how == "replay" else f.seal(payload, kind, counter=max(1, f.counter - 5000))
+            )
+            if how == "old_counter":
+                f.counter += 5000  # the window has moved on: anything 4096 behind is old
+                pf.core._on_frame(f.seal(wire.payload(wire.Release(room=1, nonce=1)), wire.Release))
+                before = pf.metrics()
+                frame = f.seal(payload, kind, counter=f.counter - 4097)
+        elif how == "wrong_mac":
+            frame = f.seal(payload, kind, key=os.urandom(32))
+        elif how == "wrong_pair":
+            frame = f.seal(payload, kind, pair=os.urandom(16))
+        else:
+            frame = wire.frame(payload, kind)
+        pf.core._on_frame(frame)
+        after = pf.metrics()
+        reason = {
+            "wrong_mac": "bad_mac",
+            "old_counter": "replay",
+            "replay": "replay",
+            "wrong_pair": "unknown_pair",
+            "unsigned": "unsigned",
+        }[how]
+        if how != "replay" and kind not in pf.core.handlers:  # refused on its kind first
+            reason = "unexpected"
+        if how != "replay" and len(payload) > wire.cap(kind):
+            reason = "oversized"
+        assert after.get(f"rejected_{reason}", 0) == before.get(f"rejected_{reason}", 0) + 1, how
+        assert after["wire_rejected"] == before.get("wire_rejected", 0) + 1
+        assert pf.tables() == tables
+        assert pf.transport.stats.calls == 0
 
 
 @pytest.fixture(scope="module")
