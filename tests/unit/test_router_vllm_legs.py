@@ -52,10 +52,8 @@ async def _serve(handler: Any) -> tuple[web.AppRunner, str]:
     app.router.add_post("/v1/completions", handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 async def _one_request(w: Workers) -> list[Tokens | Done]:
