@@ -7,6 +7,7 @@ pid (SIGTERM, then SIGKILL after a grace period).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from .errors import ServingError
 from .http import READY
@@ -38,19 +41,26 @@ class Proc:
         quiet: bool = True,
         wait: bool = True,
         prefix: Sequence[str] = (),
+        log: str | os.PathLike[str] | None = None,
     ) -> None:
         """``prefix``: a command that runs the process elsewhere and execs it (``ip netns
-        exec NS``: on another host), so ``pid`` is still the process's own."""
+        exec NS``: on another host), so ``pid`` is still the process's own. ``log``: its
+        stderr (its logging) appended to this file, whatever ``quiet`` says."""
         self.name, self.args = name, list(args)
+        self.log = Path(log) if log is not None else None
         full_env = {**os.environ, **(env or {})}
         full_env.setdefault("MC_LOG_LEVEL", "ERROR")
-        self.popen = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "pdxfer.cli", *self.args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL if quiet else None,
-            env=full_env,
-            text=True,
-        )
+        with contextlib.ExitStack() as files:
+            err: Any = subprocess.DEVNULL if quiet else None
+            if self.log is not None:
+                err = files.enter_context(open(self.log, "a"))
+            self.popen = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "pdxfer.cli", *self.args],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=full_env,
+                text=True,
+            )
         self.timeout = timeout
         lines: queue.Queue[str | None] = queue.Queue()
         self._lines = lines

@@ -107,6 +107,12 @@ class Pair:
     def d(self) -> dict[str, Any]:
         return read_stats(self.d_stats)
 
+    def retries(self) -> str:
+        """The router's retries so far (its log), for a failure's message."""
+        log = self.router.log
+        lines = log.read_text(errors="replace").splitlines() if log and log.exists() else []
+        return "router retries: " + ("; ".join(ln for ln in lines if "retrying" in ln) or "none")
+
     def loaded_bytes(self) -> int:
         return int(self.d().get("net_bytes", 0))
 
@@ -262,6 +268,8 @@ def pair(
             Proc(
                 "router",
                 [
+                    "--log-level",
+                    "INFO",
                     "router",
                     "--engine",
                     "vllm",
@@ -273,12 +281,15 @@ def pair(
                     f"{decode.url},d0",
                 ],
                 timeout=180,
+                log=tmp / "router.log",
             )
         )
         routers.append(
             Proc(
                 "router-held",
                 [
+                    "--log-level",
+                    "INFO",
                     "router",
                     "--engine",
                     "vllm",
@@ -290,6 +301,7 @@ def pair(
                     f"{decode.url},d0",
                 ],
                 timeout=180,
+                log=tmp / "router-held.log",
             )
         )
         yield Pair(
@@ -567,7 +579,10 @@ def test_a_chunked_group_is_token_exact_on_and_around_chunk_boundaries(pair: Pai
         timeout=30,
     )
     d = pair.d()
-    assert d["loads"] - d0.get("loads", 0) == len(prompts)
+    assert d["loads"] - d0.get("loads", 0) == len(prompts), (
+        f"loads {d0.get('loads', 0)} -> {d['loads']}, failures "
+        f"{d0.get('load_failures', 0)} -> {d['load_failures']}; {pair.retries()}"
+    )
     assert d["load_failures"] == d0.get("load_failures", 0)
     assert pair.integrity()["mismatches"] == 0
 
@@ -631,6 +646,9 @@ def test_a_sliding_window_is_exact_where_its_first_token_opens_a_block(pair: Pai
         timeout=30,
     )
     d = pair.d()
-    assert d["loads"] - d0.get("loads", 0) == len(prompts)
+    assert d["loads"] - d0.get("loads", 0) == len(prompts), (
+        f"loads {d0.get('loads', 0)} -> {d['loads']}, failures "
+        f"{d0.get('load_failures', 0)} -> {d['load_failures']}; {pair.retries()}"
+    )
     assert d["load_failures"] == d0.get("load_failures", 0)
     assert pair.integrity()["mismatches"] == 0

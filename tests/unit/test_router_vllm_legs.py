@@ -13,7 +13,15 @@ from aiohttp import web
 
 from pdxfer.serving.router import openai_api as oa
 from pdxfer.serving.router import vllm as V
-from pdxfer.serving.router.backends import Attempt, Decode, Done, Http, Prefill, Tokens
+from pdxfer.serving.router.backends import (
+    Attempt,
+    AttemptFailed,
+    Decode,
+    Done,
+    Http,
+    Prefill,
+    Tokens,
+)
 
 
 class Workers:
@@ -139,3 +147,50 @@ def test_the_workers_session_holds_more_open_legs_than_any_pool_cap() -> None:
             await runner.cleanup()
 
     assert asyncio.run(run()) == LEGS
+
+
+@pytest.mark.parametrize("retry", [False, True])
+def test_a_retry_sends_the_decode_nothing_until_the_prefill_answered(retry: bool) -> None:
+    """A first try dispatches both legs at once (the decode allocates while the prefill
+    computes); a retry follows a failure, so its decode's leg waits for the prefill's answer:
+    a prefill that fails again (it died: the retry found it gone) leaves the decode no
+    request, hence no blocks held for KV that will never come."""
+
+    async def run() -> tuple[int, int | None]:
+        decode_legs = 0
+
+        async def prefill(request: web.Request) -> web.Response:
+            await request.json()
+            await asyncio.sleep(0.3)  # long enough for a leg sent at once to arrive
+            return web.json_response({"message": "engine dead"}, status=500)
+
+        async def decode(request: web.Request) -> web.Response:
+            nonlocal decode_legs
+            decode_legs += 1
+            await asyncio.sleep(5)
+            return web.json_response({})
+
+        pr, purl = await _serve(prefill)
+        dr, durl = await _serve(decode)
+        http = Http(None, None)
+        http.open(20.0)
+        backend = V.VllmBackend()
+        backend.served = "m"
+        ask = oa.parse_completion({"prompt": [1, 2, 3], "max_tokens": 3})
+        pf = Prefill(purl, "127.0.0.1:1", dp_size=1)
+        job = Attempt(ask, [1, 2, 3], 0, pf, Decode(durl), 42, retry=retry)
+        status = None
+        try:
+            async for _ in backend.stream(http, job):
+                pass
+        except AttemptFailed as e:
+            status = e.status
+        finally:
+            await http.close()
+            await pr.cleanup()
+            await dr.cleanup()
+        return decode_legs, status
+
+    legs, status = asyncio.run(run())
+    assert status == 500
+    assert legs == (0 if retry else 1)

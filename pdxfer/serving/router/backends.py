@@ -199,6 +199,9 @@ class Attempt:
     pf: Prefill
     dc: Decode
     room: int
+    retry: bool = False
+    """A second try after one failed: the decode's leg waits for the prefill's answer (no
+    decode holds blocks for KV from a prefill that may have just died)."""
 
 
 class Http:

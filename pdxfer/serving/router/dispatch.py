@@ -75,7 +75,9 @@ class Dispatch:
                 self.counters["retries"] += 1
                 log.info("retrying on %s + %s after: %s", pf.url, dc.url, err)
             try:
-                await self._attempt(ask, ids, seed, pf, dc, c, t0, on_delta, len(ids) - pf_held)
+                await self._attempt(
+                    ask, ids, seed, pf, dc, c, t0, on_delta, len(ids) - pf_held, retry=attempt > 0
+                )
                 if self.pairing.policy == "kv_aware":
                     dc.remember(page_keys(ids, dc.page_size, ask.tenant))
                     pf.remember(page_keys(ids, self.decodes[0].page_size, ask.tenant))
@@ -137,16 +139,18 @@ class Dispatch:
         t0: float,
         on_delta: Any,
         pf_work: int = 0,
+        retry: bool = False,
     ) -> None:
         """One try on a pair; ``pf_work``: the prompt tokens the prefill has to compute
-        (its ``pending`` until the first token: the prefill is done by then)."""
+        (its ``pending`` until the first token: the prefill is done by then); ``retry``:
+        an earlier try failed (``Attempt.retry``)."""
         room = secrets.randbits(63)
         pf.outstanding += 1
         dc.outstanding += 1
         pf.pending += pf_work
         finished, rendered = False, False
         detok, stops = ask.tok.detokenizer(), oa.StopText(ask.stop)
-        events = self.backend.stream(self.http, Attempt(ask, ids, seed, pf, dc, room))
+        events = self.backend.stream(self.http, Attempt(ask, ids, seed, pf, dc, room, retry))
         try:
             try:
                 async for ev in events:

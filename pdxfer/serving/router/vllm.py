@@ -262,9 +262,10 @@ class VllmBackend:
             held.extend([] if cached is None else [cached])
             return kv
 
-        # a prefill whose DP ranks are not known yet goes first: its answer names the rank
+        # a prefill whose DP ranks are not known yet goes first: its answer names the rank;
+        # so does a retry's (``Attempt.retry``)
         unknown = job.pf.dp is None and job.pf.dp_size != 1
-        dispatch = "sequential" if unknown else self.dispatch
+        dispatch = "sequential" if unknown or job.retry else self.dispatch
         pf_task = asyncio.ensure_future(prefill())
         decoding = False  # the decode's first token came: its KV is in, or recomputed
         try:
