@@ -15,7 +15,7 @@ bash scripts/setup_sglang.sh   # SGLang's code in .venv-sglang, for the SGLang b
 # waiting: deadlines, restarts, network shaping), then those that start vLLM or SGLang
 # (marked `engine`), one module at a time, as each needs the machine's cores and memory.
 # A phase that selects nothing (exit 5) is not a failure; both phases always run.
-JOBS="${PYTEST_JOBS:-3}"
+JOBS="${PYTEST_JOBS:-4}"
 rc=0
 .venv/bin/python -m pytest -q -m "not engine" -n "$JOBS" --dist loadfile "$@" || rc=$?
 [ "$rc" = 5 ] && rc=0
