@@ -107,11 +107,17 @@ class Pair:
     def d(self) -> dict[str, Any]:
         return read_stats(self.d_stats)
 
-    def retries(self) -> str:
-        """The router's retries so far (its log), for a failure's message."""
-        log = self.router.log
+    def since(self, d0: dict[str, Any]) -> str:
+        """For a failure's message: the decode's loads and failures since ``d0`` (its stats
+        then), and the router's retries so far (its log)."""
+        d, log = self.d(), self.router.log
         lines = log.read_text(errors="replace").splitlines() if log and log.exists() else []
-        return "router retries: " + ("; ".join(ln for ln in lines if "retrying" in ln) or "none")
+        retries = "; ".join(ln for ln in lines if "retrying" in ln) or "none"
+        return (
+            f"loads {d0.get('loads', 0)} -> {d.get('loads', 0)}, failures "
+            f"{d0.get('load_failures', 0)} -> {d.get('load_failures', 0)}; router retries: "
+            f"{retries}"
+        )
 
     def loaded_bytes(self) -> int:
         return int(self.d().get("net_bytes", 0))
@@ -579,10 +585,7 @@ def test_a_chunked_group_is_token_exact_on_and_around_chunk_boundaries(pair: Pai
         timeout=30,
     )
     d = pair.d()
-    assert d["loads"] - d0.get("loads", 0) == len(prompts), (
-        f"loads {d0.get('loads', 0)} -> {d['loads']}, failures "
-        f"{d0.get('load_failures', 0)} -> {d['load_failures']}; {pair.retries()}"
-    )
+    assert d["loads"] - d0.get("loads", 0) == len(prompts), pair.since(d0)
     assert d["load_failures"] == d0.get("load_failures", 0)
     assert pair.integrity()["mismatches"] == 0
 
@@ -646,9 +649,6 @@ def test_a_sliding_window_is_exact_where_its_first_token_opens_a_block(pair: Pai
         timeout=30,
     )
     d = pair.d()
-    assert d["loads"] - d0.get("loads", 0) == len(prompts), (
-        f"loads {d0.get('loads', 0)} -> {d['loads']}, failures "
-        f"{d0.get('load_failures', 0)} -> {d['load_failures']}; {pair.retries()}"
-    )
+    assert d["loads"] - d0.get("loads", 0) == len(prompts), pair.since(d0)
     assert d["load_failures"] == d0.get("load_failures", 0)
     assert pair.integrity()["mismatches"] == 0

@@ -64,26 +64,39 @@ async def _serve(handler: Any) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
-async def _one_request(w: Workers) -> list[Tokens | Done]:
-    pr, purl = await _serve(w.prefill)
-    dr, durl = await _serve(w.decode)
+async def _attempt(
+    prefill: Any, decode: Any, retry: bool = False, after: Any = None
+) -> list[Tokens | Done]:
+    """One attempt of the vLLM backend on a pair served by these two handlers, its events;
+    ``after``: awaited before the workers stop (what must still reach them)."""
+    pr, purl = await _serve(prefill)
+    dr, durl = await _serve(decode)
     http = Http(None, None)
     http.open(20.0)
     backend = V.VllmBackend()
     backend.served = "m"
     ask = oa.parse_completion({"prompt": [1, 2, 3], "max_tokens": 3})
-    job = Attempt(ask, [1, 2, 3], 0, Prefill(purl, "127.0.0.1:1", dp_size=1), Decode(durl), 42)
+    pf = Prefill(purl, "127.0.0.1:1", dp_size=1)
+    job = Attempt(ask, [1, 2, 3], 0, pf, Decode(durl), 42, retry=retry)
     try:
         events = [ev async for ev in backend.stream(http, job)]
-        for _ in range(200):  # the prefill's answer, now unwaited, still arrives
-            if w.prefill_client_left is not None:
-                break
-            await asyncio.sleep(0.05)
+        if after is not None:
+            await after()
         return events
     finally:
         await http.close()
         await pr.cleanup()
         await dr.cleanup()
+
+
+async def _one_request(w: Workers) -> list[Tokens | Done]:
+    async def answered() -> None:
+        for _ in range(200):  # the prefill's answer, now unwaited, still arrives
+            if w.prefill_client_left is not None:
+                break
+            await asyncio.sleep(0.05)
+
+    return await _attempt(w.prefill, w.decode, after=answered)
 
 
 def test_a_prefill_answer_trailing_the_decode_is_never_cancelled(
@@ -170,25 +183,11 @@ def test_a_retry_sends_the_decode_nothing_until_the_prefill_answered(retry: bool
             await asyncio.sleep(5)
             return web.json_response({})
 
-        pr, purl = await _serve(prefill)
-        dr, durl = await _serve(decode)
-        http = Http(None, None)
-        http.open(20.0)
-        backend = V.VllmBackend()
-        backend.served = "m"
-        ask = oa.parse_completion({"prompt": [1, 2, 3], "max_tokens": 3})
-        pf = Prefill(purl, "127.0.0.1:1", dp_size=1)
-        job = Attempt(ask, [1, 2, 3], 0, pf, Decode(durl), 42, retry=retry)
         status = None
         try:
-            async for _ in backend.stream(http, job):
-                pass
+            await _attempt(prefill, decode, retry=retry)
         except AttemptFailed as e:
             status = e.status
-        finally:
-            await http.close()
-            await pr.cleanup()
-            await dr.cleanup()
         return decode_legs, status
 
     legs, status = asyncio.run(run())
