@@ -135,7 +135,7 @@ class Cluster:
             args += ["--policy", "kv_aware"]
             for s in (prefill, decode):
                 args += ["--kv-events", f"{self.servers[s].url}={self.feeds[s]}"]
-        return Proc(name, args, timeout=240)
+        return Proc(name, args, timeout=240, log=self.tmp / f"{name}.log")
 
 
 @pytest.fixture(scope="module")
@@ -289,8 +289,15 @@ def test_each_leg_follows_the_kv_events_of_the_rank_holding_the_prefix(cluster: 
         second = first + _ids(40 + rank, 20)
         ids, ext = served(url, second)
         assert ids == complete(cluster.servers["p1"].url, second)
-        assert (ext["prefill_dp"], ext["decode_dp"]) == (rank, rank), ext
+        assert (ext["prefill_dp"], ext["decode_dp"]) == (rank, rank), (ext, _feed_log(cluster))
         assert ext["prefill_cached_tokens"] >= 5 * BS and ext["decode_cached_tokens"] >= 5 * BS
+
+
+def _feed_log(c: Cluster) -> str:
+    """For a failure's message: what the router logged of its KV event feeds."""
+    log = c.routers["both"].log
+    lines = log.read_text(errors="replace").splitlines() if log and log.exists() else []
+    return "\n".join(ln for ln in lines if "kv events" in ln) or "nothing of its feeds"
 
 
 def _ids(base: int, n: int) -> list[int]:
