@@ -36,7 +36,7 @@ from pdxfer.serving.procs import Proc
 from pdxfer.serving.vllm.local_model import build_model
 from pdxfer.serving.vllm.servers import VllmServer, kv_config, start_all
 
-from .vllm_helpers import MAX_TOKENS, UNBOUND, client, complete, text, wait
+from .vllm_helpers import MAX_TOKENS, UNBOUND, client, complete, logged, text, wait
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engine]
 
@@ -295,9 +295,7 @@ def test_each_leg_follows_the_kv_events_of_the_rank_holding_the_prefix(cluster: 
 
 def _feed_log(c: Cluster) -> str:
     """For a failure's message: what the router logged of its KV event feeds."""
-    log = c.routers["both"].log
-    lines = log.read_text(errors="replace").splitlines() if log and log.exists() else []
-    return "\n".join(ln for ln in lines if "kv events" in ln) or "nothing of its feeds"
+    return "\n".join(logged(c.routers["both"], "kv events")) or "nothing of its feeds"
 
 
 def _ids(base: int, n: int) -> list[int]:

@@ -55,6 +55,7 @@ from .vllm_helpers import (
     MAX_TOKENS,
     client,
     complete,
+    logged,
     metric,
     right_or_clean_error,
     rows_alike,
@@ -110,9 +111,8 @@ class Pair:
     def since(self, d0: dict[str, Any]) -> str:
         """For a failure's message: the decode's loads and failures since ``d0`` (its stats
         then), and the router's retries so far (its log)."""
-        d, log = self.d(), self.router.log
-        lines = log.read_text(errors="replace").splitlines() if log and log.exists() else []
-        retries = "; ".join(ln for ln in lines if "retrying" in ln) or "none"
+        d = self.d()
+        retries = "; ".join(logged(self.router, "retrying")) or "none"
         return (
             f"loads {d0.get('loads', 0)} -> {d.get('loads', 0)}, failures "
             f"{d0.get('load_failures', 0)} -> {d.get('load_failures', 0)}; router retries: "

@@ -215,6 +215,14 @@ def ref_chat(url: str, text: str, timeout: float = CLIENT_TIMEOUT_S) -> tuple[st
     return r.choices[0].message.content or "", list(r.choices[0].token_ids)  # type: ignore[attr-defined]
 
 
+def logged(proc: Proc, word: str) -> list[str]:
+    """For a failure's message: the lines of ``proc``'s log holding ``word`` (none when it
+    keeps no log)."""
+    log = proc.log
+    lines = log.read_text(errors="replace").splitlines() if log and log.exists() else []
+    return [ln for ln in lines if word in ln]
+
+
 def wait(what: str, cond: Any, timeout: float = 120.0, show: Any = None) -> None:
     """Until ``cond()``: returns at the event; the bound only ends a hang (vLLM on a loaded
     machine takes its time). On a timeout the failure shows ``show()`` (the state waited on)."""
