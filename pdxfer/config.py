@@ -478,6 +478,13 @@ TOOL_VARS = (
     ),
     EnvVar("PDXFER_FLOOD_S", "10", "tests: seconds of the control-socket flood test", "tools"),
     EnvVar(
+        "PDXFER_VLLM_PRELOAD",
+        "unset",
+        "``1``: ``VllmServer`` forks each ``vllm serve`` from one process that imported vLLM "
+        "once (``pdxfer.serving.vllm.forked``); the tests set it",
+        "tools",
+    ),
+    EnvVar(
         "PDXFER_TRACE_VLLM",
         "unset",
         "``scripts/trace_vllm_prefill.py``/``bench_vllm.py``: a folder where a vLLM server "

@@ -276,7 +276,7 @@ def stream_ids(url: str, prompt: str | list[int], max_tokens: int = MAX_TOKENS) 
     return ids
 
 
-def _tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants (a vLLM server's engine core and TP workers)."""
     kids: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
@@ -314,7 +314,7 @@ def stacks_if_slow(
             for s in servers:
                 if not s.alive():
                     continue
-                for pid in _tree(s.pid):
+                for pid in process_tree(s.pid):
                     f = out / f"{s.name}-{pid}-stacks-{n}.txt"
                     with open(f, "w") as fh:
                         subprocess.run(

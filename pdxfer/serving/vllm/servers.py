@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ...netaddr import free_port
+from . import forked
 
 Enter = Callable[[], AbstractContextManager[Any]]
 """A host's ``enter`` (``tests.harness.hosts.Host.enter``): the calling thread's sockets,
@@ -43,6 +44,9 @@ def add_startup_timeout_arg(ap: Any) -> None:
         help=f"seconds each server has to answer /health (default {STARTUP_TIMEOUT_S:g})",
     )
 
+
+FAULTHANDLER_ENV = {"PYTHONFAULTHANDLER": "1"}
+"""Every server's: SIGABRT prints every thread's stack (``Server._stacks``)."""
 
 QUIET_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -129,12 +133,22 @@ class Server:
         self.argv = [*prefix, *argv]
         self._enter = enter or contextlib.nullcontext
         # SIGABRT prints every thread's stack (see _stacks)
-        self.env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
-        self.popen: subprocess.Popen[bytes] | None = None
+        self.env = {**os.environ, **FAULTHANDLER_ENV, **(env or {})}
+        self.forkable = False  # VllmServer: may start from the preloaded process (``forked``)
+        self.popen: subprocess.Popen[bytes] | forked.ForkedProcess | None = None
 
     def start(self) -> Server:
         with open(self.log, "ab") as f:
             f.write(f"\n=== start {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
+            if self.forkable and forked.enabled():
+                f.flush()
+                self.popen = forked.start(
+                    self.argv,
+                    self.env,
+                    str(self.log),
+                    {**os.environ, **FAULTHANDLER_ENV, **QUIET_ENV},
+                )
+                return self
             self.popen = subprocess.Popen(
                 self.argv, stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
@@ -304,6 +318,7 @@ class VllmServer(Server):
             prefix=prefix,
             enter=enter,
         )
+        self.forkable = not prefix
         if start:
             self.start()
 

@@ -1,0 +1,262 @@
+"""Start ``vllm serve`` by forking a process that imported vLLM once, not a fresh interpreter.
+
+Importing vLLM's OpenAI server takes about 10 s of CPU, as much as the rest of a small
+server's start, and a test run starts some ninety (docs/testing.md). With
+``PDXFER_VLLM_PRELOAD=1`` (the test suite sets it) ``servers.VllmServer`` starts each server
+as a child of one fork server: ``python -m pdxfer.serving.vllm.forked``, which imported
+``pdxfer.integrations.vllm.preload`` (vLLM's server module) with the environment every server
+gets, then forks on request. The child takes its own session, log, working directory,
+environment and arguments and runs the module as ``python -m`` would; vLLM spawns its engine
+core fresh, as always. The fork server reports each child's pid and exit status on its
+stdout; a server is stopped by pid like any other.
+
+A fork is only the plain command where the import cannot have seen a difference: a child whose
+environment differs from the fork server's in a variable the import read or wrote
+(recorded), or in one that native libraries read when they load (``NATIVE``), execs the plain
+command line instead, in the same process; so does anything but ``python -m`` that module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import importlib
+import json
+import os
+import queue
+import runpy
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import IO, Any
+
+ENV = "PDXFER_VLLM_PRELOAD"
+"""``1``: ``VllmServer`` forks each server from the preloaded process (off by default)."""
+
+PRELOAD = "pdxfer.integrations.vllm.preload"
+NATIVE = ("OMP_", "KMP_", "GOMP_", "OPENBLAS_", "MKL_", "LD_", "PYTHON", "MALLOC_")
+"""Variables read when a native library loads, or by the interpreter as it starts: a
+difference in any of them means the plain command."""
+
+FORK_TIMEOUT_S = 300.0
+"""How long a start waits for the fork server's answer (its first is after vLLM's import)."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+class ForkServer:
+    """The client's end: one ``python -m pdxfer.serving.vllm.forked`` and a thread reading
+    its answers (``{"pid": N}`` per request, in order; ``{"exit": N, "code": C}``)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", __name__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        self._lock = threading.Lock()
+        self._pids: queue.Queue[int | None] = queue.Queue()
+        self._codes: dict[int, int] = {}
+        self._changed = threading.Condition()
+        self.gone = False
+        threading.Thread(target=self._read, daemon=True, name="vllm-fork-server").start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            msg = json.loads(line)
+            if "pid" in msg:
+                self._pids.put(int(msg["pid"]))
+            else:
+                with self._changed:
+                    self._codes[int(msg["exit"])] = int(msg["code"])
+                    self._changed.notify_all()
+        with self._changed:
+            self.gone = True
+            self._changed.notify_all()
+        self._pids.put(None)
+
+    def fork(self, argv: Sequence[str], env: dict[str, str], log: str) -> int:
+        req = {"argv": list(argv), "env": env, "log": log, "cwd": os.getcwd()}
+        with self._lock:
+            if self.gone or self.popen.stdin is None:
+                raise RuntimeError("the vLLM fork server has exited")
+            self.popen.stdin.write(json.dumps(req) + "\n")
+            self.popen.stdin.flush()
+            pid = self._pids.get(timeout=FORK_TIMEOUT_S)
+        if pid is None:
+            raise RuntimeError("the vLLM fork server exited before it forked")
+        return pid
+
+    def code(self, pid: int, timeout: float | None) -> int | None:
+        """The child's exit code (negative: the signal), waiting up to ``timeout``."""
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._codes or self.gone, timeout)
+            if pid in self._codes:
+                return self._codes[pid]
+        if self.gone:  # no one reports it any more: alive while its pid is
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return -1
+        return None
+
+
+_server: ForkServer | None = None
+_server_lock = threading.Lock()
+
+
+class ForkedProcess:
+    """A forked server as ``servers.Server`` uses a ``subprocess.Popen``: ``pid``, ``poll``,
+    ``wait`` (raising ``subprocess.TimeoutExpired``), ``returncode``."""
+
+    def __init__(self, server: ForkServer, pid: int, argv: Sequence[str]) -> None:
+        self._server, self.pid, self.args = server, pid, list(argv)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._server.code(self.pid, 0)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._server.code(self.pid, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+
+def start(
+    argv: Sequence[str], env: dict[str, str], log: str, base: dict[str, str]
+) -> ForkedProcess:
+    """Fork ``argv`` (its own session, output appended to ``log``) from this process's fork
+    server, started on first use (and again if it died) with ``base`` as its environment."""
+    global _server
+    with _server_lock:
+        if _server is None or _server.gone:
+            _server = ForkServer(base)
+        server = _server
+    return ForkedProcess(server, server.fork(argv, env, log), argv)
+
+
+# The fork server's side.
+
+
+def _serve() -> None:
+    """Import vLLM, then fork a child per request line on stdin; report pids and exits."""
+    out = sys.stdout
+    importlib.import_module(PRELOAD)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is for the client, which ends us
+    sel = selectors.DefaultSelector()
+    sel.register(sys.stdin.fileno(), selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    pending = b""
+    while True:
+        for key, _ in sel.select():
+            if key.fd == wake_r:
+                os.read(wake_r, 4096)
+                _reap(out)
+                continue
+            data = os.read(key.fd, 1 << 16)
+            if not data:
+                return  # the client is gone; the children live on in their sessions
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                req = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    signal.signal(signal.SIGINT, signal.SIG_DFL)
+                    sel.close()
+                    for fd in (wake_r, wake_w):
+                        os.close(fd)
+                    _child(req["argv"], req["env"], req["log"], req["cwd"])
+                _say(out, {"pid": pid})
+        _reap(out)
+
+
+def _reap(out: IO[str]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _say(out, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _say(out: IO[str], msg: dict[str, Any]) -> None:
+    out.write(json.dumps(msg) + "\n")
+    out.flush()
+
+
+def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
+    """In the forked child: never returns."""
+    code: Any = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.chdir(cwd)
+        pre: Any = sys.modules[PRELOAD]
+        module: str = pre.MODULE
+        if argv[:3] != [sys.executable, "-m", module] or _differs(pre, env):
+            os.execvpe(argv[0], argv, env)
+        # what the import set, as it would have in a fresh process (its inputs agree)
+        made = {k: os.environ[k] for k in pre.WRITTEN if k in os.environ}
+        os.environ.clear()
+        os.environ.update({**env, **made})
+        faulthandler.enable()
+        sys.argv = [module, *argv[3:]]
+        code = 0
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code
+        atexit._run_exitfuncs()
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            import traceback
+
+            traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
+def _differs(pre: Any, env: dict[str, str]) -> bool:
+    """Would a fresh import have seen a different environment than the fork server's did?"""
+    before: dict[str, str] = pre.BEFORE
+    if pre.EVERYTHING:
+        return env != before
+    prefixes = (*NATIVE, *pre.SCANNED)
+    keys = pre.READ | pre.WRITTEN | {k for k in {*env, *before} if k.startswith(prefixes)}
+    return any(env.get(k) != before.get(k) for k in keys)
+
+
+if __name__ == "__main__":
+    _serve()

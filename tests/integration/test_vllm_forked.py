@@ -1,0 +1,62 @@
+"""A vLLM server started from the preloaded process (``pdxfer.serving.vllm.forked``) runs with
+the environment it was given: forked where vLLM's import read none of the variables that
+differ from the fork server's, the plain command where one of them does; either way what it
+spawns inherits that environment, it serves, and it is stopped by pid."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdxfer.serving.vllm.local_model import build_model
+from pdxfer.serving.vllm.servers import VllmServer, start_all
+from tests.integration.vllm_helpers import complete, process_tree
+
+pytestmark = pytest.mark.engine
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def _environ(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def test_a_server_is_forked_only_where_the_import_saw_its_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDXFER_VLLM_PRELOAD", "1")
+    model = build_model(tmp_path / "model", "small")
+    # FORKED_PROBE: a variable vLLM's import never reads; VLLM_LOGGING_LEVEL: one it does
+    forked = VllmServer("forked", model, tmp_path, env={"FORKED_PROBE": "forked"})
+    plain = VllmServer(
+        "plain", model, tmp_path, env={"FORKED_PROBE": "plain", "VLLM_LOGGING_LEVEL": "INFO"}
+    )
+    servers = [forked, plain]
+    try:
+        start_all(servers)
+        assert "-m pdxfer.serving.vllm.forked" in _cmdline(forked.pid)
+        assert "-m vllm.entrypoints.openai.api_server" in _cmdline(plain.pid)
+        for s in servers:
+            # what it spawns inherits its environment (the engine core retitles itself, which
+            # overwrites its /proc environ; multiprocessing's resource tracker does not)
+            kids = [p for p in process_tree(s.pid) if p != s.pid]
+            assert any("VLLM::EngineCore" in _cmdline(p) for p in kids), s.name
+            spawned = [p for p in kids if _cmdline(p).startswith(sys.executable)]
+            assert spawned, f"{s.name}: no spawned Python process under pid {s.pid}"
+            assert all(f"FORKED_PROBE={s.name}".encode() in _environ(p) for p in spawned)
+        # the level vLLM's import configured logging with is each server's own
+        assert " INFO " in plain.log.read_text(errors="replace")
+        assert " INFO " not in forked.log.read_text(errors="replace")
+        answers = [complete(s.url, "The forked server answers", max_tokens=6) for s in servers]
+        assert answers[0] == answers[1] and len(answers[0]) == 6
+    finally:
+        for s in servers:
+            s.stop()
+    for s in servers:  # ended, and reaped: its pid no longer names a process
+        assert s.popen is not None and s.popen.poll() is not None
+        assert not os.path.exists(f"/proc/{s.pid}")

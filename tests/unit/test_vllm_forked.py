@@ -1,0 +1,45 @@
+"""A server forks from the preloaded process only where vLLM's import could not have seen a
+difference: in a variable it read or wrote, one a scan it made looks for, one a native library
+reads at load; and any difference at all once an unknown module walked the environment."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from pdxfer.serving.vllm.forked import _differs
+
+BEFORE = {"VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2", "HOME": "/root"}
+
+
+def pre(everything: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(
+        BEFORE=BEFORE,
+        READ={"VLLM_LOGGING_LEVEL", "HOME", "VLLM_SERVER_DEV_MODE"},
+        WRITTEN={"TORCHINDUCTOR_CACHE_DIR"},
+        SCANNED={"TQDM_"},
+        EVERYTHING=everything,
+    )
+
+
+def test_a_variable_the_import_never_saw_forks() -> None:
+    assert not _differs(pre(), dict(BEFORE))
+    assert not _differs(pre(), {**BEFORE, "PDXFER_FAULTS": "corrupt=1", "FOO": "1"})
+
+
+def test_a_variable_the_import_read_wrote_or_scanned_for_runs_the_plain_command() -> None:
+    assert _differs(pre(), {**BEFORE, "VLLM_LOGGING_LEVEL": "INFO"})
+    assert _differs(pre(), {**BEFORE, "VLLM_SERVER_DEV_MODE": "1"})  # read, absent before
+    assert _differs(pre(), {k: v for k, v in BEFORE.items() if k != "HOME"})  # removed
+    assert _differs(pre(), {**BEFORE, "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"})
+    assert _differs(pre(), {**BEFORE, "TQDM_DISABLE": "1"})
+
+
+def test_a_variable_native_libraries_read_at_load_runs_the_plain_command() -> None:
+    assert _differs(pre(), {**BEFORE, "OMP_NUM_THREADS": "1"})
+    assert _differs(pre(), {**BEFORE, "PYTHONPATH": "/shim"})
+    assert _differs(pre(), {**BEFORE, "LD_PRELOAD": "libtcmalloc.so"})
+
+
+def test_after_an_unknown_walk_of_the_environment_any_difference_counts() -> None:
+    assert _differs(pre(everything=True), {**BEFORE, "FOO": "1"})
+    assert not _differs(pre(everything=True), dict(BEFORE))
