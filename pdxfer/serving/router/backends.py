@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import time
 import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -32,6 +33,8 @@ from ..errors import BadRequest
 from ..toy.config import WorkerConfig
 from . import openai_api as oa
 from .tokenizers import ByteTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
 
 MAX_KEYS = 1 << 17
 _PAGE_SIZE: int = settings_of(WorkerConfig)["page_size"].default
@@ -347,7 +350,7 @@ class ToyBackend:
 
     def __init__(self) -> None:
         self.tokenizer: Tokenizer = ByteTokenizer()
-        self._bg: set[asyncio.Task[Any]] = set()
+        self._bg: set[asyncio.Future[Any]] = set()
 
     async def setup(self, http: Http, decodes: list[Decode]) -> None:
         return None
@@ -447,16 +450,27 @@ class ToyBackend:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise AttemptFailed(502, f"decode {dc.url}: {type(e).__name__}: {e}") from None
         finally:
-            if not pf_task.done():
-                pf_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            if not pf_task.done():  # its answer trails the decode's
+                keep(self._bg, pf_task, "a prefill's answer after its decode finished")
 
 
-def later(tasks: set[asyncio.Task[Any]], coro: Any) -> None:
-    """Run a best-effort call (an abort) even if the request that wants it is cancelled;
-    ``tasks`` keeps it referenced until it is done."""
-    t = asyncio.ensure_future(coro)
-    tasks.add(t)
-    t.add_done_callback(tasks.discard)
+def later(tasks: set[asyncio.Future[Any]], coro: Any) -> None:
+    """Run a best-effort call (an abort) even if the request that wants it is cancelled."""
+    keep(tasks, asyncio.ensure_future(coro), "a best-effort call failed")
+
+
+def keep(tasks: set[asyncio.Future[Any]], task: asyncio.Future[Any], what: str) -> None:
+    """Let ``task`` finish on its own (a call, or a leg whose answer trails its request):
+    ``tasks`` keeps it referenced until it is done; a failure is logged as ``what``, not
+    raised."""
+    tasks.add(task)
+
+    def done(t: asyncio.Future[Any]) -> None:
+        tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.info("%s: %s", what, t.exception())
+
+    task.add_done_callback(done)
 
 
 def refuse(ask: oa.Ask, engine: str, **features: bool) -> None:

@@ -51,7 +51,7 @@ class Dispatch:
         self.backend, self.http, self.kv = backend, http, kv
         self.counters = counters
         self.timeout_s = timeout_s
-        self._bg: set[asyncio.Task[Any]] = set()
+        self._bg: set[asyncio.Future[Any]] = set()
 
     async def choice(
         self, ask: oa.Ask, ids: list[int], index: int, seed: int, t0: float, on_delta: Any

@@ -38,6 +38,7 @@ from .backends import (
     Prefill,
     Tokens,
     json_or_text,
+    keep,
     message,
     refusal,
     refuse,
@@ -83,7 +84,7 @@ class VllmBackend:
         self._page_size = page_size
         self._tok: Tokenizer | None = None
         self.served = ""
-        self._trailing: set[asyncio.Task[Any]] = set()
+        self._trailing: set[asyncio.Future[Any]] = set()
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -294,8 +295,7 @@ class VllmBackend:
                 yield ev
         finally:
             if decoding and not pf_task.done():  # its work is done: let its answer come
-                self._trailing.add(pf_task)
-                pf_task.add_done_callback(_forget(self._trailing))
+                keep(self._trailing, pf_task, "a prefill's answer after its decode finished")
             else:
                 if not pf_task.done():  # the client left or the decode failed: end it
                     pf_task.cancel()
@@ -435,17 +435,6 @@ async def _unpaired(
                 unpaired=True,
             ) from None
         raise
-
-
-def _forget(tasks: set[asyncio.Task[Any]]) -> Any:
-    """A done callback: drop the task from ``tasks``, its failure logged, not raised."""
-
-    def done(t: asyncio.Task[Any]) -> None:
-        tasks.discard(t)
-        if _failed(t):
-            log.info("a prefill's answer after its decode finished: %s", t.exception())
-
-    return done
 
 
 def _failed(t: asyncio.Future[Any]) -> bool:
