@@ -72,7 +72,10 @@ class ForkServer:
     def _read(self) -> None:
         assert self.popen.stdout is not None
         for line in self.popen.stdout:
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
             if "pid" in msg:
                 self._pids.put(int(msg["pid"]))
             else:
@@ -152,8 +155,10 @@ def start(
 
 
 def _serve() -> None:
-    """Import vLLM, then fork a child per request line on stdin; report pids and exits."""
-    out = sys.stdout
+    """Import vLLM, then fork a child per request line on stdin; report pids and exits on
+    stdout, which nothing else writes to (what the import prints goes to stderr)."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     importlib.import_module(PRELOAD)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -183,7 +188,7 @@ def _serve() -> None:
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     signal.signal(signal.SIGINT, signal.SIG_DFL)
                     sel.close()
-                    for fd in (wake_r, wake_w):
+                    for fd in (wake_r, wake_w, out.fileno()):
                         os.close(fd)
                     _child(req["argv"], req["env"], req["log"], req["cwd"])
                 _say(out, {"pid": pid})
