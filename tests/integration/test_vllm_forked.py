@@ -32,14 +32,22 @@ def test_a_server_is_forked_only_where_the_import_saw_its_environment(
     monkeypatch.setenv("PDXFER_VLLM_PRELOAD", "1")
     model = build_model(tmp_path / "model", "small")
     # FORKED_PROBE: a variable vLLM's import never reads; VLLM_LOGGING_LEVEL: one it does
-    forked = VllmServer("forked", model, tmp_path, env={"FORKED_PROBE": "forked"})
-    plain = VllmServer(
-        "plain", model, tmp_path, env={"FORKED_PROBE": "plain", "VLLM_LOGGING_LEVEL": "INFO"}
-    )
-    servers = [forked, plain]
+    servers = [VllmServer("forked", model, tmp_path, env={"FORKED_PROBE": "forked"})]
     try:
+        # the fork server is up: a variable that changed since, seen by no import but in
+        # walks of the whole environment (``preload.SCANS``); pytest changes this one in
+        # each phase of each test
+        now = os.environ["PYTEST_CURRENT_TEST"]
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{now} later")
+        servers.append(VllmServer("later", model, tmp_path, env={"FORKED_PROBE": "later"}))
+        plain = VllmServer(
+            "plain", model, tmp_path, env={"FORKED_PROBE": "plain", "VLLM_LOGGING_LEVEL": "INFO"}
+        )
+        servers.append(plain)
         start_all(servers)
-        assert "-m pdxfer.serving.vllm.forked" in _cmdline(forked.pid)
+        forked = servers[0]
+        for s in servers[:2]:
+            assert "-m pdxfer.serving.vllm.forked" in _cmdline(s.pid), s.log.read_text()[-600:]
         assert "-m vllm.entrypoints.openai.api_server" in _cmdline(plain.pid)
         for s in servers:
             # what it spawns inherits its environment (the engine core retitles itself, which
@@ -53,7 +61,7 @@ def test_a_server_is_forked_only_where_the_import_saw_its_environment(
         assert " INFO " in plain.log.read_text(errors="replace")
         assert " INFO " not in forked.log.read_text(errors="replace")
         answers = [complete(s.url, "The forked server answers", max_tokens=6) for s in servers]
-        assert answers[0] == answers[1] and len(answers[0]) == 6
+        assert answers[0] == answers[1] == answers[2] and len(answers[0]) == 6
     finally:
         for s in servers:
             s.stop()

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pdxfer.serving.vllm.forked import _differs
+from pdxfer.serving.vllm.forked import _differing
+
+
+def _differs(pre: SimpleNamespace, env: dict[str, str]) -> bool:
+    return bool(_differing(pre, env))
+
 
 BEFORE = {"VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2", "HOME": "/root"}
 

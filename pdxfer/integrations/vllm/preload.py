@@ -51,7 +51,8 @@ def _import_recording() -> None:
     get, put, it = cls.__getitem__, cls.__setitem__, cls.__iter__
 
     def getitem(self: Any, key: Any) -> Any:
-        READ.add(_name(key))
+        if _caller() not in SCANS:  # a known walk's values are its prefix's (``SCANNED``)
+            READ.add(_name(key))
         return get(self, key)
 
     def setitem(self: Any, key: Any, value: Any) -> None:

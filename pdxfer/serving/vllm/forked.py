@@ -226,7 +226,10 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
         os.chdir(cwd)
         pre: Any = sys.modules[PRELOAD]
         module: str = pre.MODULE
-        if argv[:3] != [sys.executable, "-m", module] or _differs(pre, env):
+        differ = _differing(pre, env)
+        if argv[:3] != [sys.executable, "-m", module] or differ:
+            if differ:  # say why this one is not forked, for whoever wonders at its speed
+                print(f"pdxfer: not forked, vLLM's import read {sorted(differ)}", flush=True)
             os.execvpe(argv[0], argv, env)
         # what the import set, as it would have in a fresh process (its inputs agree)
         made = {k: os.environ[k] for k in pre.WRITTEN if k in os.environ}
@@ -253,14 +256,15 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
         os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
-def _differs(pre: Any, env: dict[str, str]) -> bool:
-    """Would a fresh import have seen a different environment than the fork server's did?"""
+def _differing(pre: Any, env: dict[str, str]) -> set[str]:
+    """The variables a fresh import would have seen differently than the fork server's did
+    (every difference, after an unknown walk of the environment)."""
     before: dict[str, str] = pre.BEFORE
-    if pre.EVERYTHING:
-        return env != before
-    prefixes = (*NATIVE, *pre.SCANNED)
-    keys = pre.READ | pre.WRITTEN | {k for k in {*env, *before} if k.startswith(prefixes)}
-    return any(env.get(k) != before.get(k) for k in keys)
+    keys = {*env, *before}
+    if not pre.EVERYTHING:
+        prefixes = (*NATIVE, *pre.SCANNED)
+        keys = pre.READ | pre.WRITTEN | {k for k in keys if k.startswith(prefixes)}
+    return {k for k in keys if env.get(k) != before.get(k)}
 
 
 if __name__ == "__main__":
