@@ -467,10 +467,15 @@ def keep(tasks: set[asyncio.Future[Any]], task: asyncio.Future[Any], what: str) 
 
     def done(t: asyncio.Future[Any]) -> None:
         tasks.discard(t)
-        if not t.cancelled() and t.exception() is not None:
+        if failed(t):
             log.info("%s: %s", what, t.exception())
 
     task.add_done_callback(done)
+
+
+def failed(t: asyncio.Future[Any]) -> bool:
+    """A done task that raised (not one cancelled)."""
+    return not t.cancelled() and t.exception() is not None
 
 
 def refuse(ask: oa.Ask, engine: str, **features: bool) -> None:

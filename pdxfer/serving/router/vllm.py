@@ -37,6 +37,7 @@ from .backends import (
     Http,
     Prefill,
     Tokens,
+    failed,
     json_or_text,
     keep,
     message,
@@ -392,7 +393,7 @@ async def _until_failed(
             nxt = asyncio.ensure_future(it.__anext__())
             if watching and not pf_task.done():
                 await asyncio.wait([nxt, pf_task], return_when=asyncio.FIRST_COMPLETED)
-            if watching and pf_task.done() and not nxt.done() and _failed(pf_task):
+            if watching and pf_task.done() and not nxt.done() and failed(pf_task):
                 nxt.cancel()
                 await asyncio.gather(nxt, return_exceptions=True)
                 raise pf_task.exception()  # type: ignore[misc]
@@ -404,7 +405,7 @@ async def _until_failed(
                 if watching:
                     if not pf_task.done():
                         await asyncio.wait([pf_task], timeout=PREFILL_CAUSE_S)
-                    if pf_task.done() and _failed(pf_task):
+                    if pf_task.done() and failed(pf_task):
                         raise pf_task.exception() from None  # type: ignore[misc]
                 raise
             watching = False
@@ -435,10 +436,6 @@ async def _unpaired(
                 unpaired=True,
             ) from None
         raise
-
-
-def _failed(t: asyncio.Future[Any]) -> bool:
-    return not t.cancelled() and t.exception() is not None
 
 
 def _cached_tokens(body: Any) -> int | None:
