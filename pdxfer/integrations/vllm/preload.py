@@ -1,7 +1,7 @@
 """Imported once, in the fork server of ``pdxfer.serving.vllm.forked``: vLLM's OpenAI server
 module, with a note of the environment variables its import read or wrote.
 
-A server forked from that process skips the ~10 s import but keeps what the import made of
+A server forked from that process skips the import but keeps what the import made of
 the environment, so ``forked`` compares each server's environment with ``BEFORE`` on those
 variables (``READ``, ``WRITTEN``, and any whose name starts with one of ``SCANNED``) and runs
 the plain command where they differ. A library that walks the whole environment at import is

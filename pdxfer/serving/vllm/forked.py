@@ -1,7 +1,7 @@
 """Start ``vllm serve`` by forking a process that imported vLLM once, not a fresh interpreter.
 
-Importing vLLM's OpenAI server takes about 10 s of CPU, as much as the rest of a small
-server's start, and a test run starts some ninety (docs/testing.md). With
+Importing vLLM's OpenAI server costs as much CPU as the rest of a small server's start, and a
+test run starts dozens (figures: docs/testing.md). With
 ``PDXFER_VLLM_PRELOAD=1`` (the test suite sets it) ``servers.VllmServer`` starts each server
 as a child of one fork server: ``python -m pdxfer.serving.vllm.forked``, which imported
 ``pdxfer.integrations.vllm.preload`` (vLLM's server module) with the environment every server
@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 from collections.abc import Sequence
 from typing import IO, Any
 
@@ -192,7 +193,6 @@ def _serve() -> None:
                         os.close(fd)
                     _child(req["argv"], req["env"], req["log"], req["cwd"])
                 _say(out, {"pid": pid})
-        _reap(out)
 
 
 def _reap(out: IO[str]) -> None:
@@ -245,8 +245,6 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
         atexit._run_exitfuncs()
     except BaseException:
         with contextlib.suppress(BaseException):
-            import traceback
-
             traceback.print_exc()
         code = 1
     finally:

@@ -132,7 +132,6 @@ class Server:
         self.log = Path(log_dir) / f"{name}.log"
         self.argv = [*prefix, *argv]
         self._enter = enter or contextlib.nullcontext
-        # SIGABRT prints every thread's stack (see _stacks)
         self.env = {**os.environ, **FAULTHANDLER_ENV, **(env or {})}
         self.forkable = False  # VllmServer: may start from the preloaded process (``forked``)
         self.popen: subprocess.Popen[bytes] | forked.ForkedProcess | None = None
