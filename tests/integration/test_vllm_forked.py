@@ -1,11 +1,13 @@
 """A vLLM server started from the preloaded process (``pdxfer.serving.vllm.forked``) runs with
 the environment it was given: forked where vLLM's import read none of the variables that
-differ from the fork server's, the plain command where one of them does; either way what it
-spawns inherits that environment, it serves, and it is stopped by pid."""
+differ from the fork server's, the plain command where one of them does. A forked server's
+engine core is a fork of it in turn. Either way what it execs inherits that environment, it
+serves the same answers, and it is stopped by pid."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +26,12 @@ def _cmdline(pid: int) -> str:
 
 def _environ(pid: int) -> list[bytes]:
     return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def _engine_core(log: str) -> int:
+    found = re.search(r"\(EngineCore pid=(\d+)\)", log)
+    assert found, log[-600:]
+    return int(found[1])
 
 
 def test_a_server_is_forked_only_where_the_import_saw_its_environment(
@@ -50,11 +58,14 @@ def test_a_server_is_forked_only_where_the_import_saw_its_environment(
             assert "-m pdxfer.serving.vllm.forked" in _cmdline(s.pid), s.log.read_text()[-600:]
         assert "-m vllm.entrypoints.openai.api_server" in _cmdline(plain.pid)
         for s in servers:
-            # what it spawns inherits its environment (the engine core retitles itself, which
-            # overwrites its /proc environ; multiprocessing's resource tracker does not)
+            # its engine core: a fork of a forked server (the same command line; vLLM's retitle
+            # leaves it be), a fresh interpreter under the plain one
             kids = [p for p in process_tree(s.pid) if p != s.pid]
-            assert any("VLLM::EngineCore" in _cmdline(p) for p in kids), s.name
-            spawned = [p for p in kids if _cmdline(p).startswith(sys.executable)]
+            core = _engine_core(s.log.read_text(errors="replace"))
+            assert core in kids, (s.name, core, kids)
+            assert (_cmdline(core) == _cmdline(s.pid)) == (s is not plain), _cmdline(core)
+            # what it execs inherits its environment (multiprocessing's resource tracker)
+            spawned = [p for p in kids if _cmdline(p).startswith(f"{sys.executable} -B -c")]
             assert spawned, f"{s.name}: no spawned Python process under pid {s.pid}"
             assert all(f"FORKED_PROBE={s.name}".encode() in _environ(p) for p in spawned)
         # the level vLLM's import configured logging with is each server's own

@@ -6,8 +6,8 @@ test run starts dozens (figures: docs/testing.md). With
 as a child of one fork server: ``python -m pdxfer.serving.vllm.forked``, which imported
 ``pdxfer.integrations.vllm.preload`` (vLLM's server module) with the environment every server
 gets, then forks on request. The child takes its own session, log, working directory,
-environment and arguments and runs the module as ``python -m`` would; vLLM spawns its engine
-core fresh, as always. The fork server reports each child's pid and exit status on its
+environment and arguments and runs the module as ``python -m`` would; the engine cores vLLM
+starts are forks of it in turn (``_fork_engine_processes``). The fork server reports each child's pid and exit status on its
 stdout; a server is stopped by pid like any other.
 
 A fork is only the plain command where the import cannot have seen a difference: a child whose
@@ -236,6 +236,7 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
         os.environ.clear()
         os.environ.update({**env, **made})
         faulthandler.enable()
+        _fork_engine_processes()
         sys.argv = [module, *argv[3:]]
         code = 0
         try:
@@ -252,6 +253,27 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
+def _fork_engine_processes() -> None:
+    """Start the processes vLLM spawns from this server (engine cores, the DP coordinator) as
+    forks of it: vLLM's CPU platform asks for ``spawn``, and a spawned interpreter imports
+    vLLM again (most of an engine core's start), which this process already holds. vLLM forks
+    them this way by default on GPUs. Processes those forks start themselves (TP workers) are
+    spawned as vLLM asks: an engine core may have run OpenMP code, which a fork cannot carry."""
+    from multiprocessing import context, popen_fork
+
+    spawn = context.SpawnProcess._Popen
+
+    def restore() -> None:
+        context.SpawnProcess._Popen = spawn  # type: ignore[method-assign]
+
+    def fork(process_obj: Any) -> Any:
+        return popen_fork.Popen(process_obj)
+
+    context.SpawnProcess._Popen = staticmethod(fork)  # type: ignore[method-assign,assignment]
+    os.register_at_fork(after_in_child=restore)
+    print("pdxfer: forked; vLLM's engine processes fork from this one", flush=True)
 
 
 def _differing(pre: Any, env: dict[str, str]) -> set[str]:
