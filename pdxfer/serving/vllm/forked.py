@@ -271,7 +271,7 @@ def _fork_engine_processes() -> None:
     def fork(process_obj: Any) -> Any:
         return popen_fork.Popen(process_obj)
 
-    context.SpawnProcess._Popen = staticmethod(fork)  # type: ignore[method-assign,assignment]
+    context.SpawnProcess._Popen = staticmethod(fork)  # type: ignore[method-assign]
     os.register_at_fork(after_in_child=restore)
     print("pdxfer: forked; vLLM's engine processes fork from this one", flush=True)
 
