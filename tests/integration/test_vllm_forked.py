@@ -47,7 +47,9 @@ def test_a_server_is_forked_only_where_the_import_saw_its_environment(
         # each phase of each test
         now = os.environ["PYTEST_CURRENT_TEST"]
         monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{now} later")
-        servers.append(VllmServer("later", model, tmp_path, env={"FORKED_PROBE": "later"}))
+        # and a thread count a native library reads at load, which the fork applies itself
+        later = {"FORKED_PROBE": "later", "OMP_NUM_THREADS": "1"}
+        servers.append(VllmServer("later", model, tmp_path, env=later))
         plain = VllmServer(
             "plain", model, tmp_path, env={"FORKED_PROBE": "plain", "VLLM_LOGGING_LEVEL": "INFO"}
         )

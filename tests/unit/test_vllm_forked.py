@@ -1,6 +1,7 @@
 """A server forks from the preloaded process only where vLLM's import could not have seen a
 difference: in a variable it read or wrote, one a scan it made looks for, one a native library
-reads at load; and any difference at all once an unknown module walked the environment."""
+reads at load (but a positive OpenMP thread count, which the child applies itself); and any
+difference at all once an unknown module walked the environment."""
 
 from __future__ import annotations
 
@@ -40,9 +41,19 @@ def test_a_variable_the_import_read_wrote_or_scanned_for_runs_the_plain_command(
 
 
 def test_a_variable_native_libraries_read_at_load_runs_the_plain_command() -> None:
-    assert _differs(pre(), {**BEFORE, "OMP_NUM_THREADS": "1"})
+    assert _differs(pre(), {**BEFORE, "OMP_NUM_THREADS": "all"})
+    assert _differs(pre(), {**BEFORE, "OMP_NUM_THREADS": "0"})
+    assert _differs(pre(), {k: v for k, v in BEFORE.items() if k != "OMP_NUM_THREADS"})
+    assert _differs(pre(), {**BEFORE, "OMP_PROC_BIND": "true"})
     assert _differs(pre(), {**BEFORE, "PYTHONPATH": "/shim"})
     assert _differs(pre(), {**BEFORE, "LD_PRELOAD": "libtcmalloc.so"})
+
+
+def test_a_thread_count_the_child_applies_itself_forks_unless_the_import_read_it() -> None:
+    assert not _differs(pre(), {**BEFORE, "OMP_NUM_THREADS": "1"})
+    read = pre()
+    read.READ = {*read.READ, "OMP_NUM_THREADS"}
+    assert _differs(read, {**BEFORE, "OMP_NUM_THREADS": "1"})
 
 
 def test_after_an_unknown_walk_of_the_environment_any_difference_counts() -> None:

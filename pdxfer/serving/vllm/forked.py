@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 ENV = "PDXFER_VLLM_PRELOAD"
@@ -42,6 +42,17 @@ PRELOAD = "pdxfer.integrations.vllm.preload"
 NATIVE = ("OMP_", "KMP_", "GOMP_", "OPENBLAS_", "MKL_", "LD_", "PYTHON", "MALLOC_")
 """Variables read when a native library loads, or by the interpreter as it starts: a
 difference in any of them means the plain command."""
+
+def _omp_threads(value: str) -> None:
+    import torch  # the OpenMP runtime vLLM's kernels run on is torch's
+
+    torch.set_num_threads(int(value))
+
+
+APPLIED: dict[str, Callable[[str], None]] = {"OMP_NUM_THREADS": _omp_threads}
+"""Native variables a forked child applies itself, as a fresh process would have at load
+(the OpenMP thread count: several-rank servers run one thread a rank); only a positive
+count, and only where the import did not read it."""
 
 FORK_TIMEOUT_S = 300.0
 """How long a start waits for the fork server's answer (its first is after vLLM's import)."""
@@ -235,6 +246,9 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
         made = {k: os.environ[k] for k in pre.WRITTEN if k in os.environ}
         os.environ.clear()
         os.environ.update({**env, **made})
+        for name, apply in APPLIED.items():
+            if env.get(name) != pre.BEFORE.get(name):
+                apply(env[name])
         faulthandler.enable()
         _fork_engine_processes()
         sys.argv = [module, *argv[3:]]
@@ -283,8 +297,14 @@ def _differing(pre: Any, env: dict[str, str]) -> set[str]:
     keys = {*env, *before}
     if not pre.EVERYTHING:
         prefixes = (*NATIVE, *pre.SCANNED)
-        keys = pre.READ | pre.WRITTEN | {k for k in keys if k.startswith(prefixes)}
+        native = {k for k in keys if k.startswith(prefixes) and not _applies(k, env)}
+        keys = pre.READ | pre.WRITTEN | native
     return {k for k in keys if env.get(k) != before.get(k)}
+
+
+def _applies(name: str, env: dict[str, str]) -> bool:
+    value = env.get(name, "")
+    return name in APPLIED and value.isdigit() and int(value) > 0
 
 
 if __name__ == "__main__":
