@@ -43,6 +43,7 @@ NATIVE = ("OMP_", "KMP_", "GOMP_", "OPENBLAS_", "MKL_", "LD_", "PYTHON", "MALLOC
 """Variables read when a native library loads, or by the interpreter as it starts: a
 difference in any of them means the plain command."""
 
+
 def _omp_threads(value: str) -> None:
     import torch  # the OpenMP runtime vLLM's kernels run on is torch's
 
@@ -270,24 +271,36 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
 
 
 def _fork_engine_processes() -> None:
-    """Start the processes vLLM spawns from this server (engine cores, the DP coordinator) as
-    forks of it: vLLM's CPU platform asks for ``spawn``, and a spawned interpreter imports
-    vLLM again (most of an engine core's start), which this process already holds. vLLM forks
-    them this way by default on GPUs. Processes those forks start themselves (TP workers) are
-    spawned as vLLM asks: an engine core may have run OpenMP code, which a fork cannot carry."""
+    """Start the processes vLLM spawns from this server (engine cores, the DP coordinator, TP
+    workers) as forks: vLLM's CPU platform asks for ``spawn``, and a spawned interpreter
+    imports vLLM again (most of an engine core's start), which this process already holds.
+    vLLM forks them this way by default on GPUs. A fork's own children fork too only where a
+    spawn would give them nothing more (``_forks_carry``); otherwise they are spawned."""
     from multiprocessing import context, popen_fork
 
-    spawn = context.SpawnProcess._Popen
+    spawn = context.SpawnProcess.__dict__["_Popen"]  # the staticmethod itself
 
-    def restore() -> None:
-        context.SpawnProcess._Popen = spawn  # type: ignore[method-assign]
+    def in_child() -> None:
+        if not _forks_carry():
+            context.SpawnProcess._Popen = spawn  # type: ignore[method-assign]
 
     def fork(process_obj: Any) -> Any:
         return popen_fork.Popen(process_obj)
 
     context.SpawnProcess._Popen = staticmethod(fork)  # type: ignore[method-assign]
-    os.register_at_fork(after_in_child=restore)
+    os.register_at_fork(after_in_child=in_child)
     print("pdxfer: forked; vLLM's engine processes fork from this one", flush=True)
+
+
+def _forks_carry() -> bool:
+    """Whether a process forked from a vLLM engine process starts as a spawned one would:
+    vLLM sets a spawned worker's OpenMP binding up through its environment, which a fork
+    does not read, unless binding is off (``nobind``); and an engine process that may have
+    run OpenMP code with a pool of threads leaves a fork a pool it cannot use."""
+    import torch
+
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    return bind == "nobind" and torch.get_num_threads() == 1
 
 
 def _differing(pre: Any, env: dict[str, str]) -> set[str]:
