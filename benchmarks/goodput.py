@@ -25,7 +25,13 @@ from benchmarks.common.runner import phase_start
 from pdxfer import BootstrapServer
 from pdxfer.serving.procs import Proc
 from pdxfer.serving.vllm.local_model import build_model
-from pdxfer.serving.vllm.servers import VllmServer, kv_config, read_stats, start_all
+from pdxfer.serving.vllm.servers import (
+    VllmServer,
+    dev_endpoints,
+    kv_config,
+    read_stats,
+    start_all,
+)
 
 NAME = "goodput"
 BS = 32
@@ -305,7 +311,6 @@ class Fleet:
                 env={
                     "VLLM_CPU_OMP_THREADS_BIND": cores,
                     "OMP_NUM_THREADS": str(len(self.cores[name])),
-                    "VLLM_SERVER_DEV_MODE": "1",
                 },
             )
 
@@ -764,6 +769,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main(a: argparse.Namespace) -> dict[str, Any]:
     plan = QUICK if a.quick else FULL
+    dev_endpoints()  # reset_caches
     with tempfile.TemporaryDirectory(prefix="pdxfer-goodput-") as d:
         res = asyncio.run(measure(a, plan, Path(d)))
     if a.plot:

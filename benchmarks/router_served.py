@@ -27,6 +27,7 @@ from pdxfer.serving.vllm.local_model import build_model
 from pdxfer.serving.vllm.servers import (
     ServerNotReady,
     VllmServer,
+    dev_endpoints,
     kv_config,
     start_all,
 )
@@ -185,7 +186,6 @@ class Fleet:
             port=port,
             kv_cache_bytes=512 << 20,
             args=["--kv-events-config", self.events[i][0]],
-            env={"VLLM_SERVER_DEV_MODE": "1"},
             kv_transfer_config=kv_config(role, {"bootstrap": self.boot.address, "instance": inst}),
         )
 
@@ -622,6 +622,7 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> dict[str, Any]:
+    dev_endpoints()
     return run(a)
 
 

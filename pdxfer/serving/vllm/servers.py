@@ -60,6 +60,13 @@ QUIET_ENV = {
 }
 
 
+def dev_endpoints() -> None:
+    """Turn on vLLM's development endpoints (``/reset_prefix_cache``) for every server this
+    process starts: in its own environment, since vLLM's import reads the switch, so servers
+    forked from the preloaded process (``forked``) still share one import."""
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+
+
 def kv_config(
     role: str,
     extra: dict[str, Any],
