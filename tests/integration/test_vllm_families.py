@@ -84,6 +84,10 @@ prompt spans many steps, and the window's blocks more than one (bf16 families: o
 LOGPROB_TOL = 1e-3
 """How far a float32 family's logprobs through the pair may stray from colocated's (step
 shapes and batches move them by about 1e-5; one key lost from a window by 3e-3 or more)."""
+KILLED = ("gemma3", "mistral_swa", "nemotron_h", "deepseek_v2", "llama4")
+"""The families the kill test runs on: one per mix of group kinds a failed load releases
+(full and window, window alone, state, MLA, chunked). gpt-oss and Qwen3-Next repeat Gemma 3's
+and Nemotron-H's mixes in bf16, and start no held prefill."""
 HELD_S = 600.0
 """A held prefill's writes wait this long: far past its kill."""
 
@@ -99,10 +103,10 @@ class Pair:
     d_stats: Path
     p_stats: Path
     tmp: Path
-    held: VllmServer
+    held: VllmServer | None
     """A second prefill whose writes wait ``HELD_S``: the kill test's (started with the
-    pair, as their start-ups overlap)."""
-    held_router: Proc
+    pair, as their start-ups overlap), for ``KILLED`` families."""
+    held_router: Proc | None
     """A router from ``held`` to the pair's decode."""
 
     def d(self) -> dict[str, Any]:
@@ -258,18 +262,22 @@ def pair(
                 },
                 "kv_consumer",
             ),
-            _server(
-                f,
-                model,
-                tmp,
-                "held",
-                {"bootstrap": boot.address, "instance": "p-held"},
-                "kv_producer",
-                env={"PDXFER_FAULTS": f"delay_write={HELD_S}"},
-            ),
         ]
+        if f.name in KILLED:
+            servers.append(
+                _server(
+                    f,
+                    model,
+                    tmp,
+                    "held",
+                    {"bootstrap": boot.address, "instance": "p-held"},
+                    "kv_producer",
+                    env={"PDXFER_FAULTS": f"delay_write={HELD_S}"},
+                )
+            )
         start_all(servers)
-        prefill, decode, held = servers
+        prefill, decode = servers[:2]
+        held = servers[2] if len(servers) > 2 else None
         routers.append(
             Proc(
                 "router",
@@ -290,28 +298,31 @@ def pair(
                 log=tmp / "router.log",
             )
         )
-        routers.append(
-            Proc(
-                "router-held",
-                [
-                    "--log-level",
-                    "INFO",
-                    "router",
-                    "--engine",
-                    "vllm",
-                    "--port",
-                    "0",
-                    "--prefill",
-                    f"{held.url},{boot.address},p-held",
-                    "--decode",
-                    f"{decode.url},d0",
-                ],
-                timeout=180,
-                log=tmp / "router-held.log",
+        held_router = None
+        if held is not None:
+            routers.append(
+                Proc(
+                    "router-held",
+                    [
+                        "--log-level",
+                        "INFO",
+                        "router",
+                        "--engine",
+                        "vllm",
+                        "--port",
+                        "0",
+                        "--prefill",
+                        f"{held.url},{boot.address},p-held",
+                        "--decode",
+                        f"{decode.url},d0",
+                    ],
+                    timeout=180,
+                    log=tmp / "router-held.log",
+                )
             )
-        )
+            held_router = routers[1]
         yield Pair(
-            f, model, boot, prefill, decode, routers[0], d_stats, p_stats, tmp, held, routers[1]
+            f, model, boot, prefill, decode, routers[0], d_stats, p_stats, tmp, held, held_router
         )
     finally:
         for r in routers:
@@ -528,17 +539,17 @@ def test_a_prefill_killed_mid_request_leaves_right_answers_or_clean_errors(pair:
     the decode may compute both prompts in one batch where colocated computed each alone,
     and their tokens may then differ (``exact_alone``); that nothing was loaded shows those
     answers came from vLLM's own compute."""
+    held, held_router = pair.held, pair.held_router
+    if held is None or held_router is None:
+        pytest.skip(f"{pair.family.name}'s groups are another family's in bf16 (KILLED)")
     prompts = [prompt(n, 300 + i) for i, n in enumerate(pair.lengths()[:2])]
     refs = [complete(pair.prefill.url, p) for p in prompts]
-    held = pair.held
     try:
         wait("the held prefill's registration", lambda: _registered(pair.boot, "p-held"))
         loads0, loaded0 = int(pair.d().get("loads", 0)), pair.d().get("loaded_tokens", 0)
         with cf.ThreadPoolExecutor(2) as ex:
             futs = [
-                ex.submit(
-                    right_or_clean_error, pair.held_router.url, p, i == 1, r, pair.exact_alone
-                )
+                ex.submit(right_or_clean_error, held_router.url, p, i == 1, r, pair.exact_alone)
                 for i, (p, r) in enumerate(zip(prompts, refs))
             ]
             wait(
