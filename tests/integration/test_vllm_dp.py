@@ -45,6 +45,11 @@ DEADLINE_S = 180.0
 """The pairs' bootstrap and transfer deadlines, generous for a shared 2-core machine: a load
 failed at its deadline would be retried on another rank pair, which this module's rank
 counts do not expect."""
+HEARTBEAT_S = 30.0
+"""The pairs' liveness probes: a peer unanswered for two of them is declared hung and its
+loads fail (then retried, which the rank counts do not expect). vLLM's DP ranks step in
+lockstep and their idle workers spin, so on two cores a process here can get no CPU for
+half a minute (docs/testing.md); the default (0.5 s, hung after 1 s) would call that a hang."""
 CLIENT_S = 2 * DEADLINE_S + 60
 """The client's and the routers' deadline for one request: a deadline failure and a retry."""
 BS = 32
@@ -97,6 +102,7 @@ class Cluster:
             "stats_file": str(self.tmp / f"{name}.json"),
             "bootstrap_timeout_s": DEADLINE_S,
             "transfer_timeout_s": DEADLINE_S,
+            "heartbeat_s": HEARTBEAT_S,
         }
         args = list(DP) if dp else []
         if dp:
