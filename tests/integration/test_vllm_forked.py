@@ -15,6 +15,7 @@ import pytest
 
 from pdxfer.serving.vllm.local_model import build_model
 from pdxfer.serving.vllm.servers import VllmServer, start_all
+from tests.harness.hosts import Network
 from tests.integration.vllm_helpers import complete, process_tree
 
 pytestmark = pytest.mark.engine
@@ -81,3 +82,26 @@ def test_a_server_is_forked_only_where_the_import_saw_its_environment(
     for s in servers:  # ended, and reaped: its pid no longer names a process
         assert s.popen is not None and s.popen.poll() is not None
         assert not os.path.exists(f"/proc/{s.pid}")
+
+
+def test_a_server_run_by_ip_netns_exec_forks_into_that_namespace_and_serves_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDXFER_VLLM_PRELOAD", "1")
+    model = build_model(tmp_path / "model", "small")
+    with Network(["h"]) as net:
+        host = net["h"]
+        s = VllmServer(
+            "in-ns", model, tmp_path, addr=host.addr, prefix=host.prefix, enter=host.enter
+        )
+        try:
+            start_all([s])
+            assert "-m pdxfer.serving.vllm.forked" in _cmdline(s.pid), s.log.read_text()[-600:]
+            ns = os.stat(f"/run/netns/{host.ns}").st_ino
+            core = _engine_core(s.log.read_text(errors="replace"))
+            for pid in (s.pid, core):  # the server and its engine core live on the host
+                assert os.stat(f"/proc/{pid}/ns/net").st_ino == ns, pid
+            with host.enter():
+                assert len(complete(s.url, "A server on its own host", max_tokens=4)) == 4
+        finally:
+            s.stop()

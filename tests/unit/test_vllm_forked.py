@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pdxfer.serving.vllm.forked import _differing
+from pdxfer.serving.vllm.forked import _differing, netns_split
 
 
 def _differs(pre: SimpleNamespace, env: dict[str, str]) -> bool:
@@ -59,3 +59,11 @@ def test_a_thread_count_the_child_applies_itself_forks_unless_the_import_read_it
 def test_after_an_unknown_walk_of_the_environment_any_difference_counts() -> None:
     assert _differs(pre(everything=True), {**BEFORE, "FOO": "1"})
     assert not _differs(pre(everything=True), dict(BEFORE))
+
+
+def test_only_ip_netns_exec_names_a_namespace_to_fork_into() -> None:
+    cmd = ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert netns_split(["ip", "netns", "exec", "h0", *cmd]) == ("h0", cmd)
+    assert netns_split(cmd) == (None, cmd)
+    assert netns_split(["ip", "netns", "exec", "h0"]) == (None, ["ip", "netns", "exec", "h0"])
+    assert netns_split(["sudo", *cmd]) == (None, ["sudo", *cmd])

@@ -13,13 +13,15 @@ stdout; a server is stopped by pid like any other.
 A fork is only the plain command where the import cannot have seen a difference: a child whose
 environment differs from the fork server's in a variable the import read or wrote
 (recorded), or in one that native libraries read when they load (``NATIVE``), execs the plain
-command line instead, in the same process; so does anything but ``python -m`` that module.
+command line instead, in the same process; so does anything but ``python -m`` that module
+(run directly or by ``ip netns exec NAME``: the fork joins that network namespace).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import faulthandler
 import importlib
 import json
@@ -239,10 +241,13 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
         pre: Any = sys.modules[PRELOAD]
         module: str = pre.MODULE
         differ = _differing(pre, env)
-        if argv[:3] != [sys.executable, "-m", module] or differ:
+        ns, cmd = netns_split(argv)
+        if cmd[:3] != [sys.executable, "-m", module] or differ:
             if differ:  # say why this one is not forked, for whoever wonders at its speed
                 print(f"pdxfer: not forked, vLLM's import read {sorted(differ)}", flush=True)
             os.execvpe(argv[0], argv, env)
+        if ns is not None:
+            _enter_netns(ns)
         # what the import set, as it would have in a fresh process (its inputs agree)
         made = {k: os.environ[k] for k in pre.WRITTEN if k in os.environ}
         os.environ.clear()
@@ -252,7 +257,7 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
                 apply(env[name])
         faulthandler.enable()
         _fork_engine_processes()
-        sys.argv = [module, *argv[3:]]
+        sys.argv = [module, *cmd[3:]]
         code = 0
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -268,6 +273,31 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
+NETNS_EXEC = ["ip", "netns", "exec"]
+CLONE_NEWNET = 0x40000000
+
+
+def netns_split(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``ip netns exec NAME CMD...``: ``(NAME, CMD...)``; any other command: ``(None, argv)``."""
+    argv = list(argv)
+    if argv[:3] == NETNS_EXEC and len(argv) > 4:
+        return argv[3], argv[4:]
+    return None, argv
+
+
+def _enter_netns(name: str) -> None:
+    """Join network namespace ``name`` as ``ip netns exec`` does for its command (which also
+    remounts /sys and binds /etc/netns/NAME files: none of which a vLLM server reads)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _fork_engine_processes() -> None:

@@ -324,7 +324,7 @@ class VllmServer(Server):
             prefix=prefix,
             enter=enter,
         )
-        self.forkable = not prefix
+        self.forkable = not prefix or forked.netns_split(self.argv)[0] is not None
         if start:
             self.start()
 
