@@ -12,8 +12,10 @@ waits for an answer that can never come.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import ipaddress
+import os
 import random
 import socket
 import urllib.parse
@@ -196,3 +198,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         _HANDED_OUT.add(port)
         return port
     raise OSError(f"no free port in [{LOWEST_PORT}, {top}) on {host}")
+
+
+CLONE_NEWNET = 0x40000000
+NETNS_DIR = "/var/run/netns"
+"""Where ``ip netns add NAME`` keeps the namespace NAME."""
+
+
+def setns_net(fd: int) -> None:
+    """Move the calling thread into the network namespace ``fd`` refers to."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"setns: {os.strerror(e)}")
+
+
+def enter_netns(name: str) -> None:
+    """Move the calling thread into network namespace ``name`` for good, as ``ip netns exec``
+    does for its command (a process's first step: threads it starts afterwards, and every
+    socket they open, live there)."""
+    fd = os.open(f"{NETNS_DIR}/{name}", os.O_RDONLY)
+    try:
+        setns_net(fd)
+    finally:
+        os.close(fd)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import errno
 import functools
 import json
@@ -31,14 +30,14 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from pdxfer.netaddr import NETNS_DIR, enter_netns, setns_net
+
 SUBNET = "10.213.0"
 """The hosts' /24: private (RFC 1918), and only ever configured inside our namespaces."""
 FIRST = 10
 """Host ``i`` is ``10.213.0.(FIRST + i)``."""
 PREFIX = "pdxh"
 _NAME = re.compile(rf"^{PREFIX}(\d+)x[0-9a-f]+-")
-_CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class NetError(RuntimeError):
@@ -67,22 +66,6 @@ def _tc(ns: str, *args: str, check: bool = True) -> str:
     if check and r.returncode != 0:
         raise NetError(f"tc {' '.join(args)} (in {ns}): {r.stderr.strip() or r.returncode}")
     return r.stdout
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, _CLONE_NEWNET) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"setns: {os.strerror(e)}")
-
-
-def enter_netns(ns: str) -> None:
-    """Move the calling thread into namespace ``ns`` for good (a child process's first step:
-    threads it starts afterwards, and every socket they open, live there)."""
-    fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
-    try:
-        _setns(fd)
-    finally:
-        os.close(fd)
 
 
 def ns_pids(ns: str) -> list[int]:
@@ -192,15 +175,15 @@ class Host:
         (a client's) live in this host's namespace, and keep living there afterwards."""
         own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         try:
-            fd = os.open(f"/var/run/netns/{self.ns}", os.O_RDONLY)
+            fd = os.open(f"{NETNS_DIR}/{self.ns}", os.O_RDONLY)
             try:
-                _setns(fd)
+                setns_net(fd)
             finally:
                 os.close(fd)
             try:
                 yield self
             finally:
-                _setns(own)
+                setns_net(own)
         finally:
             os.close(own)
 

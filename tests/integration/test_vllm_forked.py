@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pdxfer.netaddr import NETNS_DIR
 from pdxfer.serving.vllm.local_model import build_model
 from pdxfer.serving.vllm.servers import VllmServer, start_all
 from tests.harness.hosts import Network
@@ -97,7 +98,7 @@ def test_a_server_run_by_ip_netns_exec_forks_into_that_namespace_and_serves_ther
         try:
             start_all([s])
             assert "-m pdxfer.serving.vllm.forked" in _cmdline(s.pid), s.log.read_text()[-600:]
-            ns = os.stat(f"/run/netns/{host.ns}").st_ino
+            ns = os.stat(f"{NETNS_DIR}/{host.ns}").st_ino
             core = _engine_core(s.log.read_text(errors="replace"))
             for pid in (s.pid, core):  # the server and its engine core live on the host
                 assert os.stat(f"/proc/{pid}/ns/net").st_ino == ns, pid

@@ -7,8 +7,8 @@ as a child of one fork server: ``python -m pdxfer.serving.vllm.forked``, which i
 ``pdxfer.integrations.vllm.preload`` (vLLM's server module) with the environment every server
 gets, then forks on request. The child takes its own session, log, working directory,
 environment and arguments and runs the module as ``python -m`` would; the engine cores vLLM
-starts are forks of it in turn (``_fork_engine_processes``). The fork server reports each child's pid and exit status on its
-stdout; a server is stopped by pid like any other.
+starts are forks of it in turn (``_fork_engine_processes``). The fork server reports each
+child's pid and exit status on its stdout; a server is stopped by pid like any other.
 
 A fork is only the plain command where the import cannot have seen a difference: a child whose
 environment differs from the fork server's in a variable the import read or wrote
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import faulthandler
 import importlib
 import json
@@ -36,6 +35,8 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import IO, Any
+
+from ...netaddr import enter_netns
 
 ENV = "PDXFER_VLLM_PRELOAD"
 """``1``: ``VllmServer`` forks each server from the preloaded process (off by default)."""
@@ -246,8 +247,8 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
             if differ:  # say why this one is not forked, for whoever wonders at its speed
                 print(f"pdxfer: not forked, vLLM's import read {sorted(differ)}", flush=True)
             os.execvpe(argv[0], argv, env)
-        if ns is not None:
-            _enter_netns(ns)
+        if ns is not None:  # as ``ip netns exec`` would (its /sys and /etc/netns binds aside)
+            enter_netns(ns)
         # what the import set, as it would have in a fresh process (its inputs agree)
         made = {k: os.environ[k] for k in pre.WRITTEN if k in os.environ}
         os.environ.clear()
@@ -276,7 +277,6 @@ def _child(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
 
 
 NETNS_EXEC = ["ip", "netns", "exec"]
-CLONE_NEWNET = 0x40000000
 
 
 def netns_split(argv: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -285,19 +285,6 @@ def netns_split(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     if argv[:3] == NETNS_EXEC and len(argv) > 4:
         return argv[3], argv[4:]
     return None, argv
-
-
-def _enter_netns(name: str) -> None:
-    """Join network namespace ``name`` as ``ip netns exec`` does for its command (which also
-    remounts /sys and binds /etc/netns/NAME files: none of which a vLLM server reads)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 def _fork_engine_processes() -> None:
