@@ -278,52 +278,19 @@ def pair(
         start_all(servers)
         prefill, decode = servers[:2]
         held = servers[2] if len(servers) > 2 else None
-        routers.append(
-            Proc(
-                "router",
-                [
-                    "--log-level",
-                    "INFO",
-                    "router",
-                    "--engine",
-                    "vllm",
-                    "--port",
-                    "0",
-                    "--prefill",
-                    f"{prefill.url},{boot.address},p0",
-                    "--decode",
-                    f"{decode.url},d0",
-                ],
-                timeout=180,
-                log=tmp / "router.log",
-            )
-        )
-        held_router = None
-        if held is not None:
-            routers.append(
-                Proc(
-                    "router-held",
-                    [
-                        "--log-level",
-                        "INFO",
-                        "router",
-                        "--engine",
-                        "vllm",
-                        "--port",
-                        "0",
-                        "--prefill",
-                        f"{held.url},{boot.address},p-held",
-                        "--decode",
-                        f"{decode.url},d0",
-                    ],
-                    timeout=180,
-                    log=tmp / "router-held.log",
-                )
-            )
-            held_router = routers[1]
-        yield Pair(
-            f, model, boot, prefill, decode, routers[0], d_stats, p_stats, tmp, held, held_router
-        )
+
+        def router(name: str, p: VllmServer, instance: str) -> Proc:
+            """``pdxfer router --engine vllm`` from ``p`` (registered as ``instance``) to the
+            pair's decode."""
+            argv = ["--log-level", "INFO", "router", "--engine", "vllm", "--port", "0"]
+            argv += ["--prefill", f"{p.url},{boot.address},{instance}"]
+            argv += ["--decode", f"{decode.url},d0"]
+            routers.append(Proc(name, argv, timeout=180, log=tmp / f"{name}.log"))
+            return routers[-1]
+
+        main = router("router", prefill, "p0")
+        held_router = router("router-held", held, "p-held") if held is not None else None
+        yield Pair(f, model, boot, prefill, decode, main, d_stats, p_stats, tmp, held, held_router)
     finally:
         for r in routers:
             r.stop()
